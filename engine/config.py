@@ -1,0 +1,298 @@
+"""Model configuration of the Qwen3.5 / Qwen3-Next hybrid family, read from Hugging Face ``config.json``.
+
+One dataclass describes the text decoder (plus the optional MTP head). It is validated once, in
+``__post_init__``, and everything downstream (model, caches, artifact, oracle) reads it and nothing else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+
+LINEAR = "linear_attention"
+FULL = "full_attention"
+SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_next")
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    """Shape and numerics of one hybrid text decoder (Gated DeltaNet + gated full attention)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int = 4
+    layer_types: tuple[str, ...] = ()
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1e7
+    partial_rotary_factor: float = 0.25
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 262144
+    mtp_num_hidden_layers: int = 0
+    attention_bias: bool = False
+    hidden_act: str = "silu"
+    model_type: str = "qwen3_5_text"
+    eos_token_id: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    pad_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.layer_types:
+            self.layer_types = tuple(FULL if (i + 1) % 4 == 0 else LINEAR for i in range(self.num_hidden_layers))
+        self.layer_types = tuple(self.layer_types)
+        if isinstance(self.eos_token_id, int):
+            self.eos_token_id = (self.eos_token_id,)
+        self.eos_token_id = tuple(int(e) for e in (self.eos_token_id or ()))
+        positive = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                    "num_key_value_heads", "head_dim", "linear_num_key_heads", "linear_num_value_heads",
+                    "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim")
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"model config: {name} must be a positive integer, got {value!r}")
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"model config: unknown model_type {self.model_type!r} "
+                             f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(f"model config: layer_types has {len(self.layer_types)} entries "
+                             f"but num_hidden_layers is {self.num_hidden_layers}")
+        bad = sorted({t for t in self.layer_types if t not in (LINEAR, FULL)})
+        if bad:
+            raise ValueError(f"model config: unknown layer type(s) {bad} (expected {LINEAR!r} or {FULL!r})")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"model config: num_attention_heads {self.num_attention_heads} is not a multiple of "
+                             f"num_key_value_heads {self.num_key_value_heads}")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ValueError(f"model config: linear_num_value_heads {self.linear_num_value_heads} is not a multiple "
+                             f"of linear_num_key_heads {self.linear_num_key_heads}")
+        if not 0.0 < self.partial_rotary_factor <= 1.0:
+            raise ValueError(f"model config: partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor}")
+        if self.rotary_dim % 2:
+            raise ValueError(f"model config: rotary dim head_dim*partial_rotary_factor = {self.rotary_dim} must be even")
+        if self.hidden_act != "silu":
+            raise ValueError(f"model config: hidden_act {self.hidden_act!r} is not supported (only 'silu')")
+        if self.mtp_num_hidden_layers < 0:
+            raise ValueError(f"model config: mtp_num_hidden_layers must be >= 0, got {self.mtp_num_hidden_layers}")
+
+    # ---- derived shapes -------------------------------------------------------------------------
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def key_dim(self) -> int:
+        """Width of the GDN q (and k) projection: Hk * dk."""
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        """Width of the GDN v (and z) projection: Hv * dv."""
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the depthwise causal conv: q, k and v side by side."""
+        return 2 * self.key_dim + self.value_dim
+
+    @property
+    def full_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == FULL]
+
+    @property
+    def linear_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == LINEAR]
+
+    # ---- (de)serialisation ----------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["layer_types"] = list(self.layer_types)
+        d["eos_token_id"] = list(self.eos_token_id)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"model config: unknown field(s) {unknown}")
+        return cls(**d)
+
+    def to_hf(self) -> dict:
+        """A ``qwen3_5_text`` config.json dict that transformers' ``Qwen3_5TextConfig`` accepts."""
+        return {
+            "architectures": ["Qwen3_5ForCausalLM"],
+            "model_type": "qwen3_5_text",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "linear_num_key_heads": self.linear_num_key_heads,
+            "linear_num_value_heads": self.linear_num_value_heads,
+            "linear_key_head_dim": self.linear_key_head_dim,
+            "linear_value_head_dim": self.linear_value_head_dim,
+            "linear_conv_kernel_dim": self.linear_conv_kernel_dim,
+            "layer_types": list(self.layer_types),
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta,
+                                "partial_rotary_factor": self.partial_rotary_factor},
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "max_position_embeddings": self.max_position_embeddings,
+            "mtp_num_hidden_layers": self.mtp_num_hidden_layers,
+            "attention_bias": self.attention_bias,
+            "hidden_act": self.hidden_act,
+            "eos_token_id": (list(self.eos_token_id) if len(self.eos_token_id) != 1 else self.eos_token_id[0])
+            if self.eos_token_id else None,
+            "bos_token_id": self.bos_token_id,
+            "pad_token_id": self.pad_token_id,
+        }
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> "ModelConfig":
+        """Read a Hugging Face config.json dict of model_type qwen3_5 / qwen3_5_text / qwen3_next."""
+        model_type = hf.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"config.json: unknown model_type {model_type!r} "
+                             f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+        top = hf
+        if model_type == "qwen3_5":
+            if not isinstance(hf.get("text_config"), dict):
+                raise ValueError("config.json: model_type 'qwen3_5' without a text_config")
+            hf = dict(hf["text_config"])
+            hf.setdefault("model_type", "qwen3_5_text")
+            # Qwen3_5ForConditionalGeneration keeps tie_word_embeddings at the top level.
+            if "tie_word_embeddings" in top:
+                hf["tie_word_embeddings"] = top["tie_word_embeddings"]
+            for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
+                if hf.get(key) is None and top.get(key) is not None:
+                    hf[key] = top[key]
+        if model_type == "qwen3_next":
+            experts = hf.get("num_experts", 0) or 0
+            sparse = [i for i in range(hf.get("num_hidden_layers", 0))
+                      if experts > 0 and i not in (hf.get("mlp_only_layers") or [])
+                      and (i + 1) % (hf.get("decoder_sparse_step") or 1) == 0]
+            if sparse:
+                raise ValueError(f"config.json: qwen3_next with mixture-of-experts layers {sparse[:8]} is not "
+                                 f"supported (only dense MLP: num_experts 0 or every layer in mlp_only_layers)")
+        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "mrope", None):
+            raise ValueError(f"config.json: rope_type {rope_type!r} is not supported (only default / text mRoPE)")
+        required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                    "num_key_value_heads", "linear_num_key_heads", "linear_num_value_heads",
+                    "linear_key_head_dim", "linear_value_head_dim")
+        missing = [k for k in required if k not in hf]
+        if missing:
+            raise ValueError(f"config.json: missing key(s) {missing}")
+        layer_types = hf.get("layer_types")
+        if not layer_types:
+            interval = hf.get("full_attention_interval", 4)
+            layer_types = [FULL if (i + 1) % interval == 0 else LINEAR for i in range(hf["num_hidden_layers"])]
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+        return cls(
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_hidden_layers=hf["num_hidden_layers"],
+            num_attention_heads=hf["num_attention_heads"],
+            num_key_value_heads=hf["num_key_value_heads"],
+            head_dim=head_dim,
+            linear_num_key_heads=hf["linear_num_key_heads"],
+            linear_num_value_heads=hf["linear_num_value_heads"],
+            linear_key_head_dim=hf["linear_key_head_dim"],
+            linear_value_head_dim=hf["linear_value_head_dim"],
+            linear_conv_kernel_dim=hf.get("linear_conv_kernel_dim", 4),
+            layer_types=tuple(layer_types),
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=rope.get("rope_theta", hf.get("rope_theta", 10000.0)),
+            partial_rotary_factor=rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            max_position_embeddings=hf.get("max_position_embeddings", 262144),
+            mtp_num_hidden_layers=hf.get("mtp_num_hidden_layers", 0) or 0,
+            attention_bias=bool(hf.get("attention_bias", False)),
+            hidden_act=hf.get("hidden_act", "silu"),
+            model_type=hf.get("model_type", model_type),
+            eos_token_id=hf.get("eos_token_id") or (),
+            bos_token_id=hf.get("bos_token_id"),
+            pad_token_id=hf.get("pad_token_id"),
+        )
+
+
+PRESETS: dict[str, dict] = {
+    # Qwen3.5-27B text shape (DESIGN.md "reference shape").
+    "qwen3.8-27b": dict(
+        vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
+        num_attention_heads=24, num_key_value_heads=4, head_dim=256,
+        linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128,
+        rope_theta=1e7, partial_rotary_factor=0.25, tie_word_embeddings=False, mtp_num_hidden_layers=1,
+    ),
+    # A small random model for tests: awkward-ish sizes, GQA on both mixers, one MTP layer.
+    "tiny": dict(
+        vocab_size=512, hidden_size=96, intermediate_size=160, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=24, linear_value_head_dim=16,
+        rope_theta=10000.0, partial_rotary_factor=0.25, tie_word_embeddings=False, mtp_num_hidden_layers=1,
+        max_position_embeddings=65536,
+    ),
+}
+
+
+def preset(name: str) -> ModelConfig:
+    """The named preset's config (see ``PRESETS``)."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r} (known: {', '.join(sorted(PRESETS))})")
+    return ModelConfig(**PRESETS[name])
+
+
+@dataclass(slots=True)
+class DraftConfig:
+    """A DFlash / DFlash2 block drafter: a few non-causal layers over target tap features."""
+
+    kind: str  # "dflash" or "dflash2"
+    num_layers: int
+    block_size: int  # K + 1: the last committed token plus K mask slots
+    target_layer_ids: tuple[int, ...]
+    mask_token_id: int
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1e7
+    window: int = 0  # DFlash2: context ring length (0 = the whole context)
+    candidates: int = 16  # DFlash2: top-k candidates per block position
+    scorer_rank: int = 0  # DFlash2: rank of the previous-token scorer (0 = none)
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("dflash", "dflash2"):
+            raise ValueError(f"draft config: kind must be 'dflash' or 'dflash2', got {self.kind!r}")
+        for name in ("num_layers", "block_size", "hidden_size", "intermediate_size", "num_attention_heads",
+                     "num_key_value_heads", "head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"draft config: {name} must be a positive integer, got {value!r}")
+        if self.block_size < 2:
+            raise ValueError(f"draft config: block_size must be >= 2, got {self.block_size}")
+        if not self.target_layer_ids:
+            raise ValueError("draft config: target_layer_ids is empty")
+        self.target_layer_ids = tuple(int(i) for i in self.target_layer_ids)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["target_layer_ids"] = list(self.target_layer_ids)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DraftConfig":
+        return cls(**d)

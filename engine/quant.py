@@ -1,0 +1,174 @@
+"""Weight formats: fp32, bf16 and symmetric group-quantized q8/q5/q4 with one fp16 scale per group along K.
+
+Quantization (DESIGN.md): for each row n and group g of ``group`` consecutive K values,
+``scale = fp16(amax / qmax)`` (a zero scale becomes the smallest positive fp16),
+``q = clamp(round_half_even(x / scale), -qmax, qmax)`` and ``w = scale * q``.
+
+Packing (one contiguous byte buffer per tensor; K is padded with zeros up to a multiple of the group,
+``Kp``; every section is row-major so that a program owning a tile of rows reads each row's bytes as one
+contiguous, coalesced run):
+
+===============  =====================================================================================
+``q8_g32_fp16``  codes ``int8 [N, Kp]`` | scales ``fp16 [N, Kp/32]``
+``q4_g64_fp16``  nibbles ``uint8 [N, Kp/2]``, byte j = (q[2j]+8) | (q[2j+1]+8) << 4
+                 | scales ``fp16 [N, Kp/64]``
+``q5_g64_fp16``  low nibbles ``uint8 [N, Kp/2]`` of u = q + 16 (same pairing as q4)
+                 | high bits ``uint8 [N, Kp/8]``, bit b of byte j = bit 4 of u[8j+b]
+                 | scales ``fp16 [N, Kp/64]``
+===============  =====================================================================================
+
+The sections follow each other in the order listed, each starting at a multiple of 16 bytes. Tensors
+of more than two dimensions are quantized as ``[prod(shape[:-1]), shape[-1]]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+FLOAT_FORMATS = ("fp32", "bf16")
+QUANT_FORMATS = ("q8_g32_fp16", "q5_g64_fp16", "q4_g64_fp16")
+FORMATS = FLOAT_FORMATS + QUANT_FORMATS
+# format -> (group size, qmax, code minimum)
+QSPEC = {"q8_g32_fp16": (32, 127, -127), "q5_g64_fp16": (64, 15, -16), "q4_g64_fp16": (64, 7, -8)}
+FP16_TINY = float(np.finfo(np.float16).smallest_subnormal)
+_ALIGN = 16
+
+
+def _align(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+@dataclass(frozen=True, slots=True)
+class QLayout:
+    """Byte offsets of the sections of a packed quantized [N, K] tensor."""
+
+    n: int
+    k: int
+    kp: int
+    group: int
+    codes: tuple[int, int]  # (offset, bytes)
+    high: tuple[int, int]  # q5 only; (0, 0) otherwise
+    scales: tuple[int, int]
+    nbytes: int
+
+
+def qlayout(fmt: str, shape: tuple[int, ...]) -> QLayout:
+    """Where each section of ``fmt`` for a tensor of ``shape`` lies in its byte buffer."""
+    if fmt not in QSPEC:
+        raise ValueError(f"not a quantized format: {fmt!r}")
+    if len(shape) < 2:
+        raise ValueError(f"quantized formats need a tensor of >= 2 dims, got shape {tuple(shape)}")
+    group = QSPEC[fmt][0]
+    n = int(np.prod(shape[:-1]))
+    k = int(shape[-1])
+    kp = (k + group - 1) // group * group
+    code_bytes = {"q8_g32_fp16": n * kp, "q5_g64_fp16": n * kp // 2, "q4_g64_fp16": n * kp // 2}[fmt]
+    high_bytes = n * kp // 8 if fmt == "q5_g64_fp16" else 0
+    scale_bytes = n * (kp // group) * 2
+    off = 0
+    codes = (off, code_bytes)
+    off = _align(off + code_bytes)
+    high = (off, high_bytes) if high_bytes else (0, 0)
+    off = _align(off + high_bytes) if high_bytes else off
+    scales = (off, scale_bytes)
+    return QLayout(n, k, kp, group, codes, high, scales, off + scale_bytes)
+
+
+def nbytes(fmt: str, shape: tuple[int, ...]) -> int:
+    """Size in bytes of a tensor of ``shape`` stored in ``fmt``."""
+    if fmt == "fp32":
+        return int(np.prod(shape)) * 4
+    if fmt == "bf16":
+        return int(np.prod(shape)) * 2
+    return qlayout(fmt, shape).nbytes
+
+
+def quantize_codes(w: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric group quantization of ``w [N, K]``: (codes int8 [N, Kp], scales fp16 [N, Kp/group])."""
+    group, qmax, _ = QSPEC[fmt]
+    w = w.detach().to(torch.float32).reshape(-1, w.shape[-1])
+    n, k = w.shape
+    kp = (k + group - 1) // group * group
+    if kp != k:
+        w = torch.nn.functional.pad(w, (0, kp - k))
+    g = w.reshape(n, kp // group, group)
+    scale = (g.abs().amax(-1) / qmax).to(torch.float16)
+    scale = torch.where(scale == 0, torch.tensor(FP16_TINY, dtype=torch.float16), scale)
+    # torch.round rounds half to even, as the format asks.
+    q = torch.round(g / scale.to(torch.float32)[..., None]).clamp_(-qmax, qmax).to(torch.int8)
+    return q.reshape(n, kp), scale
+
+
+def pack(w: torch.Tensor, fmt: str) -> torch.Tensor:
+    """``w`` in ``fmt`` as a flat uint8 tensor (see the module docstring for the layout)."""
+    if fmt == "fp32":
+        return w.detach().to(torch.float32).contiguous().reshape(-1).view(torch.uint8).clone()
+    if fmt == "bf16":
+        return w.detach().to(torch.bfloat16).contiguous().reshape(-1).view(torch.uint8).clone()
+    if fmt not in QSPEC:
+        raise ValueError(f"unknown weight format {fmt!r} (known: {', '.join(FORMATS)})")
+    lay = qlayout(fmt, tuple(w.shape))
+    q, scale = quantize_codes(w, fmt)
+    out = torch.zeros(lay.nbytes, dtype=torch.uint8)
+    if fmt == "q8_g32_fp16":
+        codes = q.view(torch.uint8).reshape(-1)
+    else:
+        u = (q.to(torch.int16) - QSPEC[fmt][2]).to(torch.uint8)  # q - min: [0, 2^bits)
+        lo = u & 0x0F
+        codes = (lo[:, 0::2] | (lo[:, 1::2] << 4)).reshape(-1)
+        if fmt == "q5_g64_fp16":
+            hb = ((u >> 4) & 1).reshape(lay.n, lay.kp // 8, 8)
+            weights = (1 << torch.arange(8, dtype=torch.int32))
+            high = (hb.to(torch.int32) * weights).sum(-1).to(torch.uint8).reshape(-1)
+            out[lay.high[0]:lay.high[0] + lay.high[1]] = high
+    out[lay.codes[0]:lay.codes[0] + lay.codes[1]] = codes
+    out[lay.scales[0]:lay.scales[0] + lay.scales[1]] = scale.contiguous().reshape(-1).view(torch.uint8)
+    return out
+
+
+def unpack_codes(buf: torch.Tensor, fmt: str, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of the packing: (codes int8 [N, Kp], scales fp16 [N, Kp/group]) from a uint8 buffer."""
+    lay = qlayout(fmt, shape)
+    if buf.numel() < lay.nbytes:
+        raise ValueError(f"{fmt} buffer for shape {tuple(shape)} needs {lay.nbytes} bytes, got {buf.numel()}")
+    buf = buf.reshape(-1)
+    codes = buf[lay.codes[0]:lay.codes[0] + lay.codes[1]]
+    scales = buf[lay.scales[0]:lay.scales[0] + lay.scales[1]].contiguous().view(torch.float16)
+    scales = scales.reshape(lay.n, lay.kp // lay.group)
+    if fmt == "q8_g32_fp16":
+        return codes.contiguous().view(torch.int8).reshape(lay.n, lay.kp), scales
+    codes = codes.reshape(lay.n, lay.kp // 2)
+    u = torch.stack([codes & 0x0F, codes >> 4], dim=-1).reshape(lay.n, lay.kp).to(torch.int16)
+    if fmt == "q5_g64_fp16":
+        high = buf[lay.high[0]:lay.high[0] + lay.high[1]].reshape(lay.n, lay.kp // 8, 1).to(torch.int16)
+        bits = (high >> torch.arange(8, dtype=torch.int16)) & 1
+        u = u | (bits.reshape(lay.n, lay.kp) << 4)
+    return (u + QSPEC[fmt][2]).to(torch.int8), scales
+
+
+def dequantize(buf: torch.Tensor, fmt: str, shape: tuple[int, ...], dtype=torch.float32) -> torch.Tensor:
+    """The tensor stored in ``buf`` (flat uint8) as ``dtype`` of ``shape``."""
+    shape = tuple(int(s) for s in shape)
+    if fmt == "fp32":
+        return buf.reshape(-1).contiguous().view(torch.float32).reshape(shape).to(dtype)
+    if fmt == "bf16":
+        return buf.reshape(-1).contiguous().view(torch.bfloat16).reshape(shape).to(dtype)
+    if fmt not in QSPEC:
+        raise ValueError(f"unknown weight format {fmt!r} (known: {', '.join(FORMATS)})")
+    q, scale = unpack_codes(buf, fmt, shape)
+    lay = qlayout(fmt, shape)
+    w = q.to(torch.float32).reshape(lay.n, lay.kp // lay.group, lay.group) * scale.to(torch.float32)[..., None]
+    return w.reshape(lay.n, lay.kp)[:, :lay.k].reshape(shape).to(dtype)
+
+
+def error_bound(fmt: str) -> float:
+    """Worst-case |w - dequant(w)| relative to the group's amax (half a quantization step, plus fp16 scale rounding)."""
+    if fmt == "fp32":
+        return 0.0
+    if fmt == "bf16":
+        return 2.0 ** -8
+    qmax = QSPEC[fmt][1]
+    return 0.5 / qmax + 2.0 ** -10
