@@ -96,7 +96,7 @@ def quantize_codes(w: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tenso
         w = torch.nn.functional.pad(w, (0, kp - k))
     g = w.reshape(n, kp // group, group)
     scale = (g.abs().amax(-1) / qmax).to(torch.float16)
-    scale = torch.where(scale == 0, torch.tensor(FP16_TINY, dtype=torch.float16), scale)
+    scale = torch.where(scale == 0, torch.full_like(scale, FP16_TINY), scale)
     # torch.round rounds half to even, as the format asks.
     q = torch.round(g / scale.to(torch.float32)[..., None]).clamp_(-qmax, qmax).to(torch.int8)
     return q.reshape(n, kp), scale
@@ -112,7 +112,7 @@ def pack(w: torch.Tensor, fmt: str) -> torch.Tensor:
         raise ValueError(f"unknown weight format {fmt!r} (known: {', '.join(FORMATS)})")
     lay = qlayout(fmt, tuple(w.shape))
     q, scale = quantize_codes(w, fmt)
-    out = torch.zeros(lay.nbytes, dtype=torch.uint8)
+    out = torch.zeros(lay.nbytes, dtype=torch.uint8, device=w.device)
     if fmt == "q8_g32_fp16":
         codes = q.view(torch.uint8).reshape(-1)
     else:
@@ -121,7 +121,7 @@ def pack(w: torch.Tensor, fmt: str) -> torch.Tensor:
         codes = (lo[:, 0::2] | (lo[:, 1::2] << 4)).reshape(-1)
         if fmt == "q5_g64_fp16":
             hb = ((u >> 4) & 1).reshape(lay.n, lay.kp // 8, 8)
-            weights = (1 << torch.arange(8, dtype=torch.int32))
+            weights = (1 << torch.arange(8, dtype=torch.int32, device=w.device))
             high = (hb.to(torch.int32) * weights).sum(-1).to(torch.uint8).reshape(-1)
             out[lay.high[0]:lay.high[0] + lay.high[1]] = high
     out[lay.codes[0]:lay.codes[0] + lay.codes[1]] = codes
@@ -129,24 +129,73 @@ def pack(w: torch.Tensor, fmt: str) -> torch.Tensor:
     return out
 
 
-def unpack_codes(buf: torch.Tensor, fmt: str, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inverse of the packing: (codes int8 [N, Kp], scales fp16 [N, Kp/group]) from a uint8 buffer."""
+def sections(buf: torch.Tensor, fmt: str, shape: tuple[int, ...]) -> dict[str, torch.Tensor]:
+    """Row-major typed views of a packed buffer: ``codes`` (int8 [N, Kp] for q8, uint8 [N, Kp/2] nibbles
+    otherwise), ``high`` (uint8 [N, Kp/8], q5 only) and ``scales`` (fp16 [N, Kp/group]). No copies, so
+    a row subset (``v[rows]`` for every view) can be unpacked with :func:`unpack_sections`."""
     lay = qlayout(fmt, shape)
     if buf.numel() < lay.nbytes:
         raise ValueError(f"{fmt} buffer for shape {tuple(shape)} needs {lay.nbytes} bytes, got {buf.numel()}")
     buf = buf.reshape(-1)
+    out = {}
     codes = buf[lay.codes[0]:lay.codes[0] + lay.codes[1]]
-    scales = buf[lay.scales[0]:lay.scales[0] + lay.scales[1]].contiguous().view(torch.float16)
-    scales = scales.reshape(lay.n, lay.kp // lay.group)
     if fmt == "q8_g32_fp16":
-        return codes.contiguous().view(torch.int8).reshape(lay.n, lay.kp), scales
-    codes = codes.reshape(lay.n, lay.kp // 2)
-    u = torch.stack([codes & 0x0F, codes >> 4], dim=-1).reshape(lay.n, lay.kp).to(torch.int16)
+        out["codes"] = codes.view(torch.int8).reshape(lay.n, lay.kp)
+    else:
+        out["codes"] = codes.reshape(lay.n, lay.kp // 2)
     if fmt == "q5_g64_fp16":
-        high = buf[lay.high[0]:lay.high[0] + lay.high[1]].reshape(lay.n, lay.kp // 8, 1).to(torch.int16)
-        bits = (high >> torch.arange(8, dtype=torch.int16)) & 1
-        u = u | (bits.reshape(lay.n, lay.kp) << 4)
+        out["high"] = buf[lay.high[0]:lay.high[0] + lay.high[1]].reshape(lay.n, lay.kp // 8)
+    out["scales"] = buf[lay.scales[0]:lay.scales[0] + lay.scales[1]].view(torch.float16).reshape(
+        lay.n, lay.kp // lay.group)
+    return out
+
+
+def unpack_sections(sec: dict[str, torch.Tensor], fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes int8 [n, Kp], scales fp16 [n, Kp/group]) from :func:`sections` views (or a row subset)."""
+    codes, scales = sec["codes"], sec["scales"]
+    if fmt == "q8_g32_fp16":
+        return codes, scales
+    n = codes.shape[0]
+    kp = codes.shape[1] * 2
+    u = torch.stack([codes & 0x0F, codes >> 4], dim=-1).reshape(n, kp).to(torch.int16)
+    if fmt == "q5_g64_fp16":
+        high = sec["high"].reshape(n, kp // 8, 1).to(torch.int16)
+        bits = (high >> torch.arange(8, dtype=torch.int16, device=high.device)) & 1
+        u = u | (bits.reshape(n, kp) << 4)
     return (u + QSPEC[fmt][2]).to(torch.int8), scales
+
+
+def dequantize_rows(sec: dict[str, torch.Tensor], fmt: str, k: int, dtype=torch.float32) -> torch.Tensor:
+    """Dequantize packed rows given as :func:`sections` views (or a row subset): ``[n, k]`` in ``dtype``."""
+    q, scale = unpack_sections(sec, fmt)
+    n, kp = q.shape
+    group = QSPEC[fmt][0]
+    w = q.to(torch.float32).reshape(n, kp // group, group) * scale.to(torch.float32)[..., None]
+    return w.reshape(n, kp)[:, :k].to(dtype)
+
+
+def concat_rows(bufs: list[torch.Tensor], fmt: str, shapes: list[tuple[int, int]]) -> torch.Tensor:
+    """Pack of ``cat([W_0, W_1, ...], dim=0)`` from the packs of each ``W_i`` (same K), bytes unchanged."""
+    ks = {s[-1] for s in shapes}
+    if len(ks) != 1:
+        raise ValueError(f"concat_rows needs one K, got shapes {shapes}")
+    if fmt in FLOAT_FORMATS:
+        return torch.cat([b.reshape(-1) for b in bufs])
+    total = (sum(s[0] for s in shapes), ks.pop())
+    lay = qlayout(fmt, total)
+    out = torch.zeros(lay.nbytes, dtype=torch.uint8, device=bufs[0].device)
+    outsec = sections(out, fmt, total)
+    row = 0
+    for b, s in zip(bufs, shapes):
+        for name, view in sections(b, fmt, s).items():
+            outsec[name][row:row + s[0]] = view
+        row += s[0]
+    return out
+
+
+def unpack_codes(buf: torch.Tensor, fmt: str, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of the packing: (codes int8 [N, Kp], scales fp16 [N, Kp/group]) from a uint8 buffer."""
+    return unpack_sections(sections(buf.contiguous(), fmt, shape), fmt)
 
 
 def dequantize(buf: torch.Tensor, fmt: str, shape: tuple[int, ...], dtype=torch.float32) -> torch.Tensor:
@@ -158,17 +207,21 @@ def dequantize(buf: torch.Tensor, fmt: str, shape: tuple[int, ...], dtype=torch.
         return buf.reshape(-1).contiguous().view(torch.bfloat16).reshape(shape).to(dtype)
     if fmt not in QSPEC:
         raise ValueError(f"unknown weight format {fmt!r} (known: {', '.join(FORMATS)})")
-    q, scale = unpack_codes(buf, fmt, shape)
-    lay = qlayout(fmt, shape)
-    w = q.to(torch.float32).reshape(lay.n, lay.kp // lay.group, lay.group) * scale.to(torch.float32)[..., None]
-    return w.reshape(lay.n, lay.kp)[:, :lay.k].reshape(shape).to(dtype)
+    return dequantize_rows(sections(buf.contiguous(), fmt, shape), fmt, shape[-1], dtype).reshape(shape)
 
 
 def error_bound(fmt: str) -> float:
-    """Worst-case |w - dequant(w)| relative to the group's amax (half a quantization step, plus fp16 scale rounding)."""
+    """Worst-case |w - dequant(w)| relative to the group's amax: half a quantization step plus the fp16
+    rounding of the scale. Holds while the scale is a normal fp16 (amax / qmax >= 2**-14); below that the
+    scale is subnormal and rounds by up to 2**-25 absolute, see :func:`abs_error_floor`."""
     if fmt == "fp32":
         return 0.0
     if fmt == "bf16":
         return 2.0 ** -8
     qmax = QSPEC[fmt][1]
     return 0.5 / qmax + 2.0 ** -10
+
+
+def abs_error_floor(fmt: str) -> float:
+    """Absolute error a subnormal fp16 scale can add (qmax * half the subnormal spacing), for tiny groups."""
+    return QSPEC[fmt][1] * 2.0 ** -25 if fmt in QSPEC else 0.0

@@ -1,0 +1,595 @@
+"""Artifact container: one file holding a model's weights, tokenizer, configs and components.
+
+Byte layout (DESIGN.md "Artifact container"; integers little-endian, object offsets relative to the payload):
+
+====  ========================================================================================================
+v3    ``b"NINFER\\0\\x03"`` | u64 JSON length | 16-byte artifact id | JSON | zeros up to 4096 | payload
+      JSON ``{components, objects[{id, kind, shape, format, layout, offset, bytes, sha256}], bindings,
+      metadata, provenance}``; every object starts at a multiple of 256 bytes into the payload.
+v2    ``b"NINFER\\0\\x02"`` | u64 JSON length | JSON | zeros up to 4096 | payload
+      JSON ``{identity{model_id, weights_id}, objects[{name, kind, shape, format, layout, offset, bytes}]}``
+====  ========================================================================================================
+
+Weights (``kind "weight"``) hold ``quant.pack(tensor, format)`` for their logical ``shape``; other payloads
+(tokenizer.json, chat template) are ``kind "blob"``, ``format "bytes"``, ``shape [nbytes]``. v3 ``bindings`` map a
+Hugging Face name to an object id, or to ``{"parts": [ids], "axis": a}`` (concatenation, read only); tied weights
+bind two names to one object. v2 has no components/metadata/bindings, so the writer keeps them in JSON blobs
+(``__components__.json``, ``__metadata__.json``, ``__provenance__.json``, ``__aliases__.json``) and ``upgrade``
+loses nothing. Files are memory-mapped on open; digests are only checked by ``Artifact.verify``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import struct
+from dataclasses import dataclass
+from datetime import datetime, timezone
+
+import numpy as np
+import torch
+
+from .. import __version__
+from . import quant
+
+MAGIC = b"NINFER\0"
+HEADER_BYTES = {2: 16, 3: 32}
+PAYLOAD_ALIGN = 4096
+OBJECT_ALIGN = 256
+COMPONENTS = ("text", "mtp", "dflash", "dflash2", "vision")
+LAYOUTS = {"fp32": "row-major", "bf16": "row-major", "bytes": "bytes",
+           **{fmt: "qpack.v1" for fmt in quant.QUANT_FORMATS}}
+V2_BLOBS = {"components": "__components__.json", "metadata": "__metadata__.json",
+            "provenance": "__provenance__.json", "aliases": "__aliases__.json"}
+_HASH_CHUNK = 1 << 24
+_DIGEST_PLACEHOLDER = "0" * 64  # same length as a hex sha256, so the JSON length is known before hashing
+
+
+def _align(n: int, to: int) -> int:
+    return (n + to - 1) // to * to
+
+
+class ArtifactError(ValueError):
+    """A problem with an artifact file; the message names the file and, where there is one, the object."""
+
+
+@dataclass(slots=True)
+class ObjectInfo:
+    """One stored object: where its bytes are and how to read them."""
+
+    id: str
+    name: str | None
+    kind: str
+    shape: tuple[int, ...]
+    format: str
+    layout: str
+    offset: int  # from the payload start
+    nbytes: int
+    sha256: str | None  # None in v2
+
+    @property
+    def label(self) -> str:
+        return f"{self.id} ({self.name})" if self.name else self.id
+
+
+# ---- reading ------------------------------------------------------------------------------------------------
+
+def _parse_header(path: str, head: bytes, size: int) -> tuple[int, int, bytes]:
+    """(version, JSON length, artifact id) from the first bytes of the file."""
+    if len(head) < 8 or head[:7] != MAGIC:
+        raise ArtifactError(f"{path}: not a ninfer artifact (magic {head[:8]!r})")
+    version = head[7]
+    if version not in HEADER_BYTES:
+        raise ArtifactError(f"{path}: unsupported artifact version {version} (this reader knows 2 and 3)")
+    hlen = HEADER_BYTES[version]
+    if size < hlen:
+        raise ArtifactError(f"{path}: truncated: v{version} header needs {hlen} bytes, file has {size}")
+    (jlen,) = struct.unpack("<Q", head[8:16])
+    if hlen + jlen > size:
+        raise ArtifactError(f"{path}: truncated: JSON of {jlen} bytes runs past the end of the {size}-byte file")
+    return version, jlen, head[16:32] if version == 3 else b""
+
+
+def _parse_object(path: str, version: int, index: int, e: dict, names: dict[str, str]) -> ObjectInfo:
+    """An ``objects[index]`` entry of the JSON, checked for types and for size == size implied by shape.
+
+    ``names`` (v3): object id -> a logical name bound to it, so that errors can name the tensor.
+    """
+    try:
+        oid = str(e["id"]) if version == 3 else f"o{index}"
+        info = ObjectInfo(id=oid, name=str(e["name"]) if version == 2 else names.get(oid),
+                          kind=str(e["kind"]), shape=tuple(int(s) for s in e["shape"]), format=str(e["format"]),
+                          layout=str(e.get("layout", "")), offset=int(e["offset"]), nbytes=int(e["bytes"]),
+                          sha256=str(e["sha256"]) if version == 3 else None)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ArtifactError(f"{path}: objects[{index}] is malformed ({type(exc).__name__}: {exc})") from None
+    where = f"{path}: object {info.label}"
+    if info.offset < 0 or (version == 3 and info.offset % OBJECT_ALIGN):
+        raise ArtifactError(f"{where}: offset {info.offset} is not a non-negative multiple of {OBJECT_ALIGN}")
+    if info.kind == "blob":
+        if info.format != "bytes" or len(info.shape) != 1:
+            raise ArtifactError(f"{where}: a blob needs format 'bytes' and shape [n], got {info.format} "
+                                f"{list(info.shape)}")
+        expected = info.shape[0]
+    elif info.kind == "weight":
+        if info.format not in quant.FORMATS:
+            raise ArtifactError(f"{where}: unknown format {info.format!r} (known: {', '.join(quant.FORMATS)})")
+        try:
+            expected = quant.nbytes(info.format, info.shape)
+        except ValueError as exc:
+            raise ArtifactError(f"{where}: {exc}") from None
+    else:
+        raise ArtifactError(f"{where}: unknown kind {info.kind!r} (expected 'weight' or 'blob')")
+    if info.nbytes != expected:
+        raise ArtifactError(f"{where}: shape/size mismatch: {info.format} {list(info.shape)} needs {expected} "
+                            f"bytes, the entry says {info.nbytes}")
+    return info
+
+
+class Artifact:
+    """A memory-mapped artifact file (v2 or v3). Open with ``Artifact.open(path)``; use as a context manager."""
+
+    def __init__(self, path: str, version: int, artifact_id: str, doc: dict, payload_start: int, size: int):
+        self.path, self.version, self.artifact_id = path, version, artifact_id
+        self.payload_start, self.file_size = payload_start, size
+        objs = doc.get("objects")
+        if not isinstance(objs, list):
+            raise ArtifactError(f"{path}: JSON has no 'objects' list")
+        for key in ("bindings", "components", "metadata", "provenance") if version == 3 else ():
+            if not isinstance(doc.get(key) or {}, dict):
+                raise ArtifactError(f"{path}: JSON '{key}' is a {type(doc[key]).__name__}, expected an object")
+        names = {t: n for n, t in reversed((doc.get("bindings") or {}).items()) if isinstance(t, str)}
+        self.objects: dict[str, ObjectInfo] = {}
+        for i, e in enumerate(objs):
+            info = _parse_object(path, version, i, e if isinstance(e, dict) else {}, names)
+            if info.id in self.objects:
+                raise ArtifactError(f"{path}: object id {info.id} appears twice")
+            self.objects[info.id] = info
+        self._check_bounds()
+        self._mm = np.memmap(path, dtype=np.uint8, mode="c") if size else np.zeros(0, np.uint8)
+        self._all = torch.from_numpy(self._mm)  # copy-on-write mapping: a writable view, nothing read yet
+        if version == 3:
+            self.bindings = dict(doc.get("bindings") or {})
+            self.components = dict(doc.get("components") or {})
+            self.metadata = dict(doc.get("metadata") or {})
+            self.provenance = dict(doc.get("provenance") or {})
+            self._identity = {}
+        else:
+            self._read_v2_extras(doc)
+        self._check_bindings()
+
+    @classmethod
+    def open(cls, path) -> "Artifact":
+        """Parse the header and JSON, check every object fits the file and every binding resolves, then mmap."""
+        path = os.fspath(path)
+        if not os.path.isfile(path):
+            raise ArtifactError(f"no such file: {path}")
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            version, jlen, aid = _parse_header(path, f.read(32), size)
+            f.seek(HEADER_BYTES[version])
+            raw_json = f.read(jlen)
+        try:
+            doc = json.loads(raw_json)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ArtifactError(f"{path}: JSON header is unreadable ({exc})") from None
+        if not isinstance(doc, dict):
+            raise ArtifactError(f"{path}: JSON root is a {type(doc).__name__}, expected an object")
+        if version == 2:
+            aid_hex = str((doc.get("identity") or {}).get("weights_id", ""))
+        else:
+            aid_hex = aid.hex()
+        return cls(path, version, aid_hex, doc, _align(HEADER_BYTES[version] + jlen, PAYLOAD_ALIGN), size)
+
+    def _check_bounds(self) -> None:
+        for info in sorted(self.objects.values(), key=lambda o: o.offset):
+            end = self.payload_start + info.offset + info.nbytes
+            if end > self.file_size:
+                raise ArtifactError(f"{self.path}: truncated: object {info.label} needs bytes up to {end} "
+                                    f"but the file has {self.file_size}")
+
+    def _read_v2_extras(self, doc: dict) -> None:
+        """v2: bindings from object names; components/metadata/provenance/aliases from their JSON blobs."""
+        self._identity = dict(doc.get("identity") or {})
+        self.bindings = {}
+        for info in self.objects.values():
+            if info.name in self.bindings:
+                raise ArtifactError(f"{self.path}: object name {info.name} appears twice")
+            self.bindings[info.name] = info.id
+        extras = {}
+        for key, blob_name in V2_BLOBS.items():
+            try:
+                extras[key] = json.loads(self.blob(blob_name)) if blob_name in self.bindings else {}
+            except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+                raise ArtifactError(f"{self.path}: blob {blob_name} is not valid JSON ({exc})") from None
+        self.components, self.metadata, self.provenance = extras["components"], extras["metadata"], extras["provenance"]
+        for alias, target in extras["aliases"].items():
+            if target not in self.bindings:
+                raise ArtifactError(f"{self.path}: alias {alias} -> {target}: no object named {target}")
+            self.bindings[alias] = self.bindings[target]
+
+    def _check_bindings(self) -> None:
+        """Every binding names existing objects (parts agree in shape off the axis); components name bindings."""
+        # plain bindings first, so an object is labelled by the name bound to it directly
+        for name, target in sorted(self.bindings.items(), key=lambda kv: isinstance(kv[1], dict)):
+            ids = target.get("parts") if isinstance(target, dict) else [target]
+            if not isinstance(ids, list) or not ids or not all(isinstance(i, str) for i in ids):
+                raise ArtifactError(f"{self.path}: binding {name} is malformed: {target!r}")
+            for oid in ids:
+                if oid not in self.objects:
+                    raise ArtifactError(f"{self.path}: binding {name} -> object {oid}, which does not exist")
+                self.objects[oid].name = self.objects[oid].name or name
+            if isinstance(target, dict):
+                self._parts_shape(name)
+        for comp, spec in self.components.items():
+            if spec is not None and not isinstance(spec, dict):
+                raise ArtifactError(f"{self.path}: component {comp} is a {type(spec).__name__}, expected an object")
+            for tname in (spec or {}).get("tensors", []):
+                if tname not in self.bindings:
+                    raise ArtifactError(f"{self.path}: component {comp} lists {tname}, which has no binding")
+
+    def _parts_shape(self, name: str) -> tuple[int, ...]:
+        target = self.bindings[name]
+        parts = [self.objects[i] for i in target["parts"]]
+        axis = int(target.get("axis", 0))
+        ndim = len(parts[0].shape)
+        if not -ndim <= axis < ndim or any(p.kind != "weight" or len(p.shape) != ndim for p in parts):
+            raise ArtifactError(f"{self.path}: binding {name}: parts must be weights of equal rank, axis {axis}")
+        axis %= ndim
+        rest = {p.shape[:axis] + p.shape[axis + 1:] for p in parts}
+        if len(rest) != 1:
+            raise ArtifactError(f"{self.path}: binding {name}: parts {[list(p.shape) for p in parts]} "
+                                f"differ off axis {axis}")
+        shape = list(parts[0].shape)
+        shape[axis] = sum(p.shape[axis] for p in parts)
+        return tuple(shape)
+
+    # ---- lookup -----------------------------------------------------------------------------------------
+    @property
+    def model_id(self) -> str:
+        return str(self.metadata.get("model_id") or self._identity.get("model_id", ""))
+
+    def names(self, prefix: str = "") -> list[str]:
+        """Logical names of weight tensors (not blobs) starting with ``prefix``, sorted."""
+        def is_weight(target):
+            first = target["parts"][0] if isinstance(target, dict) else target
+            return self.objects[first].kind == "weight"
+        return sorted(n for n, t in self.bindings.items() if n.startswith(prefix) and is_weight(t))
+
+    def has(self, name: str) -> bool:
+        return name in self.bindings
+
+    def info(self, name: str) -> ObjectInfo:
+        """The object bound to ``name`` (a plain binding, not parts)."""
+        if name not in self.bindings:
+            raise ArtifactError(f"{self.path}: no binding named {name}")
+        target = self.bindings[name]
+        if isinstance(target, dict):
+            raise ArtifactError(f"{self.path}: {name} is bound to {len(target['parts'])} parts, not one object")
+        return self.objects[target]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Logical shape of ``name`` (parts concatenated)."""
+        if isinstance(self.bindings.get(name), dict):
+            return self._parts_shape(name)
+        return self.info(name).shape
+
+    def _view(self, info: ObjectInfo) -> torch.Tensor:
+        if self._all is None:
+            raise ArtifactError(f"{self.path}: artifact is closed")
+        start = self.payload_start + info.offset
+        return self._all[start:start + info.nbytes]
+
+    def raw(self, name: str) -> torch.Tensor:
+        """The stored bytes of ``name`` as a flat uint8 tensor viewing the mapped file (no copy)."""
+        return self._view(self.info(name))
+
+    def _dequant(self, info: ObjectInfo, dtype: torch.dtype) -> torch.Tensor:
+        if info.kind != "weight":
+            raise ArtifactError(f"{self.path}: object {info.label} is a {info.kind}, not a weight")
+        buf = self._view(info)
+        if buf.storage_offset() % 16:  # legacy v2 objects may sit at odd offsets; dtype views need alignment
+            buf = buf.clone()
+        return quant.dequantize(buf, info.format, info.shape, dtype)
+
+    def tensor(self, name: str, dtype: torch.dtype = torch.float32, device="cpu") -> torch.Tensor:
+        """``name`` dequantized to ``dtype`` on ``device`` (parts concatenated); never aliases the file mapping."""
+        target = self.bindings.get(name)
+        if isinstance(target, dict):
+            self._parts_shape(name)
+            parts = [self._dequant(self.objects[i], dtype) for i in target["parts"]]
+            return torch.cat(parts, dim=int(target.get("axis", 0))).to(device)
+        out = self._dequant(self.info(name), dtype).to(device)
+        if out.untyped_storage().data_ptr() == self._all.untyped_storage().data_ptr():
+            out = out.clone()  # fp32/bf16 read as-is would be a view; writes to it must not reach other reads
+        return out
+
+    def blob(self, name: str) -> bytes:
+        """The bytes of blob ``name`` (tokenizer.json, chat template...)."""
+        info = self.info(name)
+        if info.kind != "blob":
+            raise ArtifactError(f"{self.path}: {name} is a {info.kind}, not a blob")
+        return self._view(info).numpy().tobytes()
+
+    # ---- checks and reports -----------------------------------------------------------------------------
+    def verify(self, progress=None, strict: bool = False) -> list[tuple[str, bool, str]]:
+        """Hash every object against its recorded SHA-256: a list of (object label, ok, message).
+
+        ``progress(done_bytes, total_bytes, label)`` is called as bytes are hashed. v2 objects have no digest and
+        pass after the bounds check. With ``strict`` the first failure raises ``ArtifactError`` instead.
+        """
+        if self._mm is None:
+            raise ArtifactError(f"{self.path}: artifact is closed")
+        objs = sorted(self.objects.values(), key=lambda o: o.offset)
+        total, done, results = sum(o.nbytes for o in objs), 0, []
+        for info in objs:
+            start, end = self.payload_start + info.offset, self.payload_start + info.offset + info.nbytes
+            if end > self.file_size:
+                ok, msg = False, f"truncated (needs bytes up to {end}, file has {self.file_size})"
+            elif info.sha256 is None:
+                ok, msg = True, "no digest (v2)"
+            else:
+                h = hashlib.sha256()
+                for a in range(start, end, _HASH_CHUNK):
+                    h.update(memoryview(self._mm[a:min(a + _HASH_CHUNK, end)]))
+                    if progress:
+                        progress(done + min(a + _HASH_CHUNK, end) - start, total, info.label)
+                ok = h.hexdigest() == info.sha256
+                msg = "ok" if ok else f"sha256 mismatch (expected {info.sha256}, got {h.hexdigest()})"
+            if strict and not ok:
+                raise ArtifactError(f"{self.path}: object {info.label}: {msg}")
+            results.append((info.label, ok, msg))
+            done += info.nbytes
+            if progress and not info.sha256:
+                progress(done, total, info.label)
+        return results
+
+    def summary(self) -> dict:
+        """Counts and bytes per component and per format (each stored object counted once), for ``inspect``."""
+        def tally(ids):
+            infos = [self.objects[i] for i in set(ids)]
+            return {"objects": len(infos), "bytes": sum(o.nbytes for o in infos)}
+
+        def ids_of(name):
+            t = self.bindings[name]
+            return list(t["parts"]) if isinstance(t, dict) else [t]
+
+        weights = self.names()
+        owned = set()
+        per_component = {}
+        for comp, spec in self.components.items():
+            if spec:
+                names = [n for n in spec.get("tensors", []) if n in weights]
+                owned.update(names)
+                per_component[comp] = {"tensors": len(names), **tally(i for n in names for i in ids_of(n))}
+        loose = [n for n in weights if n not in owned]
+        if loose:
+            per_component["(none)"] = {"tensors": len(loose), **tally(i for n in loose for i in ids_of(n))}
+        weight_ids = {i for n in weights for i in ids_of(n)}
+        per_format = {fmt: tally(i for i in weight_ids if self.objects[i].format == fmt)
+                      for fmt in sorted({self.objects[i].format for i in weight_ids})}
+        blob_ids = [i for i, o in self.objects.items() if o.kind == "blob"]
+        return {"path": self.path, "version": self.version, "artifact_id": self.artifact_id,
+                "model_id": self.model_id, "file_bytes": self.file_size, "tensors": len(weights),
+                "objects": len(self.objects), "components": per_component, "formats": per_format,
+                "blobs": tally(blob_ids)}
+
+    def close(self) -> None:
+        """Drop the mapping (it is unmapped once tensors returned by ``raw`` are gone too)."""
+        self._all = None
+        self._mm = None
+
+    def __enter__(self) -> "Artifact":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Artifact({self.path!r}, v{self.version}, {len(self.objects)} objects)"
+
+
+# ---- writing ------------------------------------------------------------------------------------------------
+
+@dataclass(slots=True)
+class _Entry:
+    """One object to write: ``data`` is a tensor to pack (``pack``), or packed uint8 tensor / bytes."""
+
+    name: str
+    kind: str
+    fmt: str
+    shape: tuple[int, ...]
+    nbytes: int
+    data: object
+    pack: bool
+    offset: int = 0
+    sha256: str = _DIGEST_PLACEHOLDER
+
+
+def _weight_bytes(path: str, name: str, fmt: str, shape: tuple[int, ...]) -> int:
+    if fmt not in quant.FORMATS:
+        raise ArtifactError(f"{path}: tensor {name}: unknown format {fmt!r} (known: {', '.join(quant.FORMATS)})")
+    try:
+        return quant.nbytes(fmt, shape)
+    except ValueError as exc:
+        raise ArtifactError(f"{path}: tensor {name}: {exc}") from None
+
+
+def _plan(path: str, tensors: dict, packed: dict, blobs: dict) -> list[_Entry]:
+    """Objects in write order with their sizes and 256-aligned offsets; nothing is packed yet."""
+    entries: list[_Entry] = []
+    for name, (fmt, t) in tensors.items():
+        shape = tuple(int(s) for s in t.shape)
+        entries.append(_Entry(name, "weight", fmt, shape, _weight_bytes(path, name, fmt, shape), t, True))
+    for name, (fmt, shape, data) in packed.items():
+        shape = tuple(int(s) for s in shape)
+        need = _weight_bytes(path, name, fmt, shape)
+        if isinstance(data, torch.Tensor) and data.dtype != torch.uint8:
+            raise ArtifactError(f"{path}: packed {name}: expected uint8 bytes, got a {data.dtype} tensor")
+        have = data.numel() if isinstance(data, torch.Tensor) else len(data)
+        if have != need:
+            raise ArtifactError(f"{path}: packed {name}: {have} bytes but {fmt} {list(shape)} needs {need}")
+        entries.append(_Entry(name, "weight", fmt, shape, need, data, False))
+    for name, data in blobs.items():
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise ArtifactError(f"{path}: blob {name} must be bytes, got {type(data).__name__}")
+        entries.append(_Entry(name, "blob", "bytes", (len(data),), len(data), bytes(data), False))
+    seen, offset = set(), 0
+    for e in entries:
+        if e.name in seen:
+            raise ArtifactError(f"{path}: {e.name} is given twice")
+        seen.add(e.name)
+        e.offset = _align(offset, OBJECT_ALIGN)
+        offset = e.offset + e.nbytes
+    return entries
+
+
+def _check_components(path: str, components: dict, bound: set[str]) -> None:
+    for comp, spec in components.items():
+        if comp not in COMPONENTS:
+            raise ArtifactError(f"{path}: unknown component {comp!r} (known: {', '.join(COMPONENTS)})")
+        if spec is None:
+            continue
+        if not isinstance(spec, dict) or not isinstance(spec.get("config"), dict):
+            raise ArtifactError(f"{path}: component {comp} needs a dict with a 'config' dict")
+        for name in spec.get("tensors", []):
+            if name not in bound:
+                raise ArtifactError(f"{path}: component {comp} lists {name}, which is not being written")
+
+
+def _document(version: int, entries: list[_Entry], aliases: dict, extras: dict, model_id: str, aid: bytes) -> dict:
+    if version == 2:
+        objects = [{"name": e.name, "kind": e.kind, "shape": list(e.shape), "format": e.fmt,
+                    "layout": LAYOUTS[e.fmt], "offset": e.offset, "bytes": e.nbytes} for e in entries]
+        model_id = model_id or str(extras["metadata"].get("model_id", ""))
+        return {"identity": {"model_id": model_id, "weights_id": aid.hex()}, "objects": objects}
+    objects = [{"id": f"o{i}", "kind": e.kind, "shape": list(e.shape), "format": e.fmt, "layout": LAYOUTS[e.fmt],
+                "offset": e.offset, "bytes": e.nbytes, "sha256": e.sha256} for i, e in enumerate(entries)]
+    bindings = {e.name: f"o{i}" for i, e in enumerate(entries)}
+    bindings.update({alias: bindings[target] for alias, target in aliases.items()})
+    return {"components": extras["components"], "objects": objects, "bindings": bindings,
+            "metadata": extras["metadata"], "provenance": extras["provenance"]}
+
+
+def _dump(path: str, doc: dict) -> bytes:
+    try:
+        return json.dumps(doc, separators=(",", ":")).encode()
+    except (TypeError, ValueError) as exc:
+        raise ArtifactError(f"{path}: components/metadata/provenance are not JSON-serialisable ({exc})") from None
+
+
+def _object_bytes(e: _Entry) -> memoryview:
+    """The bytes of one object, packed now if needed (one tensor in memory at a time)."""
+    if e.pack:
+        data = quant.pack(e.data.detach().cpu(), e.fmt)
+    elif isinstance(e.data, torch.Tensor):
+        data = e.data.detach().cpu().contiguous().reshape(-1)
+    else:
+        return memoryview(e.data)
+    if data.numel() != e.nbytes:
+        raise ArtifactError(f"{e.name}: packed to {data.numel()} bytes, expected {e.nbytes}")
+    return memoryview(data.numpy())
+
+
+def _write_file(tmp: str, version: int, aid: bytes, doc: dict, entries: list[_Entry], progress) -> None:
+    """Payload first (hashing as it goes), then header and JSON with the digests filled in, then fsync."""
+    body_len = len(_dump(tmp, doc))  # digests are placeholders of their final length
+    payload_start = _align(HEADER_BYTES[version] + body_len, PAYLOAD_ALIGN)
+    total, pos = sum(e.nbytes for e in entries), 0
+    with open(tmp, "wb") as f:
+        f.write(bytes(payload_start))
+        for e in entries:
+            f.write(bytes(e.offset - pos))
+            data = _object_bytes(e)
+            e.sha256 = hashlib.sha256(data).hexdigest()
+            f.write(data)
+            del data
+            pos = e.offset + e.nbytes
+            if progress:
+                progress(pos, total, e.name)
+        if version == 3:
+            for obj, e in zip(doc["objects"], entries):
+                obj["sha256"] = e.sha256
+        final = _dump(tmp, doc)
+        if len(final) != body_len:
+            raise RuntimeError("artifact JSON changed length when digests were filled in")
+        f.seek(0)
+        f.write(MAGIC + bytes([version]) + struct.pack("<Q", len(final)) + (aid if version == 3 else b"") + final)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_artifact(path, *, tensors: dict | None = None, packed: dict | None = None, blobs: dict | None = None,
+                   components: dict | None = None, metadata: dict | None = None, provenance: dict | None = None,
+                   aliases: dict[str, str] | None = None, version: int = 3, artifact_id: bytes | None = None,
+                   model_id: str = "", progress=None) -> None:
+    """Write an artifact atomically (temp file in the same directory, fsync, rename).
+
+    ``tensors``: name -> (format, tensor), packed with ``quant.pack`` one at a time while streaming to disk;
+    ``packed``: name -> (format, shape, uint8 tensor or bytes) already packed (copied as-is); ``blobs``: name ->
+    bytes; ``aliases``: name -> name of a written object bound to the same bytes (tied weights, stored once).
+    ``progress(done_bytes, total_bytes, name)`` is called after each object. On any error nothing is left at
+    ``path`` (an existing file there is untouched).
+    """
+    path = os.fspath(path)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        if version not in HEADER_BYTES:
+            raise ArtifactError(f"{path}: cannot write artifact version {version} (2 or 3)")
+        aid = os.urandom(16) if artifact_id is None else bytes(artifact_id)
+        if len(aid) != 16:
+            raise ArtifactError(f"{path}: artifact id must be 16 bytes, got {len(aid)}")
+        extras = {"components": dict(components or {}), "metadata": dict(metadata or {}),
+                  "provenance": dict(provenance or {}), "aliases": dict(aliases or {})}
+        if model_id:
+            extras["metadata"].setdefault("model_id", model_id)
+        extras["provenance"].setdefault("created", datetime.now(timezone.utc).isoformat(timespec="seconds"))
+        extras["provenance"].setdefault("tool", f"ninfer-bench {__version__}")
+        blobs = dict(blobs or {})
+        if version == 2:  # v2 has no slots for these: keep them as JSON blobs
+            blobs.update({V2_BLOBS[k]: _dump(path, v) for k, v in extras.items() if v})
+        entries = _plan(path, dict(tensors or {}), dict(packed or {}), blobs)
+        written = {e.name for e in entries}
+        for alias, target in extras["aliases"].items():
+            if target not in written or alias in written:
+                raise ArtifactError(f"{path}: alias {alias} -> {target}: the target must be written and the alias "
+                                    f"must not be")
+        _check_components(path, extras["components"], written | set(extras["aliases"]))
+        doc = _document(version, entries, extras["aliases"], extras, model_id, aid)
+        _dump(path, doc)  # fail on unserialisable metadata before any file exists
+        _write_file(tmp, version, aid, doc, entries, progress)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+        raise
+
+
+def upgrade(src_v2, dst_v3, progress=None) -> None:
+    """Rewrite a v2 artifact as v3 with every object's bytes unchanged (components/metadata from its blobs)."""
+    with Artifact.open(src_v2) as src:
+        if src.version != 2:
+            raise ArtifactError(f"{src.path}: is already v{src.version}; upgrade reads v2 artifacts")
+        packed, blobs, aliases = {}, {}, {}
+        reserved = set(V2_BLOBS.values())
+        for name, oid in src.bindings.items():
+            info = src.objects[oid]
+            if name in reserved:
+                continue
+            if info.name != name:
+                aliases[name] = info.name
+            elif info.kind == "blob":
+                blobs[name] = src.blob(name)
+            else:
+                packed[name] = (info.format, info.shape, src.raw(name))
+        try:
+            aid = bytes.fromhex(src.artifact_id)
+        except ValueError:
+            aid = b""
+        provenance = {**src.provenance, "upgraded_from": {"version": 2, "file": os.path.basename(src.path),
+                                                          "weights_id": src.artifact_id}}
+        write_artifact(dst_v3, packed=packed, blobs=blobs, components=src.components, metadata=src.metadata,
+                       provenance=provenance, aliases=aliases, version=3,
+                       artifact_id=aid if len(aid) == 16 else None, model_id=src.model_id, progress=progress)

@@ -1,0 +1,150 @@
+"""Reading Hugging Face checkpoints: config.json, safetensors (single file or sharded index), HF names.
+
+Accepted layouts: ``Qwen3_5ForCausalLM`` (``model.*``, ``lm_head.weight``, ``mtp.*``),
+``Qwen3_5ForConditionalGeneration`` (``model.language_model.*``, ``model.visual.*``), and
+``Qwen3NextForCausalLM`` whose fused ``in_proj_qkvz`` / ``in_proj_ba`` are split here into the
+Qwen3.5 names (same rows, reordered; see :func:`split_qwen3_next`). Everything is returned under the
+``Qwen3_5ForCausalLM`` names the rest of the engine uses.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from .config import ModelConfig
+from .weights import expected_shapes, text_weight_names
+
+
+class CheckpointError(ValueError):
+    """A Hugging Face folder that cannot be read as a model of this family."""
+
+
+def read_config(folder: Path) -> tuple[dict, ModelConfig]:
+    path = Path(folder) / "config.json"
+    if not Path(folder).is_dir():
+        raise CheckpointError(f"no such directory: {folder}")
+    if not path.is_file():
+        raise CheckpointError(f"{folder}: no config.json")
+    try:
+        hf = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    try:
+        return hf, ModelConfig.from_hf(hf)
+    except ValueError as e:
+        raise CheckpointError(f"{path}: {e}") from None
+
+
+def safetensor_files(folder: Path) -> list[Path]:
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = sorted({folder / f for f in weight_map.values()})
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(f"{folder}: shard(s) named in the index are missing: {missing}")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{folder}: no *.safetensors files")
+    return files
+
+
+def canonical_name(name: str) -> str | None:
+    """The Qwen3_5ForCausalLM name of a checkpoint tensor, or None for tensors we do not use."""
+    if name.startswith("model.visual.") or name.startswith("visual."):
+        return None
+    if name.startswith("model.language_model."):
+        return "model." + name[len("model.language_model."):]
+    if name.startswith("language_model.model."):
+        return "model." + name[len("language_model.model."):]
+    if name.startswith("language_model.lm_head."):
+        return name[len("language_model."):]
+    return name
+
+
+def split_qwen3_next(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Turn Qwen3-Next's per-key-head interleaved ``in_proj_qkvz`` / ``in_proj_ba`` into Qwen3.5 rows.
+
+    qkvz rows are grouped per key head: [q (dk), k (dk), v (r*dv), z (r*dv)] with r = Hv/Hk; ba rows per key
+    head: [b (r), a (r)]. The Qwen3.5 layout puts all q heads first, then k, then v (conv channel order).
+    """
+    out = {}
+    hk, dk, dv = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    r = cfg.linear_num_value_heads // hk
+    for name, t in tensors.items():
+        if name.endswith("linear_attn.in_proj_qkvz.weight"):
+            p = name[: -len("in_proj_qkvz.weight")]
+            g = t.reshape(hk, 2 * dk + 2 * r * dv, -1)
+            q, k, v, z = torch.split(g, [dk, dk, r * dv, r * dv], dim=1)
+            out[p + "in_proj_qkv.weight"] = torch.cat([x.reshape(-1, t.shape[-1]) for x in (q, k, v)])
+            out[p + "in_proj_z.weight"] = z.reshape(-1, t.shape[-1])
+        elif name.endswith("linear_attn.in_proj_ba.weight"):
+            p = name[: -len("in_proj_ba.weight")]
+            g = t.reshape(hk, 2 * r, -1)
+            out[p + "in_proj_b.weight"] = g[:, :r].reshape(-1, t.shape[-1])
+            out[p + "in_proj_a.weight"] = g[:, r:].reshape(-1, t.shape[-1])
+        else:
+            out[name] = t
+    return out
+
+
+class HFCheckpoint:
+    """Lazy access to the tensors of a Hugging Face folder, under canonical names."""
+
+    def __init__(self, folder):
+        self.folder = Path(folder)
+        self.hf_config, self.config = read_config(self.folder)
+        self.files = safetensor_files(self.folder)
+        self.where: dict[str, tuple[Path, str]] = {}
+        for f in self.files:
+            try:
+                with safe_open(str(f), framework="pt") as sf:
+                    for key in sf.keys():
+                        canon = canonical_name(key)
+                        if canon is not None:
+                            self.where[canon] = (f, key)
+            except Exception as e:  # safetensors raises its own error types
+                raise CheckpointError(f"{f}: not a readable safetensors file ({e})") from None
+        self.next_fused = self.config.model_type == "qwen3_next"
+        if self.config.mtp_num_hidden_layers and not any(n.startswith("mtp.") for n in self.where):
+            # a config that announces MTP layers whose weights were not shipped: run without the head
+            self.config.mtp_num_hidden_layers = 0
+
+    def _raw(self, canon: str) -> torch.Tensor:
+        f, key = self.where[canon]
+        with safe_open(str(f), framework="pt") as sf:
+            return sf.get_tensor(key)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every needed tensor under Qwen3_5ForCausalLM names, checked against the config's shapes."""
+        cfg = self.config
+        raw = {n: self._raw(n) for n in self.where if n.startswith(("model.", "lm_head.", "mtp."))}
+        if self.next_fused:
+            raw = split_qwen3_next(raw, cfg)
+        shapes = expected_shapes(cfg)
+        needed = text_weight_names(cfg)
+        missing = [n for n in needed if n not in raw]
+        if missing:
+            more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
+            raise CheckpointError(f"{self.folder}: missing tensor(s) {missing[:3]}{more}")
+        for n in needed:
+            if tuple(raw[n].shape) != shapes[n]:
+                raise CheckpointError(f"{self.folder}: tensor {n} has shape {tuple(raw[n].shape)}, "
+                                      f"the config implies {shapes[n]}")
+        return {n: raw[n] for n in needed}
+
+    def blobs(self) -> dict[str, bytes]:
+        """Tokenizer and generation files found in the folder, by file name."""
+        out = {}
+        for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja",
+                     "special_tokens_map.json"):
+            p = self.folder / name
+            if p.is_file():
+                out[name] = p.read_bytes()
+        return out

@@ -1,0 +1,111 @@
+"""Resolve what ``--model`` names (an artifact path, a preset, the bundled model) into config, weights and
+tokenizer."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .artifact import Artifact
+from .config import PRESETS, DraftConfig, ModelConfig, preset
+from .synthetic import synthetic_raws
+from .tokenizer import ByteTokenizer, Tokenizer
+from .weights import RawWeight
+
+MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
+BUNDLED_NAME = "ninfer-code-small.ninfer"
+
+
+def bundled_model_path() -> Path | None:
+    """The bundled model's artifact, when this checkout ships one."""
+    p = MODELS_DIR / BUNDLED_NAME
+    return p if p.is_file() else None
+
+
+def default_model() -> str:
+    """What every suite loads when ``--model`` is not given."""
+    p = bundled_model_path()
+    return str(p) if p else "tiny"
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    raws: dict[str, RawWeight]
+    tokenizer: object
+    info: dict = field(default_factory=dict)  # artifact id, sha, format, preset, quant policy
+    drafters: dict[str, tuple[DraftConfig, dict[str, RawWeight]]] = field(default_factory=dict)
+    artifact: Artifact | None = None
+
+
+def file_sha256(path: Path, chunk: int = 1 << 24) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def tokenizer_of(art: Artifact, cfg: ModelConfig):
+    meta = art.metadata or {}
+    name = meta.get("tokenizer")
+    if name:
+        eos = [meta["eos_token"]] if meta.get("eos_token") else []
+        return Tokenizer.from_json(art.blob(name).decode(), eos_tokens=eos, chat_template=meta.get("chat_template"))
+    return ByteTokenizer(cfg.vocab_size)
+
+
+def load_artifact(path: str | Path) -> LoadedModel:
+    art = Artifact.open(path)
+    text = (art.components or {}).get("text")
+    if not text:
+        raise ValueError(f"{path}: artifact has no text component")
+    cfg = ModelConfig.from_dict(dict(text["config"]))
+    names = list(text.get("tensors", []))
+    mtp = (art.components or {}).get("mtp")
+    if mtp:
+        names += list(mtp.get("tensors", []))
+    else:
+        cfg.mtp_num_hidden_layers = 0
+    if cfg.tie_word_embeddings and art.has("lm_head.weight") and "lm_head.weight" not in names:
+        names.append("lm_head.weight")
+    raws = {}
+    for n in names:
+        info = art.info(n)
+        raws[n] = RawWeight(info.format, tuple(info.shape), art.raw(n))
+    drafters = {}
+    for kind in ("dflash", "dflash2"):
+        comp = (art.components or {}).get(kind)
+        if comp:
+            dcfg = DraftConfig.from_dict(dict(comp["config"]))
+            draws = {}
+            for n in comp.get("tensors", []):
+                info = art.info(n)
+                draws[n] = RawWeight(info.format, tuple(info.shape), art.raw(n))
+            drafters[kind] = (dcfg, draws)
+    meta = art.metadata or {}
+    info = {"path": str(Path(path).resolve()), "artifact_id": art.artifact_id, "format_version": art.version,
+            "quant_policy": meta.get("quant_policy"), "model_id": meta.get("model_id"), "preset": None}
+    return LoadedModel(cfg, raws, tokenizer_of(art, cfg), info, drafters, art)
+
+
+def load_source(source: str | None, *, synthetic: bool = False, quant: str = "mixed", seed: int = 0,
+                device="cpu") -> LoadedModel:
+    """An artifact path, or a preset name (random weights need ``synthetic``; ``tiny`` is always random)."""
+    source = source or default_model()
+    if source in PRESETS:
+        if source != "tiny" and not synthetic:
+            raise ValueError(f"preset {source!r} has no weights file: add --synthetic for seeded random weights "
+                             f"of its shape, or pass an artifact path")
+        cfg = preset(source)
+        raws = synthetic_raws(cfg, quant, seed, device)
+        info = {"preset": source, "synthetic": True, "quant_policy": quant, "seed": seed,
+                "artifact_id": None, "config_sha256": hashlib.sha256(
+                    json.dumps(cfg.to_dict(), sort_keys=True).encode()).hexdigest()}
+        return LoadedModel(cfg, raws, ByteTokenizer(cfg.vocab_size), info)
+    path = Path(source)
+    if not path.exists():
+        raise ValueError(f"no such model: {source!r} (an artifact path, or a preset: {', '.join(sorted(PRESETS))})")
+    return load_artifact(path)

@@ -1,0 +1,146 @@
+"""The hybrid decoder forward (Gated DeltaNet + gated full attention) over a batch of cache slots.
+
+One forward serves every phase: prefill of a chunk (B = 1, T = chunk), decode (B slots, T = 1) and
+speculative verification (B slots, T = K + 1, recording what rollback needs). Host-side preparation
+(positions, slots, the K/V length to read) arrives in a :class:`Step`; nothing here reads globals.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..kernels import attention as attn_k
+from ..kernels.conv import causal_conv1d
+from ..kernels.gdn import gated_delta_rule, gated_delta_rule_step, l2norm
+from ..kernels.norm import gated_rms_norm, rms_norm
+from ..kernels.rope import apply_rope, rope_tables
+from .cache import HybridCache, PendingGDN
+from .config import ModelConfig
+from .weights import WeightStore
+
+PREFILL, DECODE, VERIFY = "prefill", "decode", "verify"
+
+
+@dataclass(slots=True)
+class Step:
+    """Host-prepared metadata of one forward.
+
+    ids ``[B, T]`` token ids; pos ``[B, T]`` absolute positions; slots ``[B]`` cache slots;
+    kv_len: how many cached K/V positions attention reads (>= max(pos) + 1);
+    mode: prefill | decode | verify; taps: decoder layer indices whose outputs to return.
+    """
+
+    ids: torch.Tensor
+    pos: torch.Tensor
+    slots: torch.Tensor
+    kv_len: int
+    mode: str = DECODE
+    taps: tuple[int, ...] = ()
+
+
+class HybridModel:
+    """Forward of a Qwen3.5 / Qwen3-Next text decoder with weights from a :class:`WeightStore`."""
+
+    def __init__(self, cfg: ModelConfig, weights: WeightStore, *, max_positions: int, gdn_impl: str = "auto"):
+        self.cfg, self.w, self.gdn_impl = cfg, weights, gdn_impl
+        self.device, self.dtype = weights.device, weights.dtype
+        self.cos, self.sin = rope_tables(cfg.rotary_dim, cfg.rope_theta, max_positions, self.device)
+        self.scale = cfg.head_dim ** -0.5
+
+    # ---- pieces ----------------------------------------------------------------------------------
+    def _proj(self, prefix: str, fused: str, members: tuple[str, ...], sizes: list[int], x):
+        """Outputs of the member projections, through the fused linear when the store has one."""
+        name = f"{prefix}.{fused}.weight"
+        if name in self.w.linears:
+            return list(torch.split(self.w.linear(name)(x), sizes, dim=-1))
+        return [self.w.linear(f"{prefix}.{m}.weight")(x) for m in members]
+
+    def mlp(self, p: str, x: torch.Tensor) -> torch.Tensor:
+        i = self.cfg.intermediate_size
+        gate, up = self._proj(p, "mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj"), [i, i], x)
+        return self.w.linear(f"{p}.mlp.down_proj.weight")(F.silu(gate) * up)
+
+    def attention(self, p: str, key, x: torch.Tensor, step: Step, cache: HybridCache) -> torch.Tensor:
+        cfg, w = self.cfg, self.w
+        b, t, _ = x.shape
+        h, hkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        qg = w.linear(f"{p}.self_attn.q_proj.weight")(x).view(b, t, h, 2 * hd)
+        q, gate = qg[..., :hd], qg[..., hd:].reshape(b, t, h * hd)
+        k, v = self._proj(p, "self_attn.kv_proj", ("self_attn.k_proj", "self_attn.v_proj"),
+                          [hkv * hd, hkv * hd], x)
+        q = rms_norm(q, w.vector(f"{p}.self_attn.q_norm.weight"), cfg.rms_norm_eps)
+        k = rms_norm(k.view(b, t, hkv, hd), w.vector(f"{p}.self_attn.k_norm.weight"), cfg.rms_norm_eps)
+        cos, sin = self.cos[step.pos], self.sin[step.pos]  # [B, T, rd]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        cache.write_kv(key, step.slots, step.pos, k, v.view(b, t, hkv, hd))
+        kk, vv = cache.read_kv(key, step.slots, step.kv_len, x.dtype)
+        o = attn_k.attention(q, kk, vv, step.pos, self.scale).reshape(b, t, h * hd)
+        return w.linear(f"{p}.self_attn.o_proj.weight")(o * torch.sigmoid(gate))
+
+    def gated_deltanet(self, p: str, i: int, x: torch.Tensor, step: Step, cache: HybridCache) -> torch.Tensor:
+        cfg, w = self.cfg, self.w
+        b, t, _ = x.shape
+        hk, hv, dk, dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads,
+                          cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+        a_ = f"{p}.linear_attn"
+        qkv, z = self._proj(p, "linear_attn.in_proj_qkvz", ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z"),
+                            [cfg.conv_dim, cfg.value_dim], x)
+        bb, aa = self._proj(p, "linear_attn.in_proj_ba", ("linear_attn.in_proj_b", "linear_attn.in_proj_a"),
+                            [hv, hv], x)
+        conv_old = cache.conv[i][step.slots]  # [B, C, W-1]
+        y, conv_new = causal_conv1d(qkv, w.vector(f"{a_}.conv1d.weight").squeeze(1), conv_old)
+        q, k, v = torch.split(y, [cfg.key_dim, cfg.key_dim, cfg.value_dim], dim=-1)
+        q = l2norm(q.reshape(b, t, hk, dk))
+        k = l2norm(k.reshape(b, t, hk, dk))
+        v = v.reshape(b, t, hv, dv)
+        beta = torch.sigmoid(bb.float())
+        g = -torch.exp(w.vector(f"{a_}.A_log")) * F.softplus(aa.float() + w.vector(f"{a_}.dt_bias"))
+        ssm_old = cache.ssm[i][step.slots]
+        if step.mode == PREFILL:
+            o, state = gated_delta_rule(q, k, v, g, beta, initial_state=ssm_old, impl=self.gdn_impl)
+        else:
+            snap = step.mode == VERIFY and cache.rollback == "snapshot"
+            res = gated_delta_rule_step(q, k, v, g, beta, ssm_old, return_states=snap)
+            o, state = res[0], res[1]
+            if step.mode == VERIFY:
+                rec = PendingGDN(conv_in=qkv, conv_old=conv_old)
+                if snap:
+                    rec.states = res[2]
+                else:
+                    rec.ssm_old, rec.inputs = ssm_old, (q, k, v, g, beta)
+                cache.record(i, rec)
+        cache.conv[i][step.slots] = conv_new.to(cache.conv[i].dtype)
+        cache.ssm[i][step.slots] = state
+        o = gated_rms_norm(o.to(x.dtype), z.view(b, t, hv, dv), w.vector(f"{a_}.norm.weight"), cfg.rms_norm_eps)
+        return w.linear(f"{a_}.out_proj.weight")(o.reshape(b, t, hv * dv))
+
+    def layer(self, p: str, i, kind: str, h: torch.Tensor, step: Step, cache: HybridCache) -> torch.Tensor:
+        """One pre-norm residual block (``i`` indexes the cache: a layer number, or ``"mtp0"``...)."""
+        eps = self.cfg.rms_norm_eps
+        x = rms_norm(h, self.w.vector(f"{p}.input_layernorm.weight"), eps)
+        if kind == "linear_attention":
+            h = h + self.gated_deltanet(p, i, x, step, cache)
+        else:
+            h = h + self.attention(p, i, x, step, cache)
+        x = rms_norm(h, self.w.vector(f"{p}.post_attention_layernorm.weight"), eps)
+        return h + self.mlp(p, x)
+
+    # ---- whole model -----------------------------------------------------------------------------
+    def forward(self, step: Step, cache: HybridCache) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Final-normed hidden states ``[B, T, H]`` and the outputs of ``step.taps`` layers."""
+        if step.mode == VERIFY:
+            cache.begin_verify(step.slots)
+        h = self.w.embed(step.ids)
+        taps = []
+        for i, kind in enumerate(self.cfg.layer_types):
+            h = self.layer(f"model.layers.{i}", i, kind, h, step, cache)
+            if i in step.taps:
+                taps.append(h)
+        return rms_norm(h, self.w.vector("model.norm.weight"), self.cfg.rms_norm_eps), taps
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """lm_head over final-normed hidden states, in fp32."""
+        return self.w.linear("lm_head.weight")(hidden).float()

@@ -1,0 +1,86 @@
+"""Engine options: the capacities and choices an Engine is bound to, validated once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+SPECS = ("none", "mtp", "dflash", "dflash2")
+DEFAULT_DRAFT = {"none": 0, "mtp": 3, "dflash": 7, "dflash2": 7}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(slots=True)
+class EngineOptions:
+    """What an Engine is bound to. ``kv_capacity`` is the total number of K/V tokens, split evenly over
+    ``max_concurrency`` slots (as llama.cpp splits ``-c`` over ``-np``); it defaults to
+    ``max_context * max_concurrency``."""
+
+    device: str = "auto"
+    dtype: str = "auto"
+    kv_dtype: str = "int8"
+    max_context: int = 8192
+    kv_capacity: int | None = None
+    max_concurrency: int = 1
+    prefill_chunk: int = 512
+    runtime: str = "v3"
+    spec: str = "none"
+    draft_tokens: int | None = None
+    rollback: str = "recompute"
+    lm_head_draft: int = 0
+    cuda_graphs: bool = True
+    gdn_impl: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device!r} asked for, but CUDA is not available on this machine")
+        if self.dtype not in ("auto", *DTYPES):
+            raise ValueError(f"dtype must be auto, fp32, bf16 or fp16, got {self.dtype!r}")
+        if self.kv_dtype not in ("fp32", "bf16", "fp16", "int8"):
+            raise ValueError(f"kv dtype must be fp32, bf16, fp16 or int8, got {self.kv_dtype!r}")
+        for name in ("max_context", "max_concurrency", "prefill_chunk"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name.replace('_', '-')} must be a positive integer, got {value!r}")
+        if self.kv_capacity is None:
+            self.kv_capacity = self.max_context * self.max_concurrency
+        if not isinstance(self.kv_capacity, int) or self.kv_capacity < self.max_concurrency:
+            raise ValueError(f"kv-capacity must be an integer >= max-concurrency ({self.max_concurrency}), "
+                             f"got {self.kv_capacity!r}")
+        if self.runtime not in ("v2", "v3"):
+            raise ValueError(f"runtime must be v2 or v3, got {self.runtime!r}")
+        if self.spec not in SPECS:
+            raise ValueError(f"spec must be one of {', '.join(SPECS)}, got {self.spec!r}")
+        if self.draft_tokens is None:
+            self.draft_tokens = DEFAULT_DRAFT[self.spec]
+        if self.spec == "none":
+            self.draft_tokens = 0
+        elif not isinstance(self.draft_tokens, int) or not 1 <= self.draft_tokens <= 32:
+            raise ValueError(f"draft-tokens must be an integer in 1..32 with --spec {self.spec}, "
+                             f"got {self.draft_tokens!r}")
+        if self.rollback not in ("recompute", "snapshot"):
+            raise ValueError(f"rollback must be recompute or snapshot, got {self.rollback!r}")
+        if not isinstance(self.lm_head_draft, int) or self.lm_head_draft < 0:
+            raise ValueError(f"lm-head-draft must be a non-negative integer, got {self.lm_head_draft!r}")
+        if self.gdn_impl not in ("auto", "ref", "chunked", "fla", "step"):
+            raise ValueError(f"gdn impl must be auto, ref, chunked, fla or step, got {self.gdn_impl!r}")
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
+        return DTYPES[self.dtype]
+
+    @property
+    def slot_capacity(self) -> int:
+        """K/V tokens one sequence may hold."""
+        return self.kv_capacity // self.max_concurrency

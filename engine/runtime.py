@@ -1,0 +1,271 @@
+"""The bound Engine: one model, one device, fixed capacities; prefill, decode and generation.
+
+Runtime ``v3`` is the current generation (packed-quantized fused kernels and CUDA-graph decode on CUDA);
+``v2`` is the previous one kept as a fallback (eager, dense dequantized weights, plain torch kernels).
+On a CPU both run eagerly through torch.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .cache import HybridCache
+from .config import ModelConfig
+from .loader import LoadedModel, load_source
+from .model import DECODE, PREFILL, HybridModel, Step
+from .options import EngineOptions
+from .sampling import SamplingParams, make_generator, select
+from .weights import WeightStore
+
+
+class CapacityError(ValueError):
+    """A request that cannot fit the engine's capacities; refused before any work."""
+
+
+@dataclass
+class Sequence:
+    """One request in flight: its slot, tokens and accounting."""
+
+    slot: int
+    prompt: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None = None
+    tokens: list[int] = field(default_factory=list)
+    length: int = 0  # tokens whose state is in the cache
+    finish_reason: str | None = None
+    text: str = ""
+    stats: dict = field(default_factory=dict)
+
+    @property
+    def last(self) -> int:
+        return self.tokens[-1] if self.tokens else self.prompt[-1]
+
+
+@dataclass
+class GenerationResult:
+    """Tokens and measurements of one generation."""
+
+    tokens: list[int]
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    prefill_s: float
+    decode_s: float
+    ttft_s: float
+    device_decode_ms: float
+    spec: dict = field(default_factory=dict)
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.tokens)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Engine:
+    """An inference engine bound to one model, one device and fixed capacities (see DESIGN.md)."""
+
+    def __init__(self, loaded: LoadedModel, options: EngineOptions):
+        self.options = opts = options
+        self.loaded = loaded
+        self.config: ModelConfig = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.device, self.dtype = opts.torch_device, opts.torch_dtype
+        if opts.max_context > self.config.max_position_embeddings:
+            raise ValueError(f"max-context {opts.max_context} exceeds the model's max_position_embeddings "
+                             f"{self.config.max_position_embeddings}")
+        self.weights = WeightStore(loaded.raws, device=self.device, dtype=self.dtype, runtime=opts.runtime,
+                                   tied_embeddings=self.config.tie_word_embeddings)
+        # spec verification writes up to K + 1 positions past a sequence's length: room for them per slot
+        self.slack = opts.draft_tokens + 1
+        self.capacity = opts.slot_capacity + self.slack
+        self.model = HybridModel(self.config, self.weights, max_positions=self.capacity,
+                                 gdn_impl=opts.gdn_impl if opts.runtime == "v3" else "chunked")
+        # one extra slot serves logits() and other scratch work without touching requests
+        self.cache = HybridCache(self.config, slots=opts.max_concurrency + 1, capacity=self.capacity,
+                                 kv_dtype=opts.kv_dtype, dtype=self.dtype, device=self.device,
+                                 mtp_layers=self.config.mtp_num_hidden_layers if opts.spec == "mtp" else 0,
+                                 rollback=opts.rollback)
+        self.scratch_slot = opts.max_concurrency
+        self.free_slots = list(range(opts.max_concurrency))
+
+    # ---- construction ----------------------------------------------------------------------------
+    @classmethod
+    def load(cls, source: str | None = None, *, synthetic: bool = False, quant: str = "mixed", seed: int = 0,
+             **options) -> "Engine":
+        """Load an artifact path or preset and bind it (keyword options: see :class:`EngineOptions`)."""
+        opts = EngineOptions(**options)
+        loaded = load_source(source, synthetic=synthetic, quant=quant, seed=seed, device=opts.torch_device)
+        return cls(loaded, opts)
+
+    @property
+    def weight_bytes_per_step(self) -> int:
+        """Bytes of weights one decode step reads: every text-layer weight plus lm_head and one embedding row."""
+        total = 0
+        for name, raw in self.loaded.raws.items():
+            if name.startswith("mtp."):
+                continue
+            if name.endswith("embed_tokens.weight"):
+                total += raw.nbytes // raw.shape[0]
+                if self.config.tie_word_embeddings:
+                    total += raw.nbytes
+                continue
+            total += raw.nbytes
+        return total
+
+    # ---- slots -----------------------------------------------------------------------------------
+    def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
+        """Refuse, before any work, a request that cannot fit the capacities."""
+        opts = self.options
+        if prompt_len < 1:
+            raise CapacityError("empty prompt: at least one token is needed")
+        need = prompt_len + max_new_tokens
+        if need > opts.max_context:
+            raise CapacityError(f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) = {need} "
+                                f"exceeds --max-context {opts.max_context}")
+        if need > opts.slot_capacity:
+            raise CapacityError(f"request needs {need} K/V tokens but each of the {opts.max_concurrency} slots "
+                                f"holds {opts.slot_capacity} (--kv-capacity {opts.kv_capacity})")
+
+    def acquire(self, prompt: list[int], params: SamplingParams) -> Sequence:
+        self.check_fits(len(prompt), params.max_new_tokens)
+        bad = [t for t in prompt if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{self.config.vocab_size - 1})")
+        if not self.free_slots:
+            raise CapacityError(f"no free capacity: all {self.options.max_concurrency} slots are busy")
+        slot = self.free_slots.pop(0)
+        self.cache.reset(slot)
+        gen = None if params.greedy else make_generator(params.seed, self.device)
+        return Sequence(slot=slot, prompt=list(prompt), params=params, generator=gen)
+
+    def release(self, seq: Sequence) -> None:
+        if seq.slot != self.scratch_slot and seq.slot not in self.free_slots:
+            self.free_slots.append(seq.slot)
+            self.free_slots.sort()
+
+    # ---- forward passes --------------------------------------------------------------------------
+    def _ids(self, ids) -> torch.Tensor:
+        return torch.as_tensor(ids, dtype=torch.long, device=self.device)
+
+    @torch.inference_mode()
+    def prefill(self, slot: int, ids: list[int], start: int = 0, *, all_logits: bool = False,
+                taps: tuple[int, ...] = ()):
+        """Run ``ids`` through the model into ``slot`` from position ``start`` in ``--prefill-chunk`` pieces.
+
+        Returns (logits of the last position [V] or of every position [T, V], final hidden [T, H] of the
+        last chunk... every chunk when ``all_logits``, tap outputs per chunk concatenated)."""
+        chunk = self.options.prefill_chunk
+        logits, hiddens, tap_out = [], [], []
+        slots = self._ids([slot])
+        for c0 in range(0, len(ids), chunk):
+            piece = ids[c0:c0 + chunk]
+            pos = torch.arange(start + c0, start + c0 + len(piece), device=self.device)[None]
+            step = Step(self._ids([piece]), pos, slots, kv_len=start + c0 + len(piece), mode=PREFILL, taps=taps)
+            hidden, tp = self.model.forward(step, self.cache)
+            if all_logits:
+                logits.append(self.model.logits(hidden[0]))
+            hiddens.append(hidden[0])
+            tap_out.append(tp)
+        if not all_logits:
+            logits = [self.model.logits(hiddens[-1][-1:])]
+        taps_cat = [torch.cat([t[j][0] for t in tap_out]) for j in range(len(taps))]
+        return torch.cat(logits), torch.cat(hiddens), taps_cat
+
+    @torch.inference_mode()
+    def logits(self, ids: list[int]) -> torch.Tensor:
+        """fp32 logits ``[T, V]`` of a full prefill of ``ids`` (no sampling; for validation)."""
+        self.check_fits(len(ids), 0)
+        self.cache.reset(self.scratch_slot)
+        out, _, _ = self.prefill(self.scratch_slot, list(ids), all_logits=True)
+        return out.float().cpu()
+
+    @torch.inference_mode()
+    def decode_step(self, seqs: list[Sequence], ids: torch.Tensor, mode: str = DECODE):
+        """One forward of ``ids [B, T]`` continuing each sequence at its length: (hidden, logits [B, T, V])."""
+        b, t = ids.shape
+        start = self._ids([s.length for s in seqs])
+        pos = start[:, None] + torch.arange(t, device=self.device)[None]
+        kv_len = max(s.length for s in seqs) + t
+        step = Step(ids, pos, self._ids([s.slot for s in seqs]), kv_len=kv_len, mode=mode)
+        hidden, _ = self.model.forward(step, self.cache)
+        return hidden, self.model.logits(hidden)
+
+    # ---- generation ------------------------------------------------------------------------------
+    def _finish(self, seq: Sequence) -> bool:
+        """Set ``finish_reason`` when ``seq`` must stop after its newest token."""
+        p, tok = seq.params, seq.tokens[-1]
+        eos = () if p.ignore_eos else tuple(self.tokenizer.eos_ids)
+        if tok in eos or tok in p.stop_token_ids:
+            seq.finish_reason = "stop"
+        elif p.stop:
+            seq.text = self.tokenizer.decode(seq.tokens)
+            for s in p.stop:
+                if s in seq.text:
+                    seq.text = seq.text[: seq.text.index(s)]
+                    seq.finish_reason = "stop"
+                    break
+        if seq.finish_reason is None and len(seq.tokens) >= p.max_new_tokens:
+            seq.finish_reason = "length"
+        return seq.finish_reason is not None
+
+    @torch.inference_mode()
+    def start(self, seq: Sequence) -> None:
+        """Prefill ``seq``'s prompt and pick its first token."""
+        logits, _, _ = self.prefill(seq.slot, seq.prompt)
+        seq.length = len(seq.prompt)
+        seq.tokens.append(int(select(logits[-1], seq.params, seq.generator)))
+        self._finish(seq)
+
+    @torch.inference_mode()
+    def advance(self, seqs: list[Sequence]) -> None:
+        """One plain decode round for every unfinished sequence in ``seqs`` (batched)."""
+        live = [s for s in seqs if s.finish_reason is None]
+        if not live:
+            return
+        ids = self._ids([[s.last] for s in live])
+        _, logits = self.decode_step(live, ids)
+        for s, row in zip(live, logits[:, -1]):
+            s.length += 1
+            s.tokens.append(int(select(row, s.params, s.generator)))
+            self._finish(s)
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int = 256, temperature: float = 0.0,
+                 top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop=(), **extra) -> GenerationResult:
+        """Generate from ``prompt_ids``; returns tokens, text, timings and speculative statistics."""
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                seed=seed, stop=tuple(stop) if not isinstance(stop, str) else (stop,), **extra)
+        seq = self.acquire(prompt_ids, params)
+        try:
+            return self._run(seq)
+        finally:
+            self.release(seq)
+
+    def _run(self, seq: Sequence) -> GenerationResult:
+        dev = self.device
+        _sync(dev)
+        t0 = time.perf_counter()
+        self.start(seq)
+        _sync(dev)
+        t1 = time.perf_counter()
+        ev0, ev1 = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) \
+            if dev.type == "cuda" else (None, None)
+        if ev0:
+            ev0.record()
+        while seq.finish_reason is None:
+            self.advance([seq])
+        if ev1:
+            ev1.record()
+        _sync(dev)
+        t2 = time.perf_counter()
+        device_ms = ev0.elapsed_time(ev1) if ev0 else (t2 - t1) * 1e3
+        text = seq.text if seq.params.stop and seq.finish_reason == "stop" else self.tokenizer.decode(seq.tokens)
+        return GenerationResult(tokens=list(seq.tokens), text=text, finish_reason=seq.finish_reason,
+                                prompt_tokens=len(seq.prompt), prefill_s=t1 - t0, decode_s=t2 - t1,
+                                ttft_s=t1 - t0, device_decode_ms=device_ms, spec=dict(seq.stats))

@@ -1,0 +1,118 @@
+"""Tokenizer and chat template of an artifact.
+
+Artifacts carry ``tokenizer.json`` (read with the ``tokenizers`` library) and the chat template (Jinja,
+rendered with jinja2 the way Hugging Face does). Presets without a tokenizer get :class:`ByteTokenizer`,
+which maps bytes to ids 0..255 and puts the specials right after them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>")
+
+# The Qwen chat template for plain text turns (used when an artifact ships none).
+DEFAULT_CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+@dataclass
+class Tokenizer:
+    """A ``tokenizers.Tokenizer`` plus the special tokens and chat template the engine needs."""
+
+    backend: object
+    eos_ids: tuple[int, ...]
+    chat_template: str = DEFAULT_CHAT_TEMPLATE
+
+    @classmethod
+    def from_json(cls, text: str, *, eos_tokens=(), chat_template: str | None = None) -> "Tokenizer":
+        from tokenizers import Tokenizer as HFTokenizer
+
+        backend = HFTokenizer.from_str(text)
+        eos = []
+        for tok in list(eos_tokens) + ["<|endoftext|>", "<|im_end|>"]:
+            tid = backend.token_to_id(tok)
+            if tid is not None and tid not in eos:
+                eos.append(tid)
+        return cls(backend, tuple(eos), chat_template or DEFAULT_CHAT_TEMPLATE)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=False)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Render ``messages`` (dicts with role and content) with the artifact's template."""
+        import jinja2
+
+        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.ChainableUndefined)
+        env.globals["raise_exception"] = _raise
+        return env.from_string(self.chat_template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt, bos_token="", eos_token="")
+
+
+def _raise(message):
+    raise ValueError(message)
+
+
+class ByteTokenizer:
+    """Bytes as ids 0..255, specials from 256; for presets and models without a tokenizer."""
+
+    def __init__(self, vocab_size: int):
+        if vocab_size < 256 + len(SPECIALS):
+            raise ValueError(f"byte tokenizer needs a vocabulary of >= {256 + len(SPECIALS)}, got {vocab_size}")
+        self._vocab = vocab_size
+        self.specials = {tok: 256 + i for i, tok in enumerate(SPECIALS)}
+        self.eos_ids = (self.specials["<|endoftext|>"], self.specials["<|im_end|>"])
+        self.chat_template = DEFAULT_CHAT_TEMPLATE
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab
+
+    def encode(self, text: str) -> list[int]:
+        ids, i = [], 0
+        while i < len(text):
+            for tok, tid in self.specials.items():
+                if text.startswith(tok, i):
+                    ids.append(tid)
+                    i += len(tok)
+                    break
+            else:
+                j = i
+                while j < len(text) and not any(text.startswith(t, j) for t in self.specials):
+                    j += 1
+                ids += list(text[i:j].encode("utf-8"))
+                i = j
+        return ids
+
+    def decode(self, ids) -> str:
+        out, buf = [], bytearray()
+        names = {v: k for k, v in self.specials.items()}
+        for t in ids:
+            t = int(t)
+            if t < 256:
+                buf.append(t)
+                continue
+            out.append(buf.decode("utf-8", errors="replace"))
+            buf = bytearray()
+            out.append(names.get(t, ""))
+        out.append(buf.decode("utf-8", errors="replace"))
+        return "".join(out)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.specials.get(token)
+
+    apply_chat_template = Tokenizer.apply_chat_template

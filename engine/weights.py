@@ -1,0 +1,220 @@
+"""Weights bound to a device: dense or packed-quantized linears, embeddings, and the small fp32 vectors.
+
+The model never looks at formats: it calls ``store.linear(name)(x)``, ``store.embed(ids)`` and
+``store.vector(name)``. How a weight is held depends on the runtime:
+
+- ``v3`` on CUDA: q4/q5/q8 projections stay packed and run through the fused dequantize-multiply kernel
+  (``kernels.qlinear``); sibling projections that read the same input are concatenated row-wise into one
+  launch (MLP gate+up, GDN qkv+z, GDN b+a, attention k+v), with bytes unchanged.
+- ``v2`` (and every CPU run): each weight is dequantized once to the compute dtype and multiplied with
+  ``F.linear``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from . import quant
+from .config import ModelConfig
+
+# (fused name, member suffixes) per layer kind; members must share K and format to fuse.
+FUSIONS = {
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    "linear_attn.in_proj_qkvz": ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z"),
+    "linear_attn.in_proj_ba": ("linear_attn.in_proj_b", "linear_attn.in_proj_a"),
+    "self_attn.kv_proj": ("self_attn.k_proj", "self_attn.v_proj"),
+}
+
+
+@dataclass(slots=True)
+class RawWeight:
+    """A weight as stored: its format, logical shape and packed bytes (flat uint8, any device)."""
+
+    fmt: str
+    shape: tuple[int, ...]
+    buf: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return quant.nbytes(self.fmt, self.shape)
+
+    def dense(self, dtype=torch.float32, device=None) -> torch.Tensor:
+        buf = self.buf if device is None else self.buf.to(device)
+        return quant.dequantize(buf, self.fmt, self.shape, dtype)
+
+
+class DenseLinear:
+    """``y = x @ W^T`` with W held dense in the compute dtype."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight
+        self.out_features, self.in_features = weight.shape
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class Embedding:
+    """Row lookup from a dense or packed table; quantized rows are dequantized on the fly."""
+
+    def __init__(self, raw: RawWeight, dtype, device, dense: bool):
+        self.dtype, self.fmt, self.shape = dtype, raw.fmt, raw.shape
+        if dense or raw.fmt in quant.FLOAT_FORMATS:
+            self.table = raw.dense(dtype, device)
+            self.sec = None
+        else:
+            self.table = None
+            self.buf = raw.buf.to(device)
+            self.sec = quant.sections(self.buf, raw.fmt, raw.shape)
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.table is not None:
+            return F.embedding(ids, self.table)
+        flat = ids.reshape(-1)
+        rows = {k: v[flat] for k, v in self.sec.items()}
+        out = quant.dequantize_rows(rows, self.fmt, self.shape[-1], self.dtype)
+        return out.reshape(*ids.shape, self.shape[-1])
+
+
+def _packed_linear(raw: RawWeight, device):
+    from ..kernels.qlinear import PackedLinear  # needs triton only when it runs on CUDA
+
+    return PackedLinear(raw.buf.to(device), raw.fmt, tuple(raw.shape), device)
+
+
+class WeightStore:
+    """All weights of one model on one device, by Hugging Face logical name."""
+
+    def __init__(self, raws: dict[str, RawWeight], *, device="cpu", dtype=torch.float32, runtime="v3",
+                 fuse: bool | None = None, tied_embeddings: bool = False):
+        self.device, self.dtype, self.runtime = torch.device(device), dtype, runtime
+        self.packed = runtime == "v3" and self.device.type == "cuda"
+        fuse = self.packed if fuse is None else fuse
+        self.raws = raws
+        self.linears: dict[str, object] = {}
+        self.vectors: dict[str, torch.Tensor] = {}
+        self.embeddings: dict[str, Embedding] = {}
+        self.weight_bytes = sum(r.nbytes for r in raws.values())
+        if fuse:
+            raws = self._fused(raws)
+        for name, raw in raws.items():
+            if name.endswith("embed_tokens.weight"):
+                self.embeddings[name] = Embedding(raw, dtype, self.device, dense=not self.packed)
+            elif len(raw.shape) == 2 and not name.endswith("conv1d.weight"):
+                self.linears[name] = self._linear(raw)
+            else:  # norms, A_log, dt_bias, conv weights: fp32, small
+                self.vectors[name] = raw.dense(torch.float32, self.device)
+        if tied_embeddings and "lm_head.weight" not in self.linears:
+            self.linears["lm_head.weight"] = self._linear(raws["model.embed_tokens.weight"])
+
+    def _linear(self, raw: RawWeight):
+        if self.packed and raw.fmt in quant.QUANT_FORMATS:
+            return _packed_linear(raw, self.device)
+        return DenseLinear(raw.dense(self.dtype, self.device))
+
+    @staticmethod
+    def _fused(raws: dict[str, RawWeight]) -> dict[str, RawWeight]:
+        out = dict(raws)
+        prefixes = {n.rsplit(".", 3)[0] for n in raws if ".layers." in n}
+        for prefix in sorted(prefixes):
+            for fused, members in FUSIONS.items():
+                names = [f"{prefix}.{m}.weight" for m in members]
+                parts = [raws.get(n) for n in names]
+                if any(p is None for p in parts) or len({p.fmt for p in parts}) != 1 \
+                        or len({p.shape[-1] for p in parts}) != 1:
+                    continue
+                shapes = [tuple(p.shape) for p in parts]
+                buf = quant.concat_rows([p.buf.reshape(-1) for p in parts], parts[0].fmt, shapes)
+                out[f"{prefix}.{fused}.weight"] = RawWeight(parts[0].fmt, (sum(s[0] for s in shapes),
+                                                                          shapes[0][1]), buf)
+                for n in names:
+                    del out[n]
+        return out
+
+    def linear(self, name: str):
+        return self.linears[name]
+
+    def has(self, name: str) -> bool:
+        return name in self.linears or name in self.vectors or name in self.embeddings
+
+    def vector(self, name: str) -> torch.Tensor:
+        return self.vectors[name]
+
+    def embed(self, ids: torch.Tensor, name: str = "model.embed_tokens.weight") -> torch.Tensor:
+        return self.embeddings[name](ids)
+
+
+def split_fused(y: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+    """Split the output of a fused linear back into its members."""
+    return list(torch.split(y, sizes, dim=-1))
+
+
+def text_weight_names(cfg: ModelConfig, *, mtp: bool = True) -> list[str]:
+    """Every weight name a text model of ``cfg`` needs (Hugging Face Qwen3_5ForCausalLM naming)."""
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    if not cfg.tie_word_embeddings:
+        names.append("lm_head.weight")
+    for i, kind in enumerate(cfg.layer_types):
+        names += _layer_names(f"model.layers.{i}", kind)
+    if mtp and cfg.mtp_num_hidden_layers:
+        names += ["mtp.fc.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight",
+                  "mtp.norm.weight"]
+        for i in range(cfg.mtp_num_hidden_layers):
+            names += _layer_names(f"mtp.layers.{i}", "full_attention")
+    return names
+
+
+def _layer_names(p: str, kind: str) -> list[str]:
+    names = [f"{p}.input_layernorm.weight", f"{p}.post_attention_layernorm.weight",
+             f"{p}.mlp.gate_proj.weight", f"{p}.mlp.up_proj.weight", f"{p}.mlp.down_proj.weight"]
+    if kind == "linear_attention":
+        a = f"{p}.linear_attn"
+        names += [f"{a}.in_proj_qkv.weight", f"{a}.in_proj_z.weight", f"{a}.in_proj_b.weight",
+                  f"{a}.in_proj_a.weight", f"{a}.conv1d.weight", f"{a}.A_log", f"{a}.dt_bias",
+                  f"{a}.norm.weight", f"{a}.out_proj.weight"]
+    else:
+        a = f"{p}.self_attn"
+        names += [f"{a}.q_proj.weight", f"{a}.k_proj.weight", f"{a}.v_proj.weight", f"{a}.o_proj.weight",
+                  f"{a}.q_norm.weight", f"{a}.k_norm.weight"]
+    return names
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Shape of every text/MTP weight of ``cfg``."""
+    h, hd = cfg.hidden_size, cfg.head_dim
+    full = {
+        "self_attn.q_proj.weight": (cfg.num_attention_heads * hd * 2, h),
+        "self_attn.k_proj.weight": (cfg.num_key_value_heads * hd, h),
+        "self_attn.v_proj.weight": (cfg.num_key_value_heads * hd, h),
+        "self_attn.o_proj.weight": (h, cfg.num_attention_heads * hd),
+        "self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,),
+    }
+    lin = {
+        "linear_attn.in_proj_qkv.weight": (cfg.conv_dim, h),
+        "linear_attn.in_proj_z.weight": (cfg.value_dim, h),
+        "linear_attn.in_proj_b.weight": (cfg.linear_num_value_heads, h),
+        "linear_attn.in_proj_a.weight": (cfg.linear_num_value_heads, h),
+        "linear_attn.conv1d.weight": (cfg.conv_dim, 1, cfg.linear_conv_kernel_dim),
+        "linear_attn.A_log": (cfg.linear_num_value_heads,),
+        "linear_attn.dt_bias": (cfg.linear_num_value_heads,),
+        "linear_attn.norm.weight": (cfg.linear_value_head_dim,),
+        "linear_attn.out_proj.weight": (h, cfg.value_dim),
+    }
+    common = {
+        "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+        "mlp.gate_proj.weight": (cfg.intermediate_size, h), "mlp.up_proj.weight": (cfg.intermediate_size, h),
+        "mlp.down_proj.weight": (h, cfg.intermediate_size),
+    }
+    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,),
+              "lm_head.weight": (cfg.vocab_size, h), "mtp.fc.weight": (h, 2 * h),
+              "mtp.pre_fc_norm_embedding.weight": (h,), "mtp.pre_fc_norm_hidden.weight": (h,),
+              "mtp.norm.weight": (h,)}
+    layers = [(f"model.layers.{i}", k) for i, k in enumerate(cfg.layer_types)]
+    layers += [(f"mtp.layers.{i}", "full_attention") for i in range(cfg.mtp_num_hidden_layers)]
+    for p, kind in layers:
+        for suffix, shape in {**common, **(lin if kind == "linear_attention" else full)}.items():
+            shapes[f"{p}.{suffix}"] = shape
+    return shapes

@@ -1,0 +1,350 @@
+"""Decode / speculative-verify attention in Triton, reading the engine's KV cache in place.
+
+Same semantics as :func:`kernels.attention.attention_ref`, but the keys and values come straight from the cache
+layout of :mod:`engine.cache`: ``k_cache``/``v_cache`` ``[S, Hkv, cap, hd]`` in bf16 / fp16, or int8 codes with
+fp16 scales ``[S, Hkv, cap, ceil(hd/64)]`` (one per 64 contiguous values) that are applied in registers, so no
+dequantized copy of the cache is ever written. Row ``b`` of the batch reads slot ``slots[b]``; its query ``t``
+sits at ``q_pos[b, t]`` and sees keys ``0 .. q_pos[b, t]`` (the new tokens' keys are already in the cache).
+
+Flash-decoding in two launches:
+
+1. ``_attn_split``: grid ``(m tiles, splits, B * Hkv)``. One program takes the ``T * G`` query rows of one kv head
+   (G = H / Hkv, so each K/V tile is loaded once for the whole group and all T tokens), tile ``m`` of them, and
+   one ``chunk`` of the key range; exp2-based online softmax in fp32; writes a normalised partial output and its
+   log2-sum-exp. With a single split it writes the final output and the second launch is skipped.
+2. ``_attn_combine``: one program per ``(b, t, h)`` merges the splits that row actually used.
+
+The grid depends only on static sizes (B, T, H, hd and ``kv_len_max``), never on ``q_pos``, so a call can be
+captured in a CUDA graph; programs whose chunk starts past the rows' last position do no loads and store nothing.
+Triton is imported on first use, so this module imports on machines without it.
+
+Implementations, same argument order:
+  decode_attention_ref  plain fp32 torch on a gathered, dequantized copy (the reference)
+  decode_attention      the Triton kernels (CUDA, or ``TRITON_INTERPRET=1`` on the CPU)
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from ..engine.cache import KV_GROUP, dequantize_kv
+from .attention import attention_ref
+
+__all__ = ["AttnConfig", "plan", "decode_attention", "decode_attention_ref", "triton_available"]
+
+LOG2E = 1.4426950408889634
+MAX_HEAD_DIM = 256  # one [BLOCK_M, hd] fp32 accumulator per program must stay in registers
+MAX_BLOCK_M = 64  # query rows (T * G) per program; more rows take more m tiles, which re-read K/V from L2
+PROGRAMS_PER_SM = 4  # split the key range until the grid has about this many programs per multiprocessor
+MIN_BLOCKS_PER_SPLIT = 4  # shorter chunks spend more on partial writes and the combine than they gain
+
+
+@functools.lru_cache(maxsize=1)
+def _triton_import_error() -> str | None:
+    try:
+        import triton  # noqa: F401
+    except Exception as exc:  # ImportError, or triton failing to initialise
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def triton_available() -> bool:
+    """True when triton imports (the kernels then run on CUDA tensors, or on CPU under TRITON_INTERPRET=1)."""
+    return _triton_import_error() is None
+
+
+@dataclass(frozen=True, slots=True)
+class AttnConfig:
+    """Launch shape of :func:`decode_attention` (a function of static sizes only; see :func:`plan`)."""
+
+    block_m: int  # query rows (t, g) per program, a power of two >= 16
+    block_n: int  # keys per inner step, a power of two >= 16
+    chunk: int  # keys per split, a multiple of block_n
+    num_warps: int
+    num_stages: int
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"AttnConfig.{name} must be a power of two >= 16, got {v}")
+        if self.chunk <= 0 or self.chunk % self.block_n:
+            raise ValueError(f"AttnConfig.chunk must be a positive multiple of block_n={self.block_n}, got {self.chunk}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"AttnConfig.num_warps must be a power of two <= 16, got {self.num_warps}")
+        if self.num_stages < 1:
+            raise ValueError(f"AttnConfig.num_stages must be >= 1, got {self.num_stages}")
+
+
+@functools.lru_cache(maxsize=16)
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 8  # the interpreter runs programs one by one; only the split logic matters there
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def plan(batch: int, tokens: int, heads: int, kv_heads: int, head_dim: int, kv_len: int, int8: bool,
+         device: torch.device | str = "cuda", *, block_n: int | None = None, num_warps: int | None = None,
+         num_stages: int | None = None, chunk: int | None = None) -> AttnConfig:
+    """The default launch shape for these static sizes; keyword overrides are for tuning sweeps and tests."""
+    rows = tokens * (heads // kv_heads)
+    block_d = _pow2(head_dim)
+    block_m = max(16, min(MAX_BLOCK_M, _pow2(rows)))
+    if block_n is None:
+        # bf16 at hd=256: a 64-key K+V stage is 64 KB of shared memory; 32 keys keep 3 stages and 2 programs per SM
+        block_n = 32 if block_d * (1 if int8 else 2) > 256 else 64
+    if num_warps is None:
+        num_warps = 8 if block_m * block_d >= 64 * 256 else 4
+    if num_stages is None:
+        num_stages = 3
+    if chunk is None:
+        n_blocks = -(-kv_len // block_n)
+        per_split = -(-rows // block_m) * batch * kv_heads
+        want = -(-PROGRAMS_PER_SM * _num_sms(torch.device(device)) // per_split)
+        splits = max(1, min(want, n_blocks // MIN_BLOCKS_PER_SPLIT))
+        chunk = -(-n_blocks // splits) * block_n
+    return AttnConfig(block_m=block_m, block_n=block_n, chunk=chunk, num_warps=num_warps, num_stages=num_stages)
+
+
+def _new_buffer(shape, dtype, device) -> torch.Tensor:
+    """Output and workspace allocation (tests swap in a NaN fill to catch unwritten elements)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _check(q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, kv_len_max) -> int:
+    """Validate shapes and dtypes; returns the key range the grid covers."""
+    if q.dim() != 4:
+        raise ValueError(f"decode_attention: q must be [B, T, H, hd], got shape {tuple(q.shape)}")
+    b, t, h, hd = q.shape
+    if q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"decode_attention: q must be bf16, fp16 or fp32, got {q.dtype}")
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape or k_cache.shape[3] != hd:
+        raise ValueError(f"decode_attention: k_cache and v_cache must both be [S, Hkv, cap, hd={hd}], "
+                         f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if v_cache.dtype != k_cache.dtype or k_cache.dtype not in (torch.bfloat16, torch.float16, torch.int8):
+        raise ValueError(f"decode_attention: caches must be bf16, fp16 or int8 (both the same), "
+                         f"got {k_cache.dtype} and {v_cache.dtype}")
+    hkv, cap = k_cache.shape[1], k_cache.shape[2]
+    if h % hkv:
+        raise ValueError(f"decode_attention: H={h} query heads is not a multiple of Hkv={hkv} kv heads")
+    if hd > MAX_HEAD_DIM:
+        raise ValueError(f"decode_attention: head_dim {hd} is over the supported {MAX_HEAD_DIM}")
+    if k_cache.dtype == torch.int8:
+        sshape = (*k_cache.shape[:3], -(-hd // KV_GROUP))
+        for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if s is None or tuple(s.shape) != sshape or s.dtype != torch.float16:
+                got = "None" if s is None else f"{tuple(s.shape)} {s.dtype}"
+                raise ValueError(f"decode_attention: int8 cache needs {name} {sshape} fp16, got {got}")
+    elif k_scale is not None or v_scale is not None:
+        raise ValueError(f"decode_attention: scales are only for an int8 cache, the cache is {k_cache.dtype}")
+    if slots.shape != (b,) or q_pos.shape != (b, t):
+        raise ValueError(f"decode_attention: slots must be [B={b}] and q_pos [B={b}, T={t}], "
+                         f"got {tuple(slots.shape)} and {tuple(q_pos.shape)}")
+    kv_len = cap if kv_len_max is None else int(kv_len_max)
+    if not 0 < kv_len <= cap:
+        raise ValueError(f"decode_attention: kv_len_max must be in 1..cap={cap}, got {kv_len_max}")
+    return kv_len
+
+
+def decode_attention_ref(q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, scale, *, kv_len_max=None):
+    """fp32 reference: gather the slots, dequantize, slice to ``max(q_pos) + 1`` keys, :func:`attention_ref`."""
+    kv_len = _check(q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, kv_len_max)
+    length = int(q_pos.max()) + 1
+    if int(q_pos.min()) < 0 or length > kv_len:
+        raise ValueError(f"decode_attention_ref: q_pos must lie in 0..{kv_len - 1}, "
+                         f"got {int(q_pos.min())}..{length - 1}")
+    k, v = k_cache[slots, :, :length], v_cache[slots, :, :length]  # [B, Hkv, L, hd]
+    if k_cache.dtype == torch.int8:
+        k = dequantize_kv(k, k_scale[slots, :, :length], torch.float32)
+        v = dequantize_kv(v, v_scale[slots, :, :length], torch.float32)
+    return attention_ref(q.float(), k.float(), v.float(), q_pos, scale).to(q.dtype)
+
+
+def decode_attention(q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, scale, *, kv_len_max=None,
+                     config: AttnConfig | None = None):
+    """Attention of ``q [B, T, H, hd]`` over cache slots ``slots [B]``; query t of row b sees keys 0..q_pos[b, t].
+
+    ``k_cache``/``v_cache`` ``[S, Hkv, cap, hd]`` bf16 / fp16, or int8 with ``k_scale``/``v_scale``
+    ``[S, Hkv, cap, ceil(hd/64)]`` fp16 (None otherwise). ``kv_len_max`` (default ``cap``) bounds the key range the
+    grid covers: every ``q_pos`` must be below it. Returns ``[B, T, H, hd]`` in ``q.dtype``; fp32 accumulation.
+    No host synchronisation: safe inside a CUDA graph. ``config`` overrides :func:`plan` (tuning, tests).
+    """
+    kv_len = _check(q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, kv_len_max)
+    err = _triton_import_error()
+    if err is not None:
+        raise RuntimeError(f"decode_attention needs triton, which does not import here ({err})")
+    b, t, h, hd = q.shape
+    hkv = k_cache.shape[1]
+    int8 = k_cache.dtype == torch.int8
+    cfg = config or plan(b, t, h, hkv, hd, kv_len, int8, q.device)
+    return _launch(_kernels(), q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, scale, kv_len, cfg)
+
+
+def _launch(kern, q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, scale, kv_len, cfg: AttnConfig):
+    b, t, h, hd = q.shape
+    hkv = k_cache.shape[1]
+    g = h // hkv
+    int8 = k_cache.dtype == torch.int8
+    block_d = _pow2(hd)
+    gw = min(KV_GROUP, block_d)  # columns per scale group in the int8 tile [BLOCK_N, NG, GW]
+    splits = -(-kv_len // cfg.chunk)
+    m_tiles = -(-(t * g) // cfg.block_m)
+    out = _new_buffer((b, t, h, hd), q.dtype, q.device)
+    if splits > 1:
+        o_part = _new_buffer((b, t, h, splits, hd), torch.float32, q.device)
+        lse_part = _new_buffer((b, t, h, splits), torch.float32, q.device)
+    else:
+        o_part = lse_part = out  # unused: the split kernel writes the output directly
+    ks = k_scale if int8 else k_cache  # placeholders keep one signature; never read without IS_INT8
+    vs = v_scale if int8 else v_cache
+    kern.split[(m_tiles, splits, b * hkv)](
+        q, k_cache, v_cache, ks, vs, slots, q_pos, out, o_part, lse_part,
+        *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3], *ks.stride()[:3], *vs.stride()[:3],
+        *q_pos.stride(), *out.stride()[:3],
+        scale * LOG2E, t, h, hkv, kv_len, cfg.chunk, splits,
+        G=g, HD=hd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, NG=block_d // gw, GW=gw,
+        IS_INT8=int8, SPLIT=splits > 1, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if splits > 1:
+        kern.combine[(b * t * h,)](
+            o_part, lse_part, q_pos, out, *q_pos.stride(), *out.stride()[:3], t, h, cfg.chunk, splits,
+            HD=hd, BLOCK_S=16, BLOCK_D=block_d, num_warps=4 if block_d >= 128 else 2,
+        )
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def _kernels():
+    """Define the jitted kernels on first use (triton is optional, and TRITON_INTERPRET is read here)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def load_tile(base, s_base, stride_n, stride_sn, offs_n, n_ok, DOT_DTYPE: tl.constexpr, HD: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NG: tl.constexpr, GW: tl.constexpr,
+                  IS_INT8: tl.constexpr):
+        # keys/values [BLOCK_N, BLOCK_D] of one slot and kv head, zero past HD and where n_ok is false
+        if IS_INT8:
+            # codes as [BLOCK_N, NG, GW] so each 64-wide group meets its scale by broadcasting
+            offs_g = tl.arange(0, NG)
+            d3 = offs_g[None, :, None] * GW + tl.arange(0, GW)[None, None, :]
+            codes = tl.load(base + offs_n[:, None, None] * stride_n + d3,
+                            mask=n_ok[:, None, None] & (d3 < HD), other=0)
+            sc = tl.load(s_base + offs_n[:, None] * stride_sn + offs_g[None, :],
+                         mask=n_ok[:, None] & (offs_g[None, :] * GW < HD), other=0.0)
+            x = codes.to(tl.float32) * sc.to(tl.float32)[:, :, None]
+            return tl.reshape(x, (BLOCK_N, BLOCK_D)).to(DOT_DTYPE)
+        else:
+            offs_d = tl.arange(0, BLOCK_D)
+            x = tl.load(base + offs_n[:, None] * stride_n + offs_d[None, :],
+                        mask=n_ok[:, None] & (offs_d[None, :] < HD), other=0.0)
+            return x.to(DOT_DTYPE)
+
+    @triton.jit
+    def split(Q, K, V, KS, VS, SLOTS, QPOS, O, OP, LSE,
+              stride_qb, stride_qt, stride_qh, stride_ks, stride_kh, stride_kn, stride_vs, stride_vh, stride_vn,
+              stride_kss, stride_ksh, stride_ksn, stride_vss, stride_vsh, stride_vsn,
+              stride_pb, stride_pt, stride_ob, stride_ot, stride_oh,
+              qk_scale, T, H, HKV, KV_LEN, CHUNK, NUM_SPLITS,
+              G: tl.constexpr, HD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_D: tl.constexpr, NG: tl.constexpr, GW: tl.constexpr, IS_INT8: tl.constexpr,
+              SPLIT: tl.constexpr, DOT_PREC: tl.constexpr):
+        pid_m = tl.program_id(0)
+        pid_s = tl.program_id(1)
+        pid_bh = tl.program_id(2)
+        b = pid_bh // HKV
+        hkv = pid_bh % HKV
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # row = t * G + g
+        t = rows // G
+        h = hkv * G + rows % G
+        row_ok = t < T
+        qpos = tl.load(QPOS + b * stride_pb + t * stride_pt, mask=row_ok, other=-1)  # [BLOCK_M]
+        lo = pid_s * CHUNK
+        hi = tl.minimum(tl.minimum(lo + CHUNK, KV_LEN), tl.max(qpos, 0) + 1)  # empty when the chunk is past qpos
+        offs_d = tl.arange(0, BLOCK_D)
+        d_ok = offs_d < HD
+        DOT_DTYPE = Q.dtype.element_ty
+        q = tl.load(Q + b * stride_qb + t[:, None] * stride_qt + h[:, None] * stride_qh + offs_d[None, :],
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+        slot = tl.load(SLOTS + b).to(tl.int64)  # slot * stride overflows int32 on large caches
+        k_base = K + slot * stride_ks + hkv * stride_kh
+        v_base = V + slot * stride_vs + hkv * stride_vh
+        ks_base = KS + slot * stride_kss + hkv * stride_ksh
+        vs_base = VS + slot * stride_vss + hkv * stride_vsh
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        for start in range(lo, hi, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            n_ok = offs_n < hi  # masked loads give 0, so NaN/garbage past the last position never reaches p @ v
+            k = load_tile(k_base, ks_base, stride_kn, stride_ksn, offs_n, n_ok, DOT_DTYPE, HD, BLOCK_N, BLOCK_D,
+                          NG, GW, IS_INT8)
+            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+            live = (offs_n[None, :] <= qpos[:, None]) & n_ok[None, :]
+            qk = tl.where(live, qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no live key yet: avoid inf - inf
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(qk - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = load_tile(v_base, vs_base, stride_vn, stride_vsn, offs_n, n_ok, DOT_DTYPE, HD, BLOCK_N, BLOCK_D,
+                          NG, GW, IS_INT8)
+            acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PREC)
+            m_i = m_new
+        has = l_i > 0.0
+        o = acc / tl.where(has, l_i, 1.0)[:, None]
+        if SPLIT:
+            # partials [B, T, H, NUM_SPLITS, (hd)]; rows whose q_pos is before this chunk are never read
+            r = ((b * T + t) * H + h).to(tl.int64) * NUM_SPLITS + pid_s
+            used = row_ok & (qpos >= lo)
+            tl.store(OP + r[:, None] * HD + offs_d[None, :], o, mask=used[:, None] & d_ok[None, :])
+            tl.store(LSE + r, tl.where(has, m_i + tl.log2(l_i), float("-inf")), mask=used)
+        else:
+            tl.store(O + b * stride_ob + t[:, None] * stride_ot + h[:, None] * stride_oh + offs_d[None, :],
+                     o.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+    @triton.jit
+    def combine(OP, LSE, QPOS, O, stride_pb, stride_pt, stride_ob, stride_ot, stride_oh, T, H, CHUNK, NUM_SPLITS,
+                HD: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+        r = tl.program_id(0)  # (b * T + t) * H + h
+        h = r % H
+        t = (r // H) % T
+        b = r // (H * T)
+        n_used = tl.minimum(tl.load(QPOS + b * stride_pb + t * stride_pt) // CHUNK + 1, NUM_SPLITS)
+        offs_d = tl.arange(0, BLOCK_D)
+        d_ok = offs_d < HD
+        base = r.to(tl.int64) * NUM_SPLITS
+        m = tl.full([], float("-inf"), tl.float32)
+        l = tl.zeros([], tl.float32)
+        acc = tl.zeros([BLOCK_D], tl.float32)
+        for s0 in range(0, n_used, BLOCK_S):
+            offs_s = s0 + tl.arange(0, BLOCK_S)
+            s_ok = offs_s < n_used
+            lse = tl.load(LSE + base + offs_s, mask=s_ok, other=float("-inf"))
+            o = tl.load(OP + (base + offs_s)[:, None] * HD + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :],
+                        other=0.0)
+            m_new = tl.maximum(m, tl.max(lse, 0))  # finite: split 0 always holds key 0
+            w = tl.exp2(lse - m_new)
+            alpha = tl.exp2(m - m_new)
+            acc = acc * alpha + tl.sum(w[:, None] * o, 0)
+            l = l * alpha + tl.sum(w, 0)
+            m = m_new
+        tl.store(O + b * stride_ob + t * stride_ot + h * stride_oh + offs_d, (acc / l).to(O.dtype.element_ty),
+                 mask=d_ok)
+
+    return _Kernels(split=split, combine=combine)
+
+
+@dataclass(frozen=True, slots=True)
+class _Kernels:
+    split: object
+    combine: object
+

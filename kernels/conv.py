@@ -1,0 +1,116 @@
+"""Depthwise causal conv1d of the Gated DeltaNet mixer (kernel width 4, SiLU in the models).
+
+Layout: x [B, T, C] (token-major, as it comes out of `in_proj_qkv`), weight [C, W] (Hugging Face
+stores [C, 1, W]; the caller squeezes it), conv state [B, C, W-1] = the last W-1 inputs seen, oldest
+first (the layout of HF's `conv_states` and of the causal-conv1d package).
+
+    y_t[c] = act(sum_j weight[c, j] * xx[t + j, c]),  xx = cat(state, x) along time
+
+`causal_conv1d_ref` is the plain fp32 reference; `causal_conv1d` is the fast torch version with the
+same signature; `causal_conv1d_states` gives the state after every position (speculative rollback).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["causal_conv1d_ref", "causal_conv1d", "causal_conv1d_states"]
+
+_ACTIVATIONS = ("silu", None)
+
+# At or below this many tokens an unfolded multiply-add beats F.conv1d's dispatch overhead on CPU.
+_SMALL_T = 16
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None, activation) -> None:
+    if activation not in _ACTIVATIONS:
+        raise ValueError(f"causal_conv1d: activation must be one of {_ACTIVATIONS}, got {activation!r}")
+    if x.dim() != 3:
+        raise ValueError(f"causal_conv1d: x must be [B, T, C], got shape {tuple(x.shape)}")
+    B, _, C = x.shape
+    if weight.dim() != 2 or weight.shape[0] != C or weight.shape[1] < 1:
+        raise ValueError(f"causal_conv1d: weight must be [C={C}, W], got shape {tuple(weight.shape)}")
+    W = weight.shape[1]
+    if state is not None and tuple(state.shape) != (B, C, W - 1):
+        raise ValueError(
+            f"causal_conv1d: state must be [B, C, W-1] = {(B, C, W - 1)}, got shape {tuple(state.shape)}"
+        )
+
+
+def _padded_input(x: torch.Tensor, state: torch.Tensor | None, W: int) -> torch.Tensor:
+    """xx = cat(state, x) along time, fp32, [B, W-1+T, C]."""
+    B, _, C = x.shape
+    if state is None:
+        head = x.new_zeros(B, W - 1, C, dtype=torch.float32)
+    else:
+        head = state.to(torch.float32).transpose(1, 2)
+    return torch.cat([head, x.to(torch.float32)], dim=1)
+
+
+def _new_state(xx: torch.Tensor, x: torch.Tensor, state: torch.Tensor | None, W: int) -> torch.Tensor:
+    """The last W-1 inputs of xx as [B, C, W-1], in the state's dtype (x's when there was none)."""
+    dtype = state.dtype if state is not None else x.dtype
+    return xx[:, xx.shape[1] - (W - 1):].transpose(1, 2).to(dtype).contiguous()
+
+
+def _activate(y: torch.Tensor, activation) -> torch.Tensor:
+    return F.silu(y) if activation == "silu" else y
+
+
+def causal_conv1d_ref(x, weight, state=None, *, activation="silu"):
+    """Depthwise causal conv, plain fp32 reference.
+
+    x [B, T, C]; weight [C, W]; state [B, C, W-1] = the last W-1 inputs before x (zeros if None).
+    Returns (y [B, T, C] in x.dtype, new_state [B, C, W-1] = last W-1 inputs of cat(state, x)).
+    """
+    _check(x, weight, state, activation)
+    T = x.shape[1]
+    W = weight.shape[1]
+    xx = _padded_input(x, state, W)  # [B, W-1+T, C]
+    w = weight.to(torch.float32)  # [C, W]
+    y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for j in range(W):
+        y = y + w[:, j] * xx[:, j:j + T]
+    return _activate(y, activation).to(x.dtype), _new_state(xx, x, state, W)
+
+
+def causal_conv1d_states(x, weight, state=None):
+    """The conv state after each of the T positions: [B, T, C, W-1] (same dtype rule as new_state).
+
+    states[:, t] is the `new_state` that `causal_conv1d` returns for x[:, :t+1]; states[:, -1] is the
+    new_state of the whole call. Used to roll the conv state back to any accepted draft position.
+    """
+    _check(x, weight, state, None)
+    W = weight.shape[1]
+    dtype = state.dtype if state is not None else x.dtype
+    if state is None:
+        head = x.new_zeros(x.shape[0], W - 1, x.shape[2], dtype=dtype)
+    else:
+        head = state.to(dtype).transpose(1, 2)
+    xx = torch.cat([head, x.to(dtype)], dim=1)  # [B, W-1+T, C], exact copies of the inputs
+    # window i of length W-1 starts at xx[i]; the state after position t is window t+1
+    return xx.unfold(1, W - 1, 1)[:, 1:].contiguous()  # [B, T, C, W-1]
+
+
+def causal_conv1d(x, weight, state=None, *, activation="silu", return_states=False):
+    """Fast torch depthwise causal conv; same signature and outputs as `causal_conv1d_ref`.
+
+    fp32 math. With return_states=True also returns `causal_conv1d_states(x, weight, state)` as a
+    third output.
+    """
+    _check(x, weight, state, activation)
+    B, T, C = x.shape
+    W = weight.shape[1]
+    xx = _padded_input(x, state, W)  # [B, W-1+T, C]
+    w = weight.to(torch.float32)
+    if T <= _SMALL_T:
+        # decode / verify: [B, T, C, W] windows (a view) contracted with the taps
+        y = (xx.unfold(1, W, 1) * w).sum(-1)  # [B, T, C]
+    else:
+        y = F.conv1d(xx.transpose(1, 2), w.unsqueeze(1), groups=C).transpose(1, 2)  # [B, T, C]
+    y = _activate(y, activation).to(x.dtype)
+    new_state = _new_state(xx, x, state, W)
+    if return_states:
+        return y, new_state, causal_conv1d_states(x, weight, state)
+    return y, new_state

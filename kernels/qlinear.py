@@ -1,0 +1,338 @@
+"""Quantized projections ``y = x @ W.T`` straight from the packed formats of ``engine.quant``.
+
+Shapes: x ``[T, K]``, W ``[N, K]`` stored as ``quant.pack(W, fmt)`` (flat uint8), y ``[T, N]``.
+``fmt`` is one of ``q8_g32_fp16``, ``q5_g64_fp16``, ``q4_g64_fp16``; the byte layout is fixed in
+``engine/quant.py`` and read here as it is: every group (32 values for q8, 64 for q5/q4) of one row
+is 32 contiguous code bytes, plus 8 high-bit bytes for q5, plus one fp16 scale.
+
+  qlinear_ref      plain fp32 reference: x @ dequantize(buf).T
+  qlinear_triton   fused dequantize-and-multiply Triton kernel, for the decode / verify widths (T <= 64)
+  qlinear_dequant  the packed weight as a dense [N, K] tensor, on the device (Triton)
+  PackedLinear     a packed weight placed on a device, callable on x [..., K]
+
+The kernel is a GEMV at these widths: each weight byte is read once, so time ~ packed bytes / bandwidth.
+A program owns BLOCK_N rows and a run of K groups; per group it turns the 32 code bytes of each row
+into exact integer codes (float bit tricks, no int->float conversion instructions), multiplies them
+with x's 64 (or 32) values, then applies the row's fp16 scale to the group's partial sum in fp32, so
+the weights enter the product exactly (no bf16 rounding of ``q * scale``). Two ways to do the multiply:
+  - "fma": broadcast-multiply-reduce on the CUDA cores (few rows of x: T <= 2 or so);
+  - "dot": ``tl.dot`` with the weight tile as the left operand ("swap AB") and x^T padded to 16 columns
+    on the tensor cores; exact for bf16/fp16 x because the codes are small integers.
+When N / BLOCK_N programs are too few to fill the GPU, K is split over SPLIT_K programs that add their
+fp32 partial sums with atomics into a zeroed fp32 buffer (one extra memset and one cast).
+The launch configuration is a pure function of (fmt, N, K, T, dtype) (``choose_config``): no autotuning,
+so nothing is timed or synchronised on the first call and the launch is safe under CUDA-graph capture.
+
+Triton is imported on first use, so this module imports (and the CPU fallback runs) without it.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..engine import quant
+
+__all__ = ["qlinear_ref", "qlinear_triton", "qlinear_dequant", "PackedLinear", "QConfig", "choose_config",
+           "MAX_KERNEL_ROWS"]
+
+# Rows of x up to which PackedLinear uses the fused kernel; wider inputs (prefill) use a dense weight.
+MAX_KERNEL_ROWS = 64
+_FMT_ID = {"q8_g32_fp16": 0, "q5_g64_fp16": 1, "q4_g64_fp16": 2}
+# Bytes of codes per group and row, the same for all three formats (32 x 8 bits, 64 x 4 bits).
+_GROUP_CODE_BYTES = 32
+
+# Bound lazily by _kernels(): the Triton modules and the jitted functions below.
+triton = None
+tl = None
+
+
+def qlinear_ref(x: torch.Tensor, buf: torch.Tensor, fmt: str, shape: tuple[int, int]) -> torch.Tensor:
+    """fp32 reference: ``x [T, K]`` (any float dtype) @ ``dequantize(buf, fmt, shape).T`` -> ``[T, N]`` fp32."""
+    w = quant.dequantize(buf.reshape(-1).cpu(), fmt, shape)  # [N, K] fp32
+    return x.detach().cpu().to(torch.float32) @ w.T
+
+
+# ---------------------------------------------------------------------------------------------------
+# Triton kernels. Written as plain functions and jitted on first use (see _kernels).
+
+
+def _group_codes(codes_ptr, high_ptr, rows, g, g_ok, stride_c, stride_h,
+                 FMT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Integer codes q of group g of each of ``rows`` as exact fp32, ``[BLOCK_N, GROUP]`` in K order.
+
+    Codes become floats by bit assembly: u (0..255) placed in the mantissa of 256.0 gives 256 + u exactly,
+    and one subtraction gives q = u + qmin. This avoids int->float conversions, which run at a quarter of
+    the FMA rate on Hopper.
+    """
+    c = tl.arange(0, 32)
+    b = tl.load(codes_ptr + rows[:, None] * stride_c + g * 32 + c[None, :], mask=g_ok, other=0)  # [BN, 32] u8
+    if FMT == 0:  # q8: the byte is the int8 code; u = q + 128
+        u = (b.to(tl.int8, bitcast=True).to(tl.int32) + 128)
+        qmin: tl.constexpr = -128
+    else:  # q4/q5: byte c holds k = 2c (low nibble) and 2c + 1 (high nibble)
+        bi = b.to(tl.int32)
+        u = tl.interleave(bi & 15, bi >> 4)  # [BN, 64]
+        if FMT == 1:
+            # bit b of high byte j is bit 4 of u[8j + b]
+            j = tl.arange(0, 8)
+            h = tl.load(high_ptr + rows[:, None] * stride_h + g * 8 + j[None, :], mask=g_ok, other=0)  # [BN, 8]
+            bits = (h.to(tl.int32)[:, :, None] >> tl.arange(0, 8)[None, None, :]) & 1  # [BN, 8, 8]
+            u = tl.reshape(tl.reshape(u, (BLOCK_N, 8, 8)) | (bits << 4), (BLOCK_N, 64))
+            qmin: tl.constexpr = -16
+        else:
+            qmin: tl.constexpr = -8
+    # 0x43800000 is 256.0f; one mantissa unit there is 2^-15, so u << 15 adds u.
+    return ((u << 15) | 0x43800000).to(tl.float32, bitcast=True) - (256.0 - qmin)
+
+
+def _qlinear_kernel(x_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr,
+                    T, N, K, NG, groups_per_split,
+                    stride_xt, stride_ot, stride_c, stride_h, stride_s,
+                    FMT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, GPS: tl.constexpr,
+                    USE_DOT: tl.constexpr, ATOMIC: tl.constexpr):
+    """out[t, n] (+)= sum_k x[t, k] W[n, k] over this program's rows and K groups; fp32 accumulation."""
+    GROUP: tl.constexpr = 32 if FMT == 0 else 64
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    rows_c = tl.where(row_ok, rows, 0)  # clamped: loads stay in bounds without a row mask
+    t = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = t < T
+    kk = tl.arange(0, GROUP)
+    g_lo = pid_k * groups_per_split
+    if USE_DOT:
+        acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)  # out^T tile
+    else:
+        acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+    for g0 in range(g_lo, g_lo + groups_per_split, GPS):  # groups_per_split is a multiple of GPS
+        for gi in tl.static_range(GPS):
+            g = g0 + gi
+            g_ok = g < NG
+            q = _group_codes(codes_ptr, high_ptr, rows_c, g, g_ok, stride_c, stride_h, FMT, BLOCK_N)
+            s = tl.load(scales_ptr + rows_c * stride_s + g, mask=g_ok, other=0).to(tl.float32)  # [BN]
+            k = g * GROUP + kk
+            xg = tl.load(x_ptr + t[:, None] * stride_xt + k[None, :],
+                         mask=t_ok[:, None] & (k[None, :] < K) & g_ok, other=0)  # [BT, GROUP]; K tail reads 0
+            if USE_DOT:
+                p = tl.dot(q.to(xg.dtype), tl.trans(xg))  # [BN, BT]
+                acc += p * s[:, None]
+            else:
+                p = tl.sum(xg.to(tl.float32)[:, None, :] * q[None, :, :], axis=2)  # [BT, BN]
+                acc += p * s[None, :]
+    if USE_DOT:
+        acc = tl.trans(acc)
+    ptrs = out_ptr + t[:, None] * stride_ot + rows[None, :]
+    mask = t_ok[:, None] & row_ok[None, :]
+    if ATOMIC:
+        tl.atomic_add(ptrs, acc, mask=mask)
+    else:
+        tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _dequant_kernel(codes_ptr, high_ptr, scales_ptr, w_ptr, N, K, stride_c, stride_h, stride_s, stride_w,
+                    FMT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """w[n, k] = scale[n, g] * q[n, k] for this program's rows and one group g."""
+    GROUP: tl.constexpr = 32 if FMT == 0 else 64
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    rows_c = tl.where(row_ok, rows, 0)
+    g = tl.program_id(1)
+    q = _group_codes(codes_ptr, high_ptr, rows_c, g, True, stride_c, stride_h, FMT, BLOCK_N)
+    s = tl.load(scales_ptr + rows_c * stride_s + g).to(tl.float32)
+    k = g * GROUP + tl.arange(0, GROUP)
+    tl.store(w_ptr + rows[:, None] * stride_w + k[None, :], (q * s[:, None]).to(w_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & (k[None, :] < K))
+
+
+@functools.cache
+def _kernels():
+    """Import Triton and jit the kernels (once). Raises ImportError when Triton is missing."""
+    global triton, tl, _group_codes, _qlinear_kernel, _dequant_kernel
+    import triton as _triton
+    import triton.language as _tl
+
+    triton, tl = _triton, _tl
+    # Helpers first: the kernels resolve them by name in this module's globals when they compile.
+    _group_codes = triton.jit(_group_codes)
+    _qlinear_kernel = triton.jit(_qlinear_kernel)
+    _dequant_kernel = triton.jit(_dequant_kernel)
+    return _qlinear_kernel, _dequant_kernel
+
+
+def triton_available() -> bool:
+    """Whether Triton imports here (on a CPU it then runs only under TRITON_INTERPRET=1)."""
+    try:
+        _kernels()
+    except ImportError:
+        return False
+    return True
+
+
+# ---------------------------------------------------------------------------------------------------
+# Launch configuration
+
+
+@dataclass(frozen=True, slots=True)
+class QConfig:
+    """Launch parameters of the fused kernel: rows per program, groups per loop step, K splits, dot or fma."""
+
+    block_n: int
+    gps: int
+    split_k: int
+    use_dot: bool
+    block_t: int = 16
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self):
+        if self.block_n < 1 or self.block_n & (self.block_n - 1):
+            raise ValueError(f"QConfig.block_n must be a power of two, got {self.block_n}")
+        if self.gps < 1 or self.split_k < 1:
+            raise ValueError(f"QConfig.gps and split_k must be >= 1, got {self.gps}, {self.split_k}")
+        if self.block_t < 1 or self.block_t & (self.block_t - 1):
+            raise ValueError(f"QConfig.block_t must be a power of two, got {self.block_t}")
+        if self.use_dot and (self.block_n < 16 or self.block_t < 16):
+            raise ValueError(f"QConfig: the dot variant needs block_n and block_t >= 16, got {self.block_n}, "
+                             f"{self.block_t}")
+
+
+# Programs to aim for: a few per SM of an H200 (132 SMs), so that the last wave is small.
+_TARGET_PROGRAMS = 4 * 132
+
+
+def choose_config(fmt: str, n: int, k: int, t: int, dtype: torch.dtype) -> QConfig:
+    """The launch configuration for x [t, k] @ W[n, k].T in fmt: a pure function of shapes, no timing."""
+    ng = quant.qlayout(fmt, (n, k)).kp // quant.QSPEC[fmt][0]
+    use_dot = dtype in (torch.float16, torch.bfloat16) and t > 2
+    block_n = 32 if use_dot else 16
+    block_t = min(64, max(16, _next_pow2(t))) if use_dot else min(4, _next_pow2(t))
+    tiles = triton_cdiv(n, block_n)
+    split_k = 1
+    while tiles * split_k < _TARGET_PROGRAMS and ng // (split_k * 2) >= 8:
+        split_k *= 2
+    return QConfig(block_n=block_n, gps=4, split_k=split_k, use_dot=use_dot, block_t=block_t)
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+# ---------------------------------------------------------------------------------------------------
+# Launches
+
+
+def qlinear_triton(x: torch.Tensor, lin: PackedLinear, config: QConfig | None = None) -> torch.Tensor:
+    """Fused dequantize-and-multiply: ``x [T, K]`` contiguous (bf16/fp16/fp32) -> ``[T, N]`` in x.dtype.
+
+    No host synchronisation and a fixed set of allocations per shape: safe to capture in a CUDA graph
+    once a first call (which compiles the kernel) has run outside the capture.
+    """
+    kernel, _ = _kernels()
+    if x.dim() != 2 or x.shape[1] != lin.k:
+        raise ValueError(f"qlinear_triton: x must be [T, K={lin.k}], got shape {tuple(x.shape)}")
+    if not x.is_contiguous():
+        raise ValueError("qlinear_triton: x must be contiguous")
+    t = x.shape[0]
+    cfg = config or choose_config(lin.fmt, lin.n, lin.k, t, x.dtype)
+    groups_per_split = triton_cdiv(triton_cdiv(lin.ng, cfg.split_k), cfg.gps) * cfg.gps
+    atomic = cfg.split_k > 1
+    if atomic:
+        out = torch.zeros(t, lin.n, dtype=torch.float32, device=x.device)
+    else:
+        out = torch.empty(t, lin.n, dtype=x.dtype, device=x.device)
+    grid = (triton_cdiv(lin.n, cfg.block_n), triton_cdiv(lin.ng, groups_per_split), triton_cdiv(t, cfg.block_t))
+    kernel[grid](x, lin.codes, lin.high, lin.scales, out,
+                 t, lin.n, lin.k, lin.ng, groups_per_split,
+                 x.stride(0), out.stride(0), lin.codes.stride(0), lin.high.stride(0), lin.scales.stride(0),
+                 FMT=_FMT_ID[lin.fmt], BLOCK_T=cfg.block_t, BLOCK_N=cfg.block_n, GPS=cfg.gps,
+                 USE_DOT=cfg.use_dot, ATOMIC=atomic, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out.to(x.dtype) if atomic else out
+
+
+def qlinear_dequant(lin: PackedLinear, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The packed weight as a dense ``[N, K]`` tensor of ``dtype`` on lin's device (Triton kernel)."""
+    _, kernel = _kernels()
+    w = torch.empty(lin.n, lin.k, dtype=dtype, device=lin.device)
+    block_n = 64
+    kernel[(triton_cdiv(lin.n, block_n), lin.ng)](
+        lin.codes, lin.high, lin.scales, w, lin.n, lin.k,
+        lin.codes.stride(0), lin.high.stride(0), lin.scales.stride(0), w.stride(0),
+        FMT=_FMT_ID[lin.fmt], BLOCK_N=block_n)
+    return w
+
+
+class PackedLinear:
+    """A quantized weight W [N, K] placed on a device, ready for the fused kernel.
+
+    Holds the packed uint8 buffer on ``device`` and typed views of its sections, made once here so a
+    call only passes pointers: ``codes`` uint8 [N, code bytes per row], ``high`` uint8 [N, Kp/8] (q5; a
+    1-byte placeholder otherwise), ``scales`` fp16 [N, Kp/group].
+
+    ``lin(x)`` with x [..., K]: on CUDA with at most MAX_KERNEL_ROWS rows, the fused kernel. Otherwise
+    (prefill widths, or a CPU) a dense weight and F.linear: with ``dense_fallback=True`` (default) the
+    dense weight is made once per dtype and cached, which costs 2 bytes per weight on top of the packed
+    ~0.6 (q4) - the quantization's memory saving is gone for any layer that ever takes that path; with
+    ``dense_fallback=False`` it is dequantized on every such call (no memory kept, a dequant pass per call).
+    """
+
+    def __init__(self, buf: torch.Tensor, fmt: str, shape: tuple[int, int], device, *, dense_fallback: bool = True):
+        if fmt not in _FMT_ID:
+            raise ValueError(f"PackedLinear: fmt must be one of {tuple(_FMT_ID)}, got {fmt!r}")
+        if len(shape) != 2:
+            raise ValueError(f"PackedLinear: shape must be (N, K), got {tuple(shape)}")
+        lay = quant.qlayout(fmt, tuple(int(s) for s in shape))
+        if buf.dtype != torch.uint8 or buf.numel() < lay.nbytes:
+            raise ValueError(f"PackedLinear: {fmt} buffer for shape {tuple(shape)} must be uint8 with "
+                             f">= {lay.nbytes} bytes, got {buf.dtype} with {buf.numel()}")
+        self.fmt, self.n, self.k = fmt, lay.n, lay.k
+        self.kp, self.group = lay.kp, lay.group
+        self.ng = lay.kp // lay.group
+        self.device = torch.device(device)
+        self.dense_fallback = dense_fallback
+        self.buf = buf.reshape(-1)[:lay.nbytes].to(self.device).contiguous()
+
+        def section(off_len):
+            return self.buf[off_len[0]:off_len[0] + off_len[1]]
+
+        self.codes = section(lay.codes).view(lay.n, -1)  # [N, Kp/2] (q4/q5) or [N, Kp] (q8)
+        self.high = section(lay.high).view(lay.n, -1) if fmt == "q5_g64_fp16" else self.buf[:1].view(1, 1)
+        self.scales = section(lay.scales).view(torch.float16).view(lay.n, self.ng)  # [N, Kp/group]
+        self._dense: dict[torch.dtype, torch.Tensor] = {}
+
+    @property
+    def packed_bytes(self) -> int:
+        """Bytes the kernel reads for the weight: codes + high bits + scales."""
+        return self.codes.numel() + (self.high.numel() if self.fmt == "q5_g64_fp16" else 0) + 2 * self.scales.numel()
+
+    def dense(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight as a dense [N, K] tensor of dtype on the device (cached if dense_fallback)."""
+        w = self._dense.get(dtype)
+        if w is not None:
+            return w
+        if self.device.type == "cuda" and triton_available():
+            w = qlinear_dequant(self, dtype)
+        else:
+            w = quant.dequantize(self.buf.cpu(), self.fmt, (self.n, self.k), dtype).to(self.device)
+        if self.dense_fallback:
+            self._dense[dtype] = w
+        return w
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.k:
+            raise ValueError(f"PackedLinear: x must be [..., K={self.k}], got shape {tuple(x.shape)}")
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.k)
+        if x2.is_cuda and x2.shape[0] <= MAX_KERNEL_ROWS and triton_available():
+            y = qlinear_triton(x2.contiguous(), self)
+        else:
+            y = F.linear(x2, self.dense(x.dtype))
+        return y.reshape(*lead, self.n)

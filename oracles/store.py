@@ -1,0 +1,156 @@
+"""Stored oracle outputs and the oracle agreement rule (DESIGN.md "Suites, results, reports, gates").
+
+File format: one JSON document (gzip-compressed when the path ends in ``.gz``)::
+
+    {"schema": "ninfer-bench/oracle", "schema_version": 1,
+     "meta": {"artifact_id", "artifact_sha256", "dtype", "top_k", "created", ...},
+     "records": [{"id", "prompt_ids", "tokens", "topk_ids", "topk_logprobs"}, ...]}
+
+``tokens[i]`` is the oracle's greedy token at generation step i; ``topk_ids[i]`` / ``topk_logprobs[i]``
+are the top-k of that step's log-softmax over the full vocabulary, best first. JSON floats round-trip
+exactly, so a stored oracle compares bit-for-bit with a fresh one.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Sequence
+
+SCHEMA = "ninfer-bench/oracle"
+SCHEMA_VERSION = 1
+RECORD_KEYS = ("id", "prompt_ids", "tokens", "topk_ids", "topk_logprobs")
+META_KEYS = ("artifact_id", "artifact_sha256", "dtype", "top_k")
+
+NEAR_TIE_NATS = 0.05
+"""Default near-tie tolerance: the largest oracle top-1 / top-2 log-prob gap (nats) at which a
+candidate may pick the top-2 token and still agree.
+
+The candidate engine runs in bf16/fp16 with an INT8 KV cache against a float64 oracle. bf16 keeps 8
+significant bits (relative rounding 2^-9, about 0.2%), and that error compounds through the layers, so
+on logits of magnitude ~10-20 the two best tokens can move relative to each other by a few hundredths
+of a nat from rounding alone. 0.05 nats (a 5% probability ratio) covers that; a divergence at a larger
+gap is a real disagreement, not a coin flip the oracle barely called.
+"""
+
+
+# ---- file format ------------------------------------------------------------------------------------
+def _validate_record(rec: dict, top_k: int) -> None:
+    missing = [k for k in RECORD_KEYS if k not in rec]
+    if missing:
+        raise ValueError(f"oracle record {rec.get('id')!r}: missing key(s) {missing}")
+    steps = len(rec["tokens"])
+    if len(rec["topk_ids"]) != steps or len(rec["topk_logprobs"]) != steps:
+        raise ValueError(f"oracle record {rec['id']!r}: {steps} tokens but {len(rec['topk_ids'])} topk_ids "
+                         f"and {len(rec['topk_logprobs'])} topk_logprobs rows")
+    for i, (ids, lps) in enumerate(zip(rec["topk_ids"], rec["topk_logprobs"])):
+        if len(ids) != len(lps) or not 1 <= len(ids) <= top_k:
+            raise ValueError(f"oracle record {rec['id']!r} step {i}: {len(ids)} ids and {len(lps)} log-probs "
+                             f"(expected the same count, 1..top_k={top_k})")
+
+
+def save_oracle(path: str | Path, records: Sequence[dict], meta: dict) -> Path:
+    """Write oracle records and their metadata; ``meta['created']`` defaults to now (UTC, ISO 8601)."""
+    missing = [k for k in META_KEYS if k not in meta]
+    if missing:
+        raise ValueError(f"oracle meta: missing key(s) {missing} (required: {', '.join(META_KEYS)})")
+    meta = {**meta, "created": meta.get("created") or datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    ids = [r.get("id") for r in records]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"oracle records: duplicate id(s) {sorted({i for i in ids if ids.count(i) > 1})}")
+    clean = []
+    for rec in records:
+        _validate_record(rec, int(meta["top_k"]))
+        clean.append({"id": rec["id"], "prompt_ids": [int(t) for t in rec["prompt_ids"]],
+                      "tokens": [int(t) for t in rec["tokens"]],
+                      "topk_ids": [[int(t) for t in row] for row in rec["topk_ids"]],
+                      "topk_logprobs": [[float(v) for v in row] for row in rec["topk_logprobs"]]})
+    doc = {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "meta": meta, "records": clean}
+    path = Path(path)
+    text = json.dumps(doc, separators=(",", ":"))
+    if path.suffix == ".gz":
+        with gzip.open(path, "wt", encoding="utf-8") as f:
+            f.write(text)
+    else:
+        path.write_text(text, encoding="utf-8")
+    return path
+
+
+def load_oracle(path: str | Path) -> tuple[list[dict], dict]:
+    """Read an oracle file written by ``save_oracle``: returns (records, meta)."""
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
+            doc = json.load(f)
+    except (OSError, json.JSONDecodeError, EOFError) as e:
+        raise ValueError(f"oracle file {path}: cannot read it as (gzipped) JSON: {e}") from e
+    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
+        raise ValueError(f"oracle file {path}: schema is {doc.get('schema') if isinstance(doc, dict) else None!r}, "
+                         f"expected {SCHEMA!r}")
+    if doc.get("schema_version") != SCHEMA_VERSION:
+        raise ValueError(f"oracle file {path}: schema_version {doc.get('schema_version')!r}, "
+                         f"this reader knows {SCHEMA_VERSION}")
+    meta = doc["meta"]
+    for rec in doc["records"]:
+        _validate_record(rec, int(meta["top_k"]))
+    return doc["records"], meta
+
+
+# ---- agreement --------------------------------------------------------------------------------------
+def agreement(candidate_tokens: Sequence[int], oracle_record: dict, near_tie: float = NEAR_TIE_NATS) -> dict:
+    """The oracle agreement rule for one case.
+
+    Tokens are compared over the steps both sides generated (``compared_steps``; a run that stopped
+    earlier or later is not by itself a disagreement). Identical -> pass. At the first differing step
+    d the case passes only if the oracle's top-1 / top-2 log-prob gap there is <= ``near_tie`` and the
+    candidate's token is the oracle's top-2. Later steps are never compared: after d the two runs
+    continue from different prefixes.
+
+    Returns {"pass", "first_divergence" (step index or None), "top1_agreement" (fraction of compared
+    steps whose candidate token is the oracle's top-1 on the oracle's own path, i.e. before the first
+    divergence; steps from d on count as not agreeing), "gap_at_divergence" (nats, or None),
+    "compared_steps"}.
+    """
+    oracle_tokens = oracle_record["tokens"]
+    steps = min(len(candidate_tokens), len(oracle_tokens))
+    divergence = next((i for i in range(steps) if int(candidate_tokens[i]) != int(oracle_tokens[i])), None)
+    on_path = steps if divergence is None else divergence
+    top1 = sum(int(candidate_tokens[i]) == int(oracle_record["topk_ids"][i][0]) for i in range(on_path))
+    result = {"pass": divergence is None, "first_divergence": divergence,
+              "top1_agreement": top1 / steps if steps else 1.0, "gap_at_divergence": None,
+              "compared_steps": steps}
+    if divergence is not None:
+        ids, lps = oracle_record["topk_ids"][divergence], oracle_record["topk_logprobs"][divergence]
+        if len(lps) >= 2:
+            gap = float(lps[0]) - float(lps[1])
+            result["gap_at_divergence"] = gap
+            result["pass"] = gap <= near_tie and int(candidate_tokens[divergence]) == int(ids[1])
+    return result
+
+
+def kl(p_logprobs: Sequence[float], q_logprobs: Sequence[float]) -> float:
+    """KL(p || q) in nats over a top-k support, each side renormalised to sum to 1 on it.
+
+    The two sequences are aligned: the same token ids in the same order, typically the oracle's top-k
+    ids with p = the oracle's log-probs and q = the candidate's log-probs gathered at those ids. Both
+    are top-k truncations of full distributions, so each is renormalised over the k ids before the
+    sum ``sum_i p_i (log p_i - log q_i)``; the result is 0 for identical inputs and >= 0 otherwise.
+    A q of -inf where p has mass gives inf.
+    """
+    p, q = [float(v) for v in p_logprobs], [float(v) for v in q_logprobs]
+    if len(p) != len(q) or not p:
+        raise ValueError(f"kl: need two aligned non-empty log-prob lists, got lengths {len(p)} and {len(q)}")
+
+    def renormalised(lps: list[float]) -> list[float]:
+        top = max(lps)
+        if top == -math.inf:
+            raise ValueError("kl: every log-prob is -inf")
+        log_total = top + math.log(sum(math.exp(v - top) for v in lps))
+        return [v - log_total for v in lps]
+
+    p, q = renormalised(p), renormalised(q)
+    return max(0.0, sum(math.exp(pi) * (pi - qi) for pi, qi in zip(p, q) if pi > -math.inf))

@@ -1,0 +1,353 @@
+"""Artifact container: round trips (v2, v3, every format), alignment, digests, errors, atomic writes, upgrade."""
+
+import json
+import os
+import struct
+
+import pytest
+import torch
+
+from ninfer_bench.engine import quant
+from ninfer_bench.engine.artifact import Artifact, ArtifactError, upgrade, write_artifact
+
+# (format, shape): K not a multiple of the group, a multiple, a 3-D tensor; floats also as 1-D / conv weights
+CASES = [(fmt, shape) for fmt in quant.QUANT_FORMATS for shape in [(5, 100), (3, 64), (2, 3, 70)]]
+CASES += [(fmt, shape) for fmt in quant.FLOAT_FORMATS for shape in [(5, 100), (7,), (6, 1, 4)]]
+HEADER = {2: 16, 3: 32}
+
+
+def _case_name(fmt, shape):
+    return f"model.layers.0.w_{fmt}_{'x'.join(map(str, shape))}.weight"
+
+
+def _tensors(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {_case_name(fmt, shape): (fmt, torch.randn(shape, generator=g)) for fmt, shape in CASES}
+
+
+def _write_small(path, version=3, **kw):
+    """A small artifact: every format, a tied lm_head, a tokenizer blob and a text component."""
+    tensors = _tensors()
+    tensors["model.embed_tokens.weight"] = ("q8_g32_fp16", torch.randn(11, 48))
+    kw.setdefault("aliases", {"lm_head.weight": "model.embed_tokens.weight"})
+    kw.setdefault("blobs", {"tokenizer.json": b'{"model": "bpe"}', "chat_template.jinja": b"{{ messages }}"})
+    kw.setdefault("components", {"text": {"config": {"hidden_size": 48}, "tensors": sorted(tensors)}, "vision": None})
+    kw.setdefault("metadata", {"chat_template": "chat_template.jinja", "tokenizer": "tokenizer.json"})
+    write_artifact(path, tensors=tensors, version=version, model_id="tiny", **kw)
+    return tensors
+
+
+def _read_doc(path):
+    """(version, JSON document, payload bytes) parsed independently of the reader under test."""
+    data = open(path, "rb").read()
+    version = data[7]
+    (jlen,) = struct.unpack("<Q", data[8:16])
+    start = HEADER[version] + jlen
+    payload_start = (start + 4095) // 4096 * 4096
+    return version, json.loads(data[HEADER[version]:start]), data[payload_start:], payload_start
+
+
+def _rewrite_doc(path, mutate):
+    """Apply ``mutate(doc)`` to the JSON of an artifact, moving the payload as needed."""
+    data = open(path, "rb").read()
+    version, doc, payload, _ = _read_doc(path)
+    mutate(doc)
+    body = json.dumps(doc).encode()
+    head = data[:8] + struct.pack("<Q", len(body)) + data[16:HEADER[version]] + body
+    with open(path, "wb") as f:
+        f.write(head + bytes(-len(head) % 4096) + payload)
+
+
+@pytest.mark.parametrize("version", [2, 3])
+def test_round_trip_every_format(tmp_path, version):
+    path = tmp_path / "a.ninfer"
+    tensors = _write_small(path, version)
+    with Artifact.open(path) as art:
+        assert art.version == version
+        for name, (fmt, w) in tensors.items():
+            packed = quant.pack(w, fmt)
+            assert torch.equal(art.raw(name), packed), name
+            expected = quant.dequantize(packed, fmt, tuple(w.shape))
+            got = art.tensor(name)
+            assert got.shape == w.shape and got.dtype == torch.float32
+            assert torch.equal(got, expected), name
+            if fmt == "fp32":
+                assert torch.equal(got, w)
+            assert art.info(name).format == fmt and art.info(name).shape == tuple(w.shape)
+        assert torch.equal(art.tensor("model.layers.0.w_bf16_5x100.weight", dtype=torch.bfloat16),
+                           tensors["model.layers.0.w_bf16_5x100.weight"][1].to(torch.bfloat16))
+        assert art.names() == sorted([*tensors, "lm_head.weight"])
+        assert art.names("model.embed") == ["model.embed_tokens.weight"]
+        assert art.components["text"]["config"] == {"hidden_size": 48}
+        assert art.metadata["tokenizer"] == "tokenizer.json" and art.model_id == "tiny"
+
+
+def test_tensor_does_not_alias_the_file(tmp_path):
+    path = tmp_path / "a.ninfer"
+    tensors = _write_small(path)
+    name = "model.layers.0.w_fp32_7.weight"
+    with Artifact.open(path) as art:
+        art.tensor(name).fill_(123.0)
+        assert torch.equal(art.tensor(name), tensors[name][1])
+
+
+@pytest.mark.parametrize("version", [2, 3])
+def test_alignment(tmp_path, version):
+    path = tmp_path / "a.ninfer"
+    tensors = _write_small(path, version)
+    _, doc, payload, payload_start = _read_doc(path)
+    assert payload_start % 4096 == 0
+    with Artifact.open(path) as art:
+        assert art.payload_start == payload_start
+    raw_file = open(path, "rb").read()
+    assert raw_file[HEADER[version] + struct.unpack("<Q", raw_file[8:16])[0]:payload_start].strip(b"\0") == b""
+    for obj in doc["objects"]:
+        if version == 3:
+            assert obj["offset"] % 256 == 0, obj
+    by_name = {o.get("name"): o for o in doc["objects"]} if version == 2 else \
+        {n: next(o for o in doc["objects"] if o["id"] == i) for n, i in doc["bindings"].items()}
+    for name, (fmt, w) in tensors.items():
+        obj = by_name[name]
+        assert payload[obj["offset"]:obj["offset"] + obj["bytes"]] == quant.pack(w, fmt).numpy().tobytes()
+
+
+@pytest.mark.parametrize("version", [2, 3])
+def test_blobs(tmp_path, version):
+    path = tmp_path / "a.ninfer"
+    _write_small(path, version)
+    with Artifact.open(path) as art:
+        assert art.blob("tokenizer.json") == b'{"model": "bpe"}'
+        assert art.blob("chat_template.jinja") == b"{{ messages }}"
+        assert art.has("tokenizer.json") and "tokenizer.json" not in art.names()
+        assert art.info("tokenizer.json").kind == "blob" and art.info("tokenizer.json").shape == (16,)
+        with pytest.raises(ArtifactError, match="not a blob"):
+            art.blob("model.embed_tokens.weight")
+        with pytest.raises(ArtifactError, match="not a weight"):
+            art.tensor("tokenizer.json")
+        with pytest.raises(ArtifactError, match="no binding named nope"):
+            art.info("nope")
+
+
+@pytest.mark.parametrize("version", [2, 3])
+def test_tied_alias_written_once(tmp_path, version):
+    path = tmp_path / "a.ninfer"
+    tensors = _write_small(path, version)
+    _, doc, _, _ = _read_doc(path)
+    n_embed = sum(o["bytes"] == quant.nbytes("q8_g32_fp16", (11, 48)) and o["kind"] == "weight"
+                  for o in doc["objects"])
+    assert n_embed == 1
+    with Artifact.open(path) as art:
+        assert art.info("lm_head.weight").id == art.info("model.embed_tokens.weight").id
+        assert torch.equal(art.tensor("lm_head.weight"), art.tensor("model.embed_tokens.weight"))
+        assert art.info("lm_head.weight").name == "model.embed_tokens.weight"
+        assert len(art.names()) == len(tensors) + 1
+
+
+def test_verify_passes_and_reports_progress(tmp_path):
+    path = tmp_path / "a.ninfer"
+    _write_small(path)
+    calls = []
+    with Artifact.open(path) as art:
+        results = art.verify(progress=lambda done, total, label: calls.append((done, total, label)))
+        assert len(results) == len(art.objects) and all(ok and msg == "ok" for _, ok, msg in results)
+        total = sum(o.nbytes for o in art.objects.values())
+    assert calls[-1][:2] == (total, total)
+    assert [c[0] for c in calls] == sorted(c[0] for c in calls)
+
+
+def test_verify_v2_has_no_digests(tmp_path):
+    path = tmp_path / "a.ninfer"
+    _write_small(path, version=2)
+    with Artifact.open(path) as art:
+        assert {(ok, msg) for _, ok, msg in art.verify()} == {(True, "no digest (v2)")}
+
+
+def test_flipped_byte_is_reported_by_verify(tmp_path):
+    path = tmp_path / "a.ninfer"
+    _write_small(path)
+    name = "model.layers.0.w_q4_g64_fp16_5x100.weight"
+    with Artifact.open(path) as art:
+        info = art.info(name)
+        where = art.payload_start + info.offset + info.nbytes // 2
+    with open(path, "r+b") as f:
+        f.seek(where)
+        byte = f.read(1)
+        f.seek(where)
+        f.write(bytes([byte[0] ^ 0x10]))
+    with Artifact.open(path) as art:  # open does not hash
+        bad = [(label, msg) for label, ok, msg in art.verify() if not ok]
+        assert bad == [(f"{info.id} ({name})", bad[0][1])]
+        assert "sha256 mismatch" in bad[0][1]
+        with pytest.raises(ArtifactError, match=rf"object {info.id} \({name}\): sha256 mismatch"):
+            art.verify(strict=True)
+
+
+def test_truncated_file_names_an_object(tmp_path):
+    path = tmp_path / "a.ninfer"
+    _write_small(path)
+    with Artifact.open(path) as art:
+        last = max(art.objects.values(), key=lambda o: o.offset)
+        first = min(art.objects.values(), key=lambda o: o.offset)
+        cut = art.payload_start + last.offset + 1
+    os.truncate(path, cut)
+    with pytest.raises(ArtifactError, match=rf"truncated.*object {last.id} \({last.name}\)"):
+        Artifact.open(path)
+    os.truncate(path, cut - last.offset - 1 + first.offset + 1)
+    with pytest.raises(ArtifactError, match=rf"truncated.*object {first.id} \({first.name}\)"):
+        Artifact.open(path)
+    os.truncate(path, 20)
+    with pytest.raises(ArtifactError, match="truncated"):
+        Artifact.open(path)
+
+
+def test_bad_header(tmp_path):
+    path = tmp_path / "a.ninfer"
+    _write_small(path)
+    data = open(path, "rb").read()
+    (tmp_path / "magic.ninfer").write_bytes(b"GGUF\0\0\0\x03" + data[8:])
+    with pytest.raises(ArtifactError, match="magic.ninfer: not a ninfer artifact"):
+        Artifact.open(tmp_path / "magic.ninfer")
+    (tmp_path / "v9.ninfer").write_bytes(data[:7] + b"\x09" + data[8:])
+    with pytest.raises(ArtifactError, match="unsupported artifact version 9"):
+        Artifact.open(tmp_path / "v9.ninfer")
+    (tmp_path / "json.ninfer").write_bytes(data[:32] + b"}" + data[33:])
+    with pytest.raises(ArtifactError, match="JSON header is unreadable"):
+        Artifact.open(tmp_path / "json.ninfer")
+    with pytest.raises(ArtifactError, match="no such file: .*missing.ninfer"):
+        Artifact.open(tmp_path / "missing.ninfer")
+
+
+def test_missing_binding(tmp_path):
+    path = tmp_path / "a.ninfer"
+    _write_small(path)
+    _rewrite_doc(path, lambda doc: doc["bindings"].update({"lm_head.weight": "o99"}))
+    with pytest.raises(ArtifactError, match="binding lm_head.weight -> object o99, which does not exist"):
+        Artifact.open(path)
+    _write_small(path)
+    _rewrite_doc(path, lambda doc: doc["bindings"].pop("model.layers.0.w_fp32_7.weight"))
+    with pytest.raises(ArtifactError, match="component text lists model.layers.0.w_fp32_7.weight"):
+        Artifact.open(path)
+
+
+def _edit_object(name, key, value):
+    def mutate(doc):
+        oid = doc["bindings"][name]
+        next(o for o in doc["objects"] if o["id"] == oid)[key] = value
+    return mutate
+
+
+def test_size_mismatch_in_json(tmp_path):
+    path = tmp_path / "a.ninfer"
+    name = "model.layers.0.w_q5_g64_fp16_5x100.weight"
+    _write_small(path)
+    _rewrite_doc(path, _edit_object(name, "shape", [5, 200]))
+    with pytest.raises(ArtifactError, match=rf"object o\d+ \({name}\): shape/size mismatch"):
+        Artifact.open(path)
+    _write_small(path)
+    _rewrite_doc(path, _edit_object(name, "bytes", 1))
+    with pytest.raises(ArtifactError, match=rf"\({name}\): shape/size mismatch"):
+        Artifact.open(path)
+    _write_small(path)
+    _rewrite_doc(path, _edit_object(name, "format", "q3_k"))
+    with pytest.raises(ArtifactError, match=rf"\({name}\): unknown format 'q3_k'"):
+        Artifact.open(path)
+
+
+def test_parts_binding_is_concatenated(tmp_path):
+    path = tmp_path / "a.ninfer"
+    a, b = torch.randn(2, 40), torch.randn(3, 40)
+    write_artifact(path, tensors={"a": ("fp32", a), "b": ("q8_g32_fp16", b)})
+    _rewrite_doc(path, lambda doc: doc["bindings"].update({"ab": {"parts": ["o0", "o1"], "axis": 0}}))
+    with Artifact.open(path) as art:
+        assert art.shape("ab") == (5, 40) and "ab" in art.names()
+        assert torch.equal(art.tensor("ab"), torch.cat([a, art.tensor("b")]))
+        with pytest.raises(ArtifactError, match="bound to 2 parts"):
+            art.raw("ab")
+    _rewrite_doc(path, lambda doc: doc["bindings"].update({"ab": {"parts": ["o0", "o1"], "axis": 1}}))
+    with pytest.raises(ArtifactError, match="binding ab: parts .* differ off axis 1"):
+        Artifact.open(path)
+
+
+def test_upgrade_keeps_bytes(tmp_path):
+    src, dst = tmp_path / "v2.ninfer", tmp_path / "v3.ninfer"
+    _write_small(src, version=2, provenance={"source": "unit test"})
+    upgrade(src, dst)
+    with Artifact.open(src) as old, Artifact.open(dst) as new:
+        assert (old.version, new.version) == (2, 3)
+        assert new.names() == old.names() and new.artifact_id == old.artifact_id
+        for name in old.names():
+            assert torch.equal(new.raw(name), old.raw(name)), name
+            assert torch.equal(new.tensor(name), old.tensor(name)), name
+        assert new.info("lm_head.weight").id == new.info("model.embed_tokens.weight").id
+        assert new.blob("tokenizer.json") == old.blob("tokenizer.json")
+        assert new.components == old.components and new.metadata == old.metadata
+        assert new.provenance["source"] == "unit test" and new.provenance["upgraded_from"]["version"] == 2
+        assert not any(n.startswith("__") for n in new.bindings)
+        assert all(ok for _, ok, _ in new.verify())
+    with pytest.raises(ArtifactError, match="already v3"):
+        upgrade(dst, tmp_path / "again.ninfer")
+
+
+def test_summary_counts_each_object_once(tmp_path):
+    path = tmp_path / "a.ninfer"
+    tensors = _write_small(path)
+    with Artifact.open(path) as art:
+        s = art.summary()
+    text = s["components"]["text"]
+    assert text["tensors"] == len(tensors) and text["objects"] == len(tensors)
+    assert s["components"]["(none)"] == {"tensors": 1, "objects": 1,
+                                         "bytes": quant.nbytes("q8_g32_fp16", (11, 48))}  # lm_head, not listed
+    assert s["formats"]["q4_g64_fp16"]["objects"] == 3
+    assert s["blobs"] == {"objects": 2, "bytes": 16 + 14}
+
+
+def test_closed_artifact_refuses_reads(tmp_path):
+    path = tmp_path / "a.ninfer"
+    _write_small(path)
+    with Artifact.open(path) as art:
+        pass
+    with pytest.raises(ArtifactError, match="closed"):
+        art.raw("lm_head.weight")
+
+
+def _left_over(tmp_path):
+    return sorted(p.name for p in tmp_path.iterdir())
+
+
+def test_writer_failure_leaves_no_file(tmp_path):
+    path = tmp_path / "a.ninfer"
+    with pytest.raises(ArtifactError, match="tensor w: unknown format 'q3'"):
+        write_artifact(path, tensors={"v": ("fp32", torch.ones(3)), "w": ("q3", torch.ones(4, 4))})
+    assert _left_over(tmp_path) == []
+
+    def boom(done, total, name):
+        raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError, match="disk full"):
+        write_artifact(path, tensors=_tensors(), progress=boom)
+    assert _left_over(tmp_path) == []
+    with pytest.raises(ArtifactError, match=r"packed p: 3 bytes but fp32 \[2\] needs 8"):
+        write_artifact(path, packed={"p": ("fp32", (2,), b"abc")})
+    with pytest.raises(ArtifactError, match="component text lists ghost"):
+        write_artifact(path, tensors=_tensors(), components={"text": {"config": {}, "tensors": ["ghost"]}})
+    assert _left_over(tmp_path) == []
+
+
+def test_writer_failure_keeps_existing_file(tmp_path):
+    path = tmp_path / "a.ninfer"
+    _write_small(path)
+    before = path.read_bytes()
+    with pytest.raises(RuntimeError):
+        write_artifact(path, tensors=_tensors(1), progress=lambda *a: (_ for _ in ()).throw(RuntimeError("x")))
+    assert path.read_bytes() == before and _left_over(tmp_path) == ["a.ninfer"]
+
+
+def test_packed_objects_are_copied_as_is(tmp_path):
+    path = tmp_path / "a.ninfer"
+    w = torch.randn(4, 70)
+    buf = quant.pack(w, "q5_g64_fp16")
+    write_artifact(path, packed={"w": ("q5_g64_fp16", (4, 70), buf), "b": ("bf16", (3,), bytes(6))},
+                   artifact_id=bytes(range(16)))
+    with Artifact.open(path) as art:
+        assert torch.equal(art.raw("w"), buf) and art.artifact_id == bytes(range(16)).hex()
+        assert torch.equal(art.tensor("b"), torch.zeros(3))

@@ -1,0 +1,338 @@
+"""The oracle (oracles/reference.py) against Hugging Face transformers, and the stored-oracle helpers.
+
+Tiny random models are built with transformers inside the tests. Norm weights, A_log and dt_bias are
+randomised away from their init (zeros / ones) so that a ``1 + w`` vs ``w`` mistake, a missing
+``exp`` or a dropped bias shows up; linear weights get fan-in scaled init so logits spread out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from ninfer_bench.engine.config import ModelConfig
+from ninfer_bench.oracles.reference import ReferenceModel, split_qwen3_next_weights
+from ninfer_bench.oracles.store import NEAR_TIE_NATS, agreement, kl, load_oracle, save_oracle
+
+PROMPT_LEN = 224
+RTOL_VS_HF_FP32 = 1e-4   # oracle float64 vs transformers float32
+RTOL_VS_HF_FP64 = 1e-10  # oracle float64 vs transformers in true float64
+RTOL_SELF = 1e-12        # oracle vs itself along another code path (incremental, chunked)
+
+LINEAR, FULL = "linear_attention", "full_attention"
+
+SHAPES = {
+    # untied, Hv/Hk = 2, dk != dv, partial rotary 0.25, two full layers of six
+    "qwen3_5_ratio2_untied": dict(
+        family="qwen3_5", vocab_size=300, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=8, layer_types=[LINEAR, LINEAR, FULL, LINEAR, LINEAR, FULL],
+        tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                    "partial_rotary_factor": 0.25}),
+    # tied, Hv/Hk = 3, GQA group 3, partial rotary 0.5
+    "qwen3_5_ratio3_tied": dict(
+        family="qwen3_5", vocab_size=301, hidden_size=48, intermediate_size=80, num_attention_heads=6,
+        num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=6,
+        linear_key_head_dim=8, linear_value_head_dim=12, layer_types=[LINEAR, FULL, LINEAR, LINEAR, FULL],
+        tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6,
+                                                   "partial_rotary_factor": 0.5}),
+    # Qwen3-Next, dense MLP, fused in_proj_qkvz / in_proj_ba, Hv/Hk = 3
+    "qwen3_next_ratio3": dict(
+        family="qwen3_next", vocab_size=300, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=6,
+        linear_key_head_dim=12, linear_value_head_dim=8, layer_types=[LINEAR, FULL, LINEAR, FULL],
+        tie_word_embeddings=False, num_experts=0, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                                   "partial_rotary_factor": 0.25}),
+}
+
+
+def _randomise(model: torch.nn.Module, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.empty(p.shape).uniform_(math.log(0.05), math.log(4.0), generator=gen))
+            elif name.endswith("dt_bias"):
+                p.copy_(torch.randn(p.shape, generator=gen))
+            elif p.ndim == 1:  # zero-centred norms and the GDN gated norm: well away from 0 and from 1
+                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("conv1d.weight"):
+                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[1]))
+
+
+def build_hf(shape: str, seed: int = 0):
+    """A tiny random transformers model of the named shape, in float32, and its ModelConfig."""
+    spec = dict(SHAPES[shape])
+    family = spec.pop("family")
+    torch.manual_seed(seed)
+    spec["num_hidden_layers"] = len(spec["layer_types"])
+    if family == "qwen3_5":
+        model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**spec))
+    else:
+        model = transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(**spec))
+    _randomise(model, seed)
+    model.eval()
+    return model, ModelConfig.from_hf(model.config.to_dict())
+
+
+def weights_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt())
+
+
+@contextlib.contextmanager
+def true_float64(model: torch.nn.Module):
+    """Make a ``.double()`` transformers model compute in float64 throughout.
+
+    transformers upcasts several ops to float32 explicitly (RMSNorm ``x.float()``, the GDN gate
+    ``A_log.float()``, the delta rule ``.to(torch.float32)``, RoPE's float32 ``inv_freq``), which caps a
+    float64 comparison at ~1e-7. Inside this context float64 tensors stay float64 and ``inv_freq`` is
+    rebuilt in float64, so HF becomes a float64 reference the oracle must match to rounding.
+    """
+    real_float, real_to = torch.Tensor.float, torch.Tensor.to
+
+    def keep_float(self, *args, **kwargs):
+        return self if self.dtype == torch.float64 else real_float(self, *args, **kwargs)
+
+    def keep_to(self, *args, **kwargs):
+        if self.dtype == torch.float64:
+            args = tuple(torch.float64 if a is torch.float32 else a for a in args)
+            if kwargs.get("dtype") is torch.float32:
+                kwargs["dtype"] = torch.float64
+        return real_to(self, *args, **kwargs)
+
+    cfg = model.config
+    rope = cfg.rope_parameters
+    dim = int(cfg.head_dim * rope.get("partial_rotary_factor", 1.0))
+    inv_freq = 1.0 / rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    model.model.rotary_emb.inv_freq = inv_freq
+    torch.Tensor.float, torch.Tensor.to = keep_float, keep_to
+    try:
+        yield
+    finally:
+        torch.Tensor.float, torch.Tensor.to = real_float, real_to
+
+
+def prompt(n: int, vocab: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+# ---- against transformers -----------------------------------------------------------------------------
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_logits_match_transformers(shape):
+    hf, cfg = build_hf(shape)
+    ids = prompt(PROMPT_LEN, cfg.vocab_size)
+    oracle = ReferenceModel(cfg, weights_of(hf))
+    logits, hidden = oracle.forward(ids)
+    assert logits.dtype == torch.float64 and logits.shape == (PROMPT_LEN, cfg.vocab_size)
+    assert hidden.shape == (PROMPT_LEN, cfg.hidden_size)
+    assert float(logits.std()) > 0.5, "the random model is too flat to be a meaningful check"
+
+    with torch.no_grad():
+        hf32 = hf(ids[None]).logits[0]
+        assert rel_rms(logits, hf32) <= RTOL_VS_HF_FP32
+
+        hf.double()
+        last_layer = {}  # transformers' hidden_states[-1] is after model.norm; the oracle's is before it
+        hf.model.layers[-1].register_forward_hook(lambda module, args, out: last_layer.setdefault("out", out))
+        with true_float64(hf):
+            hf64 = hf(ids[None]).logits[0]
+    assert rel_rms(logits, hf64) <= RTOL_VS_HF_FP64
+    assert rel_rms(hidden, last_layer["out"][0]) <= RTOL_VS_HF_FP64
+
+
+def test_float32_oracle_is_close():
+    hf, cfg = build_hf("qwen3_5_ratio2_untied")
+    ids = prompt(64, cfg.vocab_size)
+    ref64, _ = ReferenceModel(cfg, weights_of(hf)).forward(ids)
+    ref32, _ = ReferenceModel(cfg, weights_of(hf), dtype=torch.float32).forward(ids)
+    assert ref32.dtype == torch.float32
+    assert rel_rms(ref32, ref64) <= RTOL_VS_HF_FP32
+
+
+def test_qwen3_next_split_matches_hf_ordering():
+    hf, cfg = build_hf("qwen3_next_ratio3")
+    split = split_qwen3_next_weights(weights_of(hf), cfg)
+    assert not any("in_proj_qkvz" in k or "in_proj_ba" in k for k in split)
+    x = torch.randn(1, 5, cfg.hidden_size)
+    gdn = hf.model.layers[0].linear_attn
+    with torch.no_grad():
+        q, k, v, z, b, a = gdn.fix_query_key_value_ordering(gdn.in_proj_qkvz(x), gdn.in_proj_ba(x))
+    p = "model.layers.0.linear_attn."
+    qkv = x @ split[p + "in_proj_qkv.weight"].T
+    torch.testing.assert_close(qkv, torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], -1))
+    torch.testing.assert_close(x @ split[p + "in_proj_z.weight"].T, z.flatten(2))
+    torch.testing.assert_close(x @ split[p + "in_proj_b.weight"].T, b)
+    torch.testing.assert_close(x @ split[p + "in_proj_a.weight"].T, a)
+
+
+# ---- the oracle against itself ----------------------------------------------------------------------
+@pytest.mark.parametrize("shape", ["qwen3_5_ratio2_untied", "qwen3_next_ratio3"])
+def test_greedy_incremental_matches_full_forward(shape):
+    hf, cfg = build_hf(shape)
+    oracle = ReferenceModel(cfg, weights_of(hf))
+    ids = prompt(29, cfg.vocab_size)
+    new = 12
+    for chunk in (None, 5):  # the prompt in one piece, and in pieces that straddle the conv window
+        out = oracle.greedy(ids, max_new_tokens=new, top_k=8, prefill_chunk=chunk)
+        assert len(out["tokens"]) == new and all(len(r) == 8 for r in out["topk_ids"])
+        full = torch.cat([ids, torch.tensor(out["tokens"][:-1])])
+        logprobs = torch.log_softmax(oracle.forward(full)[0][len(ids) - 1:], dim=-1)  # [new, V]
+        assert out["tokens"] == logprobs.argmax(-1).tolist()
+        top = torch.topk(logprobs, 8)
+        assert out["topk_ids"] == top.indices.tolist()
+        assert rel_rms(torch.tensor(out["topk_logprobs"], dtype=torch.float64), top.values) <= RTOL_SELF
+
+
+def test_greedy_stops_on_stop_id():
+    hf, cfg = build_hf("qwen3_5_ratio3_tied")
+    oracle = ReferenceModel(cfg, weights_of(hf))
+    ids = prompt(16, cfg.vocab_size)
+    free = oracle.greedy(ids, max_new_tokens=10)
+    stop = free["tokens"][3]
+    first = free["tokens"].index(stop)
+    stopped = oracle.greedy(ids, max_new_tokens=10, stop_ids=(stop,))
+    assert stopped["tokens"] == free["tokens"][:first + 1]
+    assert len(stopped["topk_ids"]) == len(stopped["topk_logprobs"]) == first + 1
+
+
+def test_bad_weights_are_named():
+    hf, cfg = build_hf("qwen3_5_ratio2_untied")
+    w = weights_of(hf)
+    del w["model.layers.2.self_attn.q_norm.weight"]
+    with pytest.raises(ValueError, match=r"model\.layers\.2\.self_attn\.q_norm\.weight"):
+        ReferenceModel(cfg, w)
+    w = weights_of(hf)
+    w["model.layers.0.linear_attn.A_log"] = torch.zeros(3)
+    with pytest.raises(ValueError, match=r"A_log.*shape"):
+        ReferenceModel(cfg, w)
+
+
+# ---- MTP ------------------------------------------------------------------------------------------------
+def with_mtp(model: torch.nn.Module, cfg: ModelConfig, seed: int = 3) -> dict[str, torch.Tensor]:
+    """The model's weights plus a random MTP head (transformers has no MTP module).
+
+    ``mtp.layers.0`` takes the tensor names and shapes of one of the model's full-attention layers.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    h = cfg.hidden_size
+    w = weights_of(model)
+    source = f"model.layers.{cfg.full_layers[0]}."
+    shapes = {name.replace(source, "mtp.layers.0."): tuple(t.shape) for name, t in w.items() if name.startswith(source)}
+    shapes.update({"mtp.fc.weight": (h, 2 * h), "mtp.pre_fc_norm_embedding.weight": (h,),
+                   "mtp.pre_fc_norm_hidden.weight": (h,), "mtp.norm.weight": (h,)})
+    for name, shape in shapes.items():
+        t = torch.randn(shape, generator=gen)
+        w[name] = 0.5 * t if len(shape) == 1 else t / math.sqrt(shape[1])
+    return w
+
+
+def test_mtp_shapes_and_causality():
+    hf, cfg = build_hf("qwen3_5_ratio2_untied")
+    oracle = ReferenceModel(cfg, with_mtp(hf, cfg))
+    ids = prompt(40, cfg.vocab_size)
+    _, hidden = oracle.forward(ids)
+    next_ids = torch.cat([ids[1:], torch.tensor([7])])
+    out = oracle.mtp_logits(hidden, next_ids)
+    assert out.shape == (40, cfg.vocab_size) and out.dtype == torch.float64 and torch.isfinite(out).all()
+
+    # Changing token 25 changes main-model hidden from 25 on and next_ids from 24 on: rows < 24 are fixed.
+    ids2 = ids.clone()
+    ids2[25] = (ids[25] + 1) % cfg.vocab_size
+    _, hidden2 = oracle.forward(ids2)
+    out2 = oracle.mtp_logits(hidden2, torch.cat([ids2[1:], torch.tensor([7])]))
+    torch.testing.assert_close(out2[:24], out[:24], rtol=0, atol=0)
+    assert not torch.allclose(out2[24:], out[24:])
+
+    # The pre-/post-norm choice of h_t is a real switch.
+    pre = oracle.mtp_logits(hidden, next_ids, mtp_uses_prenorm_hidden=True)
+    assert rel_rms(pre, out) > 1e-3
+
+    with pytest.raises(ValueError, match="MTP head"):
+        ReferenceModel(cfg, weights_of(hf)).mtp_logits(hidden, next_ids)
+
+
+# ---- agreement rule, KL, file format -------------------------------------------------------------------
+def oracle_case(tokens, gaps, top_k=4):
+    """A hand-made oracle record: at step i the top-1 is tokens[i] and the top-2 sits gaps[i] below it."""
+    ids, lps = [], []
+    for tok, gap in zip(tokens, gaps):
+        ids.append([tok, tok + 100] + [tok + 200 + j for j in range(top_k - 2)])
+        lps.append([-0.5, -0.5 - gap] + [-5.0 - j for j in range(top_k - 2)])
+    return {"id": "case", "prompt_ids": [1, 2, 3], "tokens": list(tokens), "topk_ids": ids, "topk_logprobs": lps}
+
+
+def test_agreement_rule():
+    rec = oracle_case([10, 11, 12, 13, 14], [1.0, 1.0, 0.01, 2.0, 1.0])
+    same = agreement([10, 11, 12, 13, 14], rec)
+    assert same == {"pass": True, "first_divergence": None, "top1_agreement": 1.0, "gap_at_divergence": None,
+                    "compared_steps": 5}
+
+    near_tie = agreement([10, 11, 112, 50, 51], rec)  # picks the top-2 at step 2, where the gap is 0.01
+    assert near_tie["pass"] and near_tie["first_divergence"] == 2
+    assert near_tie["gap_at_divergence"] == pytest.approx(0.01)
+    assert near_tie["top1_agreement"] == pytest.approx(2 / 5)
+
+    large_gap = agreement([10, 11, 12, 113, 14], rec)  # picks the top-2 at step 3, where the gap is 2.0
+    assert not large_gap["pass"] and large_gap["first_divergence"] == 3
+    assert large_gap["gap_at_divergence"] == pytest.approx(2.0)
+
+    not_top2 = agreement([10, 11, 212], rec)  # near tie, but the candidate picked the top-3
+    assert not not_top2["pass"] and not_top2["first_divergence"] == 2 and not_top2["compared_steps"] == 3
+
+    first_step = agreement([110, 11], rec)
+    assert first_step["first_divergence"] == 0 and not first_step["pass"] and first_step["top1_agreement"] == 0.0
+
+    assert agreement([10, 11, 12, 13, 14], rec, near_tie=0.0)["pass"]
+    assert not agreement([10, 11, 112], rec, near_tie=0.005)["pass"]
+    assert agreement([10, 11, 12], rec)["pass"]  # a shorter run that agrees where compared
+    assert 0.0 < NEAR_TIE_NATS < 0.5
+
+
+def test_kl():
+    p = [-0.1, -2.5, -3.0, -4.0]
+    assert kl(p, p) == pytest.approx(0.0, abs=1e-15)
+    assert kl(p, [v - 3.0 for v in p]) == pytest.approx(0.0, abs=1e-12)  # renormalised: a shift is no change
+    q = [-0.3, -1.5, -3.5, -4.0]
+    pn = torch.log_softmax(torch.tensor(p, dtype=torch.float64), 0)
+    qn = torch.log_softmax(torch.tensor(q, dtype=torch.float64), 0)
+    assert kl(p, q) == pytest.approx(float((pn.exp() * (pn - qn)).sum()), rel=1e-12)
+    assert kl(p, q) > 0 and kl(p, q) != pytest.approx(kl(q, p))
+    with pytest.raises(ValueError):
+        kl(p, q[:2])
+
+
+@pytest.mark.parametrize("suffix", [".json", ".json.gz"])
+def test_store_round_trip(tmp_path, suffix):
+    hf, cfg = build_hf("qwen3_5_ratio3_tied")
+    oracle = ReferenceModel(cfg, weights_of(hf))
+    records = []
+    for case in range(2):
+        ids = prompt(12, cfg.vocab_size, seed=10 + case)
+        records.append({"id": f"case-{case}", "prompt_ids": ids.tolist(), **oracle.greedy(ids, 6, top_k=5)})
+    meta = {"artifact_id": "hf-random", "artifact_sha256": None, "dtype": "float64", "top_k": 5}
+    path = save_oracle(tmp_path / f"oracle{suffix}", records, meta)
+    loaded, loaded_meta = load_oracle(path)
+    assert loaded == records  # floats round-trip exactly
+    assert loaded_meta["top_k"] == 5 and loaded_meta["created"]
+    assert all(agreement(r["tokens"], r)["pass"] for r in loaded)
+
+    with pytest.raises(ValueError, match="artifact_id"):
+        save_oracle(tmp_path / "x.json", records, {"dtype": "float64", "top_k": 5, "artifact_sha256": None})
+    bad = dict(records[0], topk_ids=records[0]["topk_ids"][:-1])
+    with pytest.raises(ValueError, match="case-0"):
+        save_oracle(tmp_path / "y.json", [bad], meta)
+    (tmp_path / "z.json").write_text('{"schema": "something-else"}')
+    with pytest.raises(ValueError, match="schema"):
+        load_oracle(tmp_path / "z.json")
