@@ -12,7 +12,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 from rich.table import Table
 
 console = Console(stderr=False)
-err_console = Console(stderr=True)
+err_console = Console(stderr=True, soft_wrap=True)
 
 
 class UserError(click.ClickException):
@@ -152,15 +152,18 @@ def upgrade(v2_file, v3_file):
 
 
 # ---- running a model ---------------------------------------------------------------------------------
-def engine_options(f):
+def engine_options(f=None, *, kv_default: str = "int8"):
     """The options every command that binds an Engine takes."""
+    if f is None:
+        return lambda g: engine_options(g, kv_default=kv_default)
     opts = [
         click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True),
         click.option("--dtype", type=click.Choice(["auto", "fp32", "bf16", "fp16"]), default="auto",
                      show_default=True, help="Compute dtype (auto: bf16 on CUDA, fp32 on CPU)."),
-        click.option("--kv-dtype", type=click.Choice(["bf16", "fp16", "int8"]), default="int8", show_default=True),
-        click.option("--max-context", type=int, default=8192, show_default=True,
-                     help="Longest prompt + completion one request may have."),
+        click.option("--kv-dtype", type=click.Choice(["fp32", "bf16", "fp16", "int8"]), default=kv_default,
+                     show_default=True, help="K/V cache format (int8: one fp16 scale per 64 values)."),
+        click.option("--max-context", type=int, default=None,
+                     help="Longest prompt + completion one request may have [default: 8192, or the model's limit]."),
         click.option("--kv-capacity", type=int, default=None,
                      help="Total K/V tokens over all slots (default max-context x max-concurrency)."),
         click.option("--max-concurrency", type=int, default=1, show_default=True),
@@ -196,7 +199,7 @@ def parse_ids(text: str) -> list[int]:
 @click.option("--text", default=None, help="Prompt text (tokenized with the artifact's tokenizer).")
 @click.option("--ids", default=None, help="Comma-separated token ids.")
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="Where to write the [T, V] .npy.")
-@engine_options
+@engine_options(kv_default="fp32")
 def logits(artifact, text, ids, out, **options):
     """Write the full-prefill logits [T, vocab] of a prompt to a .npy file."""
     import numpy as np
@@ -208,6 +211,173 @@ def logits(artifact, text, ids, out, **options):
     out_logits = eng.logits(prompt).numpy()
     np.save(out, out_logits)
     console.print(f"[green]wrote[/] {out}  shape {list(out_logits.shape)}  dtype {out_logits.dtype}")
+
+
+@main.command()
+@click.argument("artifact", required=False)
+@click.option("--prompt", "-p", default=None, help="Prompt text.")
+@click.option("--prompt-file", type=click.Path(exists=True, dir_okay=False), default=None, help="Read the prompt from a file.")
+@click.option("--chat", is_flag=True, help="Wrap the prompt as a user turn with the artifact's chat template.")
+@click.option("--max-new-tokens", "-n", type=int, default=128, show_default=True)
+@click.option("--temperature", type=float, default=0.0, show_default=True)
+@click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--top-k", type=int, default=0, show_default=True)
+@click.option("--seed", type=int, default=None)
+@click.option("--stop", multiple=True, help="Stop string (repeatable).")
+@click.option("--spec", type=click.Choice(["none", "mtp", "dflash", "dflash2"]), default="none", show_default=True)
+@click.option("--draft-tokens", "-k", type=int, default=None, help="Draft tokens per round (default: MTP 3, DFlash 7).")
+@engine_options
+def generate(artifact, prompt, prompt_file, chat, max_new_tokens, temperature, top_p, top_k, seed, stop, spec,
+             draft_tokens, **options):
+    """Generate text from a prompt (default model: the bundled one)."""
+    if (prompt is None) == (prompt_file is None):
+        raise UserError("give exactly one of --prompt or --prompt-file")
+    text = prompt if prompt is not None else Path(prompt_file).read_text()
+    eng = build_engine(artifact, spec=spec, draft_tokens=draft_tokens, **options)
+    if chat:
+        text = eng.tokenizer.apply_chat_template([{"role": "user", "content": text}])
+    ids = eng.tokenizer.encode(text)
+    res = eng.generate(ids, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                       seed=seed, stop=stop)
+    console.print(res.text, highlight=False, markup=False)
+    n = res.completion_tokens
+    tok_s = (n - 1) / res.decode_s if n > 1 and res.decode_s > 0 else float("nan")
+    extra = ""
+    if res.spec.get("rounds"):
+        extra = (f", {res.spec['tokens_per_round']:.2f} tokens/round, "
+                 f"acceptance {res.spec['acceptance_rate']:.2f}")
+    err_console.print(f"[dim]{len(ids)} prompt + {n} tokens ({res.finish_reason}); ttft {res.ttft_s * 1e3:.1f} ms, "
+                      f"decode {tok_s:.1f} tok/s{extra}[/]", highlight=False)
+
+
+def read_prompt_set(path: str, tokenizer) -> list[dict]:
+    """Prompts from a .jsonl file (``{"id", "text"}`` or ``{"id", "ids"}`` per line) or one prompt per .txt file."""
+    p = Path(path)
+    if p.suffix == ".jsonl":
+        out = []
+        for n, line in enumerate(p.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UserError(f"{path}:{n}: not JSON ({e.msg})") from None
+            ids = rec.get("ids") or tokenizer.encode(rec.get("text", ""))
+            if not ids:
+                raise UserError(f"{path}:{n}: prompt has no 'text' or 'ids'")
+            out.append({"id": str(rec.get("id", n)), "prompt_ids": [int(t) for t in ids]})
+        return out
+    return [{"id": p.stem, "prompt_ids": tokenizer.encode(p.read_text())}]
+
+
+@main.group()
+def oracle():
+    """Produce oracle outputs with the independent reference forward (float64, sequential)."""
+
+
+@oracle.command("prompts")
+@click.argument("artifact")
+@click.option("--prompts", "prompts_path", required=True, type=click.Path(exists=True, dir_okay=False),
+              help=".jsonl prompt set ({id, text} per line) or a .txt prompt.")
+@click.option("--max-new-tokens", "-n", type=int, default=32, show_default=True)
+@click.option("--top-k", type=int, default=8, show_default=True)
+@click.option("--dtype", type=click.Choice(["fp64", "fp32"]), default="fp64", show_default=True)
+@click.option("--out", required=True, type=click.Path(dir_okay=False), help="Output file (.json or .json.gz).")
+def oracle_prompts(artifact, prompts_path, max_new_tokens, top_k, dtype, out):
+    """Greedy tokens and per-step top-k log-probs of the reference model for a prompt set."""
+    from rich.progress import Progress
+
+    from .engine.loader import load_source
+    from .oracles.build import build_oracle
+
+    prompts = read_prompt_set(prompts_path, load_source(artifact).tokenizer)
+    with Progress(console=err_console, transient=True) as prog:
+        task = prog.add_task("oracle", total=len(prompts))
+        build_oracle(artifact, prompts, out, max_new_tokens=max_new_tokens, top_k=top_k, dtype=dtype,
+                     progress=lambda done, total, pid: prog.update(task, completed=done))
+    console.print(f"[green]wrote[/] {out}: {len(prompts)} prompts x {max_new_tokens} tokens")
+
+
+# ---- suites ------------------------------------------------------------------------------------------
+def suite_progress(description: str):
+    """A rich progress bar for suites counting units of work; returns (progress, callback(done, total, what))."""
+    from rich.progress import MofNCompleteColumn, TimeElapsedColumn
+
+    prog = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=err_console, transient=True)
+    task = prog.add_task(description, total=None)
+
+    def update(done, total, what=""):
+        prog.update(task, completed=done, total=total, description=f"{description} {what}")
+
+    return prog, update
+
+
+def save_result(doc: dict, json_path: str | None) -> None:
+    from .reports.schema import write_result
+
+    if json_path:
+        write_result(doc, json_path)
+        err_console.print(f"[dim]result document: {json_path}[/]")
+
+
+def fmt(v, spec=".2f"):
+    return "-" if v is None else format(v, spec)
+
+
+@main.command()
+@click.option("--model", default=None, help="Artifact path or preset [default: the bundled model].")
+@click.option("--engine", type=click.Choice(["ours", "hf"]), default="ours", show_default=True,
+              help="ours, or the transformers peer on the same weights.")
+@click.option("--spec", type=click.Choice(["none", "mtp", "dflash", "dflash2"]), default="none", show_default=True)
+@click.option("--draft-tokens", "-k", type=int, default=None, help="Draft tokens per round (default: MTP 3, DFlash 7).")
+@click.option("--rollback", type=click.Choice(["recompute", "snapshot"]), default="recompute", show_default=True,
+              help="How rejected positions' recurrent state is undone.")
+@click.option("--lm-head-draft", type=int, default=0, show_default=True,
+              help="Drafters score only the N most frequent tokens (0: the full vocabulary).")
+@click.option("--prompt-file", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Prompt text [default: the shipped short-code prompt].")
+@click.option("--max-new-tokens", "-n", type=int, default=4096, show_default=True)
+@click.option("--stop-at-eos", is_flag=True, help="Stop at end-of-sequence (default: always generate -n tokens).")
+@click.option("--repeats", type=int, default=3, show_default=True)
+@click.option("--warmup", type=int, default=1, show_default=True)
+@click.option("--label", default=None, help="Label of this run in reports [default: runtime-spec-k].")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write the result document.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of --synthetic weights.")
+@engine_options
+def decode(model, engine, spec, draft_tokens, rollback, lm_head_draft, prompt_file, max_new_tokens, stop_at_eos,
+           repeats, warmup, label, json_path, seed, max_concurrency, kv_capacity, **options):
+    """The short-code decode test: prefill a code prompt, greedy-decode N tokens, measure speed and acceptance."""
+    from .suites.common import DEFAULT_PROMPT
+    from .suites.decode import DecodeOptions, run_decode
+
+    opts = DecodeOptions(model=model, engine=engine, spec=spec, draft_tokens=draft_tokens, rollback=rollback,
+                         lm_head_draft=lm_head_draft, prompt_file=prompt_file or str(DEFAULT_PROMPT),
+                         max_new_tokens=max_new_tokens, ignore_eos=not stop_at_eos, repeats=repeats, warmup=warmup,
+                         label=label, seed=seed, **options)
+    prog, update = suite_progress("decode")
+    with prog:
+        doc = run_decode(opts, progress=update)
+    s = doc["summary"]
+    table = Table(title=f"decode: {doc['label']} on {doc['config']['device']} ({doc['env'].get('gpu') or 'cpu'})")
+    for col in ("metric", "value"):
+        table.add_column(col)
+    rows = [("prompt / completion tokens", f"{s['prompt_tokens']} / {s['completion_tokens']}"),
+            ("prefill tok/s", fmt(s["prefill_tok_s"], ".1f")), ("decode tok/s", fmt(s["decode_tok_s"], ".1f")),
+            ("TTFT ms", fmt(s["ttft_ms"], ".1f")), ("device ms / round", fmt(s["device_ms_per_round"], ".3f")),
+            ("rounds", str(s["rounds"])), ("tokens / round", fmt(s["tokens_per_round"])),
+            ("acceptance rate", fmt(s["acceptance_rate"], ".3f")),
+            ("accepted per position", " ".join(f"{a:.2f}" for a in s["accepted_per_position"]) or "-"),
+            ("weight bytes / step", f"{s['weight_bytes_per_step']:,}" if s["weight_bytes_per_step"] else "-"),
+            ("copy bandwidth GB/s", fmt(s["copy_bandwidth_gbps"], ".0f")),
+            ("achieved GB/s (weights)", fmt(s["achieved_gbps"], ".0f")),
+            ("roofline fraction", fmt(s["roofline_fraction"], ".3f")),
+            ("peak memory", f"{s['peak_memory_bytes'] / 2**20:,.0f} MiB"),
+            ("tokens sha256", s["tokens_sha256"][:16] + ("" if s["deterministic"] else " (varies!)"))]
+    for k, v in rows:
+        table.add_row(k, v)
+    console.print(table)
+    save_result(doc, json_path)
 
 
 def cli_entry():

@@ -20,7 +20,7 @@ class EngineOptions:
     device: str = "auto"
     dtype: str = "auto"
     kv_dtype: str = "int8"
-    max_context: int = 8192
+    max_context: int | None = None  # None: 8192, or the model's limit when smaller
     kv_capacity: int | None = None
     max_concurrency: int = 1
     prefill_chunk: int = 512
@@ -43,11 +43,12 @@ class EngineOptions:
             raise ValueError(f"kv dtype must be fp32, bf16, fp16 or int8, got {self.kv_dtype!r}")
         for name in ("max_context", "max_concurrency", "prefill_chunk"):
             value = getattr(self, name)
+            if value is None and name == "max_context":
+                continue
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name.replace('_', '-')} must be a positive integer, got {value!r}")
-        if self.kv_capacity is None:
-            self.kv_capacity = self.max_context * self.max_concurrency
-        if not isinstance(self.kv_capacity, int) or self.kv_capacity < self.max_concurrency:
+        if self.kv_capacity is not None and (not isinstance(self.kv_capacity, int)
+                                             or self.kv_capacity < self.max_concurrency):
             raise ValueError(f"kv-capacity must be an integer >= max-concurrency ({self.max_concurrency}), "
                              f"got {self.kv_capacity!r}")
         if self.runtime not in ("v2", "v3"):
@@ -67,6 +68,16 @@ class EngineOptions:
             raise ValueError(f"lm-head-draft must be a non-negative integer, got {self.lm_head_draft!r}")
         if self.gdn_impl not in ("auto", "ref", "chunked", "fla", "step"):
             raise ValueError(f"gdn impl must be auto, ref, chunked, fla or step, got {self.gdn_impl!r}")
+
+    def bind(self, model_max_positions: int) -> None:
+        """Resolve the defaults that depend on the model, and check max-context against it."""
+        if self.max_context is None:
+            self.max_context = min(8192, model_max_positions)
+        if self.max_context > model_max_positions:
+            raise ValueError(f"max-context {self.max_context} exceeds the model's max_position_embeddings "
+                             f"{model_max_positions}")
+        if self.kv_capacity is None:
+            self.kv_capacity = self.max_context * self.max_concurrency
 
     @property
     def torch_device(self) -> torch.device:

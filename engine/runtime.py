@@ -77,9 +77,7 @@ class Engine:
         self.config: ModelConfig = loaded.config
         self.tokenizer = loaded.tokenizer
         self.device, self.dtype = opts.torch_device, opts.torch_dtype
-        if opts.max_context > self.config.max_position_embeddings:
-            raise ValueError(f"max-context {opts.max_context} exceeds the model's max_position_embeddings "
-                             f"{self.config.max_position_embeddings}")
+        opts.bind(self.config.max_position_embeddings)
         self.weights = WeightStore(loaded.raws, device=self.device, dtype=self.dtype, runtime=opts.runtime,
                                    tied_embeddings=self.config.tie_word_embeddings)
         # spec verification writes up to K + 1 positions past a sequence's length: room for them per slot
@@ -103,6 +101,14 @@ class Engine:
         opts = EngineOptions(**options)
         loaded = load_source(source, synthetic=synthetic, quant=quant, seed=seed, device=opts.torch_device)
         return cls(loaded, opts)
+
+    @property
+    def model_info(self) -> dict:
+        """What a result document records of the model."""
+        cfg = self.config
+        return {**self.loaded.info, "model_type": cfg.model_type, "layers": cfg.num_hidden_layers,
+                "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
+                "weight_bytes": self.weights.weight_bytes, "drafters": sorted(self.loaded.drafters)}
 
     @property
     def weight_bytes_per_step(self) -> int:

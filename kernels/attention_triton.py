@@ -204,147 +204,153 @@ def _launch(kern, q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, scale, kv
         o_part = lse_part = out  # unused: the split kernel writes the output directly
     ks = k_scale if int8 else k_cache  # placeholders keep one signature; never read without IS_INT8
     vs = v_scale if int8 else v_cache
-    kern.split[(m_tiles, splits, b * hkv)](
+    kern["split"][(m_tiles, splits, b * hkv)](
         q, k_cache, v_cache, ks, vs, slots, q_pos, out, o_part, lse_part,
         *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3], *ks.stride()[:3], *vs.stride()[:3],
         *q_pos.stride(), *out.stride()[:3],
         scale * LOG2E, t, h, hkv, kv_len, cfg.chunk, splits,
         G=g, HD=hd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, NG=block_d // gw, GW=gw,
-        IS_INT8=int8, SPLIT=splits > 1, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        IS_INT8=int8, SPLIT=splits > 1, DOT_DTYPE=kern["dtypes"][q.dtype],
+        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if splits > 1:
-        kern.combine[(b * t * h,)](
+        kern["combine"][(b * t * h,)](
             o_part, lse_part, q_pos, out, *q_pos.stride(), *out.stride()[:3], t, h, cfg.chunk, splits,
             HD=hd, BLOCK_S=16, BLOCK_D=block_d, num_warps=4 if block_d >= 128 else 2,
         )
     return out
 
 
+# ---- Triton kernels ------------------------------------------------------------------------------------------
+# Plain functions here, turned into jitted kernels by `_kernels()` on first use: triton is optional, and
+# TRITON_INTERPRET (which the test module sets on machines without CUDA) is read when `triton.jit` runs. Their
+# annotations are strings (postponed evaluation), so `tl` only has to exist by then.
+
+tl = None  # triton.language, bound by _kernels()
+
+
+def _load_tile(base, s_base, stride_n, stride_sn, offs_n, n_ok, DOT_DTYPE: tl.constexpr, HD: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NG: tl.constexpr, GW: tl.constexpr,
+               IS_INT8: tl.constexpr):
+    """Keys or values [BLOCK_N, BLOCK_D] of one slot and kv head in DOT_DTYPE, 0 past HD and where n_ok is false."""
+    if IS_INT8:
+        # codes as [BLOCK_N, NG, GW], so that each 64-wide group meets its scale by broadcasting
+        offs_g = tl.arange(0, NG)
+        d3 = offs_g[None, :, None] * GW + tl.arange(0, GW)[None, None, :]
+        codes = tl.load(base + offs_n[:, None, None] * stride_n + d3, mask=n_ok[:, None, None] & (d3 < HD), other=0)
+        sc = tl.load(s_base + offs_n[:, None] * stride_sn + offs_g[None, :],
+                     mask=n_ok[:, None] & (offs_g[None, :] * GW < HD), other=0.0)
+        x = codes.to(tl.float32) * sc.to(tl.float32)[:, :, None]
+        return tl.reshape(x, (BLOCK_N, BLOCK_D)).to(DOT_DTYPE)
+    else:
+        offs_d = tl.arange(0, BLOCK_D)
+        x = tl.load(base + offs_n[:, None] * stride_n + offs_d[None, :],
+                    mask=n_ok[:, None] & (offs_d[None, :] < HD), other=0.0)
+        return x.to(DOT_DTYPE)
+
+
+def _attn_split(Q, K, V, KS, VS, SLOTS, QPOS, O, OP, LSE,
+                stride_qb, stride_qt, stride_qh, stride_ks, stride_kh, stride_kn, stride_vs, stride_vh, stride_vn,
+                stride_kss, stride_ksh, stride_ksn, stride_vss, stride_vsh, stride_vsn,
+                stride_pb, stride_pt, stride_ob, stride_ot, stride_oh,
+                qk_scale, T, H, HKV, KV_LEN, CHUNK, NUM_SPLITS,
+                G: tl.constexpr, HD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_D: tl.constexpr, NG: tl.constexpr, GW: tl.constexpr, IS_INT8: tl.constexpr,
+                SPLIT: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Program (m tile, split, b * Hkv + hkv): rows (t, g) of the tile against keys [split * CHUNK, + CHUNK)."""
+    pid_m = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    pid_bh = tl.program_id(2)
+    b = pid_bh // HKV
+    hkv = pid_bh % HKV
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # row = t * G + g
+    t = rows // G
+    h = hkv * G + rows % G
+    row_ok = t < T
+    qpos = tl.load(QPOS + b * stride_pb + t * stride_pt, mask=row_ok, other=-1).to(tl.int32)  # [BLOCK_M]
+    lo = pid_s * CHUNK
+    hi = tl.minimum(tl.minimum(lo + CHUNK, KV_LEN), tl.max(qpos, 0) + 1)  # hi <= lo: the chunk is past every row
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HD
+    q = tl.load(Q + b * stride_qb + t[:, None] * stride_qt + h[:, None] * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(DOT_DTYPE)  # [BLOCK_M, BLOCK_D]
+    slot = tl.load(SLOTS + b).to(tl.int64)  # slot * stride overflows int32 on large caches
+    k_base = K + slot * stride_ks + hkv * stride_kh
+    v_base = V + slot * stride_vs + hkv * stride_vh
+    ks_base = KS + slot * stride_kss + hkv * stride_ksh
+    vs_base = VS + slot * stride_vss + hkv * stride_vsh
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < hi  # masked loads give 0, so NaN or garbage past the last position never reaches p @ v
+        k = _load_tile(k_base, ks_base, stride_kn, stride_ksn, offs_n, n_ok, DOT_DTYPE, HD, BLOCK_N, BLOCK_D,
+                       NG, GW, IS_INT8)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+        live = (offs_n[None, :] <= qpos[:, None]) & n_ok[None, :]
+        qk = tl.where(live, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no live key yet: avoid inf - inf
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(qk - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = _load_tile(v_base, vs_base, stride_vn, stride_vsn, offs_n, n_ok, DOT_DTYPE, HD, BLOCK_N, BLOCK_D,
+                       NG, GW, IS_INT8)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PREC)
+        m_i = m_new
+    has = l_i > 0.0
+    l_safe = tl.where(has, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    if SPLIT:
+        # partials [B, T, H, NUM_SPLITS, (hd)]; rows whose q_pos lies before this chunk are never read: skip them
+        r = ((b * T + t) * H + h).to(tl.int64) * NUM_SPLITS + pid_s
+        used = row_ok & (qpos >= lo)
+        tl.store(OP + r[:, None] * HD + offs_d[None, :], o, mask=used[:, None] & d_ok[None, :])
+        tl.store(LSE + r, tl.where(has, m_i + tl.log2(l_safe), float("-inf")), mask=used)
+    else:
+        tl.store(O + b * stride_ob + t[:, None] * stride_ot + h[:, None] * stride_oh + offs_d[None, :],
+                 o.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+def _attn_combine(OP, LSE, QPOS, O, stride_pb, stride_pt, stride_ob, stride_ot, stride_oh, T, H, CHUNK, NUM_SPLITS,
+                  HD: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Program r = (b * T + t) * H + h: merge the splits that row's q_pos reaches (log2-sum-exp weights)."""
+    r = tl.program_id(0)
+    h = r % H
+    t = (r // H) % T
+    b = r // (H * T)
+    n_used = tl.minimum(tl.load(QPOS + b * stride_pb + t * stride_pt).to(tl.int32) // CHUNK + 1, NUM_SPLITS)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HD
+    base = r.to(tl.int64) * NUM_SPLITS
+    m = tl.full([], float("-inf"), tl.float32)
+    l = tl.zeros([], tl.float32)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for s0 in range(0, n_used, BLOCK_S):
+        offs_s = s0 + tl.arange(0, BLOCK_S)
+        s_ok = offs_s < n_used
+        lse = tl.load(LSE + base + offs_s, mask=s_ok, other=float("-inf"))
+        o = tl.load(OP + (base + offs_s)[:, None] * HD + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :],
+                    other=0.0)
+        m_new = tl.maximum(m, tl.max(lse, 0))  # finite: split 0 always holds key 0
+        w = tl.exp2(lse - m_new)
+        alpha = tl.exp2(m - m_new)
+        acc = acc * alpha + tl.sum(w[:, None] * o, 0)
+        l = l * alpha + tl.sum(w, 0)
+        m = m_new
+    tl.store(O + b * stride_ob + t * stride_ot + h * stride_oh + offs_d, (acc / l).to(O.dtype.element_ty), mask=d_ok)
+
+
 @functools.lru_cache(maxsize=1)
-def _kernels():
-    """Define the jitted kernels on first use (triton is optional, and TRITON_INTERPRET is read here)."""
+def _kernels() -> dict:
+    """Jit the kernels (first call only). `_attn_split` finds `_load_tile` and `tl` as module globals."""
+    global tl, _load_tile
     import triton
-    import triton.language as tl
+    import triton.language
 
-    @triton.jit
-    def load_tile(base, s_base, stride_n, stride_sn, offs_n, n_ok, DOT_DTYPE: tl.constexpr, HD: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NG: tl.constexpr, GW: tl.constexpr,
-                  IS_INT8: tl.constexpr):
-        # keys/values [BLOCK_N, BLOCK_D] of one slot and kv head, zero past HD and where n_ok is false
-        if IS_INT8:
-            # codes as [BLOCK_N, NG, GW] so each 64-wide group meets its scale by broadcasting
-            offs_g = tl.arange(0, NG)
-            d3 = offs_g[None, :, None] * GW + tl.arange(0, GW)[None, None, :]
-            codes = tl.load(base + offs_n[:, None, None] * stride_n + d3,
-                            mask=n_ok[:, None, None] & (d3 < HD), other=0)
-            sc = tl.load(s_base + offs_n[:, None] * stride_sn + offs_g[None, :],
-                         mask=n_ok[:, None] & (offs_g[None, :] * GW < HD), other=0.0)
-            x = codes.to(tl.float32) * sc.to(tl.float32)[:, :, None]
-            return tl.reshape(x, (BLOCK_N, BLOCK_D)).to(DOT_DTYPE)
-        else:
-            offs_d = tl.arange(0, BLOCK_D)
-            x = tl.load(base + offs_n[:, None] * stride_n + offs_d[None, :],
-                        mask=n_ok[:, None] & (offs_d[None, :] < HD), other=0.0)
-            return x.to(DOT_DTYPE)
-
-    @triton.jit
-    def split(Q, K, V, KS, VS, SLOTS, QPOS, O, OP, LSE,
-              stride_qb, stride_qt, stride_qh, stride_ks, stride_kh, stride_kn, stride_vs, stride_vh, stride_vn,
-              stride_kss, stride_ksh, stride_ksn, stride_vss, stride_vsh, stride_vsn,
-              stride_pb, stride_pt, stride_ob, stride_ot, stride_oh,
-              qk_scale, T, H, HKV, KV_LEN, CHUNK, NUM_SPLITS,
-              G: tl.constexpr, HD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_D: tl.constexpr, NG: tl.constexpr, GW: tl.constexpr, IS_INT8: tl.constexpr,
-              SPLIT: tl.constexpr, DOT_PREC: tl.constexpr):
-        pid_m = tl.program_id(0)
-        pid_s = tl.program_id(1)
-        pid_bh = tl.program_id(2)
-        b = pid_bh // HKV
-        hkv = pid_bh % HKV
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # row = t * G + g
-        t = rows // G
-        h = hkv * G + rows % G
-        row_ok = t < T
-        qpos = tl.load(QPOS + b * stride_pb + t * stride_pt, mask=row_ok, other=-1)  # [BLOCK_M]
-        lo = pid_s * CHUNK
-        hi = tl.minimum(tl.minimum(lo + CHUNK, KV_LEN), tl.max(qpos, 0) + 1)  # empty when the chunk is past qpos
-        offs_d = tl.arange(0, BLOCK_D)
-        d_ok = offs_d < HD
-        DOT_DTYPE = Q.dtype.element_ty
-        q = tl.load(Q + b * stride_qb + t[:, None] * stride_qt + h[:, None] * stride_qh + offs_d[None, :],
-                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
-        slot = tl.load(SLOTS + b).to(tl.int64)  # slot * stride overflows int32 on large caches
-        k_base = K + slot * stride_ks + hkv * stride_kh
-        v_base = V + slot * stride_vs + hkv * stride_vh
-        ks_base = KS + slot * stride_kss + hkv * stride_ksh
-        vs_base = VS + slot * stride_vss + hkv * stride_vsh
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        for start in range(lo, hi, BLOCK_N):
-            offs_n = start + tl.arange(0, BLOCK_N)
-            n_ok = offs_n < hi  # masked loads give 0, so NaN/garbage past the last position never reaches p @ v
-            k = load_tile(k_base, ks_base, stride_kn, stride_ksn, offs_n, n_ok, DOT_DTYPE, HD, BLOCK_N, BLOCK_D,
-                          NG, GW, IS_INT8)
-            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
-            live = (offs_n[None, :] <= qpos[:, None]) & n_ok[None, :]
-            qk = tl.where(live, qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no live key yet: avoid inf - inf
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(qk - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = load_tile(v_base, vs_base, stride_vn, stride_vsn, offs_n, n_ok, DOT_DTYPE, HD, BLOCK_N, BLOCK_D,
-                          NG, GW, IS_INT8)
-            acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PREC)
-            m_i = m_new
-        has = l_i > 0.0
-        o = acc / tl.where(has, l_i, 1.0)[:, None]
-        if SPLIT:
-            # partials [B, T, H, NUM_SPLITS, (hd)]; rows whose q_pos is before this chunk are never read
-            r = ((b * T + t) * H + h).to(tl.int64) * NUM_SPLITS + pid_s
-            used = row_ok & (qpos >= lo)
-            tl.store(OP + r[:, None] * HD + offs_d[None, :], o, mask=used[:, None] & d_ok[None, :])
-            tl.store(LSE + r, tl.where(has, m_i + tl.log2(l_i), float("-inf")), mask=used)
-        else:
-            tl.store(O + b * stride_ob + t[:, None] * stride_ot + h[:, None] * stride_oh + offs_d[None, :],
-                     o.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-
-    @triton.jit
-    def combine(OP, LSE, QPOS, O, stride_pb, stride_pt, stride_ob, stride_ot, stride_oh, T, H, CHUNK, NUM_SPLITS,
-                HD: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-        r = tl.program_id(0)  # (b * T + t) * H + h
-        h = r % H
-        t = (r // H) % T
-        b = r // (H * T)
-        n_used = tl.minimum(tl.load(QPOS + b * stride_pb + t * stride_pt) // CHUNK + 1, NUM_SPLITS)
-        offs_d = tl.arange(0, BLOCK_D)
-        d_ok = offs_d < HD
-        base = r.to(tl.int64) * NUM_SPLITS
-        m = tl.full([], float("-inf"), tl.float32)
-        l = tl.zeros([], tl.float32)
-        acc = tl.zeros([BLOCK_D], tl.float32)
-        for s0 in range(0, n_used, BLOCK_S):
-            offs_s = s0 + tl.arange(0, BLOCK_S)
-            s_ok = offs_s < n_used
-            lse = tl.load(LSE + base + offs_s, mask=s_ok, other=float("-inf"))
-            o = tl.load(OP + (base + offs_s)[:, None] * HD + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :],
-                        other=0.0)
-            m_new = tl.maximum(m, tl.max(lse, 0))  # finite: split 0 always holds key 0
-            w = tl.exp2(lse - m_new)
-            alpha = tl.exp2(m - m_new)
-            acc = acc * alpha + tl.sum(w[:, None] * o, 0)
-            l = l * alpha + tl.sum(w, 0)
-            m = m_new
-        tl.store(O + b * stride_ob + t * stride_ot + h * stride_oh + offs_d, (acc / l).to(O.dtype.element_ty),
-                 mask=d_ok)
-
-    return _Kernels(split=split, combine=combine)
-
-
-@dataclass(frozen=True, slots=True)
-class _Kernels:
-    split: object
-    combine: object
-
+    tl = triton.language
+    _load_tile = triton.jit(_load_tile)
+    dtypes = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+    return {"split": triton.jit(_attn_split), "combine": triton.jit(_attn_combine), "dtypes": dtypes}

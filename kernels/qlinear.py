@@ -60,69 +60,131 @@ def qlinear_ref(x: torch.Tensor, buf: torch.Tensor, fmt: str, shape: tuple[int, 
 # Triton kernels. Written as plain functions and jitted on first use (see _kernels).
 
 
-def _group_codes(codes_ptr, high_ptr, rows, g, g_ok, stride_c, stride_h,
-                 FMT: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Integer codes q of group g of each of ``rows`` as exact fp32, ``[BLOCK_N, GROUP]`` in K order.
+def _codes_as(u, QMIN: tl.constexpr, DT: tl.constexpr):
+    """Unsigned codes u (int32, 0 <= u < 256) as the exact values q = u + QMIN in dtype DT.
 
-    Codes become floats by bit assembly: u (0..255) placed in the mantissa of 256.0 gives 256 + u exactly,
-    and one subtraction gives q = u + qmin. This avoids int->float conversions, which run at a quarter of
-    the FMA rate on Hopper.
+    Built from bits, not converted: u in the low mantissa bits of a power of two P gives P + u exactly,
+    and one subtraction gives q. int->float conversions run at a quarter of the FMA rate on Hopper.
+    """
+    if DT == tl.bfloat16 and QMIN > -128:  # u < 128 fits bf16's 7 mantissa bits: 0x4300 = 128.0
+        return (u | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True) - (128.0 - QMIN)
+    elif DT == tl.float16:  # 0x6400 = 1024.0, 10 mantissa bits
+        return (u | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - (1024.0 - QMIN)
+    else:  # fp32: 0x43800000 = 256.0, one mantissa unit there is 2^-15 (q8 with bf16 x comes here too)
+        return (((u << 15) | 0x43800000).to(tl.float32, bitcast=True) - (256.0 - QMIN)).to(DT)
+
+
+def _q4_pairs_asm(b, DT: tl.constexpr):
+    """q4 bytes -> (low-nibble codes, high-nibble codes) as exact q in DT (bf16/fp16), 4 bytes per asm block.
+
+    FasterTransformer's trick: spread two bytes into the two 16-bit lanes of a register (prmt), mask a
+    nibble into each lane's mantissa and OR in the exponent of 128 (bf16) / 1024 (fp16) with one lop3, then
+    subtract 128 + 8 / 1024 + 8 from both lanes with one packed instruction: ~1.5 instructions per value.
+    """
+    if DT == tl.bfloat16:
+        magic: tl.constexpr = "0x43004300"
+        tail: tl.constexpr = "fma.rn.bf16x2 $0, $0, one, bias; fma.rn.bf16x2 $1, $1, one, bias; " \
+                             "fma.rn.bf16x2 $2, $2, one, bias; fma.rn.bf16x2 $3, $3, one, bias;"
+        consts: tl.constexpr = "mov.b32 one, 0x3F803F80; mov.b32 bias, 0xC308C308;"  # 1.0, -136.0
+    else:
+        magic: tl.constexpr = "0x64006400"
+        tail: tl.constexpr = "sub.f16x2 $0, $0, bias; sub.f16x2 $1, $1, bias; " \
+                             "sub.f16x2 $2, $2, bias; sub.f16x2 $3, $3, bias;"
+        consts: tl.constexpr = "mov.b32 one, 0x3C003C00; mov.b32 bias, 0x64086408;"  # 1.0, 1032.0
+    lo, hi = tl.inline_asm_elementwise(
+        asm="{ .reg .b32 t0, t1, s0, s1, one, bias, z; mov.b32 z, 0; " + consts +
+            "prmt.b32 t0, $4, z, 0x4140; prmt.b32 t1, $4, z, 0x4342; "  # (b0, b1), (b2, b3) in 16-bit lanes
+            "shr.b32 s0, t0, 4; shr.b32 s1, t1, 4; "
+            "lop3.b32 $0, t0, 0x000F000F, " + magic + ", 0xEA; lop3.b32 $1, t1, 0x000F000F, " + magic + ", 0xEA; "
+            "lop3.b32 $2, s0, 0x000F000F, " + magic + ", 0xEA; lop3.b32 $3, s1, 0x000F000F, " + magic + ", 0xEA; "
+            + tail + " }",
+        constraints="=r,=r,=r,=r,r", args=[b], dtype=(DT, DT), is_pure=True, pack=4)
+    return lo, hi
+
+
+def _group_operands(codes_ptr, high_ptr, rows, g, g_ok, stride_c, stride_h,
+                    FMT: tl.constexpr, DT: tl.constexpr, USE_ASM: tl.constexpr):
+    """Group g of each of ``rows`` as exact codes in DT: (even-k, odd-k) ``[BN, 32]`` for q5/q4, (k, k) for q8.
+
+    Byte c of a group's 32 code bytes holds k = 2c (low nibble) and 2c + 1 (high nibble) for q5/q4 and
+    k = c for q8; for q5, bit 2(c % 4) (+1) of high byte c // 4 is bit 4 of the even (odd) code.
     """
     c = tl.arange(0, 32)
     b = tl.load(codes_ptr + rows[:, None] * stride_c + g * 32 + c[None, :], mask=g_ok, other=0)  # [BN, 32] u8
-    if FMT == 0:  # q8: the byte is the int8 code; u = q + 128
-        u = (b.to(tl.int8, bitcast=True).to(tl.int32) + 128)
-        qmin: tl.constexpr = -128
-    else:  # q4/q5: byte c holds k = 2c (low nibble) and 2c + 1 (high nibble)
+    if FMT == 0:
+        q = _codes_as(b.to(tl.int32) ^ 0x80, -128, DT)  # int8 code q = (byte ^ 0x80) - 128
+        return q, q
+    elif FMT == 2 and USE_ASM:
+        return _q4_pairs_asm(b, DT)
+    else:
         bi = b.to(tl.int32)
-        u = tl.interleave(bi & 15, bi >> 4)  # [BN, 64]
+        lo = bi & 15
+        hi = bi >> 4
         if FMT == 1:
-            # bit b of high byte j is bit 4 of u[8j + b]
-            j = tl.arange(0, 8)
-            h = tl.load(high_ptr + rows[:, None] * stride_h + g * 8 + j[None, :], mask=g_ok, other=0)  # [BN, 8]
-            bits = (h.to(tl.int32)[:, :, None] >> tl.arange(0, 8)[None, None, :]) & 1  # [BN, 8, 8]
-            u = tl.reshape(tl.reshape(u, (BLOCK_N, 8, 8)) | (bits << 4), (BLOCK_N, 64))
-            qmin: tl.constexpr = -16
-        else:
-            qmin: tl.constexpr = -8
-    # 0x43800000 is 256.0f; one mantissa unit there is 2^-15, so u << 15 adds u.
-    return ((u << 15) | 0x43800000).to(tl.float32, bitcast=True) - (256.0 - qmin)
+            h = tl.load(high_ptr + rows[:, None] * stride_h + g * 8 + (c // 4)[None, :], mask=g_ok, other=0)
+            sh = 2 * (c % 4)
+            hb = h.to(tl.int32) >> sh[None, :]
+            lo = lo | ((hb & 1) << 4)
+            hi = hi | ((hb & 2) << 3)
+            return _codes_as(lo, -16, DT), _codes_as(hi, -16, DT)
+        return _codes_as(lo, -8, DT), _codes_as(hi, -8, DT)
 
 
 def _qlinear_kernel(x_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr,
                     T, N, K, NG, groups_per_split,
                     stride_xt, stride_ot, stride_c, stride_h, stride_s,
                     FMT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, GPS: tl.constexpr,
-                    USE_DOT: tl.constexpr, ATOMIC: tl.constexpr):
-    """out[t, n] (+)= sum_k x[t, k] W[n, k] over this program's rows and K groups; fp32 accumulation."""
-    GROUP: tl.constexpr = 32 if FMT == 0 else 64
+                    USE_DOT: tl.constexpr, USE_ASM: tl.constexpr, ATOMIC: tl.constexpr):
+    """out[t, n] (+)= sum_k x[t, k] W[n, k] over this program's rows and K groups; fp32 accumulation.
+
+    Per group: the weight rows' codes (exact) times x's 64 (q8: 32) values, then the rows' scales in fp32.
+    With q5/q4 the even and odd k go through separate products (low / high nibbles), so x is read as two
+    stride-2 halves and the weights never need re-interleaving in registers.
+    """
+    DT: tl.constexpr = x_ptr.dtype.element_ty
+    CODE_DT: tl.constexpr = DT if USE_DOT else tl.float32  # the fma variant multiplies in fp32
+    STEP: tl.constexpr = 1 if FMT == 0 else 2  # k between consecutive code bytes
     pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     rows_c = tl.where(row_ok, rows, 0)  # clamped: loads stay in bounds without a row mask
     t = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = t < T
-    kk = tl.arange(0, GROUP)
-    g_lo = pid_k * groups_per_split
+    c = tl.arange(0, 32)
+    g_lo = tl.program_id(1) * groups_per_split
     if USE_DOT:
-        acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)  # out^T tile
+        acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)  # out^T tile: weights are the left operand
     else:
         acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
     for g0 in range(g_lo, g_lo + groups_per_split, GPS):  # groups_per_split is a multiple of GPS
         for gi in tl.static_range(GPS):
             g = g0 + gi
             g_ok = g < NG
-            q = _group_codes(codes_ptr, high_ptr, rows_c, g, g_ok, stride_c, stride_h, FMT, BLOCK_N)
+            qa, qb = _group_operands(codes_ptr, high_ptr, rows_c, g, g_ok, stride_c, stride_h, FMT, CODE_DT,
+                                     USE_ASM)
             s = tl.load(scales_ptr + rows_c * stride_s + g, mask=g_ok, other=0).to(tl.float32)  # [BN]
-            k = g * GROUP + kk
-            xg = tl.load(x_ptr + t[:, None] * stride_xt + k[None, :],
-                         mask=t_ok[:, None] & (k[None, :] < K) & g_ok, other=0)  # [BT, GROUP]; K tail reads 0
+            k = g * (32 * STEP) + STEP * c  # [32]: k of the even codes (q8: all codes)
+            xmask = t_ok[:, None] & (k[None, :] < K) & g_ok  # the K tail beyond the logical K reads zeros
+            xa = tl.load(x_ptr + t[:, None] * stride_xt + k[None, :], mask=xmask, other=0)  # [BT, 32]
             if USE_DOT:
-                p = tl.dot(q.to(xg.dtype), tl.trans(xg))  # [BN, BT]
+                if DT == tl.float32:
+                    p = tl.dot(qa, tl.trans(xa), input_precision="ieee")  # [BN, BT]
+                else:
+                    p = tl.dot(qa, tl.trans(xa))
+                if FMT != 0:
+                    xb = tl.load(x_ptr + t[:, None] * stride_xt + (k + 1)[None, :],
+                                 mask=t_ok[:, None] & (k[None, :] + 1 < K) & g_ok, other=0)
+                    if DT == tl.float32:
+                        p = tl.dot(qb, tl.trans(xb), p, input_precision="ieee")
+                    else:
+                        p = tl.dot(qb, tl.trans(xb), p)
                 acc += p * s[:, None]
             else:
-                p = tl.sum(xg.to(tl.float32)[:, None, :] * q[None, :, :], axis=2)  # [BT, BN]
+                p = tl.sum(xa.to(tl.float32)[:, None, :] * qa[None, :, :], axis=2)  # [BT, BN]
+                if FMT != 0:
+                    xb = tl.load(x_ptr + t[:, None] * stride_xt + (k + 1)[None, :],
+                                 mask=t_ok[:, None] & (k[None, :] + 1 < K) & g_ok, other=0)
+                    p += tl.sum(xb.to(tl.float32)[:, None, :] * qb[None, :, :], axis=2)
                 acc += p * s[None, :]
     if USE_DOT:
         acc = tl.trans(acc)
@@ -137,28 +199,32 @@ def _qlinear_kernel(x_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr,
 def _dequant_kernel(codes_ptr, high_ptr, scales_ptr, w_ptr, N, K, stride_c, stride_h, stride_s, stride_w,
                     FMT: tl.constexpr, BLOCK_N: tl.constexpr):
     """w[n, k] = scale[n, g] * q[n, k] for this program's rows and one group g."""
-    GROUP: tl.constexpr = 32 if FMT == 0 else 64
+    STEP: tl.constexpr = 1 if FMT == 0 else 2
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     rows_c = tl.where(row_ok, rows, 0)
     g = tl.program_id(1)
-    q = _group_codes(codes_ptr, high_ptr, rows_c, g, True, stride_c, stride_h, FMT, BLOCK_N)
-    s = tl.load(scales_ptr + rows_c * stride_s + g).to(tl.float32)
-    k = g * GROUP + tl.arange(0, GROUP)
-    tl.store(w_ptr + rows[:, None] * stride_w + k[None, :], (q * s[:, None]).to(w_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & (k[None, :] < K))
+    qa, qb = _group_operands(codes_ptr, high_ptr, rows_c, g, g >= 0, stride_c, stride_h, FMT, tl.float32, False)
+    s = tl.load(scales_ptr + rows_c * stride_s + g).to(tl.float32)[:, None]
+    k = g * (32 * STEP) + STEP * tl.arange(0, 32)
+    ptrs = w_ptr + rows[:, None] * stride_w + k[None, :]
+    tl.store(ptrs, (qa * s).to(w_ptr.dtype.element_ty), mask=row_ok[:, None] & (k[None, :] < K))
+    if FMT != 0:
+        tl.store(ptrs + 1, (qb * s).to(w_ptr.dtype.element_ty), mask=row_ok[:, None] & (k[None, :] + 1 < K))
 
 
 @functools.cache
 def _kernels():
     """Import Triton and jit the kernels (once). Raises ImportError when Triton is missing."""
-    global triton, tl, _group_codes, _qlinear_kernel, _dequant_kernel
+    global triton, tl, _codes_as, _q4_pairs_asm, _group_operands, _qlinear_kernel, _dequant_kernel
     import triton as _triton
     import triton.language as _tl
 
     triton, tl = _triton, _tl
     # Helpers first: the kernels resolve them by name in this module's globals when they compile.
-    _group_codes = triton.jit(_group_codes)
+    _codes_as = triton.jit(_codes_as)
+    _q4_pairs_asm = triton.jit(_q4_pairs_asm)
+    _group_operands = triton.jit(_group_operands)
     _qlinear_kernel = triton.jit(_qlinear_kernel)
     _dequant_kernel = triton.jit(_dequant_kernel)
     return _qlinear_kernel, _dequant_kernel
@@ -185,6 +251,7 @@ class QConfig:
     gps: int
     split_k: int
     use_dot: bool
+    use_asm: bool = False
     block_t: int = 16
     num_warps: int = 4
     num_stages: int = 2
@@ -254,7 +321,7 @@ def qlinear_triton(x: torch.Tensor, lin: PackedLinear, config: QConfig | None = 
                  t, lin.n, lin.k, lin.ng, groups_per_split,
                  x.stride(0), out.stride(0), lin.codes.stride(0), lin.high.stride(0), lin.scales.stride(0),
                  FMT=_FMT_ID[lin.fmt], BLOCK_T=cfg.block_t, BLOCK_N=cfg.block_n, GPS=cfg.gps,
-                 USE_DOT=cfg.use_dot, ATOMIC=atomic, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                 USE_DOT=cfg.use_dot, USE_ASM=cfg.use_asm and x.is_cuda and x.dtype != torch.float32, ATOMIC=atomic, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out.to(x.dtype) if atomic else out
 
 

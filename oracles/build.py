@@ -1,0 +1,42 @@
+"""Producing oracle outputs: the independent reference forward over a prompt set, stored with ``store``."""
+
+from __future__ import annotations
+
+import torch
+
+from ..engine.loader import file_sha256, load_source
+from .reference import ReferenceModel
+from .store import save_oracle
+
+DTYPES = {"fp64": torch.float64, "fp32": torch.float32}
+
+
+def reference_model(source: str, dtype: str = "fp64"):
+    """(ReferenceModel with weights dequantized from ``source``, the loaded model)."""
+    if dtype not in DTYPES:
+        raise ValueError(f"oracle dtype must be fp64 or fp32, got {dtype!r}")
+    loaded = load_source(source, device="cpu")
+    weights = {name: raw.dense(torch.float32) for name, raw in loaded.raws.items()}
+    return ReferenceModel(loaded.config, weights, dtype=DTYPES[dtype]), loaded
+
+
+def build_oracle(source: str, prompts: list[dict], out: str, *, max_new_tokens: int, top_k: int = 8,
+                 dtype: str = "fp64", progress=None) -> list[dict]:
+    """Greedy tokens and per-step top-k log-probs of the reference model for every prompt; saved at ``out``.
+
+    ``prompts``: dicts with ``id`` and ``prompt_ids``. ``progress(done, total, id)`` is called per prompt.
+    """
+    model, loaded = reference_model(source, dtype)
+    eos = tuple(getattr(loaded.tokenizer, "eos_ids", ()))
+    records = []
+    for i, p in enumerate(prompts):
+        res = model.greedy(p["prompt_ids"], max_new_tokens, top_k=top_k, stop_ids=eos)
+        records.append({"id": p["id"], "prompt_ids": list(p["prompt_ids"]), **res})
+        if progress:
+            progress(i + 1, len(prompts), p["id"])
+    info = loaded.info
+    sha = file_sha256(info["path"]) if info.get("path") else info.get("config_sha256", "")
+    meta = {"artifact_id": info.get("artifact_id") or "", "artifact_sha256": sha, "dtype": dtype, "top_k": top_k,
+            "model": info.get("preset") or info.get("path"), "max_new_tokens": max_new_tokens}
+    save_oracle(out, records, meta)
+    return records

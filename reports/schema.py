@@ -1,0 +1,161 @@
+"""The result document every suite run writes (DESIGN.md "Suites, results, reports, gates").
+
+::
+
+    {"schema": "ninfer-bench/result", "schema_version": 1, "suite": "decode", "label": "...",
+     "created": ISO-8601, "env": {git sha, python, torch, cuda, gpu, driver, cpu, ...},
+     "model": {artifact id, sha256, format, preset, ...}, "config": {every parameter},
+     "records": [one row per measured unit, with raw per-repeat samples], "summary": {...}}
+
+Reports and gates read only these documents.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+SCHEMA = "ninfer-bench/result"
+SCHEMA_VERSION = 1
+SUITES = ("decode", "niah", "concurrency", "kernels", "prefill")
+
+# summary keys each suite must provide (DESIGN.md); suites may add more
+REQUIRED_SUMMARY = {
+    "decode": ("prompt_tokens", "completion_tokens", "tokens_sha256", "prefill_tok_s", "decode_tok_s", "ttft_ms",
+               "device_ms_per_round", "rounds", "drafted_tokens", "accepted_tokens", "acceptance_rate",
+               "tokens_per_round", "accepted_per_position", "peak_memory_bytes"),
+    "niah": ("cases", "oracle_agreement", "retrieval", "first_divergence"),
+    "concurrency": ("levels",),
+    "kernels": ("ops",),
+    "prefill": ("prefill_tok_s",),
+}
+CONCURRENCY_LEVEL_KEYS = ("concurrency", "aggregate_tok_s", "per_request_tok_s", "ttft_ms_p50", "ttft_ms_p99",
+                          "itl_ms_p50", "itl_ms_p99", "matches_sequential")
+KERNEL_RECORD_KEYS = ("op", "variant", "t", "us_median", "us_p10", "us_p90", "bytes", "gbps", "roofline_fraction",
+                      "max_rel_err")
+
+
+class ResultError(ValueError):
+    """A result document that does not follow the schema."""
+
+
+def _git_sha() -> str | None:
+    root = Path(__file__).resolve().parent.parent
+    try:
+        out = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
+                             timeout=5)
+        sha = out.stdout.strip()
+        if not sha:
+            return None
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+        return sha + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def environment() -> dict:
+    """Where a run happened: software versions, GPU and CPU."""
+    import torch
+
+    env = {"git_sha": _git_sha(), "python": sys.version.split()[0], "torch": torch.__version__,
+           "platform": platform.platform(), "cpu": platform.processor() or platform.machine(),
+           "cpu_count": os.cpu_count(), "cuda": torch.version.cuda, "gpu": None, "driver": None}
+    try:
+        import transformers
+
+        env["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name()
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                 capture_output=True, text=True, timeout=10)
+            env["driver"] = out.stdout.strip().splitlines()[0] if out.stdout.strip() else None
+        except (OSError, subprocess.SubprocessError):
+            pass
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        pass
+    return env
+
+
+def make_result(suite: str, *, label: str, config: dict, records: list[dict], summary: dict,
+                model: dict | None = None, env: dict | None = None) -> dict:
+    """Assemble (and validate) one result document."""
+    doc = {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "suite": suite, "label": label,
+           "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+           "env": env if env is not None else environment(), "model": model or {}, "config": config,
+           "records": records, "summary": summary}
+    validate(doc)
+    return doc
+
+
+def validate(doc: dict, source: str = "result") -> dict:
+    """Raise :class:`ResultError` naming what is wrong; return ``doc`` when it follows the schema."""
+    if not isinstance(doc, dict):
+        raise ResultError(f"{source}: not a JSON object")
+    if doc.get("schema") != SCHEMA:
+        raise ResultError(f"{source}: schema is {doc.get('schema')!r}, expected {SCHEMA!r}")
+    if doc.get("schema_version") != SCHEMA_VERSION:
+        raise ResultError(f"{source}: schema_version {doc.get('schema_version')!r} is not supported "
+                          f"(this build reads {SCHEMA_VERSION})")
+    for key in ("suite", "label", "created", "env", "model", "config", "records", "summary"):
+        if key not in doc:
+            raise ResultError(f"{source}: missing key {key!r}")
+    suite = doc["suite"]
+    if suite not in SUITES:
+        raise ResultError(f"{source}: unknown suite {suite!r}")
+    missing = [k for k in REQUIRED_SUMMARY[suite] if k not in doc["summary"]]
+    if missing:
+        raise ResultError(f"{source}: {suite} summary lacks {missing}")
+    if suite == "concurrency":
+        for lv in doc["summary"]["levels"]:
+            miss = [k for k in CONCURRENCY_LEVEL_KEYS if k not in lv]
+            if miss:
+                raise ResultError(f"{source}: concurrency level {lv.get('concurrency')} lacks {miss}")
+    if suite == "kernels":
+        for rec in doc["records"]:
+            miss = [k for k in KERNEL_RECORD_KEYS if k not in rec]
+            if miss:
+                raise ResultError(f"{source}: kernel record {rec.get('op')} lacks {miss}")
+    return doc
+
+
+def write_result(doc: dict, path: str | Path) -> Path:
+    """Write a result document as indented JSON (atomically)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(doc, indent=1, default=_jsonable) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def _jsonable(x):
+    if hasattr(x, "item"):
+        return x.item()
+    if hasattr(x, "tolist"):
+        return x.tolist()
+    raise TypeError(f"not JSON serialisable: {type(x).__name__}")
+
+
+def read_result(path: str | Path) -> dict:
+    """Load and validate a result document."""
+    path = Path(path)
+    if not path.is_file():
+        raise ResultError(f"no such result file: {path}")
+    try:
+        doc = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ResultError(f"{path}: not JSON ({e.msg} at line {e.lineno})") from None
+    return validate(doc, str(path))

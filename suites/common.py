@@ -1,0 +1,68 @@
+"""What every suite shares: measuring the device's copy bandwidth, peak memory, token hashes, statistics."""
+
+from __future__ import annotations
+
+import hashlib
+import resource
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+DATA = Path(__file__).resolve().parent / "data"
+DEFAULT_PROMPT = DATA / "short_code.py.txt"
+
+
+def tokens_sha256(tokens) -> str:
+    """SHA-256 of token ids as little-endian int32 bytes (DESIGN.md)."""
+    return hashlib.sha256(np.asarray(list(tokens), dtype="<i4").tobytes()).hexdigest()
+
+
+def copy_bandwidth(device: torch.device, nbytes: int | None = None, repeats: int = 10) -> float:
+    """Device copy bandwidth in bytes/s, counting bytes read plus bytes written (as the anchors do)."""
+    if nbytes is None:
+        nbytes = (1 << 30) if device.type == "cuda" else (256 << 20)
+    x = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    x.random_(0, 255)
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(repeats):
+            y.copy_(x)
+        end.record()
+        torch.cuda.synchronize(device)
+        seconds = start.elapsed_time(end) / 1e3 / repeats
+    else:
+        t = time.perf_counter()
+        for _ in range(repeats):
+            y.copy_(x)
+        seconds = (time.perf_counter() - t) / repeats
+    del x, y
+    return 2 * nbytes / seconds
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak device memory allocated (CUDA), or the process's peak resident set size (CPU)."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def median(values):
+    vals = [v for v in values if v is not None]
+    return statistics.median(vals) if vals else None
+
+
+def percentile(values, q: float):
+    vals = [v for v in values if v is not None]
+    return float(np.percentile(vals, q)) if vals else None

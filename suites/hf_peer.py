@@ -1,0 +1,87 @@
+"""The transformers peer (``--engine hf``): the same weights, dequantized, through ``generate``.
+
+This is what a Python user would otherwise run: ``Qwen3_5ForCausalLM`` in bf16 on CUDA (fp32 on CPU), eager
+greedy ``generate``. TTFT is a one-token ``generate``; decode time is the rest of a full one (as the anchors
+measure it).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..engine.loader import load_source
+from ..engine.runtime import GenerationResult
+from ..engine.weights import text_weight_names
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class HFPeer:
+    """A transformers model holding an artifact's (or preset's) weights, with the Engine's generate surface."""
+
+    def __init__(self, model, loaded, device, dtype):
+        self.model, self.loaded, self.device, self.dtype = model, loaded, device, dtype
+        self.tokenizer = loaded.tokenizer
+        self.config = loaded.config
+
+    @classmethod
+    def load(cls, opts) -> "HFPeer":
+        try:
+            import transformers
+        except ImportError:
+            raise ValueError("--engine hf needs transformers: pip install 'ninfer-bench[hf]'") from None
+        device = torch.device(opts.device if opts.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+        dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32, "fp32": torch.float32,
+                 "bf16": torch.bfloat16, "fp16": torch.float16}[opts.dtype]
+        loaded = load_source(opts.model, synthetic=opts.synthetic, quant=opts.quant, seed=opts.seed, device=device)
+        cfg = loaded.config
+        hf_cfg = transformers.Qwen3_5TextConfig(**{k: v for k, v in cfg.to_hf().items() if k != "architectures"})
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            with torch.device(device):
+                model = transformers.Qwen3_5ForCausalLM(hf_cfg)
+        finally:
+            torch.set_default_dtype(previous)
+        params = dict(model.named_parameters())
+        with torch.no_grad():
+            for name in text_weight_names(cfg, mtp=False):
+                if name in params:
+                    params[name].copy_(loaded.raws[name].dense(torch.float32, device).reshape(params[name].shape))
+        model.eval()
+        return cls(model, loaded, device, dtype)
+
+    @property
+    def weight_bytes_per_step(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    @property
+    def model_info(self) -> dict:
+        return {**self.loaded.info, "engine": "transformers", "dtype": str(self.dtype).replace("torch.", "")}
+
+    @torch.inference_mode()
+    def generate(self, prompt_ids, max_new_tokens: int = 256, ignore_eos: bool = True, **_) -> GenerationResult:
+        ids = torch.tensor([prompt_ids], device=self.device)
+        eos = None if ignore_eos else list(self.tokenizer.eos_ids)
+        kw = dict(do_sample=False, eos_token_id=eos, pad_token_id=0)
+        _sync(self.device)
+        t0 = time.perf_counter()
+        self.model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
+        _sync(self.device)
+        ttft = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        min_new = max_new_tokens if ignore_eos else 0
+        out = self.model.generate(ids, max_new_tokens=max_new_tokens, min_new_tokens=min_new, **kw)
+        _sync(self.device)
+        total = time.perf_counter() - t1
+        tokens = out[0, len(prompt_ids):].tolist()
+        decode = max(total - ttft, 1e-9)
+        return GenerationResult(tokens=tokens, text=self.tokenizer.decode(tokens),
+                                finish_reason="length" if len(tokens) >= max_new_tokens else "stop",
+                                prompt_tokens=len(prompt_ids), prefill_s=ttft, decode_s=decode, ttft_s=ttft,
+                                device_decode_ms=decode * 1e3, spec={})

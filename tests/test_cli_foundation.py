@@ -1,0 +1,155 @@
+"""The foundation commands end to end: convert, logits, inspect, verify, upgrade, oracle, and bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+from ninfer_bench.cli import main
+from ninfer_bench.engine.artifact import Artifact
+from ninfer_bench.engine.runtime import Engine
+from ninfer_bench.oracles.store import load_oracle
+
+from tinyhf import make_hf
+
+
+def run(*args):
+    res = CliRunner().invoke(main, [str(a) for a in args])
+    return res.exit_code, res.output
+
+
+def one_line_error(output: str) -> str:
+    lines = [ln for ln in output.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1, output
+    assert lines[0].startswith("error:"), output
+    return lines[0]
+
+
+def test_convert_then_logits_matches_transformers(tmp_path, hf_qwen35):
+    folder, model = hf_qwen35
+    art, out = tmp_path / "m.ninfer", tmp_path / "l.npy"
+    code, text = run("convert", folder, art, "--quant", "fp32")
+    assert code == 0, text
+    code, text = run("logits", art, "--ids", ",".join(str(i) for i in range(3, 230)), "--out", out,
+                     "--device", "cpu", "--kv-dtype", "fp32")
+    assert code == 0, text
+    ours = torch.from_numpy(np.load(out))
+    with torch.no_grad():
+        ref = model(torch.tensor([list(range(3, 230))])).logits[0]
+    assert float((ours - ref).norm() / ref.norm()) <= 1e-4
+
+
+def test_console_script_runs(tmp_path, tiny_artifact):
+    exe = shutil.which("ninfer-bench", path=str(__import__("pathlib").Path(sys.executable).parent))
+    assert exe, "console script ninfer-bench is not installed"
+    res = subprocess.run([exe, "inspect", str(tiny_artifact)], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "text" in res.stdout and "digests" in res.stdout
+
+
+def test_inspect_and_verify(tiny_artifact):
+    code, text = run("verify", tiny_artifact)
+    assert code == 0 and "ok" in text
+    code, text = run("inspect", tiny_artifact, "--json")
+    assert code == 0
+    assert json.loads(text)["checks"]["digests"] is True
+
+
+def test_flipped_byte_names_the_object(tmp_path, tiny_artifact):
+    bad = tmp_path / "bad.ninfer"
+    shutil.copy(tiny_artifact, bad)
+    with Artifact.open(bad) as art:
+        info = art.info("model.layers.3.self_attn.o_proj.weight")
+        where = art.payload_start + info.offset + 5
+    data = bytearray(bad.read_bytes())
+    data[where] ^= 0xFF
+    bad.write_bytes(bytes(data))
+    code, text = run("verify", bad)
+    assert code != 0
+    assert "model.layers.3.self_attn.o_proj.weight" in text
+
+
+@pytest.mark.parametrize("damage", ["truncate", "magic"])
+def test_damaged_files_fail_in_one_line(tmp_path, tiny_artifact, damage):
+    bad = tmp_path / "bad.ninfer"
+    data = tiny_artifact.read_bytes()
+    bad.write_bytes(data[: len(data) // 2] if damage == "truncate" else b"GGUF" + data[4:])
+    for cmd in (["inspect", bad], ["verify", bad], ["logits", bad, "--ids", "1,2", "--out", tmp_path / "x.npy"]):
+        code, text = run(*cmd)
+        assert code != 0
+        line = one_line_error(text)
+        assert ("not a ninfer artifact" in line) if damage == "magic" else ("model." in line or "truncat" in line)
+    assert not (tmp_path / "x.npy").exists()
+
+
+def test_bad_hf_folders(tmp_path):
+    folder = tmp_path / "hf"
+    make_hf("qwen3_5", folder, num_hidden_layers=4)
+    out = tmp_path / "out.ninfer"
+    # unknown model_type
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, "model_type": "llama"}))
+    code, text = run("convert", folder, out)
+    assert code != 0 and "model_type" in one_line_error(text)
+    # shape mismatch: the config claims a wider MLP than the tensors hold
+    (folder / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 100}))
+    code, text = run("convert", folder, out)
+    assert code != 0 and "mlp" in one_line_error(text) and "shape" in text
+    # missing tensor: the config claims more layers
+    (folder / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 8, "layer_types": cfg["layer_types"] * 2}))
+    code, text = run("convert", folder, out)
+    assert code != 0 and "missing" in one_line_error(text)
+    # nonexistent path
+    code, text = run("convert", tmp_path / "nope", out)
+    assert code != 0 and "no such" in one_line_error(text)
+    assert not out.exists()
+    assert not list(tmp_path.glob("out.ninfer*"))
+
+
+def test_nonexistent_artifact(tmp_path):
+    code, text = run("inspect", tmp_path / "missing.ninfer")
+    assert code != 0 and "no such file" in one_line_error(text)
+    code, text = run("generate", tmp_path / "missing.ninfer", "-p", "x")
+    assert code != 0 and "no such model" in one_line_error(text)
+
+
+def test_debug_shows_traceback(tmp_path):
+    res = CliRunner().invoke(main, ["--debug", "inspect", str(tmp_path / "missing.ninfer")])
+    assert res.exit_code != 0 and res.exception is not None
+
+
+def test_v2_upgrade_keeps_bytes_and_logits(tmp_path, hf_qwen35):
+    v2, v3 = tmp_path / "m2.ninfer", tmp_path / "m3.ninfer"
+    assert run("convert", hf_qwen35[0], v2, "--quant", "mixed", "--format-version", "2")[0] == 0
+    assert run("upgrade", v2, v3)[0] == 0
+    with Artifact.open(v2) as a2, Artifact.open(v3) as a3:
+        assert a2.version == 2 and a3.version == 3
+        assert a2.names() == a3.names()
+        for n in a2.names():
+            assert torch.equal(a2.raw(n), a3.raw(n)), n
+    ids = list(range(10, 90))
+    l2 = Engine.load(str(v2), device="cpu", kv_dtype="fp32").logits(ids)
+    l3 = Engine.load(str(v3), device="cpu", kv_dtype="fp32").logits(ids)
+    assert torch.equal(l2, l3)
+
+
+def test_oracle_command_and_engine_agree(tmp_path, tiny_artifact):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"id": f"p{i}", "ids": list(range(7 * i + 1, 7 * i + 40))})
+                                 for i in range(3)))
+    out = tmp_path / "oracle.json.gz"
+    code, text = run("oracle", "prompts", tiny_artifact, "--prompts", prompts, "-n", "12", "--out", out)
+    assert code == 0, text
+    records, meta = load_oracle(out)
+    assert len(records) == 3 and meta["top_k"] == 8
+    eng = Engine.load(str(tiny_artifact), device="cpu", kv_dtype="fp32")
+    for rec in records:
+        got = eng.generate(rec["prompt_ids"], max_new_tokens=12).tokens
+        assert got == rec["tokens"][: len(got)]

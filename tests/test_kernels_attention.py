@@ -1,0 +1,193 @@
+"""decode_attention (Triton, reading the KV cache in place) against decode_attention_ref.
+
+Without CUDA the kernels run under Triton's interpreter (TRITON_INTERPRET=1, set below before triton is imported).
+"""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from ninfer_bench.engine.cache import quantize_kv
+from ninfer_bench.kernels import attention_triton as at
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+RTOL = 2e-3  # relative RMS vs the fp32 reference, fp32 / fp16 queries (fp32 accumulation in the kernel)
+RTOL_BF16 = 1e-2  # bf16 queries: q, the dequantized K/V and p are rounded to bf16 before the dots
+
+pytestmark = pytest.mark.skipif(not at.triton_available(), reason=f"triton does not import: {at._triton_import_error()}")
+
+
+def _fix_interpreter_loop_bounds():
+    """Triton 3.6's interpreter turns a loop bound into an int with int(shape-(1,) array), which numpy >= 2.4
+    rejects (triton-lang/triton#9171); the kernels' key loops start and stop at run-time values."""
+    try:
+        int(np.zeros(1))
+        return
+    except TypeError:
+        pass
+    import triton.runtime.interpreter as interp
+
+    patch = interp._patch_lang_tensor
+    if getattr(patch, "_ninfer_fixed", False):
+        return
+
+    def fixed(tensor, scope):
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(())))
+
+    fixed._ninfer_fixed = True
+    interp._patch_lang_tensor = fixed
+
+
+if INTERPRET and at.triton_available():
+    _fix_interpreter_loop_bounds()
+
+
+@pytest.fixture(autouse=True)
+def nan_buffers(monkeypatch):
+    """Outputs and split workspaces start as NaN, so an element the kernels never write fails the comparison."""
+    monkeypatch.setattr(at, "_new_buffer", lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype,
+                                                                                 device=device))
+
+
+def make_case(kv, b, t, h, hkv, hd, lengths, slots, cap, q_dtype=torch.float32, seed=0):
+    """Random q and a cache of `slots` slots; row i reads slot perm[i] (out of order) and ends at lengths[i]."""
+    g = torch.Generator().manual_seed(seed)
+    k = 2 * torch.randn(slots, hkv, cap, hd, generator=g)
+    v = torch.randn(slots, hkv, cap, hd, generator=g)
+    slot_ids = torch.randperm(slots, generator=g)[:b]
+    length = torch.tensor(lengths)
+    q_pos = length[:, None] - t + torch.arange(t)[None, :]  # [B, T]: the T new tokens end each row
+    q = torch.randn(b, t, h, hd, generator=g).to(q_dtype)
+    if kv == "int8":
+        (kc, ks), (vc, vs) = quantize_kv(k), quantize_kv(v)
+    else:
+        dt = {"bf16": torch.bfloat16, "fp16": torch.float16}[kv]
+        kc, vc, ks, vs = k.to(dt), v.to(dt), None, None
+    to = lambda x: None if x is None else x.to(DEVICE)  # noqa: E731
+    return dict(q=to(q), k_cache=to(kc), v_cache=to(vc), k_scale=to(ks), v_scale=to(vs), slots=to(slot_ids),
+                q_pos=to(q_pos), scale=hd ** -0.5)
+
+
+def rel_rms(out, ref):
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def split_config(c, block_n=16, blocks=3):
+    """A launch shape that splits the key range into chunks of `blocks` blocks, so the combine kernel runs."""
+    b, t, h, hd = c["q"].shape
+    hkv, cap = c["k_cache"].shape[1], c["k_cache"].shape[2]
+    return at.plan(b, t, h, hkv, hd, cap, c["k_cache"].dtype == torch.int8, DEVICE, block_n=block_n,
+                   chunk=blocks * block_n)
+
+
+# (B, T, H, Hkv, hd, lengths, slots, cap): T = 1 / 7 / 8 / 16, groups 1 / 2 / 3 / 6, rows at position 0,
+# lengths that are not multiples of any block, more query rows than one m tile (T=16 x G=6 = 96)
+SHAPES = {
+    "T1-g1-hd32": (3, 1, 2, 2, 32, [1, 77, 130], 4, 160),
+    "T7-g3-hd96": (3, 7, 6, 2, 96, [7, 150, 61], 5, 160),
+    "T8-g2-hd64": (1, 8, 4, 2, 64, [100], 2, 128),
+    "T16-g6-hd128": (1, 16, 6, 1, 128, [90], 2, 96),
+    "T1-g6-hd256": (2, 1, 12, 2, 256, [1, 70], 3, 80),
+}
+
+
+@pytest.mark.parametrize("kv", ["bf16", "fp16", "int8"])
+@pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
+@pytest.mark.parametrize("split", [False, True], ids=["plan", "split"])
+def test_matches_reference(kv, shape, split):
+    c = make_case(kv, *SHAPES[shape])
+    ref = at.decode_attention_ref(**c)
+    out = at.decode_attention(**c, config=split_config(c) if split else None)
+    assert out.shape == ref.shape and out.dtype == c["q"].dtype
+    assert torch.isfinite(out).all(), "unwritten or non-finite output"
+    err = rel_rms(out, ref)
+    assert err <= RTOL, f"{kv} {shape}: relative RMS {err:.2e} > {RTOL}"
+
+
+@pytest.mark.parametrize("q_dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("kv", ["bf16", "int8"])
+def test_half_queries(q_dtype, kv):
+    if q_dtype == torch.bfloat16 and INTERPRET:
+        pytest.skip("the Triton interpreter's tl.dot multiplies raw bf16 bit patterns (GPU only)")
+    c = make_case(kv, *SHAPES["T7-g3-hd96"], q_dtype=q_dtype)
+    ref = at.decode_attention_ref(**{**c, "q": c["q"].float()})
+    out = at.decode_attention(**c, config=split_config(c))
+    assert out.dtype == q_dtype and torch.isfinite(out).all()
+    tol = RTOL_BF16 if q_dtype == torch.bfloat16 else RTOL
+    assert rel_rms(out, ref) <= tol
+
+
+def poison_past_length(c, value):
+    """Fill every cache entry no query may see (past each row's last position, and unread slots) with `value`."""
+    live = torch.zeros(c["k_cache"].shape[0], c["k_cache"].shape[2], dtype=torch.bool, device=DEVICE)
+    live[c["slots"]] = torch.arange(live.shape[1], device=DEVICE)[None, :] <= c["q_pos"].max(1).values[:, None]
+    dead = ~live[:, None, :, None]  # [S, 1, cap, 1]
+    p = dict(c)
+    if c["k_cache"].dtype == torch.int8:
+        for name in ("k_cache", "v_cache"):
+            p[name] = c[name].masked_fill(dead, 127)
+        for name in ("k_scale", "v_scale"):
+            p[name] = c[name].masked_fill(dead, value)
+    else:
+        for name in ("k_cache", "v_cache"):
+            p[name] = c[name].masked_fill(dead, value)
+    return p
+
+
+@pytest.mark.parametrize("value", [float("nan"), 6e4], ids=["nan", "huge"])
+@pytest.mark.parametrize("kv", ["bf16", "fp16", "int8"])
+def test_no_leak_past_q_pos(kv, value):
+    c = make_case(kv, *SHAPES["T7-g3-hd96"], seed=1)
+    cfg = split_config(c, block_n=32, blocks=2)
+    clean = at.decode_attention(**c, config=cfg)
+    dirty = at.decode_attention(**poison_past_length(c, value), config=cfg)
+    assert torch.isfinite(dirty).all()
+    assert torch.equal(clean, dirty)
+
+
+def test_kv_len_max_bounds_the_grid():
+    c = make_case("int8", *SHAPES["T7-g3-hd96"], seed=2)
+    ref = at.decode_attention_ref(**c)
+    n = int(c["q_pos"].max()) + 1
+    for kv_len_max in (n, n + 7):
+        out = at.decode_attention(**c, kv_len_max=kv_len_max)
+        assert rel_rms(out, ref) <= RTOL
+    with pytest.raises(ValueError, match="kv_len_max"):
+        at.decode_attention(**c, kv_len_max=c["k_cache"].shape[2] + 1)
+
+
+def test_bad_inputs_name_the_problem():
+    c = make_case("int8", *SHAPES["T7-g3-hd96"])
+    with pytest.raises(ValueError, match="k_scale"):
+        at.decode_attention(**{**c, "k_scale": None})
+    with pytest.raises(ValueError, match="multiple of Hkv"):
+        at.decode_attention(**{**c, "q": c["q"][:, :, :5]})
+    f = make_case("bf16", *SHAPES["T7-g3-hd96"])
+    with pytest.raises(ValueError, match="only for an int8 cache"):
+        at.decode_attention(**{**f, "k_scale": c["k_scale"]})
+    with pytest.raises(ValueError, match="q_pos"):
+        at.decode_attention(**{**f, "q_pos": f["q_pos"][:, :1]})
+
+
+def test_plan_depends_on_static_sizes_only():
+    """Same sizes, same grid: what CUDA-graph capture needs (the launch reads q_pos only on the device)."""
+    cfg = at.plan(1, 1, 24, 4, 256, 65536, True, DEVICE)
+    assert cfg == at.plan(1, 1, 24, 4, 256, 65536, True, DEVICE)
+    assert -(-65536 // cfg.chunk) > 1, "a long context at B=1 must be split over several programs"
+    assert cfg.chunk % cfg.block_n == 0 and cfg.block_m == 16
+
+
+def test_module_imports_without_triton():
+    code = ("import sys; sys.modules['triton'] = None\n"
+            "from ninfer_bench.kernels import attention_triton as at\n"
+            "assert not at.triton_available()\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
