@@ -10,7 +10,7 @@ from pathlib import Path
 
 from .artifact import Artifact
 from .config import PRESETS, DraftConfig, ModelConfig, preset
-from .synthetic import synthetic_raws
+from .synthetic import preset_draft_config, synthetic_drafter, synthetic_raws
 from .tokenizer import ByteTokenizer, Tokenizer
 from .weights import RawWeight
 
@@ -101,10 +101,16 @@ def load_source(source: str | None, *, synthetic: bool = False, quant: str = "mi
                              f"of its shape, or pass an artifact path")
         cfg = preset(source)
         raws = synthetic_raws(cfg, quant, seed, device)
+        tok = ByteTokenizer(cfg.vocab_size)
+        mask = tok.token_to_id("<|mask|>")
+        drafters = {}
+        for kind in ("dflash", "dflash2"):
+            dcfg = preset_draft_config(cfg, kind, mask)
+            drafters[kind] = (dcfg, synthetic_drafter(cfg, dcfg, quant, seed, device))
         info = {"preset": source, "synthetic": True, "quant_policy": quant, "seed": seed,
                 "artifact_id": None, "config_sha256": hashlib.sha256(
                     json.dumps(cfg.to_dict(), sort_keys=True).encode()).hexdigest()}
-        return LoadedModel(cfg, raws, ByteTokenizer(cfg.vocab_size), info)
+        return LoadedModel(cfg, raws, tok, info, drafters)
     path = Path(source)
     if not path.exists():
         raise ValueError(f"no such model: {source!r} (an artifact path, or a preset: {', '.join(sorted(PRESETS))})")

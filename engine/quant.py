@@ -193,6 +193,15 @@ def concat_rows(bufs: list[torch.Tensor], fmt: str, shapes: list[tuple[int, int]
     return out
 
 
+def pack_sections(sec: dict[str, torch.Tensor], fmt: str, k: int) -> torch.Tensor:
+    """A packed buffer from :func:`sections`-shaped views (e.g. a row subset), bytes unchanged."""
+    n = sec["codes"].shape[0]
+    out = torch.zeros(nbytes(fmt, (n, k)), dtype=torch.uint8, device=sec["codes"].device)
+    for name, view in sections(out, fmt, (n, k)).items():
+        view.copy_(sec[name])
+    return out
+
+
 def unpack_codes(buf: torch.Tensor, fmt: str, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse of the packing: (codes int8 [N, Kp], scales fp16 [N, Kp/group]) from a uint8 buffer."""
     return unpack_sections(sections(buf.contiguous(), fmt, shape), fmt)

@@ -11,7 +11,7 @@ import math
 import torch
 
 from . import quant
-from .config import ModelConfig
+from .config import DraftConfig, ModelConfig
 from .convert import weight_format
 from .weights import RawWeight, expected_shapes, text_weight_names
 
@@ -55,4 +55,44 @@ def synthetic_raws(cfg: ModelConfig, policy: str = "mixed", seed: int = 0, devic
         del t
         if progress:
             progress(i + 1, len(names), n)
+    return out
+
+
+def preset_draft_config(cfg: ModelConfig, kind: str, mask_token_id: int) -> DraftConfig:
+    """A DFlash / DFlash2 drafter shaped for ``cfg``: at the 27B shape the family's drafter (5 layers, block 8,
+    taps [5, 19, 33, 47, 61]); for smaller targets two layers tapping evenly spaced target layers, block 16."""
+    n = cfg.num_hidden_layers
+    big = cfg.hidden_size >= 4096
+    layers = 5 if big else 2
+    taps = [5, 19, 33, 47, 61] if n == 64 else sorted({round(i * (n - 1) / (layers + 2)) + 1
+                                                       for i in range(layers + 1)} - {n})
+    hd = 128 if big else max(16, cfg.head_dim)
+    heads = max(1, cfg.hidden_size // hd // (1 if big else 2))
+    return DraftConfig(kind=kind, num_layers=layers, block_size=8 if big else 16, target_layer_ids=tuple(taps),
+                       mask_token_id=mask_token_id, hidden_size=cfg.hidden_size,
+                       intermediate_size=cfg.intermediate_size, num_attention_heads=heads,
+                       num_key_value_heads=max(1, heads // 4) if big else heads, head_dim=hd,
+                       rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta,
+                       window=(2048 if big else 64) if kind == "dflash2" else 0,
+                       candidates=16, scorer_rank=(64 if big else 16) if kind == "dflash2" else 0)
+
+
+def synthetic_drafter(cfg: ModelConfig, dcfg: DraftConfig, policy: str = "mixed", seed: int = 0,
+                      device="cpu") -> dict[str, RawWeight]:
+    """Random weights of a block drafter (names under ``{kind}.``), packed like the target's projections."""
+    from .spec.dflash import BlockDrafter
+
+    torch.manual_seed(seed)
+    net = BlockDrafter(dcfg, cfg.hidden_size, cfg.vocab_size)
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed + 1)
+    out = {}
+    for name, p in net.state_dict().items():
+        shape = tuple(p.shape)
+        t = _init(name, shape, gen, device) if len(shape) == 2 else 0.05 * torch.randn(shape, generator=gen,
+                                                                                      device=device)
+        fmt = weight_format(f"model.layers.0.{name}", shape, policy) if len(shape) == 2 else "fp32"
+        if name.startswith("selector."):
+            fmt = "fp32" if policy == "fp32" else "bf16"
+        out[f"{dcfg.kind}.{name}"] = RawWeight(fmt, shape, quant.pack(t, fmt))
     return out

@@ -12,7 +12,8 @@ Flash-decoding in two launches:
    (G = H / Hkv, so each K/V tile is loaded once for the whole group and all T tokens), tile ``m`` of them, and
    one ``chunk`` of the key range; exp2-based online softmax in fp32; writes a normalised partial output and its
    log2-sum-exp. With a single split it writes the final output and the second launch is skipped.
-2. ``_attn_combine``: one program per ``(b, t, h)`` merges the splits that row actually used.
+2. ``_attn_combine``: one program per ``(b, t, h)`` (and block of hd columns when those rows are few) merges the
+   splits that row actually used.
 
 The grid depends only on static sizes (B, T, H, hd and ``kv_len_max``), never on ``q_pos``, so a call can be
 captured in a CUDA graph; programs whose chunk starts past the rows' last position do no loads and store nothing.
@@ -40,6 +41,7 @@ MAX_HEAD_DIM = 256  # one [BLOCK_M, hd] fp32 accumulator per program must stay i
 MAX_BLOCK_M = 64  # query rows (T * G) per program; more rows take more m tiles, which re-read K/V from L2
 PROGRAMS_PER_SM = 4  # split the key range until the grid has about this many programs per multiprocessor
 MIN_BLOCKS_PER_SPLIT = 4  # shorter chunks spend more on partial writes and the combine than they gain
+COMBINE_COLS, COMBINE_SPLITS = 64, 32  # combine tile [splits, columns] when the rows alone are too few programs
 
 
 @functools.lru_cache(maxsize=1)
@@ -65,9 +67,10 @@ class AttnConfig:
     chunk: int  # keys per split, a multiple of block_n
     num_warps: int
     num_stages: int
+    combine_cols: int = 64  # head_dim columns per combine program (power of two; capped at the padded hd)
 
     def __post_init__(self):
-        for name in ("block_m", "block_n"):
+        for name in ("block_m", "block_n", "combine_cols"):
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
                 raise ValueError(f"AttnConfig.{name} must be a power of two >= 16, got {v}")
@@ -92,7 +95,7 @@ def _pow2(n: int) -> int:
 
 def plan(batch: int, tokens: int, heads: int, kv_heads: int, head_dim: int, kv_len: int, int8: bool,
          device: torch.device | str = "cuda", *, block_n: int | None = None, num_warps: int | None = None,
-         num_stages: int | None = None, chunk: int | None = None) -> AttnConfig:
+         num_stages: int | None = None, chunk: int | None = None, combine_cols: int | None = None) -> AttnConfig:
     """The default launch shape for these static sizes; keyword overrides are for tuning sweeps and tests."""
     rows = tokens * (heads // kv_heads)
     block_d = _pow2(head_dim)
@@ -104,13 +107,18 @@ def plan(batch: int, tokens: int, heads: int, kv_heads: int, head_dim: int, kv_l
         num_warps = 8 if block_m * block_d >= 64 * 256 else 4
     if num_stages is None:
         num_stages = 3
+    sms = _num_sms(torch.device(device))
     if chunk is None:
         n_blocks = -(-kv_len // block_n)
         per_split = -(-rows // block_m) * batch * kv_heads
-        want = -(-PROGRAMS_PER_SM * _num_sms(torch.device(device)) // per_split)
+        want = -(-PROGRAMS_PER_SM * sms // per_split)
         splits = max(1, min(want, n_blocks // MIN_BLOCKS_PER_SPLIT))
         chunk = -(-n_blocks // splits) * block_n
-    return AttnConfig(block_m=block_m, block_n=block_n, chunk=chunk, num_warps=num_warps, num_stages=num_stages)
+    if combine_cols is None:
+        # few (b, t, h) rows (B=1 decode): spread each row's columns over programs too
+        combine_cols = block_d if batch * tokens * heads >= 2 * sms else min(block_d, COMBINE_COLS)
+    return AttnConfig(block_m=block_m, block_n=block_n, chunk=chunk, num_warps=num_warps, num_stages=num_stages,
+                      combine_cols=combine_cols)
 
 
 def _new_buffer(shape, dtype, device) -> torch.Tensor:
@@ -147,6 +155,13 @@ def _check(q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, kv_len_max) -> i
     if slots.shape != (b,) or q_pos.shape != (b, t):
         raise ValueError(f"decode_attention: slots must be [B={b}] and q_pos [B={b}, T={t}], "
                          f"got {tuple(slots.shape)} and {tuple(q_pos.shape)}")
+    named = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "k_scale": k_scale, "v_scale": v_scale,
+             "slots": slots, "q_pos": q_pos}
+    for name, x in named.items():
+        if x is not None and x.device != q.device:
+            raise ValueError(f"decode_attention: {name} is on {x.device}, q on {q.device}")
+        if x is not None and x.dim() == 4 and x.stride(-1) != 1:
+            raise ValueError(f"decode_attention: {name} must be contiguous along its last dimension")
     kv_len = cap if kv_len_max is None else int(kv_len_max)
     if not 0 < kv_len <= cap:
         raise ValueError(f"decode_attention: kv_len_max must be in 1..cap={cap}, got {kv_len_max}")
@@ -180,11 +195,15 @@ def decode_attention(q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, scale,
     err = _triton_import_error()
     if err is not None:
         raise RuntimeError(f"decode_attention needs triton, which does not import here ({err})")
+    kern = _kernels()
+    if q.device.type != "cuda" and not kern["interpreted"]:
+        raise ValueError(f"decode_attention: the kernels run on CUDA tensors (or with TRITON_INTERPRET=1 set before "
+                         f"their first use), got q on {q.device}")
     b, t, h, hd = q.shape
     hkv = k_cache.shape[1]
     int8 = k_cache.dtype == torch.int8
     cfg = config or plan(b, t, h, hkv, hd, kv_len, int8, q.device)
-    return _launch(_kernels(), q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, scale, kv_len, cfg)
+    return _launch(kern, q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, scale, kv_len, cfg)
 
 
 def _launch(kern, q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, scale, kv_len, cfg: AttnConfig):
@@ -215,9 +234,10 @@ def _launch(kern, q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, scale, kv
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if splits > 1:
-        kern["combine"][(b * t * h,)](
+        block_dc = min(block_d, cfg.combine_cols)
+        kern["combine"][(b * t * h, block_d // block_dc)](
             o_part, lse_part, q_pos, out, *q_pos.stride(), *out.stride()[:3], t, h, cfg.chunk, splits,
-            HD=hd, BLOCK_S=16, BLOCK_D=block_d, num_warps=4 if block_d >= 128 else 2,
+            HD=hd, BLOCK_S=COMBINE_SPLITS, BLOCK_DC=block_dc, num_warps=4,
         )
     return out
 
@@ -315,19 +335,19 @@ def _attn_split(Q, K, V, KS, VS, SLOTS, QPOS, O, OP, LSE,
 
 
 def _attn_combine(OP, LSE, QPOS, O, stride_pb, stride_pt, stride_ob, stride_ot, stride_oh, T, H, CHUNK, NUM_SPLITS,
-                  HD: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Program r = (b * T + t) * H + h: merge the splits that row's q_pos reaches (log2-sum-exp weights)."""
+                  HD: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DC: tl.constexpr):
+    """Program (r = (b * T + t) * H + h, column block): merge the splits row r's q_pos reaches (log2-sum-exp)."""
     r = tl.program_id(0)
     h = r % H
     t = (r // H) % T
     b = r // (H * T)
     n_used = tl.minimum(tl.load(QPOS + b * stride_pb + t * stride_pt).to(tl.int32) // CHUNK + 1, NUM_SPLITS)
-    offs_d = tl.arange(0, BLOCK_D)
+    offs_d = tl.program_id(1) * BLOCK_DC + tl.arange(0, BLOCK_DC)
     d_ok = offs_d < HD
     base = r.to(tl.int64) * NUM_SPLITS
     m = tl.full([], float("-inf"), tl.float32)
     l = tl.zeros([], tl.float32)
-    acc = tl.zeros([BLOCK_D], tl.float32)
+    acc = tl.zeros([BLOCK_DC], tl.float32)
     for s0 in range(0, n_used, BLOCK_S):
         offs_s = s0 + tl.arange(0, BLOCK_S)
         s_ok = offs_s < n_used
@@ -353,4 +373,6 @@ def _kernels() -> dict:
     tl = triton.language
     _load_tile = triton.jit(_load_tile)
     dtypes = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-    return {"split": triton.jit(_attn_split), "combine": triton.jit(_attn_combine), "dtypes": dtypes}
+    split = triton.jit(_attn_split)
+    return {"split": split, "combine": triton.jit(_attn_combine), "dtypes": dtypes,
+            "interpreted": not isinstance(split, triton.runtime.JITFunction)}

@@ -19,6 +19,7 @@ Implementations, all with the same argument order:
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import warnings
 
@@ -69,7 +70,10 @@ def fla_available() -> bool:
 def _check(q, k, v, g, beta, state=None) -> tuple[int, int, int, int, int, int]:
     """Validate shapes; returns (B, T, Hk, Hv, dk, dv)."""
     if q.dim() != 4 or k.shape != q.shape:
-        raise ValueError(f"gated_delta_rule: q and k must both be [B, T, Hk, dk], got {tuple(q.shape)} and {tuple(k.shape)}")
+        raise ValueError(
+            "gated_delta_rule: q and k must both be [B, T, Hk, dk], "
+            f"got {tuple(q.shape)} and {tuple(k.shape)}"
+        )
     B, T, Hk, dk = k.shape
     if v.dim() != 4 or v.shape[:2] != (B, T):
         raise ValueError(f"gated_delta_rule: v must be [B={B}, T={T}, Hv, dv], got {tuple(v.shape)}")
@@ -78,7 +82,9 @@ def _check(q, k, v, g, beta, state=None) -> tuple[int, int, int, int, int, int]:
         raise ValueError(f"gated_delta_rule: Hv={Hv} v heads is not a multiple of Hk={Hk} k heads")
     for name, t in (("g", g), ("beta", beta)):
         if tuple(t.shape) != (B, T, Hv):
-            raise ValueError(f"gated_delta_rule: {name} must be [B, T, Hv] = {(B, T, Hv)}, got {tuple(t.shape)}")
+            raise ValueError(
+                f"gated_delta_rule: {name} must be [B, T, Hv] = {(B, T, Hv)}, got {tuple(t.shape)}"
+            )
     if state is not None and tuple(state.shape) != (B, Hv, dk, dv):
         raise ValueError(
             f"gated_delta_rule: state must be [B, Hv, dk, dv] = {(B, Hv, dk, dv)}, got {tuple(state.shape)}"
@@ -299,6 +305,8 @@ def gated_delta_rule_fla(q, k, v, g, beta, *, scale=None, initial_state=None):
         initial_state=None if initial_state is None else initial_state.to(torch.float32).contiguous(),
     )
     fn = fused_recurrent_gated_delta_rule if dtype == torch.float32 else chunk_gated_delta_rule
+    if "head_first" in inspect.signature(fn).parameters:
+        args["head_first"] = False  # some fla releases default to [B, H, T, d]
     with warnings.catch_warnings():
         # fla warns when T < H, guessing a head-first layout; ours is always [B, T, H, d]
         warnings.filterwarnings("ignore", message="Input tensor shape suggests")

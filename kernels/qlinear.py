@@ -81,24 +81,27 @@ def _q4_pairs_asm(b, DT: tl.constexpr):
     nibble into each lane's mantissa and OR in the exponent of 128 (bf16) / 1024 (fp16) with one lop3, then
     subtract 128 + 8 / 1024 + 8 from both lanes with one packed instruction: ~1.5 instructions per value.
     """
-    if DT == tl.bfloat16:
-        magic: tl.constexpr = "0x43004300"
-        tail: tl.constexpr = "fma.rn.bf16x2 $0, $0, one, bias; fma.rn.bf16x2 $1, $1, one, bias; " \
-                             "fma.rn.bf16x2 $2, $2, one, bias; fma.rn.bf16x2 $3, $3, one, bias;"
-        consts: tl.constexpr = "mov.b32 one, 0x3F803F80; mov.b32 bias, 0xC308C308;"  # 1.0, -136.0
-    else:
-        magic: tl.constexpr = "0x64006400"
-        tail: tl.constexpr = "sub.f16x2 $0, $0, bias; sub.f16x2 $1, $1, bias; " \
-                             "sub.f16x2 $2, $2, bias; sub.f16x2 $3, $3, bias;"
-        consts: tl.constexpr = "mov.b32 one, 0x3C003C00; mov.b32 bias, 0x64086408;"  # 1.0, 1032.0
-    lo, hi = tl.inline_asm_elementwise(
-        asm="{ .reg .b32 t0, t1, s0, s1, one, bias, z; mov.b32 z, 0; " + consts +
-            "prmt.b32 t0, $4, z, 0x4140; prmt.b32 t1, $4, z, 0x4342; "  # (b0, b1), (b2, b3) in 16-bit lanes
-            "shr.b32 s0, t0, 4; shr.b32 s1, t1, 4; "
-            "lop3.b32 $0, t0, 0x000F000F, " + magic + ", 0xEA; lop3.b32 $1, t1, 0x000F000F, " + magic + ", 0xEA; "
-            "lop3.b32 $2, s0, 0x000F000F, " + magic + ", 0xEA; lop3.b32 $3, s1, 0x000F000F, " + magic + ", 0xEA; "
-            + tail + " }",
-        constraints="=r,=r,=r,=r,r", args=[b], dtype=(DT, DT), is_pure=True, pack=4)
+    if DT == tl.bfloat16:  # 0x4300 = 128.0; bias: one 1.0 = 0x3F80, -136.0 = 0xC308
+        lo, hi = tl.inline_asm_elementwise(
+            asm="""{ .reg .b32 t0, t1, s0, s1, one, bias, z;
+            mov.b32 z, 0; mov.b32 one, 0x3F803F80; mov.b32 bias, 0xC308C308;
+            prmt.b32 t0, $4, z, 0x4140; prmt.b32 t1, $4, z, 0x4342;
+            shr.b32 s0, t0, 4; shr.b32 s1, t1, 4;
+            lop3.b32 $0, t0, 0x000F000F, 0x43004300, 0xEA; lop3.b32 $1, t1, 0x000F000F, 0x43004300, 0xEA;
+            lop3.b32 $2, s0, 0x000F000F, 0x43004300, 0xEA; lop3.b32 $3, s1, 0x000F000F, 0x43004300, 0xEA;
+            fma.rn.bf16x2 $0, $0, one, bias; fma.rn.bf16x2 $1, $1, one, bias;
+            fma.rn.bf16x2 $2, $2, one, bias; fma.rn.bf16x2 $3, $3, one, bias; }""",
+            constraints="=r,=r,=r,=r,r", args=[b], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    else:  # fp16: 0x6400 = 1024.0, 0x6408 = 1032.0
+        lo, hi = tl.inline_asm_elementwise(
+            asm="""{ .reg .b32 t0, t1, s0, s1, bias, z;
+            mov.b32 z, 0; mov.b32 bias, 0x64086408;
+            prmt.b32 t0, $4, z, 0x4140; prmt.b32 t1, $4, z, 0x4342;
+            shr.b32 s0, t0, 4; shr.b32 s1, t1, 4;
+            lop3.b32 $0, t0, 0x000F000F, 0x64006400, 0xEA; lop3.b32 $1, t1, 0x000F000F, 0x64006400, 0xEA;
+            lop3.b32 $2, s0, 0x000F000F, 0x64006400, 0xEA; lop3.b32 $3, s1, 0x000F000F, 0x64006400, 0xEA;
+            sub.f16x2 $0, $0, bias; sub.f16x2 $1, $1, bias; sub.f16x2 $2, $2, bias; sub.f16x2 $3, $3, bias; }""",
+            constraints="=r,=r,=r,=r,r", args=[b], dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
     return lo, hi
 
 
@@ -134,16 +137,17 @@ def _qlinear_kernel(x_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr,
                     T, N, K, NG, groups_per_split,
                     stride_xt, stride_ot, stride_c, stride_h, stride_s,
                     FMT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, GPS: tl.constexpr,
-                    USE_DOT: tl.constexpr, USE_ASM: tl.constexpr, ATOMIC: tl.constexpr):
-    """out[t, n] (+)= sum_k x[t, k] W[n, k] over this program's rows and K groups; fp32 accumulation.
+                    EXACT: tl.constexpr, USE_ASM: tl.constexpr, ATOMIC: tl.constexpr):
+    """out[t, n] (+)= sum_k x[t, k] W[n, k] over this program's rows and K groups, on the tensor cores.
 
-    Per group: the weight rows' codes (exact) times x's 64 (q8: 32) values, then the rows' scales in fp32.
-    With q5/q4 the even and odd k go through separate products (low / high nibbles), so x is read as two
-    stride-2 halves and the weights never need re-interleaving in registers.
+    EXACT: per group, the rows' integer codes (exact in x's dtype) times x, then the rows' scales in fp32;
+    q5/q4 even and odd k go through separate products (low / high nibbles), x read as two stride-2 halves.
+    Otherwise: q * scale rounded to x's dtype (what a dense dequantized weight holds) and one product
+    per loop step over GPS groups in K order.
     """
     DT: tl.constexpr = x_ptr.dtype.element_ty
-    CODE_DT: tl.constexpr = DT if USE_DOT else tl.float32  # the fma variant multiplies in fp32
     STEP: tl.constexpr = 1 if FMT == 0 else 2  # k between consecutive code bytes
+    GROUP: tl.constexpr = 32 * STEP
     pid_n = tl.program_id(0)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
@@ -152,48 +156,149 @@ def _qlinear_kernel(x_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr,
     t_ok = t < T
     c = tl.arange(0, 32)
     g_lo = tl.program_id(1) * groups_per_split
-    if USE_DOT:
-        acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)  # out^T tile: weights are the left operand
-    else:
-        acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)  # out^T tile: weights are the left operand
     for g0 in range(g_lo, g_lo + groups_per_split, GPS):  # groups_per_split is a multiple of GPS
-        for gi in tl.static_range(GPS):
-            g = g0 + gi
-            g_ok = g < NG
-            qa, qb = _group_operands(codes_ptr, high_ptr, rows_c, g, g_ok, stride_c, stride_h, FMT, CODE_DT,
-                                     USE_ASM)
-            s = tl.load(scales_ptr + rows_c * stride_s + g, mask=g_ok, other=0).to(tl.float32)  # [BN]
-            k = g * (32 * STEP) + STEP * c  # [32]: k of the even codes (q8: all codes)
-            xmask = t_ok[:, None] & (k[None, :] < K) & g_ok  # the K tail beyond the logical K reads zeros
-            xa = tl.load(x_ptr + t[:, None] * stride_xt + k[None, :], mask=xmask, other=0)  # [BT, 32]
-            if USE_DOT:
-                if DT == tl.float32:
-                    p = tl.dot(qa, tl.trans(xa), input_precision="ieee")  # [BN, BT]
-                else:
-                    p = tl.dot(qa, tl.trans(xa))
+        if EXACT:
+            for gi in tl.static_range(GPS):
+                g = g0 + gi
+                g_ok = g < NG
+                qa, qb = _group_operands(codes_ptr, high_ptr, rows_c, g, g_ok, stride_c, stride_h, FMT, DT, USE_ASM)
+                s = tl.load(scales_ptr + rows_c * stride_s + g, mask=g_ok, other=0).to(tl.float32)  # [BN]
+                k = g * GROUP + STEP * c  # [32]: k of the even codes (q8: all codes)
+                xa = tl.load(x_ptr + t[:, None] * stride_xt + k[None, :],
+                             mask=t_ok[:, None] & (k[None, :] < K) & g_ok, other=0)  # [BT, 32]
+                p = _dot(qa, xa, None, DT)  # [BN, BT]
                 if FMT != 0:
                     xb = tl.load(x_ptr + t[:, None] * stride_xt + (k + 1)[None, :],
                                  mask=t_ok[:, None] & (k[None, :] + 1 < K) & g_ok, other=0)
-                    if DT == tl.float32:
-                        p = tl.dot(qb, tl.trans(xb), p, input_precision="ieee")
-                    else:
-                        p = tl.dot(qb, tl.trans(xb), p)
+                    p = _dot(qb, xb, p, DT)
                 acc += p * s[:, None]
-            else:
-                p = tl.sum(xa.to(tl.float32)[:, None, :] * qa[None, :, :], axis=2)  # [BT, BN]
-                if FMT != 0:
-                    xb = tl.load(x_ptr + t[:, None] * stride_xt + (k + 1)[None, :],
-                                 mask=t_ok[:, None] & (k[None, :] + 1 < K) & g_ok, other=0)
-                    p += tl.sum(xb.to(tl.float32)[:, None, :] * qb[None, :, :], axis=2)
-                acc += p * s[None, :]
-    if USE_DOT:
-        acc = tl.trans(acc)
+        else:
+            gs = g0 + tl.arange(0, GPS)
+            gs_ok = gs < NG
+            w = _step_weights(codes_ptr, high_ptr, scales_ptr, rows_c, gs, gs_ok, stride_c, stride_h, stride_s,
+                              FMT, DT, BLOCK_N, GPS)  # [BN, GPS * GROUP]
+            k = g0 * GROUP + tl.arange(0, GPS * GROUP)
+            xs = tl.load(x_ptr + t[:, None] * stride_xt + k[None, :], mask=t_ok[:, None] & (k[None, :] < K),
+                         other=0)  # [BT, GPS * GROUP]; groups past NG have k >= Kp >= K
+            acc = _dot(w, xs, acc, DT)
+    out = tl.trans(acc)
     ptrs = out_ptr + t[:, None] * stride_ot + rows[None, :]
     mask = t_ok[:, None] & row_ok[None, :]
     if ATOMIC:
-        tl.atomic_add(ptrs, acc, mask=mask)
+        tl.atomic_add(ptrs, out, mask=mask)
     else:
-        tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(ptrs, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _dot(w, x, acc, DT: tl.constexpr):
+    """acc + w [BN, K] @ x[BT, K].T in fp32; exact fp32 products for fp32 inputs (not tf32)."""
+    if DT == tl.float32:
+        return tl.dot(w, tl.trans(x), acc, input_precision="ieee")
+    return tl.dot(w, tl.trans(x), acc)
+
+
+def _step_weights(codes_ptr, high_ptr, scales_ptr, rows, gs, gs_ok, stride_c, stride_h, stride_s,
+                  FMT: tl.constexpr, DT: tl.constexpr, BLOCK_N: tl.constexpr, GPS: tl.constexpr):
+    """Groups ``gs`` [GPS] of each of ``rows`` dequantized (q * scale, rounded to DT), ``[BN, GPS * GROUP]``."""
+    c = tl.arange(0, 32)
+    base = rows[:, None, None] * stride_c + gs[None, :, None] * 32 + c[None, None, :]
+    b = tl.load(codes_ptr + base, mask=gs_ok[None, :, None], other=0).to(tl.int32)  # [BN, GPS, 32]
+    s = tl.load(scales_ptr + rows[:, None] * stride_s + gs[None, :], mask=gs_ok[None, :], other=0)
+    s = s.to(DT)[:, :, None]  # [BN, GPS, 1]
+    if FMT == 0:
+        w = tl.reshape(_codes_as(b ^ 0x80, -128, DT) * s, (BLOCK_N, GPS * 32))
+    else:
+        lo = b & 15
+        hi = b >> 4
+        if FMT == 1:
+            h = tl.load(high_ptr + rows[:, None, None] * stride_h + gs[None, :, None] * 8 + (c // 4)[None, None, :],
+                        mask=gs_ok[None, :, None], other=0).to(tl.int32)
+            hb = h >> (2 * (c % 4))[None, None, :]
+            lo = lo | ((hb & 1) << 4)
+            hi = hi | ((hb & 2) << 3)
+            qmin: tl.constexpr = -16
+        else:
+            qmin: tl.constexpr = -8
+        w = tl.join(_codes_as(lo, qmin, DT) * s, _codes_as(hi, qmin, DT) * s)  # [BN, GPS, 32, 2]: k = 2c + (0, 1)
+        w = tl.reshape(w, (BLOCK_N, GPS * 64))
+    return w
+
+
+def _gemv_kernel(x_ptr, words_ptr, high_ptr, scales_ptr, out_ptr,
+                 N, K, NG, groups_per_split, magic,
+                 stride_xt, stride_ot, stride_w, stride_h, stride_s,
+                 FMT: tl.constexpr, BLOCK_N: tl.constexpr, GPS: tl.constexpr, EVEN_K: tl.constexpr,
+                 ATOMIC: tl.constexpr):
+    """out[t, n] (+)= sum_k x[t, k] W[n, k] for one row t of x, on the CUDA cores (T = 1: a plain GEMV).
+
+    The codes are read as 32-bit words (8 per group and row). Each code is shifted into the mantissa of a
+    float's bit pattern ``magic`` (128.0f, or 256.0f for q8) and merged with it by one lop3 -- ``magic``
+    is a kernel argument so that the compiler keeps it in a register and can fuse mask and merge -- so a
+    weight costs a shift, a lop3 and one FMA with x. The float's offset from q is taken off once per group
+    with the sum of x's values there, then the group's scale is applied.
+    """
+    EPW: tl.constexpr = 4 if FMT == 0 else 8  # codes per word
+    GROUP: tl.constexpr = 8 * EPW
+    QMIN: tl.constexpr = -128 if FMT == 0 else (-16 if FMT == 1 else -8)
+    BASE: tl.constexpr = 256.0 if FMT == 0 else 128.0
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    rows_c = tl.where(row_ok, rows, 0)
+    x_row = x_ptr + tl.program_id(2) * stride_xt
+    j = tl.arange(0, 8)
+    gi = tl.arange(0, GPS)
+    kk = tl.arange(0, GPS * GROUP)
+    g_lo = tl.program_id(1) * groups_per_split
+    acc = tl.zeros((BLOCK_N, GPS), dtype=tl.float32)
+    for g0 in range(g_lo, g_lo + groups_per_split, GPS):
+        gs = g0 + gi
+        gs_ok = gs < NG
+        woff = rows_c[:, None, None] * stride_w + gs[None, :, None] * 8 + j[None, None, :]
+        w = tl.load(words_ptr + woff, mask=gs_ok[None, :, None], other=0).to(tl.uint32, bitcast=True)
+        if FMT == 0:  # byte i (bits 8i..) -> bits 15..22 of 256.0f; ^ (0x80 << 15) makes u = byte ^ 0x80 = q + 128
+            b0 = ((w << 15) & 0x7F8000) ^ magic
+            b1 = ((w << 7) & 0x7F8000) ^ magic
+            b2 = ((w >> 1) & 0x7F8000) ^ magic
+            b3 = ((w >> 9) & 0x7F8000) ^ magic
+            v = tl.join(tl.join(b0, b2), tl.join(b1, b3))  # [BN, GPS, 8, 2, 2]: flat index = K order
+        else:  # nibble i (bits 4i..) -> bits 16..19 of 128.0f
+            n0 = ((w << 16) & 0xF0000) | magic
+            n1 = ((w << 12) & 0xF0000) | magic
+            n2 = ((w << 8) & 0xF0000) | magic
+            n3 = ((w << 4) & 0xF0000) | magic
+            n4 = (w & 0xF0000) | magic
+            n5 = ((w >> 4) & 0xF0000) | magic
+            n6 = ((w >> 8) & 0xF0000) | magic
+            n7 = ((w >> 12) & 0xF0000) | magic
+            if FMT == 1:  # high bit i of the word's high byte -> bit 20
+                h = tl.load(high_ptr + woff, mask=gs_ok[None, :, None], other=0).to(tl.uint32)
+                n0 = n0 | ((h << 20) & 0x100000)
+                n1 = n1 | ((h << 19) & 0x100000)
+                n2 = n2 | ((h << 18) & 0x100000)
+                n3 = n3 | ((h << 17) & 0x100000)
+                n4 = n4 | ((h << 16) & 0x100000)
+                n5 = n5 | ((h << 15) & 0x100000)
+                n6 = n6 | ((h << 14) & 0x100000)
+                n7 = n7 | ((h << 13) & 0x100000)
+            # flat index of the nested joins = 4a + 2b + e = nibble index: K order
+            v = tl.join(tl.join(tl.join(n0, n4), tl.join(n2, n6)), tl.join(tl.join(n1, n5), tl.join(n3, n7)))
+        v = tl.reshape(v, (BLOCK_N, GPS, GROUP)).to(tl.float32, bitcast=True)  # BASE + u, K order
+        k = g0 * GROUP + kk
+        if EVEN_K:
+            x = tl.load(x_row + k, mask=k < NG * GROUP, other=0)
+        else:
+            x = tl.load(x_row + k, mask=k < K, other=0)
+        x = tl.reshape(x.to(tl.float32), (GPS, GROUP))
+        e = tl.sum(v * x[None, :, :], axis=2)  # [BN, GPS]
+        s = tl.load(scales_ptr + rows_c[:, None] * stride_s + gs[None, :], mask=gs_ok[None, :], other=0)
+        acc += (e - (BASE - QMIN) * tl.sum(x, axis=1)[None, :]) * s.to(tl.float32)  # q = BASE + u - (BASE - QMIN)
+    out = tl.sum(acc, axis=1)
+    ptrs = out_ptr + tl.program_id(2) * stride_ot + rows
+    if ATOMIC:
+        tl.atomic_add(ptrs, out, mask=row_ok)
+    else:
+        tl.store(ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok)
 
 
 def _dequant_kernel(codes_ptr, high_ptr, scales_ptr, w_ptr, N, K, stride_c, stride_h, stride_s, stride_w,
@@ -216,7 +321,8 @@ def _dequant_kernel(codes_ptr, high_ptr, scales_ptr, w_ptr, N, K, stride_c, stri
 @functools.cache
 def _kernels():
     """Import Triton and jit the kernels (once). Raises ImportError when Triton is missing."""
-    global triton, tl, _codes_as, _q4_pairs_asm, _group_operands, _qlinear_kernel, _dequant_kernel
+    global triton, tl, _codes_as, _q4_pairs_asm, _group_operands, _dot, _step_weights, _qlinear_kernel, \
+        _gemv_kernel, _dequant_kernel
     import triton as _triton
     import triton.language as _tl
 
@@ -225,6 +331,9 @@ def _kernels():
     _codes_as = triton.jit(_codes_as)
     _q4_pairs_asm = triton.jit(_q4_pairs_asm)
     _group_operands = triton.jit(_group_operands)
+    _dot = triton.jit(_dot)
+    _step_weights = triton.jit(_step_weights)
+    _gemv_kernel = triton.jit(_gemv_kernel)
     _qlinear_kernel = triton.jit(_qlinear_kernel)
     _dequant_kernel = triton.jit(_dequant_kernel)
     return _qlinear_kernel, _dequant_kernel
@@ -245,26 +354,35 @@ def triton_available() -> bool:
 
 @dataclass(frozen=True, slots=True)
 class QConfig:
-    """Launch parameters of the fused kernel: rows per program, groups per loop step, K splits, dot or fma."""
+    """Launch parameters of the fused kernel.
 
+    kind: "gemv" (CUDA cores, one row of x per program: T = 1) or "dot" (tensor cores, x padded to
+    block_t rows). block_n: weight rows per program. gps: groups per loop step. split_k: programs that
+    share one row tile's K (fp32 atomics when > 1). exact / use_asm: the dot variant's weight path
+    (codes exact + fp32 group scales / q * scale in x's dtype; inline-PTX q4 unpack).
+    """
+
+    kind: str
     block_n: int
-    gps: int
-    split_k: int
-    use_dot: bool
-    use_asm: bool = False
+    gps: int = 4
+    split_k: int = 1
     block_t: int = 16
+    exact: bool = False
+    use_asm: bool = False
     num_warps: int = 4
-    num_stages: int = 2
+    num_stages: int = 3
 
     def __post_init__(self):
-        if self.block_n < 1 or self.block_n & (self.block_n - 1):
-            raise ValueError(f"QConfig.block_n must be a power of two, got {self.block_n}")
-        if self.gps < 1 or self.split_k < 1:
-            raise ValueError(f"QConfig.gps and split_k must be >= 1, got {self.gps}, {self.split_k}")
-        if self.block_t < 1 or self.block_t & (self.block_t - 1):
-            raise ValueError(f"QConfig.block_t must be a power of two, got {self.block_t}")
-        if self.use_dot and (self.block_n < 16 or self.block_t < 16):
-            raise ValueError(f"QConfig: the dot variant needs block_n and block_t >= 16, got {self.block_n}, "
+        if self.kind not in ("gemv", "dot"):
+            raise ValueError(f"QConfig.kind must be 'gemv' or 'dot', got {self.kind!r}")
+        for name in ("block_n", "block_t", "gps"):
+            v = getattr(self, name)
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"QConfig.{name} must be a power of two, got {v}")
+        if self.split_k < 1:
+            raise ValueError(f"QConfig.split_k must be >= 1, got {self.split_k}")
+        if self.kind == "dot" and (self.block_n < 16 or self.block_t < 16):
+            raise ValueError(f"QConfig: the dot kernel needs block_n and block_t >= 16, got {self.block_n}, "
                              f"{self.block_t}")
 
 
@@ -272,20 +390,26 @@ class QConfig:
 _TARGET_PROGRAMS = 4 * 132
 
 
+def _split_for(tiles: int, ng: int, gps: int) -> int:
+    """K splits so that tiles * split reaches _TARGET_PROGRAMS, keeping >= 4 loop steps per program."""
+    split = 1
+    while tiles * split < _TARGET_PROGRAMS and ng // (2 * split * gps) >= 4:
+        split *= 2
+    return split
+
+
 def choose_config(fmt: str, n: int, k: int, t: int, dtype: torch.dtype) -> QConfig:
     """The launch configuration for x [t, k] @ W[n, k].T in fmt: a pure function of shapes, no timing."""
     ng = quant.qlayout(fmt, (n, k)).kp // quant.QSPEC[fmt][0]
-    use_dot = dtype in (torch.float16, torch.bfloat16) and t > 2
-    block_n = 32 if use_dot else 16
-    block_t = min(64, max(16, _next_pow2(t))) if use_dot else min(4, _next_pow2(t))
-    tiles = triton_cdiv(n, block_n)
-    split_k = 1
-    while tiles * split_k < _TARGET_PROGRAMS and ng // (split_k * 2) >= 8:
-        split_k *= 2
-    return QConfig(block_n=block_n, gps=4, split_k=split_k, use_dot=use_dot, block_t=block_t)
+    if t == 1:
+        block_n = 64
+        return QConfig("gemv", block_n, gps=2, split_k=_split_for(-(-n // block_n), ng, 2))
+    block_t = min(64, max(16, _next_pow2(t)))
+    block_n = 64
+    return QConfig("dot", block_n, gps=4, block_t=block_t, split_k=_split_for(-(-n // block_n), ng, 4))
 
 
-def triton_cdiv(a: int, b: int) -> int:
+def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
@@ -297,32 +421,50 @@ def _next_pow2(n: int) -> int:
 # Launches
 
 
-def qlinear_triton(x: torch.Tensor, lin: PackedLinear, config: QConfig | None = None) -> torch.Tensor:
+def qlinear_triton(x: torch.Tensor, lin: PackedLinear, config: QConfig | None = None,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
     """Fused dequantize-and-multiply: ``x [T, K]`` contiguous (bf16/fp16/fp32) -> ``[T, N]`` in x.dtype.
 
-    No host synchronisation and a fixed set of allocations per shape: safe to capture in a CUDA graph
-    once a first call (which compiles the kernel) has run outside the capture.
+    ``config`` overrides ``choose_config``; ``out`` (contiguous [T, N], x.dtype) is written instead of a
+    fresh tensor. No host synchronisation and a fixed set of allocations per shape: safe to capture in a
+    CUDA graph once a first call (which compiles the kernel) has run outside the capture.
     """
-    kernel, _ = _kernels()
+    dot_kernel, _ = _kernels()
     if x.dim() != 2 or x.shape[1] != lin.k:
         raise ValueError(f"qlinear_triton: x must be [T, K={lin.k}], got shape {tuple(x.shape)}")
     if not x.is_contiguous():
         raise ValueError("qlinear_triton: x must be contiguous")
     t = x.shape[0]
+    if out is not None and (out.shape != (t, lin.n) or out.dtype != x.dtype or not out.is_contiguous()):
+        raise ValueError(f"qlinear_triton: out must be contiguous [{t}, {lin.n}] {x.dtype}, got "
+                         f"{tuple(out.shape)} {out.dtype}")
     cfg = config or choose_config(lin.fmt, lin.n, lin.k, t, x.dtype)
-    groups_per_split = triton_cdiv(triton_cdiv(lin.ng, cfg.split_k), cfg.gps) * cfg.gps
+    groups_per_split = _cdiv(_cdiv(lin.ng, cfg.split_k), cfg.gps) * cfg.gps
     atomic = cfg.split_k > 1
-    if atomic:
-        out = torch.zeros(t, lin.n, dtype=torch.float32, device=x.device)
-    else:
+    if out is None:
         out = torch.empty(t, lin.n, dtype=x.dtype, device=x.device)
-    grid = (triton_cdiv(lin.n, cfg.block_n), triton_cdiv(lin.ng, groups_per_split), triton_cdiv(t, cfg.block_t))
-    kernel[grid](x, lin.codes, lin.high, lin.scales, out,
-                 t, lin.n, lin.k, lin.ng, groups_per_split,
-                 x.stride(0), out.stride(0), lin.codes.stride(0), lin.high.stride(0), lin.scales.stride(0),
-                 FMT=_FMT_ID[lin.fmt], BLOCK_T=cfg.block_t, BLOCK_N=cfg.block_n, GPS=cfg.gps,
-                 USE_DOT=cfg.use_dot, USE_ASM=cfg.use_asm and x.is_cuda and x.dtype != torch.float32, ATOMIC=atomic, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return out.to(x.dtype) if atomic else out
+    # split K: fp32 partial sums meet in a zeroed buffer (one memset, one cast); fp32 x adds into out itself
+    acc = (out.zero_() if x.dtype == torch.float32 else torch.zeros(t, lin.n, dtype=torch.float32, device=x.device)) \
+        if atomic else out
+    n_tiles, k_tiles = _cdiv(lin.n, cfg.block_n), _cdiv(lin.ng, groups_per_split)
+    fmt_id = _FMT_ID[lin.fmt]
+    if cfg.kind == "gemv":
+        _gemv_kernel[(n_tiles, k_tiles, t)](
+            x, lin.words, lin.high, lin.scales, acc, lin.n, lin.k, lin.ng, groups_per_split,
+            0x43C00000 if fmt_id == 0 else 0x43000000,
+            x.stride(0), acc.stride(0), lin.words.stride(0), lin.high.stride(0), lin.scales.stride(0),
+            FMT=fmt_id, BLOCK_N=cfg.block_n, GPS=cfg.gps, EVEN_K=lin.k == lin.kp, ATOMIC=atomic,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    else:
+        dot_kernel[(n_tiles, k_tiles, _cdiv(t, cfg.block_t))](
+            x, lin.codes, lin.high, lin.scales, acc, t, lin.n, lin.k, lin.ng, groups_per_split,
+            x.stride(0), acc.stride(0), lin.codes.stride(0), lin.high.stride(0), lin.scales.stride(0),
+            FMT=fmt_id, BLOCK_T=cfg.block_t, BLOCK_N=cfg.block_n, GPS=cfg.gps, EXACT=cfg.exact,
+            USE_ASM=cfg.use_asm and x.dtype != torch.float32, ATOMIC=atomic,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if acc is not out:
+        out.copy_(acc)
+    return out
 
 
 def qlinear_dequant(lin: PackedLinear, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -330,7 +472,7 @@ def qlinear_dequant(lin: PackedLinear, dtype: torch.dtype = torch.bfloat16) -> t
     _, kernel = _kernels()
     w = torch.empty(lin.n, lin.k, dtype=dtype, device=lin.device)
     block_n = 64
-    kernel[(triton_cdiv(lin.n, block_n), lin.ng)](
+    kernel[(_cdiv(lin.n, block_n), lin.ng)](
         lin.codes, lin.high, lin.scales, w, lin.n, lin.k,
         lin.codes.stride(0), lin.high.stride(0), lin.scales.stride(0), w.stride(0),
         FMT=_FMT_ID[lin.fmt], BLOCK_N=block_n)
@@ -371,6 +513,7 @@ class PackedLinear:
             return self.buf[off_len[0]:off_len[0] + off_len[1]]
 
         self.codes = section(lay.codes).view(lay.n, -1)  # [N, Kp/2] (q4/q5) or [N, Kp] (q8)
+        self.words = self.codes.view(torch.int32)  # the same bytes, 4 at a time: [N, 8 per group]
         self.high = section(lay.high).view(lay.n, -1) if fmt == "q5_g64_fp16" else self.buf[:1].view(1, 1)
         self.scales = section(lay.scales).view(torch.float16).view(lay.n, self.ng)  # [N, Kp/group]
         self._dense: dict[torch.dtype, torch.Tensor] = {}

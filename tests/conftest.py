@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tinyhf import make_hf
+
+# The tests run tiny models: one intra-op thread avoids OpenMP spin contention on small matmuls.
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

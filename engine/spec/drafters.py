@@ -1,0 +1,234 @@
+"""Drafters as the Engine runs them: MTP (recursive head with its own K/V) and DFlash / DFlash2 (block drafter
+with a per-slot context K/V cache, a ring for DFlash2's window).
+
+Protocol (what :meth:`Engine.advance_spec` calls):
+
+- ``taps``: target layers whose outputs the drafter needs from every target forward;
+- ``begin(seq, hidden, taps)``: after a sequence's prefill (hidden ``[n, H]``, taps ``[n, n_taps*H]``);
+- ``draft(seqs, k) -> (tokens [B, k], q [B, k, V] | None)``: propose k tokens per sequence (q when sampling);
+- ``commit(seqs, old_len, block, hidden, taps, n_acc, bonus)``: after verification of ``block [B, k+1]``
+  at positions ``old_len[b] ..`` with ``n_acc`` drafts accepted, absorb the committed positions.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...kernels.norm import rms_norm
+from ..model import DECODE, PREFILL, Step
+from ..sampling import probs
+from .dflash import BlockDrafter
+
+
+class DraftHead:
+    """The head drafters score: the full ``lm_head`` or, with ``--lm-head-draft N``, its rows for the N most
+    frequent tokens (ids remapped back after selection)."""
+
+    def __init__(self, engine, ids: torch.Tensor | None):
+        self.e = engine
+        self.ids = ids
+        self.linear = engine.weights.linear("lm_head.weight") if ids is None else engine.draft_head_linear(ids)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.linear(h).float()
+
+    def to_vocab(self, idx: torch.Tensor) -> torch.Tensor:
+        return idx if self.ids is None else self.ids[idx]
+
+    def dense(self, q: torch.Tensor) -> torch.Tensor:
+        """A distribution over the head's rows as one over the whole vocabulary."""
+        if self.ids is None:
+            return q
+        out = torch.zeros(*q.shape[:-1], self.e.config.vocab_size, dtype=q.dtype, device=q.device)
+        return out.index_copy_(-1, self.ids, q) if q.dim() == 1 else out.scatter_(-1, self.ids.expand_as(q), q)
+
+
+def pick(seqs, logits: torch.Tensor, head: DraftHead) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One draft per row from head logits ``[B, N]``: argmax for greedy rows, a draw for sampling rows
+    (then also the row's draft distribution over the full vocabulary)."""
+    idx = logits.argmax(-1)
+    if all(s.params.greedy for s in seqs):
+        return head.to_vocab(idx), None
+    qs = []
+    for r, s in enumerate(seqs):
+        if s.params.greedy:
+            q = torch.zeros_like(logits[r]).scatter_(0, idx[r:r + 1], 1.0)
+        else:
+            q = probs(logits[r], s.params)
+            idx[r] = torch.multinomial(q, 1, generator=s.generator)[0]
+        qs.append(head.dense(q))
+    return head.to_vocab(idx), torch.stack(qs)
+
+
+class MTPDrafter:
+    """Qwen3.5's MTP head, applied recursively: entry i reads (h_i, token i+1) and predicts token i+2.
+
+    ``h`` is the hidden state fed to the lm_head (after the final norm; vLLM and SGLang do the same); for
+    recursive steps it is the MTP head's own normed output. The head's ``mtp.layers.*`` run as one stack.
+    """
+
+    taps: tuple[int, ...] = ()
+
+    def __init__(self, engine):
+        if engine.config.mtp_num_hidden_layers < 1 or not engine.weights.has("mtp.fc.weight"):
+            raise ValueError("--spec mtp needs a model with an MTP head (mtp.* weights); this one has none")
+        self.e = engine
+        self.head = DraftHead(engine, engine.draft_head_ids())
+        self.pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def forward(self, hidden, next_ids, pos, slots, kv_len, mode=DECODE):
+        e, w = self.e, self.e.weights
+        eps = e.config.rms_norm_eps
+        x = torch.cat([rms_norm(w.embed(next_ids), w.vector("mtp.pre_fc_norm_embedding.weight"), eps),
+                       rms_norm(hidden, w.vector("mtp.pre_fc_norm_hidden.weight"), eps)], dim=-1)
+        x = w.linear("mtp.fc.weight")(x)
+        step = Step(next_ids, pos, slots, kv_len=kv_len, mode=mode)
+        for i in range(e.config.mtp_num_hidden_layers):
+            x = e.model.layer(f"mtp.layers.{i}", f"mtp{i}", "full_attention", x, step, e.cache)
+        h = rms_norm(x, w.vector("mtp.norm.weight"), eps)
+        return h, self.head.logits(h)
+
+    def begin(self, seq, hidden, taps) -> None:
+        n, chunk = len(seq.prompt), self.e.options.prefill_chunk
+        nxt = seq.prompt[1:] + [seq.tokens[0]]
+        slots = self.e._ids([seq.slot])
+        for c0 in range(0, n, chunk):
+            c1 = min(n, c0 + chunk)
+            pos = torch.arange(c0, c1, device=self.e.device)[None]
+            h, logits = self.forward(hidden[None, c0:c1], self.e._ids([nxt[c0:c1]]), pos, slots, c1, PREFILL)
+        self.pending[seq.slot] = (h[0, -1], logits[0, -1])
+
+    def commit(self, seqs, old_len, block, hidden, taps, n_acc, bonus) -> None:
+        b, t = block.shape
+        i = torch.arange(t, device=block.device)[None]
+        nxt = torch.cat([block[:, 1:], bonus[:, None]], dim=1)
+        nxt = torch.where(i < n_acc[:, None], nxt, bonus[:, None])  # token after each verified position
+        pos = old_len[:, None] + i
+        slots = self.e._ids([s.slot for s in seqs])
+        h, logits = self.forward(hidden, nxt, pos, slots, int(old_len.max()) + t)
+        sel = n_acc.view(b, 1, 1)
+        h0 = h.gather(1, sel.expand(b, 1, h.shape[-1]))[:, 0]
+        l0 = logits.gather(1, sel.expand(b, 1, logits.shape[-1]))[:, 0]
+        for r, s in enumerate(seqs):
+            self.pending[s.slot] = (h0[r], l0[r])
+
+    def draft(self, seqs, k: int):
+        h = torch.stack([self.pending[s.slot][0] for s in seqs])
+        logits = torch.stack([self.pending[s.slot][1] for s in seqs])
+        slots = self.e._ids([s.slot for s in seqs])
+        length = self.e._ids([s.length for s in seqs])
+        toks, qs = [], []
+        for j in range(k):
+            tok, q = pick(seqs, logits, self.head)
+            toks.append(tok)
+            qs.append(q)
+            if j + 1 < k:
+                pos = (length + j)[:, None]
+                hh, ll = self.forward(h[:, None], tok[:, None], pos, slots, int(length.max()) + j + 1)
+                h, logits = hh[:, 0], ll[:, 0]
+        return torch.stack(toks, 1), (torch.stack(qs, 1) if qs[0] is not None else None)
+
+    def release(self, seq) -> None:
+        self.pending.pop(seq.slot, None)
+
+
+class BlockDraftRunner:
+    """A DFlash / DFlash2 drafter bound to an Engine: context K/V per slot and layer, block drafting."""
+
+    def __init__(self, engine, kind: str):
+        if kind not in engine.loaded.drafters:
+            have = ", ".join(sorted(engine.loaded.drafters)) or "none"
+            raise ValueError(f"--spec {kind} needs a {kind} drafter in the artifact (it has: {have})")
+        self.e = engine
+        cfg, raws = engine.loaded.drafters[kind]
+        self.cfg = cfg
+        if cfg.mask_token_id >= engine.config.vocab_size or max(cfg.target_layer_ids) >= engine.config.num_hidden_layers:
+            raise ValueError(f"{kind} drafter does not fit this target (mask token {cfg.mask_token_id}, "
+                             f"taps {cfg.target_layer_ids})")
+        k = engine.options.draft_tokens
+        if k + 1 > cfg.block_size:
+            raise ValueError(f"{kind} drafter was trained with block size {cfg.block_size} "
+                             f"(draft-tokens <= {cfg.block_size - 1}); asked for {k}")
+        self.taps = tuple(cfg.target_layer_ids)
+        self.net = BlockDrafter(cfg, engine.config.hidden_size, engine.config.vocab_size)
+        state = {n.split(".", 1)[1]: r.dense(torch.float32) for n, r in raws.items()}
+        self.net.load_state_dict(state, strict=True)
+        self.net.to(device=engine.device, dtype=engine.dtype).eval()
+        self.head = DraftHead(engine, engine.draft_head_ids())
+        ring = cfg.kind == "dflash2" and cfg.window > 0
+        self.window = cfg.window if ring else 0
+        self.cap = cfg.window if ring else engine.capacity
+        slots, dev, dt = engine.cache.slots, engine.device, engine.dtype
+        shape = (slots, self.cap + 1, cfg.num_key_value_heads, cfg.head_dim)  # the last entry takes discarded writes
+        self.k = [torch.zeros(shape, dtype=dt, device=dev) for _ in range(cfg.num_layers)]
+        self.v = [torch.zeros(shape, dtype=dt, device=dev) for _ in range(cfg.num_layers)]
+        self.pos = torch.full((slots, self.cap + 1), -1, dtype=torch.long, device=dev)
+
+    def _write(self, slots, taps, pos, live) -> None:
+        """Context K/V of ``taps [B, T, n*H]`` at ``pos [B, T]``; rows where ``live`` is False are discarded."""
+        ks, vs = self.net.context_kv(self.net.context(taps.to(self.e.dtype)), pos)
+        idx = torch.where(live, pos % self.cap if self.window else pos, torch.full_like(pos, self.cap))
+        sl = slots[:, None].expand_as(pos)
+        for layer in range(len(self.k)):
+            self.k[layer][sl, idx] = ks[layer]
+            self.v[layer][sl, idx] = vs[layer]
+        self.pos[sl, idx] = torch.where(live, pos, torch.full_like(pos, -1))
+
+    def begin(self, seq, hidden, taps) -> None:
+        self.pos[seq.slot] = -1
+        chunk = self.e.options.prefill_chunk
+        slots = self.e._ids([seq.slot])
+        for c0 in range(0, taps.shape[0], chunk):
+            piece = taps[None, c0:c0 + chunk]
+            pos = torch.arange(c0, c0 + piece.shape[1], device=self.e.device)[None]
+            self._write(slots, piece, pos, torch.ones_like(pos, dtype=torch.bool))
+
+    def commit(self, seqs, old_len, block, hidden, taps, n_acc, bonus) -> None:
+        t = block.shape[1]
+        i = torch.arange(t, device=block.device)[None]
+        self._write(self.e._ids([s.slot for s in seqs]), taps, old_len[:, None] + i, i <= n_acc[:, None])
+
+    @torch.inference_mode()
+    def draft(self, seqs, k: int):
+        e, c = self.e, self.cfg
+        slots = e._ids([s.slot for s in seqs])
+        length = e._ids([s.length for s in seqs])
+        b = len(seqs)
+        ids = torch.full((b, k + 1), c.mask_token_id, dtype=torch.long, device=e.device)
+        ids[:, 0] = e._ids([s.last for s in seqs])
+        pos = length[:, None] + torch.arange(k + 1, device=e.device)[None]
+        cpos = self.pos[slots][:, : self.cap]  # [B, cap]
+        vis = (cpos >= 0) & (cpos < length[:, None])
+        if self.window:
+            vis &= cpos >= (length[:, None] - self.window)
+        mask = torch.cat([vis[:, None, :].expand(b, k + 1, -1),
+                          torch.ones(b, k + 1, k + 1, dtype=torch.bool, device=e.device)], dim=-1)[:, None]
+        ks = [kk[slots][:, : self.cap] for kk in self.k]
+        vs = [vv[slots][:, : self.cap] for vv in self.v]
+        h = self.net.blocks(e.weights.embed(ids), pos, ks, vs, mask)[:, 1:]
+        logits = self.head.logits(h)  # [B, k, N]
+        if self.net.selector is None:
+            toks, qs = zip(*(pick(seqs, logits[:, j], self.head) for j in range(k)))
+            return torch.stack(toks, 1), (torch.stack(qs, 1) if qs[0] is not None else None)
+        return self._select(seqs, h, logits, ids[:, 0])
+
+    def _select(self, seqs, h, logits, anchor):
+        """DFlash2: the candidate walk (per row, since rows may sample at different temperatures)."""
+        toks, qs = [], []
+        sampling = not all(s.params.greedy for s in seqs)
+        for r, s in enumerate(seqs):
+            temp = 0.0 if s.params.greedy else s.params.temperature
+            t, cand, q = self.net.selector.walk(h[r:r + 1], logits[r:r + 1], anchor[r:r + 1], temp, s.generator,
+                                                ids_map=self.head.ids)
+            toks.append(t[0])
+            if sampling:
+                full = torch.zeros(t.shape[1], self.e.config.vocab_size, device=h.device)
+                if q is None:
+                    full.scatter_(1, t[0][:, None], 1.0)
+                else:
+                    full.scatter_(1, cand[0], q[0].to(full.dtype))
+                qs.append(full)
+        return torch.stack(toks), (torch.stack(qs) if qs else None)
+
+    def release(self, seq) -> None:
+        self.pos[seq.slot] = -1

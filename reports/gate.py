@@ -1,0 +1,319 @@
+"""The regression gate: compare a candidate result document with a baseline (DESIGN.md "Suites, results,
+reports, gates").
+
+Exact metrics (token hashes, acceptance counts on deterministic runs, oracle agreement) must be equal. A timing
+metric fails only when its median moved the wrong way by more than its threshold *and* the per-repeat samples
+show the shift is significant (two-sided Mann-Whitney U test, p < ``alpha``); a change past the threshold that
+the samples cannot confirm is "ambiguous": shown, never silently passed.
+
+Metrics are addressed by paths into the summary (:mod:`.metric_path`): ``decode_tok_s``,
+``levels[concurrency=4].aggregate_tok_s``, ``records[op=rmsnorm,variant=v3,t=1].us_median``; a wildcard
+(``levels[concurrency=*]``) makes one rule per value present in either document. The rank test is
+:func:`.stats.rank_test`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tomllib
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+from .metric_path import MetricMissing, format_path, instances, lookup, parse_path, root, stars, substitute
+from .schema import SUITES
+from .stats import ALPHA, rank_test
+
+KINDS = ("exact", "timing")
+# config / model keys that make two runs different experiments (a gate across them is reported as ambiguous)
+CONFIG_KEYS = ("spec", "draft_tokens", "kv_dtype", "device", "dtype", "quant", "max_new_tokens")
+MODEL_KEYS = ("artifact_id", "sha256", "model_id", "preset", "quant_policy", "config_sha256", "seed")
+
+
+# ---- rules ---------------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class Rule:
+    """One gated metric. ``threshold`` is a relative change of the median (0.05 = 5%); ``samples`` is the path
+    of the per-repeat sample list a timing metric's significance is tested on; ``suite`` (optional) limits a
+    rule in a shared rules file to one suite."""
+
+    metric: str
+    kind: str = "timing"
+    higher_is_better: bool = True
+    threshold: float = 0.05
+    samples: str | None = None
+    suite: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"rule {self.metric!r}: kind must be one of {KINDS}, got {self.kind!r}")
+        if not isinstance(self.higher_is_better, bool):
+            raise ValueError(f"rule {self.metric!r}: higher_is_better must be true or false, "
+                             f"got {self.higher_is_better!r}")
+        if isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float)) \
+                or not 0 <= self.threshold < math.inf:
+            raise ValueError(f"rule {self.metric!r}: threshold must be a relative change >= 0, got {self.threshold!r}")
+        if self.suite is not None and self.suite not in SUITES:
+            raise ValueError(f"rule {self.metric!r}: unknown suite {self.suite!r} (one of {SUITES})")
+        if self.samples is not None and not stars(parse_path(self.samples)) <= stars(parse_path(self.metric)):
+            raise ValueError(f"rule {self.metric!r}: samples path {self.samples!r} has a wildcard the metric lacks")
+
+
+def _timing(metric, higher=True, threshold=0.05, samples=None):
+    return Rule(metric, "timing", higher, threshold, samples)
+
+
+def default_rules(suite: str) -> list[Rule]:
+    """The gate's rules for one suite (per-level and per-kernel rules use wildcards)."""
+    if suite == "decode":
+        exact = ("tokens_sha256", "prompt_tokens", "completion_tokens", "rounds", "drafted_tokens",
+                 "accepted_tokens", "accepted_per_position")
+        return [Rule(m, "exact") for m in exact] + [
+            _timing("decode_tok_s", True, 0.05, "samples.decode_tok_s"),
+            _timing("prefill_tok_s", True, 0.05, "samples.prefill_tok_s"),
+            _timing("ttft_ms", False, 0.10, "samples.ttft_ms"),
+            _timing("device_ms_per_round", False, 0.05, "samples.device_ms_per_round"),
+            _timing("peak_memory_bytes", False, 0.05)]
+    if suite == "niah":
+        return [Rule(m, "exact") for m in ("cases", "oracle_agreement", "retrieval", "first_divergence")]
+    if suite == "concurrency":
+        lv = "levels[concurrency=*]"
+        return [Rule(f"{lv}.matches_sequential", "exact"),
+                _timing(f"{lv}.aggregate_tok_s", True, 0.05, f"{lv}.samples.aggregate_tok_s"),
+                _timing(f"{lv}.per_request_tok_s", True, 0.05),
+                _timing(f"{lv}.ttft_ms_p50", False, 0.10, f"{lv}.samples.ttft_ms"),
+                _timing(f"{lv}.itl_ms_p50", False, 0.10, f"{lv}.samples.itl_ms")]
+    if suite == "kernels":
+        rec = "records[op=*,shape=*,variant=*,t=*]"
+        return [_timing(f"{rec}.us_median", False, 0.05, f"{rec}.samples_us")]
+    if suite == "prefill":
+        return [_timing("prefill_tok_s", True, 0.05, "samples.prefill_tok_s")]
+    raise ValueError(f"unknown suite {suite!r} (one of {SUITES})")
+
+
+def load_rules(path: str | Path) -> list[Rule]:
+    """Rules from a JSON file (a list of rule objects, or ``{"rules": [...]}``) or a TOML file (``[[rules]]``
+    tables). Keys: metric, kind, higher_is_better, threshold, samples, suite."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no such rules file: {path}")
+    try:
+        if path.suffix == ".toml":
+            data = tomllib.loads(path.read_text())
+        elif path.suffix == ".json":
+            data = json.loads(path.read_text())
+        else:
+            raise ValueError(f"{path}: rules files are .json or .toml, got {path.suffix or 'no extension'!r}")
+    except (json.JSONDecodeError, tomllib.TOMLDecodeError) as e:
+        raise ValueError(f"{path}: cannot parse rules ({e})") from None
+    if isinstance(data, dict):
+        extra = sorted(set(data) - {"rules"})
+        if extra:
+            raise ValueError(f"{path}: unknown top-level key(s) {extra}; expected only 'rules'")
+        data = data.get("rules", [])
+    if not isinstance(data, list):
+        raise ValueError(f"{path}: expected a list of rules")
+    allowed = [f.name for f in fields(Rule)]
+    rules = []
+    for i, item in enumerate(data, 1):
+        if not isinstance(item, dict):
+            raise ValueError(f"{path}: rule {i} is not a table/object")
+        unknown = sorted(set(item) - set(allowed))
+        if unknown:
+            raise ValueError(f"{path}: rule {i} has unknown key(s) {unknown}; allowed: {allowed}")
+        if "metric" not in item:
+            raise ValueError(f"{path}: rule {i} has no 'metric'")
+        try:
+            rules.append(Rule(**item))
+        except ValueError as e:
+            raise ValueError(f"{path}: rule {i}: {e}") from None
+    return rules
+
+
+def expand(rules: list[Rule], baseline: dict, candidate: dict) -> list[Rule]:
+    """Concrete rules: each wildcard rule once per value present in either document (baseline order first)."""
+    out = []
+    for rule in rules:
+        segs = parse_path(rule.metric)
+        if not stars(segs):
+            out.append(rule)
+            continue
+        found = {}
+        for doc in (baseline, candidate):
+            for inst in instances(root(doc), segs):
+                found.setdefault(format_path(inst), inst)
+        if not found:  # nothing to expand in either document: keep the wildcard rule so it reports "missing"
+            out.append(rule)
+        for text, inst in found.items():
+            samples = None if rule.samples is None else substitute(rule.samples, inst)
+            out.append(Rule(text, rule.kind, rule.higher_is_better, rule.threshold, samples, rule.suite))
+    return out
+
+
+# ---- the gate ------------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class Verdict:
+    """One gate row. ``change`` is the signed relative change of the candidate vs the baseline median
+    ((candidate - baseline) / |baseline|); ``p`` the rank test's p-value where one was computed."""
+
+    metric: str
+    kind: str
+    baseline: object
+    candidate: object
+    change: float | None
+    status: str
+    reason: str
+    p: float | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def config_differences(baseline: dict, candidate: dict) -> list[str]:
+    """What makes the two runs different experiments: model identity, spec, draft tokens, KV dtype, device..."""
+    diffs = []
+    pairs = [(f"model.{k}", baseline["model"].get(k), candidate["model"].get(k)) for k in MODEL_KEYS]
+    if all(b is None and c is None for _, b, c in pairs):  # no identity recorded: fall back to the config
+        pairs = [("model", baseline["config"].get("model"), candidate["config"].get("model"))]
+    pairs += [(k, baseline["config"].get(k), candidate["config"].get(k)) for k in CONFIG_KEYS]
+    pairs.append(("env.gpu", baseline["env"].get("gpu"), candidate["env"].get("gpu")))
+    for key, b, c in pairs:
+        if b != c:
+            diffs.append(f"{key} {b!r} vs {c!r}")
+    return diffs
+
+
+def _deterministic(doc: dict) -> bool:
+    """Greedy runs are deterministic unless the suite saw its repeats disagree; sampling needs a fixed seed."""
+    if doc["summary"].get("deterministic") is False:
+        return False
+    temperature = doc["config"].get("temperature") or 0
+    return temperature <= 0 or doc["config"].get("seed") is not None
+
+
+def _relative(b, c) -> float | None:
+    if isinstance(b, bool) or isinstance(c, bool) or not isinstance(b, (int, float)) \
+            or not isinstance(c, (int, float)):
+        return None
+    if b == 0:
+        return 0.0 if c == 0 else math.copysign(math.inf, c)
+    return (c - b) / abs(b)
+
+
+def _judge_exact(rule: Rule, b, c, deterministic: bool) -> Verdict:
+    change = _relative(b, c)
+    if b == c or (isinstance(b, float) and isinstance(c, float) and math.isnan(b) and math.isnan(c)):
+        return Verdict(rule.metric, "exact", b, c, change, "pass", "null on both sides" if b is None else "equal")
+    if not deterministic:
+        return Verdict(rule.metric, "exact", b, c, change, "ambiguous",
+                       "differs, but a run is not deterministic (sampling without a seed, or repeats disagreed)")
+    return Verdict(rule.metric, "exact", b, c, change, "fail", "differs")
+
+
+def _judge_timing(rule: Rule, baseline: dict, candidate: dict, b, c, alpha: float) -> Verdict:
+    def verdict(status, reason, change=None, p=None):
+        return Verdict(rule.metric, "timing", b, c, change, status, reason, p)
+
+    if b is None and c is None:
+        return verdict("pass", "not measured on either side")
+    if b is None or c is None:
+        return verdict("missing", f"null in the {'baseline' if b is None else 'candidate'}")
+    change = _relative(b, c)
+    if change is None or math.isnan(change):
+        return verdict("missing", f"not a number: {b!r} vs {c!r}")
+    worse = -change if rule.higher_is_better else change
+    limit = f"{rule.threshold * 100:g}%"
+    if abs(worse) <= rule.threshold:
+        return verdict("pass", f"within ±{limit}", change)
+    shift, stats = None, ""
+    if rule.samples is not None:
+        try:
+            shift = rank_test(lookup(baseline, rule.samples), lookup(candidate, rule.samples), alpha)
+        except MetricMissing:
+            pass
+    if shift is not None:
+        stats = f"{shift.n_baseline} vs {shift.n_candidate} samples"
+        stats = stats if shift.p is None else f"p={shift.p:.3g}, {stats}"
+    p = shift.p if shift else None
+    if worse < 0:
+        return verdict("pass", f"improved by {-worse:.1%}" + (f" ({stats})" if stats else ""), change, p)
+    moved = f"{worse:.1%} worse (threshold {limit})"
+    if shift is None:
+        why = "no samples" if rule.samples is None else f"no {rule.samples}"
+        return verdict("ambiguous", f"{moved}, {why} to test significance", change)
+    if not shift.significant:
+        why = f"too few samples to ever reach p<{alpha:g}" if shift.powerless else f"not significant at p<{alpha:g}"
+        return verdict("ambiguous", f"{moved}, {why} ({stats})", change, p)
+    wrong_way = -1 if rule.higher_is_better else 1
+    if shift.direction != wrong_way:
+        return verdict("ambiguous", f"{moved}, but the samples shift the other way ({stats})", change, p)
+    return verdict("fail", f"{moved}, significant ({stats})", change, p)
+
+
+def gate(baseline: dict, candidate: dict, rules: list[Rule] | None = None, alpha: float = ALPHA) -> list[Verdict]:
+    """Compare two result documents of the same suite; one :class:`Verdict` per (expanded) rule, preceded by an
+    "ambiguous" ``config`` row when the runs differ in model, spec, draft tokens, KV dtype, device..."""
+    suite = baseline.get("suite")
+    if suite != candidate.get("suite"):
+        raise ValueError(f"cannot gate a {candidate.get('suite')} result against a {suite} baseline")
+    if not 0 < alpha < 1:
+        raise ValueError(f"alpha must be in (0, 1), got {alpha}")
+    rules = default_rules(suite) if rules is None else [r for r in rules if r.suite in (None, suite)]
+    verdicts = []
+    diffs = config_differences(baseline, candidate)
+    if diffs:
+        verdicts.append(Verdict("config", "config", None, None, None, "ambiguous",
+                                "config differs: " + "; ".join(diffs)))
+    deterministic = _deterministic(baseline) and _deterministic(candidate)
+    for rule in expand(rules, baseline, candidate):
+        (b, b_missing), (c, c_missing) = _value(baseline, rule.metric), _value(candidate, rule.metric)
+        if b_missing or c_missing:
+            reason = "; ".join(f"{side}: {why}" for side, why in (("baseline", b_missing), ("candidate", c_missing))
+                               if why)
+            verdicts.append(Verdict(rule.metric, rule.kind, b, c, None, "missing", reason))
+        elif rule.kind == "exact":
+            verdicts.append(_judge_exact(rule, b, c, deterministic))
+        else:
+            verdicts.append(_judge_timing(rule, baseline, candidate, b, c, alpha))
+    return verdicts
+
+
+def _value(doc: dict, path: str) -> tuple[object, str | None]:
+    """(value, None), or (None, why it is missing)."""
+    try:
+        return lookup(doc, path), None
+    except MetricMissing as e:
+        return None, str(e)
+
+
+def exit_code(verdicts: list[Verdict]) -> int:
+    """1 when any verdict failed or is missing; ambiguous rows are shown but do not fail."""
+    return int(any(v.status in ("fail", "missing") for v in verdicts))
+
+
+def _show(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, str) and len(value) == 64 and all(ch in "0123456789abcdef" for ch in value):
+        return value[:12] + "…"  # a SHA-256
+    text = json.dumps(value) if isinstance(value, (list, dict)) else str(value)
+    return text if len(text) <= 40 else text[:39] + "…"
+
+
+def render_table(verdicts: list[Verdict], title: str = "gate"):
+    """A rich Table of the verdicts, coloured by status."""
+    from rich.table import Table
+    from rich.text import Text
+
+    colour = {"pass": "green", "fail": "bold red", "missing": "bold red", "ambiguous": "yellow"}
+    table = Table(title=title)
+    for col, justify in (("metric", "left"), ("kind", "left"), ("baseline", "right"), ("candidate", "right"),
+                         ("change", "right"), ("status", "left"), ("reason", "left")):
+        table.add_column(col, justify=justify, overflow="fold")
+    for v in verdicts:
+        change = "-" if v.change is None else f"{v.change:+.1%}" if math.isfinite(v.change) else "inf"
+        table.add_row(Text(v.metric), v.kind, Text(_show(v.baseline)), Text(_show(v.candidate)), change,
+                      Text(v.status, style=colour.get(v.status, "")), Text(v.reason))
+    return table

@@ -1,0 +1,212 @@
+"""Figures of the report, drawn from the tidy frames of :mod:`.frames` into PNG files.
+
+Each function takes its frame(s) and an output path and returns the path, or None when the frame holds nothing
+to draw. Figures are built on ``matplotlib.figure.Figure`` with the Agg canvas - never pyplot - so drawing
+needs no display and leaves the caller's pyplot state and backend alone.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter
+
+DPI = 100
+
+
+def _figure(width: float, height: float, ncols: int = 1, nrows: int = 1):
+    fig = Figure(figsize=(min(width, 40), height), layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig, fig.subplots(nrows, ncols, squeeze=False)
+
+
+def _save(fig: Figure, path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=DPI, format="png")
+    return path
+
+
+def _num(series: pd.Series) -> np.ndarray:
+    return pd.to_numeric(series, errors="coerce").to_numpy(dtype=float)
+
+
+def _labels(df: pd.DataFrame) -> list[str]:
+    return list(dict.fromkeys(df["label"].astype(str)))
+
+
+def plot_decode(decode: pd.DataFrame, path, repeats: pd.DataFrame | None = None) -> Path | None:
+    """Bars per run: decode tok/s (whiskers: the slowest and fastest repeat, when ``repeats`` is given) and
+    tokens per round."""
+    if decode.empty or all(np.isnan(_num(decode[c])).all() for c in ("decode_tok_s", "tokens_per_round")
+                           if c in decode):
+        return None
+    labels = decode["label"].astype(str).tolist()
+    fig, axes = _figure(max(7, 1.3 * len(labels) + 3), 4.2, ncols=2)
+    x = np.arange(len(labels))
+    colours = [f"C{i % 10}" for i in range(len(labels))]
+    for ax, col, title in ((axes[0, 0], "decode_tok_s", "decode tok/s"), (axes[0, 1], "tokens_per_round",
+                                                                           "tokens per round")):
+        y = _num(decode[col]) if col in decode else np.full(len(labels), np.nan)
+        err = None
+        if col == "decode_tok_s" and repeats is not None and col in repeats:
+            lo, hi = [], []
+            for label, mid in zip(labels, y):
+                s = _num(repeats.loc[repeats["label"].astype(str) == label, col])
+                s = s[~np.isnan(s)]
+                lo.append(mid - s.min() if s.size and not np.isnan(mid) else 0.0)
+                hi.append(s.max() - mid if s.size and not np.isnan(mid) else 0.0)
+            err = np.clip([lo, hi], 0, None)
+        bars = ax.bar(x, np.nan_to_num(y), color=colours, yerr=err, capsize=4)
+        ax.bar_label(bars, labels=["-" if np.isnan(v) else f"{v:.3g}" for v in y], padding=2, fontsize=8)
+        ax.set_xticks(x, labels, rotation=30, ha="right")
+        ax.set_title(title)
+        ax.margins(y=0.15)
+    return _save(fig, path)
+
+
+def plot_acceptance(positions: pd.DataFrame, path) -> Path | None:
+    """Acceptance per draft position, one line per label."""
+    if positions.empty:
+        return None
+    fig, axes = _figure(7, 4.2)
+    ax = axes[0, 0]
+    for label in _labels(positions):
+        sel = positions[positions["label"].astype(str) == label].sort_values("position")
+        ax.plot(_num(sel["position"]), _num(sel["acceptance"]), marker="o", label=label)
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("fraction of rounds accepted")
+    ax.set_ylim(0, 1.05)
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title("acceptance per draft position")
+    return _save(fig, path)
+
+
+def plot_concurrency(concurrency: pd.DataFrame, path) -> Path | None:
+    """Aggregate and per-request tok/s against concurrency, one line per label."""
+    if concurrency.empty:
+        return None
+    fig, axes = _figure(10, 4.2, ncols=2)
+    levels = sorted({v for v in _num(concurrency["concurrency"]) if not np.isnan(v)})
+    for ax, col, title in ((axes[0, 0], "aggregate_tok_s", "aggregate tok/s"),
+                           (axes[0, 1], "per_request_tok_s", "per-request tok/s")):
+        for label in _labels(concurrency):
+            sel = concurrency[concurrency["label"].astype(str) == label].sort_values("concurrency")
+            ax.plot(_num(sel["concurrency"]), _num(sel[col]), marker="o", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(levels, [f"{v:g}" for v in levels])
+        ax.set_xlabel("concurrent requests")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.set_ylim(bottom=0)
+    axes[0, 0].legend(fontsize=8)
+    return _save(fig, path)
+
+
+def kernel_series(kernels: pd.DataFrame) -> pd.Series:
+    """What one bar of a kernel group stands for: the variant, the label, or both when both vary."""
+    variants, labels = kernels["variant"].astype(str), kernels["label"].astype(str)
+    if labels.nunique() <= 1:
+        return variants
+    if variants.nunique() <= 1:
+        return labels
+    return labels + ":" + variants
+
+
+def plot_kernels(kernels: pd.DataFrame, path) -> Path | None:
+    """Median microseconds per (op, shape, t) group, one bar per variant or label (whiskers: p10-p90); log y."""
+    if kernels.empty:
+        return None
+    df = kernels.assign(series=kernel_series(kernels),
+                        group=kernels["op"].astype(str) + "\n" + kernels["shape"].fillna("").astype(str)
+                        + "\nT=" + kernels["t"].astype(str))
+    groups, series = list(dict.fromkeys(df["group"])), list(dict.fromkeys(df["series"]))
+    width = 0.8 / len(series)
+    fig, axes = _figure(max(7, len(groups) * (0.5 + 0.35 * len(series)) + 2), 5)
+    ax = axes[0, 0]
+    x = np.arange(len(groups))
+    for i, name in enumerate(series):
+        sel = df[df["series"] == name].drop_duplicates("group").set_index("group").reindex(groups)
+        mid = _num(sel["us_median"])
+        err = None
+        if "us_p10" in sel and "us_p90" in sel:
+            err = np.clip(np.nan_to_num([mid - _num(sel["us_p10"]), _num(sel["us_p90"]) - mid]), 0, None)
+        ax.bar(x + (i - (len(series) - 1) / 2) * width, mid, width, yerr=err, capsize=2, label=name,
+               color=f"C{i % 10}")
+    ax.set_yscale("log")
+    plain = FuncFormatter(lambda v, _: f"{v:g}")
+    ax.yaxis.set_major_formatter(plain)
+    ax.yaxis.set_minor_formatter(plain)
+    ax.tick_params(axis="y", which="minor", labelsize=7)
+    ax.set_ylabel("µs (median)")
+    ax.set_xticks(x, groups, fontsize=7)
+    ax.grid(axis="y", which="both", alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    ax.set_title("kernel time per op (lower is better)")
+    return _save(fig, path)
+
+
+def _ctx_text(ctx: float) -> str:
+    return f"{ctx / 1024:g}K" if ctx >= 1024 and ctx % 256 == 0 else f"{ctx:g}"
+
+
+def _depth_text(depth: float, fraction: bool) -> str:
+    return f"{depth:.0%}" if fraction else f"{depth:g}"
+
+
+def plot_niah(niah: pd.DataFrame, path) -> Path | None:
+    """Heatmaps of needle retrieval and oracle-agreement pass rate over (context length x needle depth), one
+    row of panels per label, each cell annotated with its rate and case count."""
+    if niah.empty:
+        return None
+    labels = _labels(niah)
+    df = niah.assign(ctx=_num(niah["ctx"]), depth=_num(niah["depth"]))
+    ctxs = sorted(set(df["ctx"].dropna()))
+    depths = sorted(set(df["depth"].dropna()))
+    if not ctxs or not depths:
+        return None
+    fraction = max(depths) <= 1
+    fig, axes = _figure(max(8, 1.1 * len(ctxs) * 2 + 3), 0.45 * len(depths) * len(labels) + 1.6 * len(labels),
+                        ncols=2, nrows=len(labels))
+    image = None
+    for r, label in enumerate(labels):
+        sel = df[df["label"].astype(str) == label]
+        for c, (col, name) in enumerate((("retrieved", "retrieval"), ("pass", "oracle agreement"))):
+            ax = axes[r, c]
+            values = sel.assign(v=_num(sel[col]) if col in sel else np.nan)
+            rate = values.pivot_table(index="depth", columns="ctx", values="v", aggfunc="mean", dropna=False)
+            count = values.pivot_table(index="depth", columns="ctx", values="v", aggfunc="count", dropna=False)
+            rate, count = rate.reindex(index=depths, columns=ctxs), count.reindex(index=depths, columns=ctxs)
+            grid = rate.to_numpy(dtype=float)
+            image = ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
+            for i in range(len(depths)):
+                for j in range(len(ctxs)):
+                    n = int(np.nan_to_num(count.iat[i, j]))
+                    text = "-" if np.isnan(grid[i, j]) else f"{grid[i, j]:.0%}\n{n} case{'s' if n != 1 else ''}"
+                    ax.text(j, i, text, ha="center", va="center", fontsize=7)
+            ax.set_xticks(range(len(ctxs)), [_ctx_text(v) for v in ctxs])
+            ax.set_yticks(range(len(depths)), [_depth_text(v, fraction) for v in depths])
+            ax.set_xlabel("context")
+            ax.set_ylabel("needle depth")
+            ax.set_title(f"{label}: {name}", fontsize=9)
+    fig.colorbar(image, ax=axes, shrink=0.8, label="pass rate")
+    return _save(fig, path)
+
+
+def plot_all(tables: dict[str, pd.DataFrame], out_dir) -> dict[str, Path]:
+    """Every figure the frames allow, as ``{name: png path}`` in ``out_dir`` (empty suites give none)."""
+    out_dir = Path(out_dir)
+    made = {
+        "decode": plot_decode(tables["decode"], out_dir / "decode.png", tables.get("decode_repeats")),
+        "acceptance": plot_acceptance(tables["decode_positions"], out_dir / "acceptance.png"),
+        "concurrency": plot_concurrency(tables["concurrency"], out_dir / "concurrency.png"),
+        "kernels": plot_kernels(tables["kernels"], out_dir / "kernels.png"),
+        "niah": plot_niah(tables["niah"], out_dir / "niah.png"),
+    }
+    return {name: p for name, p in made.items() if p is not None}

@@ -1,0 +1,386 @@
+"""The release-validation report: labelled result documents -> one self-contained HTML file and a Markdown file.
+
+The report is assembled once as a list of blocks (headings, paragraphs, tables, figures) and rendered twice: to
+HTML, with every figure embedded as a base64 data URI so the single file survives being moved, and to
+Markdown, which links the PNG files written next to it. All text from result documents is escaped.
+
+Speed deltas against the baseline label use the gate's rank test over the per-repeat samples
+(:func:`.stats.rank_test`): "faster" / "slower" when p < 0.05, "same within noise" when not, and
+"inconclusive" when the sample counts could never reach p < 0.05 (for example 3 repeats against 3).
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+from .frames import frames, model_id, shape_text, unique_labels
+from .gate import default_rules, expand
+from .metric_path import MetricMissing, lookup
+from .plots import plot_all
+from .stats import ALPHA, rank_test
+
+DEFAULT_TITLE = "ninfer-bench release validation"
+
+
+@dataclass(slots=True)
+class Table:
+    columns: list[str]
+    rows: list[list] = field(default_factory=list)  # a cell is text, or (text, tone) with tone good/bad/warn
+
+
+# ---- formatting ----------------------------------------------------------------------------------------
+def _f(v, digits: int = 2) -> str:
+    if v is None or (isinstance(v, float) and v != v):
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, float):
+        return f"{v:,.{digits}f}"
+    if isinstance(v, int):
+        return f"{v:,}"
+    return str(v)
+
+
+def _pct(v) -> str:
+    return "-" if v is None or v != v else f"{v:.1%}"
+
+
+def _bytes(v) -> str:
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return "-"
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if v >= scale:
+            return f"{v / scale:.2f} {unit}"
+    return f"{v:.0f} B"
+
+
+def _sha(v) -> str:
+    return v[:12] if isinstance(v, str) else "-"
+
+
+def _numbers(*values) -> bool:
+    return all(isinstance(v, (int, float)) and not isinstance(v, bool) and v == v for v in values)
+
+
+def _verdict(b_samples, c_samples, higher_is_better: bool) -> tuple[str, str]:
+    """``("faster, p=0.008", tone)``: the rank test's reading of candidate samples against baseline samples."""
+    shift = rank_test(b_samples, c_samples, ALPHA)
+    if shift.powerless:
+        return f"inconclusive ({shift.n_baseline} vs {shift.n_candidate} samples)", "warn"
+    if not shift.significant:
+        return f"same within noise, p={shift.p:.2g}", ""
+    better = (shift.direction > 0) == higher_is_better
+    return f"{'faster' if better else 'slower'}, p={shift.p:.2g}", "good" if better else "bad"
+
+
+def _compare(base: dict, doc: dict, rule) -> tuple[str, str]:
+    try:
+        b, c = lookup(base, rule.metric), lookup(doc, rule.metric)
+    except MetricMissing:
+        return ("-", "")
+    samples = []
+    for d in (base, doc):
+        try:
+            samples.append(lookup(d, rule.samples))
+        except MetricMissing:
+            samples.append(None)
+    if not _numbers(b, c) or not b:
+        return ("-", "")
+    verdict, tone = _verdict(*samples, rule.higher_is_better)
+    return f"{c / b:.3f}x ({c / b - 1:+.1%}) {verdict}", tone
+
+
+# ---- sections ------------------------------------------------------------------------------------------
+def _overview(docs, baselines, baseline_label) -> list:
+    by_suite = {}
+    for d in docs:
+        by_suite.setdefault(d["suite"], []).append(d["label"])
+    rows = []
+    for suite, labels in by_suite.items():
+        base = baselines[suite]["label"]
+        note = "" if base == baseline_label else " (first given" + \
+            (f"; {baseline_label} has no {suite} result)" if baseline_label else ")")
+        rows.append([suite, ", ".join(labels), base + note])
+    return [("p", f"Generated {datetime.now(timezone.utc).isoformat(timespec='seconds')} from {len(docs)} "
+                  f"result document(s)."), ("table", Table(["suite", "labels", "baseline"], rows))]
+
+
+def _environment(docs) -> list:
+    env = Table(["label", "suites", "created", "git", "gpu", "driver", "torch", "cuda", "python", "cpu"])
+    model = Table(["label", "suites", "model", "type", "layers", "quant policy", "format", "weights"])
+    runs = {}  # documents with the same label, environment and model share a row
+    for d in docs:
+        key = (d["label"], repr(sorted(d["env"].items())), repr(sorted(d["model"].items())))
+        runs.setdefault(key, []).append(d)
+    for group in runs.values():
+        d, suites = group[0], ", ".join(x["suite"] for x in group)
+        e, m = d["env"], d["model"]
+        sha = e.get("git_sha")
+        git = sha[:12] + ("-dirty" if sha.endswith("-dirty") else "") if isinstance(sha, str) else "-"
+        env.rows.append([d["label"], suites, d["created"], git, _f(e.get("gpu")), _f(e.get("driver")),
+                         _f(e.get("torch")), _f(e.get("cuda")), _f(e.get("python")), _f(e.get("cpu"))])
+        model.rows.append([d["label"], suites, model_id(m) if m else "-", _f(m.get("model_type")),
+                           _f(m.get("layers")), _f(m.get("quant_policy")), _f(m.get("format_version")),
+                           _bytes(m.get("weight_bytes"))])
+    blocks = [("h2", "Environment and model"), ("table", env), ("table", model)]
+    for suite in dict.fromkeys(d["suite"] for d in docs):
+        configs = {d["label"]: {k: v for k, v in d["config"].items() if k != "label"}
+                   for d in docs if d["suite"] == suite}
+        keys = list(dict.fromkeys(k for c in configs.values() for k in c))
+        same = [k for k in keys if len({repr(c.get(k)) for c in configs.values()}) == 1]
+        varying = [k for k in keys if k not in same]
+        first = next(iter(configs.values()))
+        blocks.append(("h3", f"{suite} configuration"))
+        blocks.append(("p", "Common: " + (", ".join(f"{k}={first.get(k)}" for k in same) or "-")))
+        if varying:
+            blocks.append(("table", Table(["label"] + varying, [[label] + [_f(c.get(k)) for k in varying]
+                                                                for label, c in configs.items()])))
+    return blocks
+
+
+def _agreement(decode_docs) -> Table:
+    """Greedy runs of the same model, spec, KV dtype, device and workload must produce the same tokens."""
+    groups = {}
+    for d in decode_docs:
+        c = d["config"]
+        if (c.get("temperature") or 0) > 0:
+            continue
+        key = (model_id(d["model"]), c.get("spec"), c.get("kv_dtype"), c.get("device"),
+               d["summary"].get("prompt_tokens"), c.get("max_new_tokens"))
+        groups.setdefault(key, []).append(d)
+    table = Table(["model", "spec", "kv", "device", "prompt / max new", "labels", "tokens_sha256", "agreement"])
+    for (model, spec, kv, device, prompt, new), members in groups.items():
+        hashes = {d["label"]: d["summary"].get("tokens_sha256") for d in members}
+        distinct = set(hashes.values())
+        if len(members) == 1:
+            status = ("single run", "")
+        elif len(distinct) == 1:
+            status = ("equal", "good")
+        else:
+            ref = hashes[members[0]["label"]]
+            status = ("DIFFER: " + ", ".join(k for k, h in hashes.items() if h != ref) + f" vs {members[0]['label']}",
+                      "bad")
+        table.rows.append([model, _f(spec), _f(kv), _f(device), f"{_f(prompt)} / {_f(new)}", ", ".join(hashes),
+                           ", ".join(sorted(_sha(h) for h in distinct)), status])
+    return table
+
+
+def _decode(docs, base, figures) -> list:
+    table = Table(["label", "engine", "runtime", "spec", "K", "decode tok/s", "prefill tok/s", "TTFT ms",
+                   "device ms/round", "tokens/round", "acceptance", "roofline", "peak memory", "tokens"])
+    for d in docs:
+        c, s = d["config"], d["summary"]
+        table.rows.append([d["label"], _f(c.get("engine")), _f(c.get("runtime")), _f(c.get("spec")),
+                           _f(c.get("draft_tokens")), _f(s.get("decode_tok_s")), _f(s.get("prefill_tok_s"), 1),
+                           _f(s.get("ttft_ms")), _f(s.get("device_ms_per_round"), 3), _f(s.get("tokens_per_round")),
+                           _pct(s.get("acceptance_rate")), _pct(s.get("roofline_fraction")),
+                           _bytes(s.get("peak_memory_bytes")), _sha(s.get("tokens_sha256"))])
+    blocks = [("h2", "Decode"), ("table", table)]
+    if "decode" in figures:
+        blocks.append(("figure", "decode", "decode tok/s and tokens per round by configuration"))
+    if base is not None and len(docs) > 1:
+        rules = [r for r in default_rules("decode") if r.kind == "timing" and r.samples]
+        deltas = Table(["label"] + [r.metric for r in rules])
+        deltas.rows = [[d["label"]] + [_compare(base, d, r) for r in rules] for d in docs if d is not base]
+        blocks += [("h3", f"Against the baseline {base['label']}"),
+                   ("p", "Ratio of medians candidate/baseline; verdicts from a two-sided Mann-Whitney U test over "
+                         "the per-repeat samples (p < 0.05)."), ("table", deltas)]
+    blocks += [("h3", "Exact-metric agreement"),
+               ("p", "Greedy runs of the same model, spec, KV dtype, device and workload must produce identical "
+                     "tokens (tokens_sha256)."), ("table", _agreement(docs))]
+    k = max((len(d["summary"].get("accepted_per_position") or []) for d in docs), default=0)
+    if k:
+        acc = Table(["label"] + [f"p{i}" for i in range(1, k + 1)])
+        for d in docs:
+            per = list(d["summary"].get("accepted_per_position") or [])
+            if per:
+                acc.rows.append([d["label"]] + [_pct(v) for v in per + [None] * (k - len(per))])
+        blocks += [("h3", "Acceptance per draft position"), ("table", acc)]
+        if "acceptance" in figures:
+            blocks.append(("figure", "acceptance", "fraction of rounds whose draft at each position was accepted"))
+    return blocks
+
+
+def _concurrency(docs, base, figures) -> list:
+    table = Table(["label", "C", "aggregate tok/s", "per-request tok/s", "TTFT p50 ms", "TTFT p99 ms",
+                   "ITL p50 ms", "ITL p99 ms", "E2E p50 ms", "E2E p99 ms", "matches sequential"])
+    for d in docs:
+        for lv in d["summary"]["levels"]:
+            match = lv.get("matches_sequential")
+            table.rows.append([d["label"], _f(lv.get("concurrency"))]
+                              + [_f(lv.get(k)) for k in ("aggregate_tok_s", "per_request_tok_s", "ttft_ms_p50",
+                                                         "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99", "e2e_ms_p50",
+                                                         "e2e_ms_p99")] + [(_f(match), "good" if match else "bad")])
+    blocks = [("h2", "Concurrency"), ("table", table)]
+    if "concurrency" in figures:
+        blocks.append(("figure", "concurrency", "aggregate and per-request tok/s against concurrency"))
+    if base is not None and len(docs) > 1:
+        deltas = Table(["label", "metric", "against " + base["label"]])
+        for d in docs:
+            if d is base:
+                continue
+            rules = [r for r in expand(default_rules("concurrency"), base, d) if r.kind == "timing" and r.samples]
+            deltas.rows += [[d["label"], r.metric, _compare(base, d, r)] for r in rules]
+        blocks += [("h3", f"Against the baseline {base['label']}"), ("table", deltas)]
+    return blocks
+
+
+def _kernels(docs, base, figures) -> list:
+    """Per (op, shape, t): every label/variant, and its speedup over the reference row - the baseline label's
+    row (any label's when the baseline has none), variant v2 preferred (before/after), else the first."""
+    groups = {}
+    for d in docs:
+        for rec in d["records"]:
+            groups.setdefault((rec["op"], shape_text(rec.get("shape")), rec["t"]), []).append((d["label"], rec))
+    table = Table(["label", "op", "shape", "T", "variant", "µs median [p10-p90]", "GB/s", "roofline",
+                   "max rel err", "speedup over reference"])
+    for (op, shape, t), rows in groups.items():
+        pool = [row for row in rows if base is not None and row[0] == base["label"]] or rows
+        ref = next((row for row in pool if row[1]["variant"] == "v2"), pool[0])[1]
+        for label, rec in rows:
+            if rec is ref:
+                speed = ("reference", "")
+            else:
+                b, c = ref.get("us_median"), rec.get("us_median")
+                speed = ("-", "")
+                if _numbers(b, c) and c:
+                    verdict, tone = _verdict(ref.get("samples_us"), rec.get("samples_us"), False)
+                    speed = (f"{b / c:.2f}x speedup, {verdict}", tone)
+            err = rec.get("max_rel_err")
+            table.rows.append([label, op, _f(shape), _f(t), _f(rec["variant"]),
+                               f"{_f(rec['us_median'])} [{_f(rec.get('us_p10'))}-{_f(rec.get('us_p90'))}]",
+                               _f(rec.get("gbps"), 1), _pct(rec.get("roofline_fraction")),
+                               "-" if err is None else f"{err:.2e}", speed])
+    notes = "; ".join(f"{d['label']}: timer {d['summary'].get('timer', '-')}, copy bandwidth "
+                      f"{_f(d['summary'].get('copy_bandwidth_gbps'), 1)} GB/s" for d in docs)
+    blocks = [("h2", "Kernels"), ("p", notes), ("table", table)]
+    if "kernels" in figures:
+        blocks.append(("figure", "kernels", "median microseconds per op, shape and T (log scale)"))
+    return blocks
+
+
+def _niah(docs, figures) -> list:
+    summary = Table(["label", "cases", "oracle agreement", "retrieval", "seconds"])
+    for d in docs:
+        s = d["summary"]
+        agree = s.get("oracle_agreement")
+        summary.rows.append([d["label"], _f(s.get("cases")), (_pct(agree), "good" if agree == 1 else "bad"),
+                             _pct(s.get("retrieval")), _f(s.get("seconds"), 1)])
+    cases = Table(["label", "case", "ctx", "depth", "oracle pass", "retrieved", "first divergence",
+                   "top-1 agreement", "KL"])
+    for d in docs:
+        for r in d["records"]:
+            cases.rows.append([d["label"], _f(r.get("case")), _f(r.get("ctx")), _f(r.get("depth")),
+                               (_f(r.get("pass")), "good" if r.get("pass") else "bad"), _f(r.get("retrieved")),
+                               _f(r.get("first_divergence")), _pct(r.get("top1_agreement")), _f(r.get("kl"), 4)])
+    blocks = [("h2", "Needle in a haystack"), ("table", summary)]
+    if "niah" in figures:
+        blocks.append(("figure", "niah", "retrieval and oracle-agreement pass rate by context length and depth"))
+    return blocks + [("h3", "Cases"), ("table", cases)]
+
+
+def _prefill(docs) -> list:
+    table = Table(["label", "prefill tok/s", "prompt tokens"])
+    table.rows = [[d["label"], _f(d["summary"].get("prefill_tok_s"), 1), _f(d["summary"].get("prompt_tokens"))]
+                  for d in docs]
+    return [("h2", "Prefill"), ("table", table)]
+
+
+# ---- rendering -----------------------------------------------------------------------------------------
+def _cell(cell) -> tuple[str, str]:
+    return (str(cell[0]), cell[1]) if isinstance(cell, tuple) else (str(cell), "")
+
+
+def _md_text(text: str) -> str:
+    return (str(text).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace("|", "\\|")
+            .replace("\n", " "))
+
+
+def _markdown(title: str, blocks, figures) -> str:
+    out = [f"# {_md_text(title)}", ""]
+    for kind, *body in blocks:
+        if kind in ("h2", "h3"):
+            out += [f"{'#' * int(kind[1])} {_md_text(body[0])}", ""]
+        elif kind == "p":
+            out += [_md_text(body[0]), ""]
+        elif kind == "table":
+            t = body[0]
+            out.append("| " + " | ".join(_md_text(c) for c in t.columns) + " |")
+            out.append("|" + "---|" * len(t.columns))
+            out += ["| " + " | ".join(_md_text(_cell(c)[0]) for c in row) + " |" for row in t.rows]
+            out.append("")
+        elif kind == "figure":
+            name, caption = body
+            out += [f"![{_md_text(caption)}]({figures[name].name})", ""]
+    return "\n".join(out)
+
+
+_CSS = """body{font:14px/1.45 system-ui,sans-serif;margin:2em auto;max-width:1400px;padding:0 1em;color:#222}
+table{border-collapse:collapse;margin:.6em 0 1.2em;font-size:13px}th,td{border:1px solid #ccc;padding:3px 7px}
+th{background:#f3f3f3;text-align:left}td{font-variant-numeric:tabular-nums}.good{background:#e3f4e1}
+.bad{background:#fadbd8}.warn{background:#fdf2d0}figure{margin:1em 0}img{max-width:100%}
+figcaption{color:#555;font-size:12px}h2{border-bottom:1px solid #ddd;margin-top:1.8em}"""
+
+
+def _html(title: str, blocks, figures) -> str:
+    esc = html.escape
+    out = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">', f"<title>{esc(title)}</title>",
+           f"<style>{_CSS}</style></head><body>", f"<h1>{esc(title)}</h1>"]
+    for kind, *body in blocks:
+        if kind in ("h2", "h3", "p"):
+            out.append(f"<{kind}>{esc(str(body[0]))}</{kind}>")
+        elif kind == "table":
+            t = body[0]
+            out.append("<table><thead><tr>" + "".join(f"<th>{esc(c)}</th>" for c in t.columns) + "</tr></thead><tbody>")
+            for row in t.rows:
+                cells = [_cell(c) for c in row]
+                out.append("<tr>" + "".join(f'<td class="{tone}">{esc(text)}</td>' if tone else f"<td>{esc(text)}</td>"
+                                            for text, tone in cells) + "</tr>")
+            out.append("</tbody></table>")
+        elif kind == "figure":
+            name, caption = body
+            data = base64.b64encode(figures[name].read_bytes()).decode("ascii")
+            out.append(f'<figure><img src="data:image/png;base64,{data}" alt="{esc(caption)}">'
+                       f"<figcaption>{esc(caption)}</figcaption></figure>")
+    out.append("</body></html>")
+    return "\n".join(out)
+
+
+def write_report(docs: list[dict], out_dir, baseline_label: str | None = None,
+                 title: str = DEFAULT_TITLE) -> tuple[Path, Path]:
+    """Write ``report.html`` (self-contained), ``report.md`` and the figures' PNGs into ``out_dir``.
+
+    ``baseline_label``: the label deltas are taken against, in every suite where it has a result; the first
+    document of a suite otherwise (and when no label is given)."""
+    if not docs:
+        raise ValueError("write_report needs at least one result document")
+    docs = unique_labels(docs)
+    labels = {d["label"] for d in docs}
+    if baseline_label is not None and baseline_label not in labels:
+        raise ValueError(f"baseline label {baseline_label!r} is not among the results' labels {sorted(labels)}")
+    by_suite: dict[str, list[dict]] = {}
+    for d in docs:
+        by_suite.setdefault(d["suite"], []).append(d)
+    baselines = {suite: next((d for d in ds if d["label"] == baseline_label), ds[0]) for suite, ds in by_suite.items()}
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    figures = plot_all(frames(docs), out_dir)
+    blocks = _overview(docs, baselines, baseline_label) + _environment(docs)
+    if "decode" in by_suite:
+        blocks += _decode(by_suite["decode"], baselines.get("decode"), figures)
+    if "prefill" in by_suite:
+        blocks += _prefill(by_suite["prefill"])
+    if "concurrency" in by_suite:
+        blocks += _concurrency(by_suite["concurrency"], baselines.get("concurrency"), figures)
+    if "kernels" in by_suite:
+        blocks += _kernels(by_suite["kernels"], baselines.get("kernels"), figures)
+    if "niah" in by_suite:
+        blocks += _niah(by_suite["niah"], figures)
+    html_path, md_path = out_dir / "report.html", out_dir / "report.md"
+    html_path.write_text(_html(title, blocks, figures), encoding="utf-8")
+    md_path.write_text(_markdown(title, blocks, figures), encoding="utf-8")
+    return html_path, md_path

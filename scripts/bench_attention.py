@@ -1,0 +1,304 @@
+"""Decode / verify attention at the 27B shape (H=24, Hkv=4, hd=256) on one CUDA GPU.
+
+Triton ``decode_attention`` reading the cache in place (int8 codes + fp16 scales, or bf16) against torch SDPA on a
+dequantized bf16 copy (the peer), for contexts 8192 / 65536, T = 1 / 8 new tokens, B = 1 / 8 rows, every row at
+the full context. Per case: correctness vs the fp32 reference first (printed loudly on failure), then median us by
+``triton.testing.do_bench`` (L2 flushed before each call) and by CUDA-graph replay (one graph rotating over slot
+sets bigger than L2), bytes read (K+V codes + scales + q + out), GB/s and % of the device copy bandwidth measured
+in the same run. Then, while time is left, a few launch shapes around the default plan (``--no-sweep`` skips).
+
+    python scripts/bench_attention.py            # from a plain checkout; JSON lines to $OUT/attention.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import math
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if "ninfer_bench" not in sys.modules:  # the repo root is the package (setuptools package-dir), no install needed
+    _spec = importlib.util.spec_from_file_location("ninfer_bench", ROOT / "__init__.py",
+                                                   submodule_search_locations=[str(ROOT)])
+    _pkg = importlib.util.module_from_spec(_spec)
+    sys.modules["ninfer_bench"] = _pkg
+    _spec.loader.exec_module(_pkg)
+
+import torch  # noqa: E402
+
+from ninfer_bench.engine.cache import dequantize_kv, quantize_kv  # noqa: E402
+from ninfer_bench.kernels import attention_triton as at  # noqa: E402
+from ninfer_bench.kernels.attention import attention as sdpa_attention  # noqa: E402
+
+DEVICE = "cuda"
+H, HKV, HD = 24, 4, 256
+CONTEXTS = (8192, 65536)
+TOKENS = (1, 8)
+BATCHES = (1, 8)
+KV_DTYPES = ("int8", "bf16")
+RTOL_BF16 = 1e-2  # relative RMS vs the fp32 reference with bf16 q (q, dequantized K/V and p rounded to bf16)
+ROTATE_BYTES = 512 * 2**20  # graph replays rotate over this many cache bytes, several times the H200's L2
+MAX_COPIES = 16
+GRAPH_REPLAYS = 20
+TIME_BUDGET_S = 150  # the sweep stops starting new cases past this
+SEED = 0
+
+
+def copy_bandwidth() -> float:
+    """Device copy bandwidth, bytes read + written per second (2 GiB buffer, as in shared/anchors)."""
+    from triton.testing import do_bench
+
+    x = torch.empty(2 * 1024**3, dtype=torch.uint8, device=DEVICE)
+    y = torch.empty_like(x)
+    ms = do_bench(lambda: y.copy_(x), warmup=25, rep=200, return_mode="median")
+    del x, y
+    torch.cuda.empty_cache()
+    return 2 * 2 * 1024**3 / (ms * 1e-3)
+
+
+class Case:
+    """One (kv dtype, context, B) cache holding `copies` disjoint slot sets, and queries for T new tokens."""
+
+    def __init__(self, kv: str, ctx: int, b: int):
+        g = torch.Generator(device=DEVICE).manual_seed(SEED)
+        per_set = b * HKV * ctx * HD * 2 * (1 if kv == "int8" else 2)
+        self.kv, self.ctx, self.b = kv, ctx, b
+        self.copies = max(1, min(MAX_COPIES, math.ceil(ROTATE_BYTES / per_set)))
+        shape = (b * self.copies, HKV, ctx, HD)
+        k = torch.randn(shape, generator=g, device=DEVICE, dtype=torch.bfloat16)
+        v = torch.randn(shape, generator=g, device=DEVICE, dtype=torch.bfloat16)
+        if kv == "int8":
+            (self.k, self.ks), (self.v, self.vs) = quantize_kv(k), quantize_kv(v)
+            del k, v
+        else:
+            self.k, self.v, self.ks, self.vs = k, v, None, None
+        self.slot_sets = [torch.arange(i * b, (i + 1) * b, device=DEVICE).flip(0) for i in range(self.copies)]
+
+    def inputs(self, t: int, slots: torch.Tensor):
+        g = torch.Generator(device=DEVICE).manual_seed(SEED + t)
+        q = torch.randn(self.b, t, H, HD, generator=g, device=DEVICE, dtype=torch.bfloat16)
+        q_pos = (self.ctx - t + torch.arange(t, device=DEVICE)).expand(self.b, t).contiguous()
+        return dict(q=q, k_cache=self.k, v_cache=self.v, k_scale=self.ks, v_scale=self.vs, slots=slots,
+                    q_pos=q_pos, scale=HD ** -0.5)
+
+    def bytes_read(self, t: int) -> int:
+        """K+V codes + scales of the attended keys, q, and the output (partial results not counted)."""
+        elt = 1 if self.kv == "int8" else 2
+        kv = 2 * self.b * HKV * self.ctx * HD * elt
+        scales = 2 * self.b * HKV * self.ctx * math.ceil(HD / 64) * 2 if self.kv == "int8" else 0
+        return kv + scales + 2 * self.b * t * H * HD * 2
+
+    def dequantized(self, slots):
+        """The peer's input: the slots' K/V as a contiguous bf16 copy [B, Hkv, ctx, hd]."""
+        if self.kv == "int8":
+            return (dequantize_kv(self.k[slots], self.ks[slots], torch.bfloat16),
+                    dequantize_kv(self.v[slots], self.vs[slots], torch.bfloat16))
+        return self.k[slots].contiguous(), self.v[slots].contiguous()
+
+
+def check(case: Case, t: int) -> float:
+    """Relative RMS of decode_attention vs the fp32 reference, on NaN-filled outputs."""
+    x = case.inputs(t, case.slot_sets[0])
+    new_buffer = at._new_buffer
+    at._new_buffer = lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype, device=device)
+    try:
+        out = at.decode_attention(**x, kv_len_max=case.ctx).float()
+    finally:
+        at._new_buffer = new_buffer
+    ref = at.decode_attention_ref(**{**x, "q": x["q"].float()}, kv_len_max=case.ctx)
+    err = ((out - ref).norm() / ref.norm()).item()
+    del ref
+    return err if torch.isfinite(out).all() else float("nan")
+
+
+def graph_us(fns) -> float:
+    """Median us per call over replays of one CUDA graph that makes every call in `fns` once."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for f in fns:
+            f()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(GRAPH_REPLAYS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(fns))
+    del graph
+    return sorted(times)[len(times) // 2]
+
+
+def measure(case: Case, t: int, bw: float, config=None) -> dict:
+    from triton.testing import do_bench
+
+    sets = [case.inputs(t, s) for s in case.slot_sets]
+    fns = [lambda x=x: at.decode_attention(**x, kv_len_max=case.ctx, config=config) for x in sets]
+    fns[0]()  # compile outside the timings
+    us = do_bench(fns[0], warmup=25, rep=100, return_mode="median") * 1e3
+    us_graph = graph_us(fns)
+    nbytes = case.bytes_read(t)
+    best = min(us, us_graph)
+    return {"us_median": round(us, 2), "us_graph": round(us_graph, 2), "bytes": nbytes,
+            "gbps": round(nbytes / (best * 1e-6) / 1e9, 1), "copy_bw_frac": round(nbytes / (best * 1e-6) / bw, 3)}
+
+
+def measure_peer(case: Case, t: int, bw: float) -> dict:
+    from triton.testing import do_bench
+
+    x = case.inputs(t, case.slot_sets[0])
+    k, v = case.dequantized(x["slots"])
+    us = do_bench(lambda: sdpa_attention(x["q"], k, v, x["q_pos"], x["scale"]), warmup=10, rep=100,
+                  return_mode="median") * 1e3
+    nbytes = k.numel() * 2 * 2 + 2 * x["q"].numel() * 2
+    del k, v
+    return {"us_median": round(us, 2), "bytes": nbytes, "gbps": round(nbytes / (us * 1e-6) / 1e9, 1),
+            "copy_bw_frac": round(nbytes / (us * 1e-6) / bw, 3)}
+
+
+def sweep_configs(case: Case, t: int) -> list:
+    """The default plan, then launch shapes one change away from it: block_n, warps, stages, split length."""
+    base = at.plan(case.b, t, H, HKV, HD, case.ctx, case.kv == "int8", DEVICE)
+    out = [base]
+    for change in ({"block_n": 32}, {"block_n": 64}, {"num_warps": 4}, {"num_warps": 8}, {"num_stages": 2},
+                   {"num_stages": 4}, {"chunk": base.chunk // 2}, {"chunk": base.chunk * 2}):
+        cfg = dataclasses.replace(base, **change)
+        cfg = dataclasses.replace(cfg, chunk=max(cfg.block_n, cfg.chunk // cfg.block_n * cfg.block_n))
+        if cfg not in out:
+            out.append(cfg)
+    return out
+
+
+def resource_report() -> list:
+    """Registers, spills and shared memory of every compiled variant (best effort: Triton internals)."""
+    rows = []
+    for name, fn in (("split", at._kernels()["split"]), ("combine", at._kernels()["combine"])):
+        for caches in getattr(fn, "device_caches", {}).values():
+            for kernel in caches[0].values():
+                try:
+                    md = kernel.metadata
+                    rows.append({"kernel": name, "regs": kernel.n_regs, "spills": kernel.n_spills,
+                                 "shared": md.shared, "num_warps": md.num_warps, "num_stages": md.num_stages})
+                except Exception as exc:  # internals move between Triton versions
+                    rows.append({"kernel": name, "error": repr(exc)[:120]})
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--no-sweep", action="store_true", help="time the default launch plan only")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_attention: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    import triton
+
+    t0 = time.time()
+    out_dir = os.environ.get("OUT")
+    sink = open(Path(out_dir) / "attention.jsonl", "w") if out_dir else None
+
+    def emit(rec):
+        line = json.dumps(rec)
+        if sink:
+            sink.write(line + "\n")
+            sink.flush()
+        return rec
+
+    bw = copy_bandwidth()
+    emit({"op": "env", "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+          "copy_TBps": round(bw / 1e12, 3), "sms": torch.cuda.get_device_properties(0).multi_processor_count})
+    print(f"{torch.cuda.get_device_name()}  copy bandwidth {bw / 1e12:.2f} TB/s  triton {triton.__version__}")
+    table, failures, sweep_todo = [], 0, []
+    for kv in KV_DTYPES:
+        for ctx in CONTEXTS:
+            for b in BATCHES:
+                case = Case(kv, ctx, b)
+                for t in TOKENS:
+                    shape = {"kv": kv, "ctx": ctx, "B": b, "T": t}
+                    cfg = at.plan(b, t, H, HKV, HD, ctx, kv == "int8", DEVICE)
+                    rec = {"op": "decode_attention", **shape, "config": str(cfg), "splits": -(-ctx // cfg.chunk)}
+                    try:
+                        rec["rel_rms"] = check(case, t)
+                        rec["ok"] = rec["rel_rms"] <= RTOL_BF16
+                        if not rec["ok"]:
+                            failures += 1
+                            print(f"!!!!! WRONG RESULT {shape}: relative RMS {rec['rel_rms']:.3e} > {RTOL_BF16} "
+                                  f"vs the fp32 reference !!!!!")
+                        rec.update(measure(case, t, bw))
+                    except Exception as exc:
+                        failures += 1
+                        rec.update(ok=False, error=repr(exc)[:400])
+                        print(f"!!!!! FAILED {shape}: {exc!r}")
+                        traceback.print_exc()
+                    peer = {"op": "sdpa_bf16_copy", **shape}
+                    try:
+                        peer.update(measure_peer(case, t, bw))
+                    except Exception as exc:
+                        peer["error"] = repr(exc)[:400]
+                    table.append((emit(rec), emit(peer)))
+                    if ctx == max(CONTEXTS) and rec.get("ok"):
+                        sweep_todo.append((kv, ctx, b, t))
+                del case
+                torch.cuda.empty_cache()
+    sweep = []
+    if not args.no_sweep:
+        for kv, ctx, b, t in sweep_todo:
+            if time.time() - t0 > TIME_BUDGET_S:
+                print(f"sweep stopped at {time.time() - t0:.0f} s (budget {TIME_BUDGET_S} s)")
+                break
+            case = Case(kv, ctx, b)
+            for cfg in sweep_configs(case, t):
+                rec = {"op": "decode_attention_sweep", "kv": kv, "ctx": ctx, "B": b, "T": t, "config": str(cfg),
+                       "splits": -(-ctx // cfg.chunk)}
+                try:
+                    rec.update(measure(case, t, bw, cfg))
+                except Exception as exc:
+                    rec["error"] = repr(exc)[:400]
+                sweep.append(emit(rec))
+            del case
+            torch.cuda.empty_cache()
+    for row in resource_report():
+        emit({"op": "resources", **row})
+        print("resources", row)
+    if sink:
+        sink.close()
+    print_tables(table, sweep)
+    print(f"{'ALL CORRECT' if not failures else f'{failures} FAILURES'}; {time.time() - t0:.0f} s")
+    return 1 if failures else 0
+
+
+def print_tables(table, sweep):
+    print(f"\n{'kv':5} {'ctx':>6} {'B':>2} {'T':>2} {'rel_rms':>8} {'us':>8} {'us_graph':>8} {'GB/s':>7} "
+          f"{'%copy':>6} | {'sdpa us':>8} {'%copy':>6}")
+    for rec, peer in table:
+        fmt = lambda x, f: format(x, f) if isinstance(x, (int, float)) else "-"  # noqa: E731
+        print(f"{rec['kv']:5} {rec['ctx']:>6} {rec['B']:>2} {rec['T']:>2} {fmt(rec.get('rel_rms'), '8.1e')} "
+              f"{fmt(rec.get('us_median'), '8.1f')} {fmt(rec.get('us_graph'), '8.1f')} {fmt(rec.get('gbps'), '7.0f')} "
+              f"{fmt(100 * rec['copy_bw_frac'] if 'copy_bw_frac' in rec else None, '6.1f')} | "
+              f"{fmt(peer.get('us_median'), '8.1f')} "
+              f"{fmt(100 * peer['copy_bw_frac'] if 'copy_bw_frac' in peer else None, '6.1f')}"
+              + (f"  ERROR {rec['error'][:60]}" if "error" in rec else ""))
+    if sweep:
+        print("\nsweep (best of do_bench / graph, % of copy bandwidth):")
+        for rec in sweep:
+            perf = f"{100 * rec['copy_bw_frac']:5.1f}%" if "copy_bw_frac" in rec else f"ERROR {rec['error'][:60]}"
+            print(f"  {rec['kv']:5} B={rec['B']} T={rec['T']} splits={rec['splits']:>4} {perf}  {rec['config']}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

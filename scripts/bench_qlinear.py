@@ -1,0 +1,313 @@
+#!/usr/bin/env python3
+"""Fused quantized projections at the 27B shapes: correctness on the GPU, then time against the copy roofline.
+
+    python3 scripts/bench_qlinear.py [--quick] [--variants] [--fmts q4,q5] [--ts 1,8]
+
+For each projection (K -> N), packed format and T rows of x (bf16): checks the kernel against the fp32
+reference on a sample of rows (rel. RMS), then times
+  ours      qlinear_triton with the default launch config (do_bench median, L2 flushed)
+  ours@g    the same, 20 calls replayed from a CUDA graph, cycling over weight copies so L2 cannot hold them
+  bf16      cuBLAS F.linear on a dense bf16 weight
+  int4      torch's _weight_int4pack_mm (tinygemm, g128), as in shared/anchors/kernel_anchors.py
+and reports us, GB/s (packed weight bytes + x + out; dense bytes for bf16) and % of the copy bandwidth
+measured in the same run. ``--variants`` also times every kernel variant in VARIANTS and names the best.
+Writes one JSON line per measurement to $OUT/qlinear.jsonl when OUT is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _bootstrap  # noqa: E402
+
+_bootstrap.ensure_package()
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from ninfer_bench.engine import quant  # noqa: E402
+from ninfer_bench.kernels import qlinear as ql  # noqa: E402
+
+# op -> (K, N) at the 27B shape
+SHAPES = {
+    "attn.q_gate": (5120, 12288),
+    "attn.o": (6144, 5120),
+    "gdn.qkv": (5120, 10240),
+    "gdn.z": (5120, 6144),
+    "gdn.out": (6144, 5120),
+    "mlp.gate_up": (5120, 34816),
+    "mlp.down": (17408, 5120),
+    "lm_head": (5120, 248320),
+}
+QUICK_OPS = ("attn.q_gate", "attn.o", "mlp.down")
+FMT_ALIASES = {"q4": "q4_g64_fp16", "q5": "q5_g64_fp16", "q8": "q8_g32_fp16"}
+LM_HEAD_FMTS = ("q4_g64_fp16", "q8_g32_fp16")
+# Relative RMS error allowed against the fp32 reference with bf16 x: the output's own bf16 rounding is
+# ~1.6e-3, and the dot variant rounds q * scale to bf16 (~1e-3 more).
+TOL_BF16 = 6e-3
+GRAPH_CALLS = 20
+L2_BYTES = 60 * 2**20  # H200; graph replays rotate over enough weight copies to exceed it 3x
+
+
+def _split(fmt: str, n: int, k: int, block_n: int, gps: int) -> int:
+    ng = quant.qlayout(fmt, (n, k)).kp // quant.QSPEC[fmt][0]
+    return ql._split_for(-(-n // block_n), ng, gps)
+
+
+def _dot(block_n, gps=4, exact=False, asm=False, split=True, warps=4, stages=3):
+    def make(fmt, n, k, t):
+        if asm and fmt != "q4_g64_fp16":
+            return None
+        bt = min(64, max(16, 1 << max(0, (t - 1).bit_length())))
+        sk = _split(fmt, n, k, block_n, gps) if split else 1
+        return ql.QConfig("dot", block_n, gps=gps, split_k=sk, block_t=bt, exact=exact, use_asm=asm,
+                          num_warps=warps, num_stages=stages)
+    return make
+
+
+def _gemv(block_n, gps=2, split=True, warps=4, stages=3):
+    def make(fmt, n, k, t):
+        if t != 1:
+            return None
+        sk = _split(fmt, n, k, block_n, gps) if split else 1
+        return ql.QConfig("gemv", block_n, gps=gps, split_k=sk, num_warps=warps, num_stages=stages)
+    return make
+
+
+# Kernel variants compared by --variants (name -> config maker, None where it does not apply).
+VARIANTS = {
+    "gemv_n64": _gemv(64),
+    "gemv_n128": _gemv(128),
+    "gemv_n256": _gemv(256),
+    "gemv_n128_nosplit": _gemv(128, split=False),
+    "gemv_n256_w8": _gemv(256, warps=8),
+    "gemv_n128_g4": _gemv(128, gps=4),
+    "dot_n64": _dot(64),
+    "dot_n128": _dot(128),
+    "dot_n64_g8": _dot(64, gps=8),
+    "dot_n64_nosplit": _dot(64, split=False),
+    "dot_n128_w8": _dot(128, warps=8),
+    "dot_n64_s2": _dot(64, stages=2),
+    "dot_n64_s4": _dot(64, stages=4),
+    "dot_exact_n64": _dot(64, exact=True),
+    "dot_exact_asm_n64": _dot(64, exact=True, asm=True),
+}
+
+
+def random_packed(fmt: str, n: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """A valid packed buffer on the GPU: random code bytes (every code value), scales in [0.005, 0.015]."""
+    lay = quant.qlayout(fmt, (n, k))
+    buf = torch.randint(0, 256, (lay.nbytes,), dtype=torch.uint8, device="cuda", generator=gen)
+    scales = torch.rand(lay.scales[1] // 2, device="cuda", generator=gen) * 0.01 + 0.005
+    buf[lay.scales[0]:lay.scales[0] + lay.scales[1]] = scales.half().view(torch.uint8)
+    return buf
+
+
+def row_sample(buf: torch.Tensor, fmt: str, n: int, k: int, rows: torch.Tensor) -> torch.Tensor:
+    """The packed buffer (on the CPU) of just ``rows`` of the [n, k] weight in ``buf``."""
+    lay, sub = quant.qlayout(fmt, (n, k)), quant.qlayout(fmt, (len(rows), k))
+    out = torch.zeros(sub.nbytes, dtype=torch.uint8)
+    for (off, size), (soff, ssize) in ((lay.codes, sub.codes), (lay.high, sub.high), (lay.scales, sub.scales)):
+        if size:
+            out[soff:soff + ssize] = buf[off:off + size].view(n, size // n)[rows.to(buf.device)].cpu().reshape(-1)
+    return out
+
+
+def rel_rms(y: torch.Tensor, ref: torch.Tensor) -> float:
+    y = y.float().cpu()
+    if not torch.isfinite(y).all():
+        return math.inf
+    return ((y - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def copy_bandwidth(do_bench) -> float:
+    """Device copy bandwidth in B/s, bytes read + written (2 GiB buffer)."""
+    x = torch.empty(2 * 2**30, dtype=torch.uint8, device="cuda")
+    x.random_()
+    y = torch.empty_like(x)
+    ms = do_bench(lambda: y.copy_(x), warmup=50, rep=300, return_mode="median")
+    return 2 * x.numel() / (ms * 1e-3)
+
+
+def graph_us(calls) -> float:
+    """us per call of ``calls`` (a list of GRAPH_CALLS thunks) captured in one CUDA graph, median of replays."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for f in calls[:3]:  # compiled already; warm the allocator on this stream
+            f()
+    torch.cuda.current_stream().wait_stream(stream)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for f in calls:
+            f()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(15):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / len(calls))
+    return sorted(times)[len(times) // 2]
+
+
+def int4_tinygemm(x: torch.Tensor, n: int, k: int, gs: int = 128):
+    """torch's int4 weight-only matmul on a random weight, as kernel_anchors.py calls it (None if absent)."""
+    try:
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        wf = w.float().reshape(n, k // gs, gs)
+        mx, mn = wf.amax(-1, keepdim=True), wf.amin(-1, keepdim=True)
+        scale = (mx - mn).clamp(min=1e-6) / 15
+        zero = mn + scale * 8
+        q = ((wf - mn) / scale).round().clamp(0, 15).to(torch.int32).reshape(n, k)
+        packed = torch.ops.aten._convert_weight_to_int4pack(((q[:, ::2] << 4) | q[:, 1::2]).to(torch.uint8), 8)
+        sz = torch.cat([scale.reshape(n, k // gs, 1), zero.reshape(n, k // gs, 1)], -1).transpose(0, 1)
+        sz = sz.contiguous().to(torch.bfloat16)
+        del w, wf, q
+        f = lambda: torch.ops.aten._weight_int4pack_mm(x, packed, gs, sz)  # noqa: E731
+        f()
+        return f, n * k // 2 + n * (k // gs) * 4
+    except Exception as e:  # not built for this GPU / torch
+        print(f"  int4 tinygemm unavailable: {e!r:.120}")
+        return None
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK_OPS)}, T in 1, 8")
+    ap.add_argument("--variants", action="store_true", help="also time every kernel variant in VARIANTS")
+    ap.add_argument("--only-variants", default="", help="comma list: restrict --variants to these names")
+    ap.add_argument("--fmts", default="q4,q5,q8", help="comma list of q4, q5, q8")
+    ap.add_argument("--ts", default="", help="comma list of T (default 1,2,4,8,16; --quick 1,8)")
+    ap.add_argument("--ops", default="", help="comma list of ops (default all; --quick a few)")
+    ap.add_argument("--no-baselines", action="store_true", help="skip bf16 cuBLAS and torch int4")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_qlinear: needs a CUDA GPU (none visible)", file=sys.stderr)
+        return 2
+    import triton
+    from triton.testing import do_bench
+
+    t_start = time.time()
+    ops = args.ops.split(",") if args.ops else (QUICK_OPS if args.quick else tuple(SHAPES))
+    ts = [int(v) for v in args.ts.split(",")] if args.ts else ([1, 8] if args.quick else [1, 2, 4, 8, 16])
+    fmts = [FMT_ALIASES[f] for f in args.fmts.split(",")]
+    variants = {}
+    if args.variants:
+        names = args.only_variants.split(",") if args.only_variants else list(VARIANTS)
+        variants = {name: VARIANTS[name] for name in names}
+    out_path = Path(os.environ["OUT"]) / "qlinear.jsonl" if os.environ.get("OUT") else None
+    records = []
+
+    def emit(rec):
+        records.append(rec)
+        if out_path:
+            with out_path.open("a") as f:
+                f.write(json.dumps(rec) + "\n")
+
+    props = torch.cuda.get_device_properties(0)
+    bw = copy_bandwidth(do_bench)
+    print(f"device {props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, "
+          f"triton {triton.__version__}; copy bandwidth {bw / 1e12:.3f} TB/s (read + write)")
+    emit({"kind": "copy", "device": props.name, "copy_Bps": bw})
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    failures = []
+    header = f"{'op':12s} {'fmt':12s} {'T':>3s} {'impl':22s} {'us':>8s} {'GB/s':>7s} {'%copy':>6s}"
+    print(header)
+    print("-" * len(header))
+
+    def row(op, fmt, t, impl, us, nbytes, extra=None):
+        gbs = nbytes / (us * 1e-6) / 1e9
+        print(f"{op:12s} {fmt:12s} {t:3d} {impl:22s} {us:8.2f} {gbs:7.0f} {100 * gbs * 1e9 / bw:5.1f}%")
+        emit({"kind": "time", "op": op, "fmt": fmt, "T": t, "impl": impl, "us": us, "bytes": nbytes,
+              "GBps": gbs, "frac_copy": gbs * 1e9 / bw, **(extra or {})})
+
+    for op in ops:
+        k, n = SHAPES[op]
+        dense = None
+        for fmt in fmts:
+            if op == "lm_head" and fmt not in LM_HEAD_FMTS:
+                continue
+            buf = random_packed(fmt, n, k, gen)
+            lin = ql.PackedLinear(buf, fmt, (n, k), "cuda")
+            copies = max(1, min(16, math.ceil(3 * L2_BYTES / lin.packed_bytes)))
+            lins = [lin] + [ql.PackedLinear(random_packed(fmt, n, k, gen), fmt, (n, k), "cuda")
+                            for _ in range(copies - 1)]
+            rows = torch.cat([torch.randperm(n, generator=torch.Generator().manual_seed(1))[:255],
+                              torch.tensor([n - 1])]).unique()
+            ref_buf = row_sample(buf, fmt, n, k, rows)
+            for t in ts:
+                x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+                ref = ql.qlinear_ref(x, ref_buf, fmt, (len(rows), k))
+                nbytes = lin.packed_bytes + x.numel() * 2 + t * n * 2
+                cands = {"ours": None}
+                cands.update({name: make(fmt, n, k, t) for name, make in variants.items()})
+                best = None
+                for impl, cfg in cands.items():
+                    if impl != "ours" and cfg is None:
+                        continue
+                    label = impl if cfg is None else f"{impl}"
+                    try:
+                        y = ql.qlinear_triton(x, lin, cfg)
+                        torch.cuda.synchronize()
+                    except Exception as e:
+                        print(f"{op:12s} {fmt:12s} {t:3d} {label:22s} COMPILE/RUN FAILED: {e!r:.300}")
+                        failures.append((op, fmt, t, label, "error"))
+                        emit({"kind": "error", "op": op, "fmt": fmt, "T": t, "impl": label, "error": repr(e)[:2000]})
+                        continue
+                    err = rel_rms(y[:, rows], ref)
+                    if not err <= TOL_BF16:
+                        print(f"!!! FAILED CORRECTNESS {op} {fmt} T={t} {label}: rel RMS {err:.3e} > {TOL_BF16}")
+                        failures.append((op, fmt, t, label, err))
+                    us = do_bench(lambda: ql.qlinear_triton(x, lin, cfg), warmup=10, rep=40,
+                                  return_mode="median") * 1e3
+                    cfg_used = cfg or ql.choose_config(fmt, n, k, t, x.dtype)
+                    row(op, fmt, t, label, us, nbytes, {"rel_rms": err, "config": repr(cfg_used)})
+                    if best is None or us < best[1]:
+                        best = (label, us)
+                    if impl == "ours":
+                        calls = [(lambda li=li: ql.qlinear_triton(x, li, cfg)) for li in
+                                 (lins * GRAPH_CALLS)[:GRAPH_CALLS]]
+                        try:
+                            row(op, fmt, t, "ours@graph", graph_us(calls), nbytes)
+                        except Exception as e:
+                            print(f"  graph capture failed: {e!r:.200}")
+                            failures.append((op, fmt, t, "graph", "error"))
+                if variants and best:
+                    print(f"{'':12s} {'':12s} {'':3s} best: {best[0]} {best[1]:.2f} us")
+            del lins, lin, buf
+            torch.cuda.empty_cache()
+        if not args.no_baselines:
+            dense = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+            for t in ts:
+                x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+                us = do_bench(lambda: F.linear(x, dense), warmup=10, rep=40, return_mode="median") * 1e3
+                row(op, "bf16", t, "cublas", us, dense.numel() * 2 + x.numel() * 2 + t * n * 2)
+                tg = int4_tinygemm(x, n, k)
+                if tg:
+                    us = do_bench(tg[0], warmup=10, rep=40, return_mode="median") * 1e3
+                    row(op, "int4_g128", t, "torch_tinygemm", us, tg[1] + x.numel() * 2 + t * n * 2)
+                    del tg
+            del dense
+            torch.cuda.empty_cache()
+        print(f"  ({time.time() - t_start:.0f} s)")
+    if failures:
+        print(f"\n!!! {len(failures)} FAILURES: {failures}")
+        return 1
+    print(f"\nall correct; {time.time() - t_start:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

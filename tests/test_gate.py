@@ -1,0 +1,304 @@
+"""The regression gate: exact metrics must match, timing metrics fail only when beyond threshold and significant,
+and the Mann-Whitney U test it rests on agrees with known p-values."""
+
+import itertools
+import json
+import math
+import statistics
+
+import numpy as np
+import pytest
+from rich.console import Console
+
+from ninfer_bench.reports.gate import Rule, default_rules, exit_code, expand, gate, load_rules, render_table
+from ninfer_bench.reports.metric_path import lookup, parse_path
+from ninfer_bench.reports.schema import make_result
+from ninfer_bench.reports.stats import mann_whitney_u, rank_test
+
+ENV = {"git_sha": "0" * 40, "gpu": "NVIDIA H200", "torch": "2.13", "python": "3.11"}
+MODEL = {"artifact_id": "5f3c", "quant_policy": "mixed", "model_type": "qwen3_5_text"}
+SHA = "ab" * 32
+
+
+def decode_doc(tok_s=None, *, label="v3-dflash2-k7", sha=SHA, accepted=60, config=None, ttft=None):
+    """A decode result whose decode tok/s samples are ``tok_s`` (10 tight samples around 100 by default)."""
+    tok_s = list(np.linspace(99.5, 100.5, 10)) if tok_s is None else list(tok_s)
+    ttft = [20.0 + 0.01 * i for i in range(len(tok_s))] if ttft is None else ttft
+    records = [{"repeat": i, "prompt_tokens": 500, "completion_tokens": 129, "decode_tok_s": v, "ttft_ms": t,
+                "prefill_tok_s": 4000.0, "device_ms_per_round": 30.0, "rounds": 32, "drafted_tokens": 224,
+                "accepted_tokens": accepted, "tokens_sha256": sha} for i, (v, t) in enumerate(zip(tok_s, ttft))]
+    summary = {"prompt_tokens": 500, "completion_tokens": 129, "tokens_sha256": sha,
+               "prefill_tok_s": 4000.0, "decode_tok_s": statistics.median(tok_s), "ttft_ms": statistics.median(ttft),
+               "device_ms_per_round": 30.0, "rounds": 32, "drafted_tokens": 224, "accepted_tokens": accepted,
+               "acceptance_rate": accepted / 224, "tokens_per_round": 1 + accepted / 32,
+               "accepted_per_position": [0.9, 0.7, 0.5, 0.3, 0.2, 0.1, 0.0], "peak_memory_bytes": 1 << 30,
+               "deterministic": True,
+               "samples": {"decode_tok_s": tok_s, "prefill_tok_s": [4000.0] * len(tok_s), "ttft_ms": ttft,
+                           "device_ms_per_round": [30.0] * len(tok_s)}}
+    cfg = {"engine": "ours", "runtime": "v3", "spec": "dflash2", "draft_tokens": 7, "kv_dtype": "int8",
+           "device": "cuda:0", "max_new_tokens": 129, "repeats": len(tok_s), **(config or {})}
+    return make_result("decode", label=label, config=cfg, records=records, summary=summary, model=MODEL, env=ENV)
+
+
+def by_metric(verdicts):
+    return {v.metric: v for v in verdicts}
+
+
+def test_identical_documents_pass():
+    doc = decode_doc()
+    verdicts = gate(doc, json.loads(json.dumps(doc)))
+    assert verdicts and all(v.status == "pass" for v in verdicts), [v for v in verdicts if v.status != "pass"]
+    assert {v.metric for v in verdicts} == {r.metric for r in default_rules("decode")}
+    assert exit_code(verdicts) == 0
+
+
+def test_clearly_slower_with_tight_samples_fails():
+    base = decode_doc(np.linspace(99.5, 100.5, 10))
+    cand = decode_doc(np.linspace(79.5, 80.5, 10))
+    v = by_metric(gate(base, cand))["decode_tok_s"]
+    assert v.status == "fail", v
+    assert v.change == pytest.approx(-0.2)
+    assert v.p < 1e-3
+    assert exit_code(gate(base, cand)) == 1
+
+
+def test_noisy_overlapping_samples_beyond_threshold_are_ambiguous():
+    base = decode_doc([100, 60, 140, 90, 110, 70, 130])
+    cand = decode_doc([85, 130, 50, 95, 70, 120, 60])  # median 85: 15% slower, but the samples overlap
+    v = by_metric(gate(base, cand))["decode_tok_s"]
+    assert v.status == "ambiguous", v
+    assert v.p >= 0.05 and "not significant" in v.reason
+    assert exit_code([v]) == 0
+
+
+def test_too_few_repeats_are_ambiguous_never_failed():
+    base, cand = decode_doc([100, 100.1, 99.9]), decode_doc([50, 50.1, 49.9])  # halved, but 3 vs 3 samples
+    v = by_metric(gate(base, cand))["decode_tok_s"]
+    assert v.status == "ambiguous" and "too few samples" in v.reason
+
+
+def test_improvement_passes_with_a_note():
+    base, cand = decode_doc(np.linspace(99.5, 100.5, 10)), decode_doc(np.linspace(119.5, 120.5, 10))
+    v = by_metric(gate(base, cand))["decode_tok_s"]
+    assert v.status == "pass" and "improved" in v.reason and v.change == pytest.approx(0.2)
+
+
+def test_lower_is_better_metric_regresses_upwards():
+    base = decode_doc(ttft=list(np.linspace(19.9, 20.1, 10)))
+    cand = decode_doc(ttft=list(np.linspace(29.9, 30.1, 10)))
+    assert by_metric(gate(base, cand))["ttft_ms"].status == "fail"
+    assert by_metric(gate(cand, base))["ttft_ms"].status == "pass"
+
+
+def test_changed_token_hash_fails():
+    v = by_metric(gate(decode_doc(), decode_doc(sha="cd" * 32)))["tokens_sha256"]
+    assert v.status == "fail" and v.candidate == "cd" * 32
+
+
+def test_changed_acceptance_count_fails():
+    verdicts = gate(decode_doc(accepted=60), decode_doc(accepted=59))
+    assert by_metric(verdicts)["accepted_tokens"].status == "fail"
+    assert exit_code(verdicts) == 1
+
+
+def test_exact_mismatch_on_a_nondeterministic_run_is_ambiguous():
+    cand = decode_doc(accepted=59)
+    cand["summary"]["deterministic"] = False
+    assert by_metric(gate(decode_doc(), cand))["accepted_tokens"].status == "ambiguous"
+    sampled = decode_doc(accepted=59, config={"temperature": 0.7, "seed": None})
+    assert by_metric(gate(decode_doc(), sampled))["accepted_tokens"].status == "ambiguous"
+
+
+def test_missing_metric_is_missing_and_exits_1():
+    cand = decode_doc()
+    del cand["summary"]["accepted_tokens"]
+    verdicts = gate(decode_doc(), cand)
+    v = by_metric(verdicts)["accepted_tokens"]
+    assert v.status == "missing" and "candidate" in v.reason
+    assert exit_code(verdicts) == 1
+    only_missing = [x for x in verdicts if x.status != "pass"]
+    assert only_missing == [v]
+
+
+def test_timing_without_samples_beyond_threshold_is_ambiguous():
+    cand = decode_doc()
+    cand["summary"]["peak_memory_bytes"] = 2 << 30
+    v = by_metric(gate(decode_doc(), cand))["peak_memory_bytes"]
+    assert v.status == "ambiguous" and "no samples" in v.reason
+
+
+def test_different_suites_are_refused():
+    niah = make_result("niah", label="x", config={}, records=[], env=ENV,
+                       summary={"cases": 0, "oracle_agreement": 1.0, "retrieval": 1.0, "first_divergence": {}})
+    with pytest.raises(ValueError, match="cannot gate"):
+        gate(decode_doc(), niah)
+
+
+def test_config_difference_is_an_ambiguous_row():
+    cand = decode_doc(config={"spec": "mtp", "draft_tokens": 3})
+    verdicts = gate(decode_doc(), cand)
+    assert verdicts[0].metric == "config" and verdicts[0].status == "ambiguous"
+    assert "spec 'dflash2' vs 'mtp'" in verdicts[0].reason and "draft_tokens 7 vs 3" in verdicts[0].reason
+    assert "config" not in by_metric(gate(decode_doc(), decode_doc(config={"repeats": 5})))
+
+
+def test_niah_oracle_agreement_must_match():
+    def niah(agreement):
+        return make_result("niah", label="n", config={"device": "cuda:0"}, records=[], env=ENV, model=MODEL,
+                           summary={"cases": 8, "oracle_agreement": agreement, "retrieval": 1.0,
+                                    "first_divergence": {"c0": None}})
+    assert by_metric(gate(niah(1.0), niah(1.0)))["oracle_agreement"].status == "pass"
+    assert by_metric(gate(niah(1.0), niah(0.875)))["oracle_agreement"].status == "fail"
+
+
+def concurrency_doc(levels, scale=1.0):
+    rows = []
+    for c in levels:
+        agg = [100.0 * c * scale + 0.1 * i for i in range(6)]
+        rows.append({"concurrency": c, "aggregate_tok_s": statistics.median(agg), "per_request_tok_s": 100.0 * scale,
+                     "ttft_ms_p50": 20.0, "ttft_ms_p90": 22.0, "ttft_ms_p99": 25.0, "itl_ms_p50": 10.0,
+                     "itl_ms_p90": 11.0, "itl_ms_p99": 12.0, "e2e_ms_p50": 900.0, "e2e_ms_p99": 950.0,
+                     "matches_sequential": True,
+                     "samples": {"aggregate_tok_s": agg, "ttft_ms": [20.0] * 6, "itl_ms": [10.0] * 6}})
+    return make_result("concurrency", label="c", config={"device": "cuda:0"}, records=[], env=ENV, model=MODEL,
+                       summary={"levels": rows})
+
+
+def test_concurrency_levels_expand_and_a_dropped_level_is_missing():
+    base, cand = concurrency_doc([1, 2, 4]), concurrency_doc([1, 2])
+    verdicts = by_metric(gate(base, cand))
+    assert verdicts["levels[concurrency=2].aggregate_tok_s"].status == "pass"
+    assert verdicts["levels[concurrency=4].aggregate_tok_s"].status == "missing"
+    assert "no levels[concurrency=4]" in verdicts["levels[concurrency=4].aggregate_tok_s"].reason
+    slow = by_metric(gate(base, concurrency_doc([1, 2, 4], scale=0.5)))
+    assert slow["levels[concurrency=4].aggregate_tok_s"].status == "fail"
+    assert slow["levels[concurrency=4].per_request_tok_s"].status == "ambiguous"  # no samples for it
+
+
+def kernels_doc(us_v3):
+    recs = []
+    for op, shape in (("rmsnorm", [1, 5120]), ("gdn_decode", [1, 48, 128, 128])):
+        for variant, us in (("v2", 10.0), ("v3", us_v3)):
+            samples = [us + 0.01 * i for i in range(9)]
+            recs.append({"op": op, "shape": shape, "variant": variant, "t": 1, "us_median": statistics.median(samples),
+                         "us_p10": samples[1], "us_p90": samples[-2], "samples_us": samples, "bytes": 1 << 20,
+                         "gbps": 100.0, "roofline_fraction": 0.02, "max_rel_err": 1e-3})
+    return make_result("kernels", label="k", config={"device": "cuda:0"}, records=recs, env=ENV,
+                       summary={"ops": 2, "copy_bandwidth_gbps": 4000.0, "timer": "cuda-events"})
+
+
+def test_kernel_records_expand_per_op_shape_variant():
+    verdicts = by_metric(gate(kernels_doc(5.0), kernels_doc(7.0)))
+    key = "records[op=gdn_decode,shape=1x48x128x128,variant=v3,t=1].us_median"
+    assert verdicts[key].status == "fail"
+    assert verdicts[key.replace("variant=v3", "variant=v2")].status == "pass"
+    assert len(verdicts) == 4
+
+
+def test_lookup_paths():
+    doc = kernels_doc(5.0)
+    assert lookup(doc, "records[op=rmsnorm,variant=v3].us_median") == pytest.approx(5.04)
+    assert lookup(doc, "records[0].variant") == "v2"
+    assert lookup(doc, "timer") == "cuda-events"
+    with pytest.raises(KeyError, match="2 items match"):
+        lookup(doc, "records[op=rmsnorm].us_median")
+    for bad in ("", "a[b", "a[x].", "levels[concurrency].x"):
+        with pytest.raises(ValueError):
+            parse_path(bad)
+
+
+def test_load_rules_json_and_toml(tmp_path):
+    rules = [{"metric": "levels[concurrency=*].aggregate_tok_s", "kind": "timing", "higher_is_better": True,
+              "threshold": 0.1, "samples": "levels[concurrency=*].samples.aggregate_tok_s", "suite": "concurrency"},
+             {"metric": "decode_tok_s", "threshold": 0.02}]
+    (tmp_path / "r.json").write_text(json.dumps({"rules": rules}))
+    (tmp_path / "r.toml").write_text(
+        '[[rules]]\nmetric = "levels[concurrency=*].aggregate_tok_s"\nkind = "timing"\nhigher_is_better = true\n'
+        'threshold = 0.1\nsamples = "levels[concurrency=*].samples.aggregate_tok_s"\nsuite = "concurrency"\n\n'
+        '[[rules]]\nmetric = "decode_tok_s"\nthreshold = 0.02\n')
+    from_json, from_toml = load_rules(tmp_path / "r.json"), load_rules(tmp_path / "r.toml")
+    assert from_json == from_toml and from_json[0].threshold == 0.1 and from_json[1].kind == "timing"
+    concrete = expand(from_json[:1], concurrency_doc([1, 8]), concurrency_doc([1, 8]))
+    assert [r.samples for r in concrete] == ["levels[concurrency=1].samples.aggregate_tok_s",
+                                             "levels[concurrency=8].samples.aggregate_tok_s"]
+    # a rule for another suite is ignored
+    assert {v.metric for v in gate(decode_doc(), decode_doc(), from_json)} == {"decode_tok_s"}
+
+
+@pytest.mark.parametrize("text, match", [
+    ('[{"metric": "x", "treshold": 0.1}]', r"unknown key\(s\) \['treshold'\]"),
+    ('[{"metric": "x", "kind": "fuzzy"}]', "kind must be one of"),
+    ('[{"kind": "exact"}]', "has no 'metric'"),
+    ('{"rule": []}', "unknown top-level"),
+    ('[{"metric": "x", "threshold": -1}]', "threshold"),
+])
+def test_load_rules_errors_name_the_problem(tmp_path, text, match):
+    path = tmp_path / "rules.json"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=match):
+        load_rules(path)
+
+
+def test_render_table_shows_every_verdict():
+    verdicts = gate(decode_doc(), decode_doc(sha="cd" * 32))
+    table = render_table(verdicts)
+    assert table.row_count == len(verdicts)
+    console = Console(record=True, width=200)
+    console.print(table)
+    text = console.export_text()
+    assert "tokens_sha256" in text and "fail" in text and "abababababab" in text
+
+
+# ---- the U test ------------------------------------------------------------------------------------------
+def test_u_test_known_values():
+    # scipy.stats.mannwhitneyu documentation example (Mann & Whitney 1947): U1 = 17
+    males, females = [19, 22, 16, 29, 24], [20, 11, 17, 12]
+    exact = mann_whitney_u(males, females, method="exact")
+    assert exact.u == 17 and exact.p == pytest.approx(0.1111111111111111)
+    assert mann_whitney_u(males, females, method="asymptotic").p == pytest.approx(0.11134688653314041, rel=1e-9)
+    # fully separated samples: only the two extreme splits of C(6,3) = 20 are as extreme -> p = 2/20
+    assert mann_whitney_u([1, 2, 3], [4, 5, 6]).p == pytest.approx(0.1)
+    assert mann_whitney_u([1, 2, 3, 4, 5], [6, 7, 8, 9, 10]).p == pytest.approx(2 / 252)
+    assert mann_whitney_u([1, 2, 3], [1, 2, 3]).p == pytest.approx(1.0)
+
+
+def test_u_test_tie_corrected_normal_approximation_by_hand():
+    # pooled 1 2 2 2 3 3 3 4 5: ranks 1, 3 3 3, 6 6 6, 8, 9; x = [1, 2, 2, 3] has R1 = 1 + 3 + 3 + 6 = 13,
+    # U1 = 13 - 4*5/2 = 3; mean 10; ties two groups of 3: sum(t^3 - t) = 48;
+    # var = 4*5/12 * (10 - 48 / (9*8)) = 15.5556; z = (|3 - 10| - 0.5) / 3.9441 = 1.6481; p = 2 (1 - Phi(z))
+    r = mann_whitney_u([1, 2, 2, 3], [2, 3, 3, 4, 5], method="asymptotic")
+    assert r.u == 3
+    var = 4 * 5 / 12 * (10 - 48 / 72)
+    assert r.p == pytest.approx(math.erfc((7 - 0.5) / math.sqrt(var) / math.sqrt(2)))
+    assert r.p == pytest.approx(0.0993, abs=5e-4)
+
+
+def test_u_test_exact_with_ties_matches_brute_force_enumeration():
+    x, y = [1, 2, 2, 3, 5], [2, 3, 3, 4, 5, 6]
+    pooled = x + y
+    def u_of(idx):
+        xs = [pooled[i] for i in idx]
+        ys = [pooled[i] for i in range(len(pooled)) if i not in idx]
+        return sum((a > b) + 0.5 * (a == b) for a in xs for b in ys)
+    us = [u_of(set(c)) for c in itertools.combinations(range(len(pooled)), len(x))]
+    u0 = u_of(set(range(len(x))))
+    lo, hi = sum(u <= u0 for u in us) / len(us), sum(u >= u0 for u in us) / len(us)
+    r = mann_whitney_u(x, y, method="exact")
+    assert r.u == u0
+    assert r.p == pytest.approx(min(1.0, 2 * min(lo, hi)))
+
+
+def test_rank_test_needs_three_samples_a_side():
+    far = rank_test([100.0, 100.1], [1.0 + i for i in range(20)])  # exact p = 2/231 < 0.05, but 2 samples
+    assert mann_whitney_u([100.0, 100.1], [1.0 + i for i in range(20)]).p < 0.05
+    assert not far.significant and far.powerless
+    assert rank_test([1, 2, 3, 4], [5, 6, 7, 8]).significant  # 2/70 = 0.029
+    assert rank_test([1, 2, 3, 4], [5, 6, 7, 8]).direction == 1
+    assert rank_test([], [1, 2, 3]).p is None
+
+
+def test_rule_validation():
+    with pytest.raises(ValueError, match="wildcard"):
+        Rule("decode_tok_s", samples="levels[concurrency=*].samples.x")
+    with pytest.raises(ValueError, match="higher_is_better"):
+        Rule("decode_tok_s", higher_is_better="yes")

@@ -1,0 +1,206 @@
+"""Fused quantized projections: every Triton variant and PackedLinear against the fp32 reference.
+
+On a machine without CUDA the Triton kernels run in Triton's interpreter (TRITON_INTERPRET=1, set here
+before the kernels are first jitted); there bf16 is left to the GPU because the interpreter multiplies
+bf16 dot operands as raw integers and truncates bf16 stores. Without Triton those tests skip and the
+CPU fallback tests still run.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from ninfer_bench.engine import quant  # noqa: E402
+from ninfer_bench.kernels import qlinear as ql  # noqa: E402
+
+QC = ql.QConfig
+FMTS = quant.QUANT_FORMATS
+DEVICE = "cuda" if CUDA else "cpu"
+
+# Relative RMS error against the fp32 reference, per x dtype. fp32: summation order, and the gemv's
+# offset correction (its partial sums carry 128 + |qmin| times each code's x, taken off per group). fp16: output rounding (2^-11) and, in the non-exact dot variant, q * scale rounded to fp16. bf16: the same
+# with 8-bit mantissas (~1.6e-3 each); the interpreter truncates bf16 stores (up to 2^-7).
+TOL = {torch.float32: 1e-4, torch.float16: 1.5e-3, torch.bfloat16: 6e-3 if CUDA else 1.2e-2}
+
+
+def _triton_skip_reason() -> str | None:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "triton is not installed"
+    if not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
+        return "no CUDA and TRITON_INTERPRET is not 1"
+    return None
+
+
+SKIP = _triton_skip_reason()
+needs_triton = pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
+cuda_only = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _interpreter_numpy2_workaround():
+    """Triton 3.6's interpreter turns a loop bound into an int with int(array of shape (1,)), which NumPy 2
+    refuses; give its tensors an __index__ that takes the single element instead."""
+    if SKIP is not None or CUDA:
+        yield
+        return
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patched
+    yield
+    interpreter._patch_lang_tensor = original
+
+
+def _case(fmt, n, k, t, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.05
+    w.view(-1)[::29] *= 8.0  # outliers: groups with a large amax
+    buf = quant.pack(w, fmt)
+    x = torch.randn(t, k, generator=g).to(dtype)
+    lin = ql.PackedLinear(buf, fmt, (n, k), DEVICE)
+    return buf, lin, x.to(DEVICE), ql.qlinear_ref(x, buf, fmt, (n, k))
+
+
+def _rel_rms(y, ref):
+    y = y.float().cpu()
+    assert torch.isfinite(y).all(), "unwritten (NaN) or non-finite outputs"
+    return ((y - ref).norm() / ref.norm()).item()
+
+
+def _run(lin, x, cfg):
+    out = torch.full((x.shape[0], lin.n), float("nan"), dtype=x.dtype, device=x.device)
+    y = ql.qlinear_triton(x, lin, cfg, out=out)
+    assert y is out
+    return y
+
+
+# (N, K, T): N not a multiple of any tile, K a multiple of the group or not (100: logical K < padded K)
+GEMV_SHAPES = [(1, 64, 1), (7, 100, 1), (200, 320, 1), (96, 192, 3)]
+DOT_SHAPES = [(1, 64, 1), (7, 100, 7), (96, 192, 8), (200, 320, 16), (33, 192, 17)]
+KERNEL_DTYPES = [torch.bfloat16, torch.float16] if CUDA else [torch.float32, torch.float16]
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES + ([] if CUDA else [torch.bfloat16]), ids=str)
+@pytest.mark.parametrize("shape", GEMV_SHAPES, ids=str)
+@pytest.mark.parametrize("fmt", FMTS)
+def test_gemv_vs_ref(fmt, shape, dtype):
+    n, k, t = shape
+    _, lin, x, ref = _case(fmt, n, k, t, dtype)
+    for cfg in (QC("gemv", 16, gps=2), QC("gemv", 64, gps=1, split_k=2)):
+        assert _rel_rms(_run(lin, x, cfg), ref) <= TOL[dtype], cfg
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
+@pytest.mark.parametrize("shape", DOT_SHAPES, ids=str)
+@pytest.mark.parametrize("fmt", FMTS)
+def test_dot_vs_ref(fmt, shape, dtype):
+    n, k, t = shape
+    _, lin, x, ref = _case(fmt, n, k, t, dtype, seed=1)
+    cfgs = [QC("dot", 16, gps=2), QC("dot", 32, gps=1, split_k=2, exact=True)]
+    if CUDA:
+        cfgs += [QC("dot", 64, gps=4, split_k=2), QC("dot", 64, gps=4, exact=True, use_asm=True)]
+    for cfg in cfgs:
+        assert _rel_rms(_run(lin, x, cfg), ref) <= TOL[dtype], cfg
+
+
+@needs_triton
+@pytest.mark.parametrize("fmt", FMTS)
+def test_default_config_and_wide_t(fmt):
+    """choose_config's pick for T = 1 and for a T that needs two row tiles of x."""
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    for t in (1, 20):
+        _, lin, x, ref = _case(fmt, 48, 192, t, dtype, seed=2)
+        assert _rel_rms(ql.qlinear_triton(x, lin), ref) <= TOL[dtype]
+
+
+@needs_triton
+@pytest.mark.parametrize("fmt", FMTS)
+def test_dequant_kernel(fmt):
+    buf, lin, _, _ = _case(fmt, 37, 100, 1, torch.float32)
+    w = ql.qlinear_dequant(lin, torch.float32).cpu()
+    torch.testing.assert_close(w, quant.dequantize(buf, fmt, (37, 100)), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_packed_linear_cpu_fallback(fmt, dtype):
+    buf = quant.pack(torch.randn(24, 100), fmt)
+    x = torch.randn(2, 3, 100).to(dtype)
+    ref = ql.qlinear_ref(x.reshape(6, 100), buf, fmt, (24, 100)).reshape(2, 3, 24)
+    for cached in (True, False):
+        lin = ql.PackedLinear(buf, fmt, (24, 100), "cpu", dense_fallback=cached)
+        y = lin(x)
+        assert y.shape == (2, 3, 24) and y.dtype == dtype
+        assert ((y.float() - ref).norm() / ref.norm()).item() <= (1e-5 if dtype == torch.float32 else 1e-2)
+        assert (dtype in lin._dense) == cached
+
+
+def test_packed_linear_rejects_bad_input():
+    buf = quant.pack(torch.randn(8, 64), "q4_g64_fp16")
+    with pytest.raises(ValueError, match="fmt"):
+        ql.PackedLinear(buf, "q3", (8, 64), "cpu")
+    with pytest.raises(ValueError, match="bytes"):
+        ql.PackedLinear(buf[:-1], "q4_g64_fp16", (8, 64), "cpu")
+    with pytest.raises(ValueError, match="K=64"):
+        ql.PackedLinear(buf, "q4_g64_fp16", (8, 64), "cpu")(torch.randn(2, 65))
+
+
+def test_choose_config_is_valid():
+    for fmt in FMTS:
+        for n, k in ((5120, 6144), (248320, 5120), (7, 100)):
+            for t in (1, 2, 7, 16, 33, 64):
+                cfg = ql.choose_config(fmt, n, k, t, torch.bfloat16)
+                assert cfg.kind == ("gemv" if t == 1 else "dot") and cfg.split_k >= 1
+    with pytest.raises(ValueError, match="block_n"):
+        QC("dot", 8)
+    with pytest.raises(ValueError, match="power of two"):
+        QC("gemv", 48)
+    with pytest.raises(ValueError, match="kind"):
+        QC("wgmma", 64)
+
+
+@cuda_only
+@pytest.mark.parametrize("fmt", FMTS)
+def test_cuda_graph_capture(fmt):
+    """The default launch (first call outside the capture) replays correctly from a CUDA graph."""
+    _, lin, x, _ = _case(fmt, 4096, 1024, 8, torch.bfloat16, seed=3)
+    for t in (1, 8):
+        xs = x[:t].clone()
+        ql.qlinear_triton(xs, lin)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            y = ql.qlinear_triton(xs, lin)
+        xs.copy_(torch.randn_like(xs))
+        g.replay()
+        torch.cuda.synchronize()
+        ref = ql.qlinear_ref(xs, lin.buf, fmt, (lin.n, lin.k))
+        assert _rel_rms(y, ref) <= TOL[torch.bfloat16]
+
+
+@cuda_only
+def test_packed_linear_cuda_paths():
+    """Rows <= MAX_KERNEL_ROWS take the kernel, wider inputs the dense weight made by the dequant kernel."""
+    fmt = "q5_g64_fp16"
+    _, lin, _, _ = _case(fmt, 300, 320, 1, torch.bfloat16, seed=4)
+    for rows in (1, 9, ql.MAX_KERNEL_ROWS + 1):
+        x = torch.randn(rows, 320, device="cuda", dtype=torch.bfloat16)
+        ref = ql.qlinear_ref(x, lin.buf, fmt, (300, 320))
+        assert _rel_rms(lin(x), ref) <= TOL[torch.bfloat16]
+    assert torch.bfloat16 in lin._dense

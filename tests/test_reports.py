@@ -1,0 +1,245 @@
+"""Reports: tidy frames, real PNG figures, and an HTML/Markdown release report that embeds them and escapes text."""
+
+import base64
+import re
+import statistics
+
+import numpy as np
+import pytest
+from matplotlib.image import imread
+
+from ninfer_bench.reports import plots
+from ninfer_bench.reports.frames import frames, load_results
+from ninfer_bench.reports.report import write_report
+from ninfer_bench.reports.schema import ResultError, make_result, write_result
+
+ENV = {"git_sha": "1" * 40, "gpu": "NVIDIA H200", "driver": "580.1", "torch": "2.13", "cuda": "12.9",
+       "python": "3.11", "cpu": "x86_64"}
+MODEL = {"artifact_id": "5f3c", "quant_policy": "mixed", "model_type": "qwen3_5_text", "layers": 64}
+EVIL = "<script>alert(1)</script>"
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def decode_doc(label, tok_s, *, spec="none", k=None, engine="ours", runtime="v3", sha="ab" * 32, positions=()):
+    accepted = int(sum(positions) * 32)
+    records = [{"repeat": i, "prompt_tokens": 500, "completion_tokens": 129, "prefill_s": 0.1, "decode_s": 1.28,
+                "ttft_ms": 100.0 + i, "decode_tok_s": v, "prefill_tok_s": 5000.0 + i, "device_ms_per_round": 9.0,
+                "rounds": 32, "drafted_tokens": 32 * len(positions), "accepted_tokens": accepted,
+                "tokens_sha256": sha} for i, v in enumerate(tok_s)]
+    summary = {"prompt_tokens": 500, "completion_tokens": 129, "tokens_sha256": sha, "prefill_tok_s": 5001.0,
+               "decode_tok_s": statistics.median(tok_s), "ttft_ms": 101.0, "device_ms_per_round": 9.0,
+               "rounds": 32, "drafted_tokens": 32 * len(positions), "accepted_tokens": accepted,
+               "acceptance_rate": sum(positions) / len(positions) if positions else None,
+               "tokens_per_round": 1 + accepted / 32, "accepted_per_position": list(positions),
+               "peak_memory_bytes": 3 << 30, "roofline_fraction": None,
+               "samples": {"decode_tok_s": list(tok_s), "prefill_tok_s": [5000.0 + i for i in range(len(tok_s))],
+                           "ttft_ms": [100.0 + i for i in range(len(tok_s))],
+                           "device_ms_per_round": [9.0] * len(tok_s)}}
+    config = {"engine": engine, "runtime": runtime, "spec": spec, "draft_tokens": k, "kv_dtype": "int8",
+              "device": "cuda:0", "max_new_tokens": 129, "repeats": len(tok_s)}
+    return make_result("decode", label=label, config=config, records=records, summary=summary, model=MODEL, env=ENV)
+
+
+def concurrency_doc(label, scale):
+    levels = []
+    for c in (1, 2, 4, 8):
+        agg = [60.0 * c ** 0.8 * scale + 0.2 * i for i in range(5)]
+        levels.append({"concurrency": c, "aggregate_tok_s": statistics.median(agg),
+                       "per_request_tok_s": statistics.median(agg) / c, "ttft_ms_p50": 30.0 * c,
+                       "ttft_ms_p90": 35.0 * c, "ttft_ms_p99": 40.0 * c, "itl_ms_p50": 12.0, "itl_ms_p90": 13.0, "itl_ms_p99": 15.0,
+                       "e2e_ms_p50": 1600.0, "e2e_ms_p99": 1700.0, "matches_sequential": True,
+                       "samples": {"aggregate_tok_s": agg, "ttft_ms": [30.0 * c + i for i in range(5)],
+                                   "itl_ms": [12.0 + 0.1 * i for i in range(5)]}})
+    records = [{"concurrency": c, "request": r, "ttft_ms": 30.0, "e2e_ms": 1600.0, "completion_tokens": 128,
+                "tokens_sha256": "cd" * 32} for c in (1, 2, 4, 8) for r in range(c)]
+    return make_result("concurrency", label=label, config={"device": "cuda:0", "max_new_tokens": 128},
+                       records=records, summary={"levels": levels}, model=MODEL, env=ENV)
+
+
+def kernels_doc(label, speed):
+    recs = []
+    for op, shape in (("rmsnorm", [1, 5120]), ("gdn_decode", [1, 48, 128, 128]), ("q4_gemv", [17408, 5120])):
+        for variant, us in (("ref", 40.0), ("v2", 12.0), ("v3", 12.0 / speed)):
+            samples = [us * (1 + 0.002 * i) for i in range(20)]
+            recs.append({"op": op, "shape": shape, "variant": variant, "t": 1, "us_median": statistics.median(samples),
+                         "us_p10": samples[2], "us_p90": samples[17], "samples_us": samples, "bytes": 1 << 22,
+                         "gbps": 4.0 / us * 1e3, "roofline_fraction": 0.3, "max_rel_err": 2e-3})
+    return make_result("kernels", label=label, config={"device": "cuda:0", "repeats": 20}, records=recs, env=ENV,
+                       summary={"ops": 3, "copy_bandwidth_gbps": 4300.0, "timer": "cuda-events"})
+
+
+def niah_doc(label, fail_at=()):
+    recs, fd = [], {}
+    for ctx in (4096, 16384, 65536):
+        for depth in (0.0, 0.5, 1.0):
+            case = f"ctx{ctx}-d{depth}"
+            ok = (ctx, depth) not in fail_at
+            recs.append({"case": case, "ctx": ctx, "depth": depth, "pass": ok, "retrieved": ok,
+                         "first_divergence": None if ok else 7, "top1_agreement": 1.0 if ok else 0.9,
+                         "kl": 1e-4, "answer": "4721" if ok else "4712", "expected": "4721"})
+            fd[case] = None if ok else 7
+    n = len(recs)
+    passed = sum(r["pass"] for r in recs)
+    return make_result("niah", label=label, config={"device": "cuda:0"}, records=recs, model=MODEL, env=ENV,
+                       summary={"cases": n, "oracle_agreement": passed / n, "retrieval": passed / n,
+                                "first_divergence": fd, "seconds": 12.5})
+
+
+@pytest.fixture(scope="module")
+def docs():
+    tight = np.linspace(-0.5, 0.5, 10)
+    return [
+        decode_doc("hf-peer", 40 + tight, engine="hf"),
+        decode_doc("v2-none", 70 + tight, runtime="v2"),
+        decode_doc("v3-mtp-k3", 120 + tight, spec="mtp", k=3, positions=(0.8, 0.6, 0.4)),
+        decode_doc("v3-dflash2-k7", 180 + tight, spec="dflash2", k=7,
+                   positions=(0.9, 0.8, 0.7, 0.5, 0.4, 0.2, 0.1)),
+        decode_doc(EVIL, [41.0, 40.0, 39.0], engine="hf", sha="ee" * 32),
+        concurrency_doc("v2-none", 1.0),
+        concurrency_doc("v3-dflash2-k7", 1.6),
+        kernels_doc("v3-dflash2-k7", 1.5),
+        kernels_doc("v2-none", 1.0),
+        niah_doc("v2-none", fail_at={(65536, 1.0)}),
+        niah_doc("v3-dflash2-k7"),
+    ]
+
+
+@pytest.fixture(scope="module")
+def report(docs, tmp_path_factory):
+    """(html path, md path) of the full report against the hf-peer baseline (drawn once: figures take seconds)."""
+    return write_report(docs, tmp_path_factory.mktemp("report") / "out", baseline_label="hf-peer")
+
+
+def test_frames_are_tidy(docs):
+    f = frames(docs)
+    assert len(f["decode"]) == 5 and f["decode"]["label"].tolist()[0] == "hf-peer"
+    assert {"engine", "spec", "decode_tok_s", "tokens_sha256", "model_id"} <= set(f["decode"].columns)
+    assert "samples" not in f["decode"].columns and "accepted_per_position" not in f["decode"].columns
+    pos = f["decode_positions"]
+    assert len(pos) == 3 + 7 and pos[pos.label == "v3-dflash2-k7"]["position"].tolist() == list(range(1, 8))
+    assert len(f["decode_repeats"]) == 4 * 10 + 3
+    assert len(f["concurrency"]) == 8 and set(f["concurrency"]["concurrency"]) == {1, 2, 4, 8}
+    assert len(f["kernels"]) == 2 * 9 and "1x48x128x128" in set(f["kernels"]["shape"])
+    assert len(f["niah"]) == 18 and f["niah"]["pass"].sum() == 17
+    assert f["prefill"].empty and "label" in f["prefill"].columns
+
+
+def test_frames_of_nothing_are_empty_with_columns():
+    f = frames([])
+    assert all(df.empty for df in f.values())
+    assert list(f["kernels"].columns)[:4] == ["label", "op", "shape", "variant"]
+    assert all(getattr(plots, fn)(df, "unused.png") is None for fn, df in (
+        ("plot_decode", f["decode"]), ("plot_acceptance", f["decode_positions"]),
+        ("plot_concurrency", f["concurrency"]), ("plot_kernels", f["kernels"]), ("plot_niah", f["niah"])))
+
+
+def test_duplicate_labels_are_made_unique():
+    a = decode_doc("same", [1.0, 2.0, 3.0])
+    f = frames([a, a])
+    assert f["decode"]["label"].tolist() == ["same", "same#2"]
+
+
+def _check_png(path):
+    data = path.read_bytes()
+    assert data[:8] == PNG, path
+    img = imread(path)
+    assert img.ndim == 3 and img.shape[0] >= 200 and img.shape[1] >= 300, (path, img.shape)
+    assert img[..., :3].std() > 0.01  # not a blank canvas
+
+
+def test_report_embeds_every_figure_and_links_existing_files(report):
+    html_path, md_path = report
+    pngs = sorted(html_path.parent.glob("*.png"))
+    assert {p.name for p in pngs} == {"decode.png", "acceptance.png", "concurrency.png", "kernels.png", "niah.png"}
+    html_text = html_path.read_text()
+    embedded = [base64.b64decode(m) for m in re.findall(r'src="data:image/png;base64,([A-Za-z0-9+/=]+)"', html_text)]
+    assert len(embedded) == len(pngs)
+    for p in pngs:
+        _check_png(p)
+        assert p.read_bytes() in embedded, p.name
+    assert "src=\"decode.png\"" not in html_text  # self-contained: no file references
+    md = md_path.read_text()
+    links = re.findall(r"!?\[[^\]]*\]\(([^)]+)\)", md)
+    assert sorted(links) == sorted(p.name for p in pngs)
+    assert all((md_path.parent / link).is_file() for link in links)
+    for heading in ("Decode", "Concurrency", "Kernels", "Needle in a haystack", "Environment and model"):
+        assert f"<h2>{heading}</h2>" in html_text and f"## {heading}" in md
+
+
+def test_report_verdicts_against_the_baseline(report):
+    md = report[1].read_text()
+    row = next(line for line in md.splitlines() if line.startswith("| v3-dflash2-k7 | 4.500x"))
+    assert "(+350.0%) faster" in row
+    evil_row = next(line for line in md.splitlines() if line.startswith("| &lt;script&gt;") and "x (" in line)
+    assert "1.000x (+0.0%) same within noise" in evil_row  # 41/40/39 against 40 +- 0.5
+    # kernels: v3 against the baseline-less suite's first label's v2 row, 1.5x faster
+    assert "| v3-dflash2-k7 | rmsnorm | 1x5120 | 1 | v3 |" in md
+    assert "| 1.50x speedup, faster, p=" in md and "| 1.00x speedup, same within noise, p=1 |" in md
+    # concurrency: hf-peer has no concurrency result, so the first one given is the baseline
+    assert "| concurrency | v2-none, v3-dflash2-k7 | v2-none (first given; hf-peer has no concurrency result) |" in md
+    assert ("| v3-dflash2-k7 | levels[concurrency=8].aggregate_tok_s | 1.599x (+59.9%) faster, p=0.0079 |"
+            in md)  # 5 vs 5 separated samples: exact p = 2/252
+
+
+def test_report_checks_token_agreement(report):
+    md = report[1].read_text()
+    # hf-peer and the <script> run share spec none, model and workload but not tokens
+    assert ("| hf-peer, v2-none, &lt;script&gt;alert(1)&lt;/script&gt; | abababababab, eeeeeeeeeeee | "
+            "DIFFER: &lt;script&gt;alert(1)&lt;/script&gt; vs hf-peer |") in md
+    assert "| v3-mtp-k3 | abababababab | single run |" in md
+
+
+def test_report_escapes_labels(report):
+    html_text, md = report[0].read_text(), report[1].read_text()
+    assert EVIL not in html_text and "<script" not in html_text
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in html_text
+    assert EVIL not in md and "<script" not in md
+
+
+def test_report_skips_empty_suites(tmp_path):
+    only = [decode_doc("v2-none", [70.0, 71.0, 69.0]), decode_doc("v3-none", [90.0, 91.0, 89.0])]
+    html_path, md_path = write_report(only, tmp_path)
+    assert sorted(p.name for p in tmp_path.glob("*.png")) == ["decode.png"]  # no drafts: no acceptance figure
+    html_text = html_path.read_text()
+    assert "Concurrency" not in html_text and "Kernels" not in html_text and "haystack" not in html_text
+    assert html_text.count("data:image/png;base64,") == 1
+    assert "inconclusive (3 vs 3 samples)" in md_path.read_text()
+
+
+def test_report_rejects_an_unknown_baseline(docs, tmp_path):
+    with pytest.raises(ValueError, match="baseline label 'nope'"):
+        write_report(docs, tmp_path, baseline_label="nope")
+
+
+def test_load_results_reads_files_and_folders(docs, tmp_path):
+    for i, doc in enumerate(docs[:3]):
+        write_result(doc, tmp_path / "runs" / f"{i}.json")
+    assert [d["label"] for d in load_results([tmp_path / "runs"])] == ["hf-peer", "v2-none", "v3-mtp-k3"]
+    assert len(load_results([tmp_path / "runs" / "0.json"])) == 1
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(ResultError, match="bad.json: not JSON"):
+        load_results([tmp_path / "bad.json"])
+    with pytest.raises(ResultError, match="no such result file"):
+        load_results([tmp_path / "missing.json"])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ResultError, match="no \\*.json"):
+        load_results([tmp_path / "empty"])
+
+
+def test_report_of_documents_without_measurements(tmp_path):
+    """Suites that measured nothing (no records, no levels, null metrics) give tables but no figures."""
+    env = {"gpu": None}
+    decode_keys = ("prompt_tokens", "completion_tokens", "tokens_sha256", "prefill_tok_s", "decode_tok_s", "ttft_ms",
+                   "device_ms_per_round", "rounds", "drafted_tokens", "accepted_tokens", "acceptance_rate",
+                   "tokens_per_round", "accepted_per_position", "peak_memory_bytes")
+    docs = [make_result("niah", label="n", config={}, records=[], env=env,
+                        summary={"cases": 0, "oracle_agreement": None, "retrieval": None, "first_divergence": {}}),
+            make_result("concurrency", label="c", config={}, records=[], env=env, summary={"levels": []}),
+            make_result("kernels", label="k", config={}, records=[], env=env, summary={"ops": 0}),
+            make_result("prefill", label="p", config={}, records=[], env=env, summary={"prefill_tok_s": None}),
+            make_result("decode", label="d", config={}, records=[], env=env, summary=dict.fromkeys(decode_keys))]
+    html_path, md_path = write_report(docs, tmp_path)
+    assert list(tmp_path.glob("*.png")) == []
+    assert "data:image/png" not in html_path.read_text()
+    md = md_path.read_text()
+    assert "## Prefill" in md and "| d | - | - | - | - | - |" in md
