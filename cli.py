@@ -380,6 +380,44 @@ def decode(model, engine, spec, draft_tokens, rollback, lm_head_draft, prompt_fi
     save_result(doc, json_path)
 
 
+# ---- reports and gates -------------------------------------------------------------------------------
+@main.command()
+@click.argument("results", nargs=-1, required=True, type=click.Path(exists=True))
+@click.option("--baseline", "baseline_label", default=None, help="Label the deltas are computed against.")
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Output folder.")
+@click.option("--title", default=None, help="Report title.")
+def report(results, baseline_label, out_dir, title):
+    """Release-validation report (HTML + Markdown + PNG figures) from result documents or folders of them."""
+    from .reports.frames import load_results
+    from .reports.report import DEFAULT_TITLE, write_report
+
+    docs = load_results(list(results))
+    html, md = write_report(docs, out_dir, baseline_label=baseline_label, title=title or DEFAULT_TITLE)
+    console.print(f"[green]wrote[/] {html} and {md} ({len(docs)} result documents)")
+
+
+@main.command()
+@click.option("--baseline", required=True, type=click.Path(exists=True, dir_okay=False), help="Baseline result.")
+@click.option("--candidate", required=True, type=click.Path(exists=True, dir_okay=False), help="Candidate result.")
+@click.option("--rules", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Rules file (.json or .toml) [default: the suite's rules].")
+@click.option("--json", "as_json", is_flag=True, help="Print the verdicts as JSON.")
+def gate(baseline, candidate, rules, as_json):
+    """Compare a candidate result to a baseline: exit 1 on any failed or missing metric."""
+    from .reports.gate import exit_code, gate as run_gate, load_rules, render_table
+    from .reports.schema import read_result
+
+    verdicts = run_gate(read_result(baseline), read_result(candidate), load_rules(rules) if rules else None)
+    if as_json:
+        console.print_json(json.dumps([v.to_dict() for v in verdicts], default=str))
+    else:
+        console.print(render_table(verdicts))
+    code = exit_code(verdicts)
+    counts = {s: sum(v.status == s for v in verdicts) for s in ("pass", "fail", "ambiguous", "missing")}
+    err_console.print(", ".join(f"{n} {s}" for s, n in counts.items()))
+    sys.exit(code)
+
+
 def cli_entry():
     main(obj={})
 

@@ -95,6 +95,11 @@ class Engine:
         self.scratch_slot = opts.max_concurrency
         self.free_slots = list(range(opts.max_concurrency))
         self.drafter = self._make_drafter(opts.spec)
+        self.graphs = None
+        if self.device.type == "cuda" and opts.runtime == "v3" and opts.cuda_graphs:
+            from .graphs import GraphRunner
+
+            self.graphs = GraphRunner(self)
 
     def _make_drafter(self, spec: str):
         if spec == "none":
@@ -227,13 +232,29 @@ class Engine:
     @torch.inference_mode()
     def decode_step(self, seqs: list[Sequence], ids: torch.Tensor, mode: str = DECODE):
         """One forward of ``ids [B, T]`` continuing each sequence at its length: (hidden, logits [B, T, V])."""
+        hidden, logits, _ = self.forward_rows(seqs, ids, mode)
+        return hidden, logits
+
+    def forward_rows(self, seqs: list[Sequence], ids: torch.Tensor, mode: str, taps: tuple[int, ...] = ()):
+        """(hidden, logits, taps) of ``ids [B, T]`` at each sequence's length; via CUDA graphs when captured."""
         b, t = ids.shape
         start = self._ids([s.length for s in seqs])
         pos = start[:, None] + torch.arange(t, device=self.device)[None]
-        kv_len = max(s.length for s in seqs) + t
-        step = Step(ids, pos, self._ids([s.slot for s in seqs]), kv_len=kv_len, mode=mode)
-        hidden, _ = self.model.forward(step, self.cache)
-        return hidden, self.model.logits(hidden)
+        slots = self._ids([s.slot for s in seqs])
+        if self.graphs is not None:
+            return self.graphs.forward(mode, ids, pos, slots, taps)
+        step = Step(ids, pos, slots, kv_len=max(s.length for s in seqs) + t, mode=mode, taps=taps)
+        hidden, tap_out = self.model.forward(step, self.cache)
+        return hidden, self.model.logits(hidden), tap_out
+
+    def commit(self, keep: torch.Tensor) -> None:
+        """Roll the verified rows back to their first ``keep`` positions (graph replay when captured)."""
+        pending = self.cache.pending
+        if self.graphs is not None and hasattr(pending, "commit_graph"):
+            self.cache.pending = None
+            self.graphs.commit(pending, keep)
+        else:
+            self.cache.commit(keep)
 
     # ---- generation ------------------------------------------------------------------------------
     def _finish(self, seq: Sequence) -> bool:
@@ -254,14 +275,33 @@ class Engine:
         return seq.finish_reason is not None
 
     @torch.inference_mode()
-    def start(self, seq: Sequence) -> None:
-        """Prefill ``seq``'s prompt, pick its first token, and prime the drafter."""
+    def prefill_step(self, seq: Sequence) -> bool:
+        """Prefill the next ``--prefill-chunk`` of ``seq``'s prompt (from ``seq.length``, so a cached prefix is
+        skipped). After the last chunk, pick the first token and prime the drafter; returns True then."""
+        chunk = self.options.prefill_chunk
+        start = seq.length
+        piece = seq.prompt[start:start + chunk]
         taps = self.drafter.taps if self.drafter else ()
-        logits, hidden, tap_out = self.prefill(seq.slot, seq.prompt, taps=taps)
-        seq.length = len(seq.prompt)
-        seq.tokens.append(int(select(logits[-1], seq.params, seq.generator)))
-        if not self._finish(seq) and self.drafter:
-            self.drafter.begin(seq, hidden, torch.cat(tap_out, dim=-1) if tap_out else None)
+        pos = torch.arange(start, start + len(piece), device=self.device)[None]
+        step = Step(self._ids([piece]), pos, self._ids([seq.slot]), kv_len=start + len(piece), mode=PREFILL,
+                    taps=taps)
+        hidden, tap_out = self.model.forward(step, self.cache)
+        seq.length += len(piece)
+        final = seq.length == len(seq.prompt)
+        if final:
+            seq.tokens.append(int(select(self.model.logits(hidden[0, -1:])[0], seq.params, seq.generator)))
+        if self.drafter:
+            self.drafter.begin(seq, start, hidden[0], torch.cat([t[0] for t in tap_out], dim=-1) if taps else None)
+        if final:
+            self._finish(seq)
+        return final
+
+    def start(self, seq: Sequence) -> None:
+        """Prefill ``seq``'s prompt (past any cached prefix), pick its first token, and prime the drafter."""
+        if seq.length >= len(seq.prompt):
+            raise ValueError("nothing to prefill: the cached prefix covers the whole prompt")
+        while not self.prefill_step(seq):
+            pass
 
     @torch.inference_mode()
     def advance(self, seqs: list[Sequence]) -> None:
@@ -298,11 +338,7 @@ class Engine:
         t1 = self._timer()
         old_len = self._ids([s.length for s in seqs])
         block = torch.cat([self._ids([[s.last] for s in seqs]), drafts], dim=1)  # [B, K+1]
-        pos = old_len[:, None] + torch.arange(k + 1, device=self.device)[None]
-        step = Step(block, pos, self._ids([s.slot for s in seqs]), kv_len=int(old_len.max()) + k + 1,
-                    mode=VERIFY, taps=self.drafter.taps)
-        hidden, taps = self.model.forward(step, self.cache)
-        logits = self.model.logits(hidden)  # [B, K+1, V]
+        hidden, logits, taps = self.forward_rows(seqs, block, VERIFY, self.drafter.taps)  # logits [B, K+1, V]
         n_acc, bonus = accept_greedy(drafts, logits)
         sampling = [r for r, s in enumerate(seqs) if not s.params.greedy]
         if sampling:
@@ -310,7 +346,7 @@ class Engine:
             p = torch.stack([probs(logits[r], seqs[r].params) for r in sampling])
             n_s, b_s = accept_sampling(drafts[rows], p, q[rows], [seqs[r].generator for r in sampling])
             n_acc[rows], bonus[rows] = n_s, b_s
-        self.cache.commit(n_acc + 1)
+        self.commit(n_acc + 1)
         t2 = self._timer()
         self.drafter.commit(seqs, old_len, block, hidden, torch.cat(taps, dim=-1) if taps else None, n_acc, bonus)
         t3 = self._timer()

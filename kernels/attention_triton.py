@@ -94,19 +94,28 @@ def _pow2(n: int) -> int:
 
 
 def plan(batch: int, tokens: int, heads: int, kv_heads: int, head_dim: int, kv_len: int, int8: bool,
-         device: torch.device | str = "cuda", *, block_n: int | None = None, num_warps: int | None = None,
-         num_stages: int | None = None, chunk: int | None = None, combine_cols: int | None = None) -> AttnConfig:
-    """The default launch shape for these static sizes; keyword overrides are for tuning sweeps and tests."""
+         device: torch.device | str = "cuda", *, q_dtype: torch.dtype = torch.bfloat16, block_n: int | None = None,
+         num_warps: int | None = None, num_stages: int | None = None, chunk: int | None = None,
+         combine_cols: int | None = None) -> AttnConfig:
+    """The default launch shape for these static sizes; keyword overrides are for tuning sweeps and tests.
+
+    Register and shared-memory notes come from sm_90 ptxas reports of these kernels (Triton 3.6).
+    """
     rows = tokens * (heads // kv_heads)
     block_d = _pow2(head_dim)
     block_m = max(16, min(MAX_BLOCK_M, _pow2(rows)))
+    fp32 = q_dtype == torch.float32  # the reference-precision path (tests): fp32 tiles, twice the shared memory
     if block_n is None:
-        # bf16 at hd=256: a 64-key K+V stage is 64 KB of shared memory; 32 keys keep 3 stages and 2 programs per SM
-        block_n = 32 if block_d * (1 if int8 else 2) > 256 else 64
+        # hd=256: 64 keys push the int8 path to 255 registers with spills at BLOCK_M=64, and bf16 to 64 KB of
+        # shared memory per K+V stage; 32 keys keep 2-3 programs per SM at BLOCK_M=16
+        block_n = 32 if block_d >= 256 else 64
+        if fp32:
+            block_n //= 2
     if num_warps is None:
-        num_warps = 8 if block_m * block_d >= 64 * 256 else 4
+        # the [BLOCK_M, hd] accumulator and q: 4 warps reach 238-255 registers from 64 x 128 up
+        num_warps = 8 if block_m * block_d >= 64 * 128 else 4
     if num_stages is None:
-        num_stages = 3
+        num_stages = 2 if fp32 else 3  # fp32 at 64 x 256 needs 256 KB of shared memory with 3 stages
     sms = _num_sms(torch.device(device))
     if chunk is None:
         n_blocks = -(-kv_len // block_n)
@@ -202,7 +211,7 @@ def decode_attention(q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, scale,
     b, t, h, hd = q.shape
     hkv = k_cache.shape[1]
     int8 = k_cache.dtype == torch.int8
-    cfg = config or plan(b, t, h, hkv, hd, kv_len, int8, q.device)
+    cfg = config or plan(b, t, h, hkv, hd, kv_len, int8, q.device, q_dtype=q.dtype)
     return _launch(kern, q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, scale, kv_len, cfg)
 
 
@@ -230,7 +239,7 @@ def _launch(kern, q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, scale, kv
         scale * LOG2E, t, h, hkv, kv_len, cfg.chunk, splits,
         G=g, HD=hd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, NG=block_d // gw, GW=gw,
         IS_INT8=int8, SPLIT=splits > 1, DOT_DTYPE=kern["dtypes"][q.dtype],
-        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_PREC="tf32x3" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if splits > 1:
@@ -255,13 +264,14 @@ def _load_tile(base, s_base, stride_n, stride_sn, offs_n, n_ok, DOT_DTYPE: tl.co
                IS_INT8: tl.constexpr):
     """Keys or values [BLOCK_N, BLOCK_D] of one slot and kv head in DOT_DTYPE, 0 past HD and where n_ok is false."""
     if IS_INT8:
-        # codes as [BLOCK_N, NG, GW], so that each 64-wide group meets its scale by broadcasting
+        # codes as [BLOCK_N, NG, GW], so that each 64-wide group meets its scale by broadcasting; the product in
+        # fp16 (exact codes, one rounding) holds the tile in half the registers of fp32
         offs_g = tl.arange(0, NG)
         d3 = offs_g[None, :, None] * GW + tl.arange(0, GW)[None, None, :]
         codes = tl.load(base + offs_n[:, None, None] * stride_n + d3, mask=n_ok[:, None, None] & (d3 < HD), other=0)
         sc = tl.load(s_base + offs_n[:, None] * stride_sn + offs_g[None, :],
                      mask=n_ok[:, None] & (offs_g[None, :] * GW < HD), other=0.0)
-        x = codes.to(tl.float32) * sc.to(tl.float32)[:, :, None]
+        x = codes.to(tl.float16) * sc[:, :, None]
         return tl.reshape(x, (BLOCK_N, BLOCK_D)).to(DOT_DTYPE)
     else:
         offs_d = tl.arange(0, BLOCK_D)

@@ -225,80 +225,94 @@ def _step_weights(codes_ptr, high_ptr, scales_ptr, rows, gs, gs_ok, stride_c, st
     return w
 
 
+def _load_in_layout(ptrs, DT: tl.constexpr, ASM: tl.constexpr):
+    """``tl.load(ptrs)`` (no mask) that keeps the pointers' register layout.
+
+    Triton picks a load's layout from its pointers' contiguity; for a scale repeated over 8 words that is
+    a layout unlike the words', and the products then go through shared memory and barriers every step.
+    An inline-PTX load is elementwise, so it stays in the layout of its pointers (the words' layout).
+    """
+    if not ASM:
+        return tl.load(ptrs)
+    elif DT == tl.float16:
+        return tl.inline_asm_elementwise("ld.global.nc.b16 $0, [$1];", "=h,l", [ptrs], dtype=tl.float16,
+                                         is_pure=True, pack=1)
+    else:  # uint8, zero-extended in a 16-bit register
+        return tl.inline_asm_elementwise("ld.global.nc.u8 $0, [$1];", "=h,l", [ptrs], dtype=tl.uint16,
+                                         is_pure=True, pack=1)
+
+
 def _gemv_kernel(x_ptr, words_ptr, high_ptr, scales_ptr, out_ptr,
                  N, K, NG, groups_per_split, magic,
                  stride_xt, stride_ot, stride_w, stride_h, stride_s,
                  FMT: tl.constexpr, BLOCK_N: tl.constexpr, GPS: tl.constexpr, EVEN_K: tl.constexpr,
-                 ATOMIC: tl.constexpr):
+                 ASM_LOADS: tl.constexpr, ATOMIC: tl.constexpr):
     """out[t, n] (+)= sum_k x[t, k] W[n, k] for one row t of x, on the CUDA cores (T = 1: a plain GEMV).
 
-    The codes are read as 32-bit words (8 per group and row). Each code is shifted into the mantissa of a
-    float's bit pattern ``magic`` (128.0f, or 256.0f for q8) and merged with it by one lop3 -- ``magic``
-    is a kernel argument so that the compiler keeps it in a register and can fuse mask and merge -- so a
-    weight costs a shift, a lop3 and one FMA with x. The float's offset from q is taken off once per group
-    with the sum of x's values there, then the group's scale is applied.
+    The codes are read as 32-bit words, 8 per group and row; value i of word j is k = EPW j + i (EPW = 8
+    nibbles, or 4 bytes for q8). Each value is shifted into the mantissa of the float ``magic`` (128.0f,
+    256.0f for q8) and merged with it by one lop3 -- ``magic`` is a kernel argument so that it stays in a
+    register and mask and merge fuse -- then multiplied with x[k] by one FMA: ~3 instructions a weight,
+    no int->float conversion. The float's offset from q is taken off per word with the sum of its x's.
+    x[EPW j + i] for fixed i is a [W] vector broadcast over the rows, so each thread reuses its loads for
+    all the rows it holds. The next step's words are loaded before this step's arithmetic (prefetch).
     """
     EPW: tl.constexpr = 4 if FMT == 0 else 8  # codes per word
     GROUP: tl.constexpr = 8 * EPW
+    W: tl.constexpr = 8 * GPS  # words per row and loop step
     QMIN: tl.constexpr = -128 if FMT == 0 else (-16 if FMT == 1 else -8)
     BASE: tl.constexpr = 256.0 if FMT == 0 else 128.0
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     rows_c = tl.where(row_ok, rows, 0)
     x_row = x_ptr + tl.program_id(2) * stride_xt
-    j = tl.arange(0, 8)
-    gi = tl.arange(0, GPS)
-    kk = tl.arange(0, GPS * GROUP)
+    jw = tl.arange(0, W)
     g_lo = tl.program_id(1) * groups_per_split
-    acc = tl.zeros((BLOCK_N, GPS), dtype=tl.float32)
-    for g0 in range(g_lo, g_lo + groups_per_split, GPS):
-        gs = g0 + gi
-        gs_ok = gs < NG
-        woff = rows_c[:, None, None] * stride_w + gs[None, :, None] * 8 + j[None, None, :]
-        w = tl.load(words_ptr + woff, mask=gs_ok[None, :, None], other=0).to(tl.uint32, bitcast=True)
-        if FMT == 0:  # byte i (bits 8i..) -> bits 15..22 of 256.0f; ^ (0x80 << 15) makes u = byte ^ 0x80 = q + 128
-            b0 = ((w << 15) & 0x7F8000) ^ magic
-            b1 = ((w << 7) & 0x7F8000) ^ magic
-            b2 = ((w >> 1) & 0x7F8000) ^ magic
-            b3 = ((w >> 9) & 0x7F8000) ^ magic
-            v = tl.join(tl.join(b0, b2), tl.join(b1, b3))  # [BN, GPS, 8, 2, 2]: flat index = K order
-        else:  # nibble i (bits 4i..) -> bits 16..19 of 128.0f
-            n0 = ((w << 16) & 0xF0000) | magic
-            n1 = ((w << 12) & 0xF0000) | magic
-            n2 = ((w << 8) & 0xF0000) | magic
-            n3 = ((w << 4) & 0xF0000) | magic
-            n4 = (w & 0xF0000) | magic
-            n5 = ((w >> 4) & 0xF0000) | magic
-            n6 = ((w >> 8) & 0xF0000) | magic
-            n7 = ((w >> 12) & 0xF0000) | magic
-            if FMT == 1:  # high bit i of the word's high byte -> bit 20
-                h = tl.load(high_ptr + woff, mask=gs_ok[None, :, None], other=0).to(tl.uint32)
-                n0 = n0 | ((h << 20) & 0x100000)
-                n1 = n1 | ((h << 19) & 0x100000)
-                n2 = n2 | ((h << 18) & 0x100000)
-                n3 = n3 | ((h << 17) & 0x100000)
-                n4 = n4 | ((h << 16) & 0x100000)
-                n5 = n5 | ((h << 15) & 0x100000)
-                n6 = n6 | ((h << 14) & 0x100000)
-                n7 = n7 | ((h << 13) & 0x100000)
-            # flat index of the nested joins = 4a + 2b + e = nibble index: K order
-            v = tl.join(tl.join(tl.join(n0, n4), tl.join(n2, n6)), tl.join(tl.join(n1, n5), tl.join(n3, n7)))
-        v = tl.reshape(v, (BLOCK_N, GPS, GROUP)).to(tl.float32, bitcast=True)  # BASE + u, K order
-        k = g0 * GROUP + kk
-        if EVEN_K:
-            x = tl.load(x_row + k, mask=k < NG * GROUP, other=0)
-        else:
-            x = tl.load(x_row + k, mask=k < K, other=0)
-        x = tl.reshape(x.to(tl.float32), (GPS, GROUP))
-        e = tl.sum(v * x[None, :, :], axis=2)  # [BN, GPS]
-        s = tl.load(scales_ptr + rows_c[:, None] * stride_s + gs[None, :], mask=gs_ok[None, :], other=0)
-        acc += (e - (BASE - QMIN) * tl.sum(x, axis=1)[None, :]) * s.to(tl.float32)  # q = BASE + u - (BASE - QMIN)
-    out = tl.sum(acc, axis=1)
+    g_end = g_lo + groups_per_split
+    w_ptrs = words_ptr + rows_c[:, None] * stride_w + jw[None, :]  # [BN, W] at group 0
+    s_rows = scales_ptr + rows_c[:, None] * stride_s  # [BN, 1]
+    h_rows = high_ptr + rows_c[:, None] * stride_h
+    w_next = tl.load(w_ptrs + g_lo * 8, mask=(g_lo + jw // 8 < NG)[None, :], other=0)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for g0 in range(g_lo, g_end, GPS):
+        w = w_next.to(tl.uint32, bitcast=True)  # logical shifts
+        gw = g0 + jw // 8  # [W]: each word's group
+        gw_ok = gw < NG
+        w_next = tl.load(w_ptrs + (g0 + GPS) * 8, mask=(gw + GPS < tl.minimum(NG, g_end))[None, :], other=0)
+        gw_in = tl.minimum(gw, NG - 1)  # in-bounds stand-in for groups past NG (their x's are all 0)
+        s = _load_in_layout(s_rows + gw_in[None, :], tl.float16, ASM_LOADS).to(tl.float32)  # [BN, W]
+        if FMT == 1:
+            h = _load_in_layout(h_rows + (gw_in * 8 + jw % 8)[None, :], tl.uint8, ASM_LOADS).to(tl.uint32)
+        e = tl.zeros((BLOCK_N, W), dtype=tl.float32)
+        xs = tl.zeros((W,), dtype=tl.float32)
+        for i in tl.static_range(EPW):
+            k = g0 * GROUP + jw * EPW + i  # [W]
+            if EVEN_K:
+                xi = tl.load(x_row + k, mask=gw_ok, other=0).to(tl.float32)
+            else:
+                xi = tl.load(x_row + k, mask=gw_ok & (k < K), other=0).to(tl.float32)
+            if FMT == 0:  # byte i (bits 8i..) -> bits 15..22 of 256.0f; magic ^ (0x80 << 15): u = q + 128
+                v = ((w << 15) if i == 0 else ((w << 7) if i == 1 else ((w >> 1) if i == 2 else (w >> 9))))
+                v = (v & 0x7F8000) ^ magic
+            else:  # nibble i (bits 4i..) -> bits 16..19 of 128.0f; q5's high bit i -> bit 20
+                if i < 4:
+                    v = w << (16 - 4 * i)
+                elif i == 4:
+                    v = w
+                else:
+                    v = w >> (4 * i - 16)
+                v = (v & 0xF0000) | magic
+                if FMT == 1:
+                    v = v | ((h << (20 - i)) & 0x100000)
+            e += v.to(tl.float32, bitcast=True) * xi[None, :]  # (BASE + u) x
+            xs += xi
+        # q = BASE + u - (BASE - QMIN); reduced every step so the accumulator keeps the words' layout
+        acc += tl.sum((e - (BASE - QMIN) * xs[None, :]) * s, axis=1)
     ptrs = out_ptr + tl.program_id(2) * stride_ot + rows
     if ATOMIC:
-        tl.atomic_add(ptrs, out, mask=row_ok)
+        tl.atomic_add(ptrs, acc, mask=row_ok)
     else:
-        tl.store(ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok)
+        tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok)
 
 
 def _dequant_kernel(codes_ptr, high_ptr, scales_ptr, w_ptr, N, K, stride_c, stride_h, stride_s, stride_w,
@@ -322,7 +336,7 @@ def _dequant_kernel(codes_ptr, high_ptr, scales_ptr, w_ptr, N, K, stride_c, stri
 def _kernels():
     """Import Triton and jit the kernels (once). Raises ImportError when Triton is missing."""
     global triton, tl, _codes_as, _q4_pairs_asm, _group_operands, _dot, _step_weights, _qlinear_kernel, \
-        _gemv_kernel, _dequant_kernel
+        _load_in_layout, _gemv_kernel, _dequant_kernel
     import triton as _triton
     import triton.language as _tl
 
@@ -333,6 +347,7 @@ def _kernels():
     _group_operands = triton.jit(_group_operands)
     _dot = triton.jit(_dot)
     _step_weights = triton.jit(_step_weights)
+    _load_in_layout = triton.jit(_load_in_layout)
     _gemv_kernel = triton.jit(_gemv_kernel)
     _qlinear_kernel = triton.jit(_qlinear_kernel)
     _dequant_kernel = triton.jit(_dequant_kernel)
@@ -453,7 +468,7 @@ def qlinear_triton(x: torch.Tensor, lin: PackedLinear, config: QConfig | None = 
             x, lin.words, lin.high, lin.scales, acc, lin.n, lin.k, lin.ng, groups_per_split,
             0x43C00000 if fmt_id == 0 else 0x43000000,
             x.stride(0), acc.stride(0), lin.words.stride(0), lin.high.stride(0), lin.scales.stride(0),
-            FMT=fmt_id, BLOCK_N=cfg.block_n, GPS=cfg.gps, EVEN_K=lin.k == lin.kp, ATOMIC=atomic,
+            FMT=fmt_id, BLOCK_N=cfg.block_n, GPS=cfg.gps, EVEN_K=lin.k == lin.kp, ASM_LOADS=x.is_cuda, ATOMIC=atomic,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     else:
         dot_kernel[(n_tiles, k_tiles, _cdiv(t, cfg.block_t))](

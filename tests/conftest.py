@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
-from tinyhf import make_hf
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+import _bootstrap  # noqa: E402  (a plain checkout, e.g. on the GPU machine, has no installed package)
+
+_bootstrap.ensure_package()
+
+from tinyhf import make_hf  # noqa: E402
 
 # The tests run tiny models: one intra-op thread avoids OpenMP spin contention on small matmuls.
 torch.set_num_threads(1)

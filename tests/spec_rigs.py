@@ -16,7 +16,7 @@ class RiggedDrafter:
         self.e, self.ref, self.agree, self.vocab = engine, reference, agree, vocab
         self.rounds = 0
 
-    def begin(self, seq, hidden, taps):
+    def begin(self, seq, start, hidden, taps):
         pass
 
     def commit(self, seqs, old_len, block, hidden, taps, n_acc, bonus):

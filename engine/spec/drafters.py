@@ -4,7 +4,8 @@ with a per-slot context K/V cache, a ring for DFlash2's window).
 Protocol (what :meth:`Engine.advance_spec` calls):
 
 - ``taps``: target layers whose outputs the drafter needs from every target forward;
-- ``begin(seq, hidden, taps)``: after a sequence's prefill (hidden ``[n, H]``, taps ``[n, n_taps*H]``);
+- ``begin(seq, start, hidden, taps)``: after each prefill chunk of a sequence (positions ``start ..``, hidden
+  ``[n, H]``, taps ``[n, n_taps*H]``); the last chunk comes after the first token was picked;
 - ``draft(seqs, k) -> (tokens [B, k], q [B, k, V] | None)``: propose k tokens per sequence (q when sampling);
 - ``commit(seqs, old_len, block, hidden, taps, n_acc, bonus)``: after verification of ``block [B, k+1]``
   at positions ``old_len[b] ..`` with ``n_acc`` drafts accepted, absorb the committed positions.
@@ -88,14 +89,20 @@ class MTPDrafter:
         h = rms_norm(x, w.vector("mtp.norm.weight"), eps)
         return h, self.head.logits(h)
 
-    def begin(self, seq, hidden, taps) -> None:
-        n, chunk = len(seq.prompt), self.e.options.prefill_chunk
-        nxt = seq.prompt[1:] + [seq.tokens[0]]
-        slots = self.e._ids([seq.slot])
-        for c0 in range(0, n, chunk):
-            c1 = min(n, c0 + chunk)
-            pos = torch.arange(c0, c1, device=self.e.device)[None]
-            h, logits = self.forward(hidden[None, c0:c1], self.e._ids([nxt[c0:c1]]), pos, slots, c1, PREFILL)
+    def begin(self, seq, start, hidden, taps) -> None:
+        """MTP entries for prompt positions ``start ..`` (hidden ``[n, H]``); the entry of the last prompt
+        position needs the first generated token, so it is made with the final chunk."""
+        n = hidden.shape[0]
+        final = start + n == len(seq.prompt)
+        nxt = seq.prompt[start + 1:start + n] + ([seq.tokens[0]] if final else [])
+        m = len(nxt)
+        if m == 0:
+            return
+        pos = torch.arange(start, start + m, device=self.e.device)[None]
+        h, logits = self.forward(hidden[None, :m], self.e._ids([nxt]), pos, self.e._ids([seq.slot]), start + m,
+                                 PREFILL)
+        if not final:
+            return
         self.pending[seq.slot] = (h[0, -1], logits[0, -1])
 
     def commit(self, seqs, old_len, block, hidden, taps, n_acc, bonus) -> None:
@@ -174,14 +181,12 @@ class BlockDraftRunner:
             self.v[layer][sl, idx] = vs[layer]
         self.pos[sl, idx] = torch.where(live, pos, torch.full_like(pos, -1))
 
-    def begin(self, seq, hidden, taps) -> None:
-        self.pos[seq.slot] = -1
-        chunk = self.e.options.prefill_chunk
-        slots = self.e._ids([seq.slot])
-        for c0 in range(0, taps.shape[0], chunk):
-            piece = taps[None, c0:c0 + chunk]
-            pos = torch.arange(c0, c0 + piece.shape[1], device=self.e.device)[None]
-            self._write(slots, piece, pos, torch.ones_like(pos, dtype=torch.bool))
+    def begin(self, seq, start, hidden, taps) -> None:
+        """Context K/V for prompt positions ``start ..`` from their tap outputs ``[n, n_taps*H]``."""
+        if start == 0:
+            self.pos[seq.slot] = -1
+        pos = torch.arange(start, start + taps.shape[0], device=self.e.device)[None]
+        self._write(self.e._ids([seq.slot]), taps[None], pos, torch.ones_like(pos, dtype=torch.bool))
 
     def commit(self, seqs, old_len, block, hidden, taps, n_acc, bonus) -> None:
         t = block.shape[1]

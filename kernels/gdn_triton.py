@@ -1,0 +1,460 @@
+"""Gated DeltaNet token mixing for decode / speculative verify in Triton: one layer, T new tokens of B slots.
+
+Replaces, on the CUDA decode path, everything :meth:`engine.model.HybridModel.gated_deltanet` does between the input
+projections and ``out_proj``: the depthwise causal conv (reading and updating the conv state in the cache), SiLU,
+the per-head L2 norms of q and k, the gates ``beta = sigmoid(b)`` and ``g = -exp(A_log) * softplus(a + dt_bias)``,
+the delta-rule recurrence from the cached state, and the gated RMSNorm ``norm_w * rmsnorm(o) * silu(z)``.
+
+Shapes (C = 2 * Hk * dk + Hv * dv channels, q | k | v; W the conv width; S cache slots):
+  qkv [B, T, C], z [B, T, Hv * dv], b / a [B, T, Hv]   compute dtype (views of the fused projection outputs are
+                                                         fine: only the last dim must be contiguous)
+  conv_state [S, C, W-1] compute dtype; conv_w [C, W] fp32; ssm [S, Hv, dk, dv] fp32; slots [B] int64
+  A_log, dt_bias [Hv] fp32; norm_w [dv] fp32; out [B, T, Hv * dv] compute dtype
+
+Launch: ``_gdn_kernel`` over the grid (B * Hv, dv / BV). Program (b, h, v block) keeps the fp32 state tile
+``S[:, v block]`` ([dk, BV]) in registers across the T tokens, so the state is read and written once per call.
+Before the token loop it computes, for all T tokens at once (independent loads, all in flight together), the conv
++ SiLU + L2 norm of its k head's q and k channels (recomputed by each of the Hv / Hk * dv / BV programs sharing
+them: a few KB from L2), the conv of its own v channels, and the gates. The loop then needs only the state:
+``S^T k`` and ``S^T q`` in one pass, the rank-1 update in a second (``o = e^g S^T q + (q . k) u`` saves a third).
+With BV = dv the gated RMSNorm runs in the epilogue of the same program; with BV < dv (more programs, for small
+batches) the programs write o in fp32 and ``_gated_norm_kernel`` normalises it.
+
+State write-back (``write_state``): the state after the first ``keep[b]`` tokens (tokens past keep[b] get
+beta = 0 and g = 0, which leaves the state exactly unchanged) goes to ``ssm[slots[b]]``, each tile by the program
+that read it. The conv window ending at keep[b] goes to ``conv_state[slots[b]]``; every channel is written by
+exactly one program (v channels by their own program, q/k channels by the first v head of the k head with v
+block 0). The q/k channels are also read by the other programs of that k head, so when the old window comes from
+the cache itself (no ``conv_init``) the kernel writes the new windows to a scratch buffer and a single
+``index_copy_`` puts them in place after the launch; with ``conv_init`` it writes the cache directly.
+
+No host synchronisation and a grid that depends only on static sizes: CUDA-graph safe. Slots must be distinct.
+Triton is imported on first use, so this module imports on machines without it.
+
+Implementations, same argument order:
+  gdn_decode_ref  plain fp32 torch from kernels/conv.py, kernels/gdn.py and kernels/norm.py (the reference)
+  gdn_decode      the Triton kernels (CUDA, or ``TRITON_INTERPRET=1`` on the CPU)
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .conv import causal_conv1d_ref
+from .gdn import STEP_MAX_T, gated_delta_rule_ref, l2norm
+from .norm import gated_rms_norm_ref
+
+__all__ = ["GDNConfig", "plan", "gdn_decode", "gdn_decode_ref", "triton_available", "MAX_T"]
+
+MAX_T = STEP_MAX_T  # tokens per call: every token's q/k/v tiles stay in registers for the whole loop
+L2_EPS = 1e-6  # l2norm's eps (kernels/gdn.py)
+SOFTPLUS_THRESHOLD = 20.0  # torch's softplus returns x itself above this
+
+
+@functools.lru_cache(maxsize=1)
+def _triton_import_error() -> str | None:
+    try:
+        import triton  # noqa: F401
+    except Exception as exc:  # ImportError, or triton failing to initialise
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def triton_available() -> bool:
+    """True when triton imports (the kernels then run on CUDA tensors, or on CPU under TRITON_INTERPRET=1)."""
+    return _triton_import_error() is None
+
+
+@dataclass(frozen=True, slots=True)
+class GDNConfig:
+    """Launch shape of :func:`gdn_decode` (see :func:`plan`)."""
+
+    block_v: int  # dv columns of the state per program (power of two); >= dv fuses the gated RMSNorm
+    num_warps: int
+
+    def __post_init__(self):
+        if self.block_v < 16 or self.block_v & (self.block_v - 1):
+            raise ValueError(f"GDNConfig.block_v must be a power of two >= 16, got {self.block_v}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"GDNConfig.num_warps must be a power of two <= 16, got {self.num_warps}")
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@functools.lru_cache(maxsize=16)
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 8
+
+
+def plan(batch: int, v_heads: int, dk: int, dv: int, device: torch.device | str = "cuda", *,
+         block_v: int | None = None, num_warps: int | None = None) -> GDNConfig:
+    """Default launch shape: the whole head (fused norm) once B * Hv programs fill the GPU, else narrower state
+    tiles so that more programs stream the state. Keyword overrides are for tuning sweeps and tests."""
+    bk, bd = _pow2(dk), max(16, _pow2(dv))
+    if block_v is None:
+        block_v = bd
+        while block_v > 32 and batch * v_heads * (bd // block_v) < _num_sms(torch.device(device)):
+            block_v //= 2
+    if num_warps is None:
+        # ~64 fp32 state registers per thread: [128, 128] -> 8 warps, [128, 32] -> 2
+        num_warps = min(8, max(1, bk * block_v // 2048))
+    return GDNConfig(block_v=block_v, num_warps=num_warps)
+
+
+def _new_buffer(shape, dtype, device) -> torch.Tensor:
+    """Output and workspace allocation (tests swap in a NaN fill to catch unwritten elements)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _dims(qkv, ssm, conv_w) -> tuple[int, int, int, int, int, int, int]:
+    """(B, T, C, Hk, Hv, dk, dv) from the cache and input shapes."""
+    if qkv.dim() != 3:
+        raise ValueError(f"gdn_decode: qkv must be [B, T, C], got shape {tuple(qkv.shape)}")
+    if ssm.dim() != 4:
+        raise ValueError(f"gdn_decode: ssm must be [S, Hv, dk, dv], got shape {tuple(ssm.shape)}")
+    b, t, c = qkv.shape
+    _, hv, dk, dv = ssm.shape
+    qk = c - hv * dv
+    if qk <= 0 or qk % (2 * dk):
+        raise ValueError(f"gdn_decode: qkv has {c} channels, not 2 * Hk * dk + Hv * dv with Hv={hv}, dk={dk}, dv={dv}")
+    hk = qk // (2 * dk)
+    if hv % hk:
+        raise ValueError(f"gdn_decode: Hv={hv} v heads is not a multiple of Hk={hk} k heads")
+    if conv_w.dim() != 2 or conv_w.shape[0] != c or conv_w.shape[1] < 2:
+        raise ValueError(f"gdn_decode: conv_w must be [C={c}, W >= 2], got {tuple(conv_w.shape)}")
+    return b, t, c, hk, hv, dk, dv
+
+
+def _check(qkv, z, b, a, conv_state, conv_w, ssm, slots, A_log, dt_bias, norm_w, keep, conv_init, ssm_init,
+           states_out):
+    bsz, t, c, hk, hv, dk, dv = _dims(qkv, ssm, conv_w)
+    w = conv_w.shape[1]
+    if not 1 <= t <= MAX_T:
+        raise ValueError(f"gdn_decode: T={t} new tokens, must be 1..{MAX_T}")
+    if qkv.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"gdn_decode: qkv must be bf16, fp16 or fp32, got {qkv.dtype}")
+    expect = {
+        "z": (z, (bsz, t, hv * dv)), "b": (b, (bsz, t, hv)), "a": (a, (bsz, t, hv)),
+        "conv_state": (conv_state, (conv_state.shape[0], c, w - 1)), "ssm": (ssm, tuple(ssm.shape)),
+        "slots": (slots, (bsz,)), "A_log": (A_log, (hv,)), "dt_bias": (dt_bias, (hv,)),
+        "norm_w": (norm_w, (dv,)), "keep": (keep, (bsz,)), "conv_init": (conv_init, (bsz, c, w - 1)),
+        "ssm_init": (ssm_init, (bsz, hv, dk, dv)), "states_out": (states_out, (bsz, t, hv, dk, dv)),
+    }
+    for name, (x, shape) in expect.items():
+        if x is None:
+            continue
+        if tuple(x.shape) != shape:
+            raise ValueError(f"gdn_decode: {name} must be {list(shape)}, got {list(x.shape)}")
+        if x.device != qkv.device:
+            raise ValueError(f"gdn_decode: {name} is on {x.device}, qkv on {qkv.device}")
+        if x.dim() and x.numel() and x.stride(-1) != 1:
+            raise ValueError(f"gdn_decode: {name} must be contiguous along its last dimension")
+    if conv_state.shape[0] != ssm.shape[0]:
+        raise ValueError(f"gdn_decode: conv_state has {conv_state.shape[0]} slots, ssm {ssm.shape[0]}")
+    for name, x in (("ssm", ssm), ("ssm_init", ssm_init), ("states_out", states_out), ("conv_w", conv_w),
+                    ("A_log", A_log), ("dt_bias", dt_bias), ("norm_w", norm_w)):
+        if x is not None and x.dtype != torch.float32:
+            raise ValueError(f"gdn_decode: {name} must be fp32, got {x.dtype}")
+    for name, x in (("slots", slots), ("keep", keep)):
+        if x is not None and x.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"gdn_decode: {name} must be int64 or int32, got {x.dtype}")
+    return bsz, t, c, hk, hv, dk, dv, w
+
+
+def gdn_decode_ref(qkv, z, b, a, conv_state, conv_w, ssm, slots, A_log, dt_bias, norm_w, eps, *,
+                   keep=None, conv_init=None, ssm_init=None, states_out=None, write_state=True):
+    """fp32 torch reference of :func:`gdn_decode` (same arguments, same effects on the caches)."""
+    bsz, t, c, hk, hv, dk, dv, w = _check(qkv, z, b, a, conv_state, conv_w, ssm, slots, A_log, dt_bias, norm_w,
+                                          keep, conv_init, ssm_init, states_out)
+    conv0 = conv_state[slots] if conv_init is None else conv_init  # [B, C, W-1]
+    ssm0 = ssm[slots] if ssm_init is None else ssm_init  # [B, Hv, dk, dv]
+    y, _ = causal_conv1d_ref(qkv.float(), conv_w.float(), conv0.float())  # [B, T, C] fp32
+    q, k, v = torch.split(y, [hk * dk, hk * dk, hv * dv], dim=-1)
+    q = l2norm(q.reshape(bsz, t, hk, dk), L2_EPS)
+    k = l2norm(k.reshape(bsz, t, hk, dk), L2_EPS)
+    v = v.reshape(bsz, t, hv, dv)
+    beta = torch.sigmoid(b.float())
+    g = -torch.exp(A_log.float()) * F.softplus(a.float() + dt_bias.float())
+    n = torch.full((bsz,), t, device=qkv.device) if keep is None else keep
+    live = (torch.arange(t, device=qkv.device)[None, :] < n[:, None]).float()[..., None]  # [B, T, 1]
+    o, state, states = gated_delta_rule_ref(q, k, v, g * live, beta * live, initial_state=ssm0.float(),
+                                            return_states=True)
+    out = None
+    if z is not None:
+        out = gated_rms_norm_ref(o, z.float().view(bsz, t, hv, dv), norm_w, eps).reshape(bsz, t, hv * dv)
+        out = out.to(qkv.dtype)
+    if states_out is not None:
+        states_out.copy_(states)
+    if write_state:
+        # the window of W-1 inputs ending at keep[b] in cat(old, new), copied exactly (cache dtype)
+        seq = torch.cat([conv0.to(conv_state.dtype), qkv.transpose(1, 2).to(conv_state.dtype)], dim=-1)
+        idx = n.view(bsz, 1, 1) + torch.arange(w - 1, device=qkv.device).view(1, 1, w - 1)
+        conv_state[slots] = torch.gather(seq, 2, idx.expand(bsz, c, w - 1))
+        ssm[slots] = state
+    return out
+
+
+def gdn_decode(qkv, z, b, a, conv_state, conv_w, ssm, slots, A_log, dt_bias, norm_w, eps, *,
+               keep=None, conv_init=None, ssm_init=None, states_out=None, write_state=True,
+               config: GDNConfig | None = None):
+    """One GDN layer's token mixing for T (1..16) new tokens of B slots, in one launch (plus at most a tiny epilogue).
+
+    qkv [B, T, C] (C = 2*Hk*dk + Hv*dv: the in_proj_qkv output before the conv, q | k | v), z [B, T, Hv*dv],
+    b / a [B, T, Hv] (in_proj_b / in_proj_a outputs), all in the compute dtype; conv_state [S, C, W-1] (compute
+    dtype) and ssm [S, Hv, dk, dv] fp32 are the cache tensors of all slots; conv_w [C, W] fp32; slots [B] int64
+    (distinct); A_log, dt_bias [Hv] and norm_w [dv] fp32.
+
+    Semantics of engine/model.py ``gated_deltanet`` (decode): y = silu(causal conv over cat(conv_state[slot], qkv)),
+    q, k L2-normalised per k head, q scaled by dk^-0.5, beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias),
+    per v head h (k head h // (Hv/Hk)): S = S e^g; S += k (beta (v - S^T k))^T; o = S^T q; then
+    out = norm_w * rmsnorm(o) * silu(z) per head. Returns out [B, T, Hv*dv] in qkv's dtype (None when z is None:
+    a state-only call, e.g. a speculative rollback).
+
+    State: starts from conv_init [B, C, W-1] / ssm_init [B, Hv, dk, dv] when given, else from conv_state[slots] /
+    ssm[slots]; tokens t >= keep[b] (keep [B] in 1..T, default T) leave it unchanged. With write_state the state
+    after keep[b] tokens is written to conv_state[slots] / ssm[slots]. states_out [B, T, Hv, dk, dv] fp32, when
+    given, receives the state after every token. No host synchronisation, static grid: CUDA-graph safe.
+    ``config`` overrides :func:`plan` (tuning, tests).
+    """
+    bsz, t, c, hk, hv, dk, dv, w = _check(qkv, z, b, a, conv_state, conv_w, ssm, slots, A_log, dt_bias, norm_w,
+                                          keep, conv_init, ssm_init, states_out)
+    err = _triton_import_error()
+    if err is not None:
+        raise RuntimeError(f"gdn_decode needs triton, which does not import here ({err})")
+    kern = _kernels()
+    if qkv.device.type != "cuda" and not kern["interpreted"]:
+        raise ValueError(f"gdn_decode: the kernels run on CUDA tensors (or with TRITON_INTERPRET=1 set before "
+                         f"their first use), got qkv on {qkv.device}")
+    cfg = config or plan(bsz, hv, dk, dv, qkv.device)
+    bk = _pow2(dk)
+    bv = min(cfg.block_v, max(16, _pow2(dv)))
+    nv = -(-dv // bv)
+    fused_norm = nv == 1
+    dev = qkv.device
+    has_out = z is not None
+    out = _new_buffer((bsz, t, hv * dv), qkv.dtype, dev) if has_out else None
+    obuf = _new_buffer((bsz, t, hv * dv), torch.float32, dev) if has_out and not fused_norm else None
+    # the new conv windows: straight into the cache when the old ones come from conv_init, else via a scratch
+    conv_direct = conv_init is not None
+    conv_dst = conv_state if conv_direct else _new_buffer((bsz, c, w - 1), conv_state.dtype, dev)
+    conv_src = conv_init if conv_init is not None else conv_state
+    ssm_src = ssm_init if ssm_init is not None else ssm
+    # placeholders keep one signature; the kernel never touches them when the matching flag is off
+    zz = z if has_out else qkv
+    yy = out if fused_norm or not has_out else obuf
+    yy = qkv if yy is None else yy
+    kp = keep if keep is not None else slots
+    so = states_out if states_out is not None else ssm
+    conv_w = conv_w.contiguous()
+    kern["gdn"][(bsz * hv, nv)](
+        qkv, zz, b, a, conv_src, conv_w, ssm_src, ssm, slots, A_log, dt_bias, norm_w, kp, so, yy, conv_dst,
+        qkv.stride(0), qkv.stride(1), zz.stride(0), zz.stride(1), b.stride(0), b.stride(1), a.stride(0), a.stride(1),
+        *conv_src.stride(), *conv_dst.stride(), *ssm_src.stride()[:3], *ssm.stride()[:3], *so.stride()[:4],
+        yy.stride(0), yy.stride(1),
+        t, eps, dk ** -0.5,
+        HK=hk, R=hv // hk, DK=dk, DV=dv, W=w, BT=_pow2(t), BK=bk, BV=bv,
+        HAS_KEEP=keep is not None, CONV_INIT=conv_init is not None, SSM_INIT=ssm_init is not None,
+        WRITE_STATE=write_state, CONV_DIRECT=conv_direct, STORE_STATES=states_out is not None,
+        HAS_OUT=has_out, FUSED_NORM=fused_norm,
+        num_warps=cfg.num_warps,
+    )
+    if has_out and not fused_norm:
+        hb = 8  # heads per program of the norm epilogue
+        kern["norm"][(bsz * t, -(-hv // hb))](
+            obuf, z, norm_w, out, obuf.stride(0), obuf.stride(1), z.stride(0), z.stride(1), out.stride(0),
+            out.stride(1), t, hv, eps, DV=dv, BD=max(16, _pow2(dv)), HB=hb, num_warps=4,
+        )
+    if write_state and not conv_direct:
+        conv_state.index_copy_(0, slots, conv_dst)
+    return out
+
+
+# ---- Triton kernels ------------------------------------------------------------------------------------------
+# Plain functions here, turned into jitted kernels by `_kernels()` on first use: triton is optional, and
+# TRITON_INTERPRET (which the test module sets on machines without CUDA) is read when `triton.jit` runs. Their
+# annotations are strings (postponed evaluation), so `tl` only has to exist by then.
+
+tl = None  # triton.language, bound by _kernels()
+
+
+def _conv_tile(x_base, stride_xt, src_base, stride_sc, stride_sw, CW, chan, c_ok, offs_t, T,
+               W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """silu(depthwise causal conv) of channels ``chan`` for tokens ``offs_t``: [BT, BC] fp32.
+
+    Token t reads positions t .. t+W-1 of cat(old window [W-1], new inputs [T]); the old window is src[c, 0:W-1].
+    """
+    t_ok = offs_t < T
+    acc = tl.zeros([BT, BC], tl.float32)
+    for j in tl.static_range(W):
+        p = offs_t + j  # position in cat(old, new)
+        old = p < W - 1
+        xs = tl.load(src_base + chan[None, :] * stride_sc + p[:, None] * stride_sw,
+                     mask=(old & t_ok)[:, None] & c_ok[None, :], other=0.0)
+        xn = tl.load(x_base + (p - (W - 1))[:, None] * stride_xt + chan[None, :],
+                     mask=(~old & t_ok)[:, None] & c_ok[None, :], other=0.0)
+        wj = tl.load(CW + chan * W + j, mask=c_ok, other=0.0)
+        acc += wj[None, :] * (xs.to(tl.float32) + xn.to(tl.float32))
+    return acc * tl.sigmoid(acc)
+
+
+def _conv_window(x_base, stride_xt, src_base, stride_sc, stride_sw, dst_base, stride_dc, stride_dw, chan, c_ok, keep,
+                 W: tl.constexpr):
+    """Copy the W-1 inputs ending at token ``keep`` (positions keep .. keep+W-2 of cat(old, new)) to dst."""
+    for j in tl.static_range(W - 1):
+        p = keep + j
+        old = p < W - 1
+        xs = tl.load(src_base + chan * stride_sc + p * stride_sw, mask=c_ok & old, other=0.0)
+        xn = tl.load(x_base + (p - (W - 1)) * stride_xt + chan, mask=c_ok & (p >= W - 1), other=0.0)
+        ty = dst_base.dtype.element_ty
+        tl.store(dst_base + chan * stride_dc + j * stride_dw, tl.where(old, xs.to(ty), xn.to(ty)), mask=c_ok)
+
+
+def _gdn_kernel(QKV, Z, BB, AA, CSRC, CW, SSRC, SSM, SLOTS, ALOG, DTB, NW, KEEP, STATES, Y, CDST,
+                stride_xb, stride_xt, stride_zb, stride_zt, stride_bb, stride_bt, stride_ab, stride_at,
+                stride_cb, stride_cc, stride_cw, stride_db, stride_dc, stride_dw,
+                stride_sb, stride_sh, stride_sk, stride_mb, stride_mh, stride_mk,
+                stride_ob, stride_ot, stride_oh, stride_ok, stride_yb, stride_yt,
+                T, eps, scale,
+                HK: tl.constexpr, R: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, W: tl.constexpr,
+                BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                HAS_KEEP: tl.constexpr, CONV_INIT: tl.constexpr, SSM_INIT: tl.constexpr, WRITE_STATE: tl.constexpr,
+                CONV_DIRECT: tl.constexpr, STORE_STATES: tl.constexpr, HAS_OUT: tl.constexpr,
+                FUSED_NORM: tl.constexpr):
+    """Program (b * Hv + h, v block): conv, gates, recurrence over the T tokens, norm; state tile [BK, BV]."""
+    pid = tl.program_id(0)
+    pid_v = tl.program_id(1)
+    b = pid // (HK * R)
+    h = pid % (HK * R)
+    hk = h // R
+    slot = tl.load(SLOTS + b).to(tl.int64)  # slot * stride overflows int32 on large caches
+    offs_t = tl.arange(0, BT)
+    t_ok = offs_t < T
+    offs_k = tl.arange(0, BK)
+    k_ok = offs_k < DK
+    offs_v = pid_v * BV + tl.arange(0, BV)
+    v_ok = offs_v < DV
+
+    # ---- per-token inputs of all T tokens at once (no dependence on the state) ----
+    x_base = QKV + b.to(tl.int64) * stride_xb
+    if CONV_INIT:
+        src_base = CSRC + b.to(tl.int64) * stride_cb
+    else:
+        src_base = CSRC + slot * stride_cb
+    q_chan = hk * DK + offs_k
+    k_chan = HK * DK + hk * DK + offs_k
+    v_chan = 2 * HK * DK + h * DV + offs_v
+    q = _conv_tile(x_base, stride_xt, src_base, stride_cc, stride_cw, CW, q_chan, k_ok, offs_t, T, W, BT, BK)  # [BT, BK]
+    k = _conv_tile(x_base, stride_xt, src_base, stride_cc, stride_cw, CW, k_chan, k_ok, offs_t, T, W, BT, BK)
+    v = _conv_tile(x_base, stride_xt, src_base, stride_cc, stride_cw, CW, v_chan, v_ok, offs_t, T, W, BT, BV)  # [BT, BV]
+    q = q * (tl.rsqrt(tl.sum(q * q, 1) + 1e-6) * scale)[:, None]
+    k = k * tl.rsqrt(tl.sum(k * k, 1) + 1e-6)[:, None]
+    qk = tl.sum(q * k, 1)  # [BT]: q . k, for o = e^g S^T q + (q . k) u
+    bt = tl.load(BB + b * stride_bb + offs_t * stride_bt + h, mask=t_ok, other=0.0).to(tl.float32)
+    at = tl.load(AA + b * stride_ab + offs_t * stride_at + h, mask=t_ok, other=0.0).to(tl.float32)
+    x = at + tl.load(DTB + h)
+    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+    decay = tl.exp(-tl.exp(tl.load(ALOG + h)) * softplus)  # e^g, [BT]
+    beta = tl.sigmoid(bt)
+    if HAS_KEEP:
+        keep = tl.load(KEEP + b).to(tl.int32)
+    else:
+        keep = T
+    live = offs_t < keep  # tokens past keep leave the state exactly unchanged: e^0 = 1, beta = 0
+    decay = tl.where(live, decay, 1.0)
+    beta = tl.where(live, beta, 0.0)
+
+    # ---- the recurrence: the state tile stays in registers ----
+    s_off = offs_k[:, None] * stride_sk + offs_v[None, :]
+    s_mask = k_ok[:, None] & v_ok[None, :]
+    if SSM_INIT:
+        s_base = SSRC + b.to(tl.int64) * stride_sb + h * stride_sh
+    else:
+        s_base = SSRC + slot * stride_sb + h * stride_sh
+    S = tl.load(s_base + s_off, mask=s_mask, other=0.0)  # [BK, BV] fp32
+    o = tl.zeros([BT, BV], tl.float32)
+    st_base = STATES + b.to(tl.int64) * stride_ob + h * stride_oh
+    st_off = offs_k[:, None] * stride_ok + offs_v[None, :]
+    for t in range(T):
+        sel = offs_t == t
+        q_t = tl.sum(tl.where(sel[:, None], q, 0.0), 0)  # [BK]
+        k_t = tl.sum(tl.where(sel[:, None], k, 0.0), 0)
+        v_t = tl.sum(tl.where(sel[:, None], v, 0.0), 0)  # [BV]
+        e_t = tl.sum(tl.where(sel, decay, 0.0), 0)
+        b_t = tl.sum(tl.where(sel, beta, 0.0), 0)
+        qk_t = tl.sum(tl.where(sel, qk, 0.0), 0)
+        kS = tl.sum(S * k_t[:, None], 0) * e_t  # (e^g S)^T k, [BV]
+        qS = tl.sum(S * q_t[:, None], 0) * e_t
+        u = b_t * (v_t - kS)
+        S = S * e_t + k_t[:, None] * u[None, :]
+        o = tl.where(sel[:, None], (qS + qk_t * u)[None, :], o)
+        if STORE_STATES:
+            tl.store(st_base + t * stride_ot + st_off, S, mask=s_mask)
+
+    # ---- outputs ----
+    if HAS_OUT:
+        y_off = b * stride_yb + offs_t[:, None] * stride_yt + h * DV + offs_v[None, :]
+        y_mask = t_ok[:, None] & v_ok[None, :]
+        if FUSED_NORM:
+            zt = tl.load(Z + b * stride_zb + offs_t[:, None] * stride_zt + h * DV + offs_v[None, :], mask=y_mask,
+                         other=0.0).to(tl.float32)
+            nw = tl.load(NW + offs_v, mask=v_ok, other=0.0)
+            inv = tl.rsqrt(tl.sum(o * o, 1) / DV + eps)
+            y = o * inv[:, None] * nw[None, :] * (zt * tl.sigmoid(zt))
+            tl.store(Y + y_off, y.to(Y.dtype.element_ty), mask=y_mask)
+        else:
+            tl.store(Y + y_off, o, mask=y_mask)
+    if WRITE_STATE:
+        tl.store(SSM + slot * stride_mb + h * stride_mh + offs_k[:, None] * stride_mk + offs_v[None, :], S,
+                 mask=s_mask)
+        if CONV_DIRECT:
+            dst_base = CDST + slot * stride_db
+        else:
+            dst_base = CDST + b.to(tl.int64) * stride_db
+        _conv_window(x_base, stride_xt, src_base, stride_cc, stride_cw, dst_base, stride_dc, stride_dw, v_chan, v_ok,
+                     keep, W)
+        if (h % R == 0) & (pid_v == 0):  # one program per k head writes its q and k channels
+            _conv_window(x_base, stride_xt, src_base, stride_cc, stride_cw, dst_base, stride_dc, stride_dw, q_chan,
+                         k_ok, keep, W)
+            _conv_window(x_base, stride_xt, src_base, stride_cc, stride_cw, dst_base, stride_dc, stride_dw, k_chan,
+                         k_ok, keep, W)
+
+
+def _gated_norm_kernel(O, Z, NW, Y, stride_ob, stride_ot, stride_zb, stride_zt, stride_yb, stride_yt, T, HV, eps,
+                       DV: tl.constexpr, BD: tl.constexpr, HB: tl.constexpr):
+    """Program (b * T + t, head block): y = norm_w * rmsnorm(o) * silu(z) for HB heads of one token."""
+    row = tl.program_id(0)
+    b = row // T
+    t = row % T
+    heads = tl.program_id(1) * HB + tl.arange(0, HB)
+    offs = tl.arange(0, BD)
+    mask = (heads < HV)[:, None] & (offs < DV)[None, :]
+    col = heads[:, None] * DV + offs[None, :]
+    o = tl.load(O + b * stride_ob + t * stride_ot + col, mask=mask, other=0.0)
+    z = tl.load(Z + b * stride_zb + t * stride_zt + col, mask=mask, other=0.0).to(tl.float32)
+    nw = tl.load(NW + offs, mask=offs < DV, other=0.0)
+    inv = tl.rsqrt(tl.sum(o * o, 1) / DV + eps)
+    y = o * inv[:, None] * nw[None, :] * (z * tl.sigmoid(z))
+    tl.store(Y + b * stride_yb + t * stride_yt + col, y.to(Y.dtype.element_ty), mask=mask)
+
+
+@functools.lru_cache(maxsize=1)
+def _kernels() -> dict:
+    """Jit the kernels (first call only). `_gdn_kernel` finds its helpers and `tl` as module globals."""
+    global tl, _conv_tile, _conv_window
+    import triton
+    import triton.language
+
+    tl = triton.language
+    _conv_tile = triton.jit(_conv_tile)
+    _conv_window = triton.jit(_conv_window)
+    gdn = triton.jit(_gdn_kernel)
+    return {"gdn": gdn, "norm": triton.jit(_gated_norm_kernel),
+            "interpreted": not isinstance(gdn, triton.runtime.JITFunction)}
