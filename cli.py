@@ -418,6 +418,51 @@ def gate(baseline, candidate, rules, as_json):
     sys.exit(code)
 
 
+@main.command()
+@click.option("-c", "--concurrency", "levels", default="1,2,4,8", show_default=True,
+              help="Comma-separated numbers of simultaneous clients.")
+@click.option("--url", default=None, help="Run against an OpenAI-compatible server (streaming /v1/completions).")
+@click.option("--served-model", default=None, help="Model name to send to --url [default: its first model].")
+@click.option("--model", default=None, help="Artifact path or preset for in-process runs [default: bundled].")
+@click.option("--spec", type=click.Choice(["none", "mtp", "dflash", "dflash2"]), default="none", show_default=True)
+@click.option("--draft-tokens", "-k", type=int, default=None)
+@click.option("--max-new-tokens", "-n", type=int, default=128, show_default=True)
+@click.option("--prompt-tokens", type=int, default=256, show_default=True, help="Prompt length (tokens).")
+@click.option("--rounds", type=int, default=2, show_default=True, help="Rounds per level (samples).")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+@click.option("--kv-dtype", type=click.Choice(["fp32", "bf16", "fp16", "int8"]), default="int8", show_default=True)
+@click.option("--runtime", type=click.Choice(["v2", "v3"]), default="v3", show_default=True)
+@click.option("--label", default=None)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write the result document.")
+def concurrency(levels, url, served_model, model, spec, draft_tokens, max_new_tokens, prompt_tokens, rounds, device,
+                kv_dtype, runtime, label, json_path):
+    """C1/C2/C4/C8 throughput and latency, in-process (continuous batching) or against a server."""
+    from .suites.concurrency import ConcurrencyOptions, run_concurrency
+
+    try:
+        lv = tuple(int(x) for x in levels.split(",") if x.strip())
+    except ValueError:
+        raise UserError(f"-c must be comma-separated integers, got {levels!r}") from None
+    opts = ConcurrencyOptions(levels=lv, url=url, served_model=served_model, model=model, spec=spec,
+                              draft_tokens=draft_tokens, max_new_tokens=max_new_tokens, prompt_tokens=prompt_tokens,
+                              rounds=rounds, device=device, kv_dtype=kv_dtype, runtime=runtime, label=label)
+    prog, update = suite_progress("concurrency")
+    with prog:
+        doc = run_concurrency(opts, progress=update)
+    table = Table(title=f"concurrency: {doc['label']}")
+    for col in ("C", "agg tok/s", "req tok/s", "TTFT p50/p99 ms", "ITL p50/p99 ms", "e2e p50 ms", "= sequential"):
+        table.add_column(col)
+    for lv_ in doc["summary"]["levels"]:
+        table.add_row(str(lv_["concurrency"]), fmt(lv_["aggregate_tok_s"], ".1f"), fmt(lv_["per_request_tok_s"], ".1f"),
+                      f"{fmt(lv_['ttft_ms_p50'], '.1f')} / {fmt(lv_['ttft_ms_p99'], '.1f')}",
+                      f"{fmt(lv_['itl_ms_p50'], '.2f')} / {fmt(lv_['itl_ms_p99'], '.2f')}", fmt(lv_["e2e_ms_p50"], ".0f"),
+                      "[green]yes[/]" if lv_["matches_sequential"] else "[red]NO[/]")
+    console.print(table)
+    save_result(doc, json_path)
+    if not all(lv_["matches_sequential"] for lv_ in doc["summary"]["levels"]):
+        raise UserError("concurrent greedy outputs differ from the sequential ones")
+
+
 def cli_entry():
     main(obj={})
 

@@ -193,6 +193,30 @@ class Engine:
         gen = None if params.greedy else make_generator(params.seed, self.device)
         return Sequence(slot=slot, prompt=list(prompt), params=params, generator=gen)
 
+    # ---- persistent state ----------------------------------------------------------------------------
+    def export_state(self, seq: Sequence) -> dict:
+        """Everything needed to continue ``seq`` later in another slot: the token ids its cache covers, the
+        K/V and recurrent state of its slot, and the drafter's state (on the CPU)."""
+        ids = (seq.prompt + seq.tokens)[: seq.length]
+        state = {"ids": ids, "cache": self.cache.export_slot(seq.slot, seq.length), "spec": self.options.spec,
+                 "kv_dtype": self.options.kv_dtype}
+        if self.drafter is not None:
+            state["drafter"] = self.drafter.export_slot(seq.slot)
+        return state
+
+    def import_state(self, seq: Sequence, state: dict) -> int:
+        """Load a state from :meth:`export_state` into ``seq``'s slot when its ids prefix ``seq.prompt``;
+        returns how many prompt tokens it covers (0 when it does not fit and nothing was loaded)."""
+        ids = state["ids"]
+        if (len(ids) >= len(seq.prompt) or seq.prompt[: len(ids)] != ids or state.get("spec") != self.options.spec
+                or state.get("kv_dtype") != self.options.kv_dtype):
+            return 0
+        n = self.cache.import_slot(seq.slot, state["cache"])
+        if self.drafter is not None and "drafter" in state:
+            self.drafter.import_slot(seq.slot, state["drafter"])
+        seq.length = n
+        return n
+
     # ---- forward passes --------------------------------------------------------------------------
     def _ids(self, ids) -> torch.Tensor:
         return torch.as_tensor(ids, dtype=torch.long, device=self.device)

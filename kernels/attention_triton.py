@@ -271,7 +271,10 @@ def _load_tile(base, s_base, stride_n, stride_sn, offs_n, n_ok, DOT_DTYPE: tl.co
         codes = tl.load(base + offs_n[:, None, None] * stride_n + d3, mask=n_ok[:, None, None] & (d3 < HD), other=0)
         sc = tl.load(s_base + offs_n[:, None] * stride_sn + offs_g[None, :],
                      mask=n_ok[:, None] & (offs_g[None, :] * GW < HD), other=0.0)
-        x = codes.to(tl.float16) * sc[:, :, None]
+        # c + 1152 from bits (0x6400 = 1024.0 holds 0..255 exactly in its mantissa), then - 1152: no int->float
+        # conversion, which runs at a quarter of the FMA rate on Hopper
+        c16 = (codes.to(tl.int32) + 0x6480).to(tl.int16).to(tl.float16, bitcast=True) - 1152.0
+        x = c16 * sc[:, :, None]
         return tl.reshape(x, (BLOCK_N, BLOCK_D)).to(DOT_DTYPE)
     else:
         offs_d = tl.arange(0, BLOCK_D)

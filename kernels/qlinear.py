@@ -137,7 +137,7 @@ def _qlinear_kernel(x_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr,
                     T, N, K, NG, groups_per_split,
                     stride_xt, stride_ot, stride_c, stride_h, stride_s,
                     FMT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, GPS: tl.constexpr,
-                    EXACT: tl.constexpr, USE_ASM: tl.constexpr, ATOMIC: tl.constexpr):
+                    EXACT: tl.constexpr, USE_ASM: tl.constexpr, SPLIT: tl.constexpr, ATOMIC: tl.constexpr):
     """out[t, n] (+)= sum_k x[t, k] W[n, k] over this program's rows and K groups, on the tensor cores.
 
     EXACT: per group, the rows' integer codes (exact in x's dtype) times x, then the rows' scales in fp32;
@@ -176,12 +176,20 @@ def _qlinear_kernel(x_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr,
         else:
             gs = g0 + tl.arange(0, GPS)
             gs_ok = gs < NG
-            w = _step_weights(codes_ptr, high_ptr, scales_ptr, rows_c, gs, gs_ok, stride_c, stride_h, stride_s,
-                              FMT, DT, BLOCK_N, GPS)  # [BN, GPS * GROUP]
-            k = g0 * GROUP + tl.arange(0, GPS * GROUP)
-            xs = tl.load(x_ptr + t[:, None] * stride_xt + k[None, :], mask=t_ok[:, None] & (k[None, :] < K),
-                         other=0)  # [BT, GPS * GROUP]; groups past NG have k >= Kp >= K
-            acc = _dot(w, xs, acc, DT)
+            wa, wb = _step_weights(codes_ptr, high_ptr, scales_ptr, rows_c, gs, gs_ok, stride_c, stride_h,
+                                   stride_s, FMT, DT, BLOCK_N, GPS, SPLIT and FMT != 0)
+            if SPLIT and FMT != 0:
+                k = g0 * GROUP + 2 * tl.arange(0, GPS * 32)
+                xa = tl.load(x_ptr + t[:, None] * stride_xt + k[None, :], mask=t_ok[:, None] & (k[None, :] < K),
+                             other=0)
+                xb = tl.load(x_ptr + t[:, None] * stride_xt + k[None, :] + 1,
+                             mask=t_ok[:, None] & (k[None, :] + 1 < K), other=0)
+                acc = _dot(wb, xb, _dot(wa, xa, acc, DT), DT)
+            else:
+                k = g0 * GROUP + tl.arange(0, GPS * GROUP)
+                xs = tl.load(x_ptr + t[:, None] * stride_xt + k[None, :], mask=t_ok[:, None] & (k[None, :] < K),
+                             other=0)  # [BT, GPS * GROUP]; groups past NG have k >= Kp >= K
+                acc = _dot(wa, xs, acc, DT)
     out = tl.trans(acc)
     ptrs = out_ptr + t[:, None] * stride_ot + rows[None, :]
     mask = t_ok[:, None] & row_ok[None, :]
@@ -199,7 +207,8 @@ def _dot(w, x, acc, DT: tl.constexpr):
 
 
 def _step_weights(codes_ptr, high_ptr, scales_ptr, rows, gs, gs_ok, stride_c, stride_h, stride_s,
-                  FMT: tl.constexpr, DT: tl.constexpr, BLOCK_N: tl.constexpr, GPS: tl.constexpr):
+                  FMT: tl.constexpr, DT: tl.constexpr, BLOCK_N: tl.constexpr, GPS: tl.constexpr,
+                  SPLIT: tl.constexpr):
     """Groups ``gs`` [GPS] of each of ``rows`` dequantized (q * scale, rounded to DT), ``[BN, GPS * GROUP]``."""
     c = tl.arange(0, 32)
     base = rows[:, None, None] * stride_c + gs[None, :, None] * 32 + c[None, None, :]
@@ -207,7 +216,8 @@ def _step_weights(codes_ptr, high_ptr, scales_ptr, rows, gs, gs_ok, stride_c, st
     s = tl.load(scales_ptr + rows[:, None] * stride_s + gs[None, :], mask=gs_ok[None, :], other=0)
     s = s.to(DT)[:, :, None]  # [BN, GPS, 1]
     if FMT == 0:
-        w = tl.reshape(_codes_as(b ^ 0x80, -128, DT) * s, (BLOCK_N, GPS * 32))
+        wa = tl.reshape(_codes_as(b ^ 0x80, -128, DT) * s, (BLOCK_N, GPS * 32))
+        wb = wa
     else:
         lo = b & 15
         hi = b >> 4
@@ -220,9 +230,14 @@ def _step_weights(codes_ptr, high_ptr, scales_ptr, rows, gs, gs_ok, stride_c, st
             qmin: tl.constexpr = -16
         else:
             qmin: tl.constexpr = -8
-        w = tl.join(_codes_as(lo, qmin, DT) * s, _codes_as(hi, qmin, DT) * s)  # [BN, GPS, 32, 2]: k = 2c + (0, 1)
-        w = tl.reshape(w, (BLOCK_N, GPS * 64))
-    return w
+        if SPLIT:  # (even k, odd k) as two [BN, GPS * 32] operands
+            wa = tl.reshape(_codes_as(lo, qmin, DT) * s, (BLOCK_N, GPS * 32))
+            wb = tl.reshape(_codes_as(hi, qmin, DT) * s, (BLOCK_N, GPS * 32))
+        else:
+            wa = tl.join(_codes_as(lo, qmin, DT) * s, _codes_as(hi, qmin, DT) * s)  # [BN, GPS, 32, 2]: k = 2c + (0, 1)
+            wa = tl.reshape(wa, (BLOCK_N, GPS * 64))
+            wb = wa
+    return wa, wb
 
 
 def _load_in_layout(ptrs, DT: tl.constexpr, ASM: tl.constexpr):
@@ -315,6 +330,97 @@ def _gemv_kernel(x_ptr, words_ptr, high_ptr, scales_ptr, out_ptr,
         tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok)
 
 
+def _word_codes(w, i: tl.constexpr, magic, h, FMT: tl.constexpr):
+    """Value i of each 32-bit code word as the float BASE + u (BASE = 128.0f, 256.0f for q8; u = q - qmin).
+
+    Nibble i (bits 4i..4i+3) is shifted to bits 16..19 of 128.0f, byte i (q8) to bits 15..22 of 256.0f,
+    and merged with ``magic`` (the float's bits, a kernel argument so that it stays in a register and mask
+    and merge fuse into one lop3): a shift and a lop3, no int->float conversion. q5: bit i of the word's
+    high byte ``h`` goes to bit 20, bit 4 of u.
+    """
+    if FMT == 0:  # magic = 0x43800000 ^ (0x80 << 15): flipping the byte's top bit makes u = q + 128
+        if i == 0:
+            v = w << 15
+        elif i == 1:
+            v = w << 7
+        elif i == 2:
+            v = w >> 1
+        else:
+            v = w >> 9
+        v = (v & 0x7F8000) ^ magic
+    else:
+        if i < 4:
+            v = w << (16 - 4 * i)
+        elif i == 4:
+            v = w
+        else:
+            v = w >> (4 * i - 16)
+        v = (v & 0xF0000) | magic
+        if FMT == 1:
+            v = v | ((h << (20 - i)) & 0x100000)
+    return v.to(tl.float32, bitcast=True)
+
+
+def _wdot_kernel(x_ptr, words_ptr, high_ptr, scales_ptr, out_ptr,
+                 T, N, K, NG, groups_per_split, magic,
+                 stride_xt, stride_ot, stride_w, stride_h, stride_s,
+                 FMT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, GPS: tl.constexpr,
+                 EVEN_K: tl.constexpr, ASM_LOADS: tl.constexpr, ATOMIC: tl.constexpr):
+    """out[t, n] (+)= sum_k x[t, k] W[n, k] on the tensor cores, from 32-bit code words.
+
+    Value i of word j (k = EPW j + i) of every row becomes q * scale in x's dtype (_word_codes, then one
+    FMA with the word's scale); the EPW values of a word go to EPW separate products over the step's W
+    words, each against the matching stride-EPW slice of x, so the words are read once, in whatever
+    register layout the products want, and never re-interleaved.
+    """
+    DT: tl.constexpr = x_ptr.dtype.element_ty
+    EPW: tl.constexpr = 4 if FMT == 0 else 8
+    GROUP: tl.constexpr = 8 * EPW
+    W: tl.constexpr = 8 * GPS
+    QMIN: tl.constexpr = -128 if FMT == 0 else (-16 if FMT == 1 else -8)
+    BASE: tl.constexpr = 256.0 if FMT == 0 else 128.0
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    rows_c = tl.where(row_ok, rows, 0)
+    t = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = t < T
+    jw = tl.arange(0, W)
+    g_lo = tl.program_id(1) * groups_per_split
+    g_end = g_lo + groups_per_split
+    w_ptrs = words_ptr + rows_c[:, None] * stride_w + jw[None, :]
+    s_rows = scales_ptr + rows_c[:, None] * stride_s
+    h_rows = high_ptr + rows_c[:, None] * stride_h
+    x_rows = x_ptr + t[:, None] * stride_xt  # [BT, 1]
+    acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)  # out^T tile: the weights are the left operand
+    for g0 in range(g_lo, g_end, GPS):
+        gw = g0 + jw // 8
+        gw_ok = gw < NG
+        # plain loads: the pipeliner stages them through shared memory and reads them back in the
+        # products' register layout (a prefetch into registers here makes it convert the bf16 operand)
+        w = tl.load(w_ptrs + g0 * 8, mask=gw_ok[None, :], other=0).to(tl.uint32, bitcast=True)
+        s = tl.load(s_rows + gw[None, :], mask=gw_ok[None, :], other=0).to(tl.float32)  # [BN, W]
+        b = -(BASE - QMIN) * s
+        h = w
+        if FMT == 1:
+            h = tl.load(h_rows + (gw * 8 + jw % 8)[None, :], mask=gw_ok[None, :], other=0).to(tl.uint32)
+        for i in tl.static_range(EPW):
+            a = (_word_codes(w, i, magic, h, FMT) * s + b).to(DT)  # q * scale, [BN, W]
+            k = g0 * GROUP + jw * EPW + i
+            if EVEN_K:
+                xm = t_ok[:, None] & gw_ok[None, :]
+            else:
+                xm = t_ok[:, None] & (gw_ok & (k < K))[None, :]
+            xi = tl.load(x_rows + k[None, :], mask=xm, other=0)  # [BT, W]
+            acc = _dot(a, xi, acc, DT)
+    out = tl.trans(acc)
+    ptrs = out_ptr + t[:, None] * stride_ot + rows[None, :]
+    mask = t_ok[:, None] & row_ok[None, :]
+    if ATOMIC:
+        tl.atomic_add(ptrs, out, mask=mask)
+    else:
+        tl.store(ptrs, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
 def _dequant_kernel(codes_ptr, high_ptr, scales_ptr, w_ptr, N, K, stride_c, stride_h, stride_s, stride_w,
                     FMT: tl.constexpr, BLOCK_N: tl.constexpr):
     """w[n, k] = scale[n, g] * q[n, k] for this program's rows and one group g."""
@@ -336,7 +442,7 @@ def _dequant_kernel(codes_ptr, high_ptr, scales_ptr, w_ptr, N, K, stride_c, stri
 def _kernels():
     """Import Triton and jit the kernels (once). Raises ImportError when Triton is missing."""
     global triton, tl, _codes_as, _q4_pairs_asm, _group_operands, _dot, _step_weights, _qlinear_kernel, \
-        _load_in_layout, _gemv_kernel, _dequant_kernel
+        _load_in_layout, _gemv_kernel, _word_codes, _wdot_kernel, _dequant_kernel
     import triton as _triton
     import triton.language as _tl
 
@@ -349,6 +455,8 @@ def _kernels():
     _step_weights = triton.jit(_step_weights)
     _load_in_layout = triton.jit(_load_in_layout)
     _gemv_kernel = triton.jit(_gemv_kernel)
+    _word_codes = triton.jit(_word_codes)
+    _wdot_kernel = triton.jit(_wdot_kernel)
     _qlinear_kernel = triton.jit(_qlinear_kernel)
     _dequant_kernel = triton.jit(_dequant_kernel)
     return _qlinear_kernel, _dequant_kernel
@@ -384,19 +492,20 @@ class QConfig:
     block_t: int = 16
     exact: bool = False
     use_asm: bool = False
+    split_nibbles: bool = False
     num_warps: int = 4
     num_stages: int = 3
 
     def __post_init__(self):
-        if self.kind not in ("gemv", "dot"):
-            raise ValueError(f"QConfig.kind must be 'gemv' or 'dot', got {self.kind!r}")
+        if self.kind not in ("gemv", "dot", "wdot"):
+            raise ValueError(f"QConfig.kind must be 'gemv', 'dot' or 'wdot', got {self.kind!r}")
         for name in ("block_n", "block_t", "gps"):
             v = getattr(self, name)
             if v < 1 or v & (v - 1):
                 raise ValueError(f"QConfig.{name} must be a power of two, got {v}")
         if self.split_k < 1:
             raise ValueError(f"QConfig.split_k must be >= 1, got {self.split_k}")
-        if self.kind == "dot" and (self.block_n < 16 or self.block_t < 16):
+        if self.kind != "gemv" and (self.block_n < 16 or self.block_t < 16):
             raise ValueError(f"QConfig: the dot kernel needs block_n and block_t >= 16, got {self.block_n}, "
                              f"{self.block_t}")
 
@@ -470,12 +579,19 @@ def qlinear_triton(x: torch.Tensor, lin: PackedLinear, config: QConfig | None = 
             x.stride(0), acc.stride(0), lin.words.stride(0), lin.high.stride(0), lin.scales.stride(0),
             FMT=fmt_id, BLOCK_N=cfg.block_n, GPS=cfg.gps, EVEN_K=lin.k == lin.kp, ASM_LOADS=x.is_cuda, ATOMIC=atomic,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    elif cfg.kind == "wdot":
+        _wdot_kernel[(n_tiles, k_tiles, _cdiv(t, cfg.block_t))](
+            x, lin.words, lin.high, lin.scales, acc, t, lin.n, lin.k, lin.ng, groups_per_split,
+            0x43C00000 if fmt_id == 0 else 0x43000000,
+            x.stride(0), acc.stride(0), lin.words.stride(0), lin.high.stride(0), lin.scales.stride(0),
+            FMT=fmt_id, BLOCK_T=cfg.block_t, BLOCK_N=cfg.block_n, GPS=cfg.gps, EVEN_K=lin.k == lin.kp,
+            ASM_LOADS=x.is_cuda, ATOMIC=atomic, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     else:
         dot_kernel[(n_tiles, k_tiles, _cdiv(t, cfg.block_t))](
             x, lin.codes, lin.high, lin.scales, acc, t, lin.n, lin.k, lin.ng, groups_per_split,
             x.stride(0), acc.stride(0), lin.codes.stride(0), lin.high.stride(0), lin.scales.stride(0),
             FMT=fmt_id, BLOCK_T=cfg.block_t, BLOCK_N=cfg.block_n, GPS=cfg.gps, EXACT=cfg.exact,
-            USE_ASM=cfg.use_asm and x.dtype != torch.float32, ATOMIC=atomic,
+            USE_ASM=cfg.use_asm and x.dtype != torch.float32, SPLIT=cfg.split_nibbles, ATOMIC=atomic,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if acc is not out:
         out.copy_(acc)

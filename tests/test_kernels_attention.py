@@ -85,8 +85,8 @@ def split_config(c, block_n=16, blocks=3):
     """A launch shape that splits the key range into chunks of `blocks` blocks, so the combine kernel runs."""
     b, t, h, hd = c["q"].shape
     hkv, cap = c["k_cache"].shape[1], c["k_cache"].shape[2]
-    return at.plan(b, t, h, hkv, hd, cap, c["k_cache"].dtype == torch.int8, DEVICE, block_n=block_n,
-                   chunk=blocks * block_n)
+    return at.plan(b, t, h, hkv, hd, cap, c["k_cache"].dtype == torch.int8, DEVICE, q_dtype=c["q"].dtype,
+                   block_n=block_n, chunk=blocks * block_n)
 
 
 # (B, T, H, Hkv, hd, lengths, slots, cap): T = 1 / 7 / 8 / 16, groups 1 / 2 / 3 / 6, rows at position 0,
@@ -157,7 +157,7 @@ def test_no_leak_past_q_pos(kv):
 def test_combine_column_blocks():
     """Few (b, t, h) rows: the combine also splits head_dim over programs."""
     c = make_case("int8", *SHAPES["T8-g2-hd64"])
-    cfg = at.plan(1, 8, 4, 2, 64, 128, True, DEVICE, block_n=16, chunk=32, combine_cols=16)
+    cfg = at.plan(1, 8, 4, 2, 64, 128, True, DEVICE, q_dtype=c["q"].dtype, block_n=16, chunk=32, combine_cols=16)
     assert rel_rms(at.decode_attention(**c, config=cfg), at.decode_attention_ref(**c)) <= RTOL
 
 

@@ -138,6 +138,12 @@ class MTPDrafter:
     def release(self, seq) -> None:
         self.pending.pop(seq.slot, None)
 
+    def export_slot(self, slot: int) -> dict:
+        return {}  # the MTP head's K/V lives in the engine cache (exported with it)
+
+    def import_slot(self, slot: int, state: dict) -> None:
+        self.pending.pop(slot, None)
+
 
 class BlockDraftRunner:
     """A DFlash / DFlash2 drafter bound to an Engine: context K/V per slot and layer, block drafting."""
@@ -237,3 +243,13 @@ class BlockDraftRunner:
 
     def release(self, seq) -> None:
         self.pos[seq.slot] = -1
+
+    def export_slot(self, slot: int) -> dict:
+        """A CPU copy of the slot's context K/V (sessions)."""
+        return {"k": [k[slot].cpu().clone() for k in self.k], "v": [v[slot].cpu().clone() for v in self.v],
+                "pos": self.pos[slot].cpu().clone()}
+
+    def import_slot(self, slot: int, state: dict) -> None:
+        for dst, src in zip(self.k + self.v, state["k"] + state["v"]):
+            dst[slot] = src.to(dst.device, dst.dtype)
+        self.pos[slot] = state["pos"].to(self.pos.device)

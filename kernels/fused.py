@@ -1,0 +1,404 @@
+"""Fused glue of the decode step in Triton: the small elementwise / per-row ops between the projections.
+
+Each op replaces a handful of eager torch launches on the CUDA decode path, works for any leading shape, does its
+math in fp32 and has a plain fp32 torch reference beside it (``*_ref``, same signature, same outputs):
+
+  add_rms_norm   residual add + zero-centred RMSNorm: ``r = x + residual``; ``r * rsqrt(mean(r^2) + eps) * (1 + w)``
+  rms_norm       zero-centred RMSNorm alone (first layer, final norm)
+  silu_mul       ``silu(gu[..., :I]) * gu[..., I:]`` of the fused gate+up projection
+  sigmoid_mul    ``o * sigmoid(gate)`` (the output gating of full attention)
+  attn_prologue  full attention between the projections and the attention kernel: q / k RMSNorm, partial NeoX
+                 RoPE, the gate split, and the K/V cache write (bf16 / fp16 as is, int8 quantized in registers)
+
+The row kernels keep one whole row in registers (hidden sizes up to ``MAX_ROW``), one program per row. No host
+synchronisation, grids from static sizes only: CUDA-graph safe. Triton is imported on first use, so this module
+imports on machines without it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from ..engine.cache import KV_GROUP, quantize_kv
+from .norm import rms_norm_ref as _rms_norm_ref
+from .rope import apply_rope_ref
+
+__all__ = ["add_rms_norm", "add_rms_norm_ref", "rms_norm", "rms_norm_ref", "silu_mul", "silu_mul_ref",
+           "sigmoid_mul", "sigmoid_mul_ref", "attn_prologue", "attn_prologue_ref", "triton_available", "MAX_ROW"]
+
+MAX_ROW = 16384  # longest row the norm kernels hold in registers
+ELEM_BLOCK = 1024  # columns per program of the elementwise kernels
+
+
+@functools.lru_cache(maxsize=1)
+def _triton_import_error() -> str | None:
+    try:
+        import triton  # noqa: F401
+    except Exception as exc:  # ImportError, or triton failing to initialise
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def triton_available() -> bool:
+    """True when triton imports (the kernels then run on CUDA tensors, or on CPU under TRITON_INTERPRET=1)."""
+    return _triton_import_error() is None
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _new_buffer(shape, dtype, device) -> torch.Tensor:
+    """Output allocation (tests swap in a NaN fill to catch unwritten elements)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _ready(op: str, x: torch.Tensor) -> dict:
+    err = _triton_import_error()
+    if err is not None:
+        raise RuntimeError(f"{op} needs triton, which does not import here ({err})")
+    kern = _kernels()
+    if x.device.type != "cuda" and not kern["interpreted"]:
+        raise ValueError(f"{op}: the kernels run on CUDA tensors (or with TRITON_INTERPRET=1 set before their "
+                         f"first use), got {x.device}")
+    return kern
+
+
+def _rows(op: str, name: str, x: torch.Tensor, n: int) -> torch.Tensor:
+    """``x [..., n]`` as a [rows, n] view (a copy only when the leading dims do not flatten)."""
+    if x.shape[-1] != n:
+        raise ValueError(f"{op}: {name} must end in {n}, got shape {tuple(x.shape)}")
+    x2 = x.reshape(-1, n)
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def _row_warps(block: int) -> int:
+    return min(16, max(1, block // 512))
+
+
+# ---- references ------------------------------------------------------------------------------------------------
+
+def add_rms_norm_ref(x, residual, weight, eps):
+    """fp32 reference: ``residual_out = x + residual`` (rounded to x.dtype), ``normed = rms_norm(residual_out)``."""
+    r = (x.float() + residual.float()).to(x.dtype)
+    return _rms_norm_ref(r, weight, eps), r
+
+
+def rms_norm_ref(x, weight, eps):
+    """fp32 reference of the zero-centred RMSNorm (kernels/norm.py)."""
+    return _rms_norm_ref(x, weight, eps)
+
+
+def silu_mul_ref(gu, inter):
+    """fp32 reference: ``silu(gu[..., :inter]) * gu[..., inter:]`` in gu.dtype."""
+    g, u = gu.float().split([inter, gu.shape[-1] - inter], dim=-1)
+    return (F.silu(g) * u).to(gu.dtype)
+
+
+def sigmoid_mul_ref(o, gate):
+    """fp32 reference: ``o * sigmoid(gate)`` in o.dtype."""
+    return (o.float() * torch.sigmoid(gate.float())).to(o.dtype)
+
+
+def attn_prologue_ref(qg, kv, q_norm_w, k_norm_w, cos, sin, k_cache, v_cache, k_scale, v_scale, slots, pos, eps):
+    """fp32 reference of :func:`attn_prologue` (same arguments, same cache writes)."""
+    b, t, h, hd, hkv = _check_prologue(qg, kv, q_norm_w, k_norm_w, cos, sin, k_cache, v_cache, k_scale, v_scale,
+                                       slots, pos)
+    q = _rms_norm_ref(qg[..., :hd].float(), q_norm_w, eps)  # [B, T, H, hd] fp32
+    k = _rms_norm_ref(kv[..., :hkv * hd].float().view(b, t, hkv, hd), k_norm_w, eps)
+    v = kv[..., hkv * hd:].float().view(b, t, hkv, hd)
+    c, s = cos[pos], sin[pos]  # [B, T, rd]
+    q, k = apply_rope_ref(q, c, s), apply_rope_ref(k, c, s)
+    sl = slots[:, None].expand(b, t)
+    if k_cache.dtype == torch.int8:
+        (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)  # fp32 k, v
+        k_cache[sl, :, pos], v_cache[sl, :, pos] = kq, vq
+        k_scale[sl, :, pos], v_scale[sl, :, pos] = ks, vs
+    else:
+        k_cache[sl, :, pos] = k.to(k_cache.dtype)
+        v_cache[sl, :, pos] = v.to(v_cache.dtype)
+    return q.to(qg.dtype), qg[..., hd:].reshape(b, t, h * hd).clone()
+
+
+# ---- fast versions ---------------------------------------------------------------------------------------------
+
+def _check_row_weight(op, weight, n):
+    if weight.shape != (n,):
+        raise ValueError(f"{op}: weight must be [{n}], got {tuple(weight.shape)}")
+    if n > MAX_ROW:
+        raise ValueError(f"{op}: rows of {n} values are over the supported {MAX_ROW}")
+
+
+def add_rms_norm(x, residual, weight, eps):
+    """``(normed, residual_out)``: ``residual_out = x + residual`` and its zero-centred RMSNorm, both in x.dtype.
+
+    x, residual ``[..., N]`` (N <= MAX_ROW); weight ``[N]``. The norm reads ``residual_out`` as stored (rounded
+    to x.dtype), like the eager ``h = h + f(x); rms_norm(h)``. fp32 math.
+    """
+    n = x.shape[-1]
+    _check_row_weight("add_rms_norm", weight, n)
+    if residual.shape != x.shape:
+        raise ValueError(f"add_rms_norm: residual must have x's shape {tuple(x.shape)}, got {tuple(residual.shape)}")
+    kern = _ready("add_rms_norm", x)
+    x2, r2 = _rows("add_rms_norm", "x", x, n), _rows("add_rms_norm", "residual", residual, n)
+    y = _new_buffer(x.shape, x.dtype, x.device)
+    ro = _new_buffer(x.shape, x.dtype, x.device)
+    block = _pow2(n)
+    kern["norm"][(x2.shape[0],)](x2, r2, weight, y, ro, x2.stride(0), r2.stride(0), n, n, n, eps,
+                                 BLOCK=block, HAS_RES=True, num_warps=_row_warps(block))
+    return y, ro
+
+
+def rms_norm(x, weight, eps):
+    """Zero-centred RMSNorm ``x * rsqrt(mean(x^2) + eps) * (1 + weight)`` over the last dim, fp32 math, x.dtype."""
+    n = x.shape[-1]
+    _check_row_weight("rms_norm", weight, n)
+    kern = _ready("rms_norm", x)
+    x2 = _rows("rms_norm", "x", x, n)
+    y = _new_buffer(x.shape, x.dtype, x.device)
+    block = _pow2(n)
+    kern["norm"][(x2.shape[0],)](x2, x2, weight, y, y, x2.stride(0), x2.stride(0), n, n, n, eps,
+                                 BLOCK=block, HAS_RES=False, num_warps=_row_warps(block))
+    return y
+
+
+def silu_mul(gu, inter):
+    """``silu(gu[..., :inter]) * gu[..., inter:]`` for the fused gate+up output ``gu [..., 2 * inter]``."""
+    if gu.shape[-1] != 2 * inter:
+        raise ValueError(f"silu_mul: gu must end in 2 * inter = {2 * inter}, got shape {tuple(gu.shape)}")
+    kern = _ready("silu_mul", gu)
+    g2 = _rows("silu_mul", "gu", gu, 2 * inter)
+    y = _new_buffer((*gu.shape[:-1], inter), gu.dtype, gu.device)
+    kern["silu_mul"][(g2.shape[0], -(-inter // ELEM_BLOCK))](g2, y, g2.stride(0), inter, inter, BLOCK=ELEM_BLOCK,
+                                                             num_warps=4)
+    return y
+
+
+def sigmoid_mul(o, gate):
+    """``o * sigmoid(gate)`` (same shape), fp32 math, in o.dtype."""
+    if o.shape != gate.shape:
+        raise ValueError(f"sigmoid_mul: o {tuple(o.shape)} and gate {tuple(gate.shape)} must have the same shape")
+    kern = _ready("sigmoid_mul", o)
+    n = o.shape[-1]
+    o2, g2 = _rows("sigmoid_mul", "o", o, n), _rows("sigmoid_mul", "gate", gate, n)
+    y = _new_buffer(o.shape, o.dtype, o.device)
+    kern["sigmoid_mul"][(o2.shape[0], -(-n // ELEM_BLOCK))](o2, g2, y, o2.stride(0), g2.stride(0), n, n,
+                                                            BLOCK=ELEM_BLOCK, num_warps=4)
+    return y
+
+
+def _check_prologue(qg, kv, q_norm_w, k_norm_w, cos, sin, k_cache, v_cache, k_scale, v_scale, slots, pos):
+    """Validate shapes; returns (B, T, H, hd, Hkv)."""
+    if qg.dim() != 4 or qg.shape[-1] % 2:
+        raise ValueError(f"attn_prologue: qg must be [B, T, H, 2 * hd], got shape {tuple(qg.shape)}")
+    b, t, h, hd2 = qg.shape
+    hd = hd2 // 2
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape or k_cache.shape[3] != hd:
+        raise ValueError(f"attn_prologue: k_cache and v_cache must both be [S, Hkv, cap, hd={hd}], "
+                         f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    hkv = k_cache.shape[1]
+    if kv.shape != (b, t, 2 * hkv * hd):
+        raise ValueError(f"attn_prologue: kv must be [B, T, 2 * Hkv * hd] = {[b, t, 2 * hkv * hd]}, "
+                         f"got {list(kv.shape)}")
+    for name, w in (("q_norm_w", q_norm_w), ("k_norm_w", k_norm_w)):
+        if w.shape != (hd,):
+            raise ValueError(f"attn_prologue: {name} must be [{hd}], got {tuple(w.shape)}")
+    rd = cos.shape[-1]
+    if cos.dim() != 2 or sin.shape != cos.shape or sin.stride() != cos.stride() or rd % 2 or rd > hd:
+        raise ValueError(f"attn_prologue: cos and sin must both be [max_pos, rd] with an even rd <= {hd}, "
+                         f"got {tuple(cos.shape)} and {tuple(sin.shape)}")
+    if k_cache.dtype == torch.int8:
+        sshape = (*k_cache.shape[:3], -(-hd // KV_GROUP))
+        for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if s is None or tuple(s.shape) != sshape or s.dtype != torch.float16:
+                got = "None" if s is None else f"{tuple(s.shape)} {s.dtype}"
+                raise ValueError(f"attn_prologue: int8 cache needs {name} {sshape} fp16, got {got}")
+    elif k_scale is not None or v_scale is not None:
+        raise ValueError(f"attn_prologue: scales are only for an int8 cache, the cache is {k_cache.dtype}")
+    if slots.shape != (b,) or pos.shape != (b, t):
+        raise ValueError(f"attn_prologue: slots must be [B={b}] and pos [B={b}, T={t}], "
+                         f"got {tuple(slots.shape)} and {tuple(pos.shape)}")
+    for name, x in (("qg", qg), ("kv", kv), ("k_cache", k_cache), ("v_cache", v_cache), ("k_scale", k_scale),
+                    ("v_scale", v_scale), ("cos", cos), ("sin", sin)):
+        if x is not None and x.stride(-1) != 1:
+            raise ValueError(f"attn_prologue: {name} must be contiguous along its last dimension")
+    return b, t, h, hd, hkv
+
+
+def attn_prologue(qg, kv, q_norm_w, k_norm_w, cos, sin, k_cache, v_cache, k_scale, v_scale, slots, pos, eps):
+    """Full attention from the projection outputs to the attention kernel's inputs, in one launch.
+
+    qg ``[B, T, H, 2 * hd]``: the q_proj output (query | gate per head); kv ``[B, T, 2 * Hkv * hd]``: the fused
+    k | v projection output; q_norm_w / k_norm_w ``[hd]`` (zero-centred RMSNorm weights); cos / sin ``[max_pos, rd]``
+    fp32 (kernels/rope.rope_tables); k_cache / v_cache ``[S, Hkv, cap, hd]`` bf16 / fp16, or int8 with k_scale /
+    v_scale ``[S, Hkv, cap, ceil(hd / 64)]`` fp16 (None otherwise); slots ``[B]``; pos ``[B, T]``.
+
+    q = rope(rmsnorm(q)), k = rope(rmsnorm(k)) (NeoX rotate-half on the first rd dims), written with v into the
+    cache at ``(slots[b], :, pos[b, t])`` (int8: engine.cache.quantize_kv's codes and scales). Returns
+    ``(q [B, T, H, hd], gate [B, T, H * hd])`` in qg's dtype. fp32 math.
+    """
+    b, t, h, hd, hkv = _check_prologue(qg, kv, q_norm_w, k_norm_w, cos, sin, k_cache, v_cache, k_scale, v_scale,
+                                       slots, pos)
+    kern = _ready("attn_prologue", qg)
+    int8 = k_cache.dtype == torch.int8
+    q = _new_buffer((b, t, h, hd), qg.dtype, qg.device)
+    gate = _new_buffer((b, t, h * hd), qg.dtype, qg.device)
+    block_d = max(16, _pow2(hd))
+    gw = min(KV_GROUP, block_d)
+    ks = k_scale if int8 else k_cache  # placeholders keep one signature; never read without IS_INT8
+    vs = v_scale if int8 else v_cache
+    kern["prologue"][(b * t, h + 2 * hkv)](
+        qg, kv, q_norm_w, k_norm_w, cos, sin, k_cache, v_cache, ks, vs, slots, pos, q, gate,
+        *qg.stride()[:3], *kv.stride()[:2], cos.stride(0), *k_cache.stride()[:3], *v_cache.stride()[:3],
+        *ks.stride()[:3], *vs.stride()[:3], *pos.stride(), *q.stride()[:3], *gate.stride()[:2],
+        t, h, hkv, eps,
+        HD=hd, RD=cos.shape[-1], BLOCK_D=block_d, NG=block_d // gw, GW=gw, N_SCALES=-(-hd // KV_GROUP),
+        IS_INT8=int8, num_warps=1 if block_d <= 128 else 2,
+    )
+    return q, gate
+
+
+# ---- Triton kernels ------------------------------------------------------------------------------------------
+# Plain functions here, turned into jitted kernels by `_kernels()` on first use (see kernels/attention_triton.py).
+
+tl = None  # triton.language, bound by _kernels()
+
+
+def _norm_kernel(X, RES, W, Y, RO, stride_x, stride_r, stride_y, stride_ro, N, eps,
+                 BLOCK: tl.constexpr, HAS_RES: tl.constexpr):
+    """Program = one row: (optionally r = x + res, stored) then y = r * rsqrt(mean(r^2) + eps) * (1 + w)."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    ok = offs < N
+    x = tl.load(X + row * stride_x + offs, mask=ok, other=0.0).to(tl.float32)
+    if HAS_RES:
+        r = x + tl.load(RES + row * stride_r + offs, mask=ok, other=0.0).to(tl.float32)
+        r = r.to(RO.dtype.element_ty)  # the norm reads the stored (rounded) residual, as the eager path does
+        tl.store(RO + row * stride_ro + offs, r, mask=ok)
+        x = r.to(tl.float32)
+    w = tl.load(W + offs, mask=ok, other=0.0).to(tl.float32)
+    inv = tl.rsqrt(tl.sum(x * x, 0) / N + eps)
+    tl.store(Y + row * stride_y + offs, (x * inv * (1.0 + w)).to(Y.dtype.element_ty), mask=ok)
+
+
+def _silu_mul_kernel(GU, Y, stride_g, stride_y, I, BLOCK: tl.constexpr):
+    """Program (row, column block): y = silu(g) * u."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < I
+    g = tl.load(GU + row * stride_g + offs, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(GU + row * stride_g + I + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(Y + row * stride_y + offs, (g * tl.sigmoid(g) * u).to(Y.dtype.element_ty), mask=ok)
+
+
+def _sigmoid_mul_kernel(O, G, Y, stride_o, stride_g, stride_y, N, BLOCK: tl.constexpr):
+    """Program (row, column block): y = o * sigmoid(gate)."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < N
+    o = tl.load(O + row * stride_o + offs, mask=ok, other=0.0).to(tl.float32)
+    g = tl.load(G + row * stride_g + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(Y + row * stride_y + offs, (o * tl.sigmoid(g)).to(Y.dtype.element_ty), mask=ok)
+
+
+def _norm_rope(base, W, cos_row, sin_row, eps, HD: tl.constexpr, RD: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Zero-centred RMSNorm of one head (``base[0:HD]``), then NeoX rotate-half on its first RD dims: [BLOCK_D] fp32.
+
+    The rotation partner of dim i (i +- RD/2) is loaded a second time (an L1 hit) instead of permuting registers.
+    """
+    offs = tl.arange(0, BLOCK_D)
+    ok = offs < HD
+    x = tl.load(base + offs, mask=ok, other=0.0).to(tl.float32)
+    inv = tl.rsqrt(tl.sum(x * x, 0) / HD + eps)
+    x = x * inv * (1.0 + tl.load(W + offs, mask=ok, other=0.0))
+    rot = offs < RD
+    partner = tl.where(offs < RD // 2, offs + RD // 2, offs - RD // 2)
+    xp = tl.load(base + partner, mask=rot, other=0.0).to(tl.float32)
+    xp = xp * inv * (1.0 + tl.load(W + partner, mask=rot, other=0.0))
+    c = tl.load(cos_row + offs, mask=rot, other=1.0)
+    s = tl.load(sin_row + offs, mask=rot, other=0.0)
+    return tl.where(rot, x * c + tl.where(offs < RD // 2, -xp, xp) * s, x)
+
+
+def _round_half_even(y):
+    """torch.round of fp32 y with |y| < 2^22, from floor alone (the same on the GPU and in the interpreter)."""
+    r = tl.floor(y + 0.5)
+    odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
+    return tl.where(((r - y) == 0.5) & odd, r - 1.0, r)
+
+
+def _store_kv(x, cache, scales, IS_INT8: tl.constexpr, HD: tl.constexpr, BLOCK_D: tl.constexpr, NG: tl.constexpr,
+              GW: tl.constexpr, N_SCALES: tl.constexpr):
+    """Store one head ``x [BLOCK_D]`` fp32 at ``cache[0:HD]``: cast, or int8 codes + one fp16 scale per 64 values."""
+    offs = tl.arange(0, BLOCK_D)
+    if IS_INT8:
+        xg = tl.reshape(x, (NG, GW))
+        sc = (tl.max(tl.abs(xg), 1) / 127.0)
+        sc = tl.maximum(sc, 1e-8).to(tl.float16)  # engine.cache.quantize_kv: clamp_min(1e-8), then fp16
+        sf = sc.to(tl.float32)
+        y = tl.where(sf[:, None] > 0.0, tl.div_rn(xg, tl.where(sf > 0.0, sf, 1.0)[:, None]), 0.0)
+        codes = tl.minimum(tl.maximum(_round_half_even(y), -127.0), 127.0).to(tl.int8)
+        tl.store(cache + offs, tl.reshape(codes, (BLOCK_D,)), mask=offs < HD)
+        offs_g = tl.arange(0, NG)
+        tl.store(scales + offs_g, sc, mask=offs_g < N_SCALES)
+    else:
+        tl.store(cache + offs, x.to(cache.dtype.element_ty), mask=offs < HD)
+
+
+def _prologue_kernel(QG, KV, QW, KW, COS, SIN, KC, VC, KS, VS, SLOTS, POS, Q, GATE,
+                     stride_gb, stride_gt, stride_gh, stride_kvb, stride_kvt, stride_cos,
+                     stride_kcs, stride_kch, stride_kcn, stride_vcs, stride_vch, stride_vcn,
+                     stride_kss, stride_ksh, stride_ksn, stride_vss, stride_vsh, stride_vsn,
+                     stride_pb, stride_pt, stride_qb, stride_qt, stride_qh, stride_ab, stride_at,
+                     T, H, HKV, eps,
+                     HD: tl.constexpr, RD: tl.constexpr, BLOCK_D: tl.constexpr, NG: tl.constexpr, GW: tl.constexpr,
+                     N_SCALES: tl.constexpr, IS_INT8: tl.constexpr):
+    """Program (b * T + t, j): j < H query head j (norm, rope, gate copy); then Hkv key heads, then Hkv value heads."""
+    row = tl.program_id(0)
+    j = tl.program_id(1)
+    b = row // T
+    t = row % T
+    offs = tl.arange(0, BLOCK_D)
+    ok = offs < HD
+    p = tl.load(POS + b * stride_pb + t * stride_pt).to(tl.int64)
+    if j < H:
+        base = QG + b.to(tl.int64) * stride_gb + t * stride_gt + j * stride_gh
+        x = _norm_rope(base, QW, COS + p * stride_cos, SIN + p * stride_cos, eps, HD, RD, BLOCK_D)
+        tl.store(Q + b.to(tl.int64) * stride_qb + t * stride_qt + j * stride_qh + offs, x.to(Q.dtype.element_ty),
+                 mask=ok)
+        gate = tl.load(base + HD + offs, mask=ok, other=0.0)
+        tl.store(GATE + b.to(tl.int64) * stride_ab + t * stride_at + j * HD + offs, gate, mask=ok)
+    else:
+        slot = tl.load(SLOTS + b).to(tl.int64)  # slot * stride overflows int32 on large caches
+        kv_row = KV + b.to(tl.int64) * stride_kvb + t * stride_kvt
+        if j < H + HKV:
+            hh = j - H
+            x = _norm_rope(kv_row + hh * HD, KW, COS + p * stride_cos, SIN + p * stride_cos, eps, HD, RD, BLOCK_D)
+            _store_kv(x, KC + slot * stride_kcs + hh * stride_kch + p * stride_kcn,
+                      KS + slot * stride_kss + hh * stride_ksh + p * stride_ksn, IS_INT8, HD, BLOCK_D, NG, GW,
+                      N_SCALES)
+        else:
+            hh = j - H - HKV
+            x = tl.load(kv_row + (HKV + hh) * HD + offs, mask=ok, other=0.0).to(tl.float32)
+            _store_kv(x, VC + slot * stride_vcs + hh * stride_vch + p * stride_vcn,
+                      VS + slot * stride_vss + hh * stride_vsh + p * stride_vsn, IS_INT8, HD, BLOCK_D, NG, GW,
+                      N_SCALES)
+
+
+@functools.lru_cache(maxsize=1)
+def _kernels() -> dict:
+    """Jit the kernels (first call only); the prologue finds its helpers and `tl` as module globals."""
+    global tl, _norm_rope, _round_half_even, _store_kv
+    import triton
+    import triton.language
+
+    tl = triton.language
+    _norm_rope = triton.jit(_norm_rope)
+    _round_half_even = triton.jit(_round_half_even)
+    _store_kv = triton.jit(_store_kv)
+    norm = triton.jit(_norm_kernel)
+    return {"norm": norm, "silu_mul": triton.jit(_silu_mul_kernel), "sigmoid_mul": triton.jit(_sigmoid_mul_kernel),
+            "prologue": triton.jit(_prologue_kernel), "interpreted": not isinstance(norm, triton.runtime.JITFunction)}

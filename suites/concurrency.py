@@ -1,0 +1,266 @@
+"""The concurrency suite: C1/C2/C4/C8 clients at once, in-process through the Engine's continuous-batching
+scheduler or against any OpenAI-compatible server (``--url``) with streaming.
+
+Per request: TTFT, inter-token latency per token (a chunk of n tokens after a gap g counts n gaps of g/n),
+end-to-end latency, tokens. Per level: aggregate tok/s over the steady window (from the moment every request
+of the round has its first token to the moment the first one finishes: all clients decoding at once),
+per-request decode tok/s, p50/p90/p99, and whether greedy outputs equal the same prompts run alone.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ..reports.schema import make_result
+from .common import DATA, DEFAULT_PROMPT, percentile, tokens_sha256
+
+
+@dataclass(slots=True)
+class ConcurrencyOptions:
+    """Everything a concurrency run depends on (recorded as the result's ``config``)."""
+
+    levels: tuple[int, ...] = (1, 2, 4, 8)
+    url: str | None = None
+    model: str | None = None
+    served_model: str | None = None  # the `model` field sent to a server (default: the first of /v1/models)
+    device: str = "auto"
+    kv_dtype: str = "int8"
+    max_context: int | None = None
+    prefill_chunk: int = 512
+    runtime: str = "v3"
+    spec: str = "none"
+    draft_tokens: int | None = None
+    max_new_tokens: int = 128
+    rounds: int = 2
+    prompt_tokens: int = 256
+    label: str | None = None
+    timeout_s: float = 600.0
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.levels = tuple(sorted({int(c) for c in self.levels}))
+        if not self.levels or self.levels[0] < 1:
+            raise ValueError(f"concurrency levels must be positive integers, got {self.levels}")
+        if self.rounds < 1 or self.max_new_tokens < 2:
+            raise ValueError("rounds must be >= 1 and max-new-tokens >= 2")
+
+    def default_label(self) -> str:
+        if self.url:
+            return f"server-{self.url.split('//')[-1]}"
+        k = f"-k{self.draft_tokens}" if self.spec != "none" and self.draft_tokens else ""
+        return f"{self.runtime}-{self.spec}{k}-conc"
+
+
+def prompt_texts(n: int) -> list[str]:
+    """``n`` distinct code prompts: held-out prefixes when shipped, else variations of the short-code prompt."""
+    held = DATA / "heldout_prompts.jsonl"
+    if held.is_file():
+        texts = [json.loads(line)["text"] for line in held.read_text().splitlines() if line.strip()]
+        if texts:
+            return [texts[i % len(texts)] for i in range(n)]
+    base = DEFAULT_PROMPT.read_text()
+    return [f"# task {i}: {['parse', 'merge', 'render', 'index', 'score', 'batch', 'cache', 'route'][i % 8]}\n{base}"
+            for i in range(n)]
+
+
+def itl_samples(token_times: list[float]) -> list[float]:
+    """Inter-token latencies per token (ms): tokens arriving together share the gap before them."""
+    out, i = [], 1
+    while i < len(token_times):
+        j = i
+        while j + 1 < len(token_times) and token_times[j + 1] == token_times[i]:
+            j += 1
+        n = j - i + 1
+        out += [(token_times[i] - token_times[i - 1]) * 1e3 / n] * n
+        i = j + 1
+    return out
+
+
+def level_summary(c: int, reqs: list[dict], baseline: dict[str, str]) -> dict:
+    """Aggregate one level's per-request records (dicts with submitted, first, finished, times, tokens...)."""
+    ttft = [r["ttft_ms"] for r in reqs]
+    itl = [x for r in reqs for x in r["itl_ms"]]
+    e2e = [r["e2e_ms"] for r in reqs]
+    agg = []
+    for rnd in sorted({r["round"] for r in reqs}):
+        rows = [r for r in reqs if r["round"] == rnd]
+        start = max(r["first_abs"] for r in rows)
+        end = min(r["finished_abs"] for r in rows)
+        if end > start:
+            n = sum(sum(1 for t in r["times_abs"] if start < t <= end) for r in rows)
+            agg.append(n / (end - start))
+        else:  # a request finished before another started decoding: whole-round throughput instead
+            t0, t1 = min(r["submitted_abs"] for r in rows), max(r["finished_abs"] for r in rows)
+            agg.append(sum(r["completion_tokens"] for r in rows) / (t1 - t0))
+    per_req = [r["decode_tok_s"] for r in reqs if r["decode_tok_s"]]
+    matches = all(baseline.get(r["prompt_id"]) == r["tokens_sha256"] for r in reqs)
+    out = {"concurrency": c, "aggregate_tok_s": float(np.median(agg)), "per_request_tok_s": percentile(per_req, 50),
+           "matches_sequential": matches, "requests": len(reqs),
+           "samples": {"aggregate_tok_s": agg, "ttft_ms": ttft, "itl_ms": itl}}
+    for name, vals in (("ttft_ms", ttft), ("itl_ms", itl), ("e2e_ms", e2e)):
+        for q in (50, 90, 99):
+            out[f"{name}_p{q}"] = percentile(vals, q)
+    drafted = sum(r.get("drafted_tokens") or 0 for r in reqs)
+    if drafted:
+        out["acceptance_rate"] = sum(r.get("accepted_tokens") or 0 for r in reqs) / drafted
+    return out
+
+
+def _record(c, rnd, pid, submitted, times, tokens_or_n, finished, spec=None) -> dict:
+    n = tokens_or_n if isinstance(tokens_or_n, int) else len(tokens_or_n)
+    first = times[0] if times else finished
+    dec = (n - 1) / (finished - first) if n > 1 and finished > first else None
+    rec = {"concurrency": c, "round": rnd, "prompt_id": pid, "ttft_ms": (first - submitted) * 1e3,
+           "e2e_ms": (finished - submitted) * 1e3, "completion_tokens": n, "decode_tok_s": dec,
+           "itl_ms": itl_samples(times), "submitted_abs": submitted, "first_abs": first, "finished_abs": finished,
+           "times_abs": times}
+    if not isinstance(tokens_or_n, int):
+        rec["tokens_sha256"] = tokens_sha256(tokens_or_n)
+    rec.update(spec or {})
+    return rec
+
+
+# ---- in-process ---------------------------------------------------------------------------------------
+def run_in_process(opts: ConcurrencyOptions, progress=None):
+    from ..engine.runtime import Engine
+    from ..engine.sampling import SamplingParams
+    from ..engine.scheduler import Scheduler
+
+    top = max(opts.levels)
+    eng = Engine.load(opts.model, device=opts.device, kv_dtype=opts.kv_dtype, max_context=opts.max_context,
+                      max_concurrency=top, prefill_chunk=opts.prefill_chunk, runtime=opts.runtime, spec=opts.spec,
+                      draft_tokens=opts.draft_tokens)
+    opts.draft_tokens = eng.options.draft_tokens
+    texts = prompt_texts(top)
+    prompts = [eng.tokenizer.encode(t)[: opts.prompt_tokens] for t in texts]
+    params = SamplingParams(max_new_tokens=opts.max_new_tokens, ignore_eos=True)
+    sched = Scheduler(eng)
+    sched.submit(prompts[0], SamplingParams(max_new_tokens=8, ignore_eos=True))  # warm-up (graphs, kernels)
+    sched.run_until_idle()
+    records, baseline = [], {}
+    total = top + sum(opts.rounds for _ in opts.levels)
+    done = 0
+    for i, p in enumerate(prompts):  # the sequential reference: each prompt alone
+        req = sched.submit(p, params)
+        sched.run_until_idle()
+        baseline[f"p{i}"] = tokens_sha256(req.tokens)
+        done += 1
+        if progress:
+            progress(done, total, f"sequential p{i}")
+    for c in opts.levels:
+        for rnd in range(opts.rounds):
+            reqs = [sched.submit(prompts[i], params) for i in range(c)]
+            sched.run_until_idle()
+            for i, r in enumerate(reqs):
+                if r.error:
+                    raise RuntimeError(f"request failed at concurrency {c}: {r.error}")
+                st = r.seq.stats
+                rec = _record(c, rnd, f"p{i}", r.submitted, r.token_times, r.tokens, r.finished_at,
+                              {"drafted_tokens": st.get("drafted_tokens"), "accepted_tokens": st.get("accepted_tokens")})
+                records.append(rec)
+            done += 1
+            if progress:
+                progress(done, total, f"C{c} round {rnd + 1}")
+    return records, baseline, eng.model_info, eng.tokenizer
+
+
+# ---- against a server ---------------------------------------------------------------------------------
+def _stream_one(client, url: str, model: str, prompt: str, max_tokens: int, timeout: float) -> dict:
+    """One streamed /v1/completions request; token arrival times from the SSE chunks."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+            "stream_options": {"include_usage": True}, "return_token_ids": True, "ignore_eos": True}
+    submitted = time.perf_counter()
+    times, text, ids, usage, timings = [], [], [], None, None
+    with client.stream("POST", f"{url}/v1/completions", json=body, timeout=timeout) as resp:
+        if resp.status_code != 200:
+            raise RuntimeError(f"{url}: HTTP {resp.status_code}: {resp.read().decode(errors='replace')[:300]}")
+        for line in resp.iter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            chunk = json.loads(data)
+            usage = chunk.get("usage") or usage
+            timings = chunk.get("timings") or timings
+            for choice in chunk.get("choices", []):
+                piece_ids = choice.get("token_ids")
+                piece = choice.get("text") or ""
+                n = len(piece_ids) if piece_ids is not None else (1 if piece else 0)
+                if n:
+                    now = time.perf_counter()
+                    times += [now] * n
+                    text.append(piece)
+                    ids += piece_ids or []
+    finished = time.perf_counter()
+    n = (usage or {}).get("completion_tokens") or len(times)
+    return {"submitted": submitted, "times": times, "finished": finished, "text": "".join(text), "ids": ids,
+            "n": n, "timings": timings or {}}
+
+
+def _served_model(client, url: str) -> str:
+    resp = client.get(f"{url}/v1/models", timeout=30)
+    if resp.status_code != 200:
+        raise RuntimeError(f"{url}/v1/models: HTTP {resp.status_code}")
+    data = resp.json().get("data") or []
+    if not data:
+        raise RuntimeError(f"{url}/v1/models lists no model")
+    return data[0]["id"]
+
+
+def run_against_url(opts: ConcurrencyOptions, progress=None):
+    import httpx
+
+    url = opts.url.rstrip("/")
+    texts = prompt_texts(max(opts.levels))
+    records, baseline = [], {}
+    total = len(texts) + len(opts.levels) * opts.rounds
+    done = 0
+    with httpx.Client() as client:
+        model = opts.served_model or _served_model(client, url)
+        _stream_one(client, url, model, texts[0], 4, opts.timeout_s)  # warm-up
+        for i, text in enumerate(texts):  # the sequential reference: each prompt alone
+            r = _stream_one(client, url, model, text, opts.max_new_tokens, opts.timeout_s)
+            baseline[f"p{i}"] = tokens_sha256(r["ids"] if r["ids"] else list(r["text"].encode()))
+            done += 1
+            if progress:
+                progress(done, total, f"sequential p{i}")
+        with ThreadPoolExecutor(max_workers=max(opts.levels)) as pool:
+            for c in opts.levels:
+                for rnd in range(opts.rounds):
+                    futs = [pool.submit(_stream_one, client, url, model, texts[i], opts.max_new_tokens,
+                                        opts.timeout_s) for i in range(c)]
+                    for i, f in enumerate(futs):
+                        r = f.result()
+                        toks = r["ids"] if r["ids"] else list(r["text"].encode())
+                        t = r["timings"]
+                        rec = _record(c, rnd, f"p{i}", r["submitted"], r["times"], toks, r["finished"],
+                                      {"drafted_tokens": t.get("draft_n"), "accepted_tokens": t.get("draft_n_accepted")})
+                        rec["completion_tokens"] = r["n"]
+                        records.append(rec)
+                    done += 1
+                    if progress:
+                        progress(done, total, f"C{c} round {rnd + 1}")
+    return records, baseline, {"url": url, "served_model": model}
+
+
+def run_concurrency(opts: ConcurrencyOptions, progress=None) -> dict:
+    """Run every level; returns the result document."""
+    if opts.url:
+        records, baseline, model = run_against_url(opts, progress)
+    else:
+        records, baseline, model, _ = run_in_process(opts, progress)
+    levels = [level_summary(c, [r for r in records if r["concurrency"] == c], baseline) for c in opts.levels]
+    for r in records:  # raw times are bulky; the summary keeps the samples
+        r.pop("times_abs")
+    config = asdict(opts)
+    config["label"] = opts.label or opts.default_label()
+    summary = {"levels": levels, "baseline": "each prompt run alone, greedy, same max-new-tokens"}
+    return make_result("concurrency", label=config["label"], config=config, records=records, summary=summary,
+                       model=dict(model))
