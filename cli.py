@@ -463,6 +463,203 @@ def concurrency(levels, url, served_model, model, spec, draft_tokens, max_new_to
         raise UserError("concurrent greedy outputs differ from the sequential ones")
 
 
+# ---- serving -----------------------------------------------------------------------------------------
+@main.command()
+@click.argument("artifact", required=False)
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=int, default=8080, show_default=True, help="0 picks a free port (printed when ready).")
+@click.option("--spec", type=click.Choice(["none", "mtp", "dflash", "dflash2"]), default="none", show_default=True)
+@click.option("--draft-tokens", "-k", type=int, default=None, help="Draft tokens per round (default: MTP 3, DFlash 7).")
+@click.option("--lm-head-draft", type=int, default=0, show_default=True,
+              help="Drafters score only the N most frequent tokens (0: the full vocabulary).")
+@click.option("--max-queue", type=int, default=256, show_default=True,
+              help="Requests that may wait for a slot; more get 503.")
+@click.option("--session-capacity", type=int, default=16, show_default=True,
+              help="Session states retained (least recently used are dropped).")
+@click.option("--session-dir", type=click.Path(file_okay=False), default=None,
+              help="Write session states here and restore them on start.")
+@engine_options
+def serve(artifact, host, port, spec, draft_tokens, lm_head_draft, max_queue, session_capacity, session_dir,
+          **options):
+    """Serve OpenAI- and Anthropic-style HTTP APIs (default: the bundled model on 127.0.0.1:8080)."""
+    from .engine.server import ServerOptions, serve as run_server
+
+    server_opts = ServerOptions(host=host, port=port, max_queue=max_queue, session_capacity=session_capacity,
+                                session_dir=session_dir)
+    eng = build_engine(artifact, spec=spec, draft_tokens=draft_tokens, lm_head_draft=lm_head_draft, **options)
+
+    def ready(url, backend, restored, problems):
+        for line in problems:
+            err_console.print(f"[yellow]session file[/] {line}", highlight=False)
+        o = eng.options
+        spec_txt = f"spec {o.spec}" + (f" k={o.draft_tokens}" if o.spec != "none" else "")
+        sessions = f", {restored} sessions restored" if session_dir else ""
+        console.print(f"[green]ready:[/] {url} (model {backend.model_id}, {o.max_concurrency} slots, {spec_txt}, "
+                      f"kv {o.kv_dtype}, context {backend.context_limit}, {eng.device.type}{sessions})",
+                      highlight=False, soft_wrap=True)
+
+    try:
+        run_server(eng, server_opts, on_ready=ready)
+    except KeyboardInterrupt:
+        pass
+    err_console.print("[dim]server stopped[/]")
+
+
+@main.command()
+@click.option("--shape", default=None, help="Model preset whose shapes to measure [default: qwen3.8-27b on CUDA, "
+              "tiny on a CPU].")
+@click.option("--model", default=None, type=click.Path(dir_okay=False), help="Artifact whose config gives the shapes.")
+@click.option("--t", "ts", default="1,8", show_default=True, help="New tokens per call (comma-separated).")
+@click.option("--kernels", "variants", default="v2,v3", show_default=True, help="Variants to run: v2, v3.")
+@click.option("--ops", default=None, help="Only ops whose name contains one of these (comma-separated).")
+@click.option("--quant", type=click.Choice(["fp32", "bf16", "q8", "q5", "q4", "mixed"]), default="mixed",
+              show_default=True, help="Weight format policy of the projections.")
+@click.option("--contexts", default=None,
+              help="Attention K/V lengths [default: 8192,65536 on CUDA, 1024,4096 on a CPU].")
+@click.option("--repeats", type=int, default=None, help="Timed calls per record [default: 50 on CUDA, 10 on a CPU].")
+@click.option("--warmup", type=int, default=None, help="Untimed calls first [default: 5 on CUDA, 1 on a CPU].")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random inputs.")
+@click.option("--label", default=None, help="Label of this run in reports [default: kernels-SHAPE-DEVICE].")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write the result document.")
+def kernels(shape, model, ts, variants, ops, quant, contexts, repeats, warmup, device, seed, label, json_path):
+    """Per-op microseconds, GB/s and % of copy bandwidth of the model's hot decode ops, each checked against its
+    fp32 reference in the same run; exit 1 when any check fails."""
+    from .suites.kernels import KernelOptions, run_kernels
+
+    def ints(text, flag):
+        try:
+            return tuple(int(v) for v in text.replace(" ", "").split(",") if v)
+        except ValueError:
+            raise UserError(f"{flag} must be comma-separated integers, got {text!r}") from None
+
+    def names(text):
+        return tuple(v.strip() for v in text.split(",") if v.strip())
+
+    opts = KernelOptions(shape=shape, model=model, ts=ints(ts, "--t"), variants=names(variants),
+                         ops=names(ops or ""), quant=quant, contexts=ints(contexts, "--contexts") if contexts else None,
+                         repeats=repeats, warmup=warmup, device=device, label=label, seed=seed)
+    if opts.device == "cpu" or (opts.device == "auto" and not __import__("torch").cuda.is_available()):
+        err_console.print("[yellow]CPU run: torch timers on the host; these timings are not GPU numbers[/]")
+    prog, update = suite_progress("kernels")
+    with prog:
+        doc = run_kernels(opts, progress=update)
+    s = doc["summary"]
+    table = Table(title=f"kernels: {doc['label']} on {s['gpu'] or s['device']} ({doc['config']['dtype']}, "
+                        f"timer {s['timer']})")
+    for col in ("op", "shape", "t", "variant", "us [p10-p90]", "GB/s", "% roofline", "max rel err", "ok"):
+        table.add_column(col, justify="left" if col in ("op", "shape", "variant") else "right")
+    for r in doc["records"]:
+        us = f"{fmt(r['us_median'], '.1f')} [{fmt(r['us_p10'], '.1f')}-{fmt(r['us_p90'], '.1f')}]"
+        roof = fmt(None if r["roofline_fraction"] is None else 100 * r["roofline_fraction"], ".1f")
+        table.add_row(r["op"], "x".join(map(str, r["shape"] or [])), str(r["t"]), r["variant"], us,
+                      fmt(r["gbps"], ".1f"), roof, fmt(r["max_rel_err"], ".1e"),
+                      "[green]ok[/]" if r["ok"] else "[red]FAIL[/]")
+    console.print(table)
+    console.print(f"copy bandwidth (read + write) measured in this run: {s['copy_bandwidth_gbps']:.1f} GB/s")
+    for note in sorted({f"{r['variant']}: {r['note']}" for r in doc["records"] if r["ok"] and r["note"]}):
+        console.print(f"[dim]  {note}[/]", highlight=False)
+    save_result(doc, json_path)
+    if s["failures"]:
+        for line in s["failures"]:
+            err_console.print(f"[red]FAIL[/] {line}", highlight=False)
+        raise UserError(f"{len(s['failures'])} of {s['records']} kernel checks failed")
+
+
+def _int_list(text: str, name: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.replace(" ", "").split(",") if x)
+    except ValueError:
+        raise UserError(f"{name} must be comma-separated integers, got {text!r}") from None
+
+
+def _niah_options(model, ctx, depths, cases, answer_tokens, seed, **kw):
+    from .suites.niah import DEFAULT_DEPTHS, NiahOptions
+
+    ctxs = tuple(x for c in ctx for x in _int_list(c, "--ctx")) or (65536,)
+    return NiahOptions(model=model, ctxs=ctxs, depths=_int_list(depths, "--depths") if depths else DEFAULT_DEPTHS,
+                       cases=cases, answer_tokens=answer_tokens, seed=seed, **kw)
+
+
+def niah_case_options(f):
+    for o in reversed([
+        click.option("--model", default=None, help="Artifact path or preset [default: the bundled model]."),
+        click.option("--ctx", multiple=True, help="Context length(s), repeatable or comma-separated [default: 65536]."),
+        click.option("--depths", default=None, help="Needle depths in percent [default: 0,10,...,100]."),
+        click.option("--cases", type=int, default=1, show_default=True, help="Cases per (ctx, depth)."),
+        click.option("--answer-tokens", type=int, default=10, show_default=True),
+        click.option("--seed", type=int, default=0, show_default=True),
+        click.option("--prefill-chunk", type=int, default=2048, show_default=True),
+    ]):
+        f = o(f)
+    return f
+
+
+@main.command()
+@niah_case_options
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+@click.option("--kv-dtype", type=click.Choice(["fp32", "bf16", "fp16", "int8"]), default="int8", show_default=True)
+@click.option("--runtime", type=click.Choice(["v2", "v3"]), default="v3", show_default=True)
+@click.option("--oracle", "oracle_file", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Stored oracle outputs [default: oracles/data/niah-<model>-<ctx>.json.gz].")
+@click.option("--require-oracle", is_flag=True, help="Fail when a case has no stored oracle output.")
+@click.option("--heatmap", type=click.Path(dir_okay=False), default=None, help="Write the ctx x depth heatmap PNG.")
+@click.option("--label", default=None)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write the result document.")
+def niah(model, ctx, depths, cases, answer_tokens, seed, prefill_chunk, device, kv_dtype, runtime, oracle_file,
+         require_oracle, heatmap, label, json_path):
+    """Needle in a haystack: retrieval, and agreement with stored float64 oracle outputs."""
+    from .suites.niah import run_niah
+
+    opts = _niah_options(model, ctx, depths, cases, answer_tokens, seed, prefill_chunk=prefill_chunk, device=device,
+                         kv_dtype=kv_dtype, runtime=runtime, oracle=oracle_file, label=label)
+    prog, update = suite_progress("niah")
+    with prog:
+        doc = run_niah(opts, progress=update)
+    s = doc["summary"]
+    table = Table(title=f"niah: {doc['label']} ({s['cases']} cases, {s['seconds']:.1f} s)")
+    for col in ("case", "tokens", "retrieved", "oracle", "first divergence", "answer"):
+        table.add_column(col)
+    for r in doc["records"]:
+        verdict = "-" if r["pass"] is None else ("[green]pass[/]" if r["pass"] else "[red]FAIL[/]")
+        table.add_row(r["case"], str(r["prompt_tokens"]), "yes" if r["retrieved"] else "no", verdict,
+                      "-" if r["first_divergence"] is None else str(r["first_divergence"]),
+                      repr(r["answer"][:24]))
+    console.print(table)
+    agree = "no oracle" if s["oracle_agreement"] is None else f"{s['oracle_agreement']:.0%} of {s['oracle_cases']}"
+    console.print(f"retrieval {s['retrieval']:.0%}, oracle agreement {agree}")
+    save_result(doc, json_path)
+    if heatmap or json_path:
+        from .reports.frames import frames
+        from .reports.plots import plot_niah
+
+        out = heatmap or str(Path(json_path).with_suffix("")) + "_heatmap.png"
+        if plot_niah(frames([doc])["niah"], out):
+            err_console.print(f"[dim]heatmap: {out}[/]")
+    if require_oracle and s["oracle_cases"] < s["cases"]:
+        raise UserError(f"{s['cases'] - s['oracle_cases']} case(s) have no stored oracle output")
+    if s["oracle_agreement"] is not None and s["oracle_agreement"] < 1.0:
+        raise UserError("some cases disagree with the oracle beyond the near-tie tolerance")
+
+
+@oracle.command("niah")
+@niah_case_options
+@click.option("--dtype", type=click.Choice(["fp64", "fp32"]), default="fp64", show_default=True)
+@click.option("--top-k", type=int, default=8, show_default=True)
+@click.option("--out", default=None, type=click.Path(dir_okay=False),
+              help="Output file (one context only) [default: oracles/data/niah-<model>-<ctx>.json.gz].")
+def oracle_niah(model, ctx, depths, cases, answer_tokens, seed, prefill_chunk, dtype, top_k, out):
+    """Reference-model answers for the NIAH cases, stored for `ninfer-bench niah` to compare against."""
+    from .suites.niah import build_niah_oracle
+
+    opts = _niah_options(model, ctx, depths, cases, answer_tokens, seed, prefill_chunk=prefill_chunk)
+    prog, update = suite_progress("oracle niah")
+    with prog:
+        paths = build_niah_oracle(model, opts, out, top_k=top_k, dtype=dtype, progress=update)
+    for p in paths:
+        console.print(f"[green]wrote[/] {p}")
+
+
 def cli_entry():
     main(obj={})
 

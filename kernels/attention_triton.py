@@ -75,7 +75,8 @@ class AttnConfig:
             if v < 16 or v & (v - 1):
                 raise ValueError(f"AttnConfig.{name} must be a power of two >= 16, got {v}")
         if self.chunk <= 0 or self.chunk % self.block_n:
-            raise ValueError(f"AttnConfig.chunk must be a positive multiple of block_n={self.block_n}, got {self.chunk}")
+            raise ValueError(f"AttnConfig.chunk must be a positive multiple of block_n={self.block_n}, "
+                             f"got {self.chunk}")
         if self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"AttnConfig.num_warps must be a power of two <= 16, got {self.num_warps}")
         if self.num_stages < 1:
@@ -265,7 +266,10 @@ def _load_tile(base, s_base, stride_n, stride_sn, offs_n, n_ok, DOT_DTYPE: tl.co
     """Keys or values [BLOCK_N, BLOCK_D] of one slot and kv head in DOT_DTYPE, 0 past HD and where n_ok is false."""
     if IS_INT8:
         # codes as [BLOCK_N, NG, GW], so that each 64-wide group meets its scale by broadcasting; the product in
-        # fp16 (exact codes, one rounding) holds the tile in half the registers of fp32
+        # fp16 (exact codes, one rounding) holds the tile in half the registers of fp32, and overflows only for
+        # cached values past fp16's 65504
+        # TODO(perf): for BLOCK_M=16 (mma.sync) sm_90 SASS reads the int8 V tile from shared memory one byte per
+        # LDS (the dot-operand layout walks keys, which are strided); first suspect if int8 lags bf16 in % copy bw
         offs_g = tl.arange(0, NG)
         d3 = offs_g[None, :, None] * GW + tl.arange(0, GW)[None, None, :]
         codes = tl.load(base + offs_n[:, None, None] * stride_n + d3, mask=n_ok[:, None, None] & (d3 < HD), other=0)

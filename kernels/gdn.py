@@ -43,6 +43,10 @@ IMPLS = ("auto", "ref", "chunked", "fla", "step")
 # `auto` uses the step loop up to this many tokens (decode and speculative verify).
 STEP_MAX_T = 16
 
+# Tokens per block of `gated_delta_rule_chunked` (rounded down to whole chunks): bounds the
+# [chunks, B, Hv, C, C] and per-chunk-state intermediates, which would otherwise grow with T.
+_BLOCK_TOKENS = 512
+
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x * rsqrt(sum(x^2, -1) + eps) over the last dim, computed in fp32, returned in x.dtype.
@@ -211,11 +215,6 @@ def gated_delta_rule_chunked(q, k, v, g, beta, *, scale=None, initial_state=None
         S = _chunked_block(q[:, t0:t1], k[:, t0:t1], v[:, t0:t1], g[:, t0:t1], beta[:, t0:t1],
                            S, scale, C, o[:, t0:t1])
     return o, S.clone()
-
-
-# Tokens per block of `gated_delta_rule_chunked` (rounded down to whole chunks): bounds the
-# [blocks, B, Hv, C, C] and per-chunk-state intermediates, which otherwise grow with T.
-_BLOCK_TOKENS = 512
 
 
 def _chunked_block(q, k, v, g, beta, S, scale, C, out):

@@ -351,9 +351,10 @@ def _gdn_kernel(QKV, Z, BB, AA, CSRC, CW, SSRC, SSM, SLOTS, ALOG, DTB, NW, KEEP,
     q_chan = hk * DK + offs_k
     k_chan = HK * DK + hk * DK + offs_k
     v_chan = 2 * HK * DK + h * DV + offs_v
-    q = _conv_tile(x_base, stride_xt, src_base, stride_cc, stride_cw, CW, q_chan, k_ok, offs_t, T, W, BT, BK)  # [BT, BK]
+    # [BT, BK] for q and k, [BT, BV] for v
+    q = _conv_tile(x_base, stride_xt, src_base, stride_cc, stride_cw, CW, q_chan, k_ok, offs_t, T, W, BT, BK)
     k = _conv_tile(x_base, stride_xt, src_base, stride_cc, stride_cw, CW, k_chan, k_ok, offs_t, T, W, BT, BK)
-    v = _conv_tile(x_base, stride_xt, src_base, stride_cc, stride_cw, CW, v_chan, v_ok, offs_t, T, W, BT, BV)  # [BT, BV]
+    v = _conv_tile(x_base, stride_xt, src_base, stride_cc, stride_cw, CW, v_chan, v_ok, offs_t, T, W, BT, BV)
     q = q * (tl.rsqrt(tl.sum(q * q, 1) + 1e-6) * scale)[:, None]
     k = k * tl.rsqrt(tl.sum(k * k, 1) + 1e-6)[:, None]
     qk = tl.sum(q * k, 1)  # [BT]: q . k, for o = e^g S^T q + (q . k) u

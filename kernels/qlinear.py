@@ -18,8 +18,8 @@ the weights enter the product exactly (no bf16 rounding of ``q * scale``). Two w
   - "fma": broadcast-multiply-reduce on the CUDA cores (few rows of x: T <= 2 or so);
   - "dot": ``tl.dot`` with the weight tile as the left operand ("swap AB") and x^T padded to 16 columns
     on the tensor cores; exact for bf16/fp16 x because the codes are small integers.
-When N / BLOCK_N programs are too few to fill the GPU, K is split over SPLIT_K programs that add their
-fp32 partial sums with atomics into a zeroed fp32 buffer (one extra memset and one cast).
+When N / BLOCK_N programs are too few to fill the GPU, K is split over several programs whose fp32 sums
+meet in a shared workspace; the last program of each tile writes the output (one launch, see _epilogue).
 The launch configuration is a pure function of (fmt, N, K, T, dtype) (``choose_config``): no autotuning,
 so nothing is timed or synchronised on the first call and the launch is safe under CUDA-graph capture.
 
@@ -133,11 +133,11 @@ def _group_operands(codes_ptr, high_ptr, rows, g, g_ok, stride_c, stride_h,
         return _codes_as(lo, -8, DT), _codes_as(hi, -8, DT)
 
 
-def _qlinear_kernel(x_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr,
+def _qlinear_kernel(x_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr, ws_ptr, cnt_ptr,
                     T, N, K, NG, groups_per_split,
                     stride_xt, stride_ot, stride_c, stride_h, stride_s,
                     FMT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, GPS: tl.constexpr,
-                    EXACT: tl.constexpr, USE_ASM: tl.constexpr, SPLIT: tl.constexpr, ATOMIC: tl.constexpr):
+                    EXACT: tl.constexpr, USE_ASM: tl.constexpr, SPLIT: tl.constexpr, SPLIT_K: tl.constexpr):
     """out[t, n] (+)= sum_k x[t, k] W[n, k] over this program's rows and K groups, on the tensor cores.
 
     EXACT: per group, the rows' integer codes (exact in x's dtype) times x, then the rows' scales in fp32;
@@ -190,13 +190,7 @@ def _qlinear_kernel(x_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr,
                 xs = tl.load(x_ptr + t[:, None] * stride_xt + k[None, :], mask=t_ok[:, None] & (k[None, :] < K),
                              other=0)  # [BT, GPS * GROUP]; groups past NG have k >= Kp >= K
                 acc = _dot(wa, xs, acc, DT)
-    out = tl.trans(acc)
-    ptrs = out_ptr + t[:, None] * stride_ot + rows[None, :]
-    mask = t_ok[:, None] & row_ok[None, :]
-    if ATOMIC:
-        tl.atomic_add(ptrs, out, mask=mask)
-    else:
-        tl.store(ptrs, out.to(out_ptr.dtype.element_ty), mask=mask)
+    _epilogue(tl.trans(acc), t, rows, t_ok, row_ok, out_ptr, stride_ot, ws_ptr, cnt_ptr, N, SPLIT_K)
 
 
 def _dot(w, x, acc, DT: tl.constexpr):
@@ -257,20 +251,20 @@ def _load_in_layout(ptrs, DT: tl.constexpr, ASM: tl.constexpr):
                                          is_pure=True, pack=1)
 
 
-def _gemv_kernel(x_ptr, words_ptr, high_ptr, scales_ptr, out_ptr,
+def _gemv_kernel(x_ptr, words_ptr, high_ptr, scales_ptr, out_ptr, ws_ptr, cnt_ptr,
                  N, K, NG, groups_per_split, magic,
                  stride_xt, stride_ot, stride_w, stride_h, stride_s,
                  FMT: tl.constexpr, BLOCK_N: tl.constexpr, GPS: tl.constexpr, EVEN_K: tl.constexpr,
-                 ASM_LOADS: tl.constexpr, ATOMIC: tl.constexpr):
-    """out[t, n] (+)= sum_k x[t, k] W[n, k] for one row t of x, on the CUDA cores (T = 1: a plain GEMV).
+                 ASM_LOADS: tl.constexpr, SPLIT_K: tl.constexpr):
+    """out[t, n] (+)= sum_k x[t, k] W[n, k] for one row t of x (grid axis 2), on the CUDA cores: a GEMV.
 
     The codes are read as 32-bit words, 8 per group and row; value i of word j is k = EPW j + i (EPW = 8
-    nibbles, or 4 bytes for q8). Each value is shifted into the mantissa of the float ``magic`` (128.0f,
-    256.0f for q8) and merged with it by one lop3 -- ``magic`` is a kernel argument so that it stays in a
-    register and mask and merge fuse -- then multiplied with x[k] by one FMA: ~3 instructions a weight,
-    no int->float conversion. The float's offset from q is taken off per word with the sum of its x's.
-    x[EPW j + i] for fixed i is a [W] vector broadcast over the rows, so each thread reuses its loads for
-    all the rows it holds. The next step's words are loaded before this step's arithmetic (prefetch).
+    nibbles, or 4 bytes for q8), turned into the float BASE + u by _word_codes (a shift and a lop3) and
+    multiplied with x[k] by one FMA. The float's offset from q is taken off per word with the sum of its
+    x's. x[EPW j + i] for fixed i is a [W] vector broadcast over the weight rows, so each thread reuses its
+    x loads for all the rows it holds. The next step's words are loaded before this step's arithmetic.
+    (Several rows of x in one program would need a 3-D tile, which Triton lays out across threads and
+    reduces with shuffles and barriers: T > 1 goes to the tensor-core kernels instead.)
     """
     EPW: tl.constexpr = 4 if FMT == 0 else 8  # codes per word
     GROUP: tl.constexpr = 8 * EPW
@@ -296,6 +290,7 @@ def _gemv_kernel(x_ptr, words_ptr, high_ptr, scales_ptr, out_ptr,
         w_next = tl.load(w_ptrs + (g0 + GPS) * 8, mask=(gw + GPS < tl.minimum(NG, g_end))[None, :], other=0)
         gw_in = tl.minimum(gw, NG - 1)  # in-bounds stand-in for groups past NG (their x's are all 0)
         s = _load_in_layout(s_rows + gw_in[None, :], tl.float16, ASM_LOADS).to(tl.float32)  # [BN, W]
+        h = w
         if FMT == 1:
             h = _load_in_layout(h_rows + (gw_in * 8 + jw % 8)[None, :], tl.uint8, ASM_LOADS).to(tl.uint32)
         e = tl.zeros((BLOCK_N, W), dtype=tl.float32)
@@ -306,28 +301,12 @@ def _gemv_kernel(x_ptr, words_ptr, high_ptr, scales_ptr, out_ptr,
                 xi = tl.load(x_row + k, mask=gw_ok, other=0).to(tl.float32)
             else:
                 xi = tl.load(x_row + k, mask=gw_ok & (k < K), other=0).to(tl.float32)
-            if FMT == 0:  # byte i (bits 8i..) -> bits 15..22 of 256.0f; magic ^ (0x80 << 15): u = q + 128
-                v = ((w << 15) if i == 0 else ((w << 7) if i == 1 else ((w >> 1) if i == 2 else (w >> 9))))
-                v = (v & 0x7F8000) ^ magic
-            else:  # nibble i (bits 4i..) -> bits 16..19 of 128.0f; q5's high bit i -> bit 20
-                if i < 4:
-                    v = w << (16 - 4 * i)
-                elif i == 4:
-                    v = w
-                else:
-                    v = w >> (4 * i - 16)
-                v = (v & 0xF0000) | magic
-                if FMT == 1:
-                    v = v | ((h << (20 - i)) & 0x100000)
-            e += v.to(tl.float32, bitcast=True) * xi[None, :]  # (BASE + u) x
+            e += _word_codes(w, i, magic, h, FMT) * xi[None, :]  # (BASE + u) x
             xs += xi
         # q = BASE + u - (BASE - QMIN); reduced every step so the accumulator keeps the words' layout
         acc += tl.sum((e - (BASE - QMIN) * xs[None, :]) * s, axis=1)
-    ptrs = out_ptr + tl.program_id(2) * stride_ot + rows
-    if ATOMIC:
-        tl.atomic_add(ptrs, acc, mask=row_ok)
-    else:
-        tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok)
+    t = tl.program_id(2) + tl.arange(0, 1)
+    _epilogue(acc[None, :], t, rows, t >= 0, row_ok, out_ptr, stride_ot, ws_ptr, cnt_ptr, N, SPLIT_K)
 
 
 def _word_codes(w, i: tl.constexpr, magic, h, FMT: tl.constexpr):
@@ -355,17 +334,18 @@ def _word_codes(w, i: tl.constexpr, magic, h, FMT: tl.constexpr):
             v = w
         else:
             v = w >> (4 * i - 16)
-        v = (v & 0xF0000) | magic
-        if FMT == 1:
-            v = v | ((h << (20 - i)) & 0x100000)
+        if FMT == 1:  # (h-bit | magic) first: two lop3s, not three
+            v = (v & 0xF0000) | (((h << (20 - i)) & 0x100000) | magic)
+        else:
+            v = (v & 0xF0000) | magic
     return v.to(tl.float32, bitcast=True)
 
 
-def _wdot_kernel(x_ptr, words_ptr, high_ptr, scales_ptr, out_ptr,
+def _wdot_kernel(x_ptr, words_ptr, high_ptr, scales_ptr, out_ptr, ws_ptr, cnt_ptr,
                  T, N, K, NG, groups_per_split, magic,
                  stride_xt, stride_ot, stride_w, stride_h, stride_s,
                  FMT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, GPS: tl.constexpr,
-                 EVEN_K: tl.constexpr, ASM_LOADS: tl.constexpr, ATOMIC: tl.constexpr):
+                 EVEN_K: tl.constexpr, ASM_LOADS: tl.constexpr, SPLIT_K: tl.constexpr):
     """out[t, n] (+)= sum_k x[t, k] W[n, k] on the tensor cores, from 32-bit code words.
 
     Value i of word j (k = EPW j + i) of every row becomes q * scale in x's dtype (_word_codes, then one
@@ -412,13 +392,32 @@ def _wdot_kernel(x_ptr, words_ptr, high_ptr, scales_ptr, out_ptr,
                 xm = t_ok[:, None] & (gw_ok & (k < K))[None, :]
             xi = tl.load(x_rows + k[None, :], mask=xm, other=0)  # [BT, W]
             acc = _dot(a, xi, acc, DT)
-    out = tl.trans(acc)
-    ptrs = out_ptr + t[:, None] * stride_ot + rows[None, :]
+    _epilogue(tl.trans(acc), t, rows, t_ok, row_ok, out_ptr, stride_ot, ws_ptr, cnt_ptr, N, SPLIT_K)
+
+
+def _epilogue(acc, t, rows, t_ok, row_ok, out_ptr, stride_ot, ws_ptr, cnt_ptr, N, SPLIT: tl.constexpr):
+    """Write acc [BT, BN] (fp32) to out; with SPLIT > 1, sum the SPLIT programs' tiles first, in one launch.
+
+    Each program adds its tile into the fp32 workspace (atomics, at L2), then counts itself in on the tile's
+    counter (release after a CTA barrier, so every thread's adds are ordered before it). The program that
+    arrives last (acquire) reads the sums, writes out, and leaves workspace and counter at zero for the next
+    launch: no memset or cast kernels around it, which matters inside a CUDA graph of microsecond kernels.
+    """
     mask = t_ok[:, None] & row_ok[None, :]
-    if ATOMIC:
-        tl.atomic_add(ptrs, out, mask=mask)
+    out_ptrs = out_ptr + t[:, None] * stride_ot + rows[None, :]
+    if SPLIT == 1:
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
     else:
-        tl.store(ptrs, out.to(out_ptr.dtype.element_ty), mask=mask)
+        ws = ws_ptr + t[:, None] * N + rows[None, :]
+        tl.atomic_add(ws, acc, mask=mask, sem="relaxed")
+        tl.debug_barrier()
+        tile = tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)
+        arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+        if arrived == SPLIT - 1:
+            total = tl.load(ws, mask=mask, other=0, cache_modifier=".cg")
+            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.store(ws, tl.zeros_like(total), mask=mask)
+            tl.atomic_xchg(cnt_ptr + tile, 0)
 
 
 def _dequant_kernel(codes_ptr, high_ptr, scales_ptr, w_ptr, N, K, stride_c, stride_h, stride_s, stride_w,
@@ -442,7 +441,7 @@ def _dequant_kernel(codes_ptr, high_ptr, scales_ptr, w_ptr, N, K, stride_c, stri
 def _kernels():
     """Import Triton and jit the kernels (once). Raises ImportError when Triton is missing."""
     global triton, tl, _codes_as, _q4_pairs_asm, _group_operands, _dot, _step_weights, _qlinear_kernel, \
-        _load_in_layout, _gemv_kernel, _word_codes, _wdot_kernel, _dequant_kernel
+        _load_in_layout, _gemv_kernel, _word_codes, _wdot_kernel, _epilogue, _dequant_kernel
     import triton as _triton
     import triton.language as _tl
 
@@ -452,6 +451,7 @@ def _kernels():
     _q4_pairs_asm = triton.jit(_q4_pairs_asm)
     _group_operands = triton.jit(_group_operands)
     _dot = triton.jit(_dot)
+    _epilogue = triton.jit(_epilogue)
     _step_weights = triton.jit(_step_weights)
     _load_in_layout = triton.jit(_load_in_layout)
     _gemv_kernel = triton.jit(_gemv_kernel)
@@ -510,27 +510,23 @@ class QConfig:
                              f"{self.block_t}")
 
 
-# Programs to aim for: a few per SM of an H200 (132 SMs), so that the last wave is small.
-_TARGET_PROGRAMS = 4 * 132
+# Programs to aim for: several per SM of an H200 (132 SMs). A program keeps about one loop step of
+# weights in flight, so the chip needs many resident programs to cover DRAM latency.
+_TARGET_PROGRAMS = 6 * 132
 
 
-def _split_for(tiles: int, ng: int, gps: int) -> int:
-    """K splits so that tiles * split reaches _TARGET_PROGRAMS, keeping >= 4 loop steps per program."""
-    split = 1
-    while tiles * split < _TARGET_PROGRAMS and ng // (2 * split * gps) >= 4:
-        split *= 2
-    return split
+def _split_for(tiles: int, ng: int, gps: int, target: int = _TARGET_PROGRAMS) -> int:
+    """K splits so that tiles * split reaches ``target`` programs, each with at least one loop step."""
+    return max(1, min(-(-target // tiles), ng // gps))
 
 
 def choose_config(fmt: str, n: int, k: int, t: int, dtype: torch.dtype) -> QConfig:
     """The launch configuration for x [t, k] @ W[n, k].T in fmt: a pure function of shapes, no timing."""
     ng = quant.qlayout(fmt, (n, k)).kp // quant.QSPEC[fmt][0]
     if t == 1:
-        block_n = 64
-        return QConfig("gemv", block_n, gps=2, split_k=_split_for(-(-n // block_n), ng, 2))
+        return QConfig("gemv", 128, gps=4, split_k=_split_for(-(-n // 128), ng, 4))
     block_t = min(64, max(16, _next_pow2(t)))
-    block_n = 64
-    return QConfig("dot", block_n, gps=4, block_t=block_t, split_k=_split_for(-(-n // block_n), ng, 4))
+    return QConfig("dot", 128, gps=4, block_t=block_t, split_k=_split_for(-(-n // 128), ng, 4))
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -564,38 +560,61 @@ def qlinear_triton(x: torch.Tensor, lin: PackedLinear, config: QConfig | None = 
                          f"{tuple(out.shape)} {out.dtype}")
     cfg = config or choose_config(lin.fmt, lin.n, lin.k, t, x.dtype)
     groups_per_split = _cdiv(_cdiv(lin.ng, cfg.split_k), cfg.gps) * cfg.gps
-    atomic = cfg.split_k > 1
     if out is None:
         out = torch.empty(t, lin.n, dtype=x.dtype, device=x.device)
-    # split K: fp32 partial sums meet in a zeroed buffer (one memset, one cast); fp32 x adds into out itself
-    acc = (out.zero_() if x.dtype == torch.float32 else torch.zeros(t, lin.n, dtype=torch.float32, device=x.device)) \
-        if atomic else out
     n_tiles, k_tiles = _cdiv(lin.n, cfg.block_n), _cdiv(lin.ng, groups_per_split)
+    t_tiles = t if cfg.kind == "gemv" else _cdiv(t, cfg.block_t)
+    ws, counters = _workspace(x.device, t, lin.n, n_tiles * t_tiles) if k_tiles > 1 else (out, out)
     fmt_id = _FMT_ID[lin.fmt]
+    magic = 0x43C00000 if fmt_id == 0 else 0x43000000  # the float bits the word kernels build codes in
+    common = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, SPLIT_K=k_tiles)
     if cfg.kind == "gemv":
         _gemv_kernel[(n_tiles, k_tiles, t)](
-            x, lin.words, lin.high, lin.scales, acc, lin.n, lin.k, lin.ng, groups_per_split,
-            0x43C00000 if fmt_id == 0 else 0x43000000,
-            x.stride(0), acc.stride(0), lin.words.stride(0), lin.high.stride(0), lin.scales.stride(0),
-            FMT=fmt_id, BLOCK_N=cfg.block_n, GPS=cfg.gps, EVEN_K=lin.k == lin.kp, ASM_LOADS=x.is_cuda, ATOMIC=atomic,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            x, lin.words, lin.high, lin.scales, out, ws, counters, lin.n, lin.k, lin.ng, groups_per_split, magic,
+            x.stride(0), out.stride(0), lin.words.stride(0), lin.high.stride(0), lin.scales.stride(0),
+            FMT=fmt_id, BLOCK_N=cfg.block_n, GPS=cfg.gps, EVEN_K=lin.k == lin.kp, ASM_LOADS=x.is_cuda, **common)
     elif cfg.kind == "wdot":
-        _wdot_kernel[(n_tiles, k_tiles, _cdiv(t, cfg.block_t))](
-            x, lin.words, lin.high, lin.scales, acc, t, lin.n, lin.k, lin.ng, groups_per_split,
-            0x43C00000 if fmt_id == 0 else 0x43000000,
-            x.stride(0), acc.stride(0), lin.words.stride(0), lin.high.stride(0), lin.scales.stride(0),
+        _wdot_kernel[(n_tiles, k_tiles, t_tiles)](
+            x, lin.words, lin.high, lin.scales, out, ws, counters, t, lin.n, lin.k, lin.ng, groups_per_split,
+            magic, x.stride(0), out.stride(0), lin.words.stride(0), lin.high.stride(0), lin.scales.stride(0),
             FMT=fmt_id, BLOCK_T=cfg.block_t, BLOCK_N=cfg.block_n, GPS=cfg.gps, EVEN_K=lin.k == lin.kp,
-            ASM_LOADS=x.is_cuda, ATOMIC=atomic, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            ASM_LOADS=x.is_cuda, **common)
     else:
-        dot_kernel[(n_tiles, k_tiles, _cdiv(t, cfg.block_t))](
-            x, lin.codes, lin.high, lin.scales, acc, t, lin.n, lin.k, lin.ng, groups_per_split,
-            x.stride(0), acc.stride(0), lin.codes.stride(0), lin.high.stride(0), lin.scales.stride(0),
+        dot_kernel[(n_tiles, k_tiles, t_tiles)](
+            x, lin.codes, lin.high, lin.scales, out, ws, counters, t, lin.n, lin.k, lin.ng, groups_per_split,
+            x.stride(0), out.stride(0), lin.codes.stride(0), lin.high.stride(0), lin.scales.stride(0),
             FMT=fmt_id, BLOCK_T=cfg.block_t, BLOCK_N=cfg.block_n, GPS=cfg.gps, EXACT=cfg.exact,
-            USE_ASM=cfg.use_asm and x.dtype != torch.float32, SPLIT=cfg.split_nibbles, ATOMIC=atomic,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if acc is not out:
-        out.copy_(acc)
+            USE_ASM=cfg.use_asm and x.dtype != torch.float32, SPLIT=cfg.split_nibbles, **common)
     return out
+
+
+# Split-K scratch, one per device: fp32 [rows, N] sums and per-tile arrival counters, both left at zero by
+# every launch (the last program of each tile clears its part). Kernels on one stream run one after the
+# other, so they can share it; two split-K launches running concurrently on different streams cannot.
+_WORKSPACES: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+_MAX_TILES = 1 << 16
+
+
+def _workspace(device, rows: int, n: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The device's split-K scratch, grown (zeroed) to at least rows * n floats and `tiles` counters.
+
+    Growing allocates, so a first call that grows it must not be inside a CUDA-graph capture:
+    PackedLinear reserves MAX_KERNEL_ROWS x N when it is built.
+    """
+    device = torch.device(device)
+    ws, counters = _WORKSPACES.get(device, (None, None))
+    if tiles > _MAX_TILES:
+        raise ValueError(f"qlinear: {tiles} output tiles exceed the split-K counters ({_MAX_TILES})")
+    if ws is None or ws.numel() < rows * n:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("qlinear: the split-K workspace must grow outside CUDA-graph capture "
+                               "(make the PackedLinear, or call once, before capturing)")
+        ws = torch.zeros(max(rows * n, 1 << 20), dtype=torch.float32, device=device)
+        counters = torch.zeros(_MAX_TILES, dtype=torch.int32, device=device)
+        _WORKSPACES[device] = (ws, counters)
+    return ws, counters
+
+
 
 
 def qlinear_dequant(lin: PackedLinear, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -648,6 +667,8 @@ class PackedLinear:
         self.high = section(lay.high).view(lay.n, -1) if fmt == "q5_g64_fp16" else self.buf[:1].view(1, 1)
         self.scales = section(lay.scales).view(torch.float16).view(lay.n, self.ng)  # [N, Kp/group]
         self._dense: dict[torch.dtype, torch.Tensor] = {}
+        if self.device.type == "cuda":
+            _workspace(self.device, MAX_KERNEL_ROWS, self.n, 1)
 
     @property
     def packed_bytes(self) -> int:

@@ -11,7 +11,7 @@ from .store import save_oracle
 DTYPES = {"fp64": torch.float64, "fp32": torch.float32}
 
 
-def reference_model(source: str, dtype: str = "fp64"):
+def reference_model(source: str | None, dtype: str = "fp64"):
     """(ReferenceModel with weights dequantized from ``source``, the loaded model)."""
     if dtype not in DTYPES:
         raise ValueError(f"oracle dtype must be fp64 or fp32, got {dtype!r}")

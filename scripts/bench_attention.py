@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import json
 import math
 import os
@@ -23,13 +22,10 @@ import time
 import traceback
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if "ninfer_bench" not in sys.modules:  # the repo root is the package (setuptools package-dir), no install needed
-    _spec = importlib.util.spec_from_file_location("ninfer_bench", ROOT / "__init__.py",
-                                                   submodule_search_locations=[str(ROOT)])
-    _pkg = importlib.util.module_from_spec(_spec)
-    sys.modules["ninfer_bench"] = _pkg
-    _spec.loader.exec_module(_pkg)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _bootstrap  # noqa: E402
+
+_bootstrap.ensure_package()
 
 import torch  # noqa: E402
 
@@ -256,22 +252,23 @@ def main() -> int:
                 del case
                 torch.cuda.empty_cache()
     sweep = []
-    if not args.no_sweep:
-        for kv, ctx, b, t in sweep_todo:
+    for kv, ctx, b, t in [] if args.no_sweep else sweep_todo:
+        if time.time() - t0 > TIME_BUDGET_S:
+            print(f"sweep stopped at {time.time() - t0:.0f} s (budget {TIME_BUDGET_S} s)")
+            break
+        case = Case(kv, ctx, b)
+        for cfg in sweep_configs(case, t):
             if time.time() - t0 > TIME_BUDGET_S:
-                print(f"sweep stopped at {time.time() - t0:.0f} s (budget {TIME_BUDGET_S} s)")
                 break
-            case = Case(kv, ctx, b)
-            for cfg in sweep_configs(case, t):
-                rec = {"op": "decode_attention_sweep", "kv": kv, "ctx": ctx, "B": b, "T": t, "config": str(cfg),
-                       "splits": -(-ctx // cfg.chunk)}
-                try:
-                    rec.update(measure(case, t, bw, cfg))
-                except Exception as exc:
-                    rec["error"] = repr(exc)[:400]
-                sweep.append(emit(rec))
-            del case
-            torch.cuda.empty_cache()
+            rec = {"op": "decode_attention_sweep", "kv": kv, "ctx": ctx, "B": b, "T": t, "config": str(cfg),
+                   "splits": -(-ctx // cfg.chunk)}
+            try:
+                rec.update(measure(case, t, bw, cfg))
+            except Exception as exc:
+                rec["error"] = repr(exc)[:400]
+            sweep.append(emit(rec))
+        del case
+        torch.cuda.empty_cache()
     for row in resource_report():
         emit({"op": "resources", **row})
         print("resources", row)

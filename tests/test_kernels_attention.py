@@ -22,7 +22,8 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 RTOL = 2e-3  # relative RMS vs the fp32 reference, fp32 / fp16 queries (fp32 accumulation in the kernel)
 RTOL_BF16 = 1e-2  # bf16 queries: q, the dequantized K/V and p are rounded to bf16 before the dots
 
-pytestmark = pytest.mark.skipif(not at.triton_available(), reason=f"triton does not import: {at._triton_import_error()}")
+pytestmark = pytest.mark.skipif(not at.triton_available(),
+                                reason=f"triton does not import: {at._triton_import_error()}")
 
 
 def _fix_interpreter_loop_bounds():

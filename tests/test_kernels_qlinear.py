@@ -24,10 +24,14 @@ QC = ql.QConfig
 FMTS = quant.QUANT_FORMATS
 DEVICE = "cuda" if CUDA else "cpu"
 
-# Relative RMS error against the fp32 reference, per x dtype. fp32: summation order, and the gemv's
-# offset correction (its partial sums carry 128 + |qmin| times each code's x, taken off per group). fp16: output rounding (2^-11) and, in the non-exact dot variant, q * scale rounded to fp16. bf16: the same
+# Relative RMS error against the fp32 reference, per x dtype. fp32: summation order only. fp16: output rounding (2^-11) and, in the non-exact dot variant, q * scale rounded to fp16. bf16: the same
 # with 8-bit mantissas (~1.6e-3 each); the interpreter truncates bf16 stores (up to 2^-7).
-TOL = {torch.float32: 1e-4, torch.float16: 1.5e-3, torch.bfloat16: 6e-3 if CUDA else 1.2e-2}
+TOL = {torch.float32: 1e-5, torch.float16: 1.5e-3, torch.bfloat16: 6e-3 if CUDA else 1.2e-2}
+
+
+# The gemv sums (128 + u) * x and takes 128 - qmin times the sum of x off per word: fp32 partial sums ~30x
+# the result's, so an output that nearly cancels (N = 1 gives a single one) can lose ~2^-24 * 30 / |y|.
+GEMV_TOL_FP32 = 1e-3
 
 
 def _triton_skip_reason() -> str | None:
@@ -101,8 +105,9 @@ KERNEL_DTYPES = [torch.bfloat16, torch.float16] if CUDA else [torch.float32, tor
 def test_gemv_vs_ref(fmt, shape, dtype):
     n, k, t = shape
     _, lin, x, ref = _case(fmt, n, k, t, dtype)
+    tol = GEMV_TOL_FP32 if dtype == torch.float32 else TOL[dtype]
     for cfg in (QC("gemv", 16, gps=2), QC("gemv", 64, gps=1, split_k=2)):
-        assert _rel_rms(_run(lin, x, cfg), ref) <= TOL[dtype], cfg
+        assert _rel_rms(_run(lin, x, cfg), ref) <= tol, cfg
 
 
 @needs_triton
@@ -112,9 +117,11 @@ def test_gemv_vs_ref(fmt, shape, dtype):
 def test_dot_vs_ref(fmt, shape, dtype):
     n, k, t = shape
     _, lin, x, ref = _case(fmt, n, k, t, dtype, seed=1)
-    cfgs = [QC("dot", 16, gps=2), QC("dot", 32, gps=1, split_k=2, exact=True)]
+    cfgs = [QC("dot", 16, gps=2), QC("dot", 32, gps=1, split_k=2, exact=True), QC("wdot", 16, gps=2),
+            QC("dot", 16, gps=2, split_nibbles=True)]
     if CUDA:
-        cfgs += [QC("dot", 64, gps=4, split_k=2), QC("dot", 64, gps=4, exact=True, use_asm=True)]
+        cfgs += [QC("dot", 64, gps=4, split_k=2), QC("dot", 64, gps=4, exact=True, use_asm=True),
+                 QC("wdot", 64, gps=4, split_k=2), QC("dot", 128, gps=4, split_nibbles=True)]
     for cfg in cfgs:
         assert _rel_rms(_run(lin, x, cfg), ref) <= TOL[dtype], cfg
 
@@ -126,7 +133,8 @@ def test_default_config_and_wide_t(fmt):
     dtype = torch.bfloat16 if CUDA else torch.float32
     for t in (1, 20):
         _, lin, x, ref = _case(fmt, 48, 192, t, dtype, seed=2)
-        assert _rel_rms(ql.qlinear_triton(x, lin), ref) <= TOL[dtype]
+        tol = GEMV_TOL_FP32 if dtype == torch.float32 and t == 1 else TOL[dtype]
+        assert _rel_rms(ql.qlinear_triton(x, lin), ref) <= tol
 
 
 @needs_triton

@@ -1,0 +1,133 @@
+"""Anthropic-style routes: ``/v1/messages`` and ``/v1/messages/count_tokens`` (see :mod:`.server`)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Literal
+
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from .server import ApiError, Backend, Outcome, error_body, new_id, read_json, sse, validate
+
+STOP_REASON = {"eos": "end_turn", "stop_sequence": "stop_sequence", "length": "max_tokens"}
+NO_MODALITY = {"image": "vision", "document": "document"}
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["user", "assistant"]
+    content: str | list[dict]
+
+
+class CountRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: str
+    messages: list[Message] = Field(min_length=1)
+    system: str | list[dict] | None = None
+    tools: list | None = None
+
+
+class MessagesRequest(CountRequest):
+    max_tokens: int = Field(ge=1)
+    stream: bool | None = None
+    stop_sequences: list[str] | None = None
+    temperature: float | None = Field(None, ge=0, le=1)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0)
+    seed: int | None = None
+    session_id: str | None = None
+    return_token_ids: bool | None = None
+    ignore_eos: bool | None = None
+
+
+def blocks_text(content, where: str) -> str:
+    """A string, or the text of a list of ``{"type": "text"}`` blocks."""
+    if isinstance(content, str):
+        return content
+    out = []
+    for i, block in enumerate(content):
+        kind = block.get("type")
+        if kind == "text" and isinstance(block.get("text"), str):
+            out.append(block["text"])
+        elif kind in NO_MODALITY:
+            raise ApiError(400, f"{where}[{i}]: this model has no {NO_MODALITY[kind]} component")
+        else:
+            raise ApiError(400, f"{where}[{i}]: unsupported content block {kind!r} (text blocks only)")
+    return "\n".join(out)
+
+
+def render(backend: Backend, body: CountRequest) -> str:
+    """The prompt text. A final assistant message is a prefill: the reply continues it."""
+    if body.tools:
+        raise ApiError(400, "tools: tool use is not supported by this server")
+    turns = [{"role": "system", "content": blocks_text(body.system, "system")}] if body.system else []
+    turns += [{"role": m.role, "content": blocks_text(m.content, f"messages.{i}.content")}
+              for i, m in enumerate(body.messages)]
+    prefill = turns.pop()["content"] if turns[-1]["role"] == "assistant" else ""
+    try:
+        return backend.engine.tokenizer.apply_chat_template(turns, add_generation_prompt=True) + prefill
+    except Exception as e:  # the template's own raise_exception, or a Jinja error on odd input
+        raise ApiError(400, f"the chat template rejected the messages: {e}") from None
+
+
+def usage(out: Outcome) -> dict:
+    return {"input_tokens": out.prompt_n - out.cached_n, "output_tokens": len(out.tokens),
+            "cache_read_input_tokens": out.cached_n, "cache_creation_input_tokens": 0}
+
+
+def register(app: FastAPI, backend: Backend) -> None:
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request):
+        body = validate(CountRequest, await read_json(request, backend.max_body))
+        backend.check_model(body.model)
+        text = render(backend, body)
+        return {"input_tokens": len(await asyncio.to_thread(backend.engine.tokenizer.encode, text))}
+
+    @app.post("/v1/messages")
+    async def messages(request: Request):
+        body = validate(MessagesRequest, await read_json(request, backend.max_body))
+        backend.check_model(body.model)
+        gen = await backend.generate(
+            request, text=render(backend, body), max_tokens=body.max_tokens,
+            session_id=backend.session_id(request, body.session_id),
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0, seed=body.seed,
+            stop=body.stop_sequences, ignore_eos=body.ignore_eos)
+        msg = {"id": new_id("msg_"), "type": "message", "role": "assistant", "model": backend.model_id,
+               **({"session_id": gen.session_id} if gen.session_id else {})}
+        want_ids = bool(body.return_token_ids)
+        if not body.stream:
+            try:
+                out = await gen.collect(request)
+            finally:
+                gen.cancel()
+            return {**msg, "content": [{"type": "text", "text": out.text}], "stop_reason": STOP_REASON[out.finish],
+                    "stop_sequence": out.stop_sequence, "usage": usage(out), "timings": out.timings,
+                    **({"token_ids": out.tokens, "prompt_token_ids": gen.prompt} if want_ids else {})}
+
+        async def events():
+            try:
+                start = {**msg, "content": [], "stop_reason": None, "stop_sequence": None,
+                         "usage": {"input_tokens": len(gen.prompt), "output_tokens": 0}}
+                yield sse({"type": "message_start", "message": start}, "message_start")
+                yield sse({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
+                          "content_block_start")
+                async for text, ids in gen.deltas():
+                    if text or (want_ids and ids):
+                        delta = {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": text},
+                                 **({"token_ids": ids} if want_ids else {})}
+                        yield sse(delta, "content_block_delta")
+                out = await gen.outcome()
+                yield sse({"type": "content_block_stop", "index": 0}, "content_block_stop")
+                yield sse({"type": "message_delta", "delta": {"stop_reason": STOP_REASON[out.finish],
+                                                              "stop_sequence": out.stop_sequence},
+                           "usage": usage(out), "timings": out.timings}, "message_delta")
+                yield sse({"type": "message_stop"}, "message_stop")
+            except ApiError as e:
+                yield sse(error_body(e, anthropic=True), "error")
+            finally:
+                gen.cancel()
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

@@ -1,0 +1,203 @@
+"""OpenAI-style routes: ``/v1/models``, ``/v1/chat/completions``, ``/v1/completions`` (see :mod:`.server`)."""
+
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from .server import ApiError, Backend, Generation, Outcome, error_body, new_id, read_json, sse, validate
+
+FINISH = {"eos": "stop", "stop_sequence": "stop", "length": "length"}
+NO_MODALITY = {"image_url": "vision", "input_image": "vision", "image": "vision", "input_audio": "audio",
+               "audio": "audio", "file": "file input"}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    include_usage: bool | None = None
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict] | None = None
+
+
+class _Generate(BaseModel):
+    """Fields both routes share; ``None`` means the API's default. Unknown fields are ignored."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    n: int | None = None
+    session_id: str | None = None
+    return_token_ids: bool | None = None
+    ignore_eos: bool | None = None
+
+
+class ChatRequest(_Generate):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    tools: list | None = None
+
+
+class CompletionRequest(_Generate):
+    prompt: str | list[int] | list[str] | list[list[int]]
+
+
+def content_text(content, where: str) -> str:
+    """A message's content as text: a string, or the text of a list of ``{"type": "text"}`` parts."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    out = []
+    for i, part in enumerate(content):
+        kind = part.get("type")
+        if kind == "text" and isinstance(part.get("text"), str):
+            out.append(part["text"])
+        elif kind in NO_MODALITY:
+            raise ApiError(400, f"{where}[{i}]: this model has no {NO_MODALITY[kind]} component", param=where)
+        else:
+            raise ApiError(400, f"{where}[{i}]: unsupported content part {kind!r} (text parts only)", param=where)
+    return "\n".join(out)
+
+
+def render_chat(backend: Backend, messages: list[Message]) -> str:
+    turns = [{"role": "system" if m.role == "developer" else m.role,
+              "content": content_text(m.content, f"messages[{i}].content")} for i, m in enumerate(messages)]
+    try:
+        return backend.engine.tokenizer.apply_chat_template(turns, add_generation_prompt=True)
+    except Exception as e:  # the template's own raise_exception, or a Jinja error on odd input
+        raise ApiError(400, f"the chat template rejected the messages: {e}", param="messages") from None
+
+
+def usage(out: Outcome) -> dict:
+    n = len(out.tokens)
+    return {"prompt_tokens": out.prompt_n, "completion_tokens": n, "total_tokens": out.prompt_n + n,
+            "prompt_tokens_details": {"cached_tokens": out.cached_n}}
+
+
+async def start(request: Request, backend: Backend, body: _Generate, **prompt) -> Generation:
+    backend.check_model(body.model)
+    if body.n not in (None, 1):
+        raise ApiError(400, "n: only one choice per request is supported", param="n")
+    if (body.model_extra or {}).get("logprobs"):
+        raise ApiError(400, "logprobs: log-probabilities are not returned by this server", param="logprobs")
+    return await backend.generate(
+        request, **prompt, session_id=backend.session_id(request, body.session_id),
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0, seed=body.seed, stop=body.stop,
+        ignore_eos=body.ignore_eos)
+
+
+def stream(gen: Generation, head: dict, choice, final, body: _Generate) -> StreamingResponse:
+    """SSE chunks: ``choice(text, ids)`` builds a chunk's choice, ``final(out)`` the finishing one."""
+    want_ids = bool(body.return_token_ids)
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+    async def events():
+        try:
+            first = choice(None, None)
+            if first:
+                yield sse({**head, "choices": [first]})
+            async for text, ids in gen.deltas():
+                if text or (want_ids and ids):
+                    yield sse({**head, "choices": [choice(text, ids if want_ids else None)]})
+            out = await gen.outcome()
+            yield sse({**head, "choices": [final(out)], "usage": usage(out), "timings": out.timings})
+            if include_usage:
+                yield sse({**head, "choices": [], "usage": usage(out)})
+        except ApiError as e:
+            yield sse(error_body(e, anthropic=False))
+        finally:
+            gen.cancel()
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def register(app: FastAPI, backend: Backend) -> None:
+    @app.get("/v1/models")
+    async def models():
+        opts = backend.engine.options
+        return {"object": "list", "data": [{"id": backend.model_id, "object": "model", "created": backend.created,
+                                            "owned_by": "ninfer-bench", "max_context": backend.context_limit,
+                                            "spec": opts.spec}]}
+
+    @app.get("/v1/models/{name}")
+    async def model(name: str):
+        backend.check_model(name)
+        return {"id": backend.model_id, "object": "model", "created": backend.created, "owned_by": "ninfer-bench"}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        body = validate(ChatRequest, await read_json(request, backend.max_body))
+        if body.tools:
+            raise ApiError(400, "tools: tool calling is not supported by this server", param="tools")
+        text = render_chat(backend, body.messages)
+        gen = await start(request, backend, body, text=text, max_tokens=body.max_completion_tokens or body.max_tokens)
+        cid, created = new_id("chatcmpl-"), int(time.time())
+        head = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": backend.model_id}
+        extra = {"session_id": gen.session_id} if gen.session_id else {}
+        if body.stream:
+            def choice(text, ids):
+                delta = {"role": "assistant", "content": ""} if text is None else ({"content": text} if text else {})
+                return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None,
+                        **({"token_ids": ids} if ids is not None else {})}
+
+            def final(out):
+                return {"index": 0, "delta": {}, "logprobs": None, "finish_reason": FINISH[out.finish]}
+
+            return stream(gen, {**head, **extra}, choice, final, body)
+        try:
+            out = await gen.collect(request)
+        finally:
+            gen.cancel()
+        msg = {"index": 0, "message": {"role": "assistant", "content": out.text}, "logprobs": None,
+               "finish_reason": FINISH[out.finish], **({"token_ids": out.tokens} if body.return_token_ids else {})}
+        return {**head, "object": "chat.completion", "choices": [msg], "usage": usage(out), "timings": out.timings,
+                **extra, **({"prompt_token_ids": gen.prompt} if body.return_token_ids else {})}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = validate(CompletionRequest, await read_json(request, backend.max_body))
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise ApiError(400, "prompt: only one prompt per request is supported", param="prompt")
+            prompt = prompt[0]
+        if not prompt:
+            raise ApiError(400, "prompt: the prompt is empty", param="prompt")
+        source = {"text": prompt} if isinstance(prompt, str) else {"ids": list(prompt)}
+        gen = await start(request, backend, body, **source, max_tokens=body.max_tokens or 16)
+        head = {"id": new_id("cmpl-"), "object": "text_completion", "created": int(time.time()),
+                "model": backend.model_id, **({"session_id": gen.session_id} if gen.session_id else {})}
+        if body.stream:
+            def choice(text, ids):
+                if text is None:
+                    return None
+                return {"index": 0, "text": text, "logprobs": None, "finish_reason": None,
+                        **({"token_ids": ids} if ids is not None else {})}
+
+            def final(out):
+                return {"index": 0, "text": "", "logprobs": None, "finish_reason": FINISH[out.finish]}
+
+            return stream(gen, head, choice, final, body)
+        try:
+            out = await gen.collect(request)
+        finally:
+            gen.cancel()
+        choice = {"index": 0, "text": out.text, "logprobs": None, "finish_reason": FINISH[out.finish],
+                  **({"token_ids": out.tokens} if body.return_token_ids else {})}
+        return {**head, "choices": [choice], "usage": usage(out), "timings": out.timings,
+                **({"prompt_token_ids": gen.prompt} if body.return_token_ids else {})}

@@ -1,0 +1,229 @@
+"""DFlash and DFlash2 drafters (``engine/spec/dflash.py`` ``BlockDrafter``) trained on the frozen target, and
+the MTP head's multi-depth fine-tuning, all from one target forward per step.
+
+Each step: the frozen target (bf16, no grad) reads a batch of corpus sequences; its tap-layer outputs are
+the drafters' context, its greedy predictions are the labels (self-distillation: a draft is accepted when it
+equals the target's greedy token). Drafters run ``forward_train`` over many random blocks per sequence: a
+block anchored at ``a`` is ``[t_a, mask x (s-1)]`` at positions ``a..a+s-1`` seeing context ``< a`` (the
+engine's ``draft``: anchor = the last sampled token, context = the committed ones); block position ``i``
+predicts the target's greedy token at ``a + i``, weighted ``exp(-(i-1)/gamma)``.
+
+The engine drafts ``K`` tokens with a block of ``K + 1`` (``BlockDraftRunner.draft``) and the block has no
+causal mask, so a block's length changes what each position sees; steps cycle through the block lengths of
+the K the card reports (4, 8, 12, 16), so every evaluated K runs the drafter as it was trained.
+
+DFlash2's selector is trained on the walk it runs (``CandidateSelector.walk``): at each block position the
+candidates are the top-``candidates`` tokens of the drafter's logits, scored ``logit + pair_scores(h_i, prev,
+cand)`` with ``prev`` the previous position's label (the anchor for the first), and a cross-entropy over the
+candidates pulls the label up wherever it is among them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ninfer_bench.engine.config import DraftConfig, ModelConfig
+from ninfer_bench.engine.spec.dflash import BlockDrafter, forward_train
+
+from .mtp import mtp_loss
+from .schedule import Schedule
+from .target import rotary, run
+
+BLOCK_SIZES = (4, 8, 12, 16)
+SHAPES = {
+    "small": dict(num_layers=2, intermediate_size=768, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+                  window=512, scorer_rank=32, taps=4),
+    "tiny": dict(num_layers=2, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                 window=32, scorer_rank=8, taps=2),
+}
+
+
+def draft_config(kind: str, shape: str, cfg: ModelConfig, mask_id: int) -> DraftConfig:
+    """Block 16 (K up to 15), taps evenly spaced ending at the last layer ([1, 3, 5, 7] of 8). RoPE theta 1e4:
+    the mask slots of a block differ only by position, so the drafter wants fast-turning frequencies."""
+    s = dict(SHAPES[shape])
+    n, taps = cfg.num_hidden_layers, s.pop("taps")
+    window, rank = s.pop("window"), s.pop("scorer_rank")
+    return DraftConfig(kind=kind, block_size=16, target_layer_ids=tuple(round((i + 1) * n / taps) - 1
+                                                                        for i in range(taps)),
+                       mask_token_id=mask_id, hidden_size=cfg.hidden_size, rms_norm_eps=cfg.rms_norm_eps,
+                       rope_theta=1e4, window=window if kind == "dflash2" else 0, candidates=16,
+                       scorer_rank=rank if kind == "dflash2" else 0, **s)
+
+
+@dataclass(slots=True)
+class DrafterOptions:
+    seq_len: int
+    batch: int
+    lr: float
+    mtp_lr: float
+    warmup: int
+    budget_s: float
+    max_steps: int | None = None
+    block_tokens: int = 512  # block positions per sequence per step (blocks = block_tokens // s)
+    mtp_depths: int = 4  # MTP drafts 1..4
+    gamma: float = 5.0
+    selector_weight: float = 0.5
+    labels: str = "greedy"
+    log_every: int = 10
+
+    def __post_init__(self) -> None:
+        if self.labels not in ("greedy", "corpus"):
+            raise ValueError(f"drafter labels must be greedy or corpus, got {self.labels!r}")
+
+
+@contextlib.contextmanager
+def block_size(drafter: BlockDrafter, s: int):
+    """Run ``forward_train`` with blocks of ``s`` (the block length the engine uses for K = s - 1)."""
+    saved = drafter.c.block_size
+    drafter.c.block_size = s
+    try:
+        yield
+    finally:
+        drafter.c.block_size = saved
+
+
+def anchors(b: int, length: int, s: int, nb: int, gen: torch.Generator, device) -> torch.Tensor:
+    """``[B, nb]`` distinct anchors per row in ``1 .. length - s + 1`` (context non-empty, labels in range)."""
+    return torch.rand(b, length - s + 1, generator=gen, device=device).argsort(dim=1)[:, :nb] + 1
+
+
+def block_loss(drafter: BlockDrafter, taps, ids, labels, embed, lm_head, s: int, nb: int, opts, gen):
+    """(loss, top-1 agreement per block position) of one drafter on one batch with blocks of ``s``."""
+    b, length = ids.shape
+    a = anchors(b, length, s, nb, gen, ids.device)
+    blk = torch.full((b, nb, s), drafter.c.mask_token_id, dtype=torch.long, device=ids.device)
+    blk[..., 0] = ids.gather(1, a)
+    with block_size(drafter, s):
+        out = forward_train(drafter, taps, embed(blk).reshape(b, nb * s, -1), a)
+    h = out.view(b, nb, s, -1)[:, :, 1:]  # [B, nb, s-1, H]: block positions 1..s-1
+    logits = lm_head(h).float()
+    lab = labels.gather(1, (a[..., None] + torch.arange(s - 1, device=ids.device)).view(b, -1)).view(b, nb, s - 1)
+    w = torch.exp(-torch.arange(s - 1, device=ids.device, dtype=torch.float32) / opts.gamma)
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), lab.reshape(-1), reduction="none").view_as(lab)
+    loss = (ce * w).sum(-1).mean() / w.sum()
+    if drafter.selector is not None:
+        loss = loss + opts.selector_weight * selector_loss(drafter.selector, h, logits, blk[..., 0], lab, w)
+    agree = (logits.argmax(-1) == lab).float().mean((0, 1)).detach()
+    return loss, agree
+
+
+def selector_loss(selector, h, logits, anchor_tok, lab, w) -> torch.Tensor:
+    """Cross-entropy over each position's top-k candidates, scored as ``CandidateSelector.walk`` scores them."""
+    unary, cand = torch.topk(logits, selector.candidates, dim=-1)  # [B, nb, s-1, C]
+    prev = torch.cat([anchor_tok[..., None], lab[..., :-1]], dim=-1)  # teacher forcing: the previous label
+    scores = unary + selector.pair_scores(h, prev, cand).float()
+    hit = cand == lab[..., None]
+    present = hit.any(-1).float() * w
+    ce = F.cross_entropy(scores.reshape(-1, scores.shape[-1]), hit.int().argmax(-1).reshape(-1),
+                         reduction="none").view_as(present)
+    return (ce * present).sum() / present.sum().clamp_min(1.0)
+
+
+def train(model, mtp, drafters: dict, batches, opts: DrafterOptions, device, seed: int, log) -> dict:
+    """Train the drafters (and fine-tune the MTP head) on the frozen target; returns the phase's facts."""
+    model.to(device).eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    mtp.to(device).train()
+    for d in drafters.values():
+        d.to(device).train()
+    groups = [{"params": list(d.parameters()), "lr": opts.lr} for d in drafters.values()]
+    groups.append({"params": list(mtp.parameters()), "lr": opts.mtp_lr})
+    opt = torch.optim.AdamW(groups, betas=(0.9, 0.95), weight_decay=0.0, fused=device.type == "cuda")
+    peak = [g["lr"] for g in groups]
+    sched = Schedule(1.0, opts.warmup, opts.budget_s, opts.max_steps)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    taps = sorted({i for d in drafters.values() for i in d.c.target_layer_ids})
+    amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+    embed, lm_head = model.model.embed_tokens, model.lm_head
+    step, stats = 0, {}
+    while True:
+        x = torch.from_numpy(batches.next()).to(device)
+        ids, length = x[:, :-1], x.shape[1] - 1
+        s = BLOCK_SIZES[step % len(BLOCK_SIZES)]
+        with amp:
+            with torch.no_grad():
+                hidden, outs = run(model, ids, taps)
+                greedy = lm_head(hidden).argmax(-1)  # [B, T]: the target's prediction of token p+1
+                labels = greedy if opts.labels == "greedy" else x[:, 1:]
+                tap = {i: o for i, o in zip(taps, outs)}
+                emb_next = embed(x[:, 1:])
+                cos, sin = rotary(model, hidden)
+            mtp_labels = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], dim=1)
+            loss, parts = mtp_loss(mtp, lm_head, hidden, emb_next, mtp_labels, cos, sin, opts.mtp_depths)
+            agree = {}
+            for kind, d in drafters.items():
+                ctx = torch.cat([tap[i] for i in d.c.target_layer_ids], dim=-1)
+                dl, agree[kind] = block_loss(d, ctx, ids, labels, embed, lm_head, s,
+                                             max(1, min(opts.block_tokens // s, length - s + 1)), opts, gen)
+                loss = loss + dl
+        for g, lr in zip(opt.param_groups, peak):
+            g["lr"] = lr * sched.lr(step)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], 1.0)
+        opt.step()
+        step += 1
+        stop = sched.done(step)
+        for kind, a in agree.items():  # running top-1 agreement per block position, per block size
+            key = f"{kind}_s{s}"
+            stats[key] = a if key not in stats else 0.9 * stats[key] + 0.1 * a
+        if step % opts.log_every == 0 or stop:
+            log({"phase": "drafters", "step": step, "loss": float(loss.detach()), "block": s,
+                 "mtp_depth_loss": [round(float(p), 4) for p in parts], "lr": opts.lr * sched.lr(step - 1),
+                 "elapsed": round(sched.elapsed, 2), "tokens": step * x.shape[0] * length})
+        if stop:
+            break
+    return {"steps": step, "seconds": round(sched.elapsed, 1), "context_tokens": step * x.shape[0] * length,
+            "batch": opts.batch, "seq_len": opts.seq_len, "labels": opts.labels, "block_sizes": list(BLOCK_SIZES),
+            "mtp_depths": opts.mtp_depths, "final_mtp_depth_loss": [round(float(p), 4) for p in parts],
+            "train_agreement": {k: [round(float(v), 3) for v in a] for k, a in stats.items()}}
+
+
+def new_drafters(cfg: ModelConfig, shape: str, mask_id: int, seed: int) -> dict[str, BlockDrafter]:
+    out = {}
+    for i, kind in enumerate(("dflash", "dflash2")):
+        torch.manual_seed(seed + 101 + i)
+        out[kind] = BlockDrafter(draft_config(kind, shape, cfg, mask_id), cfg.hidden_size, cfg.vocab_size)
+    return out
+
+
+def param_count(drafter: BlockDrafter) -> int:
+    return sum(p.numel() for p in drafter.parameters())
+
+
+def save(folder, drafters: dict[str, BlockDrafter], mtp) -> None:
+    """``{kind}.safetensors`` + ``{kind}.json`` (DraftConfig) per drafter, and the fine-tuned ``mtp.safetensors``."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    for kind, d in drafters.items():
+        save_file({k: v.detach().float().contiguous().cpu() for k, v in d.state_dict().items()},
+                  str(folder / f"{kind}.safetensors"))
+        (folder / f"{kind}.json").write_text(json.dumps(d.c.to_dict(), indent=2) + "\n")
+    save_file({f"mtp.{k}": v.detach().float().contiguous().cpu() for k, v in mtp.state_dict().items()},
+              str(folder / "mtp.safetensors"))
+
+
+def load(folder, cfg: ModelConfig) -> dict[str, BlockDrafter]:
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    out = {}
+    for kind in ("dflash", "dflash2"):
+        dcfg = DraftConfig.from_dict(json.loads((Path(folder) / f"{kind}.json").read_text()))
+        net = BlockDrafter(dcfg, cfg.hidden_size, cfg.vocab_size)
+        net.load_state_dict(load_file(str(Path(folder) / f"{kind}.safetensors")), strict=True)
+        out[kind] = net
+    return out

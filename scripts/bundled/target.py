@@ -1,0 +1,266 @@
+"""The target: a ``Qwen3_5ForCausalLM`` trained from scratch with its MTP head, and its Hugging Face folder.
+
+The shape is an engine :class:`ModelConfig` (validated once); transformers gets the same numbers through
+``ModelConfig.to_hf()``, which is also the folder's config.json. Embeddings are tied: with an 8K vocabulary
+the table is a fifth of the parameters, and the artifact must stay under 40 MB with both drafters in it.
+
+Training: bf16 autocast over fp32 master weights, AdamW, warm-up + cosine (``schedule.Schedule``), the
+wall-clock budget deciding the number of steps. Loss = next-token cross-entropy + ``mtp_weight`` x the MTP
+head's depth-0 loss (gradients reach the trunk, as in Qwen3.5's joint training).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ninfer_bench.engine.config import ModelConfig
+
+from .mtp import MTPHead, mtp_loss
+from .schedule import Schedule
+
+COMMON = dict(rope_theta=1e7, partial_rotary_factor=0.25, tie_word_embeddings=True, max_position_embeddings=131072,
+              mtp_num_hidden_layers=1, eos_token_id=(0,))
+SHAPES = {
+    # 8 layers = 2 x [3 GDN + 1 full]; GDN v heads = 3 x k heads, 6 query heads per kv head (27B ratios)
+    "small": dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=8, num_attention_heads=6,
+                  num_key_value_heads=1, head_dim=64, linear_num_key_heads=2, linear_num_value_heads=6,
+                  linear_key_head_dim=64, linear_value_head_dim=64),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=6,
+                 num_key_value_heads=1, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=6,
+                 linear_key_head_dim=16, linear_value_head_dim=16),
+}
+
+
+def model_config(shape: str, vocab_size: int) -> ModelConfig:
+    return ModelConfig(vocab_size=vocab_size, **SHAPES[shape], **COMMON)
+
+
+def hf_config(cfg: ModelConfig):
+    import transformers
+
+    d = {k: v for k, v in cfg.to_hf().items() if k not in ("architectures", "model_type")}
+    hf = transformers.Qwen3_5TextConfig(**d)
+    hf._attn_implementation = "sdpa"
+    return hf
+
+
+def new_model(cfg: ModelConfig, seed: int):
+    """A freshly initialised (seeded) fp32 target and MTP head."""
+    import transformers
+
+    torch.manual_seed(seed)
+    hf = hf_config(cfg)
+    model = transformers.Qwen3_5ForCausalLM(hf)
+    if model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr():
+        raise RuntimeError("transformers did not tie lm_head to embed_tokens")
+    return model, MTPHead(hf, cfg.mtp_num_hidden_layers)
+
+
+def run(model, ids: torch.Tensor, taps=()) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Final-normed hidden states ``[B, T, H]`` and the outputs of decoder layers ``taps`` (before the norm)."""
+    got = {}
+
+    def keep(i, _module, _args, out):
+        got[i] = out[0] if isinstance(out, tuple) else out
+
+    hooks = [model.model.layers[i].register_forward_hook(functools.partial(keep, i)) for i in taps]
+    try:
+        hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state
+    finally:
+        for h in hooks:
+            h.remove()
+    return hidden, [got[i] for i in taps]
+
+
+def rotary(model, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's (cos, sin) at positions 0..T-1 of ``x [B, T, H]`` (text positions: the three mRoPE streams
+    are equal)."""
+    b, t = x.shape[:2]
+    pos = torch.arange(t, device=x.device)[None, None].expand(3, b, t)
+    return model.model.rotary_emb(x, pos)
+
+
+# ---- which GDN kernels transformers runs ----------------------------------------------------------------------
+CALLS: dict[str, int] = {}
+
+
+def _implementation(fn) -> str:
+    """The function transformers' hub-kernel wrapper resolved to (its closure's ``implementation``)."""
+    env = dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__ or ())))
+    impl = env.get("implementation", fn)
+    return f"{impl.__module__}.{impl.__qualname__}"
+
+
+def _counted(name: str, fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        CALLS[name] = CALLS.get(name, 0) + 1
+        return fn(*args, **kwargs)
+    wrapper.counted = True
+    return wrapper
+
+
+def _fla_chunk(fla_fn):
+    """transformers' ``torch_chunk_gated_delta_rule`` signature over fla's ``chunk_gated_delta_rule``."""
+    def chunk(query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
+              use_qk_l2norm_in_kernel=False, **kwargs):
+        return fla_fn(query, key, value, g=g, beta=beta, initial_state=initial_state,
+                      output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                      cu_seqlens=kwargs.get("cu_seqlens"))
+    return chunk
+
+
+def gdn_kernels(device: torch.device) -> dict:
+    """Report (and on CUDA insist on) fla's chunked gated delta rule, and count calls of each kernel.
+
+    transformers resolves ``chunk_gated_delta_rule`` from fla when fla imports at the time its Qwen3.5 module
+    is first imported; if it fell back to its torch reference although fla imports now, fla's is installed."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as mq
+
+    info = {"chunk_gated_delta_rule": _implementation(mq.torch_chunk_gated_delta_rule),
+            "causal_conv1d_fn": _implementation(mq.causal_conv1d_fn)}
+    try:
+        import fla
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+        info["fla"] = getattr(fla, "__version__", "?")
+    except Exception as e:  # any import failure means: no fla
+        chunk_gated_delta_rule = None
+        info["fla"] = f"not importable ({type(e).__name__}: {e})"
+    if device.type == "cuda" and chunk_gated_delta_rule is not None \
+            and not info["chunk_gated_delta_rule"].startswith("fla."):
+        mq.torch_chunk_gated_delta_rule = _fla_chunk(chunk_gated_delta_rule)
+        info["chunk_gated_delta_rule"] = "fla.ops.gated_delta_rule.chunk_gated_delta_rule (installed here)"
+    for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn"):
+        fn = getattr(mq, name)
+        if not getattr(fn, "counted", False):
+            setattr(mq, name, _counted(name, fn))
+    return info
+
+
+# ---- training -------------------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class TargetOptions:
+    seq_len: int
+    batch: int
+    lr: float
+    warmup: int
+    budget_s: float
+    max_steps: int | None = None
+    mtp_weight: float = 0.3
+    weight_decay: float = 0.1
+    clip: float = 1.0
+    log_every: int = 10
+
+
+def losses(model, mtp, x: torch.Tensor, depths: int = 1):
+    """(next-token loss, MTP loss) of rows ``x [B, T+1]``: the target reads x[:, :T]."""
+    ids = x[:, :-1]
+    hidden, _ = run(model, ids)
+    logits = model.lm_head(hidden)
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), x[:, 1:].reshape(-1))
+    emb_next = model.model.embed_tokens(x[:, 1:])  # token p+1 for entry p
+    labels = torch.cat([x[:, 2:], torch.full_like(x[:, :1], -100)], dim=1)  # token p+2
+    cos, sin = rotary(model, hidden)
+    m_loss, _ = mtp_loss(mtp, model.lm_head, hidden, emb_next, labels, cos, sin, depths)
+    return loss, m_loss
+
+
+def optimizer(params, lr: float, weight_decay: float, device: torch.device):
+    params = [p for p in params if p.requires_grad]
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda")
+
+
+def train(model, mtp, batches, opts: TargetOptions, device: torch.device, log) -> dict:
+    """Train target + MTP until the budget or ``max_steps``; ``log(row)`` gets a row every ``log_every`` steps."""
+    model.to(device).train()
+    mtp.to(device).train()
+    params = list(model.parameters()) + list(mtp.parameters())
+    opt = optimizer(params, opts.lr, opts.weight_decay, device)
+    sched = Schedule(opts.lr, opts.warmup, opts.budget_s, opts.max_steps)
+    step, tokens, first_step_s, window = 0, 0, None, (time.perf_counter(), 0)
+    amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+    while True:
+        x = torch.from_numpy(batches.next()).pin_memory() if device.type == "cuda" else \
+            torch.from_numpy(batches.next())
+        x = x.to(device, non_blocking=True)
+        for g in opt.param_groups:
+            g["lr"] = sched.lr(step)
+        with amp:
+            loss, m_loss = losses(model, mtp, x)
+            total = loss + opts.mtp_weight * m_loss
+        loss, m_loss = loss.detach(), m_loss.detach()
+        opt.zero_grad(set_to_none=True)
+        total.backward()
+        torch.nn.utils.clip_grad_norm_(params, opts.clip)
+        opt.step()
+        step += 1
+        tokens += x.shape[0] * (x.shape[1] - 1)
+        if first_step_s is None:
+            first_step_s = sched.elapsed
+        stop = sched.done(step)
+        if step % opts.log_every == 0 or stop or step == 3:
+            now = time.perf_counter()
+            tok_s = (tokens - window[1]) / max(1e-9, now - window[0])
+            window = (now, tokens)
+            log({"phase": "target", "step": step, "loss": float(loss), "mtp_loss": float(m_loss), "tokens": tokens,
+                 "lr": sched.lr(step - 1), "elapsed": round(sched.elapsed, 2), "tok_s": round(tok_s),
+                 "total_steps": sched.total})
+        if stop:
+            break
+    return {"steps": step, "tokens": tokens, "seconds": round(sched.elapsed, 1), "first_step_s": round(first_step_s, 1),
+            "planned_steps": sched.total, "batch": opts.batch, "seq_len": opts.seq_len, "peak_lr": opts.lr,
+            "warmup": opts.warmup, "mtp_weight": opts.mtp_weight, "final_loss": float(loss),
+            "final_mtp_loss": float(m_loss), "epochs": round(batches.epoch + batches.cursor / batches.windows, 2),
+            "kernel_calls": dict(CALLS)}
+
+
+def param_counts(model, mtp) -> dict:
+    unique = {p.data_ptr(): p.numel() for p in model.parameters()}
+    emb = model.model.embed_tokens.weight.numel()
+    return {"target": sum(unique.values()), "target_non_embedding": sum(unique.values()) - emb,
+            "embedding": emb, "mtp": sum(p.numel() for p in mtp.parameters())}
+
+
+# ---- the Hugging Face folder --------------------------------------------------------------------------------
+def save_hf(folder: Path, cfg: ModelConfig, model, mtp, tokenizer_dir: Path) -> None:
+    """config.json, model.safetensors (target + ``mtp.*``, fp32), generation_config.json, tokenizer files."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v for k, v in model.state_dict().items() if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
+    tensors.update({f"mtp.{k}": v for k, v in mtp.state_dict().items()})
+    save_file({k: v.detach().float().contiguous().cpu() for k, v in tensors.items()},
+              str(folder / "model.safetensors"), metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps({**cfg.to_hf(), "torch_dtype": "float32"}, indent=2) + "\n")
+    (folder / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": list(cfg.eos_token_id), "do_sample": False}, indent=2) + "\n")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).write_bytes((tokenizer_dir / name).read_bytes())
+
+
+def load_hf(folder: Path, device: torch.device):
+    """(model, mtp, config) from a folder written by :func:`save_hf`."""
+    import transformers
+    from safetensors.torch import load_file
+
+    cfg = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
+    hf = hf_config(cfg)
+    model = transformers.Qwen3_5ForCausalLM(hf)
+    mtp = MTPHead(hf, cfg.mtp_num_hidden_layers)
+    state = load_file(str(folder / "model.safetensors"))
+    missing, unexpected = model.load_state_dict({k: v for k, v in state.items() if not k.startswith("mtp.")},
+                                                strict=False)
+    if set(missing) - {"lm_head.weight"} or unexpected:
+        raise RuntimeError(f"{folder}: target weights do not match (missing {missing}, unexpected {unexpected})")
+    mtp.load_state_dict({k[4:]: v for k, v in state.items() if k.startswith("mtp.")}, strict=True)
+    return model.to(device), mtp.to(device), cfg

@@ -1,0 +1,202 @@
+"""Needle in a haystack: a key -> value line hidden at a depth of a code haystack, the question at the end.
+
+Each case (context length x depth x case index) is built deterministically from the shipped haystack
+(``suites/data/haystack.py.txt``, CPython standard-library code) and the retrieval format of
+``suites/needle.py`` (the one the bundled model was trained with). The engine answers greedily; the answer
+is scored two ways: retrieval (does it hold the needle's value) and oracle agreement (DESIGN.md: greedy
+tokens identical to the stored float64 reference outputs, or a first divergence at a near tie).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ..oracles.store import NEAR_TIE_NATS, agreement, load_oracle
+from ..reports.schema import make_result
+from .common import DATA
+from .needle import make_needle, needle_text, question_text
+
+HAYSTACK = DATA / "haystack.py.txt"
+ORACLE_DIR = Path(__file__).resolve().parent.parent / "oracles" / "data"
+DEFAULT_DEPTHS = tuple(range(0, 101, 10))
+
+
+@dataclass(slots=True)
+class NiahOptions:
+    """Everything a NIAH run depends on (recorded as the result's ``config``)."""
+
+    model: str | None = None
+    ctxs: tuple[int, ...] = (65536,)
+    depths: tuple[int, ...] = DEFAULT_DEPTHS
+    cases: int = 1
+    answer_tokens: int = 10
+    device: str = "auto"
+    kv_dtype: str = "int8"
+    prefill_chunk: int = 2048
+    runtime: str = "v3"
+    seed: int = 0
+    oracle: str | None = None  # a file, or None: look in oracles/data for the model's file per context
+    near_tie: float = NEAR_TIE_NATS
+    label: str | None = None
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.ctxs = tuple(int(c) for c in self.ctxs)
+        self.depths = tuple(int(d) for d in self.depths)
+        if any(c < 64 for c in self.ctxs):
+            raise ValueError(f"context lengths must be >= 64 tokens, got {self.ctxs}")
+        if any(not 0 <= d <= 100 for d in self.depths):
+            raise ValueError(f"depths are percentages in 0..100, got {self.depths}")
+        if self.cases < 1 or self.answer_tokens < 1:
+            raise ValueError("cases and answer-tokens must be >= 1")
+
+
+_LINES: dict[int, tuple] = {}
+
+
+def _haystack_lines(tokenizer) -> tuple[tuple[int, ...], ...]:
+    """The haystack's lines, each tokenized on its own (cached per tokenizer object)."""
+    key = id(tokenizer)
+    if key not in _LINES:
+        lines = HAYSTACK.read_text().splitlines(keepends=True)
+        _LINES[key] = (tokenizer, tuple(tuple(tokenizer.encode(line)) for line in lines))
+    return _LINES[key][1]
+
+
+def build_case(tokenizer, ctx: int, depth: int, index: int, seed: int = 0, answer_tokens: int = 10) -> dict:
+    """One case: prompt ids of at most ``ctx - answer_tokens`` tokens with the needle at ``depth`` percent."""
+    rng = np.random.default_rng([seed, ctx, depth, index])
+    key, value = make_needle(rng)
+    needle = tokenizer.encode(needle_text(key, value))
+    question = tokenizer.encode("\n" + question_text(key))
+    budget = ctx - answer_tokens - len(needle) - len(question)
+    lines = _haystack_lines(tokenizer)
+    body: list[list[int]] = []
+    used, i = 0, 0
+    while used < budget:  # whole lines, repeating the haystack if a context is longer than it
+        line = lines[i % len(lines)]
+        if used + len(line) > budget:
+            break
+        body.append(list(line))
+        used += len(line)
+        i += 1
+    at = round(len(body) * depth / 100)
+    ids = [t for line in body[:at] for t in line] + needle + [t for line in body[at:] for t in line] + question
+    return {"case": f"ctx{ctx}-d{depth}-{index}", "ctx": ctx, "depth": depth, "key": key, "value": value,
+            "prompt_ids": ids}
+
+
+def cases(tokenizer, opts: NiahOptions) -> list[dict]:
+    return [build_case(tokenizer, c, d, i, opts.seed, opts.answer_tokens)
+            for c in opts.ctxs for d in opts.depths for i in range(opts.cases)]
+
+
+def oracle_path(model_info: dict, ctx: int) -> Path:
+    """Where the stored oracle of a model (by artifact id, or preset) for one context length lives."""
+    ident = (model_info.get("artifact_id") or model_info.get("preset") or "model")[:16]
+    return ORACLE_DIR / f"niah-{ident}-{ctx}.json.gz"
+
+
+def _load_oracles(opts: NiahOptions, model_info: dict) -> dict[str, dict]:
+    paths = [Path(opts.oracle)] if opts.oracle else [oracle_path(model_info, c) for c in opts.ctxs]
+    out = {}
+    for p in paths:
+        if p.is_file():
+            records, meta = load_oracle(p)
+            if model_info.get("artifact_id") and meta.get("artifact_id") not in ("", model_info["artifact_id"]):
+                raise ValueError(f"{p}: oracle made for artifact {meta.get('artifact_id')}, "
+                                 f"this model is {model_info['artifact_id']}")
+            out.update({r["id"]: r for r in records})
+    return out
+
+
+def retrieved(text: str, value: int) -> bool:
+    """The answer holds the value as a whole number on the answer's first line."""
+    first = text.strip().splitlines()[0] if text.strip() else ""
+    digits = "".join(ch if ch.isdigit() else " " for ch in first).split()
+    return str(value) in digits
+
+
+def run_niah(opts: NiahOptions, progress=None) -> dict:
+    """Run every case; returns the result document (heatmap drawing is left to reports)."""
+    from ..engine.runtime import Engine
+
+    top = max(opts.ctxs)
+    eng = Engine.load(opts.model, device=opts.device, kv_dtype=opts.kv_dtype, max_context=top,
+                      prefill_chunk=opts.prefill_chunk, runtime=opts.runtime)
+    all_cases = cases(eng.tokenizer, opts)
+    oracles = _load_oracles(opts, eng.model_info)
+    records, t0 = [], time.perf_counter()
+    for n, case in enumerate(all_cases, 1):
+        res = eng.generate(case["prompt_ids"], max_new_tokens=opts.answer_tokens, ignore_eos=True)
+        rec = {k: case[k] for k in ("case", "ctx", "depth", "key", "value")}
+        rec.update(prompt_tokens=len(case["prompt_ids"]), answer=res.text, tokens=res.tokens,
+                   retrieved=retrieved(res.text, case["value"]), seconds=res.prefill_s + res.decode_s)
+        oracle = oracles.get(case["case"])
+        if oracle is not None:
+            if oracle["prompt_ids"] != case["prompt_ids"]:
+                raise ValueError(f"oracle for {case['case']} was made for a different prompt (tokenizer or haystack "
+                                 f"changed): regenerate it with `ninfer-bench oracle niah`")
+            ag = agreement(res.tokens, oracle, near_tie=opts.near_tie)
+            rec.update({"pass": ag["pass"], "first_divergence": ag["first_divergence"],
+                        "top1_agreement": ag["top1_agreement"], "gap_at_divergence": ag["gap_at_divergence"],
+                        "oracle_tokens": oracle["tokens"]})
+        else:
+            rec.update({"pass": None, "first_divergence": None, "top1_agreement": None, "gap_at_divergence": None})
+        records.append(rec)
+        if progress:
+            progress(n, len(all_cases), case["case"])
+    judged = [r for r in records if r["pass"] is not None]
+    summary = {
+        "cases": len(records),
+        "oracle_cases": len(judged),
+        "oracle_agreement": sum(r["pass"] for r in judged) / len(judged) if judged else None,
+        "retrieval": sum(r["retrieved"] for r in records) / len(records),
+        "first_divergence": {r["case"]: r["first_divergence"] for r in judged},
+        "retrieval_by_ctx": {str(c): float(np.mean([r["retrieved"] for r in records if r["ctx"] == c]))
+                             for c in opts.ctxs},
+        "seconds": time.perf_counter() - t0,
+    }
+    config = asdict(opts)
+    config["label"] = opts.label or f"{opts.runtime}-niah"
+    config["device"] = str(eng.device)
+    return make_result("niah", label=config["label"], config=config, records=records, summary=summary,
+                       model=dict(eng.model_info))
+
+
+def build_niah_oracle(source: str | None, opts: NiahOptions, out: str | None = None, *, top_k: int = 8,
+                      dtype: str = "fp64", progress=None) -> list[Path]:
+    """Reference-model (float64, sequential) greedy answers for every case; one file per context length."""
+    from ..engine.loader import file_sha256
+    from ..oracles.build import reference_model
+    from ..oracles.store import save_oracle
+
+    model, loaded = reference_model(source, dtype)
+    info = loaded.info
+    written = []
+    total = len(opts.ctxs) * len(opts.depths) * opts.cases
+    done = 0
+    for ctx in opts.ctxs:
+        records = []
+        for d in opts.depths:
+            for i in range(opts.cases):
+                case = build_case(loaded.tokenizer, ctx, d, i, opts.seed, opts.answer_tokens)
+                res = model.greedy(case["prompt_ids"], opts.answer_tokens, top_k=top_k,
+                                   prefill_chunk=opts.prefill_chunk)
+                records.append({"id": case["case"], "prompt_ids": case["prompt_ids"], **res})
+                done += 1
+                if progress:
+                    progress(done, total, case["case"])
+        path = Path(out) if out and len(opts.ctxs) == 1 else oracle_path(info, ctx)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        sha = file_sha256(info["path"]) if info.get("path") else info.get("config_sha256", "")
+        save_oracle(path, records, {"artifact_id": info.get("artifact_id") or "", "artifact_sha256": sha,
+                                    "dtype": dtype, "top_k": top_k, "suite": "niah", "ctx": ctx,
+                                    "depths": list(opts.depths), "cases": opts.cases, "seed": opts.seed,
+                                    "answer_tokens": opts.answer_tokens})
+        written.append(path)
+    return written

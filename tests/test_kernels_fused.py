@@ -1,0 +1,200 @@
+"""Fused decode glue (kernels/fused.py): every Triton op against its fp32 reference on awkward shapes.
+
+Without CUDA the kernels run under Triton's interpreter (TRITON_INTERPRET=1, set below before triton is imported),
+which truncates bf16 stores instead of rounding them: bf16 tolerances are wider there.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from ninfer_bench.engine.cache import dequantize_kv  # noqa: E402
+from ninfer_bench.kernels import fused as fu  # noqa: E402
+from ninfer_bench.kernels.rope import rope_tables  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# relative RMS vs the fp32 reference, by output dtype: fp32 math everywhere, so only the output rounding counts
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2 if INTERPRET else 5e-3}
+TOL_KV_INT8 = 1e-2  # dequantized cache entries: a code may round the other way where the fp32 k differs by an ulp
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+IDS = ["fp32", "fp16", "bf16"]
+
+pytestmark = pytest.mark.skipif(not fu.triton_available(),
+                                reason=f"triton does not import: {fu._triton_import_error()}")
+
+
+@pytest.fixture(autouse=True)
+def nan_buffers(monkeypatch):
+    """Outputs start as NaN, so an element the kernels never write fails the comparison."""
+    monkeypatch.setattr(fu, "_new_buffer", lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype,
+                                                                                 device=device))
+
+
+def rel_rms(out, ref):
+    assert out.shape == ref.shape, (out.shape, ref.shape)
+    assert torch.isfinite(out.float()).all(), "non-finite values (an unwritten element?)"
+    return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
+
+
+def randn(*shape, dtype=torch.float32, seed=0, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(dtype).to(DEVICE)
+
+
+# leading shapes and row lengths: not multiples of any block, one row, the 27B hidden size
+ROWS = [((3, 5), 1000), ((1,), 5120), ((2, 1, 3), 72)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+@pytest.mark.parametrize("lead,n", ROWS, ids=[f"n{n}" for _, n in ROWS])
+def test_add_rms_norm(lead, n, dtype):
+    x, r = randn(*lead, n, dtype=dtype, seed=1), randn(*lead, n, dtype=dtype, seed=2, scale=3.0)
+    w = randn(n, seed=3, scale=0.1)
+    y, ro = fu.add_rms_norm(x, r, w, 1e-6)
+    yr, ror = fu.add_rms_norm_ref(x, r, w, 1e-6)
+    assert y.dtype == ro.dtype == dtype
+    assert rel_rms(ro, ror) <= TOL[dtype]
+    assert rel_rms(y, yr) <= TOL[dtype]
+    if not INTERPRET or dtype == torch.float32:
+        assert torch.equal(ro, ror), "x + residual in fp32, rounded once"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+@pytest.mark.parametrize("lead,n", ROWS, ids=[f"n{n}" for _, n in ROWS])
+def test_rms_norm(lead, n, dtype):
+    x, w = randn(*lead, n, dtype=dtype, seed=4), randn(n, seed=5, scale=0.1)
+    y = fu.rms_norm(x, w, 1e-6)
+    assert y.dtype == dtype and rel_rms(y, fu.rms_norm_ref(x, w, 1e-6)) <= TOL[dtype]
+
+
+def test_rms_norm_strided_rows():
+    """A row-strided view (a slice of a wider buffer) is read in place."""
+    wide = randn(4, 3, 1500, seed=6)
+    x = wide[..., :1000]
+    w = randn(1000, seed=7, scale=0.1)
+    assert rel_rms(fu.rms_norm(x, w, 1e-6), fu.rms_norm_ref(x, w, 1e-6)) <= TOL[torch.float32]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+@pytest.mark.parametrize("lead,inter", [((3, 5), 700), ((1,), 2176), ((2, 8), 1024)], ids=["i700", "i2176", "i1024"])
+def test_silu_mul(lead, inter, dtype):
+    gu = randn(*lead, 2 * inter, dtype=dtype, seed=8, scale=2.0)
+    y = fu.silu_mul(gu, inter)
+    assert y.shape == (*lead, inter) and y.dtype == dtype
+    assert rel_rms(y, fu.silu_mul_ref(gu, inter)) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+def test_sigmoid_mul(dtype):
+    o, gate = randn(2, 3, 1100, dtype=dtype, seed=9), randn(2, 3, 1100, dtype=dtype, seed=10, scale=3.0)
+    y = fu.sigmoid_mul(o, gate)
+    assert y.dtype == dtype and rel_rms(y, fu.sigmoid_mul_ref(o, gate)) <= TOL[dtype]
+
+
+def make_prologue(kv, B, T, H, Hkv, hd, rd, *, S=4, cap=4100, dtype=torch.float32, seed=0):
+    """Projection outputs, norms, rope tables and a non-zero cache; rows at random positions up to cap - 1."""
+    g = torch.Generator().manual_seed(seed)
+    cos, sin = rope_tables(rd, 1e7, cap, DEVICE)
+    start = torch.randint(0, cap - T + 1, (B,), generator=g)
+    start[0] = cap - T  # the last positions of the table
+    pos = start[:, None] + torch.arange(T)[None, :]
+    noise = torch.randn(S, Hkv, cap, hd, generator=g)
+    if kv == "int8":
+        kc = torch.randint(-127, 128, (S, Hkv, cap, hd), generator=g, dtype=torch.int8)
+        vc = torch.randint(-127, 128, (S, Hkv, cap, hd), generator=g, dtype=torch.int8)
+        ks = torch.rand(S, Hkv, cap, -(-hd // 64), generator=g).to(torch.float16)
+        vs = torch.rand(S, Hkv, cap, -(-hd // 64), generator=g).to(torch.float16)
+    else:
+        kc, vc, ks, vs = noise.to(torch.bfloat16), (2 * noise).to(torch.bfloat16), None, None
+    args = dict(
+        qg=torch.randn(B, T, H, 2 * hd, generator=g).to(dtype),
+        kv=(2 * torch.randn(B, T, 2 * Hkv * hd, generator=g)).to(dtype),
+        q_norm_w=torch.randn(hd, generator=g) * 0.1, k_norm_w=torch.randn(hd, generator=g) * 0.1,
+        cos=cos, sin=sin, k_cache=kc, v_cache=vc, k_scale=ks, v_scale=vs,
+        slots=torch.randperm(S, generator=g)[:B], pos=pos,
+    )
+    args = {k: (v.to(DEVICE) if v is not None else None) for k, v in args.items()}
+    args["eps"] = 1e-6
+    return args
+
+
+def clone(c):
+    return {k: (v.clone() if torch.is_tensor(v) else v) for k, v in c.items()}
+
+
+# (kv, B, T, H, Hkv, hd, rd): head dims 32 / 64 / 96 / 256, partial rotary 1/4 and full, GQA groups 1 / 2 / 6
+PROLOGUE = {
+    "int8-hd32": ("int8", 2, 3, 2, 2, 32, 8),
+    "int8-hd96": ("int8", 1, 2, 4, 2, 96, 24),
+    "int8-hd256": ("int8", 2, 1, 6, 1, 256, 64),
+    "bf16-hd64": ("bf16", 2, 3, 4, 2, 64, 64),
+    "bf16-hd256": ("bf16", 1, 2, 6, 1, 256, 64),
+}
+
+
+@pytest.mark.parametrize("case", list(PROLOGUE), ids=list(PROLOGUE))
+def test_attn_prologue(case):
+    kv, B, T, H, Hkv, hd, rd = PROLOGUE[case]
+    c = make_prologue(kv, B, T, H, Hkv, hd, rd)
+    ck, cr = clone(c), clone(c)
+    q, gate = fu.attn_prologue(**ck)
+    qr, gr = fu.attn_prologue_ref(**cr)
+    assert q.shape == (B, T, H, hd) and gate.shape == (B, T, H * hd)
+    assert rel_rms(q, qr) <= TOL[torch.float32]
+    assert torch.equal(gate, gr), "the gate is a copy"
+    sl = c["slots"][:, None].expand(B, T)
+    written = torch.zeros(c["k_cache"].shape[0], c["k_cache"].shape[2], dtype=torch.bool, device=DEVICE)
+    written[sl, c["pos"]] = True
+    names = ("k_cache", "v_cache", "k_scale", "v_scale") if kv == "int8" else ("k_cache", "v_cache")
+    for name in names:
+        a, b = ck[name].transpose(1, 2), c[name].transpose(1, 2)  # [S, cap, Hkv, .]
+        assert torch.equal(a[~written], b[~written]), f"{name}: an entry outside (slot, pos) changed"
+    for name, scale in (("k_cache", "k_scale"), ("v_cache", "v_scale")):
+        got, want = ck[name][sl, :, c["pos"]], cr[name][sl, :, c["pos"]]  # [B, T, Hkv, hd]
+        if kv == "int8":
+            assert rel_rms(ck[scale][sl, :, c["pos"]].float(), cr[scale][sl, :, c["pos"]].float()) <= 1e-3
+            got = dequantize_kv(got, ck[scale][sl, :, c["pos"]], torch.float32)
+            want = dequantize_kv(want, cr[scale][sl, :, c["pos"]], torch.float32)
+            assert rel_rms(got, want) <= TOL_KV_INT8, f"{name}"
+            if name == "v_cache":  # v is stored unrotated and unnormalised: exactly quantize_kv's codes
+                assert torch.equal(ck[name][sl, :, c["pos"]], cr[name][sl, :, c["pos"]])
+        else:
+            assert rel_rms(got, want) <= TOL[torch.bfloat16], f"{name}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_attn_prologue_half_inputs(dtype):
+    c = make_prologue("int8", 2, 2, 4, 2, 64, 16, dtype=dtype, seed=1)
+    ck, cr = clone(c), clone(c)
+    q, gate = fu.attn_prologue(**ck)
+    qr, gr = fu.attn_prologue_ref(**cr)
+    assert q.dtype == dtype and rel_rms(q, qr) <= TOL[dtype]
+    assert torch.equal(gate, gr)
+
+
+def test_bad_inputs_name_the_problem():
+    c = make_prologue("int8", 1, 2, 4, 2, 64, 16)
+    with pytest.raises(ValueError, match="k_scale"):
+        fu.attn_prologue(**{**c, "k_scale": None})
+    with pytest.raises(ValueError, match="kv must be"):
+        fu.attn_prologue(**{**c, "kv": c["kv"][..., :-2]})
+    with pytest.raises(ValueError, match="pos"):
+        fu.attn_prologue(**{**c, "pos": c["pos"][:, :1]})
+    with pytest.raises(ValueError, match="weight must be"):
+        fu.rms_norm(randn(2, 10), randn(11), 1e-6)
+    with pytest.raises(ValueError, match="2 \\* inter"):
+        fu.silu_mul(randn(2, 10), 4)
+
+
+def test_module_imports_without_triton():
+    code = ("import sys; sys.modules['triton'] = None\n"
+            "from ninfer_bench.kernels import fused\n"
+            "assert not fused.triton_available()\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

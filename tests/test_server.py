@@ -1,0 +1,422 @@
+"""The HTTP server end to end: real ``ninfer-bench serve`` subprocesses on free ports (the bundled model, or the
+random ``tiny`` preset while none is bundled; CPU), driven by the official openai and anthropic clients and httpx."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+anthropic = pytest.importorskip("anthropic")
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+from ninfer_bench.engine.loader import default_model  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = default_model()
+CONTEXT = 4096
+PROMPTS = [f"Write a function number {i} that adds {i} to a list." + " Be brief." * (i % 3) for i in range(8)]
+
+
+class Server:
+    """A ``serve`` subprocess; ``url`` once it printed its ready line."""
+
+    def __init__(self, log: Path, *args: str):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "NO_COLOR": "1"}
+        cmd = [sys.executable, str(ROOT / "scripts" / "nb.py"), "serve", MODEL, "--port", "0", "--device", "cpu",
+               "--max-context", str(CONTEXT), *args]
+        self.log = log
+        with open(log, "w") as f:
+            self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+        deadline = time.time() + 180
+        while True:
+            found = re.search(r"ready: (http://\S+)", log.read_text())
+            if found:
+                self.url = found.group(1)
+                break
+            if self.proc.poll() is not None or time.time() > deadline:
+                self.stop()
+                pytest.fail(f"server did not start:\n{log.read_text()}")
+            time.sleep(0.1)
+        self.model = httpx.get(f"{self.url}/v1/models").json()["data"][0]["id"]
+        self.openai = openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0, timeout=120)
+        self.anthropic = anthropic.Anthropic(base_url=self.url, api_key="none", max_retries=0, timeout=120)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def post(self, path: str, body, **kw) -> httpx.Response:
+        data = body if isinstance(body, (bytes, str)) else json.dumps(body)
+        return httpx.post(f"{self.url}{path}", content=data, headers={"content-type": "application/json"},
+                          timeout=120, **kw)
+
+    def health(self) -> dict:
+        return httpx.get(f"{self.url}/health").json()
+
+    def wait_idle(self, timeout: float = 10.0) -> dict:
+        deadline = time.time() + timeout
+        while True:
+            h = self.health()
+            if (h["running"] == 0 and h["waiting"] == 0) or time.time() > deadline:
+                return h
+            time.sleep(0.05)
+
+    def chat(self, content, *, max_tokens=24, **extra) -> dict:
+        """A greedy non-streamed chat completion with token ids, as JSON."""
+        body = {"model": self.model, "messages": content if isinstance(content, list) else
+                [{"role": "user", "content": content}], "max_tokens": max_tokens, "temperature": 0,
+                "return_token_ids": True, **extra}
+        r = self.post("/v1/chat/completions", body)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("serve")
+    s = Server(tmp / "server.log", "--max-concurrency", "8", "--session-capacity", "4")
+    yield s
+    s.stop()
+
+
+def start_stream(s: Server, content: str, max_tokens: int, running: bool = True):
+    """A streaming chat request that was accepted and, when ``running``, produced a token (so it holds a slot);
+    returns (client, response, line iterator): close them to disconnect (dropping the iterator closes the stream)."""
+    client = httpx.Client(timeout=60)
+    body = {"model": s.model, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+            "stream": True, "return_token_ids": True, "ignore_eos": True}
+    resp = client.send(client.build_request("POST", f"{s.url}/v1/chat/completions", json=body), stream=True)
+    assert resp.status_code == 200
+    lines = (line for line in resp.iter_lines() if line.startswith("data:"))
+    next(lines)  # the role chunk: accepted
+    if running:
+        next(lines)  # a token: admitted
+    return client, resp, lines
+
+
+# ---- the APIs through their official clients -------------------------------------------------------------
+def test_health_and_models(server):
+    h = server.health()
+    assert h["status"] == "ok" and h["slots"] == 8 and h["free_slots"] == 8
+    models = server.openai.models.list().data
+    assert [m.id for m in models] == [server.model]
+
+
+def test_openai_chat_and_completions(server):
+    c = server.openai
+    args = dict(model=server.model, max_tokens=16, temperature=0)
+    msgs = [{"role": "user", "content": PROMPTS[0]}]
+    full = c.chat.completions.create(messages=msgs, **args)
+    assert full.choices[0].finish_reason in ("stop", "length")
+    assert full.usage.completion_tokens == full.model_extra["timings"]["predicted_n"] > 0
+    assert full.usage.prompt_tokens == full.model_extra["timings"]["prompt_n"]
+    assert {"prefill_ms", "decode_ms", "draft_n", "draft_n_accepted", "prompt_cached_n"} <= set(full.timings)
+    chunks = list(c.chat.completions.create(messages=msgs, stream=True, stream_options={"include_usage": True},
+                                            **args))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == full.choices[0].message.content
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == full.choices[0].finish_reason
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert any("timings" in (ch.model_extra or {}) for ch in chunks)
+    # a list of text parts is the same prompt as the string
+    parts = c.chat.completions.create(messages=[{"role": "user", "content": [{"type": "text", "text": PROMPTS[0]}]}],
+                                      **args)
+    assert parts.choices[0].message.content == full.choices[0].message.content
+
+    comp = c.completions.create(prompt=PROMPTS[1], **args)
+    streamed = "".join(ch.choices[0].text for ch in c.completions.create(prompt=PROMPTS[1], stream=True, **args)
+                       if ch.choices)
+    assert comp.usage.completion_tokens > 0 and streamed == comp.choices[0].text
+    # seeded sampling repeats itself
+    sampled = [c.completions.create(prompt=PROMPTS[2], model=server.model, max_tokens=12, temperature=0.9, top_p=0.9,
+                                    seed=7, extra_body={"return_token_ids": True}) for _ in range(2)]
+    assert sampled[0].choices[0].token_ids == sampled[1].choices[0].token_ids
+
+
+def test_anthropic_messages(server):
+    c = server.anthropic
+    # (this client version has no sampling arguments: they go in the body)
+    args = dict(model=server.model, max_tokens=16, extra_body={"temperature": 0},
+                messages=[{"role": "user", "content": PROMPTS[3]}], system="You are terse.")
+    msg = c.messages.create(**args)
+    assert msg.role == "assistant" and msg.stop_reason in ("end_turn", "max_tokens")
+    assert msg.usage.output_tokens == msg.model_extra["timings"]["predicted_n"]
+    assert c.messages.count_tokens(model=server.model, messages=args["messages"],
+                                   system=args["system"]).input_tokens == msg.usage.input_tokens
+    with c.messages.stream(**args) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text == msg.content[0].text == final.content[0].text
+    assert final.usage.output_tokens == msg.usage.output_tokens and final.stop_reason == msg.stop_reason
+    kinds = [ev.type for ev in c.messages.create(stream=True, **args)]
+    assert kinds[:2] == ["message_start", "content_block_start"] and kinds[-3:] == \
+        ["content_block_stop", "message_delta", "message_stop"]
+    assert set(kinds[2:-3]) <= {"content_block_delta"}
+
+
+def test_stop_strings(server):
+    full = server.chat(PROMPTS[4], max_tokens=32)
+    text = full["choices"][0]["message"]["content"]
+    # a two-character stop string from the middle of the greedy text (clear of replacement characters)
+    spots = [i for i in range(1, len(text) - 1) if "\ufffd" not in text[i:i + 2]]
+    assert spots, f"greedy text too short to cut: {text!r}"
+    at = min(spots, key=lambda i: abs(i - len(text) // 2))
+    stop = text[at:at + 2]
+    cut = server.chat(PROMPTS[4], max_tokens=32, stop=[stop, "\x00never\x00"])
+    assert cut["choices"][0]["message"]["content"] == text[:text.index(stop)]
+    assert cut["choices"][0]["finish_reason"] == "stop"
+    streamed = "".join(ch.choices[0].delta.content or "" for ch in server.openai.chat.completions.create(
+        model=server.model, messages=[{"role": "user", "content": PROMPTS[4]}], max_tokens=32, temperature=0,
+        stop=stop, stream=True) if ch.choices)
+    assert streamed == text[:text.index(stop)]
+    msg = server.anthropic.messages.create(model=server.model, max_tokens=32, extra_body={"temperature": 0},
+                                           stop_sequences=[stop],
+                                           messages=[{"role": "user", "content": PROMPTS[4]}])
+    assert msg.stop_reason == "stop_sequence" and msg.stop_sequence == stop
+    assert msg.content[0].text == text[:text.index(stop)]
+
+
+# ---- batching -----------------------------------------------------------------------------------------
+def stream_ids(s: Server, content: str, max_tokens: int = 24) -> tuple[list[int], str]:
+    ids, text = [], ""
+    for ch in s.openai.chat.completions.create(model=s.model, messages=[{"role": "user", "content": content}],
+                                               max_tokens=max_tokens, temperature=0, stream=True,
+                                               extra_body={"return_token_ids": True}):
+        if ch.choices:
+            ids += getattr(ch.choices[0], "token_ids", None) or []
+            text += ch.choices[0].delta.content or ""
+    return ids, text
+
+
+def test_concurrent_streams_match_sequential(server):
+    sequential = [server.chat(p) for p in PROMPTS]
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        concurrent = list(pool.map(lambda p: stream_ids(server, p), PROMPTS))
+    for seq, (ids, text) in zip(sequential, concurrent):
+        assert ids == seq["choices"][0]["token_ids"]
+        assert text == seq["choices"][0]["message"]["content"]
+
+
+def test_disconnect_frees_slots(server):
+    open_streams = [start_stream(server, p, CONTEXT - 200) for p in PROMPTS]
+    assert server.health()["free_slots"] == 0
+    for client, resp, _ in open_streams:
+        resp.close()
+        client.close()
+    assert server.wait_idle()["free_slots"] == 8
+    # a non-streamed request whose client gives up is cancelled too (its ~4000 tokens would take many seconds)
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{server.url}/v1/completions", json={"model": server.model, "prompt": PROMPTS[0],
+                                                         "max_tokens": CONTEXT - 200, "ignore_eos": True},
+                   timeout=0.5)
+    assert server.wait_idle(timeout=5)["free_slots"] == 8
+    t0 = time.time()
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda p: server.chat(p, max_tokens=8), PROMPTS))
+    assert all(r["usage"]["completion_tokens"] == 8 for r in results)
+    assert time.time() - t0 < 30
+
+
+# ---- errors -------------------------------------------------------------------------------------------
+def check_error(r: httpx.Response, status: int, anthropic_shape: bool) -> dict:
+    assert r.status_code == status, r.text
+    body = r.json()
+    if anthropic_shape:
+        assert body["type"] == "error" and set(body["error"]) >= {"type", "message"}
+    else:
+        assert set(body) == {"error"} and set(body["error"]) >= {"message", "type", "param", "code"}
+    return body["error"]
+
+
+def test_errors_in_each_api_shape(server):
+    chat = {"model": server.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    msgs = {**chat}
+    long_text = "word " * (CONTEXT * 2)
+    cases = [  # (path, body, status, check of the error object)
+        ("/v1/chat/completions", b'{"model": "x", "messages": [', 400, None),
+        ("/v1/chat/completions", b"[1, 2]", 400, None),
+        ("/v1/chat/completions", {**chat, "temperature": "hot"}, 400, lambda e: e["param"] == "temperature"),
+        ("/v1/chat/completions", {**chat, "messages": "hi"}, 400, lambda e: e["param"] == "messages"),
+        ("/v1/chat/completions", {**chat, "max_tokens": 0}, 400, lambda e: e["param"] == "max_tokens"),
+        ("/v1/chat/completions", {k: v for k, v in chat.items() if k != "model"}, 400, lambda e: e["param"] == "model"),
+        ("/v1/chat/completions", {**chat, "model": "nope"}, 404, lambda e: e["code"] == "model_not_found"),
+        ("/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": long_text}]}, 400,
+         lambda e: e["code"] == "context_length_exceeded"),
+        ("/v1/chat/completions", {**chat, "max_tokens": CONTEXT * 4}, 400,
+         lambda e: e["code"] == "context_length_exceeded"),
+        ("/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:,"}}]}]}, 400, lambda e: "vision" in e["message"]),
+        ("/v1/chat/completions", {**chat, "session_id": "../etc"}, 400, lambda e: e["param"] == "session_id"),
+        ("/v1/completions", {"model": server.model, "prompt": [1, 10**9]}, 400, lambda e: "vocabulary" in e["message"]),
+        ("/v1/completions", {"model": server.model, "prompt": "x" * (65 * CONTEXT + (1 << 20))}, 413, None),
+        ("/v1/messages", b"{not json", 400, lambda e: e["type"] == "invalid_request_error"),
+        ("/v1/messages", {k: v for k, v in msgs.items() if k != "max_tokens"}, 400,
+         lambda e: "max_tokens" in e["message"]),
+        ("/v1/messages", {**msgs, "temperature": [1]}, 400, lambda e: e["type"] == "invalid_request_error"),
+        ("/v1/messages", {**msgs, "model": "nope"}, 404, lambda e: e["type"] == "not_found_error"),
+        ("/v1/messages", {**msgs, "messages": [{"role": "user", "content": long_text}]}, 400,
+         lambda e: e["type"] == "invalid_request_error"),
+        ("/v1/messages", {**msgs, "max_tokens": CONTEXT * 4}, 400, lambda e: e["type"] == "invalid_request_error"),
+        ("/v1/messages", {**msgs, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+         400, lambda e: "vision" in e["message"]),
+        ("/v1/messages/count_tokens", "x" * (65 * CONTEXT + (1 << 20)), 413, lambda e: e["type"] == "request_too_large"),
+    ]
+    for path, body, status, check in cases:
+        err = check_error(server.post(path, body), status, path.startswith("/v1/messages"))
+        assert check is None or check(err), (path, err)
+        assert server.chat("ok?", max_tokens=2)["usage"]["completion_tokens"] == 2  # still serving
+    check_error(httpx.delete(f"{server.url}/v1/sessions/never-made"), 404, False)
+    check_error(httpx.get(f"{server.url}/v1/nothing-here"), 404, False)
+    # the official clients recognise the shapes
+    with pytest.raises(openai.NotFoundError):
+        server.openai.chat.completions.create(model="nope", messages=chat["messages"], max_tokens=4)
+    with pytest.raises(openai.BadRequestError, match="context"):
+        server.openai.completions.create(model=server.model, prompt="x", max_tokens=CONTEXT * 4)
+    with pytest.raises(anthropic.NotFoundError):
+        server.anthropic.messages.create(model="nope", messages=msgs["messages"], max_tokens=4)
+    with pytest.raises(anthropic.BadRequestError):
+        server.anthropic.messages.create(model=server.model, messages=msgs["messages"], max_tokens=CONTEXT * 4)
+    assert server.wait_idle()["free_slots"] == 8
+
+
+# ---- sessions -----------------------------------------------------------------------------------------
+def complete(s: Server, prompt, max_tokens=16, **extra) -> dict:
+    r = s.post("/v1/completions", {"model": s.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                                   "return_token_ids": True, **extra})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_session_continuation_skips_prefill(server):
+    prompt = server.openai.completions.create(model=server.model, prompt=PROMPTS[5], max_tokens=1,
+                                              extra_body={"return_token_ids": True}).prompt_token_ids
+    first = complete(server, prompt, session_id="ids-1")
+    reply = first["choices"][0]["token_ids"]
+    turn2 = prompt + reply + prompt[:20]
+    cont = complete(server, turn2, session_id="ids-1")
+    fresh = complete(server, turn2)
+    assert cont["choices"][0]["token_ids"] == fresh["choices"][0]["token_ids"]
+    cached = cont["timings"]["prompt_cached_n"]
+    assert cached == len(prompt) + len(reply) - 1 == cont["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert fresh["timings"]["prompt_cached_n"] == 0
+
+    # chat: the client sends the reply back as text; the session continues from the tokens it came from
+    msgs = [{"role": "user", "content": PROMPTS[6]}]
+    r1 = server.chat(msgs, session_id="chat-1")
+    msgs += [{"role": "assistant", "content": r1["choices"][0]["message"]["content"]},
+             {"role": "user", "content": "And now in one line?"}]
+    r2 = server.chat(msgs, session_id="chat-1")
+    assert r2["usage"]["prompt_tokens_details"]["cached_tokens"] == r1["usage"]["total_tokens"] - 1
+    again = complete(server, r2["prompt_token_ids"], 24)
+    assert again["choices"][0]["token_ids"] == r2["choices"][0]["token_ids"]
+
+    # Anthropic, naming the session with the header
+    hdr = {"X-Session-Id": "anth-1"}
+    a1 = server.anthropic.messages.create(model=server.model, max_tokens=12, extra_body={"temperature": 0}, extra_headers=hdr,
+                                          messages=[{"role": "user", "content": PROMPTS[7]}])
+    a2 = server.anthropic.messages.create(model=server.model, max_tokens=12, extra_body={"temperature": 0}, extra_headers=hdr,
+                                          messages=[{"role": "user", "content": PROMPTS[7]},
+                                                    {"role": "assistant", "content": a1.content[0].text},
+                                                    {"role": "user", "content": "More."}])
+    assert a2.usage.cache_read_input_tokens == a1.usage.input_tokens + a1.usage.output_tokens - 1
+    assert a2.model_extra["timings"]["prompt_cached_n"] == a2.usage.cache_read_input_tokens
+
+    listed = {s["id"]: s for s in httpx.get(f"{server.url}/v1/sessions").json()["data"]}
+    assert {"ids-1", "chat-1", "anth-1"} <= set(listed) and listed["ids-1"]["tokens"] == \
+        len(turn2) + len(cont["choices"][0]["token_ids"]) - 1
+    assert listed["ids-1"]["bytes"] > 0
+    assert httpx.delete(f"{server.url}/v1/sessions/ids-1").status_code == 200
+    assert httpx.delete(f"{server.url}/v1/sessions/ids-1").status_code == 404
+    gone = complete(server, turn2, session_id="ids-1")
+    assert gone["timings"]["prompt_cached_n"] == 0 and gone["choices"][0]["token_ids"] == fresh["choices"][0]["token_ids"]
+
+
+def test_session_lru_bound(server):
+    for i in range(6):  # the module's server keeps 4
+        complete(server, PROMPTS[i], 2, session_id=f"lru-{i}")
+    ids = [s["id"] for s in httpx.get(f"{server.url}/v1/sessions").json()["data"]]
+    assert ids == ["lru-5", "lru-4", "lru-3", "lru-2"]
+
+
+def test_sessions_survive_a_restart(tmp_path):
+    folder = tmp_path / "sessions"
+    s = Server(tmp_path / "a.log", "--session-dir", str(folder))
+    try:
+        prompt = complete(s, PROMPTS[0], 1)["prompt_token_ids"]
+        first = complete(s, prompt, session_id="keep")
+    finally:
+        s.stop()
+    assert (folder / "keep.pt").is_file()
+    s = Server(tmp_path / "b.log", "--session-dir", str(folder))
+    try:
+        assert "1 sessions restored" in s.log.read_text()
+        turn2 = prompt + first["choices"][0]["token_ids"] + prompt[:10]
+        cont = complete(s, turn2, session_id="keep")
+        assert cont["timings"]["prompt_cached_n"] == len(turn2) - 10 - 1
+        assert cont["choices"][0]["token_ids"] == complete(s, turn2)["choices"][0]["token_ids"]
+        assert httpx.delete(f"{s.url}/v1/sessions/keep").status_code == 200
+        assert not (folder / "keep.pt").exists()
+    finally:
+        s.stop()
+
+
+# ---- speculative decoding and the queue ---------------------------------------------------------------------
+def test_spec_batched_and_queue_full(tmp_path):
+    s = Server(tmp_path / "spec.log", "--spec", "mtp", "--max-concurrency", "2", "--max-queue", "2")
+    try:
+        sequential = [s.chat(p, max_tokens=16) for p in PROMPTS[:2]]
+        assert all(r["timings"]["draft_n"] > 0 for r in sequential)
+        with ThreadPoolExecutor(2) as pool:
+            concurrent = list(pool.map(lambda p: stream_ids(s, p, 16), PROMPTS[:2]))
+        assert [ids for ids, _ in concurrent] == [r["choices"][0]["token_ids"] for r in sequential]
+
+        # two slots busy, two requests waiting: the queue is full
+        streams = [start_stream(s, p, CONTEXT - 200, running=i < 2) for i, p in enumerate(PROMPTS[:4])]
+        assert s.health()["waiting"] == 2
+        err = check_error(s.post("/v1/chat/completions", {"model": s.model, "max_tokens": 4,
+                                                          "messages": [{"role": "user", "content": "hi"}]}), 503, False)
+        assert err["code"] == "queue_full"
+        r = s.post("/v1/messages", {"model": s.model, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
+        assert check_error(r, 503, True)["type"] == "overloaded_error" and r.headers["retry-after"]
+        for client, resp, _ in streams:
+            resp.close()
+            client.close()
+        assert s.wait_idle()["free_slots"] == 2
+        assert s.chat("again", max_tokens=4)["usage"]["completion_tokens"] == 4
+    finally:
+        s.stop()
+
+
+# ---- the concurrency suite against a running server ----------------------------------------------------
+def test_concurrency_suite_against_server(server, tmp_path):
+    if importlib.util.find_spec("ninfer_bench.suites.concurrency") is None:
+        pytest.skip("ninfer_bench.suites.concurrency is not written yet (its `concurrency --url` command runs "
+                    "against this server once it exists)")
+    from ninfer_bench.cli import main
+
+    flags = {p.name: next(o for o in p.opts if o.startswith("--")) for p in main.commands["concurrency"].params}
+    args = ["concurrency", "--url", server.url, "--json", str(tmp_path / "c.json")]
+    for name, value in (("levels", "1,2"), ("max_new_tokens", "8"), ("prompt_tokens", "32"), ("rounds", "1")):
+        if name in flags:  # keep the run small where the command lets us
+            args += [flags[name], value]
+    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "nb.py"), *args], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    doc = json.loads((tmp_path / "c.json").read_text())
+    assert [lv["matches_sequential"] for lv in doc["summary"]["levels"]] == [True] * len(doc["summary"]["levels"])

@@ -1,0 +1,142 @@
+"""The kernels suite on a CPU: the CLI writes a result document covering every registered op family with every
+check passing; a broken implementation is reported and the command exits 1; bytes of a packed projection."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from ninfer_bench.cli import main
+from ninfer_bench.engine import quant
+from ninfer_bench.engine.config import preset
+from ninfer_bench.engine.convert import weight_format
+from ninfer_bench.reports.schema import read_result
+from ninfer_bench.suites import kernels as ks
+from ninfer_bench.suites.kernel_registry import projection_bytes
+
+
+def run(*args):
+    res = CliRunner().invoke(main, [str(a) for a in args])
+    return res.exit_code, res.output
+
+
+def one(doc, **match):
+    found = [r for r in doc["records"] if all(r[k] == v for k, v in match.items())]
+    assert len(found) == 1, (match, len(found))
+    return found[0]
+
+
+@pytest.fixture(scope="module")
+def cpu_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("kernels") / "kernels.json"
+    code, text = run("kernels", "--shape", "tiny", "--t", "1,8", "--repeats", "3", "--device", "cpu", "--json", out)
+    assert code == 0, text
+    return read_result(out), text
+
+
+def test_cli_measures_every_family_and_every_check_passes(cpu_run):
+    doc, text = cpu_run
+    recs = doc["records"]
+    registered = ks.entries()
+    families = {e.family for e in registered}
+    assert {"projection", "attention", "gdn", "conv", "norm", "sampling"} <= families
+    assert {r["family"] for r in recs} == families
+    assert {r["op"] for r in recs} == {e.op for e in registered}
+    assert [ks.failure_text(r) for r in recs if not r["ok"]] == []
+    for r in recs:
+        assert len(r["samples_us"]) == 3 and r["us_p10"] <= r["us_median"] <= r["us_p90"]
+        assert r["bytes"] > 0 and r["gbps"] > 0 and r["roofline_fraction"] > 0
+        assert 0 <= r["max_rel_err"] <= r["tolerance"]
+    # every (op, shape, t) has both variants; v3 on a CPU says what it fell back to
+    keys = {(r["op"], tuple(r["shape"]), r["t"]) for r in recs}
+    assert len(recs) == 2 * len(keys)
+    assert "CPU" in one(doc, op="mlp.down", t=1, variant="v3")["note"]
+    assert "CPU" in one(doc, op="attn.decode_int8", t=8, context=4096, variant="v3")["note"]
+    assert sorted({r["context"] for r in recs if r["family"] == "attention"}) == [1024, 4096]
+    s = doc["summary"]
+    assert s["timer"] == "torch-cpu" and s["device"] == "cpu" and s["failures"] == []
+    assert s["ops"] == len(registered) and s["copy_bandwidth_gbps"] > 0
+    assert doc["config"]["shape"] == "tiny" and doc["config"]["ts"] == [1, 8] and doc["config"]["repeats"] == 3
+    assert "not GPU numbers" in text and "copy bandwidth" in text
+
+
+def test_q4_projection_bytes_are_the_packed_weight_plus_activations(cpu_run):
+    doc, _ = cpu_run
+    cfg = preset("tiny")
+    n, k = cfg.hidden_size, cfg.intermediate_size  # mlp.down: [hidden, intermediate]
+    assert weight_format("model.layers.0.mlp.down_proj.weight", (n, k), "mixed") == "q4_g64_fp16"
+    for t in (1, 8):
+        for variant in ("v2", "v3"):
+            rec = one(doc, op="mlp.down", t=t, variant=variant)
+            assert rec["fmt"] == "q4_g64_fp16" and rec["shape"] == [n, k]
+            assert rec["bytes"] == quant.nbytes("q4_g64_fp16", (n, k)) + t * k * 4 + t * n * 4  # fp32 on a CPU
+    # K = 96 is not a multiple of the group: the padded packing counts
+    assert projection_bytes("q4_g64_fp16", 160, 96, 8, 2) == 160 * 128 // 2 + 160 * 2 * 2 + 8 * 96 * 2 + 8 * 160 * 2
+    assert one(doc, op="lm_head", t=1, variant="v3")["fmt"] == "q8_g32_fp16"
+    assert one(doc, op="gdn.b", t=1, variant="v3")["fmt"] == "bf16"
+
+
+def test_broken_implementation_fails_its_check_and_exits_1(tmp_path, monkeypatch):
+    ks.entries()  # the declarations are registered before the registry is copied
+    monkeypatch.setattr(ks, "REGISTRY", dict(ks.REGISTRY))
+
+    @ks.register(op="test.scaled_ref", family="test", tolerance=(1e-3, 1e-3))
+    def _scaled(ctx, t, _param):
+        x = ctx.randn(t, 64, gen=ctx.generator("test", t))
+        return ks.Case([t, 64], 2 * x.numel() * ctx.elt, lambda: x.float() * 2,
+                       {"v2": ks.Impl(lambda: x * 2, "exact"), "v3": ks.Impl(lambda: x * 2 * 1.1, "scaled by 1.1")})
+
+    @ks.register(op="test.raises", family="test")
+    def _raises(ctx, t, _param):
+        def boom():
+            raise RuntimeError("kernel launch failed")
+
+        return ks.Case([t], 8, lambda: torch.ones(t), {"v2": ks.Impl(lambda: torch.ones(t)), "v3": ks.Impl(boom)})
+
+    out = tmp_path / "broken.json"
+    code, text = run("kernels", "--device", "cpu", "--ops", "test.", "--t", "1", "--repeats", "2", "--json", out)
+    assert code == 1, text
+    assert "2 of 4 kernel checks failed" in text and "test.scaled_ref" in text and "kernel launch failed" in text
+    doc = read_result(out)  # written before the exit
+    scaled = {r["variant"]: r for r in doc["records"] if r["op"] == "test.scaled_ref"}
+    assert scaled["v2"]["ok"] and not scaled["v3"]["ok"]
+    assert scaled["v3"]["max_rel_err"] == pytest.approx(0.1, rel=1e-3)
+    raised = one(doc, op="test.raises", variant="v3")
+    assert not raised["ok"] and raised["us_median"] is None and "RuntimeError" in raised["note"]
+    assert len(doc["summary"]["failures"]) == 2
+
+
+def test_max_rel_err_is_the_largest_relative_rms():
+    ref = (torch.ones(4), torch.full((2,), 2.0))
+    assert ks.max_rel_err((torch.ones(4), torch.full((2,), 2.2)), ref) == pytest.approx(0.1)
+    assert math.isnan(ks.max_rel_err(torch.tensor([1.0, float("nan")]), torch.ones(2)))
+    with pytest.raises(ValueError, match="shape"):
+        ks.max_rel_err(torch.ones(3), torch.ones(4))
+
+
+def test_model_artifact_gives_the_shapes(tiny_artifact, tmp_path):
+    out = tmp_path / "model.json"
+    code, text = run("kernels", "--model", tiny_artifact, "--ops", "norm.rms", "--t", "2", "--repeats", "2",
+                     "--device", "cpu", "--json", out)
+    assert code == 0, text
+    doc = read_result(out)
+    hidden = doc["records"][0]["shape"][1]
+    from ninfer_bench.engine.artifact import Artifact
+
+    with Artifact.open(tiny_artifact) as art:
+        assert hidden == art.components["text"]["config"]["hidden_size"]
+    assert doc["model"]["artifact_id"] and doc["config"]["model"] == str(tiny_artifact)
+
+
+@pytest.mark.parametrize("args,message", [
+    (("--shape", "tiny", "--model", "x.ninfer"), "not both"),
+    (("--ops", "no-such-op"), "no registered op matches"),
+    (("--kernels", "v4"), "--kernels"),
+    (("--t", "1,x"), "--t must be"),
+])
+def test_bad_requests_are_one_line_errors(args, message):
+    code, text = run("kernels", "--device", "cpu", *args)
+    assert code == 1 and message in text, text

@@ -1,0 +1,168 @@
+"""The bundled model's build pipeline (scripts/train_bundled.py --tiny) end to end on this CPU.
+
+The pipeline runs once (module fixture): corpus of 200 stdlib files, tiny tokenizer and model, a few steps per
+stage, fp32 artifact. Then: the artifact serves through the engine with speculative greedy == plain greedy;
+the trained MTP head and drafters compute, through the engine's runners, exactly what the training modules
+compute (so naming and semantics agree); joining the shipped parts reproduces the artifact and writes the card.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import train_bundled
+from bundled import batches, corpus, drafters, export, target, tok
+from ninfer_bench.engine.loader import BUNDLED_NAME
+from ninfer_bench.engine.model import DECODE, PREFILL
+from ninfer_bench.engine.runtime import Engine
+from ninfer_bench.engine.sampling import SamplingParams
+from ninfer_bench.engine.spec.dflash import forward_train
+
+RTOL = 1e-4  # fp32 engine vs fp32 training modules, relative RMS
+
+
+def rel_rms(a, b) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bundled")
+    train_bundled.main(["--out", str(out), "--tiny", "--device", "cpu"])
+    model, head, cfg = target.load_hf(out / "export" / "hf", torch.device("cpu"))
+    tk = tok.load(out / "tokenizer")
+    prompt = tk.encode(json.loads((out / "heldout_prompts.jsonl").read_text().splitlines()[0])["text"],
+                       add_special_tokens=False).ids
+    return {"out": out, "art": out / "export" / BUNDLED_NAME, "model": model.eval(), "mtp": head.eval(),
+            "cfg": cfg, "tok": tk, "prompt": prompt[:70]}
+
+
+def engine(built, **kw):
+    return Engine.load(str(built["art"]), device="cpu", dtype="fp32", kv_dtype="fp32", max_context=512, **kw)
+
+
+def test_pipeline_ships_what_the_card_needs(built):
+    ship = built["out"] / "ship"
+    files = sorted(p.name for p in ship.iterdir())
+    assert len(files) <= export.MAX_SHIP_FILES and f"{BUNDLED_NAME}.part0" in files
+    facts = json.loads((ship / "card_facts.json").read_text())
+    rows = facts["eval"]["acceptance"]["rows"]
+    assert {(r["spec"], r["k"]) for r in rows} >= {("mtp", 3), ("dflash2", 7), ("dflash", 15)}
+    assert all(r["matches_greedy"] for r in rows), rows
+    assert facts["eval"]["heldout"]["loss"] > 0 and facts["eval"]["quant"]["rel_rms"] < 1e-3
+    assert set(facts["eval"]["needles"]["retrieval_by_length"]) == {"256", "512"}
+    assert facts["target"]["steps"] == 6 and facts["drafters"]["steps"] == 4
+    prompts = [json.loads(ln) for ln in (built["out"] / "heldout_prompts.jsonl").read_text().splitlines()]
+    assert prompts and all({"id", "text", "source", "license"} <= set(p) for p in prompts)
+    log = [json.loads(ln) for ln in (ship / "train_log.jsonl").read_text().splitlines()]
+    assert {r["phase"] for r in log} == {"target", "drafters"}
+
+
+@pytest.mark.parametrize("spec,k", [("mtp", 2), ("dflash", 3), ("dflash2", 3)])
+def test_speculative_greedy_equals_plain_greedy(built, spec, k):
+    want = engine(built).generate(built["prompt"], max_new_tokens=24, ignore_eos=True).tokens
+    got = engine(built, spec=spec, draft_tokens=k).generate(built["prompt"], max_new_tokens=24, ignore_eos=True)
+    assert got.tokens == want
+    assert got.spec["rounds"] > 0
+
+
+@torch.no_grad()
+def test_mtp_head_in_artifact_matches_training_module(built):
+    """Depth 0 at every prompt position, then the engine's recursive drafts 2 and 3 (depths 1 and 2)."""
+    eng = engine(built, spec="mtp", draft_tokens=3)
+    ids, extra = built["prompt"], [17, 23, 29]  # tokens after the prompt: t_n, t_n+1, t_n+2
+    n = len(ids)
+    seq = eng.acquire(ids, SamplingParams(max_new_tokens=4))
+    _, hidden, _ = eng.prefill(seq.slot, ids)
+    slots = eng._ids([seq.slot])
+    h, logits = eng.drafter.forward(hidden[None], eng._ids([ids[1:] + extra[:1]]),
+                                    torch.arange(n)[None], slots, n, PREFILL)
+    engine_out = [logits[0]]
+    for j in (1, 2):  # recursion: the head's own output one position back, the next token, position n + j - 1
+        h, logits = eng.drafter.forward(h[:, -1:], eng._ids([[extra[j]]]), torch.tensor([[n + j - 1]]), slots,
+                                        n + j, DECODE)
+        engine_out.append(logits[0, 0])
+    eng.release(seq)
+
+    model, head = built["model"], built["mtp"]
+    x = torch.tensor([ids + extra])
+    hid, _ = target.run(model, x[:, : n + 2])
+    cos, sin = target.rotary(model, hid)
+    outs = head(hid, model.model.embed_tokens(x[:, 1:]), cos, sin, depths=3)
+    assert rel_rms(engine_out[0], model.lm_head(outs[0][0, :n])) <= RTOL
+    for d in (1, 2):
+        assert rel_rms(engine_out[d], model.lm_head(outs[d][0, n + d - 1])) <= RTOL
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("kind", ["dflash", "dflash2"])
+@pytest.mark.parametrize("k", [3, 15])
+def test_block_drafter_in_artifact_matches_training_module(built, kind, k):
+    eng = engine(built, spec=kind, draft_tokens=k)
+    ids = built["prompt"]
+    seq = eng.acquire(ids, SamplingParams(max_new_tokens=8))
+    eng.start(seq)  # prefill, first token, drafter context
+    runner, seen = eng.drafter, []
+    head_logits = runner.head.logits
+    runner.head.logits = lambda h: seen.append((h, head_logits(h))) or seen[-1][1]
+    toks, _ = runner.draft([seq], k)
+    eng.release(seq)
+
+    model = built["model"]
+    net = drafters.load(built["out"] / "drafters", built["cfg"])[kind].eval()
+    assert len(ids) > net.c.window  # DFlash2's window really cuts the context
+    _, taps = target.run(model, torch.tensor([ids]), net.c.target_layer_ids)
+    anchor = seq.tokens[0]
+    blk = torch.tensor([[anchor] + [net.c.mask_token_id] * k])
+    with drafters.block_size(net, k + 1):
+        h = forward_train(net, torch.cat(taps, -1), model.model.embed_tokens(blk), torch.tensor([[len(ids)]]))
+    logits = model.lm_head(h[:, 1:]).float()
+    assert rel_rms(seen[0][1], logits) <= RTOL
+    if net.selector is not None:
+        want, _, _ = net.selector.walk(h[:, 1:], logits, torch.tensor([anchor]))
+        assert toks.tolist() == want.tolist()
+    else:
+        assert toks[0].tolist() == logits[0].argmax(-1).tolist()
+
+
+def test_join_rebuilds_the_artifact_and_writes_the_card(built, tmp_path):
+    models, data = tmp_path / "models", tmp_path / "data"
+    out = export.join(built["out"] / "ship", models, data)
+    assert out.read_bytes() == built["art"].read_bytes()
+    card = (models / "MODEL_CARD.md").read_text()
+    for section in ("## Data", "## Training", "### Speculative decoding", "### Needle retrieval", "## Rebuild"):
+        assert section in card
+    assert "| mtp | 3 |" in card and "| dflash2 | 15 |" in card
+    assert (models / "loss_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (data / "heldout_prompts.jsonl").is_file() and (models / "corpus_LICENSES.md").is_file()
+
+
+def test_retrieval_rows_end_with_the_answer_to_one_of_their_needles(built):
+    tk = built["tok"]
+    enc = lambda s: tk.encode(s, add_special_tokens=False).ids  # noqa: E731
+    stream = np.load(built["out"] / "tokens" / "train.npy")
+    b = batches.Batches(stream, 128, 2, 0, 1.0, enc, tok.newline_mask(tk, tk.get_vocab_size()))
+    for _ in range(5):
+        row = b.retrieval_row()
+        assert row.shape == (129,)
+        text = tk.decode(row.tolist(), skip_special_tokens=False)
+        head, _, answer = text.rpartition('assert CONSTANTS["')
+        key = answer.split('"]')[0]
+        value = answer.rsplit("== ", 1)[1].strip()
+        assert corpus.needle_text(key, int(value)) in head
+
+
+def test_haystack_puts_the_needle_at_its_depth(built):
+    tk = built["tok"]
+    enc = lambda s: tk.encode(s, add_special_tokens=False).ids  # noqa: E731
+    dec = lambda ids: tk.decode(ids, skip_special_tokens=False)  # noqa: E731
+    filler = enc("def f(x):\n    return x + 1\n\n" * 40)
+    text = corpus.build_haystack(filler, dec, 300, 0.5, "k1234567", 90210, enc)
+    assert text.endswith(corpus.question_text("k1234567"))
+    at = text.index(corpus.needle_text("k1234567", 90210))
+    assert 0.3 < at / len(text) < 0.7
+    assert abs(len(enc(text)) - 300) < 30
