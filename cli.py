@@ -563,7 +563,7 @@ def kernels(shape, model, ts, variants, ops, quant, contexts, repeats, warmup, d
     if s["failures"]:
         for line in s["failures"]:
             err_console.print(f"[red]FAIL[/] {line}", highlight=False)
-        raise UserError(f"{len(s['failures'])} of {s['records']} kernel checks failed")
+        raise UserError(f"{len(s['failures'])} of {s['checks']} kernel checks failed")
 
 
 def _int_list(text: str, name: str) -> tuple[int, ...]:

@@ -9,7 +9,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from .server import ApiError, Backend, Outcome, error_body, new_id, read_json, sse, validate
+from .backend import Backend, Outcome
+from .server import ApiError, api_error, error_body, new_id, read_json, session_of, sse, validate
 
 STOP_REASON = {"eos": "end_turn", "stop_sequence": "stop_sequence", "length": "max_tokens"}
 NO_MODALITY = {"image": "vision", "document": "document"}
@@ -77,21 +78,20 @@ def usage(out: Outcome) -> dict:
             "cache_read_input_tokens": out.cached_n, "cache_creation_input_tokens": 0}
 
 
-def register(app: FastAPI, backend: Backend) -> None:
+def register(app: FastAPI, backend: Backend, max_body: int) -> None:
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request):
-        body = validate(CountRequest, await read_json(request, backend.max_body))
+        body = validate(CountRequest, await read_json(request, max_body))
         backend.check_model(body.model)
         text = render(backend, body)
         return {"input_tokens": len(await asyncio.to_thread(backend.engine.tokenizer.encode, text))}
 
     @app.post("/v1/messages")
     async def messages(request: Request):
-        body = validate(MessagesRequest, await read_json(request, backend.max_body))
+        body = validate(MessagesRequest, await read_json(request, max_body))
         backend.check_model(body.model)
         gen = await backend.generate(
-            request, text=render(backend, body), max_tokens=body.max_tokens,
-            session_id=backend.session_id(request, body.session_id),
+            text=render(backend, body), max_tokens=body.max_tokens, session_id=session_of(request, body.session_id),
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0, seed=body.seed,
             stop=body.stop_sequences, ignore_eos=body.ignore_eos)
@@ -100,7 +100,7 @@ def register(app: FastAPI, backend: Backend) -> None:
         want_ids = bool(body.return_token_ids)
         if not body.stream:
             try:
-                out = await gen.collect(request)
+                out = await gen.collect(request.is_disconnected)
             finally:
                 gen.cancel()
             return {**msg, "content": [{"type": "text", "text": out.text}], "stop_reason": STOP_REASON[out.finish],
@@ -116,7 +116,8 @@ def register(app: FastAPI, backend: Backend) -> None:
                           "content_block_start")
                 async for text, ids in gen.deltas():
                     if text or (want_ids and ids):
-                        delta = {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": text},
+                        delta = {"type": "content_block_delta", "index": 0,
+                                 "delta": {"type": "text_delta", "text": text},
                                  **({"token_ids": ids} if want_ids else {})}
                         yield sse(delta, "content_block_delta")
                 out = await gen.outcome()
@@ -125,8 +126,8 @@ def register(app: FastAPI, backend: Backend) -> None:
                                                               "stop_sequence": out.stop_sequence},
                            "usage": usage(out), "timings": out.timings}, "message_delta")
                 yield sse({"type": "message_stop"}, "message_stop")
-            except ApiError as e:
-                yield sse(error_body(e, anthropic=True), "error")
+            except Exception as e:  # the status line is sent: the error goes in the stream
+                yield sse(error_body(api_error(e), anthropic=True), "error")
             finally:
                 gen.cancel()
 

@@ -9,7 +9,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from .server import ApiError, Backend, Generation, Outcome, error_body, new_id, read_json, sse, validate
+from .backend import Backend, Generation, Outcome
+from .server import ApiError, api_error, error_body, new_id, read_json, session_of, sse, validate
 
 FINISH = {"eos": "stop", "stop_sequence": "stop", "length": "length"}
 NO_MODALITY = {"image_url": "vision", "input_image": "vision", "image": "vision", "input_audio": "audio",
@@ -94,7 +95,7 @@ async def start(request: Request, backend: Backend, body: _Generate, **prompt) -
     if (body.model_extra or {}).get("logprobs"):
         raise ApiError(400, "logprobs: log-probabilities are not returned by this server", param="logprobs")
     return await backend.generate(
-        request, **prompt, session_id=backend.session_id(request, body.session_id),
+        **prompt, session_id=session_of(request, body.session_id),
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0, seed=body.seed, stop=body.stop,
         ignore_eos=body.ignore_eos)
@@ -117,8 +118,8 @@ def stream(gen: Generation, head: dict, choice, final, body: _Generate) -> Strea
             yield sse({**head, "choices": [final(out)], "usage": usage(out), "timings": out.timings})
             if include_usage:
                 yield sse({**head, "choices": [], "usage": usage(out)})
-        except ApiError as e:
-            yield sse(error_body(e, anthropic=False))
+        except Exception as e:  # the status line is sent: the error goes in the stream
+            yield sse(error_body(api_error(e), anthropic=False))
         finally:
             gen.cancel()
         yield "data: [DONE]\n\n"
@@ -126,7 +127,7 @@ def stream(gen: Generation, head: dict, choice, final, body: _Generate) -> Strea
     return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
-def register(app: FastAPI, backend: Backend) -> None:
+def register(app: FastAPI, backend: Backend, max_body: int) -> None:
     @app.get("/v1/models")
     async def models():
         opts = backend.engine.options
@@ -141,7 +142,7 @@ def register(app: FastAPI, backend: Backend) -> None:
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        body = validate(ChatRequest, await read_json(request, backend.max_body))
+        body = validate(ChatRequest, await read_json(request, max_body))
         if body.tools:
             raise ApiError(400, "tools: tool calling is not supported by this server", param="tools")
         text = render_chat(backend, body.messages)
@@ -160,7 +161,7 @@ def register(app: FastAPI, backend: Backend) -> None:
 
             return stream(gen, {**head, **extra}, choice, final, body)
         try:
-            out = await gen.collect(request)
+            out = await gen.collect(request.is_disconnected)
         finally:
             gen.cancel()
         msg = {"index": 0, "message": {"role": "assistant", "content": out.text}, "logprobs": None,
@@ -170,7 +171,7 @@ def register(app: FastAPI, backend: Backend) -> None:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = validate(CompletionRequest, await read_json(request, backend.max_body))
+        body = validate(CompletionRequest, await read_json(request, max_body))
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:
@@ -194,7 +195,7 @@ def register(app: FastAPI, backend: Backend) -> None:
 
             return stream(gen, head, choice, final, body)
         try:
-            out = await gen.collect(request)
+            out = await gen.collect(request.is_disconnected)
         finally:
             gen.cancel()
         choice = {"index": 0, "text": out.text, "logprobs": None, "finish_reason": FINISH[out.finish],

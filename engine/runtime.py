@@ -208,7 +208,7 @@ class Engine:
         """Load a state from :meth:`export_state` into ``seq``'s slot when its ids prefix ``seq.prompt``;
         returns how many prompt tokens it covers (0 when it does not fit and nothing was loaded)."""
         ids = state["ids"]
-        if (len(ids) >= len(seq.prompt) or seq.prompt[: len(ids)] != ids or state.get("spec") != self.options.spec
+        if (len(ids) != state["cache"]["length"] or len(ids) >= len(seq.prompt) or seq.prompt[: len(ids)] != ids or state.get("spec") != self.options.spec
                 or state.get("kv_dtype") != self.options.kv_dtype):
             return 0
         n = self.cache.import_slot(seq.slot, state["cache"])
@@ -288,12 +288,14 @@ class Engine:
         if tok in eos or tok in p.stop_token_ids:
             seq.finish_reason = "stop"
         elif p.stop:
-            seq.text = self.tokenizer.decode(seq.tokens)
-            for s in p.stop:
-                if s in seq.text:
-                    seq.text = seq.text[: seq.text.index(s)]
-                    seq.finish_reason = "stop"
-                    break
+            # a stop string must end in the newest token: look at a tail long enough to hold any of them
+            # (>= 1 byte per token, <= 4 bytes per character), and decode everything only on a hit
+            tail = self.tokenizer.decode(seq.tokens[-(4 * max(map(len, p.stop)) + 2):])
+            if any(stop in tail for stop in p.stop):
+                text = self.tokenizer.decode(seq.tokens)
+                cut = min(text.index(stop) for stop in p.stop if stop in text)
+                seq.text = text[:cut]
+                seq.finish_reason = "stop"
         if seq.finish_reason is None and len(seq.tokens) >= p.max_new_tokens:
             seq.finish_reason = "length"
         return seq.finish_reason is not None
@@ -370,11 +372,22 @@ class Engine:
             p = torch.stack([probs(logits[r], seqs[r].params) for r in sampling])
             n_s, b_s = accept_sampling(drafts[rows], p, q[rows], [seqs[r].generator for r in sampling])
             n_acc[rows], bonus[rows] = n_s, b_s
-        self.commit(n_acc + 1)
+        n_list, d_list, b_list = n_acc.tolist(), drafts.tolist(), bonus.tolist()
+        keep = []
+        for r, s in enumerate(seqs):
+            appended = 0
+            for tok in d_list[r][: n_list[r]] + [b_list[r]]:
+                s.tokens.append(tok)
+                appended += 1
+                if self._finish(s):
+                    break
+            # the cache keeps block positions 0 .. appended-1; the newest token is not in it yet
+            keep.append(appended)
+            s.length += appended
+        self.commit(self._ids(keep))
         t2 = self._timer()
         self.drafter.commit(seqs, old_len, block, hidden, torch.cat(taps, dim=-1) if taps else None, n_acc, bonus)
         t3 = self._timer()
-        n_list, d_list, b_list = n_acc.tolist(), drafts.tolist(), bonus.tolist()
         for r, s in enumerate(seqs):
             st = s.stats
             st["rounds"] = st.get("rounds", 0) + 1
@@ -386,11 +399,6 @@ class Engine:
                 per[i] += 1
             st["verify_ms"] = st.get("verify_ms", 0.0) + self._elapsed_ms(t1, t2)
             st["draft_ms"] = st.get("draft_ms", 0.0) + self._elapsed_ms(t0, t1) + self._elapsed_ms(t2, t3)
-            s.length += n_list[r] + 1
-            for tok in d_list[r][: n_list[r]] + [b_list[r]]:
-                s.tokens.append(tok)
-                if self._finish(s):
-                    break
         self._spec_rates(seqs)
 
     @staticmethod

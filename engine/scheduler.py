@@ -48,6 +48,7 @@ class Request:
     prefill_from: int = 0  # cached prefix length (sessions)
     state_hook: Callable | None = None  # called with (engine, seq) before the slot is released
     prefix: Callable | None = None  # (engine, seq) -> cached prompt tokens loaded into the slot
+    admitted_at: float | None = None  # when the request got a slot (queue time = admitted_at - submitted)
 
     @property
     def tokens(self) -> list[int]:
@@ -78,7 +79,8 @@ class Scheduler:
         self.e.check_fits(len(prompt), params.max_new_tokens)
         req = Request(next(self._ids), list(prompt), params, on_tokens, on_done, state_hook=state_hook, prefix=prefix)
         with self._lock:
-            if len(self.waiting) >= self.max_queue:
+            # requests that will find a free slot do not wait: only the excess counts against the bound
+            if len(self.waiting) >= self.max_queue + len(self.e.free_slots):
                 raise QueueFull(f"the queue holds {self.max_queue} waiting requests; retry later")
             self.waiting.append(req)
         self._wake.set()
@@ -107,6 +109,7 @@ class Scheduler:
             if req.cancelled:
                 self._done(req, "cancelled")
                 continue
+            req.admitted_at = time.perf_counter()
             try:
                 req.seq = self.e.acquire(req.prompt, req.params)
                 if req.prefix is not None:
@@ -176,9 +179,22 @@ class Scheduler:
         while self.step():
             pass
 
+    def fail_inflight(self, error: str) -> None:
+        """End every admitted request with ``error`` (after an engine failure), freeing their slots."""
+        for req in self.prefilling + self.running:
+            req.error = error
+            self._done(req, "error")
+        self.prefilling, self.running = [], []
+
     def serve_forever(self) -> None:
-        """The engine loop of a server: step while there is work, sleep until woken otherwise."""
+        """The engine loop of a server: step while there is work, sleep until woken otherwise. An engine
+        error fails the requests in flight and the loop goes on serving."""
         while not self._stop:
-            if not self.step():
+            try:
+                busy = self.step()
+            except Exception as err:  # noqa: BLE001 - reported to every request in flight, then keep serving
+                self.fail_inflight(f"engine error: {type(err).__name__}: {err}")
+                busy = True
+            if not busy:
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()

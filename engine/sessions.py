@@ -152,7 +152,10 @@ class SessionStore:
         problems), skipping files that are unreadable or of another model."""
         if self.dir is None:
             return 0, []
-        self.dir.mkdir(parents=True, exist_ok=True)  # an unusable folder is an error before serving, not after
+        try:  # an unusable folder is an error before serving, not after
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"--session-dir {self.dir}: {e.strerror or e}") from None
         loaded, problems = 0, []
         for path in sorted(self.dir.glob("*.pt"), key=lambda p: p.stat().st_mtime):
             try:

@@ -52,7 +52,6 @@ __all__ = ["GDNConfig", "plan", "gdn_decode", "gdn_decode_ref", "triton_availabl
 
 MAX_T = STEP_MAX_T  # tokens per call: every token's q/k/v tiles stay in registers for the whole loop
 L2_EPS = 1e-6  # l2norm's eps (kernels/gdn.py)
-SOFTPLUS_THRESHOLD = 20.0  # torch's softplus returns x itself above this
 
 
 @functools.lru_cache(maxsize=1)
@@ -77,8 +76,8 @@ class GDNConfig:
     num_warps: int
 
     def __post_init__(self):
-        if self.block_v < 16 or self.block_v & (self.block_v - 1):
-            raise ValueError(f"GDNConfig.block_v must be a power of two >= 16, got {self.block_v}")
+        if self.block_v < 8 or self.block_v & (self.block_v - 1):
+            raise ValueError(f"GDNConfig.block_v must be a power of two >= 8, got {self.block_v}")
         if self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"GDNConfig.num_warps must be a power of two <= 16, got {self.num_warps}")
 
@@ -235,7 +234,7 @@ def gdn_decode(qkv, z, b, a, conv_state, conv_w, ssm, slots, A_log, dt_bias, nor
                          f"their first use), got qkv on {qkv.device}")
     cfg = config or plan(bsz, hv, dk, dv, qkv.device)
     bk = _pow2(dk)
-    bv = min(cfg.block_v, max(16, _pow2(dv)))
+    bv = min(cfg.block_v, max(8, _pow2(dv)))
     nv = -(-dv // bv)
     fused_norm = nv == 1
     dev = qkv.device
@@ -317,6 +316,16 @@ def _conv_window(x_base, stride_xt, src_base, stride_sc, stride_sw, dst_base, st
         tl.store(dst_base + chan * stride_dc + j * stride_dw, tl.where(old, xs.to(ty), xn.to(ty)), mask=c_ok)
 
 
+def _gates(b_ptr, stride_bt, a_ptr, stride_at, alog_ptr, dtb_ptr, offs_t, live):
+    """(e^g, beta) of tokens offs_t, [BT] fp32: beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias); 1 and 0
+    where ``live`` is false (offs_t < keep <= T, so padding rows are never read)."""
+    bt = tl.load(b_ptr + offs_t * stride_bt, mask=live, other=0.0).to(tl.float32)
+    x = tl.load(a_ptr + offs_t * stride_at, mask=live, other=0.0).to(tl.float32) + tl.load(dtb_ptr)
+    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))  # torch's threshold 20
+    decay = tl.exp(-tl.exp(tl.load(alog_ptr)) * softplus)
+    return tl.where(live, decay, 1.0), tl.where(live, tl.sigmoid(bt), 0.0)
+
+
 def _gdn_kernel(QKV, Z, BB, AA, CSRC, CW, SSRC, SSM, SLOTS, ALOG, DTB, NW, KEEP, STATES, Y, CDST,
                 stride_xb, stride_xt, stride_zb, stride_zt, stride_bb, stride_bt, stride_ab, stride_at,
                 stride_cb, stride_cc, stride_cw, stride_db, stride_dc, stride_dw,
@@ -341,6 +350,13 @@ def _gdn_kernel(QKV, Z, BB, AA, CSRC, CW, SSRC, SSM, SLOTS, ALOG, DTB, NW, KEEP,
     k_ok = offs_k < DK
     offs_v = pid_v * BV + tl.arange(0, BV)
     v_ok = offs_v < DV
+    # the state tile first, so that its latency overlaps all the per-token work below
+    s_mask = k_ok[:, None] & v_ok[None, :]
+    if SSM_INIT:
+        s_base = SSRC + b.to(tl.int64) * stride_sb + h * stride_sh
+    else:
+        s_base = SSRC + slot * stride_sb + h * stride_sh
+    S = tl.load(s_base + offs_k[:, None] * stride_sk + offs_v[None, :], mask=s_mask, other=0.0)  # [BK, BV] fp32
 
     # ---- per-token inputs of all T tokens at once (no dependence on the state) ----
     x_base = QKV + b.to(tl.int64) * stride_xb
@@ -358,32 +374,19 @@ def _gdn_kernel(QKV, Z, BB, AA, CSRC, CW, SSRC, SSM, SLOTS, ALOG, DTB, NW, KEEP,
     q = q * (tl.rsqrt(tl.sum(q * q, 1) + 1e-6) * scale)[:, None]
     k = k * tl.rsqrt(tl.sum(k * k, 1) + 1e-6)[:, None]
     qk = tl.sum(q * k, 1)  # [BT]: q . k, for o = e^g S^T q + (q . k) u
-    bt = tl.load(BB + b * stride_bb + offs_t * stride_bt + h, mask=t_ok, other=0.0).to(tl.float32)
-    at = tl.load(AA + b * stride_ab + offs_t * stride_at + h, mask=t_ok, other=0.0).to(tl.float32)
-    x = at + tl.load(DTB + h)
-    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
-    decay = tl.exp(-tl.exp(tl.load(ALOG + h)) * softplus)  # e^g, [BT]
-    beta = tl.sigmoid(bt)
     if HAS_KEEP:
         keep = tl.load(KEEP + b).to(tl.int32)
     else:
         keep = T
-    live = offs_t < keep  # tokens past keep leave the state exactly unchanged: e^0 = 1, beta = 0
-    decay = tl.where(live, decay, 1.0)
-    beta = tl.where(live, beta, 0.0)
+    # tokens past keep (and padding rows) leave the state exactly unchanged: e^0 = 1, beta = 0
+    decay, beta = _gates(BB + b * stride_bb + h, stride_bt, AA + b * stride_ab + h, stride_at, ALOG + h, DTB + h,
+                         offs_t, offs_t < keep)
 
-    # ---- the recurrence: the state tile stays in registers ----
-    s_off = offs_k[:, None] * stride_sk + offs_v[None, :]
-    s_mask = k_ok[:, None] & v_ok[None, :]
-    if SSM_INIT:
-        s_base = SSRC + b.to(tl.int64) * stride_sb + h * stride_sh
-    else:
-        s_base = SSRC + slot * stride_sb + h * stride_sh
-    S = tl.load(s_base + s_off, mask=s_mask, other=0.0)  # [BK, BV] fp32
+    # ---- the recurrence, unrolled over the (padded) tokens: the state tile stays in registers ----
     o = tl.zeros([BT, BV], tl.float32)
     st_base = STATES + b.to(tl.int64) * stride_ob + h * stride_oh
     st_off = offs_k[:, None] * stride_ok + offs_v[None, :]
-    for t in range(T):
+    for t in tl.static_range(BT):
         sel = offs_t == t
         q_t = tl.sum(tl.where(sel[:, None], q, 0.0), 0)  # [BK]
         k_t = tl.sum(tl.where(sel[:, None], k, 0.0), 0)
@@ -397,7 +400,7 @@ def _gdn_kernel(QKV, Z, BB, AA, CSRC, CW, SSRC, SSM, SLOTS, ALOG, DTB, NW, KEEP,
         S = S * e_t + k_t[:, None] * u[None, :]
         o = tl.where(sel[:, None], (qS + qk_t * u)[None, :], o)
         if STORE_STATES:
-            tl.store(st_base + t * stride_ot + st_off, S, mask=s_mask)
+            tl.store(st_base + t * stride_ot + st_off, S, mask=s_mask & (t < T))
 
     # ---- outputs ----
     if HAS_OUT:
@@ -449,11 +452,12 @@ def _gated_norm_kernel(O, Z, NW, Y, stride_ob, stride_ot, stride_zb, stride_zt, 
 @functools.lru_cache(maxsize=1)
 def _kernels() -> dict:
     """Jit the kernels (first call only). `_gdn_kernel` finds its helpers and `tl` as module globals."""
-    global tl, _conv_tile, _conv_window
+    global tl, _conv_tile, _conv_window, _gates
     import triton
     import triton.language
 
     tl = triton.language
+    _gates = triton.jit(_gates)
     _conv_tile = triton.jit(_conv_tile)
     _conv_window = triton.jit(_conv_window)
     gdn = triton.jit(_gdn_kernel)

@@ -51,11 +51,14 @@ C = 2 * HK * DK + HV * DV  # 10240
 HIDDEN, INTER, H, HKV, HD, RD = 5120, 17408, 24, 4, 256, 64
 EPS = 1e-6
 GDN_CASES = [(1, 1, False), (8, 1, False), (1, 8, False), (1, 8, True), (8, 8, False), (8, 8, True)]
-BLOCK_VS = (128, 64, 32)
+# (block_v, num_warps) launch shapes timed besides the default plan; --sweep adds more
+CONFIGS = ((128, 8), (32, 2), (16, 1))
+SWEEP = ((128, 4), (64, 4), (64, 2), (32, 1), (16, 2), (8, 1))
 TOL = {"out": 1e-2, "ssm": 1e-4, "states_out": 1e-4}  # rel RMS vs fp32 reference (bf16 output rounding)
 TOL_GLUE = 1e-2
 ROTATE_BYTES = 256 * 2**20  # graph replays rotate over this much GDN state, five times the H200's L2
 GRAPH_REPLAYS = 20
+GRAPH_CALLS = 20  # a single-call case is captured this many times, so the graph's launch cost is spread out
 SEED = 0
 STATE_BYTES = HV * DK * DV * 4  # 3 MB per slot and layer
 
@@ -103,7 +106,7 @@ def timings(fns, nbytes: int, bw: float) -> dict:
 
     fns[0]()  # compile outside the timings
     us = do_bench(fns[0], warmup=10, rep=60, return_mode="median") * 1e3
-    us_graph = graph_us(fns)
+    us_graph = graph_us(fns if len(fns) > 1 else fns * GRAPH_CALLS)
     best = min(us, us_graph)
     return {"us_median": round(us, 2), "us_graph": round(us_graph, 2), "bytes": nbytes,
             "gbps": round(nbytes / (best * 1e-6) / 1e9, 1), "copy_bw_frac": round(nbytes / (best * 1e-6) / bw, 3)}
@@ -188,14 +191,15 @@ def check_gdn(case: GDNCase, snap: bool, cfg) -> dict:
             "ok": conv_exact and all(errs[k] <= TOL[k] for k in errs)}
 
 
-def bench_gdn(bw: float, emit) -> tuple[list, int]:
+def bench_gdn(bw: float, emit, sweep: bool) -> tuple[list, int]:
     rows, failures = [], 0
     for b, t, snap in GDN_CASES:
         case = GDNCase(b, t)
         base = {"B": b, "T": t, "snapshots": snap}
         default = gt.plan(b, HV, DK, DV, DEVICE)
-        for bv in BLOCK_VS:
-            cfg = gt.plan(b, HV, DK, DV, DEVICE, block_v=bv)
+        configs = [default] + [gt.GDNConfig(bv, nw) for bv, nw in CONFIGS + (SWEEP if sweep else ())]
+        for cfg in dict.fromkeys(configs):
+            bv = cfg.block_v
             rec = {"op": "gdn_decode", **base, "block_v": bv, "num_warps": cfg.num_warps,
                    "default": cfg == default}
             try:
@@ -380,6 +384,7 @@ def resource_report() -> list:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gdn-only", action="store_true", help="skip the fused glue ops")
+    parser.add_argument("--sweep", action="store_true", help="time more gdn_decode launch shapes")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_fused: needs a CUDA GPU", file=sys.stderr)
@@ -400,7 +405,7 @@ def main() -> int:
     emit({"op": "env", "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
           "copy_TBps": round(bw / 1e12, 3), "sms": torch.cuda.get_device_properties(0).multi_processor_count})
     print(f"{torch.cuda.get_device_name()}  copy bandwidth {bw / 1e12:.2f} TB/s  triton {triton.__version__}")
-    gdn_rows, failures = bench_gdn(bw, emit)
+    gdn_rows, failures = bench_gdn(bw, emit, args.sweep)
     glue_rows = []
     if not args.gdn_only:
         glue_rows, f2 = bench_glue(bw, emit)
@@ -419,14 +424,15 @@ def _fmt(x, f):
 
 
 def print_tables(gdn_rows, glue_rows):
-    print(f"\n{'op':16} {'B':>2} {'T':>2} {'snap':>4} {'BV':>4} {'us':>8} {'us_graph':>8} {'MB':>7} {'%copy':>6}"
-          "  rel_rms")
+    print(f"\n{'op':16} {'B':>2} {'T':>2} {'snap':>4} {'BV':>4} {'wp':>2} {'us':>8} {'us_graph':>8} {'MB':>7} "
+          f"{'%copy':>6} {'rel_rms':>8}")
     for r in gdn_rows:
         frac = 100 * r["copy_bw_frac"] if "copy_bw_frac" in r else None
+        err = max(r["rel_rms"].values()) if "rel_rms" in r else None
         print(f"{r['op']:16} {r['B']:>2} {r['T']:>2} {str(r['snapshots'])[0]:>4} {str(r.get('block_v', '-')):>4} "
-              f"{_fmt(r.get('us_median'), '8.1f')} {_fmt(r.get('us_graph'), '8.1f')} "
-              f"{_fmt(r.get('bytes', 0) / 1e6, '7.2f')} {_fmt(frac, '6.1f')}  "
-              f"{r.get('rel_rms', '')}{'  <- default' if r.get('default') else ''}"
+              f"{str(r.get('num_warps', '-')):>2} {_fmt(r.get('us_median'), '8.1f')} {_fmt(r.get('us_graph'), '8.1f')} "
+              f"{_fmt(r.get('bytes', 0) / 1e6, '7.2f')} {_fmt(frac, '6.1f')} {_fmt(err, '8.1e')}"
+              f"{'  <- default' if r.get('default') else ''}"
               + (f"  ERROR {r['error'][:80]}" if "error" in r else ""))
     if glue_rows:
         print(f"\n{'op':20} {'rows':>4} {'us':>7} {'us_graph':>8} {'eager_graph':>11} {'%copy':>6} {'rel_rms':>8}")

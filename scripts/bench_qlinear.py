@@ -62,45 +62,37 @@ def _split(fmt: str, n: int, k: int, block_n: int, gps: int) -> int:
     return ql._split_for(-(-n // block_n), ng, gps)
 
 
-def _tc(kind, block_n, gps=4, exact=False, asm=False, split_nibbles=False, split=True, warps=4, stages=3):
-    """Config maker for a tensor-core kernel ("dot": code bytes, "wdot": code words)."""
+def _dot(block_n, gps=2, split=True, warps=4, stages=2):
     def make(fmt, n, k, t):
-        if asm and fmt != "q4_g64_fp16":
-            return None
         bt = min(64, max(16, 1 << max(0, (t - 1).bit_length())))
         sk = _split(fmt, n, k, block_n, gps) if split else 1
-        return ql.QConfig(kind, block_n, gps=gps, split_k=sk, block_t=bt, exact=exact, use_asm=asm,
-                          split_nibbles=split_nibbles, num_warps=warps, num_stages=stages)
+        return ql.QConfig("dot", block_n, gps=gps, split_k=sk, block_t=bt, num_warps=warps, num_stages=stages)
     return make
 
 
-def _gemv(block_n, gps=2, split=True, warps=4, stages=3):
+def _gemv(block_n, gps=4, split=True, warps=4):
     def make(fmt, n, k, t):
         if t != 1:
             return None
         sk = _split(fmt, n, k, block_n, gps) if split else 1
-        return ql.QConfig("gemv", block_n, gps=gps, split_k=sk, num_warps=warps, num_stages=stages)
+        return ql.QConfig("gemv", block_n, gps=gps, split_k=sk, num_warps=warps)
     return make
 
 
-# Kernel variants compared by --variants (name -> config maker, None where it does not apply).
+# Kernel variants compared by --variants (name -> config maker, None where it does not apply): the gemv
+# (CUDA-core reduce) against the tensor-core dot at T = 1, tile shapes, pipeline depth, split-K on/off.
 VARIANTS = {
-    "gemv_n64_g2": _gemv(64),
-    "gemv_n128_g2": _gemv(128),
-    "gemv_n128_g4": _gemv(128, gps=4),
-    "gemv_n256_g2": _gemv(256),
-    "gemv_n128_g4_w8": _gemv(128, gps=4, warps=8),
-    "gemv_n128_g4_nosplit": _gemv(128, gps=4, split=False),
-    "dot_n64_g4": _tc("dot", 64),
-    "dot_n128_g2": _tc("dot", 128, gps=2),
-    "dot_n128_g4": _tc("dot", 128),
-    "dot_n128_g2_w8": _tc("dot", 128, gps=2, warps=8),
-    "dot_n128_g2_s2": _tc("dot", 128, gps=2, stages=2),
-    "dot_n128_g2_s4": _tc("dot", 128, gps=2, stages=4),
-    "dot_n128_g2_nosplit": _tc("dot", 128, gps=2, split=False),
-    "dot_split_n128_g2": _tc("dot", 128, gps=2, split_nibbles=True),
-    "dot_exact_n64": _tc("dot", 64, exact=True),
-    "wdot_n64_g2": _tc("wdot", 64, gps=2),
+    "gemv_n64_g4": _gemv(64),
+    "gemv_n128_g2": _gemv(128, gps=2),
+    "gemv_n256_g2": _gemv(256, gps=2),
+    "gemv_n128_g4_w8": _gemv(128, warps=8),
+    "gemv_n128_g4_nosplit": _gemv(128, split=False),
+    "dot_n64_g4": _dot(64, gps=4),
+    "dot_n128_g4": _dot(128, gps=4),
+    "dot_n128_g2_s3": _dot(128, stages=3),
+    "dot_n128_g2_w8": _dot(128, warps=8),
+    "dot_n256_g2_w8": _dot(256, warps=8),
+    "dot_n128_g2_nosplit": _dot(128, split=False),
 }
 
 
@@ -291,7 +283,7 @@ def main() -> int:
                     calls = [(lambda li=li: ql.qlinear_triton(x, li, cfg, out=out)) for li in
                              (lins * GRAPH_CALLS)[:GRAPH_CALLS]]
                     us_rot = rotating_us(calls)
-                    cfg_used = cfg or ql.choose_config(fmt, n, k, t, x.dtype)
+                    cfg_used = cfg or ql.choose_config(fmt, n, k, t)
                     row(op, fmt, t, label, us, nbytes, {"rel_rms": err, "config": repr(cfg_used), "us_graph20": us_rot})
                     row(op, fmt, t, label + "@graph20", us_rot, nbytes)
                     if best is None or us_rot < best[1]:

@@ -20,8 +20,10 @@ how close the variant gets to the op's memory floor; ``max_rel_err``, the larges
 and ``ok``; ``note``, what ran.
 
 Timing. CUDA: warm-up calls, then each repeat preceded by an L2 flush (a 256 MB write) and timed with CUDA events
-around the op only (``summary.timer = "cuda-events"``). CPU: ``time.perf_counter`` around each call, fewer repeats,
-no flush (``summary.timer = "torch-cpu"``): CPU timings are not GPU numbers.
+around the op only (``summary.timer = "cuda-events"``); v2 runs eagerly, as that runtime does, and v3 as the replay
+of a CUDA graph of the op, as the v3 runtime runs decode (record ``timing``: "cuda-graph", or "eager" where capture
+fails). CPU: ``time.perf_counter`` around each call, fewer repeats, no flush (``summary.timer = "torch-cpu"``): CPU
+timings are not GPU numbers.
 """
 
 from __future__ import annotations
@@ -243,6 +245,20 @@ def time_cuda(fn, repeats: int, warmup: int, flush: torch.Tensor) -> list[float]
     return [start.elapsed_time(end) * 1e3 for start, end in events]
 
 
+def cuda_graph(fn):
+    """``fn`` captured in a CUDA graph (after warm-up calls on a side stream, as capture needs); returns its replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def time_cpu(fn, repeats: int, warmup: int) -> list[float]:
     """Microseconds per call by the host clock (torch on a CPU runs synchronously)."""
     for _ in range(warmup):
@@ -282,13 +298,23 @@ def _failed(rec: dict, err: Exception) -> dict:
     return rec
 
 
-def measure(case: Case, ref, variant: str, base: dict, tolerance: float, timer, copy_gbps: float) -> dict:
-    """Check one implementation against the reference, then time it: one record."""
+def measure(case: Case, ref, variant: str, base: dict, tolerance: float, timer, copy_gbps: float,
+            graph: bool = False) -> dict:
+    """Check one implementation against the reference, then time it (``graph``: its CUDA-graph replay, as the
+    v3 runtime runs decode; eagerly when capture fails): one record."""
     impl = case.impls[variant]
-    rec = {**base, "variant": variant, "bytes": case.bytes, "tolerance": tolerance, "note": impl.note}
+    rec = {**base, "variant": variant, "bytes": case.bytes, "tolerance": tolerance, "note": impl.note,
+           "timing": "eager"}
     try:
         err = max_rel_err((impl.check or impl.run)(), ref)
-        samples = timer(impl.run)
+        run = impl.run
+        if graph:
+            try:
+                run, rec["timing"] = cuda_graph(impl.run), "cuda-graph"
+            except Exception as e:  # e.g. an op that synchronises with the host cannot be captured
+                torch.cuda.synchronize()
+                rec["note"] += f"; graph capture failed ({type(e).__name__}), timed eagerly"
+        samples = timer(run)
     except Exception as e:  # a broken kernel is a failed record, not an aborted run
         return _failed(rec, e)
     med = float(np.median(samples))
@@ -335,20 +361,21 @@ def run_kernels(opts: KernelOptions, progress=None) -> dict:
                 case = entry.build(ctx, t, param)
                 base.update(shape=list(case.shape), **case.extra)
                 ref = case.reference()
-            except Exception as e:
-                records += [_failed({**base, "variant": v, "bytes": None, "tolerance": tol}, e) for v in opts.variants]
-                done += len(opts.variants)
-                continue
+            except Exception as e:  # inputs or reference could not be made: every variant fails
+                case, ref, built = None, None, e
             for variant in opts.variants:
-                if variant in case.impls:
-                    records.append(measure(case, ref, variant, base, tol, timer, copy_gbps))
+                if case is None:
+                    records.append(_failed({**base, "variant": variant, "bytes": None, "tolerance": tol,
+                                            "timing": None}, built))
+                elif variant in case.impls:
+                    records.append(measure(case, ref, variant, base, tol, timer, copy_gbps, cuda and variant == "v3"))
                 done += 1
                 if progress:
                     progress(done, total, f"{entry.op} t={t} {variant}")
             del case, ref
         ctx.clear()  # weights and caches of this op (and param) are not needed again
     failures = [failure_text(r) for r in records if not r["ok"]]
-    summary = {"ops": len({r["op"] for r in records}), "records": len(records), "copy_bandwidth_gbps": copy_gbps,
+    summary = {"ops": len({r["op"] for r in records}), "checks": len(records), "copy_bandwidth_gbps": copy_gbps,
                "timer": "cuda-events" if cuda else "torch-cpu", "device": str(device),
                "gpu": torch.cuda.get_device_name(device) if cuda else None, "failures": failures,
                "families": sorted({r["family"] for r in records})}

@@ -29,7 +29,8 @@ def test_cancel_frees_the_slot_and_queue_bound():
     sched = Scheduler(eng, max_queue=2)
     a = sched.submit(list(range(1, 20)), SamplingParams(max_new_tokens=50, ignore_eos=True))
     b = sched.submit(list(range(1, 20)), SamplingParams(max_new_tokens=5, ignore_eos=True))
-    with pytest.raises(QueueFull):
+    c = sched.submit(list(range(1, 20)), SamplingParams(max_new_tokens=3, ignore_eos=True))
+    with pytest.raises(QueueFull):  # one goes to the free slot, two may wait: the fourth is refused
         sched.submit([1, 2, 3], SamplingParams(max_new_tokens=5))
     sched.step()
     sched.step()
@@ -37,6 +38,7 @@ def test_cancel_frees_the_slot_and_queue_bound():
     sched.run_until_idle()
     assert a.finish_reason == "cancelled" and len(a.tokens) < 50
     assert b.finish_reason == "length" and len(b.tokens) == 5
+    assert c.finish_reason == "length" and len(c.tokens) == 3
     with pytest.raises(CapacityError):
         sched.submit(list(range(10)), SamplingParams(max_new_tokens=100_000))
 

@@ -152,10 +152,10 @@ def test_states_out(shape, dtype):
 
 @pytest.mark.parametrize("shape", ["B3-T8-r2"])
 def test_split_v_blocks_norm_epilogue(shape):
-    """block_v < dv: several programs per head, o normalised by the second kernel."""
+    """block_v < dv: several programs per head (one warp each), o normalised by the second kernel."""
     c = make_case(*SHAPES[shape], seed=2)
     B, T, _, Hv, dk, dv = SHAPES[shape]
-    cfg = gt.plan(B, Hv, dk, dv, DEVICE, block_v=16, num_warps=2)
+    cfg = gt.plan(B, Hv, dk, dv, DEVICE, block_v=8, num_warps=1)
     states = torch.full((B, T, Hv, dk, dv), float("nan"), device=DEVICE)
     ck, out, kk, cr, ref, kr = run_both(c, config=cfg, states_out=states)
     check(c, ck, out, cr, ref, torch.float32, kk, kr)
@@ -237,6 +237,8 @@ def test_plan_static_and_bounded():
     assert gt.plan(64, 48, 128, 128, DEVICE).block_v == 128, "many programs: the whole head, norm fused"
     with pytest.raises(ValueError, match="block_v"):
         gt.GDNConfig(block_v=24, num_warps=4)
+    with pytest.raises(ValueError, match="num_warps"):
+        gt.GDNConfig(block_v=32, num_warps=3)
 
 
 def test_bad_inputs_name_the_problem():

@@ -155,3 +155,17 @@ def test_metric_arithmetic_on_hand_made_rounds():
     assert s["tokens_per_round"] == 1 + 6 / 4
     assert s["accepted_per_position"] == [1.0, 0.5, 0.0]
     assert s["roofline_fraction"] == pytest.approx(100 * 4 / 2.0 / 1e3)
+
+
+def test_finishing_inside_a_block_keeps_cache_and_length_consistent(plain):
+    eng = engine(spec="mtp", draft_tokens=5)
+    eng.drafter = RiggedDrafter(eng, plain[0], always(5), eng.config.vocab_size)
+    seq = eng.acquire(PROMPTS[0], SamplingParams(max_new_tokens=9, ignore_eos=True))  # 1 + 6 + 2 of 6
+    eng.start(seq)
+    while seq.finish_reason is None:
+        eng.advance([seq])
+    assert len(seq.tokens) == 9 and seq.tokens == plain[0][:9]
+    assert seq.length == len(PROMPTS[0]) + len(seq.tokens) - 1  # the newest token is not in the cache
+    state = eng.export_state(seq)
+    eng.release(seq)
+    assert len(state["ids"]) == state["cache"]["length"]

@@ -53,6 +53,7 @@ def test_cli_measures_every_family_and_every_check_passes(cpu_run):
     # every (op, shape, t) has both variants; v3 on a CPU says what it fell back to
     keys = {(r["op"], tuple(r["shape"]), r["t"]) for r in recs}
     assert len(recs) == 2 * len(keys)
+    assert {r["timing"] for r in recs} == {"eager"}
     assert "CPU" in one(doc, op="mlp.down", t=1, variant="v3")["note"]
     assert "CPU" in one(doc, op="attn.decode_int8", t=8, context=4096, variant="v3")["note"]
     assert sorted({r["context"] for r in recs if r["family"] == "attention"}) == [1024, 4096]
@@ -96,17 +97,23 @@ def test_broken_implementation_fails_its_check_and_exits_1(tmp_path, monkeypatch
 
         return ks.Case([t], 8, lambda: torch.ones(t), {"v2": ks.Impl(lambda: torch.ones(t)), "v3": ks.Impl(boom)})
 
+    @ks.register(op="test.build_fails", family="test")
+    def _build_fails(ctx, t, _param):
+        raise MemoryError("no room for the weights")
+
     out = tmp_path / "broken.json"
     code, text = run("kernels", "--device", "cpu", "--ops", "test.", "--t", "1", "--repeats", "2", "--json", out)
     assert code == 1, text
-    assert "2 of 4 kernel checks failed" in text and "test.scaled_ref" in text and "kernel launch failed" in text
+    assert "4 of 6 kernel checks failed" in text and "test.scaled_ref" in text and "kernel launch failed" in text
     doc = read_result(out)  # written before the exit
     scaled = {r["variant"]: r for r in doc["records"] if r["op"] == "test.scaled_ref"}
     assert scaled["v2"]["ok"] and not scaled["v3"]["ok"]
     assert scaled["v3"]["max_rel_err"] == pytest.approx(0.1, rel=1e-3)
     raised = one(doc, op="test.raises", variant="v3")
     assert not raised["ok"] and raised["us_median"] is None and "RuntimeError" in raised["note"]
-    assert len(doc["summary"]["failures"]) == 2
+    built = [r for r in doc["records"] if r["op"] == "test.build_fails"]
+    assert len(built) == 2 and not any(r["ok"] for r in built) and "MemoryError" in built[0]["note"]
+    assert len(doc["summary"]["failures"]) == 4
 
 
 def test_max_rel_err_is_the_largest_relative_rms():
@@ -140,3 +147,16 @@ def test_model_artifact_gives_the_shapes(tiny_artifact, tmp_path):
 def test_bad_requests_are_one_line_errors(args, message):
     code, text = run("kernels", "--device", "cpu", *args)
     assert code == 1 and message in text, text
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_run_times_v3_as_graph_replays(tmp_path):
+    out = tmp_path / "cuda.json"
+    code, text = run("kernels", "--device", "cuda", "--shape", "tiny", "--t", "1,7", "--repeats", "5",
+                     "--ops", "attn.,mlp.down,lm_head,gdn.step,norm.rms", "--json", out)
+    assert code == 0, text
+    doc = read_result(out)
+    assert doc["summary"]["timer"] == "cuda-events" and doc["summary"]["failures"] == []
+    assert {r["timing"] for r in doc["records"] if r["variant"] == "v2"} == {"eager"}
+    assert {r["timing"] for r in doc["records"] if r["variant"] == "v3"} == {"cuda-graph"}
+    assert "Triton qlinear" in one(doc, op="mlp.down", t=7, variant="v3")["note"]

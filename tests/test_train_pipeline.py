@@ -141,6 +141,20 @@ def test_join_rebuilds_the_artifact_and_writes_the_card(built, tmp_path):
     assert (data / "heldout_prompts.jsonl").is_file() and (models / "corpus_LICENSES.md").is_file()
 
 
+def test_target_checkpoint_resumes_in_a_fresh_folder(tmp_path):
+    """Two device calls: corpus..target ships a checkpoint; a fresh folder resumes it through export."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    train_bundled.main(["--out", str(first), "--tiny", "--device", "cpu", "--stage", "corpus,tokenizer,target"])
+    parts = sorted(p.name for p in (first / "ship").iterdir())
+    assert parts and all(p.startswith("checkpoint.tar.part") for p in parts)
+    train_bundled.main(["--out", str(second), "--tiny", "--device", "cpu", "--resume", str(first / "ship"),
+                        "--stage", "corpus,tokenizer,drafters,export"])
+    for name in ("tokenizer/tokenizer.json", "hf/model.safetensors"):
+        assert (second / name).read_bytes() == (first / name).read_bytes()
+    facts = json.loads((second / "ship" / "card_facts.json").read_text())
+    assert facts["target"]["steps"] == 6 and all(r["matches_greedy"] for r in facts["eval"]["acceptance"]["rows"])
+
+
 def test_retrieval_rows_end_with_the_answer_to_one_of_their_needles(built):
     tk = built["tok"]
     enc = lambda s: tk.encode(s, add_special_tokens=False).ids  # noqa: E731

@@ -27,9 +27,13 @@ def loss_curve(rows: list[dict], out: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     ax = axes[1]
-    if draft:
-        ax.plot([r["step"] for r in draft], [r["loss"] for r in draft], label="MTP + DFlash + DFlash2")
+    for key, label in (("mtp_loss", "MTP (depths 0-3, mean)"), ("dflash_loss", "DFlash"),
+                       ("dflash2_loss", "DFlash2 (+ selector)")):
+        pts = [(r["step"], r[key]) for r in draft if key in r]
+        if pts:
+            ax.plot(*zip(*pts), marker="." if len(pts) < 3 else None, label=label)
     ax.set_xlabel("drafter step")
+    ax.set_ylabel("weighted cross-entropy vs target greedy tokens")
     ax.set_title("drafters (target frozen)")
     ax.grid(alpha=0.3)
     ax.legend()
@@ -51,7 +55,8 @@ def _spec_table(ev: dict) -> list[str]:
     lines = [f"Greedy, {acc['prompts']} held-out prompts x {acc['max_new_tokens']} new tokens, engine runtime "
              f"{acc['runtime']} ({ev.get('device', '?')}).", "",
              "| drafter | K | acceptance rate | tokens / round | matches greedy |", "|---|---:|---:|---:|:-:|"]
-    for r in acc["rows"]:
+    order = {"mtp": 0, "dflash": 1, "dflash2": 2}
+    for r in sorted(acc["rows"], key=lambda r: (order.get(r["spec"], 3), r["k"])):
         if "skipped" in r or "error" in r:
             lines.append(f"| {r['spec']} | {r['k']} | {r.get('skipped') or r.get('error')} | | |")
             continue
@@ -96,68 +101,88 @@ def limits(facts: dict, met: list) -> list[str]:
     return out
 
 
+INTRO = ("A small Qwen3.5-architecture code model trained from scratch on the Python source installed on the build "
+         "machine, with an MTP head and DFlash / DFlash2 drafters. It is the default model of every suite "
+         "(`models/ninfer-code-small.ninfer`), so acceptance rates and needle retrieval are measured on a real "
+         "trained model on any machine, offline.")
+
+
+def _model(f: dict) -> list[str]:
+    m, p, tk, d, ex = f["model"], f["model"]["params"], f["tokenizer"], f["drafters"], f["export"]
+    return ["## Model", "", "| | |", "|---|---|",
+            f"| architecture | `Qwen3_5ForCausalLM` (`qwen3_5_text`), {m['layers']} layers = "
+            f"{m['layers'] // 4} x [3 Gated DeltaNet + 1 gated full attention] |",
+            f"| shape | hidden {m['hidden_size']}, MLP {m['intermediate_size']}, attention {m['attention']}, "
+            f"GDN {m['gdn']}, partial RoPE 0.25 (theta 1e7), tied embeddings |",
+            f"| parameters | target {p['target'] / 1e6:.1f}M ({p['target_non_embedding'] / 1e6:.1f}M without "
+            f"embeddings), MTP {p['mtp'] / 1e6:.1f}M, DFlash {p['dflash'] / 1e6:.1f}M, "
+            f"DFlash2 {p['dflash2'] / 1e6:.1f}M |",
+            f"| tokenizer | byte-level BPE, {tk['vocab_size']} tokens, specials `<|endoftext|>` (eos) "
+            f"`<|im_start|>` `<|im_end|>` `<|mask|>` (DFlash), Qwen chat template |",
+            f"| drafters | DFlash: {d['configs']['dflash']}; DFlash2: {d['configs']['dflash2']} |",
+            f"| artifact | v3, {ex['bytes']:,} bytes, policy `{ex['policy']}`, sha256 `{ex['sha256'][:16]}...` |"]
+
+
+def _data(f: dict) -> list[str]:
+    c, tk, t = f["corpus"], f["tokenizer"], f["target"]
+    return ["## Data", "",
+            f"{c['train_files']:,} training files ({c['train_bytes'] / 1e6:.1f} MB) and {c['heldout_files']} "
+            f"held-out files ({c['heldout_bytes'] / 1e6:.2f} MB) of Python source: the standard library and "
+            f"site-packages of the build machine's interpreter (Python {c.get('python', '?')}), de-duplicated by "
+            f"content, held out by content hash (1 in {c['holdout_mod']}), distributions with an unknown or "
+            f"proprietary licence left out. Training stream: {tk['train_tokens'] / 1e6:.1f}M tokens; "
+            f"{t['retrieval_frac']:.0%} of training rows are synthetic retrieval samples (a "
+            "`CONSTANTS[\"key\"] = value` line far above, `assert CONSTANTS[\"key\"] ==` at the end). Licences: "
+            "see [corpus_LICENSES.md](corpus_LICENSES.md); by bytes:", "",
+            "| licence | files | bytes |", "|---|---:|---:|",
+            *[f"| {lic} | {n} | {b:,} |" for lic, n, b in c["licences"][:10]]]
+
+
+def _training(f: dict) -> list[str]:
+    t, d = f["target"], f["drafters"]
+    long = (f", the last {t['long_steps']} at {t['long_seq_len']} tokens per row" if t.get("long_steps") else "")
+    return ["## Training", "",
+            f"Target + MTP: {t['steps']:,} steps of {t['batch'] * t['seq_len']:,} tokens ({t['batch']} x "
+            f"{t['seq_len']}{long}), {t['tokens'] / 1e6:.0f}M tokens seen ({t['epochs']} epochs), peak LR "
+            f"{t['peak_lr']}, {t['seconds']} s at about {(t.get('tok_s') or 0) / 1e3:.0f}K tokens/s; gated delta "
+            f"rule kernel `{t['gdn']['chunk_gated_delta_rule']}`.",
+            f"Drafters (target frozen, labels = the target's {d['labels']} tokens): {d['steps']:,} steps of "
+            f"{d['batch']} x {d['seq_len']} tokens, block lengths {d['block_sizes']}, MTP fine-tuned at depths "
+            f"1..{d['mtp_depths']}, {d['seconds']} s.", "", "![loss curve](loss_curve.png)"]
+
+
+def _results(f: dict, met) -> list[str]:
+    ev = f.get("eval", {})
+    held, quant = ev.get("heldout", {}), ev.get("quant", {})
+    return ["## Results", "",
+            f"Held-out loss (target, transformers, bf16 weights): {_fmt(held.get('loss'))} nats/token over "
+            f"{held.get('tokens', 0):,} tokens. Artifact (engine) vs transformers logits on held-out code: relative "
+            f"RMS {_fmt(quant.get('rel_rms'), 4)}, top-1 agreement {_fmt(quant.get('top1_agreement'))}.", "",
+            "### Speculative decoding", "", *_spec_table(ev), "",
+            "### Needle retrieval", "", *_needle_table(ev), "",
+            "## Targets", "", "| target | measured | met |", "|---|---|:-:|",
+            *[f"| {name} | {val} | {'-' if ok is None else ('yes' if ok else 'no')} |" for name, val, ok in met],
+            "", *limits(f, met)]
+
+
+def _rebuild(f: dict) -> list[str]:
+    r = f["rebuild"]
+    stages = ", ".join(f"{k} {v:.0f} s" for k, v in r["stage_seconds"].items())
+    return ["## Rebuild", "", "On one H200 (the fla wheel carried in `.whl/`), from a plain checkout:", "", "```",
+            r["command"], "```", "",
+            f"Seed {r['seed']}; this build took {r['device_minutes']:.1f} device-minutes ({stages}). Then "
+            "`python3 scripts/bundled/export.py join <returned files>` installs it here."]
+
+
 def write(models: Path, facts: dict, log_rows: list[dict]) -> Path:
     """Write ``MODEL_CARD.md`` and ``loss_curve.png`` into ``models``; returns the card's path."""
     models.mkdir(parents=True, exist_ok=True)
     loss_curve(log_rows, models / "loss_curve.png")
-    c, tk, t, d = facts["corpus"], facts["tokenizer"], facts["target"], facts["drafters"]
-    ex, ev, m = facts["export"], facts.get("eval", {}), facts["model"]
-    p = m["params"]
-    met = targets(ev)
-    lines = [
-        "# ninfer-code-small", "",
-        "A small Qwen3.5-architecture code model trained from scratch on the Python source installed on the "
-        "build machine, with an MTP head and DFlash / DFlash2 drafters. It is the default model of every suite "
-        "(`models/ninfer-code-small.ninfer`), so acceptance rates and needle retrieval are measured on a real "
-        "trained model on any machine, offline.", "",
-        "## Model", "", "| | |", "|---|---|",
-        f"| architecture | `Qwen3_5ForCausalLM` (`qwen3_5_text`), {m['layers']} layers = "
-        f"{m['layers'] // 4} x [3 Gated DeltaNet + 1 gated full attention] |",
-        f"| shape | hidden {m['hidden_size']}, MLP {m['intermediate_size']}, attention {m['attention']}, "
-        f"GDN {m['gdn']}, partial RoPE 0.25 (theta 1e7), tied embeddings |",
-        f"| parameters | target {p['target'] / 1e6:.1f}M ({p['target_non_embedding'] / 1e6:.1f}M without "
-        f"embeddings), MTP {p['mtp'] / 1e6:.1f}M, DFlash {p['dflash'] / 1e6:.1f}M, "
-        f"DFlash2 {p['dflash2'] / 1e6:.1f}M |",
-        f"| tokenizer | byte-level BPE, {tk['vocab_size']} tokens, specials `<|endoftext|>` (eos) `<|im_start|>` "
-        f"`<|im_end|>` `<|mask|>` (DFlash), Qwen chat template |",
-        f"| drafters | DFlash: {d['configs']['dflash']} ; DFlash2: {d['configs']['dflash2']} |",
-        f"| artifact | v3, {ex['bytes']:,} bytes, policy `{ex['policy']}`, sha256 `{ex['sha256'][:16]}...` |", "",
-        "## Data", "",
-        f"{c['train_files']:,} training files ({c['train_bytes'] / 1e6:.1f} MB) and {c['heldout_files']} held-out "
-        f"files ({c['heldout_bytes'] / 1e6:.2f} MB) of Python source: the standard library and site-packages of "
-        f"the build machine's interpreter (Python {c.get('python', '?')}), de-duplicated by content, held out "
-        f"by content hash (1 in {c['holdout_mod']}). Training stream: {tk['train_tokens'] / 1e6:.1f}M tokens; "
-        f"{t['retrieval_frac']:.0%} of training rows are synthetic retrieval samples (a "
-        "`CONSTANTS[\"key\"] = value` line far above, `assert CONSTANTS[\"key\"] ==` at the end). Licences: see "
-        "[corpus_LICENSES.md](corpus_LICENSES.md); by bytes:", "",
-        "| licence | files | bytes |", "|---|---:|---:|",
-        *[f"| {lic} | {n} | {b:,} |" for lic, n, b in c["licences"][:10]], "",
-        "## Training", "",
-        f"Target + MTP: {t['steps']:,} steps of {t['batch']} x {t['seq_len']} tokens, {t['tokens'] / 1e6:.0f}M "
-        f"tokens seen ({t['epochs']} epochs), peak LR {t['peak_lr']}, {t['seconds']} s at about "
-        f"{t.get('tok_s', 0) / 1e3:.0f}K tokens/s; gated delta rule kernel `{t['gdn']['chunk_gated_delta_rule']}`.",
-        f"Drafters (target frozen, labels = target {d['labels']} tokens): {d['steps']:,} steps of {d['batch']} x "
-        f"{d['seq_len']} tokens, block lengths {d['block_sizes']}, MTP fine-tuned at depths 1..{d['mtp_depths']}, "
-        f"{d['seconds']} s.", "", "![loss curve](loss_curve.png)", "",
-        "## Results", "",
-        f"Held-out loss (target, transformers, fp32 weights): "
-        f"{_fmt(ev.get('heldout', {}).get('loss'))} nats/token over {ev.get('heldout', {}).get('tokens', 0):,} "
-        f"tokens. Artifact vs transformers logits on held-out code: relative RMS "
-        f"{_fmt(ev.get('quant', {}).get('rel_rms'), 4)}, top-1 agreement "
-        f"{_fmt(ev.get('quant', {}).get('top1_agreement'))}.", "",
-        "### Speculative decoding", "", *_spec_table(ev), "",
-        "### Needle retrieval", "", *_needle_table(ev), "",
-        "## Targets", "", "| target | measured | met |", "|---|---|:-:|",
-        *[f"| {name} | {val} | {'-' if ok is None else ('yes' if ok else 'no')} |" for name, val, ok in met], "",
-        *limits(facts, met), "",
-        "## Rebuild", "", "On one H200 (the fla wheel carried in `.whl/`):", "", "```",
-        facts["rebuild"]["command"], "```", "",
-        f"Seed {facts['rebuild']['seed']}; this build took {facts['rebuild']['device_minutes']:.1f} device-minutes "
-        f"({', '.join(f'{k} {v:.0f} s' for k, v in facts['rebuild']['stage_seconds'].items())}). "
-        "Then `python3 scripts/bundled/export.py join <returned files>` installs it here.", "",
-    ]
+    met = targets(facts.get("eval", {}))
+    sections = [["# ninfer-code-small", "", INTRO], _model(facts), _data(facts), _training(facts),
+                _results(facts, met), _rebuild(facts)]
     out = models / "MODEL_CARD.md"
-    out.write_text("\n".join(lines))
+    out.write_text("\n\n".join("\n".join(sec) for sec in sections) + "\n")
     return out
 
 

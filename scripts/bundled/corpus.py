@@ -6,6 +6,10 @@ site-packages directory of this interpreter, walked in sorted path order. Kept: 
 whitespace and surrounding blank lines dropped) keep their first path. A file is held out for evaluation when
 its hash is 0 modulo ``holdout_mod`` (50: about 2%), so the split depends on content only.
 
+Licences gate what is used: files of distributions whose licence is unknown or proprietary (e.g. some NVIDIA
+wheels) are left out of the corpus; the held-out prompts, which ship verbatim, come only from permissively
+licensed distributions (no copyleft).
+
 The retrieval format (needle, question, answer) lives here too: the training mixes in samples made with it
 and the NIAH suite builds its haystacks with the same functions, so the model is asked what it was taught.
 """
@@ -15,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import site
 import sysconfig
 from collections import Counter, defaultdict
@@ -26,6 +31,9 @@ MIN_BYTES, MAX_BYTES = 200, 200_000
 STDLIB = "python-stdlib"
 STDLIB_LICENSE = "PSF-2.0"
 UNATTRIBUTED = "unattributed"
+PERMISSIVE = re.compile(r"\bmit\b|\bbsd|apache|\bpsf|python software foundation|\bisc\b|zlib|unlicense|\bcc0|hpnd|cnri")
+COPYLEFT = re.compile(r"\b[al]?gpl|\bmpl\b|mozilla|\bepl\b|eclipse public|\bcddl\b|\beupl\b|\bosl\b|cc-by-sa")
+CLOSED = re.compile(r"proprietary|commercial|\beula\b|^unknown$|other/")
 
 # ---- retrieval format (shared with the NIAH suite) --------------------------------------------------------
 # A needle is one line of code binding a key to a 4-6 digit value; the question is the start of a line that
@@ -171,46 +179,70 @@ def collect(max_files: int | None = None, workers: int = 16, roots=None) -> tupl
     with Pool(max(1, min(workers, os.cpu_count() or 1))) as pool:
         read = pool.map(_read, [p for _, _, p in cands], chunksize=64)
     owner, dists = attribution(roots)
+    dists[STDLIB] = {"version": sysconfig.get_python_version(), "license": STDLIB_LICENSE}
+    dists[UNATTRIBUTED] = {"version": "", "license": "unknown"}
     seen, files = set(), []
     for (kind, root, path), got in zip(cands, read):
         if got is None or got[0] in seen:
             continue
         seen.add(got[0])
         origin = STDLIB if kind == "stdlib" else owner.get(os.path.normpath(str(path)), UNATTRIBUTED)
-        files.append(SourceFile(str(path.relative_to(root)), origin, got[0], got[1]))
-    dists[STDLIB] = {"version": sysconfig.get_python_version(), "license": STDLIB_LICENSE}
-    dists[UNATTRIBUTED] = {"version": "", "license": "unknown"}
+        if trainable(dists[origin]["license"]):
+            files.append(SourceFile(str(path.relative_to(root)), origin, got[0], got[1]))
+        else:
+            dists[origin]["excluded_files"] = dists[origin].get("excluded_files", 0) + 1
     return files, dists
+
+
+def trainable(licence: str) -> bool:
+    """Whether a distribution's files may be trained on: a known licence that is not proprietary."""
+    return not CLOSED.search(licence.lower())
+
+
+def permissive(licence: str) -> bool:
+    """Whether verbatim excerpts may ship in this Apache-2.0 repository: permissive and no copyleft part."""
+    lic = licence.lower()
+    return bool(PERMISSIVE.search(lic)) and not COPYLEFT.search(lic) and not CLOSED.search(lic)
 
 
 def is_heldout(f: SourceFile, holdout_mod: int) -> bool:
     return int(f.sha256, 16) % holdout_mod == 0
 
 
+def tally(files: list[SourceFile], key) -> list[tuple[str, int, int]]:
+    """(key, files, bytes) per value of ``key(file)``, most bytes first."""
+    acc = defaultdict(lambda: [0, 0])
+    for f in files:
+        entry = acc[key(f)]
+        entry[0] += 1
+        entry[1] += len(f.text.encode())
+    return sorted(((k, n, b) for k, (n, b) in acc.items()), key=lambda x: (-x[2], x[0]))
+
+
+def by_licence(files: list[SourceFile], dists: dict) -> list[tuple[str, int, int]]:
+    return tally(files, lambda f: dists.get(f.origin, {}).get("license", "unknown"))
+
+
 def licence_note(files: list[SourceFile], dists: dict) -> str:
     """``corpus_LICENSES.md``: which distributions the corpus came from, under which licences, how much of each."""
-    by_dist, by_lic = defaultdict(lambda: [0, 0]), defaultdict(lambda: [0, 0])
-    for f in files:
-        n = len(f.text.encode())
-        for table, key in ((by_dist, f.origin), (by_lic, dists.get(f.origin, {}).get("license", "unknown"))):
-            table[key][0] += 1
-            table[key][1] += n
     lines = ["# Corpus licences of the bundled model", "",
              "The bundled model (`models/ninfer-code-small.ninfer`) was trained on the Python source files "
              "installed with the interpreter that built it: its standard library and its site-packages. "
              "The files themselves are not redistributed; the held-out evaluation prompts "
-             "(`suites/data/heldout_prompts.jsonl`) are verbatim excerpts and each names its source "
-             "distribution and licence. Licences below are read from each distribution's METADATA "
-             "(License-Expression, License classifiers, or the License field).", "",
+             "(`suites/data/heldout_prompts.jsonl`) are verbatim excerpts of permissively licensed files and each "
+             "names its source distribution and licence. Licences below are read from each distribution's "
+             "METADATA (License-Expression, License classifiers, or the License field).", "",
              f"Files: {len(files)} (after de-duplication), {sum(len(f.text.encode()) for f in files):,} bytes.", "",
              "## By licence", "", "| licence | files | bytes |", "|---|---:|---:|"]
-    for lic, (n, b) in sorted(by_lic.items(), key=lambda kv: -kv[1][1]):
-        lines.append(f"| {lic} | {n} | {b:,} |")
+    lines += [f"| {lic} | {n} | {b:,} |" for lic, n, b in by_licence(files, dists)]
     lines += ["", "## By distribution", "", "| distribution | version | licence | files | bytes |",
               "|---|---|---|---:|---:|"]
-    for dist, (n, b) in sorted(by_dist.items(), key=lambda kv: (-kv[1][1], kv[0])):
+    for dist, n, b in tally(files, lambda f: f.origin):
         info = dists.get(dist, {})
         lines.append(f"| {dist} | {info.get('version', '')} | {info.get('license', 'unknown')} | {n} | {b:,} |")
+    left = {k: v for k, v in dists.items() if v.get("excluded_files")}
+    lines += ["", "## Left out", "", "Files of distributions with an unknown or proprietary licence are not used:", ""]
+    lines += [f"- {k} {v['version']} ({v['license']}): {v['excluded_files']} files" for k, v in sorted(left.items())]
     return "\n".join(lines) + "\n"
 
 
@@ -224,10 +256,12 @@ def summary(train: list[SourceFile], heldout: list[SourceFile]) -> dict:
 
 def heldout_prompts(heldout: list[SourceFile], encode, decode, dists: dict, count: int, min_tokens: int,
                     max_tokens: int, rng) -> list[dict]:
-    """``count`` code prefixes of ``min_tokens``..``max_tokens`` tokens from distinct held-out files (in hash
-    order), each cut at a line end: {"id", "text", "source", "license"}."""
+    """``count`` code prefixes of ``min_tokens``..``max_tokens`` tokens from distinct, permissively licensed
+    held-out files (in hash order), each cut at a line end: {"id", "text", "source", "license"}."""
     out = []
     for f in sorted(heldout, key=lambda f: f.sha256):
+        if not permissive(dists.get(f.origin, {}).get("license", "unknown")):
+            continue
         ids = encode(f.text)
         if len(ids) < min_tokens + 16:
             continue

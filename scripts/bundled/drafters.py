@@ -21,10 +21,13 @@ candidates pulls the label up wherever it is among them.
 from __future__ import annotations
 
 import contextlib
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 
 from ninfer_bench.engine.config import DraftConfig, ModelConfig
 from ninfer_bench.engine.spec.dflash import BlockDrafter, forward_train
@@ -124,64 +127,69 @@ def selector_loss(selector, h, logits, anchor_tok, lab, w) -> torch.Tensor:
     return (ce * present).sum() / present.sum().clamp_min(1.0)
 
 
+def step_losses(model, mtp, drafters: dict, x: torch.Tensor, s: int, opts: DrafterOptions, gen):
+    """One step's (total loss, per-part detached losses, MTP per-depth losses, drafters' per-position agreement):
+    the frozen target reads ``x[:, :-1]`` once; the MTP head and each drafter learn from its outputs."""
+    embed, lm_head = model.model.embed_tokens, model.lm_head
+    ids, length = x[:, :-1], x.shape[1] - 1
+    taps = sorted({i for d in drafters.values() for i in d.c.target_layer_ids})
+    with torch.no_grad():
+        hidden, outs = run(model, ids, taps)
+        greedy = lm_head(hidden).argmax(-1)  # [B, T]: the target's prediction of token p+1
+        labels = greedy if opts.labels == "greedy" else x[:, 1:]
+        tap = dict(zip(taps, outs))
+        emb_next = embed(x[:, 1:])
+        cos, sin = rotary(model, hidden)
+    mtp_labels = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], dim=1)  # token p+2
+    loss, depth_losses = mtp_loss(mtp, lm_head, hidden, emb_next, mtp_labels, cos, sin, opts.mtp_depths)
+    each, agree = {"mtp": loss.detach()}, {}
+    for kind, d in drafters.items():
+        ctx = torch.cat([tap[i] for i in d.c.target_layer_ids], dim=-1)
+        nb = max(1, min(opts.block_tokens // s, length - s + 1))
+        dl, agree[kind] = block_loss(d, ctx, ids, labels, embed, lm_head, s, nb, opts, gen)
+        each[kind] = dl.detach()
+        loss = loss + dl
+    return loss, each, depth_losses, agree
+
+
 def train(model, mtp, drafters: dict, batches, opts: DrafterOptions, device, seed: int, log) -> dict:
     """Train the drafters (and fine-tune the MTP head) on the frozen target; returns the phase's facts."""
-    model.to(device).eval()
-    for p in model.parameters():
-        p.requires_grad_(False)
+    model.to(device).eval().requires_grad_(False)
     mtp.to(device).train()
-    for d in drafters.values():
-        d.to(device).train()
-    groups = [{"params": list(d.parameters()), "lr": opts.lr} for d in drafters.values()]
+    groups = [{"params": list(d.to(device).train().parameters()), "lr": opts.lr} for d in drafters.values()]
     groups.append({"params": list(mtp.parameters()), "lr": opts.mtp_lr})
     opt = torch.optim.AdamW(groups, betas=(0.9, 0.95), weight_decay=0.0, fused=device.type == "cuda")
     peak = [g["lr"] for g in groups]
-    sched = Schedule(1.0, opts.warmup, opts.budget_s, opts.max_steps)
+    sched = Schedule(1.0, opts.warmup, opts.budget_s, opts.max_steps)  # a multiplier of each group's peak
     gen = torch.Generator(device=device).manual_seed(seed)
-    taps = sorted({i for d in drafters.values() for i in d.c.target_layer_ids})
     amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
-    embed, lm_head = model.model.embed_tokens, model.lm_head
-    step, stats = 0, {}
+    step, stats, rows = 0, {}, 0
     while True:
         x = torch.from_numpy(batches.next()).to(device)
-        ids, length = x[:, :-1], x.shape[1] - 1
         s = BLOCK_SIZES[step % len(BLOCK_SIZES)]
         with amp:
-            with torch.no_grad():
-                hidden, outs = run(model, ids, taps)
-                greedy = lm_head(hidden).argmax(-1)  # [B, T]: the target's prediction of token p+1
-                labels = greedy if opts.labels == "greedy" else x[:, 1:]
-                tap = {i: o for i, o in zip(taps, outs)}
-                emb_next = embed(x[:, 1:])
-                cos, sin = rotary(model, hidden)
-            mtp_labels = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], dim=1)
-            loss, parts = mtp_loss(mtp, lm_head, hidden, emb_next, mtp_labels, cos, sin, opts.mtp_depths)
-            agree = {}
-            for kind, d in drafters.items():
-                ctx = torch.cat([tap[i] for i in d.c.target_layer_ids], dim=-1)
-                dl, agree[kind] = block_loss(d, ctx, ids, labels, embed, lm_head, s,
-                                             max(1, min(opts.block_tokens // s, length - s + 1)), opts, gen)
-                loss = loss + dl
+            loss, each, depth_losses, agree = step_losses(model, mtp, drafters, x, s, opts, gen)
         for g, lr in zip(opt.param_groups, peak):
             g["lr"] = lr * sched.lr(step)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], 1.0)
+        torch.nn.utils.clip_grad_norm_([p for g in groups for p in g["params"]], 1.0)
         opt.step()
-        step += 1
+        step, rows = step + 1, rows + x.shape[0]
         stop = sched.done(step)
-        for kind, a in agree.items():  # running top-1 agreement per block position, per block size
+        for kind, a in agree.items():  # running top-1 agreement per block position, per block length
             key = f"{kind}_s{s}"
             stats[key] = a if key not in stats else 0.9 * stats[key] + 0.1 * a
         if step % opts.log_every == 0 or stop:
             log({"phase": "drafters", "step": step, "loss": float(loss.detach()), "block": s,
-                 "mtp_depth_loss": [round(float(p), 4) for p in parts], "lr": opts.lr * sched.lr(step - 1),
-                 "elapsed": round(sched.elapsed, 2), "tokens": step * x.shape[0] * length})
+                 **{f"{k}_loss": round(float(v), 4) for k, v in each.items()},
+                 "mtp_depth_loss": [round(float(v), 4) for v in depth_losses], "lr": opts.lr * sched.lr(step - 1),
+                 "elapsed": round(sched.elapsed, 2), "tokens": rows * opts.seq_len})
         if stop:
             break
-    return {"steps": step, "seconds": round(sched.elapsed, 1), "context_tokens": step * x.shape[0] * length,
+    return {"steps": step, "seconds": round(sched.elapsed, 1), "context_tokens": rows * opts.seq_len,
             "batch": opts.batch, "seq_len": opts.seq_len, "labels": opts.labels, "block_sizes": list(BLOCK_SIZES),
-            "mtp_depths": opts.mtp_depths, "final_mtp_depth_loss": [round(float(p), 4) for p in parts],
+            "mtp_depths": opts.mtp_depths, "final_mtp_depth_loss": [round(float(v), 4) for v in depth_losses],
             "train_agreement": {k: [round(float(v), 3) for v in a] for k, a in stats.items()}}
 
 
@@ -199,27 +207,18 @@ def param_count(drafter: BlockDrafter) -> int:
 
 def save(folder, drafters: dict[str, BlockDrafter], mtp) -> None:
     """``{kind}.safetensors`` + ``{kind}.json`` (DraftConfig) per drafter, and the fine-tuned ``mtp.safetensors``."""
-    import json
-    from pathlib import Path
-
-    from safetensors.torch import save_file
-
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     for kind, d in drafters.items():
         save_file({k: v.detach().float().contiguous().cpu() for k, v in d.state_dict().items()},
                   str(folder / f"{kind}.safetensors"))
         (folder / f"{kind}.json").write_text(json.dumps(d.c.to_dict(), indent=2) + "\n")
-    save_file({f"mtp.{k}": v.detach().float().contiguous().cpu() for k, v in mtp.state_dict().items()},
-              str(folder / "mtp.safetensors"))
+    save_file({f"mtp.{k}": v.detach().to(torch.bfloat16).contiguous().cpu() for k, v in mtp.state_dict().items()},
+              str(folder / "mtp.safetensors"))  # bf16, as the rest of the HF folder
 
 
 def load(folder, cfg: ModelConfig) -> dict[str, BlockDrafter]:
-    import json
-    from pathlib import Path
-
-    from safetensors.torch import load_file
-
+    """The drafters :func:`save` wrote."""
     out = {}
     for kind in ("dflash", "dflash2"):
         dcfg = DraftConfig.from_dict(json.loads((Path(folder) / f"{kind}.json").read_text()))

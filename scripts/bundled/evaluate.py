@@ -15,7 +15,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ninfer_bench.engine.runtime import Engine
+
 from .corpus import build_haystack, make_needle
+from .target import run
 
 
 def guarded(fn, *args, **kwargs) -> dict:
@@ -29,8 +32,6 @@ def guarded(fn, *args, **kwargs) -> dict:
 @torch.no_grad()
 def heldout_loss(model, stream: np.ndarray, seq_len: int, max_windows: int, batch: int, device) -> dict:
     """Mean next-token loss of the target over the first ``max_windows`` windows of the held-out stream."""
-    from .target import run
-
     n = min(max_windows, (len(stream) - 1) // seq_len)
     if n < 1:
         return {"error": f"held-out stream of {len(stream)} tokens is shorter than one window of {seq_len}"}
@@ -51,10 +52,6 @@ def heldout_loss(model, stream: np.ndarray, seq_len: int, max_windows: int, batc
 @torch.no_grad()
 def quant_error(path, model, ids: list[int], device) -> dict:
     """The artifact's logits (engine) against the fp32 transformers model on ``ids``: relative RMS, top-1."""
-    from ninfer_bench.engine.runtime import Engine
-
-    from .target import run
-
     eng = Engine.load(str(path), device=device.type, max_context=len(ids) + 8)
     ours = eng.logits(ids)
     model.float().eval()
@@ -68,8 +65,6 @@ def quant_error(path, model, ids: list[int], device) -> dict:
 def acceptance(path, prompts: list[list[int]], plan, max_new: int, device, deadline: float, max_context: int,
                runtime: str = "v3") -> dict:
     """Speculative decoding statistics per (spec, K) over ``prompts``, greedy, ``max_new`` tokens each."""
-    from ninfer_bench.engine.runtime import Engine
-
     plain = Engine.load(str(path), device=device.type, max_context=max_context, runtime=runtime)
     ref = [plain.generate(p, max_new_tokens=max_new, ignore_eos=True).tokens for p in prompts]
     del plain
@@ -84,8 +79,6 @@ def acceptance(path, prompts: list[list[int]], plan, max_new: int, device, deadl
 
 
 def _spec_row(path, prompts, ref, spec, k, max_new, device, max_context, runtime) -> dict:
-    from ninfer_bench.engine.runtime import Engine
-
     eng = Engine.load(str(path), device=device.type, max_context=max_context, runtime=runtime, spec=spec,
                       draft_tokens=k)
     rounds = drafted = accepted = 0
@@ -110,8 +103,6 @@ def needles(path, filler_ids: list[int], tok, lengths, depths, device, deadline:
             runtime: str = "v3") -> dict:
     """Greedy needle retrieval through the engine: one case per (context length, depth); a case passes when
     the answer contains the value."""
-    from ninfer_bench.engine.runtime import Engine
-
     encode = lambda s: tok.encode(s, add_special_tokens=False).ids  # noqa: E731
     decode = lambda ids: tok.decode(ids, skip_special_tokens=False)  # noqa: E731
     eng = Engine.load(str(path), device=device.type, max_context=max(lengths), runtime=runtime,

@@ -19,7 +19,23 @@ import shutil
 import sys
 from pathlib import Path
 
-import torch
+if __name__ == "__main__":  # run as a script: import this file as ``bundled.export`` (package imports) and run it
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import _bootstrap
+
+    _bootstrap.ensure_package()
+    from bundled.export import main
+
+    sys.exit(main())
+
+import torch  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+from ninfer_bench.engine.convert import write_model  # noqa: E402
+from ninfer_bench.engine.hf import HFCheckpoint  # noqa: E402
+from ninfer_bench.engine.loader import BUNDLED_NAME  # noqa: E402
+
+from . import card  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 PART_BYTES = 15 * 2**20
@@ -32,8 +48,6 @@ SHIP_FILES = ("heldout_prompts.jsonl", "train_log.jsonl", "corpus_LICENSES.md", 
 
 def final_hf(work: Path, out: Path) -> Path:
     """``hf/`` with ``mtp.*`` replaced by the drafter stage's fine-tuned head (when there is one)."""
-    from safetensors.torch import load_file, save_file
-
     if out.exists():
         shutil.rmtree(out)
     shutil.copytree(work / "hf", out)
@@ -62,9 +76,6 @@ def drafter_extras(drafters: dict, policy: str, token_order) -> tuple[dict, dict
 
 def write(hf_dir: Path, drafters: dict, token_order, out: Path, policies=POLICIES, limit: int = LIMIT_BYTES) -> dict:
     """Write the artifact with the first policy that fits ``limit`` bytes; returns size, policy and digest."""
-    from ninfer_bench.engine.convert import write_model
-    from ninfer_bench.engine.hf import HFCheckpoint
-
     ckpt = HFCheckpoint(hf_dir)
     tensors = ckpt.tensors()
     for policy in policies:
@@ -85,27 +96,24 @@ def sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def split(artifact: Path, ship: Path) -> list[str]:
-    """Copy ``artifact`` into ``ship`` as ``<name>.part0..N`` of at most ``PART_BYTES``; returns the part names."""
+def split(artifact: Path, ship: Path, beside: int = len(SHIP_FILES)) -> list[str]:
+    """Copy ``artifact`` into ``ship`` as ``<name>.part0..N`` of at most ``PART_BYTES``; returns the part names.
+    ``beside``: how many other files ship with them (the device returns at most ``MAX_SHIP_FILES``)."""
     ship.mkdir(parents=True, exist_ok=True)
     names = []
     with open(artifact, "rb") as f:
         while block := f.read(PART_BYTES):
             names.append(f"{artifact.name}.part{len(names)}")
             (ship / names[-1]).write_bytes(block)
-    if len(names) + len(SHIP_FILES) > MAX_SHIP_FILES:
-        raise RuntimeError(f"{len(names)} parts + {len(SHIP_FILES)} files exceed the {MAX_SHIP_FILES} files "
-                           f"the device returns")
+    if len(names) + beside > MAX_SHIP_FILES:
+        raise RuntimeError(f"{len(names)} parts + {beside} files exceed the {MAX_SHIP_FILES} files the device "
+                           f"returns")
     return names
 
 
 def join(ship: Path, models: Path, suites_data: Path) -> Path:
     """Reassemble the artifact from ``ship`` into ``models`` (checking its SHA-256), install the prompts, the
     licence note and the facts, and write the model card."""
-    from ninfer_bench.engine.loader import BUNDLED_NAME
-
-    from . import card
-
     facts = json.loads((ship / "card_facts.json").read_text())
     parts = facts["export"]["parts"]
     models.mkdir(parents=True, exist_ok=True)
@@ -128,7 +136,7 @@ def join(ship: Path, models: Path, suites_data: Path) -> Path:
     return out
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     import argparse
 
     ap = argparse.ArgumentParser(description="Join a shipped bundled model into models/ and suites/data/.")
@@ -140,13 +148,4 @@ def main(argv=None) -> None:
     out = join(args.ship, args.models, args.suites_data)
     print(f"wrote {out} ({out.stat().st_size:,} bytes), {args.models / 'MODEL_CARD.md'}, "
           f"{args.suites_data / 'heldout_prompts.jsonl'}")
-
-
-if __name__ == "__main__":
-    sys.path.insert(0, str(REPO / "scripts"))
-    import _bootstrap
-
-    _bootstrap.ensure_package()
-    from bundled.export import main as _main  # the package-relative imports need the module under ``bundled``
-
-    _main()
+    return 0

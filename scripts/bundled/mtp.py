@@ -97,11 +97,12 @@ def decoder_layer(layer, x: torch.Tensor, cos, sin, cache: list, d: int) -> torc
     cache.append((k, v))
     if d == 0:
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling, enable_gqa=True)
-    else:
-        kk = torch.cat([c[0] for c in cache], dim=2)
-        vv = torch.cat([c[1] for c in cache], dim=2)
+    else:  # kv heads expanded: with an explicit mask, SDPA's GQA path would fall back to the math kernel
+        groups = q.shape[1] // k.shape[1]
+        kk = torch.cat([c[0] for c in cache], dim=2).repeat_interleave(groups, dim=1)
+        vv = torch.cat([c[1] for c in cache], dim=2).repeat_interleave(groups, dim=1)
         o = F.scaled_dot_product_attention(q, kk.to(q.dtype), vv.to(q.dtype), attn_mask=depth_mask(t, d, x.device),
-                                           scale=attn.scaling, enable_gqa=True)
+                                           scale=attn.scaling)
     o = o.transpose(1, 2).reshape(b, t, -1) * torch.sigmoid(gate)
     x = x + attn.o_proj(o)
     return x + layer.mlp(layer.post_attention_layernorm(x))

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 
 from ninfer_bench.engine.config import ModelConfig
 
@@ -158,6 +159,7 @@ class TargetOptions:
     weight_decay: float = 0.1
     clip: float = 1.0
     log_every: int = 10
+    long_frac: float = 0.0  # the last fraction of the budget (or of max_steps) trains on the long batches
 
 
 def losses(model, mtp, x: torch.Tensor, depths: int = 1):
@@ -180,19 +182,27 @@ def optimizer(params, lr: float, weight_decay: float, device: torch.device):
     return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda")
 
 
-def train(model, mtp, batches, opts: TargetOptions, device: torch.device, log) -> dict:
-    """Train target + MTP until the budget or ``max_steps``; ``log(row)`` gets a row every ``log_every`` steps."""
+def train(model, mtp, batches, opts: TargetOptions, device: torch.device, log, long_batches=None) -> dict:
+    """Train target + MTP until the budget or ``max_steps``; ``log(row)`` gets a row every ``log_every`` steps.
+
+    With ``long_batches`` (same tokens per step, longer rows) the last ``long_frac`` of the run reads those:
+    retrieval and attention are then trained at more than the base context."""
     model.to(device).train()
     mtp.to(device).train()
+    CALLS.clear()
     params = list(model.parameters()) + list(mtp.parameters())
     opt = optimizer(params, opts.lr, opts.weight_decay, device)
     sched = Schedule(opts.lr, opts.warmup, opts.budget_s, opts.max_steps)
     step, tokens, first_step_s, window = 0, 0, None, (time.perf_counter(), 0)
     amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+    long_steps = 0
     while True:
-        x = torch.from_numpy(batches.next()).pin_memory() if device.type == "cuda" else \
-            torch.from_numpy(batches.next())
-        x = x.to(device, non_blocking=True)
+        late = (step >= opts.max_steps * (1 - opts.long_frac)) if opts.max_steps else \
+            (sched.elapsed >= opts.budget_s * (1 - opts.long_frac))
+        source = long_batches if long_batches is not None and late else batches
+        long_steps += source is long_batches
+        x = torch.from_numpy(source.next())
+        x = (x.pin_memory() if device.type == "cuda" else x).to(device, non_blocking=True)
         for g in opt.param_groups:
             g["lr"] = sched.lr(step)
         with amp:
@@ -214,13 +224,16 @@ def train(model, mtp, batches, opts: TargetOptions, device: torch.device, log) -
             window = (now, tokens)
             log({"phase": "target", "step": step, "loss": float(loss), "mtp_loss": float(m_loss), "tokens": tokens,
                  "lr": sched.lr(step - 1), "elapsed": round(sched.elapsed, 2), "tok_s": round(tok_s),
-                 "total_steps": sched.total})
+                 "seq_len": x.shape[1] - 1, "total_steps": sched.total})
         if stop:
             break
     return {"steps": step, "tokens": tokens, "seconds": round(sched.elapsed, 1), "first_step_s": round(first_step_s, 1),
             "planned_steps": sched.total, "batch": opts.batch, "seq_len": opts.seq_len, "peak_lr": opts.lr,
             "warmup": opts.warmup, "mtp_weight": opts.mtp_weight, "final_loss": float(loss),
-            "final_mtp_loss": float(m_loss), "epochs": round(batches.epoch + batches.cursor / batches.windows, 2),
+            "final_mtp_loss": float(m_loss), "long_steps": long_steps,
+            "long_seq_len": long_batches.seq_len if long_batches is not None else None,
+            "epochs": round(sum(b.rows * b.seq_len for b in (batches, long_batches) if b is not None)
+                            / (len(batches.stream) - 1), 2),
             "kernel_calls": dict(CALLS)}
 
 
@@ -233,15 +246,14 @@ def param_counts(model, mtp) -> dict:
 
 # ---- the Hugging Face folder --------------------------------------------------------------------------------
 def save_hf(folder: Path, cfg: ModelConfig, model, mtp, tokenizer_dir: Path) -> None:
-    """config.json, model.safetensors (target + ``mtp.*``, fp32), generation_config.json, tokenizer files."""
-    from safetensors.torch import save_file
-
+    """config.json, model.safetensors (target + ``mtp.*`` in bf16: 50 MB, small enough to carry back into a
+    device call), generation_config.json, tokenizer files."""
     folder.mkdir(parents=True, exist_ok=True)
     tensors = {k: v for k, v in model.state_dict().items() if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
     tensors.update({f"mtp.{k}": v for k, v in mtp.state_dict().items()})
-    save_file({k: v.detach().float().contiguous().cpu() for k, v in tensors.items()},
+    save_file({k: v.detach().to(torch.bfloat16).contiguous().cpu() for k, v in tensors.items()},
               str(folder / "model.safetensors"), metadata={"format": "pt"})
-    (folder / "config.json").write_text(json.dumps({**cfg.to_hf(), "torch_dtype": "float32"}, indent=2) + "\n")
+    (folder / "config.json").write_text(json.dumps({**cfg.to_hf(), "torch_dtype": "bfloat16"}, indent=2) + "\n")
     (folder / "generation_config.json").write_text(json.dumps(
         {"eos_token_id": list(cfg.eos_token_id), "do_sample": False}, indent=2) + "\n")
     for name in ("tokenizer.json", "tokenizer_config.json"):
@@ -251,7 +263,6 @@ def save_hf(folder: Path, cfg: ModelConfig, model, mtp, tokenizer_dir: Path) -> 
 def load_hf(folder: Path, device: torch.device):
     """(model, mtp, config) from a folder written by :func:`save_hf`."""
     import transformers
-    from safetensors.torch import load_file
 
     cfg = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
     hf = hf_config(cfg)

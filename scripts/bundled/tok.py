@@ -10,8 +10,10 @@ not end a document in the middle.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from ninfer_bench.engine.tokenizer import DEFAULT_CHAT_TEMPLATE, SPECIALS
 
@@ -24,8 +26,6 @@ def train_tokenizer(texts: list[str], vocab_size: int, max_bytes: int):
     """A byte-level BPE ``tokenizers.Tokenizer`` of ``vocab_size`` trained on ``texts``.
 
     When the texts exceed ``max_bytes`` an evenly spaced subset of them is used (deterministic)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     total = sum(len(t) for t in texts)
     step = max(1, -(-total // max_bytes))
     sample = texts[::step]
@@ -49,8 +49,6 @@ def tokenizer_config() -> dict:
 
 
 def save(tok, folder) -> None:
-    from pathlib import Path
-
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     tok.save(str(folder / "tokenizer.json"))
@@ -58,10 +56,6 @@ def save(tok, folder) -> None:
 
 
 def load(folder):
-    from pathlib import Path
-
-    from tokenizers import Tokenizer
-
     return Tokenizer.from_file(str(Path(folder) / "tokenizer.json"))
 
 
@@ -78,14 +72,14 @@ def encode_all(tok, texts: list[str]) -> list[np.ndarray]:
         tok.encode_special_tokens = False
 
 
-def stream(docs: list[np.ndarray], eot: int) -> tuple[np.ndarray, np.ndarray]:
-    """(every document followed by ``eot`` as one uint16 array, the start offset of each document)."""
-    lengths = np.array([len(d) + 1 for d in docs], dtype=np.int64)
-    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]) if len(docs) else np.zeros(0, np.int64)
-    out = np.full(int(lengths.sum()), eot, dtype=np.uint16)
-    for s, d in zip(starts, docs):
-        out[s:s + len(d)] = d
-    return out, starts
+def stream(docs: list[np.ndarray], eot: int) -> np.ndarray:
+    """Every document followed by ``eot``, as one uint16 array."""
+    out = np.full(sum(len(d) + 1 for d in docs), eot, dtype=np.uint16)
+    at = 0
+    for d in docs:
+        out[at:at + len(d)] = d
+        at += len(d) + 1
+    return out
 
 
 def frequency_order(train_stream: np.ndarray, vocab_size: int) -> np.ndarray:

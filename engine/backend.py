@@ -1,0 +1,318 @@
+"""What the HTTP routes share: the engine thread, the bridge from its callbacks to asyncio, sessions, and the
+incremental text of a generation. Nothing here knows HTTP; :mod:`.server` maps these errors to statuses.
+
+The engine is not thread-safe: it runs in one background thread (:meth:`Scheduler.serve_forever`). A handler
+submits a :class:`Generation` and awaits its tokens, which the engine thread's callbacks post onto an asyncio
+queue of that generation (``loop.call_soon_threadsafe``). Cancelling a generation (client gone) frees its slot
+at the next engine iteration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .runtime import CapacityError, Engine
+from .sampling import SamplingParams
+from .scheduler import QueueFull, Scheduler
+from .sessions import Session, SessionStore, check_session_id
+
+log = logging.getLogger("ninfer_bench.server")
+
+__all__ = ["Backend", "BadRequest", "CapacityError", "ClientGone", "GenerationFailed", "Generation",
+           "ModelNotFound", "Outcome", "QueueFull", "ShuttingDown", "TextStream"]
+
+
+class BadRequest(ValueError):
+    """An invalid parameter (HTTP 400); ``param`` names it."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+class ModelNotFound(LookupError):
+    """A request for a model this server does not serve (404)."""
+
+
+class ShuttingDown(RuntimeError):
+    """The request was ended because the server is stopping (503)."""
+
+
+class GenerationFailed(RuntimeError):
+    """The engine failed while running the request (500)."""
+
+
+class ClientGone(Exception):
+    """The client disconnected; nobody reads the answer."""
+
+
+def sampling_params(max_tokens: int, temperature, top_p, top_k, seed, stop, ignore_eos) -> SamplingParams:
+    if stop is not None and not isinstance(stop, str) and not all(isinstance(s, str) for s in stop):
+        raise BadRequest("stop must be a string or a list of strings", "stop")
+    try:
+        return SamplingParams(max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                              seed=seed, stop=tuple([stop] if isinstance(stop, str) else stop or ()),
+                              ignore_eos=bool(ignore_eos))
+    except ValueError as e:
+        raise BadRequest(str(e)) from None
+
+
+class TextStream:
+    """Incremental detokenization: never releases part of a UTF-8 character or a possible start of a stop
+    string, and ends the text at the first stop string (``stopped`` names it)."""
+
+    def __init__(self, tokenizer, stop=(), hide=()):
+        self.tok, self.stop, self.hide = tokenizer, tuple(stop), set(hide)
+        self.ids: list[int] = []
+        self.prefix = self.read = 0  # ids[prefix:read] decode to text already in self.text (context for BPE)
+        self.text, self.sent, self.stopped = "", 0, None
+
+    def _decode(self, final: bool) -> None:
+        head = self.tok.decode(self.ids[self.prefix:self.read])
+        full = self.tok.decode(self.ids[self.prefix:])
+        # a trailing U+FFFD is an incomplete multi-byte character: wait for its next token unless this is the end
+        if len(full) > len(head) and (final or not full.endswith("\ufffd")):
+            self.text += full[len(head):]
+            self.prefix, self.read = self.read, len(self.ids)
+
+    def _release(self, final: bool) -> str:
+        if self.stopped is not None:
+            return ""
+        tail = self.text[self.sent:]
+        hits = [(tail.find(s), s) for s in self.stop if s in tail]
+        if hits:
+            at, self.stopped = min(hits)
+            self.sent = len(self.text)
+            return tail[:at]
+        hold = 0 if final else max((k for s in self.stop for k in range(1, len(s)) if tail.endswith(s[:k])),
+                                   default=0)
+        out = tail[:len(tail) - hold]
+        self.sent += len(out)
+        return out
+
+    def push(self, ids: list[int]) -> str:
+        """Text that ``ids`` complete and that is safe to release."""
+        self.ids += [t for t in ids if t not in self.hide]
+        self._decode(final=False)
+        return self._release(final=False)
+
+    def finish(self) -> str:
+        """Everything still held back."""
+        self._decode(final=True)
+        return self._release(final=True)
+
+
+@dataclass
+class Outcome:
+    """A finished generation."""
+
+    text: str
+    tokens: list[int]
+    finish: str  # "eos", "stop_sequence" or "length"
+    stop_sequence: str | None
+    prompt_n: int
+    cached_n: int
+    timings: dict = field(default_factory=dict)
+
+
+class Generation:
+    """One request handed to the engine thread; its tokens arrive on an asyncio queue."""
+
+    def __init__(self, backend: "Backend", ids: list[int], params: SamplingParams, session_id: str | None,
+                 saved: Session | None, prompt_text: str | None):
+        self.backend, self.prompt, self.params = backend, ids, params
+        self.session_id, self.saved, self.prompt_text = session_id, saved, prompt_text
+        self.stream = TextStream(backend.engine.tokenizer, params.stop, backend.eos)
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.text, self.req, self.state, self.admitted_at = "", None, None, None
+        self.finished = self.cancelled = False
+
+    # ---- engine thread ----
+    def _prefix(self, eng: Engine, seq) -> int:
+        self.admitted_at = time.perf_counter()
+        return eng.import_state(seq, self.saved.state) if self.saved else 0
+
+    def _keep(self, eng: Engine, seq) -> None:
+        if self.session_id is None or self.cancelled or self.backend.sessions.capacity == 0:
+            return
+        state = eng.export_state(seq)
+        # a speculative round that stopped inside its block leaves the cache past the tokens kept, and recurrent
+        # state cannot be cut back: such a turn is not retained
+        if len(state["ids"]) == state["cache"]["length"]:
+            self.state = state
+
+    def _post(self, item) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the event loop is closed: the server is shutting down
+            pass
+
+    # ---- event loop ----
+    def submit(self) -> None:
+        """Queue the request (CapacityError, QueueFull)."""
+        self.req = self.backend.scheduler.submit(
+            self.prompt, self.params, on_tokens=lambda r, ids: self._post(ids), on_done=lambda r: self._post(None),
+            prefix=self._prefix, state_hook=self._keep)
+        self.backend.active.add(self)
+
+    def cancel(self) -> None:
+        """Stop the request if it is still running; safe to call any time (handlers call it on the way out)."""
+        self.backend.active.discard(self)
+        if not self.finished and not self.cancelled and self.req is not None:
+            self.cancelled = True
+            self.backend.scheduler.cancel(self.req)
+
+    async def deltas(self, gone=None):
+        """Yields (text, token ids) as tokens are committed, then the held-back text. ``gone``: an async
+        callable polled about once a second, True when the client has disconnected (ClientGone then)."""
+        check_at = time.monotonic() + 1.0
+        while True:
+            try:
+                ids = await asyncio.wait_for(self.queue.get(), timeout=1.0)
+            except asyncio.TimeoutError:
+                ids = ()
+            if gone is not None and time.monotonic() >= check_at:
+                check_at = time.monotonic() + 1.0
+                if await gone():
+                    self.cancel()
+                    raise ClientGone()
+            if ids is None:
+                break
+            if not ids:
+                continue
+            text = self.stream.push(ids)
+            self.text += text
+            yield text, ids
+        self.finished = True
+        self.backend.active.discard(self)
+        if self.req.finish_reason == "error":
+            raise GenerationFailed(f"generation failed: {self.req.error}")
+        if self.req.finish_reason == "cancelled":  # by Backend.drain
+            raise ShuttingDown("the server is shutting down")
+        tail = self.stream.finish()
+        self.text += tail
+        if tail:
+            yield tail, []
+
+    async def collect(self, gone=None) -> Outcome:
+        async for _ in self.deltas(gone):
+            pass
+        return await self.outcome()
+
+    async def outcome(self) -> Outcome:
+        """The result; retains the session state first, so the client's next turn finds it."""
+        req, seq = self.req, self.req.seq
+        tokens = list(seq.tokens)
+        if self.stream.stopped is not None:
+            finish = "stop_sequence"
+        elif req.finish_reason == "length":
+            finish = "length"
+        else:
+            finish = "eos"
+        if self.state is not None:
+            await asyncio.to_thread(self.backend.sessions.put, self._session(tokens, finish))
+        stats, admitted = seq.stats, self.admitted_at or req.submitted
+        first = req.first_token_at or req.finished_at
+        timings = {"prompt_n": len(self.prompt), "prompt_cached_n": req.prefill_from, "predicted_n": len(tokens),
+                   "draft_n": stats.get("drafted_tokens", 0), "draft_n_accepted": stats.get("accepted_tokens", 0),
+                   "queue_ms": round((admitted - req.submitted) * 1e3, 3),
+                   "prefill_ms": round((first - admitted) * 1e3, 3),
+                   "decode_ms": round((req.finished_at - first) * 1e3, 3)}
+        return Outcome(self.text, tokens, finish, self.stream.stopped, len(self.prompt), req.prefill_from, timings)
+
+    def _session(self, tokens: list[int], finish: str) -> Session:
+        """This turn as a session. Its text is what the client saw plus the end-of-turn token's text, which the
+        chat template writes back; a text cut at a stop string no longer matches the tokens, so it gets none."""
+        text = None
+        if self.prompt_text is not None and finish != "stop_sequence":
+            eos = tokens[-1:] if tokens and tokens[-1] in self.backend.eos else []
+            text = self.prompt_text + self.text + self.backend.engine.tokenizer.decode(eos)
+        return Session(self.session_id, self.state, self.prompt + tokens, text, time.time())
+
+
+class ServingScheduler(Scheduler):
+    """The scheduler of a server: an exception in the engine thread fails the requests in flight (their
+    clients get a 500) instead of killing the thread and leaving every later request waiting forever."""
+
+    def serve_forever(self) -> None:
+        while not self._stop:
+            try:
+                super().serve_forever()
+            except Exception as e:
+                log.exception("engine step failed")
+                for req in self.prefilling + self.running:
+                    req.error = f"{type(e).__name__}: {e}"
+                    self._done(req, "error")
+                self.prefilling, self.running = [], []
+
+
+class Backend:
+    """The engine, its scheduler thread and the sessions, shared by every route."""
+
+    def __init__(self, engine: Engine, *, max_queue: int = 256, session_capacity: int = 16,
+                 session_dir: str | None = None):
+        self.engine = engine
+        self.scheduler = ServingScheduler(engine, max_queue=max_queue)
+        info = engine.loaded.info
+        self.model_id = info.get("model_id") or (Path(info["path"]).stem if info.get("path") else None) \
+            or info.get("preset") or "model"
+        key = info.get("artifact_id") or info.get("config_sha256") or self.model_id
+        self.sessions = SessionStore(session_capacity, session_dir, model_key=str(key))
+        opts = engine.options
+        self.context_limit = min(opts.max_context, opts.slot_capacity)
+        self.eos = set(engine.tokenizer.eos_ids)
+        self.created = int(time.time())
+        self.active: set[Generation] = set()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self.scheduler.serve_forever, name="engine", daemon=True)
+        self._thread.start()
+
+    def drain(self) -> None:
+        """End every request in flight (shutdown): their clients get a 503 instead of a cut connection."""
+        for gen in list(self.active):
+            gen.cancel()
+
+    def stop(self) -> None:
+        self.scheduler.stop()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def check_model(self, name: str) -> None:
+        if name != self.model_id:
+            raise ModelNotFound(f"model {name!r} not found: this server serves {self.model_id!r}")
+
+    async def generate(self, *, text: str | None = None, ids: list[int] | None = None, max_tokens: int | None,
+                       session_id: str | None = None, **sampling) -> Generation:
+        """Tokenize (continuing the session's tokens when the text extends them), check the capacities and
+        submit. ``max_tokens`` None: as many as fit. Raises BadRequest, CapacityError, QueueFull."""
+        if session_id is not None:
+            try:
+                check_session_id(session_id)
+            except ValueError as e:
+                raise BadRequest(str(e), "session_id") from None
+        saved = self.sessions.get(session_id) if session_id else None
+        if ids is None:  # tokenizing a long prompt takes a while: off the event loop
+            encode = self.engine.tokenizer.encode
+            ids = await asyncio.to_thread(lambda: (saved.prompt_ids(text, encode) if saved else None) or encode(text))
+        vocab = self.engine.config.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise BadRequest(f"token id {bad} is outside the vocabulary (0..{vocab - 1})", "prompt")
+        if max_tokens is None:
+            max_tokens = self.context_limit - len(ids)
+            if max_tokens < 1:
+                raise CapacityError(f"prompt of {len(ids)} tokens leaves no room to generate within the context "
+                                    f"of {self.context_limit} tokens")
+        params = sampling_params(max_tokens, **sampling)
+        self.engine.check_fits(len(ids), max_tokens)
+        gen = Generation(self, ids, params, session_id, saved, text)
+        gen.submit()
+        return gen
