@@ -204,7 +204,7 @@ def gdn_decode_ref(qkv, z, b, a, conv_state, conv_w, ssm, slots, A_log, dt_bias,
 def gdn_decode(qkv, z, b, a, conv_state, conv_w, ssm, slots, A_log, dt_bias, norm_w, eps, *,
                keep=None, conv_init=None, ssm_init=None, states_out=None, write_state=True,
                config: GDNConfig | None = None):
-    """One GDN layer's token mixing for T (1..16) new tokens of B slots, in one launch (plus at most a tiny epilogue).
+    """One GDN layer's token mixing for T (1..16) new tokens of B slots: two launches (three when block_v < dv).
 
     qkv [B, T, C] (C = 2*Hk*dk + Hv*dv: the in_proj_qkv output before the conv, q | k | v), z [B, T, Hv*dv],
     b / a [B, T, Hv] (in_proj_b / in_proj_a outputs), all in the compute dtype; conv_state [S, C, W-1] (compute
@@ -233,35 +233,34 @@ def gdn_decode(qkv, z, b, a, conv_state, conv_w, ssm, slots, A_log, dt_bias, nor
         raise ValueError(f"gdn_decode: the kernels run on CUDA tensors (or with TRITON_INTERPRET=1 set before "
                          f"their first use), got qkv on {qkv.device}")
     cfg = config or plan(bsz, hv, dk, dv, qkv.device)
-    bk = _pow2(dk)
+    dev, bt = qkv.device, _pow2(t)
+    work = _new_buffer((bsz, t, c), torch.float32, dev)  # q (normalised, scaled) | k (normalised) | v
+    gates = _new_buffer((bsz, t, 2 * hv + hk), torch.float32, dev)  # e^g | beta | q.k
+    conv_src = conv_init if conv_init is not None else conv_state
+    kp = keep if keep is not None else slots  # placeholders keep one signature; never read with the flag off
+    kern["prep"][(bsz, hk + hv)](
+        qkv, conv_src, conv_w.contiguous(), conv_state, slots, kp, b, a, A_log, dt_bias, work, gates,
+        qkv.stride(0), qkv.stride(1), *conv_src.stride(), *conv_state.stride(), b.stride(0), b.stride(1),
+        a.stride(0), a.stride(1), t, dk ** -0.5,
+        HK=hk, HV=hv, DK=dk, DV=dv, W=w, BT=bt, BD=max(16, _pow2(max(dk, dv))), BW=_pow2(w - 1),
+        HAS_KEEP=keep is not None, CONV_INIT=conv_init is not None, WRITE_STATE=write_state,
+        num_warps=4 if bt * max(dk, dv) >= 1024 else 2,
+    )
     bv = min(cfg.block_v, max(8, _pow2(dv)))
-    nv = -(-dv // bv)
-    fused_norm = nv == 1
-    dev = qkv.device
+    fused_norm = bv >= dv
     has_out = z is not None
     out = _new_buffer((bsz, t, hv * dv), qkv.dtype, dev) if has_out else None
     obuf = _new_buffer((bsz, t, hv * dv), torch.float32, dev) if has_out and not fused_norm else None
-    # the new conv windows: straight into the cache when the old ones come from conv_init, else via a scratch
-    conv_direct = conv_init is not None
-    conv_dst = conv_state if conv_direct else _new_buffer((bsz, c, w - 1), conv_state.dtype, dev)
-    conv_src = conv_init if conv_init is not None else conv_state
     ssm_src = ssm_init if ssm_init is not None else ssm
-    # placeholders keep one signature; the kernel never touches them when the matching flag is off
+    y = (out if fused_norm else obuf) if has_out else work
     zz = z if has_out else qkv
-    yy = out if fused_norm or not has_out else obuf
-    yy = qkv if yy is None else yy
-    kp = keep if keep is not None else slots
     so = states_out if states_out is not None else ssm
-    conv_w = conv_w.contiguous()
-    kern["gdn"][(bsz * hv, nv)](
-        qkv, zz, b, a, conv_src, conv_w, ssm_src, ssm, slots, A_log, dt_bias, norm_w, kp, so, yy, conv_dst,
-        qkv.stride(0), qkv.stride(1), zz.stride(0), zz.stride(1), b.stride(0), b.stride(1), a.stride(0), a.stride(1),
-        *conv_src.stride(), *conv_dst.stride(), *ssm_src.stride()[:3], *ssm.stride()[:3], *so.stride()[:4],
-        yy.stride(0), yy.stride(1),
-        t, eps, dk ** -0.5,
-        HK=hk, R=hv // hk, DK=dk, DV=dv, W=w, BT=_pow2(t), BK=bk, BV=bv,
-        HAS_KEEP=keep is not None, CONV_INIT=conv_init is not None, SSM_INIT=ssm_init is not None,
-        WRITE_STATE=write_state, CONV_DIRECT=conv_direct, STORE_STATES=states_out is not None,
+    kern["recur"][(bsz * hv, -(-dv // bv))](
+        work, gates, ssm_src, ssm, slots, so, zz, norm_w, y,
+        *ssm_src.stride()[:3], *ssm.stride()[:3], *so.stride()[:4], zz.stride(0), zz.stride(1), y.stride(0),
+        y.stride(1), t, eps,
+        HK=hk, R=hv // hk, DK=dk, DV=dv, BT=bt, BK=_pow2(dk), BV=bv,
+        SSM_INIT=ssm_init is not None, WRITE_STATE=write_state, STORE_STATES=states_out is not None,
         HAS_OUT=has_out, FUSED_NORM=fused_norm,
         num_warps=cfg.num_warps,
     )
@@ -271,8 +270,6 @@ def gdn_decode(qkv, z, b, a, conv_state, conv_w, ssm, slots, A_log, dt_bias, nor
             obuf, z, norm_w, out, obuf.stride(0), obuf.stride(1), z.stride(0), z.stride(1), out.stride(0),
             out.stride(1), t, hv, eps, DV=dv, BD=max(16, _pow2(dv)), HB=hb, num_warps=4,
         )
-    if write_state and not conv_direct:
-        conv_state.index_copy_(0, slots, conv_dst)
     return out
 
 
@@ -304,16 +301,16 @@ def _conv_tile(x_base, stride_xt, src_base, stride_sc, stride_sw, CW, chan, c_ok
     return acc * tl.sigmoid(acc)
 
 
-def _conv_window(x_base, stride_xt, src_base, stride_sc, stride_sw, dst_base, stride_dc, stride_dw, chan, c_ok, keep,
-                 W: tl.constexpr):
-    """Copy the W-1 inputs ending at token ``keep`` (positions keep .. keep+W-2 of cat(old, new)) to dst."""
-    for j in tl.static_range(W - 1):
-        p = keep + j
-        old = p < W - 1
-        xs = tl.load(src_base + chan * stride_sc + p * stride_sw, mask=c_ok & old, other=0.0)
-        xn = tl.load(x_base + (p - (W - 1)) * stride_xt + chan, mask=c_ok & (p >= W - 1), other=0.0)
-        ty = dst_base.dtype.element_ty
-        tl.store(dst_base + chan * stride_dc + j * stride_dw, tl.where(old, xs.to(ty), xn.to(ty)), mask=c_ok)
+def _window(x_base, stride_xt, src_base, stride_sc, stride_sw, chan, c_ok, keep, W: tl.constexpr,
+            BW: tl.constexpr):
+    """The W-1 inputs ending at token ``keep``: positions keep .. keep+W-2 of cat(old, new), [BW, BC]."""
+    j = tl.arange(0, BW)
+    p = keep + j
+    old = p < W - 1
+    ok = (j < W - 1)[:, None] & c_ok[None, :]
+    xs = tl.load(src_base + chan[None, :] * stride_sc + p[:, None] * stride_sw, mask=ok & old[:, None], other=0.0)
+    xn = tl.load(x_base + (p - (W - 1))[:, None] * stride_xt + chan[None, :], mask=ok & ~old[:, None], other=0.0)
+    return tl.where(old[:, None], xs.to(tl.float32), xn.to(tl.float32))
 
 
 def _gates(b_ptr, stride_bt, a_ptr, stride_at, alog_ptr, dtb_ptr, offs_t, live):
@@ -326,109 +323,120 @@ def _gates(b_ptr, stride_bt, a_ptr, stride_at, alog_ptr, dtb_ptr, offs_t, live):
     return tl.where(live, decay, 1.0), tl.where(live, tl.sigmoid(bt), 0.0)
 
 
-def _gdn_kernel(QKV, Z, BB, AA, CSRC, CW, SSRC, SSM, SLOTS, ALOG, DTB, NW, KEEP, STATES, Y, CDST,
-                stride_xb, stride_xt, stride_zb, stride_zt, stride_bb, stride_bt, stride_ab, stride_at,
-                stride_cb, stride_cc, stride_cw, stride_db, stride_dc, stride_dw,
-                stride_sb, stride_sh, stride_sk, stride_mb, stride_mh, stride_mk,
-                stride_ob, stride_ot, stride_oh, stride_ok, stride_yb, stride_yt,
-                T, eps, scale,
-                HK: tl.constexpr, R: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, W: tl.constexpr,
-                BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                HAS_KEEP: tl.constexpr, CONV_INIT: tl.constexpr, SSM_INIT: tl.constexpr, WRITE_STATE: tl.constexpr,
-                CONV_DIRECT: tl.constexpr, STORE_STATES: tl.constexpr, HAS_OUT: tl.constexpr,
-                FUSED_NORM: tl.constexpr):
-    """Program (b * Hv + h, v block): conv, gates, recurrence over the T tokens, norm; state tile [BK, BV]."""
+def _prep_kernel(QKV, CSRC, CW, CONV, SLOTS, KEEP, BB, AA, ALOG, DTB, WORK, GATES,
+                 stride_xb, stride_xt, stride_cb, stride_cc, stride_cw, stride_vs, stride_vc, stride_vw,
+                 stride_bb, stride_bt, stride_ab, stride_at, T, scale,
+                 HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, W: tl.constexpr,
+                 BT: tl.constexpr, BD: tl.constexpr, BW: tl.constexpr,
+                 HAS_KEEP: tl.constexpr, CONV_INIT: tl.constexpr, WRITE_STATE: tl.constexpr):
+    """Program (b, j): j < Hk the q and k channels of k head j (conv, SiLU, L2 norms, q.k), else the v channels of
+    v head j - Hk (conv, SiLU) and its gates. Writes them to WORK / GATES [B, T, .] fp32 and, with WRITE_STATE, the
+    channels' new conv windows into the cache: each channel is read and written by this program only."""
+    b = tl.program_id(0)
+    j = tl.program_id(1)
+    slot = tl.load(SLOTS + b).to(tl.int64)  # slot * stride overflows int32 on large caches
+    offs_t = tl.arange(0, BT)
+    t_ok = offs_t < T
+    offs_d = tl.arange(0, BD)
+    keep = tl.load(KEEP + b).to(tl.int32) if HAS_KEEP else T
+    x_base = QKV + b.to(tl.int64) * stride_xb
+    src_base = CSRC + (b.to(tl.int64) if CONV_INIT else slot) * stride_cb
+    dst_base = CONV + slot * stride_vs
+    row = (b * T + offs_t)[:, None] * (2 * HK * DK + HV * DV)  # [BT, 1] rows of WORK
+    g_row = (b * T + offs_t) * (2 * HV + HK)
+    if j < HK:
+        ok = offs_d < DK
+        q_chan = j * DK + offs_d
+        k_chan = HK * DK + j * DK + offs_d
+        q = _conv_tile(x_base, stride_xt, src_base, stride_cc, stride_cw, CW, q_chan, ok, offs_t, T, W, BT, BD)
+        k = _conv_tile(x_base, stride_xt, src_base, stride_cc, stride_cw, CW, k_chan, ok, offs_t, T, W, BT, BD)
+        q = q * (tl.rsqrt(tl.sum(q * q, 1) + 1e-6) * scale)[:, None]
+        k = k * tl.rsqrt(tl.sum(k * k, 1) + 1e-6)[:, None]
+        m = t_ok[:, None] & ok[None, :]
+        tl.store(WORK + row + q_chan[None, :], q, mask=m)
+        tl.store(WORK + row + k_chan[None, :], k, mask=m)
+        tl.store(GATES + g_row + 2 * HV + j, tl.sum(q * k, 1), mask=t_ok)  # q . k, for o = e^g S^T q + (q.k) u
+        if WRITE_STATE:
+            wq = _window(x_base, stride_xt, src_base, stride_cc, stride_cw, q_chan, ok, keep, W, BW)
+            wk = _window(x_base, stride_xt, src_base, stride_cc, stride_cw, k_chan, ok, keep, W, BW)
+            tl.debug_barrier()  # every thread's reads of the old windows before any write over them
+            jj = tl.arange(0, BW)[:, None]
+            wm = (jj < W - 1) & ok[None, :]
+            ty = CONV.dtype.element_ty
+            tl.store(dst_base + q_chan[None, :] * stride_vc + jj * stride_vw, wq.to(ty), mask=wm)
+            tl.store(dst_base + k_chan[None, :] * stride_vc + jj * stride_vw, wk.to(ty), mask=wm)
+    else:
+        h = j - HK
+        ok = offs_d < DV
+        v_chan = 2 * HK * DK + h * DV + offs_d
+        v = _conv_tile(x_base, stride_xt, src_base, stride_cc, stride_cw, CW, v_chan, ok, offs_t, T, W, BT, BD)
+        tl.store(WORK + row + v_chan[None, :], v, mask=t_ok[:, None] & ok[None, :])
+        # tokens past keep (and padding rows) leave the state exactly unchanged: e^0 = 1, beta = 0
+        decay, beta = _gates(BB + b * stride_bb + h, stride_bt, AA + b * stride_ab + h, stride_at, ALOG + h,
+                             DTB + h, offs_t, offs_t < keep)
+        tl.store(GATES + g_row + h, decay, mask=t_ok)
+        tl.store(GATES + g_row + HV + h, beta, mask=t_ok)
+        if WRITE_STATE:
+            wv = _window(x_base, stride_xt, src_base, stride_cc, stride_cw, v_chan, ok, keep, W, BW)
+            tl.debug_barrier()  # every thread's reads of the old windows before any write over them
+            jj = tl.arange(0, BW)[:, None]
+            tl.store(dst_base + v_chan[None, :] * stride_vc + jj * stride_vw, wv.to(CONV.dtype.element_ty),
+                     mask=(jj < W - 1) & ok[None, :])
+
+
+def _recur_kernel(WORK, GATES, SSRC, SSM, SLOTS, STATES, Z, NW, Y,
+                  stride_sb, stride_sh, stride_sk, stride_mb, stride_mh, stride_mk,
+                  stride_ob, stride_ot, stride_oh, stride_ok, stride_zb, stride_zt, stride_yb, stride_yt, T, eps,
+                  HK: tl.constexpr, R: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr,
+                  BK: tl.constexpr, BV: tl.constexpr, SSM_INIT: tl.constexpr, WRITE_STATE: tl.constexpr,
+                  STORE_STATES: tl.constexpr, HAS_OUT: tl.constexpr, FUSED_NORM: tl.constexpr):
+    """Program (b * Hv + h, v block): the recurrence over the T tokens with the state tile [BK, BV] in registers;
+    per token o (or, with the whole head in the tile, the gated RMSNorm output) and optionally the state."""
     pid = tl.program_id(0)
     pid_v = tl.program_id(1)
     b = pid // (HK * R)
     h = pid % (HK * R)
     hk = h // R
-    slot = tl.load(SLOTS + b).to(tl.int64)  # slot * stride overflows int32 on large caches
-    offs_t = tl.arange(0, BT)
-    t_ok = offs_t < T
+    slot = tl.load(SLOTS + b).to(tl.int64)
     offs_k = tl.arange(0, BK)
     k_ok = offs_k < DK
     offs_v = pid_v * BV + tl.arange(0, BV)
     v_ok = offs_v < DV
-    # the state tile first, so that its latency overlaps all the per-token work below
     s_mask = k_ok[:, None] & v_ok[None, :]
-    if SSM_INIT:
-        s_base = SSRC + b.to(tl.int64) * stride_sb + h * stride_sh
-    else:
-        s_base = SSRC + slot * stride_sb + h * stride_sh
+    s_base = SSRC + (b.to(tl.int64) if SSM_INIT else slot) * stride_sb + h * stride_sh
     S = tl.load(s_base + offs_k[:, None] * stride_sk + offs_v[None, :], mask=s_mask, other=0.0)  # [BK, BV] fp32
-
-    # ---- per-token inputs of all T tokens at once (no dependence on the state) ----
-    x_base = QKV + b.to(tl.int64) * stride_xb
-    if CONV_INIT:
-        src_base = CSRC + b.to(tl.int64) * stride_cb
-    else:
-        src_base = CSRC + slot * stride_cb
-    q_chan = hk * DK + offs_k
-    k_chan = HK * DK + hk * DK + offs_k
-    v_chan = 2 * HK * DK + h * DV + offs_v
-    # [BT, BK] for q and k, [BT, BV] for v
-    q = _conv_tile(x_base, stride_xt, src_base, stride_cc, stride_cw, CW, q_chan, k_ok, offs_t, T, W, BT, BK)
-    k = _conv_tile(x_base, stride_xt, src_base, stride_cc, stride_cw, CW, k_chan, k_ok, offs_t, T, W, BT, BK)
-    v = _conv_tile(x_base, stride_xt, src_base, stride_cc, stride_cw, CW, v_chan, v_ok, offs_t, T, W, BT, BV)
-    q = q * (tl.rsqrt(tl.sum(q * q, 1) + 1e-6) * scale)[:, None]
-    k = k * tl.rsqrt(tl.sum(k * k, 1) + 1e-6)[:, None]
-    qk = tl.sum(q * k, 1)  # [BT]: q . k, for o = e^g S^T q + (q . k) u
-    if HAS_KEEP:
-        keep = tl.load(KEEP + b).to(tl.int32)
-    else:
-        keep = T
-    # tokens past keep (and padding rows) leave the state exactly unchanged: e^0 = 1, beta = 0
-    decay, beta = _gates(BB + b * stride_bb + h, stride_bt, AA + b * stride_ab + h, stride_at, ALOG + h, DTB + h,
-                         offs_t, offs_t < keep)
-
-    # ---- the recurrence, unrolled over the (padded) tokens: the state tile stays in registers ----
-    o = tl.zeros([BT, BV], tl.float32)
-    st_base = STATES + b.to(tl.int64) * stride_ob + h * stride_oh
-    st_off = offs_k[:, None] * stride_ok + offs_v[None, :]
-    for t in tl.static_range(BT):
-        sel = offs_t == t
-        q_t = tl.sum(tl.where(sel[:, None], q, 0.0), 0)  # [BK]
-        k_t = tl.sum(tl.where(sel[:, None], k, 0.0), 0)
-        v_t = tl.sum(tl.where(sel[:, None], v, 0.0), 0)  # [BV]
-        e_t = tl.sum(tl.where(sel, decay, 0.0), 0)
-        b_t = tl.sum(tl.where(sel, beta, 0.0), 0)
-        qk_t = tl.sum(tl.where(sel, qk, 0.0), 0)
+    C: tl.constexpr = 2 * HK * DK + HK * R * DV
+    NG: tl.constexpr = 2 * HK * R + HK
+    if FUSED_NORM:
+        nw = tl.load(NW + offs_v, mask=v_ok, other=0.0)
+    st_base = STATES + b.to(tl.int64) * stride_ob + h * stride_oh + offs_k[:, None] * stride_ok + offs_v[None, :]
+    for t in tl.static_range(BT):  # unrolled: the loads of later tokens do not wait for the state
+        live = t < T  # padding tokens read e^g = 1, beta = 0: no change
+        w_row = WORK + (b * T + t) * C
+        g_row = GATES + (b * T + t) * NG
+        q_t = tl.load(w_row + hk * DK + offs_k, mask=k_ok & live, other=0.0)  # [BK]
+        k_t = tl.load(w_row + HK * DK + hk * DK + offs_k, mask=k_ok & live, other=0.0)
+        v_t = tl.load(w_row + 2 * HK * DK + h * DV + offs_v, mask=v_ok & live, other=0.0)  # [BV]
+        e_t = tl.load(g_row + h, mask=live, other=1.0)
+        b_t = tl.load(g_row + HK * R + h, mask=live, other=0.0)
+        qk_t = tl.load(g_row + 2 * HK * R + hk, mask=live, other=0.0)
         kS = tl.sum(S * k_t[:, None], 0) * e_t  # (e^g S)^T k, [BV]
         qS = tl.sum(S * q_t[:, None], 0) * e_t
         u = b_t * (v_t - kS)
         S = S * e_t + k_t[:, None] * u[None, :]
-        o = tl.where(sel[:, None], (qS + qk_t * u)[None, :], o)
+        o = qS + qk_t * u  # S_new^T q without another pass over the state
+        if HAS_OUT:
+            y_ptr = Y + b * stride_yb + t * stride_yt + h * DV + offs_v
+            if FUSED_NORM:
+                z = tl.load(Z + b * stride_zb + t * stride_zt + h * DV + offs_v, mask=v_ok & live,
+                            other=0.0).to(tl.float32)
+                o = o * tl.rsqrt(tl.sum(o * o, 0) / DV + eps) * nw * (z * tl.sigmoid(z))
+            tl.store(y_ptr, o.to(Y.dtype.element_ty), mask=v_ok & live)
         if STORE_STATES:
-            tl.store(st_base + t * stride_ot + st_off, S, mask=s_mask & (t < T))
-
-    # ---- outputs ----
-    if HAS_OUT:
-        y_off = b * stride_yb + offs_t[:, None] * stride_yt + h * DV + offs_v[None, :]
-        y_mask = t_ok[:, None] & v_ok[None, :]
-        if FUSED_NORM:
-            zt = tl.load(Z + b * stride_zb + offs_t[:, None] * stride_zt + h * DV + offs_v[None, :], mask=y_mask,
-                         other=0.0).to(tl.float32)
-            nw = tl.load(NW + offs_v, mask=v_ok, other=0.0)
-            inv = tl.rsqrt(tl.sum(o * o, 1) / DV + eps)
-            y = o * inv[:, None] * nw[None, :] * (zt * tl.sigmoid(zt))
-            tl.store(Y + y_off, y.to(Y.dtype.element_ty), mask=y_mask)
-        else:
-            tl.store(Y + y_off, o, mask=y_mask)
+            tl.store(st_base + t * stride_ot, S, mask=s_mask & live)
     if WRITE_STATE:
         tl.store(SSM + slot * stride_mb + h * stride_mh + offs_k[:, None] * stride_mk + offs_v[None, :], S,
                  mask=s_mask)
-        if CONV_DIRECT:
-            dst_base = CDST + slot * stride_db
-        else:
-            dst_base = CDST + b.to(tl.int64) * stride_db
-        _conv_window(x_base, stride_xt, src_base, stride_cc, stride_cw, dst_base, stride_dc, stride_dw, v_chan, v_ok,
-                     keep, W)
-        if (h % R == 0) & (pid_v == 0):  # one program per k head writes its q and k channels
-            _conv_window(x_base, stride_xt, src_base, stride_cc, stride_cw, dst_base, stride_dc, stride_dw, q_chan,
-                         k_ok, keep, W)
-            _conv_window(x_base, stride_xt, src_base, stride_cc, stride_cw, dst_base, stride_dc, stride_dw, k_chan,
-                         k_ok, keep, W)
 
 
 def _gated_norm_kernel(O, Z, NW, Y, stride_ob, stride_ot, stride_zb, stride_zt, stride_yb, stride_yt, T, HV, eps,
@@ -451,15 +459,15 @@ def _gated_norm_kernel(O, Z, NW, Y, stride_ob, stride_ot, stride_zb, stride_zt, 
 
 @functools.lru_cache(maxsize=1)
 def _kernels() -> dict:
-    """Jit the kernels (first call only). `_gdn_kernel` finds its helpers and `tl` as module globals."""
-    global tl, _conv_tile, _conv_window, _gates
+    """Jit the kernels (first call only). The kernels find their helpers and `tl` as module globals."""
+    global tl, _conv_tile, _window, _gates
     import triton
     import triton.language
 
     tl = triton.language
-    _gates = triton.jit(_gates)
     _conv_tile = triton.jit(_conv_tile)
-    _conv_window = triton.jit(_conv_window)
-    gdn = triton.jit(_gdn_kernel)
-    return {"gdn": gdn, "norm": triton.jit(_gated_norm_kernel),
-            "interpreted": not isinstance(gdn, triton.runtime.JITFunction)}
+    _window = triton.jit(_window)
+    _gates = triton.jit(_gates)
+    prep = triton.jit(_prep_kernel)
+    return {"prep": prep, "recur": triton.jit(_recur_kernel), "norm": triton.jit(_gated_norm_kernel),
+            "interpreted": not isinstance(prep, triton.runtime.JITFunction)}

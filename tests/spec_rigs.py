@@ -25,6 +25,12 @@ class RiggedDrafter:
     def release(self, seq):
         pass
 
+    def export_slot(self, slot):
+        return {}
+
+    def import_slot(self, slot, state):
+        pass
+
     def draft(self, seqs, k):
         rows = []
         for s in seqs:
