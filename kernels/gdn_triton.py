@@ -11,22 +11,26 @@ Shapes (C = 2 * Hk * dk + Hv * dv channels, q | k | v; W the conv width; S cache
   conv_state [S, C, W-1] compute dtype; conv_w [C, W] fp32; ssm [S, Hv, dk, dv] fp32; slots [B] int64
   A_log, dt_bias [Hv] fp32; norm_w [dv] fp32; out [B, T, Hv * dv] compute dtype
 
-Launch: ``_gdn_kernel`` over the grid (B * Hv, dv / BV). Program (b, h, v block) keeps the fp32 state tile
-``S[:, v block]`` ([dk, BV]) in registers across the T tokens, so the state is read and written once per call.
-Before the token loop it computes, for all T tokens at once (independent loads, all in flight together), the conv
-+ SiLU + L2 norm of its k head's q and k channels (recomputed by each of the Hv / Hk * dv / BV programs sharing
-them: a few KB from L2), the conv of its own v channels, and the gates. The loop then needs only the state:
-``S^T k`` and ``S^T q`` in one pass, the rank-1 update in a second (``o = e^g S^T q + (q . k) u`` saves a third).
-With BV = dv the gated RMSNorm runs in the epilogue of the same program; with BV < dv (more programs, for small
-batches) the programs write o in fp32 and ``_gated_norm_kernel`` normalises it.
+Two launches (three with block_v < dv):
+
+1. ``_prep_kernel`` over (B, Hk + Hv): one program per k head (its q and k channels) or v head (its v channels and
+   gates), for all T tokens at once: conv + SiLU, L2 norms, q.k, e^g and beta, written to a small fp32 workspace
+   ([B, T, C] and [B, T, 2 Hv + Hk]); and the channels' new conv windows (ending at keep[b]) into the cache. Each
+   channel is read and written by one program only, so the conv state is updated in place with no race.
+2. ``_recur_kernel`` over (B * Hv, dv / BV): the fp32 state tile ``S[:, v block]`` ([dk, BV]) stays in registers
+   across the T tokens (read and written once per call). The token loop is unrolled and its inputs come from the
+   workspace, so their loads do not wait on the state; per token ``S^T k`` and ``S^T q`` in one pass and the
+   rank-1 update in a second (``o = e^g S^T q + (q . k) u`` saves a third). With BV >= dv the gated RMSNorm is
+   applied right there; with BV < dv (more, smaller programs: better at these sizes, see scripts/bench_fused.py)
+   o goes to an fp32 buffer and
+3. ``_gated_norm_kernel`` normalises it.
+
+(An earlier single-launch version, with every program of a k head recomputing its q/k conv and holding all T
+tokens' q/k/v in registers, used 255 registers per thread with spills at T = 8 and ran 4-8x over the floor there.)
 
 State write-back (``write_state``): the state after the first ``keep[b]`` tokens (tokens past keep[b] get
 beta = 0 and g = 0, which leaves the state exactly unchanged) goes to ``ssm[slots[b]]``, each tile by the program
-that read it. The conv window ending at keep[b] goes to ``conv_state[slots[b]]``; every channel is written by
-exactly one program (v channels by their own program, q/k channels by the first v head of the k head with v
-block 0). The q/k channels are also read by the other programs of that k head, so when the old window comes from
-the cache itself (no ``conv_init``) the kernel writes the new windows to a scratch buffer and a single
-``index_copy_`` puts them in place after the launch; with ``conv_init`` it writes the cache directly.
+that read it, and the conv window ending at keep[b] to ``conv_state[slots[b]]``.
 
 No host synchronisation and a grid that depends only on static sizes: CUDA-graph safe. Slots must be distinct.
 Triton is imported on first use, so this module imports on machines without it.
@@ -86,24 +90,14 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-@functools.lru_cache(maxsize=16)
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 8
-
-
-def plan(batch: int, v_heads: int, dk: int, dv: int, device: torch.device | str = "cuda", *,
-         block_v: int | None = None, num_warps: int | None = None) -> GDNConfig:
-    """Default launch shape: the whole head (fused norm) once B * Hv programs fill the GPU, else narrower state
-    tiles so that more programs stream the state. Keyword overrides are for tuning sweeps and tests."""
-    bk, bd = _pow2(dk), max(16, _pow2(dv))
+def plan(dk: int, dv: int, *, block_v: int | None = None, num_warps: int | None = None) -> GDNConfig:
+    """Default launch shape of the recurrence. Narrow state tiles ([128, 32], 2 warps: ~32 state registers per
+    thread) beat whole-head tiles with the norm fused at every batch and T timed on the H200: more programs stream
+    the state and each token's reductions stay short. Keyword overrides are for tuning sweeps and tests."""
+    bk, bd = _pow2(dk), max(8, _pow2(dv))
     if block_v is None:
-        block_v = bd
-        while block_v > 32 and batch * v_heads * (bd // block_v) < _num_sms(torch.device(device)):
-            block_v //= 2
+        block_v = min(32, bd)
     if num_warps is None:
-        # ~64 fp32 state registers per thread: [128, 128] -> 8 warps, [128, 32] -> 2
         num_warps = min(8, max(1, bk * block_v // 2048))
     return GDNConfig(block_v=block_v, num_warps=num_warps)
 
@@ -232,7 +226,7 @@ def gdn_decode(qkv, z, b, a, conv_state, conv_w, ssm, slots, A_log, dt_bias, nor
     if qkv.device.type != "cuda" and not kern["interpreted"]:
         raise ValueError(f"gdn_decode: the kernels run on CUDA tensors (or with TRITON_INTERPRET=1 set before "
                          f"their first use), got qkv on {qkv.device}")
-    cfg = config or plan(bsz, hv, dk, dv, qkv.device)
+    cfg = config or plan(dk, dv)
     dev, bt = qkv.device, _pow2(t)
     work = _new_buffer((bsz, t, c), torch.float32, dev)  # q (normalised, scaled) | k (normalised) | v
     gates = _new_buffer((bsz, t, 2 * hv + hk), torch.float32, dev)  # e^g | beta | q.k
@@ -405,8 +399,8 @@ def _recur_kernel(WORK, GATES, SSRC, SSM, SLOTS, STATES, Z, NW, Y,
     s_mask = k_ok[:, None] & v_ok[None, :]
     s_base = SSRC + (b.to(tl.int64) if SSM_INIT else slot) * stride_sb + h * stride_sh
     S = tl.load(s_base + offs_k[:, None] * stride_sk + offs_v[None, :], mask=s_mask, other=0.0)  # [BK, BV] fp32
-    C: tl.constexpr = 2 * HK * DK + HK * R * DV
-    NG: tl.constexpr = 2 * HK * R + HK
+    C = 2 * HK * DK + HK * R * DV  # WORK row: q | k | v channels
+    NG = 2 * HK * R + HK  # GATES row: e^g | beta | q.k
     if FUSED_NORM:
         nw = tl.load(NW + offs_v, mask=v_ok, other=0.0)
     st_base = STATES + b.to(tl.int64) * stride_ob + h * stride_oh + offs_k[:, None] * stride_ok + offs_v[None, :]

@@ -212,7 +212,7 @@ def _step_weights(codes_ptr, high_ptr, scales_ptr, rows, gs, gs_ok, stride_c, st
 
 
 def _dot_kernel(x_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr, ws_ptr, cnt_ptr,
-                T, N, K, NG, groups_per_split,
+                T, N, K, NG, groups_per_split, unit,
                 stride_xt, stride_ot, stride_c, stride_h, stride_s,
                 FMT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, GPS: tl.constexpr,
                 GPU: tl.constexpr, SPLIT_K: tl.constexpr):
@@ -238,10 +238,15 @@ def _dot_kernel(x_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr, ws_ptr, cnt_ptr
         k = g0 * GROUP + tl.arange(0, GPS * GROUP)
         xs = tl.load(x_ptr + t[:, None] * stride_xt + k[None, :], mask=t_ok[:, None] & (k[None, :] < K),
                      other=0)  # [BT, GPS * GROUP]; k >= K (padding, groups past NG) reads 0
+        # A fresh product, scaled by the runtime 1.0 ``unit`` and added to acc -- not tl.dot(..., acc), which
+        # is what a plain ``acc += dot`` folds back into. Chained through acc, the pipelined loop leaves up to
+        # 3 wgmma groups in flight into the next step, which then overwrites their register operand (the
+        # dequantized weights): wrong sums now and then, seen on an H200 with triton 3.6. Using the product
+        # here makes Triton wait for the step's wgmmas.
         if DT == tl.float32:
-            acc = tl.dot(w, tl.trans(xs), acc, input_precision="ieee")
+            acc += tl.dot(w, tl.trans(xs), input_precision="ieee") * unit
         else:
-            acc = tl.dot(w, tl.trans(xs), acc)
+            acc += tl.dot(w, tl.trans(xs)) * unit
     _epilogue(tl.trans(acc), t, rows, t_ok, row_ok, out_ptr, stride_ot, ws_ptr, cnt_ptr, N, GPU, SPLIT_K)
 
 
@@ -427,7 +432,7 @@ def qlinear_triton(x: torch.Tensor, lin: PackedLinear, config: QConfig | None = 
             EVEN_K=lin.k == lin.kp, **common)
     else:
         dot_kernel[(n_tiles, k_tiles, t_tiles)](
-            x, lin.codes, lin.high, lin.scales, out, ws, counters, t, lin.n, lin.k, lin.ng, groups_per_split,
+            x, lin.codes, lin.high, lin.scales, out, ws, counters, t, lin.n, lin.k, lin.ng, groups_per_split, 1.0,
             x.stride(0), out.stride(0), lin.codes.stride(0), lin.high.stride(0), lin.scales.stride(0),
             BLOCK_T=cfg.block_t, **common)
     return out

@@ -261,7 +261,13 @@ def evaluation(args, p: Preset, w: Work, art: Path, model) -> dict:
     ctx = max(len(x) for x in prompts) + p.eval_new + 16
     ev["acceptance"] = with_fallback(evaluate.acceptance, art, prompts, EVAL_PLAN, p.eval_new, args.device,
                                      t0 + 0.6 * budget, ctx)
-    filler = enc("\n\n".join(f.text for f in w.files(w.heldout)))
+    texts, size = [], 0
+    for f in w.files(w.heldout):  # enough held-out code for the longest haystack (about 3.5 bytes a token)
+        texts.append(f.text)
+        size += len(f.text)
+        if size > 5 * max(p.needle_lengths):
+            break
+    filler = enc("\n\n".join(texts))
     ev["needles"] = with_fallback(evaluate.needles, art, filler, tk, p.needle_lengths, p.needle_depths,
                                   args.device, t0 + budget, args.seed)
     ev["seconds"] = round(time.perf_counter() - t0, 1)

@@ -92,8 +92,15 @@ def rotary(model, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 CALLS: dict[str, int] = {}
 
 
+FLA_SHIM = "fla.ops.gated_delta_rule.chunk_gated_delta_rule (installed here)"
+
+
 def _implementation(fn) -> str:
     """The function transformers' hub-kernel wrapper resolved to (its closure's ``implementation``)."""
+    while getattr(fn, "counted", False):
+        fn = fn.__wrapped__
+    if getattr(fn, "fla_shim", False):
+        return FLA_SHIM
     env = dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__ or ())))
     impl = env.get("implementation", fn)
     return f"{impl.__module__}.{impl.__qualname__}"
@@ -115,6 +122,7 @@ def _fla_chunk(fla_fn):
         return fla_fn(query, key, value, g=g, beta=beta, initial_state=initial_state,
                       output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                       cu_seqlens=kwargs.get("cu_seqlens"))
+    chunk.fla_shim = True
     return chunk
 
 
@@ -122,7 +130,8 @@ def gdn_kernels(device: torch.device) -> dict:
     """Report (and on CUDA insist on) fla's chunked gated delta rule, and count calls of each kernel.
 
     transformers resolves ``chunk_gated_delta_rule`` from fla when fla imports at the time its Qwen3.5 module
-    is first imported; if it fell back to its torch reference although fla imports now, fla's is installed."""
+    is first imported; if it fell back to its torch reference although fla imports now, fla's is installed.
+    On a CPU the torch references run (fla's Triton kernels take CUDA tensors only)."""
     from transformers.models.qwen3_5 import modeling_qwen3_5 as mq
 
     info = {"chunk_gated_delta_rule": _implementation(mq.torch_chunk_gated_delta_rule),
@@ -138,7 +147,14 @@ def gdn_kernels(device: torch.device) -> dict:
     if device.type == "cuda" and chunk_gated_delta_rule is not None \
             and not info["chunk_gated_delta_rule"].startswith("fla."):
         mq.torch_chunk_gated_delta_rule = _fla_chunk(chunk_gated_delta_rule)
-        info["chunk_gated_delta_rule"] = "fla.ops.gated_delta_rule.chunk_gated_delta_rule (installed here)"
+        info["chunk_gated_delta_rule"] = FLA_SHIM
+    elif device.type != "cuda" and info["chunk_gated_delta_rule"].startswith("fla"):
+        for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):  # fla needs CUDA tensors
+            fn = getattr(mq, name)
+            while hasattr(fn, "__wrapped__"):  # our counter, then transformers' wrapper, down to its torch reference
+                fn = fn.__wrapped__
+            setattr(mq, name, fn)
+        info["chunk_gated_delta_rule"] = _implementation(mq.torch_chunk_gated_delta_rule)
     for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn"):
         fn = getattr(mq, name)
         if not getattr(fn, "counted", False):
