@@ -539,7 +539,9 @@ def kernels(shape, model, ts, variants, ops, quant, contexts, repeats, warmup, d
     opts = KernelOptions(shape=shape, model=model, ts=ints(ts, "--t"), variants=names(variants),
                          ops=names(ops or ""), quant=quant, contexts=ints(contexts, "--contexts") if contexts else None,
                          repeats=repeats, warmup=warmup, device=device, label=label, seed=seed)
-    if opts.device == "cpu" or (opts.device == "auto" and not __import__("torch").cuda.is_available()):
+    import torch
+
+    if opts.device == "cpu" or (opts.device == "auto" and not torch.cuda.is_available()):
         err_console.print("[yellow]CPU run: torch timers on the host; these timings are not GPU numbers[/]")
     prog, update = suite_progress("kernels")
     with prog:

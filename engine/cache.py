@@ -66,6 +66,7 @@ class PendingGDN:
     ssm_old: torch.Tensor | None = None  # [B, Hv, dk, dv] (recompute)
     inputs: tuple | None = None  # (q, k, v, g, beta) of the pass (recompute)
     states: torch.Tensor | None = None  # [B, T, Hv, dk, dv] state after each position (snapshot)
+    kernel: tuple | None = None  # (b, a, layer params): recompute with the fused kernel (engine/fastpath.py)
 
 
 @dataclass(slots=True)
@@ -208,6 +209,11 @@ class HybridCache:
             raise RuntimeError("commit() without a verify pass")
         slots = pend.slots
         for i, rec in pend.layers.items():
+            if rec.kernel is not None:
+                from .fastpath import commit_kernel
+
+                commit_kernel(self, i, slots, rec, keep)
+                continue
             b, t, c = rec.conv_in.shape
             w1 = rec.conv_old.shape[-1]
             # conv window after keep[b] tokens: the W-1 inputs ending at keep[b] in cat(old, new)

@@ -44,17 +44,18 @@ class Step:
 class HybridModel:
     """Forward of a Qwen3.5 / Qwen3-Next text decoder with weights from a :class:`WeightStore`."""
 
-    def __init__(self, cfg: ModelConfig, weights: WeightStore, *, max_positions: int, gdn_impl: str = "auto"):
+    def __init__(self, cfg: ModelConfig, weights: WeightStore, *, max_positions: int, gdn_impl: str = "auto",
+                 fused_kernels: bool = False):
         self.cfg, self.w, self.gdn_impl = cfg, weights, gdn_impl
         self.device, self.dtype = weights.device, weights.dtype
         self.cos, self.sin = rope_tables(cfg.rotary_dim, cfg.rope_theta, max_positions, self.device)
         self.scale = cfg.head_dim ** -0.5
-        # v3 on CUDA: decode/verify attention reads the (int8) cache in a Triton kernel, up to each row's position
-        self.fast_attention = False
-        if weights.runtime == "v3" and self.device.type == "cuda":
-            from ..kernels.attention_triton import triton_available
+        # decode and verify through the fused Triton kernels (engine/fastpath.py); prefill stays eager
+        self.fast = None
+        if fused_kernels:
+            from .fastpath import FastPath
 
-            self.fast_attention = triton_available()
+            self.fast = FastPath(self)
 
     # ---- pieces ----------------------------------------------------------------------------------
     def _proj(self, prefix: str, fused: str, members: tuple[str, ...], sizes: list[int], x):
@@ -82,15 +83,8 @@ class HybridModel:
         cos, sin = self.cos[step.pos], self.sin[step.pos]  # [B, T, rd]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         cache.write_kv(key, step.slots, step.pos, k, v.view(b, t, hkv, hd))
-        if self.fast_attention and step.mode != PREFILL:
-            from ..kernels.attention_triton import decode_attention
-
-            c = cache.kv[key]
-            o = decode_attention(q, c.k, c.v, c.k_scale, c.v_scale, step.slots, step.pos, self.scale,
-                                 kv_len_max=cache.capacity).reshape(b, t, h * hd)
-        else:
-            kk, vv = cache.read_kv(key, step.slots, step.kv_len, x.dtype)
-            o = attn_k.attention(q, kk, vv, step.pos, self.scale).reshape(b, t, h * hd)
+        kk, vv = cache.read_kv(key, step.slots, step.kv_len, x.dtype)
+        o = attn_k.attention(q, kk, vv, step.pos, self.scale).reshape(b, t, h * hd)
         return w.linear(f"{p}.self_attn.o_proj.weight")(o * torch.sigmoid(gate))
 
     def gated_deltanet(self, p: str, i: int, x: torch.Tensor, step: Step, cache: HybridCache) -> torch.Tensor:
@@ -146,6 +140,8 @@ class HybridModel:
         """Final-normed hidden states ``[B, T, H]`` and the outputs of ``step.taps`` layers."""
         if step.mode == VERIFY:
             cache.begin_verify(step.slots)
+        if self.fast is not None and step.mode != PREFILL:
+            return self.fast.forward(step, cache)
         h = self.w.embed(step.ids)
         taps = []
         for i, kind in enumerate(self.cfg.layer_types):

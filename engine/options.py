@@ -31,6 +31,7 @@ class EngineOptions:
     lm_head_draft: int = 0
     cuda_graphs: bool = True
     gdn_impl: str = "auto"
+    kernels: str = "auto"  # decode/verify kernels: auto (fused Triton for v3 on CUDA), torch, or triton
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -66,6 +67,10 @@ class EngineOptions:
             raise ValueError(f"rollback must be recompute or snapshot, got {self.rollback!r}")
         if not isinstance(self.lm_head_draft, int) or self.lm_head_draft < 0:
             raise ValueError(f"lm-head-draft must be a non-negative integer, got {self.lm_head_draft!r}")
+        if self.kernels not in ("auto", "torch", "triton"):
+            raise ValueError(f"kernels must be auto, torch or triton, got {self.kernels!r}")
+        if self.kernels == "triton" and self.runtime == "v2":
+            raise ValueError("runtime v2 runs the plain torch kernels: --kernels triton needs runtime v3")
         if self.gdn_impl not in ("auto", "ref", "chunked", "fla", "step"):
             raise ValueError(f"gdn impl must be auto, ref, chunked, fla or step, got {self.gdn_impl!r}")
 
@@ -78,6 +83,18 @@ class EngineOptions:
                              f"{model_max_positions}")
         if self.kv_capacity is None:
             self.kv_capacity = self.max_context * self.max_concurrency
+
+    def fused_kernels(self) -> bool:
+        """Whether decode/verify run through the fused Triton kernels."""
+        if self.runtime == "v2" or self.kernels == "torch":
+            return False
+        from .fastpath import available
+
+        if self.kernels == "triton":
+            if not available():
+                raise ValueError("--kernels triton: triton does not import here")
+            return True
+        return self.torch_device.type == "cuda" and available()
 
     @property
     def torch_device(self) -> torch.device:

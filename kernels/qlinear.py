@@ -27,6 +27,14 @@ meet in a shared workspace, and the last program of each tile writes the output:
 The launch configuration is a pure function of (fmt, N, K, T) (``choose_config``): no autotuning, so the
 first call only compiles, nothing is timed or synchronised, and later calls are safe to capture in a
 CUDA graph. Triton is imported on first use, so this module imports (and the CPU fallback runs) without it.
+
+Where it stands (H200, 27B projection shapes, 20 calls replayed from a CUDA graph over weight copies, % of
+the 4.27 TB/s copy bandwidth; scripts/bench_qlinear.py): gemv T = 1: q4 31-48 %, q5 25-34 %, q8 47-84 %
+(q4 attn q+gate 19.5 us against 45 us bf16 cuBLAS and 24 us torch int4); dot T = 2..16: q4 19-30 %, q5
+10-12 %, q8 28-45 %. Short of the 85 % bar: the gemv spends ~4.3 instructions per weight, so it is bound
+by issue rather than DRAM below ~1 byte per weight; the dot kernel spends ~4.5-5 per weight unpacking
+nibbles one byte at a time into the MMA layout that Triton picks. Closing that needs packed (2 codes per
+32-bit register) conversion written straight into the MMA fragment, i.e. control of register layouts.
 """
 
 from __future__ import annotations
@@ -212,7 +220,7 @@ def _step_weights(codes_ptr, high_ptr, scales_ptr, rows, gs, gs_ok, stride_c, st
 
 
 def _dot_kernel(x_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr, ws_ptr, cnt_ptr,
-                T, N, K, NG, groups_per_split, unit,
+                T, N, K, NG, groups_per_split,
                 stride_xt, stride_ot, stride_c, stride_h, stride_s,
                 FMT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, GPS: tl.constexpr,
                 GPU: tl.constexpr, SPLIT_K: tl.constexpr):
@@ -221,6 +229,12 @@ def _dot_kernel(x_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr, ws_ptr, cnt_ptr
     Program (n-tile, k-split, t-tile): per step, GPS groups of BLOCK_N rows dequantized to x's dtype
     (_step_weights) times x's [BLOCK_T, GPS * GROUP] tile transposed, accumulated in fp32; the weights are
     the left operand, so BLOCK_N fills the MMA's M and the few rows of x its N. fp32 x: exact fp32 products.
+
+    Launch with num_stages=1. Pipelined (2+ stages), triton 3.6 stages the x tile into shared memory with
+    cp.async and has the wgmma read it with no fence.proxy.async between them (ptx shows none; with
+    num_stages=1 it is st.shared + fence + bar), and bench runs on an H200 returned wrong sums for a few
+    percent of calls (rel. error 0.02 - 0.17, different shapes each run) with 2-4 stages; gemv never did.
+    The cause is inferred from the generated code, not proven; num_stages=1 is not yet confirmed on a GPU.
     """
     DT: tl.constexpr = x_ptr.dtype.element_ty
     GROUP: tl.constexpr = 32 if FMT == 0 else 64
@@ -238,15 +252,10 @@ def _dot_kernel(x_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr, ws_ptr, cnt_ptr
         k = g0 * GROUP + tl.arange(0, GPS * GROUP)
         xs = tl.load(x_ptr + t[:, None] * stride_xt + k[None, :], mask=t_ok[:, None] & (k[None, :] < K),
                      other=0)  # [BT, GPS * GROUP]; k >= K (padding, groups past NG) reads 0
-        # A fresh product, scaled by the runtime 1.0 ``unit`` and added to acc -- not tl.dot(..., acc), which
-        # is what a plain ``acc += dot`` folds back into. Chained through acc, the pipelined loop leaves up to
-        # 3 wgmma groups in flight into the next step, which then overwrites their register operand (the
-        # dequantized weights): wrong sums now and then, seen on an H200 with triton 3.6. Using the product
-        # here makes Triton wait for the step's wgmmas.
         if DT == tl.float32:
-            acc += tl.dot(w, tl.trans(xs), input_precision="ieee") * unit
+            acc = tl.dot(w, tl.trans(xs), acc, input_precision="ieee")
         else:
-            acc += tl.dot(w, tl.trans(xs)) * unit
+            acc = tl.dot(w, tl.trans(xs), acc)
     _epilogue(tl.trans(acc), t, rows, t_ok, row_ok, out_ptr, stride_ot, ws_ptr, cnt_ptr, N, GPU, SPLIT_K)
 
 
@@ -335,7 +344,9 @@ class QConfig:
 
     kind: "gemv" (CUDA cores, one row of x per program) or "dot" (tensor cores, block_t rows of x per
     program). block_n: weight rows per program. gps: groups per loop step. split_k: programs sharing one
-    row tile's K (summed in-kernel, see _epilogue).
+    row tile's K (summed in-kernel, see _epilogue). num_stages: Triton's software pipelining; keep 1 for
+    "dot" -- with 2+ the x tile reaches the wgmma through cp.async without a fence.proxy.async in the
+    code triton 3.6 generates, and an H200 returned wrong sums now and then (see _dot_kernel).
     """
 
     kind: str
@@ -344,7 +355,7 @@ class QConfig:
     split_k: int = 1
     block_t: int = 16
     num_warps: int = 4
-    num_stages: int = 2
+    num_stages: int = 1
 
     def __post_init__(self):
         if self.kind not in ("gemv", "dot"):
@@ -374,15 +385,14 @@ def choose_config(fmt: str, n: int, k: int, t: int) -> QConfig:
     """The launch configuration for x [t, k] @ W[n, k].T in fmt: a pure function of the shapes.
 
     From scripts/bench_qlinear.py --variants on an H200 (CUDA-graph replays, weights not in L2): the gemv
-    with 128 rows x 4 groups a step for T = 1; the dot kernel with 128 rows x 2 groups, 2 pipeline stages
-    for T >= 2; K split to ~6 programs per SM in both.
+    with 128 rows x 4 groups a step for T = 1; the dot kernel with 128 rows x 2 groups a step for T >= 2;
+    K split to ~6 programs per SM in both. The dot kernel runs unpipelined (num_stages=1; see QConfig).
     """
     ng = quant.qlayout(fmt, (n, k)).kp // quant.QSPEC[fmt][0]
     if t == 1:
         return QConfig("gemv", 128, gps=4, split_k=_split_for(-(-n // 128), ng, 4))
     block_t = min(64, max(16, _next_pow2(t)))
-    return QConfig("dot", 128, gps=2, block_t=block_t, split_k=_split_for(-(-n // 128) * -(-t // block_t), ng, 2),
-                   num_stages=2)
+    return QConfig("dot", 128, gps=2, block_t=block_t, split_k=_split_for(-(-n // 128) * -(-t // block_t), ng, 2))
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -432,7 +442,7 @@ def qlinear_triton(x: torch.Tensor, lin: PackedLinear, config: QConfig | None = 
             EVEN_K=lin.k == lin.kp, **common)
     else:
         dot_kernel[(n_tiles, k_tiles, t_tiles)](
-            x, lin.codes, lin.high, lin.scales, out, ws, counters, t, lin.n, lin.k, lin.ng, groups_per_split, 1.0,
+            x, lin.codes, lin.high, lin.scales, out, ws, counters, t, lin.n, lin.k, lin.ng, groups_per_split,
             x.stride(0), out.stride(0), lin.codes.stride(0), lin.high.stride(0), lin.scales.stride(0),
             BLOCK_T=cfg.block_t, **common)
     return out

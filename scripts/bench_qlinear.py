@@ -62,7 +62,7 @@ def _split(fmt: str, n: int, k: int, block_n: int, gps: int) -> int:
     return ql._split_for(-(-n // block_n), ng, gps)
 
 
-def _dot(block_n, gps=2, split=True, warps=4, stages=2):
+def _dot(block_n, gps=2, split=True, warps=4, stages=1):
     def make(fmt, n, k, t):
         bt = min(64, max(16, 1 << max(0, (t - 1).bit_length())))
         sk = _split(fmt, n, k, block_n, gps) if split else 1
@@ -89,7 +89,8 @@ VARIANTS = {
     "gemv_n128_g4_nosplit": _gemv(128, split=False),
     "dot_n64_g4": _dot(64, gps=4),
     "dot_n128_g4": _dot(128, gps=4),
-    "dot_n128_g2_s3": _dot(128, stages=3),
+    "dot_n128_g2_s2": _dot(128, stages=2),  # pipelined: seen returning wrong sums (see _dot_kernel)
+    "dot_n128_g2_w2": _dot(128, warps=2),  # mma.sync instead of wgmma
     "dot_n128_g2_w8": _dot(128, warps=8),
     "dot_n256_g2_w8": _dot(256, warps=8),
     "dot_n128_g2_nosplit": _dot(128, split=False),

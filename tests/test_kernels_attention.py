@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
+import triton_interp  # noqa: F401  (sets TRITON_INTERPRET=1 without CUDA, fixes the interpreter)
 
 from ninfer_bench.engine.cache import quantize_kv
 from ninfer_bench.kernels import attention_triton as at
@@ -24,32 +23,6 @@ RTOL_BF16 = 1e-2  # bf16 queries: q, the dequantized K/V and p are rounded to bf
 
 pytestmark = pytest.mark.skipif(not at.triton_available(),
                                 reason=f"triton does not import: {at._triton_import_error()}")
-
-
-def _fix_interpreter_loop_bounds():
-    """Triton 3.6's interpreter turns a loop bound into an int with int(shape-(1,) array), which numpy >= 2.4
-    rejects (triton-lang/triton#9171); the kernels' key loops start and stop at run-time values."""
-    try:
-        int(np.zeros(1))
-        return
-    except TypeError:
-        pass
-    import triton.runtime.interpreter as interp
-
-    patch = interp._patch_lang_tensor
-    if getattr(patch, "_ninfer_fixed", False):
-        return
-
-    def fixed(tensor, scope):
-        patch(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(())))
-
-    fixed._ninfer_fixed = True
-    interp._patch_lang_tensor = fixed
-
-
-if INTERPRET and at.triton_available():
-    _fix_interpreter_loop_bounds()
 
 
 @pytest.fixture(autouse=True)

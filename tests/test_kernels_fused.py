@@ -11,8 +11,7 @@ import sys
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
+import triton_interp  # noqa: E402,F401  (sets TRITON_INTERPRET=1 without CUDA, fixes the interpreter)
 
 from ninfer_bench.engine.cache import dequantize_kv  # noqa: E402
 from ninfer_bench.kernels import fused as fu  # noqa: E402

@@ -12,8 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
+import triton_interp  # noqa: F401  (sets TRITON_INTERPRET=1 without CUDA, fixes the interpreter)
 
 from ninfer_bench.kernels import gdn_triton as gt  # noqa: E402
 
@@ -29,32 +28,6 @@ TOL = {
 
 pytestmark = pytest.mark.skipif(not gt.triton_available(),
                                 reason=f"triton does not import: {gt._triton_import_error()}")
-
-
-def _fix_interpreter_loop_bounds():
-    """Triton 3.6's interpreter turns a loop bound into an int with int(shape-(1,) array), which numpy >= 2.4
-    rejects (triton-lang/triton#9171); the token loop's bound is a run-time value."""
-    try:
-        int(np.zeros(1))
-        return
-    except TypeError:
-        pass
-    import triton.runtime.interpreter as interp
-
-    patch = interp._patch_lang_tensor
-    if getattr(patch, "_ninfer_fixed", False):
-        return
-
-    def fixed(tensor, scope):
-        patch(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(())))
-
-    fixed._ninfer_fixed = True
-    interp._patch_lang_tensor = fixed
-
-
-if INTERPRET and gt.triton_available():
-    _fix_interpreter_loop_bounds()
 
 
 @pytest.fixture(autouse=True)

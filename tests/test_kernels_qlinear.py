@@ -13,9 +13,9 @@ import os
 import pytest
 import torch
 
+import triton_interp  # noqa: E402,F401  (sets TRITON_INTERPRET=1 without CUDA, fixes the interpreter)
+
 CUDA = torch.cuda.is_available()
-if not CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from ninfer_bench.engine import quant  # noqa: E402
 from ninfer_bench.kernels import qlinear as ql  # noqa: E402
@@ -47,26 +47,6 @@ def _triton_skip_reason() -> str | None:
 SKIP = _triton_skip_reason()
 needs_triton = pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
 cuda_only = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _interpreter_numpy2_workaround():
-    """Triton 3.6's interpreter turns a loop bound into an int with int(array of shape (1,)), which NumPy 2
-    refuses; give its tensors an __index__ that takes the single element instead."""
-    if SKIP is not None or CUDA:
-        yield
-        return
-    from triton.runtime import interpreter
-
-    original = interpreter._patch_lang_tensor
-
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interpreter._patch_lang_tensor = patched
-    yield
-    interpreter._patch_lang_tensor = original
 
 
 def _case(fmt, n, k, t, dtype, seed=0):

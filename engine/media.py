@@ -1,0 +1,391 @@
+"""Images and videos for the vision tower: reading (data URIs, local files, raw bytes), decoding, preprocessing
+to patch rows, and the encoder-output cache keyed by SHA-256.
+
+Preprocessing follows transformers' processors for Qwen3.5 so the tower sees the same numbers:
+
+- images: ``Qwen2VLImageProcessorPil`` - RGB (transparency composited on white), resized with PIL bicubic to
+  the ``smart_resize`` grid (sides multiples of ``patch * merge``, pixel count within [min, max]),
+  ``x / 255`` (float64, then float32), ``(x - mean) / std``, each image repeated as ``temporal_patch_size``
+  identical frames. ``image_resample="torch"`` resizes like the torchvision-backed ``Qwen2VLImageProcessor``
+  instead (torch's antialiased bicubic, a = -0.75, where PIL's kernel has a = -0.5; the two differ by a few
+  grey levels).
+- videos: ``Qwen3VLVideoProcessor`` - ``fps`` frames per second sampled uniformly (``min_frames`` ..
+  ``max_frames``), resized with torch's antialiased uint8 bicubic (what torchvision runs on the CPU) to the
+  video ``smart_resize`` grid, ``(x - 255 mean) / (255 std)`` in float32, the last frame repeated up to a
+  multiple of ``temporal_patch_size``. Timestamps (seconds, averaged over each temporal patch) are written
+  into the prompt as the processor does. A one-frame video, which transformers refuses, is padded instead.
+
+Rows come out in spatial-merge-block order: ``[t, h/m, w/m, m, m]`` patches, each row ``[C, Tp, P, P]``.
+Video decoding without FFmpeg: ``.npy`` ``[T, H, W, 3]`` uint8 arrays, ``.npz`` with ``frames`` (and ``fps``),
+and animated GIF / PNG / WebP through PIL; other containers need PyAV.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import io
+import math
+import os
+from collections import OrderedDict
+from dataclasses import asdict, dataclass, field, fields
+
+import numpy as np
+import torch
+
+DEFAULT_VIDEO_FPS = 24.0  # what transformers assumes for frames without metadata
+
+
+@dataclass(slots=True)
+class PreprocessConfig:
+    """The processor parameters of one model (the artifact's vision component keeps them)."""
+
+    patch_size: int = 16
+    temporal_patch_size: int = 2
+    merge_size: int = 2
+    image_mean: tuple[float, ...] = (0.5, 0.5, 0.5)
+    image_std: tuple[float, ...] = (0.5, 0.5, 0.5)
+    min_pixels: int = 65536
+    max_pixels: int = 16777216
+    video_min_pixels: int = 4096
+    video_max_pixels: int = 25165824
+    fps: float = 2.0
+    min_frames: int = 4
+    max_frames: int = 768
+    image_resample: str = "pil"
+
+    def __post_init__(self) -> None:
+        for name in ("patch_size", "temporal_patch_size", "merge_size", "min_pixels", "max_pixels",
+                     "video_min_pixels", "video_max_pixels", "min_frames", "max_frames"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"preprocess config: {name} must be a positive integer, got {value!r}")
+        self.image_mean, self.image_std = tuple(map(float, self.image_mean)), tuple(map(float, self.image_std))
+        if len(self.image_mean) != 3 or len(self.image_std) != 3 or min(self.image_std) <= 0:
+            raise ValueError(f"preprocess config: image_mean / image_std must be 3 values (std > 0), got "
+                             f"{self.image_mean} / {self.image_std}")
+        if self.min_pixels > self.max_pixels or self.video_min_pixels > self.video_max_pixels:
+            raise ValueError("preprocess config: a min_pixels exceeds its max_pixels")
+        if not self.fps > 0 or self.min_frames > self.max_frames:
+            raise ValueError(f"preprocess config: fps must be > 0 and min_frames <= max_frames, got fps {self.fps}, "
+                             f"frames {self.min_frames}..{self.max_frames}")
+        if self.image_resample not in ("pil", "torch"):
+            raise ValueError(f"preprocess config: image_resample must be 'pil' or 'torch', got {self.image_resample!r}")
+
+    @property
+    def factor(self) -> int:
+        return self.patch_size * self.merge_size
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["image_mean"], d["image_std"] = list(self.image_mean), list(self.image_std)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "PreprocessConfig":
+        unknown = sorted(set(d) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ValueError(f"preprocess config: unknown field(s) {unknown}")
+        return cls(**d)
+
+    @classmethod
+    def from_hf(cls, image: dict | None, video: dict | None) -> "PreprocessConfig":
+        """From ``preprocessor_config.json`` and ``video_preprocessor_config.json`` (either may be missing)."""
+        image, video, out = image or {}, video or {}, {}
+        for key in ("patch_size", "temporal_patch_size", "merge_size", "image_mean", "image_std"):
+            if key in image:
+                out[key] = image[key]
+        size = image.get("size") or {}
+        out["min_pixels"] = size.get("shortest_edge", image.get("min_pixels", cls.min_pixels))
+        out["max_pixels"] = size.get("longest_edge", image.get("max_pixels", cls.max_pixels))
+        vsize = video.get("size") or {}
+        out["video_min_pixels"] = vsize.get("shortest_edge", video.get("min_pixels", cls.video_min_pixels))
+        out["video_max_pixels"] = vsize.get("longest_edge", video.get("max_pixels", cls.video_max_pixels))
+        for key in ("fps", "min_frames", "max_frames"):
+            if video.get(key) is not None:
+                out[key] = video[key]
+        return cls(**out)
+
+
+@dataclass(slots=True)
+class MediaLimits:
+    """What one request may send: bytes per item, decoded pixels per image or frame, items per request."""
+
+    max_bytes: int = 32 << 20
+    max_pixels: int = 8192 * 8192
+    max_items: int = 16
+
+    def __post_init__(self) -> None:
+        for name in ("max_bytes", "max_pixels", "max_items"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"media limits: {name} must be a positive integer, got {value!r}")
+
+
+@dataclass(slots=True)
+class MediaInput:
+    """One preprocessed image or video: patch rows ``[t*h*w, C*Tp*P*P]`` fp32, its grid, and its digest."""
+
+    kind: str  # "image" | "video"
+    sha256: str
+    pixels: torch.Tensor
+    grid: tuple[int, int, int]
+    timestamps: list[float] = field(default_factory=list)  # video: seconds per temporal patch
+
+    def tokens(self, merge: int) -> int:
+        t, h, w = self.grid
+        return t * h * w // (merge * merge)
+
+
+# ---- reading and decoding ---------------------------------------------------------------------------------------
+
+def read_source(source, limits: MediaLimits) -> bytes:
+    """The bytes of ``source``: bytes, a ``data:`` URI (base64), a local path or ``file://`` URL."""
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        data = bytes(source)
+    elif isinstance(source, (str, os.PathLike)):
+        s = os.fspath(source)
+        low = s[:16].lower()
+        if low.startswith(("http://", "https://")):
+            raise ValueError("remote media URLs are not fetched (no network): pass a data URI or a local path")
+        if low.startswith("data:"):
+            head, sep, payload = s.partition(",")
+            if not sep or not head.lower().endswith(";base64"):
+                raise ValueError("malformed data URI: expected data:<type>;base64,<data>")
+            if len(payload) * 3 // 4 > limits.max_bytes:
+                raise ValueError(f"media of ~{len(payload) * 3 // 4:,} bytes exceeds the limit of "
+                                 f"{limits.max_bytes:,} bytes")
+            try:
+                data = base64.b64decode(payload, validate=True)
+            except (binascii.Error, ValueError):
+                raise ValueError("malformed data URI: the payload is not valid base64") from None
+        else:
+            if low.startswith("file://"):
+                s = s[len("file://"):]
+            elif "://" in low:
+                raise ValueError(f"unsupported media URL scheme in {s[:32]!r}: pass a data URI or a local path")
+            if not os.path.isfile(s):
+                raise ValueError(f"media file not found: {s}")
+            if os.path.getsize(s) > limits.max_bytes:
+                raise ValueError(f"media file {s} of {os.path.getsize(s):,} bytes exceeds the limit of "
+                                 f"{limits.max_bytes:,} bytes")
+            with open(s, "rb") as f:
+                data = f.read()
+    else:
+        raise ValueError(f"media source must be bytes, a data URI or a path, got {type(source).__name__}")
+    if not data:
+        raise ValueError("media is empty")
+    if len(data) > limits.max_bytes:
+        raise ValueError(f"media of {len(data):,} bytes exceeds the limit of {limits.max_bytes:,} bytes")
+    return data
+
+
+def _open_pil(data: bytes, limits: MediaLimits):
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        img = Image.open(io.BytesIO(data))  # reads the header only: the size is checked before any decoding
+    except (UnidentifiedImageError, OSError, ValueError) as e:
+        raise ValueError(f"cannot decode the image ({type(e).__name__}: {e})") from None
+    w, h = img.size
+    if w * h > limits.max_pixels:
+        raise ValueError(f"image of {w}x{h} = {w * h:,} pixels exceeds the limit of {limits.max_pixels:,}")
+    if w < 1 or h < 1:
+        raise ValueError(f"image of {w}x{h} pixels is empty")
+    return img
+
+
+def _rgb(img) -> np.ndarray:
+    """``[H, W, 3]`` uint8; transparency composited onto white (transformers' convert_to_rgb)."""
+    from PIL import Image
+
+    if "A" in img.getbands() or img.info.get("transparency") is not None:
+        img = img.convert("RGBA")
+        img = Image.alpha_composite(Image.new("RGBA", img.size, (255, 255, 255, 255)), img)
+    return np.asarray(img.convert("RGB"))
+
+
+def decode_image(data: bytes, limits: MediaLimits) -> np.ndarray:
+    """An encoded image (PNG, JPEG, WebP, ...) as ``[H, W, 3]`` uint8."""
+    img = _open_pil(data, limits)
+    try:
+        return _rgb(img)
+    except (OSError, ValueError) as e:  # a truncated or corrupt body fails only when pixels are read
+        raise ValueError(f"cannot decode the image ({type(e).__name__}: {e})") from None
+
+
+def decode_video(data: bytes, cfg: PreprocessConfig, limits: MediaLimits) -> tuple[np.ndarray, float, list[int]]:
+    """(sampled frames ``[T, H, W, 3]`` uint8, the video's fps, the sampled frame indices)."""
+    if data[:6] == b"\x93NUMPY" or data[:4] == b"PK\x03\x04":
+        try:
+            arr = np.load(io.BytesIO(data), allow_pickle=False)
+        except (ValueError, OSError, EOFError) as e:
+            raise ValueError(f"cannot read the video array ({e})") from None
+        fps = DEFAULT_VIDEO_FPS
+        if isinstance(arr, np.lib.npyio.NpzFile):
+            if "frames" not in arr.files:
+                raise ValueError("a .npz video needs a 'frames' array (and optionally 'fps')")
+            fps = float(arr["fps"]) if "fps" in arr.files else fps
+            arr = arr["frames"]
+        if arr.dtype != np.uint8 or arr.ndim != 4 or arr.shape[-1] != 3 or 0 in arr.shape:
+            raise ValueError(f"a video array must be uint8 [frames, height, width, 3], got {arr.dtype} "
+                             f"{list(arr.shape)}")
+        if arr.shape[1] * arr.shape[2] > limits.max_pixels:
+            raise ValueError(f"video frames of {arr.shape[2]}x{arr.shape[1]} exceed the limit of "
+                             f"{limits.max_pixels:,} pixels")
+        idx = sample_frames(arr.shape[0], fps, cfg)
+        return arr[idx], fps, idx
+    try:
+        img = _open_pil(data, limits)
+    except ValueError:
+        raise ValueError("cannot decode the video: this build reads .npy / .npz frame arrays and animated "
+                         "GIF / PNG / WebP (other containers need FFmpeg, which is not used here)") from None
+    total = getattr(img, "n_frames", 1)
+    durations = []
+    for i in range(min(total, 64)):  # the mean frame duration of the first frames gives the fps
+        img.seek(i)
+        durations.append(img.info.get("duration") or 0)
+    mean_ms = sum(durations) / len(durations)
+    fps = 1000.0 / mean_ms if mean_ms > 0 else DEFAULT_VIDEO_FPS
+    idx = sample_frames(total, fps, cfg)
+    frames = []
+    for i in idx:
+        img.seek(i)
+        frames.append(_rgb(img))
+    return np.stack(frames), fps, idx
+
+
+# ---- preprocessing ---------------------------------------------------------------------------------------------
+
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int,
+                 frames: int = 1, temporal: int = 1) -> tuple[int, int]:
+    """Sides that are multiples of ``factor``, near the aspect ratio, with ``t * h * w`` in the pixel bounds
+    (images: frames = temporal = 1; videos: the sampled frame count rounded to the temporal patch)."""
+    if frames > 1 or temporal > 1:  # the video variant first scales tiny frames up to one factor
+        if height < factor or width < factor:
+            scale = max(factor / height, factor / width)
+            height, width = int(height * scale), int(width * scale)
+    if max(height, width) / min(height, width) > 200:
+        raise ValueError(f"absolute aspect ratio must be smaller than 200, got {max(height, width) / min(height, width)}")
+    h_bar, w_bar = round(height / factor) * factor, round(width / factor) * factor
+    t_bar = round(frames / temporal) * temporal if temporal > 1 else 1
+    if t_bar * h_bar * w_bar > max_pixels:
+        beta = math.sqrt(frames * height * width / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif t_bar * h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (frames * height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def patchify(frames: torch.Tensor, cfg: PreprocessConfig) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """``frames [T, C, H, W]`` (T a multiple of Tp) as rows ``[t*h*w, C*Tp*P*P]`` in merge-block order."""
+    tp, p, m = cfg.temporal_patch_size, cfg.patch_size, cfg.merge_size
+    t, c, h, w = frames.shape
+    gt, gh, gw = t // tp, h // p, w // p
+    x = frames.reshape(gt, tp, c, gh // m, m, p, gw // m, m, p)
+    x = x.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)  # [gt, gh/m, gw/m, m, m, C, Tp, P, P]
+    return x.reshape(gt * gh * gw, c * tp * p * p).contiguous(), (gt, gh, gw)
+
+
+def _resize_torch(frames: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """uint8 ``[T, C, H, W]`` resized with torch's antialiased bicubic (torchvision's CPU path for uint8)."""
+    if tuple(frames.shape[-2:]) == tuple(size):
+        return frames
+    return torch.nn.functional.interpolate(frames, size=size, mode="bicubic", align_corners=False, antialias=True)
+
+
+def image_patches(img: np.ndarray, cfg: PreprocessConfig) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """An ``[H, W, 3]`` uint8 image as patch rows and its grid ``(1, h, w)``."""
+    h, w = smart_resize(img.shape[0], img.shape[1], cfg.factor, cfg.min_pixels, cfg.max_pixels)
+    if cfg.image_resample == "pil":
+        from PIL import Image
+
+        resized = np.asarray(Image.fromarray(img).resize((w, h), Image.BICUBIC)) if (h, w) != img.shape[:2] else img
+        x = resized.transpose(2, 0, 1)
+    else:
+        x = _resize_torch(torch.from_numpy(np.ascontiguousarray(img.transpose(2, 0, 1)))[None], (h, w))[0].numpy()
+    x = (x.astype(np.float64) * (1 / 255)).astype(np.float32)  # transformers' rescale: float64, then float32
+    x = (x - np.asarray(cfg.image_mean, np.float32)[:, None, None]) / np.asarray(cfg.image_std, np.float32)[:, None, None]
+    frames = torch.from_numpy(np.ascontiguousarray(x))[None].expand(cfg.temporal_patch_size, -1, -1, -1)
+    return patchify(frames, cfg)
+
+
+def sample_frames(total: int, fps: float, cfg: PreprocessConfig) -> list[int]:
+    """Indices of the frames kept: ``cfg.fps`` per second of video, within min/max frames (transformers' rule)."""
+    n = int(total / fps * cfg.fps)
+    n = min(max(n, cfg.min_frames), cfg.max_frames, total)
+    return np.linspace(0, total - 1, n).round().astype(int).tolist()
+
+
+def frame_timestamps(indices: list[int], fps: float, temporal: int) -> list[float]:
+    """Seconds of each temporal patch: the mean of its first and last frame times (the processor's rule)."""
+    idx = list(indices) + [indices[-1]] * (-len(indices) % temporal)
+    secs = [i / fps for i in idx]
+    return [(secs[i] + secs[i + temporal - 1]) / 2 for i in range(0, len(secs), temporal)]
+
+
+def video_patches(frames: np.ndarray, cfg: PreprocessConfig) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """Sampled ``[T, H, W, 3]`` uint8 frames as patch rows and their grid ``(t, h, w)``."""
+    x = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2)  # [T, C, H, W]
+    if x.shape[0] < cfg.temporal_patch_size:  # transformers refuses this; one frame is a still clip
+        x = torch.cat([x, x[-1:].expand(cfg.temporal_patch_size - x.shape[0], -1, -1, -1)])
+    h, w = smart_resize(x.shape[2], x.shape[3], cfg.factor, cfg.video_min_pixels, cfg.video_max_pixels,
+                        frames=x.shape[0], temporal=cfg.temporal_patch_size)
+    x = _resize_torch(x.contiguous(), (h, w)).float()
+    # transformers fuses rescale into normalize: (x - mean / (1/255)) / (std / (1/255)) in float32
+    mean = torch.tensor(cfg.image_mean, dtype=torch.float32) * (1.0 / (1 / 255))
+    std = torch.tensor(cfg.image_std, dtype=torch.float32) * (1.0 / (1 / 255))
+    x = (x - mean[:, None, None]) / std[:, None, None]
+    if pad := -x.shape[0] % cfg.temporal_patch_size:
+        x = torch.cat([x, x[-1:].expand(pad, -1, -1, -1)])
+    return patchify(x, cfg)
+
+
+def load_media(kind: str, source, cfg: PreprocessConfig, limits: MediaLimits) -> MediaInput:
+    """Read, decode and preprocess one image or video (ValueError with a message for people on bad input)."""
+    if kind not in ("image", "video"):
+        raise ValueError(f"media kind must be 'image' or 'video', got {kind!r}")
+    data = read_source(source, limits)
+    digest = hashlib.sha256(kind.encode() + b"\0" + data).hexdigest()
+    if kind == "image":
+        pixels, grid = image_patches(decode_image(data, limits), cfg)
+        return MediaInput("image", digest, pixels, grid)
+    frames, fps, idx = decode_video(data, cfg, limits)
+    pixels, grid = video_patches(frames, cfg)
+    return MediaInput("video", digest, pixels, grid, frame_timestamps(idx, fps, cfg.temporal_patch_size))
+
+
+class MediaCache:
+    """Vision-tower outputs by the SHA-256 of the media bytes, least recently used dropped past ``max_bytes``."""
+
+    def __init__(self, max_bytes: int = 256 << 20):
+        self.max_bytes = max_bytes
+        self.items: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self.bytes = self.hits = self.misses = 0
+
+    def get(self, key: str) -> torch.Tensor | None:
+        out = self.items.get(key)
+        if out is None:
+            self.misses += 1
+            return None
+        self.items.move_to_end(key)
+        self.hits += 1
+        return out
+
+    def put(self, key: str, value: torch.Tensor) -> None:
+        size = value.numel() * value.element_size()
+        if size > self.max_bytes or key in self.items:
+            return
+        self.items[key] = value
+        self.bytes += size
+        while self.bytes > self.max_bytes:
+            _, old = self.items.popitem(last=False)
+            self.bytes -= old.numel() * old.element_size()
+
+    def clear(self) -> None:
+        self.items.clear()
+        self.bytes = 0

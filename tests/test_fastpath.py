@@ -1,0 +1,39 @@
+"""The v3 decode/verify path through the fused Triton kernels equals the eager torch path.
+
+On CUDA the kernels run natively; without CUDA they run in Triton's interpreter on CPU tensors, so the engine
+integration (fastpath.py, rollback through the kernels) is checked on every machine.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import triton_interp  # noqa: F401  (sets TRITON_INTERPRET=1 without CUDA, fixes the interpreter)
+from ninfer_bench.engine.fastpath import available
+from ninfer_bench.engine.runtime import Engine
+
+pytestmark = pytest.mark.skipif(not available(), reason="triton does not import")
+
+PROMPT = list(range(3, 60))
+
+
+def run(**kw):
+    eng = Engine.load("tiny", device="cpu", kv_dtype="int8", dtype="fp32", max_context=256, **kw)
+    return eng, eng.generate(PROMPT, max_new_tokens=12, ignore_eos=True).tokens
+
+
+@pytest.fixture(scope="module")
+def eager():
+    return run(kernels="torch")[1]
+
+
+def test_fused_decode_equals_eager(eager):
+    eng, tokens = run(kernels="triton")
+    assert eng.model.fast is not None
+    assert tokens == eager
+
+
+@pytest.mark.parametrize("spec,rollback", [("mtp", "recompute"), ("dflash2", "snapshot"), ("dflash", "recompute")])
+def test_fused_verify_and_rollback_equal_eager(eager, spec, rollback):
+    _, tokens = run(kernels="triton", spec=spec, draft_tokens=3, rollback=rollback)
+    assert tokens == eager

@@ -1,0 +1,44 @@
+"""Running the Triton kernels on the CPU: the interpreter, and a fix for one of its bugs.
+
+Import this module before anything imports triton: without CUDA it sets TRITON_INTERPRET=1.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def fix_loop_bounds() -> None:
+    """Triton 3.6's interpreter turns a loop bound into an int with int(shape-(1,) array), which numpy >= 2.4
+    rejects (triton-lang/triton#9171); the kernels' loops start and stop at run-time values. Idempotent."""
+    try:
+        int(np.zeros(1))
+        return
+    except TypeError:
+        pass
+    try:
+        import triton.runtime.interpreter as interp
+    except ImportError:
+        return
+    patch = interp._patch_lang_tensor
+    if getattr(patch, "_ninfer_fixed", False):
+        return
+
+    def fixed(tensor, scope):
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    fixed._ninfer_fixed = True
+    interp._patch_lang_tensor = fixed
+
+
+if INTERPRET:
+    fix_loop_bounds()
