@@ -71,6 +71,9 @@ def inspect(artifact, as_json):
         checks = {"header": True, "bounds": True, "bindings": True}  # open() raises when any fails
         digests = art.verify()
         checks["digests"] = all(ok for _, ok, _ in digests)
+        vision_ok, vision_msg = vision_check(art)
+        if vision_ok is not None:
+            checks["vision"] = vision_ok
         if as_json:
             console.print_json(json.dumps({"summary": summary, "checks": checks}, default=str))
             return
@@ -97,11 +100,24 @@ def inspect(artifact, as_json):
         console.print(fmt)
         for name, ok in checks.items():
             console.print(f"  {'[green]pass[/]' if ok else '[red]FAIL[/]'}  {name}")
-        bad = [f"{label}: {msg}" for label, ok, msg in digests if not ok]
+        bad = [f"{label}: {msg}" for label, ok, msg in digests if not ok] + ([vision_msg] if vision_ok is False else [])
         for line in bad[:10]:
             console.print(f"    [red]{line}[/]")
         if bad:
             sys.exit(1)
+
+
+def vision_check(art) -> tuple[bool | None, str]:
+    """(ok, message) of the artifact's vision component: its configs and tensor shapes; (None, "") without one."""
+    from .engine.loader import vision_of
+
+    if not (art.components or {}).get("vision"):
+        return None, ""
+    try:
+        vision_of(art, art.path)
+    except ValueError as e:
+        return False, str(e)
+    return True, "ok"
 
 
 @main.command()
@@ -115,6 +131,10 @@ def verify(artifact):
         with prog:
             results = art.verify(progress=update)
     bad = [(label, msg) for label, ok, msg in results if not ok]
+    with Artifact.open(artifact) as art:
+        vision_ok, vision_msg = vision_check(art)
+    if vision_ok is False:
+        bad.append(("vision component", vision_msg))
     for label, msg in bad:
         err_console.print(f"[red]FAIL[/] {label}: {msg}", highlight=False)
     if bad:
@@ -226,19 +246,27 @@ def logits(artifact, text, ids, out, **options):
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--spec", type=click.Choice(["none", "mtp", "dflash", "dflash2"]), default="none", show_default=True)
 @click.option("--draft-tokens", "-k", type=int, default=None, help="Draft tokens per round (default: MTP 3, DFlash 7).")
+@click.option("--image", "images", multiple=True, type=click.Path(exists=True, dir_okay=False),
+              help="An image placed before the prompt text (repeatable; needs a model with a vision component).")
+@click.option("--video", "videos", multiple=True, type=click.Path(exists=True, dir_okay=False),
+              help="A video before the prompt text: .npy / .npz frames or animated GIF / PNG / WebP (repeatable).")
 @engine_options
 def generate(artifact, prompt, prompt_file, chat, max_new_tokens, temperature, top_p, top_k, seed, stop, spec,
-             draft_tokens, **options):
-    """Generate text from a prompt (default model: the bundled one)."""
+             draft_tokens, images, videos, **options):
+    """Generate text from a prompt, optionally about images and videos (default model: the bundled one)."""
+    from .engine.mrope import placeholder
+
     if (prompt is None) == (prompt_file is None):
         raise UserError("give exactly one of --prompt or --prompt-file")
     text = prompt if prompt is not None else Path(prompt_file).read_text()
     eng = build_engine(artifact, spec=spec, draft_tokens=draft_tokens, **options)
+    items = [eng.load_media("image", p) for p in images] + [eng.load_media("video", p) for p in videos]
+    text = "".join(placeholder(it.kind) for it in items) + text
     if chat:
         text = eng.tokenizer.apply_chat_template([{"role": "user", "content": text}])
-    ids = eng.tokenizer.encode(text)
+    ids, media = eng.media_prompt(eng.tokenizer.encode(text), items)
     res = eng.generate(ids, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                       seed=seed, stop=stop)
+                       seed=seed, stop=stop, media=media)
     console.print(res.text, highlight=False, markup=False)
     n = res.completion_tokens
     tok_s = (n - 1) / res.decode_s if n > 1 and res.decode_s > 0 else float("nan")
@@ -246,6 +274,8 @@ def generate(artifact, prompt, prompt_file, chat, max_new_tokens, temperature, t
     if res.spec.get("rounds"):
         extra = (f", {res.spec['tokens_per_round']:.2f} tokens/round, "
                  f"acceptance {res.spec['acceptance_rate']:.2f}")
+    if res.vision:
+        extra += f"; vision: {res.vision['tokens']} tokens encoded in {res.vision['encode_ms']:.1f} ms"
     err_console.print(f"[dim]{len(ids)} prompt + {n} tokens ({res.finish_reason}); ttft {res.ttft_s * 1e3:.1f} ms, "
                       f"decode {tok_s:.1f} tok/s{extra}[/]", highlight=False)
 
@@ -336,7 +366,12 @@ def fmt(v, spec=".2f"):
 @click.option("--lm-head-draft", type=int, default=0, show_default=True,
               help="Drafters score only the N most frequent tokens (0: the full vocabulary).")
 @click.option("--prompt-file", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="Prompt text [default: the shipped short-code prompt].")
+              help="Prompt text, or a .jsonl prompt set (e.g. suites/data/heldout_prompts.jsonl) "
+                   "[default: the shipped short-code prompt].")
+@click.option("--prompts", "n_prompts", type=int, default=None, help="Use the first N prompts of a .jsonl set.")
+@click.option("--image", "images", multiple=True, type=click.Path(exists=True, dir_okay=False),
+              help="An image before each prompt (repeatable; a model with a vision component): the result reports "
+                   "the vision encode time and merged token count.")
 @click.option("--max-new-tokens", "-n", type=int, default=4096, show_default=True)
 @click.option("--stop-at-eos", is_flag=True, help="Stop at end-of-sequence (default: always generate -n tokens).")
 @click.option("--repeats", type=int, default=3, show_default=True)
@@ -345,14 +380,15 @@ def fmt(v, spec=".2f"):
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write the result document.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of --synthetic weights.")
 @engine_options
-def decode(model, engine, spec, draft_tokens, rollback, lm_head_draft, prompt_file, max_new_tokens, stop_at_eos,
-           repeats, warmup, label, json_path, seed, max_concurrency, kv_capacity, **options):
+def decode(model, engine, spec, draft_tokens, rollback, lm_head_draft, prompt_file, n_prompts, images, max_new_tokens,
+           stop_at_eos, repeats, warmup, label, json_path, seed, max_concurrency, kv_capacity, **options):
     """The short-code decode test: prefill a code prompt, greedy-decode N tokens, measure speed and acceptance."""
     from .suites.common import DEFAULT_PROMPT
     from .suites.decode import DecodeOptions, run_decode
 
     opts = DecodeOptions(model=model, engine=engine, spec=spec, draft_tokens=draft_tokens, rollback=rollback,
-                         lm_head_draft=lm_head_draft, prompt_file=prompt_file or str(DEFAULT_PROMPT),
+                         lm_head_draft=lm_head_draft, prompt_file=prompt_file or str(DEFAULT_PROMPT), prompts=n_prompts,
+                         images=images,
                          max_new_tokens=max_new_tokens, ignore_eos=not stop_at_eos, repeats=repeats, warmup=warmup,
                          label=label, seed=seed, **options)
     prog, update = suite_progress("decode")
@@ -374,6 +410,8 @@ def decode(model, engine, spec, draft_tokens, rollback, lm_head_draft, prompt_fi
             ("roofline fraction", fmt(s["roofline_fraction"], ".3f")),
             ("peak memory", f"{s['peak_memory_bytes'] / 2**20:,.0f} MiB"),
             ("tokens sha256", s["tokens_sha256"][:16] + ("" if s["deterministic"] else " (varies!)"))]
+    if "vision_encode_ms" in s:
+        rows += [("vision encode ms", fmt(s["vision_encode_ms"], ".1f")), ("vision tokens", str(s["vision_tokens"]))]
     for k, v in rows:
         table.add_row(k, v)
     console.print(table)

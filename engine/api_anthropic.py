@@ -10,10 +10,11 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from .backend import Backend, Outcome
+from .mrope import placeholder
 from .server import ApiError, api_error, error_body, new_id, read_json, session_of, sse, validate
 
 STOP_REASON = {"eos": "end_turn", "stop_sequence": "stop_sequence", "length": "max_tokens"}
-NO_MODALITY = {"image": "vision", "document": "document"}
+NO_MODALITY = {"document": "document"}
 
 
 class Message(BaseModel):
@@ -43,28 +44,49 @@ class MessagesRequest(CountRequest):
     ignore_eos: bool | None = None
 
 
-def blocks_text(content, where: str) -> str:
-    """A string, or the text of a list of ``{"type": "text"}`` blocks."""
+def image_block(block: dict, where: str, media: list | None) -> str:
+    """An ``image`` block (base64 source) as a placeholder, its data URI appended to ``media``."""
+    if media is None:
+        raise ApiError(400, f"{where}: this model has no vision component")
+    src = block.get("source")
+    if not isinstance(src, dict) or src.get("type") != "base64":
+        kind = src.get("type") if isinstance(src, dict) else None
+        hint = " (no network: remote images are not fetched)" if kind == "url" else ""
+        raise ApiError(400, f"{where}.source: expected {{'type': 'base64', 'media_type', 'data'}}, got type "
+                            f"{kind!r}{hint}")
+    if not isinstance(src.get("data"), str) or not isinstance(src.get("media_type"), str):
+        raise ApiError(400, f"{where}.source: 'media_type' and 'data' must be strings")
+    media.append(("image", f"data:{src['media_type']};base64,{src['data']}"))
+    return placeholder("image")
+
+
+def blocks_text(content, where: str, media: list | None = None) -> str:
+    """A string, or a list of ``{"type": "text"}`` blocks (joined by newlines) and ``image`` blocks, which become
+    placeholders while ``media`` collects them (None: the model has no vision component)."""
     if isinstance(content, str):
         return content
-    out = []
+    out, after_text = "", False
     for i, block in enumerate(content):
         kind = block.get("type")
         if kind == "text" and isinstance(block.get("text"), str):
-            out.append(block["text"])
+            out += ("\n" if after_text else "") + block["text"]
+            after_text = True
+        elif kind == "image":
+            out, after_text = out + image_block(block, f"{where}[{i}]", media), False
         elif kind in NO_MODALITY:
             raise ApiError(400, f"{where}[{i}]: this model has no {NO_MODALITY[kind]} component")
         else:
-            raise ApiError(400, f"{where}[{i}]: unsupported content block {kind!r} (text blocks only)")
-    return "\n".join(out)
+            raise ApiError(400, f"{where}[{i}]: unsupported content block {kind!r} (text and image blocks)")
+    return out
 
 
-def render(backend: Backend, body: CountRequest) -> str:
-    """The prompt text. A final assistant message is a prefill: the reply continues it."""
+def render(backend: Backend, body: CountRequest, media: list | None = None) -> str:
+    """The prompt text (``media`` collects the images, see :func:`blocks_text`). A final assistant message is a
+    prefill: the reply continues it."""
     if body.tools:
         raise ApiError(400, "tools: tool use is not supported by this server")
-    turns = [{"role": "system", "content": blocks_text(body.system, "system")}] if body.system else []
-    turns += [{"role": m.role, "content": blocks_text(m.content, f"messages.{i}.content")}
+    turns = [{"role": "system", "content": blocks_text(body.system, "system", media)}] if body.system else []
+    turns += [{"role": m.role, "content": blocks_text(m.content, f"messages.{i}.content", media)}
               for i, m in enumerate(body.messages)]
     prefill = turns.pop()["content"] if turns[-1]["role"] == "assistant" else ""
     try:
@@ -83,15 +105,21 @@ def register(app: FastAPI, backend: Backend, max_body: int) -> None:
     async def count_tokens(request: Request):
         body = validate(CountRequest, await read_json(request, max_body))
         backend.check_model(body.model)
-        text = render(backend, body)
-        return {"input_tokens": len(await asyncio.to_thread(backend.engine.tokenizer.encode, text))}
+        media = [] if backend.engine.vision is not None else None
+        text = render(backend, body, media)
+        ids = await asyncio.to_thread(backend.engine.tokenizer.encode, text)
+        if media:
+            ids, _ = await asyncio.to_thread(backend.media_prompt, ids, media)
+        return {"input_tokens": len(ids)}
 
     @app.post("/v1/messages")
     async def messages(request: Request):
         body = validate(MessagesRequest, await read_json(request, max_body))
         backend.check_model(body.model)
+        media = [] if backend.engine.vision is not None else None
+        text = render(backend, body, media)
         gen = await backend.generate(
-            text=render(backend, body), max_tokens=body.max_tokens, session_id=session_of(request, body.session_id),
+            text=text, media=media or (), max_tokens=body.max_tokens, session_id=session_of(request, body.session_id),
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0, seed=body.seed,
             stop=body.stop_sequences, ignore_eos=body.ignore_eos)

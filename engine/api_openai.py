@@ -10,11 +10,13 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from .backend import Backend, Generation, Outcome
+from .mrope import placeholder
 from .server import ApiError, api_error, error_body, new_id, read_json, session_of, sse, validate
 
 FINISH = {"eos": "stop", "stop_sequence": "stop", "length": "length"}
-NO_MODALITY = {"image_url": "vision", "input_image": "vision", "image": "vision", "input_audio": "audio",
-               "audio": "audio", "file": "file input"}
+MEDIA_PARTS = {"image_url": "image", "video_url": "video"}  # {"type": kind, kind: {"url": data URI | path}}
+NO_MODALITY = {"input_image": "vision", "image": "vision", "input_audio": "audio", "audio": "audio",
+               "file": "file input"}
 
 
 class StreamOptions(BaseModel):
@@ -57,25 +59,38 @@ class CompletionRequest(_Generate):
     prompt: str | list[int] | list[str] | list[list[int]]
 
 
-def content_text(content, where: str) -> str:
-    """A message's content as text: a string, or the text of a list of ``{"type": "text"}`` parts."""
+def content_text(content, where: str, media: list | None = None) -> str:
+    """A message's content as text: a string, or a list of ``{"type": "text"}`` parts (joined by newlines) and
+    ``image_url`` / ``video_url`` parts, which become placeholders while ``media`` collects (kind, url); ``media``
+    None: the model has no vision component."""
     if content is None or isinstance(content, str):
         return content or ""
-    out = []
+    out, after_text = "", False
     for i, part in enumerate(content):
         kind = part.get("type")
         if kind == "text" and isinstance(part.get("text"), str):
-            out.append(part["text"])
+            out += ("\n" if after_text else "") + part["text"]
+            after_text = True
+        elif kind in MEDIA_PARTS:
+            if media is None:
+                raise ApiError(400, f"{where}[{i}]: this model has no vision component", param=where)
+            spec = part.get(kind)
+            url = spec.get("url") if isinstance(spec, dict) else spec
+            if not isinstance(url, str) or not url:
+                raise ApiError(400, f"{where}[{i}].{kind}.url: expected a data URI or a local file path", param=where)
+            media.append((MEDIA_PARTS[kind], url))
+            out, after_text = out + placeholder(MEDIA_PARTS[kind]), False
         elif kind in NO_MODALITY:
             raise ApiError(400, f"{where}[{i}]: this model has no {NO_MODALITY[kind]} component", param=where)
         else:
-            raise ApiError(400, f"{where}[{i}]: unsupported content part {kind!r} (text parts only)", param=where)
-    return "\n".join(out)
+            raise ApiError(400, f"{where}[{i}]: unsupported content part {kind!r} (text, image_url, video_url)",
+                           param=where)
+    return out
 
 
-def render_chat(backend: Backend, messages: list[Message]) -> str:
+def render_chat(backend: Backend, messages: list[Message], media: list | None = None) -> str:
     turns = [{"role": "system" if m.role == "developer" else m.role,
-              "content": content_text(m.content, f"messages[{i}].content")} for i, m in enumerate(messages)]
+              "content": content_text(m.content, f"messages[{i}].content", media)} for i, m in enumerate(messages)]
     try:
         return backend.engine.tokenizer.apply_chat_template(turns, add_generation_prompt=True)
     except Exception as e:  # the template's own raise_exception, or a Jinja error on odd input
@@ -145,8 +160,10 @@ def register(app: FastAPI, backend: Backend, max_body: int) -> None:
         body = validate(ChatRequest, await read_json(request, max_body))
         if body.tools:
             raise ApiError(400, "tools: tool calling is not supported by this server", param="tools")
-        text = render_chat(backend, body.messages)
-        gen = await start(request, backend, body, text=text, max_tokens=body.max_completion_tokens or body.max_tokens)
+        media = [] if backend.engine.vision is not None else None
+        text = render_chat(backend, body.messages, media)
+        gen = await start(request, backend, body, text=text, media=media or (),
+                          max_tokens=body.max_completion_tokens or body.max_tokens)
         cid, created = new_id("chatcmpl-"), int(time.time())
         head = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": backend.model_id}
         extra = {"session_id": gen.session_id} if gen.session_id else {}

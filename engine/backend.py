@@ -124,8 +124,8 @@ class Generation:
     """One request handed to the engine thread; its tokens arrive on an asyncio queue."""
 
     def __init__(self, backend: "Backend", ids: list[int], params: SamplingParams, session_id: str | None,
-                 saved: Session | None, prompt_text: str | None):
-        self.backend, self.prompt, self.params = backend, ids, params
+                 saved: Session | None, prompt_text: str | None, media=None):
+        self.backend, self.prompt, self.params, self.media = backend, ids, params, media
         self.session_id, self.saved, self.prompt_text = session_id, saved, prompt_text
         self.stream = TextStream(backend.engine.tokenizer, params.stop, backend.eos)
         self.loop = asyncio.get_running_loop()
@@ -139,8 +139,8 @@ class Generation:
         return eng.import_state(seq, self.saved.state) if self.saved else 0
 
     def _keep(self, eng: Engine, seq) -> None:
-        if self.session_id is None or self.cancelled or self.backend.sessions.capacity == 0:
-            return
+        if self.session_id is None or self.cancelled or self.backend.sessions.capacity == 0 or self.media is not None:
+            return  # (a state with media is not kept: its pad tokens do not say which image they stood for)
         state = eng.export_state(seq)
         # a speculative round that stopped inside its block leaves the cache past the tokens kept, and recurrent
         # state cannot be cut back: such a turn is not retained
@@ -158,7 +158,7 @@ class Generation:
         """Queue the request (CapacityError, QueueFull)."""
         self.req = self.backend.scheduler.submit(
             self.prompt, self.params, on_tokens=lambda r, ids: self._post(ids), on_done=lambda r: self._post(None),
-            prefix=self._prefix, state_hook=self._keep)
+            prefix=self._prefix, state_hook=self._keep, media=self.media)
         self.backend.active.add(self)
 
     def cancel(self) -> None:
@@ -289,19 +289,31 @@ class Backend:
         if name != self.model_id:
             raise ModelNotFound(f"model {name!r} not found: this server serves {self.model_id!r}")
 
+    def media_prompt(self, ids: list[int], media) -> tuple[list[int], object]:
+        """Read and preprocess ``media`` ((kind, source) pairs, in prompt order) and widen their placeholders in
+        ``ids``: (ids, MediaPrompt or None). Any problem with the media is a BadRequest."""
+        try:
+            items = [self.engine.load_media(kind, source) for kind, source in media]
+            return self.engine.media_prompt(ids, items)
+        except ValueError as e:
+            raise BadRequest(str(e), "messages") from None
+
     async def generate(self, *, text: str | None = None, ids: list[int] | None = None, max_tokens: int | None,
-                       session_id: str | None = None, **sampling) -> Generation:
-        """Tokenize (continuing the session's tokens when the text extends them), check the capacities and
-        submit. ``max_tokens`` None: as many as fit. Raises BadRequest, CapacityError, QueueFull."""
+                       session_id: str | None = None, media=(), **sampling) -> Generation:
+        """Tokenize (continuing the session's tokens when the text extends them), read the media, check the
+        capacities and submit. ``max_tokens`` None: as many as fit. Raises BadRequest, CapacityError, QueueFull."""
         if session_id is not None:
             try:
                 check_session_id(session_id)
             except ValueError as e:
                 raise BadRequest(str(e), "session_id") from None
-        saved = self.sessions.get(session_id) if session_id else None
+        saved = self.sessions.get(session_id) if session_id and not media else None
         if ids is None:  # tokenizing a long prompt takes a while: off the event loop
             encode = self.engine.tokenizer.encode
             ids = await asyncio.to_thread(lambda: (saved.prompt_ids(text, encode) if saved else None) or encode(text))
+        mm = None
+        if media:  # decoding and resizing images or frames takes a while too
+            ids, mm = await asyncio.to_thread(self.media_prompt, ids, media)
         vocab = self.engine.config.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
@@ -313,6 +325,6 @@ class Backend:
                                     f"of {self.context_limit} tokens")
         params = sampling_params(max_tokens, **sampling)
         self.engine.check_fits(len(ids), max_tokens)
-        gen = Generation(self, ids, params, session_id, saved, text)
+        gen = Generation(self, ids, params, session_id, saved, text, mm)
         gen.submit()
         return gen

@@ -4,7 +4,7 @@ Policies: ``fp32``, ``bf16``, ``q8``, ``q5``, ``q4`` put every 2-D projection (e
 included) in that format; ``mixed`` follows DESIGN.md: attention projections (and the MTP fc) q5, MLP and
 GDN projections q4, embeddings / lm_head q8, the tiny GDN ``in_proj_b``/``in_proj_a`` (Hv rows each, and
 they set the decay and write strength of the recurrence) bf16. Norm weights, ``A_log``, ``dt_bias`` and conv
-kernels are always fp32.
+kernels are always fp32. A vision tower becomes the ``vision`` component (see :func:`vision_format`).
 """
 
 from __future__ import annotations
@@ -114,6 +114,15 @@ def convert(hf_dir: str | Path, out: str | Path, *, policy: str = "mixed", versi
         raise ValueError(f"format version must be 2 or 3, got {version}")
     ckpt = HFCheckpoint(hf_dir)
     tensors = ckpt.tensors()
+    vision = ckpt.vision()  # the tower of a Qwen3_5ForConditionalGeneration: stored whole, never quantized
+    comps, extra = ({"vision": vision[0]}, {n: (vision_format(t.shape, policy), t) for n, t in vision[1].items()}) \
+        if vision else ({}, {})
     write_model(out, ckpt.config, tensors, policy=policy, blobs=ckpt.blobs(), version=version,
                 model_id=ckpt.hf_config.get("_name_or_path") or Path(hf_dir).name,
-                source=str(Path(hf_dir).resolve()), progress=progress)
+                source=str(Path(hf_dir).resolve()), extra_components=comps, extra_tensors=extra, progress=progress)
+
+
+def vision_format(shape: tuple[int, ...], policy: str) -> str:
+    """Vision tower weights: fp32 under the fp32 policy, else bf16 (1-D biases and norms always fp32); the
+    tower runs once per image, so quantizing it would save little and cost accuracy."""
+    return "fp32" if policy == "fp32" or len(shape) == 1 else "bf16"

@@ -1,7 +1,7 @@
 """Reading Hugging Face checkpoints: config.json, safetensors (single file or sharded index), HF names.
 
 Accepted layouts: ``Qwen3_5ForCausalLM`` (``model.*``, ``lm_head.weight``, ``mtp.*``),
-``Qwen3_5ForConditionalGeneration`` (``model.language_model.*``, ``model.visual.*``), and
+``Qwen3_5ForConditionalGeneration`` (``model.language_model.*``, ``model.visual.*`` read as ``vision.*``), and
 ``Qwen3NextForCausalLM`` whose fused ``in_proj_qkvz`` / ``in_proj_ba`` are split here into the
 Qwen3.5 names (same rows, reordered; see :func:`split_qwen3_next`). Everything is returned under the
 ``Qwen3_5ForCausalLM`` names the rest of the engine uses.
@@ -57,8 +57,11 @@ def safetensor_files(folder: Path) -> list[Path]:
 
 def canonical_name(name: str) -> str | None:
     """The Qwen3_5ForCausalLM name of a checkpoint tensor, or None for tensors we do not use."""
-    if name.startswith("model.visual.") or name.startswith("visual."):
-        return None
+    # the vision tower (Qwen3_5ForConditionalGeneration) is kept for the artifact's vision component
+    if name.startswith("model.visual."):
+        return "vision." + name[len("model.visual."):]
+    if name.startswith("visual."):
+        return "vision." + name[len("visual."):]
     if name.startswith("model.language_model."):
         return "model." + name[len("model.language_model."):]
     if name.startswith("language_model.model."):
@@ -138,6 +141,32 @@ class HFCheckpoint:
                 raise CheckpointError(f"{self.folder}: tensor {n} has shape {tuple(raw[n].shape)}, "
                                       f"the config implies {shapes[n]}")
         return {n: raw[n] for n in needed}
+
+    def vision(self) -> tuple[dict, dict[str, torch.Tensor]] | None:
+        """The ``vision`` component (tower config, preprocessing parameters, tensor names) and its ``vision.*``
+        tensors, checked against the config; None for a checkpoint without a vision tower."""
+        from .media import PreprocessConfig
+        from .vision import VisionConfig, check_shapes, vision_weight_shapes
+
+        try:
+            vcfg = VisionConfig.from_hf(self.hf_config)
+            if vcfg is None or not any(n.startswith("vision.") for n in self.where):
+                return None  # no tower, or a text-only export of a vision model's config
+            pre = PreprocessConfig.from_hf(*(self._json(n) for n in ("preprocessor_config.json",
+                                                                     "video_preprocessor_config.json")))
+            names = list(vision_weight_shapes(vcfg))
+            tensors = {n: self._raw(n) for n in names if n in self.where}
+            check_shapes(vcfg, {n: tuple(t.shape) for n, t in tensors.items()}, str(self.folder))
+        except ValueError as e:
+            raise CheckpointError(f"{self.folder}: {e}") from None
+        return {"config": vcfg.to_dict(), "preprocess": pre.to_dict(), "tensors": names}, tensors
+
+    def _json(self, name: str) -> dict | None:
+        p = self.folder / name
+        try:
+            return json.loads(p.read_text()) if p.is_file() else None
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{p}: not valid JSON ({e})") from None
 
     def blobs(self) -> dict[str, bytes]:
         """Tokenizer and generation files found in the folder, by file name."""

@@ -38,6 +38,7 @@ class LoadedModel:
     info: dict = field(default_factory=dict)  # artifact id, sha, format, preset, quant policy
     drafters: dict[str, tuple[DraftConfig, dict[str, RawWeight]]] = field(default_factory=dict)
     artifact: Artifact | None = None
+    vision: tuple | None = None  # (VisionConfig, PreprocessConfig, {vision.* name: RawWeight}) when the model sees
 
 
 def file_sha256(path: Path, chunk: int = 1 << 24) -> str:
@@ -86,9 +87,29 @@ def load_artifact(path: str | Path) -> LoadedModel:
                 draws[n] = RawWeight(info.format, tuple(info.shape), art.raw(n))
             drafters[kind] = (dcfg, draws)
     meta = art.metadata or {}
+    vision = vision_of(art, path)
     info = {"path": str(Path(path).resolve()), "artifact_id": art.artifact_id, "format_version": art.version,
             "quant_policy": meta.get("quant_policy"), "model_id": meta.get("model_id"), "preset": None}
-    return LoadedModel(cfg, raws, tokenizer_of(art, cfg), info, drafters, art)
+    return LoadedModel(cfg, raws, tokenizer_of(art, cfg), info, drafters, art, vision)
+
+
+def vision_of(art: Artifact, path) -> tuple | None:
+    """The artifact's vision component, its configs validated and its tensors checked against them."""
+    from .media import PreprocessConfig
+    from .vision import VisionConfig, check_shapes
+
+    comp = (art.components or {}).get("vision")
+    if not comp:
+        return None
+    try:
+        vcfg = VisionConfig.from_dict(dict(comp["config"]))
+        pre = PreprocessConfig.from_dict(dict(comp.get("preprocess") or {}))
+        names = list(comp.get("tensors", []))
+        check_shapes(vcfg, {n: art.shape(n) for n in names}, f"{path}: vision component")
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{path}: vision component: {e}") from None
+    raws = {n: RawWeight(art.info(n).format, tuple(art.info(n).shape), art.raw(n)) for n in names}
+    return vcfg, pre, raws
 
 
 def load_source(source: str | None, *, synthetic: bool = False, quant: str = "mixed", seed: int = 0,

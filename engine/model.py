@@ -19,6 +19,7 @@ from ..kernels.norm import gated_rms_norm, rms_norm
 from ..kernels.rope import apply_rope, rope_tables
 from .cache import HybridCache, PendingGDN
 from .config import ModelConfig
+from .mrope import mrope_cos_sin
 from .weights import WeightStore
 
 PREFILL, DECODE, VERIFY = "prefill", "decode", "verify"
@@ -31,6 +32,9 @@ class Step:
     ids ``[B, T]`` token ids; pos ``[B, T]`` absolute positions; slots ``[B]`` cache slots;
     kv_len: how many cached K/V positions attention reads (>= max(pos) + 1);
     mode: prefill | decode | verify; taps: decoder layer indices whose outputs to return.
+    Media (all None for text, which keeps the plain path): embeds ``[N, H]`` replace the token embeddings where
+    embed_mask ``[B, T]`` is set (in order); rope_pos: rotary positions when they differ from the cache positions,
+    ``[B, T]`` (text after media: pos + delta) or ``[3, B, T]`` (mRoPE t, h, w; see engine/mrope.py).
     """
 
     ids: torch.Tensor
@@ -39,6 +43,9 @@ class Step:
     kv_len: int
     mode: str = DECODE
     taps: tuple[int, ...] = ()
+    embeds: torch.Tensor | None = None
+    embed_mask: torch.Tensor | None = None
+    rope_pos: torch.Tensor | None = None
 
 
 class HybridModel:
@@ -56,6 +63,7 @@ class HybridModel:
             from .fastpath import FastPath
 
             self.fast = FastPath(self)
+        self.mrope_axes = None  # [rd] stream per rotary column, set by the engine for models with vision
 
     # ---- pieces ----------------------------------------------------------------------------------
     def _proj(self, prefix: str, fused: str, members: tuple[str, ...], sizes: list[int], x):
@@ -80,12 +88,20 @@ class HybridModel:
                           [hkv * hd, hkv * hd], x)
         q = rms_norm(q, w.vector(f"{p}.self_attn.q_norm.weight"), cfg.rms_norm_eps)
         k = rms_norm(k.view(b, t, hkv, hd), w.vector(f"{p}.self_attn.k_norm.weight"), cfg.rms_norm_eps)
-        cos, sin = self.cos[step.pos], self.sin[step.pos]  # [B, T, rd]
+        cos, sin = self.rope(step)  # [B, T, rd]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         cache.write_kv(key, step.slots, step.pos, k, v.view(b, t, hkv, hd))
         kk, vv = cache.read_kv(key, step.slots, step.kv_len, x.dtype)
         o = attn_k.attention(q, kk, vv, step.pos, self.scale).reshape(b, t, h * hd)
         return w.linear(f"{p}.self_attn.o_proj.weight")(o * torch.sigmoid(gate))
+
+    def rope(self, step: Step) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin ``[B, T, rd]`` at the step's rotary positions."""
+        if step.rope_pos is None:
+            return self.cos[step.pos], self.sin[step.pos]
+        if step.rope_pos.dim() == 2:
+            return self.cos[step.rope_pos], self.sin[step.rope_pos]
+        return mrope_cos_sin(self.cos, self.sin, step.rope_pos, self.mrope_axes)
 
     def gated_deltanet(self, p: str, i: int, x: torch.Tensor, step: Step, cache: HybridCache) -> torch.Tensor:
         cfg, w = self.cfg, self.w
@@ -140,9 +156,12 @@ class HybridModel:
         """Final-normed hidden states ``[B, T, H]`` and the outputs of ``step.taps`` layers."""
         if step.mode == VERIFY:
             cache.begin_verify(step.slots)
-        if self.fast is not None and step.mode != PREFILL:
+        # the fused kernels rotate at the cache position: rows of media requests (rope_pos) run eagerly
+        if self.fast is not None and step.mode != PREFILL and step.rope_pos is None:
             return self.fast.forward(step, cache)
         h = self.w.embed(step.ids)
+        if step.embeds is not None:  # merged vision tokens take their placeholders' rows
+            h = h.masked_scatter(step.embed_mask[..., None], step.embeds.to(h.dtype))
         taps = []
         for i, kind in enumerate(self.cfg.layer_types):
             h = self.layer(f"model.layers.{i}", i, kind, h, step, cache)

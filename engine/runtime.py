@@ -15,11 +15,14 @@ import torch
 from .cache import HybridCache
 from .config import ModelConfig
 from .loader import LoadedModel, load_source
+from .media import MediaCache, MediaInput, MediaLimits, load_media
+from .mrope import MediaPrompt, column_axes, media_prompt
 from . import quant
 from .model import DECODE, PREFILL, VERIFY, HybridModel, Step
 from .options import EngineOptions
 from .sampling import SamplingParams, make_generator, probs, select
 from .spec.accept import accept_greedy, accept_sampling
+from .vision import encode_items
 from .weights import DenseLinear, RawWeight, WeightStore
 
 
@@ -40,6 +43,7 @@ class Sequence:
     finish_reason: str | None = None
     text: str = ""
     stats: dict = field(default_factory=dict)
+    media: MediaPrompt | None = None  # images / videos of the prompt (engine/mrope.py)
 
     @property
     def last(self) -> int:
@@ -59,6 +63,7 @@ class GenerationResult:
     ttft_s: float
     device_decode_ms: float
     spec: dict = field(default_factory=dict)
+    vision: dict = field(default_factory=dict)  # media requests: encode_ms, tokens, items, cached
 
     @property
     def completion_tokens(self) -> int:
@@ -94,6 +99,14 @@ class Engine:
                                  mtp_layers=self.config.mtp_num_hidden_layers if opts.spec == "mtp" else 0,
                                  rollback=opts.rollback)
         self.scratch_slot = opts.max_concurrency
+        self.vision, self.preprocess = None, None  # the vision tower, when the artifact has a vision component
+        if loaded.vision is not None:
+            from .vision import VisionTower
+
+            vcfg, self.preprocess, vraws = loaded.vision
+            self.vision = VisionTower(vcfg, vraws, device=self.device, dtype=self.dtype)
+            self.model.mrope_axes = column_axes(self.config.rotary_dim, vcfg.mrope_section).to(self.device)
+        self.media_cache, self.media_limits = MediaCache(), MediaLimits()
         self.free_slots = list(range(opts.max_concurrency))
         self.drafter = self._make_drafter(opts.spec)
         self.graphs = None
@@ -182,8 +195,10 @@ class Engine:
             raise CapacityError(f"request needs {need} K/V tokens but each of the {opts.max_concurrency} slots "
                                 f"holds {opts.slot_capacity} (--kv-capacity {opts.kv_capacity})")
 
-    def acquire(self, prompt: list[int], params: SamplingParams) -> Sequence:
+    def acquire(self, prompt: list[int], params: SamplingParams, media: MediaPrompt | None = None) -> Sequence:
         self.check_fits(len(prompt), params.max_new_tokens)
+        if media is not None and len(media.mask) != len(prompt):
+            raise ValueError(f"media prompt covers {len(media.mask)} tokens, the prompt has {len(prompt)}")
         bad = [t for t in prompt if not 0 <= t < self.config.vocab_size]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{self.config.vocab_size - 1})")
@@ -192,7 +207,45 @@ class Engine:
         slot = self.free_slots.pop(0)
         self.cache.reset(slot)
         gen = None if params.greedy else make_generator(params.seed, self.device)
-        return Sequence(slot=slot, prompt=list(prompt), params=params, generator=gen)
+        return Sequence(slot=slot, prompt=list(prompt), params=params, generator=gen, media=media)
+
+    # ---- media -------------------------------------------------------------------------------------
+    def load_media(self, kind: str, source) -> MediaInput:
+        """Read and preprocess an image or video (bytes, data URI or path) for this model's vision tower."""
+        if self.vision is None:
+            raise ValueError(f"this model has no vision component: it cannot take {kind} input")
+        return load_media(kind, source, self.preprocess, self.media_limits)
+
+    def media_prompt(self, ids: list[int], items: list[MediaInput]) -> tuple[list[int], MediaPrompt | None]:
+        """``ids`` with one placeholder per item (:func:`mrope.placeholder`) widened to the item's vision tokens,
+        and where those go; (ids, None) without media."""
+        if not items:
+            return list(ids), None
+        if self.vision is None:
+            raise ValueError("this model has no vision component: it cannot take image or video input")
+        if len(items) > self.media_limits.max_items:
+            raise ValueError(f"{len(items)} media inputs exceed the limit of {self.media_limits.max_items}")
+        return media_prompt(ids, items, self.vision.cfg, self.tokenizer.encode)
+
+    def encode_media(self, media: MediaPrompt) -> None:
+        """Run the vision tower over the items not in the media cache; fills ``media.embeds`` and its stats."""
+        if media.embeds is None:
+            media.embeds, media.stats = encode_items(self.vision, self.media_cache, media.items, self.device)
+
+    def _media_rows(self, media: MediaPrompt | None, start: int, end: int) -> dict:
+        """The Step fields of prompt positions ``start:end`` (none for a text prompt)."""
+        if media is None:
+            return {}
+        self.encode_media(media)
+        embeds, mask, rope = media.chunk(start, end)
+        return {"embeds": embeds, "embed_mask": mask.to(self.device), "rope_pos": rope.to(self.device)}
+
+    def rope_shift(self, seqs: list[Sequence], pos: torch.Tensor) -> torch.Tensor | None:
+        """Rotary positions of generated rows ``pos [B, T]``: shifted by each sequence's media delta; None when
+        no sequence has one (the plain path)."""
+        if not any(s.media is not None and s.media.delta for s in seqs):
+            return None
+        return pos + self._ids([s.media.delta if s.media is not None else 0 for s in seqs])[:, None]
 
     # ---- persistent state ----------------------------------------------------------------------------
     def export_state(self, seq: Sequence) -> dict:
@@ -209,6 +262,8 @@ class Engine:
         """Load a state from :meth:`export_state` into ``seq``'s slot when its ids prefix ``seq.prompt``;
         returns how many prompt tokens it covers (0 when it does not fit and nothing was loaded)."""
         ids = state["ids"]
+        if seq.media is not None:  # pad tokens do not say which image they were: never reuse a cached prefix
+            return 0
         if (len(ids) != state["cache"]["length"] or len(ids) >= len(seq.prompt) or seq.prompt[: len(ids)] != ids or state.get("spec") != self.options.spec
                 or state.get("kv_dtype") != self.options.kv_dtype):
             return 0
@@ -224,7 +279,7 @@ class Engine:
 
     @torch.inference_mode()
     def prefill(self, slot: int, ids: list[int], start: int = 0, *, all_logits: bool = False,
-                taps: tuple[int, ...] = ()):
+                taps: tuple[int, ...] = (), media: MediaPrompt | None = None):
         """Run ``ids`` through the model into ``slot`` from position ``start`` in ``--prefill-chunk`` pieces.
 
         Returns (logits of the last position [V] or of every position [T, V], final hidden [T, H] of the
@@ -235,7 +290,9 @@ class Engine:
         for c0 in range(0, len(ids), chunk):
             piece = ids[c0:c0 + chunk]
             pos = torch.arange(start + c0, start + c0 + len(piece), device=self.device)[None]
-            step = Step(self._ids([piece]), pos, slots, kv_len=start + c0 + len(piece), mode=PREFILL, taps=taps)
+            rows = self._media_rows(media, c0, c0 + len(piece))
+            step = Step(self._ids([piece]), pos, slots, kv_len=start + c0 + len(piece), mode=PREFILL, taps=taps,
+                        **rows)
             hidden, tp = self.model.forward(step, self.cache)
             if all_logits:
                 logits.append(self.model.logits(hidden[0]))
@@ -247,11 +304,11 @@ class Engine:
         return torch.cat(logits), torch.cat(hiddens), taps_cat
 
     @torch.inference_mode()
-    def logits(self, ids: list[int]) -> torch.Tensor:
+    def logits(self, ids: list[int], media: MediaPrompt | None = None) -> torch.Tensor:
         """fp32 logits ``[T, V]`` of a full prefill of ``ids`` (no sampling; for validation)."""
         self.check_fits(len(ids), 0)
         self.cache.reset(self.scratch_slot)
-        out, _, _ = self.prefill(self.scratch_slot, list(ids), all_logits=True)
+        out, _, _ = self.prefill(self.scratch_slot, list(ids), all_logits=True, media=media)
         return out.float().cpu()
 
     @torch.inference_mode()
@@ -266,9 +323,10 @@ class Engine:
         start = self._ids([s.length for s in seqs])
         pos = start[:, None] + torch.arange(t, device=self.device)[None]
         slots = self._ids([s.slot for s in seqs])
-        if self.graphs is not None:
+        rope = self.rope_shift(seqs, pos)
+        if self.graphs is not None and rope is None:  # graphs rotate at the cache position: media rows run eagerly
             return self.graphs.forward(mode, ids, pos, slots, taps)
-        step = Step(ids, pos, slots, kv_len=max(s.length for s in seqs) + t, mode=mode, taps=taps)
+        step = Step(ids, pos, slots, kv_len=max(s.length for s in seqs) + t, mode=mode, taps=taps, rope_pos=rope)
         hidden, tap_out = self.model.forward(step, self.cache)
         return hidden, self.model.logits(hidden), tap_out
 
@@ -311,7 +369,7 @@ class Engine:
         taps = self.drafter.taps if self.drafter else ()
         pos = torch.arange(start, start + len(piece), device=self.device)[None]
         step = Step(self._ids([piece]), pos, self._ids([seq.slot]), kv_len=start + len(piece), mode=PREFILL,
-                    taps=taps)
+                    taps=taps, **self._media_rows(seq.media, start, start + len(piece)))
         hidden, tap_out = self.model.forward(step, self.cache)
         seq.length += len(piece)
         final = seq.length == len(seq.prompt)
@@ -417,11 +475,13 @@ class Engine:
             self.free_slots.sort()
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int = 256, temperature: float = 0.0,
-                 top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop=(), **extra) -> GenerationResult:
-        """Generate from ``prompt_ids``; returns tokens, text, timings and speculative statistics."""
+                 top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop=(), media: MediaPrompt | None = None,
+                 **extra) -> GenerationResult:
+        """Generate from ``prompt_ids`` (with ``media`` from :meth:`media_prompt`); returns tokens, text, timings
+        and speculative statistics (the vision encode is part of prefill and TTFT)."""
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                 seed=seed, stop=tuple(stop) if not isinstance(stop, str) else (stop,), **extra)
-        seq = self.acquire(prompt_ids, params)
+        seq = self.acquire(prompt_ids, params, media)
         try:
             return self._run(seq)
         finally:
@@ -448,4 +508,5 @@ class Engine:
         text = seq.text if seq.params.stop and seq.finish_reason == "stop" else self.tokenizer.decode(seq.tokens)
         return GenerationResult(tokens=list(seq.tokens), text=text, finish_reason=seq.finish_reason,
                                 prompt_tokens=len(seq.prompt), prefill_s=t1 - t0, decode_s=t2 - t1,
-                                ttft_s=t1 - t0, device_decode_ms=device_ms, spec=dict(seq.stats))
+                                ttft_s=t1 - t0, device_decode_ms=device_ms, spec=dict(seq.stats),
+                                vision=dict(seq.media.stats) if seq.media is not None else {})

@@ -49,6 +49,7 @@ class Request:
     state_hook: Callable | None = None  # called with (engine, seq) before the slot is released
     prefix: Callable | None = None  # (engine, seq) -> cached prompt tokens loaded into the slot
     admitted_at: float | None = None  # when the request got a slot (queue time = admitted_at - submitted)
+    media: object = None  # the prompt's images / videos (engine.mrope.MediaPrompt), encoded at its first prefill
 
     @property
     def tokens(self) -> list[int]:
@@ -71,13 +72,14 @@ class Scheduler:
 
     # ---- any thread ------------------------------------------------------------------------------
     def submit(self, prompt: list[int], params: SamplingParams, *, on_tokens=None, on_done=None,
-               prefix=None, state_hook=None) -> Request:
+               prefix=None, state_hook=None, media=None) -> Request:
         """Queue a request. Capacity is checked now (CapacityError); a full queue raises QueueFull.
 
         ``prefix``: a callable ``(engine, seq) -> int`` run when the request gets its slot, which may load a
         saved state into the slot and returns how many prompt tokens it already covers (sessions)."""
         self.e.check_fits(len(prompt), params.max_new_tokens)
-        req = Request(next(self._ids), list(prompt), params, on_tokens, on_done, state_hook=state_hook, prefix=prefix)
+        req = Request(next(self._ids), list(prompt), params, on_tokens, on_done, state_hook=state_hook, prefix=prefix,
+                      media=media)
         with self._lock:
             # requests that will find a free slot do not wait: only the excess counts against the bound
             if len(self.waiting) >= self.max_queue + len(self.e.free_slots):
@@ -111,7 +113,7 @@ class Scheduler:
                 continue
             req.admitted_at = time.perf_counter()
             try:
-                req.seq = self.e.acquire(req.prompt, req.params)
+                req.seq = self.e.acquire(req.prompt, req.params, req.media)
                 if req.prefix is not None:
                     req.seq.length = req.prefill_from = req.prefix(self.e, req.seq)
             except (CapacityError, ValueError) as err:

@@ -20,6 +20,11 @@ Sampling: ``temperature``, ``top_p``, ``max_tokens``, ``stop`` (Anthropic ``stop
   ``content_block_delta`` events) carry the ids committed with them.
 - ``ignore_eos: true``: generate exactly ``max_tokens`` tokens (benchmarks with a fixed output length).
 
+Images and videos (models with a vision component): OpenAI ``image_url`` / ``video_url`` content parts whose
+``url`` is a data URI or a local file path, Anthropic ``image`` blocks with a base64 source. Remote URLs are
+refused (no network); media that cannot be decoded, or exceeds the limits (``Engine.media_limits``), is a 400.
+A model without a vision component answers any media with a 400.
+
 Every response (and the final chunk of a stream, Anthropic: ``message_delta``) carries ``timings``:
 ``prompt_n`` (prompt tokens), ``prompt_cached_n`` (of them loaded from the session instead of prefilled),
 ``predicted_n``, ``draft_n`` / ``draft_n_accepted`` (speculative decoding), ``queue_ms``, ``prefill_ms``,

@@ -18,6 +18,7 @@ dtype (vision weights are never quantized).
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass, fields
 
 import torch
@@ -259,3 +260,24 @@ class VisionTower:
         x = self._norm(x, "vision.merger.norm").view(-1, cfg.hidden_size * m * m)  # [N/m^2, m^2 * hidden]
         x = F.gelu(self._lin(x, "vision.merger.linear_fc1"))
         return self._lin(x, "vision.merger.linear_fc2")
+
+
+def encode_items(tower: VisionTower, cache, items, device) -> tuple[torch.Tensor, dict]:
+    """Merged vision tokens of ``items`` (MediaInput) concatenated in order, each item looked up in ``cache`` (a
+    MediaCache) by its SHA-256 first; the rest encoded in one tower call. Returns (embeds, stats)."""
+    outs = [cache.get(it.sha256) for it in items]
+    todo = [i for i, o in enumerate(outs) if o is None]
+    t0 = time.perf_counter()
+    if todo:
+        pixels = torch.cat([items[i].pixels for i in todo])
+        merged = tower.encode(pixels, [items[i].grid for i in todo])
+        sizes = [items[i].tokens(tower.cfg.spatial_merge_size) for i in todo]
+        for i, part in zip(todo, torch.split(merged, sizes)):
+            outs[i] = part = part.clone() if len(todo) > 1 else part  # a cached item holds only its own rows
+            cache.put(items[i].sha256, part)
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+    embeds = torch.cat(outs)
+    stats = {"encode_ms": (time.perf_counter() - t0) * 1e3, "tokens": int(embeds.shape[0]), "items": len(items),
+             "cached": len(items) - len(todo)}
+    return embeds, stats

@@ -29,12 +29,14 @@ first call only compiles, nothing is timed or synchronised, and later calls are 
 CUDA graph. Triton is imported on first use, so this module imports (and the CPU fallback runs) without it.
 
 Where it stands (H200, 27B projection shapes, 20 calls replayed from a CUDA graph over weight copies, % of
-the 4.27 TB/s copy bandwidth; scripts/bench_qlinear.py): gemv T = 1: q4 31-48 %, q5 25-34 %, q8 47-84 %
-(q4 attn q+gate 19.5 us against 45 us bf16 cuBLAS and 24 us torch int4); dot T = 2..16: q4 19-30 %, q5
-10-12 %, q8 28-45 %. Short of the 85 % bar: the gemv spends ~4.3 instructions per weight, so it is bound
-by issue rather than DRAM below ~1 byte per weight; the dot kernel spends ~4.5-5 per weight unpacking
-nibbles one byte at a time into the MMA layout that Triton picks. Closing that needs packed (2 codes per
-32-bit register) conversion written straight into the MMA fragment, i.e. control of register layouts.
+the 4.27 TB/s copy bandwidth; scripts/bench_qlinear.py): gemv T = 1: q4 31-48 % (lm_head 68 %), q5
+25-34 %, q8 47-70 % (lm_head 84 %); q4 attn q+gate 19.5 us against 45 us for bf16 cuBLAS and 24 us for
+torch's int4. dot T = 2..16, measured pipelined (num_stages=2, since found unsafe): q4 18-30 %, q5
+10-12 %, q8 28-38 %; the unpipelined launch used now is not yet timed. Short of the 85 % bar: the gemv
+spends ~4.3 instructions per weight, so below ~1 byte per weight it is bound by instruction issue, not
+DRAM; the dot kernel spends ~4.5-5 per weight unpacking nibbles a byte at a time into the MMA layout that
+Triton picks. Closing that needs packed conversion (2 codes per 32-bit register, as in Marlin) written
+straight into the MMA fragment, i.e. control over register layouts.
 """
 
 from __future__ import annotations

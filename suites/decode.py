@@ -7,6 +7,8 @@ peer (``engine="hf"``), and writes one result document.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -36,6 +38,8 @@ class DecodeOptions:
     rollback: str = "recompute"
     lm_head_draft: int = 0
     prompt_file: str = str(DEFAULT_PROMPT)
+    prompts: int | None = None  # with a .jsonl prompt set: how many of its prompts (default all)
+    images: tuple[str, ...] = ()  # images placed before each prompt (a model with a vision component)
     max_new_tokens: int = 4096
     ignore_eos: bool = True
     repeats: int = 3
@@ -57,6 +61,9 @@ class DecodeOptions:
             raise ValueError(f"prompt file not found: {self.prompt_file}")
         if self.engine == "hf" and self.spec != "none":
             raise ValueError("--engine hf runs plain greedy decoding: use --spec none")
+        self.images = tuple(self.images)
+        if self.images and self.engine != "ours":
+            raise ValueError("--image runs with our engine only: use --engine ours")
 
     def default_label(self) -> str:
         if self.engine == "hf":
@@ -75,26 +82,87 @@ def _spec_summary(rec: dict) -> dict:
     }
 
 
-def run_once(engine, prompt_ids: list[int], opts: DecodeOptions) -> dict:
-    """One measured generation with our engine: a decode record."""
-    res = engine.generate(prompt_ids, max_new_tokens=opts.max_new_tokens, ignore_eos=opts.ignore_eos)
-    n = res.completion_tokens
-    spec = res.spec
-    rounds = spec.get("rounds", max(n - 1, 0))
+def run_once(engine, prompts: list[list[int]], opts: DecodeOptions) -> dict:
+    """One measured pass over the prompt set (usually one prompt): a decode record, summed over prompts.
+
+    Rates are totals over totals (all completion tokens after the first of each prompt / all decode time);
+    ``tokens_sha256`` hashes every prompt's tokens in order."""
+    tot = dict(prompt_tokens=0, completion_tokens=0, prefill_s=0.0, decode_s=0.0, ttft_s=0.0, device_ms=0.0,
+               rounds=0, drafted_tokens=0, accepted_tokens=0, draft_ms=0.0, verify_ms=0.0, target_forwards=0)
+    per_pos, tokens, finish, vision = [], [], [], []
+    for ids in prompts:
+        ids, media = ids if isinstance(ids, tuple) else (ids, None)  # (ids, MediaPrompt) with --image
+        res = engine.generate(ids, max_new_tokens=opts.max_new_tokens, ignore_eos=opts.ignore_eos,
+                              **fresh_media(engine, media))
+        vision += [res.vision] if res.vision else []
+        spec, n = res.spec, res.completion_tokens
+        rounds = spec.get("rounds", max(n - 1, 0))
+        for key, value in (("prompt_tokens", res.prompt_tokens), ("completion_tokens", n),
+                           ("prefill_s", res.prefill_s), ("decode_s", res.decode_s), ("ttft_s", res.ttft_s),
+                           ("device_ms", res.device_decode_ms), ("rounds", rounds),
+                           ("drafted_tokens", spec.get("drafted_tokens", 0)),
+                           ("accepted_tokens", spec.get("accepted_tokens", 0)), ("draft_ms", spec.get("draft_ms", 0.0)),
+                           ("verify_ms", spec.get("verify_ms", 0.0)),
+                           ("target_forwards", spec.get("target_forwards", rounds))):
+            tot[key] += value
+        counts = spec.get("accepted_per_position", [])
+        per_pos = [a + b for a, b in zip(per_pos, counts)] if per_pos else list(counts)
+        tokens += res.tokens
+        finish.append(res.finish_reason)
+    rounds, spec_run = tot["rounds"], opts.spec != "none"
+    decoded = tot["completion_tokens"] - len(prompts)
     return {
-        "prompt_tokens": res.prompt_tokens, "completion_tokens": n,
-        "prefill_s": res.prefill_s, "decode_s": res.decode_s, "ttft_ms": res.ttft_s * 1e3,
-        "prefill_tok_s": res.prompt_tokens / res.prefill_s if res.prefill_s else None,
-        "decode_tok_s": (n - 1) / res.decode_s if n > 1 and res.decode_s else None,
-        "device_ms_per_round": res.device_decode_ms / rounds if rounds else None,
-        "rounds": rounds, "drafted_tokens": spec.get("drafted_tokens", 0),
-        "accepted_tokens": spec.get("accepted_tokens", 0),
-        "accepted_per_position_counts": spec.get("accepted_per_position", []),
-        "draft_ms_per_round": spec.get("draft_ms", 0.0) / rounds if rounds and "draft_ms" in spec else None,
-        "verify_ms_per_round": spec.get("verify_ms", 0.0) / rounds if rounds and "verify_ms" in spec else None,
-        "target_forwards": spec.get("target_forwards", rounds),
-        "tokens_sha256": tokens_sha256(res.tokens), "finish_reason": res.finish_reason,
+        "prompts": len(prompts), "prompt_tokens": tot["prompt_tokens"], "completion_tokens": tot["completion_tokens"],
+        **({"vision_encode_ms": sum(v["encode_ms"] for v in vision),
+            "vision_tokens": sum(v["tokens"] for v in vision)} if vision else {}),
+        "prefill_s": tot["prefill_s"], "decode_s": tot["decode_s"], "ttft_ms": tot["ttft_s"] * 1e3 / len(prompts),
+        "prefill_tok_s": tot["prompt_tokens"] / tot["prefill_s"] if tot["prefill_s"] else None,
+        "decode_tok_s": decoded / tot["decode_s"] if decoded > 0 and tot["decode_s"] else None,
+        "device_ms_per_round": tot["device_ms"] / rounds if rounds else None,
+        "rounds": rounds, "drafted_tokens": tot["drafted_tokens"], "accepted_tokens": tot["accepted_tokens"],
+        "accepted_per_position_counts": per_pos,
+        "draft_ms_per_round": tot["draft_ms"] / rounds if rounds and spec_run else None,
+        "verify_ms_per_round": tot["verify_ms"] / rounds if rounds and spec_run else None,
+        "target_forwards": tot["target_forwards"], "tokens_sha256": tokens_sha256(tokens),
+        "finish_reason": finish[0] if len(set(finish)) == 1 else ",".join(finish),
     }
+
+
+def with_images(engine, prompts: list[list[int]], paths: tuple[str, ...]) -> list[tuple[list[int], object]]:
+    """Each prompt as (ids, MediaPrompt) with the images placed before its text."""
+    from ..engine.mrope import placeholder
+
+    items = [engine.load_media("image", p) for p in paths]
+    head = engine.tokenizer.encode("".join(placeholder("image") for _ in items))
+    return [engine.media_prompt(head + ids, items) for ids in prompts]
+
+
+def fresh_media(engine, media) -> dict:
+    """``generate`` arguments for a prompt's media, emptied of encoder outputs (the media cache too) so every
+    measured generation includes the vision encode."""
+    if media is None:
+        return {}
+    engine.media_cache.clear()
+    return {"media": dataclasses.replace(media, embeds=None, stats={})}
+
+
+def load_prompts(path: str, tokenizer, limit: int | None = None) -> list[list[int]]:
+    """Token ids of the prompt file: one prompt per text file, or one per line of a .jsonl prompt set
+    (``{"text": ...}`` or ``{"ids": [...]}``), the first ``limit`` of them."""
+    p = Path(path)
+    if p.suffix != ".jsonl":
+        return [tokenizer.encode(p.read_text())]
+    out = []
+    for n, line in enumerate(p.read_text().splitlines(), 1):
+        if line.strip():
+            rec = json.loads(line)
+            ids = rec.get("ids") or tokenizer.encode(rec.get("text", ""))
+            if not ids:
+                raise ValueError(f"{path}:{n}: prompt has no 'text' or 'ids'")
+            out.append([int(t) for t in ids])
+    if not out:
+        raise ValueError(f"{path}: no prompts")
+    return out[:limit] if limit else out
 
 
 def summarize(records: list[dict], *, weight_bytes: int | None, copy_bw: float | None, peak: int) -> dict:
@@ -104,6 +172,10 @@ def summarize(records: list[dict], *, weight_bytes: int | None, copy_bw: float |
     summary = {k: median([r[k] for r in records]) for k in timing}
     summary.update({k: last[k] for k in ("prompt_tokens", "completion_tokens", "tokens_sha256", "rounds",
                                          "drafted_tokens", "accepted_tokens")})
+    summary["prompts"] = last.get("prompts", 1)
+    if "vision_encode_ms" in last:  # --image: the vision tower's time per pass, and the merged tokens it made
+        summary["vision_encode_ms"] = median([r["vision_encode_ms"] for r in records])
+        summary["vision_tokens"] = last["vision_tokens"]
     summary.update(_spec_summary(last))
     summary["deterministic"] = len({r["tokens_sha256"] for r in records}) == 1
     summary["peak_memory_bytes"] = peak
@@ -117,6 +189,8 @@ def summarize(records: list[dict], *, weight_bytes: int | None, copy_bw: float |
         summary["achieved_gbps"] = summary["roofline_fraction"] = None
     summary["samples"] = {k: [r[k] for r in records] for k in ("decode_tok_s", "prefill_tok_s", "ttft_ms",
                                                               "device_ms_per_round")}
+    if "vision_encode_ms" in last:
+        summary["samples"]["vision_encode_ms"] = [r["vision_encode_ms"] for r in records]
     return summary
 
 
@@ -136,17 +210,19 @@ def run_decode(opts: DecodeOptions, progress=None) -> dict:
                              lm_head_draft=opts.lm_head_draft)
         opts.draft_tokens = runner.options.draft_tokens
         opts.max_context = runner.options.max_context
-    prompt = runner.tokenizer.encode(Path(opts.prompt_file).read_text())
+    prompts = load_prompts(opts.prompt_file, runner.tokenizer, opts.prompts)
+    if opts.images:
+        prompts = with_images(runner, prompts, opts.images)
     total = opts.warmup + opts.repeats
     warm = DecodeOptions(**{**asdict(opts), "max_new_tokens": min(opts.max_new_tokens, 64)})
     for i in range(opts.warmup):
-        run_once(runner, prompt, warm)
+        run_once(runner, prompts[:1], warm)
         if progress:
             progress(i + 1, total, "warm-up")
     reset_peak_memory(runner.device)
     records = []
     for i in range(opts.repeats):
-        rec = run_once(runner, prompt, opts)
+        rec = run_once(runner, prompts, opts)
         rec["repeat"] = i
         records.append(rec)
         if progress:

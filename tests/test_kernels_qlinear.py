@@ -1,9 +1,9 @@
 """Fused quantized projections: every Triton variant and PackedLinear against the fp32 reference.
 
-On a machine without CUDA the Triton kernels run in Triton's interpreter (TRITON_INTERPRET=1, set here
-before the kernels are first jitted); there bf16 is left to the GPU because the interpreter multiplies
-bf16 dot operands as raw integers and truncates bf16 stores. Without Triton those tests skip and the
-CPU fallback tests still run.
+On a machine without CUDA the Triton kernels run in Triton's interpreter (TRITON_INTERPRET=1, set by
+triton_interp before the kernels are first jitted); there bf16 is left to the GPU: the interpreter
+multiplies bf16 dot operands as raw integers and truncates bf16 stores. Without Triton those tests skip
+and the CPU fallback tests still run.
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ QC = ql.QConfig
 FMTS = quant.QUANT_FORMATS
 DEVICE = "cuda" if CUDA else "cpu"
 
-# Relative RMS error against the fp32 reference, per x dtype. fp32: summation order only. fp16: output rounding (2^-11) and, in the non-exact dot variant, q * scale rounded to fp16. bf16: the same
-# with 8-bit mantissas (~1.6e-3 each); the interpreter truncates bf16 stores (up to 2^-7).
+# Relative RMS error against the fp32 reference, per x dtype. fp32: summation order only. fp16: the
+# output's rounding (2^-11) and the dot kernel's q * scale rounded to fp16. bf16: the same with 8-bit
+# mantissas (~1.6e-3 each); the interpreter truncates bf16 stores (up to 2^-7).
 TOL = {torch.float32: 1e-5, torch.float16: 1.5e-3, torch.bfloat16: 6e-3 if CUDA else 1.2e-2}
 
 

@@ -77,13 +77,13 @@ class MTPDrafter:
         self.head = DraftHead(engine, engine.draft_head_ids())
         self.pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def forward(self, hidden, next_ids, pos, slots, kv_len, mode=DECODE):
+    def forward(self, hidden, next_ids, pos, slots, kv_len, mode=DECODE, rope_pos=None):
         e, w = self.e, self.e.weights
         eps = e.config.rms_norm_eps
         x = torch.cat([rms_norm(w.embed(next_ids), w.vector("mtp.pre_fc_norm_embedding.weight"), eps),
                        rms_norm(hidden, w.vector("mtp.pre_fc_norm_hidden.weight"), eps)], dim=-1)
         x = w.linear("mtp.fc.weight")(x)
-        step = Step(next_ids, pos, slots, kv_len=kv_len, mode=mode)
+        step = Step(next_ids, pos, slots, kv_len=kv_len, mode=mode, rope_pos=rope_pos)  # rope_pos: media requests
         for i in range(e.config.mtp_num_hidden_layers):
             x = e.model.layer(f"mtp.layers.{i}", f"mtp{i}", "full_attention", x, step, e.cache)
         h = rms_norm(x, w.vector("mtp.norm.weight"), eps)
@@ -99,8 +99,9 @@ class MTPDrafter:
         if m == 0:
             return
         pos = torch.arange(start, start + m, device=self.e.device)[None]
+        rope = seq.media.rope_pos[:, None, start:start + m].to(pos.device) if seq.media is not None else None
         h, logits = self.forward(hidden[None, :m], self.e._ids([nxt]), pos, self.e._ids([seq.slot]), start + m,
-                                 PREFILL)
+                                 PREFILL, rope)
         if not final:
             return
         self.pending[seq.slot] = (h[0, -1], logits[0, -1])
@@ -112,7 +113,8 @@ class MTPDrafter:
         nxt = torch.where(i < n_acc[:, None], nxt, bonus[:, None])  # token after each verified position
         pos = old_len[:, None] + i
         slots = self.e._ids([s.slot for s in seqs])
-        h, logits = self.forward(hidden, nxt, pos, slots, int(old_len.max()) + t)
+        h, logits = self.forward(hidden, nxt, pos, slots, int(old_len.max()) + t,
+                                 rope_pos=self.e.rope_shift(seqs, pos))
         sel = n_acc.view(b, 1, 1)
         h0 = h.gather(1, sel.expand(b, 1, h.shape[-1]))[:, 0]
         l0 = logits.gather(1, sel.expand(b, 1, logits.shape[-1]))[:, 0]
@@ -131,7 +133,8 @@ class MTPDrafter:
             qs.append(q)
             if j + 1 < k:
                 pos = (length + j)[:, None]
-                hh, ll = self.forward(h[:, None], tok[:, None], pos, slots, int(length.max()) + j + 1)
+                hh, ll = self.forward(h[:, None], tok[:, None], pos, slots, int(length.max()) + j + 1,
+                                      rope_pos=self.e.rope_shift(seqs, pos))
                 h, logits = hh[:, 0], ll[:, 0]
         return torch.stack(toks, 1), (torch.stack(qs, 1) if qs[0] is not None else None)
 

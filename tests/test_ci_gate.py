@@ -1,0 +1,50 @@
+"""CI gates the default model's deterministic CPU metrics against committed baselines (tests/baselines/)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from ninfer_bench.engine.loader import default_model
+from ninfer_bench.reports.gate import exit_code, gate
+from ninfer_bench.reports.schema import read_result
+from ninfer_bench.suites.ci import DECODE_RUNS, EXACT_DECODE, EXACT_NIAH, baseline_path, decode_options
+from ninfer_bench.suites.decode import run_decode
+from ninfer_bench.suites.niah import NiahOptions, oracle_path, run_niah
+
+
+@pytest.mark.parametrize("name", list(DECODE_RUNS))
+def test_decode_exact_metrics_match_the_baseline(name):
+    base = read_result(baseline_path(name))
+    assert base["model"].get("artifact_id") == _model_id() or base["model"].get("preset") == default_model(), \
+        "baselines were made with another default model: run scripts/update_ci_baselines.py"
+    cand = run_decode(decode_options(name))
+    verdicts = gate(base, cand, EXACT_DECODE)
+    assert exit_code(verdicts) == 0, [v.to_dict() for v in verdicts if v.status != "pass"]
+    # the gate can fail: a changed token hash is caught
+    broken = copy.deepcopy(cand)
+    broken["summary"]["tokens_sha256"] = "0" * 64
+    assert exit_code(gate(base, broken, EXACT_DECODE)) == 1
+
+
+def _model_id():
+    from ninfer_bench.engine.loader import load_source
+
+    return load_source(default_model()).info.get("artifact_id")
+
+
+def test_niah_subset_agrees_with_committed_oracles():
+    opts = NiahOptions(model=None, ctxs=(2048, 8192), depths=(0, 50, 100), device="cpu", kv_dtype="int8")
+    info = {"artifact_id": _model_id(), "preset": default_model()}
+    if not all(oracle_path(info, c).is_file() for c in opts.ctxs):
+        pytest.fail("no committed NIAH oracles for the default model: run `ninfer-bench oracle niah --ctx 2048,8192 "
+                    "--depths 0,50,100`")
+    doc = run_niah(opts)
+    s = doc["summary"]
+    assert s["oracle_cases"] == s["cases"] == 6
+    assert s["oracle_agreement"] == 1.0, s["first_divergence"]
+    same = copy.deepcopy(doc)
+    assert exit_code(gate(doc, same, EXACT_NIAH)) == 0
+    same["summary"]["oracle_agreement"] = 0.5
+    assert exit_code(gate(doc, same, EXACT_NIAH)) == 1
