@@ -1,0 +1,488 @@
+"""Vision input: preprocessing against transformers' processors, the tower and mRoPE against transformers'
+``Qwen3_5ForConditionalGeneration`` on a tiny random checkpoint made here, the media cache and limits, the CLI and
+the HTTP server with images and videos."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from ninfer_bench.engine import media as M
+from ninfer_bench.engine.convert import convert
+from ninfer_bench.engine.model import DECODE
+from ninfer_bench.engine.mrope import column_axes, mrope_cos_sin, placeholder
+from ninfer_bench.engine.runtime import Engine
+from ninfer_bench.engine.sampling import SamplingParams
+
+from tinyhf import TEXT_KW, _perturb
+
+Image = pytest.importorskip("PIL.Image")
+
+ROOT = Path(__file__).resolve().parent.parent
+PARITY_RTOL = 1e-4
+IMG, VID, VS, VE = 290, 291, 292, 293  # token ids inside the tiny vocabulary of 300
+PRE = {"patch_size": 8, "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.48, 0.46, 0.41],
+       "image_std": [0.27, 0.26, 0.28], "size": {"shortest_edge": 16 * 16, "longest_edge": 64 * 64 * 4}}
+VIDEO_PRE = {"size": {"shortest_edge": 16 * 16, "longest_edge": 32 * 32 * 8}, "fps": 2, "min_frames": 4,
+             "max_frames": 16}
+
+
+def rel_rms(a, b) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm())
+
+
+def noise(h, w, c=3, seed=0):
+    return np.random.default_rng(seed).integers(0, 256, (h, w, c), dtype=np.uint8)
+
+
+def png(arr) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def npy(frames, fps=None) -> bytes:
+    buf = io.BytesIO()
+    if fps is None:
+        np.save(buf, frames)
+    else:
+        np.savez(buf, frames=frames, fps=np.float64(fps))
+    return buf.getvalue()
+
+
+def data_uri(data: bytes, mime="image/png") -> str:
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+def write_tokenizer(folder: Path) -> None:
+    """A byte-level tokenizer.json whose specials sit at the ids the tiny config names."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    specials = {"<|endoftext|>": 256, "<|im_start|>": 257, "<|im_end|>": 258, "<|image_pad|>": IMG,
+                "<|video_pad|>": VID, "<|vision_start|>": VS, "<|vision_end|>": VE}
+    tok = Tokenizer(models.BPE(vocab={**vocab, **specials}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(list(specials))
+    (folder / "tokenizer.json").write_text(tok.to_str())
+
+
+@pytest.fixture(scope="module")
+def vl(tmp_path_factory):
+    """(transformers model, artifact path) of a tiny Qwen3_5ForConditionalGeneration: 2 ViT blocks, patch 8, a
+    6 x 6 position table (resampled), 16-dim text rotary split [3, 3, 2] over t, h, w."""
+    import transformers as tf
+
+    folder = tmp_path_factory.mktemp("hf_vl")
+    torch.manual_seed(5)
+    text = {**TEXT_KW, "head_dim": 32, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                           "partial_rotary_factor": 0.5, "mrope_section": [3, 3, 2]}}
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=8,
+                  num_position_embeddings=36)
+    cfg = tf.Qwen3_5Config(text_config=text, vision_config=vision, image_token_id=IMG, video_token_id=VID,
+                           vision_start_token_id=VS, vision_end_token_id=VE)
+    model = tf.Qwen3_5ForConditionalGeneration(cfg)
+    _perturb(model, 5)
+    model.eval()
+    model.save_pretrained(folder)
+    (folder / "preprocessor_config.json").write_text(json.dumps(PRE))
+    (folder / "video_preprocessor_config.json").write_text(json.dumps(VIDEO_PRE))
+    write_tokenizer(folder)
+    art = tmp_path_factory.mktemp("art_vl") / "vl.ninfer"
+    convert(folder, art, policy="fp32")
+    return model, art
+
+
+@pytest.fixture(scope="module")
+def eng(vl):
+    return Engine.load(str(vl[1]), device="cpu", dtype="fp32", kv_dtype="fp32", max_context=1024, prefill_chunk=16)
+
+
+def hf_image_processor():
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    return Qwen2VLImageProcessorPil(patch_size=PRE["patch_size"], merge_size=2, temporal_patch_size=2,
+                                    image_mean=PRE["image_mean"], image_std=PRE["image_std"], size=PRE["size"])
+
+
+# ---- preprocessing ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("h,w,mode", [(45, 71, "RGB"), (100, 37, "RGBA"), (9, 13, "RGB"), (300, 211, "L")],
+                         ids=["odd", "alpha", "tiny-upscaled", "large-downscaled-grey"])
+def test_image_preprocessing_equals_transformers(eng, h, w, mode):
+    arr = noise(h, w, {"RGB": 3, "RGBA": 4, "L": 1}[mode], seed=h)
+    img = Image.fromarray(arr[..., 0] if mode == "L" else arr, mode)
+    buf = io.BytesIO()
+    img.save(buf, "PNG")
+    ours = eng.load_media("image", buf.getvalue())
+    ref = hf_image_processor()(images=[img], return_tensors="pt")
+    assert list(ours.grid) == ref["image_grid_thw"][0].tolist()
+    assert torch.equal(ours.pixels, ref["pixel_values"])  # bit-exact: same resampler, same arithmetic
+
+
+def test_video_preprocessing_equals_transformers_pieces(eng):
+    """transformers' video processor needs torchvision, which this environment lacks. Its pieces are compared
+    one by one: frame sampling, the resize grid, the patch layout and the timestamps are transformers' own
+    functions run here; the resize itself is torch's antialiased uint8 bicubic, which is exactly what torchvision
+    runs for uint8 tensors on the CPU (resize_image: native uint8 path, no float round trip); the normalisation
+    is transformers' fused ``(x - 255 mean) / (255 std)`` in float32. With torchvision present the whole
+    processor is compared too."""
+    import importlib
+
+    # the full module path: the package's lazy attribute is a stand-in that demands torchvision
+    V = importlib.import_module("transformers.models.qwen3_vl.video_processing_qwen3_vl")
+    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+    from transformers.video_utils import VideoMetadata
+
+    frames = np.random.default_rng(1).integers(0, 256, (23, 37, 53, 3), dtype=np.uint8)
+    item = eng.load_media("video", npy(frames, fps=6.0))
+    cfg = eng.preprocess
+    meta = VideoMetadata(total_num_frames=23, fps=6.0)
+    hf_self = SimpleNamespace(fps=cfg.fps, min_frames=cfg.min_frames, max_frames=cfg.max_frames)
+    idx = V.Qwen3VLVideoProcessor.sample_frames(hf_self, meta).tolist()
+    assert idx == M.sample_frames(23, 6.0, cfg)
+    rh, rw = V.smart_resize(len(idx), 37, 53, temporal_factor=2, factor=16, min_pixels=cfg.video_min_pixels,
+                            max_pixels=cfg.video_max_pixels)
+    x = torch.from_numpy(frames[idx]).permute(0, 3, 1, 2).contiguous()
+    x = torch.nn.functional.interpolate(x, size=(rh, rw), mode="bicubic", align_corners=False, antialias=True)
+    mean = torch.tensor(cfg.image_mean) * (1.0 / (1 / 255))
+    std = torch.tensor(cfg.image_std) * (1.0 / (1 / 255))
+    x = (x.float() - mean[:, None, None]) / std[:, None, None]
+    patches, gt, gh, gw = V.Qwen3VLVideoProcessor.patchify(None, x[None], patch_size=8, merge_size=2,
+                                                           temporal_patch_size=2)
+    assert item.grid == (gt, gh, gw)
+    assert torch.equal(item.pixels, patches[0])
+    ts = Qwen3VLProcessor._calculate_timestamps(None, np.array(idx), 6.0, 2)
+    assert item.timestamps == pytest.approx(ts)
+    try:
+        import torchvision  # noqa: F401
+    except ImportError:
+        return
+    proc = V.Qwen3VLVideoProcessor(patch_size=8, size=VIDEO_PRE["size"], image_mean=list(cfg.image_mean),
+                                   image_std=list(cfg.image_std), min_frames=4, max_frames=16)
+    ref = proc(videos=[torch.from_numpy(frames).permute(0, 3, 1, 2)], video_metadata=[meta], return_tensors="pt",
+               cap_pixels_per_frame=False)
+    assert torch.equal(item.pixels, ref["pixel_values_videos"])
+
+
+def test_video_prompt_layout(eng):
+    """Per temporal patch: ``<t seconds><|vision_start|>pads<|vision_end|>`` inside the template's start/end."""
+    frames = noise(40, 24, seed=3)[None].repeat(5, axis=0)
+    item = eng.load_media("video", npy(frames))
+    ids = eng.tokenizer.encode("a" + placeholder("video") + "b")
+    full, mp = eng.media_prompt(ids, [item])
+    gt, gh, gw = item.grid
+    want = eng.tokenizer.encode("a<|vision_start|>")
+    for t in item.timestamps:
+        want += eng.tokenizer.encode(f"<{t:.1f} seconds><|vision_start|>") + [VID] * (gh * gw // 4) + [VE]
+    want += eng.tokenizer.encode("<|vision_end|>b")
+    assert full == want and len(item.timestamps) == gt
+    assert int(mp.mask.sum()) == item.tokens(2)
+
+
+# ---- the tower and mRoPE against transformers ------------------------------------------------------------------
+
+def hf_logits(model, ids, **vis):
+    t = torch.tensor([ids])
+    mm = torch.zeros_like(t, dtype=torch.int32)
+    mm[t == IMG], mm[t == VID] = 1, 2
+    with torch.no_grad():
+        return model(input_ids=t, mm_token_type_ids=mm, **vis).logits[0].float()
+
+
+def hf_inputs(items):
+    """pixel_values / grids for transformers from our preprocessed items (their equality to the processor's is
+    tested above)."""
+    out = {}
+    for kind, key, grid_key in (("image", "pixel_values", "image_grid_thw"),
+                                ("video", "pixel_values_videos", "video_grid_thw")):
+        sel = [it for it in items if it.kind == kind]
+        if sel:
+            out[key] = torch.cat([it.pixels for it in sel])
+            out[grid_key] = torch.tensor([list(it.grid) for it in sel])
+    return out
+
+
+CASES = {
+    "image": lambda e: [e.load_media("image", png(noise(45, 71, seed=7)))],
+    "video": lambda e: [e.load_media("video", npy(np.random.default_rng(2).integers(0, 256, (9, 30, 50, 3),
+                                                                                  dtype=np.uint8), fps=4.0))],
+    "image+video+image": lambda e: [e.load_media("image", png(noise(64, 33, seed=8))),
+                                    e.load_media("video", npy(np.stack([noise(24, 40, seed=s) for s in range(3)]))),
+                                    e.load_media("image", png(noise(17, 90, seed=9)))],
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_logits_equal_transformers(vl, eng, case):
+    """[text, media, text] prefill (chunks of 16 cut through the vision tokens), then 12 greedy decode steps whose
+    rotary positions continue at index + delta, against transformers on the whole sequence."""
+    model, _ = vl
+    items = CASES[case](eng)
+    text = "Look" + "".join(placeholder(it.kind) + f" and {i} " for i, it in enumerate(items)) + "describe it."
+    ids, mp = eng.media_prompt(eng.tokenizer.encode(text), items)
+    assert mp.delta < 0 and int(mp.mask.sum()) == sum(it.tokens(2) for it in items)
+    vis = hf_inputs(items)
+    ref = hf_logits(model, ids, **vis)
+    ours = eng.logits(ids, mp)
+    err = rel_rms(ours, ref)
+    print(f"{case}: prefill logits relative RMS {err:.2e} over {len(ids)} tokens")
+    assert err <= PARITY_RTOL
+
+    seq = eng.acquire(ids, SamplingParams(max_new_tokens=13), mp)
+    eng.start(seq)
+    steps = []
+    for _ in range(12):
+        _, logits = eng.decode_step([seq], torch.tensor([[seq.last]]), DECODE)
+        seq.length += 1
+        steps.append(logits[0, -1])
+        seq.tokens.append(int(logits[0, -1].argmax()))
+    eng.release(seq)
+    full = hf_logits(model, ids + seq.tokens[:-1], **vis)[len(ids):]
+    err = rel_rms(torch.stack(steps), full)
+    print(f"{case}: decode logits relative RMS {err:.2e}")
+    assert err <= PARITY_RTOL
+    assert torch.equal(torch.stack(steps).argmax(-1), full.argmax(-1))
+
+
+def test_tower_equals_transformers_per_item(vl, eng):
+    model, _ = vl
+    items = CASES["image+video+image"](eng)
+    vis = hf_inputs(items)
+    with torch.no_grad():
+        ref = torch.cat(model.model.get_image_features(vis["pixel_values"], vis["image_grid_thw"]).pooler_output)
+    ours = eng.vision.encode(torch.cat([items[0].pixels, items[2].pixels]), [items[0].grid, items[2].grid])
+    assert rel_rms(ours, ref) <= 1e-5
+
+
+def test_equal_streams_are_1d_rope_bit_for_bit(eng):
+    """Text-only positions through the mRoPE gather give the 1-D tables' rows exactly."""
+    m = eng.model
+    pos = torch.arange(40).view(2, 20)
+    cos, sin = mrope_cos_sin(m.cos, m.sin, pos[None].expand(3, -1, -1), m.mrope_axes)
+    assert torch.equal(cos, m.cos[pos]) and torch.equal(sin, m.sin[pos])
+    axes = column_axes(16, (3, 3, 2)).tolist()
+    assert axes[:8] == [0, 1, 2, 0, 1, 2, 0, 1] and axes[8:] == axes[:8]
+
+
+def test_image_changes_the_answer_and_cache_encodes_once(eng):
+    a, b = png(noise(45, 71, seed=11)), png(noise(45, 71, seed=12))
+    ids = eng.tokenizer.encode(placeholder("image") + "what is it?")
+    logits = []
+    for data in (a, b, a):
+        full, mp = eng.media_prompt(ids, [eng.load_media("image", data)])
+        logits.append(eng.logits(full, mp))
+    assert not torch.allclose(logits[0], logits[1])
+    assert torch.equal(logits[0], logits[2])
+    assert mp.stats["cached"] == 1 and eng.media_cache.hits >= 1
+
+
+def test_generate_with_image_reports_vision(eng):
+    full, mp = eng.media_prompt(eng.tokenizer.encode(placeholder("image") + "hi"),
+                                [eng.load_media("image", png(noise(50, 50, seed=4)))])
+    eng.media_cache.clear()
+    res = eng.generate(full, max_new_tokens=5, media=mp, ignore_eos=True)
+    assert res.completion_tokens == 5
+    assert res.vision["tokens"] == int(mp.mask.sum()) and res.vision["encode_ms"] > 0 and res.vision["cached"] == 0
+    text_only = eng.generate(eng.tokenizer.encode("hi"), max_new_tokens=3)
+    assert text_only.vision == {}
+
+
+# ---- bad input -------------------------------------------------------------------------------------------------
+
+def test_bad_media_is_a_clear_error(eng, tmp_path):
+    cases = [
+        ("image", "https://example.com/cat.png", "no network"),
+        ("image", "data:image/png;base64,@@@", "not valid base64"),
+        ("image", "data:image/png,abc", "malformed data URI"),
+        ("image", b"not an image at all", "cannot decode"),
+        ("image", png(noise(8, 8))[:40], "cannot decode"),
+        ("image", str(tmp_path / "missing.png"), "not found"),
+        ("video", b"GIF89a-but-not-really", "cannot decode the video"),
+        ("video", npy(np.zeros((3, 8, 8), np.uint8)), "uint8 [frames, height, width, 3]"),
+        ("audio", b"x", "image' or 'video'"),
+    ]
+    for kind, src, message in cases:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            eng.load_media(kind, src)
+    limits, eng.media_limits = eng.media_limits, M.MediaLimits(max_bytes=1000, max_pixels=100 * 100, max_items=2)
+    try:
+        with pytest.raises(ValueError, match="exceeds the limit of 10,000"):
+            eng.load_media("image", png(np.zeros((101, 100, 3), np.uint8)))
+        with pytest.raises(ValueError, match="exceeds the limit of 1,000 bytes"):
+            eng.load_media("image", png(noise(40, 40)))
+        item = eng.load_media("image", png(np.zeros((30, 30, 3), np.uint8)))
+        with pytest.raises(ValueError, match="3 media inputs exceed the limit of 2"):
+            eng.media_prompt(eng.tokenizer.encode(placeholder("image") * 3), [item] * 3)
+    finally:
+        eng.media_limits = limits
+    with pytest.raises(ValueError, match="1 media placeholder"):
+        eng.media_prompt(eng.tokenizer.encode(placeholder("image")), [item, item])
+
+
+def test_model_without_vision_refuses_media(tiny_artifact):
+    plain = Engine.load(str(tiny_artifact), device="cpu", kv_dtype="fp32", max_context=128)
+    with pytest.raises(ValueError, match="no vision component"):
+        plain.load_media("image", png(noise(20, 20)))
+
+
+def test_artifact_vision_component_is_checked(vl, tmp_path):
+    from ninfer_bench.engine.artifact import Artifact, write_artifact
+    from ninfer_bench.engine.loader import load_artifact
+
+    _, art = vl
+    with Artifact.open(art) as a:
+        comp = a.components["vision"]
+        assert comp["config"]["depth"] == 2 and comp["preprocess"]["patch_size"] == 8
+        assert all(a.info(n).format == "fp32" for n in comp["tensors"])
+        tensors = {n: ("fp32", a.tensor(n)) for n in a.names()}
+        components = dict(a.components)
+    bad = tmp_path / "bad.ninfer"
+    components["vision"] = {**components["vision"], "config": {**components["vision"]["config"], "hidden_size": 48,
+                                                               "num_heads": 3}}
+    write_artifact(bad, tensors=tensors, components=components)
+    with pytest.raises(ValueError, match="vision tensor vision.patch_embed.proj.weight has shape"):
+        load_artifact(bad)
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "nb.py"), "verify", str(bad)], capture_output=True,
+                         text=True, env={**os.environ, "NO_COLOR": "1"})
+    assert out.returncode == 1 and "vision component" in out.stderr
+
+
+def test_vision_weights_are_never_quantized():
+    from ninfer_bench.engine.convert import vision_format
+
+    assert vision_format((32, 32), "q4") == "bf16" and vision_format((32,), "mixed") == "fp32"
+    assert vision_format((32, 32), "fp32") == "fp32"
+
+
+# ---- CLI and server ----------------------------------------------------------------------------------------------
+
+def cli(*args, timeout=300):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "NO_COLOR": "1"}
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / "nb.py"), *args], capture_output=True, text=True,
+                          env=env, timeout=timeout)
+
+
+def test_cli_generate_and_decode_with_image(vl, tmp_path):
+    _, art = vl
+    (tmp_path / "cat.png").write_bytes(png(noise(45, 71, seed=21)))
+    np.save(tmp_path / "clip.npy", np.random.default_rng(3).integers(0, 256, (6, 30, 40, 3), dtype=np.uint8))
+    out = cli("generate", str(art), "-p", "Describe.", "--image", str(tmp_path / "cat.png"), "--video",
+              str(tmp_path / "clip.npy"), "-n", "4", "--device", "cpu", "--chat")
+    assert out.returncode == 0, out.stderr
+    assert re.search(r"vision: \d+ tokens encoded in", out.stderr)
+    doc = tmp_path / "decode.json"
+    out = cli("decode", "--model", str(art), "--image", str(tmp_path / "cat.png"), "-n", "4", "--repeats", "2",
+              "--warmup", "0", "--device", "cpu", "--json", str(doc))
+    assert out.returncode == 0, out.stderr
+    s = json.loads(doc.read_text())["summary"]
+    assert s["vision_tokens"] == 12 and s["vision_encode_ms"] > 0
+    assert len(s["samples"]["vision_encode_ms"]) == 2
+
+
+class VisionServer:
+    def __init__(self, art, log: Path):
+        import httpx
+
+        self.httpx = httpx
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "NO_COLOR": "1"}
+        cmd = [sys.executable, str(ROOT / "scripts" / "nb.py"), "serve", str(art), "--port", "0", "--device", "cpu",
+               "--max-context", "2048"]
+        self.log = log
+        with open(log, "w") as f:
+            self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+        deadline = time.time() + 180
+        while not (found := re.search(r"ready: (http://\S+)", log.read_text())):
+            if self.proc.poll() is not None or time.time() > deadline:
+                self.stop()
+                pytest.fail(f"server did not start:\n{log.read_text()}")
+            time.sleep(0.1)
+        self.url = found.group(1)
+        self.model = httpx.get(f"{self.url}/v1/models").json()["data"][0]["id"]
+
+    def post(self, path, body):
+        return self.httpx.post(f"{self.url}{path}", json=body, timeout=120)
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def test_server_openai_and_anthropic_with_media(vl, eng, tmp_path):
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    _, art = vl
+    server = VisionServer(art, tmp_path / "server.log")
+    try:
+        image = png(noise(45, 71, seed=31))
+        n_vis = eng.load_media("image", image).tokens(2)
+        chat = lambda parts, **kw: server.post("/v1/chat/completions", {  # noqa: E731
+            "model": server.model, "max_tokens": 4, "temperature": 0,
+            "messages": [{"role": "user", "content": parts}], **kw})
+        ok = chat([{"type": "text", "text": "What is this?"},
+                   {"type": "image_url", "image_url": {"url": data_uri(image)}}], return_token_ids=True)
+        assert ok.status_code == 200, ok.text
+        body = ok.json()
+        assert body["prompt_token_ids"].count(IMG) == n_vis
+        assert body["usage"]["completion_tokens"] == 4
+        path = tmp_path / "cat.png"
+        path.write_bytes(image)
+        again = chat([{"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": str(path)}}],
+                     return_token_ids=True)
+        assert again.status_code == 200 and again.json()["choices"][0]["token_ids"] == body["choices"][0]["token_ids"]
+        video = chat([{"type": "video_url", "video_url": {"url": data_uri(npy(np.stack([noise(24, 40, seed=s)
+                                                                                         for s in range(4)])),
+                                                                          "application/octet-stream")}},
+                      {"type": "text", "text": "and this?"}])
+        assert video.status_code == 200, video.text
+
+        msg = {"model": server.model, "max_tokens": 4, "temperature": 0, "return_token_ids": True,
+               "messages": [{"role": "user", "content": [
+                   {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                                "data": base64.b64encode(image).decode()}},
+                   {"type": "text", "text": "What is this?"}]}]}
+        r = server.post("/v1/messages", msg)
+        assert r.status_code == 200, r.text
+        assert r.json()["prompt_token_ids"].count(IMG) == n_vis and len(r.json()["token_ids"]) == 4
+        count = server.post("/v1/messages/count_tokens", {k: msg[k] for k in ("model", "messages")})
+        assert count.json()["input_tokens"] == len(r.json()["prompt_token_ids"])
+
+        big = io.BytesIO()  # 9000 x 9000 grey: ~80 KB of PNG, 81 M pixels > the 67 M limit
+        Image.new("L", (9000, 9000)).save(big, "PNG")
+        bad = [
+            (chat([{"type": "image_url", "image_url": {"url": "data:image/png;base64,!!!"}}]), "base64"),
+            (chat([{"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]), "no network"),
+            (chat([{"type": "image_url", "image_url": {"url": data_uri(b"garbage")}}]), "cannot decode"),
+            (chat([{"type": "image_url", "image_url": {"url": data_uri(big.getvalue())}}]), "exceeds the limit"),
+            (chat([{"type": "image_url", "image_url": {}}]), "data URI or a local file path"),
+            (server.post("/v1/messages", {**msg, "messages": [{"role": "user", "content": [
+                {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}}]}]}), "no network"),
+        ]
+        for resp, text in bad:
+            assert resp.status_code == 400, resp.text
+            err = resp.json()["error"]
+            assert text in err["message"], err
+        after = chat([{"type": "text", "text": "still there?"}])
+        assert after.status_code == 200
+        assert server.httpx.get(f"{server.url}/health").json()["status"] == "ok"
+    finally:
+        server.stop()
