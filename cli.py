@@ -148,13 +148,15 @@ def verify(artifact):
 @click.option("--quant", type=click.Choice(["fp32", "bf16", "q8", "q5", "q4", "mixed"]), default="mixed",
               show_default=True, help="Quantization policy.")
 @click.option("--format-version", type=click.Choice(["2", "3"]), default="3", show_default=True)
-def convert(hf_dir, out, quant, format_version):
-    """Convert a Hugging Face Qwen3.5 / Qwen3-Next folder into an artifact."""
+@click.option("--drafter", "drafters", multiple=True, type=click.Path(file_okay=False, exists=True),
+              help="A z-lab style DFlash / DFlash2 drafter folder to add as a component (repeatable).")
+def convert(hf_dir, out, quant, format_version, drafters):
+    """Convert a Hugging Face Qwen3.5 / Qwen3-Next folder (and drafter folders) into an artifact."""
     from .engine.convert import convert as do_convert
 
     prog, update = byte_progress("writing")
     with prog:
-        do_convert(hf_dir, out, policy=quant, version=int(format_version), progress=update)
+        do_convert(hf_dir, out, policy=quant, version=int(format_version), progress=update, drafters=drafters)
     console.print(f"[green]wrote[/] {out} ({Path(out).stat().st_size:,} bytes, quant {quant}, v{format_version})")
 
 

@@ -104,8 +104,27 @@ def write_model(out: str | Path, cfg: ModelConfig, tensors: dict[str, torch.Tens
     )
 
 
-def convert(hf_dir: str | Path, out: str | Path, *, policy: str = "mixed", version: int = 3, progress=None) -> None:
-    """Convert a Hugging Face folder (Qwen3.5 / Qwen3-Next) into an artifact."""
+def drafter_components(folders, policy: str) -> tuple[dict, dict]:
+    """(components, tensors) for z-lab style drafter folders: projections bf16 (fp32 under the fp32 policy),
+    small vectors fp32 (drafters are small next to the target, and their precision sets acceptance)."""
+    from .spec.zlab import read_zlab_drafter
+
+    comps, tensors = {}, {}
+    for folder in folders or ():
+        dcfg, ts = read_zlab_drafter(folder)
+        if dcfg.kind in comps:
+            raise ValueError(f"two {dcfg.kind} drafters given ({folder})")
+        comps[dcfg.kind] = {"config": dcfg.to_dict(), "tensors": sorted(ts)}
+        for name, t in ts.items():
+            fmt = "fp32" if policy == "fp32" or t.dim() != 2 else "bf16"
+            tensors[name] = (fmt, t)
+    return comps, tensors
+
+
+def convert(hf_dir: str | Path, out: str | Path, *, policy: str = "mixed", version: int = 3, progress=None,
+            drafters=()) -> None:
+    """Convert a Hugging Face folder (Qwen3.5 / Qwen3-Next) into an artifact, with optional z-lab style drafter
+    folders (DFlash / DFlash2) added as components."""
     from .hf import HFCheckpoint
 
     if policy not in POLICIES:
@@ -117,6 +136,15 @@ def convert(hf_dir: str | Path, out: str | Path, *, policy: str = "mixed", versi
     vision = ckpt.vision()  # the tower of a Qwen3_5ForConditionalGeneration: stored whole, never quantized
     comps, extra = ({"vision": vision[0]}, {n: (vision_format(t.shape, policy), t) for n, t in vision[1].items()}) \
         if vision else ({}, {})
+    dcomps, dtensors = drafter_components(drafters, policy)
+    for kind, comp in dcomps.items():
+        cfg = comp["config"]
+        if cfg["hidden_size"] != ckpt.config.hidden_size or max(cfg["target_layer_ids"]) >= \
+                ckpt.config.num_hidden_layers or cfg["mask_token_id"] >= ckpt.config.vocab_size:
+            raise ValueError(f"{kind} drafter does not fit this model (hidden {cfg['hidden_size']}, taps "
+                             f"{cfg['target_layer_ids']}, mask token {cfg['mask_token_id']})")
+    comps.update(dcomps)
+    extra.update(dtensors)
     write_model(out, ckpt.config, tensors, policy=policy, blobs=ckpt.blobs(), version=version,
                 model_id=ckpt.hf_config.get("_name_or_path") or Path(hf_dir).name,
                 source=str(Path(hf_dir).resolve()), extra_components=comps, extra_tensors=extra, progress=progress)

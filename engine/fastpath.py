@@ -84,7 +84,7 @@ class FastPath:
     def attention(self, p: str, key, x, step, cache: HybridCache):
         cfg, m, w = self.cfg, self.m, self.w
         b, t, _ = x.shape
-        h, hkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        h, hd = cfg.num_attention_heads, cfg.head_dim
         qg = w.linear(f"{p}.self_attn.q_proj.weight")(x).view(b, t, h, 2 * hd)
         name = f"{p}.self_attn.kv_proj.weight"
         kv = w.linear(name)(x) if name in w.linears else torch.cat(

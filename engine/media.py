@@ -96,15 +96,15 @@ class PreprocessConfig:
         for key in ("patch_size", "temporal_patch_size", "merge_size", "image_mean", "image_std"):
             if key in image:
                 out[key] = image[key]
-        size = image.get("size") or {}
-        out["min_pixels"] = size.get("shortest_edge", image.get("min_pixels", cls.min_pixels))
-        out["max_pixels"] = size.get("longest_edge", image.get("max_pixels", cls.max_pixels))
-        vsize = video.get("size") or {}
-        out["video_min_pixels"] = vsize.get("shortest_edge", video.get("min_pixels", cls.video_min_pixels))
-        out["video_max_pixels"] = vsize.get("longest_edge", video.get("max_pixels", cls.video_max_pixels))
-        for key in ("fps", "min_frames", "max_frames"):
-            if video.get(key) is not None:
-                out[key] = video[key]
+        size, vsize = image.get("size") or {}, video.get("size") or {}
+        for key, value in (("min_pixels", size.get("shortest_edge", image.get("min_pixels"))),
+                           ("max_pixels", size.get("longest_edge", image.get("max_pixels"))),
+                           ("video_min_pixels", vsize.get("shortest_edge", video.get("min_pixels"))),
+                           ("video_max_pixels", vsize.get("longest_edge", video.get("max_pixels"))),
+                           ("fps", video.get("fps")), ("min_frames", video.get("min_frames")),
+                           ("max_frames", video.get("max_frames"))):
+            if value is not None:
+                out[key] = value
         return cls(**out)
 
 
@@ -267,7 +267,8 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
             scale = max(factor / height, factor / width)
             height, width = int(height * scale), int(width * scale)
     if max(height, width) / min(height, width) > 200:
-        raise ValueError(f"absolute aspect ratio must be smaller than 200, got {max(height, width) / min(height, width)}")
+        raise ValueError(f"absolute aspect ratio must be smaller than 200, got "
+                         f"{max(height, width) / min(height, width)}")
     h_bar, w_bar = round(height / factor) * factor, round(width / factor) * factor
     t_bar = round(frames / temporal) * temporal if temporal > 1 else 1
     if t_bar * h_bar * w_bar > max_pixels:
@@ -309,7 +310,8 @@ def image_patches(img: np.ndarray, cfg: PreprocessConfig) -> tuple[torch.Tensor,
     else:
         x = _resize_torch(torch.from_numpy(np.ascontiguousarray(img.transpose(2, 0, 1)))[None], (h, w))[0].numpy()
     x = (x.astype(np.float64) * (1 / 255)).astype(np.float32)  # transformers' rescale: float64, then float32
-    x = (x - np.asarray(cfg.image_mean, np.float32)[:, None, None]) / np.asarray(cfg.image_std, np.float32)[:, None, None]
+    mean, std = (np.asarray(v, np.float32)[:, None, None] for v in (cfg.image_mean, cfg.image_std))
+    x = (x - mean) / std
     frames = torch.from_numpy(np.ascontiguousarray(x))[None].expand(cfg.temporal_patch_size, -1, -1, -1)
     return patchify(frames, cfg)
 

@@ -23,7 +23,7 @@ from .options import EngineOptions
 from .sampling import SamplingParams, make_generator, probs, select
 from .spec.accept import accept_greedy, accept_sampling
 from .vision import encode_items
-from .weights import DenseLinear, RawWeight, WeightStore
+from .weights import RawWeight, WeightStore
 
 
 class CapacityError(ValueError):

@@ -169,9 +169,9 @@ def block_order(h: int, w: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
     return rows.permute(0, 2, 1, 3).reshape(-1), cols.permute(0, 2, 1, 3).reshape(-1)
 
 
-def _bilinear_axis(n: int, side: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _bilinear_axis(n: int, side: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """align_corners sampling of ``n`` points from a ``side``-long axis: (low index, high index, high weight)."""
-    src = torch.arange(n, dtype=torch.float32) * (side - 1) / max(n - 1, 1)
+    src = torch.arange(n, dtype=torch.float32, device=device) * (side - 1) / max(n - 1, 1)
     lo = src.floor().long().clamp(0, side - 1)
     return lo, (lo + 1).clamp(max=side - 1), src - lo
 
@@ -198,18 +198,18 @@ class VisionTower:
     def positions(self, grids: list[tuple[int, int, int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Per patch, in the order of ``grids``: the resampled absolute embedding ``[N, hidden]`` and rotary
         cos, sin ``[N, head_dim]`` (fp32)."""
-        cfg, side, m = self.cfg, self.cfg.grid_side, self.cfg.spatial_merge_size
+        side, m = self.cfg.grid_side, self.cfg.spatial_merge_size
         table = self.w["vision.pos_embed.weight"].view(side, side, -1)
         embeds, angles = [], []
         for t, h, w in grids:
-            r0, r1, fr = _bilinear_axis(h, side)
-            c0, c1, fc = _bilinear_axis(w, side)
-            fr, fc = fr.to(self.device)[:, None, None], fc.to(self.device)[None, :, None]
+            r0, r1, fr = _bilinear_axis(h, side, self.device)
+            c0, c1, fc = _bilinear_axis(w, side, self.device)
+            fr, fc = fr[:, None, None], fc[None, :, None]
             grid = ((1 - fr) * (1 - fc) * table[r0][:, c0] + (1 - fr) * fc * table[r0][:, c1]
                     + fr * (1 - fc) * table[r1][:, c0] + fr * fc * table[r1][:, c1])  # [h, w, hidden] fp32 weights
-            rows, cols = block_order(h, w, m)
+            rows, cols = (x.to(self.device) for x in block_order(h, w, m))
             embeds.append(grid[rows, cols].repeat(t, 1))
-            rc = torch.stack([rows, cols], dim=-1).to(self.device).float()  # [h*w, 2]
+            rc = torch.stack([rows, cols], dim=-1).float()  # [h*w, 2]
             ang = (rc[:, :, None] * self.inv_freq).reshape(h * w, -1)  # [h*w, head_dim/2]: row angles, col angles
             angles.append(ang.repeat(t, 1))
         emb = torch.cat(angles)

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import _triton
 from ..engine.cache import KV_GROUP, dequantize_kv
 from .attention import attention_ref
 
@@ -44,18 +45,8 @@ MIN_BLOCKS_PER_SPLIT = 4  # shorter chunks spend more on partial writes and the 
 COMBINE_COLS, COMBINE_SPLITS = 64, 32  # combine tile [splits, columns] when the rows alone are too few programs
 
 
-@functools.lru_cache(maxsize=1)
-def _triton_import_error() -> str | None:
-    try:
-        import triton  # noqa: F401
-    except Exception as exc:  # ImportError, or triton failing to initialise
-        return f"{type(exc).__name__}: {exc}"
-    return None
-
-
-def triton_available() -> bool:
-    """True when triton imports (the kernels then run on CUDA tensors, or on CPU under TRITON_INTERPRET=1)."""
-    return _triton_import_error() is None
+_triton_import_error = _triton.import_error
+triton_available = _triton.available
 
 
 @dataclass(frozen=True, slots=True)
@@ -383,13 +374,6 @@ def _attn_combine(OP, LSE, QPOS, O, stride_pb, stride_pt, stride_ob, stride_ot, 
 @functools.lru_cache(maxsize=1)
 def _kernels() -> dict:
     """Jit the kernels (first call only). `_attn_split` finds `_load_tile` and `tl` as module globals."""
-    global tl, _load_tile
-    import triton
-    import triton.language
-
-    tl = triton.language
-    _load_tile = triton.jit(_load_tile)
-    dtypes = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-    split = triton.jit(_attn_split)
-    return {"split": split, "combine": triton.jit(_attn_combine), "dtypes": dtypes,
-            "interpreted": not isinstance(split, triton.runtime.JITFunction)}
+    out = _triton.jit_module(globals(), ("_load_tile",), {"split": "_attn_split", "combine": "_attn_combine"})
+    out["dtypes"] = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+    return out

@@ -22,6 +22,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from . import _triton
 from ..engine.cache import KV_GROUP, quantize_kv
 from .norm import rms_norm_ref as _rms_norm_ref
 from .rope import apply_rope_ref
@@ -33,18 +34,8 @@ MAX_ROW = 16384  # longest row the norm kernels hold in registers
 ELEM_BLOCK = 1024  # columns per program of the elementwise kernels
 
 
-@functools.lru_cache(maxsize=1)
-def _triton_import_error() -> str | None:
-    try:
-        import triton  # noqa: F401
-    except Exception as exc:  # ImportError, or triton failing to initialise
-        return f"{type(exc).__name__}: {exc}"
-    return None
-
-
-def triton_available() -> bool:
-    """True when triton imports (the kernels then run on CUDA tensors, or on CPU under TRITON_INTERPRET=1)."""
-    return _triton_import_error() is None
+_triton_import_error = _triton.import_error
+triton_available = _triton.available
 
 
 def _pow2(n: int) -> int:
@@ -391,14 +382,6 @@ def _prologue_kernel(QG, KV, QW, KW, COS, SIN, KC, VC, KS, VS, SLOTS, POS, Q, GA
 @functools.lru_cache(maxsize=1)
 def _kernels() -> dict:
     """Jit the kernels (first call only); the prologue finds its helpers and `tl` as module globals."""
-    global tl, _norm_rope, _round_half_even, _store_kv
-    import triton
-    import triton.language
-
-    tl = triton.language
-    _norm_rope = triton.jit(_norm_rope)
-    _round_half_even = triton.jit(_round_half_even)
-    _store_kv = triton.jit(_store_kv)
-    norm = triton.jit(_norm_kernel)
-    return {"norm": norm, "silu_mul": triton.jit(_silu_mul_kernel), "sigmoid_mul": triton.jit(_sigmoid_mul_kernel),
-            "prologue": triton.jit(_prologue_kernel), "interpreted": not isinstance(norm, triton.runtime.JITFunction)}
+    return _triton.jit_module(globals(), ("_norm_rope", "_round_half_even", "_store_kv"),
+                              {"norm": "_norm_kernel", "silu_mul": "_silu_mul_kernel",
+                               "sigmoid_mul": "_sigmoid_mul_kernel", "prologue": "_prologue_kernel"})

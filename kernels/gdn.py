@@ -18,13 +18,14 @@ Implementations, all with the same argument order:
 
 from __future__ import annotations
 
-import functools
 import inspect
 import math
 import warnings
 
 import torch
 import torch.nn.functional as F
+
+from . import _triton
 
 __all__ = [
     "l2norm",
@@ -57,13 +58,8 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return (xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-@functools.lru_cache(maxsize=1)
 def _fla_import_error() -> str | None:
-    try:
-        import fla.ops.gated_delta_rule  # noqa: F401
-    except Exception as exc:  # ImportError, or triton failing to initialise
-        return f"{type(exc).__name__}: {exc}"
-    return None
+    return _triton.import_error("fla.ops.gated_delta_rule")
 
 
 def fla_available() -> bool:

@@ -48,6 +48,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from . import _triton
 from .conv import causal_conv1d_ref
 from .gdn import STEP_MAX_T, gated_delta_rule_ref, l2norm
 from .norm import gated_rms_norm_ref
@@ -58,18 +59,8 @@ MAX_T = STEP_MAX_T  # tokens per call: every token's q/k/v tiles stay in registe
 L2_EPS = 1e-6  # l2norm's eps (kernels/gdn.py)
 
 
-@functools.lru_cache(maxsize=1)
-def _triton_import_error() -> str | None:
-    try:
-        import triton  # noqa: F401
-    except Exception as exc:  # ImportError, or triton failing to initialise
-        return f"{type(exc).__name__}: {exc}"
-    return None
-
-
-def triton_available() -> bool:
-    """True when triton imports (the kernels then run on CUDA tensors, or on CPU under TRITON_INTERPRET=1)."""
-    return _triton_import_error() is None
+_triton_import_error = _triton.import_error
+triton_available = _triton.available
 
 
 @dataclass(frozen=True, slots=True)
@@ -454,14 +445,5 @@ def _gated_norm_kernel(O, Z, NW, Y, stride_ob, stride_ot, stride_zb, stride_zt, 
 @functools.lru_cache(maxsize=1)
 def _kernels() -> dict:
     """Jit the kernels (first call only). The kernels find their helpers and `tl` as module globals."""
-    global tl, _conv_tile, _window, _gates
-    import triton
-    import triton.language
-
-    tl = triton.language
-    _conv_tile = triton.jit(_conv_tile)
-    _window = triton.jit(_window)
-    _gates = triton.jit(_gates)
-    prep = triton.jit(_prep_kernel)
-    return {"prep": prep, "recur": triton.jit(_recur_kernel), "norm": triton.jit(_gated_norm_kernel),
-            "interpreted": not isinstance(prep, triton.runtime.JITFunction)}
+    return _triton.jit_module(globals(), ("_conv_tile", "_window", "_gates"),
+                              {"prep": "_prep_kernel", "recur": "_recur_kernel", "norm": "_gated_norm_kernel"})

@@ -47,6 +47,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from . import _triton
 from ..engine import quant
 
 __all__ = ["qlinear_ref", "qlinear_triton", "qlinear_dequant", "PackedLinear", "QConfig", "choose_config",
@@ -315,25 +316,16 @@ _HELPERS = ("_word_codes", "_load_in_layout", "_codes_as", "_step_weights", "_ep
 @functools.cache
 def _kernels():
     """Import Triton and jit the kernels (once); raises ImportError when Triton is missing."""
-    global triton, tl
-    import triton as _triton
-    import triton.language as _tl
+    global triton
+    import triton as _triton_pkg
 
-    triton, tl = _triton, _tl
-    g = globals()
-    # Helpers are rebound to their jitted versions: kernels look them up by name here when they compile.
-    for name in _HELPERS + ("_gemv_kernel", "_dot_kernel", "_dequant_kernel"):
-        g[name] = triton.jit(g[name])
-    return g["_gemv_kernel"], g["_dot_kernel"], g["_dequant_kernel"]
+    triton = _triton_pkg
+    k = _triton.jit_module(globals(), _HELPERS, {"gemv": "_gemv_kernel", "dot": "_dot_kernel",
+                                                 "dequant": "_dequant_kernel"})
+    return k["gemv"], k["dot"], k["dequant"]
 
 
-def triton_available() -> bool:
-    """Whether Triton imports here (on a CPU it then runs only under TRITON_INTERPRET=1)."""
-    try:
-        _kernels()
-    except ImportError:
-        return False
-    return True
+triton_available = _triton.available
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -27,6 +27,8 @@ import _bootstrap  # noqa: E402
 
 _bootstrap.ensure_package()
 
+from _benchlib import copy_bandwidth, graph_us  # noqa: E402
+
 import torch  # noqa: E402
 
 from ninfer_bench.engine.cache import dequantize_kv, quantize_kv  # noqa: E402
@@ -42,21 +44,8 @@ KV_DTYPES = ("int8", "bf16")
 RTOL_BF16 = 1e-2  # relative RMS vs the fp32 reference with bf16 q (q, dequantized K/V and p rounded to bf16)
 ROTATE_BYTES = 512 * 2**20  # graph replays rotate over this many cache bytes, several times the H200's L2
 MAX_COPIES = 16
-GRAPH_REPLAYS = 20
 TIME_BUDGET_S = 150  # the sweep stops starting new cases past this
 SEED = 0
-
-
-def copy_bandwidth() -> float:
-    """Device copy bandwidth, bytes read + written per second (2 GiB buffer, as in shared/anchors)."""
-    from triton.testing import do_bench
-
-    x = torch.empty(2 * 1024**3, dtype=torch.uint8, device=DEVICE)
-    y = torch.empty_like(x)
-    ms = do_bench(lambda: y.copy_(x), warmup=25, rep=200, return_mode="median")
-    del x, y
-    torch.cuda.empty_cache()
-    return 2 * 2 * 1024**3 / (ms * 1e-3)
 
 
 class Case:
@@ -112,32 +101,6 @@ def check(case: Case, t: int) -> float:
     err = ((out - ref).norm() / ref.norm()).item()
     del ref
     return err if torch.isfinite(out).all() else float("nan")
-
-
-def graph_us(fns) -> float:
-    """Median us per call over replays of one CUDA graph that makes every call in `fns` once."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for f in fns:
-            f()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(GRAPH_REPLAYS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(fns))
-    del graph
-    return sorted(times)[len(times) // 2]
 
 
 def measure(case: Case, t: int, bw: float, config=None) -> dict:

@@ -57,48 +57,9 @@ SWEEP = ((128, 8), (64, 4), (64, 2), (32, 1), (16, 2), (8, 1))
 TOL = {"out": 1e-2, "ssm": 1e-4, "states_out": 1e-4}  # rel RMS vs fp32 reference (bf16 output rounding)
 TOL_GLUE = 1e-2
 ROTATE_BYTES = 256 * 2**20  # graph replays rotate over this much GDN state, five times the H200's L2
-GRAPH_REPLAYS = 20
 GRAPH_CALLS = 20  # a single-call case is captured this many times, so the graph's launch cost is spread out
 SEED = 0
 STATE_BYTES = HV * DK * DV * 4  # 3 MB per slot and layer
-
-
-def copy_bandwidth() -> float:
-    """Device copy bandwidth, bytes read + written per second (2 GiB buffer)."""
-    from triton.testing import do_bench
-
-    x = torch.empty(2 * 1024**3, dtype=torch.uint8, device=DEVICE)
-    y = torch.empty_like(x)
-    ms = do_bench(lambda: y.copy_(x), warmup=25, rep=200, return_mode="median")
-    del x, y
-    torch.cuda.empty_cache()
-    return 2 * 2 * 1024**3 / (ms * 1e-3)
-
-
-def graph_us(fns) -> float:
-    """Median us per call over replays of one CUDA graph that makes every call in `fns` once."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for f in fns:
-            f()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(GRAPH_REPLAYS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(fns))
-    del graph
-    return sorted(times)[len(times) // 2]
 
 
 def timings(fns, nbytes: int, bw: float) -> dict:

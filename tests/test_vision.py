@@ -302,6 +302,44 @@ def test_generate_with_image_reports_vision(eng):
     assert text_only.vision == {}
 
 
+def tiny_with_vision(spec: str) -> Engine:
+    """The ``tiny`` preset (MTP head, DFlash drafters) given a seeded random vision tower."""
+    from ninfer_bench.engine.loader import load_source
+    from ninfer_bench.engine.options import EngineOptions
+    from ninfer_bench.engine.vision import VisionConfig, vision_weight_shapes
+    from ninfer_bench.engine.weights import RawWeight
+
+    vcfg = VisionConfig(depth=1, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=96, patch_size=8,
+                        num_position_embeddings=16, image_token_id=300, video_token_id=301,
+                        vision_start_token_id=302, vision_end_token_id=303)
+    g = torch.Generator().manual_seed(0)
+    raws = {n: RawWeight("fp32", shape, (0.3 * torch.randn(shape, generator=g)).reshape(-1).view(torch.uint8))
+            for n, shape in vision_weight_shapes(vcfg).items()}
+    loaded = load_source("tiny")
+    loaded.vision = (vcfg, M.PreprocessConfig(patch_size=8, min_pixels=256), raws)
+    return Engine(loaded, EngineOptions(device="cpu", kv_dtype="fp32", spec=spec, max_context=512, prefill_chunk=32))
+
+
+def test_speculative_greedy_with_media_equals_plain():
+    """Verify rounds (and the MTP head) rotate generated rows at index + delta: MTP, DFlash2 and a drafter rigged
+    to agree for a random prefix all give plain greedy's tokens for a prompt with an image."""
+    from spec_rigs import RiggedDrafter, random_prefix
+
+    image = png(noise(40, 56, seed=13))
+    outs = {}
+    for spec in ("none", "mtp", "dflash2", "rigged"):
+        e = tiny_with_vision("mtp" if spec == "rigged" else spec)
+        ids, mp = e.media_prompt([72, 105, 302, 300, 303, 32, 119, 104, 97, 116, 63], [e.load_media("image", image)])
+        assert mp.delta < 0
+        if spec == "rigged":
+            e.drafter = RiggedDrafter(e, outs["none"], random_prefix(3, seed=1), e.config.vocab_size)
+        res = e.generate(ids, max_new_tokens=24, media=mp, ignore_eos=True)
+        outs[spec] = res.tokens
+        if spec == "rigged":
+            assert res.spec["accepted_tokens"] > 0
+    assert outs["mtp"] == outs["none"] and outs["dflash2"] == outs["none"] and outs["rigged"] == outs["none"]
+
+
 # ---- bad input -------------------------------------------------------------------------------------------------
 
 def test_bad_media_is_a_clear_error(eng, tmp_path):
@@ -446,8 +484,8 @@ def test_server_openai_and_anthropic_with_media(vl, eng, tmp_path):
         assert body["usage"]["completion_tokens"] == 4
         path = tmp_path / "cat.png"
         path.write_bytes(image)
-        again = chat([{"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": str(path)}}],
-                     return_token_ids=True)
+        again = chat([{"type": "text", "text": "What is this?"},
+                      {"type": "image_url", "image_url": {"url": str(path)}}], return_token_ids=True)
         assert again.status_code == 200 and again.json()["choices"][0]["token_ids"] == body["choices"][0]["token_ids"]
         video = chat([{"type": "video_url", "video_url": {"url": data_uri(npy(np.stack([noise(24, 40, seed=s)
                                                                                          for s in range(4)])),

@@ -23,15 +23,22 @@ from .dflash import BlockDrafter
 
 class DraftHead:
     """The head drafters score: the full ``lm_head`` or, with ``--lm-head-draft N``, its rows for the N most
-    frequent tokens (ids remapped back after selection)."""
+    frequent tokens (ids remapped back after selection). ``scale`` / ``softcap`` reshape a drafter's logits when
+    it was trained that way (z-lab's ``output_multiplier`` / ``final_logit_softcapping``)."""
 
-    def __init__(self, engine, ids: torch.Tensor | None):
+    def __init__(self, engine, ids: torch.Tensor | None, scale: float = 1.0, softcap: float = 0.0):
         self.e = engine
         self.ids = ids
+        self.scale, self.softcap = float(scale), float(softcap)
         self.linear = engine.weights.linear("lm_head.weight") if ids is None else engine.draft_head_linear(ids)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.linear(h).float()
+        x = self.linear(h).float()
+        if self.scale != 1.0:
+            x = x * self.scale
+        if self.softcap > 0:
+            x = torch.tanh(x / self.softcap) * self.softcap
+        return x
 
     def to_vocab(self, idx: torch.Tensor) -> torch.Tensor:
         return idx if self.ids is None else self.ids[idx]
@@ -170,7 +177,8 @@ class BlockDraftRunner:
         state = {n.split(".", 1)[1]: r.dense(torch.float32) for n, r in raws.items()}
         self.net.load_state_dict(state, strict=True)
         self.net.to(device=engine.device, dtype=engine.dtype).eval()
-        self.head = DraftHead(engine, engine.draft_head_ids())
+        self.head = DraftHead(engine, engine.draft_head_ids(), cfg.extra.get("logit_scale", 1.0),
+                              cfg.extra.get("logit_softcap", 0.0))
         ring = cfg.kind == "dflash2" and cfg.window > 0
         self.window = cfg.window if ring else 0
         self.cap = cfg.window if ring else engine.capacity
