@@ -1,0 +1,100 @@
+"""The bound Engine on CPU: runtimes, chunk sizes, KV formats, capacities, sampling, the decode document."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ninfer_bench.engine.runtime import CapacityError, Engine
+from ninfer_bench.reports.schema import REQUIRED_SUMMARY, validate
+from ninfer_bench.suites.decode import DecodeOptions, run_decode
+
+PROMPT = list(range(5, 150))
+INT8_KV_RTOL = 2e-2  # relative RMS of logits, int8 K/V (one fp16 scale per 64 values) vs bf16 K/V
+
+
+def engine(**kw):
+    kw = {"device": "cpu", "max_context": 512, **kw}
+    return Engine.load("tiny", **kw)
+
+
+def test_greedy_identical_across_runtimes_and_chunk_sizes():
+    ref = engine(runtime="v3", prefill_chunk=512, kv_dtype="bf16").generate(PROMPT, max_new_tokens=48).tokens
+    for kw in (dict(runtime="v2"), dict(prefill_chunk=16), dict(prefill_chunk=33, runtime="v2")):
+        assert engine(kv_dtype="bf16", **kw).generate(PROMPT, max_new_tokens=48).tokens == ref, kw
+
+
+def test_int8_kv_logits_close_to_bf16_kv():
+    ids = PROMPT * 2
+    a = engine(kv_dtype="bf16").logits(ids)
+    b = engine(kv_dtype="int8").logits(ids)
+    assert float((a - b).norm() / a.norm()) <= INT8_KV_RTOL
+    assert float((a - b).norm() / a.norm()) > 0  # int8 really changes something
+
+
+def test_capacity_refusals_before_any_work():
+    eng = engine(max_context=200, max_concurrency=2, kv_capacity=300)
+    with pytest.raises(CapacityError, match="max-context"):
+        eng.generate(PROMPT, max_new_tokens=100)  # 145 + 100 > 200
+    with pytest.raises(CapacityError, match="slots holds 150"):
+        eng.generate(PROMPT, max_new_tokens=10)  # 155 > 300 / 2
+    with pytest.raises(CapacityError, match="empty prompt"):
+        eng.generate([], max_new_tokens=10)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        eng.generate([1, 2, 100_000], max_new_tokens=4)
+    assert eng.free_slots == [0, 1]
+    a, b = (eng.acquire([1, 2, 3], eng_params()) for _ in range(2))
+    with pytest.raises(CapacityError, match="no free capacity"):
+        eng.acquire([1, 2, 3], eng_params())
+    eng.release(a)
+    eng.release(b)
+
+
+def eng_params():
+    from ninfer_bench.engine.sampling import SamplingParams
+
+    return SamplingParams(max_new_tokens=4)
+
+
+def test_bad_options_fail_with_a_message():
+    with pytest.raises(ValueError, match="kv dtype"):
+        engine(kv_dtype="int4")
+    with pytest.raises(ValueError, match="draft-tokens"):
+        engine(spec="mtp", draft_tokens=0)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        engine(max_context=10**7)
+
+
+def test_sampling_is_seeded_stops_and_respects_top_k():
+    eng = engine()
+    a = eng.generate(PROMPT, max_new_tokens=30, temperature=1.0, top_k=5, seed=3).tokens
+    assert a == eng.generate(PROMPT, max_new_tokens=30, temperature=1.0, top_k=5, seed=3).tokens
+    assert a != eng.generate(PROMPT, max_new_tokens=30, temperature=1.0, top_k=5, seed=4).tokens
+    greedy = eng.generate(PROMPT, max_new_tokens=30)
+    stop_text = eng.tokenizer.decode(greedy.tokens[5:7])
+    res = eng.generate(PROMPT, max_new_tokens=30, stop=[stop_text])
+    assert res.finish_reason == "stop" and stop_text not in res.text and len(res.tokens) <= 7
+    eos = eng.tokenizer.eos_ids[0]
+    res = eng.generate(PROMPT, max_new_tokens=30, stop_token_ids=(greedy.tokens[3],))
+    assert res.tokens == greedy.tokens[:4] and res.finish_reason == "stop"
+    assert eos in eng.tokenizer.eos_ids
+
+
+def test_top_p_keeps_the_nucleus_only():
+    from ninfer_bench.engine.sampling import SamplingParams, probs
+
+    logits = torch.tensor([4.0, 3.0, 0.0, -1.0, -2.0])
+    p = probs(logits, SamplingParams(temperature=1.0, top_p=0.8))
+    assert p[2:].sum() == 0 and abs(float(p.sum()) - 1) < 1e-6
+
+
+def test_decode_document_has_every_required_key(tmp_path):
+    doc = run_decode(DecodeOptions(model="tiny", device="cpu", max_new_tokens=16, repeats=2, warmup=0,
+                                   spec="dflash2", draft_tokens=3))
+    validate(doc)
+    s = doc["summary"]
+    for key in REQUIRED_SUMMARY["decode"] + ("weight_bytes_per_step", "copy_bandwidth_gbps", "roofline_fraction",
+                                             "draft_ms_per_round", "verify_ms_per_round"):
+        assert key in s, key
+    assert len(doc["records"]) == 2 and s["deterministic"]
+    assert s["drafted_tokens"] == 3 * s["rounds"]
