@@ -292,6 +292,9 @@ class Backend:
     def media_prompt(self, ids: list[int], media) -> tuple[list[int], object]:
         """Read and preprocess ``media`` ((kind, source) pairs, in prompt order) and widen their placeholders in
         ``ids``: (ids, MediaPrompt or None). Any problem with the media is a BadRequest."""
+        limit = self.engine.media_limits.max_items
+        if len(media) > limit:  # before any decoding
+            raise BadRequest(f"{len(media)} media inputs exceed the limit of {limit} per request", "messages")
         try:
             items = [self.engine.load_media(kind, source) for kind, source in media]
             return self.engine.media_prompt(ids, items)

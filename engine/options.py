@@ -11,6 +11,15 @@ DEFAULT_DRAFT = {"none": 0, "mtp": 3, "dflash": 7, "dflash2": 7}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def apply_cpu_threads(hidden_size: int, requested: int | None = None) -> None:
+    """Set torch's intra-op threads for CPU work on a model of ``hidden_size``: ``requested``, or 1 for small
+    models, whose matmuls are too small to split (extra OpenMP threads only wait on each other, and stall badly
+    when another process shares the cores). Both engines of a comparison use this rule."""
+    threads = requested or (1 if hidden_size <= 1024 else None)
+    if threads:
+        torch.set_num_threads(threads)
+
+
 @dataclass(slots=True)
 class EngineOptions:
     """What an Engine is bound to. ``kv_capacity`` is the total number of K/V tokens, split evenly over
@@ -32,6 +41,7 @@ class EngineOptions:
     cuda_graphs: bool = True
     gdn_impl: str = "auto"
     kernels: str = "auto"  # decode/verify kernels: auto (fused Triton for v3 on CUDA), torch, or triton
+    cpu_threads: int | None = None  # torch intra-op threads on a CPU; None: 1 for small models, else torch's
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -67,6 +77,8 @@ class EngineOptions:
             raise ValueError(f"rollback must be recompute or snapshot, got {self.rollback!r}")
         if not isinstance(self.lm_head_draft, int) or self.lm_head_draft < 0:
             raise ValueError(f"lm-head-draft must be a non-negative integer, got {self.lm_head_draft!r}")
+        if self.cpu_threads is not None and (not isinstance(self.cpu_threads, int) or self.cpu_threads < 1):
+            raise ValueError(f"cpu-threads must be a positive integer, got {self.cpu_threads!r}")
         if self.kernels not in ("auto", "torch", "triton"):
             raise ValueError(f"kernels must be auto, torch or triton, got {self.kernels!r}")
         if self.kernels == "triton" and self.runtime == "v2":

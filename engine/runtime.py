@@ -19,7 +19,7 @@ from .media import MediaCache, MediaInput, MediaLimits, load_media
 from .mrope import MediaPrompt, column_axes, media_prompt
 from . import quant
 from .model import DECODE, PREFILL, VERIFY, HybridModel, Step
-from .options import EngineOptions
+from .options import EngineOptions, apply_cpu_threads
 from .sampling import SamplingParams, make_generator, probs, select
 from .spec.accept import accept_greedy, accept_sampling
 from .vision import encode_items
@@ -85,6 +85,8 @@ class Engine:
         self.tokenizer = loaded.tokenizer
         self.device, self.dtype = opts.torch_device, opts.torch_dtype
         opts.bind(self.config.max_position_embeddings)
+        if self.device.type == "cpu":
+            apply_cpu_threads(self.config.hidden_size, opts.cpu_threads)
         self.weights = WeightStore(loaded.raws, device=self.device, dtype=self.dtype, runtime=opts.runtime,
                                    tied_embeddings=self.config.tie_word_embeddings)
         # spec verification writes up to K + 1 positions past a sequence's length: room for them per slot

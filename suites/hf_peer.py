@@ -12,6 +12,7 @@ import time
 import torch
 
 from ..engine.loader import load_source
+from ..engine.options import apply_cpu_threads
 from ..engine.runtime import GenerationResult
 from ..engine.weights import text_weight_names
 
@@ -40,6 +41,8 @@ class HFPeer:
                  "bf16": torch.bfloat16, "fp16": torch.float16}[opts.dtype]
         loaded = load_source(opts.model, synthetic=opts.synthetic, quant=opts.quant, seed=opts.seed, device=device)
         cfg = loaded.config
+        if device.type == "cpu":
+            apply_cpu_threads(cfg.hidden_size)  # the same thread rule as our engine, for a fair comparison
         hf_cfg = transformers.Qwen3_5TextConfig(**{k: v for k, v in cfg.to_hf().items() if k != "architectures"})
         previous = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
