@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import re
 import subprocess
 import sys
 import time
@@ -22,53 +20,20 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 from ninfer_bench.engine.loader import default_model  # noqa: E402
+from serveproc import ROOT, ServeProcess  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
 MODEL = default_model()
 CONTEXT = 4096
 PROMPTS = [f"Write a function number {i} that adds {i} to a list." + " Be brief." * (i % 3) for i in range(8)]
 
 
-class Server:
-    """A ``serve`` subprocess; ``url`` once it printed its ready line."""
+class Server(ServeProcess):
+    """A ``serve`` subprocess of the default model, with the official clients pointed at it."""
 
     def __init__(self, log: Path, *args: str):
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "NO_COLOR": "1"}
-        cmd = [sys.executable, str(ROOT / "scripts" / "nb.py"), "serve", MODEL, "--port", "0", "--device", "cpu",
-               "--max-context", str(CONTEXT), *args]
-        self.log = log
-        with open(log, "w") as f:
-            self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
-        deadline = time.time() + 180
-        while True:
-            found = re.search(r"ready: (http://\S+)", log.read_text())
-            if found:
-                self.url = found.group(1)
-                break
-            if self.proc.poll() is not None or time.time() > deadline:
-                self.stop()
-                pytest.fail(f"server did not start:\n{log.read_text()}")
-            time.sleep(0.1)
-        self.model = httpx.get(f"{self.url}/v1/models").json()["data"][0]["id"]
+        super().__init__(MODEL, log, *args, max_context=CONTEXT)
         self.openai = openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0, timeout=120)
         self.anthropic = anthropic.Anthropic(base_url=self.url, api_key="none", max_retries=0, timeout=120)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-    def post(self, path: str, body, **kw) -> httpx.Response:
-        data = body if isinstance(body, (bytes, str)) else json.dumps(body)
-        return httpx.post(f"{self.url}{path}", content=data, headers={"content-type": "application/json"},
-                          timeout=120, **kw)
-
-    def health(self) -> dict:
-        return httpx.get(f"{self.url}/health").json()
 
     def wait_idle(self, timeout: float = 10.0) -> dict:
         deadline = time.time() + timeout

@@ -11,7 +11,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -26,6 +25,7 @@ from ninfer_bench.engine.mrope import column_axes, mrope_cos_sin, placeholder
 from ninfer_bench.engine.runtime import Engine
 from ninfer_bench.engine.sampling import SamplingParams
 
+from serveproc import ServeProcess
 from tinyhf import TEXT_KW, _perturb
 
 Image = pytest.importorskip("PIL.Image")
@@ -432,44 +432,11 @@ def test_cli_generate_and_decode_with_image(vl, tmp_path):
     assert len(s["samples"]["vision_encode_ms"]) == 2
 
 
-class VisionServer:
-    def __init__(self, art, log: Path):
-        import httpx
-
-        self.httpx = httpx
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "NO_COLOR": "1"}
-        cmd = [sys.executable, str(ROOT / "scripts" / "nb.py"), "serve", str(art), "--port", "0", "--device", "cpu",
-               "--max-context", "2048"]
-        self.log = log
-        with open(log, "w") as f:
-            self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
-        deadline = time.time() + 180
-        while not (found := re.search(r"ready: (http://\S+)", log.read_text())):
-            if self.proc.poll() is not None or time.time() > deadline:
-                self.stop()
-                pytest.fail(f"server did not start:\n{log.read_text()}")
-            time.sleep(0.1)
-        self.url = found.group(1)
-        self.model = httpx.get(f"{self.url}/v1/models").json()["data"][0]["id"]
-
-    def post(self, path, body):
-        return self.httpx.post(f"{self.url}{path}", json=body, timeout=120)
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
 def test_server_openai_and_anthropic_with_media(vl, eng, tmp_path):
     pytest.importorskip("fastapi")
     pytest.importorskip("uvicorn")
     _, art = vl
-    server = VisionServer(art, tmp_path / "server.log")
+    server = ServeProcess(art, tmp_path / "server.log", max_context=2048)
     try:
         image = png(noise(45, 71, seed=31))
         n_vis = eng.load_media("image", image).tokens(2)
@@ -521,6 +488,6 @@ def test_server_openai_and_anthropic_with_media(vl, eng, tmp_path):
             assert text in err["message"], err
         after = chat([{"type": "text", "text": "still there?"}])
         assert after.status_code == 200
-        assert server.httpx.get(f"{server.url}/health").json()["status"] == "ok"
+        assert server.health()["status"] == "ok"
     finally:
         server.stop()
