@@ -464,6 +464,9 @@ def gate(baseline, candidate, rules, as_json):
 @click.option("--url", default=None, help="Run against an OpenAI-compatible server (streaming /v1/completions).")
 @click.option("--served-model", default=None, help="Model name to send to --url [default: its first model].")
 @click.option("--model", default=None, help="Artifact path or preset for in-process runs [default: bundled].")
+@click.option("--synthetic", is_flag=True, help="Seeded random weights for a preset (e.g. qwen3.8-27b).")
+@click.option("--quant", type=click.Choice(["fp32", "bf16", "q8", "q5", "q4", "mixed"]), default="mixed",
+              show_default=True, help="Formats of --synthetic weights.")
 @click.option("--spec", type=click.Choice(["none", "mtp", "dflash", "dflash2"]), default="none", show_default=True)
 @click.option("--draft-tokens", "-k", type=int, default=None)
 @click.option("--max-new-tokens", "-n", type=int, default=128, show_default=True)
@@ -474,8 +477,8 @@ def gate(baseline, candidate, rules, as_json):
 @click.option("--runtime", type=click.Choice(["v2", "v3"]), default="v3", show_default=True)
 @click.option("--label", default=None)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write the result document.")
-def concurrency(levels, url, served_model, model, spec, draft_tokens, max_new_tokens, prompt_tokens, rounds, device,
-                kv_dtype, runtime, label, json_path):
+def concurrency(levels, url, served_model, model, synthetic, quant, spec, draft_tokens, max_new_tokens, prompt_tokens,
+                rounds, device, kv_dtype, runtime, label, json_path):
     """C1/C2/C4/C8 throughput and latency, in-process (continuous batching) or against a server."""
     from .suites.concurrency import ConcurrencyOptions, run_concurrency
 
@@ -483,7 +486,8 @@ def concurrency(levels, url, served_model, model, spec, draft_tokens, max_new_to
         lv = tuple(int(x) for x in levels.split(",") if x.strip())
     except ValueError:
         raise UserError(f"-c must be comma-separated integers, got {levels!r}") from None
-    opts = ConcurrencyOptions(levels=lv, url=url, served_model=served_model, model=model, spec=spec,
+    opts = ConcurrencyOptions(levels=lv, url=url, served_model=served_model, model=model, synthetic=synthetic,
+                              quant=quant, spec=spec,
                               draft_tokens=draft_tokens, max_new_tokens=max_new_tokens, prompt_tokens=prompt_tokens,
                               rounds=rounds, device=device, kv_dtype=kv_dtype, runtime=runtime, label=label)
     prog, update = suite_progress("concurrency")

@@ -1,6 +1,18 @@
 #!/usr/bin/env bash
-# One device call: install carried wheels, run the CUDA tests, the kernel benches and the engine checks.
-# Usage (repo root, on the GPU machine): bash scripts/gpu_check.sh STAGE...   (stages: tests kernels tiny d27 spec27 hf27)
+# One device call: install the carried wheels, then run the named stages in order, each with its output under $OUT.
+# Usage (repo root, on the GPU machine; carry [".whl"] for fla-core):
+#   bash scripts/gpu_check.sh tests kernels tiny d27 spec27 hf27 conc27 vision
+#   bash scripts/gpu_check.sh train          # the bundled model (about 9 minutes: give it a call of its own)
+# Stages:
+#   tests    CUDA tests: engine on CUDA (graphs, fused path), every Triton kernel against its reference
+#   kernels  bench_qlinear --quick, bench_attention --no-sweep, bench_fused, and the kernels suite at the 27B shape
+#   tiny     decode on the tiny preset (v3, graphs) as a smoke test
+#   d27      27B synthetic decode, no speculation, v3 and v2
+#   spec27   27B synthetic MTP3 and DFlash2 K=7, both rollback strategies
+#   hf27     the transformers peer at the 27B shape (bf16, with fla if carried)
+#   conc27   27B synthetic concurrency C1-C8
+#   vision   the vision tower at the real shape next to transformers'
+#   train    scripts/train_bundled.py --stage all --ship $OUT
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -9,23 +21,31 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
 nb() { python3 scripts/nb.py "$@"; }
+git log -1 --format='commit %H' 2>/dev/null || true
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+M27="--model qwen3.8-27b --synthetic"
 for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case $stage in
-    tests)   python3 -m pytest -q -x -p no:cacheprovider tests/test_cuda_engine.py tests/test_kernels_qlinear.py \
-               tests/test_kernels_attention.py tests/test_kernels_gdn.py tests/test_kernels_gdn_triton.py \
-               tests/test_kernels_fused.py 2>&1 | tail -25 ;;
-    kernels) python3 scripts/bench_qlinear.py --quick 2>&1 | tail -40
-             python3 scripts/bench_attention.py 2>&1 | tail -20
-             [ -f scripts/bench_fused.py ] && python3 scripts/bench_fused.py 2>&1 | tail -20 ;;
-    tiny)    nb decode --model tiny -n 256 --repeats 2 --json "$OUT/tiny_v3.json" 2>&1 | tail -22 ;;
-    d27)     nb decode --model qwen3.8-27b --synthetic -n 128 --repeats 3 --json "$OUT/d27_v3_none.json" 2>&1 | tail -22 ;;
-    spec27)  for s in "mtp -k 3" "dflash2 -k 7"; do
-               nb decode --model qwen3.8-27b --synthetic -n 128 --repeats 2 --spec $s \
-                 --json "$OUT/d27_v3_$(echo $s | tr -d ' -').json" 2>&1 | tail -22; done ;;
-    hf27)    nb decode --model qwen3.8-27b --synthetic --engine hf -n 32 --repeats 1 --warmup 0 \
-               --json "$OUT/d27_hf.json" 2>&1 | tail -22 ;;
+    tests)   python3 -m pytest -q -x -p no:cacheprovider tests/test_cuda_engine.py tests/test_fastpath.py \
+               tests/test_kernels_qlinear.py tests/test_kernels_attention.py tests/test_kernels_gdn.py \
+               tests/test_kernels_gdn_triton.py tests/test_kernels_fused.py 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
+    kernels) python3 scripts/bench_qlinear.py --quick 2>&1 | tee "$OUT/qlinear.log" | tail -30
+             python3 scripts/bench_attention.py --no-sweep 2>&1 | tee "$OUT/attention.log" | tail -15
+             python3 scripts/bench_fused.py --gdn-only 2>&1 | tee "$OUT/fused.log" | tail -15
+             nb kernels --shape qwen3.8-27b --t 1,8 --repeats 30 --json "$OUT/kernels_27b.json" 2>&1 | tail -12 ;;
+    tiny)    nb decode --model tiny -n 256 --repeats 2 --json "$OUT/tiny_v3.json" 2>&1 | tail -20 ;;
+    d27)     for rt in v3 v2; do nb decode $M27 -n 128 --repeats 3 --runtime $rt --json "$OUT/d27_${rt}_none.json" \
+               2>&1 | tail -20; done ;;
+    spec27)  for rb in snapshot recompute; do for s in "mtp -k 3" "dflash2 -k 7"; do
+               nb decode $M27 -n 128 --repeats 2 --rollback $rb --spec $s \
+                 --json "$OUT/d27_v3_$(echo $s | tr -d ' -')_$rb.json" 2>&1 | tail -20; done; done ;;
+    hf27)    nb decode $M27 --engine hf -n 32 --repeats 1 --warmup 0 --json "$OUT/d27_hf.json" 2>&1 | tail -20 ;;
+    conc27)  nb concurrency $M27 -c 1,2,4,8 -n 64 --rounds 2 --json "$OUT/conc27.json" 2>&1 | tail -15 ;;
+    vision)  python3 scripts/bench_vision.py 2>&1 | tee "$OUT/vision.log" | tail -20 ;;
+    train)   python3 scripts/train_bundled.py --out /tmp/bundled --ship "$OUT" --stage all --seed 0 2>&1 \
+               | tee "$OUT/train.log" | tail -40 ;;
+    *)       echo "unknown stage $stage" ;;
   esac
 done
 echo "=== done $(date +%T)"

@@ -27,6 +27,8 @@ class ConcurrencyOptions:
     levels: tuple[int, ...] = (1, 2, 4, 8)
     url: str | None = None
     model: str | None = None
+    synthetic: bool = False
+    quant: str = "mixed"
     served_model: str | None = None  # the `model` field sent to a server (default: the first of /v1/models)
     device: str = "auto"
     kv_dtype: str = "int8"
@@ -132,7 +134,7 @@ def run_in_process(opts: ConcurrencyOptions, progress=None):
     from ..engine.scheduler import Scheduler
 
     top = max(opts.levels)
-    eng = Engine.load(opts.model, device=opts.device, kv_dtype=opts.kv_dtype, max_context=opts.max_context,
+    eng = Engine.load(opts.model, synthetic=opts.synthetic, quant=opts.quant, device=opts.device, kv_dtype=opts.kv_dtype, max_context=opts.max_context,
                       max_concurrency=top, prefill_chunk=opts.prefill_chunk, runtime=opts.runtime, spec=opts.spec,
                       draft_tokens=opts.draft_tokens)
     opts.draft_tokens = eng.options.draft_tokens
