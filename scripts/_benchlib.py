@@ -43,3 +43,20 @@ def graph_us(fns, replays: int = GRAPH_REPLAYS) -> float:
         times.append(start.elapsed_time(end) * 1e3 / len(fns))
     del graph
     return sorted(times)[len(times) // 2]
+
+
+def resource_report(kernels: dict) -> list:
+    """Registers, spills, shared memory, warps and stages of every compiled variant of ``kernels``
+    (name -> jitted kernel); best effort, since these are Triton internals."""
+    rows = []
+    for name, fn in kernels.items():
+        for caches in getattr(fn, "device_caches", {}).values():
+            for kernel in caches[0].values():
+                try:
+                    md = kernel.metadata
+                    rows.append({"kernel": name, "regs": kernel.n_regs, "spills": kernel.n_spills,
+                                 "shared": md.shared, "num_warps": md.num_warps,
+                                 "num_stages": getattr(md, "num_stages", None)})
+                except Exception as exc:  # internals move between Triton versions
+                    rows.append({"kernel": name, "error": repr(exc)[:120]})
+    return rows

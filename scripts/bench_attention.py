@@ -27,7 +27,7 @@ import _bootstrap  # noqa: E402
 
 _bootstrap.ensure_package()
 
-from _benchlib import copy_bandwidth, graph_us  # noqa: E402
+from _benchlib import copy_bandwidth, graph_us, resource_report  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -143,19 +143,8 @@ def sweep_configs(case: Case, t: int) -> list:
     return out
 
 
-def resource_report() -> list:
-    """Registers, spills and shared memory of every compiled variant (best effort: Triton internals)."""
-    rows = []
-    for name, fn in (("split", at._kernels()["split"]), ("combine", at._kernels()["combine"])):
-        for caches in getattr(fn, "device_caches", {}).values():
-            for kernel in caches[0].values():
-                try:
-                    md = kernel.metadata
-                    rows.append({"kernel": name, "regs": kernel.n_regs, "spills": kernel.n_spills,
-                                 "shared": md.shared, "num_warps": md.num_warps, "num_stages": md.num_stages})
-                except Exception as exc:  # internals move between Triton versions
-                    rows.append({"kernel": name, "error": repr(exc)[:120]})
-    return rows
+def kernel_resources() -> list:
+    return resource_report({"split": at._kernels()["split"], "combine": at._kernels()["combine"]})
 
 
 def main() -> int:
@@ -232,7 +221,7 @@ def main() -> int:
             sweep.append(emit(rec))
         del case
         torch.cuda.empty_cache()
-    for row in resource_report():
+    for row in kernel_resources():
         emit({"op": "resources", **row})
         print("resources", row)
     if sink:

@@ -325,21 +325,9 @@ def bench_prologue(b: int, t: int, bw: float) -> dict:
 
 # ---- main -------------------------------------------------------------------------------------------------------
 
-def resource_report() -> list:
-    """Registers, spills and shared memory of every compiled variant (best effort: Triton internals)."""
-    rows = []
-    kernels = {**{f"gdn.{k}": v for k, v in gt._kernels().items() if k != "interpreted"},
-               **{f"fused.{k}": v for k, v in fu._kernels().items() if k != "interpreted"}}
-    for name, fn in kernels.items():
-        for caches in getattr(fn, "device_caches", {}).values():
-            for kernel in caches[0].values():
-                try:
-                    md = kernel.metadata
-                    rows.append({"kernel": name, "regs": kernel.n_regs, "spills": kernel.n_spills,
-                                 "shared": md.shared, "num_warps": md.num_warps})
-                except Exception as exc:  # internals move between Triton versions
-                    rows.append({"kernel": name, "error": repr(exc)[:120]})
-    return rows
+def kernel_resources() -> list:
+    return resource_report({**{f"gdn.{k}": v for k, v in gt._kernels().items() if k != "interpreted"},
+                            **{f"fused.{k}": v for k, v in fu._kernels().items() if k != "interpreted"}})
 
 
 def main() -> int:
@@ -371,7 +359,7 @@ def main() -> int:
     if not args.gdn_only:
         glue_rows, f2 = bench_glue(bw, emit)
         failures += f2
-    for row in resource_report():
+    for row in kernel_resources():
         emit({"op": "resources", **row})
     if sink:
         sink.close()
