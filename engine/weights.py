@@ -79,10 +79,16 @@ class Embedding:
         return out.reshape(*ids.shape, self.shape[-1])
 
 
-def _packed_linear(raw: RawWeight, device):
+# Prefill-width calls (T > the kernel's rows) multiply a dense copy of a packed weight. Below this many packed
+# bytes in all the copies are kept (2 bytes per weight more); above it (the 27B shape: 15 GB packed, 54 GB dense)
+# each prefill call dequantizes on the fly instead, so quantization keeps saving memory.
+DENSE_CACHE_LIMIT = 4 << 30
+
+
+def _packed_linear(raw: RawWeight, device, cache_dense: bool):
     from ..kernels.qlinear import PackedLinear  # needs triton only when it runs on CUDA
 
-    return PackedLinear(raw.buf.to(device), raw.fmt, tuple(raw.shape), device)
+    return PackedLinear(raw.buf.to(device), raw.fmt, tuple(raw.shape), device, dense_fallback=cache_dense)
 
 
 class WeightStore:
@@ -112,7 +118,7 @@ class WeightStore:
 
     def _linear(self, raw: RawWeight):
         if self.packed and raw.fmt in quant.QUANT_FORMATS:
-            return _packed_linear(raw, self.device)
+            return _packed_linear(raw, self.device, self.weight_bytes <= DENSE_CACHE_LIMIT)
         return DenseLinear(raw.dense(self.dtype, self.device))
 
     @staticmethod
