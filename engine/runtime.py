@@ -401,9 +401,14 @@ class Engine:
             return
         ids = self._ids([[s.last] for s in live])
         _, logits = self.decode_step(live, ids)
-        for s, row in zip(live, logits[:, -1]):
+        last = logits[:, -1]
+        picked = last.argmax(-1)  # greedy rows; sampling rows draw below from their own generators
+        for r, s in enumerate(live):
+            if not s.params.greedy:
+                picked[r] = select(last[r], s.params, s.generator)
+        for s, tok in zip(live, picked.tolist()):  # one device-to-host read for the whole batch
             s.length += 1
-            s.tokens.append(int(select(row, s.params, s.generator)))
+            s.tokens.append(tok)
             self._finish(s)
 
     def _timer(self):
