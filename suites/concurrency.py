@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
@@ -42,7 +42,6 @@ class ConcurrencyOptions:
     prompt_tokens: int = 256
     label: str | None = None
     timeout_s: float = 600.0
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.levels = tuple(sorted({int(c) for c in self.levels}))

@@ -10,7 +10,7 @@ tokens identical to the stored float64 reference outputs, or a first divergence 
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -42,7 +42,6 @@ class NiahOptions:
     oracle: str | None = None  # a file, or None: look in oracles/data for the model's file per context
     near_tie: float = NEAR_TIE_NATS
     label: str | None = None
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.ctxs = tuple(int(c) for c in self.ctxs)
