@@ -165,7 +165,7 @@ def convert(hf_dir, out, quant, format_version, drafters):
 @click.argument("v3_file", type=click.Path(dir_okay=False))
 def upgrade(v2_file, v3_file):
     """Rewrite a v2 artifact as v3 without changing any weight bytes."""
-    from .engine.artifact import upgrade as do_upgrade
+    from .engine.artifact_write import upgrade as do_upgrade
 
     prog, update = byte_progress("upgrading")
     with prog:

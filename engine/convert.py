@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from .. import __version__
-from .artifact import write_artifact
+from .artifact_write import write_artifact
 from .config import ModelConfig
 
 POLICIES = ("fp32", "bf16", "q8", "q5", "q4", "mixed")

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from ninfer_bench.engine import quant
-from ninfer_bench.engine.artifact import Artifact, ArtifactError, upgrade, write_artifact
+from ninfer_bench.engine.artifact import Artifact, ArtifactError
+from ninfer_bench.engine.artifact_write import upgrade, write_artifact
 
 # (format, shape): K not a multiple of the group, a multiple, a 3-D tensor; floats also as 1-D / conv weights
 CASES = [(fmt, shape) for fmt in quant.QUANT_FORMATS for shape in [(5, 100), (3, 64), (2, 3, 70)]]

@@ -379,7 +379,8 @@ def test_model_without_vision_refuses_media(tiny_artifact):
 
 
 def test_artifact_vision_component_is_checked(vl, tmp_path):
-    from ninfer_bench.engine.artifact import Artifact, write_artifact
+    from ninfer_bench.engine.artifact import Artifact
+    from ninfer_bench.engine.artifact_write import write_artifact
     from ninfer_bench.engine.loader import load_artifact
 
     _, art = vl
