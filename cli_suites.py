@@ -1,0 +1,334 @@
+"""The suite commands of ``ninfer-bench``: decode, concurrency, kernels, niah (+ ``oracle niah``), report, gate.
+
+Registered on the command group of :mod:`ninfer_bench.cli` when that module is imported.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+from rich.progress import BarColumn, Progress, TextColumn
+from rich.table import Table
+
+from .cli import UserError, console, engine_options, err_console, int_list, main, oracle
+
+
+# ---- suites ------------------------------------------------------------------------------------------
+def suite_progress(description: str):
+    """A rich progress bar for suites counting units of work; returns (progress, callback(done, total, what))."""
+    from rich.progress import MofNCompleteColumn, TimeElapsedColumn
+
+    prog = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=err_console, transient=True)
+    task = prog.add_task(description, total=None)
+
+    def update(done, total, what=""):
+        prog.update(task, completed=done, total=total, description=f"{description} {what}")
+
+    return prog, update
+
+
+def save_result(doc: dict, json_path: str | None) -> None:
+    from .reports.schema import write_result
+
+    if json_path:
+        write_result(doc, json_path)
+        err_console.print(f"[dim]result document: {json_path}[/]")
+
+
+def fmt(v, spec=".2f"):
+    return "-" if v is None else format(v, spec)
+
+
+@main.command()
+@click.option("--model", default=None, help="Artifact path or preset [default: the bundled model].")
+@click.option("--engine", type=click.Choice(["ours", "hf"]), default="ours", show_default=True,
+              help="ours, or the transformers peer on the same weights.")
+@click.option("--spec", type=click.Choice(["none", "mtp", "dflash", "dflash2"]), default="none", show_default=True)
+@click.option("--draft-tokens", "-k", type=int, default=None, help="Draft tokens per round (default: MTP 3, DFlash 7).")
+@click.option("--rollback", type=click.Choice(["recompute", "snapshot"]), default="recompute", show_default=True,
+              help="How rejected positions' recurrent state is undone.")
+@click.option("--lm-head-draft", type=int, default=0, show_default=True,
+              help="Drafters score only the N most frequent tokens (0: the full vocabulary).")
+@click.option("--prompt-file", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Prompt text, or a .jsonl prompt set (e.g. suites/data/heldout_prompts.jsonl) "
+                   "[default: the shipped short-code prompt].")
+@click.option("--prompts", "n_prompts", type=int, default=None, help="Use the first N prompts of a .jsonl set.")
+@click.option("--image", "images", multiple=True, type=click.Path(exists=True, dir_okay=False),
+              help="An image before each prompt (repeatable; a model with a vision component): the result reports "
+                   "the vision encode time and merged token count.")
+@click.option("--max-new-tokens", "-n", type=int, default=4096, show_default=True)
+@click.option("--stop-at-eos", is_flag=True, help="Stop at end-of-sequence (default: always generate -n tokens).")
+@click.option("--repeats", type=int, default=3, show_default=True)
+@click.option("--warmup", type=int, default=1, show_default=True)
+@click.option("--label", default=None, help="Label of this run in reports [default: runtime-spec-k].")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write the result document.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of --synthetic weights.")
+@engine_options
+def decode(model, engine, spec, draft_tokens, rollback, lm_head_draft, prompt_file, n_prompts, images, max_new_tokens,
+           stop_at_eos, repeats, warmup, label, json_path, seed, max_concurrency, kv_capacity, **options):
+    """The short-code decode test: prefill a code prompt, greedy-decode N tokens, measure speed and acceptance."""
+    from .suites.common import DEFAULT_PROMPT
+    from .suites.decode import DecodeOptions, run_decode
+
+    opts = DecodeOptions(model=model, engine=engine, spec=spec, draft_tokens=draft_tokens, rollback=rollback,
+                         lm_head_draft=lm_head_draft, prompt_file=prompt_file or str(DEFAULT_PROMPT), prompts=n_prompts,
+                         images=images,
+                         max_new_tokens=max_new_tokens, ignore_eos=not stop_at_eos, repeats=repeats, warmup=warmup,
+                         label=label, seed=seed, **options)
+    prog, update = suite_progress("decode")
+    with prog:
+        doc = run_decode(opts, progress=update)
+    s = doc["summary"]
+    table = Table(title=f"decode: {doc['label']} on {doc['config']['device']} ({doc['env'].get('gpu') or 'cpu'})")
+    for col in ("metric", "value"):
+        table.add_column(col)
+    rows = [("prompt / completion tokens", f"{s['prompt_tokens']} / {s['completion_tokens']}"),
+            ("prefill tok/s", fmt(s["prefill_tok_s"], ".1f")), ("decode tok/s", fmt(s["decode_tok_s"], ".1f")),
+            ("TTFT ms", fmt(s["ttft_ms"], ".1f")), ("device ms / round", fmt(s["device_ms_per_round"], ".3f")),
+            ("rounds", str(s["rounds"])), ("tokens / round", fmt(s["tokens_per_round"])),
+            ("acceptance rate", fmt(s["acceptance_rate"], ".3f")),
+            ("accepted per position", " ".join(f"{a:.2f}" for a in s["accepted_per_position"]) or "-"),
+            ("weight bytes / step", f"{s['weight_bytes_per_step']:,}" if s["weight_bytes_per_step"] else "-"),
+            ("copy bandwidth GB/s", fmt(s["copy_bandwidth_gbps"], ".0f")),
+            ("achieved GB/s (weights)", fmt(s["achieved_gbps"], ".0f")),
+            ("roofline fraction", fmt(s["roofline_fraction"], ".3f")),
+            ("peak memory", f"{s['peak_memory_bytes'] / 2**20:,.0f} MiB"),
+            ("tokens sha256", s["tokens_sha256"][:16] + ("" if s["deterministic"] else " (varies!)"))]
+    if "vision_encode_ms" in s:
+        rows += [("vision encode ms", fmt(s["vision_encode_ms"], ".1f")), ("vision tokens", str(s["vision_tokens"]))]
+    for k, v in rows:
+        table.add_row(k, v)
+    console.print(table)
+    save_result(doc, json_path)
+
+
+# ---- reports and gates -------------------------------------------------------------------------------
+@main.command()
+@click.argument("results", nargs=-1, required=True, type=click.Path(exists=True))
+@click.option("--baseline", "baseline_label", default=None, help="Label the deltas are computed against.")
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Output folder.")
+@click.option("--title", default=None, help="Report title.")
+def report(results, baseline_label, out_dir, title):
+    """Release-validation report (HTML + Markdown + PNG figures) from result documents or folders of them."""
+    from .reports.frames import load_results
+    from .reports.report import DEFAULT_TITLE, write_report
+
+    docs = load_results(list(results))
+    html, md = write_report(docs, out_dir, baseline_label=baseline_label, title=title or DEFAULT_TITLE)
+    console.print(f"[green]wrote[/] {html} and {md} ({len(docs)} result documents)")
+
+
+@main.command()
+@click.option("--baseline", required=True, type=click.Path(exists=True, dir_okay=False), help="Baseline result.")
+@click.option("--candidate", required=True, type=click.Path(exists=True, dir_okay=False), help="Candidate result.")
+@click.option("--rules", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Rules file (.json or .toml) [default: the suite's rules].")
+@click.option("--json", "as_json", is_flag=True, help="Print the verdicts as JSON.")
+def gate(baseline, candidate, rules, as_json):
+    """Compare a candidate result to a baseline: exit 1 on any failed or missing metric."""
+    from .reports.gate import exit_code, gate as run_gate, load_rules, render_table
+    from .reports.schema import read_result
+
+    verdicts = run_gate(read_result(baseline), read_result(candidate), load_rules(rules) if rules else None)
+    if as_json:
+        console.print_json(json.dumps([v.to_dict() for v in verdicts], default=str))
+    else:
+        console.print(render_table(verdicts))
+    code = exit_code(verdicts)
+    counts = {s: sum(v.status == s for v in verdicts) for s in ("pass", "fail", "ambiguous", "missing")}
+    err_console.print(", ".join(f"{n} {s}" for s, n in counts.items()))
+    sys.exit(code)
+
+
+@main.command()
+@click.option("-c", "--concurrency", "levels", default="1,2,4,8", show_default=True,
+              help="Comma-separated numbers of simultaneous clients.")
+@click.option("--url", default=None, help="Run against an OpenAI-compatible server (streaming /v1/completions).")
+@click.option("--served-model", default=None, help="Model name to send to --url [default: its first model].")
+@click.option("--model", default=None, help="Artifact path or preset for in-process runs [default: bundled].")
+@click.option("--synthetic", is_flag=True, help="Seeded random weights for a preset (e.g. qwen3.8-27b).")
+@click.option("--quant", type=click.Choice(["fp32", "bf16", "q8", "q5", "q4", "mixed"]), default="mixed",
+              show_default=True, help="Formats of --synthetic weights.")
+@click.option("--spec", type=click.Choice(["none", "mtp", "dflash", "dflash2"]), default="none", show_default=True)
+@click.option("--draft-tokens", "-k", type=int, default=None)
+@click.option("--max-new-tokens", "-n", type=int, default=128, show_default=True)
+@click.option("--prompt-tokens", type=int, default=256, show_default=True, help="Prompt length (tokens).")
+@click.option("--rounds", type=int, default=2, show_default=True, help="Rounds per level (samples).")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+@click.option("--kv-dtype", type=click.Choice(["fp32", "bf16", "fp16", "int8"]), default="int8", show_default=True)
+@click.option("--runtime", type=click.Choice(["v2", "v3"]), default="v3", show_default=True)
+@click.option("--label", default=None)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write the result document.")
+def concurrency(levels, url, served_model, model, synthetic, quant, spec, draft_tokens, max_new_tokens, prompt_tokens,
+                rounds, device, kv_dtype, runtime, label, json_path):
+    """C1/C2/C4/C8 throughput and latency, in-process (continuous batching) or against a server."""
+    from .suites.concurrency import ConcurrencyOptions, run_concurrency
+
+    lv = tuple(int_list(levels, "-c"))
+    opts = ConcurrencyOptions(levels=lv, url=url, served_model=served_model, model=model, synthetic=synthetic,
+                              quant=quant, spec=spec,
+                              draft_tokens=draft_tokens, max_new_tokens=max_new_tokens, prompt_tokens=prompt_tokens,
+                              rounds=rounds, device=device, kv_dtype=kv_dtype, runtime=runtime, label=label)
+    prog, update = suite_progress("concurrency")
+    with prog:
+        doc = run_concurrency(opts, progress=update)
+    table = Table(title=f"concurrency: {doc['label']}")
+    for col in ("C", "agg tok/s", "req tok/s", "TTFT p50/p99 ms", "ITL p50/p99 ms", "e2e p50 ms", "= sequential"):
+        table.add_column(col)
+    for lv_ in doc["summary"]["levels"]:
+        table.add_row(str(lv_["concurrency"]), fmt(lv_["aggregate_tok_s"], ".1f"), fmt(lv_["per_request_tok_s"], ".1f"),
+                      f"{fmt(lv_['ttft_ms_p50'], '.1f')} / {fmt(lv_['ttft_ms_p99'], '.1f')}",
+                      f"{fmt(lv_['itl_ms_p50'], '.2f')} / {fmt(lv_['itl_ms_p99'], '.2f')}", fmt(lv_["e2e_ms_p50"], ".0f"),
+                      "[green]yes[/]" if lv_["matches_sequential"] else "[red]NO[/]")
+    console.print(table)
+    save_result(doc, json_path)
+    if not all(lv_["matches_sequential"] for lv_ in doc["summary"]["levels"]):
+        raise UserError("concurrent greedy outputs differ from the sequential ones")
+
+
+@main.command()
+@click.option("--shape", default=None, help="Model preset whose shapes to measure [default: qwen3.8-27b on CUDA, "
+              "tiny on a CPU].")
+@click.option("--model", default=None, type=click.Path(dir_okay=False), help="Artifact whose config gives the shapes.")
+@click.option("--t", "ts", default="1,8", show_default=True, help="New tokens per call (comma-separated).")
+@click.option("--kernels", "variants", default="v2,v3", show_default=True, help="Variants to run: v2, v3.")
+@click.option("--ops", default=None, help="Only ops whose name contains one of these (comma-separated).")
+@click.option("--quant", type=click.Choice(["fp32", "bf16", "q8", "q5", "q4", "mixed"]), default="mixed",
+              show_default=True, help="Weight format policy of the projections.")
+@click.option("--contexts", default=None,
+              help="Attention K/V lengths [default: 8192,65536 on CUDA, 1024,4096 on a CPU].")
+@click.option("--repeats", type=int, default=None, help="Timed calls per record [default: 50 on CUDA, 10 on a CPU].")
+@click.option("--warmup", type=int, default=None, help="Untimed calls first [default: 5 on CUDA, 1 on a CPU].")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random inputs.")
+@click.option("--label", default=None, help="Label of this run in reports [default: kernels-SHAPE-DEVICE].")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write the result document.")
+def kernels(shape, model, ts, variants, ops, quant, contexts, repeats, warmup, device, seed, label, json_path):
+    """Per-op microseconds, GB/s and % of copy bandwidth of the model's hot decode ops, each checked against its
+    fp32 reference in the same run; exit 1 when any check fails."""
+    from .suites.kernels import KernelOptions, run_kernels
+
+    def names(text):
+        return tuple(v.strip() for v in text.split(",") if v.strip())
+
+    opts = KernelOptions(shape=shape, model=model, ts=tuple(int_list(ts, "--t")), variants=names(variants),
+                         ops=names(ops or ""), quant=quant, contexts=tuple(int_list(contexts, "--contexts")) if contexts else None,
+                         repeats=repeats, warmup=warmup, device=device, label=label, seed=seed)
+    import torch
+
+    if opts.device == "cpu" or (opts.device == "auto" and not torch.cuda.is_available()):
+        err_console.print("[yellow]CPU run: torch timers on the host; these timings are not GPU numbers[/]")
+    prog, update = suite_progress("kernels")
+    with prog:
+        doc = run_kernels(opts, progress=update)
+    s = doc["summary"]
+    table = Table(title=f"kernels: {doc['label']} on {s['gpu'] or s['device']} ({doc['config']['dtype']}, "
+                        f"timer {s['timer']})")
+    for col in ("op", "shape", "t", "variant", "us [p10-p90]", "GB/s", "% roofline", "max rel err", "ok"):
+        table.add_column(col, justify="left" if col in ("op", "shape", "variant") else "right")
+    for r in doc["records"]:
+        us = f"{fmt(r['us_median'], '.1f')} [{fmt(r['us_p10'], '.1f')}-{fmt(r['us_p90'], '.1f')}]"
+        roof = fmt(None if r["roofline_fraction"] is None else 100 * r["roofline_fraction"], ".1f")
+        table.add_row(r["op"], "x".join(map(str, r["shape"] or [])), str(r["t"]), r["variant"], us,
+                      fmt(r["gbps"], ".1f"), roof, fmt(r["max_rel_err"], ".1e"),
+                      "[green]ok[/]" if r["ok"] else "[red]FAIL[/]")
+    console.print(table)
+    console.print(f"copy bandwidth (read + write) measured in this run: {s['copy_bandwidth_gbps']:.1f} GB/s")
+    for note in sorted({f"{r['variant']}: {r['note']}" for r in doc["records"] if r["ok"] and r["note"]}):
+        console.print(f"[dim]  {note}[/]", highlight=False)
+    save_result(doc, json_path)
+    if s["failures"]:
+        for line in s["failures"]:
+            err_console.print(f"[red]FAIL[/] {line}", highlight=False)
+        raise UserError(f"{len(s['failures'])} of {s['checks']} kernel checks failed")
+
+
+def _niah_options(model, ctx, depths, cases, answer_tokens, seed, **kw):
+    from .suites.niah import DEFAULT_DEPTHS, NiahOptions
+
+    ctxs = tuple(x for c in ctx for x in int_list(c, "--ctx")) or (65536,)
+    return NiahOptions(model=model, ctxs=ctxs, depths=tuple(int_list(depths, "--depths")) if depths else DEFAULT_DEPTHS,
+                       cases=cases, answer_tokens=answer_tokens, seed=seed, **kw)
+
+
+def niah_case_options(f):
+    for o in reversed([
+        click.option("--model", default=None, help="Artifact path or preset [default: the bundled model]."),
+        click.option("--ctx", multiple=True, help="Context length(s), repeatable or comma-separated [default: 65536]."),
+        click.option("--depths", default=None, help="Needle depths in percent [default: 0,10,...,100]."),
+        click.option("--cases", type=int, default=1, show_default=True, help="Cases per (ctx, depth)."),
+        click.option("--answer-tokens", type=int, default=10, show_default=True),
+        click.option("--seed", type=int, default=0, show_default=True),
+        click.option("--prefill-chunk", type=int, default=2048, show_default=True),
+    ]):
+        f = o(f)
+    return f
+
+
+@main.command()
+@niah_case_options
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+@click.option("--kv-dtype", type=click.Choice(["fp32", "bf16", "fp16", "int8"]), default="int8", show_default=True)
+@click.option("--runtime", type=click.Choice(["v2", "v3"]), default="v3", show_default=True)
+@click.option("--oracle", "oracle_file", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Stored oracle outputs [default: oracles/data/niah-<model>-<ctx>.json.gz].")
+@click.option("--require-oracle", is_flag=True, help="Fail when a case has no stored oracle output.")
+@click.option("--heatmap", type=click.Path(dir_okay=False), default=None, help="Write the ctx x depth heatmap PNG.")
+@click.option("--label", default=None)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write the result document.")
+def niah(model, ctx, depths, cases, answer_tokens, seed, prefill_chunk, device, kv_dtype, runtime, oracle_file,
+         require_oracle, heatmap, label, json_path):
+    """Needle in a haystack: retrieval, and agreement with stored float64 oracle outputs."""
+    from .suites.niah import run_niah
+
+    opts = _niah_options(model, ctx, depths, cases, answer_tokens, seed, prefill_chunk=prefill_chunk, device=device,
+                         kv_dtype=kv_dtype, runtime=runtime, oracle=oracle_file, label=label)
+    prog, update = suite_progress("niah")
+    with prog:
+        doc = run_niah(opts, progress=update)
+    s = doc["summary"]
+    table = Table(title=f"niah: {doc['label']} ({s['cases']} cases, {s['seconds']:.1f} s)")
+    for col in ("case", "tokens", "retrieved", "oracle", "first divergence", "answer"):
+        table.add_column(col)
+    for r in doc["records"]:
+        verdict = "-" if r["pass"] is None else ("[green]pass[/]" if r["pass"] else "[red]FAIL[/]")
+        table.add_row(r["case"], str(r["prompt_tokens"]), "yes" if r["retrieved"] else "no", verdict,
+                      "-" if r["first_divergence"] is None else str(r["first_divergence"]),
+                      repr(r["answer"][:24]))
+    console.print(table)
+    agree = "no oracle" if s["oracle_agreement"] is None else f"{s['oracle_agreement']:.0%} of {s['oracle_cases']}"
+    console.print(f"retrieval {s['retrieval']:.0%}, oracle agreement {agree}")
+    save_result(doc, json_path)
+    if heatmap or json_path:
+        from .reports.frames import frames
+        from .reports.plots import plot_niah
+
+        out = heatmap or str(Path(json_path).with_suffix("")) + "_heatmap.png"
+        if plot_niah(frames([doc])["niah"], out):
+            err_console.print(f"[dim]heatmap: {out}[/]")
+    if require_oracle and s["oracle_cases"] < s["cases"]:
+        raise UserError(f"{s['cases'] - s['oracle_cases']} case(s) have no stored oracle output")
+    if s["oracle_agreement"] is not None and s["oracle_agreement"] < 1.0:
+        raise UserError("some cases disagree with the oracle beyond the near-tie tolerance")
+
+
+@oracle.command("niah")
+@niah_case_options
+@click.option("--dtype", type=click.Choice(["fp64", "fp32"]), default="fp64", show_default=True)
+@click.option("--top-k", type=int, default=8, show_default=True)
+@click.option("--out", default=None, type=click.Path(dir_okay=False),
+              help="Output file (one context only) [default: oracles/data/niah-<model>-<ctx>.json.gz].")
+def oracle_niah(model, ctx, depths, cases, answer_tokens, seed, prefill_chunk, dtype, top_k, out):
+    """Reference-model answers for the NIAH cases, stored for `ninfer-bench niah` to compare against."""
+    from .suites.niah import build_niah_oracle
+
+    opts = _niah_options(model, ctx, depths, cases, answer_tokens, seed, prefill_chunk=prefill_chunk)
+    prog, update = suite_progress("oracle niah")
+    with prog:
+        paths = build_niah_oracle(model, opts, out, top_k=top_k, dtype=dtype, progress=update)
+    for p in paths:
+        console.print(f"[green]wrote[/] {p}")
