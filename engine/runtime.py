@@ -17,13 +17,12 @@ from .config import ModelConfig
 from .loader import LoadedModel, load_source
 from .media import MediaCache, MediaInput, MediaLimits, load_media
 from .mrope import MediaPrompt, column_axes, media_prompt
-from . import quant
-from .model import DECODE, PREFILL, VERIFY, HybridModel, Step
+from .model import DECODE, PREFILL, HybridModel, Step
 from .options import EngineOptions, apply_cpu_threads
-from .sampling import SamplingParams, make_generator, probs, select
-from .spec.accept import accept_greedy, accept_sampling
+from .sampling import SamplingParams, make_generator, select
+from .spec.loop import speculative_round
 from .vision import encode_items
-from .weights import RawWeight, WeightStore
+from .weights import WeightStore
 
 
 class CapacityError(ValueError):
@@ -123,33 +122,6 @@ class Engine:
         from .spec.drafters import BlockDraftRunner, MTPDrafter
 
         return MTPDrafter(self) if spec == "mtp" else BlockDraftRunner(self, spec)
-
-    def draft_head_ids(self) -> torch.Tensor | None:
-        """Token ids of the ``--lm-head-draft`` proposal head (the N most frequent), or None for the full head."""
-        n = self.options.lm_head_draft
-        if not n:
-            return None
-        art = self.loaded.artifact
-        if art is None or not art.has("draft_head.token_ids"):
-            raise ValueError("--lm-head-draft needs token frequencies in the artifact (draft_head.token_ids); "
-                             "this model has none")
-        ids = art.tensor("draft_head.token_ids", torch.float32).to(torch.long)
-        if n > ids.numel():
-            raise ValueError(f"--lm-head-draft {n}: the artifact ranks only {ids.numel()} tokens")
-        return ids[:n].to(self.device)
-
-    def draft_head_linear(self, ids: torch.Tensor):
-        """lm_head restricted to rows ``ids``, held like the full head (packed rows stay packed)."""
-        name = "lm_head.weight" if "lm_head.weight" in self.loaded.raws else "model.embed_tokens.weight"
-        raw = self.loaded.raws[name]
-        rows = ids.cpu()
-        if raw.fmt in quant.QUANT_FORMATS:
-            sec = {k: v[rows] for k, v in quant.sections(raw.buf, raw.fmt, raw.shape).items()}
-            sub = RawWeight(raw.fmt, (len(rows), raw.shape[1]), quant.pack_sections(sec, raw.fmt, raw.shape[1]))
-        else:
-            sub = RawWeight(raw.fmt, (len(rows), raw.shape[1]),
-                            quant.pack(raw.dense(torch.float32)[rows], raw.fmt))
-        return self.weights._linear(sub)
 
     # ---- construction ----------------------------------------------------------------------------
     @classmethod
@@ -397,7 +369,7 @@ class Engine:
         if not live:
             return
         if self.drafter is not None:
-            self.advance_spec(live)
+            speculative_round(self, live)
             return
         ids = self._ids([[s.last] for s in live])
         _, logits = self.decode_step(live, ids)
@@ -410,69 +382,6 @@ class Engine:
             s.length += 1
             s.tokens.append(tok)
             self._finish(s)
-
-    def _timer(self):
-        if self.device.type == "cuda":
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            return ev
-        return time.perf_counter()
-
-    def _elapsed_ms(self, a, b) -> float:
-        return a.elapsed_time(b) if self.device.type == "cuda" else (b - a) * 1e3
-
-    @torch.inference_mode()
-    def advance_spec(self, seqs: list[Sequence]) -> None:
-        """Draft K tokens per sequence, verify them in one target forward, accept, roll back the rest."""
-        k = self.options.draft_tokens
-        t0 = self._timer()
-        drafts, q = self.drafter.draft(seqs, k)  # [B, K]
-        t1 = self._timer()
-        old_len = self._ids([s.length for s in seqs])
-        block = torch.cat([self._ids([[s.last] for s in seqs]), drafts], dim=1)  # [B, K+1]
-        hidden, logits, taps = self.forward_rows(seqs, block, VERIFY, self.drafter.taps)  # logits [B, K+1, V]
-        n_acc, bonus = accept_greedy(drafts, logits)
-        sampling = [r for r, s in enumerate(seqs) if not s.params.greedy]
-        if sampling:
-            rows = torch.tensor(sampling, device=self.device)
-            p = torch.stack([probs(logits[r], seqs[r].params) for r in sampling])
-            n_s, b_s = accept_sampling(drafts[rows], p, q[rows], [seqs[r].generator for r in sampling])
-            n_acc[rows], bonus[rows] = n_s, b_s
-        n_list, d_list, b_list = n_acc.tolist(), drafts.tolist(), bonus.tolist()
-        keep = []
-        for r, s in enumerate(seqs):
-            appended = 0
-            for tok in d_list[r][: n_list[r]] + [b_list[r]]:
-                s.tokens.append(tok)
-                appended += 1
-                if self._finish(s):
-                    break
-            # the cache keeps block positions 0 .. appended-1; the newest token is not in it yet
-            keep.append(appended)
-            s.length += appended
-        self.commit(self._ids(keep))
-        t2 = self._timer()
-        self.drafter.commit(seqs, old_len, block, hidden, torch.cat(taps, dim=-1) if taps else None, n_acc, bonus)
-        t3 = self._timer()
-        for r, s in enumerate(seqs):
-            st = s.stats
-            st["rounds"] = st.get("rounds", 0) + 1
-            st["target_forwards"] = st.get("target_forwards", 0) + 1
-            st["drafted_tokens"] = st.get("drafted_tokens", 0) + k
-            st["accepted_tokens"] = st.get("accepted_tokens", 0) + n_list[r]
-            per = st.setdefault("accepted_per_position", [0] * k)
-            for i in range(n_list[r]):
-                per[i] += 1
-            st["verify_ms"] = st.get("verify_ms", 0.0) + self._elapsed_ms(t1, t2)
-            st["draft_ms"] = st.get("draft_ms", 0.0) + self._elapsed_ms(t0, t1) + self._elapsed_ms(t2, t3)
-        self._spec_rates(seqs)
-
-    @staticmethod
-    def _spec_rates(seqs) -> None:
-        for s in seqs:
-            st = s.stats
-            st["acceptance_rate"] = st["accepted_tokens"] / st["drafted_tokens"] if st["drafted_tokens"] else None
-            st["tokens_per_round"] = 1 + st["accepted_tokens"] / st["rounds"]
 
     def release(self, seq: Sequence) -> None:
         if self.drafter is not None:

@@ -1,7 +1,7 @@
 """Drafters as the Engine runs them: MTP (recursive head with its own K/V) and DFlash / DFlash2 (block drafter
 with a per-slot context K/V cache, a ring for DFlash2's window).
 
-Protocol (what :meth:`Engine.advance_spec` calls):
+Protocol (what :func:`engine.spec.loop.speculative_round` calls):
 
 - ``taps``: target layers whose outputs the drafter needs from every target forward;
 - ``begin(seq, start, hidden, taps)``: after each prefill chunk of a sequence (positions ``start ..``, hidden
@@ -16,9 +16,39 @@ from __future__ import annotations
 import torch
 
 from ...kernels.norm import rms_norm
+from .. import quant
 from ..model import DECODE, PREFILL, Step
+from ..weights import RawWeight
 from ..sampling import probs
 from .dflash import BlockDrafter
+
+
+def draft_head_ids(e) -> torch.Tensor | None:
+    """Token ids of the ``--lm-head-draft`` proposal head (the N most frequent), or None for the full head."""
+    n = e.options.lm_head_draft
+    if not n:
+        return None
+    art = e.loaded.artifact
+    if art is None or not art.has("draft_head.token_ids"):
+        raise ValueError("--lm-head-draft needs token frequencies in the artifact (draft_head.token_ids); "
+                         "this model has none")
+    ids = art.tensor("draft_head.token_ids", torch.float32).to(torch.long)
+    if n > ids.numel():
+        raise ValueError(f"--lm-head-draft {n}: the artifact ranks only {ids.numel()} tokens")
+    return ids[:n].to(e.device)
+
+
+def draft_head_linear(e, ids: torch.Tensor):
+    """lm_head restricted to rows ``ids``, held like the full head (packed rows stay packed)."""
+    name = "lm_head.weight" if "lm_head.weight" in e.loaded.raws else "model.embed_tokens.weight"
+    raw = e.loaded.raws[name]
+    rows = ids.cpu()
+    if raw.fmt in quant.QUANT_FORMATS:
+        sec = {k: v[rows] for k, v in quant.sections(raw.buf, raw.fmt, raw.shape).items()}
+        sub = RawWeight(raw.fmt, (len(rows), raw.shape[1]), quant.pack_sections(sec, raw.fmt, raw.shape[1]))
+    else:
+        sub = RawWeight(raw.fmt, (len(rows), raw.shape[1]), quant.pack(raw.dense(torch.float32)[rows], raw.fmt))
+    return e.weights._linear(sub)
 
 
 class DraftHead:
@@ -30,7 +60,7 @@ class DraftHead:
         self.e = engine
         self.ids = ids
         self.scale, self.softcap = float(scale), float(softcap)
-        self.linear = engine.weights.linear("lm_head.weight") if ids is None else engine.draft_head_linear(ids)
+        self.linear = engine.weights.linear("lm_head.weight") if ids is None else draft_head_linear(engine, ids)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         x = self.linear(h).float()
@@ -81,7 +111,7 @@ class MTPDrafter:
         if engine.config.mtp_num_hidden_layers < 1 or not engine.weights.has("mtp.fc.weight"):
             raise ValueError("--spec mtp needs a model with an MTP head (mtp.* weights); this one has none")
         self.e = engine
-        self.head = DraftHead(engine, engine.draft_head_ids())
+        self.head = DraftHead(engine, draft_head_ids(engine))
         self.pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def forward(self, hidden, next_ids, pos, slots, kv_len, mode=DECODE, rope_pos=None):
@@ -177,7 +207,7 @@ class BlockDraftRunner:
         state = {n.split(".", 1)[1]: r.dense(torch.float32) for n, r in raws.items()}
         self.net.load_state_dict(state, strict=True)
         self.net.to(device=engine.device, dtype=engine.dtype).eval()
-        self.head = DraftHead(engine, engine.draft_head_ids(), cfg.extra.get("logit_scale", 1.0),
+        self.head = DraftHead(engine, draft_head_ids(engine), cfg.extra.get("logit_scale", 1.0),
                               cfg.extra.get("logit_softcap", 0.0))
         ring = cfg.kind == "dflash2" and cfg.window > 0
         self.window = cfg.window if ring else 0
