@@ -283,26 +283,6 @@ def generate(artifact, prompt, prompt_file, chat, max_new_tokens, temperature, t
                       f"decode {tok_s:.1f} tok/s{extra}[/]", highlight=False)
 
 
-def read_prompt_set(path: str, tokenizer) -> list[dict]:
-    """Prompts from a .jsonl file (``{"id", "text"}`` or ``{"id", "ids"}`` per line) or one prompt per .txt file."""
-    p = Path(path)
-    if p.suffix == ".jsonl":
-        out = []
-        for n, line in enumerate(p.read_text().splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise UserError(f"{path}:{n}: not JSON ({e.msg})") from None
-            ids = rec.get("ids") or tokenizer.encode(rec.get("text", ""))
-            if not ids:
-                raise UserError(f"{path}:{n}: prompt has no 'text' or 'ids'")
-            out.append({"id": str(rec.get("id", n)), "prompt_ids": [int(t) for t in ids]})
-        return out
-    return [{"id": p.stem, "prompt_ids": tokenizer.encode(p.read_text())}]
-
-
 @main.group()
 def oracle():
     """Produce oracle outputs with the independent reference forward (float64, sequential)."""
@@ -322,6 +302,7 @@ def oracle_prompts(artifact, prompts_path, max_new_tokens, top_k, dtype, out):
 
     from .engine.loader import load_source
     from .oracles.build import build_oracle
+    from .suites.common import read_prompt_set
 
     prompts = read_prompt_set(prompts_path, load_source(artifact).tokenizer)
     with Progress(console=err_console, transient=True) as prog:

@@ -19,20 +19,26 @@ def copy_bandwidth(device="cuda") -> float:
     return 2 * 2 * 1024**3 / (ms * 1e-3)
 
 
-def graph_us(fns, replays: int = GRAPH_REPLAYS) -> float:
-    """Median us per call over replays of one CUDA graph that makes every call in ``fns`` once."""
+def capture(calls) -> torch.cuda.CUDAGraph:
+    """One CUDA graph making every call in ``calls`` once (each run once outside first, to compile and warm)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        for f in fns:
+        for f in calls:
             f()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for f in fns:
+        for f in calls:
             f()
     graph.replay()
     torch.cuda.synchronize()
+    return graph
+
+
+def graph_us(fns, replays: int = GRAPH_REPLAYS) -> float:
+    """Median us per call over replays of one CUDA graph that makes every call in ``fns`` once."""
+    graph = capture(fns)
     times = []
     for _ in range(replays):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

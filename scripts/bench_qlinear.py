@@ -30,6 +30,8 @@ import _bootstrap  # noqa: E402
 
 _bootstrap.ensure_package()
 
+from _benchlib import capture, copy_bandwidth, graph_us  # noqa: E402
+
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
@@ -123,32 +125,6 @@ def rel_rms(y: torch.Tensor, ref: torch.Tensor) -> float:
     return ((y - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
-def copy_bandwidth(do_bench) -> float:
-    """Device copy bandwidth in B/s, bytes read + written (2 GiB buffer)."""
-    x = torch.empty(2 * 2**30, dtype=torch.uint8, device="cuda")
-    x.random_()
-    y = torch.empty_like(x)
-    ms = do_bench(lambda: y.copy_(x), warmup=50, rep=300, return_mode="median")
-    return 2 * x.numel() / (ms * 1e-3)
-
-
-def capture(calls) -> torch.cuda.CUDAGraph:
-    """One CUDA graph of the thunks in ``calls`` (already compiled and warmed up)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for f in calls[:2]:  # warm the allocator on the capture stream
-            f()
-    torch.cuda.current_stream().wait_stream(stream)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in calls:
-            f()
-    g.replay()
-    torch.cuda.synchronize()
-    return g
-
-
 def one_call_us(fn, do_bench) -> float:
     """Median us of one call replayed from a CUDA graph, L2 flushed before each (do_bench): no host time."""
     g = capture([fn])
@@ -158,16 +134,7 @@ def one_call_us(fn, do_bench) -> float:
 def rotating_us(calls) -> float:
     """us per call of GRAPH_CALLS thunks replayed from one graph (different weight copies, so the weights
     come from DRAM as in a model's forward), median of 15 replays."""
-    g = capture(calls)
-    times = []
-    for _ in range(15):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / len(calls))
-    return sorted(times)[len(times) // 2]
+    return graph_us(calls, replays=15)
 
 
 def int4_tinygemm(x: torch.Tensor, n: int, k: int, gs: int = 128):
@@ -225,7 +192,7 @@ def main() -> int:
                 f.write(json.dumps(rec) + "\n")
 
     props = torch.cuda.get_device_properties(0)
-    bw = copy_bandwidth(do_bench)
+    bw = copy_bandwidth()
     print(f"device {props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, "
           f"triton {triton.__version__}; copy bandwidth {bw / 1e12:.3f} TB/s (read + write)")
     emit({"kind": "copy", "device": props.name, "copy_Bps": bw})

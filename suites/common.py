@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import resource
 import statistics
 import time
@@ -66,3 +67,26 @@ def median(values):
 def percentile(values, q: float):
     vals = [v for v in values if v is not None]
     return float(np.percentile(vals, q)) if vals else None
+
+
+def read_prompt_set(path: str | Path, tokenizer) -> list[dict]:
+    """Prompts as ``{"id", "prompt_ids"}``: one per line of a .jsonl set (``{"id", "text"}`` or ``{"id", "ids"}``),
+    or the whole text of any other file as one prompt."""
+    p = Path(path)
+    if p.suffix != ".jsonl":
+        return [{"id": p.stem, "prompt_ids": tokenizer.encode(p.read_text())}]
+    out = []
+    for n, line in enumerate(p.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n}: not JSON ({e.msg})") from None
+        ids = rec.get("ids") or tokenizer.encode(rec.get("text", ""))
+        if not ids:
+            raise ValueError(f"{path}:{n}: prompt has no 'text' or 'ids'")
+        out.append({"id": str(rec.get("id", n)), "prompt_ids": [int(t) for t in ids]})
+    if not out:
+        raise ValueError(f"{path}: no prompts")
+    return out

@@ -8,7 +8,6 @@ peer (``engine="hf"``), and writes one result document.
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -16,7 +15,8 @@ from pathlib import Path
 import torch
 
 from ..reports.schema import make_result
-from .common import DEFAULT_PROMPT, copy_bandwidth, median, peak_memory_bytes, reset_peak_memory, tokens_sha256
+from .common import (DEFAULT_PROMPT, copy_bandwidth, median, peak_memory_bytes, read_prompt_set, reset_peak_memory,
+                     tokens_sha256)
 
 
 @dataclass(slots=True)
@@ -146,22 +146,9 @@ def fresh_media(engine, media) -> dict:
 
 
 def load_prompts(path: str, tokenizer, limit: int | None = None) -> list[list[int]]:
-    """Token ids of the prompt file: one prompt per text file, or one per line of a .jsonl prompt set
-    (``{"text": ...}`` or ``{"ids": [...]}``), the first ``limit`` of them."""
-    p = Path(path)
-    if p.suffix != ".jsonl":
-        return [tokenizer.encode(p.read_text())]
-    out = []
-    for n, line in enumerate(p.read_text().splitlines(), 1):
-        if line.strip():
-            rec = json.loads(line)
-            ids = rec.get("ids") or tokenizer.encode(rec.get("text", ""))
-            if not ids:
-                raise ValueError(f"{path}:{n}: prompt has no 'text' or 'ids'")
-            out.append([int(t) for t in ids])
-    if not out:
-        raise ValueError(f"{path}: no prompts")
-    return out[:limit] if limit else out
+    """Token ids of the prompt file (see :func:`read_prompt_set`), the first ``limit`` of them."""
+    ids = [rec["prompt_ids"] for rec in read_prompt_set(path, tokenizer)]
+    return ids[:limit] if limit else ids
 
 
 def summarize(records: list[dict], *, weight_bytes: int | None, copy_bw: float | None, peak: int) -> dict:
