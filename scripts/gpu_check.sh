@@ -12,6 +12,7 @@
 #   hf27     the transformers peer at the 27B shape (bf16, with fla if carried)
 #   conc27   27B synthetic concurrency C1-C8
 #   vision   the vision tower at the real shape next to transformers'
+#   smoke    minutes-long first look: the training pipeline --tiny on CUDA, a 27B synthetic DFlash2 K=7 decode
 #   train    scripts/train_bundled.py --stage all --ship $OUT
 set -u
 export PYTHONUNBUFFERED=1
@@ -27,14 +28,14 @@ M27="--model qwen3.8-27b --synthetic"
 for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case $stage in
-    tests)   python3 -m pytest -q -x -p no:cacheprovider tests/test_cuda_engine.py tests/test_fastpath.py \
+    tests)   timeout 170 python3 -m pytest -q -x -p no:cacheprovider tests/test_cuda_engine.py tests/test_fastpath.py \
                tests/test_kernels_qlinear.py tests/test_kernels_attention.py tests/test_kernels_gdn.py \
                tests/test_kernels_gdn_triton.py tests/test_kernels_fused.py 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
     kernels) python3 scripts/bench_qlinear.py --quick 2>&1 | tee "$OUT/qlinear.log" | tail -30
              python3 scripts/bench_attention.py --no-sweep 2>&1 | tee "$OUT/attention.log" | tail -15
              python3 scripts/bench_fused.py --gdn-only 2>&1 | tee "$OUT/fused.log" | tail -15
              nb kernels --shape qwen3.8-27b --t 1,8 --repeats 30 --json "$OUT/kernels_27b.json" 2>&1 | tail -12 ;;
-    tiny)    nb decode --model tiny -n 256 --repeats 2 --json "$OUT/tiny_v3.json" 2>&1 | tail -20 ;;
+    tiny)    timeout 90 python3 scripts/nb.py decode --model tiny -n 256 --repeats 2 --json "$OUT/tiny_v3.json" 2>&1 | tail -20 ;;
     d27)     for rt in v3 v2; do nb decode $M27 -n 128 --repeats 3 --runtime $rt --json "$OUT/d27_${rt}_none.json" \
                2>&1 | tail -20; done ;;
     spec27)  for rb in snapshot recompute; do for s in "mtp -k 3" "dflash2 -k 7"; do
@@ -43,6 +44,10 @@ for stage in "$@"; do
     hf27)    nb decode $M27 --engine hf -n 32 --repeats 1 --warmup 0 --json "$OUT/d27_hf.json" 2>&1 | tail -20 ;;
     conc27)  nb concurrency $M27 -c 1,2,4,8 -n 64 --rounds 2 --json "$OUT/conc27.json" 2>&1 | tail -15 ;;
     vision)  python3 scripts/bench_vision.py 2>&1 | tee "$OUT/vision.log" | tail -20 ;;
+    smoke)   timeout 150 python3 scripts/train_bundled.py --tiny --device cuda --out /tmp/tinytrain --ship /tmp/tinyship \
+               2>&1 | tee "$OUT/smoke_train.log" | tail -25
+             timeout 150 nb decode $M27 -n 32 --repeats 1 --warmup 1 --spec dflash2 -k 7 --json "$OUT/smoke27.json" \
+               2>&1 | tail -25 ;;
     train)   python3 scripts/train_bundled.py --out /tmp/bundled --ship "$OUT" --stage all --seed 0 2>&1 \
                | tee "$OUT/train.log" | tail -40 ;;
     *)       echo "unknown stage $stage" ;;

@@ -403,7 +403,15 @@ def main(argv=None) -> None:
     for stage in args.stages:
         t0 = time.time()
         print(f"[{stage}] start", flush=True)
-        facts = RUNNERS[stage](args, p, w)
+        try:
+            facts = RUNNERS[stage](args, p, w)
+        except BaseException:
+            shipped = list(args.ship.glob(BUNDLED_NAME + ".part*")) if args.ship.is_dir() else []
+            if stage in ("drafters", "export") and (w.hf / "model.safetensors").is_file() and not shipped:
+                # the trained target is the expensive part: ship it so that a later call can --resume
+                print(f"[{stage}] failed; checkpoint shipped for --resume: {ship_checkpoint(w, args.ship)}",
+                      flush=True)
+            raise
         facts["stage_seconds"] = round(time.time() - t0, 1)
         if stage == "corpus":
             facts["imports_s"] = round(t0 - START, 1)
