@@ -46,7 +46,7 @@ for stage in "$@"; do
     vision)  python3 scripts/bench_vision.py 2>&1 | tee "$OUT/vision.log" | tail -20 ;;
     smoke)   timeout 150 python3 scripts/train_bundled.py --tiny --device cuda --out /tmp/tinytrain --ship /tmp/tinyship \
                2>&1 | tee "$OUT/smoke_train.log" | tail -25
-             timeout 150 nb decode $M27 -n 32 --repeats 1 --warmup 1 --spec dflash2 -k 7 --json "$OUT/smoke27.json" \
+             timeout 150 python3 scripts/nb.py decode $M27 -n 32 --repeats 1 --warmup 1 --spec dflash2 -k 7 --json "$OUT/smoke27.json" \
                2>&1 | tail -25 ;;
     train)   python3 scripts/train_bundled.py --out /tmp/bundled --ship "$OUT" --stage all --seed 0 2>&1 \
                | tee "$OUT/train.log" | tail -40 ;;
