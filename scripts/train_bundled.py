@@ -188,8 +188,9 @@ def stage_target(args, p: Preset, w: Work) -> dict:
     tk = tok.load(w.tokenizer)
     cfg = target.model_config(p.shape, tk.get_vocab_size())
     model, mtp = target.new_model(cfg, args.seed)
-    gdn = target.gdn_kernels(args.device)
-    print(f"  gated delta rule: {gdn['chunk_gated_delta_rule']}; conv: {gdn['causal_conv1d_fn']}; fla {gdn['fla']}")
+    gdn = target.gdn_kernels(args.device, cfg)
+    print(f"  gated delta rule: {gdn['chunk_gated_delta_rule']}; conv: {gdn['causal_conv1d_fn']}; fla {gdn['fla']}; "
+          f"fla gradients vs torch reference: {gdn.get('fla_grad_check', 'not checked')}", flush=True)
     stream, enc = np.load(w.tokens / "train.npy"), lambda s: tk.encode(s, add_special_tokens=False).ids
     newline = tok.newline_mask(tk, cfg.vocab_size)
     batches = Batches(stream, p.seq_len, p.batch, args.seed, p.retrieval_frac, enc, newline)
@@ -212,7 +213,7 @@ def stage_drafters(args, p: Preset, w: Work) -> dict:
     w.need(w.hf / "model.safetensors")
     tk = tok.load(w.tokenizer)
     model, mtp, cfg = target.load_hf(w.hf, args.device)
-    target.gdn_kernels(args.device)
+    target.gdn_kernels(args.device, cfg)
     nets = drafters.new_drafters(cfg, p.shape, tk.token_to_id(tok.MASK), args.seed)
     batches = Batches(np.load(w.tokens / "train.npy"), p.d_seq_len, p.d_batch, args.seed + 1, 0.0,
                       lambda s: tk.encode(s, add_special_tokens=False).ids, tok.newline_mask(tk, cfg.vocab_size))

@@ -30,9 +30,10 @@ COMMON = dict(rope_theta=1e7, partial_rotary_factor=0.25, tie_word_embeddings=Tr
               mtp_num_hidden_layers=1, eos_token_id=(0,))
 SHAPES = {
     # 8 layers = 2 x [3 GDN + 1 full]; GDN v heads = 3 x k heads, 6 query heads per kv head (27B ratios)
+    # GDN head dim 128 as in the 27B; it also keeps fla's backward off the Hopper miscompile (fla #640: BK=64)
     "small": dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=8, num_attention_heads=6,
-                  num_key_value_heads=1, head_dim=64, linear_num_key_heads=2, linear_num_value_heads=6,
-                  linear_key_head_dim=64, linear_value_head_dim=64),
+                  num_key_value_heads=1, head_dim=64, linear_num_key_heads=1, linear_num_value_heads=3,
+                  linear_key_head_dim=128, linear_value_head_dim=128),
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=6,
                  num_key_value_heads=1, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=6,
                  linear_key_head_dim=16, linear_value_head_dim=16),
@@ -126,7 +127,51 @@ def _fla_chunk(fla_fn):
     return chunk
 
 
-def gdn_kernels(device: torch.device) -> dict:
+def _reference(fn):
+    """Down the wrappers (our counter, transformers' hub-kernel wrapper) to transformers' torch reference."""
+    while hasattr(fn, "__wrapped__"):
+        fn = fn.__wrapped__
+    return fn
+
+
+def grad_check(fla_chunk, reference, cfg: ModelConfig, device: torch.device, seed: int = 0,
+               tol: float = 0.05) -> dict:
+    """fla's gated delta rule against transformers' torch reference at the model's GDN shape: outputs and the
+    gradients of every input, relative RMS (bf16 inputs; the reference computes in fp32)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    b, t, h, dk, dv = 2, 256, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    raw = {"query": torch.randn(b, t, h, dk, generator=gen, device=device),
+           "key": torch.randn(b, t, h, dk, generator=gen, device=device),
+           "value": torch.randn(b, t, h, dv, generator=gen, device=device),
+           "g": -F.softplus(torch.randn(b, t, h, generator=gen, device=device)),
+           "beta": torch.sigmoid(torch.randn(b, t, h, generator=gen, device=device))}
+    weight = torch.randn(b, t, h, dv, generator=gen, device=device)
+    raw = {k: v.to(torch.bfloat16).float() for k, v in raw.items()}
+    got = {}
+    for name, fn, dtype in (("fla", fla_chunk, torch.bfloat16), ("reference", reference, torch.float32)):
+        xs = {k: v.to(dtype).requires_grad_() for k, v in raw.items()}
+        out = fn(**xs, use_qk_l2norm_in_kernel=True)[0].float()
+        (out * weight).sum().backward()
+        got[name] = {"out": out.detach(), **{k: v.grad.float() for k, v in xs.items()}}
+    rel = {k: float((got["fla"][k] - v).norm() / v.norm().clamp_min(1e-12)) for k, v in got["reference"].items()}
+    return {"rel_rms": {k: round(v, 5) for k, v in rel.items()}, "tolerance": tol,
+            "ok": all(v <= tol for v in rel.values())}
+
+
+def _lift_hopper_guard() -> bool:
+    """fla refuses its gated backward on Hopper with Triton 3.4-3.7.0 (fla #640: a miscompile at BK=64); at head
+    dim 128 the kernel tiles with BK=128. Lift the refusal (``grad_check`` then decides); True if it was set."""
+    try:
+        from fla.ops.common import chunk_o
+    except Exception:  # no fla, or a layout without the guard
+        return False
+    if getattr(chunk_o, "IS_NVIDIA_HOPPER", False) and getattr(chunk_o, "TRITON_ABOVE_3_7_1", True) is False:
+        chunk_o.TRITON_ABOVE_3_7_1 = True
+        return True
+    return False
+
+
+def gdn_kernels(device: torch.device, cfg: ModelConfig | None = None) -> dict:
     """Report (and on CUDA insist on) fla's chunked gated delta rule, and count calls of each kernel.
 
     transformers resolves ``chunk_gated_delta_rule`` from fla when fla imports at the time its Qwen3.5 module
@@ -150,11 +195,16 @@ def gdn_kernels(device: torch.device) -> dict:
         info["chunk_gated_delta_rule"] = FLA_SHIM
     elif device.type != "cuda" and info["chunk_gated_delta_rule"].startswith("fla"):
         for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):  # fla needs CUDA tensors
-            fn = getattr(mq, name)
-            while hasattr(fn, "__wrapped__"):  # our counter, then transformers' wrapper, down to its torch reference
-                fn = fn.__wrapped__
-            setattr(mq, name, fn)
+            setattr(mq, name, _reference(getattr(mq, name)))
         info["chunk_gated_delta_rule"] = _implementation(mq.torch_chunk_gated_delta_rule)
+    if device.type == "cuda" and chunk_gated_delta_rule is not None and cfg is not None:
+        info["hopper_guard_lifted"] = _lift_hopper_guard()
+        check = grad_check(_fla_chunk(chunk_gated_delta_rule), _reference(mq.torch_chunk_gated_delta_rule), cfg,
+                           device)
+        info["fla_grad_check"] = check
+        if not check["ok"]:  # wrong gradients: train through the torch reference (slower, correct)
+            mq.torch_chunk_gated_delta_rule = _reference(mq.torch_chunk_gated_delta_rule)
+            info["chunk_gated_delta_rule"] = _implementation(mq.torch_chunk_gated_delta_rule)
     for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn"):
         fn = getattr(mq, name)
         if not getattr(fn, "counted", False):
