@@ -19,7 +19,10 @@ class UserError(click.ClickException):
     """A mistake in what the user asked for: one line on stderr, exit code 1."""
 
     def show(self, file=None) -> None:
-        err_console.print(f"[bold red]error:[/] {self.message}", highlight=False)
+        from rich.text import Text
+
+        # the message as plain text: no markup or emoji codes inside it (``[...]``, ``:x``) are interpreted
+        err_console.print(Text.assemble(("error:", "bold red"), " ", self.message), highlight=False)
 
 
 class Group(click.Group):
@@ -174,10 +177,25 @@ def upgrade(v2_file, v3_file):
 
 
 # ---- running a model ---------------------------------------------------------------------------------
-def engine_options(f=None, *, kv_default: str = "int8"):
-    """The options every command that binds an Engine takes."""
+def comma_list(choices):
+    """A click callback: a comma-separated list of ``choices`` -> tuple (order kept, duplicates dropped)."""
+    def parse(ctx, param, value):
+        items = tuple(dict.fromkeys(v.strip() for v in value.split(",") if v.strip()))
+        bad = [v for v in items if v not in choices]
+        if bad or not items:
+            raise click.BadParameter(f"{value!r}: comma-separated values from {', '.join(choices)}")
+        return items
+    return parse
+
+
+def engine_options(f=None, *, kv_default: str = "int8", runtime_list: bool = False):
+    """The options every command that binds an Engine takes (``runtime_list``: --runtime takes v3,v2)."""
     if f is None:
-        return lambda g: engine_options(g, kv_default=kv_default)
+        return lambda g: engine_options(g, kv_default=kv_default, runtime_list=runtime_list)
+    runtime = click.option("--runtime", default="v3", show_default=True, callback=comma_list(("v2", "v3")),
+                           help="v3 (fused kernels, CUDA graphs) or v2 (eager); comma-separated to run both.") \
+        if runtime_list else click.option("--runtime", type=click.Choice(["v2", "v3"]), default="v3",
+                                          show_default=True)
     opts = [
         click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True),
         click.option("--dtype", type=click.Choice(["auto", "fp32", "bf16", "fp16"]), default="auto",
@@ -190,7 +208,7 @@ def engine_options(f=None, *, kv_default: str = "int8"):
                      help="Total K/V tokens over all slots (default max-context x max-concurrency)."),
         click.option("--max-concurrency", type=int, default=1, show_default=True),
         click.option("--prefill-chunk", type=int, default=512, show_default=True),
-        click.option("--runtime", type=click.Choice(["v2", "v3"]), default="v3", show_default=True),
+        runtime,
         click.option("--synthetic", is_flag=True, help="Seeded random weights for a preset (e.g. qwen3.8-27b)."),
         click.option("--quant", type=click.Choice(["fp32", "bf16", "q8", "q5", "q4", "mixed"]), default="mixed",
                      show_default=True, help="Formats of --synthetic weights."),

@@ -13,7 +13,7 @@ import click
 from rich.progress import BarColumn, Progress, TextColumn
 from rich.table import Table
 
-from .cli import UserError, console, engine_options, err_console, int_list, main, oracle
+from .cli import UserError, comma_list, console, engine_options, err_console, int_list, main, oracle
 
 
 # ---- suites ------------------------------------------------------------------------------------------
@@ -45,12 +45,15 @@ def fmt(v, spec=".2f"):
 
 @main.command()
 @click.option("--model", default=None, help="Artifact path or preset [default: the bundled model].")
-@click.option("--engine", type=click.Choice(["ours", "hf"]), default="ours", show_default=True,
-              help="ours, or the transformers peer on the same weights.")
-@click.option("--spec", type=click.Choice(["none", "mtp", "dflash", "dflash2"]), default="none", show_default=True)
+@click.option("--engine", "engines", default="ours", show_default=True, callback=comma_list(("ours", "hf")),
+              help="ours, or hf (the transformers peer on the same weights); ours,hf runs both on one load.")
+@click.option("--spec", "specs", default="none", show_default=True,
+              help="none, mtp, dflash or dflash2, each optionally NAME:K; comma-separated to run several "
+                   "(e.g. none,mtp:3,dflash2:7).")
 @click.option("--draft-tokens", "-k", type=int, default=None, help="Draft tokens per round (default: MTP 3, DFlash 7).")
-@click.option("--rollback", type=click.Choice(["recompute", "snapshot"]), default="recompute", show_default=True,
-              help="How rejected positions' recurrent state is undone.")
+@click.option("--rollback", "rollbacks", default="recompute", show_default=True,
+              callback=comma_list(("recompute", "snapshot")),
+              help="How rejected positions' recurrent state is undone; recompute,snapshot runs both.")
 @click.option("--lm-head-draft", type=int, default=0, show_default=True,
               help="Drafters score only the N most frequent tokens (0: the full vocabulary).")
 @click.option("--prompt-file", type=click.Path(exists=True, dir_okay=False), default=None,
@@ -64,24 +67,47 @@ def fmt(v, spec=".2f"):
 @click.option("--stop-at-eos", is_flag=True, help="Stop at end-of-sequence (default: always generate -n tokens).")
 @click.option("--repeats", type=int, default=3, show_default=True)
 @click.option("--warmup", type=int, default=1, show_default=True)
-@click.option("--label", default=None, help="Label of this run in reports [default: runtime-spec-k].")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write the result document.")
+@click.option("--label", default=None, help="Label of this run in reports [default: runtime-spec-k; with several "
+                                            "runs, a prefix of each run's label].")
+@click.option("--json", "json_path", type=click.Path(), default=None,
+              help="Write the result document (several runs: a folder, one LABEL.json per run).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of --synthetic weights.")
-@engine_options
-def decode(model, engine, spec, draft_tokens, rollback, lm_head_draft, prompt_file, n_prompts, images, max_new_tokens,
-           stop_at_eos, repeats, warmup, label, json_path, seed, max_concurrency, kv_capacity, **options):
-    """The short-code decode test: prefill a code prompt, greedy-decode N tokens, measure speed and acceptance."""
-    from .suites.common import DEFAULT_PROMPT
-    from .suites.decode import DecodeOptions, run_decode
+@engine_options(runtime_list=True)
+def decode(model, engines, specs, draft_tokens, rollbacks, lm_head_draft, prompt_file, n_prompts, images,
+           max_new_tokens, stop_at_eos, repeats, warmup, label, json_path, seed, max_concurrency, kv_capacity,
+           runtime, **options):
+    """The short-code decode test: prefill a code prompt, greedy-decode N tokens, measure speed and acceptance.
 
-    opts = DecodeOptions(model=model, engine=engine, spec=spec, draft_tokens=draft_tokens, rollback=rollback,
-                         lm_head_draft=lm_head_draft, prompt_file=prompt_file or str(DEFAULT_PROMPT), prompts=n_prompts,
-                         images=images,
-                         max_new_tokens=max_new_tokens, ignore_eos=not stop_at_eos, repeats=repeats, warmup=warmup,
-                         label=label, seed=seed, **options)
+    Comma-separated --engine, --runtime, --spec and --rollback run every combination in one process, the
+    weights loaded once (as llama-bench runs its grid), and end with a side-by-side table."""
+    from .suites.common import DEFAULT_PROMPT
+    from .suites.decode import decode_runs, run_matrix
+
+    base = dict(model=model, lm_head_draft=lm_head_draft, prompt_file=prompt_file or str(DEFAULT_PROMPT),
+                prompts=n_prompts, images=images, max_new_tokens=max_new_tokens, ignore_eos=not stop_at_eos,
+                repeats=repeats, warmup=warmup, seed=seed, **options)
+    runs = decode_runs(base, engines=engines, specs=tuple(specs.split(",")), runtimes=runtime, rollbacks=rollbacks,
+                       draft_tokens=draft_tokens, label=label)
+    many = len(runs) > 1
+    if many and json_path and Path(json_path).is_file():
+        raise UserError(f"--json {json_path}: several runs write a folder (one LABEL.json each), not a file")
+
+    def done(doc):
+        if many:
+            save_result(doc, str(Path(json_path) / f"{doc['label']}.json") if json_path else None)
+        else:
+            console.print(decode_table(doc))
+            save_result(doc, json_path)
+
     prog, update = suite_progress("decode")
     with prog:
-        doc = run_decode(opts, progress=update)
+        docs = run_matrix(runs, progress=update, done=done)
+    if many:
+        console.print(compare_table(docs))
+
+
+def decode_table(doc: dict) -> Table:
+    """One decode result, metric by metric."""
     s = doc["summary"]
     table = Table(title=f"decode: {doc['label']} on {doc['config']['device']} ({doc['env'].get('gpu') or 'cpu'})")
     for col in ("metric", "value"):
@@ -102,8 +128,28 @@ def decode(model, engine, spec, draft_tokens, rollback, lm_head_draft, prompt_fi
         rows += [("vision encode ms", fmt(s["vision_encode_ms"], ".1f")), ("vision tokens", str(s["vision_tokens"]))]
     for k, v in rows:
         table.add_row(k, v)
-    console.print(table)
-    save_result(doc, json_path)
+    return table
+
+
+def compare_table(docs: list[dict]) -> Table:
+    """Several decode results side by side; speed also as a ratio to the first run."""
+    first = docs[0]["summary"]["decode_tok_s"]
+    table = Table(title=f"decode: {len(docs)} runs on {docs[0]['config']['device']} "
+                        f"({docs[0]['env'].get('gpu') or 'cpu'}), ratio vs {docs[0]['label']}")
+    cols = ("run", "decode tok/s", "x first", "ms / round", "draft / verify ms", "tokens / round", "acceptance",
+            "roofline", "peak MiB", "tokens sha256")
+    for c in cols:
+        table.add_column(c, justify="left" if c in ("run", "tokens sha256") else "right")
+    for d in docs:
+        s = d["summary"]
+        split = (f"{fmt(s.get('draft_ms_per_round'), '.2f')} / {fmt(s.get('verify_ms_per_round'), '.2f')}"
+                 if s.get("draft_ms_per_round") is not None else "-")
+        ratio = s["decode_tok_s"] / first if first and s["decode_tok_s"] else None
+        table.add_row(d["label"], fmt(s["decode_tok_s"], ".1f"), fmt(ratio, ".2f"),
+                      fmt(s["device_ms_per_round"], ".3f"), split, fmt(s["tokens_per_round"]),
+                      fmt(s["acceptance_rate"], ".3f"), fmt(s["roofline_fraction"], ".3f"),
+                      f"{s['peak_memory_bytes'] / 2**20:,.0f}", s["tokens_sha256"][:12])
+    return table
 
 
 # ---- reports and gates -------------------------------------------------------------------------------

@@ -2,6 +2,8 @@
 
 Used for presets (``--model qwen3.8-27b --synthetic``): speed is measured at the real shape without a
 54 GB file. Values follow the usual initialisation scales so activations stay finite through every layer.
+The values come from the device's own generator: one seed gives the same weights on every run on one kind of
+device, but CUDA and CPU draw different numbers (compare devices through an artifact file, not a preset).
 """
 
 from __future__ import annotations

@@ -1,16 +1,15 @@
 #!/usr/bin/env bash
 # One device call: install the carried wheels, then run the named stages in order, each with its output under $OUT.
 # Usage (repo root, on the GPU machine; carry [".whl"] for fla-core):
-#   bash scripts/gpu_check.sh tests kernels tiny d27 spec27 hf27 conc27 vision
+#   bash scripts/gpu_check.sh tests d27 niah conc27 vision kernels
 #   bash scripts/gpu_check.sh train          # the bundled model (about 9 minutes: give it a call of its own)
 # Stages:
 #   tests    CUDA tests: engine on CUDA (graphs, fused path), every Triton kernel against its reference
 #   kernels  bench_qlinear --quick, bench_attention --no-sweep, bench_fused, and the kernels suite at the 27B shape
 #   tiny     decode on the tiny preset (v3, graphs) as a smoke test
-#   d27      27B synthetic decode, no speculation, v3 and v2
-#   spec27   27B synthetic MTP3 and DFlash2 K=7, both rollback strategies
+#   d27      27B synthetic decode in one process (one weight build): none / MTP3 / DFlash2 K=7 x v3 / v2 x both
+#            rollback strategies, and the transformers peer on the same weights (bf16, with fla if carried)
 #   niah     the bundled model's NIAH grid, 8K-64K x 0-100 % depth
-#   hf27     the transformers peer at the 27B shape (bf16, with fla if carried)
 #   conc27   27B synthetic concurrency C1-C8
 #   vision   the vision tower at the real shape next to transformers'
 #   smoke    minutes-long first look: the training pipeline --tiny on CUDA, a 27B synthetic DFlash2 K=7 decode
@@ -37,15 +36,10 @@ for stage in "$@"; do
              python3 scripts/bench_fused.py --gdn-only 2>&1 | tee "$OUT/fused.log" | tail -15
              nb kernels --shape qwen3.8-27b --t 1,8 --repeats 30 --json "$OUT/kernels_27b.json" 2>&1 | tail -12 ;;
     tiny)    timeout 90 python3 scripts/nb.py decode --model tiny -n 256 --repeats 2 --json "$OUT/tiny_v3.json" 2>&1 | tail -20 ;;
-    d27)     for rt in v3 v2; do nb decode $M27 -n 64 --repeats 2 --runtime $rt --json "$OUT/d27_${rt}_none.json" \
-               2>&1 | tail -20; done ;;
-    spec27)  for run in "snapshot mtp -k 3" "snapshot dflash2 -k 7" "recompute dflash2 -k 7" "recompute mtp -k 3"; do
-               set -- $run; rb=$1; shift
-               nb decode $M27 -n 64 --repeats 2 --rollback $rb --spec "$@" \
-                 --json "$OUT/d27_v3_$(echo "$@" | tr -d ' -')_$rb.json" 2>&1 | tail -20; done ;;
+    d27)     nb decode $M27 --engine ours,hf --spec none,mtp:3,dflash2:7 --runtime v3,v2 --rollback recompute,snapshot \
+               -n 64 --repeats 2 --json "$OUT/d27" 2>&1 | tail -40 ;;
     niah)    nb niah --ctx 8192,16384,32768,65536 --json "$OUT/niah_bundled.json" --heatmap "$OUT/niah_bundled.png" \
                2>&1 | tail -25 ;;
-    hf27)    nb decode $M27 --engine hf -n 32 --repeats 1 --warmup 0 --json "$OUT/d27_hf.json" 2>&1 | tail -20 ;;
     conc27)  nb concurrency $M27 -c 1,2,4,8 -n 64 --rounds 2 --json "$OUT/conc27.json" 2>&1 | tail -15 ;;
     vision)  python3 scripts/bench_vision.py 2>&1 | tee "$OUT/vision.log" | tail -20 ;;
     smoke)   timeout 150 python3 scripts/train_bundled.py --tiny --device cuda --out /tmp/tinytrain --ship /tmp/tinyship \

@@ -180,20 +180,88 @@ def summarize(records: list[dict], *, weight_bytes: int | None, copy_bw: float |
     return summary
 
 
-def run_decode(opts: DecodeOptions, progress=None) -> dict:
-    """Run the decode suite; returns the result document. ``progress(done, total, what)`` reports repeats."""
+SPECS = ("none", "mtp", "dflash", "dflash2")
+
+
+def parse_spec(item: str, draft_tokens: int | None) -> tuple[str, int | None]:
+    """``NAME`` or ``NAME:K`` -> (spec, K); K defaults to ``draft_tokens``, then to the drafter's default."""
+    from ..engine.options import DEFAULT_DRAFT
+
+    name, colon, k = item.strip().partition(":")
+    if name not in SPECS:
+        raise ValueError(f"--spec: unknown drafter {name!r} (one of {', '.join(SPECS)}, optionally NAME:K)")
+    if name == "none":
+        if colon:
+            raise ValueError("--spec none takes no :K")
+        return name, None
+    if colon:
+        if not k.isdigit() or int(k) < 1:
+            raise ValueError(f"--spec {item}: K must be a positive integer")
+        return name, int(k)
+    return name, draft_tokens if draft_tokens is not None else DEFAULT_DRAFT[name]
+
+
+def decode_runs(base: dict, *, engines=("ours",), specs=("none",), runtimes=("v3",), rollbacks=("recompute",),
+                draft_tokens: int | None = None, label: str | None = None) -> list[DecodeOptions]:
+    """The grid of decode runs a command line asks for: every runtime x spec x rollback of our engine (rollback
+    only where there is a drafter), and the transformers peer once (plain greedy). Labels are unique: with
+    several rollbacks each speculative label names its own, and ``label`` prefixes them all."""
+    if set(engines) == {"hf"} and any(parse_spec(x, None)[0] != "none" for x in specs):
+        raise ValueError("--engine hf runs plain greedy decoding: use --spec none (or --engine ours,hf)")
+    runs = []
+    for engine in dict.fromkeys(engines):
+        if engine == "hf":
+            runs.append(DecodeOptions(**base, engine="hf"))
+            continue
+        for runtime in dict.fromkeys(runtimes):
+            for item in dict.fromkeys(specs):
+                spec, k = parse_spec(item, draft_tokens)
+                for rollback in dict.fromkeys(rollbacks if spec != "none" else rollbacks[:1]):
+                    runs.append(DecodeOptions(**base, engine=engine, runtime=runtime, spec=spec, draft_tokens=k,
+                                              rollback=rollback))
+    if not runs:
+        raise ValueError("no decode run: give at least one engine, runtime and spec")
+    if len(runs) == 1:
+        runs[0].label = label
+        return runs
+    for r in runs:
+        name = r.default_label() + (f"-{r.rollback}" if len(set(rollbacks)) > 1 and r.spec != "none" else "")
+        r.label = f"{label}-{name}" if label else name
+    seen = [r.label for r in runs]
+    if len(set(seen)) != len(seen):
+        raise ValueError(f"two runs would share a label: {seen}")
+    return runs
+
+
+def load_model(opts: DecodeOptions):
+    """The weights a run of ``opts`` decodes with (what several runs on one model share)."""
+    from ..engine.loader import load_source
+    from ..engine.options import EngineOptions
+
+    device = EngineOptions(device=opts.device).torch_device
+    return load_source(opts.model, synthetic=opts.synthetic, quant=opts.quant, seed=opts.seed, device=device)
+
+
+def model_key(opts: DecodeOptions) -> tuple:
+    return opts.model, opts.synthetic, opts.quant, opts.seed, opts.device
+
+
+def run_decode(opts: DecodeOptions, progress=None, loaded=None) -> dict:
+    """Run the decode suite; returns the result document. ``progress(done, total, what)`` reports repeats.
+    ``loaded``: the weights (``load_model(opts)``), when the caller shares one load between runs."""
     if opts.engine == "hf":
         from .hf_peer import HFPeer
 
-        runner = HFPeer.load(opts)
+        runner = HFPeer.load(opts, loaded)
     else:
+        from ..engine.options import EngineOptions
         from ..engine.runtime import Engine
 
-        runner = Engine.load(opts.model, synthetic=opts.synthetic, quant=opts.quant, seed=opts.seed,
-                             device=opts.device, dtype=opts.dtype, kv_dtype=opts.kv_dtype,
-                             max_context=opts.max_context, prefill_chunk=opts.prefill_chunk, runtime=opts.runtime,
-                             spec=opts.spec, draft_tokens=opts.draft_tokens, rollback=opts.rollback,
-                             lm_head_draft=opts.lm_head_draft)
+        options = EngineOptions(device=opts.device, dtype=opts.dtype, kv_dtype=opts.kv_dtype,
+                                max_context=opts.max_context, prefill_chunk=opts.prefill_chunk, runtime=opts.runtime,
+                                spec=opts.spec, draft_tokens=opts.draft_tokens, rollback=opts.rollback,
+                                lm_head_draft=opts.lm_head_draft)
+        runner = Engine(loaded if loaded is not None else load_model(opts), options)
         opts.draft_tokens = runner.options.draft_tokens
         opts.max_context = runner.options.max_context
     prompts = load_prompts(opts.prompt_file, runner.tokenizer, opts.prompts)
@@ -222,6 +290,33 @@ def run_decode(opts: DecodeOptions, progress=None) -> dict:
     config["dtype"] = str(runner.dtype).replace("torch.", "")
     return make_result("decode", label=config["label"], config=config, records=records, summary=summary,
                        model=dict(runner.model_info))
+
+
+def run_matrix(runs: list[DecodeOptions], progress=None, done=None) -> list[dict]:
+    """Several decode runs in one process, as llama-bench runs its parameter grid: consecutive runs on the same
+    weights share one load (a 27B synthetic build takes minutes on a GPU). ``done(doc)`` is called after each."""
+    docs, key, loaded = [], None, None
+    for i, opts in enumerate(runs):
+        if model_key(opts) != key:
+            loaded = None
+            free_device_memory()
+            key, loaded = model_key(opts), load_model(opts)
+        if progress:
+            progress(0, 1, f"run {i + 1}/{len(runs)}: {opts.label or opts.default_label()}")
+        doc = run_decode(opts, progress, loaded=loaded)
+        free_device_memory()  # the run's engine (its caches, graphs and packed weights) is gone: give it back
+        docs.append(doc)
+        if done:
+            done(doc)
+    return docs
+
+
+def free_device_memory() -> None:
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def measure_time(fn, device) -> tuple[object, float]:

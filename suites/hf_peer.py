@@ -1,8 +1,8 @@
 """The transformers peer (``--engine hf``): the same weights, dequantized, through ``generate``.
 
 This is what a Python user would otherwise run: ``Qwen3_5ForCausalLM`` in bf16 on CUDA (fp32 on CPU), eager
-greedy ``generate``. TTFT is a one-token ``generate``; decode time is the rest of a full one (as the anchors
-measure it).
+greedy ``generate``. TTFT is the time to its first new token and decode time the rest of the same call (the
+anchors measure it the same way).
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ class HFPeer:
         self.config = loaded.config
 
     @classmethod
-    def load(cls, opts) -> "HFPeer":
+    def load(cls, opts, loaded=None) -> "HFPeer":
+        """The peer for a decode run's options; ``loaded``: the weights, when already loaded for ``opts``."""
         try:
             import transformers
         except ImportError:
@@ -39,7 +40,9 @@ class HFPeer:
         device = torch.device(opts.device if opts.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32, "fp32": torch.float32,
                  "bf16": torch.bfloat16, "fp16": torch.float16}[opts.dtype]
-        loaded = load_source(opts.model, synthetic=opts.synthetic, quant=opts.quant, seed=opts.seed, device=device)
+        if loaded is None:
+            loaded = load_source(opts.model, synthetic=opts.synthetic, quant=opts.quant, seed=opts.seed,
+                                 device=device)
         cfg = loaded.config
         if device.type == "cpu":
             apply_cpu_threads(cfg.hidden_size)  # the same thread rule as our engine, for a fair comparison
@@ -69,22 +72,41 @@ class HFPeer:
 
     @torch.inference_mode()
     def generate(self, prompt_ids, max_new_tokens: int = 256, ignore_eos: bool = True, **_) -> GenerationResult:
+        """One greedy ``generate``; a streamer stamps each new token as it arrives (transformers synchronises with
+        the device every step to test its stopping criteria), so TTFT and decode come from the same call."""
         ids = torch.tensor([prompt_ids], device=self.device)
         eos = None if ignore_eos else list(self.tokenizer.eos_ids)
-        kw = dict(do_sample=False, eos_token_id=eos, pad_token_id=0)
+        stamps = _Stamps()
         _sync(self.device)
         t0 = time.perf_counter()
-        self.model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
+        out = self.model.generate(ids, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens if ignore_eos
+                                  else 0, do_sample=False, eos_token_id=eos, pad_token_id=0, streamer=stamps)
         _sync(self.device)
-        ttft = time.perf_counter() - t0
-        t1 = time.perf_counter()
-        min_new = max_new_tokens if ignore_eos else 0
-        out = self.model.generate(ids, max_new_tokens=max_new_tokens, min_new_tokens=min_new, **kw)
-        _sync(self.device)
-        total = time.perf_counter() - t1
+        end = time.perf_counter()
         tokens = out[0, len(prompt_ids):].tolist()
-        decode = max(total - ttft, 1e-9)
+        if not stamps.times:
+            raise RuntimeError("transformers generate produced no token")
+        ttft = stamps.times[0] - t0
+        decode = end - stamps.times[0]  # the tokens after the first, as our engine counts them
         return GenerationResult(tokens=tokens, text=self.tokenizer.decode(tokens),
                                 finish_reason="length" if len(tokens) >= max_new_tokens else "stop",
                                 prompt_tokens=len(prompt_ids), prefill_s=ttft, decode_s=decode, ttft_s=ttft,
                                 device_decode_ms=decode * 1e3, spec={})
+
+
+class _Stamps:
+    """A transformers streamer that keeps the host time of each generated token (the first ``put`` is the
+    prompt)."""
+
+    def __init__(self):
+        self.times: list[float] = []
+        self._prompt_seen = False
+
+    def put(self, value) -> None:
+        if not self._prompt_seen:
+            self._prompt_seen = True
+            return
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass

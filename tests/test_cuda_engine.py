@@ -30,7 +30,8 @@ def test_cuda_fp32_matches_cpu_fp32(tiny_artifact, runtime):
     """The same weights (an artifact: synthetic presets draw from each device's own RNG) give the same logits and
     greedy tokens on CUDA as on the CPU."""
     cpu = Engine.load(str(tiny_artifact), device="cpu", kv_dtype="fp32", max_context=1024)
-    cuda = Engine.load(str(tiny_artifact), device="cuda", kv_dtype="fp32", max_context=1024, runtime=runtime)
+    cuda = Engine.load(str(tiny_artifact), device="cuda", dtype="fp32", kv_dtype="fp32", max_context=1024,
+                       runtime=runtime)
     want, got = cpu.logits(PROMPT).float(), cuda.logits(PROMPT).float().cpu()
     assert float((got - want).norm() / want.norm()) < 2e-3  # fla/Triton dots may run in TF32
     a = cpu.generate(PROMPT, max_new_tokens=32, ignore_eos=True).tokens

@@ -98,3 +98,15 @@ def test_decode_document_has_every_required_key(tmp_path):
         assert key in s, key
     assert len(doc["records"]) == 2 and s["deterministic"]
     assert s["drafted_tokens"] == 3 * s["rounds"]
+
+
+def test_hf_peer_same_tokens_and_real_timings():
+    """The transformers peer decodes the same greedy tokens as ours on the same weights, and its times come from
+    one generate call (TTFT and decode both positive even without warm-up)."""
+    kw = dict(model="tiny", device="cpu", dtype="fp32", kv_dtype="fp32", max_new_tokens=12, repeats=1, warmup=0)
+    ours = run_decode(DecodeOptions(**kw))
+    peer = run_decode(DecodeOptions(engine="hf", **kw))
+    assert peer["summary"]["tokens_sha256"] == ours["summary"]["tokens_sha256"]
+    rec = peer["records"][0]
+    assert rec["ttft_ms"] > 0 and rec["decode_s"] > 0
+    assert 0 < rec["decode_tok_s"] < 1e6

@@ -51,6 +51,8 @@ def speculative_round(e, seqs) -> None:
     t2 = _timer(dev)
     e.drafter.commit(seqs, old_len, block, hidden, torch.cat(taps, dim=-1) if taps else None, n_acc, bonus)
     t3 = _timer(dev)
+    if dev.type == "cuda":
+        t3.synchronize()  # the round's events are only readable once complete
     verify_ms, draft_ms = _ms(dev, t1, t2), _ms(dev, t0, t1) + _ms(dev, t2, t3)
     for s, n in zip(seqs, n_list):
         _record(s.stats, k, n, verify_ms, draft_ms)

@@ -154,10 +154,12 @@ def _training(f: dict) -> list[str]:
 def _results(f: dict, met) -> list[str]:
     ev = f.get("eval", {})
     held, quant = ev.get("heldout", {}), ev.get("quant", {})
-    return ["## Results", "",
-            f"Held-out loss (target, transformers, bf16 weights): {_fmt(held.get('loss'))} nats/token over "
-            f"{held.get('tokens', 0):,} tokens. Artifact (engine) vs transformers logits on held-out code: relative "
-            f"RMS {_fmt(quant.get('rel_rms'), 4)}, top-1 agreement {_fmt(quant.get('top1_agreement'))}.", "",
+    loss = (f"Held-out loss ({held.get('source', 'target, transformers, bf16 weights')}): {_fmt(held.get('loss'))} "
+            f"nats/token over {held.get('tokens', 0):,} tokens.")
+    if quant.get("rel_rms") is not None:
+        loss += (f" Artifact (engine) vs transformers logits on held-out code: relative RMS "
+                 f"{_fmt(quant.get('rel_rms'), 4)}, top-1 agreement {_fmt(quant.get('top1_agreement'))}.")
+    return ["## Results", "", loss, "",
             "### Speculative decoding", "", *_spec_table(ev), "",
             "### Needle retrieval", "", *_needle_table(ev), "",
             "## Targets", "", "| target | measured | met |", "|---|---|:-:|",
@@ -190,7 +192,7 @@ def _needle_table(ev: dict) -> list[str]:
     nd = ev.get("needles", {})
     if "error" in nd or not nd.get("cases"):
         return [f"Not measured: {nd.get('error', 'no cases')}"]
-    lines = ["Greedy, engine, one needle per case at depths "
+    lines = [f"Measured by {nd['source']}." if nd.get("source") else "", "Greedy, engine, one needle per case at depths "
              f"{sorted({c['depth'] for c in nd['cases']})}; a case passes when the answer holds the value.", "",
              "| context tokens | retrieval | cases |", "|---:|---:|---:|"]
     for n, frac in nd["retrieval_by_length"].items():

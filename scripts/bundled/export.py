@@ -131,6 +131,7 @@ def join(ship: Path, models: Path, suites_data: Path) -> Path:
     shutil.copyfile(ship / "heldout_prompts.jsonl", suites_data / "heldout_prompts.jsonl")
     shutil.copyfile(ship / "corpus_LICENSES.md", models / "corpus_LICENSES.md")
     shutil.copyfile(ship / "card_facts.json", models / "card_facts.json")
+    shutil.copyfile(ship / "train_log.jsonl", models / "train_log.jsonl")  # the card can be rewritten later
     log = [json.loads(line) for line in (ship / "train_log.jsonl").read_text().splitlines() if line.strip()]
     card.write(models, facts, log)
     return out

@@ -1,0 +1,72 @@
+"""Several decode runs in one process (llama-bench style): the grid, labels, one shared load, the CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from ninfer_bench.cli import main
+from ninfer_bench.suites import decode as dec
+from ninfer_bench.suites.decode import DecodeOptions, decode_runs, parse_spec, run_decode, run_matrix
+
+BASE = dict(model="tiny", device="cpu", max_new_tokens=10, repeats=1, warmup=0)
+
+
+def test_parse_spec():
+    assert parse_spec("none", 5) == ("none", None)
+    assert parse_spec("mtp", None) == ("mtp", 3)
+    assert parse_spec("dflash2", None) == ("dflash2", 7)
+    assert parse_spec("dflash2", 4) == ("dflash2", 4)
+    assert parse_spec(" mtp:2 ", 9) == ("mtp", 2)
+    for bad in ("eagle", "none:3", "mtp:0", "mtp:x", "mtp:"):
+        with pytest.raises(ValueError):
+            parse_spec(bad, None)
+
+
+def test_grid_and_labels():
+    runs = decode_runs(BASE, engines=("ours", "hf"), specs=("none", "mtp:2", "dflash2"), runtimes=("v3", "v2"),
+                       rollbacks=("recompute", "snapshot"))
+    labels = [r.label for r in runs]
+    # spec none runs once per runtime (no rollback to choose), the peer once
+    assert labels == ["v3-none", "v3-mtp-k2-recompute", "v3-mtp-k2-snapshot", "v3-dflash2-k7-recompute",
+                      "v3-dflash2-k7-snapshot", "v2-none", "v2-mtp-k2-recompute", "v2-mtp-k2-snapshot",
+                      "v2-dflash2-k7-recompute", "v2-dflash2-k7-snapshot", "hf-peer"]
+    assert runs[-1].engine == "hf" and runs[-1].spec == "none"
+    one = decode_runs(BASE, specs=("dflash2",), draft_tokens=7, label="mine")
+    assert len(one) == 1 and one[0].label == "mine" and one[0].draft_tokens == 7
+    pre = decode_runs(BASE, specs=("none", "mtp"), label="rc1")
+    assert [r.label for r in pre] == ["rc1-v3-none", "rc1-v3-mtp-k3"]
+    with pytest.raises(ValueError, match="plain greedy"):
+        decode_runs(BASE, engines=("hf",), specs=("mtp",))
+
+
+def test_matrix_loads_once_and_equals_separate_runs(monkeypatch):
+    runs = decode_runs(BASE, specs=("none", "mtp:2", "dflash2:3"), runtimes=("v3",))
+    loads = []
+    real = dec.load_model
+    monkeypatch.setattr(dec, "load_model", lambda o: loads.append(o) or real(o))
+    docs = run_matrix(runs)
+    assert len(loads) == 1  # one load shared by the three runs
+    for opts, doc in zip(decode_runs(BASE, specs=("none", "mtp:2", "dflash2:3")), docs):
+        alone = run_decode(DecodeOptions(**{**BASE, "spec": opts.spec, "draft_tokens": opts.draft_tokens}))
+        assert doc["summary"]["tokens_sha256"] == alone["summary"]["tokens_sha256"]
+        assert doc["summary"]["accepted_tokens"] == alone["summary"]["accepted_tokens"]
+        assert doc["label"] == opts.label
+
+
+def test_cli_grid_writes_one_document_per_run(tmp_path):
+    out = tmp_path / "runs"
+    r = CliRunner().invoke(main, ["decode", "--model", "tiny", "--device", "cpu", "--spec", "none,mtp:2",
+                                  "--runtime", "v3,v2", "-n", "6", "--repeats", "1", "--warmup", "0",
+                                  "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    assert sorted(p.name for p in out.iterdir()) == ["v2-mtp-k2.json", "v2-none.json", "v3-mtp-k2.json",
+                                                      "v3-none.json"]
+    docs = [json.loads(p.read_text()) for p in sorted(out.iterdir())]
+    assert len({d["summary"]["tokens_sha256"] for d in docs}) == 1  # greedy: every run decodes the same tokens
+    taken = tmp_path / "file.json"
+    taken.write_text("{}")
+    r = CliRunner().invoke(main, ["decode", "--model", "tiny", "--spec", "none,mtp", "--json", str(taken)])
+    assert r.exit_code == 1 and "folder" in r.output
