@@ -187,10 +187,13 @@ def stage_target(args, p: Preset, w: Work) -> dict:
     w.need(w.tokenizer / "tokenizer.json", w.tokens / "train.npy")
     tk = tok.load(w.tokenizer)
     cfg = target.model_config(p.shape, tk.get_vocab_size())
+    t0 = time.perf_counter()
     model, mtp = target.new_model(cfg, args.seed)
     gdn = target.gdn_kernels(args.device, cfg)
+    gdn["check_s"] = round(time.perf_counter() - t0, 1)  # model init + the fla gradient check (Triton compiles)
     print(f"  gated delta rule: {gdn['chunk_gated_delta_rule']}; conv: {gdn['causal_conv1d_fn']}; fla {gdn['fla']}; "
-          f"fla gradients vs torch reference: {gdn.get('fla_grad_check', 'not checked')}", flush=True)
+          f"fla gradients vs torch reference: {gdn.get('fla_grad_check', 'not checked')} ({gdn['check_s']} s)",
+          flush=True)
     stream, enc = np.load(w.tokens / "train.npy"), lambda s: tk.encode(s, add_special_tokens=False).ids
     newline = tok.newline_mask(tk, cfg.vocab_size)
     batches = Batches(stream, p.seq_len, p.batch, args.seed, p.retrieval_frac, enc, newline)
@@ -199,8 +202,12 @@ def stage_target(args, p: Preset, w: Work) -> dict:
     opts = target.TargetOptions(seq_len=p.seq_len, batch=p.batch, lr=p.lr, warmup=p.warmup,
                                 budget_s=args.minutes_target * 60 - 10, max_steps=p.target_steps,
                                 long_frac=p.long_frac)
+    setup_s = round(time.perf_counter() - t0, 1)
     facts = target.train(model, mtp, batches, opts, args.device, log_to(w.log, "target"), longer)
+    t1 = time.perf_counter()
     target.save_hf(w.hf, cfg, model, mtp, w.tokenizer)
+    facts.update(setup_s=setup_s, save_s=round(time.perf_counter() - t1, 1))
+    print(f"  set-up {setup_s} s, training {facts['seconds']} s, saving {facts['save_s']} s", flush=True)
     rows = [json.loads(ln) for ln in w.log.read_text().splitlines()]
     speeds = sorted(r["tok_s"] for r in rows if r.get("phase") == "target" and r["step"] > 3)
     return {**facts, "gdn": gdn, "params": target.param_counts(model, mtp), "retrieval_frac": p.retrieval_frac,

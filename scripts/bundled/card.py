@@ -98,6 +98,14 @@ def limits(facts: dict, met: list) -> list[str]:
     out.append(f"The drafters trained {d.get('steps', '?')} steps ({d.get('seconds', '?')} s) on "
                f"{d.get('context_tokens', 0) / 1e6:.0f}M context tokens; their training agreement per block "
                f"position is in card_facts.json (drafters.train_agreement): acceptance follows it.")
+    agree = d.get("train_agreement", {})
+    firsts = {k.split("_")[0]: v[0] for k, v in agree.items() if v and k.endswith("_s8")}
+    if firsts:
+        out.append("At the end of training the block drafters' first draft agreed with the target's token "
+                   + ", ".join(f"{k} {v:.2f}" for k, v in sorted(firsts.items()))
+                   + " of the time, and each later position less: a block drafter trained for about a minute is "
+                     "far from converged, while the MTP head trained with the target for the whole run. The "
+                     "drafter stage's time budget (`--minutes-drafters`) is the lever for the next build.")
     return out
 
 
@@ -170,10 +178,15 @@ def _results(f: dict, met) -> list[str]:
 def _rebuild(f: dict) -> list[str]:
     r = f["rebuild"]
     stages = ", ".join(f"{k} {v:.0f} s" for k, v in r["stage_seconds"].items())
-    return ["## Rebuild", "", "On one H200 (the fla wheel carried in `.whl/`), from a plain checkout:", "", "```",
+    out = ["## Rebuild", "", "On one H200 (the fla wheel carried in `.whl/`), from a plain checkout:", "", "```",
             r["command"], "```", "",
             f"Seed {r['seed']}; this build took {r['device_minutes']:.1f} device-minutes ({stages}). Then "
             "`python3 scripts/bundled/export.py join <returned files>` installs it here."]
+    if f.get("eval", {}).get("measured_by"):
+        out += ["", f"The results above were measured after the build by `{f['eval']['measured_by']}` on "
+                    f"{f['eval'].get('device', '?')} from the shipped files (`--niah` takes a `ninfer-bench niah` "
+                    f"result for the needle table), {f['eval'].get('seconds', '?')} s."]
+    return out
 
 
 def write(models: Path, facts: dict, log_rows: list[dict]) -> Path:
