@@ -11,7 +11,8 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-console = Console(stderr=False)
+# piped into a file or a CI log, rich would assume 80 columns and squeeze wide tables: give it room
+console = Console(stderr=False, width=None if sys.stdout.isatty() else 140)
 err_console = Console(stderr=True, soft_wrap=True)
 
 

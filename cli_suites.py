@@ -135,20 +135,19 @@ def compare_table(docs: list[dict]) -> Table:
     """Several decode results side by side; speed also as a ratio to the first run."""
     first = docs[0]["summary"]["decode_tok_s"]
     table = Table(title=f"decode: {len(docs)} runs on {docs[0]['config']['device']} "
-                        f"({docs[0]['env'].get('gpu') or 'cpu'}), ratio vs {docs[0]['label']}")
-    cols = ("run", "decode tok/s", "x first", "ms / round", "draft / verify ms", "tokens / round", "acceptance",
-            "roofline", "peak MiB", "tokens sha256")
+                        f"({docs[0]['env'].get('gpu') or 'cpu'}), x = decode speed / {docs[0]['label']}'s")
+    cols = ("run", "tok/s", "x", "ms/round", "draft/verify", "tok/round", "accept", "roofline", "MiB", "sha256")
     for c in cols:
-        table.add_column(c, justify="left" if c in ("run", "tokens sha256") else "right")
+        table.add_column(c, justify="left" if c in ("run", "sha256") else "right", no_wrap=True)
     for d in docs:
         s = d["summary"]
-        split = (f"{fmt(s.get('draft_ms_per_round'), '.2f')} / {fmt(s.get('verify_ms_per_round'), '.2f')}"
+        split = (f"{fmt(s.get('draft_ms_per_round'), '.1f')}/{fmt(s.get('verify_ms_per_round'), '.1f')}"
                  if s.get("draft_ms_per_round") is not None else "-")
         ratio = s["decode_tok_s"] / first if first and s["decode_tok_s"] else None
         table.add_row(d["label"], fmt(s["decode_tok_s"], ".1f"), fmt(ratio, ".2f"),
-                      fmt(s["device_ms_per_round"], ".3f"), split, fmt(s["tokens_per_round"]),
+                      fmt(s["device_ms_per_round"], ".2f"), split, fmt(s["tokens_per_round"]),
                       fmt(s["acceptance_rate"], ".3f"), fmt(s["roofline_fraction"], ".3f"),
-                      f"{s['peak_memory_bytes'] / 2**20:,.0f}", s["tokens_sha256"][:12])
+                      f"{s['peak_memory_bytes'] / 2**20:,.0f}", s["tokens_sha256"][:8])
     return table
 
 
@@ -326,16 +325,24 @@ def niah_case_options(f):
 @click.option("--heatmap", type=click.Path(dir_okay=False), default=None, help="Write the ctx x depth heatmap PNG.")
 @click.option("--label", default=None)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write the result document.")
+@click.option("--rescore", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Judge an earlier niah result document against the oracles stored now (nothing is run; its "
+                   "cases and model come from the document).")
 def niah(model, ctx, depths, cases, answer_tokens, seed, prefill_chunk, device, kv_dtype, runtime, oracle_file,
-         require_oracle, heatmap, label, json_path):
+         require_oracle, heatmap, label, json_path, rescore):
     """Needle in a haystack: retrieval, and agreement with stored float64 oracle outputs."""
-    from .suites.niah import run_niah
+    from .suites.niah import rescore_niah, run_niah
 
-    opts = _niah_options(model, ctx, depths, cases, answer_tokens, seed, prefill_chunk=prefill_chunk, device=device,
-                         kv_dtype=kv_dtype, runtime=runtime, oracle=oracle_file, label=label)
-    prog, update = suite_progress("niah")
-    with prog:
-        doc = run_niah(opts, progress=update)
+    if rescore:
+        from .reports.schema import read_result
+
+        doc = rescore_niah(read_result(rescore), oracle_file)
+    else:
+        opts = _niah_options(model, ctx, depths, cases, answer_tokens, seed, prefill_chunk=prefill_chunk,
+                             device=device, kv_dtype=kv_dtype, runtime=runtime, oracle=oracle_file, label=label)
+        prog, update = suite_progress("niah")
+        with prog:
+            doc = run_niah(opts, progress=update)
     s = doc["summary"]
     table = Table(title=f"niah: {doc['label']} ({s['cases']} cases, {s['seconds']:.1f} s)")
     for col in ("case", "tokens", "retrieved", "oracle", "first divergence", "answer"):

@@ -120,6 +120,60 @@ def retrieved(text: str, value: int) -> bool:
     return str(value) in digits
 
 
+def judge(rec: dict, case: dict, oracle: dict | None, near_tie: float) -> dict:
+    """``rec`` with the oracle verdict of its tokens (``pass`` None when there is no stored oracle output)."""
+    if oracle is None:
+        rec.update({"pass": None, "first_divergence": None, "top1_agreement": None, "gap_at_divergence": None})
+        return rec
+    if oracle["prompt_ids"] != case["prompt_ids"]:
+        raise ValueError(f"oracle for {case['case']} was made for a different prompt (tokenizer or haystack "
+                         f"changed): regenerate it with `ninfer-bench oracle niah`")
+    ag = agreement(rec["tokens"], oracle, near_tie=near_tie)
+    rec.update({"pass": ag["pass"], "first_divergence": ag["first_divergence"], "top1_agreement": ag["top1_agreement"],
+                "gap_at_divergence": ag["gap_at_divergence"], "oracle_tokens": oracle["tokens"]})
+    return rec
+
+
+def summarize(records: list[dict], ctxs, seconds: float) -> dict:
+    judged = [r for r in records if r["pass"] is not None]
+    return {
+        "cases": len(records),
+        "oracle_cases": len(judged),
+        "oracle_agreement": sum(r["pass"] for r in judged) / len(judged) if judged else None,
+        "retrieval": sum(r["retrieved"] for r in records) / len(records),
+        "first_divergence": {r["case"]: r["first_divergence"] for r in judged},
+        "retrieval_by_ctx": {str(c): float(np.mean([r["retrieved"] for r in records if r["ctx"] == c]))
+                             for c in ctxs},
+        "seconds": seconds,
+    }
+
+
+def rescore_niah(doc: dict, oracle: str | None = None) -> dict:
+    """A niah result document judged again against the oracle outputs stored now (e.g. a GPU grid run before its
+    64K oracles existed): same cases, same tokens, new verdicts. Each case is rebuilt from the document's config
+    and must equal the stored oracle's prompt, so a changed tokenizer or haystack is refused."""
+    from ..engine.loader import load_source
+
+    if doc.get("suite") != "niah":
+        raise ValueError(f"--rescore takes a niah result document, this one is {doc.get('suite')!r}")
+    cfg = doc["config"]
+    opts = NiahOptions(model=cfg.get("model"), ctxs=tuple(cfg["ctxs"]), depths=tuple(cfg["depths"]),
+                       cases=cfg["cases"], answer_tokens=cfg["answer_tokens"], seed=cfg["seed"],
+                       oracle=oracle or None, near_tie=cfg.get("near_tie", NEAR_TIE_NATS))
+    tokenizer = load_source(opts.model).tokenizer
+    oracles = _load_oracles(opts, doc["model"])
+    by_case = {c["case"]: c for c in cases(tokenizer, opts)}
+    records = []
+    for rec in doc["records"]:
+        case = by_case.get(rec["case"])
+        if case is None:
+            raise ValueError(f"case {rec['case']} is not one of the document's own cases: is the config intact?")
+        records.append(judge(dict(rec), case, oracles.get(rec["case"]), opts.near_tie))
+    out = {**doc, "records": records, "summary": summarize(records, opts.ctxs, doc["summary"].get("seconds", 0.0))}
+    out["config"] = {**cfg, "rescored_with": oracle or "oracles/data (default paths)"}
+    return out
+
+
 def run_niah(opts: NiahOptions, progress=None) -> dict:
     """Run every case; returns the result document (heatmap drawing is left to reports)."""
     from ..engine.runtime import Engine
@@ -135,31 +189,10 @@ def run_niah(opts: NiahOptions, progress=None) -> dict:
         rec = {k: case[k] for k in ("case", "ctx", "depth", "key", "value")}
         rec.update(prompt_tokens=len(case["prompt_ids"]), answer=res.text, tokens=res.tokens,
                    retrieved=retrieved(res.text, case["value"]), seconds=res.prefill_s + res.decode_s)
-        oracle = oracles.get(case["case"])
-        if oracle is not None:
-            if oracle["prompt_ids"] != case["prompt_ids"]:
-                raise ValueError(f"oracle for {case['case']} was made for a different prompt (tokenizer or haystack "
-                                 f"changed): regenerate it with `ninfer-bench oracle niah`")
-            ag = agreement(res.tokens, oracle, near_tie=opts.near_tie)
-            rec.update({"pass": ag["pass"], "first_divergence": ag["first_divergence"],
-                        "top1_agreement": ag["top1_agreement"], "gap_at_divergence": ag["gap_at_divergence"],
-                        "oracle_tokens": oracle["tokens"]})
-        else:
-            rec.update({"pass": None, "first_divergence": None, "top1_agreement": None, "gap_at_divergence": None})
-        records.append(rec)
+        records.append(judge(rec, case, oracles.get(case["case"]), opts.near_tie))
         if progress:
             progress(n, len(all_cases), case["case"])
-    judged = [r for r in records if r["pass"] is not None]
-    summary = {
-        "cases": len(records),
-        "oracle_cases": len(judged),
-        "oracle_agreement": sum(r["pass"] for r in judged) / len(judged) if judged else None,
-        "retrieval": sum(r["retrieved"] for r in records) / len(records),
-        "first_divergence": {r["case"]: r["first_divergence"] for r in judged},
-        "retrieval_by_ctx": {str(c): float(np.mean([r["retrieved"] for r in records if r["ctx"] == c]))
-                             for c in opts.ctxs},
-        "seconds": time.perf_counter() - t0,
-    }
+    summary = summarize(records, opts.ctxs, time.perf_counter() - t0)
     config = asdict(opts)
     config["label"] = opts.label or f"{opts.runtime}-niah"
     config["device"] = str(eng.device)

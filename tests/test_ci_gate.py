@@ -48,3 +48,34 @@ def test_niah_subset_agrees_with_committed_oracles():
     assert exit_code(gate(doc, same, EXACT_NIAH)) == 0
     same["summary"]["oracle_agreement"] = 0.5
     assert exit_code(gate(doc, same, EXACT_NIAH)) == 1
+
+
+def test_rescore_judges_an_earlier_document_against_stored_oracles(tmp_path):
+    """A niah document made before its oracles existed is judged later from its own tokens; a changed token
+    fails, and a document of another suite is refused."""
+    from click.testing import CliRunner
+
+    from ninfer_bench.cli import main
+    from ninfer_bench.reports.schema import write_result
+    from ninfer_bench.suites.niah import rescore_niah
+
+    doc = run_niah(NiahOptions(model=None, ctxs=(2048,), depths=(50,), device="cpu", oracle=str(tmp_path / "none")))
+    assert doc["summary"]["oracle_cases"] == 0  # no oracle where it looked
+    again = rescore_niah(doc)
+    assert again["summary"]["oracle_cases"] == 1 and again["summary"]["oracle_agreement"] == 1.0
+    assert again["records"][0]["tokens"] == doc["records"][0]["tokens"]
+    from ninfer_bench.oracles.store import load_oracle
+
+    records, _ = load_oracle(oracle_path(doc["model"], 2048))
+    top = next(r for r in records if r["id"] == doc["records"][0]["case"])["topk_ids"][0]
+    bad = copy.deepcopy(doc)
+    bad["records"][0]["tokens"][0] = next(t for t in range(1000) if t not in top)  # not even a near-tie choice
+    judged = rescore_niah(bad)["records"][0]
+    assert judged["pass"] is False and judged["first_divergence"] == 0
+    path = tmp_path / "niah.json"
+    write_result(doc, path)
+    r = CliRunner().invoke(main, ["niah", "--rescore", str(path), "--json", str(tmp_path / "out.json")])
+    assert r.exit_code == 0, r.output
+    assert read_result(tmp_path / "out.json")["summary"]["oracle_agreement"] == 1.0
+    with pytest.raises(ValueError, match="niah result"):
+        rescore_niah({**doc, "suite": "decode"})
