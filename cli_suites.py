@@ -54,8 +54,9 @@ def fmt(v, spec=".2f"):
 @click.option("--rollback", "rollbacks", default="recompute", show_default=True,
               callback=comma_list(("recompute", "snapshot")),
               help="How rejected positions' recurrent state is undone; recompute,snapshot runs both.")
-@click.option("--lm-head-draft", type=int, default=0, show_default=True,
-              help="Drafters score only the N most frequent tokens (0: the full vocabulary).")
+@click.option("--lm-head-draft", default="0", show_default=True,
+              help="Drafters score only the N most frequent tokens (0: the full vocabulary); comma-separated to "
+                   "compare (0,2048).")
 @click.option("--prompt-file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Prompt text, or a .jsonl prompt set (e.g. suites/data/heldout_prompts.jsonl) "
                    "[default: the shipped short-code prompt].")
@@ -83,11 +84,12 @@ def decode(model, engines, specs, draft_tokens, rollbacks, lm_head_draft, prompt
     from .suites.common import DEFAULT_PROMPT
     from .suites.decode import decode_runs, run_matrix
 
-    base = dict(model=model, lm_head_draft=lm_head_draft, prompt_file=prompt_file or str(DEFAULT_PROMPT),
-                prompts=n_prompts, images=images, max_new_tokens=max_new_tokens, ignore_eos=not stop_at_eos,
-                repeats=repeats, warmup=warmup, seed=seed, **options)
+    base = dict(model=model, prompt_file=prompt_file or str(DEFAULT_PROMPT), prompts=n_prompts, images=images,
+                max_new_tokens=max_new_tokens, ignore_eos=not stop_at_eos, repeats=repeats, warmup=warmup, seed=seed,
+                **options)
     runs = decode_runs(base, engines=engines, specs=tuple(specs.split(",")), runtimes=runtime, rollbacks=rollbacks,
-                       draft_tokens=draft_tokens, label=label)
+                       lm_heads=tuple(int_list(lm_head_draft, "--lm-head-draft")), draft_tokens=draft_tokens,
+                       label=label)
     many = len(runs) > 1
     if many and json_path and Path(json_path).is_file():
         raise UserError(f"--json {json_path}: several runs write a folder (one LABEL.json each), not a file")

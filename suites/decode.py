@@ -68,7 +68,8 @@ class DecodeOptions:
         if self.engine == "hf":
             return "hf-peer"
         k = f"-k{self.draft_tokens}" if self.spec != "none" and self.draft_tokens else ""
-        return f"{self.runtime}-{self.spec}{k}"
+        head = f"-lmh{self.lm_head_draft}" if self.spec != "none" and self.lm_head_draft else ""
+        return f"{self.runtime}-{self.spec}{k}{head}"
 
 
 def _spec_summary(rec: dict) -> dict:
@@ -202,10 +203,11 @@ def parse_spec(item: str, draft_tokens: int | None) -> tuple[str, int | None]:
 
 
 def decode_runs(base: dict, *, engines=("ours",), specs=("none",), runtimes=("v3",), rollbacks=("recompute",),
-                draft_tokens: int | None = None, label: str | None = None) -> list[DecodeOptions]:
-    """The grid of decode runs a command line asks for: every runtime x spec x rollback of our engine (rollback
-    only where there is a drafter), and the transformers peer once (plain greedy). Labels are unique: with
-    several rollbacks each speculative label names its own, and ``label`` prefixes them all."""
+                lm_heads=(0,), draft_tokens: int | None = None, label: str | None = None) -> list[DecodeOptions]:
+    """The grid of decode runs a command line asks for: every runtime x spec x rollback x lm-head-draft size of
+    our engine (the last two only where there is a drafter), and the transformers peer once (plain greedy).
+    Labels are unique: with several rollbacks each speculative label names its own, and ``label`` prefixes them
+    all."""
     if set(engines) == {"hf"} and any(parse_spec(x, None)[0] != "none" for x in specs):
         raise ValueError("--engine hf runs plain greedy decoding: use --spec none (or --engine ours,hf)")
     runs = []
@@ -217,8 +219,9 @@ def decode_runs(base: dict, *, engines=("ours",), specs=("none",), runtimes=("v3
             for item in dict.fromkeys(specs):
                 spec, k = parse_spec(item, draft_tokens)
                 for rollback in dict.fromkeys(rollbacks if spec != "none" else rollbacks[:1]):
-                    runs.append(DecodeOptions(**base, engine=engine, runtime=runtime, spec=spec, draft_tokens=k,
-                                              rollback=rollback))
+                    for head in dict.fromkeys(lm_heads if spec != "none" else (0,)):
+                        runs.append(DecodeOptions(**base, engine=engine, runtime=runtime, spec=spec, draft_tokens=k,
+                                                  rollback=rollback, lm_head_draft=head))
     if not runs:
         raise ValueError("no decode run: give at least one engine, runtime and spec")
     if len(runs) == 1:

@@ -38,6 +38,9 @@ def test_grid_and_labels():
     assert len(one) == 1 and one[0].label == "mine" and one[0].draft_tokens == 7
     pre = decode_runs(BASE, specs=("none", "mtp"), label="rc1")
     assert [r.label for r in pre] == ["rc1-v3-none", "rc1-v3-mtp-k3"]
+    heads = decode_runs(BASE, specs=("none", "dflash2:7"), lm_heads=(0, 256))
+    assert [(r.label, r.lm_head_draft) for r in heads] == [("v3-none", 0), ("v3-dflash2-k7", 0),
+                                                            ("v3-dflash2-k7-lmh256", 256)]
     with pytest.raises(ValueError, match="plain greedy"):
         decode_runs(BASE, engines=("hf",), specs=("mtp",))
 
