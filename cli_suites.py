@@ -377,13 +377,15 @@ def niah(model, ctx, depths, cases, answer_tokens, seed, prefill_chunk, device, 
 @click.option("--top-k", type=int, default=8, show_default=True)
 @click.option("--out", default=None, type=click.Path(dir_okay=False),
               help="Output file (one context only) [default: oracles/data/niah-<model>-<ctx>.json.gz].")
-def oracle_niah(model, ctx, depths, cases, answer_tokens, seed, prefill_chunk, dtype, top_k, out):
+@click.option("--force", is_flag=True, help="Recompute cases the output file already holds (default: keep them and "
+                                           "add the new ones).")
+def oracle_niah(model, ctx, depths, cases, answer_tokens, seed, prefill_chunk, dtype, top_k, out, force):
     """Reference-model answers for the NIAH cases, stored for `ninfer-bench niah` to compare against."""
     from .suites.niah import build_niah_oracle
 
     opts = _niah_options(model, ctx, depths, cases, answer_tokens, seed, prefill_chunk=prefill_chunk)
     prog, update = suite_progress("oracle niah")
     with prog:
-        paths = build_niah_oracle(model, opts, out, top_k=top_k, dtype=dtype, progress=update)
+        paths = build_niah_oracle(model, opts, out, top_k=top_k, dtype=dtype, force=force, progress=update)
     for p in paths:
         console.print(f"[green]wrote[/] {p}")

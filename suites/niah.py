@@ -201,34 +201,42 @@ def run_niah(opts: NiahOptions, progress=None) -> dict:
 
 
 def build_niah_oracle(source: str | None, opts: NiahOptions, out: str | None = None, *, top_k: int = 8,
-                      dtype: str = "fp64", progress=None) -> list[Path]:
-    """Reference-model (float64, sequential) greedy answers for every case; one file per context length."""
+                      dtype: str = "fp64", force: bool = False, progress=None) -> list[Path]:
+    """Reference-model (float64, sequential) greedy answers for every case; one file per context length.
+
+    A file that exists for the same model and settings is extended: its cases stay, and the ones asked for again
+    are reused rather than recomputed (a 64K case takes minutes) unless ``force``."""
     from ..engine.loader import file_sha256
     from ..oracles.build import reference_model
-    from ..oracles.store import save_oracle
+    from ..oracles.store import load_oracle, save_oracle
 
     model, loaded = reference_model(source, dtype)
     info = loaded.info
+    sha = file_sha256(info["path"]) if info.get("path") else info.get("config_sha256", "")
     written = []
     total = len(opts.ctxs) * len(opts.depths) * opts.cases
     done = 0
     for ctx in opts.ctxs:
-        records = []
+        path = Path(out) if out and len(opts.ctxs) == 1 else oracle_path(info, ctx)
+        meta = {"artifact_id": info.get("artifact_id") or "", "artifact_sha256": sha, "dtype": dtype, "top_k": top_k,
+                "suite": "niah", "ctx": ctx, "cases": opts.cases, "seed": opts.seed,
+                "answer_tokens": opts.answer_tokens}
+        kept, depths = {}, set(opts.depths)
+        if path.is_file() and not force:
+            old, old_meta = load_oracle(path)
+            if all(old_meta.get(k) == v for k, v in meta.items()):
+                kept, depths = {r["id"]: r for r in old}, depths | set(old_meta.get("depths", []))
         for d in opts.depths:
             for i in range(opts.cases):
                 case = build_case(loaded.tokenizer, ctx, d, i, opts.seed, opts.answer_tokens)
-                res = model.greedy(case["prompt_ids"], opts.answer_tokens, top_k=top_k,
-                                   prefill_chunk=opts.prefill_chunk)
-                records.append({"id": case["case"], "prompt_ids": case["prompt_ids"], **res})
+                if kept.get(case["case"], {}).get("prompt_ids") != case["prompt_ids"]:
+                    res = model.greedy(case["prompt_ids"], opts.answer_tokens, top_k=top_k,
+                                       prefill_chunk=opts.prefill_chunk)
+                    kept[case["case"]] = {"id": case["case"], "prompt_ids": case["prompt_ids"], **res}
                 done += 1
                 if progress:
                     progress(done, total, case["case"])
-        path = Path(out) if out and len(opts.ctxs) == 1 else oracle_path(info, ctx)
         path.parent.mkdir(parents=True, exist_ok=True)
-        sha = file_sha256(info["path"]) if info.get("path") else info.get("config_sha256", "")
-        save_oracle(path, records, {"artifact_id": info.get("artifact_id") or "", "artifact_sha256": sha,
-                                    "dtype": dtype, "top_k": top_k, "suite": "niah", "ctx": ctx,
-                                    "depths": list(opts.depths), "cases": opts.cases, "seed": opts.seed,
-                                    "answer_tokens": opts.answer_tokens})
+        save_oracle(path, list(kept.values()), {**meta, "depths": sorted(depths)})
         written.append(path)
     return written

@@ -336,3 +336,26 @@ def test_store_round_trip(tmp_path, suffix):
     (tmp_path / "z.json").write_text('{"schema": "something-else"}')
     with pytest.raises(ValueError, match="schema"):
         load_oracle(tmp_path / "z.json")
+
+
+def test_niah_oracle_file_is_extended_not_rebuilt(tmp_path, monkeypatch):
+    """A second `oracle niah` run keeps the stored cases and computes only the new ones (unless forced)."""
+    from ninfer_bench.oracles.reference import ReferenceModel
+    from ninfer_bench.suites.niah import NiahOptions, build_niah_oracle
+
+    calls = []
+    real = ReferenceModel.greedy
+    monkeypatch.setattr(ReferenceModel, "greedy", lambda self, ids, *a, **k: calls.append(len(ids)) or
+                        real(self, ids, *a, **k))
+    out = tmp_path / "o.json.gz"
+    opts = dict(model="tiny", ctxs=(512,), answer_tokens=4)
+    build_niah_oracle("tiny", NiahOptions(depths=(0,), **opts), str(out))
+    first, _ = load_oracle(out)
+    build_niah_oracle("tiny", NiahOptions(depths=(0, 100), **opts), str(out))
+    records, meta = load_oracle(out)
+    assert len(calls) == 2 and meta["depths"] == [0, 100]  # depth 0 reused, depth 100 computed
+    assert sorted(r["id"] for r in records) == ["ctx512-d0-0", "ctx512-d100-0"]
+    assert next(r for r in records if r["id"] == "ctx512-d0-0")["tokens"] == first[0]["tokens"]
+    build_niah_oracle("tiny", NiahOptions(depths=(100,), **opts), str(out), force=True)
+    records, meta = load_oracle(out)
+    assert len(calls) == 3 and [r["id"] for r in records] == ["ctx512-d100-0"] and meta["depths"] == [100]
