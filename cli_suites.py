@@ -79,8 +79,8 @@ def decode(model, engines, specs, draft_tokens, rollbacks, lm_head_draft, prompt
            runtime, **options):
     """The short-code decode test: prefill a code prompt, greedy-decode N tokens, measure speed and acceptance.
 
-    Comma-separated --engine, --runtime, --spec and --rollback run every combination in one process, the
-    weights loaded once (as llama-bench runs its grid), and end with a side-by-side table."""
+    Comma-separated --engine, --runtime, --spec, --rollback and --lm-head-draft run every combination in one
+    process, the weights loaded once (as llama-bench runs its grid), and end with a side-by-side table."""
     from .suites.common import DEFAULT_PROMPT
     from .suites.decode import decode_runs, run_matrix
 
@@ -93,6 +93,8 @@ def decode(model, engines, specs, draft_tokens, rollbacks, lm_head_draft, prompt
     many = len(runs) > 1
     if many and json_path and Path(json_path).is_file():
         raise UserError(f"--json {json_path}: several runs write a folder (one LABEL.json each), not a file")
+    if not many and json_path and Path(json_path).is_dir():
+        raise UserError(f"--json {json_path}: one run writes a file, and this is a folder")
 
     def done(doc):
         if many:
