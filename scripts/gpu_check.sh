@@ -28,16 +28,16 @@ M27="--model qwen3.8-27b --synthetic"
 for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case $stage in
-    tests)   timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_engine.py tests/test_fastpath.py \
-               tests/test_kernels_qlinear.py tests/test_kernels_attention.py tests/test_kernels_gdn.py \
-               tests/test_kernels_gdn_triton.py tests/test_kernels_fused.py 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
+    tests)   timeout ${TESTS_S:-200} python3 -m pytest -q -p no:cacheprovider --durations=12 tests/test_kernels_qlinear.py \
+               tests/test_kernels_fused.py tests/test_kernels_attention.py tests/test_kernels_gdn_triton.py \
+               tests/test_kernels_gdn.py tests/test_fastpath.py tests/test_cuda_engine.py 2>&1 | tee "$OUT/tests.log" | tail -40 ;;
     kernels) python3 scripts/bench_qlinear.py --quick 2>&1 | tee "$OUT/qlinear.log" | tail -30
              python3 scripts/bench_attention.py --no-sweep 2>&1 | tee "$OUT/attention.log" | tail -15
              python3 scripts/bench_fused.py --gdn-only 2>&1 | tee "$OUT/fused.log" | tail -15
              nb kernels --shape qwen3.8-27b --t 1,8 --repeats 30 --json "$OUT/kernels_27b.json" 2>&1 | tail -12 ;;
     tiny)    timeout 90 python3 scripts/nb.py decode --model tiny -n 256 --repeats 2 --json "$OUT/tiny_v3.json" 2>&1 | tail -20 ;;
-    d27)     nb decode $M27 --engine ours,hf --spec none,mtp:3,dflash2:7 --runtime v3,v2 --rollback recompute,snapshot \
-               -n 64 --repeats 2 --json "$OUT/d27" 2>&1 | tail -40 ;;
+    d27)     nb decode $M27 --engine ours,hf --spec none,mtp:3,dflash2:7 --runtime ${RUNTIMES:-v3,v2} --rollback recompute,snapshot \
+               -n 64 --repeats 2 --json "$OUT/d27" 2>&1 | tee "$OUT/d27.log" | tail -40 ;;
     niah)    nb niah --ctx 8192,16384,32768,65536 --json "$OUT/niah_bundled.json" --heatmap "$OUT/niah_bundled.png" \
                2>&1 | tail -25 ;;
     conc27)  nb concurrency $M27 -c 1,2,4,8 -n 64 --rounds 2 --json "$OUT/conc27.json" 2>&1 | tail -15 ;;
