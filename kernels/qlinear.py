@@ -47,7 +47,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import _triton
+from . import _triton, qmv_cuda
 from ..engine import quant
 
 __all__ = ["qlinear_ref", "qlinear_triton", "qlinear_dequant", "PackedLinear", "QConfig", "choose_config",
@@ -489,7 +489,9 @@ class PackedLinear:
     int32), ``high`` uint8 [N, Kp/8] (q5; a 1-byte placeholder otherwise), ``scales`` fp16 [N, Kp/group].
     On CUDA it also reserves the shared split-K workspace for MAX_KERNEL_ROWS x N (see _workspace).
 
-    ``lin(x)`` with x [..., K]: on CUDA with at most MAX_KERNEL_ROWS rows, the fused kernel. Otherwise
+    ``lin(x)`` with x [..., K]: on CUDA, bf16/fp16 x of at most ``qmv_cuda.MAX_T`` rows, the tensor-core kernel of
+    ``kernels/qmv_cuda.cu`` when cupy imports; up to MAX_KERNEL_ROWS rows (or fp32, or no cupy), the Triton
+    kernels here. Otherwise
     (prefill widths, or a CPU) a dense weight and F.linear: with ``dense_fallback=True`` (default) the
     dense weight is made once per dtype and cached, which costs 2 bytes per weight on top of the packed
     ~0.6 (q4) - the quantization's memory saving is gone for any layer that ever takes that path; with
@@ -546,8 +548,9 @@ class PackedLinear:
             raise ValueError(f"PackedLinear: x must be [..., K={self.k}], got shape {tuple(x.shape)}")
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.k)
-        if x2.is_cuda and x2.shape[0] <= MAX_KERNEL_ROWS and triton_available():
-            y = qlinear_triton(x2.contiguous(), self)
+        if x2.is_cuda and x2.shape[0] <= MAX_KERNEL_ROWS and (qmv_cuda.available() or triton_available()):
+            x2 = x2.contiguous()
+            y = qmv_cuda.qmv(x2, self) if qmv_cuda.supports(x2, self) else qlinear_triton(x2, self)
         else:
             y = F.linear(x2, self.dense(x.dtype))
         return y.reshape(*lead, self.n)

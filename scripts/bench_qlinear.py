@@ -5,13 +5,17 @@
 
 For each projection (K -> N), packed format and T rows of x (bf16): checks the kernel against the fp32
 reference on a sample of rows (rel. RMS), then times
-  ours          qlinear_triton with the default launch config: one call replayed from a CUDA graph,
-                do_bench median with L2 flushed (graph replay keeps host launch time out of the number)
-  ours@graph20  20 calls replayed from one CUDA graph, cycling over weight copies so L2 cannot hold them
+  ours          what the engine calls (PackedLinear: qmv for T <= 8 when cupy imports, else Triton): one call
+                replayed from a CUDA graph, do_bench median with L2 flushed (graph replay keeps host launch
+                time out of the number)
+  triton        qlinear_triton with its default launch config
+  qmv           kernels/qmv_cuda.cu (tensor cores, T <= 8) with its default split
+  X@graph20     20 calls of X replayed from one CUDA graph, cycling over weight copies so L2 cannot hold them
   bf16      cuBLAS F.linear on a dense bf16 weight
   int4      torch's _weight_int4pack_mm (tinygemm, g128), as in shared/anchors/kernel_anchors.py
 and reports us, GB/s (packed weight bytes + x + out; dense bytes for bf16) and % of the copy bandwidth
-measured in the same run. ``--variants`` also times every kernel variant in VARIANTS and names the best.
+measured in the same run. ``--variants`` also times every Triton variant in VARIANTS, ``--qmv-variants`` qmv's
+splits x unrolls; the best is named.
 Writes one JSON line per measurement to $OUT/qlinear.jsonl when OUT is set.
 """
 
@@ -37,6 +41,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from ninfer_bench.engine import quant  # noqa: E402
 from ninfer_bench.kernels import qlinear as ql  # noqa: E402
+from ninfer_bench.kernels import qmv_cuda  # noqa: E402
 
 # op -> (K, N) at the 27B shape
 SHAPES = {
@@ -162,6 +167,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK_OPS)}, T in 1, 8")
     ap.add_argument("--variants", action="store_true", help="also time every kernel variant in VARIANTS")
+    ap.add_argument("--qmv-variants", action="store_true", help="also time qmv's splits x unrolls")
     ap.add_argument("--only-variants", default="", help="comma list: restrict --variants to these names")
     ap.add_argument("--fmts", default="q4,q5,q8", help="comma list of q4, q5, q8")
     ap.add_argument("--ts", default="", help="comma list of T (default 1,2,4,8,16; --quick 1,8)")
@@ -192,6 +198,7 @@ def main() -> int:
                 f.write(json.dumps(rec) + "\n")
 
     props = torch.cuda.get_device_properties(0)
+    sms = props.multi_processor_count
     bw = copy_bandwidth()
     print(f"device {props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, "
           f"triton {triton.__version__}; copy bandwidth {bw / 1e12:.3f} TB/s (read + write)")
@@ -227,15 +234,25 @@ def main() -> int:
                 x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16, generator=gen)
                 ref = ql.qlinear_ref(x, ref_buf, fmt, (len(rows), k))
                 nbytes = lin.packed_bytes + x.numel() * 2 + t * n * 2
-                cands = {"ours": None}
-                cands.update({name: make(fmt, n, k, t) for name, make in variants.items()})
+                cands = {"ours": lambda x, li, out=None: li(x),
+                         "triton": lambda x, li, out=None: ql.qlinear_triton(x, li, out=out)}
+                if t <= qmv_cuda.MAX_T and qmv_cuda.available():
+                    cands["qmv"] = lambda x, li, out=None: qmv_cuda.qmv(x, li, out)
+                    cands["qmv"].config = f"splits={qmv_cuda.choose_splits(n, lin.ng, sms)}"
+                for name, make in variants.items():
+                    cfg = make(fmt, n, k, t)
+                    if cfg is not None:
+                        cands[name] = lambda x, li, out=None, cfg=cfg: ql.qlinear_triton(x, li, cfg, out=out)
+                        cands[name].config = repr(cfg)
+                if args.qmv_variants and t <= qmv_cuda.MAX_T and qmv_cuda.available():
+                    for sp in (1, 2, 3, 4, 6, 8):
+                        for un in (2, 4, 8):
+                            cands[f"qmv-s{sp}-u{un}"] = (lambda x, li, out=None, sp=sp, un=un:
+                                                         qmv_cuda.qmv(x, li, out, splits=sp, unroll=un))
                 best = None
-                for impl, cfg in cands.items():
-                    if impl != "ours" and cfg is None:
-                        continue
-                    label = impl if cfg is None else f"{impl}"
+                for label, fn in cands.items():
                     try:
-                        y = ql.qlinear_triton(x, lin, cfg)
+                        y = fn(x, lin)
                         torch.cuda.synchronize()
                     except Exception as e:
                         print(f"{op:12s} {fmt:12s} {t:3d} {label:22s} COMPILE/RUN FAILED: {e!r:.300}")
@@ -247,16 +264,15 @@ def main() -> int:
                         print(f"!!! FAILED CORRECTNESS {op} {fmt} T={t} {label}: rel RMS {err:.3e} > {TOL_BF16}")
                         failures.append((op, fmt, t, label, err))
                     out = torch.empty_like(y)
-                    us = one_call_us(lambda: ql.qlinear_triton(x, lin, cfg, out=out), do_bench)
-                    calls = [(lambda li=li: ql.qlinear_triton(x, li, cfg, out=out)) for li in
-                             (lins * GRAPH_CALLS)[:GRAPH_CALLS]]
+                    us = one_call_us(lambda lin=lin: fn(x, lin, out), do_bench)
+                    calls = [(lambda li=li: fn(x, li, out)) for li in (lins * GRAPH_CALLS)[:GRAPH_CALLS]]
                     us_rot = rotating_us(calls)
-                    cfg_used = cfg or ql.choose_config(fmt, n, k, t)
-                    row(op, fmt, t, label, us, nbytes, {"rel_rms": err, "config": repr(cfg_used), "us_graph20": us_rot})
+                    row(op, fmt, t, label, us, nbytes, {"rel_rms": err, "config": getattr(fn, "config", ""),
+                                                        "us_graph20": us_rot})
                     row(op, fmt, t, label + "@graph20", us_rot, nbytes)
                     if best is None or us_rot < best[1]:
                         best = (label, us_rot)
-                if variants and best:
+                if (variants or args.qmv_variants) and best:
                     print(f"{'':12s} {'':12s} {'':3s} best: {best[0]} {best[1]:.2f} us")
             del lins, lin, buf
             torch.cuda.empty_cache()

@@ -4,7 +4,10 @@
 #   bash scripts/gpu_check.sh tests d27 niah conc27 vision kernels
 #   bash scripts/gpu_check.sh train          # the bundled model (about 9 minutes: give it a call of its own)
 # Stages:
-#   tests    CUDA tests: engine on CUDA (graphs, fused path), every Triton kernel against its reference
+#   tests    CUDA tests, one process per file: engine on CUDA (graphs, fused path), every kernel against its reference
+#   qtests   the quantized-projection tests only (qmv, Triton qlinear)
+#   probe    scripts/probe_attention.py: attention launch shapes, each in its own process
+#   qbench   scripts/bench_qlinear.py at the 27B projection shapes, T = 1, 4, 8 (QBENCH_ARGS adds flags)
 #   kernels  bench_qlinear --quick, bench_attention --no-sweep, bench_fused, and the kernels suite at the 27B shape
 #   tiny     decode on the tiny preset (v3, graphs) as a smoke test
 #   d27      27B synthetic decode in one process (one weight build): none / MTP3 / DFlash2 K=7 x v3 / v2 x both
@@ -28,15 +31,25 @@ M27="--model qwen3.8-27b --synthetic"
 for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case $stage in
-    tests)   timeout ${TESTS_S:-200} python3 -m pytest -q -p no:cacheprovider --durations=12 tests/test_kernels_qlinear.py \
-               tests/test_kernels_fused.py tests/test_kernels_attention.py tests/test_kernels_gdn_triton.py \
-               tests/test_kernels_gdn.py tests/test_fastpath.py tests/test_cuda_engine.py 2>&1 | tee "$OUT/tests.log" | tail -40 ;;
+    tests)   for f in test_kernels_qmv_cuda test_kernels_qlinear test_kernels_fused test_kernels_attention \
+                      test_kernels_gdn_triton test_kernels_gdn test_fastpath test_cuda_engine; do
+               # one process per file: a kernel fault poisons its CUDA context, not the other files
+               timeout ${TESTS_S:-150} python3 -m pytest -q -p no:cacheprovider --durations=5 tests/$f.py > "$OUT/$f.log" 2>&1
+               echo "--- $f rc=$?: $(tail -1 "$OUT/$f.log")"; grep -E "^(FAILED|ERROR)" "$OUT/$f.log" | head -8
+             done ;;
+    qtests)  timeout ${TESTS_S:-150} python3 -m pytest -q -p no:cacheprovider tests/test_kernels_qmv_cuda.py \
+               tests/test_kernels_qlinear.py 2>&1 | tee "$OUT/qtests.log" | grep -E "^(FAILED|ERROR)|passed|failed" | head -20 ;;
+    probe)   timeout ${PROBE_S:-240} python3 scripts/probe_attention.py 2>&1 | tee "$OUT/probe_attention.log" | tail -40 ;;
+    qbench)  OUT=$OUT timeout ${QBENCH_S:-300} python3 scripts/bench_qlinear.py --no-baselines --ts 1,4,8 \
+               --ops attn.q_gate,attn.o,gdn.qkv,gdn.out,mlp.gate_up,mlp.down,lm_head ${QBENCH_ARGS:-} 2>&1 \
+               | tee "$OUT/qbench.log" | grep -v "@graph20" | tail -80 ;;
     kernels) python3 scripts/bench_qlinear.py --quick 2>&1 | tee "$OUT/qlinear.log" | tail -30
              python3 scripts/bench_attention.py --no-sweep 2>&1 | tee "$OUT/attention.log" | tail -15
              python3 scripts/bench_fused.py --gdn-only 2>&1 | tee "$OUT/fused.log" | tail -15
              nb kernels --shape qwen3.8-27b --t 1,8 --repeats 30 --json "$OUT/kernels_27b.json" 2>&1 | tail -12 ;;
     tiny)    timeout 90 python3 scripts/nb.py decode --model tiny -n 256 --repeats 2 --json "$OUT/tiny_v3.json" 2>&1 | tail -20 ;;
-    d27)     nb decode $M27 --engine ours,hf --spec none,mtp:3,dflash2:7 --runtime ${RUNTIMES:-v3,v2} --rollback recompute,snapshot \
+    d27)     nb decode $M27 --engine ${ENGINES:-ours,hf} --spec none,mtp:3,dflash2:7 --runtime ${RUNTIMES:-v3,v2} \
+               --rollback ${ROLLBACKS:-recompute,snapshot} \
                -n 64 --repeats 2 --json "$OUT/d27" 2>&1 | tee "$OUT/d27.log" | tail -40 ;;
     niah)    nb niah --ctx 8192,16384,32768,65536 --json "$OUT/niah_bundled.json" --heatmap "$OUT/niah_bundled.png" \
                2>&1 | tail -25 ;;

@@ -33,6 +33,7 @@ from ..kernels.attention_triton import triton_available as attention_triton_avai
 from ..kernels.conv import causal_conv1d, causal_conv1d_ref
 from ..kernels.gdn import gated_delta_rule_ref, gated_delta_rule_step, l2norm
 from ..kernels.norm import gated_rms_norm, gated_rms_norm_ref, rms_norm, rms_norm_ref
+from ..kernels import qmv_cuda
 from ..kernels.qlinear import MAX_KERNEL_ROWS, PackedLinear
 from ..kernels.qlinear import triton_available as qlinear_triton_available
 from ..kernels.rope import apply_rope, rope_tables
@@ -102,7 +103,8 @@ def _projection(name: str, dims, ctx: KernelContext, t: int, _param) -> Case:
     if w.packed is None:
         v3 = Impl(v2.run, f"{fmt} weight: dense F.linear, as v2")
     else:
-        v3 = v3_impl(ctx, Impl(lambda: w.packed(x), f"packed {fmt}, Triton qlinear"),
+        path = "tensor-core qmv (CuPy)" if qmv_cuda.supports(x, w.packed) else "Triton qlinear"
+        v3 = v3_impl(ctx, Impl(lambda: w.packed(x), f"packed {fmt}, {path}"),
                  Impl(lambda: w.packed(x), f"dense {dt} F.linear on the dequantized {fmt} weight"),
                  qlinear_triton_available() and t <= MAX_KERNEL_ROWS)
     return Case([n, k], projection_bytes(fmt, n, k, t, ctx.elt), lambda: x.float() @ w.ref.T,

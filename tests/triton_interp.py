@@ -42,3 +42,18 @@ def fix_loop_bounds() -> None:
 
 if INTERPRET:
     fix_loop_bounds()
+
+
+def assert_imports_without_triton(module: str) -> None:
+    """``ninfer_bench.kernels.<module>`` imports, and says triton is unavailable, in a Python where triton cannot be
+    imported (a fresh process, so this one's imports do not count; the checkout is bootstrapped as on the GPU box)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    scripts = Path(__file__).resolve().parent.parent / "scripts"
+    code = (f"import sys; sys.modules['triton'] = None; sys.path.insert(0, {str(scripts)!r})\n"
+            "import _bootstrap; _bootstrap.ensure_package()\n"
+            f"from ninfer_bench.kernels import {module} as m\n"
+            "assert not m.triton_available()\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

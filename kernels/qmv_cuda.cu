@@ -1,0 +1,305 @@
+// Quantized GEMV / skinny GEMM on the tensor cores: out[t, n] = sum_k x[t, k] W[n, k] for T <= 8 rows of x,
+// W in the packed q8_g32 / q5_g64 / q4_g64 formats of engine/quant.py, read in place (no repacking).
+//
+// Compiled at run time (CuPy / NVRTC) once per (FMT, HALF); no headers, so it builds with any CUDA toolkit:
+//   FMT   0 = q8_g32_fp16, 1 = q5_g64_fp16, 2 = q4_g64_fp16
+//   HALF  0: x and out are bf16 (mma .bf16), 1: fp16 (mma .f16)
+//   EVEN  1: K == Kp (whole groups) and x's rows 16-byte aligned, 0: x read element by element, 0 past K
+//
+// One block = NW warps = one tile of 16 weight rows; the warps take the tile's groups in turn (warp w: groups
+// w, w + NW, ...), a grid y > 1 splits the groups over blocks (split-K, summed in-kernel, see the end).
+// A warp step is one group of its 16 rows: lane (g = lane / 4, c = lane % 4) loads 8 code bytes (two 32-bit
+// words) of row g and of row g + 8, and turns each word into four register pairs for mma.m16n8k16:
+//   pair i of word w = the codes in nibble i of bytes 0 and 2 (q4/q5: k0+i' , k4+i'), placed in the mantissa of
+//   128.0 (bf16) / 1024.0 (fp16) by one mask-and-or (LOP3): the float is BASE + u exactly, and one packed
+//   subtraction gives the signed code. The codes' order along K does not matter to a dot product as long as x
+//   is gathered the same way: the B fragment pairs x[k] and x[k + 4] (q8: x[k] and x[k + 2]) with PRMT.
+// The A fragment holds the exact codes; the MMA multiplies them by x exactly and sums in fp32, and the group's
+// fp16 scale multiplies the fp32 sums once per step (4 FFMA per lane), so the only rounding besides fp32
+// summation is x's own. q8 splits each code byte into a low nibble (0..15) and a signed high nibble times 16,
+// both exact in bf16/fp16, in the two halves of the fragment.
+// Column n of the MMA is token t = n: lane (g, c) loads x[t = g] (zero for t >= T) and holds out[t = 2c, 2c + 1]
+// of rows g and g + 8.
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned char u8;
+
+#ifndef FMT
+#define FMT 2
+#endif
+#ifndef HALF
+#define HALF 0
+#endif
+#ifndef EVEN
+#define EVEN 1  // K is a whole number of groups and x rows are 16-byte aligned: vector loads of x
+#endif
+#define NW 8       // warps per block
+#ifndef UNROLL
+#define UNROLL 4      // steps whose loads are issued together
+#endif
+#ifndef MIN_BLOCKS
+#define MIN_BLOCKS 2  // blocks per SM to fit: lets ptxas keep all of a step batch's loads in flight (it interleaves them with
+#endif                // the arithmetic, one step at a time, when it aims at more blocks)
+
+#if HALF
+#define MAGIC 0x64006400u                    // 1024.0, 1024.0
+#define SUB_Q4 0xE408E408u                   // -1032 = -(1024 + 8)
+#define SUB_Q5 0xE410E410u                   // -1040 = -(1024 + 16)
+#define SUB_LO 0xE400E400u                   // -1024
+#define SIXTEEN 0x4C004C00u                  // 16.0
+#define SUB_HI16 0xF408F408u                 // -16512 = -16 * 1032
+#define MMA_TYPE "f16"
+#define FMA2 "fma.rn.f16x2"
+#else
+#define MAGIC 0x43004300u                    // 128.0, 128.0
+#define SUB_Q4 0xC308C308u                   // -136 = -(128 + 8)
+#define SUB_Q5 0xC310C310u                   // -144 = -(128 + 16)
+#define SUB_LO 0xC300C300u                   // -128
+#define SIXTEEN 0x41804180u                  // 16.0
+#define SUB_HI16 0xC508C508u                 // -2176 = -16 * 136
+#define MMA_TYPE "bf16"
+#define FMA2 "fma.rn.bf16x2"
+#endif
+#define ONE2 (HALF ? 0x3C003C00u : 0x3F803F80u)
+
+__device__ __forceinline__ u32 fma2(u32 a, u32 b, u32 c) {
+  u32 d;
+  asm(FMA2 " %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
+  u32 d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+}
+
+__device__ __forceinline__ void mma(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." MMA_TYPE "." MMA_TYPE ".f32 "
+               "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ float half_to_float(u16 h) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+}
+
+__device__ __forceinline__ u16 float_to_out(float f) {
+  u16 h;
+#if HALF
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+#else
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+#endif
+  return h;
+}
+
+// (a & MASK) op c in one LOP3 (c a register: with two immediates the compiler splits it into two instructions)
+template <u32 MASK>
+__device__ __forceinline__ u32 and_or(u32 a, u32 c) {
+  u32 d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "n"(MASK), "r"(c));
+  return d;
+}
+template <u32 MASK>
+__device__ __forceinline__ u32 and_xor(u32 a, u32 c) {
+  u32 d;
+  asm("lop3.b32 %0, %1, %2, %3, 0x6A;" : "=r"(d) : "r"(a), "n"(MASK), "r"(c));
+  return d;
+}
+
+// The four A pairs of one code word (see the top); `magic` = MAGIC in a register. q5: `hb` is the word's
+// high-bit byte (bit b = bit 4 of code b).
+__device__ __forceinline__ void word_pairs(u32 w, u32 hb, u32 magic, u32* p) {
+#if FMT == 0
+  // bytes b0..b3 = codes k0..k3 (int8): low nibbles (k0, k2), high nibbles (k0, k2) signed x 16, then (k1, k3);
+  // the high nibble's top bit is flipped (u ^ 8 = signed + 8) by xor-ing it in with the magic
+  const u32 magic8 = magic | 0x00080008u;
+  p[0] = fma2(and_or<0x000F000Fu>(w, magic), ONE2, SUB_LO);
+  p[1] = fma2(and_xor<0x000F000Fu>(w >> 4, magic8), SIXTEEN, SUB_HI16);
+  p[2] = fma2(and_or<0x000F000Fu>(w >> 8, magic), ONE2, SUB_LO);
+  p[3] = fma2(and_xor<0x000F000Fu>(w >> 12, magic8), SIXTEEN, SUB_HI16);
+#elif FMT == 1
+  // bit i of hb goes to bit 4 of pair i's low half, bit i + 4 to bit 4 of its high half (bits 4 and 20)
+  const u32 s = hb * 0x1001u;  // hb | hb << 12
+  p[0] = fma2(and_or<0x00100010u>(s << 4, and_or<0x000F000Fu>(w, magic)), ONE2, SUB_Q5);
+  p[1] = fma2(and_or<0x00100010u>(s << 3, and_or<0x000F000Fu>(w >> 4, magic)), ONE2, SUB_Q5);
+  p[2] = fma2(and_or<0x00100010u>(s << 2, and_or<0x000F000Fu>(w >> 8, magic)), ONE2, SUB_Q5);
+  p[3] = fma2(and_or<0x00100010u>(s << 1, and_or<0x000F000Fu>(w >> 12, magic)), ONE2, SUB_Q5);
+#else
+  p[0] = fma2(and_or<0x000F000Fu>(w, magic), ONE2, SUB_Q4);
+  p[1] = fma2(and_or<0x000F000Fu>(w >> 4, magic), ONE2, SUB_Q4);
+  p[2] = fma2(and_or<0x000F000Fu>(w >> 8, magic), ONE2, SUB_Q4);
+  p[3] = fma2(and_or<0x000F000Fu>(w >> 12, magic), ONE2, SUB_Q4);
+#endif
+}
+
+#define GROUP (FMT == 0 ? 32 : 64)        // codes per group
+#define XPL (FMT == 0 ? 8 : 16)           // x values per lane and step (2 words of codes)
+
+// The lane's pointers at its current group (all loads of a step are at constant offsets from them).
+struct Lane {
+  const u8 *cp0, *cp1;    // the lane's 8 code bytes of rows g and g + 8 (32 code bytes a group)
+  const u16 *sp0, *sp1;   // the two rows' scales
+  const u8 *hp0, *hp1;    // q5: the high-bit bytes of the lane's two words
+  const u16* xp;          // x[t, k] where the lane's codes start
+};
+
+// U steps (groups gi, gi + NW, ..., all < NG): every load issued first, then the arithmetic; acc += the sums.
+template <int U>
+__device__ __forceinline__ void steps(const Lane& L, const u16* __restrict__ xrow, int gi, int K, int c, u32 magic,
+                                      float* acc) {
+  uint2 w0[U], w1[U];
+  u32 s0[U], s1[U], h0[U], h1[U];
+  u32 xv[U][XPL / 2];
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    w0[u] = __ldg(reinterpret_cast<const uint2*>(L.cp0 + 32 * NW * u));
+    w1[u] = __ldg(reinterpret_cast<const uint2*>(L.cp1 + 32 * NW * u));
+    s0[u] = __ldg(L.sp0 + NW * u);
+    s1[u] = __ldg(L.sp1 + NW * u);
+#if FMT == 1
+    h0[u] = __ldg(reinterpret_cast<const u16*>(L.hp0 + 8 * NW * u));
+    h1[u] = __ldg(reinterpret_cast<const u16*>(L.hp1 + 8 * NW * u));
+#else
+    h0[u] = h1[u] = 0;
+#endif
+#if EVEN
+    const uint4* p = reinterpret_cast<const uint4*>(L.xp + GROUP * NW * u);
+#pragma unroll
+    for (int i = 0; i < XPL / 8; ++i) {
+      const uint4 v = __ldg(p + i);
+      xv[u][4 * i] = v.x; xv[u][4 * i + 1] = v.y; xv[u][4 * i + 2] = v.z; xv[u][4 * i + 3] = v.w;
+    }
+#else
+    const int k0 = (gi + u * NW) * GROUP + XPL * c;
+#pragma unroll
+    for (int i = 0; i < XPL / 2; ++i) {
+      const u32 lo = k0 + 2 * i < K ? xrow[k0 + 2 * i] : 0;
+      const u32 hi = k0 + 2 * i + 1 < K ? xrow[k0 + 2 * i + 1] : 0;
+      xv[u][i] = lo | (hi << 16);
+    }
+#endif
+  }
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    float d[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int wd = 0; wd < 2; ++wd) {
+      u32 pa[4], pb[4];
+      word_pairs(wd ? w0[u].y : w0[u].x, (h0[u] >> (8 * wd)) & 0xFFu, magic, pa);
+      word_pairs(wd ? w1[u].y : w1[u].x, (h1[u] >> (8 * wd)) & 0xFFu, magic, pb);
+#if FMT == 0
+      // word wd holds k = 4 wd .. 4 wd + 3 of the lane's 8: x pairs (x0, x2) and (x1, x3)
+      const u32 xa = xv[u][2 * wd], xb = xv[u][2 * wd + 1];
+      const u32 x02 = prmt(xa, xb, 0x5410), x13 = prmt(xa, xb, 0x7632);
+      mma(d, pa[0], pb[0], pa[1], pb[1], x02, x02);
+      mma(d, pa[2], pb[2], pa[3], pb[3], x13, x13);
+#else
+      // word wd holds k = 8 wd .. 8 wd + 7 of the lane's 16: x pairs (x0, x4), (x1, x5), (x2, x6), (x3, x7)
+      const u32* xw = xv[u] + 4 * wd;
+      mma(d, pa[0], pb[0], pa[1], pb[1], prmt(xw[0], xw[2], 0x5410), prmt(xw[0], xw[2], 0x7632));
+      mma(d, pa[2], pb[2], pa[3], pb[3], prmt(xw[1], xw[3], 0x5410), prmt(xw[1], xw[3], 0x7632));
+#endif
+    }
+    const float sa = half_to_float((u16)s0[u]), sb = half_to_float((u16)s1[u]);
+    acc[0] += sa * d[0];
+    acc[1] += sa * d[1];
+    acc[2] += sb * d[2];
+    acc[3] += sb * d[3];
+  }
+}
+
+__device__ __forceinline__ void advance(Lane& L, int groups) {
+  L.cp0 += 32 * groups; L.cp1 += 32 * groups;
+  L.sp0 += groups; L.sp1 += groups;
+#if FMT == 1
+  L.hp0 += 8 * groups; L.hp1 += 8 * groups;
+#endif
+  L.xp += GROUP * groups;
+}
+
+extern "C" __global__ void __launch_bounds__(NW * 32, MIN_BLOCKS)
+qmv(const u16* __restrict__ x, const u8* __restrict__ codes, const u8* __restrict__ high,
+    const u16* __restrict__ scales, u16* __restrict__ out, float* __restrict__ ws, int* __restrict__ counters,
+    int T, int N, int K, int NG, int groups_per_split, long long stride_x, long long stride_o,
+    long long stride_c, long long stride_h, long long stride_s) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, c = lane & 3;
+  const int tile = blockIdx.x;
+  const int r0 = min(tile * 16 + g, N - 1), r1 = min(tile * 16 + g + 8, N - 1);  // clamped: loads stay in bounds
+  const int g_hi = min(NG, (int)(blockIdx.y + 1) * groups_per_split);
+  int gi = blockIdx.y * groups_per_split + warp;  // this warp's first group; then every NW-th
+  // lanes of tokens t >= T read row T - 1 of x: their MMA columns are never stored, and no zeroing is needed
+  const u16* xrow = x + min(g, T - 1) * stride_x;
+  Lane L;
+  L.cp0 = codes + r0 * stride_c + 32 * gi + 8 * c;
+  L.cp1 = codes + r1 * stride_c + 32 * gi + 8 * c;
+  L.sp0 = scales + r0 * stride_s + gi;
+  L.sp1 = scales + r1 * stride_s + gi;
+#if FMT == 1
+  L.hp0 = high + r0 * stride_h + 8 * gi + 2 * c;
+  L.hp1 = high + r1 * stride_h + 8 * gi + 2 * c;
+#endif
+  L.xp = xrow + GROUP * gi + XPL * c;
+  u32 magic;
+  asm volatile("mov.b32 %0, %1;" : "=r"(magic) : "n"(MAGIC));  // kept in a register (see and_or)
+
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  for (; gi + (UNROLL - 1) * NW < g_hi; gi += NW * UNROLL) {
+    steps<UNROLL>(L, xrow, gi, K, c, magic, acc);
+    advance(L, NW * UNROLL);
+  }
+  for (; gi < g_hi; gi += NW) {
+    steps<1>(L, xrow, gi, K, c, magic, acc);
+    advance(L, NW);
+  }
+
+  // the block's warps hold partial sums of the same 16 x 8 tile: add them up in shared memory
+  __shared__ float4 red[NW][32];
+  red[warp][lane] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+  __syncthreads();
+  if (warp != 0) return;
+#pragma unroll
+  for (int w = 1; w < NW; ++w) {
+    const float4 v = red[w][lane];
+    acc[0] += v.x; acc[1] += v.y; acc[2] += v.z; acc[3] += v.w;
+  }
+  const int row[2] = {tile * 16 + g, tile * 16 + g + 8};
+  const int tt[2] = {2 * c, 2 * c + 1};
+  if (gridDim.y == 1) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int n = row[i >> 1], t = tt[i & 1];
+      if (n < N && t < T) out[t * stride_o + n] = float_to_out(acc[i]);
+    }
+    return;
+  }
+  // split-K: add into the fp32 workspace [T, N], count the block in; the last block of the tile writes the
+  // output and leaves workspace and counter at zero for the next launch (no memset kernels in a CUDA graph)
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int n = row[i >> 1], t = tt[i & 1];
+    if (n < N && t < T) atomicAdd(ws + t * N + n, acc[i]);
+  }
+  __threadfence();
+  __shared__ int last;
+  if (lane == 0) last = atomicAdd(counters + tile, 1) == (int)gridDim.y - 1;
+  __syncwarp();
+  if (!last) return;
+  __threadfence();
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int n = row[i >> 1], t = tt[i & 1];
+    if (n < N && t < T) {
+      float* p = ws + t * N + n;
+      out[t * stride_o + n] = float_to_out(__ldcg(p));
+      *p = 0.f;
+    }
+  }
+  if (lane == 0) counters[tile] = 0;
+}

@@ -1,0 +1,129 @@
+"""Quantized projections for the decode and verify widths (T <= 8) on the tensor cores: ``kernels/qmv_cuda.cu``.
+
+``qmv(x, lin)`` computes ``x [T, K] @ W.T`` for a :class:`kernels.qlinear.PackedLinear` in q8 / q5 / q4, reading the
+packed bytes in place, with x (and the output) in bf16 or fp16. The source's header says how: each code word
+becomes four exact bf16/fp16 pairs with one mask-and-or and one packed subtraction, an ``mma.m16n8k16`` sums them
+against x in fp32, and the group scale multiplies the sums; T = 1 and T = 8 cost the same (the MMA's 8 columns are
+the tokens). Compiled at first use for each (format, dtype, whole-groups) by CuPy's NVRTC, so it needs ``cupy``
+(the ``[gpu]`` extra) and an sm_80+ GPU; :func:`supports` says whether a call can take this path, and
+``PackedLinear`` falls back to the Triton kernels of ``kernels/qlinear.py`` otherwise. The reference is
+:func:`kernels.qlinear.qlinear_ref`.
+
+Launches are asynchronous, allocate nothing but the output and use the current torch stream, so a call is safe
+to capture in a CUDA graph once a first call for its (format, dtype) has compiled and loaded the module.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+__all__ = ["qmv", "supports", "available", "import_error", "choose_splits", "MAX_T"]
+
+MAX_T = 8  # tokens per launch: the MMA's n = 8 columns
+NW = 8  # warps per block (NW in the source)
+_FMT_ID = {"q8_g32_fp16": 0, "q5_g64_fp16": 1, "q4_g64_fp16": 2}
+_SOURCE = Path(__file__).with_name("qmv_cuda.cu")
+_BLOCKS_PER_SM = 2  # MIN_BLOCKS in the source
+
+
+@functools.cache
+def import_error() -> str | None:
+    """Why the kernel cannot run here (None when it can): no CUDA device, an old GPU, or no cupy."""
+    if os.environ.get("NINFER_QMV", "1") == "0":
+        return "disabled by NINFER_QMV=0"
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    if torch.cuda.get_device_capability() < (8, 0):
+        return f"needs an sm_80+ GPU (mma.m16n8k16 bf16), found sm_{''.join(map(str, torch.cuda.get_device_capability()))}"
+    try:
+        import cupy  # noqa: F401
+    except Exception as e:  # ImportError, or a cupy built for another CUDA
+        return f"cupy does not import ({type(e).__name__}: {e})"
+    return None
+
+
+def available() -> bool:
+    return import_error() is None
+
+
+def supports(x: torch.Tensor, lin) -> bool:
+    """Whether ``qmv(x, lin)`` runs for this input: CUDA, bf16/fp16, 1..8 rows, contiguous, a q format."""
+    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.dim() == 2 and 1 <= x.shape[0] <= MAX_T
+            and x.shape[1] == lin.k and x.is_contiguous() and lin.fmt in _FMT_ID and available())
+
+
+@functools.cache
+def _kernel(fmt_id: int, half: bool, even: bool, unroll: int, device_index: int):
+    import cupy
+
+    with cupy.cuda.Device(device_index):
+        module = cupy.RawModule(code=_SOURCE.read_text(), backend="nvrtc",
+                                options=("-std=c++17", f"-DFMT={fmt_id}", f"-DHALF={int(half)}", f"-DEVEN={int(even)}",
+                                         f"-DUNROLL={unroll}", f"-DMIN_BLOCKS={_BLOCKS_PER_SM}"))
+        return module.get_function("qmv")
+
+
+@functools.cache
+def _sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def choose_splits(n: int, ng: int, sms: int, unroll: int = 4) -> int:
+    """Blocks per 16-row tile along K (split-K): a pure function of the shape, so the launch never changes.
+
+    A cost model in units of one warp step: the grid runs in waves of ``sms * 2`` blocks; a block's warps take
+    ceil(groups / NW) steps each, plus a fixed cost (the block's start, its reduction, split-K's atomics) of
+    about one batch of ``unroll`` steps. Few tiles (N small) want more splits to fill the GPU; many tiles want none.
+    """
+    tiles = -(-n // 16)
+    best, best_cost = 1, None
+    for s in range(1, max(1, ng // NW) + 1):
+        waves = -(-tiles * s // (sms * _BLOCKS_PER_SM))
+        steps = -(-(-(-ng // s)) // NW)
+        cost = waves * (steps + unroll)
+        if best_cost is None or cost < best_cost:
+            best, best_cost = s, cost
+    return best
+
+
+def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | None = None,
+        unroll: int = 4) -> torch.Tensor:
+    """``x [T, K] @ W.T`` -> ``[T, N]`` in x.dtype, for T <= 8 (see :func:`supports`). ``out`` (contiguous [T, N],
+    x.dtype) is written instead of a fresh tensor; ``splits`` overrides :func:`choose_splits` (tuning, tests)."""
+    from .qlinear import _workspace
+
+    if not supports(x, lin):
+        raise ValueError(f"qmv: needs CUDA bf16/fp16 x [1..{MAX_T}, K={lin.k}] contiguous and a q8/q5/q4 weight "
+                         f"({import_error() or 'cupy ready'}); got {tuple(x.shape)} {x.dtype} on {x.device}, "
+                         f"{lin.fmt}")
+    t, n = x.shape[0], lin.n
+    if out is None:
+        out = torch.empty(t, n, dtype=x.dtype, device=x.device)
+    elif out.shape != (t, n) or out.dtype != x.dtype or not out.is_contiguous() or out.device != x.device:
+        raise ValueError(f"qmv: out must be contiguous [{t}, {n}] {x.dtype} on {x.device}, got {tuple(out.shape)} "
+                         f"{out.dtype} on {out.device}")
+    dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    even = lin.k == lin.kp and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
+    kern = _kernel(_FMT_ID[lin.fmt], x.dtype == torch.float16, even, unroll, dev)
+    tiles = -(-n // 16)
+    s = splits or choose_splits(n, lin.ng, _sms(dev), unroll)
+    groups_per_split = -(-lin.ng // s)
+    s = -(-lin.ng // groups_per_split)
+    ws, counters = _workspace(x.device, t, n, tiles) if s > 1 else (out, out)
+    import cupy
+
+    ptr = np.uint64
+    args = (ptr(x.data_ptr()), ptr(lin.codes.data_ptr()), ptr(lin.high.data_ptr()), ptr(lin.scales.data_ptr()),
+            ptr(out.data_ptr()), ptr(ws.data_ptr()), ptr(counters.data_ptr()),
+            np.int32(t), np.int32(n), np.int32(lin.k), np.int32(lin.ng), np.int32(groups_per_split),
+            np.int64(x.stride(0)), np.int64(out.stride(0)), np.int64(lin.codes.stride(0)),
+            np.int64(lin.high.stride(0)), np.int64(lin.scales.stride(0)))
+    stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(x.device).cuda_stream, dev)
+    with cupy.cuda.Device(dev):
+        kern((tiles, s), (NW * 32,), args, stream=stream)
+    return out

@@ -1,0 +1,126 @@
+"""The tensor-core quantized GEMV (kernels/qmv_cuda.cu) against the fp32 reference; its split choice and fallbacks.
+
+The kernel needs CUDA (sm_80+) and cupy: those tests skip without them. The split model and the dispatch rules
+run everywhere.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ninfer_bench.engine import quant
+from ninfer_bench.kernels import qlinear as ql
+from ninfer_bench.kernels import qmv_cuda
+
+READY = qmv_cuda.available()
+needs_qmv = pytest.mark.skipif(not READY, reason=f"qmv_cuda cannot run here: {qmv_cuda.import_error()}")
+# relative RMS vs the fp32 reference: the exact codes times x summed in fp32; the output's rounding dominates
+TOL = {torch.bfloat16: 6e-3, torch.float16: 1.5e-3}
+
+
+def _case(fmt, n, k, t, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.05
+    w.view(-1)[::29] *= 8.0  # outliers: groups with a large amax
+    buf = quant.pack(w, fmt)
+    x = torch.randn(t, k, generator=g) * 3
+    ref = ql.qlinear_ref(x.to(dtype), buf, fmt, (n, k))
+    return ql.PackedLinear(buf, fmt, (n, k), "cuda"), x.to(dtype).cuda(), ref
+
+
+def rel_rms(y, ref):
+    return ((y.float().cpu() - ref).norm() / ref.norm()).item()
+
+
+# (N, K): whole tiles; N not a multiple of 16 and K not of the group (the element-wise x path); a 27B-like K
+SHAPES = [(64, 256), (50, 100), (37, 1152), (300, 5120)]
+
+
+@needs_qmv
+@pytest.mark.parametrize("fmt", quant.QUANT_FORMATS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"{n}x{k}" for n, k in SHAPES])
+@pytest.mark.parametrize("t", [1, 3, 8])
+def test_matches_reference(fmt, dtype, shape, t):
+    lin, x, ref = _case(fmt, *shape, t, dtype)
+    y = qmv_cuda.qmv(x, lin)
+    assert y.shape == (t, shape[0]) and y.dtype == dtype
+    assert rel_rms(y, ref) <= TOL[dtype], f"rel RMS {rel_rms(y, ref):.2e}"
+
+
+@needs_qmv
+@pytest.mark.parametrize("fmt", quant.QUANT_FORMATS)
+@pytest.mark.parametrize("splits", [1, 2, 5, 64])
+def test_split_k_sums_and_leaves_workspace_clean(fmt, splits):
+    """Every split gives the same result, twice in a row (the workspace and counters are left at zero)."""
+    lin, x, ref = _case(fmt, 200, 2048, 8, torch.bfloat16, seed=1)
+    for _ in range(2):
+        y = qmv_cuda.qmv(x, lin, splits=splits)
+        assert rel_rms(y, ref) <= TOL[torch.bfloat16]
+    ws, counters = ql._WORKSPACES[x.device]
+    torch.cuda.synchronize()
+    assert int(counters.abs().sum()) == 0 and float(ws.abs().sum()) == 0.0
+
+
+@needs_qmv
+@pytest.mark.parametrize("unroll", [1, 2, 8])
+def test_unrolls_agree(unroll):
+    lin, x, ref = _case("q4_g64_fp16", 96, 5120, 2, torch.bfloat16, seed=2)
+    assert rel_rms(qmv_cuda.qmv(x, lin, unroll=unroll), ref) <= TOL[torch.bfloat16]
+
+
+@needs_qmv
+def test_unaligned_x_and_out_buffer():
+    """x whose rows are not 16-byte aligned takes the element-wise path; ``out`` is written in place."""
+    lin, x, ref = _case("q5_g64_fp16", 48, 512, 4, torch.bfloat16, seed=3)
+    flat = torch.empty(4 * 512 + 1, dtype=x.dtype, device="cuda")
+    xs = flat[1:].view(4, 512)
+    xs.copy_(x)
+    assert xs.is_contiguous() and xs.data_ptr() % 16 != 0
+    out = torch.full((4, 48), float("nan"), dtype=x.dtype, device="cuda")
+    assert qmv_cuda.qmv(xs, lin, out) is out
+    assert rel_rms(out, ref) <= TOL[torch.bfloat16]
+    with pytest.raises(ValueError, match="out must be"):
+        qmv_cuda.qmv(x, lin, torch.empty(4, 47, dtype=x.dtype, device="cuda"))
+
+
+@needs_qmv
+def test_cuda_graph_replay():
+    lin, x, ref = _case("q4_g64_fp16", 128, 1024, 1, torch.bfloat16, seed=4)
+    out = torch.empty(1, 128, dtype=x.dtype, device="cuda")
+    qmv_cuda.qmv(x, lin, out)  # compiles and loads the module outside the capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        qmv_cuda.qmv(x, lin, out, splits=3)
+    out.zero_()
+    g.replay()
+    torch.cuda.synchronize()
+    assert rel_rms(out, ref) <= TOL[torch.bfloat16]
+
+
+@needs_qmv
+def test_packed_linear_uses_it_up_to_eight_rows():
+    lin, x, _ = _case("q4_g64_fp16", 64, 256, 8, torch.bfloat16, seed=5)
+    assert qmv_cuda.supports(x, lin) and not qmv_cuda.supports(torch.cat([x, x]), lin)
+    assert not qmv_cuda.supports(x.float(), lin)
+    big = torch.cat([x, x])  # 16 rows: the Triton kernels
+    torch.testing.assert_close(lin(big)[:8], lin(x), rtol=2e-2, atol=2e-2)
+
+
+def test_split_choice_fills_the_gpu_only_when_needed():
+    # many row tiles (an lm_head): no split; few (k / v projections): split until the GPU has work
+    assert qmv_cuda.choose_splits(248320, 80, 132) == 1
+    assert qmv_cuda.choose_splits(1024, 80, 132) > 1
+    for n, ng in [(16, 1), (16, 8), (5120, 80), (5120, 272), (17, 3)]:
+        s = qmv_cuda.choose_splits(n, ng, 132)
+        assert 1 <= s <= max(1, ng // qmv_cuda.NW)
+
+
+def test_unsupported_inputs_are_refused_with_the_reason():
+    buf = quant.pack(torch.randn(16, 64), "q4_g64_fp16")
+    lin = ql.PackedLinear(buf, "q4_g64_fp16", (16, 64), "cpu")
+    x = torch.randn(1, 64, dtype=torch.bfloat16)
+    assert not qmv_cuda.supports(x, lin)
+    with pytest.raises(ValueError, match="qmv: needs CUDA"):
+        qmv_cuda.qmv(x, lin)
