@@ -26,6 +26,7 @@ Implementations, same argument order:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -204,6 +205,10 @@ def decode_attention(q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, scale,
     hkv = k_cache.shape[1]
     int8 = k_cache.dtype == torch.int8
     cfg = config or plan(b, t, h, hkv, hd, kv_len, int8, q.device, q_dtype=q.dtype)
+    if q.is_cuda and q.dtype == torch.float32 and cfg.block_n < 32 and cfg.num_warps > 4:
+        # triton 3.6 on sm_90: fp32 (tf32x3) tiles of 16 keys with 8 warps fault with an illegal address, split or
+        # not, pipelined or not; 4 warps, or 32-key tiles, run correctly (scripts/probe_attention.py on an H200)
+        cfg = dataclasses.replace(cfg, num_warps=4)
     return _launch(kern, q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, scale, kv_len, cfg)
 
 

@@ -489,9 +489,9 @@ class PackedLinear:
     int32), ``high`` uint8 [N, Kp/8] (q5; a 1-byte placeholder otherwise), ``scales`` fp16 [N, Kp/group].
     On CUDA it also reserves the shared split-K workspace for MAX_KERNEL_ROWS x N (see _workspace).
 
-    ``lin(x)`` with x [..., K]: on CUDA, bf16/fp16 x of at most ``qmv_cuda.MAX_T`` rows, the tensor-core kernel of
-    ``kernels/qmv_cuda.cu`` when cupy imports; up to MAX_KERNEL_ROWS rows (or fp32, or no cupy), the Triton
-    kernels here. Otherwise
+    ``lin(x)`` with x [..., K]: on CUDA with at most MAX_KERNEL_ROWS rows, bf16/fp16 x goes to the tensor-core
+    kernel of ``kernels/qmv_cuda.cu`` (``qmv_cuda.MAX_T`` rows a launch) when cupy imports, fp32 x (or no cupy) to
+    the Triton kernels here. Otherwise
     (prefill widths, or a CPU) a dense weight and F.linear: with ``dense_fallback=True`` (default) the
     dense weight is made once per dtype and cached, which costs 2 bytes per weight on top of the packed
     ~0.6 (q4) - the quantization's memory saving is gone for any layer that ever takes that path; with
@@ -543,6 +543,13 @@ class PackedLinear:
             self._dense[dtype] = w
         return w
 
+    def _gemv_is_faster(self, rows: int) -> bool:
+        """One row of x, where the Triton gemv beat qmv on an H200 at the 27B shapes (bench_qlinear, 20 calls
+        replayed from a graph): q8 everywhere (e.g. lm_head 370 vs 483 us), q4 with N <= 8192 (attention o / GDN
+        out / MLP down, 12.5-26.8 vs 15.5-28.2 us). qmv won q4 with more rows (q+gate, qkv+z, gate+up) and q5."""
+        return rows == 1 and triton_available() and (self.fmt == "q8_g32_fp16" or (self.fmt == "q4_g64_fp16"
+                                                                                   and self.n <= 8192))
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.k:
             raise ValueError(f"PackedLinear: x must be [..., K={self.k}], got shape {tuple(x.shape)}")
@@ -550,7 +557,13 @@ class PackedLinear:
         x2 = x.reshape(-1, self.k)
         if x2.is_cuda and x2.shape[0] <= MAX_KERNEL_ROWS and (qmv_cuda.available() or triton_available()):
             x2 = x2.contiguous()
-            y = qmv_cuda.qmv(x2, self) if qmv_cuda.supports(x2, self) else qlinear_triton(x2, self)
+            if qmv_cuda.supports(x2[:qmv_cuda.MAX_T], self) and not self._gemv_is_faster(x2.shape[0]):
+                # 8 rows a launch; the Triton dot kernel (T >= 2) returned wrong sums now and then on an H200
+                y = torch.cat([qmv_cuda.qmv(x2[i:i + qmv_cuda.MAX_T], self)
+                               for i in range(0, x2.shape[0], qmv_cuda.MAX_T)]) if x2.shape[0] > qmv_cuda.MAX_T \
+                    else qmv_cuda.qmv(x2, self)
+            else:
+                y = qlinear_triton(x2, self)
         else:
             y = F.linear(x2, self.dense(x.dtype))
         return y.reshape(*lead, self.n)

@@ -58,14 +58,32 @@ def supports(x: torch.Tensor, lin) -> bool:
 
 
 @functools.cache
-def _kernel(fmt_id: int, half: bool, even: bool, unroll: int, device_index: int):
+def _kernel(fmt_id: int, half: bool, even: bool, unroll: int, min_blocks: int, device_index: int):
     import cupy
 
     with cupy.cuda.Device(device_index):
         module = cupy.RawModule(code=_SOURCE.read_text(), backend="nvrtc",
                                 options=("-std=c++17", f"-DFMT={fmt_id}", f"-DHALF={int(half)}", f"-DEVEN={int(even)}",
-                                         f"-DUNROLL={unroll}", f"-DMIN_BLOCKS={_BLOCKS_PER_SM}"))
+                                         f"-DUNROLL={unroll}", f"-DMIN_BLOCKS={min_blocks}"))
         return module.get_function("qmv")
+
+
+_STREAMS: dict[int, object] = {}
+
+
+def _stream(torch_stream: torch.cuda.Stream, device_index: int):
+    """The cupy view of a torch stream (made once per stream: the launch path stays cheap)."""
+    key = torch_stream.cuda_stream
+    s = _STREAMS.get(key)
+    if s is None:
+        import warnings
+
+        import cupy
+
+        with warnings.catch_warnings():  # cupy 14 deprecates ExternalStream; 13 has no replacement for raw handles
+            warnings.simplefilter("ignore", DeprecationWarning)
+            s = _STREAMS[key] = cupy.cuda.ExternalStream(key, device_index)
+    return s
 
 
 @functools.cache
@@ -73,7 +91,7 @@ def _sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def choose_splits(n: int, ng: int, sms: int, unroll: int = 4) -> int:
+def choose_splits(n: int, ng: int, sms: int, unroll: int = 4, min_blocks: int = _BLOCKS_PER_SM) -> int:
     """Blocks per 16-row tile along K (split-K): a pure function of the shape, so the launch never changes.
 
     A cost model in units of one warp step: the grid runs in waves of ``sms * 2`` blocks; a block's warps take
@@ -83,7 +101,7 @@ def choose_splits(n: int, ng: int, sms: int, unroll: int = 4) -> int:
     tiles = -(-n // 16)
     best, best_cost = 1, None
     for s in range(1, max(1, ng // NW) + 1):
-        waves = -(-tiles * s // (sms * _BLOCKS_PER_SM))
+        waves = -(-tiles * s // (sms * min_blocks))
         steps = -(-(-(-ng // s)) // NW)
         cost = waves * (steps + unroll)
         if best_cost is None or cost < best_cost:
@@ -92,9 +110,11 @@ def choose_splits(n: int, ng: int, sms: int, unroll: int = 4) -> int:
 
 
 def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | None = None,
-        unroll: int = 4) -> torch.Tensor:
+        unroll: int = 4, min_blocks: int = _BLOCKS_PER_SM) -> torch.Tensor:
     """``x [T, K] @ W.T`` -> ``[T, N]`` in x.dtype, for T <= 8 (see :func:`supports`). ``out`` (contiguous [T, N],
-    x.dtype) is written instead of a fresh tensor; ``splits`` overrides :func:`choose_splits` (tuning, tests)."""
+    x.dtype) is written instead of a fresh tensor. ``splits`` (default :func:`choose_splits`), ``unroll`` (steps
+    whose loads are in flight together) and ``min_blocks`` (blocks per SM the registers must allow) are for tuning
+    and tests."""
     from .qlinear import _workspace
 
     if not supports(x, lin):
@@ -109,9 +129,9 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
                          f"{out.dtype} on {out.device}")
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
     even = lin.k == lin.kp and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
-    kern = _kernel(_FMT_ID[lin.fmt], x.dtype == torch.float16, even, unroll, dev)
+    kern = _kernel(_FMT_ID[lin.fmt], x.dtype == torch.float16, even, unroll, min_blocks, dev)
     tiles = -(-n // 16)
-    s = splits or choose_splits(n, lin.ng, _sms(dev), unroll)
+    s = splits or choose_splits(n, lin.ng, _sms(dev), unroll, min_blocks)
     groups_per_split = -(-lin.ng // s)
     s = -(-lin.ng // groups_per_split)
     ws, counters = _workspace(x.device, t, n, tiles) if s > 1 else (out, out)
@@ -123,7 +143,6 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
             np.int32(t), np.int32(n), np.int32(lin.k), np.int32(lin.ng), np.int32(groups_per_split),
             np.int64(x.stride(0)), np.int64(out.stride(0)), np.int64(lin.codes.stride(0)),
             np.int64(lin.high.stride(0)), np.int64(lin.scales.stride(0)))
-    stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(x.device).cuda_stream, dev)
     with cupy.cuda.Device(dev):
-        kern((tiles, s), (NW * 32,), args, stream=stream)
+        kern((tiles, s), (NW * 32,), args, stream=_stream(torch.cuda.current_stream(x.device), dev))
     return out

@@ -245,10 +245,11 @@ def main() -> int:
                         cands[name] = lambda x, li, out=None, cfg=cfg: ql.qlinear_triton(x, li, cfg, out=out)
                         cands[name].config = repr(cfg)
                 if args.qmv_variants and t <= qmv_cuda.MAX_T and qmv_cuda.available():
-                    for sp in (1, 2, 3, 4, 6, 8):
-                        for un in (2, 4, 8):
-                            cands[f"qmv-s{sp}-u{un}"] = (lambda x, li, out=None, sp=sp, un=un:
-                                                         qmv_cuda.qmv(x, li, out, splits=sp, unroll=un))
+                    for sp in (1, 2, 3, 4, 6):
+                        for un, mb in ((4, 2), (8, 1), (8, 2), (2, 4), (4, 3)):
+                            cands[f"qmv-s{sp}-u{un}-b{mb}"] = (lambda x, li, out=None, sp=sp, un=un, mb=mb:
+                                                               qmv_cuda.qmv(x, li, out, splits=sp, unroll=un,
+                                                                            min_blocks=mb))
                 best = None
                 for label, fn in cands.items():
                     try:

@@ -14,6 +14,7 @@
 #            rollback strategies, and the transformers peer on the same weights (bf16, with fla if carried)
 #   niah     the bundled model's NIAH grid, 8K-64K x 0-100 % depth
 #   conc27   27B synthetic concurrency C1-C8
+#   ksuite   the kernels suite alone at the 27B shape, T = 1 and 8
 #   vision   the vision tower at the real shape next to transformers'
 #   smoke    minutes-long first look: the training pipeline --tiny on CUDA, a 27B synthetic DFlash2 K=7 decode
 #   train    scripts/train_bundled.py --stage all --ship $OUT
@@ -31,11 +32,15 @@ M27="--model qwen3.8-27b --synthetic"
 for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case $stage in
-    tests)   for f in test_kernels_qmv_cuda test_kernels_qlinear test_kernels_fused test_kernels_attention \
+    tests)   # one process per file, all at once (correctness only, no timing): a kernel fault poisons its own
+             # CUDA context, not the other files
+             for f in test_kernels_qmv_cuda test_kernels_qlinear test_kernels_fused test_kernels_attention \
                       test_kernels_gdn_triton test_kernels_gdn test_fastpath test_cuda_engine; do
-               # one process per file: a kernel fault poisons its CUDA context, not the other files
-               timeout ${TESTS_S:-150} python3 -m pytest -q -p no:cacheprovider --durations=5 tests/$f.py > "$OUT/$f.log" 2>&1
-               echo "--- $f rc=$?: $(tail -1 "$OUT/$f.log")"; grep -E "^(FAILED|ERROR)" "$OUT/$f.log" | head -8
+               timeout ${TESTS_S:-200} python3 -m pytest -q -p no:cacheprovider --durations=3 tests/$f.py > "$OUT/$f.log" 2>&1 &
+             done
+             wait
+             for f in "$OUT"/test_*.log; do
+               echo "--- $(basename $f .log): $(tail -1 $f)"; grep -E "^(FAILED|ERROR)" "$f" | head -8
              done ;;
     qtests)  timeout ${TESTS_S:-150} python3 -m pytest -q -p no:cacheprovider tests/test_kernels_qmv_cuda.py \
                tests/test_kernels_qlinear.py 2>&1 | tee "$OUT/qtests.log" | grep -E "^(FAILED|ERROR)|passed|failed" | head -20 ;;
@@ -51,9 +56,11 @@ for stage in "$@"; do
     d27)     nb decode $M27 --engine ${ENGINES:-ours,hf} --spec none,mtp:3,dflash2:7 --runtime ${RUNTIMES:-v3,v2} \
                --rollback ${ROLLBACKS:-recompute,snapshot} \
                -n 64 --repeats 2 --json "$OUT/d27" 2>&1 | tee "$OUT/d27.log" | tail -40 ;;
+    ksuite)  nb kernels --shape qwen3.8-27b --t 1,8 --repeats 30 --json "$OUT/kernels_27b.json" 2>&1 \
+               | tee "$OUT/kernels_27b.log" | tail -60 ;;
     niah)    nb niah --ctx 8192,16384,32768,65536 --json "$OUT/niah_bundled.json" --heatmap "$OUT/niah_bundled.png" \
                2>&1 | tail -25 ;;
-    conc27)  nb concurrency $M27 -c 1,2,4,8 -n 64 --rounds 2 --json "$OUT/conc27.json" 2>&1 | tail -15 ;;
+    conc27)  nb concurrency $M27 -c 1,2,4,8 -n 64 --rounds 2 --json "$OUT/conc27.json" 2>&1 | tee "$OUT/conc27.log" | tail -25 ;;
     vision)  python3 scripts/bench_vision.py 2>&1 | tee "$OUT/vision.log" | tail -20 ;;
     smoke)   timeout 150 python3 scripts/train_bundled.py --tiny --device cuda --out /tmp/tinytrain --ship /tmp/tinyship \
                2>&1 | tee "$OUT/smoke_train.log" | tail -25

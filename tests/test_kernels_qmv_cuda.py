@@ -100,12 +100,14 @@ def test_cuda_graph_replay():
 
 
 @needs_qmv
-def test_packed_linear_uses_it_up_to_eight_rows():
-    lin, x, _ = _case("q4_g64_fp16", 64, 256, 8, torch.bfloat16, seed=5)
+def test_packed_linear_runs_wider_inputs_eight_rows_a_launch():
+    lin, x, ref = _case("q4_g64_fp16", 64, 256, 8, torch.bfloat16, seed=5)
     assert qmv_cuda.supports(x, lin) and not qmv_cuda.supports(torch.cat([x, x]), lin)
     assert not qmv_cuda.supports(x.float(), lin)
-    big = torch.cat([x, x])  # 16 rows: the Triton kernels
-    torch.testing.assert_close(lin(big)[:8], lin(x), rtol=2e-2, atol=2e-2)
+    big = torch.cat([x, x.flip(0), x[:3]])  # 19 rows: launches of 8, 8 and 3
+    y = lin(big)
+    assert torch.equal(y[:8], qmv_cuda.qmv(x, lin)) and torch.equal(y[8:16], qmv_cuda.qmv(x.flip(0), lin))
+    assert rel_rms(y[16:], ref[:3]) <= TOL[torch.bfloat16]
 
 
 def test_split_choice_fills_the_gpu_only_when_needed():
