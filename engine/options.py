@@ -102,6 +102,11 @@ class EngineOptions:
             return False
         from .fastpath import available
 
+        if self.kv_dtype == "fp32":  # the fused attention reads bf16 / fp16 / int8 K/V
+            if self.kernels == "triton":
+                raise ValueError("--kernels triton needs --kv-dtype bf16, fp16 or int8 (the fused attention does not "
+                                 "read fp32 K/V)")
+            return False
         if self.kernels == "triton":
             if not available():
                 raise ValueError("--kernels triton: triton does not import here")

@@ -111,8 +111,10 @@ def plan(batch: int, tokens: int, heads: int, kv_heads: int, head_dim: int, kv_l
         num_stages = 2 if fp32 else 3  # fp32 at 64 x 256 needs 256 KB of shared memory with 3 stages
     sms = _num_sms(torch.device(device))
     if chunk is None:
+        # from one sequence's sizes, not the batch's: a row's key range is split (and summed) the same way whatever
+        # it is batched with, so concurrent decoding gives the bits sequential decoding gives
         n_blocks = -(-kv_len // block_n)
-        per_split = -(-rows // block_m) * batch * kv_heads
+        per_split = -(-rows // block_m) * kv_heads
         want = -(-PROGRAMS_PER_SM * sms // per_split)
         splits = max(1, min(want, n_blocks // MIN_BLOCKS_PER_SPLIT))
         chunk = -(-n_blocks // splits) * block_n

@@ -524,6 +524,8 @@ class PackedLinear:
         self._dense: dict[torch.dtype, torch.Tensor] = {}
         if self.device.type == "cuda":
             _workspace(self.device, MAX_KERNEL_ROWS, self.n, 1)
+            if qmv_cuda.available():
+                qmv_cuda.workspace(self.device, qmv_cuda.MAX_SPLITS * qmv_cuda.MAX_T * self.n)
 
     @property
     def packed_bytes(self) -> int:
@@ -543,13 +545,6 @@ class PackedLinear:
             self._dense[dtype] = w
         return w
 
-    def _gemv_is_faster(self, rows: int) -> bool:
-        """One row of x, where the Triton gemv beat qmv on an H200 at the 27B shapes (bench_qlinear, 20 calls
-        replayed from a graph): q8 everywhere (e.g. lm_head 370 vs 483 us), q4 with N <= 8192 (attention o / GDN
-        out / MLP down, 12.5-26.8 vs 15.5-28.2 us). qmv won q4 with more rows (q+gate, qkv+z, gate+up) and q5."""
-        return rows == 1 and triton_available() and (self.fmt == "q8_g32_fp16" or (self.fmt == "q4_g64_fp16"
-                                                                                   and self.n <= 8192))
-
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.k:
             raise ValueError(f"PackedLinear: x must be [..., K={self.k}], got shape {tuple(x.shape)}")
@@ -557,8 +552,9 @@ class PackedLinear:
         x2 = x.reshape(-1, self.k)
         if x2.is_cuda and x2.shape[0] <= MAX_KERNEL_ROWS and (qmv_cuda.available() or triton_available()):
             x2 = x2.contiguous()
-            if qmv_cuda.supports(x2[:qmv_cuda.MAX_T], self) and not self._gemv_is_faster(x2.shape[0]):
-                # 8 rows a launch; the Triton dot kernel (T >= 2) returned wrong sums now and then on an H200
+            if qmv_cuda.supports(x2[:qmv_cuda.MAX_T], self):
+                # 8 rows a launch, for every width: results that do not depend on the batch (and are deterministic);
+                # the Triton dot kernel (T >= 2) also returned wrong sums now and then on an H200
                 y = torch.cat([qmv_cuda.qmv(x2[i:i + qmv_cuda.MAX_T], self)
                                for i in range(0, x2.shape[0], qmv_cuda.MAX_T)]) if x2.shape[0] > qmv_cuda.MAX_T \
                     else qmv_cuda.qmv(x2, self)

@@ -7,7 +7,8 @@
 //   EVEN  1: K == Kp (whole groups) and x's rows 16-byte aligned, 0: x read element by element, 0 past K
 //
 // One block = NW warps = one tile of 16 weight rows; the warps take the tile's groups in turn (warp w: groups
-// w, w + NW, ...), a grid y > 1 splits the groups over blocks (split-K, summed in-kernel, see the end).
+// w, w + NW, ...), a grid y > 1 splits the groups over blocks (split-K, summed in-kernel in a fixed order, see
+// the end: results are deterministic and do not depend on T or on the other rows of x).
 // A warp step is one group of its 16 rows: lane (g = lane / 4, c = lane % 4) loads 8 code bytes (two 32-bit
 // words) of row g and of row g + 8, and turns each word into four register pairs for mma.m16n8k16:
 //   pair i of word w = the codes in nibble i of bytes 0 and 2 (q4/q5: k0+i' , k4+i'), placed in the mantissa of
@@ -279,14 +280,16 @@ qmv(const u16* __restrict__ x, const u8* __restrict__ codes, const u8* __restric
     }
     return;
   }
-  // split-K: add into the fp32 workspace [T, N], count the block in; the last block of the tile writes the
-  // output and leaves workspace and counter at zero for the next launch (no memset kernels in a CUDA graph)
+  // split-K: each block stores its partial tile in its own slice of the workspace [splits, T, N] and counts itself
+  // in; the last block of the tile adds the slices up in split order (a fixed order: the result does not depend on
+  // which block finishes first) and leaves the counter at zero for the next launch (no memset in a CUDA graph)
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const int n = row[i >> 1], t = tt[i & 1];
-    if (n < N && t < T) atomicAdd(ws + t * N + n, acc[i]);
+    if (n < N && t < T) ws[((long long)blockIdx.y * T + t) * N + n] = acc[i];
   }
   __threadfence();
+  __syncwarp();
   __shared__ int last;
   if (lane == 0) last = atomicAdd(counters + tile, 1) == (int)gridDim.y - 1;
   __syncwarp();
@@ -296,9 +299,9 @@ qmv(const u16* __restrict__ x, const u8* __restrict__ codes, const u8* __restric
   for (int i = 0; i < 4; ++i) {
     const int n = row[i >> 1], t = tt[i & 1];
     if (n < N && t < T) {
-      float* p = ws + t * N + n;
-      out[t * stride_o + n] = float_to_out(__ldcg(p));
-      *p = 0.f;
+      float sum = 0.f;
+      for (int y = 0; y < (int)gridDim.y; ++y) sum += __ldcg(ws + ((long long)y * T + t) * N + n);
+      out[t * stride_o + n] = float_to_out(sum);
     }
   }
   if (lane == 0) counters[tile] = 0;

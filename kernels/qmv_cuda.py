@@ -22,9 +22,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = ["qmv", "supports", "available", "import_error", "choose_splits", "MAX_T"]
+__all__ = ["qmv", "supports", "available", "import_error", "choose_splits", "workspace", "MAX_T", "MAX_SPLITS"]
 
 MAX_T = 8  # tokens per launch: the MMA's n = 8 columns
+MAX_SPLITS = 8  # split-K slices: the workspace holds MAX_SPLITS x MAX_T x N floats
 NW = 8  # warps per block (NW in the source)
 _FMT_ID = {"q8_g32_fp16": 0, "q5_g64_fp16": 1, "q4_g64_fp16": 2}
 _SOURCE = Path(__file__).with_name("qmv_cuda.cu")
@@ -66,6 +67,28 @@ def _kernel(fmt_id: int, half: bool, even: bool, unroll: int, min_blocks: int, d
                                 options=("-std=c++17", f"-DFMT={fmt_id}", f"-DHALF={int(half)}", f"-DEVEN={int(even)}",
                                          f"-DUNROLL={unroll}", f"-DMIN_BLOCKS={min_blocks}"))
         return module.get_function("qmv")
+
+
+# Split-K scratch, one per device: fp32 partial tiles [splits, T, N] (overwritten by every launch) and per-tile
+# arrival counters (left at zero). Its own, not kernels/qlinear.py's, whose sums must stay zero between launches.
+_WORKSPACES: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+_MAX_TILES = 1 << 16
+
+
+def workspace(device, floats: int, tiles: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """The device's split-K scratch, grown to at least ``floats`` floats; never grown inside a CUDA-graph capture
+    (``PackedLinear`` reserves ``MAX_SPLITS * MAX_T * N`` when it is built)."""
+    device = torch.device(device)
+    if tiles > _MAX_TILES:
+        raise ValueError(f"qmv: {tiles} row tiles exceed the split-K counters ({_MAX_TILES})")
+    ws, counters = _WORKSPACES.get(device, (None, None))
+    if ws is None or ws.numel() < floats:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("qmv: the split-K workspace must grow outside CUDA-graph capture")
+        ws = torch.empty(max(floats, 1 << 20), dtype=torch.float32, device=device)
+        counters = torch.zeros(_MAX_TILES, dtype=torch.int32, device=device)
+        _WORKSPACES[device] = (ws, counters)
+    return ws, counters
 
 
 _STREAMS: dict[int, object] = {}
@@ -115,8 +138,6 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
     x.dtype) is written instead of a fresh tensor. ``splits`` (default :func:`choose_splits`), ``unroll`` (steps
     whose loads are in flight together) and ``min_blocks`` (blocks per SM the registers must allow) are for tuning
     and tests."""
-    from .qlinear import _workspace
-
     if not supports(x, lin):
         raise ValueError(f"qmv: needs CUDA bf16/fp16 x [1..{MAX_T}, K={lin.k}] contiguous and a q8/q5/q4 weight "
                          f"({import_error() or 'cupy ready'}); got {tuple(x.shape)} {x.dtype} on {x.device}, "
@@ -131,10 +152,10 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
     even = lin.k == lin.kp and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
     kern = _kernel(_FMT_ID[lin.fmt], x.dtype == torch.float16, even, unroll, min_blocks, dev)
     tiles = -(-n // 16)
-    s = splits or choose_splits(n, lin.ng, _sms(dev), unroll, min_blocks)
+    s = min(splits or choose_splits(n, lin.ng, _sms(dev), unroll, min_blocks), MAX_SPLITS)
     groups_per_split = -(-lin.ng // s)
     s = -(-lin.ng // groups_per_split)
-    ws, counters = _workspace(x.device, t, n, tiles) if s > 1 else (out, out)
+    ws, counters = workspace(x.device, s * t * n, tiles) if s > 1 else (out, out)
     import cupy
 
     ptr = np.uint64

@@ -7,6 +7,7 @@ integration (fastpath.py, rollback through the kernels) is checked on every mach
 from __future__ import annotations
 
 import pytest
+import torch
 
 import triton_interp  # noqa: F401  (sets TRITON_INTERPRET=1 without CUDA, fixes the interpreter)
 from ninfer_bench.engine.fastpath import available
@@ -15,10 +16,11 @@ from ninfer_bench.engine.runtime import Engine
 pytestmark = pytest.mark.skipif(not available(), reason="triton does not import")
 
 PROMPT = list(range(3, 60))
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the kernels run natively there, interpreted here
 
 
 def run(**kw):
-    eng = Engine.load("tiny", device="cpu", kv_dtype="int8", dtype="fp32", max_context=256, **kw)
+    eng = Engine.load("tiny", device=DEVICE, kv_dtype="int8", dtype="fp32", max_context=256, **kw)
     return eng, eng.generate(PROMPT, max_new_tokens=12, ignore_eos=True).tokens
 
 

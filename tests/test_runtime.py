@@ -110,3 +110,12 @@ def test_hf_peer_same_tokens_and_real_timings():
     rec = peer["records"][0]
     assert rec["ttft_ms"] > 0 and rec["decode_s"] > 0
     assert 0 < rec["decode_tok_s"] < 1e6
+
+
+def test_fp32_kv_takes_the_eager_attention():
+    """The fused attention reads bf16 / fp16 / int8 K/V: fp32 K/V decodes eagerly, and asking for the kernels says so."""
+    from ninfer_bench.engine.options import EngineOptions
+
+    assert not EngineOptions(device="cpu", kv_dtype="fp32").fused_kernels()
+    with pytest.raises(ValueError, match="kv-dtype"):
+        EngineOptions(device="cpu", kv_dtype="fp32", kernels="triton").fused_kernels()
