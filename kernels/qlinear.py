@@ -29,14 +29,14 @@ first call only compiles, nothing is timed or synchronised, and later calls are 
 CUDA graph. Triton is imported on first use, so this module imports (and the CPU fallback runs) without it.
 
 Where it stands (H200, 27B projection shapes, 20 calls replayed from a CUDA graph over weight copies, % of
-the 4.27 TB/s copy bandwidth; scripts/bench_qlinear.py): gemv T = 1: q4 31-48 % (lm_head 68 %), q5
-25-34 %, q8 47-70 % (lm_head 84 %); q4 attn q+gate 19.5 us against 45 us for bf16 cuBLAS and 24 us for
-torch's int4. dot T = 2..16, measured pipelined (num_stages=2, since found unsafe): q4 18-30 %, q5
-10-12 %, q8 28-38 %; the unpipelined launch used now is not yet timed. Short of the 85 % bar: the gemv
-spends ~4.3 instructions per weight, so below ~1 byte per weight it is bound by instruction issue, not
-DRAM; the dot kernel spends ~4.5-5 per weight unpacking nibbles a byte at a time into the MMA layout that
-Triton picks. Closing that needs packed conversion (2 codes per 32-bit register, as in Marlin) written
-straight into the MMA fragment, i.e. control over register layouts.
+the 4.27 TB/s copy bandwidth; scripts/bench_qlinear.py, docs/perf/2026-11-30-27b-decode-qmv-h200.md): gemv
+T = 1: q4 31-48 % (lm_head 68 %), q5 25-34 %, q8 47-70 % (lm_head 86 %). dot T = 2..16: q4 18-30 %, q5
+10-12 %, q8 25-38 %, and it still returns wrong sums now and then (an H200 caught mlp gate+up q8 T = 4 at
+relative RMS 0.07 with num_stages=1, so the missing-fence explanation below is not the whole story). For bf16 /
+fp16 x the engine therefore runs ``kernels/qmv_cuda.cu`` (tensor cores, 8 rows a launch, deterministic, T = 8 at
+the cost of T = 1) whenever cupy imports; these kernels serve fp32 x and machines without cupy. The gemv spends
+~4.3 instructions per weight; qmv 2.3 (q4), and neither holds more than ~65 % of the copy bandwidth at T = 1:
+both are short of bytes in flight, which a deeper load pipeline (cp.async / TMA) would fix.
 """
 
 from __future__ import annotations

@@ -25,7 +25,17 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
-nb() { python3 scripts/nb.py "$@"; }
+# STAGE_S bounds each stage's main command (use it rather than an outer `timeout`: that kills this script before it
+# folds its outputs, and can leave the command running on)
+nb() { timeout "${STAGE_S:-86400}" python3 scripts/nb.py "$@"; }
+pack() {  # the device tool returns only a handful of files a call: one archive per folder, one log for the tests
+  ( cd "$OUT" || exit 0
+    for d in */; do [ -d "$d" ] && tar -cf "${d%/}.tar" "$d" && rm -rf "$d"; done
+    if ls test_*.log >/dev/null 2>&1; then
+      for f in test_*.log; do echo "=== $f"; cat "$f"; done > tests_all.log && rm -f test_*.log
+    fi )
+}
+trap pack EXIT
 git log -1 --format='commit %H' 2>/dev/null || true
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 M27="--model qwen3.8-27b --synthetic"
