@@ -12,15 +12,21 @@ from pathlib import Path
 import click
 from rich.progress import BarColumn, Progress, TextColumn
 from rich.table import Table
+from rich.text import Text
 
 from .cli import UserError, comma_list, console, engine_options, err_console, int_list, main, oracle
 
 
 # ---- suites ------------------------------------------------------------------------------------------
 def suite_progress(description: str):
-    """A rich progress bar for suites counting units of work; returns (progress, callback(done, total, what))."""
+    """A rich progress bar for suites counting units of work; returns (progress, callback(done, total, what)).
+
+    Without a terminal (CI logs, a GPU box's captured output, nohup) the bar cannot redraw: one line per finished
+    unit of work instead, at most every 10 s (a start and a finish always), with the time elapsed."""
     from rich.progress import MofNCompleteColumn, TimeElapsedColumn
 
+    if not err_console.is_terminal:
+        return _line_progress(description)
     prog = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                     console=err_console, transient=True)
     task = prog.add_task(description, total=None)
@@ -29,6 +35,23 @@ def suite_progress(description: str):
         prog.update(task, completed=done, total=total, description=f"{description} {what}")
 
     return prog, update
+
+
+def _line_progress(description: str, every_s: float = 10.0):
+    import contextlib
+    import time
+
+    start, last = time.perf_counter(), [None, -every_s]
+
+    def update(done, total, what=""):
+        now = time.perf_counter() - start
+        if (done, total) == tuple(last[0] or ()) or (now - last[1] < every_s and done not in (0, total)):
+            return
+        last[0], last[1] = (done, total), now
+        of = f"/{total}" if total else ""
+        err_console.print(Text(f"{description} {done}{of} {what} ({now:.0f} s)"), highlight=False)
+
+    return contextlib.nullcontext(), update
 
 
 def save_result(doc: dict, json_path: str | None) -> None:

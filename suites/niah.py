@@ -221,22 +221,31 @@ def build_niah_oracle(source: str | None, opts: NiahOptions, out: str | None = N
         meta = {"artifact_id": info.get("artifact_id") or "", "artifact_sha256": sha, "dtype": dtype, "top_k": top_k,
                 "suite": "niah", "ctx": ctx, "cases": opts.cases, "seed": opts.seed,
                 "answer_tokens": opts.answer_tokens}
-        kept, depths = {}, set(opts.depths)
+        kept, covered = {}, set()
         if path.is_file() and not force:
             old, old_meta = load_oracle(path)
             if all(old_meta.get(k) == v for k, v in meta.items()):
-                kept, depths = {r["id"]: r for r in old}, depths | set(old_meta.get("depths", []))
+                kept, covered = {r["id"]: r for r in old}, set(old_meta.get("depths", []))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        unsaved = False
         for d in opts.depths:
+            computed = False
             for i in range(opts.cases):
                 case = build_case(loaded.tokenizer, ctx, d, i, opts.seed, opts.answer_tokens)
                 if kept.get(case["case"], {}).get("prompt_ids") != case["prompt_ids"]:
                     res = model.greedy(case["prompt_ids"], opts.answer_tokens, top_k=top_k,
                                        prefill_chunk=opts.prefill_chunk)
                     kept[case["case"]] = {"id": case["case"], "prompt_ids": case["prompt_ids"], **res}
+                    computed = True
                 done += 1
                 if progress:
                     progress(done, total, case["case"])
-        path.parent.mkdir(parents=True, exist_ok=True)
-        save_oracle(path, list(kept.values()), {**meta, "depths": sorted(depths)})
+            unsaved = unsaved or d not in covered
+            covered.add(d)
+            if computed:  # saved depth by depth: an interrupted 64K build keeps every depth it finished
+                save_oracle(path, list(kept.values()), {**meta, "depths": sorted(covered)})
+                unsaved = False
+        if unsaved or not path.is_file():
+            save_oracle(path, list(kept.values()), {**meta, "depths": sorted(covered)})
         written.append(path)
     return written

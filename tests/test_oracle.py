@@ -359,3 +359,20 @@ def test_niah_oracle_file_is_extended_not_rebuilt(tmp_path, monkeypatch):
     build_niah_oracle("tiny", NiahOptions(depths=(100,), **opts), str(out), force=True)
     records, meta = load_oracle(out)
     assert len(calls) == 3 and [r["id"] for r in records] == ["ctx512-d100-0"] and meta["depths"] == [100]
+
+
+def test_niah_oracle_keeps_finished_depths_when_interrupted(tmp_path):
+    """Each finished depth is on disk before the next starts: stopping a long build loses only the case in hand."""
+    from ninfer_bench.suites.niah import NiahOptions, build_niah_oracle
+
+    out = tmp_path / "o.json.gz"
+
+    def stop_at_second(done, total, case):
+        if done == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        build_niah_oracle("tiny", NiahOptions(model="tiny", ctxs=(512,), depths=(0, 50, 100), answer_tokens=3),
+                          str(out), progress=stop_at_second)
+    records, meta = load_oracle(out)
+    assert meta["depths"] == [0] and [r["id"] for r in records] == ["ctx512-d0-0"]
