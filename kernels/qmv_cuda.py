@@ -60,9 +60,12 @@ def available() -> bool:
 
 
 def supports(x: torch.Tensor, lin) -> bool:
-    """Whether ``qmv(x, lin)`` runs for this input: CUDA, bf16/fp16, 1..8 rows, contiguous, a q format."""
+    """Whether ``qmv(x, lin)`` runs for this input: CUDA, bf16/fp16, 1..8 rows, contiguous, a q format, the packed
+    buffer 16-byte aligned."""
     return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.dim() == 2 and 1 <= x.shape[0] <= MAX_T
-            and x.shape[1] == lin.k and x.is_contiguous() and lin.fmt in _FMT_ID and available())
+            and x.shape[1] == lin.k and x.is_contiguous() and lin.fmt in _FMT_ID
+            and lin.buf.data_ptr() % 16 == 0  # 8-byte code loads; a view into a bigger buffer may sit anywhere
+            and available())
 
 
 @functools.cache

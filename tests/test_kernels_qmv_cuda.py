@@ -136,3 +136,16 @@ def test_unsupported_inputs_are_refused_with_the_reason():
     assert not qmv_cuda.supports(x, lin)
     with pytest.raises(ValueError, match="qmv: needs CUDA"):
         qmv_cuda.qmv(x, lin)
+
+
+@needs_qmv
+def test_unaligned_packed_buffer_takes_the_triton_kernels():
+    """A packed weight that is a view at an odd offset of a bigger CUDA buffer cannot be read 8 bytes at a time."""
+    g = torch.Generator().manual_seed(7)
+    buf = quant.pack(torch.randn(32, 128, generator=g), "q4_g64_fp16")
+    big = torch.empty(buf.numel() + 1, dtype=torch.uint8, device="cuda")
+    big[1:].copy_(buf)
+    lin = ql.PackedLinear(big[1:], "q4_g64_fp16", (32, 128), "cuda")
+    x = torch.randn(2, 128, generator=g).to(torch.bfloat16).cuda()
+    assert not qmv_cuda.supports(x, lin)
+    assert rel_rms(lin(x), ql.qlinear_ref(x, buf, "q4_g64_fp16", (32, 128))) <= TOL[torch.bfloat16]
