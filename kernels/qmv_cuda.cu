@@ -39,6 +39,9 @@ typedef unsigned char u8;
 #ifndef UNROLL
 #define UNROLL 4      // steps whose loads are issued together
 #endif
+#ifndef XLATE
+#define XLATE 0       // 1: x loaded one step ahead of the arithmetic instead of with the codes (see steps)
+#endif
 #ifndef MIN_BLOCKS
 #define MIN_BLOCKS 2  // blocks per SM to fit: lets ptxas keep all of a step batch's loads in flight (it interleaves them with
 #endif                // the arithmetic, one step at a time, when it aims at more blocks)
@@ -150,13 +153,64 @@ struct Lane {
   const u16* xp;          // x[t, k] where the lane's codes start
 };
 
-// U steps (groups gi, gi + NW, ..., all < NG): every load issued first, then the arithmetic; acc += the sums.
+// x[t, k] for step u (group gi + u NW) as XPL / 2 packed pairs (0 past K on the element-wise path)
+__device__ __forceinline__ void load_x(const Lane& L, const u16* __restrict__ xrow, int gi, int u, int K, int c,
+                                       u32* xv) {
+#if EVEN
+  const uint4* p = reinterpret_cast<const uint4*>(L.xp + GROUP * NW * u);
+#pragma unroll
+  for (int i = 0; i < XPL / 8; ++i) {
+    const uint4 v = __ldg(p + i);
+    xv[4 * i] = v.x; xv[4 * i + 1] = v.y; xv[4 * i + 2] = v.z; xv[4 * i + 3] = v.w;
+  }
+#else
+  const int k0 = (gi + u * NW) * GROUP + XPL * c;
+#pragma unroll
+  for (int i = 0; i < XPL / 2; ++i) {
+    const u32 lo = k0 + 2 * i < K ? xrow[k0 + 2 * i] : 0;
+    const u32 hi = k0 + 2 * i + 1 < K ? xrow[k0 + 2 * i + 1] : 0;
+    xv[i] = lo | (hi << 16);
+  }
+#endif
+}
+
+// One step's arithmetic: the two rows' code words (w0, w1), high-bit bytes, x pairs and scales -> acc.
+__device__ __forceinline__ void step_math(uint2 w0, uint2 w1, u32 h0, u32 h1, const u32* xv, u32 s0, u32 s1,
+                                          u32 magic, float* acc) {
+  float d[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+  for (int wd = 0; wd < 2; ++wd) {
+    u32 pa[4], pb[4];
+    word_pairs(wd ? w0.y : w0.x, (h0 >> (8 * wd)) & 0xFFu, magic, pa);
+    word_pairs(wd ? w1.y : w1.x, (h1 >> (8 * wd)) & 0xFFu, magic, pb);
+#if FMT == 0
+    // word wd holds k = 4 wd .. 4 wd + 3 of the lane's 8: x pairs (x0, x2) and (x1, x3)
+    const u32 xa = xv[2 * wd], xb = xv[2 * wd + 1];
+    const u32 x02 = prmt(xa, xb, 0x5410), x13 = prmt(xa, xb, 0x7632);
+    mma(d, pa[0], pb[0], pa[1], pb[1], x02, x02);
+    mma(d, pa[2], pb[2], pa[3], pb[3], x13, x13);
+#else
+    // word wd holds k = 8 wd .. 8 wd + 7 of the lane's 16: x pairs (x0, x4), (x1, x5), (x2, x6), (x3, x7)
+    const u32* xw = xv + 4 * wd;
+    mma(d, pa[0], pb[0], pa[1], pb[1], prmt(xw[0], xw[2], 0x5410), prmt(xw[0], xw[2], 0x7632));
+    mma(d, pa[2], pb[2], pa[3], pb[3], prmt(xw[1], xw[3], 0x5410), prmt(xw[1], xw[3], 0x7632));
+#endif
+  }
+  const float sa = half_to_float((u16)s0), sb = half_to_float((u16)s1);
+  acc[0] += sa * d[0];
+  acc[1] += sa * d[1];
+  acc[2] += sb * d[2];
+  acc[3] += sb * d[3];
+}
+
+// U steps (groups gi, gi + NW, ..., all < NG): every code load issued first, then the arithmetic; acc += the sums.
+// x is loaded with the codes (XLATE 0), or one step ahead of the arithmetic (XLATE 1: x comes from L1 / L2, and the
+// registers it would hold for U steps carry more code bytes in flight instead).
 template <int U>
 __device__ __forceinline__ void steps(const Lane& L, const u16* __restrict__ xrow, int gi, int K, int c, u32 magic,
                                       float* acc) {
   uint2 w0[U], w1[U];
   u32 s0[U], s1[U], h0[U], h1[U];
-  u32 xv[U][XPL / 2];
 #pragma unroll
   for (int u = 0; u < U; ++u) {
     w0[u] = __ldg(reinterpret_cast<const uint2*>(L.cp0 + 32 * NW * u));
@@ -169,50 +223,22 @@ __device__ __forceinline__ void steps(const Lane& L, const u16* __restrict__ xro
 #else
     h0[u] = h1[u] = 0;
 #endif
-#if EVEN
-    const uint4* p = reinterpret_cast<const uint4*>(L.xp + GROUP * NW * u);
-#pragma unroll
-    for (int i = 0; i < XPL / 8; ++i) {
-      const uint4 v = __ldg(p + i);
-      xv[u][4 * i] = v.x; xv[u][4 * i + 1] = v.y; xv[u][4 * i + 2] = v.z; xv[u][4 * i + 3] = v.w;
-    }
-#else
-    const int k0 = (gi + u * NW) * GROUP + XPL * c;
-#pragma unroll
-    for (int i = 0; i < XPL / 2; ++i) {
-      const u32 lo = k0 + 2 * i < K ? xrow[k0 + 2 * i] : 0;
-      const u32 hi = k0 + 2 * i + 1 < K ? xrow[k0 + 2 * i + 1] : 0;
-      xv[u][i] = lo | (hi << 16);
-    }
-#endif
   }
+#if XLATE
+  u32 xv[2][XPL / 2];
+  load_x(L, xrow, gi, 0, K, c, xv[0]);
 #pragma unroll
   for (int u = 0; u < U; ++u) {
-    float d[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-    for (int wd = 0; wd < 2; ++wd) {
-      u32 pa[4], pb[4];
-      word_pairs(wd ? w0[u].y : w0[u].x, (h0[u] >> (8 * wd)) & 0xFFu, magic, pa);
-      word_pairs(wd ? w1[u].y : w1[u].x, (h1[u] >> (8 * wd)) & 0xFFu, magic, pb);
-#if FMT == 0
-      // word wd holds k = 4 wd .. 4 wd + 3 of the lane's 8: x pairs (x0, x2) and (x1, x3)
-      const u32 xa = xv[u][2 * wd], xb = xv[u][2 * wd + 1];
-      const u32 x02 = prmt(xa, xb, 0x5410), x13 = prmt(xa, xb, 0x7632);
-      mma(d, pa[0], pb[0], pa[1], pb[1], x02, x02);
-      mma(d, pa[2], pb[2], pa[3], pb[3], x13, x13);
-#else
-      // word wd holds k = 8 wd .. 8 wd + 7 of the lane's 16: x pairs (x0, x4), (x1, x5), (x2, x6), (x3, x7)
-      const u32* xw = xv[u] + 4 * wd;
-      mma(d, pa[0], pb[0], pa[1], pb[1], prmt(xw[0], xw[2], 0x5410), prmt(xw[0], xw[2], 0x7632));
-      mma(d, pa[2], pb[2], pa[3], pb[3], prmt(xw[1], xw[3], 0x5410), prmt(xw[1], xw[3], 0x7632));
-#endif
-    }
-    const float sa = half_to_float((u16)s0[u]), sb = half_to_float((u16)s1[u]);
-    acc[0] += sa * d[0];
-    acc[1] += sa * d[1];
-    acc[2] += sb * d[2];
-    acc[3] += sb * d[3];
+    if (u + 1 < U) load_x(L, xrow, gi, u + 1, K, c, xv[(u + 1) & 1]);
+    step_math(w0[u], w1[u], h0[u], h1[u], xv[u & 1], s0[u], s1[u], magic, acc);
   }
+#else
+  u32 xv[U][XPL / 2];
+#pragma unroll
+  for (int u = 0; u < U; ++u) load_x(L, xrow, gi, u, K, c, xv[u]);
+#pragma unroll
+  for (int u = 0; u < U; ++u) step_math(w0[u], w1[u], h0[u], h1[u], xv[u], s0[u], s1[u], magic, acc);
+#endif
 }
 
 __device__ __forceinline__ void advance(Lane& L, int groups) {

@@ -69,13 +69,13 @@ def supports(x: torch.Tensor, lin) -> bool:
 
 
 @functools.cache
-def _kernel(fmt_id: int, half: bool, even: bool, unroll: int, min_blocks: int, device_index: int):
+def _kernel(fmt_id: int, half: bool, even: bool, unroll: int, min_blocks: int, xlate: bool, device_index: int):
     import cupy
 
     with cupy.cuda.Device(device_index):
         module = cupy.RawModule(code=_SOURCE.read_text(), backend="nvrtc",
                                 options=("-std=c++17", f"-DFMT={fmt_id}", f"-DHALF={int(half)}", f"-DEVEN={int(even)}",
-                                         f"-DUNROLL={unroll}", f"-DMIN_BLOCKS={min_blocks}"))
+                                         f"-DUNROLL={unroll}", f"-DMIN_BLOCKS={min_blocks}", f"-DXLATE={int(xlate)}"))
         return module.get_function("qmv")
 
 
@@ -143,10 +143,11 @@ def choose_splits(n: int, ng: int, sms: int, unroll: int = 4, min_blocks: int = 
 
 
 def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | None = None,
-        unroll: int = 4, min_blocks: int = _BLOCKS_PER_SM) -> torch.Tensor:
+        unroll: int = 4, min_blocks: int = _BLOCKS_PER_SM, xlate: bool = False) -> torch.Tensor:
     """``x [T, K] @ W.T`` -> ``[T, N]`` in x.dtype, for T <= 8 (see :func:`supports`). ``out`` (contiguous [T, N],
     x.dtype) is written instead of a fresh tensor. ``splits`` (default :func:`choose_splits`), ``unroll`` (steps
-    whose loads are in flight together) and ``min_blocks`` (blocks per SM the registers must allow) are for tuning
+    whose loads are in flight together), ``min_blocks`` (blocks per SM the registers must allow) and ``xlate`` (x
+    loaded one step ahead instead of with the codes; compiled and read as SASS, not yet run on a GPU) are for tuning
     and tests."""
     if not supports(x, lin):
         raise ValueError(f"qmv: needs CUDA bf16/fp16 x [1..{MAX_T}, K={lin.k}] contiguous and a q8/q5/q4 weight "
@@ -160,7 +161,7 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
                          f"{out.dtype} on {out.device}")
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
     even = lin.k == lin.kp and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
-    kern = _kernel(_FMT_ID[lin.fmt], x.dtype == torch.float16, even, unroll, min_blocks, dev)
+    kern = _kernel(_FMT_ID[lin.fmt], x.dtype == torch.float16, even, unroll, min_blocks, xlate, dev)
     tiles = -(-n // 16)
     s = min(splits or choose_splits(n, lin.ng, _sms(dev), unroll, min_blocks), MAX_SPLITS)
     groups_per_split = -(-lin.ng // s)

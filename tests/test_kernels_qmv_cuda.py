@@ -74,10 +74,13 @@ def test_rows_do_not_depend_on_the_batch():
 
 
 @needs_qmv
-@pytest.mark.parametrize("unroll", [1, 2, 8])
-def test_unrolls_agree(unroll):
-    lin, x, ref = _case("q4_g64_fp16", 96, 5120, 2, torch.bfloat16, seed=2)
-    assert rel_rms(qmv_cuda.qmv(x, lin, unroll=unroll), ref) <= TOL[torch.bfloat16]
+@pytest.mark.parametrize("fmt", quant.QUANT_FORMATS)
+@pytest.mark.parametrize("unroll,min_blocks,xlate", [(1, 2, False), (2, 4, False), (8, 1, False), (8, 2, True),
+                                                     (16, 1, True)])
+def test_launch_variants_agree(fmt, unroll, min_blocks, xlate):
+    lin, x, ref = _case(fmt, 96, 5120, 2, torch.bfloat16, seed=2)
+    y = qmv_cuda.qmv(x, lin, unroll=unroll, min_blocks=min_blocks, xlate=xlate)
+    assert rel_rms(y, ref) <= TOL[torch.bfloat16]
 
 
 @needs_qmv
