@@ -15,6 +15,7 @@
 #   niah     the bundled model's NIAH grid, 8K-64K x 0-100 % depth
 #   conc27   27B synthetic concurrency C1-C8
 #   ksuite   the kernels suite alone at the 27B shape, T = 1 and 8
+#   bundled  the bundled model: decode grid (none / MTP3 / DFlash2 K=7 x v3 / v2, and the peer), C1-C8, kernels
 #   vision   the vision tower at the real shape next to transformers'
 #   smoke    minutes-long first look: the training pipeline --tiny on CUDA, a 27B synthetic DFlash2 K=7 decode
 #   train    scripts/train_bundled.py --stage all --ship $OUT
@@ -68,6 +69,12 @@ for stage in "$@"; do
                -n 64 --repeats 2 --json "$OUT/d27" 2>&1 | tee "$OUT/d27.log" | tail -40 ;;
     ksuite)  nb kernels --shape qwen3.8-27b --t 1,8 --repeats 30 --json "$OUT/kernels_27b.json" 2>&1 \
                | tee "$OUT/kernels_27b.log" | tail -60 ;;
+    bundled) # the bundled model's full GPU set for the report: decode grid with the peer, concurrency, kernels
+             nb decode --engine hf,ours --spec none,mtp:3,dflash2:7 --runtime v3,v2 -n 256 --repeats 2 \
+               --json "$OUT/bundled_decode" 2>&1 | tee "$OUT/bundled_decode.log" | tail -20
+             nb concurrency -c 1,2,4,8 -n 128 --rounds 2 --json "$OUT/bundled_conc.json" 2>&1 | tail -12
+             nb kernels --model models/ninfer-code-small.ninfer --t 1,8 --repeats 30 \
+               --json "$OUT/bundled_kernels.json" 2>&1 | tail -5 ;;
     niah)    nb niah --ctx 8192,16384,32768,65536 --json "$OUT/niah_bundled.json" --heatmap "$OUT/niah_bundled.png" \
                2>&1 | tail -25 ;;
     conc27)  nb concurrency $M27 -c 1,2,4,8 -n 64 --rounds 2 --json "$OUT/conc27.json" 2>&1 | tee "$OUT/conc27.log" | tail -25 ;;
