@@ -162,7 +162,8 @@ class MTPDrafter:
         h = torch.stack([self.pending[s.slot][0] for s in seqs])
         logits = torch.stack([self.pending[s.slot][1] for s in seqs])
         slots = self.e._ids([s.slot for s in seqs])
-        length = self.e._ids([s.length for s in seqs])
+        lengths = [s.length for s in seqs]
+        length = self.e._ids(lengths)
         toks, qs = [], []
         for j in range(k):
             tok, q = pick(seqs, logits, self.head)
@@ -170,7 +171,8 @@ class MTPDrafter:
             qs.append(q)
             if j + 1 < k:
                 pos = (length + j)[:, None]
-                hh, ll = self.forward(h[:, None], tok[:, None], pos, slots, int(length.max()) + j + 1,
+                # the key range from the host's lengths: no device read (a sync per draft step) between launches
+                hh, ll = self.forward(h[:, None], tok[:, None], pos, slots, max(lengths) + j + 1,
                                       rope_pos=self.e.rope_shift(seqs, pos))
                 h, logits = hh[:, 0], ll[:, 0]
         return torch.stack(toks, 1), (torch.stack(qs, 1) if qs[0] is not None else None)
