@@ -16,6 +16,7 @@ from __future__ import annotations
 import gzip
 import json
 import math
+import os
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Sequence
@@ -70,12 +71,16 @@ def save_oracle(path: str | Path, records: Sequence[dict], meta: dict) -> Path:
                       "topk_logprobs": [[float(v) for v in row] for row in rec["topk_logprobs"]]})
     doc = {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "meta": meta, "records": clean}
     path = Path(path)
-    text = json.dumps(doc, separators=(",", ":"))
+    data = json.dumps(doc, separators=(",", ":")).encode("utf-8")
     if path.suffix == ".gz":
-        with gzip.open(path, "wt", encoding="utf-8") as f:
-            f.write(text)
-    else:
-        path.write_text(text, encoding="utf-8")
+        data = gzip.compress(data, mtime=0)  # no timestamp in the header: the same records give the same bytes
+    # written next to the target, then renamed over it: a build stopped mid-write leaves the previous file whole
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
     return path
 
 
