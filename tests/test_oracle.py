@@ -327,6 +327,10 @@ def test_store_round_trip(tmp_path, suffix):
     assert loaded == records  # floats round-trip exactly
     assert loaded_meta["top_k"] == 5 and loaded_meta["created"]
     assert all(agreement(r["tokens"], r)["pass"] for r in loaded)
+    # rewriting the same records gives the same bytes (no gzip timestamp) and leaves no temporary file behind
+    first = path.read_bytes()
+    save_oracle(path, records, {**meta, "created": loaded_meta["created"]})
+    assert path.read_bytes() == first and [p.name for p in tmp_path.iterdir()] == [path.name]
 
     with pytest.raises(ValueError, match="artifact_id"):
         save_oracle(tmp_path / "x.json", records, {"dtype": "float64", "top_k": 5, "artifact_sha256": None})
