@@ -50,3 +50,12 @@ def test_spec_on_cuda_equals_plain(spec, k, rollback):
 def test_bf16_runs_and_is_close_to_fp32():
     _, a = gen(runtime="v3", kv_dtype="int8", dtype="bf16")
     assert len(a.tokens) == 96
+
+
+def test_mtp_draft_graphs_equal_plain(monkeypatch):
+    """The experimental captured MTP drafting (NINFER_DRAFT_GRAPHS=1) drafts what the eager loop drafts."""
+    monkeypatch.setenv("NINFER_DRAFT_GRAPHS", "1")
+    _, plain = gen(runtime="v3", kv_dtype="int8", dtype="fp32")
+    eng, res = gen(runtime="v3", kv_dtype="int8", dtype="fp32", spec="mtp", draft_tokens=3)
+    assert eng.drafter.graphs is not None and eng.drafter.graphs.captured
+    assert res.tokens == plain.tokens

@@ -13,6 +13,8 @@ Protocol (what :func:`engine.spec.loop.speculative_round` calls):
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ...kernels.norm import rms_norm
@@ -113,6 +115,22 @@ class MTPDrafter:
         self.e = engine
         self.head = DraftHead(engine, draft_head_ids(engine))
         self.pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # greedy drafting replayed from CUDA graphs: experimental, off unless NINFER_DRAFT_GRAPHS=1 (it has not run on
+        # a GPU yet); needs the engine's target graphs (runtime v3 on CUDA)
+        self.graphs: MTPDraftGraphs | None = None
+        self._want_graphs = os.environ.get("NINFER_DRAFT_GRAPHS") == "1"
+
+    def greedy_steps(self, h, logits, length, slots, k: int, kv_len: int) -> torch.Tensor:
+        """k greedy drafts per row from the pending ``h [B, H]`` / ``logits [B, N]``: the draft loop without host
+        reads, so that it can be captured (``kv_len`` bounds the keys; the capacity when captured)."""
+        toks = []
+        for j in range(k):
+            tok = self.head.to_vocab(logits.argmax(-1))
+            toks.append(tok)
+            if j + 1 < k:
+                hh, ll = self.forward(h[:, None], tok[:, None], (length + j)[:, None], slots, kv_len)
+                h, logits = hh[:, 0], ll[:, 0]
+        return torch.stack(toks, 1)
 
     def forward(self, hidden, next_ids, pos, slots, kv_len, mode=DECODE, rope_pos=None):
         e, w = self.e, self.e.weights
@@ -164,7 +182,13 @@ class MTPDrafter:
         slots = self.e._ids([s.slot for s in seqs])
         lengths = [s.length for s in seqs]
         length = self.e._ids(lengths)
-        toks, qs = [], []
+        if all(s.params.greedy for s in seqs) and self.e.rope_shift(seqs, length) is None:
+            if self._want_graphs and self.graphs is None and self.e.graphs is not None:
+                self.graphs = MTPDraftGraphs(self)
+            if self.graphs is not None:
+                return self.graphs.draft(h, logits, length, slots, k), None
+            return self.greedy_steps(h, logits, length, slots, k, max(lengths) + k), None
+        toks, qs = [], []  # sampling rows or media positions: a draw per row, rotary positions shifted
         for j in range(k):
             tok, q = pick(seqs, logits, self.head)
             toks.append(tok)
@@ -185,6 +209,47 @@ class MTPDrafter:
 
     def import_slot(self, slot: int, state: dict) -> None:
         self.pending.pop(slot, None)
+
+
+class MTPDraftGraphs:
+    """MTP greedy drafting (:meth:`MTPDrafter.greedy_steps`) captured per (batch bucket, k), replayed over static
+    inputs; padding rows draft into the engine's scratch slot. Shares the target graphs' memory pool."""
+
+    def __init__(self, drafter: MTPDrafter):
+        self.d, self.e = drafter, drafter.e
+        self.captured: dict[tuple[int, int], tuple] = {}
+
+    def _capture(self, b: int, k: int, like_h: torch.Tensor, like_logits: torch.Tensor):
+        e, dev = self.e, self.e.device
+        h = torch.zeros(b, like_h.shape[-1], dtype=like_h.dtype, device=dev)
+        logits = torch.zeros(b, like_logits.shape[-1], dtype=like_logits.dtype, device=dev)
+        length = torch.zeros(b, dtype=torch.long, device=dev)
+        slots = torch.full((b,), e.scratch_slot, dtype=torch.long, device=dev)
+        side = torch.cuda.Stream(device=dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            for _ in range(2):  # compile kernels and settle allocations outside the capture
+                self.d.greedy_steps(h, logits, length, slots, k, e.capacity)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=e.graphs.pool):
+            toks = self.d.greedy_steps(h, logits, length, slots, k, e.capacity)
+        return graph, h, logits, length, slots, toks
+
+    def draft(self, h, logits, length, slots, k: int) -> torch.Tensor:
+        b = h.shape[0]
+        key = (self.e.graphs.bucket(b), k)
+        cap = self.captured.get(key)
+        if cap is None:
+            cap = self.captured[key] = self._capture(*key, h, logits)
+        graph, sh, sl, slen, sslots, toks = cap
+        sh[:b].copy_(h)
+        sl[:b].copy_(logits)
+        slen[:b].copy_(length)
+        sslots[:b].copy_(slots)
+        sslots[b:].fill_(self.e.scratch_slot)
+        graph.replay()
+        return toks[:b].clone()
 
 
 class BlockDraftRunner:
