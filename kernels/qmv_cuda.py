@@ -3,7 +3,7 @@
 ``qmv(x, lin)`` computes ``x [T, K] @ W.T`` for a :class:`kernels.qlinear.PackedLinear` in q8 / q5 / q4, reading the
 packed bytes in place, with x (and the output) in bf16 or fp16. The source's header says how: each code word
 becomes four exact bf16/fp16 pairs with one mask-and-or and one packed subtraction, an ``mma.m16n8k16`` sums them
-against x in fp32, and the group scale multiplies the sums; T = 1 and T = 8 cost the same (the MMA's 8 columns are
+against x in fp32, and the group scale multiplies the sums; T = 1 and T = 8 cost nearly the same (the MMA's 8 columns are
 the tokens). Compiled at first use for each (format, dtype, whole-groups) by CuPy's NVRTC, so it needs ``cupy``
 (the ``[gpu]`` extra) and an sm_80+ GPU; :func:`supports` says whether a call can take this path, and
 ``PackedLinear`` falls back to the Triton kernels of ``kernels/qlinear.py`` otherwise. The reference is
@@ -15,8 +15,8 @@ are deterministic and row t of the output does not depend on the other rows of x
 a fixed order), which is what lets concurrent greedy decoding reproduce sequential decoding bit for bit.
 
 Measured (H200, 27B shapes, docs/perf/2026-11-30-27b-decode-qmv-h200.md): T = 1 at 25-65 % of the copy bandwidth,
-about the Triton gemv's (faster for the wide q4 / q5 projections, slower for q8 and 5120-row q4); T = 8 1.0-1.1x
-its T = 1 time, 1.5-3.8x faster than the Triton dot kernel. The DFlash2 K=7 verify forward of the 27B model went
+about the Triton gemv's (faster for the wide q4 / q5 projections, slower for q8 and 5120-row q4); T = 8 1.04-1.15x
+its T = 1 time, 1.1-3.6x faster than the Triton dot kernel. The DFlash2 K=7 verify forward of the 27B model went
 from 18.4 to 11.4 ms (1.21x the 9.39 ms plain step).
 """
 
