@@ -43,8 +43,8 @@ typedef unsigned char u8;
 #define XLATE 0       // 1: x loaded one step ahead of the arithmetic instead of with the codes (see steps)
 #endif
 #ifndef MIN_BLOCKS
-#define MIN_BLOCKS 2  // blocks per SM to fit: lets ptxas keep all of a step batch's loads in flight (it interleaves them with
-#endif                // the arithmetic, one step at a time, when it aims at more blocks)
+#define MIN_BLOCKS 2  // blocks per SM to fit: lets ptxas keep all of a step batch's loads in flight
+#endif                // (it interleaves them with the arithmetic, one step at a time, when it aims at more blocks)
 
 #if HALF
 #define MAGIC 0x64006400u                    // 1024.0, 1024.0

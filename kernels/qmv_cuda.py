@@ -3,8 +3,8 @@
 ``qmv(x, lin)`` computes ``x [T, K] @ W.T`` for a :class:`kernels.qlinear.PackedLinear` in q8 / q5 / q4, reading the
 packed bytes in place, with x (and the output) in bf16 or fp16. The source's header says how: each code word
 becomes four exact bf16/fp16 pairs with one mask-and-or and one packed subtraction, an ``mma.m16n8k16`` sums them
-against x in fp32, and the group scale multiplies the sums; T = 1 and T = 8 cost nearly the same (the MMA's 8 columns are
-the tokens). Compiled at first use for each (format, dtype, whole-groups) by CuPy's NVRTC, so it needs ``cupy``
+against x in fp32, and the group scale multiplies the sums; T = 1 and T = 8 cost nearly the same (the MMA's 8
+columns are the tokens). Compiled at first use for each (format, dtype, whole-groups) by CuPy's NVRTC, so it needs ``cupy``
 (the ``[gpu]`` extra) and an sm_80+ GPU; :func:`supports` says whether a call can take this path, and
 ``PackedLinear`` falls back to the Triton kernels of ``kernels/qlinear.py`` otherwise. The reference is
 :func:`kernels.qlinear.qlinear_ref`.
@@ -47,7 +47,8 @@ def import_error() -> str | None:
     if not torch.cuda.is_available():
         return "no CUDA device"
     if torch.cuda.get_device_capability() < (8, 0):
-        return f"needs an sm_80+ GPU (mma.m16n8k16 bf16), found sm_{''.join(map(str, torch.cuda.get_device_capability()))}"
+        major, minor = torch.cuda.get_device_capability()
+        return f"needs an sm_80+ GPU (mma.m16n8k16 bf16), found sm_{major}{minor}"
     try:
         import cupy  # noqa: F401
     except Exception as e:  # ImportError, or a cupy built for another CUDA

@@ -246,7 +246,8 @@ def main() -> int:
                         cands[name].config = repr(cfg)
                 if args.qmv_variants and t <= qmv_cuda.MAX_T and qmv_cuda.available():
                     for sp in (1, 2, 3, 4, 6):
-                        for un, mb, xl in ((4, 2, 0), (8, 1, 0), (8, 2, 0), (2, 4, 0), (4, 3, 0), (8, 2, 1), (16, 1, 1)):
+                        for un, mb, xl in ((4, 2, 0), (8, 1, 0), (8, 2, 0), (2, 4, 0), (4, 3, 0), (8, 2, 1),
+                                           (16, 1, 1)):
                             cands[f"qmv-s{sp}-u{un}-b{mb}{'-xlate' if xl else ''}"] = (
                                 lambda x, li, out=None, sp=sp, un=un, mb=mb, xl=xl:
                                 qmv_cuda.qmv(x, li, out, splits=sp, unroll=un, min_blocks=mb, xlate=bool(xl)))
