@@ -39,6 +39,7 @@ class EngineOptions:
     rollback: str = "recompute"
     lm_head_draft: int = 0
     cuda_graphs: bool = True
+    draft_graphs: bool = False  # MTP greedy drafting replayed from CUDA graphs (v3 on CUDA); experimental
     gdn_impl: str = "auto"
     kernels: str = "auto"  # decode/verify kernels: auto (fused Triton for v3 on CUDA), torch, or triton
     cpu_threads: int | None = None  # torch intra-op threads on a CPU; None: 1 for small models, else torch's

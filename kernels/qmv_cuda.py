@@ -23,7 +23,6 @@ from 18.4 to 11.4 ms (1.21x the 9.39 ms plain step).
 from __future__ import annotations
 
 import functools
-import os
 from pathlib import Path
 
 import numpy as np
@@ -42,8 +41,6 @@ _BLOCKS_PER_SM = 2  # MIN_BLOCKS in the source
 @functools.cache
 def import_error() -> str | None:
     """Why the kernel cannot run here (None when it can): no CUDA device, an old GPU, or no cupy."""
-    if os.environ.get("NINFER_QMV", "1") == "0":
-        return "disabled by NINFER_QMV=0"
     if not torch.cuda.is_available():
         return "no CUDA device"
     if torch.cuda.get_device_capability() < (8, 0):

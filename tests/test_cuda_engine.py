@@ -52,10 +52,9 @@ def test_bf16_runs_and_is_close_to_fp32():
     assert len(a.tokens) == 96
 
 
-def test_mtp_draft_graphs_equal_plain(monkeypatch):
-    """The experimental captured MTP drafting (NINFER_DRAFT_GRAPHS=1) drafts what the eager loop drafts."""
-    monkeypatch.setenv("NINFER_DRAFT_GRAPHS", "1")
+def test_mtp_draft_graphs_equal_plain():
+    """The experimental captured MTP drafting (``draft_graphs``) drafts what the eager loop drafts."""
     _, plain = gen(runtime="v3", kv_dtype="int8", dtype="fp32")
-    eng, res = gen(runtime="v3", kv_dtype="int8", dtype="fp32", spec="mtp", draft_tokens=3)
+    eng, res = gen(runtime="v3", kv_dtype="int8", dtype="fp32", spec="mtp", draft_tokens=3, draft_graphs=True)
     assert eng.drafter.graphs is not None and eng.drafter.graphs.captured
     assert res.tokens == plain.tokens

@@ -13,8 +13,6 @@ Protocol (what :func:`engine.spec.loop.speculative_round` calls):
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from ...kernels.norm import rms_norm
@@ -115,10 +113,10 @@ class MTPDrafter:
         self.e = engine
         self.head = DraftHead(engine, draft_head_ids(engine))
         self.pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        # greedy drafting replayed from CUDA graphs: experimental, off unless NINFER_DRAFT_GRAPHS=1 (it has not run on
-        # a GPU yet); needs the engine's target graphs (runtime v3 on CUDA)
+        # greedy drafting replayed from CUDA graphs (``draft_graphs``, off by default: it has not run on a GPU yet);
+        # made on first use, once the engine's target graphs (runtime v3 on CUDA) exist
         self.graphs: MTPDraftGraphs | None = None
-        self._want_graphs = os.environ.get("NINFER_DRAFT_GRAPHS") == "1"
+        self._want_graphs = engine.options.draft_graphs
 
     def greedy_steps(self, h, logits, length, slots, k: int, kv_len: int) -> torch.Tensor:
         """k greedy drafts per row from the pending ``h [B, H]`` / ``logits [B, N]``: the draft loop without host
