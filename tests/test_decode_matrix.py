@@ -69,6 +69,8 @@ def test_cli_grid_writes_one_document_per_run(tmp_path):
                                                       "v3-none.json"]
     docs = [json.loads(p.read_text()) for p in sorted(out.iterdir())]
     assert len({d["summary"]["tokens_sha256"] for d in docs}) == 1  # greedy: every run decodes the same tokens
+    # stderr is not a terminal here: progress comes as lines, one at each run's start
+    assert all(f"decode 0/1 run {i}/4" in r.output for i in range(1, 5)), r.output
     taken = tmp_path / "file.json"
     taken.write_text("{}")
     r = CliRunner().invoke(main, ["decode", "--model", "tiny", "--spec", "none,mtp", "--json", str(taken)])
