@@ -3,6 +3,10 @@
 # Usage (repo root, on the GPU machine; carry [".whl"] for fla-core):
 #   bash scripts/gpu_check.sh tests d27 niah conc27 vision kernels
 #   bash scripts/gpu_check.sh train          # the bundled model (about 9 minutes: give it a call of its own)
+#   STAGE_S=280 ENGINES=hf,ours RUNTIMES=v3,v2 ROLLBACKS=recompute bash scripts/gpu_check.sh d27
+#   QBENCH_ARGS="--qmv-variants --ts 1 --fmts q4" bash scripts/gpu_check.sh qbench    # qmv launch sweep
+# Outputs: the device tool brings back only about 8 files a call, so on exit every folder under $OUT becomes one
+# .tar and the per-file test logs one tests_all.log.
 # Stages:
 #   tests    CUDA tests, one process per file: engine on CUDA (graphs, fused path), every kernel against its reference
 #   qtests   the quantized-projection tests only (qmv, Triton qlinear)
