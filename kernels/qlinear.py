@@ -455,17 +455,23 @@ def _workspace(device, rows: int, n: int, tiles: int) -> tuple[torch.Tensor, tor
     Growing allocates, so it must not happen inside a CUDA-graph capture: PackedLinear reserves
     MAX_KERNEL_ROWS x N when it is built.
     """
+    return split_k_scratch(_WORKSPACES, device, rows * n, tiles, "qlinear")
+
+
+def split_k_scratch(store: dict, device, floats: int, tiles: int, who: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``store[device]``: (fp32 sums of at least ``floats``, ``_MAX_TILES`` int32 arrival counters), made zeroed
+    and grown on demand - never inside a CUDA-graph capture, where allocating is not allowed."""
     device = torch.device(device)
     if tiles > _MAX_TILES:
-        raise ValueError(f"qlinear: {tiles} output tiles exceed the split-K counters ({_MAX_TILES})")
-    ws, counters = _WORKSPACES.get(device, (None, None))
-    if ws is None or ws.numel() < rows * n:
+        raise ValueError(f"{who}: {tiles} output tiles exceed the split-K counters ({_MAX_TILES})")
+    ws, counters = store.get(device, (None, None))
+    if ws is None or ws.numel() < floats:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("qlinear: the split-K workspace must grow outside CUDA-graph capture "
+            raise RuntimeError(f"{who}: the split-K workspace must grow outside CUDA-graph capture "
                                "(build the PackedLinear, or call once, before capturing)")
-        ws = torch.zeros(max(rows * n, 1 << 20), dtype=torch.float32, device=device)
+        ws = torch.zeros(max(floats, 1 << 20), dtype=torch.float32, device=device)
         counters = torch.zeros(_MAX_TILES, dtype=torch.int32, device=device)
-        _WORKSPACES[device] = (ws, counters)
+        store[device] = (ws, counters)
     return ws, counters
 
 

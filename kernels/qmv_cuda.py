@@ -80,23 +80,14 @@ def _kernel(fmt_id: int, half: bool, even: bool, unroll: int, min_blocks: int, x
 # Split-K scratch, one per device: fp32 partial tiles [splits, T, N] (overwritten by every launch) and per-tile
 # arrival counters (left at zero). Its own, not kernels/qlinear.py's, whose sums must stay zero between launches.
 _WORKSPACES: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-_MAX_TILES = 1 << 16
 
 
 def workspace(device, floats: int, tiles: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """The device's split-K scratch, grown to at least ``floats`` floats; never grown inside a CUDA-graph capture
     (``PackedLinear`` reserves ``MAX_SPLITS * MAX_T * N`` when it is built)."""
-    device = torch.device(device)
-    if tiles > _MAX_TILES:
-        raise ValueError(f"qmv: {tiles} row tiles exceed the split-K counters ({_MAX_TILES})")
-    ws, counters = _WORKSPACES.get(device, (None, None))
-    if ws is None or ws.numel() < floats:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("qmv: the split-K workspace must grow outside CUDA-graph capture")
-        ws = torch.empty(max(floats, 1 << 20), dtype=torch.float32, device=device)
-        counters = torch.zeros(_MAX_TILES, dtype=torch.int32, device=device)
-        _WORKSPACES[device] = (ws, counters)
-    return ws, counters
+    from .qlinear import split_k_scratch
+
+    return split_k_scratch(_WORKSPACES, device, floats, tiles, "qmv")
 
 
 _STREAMS: dict[int, object] = {}
