@@ -118,17 +118,22 @@ class MTPDrafter:
         self.graphs: MTPDraftGraphs | None = None
         self._want_graphs = engine.options.draft_graphs
 
-    def greedy_steps(self, h, logits, length, slots, k: int, kv_len: int) -> torch.Tensor:
-        """k greedy drafts per row from the pending ``h [B, H]`` / ``logits [B, N]``: the draft loop without host
-        reads, so that it can be captured (``kv_len`` bounds the keys; the capacity when captured)."""
-        toks = []
+    def steps(self, h, logits, length, slots, k: int, kv_len: int, choose=None, rope=None):
+        """k drafts per row from the pending ``h [B, H]`` / ``logits [B, N]``: ``choose(logits) -> (tokens [B], q)``
+        (default: greedy, no q), the head run on each draft; ``rope(pos)`` shifts rotary positions (media rows).
+        ``kv_len`` bounds the keys for every step (later positions are masked), so the greedy loop reads nothing
+        back from the device and can be captured. Returns (tokens [B, k], list of the k q's)."""
+        toks, qs = [], []
         for j in range(k):
-            tok = self.head.to_vocab(logits.argmax(-1))
+            tok, q = choose(logits) if choose else (self.head.to_vocab(logits.argmax(-1)), None)
             toks.append(tok)
+            qs.append(q)
             if j + 1 < k:
-                hh, ll = self.forward(h[:, None], tok[:, None], (length + j)[:, None], slots, kv_len)
+                pos = (length + j)[:, None]
+                hh, ll = self.forward(h[:, None], tok[:, None], pos, slots, kv_len,
+                                      rope_pos=rope(pos) if rope else None)
                 h, logits = hh[:, 0], ll[:, 0]
-        return torch.stack(toks, 1)
+        return torch.stack(toks, 1), qs
 
     def forward(self, hidden, next_ids, pos, slots, kv_len, mode=DECODE, rope_pos=None):
         e, w = self.e, self.e.weights
@@ -185,19 +190,12 @@ class MTPDrafter:
                 self.graphs = MTPDraftGraphs(self)
             if self.graphs is not None:
                 return self.graphs.draft(h, logits, length, slots, k), None
-            return self.greedy_steps(h, logits, length, slots, k, max(lengths) + k), None
-        toks, qs = [], []  # sampling rows or media positions: a draw per row, rotary positions shifted
-        for j in range(k):
-            tok, q = pick(seqs, logits, self.head)
-            toks.append(tok)
-            qs.append(q)
-            if j + 1 < k:
-                pos = (length + j)[:, None]
-                # the key range from the host's lengths: no device read (a sync per draft step) between launches
-                hh, ll = self.forward(h[:, None], tok[:, None], pos, slots, max(lengths) + j + 1,
-                                      rope_pos=self.e.rope_shift(seqs, pos))
-                h, logits = hh[:, 0], ll[:, 0]
-        return torch.stack(toks, 1), (torch.stack(qs, 1) if qs[0] is not None else None)
+        # eager: a pick per row (argmax, or a draw for sampling rows), rotary positions shifted for media rows; the
+        # key range from the host's lengths (no device read between launches)
+        toks, qs = self.steps(h, logits, length, slots, k, max(lengths) + k,
+                              choose=lambda lg: pick(seqs, lg, self.head),
+                              rope=lambda pos: self.e.rope_shift(seqs, pos))
+        return toks, (torch.stack(qs, 1) if qs[0] is not None else None)
 
     def release(self, seq) -> None:
         self.pending.pop(seq.slot, None)
@@ -210,7 +208,7 @@ class MTPDrafter:
 
 
 class MTPDraftGraphs:
-    """MTP greedy drafting (:meth:`MTPDrafter.greedy_steps`) captured per (batch bucket, k), replayed over static
+    """MTP greedy drafting (:meth:`MTPDrafter.steps`) captured per (batch bucket, k), replayed over static
     inputs; padding rows draft into the engine's scratch slot. Shares the target graphs' memory pool."""
 
     def __init__(self, drafter: MTPDrafter):
@@ -227,11 +225,11 @@ class MTPDraftGraphs:
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
             for _ in range(2):  # compile kernels and settle allocations outside the capture
-                self.d.greedy_steps(h, logits, length, slots, k, e.capacity)
+                self.d.steps(h, logits, length, slots, k, e.capacity)
         torch.cuda.current_stream(dev).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=e.graphs.pool):
-            toks = self.d.greedy_steps(h, logits, length, slots, k, e.capacity)
+            toks = self.d.steps(h, logits, length, slots, k, e.capacity)[0]
         return graph, h, logits, length, slots, toks
 
     def draft(self, h, logits, length, slots, k: int) -> torch.Tensor:
