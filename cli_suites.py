@@ -80,6 +80,9 @@ def fmt(v, spec=".2f"):
 @click.option("--lm-head-draft", default="0", show_default=True,
               help="Drafters score only the N most frequent tokens (0: the full vocabulary); comma-separated to "
                    "compare (0,2048).")
+@click.option("--lookahead", "lookaheads", default="on", show_default=True, callback=comma_list(("on", "off")),
+              help="Plain greedy decode on CUDA graphs: queue step n + 1 before reading token n (off: read each "
+                   "token first); on,off runs both.")
 @click.option("--prompt-file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Prompt text, or a .jsonl prompt set (e.g. suites/data/heldout_prompts.jsonl) "
                    "[default: the shipped short-code prompt].")
@@ -97,7 +100,7 @@ def fmt(v, spec=".2f"):
               help="Write the result document (several runs: a folder, one LABEL.json per run).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of --synthetic weights.")
 @engine_options(runtime_list=True)
-def decode(model, engines, specs, draft_tokens, rollbacks, lm_head_draft, prompt_file, n_prompts, images,
+def decode(model, engines, specs, draft_tokens, rollbacks, lm_head_draft, lookaheads, prompt_file, n_prompts, images,
            max_new_tokens, stop_at_eos, repeats, warmup, label, json_path, seed, max_concurrency, kv_capacity,
            runtime, **options):
     """The short-code decode test: prefill a code prompt, greedy-decode N tokens, measure speed and acceptance.
@@ -111,7 +114,8 @@ def decode(model, engines, specs, draft_tokens, rollbacks, lm_head_draft, prompt
                 max_new_tokens=max_new_tokens, ignore_eos=not stop_at_eos, repeats=repeats, warmup=warmup, seed=seed,
                 **options)
     runs = decode_runs(base, engines=engines, specs=tuple(specs.split(",")), runtimes=runtime, rollbacks=rollbacks,
-                       lm_heads=tuple(int_list(lm_head_draft, "--lm-head-draft")), draft_tokens=draft_tokens,
+                       lm_heads=tuple(int_list(lm_head_draft, "--lm-head-draft")),
+                       lookaheads=tuple(x == "on" for x in lookaheads), draft_tokens=draft_tokens,
                        label=label)
     many = len(runs) > 1
     if many and json_path and Path(json_path).is_file():

@@ -4,6 +4,8 @@ One graph per (mode, T, batch bucket), captured on first use, largest bucket fir
 for, all in one memory pool. Inputs are copied into static buffers; rows past the real batch are padding that
 reads and writes the engine's scratch slot. Speculative verification also captures the rollback (``commit``)
 of its bucket, so a whole round replays with no host synchronisation other than reading the accepted tokens.
+A greedy single-sequence decode can also be chained (:meth:`GraphRunner.chain`): a small captured link feeds each
+step's picked token to the next, so the host launches step n + 1 before it reads token n.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .model import VERIFY, Step
+from .model import DECODE, VERIFY, Step
 
 
 def buckets(max_batch: int) -> list[int]:
@@ -38,6 +40,22 @@ class Captured:
     commit_graph: torch.cuda.CUDAGraph | None = None
 
 
+MAX_STOP_IDS = 64  # token ids a chained decode can stop on inside the graph (EOS + the request's stop ids)
+
+
+@dataclass
+class Chain:
+    """The in-graph link between two greedy decode steps of one sequence (bucket 1): the picked token becomes the
+    next step's input and position, and once it is a stop id the following steps write the scratch slot."""
+
+    graph: torch.cuda.CUDAGraph
+    cap: Captured
+    tok: torch.Tensor  # [1] the token the last replay picked
+    done: torch.Tensor  # [1] bool: a stop id was picked
+    slot: torch.Tensor  # [1] the sequence's own slot
+    stop: torch.Tensor  # [MAX_STOP_IDS] stop ids, padded with -1
+
+
 class GraphRunner:
     """Replays captured forwards of ``engine.model`` over ``engine.cache``."""
 
@@ -46,6 +64,7 @@ class GraphRunner:
         self.buckets = buckets(engine.options.max_concurrency)
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[tuple, Captured] = {}
+        self._chain: Chain | None = None
 
     def bucket(self, b: int) -> int:
         return next(x for x in self.buckets if x >= b)
@@ -83,18 +102,69 @@ class GraphRunner:
             e.cache.pending = None
         return cap
 
-    def forward(self, mode: str, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
-                taps: tuple[int, ...] = ()):
-        """(hidden, logits, taps) for the real rows of ``ids [B, T]`` via the bucket's graph."""
-        b, t = ids.shape
+    def _captured(self, mode: str, t: int, b: int, taps: tuple[int, ...] = ()) -> Captured:
         key = (mode, t, self.bucket(b), taps)
         cap = self.graphs.get(key)
         if cap is None:
             cap = self.graphs[key] = self._capture(mode, t, key[2], taps)
+        return cap
+
+    def chain(self, last: int, pos: int, slot: int, stop_ids) -> Chain:
+        """The greedy decode chain of one sequence, primed with its newest token ``last`` at position ``pos``:
+        each :meth:`step` replays the decode forward and the link, with no host work in between."""
+        stop_ids = sorted(set(int(i) for i in stop_ids))
+        if len(stop_ids) > MAX_STOP_IDS:
+            raise ValueError(f"a chained decode stops on at most {MAX_STOP_IDS} token ids, got {len(stop_ids)}")
+        cap = self._captured(DECODE, 1, 1)
+        ch = self._chain
+        if ch is None or ch.cap is not cap:
+            dev = self.e.device
+            ch = Chain(torch.cuda.CUDAGraph(), cap, torch.zeros(1, dtype=torch.long, device=dev),
+                       torch.zeros(1, dtype=torch.bool, device=dev), torch.zeros(1, dtype=torch.long, device=dev),
+                       torch.full((MAX_STOP_IDS,), -1, dtype=torch.long, device=dev))
+            scratch = self.e.scratch_slot
+
+            def link():
+                tok = cap.logits[:, -1].argmax(-1)  # the same pick as Engine.advance's greedy rows
+                ch.tok.copy_(tok)
+                cap.ids[:, 0].copy_(tok)
+                cap.pos.add_(1)
+                ch.done.logical_or_((tok[:, None] == ch.stop[None]).any(-1))
+                cap.slots.copy_(torch.where(ch.done, torch.full_like(ch.slot, scratch), ch.slot))
+
+            side = torch.cuda.Stream(device=dev)
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):  # the link's kernels are loaded outside the capture (it changes
+                link()                      # nothing that the priming below does not set again)
+            torch.cuda.current_stream(dev).wait_stream(side)
+            with torch.cuda.graph(ch.graph, pool=self.pool):
+                link()
+            self._chain = ch
+        cap.ids.fill_(last)
+        cap.pos.fill_(pos)
+        cap.slots.fill_(slot)
+        ch.slot.fill_(slot)
+        ch.done.fill_(False)
+        ch.stop.fill_(-1)
+        if stop_ids:
+            ch.stop[:len(stop_ids)].copy_(torch.tensor(stop_ids, dtype=torch.long))
+        return ch
+
+    @staticmethod
+    def step(ch: Chain) -> None:
+        """One chained greedy step: forward at the primed input, then the link (token -> next input)."""
+        ch.cap.graph.replay()
+        ch.graph.replay()
+
+    def forward(self, mode: str, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
+                taps: tuple[int, ...] = ()):
+        """(hidden, logits, taps) for the real rows of ``ids [B, T]`` via the bucket's graph."""
+        b, t = ids.shape
+        cap = self._captured(mode, t, b, taps)
         cap.ids[:b].copy_(ids)
         cap.pos[:b].copy_(pos)
         cap.slots[:b].copy_(slots)
-        if b < key[2]:
+        if b < cap.ids.shape[0]:
             cap.slots[b:].fill_(self.e.scratch_slot)
         cap.graph.replay()
         if mode == VERIFY:

@@ -40,6 +40,8 @@ class EngineOptions:
     lm_head_draft: int = 0
     cuda_graphs: bool = True
     draft_graphs: bool = False  # MTP greedy drafting replayed from CUDA graphs (v3 on CUDA); experimental
+    lookahead: bool = True  # greedy single-sequence decode on CUDA graphs: launch step n + 1 before reading
+    #                         token n (a finished sequence's extra step writes the scratch slot)
     gdn_impl: str = "auto"
     kernels: str = "auto"  # decode/verify kernels: auto (fused Triton for v3 on CUDA), torch, or triton
     cpu_threads: int | None = None  # torch intra-op threads on a CPU; None: 1 for small models, else torch's

@@ -111,6 +111,7 @@ class Engine:
         self.free_slots = list(range(opts.max_concurrency))
         self.drafter = self._make_drafter(opts.spec)
         self.graphs = None
+        self._chain_used = False  # whether the last generate() decoded through the graph chain
         if self.device.type == "cuda" and opts.runtime == "v3" and opts.cuda_graphs:
             from .graphs import GraphRunner
 
@@ -383,6 +384,48 @@ class Engine:
             s.tokens.append(tok)
             self._finish(s)
 
+    def _chainable(self, seq: Sequence) -> bool:
+        """Whether ``seq`` can decode through the graph chain: greedy, no drafter, no stop strings (the host finds
+        those only in the text), no media rotary shift, CUDA graphs captured, lookahead on."""
+        from .graphs import MAX_STOP_IDS
+
+        p = seq.params
+        return (self.options.lookahead and self.graphs is not None and self.drafter is None and p.greedy
+                and not p.stop and not (seq.media is not None and seq.media.delta) and seq.finish_reason is None
+                and len(set(p.stop_token_ids) | set(() if p.ignore_eos else self.tokenizer.eos_ids)) <= MAX_STOP_IDS)
+
+    def _decode_chained(self, seq: Sequence) -> None:
+        """Greedy decode of ``seq`` with the host one step behind the GPU: step n + 1 is queued before token n is
+        read, so the GPU never waits for the host's bookkeeping. The steps are never more than the tokens still
+        allowed (``max_new_tokens``); when token n is a stop id the GPU already knows it, and step n + 1 (queued)
+        writes the scratch slot instead of the sequence's (its state stays that of the tokens kept). Same tokens
+        as :meth:`advance` (the same argmax)."""
+        p = seq.params
+        stop = set(p.stop_token_ids) | set(() if p.ignore_eos else self.tokenizer.eos_ids)
+        left = p.max_new_tokens - len(seq.tokens)
+        if left <= 0:
+            return
+        ch = self.graphs.chain(seq.last, seq.length, seq.slot, stop)
+        host = torch.empty(left, dtype=torch.long, pin_memory=True)
+        done = []
+        queued = read = 0
+        while seq.finish_reason is None:
+            if queued < left and queued <= read + 1:
+                self.graphs.step(ch)
+                host[queued:queued + 1].copy_(ch.tok, non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record()
+                done.append(ev)
+                queued += 1
+                if queued <= read + 1:  # keep one step queued ahead of the read
+                    continue
+            done[read].synchronize()
+            tok = int(host[read])
+            read += 1
+            seq.length += 1
+            seq.tokens.append(tok)
+            self._finish(seq)
+
     def release(self, seq: Sequence) -> None:
         if self.drafter is not None:
             self.drafter.release(seq)
@@ -414,6 +457,9 @@ class Engine:
             if dev.type == "cuda" else (None, None)
         if ev0:
             ev0.record()
+        self._chain_used = self._chainable(seq)
+        if self._chain_used:
+            self._decode_chained(seq)
         while seq.finish_reason is None:
             self.advance([seq])
         if ev1:

@@ -519,6 +519,8 @@ class PackedLinear:
         self.device = torch.device(device)
         self.dense_fallback = dense_fallback
         self.buf = buf.reshape(-1)[:lay.nbytes].to(self.device).contiguous()
+        if self.buf.data_ptr() % 16:  # a view at an odd offset of a bigger buffer: one aligned copy, so the
+            self.buf = self.buf.clone()  # kernels can read it 4 / 8 / 16 bytes at a time
 
         def section(off_len):
             return self.buf[off_len[0]:off_len[0] + off_len[1]]

@@ -42,6 +42,13 @@ typedef unsigned char u8;
 #ifndef XLATE
 #define XLATE 0       // 1: x loaded one step ahead of the arithmetic instead of with the codes (see steps)
 #endif
+#ifndef FOLD
+#define FOLD 0        // 1 (q4/q5): the MMA takes BASE + u, and one more MMA per x fragment adds -(BASE + zero) *
+#endif                // sum(x), instead of a packed subtraction per code pair (16 fewer instructions a step, but
+                      // the longer-lived x fragments spill at 80 registers: slower on the H200)
+#ifndef PIPE
+#define PIPE 0        // 1: software pipeline - a batch's loads are issued while the previous batch is multiplied
+#endif
 #ifndef MIN_BLOCKS
 #define MIN_BLOCKS 2  // blocks per SM to fit: lets ptxas keep all of a step batch's loads in flight
 #endif                // (it interleaves them with the arithmetic, one step at a time, when it aims at more blocks)
@@ -66,6 +73,7 @@ typedef unsigned char u8;
 #define FMA2 "fma.rn.bf16x2"
 #endif
 #define ONE2 (HALF ? 0x3C003C00u : 0x3F803F80u)
+#define ZSUB (FMT == 1 ? SUB_Q5 : SUB_Q4)      // -(BASE + zero point) for the folded q4 / q5 sums
 
 __device__ __forceinline__ u32 fma2(u32 a, u32 b, u32 c) {
   u32 d;
@@ -130,10 +138,22 @@ __device__ __forceinline__ void word_pairs(u32 w, u32 hb, u32 magic, u32* p) {
 #elif FMT == 1
   // bit i of hb goes to bit 4 of pair i's low half, bit i + 4 to bit 4 of its high half (bits 4 and 20)
   const u32 s = hb * 0x1001u;  // hb | hb << 12
+#if FOLD
+  p[0] = and_or<0x00100010u>(s << 4, and_or<0x000F000Fu>(w, magic));
+  p[1] = and_or<0x00100010u>(s << 3, and_or<0x000F000Fu>(w >> 4, magic));
+  p[2] = and_or<0x00100010u>(s << 2, and_or<0x000F000Fu>(w >> 8, magic));
+  p[3] = and_or<0x00100010u>(s << 1, and_or<0x000F000Fu>(w >> 12, magic));
+#else
   p[0] = fma2(and_or<0x00100010u>(s << 4, and_or<0x000F000Fu>(w, magic)), ONE2, SUB_Q5);
   p[1] = fma2(and_or<0x00100010u>(s << 3, and_or<0x000F000Fu>(w >> 4, magic)), ONE2, SUB_Q5);
   p[2] = fma2(and_or<0x00100010u>(s << 2, and_or<0x000F000Fu>(w >> 8, magic)), ONE2, SUB_Q5);
   p[3] = fma2(and_or<0x00100010u>(s << 1, and_or<0x000F000Fu>(w >> 12, magic)), ONE2, SUB_Q5);
+#endif
+#elif FOLD
+  p[0] = and_or<0x000F000Fu>(w, magic);
+  p[1] = and_or<0x000F000Fu>(w >> 4, magic);
+  p[2] = and_or<0x000F000Fu>(w >> 8, magic);
+  p[3] = and_or<0x000F000Fu>(w >> 12, magic);
 #else
   p[0] = fma2(and_or<0x000F000Fu>(w, magic), ONE2, SUB_Q4);
   p[1] = fma2(and_or<0x000F000Fu>(w >> 4, magic), ONE2, SUB_Q4);
@@ -192,8 +212,16 @@ __device__ __forceinline__ void step_math(uint2 w0, uint2 w1, u32 h0, u32 h1, co
 #else
     // word wd holds k = 8 wd .. 8 wd + 7 of the lane's 16: x pairs (x0, x4), (x1, x5), (x2, x6), (x3, x7)
     const u32* xw = xv + 4 * wd;
-    mma(d, pa[0], pb[0], pa[1], pb[1], prmt(xw[0], xw[2], 0x5410), prmt(xw[0], xw[2], 0x7632));
-    mma(d, pa[2], pb[2], pa[3], pb[3], prmt(xw[1], xw[3], 0x5410), prmt(xw[1], xw[3], 0x7632));
+    const u32 b0 = prmt(xw[0], xw[2], 0x5410), b1 = prmt(xw[0], xw[2], 0x7632);
+    const u32 b2 = prmt(xw[1], xw[3], 0x5410), b3 = prmt(xw[1], xw[3], 0x7632);
+    mma(d, pa[0], pb[0], pa[1], pb[1], b0, b1);
+    mma(d, pa[2], pb[2], pa[3], pb[3], b2, b3);
+#if FOLD
+    // the codes went in as BASE + u: every row takes (BASE + zero) * sum(x) back off, BASE + zero (136 / 144,
+    // 1032 / 1040 in fp16) being exact, in the same fp32 sums
+    mma(d, ZSUB, ZSUB, ZSUB, ZSUB, b0, b1);
+    mma(d, ZSUB, ZSUB, ZSUB, ZSUB, b2, b3);
+#endif
 #endif
   }
   const float sa = half_to_float((u16)s0), sb = half_to_float((u16)s1);
@@ -241,6 +269,43 @@ __device__ __forceinline__ void steps(const Lane& L, const u16* __restrict__ xro
 #endif
 }
 
+// PIPE: one batch of U steps in registers; steps past the warp's last group (g_hi) are neither loaded nor summed
+// (the conditions are the same for the whole warp)
+template <int U>
+struct Batch {
+  uint2 w0[U], w1[U];
+  u32 s0[U], s1[U], h0[U], h1[U];
+  u32 xv[U][XPL / 2];
+};
+
+template <int U>
+__device__ __forceinline__ void load_batch(Batch<U>& B, const Lane& L, const u16* __restrict__ xrow, int gi, int g_hi,
+                                           int K, int c) {
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    if (gi + u * NW < g_hi) {
+      B.w0[u] = __ldg(reinterpret_cast<const uint2*>(L.cp0 + 32 * NW * u));
+      B.w1[u] = __ldg(reinterpret_cast<const uint2*>(L.cp1 + 32 * NW * u));
+      B.s0[u] = __ldg(L.sp0 + NW * u);
+      B.s1[u] = __ldg(L.sp1 + NW * u);
+#if FMT == 1
+      B.h0[u] = __ldg(reinterpret_cast<const u16*>(L.hp0 + 8 * NW * u));
+      B.h1[u] = __ldg(reinterpret_cast<const u16*>(L.hp1 + 8 * NW * u));
+#else
+      B.h0[u] = B.h1[u] = 0;
+#endif
+      load_x(L, xrow, gi, u, K, c, B.xv[u]);
+    }
+  }
+}
+
+template <int U>
+__device__ __forceinline__ void math_batch(const Batch<U>& B, int gi, int g_hi, u32 magic, float* acc) {
+#pragma unroll
+  for (int u = 0; u < U; ++u)
+    if (gi + u * NW < g_hi) step_math(B.w0[u], B.w1[u], B.h0[u], B.h1[u], B.xv[u], B.s0[u], B.s1[u], magic, acc);
+}
+
 __device__ __forceinline__ void advance(Lane& L, int groups) {
   L.cp0 += 32 * groups; L.cp1 += 32 * groups;
   L.sp0 += groups; L.sp1 += groups;
@@ -277,6 +342,23 @@ qmv(const u16* __restrict__ x, const u8* __restrict__ codes, const u8* __restric
   asm volatile("mov.b32 %0, %1;" : "=r"(magic) : "n"(MAGIC));  // kept in a register (see and_or)
 
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#if PIPE
+  // two batches in registers: batch b + 1's loads are in flight while batch b is multiplied; the last batch may
+  // be partial (predicated), so no step waits on its own loads alone
+  Batch<UNROLL> A, B;
+  if (gi < g_hi) load_batch<UNROLL>(A, L, xrow, gi, g_hi, K, c);
+  while (gi < g_hi) {
+    advance(L, NW * UNROLL);
+    const int gb = gi + NW * UNROLL;
+    if (gb < g_hi) load_batch<UNROLL>(B, L, xrow, gb, g_hi, K, c);
+    math_batch<UNROLL>(A, gi, g_hi, magic, acc);
+    if (gb >= g_hi) break;
+    advance(L, NW * UNROLL);
+    gi = gb + NW * UNROLL;
+    if (gi < g_hi) load_batch<UNROLL>(A, L, xrow, gi, g_hi, K, c);
+    math_batch<UNROLL>(B, gb, g_hi, magic, acc);
+  }
+#else
   for (; gi + (UNROLL - 1) * NW < g_hi; gi += NW * UNROLL) {
     steps<UNROLL>(L, xrow, gi, K, c, magic, acc);
     advance(L, NW * UNROLL);
@@ -285,6 +367,7 @@ qmv(const u16* __restrict__ x, const u8* __restrict__ codes, const u8* __restric
     steps<1>(L, xrow, gi, K, c, magic, acc);
     advance(L, NW);
   }
+#endif
 
   // the block's warps hold partial sums of the same 16 x 8 tile: add them up in shared memory
   __shared__ float4 red[NW][32];

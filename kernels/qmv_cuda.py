@@ -35,7 +35,7 @@ MAX_SPLITS = 8  # split-K slices: the workspace holds MAX_SPLITS x MAX_T x N flo
 NW = 8  # warps per block (NW in the source)
 _FMT_ID = {"q8_g32_fp16": 0, "q5_g64_fp16": 1, "q4_g64_fp16": 2}
 _SOURCE = Path(__file__).with_name("qmv_cuda.cu")
-_BLOCKS_PER_SM = 2  # MIN_BLOCKS in the source
+_BLOCKS_PER_SM = 3  # MIN_BLOCKS in the source (the H200 sweep: 3 beats 2 and 4 at the 27B shapes)
 
 
 @functools.cache
@@ -67,13 +67,15 @@ def supports(x: torch.Tensor, lin) -> bool:
 
 
 @functools.cache
-def _kernel(fmt_id: int, half: bool, even: bool, unroll: int, min_blocks: int, xlate: bool, device_index: int):
+def _kernel(fmt_id: int, half: bool, even: bool, unroll: int, min_blocks: int, xlate: bool, pipe: bool,
+            fold: bool, device_index: int):
     import cupy
 
     with cupy.cuda.Device(device_index):
         module = cupy.RawModule(code=_SOURCE.read_text(), backend="nvrtc",
                                 options=("-std=c++17", f"-DFMT={fmt_id}", f"-DHALF={int(half)}", f"-DEVEN={int(even)}",
-                                         f"-DUNROLL={unroll}", f"-DMIN_BLOCKS={min_blocks}", f"-DXLATE={int(xlate)}"))
+                                         f"-DUNROLL={unroll}", f"-DMIN_BLOCKS={min_blocks}", f"-DXLATE={int(xlate)}",
+                                         f"-DPIPE={int(pipe)}", f"-DFOLD={int(fold)}"))
         return module.get_function("qmv")
 
 
@@ -132,12 +134,16 @@ def choose_splits(n: int, ng: int, sms: int, unroll: int = 4, min_blocks: int = 
 
 
 def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | None = None,
-        unroll: int = 4, min_blocks: int = _BLOCKS_PER_SM, xlate: bool = False) -> torch.Tensor:
+        unroll: int = 4, min_blocks: int = _BLOCKS_PER_SM, xlate: bool = False, pipe: bool = False,
+        fold: bool = False) -> torch.Tensor:
     """``x [T, K] @ W.T`` -> ``[T, N]`` in x.dtype, for T <= 8 (see :func:`supports`). ``out`` (contiguous [T, N],
     x.dtype) is written instead of a fresh tensor. ``splits`` (default :func:`choose_splits`), ``unroll`` (steps
     whose loads are in flight together), ``min_blocks`` (blocks per SM the registers must allow) and ``xlate`` (x
     loaded one step ahead instead of with the codes; compiled and read as SASS, not yet run on a GPU) are for tuning
-    and tests."""
+    and tests; ``pipe`` double-buffers the step batches (the next batch's loads in flight while one is
+    multiplied; no faster on the H200) and ``fold`` (q4/q5: the zero point taken off the sums by one MMA per x
+    fragment instead of a subtraction per code pair: 7 % fewer instructions, but it spills at 80 registers and
+    measured 3-15 % slower on the H200) are for tuning and tests."""
     if not supports(x, lin):
         raise ValueError(f"qmv: needs CUDA bf16/fp16 x [1..{MAX_T}, K={lin.k}] contiguous and a q8/q5/q4 weight "
                          f"({import_error() or 'cupy ready'}); got {tuple(x.shape)} {x.dtype} on {x.device}, "
@@ -150,7 +156,7 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
                          f"{out.dtype} on {out.device}")
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
     even = lin.k == lin.kp and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
-    kern = _kernel(_FMT_ID[lin.fmt], x.dtype == torch.float16, even, unroll, min_blocks, xlate, dev)
+    kern = _kernel(_FMT_ID[lin.fmt], x.dtype == torch.float16, even, unroll, min_blocks, xlate, pipe, fold, dev)
     tiles = -(-n // 16)
     s = min(splits or choose_splits(n, lin.ng, _sms(dev), unroll, min_blocks), MAX_SPLITS)
     groups_per_split = -(-lin.ng // s)

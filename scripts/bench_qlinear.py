@@ -15,7 +15,7 @@ reference on a sample of rows (rel. RMS), then times
   int4      torch's _weight_int4pack_mm (tinygemm, g128), as in shared/anchors/kernel_anchors.py
 and reports us, GB/s (packed weight bytes + x + out; dense bytes for bf16) and % of the copy bandwidth
 measured in the same run. ``--variants`` also times every Triton variant in VARIANTS, ``--qmv-variants`` qmv's
-splits x unrolls; the best is named.
+launch variants (unroll x blocks per SM x zero-point fold, one split); the best is named.
 Writes one JSON line per measurement to $OUT/qlinear.jsonl when OUT is set.
 """
 
@@ -167,7 +167,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK_OPS)}, T in 1, 8")
     ap.add_argument("--variants", action="store_true", help="also time every kernel variant in VARIANTS")
-    ap.add_argument("--qmv-variants", action="store_true", help="also time qmv's splits x unrolls")
+    ap.add_argument("--qmv-variants", action="store_true", help="also time qmv's launch variants")
     ap.add_argument("--only-variants", default="", help="comma list: restrict --variants to these names")
     ap.add_argument("--fmts", default="q4,q5,q8", help="comma list of q4, q5, q8")
     ap.add_argument("--ts", default="", help="comma list of T (default 1,2,4,8,16; --quick 1,8)")
@@ -245,12 +245,11 @@ def main() -> int:
                         cands[name] = lambda x, li, out=None, cfg=cfg: ql.qlinear_triton(x, li, cfg, out=out)
                         cands[name].config = repr(cfg)
                 if args.qmv_variants and t <= qmv_cuda.MAX_T and qmv_cuda.available():
-                    for sp in (1, 2, 3, 4, 6):
-                        for un, mb, xl in ((4, 2, 0), (8, 1, 0), (8, 2, 0), (2, 4, 0), (4, 3, 0), (8, 2, 1),
-                                           (16, 1, 1)):
-                            cands[f"qmv-s{sp}-u{un}-b{mb}{'-xlate' if xl else ''}"] = (
-                                lambda x, li, out=None, sp=sp, un=un, mb=mb, xl=xl:
-                                qmv_cuda.qmv(x, li, out, splits=sp, unroll=un, min_blocks=mb, xlate=bool(xl)))
+                    for un, mb, fo, xl in ((4, 3, 1, 0), (4, 3, 0, 0), (4, 4, 1, 0), (4, 4, 0, 0), (4, 2, 1, 0),
+                                           (3, 3, 1, 0), (4, 3, 1, 1), (8, 2, 1, 0), (8, 2, 0, 0)):
+                        cands[f"qmv-u{un}-b{mb}{'-fold' if fo else ''}{'-xlate' if xl else ''}"] = (
+                            lambda x, li, out=None, un=un, mb=mb, fo=fo, xl=xl:
+                            qmv_cuda.qmv(x, li, out, splits=1, unroll=un, min_blocks=mb, fold=bool(fo), xlate=bool(xl)))
                 best = None
                 for label, fn in cands.items():
                     try:

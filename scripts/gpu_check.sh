@@ -18,6 +18,7 @@
 #            rollback strategies, and the transformers peer on the same weights (bf16, with fla if carried)
 #   niah     the bundled model's NIAH grid, 8K-64K x 0-100 % depth
 #   conc27   27B synthetic concurrency C1-C8
+#   profile  scripts/profile_step.py at the 27B shape: every kernel of 32 decode steps (PROFILE_ARGS adds flags)
 #   ksuite   the kernels suite alone at the 27B shape, T = 1 and 8
 #   bundled  the bundled model: decode grid (none / MTP3 / DFlash2 K=7 x v3 / v2, and the peer), C1-C8, kernels
 #   vision   the vision tower at the real shape next to transformers'
@@ -71,6 +72,10 @@ for stage in "$@"; do
     d27)     nb decode $M27 --engine ${ENGINES:-ours,hf} --spec none,mtp:3,dflash2:7 --runtime ${RUNTIMES:-v3,v2} \
                --rollback ${ROLLBACKS:-recompute,snapshot} \
                -n 64 --repeats 2 --json "$OUT/d27" 2>&1 | tee "$OUT/d27.log" | tail -40 ;;
+    profile) for mode in lookahead sync; do  # the same build, plain decode with and without the lookahead chain
+               timeout ${STAGE_S:-400} python3 scripts/profile_step.py $M27 --steps 32 $([ $mode = sync ] && echo --sync) \
+                 ${PROFILE_ARGS:-} --json "$OUT/profile27_$mode.json" 2>&1 | tee "$OUT/profile27_$mode.log" | tail -${PROFILE_LINES:-30}
+             done ;;
     ksuite)  nb kernels --shape qwen3.8-27b --t 1,8 --repeats 30 --json "$OUT/kernels_27b.json" 2>&1 \
                | tee "$OUT/kernels_27b.log" | tail -60 ;;
     bundled) # the bundled model's full GPU set for the report: decode grid with the peer, concurrency, kernels

@@ -58,3 +58,36 @@ def test_mtp_draft_graphs_equal_plain():
     eng, res = gen(runtime="v3", kv_dtype="int8", dtype="fp32", spec="mtp", draft_tokens=3, draft_graphs=True)
     assert eng.drafter.graphs is not None and eng.drafter.graphs.captured
     assert res.tokens == plain.tokens
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_lookahead_decode_equals_synchronous(dtype):
+    """The chained greedy decode (host one step behind the GPU) gives the synchronous loop's tokens, stops where it
+    stops on a stop id, and leaves the sequence's slot with the state of exactly the tokens kept: the step queued
+    past the stop wrote the scratch slot, so decoding on from there matches too."""
+    from ninfer_bench.engine.sampling import SamplingParams
+
+    sync = Engine.load("tiny", device="cuda", max_context=1024, dtype=dtype, lookahead=False)
+    ahead = Engine.load("tiny", device="cuda", max_context=1024, dtype=dtype)
+    a = sync.generate(PROMPT, max_new_tokens=96, ignore_eos=True)
+    b = ahead.generate(PROMPT, max_new_tokens=96, ignore_eos=True)
+    assert ahead._chain_used and not sync._chain_used
+    assert b.tokens == a.tokens and b.finish_reason == "length" and len(b.tokens) == 96
+    stop = a.tokens[40]
+    kept = a.tokens[:a.tokens.index(stop) + 1]
+    after = {}
+    for name, eng in (("sync", sync), ("ahead", ahead)):
+        seq = eng.acquire(PROMPT, SamplingParams(max_new_tokens=96, stop_token_ids=(stop,), ignore_eos=True))
+        try:
+            res = eng._run(seq)
+            assert res.tokens == kept and res.finish_reason == "stop"
+            seq.finish_reason = None
+            seq.params = SamplingParams(max_new_tokens=len(seq.tokens) + 12, ignore_eos=True)
+            eng.options.lookahead = False  # continue on the synchronous path in both
+            while seq.finish_reason is None:
+                eng.advance([seq])
+            eng.options.lookahead = True
+            after[name] = list(seq.tokens)
+        finally:
+            eng.release(seq)
+    assert after["ahead"] == after["sync"]

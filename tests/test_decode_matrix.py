@@ -41,6 +41,9 @@ def test_grid_and_labels():
     heads = decode_runs(BASE, specs=("none", "dflash2:7"), lm_heads=(0, 256))
     assert [(r.label, r.lm_head_draft) for r in heads] == [("v3-none", 0), ("v3-dflash2-k7", 0),
                                                             ("v3-dflash2-k7-lmh256", 256)]
+    ahead = decode_runs(BASE, specs=("none", "mtp:2"), lookaheads=(True, False))
+    assert [(r.label, r.lookahead) for r in ahead] == [("v3-none", True), ("v3-none-sync", False),
+                                                      ("v3-mtp-k2", True)]
     with pytest.raises(ValueError, match="plain greedy"):
         decode_runs(BASE, engines=("hf",), specs=("mtp",))
 

@@ -138,6 +138,20 @@ def test_packed_linear_cpu_fallback(fmt, dtype):
         assert (dtype in lin._dense) == cached
 
 
+@pytest.mark.parametrize("fmt", FMTS)
+def test_packed_linear_from_a_view_at_an_odd_offset(fmt):
+    """A weight stored at an odd byte offset of a bigger buffer (a memory-mapped file's section, say) is copied
+    once to an aligned buffer instead of failing on the 4-byte word view."""
+    buf = quant.pack(torch.randn(24, 128), fmt)
+    big = torch.zeros(buf.numel() + 3, dtype=torch.uint8)
+    big[3:].copy_(buf)
+    lin = ql.PackedLinear(big[3:], fmt, (24, 128), "cpu")
+    assert lin.buf.data_ptr() % 16 == 0
+    x = torch.randn(3, 128)
+    ref = ql.qlinear_ref(x, buf, fmt, (24, 128))
+    assert ((lin(x) - ref).norm() / ref.norm()).item() <= 1e-5
+
+
 def test_packed_linear_rejects_bad_input():
     buf = quant.pack(torch.randn(8, 64), "q4_g64_fp16")
     with pytest.raises(ValueError, match="fmt"):

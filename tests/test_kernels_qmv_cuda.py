@@ -75,12 +75,20 @@ def test_rows_do_not_depend_on_the_batch():
 
 @needs_qmv
 @pytest.mark.parametrize("fmt", quant.QUANT_FORMATS)
-@pytest.mark.parametrize("unroll,min_blocks,xlate", [(1, 2, False), (2, 4, False), (8, 1, False), (8, 2, True),
-                                                     (16, 1, True)])
-def test_launch_variants_agree(fmt, unroll, min_blocks, xlate):
-    lin, x, ref = _case(fmt, 96, 5120, 2, torch.bfloat16, seed=2)
-    y = qmv_cuda.qmv(x, lin, unroll=unroll, min_blocks=min_blocks, xlate=xlate)
-    assert rel_rms(y, ref) <= TOL[torch.bfloat16]
+@pytest.mark.parametrize("unroll,min_blocks,xlate,pipe,fold", [
+    (1, 2, False, False, True), (2, 4, False, False, True), (8, 1, False, False, True), (8, 2, True, False, True),
+    (16, 1, True, False, True), (1, 3, False, True, True), (2, 3, False, True, True), (3, 2, False, True, True),
+    (4, 2, False, True, True), (4, 3, False, False, False), (4, 3, True, False, False), (2, 2, False, True, False)])
+@pytest.mark.parametrize("k,splits", [(5120, None), (5120, 1), (5120, 3), (3000, 2), (700, 1)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_launch_variants_agree(fmt, unroll, min_blocks, xlate, pipe, fold, k, splits, dtype):
+    """Every launch variant against the reference, with whole, partial (pipelined) and single step batches: K =
+    5120 is 10 steps a warp (q4/q5), a split of 3 leaves uneven slices, 3000 and 700 end in a partial group."""
+    lin, x, ref = _case(fmt, 96, k, 2, dtype, seed=2)
+    y = qmv_cuda.qmv(x, lin, splits=splits, unroll=unroll, min_blocks=min_blocks, xlate=xlate, pipe=pipe, fold=fold)
+    assert rel_rms(y, ref) <= TOL[dtype]
+    if splits == 1:  # the variants with one zero-point treatment add a warp's steps in the same order: same bits
+        assert torch.equal(y, qmv_cuda.qmv(x, lin, splits=1, fold=fold))
 
 
 @needs_qmv
@@ -142,13 +150,15 @@ def test_unsupported_inputs_are_refused_with_the_reason():
 
 
 @needs_qmv
-def test_unaligned_packed_buffer_takes_the_triton_kernels():
-    """A packed weight that is a view at an odd offset of a bigger CUDA buffer cannot be read 8 bytes at a time."""
+def test_unaligned_packed_buffer_is_realigned_for_qmv():
+    """A packed weight that is a view at an odd offset of a bigger CUDA buffer is copied once to an aligned one
+    (the kernels read it several bytes at a time), and then runs the tensor-core kernel."""
     g = torch.Generator().manual_seed(7)
     buf = quant.pack(torch.randn(32, 128, generator=g), "q4_g64_fp16")
     big = torch.empty(buf.numel() + 1, dtype=torch.uint8, device="cuda")
     big[1:].copy_(buf)
     lin = ql.PackedLinear(big[1:], "q4_g64_fp16", (32, 128), "cuda")
+    assert lin.buf.data_ptr() % 16 == 0
     x = torch.randn(2, 128, generator=g).to(torch.bfloat16).cuda()
-    assert not qmv_cuda.supports(x, lin)
+    assert qmv_cuda.supports(x, lin)
     assert rel_rms(lin(x), ql.qlinear_ref(x, buf, "q4_g64_fp16", (32, 128))) <= TOL[torch.bfloat16]

@@ -1,0 +1,140 @@
+#!/usr/bin/env python3
+"""Where a decode step's time goes: every GPU kernel of N decode steps (CUDA-graph replays included), from the
+torch profiler, grouped by kernel, with the GPU's busy time next to the step's wall time (the difference is the
+step's idle gaps: graph launch, the token read-back, host work).
+
+    python3 scripts/profile_step.py --model qwen3.8-27b --synthetic [--steps 32] [--spec dflash2 -k 7] [--sync]
+
+Needs CUDA. Timings are the profiler's (CUPTI) kernel durations; the step wall time is measured without the
+profiler in the same process first, so the profiler's own overhead does not enter it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def busy_us(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) intervals."""
+    total, end = 0.0, None
+    for s, e in sorted(intervals):
+        if end is None or s > end:
+            total += e - s
+            end = e
+        elif e > end:
+            total += e - end
+            end = e
+    return total
+
+
+def main() -> int:
+    import _bootstrap
+
+    _bootstrap.ensure_package()
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from ninfer_bench.engine.runtime import Engine
+    from ninfer_bench.engine.sampling import SamplingParams
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--synthetic", action="store_true")
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--spec", default="none")
+    ap.add_argument("-k", "--draft-tokens", type=int, default=None)
+    ap.add_argument("--runtime", default="v3")
+    ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--sync", action="store_true", help="plain decode reads each token before the next step "
+                                                          "(default: the lookahead chain, as generate() runs it)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("profile_step: needs a CUDA GPU", file=sys.stderr)
+        return 2
+
+    t0 = time.time()
+    eng = Engine.load(args.model, synthetic=args.synthetic, device="cuda", runtime=args.runtime, spec=args.spec,
+                      draft_tokens=args.draft_tokens)
+    print(f"loaded in {time.time() - t0:.0f} s: {eng.model_info.get('name', args.model)}", flush=True)
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(10, eng.config.vocab_size - 10, (args.prompt_len,), generator=g).tolist()
+
+    def run(steps: int, prof=None) -> tuple[float, int]:
+        chained = not args.sync and eng.drafter is None
+        limit = steps + 1 if chained else steps * 16 + 16  # the first token comes from the prefill
+        seq = eng.acquire(prompt, SamplingParams(max_new_tokens=limit, ignore_eos=True))
+        try:
+            eng.start(seq)
+            torch.cuda.synchronize()
+            n0 = len(seq.tokens)
+            t = time.perf_counter()
+            with prof if prof is not None else _null():
+                if chained and eng._chainable(seq):
+                    eng._decode_chained(seq)  # the host one step behind the GPU (generate()'s greedy path)
+                else:
+                    for _ in range(steps):
+                        eng.advance([seq])
+                torch.cuda.synchronize()
+            wall = time.perf_counter() - t
+            return wall, len(seq.tokens) - n0
+        finally:
+            eng.release(seq)
+
+    run(4)  # capture the graphs, compile the kernels
+    wall, toks = run(args.steps)
+    print(f"{args.steps} steps without the profiler: {1e3 * wall / args.steps:.3f} ms a step, "
+          f"{toks} tokens", flush=True)
+    prof = profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU])
+    pwall, _ = run(args.steps, prof)
+
+    per = defaultdict(lambda: [0.0, 0])
+    intervals = []
+    for evt in prof.events():
+        if str(getattr(evt, "device_type", "")).endswith("CUDA") and evt.time_range.elapsed_us() > 0:
+            name = evt.name
+            if name.startswith(("Memcpy", "Memset")):
+                name = name.split()[0]
+            per[name][0] += evt.time_range.elapsed_us()
+            per[name][1] += 1
+            intervals.append((evt.time_range.start, evt.time_range.end))
+    if not intervals:
+        print("the profiler recorded no GPU kernels (CUPTI unavailable?)")
+        return 1
+    busy = busy_us(intervals) / args.steps
+    total = sum(v[0] for v in per.values()) / args.steps
+    step_us = 1e6 * wall / args.steps
+    print(f"GPU busy {busy / 1e3:.3f} ms a step (kernels summed {total / 1e3:.3f} ms) of {step_us / 1e3:.3f} ms "
+          f"wall ({100 * busy / step_us:.1f} % busy); with the profiler {1e3 * pwall / args.steps:.3f} ms a step")
+    rows = sorted(per.items(), key=lambda kv: -kv[1][0])
+    print(f"{'kernel':90s} {'us/step':>9s} {'calls/step':>10s} {'us/call':>8s} {'share':>6s}")
+    for name, (us, n) in rows[:args.top]:
+        print(f"{name[:90]:90s} {us / args.steps:9.1f} {n / args.steps:10.1f} {us / n:8.2f} "
+              f"{100 * us / args.steps / total:5.1f}%")
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "model": args.model, "spec": args.spec, "sync": args.sync, "runtime": args.runtime, "steps": args.steps,
+            "step_wall_us": step_us, "gpu_busy_us": busy, "kernels_summed_us": total,
+            "kernels": [{"name": k, "us_per_step": v[0] / args.steps, "calls_per_step": v[1] / args.steps}
+                        for k, v in rows]}, indent=1))
+    return 0
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+if __name__ == "__main__":
+    sys.exit(main())
