@@ -14,10 +14,10 @@ to capture in a CUDA graph once a first call for its (format, dtype) has compile
 are deterministic and row t of the output does not depend on the other rows of x (split-K partials are added in
 a fixed order), which is what lets concurrent greedy decoding reproduce sequential decoding bit for bit.
 
-Measured (H200, 27B shapes, docs/perf/2026-11-30-27b-decode-qmv-h200.md): T = 1 at 25-65 % of the copy bandwidth,
-about the Triton gemv's (faster for the wide q4 / q5 projections, slower for q8 and 5120-row q4); T = 8 1.04-1.15x
-its T = 1 time, 1.1-3.6x faster than the Triton dot kernel. The DFlash2 K=7 verify forward of the 27B model went
-from 18.4 to 11.4 ms (1.21x the 9.39 ms plain step).
+Measured (H200, 27B shapes, docs/perf/2026-11-30-lookahead-qmv-sweep-bundled-h200.md): one split and 3 blocks
+per SM (the defaults) put the q4 / q5 projections at 38-59 % of the copy bandwidth in a captured step (gate_up 37.7
+us, 1.1-1.5x faster than the Triton gemv; the q8 lm_head is 15 % slower than it); T = 8 costs about T = 1. In a 27B
+decode step qmv is 82 % of the GPU time (273 launches, 6.4 ms of 8.1).
 """
 
 from __future__ import annotations
@@ -139,8 +139,7 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
     """``x [T, K] @ W.T`` -> ``[T, N]`` in x.dtype, for T <= 8 (see :func:`supports`). ``out`` (contiguous [T, N],
     x.dtype) is written instead of a fresh tensor. ``splits`` (default :func:`choose_splits`), ``unroll`` (steps
     whose loads are in flight together), ``min_blocks`` (blocks per SM the registers must allow) and ``xlate`` (x
-    loaded one step ahead instead of with the codes; compiled and read as SASS, not yet run on a GPU) are for tuning
-    and tests; ``pipe`` double-buffers the step batches (the next batch's loads in flight while one is
+    loaded one step ahead instead of with the codes; no faster on the H200) are for tuning and tests; ``pipe`` double-buffers the step batches (the next batch's loads in flight while one is
     multiplied; no faster on the H200) and ``fold`` (q4/q5: the zero point taken off the sums by one MMA per x
     fragment instead of a subtraction per code pair: 7 % fewer instructions, but it spills at 80 registers and
     measured 3-15 % slower on the H200) are for tuning and tests."""

@@ -141,8 +141,8 @@ def run_in_process(opts: ConcurrencyOptions, progress=None):
     prompts = [eng.tokenizer.encode(t)[: opts.prompt_tokens] for t in texts]
     params = SamplingParams(max_new_tokens=opts.max_new_tokens, ignore_eos=True)
     sched = Scheduler(eng)
-    for c in opts.levels:  # warm-up at every level: each batch bucket's graphs captured, its kernels compiled
-        for i in range(c):   # (a capture inside a timed round showed as 22 ms ITL p99 at C4 on the H200)
+    for c in opts.levels:  # warm-up at every level: each batch bucket's graphs captured and kernels compiled
+        for i in range(c):   # before the timed rounds
             sched.submit(prompts[i], SamplingParams(max_new_tokens=8, ignore_eos=True))
         sched.run_until_idle()
     records, baseline = [], {}
