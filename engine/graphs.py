@@ -112,7 +112,7 @@ class GraphRunner:
     def chain(self, last: int, pos: int, slot: int, stop_ids) -> Chain:
         """The greedy decode chain of one sequence, primed with its newest token ``last`` at position ``pos``:
         each :meth:`step` replays the decode forward and the link, with no host work in between."""
-        stop_ids = sorted(set(int(i) for i in stop_ids))
+        stop_ids = sorted({int(i) for i in stop_ids})
         if len(stop_ids) > MAX_STOP_IDS:
             raise ValueError(f"a chained decode stops on at most {MAX_STOP_IDS} token ids, got {len(stop_ids)}")
         cap = self._captured(DECODE, 1, 1)

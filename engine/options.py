@@ -42,6 +42,8 @@ class EngineOptions:
     draft_graphs: bool = False  # MTP greedy drafting replayed from CUDA graphs (v3 on CUDA); experimental
     lookahead: bool = True  # greedy single-sequence decode on CUDA graphs: launch step n + 1 before reading
     #                         token n (a finished sequence's extra step writes the scratch slot)
+    qmv_pdl: bool = False  # experimental: the quantized projections launch with programmatic dependent launch
+    #                        (sm_90+; process-wide: kernels/qmv_cuda.set_pdl)
     gdn_impl: str = "auto"
     kernels: str = "auto"  # decode/verify kernels: auto (fused Triton for v3 on CUDA), torch, or triton
     cpu_threads: int | None = None  # torch intra-op threads on a CPU; None: 1 for small models, else torch's

@@ -112,6 +112,10 @@ class Engine:
         self.drafter = self._make_drafter(opts.spec)
         self.graphs = None
         self._chain_used = False  # whether the last generate() decoded through the graph chain
+        if self.device.type == "cuda":
+            from ..kernels import qmv_cuda
+
+            qmv_cuda.set_pdl(opts.qmv_pdl)
         if self.device.type == "cuda" and opts.runtime == "v3" and opts.cuda_graphs:
             from .graphs import GraphRunner
 

@@ -49,6 +49,10 @@ typedef unsigned char u8;
 #ifndef PIPE
 #define PIPE 0        // 1: software pipeline - a batch's loads are issued while the previous batch is multiplied
 #endif
+#ifndef PDL
+#define PDL 0         // 1 (sm_90+, launched with programmatic stream serialization): the first step batch's code
+#endif                // loads are issued before griddepcontrol.wait, i.e. while the kernel before is finishing;
+                      // x (the previous kernel's output) is read after it, through L2 (no read-only cache path)
 #ifndef MIN_BLOCKS
 #define MIN_BLOCKS 2  // blocks per SM to fit: lets ptxas keep all of a step batch's loads in flight
 #endif                // (it interleaves them with the arithmetic, one step at a time, when it aims at more blocks)
@@ -173,6 +177,23 @@ struct Lane {
   const u16* xp;          // x[t, k] where the lane's codes start
 };
 
+// one x element (the element-wise path); with PDL through L2, as above
+__device__ __forceinline__ u32 ldx(const u16* p) {
+#if PDL
+  return __ldcg(p);
+#else
+  return __ldg(p);
+#endif
+}
+
+// PDL: wait for the kernel before this one to finish and its writes to be visible (x is its output); a second
+// wait returns at once
+__device__ __forceinline__ void grid_wait() {
+#if PDL
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 // x[t, k] for step u (group gi + u NW) as XPL / 2 packed pairs (0 past K on the element-wise path)
 __device__ __forceinline__ void load_x(const Lane& L, const u16* __restrict__ xrow, int gi, int u, int K, int c,
                                        u32* xv) {
@@ -180,15 +201,19 @@ __device__ __forceinline__ void load_x(const Lane& L, const u16* __restrict__ xr
   const uint4* p = reinterpret_cast<const uint4*>(L.xp + GROUP * NW * u);
 #pragma unroll
   for (int i = 0; i < XPL / 8; ++i) {
+#if PDL
+    const uint4 v = __ldcg(p + i);  // written by the kernel before, which may still have been running at launch
+#else
     const uint4 v = __ldg(p + i);
+#endif
     xv[4 * i] = v.x; xv[4 * i + 1] = v.y; xv[4 * i + 2] = v.z; xv[4 * i + 3] = v.w;
   }
 #else
   const int k0 = (gi + u * NW) * GROUP + XPL * c;
 #pragma unroll
   for (int i = 0; i < XPL / 2; ++i) {
-    const u32 lo = k0 + 2 * i < K ? xrow[k0 + 2 * i] : 0;
-    const u32 hi = k0 + 2 * i + 1 < K ? xrow[k0 + 2 * i + 1] : 0;
+    const u32 lo = k0 + 2 * i < K ? ldx(xrow + k0 + 2 * i) : 0;
+    const u32 hi = k0 + 2 * i + 1 < K ? ldx(xrow + k0 + 2 * i + 1) : 0;
     xv[i] = lo | (hi << 16);
   }
 #endif
@@ -234,7 +259,7 @@ __device__ __forceinline__ void step_math(uint2 w0, uint2 w1, u32 h0, u32 h1, co
 // U steps (groups gi, gi + NW, ..., all < NG): every code load issued first, then the arithmetic; acc += the sums.
 // x is loaded with the codes (XLATE 0), or one step ahead of the arithmetic (XLATE 1: x comes from L1 / L2, and the
 // registers it would hold for U steps carry more code bytes in flight instead).
-template <int U>
+template <int U, bool WAIT = false>
 __device__ __forceinline__ void steps(const Lane& L, const u16* __restrict__ xrow, int gi, int K, int c, u32 magic,
                                       float* acc) {
   uint2 w0[U], w1[U];
@@ -252,6 +277,7 @@ __device__ __forceinline__ void steps(const Lane& L, const u16* __restrict__ xro
     h0[u] = h1[u] = 0;
 #endif
   }
+  if (WAIT) grid_wait();  // the code loads above are in flight; x comes from the kernel before
 #if XLATE
   u32 xv[2][XPL / 2];
   load_x(L, xrow, gi, 0, K, c, xv[0]);
@@ -343,6 +369,7 @@ qmv(const u16* __restrict__ x, const u8* __restrict__ codes, const u8* __restric
 
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
 #if PIPE
+  grid_wait();
   // two batches in registers: batch b + 1's loads are in flight while batch b is multiplied; the last batch may
   // be partial (predicated), so no step waits on its own loads alone
   Batch<UNROLL> A, B;
@@ -359,6 +386,18 @@ qmv(const u16* __restrict__ x, const u8* __restrict__ codes, const u8* __restric
     math_batch<UNROLL>(B, gb, g_hi, magic, acc);
   }
 #else
+#if PDL
+  // the first batch's code loads go out before the wait (while the kernel before finishes), the rest after it
+  if (gi + (UNROLL - 1) * NW < g_hi) {
+    steps<UNROLL, true>(L, xrow, gi, K, c, magic, acc);
+    advance(L, NW * UNROLL);
+    gi += NW * UNROLL;
+  } else if (gi < g_hi) {
+    steps<1, true>(L, xrow, gi, K, c, magic, acc);
+    advance(L, NW);
+    gi += NW;
+  }
+#endif
   for (; gi + (UNROLL - 1) * NW < g_hi; gi += NW * UNROLL) {
     steps<UNROLL>(L, xrow, gi, K, c, magic, acc);
     advance(L, NW * UNROLL);
@@ -369,6 +408,10 @@ qmv(const u16* __restrict__ x, const u8* __restrict__ codes, const u8* __restric
   }
 #endif
 
+  grid_wait();  // a warp without groups still writes the output below: only after the kernel before is done
+#if PDL
+  asm volatile("griddepcontrol.launch_dependents;");  // the next kernel may start its own weight loads
+#endif
   // the block's warps hold partial sums of the same 16 x 8 tile: add them up in shared memory
   __shared__ float4 red[NW][32];
   red[warp][lane] = make_float4(acc[0], acc[1], acc[2], acc[3]);

@@ -22,13 +22,15 @@ decode step qmv is 82 % of the GPU time (273 launches, 6.4 ms of 8.1).
 
 from __future__ import annotations
 
+import ctypes
 import functools
 from pathlib import Path
 
 import numpy as np
 import torch
 
-__all__ = ["qmv", "supports", "available", "import_error", "choose_splits", "workspace", "MAX_T", "MAX_SPLITS"]
+__all__ = ["qmv", "supports", "available", "import_error", "choose_splits", "workspace", "set_pdl", "pdl_enabled",
+           "MAX_T", "MAX_SPLITS"]
 
 MAX_T = 8  # tokens per launch: the MMA's n = 8 columns
 MAX_SPLITS = 8  # split-K slices: the workspace holds MAX_SPLITS x MAX_T x N floats
@@ -68,14 +70,14 @@ def supports(x: torch.Tensor, lin) -> bool:
 
 @functools.cache
 def _kernel(fmt_id: int, half: bool, even: bool, unroll: int, min_blocks: int, xlate: bool, pipe: bool,
-            fold: bool, device_index: int):
+            fold: bool, pdl: bool, device_index: int):
     import cupy
 
     with cupy.cuda.Device(device_index):
         module = cupy.RawModule(code=_SOURCE.read_text(), backend="nvrtc",
                                 options=("-std=c++17", f"-DFMT={fmt_id}", f"-DHALF={int(half)}", f"-DEVEN={int(even)}",
                                          f"-DUNROLL={unroll}", f"-DMIN_BLOCKS={min_blocks}", f"-DXLATE={int(xlate)}",
-                                         f"-DPIPE={int(pipe)}", f"-DFOLD={int(fold)}"))
+                                         f"-DPIPE={int(pipe)}", f"-DFOLD={int(fold)}", f"-DPDL={int(pdl)}"))
         return module.get_function("qmv")
 
 
@@ -90,6 +92,58 @@ def workspace(device, floats: int, tiles: int = 1) -> tuple[torch.Tensor, torch.
     from .qlinear import split_k_scratch
 
     return split_k_scratch(_WORKSPACES, device, floats, tiles, "qmv")
+
+
+# ---- programmatic dependent launch (PDL) ------------------------------------------------------------------
+# Experimental, off unless set_pdl(True): the kernel is launched with programmatic stream serialization
+# (cuLaunchKernelEx, through ctypes: CuPy's launcher takes no launch attributes), so it may start while the kernel
+# before it finishes; it issues its first weight loads, then waits (griddepcontrol.wait) before it reads x. CUDA
+# graphs captured from such launches keep the programmatic edges. Process-wide, as DeepGEMM's set_pdl; sm_90+.
+_PDL = {"on": False}
+
+
+def set_pdl(on: bool) -> None:
+    """Launch qmv with programmatic dependent launch from now on (sm_90+; ignored on older GPUs)."""
+    _PDL["on"] = bool(on)
+
+
+def pdl_enabled() -> bool:
+    return _PDL["on"]
+
+
+class _LaunchAttr(ctypes.Structure):  # CUlaunchAttribute: id, 4 bytes of padding, a 64-byte value union
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_ubyte * 4), ("value", ctypes.c_ubyte * 64)]
+
+
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttr)), ("num_attrs", ctypes.c_uint)]
+
+
+_ATTR_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+
+
+@functools.cache
+def _driver():
+    lib = ctypes.CDLL("libcuda.so.1")
+    lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p),
+                                     ctypes.POINTER(ctypes.c_void_p)]
+    lib.cuLaunchKernelEx.restype = ctypes.c_int
+    return lib
+
+
+def _launch_pdl(func, grid: tuple[int, int], block: int, args: tuple, stream_handle: int) -> None:
+    """``func<<<grid, block, 0, stream>>>(args)`` with programmatic stream serialization allowed; ``args`` are
+    ctypes scalars in the kernel's parameter order."""
+    attr = _LaunchAttr()
+    attr.id = _ATTR_PROGRAMMATIC_STREAM_SERIALIZATION
+    attr.value[0] = 1  # programmaticStreamSerializationAllowed (an int, little-endian)
+    cfg = _LaunchConfig((ctypes.c_uint * 3)(grid[0], grid[1], 1), (ctypes.c_uint * 3)(block, 1, 1), 0,
+                        ctypes.c_void_p(stream_handle), ctypes.pointer(attr), 1)
+    params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
+    rc = _driver().cuLaunchKernelEx(ctypes.byref(cfg), ctypes.c_void_p(func.ptr), params, None)
+    if rc != 0:
+        raise RuntimeError(f"qmv: cuLaunchKernelEx with programmatic stream serialization failed (CUresult {rc})")
 
 
 _STREAMS: dict[int, object] = {}
@@ -108,6 +162,11 @@ def _stream(torch_stream: torch.cuda.Stream, device_index: int):
             warnings.simplefilter("ignore", DeprecationWarning)
             s = _STREAMS[key] = cupy.cuda.ExternalStream(key, device_index)
     return s
+
+
+@functools.cache
+def _capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
 
 
 @functools.cache
@@ -135,14 +194,15 @@ def choose_splits(n: int, ng: int, sms: int, unroll: int = 4, min_blocks: int = 
 
 def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | None = None,
         unroll: int = 4, min_blocks: int = _BLOCKS_PER_SM, xlate: bool = False, pipe: bool = False,
-        fold: bool = False) -> torch.Tensor:
+        fold: bool = False, pdl: bool | None = None) -> torch.Tensor:
     """``x [T, K] @ W.T`` -> ``[T, N]`` in x.dtype, for T <= 8 (see :func:`supports`). ``out`` (contiguous [T, N],
     x.dtype) is written instead of a fresh tensor. ``splits`` (default :func:`choose_splits`), ``unroll`` (steps
     whose loads are in flight together), ``min_blocks`` (blocks per SM the registers must allow) and ``xlate`` (x
     loaded one step ahead instead of with the codes; no faster on the H200) are for tuning and tests; ``pipe`` double-buffers the step batches (the next batch's loads in flight while one is
     multiplied; no faster on the H200) and ``fold`` (q4/q5: the zero point taken off the sums by one MMA per x
     fragment instead of a subtraction per code pair: 7 % fewer instructions, but it spills at 80 registers and
-    measured 3-15 % slower on the H200) are for tuning and tests."""
+    measured 3-15 % slower on the H200) are for tuning and tests; ``pdl`` (default :func:`pdl_enabled`) launches
+    with programmatic dependent launch on sm_90+ (experimental, see :func:`set_pdl`)."""
     if not supports(x, lin):
         raise ValueError(f"qmv: needs CUDA bf16/fp16 x [1..{MAX_T}, K={lin.k}] contiguous and a q8/q5/q4 weight "
                          f"({import_error() or 'cupy ready'}); got {tuple(x.shape)} {x.dtype} on {x.device}, "
@@ -155,12 +215,24 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
                          f"{out.dtype} on {out.device}")
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
     even = lin.k == lin.kp and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
-    kern = _kernel(_FMT_ID[lin.fmt], x.dtype == torch.float16, even, unroll, min_blocks, xlate, pipe, fold, dev)
+    pdl = (pdl_enabled() if pdl is None else pdl) and _capability(dev) >= (9, 0)
+    kern = _kernel(_FMT_ID[lin.fmt], x.dtype == torch.float16, even, unroll, min_blocks, xlate, pipe, fold, pdl,
+                   dev)
     tiles = -(-n // 16)
     s = min(splits or choose_splits(n, lin.ng, _sms(dev), unroll, min_blocks), MAX_SPLITS)
     groups_per_split = -(-lin.ng // s)
     s = -(-lin.ng // groups_per_split)
     ws, counters = workspace(x.device, s * t * n, tiles) if s > 1 else (out, out)
+    stream = torch.cuda.current_stream(x.device)
+    if pdl:
+        u64, i32, i64 = ctypes.c_uint64, ctypes.c_int32, ctypes.c_int64
+        cargs = (u64(x.data_ptr()), u64(lin.codes.data_ptr()), u64(lin.high.data_ptr()), u64(lin.scales.data_ptr()),
+                 u64(out.data_ptr()), u64(ws.data_ptr()), u64(counters.data_ptr()),
+                 i32(t), i32(n), i32(lin.k), i32(lin.ng), i32(groups_per_split),
+                 i64(x.stride(0)), i64(out.stride(0)), i64(lin.codes.stride(0)), i64(lin.high.stride(0)),
+                 i64(lin.scales.stride(0)))
+        _launch_pdl(kern, (tiles, s), NW * 32, cargs, stream.cuda_stream)
+        return out
     import cupy
 
     ptr = np.uint64
@@ -170,5 +242,5 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
             np.int64(x.stride(0)), np.int64(out.stride(0)), np.int64(lin.codes.stride(0)),
             np.int64(lin.high.stride(0)), np.int64(lin.scales.stride(0)))
     with cupy.cuda.Device(dev):
-        kern((tiles, s), (NW * 32,), args, stream=_stream(torch.cuda.current_stream(x.device), dev))
+        kern((tiles, s), (NW * 32,), args, stream=_stream(stream, dev))
     return out

@@ -15,7 +15,9 @@ reference on a sample of rows (rel. RMS), then times
   int4      torch's _weight_int4pack_mm (tinygemm, g128), as in shared/anchors/kernel_anchors.py
 and reports us, GB/s (packed weight bytes + x + out; dense bytes for bf16) and % of the copy bandwidth
 measured in the same run. ``--variants`` also times every Triton variant in VARIANTS, ``--qmv-variants`` qmv's
-launch variants (unroll x blocks per SM x zero-point fold, one split); the best is named.
+launch variants (unroll x blocks per SM x zero-point fold x PDL, one split); the best is named
+(back-to-back graph20 calls are where programmatic dependent launch can overlap one call's start with the last's
+end).
 Writes one JSON line per measurement to $OUT/qlinear.jsonl when OUT is set.
 """
 
@@ -245,11 +247,12 @@ def main() -> int:
                         cands[name] = lambda x, li, out=None, cfg=cfg: ql.qlinear_triton(x, li, cfg, out=out)
                         cands[name].config = repr(cfg)
                 if args.qmv_variants and t <= qmv_cuda.MAX_T and qmv_cuda.available():
-                    for un, mb, fo, xl in ((4, 3, 1, 0), (4, 3, 0, 0), (4, 4, 1, 0), (4, 4, 0, 0), (4, 2, 1, 0),
-                                           (3, 3, 1, 0), (4, 3, 1, 1), (8, 2, 1, 0), (8, 2, 0, 0)):
-                        cands[f"qmv-u{un}-b{mb}{'-fold' if fo else ''}{'-xlate' if xl else ''}"] = (
-                            lambda x, li, out=None, un=un, mb=mb, fo=fo, xl=xl:
-                            qmv_cuda.qmv(x, li, out, splits=1, unroll=un, min_blocks=mb, fold=bool(fo), xlate=bool(xl)))
+                    for un, mb, fo, xl, pd in ((4, 3, 0, 0, 0), (4, 3, 0, 0, 1), (4, 4, 0, 0, 1), (4, 3, 1, 0, 0),
+                                               (4, 4, 0, 0, 0), (8, 2, 0, 0, 1), (4, 3, 0, 1, 1)):
+                        cands[f"qmv-u{un}-b{mb}{'-fold' if fo else ''}{'-xlate' if xl else ''}{'-pdl' if pd else ''}"] = (
+                            lambda x, li, out=None, un=un, mb=mb, fo=fo, xl=xl, pd=pd:
+                            qmv_cuda.qmv(x, li, out, splits=1, unroll=un, min_blocks=mb, fold=bool(fo), xlate=bool(xl),
+                                         pdl=bool(pd)))
                 best = None
                 for label, fn in cands.items():
                     try:

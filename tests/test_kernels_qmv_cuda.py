@@ -162,3 +162,50 @@ def test_unaligned_packed_buffer_is_realigned_for_qmv():
     x = torch.randn(2, 128, generator=g).to(torch.bfloat16).cuda()
     assert qmv_cuda.supports(x, lin)
     assert rel_rms(lin(x), ql.qlinear_ref(x, buf, "q4_g64_fp16", (32, 128))) <= TOL[torch.bfloat16]
+
+
+needs_sm90 = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)),
+                                reason="programmatic dependent launch needs an sm_90+ GPU")
+
+
+@needs_qmv
+@needs_sm90
+@pytest.mark.parametrize("fmt", quant.QUANT_FORMATS)
+@pytest.mark.parametrize("n,k,t", [(320, 5120, 3), (96, 700, 8), (5000, 1024, 1)])
+def test_pdl_launch_equals_plain(fmt, n, k, t):
+    """The PDL launch (cuLaunchKernelEx, first code loads before griddepcontrol.wait) gives the plain launch's bits,
+    split-K (96 rows) and the element-wise x path (K = 700) included."""
+    lin, x, ref = _case(fmt, n, k, t, torch.bfloat16, seed=11)
+    y = qmv_cuda.qmv(x, lin, pdl=True)
+    assert torch.equal(y, qmv_cuda.qmv(x, lin, pdl=False))
+    assert rel_rms(y, ref) <= TOL[torch.bfloat16]
+
+
+@needs_qmv
+@needs_sm90
+def test_pdl_dependent_chain_in_a_cuda_graph():
+    """Each launch reads the output of the one before it; under PDL it may start while that one still runs and must
+    wait before it reads x (and before it writes). A captured chain - a torch op, then qmv on its output, then qmv
+    on qmv's output (split-K in the middle) - replayed on new inputs gives the plain eager chain's bits."""
+    g = torch.Generator().manual_seed(12)
+    shapes = [("q4_g64_fp16", 1024, 1024), ("q5_g64_fp16", 96, 1024), ("q8_g32_fp16", 2048, 96)]
+    lins = [ql.PackedLinear(quant.pack(torch.randn(n, k, generator=g) * 0.05, f), f, (n, k), "cuda")
+            for f, n, k in shapes]
+    x = torch.zeros(4, 1024, dtype=torch.bfloat16, device="cuda")
+
+    def chain(pdl):
+        y = x * 2.0
+        for lin in lins:
+            y = qmv_cuda.qmv(y, lin, pdl=pdl)
+        return y
+
+    chain(True)  # compile and load outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain(True)
+    for seed in range(4):
+        x.copy_(torch.randn(4, 1024, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, chain(False)), f"input {seed}"
