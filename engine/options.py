@@ -44,6 +44,8 @@ class EngineOptions:
     #                         token n (a finished sequence's extra step writes the scratch slot)
     qmv_pdl: bool = False  # experimental: the quantized projections launch with programmatic dependent launch
     #                        (sm_90+; process-wide: kernels/qmv_cuda.set_pdl)
+    qmv_dense: bool = False  # experimental: small dense bf16/fp16 projections (<= 1024 rows, <= 64 x rows) through
+    #                          qmv's dense path instead of cuBLAS (process-wide: kernels/qmv_cuda.set_dense)
     gdn_impl: str = "auto"
     kernels: str = "auto"  # decode/verify kernels: auto (fused Triton for v3 on CUDA), torch, or triton
     cpu_threads: int | None = None  # torch intra-op threads on a CPU; None: 1 for small models, else torch's

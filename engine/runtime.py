@@ -116,6 +116,7 @@ class Engine:
             from ..kernels import qmv_cuda
 
             qmv_cuda.set_pdl(opts.qmv_pdl)
+            qmv_cuda.set_dense(opts.qmv_dense)
         if self.device.type == "cuda" and opts.runtime == "v3" and opts.cuda_graphs:
             from .graphs import GraphRunner
 

@@ -46,15 +46,43 @@ class RawWeight:
         return quant.dequantize(buf, self.fmt, self.shape, dtype)
 
 
+# Dense projections of at most this many output rows may run through qmv's dense path on CUDA (experimental,
+# kernels/qmv_cuda.set_dense): the 27B GDN b+a projection (96 rows) takes two cuBLAS kernels, 6.3 us a layer.
+DENSE_QMV_MAX_ROWS = 1024
+
+
 class DenseLinear:
     """``y = x @ W^T`` with W held dense in the compute dtype."""
 
     def __init__(self, weight: torch.Tensor):
         self.weight = weight
         self.out_features, self.in_features = weight.shape
+        self._qmv = None  # kernels.qmv_cuda.DenseWeight, made at the first CUDA call that can use it
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and self.out_features <= DENSE_QMV_MAX_ROWS:
+            y = self._small_rows(x)
+            if y is not None:
+                return y
         return F.linear(x, self.weight)
+
+    def _small_rows(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Up to 64 rows of x through qmv's dense path, 8 a launch (rows independent of the batch), when it is on."""
+        from ..kernels import qmv_cuda
+
+        rows = x.numel() // self.in_features
+        if not qmv_cuda.dense_enabled() or rows > 8 * qmv_cuda.MAX_T or x.dtype != self.weight.dtype \
+                or self.in_features % 64 or not qmv_cuda.available():
+            return None
+        if self._qmv is None:
+            self._qmv = qmv_cuda.DenseWeight(self.weight.contiguous())
+        x2 = x.reshape(rows, self.in_features).contiguous()
+        if not qmv_cuda.supports(x2[:qmv_cuda.MAX_T], self._qmv):
+            return None
+        step = qmv_cuda.MAX_T
+        y = qmv_cuda.qmv(x2, self._qmv) if rows <= step else torch.cat(
+            [qmv_cuda.qmv(x2[i:i + step], self._qmv) for i in range(0, rows, step)])
+        return y.reshape(*x.shape[:-1], self.out_features)
 
 
 class Embedding:

@@ -2,7 +2,8 @@
 // W in the packed q8_g32 / q5_g64 / q4_g64 formats of engine/quant.py, read in place (no repacking).
 //
 // Compiled at run time (CuPy / NVRTC) once per (FMT, HALF); no headers, so it builds with any CUDA toolkit:
-//   FMT   0 = q8_g32_fp16, 1 = q5_g64_fp16, 2 = q4_g64_fp16
+//   FMT   0 = q8_g32_fp16, 1 = q5_g64_fp16, 2 = q4_g64_fp16, 3 = dense 16-bit weights in x's dtype (K a multiple
+//         of 64; the same tiles and sums, the weights go into the MMA as they are)
 //   HALF  0: x and out are bf16 (mma .bf16), 1: fp16 (mma .f16)
 //   EVEN  1: K == Kp (whole groups) and x's rows 16-byte aligned, 0: x read element by element, 0 past K
 //
@@ -166,8 +167,23 @@ __device__ __forceinline__ void word_pairs(u32 w, u32 hb, u32 magic, u32* p) {
 #endif
 }
 
-#define GROUP (FMT == 0 ? 32 : 64)        // codes per group
+#define GROUP (FMT == 0 ? 32 : 64)        // codes per group (FMT 3: 64 weights a step, no scale)
 #define XPL (FMT == 0 ? 8 : 16)           // x values per lane and step (2 words of codes)
+#define CB (FMT == 3 ? 128 : 32)          // code bytes of one row in one group
+#define LB (CB / 4)                       // ... of which one lane loads (4 lanes a row)
+
+// The code bytes one lane loads for one row and step: 8 (q formats: two 32-bit words) or 32 (FMT 3: 16 weights)
+#if FMT == 3
+struct CodeT {
+  uint4 a, b;
+};
+__device__ __forceinline__ CodeT load_codes(const u8* p) {
+  return {__ldg(reinterpret_cast<const uint4*>(p)), __ldg(reinterpret_cast<const uint4*>(p) + 1)};
+}
+#else
+typedef uint2 CodeT;
+__device__ __forceinline__ CodeT load_codes(const u8* p) { return __ldg(reinterpret_cast<const uint2*>(p)); }
+#endif
 
 // The lane's pointers at its current group (all loads of a step are at constant offsets from them).
 struct Lane {
@@ -219,6 +235,16 @@ __device__ __forceinline__ void load_x(const Lane& L, const u16* __restrict__ xr
 #endif
 }
 
+#if FMT == 3
+// FMT 3, dense 16-bit weights: the lane's 16 consecutive weights of each row are 8 pairs (k, k + 1), x's 8 pairs
+// the same k: MMA j takes pairs 2j and 2j + 1 of both rows and of x, no conversion and no scale
+__device__ __forceinline__ void step_math(CodeT w0, CodeT w1, u32, u32, const u32* xv, u32, u32, u32, float* acc) {
+  const u32 r0[8] = {w0.a.x, w0.a.y, w0.a.z, w0.a.w, w0.b.x, w0.b.y, w0.b.z, w0.b.w};
+  const u32 r1[8] = {w1.a.x, w1.a.y, w1.a.z, w1.a.w, w1.b.x, w1.b.y, w1.b.z, w1.b.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) mma(acc, r0[2 * j], r1[2 * j], r0[2 * j + 1], r1[2 * j + 1], xv[2 * j], xv[2 * j + 1]);
+}
+#else
 // One step's arithmetic: the two rows' code words (w0, w1), high-bit bytes, x pairs and scales -> acc.
 __device__ __forceinline__ void step_math(uint2 w0, uint2 w1, u32 h0, u32 h1, const u32* xv, u32 s0, u32 s1,
                                           u32 magic, float* acc) {
@@ -255,6 +281,7 @@ __device__ __forceinline__ void step_math(uint2 w0, uint2 w1, u32 h0, u32 h1, co
   acc[2] += sb * d[2];
   acc[3] += sb * d[3];
 }
+#endif
 
 // U steps (groups gi, gi + NW, ..., all < NG): every code load issued first, then the arithmetic; acc += the sums.
 // x is loaded with the codes (XLATE 0), or one step ahead of the arithmetic (XLATE 1: x comes from L1 / L2, and the
@@ -262,14 +289,18 @@ __device__ __forceinline__ void step_math(uint2 w0, uint2 w1, u32 h0, u32 h1, co
 template <int U, bool WAIT = false>
 __device__ __forceinline__ void steps(const Lane& L, const u16* __restrict__ xrow, int gi, int K, int c, u32 magic,
                                       float* acc) {
-  uint2 w0[U], w1[U];
+  CodeT w0[U], w1[U];
   u32 s0[U], s1[U], h0[U], h1[U];
 #pragma unroll
   for (int u = 0; u < U; ++u) {
-    w0[u] = __ldg(reinterpret_cast<const uint2*>(L.cp0 + 32 * NW * u));
-    w1[u] = __ldg(reinterpret_cast<const uint2*>(L.cp1 + 32 * NW * u));
+    w0[u] = load_codes(L.cp0 + CB * NW * u);
+    w1[u] = load_codes(L.cp1 + CB * NW * u);
+#if FMT == 3
+    s0[u] = s1[u] = 0;
+#else
     s0[u] = __ldg(L.sp0 + NW * u);
     s1[u] = __ldg(L.sp1 + NW * u);
+#endif
 #if FMT == 1
     h0[u] = __ldg(reinterpret_cast<const u16*>(L.hp0 + 8 * NW * u));
     h1[u] = __ldg(reinterpret_cast<const u16*>(L.hp1 + 8 * NW * u));
@@ -299,7 +330,7 @@ __device__ __forceinline__ void steps(const Lane& L, const u16* __restrict__ xro
 // (the conditions are the same for the whole warp)
 template <int U>
 struct Batch {
-  uint2 w0[U], w1[U];
+  CodeT w0[U], w1[U];
   u32 s0[U], s1[U], h0[U], h1[U];
   u32 xv[U][XPL / 2];
 };
@@ -310,10 +341,14 @@ __device__ __forceinline__ void load_batch(Batch<U>& B, const Lane& L, const u16
 #pragma unroll
   for (int u = 0; u < U; ++u) {
     if (gi + u * NW < g_hi) {
-      B.w0[u] = __ldg(reinterpret_cast<const uint2*>(L.cp0 + 32 * NW * u));
-      B.w1[u] = __ldg(reinterpret_cast<const uint2*>(L.cp1 + 32 * NW * u));
+      B.w0[u] = load_codes(L.cp0 + CB * NW * u);
+      B.w1[u] = load_codes(L.cp1 + CB * NW * u);
+#if FMT == 3
+      B.s0[u] = B.s1[u] = 0;
+#else
       B.s0[u] = __ldg(L.sp0 + NW * u);
       B.s1[u] = __ldg(L.sp1 + NW * u);
+#endif
 #if FMT == 1
       B.h0[u] = __ldg(reinterpret_cast<const u16*>(L.hp0 + 8 * NW * u));
       B.h1[u] = __ldg(reinterpret_cast<const u16*>(L.hp1 + 8 * NW * u));
@@ -333,7 +368,7 @@ __device__ __forceinline__ void math_batch(const Batch<U>& B, int gi, int g_hi, 
 }
 
 __device__ __forceinline__ void advance(Lane& L, int groups) {
-  L.cp0 += 32 * groups; L.cp1 += 32 * groups;
+  L.cp0 += CB * groups; L.cp1 += CB * groups;
   L.sp0 += groups; L.sp1 += groups;
 #if FMT == 1
   L.hp0 += 8 * groups; L.hp1 += 8 * groups;
@@ -355,8 +390,8 @@ qmv(const u16* __restrict__ x, const u8* __restrict__ codes, const u8* __restric
   // lanes of tokens t >= T read row T - 1 of x: their MMA columns are never stored, and no zeroing is needed
   const u16* xrow = x + min(g, T - 1) * stride_x;
   Lane L;
-  L.cp0 = codes + r0 * stride_c + 32 * gi + 8 * c;
-  L.cp1 = codes + r1 * stride_c + 32 * gi + 8 * c;
+  L.cp0 = codes + r0 * stride_c + CB * gi + LB * c;
+  L.cp1 = codes + r1 * stride_c + CB * gi + LB * c;
   L.sp0 = scales + r0 * stride_s + gi;
   L.sp1 = scales + r1 * stride_s + gi;
 #if FMT == 1

@@ -30,12 +30,13 @@ import numpy as np
 import torch
 
 __all__ = ["qmv", "supports", "available", "import_error", "choose_splits", "workspace", "set_pdl", "pdl_enabled",
-           "MAX_T", "MAX_SPLITS"]
+           "set_dense", "dense_enabled", "DenseWeight", "DENSE_FMT", "MAX_T", "MAX_SPLITS"]
 
 MAX_T = 8  # tokens per launch: the MMA's n = 8 columns
+DENSE_FMT = "dense16"  # a bf16 / fp16 weight read as it is (FMT 3 in the source), see DenseWeight
 MAX_SPLITS = 8  # split-K slices: the workspace holds MAX_SPLITS x MAX_T x N floats
 NW = 8  # warps per block (NW in the source)
-_FMT_ID = {"q8_g32_fp16": 0, "q5_g64_fp16": 1, "q4_g64_fp16": 2}
+_FMT_ID = {"q8_g32_fp16": 0, "q5_g64_fp16": 1, "q4_g64_fp16": 2, DENSE_FMT: 3}
 _SOURCE = Path(__file__).with_name("qmv_cuda.cu")
 _BLOCKS_PER_SM = 3  # MIN_BLOCKS in the source (the H200 sweep: 3 beats 2 and 4 at the 27B shapes)
 
@@ -60,12 +61,35 @@ def available() -> bool:
 
 
 def supports(x: torch.Tensor, lin) -> bool:
-    """Whether ``qmv(x, lin)`` runs for this input: CUDA, bf16/fp16, 1..8 rows, contiguous, a q format, the packed
-    buffer 16-byte aligned."""
+    """Whether ``qmv(x, lin)`` runs for this input: CUDA, bf16/fp16, 1..8 rows, contiguous, a q format (or a
+    :class:`DenseWeight` in x's dtype), the packed buffer 16-byte aligned."""
     return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.dim() == 2 and 1 <= x.shape[0] <= MAX_T
             and x.shape[1] == lin.k and x.is_contiguous() and lin.fmt in _FMT_ID
-            and lin.buf.data_ptr() % 16 == 0  # 8-byte code loads; a view into a bigger buffer may sit anywhere
+            and lin.codes.data_ptr() % 16 == 0  # 8 / 16-byte code loads; a view into a bigger buffer may sit anywhere
+            and (lin.fmt != DENSE_FMT or lin.weight.dtype == x.dtype)
             and available())
+
+
+class DenseWeight:
+    """A dense bf16 / fp16 weight ``[N, K]`` (K a multiple of 64, contiguous) in the shape qmv reads: the kernel's
+    FMT 3 multiplies it as it is, in the same tiles, splits and fixed-order sums as the packed formats (so a small
+    projection gets one launch with no split-K reduce kernel, and its rows do not depend on the batch)."""
+
+    fmt = DENSE_FMT
+
+    def __init__(self, weight: torch.Tensor):
+        if weight.dtype not in (torch.bfloat16, torch.float16) or weight.dim() != 2 or not weight.is_contiguous() \
+                or weight.shape[1] % 64 or not weight.is_cuda:
+            raise ValueError(f"DenseWeight: needs a contiguous CUDA bf16/fp16 [N, K] weight with K a multiple of 64, "
+                             f"got {tuple(weight.shape)} {weight.dtype} on {weight.device}")
+        self.weight = weight
+        self.n, self.k = weight.shape
+        self.kp, self.group = self.k, 64
+        self.ng = self.k // 64
+        self.codes = weight.view(torch.uint8)  # [N, 2K] bytes
+        self.high = self.codes[:1, :1]  # unused by FMT 3
+        self.scales = weight[:1, :1]  # unused by FMT 3
+        workspace(weight.device, MAX_SPLITS * MAX_T * self.n, -(-self.n // 16))  # outside any graph capture
 
 
 @functools.cache
@@ -100,6 +124,19 @@ def workspace(device, floats: int, tiles: int = 1) -> tuple[torch.Tensor, torch.
 # before it finishes; it issues its first weight loads, then waits (griddepcontrol.wait) before it reads x. CUDA
 # graphs captured from such launches keep the programmatic edges. Process-wide, as DeepGEMM's set_pdl; sm_90+.
 _PDL = {"on": False}
+
+
+_DENSE = {"on": False}
+
+
+def set_dense(on: bool) -> None:
+    """Small dense 16-bit projections (engine/weights.DenseLinear, T <= 64 rows) through qmv's FMT 3 instead of
+    cuBLAS from now on; experimental and process-wide, like :func:`set_pdl`."""
+    _DENSE["on"] = bool(on)
+
+
+def dense_enabled() -> bool:
+    return _DENSE["on"]
 
 
 def set_pdl(on: bool) -> None:
@@ -205,6 +242,7 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
     with programmatic dependent launch on sm_90+ (experimental, see :func:`set_pdl`)."""
     if not supports(x, lin):
         raise ValueError(f"qmv: needs CUDA bf16/fp16 x [1..{MAX_T}, K={lin.k}] contiguous and a q8/q5/q4 weight "
+                         f"(or a DenseWeight in x's dtype) "
                          f"({import_error() or 'cupy ready'}); got {tuple(x.shape)} {x.dtype} on {x.device}, "
                          f"{lin.fmt}")
     t, n = x.shape[0], lin.n

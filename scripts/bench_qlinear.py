@@ -165,6 +165,44 @@ def int4_tinygemm(x: torch.Tensor, n: int, k: int, gs: int = 128):
         return None
 
 
+# Dense bf16 projections qmv's FMT 3 may take instead of cuBLAS (--dense): (K, N)
+DENSE_SHAPES = {"gdn.ba": (5120, 96), "dense.1024": (5120, 1024), "dense.5120": (5120, 5120)}
+
+
+def bench_dense(ts, row, failures) -> None:
+    """cuBLAS F.linear against qmv's dense path (FMT 3, with and without PDL), same weights, same run."""
+    from triton.testing import do_bench
+
+    from ninfer_bench.kernels import qmv_cuda
+
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    for op, (k, n) in DENSE_SHAPES.items():
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+        copies = max(1, min(16, math.ceil(3 * L2_BYTES / (w.numel() * 2))))
+        ws = [w] + [torch.randn_like(w) * 0.02 for _ in range(copies - 1)]
+        dws = [qmv_cuda.DenseWeight(v) for v in ws]
+        for t in ts:
+            if t > qmv_cuda.MAX_T:
+                continue
+            x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+            ref = x.float() @ w.float().T
+            nbytes = w.numel() * 2 + x.numel() * 2 + t * n * 2
+            cands = {"cublas": lambda i, out: F.linear(x, ws[i]),
+                     "qmv-dense": lambda i, out: qmv_cuda.qmv(x, dws[i], out, pdl=False),
+                     "qmv-dense-pdl": lambda i, out: qmv_cuda.qmv(x, dws[i], out, pdl=True)}
+            for label, fn in cands.items():
+                out = torch.empty(t, n, device="cuda", dtype=torch.bfloat16)
+                err = rel_rms(fn(0, out), ref.cpu())
+                if not err <= TOL_BF16:
+                    print(f"!!! FAILED CORRECTNESS {op} T={t} {label}: rel RMS {err:.3e}")
+                    failures.append((op, "bf16", t, label, err))
+                us = one_call_us(lambda fn=fn, out=out: fn(0, out), do_bench)
+                calls = [(lambda i=i, fn=fn, out=out: fn(i % len(ws), out)) for i in range(GRAPH_CALLS)]
+                us_rot = rotating_us(calls)
+                row(op, "bf16", t, label, us, nbytes, {"rel_rms": err, "us_graph20": us_rot})
+                row(op, "bf16", t, label + "@graph20", us_rot, nbytes)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK_OPS)}, T in 1, 8")
@@ -175,6 +213,7 @@ def main() -> int:
     ap.add_argument("--ts", default="", help="comma list of T (default 1,2,4,8,16; --quick 1,8)")
     ap.add_argument("--ops", default="", help="comma list of ops (default all; --quick a few)")
     ap.add_argument("--no-baselines", action="store_true", help="skip bf16 cuBLAS and torch int4")
+    ap.add_argument("--dense", action="store_true", help="also cuBLAS vs qmv's dense path at DENSE_SHAPES")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench_qlinear: needs a CUDA GPU (none visible)", file=sys.stderr)
@@ -294,6 +333,8 @@ def main() -> int:
             del dense
             torch.cuda.empty_cache()
         print(f"  ({time.time() - t_start:.0f} s)")
+    if args.dense:
+        bench_dense(ts, row, failures)
     if failures:
         print(f"\n!!! {len(failures)} FAILURES: {failures}")
         return 1

@@ -4,7 +4,7 @@
 #   bash scripts/gpu_check.sh tests d27 niah conc27 vision kernels
 #   bash scripts/gpu_check.sh train          # the bundled model (about 9 minutes: give it a call of its own)
 #   STAGE_S=280 ENGINES=hf,ours RUNTIMES=v3,v2 ROLLBACKS=recompute bash scripts/gpu_check.sh d27
-#   QBENCH_ARGS="--qmv-variants --ts 1 --fmts q4" bash scripts/gpu_check.sh qbench    # qmv launch sweep
+#   QBENCH_ARGS="--qmv-variants --ts 1 --fmts q4" bash scripts/gpu_check.sh qbench    # qmv launch sweep (+ --dense)
 # Outputs: the device tool brings back only about 8 files a call, so on exit every folder under $OUT becomes one
 # .tar and the per-file test logs one tests_all.log.
 # Stages:
@@ -73,9 +73,9 @@ for stage in "$@"; do
     d27)     nb decode $M27 --engine ${ENGINES:-ours,hf} --spec none,mtp:3,dflash2:7 --runtime ${RUNTIMES:-v3,v2} \
                --rollback ${ROLLBACKS:-recompute,snapshot} \
                -n 64 --repeats 2 --json "$OUT/d27" 2>&1 | tee "$OUT/d27.log" | tail -40 ;;
-    profile) for mode in ${PROFILE_MODES:-lookahead sync}; do  # plain decode: lookahead, sync, pdl (lookahead + PDL)
+    profile) for mode in ${PROFILE_MODES:-lookahead sync}; do  # plain decode: lookahead, sync, pdl, dense (each + lookahead)
                timeout ${STAGE_S:-400} python3 scripts/profile_step.py $M27 --steps 32 $([ $mode = sync ] && echo --sync) \
-                 $([ $mode = pdl ] && echo --pdl) \
+                 $([ $mode = pdl ] && echo --pdl) $([ $mode = dense ] && echo --dense-qmv) \
                  ${PROFILE_ARGS:-} --json "$OUT/profile27_$mode.json" 2>&1 | tee "$OUT/profile27_$mode.log" | tail -${PROFILE_LINES:-30}
              done ;;
     sdpa)    timeout ${STAGE_S:-120} python3 scripts/probe_sdpa.py 2>&1 | tee "$OUT/probe_sdpa.log" | tail -12 ;;

@@ -91,3 +91,19 @@ def test_lookahead_decode_equals_synchronous(dtype):
         finally:
             eng.release(seq)
     assert after["ahead"] == after["sync"]
+
+
+def test_experimental_qmv_switches_decode():
+    """EngineOptions(qmv_pdl=True, qmv_dense=True) (experimental): the engine decodes with both on, greedy tokens
+    equal to the default launches' in fp32 (dense qmv applies to bf16/fp16 weights only, PDL changes no sums)."""
+    from ninfer_bench.kernels import qmv_cuda
+
+    try:
+        _, a = gen(runtime="v3", kv_dtype="int8", dtype="fp32")
+        _, b = gen(runtime="v3", kv_dtype="int8", dtype="fp32", qmv_pdl=True, qmv_dense=True)
+        assert b.tokens == a.tokens
+        eng, c = gen(runtime="v3", kv_dtype="int8", dtype="bf16", qmv_pdl=True, qmv_dense=True)
+        assert len(c.tokens) == 96
+    finally:
+        qmv_cuda.set_pdl(False)
+        qmv_cuda.set_dense(False)

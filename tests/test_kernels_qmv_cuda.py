@@ -209,3 +209,45 @@ def test_pdl_dependent_chain_in_a_cuda_graph():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, chain(False)), f"input {seed}"
+
+
+@needs_qmv
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("n,k,t", [(96, 5120, 1), (96, 5120, 8), (1000, 640, 3), (17, 64, 2)])
+def test_dense_weight_path(dtype, n, k, t):
+    """FMT 3: a dense 16-bit weight multiplied as it is, against the fp32 product; rows do not depend on the batch."""
+    g = torch.Generator().manual_seed(13)
+    w = (torch.randn(n, k, generator=g) * 0.05).to(dtype)
+    x = (torch.randn(t, k, generator=g) * 3).to(dtype)
+    dw = qmv_cuda.DenseWeight(w.cuda())
+    y = qmv_cuda.qmv(x.cuda(), dw)
+    assert rel_rms(y, x.float() @ w.float().T) <= TOL[dtype]
+    for r in range(t):
+        assert torch.equal(qmv_cuda.qmv(x[r:r + 1].cuda(), dw)[0], y[r])
+    with pytest.raises(ValueError, match="multiple of 64"):
+        qmv_cuda.DenseWeight(w[:, :k - 1].contiguous().cuda() if k > 64 else torch.zeros(4, 65, dtype=dtype).cuda())
+    assert not qmv_cuda.supports(x.cuda().float(), dw)  # x in another dtype than the weight
+
+
+@needs_qmv
+def test_dense_linear_takes_qmv_when_enabled():
+    """engine.weights.DenseLinear: small projections through qmv (8 rows a launch, up to 64 rows) only when the
+    experimental switch is on; more rows, or the switch off, take F.linear."""
+    from ninfer_bench.engine.weights import DenseLinear
+
+    g = torch.Generator().manual_seed(14)
+    w = (torch.randn(96, 512, generator=g) * 0.05).to(torch.bfloat16).cuda()
+    lin = DenseLinear(w)
+    x = (torch.randn(3, 7, 512, generator=g)).to(torch.bfloat16).cuda()  # 21 rows: three launches
+    want = (x.float() @ w.float().T)
+    try:
+        qmv_cuda.set_dense(True)
+        y = lin(x)
+        assert lin._qmv is not None and y.shape == (3, 7, 96)
+        assert rel_rms(y, want) <= TOL[torch.bfloat16]
+        assert torch.equal(y[1, 2], lin(x[1, 2:3])[0])  # a row alone gives the same bits
+        big = torch.randn(80, 512, generator=g).to(torch.bfloat16).cuda()
+        assert torch.equal(lin(big), torch.nn.functional.linear(big, w))  # 80 rows: cuBLAS
+    finally:
+        qmv_cuda.set_dense(False)
+    assert torch.equal(DenseLinear(w)(x), torch.nn.functional.linear(x, w))
