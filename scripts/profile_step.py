@@ -3,7 +3,8 @@
 torch profiler, grouped by kernel, with the GPU's busy time next to the step's wall time (the difference is the
 step's idle gaps: graph launch, the token read-back, host work).
 
-    python3 scripts/profile_step.py --model qwen3.8-27b --synthetic [--steps 32] [--spec dflash2 -k 7] [--sync] [--pdl] [--dense-qmv]
+    python3 scripts/profile_step.py --model qwen3.8-27b --synthetic [--steps 32] [--spec mtp -k 3] [--sync]
+        [--pdl] [--dense-qmv] [--draft-graphs]      # the last three: experimental switches, compared by step time
 
 Needs CUDA. Timings are the profiler's (CUPTI) kernel durations; the step wall time is measured without the
 profiler in the same process first, so the profiler's own overhead does not enter it.
@@ -55,6 +56,7 @@ def main() -> int:
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--pdl", action="store_true", help="qmv with programmatic dependent launch (experimental)")
     ap.add_argument("--dense-qmv", action="store_true", help="small dense projections through qmv (experimental)")
+    ap.add_argument("--draft-graphs", action="store_true", help="MTP drafting from CUDA graphs (experimental)")
     ap.add_argument("--sync", action="store_true", help="plain decode reads each token before the next step "
                                                           "(default: the lookahead chain, as generate() runs it)")
     ap.add_argument("--json", default=None)
@@ -65,7 +67,8 @@ def main() -> int:
 
     t0 = time.time()
     eng = Engine.load(args.model, synthetic=args.synthetic, device="cuda", runtime=args.runtime, spec=args.spec,
-                      draft_tokens=args.draft_tokens, qmv_pdl=args.pdl, qmv_dense=args.dense_qmv)
+                      draft_tokens=args.draft_tokens, qmv_pdl=args.pdl, qmv_dense=args.dense_qmv,
+                      draft_graphs=args.draft_graphs)
     print(f"loaded in {time.time() - t0:.0f} s: {eng.model_info.get('name', args.model)}", flush=True)
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(10, eng.config.vocab_size - 10, (args.prompt_len,), generator=g).tolist()
@@ -123,7 +126,7 @@ def main() -> int:
               f"{100 * us / args.steps / total:5.1f}%")
     if args.json:
         Path(args.json).write_text(json.dumps({
-            "model": args.model, "spec": args.spec, "sync": args.sync, "pdl": args.pdl, "dense_qmv": args.dense_qmv, "runtime": args.runtime, "steps": args.steps,
+            "model": args.model, "spec": args.spec, "sync": args.sync, "pdl": args.pdl, "dense_qmv": args.dense_qmv, "draft_graphs": args.draft_graphs, "runtime": args.runtime, "steps": args.steps,
             "step_wall_us": step_us, "gpu_busy_us": busy, "kernels_summed_us": total,
             "kernels": [{"name": k, "us_per_step": v[0] / args.steps, "calls_per_step": v[1] / args.steps}
                         for k, v in rows]}, indent=1))
