@@ -237,10 +237,15 @@ def gate(baseline, candidate, rules, as_json):
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
 @click.option("--kv-dtype", type=click.Choice(["fp32", "bf16", "fp16", "int8"]), default="int8", show_default=True)
 @click.option("--runtime", type=click.Choice(["v2", "v3"]), default="v3", show_default=True)
+@click.option("--max-context", type=int, default=None,
+              help="Longest prompt + completion a request may have [default: 8192, or the model's limit].")
+@click.option("--prefill-chunk", type=int, default=512, show_default=True)
+@click.option("--interleave-chunk", type=int, default=None,
+              help="Prompt tokens prefilled per iteration while other requests decode [default: --prefill-chunk].")
 @click.option("--label", default=None)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write the result document.")
 def concurrency(levels, url, served_model, model, synthetic, quant, spec, draft_tokens, max_new_tokens, prompt_tokens,
-                rounds, device, kv_dtype, runtime, label, json_path):
+                rounds, device, kv_dtype, runtime, max_context, prefill_chunk, interleave_chunk, label, json_path):
     """C1/C2/C4/C8 throughput and latency, in-process (continuous batching) or against a server."""
     from .suites.concurrency import ConcurrencyOptions, run_concurrency
 
@@ -248,7 +253,8 @@ def concurrency(levels, url, served_model, model, synthetic, quant, spec, draft_
     opts = ConcurrencyOptions(levels=lv, url=url, served_model=served_model, model=model, synthetic=synthetic,
                               quant=quant, spec=spec,
                               draft_tokens=draft_tokens, max_new_tokens=max_new_tokens, prompt_tokens=prompt_tokens,
-                              rounds=rounds, device=device, kv_dtype=kv_dtype, runtime=runtime, label=label)
+                              rounds=rounds, device=device, kv_dtype=kv_dtype, runtime=runtime, label=label,
+                              max_context=max_context, prefill_chunk=prefill_chunk, interleave_chunk=interleave_chunk)
     prog, update = suite_progress("concurrency")
     with prog:
         doc = run_concurrency(opts, progress=update)

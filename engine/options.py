@@ -33,6 +33,8 @@ class EngineOptions:
     kv_capacity: int | None = None
     max_concurrency: int = 1
     prefill_chunk: int = 512
+    interleave_chunk: int | None = None  # prompt tokens a scheduler iteration prefills while others decode (None:
+    #                                      prefill_chunk): smaller trades a newcomer's TTFT for the others' ITL
     runtime: str = "v3"
     spec: str = "none"
     draft_tokens: int | None = None
@@ -85,6 +87,9 @@ class EngineOptions:
             raise ValueError(f"rollback must be recompute or snapshot, got {self.rollback!r}")
         if not isinstance(self.lm_head_draft, int) or self.lm_head_draft < 0:
             raise ValueError(f"lm-head-draft must be a non-negative integer, got {self.lm_head_draft!r}")
+        if self.interleave_chunk is not None and (not isinstance(self.interleave_chunk, int)
+                                                  or self.interleave_chunk < 1):
+            raise ValueError(f"interleave-chunk must be a positive integer, got {self.interleave_chunk!r}")
         if self.cpu_threads is not None and (not isinstance(self.cpu_threads, int) or self.cpu_threads < 1):
             raise ValueError(f"cpu-threads must be a positive integer, got {self.cpu_threads!r}")
         if self.kernels not in ("auto", "torch", "triton"):

@@ -340,10 +340,11 @@ class Engine:
         return seq.finish_reason is not None
 
     @torch.inference_mode()
-    def prefill_step(self, seq: Sequence) -> bool:
-        """Prefill the next ``--prefill-chunk`` of ``seq``'s prompt (from ``seq.length``, so a cached prefix is
-        skipped). After the last chunk, pick the first token and prime the drafter; returns True then."""
-        chunk = self.options.prefill_chunk
+    def prefill_step(self, seq: Sequence, chunk: int | None = None) -> bool:
+        """Prefill the next ``chunk`` (default ``--prefill-chunk``) tokens of ``seq``'s prompt (from ``seq.length``,
+        so a cached prefix is skipped). After the last chunk, pick the first token and prime the drafter; returns
+        True then."""
+        chunk = min(chunk or self.options.prefill_chunk, self.options.prefill_chunk)
         start = seq.length
         piece = seq.prompt[start:start + chunk]
         taps = self.drafter.taps if self.drafter else ()

@@ -1,7 +1,8 @@
 """Continuous batching over one Engine.
 
 Requests wait in a bounded queue. Every iteration admits waiting requests into free slots, runs one prefill
-chunk of one admitting request (so a long prompt does not stall the others' decoding), then one decode round
+chunk of one admitting request (so a long prompt does not stall the others' decoding; ``--interleave-chunk`` makes
+that chunk smaller while others are decoding), then one decode round
 (plain, or draft + verify) over every running sequence together. Tokens are reported through callbacks as
 they are committed; a cancelled request frees its slot at the next iteration.
 
@@ -165,7 +166,10 @@ class Scheduler:
             return False
         if self.prefilling:
             req = self.prefilling[0]
-            if self.e.prefill_step(req.seq):
+            # while others decode, a smaller piece of the prompt per iteration (--interleave-chunk) keeps their
+            # inter-token latency down; alone, the whole --prefill-chunk
+            chunk = self.e.options.interleave_chunk if self.running else None
+            if self.e.prefill_step(req.seq, chunk):
                 self.prefilling.pop(0)
                 self._report(req)
                 self.running.append(req)

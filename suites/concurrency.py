@@ -34,6 +34,7 @@ class ConcurrencyOptions:
     kv_dtype: str = "int8"
     max_context: int | None = None
     prefill_chunk: int = 512
+    interleave_chunk: int | None = None
     runtime: str = "v3"
     spec: str = "none"
     draft_tokens: int | None = None
@@ -134,7 +135,8 @@ def run_in_process(opts: ConcurrencyOptions, progress=None):
 
     top = max(opts.levels)
     eng = Engine.load(opts.model, synthetic=opts.synthetic, quant=opts.quant, device=opts.device, kv_dtype=opts.kv_dtype, max_context=opts.max_context,
-                      max_concurrency=top, prefill_chunk=opts.prefill_chunk, runtime=opts.runtime, spec=opts.spec,
+                      max_concurrency=top, prefill_chunk=opts.prefill_chunk, interleave_chunk=opts.interleave_chunk,
+                      runtime=opts.runtime, spec=opts.spec,
                       draft_tokens=opts.draft_tokens)
     opts.draft_tokens = eng.options.draft_tokens
     texts = prompt_texts(top)

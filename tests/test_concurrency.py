@@ -24,6 +24,31 @@ def test_batched_greedy_equals_sequential(spec):
     assert sorted(eng.free_slots) == [0, 1, 2]
 
 
+def test_interleaved_prefill_keeps_the_others_decoding():
+    """--interleave-chunk: while one request decodes, a newcomer's 60-token prompt is prefilled 8 tokens an
+    iteration, and the running request gains a token at every one of those iterations; outputs stay the sequential
+    ones. Alone, a request prefills in whole --prefill-chunk pieces."""
+    eng = Engine.load("tiny", device="cpu", kv_dtype="fp32", max_concurrency=2, prefill_chunk=64, interleave_chunk=8)
+    first, second = list(range(3, 40)), list(range(50, 110))
+    alone = [eng.generate(p, max_new_tokens=24, ignore_eos=True).tokens for p in (first, second)]
+    sched = Scheduler(eng)
+    a = sched.submit(first, SamplingParams(max_new_tokens=24, ignore_eos=True))
+    sched.step()  # 37 prompt tokens < 64: prefilled at once (nothing else is decoding)
+    assert len(a.tokens) >= 1
+    b = sched.submit(second, SamplingParams(max_new_tokens=24, ignore_eos=True))
+    steps = 0
+    while not b.tokens:
+        before = len(a.tokens)
+        sched.step()
+        steps += 1
+        assert len(a.tokens) == before + 1  # a decoded during each piece of b's prefill
+    assert steps == -(-len(second) // 8)  # 60 tokens, 8 an iteration
+    sched.run_until_idle()
+    assert [a.tokens, b.tokens] == alone
+    with pytest.raises(ValueError, match="interleave-chunk"):
+        Engine.load("tiny", device="cpu", interleave_chunk=0)
+
+
 def test_cancel_frees_the_slot_and_queue_bound():
     eng = Engine.load("tiny", device="cpu", kv_dtype="fp32", max_concurrency=1)
     sched = Scheduler(eng, max_queue=2)
