@@ -29,6 +29,7 @@ import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _benchlib import copy_bandwidth, graph_us, resource_report  # noqa: E402
 from _bootstrap import ensure_package  # noqa: E402
 
 ensure_package()
