@@ -269,7 +269,8 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
                  i32(t), i32(n), i32(lin.k), i32(lin.ng), i32(groups_per_split),
                  i64(x.stride(0)), i64(out.stride(0)), i64(lin.codes.stride(0)), i64(lin.high.stride(0)),
                  i64(lin.scales.stride(0)))
-        _launch_pdl(kern, (tiles, s), NW * 32, cargs, stream.cuda_stream)
+        with torch.cuda.device(dev):  # the module was loaded in this device's context
+            _launch_pdl(kern, (tiles, s), NW * 32, cargs, stream.cuda_stream)
         return out
     import cupy
 
