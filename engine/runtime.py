@@ -255,7 +255,11 @@ class Engine:
 
     # ---- forward passes --------------------------------------------------------------------------
     def _ids(self, ids) -> torch.Tensor:
-        return torch.as_tensor(ids, dtype=torch.long, device=self.device)
+        """Host ints as a device tensor. On CUDA through pinned memory without blocking: a pageable copy makes
+        torch synchronise the stream, which stalled eager rounds (speculative drafting) at every call."""
+        if self.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+            return torch.as_tensor(ids, dtype=torch.long, device=self.device)
+        return torch.tensor(ids, dtype=torch.long, pin_memory=True).to(self.device, non_blocking=True)
 
     @torch.inference_mode()
     def prefill(self, slot: int, ids: list[int], start: int = 0, *, all_logits: bool = False,

@@ -135,9 +135,18 @@ class BlockDrafter(nn.Module):
         self.selector = (CandidateSelector(vocab, c.hidden_size, c.scorer_rank, c.candidates)
                          if c.kind == "dflash2" and c.scorer_rank > 0 else None)
         self._rope = None
+        self._rope_covers = 0  # reserve_rope(n): every position below n is in the table, no size check needed
+
+    def reserve_rope(self, positions: int, device) -> None:
+        """Tables for every position below ``positions`` (the engine's context bound): :meth:`rope` then needs no
+        ``pos.max()``, a device-to-host read that would stall every drafting round on a GPU."""
+        self._rope = rope_tables(self.c.head_dim, self.c.rope_theta, max(positions, 4096), torch.device(device))
+        self._rope_covers = self._rope[0].shape[0]
 
     def rope(self, pos: torch.Tensor):
         """cos, sin ``[.., rd]`` at positions ``pos`` (full-width rotary over head_dim)."""
+        if self._rope_covers and self._rope[0].device == pos.device:
+            return self._rope[0][pos], self._rope[1][pos]
         need = int(pos.max()) + 1 if pos.numel() else 1
         if self._rope is None or self._rope[0].shape[0] < need or self._rope[0].device != pos.device:
             size = max(need, 4096)
