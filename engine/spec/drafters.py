@@ -172,8 +172,10 @@ class MTPDrafter:
         nxt = torch.where(i < n_acc[:, None], nxt, bonus[:, None])  # token after each verified position
         pos = old_len[:, None] + i
         slots = self.e._ids([s.slot for s in seqs])
-        h, logits = self.forward(hidden, nxt, pos, slots, int(old_len.max()) + t,
-                                 rope_pos=self.e.rope_shift(seqs, pos))
+        # keys up to the verified block's end; on a GPU bound from the host's lengths (each sequence grew by at least
+        # one token this round; later keys are masked) instead of reading old_len back, which would stall the round
+        kv_len = min(max(s.length for s in seqs) + t, self.e.capacity) if old_len.is_cuda else int(old_len.max()) + t
+        h, logits = self.forward(hidden, nxt, pos, slots, kv_len, rope_pos=self.e.rope_shift(seqs, pos))
         sel = n_acc.view(b, 1, 1)
         h0 = h.gather(1, sel.expand(b, 1, h.shape[-1]))[:, 0]
         l0 = logits.gather(1, sel.expand(b, 1, logits.shape[-1]))[:, 0]
