@@ -273,7 +273,8 @@ class BlockDraftRunner:
         state = {n.split(".", 1)[1]: r.dense(torch.float32) for n, r in raws.items()}
         self.net.load_state_dict(state, strict=True)
         self.net.to(device=engine.device, dtype=engine.dtype).eval()
-        self.net.reserve_rope(engine.capacity + cfg.block_size + 1, engine.device)  # positions < context + block
+        if engine.device.type == "cuda":  # every position < context + block: no pos.max() read (a stall) per call
+            self.net.reserve_rope(engine.capacity + cfg.block_size + 1, engine.device)
         self.head = DraftHead(engine, draft_head_ids(engine), cfg.extra.get("logit_scale", 1.0),
                               cfg.extra.get("logit_softcap", 0.0))
         ring = cfg.kind == "dflash2" and cfg.window > 0
