@@ -40,6 +40,21 @@ class Captured:
     commit_graph: torch.cuda.CUDAGraph | None = None
 
 
+def capture(fn, pool, device, *, warmups: int = 2, warm=None):
+    """(graph, fn's result captured): ``warm`` (default ``fn``) runs ``warmups`` times on a side stream first, so
+    kernels are compiled and allocations settled outside the capture; the graph allocates from ``pool``."""
+    side = torch.cuda.Stream(device=device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(warmups):
+            (warm or fn)()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+    return graph, out
+
+
 MAX_STOP_IDS = 64  # token ids a chained decode can stop on inside the graph (EOS + the request's stop ids)
 
 
@@ -82,17 +97,12 @@ class GraphRunner:
             hidden, tp = e.model.forward(step, e.cache)
             return hidden, e.model.logits(hidden), tp
 
-        side = torch.cuda.Stream(device=dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
-            for _ in range(2):  # compile Triton kernels and settle allocations outside the capture
-                forward()
-                if mode == VERIFY:
-                    e.cache.commit(keep)
-        torch.cuda.current_stream(dev).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            hidden, logits, tp = forward()
+        def warm():  # verification's warm-up rolls back too, as its replays do
+            forward()
+            if mode == VERIFY:
+                e.cache.commit(keep)
+
+        graph, (hidden, logits, tp) = capture(forward, self.pool, dev, warm=warm)
         cap = Captured(graph, ids, pos, slots, hidden, logits, tp)
         if mode == VERIFY:
             cap.pending, cap.keep = e.cache.pending, keep
@@ -118,28 +128,22 @@ class GraphRunner:
         cap = self._captured(DECODE, 1, 1)
         ch = self._chain
         if ch is None or ch.cap is not cap:
-            dev = self.e.device
-            ch = Chain(torch.cuda.CUDAGraph(), cap, torch.zeros(1, dtype=torch.long, device=dev),
-                       torch.zeros(1, dtype=torch.bool, device=dev), torch.zeros(1, dtype=torch.long, device=dev),
-                       torch.full((MAX_STOP_IDS,), -1, dtype=torch.long, device=dev))
-            scratch = self.e.scratch_slot
+            dev, scratch = self.e.device, self.e.scratch_slot
+            picked, done = torch.zeros(1, dtype=torch.long, device=dev), torch.zeros(1, dtype=torch.bool, device=dev)
+            own = torch.zeros(1, dtype=torch.long, device=dev)
+            stops = torch.full((MAX_STOP_IDS,), -1, dtype=torch.long, device=dev)
 
             def link():
                 tok = cap.logits[:, -1].argmax(-1)  # the same pick as Engine.advance's greedy rows
-                ch.tok.copy_(tok)
+                picked.copy_(tok)
                 cap.ids[:, 0].copy_(tok)
                 cap.pos.add_(1)
-                ch.done.logical_or_((tok[:, None] == ch.stop[None]).any(-1))
-                cap.slots.copy_(torch.where(ch.done, torch.full_like(ch.slot, scratch), ch.slot))
+                done.logical_or_((tok[:, None] == stops[None]).any(-1))
+                cap.slots.copy_(torch.where(done, torch.full_like(own, scratch), own))
 
-            side = torch.cuda.Stream(device=dev)
-            side.wait_stream(torch.cuda.current_stream(dev))
-            with torch.cuda.stream(side):  # the link's kernels are loaded outside the capture (it changes
-                link()                      # nothing that the priming below does not set again)
-            torch.cuda.current_stream(dev).wait_stream(side)
-            with torch.cuda.graph(ch.graph, pool=self.pool):
-                link()
-            self._chain = ch
+            # one warm-up run (it changes nothing that the priming below does not set again)
+            graph, _ = capture(link, self.pool, dev, warmups=1)
+            ch = self._chain = Chain(graph, cap, picked, done, own, stops)
         cap.ids.fill_(last)
         cap.pos.fill_(pos)
         cap.slots.fill_(slot)

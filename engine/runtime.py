@@ -394,6 +394,10 @@ class Engine:
             s.tokens.append(tok)
             self._finish(s)
 
+    def _stop_ids(self, p: SamplingParams) -> set[int]:
+        """Token ids that end a request: its stop ids, and EOS unless it ignores EOS."""
+        return set(p.stop_token_ids) | set(() if p.ignore_eos else self.tokenizer.eos_ids)
+
     def _chainable(self, seq: Sequence) -> bool:
         """Whether ``seq`` can decode through the graph chain: greedy, no drafter, no stop strings (the host finds
         those only in the text), no media rotary shift, CUDA graphs captured, lookahead on."""
@@ -402,7 +406,7 @@ class Engine:
         p = seq.params
         return (self.options.lookahead and self.graphs is not None and self.drafter is None and p.greedy
                 and not p.stop and not (seq.media is not None and seq.media.delta) and seq.finish_reason is None
-                and len(set(p.stop_token_ids) | set(() if p.ignore_eos else self.tokenizer.eos_ids)) <= MAX_STOP_IDS)
+                and len(self._stop_ids(p)) <= MAX_STOP_IDS)
 
     def _decode_chained(self, seq: Sequence) -> None:
         """Greedy decode of ``seq`` with the host one step behind the GPU: step n + 1 is queued before token n is
@@ -410,12 +414,10 @@ class Engine:
         allowed (``max_new_tokens``); when token n is a stop id the GPU already knows it, and step n + 1 (queued)
         writes the scratch slot instead of the sequence's (its state stays that of the tokens kept). Same tokens
         as :meth:`advance` (the same argmax)."""
-        p = seq.params
-        stop = set(p.stop_token_ids) | set(() if p.ignore_eos else self.tokenizer.eos_ids)
-        left = p.max_new_tokens - len(seq.tokens)
+        left = seq.params.max_new_tokens - len(seq.tokens)
         if left <= 0:
             return
-        ch = self.graphs.chain(seq.last, seq.length, seq.slot, stop)
+        ch = self.graphs.chain(seq.last, seq.length, seq.slot, self._stop_ids(seq.params))
         host = torch.empty(left, dtype=torch.long, pin_memory=True)
         done = []
         queued = read = 0

@@ -69,9 +69,10 @@ class DenseLinear:
     def _small_rows(self, x: torch.Tensor) -> torch.Tensor | None:
         """Up to 64 rows of x through qmv's dense path, 8 a launch (rows independent of the batch), when it is on."""
         from ..kernels import qmv_cuda
+        from ..kernels.qlinear import MAX_KERNEL_ROWS
 
         rows = x.numel() // self.in_features
-        if not qmv_cuda.dense_enabled() or rows > 8 * qmv_cuda.MAX_T or x.dtype != self.weight.dtype \
+        if not qmv_cuda.dense_enabled() or rows > MAX_KERNEL_ROWS or x.dtype != self.weight.dtype \
                 or self.in_features % 64 or not qmv_cuda.available():
             return None
         if self._qmv is None:
@@ -79,10 +80,7 @@ class DenseLinear:
         x2 = x.reshape(rows, self.in_features).contiguous()
         if not qmv_cuda.supports(x2[:qmv_cuda.MAX_T], self._qmv):
             return None
-        step = qmv_cuda.MAX_T
-        y = qmv_cuda.qmv(x2, self._qmv) if rows <= step else torch.cat(
-            [qmv_cuda.qmv(x2[i:i + step], self._qmv) for i in range(0, rows, step)])
-        return y.reshape(*x.shape[:-1], self.out_features)
+        return qmv_cuda.qmv_rows(x2, self._qmv).reshape(*x.shape[:-1], self.out_features)
 
 
 class Embedding:

@@ -563,9 +563,7 @@ class PackedLinear:
             if qmv_cuda.supports(x2[:qmv_cuda.MAX_T], self):
                 # 8 rows a launch, for every width: results that do not depend on the batch (and are deterministic);
                 # the Triton dot kernel (T >= 2) also returned wrong sums now and then on an H200
-                y = torch.cat([qmv_cuda.qmv(x2[i:i + qmv_cuda.MAX_T], self)
-                               for i in range(0, x2.shape[0], qmv_cuda.MAX_T)]) if x2.shape[0] > qmv_cuda.MAX_T \
-                    else qmv_cuda.qmv(x2, self)
+                y = qmv_cuda.qmv_rows(x2, self)
             else:
                 y = qlinear_triton(x2, self)
         else:

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 __all__ = ["qmv", "supports", "available", "import_error", "choose_splits", "workspace", "set_pdl", "pdl_enabled",
-           "set_dense", "dense_enabled", "DenseWeight", "DENSE_FMT", "MAX_T", "MAX_SPLITS"]
+           "set_dense", "dense_enabled", "DenseWeight", "DENSE_FMT", "qmv_rows", "MAX_T", "MAX_SPLITS"]
 
 MAX_T = 8  # tokens per launch: the MMA's n = 8 columns
 DENSE_FMT = "dense16"  # a bf16 / fp16 weight read as it is (FMT 3 in the source), see DenseWeight
@@ -118,34 +118,31 @@ def workspace(device, floats: int, tiles: int = 1) -> tuple[torch.Tensor, torch.
     return split_k_scratch(_WORKSPACES, device, floats, tiles, "qmv")
 
 
-# ---- programmatic dependent launch (PDL) ------------------------------------------------------------------
-# Experimental, off unless set_pdl(True): the kernel is launched with programmatic stream serialization
-# (cuLaunchKernelEx, through ctypes: CuPy's launcher takes no launch attributes), so it may start while the kernel
-# before it finishes; it issues its first weight loads, then waits (griddepcontrol.wait) before it reads x. CUDA
-# graphs captured from such launches keep the programmatic edges. Process-wide, as DeepGEMM's set_pdl; sm_90+.
-_PDL = {"on": False}
-
-
-_DENSE = {"on": False}
-
-
-def set_dense(on: bool) -> None:
-    """Small dense 16-bit projections (engine/weights.DenseLinear, T <= 64 rows) through qmv's FMT 3 instead of
-    cuBLAS from now on; experimental and process-wide, like :func:`set_pdl`."""
-    _DENSE["on"] = bool(on)
-
-
-def dense_enabled() -> bool:
-    return _DENSE["on"]
+# ---- experimental switches, process-wide (as DeepGEMM's set_pdl), off until measured ------------------------
+# pdl: the kernel is launched with programmatic stream serialization (cuLaunchKernelEx, through ctypes: CuPy's
+# launcher takes no launch attributes), so it may start while the kernel before it finishes; it issues its first
+# weight loads, then waits (griddepcontrol.wait) before it reads x. CUDA graphs captured from such launches keep the
+# programmatic edges; sm_90+. dense: small dense 16-bit projections (engine/weights.DenseLinear) through FMT 3.
+_SWITCHES = {"pdl": False, "dense": False}
 
 
 def set_pdl(on: bool) -> None:
     """Launch qmv with programmatic dependent launch from now on (sm_90+; ignored on older GPUs)."""
-    _PDL["on"] = bool(on)
+    _SWITCHES["pdl"] = bool(on)
 
 
 def pdl_enabled() -> bool:
-    return _PDL["on"]
+    return _SWITCHES["pdl"]
+
+
+def set_dense(on: bool) -> None:
+    """Small dense 16-bit projections (engine/weights.DenseLinear, up to 64 rows) through qmv's FMT 3 instead of
+    cuBLAS from now on."""
+    _SWITCHES["dense"] = bool(on)
+
+
+def dense_enabled() -> bool:
+    return _SWITCHES["dense"]
 
 
 class _LaunchAttr(ctypes.Structure):  # CUlaunchAttribute: id, 4 bytes of padding, a 64-byte value union
@@ -234,12 +231,13 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
         fold: bool = False, pdl: bool | None = None) -> torch.Tensor:
     """``x [T, K] @ W.T`` -> ``[T, N]`` in x.dtype, for T <= 8 (see :func:`supports`). ``out`` (contiguous [T, N],
     x.dtype) is written instead of a fresh tensor. ``splits`` (default :func:`choose_splits`), ``unroll`` (steps
-    whose loads are in flight together), ``min_blocks`` (blocks per SM the registers must allow) and ``xlate`` (x
-    loaded one step ahead instead of with the codes; no faster on the H200) are for tuning and tests; ``pipe`` double-buffers the step batches (the next batch's loads in flight while one is
-    multiplied; no faster on the H200) and ``fold`` (q4/q5: the zero point taken off the sums by one MMA per x
-    fragment instead of a subtraction per code pair: 7 % fewer instructions, but it spills at 80 registers and
-    measured 3-15 % slower on the H200) are for tuning and tests; ``pdl`` (default :func:`pdl_enabled`) launches
-    with programmatic dependent launch on sm_90+ (experimental, see :func:`set_pdl`)."""
+    whose loads are in flight together), ``min_blocks`` (blocks per SM the registers must allow), ``xlate`` (x
+    loaded one step ahead instead of with the codes), ``pipe`` (the step batches double-buffered: the next batch's
+    loads in flight while one is multiplied) and ``fold`` (q4/q5: the zero point taken off the sums by one MMA per
+    x fragment instead of a subtraction per code pair: 7 % fewer instructions, but it spills at 80 registers) are
+    for tuning and tests - none of the last three was faster on the H200 (``fold`` 3-15 % slower). ``pdl``
+    (default :func:`pdl_enabled`) launches with programmatic dependent launch on sm_90+ (experimental, see
+    :func:`set_pdl`)."""
     if not supports(x, lin):
         raise ValueError(f"qmv: needs CUDA bf16/fp16 x [1..{MAX_T}, K={lin.k}] contiguous and a q8/q5/q4 weight "
                          f"(or a DenseWeight in x's dtype) "
@@ -262,24 +260,27 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
     s = -(-lin.ng // groups_per_split)
     ws, counters = workspace(x.device, s * t * n, tiles) if s > 1 else (out, out)
     stream = torch.cuda.current_stream(x.device)
+    # the kernel's parameters in order: 7 pointers, 5 int32, 5 int64
+    ptrs = (x.data_ptr(), lin.codes.data_ptr(), lin.high.data_ptr(), lin.scales.data_ptr(), out.data_ptr(),
+            ws.data_ptr(), counters.data_ptr())
+    ints = (t, n, lin.k, lin.ng, groups_per_split)
+    longs = (x.stride(0), out.stride(0), lin.codes.stride(0), lin.high.stride(0), lin.scales.stride(0))
     if pdl:
-        u64, i32, i64 = ctypes.c_uint64, ctypes.c_int32, ctypes.c_int64
-        cargs = (u64(x.data_ptr()), u64(lin.codes.data_ptr()), u64(lin.high.data_ptr()), u64(lin.scales.data_ptr()),
-                 u64(out.data_ptr()), u64(ws.data_ptr()), u64(counters.data_ptr()),
-                 i32(t), i32(n), i32(lin.k), i32(lin.ng), i32(groups_per_split),
-                 i64(x.stride(0)), i64(out.stride(0)), i64(lin.codes.stride(0)), i64(lin.high.stride(0)),
-                 i64(lin.scales.stride(0)))
+        cargs = (*map(ctypes.c_uint64, ptrs), *map(ctypes.c_int32, ints), *map(ctypes.c_int64, longs))
         with torch.cuda.device(dev):  # the module was loaded in this device's context
             _launch_pdl(kern, (tiles, s), NW * 32, cargs, stream.cuda_stream)
         return out
     import cupy
 
-    ptr = np.uint64
-    args = (ptr(x.data_ptr()), ptr(lin.codes.data_ptr()), ptr(lin.high.data_ptr()), ptr(lin.scales.data_ptr()),
-            ptr(out.data_ptr()), ptr(ws.data_ptr()), ptr(counters.data_ptr()),
-            np.int32(t), np.int32(n), np.int32(lin.k), np.int32(lin.ng), np.int32(groups_per_split),
-            np.int64(x.stride(0)), np.int64(out.stride(0)), np.int64(lin.codes.stride(0)),
-            np.int64(lin.high.stride(0)), np.int64(lin.scales.stride(0)))
+    args = (*map(np.uint64, ptrs), *map(np.int32, ints), *map(np.int64, longs))
     with cupy.cuda.Device(dev):
         kern((tiles, s), (NW * 32,), args, stream=_stream(stream, dev))
     return out
+
+
+def qmv_rows(x: torch.Tensor, lin) -> torch.Tensor:
+    """:func:`qmv` for any number of rows, ``MAX_T`` a launch: each row's result does not depend on the others
+    (the caller checks :func:`supports` on the first ``MAX_T`` rows)."""
+    if x.shape[0] <= MAX_T:
+        return qmv(x, lin)
+    return torch.cat([qmv(x[i:i + MAX_T], lin) for i in range(0, x.shape[0], MAX_T)])

@@ -278,7 +278,7 @@ def run_decode(opts: DecodeOptions, progress=None, loaded=None) -> dict:
         prompts = with_images(runner, prompts, opts.images)
     total = opts.warmup + opts.repeats
     # the warm-up covers every length the timed runs reach on a GPU (kernels compiled and buffers grown for the
-    # longest keys first: a 64-token warm-up left MTP's first 256-token repeat 12x slower on the H200); on a CPU,
+    # longest keys first: a 64-token warm-up left MTP's first 256-token repeat 11x slower on the H200); on a CPU,
     # with nothing compiled at first use, 64 tokens
     cuda = torch.device(runner.device).type == "cuda"
     warm = DecodeOptions(**{**asdict(opts), "max_new_tokens": opts.max_new_tokens if cuda

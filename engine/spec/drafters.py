@@ -17,6 +17,7 @@ import torch
 
 from ...kernels.norm import rms_norm
 from .. import quant
+from ..graphs import capture
 from ..model import DECODE, PREFILL, Step
 from ..weights import RawWeight
 from ..sampling import probs
@@ -224,15 +225,7 @@ class MTPDraftGraphs:
         logits = torch.zeros(b, like_logits.shape[-1], dtype=like_logits.dtype, device=dev)
         length = torch.zeros(b, dtype=torch.long, device=dev)
         slots = torch.full((b,), e.scratch_slot, dtype=torch.long, device=dev)
-        side = torch.cuda.Stream(device=dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
-            for _ in range(2):  # compile kernels and settle allocations outside the capture
-                self.d.steps(h, logits, length, slots, k, e.capacity)
-        torch.cuda.current_stream(dev).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=e.graphs.pool):
-            toks = self.d.steps(h, logits, length, slots, k, e.capacity)[0]
+        graph, toks = capture(lambda: self.d.steps(h, logits, length, slots, k, e.capacity)[0], e.graphs.pool, dev)
         return graph, h, logits, length, slots, toks
 
     def draft(self, h, logits, length, slots, k: int) -> torch.Tensor:
