@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
 def _mask(q_pos: torch.Tensor, length: int) -> torch.Tensor:
@@ -19,8 +20,7 @@ def _mask(q_pos: torch.Tensor, length: int) -> torch.Tensor:
 
 def attention_ref(q, k, v, q_pos, scale: float) -> torch.Tensor:
     """Plain fp32 softmax attention (the reference)."""
-    b, t, h, hd = q.shape
-    rep = h // k.shape[1]
+    rep = q.shape[2] // k.shape[1]
     kf = k.float().repeat_interleave(rep, dim=1)  # [B, H, L, hd]
     vf = v.float().repeat_interleave(rep, dim=1)
     s = torch.einsum("bthd,bhld->bhtl", q.float(), kf) * scale
@@ -29,9 +29,47 @@ def attention_ref(q, k, v, q_pos, scale: float) -> torch.Tensor:
     return o.to(q.dtype)
 
 
+# Query rows up to which a GQA group rides as extra query rows of its KV head (no K/V copy); past it the K/V heads
+# are repeated instead (a folded mask of group x T x L elements would outgrow the repeated K/V)
+FOLD_ROWS = 64
+
+
+def sdpa(q, k, v, mask, scale: float, group: str = "auto") -> torch.Tensor:
+    """Masked grouped-query SDPA: q ``[B, H, T, hd]``, k/v ``[B, Hkv, L, hd]`` in q's dtype, boolean ``mask``
+    ``[B, 1, T, L]`` (True = visible) -> ``[B, H, T, hd]``.
+
+    On a GPU torch would pick cuDNN for a masked GQA call, and cuDNN builds an execution plan for every new shape:
+    42.5 ms for each new key length against 0.07 ms a call once built (H200, ``scripts/probe_sdpa.py``), paid at every
+    step of an eager decode and at every prefill chunk. So on CUDA the call runs the memory-efficient (or math)
+    kernel, which has no GQA support: the group is folded into the query rows (``group="fold"``, T x group up to
+    ``FOLD_ROWS``) or the K/V heads are repeated (``"expand"``); ``"auto"`` picks between the two, ``"native"`` is
+    torch's own ``enable_gqa`` choice (kept for the probe). On a CPU ``auto`` is torch's ``enable_gqa`` call.
+    """
+    if group not in ("auto", "fold", "expand", "native"):
+        raise ValueError(f"sdpa: group must be auto, fold, expand or native, not {group!r}")
+    if group == "native" or (group == "auto" and not q.is_cuda):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    b, h, t, hd = q.shape
+    hkv, length = k.shape[1], k.shape[2]
+    rep = h // hkv
+    if group == "auto":
+        group = "fold" if rep * t <= FOLD_ROWS else "expand"
+    with sdpa_kernel(_NO_CUDNN):
+        if rep == 1:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        if group == "fold":  # query head j = kv head j // rep: rows r * T + t of kv head j // rep
+            mb = mask.shape[0]
+            fm = mask.expand(mb, 1, t, length)[:, :, None].expand(mb, 1, rep, t, length).reshape(mb, 1, rep * t, length)
+            o = F.scaled_dot_product_attention(q.reshape(b, hkv, rep * t, hd), k, v, attn_mask=fm, scale=scale)
+            return o.view(b, h, t, hd)
+        return F.scaled_dot_product_attention(q, k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1),
+                                              attn_mask=mask, scale=scale)
+
+
+_NO_CUDNN = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
+
+
 def attention(q, k, v, q_pos, scale: float) -> torch.Tensor:
-    """torch SDPA with an explicit causal-offset mask and grouped KV heads."""
-    qh = q.transpose(1, 2)  # [B, H, T, hd]
-    o = F.scaled_dot_product_attention(qh, k.to(q.dtype), v.to(q.dtype), attn_mask=_mask(q_pos, k.shape[2]),
-                                       scale=scale, enable_gqa=True)
+    """:func:`sdpa` with an explicit causal-offset mask (q ``[B, T, H, hd]`` -> ``[B, T, H, hd]``)."""
+    o = sdpa(q.transpose(1, 2), k.to(q.dtype), v.to(q.dtype), _mask(q_pos, k.shape[2]), scale)
     return o.transpose(1, 2)

@@ -167,15 +167,15 @@ def _driver():
 
 
 def _launch_pdl(func, grid: tuple[int, int], block: int, args: tuple, stream_handle: int) -> None:
-    """``func<<<grid, block, 0, stream>>>(args)`` with programmatic stream serialization allowed; ``args`` are
-    ctypes scalars in the kernel's parameter order."""
+    """``func<<<grid, block, 0, stream>>>(args)`` with programmatic stream serialization allowed; ``func`` is a cupy
+    RawKernel (its ``kernel`` is the CUfunction on the current device), ``args`` ctypes scalars in parameter order."""
     attr = _LaunchAttr()
     attr.id = _ATTR_PROGRAMMATIC_STREAM_SERIALIZATION
     attr.value[0] = 1  # programmaticStreamSerializationAllowed (an int, little-endian)
     cfg = _LaunchConfig((ctypes.c_uint * 3)(grid[0], grid[1], 1), (ctypes.c_uint * 3)(block, 1, 1), 0,
                         ctypes.c_void_p(stream_handle), ctypes.pointer(attr), 1)
     params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
-    rc = _driver().cuLaunchKernelEx(ctypes.byref(cfg), ctypes.c_void_p(func.ptr), params, None)
+    rc = _driver().cuLaunchKernelEx(ctypes.byref(cfg), ctypes.c_void_p(func.kernel.ptr), params, None)
     if rc != 0:
         raise RuntimeError(f"qmv: cuLaunchKernelEx with programmatic stream serialization failed (CUresult {rc})")
 

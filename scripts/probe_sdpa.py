@@ -1,14 +1,14 @@
 #!/usr/bin/env python3
-"""Does torch SDPA pay a per-new-key-length cost on this GPU, and which backend pays it?
+"""Does torch SDPA pay a per-new-key-length cost on this GPU, and what does each way round it cost per call?
 
-On the H200 (2026-11-30) every eager decode path that calls ``F.scaled_dot_product_attention`` with a mask (our
-v2 runtime, MTP drafting's attention layer under v3, the transformers peer) ran its first 256-token repeat 3-4x
-slower than the second one over the same lengths. This times one decode-shaped SDPA call (the bundled model's
-attention shape by default) at every key length of a growing sequence, twice over the same lengths, under each
-backend forced on its own and under torch's own choice; a backend whose first pass is much slower than its second
-builds something per shape (a cuDNN plan, say).
+On the H200 (2026-11-30) torch's own choice for a masked GQA call (cuDNN) spent 42.5 ms at every new key length
+(0.07 ms a call once built): every eager decode step and prefill chunk paid it. ``kernels.attention.sdpa`` therefore
+runs the memory-efficient kernel with the GQA group folded into the query rows or the K/V heads repeated. This times
+each strategy (``native`` = torch's enable_gqa choice, ``fold``, ``expand``, ``auto`` = what the engine runs) on a
+growing sequence, twice over the same lengths, at decode, verify and prefill shapes of the bundled model and of the
+27B. A first pass much slower than the second means something is built per shape.
 
-    python3 scripts/probe_sdpa.py [--heads 6 --kv-heads 1 --head-dim 64 --start 296 --steps 64]
+    python3 scripts/probe_sdpa.py [--steps 32]
 """
 
 from __future__ import annotations
@@ -16,60 +16,57 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _bootstrap  # noqa: E402
+
+# name: (heads, kv heads, head dim, queries, first key length)
+SHAPES = {"bundled T=1": (6, 1, 64, 1, 296), "bundled T=8": (6, 1, 64, 8, 296),
+          "bundled T=512": (6, 1, 64, 512, 2048), "27b T=1": (24, 4, 256, 1, 8000),
+          "27b T=8": (24, 4, 256, 8, 8000), "27b T=512": (24, 4, 256, 512, 4096)}
 
 
 def main() -> int:
     import torch
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    _bootstrap.ensure_package()
+    from ninfer_bench.kernels.attention import _mask, sdpa
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--heads", type=int, default=6)
-    ap.add_argument("--kv-heads", type=int, default=1)
-    ap.add_argument("--head-dim", type=int, default=64)
-    ap.add_argument("--start", type=int, default=296)
-    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=32, help="key lengths in a pass (one more key each)")
     ap.add_argument("--dtype", default="bfloat16")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("probe_sdpa: needs a CUDA GPU", file=sys.stderr)
         return 2
     dev, dtype = torch.device("cuda"), getattr(torch, args.dtype)
-    h, hkv, hd = args.heads, args.kv_heads, args.head_dim
-    lengths = list(range(args.start, args.start + args.steps))
-    top = lengths[-1]
-    k = torch.randn(1, hkv, top, hd, device=dev, dtype=dtype)
-    v = torch.randn(1, hkv, top, hd, device=dev, dtype=dtype)
-    q = torch.randn(1, h, 1, hd, device=dev, dtype=dtype)
-    choices = {"auto": None, "cudnn": SDPBackend.CUDNN_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
-               "flash": SDPBackend.FLASH_ATTENTION, "math": SDPBackend.MATH}
-    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, q [1, {h}, 1, {hd}], {hkv} kv heads, "
-          f"keys {lengths[0]}..{top}, boolean mask (as kernels/attention.py)")
-    for name, backend in choices.items():
-        passes = []
-        try:
-            first = torch.ones(1, 1, 1, lengths[0] - 1, dtype=torch.bool, device=dev)  # one-time set-up, outside
-            with sdpa_kernel([backend] if backend is not None else list(choices.values())[1:]):
-                F.scaled_dot_product_attention(q, k[:, :, :lengths[0] - 1], v[:, :, :lengths[0] - 1],
-                                               attn_mask=first, enable_gqa=True)
-            for _ in range(2):
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                for n in lengths:
-                    mask = torch.ones(1, 1, 1, n, dtype=torch.bool, device=dev)
-                    if backend is None:
-                        F.scaled_dot_product_attention(q, k[:, :, :n], v[:, :, :n], attn_mask=mask, enable_gqa=True)
-                    else:
-                        with sdpa_kernel([backend]):
-                            F.scaled_dot_product_attention(q, k[:, :, :n], v[:, :, :n], attn_mask=mask,
-                                                           enable_gqa=True)
-                torch.cuda.synchronize()
-                passes.append((time.perf_counter() - t0) * 1e3 / len(lengths))
-        except RuntimeError as e:
-            print(f"{name:10s} not available here: {str(e).splitlines()[0][:120]}")
-            continue
-        print(f"{name:10s} first pass {passes[0]:8.3f} ms a call, second {passes[1]:8.3f} ms "
-              f"({passes[0] / passes[1]:.1f}x)")
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, {args.dtype}, boolean causal-offset mask, "
+          f"{args.steps} key lengths a pass; ms a call")
+    print(f"{'shape':14s} {'group':7s} {'first':>8s} {'second':>8s} {'ratio':>6s} {'max err':>8s}")
+    for name, (h, hkv, hd, t, start) in SHAPES.items():
+        lengths = list(range(start, start + args.steps))
+        k = torch.randn(1, hkv, lengths[-1], hd, device=dev, dtype=dtype)
+        v = torch.randn(1, hkv, lengths[-1], hd, device=dev, dtype=dtype)
+        q = torch.randn(1, h, t, hd, device=dev, dtype=dtype)
+        ref = None
+        for group in ("native", "fold", "expand", "auto"):
+            passes = []
+            try:
+                for _ in range(2):
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    for n in lengths:
+                        pos = torch.arange(n - t, n, device=dev).view(1, t)
+                        o = sdpa(q, k[:, :, :n], v[:, :, :n], _mask(pos, n), hd ** -0.5, group=group)
+                    torch.cuda.synchronize()
+                    passes.append((time.perf_counter() - t0) * 1e3 / len(lengths))
+            except (RuntimeError, torch.OutOfMemoryError) as e:
+                print(f"{name:14s} {group:7s} failed: {str(e).splitlines()[0][:100]}")
+                continue
+            ref = o.float() if ref is None else ref
+            err = (o.float() - ref).abs().max().item()
+            print(f"{name:14s} {group:7s} {passes[0]:8.3f} {passes[1]:8.3f} {passes[0] / passes[1]:6.1f} {err:8.4f}")
     return 0
 
 

@@ -166,3 +166,25 @@ def test_plan_depends_on_static_sizes_only():
 
 def test_module_imports_without_triton():
     triton_interp.assert_imports_without_triton("attention_triton")
+
+
+@pytest.mark.parametrize("group", ["fold", "expand", "native", "auto"])
+@pytest.mark.parametrize("b,t,h,hkv,length", [(2, 1, 6, 1, 37), (1, 5, 8, 2, 70), (3, 24, 4, 4, 24)])
+def test_sdpa_group_strategies_equal_reference(group, b, t, h, hkv, length):
+    """kernels.attention.sdpa: the query-row fold and the K/V repeat (the CUDA paths that keep cuDNN's per-shape
+    plans away) give the grouped attention of the fp32 reference, on whatever device this runs."""
+    from ninfer_bench.kernels.attention import _mask, attention_ref, sdpa
+
+    g = torch.Generator().manual_seed(b * 100 + t)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    q = torch.randn(b, t, h, 16, generator=g).to(dev)
+    k = torch.randn(b, hkv, length, 16, generator=g).to(dev)
+    v = torch.randn(b, hkv, length, 16, generator=g).to(dev)
+    q_pos = (length - t + torch.arange(t)).expand(b, t).contiguous().to(dev)
+    q_pos[0] -= min(2, length - t)  # a row with its own (shorter) view
+    ref = attention_ref(q, k, v, q_pos, 0.25)
+    out = sdpa(q.transpose(1, 2), k, v, _mask(q_pos, length), 0.25, group=group).transpose(1, 2)
+    assert out.shape == ref.shape
+    assert (out - ref).abs().max().item() < 1e-4
+    with pytest.raises(ValueError, match="group"):
+        sdpa(q.transpose(1, 2), k, v, _mask(q_pos, length), 0.25, group="bogus")

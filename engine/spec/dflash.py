@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...kernels.attention import sdpa
 from ...kernels.norm import rms_norm
 from ...kernels.rope import apply_rope, rope_tables
 from ..config import DraftConfig
@@ -71,8 +72,7 @@ class DraftLayer(nn.Module):
         k_blk, v_blk = self.kv(y, cos, sin)
         k = torch.cat([ctx_k, k_blk], dim=1).transpose(1, 2)  # [B, Hkv, Lc + S, hd]
         v = torch.cat([ctx_v, v_blk], dim=1).transpose(1, 2)
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
-                                           scale=hd ** -0.5, enable_gqa=True)
+        o = sdpa(q.transpose(1, 2), k.to(q.dtype), v.to(q.dtype), mask, hd ** -0.5)
         x = x + self.o_proj(o.transpose(1, 2).reshape(b, s, -1))
         y = self.post_attention_layernorm(x)
         return x + self.down_proj(F.silu(self.gate_proj(y)) * self.up_proj(y))
