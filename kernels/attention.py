@@ -61,7 +61,7 @@ def sdpa(q, k, v, mask, scale: float, group: str = "auto") -> torch.Tensor:
             mb = mask.shape[0]
             fm = mask.expand(mb, 1, t, length)[:, :, None].expand(mb, 1, rep, t, length).reshape(mb, 1, rep * t, length)
             o = F.scaled_dot_product_attention(q.reshape(b, hkv, rep * t, hd), k, v, attn_mask=fm, scale=scale)
-            return o.view(b, h, t, hd)
+            return o.reshape(b, h, t, hd)
         return F.scaled_dot_product_attention(q, k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1),
                                               attn_mask=mask, scale=scale)
 

@@ -54,6 +54,9 @@ typedef unsigned char u8;
 #define PDL 0         // 1 (sm_90+, launched with programmatic stream serialization): the first step batch's code
 #endif                // loads are issued before griddepcontrol.wait, i.e. while the kernel before is finishing;
                       // x (the previous kernel's output) is read after it, through L2 (no read-only cache path)
+#ifndef TILED
+#define TILED 0       // 1: the weight sections are tiled (see qmv_cuda.tile): codes [N/16][NG][16][CB], scales
+#endif                // [N/16][NG][16], q5 high bits [N/16][NG][16][8] - a warp's loads are contiguous
 #ifndef MIN_BLOCKS
 #define MIN_BLOCKS 2  // blocks per SM to fit: lets ptxas keep all of a step batch's loads in flight
 #endif                // (it interleaves them with the arithmetic, one step at a time, when it aims at more blocks)
@@ -171,6 +174,10 @@ __device__ __forceinline__ void word_pairs(u32 w, u32 hb, u32 magic, u32* p) {
 #define XPL (FMT == 0 ? 8 : 16)           // x values per lane and step (2 words of codes)
 #define CB (FMT == 3 ? 128 : 32)          // code bytes of one row in one group
 #define LB (CB / 4)                       // ... of which one lane loads (4 lanes a row)
+// how far a lane's pointers move from one group to the next: along the row, or past a tile's 16 rows (TILED)
+#define CSTEP (TILED ? 16 * CB : CB)
+#define SSTEP (TILED ? 16 : 1)
+#define HSTEP (TILED ? 16 * 8 : 8)
 
 // The code bytes one lane loads for one row and step: 8 (q formats: two 32-bit words) or 32 (FMT 3: 16 weights)
 #if FMT == 3
@@ -293,17 +300,17 @@ __device__ __forceinline__ void steps(const Lane& L, const u16* __restrict__ xro
   u32 s0[U], s1[U], h0[U], h1[U];
 #pragma unroll
   for (int u = 0; u < U; ++u) {
-    w0[u] = load_codes(L.cp0 + CB * NW * u);
-    w1[u] = load_codes(L.cp1 + CB * NW * u);
+    w0[u] = load_codes(L.cp0 + CSTEP * NW * u);
+    w1[u] = load_codes(L.cp1 + CSTEP * NW * u);
 #if FMT == 3
     s0[u] = s1[u] = 0;
 #else
-    s0[u] = __ldg(L.sp0 + NW * u);
-    s1[u] = __ldg(L.sp1 + NW * u);
+    s0[u] = __ldg(L.sp0 + SSTEP * NW * u);
+    s1[u] = __ldg(L.sp1 + SSTEP * NW * u);
 #endif
 #if FMT == 1
-    h0[u] = __ldg(reinterpret_cast<const u16*>(L.hp0 + 8 * NW * u));
-    h1[u] = __ldg(reinterpret_cast<const u16*>(L.hp1 + 8 * NW * u));
+    h0[u] = __ldg(reinterpret_cast<const u16*>(L.hp0 + HSTEP * NW * u));
+    h1[u] = __ldg(reinterpret_cast<const u16*>(L.hp1 + HSTEP * NW * u));
 #else
     h0[u] = h1[u] = 0;
 #endif
@@ -341,17 +348,17 @@ __device__ __forceinline__ void load_batch(Batch<U>& B, const Lane& L, const u16
 #pragma unroll
   for (int u = 0; u < U; ++u) {
     if (gi + u * NW < g_hi) {
-      B.w0[u] = load_codes(L.cp0 + CB * NW * u);
-      B.w1[u] = load_codes(L.cp1 + CB * NW * u);
+      B.w0[u] = load_codes(L.cp0 + CSTEP * NW * u);
+      B.w1[u] = load_codes(L.cp1 + CSTEP * NW * u);
 #if FMT == 3
       B.s0[u] = B.s1[u] = 0;
 #else
-      B.s0[u] = __ldg(L.sp0 + NW * u);
-      B.s1[u] = __ldg(L.sp1 + NW * u);
+      B.s0[u] = __ldg(L.sp0 + SSTEP * NW * u);
+      B.s1[u] = __ldg(L.sp1 + SSTEP * NW * u);
 #endif
 #if FMT == 1
-      B.h0[u] = __ldg(reinterpret_cast<const u16*>(L.hp0 + 8 * NW * u));
-      B.h1[u] = __ldg(reinterpret_cast<const u16*>(L.hp1 + 8 * NW * u));
+      B.h0[u] = __ldg(reinterpret_cast<const u16*>(L.hp0 + HSTEP * NW * u));
+      B.h1[u] = __ldg(reinterpret_cast<const u16*>(L.hp1 + HSTEP * NW * u));
 #else
       B.h0[u] = B.h1[u] = 0;
 #endif
@@ -368,10 +375,10 @@ __device__ __forceinline__ void math_batch(const Batch<U>& B, int gi, int g_hi, 
 }
 
 __device__ __forceinline__ void advance(Lane& L, int groups) {
-  L.cp0 += CB * groups; L.cp1 += CB * groups;
-  L.sp0 += groups; L.sp1 += groups;
+  L.cp0 += CSTEP * groups; L.cp1 += CSTEP * groups;
+  L.sp0 += SSTEP * groups; L.sp1 += SSTEP * groups;
 #if FMT == 1
-  L.hp0 += 8 * groups; L.hp1 += 8 * groups;
+  L.hp0 += HSTEP * groups; L.hp1 += HSTEP * groups;
 #endif
   L.xp += GROUP * groups;
 }
@@ -390,6 +397,17 @@ qmv(const u16* __restrict__ x, const u8* __restrict__ codes, const u8* __restric
   // lanes of tokens t >= T read row T - 1 of x: their MMA columns are never stored, and no zeroing is needed
   const u16* xrow = x + min(g, T - 1) * stride_x;
   Lane L;
+#if TILED  // rows past N are zero padding of the last tile: no clamping
+  const long long chunk = (long long)tile * NG + gi;  // (tile, group): 16 rows in a row
+  L.cp0 = codes + (chunk * 16 + g) * CB + LB * c;
+  L.cp1 = L.cp0 + 8 * CB;
+  L.sp0 = scales + chunk * 16 + g;
+  L.sp1 = L.sp0 + 8;
+#if FMT == 1
+  L.hp0 = high + (chunk * 16 + g) * 8 + 2 * c;
+  L.hp1 = L.hp0 + 64;
+#endif
+#else
   L.cp0 = codes + r0 * stride_c + CB * gi + LB * c;
   L.cp1 = codes + r1 * stride_c + CB * gi + LB * c;
   L.sp0 = scales + r0 * stride_s + gi;
@@ -397,6 +415,7 @@ qmv(const u16* __restrict__ x, const u8* __restrict__ codes, const u8* __restric
 #if FMT == 1
   L.hp0 = high + r0 * stride_h + 8 * gi + 2 * c;
   L.hp1 = high + r1 * stride_h + 8 * gi + 2 * c;
+#endif
 #endif
   L.xp = xrow + GROUP * gi + XPL * c;
   u32 magic;

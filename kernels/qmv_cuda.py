@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 __all__ = ["qmv", "supports", "available", "import_error", "choose_splits", "workspace", "set_pdl", "pdl_enabled",
-           "set_dense", "dense_enabled", "DenseWeight", "DENSE_FMT", "qmv_rows", "MAX_T", "MAX_SPLITS"]
+           "set_dense", "dense_enabled", "DenseWeight", "TiledWeight", "DENSE_FMT", "qmv_rows", "MAX_T", "MAX_SPLITS"]
 
 MAX_T = 8  # tokens per launch: the MMA's n = 8 columns
 DENSE_FMT = "dense16"  # a bf16 / fp16 weight read as it is (FMT 3 in the source), see DenseWeight
@@ -92,16 +92,40 @@ class DenseWeight:
         workspace(weight.device, MAX_SPLITS * MAX_T * self.n, -(-self.n // 16))  # outside any graph capture
 
 
+class TiledWeight:
+    """A weight's sections re-laid for qmv (TILED in the source): for each 16-row tile and group, the tile's 16 rows
+    of code bytes in a row (then of scales, and of q5's high bits), so each warp load of a step is one contiguous
+    run instead of 8 rows' slices a row stride apart. Rows past N are zero padding. Made from a
+    :class:`kernels.qlinear.PackedLinear` or a :class:`DenseWeight` on the GPU (a copy: the original stays)."""
+
+    def __init__(self, lin):
+        self.fmt, self.n, self.k, self.kp, self.group, self.ng = lin.fmt, lin.n, lin.k, lin.kp, lin.group, lin.ng
+        tiles = -(-lin.n // 16)
+
+        def tiled(a: torch.Tensor) -> torch.Tensor:  # [N, NG * per] -> [tiles, NG, 16, per]
+            a = a.reshape(lin.n, lin.ng, -1)
+            if tiles * 16 != lin.n:
+                a = torch.cat([a, a.new_zeros(tiles * 16 - lin.n, *a.shape[1:])])
+            return a.view(tiles, 16, lin.ng, -1).transpose(1, 2).contiguous()
+
+        self.codes = tiled(lin.codes)
+        self.scales = lin.scales if lin.fmt == DENSE_FMT else tiled(lin.scales)
+        self.high = tiled(lin.high) if lin.fmt == "q5_g64_fp16" else lin.high
+        if lin.fmt == DENSE_FMT:
+            self.weight = lin.weight
+
+
 @functools.cache
 def _kernel(fmt_id: int, half: bool, even: bool, unroll: int, min_blocks: int, xlate: bool, pipe: bool,
-            fold: bool, pdl: bool, device_index: int):
+            fold: bool, pdl: bool, tiled: bool, device_index: int):
     import cupy
 
     with cupy.cuda.Device(device_index):
         module = cupy.RawModule(code=_SOURCE.read_text(), backend="nvrtc",
                                 options=("-std=c++17", f"-DFMT={fmt_id}", f"-DHALF={int(half)}", f"-DEVEN={int(even)}",
                                          f"-DUNROLL={unroll}", f"-DMIN_BLOCKS={min_blocks}", f"-DXLATE={int(xlate)}",
-                                         f"-DPIPE={int(pipe)}", f"-DFOLD={int(fold)}", f"-DPDL={int(pdl)}"))
+                                         f"-DPIPE={int(pipe)}", f"-DFOLD={int(fold)}", f"-DPDL={int(pdl)}",
+                                         f"-DTILED={int(tiled)}"))
         return module.get_function("qmv")
 
 
@@ -253,7 +277,7 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
     even = lin.k == lin.kp and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
     pdl = (pdl_enabled() if pdl is None else pdl) and _capability(dev) >= (9, 0)
     kern = _kernel(_FMT_ID[lin.fmt], x.dtype == torch.float16, even, unroll, min_blocks, xlate, pipe, fold, pdl,
-                   dev)
+                   isinstance(lin, TiledWeight), dev)
     tiles = -(-n // 16)
     s = min(splits or choose_splits(n, lin.ng, _sms(dev), unroll, min_blocks), MAX_SPLITS)
     groups_per_split = -(-lin.ng // s)

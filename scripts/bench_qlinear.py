@@ -15,7 +15,7 @@ reference on a sample of rows (rel. RMS), then times
   int4      torch's _weight_int4pack_mm (tinygemm, g128), as in shared/anchors/kernel_anchors.py
 and reports us, GB/s (packed weight bytes + x + out; dense bytes for bf16) and % of the copy bandwidth
 measured in the same run. ``--variants`` also times every Triton variant in VARIANTS, ``--qmv-variants`` qmv's
-launch variants (unroll x blocks per SM x zero-point fold x PDL, one split); the best is named
+launch variants (unroll x blocks per SM x zero-point fold x PDL, one split; the tiled weight layout); the best is named
 (back-to-back graph20 calls are where programmatic dependent launch can overlap one call's start with the last's
 end).
 Writes one JSON line per measurement to $OUT/qlinear.jsonl when OUT is set.
@@ -181,6 +181,7 @@ def bench_dense(ts, row, failures) -> None:
         copies = max(1, min(16, math.ceil(3 * L2_BYTES / (w.numel() * 2))))
         ws = [w] + [torch.randn_like(w) * 0.02 for _ in range(copies - 1)]
         dws = [qmv_cuda.DenseWeight(v) for v in ws]
+        tds = [qmv_cuda.TiledWeight(d) for d in dws]
         for t in ts:
             if t > qmv_cuda.MAX_T:
                 continue
@@ -189,7 +190,8 @@ def bench_dense(ts, row, failures) -> None:
             nbytes = w.numel() * 2 + x.numel() * 2 + t * n * 2
             cands = {"cublas": lambda i, out: F.linear(x, ws[i]),
                      "qmv-dense": lambda i, out: qmv_cuda.qmv(x, dws[i], out, pdl=False),
-                     "qmv-dense-pdl": lambda i, out: qmv_cuda.qmv(x, dws[i], out, pdl=True)}
+                     "qmv-dense-pdl": lambda i, out: qmv_cuda.qmv(x, dws[i], out, pdl=True),
+                     "qmv-dense-tiled": lambda i, out: qmv_cuda.qmv(x, tds[i], out)}
             for label, fn in cands.items():
                 out = torch.empty(t, n, device="cuda", dtype=torch.bfloat16)
                 err = rel_rms(fn(0, out), ref.cpu())
@@ -271,6 +273,7 @@ def main() -> int:
             rows = torch.cat([torch.randperm(n, generator=torch.Generator().manual_seed(1))[:255],
                               torch.tensor([n - 1])]).unique()
             ref_buf = row_sample(buf, fmt, n, k, rows)
+            tiled = {}  # --qmv-variants: each copy's TiledWeight, made once
             for t in ts:
                 x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16, generator=gen)
                 ref = ql.qlinear_ref(x, ref_buf, fmt, (len(rows), k))
@@ -286,6 +289,8 @@ def main() -> int:
                         cands[name] = lambda x, li, out=None, cfg=cfg: ql.qlinear_triton(x, li, cfg, out=out)
                         cands[name].config = repr(cfg)
                 if args.qmv_variants and t <= qmv_cuda.MAX_T and qmv_cuda.available():
+                    tiled = tiled or {id(li): qmv_cuda.TiledWeight(li) for li in lins}
+                    cands["qmv-tiled"] = lambda x, li, out=None: qmv_cuda.qmv(x, tiled[id(li)], out)
                     for un, mb, fo, xl, pd in ((4, 3, 0, 0, 0), (4, 3, 0, 0, 1), (4, 4, 0, 0, 1), (4, 3, 1, 0, 0),
                                                (4, 4, 0, 0, 0), (8, 2, 0, 0, 1), (4, 3, 0, 1, 1)):
                         cands[f"qmv-u{un}-b{mb}{'-fold' if fo else ''}{'-xlate' if xl else ''}{'-pdl' if pd else ''}"] = (
@@ -317,7 +322,7 @@ def main() -> int:
                         best = (label, us_rot)
                 if (variants or args.qmv_variants) and best:
                     print(f"{'':12s} {'':12s} {'':3s} best: {best[0]} {best[1]:.2f} us")
-            del lins, lin, buf
+            del lins, lin, buf, tiled
             torch.cuda.empty_cache()
         if not args.no_baselines:
             dense = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02

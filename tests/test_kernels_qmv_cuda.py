@@ -182,6 +182,49 @@ def test_pdl_launch_equals_plain(fmt, n, k, t):
 
 
 @needs_qmv
+@pytest.mark.parametrize("fmt", quant.QUANT_FORMATS)
+@pytest.mark.parametrize("n,k,t,splits", [(320, 5120, 3, 1), (100, 1024, 8, 4), (5000, 1024, 1, None), (7, 700, 2, 1)])
+def test_tiled_layout_equals_plain(fmt, n, k, t, splits):
+    """TiledWeight (the tile-contiguous re-layout) gives the row-major launch's bits - the same sums in the same
+    order from other addresses - with a padded last tile (N = 100, 7), split-K, and the element-wise x path."""
+    lin, x, ref = _case(fmt, n, k, t, torch.bfloat16, seed=21)
+    tw = qmv_cuda.TiledWeight(lin)
+    assert tw.codes.shape[:3] == (-(-n // 16), lin.ng, 16)
+    y = qmv_cuda.qmv(x, tw, splits=splits)
+    assert torch.equal(y, qmv_cuda.qmv(x, lin, splits=splits))
+    assert rel_rms(y, ref) <= TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("fmt", quant.QUANT_FORMATS)
+def test_tiled_layout_addresses(fmt):
+    """(CPU) TiledWeight puts row r's group gi - code bytes, scale, q5 high bits - where the kernel's TILED pointers
+    look: chunk (tile, gi) = 16 rows in a row; padding rows are zero."""
+    n, k = 37, 640
+    lin = ql.PackedLinear(quant.pack(torch.randn(n, k, generator=torch.Generator().manual_seed(3)), fmt), fmt,
+                          (n, k), "cpu")
+    tw = qmv_cuda.TiledWeight(lin)
+    cb = lin.codes.shape[1] // lin.ng
+    codes, scales, high = tw.codes.reshape(-1), tw.scales.reshape(-1), tw.high.reshape(-1)
+    for r in range(n):
+        tile, g = divmod(r, 16)
+        for gi in range(lin.ng):
+            at = (tile * lin.ng + gi) * 16 + g
+            assert torch.equal(codes[at * cb:(at + 1) * cb], lin.codes[r, gi * cb:(gi + 1) * cb])
+            assert scales[at] == lin.scales[r, gi]
+            if fmt == "q5_g64_fp16":
+                assert torch.equal(high[at * 8:at * 8 + 8], lin.high[r, gi * 8:gi * 8 + 8])
+    assert not tw.codes[2, :, n - 32:].any()  # rows 37..47: the last tile's padding
+
+
+@needs_qmv
+def test_tiled_dense_equals_plain():
+    g = torch.Generator().manual_seed(22)
+    dw = qmv_cuda.DenseWeight((torch.randn(90, 512, generator=g) * 0.05).to(torch.bfloat16).cuda())
+    x = torch.randn(5, 512, generator=g).to(torch.bfloat16).cuda()
+    assert torch.equal(qmv_cuda.qmv(x, qmv_cuda.TiledWeight(dw)), qmv_cuda.qmv(x, dw))
+
+
+@needs_qmv
 @needs_sm90
 def test_pdl_dependent_chain_in_a_cuda_graph():
     """Each launch reads the output of the one before it; under PDL it may start while that one still runs and must
