@@ -63,6 +63,7 @@ def available() -> bool:
 def supports(x: torch.Tensor, lin) -> bool:
     """Whether ``qmv(x, lin)`` runs for this input: CUDA, bf16/fp16, 1..8 rows, contiguous, a q format (or a
     :class:`DenseWeight` in x's dtype), the packed buffer 16-byte aligned."""
+    lin = getattr(lin, "qmv_weight", None) or lin
     return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.dim() == 2 and 1 <= x.shape[0] <= MAX_T
             and x.shape[1] == lin.k and x.is_contiguous() and lin.fmt in _FMT_ID
             and lin.codes.data_ptr() % 16 == 0  # 8 / 16-byte code loads; a view into a bigger buffer may sit anywhere
@@ -110,9 +111,23 @@ class TiledWeight:
 
         self.codes = tiled(lin.codes)
         self.scales = lin.scales if lin.fmt == DENSE_FMT else tiled(lin.scales)
-        self.high = tiled(lin.high) if lin.fmt == "q5_g64_fp16" else lin.high
+        self.high = tiled(lin.high) if lin.fmt == "q5_g64_fp16" else lin.high.clone()
         if lin.fmt == DENSE_FMT:
             self.weight = lin.weight
+
+    def row_major(self) -> torch.Tensor:
+        """The packed buffer of engine/quant.py's layout (q formats), rebuilt from the tiles."""
+        from ..engine import quant
+
+        lay = quant.qlayout(self.fmt, (self.n, self.k))
+        buf = torch.zeros(lay.nbytes, dtype=torch.uint8, device=self.codes.device)
+        parts = [(lay.codes, self.codes), (lay.scales, self.scales.view(torch.uint8))]
+        if self.fmt == "q5_g64_fp16":
+            parts.append((lay.high, self.high))
+        for (off, size), t in parts:  # [tiles, NG, 16, per] -> [N, NG * per]
+            rows = t.transpose(1, 2).reshape(-1, t.shape[1] * t.shape[3])[:self.n]
+            buf[off:off + size] = rows.reshape(-1)
+        return buf
 
 
 @functools.cache
@@ -262,6 +277,7 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
     for tuning and tests - none of the last three was faster on the H200 (``fold`` 3-15 % slower). ``pdl``
     (default :func:`pdl_enabled`) launches with programmatic dependent launch on sm_90+ (experimental, see
     :func:`set_pdl`)."""
+    lin = getattr(lin, "qmv_weight", None) or lin  # a tiled PackedLinear: its tiles
     if not supports(x, lin):
         raise ValueError(f"qmv: needs CUDA bf16/fp16 x [1..{MAX_T}, K={lin.k}] contiguous and a q8/q5/q4 weight "
                          f"(or a DenseWeight in x's dtype) "

@@ -189,6 +189,10 @@ def test_tiled_layout_equals_plain(fmt, n, k, t, splits):
     order from other addresses - with a padded last tile (N = 100, 7), split-K, and the element-wise x path."""
     lin, x, ref = _case(fmt, n, k, t, torch.bfloat16, seed=21)
     tw = qmv_cuda.TiledWeight(lin)
+    packed = ql.PackedLinear(lin.buf, fmt, (n, k), "cuda", tiled=True)  # keeps only the tiles
+    assert packed.codes is None and torch.equal(packed(x), qmv_cuda.qmv(x, tw, splits=None))
+    assert torch.equal(packed.row_major().buf, lin.buf)
+    assert torch.equal(ql.qlinear_triton(x.float(), packed.row_major()), ql.qlinear_triton(x.float(), lin))
     assert tw.codes.shape[:3] == (-(-n // 16), lin.ng, 16)
     y = qmv_cuda.qmv(x, tw, splits=splits)
     assert torch.equal(y, qmv_cuda.qmv(x, lin, splits=splits))
@@ -214,6 +218,7 @@ def test_tiled_layout_addresses(fmt):
             if fmt == "q5_g64_fp16":
                 assert torch.equal(high[at * 8:at * 8 + 8], lin.high[r, gi * 8:gi * 8 + 8])
     assert not tw.codes[2, :, n - 32:].any()  # rows 37..47: the last tile's padding
+    assert torch.equal(tw.row_major(), lin.buf)  # and back (the transient copy the Triton paths read)
 
 
 @needs_qmv
