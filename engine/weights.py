@@ -73,7 +73,8 @@ class DenseLinear:
 
         rows = x.numel() // self.in_features
         if not qmv_cuda.dense_enabled() or rows > MAX_KERNEL_ROWS or x.dtype != self.weight.dtype \
-                or self.in_features % 64 or not qmv_cuda.available():
+                or x.dtype not in (torch.bfloat16, torch.float16) or self.in_features % 64 \
+                or not qmv_cuda.available():
             return None
         if self._qmv is None:
             self._qmv = qmv_cuda.DenseWeight(self.weight.contiguous())

@@ -128,7 +128,9 @@ def main() -> int:
               f"{100 * us / args.steps / total:5.1f}%")
     if args.json:
         Path(args.json).write_text(json.dumps({
-            "model": args.model, "spec": args.spec, "sync": args.sync, "pdl": args.pdl, "dense_qmv": args.dense_qmv, "draft_graphs": args.draft_graphs, "runtime": args.runtime, "steps": args.steps,
+            "model": args.model, "spec": args.spec, "sync": args.sync, "pdl": args.pdl,
+            "cublas_dense": args.cublas_dense, "row_major": args.row_major, "draft_graphs": args.draft_graphs,
+            "runtime": args.runtime, "steps": args.steps,
             "step_wall_us": step_us, "gpu_busy_us": busy, "kernels_summed_us": total,
             "kernels": [{"name": k, "us_per_step": v[0] / args.steps, "calls_per_step": v[1] / args.steps}
                         for k, v in rows]}, indent=1))

@@ -192,7 +192,8 @@ def test_tiled_layout_equals_plain(fmt, n, k, t, splits):
     packed = ql.PackedLinear(lin.buf, fmt, (n, k), "cuda", tiled=True)  # keeps only the tiles
     assert packed.codes is None and torch.equal(packed(x), qmv_cuda.qmv(x, tw, splits=None))
     assert torch.equal(packed.row_major().buf, lin.buf)
-    assert torch.equal(ql.qlinear_triton(x.float(), packed.row_major()), ql.qlinear_triton(x.float(), lin))
+    # (the Triton kernel's split-K sums are not in a fixed order: close, not equal)
+    torch.testing.assert_close(ql.qlinear_triton(x.float(), packed.row_major()), ql.qlinear_triton(x.float(), lin))
     assert tw.codes.shape[:3] == (-(-n // 16), lin.ng, 16)
     y = qmv_cuda.qmv(x, tw, splits=splits)
     assert torch.equal(y, qmv_cuda.qmv(x, lin, splits=splits))
