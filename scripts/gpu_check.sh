@@ -83,11 +83,12 @@ for stage in "$@"; do
     sdpa)    timeout ${STAGE_S:-120} python3 scripts/probe_sdpa.py 2>&1 | tee "$OUT/probe_sdpa.log" | tail -12 ;;
     ksuite)  nb kernels --shape qwen3.8-27b --t 1,8 --repeats 30 --json "$OUT/kernels_27b.json" 2>&1 \
                | tee "$OUT/kernels_27b.log" | tail -60 ;;
-    bundled) # the bundled model's full GPU set for the report: decode grid with the peer, concurrency, kernels
-             nb decode --engine hf,ours --spec none,mtp:3,dflash2:7 --runtime v3,v2 -n 256 --repeats 2 \
+    bundled) # the bundled model's full GPU set for the report: decode grid with the peer (BUNDLED_ENGINES), concurrency,
+             # kernels (BUNDLED_KERNELS=0 skips them)
+             nb decode --engine ${BUNDLED_ENGINES:-hf,ours} --spec none,mtp:3,dflash2:7 --runtime v3,v2 -n 256 --repeats 2 \
                --json "$OUT/bundled_decode" 2>&1 | tee "$OUT/bundled_decode.log" | tail -20
              nb concurrency -c 1,2,4,8 -n 128 --rounds 2 --json "$OUT/bundled_conc.json" 2>&1 | tail -12
-             nb kernels --model models/ninfer-code-small.ninfer --t 1,8 --repeats 30 \
+             [ "${BUNDLED_KERNELS:-1}" = 1 ] && nb kernels --model models/ninfer-code-small.ninfer --t 1,8 --repeats 30 \
                --json "$OUT/bundled_kernels.json" 2>&1 | tail -5 ;;
     niah)    nb niah --ctx 8192,16384,32768,65536 --json "$OUT/niah_bundled.json" --heatmap "$OUT/niah_bundled.png" \
                2>&1 | tail -25 ;;
