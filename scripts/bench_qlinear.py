@@ -5,7 +5,7 @@
 
 For each projection (K -> N), packed format and T rows of x (bf16): checks the kernel against the fp32
 reference on a sample of rows (rel. RMS), then times
-  ours          what the engine calls (PackedLinear: qmv for T <= 8 when cupy imports, else Triton): one call
+  ours          what the engine calls (a tiled PackedLinear: qmv, 8 rows a launch, when cupy imports, else Triton)
                 replayed from a CUDA graph, do_bench median with L2 flushed (graph replay keeps host launch
                 time out of the number)
   triton        qlinear_triton with its default launch config
@@ -273,12 +273,14 @@ def main() -> int:
             rows = torch.cat([torch.randperm(n, generator=torch.Generator().manual_seed(1))[:255],
                               torch.tensor([n - 1])]).unique()
             ref_buf = row_sample(buf, fmt, n, k, rows)
-            tiled = {}  # --qmv-variants: each copy's TiledWeight, made once
+            tiled = {}  # each copy as the engine holds it (tiled PackedLinear), made once
             for t in ts:
                 x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16, generator=gen)
                 ref = ql.qlinear_ref(x, ref_buf, fmt, (len(rows), k))
                 nbytes = lin.packed_bytes + x.numel() * 2 + t * n * 2
-                cands = {"ours": lambda x, li, out=None: li(x),
+                # the engine's bf16 models keep their packed weights tiled (EngineOptions.qmv_tiled)
+                tiled = tiled or {id(li): ql.PackedLinear(li.buf, fmt, (n, k), "cuda", tiled=True) for li in lins}
+                cands = {"ours": lambda x, li, out=None: tiled[id(li)](x),
                          "triton": lambda x, li, out=None: ql.qlinear_triton(x, li, out=out)}
                 if t <= qmv_cuda.MAX_T and qmv_cuda.available():
                     cands["qmv"] = lambda x, li, out=None: qmv_cuda.qmv(x, li, out)
@@ -289,8 +291,7 @@ def main() -> int:
                         cands[name] = lambda x, li, out=None, cfg=cfg: ql.qlinear_triton(x, li, cfg, out=out)
                         cands[name].config = repr(cfg)
                 if args.qmv_variants and t <= qmv_cuda.MAX_T and qmv_cuda.available():
-                    tiled = tiled or {id(li): qmv_cuda.TiledWeight(li) for li in lins}
-                    cands["qmv-tiled"] = lambda x, li, out=None: qmv_cuda.qmv(x, tiled[id(li)], out)
+                    cands["qmv-tiled"] = lambda x, li, out=None: qmv_cuda.qmv(x, tiled[id(li)].qmv_weight, out)
                     for un, mb, fo, xl, pd in ((4, 3, 0, 0, 0), (4, 3, 0, 0, 1), (4, 4, 0, 0, 1), (4, 3, 1, 0, 0),
                                                (4, 4, 0, 0, 0), (8, 2, 0, 0, 1), (4, 3, 0, 1, 1)):
                         cands[f"qmv-u{un}-b{mb}{'-fold' if fo else ''}{'-xlate' if xl else ''}{'-pdl' if pd else ''}"] = (
