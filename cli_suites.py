@@ -83,6 +83,8 @@ def fmt(v, spec=".2f"):
 @click.option("--lookahead", "lookaheads", default="on", show_default=True, callback=comma_list(("on", "off")),
               help="Plain greedy decode on CUDA graphs: queue step n + 1 before reading token n (off: read each "
                    "token first); on,off runs both.")
+@click.option("--draft-graphs", "draft_graphs", default="off", show_default=True, callback=comma_list(("on", "off")),
+              help="MTP greedy drafting replayed from CUDA graphs (v3 on CUDA; experimental); on,off runs both.")
 @click.option("--prompt-file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Prompt text, or a .jsonl prompt set (e.g. suites/data/heldout_prompts.jsonl) "
                    "[default: the shipped short-code prompt].")
@@ -100,9 +102,9 @@ def fmt(v, spec=".2f"):
               help="Write the result document (several runs: a folder, one LABEL.json per run).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of --synthetic weights.")
 @engine_options(runtime_list=True)
-def decode(model, engines, specs, draft_tokens, rollbacks, lm_head_draft, lookaheads, prompt_file, n_prompts, images,
-           max_new_tokens, stop_at_eos, repeats, warmup, label, json_path, seed, max_concurrency, kv_capacity,
-           runtime, **options):
+def decode(model, engines, specs, draft_tokens, rollbacks, lm_head_draft, lookaheads, draft_graphs, prompt_file,
+           n_prompts, images, max_new_tokens, stop_at_eos, repeats, warmup, label, json_path, seed, max_concurrency,
+           kv_capacity, runtime, **options):
     """The short-code decode test: prefill a code prompt, greedy-decode N tokens, measure speed and acceptance.
 
     Comma-separated --engine, --runtime, --spec, --rollback and --lm-head-draft run every combination in one
@@ -115,7 +117,8 @@ def decode(model, engines, specs, draft_tokens, rollbacks, lm_head_draft, lookah
                 **options)
     runs = decode_runs(base, engines=engines, specs=tuple(specs.split(",")), runtimes=runtime, rollbacks=rollbacks,
                        lm_heads=tuple(int_list(lm_head_draft, "--lm-head-draft")),
-                       lookaheads=tuple(x == "on" for x in lookaheads), draft_tokens=draft_tokens,
+                       lookaheads=tuple(x == "on" for x in lookaheads),
+                       draft_graphs=tuple(x == "on" for x in draft_graphs), draft_tokens=draft_tokens,
                        label=label)
     many = len(runs) > 1
     if many and json_path and Path(json_path).is_file():

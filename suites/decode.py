@@ -38,6 +38,7 @@ class DecodeOptions:
     rollback: str = "recompute"
     lm_head_draft: int = 0
     lookahead: bool = True  # plain greedy decode on CUDA graphs: the host one step behind the GPU
+    draft_graphs: bool = False  # MTP greedy drafting replayed from CUDA graphs (v3 on CUDA; experimental)
     prompt_file: str = str(DEFAULT_PROMPT)
     prompts: int | None = None  # with a .jsonl prompt set: how many of its prompts (default all)
     images: tuple[str, ...] = ()  # images placed before each prompt (a model with a vision component)
@@ -71,7 +72,8 @@ class DecodeOptions:
         k = f"-k{self.draft_tokens}" if self.spec != "none" and self.draft_tokens else ""
         head = f"-lmh{self.lm_head_draft}" if self.spec != "none" and self.lm_head_draft else ""
         sync = "-sync" if self.spec == "none" and not self.lookahead else ""
-        return f"{self.runtime}-{self.spec}{k}{head}{sync}"
+        graphs = "-dg" if self.spec == "mtp" and self.draft_graphs else ""
+        return f"{self.runtime}-{self.spec}{k}{head}{sync}{graphs}"
 
 
 def _spec_summary(rec: dict) -> dict:
@@ -205,11 +207,11 @@ def parse_spec(item: str, draft_tokens: int | None) -> tuple[str, int | None]:
 
 
 def decode_runs(base: dict, *, engines=("ours",), specs=("none",), runtimes=("v3",), rollbacks=("recompute",),
-                lm_heads=(0,), lookaheads=(True,), draft_tokens: int | None = None,
+                lm_heads=(0,), lookaheads=(True,), draft_graphs=(False,), draft_tokens: int | None = None,
                 label: str | None = None) -> list[DecodeOptions]:
     """The grid of decode runs a command line asks for: every runtime x spec x rollback x lm-head-draft size of
-    our engine (the last two only where there is a drafter; lookahead on / off only without one), and the
-    transformers peer once (plain greedy).
+    our engine (the last two only where there is a drafter; lookahead on / off only without one; captured drafting
+    on / off only with MTP), and the transformers peer once (plain greedy).
     Labels are unique: with several rollbacks each speculative label names its own, and ``label`` prefixes them
     all."""
     if set(engines) == {"hf"} and any(parse_spec(x, None)[0] != "none" for x in specs):
@@ -225,9 +227,10 @@ def decode_runs(base: dict, *, engines=("ours",), specs=("none",), runtimes=("v3
                 for rollback in dict.fromkeys(rollbacks if spec != "none" else rollbacks[:1]):
                     for head in dict.fromkeys(lm_heads if spec != "none" else (0,)):
                         for ahead in dict.fromkeys(lookaheads if spec == "none" else lookaheads[:1]):
-                            runs.append(DecodeOptions(**base, engine=engine, runtime=runtime, spec=spec,
-                                                      draft_tokens=k, rollback=rollback, lm_head_draft=head,
-                                                      lookahead=ahead))
+                            for dg in dict.fromkeys(draft_graphs if spec == "mtp" else (False,)):
+                                runs.append(DecodeOptions(**base, engine=engine, runtime=runtime, spec=spec,
+                                                          draft_tokens=k, rollback=rollback, lm_head_draft=head,
+                                                          lookahead=ahead, draft_graphs=dg))
     if not runs:
         raise ValueError("no decode run: give at least one engine, runtime and spec")
     if len(runs) == 1:
@@ -269,7 +272,8 @@ def run_decode(opts: DecodeOptions, progress=None, loaded=None) -> dict:
         options = EngineOptions(device=opts.device, dtype=opts.dtype, kv_dtype=opts.kv_dtype,
                                 max_context=opts.max_context, prefill_chunk=opts.prefill_chunk, runtime=opts.runtime,
                                 spec=opts.spec, draft_tokens=opts.draft_tokens, rollback=opts.rollback,
-                                lm_head_draft=opts.lm_head_draft, lookahead=opts.lookahead)
+                                lm_head_draft=opts.lm_head_draft, lookahead=opts.lookahead,
+                                draft_graphs=opts.draft_graphs)
         runner = Engine(loaded if loaded is not None else load_model(opts), options)
         opts.draft_tokens = runner.options.draft_tokens
         opts.max_context = runner.options.max_context
