@@ -50,8 +50,9 @@ class EngineOptions:
     qmv_dense: bool = True  # small dense bf16/fp16 projections (<= 1024 rows, <= 64 x rows) through qmv's dense
     #                         path instead of cuBLAS (process-wide: kernels/qmv_cuda.set_dense; H200 27B step 8.01 ->
     #                         7.90 ms)
-    qmv_tiled: bool = True  # packed weights of bf16/fp16 models on CUDA in qmv's tile-contiguous layout (H200, 27B
-    #                         shapes: 1.1-1.3x faster projections); False keeps the row-major buffers
+    qmv_layout: str = "tiled"  # packed weights of bf16/fp16 models on CUDA: "tiled" (qmv's tile-contiguous layout;
+    #                            H200, 27B: 1.1-1.3x faster projections), "lanes" (tiled, one load a lane and no x
+    #                            shuffles; experimental, not yet timed) or "rows" (the row-major buffers)
     gdn_impl: str = "auto"
     kernels: str = "auto"  # decode/verify kernels: auto (fused Triton for v3 on CUDA), torch, or triton
     cpu_threads: int | None = None  # torch intra-op threads on a CPU; None: 1 for small models, else torch's
@@ -95,6 +96,8 @@ class EngineOptions:
             raise ValueError(f"interleave-chunk must be a positive integer, got {self.interleave_chunk!r}")
         if self.cpu_threads is not None and (not isinstance(self.cpu_threads, int) or self.cpu_threads < 1):
             raise ValueError(f"cpu-threads must be a positive integer, got {self.cpu_threads!r}")
+        if self.qmv_layout not in ("tiled", "lanes", "rows"):
+            raise ValueError(f"qmv layout must be tiled, lanes or rows, got {self.qmv_layout!r}")
         if self.kernels not in ("auto", "torch", "triton"):
             raise ValueError(f"kernels must be auto, torch or triton, got {self.kernels!r}")
         if self.kernels == "triton" and self.runtime == "v2":

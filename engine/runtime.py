@@ -87,7 +87,7 @@ class Engine:
         if self.device.type == "cpu":
             apply_cpu_threads(self.config.hidden_size, opts.cpu_threads)
         self.weights = WeightStore(loaded.raws, device=self.device, dtype=self.dtype, runtime=opts.runtime,
-                                   tied_embeddings=self.config.tie_word_embeddings, qmv_tiled=opts.qmv_tiled)
+                                   tied_embeddings=self.config.tie_word_embeddings, qmv_layout=opts.qmv_layout)
         # spec verification writes up to K + 1 positions past a sequence's length: room for them per slot
         self.slack = opts.draft_tokens + 1
         self.capacity = opts.slot_capacity + self.slack

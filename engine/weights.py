@@ -112,22 +112,22 @@ class Embedding:
 DENSE_CACHE_LIMIT = 4 << 30
 
 
-def _packed_linear(raw: RawWeight, device, cache_dense: bool, tiled: bool):
+def _packed_linear(raw: RawWeight, device, cache_dense: bool, layout: str):
     from ..kernels.qlinear import PackedLinear  # needs triton only when it runs on CUDA
 
     return PackedLinear(raw.buf.to(device), raw.fmt, tuple(raw.shape), device, dense_fallback=cache_dense,
-                        tiled=tiled)
+                        layout=layout)
 
 
 class WeightStore:
     """All weights of one model on one device, by Hugging Face logical name."""
 
     def __init__(self, raws: dict[str, RawWeight], *, device="cpu", dtype=torch.float32, runtime="v3",
-                 fuse: bool | None = None, tied_embeddings: bool = False, qmv_tiled: bool = True):
+                 fuse: bool | None = None, tied_embeddings: bool = False, qmv_layout: str = "tiled"):
         self.device, self.dtype, self.runtime = torch.device(device), dtype, runtime
-        # packed weights in qmv's tiled layout only (no row-major copy): for 16-bit activations, which qmv takes;
-        # fp32 ones go through the Triton kernels, which read rows
-        self.qmv_tiled = qmv_tiled and dtype in (torch.bfloat16, torch.float16)
+        # packed weights in a qmv layout only (no row-major copy): for 16-bit activations, which qmv takes; fp32
+        # ones go through the Triton kernels, which read rows
+        self.qmv_layout = qmv_layout if dtype in (torch.bfloat16, torch.float16) else "rows"
         self.packed = runtime == "v3" and self.device.type == "cuda"
         fuse = self.packed if fuse is None else fuse
         self.raws = raws
@@ -149,7 +149,7 @@ class WeightStore:
 
     def _linear(self, raw: RawWeight):
         if self.packed and raw.fmt in quant.QUANT_FORMATS:
-            return _packed_linear(raw, self.device, self.weight_bytes <= DENSE_CACHE_LIMIT, self.qmv_tiled)
+            return _packed_linear(raw, self.device, self.weight_bytes <= DENSE_CACHE_LIMIT, self.qmv_layout)
         return DenseLinear(raw.dense(self.dtype, self.device))
 
     @staticmethod

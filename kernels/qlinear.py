@@ -494,8 +494,9 @@ class PackedLinear:
     call only passes pointers: ``codes`` uint8 [N, code bytes per row] (and ``words``, the same bytes as
     int32), ``high`` uint8 [N, Kp/8] (q5; a 1-byte placeholder otherwise), ``scales`` fp16 [N, Kp/group].
     On CUDA it also reserves the shared split-K workspace for MAX_KERNEL_ROWS x N (see _workspace).
-    ``tiled=True`` (on CUDA with qmv; the engine's choice for bf16/fp16 models) keeps only qmv's tile-contiguous
-    copy (``qmv_weight``, :class:`kernels.qmv_cuda.TiledWeight`: 1.1-1.3x faster at the 27B shapes on the H200) and
+    ``layout="tiled"`` or ``"lanes"`` (on CUDA with qmv; the engine's choice for bf16/fp16 models) keeps only qmv's
+    tile-contiguous copy (``qmv_weight``, :class:`kernels.qmv_cuda.TiledWeight`: 1.1-1.3x faster at the 27B shapes
+    on the H200) and
     drops the row-major sections, so the weight costs no more memory; the paths that read rows (Triton, dequantize
     for prefill) get a transient row-major copy from :meth:`row_major`.
 
@@ -509,9 +510,11 @@ class PackedLinear:
     """
 
     def __init__(self, buf: torch.Tensor, fmt: str, shape: tuple[int, int], device, *, dense_fallback: bool = True,
-                 tiled: bool = False):
+                 layout: str = "rows"):
         if fmt not in _FMT_ID:
             raise ValueError(f"PackedLinear: fmt must be one of {tuple(_FMT_ID)}, got {fmt!r}")
+        if layout not in ("rows", "tiled", "lanes"):
+            raise ValueError(f"PackedLinear: layout must be rows, tiled or lanes, got {layout!r}")
         if len(shape) != 2:
             raise ValueError(f"PackedLinear: shape must be (N, K), got {tuple(shape)}")
         lay = quant.qlayout(fmt, tuple(int(s) for s in shape))
@@ -541,8 +544,8 @@ class PackedLinear:
             _workspace(self.device, MAX_KERNEL_ROWS, self.n, 1)
             if qmv_cuda.available():
                 qmv_cuda.workspace(self.device, qmv_cuda.MAX_SPLITS * qmv_cuda.MAX_T * self.n)
-                if tiled:
-                    self.qmv_weight = qmv_cuda.TiledWeight(self)
+                if layout != "rows":
+                    self.qmv_weight = qmv_cuda.TiledWeight(self, lanes=layout == "lanes")
                     self.buf = self.codes = self.words = self.high = self.scales = None
 
     def row_major(self) -> PackedLinear:

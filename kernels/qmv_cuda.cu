@@ -55,8 +55,12 @@ typedef unsigned char u8;
 #endif                // loads are issued before griddepcontrol.wait, i.e. while the kernel before is finishing;
                       // x (the previous kernel's output) is read after it, through L2 (no read-only cache path)
 #ifndef TILED
-#define TILED 0       // 1: the weight sections are tiled (see qmv_cuda.tile): codes [N/16][NG][16][CB], scales
-#endif                // [N/16][NG][16], q5 high bits [N/16][NG][16][8] - a warp's loads are contiguous
+#define TILED 0       // 1: the weight sections are tiled (qmv_cuda.TiledWeight): codes [N/16][NG][16][CB], scales
+#endif                // [N/16][NG][16], q5 high bits [N/16][NG][16][8] - a warp's loads are contiguous;
+                      // 2 (q formats): within a (tile, group) the lanes' pieces of rows g and g + 8 side by side,
+                      // codes [g][c][2][8 bytes], scales [g][2], high bits [g][c][2][2 bytes]: one load each a
+                      // step; and each code word's codes reordered so that pair i meets x's own pair i (no PRMT):
+                      // q4/q5 nibbles k0 k2 k4 k6 | k1 k3 k5 k7 (q5 high bits alike), q8 bytes k0 k2 k1 k3
 #ifndef MIN_BLOCKS
 #define MIN_BLOCKS 2  // blocks per SM to fit: lets ptxas keep all of a step batch's loads in flight
 #endif                // (it interleaves them with the arithmetic, one step at a time, when it aims at more blocks)
@@ -217,6 +221,44 @@ __device__ __forceinline__ void grid_wait() {
 #endif
 }
 
+#if TILED == 2 && FMT == 3
+#error "TILED 2 is for the q formats"
+#endif
+// Step u's code words of rows g and g + 8, their scales and (q5) high-bit pairs
+__device__ __forceinline__ void load_step(const Lane& L, int u, CodeT& w0, CodeT& w1, u32& s0, u32& s1, u32& h0,
+                                          u32& h1) {
+#if TILED == 2
+  const uint4 v = __ldg(reinterpret_cast<const uint4*>(L.cp0 + CSTEP * NW * u));
+  w0 = make_uint2(v.x, v.y);
+  w1 = make_uint2(v.z, v.w);
+  const u32 s = __ldg(reinterpret_cast<const u32*>(L.sp0 + SSTEP * NW * u));
+  s0 = s & 0xFFFFu;
+  s1 = s >> 16;
+#if FMT == 1
+  const u32 h = __ldg(reinterpret_cast<const u32*>(L.hp0 + HSTEP * NW * u));
+  h0 = h & 0xFFFFu;
+  h1 = h >> 16;
+#else
+  h0 = h1 = 0;
+#endif
+#else
+  w0 = load_codes(L.cp0 + CSTEP * NW * u);
+  w1 = load_codes(L.cp1 + CSTEP * NW * u);
+#if FMT == 3
+  s0 = s1 = 0;
+#else
+  s0 = __ldg(L.sp0 + SSTEP * NW * u);
+  s1 = __ldg(L.sp1 + SSTEP * NW * u);
+#endif
+#if FMT == 1
+  h0 = __ldg(reinterpret_cast<const u16*>(L.hp0 + HSTEP * NW * u));
+  h1 = __ldg(reinterpret_cast<const u16*>(L.hp1 + HSTEP * NW * u));
+#else
+  h0 = h1 = 0;
+#endif
+#endif
+}
+
 // x[t, k] for step u (group gi + u NW) as XPL / 2 packed pairs (0 past K on the element-wise path)
 __device__ __forceinline__ void load_x(const Lane& L, const u16* __restrict__ xrow, int gi, int u, int K, int c,
                                        u32* xv) {
@@ -264,14 +306,22 @@ __device__ __forceinline__ void step_math(uint2 w0, uint2 w1, u32 h0, u32 h1, co
 #if FMT == 0
     // word wd holds k = 4 wd .. 4 wd + 3 of the lane's 8: x pairs (x0, x2) and (x1, x3)
     const u32 xa = xv[2 * wd], xb = xv[2 * wd + 1];
+#if TILED == 2  // the word's codes are stored k0, k2, k1, k3: x's own pairs
+    const u32 x02 = xa, x13 = xb;
+#else
     const u32 x02 = prmt(xa, xb, 0x5410), x13 = prmt(xa, xb, 0x7632);
+#endif
     mma(d, pa[0], pb[0], pa[1], pb[1], x02, x02);
     mma(d, pa[2], pb[2], pa[3], pb[3], x13, x13);
 #else
     // word wd holds k = 8 wd .. 8 wd + 7 of the lane's 16: x pairs (x0, x4), (x1, x5), (x2, x6), (x3, x7)
     const u32* xw = xv + 4 * wd;
+#if TILED == 2  // the word's nibbles are stored k0, k2, k4, k6 | k1, k3, k5, k7: pair i is x's own pair i
+    const u32 b0 = xw[0], b1 = xw[1], b2 = xw[2], b3 = xw[3];
+#else
     const u32 b0 = prmt(xw[0], xw[2], 0x5410), b1 = prmt(xw[0], xw[2], 0x7632);
     const u32 b2 = prmt(xw[1], xw[3], 0x5410), b3 = prmt(xw[1], xw[3], 0x7632);
+#endif
     mma(d, pa[0], pb[0], pa[1], pb[1], b0, b1);
     mma(d, pa[2], pb[2], pa[3], pb[3], b2, b3);
 #if FOLD
@@ -300,20 +350,7 @@ __device__ __forceinline__ void steps(const Lane& L, const u16* __restrict__ xro
   u32 s0[U], s1[U], h0[U], h1[U];
 #pragma unroll
   for (int u = 0; u < U; ++u) {
-    w0[u] = load_codes(L.cp0 + CSTEP * NW * u);
-    w1[u] = load_codes(L.cp1 + CSTEP * NW * u);
-#if FMT == 3
-    s0[u] = s1[u] = 0;
-#else
-    s0[u] = __ldg(L.sp0 + SSTEP * NW * u);
-    s1[u] = __ldg(L.sp1 + SSTEP * NW * u);
-#endif
-#if FMT == 1
-    h0[u] = __ldg(reinterpret_cast<const u16*>(L.hp0 + HSTEP * NW * u));
-    h1[u] = __ldg(reinterpret_cast<const u16*>(L.hp1 + HSTEP * NW * u));
-#else
-    h0[u] = h1[u] = 0;
-#endif
+    load_step(L, u, w0[u], w1[u], s0[u], s1[u], h0[u], h1[u]);
   }
   if (WAIT) grid_wait();  // the code loads above are in flight; x comes from the kernel before
 #if XLATE
@@ -348,20 +385,7 @@ __device__ __forceinline__ void load_batch(Batch<U>& B, const Lane& L, const u16
 #pragma unroll
   for (int u = 0; u < U; ++u) {
     if (gi + u * NW < g_hi) {
-      B.w0[u] = load_codes(L.cp0 + CSTEP * NW * u);
-      B.w1[u] = load_codes(L.cp1 + CSTEP * NW * u);
-#if FMT == 3
-      B.s0[u] = B.s1[u] = 0;
-#else
-      B.s0[u] = __ldg(L.sp0 + SSTEP * NW * u);
-      B.s1[u] = __ldg(L.sp1 + SSTEP * NW * u);
-#endif
-#if FMT == 1
-      B.h0[u] = __ldg(reinterpret_cast<const u16*>(L.hp0 + HSTEP * NW * u));
-      B.h1[u] = __ldg(reinterpret_cast<const u16*>(L.hp1 + HSTEP * NW * u));
-#else
-      B.h0[u] = B.h1[u] = 0;
-#endif
+      load_step(L, u, B.w0[u], B.w1[u], B.s0[u], B.s1[u], B.h0[u], B.h1[u]);
       load_x(L, xrow, gi, u, K, c, B.xv[u]);
     }
   }
@@ -397,7 +421,14 @@ qmv(const u16* __restrict__ x, const u8* __restrict__ codes, const u8* __restric
   // lanes of tokens t >= T read row T - 1 of x: their MMA columns are never stored, and no zeroing is needed
   const u16* xrow = x + min(g, T - 1) * stride_x;
   Lane L;
-#if TILED  // rows past N are zero padding of the last tile: no clamping
+#if TILED == 2  // rows past N are zero padding of the last tile: no clamping; cp1, sp1, hp1 unused
+  const long long chunk = (long long)tile * NG + gi;
+  L.cp0 = L.cp1 = codes + chunk * 16 * CB + (g * 4 + c) * 2 * LB;
+  L.sp0 = L.sp1 = scales + chunk * 16 + 2 * g;
+#if FMT == 1
+  L.hp0 = L.hp1 = high + chunk * 16 * 8 + (g * 4 + c) * 4;
+#endif
+#elif TILED  // rows past N are zero padding of the last tile: no clamping
   const long long chunk = (long long)tile * NG + gi;  // (tile, group): 16 rows in a row
   L.cp0 = codes + (chunk * 16 + g) * CB + LB * c;
   L.cp1 = L.cp0 + 8 * CB;

@@ -273,13 +273,13 @@ def main() -> int:
             rows = torch.cat([torch.randperm(n, generator=torch.Generator().manual_seed(1))[:255],
                               torch.tensor([n - 1])]).unique()
             ref_buf = row_sample(buf, fmt, n, k, rows)
-            tiled = {}  # each copy as the engine holds it (tiled PackedLinear), made once
+            tiled, lanes = {}, {}  # each copy as the engine holds it (tiled PackedLinear) / in TILED 2, made once
             for t in ts:
                 x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16, generator=gen)
                 ref = ql.qlinear_ref(x, ref_buf, fmt, (len(rows), k))
                 nbytes = lin.packed_bytes + x.numel() * 2 + t * n * 2
-                # the engine's bf16 models keep their packed weights tiled (EngineOptions.qmv_tiled)
-                tiled = tiled or {id(li): ql.PackedLinear(li.buf, fmt, (n, k), "cuda", tiled=True) for li in lins}
+                # the engine's bf16 models keep their packed weights tiled (EngineOptions.qmv_layout)
+                tiled = tiled or {id(li): ql.PackedLinear(li.buf, fmt, (n, k), "cuda", layout="tiled") for li in lins}
                 cands = {"ours": lambda x, li, out=None: tiled[id(li)](x),
                          "triton": lambda x, li, out=None: ql.qlinear_triton(x, li, out=out)}
                 if t <= qmv_cuda.MAX_T and qmv_cuda.available():
@@ -292,6 +292,8 @@ def main() -> int:
                         cands[name].config = repr(cfg)
                 if args.qmv_variants and t <= qmv_cuda.MAX_T and qmv_cuda.available():
                     cands["qmv-tiled"] = lambda x, li, out=None: qmv_cuda.qmv(x, tiled[id(li)].qmv_weight, out)
+                    lanes = lanes or {id(li): qmv_cuda.TiledWeight(li, lanes=True) for li in lins}
+                    cands["qmv-lanes"] = lambda x, li, out=None: qmv_cuda.qmv(x, lanes[id(li)], out)
                     for un, mb, fo, xl, pd in ((4, 3, 0, 0, 0), (4, 3, 0, 0, 1), (4, 4, 0, 0, 1), (4, 3, 1, 0, 0),
                                                (4, 4, 0, 0, 0), (8, 2, 0, 0, 1), (4, 3, 0, 1, 1)):
                         cands[f"qmv-u{un}-b{mb}{'-fold' if fo else ''}{'-xlate' if xl else ''}{'-pdl' if pd else ''}"] = (
@@ -323,7 +325,7 @@ def main() -> int:
                         best = (label, us_rot)
                 if (variants or args.qmv_variants) and best:
                     print(f"{'':12s} {'':12s} {'':3s} best: {best[0]} {best[1]:.2f} us")
-            del lins, lin, buf, tiled
+            del lins, lin, buf, tiled, lanes
             torch.cuda.empty_cache()
         if not args.no_baselines:
             dense = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02

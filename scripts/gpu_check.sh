@@ -75,10 +75,11 @@ for stage in "$@"; do
                --rollback ${ROLLBACKS:-recompute,snapshot} --draft-graphs ${DRAFT_GRAPHS:-off} \
                -n 64 --repeats 2 --json "$OUT/d27" 2>&1 | tee "$OUT/d27.log" | tail -40 ;;
     profile) for mode in ${PROFILE_MODES:-lookahead sync}; do  # plain decode: lookahead (the defaults), sync, pdl,
-             # cublas (small dense projections by cuBLAS), rowmajor (packed weights not tiled); each but sync + lookahead
+             # cublas (small dense projections by cuBLAS), rows / lanes (packed weights row-major / in TILED 2);
+             # each but sync + lookahead
                timeout ${STAGE_S:-400} python3 scripts/profile_step.py $M27 --steps 32 $([ $mode = sync ] && echo --sync) \
                  $([ $mode = pdl ] && echo --pdl) $([ $mode = cublas ] && echo --cublas-dense) \
-                 $([ $mode = rowmajor ] && echo --row-major) \
+                 $([ $mode = rows -o $mode = lanes ] && echo --qmv-layout $mode) \
                  ${PROFILE_ARGS:-} --json "$OUT/profile27_$mode.json" 2>&1 | tee "$OUT/profile27_$mode.log" | tail -${PROFILE_LINES:-30}
              done ;;
     sdpa)    timeout ${STAGE_S:-120} python3 scripts/probe_sdpa.py 2>&1 | tee "$OUT/probe_sdpa.log" | tail -12 ;;

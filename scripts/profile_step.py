@@ -56,7 +56,8 @@ def main() -> int:
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--pdl", action="store_true", help="qmv with programmatic dependent launch (experimental)")
     ap.add_argument("--cublas-dense", action="store_true", help="small dense projections through cuBLAS, not qmv")
-    ap.add_argument("--row-major", action="store_true", help="packed weights row-major (qmv_tiled off)")
+    ap.add_argument("--qmv-layout", default="tiled", choices=("tiled", "lanes", "rows"),
+                    help="packed weights' layout (EngineOptions.qmv_layout)")
     ap.add_argument("--draft-graphs", action="store_true", help="MTP drafting from CUDA graphs (experimental)")
     ap.add_argument("--sync", action="store_true", help="plain decode reads each token before the next step "
                                                           "(default: the lookahead chain, as generate() runs it)")
@@ -69,7 +70,7 @@ def main() -> int:
     t0 = time.time()
     eng = Engine.load(args.model, synthetic=args.synthetic, device="cuda", runtime=args.runtime, spec=args.spec,
                       draft_tokens=args.draft_tokens, qmv_pdl=args.pdl, qmv_dense=not args.cublas_dense,
-                      qmv_tiled=not args.row_major,
+                      qmv_layout=args.qmv_layout,
                       draft_graphs=args.draft_graphs)
     print(f"loaded in {time.time() - t0:.0f} s: {eng.model_info.get('name', args.model)}", flush=True)
     g = torch.Generator().manual_seed(0)
@@ -129,7 +130,7 @@ def main() -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({
             "model": args.model, "spec": args.spec, "sync": args.sync, "pdl": args.pdl,
-            "cublas_dense": args.cublas_dense, "row_major": args.row_major, "draft_graphs": args.draft_graphs,
+            "cublas_dense": args.cublas_dense, "qmv_layout": args.qmv_layout, "draft_graphs": args.draft_graphs,
             "runtime": args.runtime, "steps": args.steps,
             "step_wall_us": step_us, "gpu_busy_us": busy, "kernels_summed_us": total,
             "kernels": [{"name": k, "us_per_step": v[0] / args.steps, "calls_per_step": v[1] / args.steps}

@@ -58,8 +58,9 @@ class _Weight:
 def _weight(ctx: KernelContext, name: str, fmt: str, n: int, k: int) -> _Weight:
     buf = quant.pack(ctx.randn(n, k, gen=ctx.generator(name, "w"), dtype=F32, scale=k ** -0.5), fmt)
     ref = quant.dequantize(buf, fmt, (n, k), F32)
-    # held as the engine holds it: tiled for qmv when the compute dtype is 16-bit (EngineOptions.qmv_tiled)
-    packed = PackedLinear(buf, fmt, (n, k), ctx.device, tiled=ctx.dtype in (torch.bfloat16, torch.float16)) \
+    # held as the engine holds it: tiled for qmv when the compute dtype is 16-bit (EngineOptions.qmv_layout)
+    layout = "tiled" if ctx.dtype in (torch.bfloat16, torch.float16) else "rows"
+    packed = PackedLinear(buf, fmt, (n, k), ctx.device, layout=layout) \
         if fmt in quant.QUANT_FORMATS else None
     return _Weight(ref, ref.to(ctx.dtype), packed)
 

@@ -94,14 +94,16 @@ def test_lookahead_decode_equals_synchronous(dtype):
 
 
 def test_tiled_weights_decode_like_row_major():
-    """qmv_tiled (the default for bf16 models): only the tiled copies are kept, and decoding gives the row-major
-    buffers' greedy tokens (the same sums from other addresses); the 137-token prefill takes the dequantized path
-    through the transient row-major copy."""
-    _, a = gen(runtime="v3", kv_dtype="int8", dtype="bf16", qmv_tiled=False)
-    eng, b = gen(runtime="v3", kv_dtype="int8", dtype="bf16")
-    packed = [lin for lin in eng.weights.linears.values() if hasattr(lin, "qmv_weight")]
-    assert packed and all(lin.qmv_weight is not None and lin.codes is None for lin in packed)
-    assert a.tokens == b.tokens
+    """qmv_layout tiled (the default for bf16 models) and lanes: only the tiled copies are kept, and decoding gives
+    the row-major buffers' greedy tokens (the same sums from other addresses); the 137-token prefill takes the
+    dequantized path through the transient row-major copy."""
+    _, a = gen(runtime="v3", kv_dtype="int8", dtype="bf16", qmv_layout="rows")
+    for layout in ("tiled", "lanes"):
+        eng, b = gen(runtime="v3", kv_dtype="int8", dtype="bf16", qmv_layout=layout)
+        packed = [lin for lin in eng.weights.linears.values() if hasattr(lin, "qmv_weight")]
+        assert packed and all(lin.qmv_weight is not None and lin.codes is None for lin in packed)
+        assert {lin.qmv_weight.layout for lin in packed} == {1 if layout == "tiled" else 2}
+        assert a.tokens == b.tokens, layout
 
 
 def test_experimental_qmv_switches_decode():

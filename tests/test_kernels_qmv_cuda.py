@@ -189,7 +189,7 @@ def test_tiled_layout_equals_plain(fmt, n, k, t, splits):
     order from other addresses - with a padded last tile (N = 100, 7), split-K, and the element-wise x path."""
     lin, x, ref = _case(fmt, n, k, t, torch.bfloat16, seed=21)
     tw = qmv_cuda.TiledWeight(lin)
-    packed = ql.PackedLinear(lin.buf, fmt, (n, k), "cuda", tiled=True)  # keeps only the tiles
+    packed = ql.PackedLinear(lin.buf, fmt, (n, k), "cuda", layout="tiled")  # keeps only the tiles
     assert packed.codes is None and torch.equal(packed(x), qmv_cuda.qmv(x, tw, splits=None))
     assert torch.equal(packed.row_major().buf, lin.buf)
     # (the Triton kernel's split-K sums are not in a fixed order: close, not equal)
@@ -220,6 +220,70 @@ def test_tiled_layout_addresses(fmt):
                 assert torch.equal(high[at * 8:at * 8 + 8], lin.high[r, gi * 8:gi * 8 + 8])
     assert not tw.codes[2, :, n - 32:].any()  # rows 37..47: the last tile's padding
     assert torch.equal(tw.row_major(), lin.buf)  # and back (the transient copy the Triton paths read)
+
+
+@pytest.mark.parametrize("fmt", quant.QUANT_FORMATS)
+def test_lanes_layout_pairs_codes_with_the_same_x(fmt):
+    """(CPU) TiledWeight(lanes=True), read the way the kernel's TILED 2 build reads it - one 16-byte load a lane
+    (rows g and g + 8), pair i of a word = (position i, position i + 4) / (byte 0, byte 2) multiplied by x's own
+    pair - gives every k the code, scale and q5 high bit the row-major build gives it (pairs with x[k], x[k + 4] /
+    x[k], x[k + 2]); and it converts back to the row-major buffer."""
+    n, k = 21, 320
+    lin = ql.PackedLinear(quant.pack(torch.randn(n, k, generator=torch.Generator().manual_seed(4)), fmt), fmt,
+                          (n, k), "cpu")
+    tw = qmv_cuda.TiledWeight(lin, lanes=True)
+    assert torch.equal(tw.row_major(), lin.buf)
+    cb, q8 = lin.codes.shape[1] // lin.ng, fmt == "q8_g32_fp16"
+    lb, xpl = cb // 4, 8 if q8 else 16
+    codes, scales, high = tw.codes.reshape(-1), tw.scales.reshape(-1), tw.high.reshape(-1)
+
+    def rowmajor_codes(r, gi, c, wd):  # {k in the group: code} of the lane's word wd, as the row-major build pairs
+        w = lin.codes[r, gi * cb + lb * c + 4 * wd: gi * cb + lb * c + 4 * wd + 4].tolist()
+        if q8:  # byte j = k 4 wd + j
+            return {xpl * c + 4 * wd + j: w[j] for j in range(4)}
+        nib = [w[p // 2] >> (4 * (p % 2)) & 15 for p in range(8)]  # position p = k 8 wd + p
+        return {xpl * c + 8 * wd + p: nib[p] for p in range(8)}
+
+    def lanes_codes(word, c, wd):  # the same from the lanes layout: pair i = x's pair i
+        if q8:  # bytes k0 k2 k1 k3
+            return {xpl * c + 4 * wd + j: word[[0, 2, 1, 3][j]] for j in range(4)}
+        nib = [word[p // 2] >> (4 * (p % 2)) & 15 for p in range(8)]
+        return {xpl * c + 8 * wd + 2 * i + h: nib[i + 4 * h] for i in range(4) for h in range(2)}
+
+    for tile in range(-(-n // 16)):
+        for gi in range(lin.ng):
+            chunk = tile * lin.ng + gi
+            for g in range(8):
+                for c in range(4):
+                    at = chunk * 16 * cb + (g * 4 + c) * 2 * lb  # L.cp0: 2 lb bytes, row g then row g + 8
+                    piece = codes[at:at + 2 * lb].tolist()
+                    s = scales[chunk * 16 + 2 * g: chunk * 16 + 2 * g + 2]  # L.sp0: the two rows' scales
+                    hb = high[chunk * 128 + (g * 4 + c) * 4: chunk * 128 + (g * 4 + c) * 4 + 4].tolist() \
+                        if fmt == "q5_g64_fp16" else None
+                    for half, r in enumerate((tile * 16 + g, tile * 16 + g + 8)):
+                        if r >= n:
+                            assert not any(piece[half * lb:(half + 1) * lb])  # padding rows are zero
+                            continue
+                        assert s[half] == lin.scales[r, gi]
+                        for wd in range(lb // 4):
+                            word = piece[half * lb + 4 * wd: half * lb + 4 * wd + 4]
+                            assert lanes_codes(word, c, wd) == rowmajor_codes(r, gi, c, wd)
+                            if hb is not None:  # bit i <-> pair i's low half, bit i + 4 <-> its high half
+                                old = lin.high[r, gi * 8 + 2 * c + wd].item()
+                                new = hb[2 * half + wd]
+                                for i in range(4):
+                                    for h in range(2):
+                                        assert (new >> (i + 4 * h)) & 1 == (old >> (2 * i + h)) & 1
+
+
+@needs_qmv
+@pytest.mark.parametrize("fmt", quant.QUANT_FORMATS)
+@pytest.mark.parametrize("n,k,t,splits", [(320, 5120, 3, 1), (100, 1024, 8, 4), (7, 700, 2, 1)])
+def test_lanes_layout_equals_plain(fmt, n, k, t, splits):
+    """TILED 2 on the GPU: the row-major launch's bits (the same products, summed in the same order)."""
+    lin, x, _ = _case(fmt, n, k, t, torch.bfloat16, seed=23)
+    tw = qmv_cuda.TiledWeight(lin, lanes=True)
+    assert torch.equal(qmv_cuda.qmv(x, tw, splits=splits), qmv_cuda.qmv(x, lin, splits=splits))
 
 
 @needs_qmv

@@ -63,6 +63,8 @@ def test_bad_options_fail_with_a_message():
         engine(spec="mtp", draft_tokens=0)
     with pytest.raises(ValueError, match="max_position_embeddings"):
         engine(max_context=10**7)
+    with pytest.raises(ValueError, match="qmv layout"):
+        engine(qmv_layout="columns")
 
 
 def test_sampling_is_seeded_stops_and_respects_top_k():
