@@ -192,16 +192,26 @@ def _codes_as(u, QMIN: tl.constexpr, DT: tl.constexpr):
 
 
 def _step_weights(codes_ptr, high_ptr, scales_ptr, rows, gs, gs_ok, stride_c, stride_h, stride_s,
-                  FMT: tl.constexpr, DT: tl.constexpr, BLOCK_N: tl.constexpr, GPS: tl.constexpr):
+                  FMT: tl.constexpr, DT: tl.constexpr, BLOCK_N: tl.constexpr, GPS: tl.constexpr,
+                  TILED: tl.constexpr, NG):
     """Groups ``gs`` [GPS] of ``rows`` dequantized, q * scale in DT, ``[BN, GPS * GROUP]`` in K order.
 
     Byte c of a group's 32 code bytes holds k = 2c (low nibble) and 2c + 1 (high nibble) for q5/q4, k = c
-    for q8; q5: bit 2(c % 4) (+1) of high byte c // 4 is bit 4 of the even (odd) code.
+    for q8; q5: bit 2(c % 4) (+1) of high byte c // 4 is bit 4 of the even (odd) code. ``TILED``: the sections
+    are qmv's tiled layout (kernels/qmv_cuda.TiledWeight, ``NG`` groups a row): (tile, group) chunks of 16 rows.
     """
     c = tl.arange(0, 32)
-    base = rows[:, None, None] * stride_c + gs[None, :, None] * 32 + c[None, None, :]
+    if TILED:  # row r, group g at (r // 16) NG 16 + g 16 + r % 16 (in 32-byte, scale and 8-byte units)
+        r_at = (rows // 16) * (NG * 16) + rows % 16
+        base = r_at[:, None, None] * 32 + gs[None, :, None] * 512 + c[None, None, :]
+        s_at = r_at[:, None] + gs[None, :] * 16
+        h_row, h_group = r_at * 8, 128
+    else:
+        base = rows[:, None, None] * stride_c + gs[None, :, None] * 32 + c[None, None, :]
+        s_at = rows[:, None] * stride_s + gs[None, :]
+        h_row, h_group = rows * stride_h, 8
     b = tl.load(codes_ptr + base, mask=gs_ok[None, :, None], other=0).to(tl.int32)  # [BN, GPS, 32]
-    s = tl.load(scales_ptr + rows[:, None] * stride_s + gs[None, :], mask=gs_ok[None, :], other=0)
+    s = tl.load(scales_ptr + s_at, mask=gs_ok[None, :], other=0)
     s = s.to(DT)[:, :, None]  # [BN, GPS, 1]
     if FMT == 0:
         w = tl.reshape(_codes_as(b ^ 0x80, -128, DT) * s, (BLOCK_N, GPS * 32))
@@ -209,7 +219,7 @@ def _step_weights(codes_ptr, high_ptr, scales_ptr, rows, gs, gs_ok, stride_c, st
         lo = b & 15
         hi = b >> 4
         if FMT == 1:
-            h = tl.load(high_ptr + rows[:, None, None] * stride_h + gs[None, :, None] * 8 + (c // 4)[None, None, :],
+            h = tl.load(high_ptr + h_row[:, None, None] + gs[None, :, None] * h_group + (c // 4)[None, None, :],
                         mask=gs_ok[None, :, None], other=0).to(tl.int32)
             hb = h >> (2 * (c % 4))[None, None, :]
             lo = lo | ((hb & 1) << 4)
@@ -251,7 +261,7 @@ def _dot_kernel(x_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr, ws_ptr, cnt_ptr
     for g0 in range(g_lo, g_lo + groups_per_split, GPS):  # groups_per_split is a multiple of GPS
         gs = g0 + tl.arange(0, GPS)
         w = _step_weights(codes_ptr, high_ptr, scales_ptr, rows_c, gs, gs < NG, stride_c, stride_h, stride_s,
-                          FMT, DT, BLOCK_N, GPS)  # [BN, GPS * GROUP]
+                          FMT, DT, BLOCK_N, GPS, False, NG)  # [BN, GPS * GROUP]
         k = g0 * GROUP + tl.arange(0, GPS * GROUP)
         xs = tl.load(x_ptr + t[:, None] * stride_xt + k[None, :], mask=t_ok[:, None] & (k[None, :] < K),
                      other=0)  # [BT, GPS * GROUP]; k >= K (padding, groups past NG) reads 0
@@ -295,16 +305,17 @@ def _epilogue(acc, t, rows, t_ok, row_ok, out_ptr, stride_ot, ws_ptr, cnt_ptr, N
             tl.atomic_xchg(cnt_ptr + tile, 0)
 
 
-def _dequant_kernel(codes_ptr, high_ptr, scales_ptr, w_ptr, N, K, stride_c, stride_h, stride_s, stride_w,
-                    FMT: tl.constexpr, BLOCK_N: tl.constexpr):
-    """w[n, k] = scale[n, g] * q[n, k] (computed in fp32, rounded once) for this program's rows and group g."""
+def _dequant_kernel(codes_ptr, high_ptr, scales_ptr, w_ptr, N, K, NG, stride_c, stride_h, stride_s, stride_w,
+                    FMT: tl.constexpr, BLOCK_N: tl.constexpr, TILED: tl.constexpr):
+    """w[n, k] = scale[n, g] * q[n, k] (computed in fp32, rounded once) for this program's rows and group g;
+    ``TILED``: the sections in qmv's tiled layout."""
     GROUP: tl.constexpr = 32 if FMT == 0 else 64
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     g = tl.program_id(1)
     gs = g + tl.arange(0, 1)
     w = _step_weights(codes_ptr, high_ptr, scales_ptr, tl.where(row_ok, rows, 0), gs, gs >= 0, stride_c,
-                      stride_h, stride_s, FMT, tl.float32, BLOCK_N, 1)  # [BN, GROUP]
+                      stride_h, stride_s, FMT, tl.float32, BLOCK_N, 1, TILED, NG)  # [BN, GROUP]
     k = g * GROUP + tl.arange(0, GROUP)
     tl.store(w_ptr + rows[:, None] * stride_w + k[None, :], w.to(w_ptr.dtype.element_ty),
              mask=row_ok[:, None] & (k[None, :] < K))
@@ -475,15 +486,20 @@ def split_k_scratch(store: dict, device, floats: int, tiles: int, who: str) -> t
     return ws, counters
 
 
-def qlinear_dequant(lin: PackedLinear, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """The packed weight as a dense ``[N, K]`` tensor of ``dtype`` on lin's device (Triton kernel)."""
+def qlinear_dequant(lin, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The packed weight as a dense ``[N, K]`` tensor of ``dtype`` on its device (Triton kernel): ``lin`` a
+    row-major :class:`PackedLinear` or a :class:`kernels.qmv_cuda.TiledWeight` in the tiled layout (1), read in
+    place (no row-major copy)."""
     _, _, kernel = _kernels()
-    w = torch.empty(lin.n, lin.k, dtype=dtype, device=lin.device)
+    tiled = getattr(lin, "layout", 0) == 1
+    if getattr(lin, "layout", 0) not in (0, 1):
+        raise ValueError("qlinear_dequant: a TiledWeight in the lanes layout has no Triton reader (row_major() it)")
+    w = torch.empty(lin.n, lin.k, dtype=dtype, device=lin.codes.device)
     block_n = 64
     kernel[(_cdiv(lin.n, block_n), lin.ng)](
-        lin.codes, lin.high, lin.scales, w, lin.n, lin.k,
+        lin.codes, lin.high, lin.scales, w, lin.n, lin.k, lin.ng,
         lin.codes.stride(0), lin.high.stride(0), lin.scales.stride(0), w.stride(0),
-        FMT=_FMT_ID[lin.fmt], BLOCK_N=block_n)
+        FMT=_FMT_ID[lin.fmt], BLOCK_N=block_n, TILED=tiled)
     return w
 
 
@@ -561,7 +577,8 @@ class PackedLinear:
         if w is not None:
             return w
         if self.device.type == "cuda" and triton_available():
-            w = qlinear_dequant(self.row_major(), dtype)
+            tw = self.qmv_weight  # the tiled layout is read in place; the lanes layout through a row-major copy
+            w = qlinear_dequant(tw if tw is not None and tw.layout == 1 else self.row_major(), dtype)
         else:
             w = quant.dequantize(self.buf.cpu(), self.fmt, (self.n, self.k), dtype).to(self.device)
         if self.dense_fallback:
