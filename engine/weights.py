@@ -46,8 +46,9 @@ class RawWeight:
         return quant.dequantize(buf, self.fmt, self.shape, dtype)
 
 
-# Dense projections of at most this many output rows may run through qmv's dense path on CUDA (experimental,
-# kernels/qmv_cuda.set_dense): the 27B GDN b+a projection (96 rows) takes two cuBLAS kernels, 6.3 us a layer.
+# Dense projections of at most this many output rows may run through qmv's dense path on CUDA (when
+# kernels/qmv_cuda.set_dense is on, EngineOptions.qmv_dense): the 27B GDN b+a projection (96 rows) took two cuBLAS
+# kernels, 6.3 us a layer.
 DENSE_QMV_MAX_ROWS = 1024
 
 

@@ -491,15 +491,15 @@ def qlinear_dequant(lin, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     row-major :class:`PackedLinear` or a :class:`kernels.qmv_cuda.TiledWeight` in the tiled layout (1), read in
     place (no row-major copy)."""
     _, _, kernel = _kernels()
-    tiled = getattr(lin, "layout", 0) == 1
-    if getattr(lin, "layout", 0) not in (0, 1):
+    layout = getattr(lin, "layout", 0)  # 0: a PackedLinear's row-major sections
+    if layout not in (0, 1):
         raise ValueError("qlinear_dequant: a TiledWeight in the lanes layout has no Triton reader (row_major() it)")
     w = torch.empty(lin.n, lin.k, dtype=dtype, device=lin.codes.device)
     block_n = 64
     kernel[(_cdiv(lin.n, block_n), lin.ng)](
         lin.codes, lin.high, lin.scales, w, lin.n, lin.k, lin.ng,
         lin.codes.stride(0), lin.high.stride(0), lin.scales.stride(0), w.stride(0),
-        FMT=_FMT_ID[lin.fmt], BLOCK_N=block_n, TILED=tiled)
+        FMT=_FMT_ID[lin.fmt], BLOCK_N=block_n, TILED=layout == 1)
     return w
 
 
@@ -512,9 +512,9 @@ class PackedLinear:
     On CUDA it also reserves the shared split-K workspace for MAX_KERNEL_ROWS x N (see _workspace).
     ``layout="tiled"`` or ``"lanes"`` (on CUDA with qmv; the engine's choice for bf16/fp16 models) keeps only qmv's
     tile-contiguous copy (``qmv_weight``, :class:`kernels.qmv_cuda.TiledWeight`: 1.1-1.3x faster at the 27B shapes
-    on the H200) and
-    drops the row-major sections, so the weight costs no more memory; the paths that read rows (Triton, dequantize
-    for prefill) get a transient row-major copy from :meth:`row_major`.
+    on the H200) and drops the row-major sections, so the weight costs no more memory. The prefill dequantization
+    reads the tiled layout in place; the Triton GEMV kernels (and the dequantization of the lanes layout) get a
+    transient row-major copy from :meth:`row_major`.
 
     ``lin(x)`` with x [..., K]: on CUDA with at most MAX_KERNEL_ROWS rows, bf16/fp16 x goes to the tensor-core
     kernel of ``kernels/qmv_cuda.cu`` (``qmv_cuda.MAX_T`` rows a launch) when cupy imports, fp32 x (or no cupy) to

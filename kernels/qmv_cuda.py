@@ -219,11 +219,12 @@ def workspace(device, floats: int, tiles: int = 1) -> tuple[torch.Tensor, torch.
     return split_k_scratch(_WORKSPACES, device, floats, tiles, "qmv")
 
 
-# ---- experimental switches, process-wide (as DeepGEMM's set_pdl), off until measured ------------------------
+# ---- switches, process-wide (as DeepGEMM's set_pdl); off here, the engine sets them from EngineOptions ---------
 # pdl: the kernel is launched with programmatic stream serialization (cuLaunchKernelEx, through ctypes: CuPy's
 # launcher takes no launch attributes), so it may start while the kernel before it finishes; it issues its first
 # weight loads, then waits (griddepcontrol.wait) before it reads x. CUDA graphs captured from such launches keep the
-# programmatic edges; sm_90+. dense: small dense 16-bit projections (engine/weights.DenseLinear) through FMT 3.
+# programmatic edges; sm_90+ (measured slower on the H200: off). dense: small dense 16-bit projections
+# (engine/weights.DenseLinear) through FMT 3 (measured faster: on by default in EngineOptions.qmv_dense).
 _SWITCHES = {"pdl": False, "dense": False}
 
 
