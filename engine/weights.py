@@ -124,7 +124,7 @@ class WeightStore:
     """All weights of one model on one device, by Hugging Face logical name."""
 
     def __init__(self, raws: dict[str, RawWeight], *, device="cpu", dtype=torch.float32, runtime="v3",
-                 fuse: bool | None = None, tied_embeddings: bool = False, qmv_layout: str = "tiled"):
+                 fuse: bool | None = None, tied_embeddings: bool = False, qmv_layout: str = "lanes"):
         self.device, self.dtype, self.runtime = torch.device(device), dtype, runtime
         # packed weights in a qmv layout only (no row-major copy): for 16-bit activations, which qmv takes; fp32
         # ones go through the Triton kernels, which read rows

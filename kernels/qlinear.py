@@ -191,44 +191,87 @@ def _codes_as(u, QMIN: tl.constexpr, DT: tl.constexpr):
         return (((u << 15) | 0x43800000).to(tl.float32, bitcast=True) - (256.0 - QMIN)).to(DT)
 
 
+def _lanes_weights(codes_ptr, high_ptr, scales_ptr, rows, gs, gs_ok, FMT: tl.constexpr, DT: tl.constexpr,
+                   GPS: tl.constexpr, GROUP: tl.constexpr, NG):
+    """Groups ``gs`` of ``rows`` dequantized from qmv's lanes layout (TiledWeight(lanes=True)), ``[BN, GPS, GROUP]``.
+
+    Per (16-row tile, group): row r = 8 half + j, code byte b = 8 c + piece of its group at 64 j + 16 c + 8 half +
+    piece; its scale at 2 j + half; q5's high byte w = 2 c + piece at 16 j + 4 c + 2 half + piece. Within each
+    4-byte word (8 codes of q4/q5, 4 of q8) the code of position q sits at p = (q % 2) W / 2 + q // 2 (the
+    inverse of qmv_cuda.WORD_ORDER), and q5's high bit of code q at bit p of its word's high byte."""
+    kk = tl.arange(0, GROUP)
+    CODES: tl.constexpr = 4 if FMT == 0 else 8  # codes a 4-byte word
+    q = kk % CODES
+    p = (q % 2) * (CODES // 2) + q // 2
+    if FMT == 0:
+        byte = (kk // 4) * 4 + p
+    else:
+        byte = (kk // 8) * 4 + p // 2
+    j = rows % 8
+    half = (rows % 16) // 8
+    tile = rows // 16
+    at = (tile * (NG * 512) + j * 64 + half * 8)[:, None, None] + gs[None, :, None] * 512 \
+        + ((byte // 8) * 16 + byte % 8)[None, None, :]
+    b = tl.load(codes_ptr + at, mask=gs_ok[None, :, None], other=0).to(tl.int32)  # [BN, GPS, GROUP]
+    s = tl.load(scales_ptr + (tile * (NG * 16) + j * 2 + half)[:, None] + gs[None, :] * 16, mask=gs_ok[None, :],
+                other=0).to(DT)[:, :, None]
+    if FMT == 0:
+        w = _codes_as(b ^ 0x80, -128, DT) * s
+    elif FMT == 1:
+        word = kk // 8
+        h_at = (tile * (NG * 128) + j * 16 + half * 2)[:, None, None] + gs[None, :, None] * 128 \
+            + ((word // 2) * 4 + word % 2)[None, None, :]
+        h = tl.load(high_ptr + h_at, mask=gs_ok[None, :, None], other=0).to(tl.int32)
+        u = ((b >> (4 * (p % 2))[None, None, :]) & 15) | (((h >> p[None, None, :]) & 1) << 4)
+        w = _codes_as(u, -16, DT) * s
+    else:
+        w = _codes_as((b >> (4 * (p % 2))[None, None, :]) & 15, -8, DT) * s
+    return w
+
+
 def _step_weights(codes_ptr, high_ptr, scales_ptr, rows, gs, gs_ok, stride_c, stride_h, stride_s,
                   FMT: tl.constexpr, DT: tl.constexpr, BLOCK_N: tl.constexpr, GPS: tl.constexpr,
                   TILED: tl.constexpr, NG):
     """Groups ``gs`` [GPS] of ``rows`` dequantized, q * scale in DT, ``[BN, GPS * GROUP]`` in K order.
 
     Byte c of a group's 32 code bytes holds k = 2c (low nibble) and 2c + 1 (high nibble) for q5/q4, k = c
-    for q8; q5: bit 2(c % 4) (+1) of high byte c // 4 is bit 4 of the even (odd) code. ``TILED``: the sections
-    are qmv's tiled layout (kernels/qmv_cuda.TiledWeight, ``NG`` groups a row): (tile, group) chunks of 16 rows.
+    for q8; q5: bit 2(c % 4) (+1) of high byte c // 4 is bit 4 of the even (odd) code. ``TILED`` 1 / 2: the
+    sections are in qmv's tiled / lanes layout (kernels/qmv_cuda.TiledWeight, ``NG`` groups a row).
     """
-    c = tl.arange(0, 32)
-    if TILED:  # row r, group g at (r // 16) NG 16 + g 16 + r % 16 (in 32-byte, scale and 8-byte units)
-        r_at = (rows // 16) * (NG * 16) + rows % 16
-        base = r_at[:, None, None] * 32 + gs[None, :, None] * 512 + c[None, None, :]
-        s_at = r_at[:, None] + gs[None, :] * 16
-        h_row, h_group = r_at * 8, 128
+    GROUP: tl.constexpr = 32 if FMT == 0 else 64
+    if TILED == 2:  # the lanes layout: one gather per code (the word order undone), see _lanes_weights
+        w = tl.reshape(_lanes_weights(codes_ptr, high_ptr, scales_ptr, rows, gs, gs_ok, FMT, DT, GPS, GROUP, NG),
+                       (BLOCK_N, GPS * GROUP))
     else:
-        base = rows[:, None, None] * stride_c + gs[None, :, None] * 32 + c[None, None, :]
-        s_at = rows[:, None] * stride_s + gs[None, :]
-        h_row, h_group = rows * stride_h, 8
-    b = tl.load(codes_ptr + base, mask=gs_ok[None, :, None], other=0).to(tl.int32)  # [BN, GPS, 32]
-    s = tl.load(scales_ptr + s_at, mask=gs_ok[None, :], other=0)
-    s = s.to(DT)[:, :, None]  # [BN, GPS, 1]
-    if FMT == 0:
-        w = tl.reshape(_codes_as(b ^ 0x80, -128, DT) * s, (BLOCK_N, GPS * 32))
-    else:
-        lo = b & 15
-        hi = b >> 4
-        if FMT == 1:
-            h = tl.load(high_ptr + h_row[:, None, None] + gs[None, :, None] * h_group + (c // 4)[None, None, :],
-                        mask=gs_ok[None, :, None], other=0).to(tl.int32)
-            hb = h >> (2 * (c % 4))[None, None, :]
-            lo = lo | ((hb & 1) << 4)
-            hi = hi | ((hb & 2) << 3)
-            qmin: tl.constexpr = -16
+        c = tl.arange(0, 32)
+        if TILED == 1:  # row r, group g at (r // 16) NG 16 + g 16 + r % 16 (in 32-byte, scale and 8-byte units)
+            r_at = (rows // 16) * (NG * 16) + rows % 16
+            base = r_at[:, None, None] * 32 + gs[None, :, None] * 512 + c[None, None, :]
+            s_at = r_at[:, None] + gs[None, :] * 16
+            h_row, h_group = r_at * 8, 128
         else:
-            qmin: tl.constexpr = -8
-        w = tl.join(_codes_as(lo, qmin, DT) * s, _codes_as(hi, qmin, DT) * s)  # [BN, GPS, 32, 2]: k = 2c + e
-        w = tl.reshape(w, (BLOCK_N, GPS * 64))
+            base = rows[:, None, None] * stride_c + gs[None, :, None] * 32 + c[None, None, :]
+            s_at = rows[:, None] * stride_s + gs[None, :]
+            h_row, h_group = rows * stride_h, 8
+        b = tl.load(codes_ptr + base, mask=gs_ok[None, :, None], other=0).to(tl.int32)  # [BN, GPS, 32]
+        s = tl.load(scales_ptr + s_at, mask=gs_ok[None, :], other=0)
+        s = s.to(DT)[:, :, None]  # [BN, GPS, 1]
+        if FMT == 0:
+            w = tl.reshape(_codes_as(b ^ 0x80, -128, DT) * s, (BLOCK_N, GPS * 32))
+        else:
+            lo = b & 15
+            hi = b >> 4
+            if FMT == 1:
+                h = tl.load(high_ptr + h_row[:, None, None] + gs[None, :, None] * h_group + (c // 4)[None, None, :],
+                            mask=gs_ok[None, :, None], other=0).to(tl.int32)
+                hb = h >> (2 * (c % 4))[None, None, :]
+                lo = lo | ((hb & 1) << 4)
+                hi = hi | ((hb & 2) << 3)
+                qmin: tl.constexpr = -16
+            else:
+                qmin: tl.constexpr = -8
+            w = tl.join(_codes_as(lo, qmin, DT) * s, _codes_as(hi, qmin, DT) * s)  # [BN, GPS, 32, 2]: k = 2c + e
+            w = tl.reshape(w, (BLOCK_N, GPS * 64))
     return w
 
 
@@ -261,7 +304,7 @@ def _dot_kernel(x_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr, ws_ptr, cnt_ptr
     for g0 in range(g_lo, g_lo + groups_per_split, GPS):  # groups_per_split is a multiple of GPS
         gs = g0 + tl.arange(0, GPS)
         w = _step_weights(codes_ptr, high_ptr, scales_ptr, rows_c, gs, gs < NG, stride_c, stride_h, stride_s,
-                          FMT, DT, BLOCK_N, GPS, False, NG)  # [BN, GPS * GROUP]
+                          FMT, DT, BLOCK_N, GPS, 0, NG)  # [BN, GPS * GROUP]
         k = g0 * GROUP + tl.arange(0, GPS * GROUP)
         xs = tl.load(x_ptr + t[:, None] * stride_xt + k[None, :], mask=t_ok[:, None] & (k[None, :] < K),
                      other=0)  # [BT, GPS * GROUP]; k >= K (padding, groups past NG) reads 0
@@ -308,7 +351,7 @@ def _epilogue(acc, t, rows, t_ok, row_ok, out_ptr, stride_ot, ws_ptr, cnt_ptr, N
 def _dequant_kernel(codes_ptr, high_ptr, scales_ptr, w_ptr, N, K, NG, stride_c, stride_h, stride_s, stride_w,
                     FMT: tl.constexpr, BLOCK_N: tl.constexpr, TILED: tl.constexpr):
     """w[n, k] = scale[n, g] * q[n, k] (computed in fp32, rounded once) for this program's rows and group g;
-    ``TILED``: the sections in qmv's tiled layout."""
+    ``TILED`` 1 / 2: the sections in qmv's tiled / lanes layout."""
     GROUP: tl.constexpr = 32 if FMT == 0 else 64
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
@@ -321,7 +364,7 @@ def _dequant_kernel(codes_ptr, high_ptr, scales_ptr, w_ptr, N, K, NG, stride_c, 
              mask=row_ok[:, None] & (k[None, :] < K))
 
 
-_HELPERS = ("_word_codes", "_load_in_layout", "_codes_as", "_step_weights", "_epilogue")
+_HELPERS = ("_word_codes", "_load_in_layout", "_codes_as", "_lanes_weights", "_step_weights", "_epilogue")
 
 
 @functools.cache
@@ -488,18 +531,16 @@ def split_k_scratch(store: dict, device, floats: int, tiles: int, who: str) -> t
 
 def qlinear_dequant(lin, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """The packed weight as a dense ``[N, K]`` tensor of ``dtype`` on its device (Triton kernel): ``lin`` a
-    row-major :class:`PackedLinear` or a :class:`kernels.qmv_cuda.TiledWeight` in the tiled layout (1), read in
+    row-major :class:`PackedLinear` or a :class:`kernels.qmv_cuda.TiledWeight` (tiled or lanes layout), read in
     place (no row-major copy)."""
     _, _, kernel = _kernels()
     layout = getattr(lin, "layout", 0)  # 0: a PackedLinear's row-major sections
-    if layout not in (0, 1):
-        raise ValueError("qlinear_dequant: a TiledWeight in the lanes layout has no Triton reader (row_major() it)")
     w = torch.empty(lin.n, lin.k, dtype=dtype, device=lin.codes.device)
     block_n = 64
     kernel[(_cdiv(lin.n, block_n), lin.ng)](
         lin.codes, lin.high, lin.scales, w, lin.n, lin.k, lin.ng,
         lin.codes.stride(0), lin.high.stride(0), lin.scales.stride(0), w.stride(0),
-        FMT=_FMT_ID[lin.fmt], BLOCK_N=block_n, TILED=layout == 1)
+        FMT=_FMT_ID[lin.fmt], BLOCK_N=block_n, TILED=layout)
     return w
 
 
@@ -512,9 +553,9 @@ class PackedLinear:
     On CUDA it also reserves the shared split-K workspace for MAX_KERNEL_ROWS x N (see _workspace).
     ``layout="tiled"`` or ``"lanes"`` (on CUDA with qmv; the engine's choice for bf16/fp16 models) keeps only qmv's
     tile-contiguous copy (``qmv_weight``, :class:`kernels.qmv_cuda.TiledWeight`: 1.1-1.3x faster at the 27B shapes
-    on the H200) and drops the row-major sections, so the weight costs no more memory. The prefill dequantization
-    reads the tiled layout in place; the Triton GEMV kernels (and the dequantization of the lanes layout) get a
-    transient row-major copy from :meth:`row_major`.
+    on the H200; lanes a further 1.04-1.2x) and drops the row-major sections, so the weight costs no more memory.
+    The prefill dequantization reads either layout in place; the Triton GEMV kernels get a transient row-major
+    copy from :meth:`row_major`.
 
     ``lin(x)`` with x [..., K]: on CUDA with at most MAX_KERNEL_ROWS rows, bf16/fp16 x goes to the tensor-core
     kernel of ``kernels/qmv_cuda.cu`` (``qmv_cuda.MAX_T`` rows a launch) when cupy imports, fp32 x (or no cupy) to
@@ -577,8 +618,7 @@ class PackedLinear:
         if w is not None:
             return w
         if self.device.type == "cuda" and triton_available():
-            tw = self.qmv_weight  # the tiled layout is read in place; the lanes layout through a row-major copy
-            w = qlinear_dequant(tw if tw is not None and tw.layout == 1 else self.row_major(), dtype)
+            w = qlinear_dequant(self.qmv_weight or self, dtype)  # a tiled or lanes layout read in place
         else:
             w = quant.dequantize(self.buf.cpu(), self.fmt, (self.n, self.k), dtype).to(self.device)
         if self.dense_fallback:

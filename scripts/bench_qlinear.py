@@ -42,6 +42,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from ninfer_bench.engine import quant  # noqa: E402
+from ninfer_bench.engine.options import EngineOptions  # noqa: E402
 from ninfer_bench.kernels import qlinear as ql  # noqa: E402
 from ninfer_bench.kernels import qmv_cuda  # noqa: E402
 
@@ -209,7 +210,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK_OPS)}, T in 1, 8")
     ap.add_argument("--variants", action="store_true", help="also time every kernel variant in VARIANTS")
-    ap.add_argument("--qmv-variants", action="store_true", help="also time qmv's launch variants")
+    ap.add_argument("--qmv-variants", action="store_true",
+                    help="also time qmv's layouts (tiled, lanes) and launch knobs on the lanes layout")
+    ap.add_argument("--qmv-splits", default="1,2,3,4,6,8",
+                    help="comma list: split-K slice counts --qmv-variants times on the lanes layout")
     ap.add_argument("--only-variants", default="", help="comma list: restrict --variants to these names")
     ap.add_argument("--fmts", default="q4,q5,q8", help="comma list of q4, q5, q8")
     ap.add_argument("--ts", default="", help="comma list of T (default 1,2,4,8,16; --quick 1,8)")
@@ -227,6 +231,10 @@ def main() -> int:
     ops = args.ops.split(",") if args.ops else (QUICK_OPS if args.quick else tuple(SHAPES))
     ts = [int(v) for v in args.ts.split(",")] if args.ts else ([1, 8] if args.quick else [1, 2, 4, 8, 16])
     fmts = [FMT_ALIASES[f] for f in args.fmts.split(",")]
+    split_sweep = sorted({int(v) for v in args.qmv_splits.split(",") if v})
+    if any(not 1 <= sp <= qmv_cuda.MAX_SPLITS for sp in split_sweep):
+        ap.error(f"--qmv-splits: each count must be 1..{qmv_cuda.MAX_SPLITS}, got {args.qmv_splits}")
+    engine_layout = EngineOptions().qmv_layout
     variants = {}
     if args.variants:
         names = args.only_variants.split(",") if args.only_variants else list(VARIANTS)
@@ -273,14 +281,15 @@ def main() -> int:
             rows = torch.cat([torch.randperm(n, generator=torch.Generator().manual_seed(1))[:255],
                               torch.tensor([n - 1])]).unique()
             ref_buf = row_sample(buf, fmt, n, k, rows)
-            tiled, lanes = {}, {}  # each copy as the engine holds it (tiled PackedLinear) / in TILED 2, made once
+            held, tiled, lanes = {}, {}, {}  # each copy as the engine holds it / in TILED 1 / in TILED 2, made once
             for t in ts:
                 x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16, generator=gen)
                 ref = ql.qlinear_ref(x, ref_buf, fmt, (len(rows), k))
                 nbytes = lin.packed_bytes + x.numel() * 2 + t * n * 2
-                # the engine's bf16 models keep their packed weights tiled (EngineOptions.qmv_layout)
-                tiled = tiled or {id(li): ql.PackedLinear(li.buf, fmt, (n, k), "cuda", layout="tiled") for li in lins}
-                cands = {"ours": lambda x, li, out=None: tiled[id(li)](x),
+                # the engine's bf16 models keep their packed weights in qmv's layout (EngineOptions.qmv_layout)
+                held = held or {id(li): ql.PackedLinear(li.buf, fmt, (n, k), "cuda", layout=engine_layout)
+                                for li in lins}
+                cands = {"ours": lambda x, li, out=None: held[id(li)](x),
                          "triton": lambda x, li, out=None: ql.qlinear_triton(x, li, out=out)}
                 if t <= qmv_cuda.MAX_T and qmv_cuda.available():
                     cands["qmv"] = lambda x, li, out=None: qmv_cuda.qmv(x, li, out)
@@ -291,15 +300,19 @@ def main() -> int:
                         cands[name] = lambda x, li, out=None, cfg=cfg: ql.qlinear_triton(x, li, cfg, out=out)
                         cands[name].config = repr(cfg)
                 if args.qmv_variants and t <= qmv_cuda.MAX_T and qmv_cuda.available():
-                    cands["qmv-tiled"] = lambda x, li, out=None: qmv_cuda.qmv(x, tiled[id(li)].qmv_weight, out)
+                    tiled = tiled or {id(li): qmv_cuda.TiledWeight(li) for li in lins}
                     lanes = lanes or {id(li): qmv_cuda.TiledWeight(li, lanes=True) for li in lins}
+                    cands["qmv-tiled"] = lambda x, li, out=None: qmv_cuda.qmv(x, tiled[id(li)], out)
                     cands["qmv-lanes"] = lambda x, li, out=None: qmv_cuda.qmv(x, lanes[id(li)], out)
-                    for un, mb, fo, xl, pd in ((4, 3, 0, 0, 0), (4, 3, 0, 0, 1), (4, 4, 0, 0, 1), (4, 3, 1, 0, 0),
-                                               (4, 4, 0, 0, 0), (8, 2, 0, 0, 1), (4, 3, 0, 1, 1)):
-                        cands[f"qmv-u{un}-b{mb}{'-fold' if fo else ''}{'-xlate' if xl else ''}{'-pdl' if pd else ''}"] = (
-                            lambda x, li, out=None, un=un, mb=mb, fo=fo, xl=xl, pd=pd:
-                            qmv_cuda.qmv(x, li, out, splits=1, unroll=un, min_blocks=mb, fold=bool(fo), xlate=bool(xl),
-                                         pdl=bool(pd)))
+                    cands["qmv-lanes"].config = f"splits={qmv_cuda.choose_splits(n, lin.ng, sms)}"
+                    # the launch's knobs on the lanes layout: split-K slices, then steps in flight x blocks per SM
+                    for sp in split_sweep:
+                        cands[f"qmv-lanes-s{sp}"] = (lambda x, li, out=None, sp=sp:
+                                                     qmv_cuda.qmv(x, lanes[id(li)], out, splits=sp))
+                    for un, mb in ((4, 2), (4, 4), (8, 2), (2, 4)):
+                        cands[f"qmv-lanes-u{un}-b{mb}"] = (lambda x, li, out=None, un=un, mb=mb:
+                                                           qmv_cuda.qmv(x, lanes[id(li)], out, unroll=un,
+                                                                        min_blocks=mb))
                 best = None
                 for label, fn in cands.items():
                     try:
@@ -325,7 +338,7 @@ def main() -> int:
                         best = (label, us_rot)
                 if (variants or args.qmv_variants) and best:
                     print(f"{'':12s} {'':12s} {'':3s} best: {best[0]} {best[1]:.2f} us")
-            del lins, lin, buf, tiled, lanes
+            del lins, lin, buf, held, tiled, lanes
             torch.cuda.empty_cache()
         if not args.no_baselines:
             dense = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02

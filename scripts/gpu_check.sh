@@ -54,7 +54,7 @@ for stage in "$@"; do
              # CUDA context, not the other files
              for f in ${TEST_FILES:-test_kernels_qmv_cuda test_kernels_qlinear test_kernels_fused test_kernels_attention \
                       test_kernels_gdn_triton test_kernels_gdn test_fastpath test_cuda_engine}; do
-               timeout ${TESTS_S:-200} python3 -m pytest -q -p no:cacheprovider --durations=3 tests/$f.py > "$OUT/$f.log" 2>&1 &
+               timeout ${TESTS_S:-200} python3 -m pytest -p no:cacheprovider --durations=3 tests/$f.py > "$OUT/$f.log" 2>&1 &
              done
              wait
              for f in "$OUT"/test_*.log; do
@@ -75,11 +75,11 @@ for stage in "$@"; do
                --rollback ${ROLLBACKS:-recompute,snapshot} --draft-graphs ${DRAFT_GRAPHS:-off} \
                -n 64 --repeats 2 --json "$OUT/d27" 2>&1 | tee "$OUT/d27.log" | tail -40 ;;
     profile) for mode in ${PROFILE_MODES:-lookahead sync}; do  # plain decode: lookahead (the defaults), sync, pdl,
-             # cublas (small dense projections by cuBLAS), rows / lanes (packed weights row-major / in TILED 2);
+             # cublas (small dense projections by cuBLAS), rows / tiled (packed weights row-major / in TILED 1);
              # each but sync + lookahead
                timeout ${STAGE_S:-400} python3 scripts/profile_step.py $M27 --steps 32 $([ $mode = sync ] && echo --sync) \
                  $([ $mode = pdl ] && echo --pdl) $([ $mode = cublas ] && echo --cublas-dense) \
-                 $([ $mode = rows -o $mode = lanes ] && echo --qmv-layout $mode) \
+                 $([ $mode = rows -o $mode = tiled ] && echo --qmv-layout $mode) \
                  ${PROFILE_ARGS:-} --json "$OUT/profile27_$mode.json" 2>&1 | tee "$OUT/profile27_$mode.log" | tail -${PROFILE_LINES:-30}
              done ;;
     sdpa)    timeout ${STAGE_S:-120} python3 scripts/probe_sdpa.py 2>&1 | tee "$OUT/probe_sdpa.log" | tail -12 ;;

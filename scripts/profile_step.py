@@ -56,7 +56,7 @@ def main() -> int:
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--pdl", action="store_true", help="qmv with programmatic dependent launch (experimental)")
     ap.add_argument("--cublas-dense", action="store_true", help="small dense projections through cuBLAS, not qmv")
-    ap.add_argument("--qmv-layout", default="tiled", choices=("tiled", "lanes", "rows"),
+    ap.add_argument("--qmv-layout", default="lanes", choices=("tiled", "lanes", "rows"),
                     help="packed weights' layout (EngineOptions.qmv_layout)")
     ap.add_argument("--draft-graphs", action="store_true", help="MTP drafting from CUDA graphs (experimental)")
     ap.add_argument("--sync", action="store_true", help="plain decode reads each token before the next step "

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from ..engine import quant
 from ..engine.cache import KV_GROUP, dequantize_kv, quantize_kv
 from ..engine.convert import weight_format
+from ..engine.options import EngineOptions
 from ..engine.sampling import SamplingParams, probs, select
 from ..kernels.attention import attention
 from ..kernels.attention_triton import decode_attention, decode_attention_ref
@@ -58,8 +59,8 @@ class _Weight:
 def _weight(ctx: KernelContext, name: str, fmt: str, n: int, k: int) -> _Weight:
     buf = quant.pack(ctx.randn(n, k, gen=ctx.generator(name, "w"), dtype=F32, scale=k ** -0.5), fmt)
     ref = quant.dequantize(buf, fmt, (n, k), F32)
-    # held as the engine holds it: tiled for qmv when the compute dtype is 16-bit (EngineOptions.qmv_layout)
-    layout = "tiled" if ctx.dtype in (torch.bfloat16, torch.float16) else "rows"
+    # held as the engine holds it: qmv's layout when the compute dtype is 16-bit (EngineOptions.qmv_layout)
+    layout = EngineOptions().qmv_layout if ctx.dtype in (torch.bfloat16, torch.float16) else "rows"
     packed = PackedLinear(buf, fmt, (n, k), ctx.device, layout=layout) \
         if fmt in quant.QUANT_FORMATS else None
     return _Weight(ref, ref.to(ctx.dtype), packed)
