@@ -85,10 +85,7 @@ class FastPath:
         cfg, m, w = self.cfg, self.m, self.w
         b, t, _ = x.shape
         h, hd = cfg.num_attention_heads, cfg.head_dim
-        qg = w.linear(f"{p}.self_attn.q_proj.weight")(x).view(b, t, h, 2 * hd)
-        name = f"{p}.self_attn.kv_proj.weight"
-        kv = w.linear(name)(x) if name in w.linears else torch.cat(
-            [w.linear(f"{p}.self_attn.k_proj.weight")(x), w.linear(f"{p}.self_attn.v_proj.weight")(x)], dim=-1)
+        qg, kv = m.attn_proj(p, x)
         c = cache.kv[key]
         q, gate = fused.attn_prologue(qg, kv, w.vector(f"{p}.self_attn.q_norm.weight"),
                                       w.vector(f"{p}.self_attn.k_norm.weight"), m.cos, m.sin, c.k, c.v,

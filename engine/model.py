@@ -73,6 +73,21 @@ class HybridModel:
             return list(torch.split(self.w.linear(name)(x), sizes, dim=-1))
         return [self.w.linear(f"{prefix}.{m}.weight")(x) for m in members]
 
+    def attn_proj(self, p: str, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Full attention's input projections: ``qg [B, T, H, 2 hd]`` (query | gate per head) and ``kv [B, T,
+        2 Hkv hd]`` (k | v), through the fused qkv (or kv) projection when the store has one (views then)."""
+        cfg, w = self.cfg, self.w
+        b, t, _ = x.shape
+        h, hkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        name = f"{p}.self_attn.qkv_proj.weight"
+        if name in w.linears:
+            qg, kv = torch.split(w.linear(name)(x), [2 * h * hd, 2 * hkv * hd], dim=-1)
+        else:
+            qg = w.linear(f"{p}.self_attn.q_proj.weight")(x)
+            kv = torch.cat(self._proj(p, "self_attn.kv_proj", ("self_attn.k_proj", "self_attn.v_proj"),
+                                      [hkv * hd, hkv * hd], x), dim=-1)
+        return qg.view(b, t, h, 2 * hd), kv
+
     def mlp(self, p: str, x: torch.Tensor) -> torch.Tensor:
         i = self.cfg.intermediate_size
         gate, up = self._proj(p, "mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj"), [i, i], x)
@@ -82,10 +97,9 @@ class HybridModel:
         cfg, w = self.cfg, self.w
         b, t, _ = x.shape
         h, hkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        qg = w.linear(f"{p}.self_attn.q_proj.weight")(x).view(b, t, h, 2 * hd)
+        qg, kv = self.attn_proj(p, x)
         q, gate = qg[..., :hd], qg[..., hd:].reshape(b, t, h * hd)
-        k, v = self._proj(p, "self_attn.kv_proj", ("self_attn.k_proj", "self_attn.v_proj"),
-                          [hkv * hd, hkv * hd], x)
+        k, v = torch.split(kv, [hkv * hd, hkv * hd], dim=-1)
         q = rms_norm(q, w.vector(f"{p}.self_attn.q_norm.weight"), cfg.rms_norm_eps)
         k = rms_norm(k.view(b, t, hkv, hd), w.vector(f"{p}.self_attn.k_norm.weight"), cfg.rms_norm_eps)
         cos, sin = self.rope(step)  # [B, T, rd]

@@ -20,8 +20,10 @@ import torch.nn.functional as F
 from . import quant
 from .config import ModelConfig
 
-# (fused name, member suffixes) per layer kind; members must share K and format to fuse.
+# (fused name, member suffixes) per layer kind, tried in this order; members must share K and format to fuse, and
+# a weight joins one fusion at most (q, k and v together when they can, else k and v).
 FUSIONS = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
     "linear_attn.in_proj_qkvz": ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z"),
     "linear_attn.in_proj_ba": ("linear_attn.in_proj_b", "linear_attn.in_proj_a"),
@@ -160,7 +162,7 @@ class WeightStore:
         for prefix in sorted(prefixes):
             for fused, members in FUSIONS.items():
                 names = [f"{prefix}.{m}.weight" for m in members]
-                parts = [raws.get(n) for n in names]
+                parts = [out.get(n) for n in names]
                 if any(p is None for p in parts) or len({p.fmt for p in parts}) != 1 \
                         or len({p.shape[-1] for p in parts}) != 1:
                     continue

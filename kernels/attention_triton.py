@@ -15,6 +15,11 @@ Flash-decoding in two launches:
 2. ``_attn_combine``: one program per ``(b, t, h)`` (and block of hd columns when those rows are few) merges the
    splits that row actually used.
 
+The grid's split count is sized for ``kv_len_max``; each batch row's chunk (keys per split) is then set on the GPU
+from its own last position (``_row_chunk``, between ``min_chunk`` and ``chunk``), so a sequence far shorter than
+the cache still spreads over all the splits (the 27B shape at 8K capacity: 64 splits of 4 blocks; an 880-key
+sequence takes 28 splits of one block rather than 7 of four).
+
 The grid depends only on static sizes (B, T, H, hd and ``kv_len_max``), never on ``q_pos``, so a call can be
 captured in a CUDA graph; programs whose chunk starts past the rows' last position do no loads and store nothing.
 Triton is imported on first use, so this module imports on machines without it.
@@ -43,6 +48,7 @@ MAX_HEAD_DIM = 256  # one [BLOCK_M, hd] fp32 accumulator per program must stay i
 MAX_BLOCK_M = 64  # query rows (T * G) per program; more rows take more m tiles, which re-read K/V from L2
 PROGRAMS_PER_SM = 4  # split the key range until the grid has about this many programs per multiprocessor
 MIN_BLOCKS_PER_SPLIT = 4  # shorter chunks spend more on partial writes and the combine than they gain
+SHORT_MIN_BLOCKS = 1  # a sequence shorter than the grid's key range: the chunk shrinks on the GPU to this floor
 COMBINE_COLS, COMBINE_SPLITS = 64, 32  # combine tile [splits, columns] when the rows alone are too few programs
 
 
@@ -56,10 +62,12 @@ class AttnConfig:
 
     block_m: int  # query rows (t, g) per program, a power of two >= 16
     block_n: int  # keys per inner step, a power of two >= 16
-    chunk: int  # keys per split, a multiple of block_n
+    chunk: int  # keys per split at the full key range, a multiple of block_n
     num_warps: int
     num_stages: int
     combine_cols: int = 64  # head_dim columns per combine program (power of two; capped at the padded hd)
+    # the floor of the chunk a row's own length sets on the GPU (a multiple of block_n; None: chunk, a fixed split)
+    min_chunk: int | None = None
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "combine_cols"):
@@ -69,6 +77,9 @@ class AttnConfig:
         if self.chunk <= 0 or self.chunk % self.block_n:
             raise ValueError(f"AttnConfig.chunk must be a positive multiple of block_n={self.block_n}, "
                              f"got {self.chunk}")
+        if self.min_chunk is not None and not (0 < self.min_chunk <= self.chunk and self.min_chunk % self.block_n == 0):
+            raise ValueError(f"AttnConfig.min_chunk must be a multiple of block_n={self.block_n} in (0, chunk="
+                             f"{self.chunk}], got {self.min_chunk}")
         if self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"AttnConfig.num_warps must be a power of two <= 16, got {self.num_warps}")
         if self.num_stages < 1:
@@ -89,7 +100,7 @@ def _pow2(n: int) -> int:
 def plan(batch: int, tokens: int, heads: int, kv_heads: int, head_dim: int, kv_len: int, int8: bool,
          device: torch.device | str = "cuda", *, q_dtype: torch.dtype = torch.bfloat16, block_n: int | None = None,
          num_warps: int | None = None, num_stages: int | None = None, chunk: int | None = None,
-         combine_cols: int | None = None) -> AttnConfig:
+         combine_cols: int | None = None, min_chunk: int | None = None) -> AttnConfig:
     """The default launch shape for these static sizes; keyword overrides are for tuning sweeps and tests.
 
     Register and shared-memory notes come from sm_90 ptxas reports of these kernels (Triton 3.6).
@@ -121,8 +132,10 @@ def plan(batch: int, tokens: int, heads: int, kv_heads: int, head_dim: int, kv_l
     if combine_cols is None:
         # few (b, t, h) rows (B=1 decode): spread each row's columns over programs too
         combine_cols = block_d if batch * tokens * heads >= 2 * sms else min(block_d, COMBINE_COLS)
+    if min_chunk is None:
+        min_chunk = min(chunk, SHORT_MIN_BLOCKS * block_n)
     return AttnConfig(block_m=block_m, block_n=block_n, chunk=chunk, num_warps=num_warps, num_stages=num_stages,
-                      combine_cols=combine_cols)
+                      combine_cols=combine_cols, min_chunk=min_chunk)
 
 
 def _new_buffer(shape, dtype, device) -> torch.Tensor:
@@ -235,7 +248,7 @@ def _launch(kern, q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, scale, kv
         q, k_cache, v_cache, ks, vs, slots, q_pos, out, o_part, lse_part,
         *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3], *ks.stride()[:3], *vs.stride()[:3],
         *q_pos.stride(), *out.stride()[:3],
-        scale * LOG2E, t, h, hkv, kv_len, cfg.chunk, splits,
+        scale * LOG2E, t, h, hkv, kv_len, cfg.chunk, cfg.min_chunk or cfg.chunk, splits,
         G=g, HD=hd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, NG=block_d // gw, GW=gw,
         IS_INT8=int8, SPLIT=splits > 1, DOT_DTYPE=kern["dtypes"][q.dtype],
         DOT_PREC="tf32x3" if q.dtype == torch.float32 else "tf32",
@@ -244,7 +257,8 @@ def _launch(kern, q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, scale, kv
     if splits > 1:
         block_dc = min(block_d, cfg.combine_cols)
         kern["combine"][(b * t * h, block_d // block_dc)](
-            o_part, lse_part, q_pos, out, *q_pos.stride(), *out.stride()[:3], t, h, cfg.chunk, splits,
+            o_part, lse_part, q_pos, out, *q_pos.stride(), *out.stride()[:3], t, h, cfg.chunk,
+            cfg.min_chunk or cfg.chunk, splits, BLOCK_N=cfg.block_n,
             HD=hd, BLOCK_S=COMBINE_SPLITS, BLOCK_DC=block_dc, num_warps=4,
         )
     return out
@@ -285,15 +299,29 @@ def _load_tile(base, s_base, stride_n, stride_sn, offs_n, n_ok, DOT_DTYPE: tl.co
         return x.to(DOT_DTYPE)
 
 
+def _row_chunk(QPOS, b, stride_pb, stride_pt, T, CHUNK, MIN_CHUNK, NUM_SPLITS, BLOCK_N: tl.constexpr):
+    """Keys per split for batch row b: its last position's key range over the grid's NUM_SPLITS, in whole blocks,
+    within [MIN_CHUNK, CHUNK] - so a short sequence spreads over the splits instead of filling a few (the grid is
+    sized for the longest key range). A function of row b's own positions: batching does not change it."""
+    last = tl.full([], -1, tl.int32)
+    for t0 in range(0, T, 16):
+        ts = t0 + tl.arange(0, 16)
+        pos = tl.load(QPOS + b * stride_pb + ts * stride_pt, mask=ts < T, other=-1).to(tl.int32)
+        last = tl.maximum(last, tl.max(pos, 0))
+    want = tl.cdiv(tl.cdiv(last + 1, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    return tl.minimum(tl.maximum(want, MIN_CHUNK), CHUNK)
+
+
 def _attn_split(Q, K, V, KS, VS, SLOTS, QPOS, O, OP, LSE,
                 stride_qb, stride_qt, stride_qh, stride_ks, stride_kh, stride_kn, stride_vs, stride_vh, stride_vn,
                 stride_kss, stride_ksh, stride_ksn, stride_vss, stride_vsh, stride_vsn,
                 stride_pb, stride_pt, stride_ob, stride_ot, stride_oh,
-                qk_scale, T, H, HKV, KV_LEN, CHUNK, NUM_SPLITS,
+                qk_scale, T, H, HKV, KV_LEN, CHUNK, MIN_CHUNK, NUM_SPLITS,
                 G: tl.constexpr, HD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_D: tl.constexpr, NG: tl.constexpr, GW: tl.constexpr, IS_INT8: tl.constexpr,
                 SPLIT: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr):
-    """Program (m tile, split, b * Hkv + hkv): rows (t, g) of the tile against keys [split * CHUNK, + CHUNK)."""
+    """Program (m tile, split, b * Hkv + hkv): rows (t, g) of the tile against keys [split * chunk, + chunk), chunk
+    the row's own (_row_chunk)."""
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_bh = tl.program_id(2)
@@ -304,8 +332,9 @@ def _attn_split(Q, K, V, KS, VS, SLOTS, QPOS, O, OP, LSE,
     h = hkv * G + rows % G
     row_ok = t < T
     qpos = tl.load(QPOS + b * stride_pb + t * stride_pt, mask=row_ok, other=-1).to(tl.int32)  # [BLOCK_M]
-    lo = pid_s * CHUNK
-    hi = tl.minimum(tl.minimum(lo + CHUNK, KV_LEN), tl.max(qpos, 0) + 1)  # hi <= lo: the chunk is past every row
+    chunk = _row_chunk(QPOS, b, stride_pb, stride_pt, T, CHUNK, MIN_CHUNK, NUM_SPLITS, BLOCK_N)
+    lo = pid_s * chunk
+    hi = tl.minimum(tl.minimum(lo + chunk, KV_LEN), tl.max(qpos, 0) + 1)  # hi <= lo: the chunk is past every row
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HD
     q = tl.load(Q + b * stride_qb + t[:, None] * stride_qt + h[:, None] * stride_qh + offs_d[None, :],
@@ -349,14 +378,16 @@ def _attn_split(Q, K, V, KS, VS, SLOTS, QPOS, O, OP, LSE,
                  o.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
-def _attn_combine(OP, LSE, QPOS, O, stride_pb, stride_pt, stride_ob, stride_ot, stride_oh, T, H, CHUNK, NUM_SPLITS,
-                  HD: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DC: tl.constexpr):
+def _attn_combine(OP, LSE, QPOS, O, stride_pb, stride_pt, stride_ob, stride_ot, stride_oh, T, H, CHUNK, MIN_CHUNK,
+                  NUM_SPLITS, HD: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DC: tl.constexpr,
+                  BLOCK_N: tl.constexpr):
     """Program (r = (b * T + t) * H + h, column block): merge the splits row r's q_pos reaches (log2-sum-exp)."""
     r = tl.program_id(0)
     h = r % H
     t = (r // H) % T
     b = r // (H * T)
-    n_used = tl.minimum(tl.load(QPOS + b * stride_pb + t * stride_pt).to(tl.int32) // CHUNK + 1, NUM_SPLITS)
+    chunk = _row_chunk(QPOS, b, stride_pb, stride_pt, T, CHUNK, MIN_CHUNK, NUM_SPLITS, BLOCK_N)
+    n_used = tl.minimum(tl.load(QPOS + b * stride_pb + t * stride_pt).to(tl.int32) // chunk + 1, NUM_SPLITS)
     offs_d = tl.program_id(1) * BLOCK_DC + tl.arange(0, BLOCK_DC)
     d_ok = offs_d < HD
     base = r.to(tl.int64) * NUM_SPLITS
@@ -381,6 +412,7 @@ def _attn_combine(OP, LSE, QPOS, O, stride_pb, stride_pt, stride_ob, stride_ot, 
 @functools.lru_cache(maxsize=1)
 def _kernels() -> dict:
     """Jit the kernels (first call only). `_attn_split` finds `_load_tile` and `tl` as module globals."""
-    out = _triton.jit_module(globals(), ("_load_tile",), {"split": "_attn_split", "combine": "_attn_combine"})
+    out = _triton.jit_module(globals(), ("_load_tile", "_row_chunk"),
+                             {"split": "_attn_split", "combine": "_attn_combine"})
     out["dtypes"] = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
     return out

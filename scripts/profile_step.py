@@ -61,12 +61,18 @@ def main() -> int:
     ap.add_argument("--draft-graphs", action="store_true", help="MTP drafting from CUDA graphs (experimental)")
     ap.add_argument("--sync", action="store_true", help="plain decode reads each token before the next step "
                                                           "(default: the lookahead chain, as generate() runs it)")
+    ap.add_argument("--attn-fixed-split", action="store_true",
+                    help="decode attention splits the key range as for the full cache (no per-row chunk)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("profile_step: needs a CUDA GPU", file=sys.stderr)
         return 2
 
+    if args.attn_fixed_split:
+        from ninfer_bench.kernels import attention_triton
+
+        attention_triton.SHORT_MIN_BLOCKS = 1 << 30  # min_chunk = chunk: the split the grid is sized for
     t0 = time.time()
     eng = Engine.load(args.model, synthetic=args.synthetic, device="cuda", runtime=args.runtime, spec=args.spec,
                       draft_tokens=args.draft_tokens, qmv_pdl=args.pdl, qmv_dense=not args.cublas_dense,
@@ -131,6 +137,7 @@ def main() -> int:
         Path(args.json).write_text(json.dumps({
             "model": args.model, "spec": args.spec, "sync": args.sync, "pdl": args.pdl,
             "cublas_dense": args.cublas_dense, "qmv_layout": args.qmv_layout, "draft_graphs": args.draft_graphs,
+            "attn_fixed_split": args.attn_fixed_split,
             "runtime": args.runtime, "steps": args.steps,
             "step_wall_us": step_us, "gpu_busy_us": busy, "kernels_summed_us": total,
             "kernels": [{"name": k, "us_per_step": v[0] / args.steps, "calls_per_step": v[1] / args.steps}

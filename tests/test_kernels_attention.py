@@ -3,6 +3,7 @@
 Without CUDA the kernels run under Triton's interpreter (TRITON_INTERPRET=1, set below before triton is imported).
 """
 
+import dataclasses
 import os
 
 import pytest
@@ -123,6 +124,26 @@ def test_no_leak_past_q_pos(kv):
         dirty = at.decode_attention(**poison_past_length(c, value), config=cfg)
         assert torch.isfinite(dirty).all(), f"poison {value} leaked"
         assert torch.equal(clean, dirty), f"poison {value} changed the output"
+
+
+@pytest.mark.parametrize("kv", ["bf16", "int8"])
+def test_short_rows_shrink_their_chunk(kv):
+    """A grid sized for a long key range (chunk 4 blocks) and rows far shorter: each row's chunk shrinks on the GPU
+    to its own length over the splits (min_chunk 1 block); the sums match the reference and the fixed split, and a
+    row batched with others gives the bits it gives alone (the chunk follows the row, not the batch)."""
+    c = make_case(kv, 3, 2, 6, 2, 64, [5, 40, 150], 4, 256, seed=3)
+    b, t, h, hd = c["q"].shape
+    dyn = at.plan(b, t, h, 2, hd, 256, kv == "int8", DEVICE, q_dtype=c["q"].dtype, block_n=16, chunk=64,
+                  min_chunk=16)
+    fixed = dataclasses.replace(dyn, min_chunk=None)
+    ref = at.decode_attention_ref(**c)
+    out = at.decode_attention(**c, config=dyn)
+    assert rel_rms(out, ref) <= RTOL and rel_rms(at.decode_attention(**c, config=fixed), ref) <= RTOL
+    for i in range(b):
+        one = {**c, "q": c["q"][i:i + 1], "slots": c["slots"][i:i + 1], "q_pos": c["q_pos"][i:i + 1]}
+        assert torch.equal(at.decode_attention(**one, config=dyn)[0], out[i]), f"row {i} depends on its batch"
+    with pytest.raises(ValueError, match="min_chunk"):
+        dataclasses.replace(dyn, min_chunk=24)
 
 
 def test_combine_column_blocks():

@@ -121,3 +121,28 @@ def test_fp32_kv_takes_the_eager_attention():
     assert not EngineOptions(device="cpu", kv_dtype="fp32").fused_kernels()
     with pytest.raises(ValueError, match="kv-dtype"):
         EngineOptions(device="cpu", kv_dtype="fp32", kernels="triton").fused_kernels()
+
+
+def test_fused_projections_give_the_members_outputs():
+    """The CUDA path's fused weights (q|k|v, k|v, gate|up, qkv|z, b|a rows stacked) on the CPU: each layer's
+    projections through the fused store equal the member projections one by one."""
+    from ninfer_bench.engine.model import HybridModel
+    from ninfer_bench.engine.weights import WeightStore
+
+    eng = engine()
+    raws, cfg = eng.weights.raws, eng.config
+    fused = WeightStore(raws, fuse=True)
+    plain = WeightStore(raws, fuse=False)
+    assert any(n.endswith("self_attn.qkv_proj.weight") for n in fused.linears)
+    assert not any(n.endswith("self_attn.kv_proj.weight") for n in fused.linears)  # k, v joined q instead
+    mf = HybridModel(cfg, fused, max_positions=64)
+    mp = HybridModel(cfg, plain, max_positions=64)
+    x = torch.randn(2, 3, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    for i, kind in enumerate(cfg.layer_types):
+        p = f"model.layers.{i}"
+        if kind == "full_attention":
+            for a, b in zip(mf.attn_proj(p, x), mp.attn_proj(p, x)):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        gu = mf._proj(p, "mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj"), [cfg.intermediate_size] * 2, x)
+        for a, name in zip(gu, ("mlp.gate_proj", "mlp.up_proj")):
+            torch.testing.assert_close(a, plain.linear(f"{p}.{name}.weight")(x), rtol=1e-5, atol=1e-5)
