@@ -41,8 +41,8 @@ class EngineOptions:
     rollback: str = "recompute"
     lm_head_draft: int = 0
     cuda_graphs: bool = True
-    draft_graphs: bool = False  # MTP greedy drafting replayed from CUDA graphs (v3 on CUDA); experimental: equal
-    #                             to eager drafting on the H200, not yet timed
+    draft_graphs: bool = True  # MTP greedy drafting replayed from CUDA graphs (v3 on CUDA): the eager drafts'
+    #                            tokens; H200 27B MTP3 draft 8.4 -> 5.4 ms a round
     lookahead: bool = True  # greedy single-sequence decode on CUDA graphs: launch step n + 1 before reading
     #                         token n (a finished sequence's extra step writes the scratch slot)
     qmv_pdl: bool = False  # experimental: the quantized projections launch with programmatic dependent launch

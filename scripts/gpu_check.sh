@@ -72,16 +72,16 @@ for stage in "$@"; do
              nb kernels --shape qwen3.8-27b --t 1,8 --repeats 30 --json "$OUT/kernels_27b.json" 2>&1 | tail -12 ;;
     tiny)    timeout 90 python3 scripts/nb.py decode --model tiny -n 256 --repeats 2 --json "$OUT/tiny_v3.json" 2>&1 | tail -20 ;;
     d27)     nb decode $M27 --engine ${ENGINES:-ours,hf} --spec ${SPECS:-none,mtp:3,dflash2:7} --runtime ${RUNTIMES:-v3,v2} \
-               --rollback ${ROLLBACKS:-recompute,snapshot} --draft-graphs ${DRAFT_GRAPHS:-off} \
+               --rollback ${ROLLBACKS:-recompute,snapshot} --draft-graphs ${DRAFT_GRAPHS:-on} \
                -n 64 --repeats 2 --json "$OUT/d27" 2>&1 | tee "$OUT/d27.log" | tail -40 ;;
     profile) for mode in ${PROFILE_MODES:-lookahead sync}; do  # plain decode: lookahead (the defaults), sync, pdl,
              # cublas (small dense projections by cuBLAS), rows / tiled (packed weights row-major / in TILED 1),
-             # attnfixed (decode attention split as for the full cache);
+             # attnfixed (decode attention split as for the full cache), prefill (one 818-token prefill);
              # each but sync + lookahead
                timeout ${STAGE_S:-400} python3 scripts/profile_step.py $M27 --steps 32 $([ $mode = sync ] && echo --sync) \
                  $([ $mode = pdl ] && echo --pdl) $([ $mode = cublas ] && echo --cublas-dense) \
                  $([ $mode = rows -o $mode = tiled ] && echo --qmv-layout $mode) \
-                 $([ $mode = attnfixed ] && echo --attn-fixed-split) \
+                 $([ $mode = attnfixed ] && echo --attn-fixed-split) $([ $mode = prefill ] && echo --prefill --prompt-len 818) \
                  ${PROFILE_ARGS:-} --json "$OUT/profile27_$mode.json" 2>&1 | tee "$OUT/profile27_$mode.log" | tail -${PROFILE_LINES:-30}
              done ;;
     sdpa)    timeout ${STAGE_S:-120} python3 scripts/probe_sdpa.py 2>&1 | tee "$OUT/probe_sdpa.log" | tail -12 ;;

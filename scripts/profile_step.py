@@ -61,6 +61,8 @@ def main() -> int:
     ap.add_argument("--draft-graphs", action="store_true", help="MTP drafting from CUDA graphs (experimental)")
     ap.add_argument("--sync", action="store_true", help="plain decode reads each token before the next step "
                                                           "(default: the lookahead chain, as generate() runs it)")
+    ap.add_argument("--prefill", action="store_true",
+                    help="profile one prefill of --prompt-len tokens (the time to first token) instead of decode steps")
     ap.add_argument("--attn-fixed-split", action="store_true",
                     help="decode attention splits the key range as for the full cache (no per-row chunk)")
     ap.add_argument("--json", default=None)
@@ -103,6 +105,20 @@ def main() -> int:
         finally:
             eng.release(seq)
 
+    def run_prefill(_steps: int, prof=None) -> tuple[float, int]:
+        seq = eng.acquire(prompt, SamplingParams(max_new_tokens=2, ignore_eos=True))
+        try:
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            with prof if prof is not None else _null():
+                eng.start(seq)  # the prompt's chunks and the first token
+                torch.cuda.synchronize()
+            return time.perf_counter() - t, 1
+        finally:
+            eng.release(seq)
+
+    if args.prefill:  # one "step" is one whole prefill
+        run, args.steps = run_prefill, 1
     run(4)  # capture the graphs, compile the kernels
     wall, toks = run(args.steps)
     print(f"{args.steps} steps without the profiler: {1e3 * wall / args.steps:.3f} ms a step, "

@@ -53,10 +53,13 @@ def test_bf16_runs_and_is_close_to_fp32():
 
 
 def test_mtp_draft_graphs_equal_plain():
-    """The experimental captured MTP drafting (``draft_graphs``) drafts what the eager loop drafts."""
+    """Captured MTP drafting (``draft_graphs``, the default) and the eager loop both give plain decoding's tokens."""
     _, plain = gen(runtime="v3", kv_dtype="int8", dtype="fp32")
-    eng, res = gen(runtime="v3", kv_dtype="int8", dtype="fp32", spec="mtp", draft_tokens=3, draft_graphs=True)
+    eng, res = gen(runtime="v3", kv_dtype="int8", dtype="fp32", spec="mtp", draft_tokens=3)
     assert eng.drafter.graphs is not None and eng.drafter.graphs.captured
+    assert res.tokens == plain.tokens
+    eng, res = gen(runtime="v3", kv_dtype="int8", dtype="fp32", spec="mtp", draft_tokens=3, draft_graphs=False)
+    assert eng.drafter.graphs is None
     assert res.tokens == plain.tokens
 
 

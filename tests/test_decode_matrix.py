@@ -44,9 +44,9 @@ def test_grid_and_labels():
     ahead = decode_runs(BASE, specs=("none", "mtp:2"), lookaheads=(True, False))
     assert [(r.label, r.lookahead) for r in ahead] == [("v3-none", True), ("v3-none-sync", False),
                                                       ("v3-mtp-k2", True)]
-    graphs = decode_runs(BASE, specs=("none", "mtp:3", "dflash2:7"), draft_graphs=(False, True))
-    assert [(r.label, r.draft_graphs) for r in graphs] == [("v3-none", False), ("v3-mtp-k3", False),
-                                                          ("v3-mtp-k3-dg", True), ("v3-dflash2-k7", False)]
+    graphs = decode_runs(BASE, specs=("none", "mtp:3", "dflash2:7"), draft_graphs=(True, False))
+    assert [(r.label, r.draft_graphs) for r in graphs] == [("v3-none", True), ("v3-mtp-k3", True),
+                                                          ("v3-mtp-k3-eagerdraft", False), ("v3-dflash2-k7", True)]
     with pytest.raises(ValueError, match="plain greedy"):
         decode_runs(BASE, engines=("hf",), specs=("mtp",))
 

@@ -114,8 +114,8 @@ class MTPDrafter:
         self.e = engine
         self.head = DraftHead(engine, draft_head_ids(engine))
         self.pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        # greedy drafting replayed from CUDA graphs (``draft_graphs``, off by default: equal to the eager drafts on the
-        # H200, its speed not yet measured);
+        # greedy drafting replayed from CUDA graphs (``draft_graphs``, on by default: the eager drafts' tokens, and
+        # on the H200 at the 27B shape 5.4 ms a round of MTP3 drafting against 8.4 eager);
         # made on first use, once the engine's target graphs (runtime v3 on CUDA) exist
         self.graphs: MTPDraftGraphs | None = None
         self._want_graphs = engine.options.draft_graphs
