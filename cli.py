@@ -208,7 +208,8 @@ def engine_options(f=None, *, kv_default: str = "int8", runtime_list: bool = Fal
         click.option("--kv-capacity", type=int, default=None,
                      help="Total K/V tokens over all slots (default max-context x max-concurrency)."),
         click.option("--max-concurrency", type=int, default=1, show_default=True),
-        click.option("--prefill-chunk", type=int, default=512, show_default=True),
+        click.option("--prefill-chunk", type=int, default=2048, show_default=True,
+                     help="Prompt tokens per prefill forward."),
         runtime,
         click.option("--synthetic", is_flag=True, help="Seeded random weights for a preset (e.g. qwen3.8-27b)."),
         click.option("--quant", type=click.Choice(["fp32", "bf16", "q8", "q5", "q4", "mixed"]), default="mixed",
@@ -346,9 +347,9 @@ def oracle_prompts(artifact, prompts_path, max_new_tokens, top_k, dtype, out):
               help="Session states retained (least recently used are dropped).")
 @click.option("--session-dir", type=click.Path(file_okay=False), default=None,
               help="Write session states here and restore them on start.")
-@click.option("--interleave-chunk", type=int, default=None,
-              help="Prompt tokens prefilled per scheduler iteration while other requests decode [default: "
-                   "--prefill-chunk]: smaller lowers their inter-token latency, raises the newcomer's TTFT.")
+@click.option("--interleave-chunk", type=int, default=512, show_default=True,
+              help="Prompt tokens prefilled per scheduler iteration while other requests decode (at most "
+                   "--prefill-chunk): smaller lowers their inter-token latency, raises the newcomer's TTFT.")
 @engine_options
 def serve(artifact, host, port, spec, draft_tokens, lm_head_draft, max_queue, session_capacity, session_dir,
           **options):

@@ -243,9 +243,9 @@ def gate(baseline, candidate, rules, as_json):
 @click.option("--runtime", type=click.Choice(["v2", "v3"]), default="v3", show_default=True)
 @click.option("--max-context", type=int, default=None,
               help="Longest prompt + completion a request may have [default: 8192, or the model's limit].")
-@click.option("--prefill-chunk", type=int, default=512, show_default=True)
-@click.option("--interleave-chunk", type=int, default=None,
-              help="Prompt tokens prefilled per iteration while other requests decode [default: --prefill-chunk].")
+@click.option("--prefill-chunk", type=int, default=2048, show_default=True)
+@click.option("--interleave-chunk", type=int, default=512, show_default=True,
+              help="Prompt tokens prefilled per iteration while other requests decode (at most --prefill-chunk).")
 @click.option("--label", default=None)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write the result document.")
 def concurrency(levels, url, served_model, model, synthetic, quant, spec, draft_tokens, max_new_tokens, prompt_tokens,

@@ -33,8 +33,8 @@ class ConcurrencyOptions:
     device: str = "auto"
     kv_dtype: str = "int8"
     max_context: int | None = None
-    prefill_chunk: int = 512
-    interleave_chunk: int | None = None
+    prefill_chunk: int = 2048
+    interleave_chunk: int | None = 512
     runtime: str = "v3"
     spec: str = "none"
     draft_tokens: int | None = None

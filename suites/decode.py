@@ -31,7 +31,7 @@ class DecodeOptions:
     dtype: str = "auto"
     kv_dtype: str = "int8"
     max_context: int | None = None
-    prefill_chunk: int = 512
+    prefill_chunk: int = 2048
     runtime: str = "v3"
     spec: str = "none"
     draft_tokens: int | None = None
