@@ -76,12 +76,16 @@ for stage in "$@"; do
                -n 64 --repeats 2 --json "$OUT/d27" 2>&1 | tee "$OUT/d27.log" | tail -40 ;;
     profile) for mode in ${PROFILE_MODES:-lookahead sync}; do  # plain decode: lookahead (the defaults), sync, pdl,
              # cublas (small dense projections by cuBLAS), rows / tiled (packed weights row-major / in TILED 1),
-             # attnfixed (decode attention split as for the full cache), prefill (one 818-token prefill);
+             # attnfixed (decode attention split as for the full cache), prefill (one 818-token prefill),
+             # mtp / mtpeager / mtpcommit (MTP3 rounds: defaults / eager drafting / commit graphs), dflash2 (K=7);
              # each but sync + lookahead
                timeout ${STAGE_S:-400} python3 scripts/profile_step.py $M27 --steps 32 $([ $mode = sync ] && echo --sync) \
                  $([ $mode = pdl ] && echo --pdl) $([ $mode = cublas ] && echo --cublas-dense) \
                  $([ $mode = rows -o $mode = tiled ] && echo --qmv-layout $mode) \
-                 $([ $mode = attnfixed ] && echo --attn-fixed-split) $([ $mode = prefill ] && echo --prefill --prompt-len 818) \
+                 $([ $mode = attnfixed ] && echo --attn-fixed-split) $([ $mode = mtp ] && echo --spec mtp -k 3) \
+                 $([ $mode = mtpeager ] && echo --spec mtp -k 3 --eager-draft) \
+                 $([ $mode = mtpcommit ] && echo --spec mtp -k 3 --mtp-commit-graphs) \
+                 $([ $mode = dflash2 ] && echo --spec dflash2 -k 7) $([ $mode = prefill ] && echo --prefill --prompt-len 818) \
                  ${PROFILE_ARGS:-} --json "$OUT/profile27_$mode.json" 2>&1 | tee "$OUT/profile27_$mode.log" | tail -${PROFILE_LINES:-30}
              done ;;
     sdpa)    timeout ${STAGE_S:-120} python3 scripts/probe_sdpa.py 2>&1 | tee "$OUT/probe_sdpa.log" | tail -12 ;;

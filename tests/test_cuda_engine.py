@@ -63,6 +63,18 @@ def test_mtp_draft_graphs_equal_plain():
     assert res.tokens == plain.tokens
 
 
+@pytest.mark.parametrize("draft_graphs", [True, False])
+def test_mtp_commit_graphs_equal_plain(draft_graphs):
+    """The MTP head's pass over each verified block replayed from CUDA graphs (``mtp_commit_graphs``), with captured
+    or eager drafting: plain decoding's tokens, and the commit graphs were used."""
+    _, plain = gen(runtime="v3", kv_dtype="int8", dtype="fp32")
+    eng, res = gen(runtime="v3", kv_dtype="int8", dtype="fp32", spec="mtp", draft_tokens=3, draft_graphs=draft_graphs,
+                   mtp_commit_graphs=True)
+    assert any(key[0] == "commit" for key in eng.drafter.graphs.captured)
+    assert any(key[0] != "commit" for key in eng.drafter.graphs.captured) == draft_graphs
+    assert res.tokens == plain.tokens
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_lookahead_decode_equals_synchronous(dtype):
     """The chained greedy decode (host one step behind the GPU) gives the synchronous loop's tokens, stops where it

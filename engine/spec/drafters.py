@@ -119,6 +119,9 @@ class MTPDrafter:
         # made on first use, once the engine's target graphs (runtime v3 on CUDA) exist
         self.graphs: MTPDraftGraphs | None = None
         self._want_graphs = engine.options.draft_graphs
+        # the head's pass over each verified block (commit) replayed from CUDA graphs too (``mtp_commit_graphs``;
+        # experimental, off by default)
+        self._want_commit_graphs = engine.options.mtp_commit_graphs
 
     def steps(self, h, logits, length, slots, k: int, kv_len: int, choose=None, rope=None):
         """k drafts per row from the pending ``h [B, H]`` / ``logits [B, N]``: ``choose(logits) -> (tokens [B], q)``
@@ -167,21 +170,37 @@ class MTPDrafter:
         self.pending[seq.slot] = (h[0, -1], logits[0, -1])
 
     def commit(self, seqs, old_len, block, hidden, taps, n_acc, bonus) -> None:
+        t = block.shape[1]
+        slots = self.e._ids([s.slot for s in seqs])
+        plain_rope = self.e.rope_shift(seqs, old_len[:, None]) is None
+        if self._want_commit_graphs and plain_rope and self.graphs is None and self.e.graphs is not None:
+            self.graphs = MTPDraftGraphs(self)
+        if self._want_commit_graphs and plain_rope and self.graphs is not None:
+            h0, l0 = self.graphs.commit(hidden, block, bonus, n_acc, old_len, slots)
+        else:
+            # keys up to the verified block's end; on a GPU bound from the host's lengths (each sequence grew by at
+            # least one token this round; later keys are masked) instead of reading old_len back (a stall)
+            kv_len = min(max(s.length for s in seqs) + t, self.e.capacity) if old_len.is_cuda \
+                else int(old_len.max()) + t
+            h0, l0 = self.verified(hidden, block, bonus, n_acc, old_len, slots, kv_len,
+                                   rope=lambda pos: self.e.rope_shift(seqs, pos))
+        for r, s in enumerate(seqs):
+            self.pending[s.slot] = (h0[r], l0[r])
+
+    def verified(self, hidden, block, bonus, n_acc, old_len, slots, kv_len: int, rope=None):
+        """The head over a verified block ``[B, T]`` (its target ``hidden [B, T, H]``): each position fed the token
+        after it (the bonus past the last accepted one), K/V written at ``old_len + i``; returns the (h, logits) of
+        position ``n_acc`` per row, the next round's first draft. Device tensors only, no host read: capturable."""
         b, t = block.shape
         i = torch.arange(t, device=block.device)[None]
         nxt = torch.cat([block[:, 1:], bonus[:, None]], dim=1)
         nxt = torch.where(i < n_acc[:, None], nxt, bonus[:, None])  # token after each verified position
         pos = old_len[:, None] + i
-        slots = self.e._ids([s.slot for s in seqs])
-        # keys up to the verified block's end; on a GPU bound from the host's lengths (each sequence grew by at least
-        # one token this round; later keys are masked) instead of reading old_len back, which would stall the round
-        kv_len = min(max(s.length for s in seqs) + t, self.e.capacity) if old_len.is_cuda else int(old_len.max()) + t
-        h, logits = self.forward(hidden, nxt, pos, slots, kv_len, rope_pos=self.e.rope_shift(seqs, pos))
+        h, logits = self.forward(hidden, nxt, pos, slots, kv_len, rope_pos=rope(pos) if rope else None)
         sel = n_acc.view(b, 1, 1)
         h0 = h.gather(1, sel.expand(b, 1, h.shape[-1]))[:, 0]
         l0 = logits.gather(1, sel.expand(b, 1, logits.shape[-1]))[:, 0]
-        for r, s in enumerate(seqs):
-            self.pending[s.slot] = (h0[r], l0[r])
+        return h0, l0
 
     def draft(self, seqs, k: int):
         h = torch.stack([self.pending[s.slot][0] for s in seqs])
@@ -192,7 +211,7 @@ class MTPDrafter:
         if all(s.params.greedy for s in seqs) and self.e.rope_shift(seqs, length) is None:
             if self._want_graphs and self.graphs is None and self.e.graphs is not None:
                 self.graphs = MTPDraftGraphs(self)
-            if self.graphs is not None:
+            if self._want_graphs and self.graphs is not None:
                 return self.graphs.draft(h, logits, length, slots, k), None
         # eager: a pick per row (argmax, or a draw for sampling rows), rotary positions shifted for media rows; the
         # key range from the host's lengths (no device read between launches)
@@ -212,8 +231,9 @@ class MTPDrafter:
 
 
 class MTPDraftGraphs:
-    """MTP greedy drafting (:meth:`MTPDrafter.steps`) captured per (batch bucket, k), replayed over static
-    inputs; padding rows draft into the engine's scratch slot. Shares the target graphs' memory pool."""
+    """MTP greedy drafting (:meth:`MTPDrafter.steps`) captured per (batch bucket, k), and the head's pass over a
+    verified block (:meth:`MTPDrafter.verified`) per (batch bucket, block length), replayed over static inputs;
+    padding rows write the engine's scratch slot. Shares the target graphs' memory pool."""
 
     def __init__(self, drafter: MTPDrafter):
         self.d, self.e = drafter, drafter.e
@@ -242,6 +262,32 @@ class MTPDraftGraphs:
         sslots[b:].fill_(self.e.scratch_slot)
         graph.replay()
         return toks[:b].clone()
+
+    def commit(self, hidden, block, bonus, n_acc, old_len, slots) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`MTPDrafter.verified` replayed (keys bound by the capacity; later ones are masked by position).
+        Returns copies: the static outputs are overwritten by the next replay, maybe of another batch."""
+        b, t = block.shape
+        key = ("commit", self.e.graphs.bucket(b), t)
+        cap = self.captured.get(key)
+        if cap is None:
+            cap = self.captured[key] = self._capture_commit(key[1], t, hidden, block)
+        graph, ins, (h0, l0) = cap
+        for static, value in zip(ins, (hidden, block, bonus, n_acc, old_len, slots)):
+            static[:b].copy_(value)
+        ins[-1][b:].fill_(self.e.scratch_slot)
+        graph.replay()
+        return h0[:b].clone(), l0[:b].clone()
+
+    def _capture_commit(self, b: int, t: int, like_hidden: torch.Tensor, like_block: torch.Tensor):
+        e, dev = self.e, self.e.device
+        ins = (torch.zeros(b, t, like_hidden.shape[-1], dtype=like_hidden.dtype, device=dev),  # hidden
+               torch.zeros(b, t, dtype=like_block.dtype, device=dev),  # block
+               torch.zeros(b, dtype=like_block.dtype, device=dev),  # bonus
+               torch.zeros(b, dtype=torch.long, device=dev),  # n_acc
+               torch.zeros(b, dtype=torch.long, device=dev),  # old_len
+               torch.full((b,), e.scratch_slot, dtype=torch.long, device=dev))  # slots
+        graph, outs = capture(lambda: self.d.verified(*ins, e.capacity), e.graphs.pool, dev)
+        return graph, ins, outs
 
 
 class BlockDraftRunner:
