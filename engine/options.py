@@ -44,6 +44,8 @@ class EngineOptions:
     cuda_graphs: bool = True
     draft_graphs: bool = True  # MTP greedy drafting replayed from CUDA graphs (v3 on CUDA): the eager drafts'
     #                            tokens; H200 27B MTP3 draft 8.4 -> 5.4 ms a round
+    block_draft_graphs: bool = False  # DFlash / DFlash2 greedy block drafting replayed from CUDA graphs (v3 on
+    #                                   CUDA); experimental: not yet run on a GPU
     mtp_commit_graphs: bool = False  # the MTP head's pass over each verified block replayed from CUDA graphs (v3
     #                                  on CUDA); experimental: not yet run on a GPU
     lookahead: bool = True  # greedy single-sequence decode on CUDA graphs: launch step n + 1 before reading

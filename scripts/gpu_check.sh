@@ -77,7 +77,8 @@ for stage in "$@"; do
     profile) for mode in ${PROFILE_MODES:-lookahead sync}; do  # plain decode: lookahead (the defaults), sync, pdl,
              # cublas (small dense projections by cuBLAS), rows / tiled (packed weights row-major / in TILED 1),
              # attnfixed (decode attention split as for the full cache), prefill (one 818-token prefill),
-             # mtp / mtpeager / mtpcommit (MTP3 rounds: defaults / eager drafting / commit graphs), dflash2 (K=7);
+             # mtp / mtpeager / mtpcommit (MTP3 rounds: defaults / eager drafting / commit graphs), dflash2 /
+             # dflash2graphs (K=7 rounds: defaults / drafting from CUDA graphs);
              # each but sync + lookahead
                timeout ${STAGE_S:-400} python3 scripts/profile_step.py $M27 --steps 32 $([ $mode = sync ] && echo --sync) \
                  $([ $mode = pdl ] && echo --pdl) $([ $mode = cublas ] && echo --cublas-dense) \
@@ -85,7 +86,8 @@ for stage in "$@"; do
                  $([ $mode = attnfixed ] && echo --attn-fixed-split) $([ $mode = mtp ] && echo --spec mtp -k 3) \
                  $([ $mode = mtpeager ] && echo --spec mtp -k 3 --eager-draft) \
                  $([ $mode = mtpcommit ] && echo --spec mtp -k 3 --mtp-commit-graphs) \
-                 $([ $mode = dflash2 ] && echo --spec dflash2 -k 7) $([ $mode = prefill ] && echo --prefill --prompt-len 818) \
+                 $([ $mode = dflash2 ] && echo --spec dflash2 -k 7) \
+                 $([ $mode = dflash2graphs ] && echo --spec dflash2 -k 7 --block-draft-graphs) $([ $mode = prefill ] && echo --prefill --prompt-len 818) \
                  ${PROFILE_ARGS:-} --json "$OUT/profile27_$mode.json" 2>&1 | tee "$OUT/profile27_$mode.log" | tail -${PROFILE_LINES:-30}
              done ;;
     sdpa)    timeout ${STAGE_S:-120} python3 scripts/probe_sdpa.py 2>&1 | tee "$OUT/probe_sdpa.log" | tail -12 ;;

@@ -63,6 +63,18 @@ def test_mtp_draft_graphs_equal_plain():
     assert res.tokens == plain.tokens
 
 
+@pytest.mark.parametrize("spec", ["dflash", "dflash2"])
+def test_block_draft_graphs_equal_plain(spec):
+    """DFlash / DFlash2 greedy drafting replayed from CUDA graphs (``block_draft_graphs``): plain decoding's tokens,
+    the eager drafter's drafts (same acceptance), and the graphs were used."""
+    _, plain = gen(runtime="v3", kv_dtype="int8", dtype="fp32")
+    _, eager = gen(runtime="v3", kv_dtype="int8", dtype="fp32", spec=spec, draft_tokens=7)
+    eng, res = gen(runtime="v3", kv_dtype="int8", dtype="fp32", spec=spec, draft_tokens=7, block_draft_graphs=True)
+    assert eng.drafter.graphs is not None and eng.drafter.graphs.captured
+    assert res.tokens == plain.tokens
+    assert res.spec["accepted_tokens"] == eager.spec["accepted_tokens"]
+
+
 @pytest.mark.parametrize("draft_graphs", [True, False])
 def test_mtp_commit_graphs_equal_plain(draft_graphs):
     """The MTP head's pass over each verified block replayed from CUDA graphs (``mtp_commit_graphs``), with captured

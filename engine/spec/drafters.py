@@ -324,6 +324,10 @@ class BlockDraftRunner:
         self.k = [torch.zeros(shape, dtype=dt, device=dev) for _ in range(cfg.num_layers)]
         self.v = [torch.zeros(shape, dtype=dt, device=dev) for _ in range(cfg.num_layers)]
         self.pos = torch.full((slots, self.cap + 1), -1, dtype=torch.long, device=dev)
+        # greedy block drafting replayed from CUDA graphs (``block_draft_graphs``; experimental, off by default),
+        # made on first use once the engine's target graphs exist
+        self.graphs: BlockDraftGraphs | None = None
+        self._want_graphs = engine.options.block_draft_graphs
 
     def _write(self, slots, taps, pos, live) -> None:
         """Context K/V of ``taps [B, T, n*H]`` at ``pos [B, T]``; rows where ``live`` is False are discarded."""
@@ -349,12 +353,31 @@ class BlockDraftRunner:
 
     @torch.inference_mode()
     def draft(self, seqs, k: int):
-        e, c = self.e, self.cfg
+        e = self.e
         slots = e._ids([s.slot for s in seqs])
         length = e._ids([s.length for s in seqs])
-        b = len(seqs)
+        last = e._ids([s.last for s in seqs])
+        greedy = all(s.params.greedy for s in seqs)
+        if greedy and self._want_graphs and e.graphs is not None:
+            if self.graphs is None:
+                self.graphs = BlockDraftGraphs(self)
+            return self.graphs.draft(last, length, slots, k), None
+        h, logits = self.block(last, length, slots, k)
+        if greedy:
+            return self.greedy(h, logits, last), None
+        if self.net.selector is None:
+            toks, qs = zip(*(pick(seqs, logits[:, j], self.head) for j in range(k)))
+            return torch.stack(toks, 1), (torch.stack(qs, 1) if qs[0] is not None else None)
+        return self._select(seqs, h, logits, last)
+
+    def block(self, last, length, slots, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The drafter over one block per row - ``last [B]`` (the newest token, at position ``length``) then ``k``
+        mask tokens - against the row's context K/V: hidden ``[B, k, H]`` and head logits ``[B, k, N]`` of the k
+        drafted positions. Device tensors only, no host read: capturable."""
+        e, c = self.e, self.cfg
+        b = last.shape[0]
         ids = torch.full((b, k + 1), c.mask_token_id, dtype=torch.long, device=e.device)
-        ids[:, 0] = e._ids([s.last for s in seqs])
+        ids[:, 0] = last
         pos = length[:, None] + torch.arange(k + 1, device=e.device)[None]
         cpos = self.pos[slots][:, : self.cap]  # [B, cap]
         vis = (cpos >= 0) & (cpos < length[:, None])
@@ -365,11 +388,14 @@ class BlockDraftRunner:
         ks = [kk[slots][:, : self.cap] for kk in self.k]
         vs = [vv[slots][:, : self.cap] for vv in self.v]
         h = self.net.blocks(e.weights.embed(ids), pos, ks, vs, mask)[:, 1:]
-        logits = self.head.logits(h)  # [B, k, N]
+        return h, self.head.logits(h)
+
+    def greedy(self, h, logits, anchor) -> torch.Tensor:
+        """Greedy drafts ``[B, k]`` (vocabulary ids) of a block: each position's argmax, or DFlash2's candidate walk
+        from ``anchor [B]`` for all rows at once."""
         if self.net.selector is None:
-            toks, qs = zip(*(pick(seqs, logits[:, j], self.head) for j in range(k)))
-            return torch.stack(toks, 1), (torch.stack(qs, 1) if qs[0] is not None else None)
-        return self._select(seqs, h, logits, ids[:, 0])
+            return self.head.to_vocab(logits.argmax(-1))
+        return self.net.selector.walk(h, logits, anchor, 0.0, None, ids_map=self.head.ids)[0]
 
     def _select(self, seqs, h, logits, anchor):
         """DFlash2: the candidate walk (per row, since rows may sample at different temperatures)."""
@@ -401,3 +427,39 @@ class BlockDraftRunner:
         for dst, src in zip(self.k + self.v, state["k"] + state["v"]):
             dst[slot] = src.to(dst.device, dst.dtype)
         self.pos[slot] = state["pos"].to(self.pos.device)
+
+
+class BlockDraftGraphs:
+    """DFlash / DFlash2 greedy block drafting (:meth:`BlockDraftRunner.block` + :meth:`BlockDraftRunner.greedy`)
+    captured per (batch bucket, k), replayed over static inputs; padding rows read the engine's scratch slot (their
+    drafts are dropped). Shares the target graphs' memory pool."""
+
+    def __init__(self, runner: BlockDraftRunner):
+        self.r, self.e = runner, runner.e
+        self.captured: dict[tuple[int, int], tuple] = {}
+
+    def draft(self, last, length, slots, k: int) -> torch.Tensor:
+        b = last.shape[0]
+        key = (self.e.graphs.bucket(b), k)
+        cap = self.captured.get(key)
+        if cap is None:
+            cap = self.captured[key] = self._capture(*key)
+        graph, ins, toks = cap
+        for static, value in zip(ins, (last, length, slots)):
+            static[:b].copy_(value)
+        ins[-1][b:].fill_(self.e.scratch_slot)
+        graph.replay()
+        return toks[:b].clone()
+
+    def _capture(self, b: int, k: int):
+        e, dev = self.e, self.e.device
+        ins = (torch.zeros(b, dtype=torch.long, device=dev), torch.zeros(b, dtype=torch.long, device=dev),
+               torch.full((b,), e.scratch_slot, dtype=torch.long, device=dev))  # last, length, slots
+
+        def run():
+            h, logits = self.r.block(*ins, k)
+            return self.r.greedy(h, logits, ins[0])
+
+        graph, toks = capture(run, e.graphs.pool, dev)
+        return graph, ins, toks
+
