@@ -74,21 +74,25 @@ for stage in "$@"; do
     d27)     nb decode $M27 --engine ${ENGINES:-ours,hf} --spec ${SPECS:-none,mtp:3,dflash2:7} --runtime ${RUNTIMES:-v3,v2} \
                --rollback ${ROLLBACKS:-recompute,snapshot} --draft-graphs ${DRAFT_GRAPHS:-on} \
                -n 64 --repeats 2 --json "$OUT/d27" 2>&1 | tee "$OUT/d27.log" | tail -40 ;;
-    profile) for mode in ${PROFILE_MODES:-lookahead sync}; do  # plain decode: lookahead (the defaults), sync, pdl,
-             # cublas (small dense projections by cuBLAS), rows / tiled (packed weights row-major / in TILED 1),
-             # attnfixed (decode attention split as for the full cache), prefill (one 818-token prefill),
-             # mtp / mtpeager / mtpcommit (MTP3 rounds: defaults / eager drafting / commit graphs), dflash2 /
-             # dflash2graphs (K=7 rounds: defaults / drafting from CUDA graphs);
-             # each but sync + lookahead
-               timeout ${STAGE_S:-400} python3 scripts/profile_step.py $M27 --steps 32 $([ $mode = sync ] && echo --sync) \
-                 $([ $mode = pdl ] && echo --pdl) $([ $mode = cublas ] && echo --cublas-dense) \
-                 $([ $mode = rows -o $mode = tiled ] && echo --qmv-layout $mode) \
-                 $([ $mode = attnfixed ] && echo --attn-fixed-split) $([ $mode = mtp ] && echo --spec mtp -k 3) \
-                 $([ $mode = mtpeager ] && echo --spec mtp -k 3 --eager-draft) \
-                 $([ $mode = mtpcommit ] && echo --spec mtp -k 3 --mtp-commit-graphs) \
-                 $([ $mode = dflash2 ] && echo --spec dflash2 -k 7) \
-                 $([ $mode = dflash2graphs ] && echo --spec dflash2 -k 7 --block-draft-graphs) $([ $mode = prefill ] && echo --prefill --prompt-len 818) \
-                 ${PROFILE_ARGS:-} --json "$OUT/profile27_$mode.json" 2>&1 | tee "$OUT/profile27_$mode.log" | tail -${PROFILE_LINES:-30}
+    profile) for mode in ${PROFILE_MODES:-lookahead sync}; do  # 27B decode steps (or rounds, or one prefill), each
+             # mode one switch against the engine's defaults (lookahead: the defaults themselves)
+               case $mode in
+                 sync)          flags="--sync" ;;                     # read each token before the next step
+                 pdl)           flags="--pdl" ;;                      # qmv with programmatic dependent launch
+                 cublas)        flags="--cublas-dense" ;;             # small dense projections by cuBLAS
+                 rows|tiled)    flags="--qmv-layout $mode" ;;         # packed weights row-major / in TILED 1
+                 attnfixed)     flags="--attn-fixed-split" ;;         # attention split as for the full cache
+                 prefill)       flags="--prefill --prompt-len 818" ;; # one 818-token prefill
+                 mtp)           flags="--spec mtp -k 3" ;;            # MTP3 rounds (captured drafting)
+                 mtpeager)      flags="--spec mtp -k 3 --eager-draft" ;;
+                 mtpcommit)     flags="--spec mtp -k 3 --mtp-commit-graphs" ;;
+                 dflash2)       flags="--spec dflash2 -k 7" ;;        # DFlash2 K=7 rounds
+                 dflash2graphs) flags="--spec dflash2 -k 7 --block-draft-graphs" ;;
+                 lookahead)     flags="" ;;
+                 *)             echo "profile: unknown mode $mode" >&2; continue ;;
+               esac
+               timeout ${STAGE_S:-400} python3 scripts/profile_step.py $M27 --steps 32 $flags ${PROFILE_ARGS:-} \
+                 --json "$OUT/profile27_$mode.json" 2>&1 | tee "$OUT/profile27_$mode.log" | tail -${PROFILE_LINES:-30}
              done ;;
     sdpa)    timeout ${STAGE_S:-120} python3 scripts/probe_sdpa.py 2>&1 | tee "$OUT/probe_sdpa.log" | tail -12 ;;
     ksuite)  nb kernels --shape qwen3.8-27b --t 1,8 --repeats 30 --json "$OUT/kernels_27b.json" 2>&1 \

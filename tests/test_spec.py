@@ -169,3 +169,41 @@ def test_finishing_inside_a_block_keeps_cache_and_length_consistent(plain):
     state = eng.export_state(seq)
     eng.release(seq)
     assert len(state["ids"]) == state["cache"]["length"]
+
+
+class _EagerGraph:
+    """A CUDA graph's replay semantics on the CPU: run the captured function again over the same static inputs
+    and write its results into the tensors the capture returned."""
+
+    def __init__(self, fn, outs):
+        self.fn, self.outs = fn, outs
+
+    def replay(self):
+        new = self.fn()
+        for out, value in zip(*((self.outs, new) if isinstance(new, tuple) else ((self.outs,), (new,)))):
+            out.copy_(value)
+
+
+@pytest.mark.parametrize("spec,k", [("mtp", 3), ("dflash", 5), ("dflash2", 7)])
+def test_draft_graph_replays_equal_plain(plain, monkeypatch, spec, k):
+    """The drafters' graph replays (static inputs, padding rows on the scratch slot, outputs copied out) with the
+    capture emulated on the CPU, and a bucket one row wider than the batch: plain decoding's tokens, the eager
+    drafter's acceptance, and every wanted function went through a replay."""
+    from types import SimpleNamespace
+
+    from ninfer_bench.engine.spec import draft_graphs
+
+    def capture(fn, pool, device, **kw):
+        outs = fn()
+        return _EagerGraph(fn, outs), outs
+
+    monkeypatch.setattr(draft_graphs, "capture", capture)
+    wants = dict(mtp_commit_graphs=True) if spec == "mtp" else dict(block_draft_graphs=True)
+    eager = engine(spec=spec, draft_tokens=k).generate(PROMPTS[1], max_new_tokens=NEW, ignore_eos=True)
+    eng = engine(spec=spec, draft_tokens=k, **wants)
+    eng.drafter.graphs = draft_graphs.DraftGraphs(eng, SimpleNamespace(bucket=lambda b: b + 1, pool=None))
+    res = eng.generate(PROMPTS[1], max_new_tokens=NEW, ignore_eos=True)
+    assert res.tokens == plain[1]
+    assert res.spec["accepted_tokens"] == eager.spec["accepted_tokens"]
+    names = {name for name, _, _ in eng.drafter.graphs.captured}
+    assert names == ({"draft", "commit"} if spec == "mtp" else {"draft"})

@@ -1,112 +1,55 @@
 """Drafting replayed from CUDA graphs (runtime v3 on CUDA): MTP's greedy draft steps and its pass over each
-verified block, and DFlash / DFlash2 greedy block drafting. Each captures its drafter's own device-only function
-(:meth:`MTPDrafter.steps`, :meth:`MTPDrafter.verified`, :meth:`BlockDraftRunner.block` + ``greedy``) per batch
-bucket over static inputs, padding rows on the engine's scratch slot, in the target graphs' memory pool; a replay
-copies the live rows in and its outputs out (the static buffers are overwritten by the next replay).
+verified block, and DFlash / DFlash2 greedy block drafting. A drafter hands :meth:`DraftGraphs.replay` one of its
+own device-only functions (:meth:`MTPDrafter.steps`, :meth:`MTPDrafter.verified`, :meth:`BlockDraftRunner.block` +
+``greedy``) with its batch inputs; the function is captured once per (name, batch bucket, k) over static inputs,
+padding rows on the engine's scratch slot, in the target graphs' memory pool, and each replay copies the live rows
+in and the outputs out (the static buffers are overwritten by the next replay, maybe of another batch).
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import torch
 
 from ..graphs import capture
 
-if TYPE_CHECKING:
-    from .drafters import BlockDraftRunner, MTPDrafter
 
+class DraftGraphs:
+    """One drafter's captured functions. ``runner`` (default the engine's :class:`engine.graphs.GraphRunner`) gives
+    the batch buckets (``bucket(b)``) and the memory pool (``pool``)."""
 
-class MTPDraftGraphs:
-    """MTP greedy drafting (:meth:`MTPDrafter.steps`) captured per (batch bucket, k), and the head's pass over a
-    verified block (:meth:`MTPDrafter.verified`) per (batch bucket, block length), replayed over static inputs;
-    padding rows write the engine's scratch slot. Shares the target graphs' memory pool."""
+    def __init__(self, engine, runner=None):
+        self.e = engine
+        self.runner = runner if runner is not None else engine.graphs
+        self.captured: dict[tuple[str, int, int], tuple] = {}
 
-    def __init__(self, drafter: MTPDrafter):
-        self.d, self.e = drafter, drafter.e
-        self.captured: dict[tuple[int, int], tuple] = {}
-
-    def _capture(self, b: int, k: int, like_h: torch.Tensor, like_logits: torch.Tensor):
-        e, dev = self.e, self.e.device
-        h = torch.zeros(b, like_h.shape[-1], dtype=like_h.dtype, device=dev)
-        logits = torch.zeros(b, like_logits.shape[-1], dtype=like_logits.dtype, device=dev)
-        length = torch.zeros(b, dtype=torch.long, device=dev)
-        slots = torch.full((b,), e.scratch_slot, dtype=torch.long, device=dev)
-        graph, toks = capture(lambda: self.d.steps(h, logits, length, slots, k, e.capacity)[0], e.graphs.pool, dev)
-        return graph, h, logits, length, slots, toks
-
-    def draft(self, h, logits, length, slots, k: int) -> torch.Tensor:
-        b = h.shape[0]
-        key = (self.e.graphs.bucket(b), k)
+    def replay(self, name: str, k: int, values: tuple[torch.Tensor, ...], fn):
+        """``fn(*values)``'s output (a tensor or a tuple of them, ``[B, ...]`` each) from the graph captured for
+        (``name``, B's bucket, ``k``). ``values``: ``[B, ...]`` device tensors, the cache slots last; ``fn`` must
+        read nothing back to the host, and stand for the same computation whenever name and k are the same."""
+        b = values[0].shape[0]
+        key = (name, self.runner.bucket(b), k)
         cap = self.captured.get(key)
         if cap is None:
-            cap = self.captured[key] = self._capture(*key, h, logits)
-        graph, sh, sl, slen, sslots, toks = cap
-        sh[:b].copy_(h)
-        sl[:b].copy_(logits)
-        slen[:b].copy_(length)
-        sslots[:b].copy_(slots)
-        sslots[b:].fill_(self.e.scratch_slot)
-        graph.replay()
-        return toks[:b].clone()
-
-    def commit(self, hidden, block, bonus, n_acc, old_len, slots) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`MTPDrafter.verified` replayed (keys bound by the capacity; later ones are masked by position).
-        Returns copies: the static outputs are overwritten by the next replay, maybe of another batch."""
-        b, t = block.shape
-        key = ("commit", self.e.graphs.bucket(b), t)
-        cap = self.captured.get(key)
-        if cap is None:
-            cap = self.captured[key] = self._capture_commit(key[1], t, hidden, block)
-        graph, ins, (h0, l0) = cap
-        for static, value in zip(ins, (hidden, block, bonus, n_acc, old_len, slots)):
+            cap = self.captured[key] = self._capture(key[1], values, fn)
+        graph, ins, outs = cap
+        for static, value in zip(ins, values):
             static[:b].copy_(value)
         ins[-1][b:].fill_(self.e.scratch_slot)
         graph.replay()
-        return h0[:b].clone(), l0[:b].clone()
+        if isinstance(outs, torch.Tensor):
+            return outs[:b].clone()
+        return tuple(o[:b].clone() for o in outs)
 
-    def _capture_commit(self, b: int, t: int, like_hidden: torch.Tensor, like_block: torch.Tensor):
-        e, dev = self.e, self.e.device
-        ins = (torch.zeros(b, t, like_hidden.shape[-1], dtype=like_hidden.dtype, device=dev),  # hidden
-               torch.zeros(b, t, dtype=like_block.dtype, device=dev),  # block
-               torch.zeros(b, dtype=like_block.dtype, device=dev),  # bonus
-               torch.zeros(b, dtype=torch.long, device=dev),  # n_acc
-               torch.zeros(b, dtype=torch.long, device=dev),  # old_len
-               torch.full((b,), e.scratch_slot, dtype=torch.long, device=dev))  # slots
-        graph, outs = capture(lambda: self.d.verified(*ins, e.capacity), e.graphs.pool, dev)
+    def _capture(self, bucket: int, values, fn):
+        ins = tuple(v.new_zeros((bucket, *v.shape[1:])) for v in values[:-1]) + (
+            torch.full((bucket,), self.e.scratch_slot, dtype=torch.long, device=self.e.device),)
+        graph, outs = capture(lambda: fn(*ins), self.runner.pool, self.e.device)
         return graph, ins, outs
 
 
-class BlockDraftGraphs:
-    """DFlash / DFlash2 greedy block drafting (:meth:`BlockDraftRunner.block` + :meth:`BlockDraftRunner.greedy`)
-    captured per (batch bucket, k), replayed over static inputs; padding rows read the engine's scratch slot (their
-    drafts are dropped). Shares the target graphs' memory pool."""
-
-    def __init__(self, runner: BlockDraftRunner):
-        self.r, self.e = runner, runner.e
-        self.captured: dict[tuple[int, int], tuple] = {}
-
-    def draft(self, last, length, slots, k: int) -> torch.Tensor:
-        b = last.shape[0]
-        key = (self.e.graphs.bucket(b), k)
-        cap = self.captured.get(key)
-        if cap is None:
-            cap = self.captured[key] = self._capture(*key)
-        graph, ins, toks = cap
-        for static, value in zip(ins, (last, length, slots)):
-            static[:b].copy_(value)
-        ins[-1][b:].fill_(self.e.scratch_slot)
-        graph.replay()
-        return toks[:b].clone()
-
-    def _capture(self, b: int, k: int):
-        e, dev = self.e, self.e.device
-        ins = (torch.zeros(b, dtype=torch.long, device=dev), torch.zeros(b, dtype=torch.long, device=dev),
-               torch.full((b,), e.scratch_slot, dtype=torch.long, device=dev))  # last, length, slots
-
-        def run():
-            h, logits = self.r.block(*ins, k)
-            return self.r.greedy(h, logits, ins[0])
-
-        graph, toks = capture(run, e.graphs.pool, dev)
-        return graph, ins, toks
+def wanted(drafter, want: bool) -> DraftGraphs | None:
+    """``drafter.graphs`` when ``want``, made on first use; None when not wanted or where the engine captures no
+    graphs (CPU, runtime v2)."""
+    if want and drafter.graphs is None and drafter.e.graphs is not None:
+        drafter.graphs = DraftGraphs(drafter.e)
+    return drafter.graphs if want else None

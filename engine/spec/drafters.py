@@ -21,7 +21,7 @@ from ..model import DECODE, PREFILL, Step
 from ..sampling import probs
 from ..weights import RawWeight
 from .dflash import BlockDrafter
-from .draft_graphs import BlockDraftGraphs, MTPDraftGraphs
+from .draft_graphs import DraftGraphs, wanted
 
 
 def draft_head_ids(e) -> torch.Tensor | None:
@@ -117,7 +117,7 @@ class MTPDrafter:
         # greedy drafting replayed from CUDA graphs (``draft_graphs``, on by default: the eager drafts' tokens, and
         # on the H200 at the 27B shape 5.4 ms a round of MTP3 drafting against 8.4 eager);
         # made on first use, once the engine's target graphs (runtime v3 on CUDA) exist
-        self.graphs: MTPDraftGraphs | None = None
+        self.graphs: DraftGraphs | None = None
         self._want_graphs = engine.options.draft_graphs
         # the head's pass over each verified block (commit) replayed from CUDA graphs too (``mtp_commit_graphs``;
         # experimental, off by default)
@@ -173,10 +173,10 @@ class MTPDrafter:
         t = block.shape[1]
         slots = self.e._ids([s.slot for s in seqs])
         plain_rope = self.e.rope_shift(seqs, old_len[:, None]) is None
-        if self._want_commit_graphs and plain_rope and self.graphs is None and self.e.graphs is not None:
-            self.graphs = MTPDraftGraphs(self)
-        if self._want_commit_graphs and plain_rope and self.graphs is not None:
-            h0, l0 = self.graphs.commit(hidden, block, bonus, n_acc, old_len, slots)
+        graphs = wanted(self, self._want_commit_graphs and plain_rope)
+        if graphs is not None:  # keys bound by the capacity (later ones are masked by position)
+            h0, l0 = graphs.replay("commit", t, (hidden, block, bonus, n_acc, old_len, slots),
+                                   lambda *ins: self.verified(*ins, self.e.capacity))
         else:
             # keys up to the verified block's end; on a GPU bound from the host's lengths (each sequence grew by at
             # least one token this round; later keys are masked) instead of reading old_len back (a stall)
@@ -209,10 +209,10 @@ class MTPDrafter:
         lengths = [s.length for s in seqs]
         length = self.e._ids(lengths)
         if all(s.params.greedy for s in seqs) and self.e.rope_shift(seqs, length) is None:
-            if self._want_graphs and self.graphs is None and self.e.graphs is not None:
-                self.graphs = MTPDraftGraphs(self)
-            if self._want_graphs and self.graphs is not None:
-                return self.graphs.draft(h, logits, length, slots, k), None
+            graphs = wanted(self, self._want_graphs)
+            if graphs is not None:
+                return graphs.replay("draft", k, (h, logits, length, slots),
+                                     lambda *ins: self.steps(*ins, k, self.e.capacity)[0]), None
         # eager: a pick per row (argmax, or a draw for sampling rows), rotary positions shifted for media rows; the
         # key range from the host's lengths (no device read between launches)
         toks, qs = self.steps(h, logits, length, slots, k, max(lengths) + k,
@@ -266,7 +266,7 @@ class BlockDraftRunner:
         self.pos = torch.full((slots, self.cap + 1), -1, dtype=torch.long, device=dev)
         # greedy block drafting replayed from CUDA graphs (``block_draft_graphs``; experimental, off by default),
         # made on first use once the engine's target graphs exist
-        self.graphs: BlockDraftGraphs | None = None
+        self.graphs: DraftGraphs | None = None
         self._want_graphs = engine.options.block_draft_graphs
 
     def _write(self, slots, taps, pos, live) -> None:
@@ -298,10 +298,10 @@ class BlockDraftRunner:
         length = e._ids([s.length for s in seqs])
         last = e._ids([s.last for s in seqs])
         greedy = all(s.params.greedy for s in seqs)
-        if greedy and self._want_graphs and e.graphs is not None:
-            if self.graphs is None:
-                self.graphs = BlockDraftGraphs(self)
-            return self.graphs.draft(last, length, slots, k), None
+        graphs = wanted(self, greedy and self._want_graphs)
+        if graphs is not None:
+            return graphs.replay("draft", k, (last, length, slots),
+                                 lambda *ins: self.greedy(*self.block(*ins, k), ins[0])), None
         h, logits = self.block(last, length, slots, k)
         if greedy:
             return self.greedy(h, logits, last), None
