@@ -84,7 +84,7 @@ def fmt(v, spec=".2f"):
               help="Plain greedy decode on CUDA graphs: queue step n + 1 before reading token n (off: read each "
                    "token first); on,off runs both.")
 @click.option("--draft-graphs", "draft_graphs", default="on", show_default=True, callback=comma_list(("on", "off")),
-              help="MTP greedy drafting replayed from CUDA graphs (v3 on CUDA; off: eager drafting, labelled "
+              help="Greedy drafting (MTP, DFlash, DFlash2) replayed from CUDA graphs (v3 on CUDA; off: eager drafting, labelled "
                    "-eagerdraft); on,off runs both.")
 @click.option("--prompt-file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Prompt text, or a .jsonl prompt set (e.g. suites/data/heldout_prompts.jsonl) "

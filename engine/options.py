@@ -42,16 +42,15 @@ class EngineOptions:
     rollback: str = "recompute"
     lm_head_draft: int = 0
     cuda_graphs: bool = True
-    draft_graphs: bool = True  # MTP greedy drafting replayed from CUDA graphs (v3 on CUDA): the eager drafts'
-    #                            tokens; H200 27B MTP3 draft 8.4 -> 5.4 ms a round
-    block_draft_graphs: bool = False  # DFlash / DFlash2 greedy block drafting replayed from CUDA graphs (v3 on
-    #                                   CUDA); experimental: not yet run on a GPU
-    mtp_commit_graphs: bool = False  # the MTP head's pass over each verified block replayed from CUDA graphs (v3
-    #                                  on CUDA); experimental: not yet run on a GPU
+    draft_graphs: bool = True  # greedy drafting replayed from CUDA graphs (v3 on CUDA): MTP's draft steps and its
+    #                            pass over each verified block, DFlash / DFlash2 block drafting; the eager drafts'
+    #                            tokens. H200 27B a round: MTP3 14.0 -> 11.5 ms (commit captured too), DFlash2 K=7
+    #                            22.9 -> 13.6 ms
     lookahead: bool = True  # greedy single-sequence decode on CUDA graphs: launch step n + 1 before reading
     #                         token n (a finished sequence's extra step writes the scratch slot)
-    qmv_pdl: bool = False  # experimental: the quantized projections launch with programmatic dependent launch
-    #                        (sm_90+; process-wide: kernels/qmv_cuda.set_pdl)
+    pdl: bool = False  # the decode step's kernels (qmv and the fused Triton glue) launch with programmatic dependent
+    #                    launch (sm_90+; process-wide: kernels/_triton.set_pdl, kernels/qmv_cuda.set_pdl): each may
+    #                    launch while the one before finishes
     qmv_dense: bool = True  # small dense bf16/fp16 projections (<= 1024 rows, <= 64 x rows) through qmv's dense
     #                         path instead of cuBLAS (process-wide: kernels/qmv_cuda.set_dense; H200 27B step 8.01 ->
     #                         7.90 ms)

@@ -113,9 +113,10 @@ class Engine:
         self.graphs = None
         self._chain_used = False  # whether the last generate() decoded through the graph chain
         if self.device.type == "cuda":
-            from ..kernels import qmv_cuda
+            from ..kernels import _triton, qmv_cuda
 
-            qmv_cuda.set_pdl(opts.qmv_pdl)
+            qmv_cuda.set_pdl(opts.pdl)
+            _triton.set_pdl(opts.pdl)
             qmv_cuda.set_dense(opts.qmv_dense)
         if self.device.type == "cuda" and opts.runtime == "v3" and opts.cuda_graphs:
             from .graphs import GraphRunner

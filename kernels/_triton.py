@@ -22,15 +22,65 @@ def available(module: str = "triton") -> bool:
 
 
 def jit_module(namespace: dict, helpers: tuple[str, ...], kernels: dict[str, str]) -> dict:
-    """Jit a kernel module's functions in place: bind ``tl`` and each ``@triton.jit`` helper in ``namespace``
-    (the module's globals, where kernels look their helpers up when they compile) and return the jitted
-    kernels by key, plus ``"interpreted"`` (True under TRITON_INTERPRET=1)."""
+    """Jit a kernel module's functions in place: bind ``tl``, ``pdl_enter(PDL)`` (see :func:`pdl_args`) and each
+    ``@triton.jit`` helper in ``namespace`` (the module's globals, where kernels look their helpers up when they
+    compile) and return the jitted kernels by key, plus ``"interpreted"`` (True under TRITON_INTERPRET=1)."""
     import triton
     import triton.language
 
     namespace["tl"] = triton.language
+    namespace["pdl_enter"] = _jit_pdl_enter()
     for name in helpers:
         namespace[name] = triton.jit(namespace[name])
     out = {key: triton.jit(namespace[fn]) for key, fn in kernels.items()}
     out["interpreted"] = not isinstance(next(iter(out.values())), triton.runtime.JITFunction)
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def _jit_pdl_enter():
+    import triton
+    import triton.language
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    globals().update(tl=triton.language, gdc_wait=gdc_wait, gdc_launch_dependents=gdc_launch_dependents)
+    return triton.jit(_pdl_enter)
+
+
+# ---- programmatic dependent launch (PDL), process-wide; off here, the engine sets it from EngineOptions.pdl -------
+# With it on, the decode step's kernels (these Triton glue kernels and qmv) launch with programmatic stream
+# serialization on sm_90+: a kernel may start while the one before it finishes. Each Triton kernel then waits
+# (griddepcontrol.wait) before its first load and at once lets the next kernel launch
+# (griddepcontrol.launch_dependents), so the next kernel's launch, and qmv's first weight loads, overlap its work. A kernel launched without PDL
+# (torch's) waits for the one before to finish, as always; CUDA graphs keep the programmatic edges.
+_PDL = {"on": False}
+
+
+def set_pdl(on: bool) -> None:
+    """Launch the Triton decode kernels with programmatic dependent launch from now on (sm_90+ CUDA only)."""
+    _PDL["on"] = bool(on)
+
+
+def pdl_enabled() -> bool:
+    return _PDL["on"]
+
+
+@functools.lru_cache(maxsize=None)
+def _sm90(device_index: int) -> bool:
+    import torch
+
+    return torch.cuda.get_device_capability(device_index) >= (9, 0)
+
+
+def pdl_args(device) -> dict:
+    """The launch arguments of a PDL-aware kernel on ``device``: its ``PDL`` constexpr, and Triton's ``launch_pdl``
+    where the switch is on and the device is an sm_90+ GPU (never under the interpreter: its tensors are on the CPU)."""
+    on = _PDL["on"] and device.type == "cuda" and _sm90(device.index if device.index is not None else 0)
+    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
+
+
+def _pdl_enter(PDL: tl.constexpr):  # noqa: F821 - tl and gdc_* are bound by jit_module, as in the kernel modules
+    """First call of every PDL-aware kernel (bound as ``pdl_enter`` by :func:`jit_module`)."""
+    if PDL:
+        gdc_wait()  # noqa: F821 - the kernel before has finished and its writes are visible
+        gdc_launch_dependents()  # noqa: F821 - the next kernel may launch now, overlapping this kernel's work

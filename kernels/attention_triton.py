@@ -252,14 +252,14 @@ def _launch(kern, q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, scale, kv
         G=g, HD=hd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, NG=block_d // gw, GW=gw,
         IS_INT8=int8, SPLIT=splits > 1, DOT_DTYPE=kern["dtypes"][q.dtype],
         DOT_PREC="tf32x3" if q.dtype == torch.float32 else "tf32",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_triton.pdl_args(q.device),
     )
     if splits > 1:
         block_dc = min(block_d, cfg.combine_cols)
         kern["combine"][(b * t * h, block_d // block_dc)](
             o_part, lse_part, q_pos, out, *q_pos.stride(), *out.stride()[:3], t, h, cfg.chunk,
             cfg.min_chunk or cfg.chunk, splits, BLOCK_N=cfg.block_n,
-            HD=hd, BLOCK_S=COMBINE_SPLITS, BLOCK_DC=block_dc, num_warps=4,
+            HD=hd, BLOCK_S=COMBINE_SPLITS, BLOCK_DC=block_dc, num_warps=4, **_triton.pdl_args(q.device),
         )
     return out
 
@@ -269,7 +269,7 @@ def _launch(kern, q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, scale, kv
 # TRITON_INTERPRET (which the test module sets on machines without CUDA) is read when `triton.jit` runs. Their
 # annotations are strings (postponed evaluation), so `tl` only has to exist by then.
 
-tl = None  # triton.language, bound by _kernels()
+tl = pdl_enter = None  # triton.language and the PDL helper, bound by _kernels()
 
 
 def _load_tile(base, s_base, stride_n, stride_sn, offs_n, n_ok, DOT_DTYPE: tl.constexpr, HD: tl.constexpr,
@@ -319,9 +319,10 @@ def _attn_split(Q, K, V, KS, VS, SLOTS, QPOS, O, OP, LSE,
                 qk_scale, T, H, HKV, KV_LEN, CHUNK, MIN_CHUNK, NUM_SPLITS,
                 G: tl.constexpr, HD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_D: tl.constexpr, NG: tl.constexpr, GW: tl.constexpr, IS_INT8: tl.constexpr,
-                SPLIT: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr):
+                SPLIT: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr):
     """Program (m tile, split, b * Hkv + hkv): rows (t, g) of the tile against keys [split * chunk, + chunk), chunk
     the row's own (_row_chunk)."""
+    pdl_enter(PDL)  # PDL launches: wait for the kernel before, let the next one launch
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_bh = tl.program_id(2)
@@ -380,8 +381,9 @@ def _attn_split(Q, K, V, KS, VS, SLOTS, QPOS, O, OP, LSE,
 
 def _attn_combine(OP, LSE, QPOS, O, stride_pb, stride_pt, stride_ob, stride_ot, stride_oh, T, H, CHUNK, MIN_CHUNK,
                   NUM_SPLITS, HD: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DC: tl.constexpr,
-                  BLOCK_N: tl.constexpr):
+                  BLOCK_N: tl.constexpr, PDL: tl.constexpr):
     """Program (r = (b * T + t) * H + h, column block): merge the splits row r's q_pos reaches (log2-sum-exp)."""
+    pdl_enter(PDL)  # PDL launches: wait for the kernel before, let the next one launch
     r = tl.program_id(0)
     h = r % H
     t = (r // H) % T

@@ -139,7 +139,8 @@ def add_rms_norm(x, residual, weight, eps):
     ro = _new_buffer(x.shape, x.dtype, x.device)
     block = _pow2(n)
     kern["norm"][(x2.shape[0],)](x2, r2, weight, y, ro, x2.stride(0), r2.stride(0), n, n, n, eps,
-                                 BLOCK=block, HAS_RES=True, num_warps=_row_warps(block))
+                                 BLOCK=block, HAS_RES=True, num_warps=_row_warps(block),
+                                 **_triton.pdl_args(x.device))
     return y, ro
 
 
@@ -152,7 +153,8 @@ def rms_norm(x, weight, eps):
     y = _new_buffer(x.shape, x.dtype, x.device)
     block = _pow2(n)
     kern["norm"][(x2.shape[0],)](x2, x2, weight, y, y, x2.stride(0), x2.stride(0), n, n, n, eps,
-                                 BLOCK=block, HAS_RES=False, num_warps=_row_warps(block))
+                                 BLOCK=block, HAS_RES=False, num_warps=_row_warps(block),
+                                 **_triton.pdl_args(x.device))
     return y
 
 
@@ -164,7 +166,7 @@ def silu_mul(gu, inter):
     g2 = _rows("silu_mul", "gu", gu, 2 * inter)
     y = _new_buffer((*gu.shape[:-1], inter), gu.dtype, gu.device)
     kern["silu_mul"][(g2.shape[0], -(-inter // ELEM_BLOCK))](g2, y, g2.stride(0), inter, inter, BLOCK=ELEM_BLOCK,
-                                                             num_warps=4)
+                                                             num_warps=4, **_triton.pdl_args(gu.device))
     return y
 
 
@@ -177,7 +179,8 @@ def sigmoid_mul(o, gate):
     o2, g2 = _rows("sigmoid_mul", "o", o, n), _rows("sigmoid_mul", "gate", gate, n)
     y = _new_buffer(o.shape, o.dtype, o.device)
     kern["sigmoid_mul"][(o2.shape[0], -(-n // ELEM_BLOCK))](o2, g2, y, o2.stride(0), g2.stride(0), n, n,
-                                                            BLOCK=ELEM_BLOCK, num_warps=4)
+                                                            BLOCK=ELEM_BLOCK, num_warps=4,
+                                                            **_triton.pdl_args(o.device))
     return y
 
 
@@ -247,7 +250,7 @@ def attn_prologue(qg, kv, q_norm_w, k_norm_w, cos, sin, k_cache, v_cache, k_scal
         *ks.stride()[:3], *vs.stride()[:3], *pos.stride(), *q.stride()[:3], *gate.stride()[:2],
         t, h, hkv, eps,
         HD=hd, RD=cos.shape[-1], BLOCK_D=block_d, NG=block_d // gw, GW=gw, N_SCALES=-(-hd // KV_GROUP),
-        IS_INT8=int8, num_warps=1 if block_d <= 128 else 2,
+        IS_INT8=int8, num_warps=1 if block_d <= 128 else 2, **_triton.pdl_args(qg.device),
     )
     return q, gate
 
@@ -255,12 +258,13 @@ def attn_prologue(qg, kv, q_norm_w, k_norm_w, cos, sin, k_cache, v_cache, k_scal
 # ---- Triton kernels ------------------------------------------------------------------------------------------
 # Plain functions here, turned into jitted kernels by `_kernels()` on first use (see kernels/attention_triton.py).
 
-tl = None  # triton.language, bound by _kernels()
+tl = pdl_enter = None  # triton.language and the PDL helper, bound by _kernels()
 
 
 def _norm_kernel(X, RES, W, Y, RO, stride_x, stride_r, stride_y, stride_ro, N, eps,
-                 BLOCK: tl.constexpr, HAS_RES: tl.constexpr):
+                 BLOCK: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr):
     """Program = one row: (optionally r = x + res, stored) then y = r * rsqrt(mean(r^2) + eps) * (1 + w)."""
+    pdl_enter(PDL)  # PDL launches: wait for the kernel before, let the next one launch
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     ok = offs < N
@@ -275,8 +279,9 @@ def _norm_kernel(X, RES, W, Y, RO, stride_x, stride_r, stride_y, stride_ro, N, e
     tl.store(Y + row * stride_y + offs, (x * inv * (1.0 + w)).to(Y.dtype.element_ty), mask=ok)
 
 
-def _silu_mul_kernel(GU, Y, stride_g, stride_y, I, BLOCK: tl.constexpr):
+def _silu_mul_kernel(GU, Y, stride_g, stride_y, I, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Program (row, column block): y = silu(g) * u."""
+    pdl_enter(PDL)  # PDL launches: wait for the kernel before, let the next one launch
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < I
@@ -285,8 +290,9 @@ def _silu_mul_kernel(GU, Y, stride_g, stride_y, I, BLOCK: tl.constexpr):
     tl.store(Y + row * stride_y + offs, (g * tl.sigmoid(g) * u).to(Y.dtype.element_ty), mask=ok)
 
 
-def _sigmoid_mul_kernel(O, G, Y, stride_o, stride_g, stride_y, N, BLOCK: tl.constexpr):
+def _sigmoid_mul_kernel(O, G, Y, stride_o, stride_g, stride_y, N, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Program (row, column block): y = o * sigmoid(gate)."""
+    pdl_enter(PDL)  # PDL launches: wait for the kernel before, let the next one launch
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < N
@@ -346,8 +352,9 @@ def _prologue_kernel(QG, KV, QW, KW, COS, SIN, KC, VC, KS, VS, SLOTS, POS, Q, GA
                      stride_pb, stride_pt, stride_qb, stride_qt, stride_qh, stride_ab, stride_at,
                      T, H, HKV, eps,
                      HD: tl.constexpr, RD: tl.constexpr, BLOCK_D: tl.constexpr, NG: tl.constexpr, GW: tl.constexpr,
-                     N_SCALES: tl.constexpr, IS_INT8: tl.constexpr):
+                     N_SCALES: tl.constexpr, IS_INT8: tl.constexpr, PDL: tl.constexpr):
     """Program (b * T + t, j): j < H query head j (norm, rope, gate copy); then Hkv key heads, then Hkv value heads."""
+    pdl_enter(PDL)  # PDL launches: wait for the kernel before, let the next one launch
     row = tl.program_id(0)
     j = tl.program_id(1)
     b = row // T

@@ -229,7 +229,7 @@ def gdn_decode(qkv, z, b, a, conv_state, conv_w, ssm, slots, A_log, dt_bias, nor
         a.stride(0), a.stride(1), t, dk ** -0.5,
         HK=hk, HV=hv, DK=dk, DV=dv, W=w, BT=bt, BD=max(16, _pow2(max(dk, dv))), BW=_pow2(w - 1),
         HAS_KEEP=keep is not None, CONV_INIT=conv_init is not None, WRITE_STATE=write_state,
-        num_warps=4 if bt * max(dk, dv) >= 1024 else 2,
+        num_warps=4 if bt * max(dk, dv) >= 1024 else 2, **_triton.pdl_args(dev),
     )
     bv = min(cfg.block_v, max(8, _pow2(dv)))
     fused_norm = bv >= dv
@@ -247,13 +247,13 @@ def gdn_decode(qkv, z, b, a, conv_state, conv_w, ssm, slots, A_log, dt_bias, nor
         HK=hk, R=hv // hk, DK=dk, DV=dv, BT=bt, BK=_pow2(dk), BV=bv,
         SSM_INIT=ssm_init is not None, WRITE_STATE=write_state, STORE_STATES=states_out is not None,
         HAS_OUT=has_out, FUSED_NORM=fused_norm,
-        num_warps=cfg.num_warps,
+        num_warps=cfg.num_warps, **_triton.pdl_args(dev),
     )
     if has_out and not fused_norm:
         hb = 8  # heads per program of the norm epilogue
         kern["norm"][(bsz * t, -(-hv // hb))](
             obuf, z, norm_w, out, obuf.stride(0), obuf.stride(1), z.stride(0), z.stride(1), out.stride(0),
-            out.stride(1), t, hv, eps, DV=dv, BD=max(16, _pow2(dv)), HB=hb, num_warps=4,
+            out.stride(1), t, hv, eps, DV=dv, BD=max(16, _pow2(dv)), HB=hb, num_warps=4, **_triton.pdl_args(dev),
         )
     return out
 
@@ -263,7 +263,7 @@ def gdn_decode(qkv, z, b, a, conv_state, conv_w, ssm, slots, A_log, dt_bias, nor
 # TRITON_INTERPRET (which the test module sets on machines without CUDA) is read when `triton.jit` runs. Their
 # annotations are strings (postponed evaluation), so `tl` only has to exist by then.
 
-tl = None  # triton.language, bound by _kernels()
+tl = pdl_enter = None  # triton.language and the PDL helper, bound by _kernels()
 
 
 def _conv_tile(x_base, stride_xt, src_base, stride_sc, stride_sw, CW, chan, c_ok, offs_t, T,
@@ -313,10 +313,11 @@ def _prep_kernel(QKV, CSRC, CW, CONV, SLOTS, KEEP, BB, AA, ALOG, DTB, WORK, GATE
                  stride_bb, stride_bt, stride_ab, stride_at, T, scale,
                  HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, W: tl.constexpr,
                  BT: tl.constexpr, BD: tl.constexpr, BW: tl.constexpr,
-                 HAS_KEEP: tl.constexpr, CONV_INIT: tl.constexpr, WRITE_STATE: tl.constexpr):
+                 HAS_KEEP: tl.constexpr, CONV_INIT: tl.constexpr, WRITE_STATE: tl.constexpr, PDL: tl.constexpr):
     """Program (b, j): j < Hk the q and k channels of k head j (conv, SiLU, L2 norms, q.k), else the v channels of
     v head j - Hk (conv, SiLU) and its gates. Writes them to WORK / GATES [B, T, .] fp32 and, with WRITE_STATE, the
     channels' new conv windows into the cache: each channel is read and written by this program only."""
+    pdl_enter(PDL)  # PDL launches: wait for the kernel before, let the next one launch
     b = tl.program_id(0)
     j = tl.program_id(1)
     slot = tl.load(SLOTS + b).to(tl.int64)  # slot * stride overflows int32 on large caches
@@ -374,9 +375,10 @@ def _recur_kernel(WORK, GATES, SSRC, SSM, SLOTS, STATES, Z, NW, Y,
                   stride_ob, stride_ot, stride_oh, stride_ok, stride_zb, stride_zt, stride_yb, stride_yt, T, eps,
                   HK: tl.constexpr, R: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr,
                   BK: tl.constexpr, BV: tl.constexpr, SSM_INIT: tl.constexpr, WRITE_STATE: tl.constexpr,
-                  STORE_STATES: tl.constexpr, HAS_OUT: tl.constexpr, FUSED_NORM: tl.constexpr):
+                  STORE_STATES: tl.constexpr, HAS_OUT: tl.constexpr, FUSED_NORM: tl.constexpr, PDL: tl.constexpr):
     """Program (b * Hv + h, v block): the recurrence over the T tokens with the state tile [BK, BV] in registers;
     per token o (or, with the whole head in the tile, the gated RMSNorm output) and optionally the state."""
+    pdl_enter(PDL)  # PDL launches: wait for the kernel before, let the next one launch
     pid = tl.program_id(0)
     pid_v = tl.program_id(1)
     b = pid // (HK * R)
@@ -425,8 +427,9 @@ def _recur_kernel(WORK, GATES, SSRC, SSM, SLOTS, STATES, Z, NW, Y,
 
 
 def _gated_norm_kernel(O, Z, NW, Y, stride_ob, stride_ot, stride_zb, stride_zt, stride_yb, stride_yt, T, HV, eps,
-                       DV: tl.constexpr, BD: tl.constexpr, HB: tl.constexpr):
+                       DV: tl.constexpr, BD: tl.constexpr, HB: tl.constexpr, PDL: tl.constexpr):
     """Program (b * T + t, head block): y = norm_w * rmsnorm(o) * silu(z) for HB heads of one token."""
+    pdl_enter(PDL)  # PDL launches: wait for the kernel before, let the next one launch
     row = tl.program_id(0)
     b = row // T
     t = row % T

@@ -53,7 +53,8 @@ typedef unsigned char u8;
 #ifndef PDL
 #define PDL 0         // 1 (sm_90+, launched with programmatic stream serialization): the first step batch's code
 #endif                // loads are issued before griddepcontrol.wait, i.e. while the kernel before is finishing;
-                      // x (the previous kernel's output) is read after it, through L2 (no read-only cache path)
+                      // x (the previous kernel's output) is read after it, through L2 (no read-only cache path);
+                      // the kernel after may launch as soon as all blocks run (griddepcontrol.launch_dependents)
 #ifndef TILED
 #define TILED 0       // 1: the weight sections are tiled (qmv_cuda.TiledWeight): codes [N/16][NG][16][CB], scales
 #endif                // [N/16][NG][16], q5 high bits [N/16][NG][16][8] - a warp's loads are contiguous;
@@ -453,6 +454,11 @@ qmv(const u16* __restrict__ x, const u8* __restrict__ codes, const u8* __restric
   asm volatile("mov.b32 %0, %1;" : "=r"(magic) : "n"(MAGIC));  // kept in a register (see and_or)
 
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#if PDL
+  // the next kernel may launch once every block of this one is running: it waits for this one to finish before
+  // it reads our output (the Triton kernels' first act, and qmv's grid_wait), so its launch overlaps our loads
+  asm volatile("griddepcontrol.launch_dependents;");
+#endif
 #if PIPE
   grid_wait();
   // two batches in registers: batch b + 1's loads are in flight while batch b is multiplied; the last batch may
@@ -494,9 +500,6 @@ qmv(const u16* __restrict__ x, const u8* __restrict__ codes, const u8* __restric
 #endif
 
   grid_wait();  // a warp without groups still writes the output below: only after the kernel before is done
-#if PDL
-  asm volatile("griddepcontrol.launch_dependents;");  // the next kernel may start its own weight loads
-#endif
   // the block's warps hold partial sums of the same 16 x 8 tile: add them up in shared memory
   __shared__ float4 red[NW][32];
   red[warp][lane] = make_float4(acc[0], acc[1], acc[2], acc[3]);

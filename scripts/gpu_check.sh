@@ -78,16 +78,15 @@ for stage in "$@"; do
              # mode one switch against the engine's defaults (lookahead: the defaults themselves)
                case $mode in
                  sync)          flags="--sync" ;;                     # read each token before the next step
-                 pdl)           flags="--pdl" ;;                      # qmv with programmatic dependent launch
+                 pdl)           flags="--pdl" ;;                      # the step's kernels with programmatic dependent launch
                  cublas)        flags="--cublas-dense" ;;             # small dense projections by cuBLAS
                  rows|tiled)    flags="--qmv-layout $mode" ;;         # packed weights row-major / in TILED 1
                  attnfixed)     flags="--attn-fixed-split" ;;         # attention split as for the full cache
                  prefill)       flags="--prefill --prompt-len 818" ;; # one 818-token prefill
                  mtp)           flags="--spec mtp -k 3" ;;            # MTP3 rounds (captured drafting)
                  mtpeager)      flags="--spec mtp -k 3 --eager-draft" ;;
-                 mtpcommit)     flags="--spec mtp -k 3 --mtp-commit-graphs" ;;
-                 dflash2)       flags="--spec dflash2 -k 7" ;;        # DFlash2 K=7 rounds
-                 dflash2graphs) flags="--spec dflash2 -k 7 --block-draft-graphs" ;;
+                 dflash2)       flags="--spec dflash2 -k 7" ;;        # DFlash2 K=7 rounds (captured drafting)
+                 dflash2eager)  flags="--spec dflash2 -k 7 --eager-draft" ;;
                  lookahead)     flags="" ;;
                  *)             echo "profile: unknown mode $mode" >&2; continue ;;
                esac

@@ -38,7 +38,7 @@ class DecodeOptions:
     rollback: str = "recompute"
     lm_head_draft: int = 0
     lookahead: bool = True  # plain greedy decode on CUDA graphs: the host one step behind the GPU
-    draft_graphs: bool = True  # MTP greedy drafting replayed from CUDA graphs (v3 on CUDA; off: eager drafting)
+    draft_graphs: bool = True  # greedy drafting replayed from CUDA graphs (v3 on CUDA; off: eager drafting)
     prompt_file: str = str(DEFAULT_PROMPT)
     prompts: int | None = None  # with a .jsonl prompt set: how many of its prompts (default all)
     images: tuple[str, ...] = ()  # images placed before each prompt (a model with a vision component)
@@ -72,7 +72,7 @@ class DecodeOptions:
         k = f"-k{self.draft_tokens}" if self.spec != "none" and self.draft_tokens else ""
         head = f"-lmh{self.lm_head_draft}" if self.spec != "none" and self.lm_head_draft else ""
         sync = "-sync" if self.spec == "none" and not self.lookahead else ""
-        graphs = "-eagerdraft" if self.spec == "mtp" and not self.draft_graphs else ""
+        graphs = "-eagerdraft" if self.spec != "none" and not self.draft_graphs else ""
         return f"{self.runtime}-{self.spec}{k}{head}{sync}{graphs}"
 
 
@@ -211,7 +211,7 @@ def decode_runs(base: dict, *, engines=("ours",), specs=("none",), runtimes=("v3
                 label: str | None = None) -> list[DecodeOptions]:
     """The grid of decode runs a command line asks for: every runtime x spec x rollback x lm-head-draft size of
     our engine (the last two only where there is a drafter; lookahead on / off only without one; captured drafting
-    on / off only with MTP), and the transformers peer once (plain greedy).
+    on / off only with a drafter), and the transformers peer once (plain greedy).
     Labels are unique: with several rollbacks each speculative label names its own, and ``label`` prefixes them
     all."""
     if set(engines) == {"hf"} and any(parse_spec(x, None)[0] != "none" for x in specs):
@@ -227,7 +227,7 @@ def decode_runs(base: dict, *, engines=("ours",), specs=("none",), runtimes=("v3
                 for rollback in dict.fromkeys(rollbacks if spec != "none" else rollbacks[:1]):
                     for head in dict.fromkeys(lm_heads if spec != "none" else (0,)):
                         for ahead in dict.fromkeys(lookaheads if spec == "none" else lookaheads[:1]):
-                            for dg in dict.fromkeys(draft_graphs if spec == "mtp" else (True,)):
+                            for dg in dict.fromkeys(draft_graphs if spec != "none" else (True,)):
                                 runs.append(DecodeOptions(**base, engine=engine, runtime=runtime, spec=spec,
                                                           draft_tokens=k, rollback=rollback, lm_head_draft=head,
                                                           lookahead=ahead, draft_graphs=dg))

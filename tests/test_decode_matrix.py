@@ -46,7 +46,8 @@ def test_grid_and_labels():
                                                       ("v3-mtp-k2", True)]
     graphs = decode_runs(BASE, specs=("none", "mtp:3", "dflash2:7"), draft_graphs=(True, False))
     assert [(r.label, r.draft_graphs) for r in graphs] == [("v3-none", True), ("v3-mtp-k3", True),
-                                                          ("v3-mtp-k3-eagerdraft", False), ("v3-dflash2-k7", True)]
+                                                          ("v3-mtp-k3-eagerdraft", False), ("v3-dflash2-k7", True),
+                                                              ("v3-dflash2-k7-eagerdraft", False)]
     with pytest.raises(ValueError, match="plain greedy"):
         decode_runs(BASE, engines=("hf",), specs=("mtp",))
 

@@ -190,5 +190,29 @@ def test_bad_inputs_name_the_problem():
         fu.silu_mul(randn(2, 10), 4)
 
 
+def test_pdl_switch_changes_no_bits():
+    """With the PDL switch on, the kernels launch with programmatic dependent launch on an sm_90+ GPU (the switch
+    is ignored elsewhere: the CPU interpreter, older GPUs) and give the same bits as without it."""
+    from ninfer_bench.kernels import _triton
+
+    x, r, w, gu = randn(4, 1000), randn(4, 1000, seed=1), randn(1000, seed=2), randn(3, 1400, seed=3)
+
+    def run():
+        return (*fu.add_rms_norm(x, r, w, 1e-6), fu.rms_norm(x, w, 1e-6), fu.silu_mul(gu, 700),
+                fu.sigmoid_mul(x, r))
+
+    plain = run()
+    _triton.set_pdl(True)
+    try:
+        gpu = DEVICE == "cuda" and torch.cuda.get_device_capability() >= (9, 0)
+        assert _triton.pdl_args(x.device) == ({"PDL": True, "launch_pdl": True} if gpu else {"PDL": False})
+        pdl = run()
+    finally:
+        _triton.set_pdl(False)
+    assert _triton.pdl_args(x.device) == {"PDL": False}
+    for a, b in zip(plain, pdl):
+        assert torch.equal(a, b)
+
+
 def test_module_imports_without_triton():
     triton_interp.assert_imports_without_triton("fused")

@@ -198,9 +198,9 @@ def test_draft_graph_replays_equal_plain(plain, monkeypatch, spec, k):
         return _EagerGraph(fn, outs), outs
 
     monkeypatch.setattr(draft_graphs, "capture", capture)
-    wants = dict(mtp_commit_graphs=True) if spec == "mtp" else dict(block_draft_graphs=True)
-    eager = engine(spec=spec, draft_tokens=k).generate(PROMPTS[1], max_new_tokens=NEW, ignore_eos=True)
-    eng = engine(spec=spec, draft_tokens=k, **wants)
+    eager = engine(spec=spec, draft_tokens=k, draft_graphs=False).generate(PROMPTS[1], max_new_tokens=NEW,
+                                                                            ignore_eos=True)
+    eng = engine(spec=spec, draft_tokens=k)
     eng.drafter.graphs = draft_graphs.DraftGraphs(eng, SimpleNamespace(bucket=lambda b: b + 1, pool=None))
     res = eng.generate(PROMPTS[1], max_new_tokens=NEW, ignore_eos=True)
     assert res.tokens == plain[1]

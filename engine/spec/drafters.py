@@ -114,14 +114,11 @@ class MTPDrafter:
         self.e = engine
         self.head = DraftHead(engine, draft_head_ids(engine))
         self.pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        # greedy drafting replayed from CUDA graphs (``draft_graphs``, on by default: the eager drafts' tokens, and
-        # on the H200 at the 27B shape 5.4 ms a round of MTP3 drafting against 8.4 eager);
-        # made on first use, once the engine's target graphs (runtime v3 on CUDA) exist
+        # greedy drafting and the head's pass over each verified block (commit) replayed from CUDA graphs
+        # (``draft_graphs``, on by default: the eager drafts' tokens); made on first use, once the engine's target
+        # graphs (runtime v3 on CUDA) exist
         self.graphs: DraftGraphs | None = None
         self._want_graphs = engine.options.draft_graphs
-        # the head's pass over each verified block (commit) replayed from CUDA graphs too (``mtp_commit_graphs``;
-        # experimental, off by default)
-        self._want_commit_graphs = engine.options.mtp_commit_graphs
 
     def steps(self, h, logits, length, slots, k: int, kv_len: int, choose=None, rope=None):
         """k drafts per row from the pending ``h [B, H]`` / ``logits [B, N]``: ``choose(logits) -> (tokens [B], q)``
@@ -173,7 +170,7 @@ class MTPDrafter:
         t = block.shape[1]
         slots = self.e._ids([s.slot for s in seqs])
         plain_rope = self.e.rope_shift(seqs, old_len[:, None]) is None
-        graphs = wanted(self, self._want_commit_graphs and plain_rope)
+        graphs = wanted(self, self._want_graphs and plain_rope)
         if graphs is not None:  # keys bound by the capacity (later ones are masked by position)
             h0, l0 = graphs.replay("commit", t, (hidden, block, bonus, n_acc, old_len, slots),
                                    lambda *ins: self.verified(*ins, self.e.capacity))
@@ -264,10 +261,10 @@ class BlockDraftRunner:
         self.k = [torch.zeros(shape, dtype=dt, device=dev) for _ in range(cfg.num_layers)]
         self.v = [torch.zeros(shape, dtype=dt, device=dev) for _ in range(cfg.num_layers)]
         self.pos = torch.full((slots, self.cap + 1), -1, dtype=torch.long, device=dev)
-        # greedy block drafting replayed from CUDA graphs (``block_draft_graphs``; experimental, off by default),
-        # made on first use once the engine's target graphs exist
+        # greedy block drafting replayed from CUDA graphs (``draft_graphs``, on by default), made on first use once
+        # the engine's target graphs exist
         self.graphs: DraftGraphs | None = None
-        self._want_graphs = engine.options.block_draft_graphs
+        self._want_graphs = engine.options.draft_graphs
 
     def _write(self, slots, taps, pos, live) -> None:
         """Context K/V of ``taps [B, T, n*H]`` at ``pos [B, T]``; rows where ``live`` is False are discarded."""
