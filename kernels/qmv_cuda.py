@@ -222,8 +222,10 @@ def workspace(device, floats: int, tiles: int = 1) -> tuple[torch.Tensor, torch.
 # ---- switches, process-wide (as DeepGEMM's set_pdl); off here, the engine sets them from EngineOptions ---------
 # pdl: the kernel is launched with programmatic stream serialization (cuLaunchKernelEx, through ctypes: CuPy's
 # launcher takes no launch attributes), so it may start while the kernel before it finishes; it issues its first
-# weight loads, then waits (griddepcontrol.wait) before it reads x. CUDA graphs captured from such launches keep the
-# programmatic edges; sm_90+ (measured slower on the H200: off). dense: small dense 16-bit projections
+# weight loads, then waits (griddepcontrol.wait) before it reads x, and lets the next kernel launch from its start.
+# CUDA graphs captured from such launches keep the programmatic edges; sm_90+. Alone it measured slower on the H200
+# (the kernels around qmv did not let it start early); with the Triton glue PDL-aware too (kernels/_triton.set_pdl)
+# the 27B step is 4 % faster: on by default in EngineOptions.pdl. dense: small dense 16-bit projections
 # (engine/weights.DenseLinear) through FMT 3 (measured faster: on by default in EngineOptions.qmv_dense).
 _SWITCHES = {"pdl": False, "dense": False}
 
@@ -338,8 +340,7 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
     loads in flight while one is multiplied) and ``fold`` (q4/q5: the zero point taken off the sums by one MMA per
     x fragment instead of a subtraction per code pair: 7 % fewer instructions, but it spills at 80 registers) are
     for tuning and tests - none of the last three was faster on the H200 (``fold`` 3-15 % slower). ``pdl``
-    (default :func:`pdl_enabled`) launches with programmatic dependent launch on sm_90+ (experimental, see
-    :func:`set_pdl`)."""
+    (default :func:`pdl_enabled`) launches with programmatic dependent launch on sm_90+ (see :func:`set_pdl`)."""
     lin = getattr(lin, "qmv_weight", None) or lin  # a tiled PackedLinear: its tiles
     if not supports(x, lin):
         raise ValueError(f"qmv: needs CUDA bf16/fp16 x [1..{MAX_T}, K={lin.k}] contiguous and a q8/q5/q4 weight "

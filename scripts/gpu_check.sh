@@ -78,7 +78,7 @@ for stage in "$@"; do
              # mode one switch against the engine's defaults (lookahead: the defaults themselves)
                case $mode in
                  sync)          flags="--sync" ;;                     # read each token before the next step
-                 pdl)           flags="--pdl" ;;                      # the step's kernels with programmatic dependent launch
+                 nopdl)         flags="--no-pdl" ;;                   # the step's kernels without programmatic dependent launch
                  cublas)        flags="--cublas-dense" ;;             # small dense projections by cuBLAS
                  rows|tiled)    flags="--qmv-layout $mode" ;;         # packed weights row-major / in TILED 1
                  attnfixed)     flags="--attn-fixed-split" ;;         # attention split as for the full cache
