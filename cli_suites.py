@@ -84,8 +84,11 @@ def fmt(v, spec=".2f"):
               help="Plain greedy decode on CUDA graphs: queue step n + 1 before reading token n (off: read each "
                    "token first); on,off runs both.")
 @click.option("--draft-graphs", "draft_graphs", default="on", show_default=True, callback=comma_list(("on", "off")),
-              help="Greedy drafting (MTP, DFlash, DFlash2) replayed from CUDA graphs (v3 on CUDA; off: eager drafting, labelled "
-                   "-eagerdraft); on,off runs both.")
+              help="Greedy drafting (MTP, DFlash, DFlash2) replayed from CUDA graphs (v3 on CUDA; off: eager "
+                   "drafting, labelled -eagerdraft); on,off runs both.")
+@click.option("--pdl", "pdls", default="off", show_default=True, callback=comma_list(("on", "off")),
+              help="The decode step's kernels with programmatic dependent launch (sm_90+ GPUs; labelled -pdl); "
+                   "off,on runs both.")
 @click.option("--prompt-file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Prompt text, or a .jsonl prompt set (e.g. suites/data/heldout_prompts.jsonl) "
                    "[default: the shipped short-code prompt].")
@@ -103,7 +106,7 @@ def fmt(v, spec=".2f"):
               help="Write the result document (several runs: a folder, one LABEL.json per run).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of --synthetic weights.")
 @engine_options(runtime_list=True)
-def decode(model, engines, specs, draft_tokens, rollbacks, lm_head_draft, lookaheads, draft_graphs, prompt_file,
+def decode(model, engines, specs, draft_tokens, rollbacks, lm_head_draft, lookaheads, draft_graphs, pdls, prompt_file,
            n_prompts, images, max_new_tokens, stop_at_eos, repeats, warmup, label, json_path, seed, max_concurrency,
            kv_capacity, runtime, **options):
     """The short-code decode test: prefill a code prompt, greedy-decode N tokens, measure speed and acceptance.
@@ -111,7 +114,7 @@ def decode(model, engines, specs, draft_tokens, rollbacks, lm_head_draft, lookah
     Comma-separated --engine, --runtime, --spec, --rollback and --lm-head-draft run every combination in one
     process, the weights loaded once (as llama-bench runs its grid), and end with a side-by-side table."""
     from .suites.common import DEFAULT_PROMPT
-    from .suites.decode import decode_runs, run_matrix
+    from .suites.decode import decode_runs, plain_agreement, run_matrix
 
     base = dict(model=model, prompt_file=prompt_file or str(DEFAULT_PROMPT), prompts=n_prompts, images=images,
                 max_new_tokens=max_new_tokens, ignore_eos=not stop_at_eos, repeats=repeats, warmup=warmup, seed=seed,
@@ -119,7 +122,8 @@ def decode(model, engines, specs, draft_tokens, rollbacks, lm_head_draft, lookah
     runs = decode_runs(base, engines=engines, specs=tuple(specs.split(",")), runtimes=runtime, rollbacks=rollbacks,
                        lm_heads=tuple(int_list(lm_head_draft, "--lm-head-draft")),
                        lookaheads=tuple(x == "on" for x in lookaheads),
-                       draft_graphs=tuple(x == "on" for x in draft_graphs), draft_tokens=draft_tokens,
+                       draft_graphs=tuple(x == "on" for x in draft_graphs), pdls=tuple(x == "on" for x in pdls),
+                       draft_tokens=draft_tokens,
                        label=label)
     many = len(runs) > 1
     if many and json_path and Path(json_path).is_file():
@@ -139,6 +143,10 @@ def decode(model, engines, specs, draft_tokens, rollbacks, lm_head_draft, lookah
         docs = run_matrix(runs, progress=update, done=done)
     if many:
         console.print(compare_table(docs))
+        differ = [label for label, same in plain_agreement(docs).items() if same is False]
+        if differ:
+            err_console.print(f"[bold red]tokens differ from the plain run on the same runtime: {', '.join(differ)}[/] "
+                              "(greedy speculative decoding should reproduce them)")
 
 
 def decode_table(doc: dict) -> Table:
@@ -167,13 +175,18 @@ def decode_table(doc: dict) -> Table:
 
 
 def compare_table(docs: list[dict]) -> Table:
-    """Several decode results side by side; speed also as a ratio to the first run."""
+    """Several decode results side by side; speed also as a ratio to the first run; whether each speculative run
+    decoded the plain run's tokens."""
+    from .suites.decode import plain_agreement
+
     first = docs[0]["summary"]["decode_tok_s"]
     table = Table(title=f"decode: {len(docs)} runs on {docs[0]['config']['device']} "
                         f"({docs[0]['env'].get('gpu') or 'cpu'}), x = decode speed / {docs[0]['label']}'s")
-    cols = ("run", "tok/s", "x", "ms/round", "draft/verify", "tok/round", "accept", "roofline", "MiB", "sha256")
+    cols = ("run", "tok/s", "x", "ms/round", "draft/verify", "tok/round", "accept", "roofline", "MiB", "sha256",
+            "= plain")
     for c in cols:
         table.add_column(c, justify="left" if c in ("run", "sha256") else "right", no_wrap=True)
+    same = plain_agreement(docs)
     for d in docs:
         s = d["summary"]
         split = (f"{fmt(s.get('draft_ms_per_round'), '.1f')}/{fmt(s.get('verify_ms_per_round'), '.1f')}"
@@ -182,7 +195,8 @@ def compare_table(docs: list[dict]) -> Table:
         table.add_row(d["label"], fmt(s["decode_tok_s"], ".1f"), fmt(ratio, ".2f"),
                       fmt(s["device_ms_per_round"], ".2f"), split, fmt(s["tokens_per_round"]),
                       fmt(s["acceptance_rate"], ".3f"), fmt(s["roofline_fraction"], ".3f"),
-                      f"{s['peak_memory_bytes'] / 2**20:,.0f}", s["tokens_sha256"][:8])
+                      f"{s['peak_memory_bytes'] / 2**20:,.0f}", s["tokens_sha256"][:8],
+                      {None: "-", True: "yes", False: "[bold red]NO[/]"}[same[d["label"]]])
     return table
 
 

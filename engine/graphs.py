@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels._triton import graph_scope
 from .model import DECODE, VERIFY, Step
 
 
@@ -45,13 +46,14 @@ def capture(fn, pool, device, *, warmups: int = 2, warm=None):
     kernels are compiled and allocations settled outside the capture; the graph allocates from ``pool``."""
     side = torch.cuda.Stream(device=device)
     side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        for _ in range(warmups):
-            (warm or fn)()
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        out = fn()
+    with graph_scope():  # the warm-ups launch as the capture will (PDL variants compiled before it)
+        with torch.cuda.stream(side):
+            for _ in range(warmups):
+                (warm or fn)()
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out = fn()
     return graph, out
 
 

@@ -3,6 +3,7 @@ on machines without Triton, and ``TRITON_INTERPRET`` is read only when a kernel 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 
@@ -51,9 +52,12 @@ def _jit_pdl_enter():
 # With it on, the decode step's kernels (these Triton glue kernels and qmv) launch with programmatic stream
 # serialization on sm_90+: a kernel may start while the one before it finishes. Each Triton kernel then waits
 # (griddepcontrol.wait) before its first load and at once lets the next kernel launch
-# (griddepcontrol.launch_dependents), so the next kernel's launch, and qmv's first weight loads, overlap its work. A kernel launched without PDL
-# (torch's) waits for the one before to finish, as always; CUDA graphs keep the programmatic edges.
-_PDL = {"on": False}
+# (griddepcontrol.launch_dependents), so the next kernel's launch, and qmv's first weight loads, overlap its work.
+# A kernel launched without PDL (torch's) waits for the one before to finish, as always; CUDA graphs keep the
+# programmatic edges. Only launches into a CUDA-graph capture use it (and the warm-up runs before one, inside
+# :func:`graph_scope`, so the PDL variants compile outside the capture): an eager launch is host-bound, PDL cannot
+# overlap anything there, and qmv's PDL launch goes through ctypes.
+_PDL = {"on": False, "scope": 0}
 
 
 def set_pdl(on: bool) -> None:
@@ -72,11 +76,38 @@ def _sm90(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) >= (9, 0)
 
 
+@contextlib.contextmanager
+def graph_scope():
+    """Launches inside count as launches into a CUDA-graph capture (engine.graphs.capture wraps its warm-up runs and
+    the capture in it)."""
+    _PDL["scope"] += 1
+    try:
+        yield
+    finally:
+        _PDL["scope"] -= 1
+
+
+def in_graph_scope() -> bool:
+    """Inside :func:`graph_scope`, or capturing on the current stream."""
+    if _PDL["scope"]:
+        return True
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def pdl_now(device) -> bool:
+    """Whether a launch on ``device`` now uses PDL: the switch is on, the device is an sm_90+ GPU (never under the
+    interpreter: its tensors are on the CPU) and the launch is for a CUDA graph (:func:`in_graph_scope`)."""
+    if not _PDL["on"] or device.type != "cuda":
+        return False
+    return _sm90(device.index if device.index is not None else 0) and in_graph_scope()
+
+
 def pdl_args(device) -> dict:
     """The launch arguments of a PDL-aware kernel on ``device``: its ``PDL`` constexpr, and Triton's ``launch_pdl``
-    where the switch is on and the device is an sm_90+ GPU (never under the interpreter: its tensors are on the CPU)."""
-    on = _PDL["on"] and device.type == "cuda" and _sm90(device.index if device.index is not None else 0)
-    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
+    when :func:`pdl_now`."""
+    return {"PDL": True, "launch_pdl": True} if pdl_now(device) else {"PDL": False}
 
 
 def _pdl_enter(PDL: tl.constexpr):  # noqa: F821 - tl and gdc_* are bound by jit_module, as in the kernel modules

@@ -30,6 +30,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from . import _triton
+
 __all__ = ["qmv", "supports", "available", "import_error", "choose_splits", "workspace", "set_pdl", "pdl_enabled",
            "set_dense", "dense_enabled", "DenseWeight", "TiledWeight", "DENSE_FMT", "qmv_rows", "MAX_T", "MAX_SPLITS"]
 
@@ -231,7 +233,8 @@ _SWITCHES = {"pdl": False, "dense": False}
 
 
 def set_pdl(on: bool) -> None:
-    """Launch qmv with programmatic dependent launch from now on (sm_90+; ignored on older GPUs)."""
+    """Launch qmv into CUDA-graph captures with programmatic dependent launch from now on (sm_90+; ignored on older
+    GPUs)."""
     _SWITCHES["pdl"] = bool(on)
 
 
@@ -355,7 +358,8 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
                          f"{out.dtype} on {out.device}")
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
     even = lin.k == lin.kp and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
-    pdl = (pdl_enabled() if pdl is None else pdl) and _capability(dev) >= (9, 0)
+    # the switch applies to launches for a CUDA graph (kernels/_triton.in_graph_scope); pdl=True: any launch
+    pdl = (pdl_enabled() and _triton.in_graph_scope() if pdl is None else pdl) and _capability(dev) >= (9, 0)
     kern = _kernel(_FMT_ID[lin.fmt], x.dtype == torch.float16, even, unroll, min_blocks, xlate, pipe, fold, pdl,
                    getattr(lin, "layout", 0), dev)
     tiles = -(-n // 16)

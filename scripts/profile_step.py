@@ -4,7 +4,7 @@ torch profiler, grouped by kernel, with the GPU's busy time next to the step's w
 step's idle gaps: graph launch, the token read-back, host work).
 
     python3 scripts/profile_step.py --model qwen3.8-27b --synthetic [--steps 32] [--spec mtp -k 3] [--sync]
-        [--no-pdl] [--cublas-dense] [--qmv-layout L] [--eager-draft] [--attn-fixed-split]
+        [--pdl] [--cublas-dense] [--qmv-layout L] [--eager-draft] [--attn-fixed-split]
         [--prefill]      # switches against the engine's defaults, compared by step time
 
 Needs CUDA. Timings are the profiler's (CUPTI) kernel durations; the step wall time is measured without the
@@ -55,8 +55,8 @@ def main() -> int:
     ap.add_argument("-k", "--draft-tokens", type=int, default=None)
     ap.add_argument("--runtime", default="v3")
     ap.add_argument("--top", type=int, default=30)
-    ap.add_argument("--no-pdl", action="store_true",
-                    help="the step's kernels without programmatic dependent launch (EngineOptions.pdl off)")
+    ap.add_argument("--pdl", action="store_true",
+                    help="the step's kernels with programmatic dependent launch (EngineOptions.pdl)")
     ap.add_argument("--cublas-dense", action="store_true", help="small dense projections through cuBLAS, not qmv")
     ap.add_argument("--qmv-layout", default="lanes", choices=("tiled", "lanes", "rows"),
                     help="packed weights' layout (EngineOptions.qmv_layout)")
@@ -79,7 +79,7 @@ def main() -> int:
         attention_triton.SHORT_MIN_BLOCKS = 1 << 30  # min_chunk = chunk: the split the grid is sized for
     t0 = time.time()
     eng = Engine.load(args.model, synthetic=args.synthetic, device="cuda", runtime=args.runtime, spec=args.spec,
-                      draft_tokens=args.draft_tokens, pdl=not args.no_pdl, qmv_dense=not args.cublas_dense,
+                      draft_tokens=args.draft_tokens, pdl=args.pdl, qmv_dense=not args.cublas_dense,
                       qmv_layout=args.qmv_layout,
                       draft_graphs=not args.eager_draft)
     print(f"loaded in {time.time() - t0:.0f} s: {eng.model_info.get('name', args.model)}", flush=True)
@@ -153,7 +153,7 @@ def main() -> int:
               f"{100 * us / args.steps / total:5.1f}%")
     if args.json:
         Path(args.json).write_text(json.dumps({
-            "model": args.model, "spec": args.spec, "sync": args.sync, "pdl": not args.no_pdl,
+            "model": args.model, "spec": args.spec, "sync": args.sync, "pdl": args.pdl,
             "cublas_dense": args.cublas_dense, "qmv_layout": args.qmv_layout, "draft_graphs": not args.eager_draft,
             "attn_fixed_split": args.attn_fixed_split,
             "runtime": args.runtime, "steps": args.steps,

@@ -39,6 +39,7 @@ class DecodeOptions:
     lm_head_draft: int = 0
     lookahead: bool = True  # plain greedy decode on CUDA graphs: the host one step behind the GPU
     draft_graphs: bool = True  # greedy drafting replayed from CUDA graphs (v3 on CUDA; off: eager drafting)
+    pdl: bool = False  # the decode step's kernels with programmatic dependent launch (EngineOptions.pdl; sm_90+)
     prompt_file: str = str(DEFAULT_PROMPT)
     prompts: int | None = None  # with a .jsonl prompt set: how many of its prompts (default all)
     images: tuple[str, ...] = ()  # images placed before each prompt (a model with a vision component)
@@ -73,7 +74,8 @@ class DecodeOptions:
         head = f"-lmh{self.lm_head_draft}" if self.spec != "none" and self.lm_head_draft else ""
         sync = "-sync" if self.spec == "none" and not self.lookahead else ""
         graphs = "-eagerdraft" if self.spec != "none" and not self.draft_graphs else ""
-        return f"{self.runtime}-{self.spec}{k}{head}{sync}{graphs}"
+        pdl = "-pdl" if self.pdl else ""
+        return f"{self.runtime}-{self.spec}{k}{head}{sync}{graphs}{pdl}"
 
 
 def _spec_summary(rec: dict) -> dict:
@@ -207,8 +209,8 @@ def parse_spec(item: str, draft_tokens: int | None) -> tuple[str, int | None]:
 
 
 def decode_runs(base: dict, *, engines=("ours",), specs=("none",), runtimes=("v3",), rollbacks=("recompute",),
-                lm_heads=(0,), lookaheads=(True,), draft_graphs=(True,), draft_tokens: int | None = None,
-                label: str | None = None) -> list[DecodeOptions]:
+                lm_heads=(0,), lookaheads=(True,), draft_graphs=(True,), pdls=(False,),
+                draft_tokens: int | None = None, label: str | None = None) -> list[DecodeOptions]:
     """The grid of decode runs a command line asks for: every runtime x spec x rollback x lm-head-draft size of
     our engine (the last two only where there is a drafter; lookahead on / off only without one; captured drafting
     on / off only with a drafter), and the transformers peer once (plain greedy).
@@ -228,9 +230,10 @@ def decode_runs(base: dict, *, engines=("ours",), specs=("none",), runtimes=("v3
                     for head in dict.fromkeys(lm_heads if spec != "none" else (0,)):
                         for ahead in dict.fromkeys(lookaheads if spec == "none" else lookaheads[:1]):
                             for dg in dict.fromkeys(draft_graphs if spec != "none" else (True,)):
-                                runs.append(DecodeOptions(**base, engine=engine, runtime=runtime, spec=spec,
-                                                          draft_tokens=k, rollback=rollback, lm_head_draft=head,
-                                                          lookahead=ahead, draft_graphs=dg))
+                                for pdl in dict.fromkeys(pdls):
+                                    runs.append(DecodeOptions(**base, engine=engine, runtime=runtime, spec=spec,
+                                                              draft_tokens=k, rollback=rollback, lm_head_draft=head,
+                                                              lookahead=ahead, draft_graphs=dg, pdl=pdl))
     if not runs:
         raise ValueError("no decode run: give at least one engine, runtime and spec")
     if len(runs) == 1:
@@ -243,6 +246,23 @@ def decode_runs(base: dict, *, engines=("ours",), specs=("none",), runtimes=("v3
     if len(set(seen)) != len(seen):
         raise ValueError(f"two runs would share a label: {seen}")
     return runs
+
+
+def plain_agreement(docs: list[dict]) -> dict[str, bool | None]:
+    """Per run label: whether our engine's speculative run decoded the tokens of the grid's plain run on the same
+    runtime (greedy speculative decoding must reproduce greedy decoding; in bf16 a verify forward may still flip a
+    near-tie); None where there is nothing to compare (plain runs, the peer, no plain run beside it)."""
+    plain = {}
+    for d in docs:
+        c = d["config"]
+        if c.get("engine") == "ours" and c.get("spec") == "none":
+            plain.setdefault(c.get("runtime"), d["summary"]["tokens_sha256"])
+    out = {}
+    for d in docs:
+        c = d["config"]
+        ref = plain.get(c.get("runtime")) if c.get("engine") == "ours" and c.get("spec") != "none" else None
+        out[d["label"]] = None if ref is None else d["summary"]["tokens_sha256"] == ref
+    return out
 
 
 def load_model(opts: DecodeOptions):
@@ -273,7 +293,7 @@ def run_decode(opts: DecodeOptions, progress=None, loaded=None) -> dict:
                                 max_context=opts.max_context, prefill_chunk=opts.prefill_chunk, runtime=opts.runtime,
                                 spec=opts.spec, draft_tokens=opts.draft_tokens, rollback=opts.rollback,
                                 lm_head_draft=opts.lm_head_draft, lookahead=opts.lookahead,
-                                draft_graphs=opts.draft_graphs)
+                                draft_graphs=opts.draft_graphs, pdl=opts.pdl)
         runner = Engine(loaded if loaded is not None else load_model(opts), options)
         opts.draft_tokens = runner.options.draft_tokens
         opts.max_context = runner.options.max_context

@@ -125,7 +125,7 @@ def test_tiled_weights_decode_like_row_major():
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("spec,k", [("none", 0), ("mtp", 3), ("dflash2", 7)])
 def test_pdl_decode_equals_plain_launches(dtype, spec, k):
-    """EngineOptions.pdl (the default): every decode-step kernel (qmv and the Triton glue) launched with
+    """EngineOptions.pdl: every decode-step kernel (qmv and the Triton glue) launched with
     programmatic dependent launch gives plain launches' greedy tokens and acceptance, plain and speculative (PDL
     changes when a kernel starts, never what it computes)."""
     from ninfer_bench.kernels import _triton, qmv_cuda
@@ -135,8 +135,8 @@ def test_pdl_decode_equals_plain_launches(dtype, spec, k):
     kw = dict(runtime="v3", kv_dtype="int8", dtype=dtype, spec=spec, draft_tokens=k or None)
     try:
         _, a = gen(**kw, pdl=False)
-        eng, b = gen(**kw)
-        assert _triton.pdl_args(eng.device).get("launch_pdl") and qmv_cuda.pdl_enabled()
+        eng, b = gen(**kw, pdl=True)
+        assert _triton.pdl_enabled() and qmv_cuda.pdl_enabled()
     finally:
         _triton.set_pdl(False)
         qmv_cuda.set_pdl(False)

@@ -48,6 +48,8 @@ def test_grid_and_labels():
     assert [(r.label, r.draft_graphs) for r in graphs] == [("v3-none", True), ("v3-mtp-k3", True),
                                                           ("v3-mtp-k3-eagerdraft", False), ("v3-dflash2-k7", True),
                                                               ("v3-dflash2-k7-eagerdraft", False)]
+    pdl = decode_runs(BASE, specs=("none",), pdls=(False, True))
+    assert [(r.label, r.pdl) for r in pdl] == [("v3-none", False), ("v3-none-pdl", True)]
     with pytest.raises(ValueError, match="plain greedy"):
         decode_runs(BASE, engines=("hf",), specs=("mtp",))
 
@@ -66,6 +68,18 @@ def test_matrix_loads_once_and_equals_separate_runs(monkeypatch):
         assert doc["label"] == opts.label
 
 
+def test_plain_agreement_flags_speculative_runs_that_decode_other_tokens():
+    def doc(label, engine, runtime, spec, sha):
+        return {"label": label, "config": {"engine": engine, "runtime": runtime, "spec": spec},
+                "summary": {"tokens_sha256": sha}}
+
+    docs = [doc("v3-none", "ours", "v3", "none", "a"), doc("v3-mtp-k3", "ours", "v3", "mtp", "a"),
+            doc("v3-dflash2-k7", "ours", "v3", "dflash2", "b"), doc("v2-mtp-k3", "ours", "v2", "mtp", "a"),
+            doc("hf-peer", "hf", "v3", "none", "c")]
+    assert dec.plain_agreement(docs) == {"v3-none": None, "v3-mtp-k3": True, "v3-dflash2-k7": False,
+                                         "v2-mtp-k3": None, "hf-peer": None}
+
+
 def test_cli_grid_writes_one_document_per_run(tmp_path):
     out = tmp_path / "runs"
     r = CliRunner().invoke(main, ["decode", "--model", "tiny", "--device", "cpu", "--spec", "none,mtp:2",
@@ -76,6 +90,7 @@ def test_cli_grid_writes_one_document_per_run(tmp_path):
                                                       "v3-none.json"]
     docs = [json.loads(p.read_text()) for p in sorted(out.iterdir())]
     assert len({d["summary"]["tokens_sha256"] for d in docs}) == 1  # greedy: every run decodes the same tokens
+    assert "= plain" in r.output and "NO" not in r.output and "tokens differ" not in r.output
     # stderr is not a terminal here: progress comes as lines, one at each run's start
     assert all(f"decode 0/1 run {i}/4" in r.output for i in range(1, 5)), r.output
     taken = tmp_path / "file.json"

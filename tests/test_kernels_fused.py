@@ -190,27 +190,54 @@ def test_bad_inputs_name_the_problem():
         fu.silu_mul(randn(2, 10), 4)
 
 
-def test_pdl_switch_changes_no_bits():
-    """With the PDL switch on, the kernels launch with programmatic dependent launch on an sm_90+ GPU (the switch
-    is ignored elsewhere: the CPU interpreter, older GPUs) and give the same bits as without it."""
+def test_pdl_switch_applies_to_graph_captures_only():
+    """With the PDL switch on, eager launches stay plain (on the CPU interpreter and on GPUs alike): PDL is for
+    launches into a CUDA-graph capture (see test_pdl_graph_replay_changes_no_bits), and the kernels give the same
+    bits."""
     from ninfer_bench.kernels import _triton
 
-    x, r, w, gu = randn(4, 1000), randn(4, 1000, seed=1), randn(1000, seed=2), randn(3, 1400, seed=3)
-
-    def run():
-        return (*fu.add_rms_norm(x, r, w, 1e-6), fu.rms_norm(x, w, 1e-6), fu.silu_mul(gu, 700),
-                fu.sigmoid_mul(x, r))
-
-    plain = run()
+    x, r, w = randn(4, 1000), randn(4, 1000, seed=1), randn(1000, seed=2)
+    plain = fu.add_rms_norm(x, r, w, 1e-6)
     _triton.set_pdl(True)
     try:
-        gpu = DEVICE == "cuda" and torch.cuda.get_device_capability() >= (9, 0)
-        assert _triton.pdl_args(x.device) == ({"PDL": True, "launch_pdl": True} if gpu else {"PDL": False})
-        pdl = run()
+        assert _triton.pdl_enabled() and _triton.pdl_args(x.device) == {"PDL": False}
+        with _triton.graph_scope():
+            assert _triton.pdl_args(torch.device("cpu")) == {"PDL": False}
+        again = fu.add_rms_norm(x, r, w, 1e-6)
     finally:
         _triton.set_pdl(False)
-    assert _triton.pdl_args(x.device) == {"PDL": False}
-    for a, b in zip(plain, pdl):
+    for a, b in zip(plain, again):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+                    reason="programmatic dependent launch needs an sm_90+ GPU")
+def test_pdl_graph_replay_changes_no_bits():
+    """A chain of the kernels captured into a CUDA graph with PDL (each may launch while the one before finishes)
+    replays to the eager chain's bits."""
+    from ninfer_bench.kernels import _triton
+
+    x, r, w, gu = randn(4, 1000), randn(4, 1000, seed=1), randn(1000, seed=2), randn(4, 2000, seed=3)
+
+    def chain():
+        y, ro = fu.add_rms_norm(x, r, w, 1e-6)
+        z = fu.silu_mul(torch.cat([y, ro], -1), 1000)
+        return fu.sigmoid_mul(fu.rms_norm(z, w, 1e-6), y), fu.silu_mul(gu, 1000)
+
+    want = chain()
+    _triton.set_pdl(True)
+    try:
+        with _triton.graph_scope():  # as engine.graphs.capture warms up: the PDL variants compile outside it
+            assert _triton.pdl_args(x.device) == {"PDL": True, "launch_pdl": True}
+            chain()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = chain()
+        graph.replay()
+        torch.cuda.synchronize()
+    finally:
+        _triton.set_pdl(False)
+    for a, b in zip(want, outs):
         assert torch.equal(a, b)
 
 
