@@ -227,7 +227,8 @@ def workspace(device, floats: int, tiles: int = 1) -> tuple[torch.Tensor, torch.
 # weight loads, then waits (griddepcontrol.wait) before it reads x, and lets the next kernel launch from its start.
 # CUDA graphs captured from such launches keep the programmatic edges; sm_90+. Alone it measured slower on the H200
 # (the kernels around qmv did not let it start early); with the Triton glue PDL-aware too (kernels/_triton.set_pdl)
-# the 27B step is 4 % faster: on by default in EngineOptions.pdl. dense: small dense 16-bit projections
+# the 27B step is 4 % faster (EngineOptions.pdl, off by default: see its comment). Only launches for CUDA graphs
+# use it (kernels/_triton.in_graph_scope). dense: small dense 16-bit projections
 # (engine/weights.DenseLinear) through FMT 3 (measured faster: on by default in EngineOptions.qmv_dense).
 _SWITCHES = {"pdl": False, "dense": False}
 
