@@ -26,6 +26,7 @@
 #   vision   the vision tower at the real shape next to transformers'
 #   smoke    minutes-long first look: the training pipeline --tiny on CUDA, a 27B synthetic DFlash2 K=7 decode
 #   train    scripts/train_bundled.py --stage all --ship $OUT
+#   specprobe scripts/probe_spec_paths.py on the bundled model: MTP3 and DFlash2 K=7, drafting captured / eager x PDL
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -113,6 +114,12 @@ for stage in "$@"; do
                2>&1 | tail -25 ;;
     train)   python3 scripts/train_bundled.py --out /tmp/bundled --ship "$OUT" --stage all --seed 0 2>&1 \
                | tee "$OUT/train.log" | tail -40 ;;
+    specprobe) # speculative paths (captured / eager drafting, PDL on / off) against plain decoding on the bundled
+             # model, SPECPROBE_N generates an engine: every line should show plain's tokens and one acceptance
+             for sk in "mtp 3" "dflash2 7"; do read -r sp k <<< "$sk"
+               timeout ${STAGE_S:-300} python3 scripts/probe_spec_paths.py --spec $sp -k $k -n 256 \
+                 --generates ${SPECPROBE_N:-3} 2>&1 | tee -a "$OUT/specprobe.log" | grep -v Warn | tail -16
+             done ;;
     *)       echo "unknown stage $stage" ;;
   esac
 done
