@@ -1,6 +1,7 @@
 """Speculative decoding's launch paths against each other on one model (GPU): drafting captured or eager, PDL on
-or off. Prints, per path, the acceptance and whether the tokens equal plain decoding's - a drafting path that
-changes the drafts shows as a different acceptance. Usage: python3 scripts/probe_spec_paths.py [--spec mtp -k 3]"""
+or off, several generates an engine. Prints, per generate, whether the tokens equal plain decoding's and the
+acceptance (a path that changes the drafts shows as another acceptance); exits 1 when any differ.
+Usage: python3 scripts/probe_spec_paths.py [--spec mtp -k 3] [--generates 3]"""
 
 from __future__ import annotations
 
@@ -28,23 +29,37 @@ def main() -> int:
     ap.add_argument("-n", type=int, default=256)
     ap.add_argument("--generates", type=int, default=3, help="generate calls per engine (state left by earlier "
                                                                 "calls shows in later ones)")
-    ap.add_argument("--paths", default="plain,default,eager-draft,no-pdl,eager-draft-no-pdl")
+    ap.add_argument("--paths", default="plain,captured,eager-draft,pdl,pdl-eager-draft",
+                    help="plain first: the others are checked against its tokens")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("probe_spec_paths: needs a CUDA GPU", file=sys.stderr)
         return 2
-    known = {"plain": dict(spec="none"), "default": {}, "eager-draft": dict(draft_graphs=False),
-             "no-pdl": dict(pdl=False), "eager-draft-no-pdl": dict(draft_graphs=False, pdl=False)}
-    prompt = None
-    for name in args.paths.split(","):
+    known = {"plain": dict(spec="none"), "captured": {}, "eager-draft": dict(draft_graphs=False),
+             "pdl": dict(pdl=True), "pdl-eager-draft": dict(draft_graphs=False, pdl=True)}
+    names = args.paths.split(",")
+    unknown = [n for n in names if n not in known]
+    if unknown or names[0] != "plain":
+        print(f"probe_spec_paths: --paths starts with plain and names some of {', '.join(known)}", file=sys.stderr)
+        return 2
+    prompt, want, accepted, bad = None, None, set(), 0
+    for name in names:
         eng = Engine.load(args.model, device="cuda", **{"spec": args.spec, "draft_tokens": args.k, **known[name]})
         prompt = prompt or load_prompts(str(DEFAULT_PROMPT), eng.tokenizer)[0]
         for i in range(args.generates):
             res = eng.generate(prompt, max_new_tokens=args.n, ignore_eos=True)
+            want = want or res.tokens
             sha = hashlib.sha256(str(res.tokens).encode()).hexdigest()[:8]
             acc, drafted = res.spec.get("accepted_tokens"), res.spec.get("drafted_tokens")
-            print(f"{name:20s} generate {i}: tokens {sha} accepted {acc} of {drafted}", flush=True)
-    return 0
+            same = res.tokens == want
+            bad += not same
+            if acc is not None:
+                accepted.add(acc)
+            print(f"{name:16s} generate {i}: tokens {sha} {'= plain' if same else 'DIFFER FROM PLAIN'}, "
+                  f"accepted {acc} of {drafted}", flush=True)
+    varies = "the same everywhere" if len(accepted) <= 1 else f"varies: {sorted(accepted)}"
+    print(f"{bad} generate(s) differ from plain; acceptance {varies}")
+    return 1 if bad or len(accepted) > 1 else 0
 
 
 if __name__ == "__main__":
