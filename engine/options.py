@@ -49,10 +49,9 @@ class EngineOptions:
     lookahead: bool = True  # greedy single-sequence decode on CUDA graphs: launch step n + 1 before reading
     #                         token n (a finished sequence's extra step writes the scratch slot)
     pdl: bool = False  # the decode step's kernels (qmv and the fused Triton glue) launch with programmatic dependent
-    #                    launch (sm_90+, ignored elsewhere; process-wide: kernels/_triton.set_pdl, qmv_cuda.set_pdl):
-    #                    each may launch while the one before finishes. H200 27B step 6.08 -> 5.82 ms; off by
-    #                    default until one unreproduced MTP run with it (docs/perf/2026-11-30-pdl-draft-graphs-h200.md)
-    #                    is explained
+    #                    launch (sm_90+, ignored elsewhere; process-wide: kernels/_triton.set_pdl): each may launch
+    #                    while the one before finishes. H200 27B step 6.08 -> 5.82 ms; off by default until one
+    #                    unreproduced MTP run with it (docs/perf/2026-11-30-pdl-draft-graphs-h200.md) is explained
     qmv_dense: bool = True  # small dense bf16/fp16 projections (<= 1024 rows, <= 64 x rows) through qmv's dense
     #                         path instead of cuBLAS (process-wide: kernels/qmv_cuda.set_dense; H200 27B step 8.01 ->
     #                         7.90 ms)

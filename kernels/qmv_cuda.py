@@ -32,8 +32,8 @@ import torch
 
 from . import _triton
 
-__all__ = ["qmv", "supports", "available", "import_error", "choose_splits", "workspace", "set_pdl", "pdl_enabled",
-           "set_dense", "dense_enabled", "DenseWeight", "TiledWeight", "DENSE_FMT", "qmv_rows", "MAX_T", "MAX_SPLITS"]
+__all__ = ["qmv", "supports", "available", "import_error", "choose_splits", "workspace", "set_dense", "dense_enabled",
+           "DenseWeight", "TiledWeight", "DENSE_FMT", "qmv_rows", "MAX_T", "MAX_SPLITS"]
 
 MAX_T = 8  # tokens per launch: the MMA's n = 8 columns
 DENSE_FMT = "dense16"  # a bf16 / fp16 weight read as it is (FMT 3 in the source), see DenseWeight
@@ -222,25 +222,15 @@ def workspace(device, floats: int, tiles: int = 1) -> tuple[torch.Tensor, torch.
 
 
 # ---- switches, process-wide (as DeepGEMM's set_pdl); off here, the engine sets them from EngineOptions ---------
-# pdl: the kernel is launched with programmatic stream serialization (cuLaunchKernelEx, through ctypes: CuPy's
-# launcher takes no launch attributes), so it may start while the kernel before it finishes; it issues its first
-# weight loads, then waits (griddepcontrol.wait) before it reads x, and lets the next kernel launch from its start.
-# CUDA graphs captured from such launches keep the programmatic edges; sm_90+. Alone it measured slower on the H200
-# (the kernels around qmv did not let it start early); with the Triton glue PDL-aware too (kernels/_triton.set_pdl)
-# the 27B step is 4 % faster (EngineOptions.pdl, off by default: see its comment). Only launches for CUDA graphs
-# use it (kernels/_triton.in_graph_scope). dense: small dense 16-bit projections
-# (engine/weights.DenseLinear) through FMT 3 (measured faster: on by default in EngineOptions.qmv_dense).
-_SWITCHES = {"pdl": False, "dense": False}
-
-
-def set_pdl(on: bool) -> None:
-    """Launch qmv into CUDA-graph captures with programmatic dependent launch from now on (sm_90+; ignored on older
-    GPUs)."""
-    _SWITCHES["pdl"] = bool(on)
-
-
-def pdl_enabled() -> bool:
-    return _SWITCHES["pdl"]
+# pdl (the one switch of kernels/_triton.set_pdl, shared with the Triton glue kernels): the kernel is launched with
+# programmatic stream serialization (cuLaunchKernelEx, through ctypes: CuPy's launcher takes no launch attributes),
+# so it may start while the kernel before it finishes; it issues its first weight loads, then waits
+# (griddepcontrol.wait) before it reads x, and lets the next kernel launch from its start. CUDA graphs captured from
+# such launches keep the programmatic edges; sm_90+. Alone it measured slower on the H200 (the kernels around qmv
+# did not let it start early); with the Triton glue PDL-aware too the 27B step is 4 % faster (EngineOptions.pdl,
+# off by default: see its comment). dense: small dense 16-bit projections (engine/weights.DenseLinear) through
+# FMT 3 (measured faster: on by default in EngineOptions.qmv_dense).
+_SWITCHES = {"dense": False}
 
 
 def set_dense(on: bool) -> None:
@@ -344,7 +334,8 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
     loads in flight while one is multiplied) and ``fold`` (q4/q5: the zero point taken off the sums by one MMA per
     x fragment instead of a subtraction per code pair: 7 % fewer instructions, but it spills at 80 registers) are
     for tuning and tests - none of the last three was faster on the H200 (``fold`` 3-15 % slower). ``pdl``
-    (default :func:`pdl_enabled`) launches with programmatic dependent launch on sm_90+ (see :func:`set_pdl`)."""
+    (default :func:`kernels._triton.pdl_now`: the switch is on and the launch is for a CUDA graph) launches with
+    programmatic dependent launch on sm_90+."""
     lin = getattr(lin, "qmv_weight", None) or lin  # a tiled PackedLinear: its tiles
     if not supports(x, lin):
         raise ValueError(f"qmv: needs CUDA bf16/fp16 x [1..{MAX_T}, K={lin.k}] contiguous and a q8/q5/q4 weight "
@@ -359,8 +350,7 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
                          f"{out.dtype} on {out.device}")
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
     even = lin.k == lin.kp and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
-    # the switch applies to launches for a CUDA graph (kernels/_triton.in_graph_scope); pdl=True: any launch
-    pdl = (pdl_enabled() and _triton.in_graph_scope() if pdl is None else pdl) and _capability(dev) >= (9, 0)
+    pdl = _triton.pdl_now(x.device) if pdl is None else pdl and _capability(dev) >= (9, 0)
     kern = _kernel(_FMT_ID[lin.fmt], x.dtype == torch.float16, even, unroll, min_blocks, xlate, pipe, fold, pdl,
                    getattr(lin, "layout", 0), dev)
     tiles = -(-n // 16)
