@@ -59,6 +59,9 @@ class EngineOptions:
     #                            with one load a lane and no x shuffles; H200 27B step 6.43 -> 6.08 ms GPU busy),
     #                            "tiled" (tile-contiguous; 1.1-1.3x faster projections than rows) or "rows" (the
     #                            row-major buffers)
+    qmv_ring: int = 0  # q-format projections in the lanes layout stream each warp's weight loads through a ring of
+    #                    this many steps in shared memory (cp.async; process-wide: kernels/qmv_cuda.set_ring);
+    #                    0: loaded into registers, UNROLL steps at a time
     gdn_impl: str = "auto"
     kernels: str = "auto"  # decode/verify kernels: auto (fused Triton for v3 on CUDA), torch, or triton
     cpu_threads: int | None = None  # torch intra-op threads on a CPU; None: 1 for small models, else torch's
@@ -104,6 +107,8 @@ class EngineOptions:
             raise ValueError(f"cpu-threads must be a positive integer, got {self.cpu_threads!r}")
         if self.qmv_layout not in ("tiled", "lanes", "rows"):
             raise ValueError(f"qmv layout must be tiled, lanes or rows, got {self.qmv_layout!r}")
+        if not isinstance(self.qmv_ring, int) or self.qmv_ring < 0 or self.qmv_ring % 2 or self.qmv_ring > 32:
+            raise ValueError(f"qmv ring must be 0 (off) or an even step count up to 32, got {self.qmv_ring!r}")
         if self.kernels not in ("auto", "torch", "triton"):
             raise ValueError(f"kernels must be auto, torch or triton, got {self.kernels!r}")
         if self.kernels == "triton" and self.runtime == "v2":

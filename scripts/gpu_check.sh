@@ -82,6 +82,7 @@ for stage in "$@"; do
                  pdl)           flags="--pdl" ;;                      # the step's kernels with programmatic dependent launch
                  cublas)        flags="--cublas-dense" ;;             # small dense projections by cuBLAS
                  rows|tiled)    flags="--qmv-layout $mode" ;;         # packed weights row-major / in TILED 1
+                 ring*)         flags="--qmv-ring ${mode#ring}" ;;    # qmv's shared-memory ring of N steps (ring8, ring16)
                  attnfixed)     flags="--attn-fixed-split" ;;         # attention split as for the full cache
                  prefill)       flags="--prefill --prompt-len 818" ;; # one 818-token prefill
                  mtp)           flags="--spec mtp -k 3" ;;            # MTP3 rounds (captured drafting)

@@ -122,6 +122,27 @@ def test_tiled_weights_decode_like_row_major():
         assert a.tokens == b.tokens, layout
 
 
+@pytest.mark.parametrize("pdl", [False, True])
+def test_qmv_ring_decodes_like_registers(pdl):
+    """EngineOptions.qmv_ring: the lanes-layout projections through the shared-memory ring give the register
+    path's greedy tokens (the same sums, loaded another way), captured steps included, with and without PDL."""
+    from ninfer_bench.kernels import qmv_cuda
+
+    if pdl and torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("programmatic dependent launch needs sm_90+")
+    kw = dict(runtime="v3", kv_dtype="int8", dtype="bf16", pdl=pdl)
+    try:
+        _, a = gen(**kw, qmv_ring=0)
+        _, b = gen(**kw, qmv_ring=8)
+        assert qmv_cuda._SWITCHES["ring"] == 8
+    finally:
+        qmv_cuda.set_ring(0)
+        from ninfer_bench.kernels import _triton
+
+        _triton.set_pdl(False)
+    assert a.tokens == b.tokens
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("spec,k", [("none", 0), ("mtp", 3), ("dflash2", 7)])
 def test_pdl_decode_equals_plain_launches(dtype, spec, k):
