@@ -86,9 +86,9 @@ def fmt(v, spec=".2f"):
 @click.option("--draft-graphs", "draft_graphs", default="on", show_default=True, callback=comma_list(("on", "off")),
               help="Greedy drafting (MTP, DFlash, DFlash2) replayed from CUDA graphs (v3 on CUDA; off: eager "
                    "drafting, labelled -eagerdraft); on,off runs both.")
-@click.option("--pdl", "pdls", default="off", show_default=True, callback=comma_list(("on", "off")),
+@click.option("--pdl", "pdls", default="on", show_default=True, callback=comma_list(("on", "off")),
               help="The decode step's CUDA-graph kernels with programmatic dependent launch (sm_90+ GPUs, ignored "
-                   "elsewhere; labelled -pdl); off,on runs both.")
+                   "elsewhere; off is labelled -nopdl); on,off runs both.")
 @click.option("--prompt-file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Prompt text, or a .jsonl prompt set (e.g. suites/data/heldout_prompts.jsonl) "
                    "[default: the shipped short-code prompt].")

@@ -48,10 +48,11 @@ class EngineOptions:
     #                            22.9 -> 13.6 ms
     lookahead: bool = True  # greedy single-sequence decode on CUDA graphs: launch step n + 1 before reading
     #                         token n (a finished sequence's extra step writes the scratch slot)
-    pdl: bool = False  # the decode step's kernels (qmv and the fused Triton glue) launch with programmatic dependent
-    #                    launch (sm_90+, ignored elsewhere; process-wide: kernels/_triton.set_pdl): each may launch
-    #                    while the one before finishes. H200 27B step 6.08 -> 5.82 ms; off by default until one
-    #                    unreproduced MTP run with it (docs/perf/2026-11-30-pdl-draft-graphs-h200.md) is explained
+    pdl: bool = True  # the decode step's kernels (qmv and the fused Triton glue) launch with programmatic dependent
+    #                   launch in CUDA graphs (sm_90+, ignored elsewhere; process-wide: kernels/_triton.set_pdl): each
+    #                   may launch while the one before finishes. H200 27B step 6.08 -> 5.82 ms. (The MTP runs that
+    #                   once made it an opt-in differed with it off too: verify passes were not token-invariant,
+    #                   docs/perf/2026-11-30-token-invariance-h200.md)
     qmv_dense: bool = True  # small dense bf16/fp16 projections (<= 1024 rows, <= 64 x rows) through qmv's dense
     #                         path instead of cuBLAS (process-wide: kernels/qmv_cuda.set_dense; H200 27B step 8.01 ->
     #                         7.90 ms)
@@ -59,9 +60,6 @@ class EngineOptions:
     #                            with one load a lane and no x shuffles; H200 27B step 6.43 -> 6.08 ms GPU busy),
     #                            "tiled" (tile-contiguous; 1.1-1.3x faster projections than rows) or "rows" (the
     #                            row-major buffers)
-    qmv_ring: int = 0  # q-format projections in the lanes layout stream each warp's weight loads through a ring of
-    #                    this many steps in shared memory (cp.async; process-wide: kernels/qmv_cuda.set_ring);
-    #                    0: loaded into registers, UNROLL steps at a time
     gdn_impl: str = "auto"
     kernels: str = "auto"  # decode/verify kernels: auto (fused Triton for v3 on CUDA), torch, or triton
     cpu_threads: int | None = None  # torch intra-op threads on a CPU; None: 1 for small models, else torch's
@@ -107,8 +105,6 @@ class EngineOptions:
             raise ValueError(f"cpu-threads must be a positive integer, got {self.cpu_threads!r}")
         if self.qmv_layout not in ("tiled", "lanes", "rows"):
             raise ValueError(f"qmv layout must be tiled, lanes or rows, got {self.qmv_layout!r}")
-        if not isinstance(self.qmv_ring, int) or self.qmv_ring < 0 or self.qmv_ring % 2 or self.qmv_ring > 32:
-            raise ValueError(f"qmv ring must be 0 (off) or an even step count up to 32, got {self.qmv_ring!r}")
         if self.kernels not in ("auto", "torch", "triton"):
             raise ValueError(f"kernels must be auto, torch or triton, got {self.kernels!r}")
         if self.kernels == "triton" and self.runtime == "v2":

@@ -8,17 +8,23 @@ sits at ``q_pos[b, t]`` and sees keys ``0 .. q_pos[b, t]`` (the new tokens' keys
 
 Flash-decoding in two launches:
 
-1. ``_attn_split``: grid ``(m tiles, splits, B * Hkv)``. One program takes the ``T * G`` query rows of one kv head
-   (G = H / Hkv, so each K/V tile is loaded once for the whole group and all T tokens), tile ``m`` of them, and
-   one ``chunk`` of the key range; exp2-based online softmax in fp32; writes a normalised partial output and its
-   log2-sum-exp. With a single split it writes the final output and the second launch is skipped.
+1. ``_attn_split``: grid ``(T * m tiles, splits, B * Hkv)``. One program takes one token's G = H / Hkv query rows
+   of one kv head (so each K/V tile is loaded once for the whole group), tile ``m`` of them, and one ``chunk`` of
+   the key range; exp2-based online softmax in fp32; writes a normalised partial output and its log2-sum-exp.
+   With a single split it writes the final output and the second launch is skipped.
 2. ``_attn_combine``: one program per ``(b, t, h)`` (and block of hd columns when those rows are few) merges the
    splits that row actually used.
 
-The grid's split count is sized for ``kv_len_max``; each batch row's chunk (keys per split) is then set on the GPU
-from its own last position (``_row_chunk``, between ``min_chunk`` and ``chunk``), so a sequence far shorter than
+The grid's split count is sized for ``kv_len_max``; each query token's chunk (keys per split) is then set on the
+GPU from its own position (``_row_chunk``, between ``min_chunk`` and ``chunk``), so a sequence far shorter than
 the cache still spreads over all the splits (the 27B shape at 8K capacity: 64 splits of 4 blocks; an 880-key
 sequence takes 28 splits of one block rather than 7 of four).
+
+Token invariance: a query token's output is the same bits whatever else is in the call - the other tokens of a
+speculative block (T > 1) or other batch rows. Its tile holds only its own rows, the launch shape depends on G,
+hd, the key range and the dtypes (never on B or T), and its key range is split from its own position. So a
+verify pass over T drafted tokens computes, row by row, exactly what T single-token decode steps compute, and
+greedy speculative decoding keeps plain decoding's tokens even where two logits almost tie.
 
 The grid depends only on static sizes (B, T, H, hd and ``kv_len_max``), never on ``q_pos``, so a call can be
 captured in a CUDA graph; programs whose chunk starts past the rows' last position do no loads and store nothing.
@@ -60,7 +66,7 @@ triton_available = _triton.available
 class AttnConfig:
     """Launch shape of :func:`decode_attention` (a function of static sizes only; see :func:`plan`)."""
 
-    block_m: int  # query rows (t, g) per program, a power of two >= 16
+    block_m: int  # query rows (one token's heads g) per program, a power of two >= 16
     block_n: int  # keys per inner step, a power of two >= 16
     chunk: int  # keys per split at the full key range, a multiple of block_n
     num_warps: int
@@ -105,7 +111,7 @@ def plan(batch: int, tokens: int, heads: int, kv_heads: int, head_dim: int, kv_l
 
     Register and shared-memory notes come from sm_90 ptxas reports of these kernels (Triton 3.6).
     """
-    rows = tokens * (heads // kv_heads)
+    rows = heads // kv_heads  # one token's rows: nothing below depends on batch or tokens (token invariance)
     block_d = _pow2(head_dim)
     block_m = max(16, min(MAX_BLOCK_M, _pow2(rows)))
     fp32 = q_dtype == torch.float32  # the reference-precision path (tests): fp32 tiles, twice the shared memory
@@ -122,16 +128,17 @@ def plan(batch: int, tokens: int, heads: int, kv_heads: int, head_dim: int, kv_l
         num_stages = 2 if fp32 else 3  # fp32 at 64 x 256 needs 256 KB of shared memory with 3 stages
     sms = _num_sms(torch.device(device))
     if chunk is None:
-        # from one sequence's sizes, not the batch's: a row's key range is split (and summed) the same way whatever
-        # it is batched with, so concurrent decoding gives the bits sequential decoding gives
+        # from one token's sizes, not the call's: a row's key range is split (and summed) the same way whatever
+        # it is batched with, so concurrent decoding and verify passes give the bits single decode steps give
         n_blocks = -(-kv_len // block_n)
         per_split = -(-rows // block_m) * kv_heads
         want = -(-PROGRAMS_PER_SM * sms // per_split)
         splits = max(1, min(want, n_blocks // MIN_BLOCKS_PER_SPLIT))
         chunk = -(-n_blocks // splits) * block_n
     if combine_cols is None:
-        # few (b, t, h) rows (B=1 decode): spread each row's columns over programs too
-        combine_cols = block_d if batch * tokens * heads >= 2 * sms else min(block_d, COMBINE_COLS)
+        # each row's columns spread over programs (a B=1 decode has few rows); one width for every call, since the
+        # combine tile's shape sets the order of its sums
+        combine_cols = min(block_d, COMBINE_COLS)
     if min_chunk is None:
         min_chunk = min(chunk, SHORT_MIN_BLOCKS * block_n)
     return AttnConfig(block_m=block_m, block_n=block_n, chunk=chunk, num_warps=num_warps, num_stages=num_stages,
@@ -235,7 +242,7 @@ def _launch(kern, q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, scale, kv
     block_d = _pow2(hd)
     gw = min(KV_GROUP, block_d)  # columns per scale group in the int8 tile [BLOCK_N, NG, GW]
     splits = -(-kv_len // cfg.chunk)
-    m_tiles = -(-(t * g) // cfg.block_m)
+    m_tiles = -(-g // cfg.block_m)  # a token's tiles
     out = _new_buffer((b, t, h, hd), q.dtype, q.device)
     if splits > 1:
         o_part = _new_buffer((b, t, h, splits, hd), torch.float32, q.device)
@@ -244,11 +251,11 @@ def _launch(kern, q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, scale, kv
         o_part = lse_part = out  # unused: the split kernel writes the output directly
     ks = k_scale if int8 else k_cache  # placeholders keep one signature; never read without IS_INT8
     vs = v_scale if int8 else v_cache
-    kern["split"][(m_tiles, splits, b * hkv)](
+    kern["split"][(t * m_tiles, splits, b * hkv)](
         q, k_cache, v_cache, ks, vs, slots, q_pos, out, o_part, lse_part,
         *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3], *ks.stride()[:3], *vs.stride()[:3],
         *q_pos.stride(), *out.stride()[:3],
-        scale * LOG2E, t, h, hkv, kv_len, cfg.chunk, cfg.min_chunk or cfg.chunk, splits,
+        scale * LOG2E, t, h, hkv, kv_len, cfg.chunk, cfg.min_chunk or cfg.chunk, splits, m_tiles,
         G=g, HD=hd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, NG=block_d // gw, GW=gw,
         IS_INT8=int8, SPLIT=splits > 1, DOT_DTYPE=kern["dtypes"][q.dtype],
         DOT_PREC="tf32x3" if q.dtype == torch.float32 else "tf32",
@@ -299,16 +306,11 @@ def _load_tile(base, s_base, stride_n, stride_sn, offs_n, n_ok, DOT_DTYPE: tl.co
         return x.to(DOT_DTYPE)
 
 
-def _row_chunk(QPOS, b, stride_pb, stride_pt, T, CHUNK, MIN_CHUNK, NUM_SPLITS, BLOCK_N: tl.constexpr):
-    """Keys per split for batch row b: its last position's key range over the grid's NUM_SPLITS, in whole blocks,
+def _row_chunk(pos, CHUNK, MIN_CHUNK, NUM_SPLITS, BLOCK_N: tl.constexpr):
+    """Keys per split for a query token at ``pos``: its key range over the grid's NUM_SPLITS, in whole blocks,
     within [MIN_CHUNK, CHUNK] - so a short sequence spreads over the splits instead of filling a few (the grid is
-    sized for the longest key range). A function of row b's own positions: batching does not change it."""
-    last = tl.full([], -1, tl.int32)
-    for t0 in range(0, T, 16):
-        ts = t0 + tl.arange(0, 16)
-        pos = tl.load(QPOS + b * stride_pb + ts * stride_pt, mask=ts < T, other=-1).to(tl.int32)
-        last = tl.maximum(last, tl.max(pos, 0))
-    want = tl.cdiv(tl.cdiv(last + 1, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    sized for the longest key range). A function of the token's own position: nothing batched with it changes it."""
+    want = tl.cdiv(tl.cdiv(pos + 1, NUM_SPLITS), BLOCK_N) * BLOCK_N
     return tl.minimum(tl.maximum(want, MIN_CHUNK), CHUNK)
 
 
@@ -316,29 +318,30 @@ def _attn_split(Q, K, V, KS, VS, SLOTS, QPOS, O, OP, LSE,
                 stride_qb, stride_qt, stride_qh, stride_ks, stride_kh, stride_kn, stride_vs, stride_vh, stride_vn,
                 stride_kss, stride_ksh, stride_ksn, stride_vss, stride_vsh, stride_vsn,
                 stride_pb, stride_pt, stride_ob, stride_ot, stride_oh,
-                qk_scale, T, H, HKV, KV_LEN, CHUNK, MIN_CHUNK, NUM_SPLITS,
+                qk_scale, T, H, HKV, KV_LEN, CHUNK, MIN_CHUNK, NUM_SPLITS, M_TILES,
                 G: tl.constexpr, HD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_D: tl.constexpr, NG: tl.constexpr, GW: tl.constexpr, IS_INT8: tl.constexpr,
                 SPLIT: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr):
-    """Program (m tile, split, b * Hkv + hkv): rows (t, g) of the tile against keys [split * chunk, + chunk), chunk
-    the row's own (_row_chunk)."""
+    """Program (t * M_TILES + m tile, split, b * Hkv + hkv): token t's rows g of the tile against keys
+    [split * chunk, + chunk), chunk the token's own (_row_chunk)."""
     pdl_enter(PDL)  # PDL launches: wait for the kernel before, let the next one launch
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_bh = tl.program_id(2)
     b = pid_bh // HKV
     hkv = pid_bh % HKV
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # row = t * G + g
-    t = rows // G
-    h = hkv * G + rows % G
-    row_ok = t < T
-    qpos = tl.load(QPOS + b * stride_pb + t * stride_pt, mask=row_ok, other=-1).to(tl.int32)  # [BLOCK_M]
-    chunk = _row_chunk(QPOS, b, stride_pb, stride_pt, T, CHUNK, MIN_CHUNK, NUM_SPLITS, BLOCK_N)
+    t = pid_m // M_TILES  # one token a tile
+    g = (pid_m % M_TILES) * BLOCK_M + tl.arange(0, BLOCK_M)
+    h = hkv * G + g
+    row_ok = g < G
+    pos = tl.load(QPOS + b * stride_pb + t * stride_pt).to(tl.int32)
+    qpos = tl.where(row_ok, pos, -1)  # [BLOCK_M]
+    chunk = _row_chunk(pos, CHUNK, MIN_CHUNK, NUM_SPLITS, BLOCK_N)
     lo = pid_s * chunk
-    hi = tl.minimum(tl.minimum(lo + chunk, KV_LEN), tl.max(qpos, 0) + 1)  # hi <= lo: the chunk is past every row
+    hi = tl.minimum(tl.minimum(lo + chunk, KV_LEN), pos + 1)  # hi <= lo: the chunk is past the token
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HD
-    q = tl.load(Q + b * stride_qb + t[:, None] * stride_qt + h[:, None] * stride_qh + offs_d[None, :],
+    q = tl.load(Q + b * stride_qb + t * stride_qt + h[:, None] * stride_qh + offs_d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(DOT_DTYPE)  # [BLOCK_M, BLOCK_D]
     slot = tl.load(SLOTS + b).to(tl.int64)  # slot * stride overflows int32 on large caches
     k_base = K + slot * stride_ks + hkv * stride_kh
@@ -375,7 +378,7 @@ def _attn_split(Q, K, V, KS, VS, SLOTS, QPOS, O, OP, LSE,
         tl.store(OP + r[:, None] * HD + offs_d[None, :], o, mask=used[:, None] & d_ok[None, :])
         tl.store(LSE + r, tl.where(has, m_i + tl.log2(l_safe), float("-inf")), mask=used)
     else:
-        tl.store(O + b * stride_ob + t[:, None] * stride_ot + h[:, None] * stride_oh + offs_d[None, :],
+        tl.store(O + b * stride_ob + t * stride_ot + h[:, None] * stride_oh + offs_d[None, :],
                  o.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
@@ -388,8 +391,8 @@ def _attn_combine(OP, LSE, QPOS, O, stride_pb, stride_pt, stride_ob, stride_ot, 
     h = r % H
     t = (r // H) % T
     b = r // (H * T)
-    chunk = _row_chunk(QPOS, b, stride_pb, stride_pt, T, CHUNK, MIN_CHUNK, NUM_SPLITS, BLOCK_N)
-    n_used = tl.minimum(tl.load(QPOS + b * stride_pb + t * stride_pt).to(tl.int32) // chunk + 1, NUM_SPLITS)
+    pos = tl.load(QPOS + b * stride_pb + t * stride_pt).to(tl.int32)
+    n_used = tl.minimum(pos // _row_chunk(pos, CHUNK, MIN_CHUNK, NUM_SPLITS, BLOCK_N) + 1, NUM_SPLITS)
     offs_d = tl.program_id(1) * BLOCK_DC + tl.arange(0, BLOCK_DC)
     d_ok = offs_d < HD
     base = r.to(tl.int64) * NUM_SPLITS

@@ -14,7 +14,9 @@ Shapes (C = 2 * Hk * dk + Hv * dv channels, q | k | v; W the conv width; S cache
 Two launches (three with block_v < dv):
 
 1. ``_prep_kernel`` over (B, Hk + Hv): one program per k head (its q and k channels) or v head (its v channels and
-   gates), for all T tokens at once: conv + SiLU, L2 norms, q.k, e^g and beta, written to a small fp32 workspace
+   gates), for the T tokens one after the other (so every sum is the same bits whatever T is: a verify pass over
+   drafted tokens computes what single decode steps compute): conv + SiLU, L2 norms, q.k, e^g and beta, written
+   to a small fp32 workspace
    ([B, T, C] and [B, T, 2 Hv + Hk]); and the channels' new conv windows (ending at keep[b]) into the cache. Each
    channel is read and written by one program only, so the conv state is updated in place with no race.
 2. ``_recur_kernel`` over (B * Hv, dv / BV): the fp32 state tile ``S[:, v block]`` ([dk, BV]) stays in registers
@@ -229,7 +231,7 @@ def gdn_decode(qkv, z, b, a, conv_state, conv_w, ssm, slots, A_log, dt_bias, nor
         a.stride(0), a.stride(1), t, dk ** -0.5,
         HK=hk, HV=hv, DK=dk, DV=dv, W=w, BT=bt, BD=max(16, _pow2(max(dk, dv))), BW=_pow2(w - 1),
         HAS_KEEP=keep is not None, CONV_INIT=conv_init is not None, WRITE_STATE=write_state,
-        num_warps=4 if bt * max(dk, dv) >= 1024 else 2, **_triton.pdl_args(dev),
+        num_warps=4 if max(dk, dv) >= 512 else 2, **_triton.pdl_args(dev),  # not from T: the sums' layout
     )
     bv = min(cfg.block_v, max(8, _pow2(dv)))
     fused_norm = bv >= dv
@@ -266,23 +268,22 @@ def gdn_decode(qkv, z, b, a, conv_state, conv_w, ssm, slots, A_log, dt_bias, nor
 tl = pdl_enter = None  # triton.language and the PDL helper, bound by _kernels()
 
 
-def _conv_tile(x_base, stride_xt, src_base, stride_sc, stride_sw, CW, chan, c_ok, offs_t, T,
-               W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
-    """silu(depthwise causal conv) of channels ``chan`` for tokens ``offs_t``: [BT, BC] fp32.
+def _conv_row(x_base, stride_xt, src_base, stride_sc, stride_sw, CW, chan, c_ok, t: tl.constexpr, live,
+              W: tl.constexpr, BD: tl.constexpr):
+    """silu(depthwise causal conv) of channels ``chan`` for token ``t`` (``live``: t < T): [BD] fp32.
 
     Token t reads positions t .. t+W-1 of cat(old window [W-1], new inputs [T]); the old window is src[c, 0:W-1].
+    One token at a time in a [BD] vector whose layout depends on BD alone: its sums (and the norms the caller
+    takes of it) are the same bits whatever T is, so a verify pass computes what single decode steps compute.
     """
-    t_ok = offs_t < T
-    acc = tl.zeros([BT, BC], tl.float32)
+    acc = tl.zeros([BD], tl.float32)
     for j in tl.static_range(W):
-        p = offs_t + j  # position in cat(old, new)
-        old = p < W - 1
-        xs = tl.load(src_base + chan[None, :] * stride_sc + p[:, None] * stride_sw,
-                     mask=(old & t_ok)[:, None] & c_ok[None, :], other=0.0)
-        xn = tl.load(x_base + (p - (W - 1))[:, None] * stride_xt + chan[None, :],
-                     mask=(~old & t_ok)[:, None] & c_ok[None, :], other=0.0)
         wj = tl.load(CW + chan * W + j, mask=c_ok, other=0.0)
-        acc += wj[None, :] * (xs.to(tl.float32) + xn.to(tl.float32))
+        if t + j < W - 1:  # compile-time: the tap reads the old window or the new inputs
+            x = tl.load(src_base + chan * stride_sc + (t + j) * stride_sw, mask=c_ok & live, other=0.0)
+        else:
+            x = tl.load(x_base + (t + j - (W - 1)) * stride_xt + chan, mask=c_ok & live, other=0.0)
+        acc += wj * x.to(tl.float32)
     return acc * tl.sigmoid(acc)
 
 
@@ -328,20 +329,23 @@ def _prep_kernel(QKV, CSRC, CW, CONV, SLOTS, KEEP, BB, AA, ALOG, DTB, WORK, GATE
     x_base = QKV + b.to(tl.int64) * stride_xb
     src_base = CSRC + (b.to(tl.int64) if CONV_INIT else slot) * stride_cb
     dst_base = CONV + slot * stride_vs
-    row = (b * T + offs_t)[:, None] * (2 * HK * DK + HV * DV)  # [BT, 1] rows of WORK
+    C = 2 * HK * DK + HV * DV  # a WORK row
     g_row = (b * T + offs_t) * (2 * HV + HK)
     if j < HK:
         ok = offs_d < DK
         q_chan = j * DK + offs_d
         k_chan = HK * DK + j * DK + offs_d
-        q = _conv_tile(x_base, stride_xt, src_base, stride_cc, stride_cw, CW, q_chan, ok, offs_t, T, W, BT, BD)
-        k = _conv_tile(x_base, stride_xt, src_base, stride_cc, stride_cw, CW, k_chan, ok, offs_t, T, W, BT, BD)
-        q = q * (tl.rsqrt(tl.sum(q * q, 1) + 1e-6) * scale)[:, None]
-        k = k * tl.rsqrt(tl.sum(k * k, 1) + 1e-6)[:, None]
-        m = t_ok[:, None] & ok[None, :]
-        tl.store(WORK + row + q_chan[None, :], q, mask=m)
-        tl.store(WORK + row + k_chan[None, :], k, mask=m)
-        tl.store(GATES + g_row + 2 * HV + j, tl.sum(q * k, 1), mask=t_ok)  # q . k, for o = e^g S^T q + (q.k) u
+        for t in tl.static_range(BT):  # token by token: the sums do not depend on T (see _conv_row)
+            live = t < T
+            q = _conv_row(x_base, stride_xt, src_base, stride_cc, stride_cw, CW, q_chan, ok, t, live, W, BD)
+            k = _conv_row(x_base, stride_xt, src_base, stride_cc, stride_cw, CW, k_chan, ok, t, live, W, BD)
+            q = q * (tl.rsqrt(tl.sum(q * q, 0) + 1e-6) * scale)
+            k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
+            w_row = WORK + (b * T + t) * C
+            tl.store(w_row + q_chan, q, mask=ok & live)
+            tl.store(w_row + k_chan, k, mask=ok & live)
+            # q . k, for o = e^g S^T q + (q.k) u
+            tl.store(GATES + (b * T + t) * (2 * HV + HK) + 2 * HV + j, tl.sum(q * k, 0), mask=live)
         if WRITE_STATE:
             wq = _window(x_base, stride_xt, src_base, stride_cc, stride_cw, q_chan, ok, keep, W, BW)
             wk = _window(x_base, stride_xt, src_base, stride_cc, stride_cw, k_chan, ok, keep, W, BW)
@@ -355,8 +359,10 @@ def _prep_kernel(QKV, CSRC, CW, CONV, SLOTS, KEEP, BB, AA, ALOG, DTB, WORK, GATE
         h = j - HK
         ok = offs_d < DV
         v_chan = 2 * HK * DK + h * DV + offs_d
-        v = _conv_tile(x_base, stride_xt, src_base, stride_cc, stride_cw, CW, v_chan, ok, offs_t, T, W, BT, BD)
-        tl.store(WORK + row + v_chan[None, :], v, mask=t_ok[:, None] & ok[None, :])
+        for t in tl.static_range(BT):
+            live = t < T
+            v = _conv_row(x_base, stride_xt, src_base, stride_cc, stride_cw, CW, v_chan, ok, t, live, W, BD)
+            tl.store(WORK + (b * T + t) * C + v_chan, v, mask=ok & live)
         # tokens past keep (and padding rows) leave the state exactly unchanged: e^0 = 1, beta = 0
         decay, beta = _gates(BB + b * stride_bb + h, stride_bt, AA + b * stride_ab + h, stride_at, ALOG + h,
                              DTB + h, offs_t, offs_t < keep)
@@ -448,5 +454,5 @@ def _gated_norm_kernel(O, Z, NW, Y, stride_ob, stride_ot, stride_zb, stride_zt, 
 @functools.lru_cache(maxsize=1)
 def _kernels() -> dict:
     """Jit the kernels (first call only). The kernels find their helpers and `tl` as module globals."""
-    return _triton.jit_module(globals(), ("_conv_tile", "_window", "_gates"),
+    return _triton.jit_module(globals(), ("_conv_row", "_window", "_gates"),
                               {"prep": "_prep_kernel", "recur": "_recur_kernel", "norm": "_gated_norm_kernel"})

@@ -210,8 +210,8 @@ def _kernel(fmt_id: int, half: bool, even: bool, unroll: int, min_blocks: int, x
             rc = _driver().cuFuncSetAttribute(ctypes.c_void_p(kern.kernel.ptr), _ATTR_MAX_DYNAMIC_SHARED,
                                               ring_bytes(fmt_id, ring))
             if rc != 0:
-                raise RuntimeError(f"qmv: ring={ring} needs {ring_bytes(fmt_id, ring)} bytes of shared memory a block "
-                                   f"(CUresult {rc})")
+                raise RuntimeError(f"qmv: ring={ring} needs {ring_bytes(fmt_id, ring)} bytes of shared memory a "
+                                   f"block (CUresult {rc})")
         return kern
 
 
@@ -243,8 +243,7 @@ def workspace(device, floats: int, tiles: int = 1) -> tuple[torch.Tensor, torch.
 # did not let it start early); with the Triton glue PDL-aware too the 27B step is 4 % faster (EngineOptions.pdl,
 # off by default: see its comment). dense: small dense 16-bit projections (engine/weights.DenseLinear) through
 # FMT 3 (measured faster: on by default in EngineOptions.qmv_dense).
-# ring: the steps of qmv's shared-memory ring for q-format weights in the lanes layout (0: off).
-_SWITCHES = {"dense": False, "ring": 0}
+_SWITCHES = {"dense": False}
 
 
 def set_dense(on: bool) -> None:
@@ -255,14 +254,6 @@ def set_dense(on: bool) -> None:
 
 def dense_enabled() -> bool:
     return _SWITCHES["dense"]
-
-
-def set_ring(steps: int) -> None:
-    """From now on q-format weights in the lanes layout go through a shared-memory ring of ``steps`` steps a warp
-    (an even count; 0: registers, the kernel's UNROLL steps at a time)."""
-    if steps < 0 or steps % 2:
-        raise ValueError(f"qmv ring: 0 or an even step count, got {steps}")
-    _SWITCHES["ring"] = int(steps)
 
 
 class _LaunchAttr(ctypes.Structure):  # CUlaunchAttribute: id, 4 bytes of padding, a 64-byte value union
@@ -290,8 +281,8 @@ def _driver():
 
 
 def _launch_pdl(func, grid: tuple[int, int], block: int, args: tuple, stream_handle: int, shared: int = 0) -> None:
-    """``func<<<grid, block, shared, stream>>>(args)`` with programmatic stream serialization allowed; ``func`` is a cupy
-    RawKernel (its ``kernel`` is the CUfunction on the current device), ``args`` ctypes scalars in parameter order."""
+    """``func<<<grid, block, shared, stream>>>(args)`` with programmatic stream serialization allowed; ``func`` is a
+    cupy RawKernel (its ``kernel`` is the CUfunction on the current device), ``args`` ctypes scalars in parameter order."""
     attr = _LaunchAttr()
     attr.id = _ATTR_PROGRAMMATIC_STREAM_SERIALIZATION
     attr.value[0] = 1  # programmaticStreamSerializationAllowed (an int, little-endian)
@@ -351,7 +342,7 @@ def choose_splits(n: int, ng: int, sms: int, unroll: int = 4, min_blocks: int = 
 
 def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | None = None,
         unroll: int = 4, min_blocks: int = _BLOCKS_PER_SM, xlate: bool = False, pipe: bool = False,
-        fold: bool = False, pdl: bool | None = None, ring: int | None = None) -> torch.Tensor:
+        fold: bool = False, pdl: bool | None = None, ring: int = 0) -> torch.Tensor:
     """``x [T, K] @ W.T`` -> ``[T, N]`` in x.dtype, for T <= 8 (see :func:`supports`). ``out`` (contiguous [T, N],
     x.dtype) is written instead of a fresh tensor. ``splits`` (default :func:`choose_splits`), ``unroll`` (steps
     whose loads are in flight together), ``min_blocks`` (blocks per SM the registers must allow), ``xlate`` (x
@@ -359,14 +350,13 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
     loads in flight while one is multiplied) and ``fold`` (q4/q5: the zero point taken off the sums by one MMA per
     x fragment instead of a subtraction per code pair: 7 % fewer instructions, but it spills at 80 registers) are
     for tuning and tests - none of the last three was faster on the H200 (``fold`` 3-15 % slower). ``ring`` (the
-    lanes layout only; an even step count, 0 = off; default :func:`set_ring`'s where it applies) streams each warp's weight loads through a ring of that many
-    steps in shared memory, ``ring - 1`` steps in flight while one is multiplied. ``pdl``
+    lanes layout only; an even step count, 0 = off) streams each warp's weight loads through a ring of that many
+    steps in shared memory, ``ring - 1`` in flight while one is multiplied (H200: 20-40 % slower than the
+    registers at the 27B shapes, docs/perf/2026-11-30-token-invariance-h200.md). ``pdl``
     (default :func:`kernels._triton.pdl_now`: the switch is on and the launch is for a CUDA graph) launches with
     programmatic dependent launch on sm_90+."""
     lin = getattr(lin, "qmv_weight", None) or lin  # a tiled PackedLinear: its tiles
     layout = getattr(lin, "layout", 0)
-    if ring is None:  # the process-wide switch (EngineOptions.qmv_ring) where it applies
-        ring = _SWITCHES["ring"] if layout == 2 and lin.fmt != DENSE_FMT else 0
     if ring and (layout != 2 or ring % 2 or ring < 2 or lin.fmt == DENSE_FMT):
         raise ValueError(f"qmv: ring={ring} needs the lanes layout (TiledWeight(lanes=True)) of a q format and an "
                          f"even step count >= 2; got layout {layout}, {lin.fmt}")

@@ -29,14 +29,14 @@ def main() -> int:
     ap.add_argument("-n", type=int, default=256)
     ap.add_argument("--generates", type=int, default=3, help="generate calls per engine (state left by earlier "
                                                                 "calls shows in later ones)")
-    ap.add_argument("--paths", default="plain,captured,eager-draft,pdl,pdl-eager-draft",
+    ap.add_argument("--paths", default="plain,captured,eager-draft,nopdl,nopdl-eager-draft",
                     help="plain first: the others are checked against its tokens")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("probe_spec_paths: needs a CUDA GPU", file=sys.stderr)
         return 2
     known = {"plain": dict(spec="none"), "captured": {}, "eager-draft": dict(draft_graphs=False),
-             "pdl": dict(pdl=True), "pdl-eager-draft": dict(draft_graphs=False, pdl=True)}
+             "nopdl": dict(pdl=False), "nopdl-eager-draft": dict(draft_graphs=False, pdl=False)}
     names = args.paths.split(",")
     unknown = [n for n in names if n not in known]
     if unknown or names[0] != "plain":

@@ -4,7 +4,7 @@ torch profiler, grouped by kernel, with the GPU's busy time next to the step's w
 step's idle gaps: graph launch, the token read-back, host work).
 
     python3 scripts/profile_step.py --model qwen3.8-27b --synthetic [--steps 32] [--spec mtp -k 3] [--sync]
-        [--pdl] [--cublas-dense] [--qmv-layout L] [--qmv-ring N] [--eager-draft] [--attn-fixed-split]
+        [--no-pdl] [--cublas-dense] [--qmv-layout L] [--eager-draft] [--attn-fixed-split]
         [--prefill]      # switches against the engine's defaults, compared by step time
 
 Needs CUDA. Timings are the profiler's (CUPTI) kernel durations; the step wall time is measured without the
@@ -55,12 +55,11 @@ def main() -> int:
     ap.add_argument("-k", "--draft-tokens", type=int, default=None)
     ap.add_argument("--runtime", default="v3")
     ap.add_argument("--top", type=int, default=30)
-    ap.add_argument("--pdl", action="store_true",
-                    help="the step's kernels with programmatic dependent launch (EngineOptions.pdl)")
+    ap.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=True,
+                    help="the step's kernels with programmatic dependent launch (EngineOptions.pdl, the default)")
     ap.add_argument("--cublas-dense", action="store_true", help="small dense projections through cuBLAS, not qmv")
     ap.add_argument("--qmv-layout", default="lanes", choices=("tiled", "lanes", "rows"),
                     help="packed weights' layout (EngineOptions.qmv_layout)")
-    ap.add_argument("--qmv-ring", type=int, default=None, help="qmv's shared-memory ring steps (EngineOptions.qmv_ring)")
     ap.add_argument("--eager-draft", action="store_true", help="drafting eagerly, not from CUDA graphs")
     ap.add_argument("--sync", action="store_true", help="plain decode reads each token before the next step "
                                                           "(default: the lookahead chain, as generate() runs it)")
@@ -81,8 +80,8 @@ def main() -> int:
     t0 = time.time()
     eng = Engine.load(args.model, synthetic=args.synthetic, device="cuda", runtime=args.runtime, spec=args.spec,
                       draft_tokens=args.draft_tokens, pdl=args.pdl, qmv_dense=not args.cublas_dense,
-                      qmv_layout=args.qmv_layout, draft_graphs=not args.eager_draft,
-                      **({} if args.qmv_ring is None else {"qmv_ring": args.qmv_ring}))
+                      qmv_layout=args.qmv_layout,
+                      draft_graphs=not args.eager_draft)
     print(f"loaded in {time.time() - t0:.0f} s: {eng.model_info.get('name', args.model)}", flush=True)
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(10, eng.config.vocab_size - 10, (args.prompt_len,), generator=g).tolist()
@@ -155,8 +154,7 @@ def main() -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({
             "model": args.model, "spec": args.spec, "sync": args.sync, "pdl": args.pdl,
-            "cublas_dense": args.cublas_dense, "qmv_layout": args.qmv_layout, "qmv_ring": args.qmv_ring,
-            "draft_graphs": not args.eager_draft,
+            "cublas_dense": args.cublas_dense, "qmv_layout": args.qmv_layout, "draft_graphs": not args.eager_draft,
             "attn_fixed_split": args.attn_fixed_split,
             "runtime": args.runtime, "steps": args.steps,
             "step_wall_us": step_us, "gpu_busy_us": busy, "kernels_summed_us": total,

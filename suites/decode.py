@@ -39,7 +39,7 @@ class DecodeOptions:
     lm_head_draft: int = 0
     lookahead: bool = True  # plain greedy decode on CUDA graphs: the host one step behind the GPU
     draft_graphs: bool = True  # greedy drafting replayed from CUDA graphs (v3 on CUDA; off: eager drafting)
-    pdl: bool = False  # the decode step's kernels with programmatic dependent launch (EngineOptions.pdl; sm_90+)
+    pdl: bool = True  # the decode step's kernels with programmatic dependent launch (EngineOptions.pdl; sm_90+)
     prompt_file: str = str(DEFAULT_PROMPT)
     prompts: int | None = None  # with a .jsonl prompt set: how many of its prompts (default all)
     images: tuple[str, ...] = ()  # images placed before each prompt (a model with a vision component)
@@ -74,7 +74,7 @@ class DecodeOptions:
         head = f"-lmh{self.lm_head_draft}" if self.spec != "none" and self.lm_head_draft else ""
         sync = "-sync" if self.spec == "none" and not self.lookahead else ""
         graphs = "-eagerdraft" if self.spec != "none" and not self.draft_graphs else ""
-        pdl = "-pdl" if self.pdl else ""
+        pdl = "" if self.pdl else "-nopdl"
         return f"{self.runtime}-{self.spec}{k}{head}{sync}{graphs}{pdl}"
 
 
@@ -209,7 +209,7 @@ def parse_spec(item: str, draft_tokens: int | None) -> tuple[str, int | None]:
 
 
 def decode_runs(base: dict, *, engines=("ours",), specs=("none",), runtimes=("v3",), rollbacks=("recompute",),
-                lm_heads=(0,), lookaheads=(True,), draft_graphs=(True,), pdls=(False,),
+                lm_heads=(0,), lookaheads=(True,), draft_graphs=(True,), pdls=(True,),
                 draft_tokens: int | None = None, label: str | None = None) -> list[DecodeOptions]:
     """The grid of decode runs a command line asks for: every runtime x spec x rollback x lm-head-draft size of
     our engine (the last two only where there is a drafter; lookahead on / off only without one; captured drafting

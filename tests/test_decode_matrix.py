@@ -48,8 +48,8 @@ def test_grid_and_labels():
     assert [(r.label, r.draft_graphs) for r in graphs] == [("v3-none", True), ("v3-mtp-k3", True),
                                                           ("v3-mtp-k3-eagerdraft", False), ("v3-dflash2-k7", True),
                                                               ("v3-dflash2-k7-eagerdraft", False)]
-    pdl = decode_runs(BASE, specs=("none",), pdls=(False, True))
-    assert [(r.label, r.pdl) for r in pdl] == [("v3-none", False), ("v3-none-pdl", True)]
+    pdl = decode_runs(BASE, specs=("none",), pdls=(True, False))
+    assert [(r.label, r.pdl) for r in pdl] == [("v3-none", True), ("v3-none-nopdl", False)]
     with pytest.raises(ValueError, match="plain greedy"):
         decode_runs(BASE, engines=("hf",), specs=("mtp",))
 

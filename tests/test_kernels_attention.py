@@ -146,6 +146,25 @@ def test_short_rows_shrink_their_chunk(kv):
         dataclasses.replace(dyn, min_chunk=24)
 
 
+@pytest.mark.parametrize("kv,q_dtype", [("int8", torch.bfloat16), ("bf16", torch.bfloat16), ("int8", torch.float32)])
+def test_tokens_give_the_bits_single_steps_give(kv, q_dtype):
+    """Token invariance (what exact speculative decoding needs): each token of a T = 8 verify call gives the bits a
+    T = 1 call at its position gives, with the default plan and with a split whose chunk changes inside the block
+    (positions 60..67 cross 64 keys over 4 splits); also batched with a longer row."""
+    c = make_case(kv, 2, 8, 12, 2, 64, [68, 150], 3, 256, q_dtype=q_dtype, seed=5)
+    b, t, h, hd = c["q"].shape
+    cfgs = [None, at.plan(b, t, h, 2, hd, 256, kv == "int8", DEVICE, q_dtype=q_dtype, block_n=16, chunk=64,
+                          min_chunk=16)]
+    for cfg in cfgs:
+        block = at.decode_attention(**c, config=cfg)
+        for i in range(b):
+            for j in range(t):
+                one = {**c, "q": c["q"][i:i + 1, j:j + 1], "slots": c["slots"][i:i + 1],
+                       "q_pos": c["q_pos"][i:i + 1, j:j + 1]}
+                assert torch.equal(at.decode_attention(**one, config=cfg)[0, 0], block[i, j]), (cfg, i, j)
+    assert at.plan(1, 1, 12, 2, 64, 256, True, DEVICE) == at.plan(4, 8, 12, 2, 64, 256, True, DEVICE)
+
+
 def test_combine_column_blocks():
     """Few (b, t, h) rows: the combine also splits head_dim over programs."""
     c = make_case("int8", *SHAPES["T8-g2-hd64"])

@@ -110,6 +110,22 @@ def test_matches_reference(shape, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dk,dv", [(16, 32), (128, 128)])
+def test_tokens_give_the_bits_single_steps_give(dtype, dk, dv):
+    """Token invariance (what exact speculative decoding needs): one call over T = 6 tokens gives, token by token,
+    the outputs, conv windows and recurrent state of six T = 1 calls that each write the state back."""
+    c = make_case(2, 6, 2, 4, dk, dv, dtype=dtype, seed=4)
+    block = clone(c)
+    out = gt.gdn_decode(**block)
+    steps = clone(c)
+    for t in range(6):
+        one = {**steps, "qkv": c["qkv"][:, t:t + 1], "z": c["z"][:, t:t + 1], "b": c["b"][:, t:t + 1],
+               "a": c["a"][:, t:t + 1]}
+        assert torch.equal(gt.gdn_decode(**one)[:, 0], out[:, t]), f"token {t}"
+    assert torch.equal(steps["ssm"], block["ssm"]) and torch.equal(steps["conv_state"], block["conv_state"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("shape", ["B1-T8-r3"])
 def test_states_out(shape, dtype):
     c = make_case(*SHAPES[shape], dtype=dtype, seed=1)
