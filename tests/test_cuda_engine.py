@@ -85,8 +85,8 @@ def test_verify_rows_are_decode_steps_bit_for_bit(spec, k):
     from ninfer_bench.engine.model import VERIFY
     from ninfer_bench.engine.sampling import SamplingParams
 
-    eng = Engine.load("tiny", device="cuda", max_context=1024, dtype="bf16", kv_dtype="int8", spec=spec,
-                      draft_tokens=k)
+    eng = Engine.load("tiny", device="cuda", max_context=1024, max_concurrency=2, dtype="bf16", kv_dtype="int8",
+                      spec=spec, draft_tokens=k)
     steps, block = (eng.acquire(PROMPT, SamplingParams(max_new_tokens=16, ignore_eos=True)) for _ in range(2))
     try:
         for seq in (steps, block):
