@@ -89,9 +89,6 @@ def fmt(v, spec=".2f"):
 @click.option("--pdl", "pdls", default="on", show_default=True, callback=comma_list(("on", "off")),
               help="The decode step's CUDA-graph kernels with programmatic dependent launch (sm_90+ GPUs, ignored "
                    "elsewhere; off is labelled -nopdl); on,off runs both.")
-@click.option("--l2-prefetch", "l2_prefetches", default="off", show_default=True, callback=comma_list(("on", "off")),
-              help="Captured decode steps pull each mixer's output projection into L2 on a side stream while the "
-                   "mixer's small kernels run (sm_90+ with cupy; labelled -l2pf); off,on runs both.")
 @click.option("--prompt-file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Prompt text, or a .jsonl prompt set (e.g. suites/data/heldout_prompts.jsonl) "
                    "[default: the shipped short-code prompt].")
@@ -109,8 +106,7 @@ def fmt(v, spec=".2f"):
               help="Write the result document (several runs: a folder, one LABEL.json per run).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of --synthetic weights.")
 @engine_options(runtime_list=True)
-def decode(model, engines, specs, draft_tokens, rollbacks, lm_head_draft, lookaheads, draft_graphs, pdls,
-           l2_prefetches, prompt_file,
+def decode(model, engines, specs, draft_tokens, rollbacks, lm_head_draft, lookaheads, draft_graphs, pdls, prompt_file,
            n_prompts, images, max_new_tokens, stop_at_eos, repeats, warmup, label, json_path, seed, max_concurrency,
            kv_capacity, runtime, **options):
     """The short-code decode test: prefill a code prompt, greedy-decode N tokens, measure speed and acceptance.
@@ -127,7 +123,7 @@ def decode(model, engines, specs, draft_tokens, rollbacks, lm_head_draft, lookah
                        lm_heads=tuple(int_list(lm_head_draft, "--lm-head-draft")),
                        lookaheads=tuple(x == "on" for x in lookaheads),
                        draft_graphs=tuple(x == "on" for x in draft_graphs), pdls=tuple(x == "on" for x in pdls),
-                       l2_prefetches=tuple(x == "on" for x in l2_prefetches), draft_tokens=draft_tokens,
+                       draft_tokens=draft_tokens,
                        label=label)
     many = len(runs) > 1
     if many and json_path and Path(json_path).is_file():

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels import fused, l2_prefetch
+from ..kernels import fused
 from ..kernels.attention_triton import decode_attention
 from ..kernels.gdn_triton import gdn_decode
 from .cache import HybridCache, PendingGDN
@@ -63,8 +63,6 @@ class FastPath:
         qkv, z = m._proj(p, "linear_attn.in_proj_qkvz", ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z"),
                          [cfg.conv_dim, cfg.value_dim], x)
         bb, aa = m._proj(p, "linear_attn.in_proj_ba", ("linear_attn.in_proj_b", "linear_attn.in_proj_a"), [hv, hv], x)
-        out_proj = self.w.linear(f"{p}.linear_attn.out_proj.weight")
-        l2_prefetch.prefetch(l2_prefetch.weight_tensors(out_proj))  # while the small kernels below run
         prm = self.params(p)
         args = (cache.conv[i], prm.conv_w, cache.ssm[i], step.slots, prm.A_log, prm.dt_bias, prm.norm_w,
                 cfg.rms_norm_eps)
@@ -81,22 +79,20 @@ class FastPath:
             cache.record(i, rec)
         else:
             o = gdn_decode(qkv, z, bb, aa, *args)
-        return out_proj(o)
+        return self.w.linear(f"{p}.linear_attn.out_proj.weight")(o)
 
     def attention(self, p: str, key, x, step, cache: HybridCache):
         cfg, m, w = self.cfg, self.m, self.w
         b, t, _ = x.shape
         h, hd = cfg.num_attention_heads, cfg.head_dim
         qg, kv = m.attn_proj(p, x)
-        o_proj = w.linear(f"{p}.self_attn.o_proj.weight")
-        l2_prefetch.prefetch(l2_prefetch.weight_tensors(o_proj))  # while the small kernels below run
         c = cache.kv[key]
         q, gate = fused.attn_prologue(qg, kv, w.vector(f"{p}.self_attn.q_norm.weight"),
                                       w.vector(f"{p}.self_attn.k_norm.weight"), m.cos, m.sin, c.k, c.v,
                                       c.k_scale, c.v_scale, step.slots, step.pos, cfg.rms_norm_eps)
         o = decode_attention(q, c.k, c.v, c.k_scale, c.v_scale, step.slots, step.pos, m.scale,
                              kv_len_max=cache.capacity)
-        return o_proj(fused.sigmoid_mul(o.reshape(b, t, h * hd), gate))
+        return w.linear(f"{p}.self_attn.o_proj.weight")(fused.sigmoid_mul(o.reshape(b, t, h * hd), gate))
 
     def mlp(self, p: str, x):
         i = self.cfg.intermediate_size
@@ -124,7 +120,6 @@ class FastPath:
             x, h = fused.add_rms_norm(self.mlp(p, x), h, w.vector(nxt), eps)
             if i in step.taps:
                 taps.append(h)
-        l2_prefetch.join(x.device)
         return x, taps
 
 

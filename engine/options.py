@@ -53,8 +53,6 @@ class EngineOptions:
     #                   may launch while the one before finishes. H200 27B step 6.08 -> 5.82 ms. (The MTP runs that
     #                   once made it an opt-in differed with it off too: verify passes were not token-invariant,
     #                   docs/perf/2026-11-30-token-invariance-h200.md)
-    l2_prefetch: bool = False  # captured decode steps pull each mixer's output projection into L2 on a side stream
-    #                            while the mixer's small kernels run (kernels/l2_prefetch; process-wide, sm_90+)
     qmv_dense: bool = True  # small dense bf16/fp16 projections (<= 1024 rows, <= 64 x rows) through qmv's dense
     #                         path instead of cuBLAS (process-wide: kernels/qmv_cuda.set_dense; H200 27B step 8.01 ->
     #                         7.90 ms)

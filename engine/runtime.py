@@ -113,10 +113,9 @@ class Engine:
         self.graphs = None
         self._chain_used = False  # whether the last generate() decoded through the graph chain
         if self.device.type == "cuda":
-            from ..kernels import _triton, l2_prefetch, qmv_cuda
+            from ..kernels import _triton, qmv_cuda
 
             _triton.set_pdl(opts.pdl)  # qmv's and the Triton glue kernels' one switch
-            l2_prefetch.set_enabled(opts.l2_prefetch, self.device)
             qmv_cuda.set_dense(opts.qmv_dense)
         if self.device.type == "cuda" and opts.runtime == "v3" and opts.cuda_graphs:
             from .graphs import GraphRunner

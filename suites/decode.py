@@ -8,7 +8,6 @@ peer (``engine="hf"``), and writes one result document.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -41,7 +40,6 @@ class DecodeOptions:
     lookahead: bool = True  # plain greedy decode on CUDA graphs: the host one step behind the GPU
     draft_graphs: bool = True  # greedy drafting replayed from CUDA graphs (v3 on CUDA; off: eager drafting)
     pdl: bool = True  # the decode step's kernels with programmatic dependent launch (EngineOptions.pdl; sm_90+)
-    l2_prefetch: bool = False  # mixers' output projections pulled into L2 on a side stream (EngineOptions.l2_prefetch)
     prompt_file: str = str(DEFAULT_PROMPT)
     prompts: int | None = None  # with a .jsonl prompt set: how many of its prompts (default all)
     images: tuple[str, ...] = ()  # images placed before each prompt (a model with a vision component)
@@ -77,8 +75,7 @@ class DecodeOptions:
         sync = "-sync" if self.spec == "none" and not self.lookahead else ""
         graphs = "-eagerdraft" if self.spec != "none" and not self.draft_graphs else ""
         pdl = "" if self.pdl else "-nopdl"
-        prefetch = "-l2pf" if self.l2_prefetch else ""
-        return f"{self.runtime}-{self.spec}{k}{head}{sync}{graphs}{pdl}{prefetch}"
+        return f"{self.runtime}-{self.spec}{k}{head}{sync}{graphs}{pdl}"
 
 
 def _spec_summary(rec: dict) -> dict:
@@ -212,7 +209,7 @@ def parse_spec(item: str, draft_tokens: int | None) -> tuple[str, int | None]:
 
 
 def decode_runs(base: dict, *, engines=("ours",), specs=("none",), runtimes=("v3",), rollbacks=("recompute",),
-                lm_heads=(0,), lookaheads=(True,), draft_graphs=(True,), pdls=(True,), l2_prefetches=(False,),
+                lm_heads=(0,), lookaheads=(True,), draft_graphs=(True,), pdls=(True,),
                 draft_tokens: int | None = None, label: str | None = None) -> list[DecodeOptions]:
     """The grid of decode runs a command line asks for: every runtime x spec x rollback x lm-head-draft size of
     our engine (the last two only where there is a drafter; lookahead on / off only without one; captured drafting
@@ -233,11 +230,10 @@ def decode_runs(base: dict, *, engines=("ours",), specs=("none",), runtimes=("v3
                     for head in dict.fromkeys(lm_heads if spec != "none" else (0,)):
                         for ahead in dict.fromkeys(lookaheads if spec == "none" else lookaheads[:1]):
                             for dg in dict.fromkeys(draft_graphs if spec != "none" else (True,)):
-                                for pdl, pf in itertools.product(dict.fromkeys(pdls), dict.fromkeys(l2_prefetches)):
+                                for pdl in dict.fromkeys(pdls):
                                     runs.append(DecodeOptions(**base, engine=engine, runtime=runtime, spec=spec,
                                                               draft_tokens=k, rollback=rollback, lm_head_draft=head,
-                                                              lookahead=ahead, draft_graphs=dg, pdl=pdl,
-                                                              l2_prefetch=pf))
+                                                              lookahead=ahead, draft_graphs=dg, pdl=pdl))
     if not runs:
         raise ValueError("no decode run: give at least one engine, runtime and spec")
     if len(runs) == 1:
@@ -297,7 +293,7 @@ def run_decode(opts: DecodeOptions, progress=None, loaded=None) -> dict:
                                 max_context=opts.max_context, prefill_chunk=opts.prefill_chunk, runtime=opts.runtime,
                                 spec=opts.spec, draft_tokens=opts.draft_tokens, rollback=opts.rollback,
                                 lm_head_draft=opts.lm_head_draft, lookahead=opts.lookahead,
-                                draft_graphs=opts.draft_graphs, pdl=opts.pdl, l2_prefetch=opts.l2_prefetch)
+                                draft_graphs=opts.draft_graphs, pdl=opts.pdl)
         runner = Engine(loaded if loaded is not None else load_model(opts), options)
         opts.draft_tokens = runner.options.draft_tokens
         opts.max_context = runner.options.max_context

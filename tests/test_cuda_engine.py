@@ -76,25 +76,6 @@ def test_block_draft_graphs_equal_plain(spec):
     assert res.spec["accepted_tokens"] == eager.spec["accepted_tokens"]
 
 
-@pytest.mark.parametrize("spec,k", [("none", 0), ("mtp", 3)])
-def test_l2_prefetch_changes_no_token(spec, k):
-    """EngineOptions.l2_prefetch: the captured steps pull the output projections into L2 on a side stream (the
-    prefetch kernels are captured and launched) and decode plain / speculative tokens unchanged."""
-    from ninfer_bench.kernels import l2_prefetch
-
-    if torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("cp.async.bulk.prefetch needs sm_90+")
-    kw = dict(runtime="v3", kv_dtype="int8", dtype="bf16", spec=spec, draft_tokens=k or None)
-    try:
-        _, a = gen(**kw, l2_prefetch=False)
-        before = l2_prefetch._STATE["launches"]
-        _, b = gen(**kw, l2_prefetch=True)
-        assert l2_prefetch._STATE["launches"] > before and not l2_prefetch._STATE["forked"]
-    finally:
-        l2_prefetch.set_enabled(False)
-    assert a.tokens == b.tokens and a.spec.get("accepted_tokens") == b.spec.get("accepted_tokens")
-
-
 @pytest.mark.parametrize("spec,k", [("mtp", 3), ("dflash2", 7)])
 def test_verify_rows_are_decode_steps_bit_for_bit(spec, k):
     """Token invariance of the whole bf16 forward on the captured v3 path: a verify pass over k + 1 tokens gives,

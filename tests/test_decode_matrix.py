@@ -50,8 +50,6 @@ def test_grid_and_labels():
                                                               ("v3-dflash2-k7-eagerdraft", False)]
     pdl = decode_runs(BASE, specs=("none",), pdls=(True, False))
     assert [(r.label, r.pdl) for r in pdl] == [("v3-none", True), ("v3-none-nopdl", False)]
-    pf = decode_runs(BASE, specs=("none",), l2_prefetches=(False, True))
-    assert [(r.label, r.l2_prefetch) for r in pf] == [("v3-none", False), ("v3-none-l2pf", True)]
     with pytest.raises(ValueError, match="plain greedy"):
         decode_runs(BASE, engines=("hf",), specs=("mtp",))
 
