@@ -62,11 +62,6 @@ typedef unsigned char u8;
                       // codes [g][c][2][8 bytes], scales [g][2], high bits [g][c][2][2 bytes]: one load each a
                       // step; and each code word's codes reordered so that pair i meets x's own pair i (no PRMT):
                       // q4/q5 nibbles k0 k2 k4 k6 | k1 k3 k5 k7 (q5 high bits alike), q8 bytes k0 k2 k1 k3
-#ifndef RING
-#define RING 0        // > 0 (TILED 2, even): each warp streams its steps' code words, scales and high bits through a
-#endif                // ring of RING steps in shared memory (cp.async): RING - 1 steps' loads stay in flight
-                      // while one step is multiplied, instead of UNROLL steps loaded, then multiplied (x is loaded
-                      // into registers two steps ahead; dynamic shared memory: NW * RING * 32 * RING_LANE_BYTES)
 #ifndef MIN_BLOCKS
 #define MIN_BLOCKS 2  // blocks per SM to fit: lets ptxas keep all of a step batch's loads in flight
 #endif                // (it interleaves them with the arithmetic, one step at a time, when it aims at more blocks)
@@ -413,82 +408,6 @@ __device__ __forceinline__ void advance(Lane& L, int groups) {
   L.xp += GROUP * groups;
 }
 
-#if RING
-#if TILED != 2 || RING % 2
-#error "RING is for the lanes layout (TILED 2), an even number of steps"
-#endif
-#define RING_LANE_BYTES (16 + 4 + (FMT == 1 ? 4 : 0))  // a lane's code words, scale pair, high-bit pair of a step
-
-__device__ __forceinline__ u32 smem_addr(const void* p) {
-  u32 a;
-  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-  return a;
-}
-
-// The warp's ring: slot s of lane l at codes[s][l], scales[s][l], high[s][l] (each lane reads back only what it
-// copied itself: no barrier, cp.async.wait_group alone makes it visible)
-struct Ring {
-  uint4* codes;
-  u32* scales;
-  u32* high;
-};
-
-// step j's loads (group gi + j NW) into slot `slot`, as one cp.async group (empty past the last step: the waits
-// count groups, so every iteration commits one)
-__device__ __forceinline__ void ring_issue(const Lane& L, const Ring& R, int lane, int j, int slot, bool live) {
-  if (live) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(R.codes + slot * 32 + lane)),
-                 "l"(L.cp0 + CSTEP * NW * j) : "memory");
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(smem_addr(R.scales + slot * 32 + lane)),
-                 "l"(L.sp0 + SSTEP * NW * j) : "memory");
-#if FMT == 1
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(smem_addr(R.high + slot * 32 + lane)),
-                 "l"(L.hp0 + HSTEP * NW * j) : "memory");
-#endif
-  }
-  asm volatile("cp.async.commit_group;" ::: "memory");
-}
-
-// all of the warp's steps through the ring; acc += the sums
-__device__ __forceinline__ void ring_steps(const Lane& L, const u16* __restrict__ xrow, int gi, int g_hi, int K,
-                                           int c, u32 magic, float* acc) {
-  extern __shared__ __align__(16) unsigned char ring_smem[];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  Ring R;
-  R.codes = reinterpret_cast<uint4*>(ring_smem + warp * RING * 32 * RING_LANE_BYTES);
-  R.scales = reinterpret_cast<u32*>(R.codes + RING * 32);
-  R.high = R.scales + RING * 32;
-  const int nsteps = gi < g_hi ? (g_hi - gi + NW - 1) / NW : 0;
-#pragma unroll
-  for (int j = 0; j < RING - 1; ++j) ring_issue(L, R, lane, j, j, j < nsteps);
-  grid_wait();  // the weights' first loads are in flight; x comes from the kernel before
-  u32 xv[2][XPL / 2];  // x of steps j (xv[j & 1]) and j + 1
-  if (nsteps > 0) load_x(L, xrow, gi, 0, K, c, xv[0]);
-  if (nsteps > 1) load_x(L, xrow, gi, 1, K, c, xv[1]);
-  for (int base = 0; base < nsteps; base += RING) {
-#pragma unroll
-    for (int u = 0; u < RING; ++u) {
-      const int j = base + u;
-      if (j >= nsteps) break;
-      asm volatile("cp.async.wait_group %0;" ::"n"(RING - 2) : "memory");  // step j's group is complete
-      const uint4 v = R.codes[u * 32 + lane];
-      const u32 s = R.scales[u * 32 + lane];
-#if FMT == 1
-      const u32 h = R.high[u * 32 + lane];
-#else
-      const u32 h = 0;
-#endif
-      // the slot read one step ago takes step j + RING - 1
-      ring_issue(L, R, lane, j + RING - 1, (u + RING - 1) % RING, j + RING - 1 < nsteps);
-      step_math(make_uint2(v.x, v.y), make_uint2(v.z, v.w), h & 0xFFFFu, h >> 16, xv[u & 1], s & 0xFFFFu, s >> 16,
-                magic, acc);
-      if (j + 2 < nsteps) load_x(L, xrow, gi, j + 2, K, c, xv[u & 1]);
-    }
-  }
-  asm volatile("cp.async.wait_all;" ::: "memory");
-}
-#endif
-
 extern "C" __global__ void __launch_bounds__(NW * 32, MIN_BLOCKS)
 qmv(const u16* __restrict__ x, const u8* __restrict__ codes, const u8* __restrict__ high,
     const u16* __restrict__ scales, u16* __restrict__ out, float* __restrict__ ws, int* __restrict__ counters,
@@ -540,9 +459,7 @@ qmv(const u16* __restrict__ x, const u8* __restrict__ codes, const u8* __restric
   // it reads our output (the Triton kernels' first act, and qmv's grid_wait), so its launch overlaps our loads
   asm volatile("griddepcontrol.launch_dependents;");
 #endif
-#if RING
-  ring_steps(L, xrow, gi, g_hi, K, c, magic, acc);
-#elif PIPE
+#if PIPE
   grid_wait();
   // two batches in registers: batch b + 1's loads are in flight while batch b is multiplied; the last batch may
   // be partial (predicated), so no step waits on its own loads alone

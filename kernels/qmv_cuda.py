@@ -196,7 +196,7 @@ class TiledWeight:
 
 @functools.cache
 def _kernel(fmt_id: int, half: bool, even: bool, unroll: int, min_blocks: int, xlate: bool, pipe: bool,
-            fold: bool, pdl: bool, tiled: int, ring: int, device_index: int):
+            fold: bool, pdl: bool, tiled: int, device_index: int):
     import cupy
 
     with cupy.cuda.Device(device_index):
@@ -204,21 +204,8 @@ def _kernel(fmt_id: int, half: bool, even: bool, unroll: int, min_blocks: int, x
                                 options=("-std=c++17", f"-DFMT={fmt_id}", f"-DHALF={int(half)}", f"-DEVEN={int(even)}",
                                          f"-DUNROLL={unroll}", f"-DMIN_BLOCKS={min_blocks}", f"-DXLATE={int(xlate)}",
                                          f"-DPIPE={int(pipe)}", f"-DFOLD={int(fold)}", f"-DPDL={int(pdl)}",
-                                         f"-DTILED={int(tiled)}", f"-DRING={ring}"))
-        kern = module.get_function("qmv")
-        if ring:  # past the 48 KiB a block gets without asking (cuFuncSetAttribute, as _launch_pdl through ctypes)
-            rc = _driver().cuFuncSetAttribute(ctypes.c_void_p(kern.kernel.ptr), _ATTR_MAX_DYNAMIC_SHARED,
-                                              ring_bytes(fmt_id, ring))
-            if rc != 0:
-                raise RuntimeError(f"qmv: ring={ring} needs {ring_bytes(fmt_id, ring)} bytes of shared memory a "
-                                   f"block (CUresult {rc})")
-        return kern
-
-
-def ring_bytes(fmt_id: int, ring: int) -> int:
-    """Dynamic shared memory of a block with a ``ring``-step ring (RING in the source): NW warps x ring steps x 32
-    lanes x a lane's code words, scale pair and (q5) high-bit pair."""
-    return NW * ring * 32 * (16 + 4 + (4 if fmt_id == _FMT_ID["q5_g64_fp16"] else 0))
+                                         f"-DTILED={int(tiled)}"))
+        return module.get_function("qmv")
 
 
 # Split-K scratch, one per device: fp32 partial tiles [splits, T, N] (overwritten by every launch) and per-tile
@@ -266,7 +253,6 @@ class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
 
 
 _ATTR_PROGRAMMATIC_STREAM_SERIALIZATION = 6
-_ATTR_MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 
 
 @functools.cache
@@ -275,18 +261,16 @@ def _driver():
     lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p),
                                      ctypes.POINTER(ctypes.c_void_p)]
     lib.cuLaunchKernelEx.restype = ctypes.c_int
-    lib.cuFuncSetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
-    lib.cuFuncSetAttribute.restype = ctypes.c_int
     return lib
 
 
-def _launch_pdl(func, grid: tuple[int, int], block: int, args: tuple, stream_handle: int, shared: int = 0) -> None:
-    """``func<<<grid, block, shared, stream>>>(args)`` with programmatic stream serialization allowed; ``func`` is a
-    cupy RawKernel (its ``kernel`` is the CUfunction on the current device), ``args`` ctypes scalars in parameter order."""
+def _launch_pdl(func, grid: tuple[int, int], block: int, args: tuple, stream_handle: int) -> None:
+    """``func<<<grid, block, 0, stream>>>(args)`` with programmatic stream serialization allowed; ``func`` is a cupy
+    RawKernel (its ``kernel`` is the CUfunction on the current device), ``args`` ctypes scalars in parameter order."""
     attr = _LaunchAttr()
     attr.id = _ATTR_PROGRAMMATIC_STREAM_SERIALIZATION
     attr.value[0] = 1  # programmaticStreamSerializationAllowed (an int, little-endian)
-    cfg = _LaunchConfig((ctypes.c_uint * 3)(grid[0], grid[1], 1), (ctypes.c_uint * 3)(block, 1, 1), shared,
+    cfg = _LaunchConfig((ctypes.c_uint * 3)(grid[0], grid[1], 1), (ctypes.c_uint * 3)(block, 1, 1), 0,
                         ctypes.c_void_p(stream_handle), ctypes.pointer(attr), 1)
     params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
     rc = _driver().cuLaunchKernelEx(ctypes.byref(cfg), ctypes.c_void_p(func.kernel.ptr), params, None)
@@ -342,24 +326,17 @@ def choose_splits(n: int, ng: int, sms: int, unroll: int = 4, min_blocks: int = 
 
 def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | None = None,
         unroll: int = 4, min_blocks: int = _BLOCKS_PER_SM, xlate: bool = False, pipe: bool = False,
-        fold: bool = False, pdl: bool | None = None, ring: int = 0) -> torch.Tensor:
+        fold: bool = False, pdl: bool | None = None) -> torch.Tensor:
     """``x [T, K] @ W.T`` -> ``[T, N]`` in x.dtype, for T <= 8 (see :func:`supports`). ``out`` (contiguous [T, N],
     x.dtype) is written instead of a fresh tensor. ``splits`` (default :func:`choose_splits`), ``unroll`` (steps
     whose loads are in flight together), ``min_blocks`` (blocks per SM the registers must allow), ``xlate`` (x
     loaded one step ahead instead of with the codes), ``pipe`` (the step batches double-buffered: the next batch's
     loads in flight while one is multiplied) and ``fold`` (q4/q5: the zero point taken off the sums by one MMA per
     x fragment instead of a subtraction per code pair: 7 % fewer instructions, but it spills at 80 registers) are
-    for tuning and tests - none of the last three was faster on the H200 (``fold`` 3-15 % slower). ``ring`` (the
-    lanes layout only; an even step count, 0 = off) streams each warp's weight loads through a ring of that many
-    steps in shared memory, ``ring - 1`` in flight while one is multiplied (H200: 20-40 % slower than the
-    registers at the 27B shapes, docs/perf/2026-11-30-token-invariance-h200.md). ``pdl``
+    for tuning and tests - none of the last three was faster on the H200 (``fold`` 3-15 % slower). ``pdl``
     (default :func:`kernels._triton.pdl_now`: the switch is on and the launch is for a CUDA graph) launches with
     programmatic dependent launch on sm_90+."""
     lin = getattr(lin, "qmv_weight", None) or lin  # a tiled PackedLinear: its tiles
-    layout = getattr(lin, "layout", 0)
-    if ring and (layout != 2 or ring % 2 or ring < 2 or lin.fmt == DENSE_FMT):
-        raise ValueError(f"qmv: ring={ring} needs the lanes layout (TiledWeight(lanes=True)) of a q format and an "
-                         f"even step count >= 2; got layout {layout}, {lin.fmt}")
     if not supports(x, lin):
         raise ValueError(f"qmv: needs CUDA bf16/fp16 x [1..{MAX_T}, K={lin.k}] contiguous and a q8/q5/q4 weight "
                          f"(or a DenseWeight in x's dtype) "
@@ -375,8 +352,7 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
     even = lin.k == lin.kp and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
     pdl = _triton.pdl_now(x.device) if pdl is None else pdl and _capability(dev) >= (9, 0)
     kern = _kernel(_FMT_ID[lin.fmt], x.dtype == torch.float16, even, unroll, min_blocks, xlate, pipe, fold, pdl,
-                   layout, ring, dev)
-    shared = ring_bytes(_FMT_ID[lin.fmt], ring) if ring else 0
+                   getattr(lin, "layout", 0), dev)
     tiles = -(-n // 16)
     s = min(splits or choose_splits(n, lin.ng, _sms(dev), unroll, min_blocks), MAX_SPLITS)
     groups_per_split = -(-lin.ng // s)
@@ -391,13 +367,13 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
     if pdl:
         cargs = (*map(ctypes.c_uint64, ptrs), *map(ctypes.c_int32, ints), *map(ctypes.c_int64, longs))
         with torch.cuda.device(dev):  # the module was loaded in this device's context
-            _launch_pdl(kern, (tiles, s), NW * 32, cargs, stream.cuda_stream, shared)
+            _launch_pdl(kern, (tiles, s), NW * 32, cargs, stream.cuda_stream)
         return out
     import cupy
 
     args = (*map(np.uint64, ptrs), *map(np.int32, ints), *map(np.int64, longs))
     with cupy.cuda.Device(dev):
-        kern((tiles, s), (NW * 32,), args, shared_mem=shared, stream=_stream(stream, dev))
+        kern((tiles, s), (NW * 32,), args, stream=_stream(stream, dev))
     return out
 
 

@@ -15,7 +15,7 @@ reference on a sample of rows (rel. RMS), then times
   int4      torch's _weight_int4pack_mm (tinygemm, g128), as in shared/anchors/kernel_anchors.py
 and reports us, GB/s (packed weight bytes + x + out; dense bytes for bf16) and % of the copy bandwidth
 measured in the same run. ``--variants`` also times every Triton variant in VARIANTS, ``--qmv-variants`` qmv's
-launch variants (split-K, shared-memory ring, unroll x blocks per SM; the tiled and lanes layouts); the best is named
+launch variants (split-K, unroll x blocks per SM; the tiled and lanes layouts); the best is named
 (back-to-back graph20 calls are where programmatic dependent launch can overlap one call's start with the last's
 end).
 Writes one JSON line per measurement to $OUT/qlinear.jsonl when OUT is set.
@@ -214,8 +214,6 @@ def main() -> int:
                     help="also time qmv's layouts (tiled, lanes) and launch knobs on the lanes layout")
     ap.add_argument("--qmv-splits", default="1,2,3,4,6,8",
                     help="comma list: split-K slice counts --qmv-variants times on the lanes layout")
-    ap.add_argument("--qmv-rings", default="8,12,16",
-                    help="comma list: shared-memory ring lengths (steps) --qmv-variants times on the lanes layout")
     ap.add_argument("--only", default="",
                     help="comma list: time only these candidates (e.g. qmv-lanes,qmv-lanes-r8; default all)")
     ap.add_argument("--only-variants", default="", help="comma list: restrict --variants to these names")
@@ -238,9 +236,6 @@ def main() -> int:
     split_sweep = sorted({int(v) for v in args.qmv_splits.split(",") if v})
     if any(not 1 <= sp <= qmv_cuda.MAX_SPLITS for sp in split_sweep):
         ap.error(f"--qmv-splits: each count must be 1..{qmv_cuda.MAX_SPLITS}, got {args.qmv_splits}")
-    ring_sweep = sorted({int(v) for v in args.qmv_rings.split(",") if v})
-    if any(r < 2 or r % 2 for r in ring_sweep):
-        ap.error(f"--qmv-rings: each ring is an even step count >= 2, got {args.qmv_rings}")
     engine_layout = EngineOptions().qmv_layout
     variants = {}
     if args.variants:
@@ -316,9 +311,6 @@ def main() -> int:
                     for sp in split_sweep:
                         cands[f"qmv-lanes-s{sp}"] = (lambda x, li, out=None, sp=sp:
                                                      qmv_cuda.qmv(x, lanes[id(li)], out, splits=sp))
-                    for rg in ring_sweep:  # the weights through a shared-memory ring of rg steps a warp
-                        cands[f"qmv-lanes-r{rg}"] = (lambda x, li, out=None, rg=rg:
-                                                     qmv_cuda.qmv(x, lanes[id(li)], out, ring=rg))
                     for un, mb in ((4, 2), (4, 4), (8, 2), (2, 4)):
                         cands[f"qmv-lanes-u{un}-b{mb}"] = (lambda x, li, out=None, un=un, mb=mb:
                                                            qmv_cuda.qmv(x, lanes[id(li)], out, unroll=un,

@@ -287,32 +287,6 @@ def test_lanes_layout_equals_plain(fmt, n, k, t, splits):
 
 
 @needs_qmv
-@pytest.mark.parametrize("fmt", quant.QUANT_FORMATS)
-@pytest.mark.parametrize("ring", [2, 8, 16])
-@pytest.mark.parametrize("n,k,t,splits,pdl", [(320, 5120, 1, 1, False), (100, 17408, 8, 3, False),
-                                              (7, 700, 2, 1, False), (48, 64, 1, 1, False), (200, 5120, 4, 1, True)])
-def test_ring_equals_registers(fmt, ring, n, k, t, splits, pdl):
-    """The shared-memory ring (cp.async) gives the register path's bits: the same steps summed in the same order -
-    rings longer and shorter than a warp's steps (K = 64 is one step for one warp, the other seven have none), an
-    uneven split, x read element by element (K = 700), under PDL."""
-    if pdl and torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("PDL needs sm_90")
-    lin, x, ref = _case(fmt, n, k, t, torch.bfloat16, seed=24)
-    tw = qmv_cuda.TiledWeight(lin, lanes=True)
-    want = qmv_cuda.qmv(x, tw, splits=splits, pdl=False)
-    got = qmv_cuda.qmv(x, tw, splits=splits, ring=ring, pdl=pdl)
-    assert torch.equal(got, want)
-    assert rel_rms(got, ref) <= TOL[torch.bfloat16]
-
-
-def test_ring_needs_the_lanes_layout():
-    lin = ql.PackedLinear(quant.pack(torch.randn(32, 128), "q4_g64_fp16"), "q4_g64_fp16", (32, 128), "cpu")
-    x = torch.zeros(1, 128, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="ring=8 needs the lanes layout"):
-        qmv_cuda.qmv(x, lin, ring=8)
-
-
-@needs_qmv
 def test_tiled_dense_equals_plain():
     g = torch.Generator().manual_seed(22)
     dw = qmv_cuda.DenseWeight((torch.randn(90, 512, generator=g) * 0.05).to(torch.bfloat16).cuda())
