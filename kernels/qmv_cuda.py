@@ -228,7 +228,7 @@ def workspace(device, floats: int, tiles: int = 1) -> tuple[torch.Tensor, torch.
 # (griddepcontrol.wait) before it reads x, and lets the next kernel launch from its start. CUDA graphs captured from
 # such launches keep the programmatic edges; sm_90+. Alone it measured slower on the H200 (the kernels around qmv
 # did not let it start early); with the Triton glue PDL-aware too the 27B step is 4 % faster (EngineOptions.pdl,
-# off by default: see its comment). dense: small dense 16-bit projections (engine/weights.DenseLinear) through
+# on by default). dense: small dense 16-bit projections (engine/weights.DenseLinear) through
 # FMT 3 (measured faster: on by default in EngineOptions.qmv_dense).
 _SWITCHES = {"dense": False}
 
