@@ -9,7 +9,8 @@
 //
 // One block = NW warps = one tile of 16 weight rows; the warps take the tile's groups in turn (warp w: groups
 // w, w + NW, ...), a grid y > 1 splits the groups over blocks (split-K, summed in-kernel in a fixed order, see
-// the end: results are deterministic and do not depend on T or on the other rows of x).
+// tile_store: results are deterministic and do not depend on T or on the other rows of x). The second entry,
+// qmv_sk (stream-K), gives one wave of blocks equal shares of all (tile, group) units instead.
 // A warp step is one group of its 16 rows: lane (g = lane / 4, c = lane % 4) loads 8 code bytes (two 32-bit
 // words) of row g and of row g + 8, and turns each word into four register pairs for mma.m16n8k16:
 //   pair i of word w = the codes in nibble i of bytes 0 and 2 (q4/q5: k0+i' , k4+i'), placed in the mantissa of
@@ -408,17 +409,15 @@ __device__ __forceinline__ void advance(Lane& L, int groups) {
   L.xp += GROUP * groups;
 }
 
-extern "C" __global__ void __launch_bounds__(NW * 32, MIN_BLOCKS)
-qmv(const u16* __restrict__ x, const u8* __restrict__ codes, const u8* __restrict__ high,
-    const u16* __restrict__ scales, u16* __restrict__ out, float* __restrict__ ws, int* __restrict__ counters,
-    int T, int N, int K, int NG, int groups_per_split, long long stride_x, long long stride_o,
-    long long stride_c, long long stride_h, long long stride_s) {
+// The warp's share of tile `tile`'s groups g_lo .. g_hi - 1 (groups g_lo + warp, + NW, ...): acc += its sums.
+__device__ __forceinline__ void tile_sums(const u16* __restrict__ x, const u8* __restrict__ codes,
+                                          const u8* __restrict__ high, const u16* __restrict__ scales, int T, int N,
+                                          int K, int NG, long long stride_x, long long stride_c, long long stride_h,
+                                          long long stride_s, int tile, int g_lo, int g_hi, float* acc) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, c = lane & 3;
-  const int tile = blockIdx.x;
   const int r0 = min(tile * 16 + g, N - 1), r1 = min(tile * 16 + g + 8, N - 1);  // clamped: loads stay in bounds
-  const int g_hi = min(NG, (int)(blockIdx.y + 1) * groups_per_split);
-  int gi = blockIdx.y * groups_per_split + warp;  // this warp's first group; then every NW-th
+  int gi = g_lo + warp;  // this warp's first group; then every NW-th
   // lanes of tokens t >= T read row T - 1 of x: their MMA columns are never stored, and no zeroing is needed
   const u16* xrow = x + min(g, T - 1) * stride_x;
   Lane L;
@@ -452,13 +451,6 @@ qmv(const u16* __restrict__ x, const u8* __restrict__ codes, const u8* __restric
   L.xp = xrow + GROUP * gi + XPL * c;
   u32 magic;
   asm volatile("mov.b32 %0, %1;" : "=r"(magic) : "n"(MAGIC));  // kept in a register (see and_or)
-
-  float acc[4] = {0.f, 0.f, 0.f, 0.f};
-#if PDL
-  // the next kernel may launch once every block of this one is running: it waits for this one to finish before
-  // it reads our output (the Triton kernels' first act, and qmv's grid_wait), so its launch overlaps our loads
-  asm volatile("griddepcontrol.launch_dependents;");
-#endif
 #if PIPE
   grid_wait();
   // two batches in registers: batch b + 1's loads are in flight while batch b is multiplied; the last batch may
@@ -498,51 +490,110 @@ qmv(const u16* __restrict__ x, const u8* __restrict__ codes, const u8* __restric
     advance(L, NW);
   }
 #endif
+}
 
+// The block's sums of tile `tile` (acc, one share a warp) to the output: added up over the warps in shared memory;
+// a tile whose groups `pieces` blocks share (split-K, or a stream-K block boundary) goes through the workspace,
+// piece `piece` in slice `piece`, and the last of its blocks to arrive adds the slices up in piece order (a fixed
+// order: the result does not depend on which block finishes first) and leaves the counter at zero for the next
+// launch (no memset in a CUDA graph). Every thread of the block calls it; shared memory is free again on return.
+__device__ __forceinline__ void tile_store(float* acc, int tile, int piece, int pieces, u16* __restrict__ out,
+                                           float* __restrict__ ws, int* __restrict__ counters, int T, int N,
+                                           long long stride_o) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, c = lane & 3;
   grid_wait();  // a warp without groups still writes the output below: only after the kernel before is done
-  // the block's warps hold partial sums of the same 16 x 8 tile: add them up in shared memory
   __shared__ float4 red[NW][32];
+  __shared__ int last;
   red[warp][lane] = make_float4(acc[0], acc[1], acc[2], acc[3]);
   __syncthreads();
-  if (warp != 0) return;
+  if (warp == 0) {
 #pragma unroll
-  for (int w = 1; w < NW; ++w) {
-    const float4 v = red[w][lane];
-    acc[0] += v.x; acc[1] += v.y; acc[2] += v.z; acc[3] += v.w;
-  }
-  const int row[2] = {tile * 16 + g, tile * 16 + g + 8};
-  const int tt[2] = {2 * c, 2 * c + 1};
-  if (gridDim.y == 1) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int n = row[i >> 1], t = tt[i & 1];
-      if (n < N && t < T) out[t * stride_o + n] = float_to_out(acc[i]);
+    for (int w = 1; w < NW; ++w) {
+      const float4 v = red[w][lane];
+      acc[0] += v.x; acc[1] += v.y; acc[2] += v.z; acc[3] += v.w;
     }
-    return;
-  }
-  // split-K: each block stores its partial tile in its own slice of the workspace [splits, T, N] and counts itself
-  // in; the last block of the tile adds the slices up in split order (a fixed order: the result does not depend on
-  // which block finishes first) and leaves the counter at zero for the next launch (no memset in a CUDA graph)
+    const int row[2] = {tile * 16 + g, tile * 16 + g + 8};
+    const int tt[2] = {2 * c, 2 * c + 1};
+    if (pieces == 1) {
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int n = row[i >> 1], t = tt[i & 1];
-    if (n < N && t < T) ws[((long long)blockIdx.y * T + t) * N + n] = acc[i];
-  }
-  __threadfence();
-  __syncwarp();
-  __shared__ int last;
-  if (lane == 0) last = atomicAdd(counters + tile, 1) == (int)gridDim.y - 1;
-  __syncwarp();
-  if (!last) return;
-  __threadfence();
+      for (int i = 0; i < 4; ++i) {
+        const int n = row[i >> 1], t = tt[i & 1];
+        if (n < N && t < T) out[t * stride_o + n] = float_to_out(acc[i]);
+      }
+    } else {
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int n = row[i >> 1], t = tt[i & 1];
-    if (n < N && t < T) {
-      float sum = 0.f;
-      for (int y = 0; y < (int)gridDim.y; ++y) sum += __ldcg(ws + ((long long)y * T + t) * N + n);
-      out[t * stride_o + n] = float_to_out(sum);
+      for (int i = 0; i < 4; ++i) {
+        const int n = row[i >> 1], t = tt[i & 1];
+        if (n < N && t < T) ws[((long long)piece * T + t) * N + n] = acc[i];
+      }
+      __threadfence();
+      __syncwarp();
+      if (lane == 0) last = atomicAdd(counters + tile, 1) == pieces - 1;
+      __syncwarp();
+      if (last) {
+        __threadfence();
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int n = row[i >> 1], t = tt[i & 1];
+          if (n < N && t < T) {
+            float sum = 0.f;
+            for (int y = 0; y < pieces; ++y) sum += __ldcg(ws + ((long long)y * T + t) * N + n);
+            out[t * stride_o + n] = float_to_out(sum);
+          }
+        }
+        if (lane == 0) counters[tile] = 0;
+      }
     }
   }
-  if (lane == 0) counters[tile] = 0;
+  __syncthreads();  // red and last are read before the block's next tile overwrites them
+}
+
+// the next kernel may launch once every block of this one is running: it waits for this one to finish before it
+// reads our output (the Triton kernels' first act, and qmv's grid_wait), so its launch overlaps our loads
+__device__ __forceinline__ void let_next_launch() {
+#if PDL
+  asm volatile("griddepcontrol.launch_dependents;");
+#endif
+}
+
+// Block (tile, split): one 16-row tile, split y's groups (split-K over grid y).
+extern "C" __global__ void __launch_bounds__(NW * 32, MIN_BLOCKS)
+qmv(const u16* __restrict__ x, const u8* __restrict__ codes, const u8* __restrict__ high,
+    const u16* __restrict__ scales, u16* __restrict__ out, float* __restrict__ ws, int* __restrict__ counters,
+    int T, int N, int K, int NG, int groups_per_split, long long stride_x, long long stride_o,
+    long long stride_c, long long stride_h, long long stride_s) {
+  let_next_launch();
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  const int g_lo = blockIdx.y * groups_per_split, g_hi = min(NG, g_lo + groups_per_split);
+  tile_sums(x, codes, high, scales, T, N, K, NG, stride_x, stride_c, stride_h, stride_s, blockIdx.x, g_lo, g_hi,
+            acc);
+  tile_store(acc, blockIdx.x, blockIdx.y, gridDim.y, out, ws, counters, T, N, stride_o);
+}
+
+// Stream-K: the tiles' (tile, group) units in tile order, `per_block` consecutive units a block (the last block
+// fewer), so every block of a one-wave grid has the same work whatever the tile count. A block takes the segments
+// of its range tile by tile; a tile cut by block boundaries is summed in pieces (at most MAX_SPLITS: the launcher
+// sizes per_block) and added up in piece order by the last of its blocks. The cut depends on the shape and the
+// grid only, never on T or x: row t's bits do not depend on the other rows; whole tiles give the split-free bits.
+extern "C" __global__ void __launch_bounds__(NW * 32, MIN_BLOCKS)
+qmv_sk(const u16* __restrict__ x, const u8* __restrict__ codes, const u8* __restrict__ high,
+       const u16* __restrict__ scales, u16* __restrict__ out, float* __restrict__ ws, int* __restrict__ counters,
+       int T, int N, int K, int NG, int per_block, long long stride_x, long long stride_o,
+       long long stride_c, long long stride_h, long long stride_s) {
+  let_next_launch();
+  const long long units = (long long)((N + 15) / 16) * NG;
+  long long u = (long long)blockIdx.x * per_block;
+  const long long u_end = min(units, u + per_block);
+  while (u < u_end) {
+    const int tile = (int)(u / NG);
+    const int g_lo = (int)(u - (long long)tile * NG);
+    const int g_hi = (int)min((long long)NG, g_lo + (u_end - u));
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    tile_sums(x, codes, high, scales, T, N, K, NG, stride_x, stride_c, stride_h, stride_s, tile, g_lo, g_hi, acc);
+    const int first = (int)((long long)tile * NG / per_block);  // the blocks whose ranges meet this tile
+    const int lastb = (int)(((long long)tile * NG + NG - 1) / per_block);
+    tile_store(acc, tile, (int)blockIdx.x - first, lastb - first + 1, out, ws, counters, T, N, stride_o);
+    u += g_hi - g_lo;
+  }
 }

@@ -82,6 +82,7 @@ for stage in "$@"; do
                  nopdl)         flags="--no-pdl" ;;                   # the step's kernels without programmatic dependent launch
                  cublas)        flags="--cublas-dense" ;;             # small dense projections by cuBLAS
                  rows|tiled)    flags="--qmv-layout $mode" ;;         # packed weights row-major / in TILED 1
+                 streamk)       flags="--qmv-stream-k" ;;             # packed projections as one balanced wave
                  attnfixed)     flags="--attn-fixed-split" ;;         # attention split as for the full cache
                  prefill)       flags="--prefill --prompt-len 818" ;; # one 818-token prefill
                  mtp)           flags="--spec mtp -k 3" ;;            # MTP3 rounds (captured drafting)

@@ -4,7 +4,7 @@ torch profiler, grouped by kernel, with the GPU's busy time next to the step's w
 step's idle gaps: graph launch, the token read-back, host work).
 
     python3 scripts/profile_step.py --model qwen3.8-27b --synthetic [--steps 32] [--spec mtp -k 3] [--sync]
-        [--no-pdl] [--cublas-dense] [--qmv-layout L] [--eager-draft] [--attn-fixed-split]
+        [--no-pdl] [--cublas-dense] [--qmv-layout L] [--qmv-stream-k] [--eager-draft] [--attn-fixed-split]
         [--prefill]      # switches against the engine's defaults, compared by step time
 
 Needs CUDA. Timings are the profiler's (CUPTI) kernel durations; the step wall time is measured without the
@@ -60,6 +60,8 @@ def main() -> int:
     ap.add_argument("--cublas-dense", action="store_true", help="small dense projections through cuBLAS, not qmv")
     ap.add_argument("--qmv-layout", default="lanes", choices=("tiled", "lanes", "rows"),
                     help="packed weights' layout (EngineOptions.qmv_layout)")
+    ap.add_argument("--qmv-stream-k", action="store_true", help="packed projections as one balanced wave "
+                                                                 "(EngineOptions.qmv_stream_k)")
     ap.add_argument("--eager-draft", action="store_true", help="drafting eagerly, not from CUDA graphs")
     ap.add_argument("--sync", action="store_true", help="plain decode reads each token before the next step "
                                                           "(default: the lookahead chain, as generate() runs it)")
@@ -80,7 +82,7 @@ def main() -> int:
     t0 = time.time()
     eng = Engine.load(args.model, synthetic=args.synthetic, device="cuda", runtime=args.runtime, spec=args.spec,
                       draft_tokens=args.draft_tokens, pdl=args.pdl, qmv_dense=not args.cublas_dense,
-                      qmv_layout=args.qmv_layout,
+                      qmv_layout=args.qmv_layout, qmv_stream_k=args.qmv_stream_k,
                       draft_graphs=not args.eager_draft)
     print(f"loaded in {time.time() - t0:.0f} s: {eng.model_info.get('name', args.model)}", flush=True)
     g = torch.Generator().manual_seed(0)
@@ -154,7 +156,8 @@ def main() -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({
             "model": args.model, "spec": args.spec, "sync": args.sync, "pdl": args.pdl,
-            "cublas_dense": args.cublas_dense, "qmv_layout": args.qmv_layout, "draft_graphs": not args.eager_draft,
+            "cublas_dense": args.cublas_dense, "qmv_layout": args.qmv_layout, "qmv_stream_k": args.qmv_stream_k,
+            "draft_graphs": not args.eager_draft,
             "attn_fixed_split": args.attn_fixed_split,
             "runtime": args.runtime, "steps": args.steps,
             "step_wall_us": step_us, "gpu_busy_us": busy, "kernels_summed_us": total,

@@ -15,6 +15,8 @@ from ninfer_bench.kernels import qmv_cuda
 
 READY = qmv_cuda.available()
 needs_qmv = pytest.mark.skipif(not READY, reason=f"qmv_cuda cannot run here: {qmv_cuda.import_error()}")
+needs_sm90 = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)),
+                                reason="programmatic dependent launch needs an sm_90+ GPU")
 # relative RMS vs the fp32 reference: the exact codes times x summed in fp32; the output's rounding dominates
 TOL = {torch.bfloat16: 6e-3, torch.float16: 1.5e-3}
 
@@ -131,6 +133,90 @@ def test_packed_linear_runs_wider_inputs_eight_rows_a_launch():
     assert rel_rms(y[16:], ref[:3]) <= TOL[torch.bfloat16]
 
 
+def _stream_k_segments(n, ng, sms):
+    """The kernel's walk (qmv_sk): per block, its (tile, g_lo, g_hi, piece, pieces) segments."""
+    blocks, per = qmv_cuda.stream_k_grid(n, ng, sms)
+    units = -(-n // 16) * ng
+    out = []
+    for b in range(blocks):
+        u, end = b * per, min(units, (b + 1) * per)
+        while u < end:
+            tile, g_lo = divmod(u, ng)
+            g_hi = min(ng, g_lo + end - u)
+            first, last = tile * ng // per, (tile * ng + ng - 1) // per
+            out.append((b, tile, g_lo, g_hi, b - first, last - first + 1))
+            u += g_hi - g_lo
+    return blocks, out
+
+
+def test_stream_k_walk_covers_every_group_once_in_few_pieces():
+    """(CPU) The stream-K partition: one wave of blocks at most, every (tile, group) unit summed exactly once, each
+    tile in at most MAX_SPLITS pieces numbered 0.. in K order, and the 27B down projection as one full wave."""
+    for n, ng, sms in [(5120, 272, 132), (5120, 96, 132), (34816, 80, 132), (96, 80, 132), (16, 1, 132), (37, 3, 8),
+                       (248320, 160, 132), (10240, 80, 7)]:
+        blocks, segs = _stream_k_segments(n, ng, sms)
+        assert blocks <= max(sms * qmv_cuda._BLOCKS_PER_SM, -(-n // 16) * 8)
+        seen = {}
+        for b, tile, g_lo, g_hi, piece, pieces in segs:
+            assert 0 <= piece < pieces <= qmv_cuda.MAX_SPLITS
+            seen.setdefault(tile, []).append((piece, g_lo, g_hi, pieces))
+        assert sorted(seen) == list(range(-(-n // 16)))
+        for tile, parts in seen.items():
+            parts.sort()
+            assert [p[0] for p in parts] == list(range(len(parts))) and {p[3] for p in parts} == {len(parts)}
+            assert parts[0][1] == 0 and parts[-1][2] == ng
+            assert all(a[2] == b[1] for a, b in zip(parts, parts[1:])), f"tile {tile}: gap or overlap"
+    blocks, _ = _stream_k_segments(5120, 272, 132)
+    assert blocks == 132 * qmv_cuda._BLOCKS_PER_SM
+
+
+@needs_qmv
+@pytest.mark.parametrize("fmt", quant.QUANT_FORMATS)
+@pytest.mark.parametrize("n,k,t", [(320, 5120, 1), (5120, 17408, 8), (96, 5120, 3), (37, 700, 2), (16, 64, 1)])
+def test_stream_k_matches_reference_and_is_deterministic(fmt, n, k, t):
+    """The stream-K launch against the reference, repeated launches the same bits, counters left at zero, and a
+    row's bits independent of the other rows."""
+    lin, x, ref = _case(fmt, n, k, t, torch.bfloat16, seed=31)
+    tw = qmv_cuda.TiledWeight(lin, lanes=True)
+    first = qmv_cuda.qmv(x, tw, stream_k=True)
+    assert rel_rms(first, ref) <= TOL[torch.bfloat16]
+    for _ in range(2):
+        assert torch.equal(qmv_cuda.qmv(x, tw, stream_k=True), first)
+    torch.cuda.synchronize()
+    assert int(qmv_cuda._WORKSPACES[x.device][1].abs().sum()) == 0
+    assert torch.equal(qmv_cuda.qmv(x[:1].contiguous(), tw, stream_k=True)[0], first[0])
+
+
+@needs_qmv
+def test_stream_k_whole_tiles_give_the_split_free_bits():
+    """A shape whose tiles each fall inside one block (many tiles, few groups) gives the plain launch's bits."""
+    lin, x, _ = _case("q4_g64_fp16", 34816 // 4, 512, 2, torch.bfloat16, seed=32)
+    tw = qmv_cuda.TiledWeight(lin, lanes=True)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    _, segs = _stream_k_segments(tw.n, tw.ng, sms)
+    whole = torch.tensor(sorted({tile for _, tile, _, _, _, pieces in segs if pieces == 1}))
+    rows = (whole[:, None] * 16 + torch.arange(16)).flatten()
+    rows = rows[rows < tw.n].cuda()
+    got, want = qmv_cuda.qmv(x, tw, stream_k=True), qmv_cuda.qmv(x, tw, splits=1)
+    assert len(rows) and torch.equal(got[:, rows], want[:, rows])
+
+
+@needs_qmv
+@needs_sm90
+def test_stream_k_in_a_pdl_graph():
+    lin, x, ref = _case("q5_g64_fp16", 320, 5120, 4, torch.bfloat16, seed=33)
+    tw = qmv_cuda.TiledWeight(lin, lanes=True)
+    out = torch.empty(4, 320, dtype=x.dtype, device="cuda")
+    qmv_cuda.qmv(x, tw, out, stream_k=True, pdl=True)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        qmv_cuda.qmv(x, tw, out, stream_k=True, pdl=True)
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, qmv_cuda.qmv(x, tw, stream_k=True, pdl=False)) and rel_rms(out, ref) <= TOL[torch.bfloat16]
+
+
 def test_split_choice_fills_the_gpu_only_when_needed():
     # many row tiles (an lm_head): no split; few (k / v projections): split until the GPU has work
     assert qmv_cuda.choose_splits(248320, 80, 132) == 1
@@ -164,8 +250,6 @@ def test_unaligned_packed_buffer_is_realigned_for_qmv():
     assert rel_rms(lin(x), ql.qlinear_ref(x, buf, "q4_g64_fp16", (32, 128))) <= TOL[torch.bfloat16]
 
 
-needs_sm90 = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)),
-                                reason="programmatic dependent launch needs an sm_90+ GPU")
 
 
 @needs_qmv
