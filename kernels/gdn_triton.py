@@ -330,7 +330,8 @@ def _prep_kernel(QKV, CSRC, CW, CONV, SLOTS, KEEP, BB, AA, ALOG, DTB, WORK, GATE
     src_base = CSRC + (b.to(tl.int64) if CONV_INIT else slot) * stride_cb
     dst_base = CONV + slot * stride_vs
     C = 2 * HK * DK + HV * DV  # a WORK row
-    g_row = (b * T + offs_t) * (2 * HV + HK)
+    NGATE = 2 * HV + HK  # a GATES row
+    g_row = (b * T + offs_t) * NGATE
     if j < HK:
         ok = offs_d < DK
         q_chan = j * DK + offs_d
@@ -345,7 +346,7 @@ def _prep_kernel(QKV, CSRC, CW, CONV, SLOTS, KEEP, BB, AA, ALOG, DTB, WORK, GATE
             tl.store(w_row + q_chan, q, mask=ok & live)
             tl.store(w_row + k_chan, k, mask=ok & live)
             # q . k, for o = e^g S^T q + (q.k) u
-            tl.store(GATES + (b * T + t) * (2 * HV + HK) + 2 * HV + j, tl.sum(q * k, 0), mask=live)
+            tl.store(GATES + (b * T + t) * NGATE + 2 * HV + j, tl.sum(q * k, 0), mask=live)
         if WRITE_STATE:
             wq = _window(x_base, stride_xt, src_base, stride_cc, stride_cw, q_chan, ok, keep, W, BW)
             wk = _window(x_base, stride_xt, src_base, stride_cc, stride_cw, k_chan, ok, keep, W, BW)
