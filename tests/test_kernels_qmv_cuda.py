@@ -51,19 +51,26 @@ def test_matches_reference(fmt, dtype, shape, t):
     assert rel_rms(y, ref) <= TOL[dtype], f"rel RMS {rel_rms(y, ref):.2e}"
 
 
+def exact_and_repeatable(launch, ref, repeats: int) -> torch.Tensor:
+    """``launch()`` matches the bf16 reference, gives the same bits ``repeats`` more times (partials added in a
+    fixed order, not by atomics) and leaves the split-K arrival counters at zero; returns its output."""
+    first = launch()
+    assert rel_rms(first, ref) <= TOL[torch.bfloat16]
+    for _ in range(repeats):
+        assert torch.equal(launch(), first)
+    torch.cuda.synchronize()
+    assert int(qmv_cuda._WORKSPACES[first.device][1].abs().sum()) == 0
+    return first
+
+
 @needs_qmv
 @pytest.mark.parametrize("fmt", quant.QUANT_FORMATS)
 @pytest.mark.parametrize("splits", [1, 2, 5, 64])
 def test_split_k_is_exact_and_deterministic(fmt, splits):
-    """Every split count gives the reference; a repeated launch gives the same bits (partials are added in split
-    order, not by atomics), and the arrival counters are left at zero."""
+    """Every split count gives the reference; a repeated launch gives the same bits, and the arrival counters are
+    left at zero."""
     lin, x, ref = _case(fmt, 200, 2048, 8, torch.bfloat16, seed=1)
-    first = qmv_cuda.qmv(x, lin, splits=splits)
-    assert rel_rms(first, ref) <= TOL[torch.bfloat16]
-    for _ in range(3):
-        assert torch.equal(qmv_cuda.qmv(x, lin, splits=splits), first)
-    torch.cuda.synchronize()
-    assert int(qmv_cuda._WORKSPACES[x.device][1].abs().sum()) == 0
+    exact_and_repeatable(lambda: qmv_cuda.qmv(x, lin, splits=splits), ref, 3)
 
 
 @needs_qmv
@@ -178,12 +185,7 @@ def test_stream_k_matches_reference_and_is_deterministic(fmt, n, k, t):
     row's bits independent of the other rows."""
     lin, x, ref = _case(fmt, n, k, t, torch.bfloat16, seed=31)
     tw = qmv_cuda.TiledWeight(lin, lanes=True)
-    first = qmv_cuda.qmv(x, tw, stream_k=True)
-    assert rel_rms(first, ref) <= TOL[torch.bfloat16]
-    for _ in range(2):
-        assert torch.equal(qmv_cuda.qmv(x, tw, stream_k=True), first)
-    torch.cuda.synchronize()
-    assert int(qmv_cuda._WORKSPACES[x.device][1].abs().sum()) == 0
+    first = exact_and_repeatable(lambda: qmv_cuda.qmv(x, tw, stream_k=True), ref, 2)
     assert torch.equal(qmv_cuda.qmv(x[:1].contiguous(), tw, stream_k=True)[0], first[0])
 
 
