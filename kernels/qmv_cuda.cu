@@ -9,8 +9,7 @@
 //
 // One block = NW warps = one tile of 16 weight rows; the warps take the tile's groups in turn (warp w: groups
 // w, w + NW, ...), a grid y > 1 splits the groups over blocks (split-K, summed in-kernel in a fixed order, see
-// tile_store: results are deterministic and do not depend on T or on the other rows of x). The second entry,
-// qmv_sk (stream-K), gives one wave of blocks equal shares of all (tile, group) units instead.
+// tile_store: results are deterministic and do not depend on T or on the other rows of x).
 // A warp step is one group of its 16 rows: lane (g = lane / 4, c = lane % 4) loads 8 code bytes (two 32-bit
 // words) of row g and of row g + 8, and turns each word into four register pairs for mma.m16n8k16:
 //   pair i of word w = the codes in nibble i of bytes 0 and 2 (q4/q5: k0+i' , k4+i'), placed in the mantissa of
@@ -493,7 +492,7 @@ __device__ __forceinline__ void tile_sums(const u16* __restrict__ x, const u8* _
 }
 
 // The block's sums of tile `tile` (acc, one share a warp) to the output: added up over the warps in shared memory;
-// a tile whose groups `pieces` blocks share (split-K, or a stream-K block boundary) goes through the workspace,
+// a tile whose groups `pieces` blocks share (split-K) goes through the workspace,
 // piece `piece` in slice `piece`, and the last of its blocks to arrive adds the slices up in piece order (a fixed
 // order: the result does not depend on which block finishes first) and leaves the counter at zero for the next
 // launch (no memset in a CUDA graph). Every thread of the block calls it; shared memory is free again on return.
@@ -569,31 +568,4 @@ qmv(const u16* __restrict__ x, const u8* __restrict__ codes, const u8* __restric
   tile_sums(x, codes, high, scales, T, N, K, NG, stride_x, stride_c, stride_h, stride_s, blockIdx.x, g_lo, g_hi,
             acc);
   tile_store(acc, blockIdx.x, blockIdx.y, gridDim.y, out, ws, counters, T, N, stride_o);
-}
-
-// Stream-K: the tiles' (tile, group) units in tile order, `per_block` consecutive units a block (the last block
-// fewer), so every block of a one-wave grid has the same work whatever the tile count. A block takes the segments
-// of its range tile by tile; a tile cut by block boundaries is summed in pieces (at most MAX_SPLITS: the launcher
-// sizes per_block) and added up in piece order by the last of its blocks. The cut depends on the shape and the
-// grid only, never on T or x: row t's bits do not depend on the other rows; whole tiles give the split-free bits.
-extern "C" __global__ void __launch_bounds__(NW * 32, MIN_BLOCKS)
-qmv_sk(const u16* __restrict__ x, const u8* __restrict__ codes, const u8* __restrict__ high,
-       const u16* __restrict__ scales, u16* __restrict__ out, float* __restrict__ ws, int* __restrict__ counters,
-       int T, int N, int K, int NG, int per_block, long long stride_x, long long stride_o,
-       long long stride_c, long long stride_h, long long stride_s) {
-  let_next_launch();
-  const long long units = (long long)((N + 15) / 16) * NG;
-  long long u = (long long)blockIdx.x * per_block;
-  const long long u_end = min(units, u + per_block);
-  while (u < u_end) {
-    const int tile = (int)(u / NG);
-    const int g_lo = (int)(u - (long long)tile * NG);
-    const int g_hi = (int)min((long long)NG, g_lo + (u_end - u));
-    float acc[4] = {0.f, 0.f, 0.f, 0.f};
-    tile_sums(x, codes, high, scales, T, N, K, NG, stride_x, stride_c, stride_h, stride_s, tile, g_lo, g_hi, acc);
-    const int first = (int)((long long)tile * NG / per_block);  // the blocks whose ranges meet this tile
-    const int lastb = (int)(((long long)tile * NG + NG - 1) / per_block);
-    tile_store(acc, tile, (int)blockIdx.x - first, lastb - first + 1, out, ws, counters, T, N, stride_o);
-    u += g_hi - g_lo;
-  }
 }

@@ -205,7 +205,7 @@ def _kernel(fmt_id: int, half: bool, even: bool, unroll: int, min_blocks: int, x
                                          f"-DUNROLL={unroll}", f"-DMIN_BLOCKS={min_blocks}", f"-DXLATE={int(xlate)}",
                                          f"-DPIPE={int(pipe)}", f"-DFOLD={int(fold)}", f"-DPDL={int(pdl)}",
                                          f"-DTILED={int(tiled)}"))
-        return module.get_function("qmv"), module.get_function("qmv_sk")
+        return module.get_function("qmv")
 
 
 # Split-K scratch, one per device: fp32 partial tiles [splits, T, N] (overwritten by every launch) and per-tile
@@ -230,8 +230,7 @@ def workspace(device, floats: int, tiles: int = 1) -> tuple[torch.Tensor, torch.
 # did not let it start early); with the Triton glue PDL-aware too the 27B step is 4 % faster (EngineOptions.pdl,
 # on by default). dense: small dense 16-bit projections (engine/weights.DenseLinear) through
 # FMT 3 (measured faster: on by default in EngineOptions.qmv_dense).
-# stream_k: launch the stream-K kernel (one balanced wave, qmv_sk) by default (EngineOptions.qmv_stream_k).
-_SWITCHES = {"dense": False, "stream_k": False}
+_SWITCHES = {"dense": False}
 
 
 def set_dense(on: bool) -> None:
@@ -242,11 +241,6 @@ def set_dense(on: bool) -> None:
 
 def dense_enabled() -> bool:
     return _SWITCHES["dense"]
-
-
-def set_stream_k(on: bool) -> None:
-    """Packed projections through the stream-K launch (:func:`stream_k_grid`) from now on, unless a call says."""
-    _SWITCHES["stream_k"] = bool(on)
 
 
 class _LaunchAttr(ctypes.Structure):  # CUlaunchAttribute: id, 4 bytes of padding, a 64-byte value union
@@ -330,18 +324,9 @@ def choose_splits(n: int, ng: int, sms: int, unroll: int = 4, min_blocks: int = 
     return best
 
 
-def stream_k_grid(n: int, ng: int, sms: int, min_blocks: int = _BLOCKS_PER_SM) -> tuple[int, int]:
-    """(blocks, units a block) of the stream-K launch (``qmv_sk`` in the source): the tiles' (tile, group) units
-    shared out evenly over one wave of ``sms * min_blocks`` blocks, but never so few a block that a tile would be
-    cut into more than MAX_SPLITS pieces (its blocks' partial sums share the split-K workspace)."""
-    units = -(-n // 16) * ng
-    per_block = max(-(-units // (sms * min_blocks)), -(-ng // (MAX_SPLITS - 1)), 1)
-    return -(-units // per_block), per_block
-
-
 def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | None = None,
         unroll: int = 4, min_blocks: int = _BLOCKS_PER_SM, xlate: bool = False, pipe: bool = False,
-        fold: bool = False, pdl: bool | None = None, stream_k: bool | None = None) -> torch.Tensor:
+        fold: bool = False, pdl: bool | None = None) -> torch.Tensor:
     """``x [T, K] @ W.T`` -> ``[T, N]`` in x.dtype, for T <= 8 (see :func:`supports`). ``out`` (contiguous [T, N],
     x.dtype) is written instead of a fresh tensor. ``splits`` (default :func:`choose_splits`), ``unroll`` (steps
     whose loads are in flight together), ``min_blocks`` (blocks per SM the registers must allow), ``xlate`` (x
@@ -350,11 +335,7 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
     x fragment instead of a subtraction per code pair: 7 % fewer instructions, but it spills at 80 registers) are
     for tuning and tests - none of the last three was faster on the H200 (``fold`` 3-15 % slower). ``pdl``
     (default :func:`kernels._triton.pdl_now`: the switch is on and the launch is for a CUDA graph) launches with
-    programmatic dependent launch on sm_90+. ``stream_k`` (default :func:`set_stream_k`'s switch, for q formats
-    without an explicit ``splits``) launches one balanced wave instead of a block per tile (:func:`stream_k_grid`):
-    tiles cut between blocks add their pieces in a fixed order, so the bits depend on the shape and the GPU's SM
-    count, never on the other rows of x. Not yet run on a GPU (docs/perf/2026-11-30-token-invariance-h200.md,
-    section 4, says why it should help)."""
+    programmatic dependent launch on sm_90+."""
     lin = getattr(lin, "qmv_weight", None) or lin  # a tiled PackedLinear: its tiles
     if not supports(x, lin):
         raise ValueError(f"qmv: needs CUDA bf16/fp16 x [1..{MAX_T}, K={lin.k}] contiguous and a q8/q5/q4 weight "
@@ -370,39 +351,29 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
     even = lin.k == lin.kp and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
     pdl = _triton.pdl_now(x.device) if pdl is None else pdl and _capability(dev) >= (9, 0)
-    plain, balanced = _kernel(_FMT_ID[lin.fmt], x.dtype == torch.float16, even, unroll, min_blocks, xlate, pipe,
-                              fold, pdl, getattr(lin, "layout", 0), dev)
+    kern = _kernel(_FMT_ID[lin.fmt], x.dtype == torch.float16, even, unroll, min_blocks, xlate, pipe, fold, pdl,
+                   getattr(lin, "layout", 0), dev)
     tiles = -(-n // 16)
-    if stream_k is None:
-        stream_k = _SWITCHES["stream_k"] and splits is None and lin.fmt != DENSE_FMT
-    if stream_k:
-        kern = balanced
-        blocks, per_block = stream_k_grid(n, lin.ng, _sms(dev), min_blocks)
-        grid, fifth = (blocks, 1), per_block  # the kernel's fifth int: units a block
-        ws, counters = workspace(x.device, MAX_SPLITS * t * n, tiles)
-    else:
-        kern = plain
-        s = min(splits or choose_splits(n, lin.ng, _sms(dev), unroll, min_blocks), MAX_SPLITS)
-        groups_per_split = -(-lin.ng // s)
-        s = -(-lin.ng // groups_per_split)
-        grid, fifth = (tiles, s), groups_per_split  # groups a split
-        ws, counters = workspace(x.device, s * t * n, tiles) if s > 1 else (out, out)
+    s = min(splits or choose_splits(n, lin.ng, _sms(dev), unroll, min_blocks), MAX_SPLITS)
+    groups_per_split = -(-lin.ng // s)
+    s = -(-lin.ng // groups_per_split)
+    ws, counters = workspace(x.device, s * t * n, tiles) if s > 1 else (out, out)
     stream = torch.cuda.current_stream(x.device)
     # the kernel's parameters in order: 7 pointers, 5 int32, 5 int64
     ptrs = (x.data_ptr(), lin.codes.data_ptr(), lin.high.data_ptr(), lin.scales.data_ptr(), out.data_ptr(),
             ws.data_ptr(), counters.data_ptr())
-    ints = (t, n, lin.k, lin.ng, fifth)
+    ints = (t, n, lin.k, lin.ng, groups_per_split)
     longs = (x.stride(0), out.stride(0), lin.codes.stride(0), lin.high.stride(0), lin.scales.stride(0))
     if pdl:
         cargs = (*map(ctypes.c_uint64, ptrs), *map(ctypes.c_int32, ints), *map(ctypes.c_int64, longs))
         with torch.cuda.device(dev):  # the module was loaded in this device's context
-            _launch_pdl(kern, grid, NW * 32, cargs, stream.cuda_stream)
+            _launch_pdl(kern, (tiles, s), NW * 32, cargs, stream.cuda_stream)
         return out
     import cupy
 
     args = (*map(np.uint64, ptrs), *map(np.int32, ints), *map(np.int64, longs))
     with cupy.cuda.Device(dev):
-        kern(grid, (NW * 32,), args, stream=_stream(stream, dev))
+        kern((tiles, s), (NW * 32,), args, stream=_stream(stream, dev))
     return out
 
 

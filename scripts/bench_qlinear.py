@@ -311,7 +311,6 @@ def main() -> int:
                     for sp in split_sweep:
                         cands[f"qmv-lanes-s{sp}"] = (lambda x, li, out=None, sp=sp:
                                                      qmv_cuda.qmv(x, lanes[id(li)], out, splits=sp))
-                    cands["qmv-lanes-sk"] = lambda x, li, out=None: qmv_cuda.qmv(x, lanes[id(li)], out, stream_k=True)
                     for un, mb in ((4, 2), (4, 4), (8, 2), (2, 4)):
                         cands[f"qmv-lanes-u{un}-b{mb}"] = (lambda x, li, out=None, un=un, mb=mb:
                                                            qmv_cuda.qmv(x, lanes[id(li)], out, unroll=un,

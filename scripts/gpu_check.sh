@@ -82,7 +82,6 @@ for stage in "$@"; do
                  nopdl)         flags="--no-pdl" ;;                   # the step's kernels without programmatic dependent launch
                  cublas)        flags="--cublas-dense" ;;             # small dense projections by cuBLAS
                  rows|tiled)    flags="--qmv-layout $mode" ;;         # packed weights row-major / in TILED 1
-                 streamk)       flags="--qmv-stream-k" ;;             # packed projections as one balanced wave
                  attnfixed)     flags="--attn-fixed-split" ;;         # attention split as for the full cache
                  prefill)       flags="--prefill --prompt-len 818" ;; # one 818-token prefill
                  mtp)           flags="--spec mtp -k 3" ;;            # MTP3 rounds (captured drafting)
@@ -90,6 +89,8 @@ for stage in "$@"; do
                  dflash2)       flags="--spec dflash2 -k 7" ;;        # DFlash2 K=7 rounds (captured drafting)
                  dflash2eager)  flags="--spec dflash2 -k 7 --eager-draft" ;;
                  lookahead)     flags="" ;;
+                 drop-*)        m=${mode#drop-}; flags="--drop ${m//+/,}" ;;  # headroom: without those launches
+                                                                      # (drop-norm+silu: --drop norm,silu)
                  *)             echo "profile: unknown mode $mode" >&2; continue ;;
                esac
                timeout ${STAGE_S:-400} python3 scripts/profile_step.py $M27 --steps 32 $flags ${PROFILE_ARGS:-} \

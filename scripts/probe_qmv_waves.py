@@ -4,7 +4,6 @@ and split-K counts at the 27B's 5120-row shapes. Prints us a call (20 calls over
 replayed from one CUDA graph) and the fraction of the copy bandwidth measured in the same run.
 
     python3 scripts/probe_qmv_waves.py [--fmt q4] [--ks 5120,17408] [--tiles 132,264,...] [--splits 1,2,3,4,5,6]
-        [--stream-k]
 """
 
 from __future__ import annotations
@@ -36,7 +35,6 @@ def main() -> int:
     ap.add_argument("--tiles", default="132,264,320,396,400,528,640,792,1188,1584,2176")
     ap.add_argument("--splits", default="1,2,3,4,5,6", help="split-K counts timed at N = 5120")
     ap.add_argument("--t", type=int, default=1)
-    ap.add_argument("--stream-k", action="store_true", help="also time the stream-K launch at every tile count")
     args = ap.parse_args()
     if not torch.cuda.is_available() or not qmv_cuda.available():
         print(f"probe_qmv_waves: needs CUDA and cupy ({qmv_cuda.import_error()})", file=sys.stderr)
@@ -49,7 +47,7 @@ def main() -> int:
           f"copy bandwidth {bw / 1e12:.3f} TB/s; {fmt}, T = {args.t}")
     gen = torch.Generator(device="cuda").manual_seed(0)
 
-    def measure(k: int, n: int, splits: int | None, stream_k: bool = False) -> tuple[float, float]:
+    def measure(k: int, n: int, splits: int | None) -> tuple[float, float]:
         one = ql.PackedLinear(random_packed(fmt, n, k, gen), fmt, (n, k), "cuda")
         copies = max(1, min(16, math.ceil(3 * L2_BYTES / one.packed_bytes)))
         lins = [qmv_cuda.TiledWeight(one, lanes=True)]
@@ -57,28 +55,22 @@ def main() -> int:
                  for _ in range(copies - 1)]
         x = torch.randn(args.t, k, device="cuda", dtype=torch.bfloat16, generator=gen)
         out = torch.empty(args.t, n, device="cuda", dtype=torch.bfloat16)
-        calls = [(lambda li=li: qmv_cuda.qmv(x, li, out, splits=splits, stream_k=stream_k))
-                 for li in (lins * 20)[:20]]
+        calls = [(lambda li=li: qmv_cuda.qmv(x, li, out, splits=splits)) for li in (lins * 20)[:20]]
         us = graph_us(calls, replays=15)
         nbytes = one.packed_bytes + x.numel() * 2 + out.numel() * 2
         del lins, one
         torch.cuda.empty_cache()
         return us, nbytes / (us * 1e-6) / bw
 
-    print(f"{'K':>6s} {'N':>7s} {'tiles':>6s} {'waves':>6s} {'split':>5s} {'MB':>7s} {'us':>8s} {'of copy':>8s}"
-          f"{'  stream-K us, of copy' if args.stream_k else ''}")
+    print(f"{'K':>6s} {'N':>7s} {'tiles':>6s} {'waves':>6s} {'split':>5s} {'MB':>7s} {'us':>8s} {'of copy':>8s}")
     for k in (int(v) for v in args.ks.split(",")):
         for tiles in (int(v) for v in args.tiles.split(",")):
             n = tiles * 16
             s = qmv_cuda.choose_splits(n, -(-k // 64), sms)
-            us, frac = measure(k, n, None, stream_k=False)
+            us, frac = measure(k, n, None)
             mb = quant.qlayout(fmt, (n, k)).nbytes / 1e6
-            sk = ""
-            if args.stream_k:
-                sk_us, sk_frac = measure(k, n, None, stream_k=True)
-                sk = f" {sk_us:8.2f} {100 * sk_frac:7.1f}%"
-            print(f"{k:6d} {n:7d} {tiles:6d} {tiles * s / slots:6.2f} {s:5d} {mb:7.1f} {us:8.2f} "
-                  f"{100 * frac:7.1f}%{sk}", flush=True)
+            print(f"{k:6d} {n:7d} {tiles:6d} {tiles * s / slots:6.2f} {s:5d} {mb:7.1f} {us:8.2f} {100 * frac:7.1f}%",
+                  flush=True)
         for s in (int(v) for v in args.splits.split(",")):
             us, frac = measure(k, 5120, s)
             print(f"{k:6d} {5120:7d} {320:6d} {320 * s / slots:6.2f} {s:5d} {'':7s} {us:8.2f} {100 * frac:7.1f}%",

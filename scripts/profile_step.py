@@ -4,8 +4,9 @@ torch profiler, grouped by kernel, with the GPU's busy time next to the step's w
 step's idle gaps: graph launch, the token read-back, host work).
 
     python3 scripts/profile_step.py --model qwen3.8-27b --synthetic [--steps 32] [--spec mtp -k 3] [--sync]
-        [--no-pdl] [--cublas-dense] [--qmv-layout L] [--qmv-stream-k] [--eager-draft] [--attn-fixed-split]
+        [--no-pdl] [--cublas-dense] [--qmv-layout L] [--eager-draft] [--attn-fixed-split]
         [--prefill]      # switches against the engine's defaults, compared by step time
+        [--drop norm,silu,sigmoid,ba]   # headroom: the step without those kernels (wrong values, true timing)
 
 Needs CUDA. Timings are the profiler's (CUPTI) kernel durations; the step wall time is measured without the
 profiler in the same process first, so the profiler's own overhead does not enter it.
@@ -36,6 +37,43 @@ def busy_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+DROPPABLE = {
+    "norm": "add_rms_norm / rms_norm between the layers (x = the sublayer's output, no residual)",
+    "silu": "silu_mul after gate_up (the down projection reads the gate half)",
+    "sigmoid": "sigmoid_mul before the attention output projection (o as it is)",
+    "ba": "the GDN b / a projection (one zero tensor a shape, made at capture)",
+}
+
+
+def drop_launches(eng, names: list[str]) -> None:
+    """Replace the named glue of the v3 decode step with launch-free stand-ins (views, or one static tensor): the
+    step time without them is the most fusing them into the projections could save."""
+    import torch
+
+    from ninfer_bench.kernels import fused
+
+    if "norm" in names:
+        fused.add_rms_norm = lambda y, h, w, eps: (y, h)
+        fused.rms_norm = lambda x, w, eps: x
+    if "silu" in names:
+        fused.silu_mul = lambda gu, inter: gu[..., :inter]
+    if "sigmoid" in names:
+        fused.sigmoid_mul = lambda o, gate: o
+    if "ba" in names:
+        model = eng.model
+        proj, zeros = model._proj, {}
+
+        def no_ba(prefix, name, members, sizes, x):
+            if not name.endswith("in_proj_ba"):
+                return proj(prefix, name, members, sizes, x)
+            key = (*x.shape[:-1], sum(sizes))
+            if key not in zeros:
+                zeros[key] = torch.zeros(key, dtype=x.dtype, device=x.device)
+            return list(torch.split(zeros[key], sizes, dim=-1))
+
+        model._proj = no_ba
+
+
 def main() -> int:
     import _bootstrap
 
@@ -60,8 +98,6 @@ def main() -> int:
     ap.add_argument("--cublas-dense", action="store_true", help="small dense projections through cuBLAS, not qmv")
     ap.add_argument("--qmv-layout", default="lanes", choices=("tiled", "lanes", "rows"),
                     help="packed weights' layout (EngineOptions.qmv_layout)")
-    ap.add_argument("--qmv-stream-k", action="store_true", help="packed projections as one balanced wave "
-                                                                 "(EngineOptions.qmv_stream_k)")
     ap.add_argument("--eager-draft", action="store_true", help="drafting eagerly, not from CUDA graphs")
     ap.add_argument("--sync", action="store_true", help="plain decode reads each token before the next step "
                                                           "(default: the lookahead chain, as generate() runs it)")
@@ -69,8 +105,14 @@ def main() -> int:
                     help="profile one prefill of --prompt-len tokens (the time to first token) instead of decode steps")
     ap.add_argument("--attn-fixed-split", action="store_true",
                     help="decode attention splits the key range as for the full cache (no per-row chunk)")
+    ap.add_argument("--drop", default="", help="comma list of " + ", ".join(DROPPABLE) + ": the step without "
+                    "those launches (its values are wrong; only its time means something: what fusing them away "
+                    "could win at most)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    drop = [d for d in args.drop.split(",") if d]
+    if set(drop) - set(DROPPABLE):
+        ap.error(f"--drop: unknown {sorted(set(drop) - set(DROPPABLE))} (known: {', '.join(DROPPABLE)})")
     if not torch.cuda.is_available():
         print("profile_step: needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -82,9 +124,12 @@ def main() -> int:
     t0 = time.time()
     eng = Engine.load(args.model, synthetic=args.synthetic, device="cuda", runtime=args.runtime, spec=args.spec,
                       draft_tokens=args.draft_tokens, pdl=args.pdl, qmv_dense=not args.cublas_dense,
-                      qmv_layout=args.qmv_layout, qmv_stream_k=args.qmv_stream_k,
+                      qmv_layout=args.qmv_layout,
                       draft_graphs=not args.eager_draft)
     print(f"loaded in {time.time() - t0:.0f} s: {eng.model_info.get('name', args.model)}", flush=True)
+    if drop:
+        drop_launches(eng, drop)
+        print(f"dropped: {', '.join(drop)} (the step's values are wrong from here on; its time is what counts)")
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(10, eng.config.vocab_size - 10, (args.prompt_len,), generator=g).tolist()
 
@@ -156,9 +201,9 @@ def main() -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({
             "model": args.model, "spec": args.spec, "sync": args.sync, "pdl": args.pdl,
-            "cublas_dense": args.cublas_dense, "qmv_layout": args.qmv_layout, "qmv_stream_k": args.qmv_stream_k,
+            "cublas_dense": args.cublas_dense, "qmv_layout": args.qmv_layout,
             "draft_graphs": not args.eager_draft,
-            "attn_fixed_split": args.attn_fixed_split,
+            "attn_fixed_split": args.attn_fixed_split, "dropped": drop,
             "runtime": args.runtime, "steps": args.steps,
             "step_wall_us": step_us, "gpu_busy_us": busy, "kernels_summed_us": total,
             "kernels": [{"name": k, "us_per_step": v[0] / args.steps, "calls_per_step": v[1] / args.steps}
