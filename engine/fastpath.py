@@ -7,6 +7,10 @@ next norm, and ``silu_mul`` the MLP gate. Used on CUDA (runtime v3) for decode a
 keeps the eager path (its matmuls are compute-bound and fla runs its recurrence). Under ``TRITON_INTERPRET=1``
 the same code runs on CPU tensors, which is how the tests check it against the eager path.
 
+Inside a CUDA-graph capture (``side_stream``, on by default) the GDN layer's b / a projection (a few row tiles)
+runs on a side stream, forked after the layer's norm and joined before its token mixing: a branch of the graph
+that runs beside the qkvz projection (hundreds of tiles) instead of a launch of its own in the chain.
+
 Speculative rollback with these kernels: ``recompute`` verifies with ``write_state=False`` (the cache keeps the
 pre-verify state) and commits by re-running the block's recurrence with ``keep``; ``snapshot`` verifies
 writing the state after every position into a buffer and commits by gathering from it.
@@ -43,10 +47,29 @@ def available() -> bool:
 class FastPath:
     """Decode / verify forwards of a :class:`HybridModel` through the fused kernels."""
 
-    def __init__(self, model):
+    def __init__(self, model, *, side_stream: bool = True):
         self.m = model
         self.cfg, self.w = model.cfg, model.w
         self.gdn: dict[str, GDNParams] = {}
+        # made here: not inside a capture
+        self.side = torch.cuda.Stream(model.device) if side_stream and model.device.type == "cuda" else None
+        self.branches = 0  # launch sequences captured on the side stream so far
+
+    def _beside(self, short, long):
+        """``(short(), long())``: two launch sequences that read the same inputs and not each other's outputs. In a
+        CUDA-graph capture the short one goes on the side stream, a branch of the graph beside the long one, joined
+        before anything after them; otherwise they run one after the other. The side stream waits for everything
+        queued on the main one first, so a buffer it reuses is never still being read there."""
+        if self.side is None or not torch.cuda.is_current_stream_capturing():
+            return short(), long()
+        main = torch.cuda.current_stream(self.m.device)
+        self.side.wait_stream(main)
+        with torch.cuda.stream(self.side):
+            first = short()
+        self.branches += 1
+        second = long()
+        main.wait_stream(self.side)
+        return first, second
 
     def params(self, p: str) -> GDNParams:
         if p not in self.gdn:
@@ -60,9 +83,11 @@ class FastPath:
     def gated_deltanet(self, p: str, i: int, x, step, cache: HybridCache):
         cfg, m = self.cfg, self.m
         hv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        qkv, z = m._proj(p, "linear_attn.in_proj_qkvz", ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z"),
-                         [cfg.conv_dim, cfg.value_dim], x)
-        bb, aa = m._proj(p, "linear_attn.in_proj_ba", ("linear_attn.in_proj_b", "linear_attn.in_proj_a"), [hv, hv], x)
+        (bb, aa), (qkv, z) = self._beside(
+            lambda: m._proj(p, "linear_attn.in_proj_ba", ("linear_attn.in_proj_b", "linear_attn.in_proj_a"), [hv, hv],
+                            x),
+            lambda: m._proj(p, "linear_attn.in_proj_qkvz", ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z"),
+                            [cfg.conv_dim, cfg.value_dim], x))
         prm = self.params(p)
         args = (cache.conv[i], prm.conv_w, cache.ssm[i], step.slots, prm.A_log, prm.dt_bias, prm.norm_w,
                 cfg.rms_norm_eps)

@@ -80,6 +80,7 @@ for stage in "$@"; do
                case $mode in
                  sync)          flags="--sync" ;;                     # read each token before the next step
                  nopdl)         flags="--no-pdl" ;;                   # the step's kernels without programmatic dependent launch
+                 noside)        flags="--no-side-stream" ;;           # the GDN b / a projection in the main chain
                  cublas)        flags="--cublas-dense" ;;             # small dense projections by cuBLAS
                  rows|tiled)    flags="--qmv-layout $mode" ;;         # packed weights row-major / in TILED 1
                  attnfixed)     flags="--attn-fixed-split" ;;         # attention split as for the full cache

@@ -174,3 +174,24 @@ def test_pdl_decode_equals_plain_launches(dtype, spec, k):
         _triton.set_pdl(False)
     assert b.tokens == a.tokens
     assert b.spec.get("accepted_tokens") == a.spec.get("accepted_tokens")
+
+
+@pytest.mark.parametrize("spec,k", [("none", 0), ("mtp", 3), ("dflash2", 7)])
+def test_side_stream_decode_equals_one_chain(spec, k):
+    """EngineOptions.side_stream: the GDN b / a projection on a branch of the captured graph (PDL on where the GPU
+    has it) gives the one-chain capture's greedy tokens and acceptance, plain and speculative; the branch was taken
+    in every captured GDN forward and never without the option."""
+    from ninfer_bench.kernels import _triton
+
+    kw = dict(runtime="v3", kv_dtype="int8", dtype="bf16", spec=spec, draft_tokens=k or None,
+              pdl=torch.cuda.get_device_capability() >= (9, 0))
+    try:
+        off, a = gen(**kw, side_stream=False)
+        on, b = gen(**kw, side_stream=True)
+    finally:
+        _triton.set_pdl(False)
+    assert off.model.fast.branches == 0 and on.model.fast.side is not None
+    gdn_layers = on.config.layer_types.count("linear_attention")
+    assert on.model.fast.branches >= gdn_layers
+    assert b.tokens == a.tokens
+    assert b.spec.get("accepted_tokens") == a.spec.get("accepted_tokens")
