@@ -7,9 +7,10 @@ next norm, and ``silu_mul`` the MLP gate. Used on CUDA (runtime v3) for decode a
 keeps the eager path (its matmuls are compute-bound and fla runs its recurrence). Under ``TRITON_INTERPRET=1``
 the same code runs on CPU tensors, which is how the tests check it against the eager path.
 
-Inside a CUDA-graph capture (``side_stream``, on by default) the GDN layer's b / a projection (a few row tiles)
-runs on a side stream, forked after the layer's norm and joined before its token mixing: a branch of the graph
-that runs beside the qkvz projection (hundreds of tiles) instead of a launch of its own in the chain.
+Inside a CUDA-graph capture (``side_stream``, on by default) a GDN layer's b / a and z projections run on two side
+streams, forked after the layer's norm: graph branches beside the main chain. b / a (a few row tiles) runs beside
+the qkv projection and joins before the token mixing; z (whose weight the engine then keeps apart from qkv's) runs
+beside the qkv projection and the latency-bound mixing kernels, and joins just before the gated norm reads it.
 
 Speculative rollback with these kernels: ``recompute`` verifies with ``write_state=False`` (the cache keeps the
 pre-verify state) and commits by re-running the block's recurrence with ``keep``; ``snapshot`` verifies
@@ -52,24 +53,36 @@ class FastPath:
         self.cfg, self.w = model.cfg, model.w
         self.gdn: dict[str, GDNParams] = {}
         # made here: not inside a capture
-        self.side = torch.cuda.Stream(model.device) if side_stream and model.device.type == "cuda" else None
-        self.branches = 0  # launch sequences captured on the side stream so far
+        on = side_stream and model.device.type == "cuda"
+        self.sides = [torch.cuda.Stream(model.device) for _ in range(2)] if on else []  # made here: not in a capture
+        self.branches = 0  # launch sequences captured on side streams so far
 
-    def _beside(self, short, long):
-        """``(short(), long())``: two launch sequences that read the same inputs and not each other's outputs. In a
-        CUDA-graph capture the short one goes on the side stream, a branch of the graph beside the long one, joined
-        before anything after them; otherwise they run one after the other. The side stream waits for everything
-        queued on the main one first, so a buffer it reuses is never still being read there."""
-        if self.side is None or not torch.cuda.is_current_stream_capturing():
-            return short(), long()
-        main = torch.cuda.current_stream(self.m.device)
-        self.side.wait_stream(main)
-        with torch.cuda.stream(self.side):
-            first = short()
+    def _fork(self, side: int, launch):
+        """``launch()`` and the join to call before the main stream reads its result. In a CUDA-graph capture it goes
+        on side stream ``side``, a branch of the graph after everything queued on the main stream so far (so a
+        buffer it reuses is never still being read there); otherwise it runs right here and the join is a no-op."""
+        if not self.sides or not torch.cuda.is_current_stream_capturing():
+            return launch(), _no_join
+        main, stream = torch.cuda.current_stream(self.m.device), self.sides[side]
+        stream.wait_stream(main)
+        with torch.cuda.stream(stream):
+            out = launch()
         self.branches += 1
-        second = long()
-        main.wait_stream(self.side)
-        return first, second
+        return out, lambda: main.wait_stream(stream)
+
+    def _gdn_inputs(self, p: str, x):
+        """A GDN layer's projections: qkv, z, b, a and the join to call before z is read (see the module doc)."""
+        cfg, m = self.cfg, self.m
+        hv = cfg.linear_num_value_heads
+        (bb, aa), join_ba = self._fork(0, lambda: m._proj(p, "linear_attn.in_proj_ba", (
+            "linear_attn.in_proj_b", "linear_attn.in_proj_a"), [hv, hv], x))
+        if self.w.has(f"{p}.linear_attn.in_proj_qkvz.weight"):
+            (qkv, z), join_z = m._proj(p, "linear_attn.in_proj_qkvz", (), [cfg.conv_dim, cfg.value_dim], x), _no_join
+        else:
+            z, join_z = self._fork(1, lambda: self.w.linear(f"{p}.linear_attn.in_proj_z.weight")(x))
+            qkv = self.w.linear(f"{p}.linear_attn.in_proj_qkv.weight")(x)
+        join_ba()
+        return qkv, z, bb, aa, join_z
 
     def params(self, p: str) -> GDNParams:
         if p not in self.gdn:
@@ -81,13 +94,9 @@ class FastPath:
         return self.gdn[p]
 
     def gated_deltanet(self, p: str, i: int, x, step, cache: HybridCache):
-        cfg, m = self.cfg, self.m
+        cfg = self.cfg
         hv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        (bb, aa), (qkv, z) = self._beside(
-            lambda: m._proj(p, "linear_attn.in_proj_ba", ("linear_attn.in_proj_b", "linear_attn.in_proj_a"), [hv, hv],
-                            x),
-            lambda: m._proj(p, "linear_attn.in_proj_qkvz", ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z"),
-                            [cfg.conv_dim, cfg.value_dim], x))
+        qkv, z, bb, aa, join_z = self._gdn_inputs(p, x)
         prm = self.params(p)
         args = (cache.conv[i], prm.conv_w, cache.ssm[i], step.slots, prm.A_log, prm.dt_bias, prm.norm_w,
                 cfg.rms_norm_eps)
@@ -97,13 +106,13 @@ class FastPath:
             if cache.rollback == "snapshot":
                 rec.conv_old = cache.conv[i][step.slots]
                 rec.states = torch.empty(b, t, hv, dk, dv, dtype=torch.float32, device=x.device)
-                o = gdn_decode(qkv, z, bb, aa, *args, states_out=rec.states)
+                o = gdn_decode(qkv, z, bb, aa, *args, states_out=rec.states, before_z=join_z)
             else:
                 rec.kernel = (bb, aa, prm)
-                o = gdn_decode(qkv, z, bb, aa, *args, write_state=False)
+                o = gdn_decode(qkv, z, bb, aa, *args, write_state=False, before_z=join_z)
             cache.record(i, rec)
         else:
-            o = gdn_decode(qkv, z, bb, aa, *args)
+            o = gdn_decode(qkv, z, bb, aa, *args, before_z=join_z)
         return self.w.linear(f"{p}.linear_attn.out_proj.weight")(o)
 
     def attention(self, p: str, key, x, step, cache: HybridCache):
@@ -146,6 +155,10 @@ class FastPath:
             if i in step.taps:
                 taps.append(h)
         return x, taps
+
+
+def _no_join() -> None:
+    pass
 
 
 def commit_kernel(cache: HybridCache, i: int, slots: torch.Tensor, rec: PendingGDN, keep: torch.Tensor) -> None:

@@ -53,8 +53,9 @@ class EngineOptions:
     #                   may launch while the one before finishes. H200 27B step 6.08 -> 5.82 ms. (The MTP runs that
     #                   once made it an opt-in differed with it off too: verify passes were not token-invariant,
     #                   docs/perf/2026-11-30-token-invariance-h200.md)
-    side_stream: bool = True  # captured decode steps run each GDN layer's b / a projection on a side stream, a graph
-    #                           branch beside its qkvz projection (engine/fastpath.py); measured in docs/perf
+    side_stream: bool = True  # captured decode steps run each GDN layer's b / a and z projections on side streams,
+    #                           graph branches beside the main chain (engine/fastpath.py; z then keeps a weight of its
+    #                           own, apart from qkv's). H200 27B step 5.64 -> 5.46 ms with b / a alone
     qmv_dense: bool = True  # small dense bf16/fp16 projections (<= 1024 rows, <= 64 x rows) through qmv's dense
     #                         path instead of cuBLAS (process-wide: kernels/qmv_cuda.set_dense; H200 27B step 8.01 ->
     #                         7.90 ms)

@@ -86,14 +86,17 @@ class Engine:
         opts.bind(self.config.max_position_embeddings)
         if self.device.type == "cpu":
             apply_cpu_threads(self.config.hidden_size, opts.cpu_threads)
+        # captured on side streams, the GDN z projection runs beside the layer's token mixing: a weight of its own
+        side = opts.side_stream and self.device.type == "cuda" and opts.fused_kernels()
         self.weights = WeightStore(loaded.raws, device=self.device, dtype=self.dtype, runtime=opts.runtime,
+                                   apart=("linear_attn.in_proj_qkvz",) if side else (),
                                    tied_embeddings=self.config.tie_word_embeddings, qmv_layout=opts.qmv_layout)
         # spec verification writes up to K + 1 positions past a sequence's length: room for them per slot
         self.slack = opts.draft_tokens + 1
         self.capacity = opts.slot_capacity + self.slack
         self.model = HybridModel(self.config, self.weights, max_positions=self.capacity,
                                  gdn_impl=opts.gdn_impl if opts.runtime == "v3" else "chunked",
-                                 fused_kernels=opts.fused_kernels(), side_stream=opts.side_stream)
+                                 fused_kernels=opts.fused_kernels(), side_stream=side)
         # one extra slot serves logits() and other scratch work without touching requests
         self.cache = HybridCache(self.config, slots=opts.max_concurrency + 1, capacity=self.capacity,
                                  kv_dtype=opts.kv_dtype, dtype=self.dtype, device=self.device,

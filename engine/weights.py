@@ -126,7 +126,8 @@ class WeightStore:
     """All weights of one model on one device, by Hugging Face logical name."""
 
     def __init__(self, raws: dict[str, RawWeight], *, device="cpu", dtype=torch.float32, runtime="v3",
-                 fuse: bool | None = None, tied_embeddings: bool = False, qmv_layout: str = "lanes"):
+                 fuse: bool | None = None, apart: tuple[str, ...] = (), tied_embeddings: bool = False,
+                 qmv_layout: str = "lanes"):
         self.device, self.dtype, self.runtime = torch.device(device), dtype, runtime
         # packed weights in a qmv layout only (no row-major copy): for 16-bit activations, which qmv takes; fp32
         # ones go through the Triton kernels, which read rows
@@ -139,7 +140,7 @@ class WeightStore:
         self.embeddings: dict[str, Embedding] = {}
         self.weight_bytes = sum(r.nbytes for r in raws.values())
         if fuse:
-            raws = self._fused(raws)
+            raws = self._fused(raws, apart)
         for name, raw in raws.items():
             if name.endswith("embed_tokens.weight"):
                 self.embeddings[name] = Embedding(raw, dtype, self.device, dense=not self.packed)
@@ -156,11 +157,14 @@ class WeightStore:
         return DenseLinear(raw.dense(self.dtype, self.device))
 
     @staticmethod
-    def _fused(raws: dict[str, RawWeight]) -> dict[str, RawWeight]:
+    def _fused(raws: dict[str, RawWeight], apart: tuple[str, ...] = ()) -> dict[str, RawWeight]:
+        """Sibling projections concatenated (FUSIONS), except the fusions named in ``apart``."""
         out = dict(raws)
         prefixes = {n.rsplit(".", 3)[0] for n in raws if ".layers." in n}
         for prefix in sorted(prefixes):
             for fused, members in FUSIONS.items():
+                if fused in apart:
+                    continue
                 names = [f"{prefix}.{m}.weight" for m in members]
                 parts = [out.get(n) for n in names]
                 if any(p is None for p in parts) or len({p.fmt for p in parts}) != 1 \

@@ -190,7 +190,7 @@ def gdn_decode_ref(qkv, z, b, a, conv_state, conv_w, ssm, slots, A_log, dt_bias,
 
 def gdn_decode(qkv, z, b, a, conv_state, conv_w, ssm, slots, A_log, dt_bias, norm_w, eps, *,
                keep=None, conv_init=None, ssm_init=None, states_out=None, write_state=True,
-               config: GDNConfig | None = None):
+               config: GDNConfig | None = None, before_z=None):
     """One GDN layer's token mixing for T (1..16) new tokens of B slots: two launches (three when block_v < dv).
 
     qkv [B, T, C] (C = 2*Hk*dk + Hv*dv: the in_proj_qkv output before the conv, q | k | v), z [B, T, Hv*dv],
@@ -208,7 +208,8 @@ def gdn_decode(qkv, z, b, a, conv_state, conv_w, ssm, slots, A_log, dt_bias, nor
     ssm[slots]; tokens t >= keep[b] (keep [B] in 1..T, default T) leave it unchanged. With write_state the state
     after keep[b] tokens is written to conv_state[slots] / ssm[slots]. states_out [B, T, Hv, dk, dv] fp32, when
     given, receives the state after every token. No host synchronisation, static grid: CUDA-graph safe.
-    ``config`` overrides :func:`plan` (tuning, tests).
+    ``config`` overrides :func:`plan` (tuning, tests). ``before_z``, when given, is called right before the first
+    launch that reads z (z may still be in the making on another stream until then).
     """
     bsz, t, c, hk, hv, dk, dv, w = _check(qkv, z, b, a, conv_state, conv_w, ssm, slots, A_log, dt_bias, norm_w,
                                           keep, conv_init, ssm_init, states_out)
@@ -242,6 +243,8 @@ def gdn_decode(qkv, z, b, a, conv_state, conv_w, ssm, slots, A_log, dt_bias, nor
     y = (out if fused_norm else obuf) if has_out else work
     zz = z if has_out else qkv
     so = states_out if states_out is not None else ssm
+    if has_out and fused_norm and before_z is not None:
+        before_z()  # the recurrence's epilogue reads z
     kern["recur"][(bsz * hv, -(-dv // bv))](
         work, gates, ssm_src, ssm, slots, so, zz, norm_w, y,
         *ssm_src.stride()[:3], *ssm.stride()[:3], *so.stride()[:4], zz.stride(0), zz.stride(1), y.stride(0),
@@ -252,6 +255,8 @@ def gdn_decode(qkv, z, b, a, conv_state, conv_w, ssm, slots, A_log, dt_bias, nor
         num_warps=cfg.num_warps, **_triton.pdl_args(dev),
     )
     if has_out and not fused_norm:
+        if before_z is not None:
+            before_z()
         hb = 8  # heads per program of the norm epilogue
         kern["norm"][(bsz * t, -(-hv // hb))](
             obuf, z, norm_w, out, obuf.stride(0), obuf.stride(1), z.stride(0), z.stride(1), out.stride(0),

@@ -177,21 +177,24 @@ def test_pdl_decode_equals_plain_launches(dtype, spec, k):
 
 
 @pytest.mark.parametrize("spec,k", [("none", 0), ("mtp", 3), ("dflash2", 7)])
-def test_side_stream_decode_equals_one_chain(spec, k):
-    """EngineOptions.side_stream: the GDN b / a projection on a branch of the captured graph (PDL on where the GPU
-    has it) gives the one-chain capture's greedy tokens and acceptance, plain and speculative; the branch was taken
-    in every captured GDN forward and never without the option."""
+def test_side_stream_branches_decode_like_the_eager_launches(spec, k):
+    """EngineOptions.side_stream: a GDN layer's b / a and z projections on two branches of the captured graph (PDL
+    on where the GPU has it) give the greedy tokens and acceptance of the same kernels launched eagerly one after
+    the other (no graphs), plain and speculative; z keeps its own weight, the branches were taken in every
+    captured GDN forward, and never without the option."""
     from ninfer_bench.kernels import _triton
 
-    kw = dict(runtime="v3", kv_dtype="int8", dtype="bf16", spec=spec, draft_tokens=k or None,
-              pdl=torch.cuda.get_device_capability() >= (9, 0))
+    kw = dict(runtime="v3", kv_dtype="int8", dtype="bf16", spec=spec, draft_tokens=k or None)
     try:
-        off, a = gen(**kw, side_stream=False)
-        on, b = gen(**kw, side_stream=True)
+        eager, a = gen(**kw, cuda_graphs=False)  # z apart too: the same kernels, launched as they come
+        on, b = gen(**kw, pdl=torch.cuda.get_device_capability() >= (9, 0))
+        off, _ = gen(**kw, side_stream=False)
     finally:
         _triton.set_pdl(False)
-    assert off.model.fast.branches == 0 and on.model.fast.side is not None
-    gdn_layers = on.config.layer_types.count("linear_attention")
-    assert on.model.fast.branches >= gdn_layers
+    first = f"model.layers.{on.config.layer_types.index('linear_attention')}.linear_attn"
+    assert on.weights.has(f"{first}.in_proj_z.weight") and not on.weights.has(f"{first}.in_proj_qkvz.weight")
+    assert off.weights.has(f"{first}.in_proj_qkvz.weight") and off.model.fast.branches == 0
+    assert on.model.fast.branches >= 2 * on.config.layer_types.count("linear_attention")
+    assert eager.model.fast.branches == 0
     assert b.tokens == a.tokens
     assert b.spec.get("accepted_tokens") == a.spec.get("accepted_tokens")
