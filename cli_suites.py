@@ -142,8 +142,9 @@ def decode(model, engines, specs, draft_tokens, rollbacks, lm_head_draft, lookah
     with prog:
         docs = run_matrix(runs, progress=update, done=done)
     if many:
-        console.print(compare_table(docs))
-        differ = [label for label, same in plain_agreement(docs).items() if same is False]
+        same = plain_agreement(docs)
+        console.print(compare_table(docs, same))
+        differ = [label for label, agrees in same.items() if agrees is False]
         if differ:
             err_console.print(f"[bold red]tokens differ from the plain run on the same runtime: {', '.join(differ)}[/] "
                               "(greedy speculative decoding should reproduce them)")
@@ -174,11 +175,9 @@ def decode_table(doc: dict) -> Table:
     return table
 
 
-def compare_table(docs: list[dict]) -> Table:
+def compare_table(docs: list[dict], same: dict[str, bool | None]) -> Table:
     """Several decode results side by side; speed also as a ratio to the first run; whether each speculative run
-    decoded the plain run's tokens."""
-    from .suites.decode import plain_agreement
-
+    decoded the plain run's tokens (``same``: suites.decode.plain_agreement of ``docs``)."""
     first = docs[0]["summary"]["decode_tok_s"]
     table = Table(title=f"decode: {len(docs)} runs on {docs[0]['config']['device']} "
                         f"({docs[0]['env'].get('gpu') or 'cpu'}), x = decode speed / {docs[0]['label']}'s")
@@ -186,7 +185,6 @@ def compare_table(docs: list[dict]) -> Table:
             "= plain")
     for c in cols:
         table.add_column(c, justify="left" if c in ("run", "sha256") else "right", no_wrap=True)
-    same = plain_agreement(docs)
     for d in docs:
         s = d["summary"]
         split = (f"{fmt(s.get('draft_ms_per_round'), '.1f')}/{fmt(s.get('verify_ms_per_round'), '.1f')}"
@@ -196,7 +194,7 @@ def compare_table(docs: list[dict]) -> Table:
                       fmt(s["device_ms_per_round"], ".2f"), split, fmt(s["tokens_per_round"]),
                       fmt(s["acceptance_rate"], ".3f"), fmt(s["roofline_fraction"], ".3f"),
                       f"{s['peak_memory_bytes'] / 2**20:,.0f}", s["tokens_sha256"][:8],
-                      {None: "-", True: "yes", False: "[bold red]NO[/]"}[same[d["label"]]])
+                      {None: "-", True: "yes", False: "[bold red]NO[/]"}[same.get(d["label"])])
     return table
 
 
