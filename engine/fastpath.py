@@ -11,6 +11,8 @@ Inside a CUDA-graph capture (``side_stream``, on by default) a GDN layer's b / a
 streams, forked after the layer's norm: graph branches beside the main chain. b / a (a few row tiles) runs beside
 the qkv projection and joins before the token mixing; z (whose weight the engine then keeps apart from qkv's) runs
 beside the qkv projection and the latency-bound mixing kernels, and joins just before the gated norm reads it.
+When the engine keeps a full-attention layer's gate rows apart from its query rows (``gate_branch``), the gate
+projection likewise runs beside the query / kv projection and the attention kernels, joined before the gating.
 
 Speculative rollback with these kernels: ``recompute`` verifies with ``write_state=False`` (the cache keeps the
 pre-verify state) and commits by re-running the block's recurrence with ``keep``; ``snapshot`` verifies
@@ -119,14 +121,21 @@ class FastPath:
         cfg, m, w = self.cfg, self.m, self.w
         b, t, _ = x.shape
         h, hd = cfg.num_attention_heads, cfg.head_dim
+        gate_name = f"{p}.self_attn.o_gate_proj.weight"
+        if w.has(gate_name):  # the gate's rows kept apart: its projection beside the attention (see the module doc)
+            gate, join_gate = self._fork(0, lambda: w.linear(gate_name)(x))
+        else:
+            gate, join_gate = None, _no_join
         qg, kv = m.attn_proj(p, x)
         c = cache.kv[key]
-        q, gate = fused.attn_prologue(qg, kv, w.vector(f"{p}.self_attn.q_norm.weight"),
+        q, qg_gate = fused.attn_prologue(qg, kv, w.vector(f"{p}.self_attn.q_norm.weight"),
                                       w.vector(f"{p}.self_attn.k_norm.weight"), m.cos, m.sin, c.k, c.v,
                                       c.k_scale, c.v_scale, step.slots, step.pos, cfg.rms_norm_eps)
         o = decode_attention(q, c.k, c.v, c.k_scale, c.v_scale, step.slots, step.pos, m.scale,
                              kv_len_max=cache.capacity)
-        return w.linear(f"{p}.self_attn.o_proj.weight")(fused.sigmoid_mul(o.reshape(b, t, h * hd), gate))
+        join_gate()
+        return w.linear(f"{p}.self_attn.o_proj.weight")(
+            fused.sigmoid_mul(o.reshape(b, t, h * hd), qg_gate if gate is None else gate))
 
     def mlp(self, p: str, x):
         i = self.cfg.intermediate_size

@@ -193,6 +193,14 @@ def concat_rows(bufs: list[torch.Tensor], fmt: str, shapes: list[tuple[int, int]
     return out
 
 
+def take_rows(buf: torch.Tensor, fmt: str, shape: tuple[int, int], rows: torch.Tensor) -> torch.Tensor:
+    """Pack of ``W[rows]`` from the pack of ``W`` (any format), bytes unchanged."""
+    n, k = shape
+    if fmt in FLOAT_FORMATS:
+        return buf.reshape(n, -1)[rows].reshape(-1)
+    return pack_sections({name: view[rows] for name, view in sections(buf, fmt, shape).items()}, fmt, k)
+
+
 def pack_sections(sec: dict[str, torch.Tensor], fmt: str, k: int) -> torch.Tensor:
     """A packed buffer from :func:`sections`-shaped views (e.g. a row subset), bytes unchanged."""
     n = sec["codes"].shape[0]

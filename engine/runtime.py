@@ -90,6 +90,7 @@ class Engine:
         side = opts.side_stream and self.device.type == "cuda" and opts.fused_kernels()
         self.weights = WeightStore(loaded.raws, device=self.device, dtype=self.dtype, runtime=opts.runtime,
                                    apart=("linear_attn.in_proj_qkvz",) if side else (),
+                                   gate_apart=opts.gate_branch and opts.fused_kernels(),
                                    tied_embeddings=self.config.tie_word_embeddings, qmv_layout=opts.qmv_layout)
         # spec verification writes up to K + 1 positions past a sequence's length: room for them per slot
         self.slack = opts.draft_tokens + 1

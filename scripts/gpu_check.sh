@@ -80,7 +80,8 @@ for stage in "$@"; do
                case $mode in
                  sync)          flags="--sync" ;;                     # read each token before the next step
                  nopdl)         flags="--no-pdl" ;;                   # the step's kernels without programmatic dependent launch
-                 noside)        flags="--no-side-stream" ;;           # the GDN b / a projection in the main chain
+                 noside)        flags="--no-side-stream" ;;           # the GDN b / a and z projections in the main chain
+                 gate)          flags="--gate-branch" ;;              # full attention's gate projection on a branch too
                  cublas)        flags="--cublas-dense" ;;             # small dense projections by cuBLAS
                  rows|tiled)    flags="--qmv-layout $mode" ;;         # packed weights row-major / in TILED 1
                  attnfixed)     flags="--attn-fixed-split" ;;         # attention split as for the full cache

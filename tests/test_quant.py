@@ -116,3 +116,13 @@ def test_round_half_even_on_ties(fmt, step):
     assert torch.equal(q[0, 1:1 + len(halves)], expected)
     deq = quant.dequantize(quant.pack(w, fmt), fmt, (1, group))
     assert torch.equal(deq[0, 1:1 + len(halves)], expected.float() * step)
+
+
+@pytest.mark.parametrize("fmt", quant.FORMATS)
+def test_take_rows_is_the_row_subset_of_the_pack(fmt):
+    w = _weights((12, 100), seed=4)
+    buf = quant.pack(w, fmt)
+    rows = torch.tensor([7, 0, 3, 3, 11])
+    got = quant.take_rows(buf, fmt, (12, 100), rows)
+    assert got.numel() == quant.nbytes(fmt, (5, 100))
+    assert torch.equal(quant.dequantize(got, fmt, (5, 100)), quant.dequantize(buf, fmt, (12, 100))[rows])
