@@ -140,7 +140,12 @@ class FastPath:
     def mlp(self, p: str, x):
         i = self.cfg.intermediate_size
         name = f"{p}.mlp.gate_up_proj.weight"
-        if name in self.w.linears:
+        if name in self.w.interleaved:  # silu(g) * u in the projection's epilogue where its kernel runs
+            act = getattr(self.w.linear(name), "silu_mul", lambda _: None)(x)
+            if act is None:
+                gate, up = self.m.gate_up(p, x)
+                act = torch.nn.functional.silu(gate) * up
+        elif name in self.w.linears:
             act = fused.silu_mul(self.w.linear(name)(x), i)
         else:
             act = torch.nn.functional.silu(self.w.linear(f"{p}.mlp.gate_proj.weight")(x)) * \

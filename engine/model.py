@@ -20,7 +20,7 @@ from ..kernels.rope import apply_rope, rope_tables
 from .cache import HybridCache, PendingGDN
 from .config import ModelConfig
 from .mrope import mrope_cos_sin
-from .weights import WeightStore
+from .weights import GATE_UP_RUN, WeightStore
 
 PREFILL, DECODE, VERIFY = "prefill", "decode", "verify"
 
@@ -92,9 +92,17 @@ class HybridModel:
                                       [hkv * hd, hkv * hd], x), dim=-1)
         return qg.view(b, t, h, width), kv
 
-    def mlp(self, p: str, x: torch.Tensor) -> torch.Tensor:
+    def gate_up(self, p: str, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MLP's gate and up projections (from an interleaved fused weight too: WeightStore.interleaved)."""
+        name = f"{p}.mlp.gate_up_proj.weight"
+        if name in self.w.interleaved:
+            runs = self.w.linear(name)(x).unflatten(-1, (-1, 2, GATE_UP_RUN))  # [..., I / run, gate | up, run]
+            return runs[..., 0, :].flatten(-2), runs[..., 1, :].flatten(-2)
         i = self.cfg.intermediate_size
-        gate, up = self._proj(p, "mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj"), [i, i], x)
+        return tuple(self._proj(p, "mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj"), [i, i], x))
+
+    def mlp(self, p: str, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(p, x)
         return self.w.linear(f"{p}.mlp.down_proj.weight")(F.silu(gate) * up)
 
     def attention(self, p: str, key, x: torch.Tensor, step: Step, cache: HybridCache) -> torch.Tensor:

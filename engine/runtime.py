@@ -88,9 +88,11 @@ class Engine:
             apply_cpu_threads(self.config.hidden_size, opts.cpu_threads)
         # captured on side streams, the GDN z projection runs beside the layer's token mixing: a weight of its own
         side = opts.side_stream and self.device.type == "cuda" and opts.fused_kernels()
+        interleave = opts.silu_epilogue and opts.fused_kernels()  # the gate_up fusion, interleaved (any device)
         self.weights = WeightStore(loaded.raws, device=self.device, dtype=self.dtype, runtime=opts.runtime,
                                    apart=("linear_attn.in_proj_qkvz",) if side else (),
                                    gate_apart=opts.gate_branch and opts.fused_kernels(),
+                                   interleave=interleave, fuse=True if interleave else None,
                                    tied_embeddings=self.config.tie_word_embeddings, qmv_layout=opts.qmv_layout)
         # spec verification writes up to K + 1 positions past a sequence's length: room for them per slot
         self.slack = opts.draft_tokens + 1

@@ -125,12 +125,15 @@ def _packed_linear(raw: RawWeight, device, cache_dense: bool, layout: str):
                         layout=layout)
 
 
+GATE_UP_RUN = 8  # rows of gate, then of up, in an interleaved gate_up weight (half of qmv's 16-row tile)
+
+
 class WeightStore:
     """All weights of one model on one device, by Hugging Face logical name."""
 
     def __init__(self, raws: dict[str, RawWeight], *, device="cpu", dtype=torch.float32, runtime="v3",
                  fuse: bool | None = None, apart: tuple[str, ...] = (), gate_apart: bool = False,
-                 tied_embeddings: bool = False, qmv_layout: str = "lanes"):
+                 interleave: bool = False, tied_embeddings: bool = False, qmv_layout: str = "lanes"):
         self.device, self.dtype, self.runtime = torch.device(device), dtype, runtime
         # packed weights in a qmv layout only (no row-major copy): for 16-bit activations, which qmv takes; fp32
         # ones go through the Triton kernels, which read rows
@@ -146,6 +149,10 @@ class WeightStore:
             raws = self._gates_apart(raws)
         if fuse:
             raws = self._fused(raws, apart)
+        # fused gate_up weights whose gate and up rows alternate in runs of GATE_UP_RUN (see _interleaved)
+        self.interleaved: set[str] = set()
+        if fuse and interleave:
+            raws, self.interleaved = self._interleaved(raws)
         for name, raw in raws.items():
             if name.endswith("embed_tokens.weight"):
                 self.embeddings[name] = Embedding(raw, dtype, self.device, dense=not self.packed)
@@ -180,6 +187,22 @@ class WeightStore:
                                                                           rows[:, half].reshape(-1)))
             del out[name]
         return out
+
+    @staticmethod
+    def _interleaved(raws: dict[str, RawWeight]) -> tuple[dict[str, RawWeight], set[str]]:
+        """Each fused ``mlp.gate_up_proj`` with its rows reordered: GATE_UP_RUN gate rows, the same up rows, the
+        next gate rows... - so a 16-row tile of qmv holds matching gate and up rows and can store ``silu(g) * u``
+        (``PackedLinear.silu_mul``). Only where the intermediate size is a multiple of the run."""
+        out, names = dict(raws), set()
+        for name, raw in raws.items():
+            if not name.endswith("mlp.gate_up_proj.weight") or raw.shape[0] % (2 * GATE_UP_RUN):
+                continue
+            inter = raw.shape[0] // 2
+            rows = torch.arange(raw.shape[0], device=raw.buf.device).view(2, inter // GATE_UP_RUN, GATE_UP_RUN)
+            order = rows.transpose(0, 1).reshape(-1)  # run j: gate rows, then up rows
+            out[name] = RawWeight(raw.fmt, raw.shape, quant.take_rows(raw.buf, raw.fmt, tuple(raw.shape), order))
+            names.add(name)
+        return out, names
 
     @staticmethod
     def _fused(raws: dict[str, RawWeight], apart: tuple[str, ...] = ()) -> dict[str, RawWeight]:

@@ -328,3 +328,14 @@ class PackedLinear:
         else:
             y = F.linear(x2, self.dense(x.dtype))
         return y.reshape(*lead, self.n)
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``silu(gate) * up`` ``[..., N / 2]`` of a gate / up weight whose rows alternate in runs of 8
+        (engine/weights.py's interleaved gate_up), through qmv's fused epilogue; None where that kernel does not run
+        for x (the caller takes the product itself)."""
+        x2 = x.reshape(-1, self.k)
+        qw = self.qmv_weight or self
+        if not (x2.is_cuda and x2.shape[0] <= MAX_KERNEL_ROWS and self.n % 16 == 0
+                and qmv_cuda.supports(x2[:qmv_cuda.MAX_T].contiguous(), qw)):
+            return None
+        return qmv_cuda.qmv_rows(x2.contiguous(), qw, act=True).reshape(*x.shape[:-1], self.n // 2)

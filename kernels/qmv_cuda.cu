@@ -62,6 +62,10 @@ typedef unsigned char u8;
                       // codes [g][c][2][8 bytes], scales [g][2], high bits [g][c][2][2 bytes]: one load each a
                       // step; and each code word's codes reordered so that pair i meets x's own pair i (no PRMT):
                       // q4/q5 nibbles k0 k2 k4 k6 | k1 k3 k5 k7 (q5 high bits alike), q8 bytes k0 k2 k1 k3
+#ifndef ACT
+#define ACT 0     // 1: the weight is a gate / up pair whose rows alternate in runs of 8 (engine/weights.py's
+#endif            // interleaved gate_up): tile j's rows g and g + 8 are gate and up of output column 8 j + g, and the
+                  // kernel stores silu(gate) * up, [T, N / 2] (no split-K)
 #ifndef MIN_BLOCKS
 #define MIN_BLOCKS 2  // blocks per SM to fit: lets ptxas keep all of a step batch's loads in flight
 #endif                // (it interleaves them with the arithmetic, one step at a time, when it aims at more blocks)
@@ -111,6 +115,14 @@ __device__ __forceinline__ float half_to_float(u16 h) {
   float f;
   asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
   return f;
+}
+
+__device__ __forceinline__ float out_to_float(u16 h) {
+#if HALF
+  return half_to_float(h);
+#else
+  return __uint_as_float((u32)h << 16);
+#endif
 }
 
 __device__ __forceinline__ u16 float_to_out(float f) {
@@ -515,11 +527,21 @@ __device__ __forceinline__ void tile_store(float* acc, int tile, int piece, int 
     const int row[2] = {tile * 16 + g, tile * 16 + g + 8};
     const int tt[2] = {2 * c, 2 * c + 1};
     if (pieces == 1) {
+#if ACT
+      // gate and up rounded as the projection would store them, then silu(g) * u in fp32 (fused.silu_mul's math)
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const float gate = out_to_float(float_to_out(acc[i])), up = out_to_float(float_to_out(acc[2 + i]));
+        if (row[1] < N && tt[i] < T)
+          out[tt[i] * stride_o + tile * 8 + g] = float_to_out(gate / (1.f + expf(-gate)) * up);
+      }
+#else
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int n = row[i >> 1], t = tt[i & 1];
         if (n < N && t < T) out[t * stride_o + n] = float_to_out(acc[i]);
       }
+#endif
     } else {
 #pragma unroll
       for (int i = 0; i < 4; ++i) {

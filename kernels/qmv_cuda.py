@@ -196,7 +196,7 @@ class TiledWeight:
 
 @functools.cache
 def _kernel(fmt_id: int, half: bool, even: bool, unroll: int, min_blocks: int, xlate: bool, pipe: bool,
-            fold: bool, pdl: bool, tiled: int, device_index: int):
+            fold: bool, pdl: bool, tiled: int, act: bool, device_index: int):
     import cupy
 
     with cupy.cuda.Device(device_index):
@@ -204,7 +204,7 @@ def _kernel(fmt_id: int, half: bool, even: bool, unroll: int, min_blocks: int, x
                                 options=("-std=c++17", f"-DFMT={fmt_id}", f"-DHALF={int(half)}", f"-DEVEN={int(even)}",
                                          f"-DUNROLL={unroll}", f"-DMIN_BLOCKS={min_blocks}", f"-DXLATE={int(xlate)}",
                                          f"-DPIPE={int(pipe)}", f"-DFOLD={int(fold)}", f"-DPDL={int(pdl)}",
-                                         f"-DTILED={int(tiled)}"))
+                                         f"-DTILED={int(tiled)}", f"-DACT={int(act)}"))
         return module.get_function("qmv")
 
 
@@ -326,7 +326,7 @@ def choose_splits(n: int, ng: int, sms: int, unroll: int = 4, min_blocks: int = 
 
 def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | None = None,
         unroll: int = 4, min_blocks: int = _BLOCKS_PER_SM, xlate: bool = False, pipe: bool = False,
-        fold: bool = False, pdl: bool | None = None) -> torch.Tensor:
+        fold: bool = False, pdl: bool | None = None, act: bool = False) -> torch.Tensor:
     """``x [T, K] @ W.T`` -> ``[T, N]`` in x.dtype, for T <= 8 (see :func:`supports`). ``out`` (contiguous [T, N],
     x.dtype) is written instead of a fresh tensor. ``splits`` (default :func:`choose_splits`), ``unroll`` (steps
     whose loads are in flight together), ``min_blocks`` (blocks per SM the registers must allow), ``xlate`` (x
@@ -335,7 +335,9 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
     x fragment instead of a subtraction per code pair: 7 % fewer instructions, but it spills at 80 registers) are
     for tuning and tests - none of the last three was faster on the H200 (``fold`` 3-15 % slower). ``pdl``
     (default :func:`kernels._triton.pdl_now`: the switch is on and the launch is for a CUDA graph) launches with
-    programmatic dependent launch on sm_90+."""
+    programmatic dependent launch on sm_90+. ``act``: the weight is a gate / up pair with rows alternating in runs of
+    8 (engine/weights.py's interleaved gate_up) and the result is ``silu(gate) * up`` ``[T, N / 2]`` (one launch,
+    no split-K; N a multiple of 16)."""
     lin = getattr(lin, "qmv_weight", None) or lin  # a tiled PackedLinear: its tiles
     if not supports(x, lin):
         raise ValueError(f"qmv: needs CUDA bf16/fp16 x [1..{MAX_T}, K={lin.k}] contiguous and a q8/q5/q4 weight "
@@ -343,18 +345,21 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
                          f"({import_error() or 'cupy ready'}); got {tuple(x.shape)} {x.dtype} on {x.device}, "
                          f"{lin.fmt}")
     t, n = x.shape[0], lin.n
+    if act and n % 16:
+        raise ValueError(f"qmv: act needs whole tiles of interleaved gate / up rows (N a multiple of 16), got N={n}")
+    width = n // 2 if act else n
     if out is None:
-        out = torch.empty(t, n, dtype=x.dtype, device=x.device)
-    elif out.shape != (t, n) or out.dtype != x.dtype or not out.is_contiguous() or out.device != x.device:
-        raise ValueError(f"qmv: out must be contiguous [{t}, {n}] {x.dtype} on {x.device}, got {tuple(out.shape)} "
+        out = torch.empty(t, width, dtype=x.dtype, device=x.device)
+    elif out.shape != (t, width) or out.dtype != x.dtype or not out.is_contiguous() or out.device != x.device:
+        raise ValueError(f"qmv: out must be contiguous [{t}, {width}] {x.dtype} on {x.device}, got {tuple(out.shape)} "
                          f"{out.dtype} on {out.device}")
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
     even = lin.k == lin.kp and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
     pdl = _triton.pdl_now(x.device) if pdl is None else pdl and _capability(dev) >= (9, 0)
     kern = _kernel(_FMT_ID[lin.fmt], x.dtype == torch.float16, even, unroll, min_blocks, xlate, pipe, fold, pdl,
-                   getattr(lin, "layout", 0), dev)
+                   getattr(lin, "layout", 0), act, dev)
     tiles = -(-n // 16)
-    s = min(splits or choose_splits(n, lin.ng, _sms(dev), unroll, min_blocks), MAX_SPLITS)
+    s = 1 if act else min(splits or choose_splits(n, lin.ng, _sms(dev), unroll, min_blocks), MAX_SPLITS)
     groups_per_split = -(-lin.ng // s)
     s = -(-lin.ng // groups_per_split)
     ws, counters = workspace(x.device, s * t * n, tiles) if s > 1 else (out, out)
@@ -377,9 +382,9 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
     return out
 
 
-def qmv_rows(x: torch.Tensor, lin) -> torch.Tensor:
+def qmv_rows(x: torch.Tensor, lin, act: bool = False) -> torch.Tensor:
     """:func:`qmv` for any number of rows, ``MAX_T`` a launch: each row's result does not depend on the others
     (the caller checks :func:`supports` on the first ``MAX_T`` rows)."""
     if x.shape[0] <= MAX_T:
-        return qmv(x, lin)
-    return torch.cat([qmv(x[i:i + MAX_T], lin) for i in range(0, x.shape[0], MAX_T)])
+        return qmv(x, lin, act=act)
+    return torch.cat([qmv(x[i:i + MAX_T], lin, act=act) for i in range(0, x.shape[0], MAX_T)])

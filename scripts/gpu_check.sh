@@ -82,6 +82,7 @@ for stage in "$@"; do
                  nopdl)         flags="--no-pdl" ;;                   # the step's kernels without programmatic dependent launch
                  noside)        flags="--no-side-stream" ;;           # the GDN b / a and z projections in the main chain
                  gate)          flags="--gate-branch" ;;              # full attention's gate projection on a branch too
+                 silu)          flags="--silu-epilogue" ;;            # qmv stores the MLP's silu(gate) * up
                  cublas)        flags="--cublas-dense" ;;             # small dense projections by cuBLAS
                  rows|tiled)    flags="--qmv-layout $mode" ;;         # packed weights row-major / in TILED 1
                  attnfixed)     flags="--attn-fixed-split" ;;         # attention split as for the full cache

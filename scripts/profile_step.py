@@ -4,7 +4,8 @@ torch profiler, grouped by kernel, with the GPU's busy time next to the step's w
 step's idle gaps: graph launch, the token read-back, host work).
 
     python3 scripts/profile_step.py --model qwen3.8-27b --synthetic [--steps 32] [--spec mtp -k 3] [--sync]
-        [--no-pdl] [--no-side-stream] [--gate-branch] [--cublas-dense] [--qmv-layout L] [--eager-draft] [--attn-fixed-split]
+        [--no-pdl] [--no-side-stream] [--gate-branch] [--silu-epilogue] [--cublas-dense] [--qmv-layout L]
+        [--eager-draft] [--attn-fixed-split]
         [--prefill]      # switches against the engine's defaults, compared by step time
         [--drop norm,silu,sigmoid,ba]   # headroom: the step without those kernels (wrong values, true timing)
 
@@ -99,6 +100,8 @@ def main() -> int:
                     help="the GDN b / a projection on a graph branch beside qkvz (EngineOptions.side_stream)")
     ap.add_argument("--gate-branch", action="store_true",
                     help="full attention's gate projection on a graph branch (EngineOptions.gate_branch)")
+    ap.add_argument("--silu-epilogue", action="store_true",
+                    help="qmv stores the MLP's silu(gate) * up itself (EngineOptions.silu_epilogue)")
     ap.add_argument("--cublas-dense", action="store_true", help="small dense projections through cuBLAS, not qmv")
     ap.add_argument("--qmv-layout", default="lanes", choices=("tiled", "lanes", "rows"),
                     help="packed weights' layout (EngineOptions.qmv_layout)")
@@ -128,7 +131,7 @@ def main() -> int:
     t0 = time.time()
     eng = Engine.load(args.model, synthetic=args.synthetic, device="cuda", runtime=args.runtime, spec=args.spec,
                       draft_tokens=args.draft_tokens, pdl=args.pdl, side_stream=args.side_stream,
-                      gate_branch=args.gate_branch, qmv_dense=not args.cublas_dense,
+                      gate_branch=args.gate_branch, silu_epilogue=args.silu_epilogue, qmv_dense=not args.cublas_dense,
                       qmv_layout=args.qmv_layout,
                       draft_graphs=not args.eager_draft)
     print(f"loaded in {time.time() - t0:.0f} s: {eng.model_info.get('name', args.model)}", flush=True)
@@ -205,7 +208,8 @@ def main() -> int:
               f"{100 * us / args.steps / total:5.1f}%")
     if args.json:
         Path(args.json).write_text(json.dumps({
-            "model": args.model, "spec": args.spec, "sync": args.sync, "pdl": args.pdl, "side_stream": args.side_stream, "gate_branch": args.gate_branch,
+            "model": args.model, "spec": args.spec, "sync": args.sync, "pdl": args.pdl, "side_stream": args.side_stream,
+            "gate_branch": args.gate_branch, "silu_epilogue": args.silu_epilogue,
             "cublas_dense": args.cublas_dense, "qmv_layout": args.qmv_layout,
             "draft_graphs": not args.eager_draft,
             "attn_fixed_split": args.attn_fixed_split, "dropped": drop,

@@ -202,3 +202,20 @@ def test_side_stream_branches_decode_like_the_eager_launches(spec, k, gate):
     assert eager.model.fast.branches == 0
     assert b.tokens == a.tokens
     assert b.spec.get("accepted_tokens") == a.spec.get("accepted_tokens")
+
+
+@pytest.mark.parametrize("spec,k", [("none", 0), ("mtp", 3), ("dflash2", 7)])
+def test_silu_epilogue_decodes_like_its_eager_launches(spec, k):
+    """EngineOptions.silu_epilogue: the interleaved gate_up weight, qmv storing silu(gate) * up, in CUDA graphs (PDL
+    where the GPU has it) gives the greedy tokens and acceptance of the same kernels launched eagerly."""
+    from ninfer_bench.kernels import _triton
+
+    kw = dict(runtime="v3", kv_dtype="int8", dtype="bf16", spec=spec, draft_tokens=k or None, silu_epilogue=True)
+    try:
+        eager, a = gen(**kw, cuda_graphs=False)
+        on, b = gen(**kw, pdl=torch.cuda.get_device_capability() >= (9, 0))
+    finally:
+        _triton.set_pdl(False)
+    assert on.weights.interleaved and all(hasattr(on.weights.linear(n), "silu_mul") for n in on.weights.interleaved)
+    assert b.tokens == a.tokens
+    assert b.spec.get("accepted_tokens") == a.spec.get("accepted_tokens")

@@ -371,3 +371,49 @@ def test_dense_linear_takes_qmv_when_enabled():
     finally:
         qmv_cuda.set_dense(False)
     assert torch.equal(DenseLinear(w)(x), torch.nn.functional.linear(x, w))
+
+
+def _interleaved_gate_up(fmt, inter, k, t, dtype, seed):
+    """A gate / up pair packed as one weight with its rows alternating 8 gate, 8 up (WeightStore's interleaved
+    gate_up), in the lanes layout; x; and the reference silu(g) * u from the unfused projection's output."""
+    from ninfer_bench.engine.weights import GATE_UP_RUN
+
+    lin, x, _ = _case(fmt, 2 * inter, k, t, dtype, seed=seed)  # rows: gate, then up
+    rows = torch.arange(2 * inter).view(2, inter // GATE_UP_RUN, GATE_UP_RUN).transpose(0, 1).reshape(-1)
+    buf = quant.take_rows(lin.buf.cpu(), fmt, (2 * inter, k), rows)
+    mixed = qmv_cuda.TiledWeight(ql.PackedLinear(buf, fmt, (2 * inter, k), "cuda"), lanes=True)
+    gu = qmv_cuda.qmv(x, qmv_cuda.TiledWeight(lin, lanes=True), splits=1).float()
+    ref = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
+    return mixed, x, ref
+
+
+@needs_qmv
+@pytest.mark.parametrize("fmt", quant.QUANT_FORMATS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("inter,k,t", [(64, 256, 1), (136, 1152, 3), (1024, 5120, 8)])
+def test_silu_epilogue_matches_the_unfused_product(fmt, dtype, inter, k, t):
+    """act=True on an interleaved gate / up weight: silu(g) * u [T, N / 2] within the output rounding of the
+    unfused projection + product; each row's bits independent of the other rows (T = 1 gives row 0's)."""
+    mixed, x, ref = _interleaved_gate_up(fmt, inter, k, t, dtype, seed=41)
+    y = qmv_cuda.qmv(x, mixed, act=True)
+    assert y.shape == (t, inter) and y.dtype == dtype
+    assert rel_rms(y, ref.cpu()) <= TOL[dtype], f"rel RMS {rel_rms(y, ref.cpu()):.2e}"
+    assert torch.equal(qmv_cuda.qmv(x[:1].contiguous(), mixed, act=True)[0], y[0])
+    with pytest.raises(ValueError, match="multiple of 16"):
+        qmv_cuda.qmv(x, qmv_cuda.TiledWeight(_case(fmt, 40, k, t, dtype)[0], lanes=True), act=True)
+
+
+@needs_qmv
+@needs_sm90
+def test_silu_epilogue_in_a_pdl_graph_and_through_packed_linear():
+    mixed, x, ref = _interleaved_gate_up("q4_g64_fp16", 512, 2048, 4, torch.bfloat16, seed=42)
+    out = torch.empty(4, 512, dtype=x.dtype, device="cuda")
+    qmv_cuda.qmv(x, mixed, out, act=True, pdl=True)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        qmv_cuda.qmv(x, mixed, out, act=True, pdl=True)
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, qmv_cuda.qmv(x, mixed, act=True, pdl=False))
+    assert rel_rms(out, ref.cpu()) <= TOL[torch.bfloat16]

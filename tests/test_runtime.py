@@ -181,3 +181,28 @@ def test_gate_rows_apart_give_the_same_attention(fuse):
                     kv_len=3, mode="prefill")
         outs.append(m.attention(p, layer, x, step, cache))
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+
+
+def test_interleaved_gate_up_gives_the_members_outputs():
+    """WeightStore(interleave=True): the fused gate_up rows alternate 8 gate, 8 up; HybridModel.gate_up takes them
+    apart again into the member projections' outputs, and the MLP is unchanged."""
+    from ninfer_bench.engine.model import HybridModel
+    from ninfer_bench.engine.weights import GATE_UP_RUN, WeightStore
+
+    eng = engine()
+    raws, cfg = eng.weights.raws, eng.config
+    store = WeightStore(raws, fuse=True, interleave=True)
+    plain = WeightStore(raws, fuse=False)
+    p = "model.layers.0"
+    name = f"{p}.mlp.gate_up_proj.weight"
+    assert name in store.interleaved and cfg.intermediate_size % GATE_UP_RUN == 0
+    w = store.linear(name).weight.view(-1, 2, GATE_UP_RUN, cfg.hidden_size)
+    torch.testing.assert_close(w[:, 0].reshape(-1, cfg.hidden_size), plain.linear(f"{p}.mlp.gate_proj.weight").weight,
+                               rtol=0, atol=0)
+    torch.testing.assert_close(w[:, 1].reshape(-1, cfg.hidden_size), plain.linear(f"{p}.mlp.up_proj.weight").weight,
+                               rtol=0, atol=0)
+    mi, mp = HybridModel(cfg, store, max_positions=64), HybridModel(cfg, plain, max_positions=64)
+    x = torch.randn(2, 3, cfg.hidden_size, generator=torch.Generator().manual_seed(2))
+    for a, b in zip(mi.gate_up(p, x), mp.gate_up(p, x)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(mi.mlp(p, x), mp.mlp(p, x), rtol=1e-5, atol=1e-5)
