@@ -54,7 +54,6 @@ class FastPath:
         self.m = model
         self.cfg, self.w = model.cfg, model.w
         self.gdn: dict[str, GDNParams] = {}
-        # made here: not inside a capture
         on = side_stream and model.device.type == "cuda"
         self.sides = [torch.cuda.Stream(model.device) for _ in range(2)] if on else []  # made here: not in a capture
         self.branches = 0  # launch sequences captured on side streams so far
@@ -129,8 +128,8 @@ class FastPath:
         qg, kv = m.attn_proj(p, x)
         c = cache.kv[key]
         q, qg_gate = fused.attn_prologue(qg, kv, w.vector(f"{p}.self_attn.q_norm.weight"),
-                                      w.vector(f"{p}.self_attn.k_norm.weight"), m.cos, m.sin, c.k, c.v,
-                                      c.k_scale, c.v_scale, step.slots, step.pos, cfg.rms_norm_eps)
+                                         w.vector(f"{p}.self_attn.k_norm.weight"), m.cos, m.sin, c.k, c.v,
+                                         c.k_scale, c.v_scale, step.slots, step.pos, cfg.rms_norm_eps)
         o = decode_attention(q, c.k, c.v, c.k_scale, c.v_scale, step.slots, step.pos, m.scale,
                              kv_len_max=cache.capacity)
         join_gate()

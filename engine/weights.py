@@ -171,12 +171,14 @@ class WeightStore:
     @staticmethod
     def _gates_apart(raws: dict[str, RawWeight]) -> dict[str, RawWeight]:
         """Each gated attention's ``q_proj`` ``[H * 2 hd, K]`` (per head hd query rows, then hd gate rows) as two
-        weights of ``H * hd`` rows, ``q_query_proj`` and ``o_gate_proj`` (the output gate's), rows unchanged."""
+        weights of ``H * hd`` rows, ``q_query_proj`` and ``o_gate_proj`` (the output gate's), rows unchanged. Gated:
+        q_proj has twice the rows o_proj takes as input."""
         out = dict(raws)
         for name, raw in raws.items():
             prefix = name.removesuffix("q_proj.weight")
-            norm = raws.get(f"{prefix}q_norm.weight")
-            if prefix == name or not prefix.endswith("self_attn.") or norm is None or len(raw.shape) != 2 \
+            norm, o_proj = raws.get(f"{prefix}q_norm.weight"), raws.get(f"{prefix}o_proj.weight")
+            if prefix == name or not prefix.endswith("self_attn.") or norm is None or o_proj is None \
+                    or len(raw.shape) != 2 or raw.shape[0] != 2 * o_proj.shape[-1] \
                     or raw.shape[0] % (2 * norm.shape[0]):
                 continue
             hd = norm.shape[0]
