@@ -528,7 +528,8 @@ __device__ __forceinline__ void tile_store(float* acc, int tile, int piece, int 
     const int tt[2] = {2 * c, 2 * c + 1};
     if (pieces == 1) {
 #if ACT
-      // gate and up rounded as the projection would store them, then silu(g) * u in fp32 (fused.silu_mul's math)
+      // gate and up rounded as the projection would store them, then silu(g) * u in fp32 as fused.silu_mul takes
+      // it (not to the bit: expf here, Triton's exp there)
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
         const float gate = out_to_float(float_to_out(acc[i])), up = out_to_float(float_to_out(acc[2 + i]));

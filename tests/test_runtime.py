@@ -206,3 +206,23 @@ def test_interleaved_gate_up_gives_the_members_outputs():
     for a, b in zip(mi.gate_up(p, x), mp.gate_up(p, x)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(mi.mlp(p, x), mp.mlp(p, x), rtol=1e-5, atol=1e-5)
+
+
+def test_store_options_keep_what_they_cannot_serve():
+    """interleave on an intermediate size that is no multiple of the run leaves gate_up as the plain fusion (the
+    MLP unchanged); gate_apart splits every gated attention, the MTP layer's too."""
+    from ninfer_bench.engine.config import PRESETS, ModelConfig
+    from ninfer_bench.engine.model import HybridModel
+    from ninfer_bench.engine.synthetic import synthetic_raws
+    from ninfer_bench.engine.weights import WeightStore
+
+    cfg = ModelConfig(**{**PRESETS["tiny"], "intermediate_size": 100})
+    raws = synthetic_raws(cfg, seed=3)
+    store = WeightStore(raws, fuse=True, interleave=True, gate_apart=True)
+    plain = WeightStore(raws, fuse=False)
+    assert not store.interleaved and store.has("model.layers.0.mlp.gate_up_proj.weight")
+    mtp = [n for n in raws if n.startswith("mtp.") and n.endswith("self_attn.q_proj.weight")]
+    assert mtp and all(store.has(n.replace("q_proj", "o_gate_proj")) and not store.has(n) for n in mtp)
+    x = torch.randn(1, 2, cfg.hidden_size, generator=torch.Generator().manual_seed(4))
+    ms, mp = HybridModel(cfg, store, max_positions=64), HybridModel(cfg, plain, max_positions=64)
+    torch.testing.assert_close(ms.mlp("model.layers.0", x), mp.mlp("model.layers.0", x), rtol=1e-5, atol=1e-5)
