@@ -4,7 +4,7 @@
 #   bash scripts/gpu_check.sh tests d27 niah conc27 vision kernels
 #   bash scripts/gpu_check.sh train          # the bundled model (about 9 minutes: give it a call of its own)
 #   STAGE_S=280 ENGINES=hf,ours RUNTIMES=v3,v2 ROLLBACKS=recompute [SPECS=none] [DRAFT_GRAPHS=off,on] \
-#     bash scripts/gpu_check.sh d27
+#     [D27_ARGS="--silu-epilogue off,on --gate-branch off,on"] bash scripts/gpu_check.sh d27
 #   QBENCH_ARGS="--qmv-variants --ts 1 --fmts q4" bash scripts/gpu_check.sh qbench    # qmv launch sweep (+ --dense)
 # Outputs: the device tool brings back only about 8 files a call, so on exit every folder under $OUT becomes one
 # .tar and the per-file test logs one tests_all.log.
@@ -74,7 +74,7 @@ for stage in "$@"; do
     tiny)    timeout 90 python3 scripts/nb.py decode --model tiny -n 256 --repeats 2 --json "$OUT/tiny_v3.json" 2>&1 | tail -20 ;;
     d27)     nb decode $M27 --engine ${ENGINES:-ours,hf} --spec ${SPECS:-none,mtp:3,dflash2:7} --runtime ${RUNTIMES:-v3,v2} \
                --rollback ${ROLLBACKS:-recompute,snapshot} --draft-graphs ${DRAFT_GRAPHS:-on} --pdl ${PDLS:-on} \
-               -n 64 --repeats 2 --json "$OUT/d27" 2>&1 | tee "$OUT/d27.log" | tail -40 ;;
+               -n 64 --repeats 2 ${D27_ARGS:-} --json "$OUT/d27" 2>&1 | tee "$OUT/d27.log" | tail -40 ;;
     profile) for mode in ${PROFILE_MODES:-lookahead sync}; do  # 27B decode steps (or rounds, or one prefill), each
              # mode one switch against the engine's defaults (lookahead: the defaults themselves)
                case $mode in
