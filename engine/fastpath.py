@@ -137,18 +137,15 @@ class FastPath:
             fused.sigmoid_mul(o.reshape(b, t, h * hd), qg_gate if gate is None else gate))
 
     def mlp(self, p: str, x):
-        i = self.cfg.intermediate_size
         name = f"{p}.mlp.gate_up_proj.weight"
+        act = None
         if name in self.w.interleaved:  # silu(g) * u in the projection's epilogue where its kernel runs
             act = getattr(self.w.linear(name), "silu_mul", lambda _: None)(x)
-            if act is None:
-                gate, up = self.m.gate_up(p, x)
-                act = torch.nn.functional.silu(gate) * up
         elif name in self.w.linears:
-            act = fused.silu_mul(self.w.linear(name)(x), i)
-        else:
-            act = torch.nn.functional.silu(self.w.linear(f"{p}.mlp.gate_proj.weight")(x)) * \
-                self.w.linear(f"{p}.mlp.up_proj.weight")(x)
+            act = fused.silu_mul(self.w.linear(name)(x), self.cfg.intermediate_size)
+        if act is None:  # separate gate / up weights, or an interleaved one the epilogue kernel cannot take
+            gate, up = self.m.gate_up(p, x)
+            act = torch.nn.functional.silu(gate) * up
         return self.w.linear(f"{p}.mlp.down_proj.weight")(act)
 
     def forward(self, step, cache: HybridCache):

@@ -228,8 +228,9 @@ def attn_prologue(qg, kv, q_norm_w, k_norm_w, cos, sin, k_cache, v_cache, k_scal
 
     qg ``[B, T, H, 2 * hd]``: the q_proj output (query | gate per head), or ``[B, T, H, hd]``, the query alone; kv
     ``[B, T, 2 * Hkv * hd]``: the fused k | v projection output; q_norm_w / k_norm_w ``[hd]`` (zero-centred RMSNorm
-    weights); cos / sin ``[max_pos, rd]`` fp32 (kernels/rope.rope_tables); k_cache / v_cache ``[S, Hkv, cap, hd]`` bf16 / fp16, or int8 with k_scale /
-    v_scale ``[S, Hkv, cap, ceil(hd / 64)]`` fp16 (None otherwise); slots ``[B]``; pos ``[B, T]``.
+    weights); cos / sin ``[max_pos, rd]`` fp32 (kernels/rope.rope_tables); k_cache / v_cache ``[S, Hkv, cap, hd]``
+    bf16 / fp16, or int8 with k_scale / v_scale ``[S, Hkv, cap, ceil(hd / 64)]`` fp16 (None otherwise); slots
+    ``[B]``; pos ``[B, T]``.
 
     q = rope(rmsnorm(q)), k = rope(rmsnorm(k)) (NeoX rotate-half on the first rd dims), written with v into the
     cache at ``(slots[b], :, pos[b, t])`` (int8: engine.cache.quantize_kv's codes and scales). Returns

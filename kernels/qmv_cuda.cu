@@ -507,7 +507,7 @@ __device__ __forceinline__ void tile_sums(const u16* __restrict__ x, const u8* _
 // a tile whose groups `pieces` blocks share (split-K) goes through the workspace,
 // piece `piece` in slice `piece`, and the last of its blocks to arrive adds the slices up in piece order (a fixed
 // order: the result does not depend on which block finishes first) and leaves the counter at zero for the next
-// launch (no memset in a CUDA graph). Every thread of the block calls it; shared memory is free again on return.
+// launch (no memset in a CUDA graph). Every thread of the block calls it, once: the block ends after it.
 __device__ __forceinline__ void tile_store(float* acc, int tile, int piece, int pieces, u16* __restrict__ out,
                                            float* __restrict__ ws, int* __restrict__ counters, int T, int N,
                                            long long stride_o) {
@@ -568,7 +568,6 @@ __device__ __forceinline__ void tile_store(float* acc, int tile, int piece, int 
       }
     }
   }
-  __syncthreads();  // red and last are read before the block's next tile overwrites them
 }
 
 // the next kernel may launch once every block of this one is running: it waits for this one to finish before it

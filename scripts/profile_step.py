@@ -97,7 +97,7 @@ def main() -> int:
     ap.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=True,
                     help="the step's kernels with programmatic dependent launch (EngineOptions.pdl, the default)")
     ap.add_argument("--side-stream", action=argparse.BooleanOptionalAction, default=True,
-                    help="the GDN b / a projection on a graph branch beside qkvz (EngineOptions.side_stream)")
+                    help="the GDN b / a and z projections on graph branches (EngineOptions.side_stream)")
     ap.add_argument("--gate-branch", action="store_true",
                     help="full attention's gate projection on a graph branch (EngineOptions.gate_branch)")
     ap.add_argument("--silu-epilogue", action="store_true",

@@ -184,15 +184,9 @@ def test_side_stream_branches_decode_like_the_eager_launches(spec, k, gate):
     greedy tokens and acceptance of the same kernels launched eagerly one after the other (no graphs), plain and
     speculative; z keeps its own weight, the branches were taken in every captured forward, and never without the
     option."""
-    from ninfer_bench.kernels import _triton
-
     kw = dict(runtime="v3", kv_dtype="int8", dtype="bf16", spec=spec, draft_tokens=k or None, gate_branch=gate)
-    try:
-        eager, a = gen(**kw, cuda_graphs=False)  # z apart too: the same kernels, launched as they come
-        on, b = gen(**kw, pdl=torch.cuda.get_device_capability() >= (9, 0))
-        off, _ = gen(**kw, side_stream=False)
-    finally:
-        _triton.set_pdl(False)
+    (eager, a), (on, b) = captured_and_eager(**kw)  # z apart in both: the same kernels
+    off, _ = gen(**kw, side_stream=False)
     first = f"model.layers.{on.config.layer_types.index('linear_attention')}.linear_attn"
     assert on.weights.has(f"{first}.in_proj_z.weight") and not on.weights.has(f"{first}.in_proj_qkvz.weight")
     assert off.weights.has(f"{first}.in_proj_qkvz.weight") and off.model.fast.branches == 0
@@ -204,18 +198,23 @@ def test_side_stream_branches_decode_like_the_eager_launches(spec, k, gate):
     assert b.spec.get("accepted_tokens") == a.spec.get("accepted_tokens")
 
 
+def captured_and_eager(**kw):
+    """(engine, result) of the same options launched eagerly (no CUDA graphs) and captured (PDL where the GPU has
+    it; the switch is process-wide and left off again)."""
+    from ninfer_bench.kernels import _triton
+
+    try:
+        return gen(**kw, cuda_graphs=False), gen(**kw, pdl=torch.cuda.get_device_capability() >= (9, 0))
+    finally:
+        _triton.set_pdl(False)
+
+
 @pytest.mark.parametrize("spec,k", [("none", 0), ("mtp", 3), ("dflash2", 7)])
 def test_silu_epilogue_decodes_like_its_eager_launches(spec, k):
     """EngineOptions.silu_epilogue: the interleaved gate_up weight, qmv storing silu(gate) * up, in CUDA graphs (PDL
     where the GPU has it) gives the greedy tokens and acceptance of the same kernels launched eagerly."""
-    from ninfer_bench.kernels import _triton
-
-    kw = dict(runtime="v3", kv_dtype="int8", dtype="bf16", spec=spec, draft_tokens=k or None, silu_epilogue=True)
-    try:
-        eager, a = gen(**kw, cuda_graphs=False)
-        on, b = gen(**kw, pdl=torch.cuda.get_device_capability() >= (9, 0))
-    finally:
-        _triton.set_pdl(False)
+    (_, a), (on, b) = captured_and_eager(runtime="v3", kv_dtype="int8", dtype="bf16", spec=spec,
+                                         draft_tokens=k or None, silu_epilogue=True)
     assert on.weights.interleaved and all(hasattr(on.weights.linear(n), "silu_mul") for n in on.weights.interleaved)
     assert b.tokens == a.tokens
     assert b.spec.get("accepted_tokens") == a.spec.get("accepted_tokens")
