@@ -2,8 +2,8 @@
 
 Per GDN layer one ``gdn_decode`` (conv, norms, gates, recurrence, gated RMSNorm) replaces the eager T-step
 loop; per attention layer ``attn_prologue`` (q/k norms, partial RoPE, the K/V cache write, int8 quantization)
-+ ``decode_attention`` + ``sigmoid_mul``; between layers ``add_rms_norm`` folds each residual add into the
-next norm, and ``silu_mul`` the MLP gate. Used on CUDA (runtime v3) for decode and verify steps; prefill
++ ``decode_attention`` (which applies the output gate as it stores the output); between layers ``add_rms_norm``
+folds each residual add into the next norm, and ``silu_mul`` (or qmv's epilogue) the MLP gate. Used on CUDA (runtime v3) for decode and verify steps; prefill
 keeps the eager path (its matmuls are compute-bound and fla runs its recurrence). Under ``TRITON_INTERPRET=1``
 the same code runs on CPU tensors, which is how the tests check it against the eager path.
 
@@ -11,8 +11,6 @@ Inside a CUDA-graph capture (``side_stream``, on by default) a GDN layer's b / a
 streams, forked after the layer's norm: graph branches beside the main chain. b / a (a few row tiles) runs beside
 the qkv projection and joins before the token mixing; z (whose weight the engine then keeps apart from qkv's) runs
 beside the qkv projection and the latency-bound mixing kernels, and joins just before the gated norm reads it.
-When the engine keeps a full-attention layer's gate rows apart from its query rows (``gate_branch``), the gate
-projection likewise runs beside the query / kv projection and the attention kernels, joined before the gating.
 
 Speculative rollback with these kernels: ``recompute`` verifies with ``write_state=False`` (the cache keeps the
 pre-verify state) and commits by re-running the block's recurrence with ``keep``; ``snapshot`` verifies
@@ -120,21 +118,14 @@ class FastPath:
         cfg, m, w = self.cfg, self.m, self.w
         b, t, _ = x.shape
         h, hd = cfg.num_attention_heads, cfg.head_dim
-        gate_name = f"{p}.self_attn.o_gate_proj.weight"
-        if w.has(gate_name):  # the gate's rows kept apart: its projection beside the attention (see the module doc)
-            gate, join_gate = self._fork(0, lambda: w.linear(gate_name)(x))
-        else:
-            gate, join_gate = None, _no_join
         qg, kv = m.attn_proj(p, x)
         c = cache.kv[key]
-        q, qg_gate = fused.attn_prologue(qg, kv, w.vector(f"{p}.self_attn.q_norm.weight"),
-                                         w.vector(f"{p}.self_attn.k_norm.weight"), m.cos, m.sin, c.k, c.v,
-                                         c.k_scale, c.v_scale, step.slots, step.pos, cfg.rms_norm_eps)
+        q, gate = fused.attn_prologue(qg, kv, w.vector(f"{p}.self_attn.q_norm.weight"),
+                                      w.vector(f"{p}.self_attn.k_norm.weight"), m.cos, m.sin, c.k, c.v,
+                                      c.k_scale, c.v_scale, step.slots, step.pos, cfg.rms_norm_eps)
         o = decode_attention(q, c.k, c.v, c.k_scale, c.v_scale, step.slots, step.pos, m.scale,
-                             kv_len_max=cache.capacity)
-        join_gate()
-        return w.linear(f"{p}.self_attn.o_proj.weight")(
-            fused.sigmoid_mul(o.reshape(b, t, h * hd), qg_gate if gate is None else gate))
+                             kv_len_max=cache.capacity, gate=gate)  # the output gate applied as o is stored
+        return w.linear(f"{p}.self_attn.o_proj.weight")(o.reshape(b, t, h * hd))
 
     def mlp(self, p: str, x):
         name = f"{p}.mlp.gate_up_proj.weight"

@@ -74,23 +74,19 @@ class HybridModel:
         return [self.w.linear(f"{prefix}.{m}.weight")(x) for m in members]
 
     def attn_proj(self, p: str, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Full attention's input projections: ``qg [B, T, H, 2 hd]`` (query | gate per head) - or ``[B, T, H, hd]``,
-        the query alone, when the store keeps the gate's rows apart (``o_gate_proj``, WeightStore(gate_apart=True))
-        - and ``kv [B, T, 2 Hkv hd]`` (k | v), through the fused projection when the store has one (views then)."""
+        """Full attention's input projections: ``qg [B, T, H, 2 hd]`` (query | gate per head) and ``kv [B, T,
+        2 Hkv hd]`` (k | v), through the fused qkv (or kv) projection when the store has one (views then)."""
         cfg, w = self.cfg, self.w
         b, t, _ = x.shape
         h, hkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        apart = w.has(f"{p}.self_attn.o_gate_proj.weight")
-        q_name, fused = ("q_query_proj", "qkv_query_proj") if apart else ("q_proj", "qkv_proj")
-        width = hd if apart else 2 * hd
-        name = f"{p}.self_attn.{fused}.weight"
+        name = f"{p}.self_attn.qkv_proj.weight"
         if name in w.linears:
-            qg, kv = torch.split(w.linear(name)(x), [h * width, 2 * hkv * hd], dim=-1)
+            qg, kv = torch.split(w.linear(name)(x), [2 * h * hd, 2 * hkv * hd], dim=-1)
         else:
-            qg = w.linear(f"{p}.self_attn.{q_name}.weight")(x)
+            qg = w.linear(f"{p}.self_attn.q_proj.weight")(x)
             kv = torch.cat(self._proj(p, "self_attn.kv_proj", ("self_attn.k_proj", "self_attn.v_proj"),
                                       [hkv * hd, hkv * hd], x), dim=-1)
-        return qg.view(b, t, h, width), kv
+        return qg.view(b, t, h, 2 * hd), kv
 
     def gate_up(self, p: str, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The MLP's gate and up projections (from an interleaved fused weight too: WeightStore.interleaved)."""
@@ -110,10 +106,7 @@ class HybridModel:
         b, t, _ = x.shape
         h, hkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         qg, kv = self.attn_proj(p, x)
-        if qg.shape[-1] == hd:  # the gate's rows kept apart
-            q, gate = qg, w.linear(f"{p}.self_attn.o_gate_proj.weight")(x)
-        else:
-            q, gate = qg[..., :hd], qg[..., hd:].reshape(b, t, h * hd)
+        q, gate = qg[..., :hd], qg[..., hd:].reshape(b, t, h * hd)
         k, v = torch.split(kv, [hkv * hd, hkv * hd], dim=-1)
         q = rms_norm(q, w.vector(f"{p}.self_attn.q_norm.weight"), cfg.rms_norm_eps)
         k = rms_norm(k.view(b, t, hkv, hd), w.vector(f"{p}.self_attn.k_norm.weight"), cfg.rms_norm_eps)

@@ -56,12 +56,9 @@ class EngineOptions:
     side_stream: bool = True  # captured decode steps run each GDN layer's b / a and z projections on side streams,
     #                           graph branches beside the main chain (engine/fastpath.py; z then keeps a weight of its
     #                           own, apart from qkv's). H200 27B step 5.64 -> 5.46 ms with b / a alone
-    silu_epilogue: bool = False  # fused kernels: the MLP gate / up weight interleaved in runs of 8 rows so that qmv
-    #                              stores silu(gate) * up itself (one launch less a layer; not yet run on a GPU:
-    #                              docs/perf/2026-11-30-side-streams-h200.md)
-    gate_branch: bool = False  # fused kernels: each full-attention layer's output-gate rows kept apart from its
-    #                            query rows; with side_stream their projection runs on a graph branch beside the
-    #                            attention (not yet run on a GPU: docs/perf/2026-11-30-side-streams-h200.md)
+    silu_epilogue: bool = True  # fused kernels: the MLP gate / up weight interleaved in runs of 8 rows so that qmv
+    #                             stores silu(gate) * up itself (one launch less a layer; H200 27B step 5.41 -> 5.36 ms,
+    #                             the same tokens: docs/perf/2026-11-30-silu-epilogue-h200.md)
     qmv_dense: bool = True  # small dense bf16/fp16 projections (<= 1024 rows, <= 64 x rows) through qmv's dense
     #                         path instead of cuBLAS (process-wide: kernels/qmv_cuda.set_dense; H200 27B step 8.01 ->
     #                         7.90 ms)

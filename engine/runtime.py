@@ -91,7 +91,6 @@ class Engine:
         interleave = opts.silu_epilogue and opts.fused_kernels()  # the gate_up fusion, interleaved (any device)
         self.weights = WeightStore(loaded.raws, device=self.device, dtype=self.dtype, runtime=opts.runtime,
                                    apart=("linear_attn.in_proj_qkvz",) if side else (),
-                                   gate_apart=opts.gate_branch and opts.fused_kernels(),
                                    interleave=interleave, fuse=True if interleave else None,
                                    tied_embeddings=self.config.tie_word_embeddings, qmv_layout=opts.qmv_layout)
         # spec verification writes up to K + 1 positions past a sequence's length: room for them per slot

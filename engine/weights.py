@@ -27,9 +27,6 @@ FUSIONS = {
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
     "linear_attn.in_proj_qkvz": ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z"),
     "linear_attn.in_proj_ba": ("linear_attn.in_proj_b", "linear_attn.in_proj_a"),
-    # with the attention gate's rows kept apart (WeightStore(gate_apart=True)); before kv_proj, which takes k and v
-    # only where no query joins them
-    "self_attn.qkv_query_proj": ("self_attn.q_query_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "self_attn.kv_proj": ("self_attn.k_proj", "self_attn.v_proj"),
 }
 
@@ -132,8 +129,8 @@ class WeightStore:
     """All weights of one model on one device, by Hugging Face logical name."""
 
     def __init__(self, raws: dict[str, RawWeight], *, device="cpu", dtype=torch.float32, runtime="v3",
-                 fuse: bool | None = None, apart: tuple[str, ...] = (), gate_apart: bool = False,
-                 interleave: bool = False, tied_embeddings: bool = False, qmv_layout: str = "lanes"):
+                 fuse: bool | None = None, apart: tuple[str, ...] = (), interleave: bool = False,
+                 tied_embeddings: bool = False, qmv_layout: str = "lanes"):
         self.device, self.dtype, self.runtime = torch.device(device), dtype, runtime
         # packed weights in a qmv layout only (no row-major copy): for 16-bit activations, which qmv takes; fp32
         # ones go through the Triton kernels, which read rows
@@ -145,8 +142,6 @@ class WeightStore:
         self.vectors: dict[str, torch.Tensor] = {}
         self.embeddings: dict[str, Embedding] = {}
         self.weight_bytes = sum(r.nbytes for r in raws.values())
-        if gate_apart:
-            raws = self._gates_apart(raws)
         if fuse:
             raws = self._fused(raws, apart)
         # fused gate_up weights whose gate and up rows alternate in runs of GATE_UP_RUN (see _interleaved)
@@ -167,28 +162,6 @@ class WeightStore:
         if self.packed and raw.fmt in quant.QUANT_FORMATS:
             return _packed_linear(raw, self.device, self.weight_bytes <= DENSE_CACHE_LIMIT, self.qmv_layout)
         return DenseLinear(raw.dense(self.dtype, self.device))
-
-    @staticmethod
-    def _gates_apart(raws: dict[str, RawWeight]) -> dict[str, RawWeight]:
-        """Each gated attention's ``q_proj`` ``[H * 2 hd, K]`` (per head hd query rows, then hd gate rows) as two
-        weights of ``H * hd`` rows, ``q_query_proj`` and ``o_gate_proj`` (the output gate's), rows unchanged. Gated:
-        q_proj has twice the rows o_proj takes as input."""
-        out = dict(raws)
-        for name, raw in raws.items():
-            prefix = name.removesuffix("q_proj.weight")
-            norm, o_proj = raws.get(f"{prefix}q_norm.weight"), raws.get(f"{prefix}o_proj.weight")
-            if prefix == name or not prefix.endswith("self_attn.") or norm is None or o_proj is None \
-                    or len(raw.shape) != 2 or raw.shape[0] != 2 * o_proj.shape[-1] \
-                    or raw.shape[0] % (2 * norm.shape[0]):
-                continue
-            hd = norm.shape[0]
-            rows = torch.arange(raw.shape[0], device=raw.buf.device).view(-1, 2, hd)
-            for part, half in (("q_query_proj", 0), ("o_gate_proj", 1)):
-                out[f"{prefix}{part}.weight"] = RawWeight(raw.fmt, (raw.shape[0] // 2, raw.shape[1]),
-                                                          quant.take_rows(raw.buf, raw.fmt, tuple(raw.shape),
-                                                                          rows[:, half].reshape(-1)))
-            del out[name]
-        return out
 
     @staticmethod
     def _interleaved(raws: dict[str, RawWeight]) -> tuple[dict[str, RawWeight], set[str]]:

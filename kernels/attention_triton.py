@@ -150,7 +150,7 @@ def _new_buffer(shape, dtype, device) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def _check(q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, kv_len_max) -> int:
+def _check(q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, kv_len_max, gate=None) -> int:
     """Validate shapes and dtypes; returns the key range the grid covers."""
     if q.dim() != 4:
         raise ValueError(f"decode_attention: q must be [B, T, H, hd], got shape {tuple(q.shape)}")
@@ -179,8 +179,11 @@ def _check(q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, kv_len_max) -> i
     if slots.shape != (b,) or q_pos.shape != (b, t):
         raise ValueError(f"decode_attention: slots must be [B={b}] and q_pos [B={b}, T={t}], "
                          f"got {tuple(slots.shape)} and {tuple(q_pos.shape)}")
+    if gate is not None and (gate.shape != (b, t, h * hd) or gate.stride(-1) != 1):
+        raise ValueError(f"decode_attention: gate must be [B, T, H * hd] = {[b, t, h * hd]}, contiguous along its "
+                         f"last dimension, got {tuple(gate.shape)} with strides {gate.stride()}")
     named = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "k_scale": k_scale, "v_scale": v_scale,
-             "slots": slots, "q_pos": q_pos}
+             "slots": slots, "q_pos": q_pos, "gate": gate}
     for name, x in named.items():
         if x is not None and x.device != q.device:
             raise ValueError(f"decode_attention: {name} is on {x.device}, q on {q.device}")
@@ -192,9 +195,10 @@ def _check(q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, kv_len_max) -> i
     return kv_len
 
 
-def decode_attention_ref(q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, scale, *, kv_len_max=None):
-    """fp32 reference: gather the slots, dequantize, slice to ``max(q_pos) + 1`` keys, :func:`attention_ref`."""
-    kv_len = _check(q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, kv_len_max)
+def decode_attention_ref(q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, scale, *, kv_len_max=None, gate=None):
+    """fp32 reference: gather the slots, dequantize, slice to ``max(q_pos) + 1`` keys, :func:`attention_ref`; with
+    ``gate``, the output rounded to q's dtype times ``sigmoid(gate)`` (kernels/fused.sigmoid_mul_ref)."""
+    kv_len = _check(q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, kv_len_max, gate)
     length = int(q_pos.max()) + 1
     if int(q_pos.min()) < 0 or length > kv_len:
         raise ValueError(f"decode_attention_ref: q_pos must lie in 0..{kv_len - 1}, "
@@ -203,19 +207,24 @@ def decode_attention_ref(q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, sc
     if k_cache.dtype == torch.int8:
         k = dequantize_kv(k, k_scale[slots, :, :length], torch.float32)
         v = dequantize_kv(v, v_scale[slots, :, :length], torch.float32)
-    return attention_ref(q.float(), k.float(), v.float(), q_pos, scale).to(q.dtype)
+    out = attention_ref(q.float(), k.float(), v.float(), q_pos, scale).to(q.dtype)
+    if gate is None:
+        return out
+    return (out.float() * torch.sigmoid(gate.float().view(out.shape))).to(q.dtype)
 
 
-def decode_attention(q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, scale, *, kv_len_max=None,
+def decode_attention(q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, scale, *, kv_len_max=None, gate=None,
                      config: AttnConfig | None = None):
     """Attention of ``q [B, T, H, hd]`` over cache slots ``slots [B]``; query t of row b sees keys 0..q_pos[b, t].
 
     ``k_cache``/``v_cache`` ``[S, Hkv, cap, hd]`` bf16 / fp16, or int8 with ``k_scale``/``v_scale``
     ``[S, Hkv, cap, ceil(hd/64)]`` fp16 (None otherwise). ``kv_len_max`` (default ``cap``) bounds the key range the
     grid covers: every ``q_pos`` must be below it. Returns ``[B, T, H, hd]`` in ``q.dtype``; fp32 accumulation.
+    ``gate`` ``[B, T, H * hd]`` (full attention's output gate), when given, is applied as the output is stored:
+    ``o * sigmoid(gate)``, the same bits as ``kernels/fused.sigmoid_mul`` of the ungated output, one launch less.
     No host synchronisation: safe inside a CUDA graph. ``config`` overrides :func:`plan` (tuning, tests).
     """
-    kv_len = _check(q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, kv_len_max)
+    kv_len = _check(q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, kv_len_max, gate)
     err = _triton_import_error()
     if err is not None:
         raise RuntimeError(f"decode_attention needs triton, which does not import here ({err})")
@@ -231,10 +240,10 @@ def decode_attention(q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, scale,
         # triton 3.6 on sm_90: fp32 (tf32x3) tiles of 16 keys with 8 warps fault with an illegal address, split or
         # not, pipelined or not; 4 warps, or 32-key tiles, run correctly (scripts/probe_attention.py on an H200)
         cfg = dataclasses.replace(cfg, num_warps=4)
-    return _launch(kern, q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, scale, kv_len, cfg)
+    return _launch(kern, q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, scale, kv_len, cfg, gate)
 
 
-def _launch(kern, q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, scale, kv_len, cfg: AttnConfig):
+def _launch(kern, q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, scale, kv_len, cfg: AttnConfig, gate=None):
     b, t, h, hd = q.shape
     hkv = k_cache.shape[1]
     g = h // hkv
@@ -251,21 +260,22 @@ def _launch(kern, q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, scale, kv
         o_part = lse_part = out  # unused: the split kernel writes the output directly
     ks = k_scale if int8 else k_cache  # placeholders keep one signature; never read without IS_INT8
     vs = v_scale if int8 else v_cache
+    gt = gate if gate is not None else out  # a placeholder likewise (HAS_GATE)
     kern["split"][(t * m_tiles, splits, b * hkv)](
-        q, k_cache, v_cache, ks, vs, slots, q_pos, out, o_part, lse_part,
+        q, k_cache, v_cache, ks, vs, slots, q_pos, out, o_part, lse_part, gt, gt.stride(0), gt.stride(1),
         *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3], *ks.stride()[:3], *vs.stride()[:3],
         *q_pos.stride(), *out.stride()[:3],
         scale * LOG2E, t, h, hkv, kv_len, cfg.chunk, cfg.min_chunk or cfg.chunk, splits, m_tiles,
         G=g, HD=hd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, NG=block_d // gw, GW=gw,
-        IS_INT8=int8, SPLIT=splits > 1, DOT_DTYPE=kern["dtypes"][q.dtype],
+        IS_INT8=int8, SPLIT=splits > 1, HAS_GATE=gate is not None, DOT_DTYPE=kern["dtypes"][q.dtype],
         DOT_PREC="tf32x3" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_triton.pdl_args(q.device),
     )
     if splits > 1:
         block_dc = min(block_d, cfg.combine_cols)
         kern["combine"][(b * t * h, block_d // block_dc)](
-            o_part, lse_part, q_pos, out, *q_pos.stride(), *out.stride()[:3], t, h, cfg.chunk,
-            cfg.min_chunk or cfg.chunk, splits, BLOCK_N=cfg.block_n,
+            o_part, lse_part, q_pos, out, gt, *q_pos.stride(), *out.stride()[:3], gt.stride(0), gt.stride(1), t, h,
+            cfg.chunk, cfg.min_chunk or cfg.chunk, splits, BLOCK_N=cfg.block_n, HAS_GATE=gate is not None,
             HD=hd, BLOCK_S=COMBINE_SPLITS, BLOCK_DC=block_dc, num_warps=4, **_triton.pdl_args(q.device),
         )
     return out
@@ -314,14 +324,15 @@ def _row_chunk(pos, CHUNK, MIN_CHUNK, NUM_SPLITS, BLOCK_N: tl.constexpr):
     return tl.minimum(tl.maximum(want, MIN_CHUNK), CHUNK)
 
 
-def _attn_split(Q, K, V, KS, VS, SLOTS, QPOS, O, OP, LSE,
+def _attn_split(Q, K, V, KS, VS, SLOTS, QPOS, O, OP, LSE, GATE, stride_gb, stride_gt,
                 stride_qb, stride_qt, stride_qh, stride_ks, stride_kh, stride_kn, stride_vs, stride_vh, stride_vn,
                 stride_kss, stride_ksh, stride_ksn, stride_vss, stride_vsh, stride_vsn,
                 stride_pb, stride_pt, stride_ob, stride_ot, stride_oh,
                 qk_scale, T, H, HKV, KV_LEN, CHUNK, MIN_CHUNK, NUM_SPLITS, M_TILES,
                 G: tl.constexpr, HD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_D: tl.constexpr, NG: tl.constexpr, GW: tl.constexpr, IS_INT8: tl.constexpr,
-                SPLIT: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr):
+                SPLIT: tl.constexpr, HAS_GATE: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
+                PDL: tl.constexpr):
     """Program (t * M_TILES + m tile, split, b * Hkv + hkv): token t's rows g of the tile against keys
     [split * chunk, + chunk), chunk the token's own (_row_chunk)."""
     pdl_enter(PDL)  # PDL launches: wait for the kernel before, let the next one launch
@@ -378,13 +389,24 @@ def _attn_split(Q, K, V, KS, VS, SLOTS, QPOS, O, OP, LSE,
         tl.store(OP + r[:, None] * HD + offs_d[None, :], o, mask=used[:, None] & d_ok[None, :])
         tl.store(LSE + r, tl.where(has, m_i + tl.log2(l_safe), float("-inf")), mask=used)
     else:
-        tl.store(O + b * stride_ob + t * stride_ot + h[:, None] * stride_oh + offs_d[None, :],
-                 o.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        mask = row_ok[:, None] & d_ok[None, :]
+        val = _gated(o.to(O.dtype.element_ty), GATE + b * stride_gb + t * stride_gt + h[:, None] * HD + offs_d[None, :],
+                     mask, HAS_GATE)
+        tl.store(O + b * stride_ob + t * stride_ot + h[:, None] * stride_oh + offs_d[None, :], val, mask=mask)
 
 
-def _attn_combine(OP, LSE, QPOS, O, stride_pb, stride_pt, stride_ob, stride_ot, stride_oh, T, H, CHUNK, MIN_CHUNK,
-                  NUM_SPLITS, HD: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DC: tl.constexpr,
-                  BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+def _gated(o, gate_ptr, mask, HAS_GATE: tl.constexpr):
+    """The stored output ``o`` (already in the output dtype), with HAS_GATE times sigmoid(gate) in fp32, rounded
+    again: the bits kernels/fused.sigmoid_mul makes of it."""
+    if HAS_GATE:
+        g = tl.load(gate_ptr, mask=mask, other=0.0).to(tl.float32)
+        o = (o.to(tl.float32) * tl.sigmoid(g)).to(o.dtype)
+    return o
+
+
+def _attn_combine(OP, LSE, QPOS, O, GATE, stride_pb, stride_pt, stride_ob, stride_ot, stride_oh, stride_gb, stride_gt,
+                  T, H, CHUNK, MIN_CHUNK, NUM_SPLITS, HD: tl.constexpr, BLOCK_S: tl.constexpr,
+                  BLOCK_DC: tl.constexpr, BLOCK_N: tl.constexpr, HAS_GATE: tl.constexpr, PDL: tl.constexpr):
     """Program (r = (b * T + t) * H + h, column block): merge the splits row r's q_pos reaches (log2-sum-exp)."""
     pdl_enter(PDL)  # PDL launches: wait for the kernel before, let the next one launch
     r = tl.program_id(0)
@@ -411,13 +433,15 @@ def _attn_combine(OP, LSE, QPOS, O, stride_pb, stride_pt, stride_ob, stride_ot, 
         acc = acc * alpha + tl.sum(w[:, None] * o, 0)
         l = l * alpha + tl.sum(w, 0)
         m = m_new
-    tl.store(O + b * stride_ob + t * stride_ot + h * stride_oh + offs_d, (acc / l).to(O.dtype.element_ty), mask=d_ok)
+    val = _gated((acc / l).to(O.dtype.element_ty), GATE + b * stride_gb + t * stride_gt + h * HD + offs_d, d_ok,
+                 HAS_GATE)
+    tl.store(O + b * stride_ob + t * stride_ot + h * stride_oh + offs_d, val, mask=d_ok)
 
 
 @functools.lru_cache(maxsize=1)
 def _kernels() -> dict:
     """Jit the kernels (first call only). `_attn_split` finds `_load_tile` and `tl` as module globals."""
-    out = _triton.jit_module(globals(), ("_load_tile", "_row_chunk"),
+    out = _triton.jit_module(globals(), ("_load_tile", "_row_chunk", "_gated"),
                              {"split": "_attn_split", "combine": "_attn_combine"})
     out["dtypes"] = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
     return out

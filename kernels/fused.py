@@ -111,7 +111,7 @@ def attn_prologue_ref(qg, kv, q_norm_w, k_norm_w, cos, sin, k_cache, v_cache, k_
     else:
         k_cache[sl, :, pos] = k.to(k_cache.dtype)
         v_cache[sl, :, pos] = v.to(v_cache.dtype)
-    return q.to(qg.dtype), (qg[..., hd:].reshape(b, t, h * hd).clone() if qg.shape[-1] == 2 * hd else None)
+    return q.to(qg.dtype), qg[..., hd:].reshape(b, t, h * hd).clone()
 
 
 # ---- fast versions ---------------------------------------------------------------------------------------------
@@ -186,14 +186,13 @@ def sigmoid_mul(o, gate):
 
 def _check_prologue(qg, kv, q_norm_w, k_norm_w, cos, sin, k_cache, v_cache, k_scale, v_scale, slots, pos):
     """Validate shapes; returns (B, T, H, hd, Hkv)."""
-    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
-        raise ValueError(f"attn_prologue: k_cache and v_cache must both be [S, Hkv, cap, hd], "
+    if qg.dim() != 4 or qg.shape[-1] % 2:
+        raise ValueError(f"attn_prologue: qg must be [B, T, H, 2 * hd], got shape {tuple(qg.shape)}")
+    b, t, h, hd2 = qg.shape
+    hd = hd2 // 2
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape or k_cache.shape[3] != hd:
+        raise ValueError(f"attn_prologue: k_cache and v_cache must both be [S, Hkv, cap, hd={hd}], "
                          f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
-    hd = k_cache.shape[3]
-    if qg.dim() != 4 or qg.shape[-1] not in (hd, 2 * hd):
-        raise ValueError(f"attn_prologue: qg must be [B, T, H, 2 * hd] (query | gate) or [B, T, H, hd] (query) "
-                         f"with the cache's hd = {hd}, got shape {tuple(qg.shape)}")
-    b, t, h, _ = qg.shape
     hkv = k_cache.shape[1]
     if kv.shape != (b, t, 2 * hkv * hd):
         raise ValueError(f"attn_prologue: kv must be [B, T, 2 * Hkv * hd] = {[b, t, 2 * hkv * hd]}, "
@@ -226,23 +225,21 @@ def _check_prologue(qg, kv, q_norm_w, k_norm_w, cos, sin, k_cache, v_cache, k_sc
 def attn_prologue(qg, kv, q_norm_w, k_norm_w, cos, sin, k_cache, v_cache, k_scale, v_scale, slots, pos, eps):
     """Full attention from the projection outputs to the attention kernel's inputs, in one launch.
 
-    qg ``[B, T, H, 2 * hd]``: the q_proj output (query | gate per head), or ``[B, T, H, hd]``, the query alone; kv
-    ``[B, T, 2 * Hkv * hd]``: the fused k | v projection output; q_norm_w / k_norm_w ``[hd]`` (zero-centred RMSNorm
-    weights); cos / sin ``[max_pos, rd]`` fp32 (kernels/rope.rope_tables); k_cache / v_cache ``[S, Hkv, cap, hd]``
-    bf16 / fp16, or int8 with k_scale / v_scale ``[S, Hkv, cap, ceil(hd / 64)]`` fp16 (None otherwise); slots
-    ``[B]``; pos ``[B, T]``.
+    qg ``[B, T, H, 2 * hd]``: the q_proj output (query | gate per head); kv ``[B, T, 2 * Hkv * hd]``: the fused
+    k | v projection output; q_norm_w / k_norm_w ``[hd]`` (zero-centred RMSNorm weights); cos / sin ``[max_pos, rd]``
+    fp32 (kernels/rope.rope_tables); k_cache / v_cache ``[S, Hkv, cap, hd]`` bf16 / fp16, or int8 with k_scale /
+    v_scale ``[S, Hkv, cap, ceil(hd / 64)]`` fp16 (None otherwise); slots ``[B]``; pos ``[B, T]``.
 
     q = rope(rmsnorm(q)), k = rope(rmsnorm(k)) (NeoX rotate-half on the first rd dims), written with v into the
     cache at ``(slots[b], :, pos[b, t])`` (int8: engine.cache.quantize_kv's codes and scales). Returns
-    ``(q [B, T, H, hd], gate [B, T, H * hd])`` in qg's dtype (gate None when qg holds the query alone). fp32 math.
+    ``(q [B, T, H, hd], gate [B, T, H * hd])`` in qg's dtype. fp32 math.
     """
     b, t, h, hd, hkv = _check_prologue(qg, kv, q_norm_w, k_norm_w, cos, sin, k_cache, v_cache, k_scale, v_scale,
                                        slots, pos)
     kern = _ready("attn_prologue", qg)
     int8 = k_cache.dtype == torch.int8
     q = _new_buffer((b, t, h, hd), qg.dtype, qg.device)
-    has_gate = qg.shape[-1] == 2 * hd
-    gate = _new_buffer((b, t, h * hd), qg.dtype, qg.device) if has_gate else q  # q: a placeholder, never written
+    gate = _new_buffer((b, t, h * hd), qg.dtype, qg.device)
     block_d = max(16, _pow2(hd))
     gw = min(KV_GROUP, block_d)
     ks = k_scale if int8 else k_cache  # placeholders keep one signature; never read without IS_INT8
@@ -253,9 +250,9 @@ def attn_prologue(qg, kv, q_norm_w, k_norm_w, cos, sin, k_cache, v_cache, k_scal
         *ks.stride()[:3], *vs.stride()[:3], *pos.stride(), *q.stride()[:3], *gate.stride()[:2],
         t, h, hkv, eps,
         HD=hd, RD=cos.shape[-1], BLOCK_D=block_d, NG=block_d // gw, GW=gw, N_SCALES=-(-hd // KV_GROUP),
-        IS_INT8=int8, HAS_GATE=has_gate, num_warps=1 if block_d <= 128 else 2, **_triton.pdl_args(qg.device),
+        IS_INT8=int8, num_warps=1 if block_d <= 128 else 2, **_triton.pdl_args(qg.device),
     )
-    return q, gate if has_gate else None
+    return q, gate
 
 
 # ---- Triton kernels ------------------------------------------------------------------------------------------
@@ -355,9 +352,8 @@ def _prologue_kernel(QG, KV, QW, KW, COS, SIN, KC, VC, KS, VS, SLOTS, POS, Q, GA
                      stride_pb, stride_pt, stride_qb, stride_qt, stride_qh, stride_ab, stride_at,
                      T, H, HKV, eps,
                      HD: tl.constexpr, RD: tl.constexpr, BLOCK_D: tl.constexpr, NG: tl.constexpr, GW: tl.constexpr,
-                     N_SCALES: tl.constexpr, IS_INT8: tl.constexpr, HAS_GATE: tl.constexpr, PDL: tl.constexpr):
-    """Program (b * T + t, j): j < H query head j (norm, rope, and with HAS_GATE the gate copy); then Hkv key heads,
-    then Hkv value heads."""
+                     N_SCALES: tl.constexpr, IS_INT8: tl.constexpr, PDL: tl.constexpr):
+    """Program (b * T + t, j): j < H query head j (norm, rope, gate copy); then Hkv key heads, then Hkv value heads."""
     pdl_enter(PDL)  # PDL launches: wait for the kernel before, let the next one launch
     row = tl.program_id(0)
     j = tl.program_id(1)
@@ -371,9 +367,8 @@ def _prologue_kernel(QG, KV, QW, KW, COS, SIN, KC, VC, KS, VS, SLOTS, POS, Q, GA
         x = _norm_rope(base, QW, COS + p * stride_cos, SIN + p * stride_cos, eps, HD, RD, BLOCK_D)
         tl.store(Q + b.to(tl.int64) * stride_qb + t * stride_qt + j * stride_qh + offs, x.to(Q.dtype.element_ty),
                  mask=ok)
-        if HAS_GATE:
-            gate = tl.load(base + HD + offs, mask=ok, other=0.0)
-            tl.store(GATE + b.to(tl.int64) * stride_ab + t * stride_at + j * HD + offs, gate, mask=ok)
+        gate = tl.load(base + HD + offs, mask=ok, other=0.0)
+        tl.store(GATE + b.to(tl.int64) * stride_ab + t * stride_at + j * HD + offs, gate, mask=ok)
     else:
         slot = tl.load(SLOTS + b).to(tl.int64)  # slot * stride overflows int32 on large caches
         kv_row = KV + b.to(tl.int64) * stride_kvb + t * stride_kvt

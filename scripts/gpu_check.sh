@@ -4,7 +4,7 @@
 #   bash scripts/gpu_check.sh tests d27 niah conc27 vision kernels
 #   bash scripts/gpu_check.sh train          # the bundled model (about 9 minutes: give it a call of its own)
 #   STAGE_S=280 ENGINES=hf,ours RUNTIMES=v3,v2 ROLLBACKS=recompute [SPECS=none] [DRAFT_GRAPHS=off,on] \
-#     [D27_ARGS="--silu-epilogue off,on --gate-branch off,on"] bash scripts/gpu_check.sh d27
+#     [D27_ARGS="--silu-epilogue on,off --side-stream on,off"] bash scripts/gpu_check.sh d27
 #   QBENCH_ARGS="--qmv-variants --ts 1 --fmts q4" bash scripts/gpu_check.sh qbench    # qmv launch sweep (+ --dense)
 # Outputs: the device tool brings back only about 8 files a call, so on exit every folder under $OUT becomes one
 # .tar and the per-file test logs one tests_all.log.
@@ -81,8 +81,7 @@ for stage in "$@"; do
                  sync)          flags="--sync" ;;                     # read each token before the next step
                  nopdl)         flags="--no-pdl" ;;                   # the step's kernels without programmatic dependent launch
                  noside)        flags="--no-side-stream" ;;           # the GDN b / a and z projections in the main chain
-                 gate)          flags="--gate-branch" ;;              # full attention's gate projection on a branch too
-                 silu)          flags="--silu-epilogue" ;;            # qmv stores the MLP's silu(gate) * up
+                 nosilu)        flags="--no-silu-epilogue" ;;         # the MLP's silu(gate) * up by its own kernel
                  cublas)        flags="--cublas-dense" ;;             # small dense projections by cuBLAS
                  rows|tiled)    flags="--qmv-layout $mode" ;;         # packed weights row-major / in TILED 1
                  attnfixed)     flags="--attn-fixed-split" ;;         # attention split as for the full cache

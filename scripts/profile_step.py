@@ -4,10 +4,10 @@ torch profiler, grouped by kernel, with the GPU's busy time next to the step's w
 step's idle gaps: graph launch, the token read-back, host work).
 
     python3 scripts/profile_step.py --model qwen3.8-27b --synthetic [--steps 32] [--spec mtp -k 3] [--sync]
-        [--no-pdl] [--no-side-stream] [--gate-branch] [--silu-epilogue] [--cublas-dense] [--qmv-layout L]
+        [--no-pdl] [--no-side-stream] [--no-silu-epilogue] [--cublas-dense] [--qmv-layout L]
         [--eager-draft] [--attn-fixed-split]
         [--prefill]      # switches against the engine's defaults, compared by step time
-        [--drop norm,silu,sigmoid,ba]   # headroom: the step without those kernels (wrong values, true timing)
+        [--drop norm,silu,ba]   # headroom: the step without those kernels (wrong values, true timing)
 
 Needs CUDA. Timings are the profiler's (CUPTI) kernel durations; the step wall time is measured without the
 profiler in the same process first, so the profiler's own overhead does not enter it.
@@ -40,8 +40,7 @@ def busy_us(intervals: list[tuple[float, float]]) -> float:
 
 DROPPABLE = {
     "norm": "add_rms_norm / rms_norm between the layers (x = the sublayer's output, no residual)",
-    "silu": "silu_mul after gate_up (the down projection reads the gate half)",
-    "sigmoid": "sigmoid_mul before the attention output projection (o as it is)",
+    "silu": "silu_mul after gate_up, with --no-silu-epilogue (the down projection reads the gate half)",
     "ba": "the GDN b / a projection (one zero tensor a shape, made at capture)",
 }
 
@@ -58,8 +57,6 @@ def drop_launches(eng, names: list[str]) -> None:
         fused.rms_norm = lambda x, w, eps: x
     if "silu" in names:
         fused.silu_mul = lambda gu, inter: gu[..., :inter]
-    if "sigmoid" in names:
-        fused.sigmoid_mul = lambda o, gate: o
     if "ba" in names:
         model = eng.model
         proj, zeros = model._proj, {}
@@ -98,10 +95,8 @@ def main() -> int:
                     help="the step's kernels with programmatic dependent launch (EngineOptions.pdl, the default)")
     ap.add_argument("--side-stream", action=argparse.BooleanOptionalAction, default=True,
                     help="the GDN b / a and z projections on graph branches (EngineOptions.side_stream)")
-    ap.add_argument("--gate-branch", action="store_true",
-                    help="full attention's gate projection on a graph branch (EngineOptions.gate_branch)")
-    ap.add_argument("--silu-epilogue", action="store_true",
-                    help="qmv stores the MLP's silu(gate) * up itself (EngineOptions.silu_epilogue)")
+    ap.add_argument("--silu-epilogue", action=argparse.BooleanOptionalAction, default=True,
+                    help="qmv stores the MLP's silu(gate) * up itself (EngineOptions.silu_epilogue, the default)")
     ap.add_argument("--cublas-dense", action="store_true", help="small dense projections through cuBLAS, not qmv")
     ap.add_argument("--qmv-layout", default="lanes", choices=("tiled", "lanes", "rows"),
                     help="packed weights' layout (EngineOptions.qmv_layout)")
@@ -120,6 +115,8 @@ def main() -> int:
     drop = [d for d in args.drop.split(",") if d]
     if set(drop) - set(DROPPABLE):
         ap.error(f"--drop: unknown {sorted(set(drop) - set(DROPPABLE))} (known: {', '.join(DROPPABLE)})")
+    if "silu" in drop and args.silu_epilogue:
+        ap.error("--drop silu: the silu epilogue launches no silu_mul; add --no-silu-epilogue")
     if not torch.cuda.is_available():
         print("profile_step: needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -131,7 +128,7 @@ def main() -> int:
     t0 = time.time()
     eng = Engine.load(args.model, synthetic=args.synthetic, device="cuda", runtime=args.runtime, spec=args.spec,
                       draft_tokens=args.draft_tokens, pdl=args.pdl, side_stream=args.side_stream,
-                      gate_branch=args.gate_branch, silu_epilogue=args.silu_epilogue, qmv_dense=not args.cublas_dense,
+                      silu_epilogue=args.silu_epilogue, qmv_dense=not args.cublas_dense,
                       qmv_layout=args.qmv_layout,
                       draft_graphs=not args.eager_draft)
     print(f"loaded in {time.time() - t0:.0f} s: {eng.model_info.get('name', args.model)}", flush=True)
@@ -209,7 +206,7 @@ def main() -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({
             "model": args.model, "spec": args.spec, "sync": args.sync, "pdl": args.pdl, "side_stream": args.side_stream,
-            "gate_branch": args.gate_branch, "silu_epilogue": args.silu_epilogue,
+            "silu_epilogue": args.silu_epilogue,
             "cublas_dense": args.cublas_dense, "qmv_layout": args.qmv_layout,
             "draft_graphs": not args.eager_draft,
             "attn_fixed_split": args.attn_fixed_split, "dropped": drop,

@@ -41,15 +41,6 @@ def test_fused_verify_and_rollback_equal_eager(eager, spec, rollback):
     assert tokens == eager
 
 
-@pytest.mark.parametrize("spec", ["none", "mtp"])
-def test_gate_rows_apart_decode_like_eager(eager, spec):
-    """gate_branch: the attention gate's rows kept apart (their projection forked beside the attention on CUDA
-    graphs, inline here) decode the eager path's tokens, plainly and through MTP verification."""
-    eng, tokens = run(kernels="triton", gate_branch=True, spec=spec, draft_tokens=3 if spec == "mtp" else None)
-    assert any(n.endswith("self_attn.o_gate_proj.weight") for n in eng.weights.linears)
-    assert tokens == eager
-
-
 @pytest.mark.parametrize("spec", ["none", "dflash2"])
 def test_interleaved_gate_up_decodes_like_eager(eager, spec):
     """silu_epilogue: the MLP's gate / up weight interleaved in runs of 8 rows (qmv's fused epilogue on CUDA, the

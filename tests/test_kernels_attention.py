@@ -194,6 +194,29 @@ def test_bad_inputs_name_the_problem():
         at.decode_attention(**{**f, "k_scale": c["k_scale"]})
     with pytest.raises(ValueError, match="q_pos"):
         at.decode_attention(**{**f, "q_pos": f["q_pos"][:, :1]})
+    b, t, h, hd = f["q"].shape
+    with pytest.raises(ValueError, match="gate must be"):
+        at.decode_attention(**f, gate=torch.zeros(b, t, h * hd + 1, device=DEVICE))
+
+
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("split", [False, True], ids=["plan", "split"])
+def test_gate_on_store_gives_sigmoid_mul_bits(split, q_dtype):
+    """decode_attention(gate=g) stores what kernels/fused.sigmoid_mul makes of the ungated output, to the bit,
+    whether the split kernel stores the output or the combine kernel does; and matches the gated reference."""
+    from ninfer_bench.kernels import fused
+
+    if q_dtype == torch.bfloat16 and INTERPRET:
+        pytest.skip("the Triton interpreter's tl.dot multiplies raw bf16 bit patterns (GPU only)")
+    c = make_case("int8", *SHAPES["T7-g3-hd96"], q_dtype=q_dtype)
+    b, t, h, hd = c["q"].shape
+    gate = (2 * torch.randn(b, t, h * hd, generator=torch.Generator().manual_seed(5))).to(q_dtype).to(DEVICE)
+    cfg = split_config(c) if split else None
+    plain = at.decode_attention(**c, config=cfg)
+    gated = at.decode_attention(**c, config=cfg, gate=gate)
+    assert torch.equal(gated.view(b, t, h * hd), fused.sigmoid_mul(plain.view(b, t, h * hd), gate))
+    ref = at.decode_attention_ref(**c, gate=gate)
+    assert rel_rms(gated, ref) <= (RTOL_BF16 if q_dtype == torch.bfloat16 else RTOL)
 
 
 def test_plan_depends_on_static_sizes_only():

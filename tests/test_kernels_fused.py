@@ -176,23 +176,6 @@ def test_attn_prologue_half_inputs(dtype):
     assert torch.equal(gate, gr)
 
 
-@pytest.mark.parametrize("case", ["int8-hd96", "bf16-hd64"])
-def test_attn_prologue_query_alone(case):
-    """qg holding the query rows alone (the gate's rows kept apart): the same q and cache writes as the
-    query | gate layout, and no gate."""
-    kv, B, T, H, Hkv, hd, rd = PROLOGUE[case]
-    c = make_prologue(kv, B, T, H, Hkv, hd, rd, seed=3)
-    full, alone = clone(c), clone(c)
-    alone["qg"] = c["qg"][..., :hd].contiguous()
-    q, gate = fu.attn_prologue(**full)
-    q1, gate1 = fu.attn_prologue(**alone)
-    assert gate1 is None and gate is not None and torch.equal(q1, q)
-    for name in ("k_cache", "v_cache", "k_scale", "v_scale"):
-        if c[name] is not None:
-            assert torch.equal(alone[name], full[name]), name
-    assert fu.attn_prologue_ref(**clone(alone))[1] is None
-
-
 def test_bad_inputs_name_the_problem():
     c = make_prologue("int8", 1, 2, 4, 2, 64, 16)
     with pytest.raises(ValueError, match="k_scale"):

@@ -148,41 +148,6 @@ def test_fused_projections_give_the_members_outputs():
             torch.testing.assert_close(a, plain.linear(f"{p}.{name}.weight")(x), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("fuse", [False, True])
-def test_gate_rows_apart_give_the_same_attention(fuse):
-    """WeightStore(gate_apart=True): each gated attention's q_proj as its query rows and its gate rows
-    (q_query_proj, o_gate_proj; the query rows fused with k / v as qkv_query_proj when fusing): the query, the gate,
-    k / v and the whole attention layer (eager, the gate through its own projection) come out as from q_proj."""
-    from ninfer_bench.engine.cache import HybridCache
-    from ninfer_bench.engine.model import HybridModel, Step
-    from ninfer_bench.engine.weights import WeightStore
-
-    eng = engine()
-    raws, cfg = eng.weights.raws, eng.config
-    hd, h = cfg.head_dim, cfg.num_attention_heads
-    apart = WeightStore(raws, fuse=fuse, gate_apart=True)
-    whole = WeightStore(raws, fuse=fuse)
-    layer = cfg.layer_types.index("full_attention")
-    p = f"model.layers.{layer}"
-    assert apart.has(f"{p}.self_attn.o_gate_proj.weight") and not apart.has(f"{p}.self_attn.q_proj.weight")
-    assert apart.has(f"{p}.self_attn.qkv_query_proj.weight") == fuse
-    ma, mw = (HybridModel(cfg, st, max_positions=64) for st in (apart, whole))
-    x = torch.randn(1, 3, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
-    (qa, kva), (qg, kvw) = ma.attn_proj(p, x), mw.attn_proj(p, x)
-    assert qa.shape == (1, 3, h, hd) and qg.shape == (1, 3, h, 2 * hd)
-    torch.testing.assert_close(qa, qg[..., :hd], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(kva, kvw, rtol=1e-5, atol=1e-5)
-    gate = apart.linear(f"{p}.self_attn.o_gate_proj.weight")(x).view(1, 3, h, hd)
-    torch.testing.assert_close(gate, qg[..., hd:], rtol=1e-5, atol=1e-5)
-    outs = []
-    for m in (ma, mw):
-        cache = HybridCache(cfg, slots=1, capacity=16, kv_dtype="fp32", dtype=torch.float32, device="cpu")
-        step = Step(ids=torch.zeros(1, 3, dtype=torch.long), pos=torch.arange(3)[None], slots=torch.tensor([0]),
-                    kv_len=3, mode="prefill")
-        outs.append(m.attention(p, layer, x, step, cache))
-    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
-
-
 def test_interleaved_gate_up_gives_the_members_outputs():
     """WeightStore(interleave=True): the fused gate_up rows alternate 8 gate, 8 up; HybridModel.gate_up takes them
     apart again into the member projections' outputs, and the MLP is unchanged."""
@@ -210,7 +175,7 @@ def test_interleaved_gate_up_gives_the_members_outputs():
 
 def test_store_options_keep_what_they_cannot_serve():
     """interleave on an intermediate size that is no multiple of the run leaves gate_up as the plain fusion (the
-    MLP unchanged); gate_apart splits every gated attention, the MTP layer's too."""
+    MLP unchanged)."""
     from ninfer_bench.engine.config import PRESETS, ModelConfig
     from ninfer_bench.engine.model import HybridModel
     from ninfer_bench.engine.synthetic import synthetic_raws
@@ -218,11 +183,9 @@ def test_store_options_keep_what_they_cannot_serve():
 
     cfg = ModelConfig(**{**PRESETS["tiny"], "intermediate_size": 100})
     raws = synthetic_raws(cfg, seed=3)
-    store = WeightStore(raws, fuse=True, interleave=True, gate_apart=True)
+    store = WeightStore(raws, fuse=True, interleave=True)
     plain = WeightStore(raws, fuse=False)
     assert not store.interleaved and store.has("model.layers.0.mlp.gate_up_proj.weight")
-    mtp = [n for n in raws if n.startswith("mtp.") and n.endswith("self_attn.q_proj.weight")]
-    assert mtp and all(store.has(n.replace("q_proj", "o_gate_proj")) and not store.has(n) for n in mtp)
     x = torch.randn(1, 2, cfg.hidden_size, generator=torch.Generator().manual_seed(4))
     ms, mp = HybridModel(cfg, store, max_positions=64), HybridModel(cfg, plain, max_positions=64)
     torch.testing.assert_close(ms.mlp("model.layers.0", x), mp.mlp("model.layers.0", x), rtol=1e-5, atol=1e-5)
