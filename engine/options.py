@@ -53,9 +53,6 @@ class EngineOptions:
     #                   may launch while the one before finishes. H200 27B step 6.08 -> 5.82 ms. (The MTP runs that
     #                   once made it an opt-in differed with it off too: verify passes were not token-invariant,
     #                   docs/perf/2026-11-30-token-invariance-h200.md)
-    pdl_early: bool = True  # with pdl, each Triton glue kernel lets the next kernel launch before it waits for the
-    #                         one before (as qmv does): the next projection's first weight loads overlap the tail of
-    #                         the one before (kernels/_triton.py; not yet timed on a GPU)
     side_stream: bool = True  # captured decode steps run each GDN layer's b / a and z projections on side streams,
     #                           graph branches beside the main chain (engine/fastpath.py; z then keeps a weight of its
     #                           own, apart from qkv's). H200 27B step 5.64 -> 5.46 ms with b / a alone

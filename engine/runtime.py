@@ -120,7 +120,7 @@ class Engine:
         if self.device.type == "cuda":
             from ..kernels import _triton, qmv_cuda
 
-            _triton.set_pdl(opts.pdl, early=opts.pdl_early)  # qmv's and the Triton glue kernels' one switch
+            _triton.set_pdl(opts.pdl)  # qmv's and the Triton glue kernels' one switch
             qmv_cuda.set_dense(opts.qmv_dense)
         if self.device.type == "cuda" and opts.runtime == "v3" and opts.cuda_graphs:
             from .graphs import GraphRunner

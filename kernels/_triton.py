@@ -50,24 +50,19 @@ def _jit_pdl_enter():
 
 # ---- programmatic dependent launch (PDL), process-wide; off here, the engine sets it from EngineOptions.pdl -------
 # With it on, the decode step's kernels (these Triton glue kernels and qmv) launch with programmatic stream
-# serialization on sm_90+: a kernel may start while the one before it finishes. Each Triton kernel lets the next
-# kernel launch (griddepcontrol.launch_dependents) and waits (griddepcontrol.wait) for the one before to finish,
-# before its first load; "early" (the default) in that order, as qmv does, so the next qmv is resident and issues
-# its first weight loads while this kernel still waits, i.e. during the tail of the projection before it; otherwise
-# it lets the next launch only once its wait is over. Safe either way: no kernel loads anything but weights
-# (step-invariant) before its wait, and every store comes after it (when a kernel's wait returns, the kernel before
-# has finished, hence the one before that: each finishes only after its own wait).
+# serialization on sm_90+: a kernel may start while the one before it finishes. Each Triton kernel then waits
+# (griddepcontrol.wait) before its first load and at once lets the next kernel launch
+# (griddepcontrol.launch_dependents), so the next kernel's launch, and qmv's first weight loads, overlap its work.
 # A kernel launched without PDL (torch's) waits for the one before to finish, as always; CUDA graphs keep the
 # programmatic edges. Only launches into a CUDA-graph capture use it (and the warm-up runs before one, inside
 # :func:`graph_scope`, so the PDL variants compile outside the capture): an eager launch is host-bound, PDL cannot
 # overlap anything there, and qmv's PDL launch goes through ctypes.
-_PDL = {"on": False, "early": True, "scope": 0}
+_PDL = {"on": False, "scope": 0}
 
 
-def set_pdl(on: bool, *, early: bool = True) -> None:
-    """Launch the Triton decode kernels with programmatic dependent launch from now on (sm_90+ CUDA only);
-    ``early``: each lets the next kernel launch before it waits for the one before (see above)."""
-    _PDL["on"], _PDL["early"] = bool(on), bool(early)
+def set_pdl(on: bool) -> None:
+    """Launch the Triton decode kernels with programmatic dependent launch from now on (sm_90+ CUDA only)."""
+    _PDL["on"] = bool(on)
 
 
 def pdl_enabled() -> bool:
@@ -110,18 +105,13 @@ def pdl_now(device) -> bool:
 
 
 def pdl_args(device) -> dict:
-    """The launch arguments of a PDL-aware kernel on ``device``: its ``PDL`` constexpr (0 off, 1 wait then let the
-    next launch, 2 the other way round: "early"), and Triton's ``launch_pdl`` when :func:`pdl_now`."""
-    if not pdl_now(device):
-        return {"PDL": 0}
-    return {"PDL": 2 if _PDL["early"] else 1, "launch_pdl": True}
+    """The launch arguments of a PDL-aware kernel on ``device``: its ``PDL`` constexpr, and Triton's ``launch_pdl``
+    when :func:`pdl_now`."""
+    return {"PDL": True, "launch_pdl": True} if pdl_now(device) else {"PDL": False}
 
 
 def _pdl_enter(PDL: tl.constexpr):  # noqa: F821 - tl and gdc_* are bound by jit_module, as in the kernel modules
-    """First call of every PDL-aware kernel (bound as ``pdl_enter`` by :func:`jit_module`); nothing before it."""
-    if PDL == 2:
-        gdc_launch_dependents()  # noqa: F821 - the next kernel may launch (and start its weight loads) now
+    """First call of every PDL-aware kernel (bound as ``pdl_enter`` by :func:`jit_module`)."""
+    if PDL:
         gdc_wait()  # noqa: F821 - the kernel before has finished and its writes are visible
-    elif PDL:
-        gdc_wait()  # noqa: F821
         gdc_launch_dependents()  # noqa: F821 - the next kernel may launch now, overlapping this kernel's work

@@ -4,7 +4,7 @@ torch profiler, grouped by kernel, with the GPU's busy time next to the step's w
 step's idle gaps: graph launch, the token read-back, host work).
 
     python3 scripts/profile_step.py --model qwen3.8-27b --synthetic [--steps 32] [--spec mtp -k 3] [--sync]
-        [--no-pdl] [--no-pdl-early] [--no-side-stream] [--no-silu-epilogue] [--cublas-dense] [--qmv-layout L]
+        [--no-pdl] [--no-side-stream] [--no-silu-epilogue] [--cublas-dense] [--qmv-layout L]
         [--eager-draft] [--attn-fixed-split]
         [--prefill]      # switches against the engine's defaults, compared by step time
         [--drop norm,silu,ba]   # headroom: the step without those kernels (wrong values, true timing)
@@ -93,9 +93,6 @@ def main() -> int:
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=True,
                     help="the step's kernels with programmatic dependent launch (EngineOptions.pdl, the default)")
-    ap.add_argument("--pdl-early", action=argparse.BooleanOptionalAction, default=True,
-                    help="with PDL, the Triton glue kernels let the next launch before their wait "
-                         "(EngineOptions.pdl_early, the default)")
     ap.add_argument("--side-stream", action=argparse.BooleanOptionalAction, default=True,
                     help="the GDN b / a and z projections on graph branches (EngineOptions.side_stream)")
     ap.add_argument("--silu-epilogue", action=argparse.BooleanOptionalAction, default=True,
@@ -130,8 +127,7 @@ def main() -> int:
         attention_triton.SHORT_MIN_BLOCKS = 1 << 30  # min_chunk = chunk: the split the grid is sized for
     t0 = time.time()
     eng = Engine.load(args.model, synthetic=args.synthetic, device="cuda", runtime=args.runtime, spec=args.spec,
-                      draft_tokens=args.draft_tokens, pdl=args.pdl, pdl_early=args.pdl_early,
-                      side_stream=args.side_stream,
+                      draft_tokens=args.draft_tokens, pdl=args.pdl, side_stream=args.side_stream,
                       silu_epilogue=args.silu_epilogue, qmv_dense=not args.cublas_dense,
                       qmv_layout=args.qmv_layout,
                       draft_graphs=not args.eager_draft)
@@ -209,8 +205,7 @@ def main() -> int:
               f"{100 * us / args.steps / total:5.1f}%")
     if args.json:
         Path(args.json).write_text(json.dumps({
-            "model": args.model, "spec": args.spec, "sync": args.sync, "pdl": args.pdl, "pdl_early": args.pdl_early,
-            "side_stream": args.side_stream,
+            "model": args.model, "spec": args.spec, "sync": args.sync, "pdl": args.pdl, "side_stream": args.side_stream,
             "silu_epilogue": args.silu_epilogue,
             "cublas_dense": args.cublas_dense, "qmv_layout": args.qmv_layout,
             "draft_graphs": not args.eager_draft,
