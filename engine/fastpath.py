@@ -3,9 +3,10 @@
 Per GDN layer one ``gdn_decode`` (conv, norms, gates, recurrence, gated RMSNorm) replaces the eager T-step
 loop; per attention layer ``attn_prologue`` (q/k norms, partial RoPE, the K/V cache write, int8 quantization)
 + ``decode_attention`` (which applies the output gate as it stores the output); between layers ``add_rms_norm``
-folds each residual add into the next norm, and ``silu_mul`` (or qmv's epilogue) the MLP gate. Used on CUDA (runtime v3) for decode and verify steps; prefill
-keeps the eager path (its matmuls are compute-bound and fla runs its recurrence). Under ``TRITON_INTERPRET=1``
-the same code runs on CPU tensors, which is how the tests check it against the eager path.
+folds each residual add into the next norm, and ``silu_mul`` (or qmv's epilogue) the MLP gate. Used on CUDA
+(runtime v3) for decode and verify steps; prefill keeps the eager path (its matmuls are compute-bound and fla
+runs its recurrence). Under ``TRITON_INTERPRET=1`` the same code runs on CPU tensors, which is how the tests
+check it against the eager path.
 
 Inside a CUDA-graph capture (``side_stream``, on by default) a GDN layer's b / a and z projections run on two side
 streams, forked after the layer's norm: graph branches beside the main chain. b / a (a few row tiles) runs beside
