@@ -125,6 +125,13 @@ def _packed_linear(raw: RawWeight, device, cache_dense: bool, layout: str):
 GATE_UP_RUN = 8  # rows of gate, then of up, in an interleaved gate_up weight (half of qmv's 16-row tile)
 
 
+def interleave_order(rows: int, device=None) -> torch.Tensor:
+    """The stored row order of an interleaved gate_up weight of ``rows`` rows (gate rows, then as many up rows;
+    ``rows`` a multiple of 2 * GATE_UP_RUN): GATE_UP_RUN gate rows, the same up rows, the next gate rows..."""
+    runs = torch.arange(rows, device=device).view(2, rows // (2 * GATE_UP_RUN), GATE_UP_RUN)
+    return runs.transpose(0, 1).reshape(-1)  # run j: gate rows, then up rows
+
+
 class WeightStore:
     """All weights of one model on one device, by Hugging Face logical name."""
 
@@ -172,9 +179,7 @@ class WeightStore:
         for name, raw in raws.items():
             if not name.endswith("mlp.gate_up_proj.weight") or raw.shape[0] % (2 * GATE_UP_RUN):
                 continue
-            inter = raw.shape[0] // 2
-            rows = torch.arange(raw.shape[0], device=raw.buf.device).view(2, inter // GATE_UP_RUN, GATE_UP_RUN)
-            order = rows.transpose(0, 1).reshape(-1)  # run j: gate rows, then up rows
+            order = interleave_order(raw.shape[0], raw.buf.device)
             out[name] = RawWeight(raw.fmt, raw.shape, quant.take_rows(raw.buf, raw.fmt, tuple(raw.shape), order))
             names.add(name)
         return out, names

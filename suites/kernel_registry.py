@@ -12,7 +12,7 @@ implementations (suites/kernels.py says what the variants are and what a record 
               recurrence, gated norm) when kernels/gdn_triton.py imports
   conv        the GDN depthwise causal conv1d with its state
   norm        zero-centred RMSNorm over the hidden size; gated RMSNorm per GDN head
-  glue        kernels/fused.py, when it imports: add + RMSNorm, SiLU * up, o * sigmoid(gate), the attention prologue
+  glue        kernels/fused.py, when it imports: add + RMSNorm, SiLU * up, the attention prologue
   sampling    temperature / top-k / top-p over the vocabulary; reference: the distribution in fp64
 """
 
@@ -28,6 +28,7 @@ from ..engine.cache import KV_GROUP, dequantize_kv, quantize_kv
 from ..engine.convert import weight_format
 from ..engine.options import EngineOptions
 from ..engine.sampling import SamplingParams, probs, select
+from ..engine.weights import GATE_UP_RUN, interleave_order
 from ..kernels.attention import attention
 from ..kernels.attention_triton import decode_attention, decode_attention_ref
 from ..kernels.attention_triton import triton_available as attention_triton_available
@@ -120,6 +121,45 @@ for _op, (_name, _dims) in PROJECTIONS.items():
         lambda ctx, t, param, _name=_name, _dims=_dims: _projection(_name, _dims, ctx, t, param))
 
 
+@register(op="mlp.gate_up_silu", family="projection", tolerance=(1e-4, 1e-2))
+def _gate_up_silu(ctx: KernelContext, t: int, _param) -> Case:
+    """The MLP's gate / up projection through to ``silu(gate) * up``, as each runtime runs it: v2 the dense product
+    and the eager activation; v3 on CUDA qmv's epilogue on the interleaved weight (EngineOptions.silu_epilogue),
+    elsewhere the packed product and the activation."""
+    inter, k = ctx.cfg.intermediate_size, ctx.cfg.hidden_size
+    name = _M + "gate_proj.weight"
+    fmt = weight_format(name, (2 * inter, k), ctx.quant)
+    w = ctx.memo("weight", lambda: _weight(ctx, name, fmt, 2 * inter, k))  # rows: gate, then up
+    x = ctx.randn(t, k, gen=ctx.generator(name, "x", t))
+
+    def act(gu):
+        return F.silu(gu[:, :inter]) * gu[:, inter:]
+
+    ref = lambda: act(x.float() @ w.ref.T)  # noqa: E731
+    v2 = Impl(lambda: act(F.linear(x, w.dense)), "dense F.linear, then F.silu(gate) * up")
+    mixed = ctx.memo("interleaved", lambda: _interleaved(ctx, w, fmt, inter, k))
+    if mixed is None:
+        v3 = Impl(v2.run, f"{fmt} weight: as v2")
+    elif mixed.silu_mul(x) is not None:
+        v3 = Impl(lambda: mixed.silu_mul(x), f"packed {fmt}, rows interleaved: qmv storing silu(gate) * up")
+    else:
+        v3 = v3_impl(ctx, Impl(lambda: act(w.packed(x)), f"packed {fmt}, Triton qlinear, then F.silu(gate) * up"),
+                     Impl(lambda: act(w.packed(x)), f"dense F.linear on the dequantized {fmt} weight, then the "
+                          "activation"), qlinear_triton_available() and t <= MAX_KERNEL_ROWS)
+    return Case([2 * inter, k], projection_bytes(fmt, 2 * inter, k, t, ctx.elt) - t * inter * ctx.elt, ref,
+                {"v2": v2, "v3": v3}, {"fmt": fmt})
+
+
+def _interleaved(ctx: KernelContext, w: _Weight, fmt: str, inter: int, k: int) -> PackedLinear | None:
+    """The packed gate_up weight with its rows interleaved as the engine stores it, or None where there is none
+    (a dense format, or an intermediate size that is no multiple of the run)."""
+    if w.packed is None or inter % GATE_UP_RUN:
+        return None
+    layout = EngineOptions().qmv_layout if ctx.dtype in (torch.bfloat16, torch.float16) else "rows"
+    buf = quant.take_rows(w.packed.row_major().buf.cpu(), fmt, (2 * inter, k), interleave_order(2 * inter))
+    return PackedLinear(buf, fmt, (2 * inter, k), ctx.device, layout=layout)
+
+
 # ---- attention ---------------------------------------------------------------------------------------------
 def _int8_cache(ctx: KernelContext, length: int):
     """One layer's K/V of one slot: int8 codes [1, Hkv, L, hd] and fp16 scales [1, Hkv, L, ceil(hd/64)], each."""
@@ -136,24 +176,26 @@ def _attention(ctx: KernelContext, t: int, length: int) -> Case:
     h, hkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
     kc, vc, ks, vs = ctx.memo(("kv", length), lambda: _int8_cache(ctx, length))
     q = ctx.randn(1, t, h, hd, gen=ctx.generator("attn.q", length, t))  # [B, T, H, hd]
+    gate = ctx.randn(1, t, h * hd, gen=ctx.generator("attn.gate", length, t))  # the output gate (q_proj's half)
     slots = torch.zeros(1, dtype=torch.long, device=ctx.device)
     q_pos = torch.arange(length - t, length, device=ctx.device)[None]  # the T new tokens end the context
     scale = hd ** -0.5
 
-    def eager():  # runtime v2: HybridCache.read_kv dequantizes the valid length, then SDPA
+    def eager():  # runtime v2: HybridCache.read_kv dequantizes the valid length, SDPA, then the output gate
         kk = dequantize_kv(kc[slots, :, :length], ks[slots, :, :length], ctx.dtype)
         vv = dequantize_kv(vc[slots, :, :length], vs[slots, :, :length], ctx.dtype)
-        return attention(q, kk, vv, q_pos, scale)
+        return attention(q, kk, vv, q_pos, scale) * torch.sigmoid(gate.view(1, t, h, hd))
 
-    def fast():
-        return decode_attention(q, kc, vc, ks, vs, slots, q_pos, scale, kv_len_max=length)
+    def fast():  # runtime v3: the gate applied as the kernel stores the output (engine/fastpath.py)
+        return decode_attention(q, kc, vc, ks, vs, slots, q_pos, scale, kv_len_max=length, gate=gate)
 
     cache_bytes = 2 * (kc.numel() + 2 * ks.numel())  # codes + fp16 scales of K and V for the valid length
-    return Case([1, hkv, length, hd], cache_bytes + 2 * q.numel() * ctx.elt,
-                lambda: decode_attention_ref(q.float(), kc, vc, ks, vs, slots, q_pos, scale),
-                {"v2": Impl(eager, "dequantized K/V copy + SDPA"),
-                 "v3": v3_impl(ctx, Impl(fast, "Triton decode attention on the int8 cache"),
-                           Impl(eager, "dequantized K/V copy + SDPA"), attention_triton_available())},
+    return Case([1, hkv, length, hd], cache_bytes + 3 * q.numel() * ctx.elt,
+                lambda: decode_attention_ref(q.float(), kc, vc, ks, vs, slots, q_pos, scale, gate=gate.float()),
+                {"v2": Impl(eager, "dequantized K/V copy + SDPA + o * sigmoid(gate)"),
+                 "v3": v3_impl(ctx, Impl(fast, "Triton decode attention on the int8 cache, gated as it stores"),
+                           Impl(eager, "dequantized K/V copy + SDPA + o * sigmoid(gate)"),
+                           attention_triton_available())},
                 {"context": length, "kv_dtype": "int8"})
 
 
@@ -316,16 +358,6 @@ def _silu_mul(ctx: KernelContext, t: int, _param) -> Case:
 
     return _glue(ctx, "silu_mul", Impl(eager, "eager F.silu(gate) * up"), lambda: fz.silu_mul(gu, inter),
                  3 * t * inter * ctx.elt, gu.shape, lambda: fz.silu_mul_ref(gu.float(), inter))
-
-
-@register(op="glue.sigmoid_mul", family="glue", tolerance=(1e-5, 1e-2), requires="fused")
-def _sigmoid_mul(ctx: KernelContext, t: int, _param) -> Case:
-    fz, n = optional_kernels("fused"), _hd(ctx.cfg)
-    g = ctx.generator("glue.sigmoid_mul", t)
-    o, gate = ctx.randn(t, n, gen=g), ctx.randn(t, n, gen=g)
-    return _glue(ctx, "sigmoid_mul", Impl(lambda: o * torch.sigmoid(gate), "eager o * sigmoid(gate)"),
-                 lambda: fz.sigmoid_mul(o, gate), 3 * o.numel() * ctx.elt, o.shape,
-                 lambda: fz.sigmoid_mul_ref(o.float(), gate.float()))
 
 
 def _prologue_eager(qg, kv, q_norm_w, k_norm_w, cos, sin, k_cache, v_cache, k_scale, v_scale, slots, pos, eps):

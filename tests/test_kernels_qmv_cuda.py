@@ -376,11 +376,10 @@ def test_dense_linear_takes_qmv_when_enabled():
 def _interleaved_gate_up(fmt, inter, k, t, dtype, seed):
     """A gate / up pair packed as one weight with its rows alternating 8 gate, 8 up (WeightStore's interleaved
     gate_up), in the lanes layout; x; and the reference silu(g) * u from the unfused projection's output."""
-    from ninfer_bench.engine.weights import GATE_UP_RUN
+    from ninfer_bench.engine.weights import interleave_order
 
     lin, x, _ = _case(fmt, 2 * inter, k, t, dtype, seed=seed)  # rows: gate, then up
-    rows = torch.arange(2 * inter).view(2, inter // GATE_UP_RUN, GATE_UP_RUN).transpose(0, 1).reshape(-1)
-    buf = quant.take_rows(lin.buf.cpu(), fmt, (2 * inter, k), rows)
+    buf = quant.take_rows(lin.buf.cpu(), fmt, (2 * inter, k), interleave_order(2 * inter))
     mixed = qmv_cuda.TiledWeight(ql.PackedLinear(buf, fmt, (2 * inter, k), "cuda"), lanes=True)
     gu = qmv_cuda.qmv(x, qmv_cuda.TiledWeight(lin, lanes=True), splits=1).float()
     ref = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]

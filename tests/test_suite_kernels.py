@@ -153,10 +153,11 @@ def test_bad_requests_are_one_line_errors(args, message):
 def test_cuda_run_times_v3_as_graph_replays(tmp_path):
     out = tmp_path / "cuda.json"
     code, text = run("kernels", "--device", "cuda", "--shape", "tiny", "--t", "1,7", "--repeats", "5",
-                     "--ops", "attn.,mlp.down,lm_head,gdn.step,norm.rms", "--json", out)
+                     "--ops", "attn.,mlp.down,mlp.gate_up_silu,lm_head,gdn.step,norm.rms", "--json", out)
     assert code == 0, text
     doc = read_result(out)
     assert doc["summary"]["timer"] == "cuda-events" and doc["summary"]["failures"] == []
     assert {r["timing"] for r in doc["records"] if r["variant"] == "v2"} == {"eager"}
     assert {r["timing"] for r in doc["records"] if r["variant"] == "v3"} == {"cuda-graph"}
     assert "Triton qlinear" in one(doc, op="mlp.down", t=7, variant="v3")["note"]
+    assert one(doc, op="mlp.gate_up_silu", t=1, variant="v3")["ok"]
