@@ -54,7 +54,7 @@ for stage in "$@"; do
     tests)   # one process per file, all at once (correctness only, no timing): a kernel fault poisons its own
              # CUDA context, not the other files
              for f in ${TEST_FILES:-test_kernels_qmv_cuda test_kernels_qlinear test_kernels_fused test_kernels_attention \
-                      test_kernels_gdn_triton test_kernels_gdn test_fastpath test_cuda_engine}; do
+                      test_kernels_gdn_triton test_kernels_gdn test_fastpath test_cuda_engine test_suite_kernels}; do
                timeout ${TESTS_S:-200} python3 -m pytest -p no:cacheprovider --durations=3 tests/$f.py > "$OUT/$f.log" 2>&1 &
              done
              wait
@@ -82,6 +82,7 @@ for stage in "$@"; do
                  nopdl)         flags="--no-pdl" ;;                   # the step's kernels without programmatic dependent launch
                  noside)        flags="--no-side-stream" ;;           # the GDN b / a and z projections in the main chain
                  nosilu)        flags="--no-silu-epilogue" ;;         # the MLP's silu(gate) * up by its own kernel
+                 l2pf-*)        flags="--l2-prefetch ${mode#l2pf-}" ;; # MiB of the next projections into L2 a layer
                  cublas)        flags="--cublas-dense" ;;             # small dense projections by cuBLAS
                  rows|tiled)    flags="--qmv-layout $mode" ;;         # packed weights row-major / in TILED 1
                  attnfixed)     flags="--attn-fixed-split" ;;         # attention split as for the full cache
