@@ -99,6 +99,8 @@ def fmt(v, spec=".2f"):
 @click.option("--l2-prefetch", "l2_prefetch", default="0", show_default=True,
               help="MiB of each layer's output and gate / up projections pulled into L2 on a CUDA-graph branch while "
                    "the token mixing runs (0: off; labelled -l2pfN); a comma list runs each.")
+@click.option("--qmv-prefetch", "qmv_prefetches", default="off", show_default=True, callback=comma_list(("on", "off")),
+              help="qmv's blocks first ask L2 for their whole weight tile (sm_90+; labelled -qpf); off,on runs both.")
 @click.option("--prompt-file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Prompt text, or a .jsonl prompt set (e.g. suites/data/heldout_prompts.jsonl) "
                    "[default: the shipped short-code prompt].")
@@ -117,7 +119,7 @@ def fmt(v, spec=".2f"):
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of --synthetic weights.")
 @engine_options(runtime_list=True)
 def decode(model, engines, specs, draft_tokens, rollbacks, lm_head_draft, lookaheads, draft_graphs, pdls, side_streams,
-           silu_epilogues, l2_prefetch, prompt_file,
+           silu_epilogues, l2_prefetch, qmv_prefetches, prompt_file,
            n_prompts, images, max_new_tokens, stop_at_eos, repeats, warmup, label, json_path, seed, max_concurrency,
            kv_capacity, runtime, **options):
     """The short-code decode test: prefill a code prompt, greedy-decode N tokens, measure speed and acceptance.
@@ -137,6 +139,7 @@ def decode(model, engines, specs, draft_tokens, rollbacks, lm_head_draft, lookah
                        side_streams=tuple(x == "on" for x in side_streams),
                        silu_epilogues=tuple(x == "on" for x in silu_epilogues),
                        l2_prefetches=tuple(int_list(l2_prefetch, "--l2-prefetch")),
+                       qmv_prefetches=tuple(x == "on" for x in qmv_prefetches),
                        draft_tokens=draft_tokens,
                        label=label)
     many = len(runs) > 1

@@ -56,6 +56,9 @@ class EngineOptions:
     side_stream: bool = True  # captured decode steps run each GDN layer's b / a and z projections on side streams,
     #                           graph branches beside the main chain (engine/fastpath.py; z then keeps a weight of its
     #                           own, apart from qkv's). H200 27B step 5.64 -> 5.46 ms with b / a alone
+    qmv_prefetch: bool = False  # qmv's blocks first ask L2 for their whole tile (cp.async.bulk.prefetch, sm_90+;
+    #                             kernels/qmv_cuda.set_prefetch, process-wide): built after the last device call,
+    #                             not yet run on a GPU
     l2_prefetch_mb: int = 0  # with side_stream, captured steps pull the leading MiB of each layer's output and gate /
     #                          up projections into L2 on a third branch while the token mixing runs
     #                          (engine/fastpath.py); 0: off (built after the last device call, not yet run on a GPU)

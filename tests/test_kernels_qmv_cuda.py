@@ -448,3 +448,29 @@ def test_l2_prefetch_on_a_graph_branch_changes_no_bits(fmt):
     torch.cuda.synchronize()
     assert torch.equal(out, want)
     assert rel_rms(out, ref) <= TOL[torch.bfloat16]
+
+
+@needs_qmv
+@pytest.mark.parametrize("fmt", quant.QUANT_FORMATS)
+@pytest.mark.parametrize("lanes", [False, True], ids=["tiled", "lanes"])
+@pytest.mark.parametrize("n,k,t,splits", [(64, 256, 1, 1), (50, 100, 3, 1), (300, 5120, 8, 3), (37, 1152, 2, 2)])
+def test_tile_prefetch_changes_no_bits(fmt, lanes, n, k, t, splits):
+    """prefetch=True (each block first asks L2 for its tile's groups, PF in the source; sm_90+, else the plain
+    kernel) gives the plain kernel's bits - split-K blocks prefetch their own groups only - eagerly and replayed from
+    a PDL graph."""
+    if lanes and fmt not in qmv_cuda.WORD_ORDER:
+        pytest.skip("the lanes layout is for the q formats")
+    lin, x, _ = _case(fmt, n, k, t, torch.bfloat16, seed=7)
+    tiled = qmv_cuda.TiledWeight(lin, lanes=lanes)
+    want = qmv_cuda.qmv(x, tiled, splits=splits, pdl=False)
+    assert torch.equal(qmv_cuda.qmv(x, tiled, splits=splits, pdl=False, prefetch=True), want)
+    out = torch.empty_like(want)
+    pdl = torch.cuda.get_device_capability() >= (9, 0)
+    qmv_cuda.qmv(x, tiled, out, splits=splits, pdl=pdl, prefetch=True)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        qmv_cuda.qmv(x, tiled, out, splits=splits, pdl=pdl, prefetch=True)
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want)
