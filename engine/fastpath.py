@@ -62,6 +62,11 @@ class FastPath:
         self.sides = [torch.cuda.Stream(model.device) for _ in range(3 if l2_prefetch else 2)] if on else []
         self.branches = 0  # launch sequences captured on side streams so far
         self.l2_budget = l2_prefetch if len(self.sides) == 3 else 0  # bytes a layer's prefetch branch asks for
+        if self.l2_budget:
+            from ..kernels import qmv_cuda
+
+            if not qmv_cuda.prepare_prefetch(model.device):  # compiled here, never first inside a capture
+                self.l2_budget = 0
         self._joins: list = []  # the prefetch branches of the forward being captured, joined at its end
 
     def _fork(self, side: int, launch):

@@ -420,6 +420,15 @@ def _prefetch_kernel(device_index: int):
         return module.get_function("l2_prefetch")
 
 
+def prepare_prefetch(device) -> bool:
+    """Compile and load the prefetch kernel for ``device`` now (a CUDA-graph capture must not be the first to launch
+    it); False where it cannot run."""
+    if not available():
+        return False
+    _prefetch_kernel(device.index if device.index is not None else torch.cuda.current_device())
+    return True
+
+
 def weight_sections(lin) -> list[torch.Tensor]:
     """The tensors qmv reads for the weight ``lin`` (a PackedLinear / DenseLinear kept for qmv, or its tiled copy),
     each in the order qmv's blocks take its tiles (codes, scales, q5 high bits; a dense weight's values); [] for a
