@@ -63,9 +63,9 @@ class FastPath:
         self.branches = 0  # launch sequences captured on side streams so far
         self.l2_budget = l2_prefetch if len(self.sides) == 3 else 0  # bytes a layer's prefetch branch asks for
         if self.l2_budget:
-            from ..kernels import qmv_cuda
+            from ..kernels import l2_prefetch
 
-            if not qmv_cuda.prepare_prefetch(model.device):  # compiled here, never first inside a capture
+            if not l2_prefetch.prepare(model.device):  # compiled here, never first inside a capture
                 self.l2_budget = 0
         self._joins: list = []  # the prefetch branches of the forward being captured, joined at its end
 
@@ -87,14 +87,14 @@ class FastPath:
         in all (see the module doc); joined at the end of the forward."""
         if not self.l2_budget or not torch.cuda.is_current_stream_capturing():
             return
-        from ..kernels import qmv_cuda
+        from ..kernels import l2_prefetch
 
-        weights = [qmv_cuda.weight_sections(self.w.linear(n)) for n in names if self.w.has(n)]
+        weights = [l2_prefetch.weight_sections(self.w.linear(n)) for n in names if self.w.has(n)]
 
         def launch():
             left = self.l2_budget
             for sections in weights:
-                left -= qmv_cuda.l2_prefetch(sections, left)
+                left -= l2_prefetch.prefetch(sections, left)
 
         if any(weights):
             self._joins.append(self._fork(2, launch)[1])

@@ -421,18 +421,20 @@ def test_silu_epilogue_in_a_pdl_graph_and_through_packed_linear():
 @needs_qmv
 @pytest.mark.parametrize("fmt", ["q4_g64_fp16", "q5_g64_fp16"])
 def test_l2_prefetch_on_a_graph_branch_changes_no_bits(fmt):
-    """l2_prefetch of a weight's sections (codes, scales, q5's high bits: weight_sections), on a side stream forked
+    """kernels/l2_prefetch.prefetch of a weight's sections (codes, scales, q5's high bits), on a side stream forked
     inside a CUDA-graph capture before the projection, as engine/fastpath.py does: the bytes asked for stay within
     the budget, and the captured projection replays to the bits of a plain one."""
+    from ninfer_bench.kernels import l2_prefetch
+
     lin, x, ref = _case(fmt, 512, 2048, 4, torch.bfloat16, seed=3)
     tiled = qmv_cuda.TiledWeight(lin, lanes=True)
-    sections = qmv_cuda.weight_sections(tiled)
+    sections = l2_prefetch.weight_sections(tiled)
     assert len(sections) == (3 if fmt == "q5_g64_fp16" else 2) and sections[0] is tiled.codes
-    assert qmv_cuda.weight_sections(torch.zeros(1)) == []
+    assert l2_prefetch.weight_sections(torch.zeros(1)) == []
     whole = sum(t.numel() * t.element_size() for t in sections)
-    assert 0 < qmv_cuda.l2_prefetch(sections, 1 << 30) <= whole  # eager, everything (bar sub-chunk tails)
-    assert 0 < qmv_cuda.l2_prefetch(sections, whole // 4) <= whole // 4
-    assert qmv_cuda.l2_prefetch(sections, 0) == 0
+    assert 0 < l2_prefetch.prefetch(sections, 1 << 30) <= whole  # eager, everything (bar sub-chunk tails)
+    assert 0 < l2_prefetch.prefetch(sections, whole // 4) <= whole // 4
+    assert l2_prefetch.prefetch(sections, 0) == 0
     want = qmv_cuda.qmv(x, tiled, pdl=False)
     out = torch.empty_like(want)
     side = torch.cuda.Stream()
@@ -440,7 +442,7 @@ def test_l2_prefetch_on_a_graph_branch_changes_no_bits(fmt):
     with torch.cuda.graph(graph):
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            qmv_cuda.l2_prefetch(sections, whole)
+            l2_prefetch.prefetch(sections, whole)
         qmv_cuda.qmv(x, tiled, out, pdl=False)
         torch.cuda.current_stream().wait_stream(side)
     out.zero_()
