@@ -96,11 +96,6 @@ def fmt(v, spec=".2f"):
               callback=comma_list(("on", "off")),
               help="The MLP's gate / up weight interleaved so the projection kernel stores silu(gate) * up itself "
                    "(CUDA, cupy; off is labelled -nosilu); on,off runs both.")
-@click.option("--l2-prefetch", "l2_prefetch", default="0", show_default=True,
-              help="MiB of each layer's output and gate / up projections pulled into L2 on a CUDA-graph branch while "
-                   "the token mixing runs (0: off; labelled -l2pfN); a comma list runs each.")
-@click.option("--qmv-prefetch", "qmv_prefetches", default="off", show_default=True, callback=comma_list(("on", "off")),
-              help="qmv's blocks first ask L2 for their whole weight tile (sm_90+; labelled -qpf); off,on runs both.")
 @click.option("--prompt-file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Prompt text, or a .jsonl prompt set (e.g. suites/data/heldout_prompts.jsonl) "
                    "[default: the shipped short-code prompt].")
@@ -119,7 +114,7 @@ def fmt(v, spec=".2f"):
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of --synthetic weights.")
 @engine_options(runtime_list=True)
 def decode(model, engines, specs, draft_tokens, rollbacks, lm_head_draft, lookaheads, draft_graphs, pdls, side_streams,
-           silu_epilogues, l2_prefetch, qmv_prefetches, prompt_file,
+           silu_epilogues, prompt_file,
            n_prompts, images, max_new_tokens, stop_at_eos, repeats, warmup, label, json_path, seed, max_concurrency,
            kv_capacity, runtime, **options):
     """The short-code decode test: prefill a code prompt, greedy-decode N tokens, measure speed and acceptance.
@@ -138,8 +133,6 @@ def decode(model, engines, specs, draft_tokens, rollbacks, lm_head_draft, lookah
                        draft_graphs=tuple(x == "on" for x in draft_graphs), pdls=tuple(x == "on" for x in pdls),
                        side_streams=tuple(x == "on" for x in side_streams),
                        silu_epilogues=tuple(x == "on" for x in silu_epilogues),
-                       l2_prefetches=tuple(int_list(l2_prefetch, "--l2-prefetch")),
-                       qmv_prefetches=tuple(x == "on" for x in qmv_prefetches),
                        draft_tokens=draft_tokens,
                        label=label)
     many = len(runs) > 1

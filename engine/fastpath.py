@@ -13,10 +13,6 @@ streams, forked after the layer's norm: graph branches beside the main chain. b 
 the qkv projection and joins before the token mixing; z (whose weight the engine then keeps apart from qkv's) runs
 beside the qkv projection and the latency-bound mixing kernels, and joins just before the gated norm reads it.
 
-With ``l2_prefetch`` bytes (``EngineOptions.l2_prefetch_mb``, off by default), a third branch forked after a layer's
-qkv projection pulls the leading bytes of its output projection, then of its MLP gate / up projection, into L2
-while the latency-bound token mixing runs (HBM is nearly idle there); the branches join at the forward's end.
-
 Speculative rollback with these kernels: ``recompute`` verifies with ``write_state=False`` (the cache keeps the
 pre-verify state) and commits by re-running the block's recurrence with ``keep``; ``snapshot`` verifies
 writing the state after every position into a buffer and commits by gathering from it.
@@ -53,21 +49,13 @@ def available() -> bool:
 class FastPath:
     """Decode / verify forwards of a :class:`HybridModel` through the fused kernels."""
 
-    def __init__(self, model, *, side_stream: bool = True, l2_prefetch: int = 0):
+    def __init__(self, model, *, side_stream: bool = True):
         self.m = model
         self.cfg, self.w = model.cfg, model.w
         self.gdn: dict[str, GDNParams] = {}
         on = side_stream and model.device.type == "cuda"
-        # made here, not in a capture: b / a, z, and with l2_prefetch the prefetches
-        self.sides = [torch.cuda.Stream(model.device) for _ in range(3 if l2_prefetch else 2)] if on else []
+        self.sides = [torch.cuda.Stream(model.device) for _ in range(2)] if on else []  # made here: not in a capture
         self.branches = 0  # launch sequences captured on side streams so far
-        self.l2_budget = l2_prefetch if len(self.sides) == 3 else 0  # bytes a layer's prefetch branch asks for
-        if self.l2_budget:
-            from ..kernels import l2_prefetch
-
-            if not l2_prefetch.prepare(model.device):  # compiled here, never first inside a capture
-                self.l2_budget = 0
-        self._joins: list = []  # the prefetch branches of the forward being captured, joined at its end
 
     def _fork(self, side: int, launch):
         """``launch()`` and the join to call before the main stream reads its result. In a CUDA-graph capture it goes
@@ -81,23 +69,6 @@ class FastPath:
             out = launch()
         self.branches += 1
         return out, lambda: main.wait_stream(stream)
-
-    def _prefetch(self, *names: str) -> None:
-        """In a capture: a branch that pulls the named weights' leading bytes into L2, in order, ``l2_budget`` bytes
-        in all (see the module doc); joined at the end of the forward."""
-        if not self.l2_budget or not torch.cuda.is_current_stream_capturing():
-            return
-        from ..kernels import l2_prefetch
-
-        weights = [l2_prefetch.weight_sections(self.w.linear(n)) for n in names if self.w.has(n)]
-
-        def launch():
-            left = self.l2_budget
-            for sections in weights:
-                left -= l2_prefetch.prefetch(sections, left)
-
-        if any(weights):
-            self._joins.append(self._fork(2, launch)[1])
 
     def _gdn_inputs(self, p: str, x):
         """A GDN layer's projections: qkv, z, b, a and the join to call before z is read (see the module doc)."""
@@ -126,7 +97,6 @@ class FastPath:
         cfg = self.cfg
         hv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
         qkv, z, bb, aa, join_z = self._gdn_inputs(p, x)
-        self._prefetch(f"{p}.linear_attn.out_proj.weight", f"{p}.mlp.gate_up_proj.weight")
         prm = self.params(p)
         args = (cache.conv[i], prm.conv_w, cache.ssm[i], step.slots, prm.A_log, prm.dt_bias, prm.norm_w,
                 cfg.rms_norm_eps)
@@ -150,7 +120,6 @@ class FastPath:
         b, t, _ = x.shape
         h, hd = cfg.num_attention_heads, cfg.head_dim
         qg, kv = m.attn_proj(p, x)
-        self._prefetch(f"{p}.self_attn.o_proj.weight", f"{p}.mlp.gate_up_proj.weight")
         c = cache.kv[key]
         q, gate = fused.attn_prologue(qg, kv, w.vector(f"{p}.self_attn.q_norm.weight"),
                                       w.vector(f"{p}.self_attn.k_norm.weight"), m.cos, m.sin, c.k, c.v,
@@ -175,7 +144,6 @@ class FastPath:
         """Final-normed hidden ``[B, T, H]`` and tap outputs, with each residual add fused into the next norm."""
         cfg, w = self.cfg, self.w
         eps = cfg.rms_norm_eps
-        self._joins.clear()  # (a capture that failed half-way leaves its branches behind)
         names = [f"model.layers.{i}" for i in range(cfg.num_hidden_layers)]
         h = w.embed(step.ids)
         x = fused.rms_norm(h, w.vector(f"{names[0]}.input_layernorm.weight"), eps)
@@ -188,9 +156,6 @@ class FastPath:
             x, h = fused.add_rms_norm(self.mlp(p, x), h, w.vector(nxt), eps)
             if i in step.taps:
                 taps.append(h)
-        for join in self._joins:  # a capture ends with every branch joined
-            join()
-        self._joins.clear()
         return x, taps
 
 

@@ -56,12 +56,6 @@ class EngineOptions:
     side_stream: bool = True  # captured decode steps run each GDN layer's b / a and z projections on side streams,
     #                           graph branches beside the main chain (engine/fastpath.py; z then keeps a weight of its
     #                           own, apart from qkv's). H200 27B step 5.64 -> 5.46 ms with b / a alone
-    qmv_prefetch: bool = False  # qmv's blocks first ask L2 for their whole tile (cp.async.bulk.prefetch, sm_90+;
-    #                             kernels/qmv_cuda.set_prefetch, process-wide): built after the last device call,
-    #                             not yet run on a GPU
-    l2_prefetch_mb: int = 0  # with side_stream, captured steps pull the leading MiB of each layer's output and gate /
-    #                          up projections into L2 on a third branch while the token mixing runs
-    #                          (engine/fastpath.py); 0: off (built after the last device call, not yet run on a GPU)
     silu_epilogue: bool = True  # fused kernels: the MLP gate / up weight interleaved in runs of 8 rows so that qmv
     #                             stores silu(gate) * up itself (one launch less a layer; H200 27B step 5.41 -> 5.36 ms,
     #                             the same tokens: docs/perf/2026-11-30-silu-epilogue-h200.md)
@@ -108,8 +102,6 @@ class EngineOptions:
                              f"got {self.draft_tokens!r}")
         if self.rollback not in ("recompute", "snapshot"):
             raise ValueError(f"rollback must be recompute or snapshot, got {self.rollback!r}")
-        if not isinstance(self.l2_prefetch_mb, int) or self.l2_prefetch_mb < 0:
-            raise ValueError(f"l2-prefetch-mb must be a non-negative integer, got {self.l2_prefetch_mb!r}")
         if not isinstance(self.lm_head_draft, int) or self.lm_head_draft < 0:
             raise ValueError(f"lm-head-draft must be a non-negative integer, got {self.lm_head_draft!r}")
         if self.interleave_chunk is not None and (not isinstance(self.interleave_chunk, int)

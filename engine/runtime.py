@@ -98,8 +98,7 @@ class Engine:
         self.capacity = opts.slot_capacity + self.slack
         self.model = HybridModel(self.config, self.weights, max_positions=self.capacity,
                                  gdn_impl=opts.gdn_impl if opts.runtime == "v3" else "chunked",
-                                 fused_kernels=opts.fused_kernels(), side_stream=side,
-                                 l2_prefetch=opts.l2_prefetch_mb << 20)
+                                 fused_kernels=opts.fused_kernels(), side_stream=side)
         # one extra slot serves logits() and other scratch work without touching requests
         self.cache = HybridCache(self.config, slots=opts.max_concurrency + 1, capacity=self.capacity,
                                  kv_dtype=opts.kv_dtype, dtype=self.dtype, device=self.device,
@@ -123,7 +122,6 @@ class Engine:
 
             _triton.set_pdl(opts.pdl)  # qmv's and the Triton glue kernels' one switch
             qmv_cuda.set_dense(opts.qmv_dense)
-            qmv_cuda.set_prefetch(opts.qmv_prefetch)
         if self.device.type == "cuda" and opts.runtime == "v3" and opts.cuda_graphs:
             from .graphs import GraphRunner
 

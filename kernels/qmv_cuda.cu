@@ -66,11 +66,6 @@ typedef unsigned char u8;
 #define ACT 0     // 1: the weight is a gate / up pair whose rows alternate in runs of 8 (engine/weights.py's
 #endif            // interleaved gate_up): tile j's rows g and g + 8 are gate and up of output column 8 j + g, and the
                   // kernel stores silu(gate) * up, [T, N / 2] (no split-K)
-#ifndef PF
-#define PF 0      // 1 (TILED layouts, q formats, sm_90+): the block's first act asks L2 for all of its tile's bytes
-#endif            // (cp.async.bulk.prefetch, 16 KiB a thread), so the whole tile is in flight from the start instead
-                  // of UNROLL steps at a time - with PDL while the kernel before still runs - and the step loads
-                  // find it in L2 (weights only: nothing the kernel before writes is touched before the wait)
 #ifndef MIN_BLOCKS
 #define MIN_BLOCKS 2  // blocks per SM to fit: lets ptxas keep all of a step batch's loads in flight
 #endif                // (it interleaves them with the arithmetic, one step at a time, when it aims at more blocks)
@@ -425,22 +420,6 @@ __device__ __forceinline__ void advance(Lane& L, int groups) {
   L.xp += GROUP * groups;
 }
 
-#if PF && TILED && FMT != 3 && __CUDA_ARCH__ >= 900
-#define PREFETCH 1
-// bytes [p, p + bytes) into L2, the block's threads taking 16 KiB pieces in turn (p 16-byte aligned; a last piece's
-// bytes past a multiple of 16 are left out)
-__device__ __forceinline__ void prefetch_l2(const void* p, long long bytes) {
-  const char* c = reinterpret_cast<const char*>(p);
-  for (long long off = (long long)threadIdx.x * 16384; off < bytes; off += (long long)blockDim.x * 16384) {
-    const long long left = bytes - off;
-    const unsigned size = (unsigned)(left < 16384 ? left : 16384) & ~15u;
-    if (size) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(c + off), "r"(size) : "memory");
-  }
-}
-#else
-#define PREFETCH 0
-#endif
-
 // The warp's share of tile `tile`'s groups g_lo .. g_hi - 1 (groups g_lo + warp, + NW, ...): acc += its sums.
 __device__ __forceinline__ void tile_sums(const u16* __restrict__ x, const u8* __restrict__ codes,
                                           const u8* __restrict__ high, const u16* __restrict__ scales, int T, int N,
@@ -448,16 +427,6 @@ __device__ __forceinline__ void tile_sums(const u16* __restrict__ x, const u8* _
                                           long long stride_s, int tile, int g_lo, int g_hi, float* acc) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, c = lane & 3;
-#if PREFETCH  // the tiled sections keep a tile's groups in a row: codes, scales (and q5 high bits) of groups g_lo..
-  {
-    const long long first = (long long)tile * NG + g_lo, n = g_hi - g_lo;
-    prefetch_l2(codes + first * 16 * CB, n * 16 * CB);
-    prefetch_l2(scales + first * 16, n * 16 * 2);
-#if FMT == 1
-    prefetch_l2(high + first * 16 * 8, n * 16 * 8);
-#endif
-  }
-#endif
   const int r0 = min(tile * 16 + g, N - 1), r1 = min(tile * 16 + g + 8, N - 1);  // clamped: loads stay in bounds
   int gi = g_lo + warp;  // this warp's first group; then every NW-th
   // lanes of tokens t >= T read row T - 1 of x: their MMA columns are never stored, and no zeroing is needed

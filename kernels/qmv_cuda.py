@@ -196,7 +196,7 @@ class TiledWeight:
 
 @functools.cache
 def _kernel(fmt_id: int, half: bool, even: bool, unroll: int, min_blocks: int, xlate: bool, pipe: bool,
-            fold: bool, pdl: bool, tiled: int, act: bool, device_index: int, pf: bool = False):
+            fold: bool, pdl: bool, tiled: int, act: bool, device_index: int):
     import cupy
 
     with cupy.cuda.Device(device_index):
@@ -204,7 +204,7 @@ def _kernel(fmt_id: int, half: bool, even: bool, unroll: int, min_blocks: int, x
                                 options=("-std=c++17", f"-DFMT={fmt_id}", f"-DHALF={int(half)}", f"-DEVEN={int(even)}",
                                          f"-DUNROLL={unroll}", f"-DMIN_BLOCKS={min_blocks}", f"-DXLATE={int(xlate)}",
                                          f"-DPIPE={int(pipe)}", f"-DFOLD={int(fold)}", f"-DPDL={int(pdl)}",
-                                         f"-DTILED={int(tiled)}", f"-DACT={int(act)}", f"-DPF={int(pf)}"))
+                                         f"-DTILED={int(tiled)}", f"-DACT={int(act)}"))
         return module.get_function("qmv")
 
 
@@ -230,7 +230,7 @@ def workspace(device, floats: int, tiles: int = 1) -> tuple[torch.Tensor, torch.
 # did not let it start early); with the Triton glue PDL-aware too the 27B step is 4 % faster (EngineOptions.pdl,
 # on by default). dense: small dense 16-bit projections (engine/weights.DenseLinear) through
 # FMT 3 (measured faster: on by default in EngineOptions.qmv_dense).
-_SWITCHES = {"dense": False, "prefetch": False}
+_SWITCHES = {"dense": False}
 
 
 def set_dense(on: bool) -> None:
@@ -241,16 +241,6 @@ def set_dense(on: bool) -> None:
 
 def dense_enabled() -> bool:
     return _SWITCHES["dense"]
-
-
-def set_prefetch(on: bool) -> None:
-    """qmv on the tiled layouts (q formats, sm_90+) asks L2 for its whole tile as a block starts (PF in the source;
-    EngineOptions.qmv_prefetch) from now on."""
-    _SWITCHES["prefetch"] = bool(on)
-
-
-def prefetch_enabled() -> bool:
-    return _SWITCHES["prefetch"]
 
 
 class _LaunchAttr(ctypes.Structure):  # CUlaunchAttribute: id, 4 bytes of padding, a 64-byte value union
@@ -336,8 +326,7 @@ def choose_splits(n: int, ng: int, sms: int, unroll: int = 4, min_blocks: int = 
 
 def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | None = None,
         unroll: int = 4, min_blocks: int = _BLOCKS_PER_SM, xlate: bool = False, pipe: bool = False,
-        fold: bool = False, pdl: bool | None = None, act: bool = False,
-        prefetch: bool | None = None) -> torch.Tensor:
+        fold: bool = False, pdl: bool | None = None, act: bool = False) -> torch.Tensor:
     """``x [T, K] @ W.T`` -> ``[T, N]`` in x.dtype, for T <= 8 (see :func:`supports`). ``out`` (contiguous [T, N],
     x.dtype) is written instead of a fresh tensor. ``splits`` (default :func:`choose_splits`), ``unroll`` (steps
     whose loads are in flight together), ``min_blocks`` (blocks per SM the registers must allow), ``xlate`` (x
@@ -348,8 +337,7 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
     (default :func:`kernels._triton.pdl_now`: the switch is on and the launch is for a CUDA graph) launches with
     programmatic dependent launch on sm_90+. ``act``: the weight is a gate / up pair with rows alternating in runs of
     8 (engine/weights.py's interleaved gate_up) and the result is ``silu(gate) * up`` ``[T, N / 2]`` (one launch,
-    no split-K; N a multiple of 16). ``prefetch`` (default :func:`prefetch_enabled`; tiled layouts, q formats, sm_90+):
-    each block first asks L2 for all of its tile's bytes (PF in the source)."""
+    no split-K; N a multiple of 16)."""
     lin = getattr(lin, "qmv_weight", None) or lin  # a tiled PackedLinear: its tiles
     if not supports(x, lin):
         raise ValueError(f"qmv: needs CUDA bf16/fp16 x [1..{MAX_T}, K={lin.k}] contiguous and a q8/q5/q4 weight "
@@ -368,11 +356,8 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
     even = lin.k == lin.kp and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
     pdl = _triton.pdl_now(x.device) if pdl is None else pdl and _capability(dev) >= (9, 0)
-    layout = getattr(lin, "layout", 0)
-    pf = (prefetch_enabled() if prefetch is None else prefetch) and layout > 0 and lin.fmt != DENSE_FMT \
-        and _capability(dev) >= (9, 0)
     kern = _kernel(_FMT_ID[lin.fmt], x.dtype == torch.float16, even, unroll, min_blocks, xlate, pipe, fold, pdl,
-                   layout, act, dev, pf)
+                   getattr(lin, "layout", 0), act, dev)
     tiles = -(-n // 16)
     s = 1 if act else min(splits or choose_splits(n, lin.ng, _sms(dev), unroll, min_blocks), MAX_SPLITS)
     groups_per_split = -(-lin.ng // s)
@@ -403,4 +388,3 @@ def qmv_rows(x: torch.Tensor, lin, act: bool = False) -> torch.Tensor:
     if x.shape[0] <= MAX_T:
         return qmv(x, lin, act=act)
     return torch.cat([qmv(x[i:i + MAX_T], lin, act=act) for i in range(0, x.shape[0], MAX_T)])
-

@@ -307,7 +307,6 @@ def main() -> int:
                     cands["qmv-tiled"] = lambda x, li, out=None: qmv_cuda.qmv(x, tiled[id(li)], out)
                     cands["qmv-lanes"] = lambda x, li, out=None: qmv_cuda.qmv(x, lanes[id(li)], out)
                     cands["qmv-lanes"].config = f"splits={qmv_cuda.choose_splits(n, lin.ng, sms)}"
-                    cands["qmv-lanes-pf"] = lambda x, li, out=None: qmv_cuda.qmv(x, lanes[id(li)], out, prefetch=True)
                     # the launch's knobs on the lanes layout: split-K slices, then steps in flight x blocks per SM
                     for sp in split_sweep:
                         cands[f"qmv-lanes-s{sp}"] = (lambda x, li, out=None, sp=sp:

@@ -82,8 +82,6 @@ for stage in "$@"; do
                  nopdl)         flags="--no-pdl" ;;                   # the step's kernels without programmatic dependent launch
                  noside)        flags="--no-side-stream" ;;           # the GDN b / a and z projections in the main chain
                  nosilu)        flags="--no-silu-epilogue" ;;         # the MLP's silu(gate) * up by its own kernel
-                 qpf)           flags="--qmv-prefetch" ;;             # qmv's blocks ask L2 for their whole tile first
-                 l2pf-*)        flags="--l2-prefetch ${mode#l2pf-}" ;; # MiB of the next projections into L2 a layer
                  cublas)        flags="--cublas-dense" ;;             # small dense projections by cuBLAS
                  rows|tiled)    flags="--qmv-layout $mode" ;;         # packed weights row-major / in TILED 1
                  attnfixed)     flags="--attn-fixed-split" ;;         # attention split as for the full cache

@@ -4,8 +4,7 @@ torch profiler, grouped by kernel, with the GPU's busy time next to the step's w
 step's idle gaps: graph launch, the token read-back, host work).
 
     python3 scripts/profile_step.py --model qwen3.8-27b --synthetic [--steps 32] [--spec mtp -k 3] [--sync]
-        [--no-pdl] [--no-side-stream] [--no-silu-epilogue] [--l2-prefetch MIB] [--qmv-prefetch] [--cublas-dense]
-        [--qmv-layout L]
+        [--no-pdl] [--no-side-stream] [--no-silu-epilogue] [--cublas-dense] [--qmv-layout L]
         [--eager-draft] [--attn-fixed-split]
         [--prefill]      # switches against the engine's defaults, compared by step time
         [--drop norm,silu,ba]   # headroom: the step without those kernels (wrong values, true timing)
@@ -96,11 +95,6 @@ def main() -> int:
                     help="the step's kernels with programmatic dependent launch (EngineOptions.pdl, the default)")
     ap.add_argument("--side-stream", action=argparse.BooleanOptionalAction, default=True,
                     help="the GDN b / a and z projections on graph branches (EngineOptions.side_stream)")
-    ap.add_argument("--qmv-prefetch", action="store_true",
-                    help="qmv's blocks first ask L2 for their whole tile (EngineOptions.qmv_prefetch)")
-    ap.add_argument("--l2-prefetch", type=int, default=0, metavar="MIB",
-                    help="MiB of each layer's output and gate / up projections pulled into L2 on a graph branch "
-                         "(EngineOptions.l2_prefetch_mb; 0: off)")
     ap.add_argument("--silu-epilogue", action=argparse.BooleanOptionalAction, default=True,
                     help="qmv stores the MLP's silu(gate) * up itself (EngineOptions.silu_epilogue, the default)")
     ap.add_argument("--cublas-dense", action="store_true", help="small dense projections through cuBLAS, not qmv")
@@ -134,8 +128,9 @@ def main() -> int:
     t0 = time.time()
     eng = Engine.load(args.model, synthetic=args.synthetic, device="cuda", runtime=args.runtime, spec=args.spec,
                       draft_tokens=args.draft_tokens, pdl=args.pdl, side_stream=args.side_stream,
-                      silu_epilogue=args.silu_epilogue, l2_prefetch_mb=args.l2_prefetch, qmv_prefetch=args.qmv_prefetch,
-                      qmv_dense=not args.cublas_dense, qmv_layout=args.qmv_layout, draft_graphs=not args.eager_draft)
+                      silu_epilogue=args.silu_epilogue, qmv_dense=not args.cublas_dense,
+                      qmv_layout=args.qmv_layout,
+                      draft_graphs=not args.eager_draft)
     print(f"loaded in {time.time() - t0:.0f} s: {eng.model_info.get('name', args.model)}", flush=True)
     if drop:
         drop_launches(eng, drop)
@@ -211,7 +206,7 @@ def main() -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({
             "model": args.model, "spec": args.spec, "sync": args.sync, "pdl": args.pdl, "side_stream": args.side_stream,
-            "silu_epilogue": args.silu_epilogue, "l2_prefetch_mb": args.l2_prefetch, "qmv_prefetch": args.qmv_prefetch,
+            "silu_epilogue": args.silu_epilogue,
             "cublas_dense": args.cublas_dense, "qmv_layout": args.qmv_layout,
             "draft_graphs": not args.eager_draft,
             "attn_fixed_split": args.attn_fixed_split, "dropped": drop,

@@ -43,8 +43,6 @@ class DecodeOptions:
     pdl: bool = True  # the decode step's kernels with programmatic dependent launch (EngineOptions.pdl; sm_90+)
     side_stream: bool = True  # GDN projections on CUDA-graph branches (EngineOptions.side_stream)
     silu_epilogue: bool = True  # qmv stores the MLP's silu(gate) * up (EngineOptions.silu_epilogue)
-    l2_prefetch_mb: int = 0  # MiB of the next projections pulled into L2 a layer (EngineOptions.l2_prefetch_mb)
-    qmv_prefetch: bool = False  # qmv's blocks ask L2 for their whole tile first (EngineOptions.qmv_prefetch)
     prompt_file: str = str(DEFAULT_PROMPT)
     prompts: int | None = None  # with a .jsonl prompt set: how many of its prompts (default all)
     images: tuple[str, ...] = ()  # images placed before each prompt (a model with a vision component)
@@ -62,8 +60,6 @@ class DecodeOptions:
             raise ValueError(f"repeats must be >= 1, got {self.repeats}")
         if self.warmup < 0:
             raise ValueError(f"warmup must be >= 0, got {self.warmup}")
-        if self.l2_prefetch_mb < 0:
-            raise ValueError(f"--l2-prefetch must be >= 0 MiB, got {self.l2_prefetch_mb}")
         if self.max_new_tokens < 2:
             raise ValueError(f"max-new-tokens must be >= 2 to measure decode speed, got {self.max_new_tokens}")
         if not Path(self.prompt_file).is_file():
@@ -82,8 +78,7 @@ class DecodeOptions:
         sync = "-sync" if self.spec == "none" and not self.lookahead else ""
         graphs = "-eagerdraft" if self.spec != "none" and not self.draft_graphs else ""
         pdl = "" if self.pdl else "-nopdl"
-        build = ("" if self.side_stream else "-noside") + ("" if self.silu_epilogue else "-nosilu") + \
-            (f"-l2pf{self.l2_prefetch_mb}" if self.l2_prefetch_mb else "") + ("-qpf" if self.qmv_prefetch else "")
+        build = ("" if self.side_stream else "-noside") + ("" if self.silu_epilogue else "-nosilu")
         return f"{self.runtime}-{self.spec}{k}{head}{sync}{graphs}{pdl}{build}"
 
 
@@ -219,11 +214,11 @@ def parse_spec(item: str, draft_tokens: int | None) -> tuple[str, int | None]:
 
 def decode_runs(base: dict, *, engines=("ours",), specs=("none",), runtimes=("v3",), rollbacks=("recompute",),
                 lm_heads=(0,), lookaheads=(True,), draft_graphs=(True,), pdls=(True,), side_streams=(True,),
-                silu_epilogues=(True,), l2_prefetches=(0,), qmv_prefetches=(False,), draft_tokens: int | None = None,
+                silu_epilogues=(True,), draft_tokens: int | None = None,
                 label: str | None = None) -> list[DecodeOptions]:
     """The grid of decode runs a command line asks for: every runtime x spec x rollback x lm-head-draft size of
     our engine (the last two only where there is a drafter; lookahead on / off only without one; captured drafting
-    on / off only with a drafter) x the kernel switches (PDL, side streams, the silu epilogue, the L2 prefetches), and
+    on / off only with a drafter) x the kernel switches (PDL, side streams, the silu epilogue), and
     the transformers peer once (plain greedy).
     Labels are unique: with several rollbacks each speculative label names its own, and ``label`` prefixes them
     all."""
@@ -241,13 +236,12 @@ def decode_runs(base: dict, *, engines=("ours",), specs=("none",), runtimes=("v3
                     for head in dict.fromkeys(lm_heads if spec != "none" else (0,)):
                         for ahead in dict.fromkeys(lookaheads if spec == "none" else lookaheads[:1]):
                             for dg in dict.fromkeys(draft_graphs if spec != "none" else (True,)):
-                                switches = (pdls, side_streams, silu_epilogues, l2_prefetches, qmv_prefetches)
-                                for pdl, side, silu, l2, qpf in itertools.product(*map(dict.fromkeys, switches)):
+                                for pdl, side, silu in itertools.product(
+                                        *map(dict.fromkeys, (pdls, side_streams, silu_epilogues))):
                                     runs.append(DecodeOptions(**base, engine=engine, runtime=runtime, spec=spec,
                                                               draft_tokens=k, rollback=rollback, lm_head_draft=head,
                                                               lookahead=ahead, draft_graphs=dg, pdl=pdl,
-                                                              side_stream=side, silu_epilogue=silu,
-                                                              l2_prefetch_mb=l2, qmv_prefetch=qpf))
+                                                              side_stream=side, silu_epilogue=silu))
     if not runs:
         raise ValueError("no decode run: give at least one engine, runtime and spec")
     if len(runs) == 1:
@@ -308,8 +302,7 @@ def run_decode(opts: DecodeOptions, progress=None, loaded=None) -> dict:
                                 spec=opts.spec, draft_tokens=opts.draft_tokens, rollback=opts.rollback,
                                 lm_head_draft=opts.lm_head_draft, lookahead=opts.lookahead,
                                 draft_graphs=opts.draft_graphs, pdl=opts.pdl, side_stream=opts.side_stream,
-                                silu_epilogue=opts.silu_epilogue,
-                                l2_prefetch_mb=opts.l2_prefetch_mb, qmv_prefetch=opts.qmv_prefetch)
+                                silu_epilogue=opts.silu_epilogue)
         runner = Engine(loaded if loaded is not None else load_model(opts), options)
         opts.draft_tokens = runner.options.draft_tokens
         opts.max_context = runner.options.max_context

@@ -214,34 +214,3 @@ def test_silu_epilogue_decodes_like_its_eager_launches(spec, k):
     assert on.weights.interleaved and all(hasattr(on.weights.linear(n), "silu_mul") for n in on.weights.interleaved)
     assert b.tokens == a.tokens
     assert b.spec.get("accepted_tokens") == a.spec.get("accepted_tokens")
-
-
-@pytest.mark.parametrize("spec,k", [("none", 0), ("dflash2", 7)])
-def test_l2_prefetch_branches_decode_like_without(spec, k):
-    """EngineOptions.l2_prefetch_mb: a third graph branch per layer pulling the output and gate / up projections'
-    leading bytes into L2 (joined at each forward's end) gives the tokens and acceptance of the same engine without
-    it, and the branches were taken in the captured forwards."""
-    kw = dict(runtime="v3", kv_dtype="int8", dtype="bf16", spec=spec, draft_tokens=k or None)
-    _, a = gen(**kw)
-    eng, b = gen(**kw, l2_prefetch_mb=1)
-    assert eng.model.fast.l2_budget == 1 << 20 and len(eng.model.fast.sides) == 3
-    assert eng.model.fast.branches >= 3 * eng.config.layer_types.count("linear_attention")
-    assert b.tokens == a.tokens
-    assert b.spec.get("accepted_tokens") == a.spec.get("accepted_tokens")
-
-
-@pytest.mark.parametrize("spec,k", [("none", 0), ("mtp", 3)])
-def test_qmv_prefetch_decodes_like_without(spec, k):
-    """EngineOptions.qmv_prefetch: qmv's blocks asking L2 for their whole tile first (process-wide, left off again)
-    give the tokens and acceptance of the engine without it."""
-    from ninfer_bench.kernels import qmv_cuda
-
-    kw = dict(runtime="v3", kv_dtype="int8", dtype="bf16", spec=spec, draft_tokens=k or None)
-    try:
-        _, a = gen(**kw)
-        _, b = gen(**kw, qmv_prefetch=True)
-        assert qmv_cuda.prefetch_enabled()
-    finally:
-        qmv_cuda.set_prefetch(False)
-    assert b.tokens == a.tokens
-    assert b.spec.get("accepted_tokens") == a.spec.get("accepted_tokens")

@@ -55,16 +55,6 @@ def test_grid_and_labels():
         ("v3-none", True, True), ("v3-none-nosilu", True, False), ("v3-none-noside", False, True),
         ("v3-none-noside-nosilu", False, False)]
     assert decode_runs(BASE, specs=("none", "mtp:2"), silu_epilogues=(False,))[1].label == "v3-mtp-k2-nosilu"
-    l2 = decode_runs(BASE, specs=("none",), l2_prefetches=(0, 32), qmv_prefetches=(False, True))
-    assert [(r.label, r.l2_prefetch_mb, r.qmv_prefetch) for r in l2] == [
-        ("v3-none", 0, False), ("v3-none-qpf", 0, True), ("v3-none-l2pf32", 32, False),
-        ("v3-none-l2pf32-qpf", 32, True)]
-    with pytest.raises(ValueError, match="l2-prefetch"):
-        decode_runs(BASE, specs=("none",), l2_prefetches=(-1,))
-    from ninfer_bench.engine.options import EngineOptions
-
-    with pytest.raises(ValueError, match="l2-prefetch-mb"):
-        EngineOptions(l2_prefetch_mb=-8)
     with pytest.raises(ValueError, match="plain greedy"):
         decode_runs(BASE, engines=("hf",), specs=("mtp",))
 
