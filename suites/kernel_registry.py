@@ -138,9 +138,9 @@ def _gate_up_silu(ctx: KernelContext, t: int, _param) -> Case:
     ref = lambda: act(x.float() @ w.ref.T)  # noqa: E731
     v2 = Impl(lambda: act(F.linear(x, w.dense)), "dense F.linear, then F.silu(gate) * up")
     mixed = ctx.memo("interleaved", lambda: _interleaved(ctx, w, fmt, inter, k))
-    if mixed is None:
+    if w.packed is None:
         v3 = Impl(v2.run, f"{fmt} weight: as v2")
-    elif mixed.silu_mul(x) is not None:
+    elif mixed is not None and mixed.silu_mul(x) is not None:
         v3 = Impl(lambda: mixed.silu_mul(x), f"packed {fmt}, rows interleaved: qmv storing silu(gate) * up")
     else:
         v3 = v3_impl(ctx, Impl(lambda: act(w.packed(x)), f"packed {fmt}, Triton qlinear, then F.silu(gate) * up"),
@@ -151,9 +151,9 @@ def _gate_up_silu(ctx: KernelContext, t: int, _param) -> Case:
 
 
 def _interleaved(ctx: KernelContext, w: _Weight, fmt: str, inter: int, k: int) -> PackedLinear | None:
-    """The packed gate_up weight with its rows interleaved as the engine stores it, or None where there is none
-    (a dense format, or an intermediate size that is no multiple of the run)."""
-    if w.packed is None or inter % GATE_UP_RUN:
+    """The packed gate_up weight with its rows interleaved as the engine stores it, or None where the engine keeps
+    none (a dense format, an intermediate size that is no multiple of the run, or no qmv to read it)."""
+    if w.packed is None or inter % GATE_UP_RUN or ctx.device.type != "cuda" or not qmv_cuda.available():
         return None
     layout = EngineOptions().qmv_layout if ctx.dtype in (torch.bfloat16, torch.float16) else "rows"
     buf = quant.take_rows(w.packed.row_major().buf.cpu(), fmt, (2 * inter, k), interleave_order(2 * inter))
