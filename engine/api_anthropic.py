@@ -38,7 +38,7 @@ class MessagesRequest(CountRequest):
     temperature: float | None = Field(None, ge=0, le=1)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-2**63, le=2**63 - 1)
     session_id: str | None = None
     return_token_ids: bool | None = None
     ignore_eos: bool | None = None
@@ -137,8 +137,10 @@ def register(app: FastAPI, backend: Backend, max_body: int) -> None:
 
         async def events():
             try:
+                cached = gen.expected_cached
                 start = {**msg, "content": [], "stop_reason": None, "stop_sequence": None,
-                         "usage": {"input_tokens": len(gen.prompt), "output_tokens": 0}}
+                         "usage": {"input_tokens": len(gen.prompt) - cached, "output_tokens": 0,
+                                   "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}}
                 yield sse({"type": "message_start", "message": start}, "message_start")
                 yield sse({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
                           "content_block_start")

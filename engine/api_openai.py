@@ -42,7 +42,7 @@ class _Generate(BaseModel):
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=0)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-2**63, le=2**63 - 1)
     n: int | None = None
     session_id: str | None = None
     return_token_ids: bool | None = None
@@ -107,8 +107,16 @@ async def start(request: Request, backend: Backend, body: _Generate, **prompt) -
     backend.check_model(body.model)
     if body.n not in (None, 1):
         raise ApiError(400, "n: only one choice per request is supported", param="n")
-    if (body.model_extra or {}).get("logprobs"):
+    extra = body.model_extra or {}
+    if extra.get("logprobs"):
         raise ApiError(400, "logprobs: log-probabilities are not returned by this server", param="logprobs")
+    if extra.get("response_format") not in (None, {"type": "text"}):
+        raise ApiError(400, "response_format: only plain text output is supported by this server",
+                       param="response_format")
+    if extra.get("echo"):
+        raise ApiError(400, "echo: returning the prompt is not supported by this server", param="echo")
+    if body.stream_options is not None and not body.stream:
+        raise ApiError(400, "stream_options: only allowed when stream is true", param="stream_options")
     return await backend.generate(
         **prompt, session_id=session_of(request, body.session_id),
         temperature=1.0 if body.temperature is None else body.temperature,
@@ -130,9 +138,11 @@ def stream(gen: Generation, head: dict, choice, final, body: _Generate) -> Strea
                 if text or (want_ids and ids):
                     yield sse({**head, "choices": [choice(text, ids if want_ids else None)]})
             out = await gen.outcome()
-            yield sse({**head, "choices": [final(out)], "usage": usage(out), "timings": out.timings})
-            if include_usage:
+            if include_usage:  # as OpenAI: the usage once, in a last chunk of its own (no choices)
+                yield sse({**head, "choices": [final(out)], "usage": None, "timings": out.timings})
                 yield sse({**head, "choices": [], "usage": usage(out)})
+            else:  # (an extension: OpenAI sends none)
+                yield sse({**head, "choices": [final(out)], "usage": usage(out), "timings": out.timings})
         except Exception as e:  # the status line is sent: the error goes in the stream
             yield sse(error_body(api_error(e), anthropic=False))
         finally:

@@ -51,15 +51,37 @@ class ClientGone(Exception):
     """The client disconnected; nobody reads the answer."""
 
 
+MAX_STOPS, MAX_STOP_CHARS = 16, 1000  # stop strings a request may give, and characters in each
+
+
 def sampling_params(max_tokens: int, temperature, top_p, top_k, seed, stop, ignore_eos) -> SamplingParams:
     if stop is not None and not isinstance(stop, str) and not all(isinstance(s, str) for s in stop):
         raise BadRequest("stop must be a string or a list of strings", "stop")
+    stops = [stop] if isinstance(stop, str) else list(stop or ())
+    if len(stops) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise BadRequest(f"stop: at most {MAX_STOPS} stop strings of at most {MAX_STOP_CHARS} characters each",
+                         "stop")
     try:
         return SamplingParams(max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                               seed=seed, stop=tuple([stop] if isinstance(stop, str) else stop or ()),
                               ignore_eos=bool(ignore_eos))
     except ValueError as e:
         raise BadRequest(str(e)) from None
+
+
+def _held(tail: str, stops) -> int:
+    """Length of the longest end of ``tail`` that begins a stop string (no whole stop is in ``tail``): text held
+    back, since the next tokens may complete it. Only ends shorter than the stop string are tried, each from an
+    occurrence of the stop's first character (linear in the text, not quadratic in the stop's length)."""
+    hold = 0
+    for s in stops:
+        j = tail.find(s[0], max(0, len(tail) - len(s) + 1))
+        while j != -1 and len(tail) - j > hold:
+            if s.startswith(tail[j:]):
+                hold = len(tail) - j
+                break
+            j = tail.find(s[0], j + 1)
+    return hold
 
 
 class TextStream:
@@ -89,8 +111,7 @@ class TextStream:
             at, self.stopped = min(hits)
             self.sent = len(self.text)
             return tail[:at]
-        hold = 0 if final else max((k for s in self.stop for k in range(1, len(s)) if tail.endswith(s[:k])),
-                                   default=0)
+        hold = 0 if final else _held(tail, self.stop)
         out = tail[:len(tail) - hold]
         self.sent += len(out)
         return out
@@ -132,6 +153,11 @@ class Generation:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.text, self.req, self.state, self.admitted_at = "", None, None, None
         self.finished = self.cancelled = False
+
+    @property
+    def expected_cached(self) -> int:
+        """Prompt tokens the session's saved state will cover once the request is admitted (usage's cached part)."""
+        return self.backend.engine.reusable(self.saved.state, self.prompt, self.media) if self.saved else 0
 
     # ---- engine thread ----
     def _prefix(self, eng: Engine, seq) -> int:

@@ -189,9 +189,9 @@ class Engine:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{self.config.vocab_size - 1})")
         if not self.free_slots:
             raise CapacityError(f"no free capacity: all {self.options.max_concurrency} slots are busy")
+        gen = None if params.greedy else make_generator(params.seed, self.device)
         slot = self.free_slots.pop(0)
         self.cache.reset(slot)
-        gen = None if params.greedy else make_generator(params.seed, self.device)
         return Sequence(slot=slot, prompt=list(prompt), params=params, generator=gen, media=media)
 
     # ---- media -------------------------------------------------------------------------------------
@@ -243,14 +243,21 @@ class Engine:
             state["drafter"] = self.drafter.export_slot(seq.slot)
         return state
 
+    def reusable(self, state: dict, prompt: list[int], media: MediaPrompt | None = None) -> int:
+        """How many tokens of ``prompt`` a saved state (:meth:`export_state`) covers: all of its ids when they
+        prefix the prompt (and leave a token to prefill) under this engine's options, else 0."""
+        ids = state["ids"]
+        if media is not None:  # pad tokens do not say which image they were: never reuse a cached prefix
+            return 0
+        if (len(ids) != state["cache"]["length"] or len(ids) >= len(prompt) or prompt[: len(ids)] != ids
+                or state.get("spec") != self.options.spec or state.get("kv_dtype") != self.options.kv_dtype):
+            return 0
+        return len(ids)
+
     def import_state(self, seq: Sequence, state: dict) -> int:
         """Load a state from :meth:`export_state` into ``seq``'s slot when its ids prefix ``seq.prompt``;
         returns how many prompt tokens it covers (0 when it does not fit and nothing was loaded)."""
-        ids = state["ids"]
-        if seq.media is not None:  # pad tokens do not say which image they were: never reuse a cached prefix
-            return 0
-        if (len(ids) != state["cache"]["length"] or len(ids) >= len(seq.prompt) or seq.prompt[: len(ids)] != ids or state.get("spec") != self.options.spec
-                or state.get("kv_dtype") != self.options.kv_dtype):
+        if not self.reusable(state, seq.prompt, seq.media):
             return 0
         n = self.cache.import_slot(seq.slot, state["cache"])
         if self.drafter is not None and "drafter" in state:

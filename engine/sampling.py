@@ -33,6 +33,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be a non-negative integer, got {self.top_k!r}")
+        if self.seed is not None and not (isinstance(self.seed, int) and -2**63 <= self.seed < 2**63):
+            raise ValueError(f"seed must be a 64-bit signed integer, got {self.seed!r}")
         if isinstance(self.stop, str):
             self.stop = (self.stop,)
         self.stop = tuple(s for s in self.stop if s)

@@ -91,6 +91,13 @@ class Scheduler:
 
     def cancel(self, req: Request) -> None:
         req.cancelled = True
+        with self._lock:  # a request still waiting leaves the queue now (it must not hold a place in the bound)
+            try:
+                self.waiting.remove(req)
+            except ValueError:
+                req = None
+        if req is not None:
+            self._done(req, "cancelled")
         self._wake.set()
 
     @property
@@ -117,8 +124,8 @@ class Scheduler:
                 req.seq = self.e.acquire(req.prompt, req.params, req.media)
                 if req.prefix is not None:
                     req.seq.length = req.prefill_from = req.prefix(self.e, req.seq)
-            except (CapacityError, ValueError) as err:
-                req.error = str(err)
+            except Exception as err:  # noqa: BLE001 - refused or failed: the request ends, its slot (if any) is freed
+                req.error = str(err) if isinstance(err, (CapacityError, ValueError)) else f"{type(err).__name__}: {err}"
                 self._done(req, "error")
                 continue
             self.prefilling.append(req)

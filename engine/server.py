@@ -135,10 +135,10 @@ def is_anthropic(path: str) -> bool:
 
 def error_body(err: ApiError, anthropic: bool) -> dict:
     if anthropic:
-        return {"type": "error", "error": {"type": ANTHROPIC_TYPES.get(err.status, "api_error"),
-                                           "message": err.message}}
-    return {"error": {"message": err.message, "type": OPENAI_TYPES.get(err.status, "server_error"),
-                      "param": err.param, "code": err.code}}
+        kind = ANTHROPIC_TYPES.get(err.status, "invalid_request_error" if err.status < 500 else "api_error")
+        return {"type": "error", "error": {"type": kind, "message": err.message}}
+    kind = OPENAI_TYPES.get(err.status, "invalid_request_error" if err.status < 500 else "server_error")
+    return {"error": {"message": err.message, "type": kind, "param": err.param, "code": err.code}}
 
 
 def error_response(request: Request, err: ApiError) -> JSONResponse:
@@ -165,6 +165,12 @@ async def read_json(request: Request, limit: int) -> dict:
         data = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ApiError(400, f"malformed JSON body: {e}") from None
+    except RecursionError:
+        raise ApiError(400, "malformed JSON body: nested too deeply") from None
+    try:  # legal JSON may still hold a lone surrogate escape ("\ud800"): a string no tokenizer can take
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ApiError(400, f"the JSON body holds a string that is not valid Unicode ({e.reason})") from None
     if not isinstance(data, dict):
         raise ApiError(400, f"the JSON body must be an object, got {type(data).__name__}")
     return data

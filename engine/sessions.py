@@ -4,12 +4,14 @@ A request names its session with the extension field ``"session_id"`` in the JSO
 ``X-Session-Id`` (ids: letters, digits and ``._:-``, up to 128 characters). When such a request finishes, the
 server keeps :meth:`Engine.export_state` of its slot (K/V, Gated DeltaNet and conv state, drafter state; on the
 CPU) under that id. The next request of the session loads it into its slot when the saved tokens are a prefix
-of the new prompt, and prefills only the rest; otherwise it prefills everything, so a session never changes
-what is generated, only how much work the prompt costs.
+of the new prompt, and prefills only the rest; otherwise it prefills everything. For a prompt of token ids a
+session therefore never changes what is generated, only how much work the prompt costs.
 
 Chat clients send the whole conversation back as text. Re-tokenizing the previous reply need not give the
 tokens the model produced, so a session also remembers the text the client was shown: a new prompt that starts
-with it is tokenized as the saved tokens plus the new text after it (what the model actually saw).
+with it is tokenized as the saved tokens plus the new text after it (what the model actually saw). Where
+re-tokenizing would have given other tokens (a reply cut at max_tokens inside a word, say), such a turn sees the
+tokens the model produced and may continue differently from the same conversation sent without a session.
 
 The store is a bounded LRU (``--session-capacity`` states). With ``--session-dir`` each retained state is also
 written to ``DIR/<id>.pt`` when stored, the files are loaded on start (newest kept), and a file is deleted with

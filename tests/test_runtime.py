@@ -189,3 +189,26 @@ def test_store_options_keep_what_they_cannot_serve():
     x = torch.randn(1, 2, cfg.hidden_size, generator=torch.Generator().manual_seed(4))
     ms, mp = HybridModel(cfg, store, max_positions=64), HybridModel(cfg, plain, max_positions=64)
     torch.testing.assert_close(ms.mlp("model.layers.0", x), mp.mlp("model.layers.0", x), rtol=1e-5, atol=1e-5)
+
+
+def test_stop_hold_back_is_the_longest_possible_stop_start():
+    """The streamed text holds back exactly the longest end that could begin a stop string (the brute force over
+    every prefix of every stop, which the server ran before, is the reference)."""
+    import random
+
+    from ninfer_bench.engine.backend import _held
+    from ninfer_bench.engine.sampling import SamplingParams
+
+    rng = random.Random(0)
+    checked = 0
+    for _ in range(3000):
+        stops = ["".join(rng.choice("ab") for _ in range(rng.randint(1, 6))) for _ in range(rng.randint(1, 3))]
+        tail = "".join(rng.choice("abc") for _ in range(rng.randint(0, 10)))
+        if any(s in tail for s in stops):
+            continue  # (a whole stop in the text ends it before any hold-back)
+        want = max((k for s in stops for k in range(1, len(s)) if tail.endswith(s[:k])), default=0)
+        assert _held(tail, stops) == want, (tail, stops)
+        checked += 1
+    assert checked > 1000
+    with pytest.raises(ValueError, match="seed"):
+        SamplingParams(temperature=1.0, seed=2**64)

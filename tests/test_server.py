@@ -98,6 +98,7 @@ def test_openai_chat_and_completions(server):
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == full.choices[0].message.content
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == full.choices[0].finish_reason
     assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert [ch.usage is not None for ch in chunks].count(True) == 1  # usage once (tools sum it over chunks)
     assert any("timings" in (ch.model_extra or {}) for ch in chunks)
     # a list of text parts is the same prompt as the string
     parts = c.chat.completions.create(messages=[{"role": "user", "content": [{"type": "text", "text": PROMPTS[0]}]}],
@@ -129,7 +130,10 @@ def test_anthropic_messages(server):
         final = stream.get_final_message()
     assert text == msg.content[0].text == final.content[0].text
     assert final.usage.output_tokens == msg.usage.output_tokens and final.stop_reason == msg.stop_reason
-    kinds = [ev.type for ev in c.messages.create(stream=True, **args)]
+    events = list(c.messages.create(stream=True, **args))
+    start, delta = events[0].message.usage, events[-2].usage
+    assert start.input_tokens == delta.input_tokens and start.cache_read_input_tokens == delta.cache_read_input_tokens
+    kinds = [ev.type for ev in events]
     assert kinds[:2] == ["message_start", "content_block_start"] and kinds[-3:] == \
         ["content_block_stop", "message_delta", "message_stop"]
     assert set(kinds[2:-3]) <= {"content_block_delta"}
@@ -242,6 +246,24 @@ def test_errors_in_each_api_shape(server):
          400, lambda e: "vision" in e["message"]),
         ("/v1/messages/count_tokens", "x" * (65 * CONTEXT + (1 << 20)), 413,
          lambda e: e["type"] == "request_too_large"),
+        # a seed no generator takes: refused before the request holds a slot (the last check: all slots free)
+        ("/v1/chat/completions", {**chat, "temperature": 1, "seed": 2**64}, 400, lambda e: e["param"] == "seed"),
+        ("/v1/messages", {**msgs, "temperature": 1, "seed": -2**63 - 1}, 400, lambda e: "seed" in e["message"]),
+        # legal JSON that is no request: a lone surrogate, nesting deeper than the parser goes
+        ("/v1/chat/completions", b'{"model": "m", "messages": [{"role": "user", "content": "\\ud800"}]}', 400,
+         lambda e: "Unicode" in e["message"]),
+        ("/v1/messages/count_tokens", b'{"model": "m", "messages": [{"role": "user", "content": "\\udfff"}]}', 400,
+         lambda e: "Unicode" in e["message"]),
+        ("/v1/chat/completions", b"[" * 100_000 + b"]" * 100_000, 400, lambda e: "nested" in e["message"]),
+        # bounded stop strings (a long one costs every later token a scan)
+        ("/v1/chat/completions", {**chat, "stop": [f"s{i}" for i in range(17)]}, 400, lambda e: e["param"] == "stop"),
+        ("/v1/messages", {**msgs, "stop_sequences": ["x" * 1001]}, 400, lambda e: "stop" in e["message"]),
+        # what this server cannot honour is refused, not ignored
+        ("/v1/chat/completions", {**chat, "response_format": {"type": "json_object"}}, 400,
+         lambda e: e["param"] == "response_format"),
+        ("/v1/completions", {"model": server.model, "prompt": "x", "echo": True}, 400, lambda e: e["param"] == "echo"),
+        ("/v1/chat/completions", {**chat, "stream_options": {"include_usage": True}}, 400,
+         lambda e: e["param"] == "stream_options"),
     ]
     for path, body, status, check in cases:
         err = check_error(server.post(path, body), status, path.startswith("/v1/messages"))
@@ -249,6 +271,7 @@ def test_errors_in_each_api_shape(server):
         assert server.chat("ok?", max_tokens=2)["usage"]["completion_tokens"] == 2  # still serving
     check_error(httpx.delete(f"{server.url}/v1/sessions/never-made"), 404, False)
     check_error(httpx.get(f"{server.url}/v1/nothing-here"), 404, False)
+    assert check_error(httpx.get(f"{server.url}/v1/chat/completions"), 405, False)["type"] == "invalid_request_error"
     # the official clients recognise the shapes
     with pytest.raises(openai.NotFoundError):
         server.openai.chat.completions.create(model="nope", messages=chat["messages"], max_tokens=4)
@@ -374,6 +397,15 @@ def test_spec_batched_and_queue_full(tmp_path):
         assert err["code"] == "queue_full"
         r = s.post("/v1/messages", {"model": s.model, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
         assert check_error(r, 503, True)["type"] == "overloaded_error" and r.headers["retry-after"]
+        # a waiting client that leaves gives its place in the queue back at once
+        client, resp, _ = streams.pop()
+        resp.close()
+        client.close()
+        deadline = time.time() + 10
+        while s.health()["waiting"] != 1 and time.time() < deadline:
+            time.sleep(0.05)
+        assert s.health()["waiting"] == 1
+        streams.append(start_stream(s, PROMPTS[5], 8, running=False))  # accepted: not a 503
         for client, resp, _ in streams:
             resp.close()
             client.close()
