@@ -126,7 +126,7 @@ class FastPath:
                                       c.k_scale, c.v_scale, step.slots, step.pos, cfg.rms_norm_eps)
         o = decode_attention(q, c.k, c.v, c.k_scale, c.v_scale, step.slots, step.pos, m.scale,
                              kv_len_max=cache.capacity, gate=gate)  # the output gate applied as o is stored
-        return w.linear(f"{p}.self_attn.o_proj.weight")(o.reshape(b, t, h * hd))
+        return w.project(f"{p}.self_attn.o_proj", o.reshape(b, t, h * hd))
 
     def mlp(self, p: str, x):
         name = f"{p}.mlp.gate_up_proj.weight"

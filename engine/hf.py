@@ -140,6 +140,14 @@ class HFCheckpoint:
             if tuple(raw[n].shape) != shapes[n]:
                 raise CheckpointError(f"{self.folder}: tensor {n} has shape {tuple(raw[n].shape)}, "
                                       f"the config implies {shapes[n]}")
+        # a decoder-layer tensor the engine would not use is a model feature it does not implement: refuse it
+        # rather than convert a model that computes something else (buffers such as rotary tables aside)
+        unused = sorted(n for n in set(raw) - set(needed) if n.startswith("model.layers.")
+                        and not n.endswith("inv_freq"))
+        if unused:
+            more = f" (and {len(unused) - 3} more)" if len(unused) > 3 else ""
+            raise CheckpointError(f"{self.folder}: tensor(s) {unused[:3]}{more} are not part of the model "
+                                  "this config describes, as the engine implements it")
         return {n: raw[n] for n in needed}
 
     def vision(self) -> tuple[dict, dict[str, torch.Tensor]] | None:

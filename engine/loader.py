@@ -49,13 +49,26 @@ def file_sha256(path: Path, chunk: int = 1 << 24) -> str:
     return h.hexdigest()
 
 
+def config_eos_ids(meta: dict, cfg: ModelConfig) -> tuple[int, ...]:
+    """The end-of-sequence ids the model's own configs name: config.json's ``eos_token_id`` and
+    generation_config.json's (an int or a list), within the vocabulary."""
+    gen = (meta.get("generation_config") or {}).get("eos_token_id")
+    ids = list(cfg.eos_token_id) + ([gen] if isinstance(gen, int) else list(gen or []))
+    return tuple(dict.fromkeys(int(i) for i in ids if isinstance(i, int) and 0 <= i < cfg.vocab_size))
+
+
 def tokenizer_of(art: Artifact, cfg: ModelConfig):
+    """The artifact's tokenizer; EOS: its end tokens plus the ids the configs name (a model without a
+    tokenizer.json gets the byte tokenizer, whose own end tokens count only when the configs name none)."""
     meta = art.metadata or {}
     name = meta.get("tokenizer")
+    extra = config_eos_ids(meta, cfg)
     if name:
         eos = [meta["eos_token"]] if meta.get("eos_token") else []
-        return Tokenizer.from_json(art.blob(name).decode(), eos_tokens=eos, chat_template=meta.get("chat_template"))
-    return ByteTokenizer(cfg.vocab_size)
+        tok = Tokenizer.from_json(art.blob(name).decode(), eos_tokens=eos, chat_template=meta.get("chat_template"))
+        tok.eos_ids = tuple(dict.fromkeys(tok.eos_ids + extra))
+        return tok
+    return ByteTokenizer(cfg.vocab_size, eos_ids=extra or None)
 
 
 def load_artifact(path: str | Path) -> LoadedModel:

@@ -67,11 +67,10 @@ class HybridModel:
 
     # ---- pieces ----------------------------------------------------------------------------------
     def _proj(self, prefix: str, fused: str, members: tuple[str, ...], sizes: list[int], x):
-        """Outputs of the member projections, through the fused linear when the store has one."""
-        name = f"{prefix}.{fused}.weight"
-        if name in self.w.linears:
-            return list(torch.split(self.w.linear(name)(x), sizes, dim=-1))
-        return [self.w.linear(f"{prefix}.{m}.weight")(x) for m in members]
+        """Outputs of the member projections (with their biases), through the fused linear when the store has one."""
+        if f"{prefix}.{fused}.weight" in self.w.linears:
+            return list(torch.split(self.w.project(f"{prefix}.{fused}", x), sizes, dim=-1))
+        return [self.w.project(f"{prefix}.{m}", x) for m in members]
 
     def attn_proj(self, p: str, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Full attention's input projections: ``qg [B, T, H, 2 hd]`` (query | gate per head) and ``kv [B, T,
@@ -79,11 +78,10 @@ class HybridModel:
         cfg, w = self.cfg, self.w
         b, t, _ = x.shape
         h, hkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        name = f"{p}.self_attn.qkv_proj.weight"
-        if name in w.linears:
-            qg, kv = torch.split(w.linear(name)(x), [2 * h * hd, 2 * hkv * hd], dim=-1)
+        if f"{p}.self_attn.qkv_proj.weight" in w.linears:
+            qg, kv = torch.split(w.project(f"{p}.self_attn.qkv_proj", x), [2 * h * hd, 2 * hkv * hd], dim=-1)
         else:
-            qg = w.linear(f"{p}.self_attn.q_proj.weight")(x)
+            qg = w.project(f"{p}.self_attn.q_proj", x)
             kv = torch.cat(self._proj(p, "self_attn.kv_proj", ("self_attn.k_proj", "self_attn.v_proj"),
                                       [hkv * hd, hkv * hd], x), dim=-1)
         return qg.view(b, t, h, 2 * hd), kv
@@ -115,7 +113,7 @@ class HybridModel:
         cache.write_kv(key, step.slots, step.pos, k, v.view(b, t, hkv, hd))
         kk, vv = cache.read_kv(key, step.slots, step.kv_len, x.dtype)
         o = attn_k.attention(q, kk, vv, step.pos, self.scale).reshape(b, t, h * hd)
-        return w.linear(f"{p}.self_attn.o_proj.weight")(o * torch.sigmoid(gate))
+        return w.project(f"{p}.self_attn.o_proj", o * torch.sigmoid(gate))
 
     def rope(self, step: Step) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin ``[B, T, rd]`` at the step's rotary positions."""

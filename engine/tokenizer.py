@@ -70,12 +70,14 @@ def _raise(message):
 class ByteTokenizer:
     """Bytes as ids 0..255, specials from 256; for presets and models without a tokenizer."""
 
-    def __init__(self, vocab_size: int):
-        if vocab_size < 256 + len(SPECIALS):
-            raise ValueError(f"byte tokenizer needs a vocabulary of >= {256 + len(SPECIALS)}, got {vocab_size}")
+    def __init__(self, vocab_size: int, eos_ids: tuple[int, ...] | None = None):
+        if not isinstance(vocab_size, int) or vocab_size < 1:
+            raise ValueError(f"byte tokenizer needs a vocabulary of at least one token, got {vocab_size!r}")
         self._vocab = vocab_size
-        self.specials = {tok: 256 + i for i, tok in enumerate(SPECIALS)}
-        self.eos_ids = (self.specials["<|endoftext|>"], self.specials["<|im_end|>"])
+        # the specials that fit (a vocabulary under 260 has fewer; under 256 not every byte has an id either)
+        self.specials = {tok: 256 + i for i, tok in enumerate(SPECIALS) if 256 + i < vocab_size}
+        default = tuple(self.specials[t] for t in ("<|endoftext|>", "<|im_end|>") if t in self.specials)
+        self.eos_ids = tuple(eos_ids) if eos_ids is not None else default
         self.chat_template = DEFAULT_CHAT_TEMPLATE
 
     @property
@@ -96,6 +98,10 @@ class ByteTokenizer:
                     j += 1
                 ids += list(text[i:j].encode("utf-8"))
                 i = j
+        if self._vocab < 256 and any(t >= self._vocab for t in ids):
+            bad = next(t for t in ids if t >= self._vocab)
+            raise ValueError(f"byte {bad} of the text has no id in this model's {self._vocab}-token vocabulary "
+                             "(the model ships no tokenizer: pass token ids)")
         return ids
 
     def decode(self, ids) -> str:

@@ -198,12 +198,18 @@ class WeightStore:
                 if any(p is None for p in parts) or len({p.fmt for p in parts}) != 1 \
                         or len({p.shape[-1] for p in parts}) != 1:
                     continue
+                biases = [out.get(f"{prefix}.{m}.bias") for m in members]
+                if any(b is not None for b in biases) and any(b is None for b in biases):
+                    continue  # (a bias on some members only: kept apart)
                 shapes = [tuple(p.shape) for p in parts]
                 buf = quant.concat_rows([p.buf.reshape(-1) for p in parts], parts[0].fmt, shapes)
                 out[f"{prefix}.{fused}.weight"] = RawWeight(parts[0].fmt, (sum(s[0] for s in shapes),
                                                                           shapes[0][1]), buf)
-                for n in names:
-                    del out[n]
+                if biases[0] is not None:  # the members' biases, concatenated as their rows are
+                    dense = torch.cat([b.dense(torch.float32) for b in biases])
+                    out[f"{prefix}.{fused}.bias"] = RawWeight("fp32", (dense.numel(),), dense.view(torch.uint8))
+                for n in names + [f"{prefix}.{m}.bias" for m in members]:
+                    out.pop(n, None)
         return out
 
     def linear(self, name: str):
@@ -214,6 +220,12 @@ class WeightStore:
 
     def vector(self, name: str) -> torch.Tensor:
         return self.vectors[name]
+
+    def project(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """The projection ``{name}.weight`` of x, plus ``{name}.bias`` where the model has one."""
+        y = self.linears[f"{name}.weight"](x)
+        bias = self.vectors.get(f"{name}.bias")
+        return y if bias is None else y + bias.to(y.dtype)
 
     def embed(self, ids: torch.Tensor, name: str = "model.embed_tokens.weight") -> torch.Tensor:
         return self.embeddings[name](ids)
@@ -230,16 +242,19 @@ def text_weight_names(cfg: ModelConfig, *, mtp: bool = True) -> list[str]:
     if not cfg.tie_word_embeddings:
         names.append("lm_head.weight")
     for i, kind in enumerate(cfg.layer_types):
-        names += _layer_names(f"model.layers.{i}", kind)
+        names += _layer_names(f"model.layers.{i}", kind, cfg.attention_bias)
     if mtp and cfg.mtp_num_hidden_layers:
         names += ["mtp.fc.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight",
                   "mtp.norm.weight"]
         for i in range(cfg.mtp_num_hidden_layers):
-            names += _layer_names(f"mtp.layers.{i}", "full_attention")
+            names += _layer_names(f"mtp.layers.{i}", "full_attention", cfg.attention_bias)
     return names
 
 
-def _layer_names(p: str, kind: str) -> list[str]:
+ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")  # with biases when the config's attention_bias
+
+
+def _layer_names(p: str, kind: str, attention_bias: bool = False) -> list[str]:
     names = [f"{p}.input_layernorm.weight", f"{p}.post_attention_layernorm.weight",
              f"{p}.mlp.gate_proj.weight", f"{p}.mlp.up_proj.weight", f"{p}.mlp.down_proj.weight"]
     if kind == "linear_attention":
@@ -251,6 +266,8 @@ def _layer_names(p: str, kind: str) -> list[str]:
         a = f"{p}.self_attn"
         names += [f"{a}.q_proj.weight", f"{a}.k_proj.weight", f"{a}.v_proj.weight", f"{a}.o_proj.weight",
                   f"{a}.q_norm.weight", f"{a}.k_norm.weight"]
+        if attention_bias:
+            names += [f"{a}.{m}.bias" for m in ATTENTION_PROJECTIONS]
     return names
 
 
@@ -264,6 +281,8 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         "self_attn.o_proj.weight": (h, cfg.num_attention_heads * hd),
         "self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,),
     }
+    if cfg.attention_bias:
+        full.update({f"self_attn.{m}.bias": full[f"self_attn.{m}.weight"][:1] for m in ATTENTION_PROJECTIONS})
     lin = {
         "linear_attn.in_proj_qkv.weight": (cfg.conv_dim, h),
         "linear_attn.in_proj_z.weight": (cfg.value_dim, h),
