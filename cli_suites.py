@@ -6,6 +6,7 @@ Registered on the command group of :mod:`ninfer_bench.cli` when that module is i
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -52,6 +53,21 @@ def _line_progress(description: str, every_s: float = 10.0):
         err_console.print(Text(f"{description} {done}{of} {what} ({now:.0f} s)"), highlight=False)
 
     return contextlib.nullcontext(), update
+
+
+def check_output(path: str | None, what: str, *, folder: bool = False) -> None:
+    """Refuse, before any work, an output path the run could not write at its end: a folder where a file goes (or
+    the other way round), or no writable folder to create it in."""
+    if not path:
+        return
+    p = Path(path)
+    if p.exists() and p.is_dir() != folder:
+        raise UserError(f"{what} {path}: {'not a folder' if folder else 'is a folder'}")
+    parent = p if folder else p.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise UserError(f"{what} {path}: cannot write there ({parent} is not a writable folder)")
 
 
 def save_result(doc: dict, json_path: str | None) -> None:
@@ -126,7 +142,7 @@ def decode(model, engines, specs, draft_tokens, rollbacks, lm_head_draft, lookah
 
     base = dict(model=model, prompt_file=prompt_file or str(DEFAULT_PROMPT), prompts=n_prompts, images=images,
                 max_new_tokens=max_new_tokens, ignore_eos=not stop_at_eos, repeats=repeats, warmup=warmup, seed=seed,
-                **options)
+                max_concurrency=max_concurrency, kv_capacity=kv_capacity, **options)
     runs = decode_runs(base, engines=engines, specs=tuple(specs.split(",")), runtimes=runtime, rollbacks=rollbacks,
                        lm_heads=tuple(int_list(lm_head_draft, "--lm-head-draft")),
                        lookaheads=tuple(x == "on" for x in lookaheads),
@@ -140,6 +156,7 @@ def decode(model, engines, specs, draft_tokens, rollbacks, lm_head_draft, lookah
         raise UserError(f"--json {json_path}: several runs write a folder (one LABEL.json each), not a file")
     if not many and json_path and Path(json_path).is_dir():
         raise UserError(f"--json {json_path}: one run writes a file, and this is a folder")
+    check_output(json_path, "--json", folder=many)
 
     def done(doc):
         if many:
@@ -258,7 +275,9 @@ def gate(baseline, candidate, rules, as_json):
 @click.option("--spec", type=click.Choice(["none", "mtp", "dflash", "dflash2"]), default="none", show_default=True)
 @click.option("--draft-tokens", "-k", type=int, default=None)
 @click.option("--max-new-tokens", "-n", type=int, default=128, show_default=True)
-@click.option("--prompt-tokens", type=int, default=256, show_default=True, help="Prompt length (tokens).")
+@click.option("--prompt-tokens", type=int, default=256, show_default=True,
+              help="Prompt length in tokens, each client's prompt cut or repeated to it (in-process runs; --url "
+                   "sends the prompt texts whole, tokenized by the server).")
 @click.option("--rounds", type=int, default=2, show_default=True, help="Rounds per level (samples).")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
 @click.option("--kv-dtype", type=click.Choice(["fp32", "bf16", "fp16", "int8"]), default="int8", show_default=True)
@@ -276,6 +295,7 @@ def concurrency(levels, url, served_model, model, synthetic, quant, spec, draft_
     from .suites.concurrency import ConcurrencyOptions, run_concurrency
 
     lv = tuple(int_list(levels, "-c"))
+    check_output(json_path, "--json")
     opts = ConcurrencyOptions(levels=lv, url=url, served_model=served_model, model=model, synthetic=synthetic,
                               quant=quant, spec=spec,
                               draft_tokens=draft_tokens, max_new_tokens=max_new_tokens, prompt_tokens=prompt_tokens,
@@ -321,10 +341,14 @@ def kernels(shape, model, ts, variants, ops, quant, contexts, repeats, warmup, d
     from .suites.kernels import KernelOptions, run_kernels
 
     def names(text):
-        return tuple(v.strip() for v in text.split(",") if v.strip())
+        return tuple(dict.fromkeys(v.strip() for v in text.split(",") if v.strip()))
 
-    opts = KernelOptions(shape=shape, model=model, ts=tuple(int_list(ts, "--t")), variants=names(variants),
-                         ops=names(ops or ""), quant=quant, contexts=tuple(int_list(contexts, "--contexts")) if contexts else None,
+    def numbers(text, flag):
+        return tuple(dict.fromkeys(int_list(text, flag)))
+
+    check_output(json_path, "--json")
+    opts = KernelOptions(shape=shape, model=model, ts=numbers(ts, "--t"), variants=names(variants),
+                         ops=names(ops or ""), quant=quant, contexts=numbers(contexts, "--contexts") if contexts else None,
                          repeats=repeats, warmup=warmup, device=device, label=label, seed=seed)
     import torch
 
@@ -358,8 +382,9 @@ def kernels(shape, model, ts, variants, ops, quant, contexts, repeats, warmup, d
 def _niah_options(model, ctx, depths, cases, answer_tokens, seed, **kw):
     from .suites.niah import DEFAULT_DEPTHS, NiahOptions
 
-    ctxs = tuple(x for c in ctx for x in int_list(c, "--ctx")) or (65536,)
-    return NiahOptions(model=model, ctxs=ctxs, depths=tuple(int_list(depths, "--depths")) if depths else DEFAULT_DEPTHS,
+    ctxs = tuple(dict.fromkeys(x for c in ctx for x in int_list(c, "--ctx"))) or (65536,)
+    depths = tuple(dict.fromkeys(int_list(depths, "--depths"))) if depths else DEFAULT_DEPTHS
+    return NiahOptions(model=model, ctxs=ctxs, depths=depths,
                        cases=cases, answer_tokens=answer_tokens, seed=seed, **kw)
 
 
@@ -396,6 +421,8 @@ def niah(model, ctx, depths, cases, answer_tokens, seed, prefill_chunk, device, 
     """Needle in a haystack: retrieval, and agreement with stored float64 oracle outputs."""
     from .suites.niah import rescore_niah, run_niah
 
+    check_output(json_path, "--json")
+    check_output(heatmap, "--heatmap")
     if rescore:
         from .reports.schema import read_result
 
@@ -445,6 +472,10 @@ def oracle_niah(model, ctx, depths, cases, answer_tokens, seed, prefill_chunk, d
     from .suites.niah import build_niah_oracle
 
     opts = _niah_options(model, ctx, depths, cases, answer_tokens, seed, prefill_chunk=prefill_chunk)
+    if out and len(opts.ctxs) > 1:
+        raise UserError(f"--out names one file, for one context length; got {len(opts.ctxs)} (--ctx "
+                        f"{','.join(map(str, opts.ctxs))}): run once per context, or leave --out to the default files")
+    check_output(out, "--out")
     prog, update = suite_progress("oracle niah")
     with prog:
         paths = build_niah_oracle(model, opts, out, top_k=top_k, dtype=dtype, force=force, progress=update)

@@ -48,14 +48,28 @@ def copy_bandwidth(device: torch.device, nbytes: int | None = None, repeats: int
 
 
 def reset_peak_memory(device: torch.device) -> None:
+    """Start a new peak: CUDA's allocator statistics, or on a CPU the process's resident-set high-water mark
+    (Linux: /proc/self/clear_refs; elsewhere the peak stays the whole process's)."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
 
 
 def peak_memory_bytes(device: torch.device) -> int:
-    """Peak device memory allocated (CUDA), or the process's peak resident set size (CPU)."""
+    """Peak device memory allocated (CUDA), or the peak resident set size since :func:`reset_peak_memory` (CPU;
+    the weights count, as they do on CUDA)."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 

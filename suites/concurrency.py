@@ -50,6 +50,11 @@ class ConcurrencyOptions:
             raise ValueError(f"concurrency levels must be positive integers, got {self.levels}")
         if self.rounds < 1 or self.max_new_tokens < 2:
             raise ValueError("rounds must be >= 1 and max-new-tokens >= 2")
+        if self.interleave_chunk is not None and self.interleave_chunk > self.prefill_chunk:
+            raise ValueError(f"--interleave-chunk ({self.interleave_chunk}) must be at most --prefill-chunk "
+                             f"({self.prefill_chunk})")
+        if self.url is not None and not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"--url {self.url}: expected http://HOST:PORT or https://...")
 
     def default_label(self) -> str:
         if self.url:
@@ -139,13 +144,13 @@ def run_in_process(opts: ConcurrencyOptions, progress=None):
                       runtime=opts.runtime, spec=opts.spec,
                       draft_tokens=opts.draft_tokens)
     opts.draft_tokens = eng.options.draft_tokens
-    texts = prompt_texts(top)
-    prompts = [eng.tokenizer.encode(t)[: opts.prompt_tokens] for t in texts]
+    prompts = [exact_length(eng.tokenizer.encode(t), opts.prompt_tokens) for t in prompt_texts(top)]
     params = SamplingParams(max_new_tokens=opts.max_new_tokens, ignore_eos=True)
     sched = Scheduler(eng)
+    warm = SamplingParams(max_new_tokens=min(8, opts.max_new_tokens), ignore_eos=True)
     for c in opts.levels:  # warm-up at every level: each batch bucket's graphs captured and kernels compiled
         for i in range(c):   # before the timed rounds
-            sched.submit(prompts[i], SamplingParams(max_new_tokens=8, ignore_eos=True))
+            sched.submit(prompts[i], warm)
         sched.run_until_idle()
     records, baseline = [], {}
     total = top + sum(opts.rounds for _ in opts.levels)
@@ -171,7 +176,14 @@ def run_in_process(opts: ConcurrencyOptions, progress=None):
             done += 1
             if progress:
                 progress(done, total, f"C{c} round {rnd + 1}")
-    return records, baseline, eng.model_info, eng.tokenizer
+    return records, baseline, {**eng.model_info, "device": str(eng.device)}, eng.tokenizer
+
+
+def exact_length(ids: list[int], n: int) -> list[int]:
+    """``ids`` cut or repeated to exactly ``n`` tokens (every client's prompt as long as asked for)."""
+    if not ids:
+        raise ValueError("a concurrency prompt encodes to no tokens")
+    return (ids * -(-n // len(ids)))[:n]
 
 
 # ---- against a server ---------------------------------------------------------------------------------
@@ -221,6 +233,15 @@ def _served_model(client, url: str) -> str:
 def run_against_url(opts: ConcurrencyOptions, progress=None):
     import httpx
 
+    try:
+        return _run_against_url(opts, progress)
+    except httpx.HTTPError as e:  # unreachable, refused, timed out: one line naming the server
+        raise RuntimeError(f"{opts.url}: {type(e).__name__}: {e}") from None
+
+
+def _run_against_url(opts: ConcurrencyOptions, progress=None):
+    import httpx
+
     url = opts.url.rstrip("/")
     texts = prompt_texts(max(opts.levels))
     records, baseline = [], {}
@@ -265,6 +286,8 @@ def run_concurrency(opts: ConcurrencyOptions, progress=None) -> dict:
         r.pop("times_abs")
     config = asdict(opts)
     config["label"] = opts.label or opts.default_label()
+    if "device" in model:  # in-process: the device the engine ran on, not "auto"
+        config["device"] = model.pop("device")
     summary = {"levels": levels, "baseline": "each prompt run alone, greedy, same max-new-tokens"}
     return make_result("concurrency", label=config["label"], config=config, records=records, summary=summary,
                        model=dict(model))

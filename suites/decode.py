@@ -32,6 +32,8 @@ class DecodeOptions:
     dtype: str = "auto"
     kv_dtype: str = "int8"
     max_context: int | None = None
+    kv_capacity: int | None = None
+    max_concurrency: int = 1
     prefill_chunk: int = 2048
     runtime: str = "v3"
     spec: str = "none"
@@ -64,11 +66,27 @@ class DecodeOptions:
             raise ValueError(f"max-new-tokens must be >= 2 to measure decode speed, got {self.max_new_tokens}")
         if not Path(self.prompt_file).is_file():
             raise ValueError(f"prompt file not found: {self.prompt_file}")
+        if self.prompts is not None and (self.prompts < 1 or Path(self.prompt_file).suffix != ".jsonl"):
+            raise ValueError(f"--prompts takes a positive count of a .jsonl prompt set's prompts, got {self.prompts} "
+                             f"for {self.prompt_file}")
         if self.engine == "hf" and self.spec != "none":
             raise ValueError("--engine hf runs plain greedy decoding: use --spec none")
         self.images = tuple(self.images)
         if self.images and self.engine != "ours":
             raise ValueError("--image runs with our engine only: use --engine ours")
+        if self.engine == "ours":
+            self.engine_options()  # a bad engine option fails now, not after the weights load
+
+    def engine_options(self):
+        """Our engine's options for this run (their checks run when a run is made: before any weights load)."""
+        from ..engine.options import EngineOptions
+
+        return EngineOptions(device=self.device, dtype=self.dtype, kv_dtype=self.kv_dtype, max_context=self.max_context,
+                             kv_capacity=self.kv_capacity, max_concurrency=self.max_concurrency,
+                             prefill_chunk=self.prefill_chunk, runtime=self.runtime, spec=self.spec,
+                             draft_tokens=self.draft_tokens, rollback=self.rollback, lm_head_draft=self.lm_head_draft,
+                             lookahead=self.lookahead, draft_graphs=self.draft_graphs, pdl=self.pdl,
+                             side_stream=self.side_stream, silu_epilogue=self.silu_epilogue)
 
     def default_label(self) -> str:
         if self.engine == "hf":
@@ -294,16 +312,9 @@ def run_decode(opts: DecodeOptions, progress=None, loaded=None) -> dict:
 
         runner = HFPeer.load(opts, loaded)
     else:
-        from ..engine.options import EngineOptions
         from ..engine.runtime import Engine
 
-        options = EngineOptions(device=opts.device, dtype=opts.dtype, kv_dtype=opts.kv_dtype,
-                                max_context=opts.max_context, prefill_chunk=opts.prefill_chunk, runtime=opts.runtime,
-                                spec=opts.spec, draft_tokens=opts.draft_tokens, rollback=opts.rollback,
-                                lm_head_draft=opts.lm_head_draft, lookahead=opts.lookahead,
-                                draft_graphs=opts.draft_graphs, pdl=opts.pdl, side_stream=opts.side_stream,
-                                silu_epilogue=opts.silu_epilogue)
-        runner = Engine(loaded if loaded is not None else load_model(opts), options)
+        runner = Engine(loaded if loaded is not None else load_model(opts), opts.engine_options())
         opts.draft_tokens = runner.options.draft_tokens
         opts.max_context = runner.options.max_context
     prompts = load_prompts(opts.prompt_file, runner.tokenizer, opts.prompts)

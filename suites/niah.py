@@ -106,6 +106,9 @@ def _load_oracles(opts: NiahOptions, model_info: dict) -> dict[str, dict]:
     for p in paths:
         if p.is_file():
             records, meta = load_oracle(p)
+            if meta.get("suite") != "niah":  # (`oracle prompts` files name no suite)
+                raise ValueError(f"{p}: not an oracle of needle-in-a-haystack cases (suite "
+                                 f"{meta.get('suite')!r}): make one with `ninfer-bench oracle niah`")
             if model_info.get("artifact_id") and meta.get("artifact_id") not in ("", model_info["artifact_id"]):
                 raise ValueError(f"{p}: oracle made for artifact {meta.get('artifact_id')}, "
                                  f"this model is {model_info['artifact_id']}")
@@ -210,6 +213,8 @@ def build_niah_oracle(source: str | None, opts: NiahOptions, out: str | None = N
     from ..oracles.build import reference_model
     from ..oracles.store import load_oracle, save_oracle
 
+    if out and len(opts.ctxs) != 1:
+        raise ValueError(f"out names one oracle file, for one context length; got {len(opts.ctxs)}")
     model, loaded = reference_model(source, dtype)
     info = loaded.info
     sha = file_sha256(info["path"]) if info.get("path") else info.get("config_sha256", "")
@@ -217,7 +222,7 @@ def build_niah_oracle(source: str | None, opts: NiahOptions, out: str | None = N
     total = len(opts.ctxs) * len(opts.depths) * opts.cases
     done = 0
     for ctx in opts.ctxs:
-        path = Path(out) if out and len(opts.ctxs) == 1 else oracle_path(info, ctx)
+        path = Path(out) if out else oracle_path(info, ctx)
         meta = {"artifact_id": info.get("artifact_id") or "", "artifact_sha256": sha, "dtype": dtype, "top_k": top_k,
                 "suite": "niah", "ctx": ctx, "cases": opts.cases, "seed": opts.seed,
                 "answer_tokens": opts.answer_tokens}

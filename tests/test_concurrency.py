@@ -82,3 +82,12 @@ def test_concurrency_suite_in_process():
     assert all(lv["matches_sequential"] for lv in levels)
     assert all(lv["aggregate_tok_s"] > 0 and lv["ttft_ms_p50"] > 0 for lv in levels)
     assert len(doc["records"]) == 1 + 2 + 4
+
+
+def test_every_client_prompt_has_the_asked_length():
+    from ninfer_bench.suites.concurrency import exact_length
+
+    assert exact_length([1, 2, 3], 7) == [1, 2, 3, 1, 2, 3, 1]
+    assert exact_length([1, 2, 3], 2) == [1, 2]
+    with pytest.raises(ValueError, match="interleave"):
+        ConcurrencyOptions(prefill_chunk=256, interleave_chunk=512)

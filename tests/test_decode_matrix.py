@@ -102,3 +102,28 @@ def test_cli_grid_writes_one_document_per_run(tmp_path):
     taken.write_text("{}")
     r = CliRunner().invoke(main, ["decode", "--model", "tiny", "--spec", "none,mtp", "--json", str(taken)])
     assert r.exit_code == 1 and "folder" in r.output
+
+
+def test_bad_outputs_and_options_fail_before_any_work(tmp_path):
+    """Output paths that could not be written at the end, --prompts without a prompt set, and engine options are
+    refused at once (a GPU run should not be thrown away at its end); the capacities reach the engine."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    cases = [
+        (["decode", "--model", "tiny", "--json", str(blocker / "x.json")], "cannot write"),
+        (["decode", "--model", "tiny", "--prompts", "2"], "--prompts"),
+        (["decode", "--model", "tiny", "--max-concurrency", "0"], "max-concurrency"),
+        (["kernels", "--shape", "tiny", "--json", str(blocker / "k.json")], "cannot write"),
+        (["niah", "--model", "tiny", "--ctx", "512", "--heatmap", str(blocker / "h.png")], "cannot write"),
+        (["oracle", "niah", "--model", "tiny", "--ctx", "512,1024", "--out", str(tmp_path / "o.json.gz")],
+         "one context"),
+        (["concurrency", "--url", "localhost:9", "-c", "1"], "--url"),
+        (["concurrency", "--url", "http://127.0.0.1:9", "-c", "1", "-n", "4"], "127.0.0.1:9"),
+    ]
+    for args, message in cases:
+        r = CliRunner().invoke(main, args)
+        assert r.exit_code == 1 and message in r.output and "Traceback" not in r.output, (args, r.output)
+    assert not list(tmp_path.glob("o*.json.gz"))
+    opts = DecodeOptions(**BASE, max_concurrency=2, kv_capacity=300)
+    eng_opts = opts.engine_options()
+    assert (eng_opts.max_concurrency, eng_opts.kv_capacity) == (2, 300)
