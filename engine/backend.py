@@ -148,7 +148,8 @@ class Generation:
                  saved: Session | None, prompt_text: str | None, media=None):
         self.backend, self.prompt, self.params, self.media = backend, ids, params, media
         self.session_id, self.saved, self.prompt_text = session_id, saved, prompt_text
-        self.stream = TextStream(backend.engine.tokenizer, params.stop, backend.eos)
+        # the text leaves out control tokens (end tokens, chat markers), as OpenAI-style servers do; token ids keep them
+        self.stream = TextStream(backend.engine.tokenizer, params.stop, backend.eos | backend.engine.tokenizer.special_ids)
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
         self.text, self.req, self.state, self.admitted_at = "", None, None, None

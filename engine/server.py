@@ -20,6 +20,10 @@ Sampling: ``temperature``, ``top_p``, ``max_tokens``, ``stop`` (Anthropic ``stop
   ``content_block_delta`` events) carry the ids committed with them.
 - ``ignore_eos: true``: generate exactly ``max_tokens`` tokens (benchmarks with a fixed output length).
 
+Not supported, and refused with a 400 rather than ignored: ``n`` > 1, ``tools``, ``logprobs``, ``echo``, a
+``response_format`` other than text. Stop strings: at most 16, of at most 1000 characters each. Generated control
+tokens (end tokens, chat markers) are left out of the text; ``return_token_ids`` still shows them.
+
 Images and videos (models with a vision component): OpenAI ``image_url`` / ``video_url`` content parts whose
 ``url`` is a data URI or a local file path, Anthropic ``image`` blocks with a base64 source. Remote URLs are
 refused (no network); media that cannot be decoded, or exceeds the limits (``Engine.media_limits``), is a 400.

@@ -53,6 +53,11 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
 
+    @property
+    def special_ids(self) -> frozenset[int]:
+        """Ids of the added tokens marked special (chat markers, end tokens, the mask): control, not text."""
+        return frozenset(i for i, tok in self.backend.get_added_tokens_decoder().items() if tok.special)
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """Render ``messages`` (dicts with role and content) with the artifact's template."""
         import jinja2
@@ -120,5 +125,9 @@ class ByteTokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         return self.specials.get(token)
+
+    @property
+    def special_ids(self) -> frozenset[int]:
+        return frozenset(self.specials.values())
 
     apply_chat_template = Tokenizer.apply_chat_template

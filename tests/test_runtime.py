@@ -212,3 +212,16 @@ def test_stop_hold_back_is_the_longest_possible_stop_start():
     assert checked > 1000
     with pytest.raises(ValueError, match="seed"):
         SamplingParams(temperature=1.0, seed=2**64)
+
+
+def test_served_text_leaves_out_control_tokens():
+    """The server's text stream hides special tokens (chat markers, the mask) as OpenAI-style servers do."""
+    from ninfer_bench.engine.backend import TextStream
+    from ninfer_bench.engine.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer(300)
+    start, mask = tok.token_to_id("<|im_start|>"), tok.token_to_id("<|mask|>")
+    assert {start, mask} <= tok.special_ids
+    stream = TextStream(tok, hide=tok.special_ids)
+    assert stream.push([ord("a"), start, ord("b"), mask]) + stream.finish() == "ab"
+    assert TextStream(tok).push([ord("a"), start]) == "a<|im_start|>"  # (decode alone keeps them)
