@@ -214,3 +214,21 @@ def test_silu_epilogue_decodes_like_its_eager_launches(spec, k):
     assert on.weights.interleaved and all(hasattr(on.weights.linear(n), "silu_mul") for n in on.weights.interleaved)
     assert b.tokens == a.tokens
     assert b.spec.get("accepted_tokens") == a.spec.get("accepted_tokens")
+
+
+def test_attention_biases_through_the_fused_path(tmp_path):
+    """A model with attention biases (attention_bias=True): v3's fused q|k|v weight carries their concatenation,
+    and v3 (graphs, fused kernels) decodes v2's eager tokens."""
+    from tinyhf import make_hf
+
+    from ninfer_bench.engine.convert import convert
+
+    make_hf("qwen3_5", tmp_path / "hf", seed=5, attention_bias=True)
+    convert(tmp_path / "hf", tmp_path / "m.ninfer", policy="q8")
+    kw = dict(device="cuda", dtype="fp32", kv_dtype="int8", max_context=512)
+    prompt = list(range(3, 120))
+    v2 = Engine.load(str(tmp_path / "m.ninfer"), runtime="v2", **kw)
+    want = v2.generate(prompt, max_new_tokens=32, ignore_eos=True).tokens
+    v3 = Engine.load(str(tmp_path / "m.ninfer"), runtime="v3", **kw)
+    assert any(n.endswith("self_attn.qkv_proj.bias") for n in v3.weights.vectors)
+    assert v3.generate(prompt, max_new_tokens=32, ignore_eos=True).tokens == want
