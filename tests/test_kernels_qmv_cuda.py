@@ -199,8 +199,10 @@ def test_tiled_layout_equals_plain(fmt, n, k, t, splits):
     packed = ql.PackedLinear(lin.buf, fmt, (n, k), "cuda", layout="tiled")  # keeps only the tiles
     assert packed.codes is None and torch.equal(packed(x), qmv_cuda.qmv(x, tw, splits=None))
     assert torch.equal(packed.row_major().buf, lin.buf)
-    # (the Triton kernel's split-K sums are not in a fixed order: close, not equal)
-    torch.testing.assert_close(ql.qlinear_triton(x.float(), packed.row_major()), ql.qlinear_triton(x.float(), lin))
+    # (the Triton kernel's split-K sums are not in a fixed order: close, not equal - fp32 sums of K = 5120 products
+    # in another order differ by some 1e-5 relative; torch's fp32 default, 1.3e-6, failed one element in ~500 runs)
+    torch.testing.assert_close(ql.qlinear_triton(x.float(), packed.row_major()), ql.qlinear_triton(x.float(), lin),
+                               rtol=5e-5, atol=5e-5)
     assert tw.codes.shape[:3] == (-(-n // 16), lin.ng, 16)
     y = qmv_cuda.qmv(x, tw, splits=splits)
     assert torch.equal(y, qmv_cuda.qmv(x, lin, splits=splits))
