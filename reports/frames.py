@@ -30,19 +30,23 @@ COLUMNS = {
 
 
 def load_results(paths) -> list[dict]:
-    """Read and validate result documents; a folder stands for the ``*.json`` files directly in it."""
+    """Read and validate result documents; a folder stands for the ``*.json`` and ``*.json.gz`` files directly in
+    it. A file named twice (directly or through its folder) is read once."""
     files = []
     for p in map(Path, paths):
         if p.is_dir():
-            found = sorted(p.glob("*.json"))
+            found = sorted([*p.glob("*.json"), *p.glob("*.json.gz")])
             if not found:
-                raise ResultError(f"{p}: a folder with no *.json result files")
+                raise ResultError(f"{p}: a folder with no *.json or *.json.gz result files")
             files += found
         else:
             files.append(p)
     if not files:
         raise ResultError("no result files given")
-    return [read_result(f) for f in files]
+    unique = {}
+    for f in files:
+        unique.setdefault(f.resolve(), f)
+    return [read_result(f) for f in unique.values()]
 
 
 def unique_labels(docs: list[dict]) -> list[dict]:

@@ -2,9 +2,14 @@
 reports, gates").
 
 Exact metrics (token hashes, acceptance counts on deterministic runs, oracle agreement) must be equal. A timing
-metric fails only when its median moved the wrong way by more than its threshold *and* the per-repeat samples
-show the shift is significant (two-sided Mann-Whitney U test, p < ``alpha``); a change past the threshold that
-the samples cannot confirm is "ambiguous": shown, never silently passed.
+metric fails when its median moved the wrong way by more than its threshold *and* the per-repeat samples show
+the shift is significant (two-sided Mann-Whitney U test, p < ``alpha``); a change past the threshold that enough
+samples cannot confirm is "ambiguous": shown, never silently passed. Where the samples are too few for the test
+ever to reach ``alpha`` (3 repeats against 3, decode's default) or there are none (peak memory), the threshold
+alone decides, and the verdict says so.
+
+Two runs that differ in model, workload, engine settings or GPU are different experiments: the gate fails them
+with a ``config`` row unless ``allow_config_change``. A rules list of which no rule applies is refused.
 
 Metrics are addressed by paths into the summary (:mod:`.metric_path`): ``decode_tok_s``,
 ``levels[concurrency=4].aggregate_tok_s``, ``records[op=rmsnorm,variant=v3,t=1].us_median``; a wildcard
@@ -22,11 +27,18 @@ from pathlib import Path
 
 from .metric_path import MetricMissing, format_path, instances, lookup, parse_path, root, stars, substitute
 from .schema import SUITES
-from .stats import ALPHA, rank_test
+from .stats import ALPHA, Shift, rank_test
 
 KINDS = ("exact", "timing")
-# config / model keys that make two runs different experiments (a gate across them is reported as ambiguous)
-CONFIG_KEYS = ("spec", "draft_tokens", "kv_dtype", "device", "dtype", "quant", "max_new_tokens")
+# config / model keys that make two runs different experiments (a gate across them fails)
+CONFIG_KEYS = (
+    "engine", "runtime", "device", "dtype", "quant", "kv_dtype",  # what runs, in which numerics
+    "spec", "draft_tokens", "rollback", "lm_head_draft",  # speculation
+    "prompt_file", "prompts", "images", "max_new_tokens", "temperature", "seed",  # the decode workload
+    "ctxs", "depths", "answer_tokens", "cases", "near_tie",  # niah's cases and agreement rule
+    "levels", "prompt_tokens", "rounds",  # concurrency's load
+)
+PATH_KEYS = ("prompt_file", "images")  # compared by file name: where a checkout lies is no part of the experiment
 MODEL_KEYS = ("artifact_id", "sha256", "model_id", "preset", "quant_policy", "config_sha256", "seed")
 
 
@@ -127,6 +139,8 @@ def load_rules(path: str | Path) -> list[Rule]:
             rules.append(Rule(**item))
         except ValueError as e:
             raise ValueError(f"{path}: rule {i}: {e}") from None
+    if not rules:
+        raise ValueError(f"{path}: no rules (a gate with nothing to check would always pass)")
     return rules
 
 
@@ -169,18 +183,29 @@ class Verdict:
         return asdict(self)
 
 
+def config_value(config: dict, key: str):
+    """``config[key]`` as two runs of one experiment would share it: file paths reduced to their names, tuples
+    (a fresh document's) as lists (a document read back from JSON)."""
+    value = config.get(key)
+    if isinstance(value, (list, tuple)):
+        return [_portable(key, v) for v in value]
+    return _portable(key, value)
+
+
+def _portable(key: str, value):
+    return Path(value).name if key in PATH_KEYS and isinstance(value, (str, Path)) else value
+
+
 def config_differences(baseline: dict, candidate: dict) -> list[str]:
-    """What makes the two runs different experiments: model identity, spec, draft tokens, KV dtype, device..."""
-    diffs = []
+    """What makes the two runs different experiments: model identity, workload, engine settings, GPU."""
     pairs = [(f"model.{k}", baseline["model"].get(k), candidate["model"].get(k)) for k in MODEL_KEYS]
     if all(b is None and c is None for _, b, c in pairs):  # no identity recorded: fall back to the config
         pairs = [("model", baseline["config"].get("model"), candidate["config"].get("model"))]
-    pairs += [(k, baseline["config"].get(k), candidate["config"].get(k)) for k in CONFIG_KEYS]
-    pairs.append(("env.gpu", baseline["env"].get("gpu"), candidate["env"].get("gpu")))
-    for key, b, c in pairs:
-        if b != c:
-            diffs.append(f"{key} {b!r} vs {c!r}")
-    return diffs
+    pairs += [(k, config_value(baseline["config"], k), config_value(candidate["config"], k)) for k in CONFIG_KEYS]
+    on_cpu = baseline["config"].get("device") == candidate["config"].get("device") == "cpu"
+    if not on_cpu:  # the GPU a run had matters only where it ran on one
+        pairs.append(("env.gpu", baseline["env"].get("gpu"), candidate["env"].get("gpu")))
+    return [f"{key} {b!r} vs {c!r}" for key, b, c in pairs if b != c]
 
 
 def _deterministic(doc: dict) -> bool:
@@ -191,9 +216,12 @@ def _deterministic(doc: dict) -> bool:
     return temperature <= 0 or doc["config"].get("seed") is not None
 
 
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 def _relative(b, c) -> float | None:
-    if isinstance(b, bool) or isinstance(c, bool) or not isinstance(b, (int, float)) \
-            or not isinstance(c, (int, float)):
+    if not _number(b) or not _number(c):
         return None
     if b == 0:
         return 0.0 if c == 0 else math.copysign(math.inf, c)
@@ -208,6 +236,22 @@ def _judge_exact(rule: Rule, b, c, deterministic: bool) -> Verdict:
         return Verdict(rule.metric, "exact", b, c, change, "ambiguous",
                        "differs, but a run is not deterministic (sampling without a seed, or repeats disagreed)")
     return Verdict(rule.metric, "exact", b, c, change, "fail", "differs")
+
+
+def _shift(rule: Rule, baseline: dict, candidate: dict, alpha: float) -> Shift | None:
+    """The rank test over the rule's per-repeat samples; None when a document has none."""
+    if rule.samples is None:
+        return None
+    samples = []
+    for side, doc in (("baseline", baseline), ("candidate", candidate)):
+        try:
+            values = lookup(doc, rule.samples)
+        except MetricMissing:
+            return None
+        if not isinstance(values, list) or not all(v is None or _number(v) for v in values):
+            raise ValueError(f"{side} {rule.samples}: expected a list of numbers, got {_show(values)}")
+        samples.append(values)
+    return rank_test(*samples, alpha)
 
 
 def _judge_timing(rule: Rule, baseline: dict, candidate: dict, b, c, alpha: float) -> Verdict:
@@ -225,47 +269,53 @@ def _judge_timing(rule: Rule, baseline: dict, candidate: dict, b, c, alpha: floa
     limit = f"{rule.threshold * 100:g}%"
     if abs(worse) <= rule.threshold:
         return verdict("pass", f"within ±{limit}", change)
-    shift, stats = None, ""
-    if rule.samples is not None:
-        try:
-            shift = rank_test(lookup(baseline, rule.samples), lookup(candidate, rule.samples), alpha)
-        except MetricMissing:
-            pass
-    if shift is not None:
-        stats = f"{shift.n_baseline} vs {shift.n_candidate} samples"
-        stats = stats if shift.p is None else f"p={shift.p:.3g}, {stats}"
+    shift = _shift(rule, baseline, candidate, alpha)
+    stats = "" if shift is None else f"{shift.n_baseline} vs {shift.n_candidate} samples"
+    stats = stats if shift is None or shift.p is None else f"p={shift.p:.3g}, {stats}"
     p = shift.p if shift else None
     if worse < 0:
         return verdict("pass", f"improved by {-worse:.1%}" + (f" ({stats})" if stats else ""), change, p)
     moved = f"{worse:.1%} worse (threshold {limit})"
-    if shift is None:
-        why = "no samples" if rule.samples is None else f"no {rule.samples}"
-        return verdict("ambiguous", f"{moved}, {why} to test significance", change)
+    if shift is None or shift.powerless:
+        # no test could confirm the change: the threshold alone decides, or a gate on decode's default 3 repeats
+        # (or on peak memory, which has no samples) could never fail
+        if shift is None:
+            why = "no samples" if rule.samples is None else f"no {rule.samples}"
+        else:
+            why = f"too few samples to ever reach p<{alpha:g} ({stats})"
+        return verdict("fail", f"{moved}; decided on the threshold alone, without a significance test: {why}",
+                       change, p)
     if not shift.significant:
-        why = f"too few samples to ever reach p<{alpha:g}" if shift.powerless else f"not significant at p<{alpha:g}"
-        return verdict("ambiguous", f"{moved}, {why} ({stats})", change, p)
+        return verdict("ambiguous", f"{moved}, not significant at p<{alpha:g} ({stats})", change, p)
     wrong_way = -1 if rule.higher_is_better else 1
     if shift.direction != wrong_way:
         return verdict("ambiguous", f"{moved}, but the samples shift the other way ({stats})", change, p)
     return verdict("fail", f"{moved}, significant ({stats})", change, p)
 
 
-def gate(baseline: dict, candidate: dict, rules: list[Rule] | None = None, alpha: float = ALPHA) -> list[Verdict]:
-    """Compare two result documents of the same suite; one :class:`Verdict` per (expanded) rule, preceded by an
-    "ambiguous" ``config`` row when the runs differ in model, spec, draft tokens, KV dtype, device..."""
+def gate(baseline: dict, candidate: dict, rules: list[Rule] | None = None, alpha: float = ALPHA,
+         allow_config_change: bool = False) -> list[Verdict]:
+    """Compare two result documents of the same suite; one :class:`Verdict` per (expanded) rule, preceded by a
+    ``config`` row when the runs are different experiments (model, workload, spec, KV dtype, device...): "fail",
+    or "ambiguous" with ``allow_config_change``. Raises ValueError when no rule applies to the suite."""
     suite = baseline.get("suite")
     if suite != candidate.get("suite"):
         raise ValueError(f"cannot gate a {candidate.get('suite')} result against a {suite} baseline")
     if not 0 < alpha < 1:
         raise ValueError(f"alpha must be in (0, 1), got {alpha}")
-    rules = default_rules(suite) if rules is None else [r for r in rules if r.suite in (None, suite)]
+    applicable = default_rules(suite) if rules is None else [r for r in rules if r.suite in (None, suite)]
+    if not applicable:
+        others = sorted({r.suite for r in rules})
+        raise ValueError(f"no gate rule applies to a {suite} result"
+                         + (f" (the rules are for {', '.join(others)})" if others else " (the rules list is empty)"))
     verdicts = []
     diffs = config_differences(baseline, candidate)
     if diffs:
-        verdicts.append(Verdict("config", "config", None, None, None, "ambiguous",
-                                "config differs: " + "; ".join(diffs)))
+        status, note = ("ambiguous", "allowed") if allow_config_change else ("fail", "different experiments")
+        verdicts.append(Verdict("config", "config", None, None, None, status,
+                                f"config differs ({note}): " + "; ".join(diffs)))
     deterministic = _deterministic(baseline) and _deterministic(candidate)
-    for rule in expand(rules, baseline, candidate):
+    for rule in expand(applicable, baseline, candidate):
         (b, b_missing), (c, c_missing) = _value(baseline, rule.metric), _value(candidate, rule.metric)
         if b_missing or c_missing:
             reason = "; ".join(f"{side}: {why}" for side, why in (("baseline", b_missing), ("candidate", c_missing))
@@ -287,8 +337,9 @@ def _value(doc: dict, path: str) -> tuple[object, str | None]:
 
 
 def exit_code(verdicts: list[Verdict]) -> int:
-    """1 when any verdict failed or is missing; ambiguous rows are shown but do not fail."""
-    return int(any(v.status in ("fail", "missing") for v in verdicts))
+    """1 when any verdict failed or is missing, or there is none (nothing was compared); ambiguous rows are shown
+    but do not fail."""
+    return int(not verdicts or any(v.status in ("fail", "missing") for v in verdicts))
 
 
 def _show(value) -> str:

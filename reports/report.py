@@ -18,12 +18,15 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from .frames import frames, model_id, shape_text, unique_labels
-from .gate import default_rules, expand
+from .gate import config_value, default_rules, expand
 from .metric_path import MetricMissing, lookup
 from .plots import plot_all
 from .stats import ALPHA, rank_test
 
 DEFAULT_TITLE = "ninfer-bench release validation"
+# config keys of the workload: runs that differ in them (or in the model) do not compare like with like
+WORKLOAD_KEYS = ("prompt_file", "prompts", "images", "max_new_tokens", "prompt_tokens", "rounds")
+UNLIKE = "differs from the baseline"
 
 
 @dataclass(slots=True)
@@ -92,6 +95,19 @@ def _compare(base: dict, doc: dict, rule) -> tuple[str, str]:
         return ("-", "")
     verdict, tone = _verdict(*samples, rule.higher_is_better)
     return f"{c / b:.3f}x ({c / b - 1:+.1%}) {verdict}", tone
+
+
+def _model_name(doc: dict) -> str:
+    name = model_id(doc["model"])
+    return name if name != "-" else _f(doc["config"].get("model"))
+
+
+def _unlike(base: dict, doc: dict) -> tuple[str, str]:
+    """What makes a delta row compare unlike runs: another model or workload than the baseline's."""
+    pairs = [("model", _model_name(base), _model_name(doc))]
+    pairs += [(k, config_value(base["config"], k), config_value(doc["config"], k)) for k in WORKLOAD_KEYS]
+    diffs = [f"{key} {c} (baseline {b})" for key, b, c in pairs if b != c]
+    return ("NOT COMPARABLE: " + "; ".join(diffs), "bad") if diffs else ("-", "")
 
 
 # ---- sections ------------------------------------------------------------------------------------------
@@ -184,11 +200,13 @@ def _decode(docs, base, figures) -> list:
         blocks.append(("figure", "decode", "decode tok/s and tokens per round by configuration"))
     if base is not None and len(docs) > 1:
         rules = [r for r in default_rules("decode") if r.kind == "timing" and r.samples]
-        deltas = Table(["label"] + [r.metric for r in rules])
-        deltas.rows = [[d["label"]] + [_compare(base, d, r) for r in rules] for d in docs if d is not base]
+        deltas = Table(["label"] + [r.metric for r in rules] + [UNLIKE])
+        deltas.rows = [[d["label"]] + [_compare(base, d, r) for r in rules] + [_unlike(base, d)]
+                       for d in docs if d is not base]
         blocks += [("h3", f"Against the baseline {base['label']}"),
                    ("p", "Ratio of medians candidate/baseline; verdicts from a two-sided Mann-Whitney U test over "
-                         "the per-repeat samples (p < 0.05)."), ("table", deltas)]
+                         "the per-repeat samples (p < 0.05). A row whose last column is not '-' ran another model "
+                         "or workload than the baseline: its ratios compare unlike runs."), ("table", deltas)]
     blocks += [("h3", "Exact-metric agreement"),
                ("p", "Greedy runs of the same model, spec, KV dtype, device and workload must produce identical "
                      "tokens (tokens_sha256)."), ("table", _agreement(docs))]
@@ -219,12 +237,12 @@ def _concurrency(docs, base, figures) -> list:
     if "concurrency" in figures:
         blocks.append(("figure", "concurrency", "aggregate and per-request tok/s against concurrency"))
     if base is not None and len(docs) > 1:
-        deltas = Table(["label", "metric", "against " + base["label"]])
+        deltas = Table(["label", "metric", "against " + base["label"], UNLIKE])
         for d in docs:
             if d is base:
                 continue
             rules = [r for r in expand(default_rules("concurrency"), base, d) if r.kind == "timing" and r.samples]
-            deltas.rows += [[d["label"], r.metric, _compare(base, d, r)] for r in rules]
+            deltas.rows += [[d["label"], r.metric, _compare(base, d, r), _unlike(base, d)] for r in rules]
         blocks += [("h3", f"Against the baseline {base['label']}"), ("table", deltas)]
     return blocks
 

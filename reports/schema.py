@@ -12,16 +12,19 @@ Reports and gates read only these documents.
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import platform
 import subprocess
 import sys
+import zlib
 from datetime import datetime, timezone
 from pathlib import Path
 
 SCHEMA = "ninfer-bench/result"
 SCHEMA_VERSION = 1
+GZIP_MAGIC = b"\x1f\x8b"
 SUITES = ("decode", "niah", "concurrency", "kernels", "prefill")
 
 # summary keys each suite must provide (DESIGN.md); suites may add more
@@ -101,7 +104,9 @@ def make_result(suite: str, *, label: str, config: dict, records: list[dict], su
 
 
 def validate(doc: dict, source: str = "result") -> dict:
-    """Raise :class:`ResultError` naming what is wrong; return ``doc`` when it follows the schema."""
+    """Raise :class:`ResultError` naming the file (``source``) and the key that is wrong; return ``doc`` when it
+    follows the schema: the sections of the right types, the suite's summary keys, per-repeat samples as lists
+    of numbers."""
     if not isinstance(doc, dict):
         raise ResultError(f"{source}: not a JSON object")
     if doc.get("schema") != SCHEMA:
@@ -115,28 +120,80 @@ def validate(doc: dict, source: str = "result") -> dict:
     suite = doc["suite"]
     if suite not in SUITES:
         raise ResultError(f"{source}: unknown suite {suite!r}")
-    missing = [k for k in REQUIRED_SUMMARY[suite] if k not in doc["summary"]]
+    if not isinstance(doc["label"], str):
+        raise ResultError(f"{source}: label must be a string, got {_brief(doc['label'])}")
+    for key in ("env", "model", "config", "summary"):
+        _object(doc[key], source, key)
+    _objects(doc["records"], source, "records")
+    summary = doc["summary"]
+    missing = [k for k in REQUIRED_SUMMARY[suite] if k not in summary]
     if missing:
         raise ResultError(f"{source}: {suite} summary lacks {missing}")
+    _samples(summary.get("samples"), source, "summary.samples")
     if suite == "concurrency":
-        for lv in doc["summary"]["levels"]:
+        _objects(summary["levels"], source, "summary.levels")
+        for i, lv in enumerate(summary["levels"]):
             miss = [k for k in CONCURRENCY_LEVEL_KEYS if k not in lv]
             if miss:
                 raise ResultError(f"{source}: concurrency level {lv.get('concurrency')} lacks {miss}")
+            _samples(lv.get("samples"), source, f"summary.levels[{i}].samples")
     if suite == "kernels":
-        for rec in doc["records"]:
+        for i, rec in enumerate(doc["records"]):
             miss = [k for k in KERNEL_RECORD_KEYS if k not in rec]
             if miss:
                 raise ResultError(f"{source}: kernel record {rec.get('op')} lacks {miss}")
+            _numbers(rec.get("samples_us", []), source, f"records[{i}].samples_us")
+    if suite == "niah":
+        for i, rec in enumerate(doc["records"]):
+            if not isinstance(rec.get("case"), str):
+                raise ResultError(f"{source}: niah records[{i}] has no case name")
     return doc
 
 
+def _brief(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:39] + "…"
+
+
+def _object(value, source: str, key: str) -> None:
+    if not isinstance(value, dict):
+        raise ResultError(f"{source}: {key} must be an object, got {_brief(value)}")
+
+
+def _objects(value, source: str, key: str) -> None:
+    if not isinstance(value, list):
+        raise ResultError(f"{source}: {key} must be a list of objects, got {_brief(value)}")
+    for i, item in enumerate(value):
+        _object(item, source, f"{key}[{i}]")
+
+
+def _numbers(value, source: str, key: str) -> None:
+    """A list of per-repeat samples: numbers, or null for a repeat that measured nothing."""
+    bad = not isinstance(value, list) or any(isinstance(v, bool) or not isinstance(v, (int, float, type(None)))
+                                             for v in value)
+    if bad:
+        raise ResultError(f"{source}: {key} must be a list of numbers, got {_brief(value)}")
+
+
+def _samples(samples, source: str, key: str) -> None:
+    """``{metric: [numbers]}`` (absent is fine: the gate then decides on its thresholds alone)."""
+    if samples is None:
+        return
+    _object(samples, source, key)
+    for name, values in samples.items():
+        _numbers(values, source, f"{key}.{name}")
+
+
 def write_result(doc: dict, path: str | Path) -> Path:
-    """Write a result document as indented JSON (atomically)."""
+    """Write a result document as indented JSON (atomically); gzip-compressed when ``path`` ends in ``.gz``, as
+    oracle files are."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    data = (json.dumps(doc, indent=1, default=_jsonable) + "\n").encode()
+    if path.suffix == ".gz":
+        data = gzip.compress(data, mtime=0)
     tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(doc, indent=1, default=_jsonable) + "\n")
+    tmp.write_bytes(data)
     os.replace(tmp, path)
     return path
 
@@ -150,12 +207,19 @@ def _jsonable(x):
 
 
 def read_result(path: str | Path) -> dict:
-    """Load and validate a result document."""
+    """Load and validate a result document (plain or gzip-compressed JSON)."""
     path = Path(path)
     if not path.is_file():
         raise ResultError(f"no such result file: {path}")
+    data = path.read_bytes()
     try:
-        doc = json.loads(path.read_text())
+        if data[:2] == GZIP_MAGIC:
+            data = gzip.decompress(data)
+        doc = json.loads(data.decode("utf-8"))
+    except (OSError, EOFError, zlib.error) as e:  # a truncated or corrupt gzip stream
+        raise ResultError(f"{path}: not a readable gzip file ({e})") from None
+    except UnicodeDecodeError:
+        raise ResultError(f"{path}: not a JSON result document (not UTF-8 text)") from None
     except json.JSONDecodeError as e:
         raise ResultError(f"{path}: not JSON ({e.msg} at line {e.lineno})") from None
     return validate(doc, str(path))

@@ -151,6 +151,10 @@ def summarize(records: list[dict], ctxs, seconds: float) -> dict:
     }
 
 
+RESCORE_CONFIG = ("ctxs", "depths", "cases", "answer_tokens", "seed")  # what rebuilds a document's cases
+RESCORE_RECORD = ("case", "ctx", "depth", "prompt_tokens", "answer", "tokens", "retrieved")  # what run_niah wrote
+
+
 def rescore_niah(doc: dict, oracle: str | None = None) -> dict:
     """A niah result document judged again against the oracle outputs stored now (e.g. a GPU grid run before its
     64K oracles existed): same cases, same tokens, new verdicts. Each case is rebuilt from the document's config
@@ -160,6 +164,13 @@ def rescore_niah(doc: dict, oracle: str | None = None) -> dict:
     if doc.get("suite") != "niah":
         raise ValueError(f"--rescore takes a niah result document, this one is {doc.get('suite')!r}")
     cfg = doc["config"]
+    lacking = [k for k in RESCORE_CONFIG if k not in cfg]
+    if lacking:
+        raise ValueError(f"niah result {doc.get('label')!r}: its config lacks {lacking}; its cases cannot be rebuilt")
+    for i, rec in enumerate(doc["records"]):
+        lacking = [k for k in RESCORE_RECORD if k not in rec]
+        if lacking:
+            raise ValueError(f"niah result {doc.get('label')!r}: records[{i}] lacks {lacking}")
     opts = NiahOptions(model=cfg.get("model"), ctxs=tuple(cfg["ctxs"]), depths=tuple(cfg["depths"]),
                        cases=cfg["cases"], answer_tokens=cfg["answer_tokens"], seed=cfg["seed"],
                        oracle=oracle or None, near_tie=cfg.get("near_tie", NEAR_TIE_NATS))

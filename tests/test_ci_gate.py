@@ -79,3 +79,24 @@ def test_rescore_judges_an_earlier_document_against_stored_oracles(tmp_path):
     assert read_result(tmp_path / "out.json")["summary"]["oracle_agreement"] == 1.0
     with pytest.raises(ValueError, match="niah result"):
         rescore_niah({**doc, "suite": "decode"})
+
+
+def test_rescore_refuses_a_document_it_cannot_rebuild(tmp_path):
+    """A niah document missing what its cases are rebuilt from, or what its records were judged on, is refused
+    by name (no KeyError), before any model is loaded."""
+    from click.testing import CliRunner
+
+    from ninfer_bench.cli import main
+    from ninfer_bench.reports.schema import make_result, write_result
+    from ninfer_bench.suites.niah import rescore_niah
+
+    config = {"model": None, "ctxs": [2048], "depths": [50], "cases": 1, "answer_tokens": 8, "seed": 0}
+    doc = make_result("niah", label="n", config=config, records=[{"case": "ctx2048-d50-0", "ctx": 2048}], env={},
+                      summary={"cases": 1, "oracle_agreement": None, "retrieval": 0.0, "first_divergence": {}})
+    with pytest.raises(ValueError, match=r"records\[0\] lacks \['depth', 'prompt_tokens', 'answer', 'tokens'"):
+        rescore_niah(doc)
+    with pytest.raises(ValueError, match=r"config lacks \['ctxs', 'depths'"):
+        rescore_niah({**doc, "config": {"model": None}})
+    write_result(doc, tmp_path / "n.json")
+    r = CliRunner().invoke(main, ["niah", "--rescore", str(tmp_path / "n.json")])
+    assert r.exit_code == 1 and "records[0] lacks" in r.output and r.exception.__class__ is SystemExit, r.output

@@ -71,10 +71,15 @@ def test_noisy_overlapping_samples_beyond_threshold_are_ambiguous():
     assert exit_code([v]) == 0
 
 
-def test_too_few_repeats_are_ambiguous_never_failed():
-    base, cand = decode_doc([100, 100.1, 99.9]), decode_doc([50, 50.1, 49.9])  # halved, but 3 vs 3 samples
-    v = by_metric(gate(base, cand))["decode_tok_s"]
-    assert v.status == "ambiguous" and "too few samples" in v.reason
+def test_too_few_repeats_decide_on_the_threshold_alone():
+    """3 vs 3 samples can never reach p < 0.05 (decode's default repeats): the threshold decides, and says so."""
+    base = decode_doc([100, 100.1, 99.9])
+    for slow in ([50, 50.1, 49.9], [0.0, 0.0, 0.0]):  # halved, stopped
+        v = by_metric(gate(base, decode_doc(slow)))["decode_tok_s"]
+        assert v.status == "fail" and "without a significance test" in v.reason and "too few samples" in v.reason, v
+    assert by_metric(gate(base, decode_doc([97, 97.1, 96.9])))["decode_tok_s"].status == "pass"  # within 5%
+    assert by_metric(gate(base, decode_doc([150, 150.1, 149.9])))["decode_tok_s"].status == "pass"  # faster
+    assert exit_code(gate(base, json.loads(json.dumps(base)))) == 0
 
 
 def test_improvement_passes_with_a_note():
@@ -120,11 +125,20 @@ def test_missing_metric_is_missing_and_exits_1():
     assert only_missing == [v]
 
 
-def test_timing_without_samples_beyond_threshold_is_ambiguous():
+def test_timing_without_samples_is_judged_on_the_threshold():
     cand = decode_doc()
     cand["summary"]["peak_memory_bytes"] = 2 << 30
     v = by_metric(gate(decode_doc(), cand))["peak_memory_bytes"]
-    assert v.status == "ambiguous" and "no samples" in v.reason
+    assert v.status == "fail" and "no samples" in v.reason and "threshold alone" in v.reason
+    cand["summary"]["peak_memory_bytes"] = (1 << 30) + (1 << 20)
+    assert by_metric(gate(decode_doc(), cand))["peak_memory_bytes"].status == "pass"
+
+
+def test_samples_that_are_not_numbers_are_named():
+    base, cand = decode_doc(), decode_doc(np.linspace(79.5, 80.5, 10))
+    base["summary"]["samples_text"], cand["summary"]["samples_text"] = [1.0, 2.0, 3.0], "abc"
+    with pytest.raises(ValueError, match="candidate samples_text: expected a list of numbers"):
+        gate(base, cand, [Rule("decode_tok_s", samples="samples_text")])
 
 
 def test_different_suites_are_refused():
@@ -134,12 +148,48 @@ def test_different_suites_are_refused():
         gate(decode_doc(), niah)
 
 
-def test_config_difference_is_an_ambiguous_row():
+def test_config_difference_fails_unless_allowed():
     cand = decode_doc(config={"spec": "mtp", "draft_tokens": 3})
     verdicts = gate(decode_doc(), cand)
-    assert verdicts[0].metric == "config" and verdicts[0].status == "ambiguous"
+    assert verdicts[0].metric == "config" and verdicts[0].status == "fail" and exit_code(verdicts) == 1
     assert "spec 'dflash2' vs 'mtp'" in verdicts[0].reason and "draft_tokens 7 vs 3" in verdicts[0].reason
+    allowed = gate(decode_doc(), cand, allow_config_change=True)
+    assert allowed[0].status == "ambiguous" and exit_code(allowed) == 0
     assert "config" not in by_metric(gate(decode_doc(), decode_doc(config={"repeats": 5})))
+
+
+@pytest.mark.parametrize("key, b, c", [
+    ("prompt_file", "/a/short.txt", "/a/long.txt"), ("prompts", None, "set.jsonl"), ("runtime", "v3", "v2"),
+    ("engine", "ours", "hf"), ("rollback", "recompute", "snapshot"), ("lm_head_draft", 0, 4096),
+    ("ctxs", [2048], [8192]), ("depths", [0, 50], [100]), ("answer_tokens", 8, 16), ("cases", 1, 2),
+    ("seed", 0, 1), ("levels", [1, 2], [1, 4]), ("prompt_tokens", 32, 64), ("rounds", 1, 2),
+])
+def test_every_experiment_key_makes_a_config_difference(key, b, c):
+    verdicts = gate(decode_doc(config={key: b}), decode_doc(config={key: c}))
+    assert verdicts[0].metric == "config" and verdicts[0].status == "fail" and key in verdicts[0].reason
+
+
+def test_what_is_not_the_experiment_is_no_config_difference():
+    """A checkout's location, and the GPU of a CPU run, do not make another experiment."""
+    base = decode_doc(config={"prompt_file": "/home/ci/repo/suites/data/short.txt", "device": "cpu",
+                              "images": ["/home/ci/cat.png"]})
+    cand = decode_doc(config={"prompt_file": "/work/main/suites/data/short.txt", "device": "cpu",
+                              "images": ("cat.png",)})  # a fresh document holds tuples, one read back lists
+    cand["env"] = {**cand["env"], "gpu": None}
+    assert "config" not in by_metric(gate(base, cand))
+    cand["config"]["device"] = "cuda:0"
+    assert "env.gpu" in by_metric(gate(base, cand))["config"].reason
+
+
+def test_rules_that_apply_to_nothing_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="no gate rule applies to a decode result .the rules are for niah"):
+        gate(decode_doc(), decode_doc(), [Rule("cases", "exact", suite="niah")])
+    with pytest.raises(ValueError, match="no gate rule applies"):
+        gate(decode_doc(), decode_doc(), [])
+    (tmp_path / "r.json").write_text("[]")
+    with pytest.raises(ValueError, match="r.json: no rules"):
+        load_rules(tmp_path / "r.json")
+    assert exit_code([]) == 1  # nothing compared is no pass
 
 
 def test_niah_oracle_agreement_must_match():
@@ -172,7 +222,7 @@ def test_concurrency_levels_expand_and_a_dropped_level_is_missing():
     assert "no levels[concurrency=4]" in verdicts["levels[concurrency=4].aggregate_tok_s"].reason
     slow = by_metric(gate(base, concurrency_doc([1, 2, 4], scale=0.5)))
     assert slow["levels[concurrency=4].aggregate_tok_s"].status == "fail"
-    assert slow["levels[concurrency=4].per_request_tok_s"].status == "ambiguous"  # no samples for it
+    assert slow["levels[concurrency=4].per_request_tok_s"].status == "fail"  # no samples: the threshold decides
 
 
 def kernels_doc(us_v3):

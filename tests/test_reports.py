@@ -1,6 +1,7 @@
 """Reports: tidy frames, real PNG figures, and an HTML/Markdown release report that embeds them and escapes text."""
 
 import base64
+import json
 import re
 import statistics
 
@@ -11,7 +12,7 @@ from matplotlib.image import imread
 from ninfer_bench.reports import plots
 from ninfer_bench.reports.frames import frames, load_results
 from ninfer_bench.reports.report import write_report
-from ninfer_bench.reports.schema import ResultError, make_result, write_result
+from ninfer_bench.reports.schema import ResultError, make_result, read_result, write_result
 
 ENV = {"git_sha": "1" * 40, "gpu": "NVIDIA H200", "driver": "580.1", "torch": "2.13", "cuda": "12.9",
        "python": "3.11", "cpu": "x86_64"}
@@ -243,3 +244,83 @@ def test_report_of_documents_without_measurements(tmp_path):
     assert "data:image/png" not in html_path.read_text()
     md = md_path.read_text()
     assert "## Prefill" in md and "| d | - | - | - | - | - |" in md
+
+
+@pytest.mark.parametrize("where, value, match", [
+    ("env", None, "env must be an object, got None"),
+    ("config", [], "config must be an object"),
+    ("records", {}, "records must be a list of objects"),
+    ("records", [3], r"records\[0\] must be an object"),
+    ("samples", "abc", "summary.samples.decode_tok_s must be a list of numbers, got 'abc'"),
+    ("samples", [1.0, "x"], "summary.samples.decode_tok_s must be a list of numbers"),
+])
+def test_malformed_documents_name_the_file_and_key(tmp_path, where, value, match):
+    doc = decode_doc("d", [1.0, 2.0, 3.0])
+    if where == "samples":
+        doc["summary"]["samples"]["decode_tok_s"] = value
+    else:
+        doc[where] = value
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ResultError, match=f"bad.json: {match}"):
+        read_result(path)
+
+
+def test_a_niah_record_without_a_case_is_refused(tmp_path):
+    doc = niah_doc("n")
+    doc["records"][2] = {}
+    write_result(doc, tmp_path / "n.json")
+    with pytest.raises(ResultError, match=r"n.json: niah records\[2\] has no case name"):
+        read_result(tmp_path / "n.json")
+
+
+def test_cli_gate_and_report_give_one_line_errors_for_malformed_documents(tmp_path):
+    from click.testing import CliRunner
+
+    from ninfer_bench.cli import main
+
+    good = write_result(decode_doc("d", [1.0, 2.0, 3.0]), tmp_path / "good.json")
+    bad = decode_doc("d", [1.0, 2.0, 3.0])
+    bad["env"] = None
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    for args in (["gate", "--baseline", str(good), "--candidate", str(tmp_path / "bad.json")],
+                 ["report", str(good), str(tmp_path / "bad.json"), "--out", str(tmp_path / "out")]):
+        r = CliRunner().invoke(main, args)
+        assert r.exit_code == 1 and "bad.json: env must be an object" in r.output, r.output
+        assert "Traceback" not in r.output and not isinstance(r.exception, AttributeError)
+
+
+def test_gzipped_results_are_read_and_other_files_are_named(tmp_path):
+    doc = decode_doc("d", [1.0, 2.0, 3.0])
+    path = write_result(doc, tmp_path / "runs" / "d.json.gz")
+    assert path.read_bytes()[:2] == b"\x1f\x8b"
+    assert read_result(path) == json.loads(json.dumps(doc))
+    assert [d["label"] for d in load_results([tmp_path / "runs"])] == ["d"]
+    (tmp_path / "bin.json").write_bytes(b"\x8b\x00\xff")
+    with pytest.raises(ResultError, match="bin.json: not a JSON result document .not UTF-8"):
+        read_result(tmp_path / "bin.json")
+    (tmp_path / "cut.json.gz").write_bytes(path.read_bytes()[:40])
+    with pytest.raises(ResultError, match="cut.json.gz: not a readable gzip file"):
+        read_result(tmp_path / "cut.json.gz")
+
+
+def test_a_file_given_twice_is_one_document(docs, tmp_path):
+    write_result(docs[0], tmp_path / "runs" / "a.json")
+    write_result(docs[1], tmp_path / "runs" / "b.json")
+    a = tmp_path / "runs" / "a.json"
+    loaded = load_results([a, tmp_path / "runs", tmp_path / "runs" / ".." / "runs" / "a.json"])
+    assert [d["label"] for d in loaded] == ["hf-peer", "v2-none"]
+
+
+def test_report_flags_deltas_of_another_model_or_workload(tmp_path):
+    base = decode_doc("v3-none", [70.0, 71.0, 69.0])
+    other_model = decode_doc("v3-none", [90.0, 91.0, 89.0])
+    other_model["model"] = {"preset": "tiny", "synthetic": True}
+    longer = decode_doc("v3-long", [90.0, 91.0, 89.0])
+    longer["config"]["max_new_tokens"] = 256
+    same = decode_doc("v3-dflash2", [90.0, 91.0, 89.0], spec="dflash2", k=7)  # another method, same workload
+    md = write_report([base, other_model, longer, same], tmp_path)[1].read_text()
+    rows = {line.split(" | ")[0]: line for line in md.splitlines() if line.startswith("| v3-") and "x (" in line}
+    assert "NOT COMPARABLE: model tiny (synthetic) (baseline 5f3c)" in rows["| v3-none#2"]
+    assert "NOT COMPARABLE: max_new_tokens 256 (baseline 129)" in rows["| v3-long"]
+    assert rows["| v3-dflash2"].endswith("| - |")
