@@ -247,12 +247,16 @@ def report(results, baseline_label, out_dir, title):
 @click.option("--rules", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Rules file (.json or .toml) [default: the suite's rules].")
 @click.option("--json", "as_json", is_flag=True, help="Print the verdicts as JSON.")
-def gate(baseline, candidate, rules, as_json):
+@click.option("--allow-config-change", is_flag=True,
+              help="Gate runs of different settings (model, prompt, lengths, engine options...) anyway: their "
+                   "config row is then ambiguous, not a failure.")
+def gate(baseline, candidate, rules, as_json, allow_config_change):
     """Compare a candidate result to a baseline: exit 1 on any failed or missing metric."""
     from .reports.gate import exit_code, gate as run_gate, load_rules, render_table
     from .reports.schema import read_result
 
-    verdicts = run_gate(read_result(baseline), read_result(candidate), load_rules(rules) if rules else None)
+    verdicts = run_gate(read_result(baseline), read_result(candidate), load_rules(rules) if rules else None,
+                        allow_config_change=allow_config_change)
     if as_json:
         console.print_json(json.dumps([v.to_dict() for v in verdicts], default=str))
     else:

@@ -352,3 +352,18 @@ def test_rule_validation():
         Rule("decode_tok_s", samples="levels[concurrency=*].samples.x")
     with pytest.raises(ValueError, match="higher_is_better"):
         Rule("decode_tok_s", higher_is_better="yes")
+
+
+def test_cli_gates_different_settings_only_when_asked(tmp_path):
+    from click.testing import CliRunner
+
+    from ninfer_bench.cli import main
+    from ninfer_bench.reports.schema import write_result
+
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    write_result(decode_doc(), a)
+    write_result(decode_doc(config={"spec": "mtp", "draft_tokens": 3}), b)
+    args = ["gate", "--baseline", str(a), "--candidate", str(b)]
+    assert CliRunner().invoke(main, args).exit_code == 1
+    r = CliRunner().invoke(main, args + ["--allow-config-change"])
+    assert r.exit_code == 0, r.output
