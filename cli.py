@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import click
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
+from rich.text import Text
 
 # piped into a file or a CI log, rich would assume 80 columns and squeeze wide tables: give it room
 console = Console(stderr=False, width=None if sys.stdout.isatty() else 140)
@@ -20,8 +22,6 @@ class UserError(click.ClickException):
     """A mistake in what the user asked for: one line on stderr, exit code 1."""
 
     def show(self, file=None) -> None:
-        from rich.text import Text
-
         # the message as plain text: no markup or emoji codes inside it (``[...]``, ``:x``) are interpreted
         err_console.print(Text.assemble(("error:", "bold red"), " ", self.message), highlight=False)
 
@@ -75,11 +75,14 @@ def inspect(artifact, as_json):
         checks = {"header": True, "bounds": True, "bindings": True}  # open() raises when any fails
         digests = art.verify()
         checks["digests"] = all(ok for _, ok, _ in digests)
-        vision_ok, vision_msg = vision_check(art)
-        if vision_ok is not None:
-            checks["vision"] = vision_ok
+        components = component_checks(art)
+        checks.update({name: ok for name, (ok, _) in components.items()})
+        bad = [f"{label}: {msg}" for label, ok, msg in digests if not ok]
+        bad += [msg for ok, msg in components.values() if not ok]
         if as_json:
-            console.print_json(json.dumps({"summary": summary, "checks": checks}, default=str))
+            console.print_json(json.dumps({"summary": summary, "checks": checks, "failures": bad}, default=str))
+            if bad:
+                sys.exit(1)
             return
         console.print(f"[bold]{artifact}[/]  v{art.version}  id {art.artifact_id}  "
                       f"model {art.model_id or '-'}  policy {(art.metadata or {}).get('quant_policy', '-')}")
@@ -104,46 +107,71 @@ def inspect(artifact, as_json):
         console.print(fmt)
         for name, ok in checks.items():
             console.print(f"  {'[green]pass[/]' if ok else '[red]FAIL[/]'}  {name}")
-        bad = [f"{label}: {msg}" for label, ok, msg in digests if not ok] + ([vision_msg] if vision_ok is False else [])
         for line in bad[:10]:
-            console.print(f"    [red]{line}[/]")
+            console.print(Text("    " + line, style="red"), highlight=False)
         if bad:
             sys.exit(1)
 
 
-def vision_check(art) -> tuple[bool | None, str]:
-    """(ok, message) of the artifact's vision component: its configs and tensor shapes; (None, "") without one."""
-    from .engine.loader import vision_of
+def component_checks(art) -> dict[str, tuple[bool, str]]:
+    """(ok, message) per part of the model the artifact holds (``text`` with its MTP head, ``drafters``,
+    ``vision``): its configs parsed and its tensors checked against them, as loading it would."""
+    from .engine.loader import drafters_of, text_of, vision_of
 
-    if not (art.components or {}).get("vision"):
-        return None, ""
-    try:
-        vision_of(art, art.path)
-    except ValueError as e:
-        return False, str(e)
-    return True, "ok"
+    comps = art.components or {}
+    parts = [("text", text_of, True), ("drafters", drafters_of, comps.get("dflash") or comps.get("dflash2")),
+             ("vision", vision_of, comps.get("vision"))]
+    out = {}
+    for name, load, present in parts:
+        if not present:
+            continue
+        try:
+            load(art, art.path)
+            out[name] = (True, "ok")
+        except ValueError as e:
+            out[name] = (False, str(e))
+    return out
 
 
 @main.command()
 @click.argument("artifact", type=click.Path(dir_okay=False))
 def verify(artifact):
-    """Check every object's SHA-256 digest (and bounds), with a progress bar."""
+    """Check every object's SHA-256 digest (and bounds), with a progress bar, and that the model's configs load."""
     from .engine.artifact import Artifact
 
     with Artifact.open(artifact) as art:
         prog, update = byte_progress("verifying")
         with prog:
             results = art.verify(progress=update)
-    bad = [(label, msg) for label, ok, msg in results if not ok]
-    with Artifact.open(artifact) as art:
-        vision_ok, vision_msg = vision_check(art)
-    if vision_ok is False:
-        bad.append(("vision component", vision_msg))
-    for label, msg in bad:
-        err_console.print(f"[red]FAIL[/] {label}: {msg}", highlight=False)
-    if bad:
-        raise UserError(f"{len(bad)} of {len(results)} objects failed verification")
-    console.print(f"[green]ok[/]: {len(results)} objects verified in {artifact}")
+        components = component_checks(art)
+    bad = [f"{label}: {msg}" for label, ok, msg in results if not ok]
+    for line in bad + [msg for ok, msg in components.values() if not ok]:
+        err_console.print(Text.assemble(("FAIL", "red"), " ", line), highlight=False)
+    problems = [f"{len(bad)} of {len(results)} objects failed verification"] if bad else []
+    problems += [f"the {name} component does not load" for name, (ok, _) in components.items() if not ok]
+    if problems:
+        raise UserError("; ".join(problems))
+    if art.version == 2:
+        console.print(f"[green]ok[/]: {len(results)} objects bounds-checked in {artifact} (a v2 artifact carries no "
+                      f"digests; `upgrade` writes a v3 that does)", soft_wrap=True)
+    else:
+        console.print(f"[green]ok[/]: {len(results)} objects verified in {artifact}", soft_wrap=True)
+
+
+def destination(path: str) -> bool:
+    """Check, before any work, that ``path`` can be written (its folder exists and is writable); returns whether a
+    file is there already (it will be replaced)."""
+    folder = Path(path).resolve().parent
+    if not folder.is_dir():
+        raise UserError(f"cannot write {path}: folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise UserError(f"cannot write {path}: folder {folder} is not writable")
+    return Path(path).exists()
+
+
+def overwritten(path: str, existed: bool) -> None:
+    if existed:
+        err_console.print(f"[yellow]note:[/] the existing {path} was overwritten", highlight=False)
 
 
 @main.command()
@@ -158,10 +186,12 @@ def convert(hf_dir, out, quant, format_version, drafters):
     """Convert a Hugging Face Qwen3.5 / Qwen3-Next folder (and drafter folders) into an artifact."""
     from .engine.convert import convert as do_convert
 
+    existed = destination(out)
     prog, update = byte_progress("writing")
     with prog:
         do_convert(hf_dir, out, policy=quant, version=int(format_version), progress=update, drafters=drafters)
     console.print(f"[green]wrote[/] {out} ({Path(out).stat().st_size:,} bytes, quant {quant}, v{format_version})")
+    overwritten(out, existed)
 
 
 @main.command()
@@ -171,10 +201,14 @@ def upgrade(v2_file, v3_file):
     """Rewrite a v2 artifact as v3 without changing any weight bytes."""
     from .engine.artifact_write import upgrade as do_upgrade
 
+    existed = destination(v3_file)
     prog, update = byte_progress("upgrading")
     with prog:
         do_upgrade(v2_file, v3_file, progress=update)
     console.print(f"[green]wrote[/] {v3_file}")
+    err_console.print(f"[dim]its digests certify the bytes as they were read from {v2_file} (v2 carries none, so "
+                      f"damage already there is not detected)[/]", highlight=False)
+    overwritten(v3_file, existed)
 
 
 # ---- running a model ---------------------------------------------------------------------------------
@@ -227,14 +261,16 @@ def build_engine(model, *, synthetic=False, quant="mixed", seed=0, **options):
 
 
 def int_list(text: str, flag: str) -> list[int]:
-    """Comma-separated integers of a flag (``1,2,3``), or a one-line error naming the flag."""
+    """Comma-separated integers of a flag (``1,2,3``; repeats kept), or a one-line error naming the flag."""
+    items = [v.strip() for v in text.split(",")]
+    if not text.strip():
+        raise UserError(f"{flag} is empty")
+    if "" in items:
+        raise UserError(f"{flag} has an empty item (item {items.index('') + 1} of {text!r})")
     try:
-        values = [int(v) for v in text.replace(" ", "").split(",") if v]
+        return [int(v) for v in items]
     except ValueError:
         raise UserError(f"{flag} must be comma-separated integers, got {text!r}") from None
-    if not values:
-        raise UserError(f"{flag} is empty")
-    return values
 
 
 @main.command()
@@ -249,10 +285,16 @@ def logits(artifact, text, ids, out, **options):
 
     if (text is None) == (ids is None):
         raise UserError("give exactly one of --text or --ids")
+    prompt = int_list(ids, "--ids") if ids is not None else None
+    destination(out)
     eng = build_engine(artifact, **options)
-    prompt = int_list(ids, "--ids") if ids is not None else eng.tokenizer.encode(text)
-    out_logits = eng.logits(prompt).numpy()
-    np.save(out, out_logits)
+    out_logits = eng.logits(prompt if prompt is not None else eng.tokenizer.encode(text)).numpy()
+    bad_rows = np.flatnonzero(~np.isfinite(out_logits).all(axis=-1))
+    if bad_rows.size:
+        raise UserError(f"the logits of {bad_rows.size} of {len(out_logits)} positions (the first: {bad_rows[0]}) "
+                        f"are not finite: the weights hold NaN / inf or the computation overflows; nothing written")
+    with open(out, "wb") as f:  # np.save(path) would add .npy to a name without it
+        np.save(f, out_logits)
     console.print(f"[green]wrote[/] {out}  shape {list(out_logits.shape)}  dtype {out_logits.dtype}")
 
 

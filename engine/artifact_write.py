@@ -109,29 +109,34 @@ def _dump(path: str, doc: dict) -> bytes:
         raise ArtifactError(f"{path}: components/metadata/provenance are not JSON-serialisable ({exc})") from None
 
 
-def _object_bytes(e: _Entry) -> memoryview:
+def _object_bytes(path: str, e: _Entry) -> memoryview:
     """The bytes of one object, packed now if needed (one tensor in memory at a time)."""
     if e.pack:
-        data = quant.pack(e.data.detach().cpu(), e.fmt)
+        t = e.data.detach().cpu()
+        bad = int(t.numel() - torch.isfinite(t).sum())
+        if bad:  # a NaN would poison its group's scale, and any weight of it poisons every logit
+            raise ArtifactError(f"{path}: tensor {e.name} has {bad} non-finite value(s) (NaN or inf); nothing written")
+        data = quant.pack(t, e.fmt)
     elif isinstance(e.data, torch.Tensor):
         data = e.data.detach().cpu().contiguous().reshape(-1)
     else:
         return memoryview(e.data)
     if data.numel() != e.nbytes:
-        raise ArtifactError(f"{e.name}: packed to {data.numel()} bytes, expected {e.nbytes}")
+        raise ArtifactError(f"{path}: {e.name}: packed to {data.numel()} bytes, expected {e.nbytes}")
     return memoryview(data.numpy())
 
 
-def _write_file(tmp: str, version: int, aid: bytes, doc: dict, entries: list[_Entry], progress) -> None:
-    """Payload first (hashing as it goes), then header and JSON with the digests filled in, then fsync."""
-    body_len = len(_dump(tmp, doc))  # digests are placeholders of their final length
+def _write_file(path: str, tmp: str, version: int, aid: bytes, doc: dict, entries: list[_Entry], progress) -> None:
+    """Payload first (hashing as it goes), then header and JSON with the digests filled in, then fsync; ``tmp``
+    is written, errors name ``path``."""
+    body_len = len(_dump(path, doc))  # digests are placeholders of their final length
     payload_start = _align(HEADER_BYTES[version] + body_len, PAYLOAD_ALIGN)
     total, pos = sum(e.nbytes for e in entries), 0
     with open(tmp, "wb") as f:
         f.write(bytes(payload_start))
         for e in entries:
             f.write(bytes(e.offset - pos))
-            data = _object_bytes(e)
+            data = _object_bytes(path, e)
             e.sha256 = hashlib.sha256(data).hexdigest()
             f.write(data)
             del data
@@ -141,7 +146,7 @@ def _write_file(tmp: str, version: int, aid: bytes, doc: dict, entries: list[_En
         if version == 3:
             for obj, e in zip(doc["objects"], entries):
                 obj["sha256"] = e.sha256
-        final = _dump(tmp, doc)
+        final = _dump(path, doc)
         if len(final) != body_len:
             raise RuntimeError("artifact JSON changed length when digests were filled in")
         f.seek(0)
@@ -188,8 +193,11 @@ def write_artifact(path, *, tensors: dict | None = None, packed: dict | None = N
         _check_components(path, extras["components"], written | set(extras["aliases"]))
         doc = _document(version, entries, extras["aliases"], extras, model_id, aid)
         _dump(path, doc)  # fail on unserialisable metadata before any file exists
-        _write_file(tmp, version, aid, doc, entries, progress)
-        os.replace(tmp, path)
+        try:
+            _write_file(path, tmp, version, aid, doc, entries, progress)
+            os.replace(tmp, path)
+        except OSError as exc:  # name the user's path, not the temporary file
+            raise OSError(f"cannot write {path}: {exc.strerror or exc}") from None
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.remove(tmp)

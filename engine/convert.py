@@ -131,6 +131,7 @@ def convert(hf_dir: str | Path, out: str | Path, *, policy: str = "mixed", versi
         raise ValueError(f"unknown quantization policy {policy!r} (known: {', '.join(POLICIES)})")
     if version not in (2, 3):
         raise ValueError(f"format version must be 2 or 3, got {version}")
+    check_outside(out, [hf_dir, *drafters])
     ckpt = HFCheckpoint(hf_dir)
     tensors = ckpt.tensors()
     vision = ckpt.vision()  # the tower of a Qwen3_5ForConditionalGeneration: stored whole, never quantized
@@ -148,6 +149,14 @@ def convert(hf_dir: str | Path, out: str | Path, *, policy: str = "mixed", versi
     write_model(out, ckpt.config, tensors, policy=policy, blobs=ckpt.blobs(), version=version,
                 model_id=ckpt.hf_config.get("_name_or_path") or Path(hf_dir).name,
                 source=str(Path(hf_dir).resolve()), extra_components=comps, extra_tensors=extra, progress=progress)
+
+
+def check_outside(out: str | Path, folders) -> None:
+    """Refuse an output path inside an input folder: it could replace the checkpoint being read."""
+    dest = Path(out).resolve()
+    for folder in folders:
+        if dest.is_relative_to(Path(folder).resolve()):
+            raise ValueError(f"output {out} is inside the input folder {folder}: write the artifact elsewhere")
 
 
 def vision_format(shape: tuple[int, ...], policy: str) -> str:

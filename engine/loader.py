@@ -12,7 +12,7 @@ from .artifact import Artifact
 from .config import PRESETS, DraftConfig, ModelConfig, preset
 from .synthetic import preset_draft_config, synthetic_drafter, synthetic_raws
 from .tokenizer import ByteTokenizer, Tokenizer
-from .weights import RawWeight
+from .weights import RawWeight, expected_shapes, text_weight_names
 
 MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
 BUNDLED_NAME = "ninfer-code-small.ninfer"
@@ -73,37 +73,75 @@ def tokenizer_of(art: Artifact, cfg: ModelConfig):
 
 def load_artifact(path: str | Path) -> LoadedModel:
     art = Artifact.open(path)
-    text = (art.components or {}).get("text")
-    if not text:
-        raise ValueError(f"{path}: artifact has no text component")
-    cfg = ModelConfig.from_dict(dict(text["config"]))
-    names = list(text.get("tensors", []))
-    mtp = (art.components or {}).get("mtp")
-    if mtp:
-        names += list(mtp.get("tensors", []))
-    else:
-        cfg.mtp_num_hidden_layers = 0
-    if cfg.tie_word_embeddings and art.has("lm_head.weight") and "lm_head.weight" not in names:
-        names.append("lm_head.weight")
-    raws = {}
-    for n in names:
-        info = art.info(n)
-        raws[n] = RawWeight(info.format, tuple(info.shape), art.raw(n))
-    drafters = {}
-    for kind in ("dflash", "dflash2"):
-        comp = (art.components or {}).get(kind)
-        if comp:
-            dcfg = DraftConfig.from_dict(dict(comp["config"]))
-            draws = {}
-            for n in comp.get("tensors", []):
-                info = art.info(n)
-                draws[n] = RawWeight(info.format, tuple(info.shape), art.raw(n))
-            drafters[kind] = (dcfg, draws)
+    cfg, raws = text_of(art, path)
+    drafters = drafters_of(art, path)
     meta = art.metadata or {}
     vision = vision_of(art, path)
     info = {"path": str(Path(path).resolve()), "artifact_id": art.artifact_id, "format_version": art.version,
             "quant_policy": meta.get("quant_policy"), "model_id": meta.get("model_id"), "preset": None}
     return LoadedModel(cfg, raws, tokenizer_of(art, cfg), info, drafters, art, vision)
+
+
+def raw_weight(art: Artifact, name: str) -> RawWeight:
+    info = art.info(name)
+    return RawWeight(info.format, tuple(info.shape), art.raw(name))
+
+
+def text_of(art: Artifact, path) -> tuple[ModelConfig, dict[str, RawWeight]]:
+    """The text model's config and weights (with the MTP head's when the artifact has an ``mtp`` component, and a
+    stored tied ``lm_head``), the configs validated and the tensors checked against them."""
+    comps = art.components or {}
+    text, mtp = comps.get("text"), comps.get("mtp")
+    if not text:
+        raise ValueError(f"{path}: artifact has no text component")
+    try:
+        cfg = ModelConfig.from_dict(dict(text["config"]))
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{path}: text component: {e}") from None
+    names = list(text.get("tensors", []))
+    if mtp:
+        mcfg = mtp.get("config")
+        layers = mcfg.get("num_hidden_layers") if isinstance(mcfg, dict) else None
+        if layers != cfg.mtp_num_hidden_layers:
+            raise ValueError(f"{path}: mtp component: config num_hidden_layers is {layers!r}, the text config's "
+                             f"mtp_num_hidden_layers {cfg.mtp_num_hidden_layers}")
+        names += list(mtp.get("tensors", []))
+    else:
+        cfg.mtp_num_hidden_layers = 0  # an MTP head announced but not shipped: the model runs without it
+    if cfg.tie_word_embeddings and art.has("lm_head.weight") and "lm_head.weight" not in names:
+        names.append("lm_head.weight")
+    check_text_shapes(cfg, {n: art.shape(n) for n in names}, f"{path}: text component")
+    return cfg, {n: raw_weight(art, n) for n in names}
+
+
+def check_text_shapes(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], where: str) -> None:
+    """Raise ValueError naming the first text / MTP tensor that ``cfg`` needs and is missing, that it does not
+    describe, or whose shape differs from the one it implies (a header config edited apart from the weights)."""
+    want = expected_shapes(cfg)
+    missing = [n for n in text_weight_names(cfg) if n not in shapes]
+    if missing:
+        raise ValueError(f"{where}: tensor {missing[0]} is missing ({len(missing)} missing in all)")
+    for name, shape in shapes.items():
+        if name not in want:
+            raise ValueError(f"{where}: tensor {name} is not part of the model the text config describes")
+        if tuple(shape) != want[name]:
+            raise ValueError(f"{where}: tensor {name} has shape {list(shape)}, the config implies "
+                             f"{list(want[name])}")
+
+
+def drafters_of(art: Artifact, path) -> dict[str, tuple[DraftConfig, dict[str, RawWeight]]]:
+    """The artifact's DFlash / DFlash2 drafters: kind -> (validated config, weights)."""
+    drafters = {}
+    for kind in ("dflash", "dflash2"):
+        comp = (art.components or {}).get(kind)
+        if not comp:
+            continue
+        try:
+            dcfg = DraftConfig.from_dict(dict(comp["config"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{path}: {kind} component: {e}") from None
+        drafters[kind] = (dcfg, {n: raw_weight(art, n) for n in comp.get("tensors", [])})
+    return drafters
 
 
 def vision_of(art: Artifact, path) -> tuple | None:
@@ -121,7 +159,7 @@ def vision_of(art: Artifact, path) -> tuple | None:
         check_shapes(vcfg, {n: art.shape(n) for n in names}, f"{path}: vision component")
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"{path}: vision component: {e}") from None
-    raws = {n: RawWeight(art.info(n).format, tuple(art.info(n).shape), art.raw(n)) for n in names}
+    raws = {n: raw_weight(art, n) for n in names}
     return vcfg, pre, raws
 
 

@@ -303,6 +303,9 @@ class Engine:
     def logits(self, ids: list[int], media: MediaPrompt | None = None) -> torch.Tensor:
         """fp32 logits ``[T, V]`` of a full prefill of ``ids`` (no sampling; for validation)."""
         self.check_fits(len(ids), 0)
+        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
+        if bad:  # as acquire checks: the embedding lookup would fail with an IndexError
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{self.config.vocab_size - 1})")
         self.cache.reset(self.scratch_slot)
         out, _, _ = self.prefill(self.scratch_slot, list(ids), all_logits=True, media=media)
         return out.float().cpu()

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import struct
 
 import pytest
@@ -352,3 +353,70 @@ def test_packed_objects_are_copied_as_is(tmp_path):
     with Artifact.open(path) as art:
         assert torch.equal(art.raw("w"), buf) and art.artifact_id == bytes(range(16)).hex()
         assert torch.equal(art.tensor("b"), torch.zeros(3))
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "q4_g64_fp16"])
+def test_writer_refuses_non_finite_weights(tmp_path, fmt):
+    w = torch.randn(4, 64)
+    w[2, 5] = float("nan")
+    with pytest.raises(ArtifactError, match=r"tensor bad has 1 non-finite value"):
+        write_artifact(tmp_path / "a.ninfer", tensors={"good": ("fp32", torch.ones(3)), "bad": (fmt, w)})
+    assert _left_over(tmp_path) == []
+
+
+def test_writer_errors_name_the_path_not_the_temporary_file(tmp_path):
+    path = tmp_path / "no-such-folder" / "a.ninfer"
+    with pytest.raises(OSError, match="cannot write .*no-such-folder/a.ninfer: ") as err:
+        write_artifact(path, tensors={"v": ("fp32", torch.ones(3))})
+    assert ".tmp-" not in str(err.value)
+
+
+@pytest.mark.parametrize("edit, tensor", [
+    ({"hidden_size": 80}, "tensor model.embed_tokens.weight has shape [300, 64], the config implies [300, 80]"),
+    ({"intermediate_size": 100}, "tensor model.layers.0.mlp.gate_proj.weight has shape [96, 64]"),
+    ({"vocab_size": 299}, "tensor model.embed_tokens.weight has shape [300, 64], the config implies [299, 64]"),
+    ({"num_hidden_layers": 4}, "tensor model.layers.4.input_layernorm.weight is not part of the model"),
+    ({"num_hidden_layers": 12}, "tensor model.layers.8.input_layernorm.weight is missing"),
+])
+def test_header_config_is_checked_against_the_tensors(tmp_path, tiny_artifact, edit, tensor):
+    from ninfer_bench.engine.loader import load_artifact
+
+    path = tmp_path / "edited.ninfer"
+    path.write_bytes(tiny_artifact.read_bytes())
+
+    def mutate(doc):
+        cfg = doc["components"]["text"]["config"]
+        cfg.update(edit)
+        cfg["layer_types"] = [cfg["layer_types"][i % 8] for i in range(cfg["num_hidden_layers"])]
+
+    _rewrite_doc(path, mutate)
+    with pytest.raises(ValueError, match=re.escape(f"{path}: text component: {tensor}")):
+        load_artifact(path)
+
+
+def test_mtp_component_config_must_agree_with_the_text_config(tmp_path):
+    from ninfer_bench.engine.config import preset
+    from ninfer_bench.engine.convert import write_model
+    from ninfer_bench.engine.loader import load_artifact
+    from ninfer_bench.engine.synthetic import synthetic_raws
+
+    cfg = preset("tiny")
+    tensors = {n: r.dense() for n, r in synthetic_raws(cfg, "fp32", 0, "cpu").items()}
+    path = tmp_path / "m.ninfer"
+    write_model(path, cfg, tensors, policy="fp32")
+    assert load_artifact(path).config.mtp_num_hidden_layers == cfg.mtp_num_hidden_layers > 0
+    _rewrite_doc(path, lambda doc: doc["components"]["mtp"]["config"].update(num_hidden_layers=2))
+    with pytest.raises(ValueError, match="mtp component: config num_hidden_layers is 2"):
+        load_artifact(path)
+    _rewrite_doc(path, lambda doc: doc["components"].update(mtp=None))  # a model without its MTP head still loads
+    assert load_artifact(path).config.mtp_num_hidden_layers == 0
+
+
+def test_bundled_model_passes_the_config_checks():
+    from ninfer_bench.engine.loader import bundled_model_path, load_artifact
+
+    path = bundled_model_path()
+    if path is None:
+        pytest.skip("this checkout ships no bundled model")
+    model = load_artifact(path)
+    assert model.config.mtp_num_hidden_layers > 0 and set(model.drafters) == {"dflash", "dflash2"}

@@ -74,6 +74,10 @@ def test_flipped_byte_names_the_object(tmp_path, tiny_artifact):
     code, text = run("verify", bad)
     assert code != 0
     assert "model.layers.3.self_attn.o_proj.weight" in text
+    code, text = run("inspect", bad, "--json")
+    doc = json.loads(text)
+    assert code == 1 and doc["checks"]["digests"] is False
+    assert any("model.layers.3.self_attn.o_proj.weight" in line for line in doc["failures"])
 
 
 @pytest.mark.parametrize("damage", ["truncate", "magic"])
@@ -128,7 +132,12 @@ def test_debug_shows_traceback(tmp_path):
 def test_v2_upgrade_keeps_bytes_and_logits(tmp_path, hf_qwen35):
     v2, v3 = tmp_path / "m2.ninfer", tmp_path / "m3.ninfer"
     assert run("convert", hf_qwen35[0], v2, "--quant", "mixed", "--format-version", "2")[0] == 0
-    assert run("upgrade", v2, v3)[0] == 0
+    code, text = run("verify", v2)
+    assert code == 0 and "bounds-checked" in text and "no digests" in text
+    code, text = run("upgrade", v2, v3)
+    assert code == 0 and "certify the bytes" in text and "overwritten" not in text
+    code, text = run("upgrade", v2, v3)
+    assert code == 0 and f"the existing {v3} was overwritten" in text
     with Artifact.open(v2) as a2, Artifact.open(v3) as a3:
         assert a2.version == 2 and a3.version == 3
         assert a2.names() == a3.names()
@@ -153,3 +162,89 @@ def test_oracle_command_and_engine_agree(tmp_path, tiny_artifact):
     for rec in records:
         got = eng.generate(rec["prompt_ids"], max_new_tokens=12).tokens
         assert got == rec["tokens"][: len(got)]
+
+
+def test_logits_rejects_ids_outside_the_vocabulary(tmp_path):
+    eng = Engine.load("tiny", device="cpu", kv_dtype="fp32")
+    vocab = eng.config.vocab_size
+    with pytest.raises(ValueError, match=rf"token id {vocab} is outside the vocabulary \(0..{vocab - 1}\)"):
+        eng.logits([1, vocab])
+    for ids in ("-1,2", f"1,{vocab}"):
+        code, text = run("logits", "tiny", "--ids", ids, "--out", tmp_path / "x.npy", "--device", "cpu")
+        assert code == 1 and "outside the vocabulary" in one_line_error(text)
+
+
+def test_logits_ids_and_out_are_taken_as_given(tmp_path):
+    out = tmp_path / "l2"
+    code, text = run("logits", "tiny", "--ids", "5, 5,7", "--out", out, "--device", "cpu")
+    assert code == 0, text
+    assert np.load(out).shape[0] == 3 and not (tmp_path / "l2.npy").exists()  # repeats kept, no suffix added
+    for ids in ("1,,2", "1,2,", " "):
+        code, text = run("logits", "tiny", "--ids", ids, "--out", tmp_path / "x.npy", "--device", "cpu")
+        assert code == 1 and "--ids" in one_line_error(text)
+
+
+def test_bad_output_folders_are_found_before_any_work(tmp_path):
+    out = tmp_path / "no-such-folder" / "x"
+    for cmd in (["convert", tmp_path / "no-such-checkpoint", out], ["upgrade", tmp_path / "no-such.ninfer", out],
+                ["logits", tmp_path / "no-such.ninfer", "--ids", "1", "--out", out]):
+        code, text = run(*cmd)
+        line = one_line_error(text)
+        assert code == 1 and f"cannot write {out}: folder" in line and ".tmp-" not in line
+
+
+def test_convert_refuses_to_write_into_its_input_and_says_when_it_overwrites(tmp_path, hf_qwen35):
+    folder = tmp_path / "hf"
+    shutil.copytree(hf_qwen35[0], folder)
+    source = folder / "model.safetensors"
+    before = source.read_bytes()
+    code, text = run("convert", folder, source)
+    assert code == 1 and "inside the input folder" in one_line_error(text)
+    assert source.read_bytes() == before
+    out = tmp_path / "m.ninfer"
+    code, text = run("convert", folder, out, "--quant", "q8")
+    assert code == 0 and "overwritten" not in text
+    code, text = run("convert", folder, out, "--quant", "q8")
+    assert code == 0 and f"the existing {out} was overwritten" in text
+
+
+def test_non_finite_weights_are_refused_or_reported(tmp_path, hf_qwen35, tiny_artifact):
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "hf"
+    shutil.copytree(hf_qwen35[0], folder)
+    tensors = load_file(folder / "model.safetensors")
+    name = next(n for n in tensors if n.endswith("layers.1.mlp.down_proj.weight"))
+    tensors[name][3, 4] = float("nan")
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    out = tmp_path / "m.ninfer"
+    code, text = run("convert", folder, out)
+    assert code == 1 and "model.layers.1.mlp.down_proj.weight has 1 non-finite value" in one_line_error(text)
+    assert not out.exists()
+    # an artifact whose bytes hold a NaN (its digest fails, but logits does not hash): no logits are written
+    bad = tmp_path / "nan.ninfer"
+    shutil.copy(tiny_artifact, bad)
+    with Artifact.open(bad) as art:
+        where = art.payload_start + art.info("model.norm.weight").offset
+    data = bytearray(bad.read_bytes())
+    data[where:where + 4] = np.array([np.nan], np.float32).tobytes()
+    bad.write_bytes(bytes(data))
+    code, text = run("logits", bad, "--ids", "1,2,3", "--out", tmp_path / "l.npy", "--device", "cpu")
+    assert code == 1 and "not finite" in one_line_error(text)
+    assert not (tmp_path / "l.npy").exists()
+
+
+def test_header_config_that_cannot_load_fails_inspect_and_verify(tmp_path, tiny_artifact):
+    bad = tmp_path / "bad.ninfer"
+    data = tiny_artifact.read_bytes()
+    head = data[:4096]
+    assert head.count(b'"intermediate_size"') == 1
+    bad.write_bytes(head.replace(b'"intermediate_size"', b'"intermediate_sizf"') + data[4096:])
+    code, text = run("verify", bad)
+    assert code == 1 and "text component" in text and "intermediate_sizf" in text
+    code, text = run("inspect", bad, "--json")
+    doc = json.loads(text)
+    assert code == 1 and doc["checks"]["text"] is False and doc["checks"]["digests"] is True
+    assert "intermediate_sizf" in doc["failures"][0]
+    code, text = run("inspect", bad)
+    assert code == 1 and "FAIL  text" in text
