@@ -180,13 +180,17 @@ class Engine:
             raise CapacityError(f"request needs {need} K/V tokens but each of the {opts.max_concurrency} slots "
                                 f"holds {opts.slot_capacity} (--kv-capacity {opts.kv_capacity})")
 
+    def check_ids(self, ids) -> None:
+        """Refuse token ids outside the vocabulary (the embedding lookup would fail with an IndexError)."""
+        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{self.config.vocab_size - 1})")
+
     def acquire(self, prompt: list[int], params: SamplingParams, media: MediaPrompt | None = None) -> Sequence:
         self.check_fits(len(prompt), params.max_new_tokens)
         if media is not None and len(media.mask) != len(prompt):
             raise ValueError(f"media prompt covers {len(media.mask)} tokens, the prompt has {len(prompt)}")
-        bad = [t for t in prompt if not 0 <= t < self.config.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{self.config.vocab_size - 1})")
+        self.check_ids(prompt)
         if not self.free_slots:
             raise CapacityError(f"no free capacity: all {self.options.max_concurrency} slots are busy")
         gen = None if params.greedy else make_generator(params.seed, self.device)
@@ -303,9 +307,7 @@ class Engine:
     def logits(self, ids: list[int], media: MediaPrompt | None = None) -> torch.Tensor:
         """fp32 logits ``[T, V]`` of a full prefill of ``ids`` (no sampling; for validation)."""
         self.check_fits(len(ids), 0)
-        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
-        if bad:  # as acquire checks: the embedding lookup would fail with an IndexError
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{self.config.vocab_size - 1})")
+        self.check_ids(ids)
         self.cache.reset(self.scratch_slot)
         out, _, _ = self.prefill(self.scratch_slot, list(ids), all_logits=True, media=media)
         return out.float().cpu()
