@@ -8,10 +8,12 @@ folds each residual add into the next norm, and ``silu_mul`` (or qmv's epilogue)
 runs its recurrence). Under ``TRITON_INTERPRET=1`` the same code runs on CPU tensors, which is how the tests
 check it against the eager path.
 
-Inside a CUDA-graph capture (``side_stream``, on by default) a GDN layer's b / a and z projections run on two side
+Inside a CUDA-graph capture (``side_stream``, off by default) a GDN layer's b / a and z projections run on two side
 streams, forked after the layer's norm: graph branches beside the main chain. b / a (a few row tiles) runs beside
 the qkv projection and joins before the token mixing; z (whose weight the engine then keeps apart from qkv's) runs
 beside the qkv projection and the latency-bound mixing kernels, and joins just before the gated norm reads it.
+Those projections take K in one pass, branch or not (:func:`kernels._triton.single_pass`): a split-K launch on a
+branch would share the device's split-K scratch with the main chain's launches running at the same time.
 
 Speculative rollback with these kernels: ``recompute`` verifies with ``write_state=False`` (the cache keeps the
 pre-verify state) and commits by re-running the block's recurrence with ``keep``; ``snapshot`` verifies
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels import fused
+from ..kernels._triton import single_pass
 from ..kernels.attention_triton import decode_attention
 from ..kernels.gdn_triton import gdn_decode
 from .cache import HybridCache, PendingGDN
@@ -49,7 +52,7 @@ def available() -> bool:
 class FastPath:
     """Decode / verify forwards of a :class:`HybridModel` through the fused kernels."""
 
-    def __init__(self, model, *, side_stream: bool = True):
+    def __init__(self, model, *, side_stream: bool = False):
         self.m = model
         self.cfg, self.w = model.cfg, model.w
         self.gdn: dict[str, GDNParams] = {}
@@ -62,10 +65,11 @@ class FastPath:
         on side stream ``side``, a branch of the graph after everything queued on the main stream so far (so a
         buffer it reuses is never still being read there); otherwise it runs right here and the join is a no-op."""
         if not self.sides or not torch.cuda.is_current_stream_capturing():
-            return launch(), _no_join
+            with single_pass():  # the same sums as on a branch, whether or not this runs on one
+                return launch(), _no_join
         main, stream = torch.cuda.current_stream(self.m.device), self.sides[side]
         stream.wait_stream(main)
-        with torch.cuda.stream(stream):
+        with torch.cuda.stream(stream), single_pass():  # beside the main chain: no shared split-K scratch
             out = launch()
         self.branches += 1
         return out, lambda: main.wait_stream(stream)

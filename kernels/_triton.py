@@ -87,6 +87,25 @@ def graph_scope():
         _PDL["scope"] -= 1
 
 
+_SPLIT_K = {"off": 0}
+
+
+@contextlib.contextmanager
+def single_pass():
+    """Projections launched inside take K in one pass (no split-K). Every split-K launch of a device shares one
+    scratch (kernels/qlinear.py, kernels/qmv_cuda.py): launches that may run beside others on another stream (the
+    fast path's CUDA-graph branches) must not use it."""
+    _SPLIT_K["off"] += 1
+    try:
+        yield
+    finally:
+        _SPLIT_K["off"] -= 1
+
+
+def split_k_allowed() -> bool:
+    return not _SPLIT_K["off"]
+
+
 def in_graph_scope() -> bool:
     """Inside :func:`graph_scope`, or capturing on the current stream."""
     if _PDL["scope"]:

@@ -43,6 +43,7 @@ both are short of bytes in flight, which a deeper load pipeline (cp.async / TMA)
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -159,6 +160,8 @@ def qlinear_triton(x: torch.Tensor, lin: PackedLinear, config: QConfig | None = 
         raise ValueError(f"qlinear_triton: out must be contiguous [{t}, {lin.n}] {x.dtype}, got "
                          f"{tuple(out.shape)} {out.dtype}")
     cfg = config or choose_config(lin.fmt, lin.n, lin.k, t)
+    if not _triton.split_k_allowed():  # a launch that may run beside others on another stream (see _triton.single_pass)
+        cfg = dataclasses.replace(cfg, split_k=1)
     groups_per_split = _cdiv(_cdiv(lin.ng, cfg.split_k), cfg.gps) * cfg.gps
     if out is None:
         out = torch.empty(t, lin.n, dtype=x.dtype, device=x.device)

@@ -183,7 +183,7 @@ def test_side_stream_branches_decode_like_the_eager_launches(spec, k):
     the other (no graphs), plain and speculative; z keeps its own weight, the branches were taken in every captured
     forward, and never without the option."""
     kw = dict(runtime="v3", kv_dtype="int8", dtype="bf16", spec=spec, draft_tokens=k or None)
-    (eager, a), (on, b) = captured_and_eager(**kw)  # z apart in both: the same kernels
+    (eager, a), (on, b) = captured_and_eager(**kw, side_stream=True)  # z apart in both: the same kernels
     off, _ = gen(**kw, side_stream=False)
     first = f"model.layers.{on.config.layer_types.index('linear_attention')}.linear_attn"
     assert on.weights.has(f"{first}.in_proj_z.weight") and not on.weights.has(f"{first}.in_proj_qkvz.weight")
@@ -232,3 +232,23 @@ def test_attention_biases_through_the_fused_path(tmp_path):
     v3 = Engine.load(str(tmp_path / "m.ninfer"), runtime="v3", **kw)
     assert any(n.endswith("self_attn.qkv_proj.bias") for n in v3.weights.vectors)
     assert v3.generate(prompt, max_new_tokens=32, ignore_eos=True).tokens == want
+
+
+def test_bundled_model_v3_decodes_v2_tokens():
+    """The bundled model in bf16 (qmv picks split-K at its small shapes): v3 - graphs, PDL, the GDN projections on
+    graph branches - decodes v2's eager tokens. The branches once shared the device's one split-K scratch with the
+    main chain's launches, and the tokens changed from run to run."""
+    from ninfer_bench.engine.loader import bundled_model_path
+    from ninfer_bench.suites.common import DEFAULT_PROMPT
+
+    path = bundled_model_path()
+    if path is None:
+        pytest.skip("no bundled model")
+    v2 = Engine.load(str(path), device="cuda", runtime="v2", max_context=2048)
+    prompt = v2.tokenizer.encode(DEFAULT_PROMPT.read_text())[:600]
+    want = v2.generate(prompt, max_new_tokens=256, ignore_eos=True).tokens
+    for side in (False, True):
+        v3 = Engine.load(str(path), device="cuda", max_context=2048, side_stream=side)
+        assert v3.model.fast is not None and bool(v3.model.fast.sides) == side
+        for _ in range(2):
+            assert v3.generate(prompt, max_new_tokens=256, ignore_eos=True).tokens == want

@@ -223,3 +223,14 @@ def test_dequant_reads_the_tiled_layout_in_place(fmt):
     assert torch.equal(want.cpu(), quant.dequantize(lin.buf.cpu(), fmt, (n, k), torch.float32))
     assert torch.equal(ql.qlinear_dequant(qmv_cuda.TiledWeight(lin), torch.float32), want)
     assert torch.equal(ql.qlinear_dequant(qmv_cuda.TiledWeight(lin, lanes=True), torch.float32), want)
+
+
+def test_single_pass_scope_turns_split_k_off():
+    from ninfer_bench.kernels import _triton
+
+    assert _triton.split_k_allowed()
+    with _triton.single_pass():
+        with _triton.single_pass():
+            assert not _triton.split_k_allowed()
+        assert not _triton.split_k_allowed()
+    assert _triton.split_k_allowed()
