@@ -158,15 +158,24 @@ def verify(artifact):
         console.print(f"[green]ok[/]: {len(results)} objects verified in {artifact}", soft_wrap=True)
 
 
-def destination(path: str) -> bool:
-    """Check, before any work, that ``path`` can be written (its folder exists and is writable); returns whether a
-    file is there already (it will be replaced)."""
-    folder = Path(path).resolve().parent
-    if not folder.is_dir():
-        raise UserError(f"cannot write {path}: folder {folder} does not exist")
-    if not os.access(folder, os.W_OK):
-        raise UserError(f"cannot write {path}: folder {folder} is not writable")
-    return Path(path).exists()
+def check_output(path: str | None, *, folder: bool = False, parents: bool = False) -> bool:
+    """Refuse, before any work, an output path that could not be written at the end: a folder where a file goes (or
+    the other way round), or no writable folder to put it in (``parents``: the writer makes missing folders, so the
+    nearest existing one must be writable). Returns whether something is there already (it will be replaced)."""
+    if not path:
+        return False
+    p = Path(path)
+    if p.exists() and p.is_dir() != folder:
+        raise UserError(f"cannot write {path}: {'not a folder' if folder else 'it is a folder'}")
+    parent = (p if folder else p.parent).resolve()
+    while parents and not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise UserError(f"cannot write {path}: folder {parent} "
+                        f"{'is a file' if parent.exists() else 'does not exist'}")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UserError(f"cannot write {path}: folder {parent} is not writable")
+    return p.exists()
 
 
 def overwritten(path: str, existed: bool) -> None:
@@ -186,7 +195,7 @@ def convert(hf_dir, out, quant, format_version, drafters):
     """Convert a Hugging Face Qwen3.5 / Qwen3-Next folder (and drafter folders) into an artifact."""
     from .engine.convert import convert as do_convert
 
-    existed = destination(out)
+    existed = check_output(out)
     prog, update = byte_progress("writing")
     with prog:
         do_convert(hf_dir, out, policy=quant, version=int(format_version), progress=update, drafters=drafters)
@@ -201,7 +210,7 @@ def upgrade(v2_file, v3_file):
     """Rewrite a v2 artifact as v3 without changing any weight bytes."""
     from .engine.artifact_write import upgrade as do_upgrade
 
-    existed = destination(v3_file)
+    existed = check_output(v3_file)
     prog, update = byte_progress("upgrading")
     with prog:
         do_upgrade(v2_file, v3_file, progress=update)
@@ -286,7 +295,7 @@ def logits(artifact, text, ids, out, **options):
     if (text is None) == (ids is None):
         raise UserError("give exactly one of --text or --ids")
     prompt = int_list(ids, "--ids") if ids is not None else None
-    destination(out)
+    check_output(out)
     eng = build_engine(artifact, **options)
     out_logits = eng.logits(prompt if prompt is not None else eng.tokenizer.encode(text)).numpy()
     bad_rows = np.flatnonzero(~np.isfinite(out_logits).all(axis=-1))

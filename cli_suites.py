@@ -6,7 +6,6 @@ Registered on the command group of :mod:`ninfer_bench.cli` when that module is i
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -15,7 +14,7 @@ from rich.progress import BarColumn, Progress, TextColumn
 from rich.table import Table
 from rich.text import Text
 
-from .cli import UserError, comma_list, console, engine_options, err_console, int_list, main, oracle
+from .cli import UserError, check_output, comma_list, console, engine_options, err_console, int_list, main, oracle
 
 
 # ---- suites ------------------------------------------------------------------------------------------
@@ -53,21 +52,6 @@ def _line_progress(description: str, every_s: float = 10.0):
         err_console.print(Text(f"{description} {done}{of} {what} ({now:.0f} s)"), highlight=False)
 
     return contextlib.nullcontext(), update
-
-
-def check_output(path: str | None, what: str, *, folder: bool = False) -> None:
-    """Refuse, before any work, an output path the run could not write at its end: a folder where a file goes (or
-    the other way round), or no writable folder to create it in."""
-    if not path:
-        return
-    p = Path(path)
-    if p.exists() and p.is_dir() != folder:
-        raise UserError(f"{what} {path}: {'not a folder' if folder else 'is a folder'}")
-    parent = p if folder else p.parent
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
-    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-        raise UserError(f"{what} {path}: cannot write there ({parent} is not a writable folder)")
 
 
 def save_result(doc: dict, json_path: str | None) -> None:
@@ -156,7 +140,7 @@ def decode(model, engines, specs, draft_tokens, rollbacks, lm_head_draft, lookah
         raise UserError(f"--json {json_path}: several runs write a folder (one LABEL.json each), not a file")
     if not many and json_path and Path(json_path).is_dir():
         raise UserError(f"--json {json_path}: one run writes a file, and this is a folder")
-    check_output(json_path, "--json", folder=many)
+    check_output(json_path, folder=many, parents=True)
 
     def done(doc):
         if many:
@@ -299,7 +283,7 @@ def concurrency(levels, url, served_model, model, synthetic, quant, spec, draft_
     from .suites.concurrency import ConcurrencyOptions, run_concurrency
 
     lv = tuple(int_list(levels, "-c"))
-    check_output(json_path, "--json")
+    check_output(json_path, parents=True)
     opts = ConcurrencyOptions(levels=lv, url=url, served_model=served_model, model=model, synthetic=synthetic,
                               quant=quant, spec=spec,
                               draft_tokens=draft_tokens, max_new_tokens=max_new_tokens, prompt_tokens=prompt_tokens,
@@ -350,7 +334,7 @@ def kernels(shape, model, ts, variants, ops, quant, contexts, repeats, warmup, d
     def numbers(text, flag):
         return tuple(dict.fromkeys(int_list(text, flag)))
 
-    check_output(json_path, "--json")
+    check_output(json_path, parents=True)
     opts = KernelOptions(shape=shape, model=model, ts=numbers(ts, "--t"), variants=names(variants),
                          ops=names(ops or ""), quant=quant, contexts=numbers(contexts, "--contexts") if contexts else None,
                          repeats=repeats, warmup=warmup, device=device, label=label, seed=seed)
@@ -425,8 +409,8 @@ def niah(model, ctx, depths, cases, answer_tokens, seed, prefill_chunk, device, 
     """Needle in a haystack: retrieval, and agreement with stored float64 oracle outputs."""
     from .suites.niah import rescore_niah, run_niah
 
-    check_output(json_path, "--json")
-    check_output(heatmap, "--heatmap")
+    check_output(json_path, parents=True)
+    check_output(heatmap, parents=True)
     if rescore:
         from .reports.schema import read_result
 
@@ -479,7 +463,7 @@ def oracle_niah(model, ctx, depths, cases, answer_tokens, seed, prefill_chunk, d
     if out and len(opts.ctxs) > 1:
         raise UserError(f"--out names one file, for one context length; got {len(opts.ctxs)} (--ctx "
                         f"{','.join(map(str, opts.ctxs))}): run once per context, or leave --out to the default files")
-    check_output(out, "--out")
+    check_output(out)  # (save_oracle makes no folders)
     prog, update = suite_progress("oracle niah")
     with prog:
         paths = build_niah_oracle(model, opts, out, top_k=top_k, dtype=dtype, force=force, progress=update)
