@@ -63,7 +63,7 @@ def sampling_params(max_tokens: int, temperature, top_p, top_k, seed, stop, igno
                          "stop")
     try:
         return SamplingParams(max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                              seed=seed, stop=tuple([stop] if isinstance(stop, str) else stop or ()),
+                              seed=seed, stop=tuple(stops),
                               ignore_eos=bool(ignore_eos))
     except ValueError as e:
         raise BadRequest(str(e)) from None
@@ -148,8 +148,7 @@ class Generation:
                  saved: Session | None, prompt_text: str | None, media=None):
         self.backend, self.prompt, self.params, self.media = backend, ids, params, media
         self.session_id, self.saved, self.prompt_text = session_id, saved, prompt_text
-        # the text leaves out control tokens (end tokens, chat markers), as OpenAI-style servers do; token ids keep them
-        self.stream = TextStream(backend.engine.tokenizer, params.stop, backend.eos | backend.engine.tokenizer.special_ids)
+        self.stream = TextStream(backend.engine.tokenizer, params.stop, backend.hidden)
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
         self.text, self.req, self.state, self.admitted_at = "", None, None, None
@@ -294,6 +293,8 @@ class Backend:
         opts = engine.options
         self.context_limit = min(opts.max_context, opts.slot_capacity)
         self.eos = set(engine.tokenizer.eos_ids)
+        # token ids left out of the text: end tokens and control tokens (chat markers), as OpenAI-style servers do
+        self.hidden = self.eos | engine.tokenizer.special_ids
         self.created = int(time.time())
         self.active: set[Generation] = set()
         self._thread: threading.Thread | None = None

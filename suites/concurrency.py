@@ -176,7 +176,7 @@ def run_in_process(opts: ConcurrencyOptions, progress=None):
             done += 1
             if progress:
                 progress(done, total, f"C{c} round {rnd + 1}")
-    return records, baseline, {**eng.model_info, "device": str(eng.device)}, eng.tokenizer
+    return records, baseline, dict(eng.model_info), str(eng.device)
 
 
 def exact_length(ids: list[int], n: int) -> list[int]:
@@ -277,17 +277,17 @@ def _run_against_url(opts: ConcurrencyOptions, progress=None):
 
 def run_concurrency(opts: ConcurrencyOptions, progress=None) -> dict:
     """Run every level; returns the result document."""
+    device = opts.device  # (a server's own: not known here)
     if opts.url:
         records, baseline, model = run_against_url(opts, progress)
-    else:
-        records, baseline, model, _ = run_in_process(opts, progress)
+    else:  # the device the engine ran on, not "auto"
+        records, baseline, model, device = run_in_process(opts, progress)
     levels = [level_summary(c, [r for r in records if r["concurrency"] == c], baseline) for c in opts.levels]
     for r in records:  # raw times are bulky; the summary keeps the samples
         r.pop("times_abs")
     config = asdict(opts)
     config["label"] = opts.label or opts.default_label()
-    if "device" in model:  # in-process: the device the engine ran on, not "auto"
-        config["device"] = model.pop("device")
+    config["device"] = device
     summary = {"levels": levels, "baseline": "each prompt run alone, greedy, same max-new-tokens"}
     return make_result("concurrency", label=config["label"], config=config, records=records, summary=summary,
                        model=dict(model))
