@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 
 from .config import ModelConfig
-from .weights import expected_shapes, text_weight_names
+from .weights import check_text_shapes, text_weight_names
 
 
 class CheckpointError(ValueError):
@@ -130,24 +130,16 @@ class HFCheckpoint:
         raw = {n: self._raw(n) for n in self.where if n.startswith(("model.", "lm_head.", "mtp."))}
         if self.next_fused:
             raw = split_qwen3_next(raw, cfg)
-        shapes = expected_shapes(cfg)
         needed = text_weight_names(cfg)
-        missing = [n for n in needed if n not in raw]
-        if missing:
-            more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
-            raise CheckpointError(f"{self.folder}: missing tensor(s) {missing[:3]}{more}")
-        for n in needed:
-            if tuple(raw[n].shape) != shapes[n]:
-                raise CheckpointError(f"{self.folder}: tensor {n} has shape {tuple(raw[n].shape)}, "
-                                      f"the config implies {shapes[n]}")
-        # a decoder-layer tensor the engine would not use is a model feature it does not implement: refuse it
-        # rather than convert a model that computes something else (buffers such as rotary tables aside)
-        unused = sorted(n for n in set(raw) - set(needed) if n.startswith("model.layers.")
-                        and not n.endswith("inv_freq"))
-        if unused:
-            more = f" (and {len(unused) - 3} more)" if len(unused) > 3 else ""
-            raise CheckpointError(f"{self.folder}: tensor(s) {unused[:3]}{more} are not part of the model "
-                                  "this config describes, as the engine implements it")
+        # a decoder-layer tensor the engine would not use is a model feature it does not implement: refused with
+        # the missing and misshapen ones, rather than converted into a model that computes something else
+        # (buffers such as rotary tables aside)
+        checked = {n: tuple(t.shape) for n, t in raw.items()
+                   if n in needed or (n.startswith("model.layers.") and not n.endswith("inv_freq"))}
+        try:
+            check_text_shapes(cfg, checked, str(self.folder))
+        except ValueError as e:
+            raise CheckpointError(str(e)) from None
         return {n: raw[n] for n in needed}
 
     def vision(self) -> tuple[dict, dict[str, torch.Tensor]] | None:

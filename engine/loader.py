@@ -12,7 +12,7 @@ from .artifact import Artifact
 from .config import PRESETS, DraftConfig, ModelConfig, preset
 from .synthetic import preset_draft_config, synthetic_drafter, synthetic_raws
 from .tokenizer import ByteTokenizer, Tokenizer
-from .weights import RawWeight, expected_shapes, text_weight_names
+from .weights import RawWeight, check_text_shapes
 
 MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
 BUNDLED_NAME = "ninfer-code-small.ninfer"
@@ -112,21 +112,6 @@ def text_of(art: Artifact, path) -> tuple[ModelConfig, dict[str, RawWeight]]:
         names.append("lm_head.weight")
     check_text_shapes(cfg, {n: art.shape(n) for n in names}, f"{path}: text component")
     return cfg, {n: raw_weight(art, n) for n in names}
-
-
-def check_text_shapes(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], where: str) -> None:
-    """Raise ValueError naming the first text / MTP tensor that ``cfg`` needs and is missing, that it does not
-    describe, or whose shape differs from the one it implies (a header config edited apart from the weights)."""
-    want = expected_shapes(cfg)
-    missing = [n for n in text_weight_names(cfg) if n not in shapes]
-    if missing:
-        raise ValueError(f"{where}: tensor {missing[0]} is missing ({len(missing)} missing in all)")
-    for name, shape in shapes.items():
-        if name not in want:
-            raise ValueError(f"{where}: tensor {name} is not part of the model the text config describes")
-        if tuple(shape) != want[name]:
-            raise ValueError(f"{where}: tensor {name} has shape {list(shape)}, the config implies "
-                             f"{list(want[name])}")
 
 
 def drafters_of(art: Artifact, path) -> dict[str, tuple[DraftConfig, dict[str, RawWeight]]]:

@@ -309,3 +309,18 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         for suffix, shape in {**common, **(lin if kind == "linear_attention" else full)}.items():
             shapes[f"{p}.{suffix}"] = shape
     return shapes
+
+
+def check_text_shapes(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], where: str) -> None:
+    """Raise ValueError naming the first text / MTP tensor that ``cfg`` needs and is missing, that it does not
+    describe, or whose shape differs from the one it implies (a header config edited apart from the weights)."""
+    want = expected_shapes(cfg)
+    missing = [n for n in text_weight_names(cfg) if n not in shapes]
+    if missing:
+        raise ValueError(f"{where}: tensor {missing[0]} is missing ({len(missing)} missing in all)")
+    for name, shape in shapes.items():
+        if name not in want:
+            raise ValueError(f"{where}: tensor {name} is not part of the model the text config describes")
+        if tuple(shape) != want[name]:
+            raise ValueError(f"{where}: tensor {name} has shape {list(shape)}, the config implies "
+                             f"{list(want[name])}")
