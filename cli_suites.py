@@ -336,7 +336,8 @@ def kernels(shape, model, ts, variants, ops, quant, contexts, repeats, warmup, d
 
     check_output(json_path, parents=True)
     opts = KernelOptions(shape=shape, model=model, ts=numbers(ts, "--t"), variants=names(variants),
-                         ops=names(ops or ""), quant=quant, contexts=numbers(contexts, "--contexts") if contexts else None,
+                         ops=names(ops or ""), quant=quant,
+                         contexts=numbers(contexts, "--contexts") if contexts else None,
                          repeats=repeats, warmup=warmup, device=device, label=label, seed=seed)
     import torch
 
