@@ -236,7 +236,8 @@ def decode_runs(base: dict, *, engines=("ours",), specs=("none",), runtimes=("v3
                 label: str | None = None) -> list[DecodeOptions]:
     """The grid of decode runs a command line asks for: every runtime x spec x rollback x lm-head-draft size of
     our engine (the last two only where there is a drafter; lookahead on / off only without one; captured drafting
-    on / off only with a drafter) x the kernel switches (PDL, side streams, the silu epilogue), and
+    on / off only with a drafter) x the kernel switches (PDL, side streams, the silu epilogue: v3 only, v2 runs
+    neither graphs nor fused kernels), and
     the transformers peer once (plain greedy).
     Labels are unique: with several rollbacks each speculative label names its own, and ``label`` prefixes them
     all."""
@@ -254,8 +255,9 @@ def decode_runs(base: dict, *, engines=("ours",), specs=("none",), runtimes=("v3
                     for head in dict.fromkeys(lm_heads if spec != "none" else (0,)):
                         for ahead in dict.fromkeys(lookaheads if spec == "none" else lookaheads[:1]):
                             for dg in dict.fromkeys(draft_graphs if spec != "none" else (True,)):
-                                for pdl, side, silu in itertools.product(
-                                        *map(dict.fromkeys, (pdls, side_streams, silu_epilogues))):
+                                switches = ((pdls, side_streams, silu_epilogues) if runtime == "v3"
+                                            else ((True,), (False,), (True,)))  # v2: no graphs, no fused kernels
+                                for pdl, side, silu in itertools.product(*map(dict.fromkeys, switches)):
                                     runs.append(DecodeOptions(**base, engine=engine, runtime=runtime, spec=spec,
                                                               draft_tokens=k, rollback=rollback, lm_head_draft=head,
                                                               lookahead=ahead, draft_graphs=dg, pdl=pdl,

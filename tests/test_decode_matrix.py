@@ -55,6 +55,9 @@ def test_grid_and_labels():
         ("v3-none", False, True), ("v3-none-nosilu", False, False), ("v3-none-side", True, True),
         ("v3-none-side-nosilu", True, False)]
     assert decode_runs(BASE, specs=("none", "mtp:2"), silu_epilogues=(False,))[1].label == "v3-mtp-k2-nosilu"
+    v2 = decode_runs(BASE, specs=("none",), runtimes=("v3", "v2"), pdls=(False,), side_streams=(False, True))
+    assert [(r.label, r.pdl, r.side_stream) for r in v2] == [  # v2: no graphs, no fused kernels, one run
+        ("v3-none-nopdl", False, False), ("v3-none-nopdl-side", False, True), ("v2-none", True, False)]
     with pytest.raises(ValueError, match="plain greedy"):
         decode_runs(BASE, engines=("hf",), specs=("mtp",))
 
