@@ -89,9 +89,9 @@ def fmt(v, spec=".2f"):
 @click.option("--pdl", "pdls", default="on", show_default=True, callback=comma_list(("on", "off")),
               help="The decode step's CUDA-graph kernels with programmatic dependent launch (sm_90+ GPUs, ignored "
                    "elsewhere; off is labelled -nopdl); on,off runs both.")
-@click.option("--side-stream", "side_streams", default="off", show_default=True, callback=comma_list(("on", "off")),
-              help="A GDN layer's b / a and z projections on CUDA-graph branches beside the main chain (on is "
-                   "labelled -side; off by default until its split-K fix has run on a GPU); off,on runs both.")
+@click.option("--side-stream", "side_streams", default="on", show_default=True, callback=comma_list(("on", "off")),
+              help="A GDN layer's b / a and z projections on CUDA-graph branches beside the main chain (off is "
+                   "labelled -noside); on,off runs both.")
 @click.option("--silu-epilogue", "silu_epilogues", default="on", show_default=True,
               callback=comma_list(("on", "off")),
               help="The MLP's gate / up weight interleaved so the projection kernel stores silu(gate) * up itself "

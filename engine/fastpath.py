@@ -8,7 +8,7 @@ folds each residual add into the next norm, and ``silu_mul`` (or qmv's epilogue)
 runs its recurrence). Under ``TRITON_INTERPRET=1`` the same code runs on CPU tensors, which is how the tests
 check it against the eager path.
 
-Inside a CUDA-graph capture (``side_stream``, off by default) a GDN layer's b / a and z projections run on two side
+Inside a CUDA-graph capture (``side_stream``, on by default) a GDN layer's b / a and z projections run on two side
 streams, forked after the layer's norm: graph branches beside the main chain. b / a (a few row tiles) runs beside
 the qkv projection and joins before the token mixing; z (whose weight the engine then keeps apart from qkv's) runs
 beside the qkv projection and the latency-bound mixing kernels, and joins just before the gated norm reads it.
@@ -52,7 +52,7 @@ def available() -> bool:
 class FastPath:
     """Decode / verify forwards of a :class:`HybridModel` through the fused kernels."""
 
-    def __init__(self, model, *, side_stream: bool = False):
+    def __init__(self, model, *, side_stream: bool = True):
         self.m = model
         self.cfg, self.w = model.cfg, model.w
         self.gdn: dict[str, GDNParams] = {}

@@ -53,13 +53,12 @@ class EngineOptions:
     #                   may launch while the one before finishes. H200 27B step 6.08 -> 5.82 ms. (The MTP runs that
     #                   once made it an opt-in differed with it off too: verify passes were not token-invariant,
     #                   docs/perf/2026-11-30-token-invariance-h200.md)
-    side_stream: bool = False  # captured decode steps run each GDN layer's b / a and z projections on side streams,
-    #                            graph branches beside the main chain (engine/fastpath.py; z then keeps a weight of its
-    #                            own, apart from qkv's). H200 27B step 5.64 -> 5.46 ms with b / a alone. Off by
-    #                            default: on the bundled model (split-K at its small shapes) the branches' launches
-    #                            shared the device's one split-K scratch with the main chain's and the tokens changed
-    #                            from run to run (H200, docs/perf/2026-11-30-prefetch-h200.md); branch launches now
-    #                            take K in one pass (kernels/_triton.single_pass), not yet run on a GPU
+    side_stream: bool = True  # captured decode steps run each GDN layer's b / a and z projections on side streams,
+    #                           graph branches beside the main chain (engine/fastpath.py; z then keeps a weight of its
+    #                           own, apart from qkv's). H200 27B step 5.62 -> 5.35 ms; branch launches take K in one
+    #                           pass (kernels/_triton.single_pass): split-K launches there once shared the device's
+    #                           split-K scratch with the main chain's and the bundled model's tokens changed from run
+    #                           to run (docs/perf/2026-11-30-side-streams-fixed-h200.md)
     silu_epilogue: bool = True  # fused kernels: the MLP gate / up weight interleaved in runs of 8 rows so that qmv
     #                             stores silu(gate) * up itself (one launch less a layer; H200 27B step 5.41 -> 5.36 ms,
     #                             the same tokens: docs/perf/2026-11-30-silu-epilogue-h200.md)

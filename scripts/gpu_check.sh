@@ -80,7 +80,7 @@ for stage in "$@"; do
                case $mode in
                  sync)          flags="--sync" ;;                     # read each token before the next step
                  nopdl)         flags="--no-pdl" ;;                   # the step's kernels without programmatic dependent launch
-                 side)          flags="--side-stream" ;;              # the GDN b / a and z projections on graph branches
+                 noside)        flags="--no-side-stream" ;;           # the GDN b / a and z projections in the main chain
                  nosilu)        flags="--no-silu-epilogue" ;;         # the MLP's silu(gate) * up by its own kernel
                  cublas)        flags="--cublas-dense" ;;             # small dense projections by cuBLAS
                  rows|tiled)    flags="--qmv-layout $mode" ;;         # packed weights row-major / in TILED 1

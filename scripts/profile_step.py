@@ -93,7 +93,7 @@ def main() -> int:
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=True,
                     help="the step's kernels with programmatic dependent launch (EngineOptions.pdl, the default)")
-    ap.add_argument("--side-stream", action=argparse.BooleanOptionalAction, default=False,
+    ap.add_argument("--side-stream", action=argparse.BooleanOptionalAction, default=True,
                     help="the GDN b / a and z projections on graph branches (EngineOptions.side_stream)")
     ap.add_argument("--silu-epilogue", action=argparse.BooleanOptionalAction, default=True,
                     help="qmv stores the MLP's silu(gate) * up itself (EngineOptions.silu_epilogue, the default)")

@@ -43,7 +43,7 @@ class DecodeOptions:
     lookahead: bool = True  # plain greedy decode on CUDA graphs: the host one step behind the GPU
     draft_graphs: bool = True  # greedy drafting replayed from CUDA graphs (v3 on CUDA; off: eager drafting)
     pdl: bool = True  # the decode step's kernels with programmatic dependent launch (EngineOptions.pdl; sm_90+)
-    side_stream: bool = False  # GDN projections on CUDA-graph branches (EngineOptions.side_stream)
+    side_stream: bool = True  # GDN projections on CUDA-graph branches (EngineOptions.side_stream)
     silu_epilogue: bool = True  # qmv stores the MLP's silu(gate) * up (EngineOptions.silu_epilogue)
     prompt_file: str = str(DEFAULT_PROMPT)
     prompts: int | None = None  # with a .jsonl prompt set: how many of its prompts (default all)
@@ -96,7 +96,7 @@ class DecodeOptions:
         sync = "-sync" if self.spec == "none" and not self.lookahead else ""
         graphs = "-eagerdraft" if self.spec != "none" and not self.draft_graphs else ""
         pdl = "" if self.pdl else "-nopdl"
-        build = ("-side" if self.side_stream else "") + ("" if self.silu_epilogue else "-nosilu")
+        build = ("" if self.side_stream else "-noside") + ("" if self.silu_epilogue else "-nosilu")
         return f"{self.runtime}-{self.spec}{k}{head}{sync}{graphs}{pdl}{build}"
 
 
@@ -231,7 +231,7 @@ def parse_spec(item: str, draft_tokens: int | None) -> tuple[str, int | None]:
 
 
 def decode_runs(base: dict, *, engines=("ours",), specs=("none",), runtimes=("v3",), rollbacks=("recompute",),
-                lm_heads=(0,), lookaheads=(True,), draft_graphs=(True,), pdls=(True,), side_streams=(False,),
+                lm_heads=(0,), lookaheads=(True,), draft_graphs=(True,), pdls=(True,), side_streams=(True,),
                 silu_epilogues=(True,), draft_tokens: int | None = None,
                 label: str | None = None) -> list[DecodeOptions]:
     """The grid of decode runs a command line asks for: every runtime x spec x rollback x lm-head-draft size of
@@ -256,7 +256,7 @@ def decode_runs(base: dict, *, engines=("ours",), specs=("none",), runtimes=("v3
                         for ahead in dict.fromkeys(lookaheads if spec == "none" else lookaheads[:1]):
                             for dg in dict.fromkeys(draft_graphs if spec != "none" else (True,)):
                                 switches = ((pdls, side_streams, silu_epilogues) if runtime == "v3"
-                                            else ((True,), (False,), (True,)))  # v2: no graphs, no fused kernels
+                                            else ((True,), (True,), (True,)))  # v2: no graphs, no fused kernels
                                 for pdl, side, silu in itertools.product(*map(dict.fromkeys, switches)):
                                     runs.append(DecodeOptions(**base, engine=engine, runtime=runtime, spec=spec,
                                                               draft_tokens=k, rollback=rollback, lm_head_draft=head,

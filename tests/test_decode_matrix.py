@@ -50,14 +50,14 @@ def test_grid_and_labels():
                                                               ("v3-dflash2-k7-eagerdraft", False)]
     pdl = decode_runs(BASE, specs=("none",), pdls=(True, False))
     assert [(r.label, r.pdl) for r in pdl] == [("v3-none", True), ("v3-none-nopdl", False)]
-    build = decode_runs(BASE, specs=("none",), side_streams=(False, True), silu_epilogues=(True, False))
+    build = decode_runs(BASE, specs=("none",), side_streams=(True, False), silu_epilogues=(True, False))
     assert [(r.label, r.side_stream, r.silu_epilogue) for r in build] == [
-        ("v3-none", False, True), ("v3-none-nosilu", False, False), ("v3-none-side", True, True),
-        ("v3-none-side-nosilu", True, False)]
+        ("v3-none", True, True), ("v3-none-nosilu", True, False), ("v3-none-noside", False, True),
+        ("v3-none-noside-nosilu", False, False)]
     assert decode_runs(BASE, specs=("none", "mtp:2"), silu_epilogues=(False,))[1].label == "v3-mtp-k2-nosilu"
-    v2 = decode_runs(BASE, specs=("none",), runtimes=("v3", "v2"), pdls=(False,), side_streams=(False, True))
+    v2 = decode_runs(BASE, specs=("none",), runtimes=("v3", "v2"), pdls=(False,), side_streams=(True, False))
     assert [(r.label, r.pdl, r.side_stream) for r in v2] == [  # v2: no graphs, no fused kernels, one run
-        ("v3-none-nopdl", False, False), ("v3-none-nopdl-side", False, True), ("v2-none", True, False)]
+        ("v3-none-nopdl", False, True), ("v3-none-nopdl-noside", False, False), ("v2-none", True, True)]
     with pytest.raises(ValueError, match="plain greedy"):
         decode_runs(BASE, engines=("hf",), specs=("mtp",))
 
