@@ -7,6 +7,7 @@ step's idle gaps: graph launch, the token read-back, host work).
         [--no-pdl] [--no-side-stream] [--no-silu-epilogue] [--cublas-dense] [--qmv-layout L]
         [--eager-draft] [--attn-fixed-split]
         [--prefill]      # switches against the engine's defaults, compared by step time
+        [--host]         # where the host's time goes instead (cProfile of the same steps: Python, launches, syncs)
         [--drop norm,silu,ba]   # headroom: the step without those kernels (wrong values, true timing)
 
 Needs CUDA. Timings are the profiler's (CUPTI) kernel durations; the step wall time is measured without the
@@ -23,6 +24,21 @@ from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def host_profile(run, steps: int, top: int) -> int:
+    """cProfile of ``run(steps)``: the host functions by their own time and by their cumulative time."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    wall, toks = run(steps)
+    prof.disable()
+    print(f"with cProfile: {1e3 * wall / steps:.3f} ms a step, {toks} tokens")
+    for key in ("tottime", "cumulative"):
+        pstats.Stats(prof).sort_stats(key).print_stats(top)
+    return 0
 
 
 def busy_us(intervals: list[tuple[float, float]]) -> float:
@@ -110,6 +126,8 @@ def main() -> int:
     ap.add_argument("--drop", default="", help="comma list of " + ", ".join(DROPPABLE) + ": the step without "
                     "those launches (its values are wrong; only its time means something: what fusing them away "
                     "could win at most)")
+    ap.add_argument("--host", action="store_true",
+                    help="profile the host instead (cProfile of the same steps): where a host-bound step's time goes")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     drop = [d for d in args.drop.split(",") if d]
@@ -177,6 +195,8 @@ def main() -> int:
     wall, toks = run(args.steps)
     print(f"{args.steps} steps without the profiler: {1e3 * wall / args.steps:.3f} ms a step, "
           f"{toks} tokens", flush=True)
+    if args.host:
+        return host_profile(run, args.steps, args.top)
     prof = profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU])
     pwall, _ = run(args.steps, prof)
 
