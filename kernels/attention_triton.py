@@ -103,6 +103,11 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def _block_d(head_dim: int) -> int:
+    """Head-dim columns of a tile: a power of two, at least 16 (tl.dot's smallest K; columns past hd are masked)."""
+    return max(16, _pow2(head_dim))
+
+
 def plan(batch: int, tokens: int, heads: int, kv_heads: int, head_dim: int, kv_len: int, int8: bool,
          device: torch.device | str = "cuda", *, q_dtype: torch.dtype = torch.bfloat16, block_n: int | None = None,
          num_warps: int | None = None, num_stages: int | None = None, chunk: int | None = None,
@@ -112,7 +117,7 @@ def plan(batch: int, tokens: int, heads: int, kv_heads: int, head_dim: int, kv_l
     Register and shared-memory notes come from sm_90 ptxas reports of these kernels (Triton 3.6).
     """
     rows = heads // kv_heads  # one token's rows: nothing below depends on batch or tokens (token invariance)
-    block_d = _pow2(head_dim)
+    block_d = _block_d(head_dim)
     block_m = max(16, min(MAX_BLOCK_M, _pow2(rows)))
     fp32 = q_dtype == torch.float32  # the reference-precision path (tests): fp32 tiles, twice the shared memory
     if block_n is None:
@@ -248,7 +253,7 @@ def _launch(kern, q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, scale, kv
     hkv = k_cache.shape[1]
     g = h // hkv
     int8 = k_cache.dtype == torch.int8
-    block_d = _pow2(hd)
+    block_d = _block_d(hd)
     gw = min(KV_GROUP, block_d)  # columns per scale group in the int8 tile [BLOCK_N, NG, GW]
     splits = -(-kv_len // cfg.chunk)
     m_tiles = -(-g // cfg.block_m)  # a token's tiles

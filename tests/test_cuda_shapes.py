@@ -49,9 +49,9 @@ def load(art, runtime: str, **kw) -> Engine:
 
 def test_fp32_v3_matches_the_cpu_engine_and_v2(shape):
     """fp32 weights: v3's prefill logits within TF32 reach of the CPU engine's (which test_hf_parity holds to
-    transformers; transformers itself would run fla's Triton kernels here, CUDA only); v3's captured greedy decode
-    (graphs, fused kernels, side branches) gives v2's eager tokens, each the CPU engine's argmax on the sequence so
-    far."""
+    transformers; transformers itself would run fla's Triton kernels here, CUDA only) and its captured greedy decode
+    the CPU engine's argmax on the sequence so far (fp32 K/V: graphs, torch attention); with bf16 K/V (graphs, the
+    fused kernels, side branches) v3 decodes v2's eager tokens."""
     art = shape / "fp32.ninfer"
     if not art.exists():
         convert(shape / "hf", art, policy="fp32")
@@ -62,8 +62,11 @@ def test_fp32_v3_matches_the_cpu_engine_and_v2(shape):
     assert float((got - ref).norm() / ref.norm()) < 2e-3
     out = v3.generate(PROMPT, max_new_tokens=24, ignore_eos=True).tokens
     assert v3.graphs is not None and v3.graphs.graphs, "v3 on CUDA should replay captured graphs"
-    assert load(art, "v2", kv_dtype="fp32").generate(PROMPT, max_new_tokens=24, ignore_eos=True).tokens == out
     assert out == cpu.logits(PROMPT + out[:-1])[len(PROMPT) - 1:].argmax(-1).tolist()
+    fused = load(art, "v3", kv_dtype="bf16")
+    assert fused.model.fast is not None
+    assert fused.generate(PROMPT, max_new_tokens=24, ignore_eos=True).tokens == \
+        load(art, "v2", kv_dtype="bf16").generate(PROMPT, max_new_tokens=24, ignore_eos=True).tokens
 
 
 @pytest.mark.parametrize("policy,kv", [("q4", "int8"), ("mixed", "bf16")])

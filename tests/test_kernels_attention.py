@@ -62,13 +62,14 @@ def split_config(c, block_n=16, blocks=3):
 
 
 # (B, T, H, Hkv, hd, lengths, slots, cap): T = 1 / 7 / 8 / 16, groups 1 / 2 / 3 / 6, rows at position 0,
-# lengths that are not multiples of any block, more query rows than one m tile (T=16 x G=6 = 96)
+# lengths that are not multiples of any block, more query rows than one m tile (T=16 x G=6 = 96), hd 8 - 256
 SHAPES = {
     "T1-g1-hd32": (3, 1, 2, 2, 32, [1, 77, 130], 4, 160),
     "T7-g3-hd96": (3, 7, 6, 2, 96, [7, 150, 61], 5, 160),
     "T8-g2-hd64": (1, 8, 4, 2, 64, [100], 2, 128),
     "T16-g6-hd128": (1, 16, 6, 1, 128, [90], 2, 96),
     "T1-g6-hd256": (2, 1, 12, 2, 256, [1, 70], 3, 80),
+    "T2-g1-hd8": (2, 2, 4, 4, 8, [3, 100], 3, 112),  # head dim under tl.dot's 16: padded tiles
 }
 
 
