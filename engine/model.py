@@ -166,6 +166,10 @@ class HybridModel:
         x = rms_norm(h, self.w.vector(f"{p}.input_layernorm.weight"), eps)
         if kind == "linear_attention":
             h = h + self.gated_deltanet(p, i, x, step, cache)
+        elif self.fast is not None and step.mode != PREFILL and step.rope_pos is None:
+            # a drafter's attention layer (MTP) in decode: each row's keys up to its own position, as the target's
+            # layers read them, instead of a masked SDPA over step.kv_len (the whole capacity in captured drafting)
+            h = h + self.fast.attention(p, i, x, step, cache)
         else:
             h = h + self.attention(p, i, x, step, cache)
         x = rms_norm(h, self.w.vector(f"{p}.post_attention_layernorm.weight"), eps)
