@@ -7,9 +7,10 @@ peer (``engine="hf"``), and writes one result document.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -242,22 +243,22 @@ def decode_runs(base: dict, *, engines=("ours",), specs=("none",), runtimes=("v3
     all."""
     if set(engines) == {"hf"} and any(parse_spec(x, None)[0] != "none" for x in specs):
         raise ValueError("--engine hf runs plain greedy decoding: use --spec none (or --engine ours,hf)")
-    default = {f.name: f.default for f in fields(DecodeOptions)}
+    default = {f.name: f.default for f in dataclasses.fields(DecodeOptions)}
     runs = []
     for engine in dict.fromkeys(engines):
         if engine == "hf":
             runs.append(DecodeOptions(**base, engine="hf"))
             continue
         for runtime in dict.fromkeys(runtimes):
+            switches = ((pdls, side_streams, silu_epilogues) if runtime == "v3" else
+                        # v2 (no graphs, no fused kernels) ignores them: the defaults, once
+                        tuple((default[n],) for n in ("pdl", "side_stream", "silu_epilogue")))
             for item in dict.fromkeys(specs):
                 spec, k = parse_spec(item, draft_tokens)
                 for rollback in dict.fromkeys(rollbacks if spec != "none" else rollbacks[:1]):
                     for head in dict.fromkeys(lm_heads if spec != "none" else (0,)):
                         for ahead in dict.fromkeys(lookaheads if spec == "none" else lookaheads[:1]):
                             for dg in dict.fromkeys(draft_graphs if spec != "none" else (True,)):
-                                switches = ((pdls, side_streams, silu_epilogues) if runtime == "v3" else
-                                            # v2 (no graphs, no fused kernels) ignores them: the defaults, once
-                                            tuple((default[n],) for n in ("pdl", "side_stream", "silu_epilogue")))
                                 for pdl, side, silu in itertools.product(*map(dict.fromkeys, switches)):
                                     runs.append(DecodeOptions(**base, engine=engine, runtime=runtime, spec=spec,
                                                               draft_tokens=k, rollback=rollback, lm_head_draft=head,
