@@ -166,7 +166,7 @@ class HybridModel:
         x = rms_norm(h, self.w.vector(f"{p}.input_layernorm.weight"), eps)
         if kind == "linear_attention":
             h = h + self.gated_deltanet(p, i, x, step, cache)
-        elif self.fast is not None and step.mode != PREFILL and step.rope_pos is None:
+        elif self._fused(step):
             # a drafter's attention layer (MTP) in decode: each row's keys up to its own position, as the target's
             # layers read them, instead of a masked SDPA over step.kv_len (the whole capacity in captured drafting)
             h = h + self.fast.attention(p, i, x, step, cache)
@@ -175,13 +175,17 @@ class HybridModel:
         x = rms_norm(h, self.w.vector(f"{p}.post_attention_layernorm.weight"), eps)
         return h + self.mlp(p, x)
 
+    def _fused(self, step: Step) -> bool:
+        """Whether ``step`` runs the fused kernels: decode / verify, with them built; the fused kernels rotate at
+        the cache position, so rows of media requests (rope_pos) run eagerly."""
+        return self.fast is not None and step.mode != PREFILL and step.rope_pos is None
+
     # ---- whole model -----------------------------------------------------------------------------
     def forward(self, step: Step, cache: HybridCache) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Final-normed hidden states ``[B, T, H]`` and the outputs of ``step.taps`` layers."""
         if step.mode == VERIFY:
             cache.begin_verify(step.slots)
-        # the fused kernels rotate at the cache position: rows of media requests (rope_pos) run eagerly
-        if self.fast is not None and step.mode != PREFILL and step.rope_pos is None:
+        if self._fused(step):
             return self.fast.forward(step, cache)
         h = self.w.embed(step.ids)
         if step.embeds is not None:  # merged vision tokens take their placeholders' rows
