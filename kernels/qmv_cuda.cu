@@ -36,7 +36,9 @@ typedef unsigned char u8;
 #ifndef EVEN
 #define EVEN 1  // K is a whole number of groups and x rows are 16-byte aligned: vector loads of x
 #endif
-#define NW 8       // warps per block
+#ifndef NW
+#define NW 8       // warps per block (they take a tile's groups in turn: NW fixes the order of the sums)
+#endif
 #ifndef UNROLL
 #define UNROLL 4      // steps whose loads are issued together
 #endif
@@ -47,6 +49,9 @@ typedef unsigned char u8;
 #define FOLD 0        // 1 (q4/q5): the MMA takes BASE + u, and one more MMA per x fragment adds -(BASE + zero) *
 #endif                // sum(x), instead of a packed subtraction per code pair (16 fewer instructions a step, but
                       // the longer-lived x fragments spill at 80 registers: slower on the H200)
+#ifndef TAIL
+#define TAIL 0        // 1: a warp's last groups (fewer than UNROLL) as one predicated batch, all loads in flight
+#endif                // together, instead of one step (one load round trip) each; the same sums in the same order
 #ifndef PIPE
 #define PIPE 0        // 1: software pipeline - a batch's loads are issued while the previous batch is multiplied
 #endif
@@ -496,10 +501,18 @@ __device__ __forceinline__ void tile_sums(const u16* __restrict__ x, const u8* _
     steps<UNROLL>(L, xrow, gi, K, c, magic, acc);
     advance(L, NW * UNROLL);
   }
+#if TAIL
+  if (gi < g_hi) {
+    Batch<UNROLL> B;
+    load_batch<UNROLL>(B, L, xrow, gi, g_hi, K, c);
+    math_batch<UNROLL>(B, gi, g_hi, magic, acc);
+  }
+#else
   for (; gi < g_hi; gi += NW) {
     steps<1>(L, xrow, gi, K, c, magic, acc);
     advance(L, NW);
   }
+#endif
 #endif
 }
 

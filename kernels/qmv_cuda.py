@@ -196,7 +196,7 @@ class TiledWeight:
 
 @functools.cache
 def _kernel(fmt_id: int, half: bool, even: bool, unroll: int, min_blocks: int, xlate: bool, pipe: bool,
-            fold: bool, pdl: bool, tiled: int, act: bool, device_index: int):
+            fold: bool, pdl: bool, tiled: int, act: bool, warps: int, tail: bool, device_index: int):
     import cupy
 
     with cupy.cuda.Device(device_index):
@@ -204,7 +204,8 @@ def _kernel(fmt_id: int, half: bool, even: bool, unroll: int, min_blocks: int, x
                                 options=("-std=c++17", f"-DFMT={fmt_id}", f"-DHALF={int(half)}", f"-DEVEN={int(even)}",
                                          f"-DUNROLL={unroll}", f"-DMIN_BLOCKS={min_blocks}", f"-DXLATE={int(xlate)}",
                                          f"-DPIPE={int(pipe)}", f"-DFOLD={int(fold)}", f"-DPDL={int(pdl)}",
-                                         f"-DTILED={int(tiled)}", f"-DACT={int(act)}"))
+                                         f"-DTILED={int(tiled)}", f"-DACT={int(act)}", f"-DNW={warps}",
+                                         f"-DTAIL={int(tail)}"))
         return module.get_function("qmv")
 
 
@@ -306,7 +307,8 @@ def _sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def choose_splits(n: int, ng: int, sms: int, unroll: int = 4, min_blocks: int = _BLOCKS_PER_SM) -> int:
+def choose_splits(n: int, ng: int, sms: int, unroll: int = 4, min_blocks: int = _BLOCKS_PER_SM,
+                  warps: int = NW) -> int:
     """Blocks per 16-row tile along K (split-K): a pure function of the shape, so the launch never changes.
 
     A cost model in units of one warp step: the grid runs in waves of ``sms * 2`` blocks; a block's warps take
@@ -315,9 +317,9 @@ def choose_splits(n: int, ng: int, sms: int, unroll: int = 4, min_blocks: int = 
     """
     tiles = -(-n // 16)
     best, best_cost = 1, None
-    for s in range(1, max(1, ng // NW) + 1):
+    for s in range(1, max(1, ng // warps) + 1):
         waves = -(-tiles * s // (sms * min_blocks))
-        steps = -(-(-(-ng // s)) // NW)
+        steps = -(-(-(-ng // s)) // warps)
         cost = waves * (steps + unroll)
         if best_cost is None or cost < best_cost:
             best, best_cost = s, cost
@@ -326,7 +328,8 @@ def choose_splits(n: int, ng: int, sms: int, unroll: int = 4, min_blocks: int = 
 
 def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | None = None,
         unroll: int = 4, min_blocks: int = _BLOCKS_PER_SM, xlate: bool = False, pipe: bool = False,
-        fold: bool = False, pdl: bool | None = None, act: bool = False) -> torch.Tensor:
+        fold: bool = False, pdl: bool | None = None, act: bool = False, warps: int = NW,
+        tail: bool = False) -> torch.Tensor:
     """``x [T, K] @ W.T`` -> ``[T, N]`` in x.dtype, for T <= 8 (see :func:`supports`). ``out`` (contiguous [T, N],
     x.dtype) is written instead of a fresh tensor. ``splits`` (default :func:`choose_splits`), ``unroll`` (steps
     whose loads are in flight together), ``min_blocks`` (blocks per SM the registers must allow), ``xlate`` (x
@@ -337,7 +340,9 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
     (default :func:`kernels._triton.pdl_now`: the switch is on and the launch is for a CUDA graph) launches with
     programmatic dependent launch on sm_90+. ``act``: the weight is a gate / up pair with rows alternating in runs of
     8 (engine/weights.py's interleaved gate_up) and the result is ``silu(gate) * up`` ``[T, N / 2]`` (one launch,
-    no split-K; N a multiple of 16)."""
+    no split-K; N a multiple of 16). ``warps``: warps per 16-row tile (they take its groups in turn, so this fixes
+    the order of the sums); ``tail``: a warp's last groups (fewer than ``unroll``) loaded as one predicated batch
+    instead of one step at a time (the same sums in the same order)."""
     lin = getattr(lin, "qmv_weight", None) or lin  # a tiled PackedLinear: its tiles
     if not supports(x, lin):
         raise ValueError(f"qmv: needs CUDA bf16/fp16 x [1..{MAX_T}, K={lin.k}] contiguous and a q8/q5/q4 weight "
@@ -357,10 +362,10 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
     even = lin.k == lin.kp and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
     pdl = _triton.pdl_now(x.device) if pdl is None else pdl and _capability(dev) >= (9, 0)
     kern = _kernel(_FMT_ID[lin.fmt], x.dtype == torch.float16, even, unroll, min_blocks, xlate, pipe, fold, pdl,
-                   getattr(lin, "layout", 0), act, dev)
+                   getattr(lin, "layout", 0), act, warps, tail, dev)
     tiles = -(-n // 16)
     whole = act or not _triton.split_k_allowed()  # (the epilogue, or a launch beside others: _triton.single_pass)
-    s = 1 if whole else min(splits or choose_splits(n, lin.ng, _sms(dev), unroll, min_blocks), MAX_SPLITS)
+    s = 1 if whole else min(splits or choose_splits(n, lin.ng, _sms(dev), unroll, min_blocks, warps), MAX_SPLITS)
     groups_per_split = -(-lin.ng // s)
     s = -(-lin.ng // groups_per_split)
     ws, counters = workspace(x.device, s * t * n, tiles) if s > 1 else (out, out)
@@ -373,13 +378,13 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
     if pdl:
         cargs = (*map(ctypes.c_uint64, ptrs), *map(ctypes.c_int32, ints), *map(ctypes.c_int64, longs))
         with torch.cuda.device(dev):  # the module was loaded in this device's context
-            _launch_pdl(kern, (tiles, s), NW * 32, cargs, stream.cuda_stream)
+            _launch_pdl(kern, (tiles, s), warps * 32, cargs, stream.cuda_stream)
         return out
     import cupy
 
     args = (*map(np.uint64, ptrs), *map(np.int32, ints), *map(np.int64, longs))
     with cupy.cuda.Device(dev):
-        kern((tiles, s), (NW * 32,), args, stream=_stream(stream, dev))
+        kern((tiles, s), (warps * 32,), args, stream=_stream(stream, dev))
     return out
 
 

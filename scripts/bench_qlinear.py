@@ -27,6 +27,7 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -206,6 +207,20 @@ def bench_dense(ts, row, failures) -> None:
                 row(op, "bf16", t, label + "@graph20", us_rot, nbytes)
 
 
+def qmv_knobs(spec: str) -> dict:
+    """qmv keyword arguments from a --qmv-knobs spec such as ``u5b2t`` or ``w4u4b6tx``."""
+    names = {"u": "unroll", "b": "min_blocks", "w": "warps"}
+    kw, rest = {}, spec
+    for key, num in re.findall(r"([ubw])(\d+)", spec):
+        kw[names[key]] = int(num)
+    rest = re.sub(r"[ubw]\d+", "", spec)
+    for flag in rest:
+        if flag not in "tx":
+            raise ValueError(f"--qmv-knobs: {spec!r}: unknown letter {flag!r} (u<n> b<n> w<n> t x)")
+    kw.update(tail="t" in rest, xlate="x" in rest)
+    return kw
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK_OPS)}, T in 1, 8")
@@ -214,6 +229,10 @@ def main() -> int:
                     help="also time qmv's layouts (tiled, lanes) and launch knobs on the lanes layout")
     ap.add_argument("--qmv-splits", default="1,2,3,4,6,8",
                     help="comma list: split-K slice counts --qmv-variants times on the lanes layout")
+    ap.add_argument("--qmv-knobs", default="",
+                    help="comma list of qmv launch builds on the lanes layout, each letters + numbers: u<steps in "
+                         "flight> b<blocks per SM> w<warps a tile> t (predicated tail batch) x (x one step ahead), "
+                         "e.g. u4b3,u4b3t,u5b2t,w4u4b6t; timed as qmv-lanes-<spec>")
     ap.add_argument("--only", default="",
                     help="comma list: time only these candidates (e.g. qmv-lanes,qmv-lanes-r8; default all)")
     ap.add_argument("--only-variants", default="", help="comma list: restrict --variants to these names")
@@ -236,6 +255,10 @@ def main() -> int:
     split_sweep = sorted({int(v) for v in args.qmv_splits.split(",") if v})
     if any(not 1 <= sp <= qmv_cuda.MAX_SPLITS for sp in split_sweep):
         ap.error(f"--qmv-splits: each count must be 1..{qmv_cuda.MAX_SPLITS}, got {args.qmv_splits}")
+    try:
+        knobs = {spec: qmv_knobs(spec) for spec in args.qmv_knobs.split(",") if spec}
+    except ValueError as e:
+        ap.error(str(e))
     engine_layout = EngineOptions().qmv_layout
     variants = {}
     if args.variants:
@@ -315,6 +338,11 @@ def main() -> int:
                         cands[f"qmv-lanes-u{un}-b{mb}"] = (lambda x, li, out=None, un=un, mb=mb:
                                                            qmv_cuda.qmv(x, lanes[id(li)], out, unroll=un,
                                                                         min_blocks=mb))
+                if knobs and t <= qmv_cuda.MAX_T and qmv_cuda.available():
+                    lanes = lanes or {id(li): qmv_cuda.TiledWeight(li, lanes=True) for li in lins}
+                    for spec, kw in knobs.items():
+                        cands[f"qmv-lanes-{spec}"] = (lambda x, li, out=None, kw=kw:
+                                                      qmv_cuda.qmv(x, lanes[id(li)], out, **kw))
                 if args.only:
                     cands = {name: fn for name, fn in cands.items() if name in args.only.split(",")}
                 best = None

@@ -101,6 +101,26 @@ def test_launch_variants_agree(fmt, unroll, min_blocks, xlate, pipe, fold, k, sp
 
 
 @needs_qmv
+@pytest.mark.parametrize("fmt", quant.QUANT_FORMATS)
+@pytest.mark.parametrize("unroll,min_blocks,warps,xlate", [(4, 3, 8, False), (5, 2, 8, False), (5, 3, 8, True),
+                                                          (3, 3, 8, False), (4, 6, 4, False), (6, 4, 4, True)])
+@pytest.mark.parametrize("k,splits,layout", [(5120, 1, "lanes"), (6144, 1, "lanes"), (17408, 1, "plain"),
+                                             (3000, 2, "plain"), (700, 1, "lanes")])
+def test_tail_batch_and_warps_agree(fmt, unroll, min_blocks, warps, xlate, k, splits, layout):
+    """A warp's last groups as one predicated batch (``tail``) add the same steps in the same order as one step at
+    a time: the same bits; other warp counts (another order of the sums) match the reference, repeat bit for
+    bit, and a row does not depend on the others."""
+    lin, x, ref = _case(fmt, 96, k, 3, torch.bfloat16, seed=31)
+    w = qmv_cuda.TiledWeight(lin, lanes=True) if layout == "lanes" else lin
+    kw = dict(splits=splits, unroll=unroll, min_blocks=min_blocks, warps=warps, xlate=xlate)
+    y = qmv_cuda.qmv(x, w, tail=True, **kw)
+    assert rel_rms(y, ref) <= TOL[torch.bfloat16]
+    assert torch.equal(y, qmv_cuda.qmv(x, w, tail=False, **kw))
+    assert torch.equal(y, qmv_cuda.qmv(x, w, tail=True, **kw))
+    assert torch.equal(y[1], qmv_cuda.qmv(x[1:2].contiguous(), w, tail=True, **kw)[0])
+
+
+@needs_qmv
 def test_unaligned_x_and_out_buffer():
     """x whose rows are not 16-byte aligned takes the element-wise path; ``out`` is written in place."""
     lin, x, ref = _case("q5_g64_fp16", 48, 512, 4, torch.bfloat16, seed=3)
