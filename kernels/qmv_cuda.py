@@ -32,7 +32,7 @@ import torch
 
 from . import _triton
 
-__all__ = ["qmv", "supports", "available", "import_error", "choose_splits", "workspace", "set_dense", "dense_enabled",
+__all__ = ["qmv", "supports", "available", "import_error", "choose_splits", "choose_warps", "workspace", "set_dense", "dense_enabled",
            "DenseWeight", "TiledWeight", "DENSE_FMT", "qmv_rows", "MAX_T", "MAX_SPLITS"]
 
 MAX_T = 8  # tokens per launch: the MMA's n = 8 columns
@@ -41,7 +41,8 @@ MAX_SPLITS = 8  # split-K slices: the workspace holds MAX_SPLITS x MAX_T x N flo
 NW = 8  # warps per block (NW in the source)
 _FMT_ID = {"q8_g32_fp16": 0, "q5_g64_fp16": 1, "q4_g64_fp16": 2, DENSE_FMT: 3}
 _SOURCE = Path(__file__).with_name("qmv_cuda.cu")
-_BLOCKS_PER_SM = 3  # MIN_BLOCKS in the source (the H200 sweep: 3 beats 2 and 4 at the 27B shapes)
+_BLOCKS_PER_SM = 3  # MIN_BLOCKS in the source at NW warps (the H200 sweep: 3 beats 2 and 4 at the 27B shapes)
+_WARPS_PER_SM = NW * _BLOCKS_PER_SM  # the register cap a launch is built for: 24 warps an SM, whatever the block
 
 
 @functools.cache
@@ -316,6 +317,8 @@ def choose_splits(n: int, ng: int, sms: int, unroll: int = 4, min_blocks: int = 
     about one batch of ``unroll`` steps. Few tiles (N small) want more splits to fill the GPU; many tiles want none.
     """
     tiles = -(-n // 16)
+    if tiles >= 4 * sms:  # tiles enough to fill the GPU (choose_warps' wide weights): one pass
+        return 1
     best, best_cost = 1, None
     for s in range(1, max(1, ng // warps) + 1):
         waves = -(-tiles * s // (sms * min_blocks))
@@ -326,9 +329,19 @@ def choose_splits(n: int, ng: int, sms: int, unroll: int = 4, min_blocks: int = 
     return best
 
 
+def choose_warps(n: int, sms: int) -> int:
+    """Warps per 16-row tile for an N-row weight: a pure function of the weight's shape (never of T, so a row's
+    sums keep their order at every width). A weight of at least 4 tiles an SM takes 4 warps a tile and twice the
+    blocks an SM, each warp walking twice the groups: faster on the H200 at the wide 27B shapes (gate_up q4 28.3 ->
+    26.6 us, attention q|gate q5 16.1 -> 14.5, GDN qkv q4 11.2 -> 10.2, lm_head q8 334.8 -> 321.7); a narrower one
+    keeps 8, which fills the GPU with its fewer tiles (5120 rows: 7.5 us against 9.1 at 4 warps;
+    docs/perf/2026-12-01-qmv-warps-h200.md)."""
+    return 4 if -(-n // 16) >= 4 * sms else NW
+
+
 def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | None = None,
-        unroll: int = 4, min_blocks: int = _BLOCKS_PER_SM, xlate: bool = False, pipe: bool = False,
-        fold: bool = False, pdl: bool | None = None, act: bool = False, warps: int = NW,
+        unroll: int = 4, min_blocks: int | None = None, xlate: bool = False, pipe: bool = False,
+        fold: bool = False, pdl: bool | None = None, act: bool = False, warps: int | None = None,
         tail: bool = False) -> torch.Tensor:
     """``x [T, K] @ W.T`` -> ``[T, N]`` in x.dtype, for T <= 8 (see :func:`supports`). ``out`` (contiguous [T, N],
     x.dtype) is written instead of a fresh tensor. ``splits`` (default :func:`choose_splits`), ``unroll`` (steps
@@ -340,8 +353,8 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
     (default :func:`kernels._triton.pdl_now`: the switch is on and the launch is for a CUDA graph) launches with
     programmatic dependent launch on sm_90+. ``act``: the weight is a gate / up pair with rows alternating in runs of
     8 (engine/weights.py's interleaved gate_up) and the result is ``silu(gate) * up`` ``[T, N / 2]`` (one launch,
-    no split-K; N a multiple of 16). ``warps``: warps per 16-row tile (they take its groups in turn, so this fixes
-    the order of the sums); ``tail``: a warp's last groups (fewer than ``unroll``) loaded as one predicated batch
+    no split-K; N a multiple of 16). ``warps``: warps per 16-row tile (default :func:`choose_warps`; they take its
+    groups in turn, so this fixes the order of the sums), ``min_blocks`` defaulting to 24 warps an SM; ``tail``: a warp's last groups (fewer than ``unroll``) loaded as one predicated batch
     instead of one step at a time (the same sums in the same order)."""
     lin = getattr(lin, "qmv_weight", None) or lin  # a tiled PackedLinear: its tiles
     if not supports(x, lin):
@@ -359,6 +372,8 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
         raise ValueError(f"qmv: out must be contiguous [{t}, {width}] {x.dtype} on {x.device}, got {tuple(out.shape)} "
                          f"{out.dtype} on {out.device}")
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    warps = warps or choose_warps(n, _sms(dev))
+    min_blocks = min_blocks or max(1, _WARPS_PER_SM // warps)
     even = lin.k == lin.kp and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
     pdl = _triton.pdl_now(x.device) if pdl is None else pdl and _capability(dev) >= (9, 0)
     kern = _kernel(_FMT_ID[lin.fmt], x.dtype == torch.float16, even, unroll, min_blocks, xlate, pipe, fold, pdl,

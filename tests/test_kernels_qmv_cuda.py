@@ -169,6 +169,14 @@ def test_split_choice_fills_the_gpu_only_when_needed():
         assert 1 <= s <= max(1, ng // qmv_cuda.NW)
 
 
+def test_warp_choice_depends_on_the_weight_shape_only():
+    # wide weights (>= 4 tiles an SM) take 4 warps a tile and one pass; narrower ones 8
+    assert qmv_cuda.choose_warps(34816, 132) == qmv_cuda.choose_warps(248320, 132) == 4
+    assert qmv_cuda.choose_warps(5120, 132) == qmv_cuda.choose_warps(16, 132) == qmv_cuda.NW
+    for n in (10240, 14336, 34816):
+        assert qmv_cuda.choose_splits(n, 80, 132, 4, 6, 4) == 1
+
+
 def test_unsupported_inputs_are_refused_with_the_reason():
     buf = quant.pack(torch.randn(16, 64), "q4_g64_fp16")
     lin = ql.PackedLinear(buf, "q4_g64_fp16", (16, 64), "cpu")
