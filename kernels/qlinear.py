@@ -167,7 +167,7 @@ def qlinear_triton(x: torch.Tensor, lin: PackedLinear, config: QConfig | None = 
         out = torch.empty(t, lin.n, dtype=x.dtype, device=x.device)
     n_tiles, k_tiles = _cdiv(lin.n, cfg.block_n), _cdiv(lin.ng, groups_per_split)
     t_tiles = t if cfg.kind == "gemv" else _cdiv(t, cfg.block_t)
-    ws, counters = _workspace(x.device, t, lin.n, n_tiles * t_tiles) if k_tiles > 1 else (out, out)
+    ws, counters = _workspace(x.device, k_tiles * t, lin.n, n_tiles * t_tiles) if k_tiles > 1 else (out, out)
     fmt_id = _FMT_ID[lin.fmt]
     common = dict(FMT=fmt_id, BLOCK_N=cfg.block_n, GPS=cfg.gps, GPU=x.is_cuda, SPLIT_K=k_tiles,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -185,20 +185,28 @@ def qlinear_triton(x: torch.Tensor, lin: PackedLinear, config: QConfig | None = 
     return out
 
 
-# Split-K scratch, one per device: fp32 [rows, N] sums and per-tile arrival counters, both left at zero by
-# every launch (the last program of each tile clears its part). Kernels on one stream run one after the
-# other, so they share it; two split-K launches running at once on different streams must not.
+# Split-K scratch, one per device: fp32 [splits, rows, N] partial sums (overwritten by every launch) and per-tile
+# arrival counters (left at zero by every launch: the last program of each tile clears its own). Kernels on one
+# stream run one after the other, so they share it; two split-K launches running at once on different streams
+# must not.
 _WORKSPACES: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 _MAX_TILES = 1 << 16
 
 
 def _workspace(device, rows: int, n: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The device's split-K scratch, grown (zeroed) to at least rows * n floats and ``tiles`` counters.
+    """The device's split-K scratch, grown (zeroed) to at least rows * n floats (rows: x's rows times the K
+    splits) and ``tiles`` counters.
 
     Growing allocates, so it must not happen inside a CUDA-graph capture: PackedLinear reserves
-    MAX_KERNEL_ROWS x N when it is built.
+    :func:`scratch_rows` x N when it is built.
     """
     return split_k_scratch(_WORKSPACES, device, rows * n, tiles, "qlinear")
+
+
+def scratch_rows(fmt: str, n: int, k: int) -> int:
+    """The most split-K workspace rows (K splits x rows of x) a launch of :func:`choose_config` takes for a
+    ``[n, k]`` weight, over every width up to MAX_KERNEL_ROWS."""
+    return max(choose_config(fmt, n, k, t).split_k * t for t in range(1, MAX_KERNEL_ROWS + 1))
 
 
 def split_k_scratch(store: dict, device, floats: int, tiles: int, who: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -239,7 +247,7 @@ class PackedLinear:
     Holds the packed uint8 buffer on ``device`` and typed views of its sections, made once here so a
     call only passes pointers: ``codes`` uint8 [N, code bytes per row] (and ``words``, the same bytes as
     int32), ``high`` uint8 [N, Kp/8] (q5; a 1-byte placeholder otherwise), ``scales`` fp16 [N, Kp/group].
-    On CUDA it also reserves the shared split-K workspace for MAX_KERNEL_ROWS x N (see _workspace).
+    On CUDA it also reserves the shared split-K workspace for the widest launch (see scratch_rows).
     ``layout="tiled"`` or ``"lanes"`` (on CUDA with qmv; the engine's choice for bf16/fp16 models) keeps only qmv's
     tile-contiguous copy (``qmv_weight``, :class:`kernels.qmv_cuda.TiledWeight`: 1.1-1.3x faster at the 27B shapes
     on the H200; lanes a further 1.04-1.2x) and drops the row-major sections, so the weight costs no more memory.
@@ -287,7 +295,7 @@ class PackedLinear:
         self.packed_bytes = self.codes.numel() + self.high.numel() * (fmt == "q5_g64_fp16") + 2 * self.scales.numel()
         self.qmv_weight = None  # the tiled copy qmv reads, when tiled (the row-major sections are then dropped)
         if self.device.type == "cuda":
-            _workspace(self.device, MAX_KERNEL_ROWS, self.n, 1)
+            _workspace(self.device, scratch_rows(fmt, self.n, self.k), self.n, 1)
             if qmv_cuda.available():
                 qmv_cuda.workspace(self.device, qmv_cuda.MAX_SPLITS * qmv_cuda.MAX_T * self.n)
                 if layout != "rows":

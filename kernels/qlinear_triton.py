@@ -124,7 +124,8 @@ def _gemv_kernel(x_ptr, words_ptr, high_ptr, scales_ptr, out_ptr, ws_ptr, cnt_pt
         # q = BASE + u - (BASE - QMIN); reduced every step so the accumulator keeps the words' layout
         acc += tl.sum((e - (BASE - QMIN) * xs[None, :]) * s, axis=1)
     t = tl.program_id(2) + tl.arange(0, 1)
-    _epilogue(acc[None, :], t, rows, t >= 0, row_ok, out_ptr, stride_ot, ws_ptr, cnt_ptr, N, GPU, SPLIT_K)
+    _epilogue(acc[None, :], t, rows, t >= 0, row_ok, out_ptr, stride_ot, ws_ptr, cnt_ptr, N, tl.num_programs(2),
+              GPU, SPLIT_K)
 
 
 def _codes_as(u, QMIN: tl.constexpr, DT: tl.constexpr):
@@ -258,19 +259,20 @@ def _dot_kernel(x_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr, ws_ptr, cnt_ptr
             acc = tl.dot(w, tl.trans(xs), acc, input_precision="ieee")
         else:
             acc = tl.dot(w, tl.trans(xs), acc)
-    _epilogue(tl.trans(acc), t, rows, t_ok, row_ok, out_ptr, stride_ot, ws_ptr, cnt_ptr, N, GPU, SPLIT_K)
+    _epilogue(tl.trans(acc), t, rows, t_ok, row_ok, out_ptr, stride_ot, ws_ptr, cnt_ptr, N, T, GPU, SPLIT_K)
 
 
-def _epilogue(acc, t, rows, t_ok, row_ok, out_ptr, stride_ot, ws_ptr, cnt_ptr, N, GPU: tl.constexpr,
+def _epilogue(acc, t, rows, t_ok, row_ok, out_ptr, stride_ot, ws_ptr, cnt_ptr, N, ROWS, GPU: tl.constexpr,
               SPLIT_K: tl.constexpr):
     """Write acc [BT, BN] (fp32) to out; with SPLIT_K > 1, sum the SPLIT_K programs' tiles first, in one launch.
 
-    Each program adds its tile into the fp32 workspace (atomics, performed at L2), then counts itself in on
-    the tile's counter. The count must not overtake any thread's adds: the adds return their old values,
-    the program sums them (every thread waits for its adds), and a fence on that sum produces the count's
-    increment. The program that arrives last reads the sums, writes out, and leaves workspace and counter
-    at zero for the next launch: no memset or cast kernels around the launch, which matters in a CUDA graph
-    of microsecond kernels.
+    Each program stores its tile in its own slice of the fp32 workspace (split s: ``[ROWS, N]`` floats at
+    ``s * ROWS * N``, ROWS = x's rows), then counts itself in on the tile's counter. The count must not overtake
+    any thread's stores: every thread fences after its own, and a reduction over the fences' results (which
+    waits for every thread of the program) produces the count's increment. The program that arrives last adds
+    the slices up in split order - a fixed order, so the result does not depend on which program finishes first
+    (deterministic, as qmv's split-K) - writes out, and leaves the counter at zero for the next launch: no memset
+    or cast kernels around the launch, which matters in a CUDA graph of microsecond kernels.
     """
     mask = t_ok[:, None] & row_ok[None, :]
     out_ptrs = out_ptr + t[:, None] * stride_ot + rows[None, :]
@@ -278,19 +280,21 @@ def _epilogue(acc, t, rows, t_ok, row_ok, out_ptr, stride_ot, ws_ptr, cnt_ptr, N
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
     else:
         ws = ws_ptr + t[:, None] * N + rows[None, :]
-        old = tl.atomic_add(ws, acc, mask=mask, sem="relaxed")
-        done = tl.sum(tl.sum(tl.where(mask, old, 0.0), axis=1), axis=0)
+        piece = ROWS * N  # one split's slice
+        tl.store(ws + tl.program_id(1) * piece, acc, mask=mask)
         one = 1
         if GPU:  # the interpreter runs programs one after another: nothing to order there
-            one = tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.b32 $0, 1;", "=r,r",
-                                            [done.to(tl.int32, bitcast=True)], dtype=tl.int32,
-                                            is_pure=False, pack=1)
+            fenced = tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.b32 $0, 1;", "=r,r",
+                                               [acc.to(tl.int32, bitcast=True)], dtype=tl.int32, is_pure=False,
+                                               pack=1)
+            one = tl.max(tl.max(fenced, axis=1), axis=0)
         tile = tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)
         arrived = tl.atomic_add(cnt_ptr + tile, one, sem="acq_rel")
         if arrived == SPLIT_K - 1:
             total = tl.load(ws, mask=mask, other=0, cache_modifier=".cg")
+            for s in tl.static_range(1, SPLIT_K):
+                total += tl.load(ws + s * piece, mask=mask, other=0, cache_modifier=".cg")
             tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
-            tl.store(ws, tl.zeros_like(total), mask=mask)
             tl.atomic_xchg(cnt_ptr + tile, 0)
 
 

@@ -106,6 +106,29 @@ def test_dot_vs_ref(fmt, shape, dtype):
 
 
 @needs_triton
+@pytest.mark.parametrize("cfg", [QC("gemv", 16, gps=1, split_k=3), QC("dot", 16, gps=1, split_k=4)], ids=str)
+def test_split_k_adds_the_slices_in_split_order(cfg):
+    """Split-K partial tiles go to their own workspace slices and the last program adds them in split order:
+    the output is exactly that ordered fp32 sum (deterministic, whichever program finishes first), and every
+    tile counter is back at zero."""
+    t = 3
+    _, lin, x, ref = _case("q4_g64_fp16", 40, 640, t, torch.float32, seed=5)
+    y = _run(lin, x, cfg)
+    assert _rel_rms(y, ref) <= GEMV_TOL_FP32
+    ws, counters = ql._WORKSPACES[torch.device(DEVICE)]
+    splits = -(-lin.ng // (-(-(-(-lin.ng // cfg.split_k)) // cfg.gps) * cfg.gps))
+    assert splits == cfg.split_k
+    pieces = ws[:splits * t * lin.n].view(splits, t, lin.n)
+    total = pieces[0].clone()
+    for s in range(1, splits):
+        total += pieces[s]
+    assert torch.equal(y, total)
+    assert not counters.any()
+    for _ in range(3):
+        assert torch.equal(_run(lin, x, cfg), y)
+
+
+@needs_triton
 @pytest.mark.parametrize("fmt", FMTS)
 def test_default_config_and_wide_t(fmt):
     """choose_config's pick for T = 1 and for a T that needs two row tiles of x."""
