@@ -213,6 +213,8 @@ def split_k_scratch(store: dict, device, floats: int, tiles: int, who: str) -> t
     """``store[device]``: (fp32 sums of at least ``floats``, ``_MAX_TILES`` int32 arrival counters), made zeroed
     and grown on demand - never inside a CUDA-graph capture, where allocating is not allowed."""
     device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # one scratch a GPU, however the device is spelled
+        device = torch.device("cuda", torch.cuda.current_device())
     if tiles > _MAX_TILES:
         raise ValueError(f"{who}: {tiles} output tiles exceed the split-K counters ({_MAX_TILES})")
     ws, counters = store.get(device, (None, None))

@@ -115,7 +115,7 @@ def test_split_k_adds_the_slices_in_split_order(cfg):
     _, lin, x, ref = _case("q4_g64_fp16", 40, 640, t, torch.float32, seed=5)
     y = _run(lin, x, cfg)
     assert _rel_rms(y, ref) <= GEMV_TOL_FP32
-    ws, counters = ql._WORKSPACES[torch.device(DEVICE)]
+    ws, counters = ql._WORKSPACES[x.device]  # keyed by the GPU's index (cuda:0)
     splits = -(-lin.ng // (-(-(-(-lin.ng // cfg.split_k)) // cfg.gps) * cfg.gps))
     assert splits == cfg.split_k
     pieces = ws[:splits * t * lin.n].view(splits, t, lin.n)
