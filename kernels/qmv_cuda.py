@@ -34,8 +34,8 @@ import torch
 
 from . import _triton
 
-__all__ = ["qmv", "supports", "available", "import_error", "choose_splits", "choose_warps", "workspace", "set_dense", "dense_enabled",
-           "DenseWeight", "TiledWeight", "DENSE_FMT", "qmv_rows", "MAX_T", "MAX_SPLITS"]
+__all__ = ["qmv", "supports", "available", "import_error", "choose_splits", "choose_warps", "workspace", "set_dense",
+           "dense_enabled", "DenseWeight", "TiledWeight", "DENSE_FMT", "qmv_rows", "MAX_T", "MAX_SPLITS"]
 
 MAX_T = 8  # tokens per launch: the MMA's n = 8 columns
 DENSE_FMT = "dense16"  # a bf16 / fp16 weight read as it is (FMT 3 in the source), see DenseWeight
