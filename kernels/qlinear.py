@@ -43,6 +43,8 @@ both are short of bytes in flight, which a deeper load pipeline (cp.async / TMA)
 
 from __future__ import annotations
 
+import functools
+
 import dataclasses
 from dataclasses import dataclass
 
@@ -203,6 +205,7 @@ def _workspace(device, rows: int, n: int, tiles: int) -> tuple[torch.Tensor, tor
     return split_k_scratch(_WORKSPACES, device, rows * n, tiles, "qlinear")
 
 
+@functools.cache  # a model has a handful of shapes and many weights of each
 def scratch_rows(fmt: str, n: int, k: int) -> int:
     """The most split-K workspace rows (K splits x rows of x) a launch of :func:`choose_config` takes for a
     ``[n, k]`` weight, over every width up to MAX_KERNEL_ROWS."""

@@ -318,9 +318,9 @@ def choose_splits(n: int, ng: int, sms: int, unroll: int = 4, min_blocks: int = 
     ceil(groups / NW) steps each, plus a fixed cost (the block's start, its reduction, split-K's atomics) of
     about one batch of ``unroll`` steps. Few tiles (N small) want more splits to fill the GPU; many tiles want none.
     """
-    tiles = -(-n // 16)
-    if tiles >= 4 * sms:  # tiles enough to fill the GPU (choose_warps' wide weights): one pass
+    if _wide(n, sms):  # tiles enough to fill the GPU: one pass
         return 1
+    tiles = -(-n // 16)
     best, best_cost = 1, None
     for s in range(1, max(1, ng // warps) + 1):
         waves = -(-tiles * s // (sms * min_blocks))
@@ -338,7 +338,12 @@ def choose_warps(n: int, sms: int) -> int:
     26.6 us, attention q|gate q5 16.1 -> 14.5, GDN qkv q4 11.2 -> 10.2, lm_head q8 334.8 -> 321.7); a narrower one
     keeps 8, which fills the GPU with its fewer tiles (5120 rows: 7.5 us against 9.1 at 4 warps;
     docs/perf/2026-12-01-qmv-warps-h200.md)."""
-    return 4 if -(-n // 16) >= 4 * sms else NW
+    return 4 if _wide(n, sms) else NW
+
+
+def _wide(n: int, sms: int) -> bool:
+    """At least 4 row tiles an SM: 4 warps a tile (:func:`choose_warps`) and one pass (:func:`choose_splits`)."""
+    return -(-n // 16) >= 4 * sms
 
 
 def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | None = None,
@@ -356,8 +361,9 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
     programmatic dependent launch on sm_90+. ``act``: the weight is a gate / up pair with rows alternating in runs of
     8 (engine/weights.py's interleaved gate_up) and the result is ``silu(gate) * up`` ``[T, N / 2]`` (one launch,
     no split-K; N a multiple of 16). ``warps``: warps per 16-row tile (default :func:`choose_warps`; they take its
-    groups in turn, so this fixes the order of the sums), ``min_blocks`` defaulting to 24 warps an SM; ``tail``: a warp's last groups (fewer than ``unroll``) loaded as one predicated batch
-    instead of one step at a time (the same sums in the same order)."""
+    groups in turn, so this fixes the order of the sums), ``min_blocks`` defaulting to 24 warps an SM; ``tail``: a
+    warp's last groups (fewer than ``unroll``) loaded as one predicated batch instead of one step at a time (the
+    same sums in the same order)."""
     lin = getattr(lin, "qmv_weight", None) or lin  # a tiled PackedLinear: its tiles
     if not supports(x, lin):
         raise ValueError(f"qmv: needs CUDA bf16/fp16 x [1..{MAX_T}, K={lin.k}] contiguous and a q8/q5/q4 weight "

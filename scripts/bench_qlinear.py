@@ -210,9 +210,7 @@ def bench_dense(ts, row, failures) -> None:
 def qmv_knobs(spec: str) -> dict:
     """qmv keyword arguments from a --qmv-knobs spec such as ``u5b2t`` or ``w4u4b6tx``."""
     names = {"u": "unroll", "b": "min_blocks", "w": "warps"}
-    kw, rest = {}, spec
-    for key, num in re.findall(r"([ubw])(\d+)", spec):
-        kw[names[key]] = int(num)
+    kw = {names[key]: int(num) for key, num in re.findall(r"([ubw])(\d+)", spec)}
     rest = re.sub(r"[ubw]\d+", "", spec)
     for flag in rest:
         if flag not in "tx":
