@@ -8,7 +8,7 @@ step's idle gaps: graph launch, the token read-back, host work).
         [--eager-draft] [--attn-fixed-split]
         [--prefill]      # switches against the engine's defaults, compared by step time
         [--host]         # where the host's time goes instead (cProfile of the same steps: Python, launches, syncs)
-        [--drop norm,silu,ba]   # headroom: the step without those kernels (wrong values, true timing)
+        [--drop norm,silu,ba,gdn,attn]   # headroom: the step without those kernels (wrong values, true timing)
 
 Needs CUDA. Timings are the profiler's (CUPTI) kernel durations; the step wall time is measured without the
 profiler in the same process first, so the profiler's own overhead does not enter it.
@@ -58,6 +58,8 @@ DROPPABLE = {
     "norm": "add_rms_norm / rms_norm between the layers (x = the sublayer's output, no residual)",
     "silu": "silu_mul after gate_up, with --no-silu-epilogue (the down projection reads the gate half)",
     "ba": "the GDN b / a projection (one zero tensor a shape, made at capture)",
+    "gdn": "a GDN layer's token mixing (gdn_decode's prep, recurrence and gated-norm launches; a zero output)",
+    "attn": "full attention's prologue and attention launches (a zero output; the projections stay)",
 }
 
 
@@ -75,17 +77,45 @@ def drop_launches(eng, names: list[str]) -> None:
         fused.silu_mul = lambda gu, inter: gu[..., :inter]
     if "ba" in names:
         model = eng.model
-        proj, zeros = model._proj, {}
+        proj = model._proj
 
         def no_ba(prefix, name, members, sizes, x):
             if not name.endswith("in_proj_ba"):
                 return proj(prefix, name, members, sizes, x)
-            key = (*x.shape[:-1], sum(sizes))
-            if key not in zeros:
-                zeros[key] = torch.zeros(key, dtype=x.dtype, device=x.device)
-            return list(torch.split(zeros[key], sizes, dim=-1))
+            return list(torch.split(_zeros((*x.shape[:-1], sum(sizes)), x), sizes, dim=-1))
 
         model._proj = no_ba
+    if "gdn" in names:
+        from ninfer_bench.engine import fastpath
+
+        def no_mix(qkv, z, *_, before_z=None, **__):
+            if before_z is not None:
+                before_z()  # the z branch still joins the main chain
+            return None if z is None else _zeros(z.shape, qkv)
+
+        fastpath.gdn_decode = no_mix
+    if "attn" in names:
+        from ninfer_bench.engine import fastpath
+
+        def no_prologue(qg, *_):
+            b, t, h, hd2 = qg.shape
+            return _zeros((b, t, h, hd2 // 2), qg), None
+
+        fastpath.fused.attn_prologue = no_prologue
+        fastpath.decode_attention = lambda q, *_, **__: q
+
+
+_STATIC: dict = {}
+
+
+def _zeros(shape, like):
+    """One static zero tensor a shape (graph-safe: made at the first, eager call)."""
+    import torch
+
+    key = (tuple(shape), like.dtype, like.device)
+    if key not in _STATIC:
+        _STATIC[key] = torch.zeros(key[0], dtype=like.dtype, device=like.device)
+    return _STATIC[key]
 
 
 def main() -> int:
