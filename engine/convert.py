@@ -17,7 +17,7 @@ import torch
 
 from .. import __version__
 from .artifact_write import write_artifact
-from .config import ModelConfig
+from .config import DraftConfig, ModelConfig
 
 POLICIES = ("fp32", "bf16", "q8", "q5", "q4", "mixed")
 _UNIFORM = {"fp32": "fp32", "bf16": "bf16", "q8": "q8_g32_fp16", "q5": "q5_g64_fp16", "q4": "q4_g64_fp16"}
@@ -126,6 +126,7 @@ def convert(hf_dir: str | Path, out: str | Path, *, policy: str = "mixed", versi
     """Convert a Hugging Face folder (Qwen3.5 / Qwen3-Next) into an artifact, with optional z-lab style drafter
     folders (DFlash / DFlash2) added as components."""
     from .hf import HFCheckpoint
+    from .spec.dflash import check_drafter
 
     if policy not in POLICIES:
         raise ValueError(f"unknown quantization policy {policy!r} (known: {', '.join(POLICIES)})")
@@ -138,12 +139,9 @@ def convert(hf_dir: str | Path, out: str | Path, *, policy: str = "mixed", versi
     comps, extra = ({"vision": vision[0]}, {n: (vision_format(t.shape, policy), t) for n, t in vision[1].items()}) \
         if vision else ({}, {})
     dcomps, dtensors = drafter_components(drafters, policy)
-    for kind, comp in dcomps.items():
-        cfg = comp["config"]
-        if cfg["hidden_size"] != ckpt.config.hidden_size or max(cfg["target_layer_ids"]) >= \
-                ckpt.config.num_hidden_layers or cfg["mask_token_id"] >= ckpt.config.vocab_size:
-            raise ValueError(f"{kind} drafter does not fit this model (hidden {cfg['hidden_size']}, taps "
-                             f"{cfg['target_layer_ids']}, mask token {cfg['mask_token_id']})")
+    for kind, comp in dcomps.items():  # refused before anything is written, as loading the artifact would
+        check_drafter(DraftConfig.from_dict(comp["config"]), ckpt.config,
+                      {n.split(".", 1)[-1]: tuple(dtensors[n][1].shape) for n in comp["tensors"]}, f"{kind} drafter")
     comps.update(dcomps)
     extra.update(dtensors)
     write_model(out, ckpt.config, tensors, policy=policy, blobs=ckpt.blobs(), version=version,

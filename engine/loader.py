@@ -74,7 +74,7 @@ def tokenizer_of(art: Artifact, cfg: ModelConfig):
 def load_artifact(path: str | Path) -> LoadedModel:
     art = Artifact.open(path)
     cfg, raws = text_of(art, path)
-    drafters = drafters_of(art, path)
+    drafters = drafters_of(art, path, cfg)
     meta = art.metadata or {}
     vision = vision_of(art, path)
     info = {"path": str(Path(path).resolve()), "artifact_id": art.artifact_id, "format_version": art.version,
@@ -114,8 +114,12 @@ def text_of(art: Artifact, path) -> tuple[ModelConfig, dict[str, RawWeight]]:
     return cfg, {n: raw_weight(art, n) for n in names}
 
 
-def drafters_of(art: Artifact, path) -> dict[str, tuple[DraftConfig, dict[str, RawWeight]]]:
-    """The artifact's DFlash / DFlash2 drafters: kind -> (validated config, weights)."""
+def drafters_of(art: Artifact, path, target: ModelConfig | None = None
+                ) -> dict[str, tuple[DraftConfig, dict[str, RawWeight]]]:
+    """The artifact's DFlash / DFlash2 drafters: kind -> (validated config, weights), each checked against the
+    target (``target``: the text config when already read)."""
+    from .spec.dflash import check_drafter
+
     drafters = {}
     for kind in ("dflash", "dflash2"):
         comp = (art.components or {}).get(kind)
@@ -125,7 +129,10 @@ def drafters_of(art: Artifact, path) -> dict[str, tuple[DraftConfig, dict[str, R
             dcfg = DraftConfig.from_dict(dict(comp["config"]))
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{path}: {kind} component: {e}") from None
-        drafters[kind] = (dcfg, {n: raw_weight(art, n) for n in comp.get("tensors", [])})
+        names = list(comp.get("tensors", []))
+        target = target or text_of(art, path)[0]
+        check_drafter(dcfg, target, {n.split(".", 1)[-1]: art.shape(n) for n in names}, f"{path}: {kind} component")
+        drafters[kind] = (dcfg, {n: raw_weight(art, n) for n in names})
     return drafters
 
 

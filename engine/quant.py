@@ -227,6 +227,18 @@ def dequantize(buf: torch.Tensor, fmt: str, shape: tuple[int, ...], dtype=torch.
     return dequantize_rows(sections(buf.contiguous(), fmt, shape), fmt, shape[-1], dtype).reshape(shape)
 
 
+def nonfinite(buf: torch.Tensor, fmt: str, shape: tuple[int, ...], chunk: int = 1 << 24) -> int:
+    """How many of the floats stored in ``buf`` (flat uint8, 4-byte aligned) are NaN or inf: the values of fp32 /
+    bf16, the scales of a quantized format (its codes are integers: a weight is finite when its group's scale is)."""
+    if fmt in QSPEC:
+        vals = sections(buf, fmt, shape)["scales"].reshape(-1)
+    elif fmt in FLOAT_FORMATS:
+        vals = buf.reshape(-1).view(torch.float32 if fmt == "fp32" else torch.bfloat16)
+    else:
+        raise ValueError(f"unknown weight format {fmt!r} (known: {', '.join(FORMATS)})")
+    return sum(int(part.numel() - torch.isfinite(part).sum()) for part in torch.split(vals, chunk))
+
+
 def error_bound(fmt: str) -> float:
     """Worst-case |w - dequant(w)| relative to the group's amax: half a quantization step plus the fp16
     rounding of the scale. Holds while the scale is a normal fp16 (amax / qmax >= 2**-14); below that the

@@ -390,7 +390,6 @@ def _recur_kernel(WORK, GATES, SSRC, SSM, SLOTS, STATES, Z, NW, Y,
                   STORE_STATES: tl.constexpr, HAS_OUT: tl.constexpr, FUSED_NORM: tl.constexpr, PDL: tl.constexpr):
     """Program (b * Hv + h, v block): the recurrence over the T tokens with the state tile [BK, BV] in registers;
     per token o (or, with the whole head in the tile, the gated RMSNorm output) and optionally the state."""
-    pdl_enter(PDL)  # PDL launches: wait for the kernel before, let the next one launch
     pid = tl.program_id(0)
     pid_v = tl.program_id(1)
     b = pid // (HK * R)
@@ -403,7 +402,14 @@ def _recur_kernel(WORK, GATES, SSRC, SSM, SLOTS, STATES, Z, NW, Y,
     v_ok = offs_v < DV
     s_mask = k_ok[:, None] & v_ok[None, :]
     s_base = SSRC + (b.to(tl.int64) if SSM_INIT else slot) * stride_sb + h * stride_sh
-    S = tl.load(s_base + offs_k[:, None] * stride_sk + offs_v[None, :], mask=s_mask, other=0.0)  # [BK, BV] fp32
+    if not SSM_INIT:
+        # the cache's state, read before the PDL wait: its last writer (this layer's previous step, or a rollback)
+        # is at least two launches back, and a launch starts only once the one before it has passed its own
+        # wait, i.e. once everything before that one has finished
+        S = tl.load(s_base + offs_k[:, None] * stride_sk + offs_v[None, :], mask=s_mask, other=0.0)  # [BK, BV]
+    pdl_enter(PDL)  # PDL launches: wait for the kernel before (prep), let the next one launch
+    if SSM_INIT:  # a caller's buffer, possibly written by the launch right before
+        S = tl.load(s_base + offs_k[:, None] * stride_sk + offs_v[None, :], mask=s_mask, other=0.0)
     C = 2 * HK * DK + HK * R * DV  # WORK row: q | k | v channels
     NG = 2 * HK * R + HK  # GATES row: e^g | beta | q.k
     if FUSED_NORM:

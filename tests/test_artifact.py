@@ -420,3 +420,26 @@ def test_bundled_model_passes_the_config_checks():
         pytest.skip("this checkout ships no bundled model")
     model = load_artifact(path)
     assert model.config.mtp_num_hidden_layers > 0 and set(model.drafters) == {"dflash", "dflash2"}
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "q4_g64_fp16", "q8_g32_fp16"])
+def test_nonfinite_stored_values_fail_verify(tmp_path, fmt):
+    """NaN / inf bytes written with matching digests (packed as-is, so the writer's own check never sees them):
+    verify names the object; a quantized weight is checked through its scales."""
+    w = torch.randn(4, 64)
+    buf = quant.pack(w, fmt).clone()
+    if fmt in quant.QSPEC:
+        quant.sections(buf, fmt, (4, 64))["scales"][2, 0] = float("inf")
+    else:
+        buf.view(torch.float32 if fmt == "fp32" else torch.bfloat16)[70] = float("nan")
+    name = "model.layers.0.mlp.down_proj.weight"
+    packed = {name: (fmt, (4, 64), buf), "model.norm.weight": ("fp32", (64,), quant.pack(torch.ones(64), "fp32"))}
+    for version in (2, 3):
+        path = tmp_path / f"nan{version}.ninfer"
+        write_artifact(path, packed=packed, version=version)
+        with Artifact.open(path) as art:
+            results = {label: (ok, msg) for label, ok, msg in art.verify()}
+            assert results[f"{art.info(name).id} ({name})"] == (False, "1 stored value(s) are NaN or inf")
+            assert sum(not ok for ok, _ in results.values()) == 1
+            with pytest.raises(ArtifactError, match=f"{name}.*NaN or inf"):
+                art.verify(strict=True)

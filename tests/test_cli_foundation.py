@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import struct
 import subprocess
 import sys
 
@@ -248,3 +249,24 @@ def test_header_config_that_cannot_load_fails_inspect_and_verify(tmp_path, tiny_
     assert "intermediate_sizf" in doc["failures"][0]
     code, text = run("inspect", bad)
     assert code == 1 and "FAIL  text" in text
+
+
+def test_verify_fails_on_nan_weights_with_matching_digests(tmp_path, tiny_artifact):
+    """An artifact exported with a NaN in a weight (its digest made over those bytes) loads, but verify and
+    inspect fail on it."""
+    import hashlib
+
+    bad = tmp_path / "nan.ninfer"
+    data = bytearray(tiny_artifact.read_bytes())
+    with Artifact.open(tiny_artifact) as art:
+        info = art.info("model.norm.weight")
+        start = art.payload_start + info.offset
+    old = hashlib.sha256(data[start:start + info.nbytes]).hexdigest()
+    data[start + 4:start + 8] = struct.pack("<f", float("nan"))
+    new = hashlib.sha256(data[start:start + info.nbytes]).hexdigest()
+    assert data.count(old.encode()) == 1
+    bad.write_bytes(bytes(data).replace(old.encode(), new.encode()))
+    code, text = run("verify", bad)
+    assert code == 1 and "model.norm.weight" in text and "NaN or inf" in text
+    code, text = run("inspect", bad, "--json")
+    assert code == 1 and json.loads(text)["checks"]["digests"] is False

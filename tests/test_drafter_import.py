@@ -78,3 +78,41 @@ def test_lm_head_draft_keeps_greedy_exact(tmp_path, hf_qwen35):
     assert eng.drafter.head.linear.out_features == 64  # the drafter scores only the 64 head rows
     with pytest.raises(ValueError, match="ranks only"):
         Engine.load(str(art), device="cpu", spec="dflash2", draft_tokens=4, lm_head_draft=1000)
+
+
+def _with_drafter(path, hf_folder, cfg, tensors):
+    ckpt = HFCheckpoint(hf_folder)
+    write_model(path, ckpt.config, ckpt.tensors(), policy="fp32",
+                extra_components={cfg.kind: {"config": cfg.to_dict(), "tensors": sorted(tensors)}},
+                extra_tensors={n: ("fp32", t) for n, t in tensors.items()})
+
+
+@pytest.mark.parametrize("edit,message", [
+    ("shape", r"misshapen: layers\.0\.down_proj\.weight \[64, 95\] \(expected \[64, 96\]\)"),
+    ("drop", r"missing \['norm\.weight'\]"),
+    ("extra", r"unexpected \['layers\.9\.bias'\]"),
+    ("taps", r"does not fit this target \(mask token 299, taps \[1, 40\]"),
+])
+def test_a_drafter_unlike_its_config_is_refused_at_load(tmp_path, hf_qwen35, edit, message):
+    """An artifact whose drafter tensors do not match its config (a hand-edited or foreign export): loading,
+    ``verify`` and ``convert --drafter`` say which tensors, instead of a torch error when --spec first runs."""
+    cfg, tensors = random_drafter("dflash2")
+    if edit == "shape":
+        name = "dflash2.layers.0.down_proj.weight"
+        tensors[name] = tensors[name][:, :95].clone()
+    elif edit == "drop":
+        del tensors["dflash2.norm.weight"]
+    elif edit == "extra":
+        tensors["dflash2.layers.9.bias"] = torch.zeros(3)
+    else:
+        cfg.target_layer_ids = (1, 40)
+    art = tmp_path / "m.ninfer"
+    _with_drafter(art, hf_qwen35[0], cfg, tensors)
+    with pytest.raises(ValueError, match=message):
+        Engine.load(str(art), device="cpu")
+    res = CliRunner().invoke(main, ["verify", str(art)])
+    assert res.exit_code == 1 and "dflash2 component" in res.output, res.output
+    write_zlab_drafter(tmp_path / "d", cfg, tensors)
+    res = CliRunner().invoke(main, ["convert", str(hf_qwen35[0]), str(tmp_path / "c.ninfer"), "--quant", "fp32",
+                                    "--drafter", str(tmp_path / "d")])
+    assert res.exit_code != 0 and not (tmp_path / "c.ninfer").exists(), res.output

@@ -175,6 +175,28 @@ class BlockDrafter(nn.Module):
         return ks, vs
 
 
+def check_drafter(c: DraftConfig, target, names_shapes: dict[str, tuple[int, ...]], where: str) -> None:
+    """Refuse a drafter that cannot run on ``target`` (a ModelConfig): taps or mask token outside it, or tensors
+    (names without the ``dflash.`` / ``dflash2.`` prefix -> shape) other than its config implies - the missing,
+    unexpected and misshapen ones all named, at load rather than mid-run."""
+    if c.mask_token_id >= target.vocab_size or max(c.target_layer_ids) >= target.num_hidden_layers \
+            or min(c.target_layer_ids) < 0:
+        raise ValueError(f"{where}: the {c.kind} drafter does not fit this target (mask token {c.mask_token_id}, "
+                         f"taps {list(c.target_layer_ids)}; the target has {target.vocab_size} tokens and "
+                         f"{target.num_hidden_layers} layers)")
+    with torch.device("meta"):  # shapes only: no memory, no init cost
+        want = {n: tuple(t.shape) for n, t in BlockDrafter(c, target.hidden_size, target.vocab_size)
+                .state_dict().items()}
+    missing = sorted(set(want) - set(names_shapes))
+    extra = sorted(set(names_shapes) - set(want))
+    wrong = [f"{n} {list(names_shapes[n])} (expected {list(want[n])})" for n in sorted(set(want) & set(names_shapes))
+             if tuple(names_shapes[n]) != want[n]]
+    problems = ([f"missing {missing}"] if missing else []) + ([f"unexpected {extra}"] if extra else []) \
+        + ([f"misshapen: {', '.join(wrong)}"] if wrong else [])
+    if problems:
+        raise ValueError(f"{where}: the {c.kind} drafter's tensors do not match its config: {'; '.join(problems)}")
+
+
 def forward_train(drafter: BlockDrafter, taps: torch.Tensor, block_emb: torch.Tensor,
                   anchors: torch.Tensor) -> torch.Tensor:
     """Hidden states of many blocks of one batch of sequences in one pass (the training forward).

@@ -20,7 +20,7 @@ from .. import quant
 from ..model import DECODE, PREFILL, Step
 from ..sampling import probs
 from ..weights import RawWeight
-from .dflash import BlockDrafter
+from .dflash import BlockDrafter, check_drafter
 from .draft_graphs import DraftGraphs, wanted
 
 
@@ -236,10 +236,8 @@ class BlockDraftRunner:
             raise ValueError(f"--spec {kind} needs a {kind} drafter in the artifact (it has: {have})")
         self.e = engine
         cfg, raws = engine.loaded.drafters[kind]
+        check_drafter(cfg, engine.config, {n.split(".", 1)[-1]: r.shape for n, r in raws.items()}, kind)
         self.cfg = cfg
-        if cfg.mask_token_id >= engine.config.vocab_size or max(cfg.target_layer_ids) >= engine.config.num_hidden_layers:
-            raise ValueError(f"{kind} drafter does not fit this target (mask token {cfg.mask_token_id}, "
-                             f"taps {cfg.target_layer_ids})")
         k = engine.options.draft_tokens
         if k + 1 > cfg.block_size:
             raise ValueError(f"{kind} drafter was trained with block size {cfg.block_size} "
