@@ -313,7 +313,14 @@ def resume(w: Work, parts: Path) -> None:
         for q in names:
             f.write(q.read_bytes())
     with tarfile.open(tar) as t:
-        t.extractall(w.root, filter="data")
+        for m in t.getmembers():  # what ship_checkpoint writes: files and folders under CHECKPOINT's names
+            parts_of = Path(m.name).parts
+            if not (m.isfile() or m.isdir()) or not parts_of or parts_of[0] not in CHECKPOINT or ".." in parts_of:
+                raise SystemExit(f"--resume {parts}: {m.name!r} in checkpoint.tar is not part of a checkpoint")
+        if hasattr(tarfile, "data_filter"):  # Python >= 3.10.12 / 3.11.4: the library's own checks too
+            t.extractall(w.root, filter="data")
+        else:
+            t.extractall(w.root)
 
 
 def save_facts(w: Work, stage: str, facts: dict) -> None:
