@@ -20,7 +20,8 @@ Two launches (three with block_v < dv):
    ([B, T, C] and [B, T, 2 Hv + Hk]); and the channels' new conv windows (ending at keep[b]) into the cache. Each
    channel is read and written by one program only, so the conv state is updated in place with no race.
 2. ``_recur_kernel`` over (B * Hv, dv / BV): the fp32 state tile ``S[:, v block]`` ([dk, BV]) stays in registers
-   across the T tokens (read and written once per call). The token loop is unrolled and its inputs come from the
+   across the T tokens (read and written once per call; the cache's state is read before the PDL wait, beside the
+   prep kernel's tail). The token loop is unrolled and its inputs come from the
    workspace, so their loads do not wait on the state; per token ``S^T k`` and ``S^T q`` in one pass and the
    rank-1 update in a second (``o = e^g S^T q + (q . k) u`` saves a third). With BV >= dv the gated RMSNorm is
    applied right there; with BV < dv (more, smaller programs: better at these sizes, see scripts/bench_fused.py)
@@ -401,15 +402,16 @@ def _recur_kernel(WORK, GATES, SSRC, SSM, SLOTS, STATES, Z, NW, Y,
     offs_v = pid_v * BV + tl.arange(0, BV)
     v_ok = offs_v < DV
     s_mask = k_ok[:, None] & v_ok[None, :]
-    s_base = SSRC + (b.to(tl.int64) if SSM_INIT else slot) * stride_sb + h * stride_sh
+    s_ptrs = SSRC + (b.to(tl.int64) if SSM_INIT else slot) * stride_sb + h * stride_sh \
+        + offs_k[:, None] * stride_sk + offs_v[None, :]
     if not SSM_INIT:
         # the cache's state, read before the PDL wait: its last writer (this layer's previous step, or a rollback)
         # is at least two launches back, and a launch starts only once the one before it has passed its own
         # wait, i.e. once everything before that one has finished
-        S = tl.load(s_base + offs_k[:, None] * stride_sk + offs_v[None, :], mask=s_mask, other=0.0)  # [BK, BV]
+        S = tl.load(s_ptrs, mask=s_mask, other=0.0)  # [BK, BV] fp32
     pdl_enter(PDL)  # PDL launches: wait for the kernel before (prep), let the next one launch
     if SSM_INIT:  # a caller's buffer, possibly written by the launch right before
-        S = tl.load(s_base + offs_k[:, None] * stride_sk + offs_v[None, :], mask=s_mask, other=0.0)
+        S = tl.load(s_ptrs, mask=s_mask, other=0.0)
     C = 2 * HK * DK + HK * R * DV  # WORK row: q | k | v channels
     NG = 2 * HK * R + HK  # GATES row: e^g | beta | q.k
     if FUSED_NORM:

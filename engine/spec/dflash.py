@@ -184,9 +184,12 @@ def check_drafter(c: DraftConfig, target, names_shapes: dict[str, tuple[int, ...
         raise ValueError(f"{where}: the {c.kind} drafter does not fit this target (mask token {c.mask_token_id}, "
                          f"taps {list(c.target_layer_ids)}; the target has {target.vocab_size} tokens and "
                          f"{target.num_hidden_layers} layers)")
-    with torch.device("meta"):  # shapes only: no memory, no init cost
-        want = {n: tuple(t.shape) for n, t in BlockDrafter(c, target.hidden_size, target.vocab_size)
-                .state_dict().items()}
+    try:
+        with torch.device("meta"):  # shapes only: no memory, no init cost
+            want = {n: tuple(t.shape) for n, t in BlockDrafter(c, target.hidden_size, target.vocab_size)
+                    .state_dict().items()}
+    except ValueError as e:  # a hidden size other than the target's
+        raise ValueError(f"{where}: {e}") from None
     missing = sorted(set(want) - set(names_shapes))
     extra = sorted(set(names_shapes) - set(want))
     wrong = [f"{n} {list(names_shapes[n])} (expected {list(want[n])})" for n in sorted(set(want) & set(names_shapes))
