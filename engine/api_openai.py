@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Literal
 
@@ -13,6 +14,7 @@ from .backend import Backend, Generation, Outcome
 from .mrope import placeholder
 from .server import ApiError, api_error, error_body, new_id, read_json, session_of, sse, validate
 
+MAX_CHOICES = 64  # choices (n x prompts) in one request: each is a request of its own to the scheduler
 FINISH = {"eos": "stop", "stop_sequence": "stop", "length": "length"}
 MEDIA_PARTS = {"image_url": "image", "video_url": "video"}  # {"type": kind, kind: {"url": data URI | path}}
 NO_MODALITY = {"input_image": "vision", "image": "vision", "input_audio": "audio", "audio": "audio",
@@ -97,16 +99,38 @@ def render_chat(backend: Backend, messages: list[Message], media: list | None = 
         raise ApiError(400, f"the chat template rejected the messages: {e}", param="messages") from None
 
 
-def usage(out: Outcome) -> dict:
-    n = len(out.tokens)
-    return {"prompt_tokens": out.prompt_n, "completion_tokens": n, "total_tokens": out.prompt_n + n,
-            "prompt_tokens_details": {"cached_tokens": out.cached_n}}
+def usage(outs: list[Outcome], n: int = 1) -> dict:
+    """Over every choice: each prompt counted once (its ``n`` choices share it), every choice's tokens."""
+    prompt, cached = sum(o.prompt_n for o in outs[::n]), sum(o.cached_n for o in outs[::n])
+    done = sum(len(o.tokens) for o in outs)
+    return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-async def start(request: Request, backend: Backend, body: _Generate, **prompt) -> Generation:
+def timings(outs: list[Outcome]):
+    """The ``timings`` extension: one choice's dict, or a list of them in choice order."""
+    return outs[0].timings if len(outs) == 1 else [o.timings for o in outs]
+
+
+def choice_seed(seed: int | None, i: int) -> int | None:
+    """Choice ``i``'s seed: the request's plus ``i``, wrapped into 64 bits - seeded choices differ from each other
+    and choice 0 is what the same request with ``n`` = 1 gives."""
+    return None if seed is None else (seed + i + 2**63) % 2**64 - 2**63
+
+
+async def start(request: Request, backend: Backend, body: _Generate, sources: list[dict], **common
+                ) -> list[Generation]:
+    """Every choice of the request submitted: ``n`` for each prompt in ``sources`` (prompt-major, the order of
+    ``choices[].index``); the first of each prompt tokenizes it, the others reuse its ids."""
     backend.check_model(body.model)
-    if body.n not in (None, 1):
-        raise ApiError(400, "n: only one choice per request is supported", param="n")
+    n = 1 if body.n is None else body.n
+    if not 1 <= n <= MAX_CHOICES // len(sources):
+        raise ApiError(400, f"n: between 1 and {MAX_CHOICES // len(sources)} choices for {len(sources)} prompt(s) "
+                       f"(at most {MAX_CHOICES} in a request), got {n}", param="n")
+    session = session_of(request, body.session_id)
+    if session is not None and n * len(sources) > 1:
+        raise ApiError(400, "session_id: a session continues one conversation, so n must be 1 with one prompt",
+                       param="session_id")
     extra = body.model_extra or {}
     if extra.get("logprobs"):
         raise ApiError(400, "logprobs: log-probabilities are not returned by this server", param="logprobs")
@@ -117,36 +141,89 @@ async def start(request: Request, backend: Backend, body: _Generate, **prompt) -
         raise ApiError(400, "echo: returning the prompt is not supported by this server", param="echo")
     if body.stream_options is not None and not body.stream:
         raise ApiError(400, "stream_options: only allowed when stream is true", param="stream_options")
-    return await backend.generate(
-        **prompt, session_id=session_of(request, body.session_id),
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0, seed=body.seed, stop=body.stop,
-        ignore_eos=body.ignore_eos)
+    sampling = dict(temperature=1.0 if body.temperature is None else body.temperature,
+                    top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0, stop=body.stop,
+                    ignore_eos=body.ignore_eos)
+    gens: list[Generation] = []
+    try:
+        for source in sources:
+            first = await backend.generate(**source, **common, session_id=session, seed=body.seed, **sampling)
+            gens.append(first)
+            gens += [backend.again(first, choice_seed(body.seed, i)) for i in range(1, n)]
+    except BaseException:  # a later choice refused (queue full): the earlier ones are not left running
+        for gen in gens:
+            gen.cancel()
+        raise
+    return gens
 
 
-def stream(gen: Generation, head: dict, choice, final, body: _Generate) -> StreamingResponse:
-    """SSE chunks: ``choice(text, ids)`` builds a chunk's choice, ``final(out)`` the finishing one."""
+async def collect(request: Request, gens: list[Generation]) -> list[Outcome]:
+    try:
+        return list(await asyncio.gather(*(gen.collect(request.is_disconnected) for gen in gens)))
+    finally:
+        for gen in gens:
+            gen.cancel()
+
+
+async def merged(gens: list[Generation]):
+    """``(index, text, ids, None)`` as any of the generations commits tokens, ``(index, None, None, outcome)`` as each
+    ends; one generation's order is its own (for a single one: its deltas, then its outcome)."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, gen: Generation) -> None:
+        try:
+            async for text, ids in gen.deltas():
+                queue.put_nowait((i, text, ids, None))
+            queue.put_nowait((i, None, None, await gen.outcome()))
+        except Exception as e:
+            queue.put_nowait((i, None, None, e))
+
+    tasks = [asyncio.create_task(pump(i, gen)) for i, gen in enumerate(gens)]
+    try:
+        left = len(gens)
+        while left:
+            i, text, ids, end = await queue.get()
+            if isinstance(end, Exception):
+                raise end
+            if end is not None:
+                left -= 1
+            yield i, text, ids, end
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def stream(gens: list[Generation], head: dict, choice, final, body: _Generate) -> StreamingResponse:
+    """SSE chunks: ``choice(index, text, ids)`` builds a chunk's choice, ``final(index, out)`` a choice's last one."""
     want_ids = bool(body.return_token_ids)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    n = body.n or 1  # choices a prompt
 
     async def events():
         try:
-            first = choice(None, None)
-            if first:
-                yield sse({**head, "choices": [first]})
-            async for text, ids in gen.deltas():
-                if text or (want_ids and ids):
-                    yield sse({**head, "choices": [choice(text, ids if want_ids else None)]})
-            out = await gen.outcome()
-            if include_usage:  # as OpenAI: the usage once, in a last chunk of its own (no choices)
-                yield sse({**head, "choices": [final(out)], "usage": None, "timings": out.timings})
-                yield sse({**head, "choices": [], "usage": usage(out)})
-            else:  # (an extension: OpenAI sends none)
-                yield sse({**head, "choices": [final(out)], "usage": usage(out), "timings": out.timings})
+            for i in range(len(gens)):
+                first = choice(i, None, None)
+                if first:
+                    yield sse({**head, "choices": [first]})
+            outs: list[Outcome | None] = [None] * len(gens)
+            async for i, text, ids, out in merged(gens):
+                if out is None:
+                    if text or (want_ids and ids):
+                        yield sse({**head, "choices": [choice(i, text, ids if want_ids else None)]})
+                    continue
+                outs[i] = out
+                last = all(o is not None for o in outs)
+                if include_usage or not last:  # as OpenAI: the usage once, in a last chunk without choices
+                    yield sse({**head, "choices": [final(i, out)], "usage": None, "timings": out.timings})
+                else:  # (an extension: OpenAI sends none)
+                    yield sse({**head, "choices": [final(i, out)], "usage": usage(outs, n), "timings": out.timings})
+            if include_usage:
+                yield sse({**head, "choices": [], "usage": usage(outs, n)})
         except Exception as e:  # the status line is sent: the error goes in the stream
             yield sse(error_body(api_error(e), anthropic=False))
         finally:
-            gen.cancel()
+            for gen in gens:
+                gen.cancel()
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -172,60 +249,61 @@ def register(app: FastAPI, backend: Backend, max_body: int) -> None:
             raise ApiError(400, "tools: tool calling is not supported by this server", param="tools")
         media = [] if backend.engine.vision is not None else None
         text = render_chat(backend, body.messages, media)
-        gen = await start(request, backend, body, text=text, media=media or (),
-                          max_tokens=body.max_completion_tokens or body.max_tokens)
+        gens = await start(request, backend, body, [{"text": text, "media": media or ()}],
+                           max_tokens=body.max_completion_tokens or body.max_tokens)
         cid, created = new_id("chatcmpl-"), int(time.time())
         head = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": backend.model_id}
-        extra = {"session_id": gen.session_id} if gen.session_id else {}
+        extra = {"session_id": gens[0].session_id} if gens[0].session_id else {}
         if body.stream:
-            def choice(text, ids):
+            def choice(i, text, ids):
                 delta = {"role": "assistant", "content": ""} if text is None else ({"content": text} if text else {})
-                return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None,
+                return {"index": i, "delta": delta, "logprobs": None, "finish_reason": None,
                         **({"token_ids": ids} if ids is not None else {})}
 
-            def final(out):
-                return {"index": 0, "delta": {}, "logprobs": None, "finish_reason": FINISH[out.finish]}
+            def final(i, out):
+                return {"index": i, "delta": {}, "logprobs": None, "finish_reason": FINISH[out.finish]}
 
-            return stream(gen, {**head, **extra}, choice, final, body)
-        try:
-            out = await gen.collect(request.is_disconnected)
-        finally:
-            gen.cancel()
-        msg = {"index": 0, "message": {"role": "assistant", "content": out.text}, "logprobs": None,
-               "finish_reason": FINISH[out.finish], **({"token_ids": out.tokens} if body.return_token_ids else {})}
-        return {**head, "object": "chat.completion", "choices": [msg], "usage": usage(out), "timings": out.timings,
-                **extra, **({"prompt_token_ids": gen.prompt} if body.return_token_ids else {})}
+            return stream(gens, {**head, **extra}, choice, final, body)
+        outs = await collect(request, gens)
+        msgs = [{"index": i, "message": {"role": "assistant", "content": out.text}, "logprobs": None,
+                 "finish_reason": FINISH[out.finish], **({"token_ids": out.tokens} if body.return_token_ids else {})}
+                for i, out in enumerate(outs)]
+        return {**head, "object": "chat.completion", "choices": msgs, "usage": usage(outs, len(outs)),
+                "timings": timings(outs), **extra,
+                **({"prompt_token_ids": gens[0].prompt} if body.return_token_ids else {})}
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = validate(CompletionRequest, await read_json(request, max_body))
-        prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise ApiError(400, "prompt: only one prompt per request is supported", param="prompt")
-            prompt = prompt[0]
-        if not prompt:
-            raise ApiError(400, "prompt: the prompt is empty", param="prompt")
-        source = {"text": prompt} if isinstance(prompt, str) else {"ids": list(prompt)}
-        gen = await start(request, backend, body, **source, max_tokens=body.max_tokens or 16)
+        prompts = body.prompt
+        if not (isinstance(prompts, list) and prompts and isinstance(prompts[0], (str, list))):
+            prompts = [prompts]  # one prompt: a string or a list of token ids
+        if len(prompts) > MAX_CHOICES:
+            raise ApiError(400, f"prompt: at most {MAX_CHOICES} prompts in a request, got {len(prompts)}",
+                           param="prompt")
+        for j, prompt in enumerate(prompts):
+            if not prompt:
+                raise ApiError(400, "prompt: the prompt is empty" if len(prompts) == 1 else f"prompt[{j}]: empty",
+                               param="prompt")
+        sources = [{"text": p} if isinstance(p, str) else {"ids": list(p)} for p in prompts]
+        gens = await start(request, backend, body, sources, max_tokens=body.max_tokens or 16)
         head = {"id": new_id("cmpl-"), "object": "text_completion", "created": int(time.time()),
-                "model": backend.model_id, **({"session_id": gen.session_id} if gen.session_id else {})}
+                "model": backend.model_id, **({"session_id": gens[0].session_id} if gens[0].session_id else {})}
         if body.stream:
-            def choice(text, ids):
+            def choice(i, text, ids):
                 if text is None:
                     return None
-                return {"index": 0, "text": text, "logprobs": None, "finish_reason": None,
+                return {"index": i, "text": text, "logprobs": None, "finish_reason": None,
                         **({"token_ids": ids} if ids is not None else {})}
 
-            def final(out):
-                return {"index": 0, "text": "", "logprobs": None, "finish_reason": FINISH[out.finish]}
+            def final(i, out):
+                return {"index": i, "text": "", "logprobs": None, "finish_reason": FINISH[out.finish]}
 
-            return stream(gen, head, choice, final, body)
-        try:
-            out = await gen.collect(request.is_disconnected)
-        finally:
-            gen.cancel()
-        choice = {"index": 0, "text": out.text, "logprobs": None, "finish_reason": FINISH[out.finish],
-                  **({"token_ids": out.tokens} if body.return_token_ids else {})}
-        return {**head, "choices": [choice], "usage": usage(out), "timings": out.timings,
-                **({"prompt_token_ids": gen.prompt} if body.return_token_ids else {})}
+            return stream(gens, head, choice, final, body)
+        outs = await collect(request, gens)
+        n = len(gens) // len(prompts)
+        choices = [{"index": i, "text": out.text, "logprobs": None, "finish_reason": FINISH[out.finish],
+                    **({"token_ids": out.tokens} if body.return_token_ids else {})} for i, out in enumerate(outs)]
+        ids = [gen.prompt for gen in gens[::n]]
+        return {**head, "choices": choices, "usage": usage(outs, n), "timings": timings(outs),
+                **({"prompt_token_ids": ids[0] if len(ids) == 1 else ids} if body.return_token_ids else {})}

@@ -13,7 +13,7 @@ import asyncio
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .runtime import CapacityError, Engine
@@ -359,3 +359,10 @@ class Backend:
         gen = Generation(self, ids, params, session_id, saved, text, mm)
         gen.submit()
         return gen
+
+    def again(self, gen: Generation, seed: int | None) -> Generation:
+        """Another generation of ``gen``'s prompt (ids and media already read) with another seed and no session:
+        a further choice of the same request (QueueFull)."""
+        other = Generation(self, gen.prompt, replace(gen.params, seed=seed), None, None, gen.prompt_text, gen.media)
+        other.submit()
+        return other

@@ -15,12 +15,17 @@ Sampling: ``temperature``, ``top_p``, ``max_tokens``, ``stop`` (Anthropic ``stop
 ``top_k``. Extensions every generation route accepts in its JSON body:
 
 - ``session_id``: a persistent session (also the ``X-Session-Id`` header); see :mod:`.sessions`.
-- ``return_token_ids: true``: the generated token ids, in ``choices[0].token_ids`` (Anthropic: top-level
+- ``return_token_ids: true``: the generated token ids, in ``choices[i].token_ids`` (Anthropic: top-level
   ``token_ids``), and the prompt's in top-level ``prompt_token_ids``; streamed chunks (Anthropic:
   ``content_block_delta`` events) carry the ids committed with them.
 - ``ignore_eos: true``: generate exactly ``max_tokens`` tokens (benchmarks with a fixed output length).
 
-Not supported, and refused with a 400 rather than ignored: ``n`` > 1, ``tools``, ``logprobs``, ``echo``, a
+OpenAI ``n`` (choices a prompt) and ``/v1/completions`` prompt lists: every choice is a request of its own to the
+scheduler (batched with everything else running), at most 64 in a request, indexed prompt-major; a seeded
+request gives choice ``i`` the seed plus ``i`` (choice 0 is the ``n`` = 1 answer), the usage counts each prompt
+once, ``timings`` becomes a list in choice order, and a session takes one choice of one prompt only.
+
+Not supported, and refused with a 400 rather than ignored: ``tools``, ``logprobs``, ``echo``, a
 ``response_format`` other than text. Stop strings: at most 16, of at most 1000 characters each. Generated control
 tokens (end tokens, chat markers) are left out of the text; ``return_token_ids`` still shows them.
 

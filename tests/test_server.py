@@ -115,6 +115,57 @@ def test_openai_chat_and_completions(server):
     assert sampled[0].choices[0].token_ids == sampled[1].choices[0].token_ids
 
 
+def test_openai_n_choices_and_prompt_lists(server):
+    """``n`` choices a prompt and lists of prompts (``/v1/completions``), streamed and not: choices indexed
+    prompt-major; greedy choices are the single request's; seeded choices differ, choice 0 is the n = 1 request's,
+    and the request repeats itself; the usage counts each prompt once and every choice's tokens."""
+    c = server.openai
+    msgs = [{"role": "user", "content": PROMPTS[0]}]
+    greedy = dict(model=server.model, max_tokens=12, temperature=0)
+    one = c.chat.completions.create(messages=msgs, **greedy)
+    many = c.chat.completions.create(messages=msgs, n=3, **greedy)
+    assert [ch.index for ch in many.choices] == [0, 1, 2]
+    assert [ch.message.content for ch in many.choices] == [one.choices[0].message.content] * 3
+    assert many.usage.prompt_tokens == one.usage.prompt_tokens
+    assert many.usage.completion_tokens == 3 * one.usage.completion_tokens
+    assert len(many.model_extra["timings"]) == 3
+
+    chunks = list(c.chat.completions.create(messages=msgs, n=2, stream=True, stream_options={"include_usage": True},
+                                            **greedy))
+    texts, finish = ["", ""], [None, None]
+    for ch in chunks:
+        for choice in ch.choices:
+            texts[choice.index] += choice.delta.content or ""
+            finish[choice.index] = choice.finish_reason or finish[choice.index]
+    assert texts == [one.choices[0].message.content] * 2 and finish == [one.choices[0].finish_reason] * 2
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 2 * one.usage.completion_tokens
+
+    sampled = dict(model=server.model, prompt=PROMPTS[2], max_tokens=12, temperature=1.5, seed=11,
+                   extra_body={"return_token_ids": True})
+    single = c.completions.create(**sampled).choices[0].token_ids
+    runs = [[ch.token_ids for ch in c.completions.create(n=3, **sampled).choices] for _ in range(2)]
+    assert runs[0] == runs[1] and runs[0][0] == single and len({tuple(ids) for ids in runs[0]}) == 3
+
+    alone = [c.completions.create(prompt=p, **greedy).choices[0].text for p in PROMPTS[:2]]
+    both = c.completions.create(prompt=PROMPTS[:2], n=2, **greedy)
+    assert [ch.index for ch in both.choices] == [0, 1, 2, 3]
+    assert [ch.text for ch in both.choices] == [alone[0], alone[0], alone[1], alone[1]]
+    streamed = ["", "", "", ""]
+    for ch in c.completions.create(prompt=PROMPTS[:2], n=2, stream=True, **greedy):
+        for choice in ch.choices:
+            streamed[choice.index] += choice.text
+    assert streamed == [ch.text for ch in both.choices]
+
+    chat = {"model": server.model, "messages": msgs, "max_tokens": 4}
+    for body, param in [({**chat, "n": 0}, "n"), ({**chat, "n": 65}, "n"), ({**chat, "n": 2, "session_id": "s-n"},
+                                                                           "session_id")]:
+        assert check_error(server.post("/v1/chat/completions", body), 400, False)["param"] == param
+    comp = {"model": server.model, "prompt": ["x"] * 65, "max_tokens": 4}
+    assert check_error(server.post("/v1/completions", comp), 400, False)["param"] == "prompt"
+    assert check_error(server.post("/v1/completions", {**comp, "prompt": ["x"] * 20, "n": 4}), 400, False)["param"] == "n"
+    assert server.wait_idle()["free_slots"] == 8
+
+
 def test_anthropic_messages(server):
     c = server.anthropic
     # (this client version has no sampling arguments: they go in the body)
