@@ -11,9 +11,6 @@ Speed deltas against the baseline label use the gate's rank test over the per-re
 
 from __future__ import annotations
 
-import base64
-import html
-from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -21,52 +18,13 @@ from .frames import frames, model_id, shape_text, unique_labels
 from .gate import config_value, default_rules, expand
 from .metric_path import MetricMissing, lookup
 from .plots import plot_all
+from .render import Table, html_page, markdown, num, numbers, pct, sha, size
 from .stats import ALPHA, rank_test
 
 DEFAULT_TITLE = "ninfer-bench release validation"
 # config keys of the workload: runs that differ in them (or in the model) do not compare like with like
 WORKLOAD_KEYS = ("prompt_file", "prompts", "images", "max_new_tokens", "prompt_tokens", "rounds")
 UNLIKE = "differs from the baseline"
-
-
-@dataclass(slots=True)
-class Table:
-    columns: list[str]
-    rows: list[list] = field(default_factory=list)  # a cell is text, or (text, tone) with tone good/bad/warn
-
-
-# ---- formatting ----------------------------------------------------------------------------------------
-def _f(v, digits: int = 2) -> str:
-    if v is None or (isinstance(v, float) and v != v):
-        return "-"
-    if isinstance(v, bool):
-        return "yes" if v else "no"
-    if isinstance(v, float):
-        return f"{v:,.{digits}f}"
-    if isinstance(v, int):
-        return f"{v:,}"
-    return str(v)
-
-
-def _pct(v) -> str:
-    return "-" if v is None or v != v else f"{v:.1%}"
-
-
-def _bytes(v) -> str:
-    if not isinstance(v, (int, float)) or isinstance(v, bool):
-        return "-"
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if v >= scale:
-            return f"{v / scale:.2f} {unit}"
-    return f"{v:.0f} B"
-
-
-def _sha(v) -> str:
-    return v[:12] if isinstance(v, str) else "-"
-
-
-def _numbers(*values) -> bool:
-    return all(isinstance(v, (int, float)) and not isinstance(v, bool) and v == v for v in values)
 
 
 def _verdict(b_samples, c_samples, higher_is_better: bool) -> tuple[str, str]:
@@ -91,7 +49,7 @@ def _compare(base: dict, doc: dict, rule) -> tuple[str, str]:
             samples.append(lookup(d, rule.samples))
         except MetricMissing:
             samples.append(None)
-    if not _numbers(b, c) or not b:
+    if not numbers(b, c) or not b:
         return ("-", "")
     verdict, tone = _verdict(*samples, rule.higher_is_better)
     return f"{c / b:.3f}x ({c / b - 1:+.1%}) {verdict}", tone
@@ -99,7 +57,7 @@ def _compare(base: dict, doc: dict, rule) -> tuple[str, str]:
 
 def _model_name(doc: dict) -> str:
     name = model_id(doc["model"])
-    return name if name != "-" else _f(doc["config"].get("model"))
+    return name if name != "-" else num(doc["config"].get("model"))
 
 
 def _unlike(base: dict, doc: dict) -> tuple[str, str]:
@@ -135,13 +93,13 @@ def _environment(docs) -> list:
     for group in runs.values():
         d, suites = group[0], ", ".join(x["suite"] for x in group)
         e, m = d["env"], d["model"]
-        sha = e.get("git_sha")
-        git = sha[:12] + ("-dirty" if sha.endswith("-dirty") else "") if isinstance(sha, str) else "-"
-        env.rows.append([d["label"], suites, d["created"], git, _f(e.get("gpu")), _f(e.get("driver")),
-                         _f(e.get("torch")), _f(e.get("cuda")), _f(e.get("python")), _f(e.get("cpu"))])
-        model.rows.append([d["label"], suites, model_id(m) if m else "-", _f(m.get("model_type")),
-                           _f(m.get("layers")), _f(m.get("quant_policy")), _f(m.get("format_version")),
-                           _bytes(m.get("weight_bytes"))])
+        rev = e.get("git_sha")
+        git = rev[:12] + ("-dirty" if rev.endswith("-dirty") else "") if isinstance(rev, str) else "-"
+        env.rows.append([d["label"], suites, d["created"], git, num(e.get("gpu")), num(e.get("driver")),
+                         num(e.get("torch")), num(e.get("cuda")), num(e.get("python")), num(e.get("cpu"))])
+        model.rows.append([d["label"], suites, model_id(m) if m else "-", num(m.get("model_type")),
+                           num(m.get("layers")), num(m.get("quant_policy")), num(m.get("format_version")),
+                           size(m.get("weight_bytes"))])
     blocks = [("h2", "Environment and model"), ("table", env), ("table", model)]
     for suite in dict.fromkeys(d["suite"] for d in docs):
         configs = {d["label"]: {k: v for k, v in d["config"].items() if k != "label"}
@@ -153,7 +111,7 @@ def _environment(docs) -> list:
         blocks.append(("h3", f"{suite} configuration"))
         blocks.append(("p", "Common: " + (", ".join(f"{k}={first.get(k)}" for k in same) or "-")))
         if varying:
-            blocks.append(("table", Table(["label"] + varying, [[label] + [_f(c.get(k)) for k in varying]
+            blocks.append(("table", Table(["label"] + varying, [[label] + [num(c.get(k)) for k in varying]
                                                                 for label, c in configs.items()])))
     return blocks
 
@@ -180,8 +138,8 @@ def _agreement(decode_docs) -> Table:
             ref = hashes[members[0]["label"]]
             status = ("DIFFER: " + ", ".join(k for k, h in hashes.items() if h != ref) + f" vs {members[0]['label']}",
                       "bad")
-        table.rows.append([model, _f(spec), _f(kv), _f(device), f"{_f(prompt)} / {_f(new)}", ", ".join(hashes),
-                           ", ".join(sorted(_sha(h) for h in distinct)), status])
+        table.rows.append([model, num(spec), num(kv), num(device), f"{num(prompt)} / {num(new)}", ", ".join(hashes),
+                           ", ".join(sorted(sha(h) for h in distinct)), status])
     return table
 
 
@@ -190,11 +148,11 @@ def _decode(docs, base, figures) -> list:
                    "device ms/round", "tokens/round", "acceptance", "roofline", "peak memory", "tokens"])
     for d in docs:
         c, s = d["config"], d["summary"]
-        table.rows.append([d["label"], _f(c.get("engine")), _f(c.get("runtime")), _f(c.get("spec")),
-                           _f(c.get("draft_tokens")), _f(s.get("decode_tok_s")), _f(s.get("prefill_tok_s"), 1),
-                           _f(s.get("ttft_ms")), _f(s.get("device_ms_per_round"), 3), _f(s.get("tokens_per_round")),
-                           _pct(s.get("acceptance_rate")), _pct(s.get("roofline_fraction")),
-                           _bytes(s.get("peak_memory_bytes")), _sha(s.get("tokens_sha256"))])
+        table.rows.append([d["label"], num(c.get("engine")), num(c.get("runtime")), num(c.get("spec")),
+                           num(c.get("draft_tokens")), num(s.get("decode_tok_s")), num(s.get("prefill_tok_s"), 1),
+                           num(s.get("ttft_ms")), num(s.get("device_ms_per_round"), 3), num(s.get("tokens_per_round")),
+                           pct(s.get("acceptance_rate")), pct(s.get("roofline_fraction")),
+                           size(s.get("peak_memory_bytes")), sha(s.get("tokens_sha256"))])
     blocks = [("h2", "Decode"), ("table", table)]
     if "decode" in figures:
         blocks.append(("figure", "decode", "decode tok/s and tokens per round by configuration"))
@@ -216,7 +174,7 @@ def _decode(docs, base, figures) -> list:
         for d in docs:
             per = list(d["summary"].get("accepted_per_position") or [])
             if per:
-                acc.rows.append([d["label"]] + [_pct(v) for v in per + [None] * (k - len(per))])
+                acc.rows.append([d["label"]] + [pct(v) for v in per + [None] * (k - len(per))])
         blocks += [("h3", "Acceptance per draft position"), ("table", acc)]
         if "acceptance" in figures:
             blocks.append(("figure", "acceptance", "fraction of rounds whose draft at each position was accepted"))
@@ -229,10 +187,10 @@ def _concurrency(docs, base, figures) -> list:
     for d in docs:
         for lv in d["summary"]["levels"]:
             match = lv.get("matches_sequential")
-            table.rows.append([d["label"], _f(lv.get("concurrency"))]
-                              + [_f(lv.get(k)) for k in ("aggregate_tok_s", "per_request_tok_s", "ttft_ms_p50",
+            table.rows.append([d["label"], num(lv.get("concurrency"))]
+                              + [num(lv.get(k)) for k in ("aggregate_tok_s", "per_request_tok_s", "ttft_ms_p50",
                                                          "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99", "e2e_ms_p50",
-                                                         "e2e_ms_p99")] + [(_f(match), "good" if match else "bad")])
+                                                         "e2e_ms_p99")] + [(num(match), "good" if match else "bad")])
     blocks = [("h2", "Concurrency"), ("table", table)]
     if "concurrency" in figures:
         blocks.append(("figure", "concurrency", "aggregate and per-request tok/s against concurrency"))
@@ -265,16 +223,16 @@ def _kernels(docs, base, figures) -> list:
             else:
                 b, c = ref.get("us_median"), rec.get("us_median")
                 speed = ("-", "")
-                if _numbers(b, c) and c:
+                if numbers(b, c) and c:
                     verdict, tone = _verdict(ref.get("samples_us"), rec.get("samples_us"), False)
                     speed = (f"{b / c:.2f}x speedup, {verdict}", tone)
             err = rec.get("max_rel_err")
-            table.rows.append([label, op, _f(shape), _f(t), _f(rec["variant"]),
-                               f"{_f(rec['us_median'])} [{_f(rec.get('us_p10'))}-{_f(rec.get('us_p90'))}]",
-                               _f(rec.get("gbps"), 1), _pct(rec.get("roofline_fraction")),
+            table.rows.append([label, op, num(shape), num(t), num(rec["variant"]),
+                               f"{num(rec['us_median'])} [{num(rec.get('us_p10'))}-{num(rec.get('us_p90'))}]",
+                               num(rec.get("gbps"), 1), pct(rec.get("roofline_fraction")),
                                "-" if err is None else f"{err:.2e}", speed])
     notes = "; ".join(f"{d['label']}: timer {d['summary'].get('timer', '-')}, copy bandwidth "
-                      f"{_f(d['summary'].get('copy_bandwidth_gbps'), 1)} GB/s" for d in docs)
+                      f"{num(d['summary'].get('copy_bandwidth_gbps'), 1)} GB/s" for d in docs)
     blocks = [("h2", "Kernels"), ("p", notes), ("table", table)]
     if "kernels" in figures:
         blocks.append(("figure", "kernels", "median microseconds per op, shape and T (log scale)"))
@@ -286,15 +244,15 @@ def _niah(docs, figures) -> list:
     for d in docs:
         s = d["summary"]
         agree = s.get("oracle_agreement")
-        summary.rows.append([d["label"], _f(s.get("cases")), (_pct(agree), "good" if agree == 1 else "bad"),
-                             _pct(s.get("retrieval")), _f(s.get("seconds"), 1)])
+        summary.rows.append([d["label"], num(s.get("cases")), (pct(agree), "good" if agree == 1 else "bad"),
+                             pct(s.get("retrieval")), num(s.get("seconds"), 1)])
     cases = Table(["label", "case", "ctx", "depth", "oracle pass", "retrieved", "first divergence",
                    "top-1 agreement", "KL"])
     for d in docs:
         for r in d["records"]:
-            cases.rows.append([d["label"], _f(r.get("case")), _f(r.get("ctx")), _f(r.get("depth")),
-                               (_f(r.get("pass")), "good" if r.get("pass") else "bad"), _f(r.get("retrieved")),
-                               _f(r.get("first_divergence")), _pct(r.get("top1_agreement")), _f(r.get("kl"), 4)])
+            cases.rows.append([d["label"], num(r.get("case")), num(r.get("ctx")), num(r.get("depth")),
+                               (num(r.get("pass")), "good" if r.get("pass") else "bad"), num(r.get("retrieved")),
+                               num(r.get("first_divergence")), pct(r.get("top1_agreement")), num(r.get("kl"), 4)])
     blocks = [("h2", "Needle in a haystack"), ("table", summary)]
     if "niah" in figures:
         blocks.append(("figure", "niah", "retrieval and oracle-agreement pass rate by context length and depth"))
@@ -303,69 +261,9 @@ def _niah(docs, figures) -> list:
 
 def _prefill(docs) -> list:
     table = Table(["label", "prefill tok/s", "prompt tokens"])
-    table.rows = [[d["label"], _f(d["summary"].get("prefill_tok_s"), 1), _f(d["summary"].get("prompt_tokens"))]
+    table.rows = [[d["label"], num(d["summary"].get("prefill_tok_s"), 1), num(d["summary"].get("prompt_tokens"))]
                   for d in docs]
     return [("h2", "Prefill"), ("table", table)]
-
-
-# ---- rendering -----------------------------------------------------------------------------------------
-def _cell(cell) -> tuple[str, str]:
-    return (str(cell[0]), cell[1]) if isinstance(cell, tuple) else (str(cell), "")
-
-
-def _md_text(text: str) -> str:
-    return (str(text).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace("|", "\\|")
-            .replace("\n", " "))
-
-
-def _markdown(title: str, blocks, figures) -> str:
-    out = [f"# {_md_text(title)}", ""]
-    for kind, *body in blocks:
-        if kind in ("h2", "h3"):
-            out += [f"{'#' * int(kind[1])} {_md_text(body[0])}", ""]
-        elif kind == "p":
-            out += [_md_text(body[0]), ""]
-        elif kind == "table":
-            t = body[0]
-            out.append("| " + " | ".join(_md_text(c) for c in t.columns) + " |")
-            out.append("|" + "---|" * len(t.columns))
-            out += ["| " + " | ".join(_md_text(_cell(c)[0]) for c in row) + " |" for row in t.rows]
-            out.append("")
-        elif kind == "figure":
-            name, caption = body
-            out += [f"![{_md_text(caption)}]({figures[name].name})", ""]
-    return "\n".join(out)
-
-
-_CSS = """body{font:14px/1.45 system-ui,sans-serif;margin:2em auto;max-width:1400px;padding:0 1em;color:#222}
-table{border-collapse:collapse;margin:.6em 0 1.2em;font-size:13px}th,td{border:1px solid #ccc;padding:3px 7px}
-th{background:#f3f3f3;text-align:left}td{font-variant-numeric:tabular-nums}.good{background:#e3f4e1}
-.bad{background:#fadbd8}.warn{background:#fdf2d0}figure{margin:1em 0}img{max-width:100%}
-figcaption{color:#555;font-size:12px}h2{border-bottom:1px solid #ddd;margin-top:1.8em}"""
-
-
-def _html(title: str, blocks, figures) -> str:
-    esc = html.escape
-    out = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">', f"<title>{esc(title)}</title>",
-           f"<style>{_CSS}</style></head><body>", f"<h1>{esc(title)}</h1>"]
-    for kind, *body in blocks:
-        if kind in ("h2", "h3", "p"):
-            out.append(f"<{kind}>{esc(str(body[0]))}</{kind}>")
-        elif kind == "table":
-            t = body[0]
-            out.append("<table><thead><tr>" + "".join(f"<th>{esc(c)}</th>" for c in t.columns) + "</tr></thead><tbody>")
-            for row in t.rows:
-                cells = [_cell(c) for c in row]
-                out.append("<tr>" + "".join(f'<td class="{tone}">{esc(text)}</td>' if tone else f"<td>{esc(text)}</td>"
-                                            for text, tone in cells) + "</tr>")
-            out.append("</tbody></table>")
-        elif kind == "figure":
-            name, caption = body
-            data = base64.b64encode(figures[name].read_bytes()).decode("ascii")
-            out.append(f'<figure><img src="data:image/png;base64,{data}" alt="{esc(caption)}">'
-                       f"<figcaption>{esc(caption)}</figcaption></figure>")
-    out.append("</body></html>")
-    return "\n".join(out)
 
 
 def write_report(docs: list[dict], out_dir, baseline_label: str | None = None,
@@ -399,6 +297,6 @@ def write_report(docs: list[dict], out_dir, baseline_label: str | None = None,
     if "niah" in by_suite:
         blocks += _niah(by_suite["niah"], figures)
     html_path, md_path = out_dir / "report.html", out_dir / "report.md"
-    html_path.write_text(_html(title, blocks, figures), encoding="utf-8")
-    md_path.write_text(_markdown(title, blocks, figures), encoding="utf-8")
+    html_path.write_text(html_page(title, blocks, figures), encoding="utf-8")
+    md_path.write_text(markdown(title, blocks, figures), encoding="utf-8")
     return html_path, md_path
