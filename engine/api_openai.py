@@ -151,18 +151,21 @@ async def start(request: Request, backend: Backend, body: _Generate, sources: li
             gens.append(first)
             gens += [backend.again(first, choice_seed(body.seed, i)) for i in range(1, n)]
     except BaseException:  # a later choice refused (queue full): the earlier ones are not left running
-        for gen in gens:
-            gen.cancel()
+        cancel(gens)
         raise
     return gens
+
+
+def cancel(gens: list[Generation]) -> None:
+    for gen in gens:
+        gen.cancel()
 
 
 async def collect(request: Request, gens: list[Generation]) -> list[Outcome]:
     try:
         return list(await asyncio.gather(*(gen.collect(request.is_disconnected) for gen in gens)))
     finally:
-        for gen in gens:
-            gen.cancel()
+        cancel(gens)
 
 
 async def merged(gens: list[Generation]):
@@ -222,8 +225,7 @@ def stream(gens: list[Generation], head: dict, choice, final, body: _Generate) -
         except Exception as e:  # the status line is sent: the error goes in the stream
             yield sse(error_body(api_error(e), anthropic=False))
         finally:
-            for gen in gens:
-                gen.cancel()
+            cancel(gens)
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -301,7 +303,7 @@ def register(app: FastAPI, backend: Backend, max_body: int) -> None:
 
             return stream(gens, head, choice, final, body)
         outs = await collect(request, gens)
-        n = len(gens) // len(prompts)
+        n = body.n or 1  # choices a prompt (start checked it)
         choices = [{"index": i, "text": out.text, "logprobs": None, "finish_reason": FINISH[out.finish],
                     **({"token_ids": out.tokens} if body.return_token_ids else {})} for i, out in enumerate(outs)]
         ids = [gen.prompt for gen in gens[::n]]

@@ -283,13 +283,15 @@ class Artifact:
         """The stored bytes of ``name`` as a flat uint8 tensor viewing the mapped file (no copy)."""
         return self._view(self.info(name))
 
+    def _typed_view(self, info: ObjectInfo) -> torch.Tensor:
+        """The stored bytes, aligned for dtype views: legacy v2 objects may sit at odd offsets (then a copy)."""
+        buf = self._view(info)
+        return buf.clone() if buf.storage_offset() % 16 else buf
+
     def _dequant(self, info: ObjectInfo, dtype: torch.dtype) -> torch.Tensor:
         if info.kind != "weight":
             raise ArtifactError(f"{self.path}: object {info.label} is a {info.kind}, not a weight")
-        buf = self._view(info)
-        if buf.storage_offset() % 16:  # legacy v2 objects may sit at odd offsets; dtype views need alignment
-            buf = buf.clone()
-        return quant.dequantize(buf, info.format, info.shape, dtype)
+        return quant.dequantize(self._typed_view(info), info.format, info.shape, dtype)
 
     def tensor(self, name: str, dtype: torch.dtype = torch.float32, device="cpu") -> torch.Tensor:
         """``name`` dequantized to ``dtype`` on ``device`` (parts concatenated); never aliases the file mapping."""
@@ -349,10 +351,7 @@ class Artifact:
     def _nonfinite(self, info: ObjectInfo) -> int:
         """NaN / inf among a weight's stored floats (values, or a quantized format's scales): a digest holds them
         as faithfully as any other bytes, and one such weight poisons every logit."""
-        buf = self._view(info)
-        if buf.storage_offset() % 16:  # legacy v2 objects may sit at odd offsets; dtype views need alignment
-            buf = buf.clone()
-        return quant.nonfinite(buf, info.format, info.shape)
+        return quant.nonfinite(self._typed_view(info), info.format, info.shape)
 
     def summary(self) -> dict:
         """Counts and bytes per component and per format (each stored object counted once), for ``inspect``."""

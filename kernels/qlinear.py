@@ -43,9 +43,8 @@ both are short of bytes in flight, which a deeper load pipeline (cp.async / TMA)
 
 from __future__ import annotations
 
-import functools
-
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
