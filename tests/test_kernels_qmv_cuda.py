@@ -446,3 +446,71 @@ def test_silu_epilogue_in_a_pdl_graph_and_through_packed_linear():
     torch.cuda.synchronize()
     assert torch.equal(out, qmv_cuda.qmv(x, mixed, act=True, pdl=False))
     assert rel_rms(out, ref.cpu()) <= TOL[torch.bfloat16]
+
+
+@needs_qmv
+@needs_sm90
+@pytest.mark.parametrize("fmt", quant.QUANT_FORMATS)
+@pytest.mark.parametrize("warps,stages", [(8, None), (4, None), (8, 3), (4, 2)])
+@pytest.mark.parametrize("n,k,t,splits", [(320, 6144, 1, 1), (96, 17408, 8, 1), (100, 3000, 3, 2), (37, 700, 2, 1),
+                                          (48, 2048, 5, 3)])
+def test_bulk_copies_give_the_same_bits(fmt, warps, stages, n, k, t, splits):
+    """The weight streamed through shared memory by bulk copies (``bulk``): each warp sums the same groups in the
+    same order, so the bits of the register path, eager and under PDL, whole or split-K; partial stages (K = 700,
+    split slices that end mid-stage) included."""
+    lin, x, ref = _case(fmt, n, k, t, torch.bfloat16, seed=51)
+    w = qmv_cuda.TiledWeight(lin, lanes=True)
+    stages = stages or qmv_cuda.bulk_stages(fmt, warps)
+    kw = dict(splits=splits, warps=warps)
+    y = qmv_cuda.qmv(x, w, bulk=stages, pdl=False, **kw)
+    assert torch.equal(y, qmv_cuda.qmv(x, w, bulk=0, pdl=False, **kw))
+    assert torch.equal(y, qmv_cuda.qmv(x, w, bulk=stages, pdl=True, **kw))
+    assert torch.equal(y[-1], qmv_cuda.qmv(x[-1:].contiguous(), w, bulk=stages, **kw)[0])
+    assert rel_rms(y, ref) <= TOL[torch.bfloat16]
+
+
+@needs_qmv
+@needs_sm90
+def test_bulk_copies_in_a_pdl_graph_with_the_epilogue():
+    """The switch on: a captured PDL chain (the silu epilogue, then a split-K projection of its output) replayed on
+    new inputs gives the register path's eager bits."""
+    mixed, x, _ = _interleaved_gate_up("q5_g64_fp16", 512, 2048, 4, torch.bfloat16, seed=52)
+    down = qmv_cuda.TiledWeight(_case("q4_g64_fp16", 64, 512, 4, torch.bfloat16, seed=53)[0], lanes=True)
+
+    def chain(pdl):
+        return qmv_cuda.qmv(qmv_cuda.qmv(x, mixed, act=True, pdl=pdl), down, pdl=pdl, splits=2)
+
+    qmv_cuda.set_bulk(True)
+    try:
+        chain(True)  # compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = chain(True)
+    finally:
+        qmv_cuda.set_bulk(False)
+    for seed in range(3):
+        x.copy_(torch.randn(4, 2048, generator=torch.Generator().manual_seed(seed)).to(x.dtype))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, chain(False)), f"input {seed}"
+
+
+@needs_qmv
+def test_bulk_copies_are_refused_where_they_cannot_run():
+    lin, x, _ = _case("q4_g64_fp16", 64, 256, 1, torch.bfloat16)
+    with pytest.raises(ValueError, match="lanes layout"):
+        qmv_cuda.qmv(x, lin, bulk=2)  # the row-major buffer
+    qmv_cuda.set_bulk(True)
+    try:  # the switch leaves what cannot take it on the register path
+        assert torch.equal(qmv_cuda.qmv(x, lin), qmv_cuda.qmv(x, lin, bulk=0))
+    finally:
+        qmv_cuda.set_bulk(False)
+
+
+def test_bulk_stages_fit_the_static_shared_memory():
+    for fmt in quant.QUANT_FORMATS:
+        for warps in (4, 8):
+            stages = qmv_cuda.bulk_stages(fmt, warps)
+            per_group = 16 * 32 + 32 + (128 if fmt == "q5_g64_fp16" else 0)
+            assert 2 <= stages <= 8
+            assert stages * warps * 4 * per_group + 8 * 32 * 16 + 64 <= 48 * 1024
