@@ -65,8 +65,6 @@ class EngineOptions:
     qmv_dense: bool = True  # small dense bf16/fp16 projections (<= 1024 rows, <= 64 x rows) through qmv's dense
     #                         path instead of cuBLAS (process-wide: kernels/qmv_cuda.set_dense; H200 27B step 8.01 ->
     #                         7.90 ms)
-    qmv_bulk: bool = False  # lanes-layout weights stream through shared memory by bulk copies (cp.async.bulk into a
-    #                         ring of stages, sm_90+; process-wide: kernels/qmv_cuda.set_bulk): the same bits
     qmv_layout: str = "lanes"  # packed weights of bf16/fp16 models on CUDA: "lanes" (qmv's tile-contiguous layout
     #                            with one load a lane and no x shuffles; H200 27B step 6.43 -> 6.08 ms GPU busy),
     #                            "tiled" (tile-contiguous; 1.1-1.3x faster projections than rows) or "rows" (the

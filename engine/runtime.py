@@ -122,7 +122,6 @@ class Engine:
 
             _triton.set_pdl(opts.pdl)  # qmv's and the Triton glue kernels' one switch
             qmv_cuda.set_dense(opts.qmv_dense)
-            qmv_cuda.set_bulk(opts.qmv_bulk)
         if self.device.type == "cuda" and opts.runtime == "v3" and opts.cuda_graphs:
             from .graphs import GraphRunner
 

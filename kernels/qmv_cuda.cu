@@ -71,16 +71,6 @@ typedef unsigned char u8;
 #define ACT 0     // 1: the weight is a gate / up pair whose rows alternate in runs of 8 (engine/weights.py's
 #endif            // interleaved gate_up): tile j's rows g and g + 8 are gate and up of output column 8 j + g, and the
                   // kernel stores silu(gate) * up, [T, N / 2] (no split-K)
-#ifndef BULK
-#define BULK 0        // > 0 (sm_90+, TILED 2): the weight's bytes stream through a ring of BULK shared-memory stages
-#endif                // filled by bulk copies (cp.async.bulk, the TMA engine, completion on an mbarrier) instead of
-                      // each warp's registers: the first BULK stages are requested at the block's start (before the
-                      // PDL wait), so a block keeps many more bytes in flight than UNROLL steps of registers allow.
-                      // A stage is NW * BULK_U groups of the tile; warp w still takes groups w, w + NW, ... in order
-                      // and sums them with the same step_math: the same bits as BULK 0
-#ifndef BULK_U
-#define BULK_U 4      // each warp's steps a stage
-#endif
 #ifndef MIN_BLOCKS
 #define MIN_BLOCKS 2  // blocks per SM to fit: lets ptxas keep all of a step batch's loads in flight
 #endif                // (it interleaves them with the arithmetic, one step at a time, when it aims at more blocks)
@@ -526,115 +516,6 @@ __device__ __forceinline__ void tile_sums(const u16* __restrict__ x, const u8* _
 #endif
 }
 
-#if BULK
-#if TILED != 2 || FMT == 3
-#error "BULK needs the lanes layout (TILED 2) of a q format"
-#endif
-// bytes of one (tile, group) in the lanes layout: 16 rows of codes, their 16 fp16 scales, q5's high bits
-#define GB_CODES (16 * CB)
-#define GB_SCALES 32
-#define GB_HIGH (FMT == 1 ? 128 : 0)
-#define STAGE_G (NW * BULK_U)
-#define STAGE_BYTES (STAGE_G * (GB_CODES + GB_SCALES + GB_HIGH))
-
-__device__ __forceinline__ u32 smem_u32(const void* p) {
-  u32 a;
-  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-  return a;
-}
-
-// Stage `st`'s groups (ng of them, from chunk = tile * NG + first group) into the ring slot at `dst`: one bulk copy
-// per section, all completing on the slot's mbarrier `bar`, which expects their bytes (sizes and addresses are
-// multiples of 16: whole groups of the tiled sections)
-__device__ __forceinline__ void bulk_stage(u32 dst, u32 bar, const u8* codes, const u16* scales, const u8* high,
-                                           long long chunk, int ng) {
-  const u32 cb = ng * GB_CODES, sb = ng * GB_SCALES, hb = ng * GB_HIGH;
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(cb + sb + hb) : "memory");
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-               ::"r"(dst), "l"(codes + chunk * GB_CODES), "r"(cb), "r"(bar) : "memory");
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-               ::"r"(dst + STAGE_G * GB_CODES), "l"(scales + chunk * 16), "r"(sb), "r"(bar) : "memory");
-#if FMT == 1
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-               ::"r"(dst + STAGE_G * (GB_CODES + GB_SCALES)), "l"(high + chunk * GB_HIGH), "r"(hb), "r"(bar)
-               : "memory");
-#endif
-}
-
-// wait until the slot's mbarrier has completed phase `parity` (its fill of that round has landed)
-__device__ __forceinline__ void stage_wait(u32 bar, u32 parity) {
-  u32 done;
-  do {
-    asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-                 : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-  } while (!done);
-}
-
-// tile_sums with the weight's bytes through the shared-memory ring (BULK above). Thread 0 fills the slots; after
-// every warp has summed a stage (__syncthreads) it refills that slot with the stage BULK further on. x is read as
-// before (after the PDL wait), each warp's x for a stage issued before it waits for the stage's weights.
-__device__ __forceinline__ void tile_sums_bulk(const u16* __restrict__ x, const u8* __restrict__ codes,
-                                               const u8* __restrict__ high, const u16* __restrict__ scales, int T,
-                                               int K, int NG, long long stride_x, int tile, int g_lo, int g_hi,
-                                               float* acc) {
-  __shared__ __align__(128) u8 ring[BULK][STAGE_BYTES];
-  __shared__ __align__(8) unsigned long long bars[BULK];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int g = lane >> 2, c = lane & 3;
-  const int stages = g_hi > g_lo ? (g_hi - g_lo + STAGE_G - 1) / STAGE_G : 0;
-  const long long chunk0 = (long long)tile * NG + g_lo;
-  if (threadIdx.x == 0) {
-#pragma unroll
-    for (int s = 0; s < BULK; ++s) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(&bars[s])));
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {  // the weights do not depend on the kernel before: requested before the PDL wait
-    for (int s = 0; s < BULK && s < stages; ++s)
-      bulk_stage(smem_u32(ring[s]), smem_u32(&bars[s]), codes, scales, high, chunk0 + s * STAGE_G,
-                 min(STAGE_G, g_hi - g_lo - s * STAGE_G));
-  }
-  grid_wait();
-  const u16* xrow = x + min(g, T - 1) * stride_x;
-  u32 magic;
-  asm volatile("mov.b32 %0, %1;" : "=r"(magic) : "n"(MAGIC));
-  for (int st = 0; st < stages; ++st) {
-    const int slot = st % BULK, gs = g_lo + st * STAGE_G;
-    u32 xv[BULK_U][XPL / 2];
-#pragma unroll
-    for (int u = 0; u < BULK_U; ++u) {
-      const int gi = gs + warp + NW * u;
-      if (gi < g_hi) {
-        Lane L;
-        L.xp = xrow + GROUP * gi + XPL * c;
-        load_x(L, xrow, gi, 0, K, c, xv[u]);
-      }
-    }
-    stage_wait(smem_u32(&bars[slot]), (st / BULK) & 1);
-    const u8* sl = ring[slot];
-#pragma unroll
-    for (int u = 0; u < BULK_U; ++u) {
-      const int j = warp + NW * u;
-      if (gs + j < g_hi) {
-        const uint4 v = *reinterpret_cast<const uint4*>(sl + j * GB_CODES + lane * 16);
-        const u32 s = *reinterpret_cast<const u32*>(sl + STAGE_G * GB_CODES + j * GB_SCALES + g * 4);
-        u32 h0 = 0, h1 = 0;
-#if FMT == 1
-        const u32 h = *reinterpret_cast<const u32*>(sl + STAGE_G * (GB_CODES + GB_SCALES) + j * GB_HIGH + lane * 4);
-        h0 = h & 0xFFFFu;
-        h1 = h >> 16;
-#endif
-        step_math(make_uint2(v.x, v.y), make_uint2(v.z, v.w), h0, h1, xv[u], s & 0xFFFFu, s >> 16, magic, acc);
-      }
-    }
-    __syncthreads();  // every warp is done with the slot
-    if (threadIdx.x == 0 && st + BULK < stages)
-      bulk_stage(smem_u32(ring[slot]), smem_u32(&bars[slot]), codes, scales, high, chunk0 + (st + BULK) * STAGE_G,
-                 min(STAGE_G, g_hi - g_lo - (st + BULK) * STAGE_G));
-  }
-}
-#endif
-
 // The block's sums of tile `tile` (acc, one share a warp) to the output: added up over the warps in shared memory;
 // a tile whose groups `pieces` blocks share (split-K) goes through the workspace,
 // piece `piece` in slice `piece`, and the last of its blocks to arrive adds the slices up in piece order (a fixed
@@ -719,11 +600,7 @@ qmv(const u16* __restrict__ x, const u8* __restrict__ codes, const u8* __restric
   let_next_launch();
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
   const int g_lo = blockIdx.y * groups_per_split, g_hi = min(NG, g_lo + groups_per_split);
-#if BULK
-  tile_sums_bulk(x, codes, high, scales, T, K, NG, stride_x, blockIdx.x, g_lo, g_hi, acc);
-#else
   tile_sums(x, codes, high, scales, T, N, K, NG, stride_x, stride_c, stride_h, stride_s, blockIdx.x, g_lo, g_hi,
             acc);
-#endif
   tile_store(acc, blockIdx.x, blockIdx.y, gridDim.y, out, ws, counters, T, N, stride_o);
 }

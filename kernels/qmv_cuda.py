@@ -35,8 +35,7 @@ import torch
 from . import _triton
 
 __all__ = ["qmv", "supports", "available", "import_error", "choose_splits", "choose_warps", "workspace", "set_dense",
-           "dense_enabled", "set_bulk", "bulk_enabled", "bulk_stages",
-           "bulk_supported", "DenseWeight", "TiledWeight", "DENSE_FMT", "qmv_rows", "MAX_T", "MAX_SPLITS"]
+           "dense_enabled", "DenseWeight", "TiledWeight", "DENSE_FMT", "qmv_rows", "MAX_T", "MAX_SPLITS"]
 
 MAX_T = 8  # tokens per launch: the MMA's n = 8 columns
 DENSE_FMT = "dense16"  # a bf16 / fp16 weight read as it is (FMT 3 in the source), see DenseWeight
@@ -200,7 +199,7 @@ class TiledWeight:
 
 @functools.cache
 def _kernel(fmt_id: int, half: bool, even: bool, unroll: int, min_blocks: int, xlate: bool, pipe: bool,
-            fold: bool, pdl: bool, tiled: int, act: bool, warps: int, tail: bool, bulk: int, device_index: int):
+            fold: bool, pdl: bool, tiled: int, act: bool, warps: int, tail: bool, device_index: int):
     import cupy
 
     with cupy.cuda.Device(device_index):
@@ -209,7 +208,7 @@ def _kernel(fmt_id: int, half: bool, even: bool, unroll: int, min_blocks: int, x
                                          f"-DUNROLL={unroll}", f"-DMIN_BLOCKS={min_blocks}", f"-DXLATE={int(xlate)}",
                                          f"-DPIPE={int(pipe)}", f"-DFOLD={int(fold)}", f"-DPDL={int(pdl)}",
                                          f"-DTILED={int(tiled)}", f"-DACT={int(act)}", f"-DNW={warps}",
-                                         f"-DTAIL={int(tail)}", f"-DBULK={bulk}"))
+                                         f"-DTAIL={int(tail)}"))
         return module.get_function("qmv")
 
 
@@ -235,7 +234,7 @@ def workspace(device, floats: int, tiles: int = 1) -> tuple[torch.Tensor, torch.
 # did not let it start early); with the Triton glue PDL-aware too the 27B step is 4 % faster (EngineOptions.pdl,
 # on by default). dense: small dense 16-bit projections (engine/weights.DenseLinear) through
 # FMT 3 (measured faster: on by default in EngineOptions.qmv_dense).
-_SWITCHES = {"dense": False, "bulk": False}
+_SWITCHES = {"dense": False}
 
 
 def set_dense(on: bool) -> None:
@@ -246,16 +245,6 @@ def set_dense(on: bool) -> None:
 
 def dense_enabled() -> bool:
     return _SWITCHES["dense"]
-
-
-def set_bulk(on: bool) -> None:
-    """Weights in the lanes layout stream through shared memory by bulk copies (``qmv(bulk=)``) from now on, on
-    sm_90+ GPUs (the same bits)."""
-    _SWITCHES["bulk"] = bool(on)
-
-
-def bulk_enabled() -> bool:
-    return _SWITCHES["bulk"]
 
 
 class _LaunchAttr(ctypes.Structure):  # CUlaunchAttribute: id, 4 bytes of padding, a 64-byte value union
@@ -357,44 +346,10 @@ def _wide(n: int, sms: int) -> bool:
     return -(-n // 16) >= 4 * sms
 
 
-# the static shared memory a block may have (48 KiB) less tile_store's reduction buffer and the mbarriers
-_BULK_SMEM = 48 * 1024 - NW * 32 * 16 - 64
-_BULK_STEPS = 4  # BULK_U in the source: each warp's groups a stage
-
-
-def bulk_stages(fmt: str, warps: int = NW) -> int:
-    """Shared-memory stages of a bulk-copy launch (``qmv(bulk=)``): as many as fit the static shared memory, at
-    least 2, at most 8. A stage holds ``warps * 4`` groups of a 16-row tile (codes, scales, q5's high bits)."""
-    per_group = 16 * 32 + 32 + (128 if fmt == "q5_g64_fp16" else 0)
-    return max(2, min(8, _BULK_SMEM // (warps * _BULK_STEPS * per_group)))
-
-
-def bulk_supported(lin, device_index: int | None = None) -> bool:
-    """Whether a weight can take the bulk-copy launch: the lanes layout of a q format, its sections 16-byte aligned,
-    on an sm_90+ GPU (cp.async.bulk and mbarrier transaction counts)."""
-    lin = getattr(lin, "qmv_weight", None) or lin
-    dev = torch.cuda.current_device() if device_index is None else device_index
-    return (getattr(lin, "layout", 0) == 2 and lin.fmt in WORD_ORDER and _capability(dev) >= (9, 0)
-            and all(t.data_ptr() % 16 == 0 for t in (lin.codes, lin.scales, lin.high)))
-
-
-def _bulk(lin, warps: int, dev: int, bulk: int | None) -> int:
-    """The launch's stage count: the switch's default where the weight supports it, or the caller's (checked)."""
-    if bulk is None:
-        return bulk_stages(lin.fmt, warps) if _SWITCHES["bulk"] and bulk_supported(lin, dev) else 0
-    if bulk and not bulk_supported(lin, dev):
-        raise ValueError(f"qmv: bulk={bulk} needs the lanes layout of a q format with 16-byte aligned sections on "
-                         f"an sm_90+ GPU (got {lin.fmt}, layout {getattr(lin, 'layout', 0)}, "
-                         f"sm_{''.join(map(str, _capability(dev)))})")
-    if bulk < 0 or bulk > 8:
-        raise ValueError(f"qmv: bulk must be 0..8 stages, got {bulk}")
-    return bulk
-
-
 def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | None = None,
         unroll: int = 4, min_blocks: int | None = None, xlate: bool = False, pipe: bool = False,
         fold: bool = False, pdl: bool | None = None, act: bool = False, warps: int | None = None,
-        tail: bool = False, bulk: int | None = None) -> torch.Tensor:
+        tail: bool = False) -> torch.Tensor:
     """``x [T, K] @ W.T`` -> ``[T, N]`` in x.dtype, for T <= 8 (see :func:`supports`). ``out`` (contiguous [T, N],
     x.dtype) is written instead of a fresh tensor. ``splits`` (default :func:`choose_splits`), ``unroll`` (steps
     whose loads are in flight together), ``min_blocks`` (blocks per SM the registers must allow), ``xlate`` (x
@@ -408,9 +363,7 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
     no split-K; N a multiple of 16). ``warps``: warps per 16-row tile (default :func:`choose_warps`; they take its
     groups in turn, so this fixes the order of the sums), ``min_blocks`` defaulting to 24 warps an SM; ``tail``: a
     warp's last groups (fewer than ``unroll``) loaded as one predicated batch instead of one step at a time (the
-    same sums in the same order). ``bulk``: shared-memory stages the weight's bytes stream through by bulk copies
-    (sm_90+, the lanes layout; the same sums in the same order): default :func:`bulk_stages` while
-    :func:`set_bulk` is on, else 0 (off); 0 turns it off."""
+    same sums in the same order)."""
     lin = getattr(lin, "qmv_weight", None) or lin  # a tiled PackedLinear: its tiles
     if not supports(x, lin):
         raise ValueError(f"qmv: needs CUDA bf16/fp16 x [1..{MAX_T}, K={lin.k}] contiguous and a q8/q5/q4 weight "
@@ -431,9 +384,8 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
     min_blocks = min_blocks or max(1, _WARPS_PER_SM // warps)
     even = lin.k == lin.kp and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
     pdl = _triton.pdl_now(x.device) if pdl is None else pdl and _capability(dev) >= (9, 0)
-    bulk = _bulk(lin, warps, dev, bulk)
     kern = _kernel(_FMT_ID[lin.fmt], x.dtype == torch.float16, even, unroll, min_blocks, xlate, pipe, fold, pdl,
-                   getattr(lin, "layout", 0), act, warps, tail, bulk, dev)
+                   getattr(lin, "layout", 0), act, warps, tail, dev)
     tiles = -(-n // 16)
     whole = act or not _triton.split_k_allowed()  # (the epilogue, or a launch beside others: _triton.single_pass)
     s = 1 if whole else min(splits or choose_splits(n, lin.ng, _sms(dev), unroll, min_blocks, warps), MAX_SPLITS)

@@ -208,13 +208,13 @@ def bench_dense(ts, row, failures) -> None:
 
 
 def qmv_knobs(spec: str) -> dict:
-    """qmv keyword arguments from a --qmv-knobs spec such as ``u5b2t``, ``w4u4b6tx`` or ``k2`` (bulk stages)."""
-    names = {"u": "unroll", "b": "min_blocks", "w": "warps", "k": "bulk"}
-    kw = {names[key]: int(num) for key, num in re.findall(r"([ubwk])(\d+)", spec)}
-    rest = re.sub(r"[ubwk]\d+", "", spec)
+    """qmv keyword arguments from a --qmv-knobs spec such as ``u5b2t`` or ``w4u4b6tx``."""
+    names = {"u": "unroll", "b": "min_blocks", "w": "warps"}
+    kw = {names[key]: int(num) for key, num in re.findall(r"([ubw])(\d+)", spec)}
+    rest = re.sub(r"[ubw]\d+", "", spec)
     for flag in rest:
         if flag not in "tx":
-            raise ValueError(f"--qmv-knobs: {spec!r}: unknown letter {flag!r} (u<n> b<n> w<n> k<n> t x)")
+            raise ValueError(f"--qmv-knobs: {spec!r}: unknown letter {flag!r} (u<n> b<n> w<n> t x)")
     kw.update(tail="t" in rest, xlate="x" in rest)
     return kw
 
@@ -229,8 +229,8 @@ def main() -> int:
                     help="comma list: split-K slice counts --qmv-variants times on the lanes layout")
     ap.add_argument("--qmv-knobs", default="",
                     help="comma list of qmv launch builds on the lanes layout, each letters + numbers: u<steps in "
-                         "flight> b<blocks per SM> w<warps a tile> k<bulk-copy stages, 0 = off> t (predicated tail batch) x (x one "
-                         "step ahead), e.g. u4b3,u4b3t,w4u4b6t,k2; timed as qmv-lanes-<spec>")
+                         "flight> b<blocks per SM> w<warps a tile> t (predicated tail batch) x (x one step ahead), "
+                         "e.g. u4b3,u4b3t,u5b2t,w4u4b6t; timed as qmv-lanes-<spec>")
     ap.add_argument("--only", default="",
                     help="comma list: time only these candidates (e.g. qmv-lanes,qmv-lanes-r8; default all)")
     ap.add_argument("--only-variants", default="", help="comma list: restrict --variants to these names")

@@ -73,7 +73,7 @@ for stage in "$@"; do
              nb kernels --shape qwen3.8-27b --t 1,8 --repeats 30 --json "$OUT/kernels_27b.json" 2>&1 | tail -12 ;;
     tiny)    timeout 90 python3 scripts/nb.py decode --model tiny -n 256 --repeats 2 --json "$OUT/tiny_v3.json" 2>&1 | tail -20 ;;
     d27)     nb decode $M27 --engine ${ENGINES:-ours,hf} --spec ${SPECS:-none,mtp:3,dflash2:7} --runtime ${RUNTIMES:-v3,v2} \
-               --rollback ${ROLLBACKS:-recompute,snapshot} --draft-graphs ${DRAFT_GRAPHS:-on} --pdl ${PDLS:-on} --qmv-bulk ${BULKS:-off} \
+               --rollback ${ROLLBACKS:-recompute,snapshot} --draft-graphs ${DRAFT_GRAPHS:-on} --pdl ${PDLS:-on} \
                -n 64 --repeats 2 ${D27_ARGS:-} --json "$OUT/d27" 2>&1 | tee "$OUT/d27.log" | tail -40 ;;
     profile) for mode in ${PROFILE_MODES:-lookahead sync}; do  # 27B decode steps (or rounds, or one prefill), each
              # mode one switch against the engine's defaults (lookahead: the defaults themselves)
@@ -84,7 +84,6 @@ for stage in "$@"; do
                  nosilu)        flags="--no-silu-epilogue" ;;         # the MLP's silu(gate) * up by its own kernel
                  cublas)        flags="--cublas-dense" ;;             # small dense projections by cuBLAS
                  rows|tiled)    flags="--qmv-layout $mode" ;;         # packed weights row-major / in TILED 1
-                 bulk)          flags="--qmv-bulk" ;;                 # qmv's weights through shared memory by bulk copies
                  attnfixed)     flags="--attn-fixed-split" ;;         # attention split as for the full cache
                  prefill)       flags="--prefill --prompt-len 818" ;; # one 818-token prefill
                  mtp)           flags="--spec mtp -k 3" ;;            # MTP3 rounds (captured drafting)

@@ -4,7 +4,7 @@ torch profiler, grouped by kernel, with the GPU's busy time next to the step's w
 step's idle gaps: graph launch, the token read-back, host work).
 
     python3 scripts/profile_step.py --model qwen3.8-27b --synthetic [--steps 32] [--spec mtp -k 3] [--sync]
-        [--no-pdl] [--no-side-stream] [--no-silu-epilogue] [--cublas-dense] [--qmv-layout L] [--qmv-bulk]
+        [--no-pdl] [--no-side-stream] [--no-silu-epilogue] [--cublas-dense] [--qmv-layout L]
         [--eager-draft] [--attn-fixed-split]
         [--prefill]      # switches against the engine's defaults, compared by step time
         [--host]         # where the host's time goes instead (cProfile of the same steps: Python, launches, syncs)
@@ -146,8 +146,6 @@ def main() -> int:
     ap.add_argument("--cublas-dense", action="store_true", help="small dense projections through cuBLAS, not qmv")
     ap.add_argument("--qmv-layout", default="lanes", choices=("tiled", "lanes", "rows"),
                     help="packed weights' layout (EngineOptions.qmv_layout)")
-    ap.add_argument("--qmv-bulk", action=argparse.BooleanOptionalAction, default=False,
-                    help="qmv's weights through shared memory by bulk copies (EngineOptions.qmv_bulk)")
     ap.add_argument("--eager-draft", action="store_true", help="drafting eagerly, not from CUDA graphs")
     ap.add_argument("--sync", action="store_true", help="plain decode reads each token before the next step "
                                                           "(default: the lookahead chain, as generate() runs it)")
@@ -179,7 +177,7 @@ def main() -> int:
     eng = Engine.load(args.model, synthetic=args.synthetic, device="cuda", runtime=args.runtime, spec=args.spec,
                       draft_tokens=args.draft_tokens, pdl=args.pdl, side_stream=args.side_stream,
                       silu_epilogue=args.silu_epilogue, qmv_dense=not args.cublas_dense,
-                      qmv_layout=args.qmv_layout, qmv_bulk=args.qmv_bulk,
+                      qmv_layout=args.qmv_layout,
                       draft_graphs=not args.eager_draft)
     print(f"loaded in {time.time() - t0:.0f} s: {eng.model_info.get('name', args.model)}", flush=True)
     if drop:
@@ -259,7 +257,7 @@ def main() -> int:
         Path(args.json).write_text(json.dumps({
             "model": args.model, "spec": args.spec, "sync": args.sync, "pdl": args.pdl, "side_stream": args.side_stream,
             "silu_epilogue": args.silu_epilogue,
-            "cublas_dense": args.cublas_dense, "qmv_layout": args.qmv_layout, "qmv_bulk": args.qmv_bulk,
+            "cublas_dense": args.cublas_dense, "qmv_layout": args.qmv_layout,
             "draft_graphs": not args.eager_draft,
             "attn_fixed_split": args.attn_fixed_split, "dropped": drop,
             "runtime": args.runtime, "steps": args.steps,
