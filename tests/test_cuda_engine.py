@@ -66,14 +66,17 @@ def test_mtp_draft_graphs_equal_plain():
 
 @pytest.mark.parametrize("spec", ["dflash", "dflash2"])
 def test_block_draft_graphs_equal_plain(spec):
-    """DFlash / DFlash2 greedy drafting replayed from CUDA graphs (``draft_graphs``, the default): plain decoding's
-    tokens, the eager drafter's drafts (same acceptance), and the graphs were used."""
+    """DFlash / DFlash2 greedy drafting and the context K/V of each verified block replayed from CUDA graphs
+    (``draft_graphs``, the default): plain decoding's tokens, the eager drafter's drafts (same acceptance) and context
+    entries, and the graphs were used."""
     _, plain = gen(runtime="v3", kv_dtype="int8", dtype="fp32")
-    _, eager = gen(runtime="v3", kv_dtype="int8", dtype="fp32", spec=spec, draft_tokens=7, draft_graphs=False)
+    ref, eager = gen(runtime="v3", kv_dtype="int8", dtype="fp32", spec=spec, draft_tokens=7, draft_graphs=False)
     eng, res = gen(runtime="v3", kv_dtype="int8", dtype="fp32", spec=spec, draft_tokens=7)
-    assert eng.drafter.graphs is not None and eng.drafter.graphs.captured
+    assert eng.drafter.graphs is not None and {key[0] for key in eng.drafter.graphs.captured} == {"draft", "commit"}
     assert res.tokens == plain.tokens
     assert res.spec["accepted_tokens"] == eager.spec["accepted_tokens"]
+    for mine, theirs in zip(eng.drafter.k + eng.drafter.v, ref.drafter.k + ref.drafter.v):  # slot 0's, kept
+        assert theirs[0].abs().sum() > 0 and torch.equal(mine[0], theirs[0])        # after its release
 
 
 @pytest.mark.parametrize("spec,k", [("mtp", 3), ("dflash2", 7)])

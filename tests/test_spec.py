@@ -180,6 +180,8 @@ class _EagerGraph:
 
     def replay(self):
         new = self.fn()
+        if new is None:  # the function wrote its own buffers
+            return
         for out, value in zip(*((self.outs, new) if isinstance(new, tuple) else ((self.outs,), (new,)))):
             out.copy_(value)
 
@@ -206,4 +208,4 @@ def test_draft_graph_replays_equal_plain(plain, monkeypatch, spec, k):
     assert res.tokens == plain[1]
     assert res.spec["accepted_tokens"] == eager.spec["accepted_tokens"]
     names = {name for name, _, _ in eng.drafter.graphs.captured}
-    assert names == ({"draft", "commit"} if spec == "mtp" else {"draft"})
+    assert names == {"draft", "commit"}

@@ -1,7 +1,8 @@
 """Drafting replayed from CUDA graphs (runtime v3 on CUDA): MTP's greedy draft steps and its pass over each
-verified block, and DFlash / DFlash2 greedy block drafting. A drafter hands :meth:`DraftGraphs.replay` one of its
+verified block, DFlash / DFlash2 greedy block drafting and their context K/V of each verified block. A drafter
+hands :meth:`DraftGraphs.replay` one of its
 own device-only functions (:meth:`MTPDrafter.steps`, :meth:`MTPDrafter.verified`, :meth:`BlockDraftRunner.block` +
-``greedy``) with its batch inputs; the function is captured once per (name, batch bucket, k) over static inputs,
+``greedy``, :meth:`BlockDraftRunner.verified`) with its batch inputs; the function is captured once per (name, batch bucket, k) over static inputs,
 padding rows on the engine's scratch slot, in the target graphs' memory pool, and each replay copies the live rows
 in and the outputs out (the static buffers are overwritten by the next replay, maybe of another batch).
 """
@@ -23,7 +24,7 @@ class DraftGraphs:
         self.captured: dict[tuple[str, int, int], tuple] = {}
 
     def replay(self, name: str, k: int, values: tuple[torch.Tensor, ...], fn):
-        """``fn(*values)``'s output (a tensor or a tuple of them, ``[B, ...]`` each) from the graph captured for
+        """``fn(*values)``'s output (a tensor, a tuple of them, ``[B, ...]`` each, or None) from the graph captured for
         (``name``, B's bucket, ``k``). ``values``: ``[B, ...]`` device tensors, the cache slots last; ``fn`` must
         read nothing back to the host, and stand for the same computation whenever name and k are the same."""
         b = values[0].shape[0]
@@ -36,6 +37,8 @@ class DraftGraphs:
             static[:b].copy_(value)
         ins[-1][b:].fill_(self.e.scratch_slot)
         graph.replay()
+        if outs is None:  # fn writes the drafter's own buffers
+            return None
         if isinstance(outs, torch.Tensor):
             return outs[:b].clone()
         return tuple(o[:b].clone() for o in outs)

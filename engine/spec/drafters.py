@@ -282,8 +282,19 @@ class BlockDraftRunner:
 
     def commit(self, seqs, old_len, block, hidden, taps, n_acc, bonus) -> None:
         t = block.shape[1]
-        i = torch.arange(t, device=block.device)[None]
-        self._write(self.e._ids([s.slot for s in seqs]), taps, old_len[:, None] + i, i <= n_acc[:, None])
+        slots = self.e._ids([s.slot for s in seqs])
+        graphs = wanted(self, self._want_graphs)
+        if graphs is not None:  # replayed whatever the rows sample: the context K/V do not depend on it
+            graphs.replay("commit", t, (taps, old_len, n_acc, slots), lambda *ins: self.verified(*ins, t))
+        else:
+            self.verified(taps, old_len, n_acc, slots, t)
+
+    def verified(self, taps, old_len, n_acc, slots, t: int) -> None:
+        """Context K/V of a verified block's positions ``old_len .. old_len + n_acc`` (the last committed token and
+        the accepted drafts) from their tap outputs ``[B, t, n_taps * H]``; the rejected positions write the
+        discard entry. Device tensors only, no host read: capturable."""
+        i = torch.arange(t, device=taps.device)[None]
+        self._write(slots, taps, old_len[:, None] + i, i <= n_acc[:, None])
 
     @torch.inference_mode()
     def draft(self, seqs, k: int):
