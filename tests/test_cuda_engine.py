@@ -76,7 +76,9 @@ def test_block_draft_graphs_equal_plain(spec):
     assert res.tokens == plain.tokens
     assert res.spec["accepted_tokens"] == eager.spec["accepted_tokens"]
     for mine, theirs in zip(eng.drafter.k + eng.drafter.v, ref.drafter.k + ref.drafter.v):  # slot 0's, kept
-        assert theirs[0].abs().sum() > 0 and torch.equal(mine[0], theirs[0])        # after its release
+        assert theirs[0].abs().sum() > 0                                                # after its release
+        # fp32 projections: cuBLAS may pick another kernel inside a capture than eagerly
+        assert torch.allclose(mine[0], theirs[0], rtol=1e-4, atol=1e-5), (mine[0] - theirs[0]).abs().max()
 
 
 @pytest.mark.parametrize("spec,k", [("mtp", 3), ("dflash2", 7)])
