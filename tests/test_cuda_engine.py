@@ -75,10 +75,13 @@ def test_block_draft_graphs_equal_plain(spec):
     assert eng.drafter.graphs is not None and {key[0] for key in eng.drafter.graphs.captured} == {"draft", "commit"}
     assert res.tokens == plain.tokens
     assert res.spec["accepted_tokens"] == eager.spec["accepted_tokens"]
-    for mine, theirs in zip(eng.drafter.k + eng.drafter.v, ref.drafter.k + ref.drafter.v):  # slot 0's, kept
-        assert theirs[0].abs().sum() > 0                                                # after its release
+    # slot 0's entries, kept after its release; not the last one, which takes the rejected positions' writes (which
+    # of a block's several lands there is up to the scatter)
+    for mine, theirs in zip(eng.drafter.k + eng.drafter.v, ref.drafter.k + ref.drafter.v):
+        mine, theirs = mine[0, :-1], theirs[0, :-1]
+        assert theirs.abs().sum() > 0
         # fp32 projections: cuBLAS may pick another kernel inside a capture than eagerly
-        assert torch.allclose(mine[0], theirs[0], rtol=1e-4, atol=1e-5), (mine[0] - theirs[0]).abs().max()
+        assert torch.allclose(mine, theirs, rtol=1e-4, atol=1e-5), (mine - theirs).abs().max()
 
 
 @pytest.mark.parametrize("spec,k", [("mtp", 3), ("dflash2", 7)])
