@@ -117,6 +117,7 @@ class Engine:
         self.drafter = self._make_drafter(opts.spec)
         self.graphs = None
         self._chain_used = False  # whether the last generate() decoded through the graph chain
+        self.spec_times = None  # the last speculative round's timing events, read one round late (spec/loop.py)
         if self.device.type == "cuda":
             from ..kernels import _triton, qmv_cuda
 

@@ -209,3 +209,18 @@ def test_draft_graph_replays_equal_plain(plain, monkeypatch, spec, k):
     assert res.spec["accepted_tokens"] == eager.spec["accepted_tokens"]
     names = {name for name, _, _ in eng.drafter.graphs.captured}
     assert names == {"draft", "commit"}
+
+
+def test_round_times_are_settled_by_the_end_of_a_generation(monkeypatch):
+    """A round's draft / verify times are added one round late (spec/loop.settle_times) and the last round's when
+    its sequence finishes: a generation's stats hold every round's time, nothing left pending."""
+    from ninfer_bench.engine.spec import loop
+
+    times = iter(range(10_000))
+    monkeypatch.setattr(loop, "_timer", lambda dev: float(next(times)))  # 1 ms between consecutive stamps
+    monkeypatch.setattr(loop, "_ms", lambda dev, a, b: b - a)
+    eng = engine(spec="dflash2", draft_tokens=3)
+    res = eng.generate(PROMPTS[0], max_new_tokens=40, ignore_eos=True)
+    rounds = res.spec["rounds"]
+    assert rounds > 1 and eng.spec_times is None
+    assert res.spec["draft_ms"] == 2.0 * rounds and res.spec["verify_ms"] == 1.0 * rounds

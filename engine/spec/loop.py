@@ -3,6 +3,10 @@
 Greedy rows accept the longest prefix of drafts equal to the target's argmax; sampling rows use rejection
 sampling (engine/spec/accept.py). The hybrid state of rejected positions is undone in the cache layer
 (``Engine.commit`` -> ``HybridCache.commit``, or its captured graph).
+
+A round's device times (drafting, verify) come from CUDA events that are read one round late: the next round's
+token read-back has waited for them anyway, so the host queues the next drafts while this round's commits still
+run instead of waiting for them. A sequence's last round is settled at once (its stats are read next).
 """
 
 from __future__ import annotations
@@ -46,16 +50,32 @@ def speculative_round(e, seqs) -> None:
         p = torch.stack([probs(logits[r], seqs[r].params) for r in sampling])
         n_acc[rows], bonus[rows] = accept_sampling(drafts[rows], p, q[rows], [seqs[r].generator for r in sampling])
     n_list, d_list, b_list = n_acc.tolist(), drafts.tolist(), bonus.tolist()
+    settle_times(e)  # the read above waited for everything queued before it: the last round's events are complete
     keep = [_append(e, s, d_list[r][: n_list[r]] + [b_list[r]]) for r, s in enumerate(seqs)]
     e.commit(e._ids(keep))  # the cache keeps block positions 0 .. keep-1; the newest token is not in it yet
     t2 = _timer(dev)
     e.drafter.commit(seqs, old_len, block, hidden, torch.cat(taps, dim=-1) if taps else None, n_acc, bonus)
     t3 = _timer(dev)
-    if dev.type == "cuda":
-        t3.synchronize()  # the round's events are only readable once complete
-    verify_ms, draft_ms = _ms(dev, t1, t2), _ms(dev, t0, t1) + _ms(dev, t2, t3)
     for s, n in zip(seqs, n_list):
-        _record(s.stats, k, n, verify_ms, draft_ms)
+        _record(s.stats, k, n)
+    e.spec_times = (seqs, (t0, t1, t2, t3))
+    if any(s.finish_reason is not None for s in seqs):
+        settle_times(e)
+
+
+def settle_times(e) -> None:
+    """Add the last speculative round's device times (drafting with the drafter's commit; verify with the target's
+    commit) to its sequences' stats; on a GPU, waits for its last event if the stream has not passed it yet."""
+    pending, e.spec_times = e.spec_times, None
+    if pending is None:
+        return
+    seqs, (t0, t1, t2, t3) = pending
+    if e.device.type == "cuda":
+        t3.synchronize()
+    verify_ms, draft_ms = _ms(e.device, t1, t2), _ms(e.device, t0, t1) + _ms(e.device, t2, t3)
+    for s in seqs:
+        s.stats["verify_ms"] += verify_ms
+        s.stats["draft_ms"] += draft_ms
 
 
 def _append(e, seq, tokens: list[int]) -> int:
@@ -70,7 +90,7 @@ def _append(e, seq, tokens: list[int]) -> int:
     return added
 
 
-def _record(st: dict, k: int, accepted: int, verify_ms: float, draft_ms: float) -> None:
+def _record(st: dict, k: int, accepted: int) -> None:
     st["rounds"] = st.get("rounds", 0) + 1
     st["target_forwards"] = st.get("target_forwards", 0) + 1
     st["drafted_tokens"] = st.get("drafted_tokens", 0) + k
@@ -78,7 +98,7 @@ def _record(st: dict, k: int, accepted: int, verify_ms: float, draft_ms: float) 
     per = st.setdefault("accepted_per_position", [0] * k)
     for i in range(accepted):
         per[i] += 1
-    st["verify_ms"] = st.get("verify_ms", 0.0) + verify_ms
-    st["draft_ms"] = st.get("draft_ms", 0.0) + draft_ms
+    st.setdefault("verify_ms", 0.0)  # added by settle_times
+    st.setdefault("draft_ms", 0.0)
     st["acceptance_rate"] = st["accepted_tokens"] / st["drafted_tokens"]
     st["tokens_per_round"] = 1 + st["accepted_tokens"] / st["rounds"]
