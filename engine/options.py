@@ -43,9 +43,10 @@ class EngineOptions:
     lm_head_draft: int = 0
     cuda_graphs: bool = True
     draft_graphs: bool = True  # greedy drafting replayed from CUDA graphs (v3 on CUDA): MTP's draft steps and its
-    #                            pass over each verified block, DFlash / DFlash2 block drafting; the eager drafts'
-    #                            tokens. H200 27B a round: MTP3 14.0 -> 11.5 ms (commit captured too), DFlash2 K=7
-    #                            22.9 -> 13.6 ms
+    #                            pass over each verified block, DFlash / DFlash2 block drafting and their context K/V
+    #                            of each verified block; the eager drafts' tokens. H200 27B a round: MTP3 14.0 ->
+    #                            11.5 ms (commit captured too), DFlash2 K=7 22.9 -> 13.6 ms; bundled DFlash2 K=7
+    #                            2.22 -> 1.34 ms with its context commit captured
     lookahead: bool = True  # greedy single-sequence decode on CUDA graphs: launch step n + 1 before reading
     #                         token n (a finished sequence's extra step writes the scratch slot)
     pdl: bool = True  # the decode step's kernels (qmv and the fused Triton glue) launch with programmatic dependent
