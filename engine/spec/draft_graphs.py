@@ -1,10 +1,10 @@
 """Drafting replayed from CUDA graphs (runtime v3 on CUDA): MTP's greedy draft steps and its pass over each
 verified block, DFlash / DFlash2 greedy block drafting and their context K/V of each verified block. A drafter
-hands :meth:`DraftGraphs.replay` one of its
-own device-only functions (:meth:`MTPDrafter.steps`, :meth:`MTPDrafter.verified`, :meth:`BlockDraftRunner.block` +
-``greedy``, :meth:`BlockDraftRunner.verified`) with its batch inputs; the function is captured once per (name, batch bucket, k) over static inputs,
-padding rows on the engine's scratch slot, in the target graphs' memory pool, and each replay copies the live rows
-in and the outputs out (the static buffers are overwritten by the next replay, maybe of another batch).
+hands :meth:`DraftGraphs.replay` one of its own device-only functions (:meth:`MTPDrafter.steps`,
+:meth:`MTPDrafter.verified`, :meth:`BlockDraftRunner.block` + ``greedy``, :meth:`BlockDraftRunner.verified`) with
+its batch inputs; the function is captured once per (name, batch bucket, k) over static inputs, padding rows on the
+engine's scratch slot, in the target graphs' memory pool, and each replay copies the live rows in and the outputs
+out (the static buffers are overwritten by the next replay, maybe of another batch).
 """
 
 from __future__ import annotations
@@ -24,9 +24,10 @@ class DraftGraphs:
         self.captured: dict[tuple[str, int, int], tuple] = {}
 
     def replay(self, name: str, k: int, values: tuple[torch.Tensor, ...], fn):
-        """``fn(*values)``'s output (a tensor, a tuple of them, ``[B, ...]`` each, or None) from the graph captured for
-        (``name``, B's bucket, ``k``). ``values``: ``[B, ...]`` device tensors, the cache slots last; ``fn`` must
-        read nothing back to the host, and stand for the same computation whenever name and k are the same."""
+        """``fn(*values)``'s output (a tensor or a tuple of them, ``[B, ...]`` each; None for a function that writes
+        its own buffers) from the graph captured for (``name``, B's bucket, ``k``). ``values``: ``[B, ...]`` device
+        tensors, the cache slots last; ``fn`` must read nothing back to the host, and stand for the same computation
+        whenever name and k are the same."""
         b = values[0].shape[0]
         key = (name, self.runner.bucket(b), k)
         cap = self.captured.get(key)
