@@ -21,8 +21,8 @@ def rel_rms(a, b) -> float:
 
 
 def hf_logits(model, ids):
-    with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0].float()
+    with torch.no_grad():  # no cache: transformers' cache needs a full-attention layer to count the sequence
+        return model(torch.tensor([ids]), use_cache=False).logits[0].float()
 
 
 CASES = [
@@ -33,11 +33,19 @@ CASES = [
     ("qwen3_next", dict(tied=False, linear_num_value_heads=6, linear_num_key_heads=2)),
     ("qwen3_5", dict(tied=False, attention_bias=True, head_dim=24)),
     ("qwen3_next", dict(tied=False, attention_bias=True)),
+    # layer patterns other than 3 linear + 1 full: alternating, full attention first, no full attention at all
+    ("qwen3_5", dict(tied=False, num_hidden_layers=5, layer_types=["linear_attention", "full_attention"] * 2
+                     + ["linear_attention"])),
+    ("qwen3_5", dict(tied=True, num_hidden_layers=3, layer_types=["full_attention", "full_attention",
+                                                                  "linear_attention"], partial_rotary_factor=1.0)),
+    ("qwen3_5", dict(tied=False, num_hidden_layers=3, layer_types=["linear_attention"] * 3,
+                     linear_conv_kernel_dim=3)),
 ]
 
 
 @pytest.mark.parametrize("kind,kw", CASES, ids=["qwen3_5", "qwen3_5-tied-gqa3", "qwen3_5-vl", "qwen3_next",
-                                                 "qwen3_5-bias", "qwen3_next-bias"])
+                                                 "qwen3_5-bias", "qwen3_next-bias", "qwen3_5-alternating",
+                                                 "qwen3_5-full-first-rotary1", "qwen3_5-linear-only-conv3"])
 def test_prefill_and_decode_match_transformers(tmp_path, kind, kw):
     model = make_hf(kind, tmp_path / "hf", seed=3, **kw)
     art = tmp_path / "m.ninfer"
