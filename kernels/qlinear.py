@@ -37,8 +37,9 @@ T = 1: q4 31-48 % (lm_head 68 %), q5 25-34 %, q8 47-70 % (lm_head 86 %). dot T =
 relative RMS 0.07 with num_stages=1, so the missing-fence explanation below is not the whole story). For bf16 /
 fp16 x the engine therefore runs ``kernels/qmv_cuda.cu`` (tensor cores, 8 rows a launch, deterministic, T = 8 at
 the cost of T = 1) whenever cupy imports; these kernels serve fp32 x and machines without cupy. The gemv spends
-~4.3 instructions per weight; qmv 2.3 (q4), and neither holds more than ~65 % of the copy bandwidth at T = 1:
-both are short of bytes in flight, which a deeper load pipeline (cp.async / TMA) would fix.
+~4.3 instructions per weight; qmv 2.3 (q4). qmv now holds 49-99 % of the copy bandwidth at T = 1 depending on the
+weight's shape (docs/perf/2026-12-01-qmv-warps-h200.md); streaming its weights through shared memory by bulk copies
+(cp.async.bulk / TMA) measured slower at every 27B shape (docs/perf/2026-12-01c-bulk-qmv-dflash-commit-peer-h200.md).
 """
 
 from __future__ import annotations
