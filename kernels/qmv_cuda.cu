@@ -71,16 +71,6 @@ typedef unsigned char u8;
 #define ACT 0     // 1: the weight is a gate / up pair whose rows alternate in runs of 8 (engine/weights.py's
 #endif            // interleaved gate_up): tile j's rows g and g + 8 are gate and up of output column 8 j + g, and the
                   // kernel stores silu(gate) * up, [T, N / 2] (no split-K)
-#ifndef RES
-#define RES 0     // 1: the projection ends a residual branch and the RMSNorm after it is split between this kernel and
-#endif            // the projections that read it: r = res + (x W^T as stored) goes to rout, r * nw (nw = 1 + the
-                  // norm's weight, fp32) to out, and each tile's sum of r^2 over its 16 rows to part[t, tile]
-#ifndef NORM
-#define NORM 0    // 1: x is such an r * nw; the block adds up the P partial sums of part[t, :] (prefetched into shared
-#endif            // memory by cp.async while it streams the weights) and scales its sums by rsqrt(sum / K + eps)
-#ifndef NORM_MAX
-#define NORM_MAX 4096  // floats of part a block holds (T * P <= NORM_MAX)
-#endif
 #ifndef MIN_BLOCKS
 #define MIN_BLOCKS 2  // blocks per SM to fit: lets ptxas keep all of a step batch's loads in flight
 #endif                // (it interleaves them with the arithmetic, one step at a time, when it aims at more blocks)
@@ -251,9 +241,6 @@ __device__ __forceinline__ void grid_wait() {
 
 #if TILED == 2 && FMT == 3
 #error "TILED 2 is for the q formats"
-#endif
-#if RES && (NORM || ACT)
-#error "RES stores r and r * nw: not with NORM (one part buffer) or ACT"
 #endif
 // Step u's code words of rows g and g + 8, their scales and (q5) high-bit pairs
 __device__ __forceinline__ void load_step(const Lane& L, int u, CodeT& w0, CodeT& w1, u32& s0, u32& s1, u32& h0,
@@ -438,34 +425,11 @@ __device__ __forceinline__ void advance(Lane& L, int groups) {
   L.xp += GROUP * groups;
 }
 
-#if NORM
-// NORM: the consumer's copy of the partial sums of squares part[T, P], in shared memory
-__device__ __forceinline__ float* norm_parts() {
-  __shared__ float p[NORM_MAX];
-  return p;
-}
-#endif
-
-// NORM: every thread of the block copies its share of part[T, P] into shared memory (cp.async: no registers held
-// while the weights stream; waited for in tile_store). After the PDL wait: part is the kernel before's output.
-__device__ __forceinline__ void norm_prefetch(const float* __restrict__ part, int T, int P) {
-#if NORM
-  grid_wait();
-  float* sp = norm_parts();
-  for (int i = threadIdx.x; i < T * P; i += NW * 32) {
-    const unsigned dst = (unsigned)__cvta_generic_to_shared(sp + i);
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(part + i) : "memory");
-  }
-  asm volatile("cp.async.commit_group;" ::: "memory");
-#endif
-}
-
 // The warp's share of tile `tile`'s groups g_lo .. g_hi - 1 (groups g_lo + warp, + NW, ...): acc += its sums.
 __device__ __forceinline__ void tile_sums(const u16* __restrict__ x, const u8* __restrict__ codes,
                                           const u8* __restrict__ high, const u16* __restrict__ scales, int T, int N,
                                           int K, int NG, long long stride_x, long long stride_c, long long stride_h,
-                                          long long stride_s, int tile, int g_lo, int g_hi, float* acc,
-                                          const float* __restrict__ part, int P) {
+                                          long long stride_s, int tile, int g_lo, int g_hi, float* acc) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, c = lane & 3;
   const int r0 = min(tile * 16 + g, N - 1), r1 = min(tile * 16 + g + 8, N - 1);  // clamped: loads stay in bounds
@@ -505,7 +469,6 @@ __device__ __forceinline__ void tile_sums(const u16* __restrict__ x, const u8* _
   asm volatile("mov.b32 %0, %1;" : "=r"(magic) : "n"(MAGIC));  // kept in a register (see and_or)
 #if PIPE
   grid_wait();
-  norm_prefetch(part, T, P);
   // two batches in registers: batch b + 1's loads are in flight while batch b is multiplied; the last batch may
   // be partial (predicated), so no step waits on its own loads alone
   Batch<UNROLL> A, B;
@@ -534,7 +497,6 @@ __device__ __forceinline__ void tile_sums(const u16* __restrict__ x, const u8* _
     gi += NW;
   }
 #endif
-  norm_prefetch(part, T, P);  // (after the first batch: its loads went out first)
   for (; gi + (UNROLL - 1) * NW < g_hi; gi += NW * UNROLL) {
     steps<UNROLL>(L, xrow, gi, K, c, magic, acc);
     advance(L, NW * UNROLL);
@@ -554,89 +516,20 @@ __device__ __forceinline__ void tile_sums(const u16* __restrict__ x, const u8* _
 #endif
 }
 
-// Warp 0's final sums v of the tile (rows g and g + 8, tokens 2c and 2c + 1) to the output, with the epilogue the
-// build asks for; rs[t]: NORM's scale of token t. All 32 lanes of warp 0 call it.
-__device__ __forceinline__ void store_sums(const float* v, int tile, u16* __restrict__ out, int T, int N,
-                                           long long stride_o, const float* rs, const u16* __restrict__ res,
-                                           u16* __restrict__ rout, const float* __restrict__ nw,
-                                           float* __restrict__ part, int P) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
-  const int row[2] = {tile * 16 + g, tile * 16 + g + 8};
-  const int tt[2] = {2 * c, 2 * c + 1};
-  float f[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) f[i] = NORM && tt[i & 1] < T ? v[i] * rs[tt[i & 1]] : v[i];
-#if ACT
-  // gate and up rounded as the projection would store them, then silu(g) * u in fp32 as fused.silu_mul takes
-  // it (not to the bit: expf here, Triton's exp there)
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const float gate = out_to_float(float_to_out(f[i])), up = out_to_float(float_to_out(f[2 + i]));
-    if (row[1] < N && tt[i] < T) out[tt[i] * stride_o + tile * 8 + g] = float_to_out(gate / (1.f + expf(-gate)) * up);
-  }
-#elif RES
-  // r = res + the projection as stored, rounded as fused.add_rms_norm stores it; out = r * (1 + w); the tile's
-  // sum of r^2 a token over its 16 rows (lanes g = 0..7 of one c, in a fixed butterfly; lane g = 0's is stored)
-  float sq[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int n = row[i >> 1], t = tt[i & 1];
-    sq[i] = 0.f;
-    if (n < N && t < T) {
-      const long long o = t * stride_o + n;
-      const float r = out_to_float(float_to_out(out_to_float(float_to_out(f[i])) + out_to_float(res[o])));
-      rout[o] = float_to_out(r);
-      out[o] = float_to_out(r * nw[n]);
-      sq[i] = r * r;
-    }
-  }
-#pragma unroll
-  for (int j = 0; j < 2; ++j) {
-    float s = sq[j] + sq[2 + j];
-    s += __shfl_xor_sync(0xFFFFFFFFu, s, 4);
-    s += __shfl_xor_sync(0xFFFFFFFFu, s, 8);
-    s += __shfl_xor_sync(0xFFFFFFFFu, s, 16);
-    if (g == 0 && tt[j] < T) part[tt[j] * P + tile] = s;
-  }
-#else
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int n = row[i >> 1], t = tt[i & 1];
-    if (n < N && t < T) out[t * stride_o + n] = float_to_out(f[i]);
-  }
-#endif
-}
-
 // The block's sums of tile `tile` (acc, one share a warp) to the output: added up over the warps in shared memory;
 // a tile whose groups `pieces` blocks share (split-K) goes through the workspace,
 // piece `piece` in slice `piece`, and the last of its blocks to arrive adds the slices up in piece order (a fixed
 // order: the result does not depend on which block finishes first) and leaves the counter at zero for the next
-// launch (no memset in a CUDA graph). NORM: the block first turns the partial sums of squares into each token's
-// scale (warp w adds up token w's P partials, lane by lane then in a butterfly; lane 0's sum, a fixed order).
-// Every thread of the block calls it, once: the block ends after it.
+// launch (no memset in a CUDA graph). Every thread of the block calls it, once: the block ends after it.
 __device__ __forceinline__ void tile_store(float* acc, int tile, int piece, int pieces, u16* __restrict__ out,
-                                           float* __restrict__ ws, int* __restrict__ counters, int T, int N, int K,
-                                           long long stride_o, const u16* __restrict__ res, u16* __restrict__ rout,
-                                           const float* __restrict__ nw, float* __restrict__ part, int P, float eps) {
+                                           float* __restrict__ ws, int* __restrict__ counters, int T, int N,
+                                           long long stride_o) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, c = lane & 3;
   grid_wait();  // a warp without groups still writes the output below: only after the kernel before is done
   __shared__ float4 red[NW][32];
   __shared__ int last;
-  __shared__ float rs[8];
   red[warp][lane] = make_float4(acc[0], acc[1], acc[2], acc[3]);
-#if NORM
-  asm volatile("cp.async.wait_all;" ::: "memory");
-  __syncthreads();
-  const float* sp = norm_parts();
-  for (int t = warp; t < T; t += NW) {
-    float s = 0.f;
-    for (int j = lane; j < P; j += 32) s += sp[t * P + j];
-#pragma unroll
-    for (int m = 16; m > 0; m >>= 1) s += __shfl_xor_sync(0xFFFFFFFFu, s, m);
-    if (lane == 0) rs[t] = rsqrtf(s / K + eps);
-  }
-#endif
   __syncthreads();
   if (warp == 0) {
 #pragma unroll
@@ -647,7 +540,22 @@ __device__ __forceinline__ void tile_store(float* acc, int tile, int piece, int 
     const int row[2] = {tile * 16 + g, tile * 16 + g + 8};
     const int tt[2] = {2 * c, 2 * c + 1};
     if (pieces == 1) {
-      store_sums(acc, tile, out, T, N, stride_o, rs, res, rout, nw, part, P);
+#if ACT
+      // gate and up rounded as the projection would store them, then silu(g) * u in fp32 as fused.silu_mul takes
+      // it (not to the bit: expf here, Triton's exp there)
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const float gate = out_to_float(float_to_out(acc[i])), up = out_to_float(float_to_out(acc[2 + i]));
+        if (row[1] < N && tt[i] < T)
+          out[tt[i] * stride_o + tile * 8 + g] = float_to_out(gate / (1.f + expf(-gate)) * up);
+      }
+#else
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int n = row[i >> 1], t = tt[i & 1];
+        if (n < N && t < T) out[t * stride_o + n] = float_to_out(acc[i]);
+      }
+#endif
     } else {
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
@@ -660,15 +568,15 @@ __device__ __forceinline__ void tile_store(float* acc, int tile, int piece, int 
       __syncwarp();
       if (last) {
         __threadfence();
-        float sum[4];
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const int n = row[i >> 1], t = tt[i & 1];
-          sum[i] = 0.f;
-          if (n < N && t < T)
-            for (int y = 0; y < pieces; ++y) sum[i] += __ldcg(ws + ((long long)y * T + t) * N + n);
+          if (n < N && t < T) {
+            float sum = 0.f;
+            for (int y = 0; y < pieces; ++y) sum += __ldcg(ws + ((long long)y * T + t) * N + n);
+            out[t * stride_o + n] = float_to_out(sum);
+          }
         }
-        store_sums(sum, tile, out, T, N, stride_o, rs, res, rout, nw, part, P);
         if (lane == 0) counters[tile] = 0;
       }
     }
@@ -688,13 +596,11 @@ extern "C" __global__ void __launch_bounds__(NW * 32, MIN_BLOCKS)
 qmv(const u16* __restrict__ x, const u8* __restrict__ codes, const u8* __restrict__ high,
     const u16* __restrict__ scales, u16* __restrict__ out, float* __restrict__ ws, int* __restrict__ counters,
     int T, int N, int K, int NG, int groups_per_split, long long stride_x, long long stride_o,
-    long long stride_c, long long stride_h, long long stride_s, const u16* __restrict__ res,
-    u16* __restrict__ rout, const float* __restrict__ nw, float* __restrict__ part, int P, float eps) {
+    long long stride_c, long long stride_h, long long stride_s) {
   let_next_launch();
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
   const int g_lo = blockIdx.y * groups_per_split, g_hi = min(NG, g_lo + groups_per_split);
   tile_sums(x, codes, high, scales, T, N, K, NG, stride_x, stride_c, stride_h, stride_s, blockIdx.x, g_lo, g_hi,
-            acc, part, P);
-  tile_store(acc, blockIdx.x, blockIdx.y, gridDim.y, out, ws, counters, T, N, K, stride_o, res, rout, nw, part, P,
-             eps);
+            acc);
+  tile_store(acc, blockIdx.x, blockIdx.y, gridDim.y, out, ws, counters, T, N, stride_o);
 }

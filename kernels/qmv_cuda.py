@@ -35,8 +35,7 @@ import torch
 from . import _triton
 
 __all__ = ["qmv", "supports", "available", "import_error", "choose_splits", "choose_warps", "workspace", "set_dense",
-           "dense_enabled", "DenseWeight", "TiledWeight", "DENSE_FMT", "qmv_rows", "MAX_T", "MAX_SPLITS", "add_norm",
-           "add_norm_rows", "prenorm_supported", "norm_parts"]
+           "dense_enabled", "DenseWeight", "TiledWeight", "DENSE_FMT", "qmv_rows", "MAX_T", "MAX_SPLITS"]
 
 MAX_T = 8  # tokens per launch: the MMA's n = 8 columns
 DENSE_FMT = "dense16"  # a bf16 / fp16 weight read as it is (FMT 3 in the source), see DenseWeight
@@ -200,8 +199,7 @@ class TiledWeight:
 
 @functools.cache
 def _kernel(fmt_id: int, half: bool, even: bool, unroll: int, min_blocks: int, xlate: bool, pipe: bool,
-            fold: bool, pdl: bool, tiled: int, act: bool, warps: int, tail: bool, res: bool, norm_max: int,
-            device_index: int):
+            fold: bool, pdl: bool, tiled: int, act: bool, warps: int, tail: bool, device_index: int):
     import cupy
 
     with cupy.cuda.Device(device_index):
@@ -210,8 +208,7 @@ def _kernel(fmt_id: int, half: bool, even: bool, unroll: int, min_blocks: int, x
                                          f"-DUNROLL={unroll}", f"-DMIN_BLOCKS={min_blocks}", f"-DXLATE={int(xlate)}",
                                          f"-DPIPE={int(pipe)}", f"-DFOLD={int(fold)}", f"-DPDL={int(pdl)}",
                                          f"-DTILED={int(tiled)}", f"-DACT={int(act)}", f"-DNW={warps}",
-                                         f"-DTAIL={int(tail)}", f"-DRES={int(res)}", f"-DNORM={int(norm_max > 0)}",
-                                         f"-DNORM_MAX={max(norm_max, 1)}"))
+                                         f"-DTAIL={int(tail)}"))
         return module.get_function("qmv")
 
 
@@ -349,44 +346,10 @@ def _wide(n: int, sms: int) -> bool:
     return -(-n // 16) >= 4 * sms
 
 
-def norm_parts(n: int) -> int:
-    """Partial sums of squares a token of an n-wide row: one per 16-row tile of the projection that writes it."""
-    return -(-n // 16)
-
-
-def prenorm_supported(k: int) -> bool:
-    """Whether a projection of K = ``k`` can take a pre-normed x (:func:`qmv` ``prenorm``): the partial sums of
-    ``MAX_T`` tokens fit the block's shared-memory copy (k <= 8192)."""
-    return MAX_T * norm_parts(k) <= NORM_MAX
-
-
-NORM_MAX = 4096  # floats of partial sums a block copies (NORM_MAX in the source is built as MAX_T x the row's parts)
-
-
-def add_norm(x: torch.Tensor, lin, residual: torch.Tensor, w1: torch.Tensor, **kw):
-    """The projection that ends a residual branch, with the RMSNorm after it split off (RES in the source):
-    returns ``(xs, r, part)`` where ``r = residual + x @ W.T`` (the projection rounded to x.dtype, then the sum
-    rounded, as ``fused.add_rms_norm`` stores it), ``xs = r * w1`` (``w1`` fp32 ``[N]``: 1 + the norm's weight) and
-    ``part [T, N / 16]`` fp32 the sums of ``r^2`` over each 16 columns, so that ``rms_norm(r) = xs * rsqrt(
-    part.sum(-1) / N + eps)`` - which a projection reading ``xs`` applies to its own sums (:func:`qmv`
-    ``prenorm``). x bf16 (an fp16 r * w1 could overflow); ``kw``: :func:`qmv`'s tuning arguments."""
-    t, n = x.shape[0], lin.n
-    if x.dtype != torch.bfloat16 or residual.shape != (t, n) or residual.dtype != x.dtype \
-            or not residual.is_contiguous() or w1.shape != (n,) or w1.dtype != torch.float32 \
-            or not w1.is_contiguous() or residual.device != x.device or w1.device != x.device:
-        raise ValueError(f"add_norm: needs bf16 x, a contiguous bf16 residual [{t}, {n}] and fp32 w1 [{n}] on "
-                         f"{x.device}; got x {x.dtype}, residual {tuple(residual.shape)} {residual.dtype} on "
-                         f"{residual.device}, w1 {tuple(w1.shape)} {w1.dtype} on {w1.device}")
-    r = torch.empty_like(residual)
-    part = torch.empty(t, norm_parts(n), dtype=torch.float32, device=x.device)
-    xs = qmv(x, lin, _res=(residual, r, w1, part), **kw)
-    return xs, r, part
-
-
 def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | None = None,
         unroll: int = 4, min_blocks: int | None = None, xlate: bool = False, pipe: bool = False,
         fold: bool = False, pdl: bool | None = None, act: bool = False, warps: int | None = None,
-        tail: bool = False, prenorm: tuple[torch.Tensor, float] | None = None, _res=None) -> torch.Tensor:
+        tail: bool = False) -> torch.Tensor:
     """``x [T, K] @ W.T`` -> ``[T, N]`` in x.dtype, for T <= 8 (see :func:`supports`). ``out`` (contiguous [T, N],
     x.dtype) is written instead of a fresh tensor. ``splits`` (default :func:`choose_splits`), ``unroll`` (steps
     whose loads are in flight together), ``min_blocks`` (blocks per SM the registers must allow), ``xlate`` (x
@@ -400,9 +363,7 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
     no split-K; N a multiple of 16). ``warps``: warps per 16-row tile (default :func:`choose_warps`; they take its
     groups in turn, so this fixes the order of the sums), ``min_blocks`` defaulting to 24 warps an SM; ``tail``: a
     warp's last groups (fewer than ``unroll``) loaded as one predicated batch instead of one step at a time (the
-    same sums in the same order). ``prenorm=(part, eps)``: x is the ``xs`` of :func:`add_norm` and ``part`` its
-    ``[T, K / 16]`` partial sums: the block adds them up (in a fixed order) and scales its sums by each token's
-    ``rsqrt(sum / K + eps)``, i.e. the result is the projection of the RMSNorm's output."""
+    same sums in the same order)."""
     lin = getattr(lin, "qmv_weight", None) or lin  # a tiled PackedLinear: its tiles
     if not supports(x, lin):
         raise ValueError(f"qmv: needs CUDA bf16/fp16 x [1..{MAX_T}, K={lin.k}] contiguous and a q8/q5/q4 weight "
@@ -418,27 +379,13 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
     elif out.shape != (t, width) or out.dtype != x.dtype or not out.is_contiguous() or out.device != x.device:
         raise ValueError(f"qmv: out must be contiguous [{t}, {width}] {x.dtype} on {x.device}, got {tuple(out.shape)} "
                          f"{out.dtype} on {out.device}")
-    res, rout, w1, part_out = _res or (out, out, out, out)
-    part, eps, norm_max = out, 0.0, 0
-    if prenorm is not None:
-        part, eps = prenorm
-        if _res is not None or part.dtype != torch.float32 or part.shape != (t, norm_parts(lin.k)) \
-                or not part.is_contiguous() or part.device != x.device or not prenorm_supported(lin.k):
-            raise ValueError(f"qmv: prenorm needs contiguous fp32 partial sums [{t}, {norm_parts(lin.k)}] on "
-                             f"{x.device} (K <= {NORM_MAX // MAX_T * 16}, not with add_norm); got "
-                             f"{tuple(part.shape)} {part.dtype} on {part.device}")
-        norm_max = MAX_T * norm_parts(lin.k)
-    elif _res is not None:
-        part = part_out
-    if _res is not None and act:
-        raise ValueError("qmv: add_norm has no activation epilogue")
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
     warps = warps or choose_warps(n, _sms(dev))
     min_blocks = min_blocks or max(1, _WARPS_PER_SM // warps)
     even = lin.k == lin.kp and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
     pdl = _triton.pdl_now(x.device) if pdl is None else pdl and _capability(dev) >= (9, 0)
     kern = _kernel(_FMT_ID[lin.fmt], x.dtype == torch.float16, even, unroll, min_blocks, xlate, pipe, fold, pdl,
-                   getattr(lin, "layout", 0), act, warps, tail, _res is not None, norm_max, dev)
+                   getattr(lin, "layout", 0), act, warps, tail, dev)
     tiles = -(-n // 16)
     whole = act or not _triton.split_k_allowed()  # (the epilogue, or a launch beside others: _triton.single_pass)
     s = 1 if whole else min(splits or choose_splits(n, lin.ng, _sms(dev), unroll, min_blocks, warps), MAX_SPLITS)
@@ -446,41 +393,27 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
     s = -(-lin.ng // groups_per_split)
     ws, counters = workspace(x.device, s * t * n, tiles) if s > 1 else (out, out)
     stream = torch.cuda.current_stream(x.device)
-    # the kernel's parameters in order: 7 pointers, 5 int32, 5 int64, 4 pointers (RES / NORM), int32, float
+    # the kernel's parameters in order: 7 pointers, 5 int32, 5 int64
     ptrs = (x.data_ptr(), lin.codes.data_ptr(), lin.high.data_ptr(), lin.scales.data_ptr(), out.data_ptr(),
             ws.data_ptr(), counters.data_ptr())
     ints = (t, n, lin.k, lin.ng, groups_per_split)
     longs = (x.stride(0), out.stride(0), lin.codes.stride(0), lin.high.stride(0), lin.scales.stride(0))
-    norm_ptrs = (res.data_ptr(), rout.data_ptr(), w1.data_ptr(), part.data_ptr())
-    parts = part.shape[1] if (_res is not None or prenorm is not None) else 0
     if pdl:
-        cargs = (*map(ctypes.c_uint64, ptrs), *map(ctypes.c_int32, ints), *map(ctypes.c_int64, longs),
-                 *map(ctypes.c_uint64, norm_ptrs), ctypes.c_int32(parts), ctypes.c_float(eps))
+        cargs = (*map(ctypes.c_uint64, ptrs), *map(ctypes.c_int32, ints), *map(ctypes.c_int64, longs))
         with torch.cuda.device(dev):  # the module was loaded in this device's context
             _launch_pdl(kern, (tiles, s), warps * 32, cargs, stream.cuda_stream)
         return out
     import cupy
 
-    args = (*map(np.uint64, ptrs), *map(np.int32, ints), *map(np.int64, longs), *map(np.uint64, norm_ptrs),
-            np.int32(parts), np.float32(eps))
+    args = (*map(np.uint64, ptrs), *map(np.int32, ints), *map(np.int64, longs))
     with cupy.cuda.Device(dev):
         kern((tiles, s), (warps * 32,), args, stream=_stream(stream, dev))
     return out
 
 
-def qmv_rows(x: torch.Tensor, lin, act: bool = False, prenorm: tuple[torch.Tensor, float] | None = None
-             ) -> torch.Tensor:
+def qmv_rows(x: torch.Tensor, lin, act: bool = False) -> torch.Tensor:
     """:func:`qmv` for any number of rows, ``MAX_T`` a launch: each row's result does not depend on the others
     (the caller checks :func:`supports` on the first ``MAX_T`` rows)."""
     if x.shape[0] <= MAX_T:
-        return qmv(x, lin, act=act, prenorm=prenorm)
-    return torch.cat([qmv(x[i:i + MAX_T], lin, act=act, prenorm=prenorm and (prenorm[0][i:i + MAX_T], prenorm[1]))
-                      for i in range(0, x.shape[0], MAX_T)])
-
-
-def add_norm_rows(x: torch.Tensor, lin, residual: torch.Tensor, w1: torch.Tensor):
-    """:func:`add_norm` for any number of rows, ``MAX_T`` a launch."""
-    if x.shape[0] <= MAX_T:
-        return add_norm(x, lin, residual, w1)
-    pieces = [add_norm(x[i:i + MAX_T], lin, residual[i:i + MAX_T], w1) for i in range(0, x.shape[0], MAX_T)]
-    return tuple(torch.cat(p) for p in zip(*pieces))
+        return qmv(x, lin, act=act)
+    return torch.cat([qmv(x[i:i + MAX_T], lin, act=act) for i in range(0, x.shape[0], MAX_T)])
