@@ -121,12 +121,14 @@ def component_checks(art) -> dict[str, tuple[bool, str]]:
     comps = art.components or {}
     parts = [("text", text_of, True), ("drafters", drafters_of, comps.get("dflash") or comps.get("dflash2")),
              ("vision", vision_of, comps.get("vision"))]
-    out = {}
+    out, text_cfg = {}, None
     for name, load, present in parts:
         if not present:
             continue
         try:
-            load(art, art.path)
+            # the drafters are checked against the text config read just before (when it read)
+            got = load(art, art.path, text_cfg) if name == "drafters" else load(art, art.path)
+            text_cfg = got[0] if name == "text" else text_cfg
             out[name] = (True, "ok")
         except ValueError as e:
             out[name] = (False, str(e))
