@@ -2,11 +2,10 @@
 
 Per GDN layer one ``gdn_decode`` (conv, norms, gates, recurrence, gated RMSNorm) replaces the eager T-step
 loop; per attention layer ``attn_prologue`` (q/k norms, partial RoPE, the K/V cache write, int8 quantization)
-+ ``decode_attention`` (which applies the output gate as it stores the output); between layers each residual add
-and the next norm are left to the projections on either side (``norm_epilogue``: qmv's ``residual`` and ``norm``,
-:mod:`kernels.prenorm`; else one ``add_rms_norm`` launch), and ``silu_mul`` (or qmv's epilogue) the MLP gate.
-Used on CUDA (runtime v3) for decode and verify steps; prefill keeps the eager path (its matmuls are compute-bound
-and fla runs its recurrence). Under ``TRITON_INTERPRET=1`` the same code runs on CPU tensors, which is how the tests
++ ``decode_attention`` (which applies the output gate as it stores the output); between layers ``add_rms_norm``
+folds each residual add into the next norm, and ``silu_mul`` (or qmv's epilogue) the MLP gate. Used on CUDA
+(runtime v3) for decode and verify steps; prefill keeps the eager path (its matmuls are compute-bound and fla
+runs its recurrence). Under ``TRITON_INTERPRET=1`` the same code runs on CPU tensors, which is how the tests
 check it against the eager path.
 
 Inside a CUDA-graph capture (``side_stream``, on by default) a GDN layer's b / a and z projections run on two side
@@ -27,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels import fused, prenorm
+from ..kernels import fused
 from ..kernels._triton import single_pass
 from ..kernels.attention_triton import decode_attention
 from ..kernels.gdn_triton import gdn_decode
@@ -53,13 +52,10 @@ def available() -> bool:
 class FastPath:
     """Decode / verify forwards of a :class:`HybridModel` through the fused kernels."""
 
-    def __init__(self, model, *, side_stream: bool = True, norm_epilogue: bool = True):
+    def __init__(self, model, *, side_stream: bool = True):
         self.m = model
         self.cfg, self.w = model.cfg, model.w
-        self.norm_epilogue = norm_epilogue
         self.gdn: dict[str, GDNParams] = {}
-        self.norm_w1: dict[tuple, torch.Tensor] = {}  # (norm, dtype) -> 1 + its weight (qmv's norm)
-        self.split_norms = 0  # layer boundaries whose norm was left to the projections so far (norm_epilogue)
         on = side_stream and model.device.type == "cuda"
         self.sides = [torch.cuda.Stream(model.device) for _ in range(2)] if on else []  # made here: not in a capture
         self.branches = 0  # launch sequences captured on side streams so far
@@ -102,7 +98,6 @@ class FastPath:
         return self.gdn[p]
 
     def gated_deltanet(self, p: str, i: int, x, step, cache: HybridCache):
-        """A GDN layer's token mixing up to its out_proj's input ``[B, T, Hv * dv]`` (the caller projects it)."""
         cfg = self.cfg
         hv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
         qkv, z, bb, aa, join_z = self._gdn_inputs(p, x)
@@ -122,14 +117,9 @@ class FastPath:
             cache.record(i, rec)
         else:
             o = gdn_decode(qkv, z, bb, aa, *args, before_z=join_z)
-        return o
+        return self.w.linear(f"{p}.linear_attn.out_proj.weight")(o)
 
     def attention(self, p: str, key, x, step, cache: HybridCache):
-        """Full attention through its o_proj (``engine.model.HybridModel.layer`` calls it for MTP's layer)."""
-        return self.w.project(f"{p}.self_attn.o_proj", self.attend(p, key, x, step, cache))
-
-    def attend(self, p: str, key, x, step, cache: HybridCache):
-        """Full attention up to its o_proj's input ``[B, T, H * hd]``."""
         cfg, m, w = self.cfg, self.m, self.w
         b, t, _ = x.shape
         h, hd = cfg.num_attention_heads, cfg.head_dim
@@ -140,10 +130,9 @@ class FastPath:
                                       c.k_scale, c.v_scale, step.slots, step.pos, cfg.rms_norm_eps)
         o = decode_attention(q, c.k, c.v, c.k_scale, c.v_scale, step.slots, step.pos, m.scale,
                              kv_len_max=cache.capacity, gate=gate)  # the output gate applied as o is stored
-        return o.reshape(b, t, h * hd)
+        return w.project(f"{p}.self_attn.o_proj", o.reshape(b, t, h * hd))
 
-    def mlp_act(self, p: str, x):
-        """The MLP up to down_proj's input: ``silu(gate) * up``."""
+    def mlp(self, p: str, x):
         name = f"{p}.mlp.gate_up_proj.weight"
         act = None
         if name in self.w.interleaved:  # silu(g) * u in the projection's epilogue where its kernel runs
@@ -153,22 +142,7 @@ class FastPath:
         if act is None:  # separate gate / up weights, or an interleaved one the epilogue kernel cannot take
             gate, up = self.m.gate_up(p, x)
             act = torch.nn.functional.silu(gate) * up
-        return act
-
-    def add_norm(self, proj: str, a, h, norm: str, split: bool = True):
-        """``(rms_norm(h + proj(a)) by the weight ``norm``, h + proj(a))``: with ``norm_epilogue`` (and ``split``)
-        ``proj``'s qmv adds the residual as it stores and the norm is left to the projections that read it (a
-        :class:`kernels.prenorm.Prenormed`); else the projection and then ``fused.add_rms_norm``."""
-        eps = self.cfg.rms_norm_eps
-        if split and self.norm_epilogue and f"{proj}.bias" not in self.w.vectors:
-            lin = self.w.linear(f"{proj}.weight")
-            r = lin.add_residual(a, h) if hasattr(lin, "add_residual") else None
-            if r is not None:
-                if (norm, r.dtype) not in self.norm_w1:
-                    self.norm_w1[norm, r.dtype] = prenorm.norm_w1(self.w.vector(norm), r.dtype)
-                self.split_norms += 1
-                return prenorm.Prenormed(r, self.w.vector(norm), self.norm_w1[norm, r.dtype], eps), r
-        return fused.add_rms_norm(self.w.project(proj, a), h, self.w.vector(norm), eps)
+        return self.w.linear(f"{p}.mlp.down_proj.weight")(act)
 
     def forward(self, step, cache: HybridCache):
         """Final-normed hidden ``[B, T, H]`` and tap outputs, with each residual add fused into the next norm."""
@@ -179,14 +153,11 @@ class FastPath:
         x = fused.rms_norm(h, w.vector(f"{names[0]}.input_layernorm.weight"), eps)
         taps = []
         for i, (p, kind) in enumerate(zip(names, cfg.layer_types)):
-            if kind == "linear_attention":
-                y, proj = self.gated_deltanet(p, i, x, step, cache), f"{p}.linear_attn.out_proj"
-            else:
-                y, proj = self.attend(p, i, x, step, cache), f"{p}.self_attn.o_proj"
-            x, h = self.add_norm(proj, y, h, f"{p}.post_attention_layernorm.weight")
-            last = i + 1 == len(names)
-            nxt = "model.norm.weight" if last else f"{names[i + 1]}.input_layernorm.weight"
-            x, h = self.add_norm(f"{p}.mlp.down_proj", self.mlp_act(p, x), h, nxt, split=not last)
+            y = self.gated_deltanet(p, i, x, step, cache) if kind == "linear_attention" \
+                else self.attention(p, i, x, step, cache)
+            x, h = fused.add_rms_norm(y, h, w.vector(f"{p}.post_attention_layernorm.weight"), eps)
+            nxt = f"{names[i + 1]}.input_layernorm.weight" if i + 1 < len(names) else "model.norm.weight"
+            x, h = fused.add_rms_norm(self.mlp(p, x), h, w.vector(nxt), eps)
             if i in step.taps:
                 taps.append(h)
         return x, taps

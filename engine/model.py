@@ -52,7 +52,7 @@ class HybridModel:
     """Forward of a Qwen3.5 / Qwen3-Next text decoder with weights from a :class:`WeightStore`."""
 
     def __init__(self, cfg: ModelConfig, weights: WeightStore, *, max_positions: int, gdn_impl: str = "auto",
-                 fused_kernels: bool = False, side_stream: bool = True, norm_epilogue: bool = True):
+                 fused_kernels: bool = False, side_stream: bool = True):
         self.cfg, self.w, self.gdn_impl = cfg, weights, gdn_impl
         self.device, self.dtype = weights.device, weights.dtype
         self.cos, self.sin = rope_tables(cfg.rotary_dim, cfg.rope_theta, max_positions, self.device)
@@ -62,7 +62,7 @@ class HybridModel:
         if fused_kernels:
             from .fastpath import FastPath
 
-            self.fast = FastPath(self, side_stream=side_stream, norm_epilogue=norm_epilogue)
+            self.fast = FastPath(self, side_stream=side_stream)
         self.mrope_axes = None  # [rd] stream per rotary column, set by the engine for models with vision
 
     # ---- pieces ----------------------------------------------------------------------------------

@@ -63,10 +63,6 @@ class EngineOptions:
     silu_epilogue: bool = True  # fused kernels: the MLP gate / up weight interleaved in runs of 8 rows so that qmv
     #                             stores silu(gate) * up itself (one launch less a layer; H200 27B step 5.41 -> 5.36 ms,
     #                             the same tokens: docs/perf/2026-11-30-silu-epilogue-h200.md)
-    norm_epilogue: bool = True  # fused kernels on CUDA, bf16: the projection that ends a residual branch adds the
-    #                             residual as it stores, the projections reading the next RMSNorm compute it on their
-    #                             own sums (qmv's residual / norm): no add_rms_norm launch between layers
-    #                             (kernels/prenorm.py)
     qmv_dense: bool = True  # small dense bf16/fp16 projections (<= 1024 rows, <= 64 x rows) through qmv's dense
     #                         path instead of cuBLAS (process-wide: kernels/qmv_cuda.set_dense; H200 27B step 8.01 ->
     #                         7.90 ms)

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..kernels import prenorm
 from . import quant
 from .config import ModelConfig
 
@@ -64,44 +63,24 @@ class DenseLinear:
         self._qmv = None  # kernels.qmv_cuda.DenseWeight, made at the first CUDA call that can use it
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if isinstance(x, prenorm.Prenormed):  # an RMSNorm's output left to its readers (kernels/prenorm.py)
-            y = prenorm.project(x, self._qmv_weight(x))
-            if y is not None:
-                return y
-            x = x.dense()
         if x.is_cuda and self.out_features <= DENSE_QMV_MAX_ROWS:
             y = self._small_rows(x)
             if y is not None:
                 return y
         return F.linear(x, self.weight)
 
-    def add_residual(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor | None:
-        """``residual + self(x)`` through qmv's ``residual`` epilogue on the dense path; None where it does not run
-        (kernels/prenorm.add_residual)."""
-        return prenorm.add_residual(x, self._qmv_weight(x), residual)
-
-    def _qmv_weight(self, x):
-        """The weight as qmv's dense path reads it, when that path is on and can take x; else None."""
+    def _small_rows(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Up to 64 rows of x through qmv's dense path, 8 a launch (rows independent of the batch), when it is on."""
         from ..kernels import qmv_cuda
         from ..kernels.qlinear import MAX_KERNEL_ROWS
 
-        rows = (x.r if isinstance(x, prenorm.Prenormed) else x).numel() // self.in_features
-        if not x.is_cuda or self.out_features > DENSE_QMV_MAX_ROWS or not qmv_cuda.dense_enabled() \
-                or rows > MAX_KERNEL_ROWS or x.dtype != self.weight.dtype \
+        rows = x.numel() // self.in_features
+        if not qmv_cuda.dense_enabled() or rows > MAX_KERNEL_ROWS or x.dtype != self.weight.dtype \
                 or x.dtype not in (torch.bfloat16, torch.float16) or self.in_features % 64 \
                 or not qmv_cuda.available():
             return None
         if self._qmv is None:
             self._qmv = qmv_cuda.DenseWeight(self.weight.contiguous())
-        return self._qmv
-
-    def _small_rows(self, x: torch.Tensor) -> torch.Tensor | None:
-        """Up to 64 rows of x through qmv's dense path, 8 a launch (rows independent of the batch), when it is on."""
-        from ..kernels import qmv_cuda
-
-        if self._qmv_weight(x) is None:
-            return None
-        rows = x.numel() // self.in_features
         x2 = x.reshape(rows, self.in_features).contiguous()
         if not qmv_cuda.supports(x2[:qmv_cuda.MAX_T], self._qmv):
             return None

@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from ..engine import quant
-from . import _triton, prenorm, qmv_cuda
+from . import _triton, qmv_cuda
 from .qlinear_triton import kernels as _kernels
 
 __all__ = ["qlinear_ref", "qlinear_triton", "qlinear_dequant", "PackedLinear", "QConfig", "choose_config",
@@ -330,11 +330,6 @@ class PackedLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.k:
             raise ValueError(f"PackedLinear: x must be [..., K={self.k}], got shape {tuple(x.shape)}")
-        if isinstance(x, prenorm.Prenormed):  # an RMSNorm's output left to its readers (kernels/prenorm.py)
-            y = prenorm.project(x, self.qmv_weight or self)
-            if y is not None:
-                return y
-            x = x.dense()
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.k)
         if x2.is_cuda and x2.shape[0] <= MAX_KERNEL_ROWS and (qmv_cuda.available() or triton_available()):
@@ -354,19 +349,9 @@ class PackedLinear:
         """``silu(gate) * up`` ``[..., N / 2]`` of a gate / up weight whose rows alternate in runs of 8
         (engine/weights.py's interleaved gate_up), through qmv's fused epilogue; None where that kernel does not run
         for x (the caller takes the product itself)."""
-        qw = self.qmv_weight or self
-        if isinstance(x, prenorm.Prenormed):
-            y = prenorm.project(x, qw, act=True) if self.n % 16 == 0 else None
-            if y is not None:
-                return y
-            x = x.dense()
         x2 = x.reshape(-1, self.k)
+        qw = self.qmv_weight or self
         if not (x2.is_cuda and x2.shape[0] <= MAX_KERNEL_ROWS and self.n % 16 == 0
                 and qmv_cuda.supports(x2[:qmv_cuda.MAX_T].contiguous(), qw)):
             return None
         return qmv_cuda.qmv_rows(x2.contiguous(), qw, act=True).reshape(*x.shape[:-1], self.n // 2)
-
-    def add_residual(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor | None:
-        """``residual + self(x)`` through qmv's ``residual`` epilogue (the new residual stream that a
-        :class:`kernels.prenorm.Prenormed` holds); None where it does not run (:func:`kernels.prenorm.add_residual`)."""
-        return prenorm.add_residual(x, self.qmv_weight or self, residual)

@@ -71,15 +71,6 @@ typedef unsigned char u8;
 #define ACT 0     // 1: the weight is a gate / up pair whose rows alternate in runs of 8 (engine/weights.py's
 #endif            // interleaved gate_up): tile j's rows g and g + 8 are gate and up of output column 8 j + g, and the
                   // kernel stores silu(gate) * up, [T, N / 2] (no split-K)
-#ifndef RES
-#define RES 0     // 1: the projection ends a residual branch: out = res + (x W^T, rounded as stored), rounded - the
-#endif            // new residual stream r, which the projections after the next RMSNorm read as it is (NORM)
-#ifndef NORM
-#define NORM 0    // 1: x is a residual stream r and the projection is of rms_norm(r) = r * rsqrt(mean(r^2) + eps) * w1
-#endif            // (w1 = 1 + the norm's weight, bf16 / fp16 [Kp]): each step's x pairs go into one more MMA as both
-                  // operands (the sums of squares of a token's own values land on the diagonal, in fp32), then are
-                  // multiplied by w1 on their way into the projection's MMAs; the block scales its sums by the
-                  // token's rsqrt at the end. One split (the block must see all of K).
 #ifndef MIN_BLOCKS
 #define MIN_BLOCKS 2  // blocks per SM to fit: lets ptxas keep all of a step batch's loads in flight
 #endif                // (it interleaves them with the arithmetic, one step at a time, when it aims at more blocks)
@@ -229,7 +220,6 @@ struct Lane {
   const u16 *sp0, *sp1;   // the two rows' scales
   const u8 *hp0, *hp1;    // q5: the high-bit bytes of the lane's two words
   const u16* xp;          // x[t, k] where the lane's codes start
-  const u16* wp;          // NORM: w1[k] at the same k
 };
 
 // one x element (the element-wise path); with PDL through L2, as above
@@ -251,12 +241,6 @@ __device__ __forceinline__ void grid_wait() {
 
 #if TILED == 2 && FMT == 3
 #error "TILED 2 is for the q formats"
-#endif
-#if RES && (NORM || ACT)
-#error "RES stores the residual stream: not with NORM or ACT"
-#endif
-#if NORM && PIPE
-#error "NORM reads w1 at the lane's current group: not with PIPE (its math runs a batch behind its pointers)"
 #endif
 // Step u's code words of rows g and g + 8, their scales and (q5) high-bit pairs
 __device__ __forceinline__ void load_step(const Lane& L, int u, CodeT& w0, CodeT& w1, u32& s0, u32& s1, u32& h0,
@@ -374,25 +358,6 @@ __device__ __forceinline__ void step_math(uint2 w0, uint2 w1, u32 h0, u32 h1, co
 }
 #endif
 
-// NORM, one step: x's pairs (a residual stream r) summed as squares on the diagonal of sq (MMA with A = B: lane (g,
-// c)'s pairs of token g meet themselves, so D[g][g] gathers token g's r^2 over the step's 16 / 8 values), then
-// scaled by w1 (rounded to x's type: the projection's input is r * w1, its scale comes at the end)
-__device__ __forceinline__ void norm_x(const Lane& L, int u, u32* xv, float* sq) {
-#if NORM
-#pragma unroll
-  for (int i = 0; i < XPL / 4; ++i) mma(sq, xv[2 * i], 0u, xv[2 * i + 1], 0u, xv[2 * i], xv[2 * i + 1]);
-  const uint4* wp = reinterpret_cast<const uint4*>(L.wp + GROUP * NW * u);
-#pragma unroll
-  for (int i = 0; i < XPL / 8; ++i) {
-    const uint4 w = __ldg(wp + i);
-    xv[4 * i] = fma2(xv[4 * i], w.x, 0x80008000u);  // x * w1 + (-0): the product, rounded once
-    xv[4 * i + 1] = fma2(xv[4 * i + 1], w.y, 0x80008000u);
-    xv[4 * i + 2] = fma2(xv[4 * i + 2], w.z, 0x80008000u);
-    xv[4 * i + 3] = fma2(xv[4 * i + 3], w.w, 0x80008000u);
-  }
-#endif
-}
-
 // U steps (groups gi, gi + NW, ..., all < NG): every code load issued first, then the arithmetic; acc += the sums.
 // x is loaded with the codes (XLATE 0), or one step ahead of the arithmetic (XLATE 1: x comes from L1 / L2, and the
 // registers it would hold for U steps carry more code bytes in flight instead).
@@ -412,7 +377,6 @@ __device__ __forceinline__ void steps(const Lane& L, const u16* __restrict__ xro
 #pragma unroll
   for (int u = 0; u < U; ++u) {
     if (u + 1 < U) load_x(L, xrow, gi, u + 1, K, c, xv[(u + 1) & 1]);
-    norm_x(L, u, xv[u & 1], acc + 4);
     step_math(w0[u], w1[u], h0[u], h1[u], xv[u & 1], s0[u], s1[u], magic, acc);
   }
 #else
@@ -420,10 +384,7 @@ __device__ __forceinline__ void steps(const Lane& L, const u16* __restrict__ xro
 #pragma unroll
   for (int u = 0; u < U; ++u) load_x(L, xrow, gi, u, K, c, xv[u]);
 #pragma unroll
-  for (int u = 0; u < U; ++u) {
-    norm_x(L, u, xv[u], acc + 4);
-    step_math(w0[u], w1[u], h0[u], h1[u], xv[u], s0[u], s1[u], magic, acc);
-  }
+  for (int u = 0; u < U; ++u) step_math(w0[u], w1[u], h0[u], h1[u], xv[u], s0[u], s1[u], magic, acc);
 #endif
 }
 
@@ -449,13 +410,10 @@ __device__ __forceinline__ void load_batch(Batch<U>& B, const Lane& L, const u16
 }
 
 template <int U>
-__device__ __forceinline__ void math_batch(Batch<U>& B, const Lane& L, int gi, int g_hi, u32 magic, float* acc) {
+__device__ __forceinline__ void math_batch(const Batch<U>& B, int gi, int g_hi, u32 magic, float* acc) {
 #pragma unroll
   for (int u = 0; u < U; ++u)
-    if (gi + u * NW < g_hi) {
-      norm_x(L, u, B.xv[u], acc + 4);
-      step_math(B.w0[u], B.w1[u], B.h0[u], B.h1[u], B.xv[u], B.s0[u], B.s1[u], magic, acc);
-    }
+    if (gi + u * NW < g_hi) step_math(B.w0[u], B.w1[u], B.h0[u], B.h1[u], B.xv[u], B.s0[u], B.s1[u], magic, acc);
 }
 
 __device__ __forceinline__ void advance(Lane& L, int groups) {
@@ -465,17 +423,13 @@ __device__ __forceinline__ void advance(Lane& L, int groups) {
   L.hp0 += HSTEP * groups; L.hp1 += HSTEP * groups;
 #endif
   L.xp += GROUP * groups;
-#if NORM
-  L.wp += GROUP * groups;
-#endif
 }
 
 // The warp's share of tile `tile`'s groups g_lo .. g_hi - 1 (groups g_lo + warp, + NW, ...): acc += its sums.
 __device__ __forceinline__ void tile_sums(const u16* __restrict__ x, const u8* __restrict__ codes,
                                           const u8* __restrict__ high, const u16* __restrict__ scales, int T, int N,
                                           int K, int NG, long long stride_x, long long stride_c, long long stride_h,
-                                          long long stride_s, int tile, int g_lo, int g_hi, float* acc,
-                                          const u16* __restrict__ w1) {
+                                          long long stride_s, int tile, int g_lo, int g_hi, float* acc) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, c = lane & 3;
   const int r0 = min(tile * 16 + g, N - 1), r1 = min(tile * 16 + g + 8, N - 1);  // clamped: loads stay in bounds
@@ -511,7 +465,6 @@ __device__ __forceinline__ void tile_sums(const u16* __restrict__ x, const u8* _
 #endif
 #endif
   L.xp = xrow + GROUP * gi + XPL * c;
-  L.wp = w1 + GROUP * gi + XPL * c;
   u32 magic;
   asm volatile("mov.b32 %0, %1;" : "=r"(magic) : "n"(MAGIC));  // kept in a register (see and_or)
 #if PIPE
@@ -524,12 +477,12 @@ __device__ __forceinline__ void tile_sums(const u16* __restrict__ x, const u8* _
     advance(L, NW * UNROLL);
     const int gb = gi + NW * UNROLL;
     if (gb < g_hi) load_batch<UNROLL>(B, L, xrow, gb, g_hi, K, c);
-    math_batch<UNROLL>(A, L, gi, g_hi, magic, acc);
+    math_batch<UNROLL>(A, gi, g_hi, magic, acc);
     if (gb >= g_hi) break;
     advance(L, NW * UNROLL);
     gi = gb + NW * UNROLL;
     if (gi < g_hi) load_batch<UNROLL>(A, L, xrow, gi, g_hi, K, c);
-    math_batch<UNROLL>(B, L, gb, g_hi, magic, acc);
+    math_batch<UNROLL>(B, gb, g_hi, magic, acc);
   }
 #else
 #if PDL
@@ -552,7 +505,7 @@ __device__ __forceinline__ void tile_sums(const u16* __restrict__ x, const u8* _
   if (gi < g_hi) {
     Batch<UNROLL> B;
     load_batch<UNROLL>(B, L, xrow, gi, g_hi, K, c);
-    math_batch<UNROLL>(B, L, gi, g_hi, magic, acc);
+    math_batch<UNROLL>(B, gi, g_hi, magic, acc);
   }
 #else
   for (; gi < g_hi; gi += NW) {
@@ -563,53 +516,22 @@ __device__ __forceinline__ void tile_sums(const u16* __restrict__ x, const u8* _
 #endif
 }
 
-// Warp 0's final value of element i of its share of the tile (rows g, g + 8 x tokens 2c, 2c + 1) as stored:
-// NORM scales it by the token's rsqrt (rs), RES adds the residual stream's value to it as stored.
-__device__ __forceinline__ float finish(float v, int i, const float* rs, const u16* __restrict__ res, long long o) {
-#if NORM
-  v *= rs[i & 1];
-#endif
-#if RES
-  v = out_to_float(float_to_out(v)) + out_to_float(res[o]);  // the projection rounded as stored, then the add
-#endif
-  return v;
-}
-
 // The block's sums of tile `tile` (acc, one share a warp) to the output: added up over the warps in shared memory;
 // a tile whose groups `pieces` blocks share (split-K) goes through the workspace,
 // piece `piece` in slice `piece`, and the last of its blocks to arrive adds the slices up in piece order (a fixed
 // order: the result does not depend on which block finishes first) and leaves the counter at zero for the next
-// launch (no memset in a CUDA graph). NORM (one piece): the warps' diagonal sums of squares are added up in the
-// same order, and lane (g, c) takes token 2c's from lane (2c, c) and token 2c + 1's from lane (2c + 1, c).
-// Every thread of the block calls it, once: the block ends after it.
+// launch (no memset in a CUDA graph). Every thread of the block calls it, once: the block ends after it.
 __device__ __forceinline__ void tile_store(float* acc, int tile, int piece, int pieces, u16* __restrict__ out,
-                                           float* __restrict__ ws, int* __restrict__ counters, int T, int N, int K,
-                                           long long stride_o, const u16* __restrict__ res, float eps) {
+                                           float* __restrict__ ws, int* __restrict__ counters, int T, int N,
+                                           long long stride_o) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, c = lane & 3;
   grid_wait();  // a warp without groups still writes the output below: only after the kernel before is done
   __shared__ float4 red[NW][32];
   __shared__ int last;
   red[warp][lane] = make_float4(acc[0], acc[1], acc[2], acc[3]);
-#if NORM
-  __shared__ float2 redq[NW][32];
-  redq[warp][lane] = make_float2(acc[4], acc[5]);
-#endif
   __syncthreads();
   if (warp == 0) {
-    float rs[2] = {1.f, 1.f};
-#if NORM
-    float q0 = acc[4], q1 = acc[5];
-#pragma unroll
-    for (int w = 1; w < NW; ++w) {
-      const float2 v = redq[w][lane];
-      q0 += v.x; q1 += v.y;
-    }
-    const float s0 = __shfl_sync(0xFFFFFFFFu, q0, (2 * c) * 4 + c);
-    const float s1 = __shfl_sync(0xFFFFFFFFu, q1, (2 * c + 1) * 4 + c);
-    rs[0] = rsqrtf(s0 / K + eps);
-    rs[1] = rsqrtf(s1 / K + eps);
-#endif
 #pragma unroll
     for (int w = 1; w < NW; ++w) {
       const float4 v = red[w][lane];
@@ -623,8 +545,7 @@ __device__ __forceinline__ void tile_store(float* acc, int tile, int piece, int 
       // it (not to the bit: expf here, Triton's exp there)
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
-        const float gate = out_to_float(float_to_out(finish(acc[i], i, rs, res, 0))),
-                    up = out_to_float(float_to_out(finish(acc[2 + i], i, rs, res, 0)));
+        const float gate = out_to_float(float_to_out(acc[i])), up = out_to_float(float_to_out(acc[2 + i]));
         if (row[1] < N && tt[i] < T)
           out[tt[i] * stride_o + tile * 8 + g] = float_to_out(gate / (1.f + expf(-gate)) * up);
       }
@@ -632,8 +553,7 @@ __device__ __forceinline__ void tile_store(float* acc, int tile, int piece, int 
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int n = row[i >> 1], t = tt[i & 1];
-        const long long o = t * stride_o + n;
-        if (n < N && t < T) out[o] = float_to_out(finish(acc[i], i, rs, res, o));
+        if (n < N && t < T) out[t * stride_o + n] = float_to_out(acc[i]);
       }
 #endif
     } else {
@@ -651,11 +571,10 @@ __device__ __forceinline__ void tile_store(float* acc, int tile, int piece, int 
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const int n = row[i >> 1], t = tt[i & 1];
-          const long long o = t * stride_o + n;
           if (n < N && t < T) {
             float sum = 0.f;
             for (int y = 0; y < pieces; ++y) sum += __ldcg(ws + ((long long)y * T + t) * N + n);
-            out[o] = float_to_out(finish(sum, i, rs, res, o));
+            out[t * stride_o + n] = float_to_out(sum);
           }
         }
         if (lane == 0) counters[tile] = 0;
@@ -677,12 +596,11 @@ extern "C" __global__ void __launch_bounds__(NW * 32, MIN_BLOCKS)
 qmv(const u16* __restrict__ x, const u8* __restrict__ codes, const u8* __restrict__ high,
     const u16* __restrict__ scales, u16* __restrict__ out, float* __restrict__ ws, int* __restrict__ counters,
     int T, int N, int K, int NG, int groups_per_split, long long stride_x, long long stride_o,
-    long long stride_c, long long stride_h, long long stride_s, const u16* __restrict__ res,
-    const u16* __restrict__ w1, float eps) {
+    long long stride_c, long long stride_h, long long stride_s) {
   let_next_launch();
-  float acc[4 + 4 * NORM] = {};  // the sums; NORM: then the diagonal MMA's accumulator (sums of squares)
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
   const int g_lo = blockIdx.y * groups_per_split, g_hi = min(NG, g_lo + groups_per_split);
   tile_sums(x, codes, high, scales, T, N, K, NG, stride_x, stride_c, stride_h, stride_s, blockIdx.x, g_lo, g_hi,
-            acc, w1);
-  tile_store(acc, blockIdx.x, blockIdx.y, gridDim.y, out, ws, counters, T, N, K, stride_o, res, eps);
+            acc);
+  tile_store(acc, blockIdx.x, blockIdx.y, gridDim.y, out, ws, counters, T, N, stride_o);
 }

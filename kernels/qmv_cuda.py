@@ -35,8 +35,7 @@ import torch
 from . import _triton
 
 __all__ = ["qmv", "supports", "available", "import_error", "choose_splits", "choose_warps", "workspace", "set_dense",
-           "dense_enabled", "DenseWeight", "TiledWeight", "DENSE_FMT", "qmv_rows", "MAX_T", "MAX_SPLITS",
-           "norm_weight"]
+           "dense_enabled", "DenseWeight", "TiledWeight", "DENSE_FMT", "qmv_rows", "MAX_T", "MAX_SPLITS"]
 
 MAX_T = 8  # tokens per launch: the MMA's n = 8 columns
 DENSE_FMT = "dense16"  # a bf16 / fp16 weight read as it is (FMT 3 in the source), see DenseWeight
@@ -200,8 +199,7 @@ class TiledWeight:
 
 @functools.cache
 def _kernel(fmt_id: int, half: bool, even: bool, unroll: int, min_blocks: int, xlate: bool, pipe: bool,
-            fold: bool, pdl: bool, tiled: int, act: bool, warps: int, tail: bool, res: bool, norm: bool,
-            device_index: int):
+            fold: bool, pdl: bool, tiled: int, act: bool, warps: int, tail: bool, device_index: int):
     import cupy
 
     with cupy.cuda.Device(device_index):
@@ -210,7 +208,7 @@ def _kernel(fmt_id: int, half: bool, even: bool, unroll: int, min_blocks: int, x
                                          f"-DUNROLL={unroll}", f"-DMIN_BLOCKS={min_blocks}", f"-DXLATE={int(xlate)}",
                                          f"-DPIPE={int(pipe)}", f"-DFOLD={int(fold)}", f"-DPDL={int(pdl)}",
                                          f"-DTILED={int(tiled)}", f"-DACT={int(act)}", f"-DNW={warps}",
-                                         f"-DTAIL={int(tail)}", f"-DRES={int(res)}", f"-DNORM={int(norm)}"))
+                                         f"-DTAIL={int(tail)}"))
         return module.get_function("qmv")
 
 
@@ -351,8 +349,7 @@ def _wide(n: int, sms: int) -> bool:
 def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | None = None,
         unroll: int = 4, min_blocks: int | None = None, xlate: bool = False, pipe: bool = False,
         fold: bool = False, pdl: bool | None = None, act: bool = False, warps: int | None = None,
-        tail: bool = False, residual: torch.Tensor | None = None,
-        norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+        tail: bool = False) -> torch.Tensor:
     """``x [T, K] @ W.T`` -> ``[T, N]`` in x.dtype, for T <= 8 (see :func:`supports`). ``out`` (contiguous [T, N],
     x.dtype) is written instead of a fresh tensor. ``splits`` (default :func:`choose_splits`), ``unroll`` (steps
     whose loads are in flight together), ``min_blocks`` (blocks per SM the registers must allow), ``xlate`` (x
@@ -366,14 +363,7 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
     no split-K; N a multiple of 16). ``warps``: warps per 16-row tile (default :func:`choose_warps`; they take its
     groups in turn, so this fixes the order of the sums), ``min_blocks`` defaulting to 24 warps an SM; ``tail``: a
     warp's last groups (fewer than ``unroll``) loaded as one predicated batch instead of one step at a time (the
-    same sums in the same order).
-
-    ``residual`` (``[T, N]``, x.dtype, contiguous): the result is ``residual + x @ W.T`` (the product rounded to
-    x.dtype as it would be stored, then the sum rounded) - the new residual stream of a layer's last projection.
-    ``norm=(w1, eps)``: x is a residual stream r and the result is the projection of its zero-centred RMSNorm,
-    ``rms_norm(r) @ W.T`` with ``w1 = 1 + the norm's weight`` in x.dtype (``[>= Kp]``, zero past K): each block sums
-    r^2 itself on the MMAs (one pass over K: no split-K) and takes ``r * w1`` into the projection, then scales its
-    sums by ``rsqrt(mean(r^2) + eps)``; :func:`norm_weight` makes w1."""
+    same sums in the same order)."""
     lin = getattr(lin, "qmv_weight", None) or lin  # a tiled PackedLinear: its tiles
     if not supports(x, lin):
         raise ValueError(f"qmv: needs CUDA bf16/fp16 x [1..{MAX_T}, K={lin.k}] contiguous and a q8/q5/q4 weight "
@@ -389,67 +379,41 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
     elif out.shape != (t, width) or out.dtype != x.dtype or not out.is_contiguous() or out.device != x.device:
         raise ValueError(f"qmv: out must be contiguous [{t}, {width}] {x.dtype} on {x.device}, got {tuple(out.shape)} "
                          f"{out.dtype} on {out.device}")
-    if residual is not None and (act or norm is not None or residual.shape != (t, n) or residual.dtype != x.dtype
-                                 or not residual.is_contiguous() or residual.device != x.device):
-        raise ValueError(f"qmv: residual must be contiguous [{t}, {n}] {x.dtype} on {x.device} (not with act or "
-                         f"norm), got {tuple(residual.shape)} {residual.dtype} on {residual.device}")
-    if norm is not None and (norm[0].dim() != 1 or norm[0].numel() < lin.kp or norm[0].dtype != x.dtype
-                             or not norm[0].is_contiguous() or norm[0].device != x.device or norm[0].data_ptr() % 16
-                             or pipe):
-        raise ValueError(f"qmv: norm weight must be a 16-byte aligned contiguous [>= {lin.kp}] {x.dtype} on "
-                         f"{x.device} (kernels.qmv_cuda.norm_weight; not with pipe), got {tuple(norm[0].shape)} "
-                         f"{norm[0].dtype}")
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
     warps = warps or choose_warps(n, _sms(dev))
     min_blocks = min_blocks or max(1, _WARPS_PER_SM // warps)
     even = lin.k == lin.kp and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
     pdl = _triton.pdl_now(x.device) if pdl is None else pdl and _capability(dev) >= (9, 0)
     kern = _kernel(_FMT_ID[lin.fmt], x.dtype == torch.float16, even, unroll, min_blocks, xlate, pipe, fold, pdl,
-                   getattr(lin, "layout", 0), act, warps, tail, residual is not None, norm is not None, dev)
+                   getattr(lin, "layout", 0), act, warps, tail, dev)
     tiles = -(-n // 16)
-    # one pass: the silu epilogue, the norm's own sums of squares, or a launch beside others (_triton.single_pass)
-    whole = act or norm is not None or not _triton.split_k_allowed()
+    whole = act or not _triton.split_k_allowed()  # (the epilogue, or a launch beside others: _triton.single_pass)
     s = 1 if whole else min(splits or choose_splits(n, lin.ng, _sms(dev), unroll, min_blocks, warps), MAX_SPLITS)
     groups_per_split = -(-lin.ng // s)
     s = -(-lin.ng // groups_per_split)
     ws, counters = workspace(x.device, s * t * n, tiles) if s > 1 else (out, out)
     stream = torch.cuda.current_stream(x.device)
-    # the kernel's parameters in order: 7 pointers, 5 int32, 5 int64, 2 pointers (residual, w1), float (eps)
+    # the kernel's parameters in order: 7 pointers, 5 int32, 5 int64
     ptrs = (x.data_ptr(), lin.codes.data_ptr(), lin.high.data_ptr(), lin.scales.data_ptr(), out.data_ptr(),
             ws.data_ptr(), counters.data_ptr())
     ints = (t, n, lin.k, lin.ng, groups_per_split)
     longs = (x.stride(0), out.stride(0), lin.codes.stride(0), lin.high.stride(0), lin.scales.stride(0))
-    extra = ((residual if residual is not None else out).data_ptr(), (norm[0] if norm else out).data_ptr())
-    eps = float(norm[1]) if norm else 0.0
     if pdl:
-        cargs = (*map(ctypes.c_uint64, ptrs), *map(ctypes.c_int32, ints), *map(ctypes.c_int64, longs),
-                 *map(ctypes.c_uint64, extra), ctypes.c_float(eps))
+        cargs = (*map(ctypes.c_uint64, ptrs), *map(ctypes.c_int32, ints), *map(ctypes.c_int64, longs))
         with torch.cuda.device(dev):  # the module was loaded in this device's context
             _launch_pdl(kern, (tiles, s), warps * 32, cargs, stream.cuda_stream)
         return out
     import cupy
 
-    args = (*map(np.uint64, ptrs), *map(np.int32, ints), *map(np.int64, longs), *map(np.uint64, extra),
-            np.float32(eps))
+    args = (*map(np.uint64, ptrs), *map(np.int32, ints), *map(np.int64, longs))
     with cupy.cuda.Device(dev):
         kern((tiles, s), (warps * 32,), args, stream=_stream(stream, dev))
     return out
 
 
-def qmv_rows(x: torch.Tensor, lin, act: bool = False, residual: torch.Tensor | None = None,
-             norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+def qmv_rows(x: torch.Tensor, lin, act: bool = False) -> torch.Tensor:
     """:func:`qmv` for any number of rows, ``MAX_T`` a launch: each row's result does not depend on the others
     (the caller checks :func:`supports` on the first ``MAX_T`` rows)."""
     if x.shape[0] <= MAX_T:
-        return qmv(x, lin, act=act, residual=residual, norm=norm)
-    return torch.cat([qmv(x[i:i + MAX_T], lin, act=act, norm=norm,
-                          residual=None if residual is None else residual[i:i + MAX_T])
-                      for i in range(0, x.shape[0], MAX_T)])
-
-
-def norm_weight(weight: torch.Tensor, kp: int, dtype: torch.dtype) -> torch.Tensor:
-    """The ``w1`` of :func:`qmv`'s ``norm``: ``1 + weight`` (a zero-centred RMSNorm's weight ``[K]``) in ``dtype``,
-    zero past K up to ``kp`` (the weight's padded K)."""
-    w1 = torch.zeros(kp, dtype=dtype, device=weight.device)
-    w1[:weight.numel()] = (1.0 + weight.float()).to(dtype)
-    return w1
+        return qmv(x, lin, act=act)
+    return torch.cat([qmv(x[i:i + MAX_T], lin, act=act) for i in range(0, x.shape[0], MAX_T)])

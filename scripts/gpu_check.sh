@@ -82,7 +82,6 @@ for stage in "$@"; do
                  nopdl)         flags="--no-pdl" ;;                   # the step's kernels without programmatic dependent launch
                  noside)        flags="--no-side-stream" ;;           # the GDN b / a and z projections in the main chain
                  nosilu)        flags="--no-silu-epilogue" ;;         # the MLP's silu(gate) * up by its own kernel
-                 nonorm)        flags="--no-norm-epilogue" ;;         # residual add + RMSNorm by add_rms_norm launches
                  cublas)        flags="--cublas-dense" ;;             # small dense projections by cuBLAS
                  rows|tiled)    flags="--qmv-layout $mode" ;;         # packed weights row-major / in TILED 1
                  attnfixed)     flags="--attn-fixed-split" ;;         # attention split as for the full cache
@@ -92,9 +91,8 @@ for stage in "$@"; do
                  dflash2)       flags="--spec dflash2 -k 7" ;;        # DFlash2 K=7 rounds (captured drafting)
                  dflash2eager)  flags="--spec dflash2 -k 7 --eager-draft" ;;
                  lookahead)     flags="" ;;
-                 drop-*)        m=${mode#drop-}; flags="--drop ${m//+/,}"     # headroom: without those launches
-                                [[ $m == *norm* ]] && flags="$flags --no-norm-epilogue" ;;  # (drop-norm+silu:
-                                                                      # --drop norm,silu)
+                 drop-*)        m=${mode#drop-}; flags="--drop ${m//+/,}" ;;  # headroom: without those launches
+                                                                      # (drop-norm+silu: --drop norm,silu)
                  *)             echo "profile: unknown mode $mode" >&2; continue ;;
                esac
                timeout ${STAGE_S:-400} python3 scripts/profile_step.py $M27 --steps 32 $flags ${PROFILE_ARGS:-} \

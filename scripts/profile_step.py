@@ -143,8 +143,6 @@ def main() -> int:
                     help="the GDN b / a and z projections on graph branches (EngineOptions.side_stream)")
     ap.add_argument("--silu-epilogue", action=argparse.BooleanOptionalAction, default=True,
                     help="qmv stores the MLP's silu(gate) * up itself (EngineOptions.silu_epilogue, the default)")
-    ap.add_argument("--norm-epilogue", action=argparse.BooleanOptionalAction, default=True,
-                    help="the residual add and next RMSNorm in qmv's epilogues (EngineOptions.norm_epilogue)")
     ap.add_argument("--cublas-dense", action="store_true", help="small dense projections through cuBLAS, not qmv")
     ap.add_argument("--qmv-layout", default="lanes", choices=("tiled", "lanes", "rows"),
                     help="packed weights' layout (EngineOptions.qmv_layout)")
@@ -167,8 +165,6 @@ def main() -> int:
         ap.error(f"--drop: unknown {sorted(set(drop) - set(DROPPABLE))} (known: {', '.join(DROPPABLE)})")
     if "silu" in drop and args.silu_epilogue:
         ap.error("--drop silu: the silu epilogue launches no silu_mul; add --no-silu-epilogue")
-    if "norm" in drop and args.norm_epilogue:
-        ap.error("--drop norm: with the norm epilogue no add_rms_norm runs between layers; add --no-norm-epilogue")
     if not torch.cuda.is_available():
         print("profile_step: needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -180,8 +176,7 @@ def main() -> int:
     t0 = time.time()
     eng = Engine.load(args.model, synthetic=args.synthetic, device="cuda", runtime=args.runtime, spec=args.spec,
                       draft_tokens=args.draft_tokens, pdl=args.pdl, side_stream=args.side_stream,
-                      silu_epilogue=args.silu_epilogue, norm_epilogue=args.norm_epilogue,
-                      qmv_dense=not args.cublas_dense,
+                      silu_epilogue=args.silu_epilogue, qmv_dense=not args.cublas_dense,
                       qmv_layout=args.qmv_layout,
                       draft_graphs=not args.eager_draft)
     print(f"loaded in {time.time() - t0:.0f} s: {eng.model_info.get('name', args.model)}", flush=True)
@@ -261,7 +256,7 @@ def main() -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({
             "model": args.model, "spec": args.spec, "sync": args.sync, "pdl": args.pdl, "side_stream": args.side_stream,
-            "silu_epilogue": args.silu_epilogue, "norm_epilogue": args.norm_epilogue,
+            "silu_epilogue": args.silu_epilogue,
             "cublas_dense": args.cublas_dense, "qmv_layout": args.qmv_layout,
             "draft_graphs": not args.eager_draft,
             "attn_fixed_split": args.attn_fixed_split, "dropped": drop,

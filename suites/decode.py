@@ -45,7 +45,6 @@ class DecodeOptions:
     pdl: bool = True  # the decode step's kernels with programmatic dependent launch (EngineOptions.pdl; sm_90+)
     side_stream: bool = True  # GDN projections on CUDA-graph branches (EngineOptions.side_stream)
     silu_epilogue: bool = True  # qmv stores the MLP's silu(gate) * up (EngineOptions.silu_epilogue)
-    norm_epilogue: bool = True  # the residual add and the next RMSNorm in qmv's epilogues (EngineOptions.norm_epilogue)
     prompt_file: str = str(DEFAULT_PROMPT)
     prompts: int | None = None  # with a .jsonl prompt set: how many of its prompts (default all)
     images: tuple[str, ...] = ()  # images placed before each prompt (a model with a vision component)
@@ -87,8 +86,7 @@ class DecodeOptions:
                              prefill_chunk=self.prefill_chunk, runtime=self.runtime, spec=self.spec,
                              draft_tokens=self.draft_tokens, rollback=self.rollback, lm_head_draft=self.lm_head_draft,
                              lookahead=self.lookahead, draft_graphs=self.draft_graphs, pdl=self.pdl,
-                             side_stream=self.side_stream, silu_epilogue=self.silu_epilogue,
-                             norm_epilogue=self.norm_epilogue)
+                             side_stream=self.side_stream, silu_epilogue=self.silu_epilogue)
 
     def default_label(self) -> str:
         if self.engine == "hf":
@@ -98,8 +96,7 @@ class DecodeOptions:
         sync = "-sync" if self.spec == "none" and not self.lookahead else ""
         graphs = "-eagerdraft" if self.spec != "none" and not self.draft_graphs else ""
         pdl = "" if self.pdl else "-nopdl"
-        build = ("" if self.side_stream else "-noside") + ("" if self.silu_epilogue else "-nosilu") \
-            + ("" if self.norm_epilogue else "-nonorm")
+        build = ("" if self.side_stream else "-noside") + ("" if self.silu_epilogue else "-nosilu")
         return f"{self.runtime}-{self.spec}{k}{head}{sync}{graphs}{pdl}{build}"
 
 
@@ -235,12 +232,12 @@ def parse_spec(item: str, draft_tokens: int | None) -> tuple[str, int | None]:
 
 def decode_runs(base: dict, *, engines=("ours",), specs=("none",), runtimes=("v3",), rollbacks=("recompute",),
                 lm_heads=(0,), lookaheads=(True,), draft_graphs=(True,), pdls=(True,), side_streams=(True,),
-                silu_epilogues=(True,), norm_epilogues=(True,), draft_tokens: int | None = None,
+                silu_epilogues=(True,), draft_tokens: int | None = None,
                 label: str | None = None) -> list[DecodeOptions]:
     """The grid of decode runs a command line asks for: every runtime x spec x rollback x lm-head-draft size of
     our engine (the last two only where there is a drafter; lookahead on / off only without one; captured drafting
-    on / off only with a drafter) x the kernel switches (PDL, side streams, the silu and norm epilogues: v3 only, v2
-    runs neither graphs nor fused kernels), and
+    on / off only with a drafter) x the kernel switches (PDL, side streams, the silu epilogue: v3 only, v2 runs
+    neither graphs nor fused kernels), and
     the transformers peer once (plain greedy).
     Labels are unique: with several rollbacks each speculative label names its own, and ``label`` prefixes them
     all."""
@@ -253,21 +250,20 @@ def decode_runs(base: dict, *, engines=("ours",), specs=("none",), runtimes=("v3
             runs.append(DecodeOptions(**base, engine="hf"))
             continue
         for runtime in dict.fromkeys(runtimes):
-            switches = ((pdls, side_streams, silu_epilogues, norm_epilogues) if runtime == "v3" else
+            switches = ((pdls, side_streams, silu_epilogues) if runtime == "v3" else
                         # v2 (no graphs, no fused kernels) ignores them: the defaults, once
-                        tuple((default[n],) for n in ("pdl", "side_stream", "silu_epilogue", "norm_epilogue")))
+                        tuple((default[n],) for n in ("pdl", "side_stream", "silu_epilogue")))
             for item in dict.fromkeys(specs):
                 spec, k = parse_spec(item, draft_tokens)
                 for rollback in dict.fromkeys(rollbacks if spec != "none" else rollbacks[:1]):
                     for head in dict.fromkeys(lm_heads if spec != "none" else (0,)):
                         for ahead in dict.fromkeys(lookaheads if spec == "none" else lookaheads[:1]):
                             for dg in dict.fromkeys(draft_graphs if spec != "none" else (True,)):
-                                for pdl, side, silu, norm in itertools.product(*map(dict.fromkeys, switches)):
+                                for pdl, side, silu in itertools.product(*map(dict.fromkeys, switches)):
                                     runs.append(DecodeOptions(**base, engine=engine, runtime=runtime, spec=spec,
                                                               draft_tokens=k, rollback=rollback, lm_head_draft=head,
                                                               lookahead=ahead, draft_graphs=dg, pdl=pdl,
-                                                              side_stream=side, silu_epilogue=silu,
-                                                              norm_epilogue=norm))
+                                                              side_stream=side, silu_epilogue=silu))
     if not runs:
         raise ValueError("no decode run: give at least one engine, runtime and spec")
     if len(runs) == 1:

@@ -224,46 +224,6 @@ def test_silu_epilogue_decodes_like_its_eager_launches(spec, k):
     assert b.spec.get("accepted_tokens") == a.spec.get("accepted_tokens")
 
 
-@pytest.mark.parametrize("spec,k", [("none", 0), ("mtp", 3), ("dflash2", 7)])
-def test_norm_epilogue_decodes_like_its_eager_launches(spec, k):
-    """EngineOptions.norm_epilogue: the residual add in the projection that ends a branch and the next RMSNorm in
-    the projections that read it (no add_rms_norm between layers but after the last), in CUDA graphs (PDL where
-    the GPU has it), give the greedy tokens and acceptance of the same kernels launched eagerly; every boundary but
-    the last was split."""
-    (eager, a), (on, b) = captured_and_eager(runtime="v3", kv_dtype="int8", dtype="bf16", spec=spec,
-                                             draft_tokens=k or None, norm_epilogue=True)
-    layers = on.config.num_hidden_layers
-    assert on.model.fast.split_norms >= 2 * layers - 1 and eager.model.fast.split_norms >= 2 * layers - 1
-    assert b.tokens == a.tokens
-    assert b.spec.get("accepted_tokens") == a.spec.get("accepted_tokens")
-
-
-def test_norm_epilogue_is_the_norm_kernel_on_the_engines_weights():
-    """One layer boundary of the bf16 tiny model through its own (lanes-layout) weights: down_proj adding the
-    residual and the next layer's input projections reading the Prenormed match down_proj, fused.add_rms_norm and
-    the same projections on the normed tensor (bf16 roundings apart); the new residual and the norm's tensor
-    (dense()) are the same bits."""
-    from ninfer_bench.kernels import fused
-    from ninfer_bench.kernels.prenorm import Prenormed
-
-    eng = Engine.load("tiny", device="cuda", dtype="bf16", kv_dtype="int8", max_context=256)
-    fast, w, cfg = eng.model.fast, eng.weights, eng.config
-    g = torch.Generator(device="cuda").manual_seed(0)
-    for rows in (1, 5, 12):  # 12: two launches of qmv's 8 rows
-        act = torch.randn(1, rows, cfg.intermediate_size, generator=g, device="cuda").to(torch.bfloat16)
-        h = (torch.randn(1, rows, cfg.hidden_size, generator=g, device="cuda") * 3).to(torch.bfloat16)
-        norm = "model.layers.1.input_layernorm.weight"
-        xp, r = fast.add_norm("model.layers.0.mlp.down_proj", act, h, norm)
-        x, want_r = fused.add_rms_norm(w.linear("model.layers.0.mlp.down_proj.weight")(act), h, w.vector(norm),
-                                       cfg.rms_norm_eps)
-        assert isinstance(xp, Prenormed) and torch.equal(r, want_r) and torch.equal(xp.dense(), x)
-        for name, lin in w.linears.items():
-            if name.startswith("model.layers.1.") and lin.__class__.__name__ == "PackedLinear" \
-                    and getattr(lin, "k", None) == cfg.hidden_size:
-                got, ref = lin(xp).float(), lin(x).float()
-                assert ((got - ref).norm() / ref.norm()) < 1.5e-2, name
-
-
 def test_attention_biases_through_the_fused_path(tmp_path):
     """A model with attention biases (attention_bias=True): v3's fused q|k|v weight carries their concatenation,
     and v3 (graphs, fused kernels) decodes v2's eager tokens."""
