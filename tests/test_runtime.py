@@ -109,6 +109,8 @@ def test_hf_peer_same_tokens_and_real_timings():
     ours = run_decode(DecodeOptions(**kw))
     peer = run_decode(DecodeOptions(engine="hf", **kw))
     assert peer["summary"]["tokens_sha256"] == ours["summary"]["tokens_sha256"]
+    assert peer["model"]["gdn_kernels"] in ("fla", "torch fallback")
+    assert peer["model"]["generate"] == "inference_mode, torch default dtype float32"
     rec = peer["records"][0]
     assert rec["ttft_ms"] > 0 and rec["decode_s"] > 0
     assert 0 < rec["decode_tok_s"] < 1e6
