@@ -75,9 +75,10 @@ class HFPeer:
         else its torch fallbacks: the anchors' 27B decode 7.62 against 5.67 tok/s) and how generate runs."""
         from ..kernels._triton import available
 
+        default = str(torch.get_default_dtype()).replace("torch.", "")
         return {**self.loaded.info, "engine": "transformers", "dtype": str(self.dtype).replace("torch.", ""),
                 "gdn_kernels": "fla" if available("fla") else "torch fallback",
-                "generate": f"inference_mode, torch default dtype {str(torch.get_default_dtype()).replace('torch.', '')}"}
+                "generate": f"inference_mode, torch default dtype {default}"}
 
     @torch.inference_mode()
     def generate(self, prompt_ids, max_new_tokens: int = 256, ignore_eos: bool = True, **_) -> GenerationResult:
