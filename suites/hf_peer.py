@@ -25,6 +25,28 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
+def transformers_model(loaded, device, dtype):
+    """``Qwen3_5ForCausalLM`` (eval mode, ``dtype`` on ``device``) holding a loaded model's text weights, dequantized;
+    torch's default dtype is restored once it is built."""
+    import transformers
+
+    cfg = loaded.config
+    hf_cfg = transformers.Qwen3_5TextConfig(**{k: v for k, v in cfg.to_hf().items() if k != "architectures"})
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = transformers.Qwen3_5ForCausalLM(hf_cfg)
+    finally:
+        torch.set_default_dtype(previous)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name in text_weight_names(cfg, mtp=False):
+            if name in params:
+                params[name].copy_(loaded.raws[name].dense(torch.float32, device).reshape(params[name].shape))
+    return model.eval()
+
+
 class HFPeer:
     """A transformers model holding an artifact's (or preset's) weights, with the Engine's generate surface."""
 
@@ -37,7 +59,7 @@ class HFPeer:
     def load(cls, opts, loaded=None) -> "HFPeer":
         """The peer for a decode run's options; ``loaded``: the weights, when already loaded for ``opts``."""
         try:
-            import transformers
+            import transformers  # noqa: F401  (the clear error before any weight loads)
         except ImportError:
             raise ValueError("--engine hf needs transformers: pip install 'ninfer-bench[hf]'") from None
         device = torch.device(opts.device if opts.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -46,24 +68,9 @@ class HFPeer:
         if loaded is None:
             loaded = load_source(opts.model, synthetic=opts.synthetic, quant=opts.quant, seed=opts.seed,
                                  device=device)
-        cfg = loaded.config
         if device.type == "cpu":
-            apply_cpu_threads(cfg.hidden_size)  # the same thread rule as our engine, for a fair comparison
-        hf_cfg = transformers.Qwen3_5TextConfig(**{k: v for k, v in cfg.to_hf().items() if k != "architectures"})
-        previous = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)
-        try:
-            with torch.device(device):
-                model = transformers.Qwen3_5ForCausalLM(hf_cfg)
-        finally:
-            torch.set_default_dtype(previous)
-        params = dict(model.named_parameters())
-        with torch.no_grad():
-            for name in text_weight_names(cfg, mtp=False):
-                if name in params:
-                    params[name].copy_(loaded.raws[name].dense(torch.float32, device).reshape(params[name].shape))
-        model.eval()
-        return cls(model, loaded, device, dtype)
+            apply_cpu_threads(loaded.config.hidden_size)  # the same thread rule as our engine, for a fair comparison
+        return cls(transformers_model(loaded, device, dtype), loaded, device, dtype)
 
     @property
     def weight_bytes_per_step(self) -> int:

@@ -180,3 +180,43 @@ def test_haystack_puts_the_needle_at_its_depth(built):
     at = text.index(corpus.needle_text("k1234567", 90210))
     assert 0.3 < at / len(text) < 0.7
     assert abs(len(enc(text)) - 300) < 30
+
+
+def test_retrained_drafters_replace_only_the_drafters(built, tmp_path):
+    """scripts/retrain_drafters.py: a few steps from the artifact's own drafters; the new artifact keeps every other
+    object's bytes, its drafters changed and still decode plain greedy's tokens; join installs it and the card."""
+    import retrain_drafters
+
+    from ninfer_bench.engine.artifact import Artifact
+
+    out = tmp_path / "re"
+    retrain_drafters.main(["--artifact", str(built["art"]), "--out", str(out), "--tiny", "--device", "cpu",
+                           "--steps", "3"])
+    new = out / "export" / BUNDLED_NAME
+    with Artifact.open(built["art"]) as a, Artifact.open(new) as b:
+        before, after = ({n: x.info(n).sha256 for n in x.bindings} for x in (a, b))
+        assert b.artifact_id != a.artifact_id and set(before) == set(after)
+    drafter = {n for n in before if n.startswith(("dflash.", "dflash2."))}
+    assert drafter and all(before[n] == after[n] for n in set(before) - drafter)
+    assert any(before[n] != after[n] for n in drafter)
+    facts = json.loads((out / "ship" / "retrain_facts.json").read_text())
+    assert facts["drafters"]["steps"] == 3 and facts["drafters"]["warm_start"]
+    for label in ("before", "after"):
+        rows = facts["acceptance"][label]["rows"]
+        assert rows[0]["spec"] == "dflash2" and rows[0]["k"] == 7 and all(r["matches_greedy"] for r in rows)
+
+    models = tmp_path / "models"
+    export.join(built["out"] / "ship", models, tmp_path / "data")
+    retrain_drafters.join(out / "ship", models)
+    assert (models / BUNDLED_NAME).read_bytes() == new.read_bytes()
+    cf = json.loads((models / "card_facts.json").read_text())
+    assert cf["drafters"]["steps"] == 4 + 3 and cf["drafters"]["retrained"]["after_steps"] == 4
+    assert cf["export"]["sha256"] == facts["artifact"]["sha256"]
+    log = [json.loads(ln) for ln in (models / "train_log.jsonl").read_text().splitlines()]
+    assert max(r["step"] for r in log if r["phase"] == "drafters") == 7
+    assert "retrain" in (models / "MODEL_CARD.md").read_text()
+    with pytest.raises(SystemExit, match="installed already"):
+        retrain_drafters.join(out / "ship", models)
+    got = engine({"art": models / BUNDLED_NAME}, spec="dflash2", draft_tokens=3)
+    assert got.generate(built["prompt"], max_new_tokens=16, ignore_eos=True).tokens == \
+        engine(built).generate(built["prompt"], max_new_tokens=16, ignore_eos=True).tokens

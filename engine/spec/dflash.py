@@ -137,6 +137,14 @@ class BlockDrafter(nn.Module):
         self._rope = None
         self._rope_covers = 0  # reserve_rope(n): every position below n is in the table, no size check needed
 
+    @classmethod
+    def from_raws(cls, c: DraftConfig, raws: dict, target_hidden: int, vocab: int) -> "BlockDrafter":
+        """The drafter (fp32, on the CPU) holding an artifact component's weights, ``raws``: ``{kind}.<name>`` ->
+        RawWeight, dequantized."""
+        net = cls(c, target_hidden, vocab)
+        net.load_state_dict({n.split(".", 1)[1]: r.dense(torch.float32) for n, r in raws.items()}, strict=True)
+        return net
+
     def reserve_rope(self, positions: int, device) -> None:
         """Tables for every position below ``positions`` (the engine's context bound): :meth:`rope` then needs no
         ``pos.max()``, a device-to-host read that would stall every drafting round on a GPU."""

@@ -242,9 +242,7 @@ class BlockDraftRunner:
             raise ValueError(f"{kind} drafter was trained with block size {cfg.block_size} "
                              f"(draft-tokens <= {cfg.block_size - 1}); asked for {k}")
         self.taps = tuple(cfg.target_layer_ids)
-        self.net = BlockDrafter(cfg, engine.config.hidden_size, engine.config.vocab_size)
-        state = {n.split(".", 1)[1]: r.dense(torch.float32) for n, r in raws.items()}
-        self.net.load_state_dict(state, strict=True)
+        self.net = BlockDrafter.from_raws(cfg, raws, engine.config.hidden_size, engine.config.vocab_size)
         self.net.to(device=engine.device, dtype=engine.dtype).eval()
         if engine.device.type == "cuda":  # every position < context + block: no pos.max() read (a stall) per call
             self.net.reserve_rope(engine.capacity + cfg.block_size + 1, engine.device)

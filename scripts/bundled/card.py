@@ -103,9 +103,10 @@ def limits(facts: dict, met: list) -> list[str]:
     if firsts:
         out.append("At the end of training the block drafters' first draft agreed with the target's token "
                    + ", ".join(f"{k} {v:.2f}" for k, v in sorted(firsts.items()))
-                   + " of the time, and each later position less: a block drafter trained for about a minute is "
-                     "far from converged, while the MTP head trained with the target for the whole run. The "
-                     "drafter stage's time budget (`--minutes-drafters`) is the lever for the next build.")
+                   + f" of the time, and each later position less: the block drafters trained {d.get('seconds', '?')} s "
+                     "in all, while the MTP head trained with the target for the whole run. Their training time "
+                     "(`--minutes-drafters` in a build, `scripts/retrain_drafters.py --minutes` on the shipped "
+                     "target) is the lever.")
     return out
 
 
@@ -156,7 +157,18 @@ def _training(f: dict) -> list[str]:
             f"rule kernel `{t['gdn']['chunk_gated_delta_rule']}`.",
             f"Drafters (target frozen, labels = the target's {d['labels']} tokens): {d['steps']:,} steps of "
             f"{d['batch']} x {d['seq_len']} tokens, block lengths {d['block_sizes']}, MTP fine-tuned at depths "
-            f"1..{d['mtp_depths']}, {d['seconds']} s.", "", "![loss curve](loss_curve.png)"]
+            f"1..{d['mtp_depths']}, {d['seconds']} s.", *_retrained(d), "", "![loss curve](loss_curve.png)"]
+
+
+def _retrained(d: dict) -> list[str]:
+    """The drafters' further training on the shipped target (scripts/retrain_drafters.py), when there was one."""
+    r = d.get("retrained")
+    if not r:
+        return []
+    start = f"continuing from the build's {r['after_steps']:,} steps" if r["warm_start"] else "from a fresh start"
+    return [f"The block drafters were then retrained on the shipped (quantized) target, {start}: {r['steps']:,} "
+            f"steps, {r['seconds']} s on {r['device']} (`{r['command']}`; the target, MTP head and tokenizer bytes "
+            f"are those of the build; the steps and seconds above are the totals)."]
 
 
 def _results(f: dict, met) -> list[str]:

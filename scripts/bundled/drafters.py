@@ -129,7 +129,8 @@ def selector_loss(selector, h, logits, anchor_tok, lab, w) -> torch.Tensor:
 
 def step_losses(model, mtp, drafters: dict, x: torch.Tensor, s: int, opts: DrafterOptions, gen):
     """One step's (total loss, per-part detached losses, MTP per-depth losses, drafters' per-position agreement):
-    the frozen target reads ``x[:, :-1]`` once; the MTP head and each drafter learn from its outputs."""
+    the frozen target reads ``x[:, :-1]`` once; the MTP head (unless ``mtp`` is None) and each drafter learn from
+    its outputs."""
     embed, lm_head = model.model.embed_tokens, model.lm_head
     ids, length = x[:, :-1], x.shape[1] - 1
     taps = sorted({i for d in drafters.values() for i in d.c.target_layer_ids})
@@ -140,9 +141,13 @@ def step_losses(model, mtp, drafters: dict, x: torch.Tensor, s: int, opts: Draft
         tap = dict(zip(taps, outs))
         emb_next = embed(x[:, 1:])
         cos, sin = rotary(model, hidden)
-    mtp_labels = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], dim=1)  # token p+2
-    loss, depth_losses = mtp_loss(mtp, lm_head, hidden, emb_next, mtp_labels, cos, sin, opts.mtp_depths)
-    each, agree = {"mtp": loss.detach()}, {}
+    if mtp is not None:
+        mtp_labels = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], dim=1)  # token p+2
+        loss, depth_losses = mtp_loss(mtp, lm_head, hidden, emb_next, mtp_labels, cos, sin, opts.mtp_depths)
+        each = {"mtp": loss.detach()}
+    else:  # drafters only (scripts/retrain_drafters.py): the MTP head stays as it is
+        loss, depth_losses, each = 0.0, [], {}
+    agree = {}
     for kind, d in drafters.items():
         ctx = torch.cat([tap[i] for i in d.c.target_layer_ids], dim=-1)
         nb = max(1, min(opts.block_tokens // s, length - s + 1))
@@ -153,11 +158,12 @@ def step_losses(model, mtp, drafters: dict, x: torch.Tensor, s: int, opts: Draft
 
 
 def train(model, mtp, drafters: dict, batches, opts: DrafterOptions, device, seed: int, log) -> dict:
-    """Train the drafters (and fine-tune the MTP head) on the frozen target; returns the phase's facts."""
+    """Train the drafters (and fine-tune the MTP head, unless ``mtp`` is None) on the frozen target; returns the
+    phase's facts."""
     model.to(device).eval().requires_grad_(False)
-    mtp.to(device).train()
     groups = [{"params": list(d.to(device).train().parameters()), "lr": opts.lr} for d in drafters.values()]
-    groups.append({"params": list(mtp.parameters()), "lr": opts.mtp_lr})
+    if mtp is not None:
+        groups.append({"params": list(mtp.to(device).train().parameters()), "lr": opts.mtp_lr})
     opt = torch.optim.AdamW(groups, betas=(0.9, 0.95), weight_decay=0.0, fused=device.type == "cuda")
     peak = [g["lr"] for g in groups]
     sched = Schedule(1.0, opts.warmup, opts.budget_s, opts.max_steps)  # a multiplier of each group's peak
@@ -189,7 +195,7 @@ def train(model, mtp, drafters: dict, batches, opts: DrafterOptions, device, see
             break
     return {"steps": step, "seconds": round(sched.elapsed, 1), "context_tokens": rows * opts.seq_len,
             "batch": opts.batch, "seq_len": opts.seq_len, "labels": opts.labels, "block_sizes": list(BLOCK_SIZES),
-            "mtp_depths": opts.mtp_depths, "final_mtp_depth_loss": [round(float(v), 4) for v in depth_losses],
+            "mtp_depths": opts.mtp_depths if mtp is not None else 0, "final_mtp_depth_loss": [round(float(v), 4) for v in depth_losses],
             "train_agreement": {k: [round(float(v), 3) for v in a] for k, a in stats.items()}}
 
 

@@ -59,8 +59,9 @@ def final_hf(work: Path, out: Path) -> Path:
     return out
 
 
-def drafter_extras(drafters: dict, policy: str, token_order) -> tuple[dict, dict]:
-    """(extra_components, extra_tensors) for ``write_model``: both drafters and ``draft_head.token_ids``."""
+def drafter_extras(drafters: dict, policy: str, token_order=None) -> tuple[dict, dict]:
+    """(extra_components, extra_tensors) for ``write_model``: both drafters and, given ``token_order``,
+    ``draft_head.token_ids``."""
     comps, tensors = {}, {}
     for kind, net in drafters.items():
         names = []
@@ -70,7 +71,8 @@ def drafter_extras(drafters: dict, policy: str, token_order) -> tuple[dict, dict
             tensors[f"{kind}.{name}"] = (fmt, t.detach().float().cpu())
             names.append(f"{kind}.{name}")
         comps[kind] = {"config": net.c.to_dict(), "tensors": names}
-    tensors["draft_head.token_ids"] = ("fp32", torch.as_tensor(token_order, dtype=torch.float32))
+    if token_order is not None:
+        tensors["draft_head.token_ids"] = ("fp32", torch.as_tensor(token_order, dtype=torch.float32))
     return comps, tensors
 
 

@@ -1,0 +1,220 @@
+#!/usr/bin/env python3
+"""Train the bundled model's DFlash / DFlash2 drafters further on its frozen target, as shipped, and put them into
+a copy of the artifact whose target, MTP head and tokenizer bytes are unchanged (so greedy decoding is too).
+
+    python3 scripts/retrain_drafters.py --out /tmp/redraft --ship $OUT --minutes 5.5      # on the GPU
+    python3 scripts/retrain_drafters.py join SHIPDIR                                     # back here
+
+The run: the corpus and its token streams as ``train_bundled.py`` makes them, with the artifact's own tokenizer;
+the target from the artifact's weights (dequantized into transformers' ``Qwen3_5ForCausalLM``: the weights the
+engine serves, so the labels are its greedy tokens); the drafters from the artifact (``--fresh``: newly
+initialised); ``bundled/drafters.py``'s training for ``--minutes`` with the MTP head left alone; the new artifact
+(``bundled/graft.py``); then the acceptance of the old and the new drafters on the same held-out prompts, in the
+same run, within ``--minutes-eval``. The new artifact ships in parts with ``retrain_facts.json`` and the training
+log. ``join`` checks and installs the artifact into ``models/`` and records the run in ``card_facts.json`` and
+``train_log.jsonl``; ``scripts/bundled/card_eval.py`` then re-measures the card.
+"""
+
+from __future__ import annotations
+
+import time
+
+START = time.time()
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import shutil  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _bootstrap  # noqa: E402
+
+_bootstrap.ensure_package()
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+import train_bundled as tb  # noqa: E402
+from bundled import card, drafters, evaluate, export, graft, target, tok  # noqa: E402
+from bundled.batches import Batches  # noqa: E402
+from ninfer_bench.engine.artifact import Artifact  # noqa: E402
+from ninfer_bench.engine.loader import BUNDLED_NAME, load_artifact  # noqa: E402
+from ninfer_bench.engine.spec.dflash import BlockDrafter  # noqa: E402
+from ninfer_bench.suites.hf_peer import transformers_model  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+KINDS = ("dflash", "dflash2")
+PLAN = [("dflash2", 7), ("dflash", 7), ("dflash2", 3)]  # the main job's drafter first
+FACTS, LOG = "retrain_facts.json", "retrain_log.jsonl"
+
+
+def token_streams(args, p: tb.Preset, w: tb.Work) -> dict:
+    """Corpus, token streams and held-out prompts as the build makes them, with the artifact's tokenizer."""
+    with Artifact.open(args.artifact) as a:
+        w.tokenizer.mkdir(parents=True, exist_ok=True)
+        (w.tokenizer / "tokenizer.json").write_bytes(a.blob("tokenizer.json"))
+    facts = {"corpus": tb.stage_corpus(args, p, w)}
+    reuse = argparse.Namespace(resume=True, seed=args.seed)  # stage_tokenizer keeps a tokenizer it is given
+    facts["tokenizer"] = tb.stage_tokenizer(reuse, p, w)
+    return facts
+
+
+def starting_drafters(loaded, p: tb.Preset, fresh: bool, seed: int) -> dict[str, BlockDrafter]:
+    cfg = loaded.config
+    missing = [k for k in KINDS if k not in loaded.drafters]
+    if missing and not fresh:
+        raise SystemExit(f"the artifact has no {missing} drafter to continue from: pass --fresh")
+    if fresh:
+        return drafters.new_drafters(cfg, p.shape, loaded.tokenizer.token_to_id(tok.MASK), seed)
+    return {k: BlockDrafter.from_raws(*loaded.drafters[k], cfg.hidden_size, cfg.vocab_size) for k in KINDS}
+
+
+def run(args) -> None:
+    p = tb.PRESETS["tiny" if args.tiny else "full"]
+    w = tb.Work(args.out)
+    args.out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    facts = {"data": token_streams(args, p, w)}
+    facts["data"]["seconds"] = round(time.time() - t0, 1)
+    print(f"token streams ready in {facts['data']['seconds']} s", flush=True)
+
+    loaded = load_artifact(args.artifact)
+    cfg, device = loaded.config, args.device
+    model = transformers_model(loaded, device, torch.float32)  # bf16 autocast in training, as the build
+    facts["gdn"] = target.gdn_kernels(device)
+    nets = starting_drafters(loaded, p, args.fresh, args.seed)
+    tk = tok.load(w.tokenizer)
+    batches = Batches(np.load(w.tokens / "train.npy"), p.d_seq_len, p.d_batch, args.seed + 7, 0.0,
+                      lambda s: tk.encode(s, add_special_tokens=False).ids, tok.newline_mask(tk, cfg.vocab_size))
+    opts = drafters.DrafterOptions(seq_len=p.d_seq_len, batch=p.d_batch, lr=p.d_lr, mtp_lr=p.d_mtp_lr,
+                                   warmup=p.d_warmup, budget_s=args.minutes * 60, max_steps=args.steps or p.d_steps,
+                                   block_tokens=p.block_tokens)
+    log = tb.log_to(args.out / LOG, "drafters")  # its own log file: every row is this run's
+    facts["drafters"] = drafters.train(model, None, nets, batches, opts, device, args.seed, log)
+    facts["drafters"].update(warm_start=not args.fresh, params={k: drafters.param_count(n) for k, n in nets.items()})
+    del model
+
+    new = w.export / BUNDLED_NAME
+    w.export.mkdir(parents=True, exist_ok=True)
+    note = {"by": "scripts/retrain_drafters.py", "steps": facts["drafters"]["steps"],
+            "seconds": facts["drafters"]["seconds"], "warm_start": not args.fresh}
+    facts["artifact"] = graft.replace_drafters(args.artifact, {k: n.cpu() for k, n in nets.items()}, new, note)
+    facts["artifact"].update(bytes=new.stat().st_size, sha256=export.sha256(new))
+    facts["acceptance"] = compare(args, p, w, new)
+    args.ship.mkdir(parents=True, exist_ok=True)
+    facts["artifact"]["parts"] = export.split(new, args.ship, beside=2)
+    facts.update(command=" ".join(["python3", "scripts/retrain_drafters.py", *args.argv]), seed=args.seed,
+                 versions=tb.versions(), device=str(device), seconds=round(time.time() - START, 1))
+    (args.ship / FACTS).write_text(json.dumps(facts, indent=1, default=str))
+    shutil.copyfile(args.out / LOG, args.ship / LOG)
+    print(f"shipped {facts['artifact']['parts']} + {FACTS}, {LOG}; total {facts['seconds']} s", flush=True)
+
+
+def compare(args, p: tb.Preset, w: tb.Work, new: Path) -> dict:
+    """Acceptance of the artifact's drafters and of the retrained ones on the same held-out prompts (greedy)."""
+    tk = tok.load(w.tokenizer)
+    prompts = [tk.encode(json.loads(ln)["text"], add_special_tokens=False).ids
+               for ln in w.prompts.read_text().splitlines()][: p.eval_prompts]
+    ctx = max(len(x) for x in prompts) + p.eval_new + 16
+    t0 = time.perf_counter()
+    out = {}
+    for i, (label, path) in enumerate((("before", args.artifact), ("after", new))):
+        deadline = t0 + args.minutes_eval * 60 * (i + 1) / 2
+        out[label] = tb.with_fallback(evaluate.acceptance, path, prompts, PLAN, p.eval_new, args.device, deadline,
+                                      ctx)
+        for r in out[label].get("rows", []):
+            print(f"  {label} {r['spec']} k={r['k']}: " + (f"tokens/round {r['tokens_per_round']:.2f}, matches "
+                  f"greedy {r['matches_greedy']}" if "tokens_per_round" in r else str(r.get("skipped")
+                                                                                       or r.get("error"))), flush=True)
+    return out
+
+
+# ---- back here --------------------------------------------------------------------------------------------------
+def join(ship: Path, models: Path) -> Path:
+    """Install the shipped artifact (its SHA-256 checked) and record the run in card_facts.json (the drafters'
+    facts: totals over both runs when the retraining continued the shipped drafters) and train_log.jsonl (its rows
+    continue the drafter curve, marked ``retrain``); then rewrite the card."""
+    facts = json.loads((ship / FACTS).read_text())
+    art, new = facts["artifact"], facts["drafters"]
+    card_path, log_path = models / "card_facts.json", models / "train_log.jsonl"
+    cf = json.loads(card_path.read_text())
+    if cf["export"].get("sha256") == art["sha256"]:
+        raise SystemExit(f"{ship}: this artifact is installed already")
+    tmp = models / (BUNDLED_NAME + ".tmp")
+    with open(tmp, "wb") as f:
+        for name in art["parts"]:
+            f.write((ship / name).read_bytes())
+    if export.sha256(tmp) != art["sha256"]:
+        tmp.unlink()
+        raise SystemExit(f"{ship}: the joined artifact's SHA-256 differs from the one {FACTS} records")
+    old = cf["drafters"]
+    keep = ("steps", "seconds", "context_tokens")
+    prior = {k: old.get(k, 0) for k in keep} if new["warm_start"] else dict.fromkeys(keep, 0)
+    cf["drafters"] = {**old, **new, **{k: round(prior[k] + new[k], 1) if k == "seconds" else prior[k] + new[k]
+                                       for k in keep},
+                      "mtp_depths": old.get("mtp_depths", 0), "final_mtp_depth_loss": old.get("final_mtp_depth_loss"),
+                      "retrained": {"steps": new["steps"], "seconds": new["seconds"], "warm_start": new["warm_start"],
+                                    "after_steps": prior["steps"], "command": facts["command"],
+                                    "device": facts["device"], "from_artifact": art["from_artifact"],
+                                    "acceptance": facts["acceptance"]}}
+    cf["export"].update(bytes=art["bytes"], sha256=art["sha256"], parts=art["parts"])
+    rows = [json.loads(ln) for ln in log_path.read_text().splitlines() if ln.strip()]
+    last = max((r for r in rows if r.get("phase") == "drafters"), key=lambda r: r["step"], default=None)
+    step0, t0 = (last["step"], last["elapsed"]) if last and new["warm_start"] else (0, 0.0)
+    if not new["warm_start"]:
+        rows = [r for r in rows if r.get("phase") != "drafters"]
+    for ln in (ship / LOG).read_text().splitlines():
+        r = json.loads(ln)
+        rows.append({**r, "retrain": True, "step": r["step"] + step0, "elapsed": round(r["elapsed"] + t0, 2)})
+    tmp.replace(models / BUNDLED_NAME)
+    log_path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    card_path.write_text(json.dumps(cf, indent=1, default=str))
+    card.write(models, cf, rows)
+    return models / BUNDLED_NAME
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--artifact", type=Path, default=REPO / "models" / BUNDLED_NAME)
+    ap.add_argument("--out", type=Path, required=True, help="work folder")
+    ap.add_argument("--ship", type=Path, default=None, help="where the new artifact's parts go (default OUT/ship)")
+    ap.add_argument("--minutes", type=float, default=5.5, help="training time budget")
+    ap.add_argument("--minutes-eval", type=float, default=1.5, help="the before / after acceptance budget")
+    ap.add_argument("--steps", type=int, default=None, help="fixed number of training steps (tests)")
+    ap.add_argument("--fresh", action="store_true", help="start from newly initialised drafters")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tiny", action="store_true", help="the tiny preset's sizes (a tiny artifact, tests)")
+    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    args = ap.parse_args(argv)
+    args.argv = list(argv)
+    if not args.artifact.is_file():
+        ap.error(f"--artifact {args.artifact}: no such file")
+    for name in ("minutes", "minutes_eval", "steps"):
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
+            ap.error(f"--{name.replace('_', '-')} must be positive")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: CUDA is not available here")
+    args.device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                               ("cpu" if args.device == "auto" else args.device))
+    args.artifact = args.artifact.resolve()
+    args.ship = args.ship or args.out / "ship"
+    return args
+
+
+def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["join"]:
+        ap = argparse.ArgumentParser(description="Install a retrained artifact shipped by a run of this script.")
+        ap.add_argument("ship", type=Path)
+        ap.add_argument("--models", type=Path, default=REPO / "models")
+        a = ap.parse_args(argv[1:])
+        out = join(a.ship, a.models)
+        print(f"installed {out}; now re-measure the card: python3 scripts/bundled/card_eval.py")
+        return
+    torch.manual_seed(0)
+    run(parse(argv))
+
+
+if __name__ == "__main__":
+    main()
