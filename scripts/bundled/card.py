@@ -103,8 +103,8 @@ def limits(facts: dict, met: list) -> list[str]:
     if firsts:
         out.append("At the end of training the block drafters' first draft agreed with the target's token "
                    + ", ".join(f"{k} {v:.2f}" for k, v in sorted(firsts.items()))
-                   + f" of the time, and each later position less: the block drafters trained {d.get('seconds', '?')} s "
-                     "in all, while the MTP head trained with the target for the whole run. Their training time "
+                   + " of the time, and each later position less: the block drafters trained "
+                     f"{d.get('seconds', '?')} s in all, while the MTP head trained with the target for the whole run. Their training time "
                      "(`--minutes-drafters` in a build, `scripts/retrain_drafters.py --minutes` on the shipped "
                      "target) is the lever.")
     return out

@@ -195,7 +195,8 @@ def train(model, mtp, drafters: dict, batches, opts: DrafterOptions, device, see
             break
     return {"steps": step, "seconds": round(sched.elapsed, 1), "context_tokens": rows * opts.seq_len,
             "batch": opts.batch, "seq_len": opts.seq_len, "labels": opts.labels, "block_sizes": list(BLOCK_SIZES),
-            "mtp_depths": opts.mtp_depths if mtp is not None else 0, "final_mtp_depth_loss": [round(float(v), 4) for v in depth_losses],
+            "mtp_depths": opts.mtp_depths if mtp is not None else 0,
+            "final_mtp_depth_loss": [round(float(v), 4) for v in depth_losses],
             "train_agreement": {k: [round(float(v), 3) for v in a] for k, a in stats.items()}}
 
 
