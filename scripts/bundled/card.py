@@ -104,9 +104,9 @@ def limits(facts: dict, met: list) -> list[str]:
         out.append("At the end of training the block drafters' first draft agreed with the target's token "
                    + ", ".join(f"{k} {v:.2f}" for k, v in sorted(firsts.items()))
                    + " of the time, and each later position less: the block drafters trained "
-                     f"{d.get('seconds', '?')} s in all, while the MTP head trained with the target for the whole run. Their training time "
-                     "(`--minutes-drafters` in a build, `scripts/retrain_drafters.py --minutes` on the shipped "
-                     "target) is the lever.")
+                     f"{d.get('seconds', '?')} s in all, while the MTP head trained with the target for the whole "
+                     "run. Their training time (`--minutes-drafters` in a build, `scripts/retrain_drafters.py "
+                     "--minutes` on the shipped target) is the lever.")
     return out
 
 
