@@ -133,8 +133,8 @@ def compare(args, p: tb.Preset, w: tb.Work, new: Path) -> dict:
 # ---- back here --------------------------------------------------------------------------------------------------
 def join(ship: Path, models: Path) -> Path:
     """Install the shipped artifact (its SHA-256 checked) and record the run in card_facts.json (the drafters'
-    facts: totals over both runs when the retraining continued the shipped drafters) and train_log.jsonl (its rows
-    continue the drafter curve, marked ``retrain``); then rewrite the card."""
+    facts: totals over the runs when the retraining continued the shipped drafters, each run in ``retrained``) and
+    train_log.jsonl (its rows continue the drafter curve, marked ``retrain``); then rewrite the card."""
     facts = json.loads((ship / FACTS).read_text())
     art, new = facts["artifact"], facts["drafters"]
     card_path, log_path = models / "card_facts.json", models / "train_log.jsonl"
@@ -154,10 +154,10 @@ def join(ship: Path, models: Path) -> Path:
     cf["drafters"] = {**old, **new, **{k: round(prior[k] + new[k], 1) if k == "seconds" else prior[k] + new[k]
                                        for k in keep},
                       "mtp_depths": old.get("mtp_depths", 0), "final_mtp_depth_loss": old.get("final_mtp_depth_loss"),
-                      "retrained": {"steps": new["steps"], "seconds": new["seconds"], "warm_start": new["warm_start"],
-                                    "after_steps": prior["steps"], "command": facts["command"],
-                                    "device": facts["device"], "from_artifact": art["from_artifact"],
-                                    "acceptance": facts["acceptance"]}}
+                      "retrained": [*(old.get("retrained", []) if new["warm_start"] else []), {
+                          "steps": new["steps"], "seconds": new["seconds"], "warm_start": new["warm_start"],
+                          "after_steps": prior["steps"], "command": facts["command"], "device": facts["device"],
+                          "from_artifact": art["from_artifact"], "acceptance": facts["acceptance"]}]}
     cf["export"].update(bytes=art["bytes"], sha256=art["sha256"], parts=art["parts"])
     rows = [json.loads(ln) for ln in log_path.read_text().splitlines() if ln.strip()]
     last = max((r for r in rows if r.get("phase") == "drafters"), key=lambda r: r["step"], default=None)

@@ -161,14 +161,16 @@ def _training(f: dict) -> list[str]:
 
 
 def _retrained(d: dict) -> list[str]:
-    """The drafters' further training on the shipped target (scripts/retrain_drafters.py), when there was one."""
-    r = d.get("retrained")
-    if not r:
+    """The drafters' further training on the shipped target (scripts/retrain_drafters.py), run by run."""
+    runs = d.get("retrained") or []
+    if not runs:
         return []
-    start = f"continuing from the build's {r['after_steps']:,} steps" if r["warm_start"] else "from a fresh start"
-    return [f"The block drafters were then retrained on the shipped (quantized) target, {start}: {r['steps']:,} "
-            f"steps, {r['seconds']} s on {r['device']} (`{r['command']}`; the target, MTP head and tokenizer bytes "
-            f"are those of the build; the steps and seconds above are the totals)."]
+    each = "; ".join(f"{r['steps']:,} steps in {r['seconds']} s on {r['device']} "
+                     + (f"continuing from {r['after_steps']:,}" if r["warm_start"] else "from a fresh start")
+                     for r in runs)
+    return [f"The block drafters were then retrained on the shipped (quantized) target by "
+            f"`scripts/retrain_drafters.py` ({each}; last: `{runs[-1]['command']}`). The target, MTP head and "
+            f"tokenizer bytes are the build's; the drafter steps and seconds above are the totals."]
 
 
 def _results(f: dict, met) -> list[str]:
