@@ -71,14 +71,33 @@ def tokenizer_of(art: Artifact, cfg: ModelConfig):
     return ByteTokenizer(cfg.vocab_size, eos_ids=extra or None)
 
 
+def text_identity(art: Artifact) -> str | None:
+    """SHA-256 of what the text model computes from: the text component's config, the digest of every object its
+    tensors (and a tied or stored ``lm_head``) are bound to, the tokenizer's digest and the metadata (special tokens,
+    generation config). Drafters, the MTP head and provenance are left out, so an artifact whose drafters were
+    replaced keeps its text identity (and its stored oracles). v2 artifacts carry no digests: None."""
+    if art.version < 3:
+        return None
+    text = (art.components or {}).get("text") or {}
+
+    def digests(name):
+        target = art.bindings[name]
+        return [art.objects[i].sha256 for i in (target["parts"] if isinstance(target, dict) else [target])]
+
+    names = sorted({*text.get("tensors", []), *(n for n in ("lm_head.weight", "tokenizer.json") if art.has(n))})
+    doc = {"config": text.get("config"), "objects": [[n, digests(n)] for n in names], "metadata": art.metadata}
+    return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()
+
+
 def load_artifact(path: str | Path) -> LoadedModel:
     art = Artifact.open(path)
     cfg, raws = text_of(art, path)
     drafters = drafters_of(art, path, cfg)
     meta = art.metadata or {}
     vision = vision_of(art, path)
-    info = {"path": str(Path(path).resolve()), "artifact_id": art.artifact_id, "format_version": art.version,
-            "quant_policy": meta.get("quant_policy"), "model_id": meta.get("model_id"), "preset": None}
+    info = {"path": str(Path(path).resolve()), "artifact_id": art.artifact_id, "text_id": text_identity(art),
+            "format_version": art.version, "quant_policy": meta.get("quant_policy"), "model_id": meta.get("model_id"),
+            "preset": None}
     return LoadedModel(cfg, raws, tokenizer_of(art, cfg), info, drafters, art, vision)
 
 

@@ -95,8 +95,10 @@ def cases(tokenizer, opts: NiahOptions) -> list[dict]:
 
 
 def oracle_path(model_info: dict, ctx: int) -> Path:
-    """Where the stored oracle of a model (by artifact id, or preset) for one context length lives."""
-    ident = (model_info.get("artifact_id") or model_info.get("preset") or "model")[:16]
+    """Where the stored oracle of a model for one context length lives: named by the text model's identity
+    (``loader.text_identity``: an artifact whose drafters were replaced keeps its oracles), else by artifact id
+    (v2) or preset."""
+    ident = (model_info.get("text_id") or model_info.get("artifact_id") or model_info.get("preset") or "model")[:16]
     return ORACLE_DIR / f"niah-{ident}-{ctx}.json.gz"
 
 
@@ -109,7 +111,11 @@ def _load_oracles(opts: NiahOptions, model_info: dict) -> dict[str, dict]:
             if meta.get("suite") != "niah":  # (`oracle prompts` files name no suite)
                 raise ValueError(f"{p}: not an oracle of needle-in-a-haystack cases (suite "
                                  f"{meta.get('suite')!r}): make one with `ninfer-bench oracle niah`")
-            if model_info.get("artifact_id") and meta.get("artifact_id") not in ("", model_info["artifact_id"]):
+            if model_info.get("text_id") and meta.get("text_id"):
+                if meta["text_id"] != model_info["text_id"]:
+                    raise ValueError(f"{p}: oracle made for text model {meta['text_id'][:16]}, this model's is "
+                                     f"{model_info['text_id'][:16]}")
+            elif model_info.get("artifact_id") and meta.get("artifact_id") not in ("", model_info["artifact_id"]):
                 raise ValueError(f"{p}: oracle made for artifact {meta.get('artifact_id')}, "
                                  f"this model is {model_info['artifact_id']}")
             out.update({r["id"]: r for r in records})
@@ -234,13 +240,14 @@ def build_niah_oracle(source: str | None, opts: NiahOptions, out: str | None = N
     done = 0
     for ctx in opts.ctxs:
         path = Path(out) if out else oracle_path(info, ctx)
-        meta = {"artifact_id": info.get("artifact_id") or "", "artifact_sha256": sha, "dtype": dtype, "top_k": top_k,
-                "suite": "niah", "ctx": ctx, "cases": opts.cases, "seed": opts.seed,
-                "answer_tokens": opts.answer_tokens}
+        meta = {"artifact_id": info.get("artifact_id") or "", "artifact_sha256": sha,
+                "text_id": info.get("text_id") or "", "dtype": dtype, "top_k": top_k, "suite": "niah", "ctx": ctx,
+                "cases": opts.cases, "seed": opts.seed, "answer_tokens": opts.answer_tokens}
+        same = [k for k in meta if not (meta["text_id"] and k in ("artifact_id", "artifact_sha256"))]
         kept, covered = {}, set()
         if path.is_file() and not force:
             old, old_meta = load_oracle(path)
-            if all(old_meta.get(k) == v for k, v in meta.items()):
+            if all(old_meta.get(k) == meta[k] for k in same):  # the same text model: extend its records
                 kept, covered = {r["id"]: r for r in old}, set(old_meta.get("depths", []))
         path.parent.mkdir(parents=True, exist_ok=True)
         unsaved = False

@@ -36,7 +36,9 @@ def _model_id():
 
 def test_niah_subset_agrees_with_committed_oracles():
     opts = NiahOptions(model=None, ctxs=(2048, 8192), depths=(0, 50, 100), device="cpu", kv_dtype="int8")
-    info = {"artifact_id": _model_id(), "preset": default_model()}
+    from ninfer_bench.engine.loader import load_source
+
+    info = load_source(default_model()).info  # oracles are named by the text model's identity
     if not all(oracle_path(info, c).is_file() for c in opts.ctxs):
         pytest.fail("no committed NIAH oracles for the default model: run `ninfer-bench oracle niah --ctx 2048,8192 "
                     "--depths 0,50,100`")

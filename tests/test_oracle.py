@@ -380,3 +380,23 @@ def test_niah_oracle_keeps_finished_depths_when_interrupted(tmp_path):
                           str(out), progress=stop_at_second)
     records, meta = load_oracle(out)
     assert meta["depths"] == [0] and [r["id"] for r in records] == ["ctx512-d0-0"]
+
+
+def test_niah_oracles_belong_to_a_text_model_not_an_artifact(tmp_path):
+    """A stored NIAH oracle is found and accepted by the text model's identity (an artifact whose drafters were
+    replaced keeps its oracles); another text model's oracle, or (without identities) another artifact's, is
+    refused."""
+    from ninfer_bench.suites.niah import NiahOptions, _load_oracles, oracle_path
+
+    rec = {"id": "c0", "prompt_ids": [1, 2], "tokens": [3], "topk_ids": [[3]], "topk_logprobs": [[-0.1]]}
+    path = tmp_path / "o.json.gz"
+    save_oracle(path, [rec], {"artifact_id": "old", "artifact_sha256": "", "text_id": "a" * 64, "dtype": "float64",
+                              "top_k": 1, "suite": "niah"})
+    opts = NiahOptions(ctxs=(2048,), oracle=str(path))
+    assert list(_load_oracles(opts, {"artifact_id": "new", "text_id": "a" * 64})) == ["c0"]
+    with pytest.raises(ValueError, match="oracle made for text model"):
+        _load_oracles(opts, {"artifact_id": "old", "text_id": "b" * 64})
+    with pytest.raises(ValueError, match="oracle made for artifact old"):
+        _load_oracles(opts, {"artifact_id": "new"})
+    assert oracle_path({"artifact_id": "new", "text_id": "a" * 64}, 2048).name == f"niah-{'a' * 16}-2048.json.gz"
+    assert oracle_path({"artifact_id": "new" * 8}, 2048).name == f"niah-{('new' * 8)[:16]}-2048.json.gz"

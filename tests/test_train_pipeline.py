@@ -188,6 +188,7 @@ def test_retrained_drafters_replace_only_the_drafters(built, tmp_path):
     import retrain_drafters
 
     from ninfer_bench.engine.artifact import Artifact
+    from ninfer_bench.engine.loader import text_identity
 
     out = tmp_path / "re"
     retrain_drafters.main(["--artifact", str(built["art"]), "--out", str(out), "--tiny", "--device", "cpu",
@@ -196,6 +197,7 @@ def test_retrained_drafters_replace_only_the_drafters(built, tmp_path):
     with Artifact.open(built["art"]) as a, Artifact.open(new) as b:
         before, after = ({n: x.info(n).sha256 for n in x.bindings} for x in (a, b))
         assert b.artifact_id != a.artifact_id and set(before) == set(after)
+        assert text_identity(b) == text_identity(a)  # the NIAH oracles stay the model's
     drafter = {n for n in before if n.startswith(("dflash.", "dflash2."))}
     assert drafter and all(before[n] == after[n] for n in set(before) - drafter)
     assert any(before[n] != after[n] for n in drafter)
