@@ -197,4 +197,8 @@ def load_source(source: str | None, *, synthetic: bool = False, quant: str = "mi
     path = Path(source)
     if not path.exists():
         raise ValueError(f"no such model: {source!r} (an artifact path, or a preset: {', '.join(sorted(PRESETS))})")
+    if path.is_dir():
+        hint = (f"convert it first: ninfer-bench convert {source} {path.name or 'model'}.ninfer --quant mixed"
+                if (path / "config.json").is_file() else "pass an artifact file (.ninfer) or a preset")
+        raise ValueError(f"{source!r} is a folder, not an artifact: {hint}")
     return load_artifact(path)

@@ -55,7 +55,9 @@ def token_streams(args, p: tb.Preset, w: tb.Work) -> dict:
         w.tokenizer.mkdir(parents=True, exist_ok=True)
         (w.tokenizer / "tokenizer.json").write_bytes(a.blob("tokenizer.json"))
     facts = {"corpus": tb.stage_corpus(args, p, w)}
-    reuse = argparse.Namespace(resume=True, seed=args.seed)  # stage_tokenizer keeps a tokenizer it is given
+    # stage_tokenizer keeps a tokenizer it is given; it draws the held-out prompts with seed 0, as the build did, so
+    # the before / after comparison uses the same prompts in every run, whatever --seed trains with
+    reuse = argparse.Namespace(resume=True, seed=0)
     facts["tokenizer"] = tb.stage_tokenizer(reuse, p, w)
     return facts
 
@@ -105,7 +107,8 @@ def run(args) -> None:
     args.ship.mkdir(parents=True, exist_ok=True)
     facts["artifact"]["parts"] = export.split(new, args.ship, beside=2)
     facts.update(command=" ".join(["python3", "scripts/retrain_drafters.py", *args.argv]), seed=args.seed,
-                 versions=tb.versions(), device=str(device), seconds=round(time.time() - START, 1))
+                 versions=tb.versions(), seconds=round(time.time() - START, 1),
+                 device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")
     (args.ship / FACTS).write_text(json.dumps(facts, indent=1, default=str))
     shutil.copyfile(args.out / LOG, args.ship / LOG)
     print(f"shipped {facts['artifact']['parts']} + {FACTS}, {LOG}; total {facts['seconds']} s", flush=True)

@@ -123,6 +123,11 @@ def test_nonexistent_artifact(tmp_path):
     assert code != 0 and "no such file" in one_line_error(text)
     code, text = run("generate", tmp_path / "missing.ninfer", "-p", "x")
     assert code != 0 and "no such model" in one_line_error(text)
+    hf = tmp_path / "hf"  # a Hugging Face folder given where an artifact goes: say how to convert it
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    code, text = run("generate", hf, "-p", "x")
+    assert code != 0 and "is a folder, not an artifact: convert it first" in one_line_error(text)
 
 
 def test_debug_shows_traceback(tmp_path):
