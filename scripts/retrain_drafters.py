@@ -138,6 +138,8 @@ def join(ship: Path, models: Path) -> Path:
     """Install the shipped artifact (its SHA-256 checked) and record the run in card_facts.json (the drafters'
     facts: totals over the runs when the retraining continued the shipped drafters, each run in ``retrained``) and
     train_log.jsonl (its rows continue the drafter curve, marked ``retrain``); then rewrite the card."""
+    if not (ship / FACTS).is_file():
+        raise SystemExit(f"{ship}: no {FACTS} there: pass the folder a run of this script shipped its files to")
     facts = json.loads((ship / FACTS).read_text())
     art, new = facts["artifact"], facts["drafters"]
     card_path, log_path = models / "card_facts.json", models / "train_log.jsonl"
@@ -178,8 +180,9 @@ def join(ship: Path, models: Path) -> Path:
 
 
 def parse(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--artifact", type=Path, default=REPO / "models" / BUNDLED_NAME)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 epilog="Back here, `retrain_drafters.py join SHIPDIR` installs what a run shipped.")
+    ap.add_argument("--artifact", type=Path, default=REPO / "models" / BUNDLED_NAME, help="default: the bundled model")
     ap.add_argument("--out", type=Path, required=True, help="work folder")
     ap.add_argument("--ship", type=Path, default=None, help="where the new artifact's parts go (default OUT/ship)")
     ap.add_argument("--minutes", type=float, default=5.5, help="training time budget")
