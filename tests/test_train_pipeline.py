@@ -222,3 +222,13 @@ def test_retrained_drafters_replace_only_the_drafters(built, tmp_path):
     got = engine({"art": models / BUNDLED_NAME}, spec="dflash2", draft_tokens=3)
     assert got.generate(built["prompt"], max_new_tokens=16, ignore_eos=True).tokens == \
         engine(built).generate(built["prompt"], max_new_tokens=16, ignore_eos=True).tokens
+
+    # --fresh: new drafters, whose facts and log rows replace the build's instead of adding to them
+    fresh = tmp_path / "fresh"
+    retrain_drafters.main(["--artifact", str(models / BUNDLED_NAME), "--out", str(fresh), "--tiny", "--device", "cpu",
+                           "--steps", "2", "--fresh", "--minutes-eval", "0.01"])
+    retrain_drafters.join(fresh / "ship", models)
+    cf = json.loads((models / "card_facts.json").read_text())
+    assert cf["drafters"]["steps"] == 2 and [r["warm_start"] for r in cf["drafters"]["retrained"]] == [False]
+    log = [json.loads(ln) for ln in (models / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log if r["phase"] == "drafters"] == [2]
