@@ -155,22 +155,28 @@ def _training(f: dict) -> list[str]:
             f"{t['seq_len']}{long}), {t['tokens'] / 1e6:.0f}M tokens seen ({t['epochs']} epochs), peak LR "
             f"{t['peak_lr']}, {t['seconds']} s at about {(t.get('tok_s') or 0) / 1e3:.0f}K tokens/s; gated delta "
             f"rule kernel `{t['gdn']['chunk_gated_delta_rule']}`.",
-            f"Drafters (target frozen, labels = the target's {d['labels']} tokens): {d['steps']:,} steps of "
-            f"{d['batch']} x {d['seq_len']} tokens, block lengths {d['block_sizes']}, MTP fine-tuned at depths "
-            f"1..{d['mtp_depths']}, {d['seconds']} s.", *_retrained(d), "", "![loss curve](loss_curve.png)"]
+            *_drafters(d), "", "![loss curve](loss_curve.png)"]
 
 
-def _retrained(d: dict) -> list[str]:
-    """The drafters' further training on the shipped target (scripts/retrain_drafters.py), run by run."""
+def _drafters(d: dict) -> list[str]:
+    """The build's drafter stage, then each further training on the shipped target (scripts/retrain_drafters.py);
+    ``d``'s steps and seconds are the totals over the build (when the first retraining continued its drafters) and
+    the retrainings."""
     runs = d.get("retrained") or []
+    head = f"Drafters (target frozen, labels = the target's {d['labels']} tokens): "
+    shape = f"{d['batch']} x {d['seq_len']} tokens, block lengths {d['block_sizes']}"
     if not runs:
-        return []
-    each = "; ".join(f"{r['steps']:,} steps in {r['seconds']} s on {r['device']} "
-                     + (f"continuing from {r['after_steps']:,}" if r["warm_start"] else "from a fresh start")
-                     for r in runs)
-    return [f"The block drafters were then retrained on the shipped (quantized) target by "
-            f"`scripts/retrain_drafters.py` ({each}; last: `{runs[-1]['command']}`). The target, MTP head and "
-            f"tokenizer bytes are the build's; the drafter steps and seconds above are the totals."]
+        return [f"{head}{d['steps']:,} steps of {shape}, MTP fine-tuned at depths 1..{d['mtp_depths']}, "
+                f"{d['seconds']} s."]
+    each = "; ".join(f"{r['steps']:,} steps in {r['seconds']} s on {r['device']}" for r in runs)
+    if runs[0]["warm_start"]:
+        first = (f"{head}{runs[0]['after_steps']:,} steps of {shape} in the build, MTP fine-tuned at depths "
+                 f"1..{d['mtp_depths']}, {round(d['seconds'] - sum(r['seconds'] for r in runs), 1)} s; then "
+                 f"trained further on the shipped (quantized) target")
+    else:
+        first = f"{head}the block drafters were trained anew on the shipped (quantized) target"
+    return [f"{first} by `scripts/retrain_drafters.py` ({each}; last: `{runs[-1]['command']}`), {d['steps']:,} steps "
+            f"and {d['seconds']} s in all. The target, MTP head and tokenizer bytes are the build's."]
 
 
 def _results(f: dict, met) -> list[str]:
