@@ -68,7 +68,10 @@ def starting_drafters(loaded, p: tb.Preset, fresh: bool, seed: int) -> dict[str,
     if missing and not fresh:
         raise SystemExit(f"the artifact has no {missing} drafter to continue from: pass --fresh")
     if fresh:
-        return drafters.new_drafters(cfg, p.shape, loaded.tokenizer.token_to_id(tok.MASK), seed)
+        mask = loaded.tokenizer.token_to_id(tok.MASK)
+        if mask is None:
+            raise SystemExit(f"--fresh: the artifact's tokenizer has no {tok.MASK} token to fill the drafters' blocks")
+        return drafters.new_drafters(cfg, p.shape, mask, seed)
     return {k: BlockDrafter.from_raws(*loaded.drafters[k], cfg.hidden_size, cfg.vocab_size) for k in KINDS}
 
 
