@@ -106,7 +106,7 @@ def run(args) -> None:
             "seconds": facts["drafters"]["seconds"], "warm_start": not args.fresh}
     facts["artifact"] = graft.replace_drafters(args.artifact, {k: n.cpu() for k, n in nets.items()}, new, note)
     facts["artifact"].update(bytes=new.stat().st_size, sha256=export.sha256(new))
-    facts["acceptance"] = compare(args, p, w, new)
+    facts["acceptance"] = compare(args, p, w, tk, new)
     args.ship.mkdir(parents=True, exist_ok=True)
     facts["artifact"]["parts"] = export.split(new, args.ship, beside=2)
     facts.update(command=" ".join(["python3", "scripts/retrain_drafters.py", *args.argv]), seed=args.seed,
@@ -117,9 +117,8 @@ def run(args) -> None:
     print(f"shipped {facts['artifact']['parts']} + {FACTS}, {LOG}; total {facts['seconds']} s", flush=True)
 
 
-def compare(args, p: tb.Preset, w: tb.Work, new: Path) -> dict:
+def compare(args, p: tb.Preset, w: tb.Work, tk, new: Path) -> dict:
     """Acceptance of the artifact's drafters and of the retrained ones on the same held-out prompts (greedy)."""
-    tk = tok.load(w.tokenizer)
     prompts = [tk.encode(json.loads(ln)["text"], add_special_tokens=False).ids
                for ln in w.prompts.read_text().splitlines()][: p.eval_prompts]
     ctx = max(len(x) for x in prompts) + p.eval_new + 16
@@ -199,16 +198,8 @@ def parse(argv=None):
     args.argv = list(argv)
     if not args.artifact.is_file():
         ap.error(f"--artifact {args.artifact}: no such file")
-    for name in ("minutes", "minutes_eval", "steps"):
-        if getattr(args, name) is not None and getattr(args, name) <= 0:
-            ap.error(f"--{name.replace('_', '-')} must be positive")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        ap.error("--device cuda: CUDA is not available here")
-    args.device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                               ("cpu" if args.device == "auto" else args.device))
     args.artifact = args.artifact.resolve()
-    args.ship = args.ship or args.out / "ship"
-    return args
+    return tb.finish_args(ap, args, ("minutes", "minutes_eval", "steps"))
 
 
 def main(argv=None) -> None:

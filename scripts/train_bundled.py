@@ -394,7 +394,14 @@ def parse(argv=None):
     bad = [s for s in args.stages if s not in STAGES]
     if bad:
         ap.error(f"--stage: unknown stage(s) {bad} (known: all, {', '.join(STAGES)})")
-    for name in ("minutes_target", "minutes_drafters", "minutes_eval", "target_steps", "drafter_steps"):
+    return finish_args(ap, args, ("minutes_target", "minutes_drafters", "minutes_eval", "target_steps",
+                                  "drafter_steps"))
+
+
+def finish_args(ap, args, positive: tuple[str, ...]):
+    """Shared by this script and retrain_drafters.py: the ``positive`` options checked, ``--device`` resolved to a
+    torch.device, ``--ship`` defaulted to OUT/ship."""
+    for name in positive:
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             ap.error(f"--{name.replace('_', '-')} must be positive")
     if args.device == "cuda" and not torch.cuda.is_available():

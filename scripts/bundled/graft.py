@@ -8,6 +8,7 @@ naming the artifact it came from.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from ninfer_bench.engine.artifact import Artifact
@@ -40,8 +41,8 @@ def replace_drafters(src: Path, nets: dict, out: Path, note: dict) -> dict:
         comps, tensors = drafter_extras(nets, policy)
         provenance = {**a.provenance, "drafters_replaced": {**note, "from_artifact": a.artifact_id,
                                                             "kinds": sorted(nets)}}
+        new_id = os.urandom(16)
         write_artifact(out, tensors=tensors, packed=packed, blobs=blobs, components={**a.components, **comps},
-                       metadata=a.metadata, provenance=provenance, aliases=aliases, version=3, model_id=a.model_id)
-        source_id = a.artifact_id
-    with Artifact.open(out) as b:
-        return {"policy": policy, "from_artifact": source_id, "artifact_id": b.artifact_id}
+                       metadata=a.metadata, provenance=provenance, aliases=aliases, version=3, model_id=a.model_id,
+                       artifact_id=new_id)
+        return {"policy": policy, "from_artifact": a.artifact_id, "artifact_id": new_id.hex()}
