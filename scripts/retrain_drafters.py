@@ -148,13 +148,10 @@ def join(ship: Path, models: Path) -> Path:
     cf = json.loads(card_path.read_text())
     if cf["export"].get("sha256") == art["sha256"]:
         raise SystemExit(f"{ship}: this artifact is installed already")
-    tmp = models / (BUNDLED_NAME + ".tmp")
-    with open(tmp, "wb") as f:
-        for name in art["parts"]:
-            f.write((ship / name).read_bytes())
-    if export.sha256(tmp) != art["sha256"]:
-        tmp.unlink()
-        raise SystemExit(f"{ship}: the joined artifact's SHA-256 differs from the one {FACTS} records")
+    try:
+        tmp = export.assemble(ship, art["parts"], art["sha256"], models / (BUNDLED_NAME + ".tmp"), FACTS)
+    except RuntimeError as e:
+        raise SystemExit(f"{ship}: {e}") from None
     old = cf["drafters"]
     keep = ("steps", "seconds", "context_tokens")
     prior = {k: old.get(k, 0) for k in keep} if new["warm_start"] else dict.fromkeys(keep, 0)

@@ -113,22 +113,27 @@ def split(artifact: Path, ship: Path, beside: int = len(SHIP_FILES)) -> list[str
     return names
 
 
-def join(ship: Path, models: Path, suites_data: Path) -> Path:
-    """Reassemble the artifact from ``ship`` into ``models`` (checking its SHA-256), install the prompts, the
-    licence note and the facts, and write the model card."""
-    facts = json.loads((ship / "card_facts.json").read_text())
-    parts = facts["export"]["parts"]
-    models.mkdir(parents=True, exist_ok=True)
-    out = models / BUNDLED_NAME
-    tmp = models / (BUNDLED_NAME + ".tmp")
+def assemble(ship: Path, parts: list[str], want: str, tmp: Path, source: str) -> Path:
+    """Concatenate the shipped ``parts`` into ``tmp`` and return it once its SHA-256 equals ``want`` (the digest
+    ``source`` records); on a mismatch ``tmp`` is removed and RuntimeError raised. The caller renames ``tmp``."""
     with open(tmp, "wb") as f:
         for name in parts:
             f.write((ship / name).read_bytes())
     got = sha256(tmp)
-    if got != facts["export"]["sha256"]:
+    if got != want:
         tmp.unlink()
-        raise RuntimeError(f"joined artifact has SHA-256 {got}, card_facts.json records {facts['export']['sha256']}")
-    tmp.replace(out)
+        raise RuntimeError(f"joined artifact has SHA-256 {got}, {source} records {want}")
+    return tmp
+
+
+def join(ship: Path, models: Path, suites_data: Path) -> Path:
+    """Reassemble the artifact from ``ship`` into ``models`` (checking its SHA-256), install the prompts, the
+    licence note and the facts, and write the model card."""
+    facts = json.loads((ship / "card_facts.json").read_text())
+    models.mkdir(parents=True, exist_ok=True)
+    out = models / BUNDLED_NAME
+    ex = facts["export"]
+    assemble(ship, ex["parts"], ex["sha256"], models / (BUNDLED_NAME + ".tmp"), "card_facts.json").replace(out)
     suites_data.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(ship / "heldout_prompts.jsonl", suites_data / "heldout_prompts.jsonl")
     shutil.copyfile(ship / "corpus_LICENSES.md", models / "corpus_LICENSES.md")
