@@ -150,11 +150,9 @@ def gated_delta_rule_step(q, k, v, g, beta, state, *, scale=None, return_states=
     BH = B * Hv
     kf = _to_v_heads(k, Hv)  # [B, T, Hv, dk]
     qf = _to_v_heads(q, Hv) * scale
-    # The read as [k q]^T @ S on a CPU: x86 BLAS runs [2, dk] @ [dk, dv] 6-8x faster than S^T @ [dk, 2], with the
-    # same bits (scripts/probe_gdn_read.py); on CUDA the S^T form the GPU tests ran is kept.
-    rows = not state.is_cuda
-    kq = torch.stack([kf, qf], dim=-2 if rows else -1).transpose(0, 1)
-    kq = kq.reshape(T, BH, 2, dk) if rows else kq.reshape(T, BH, dk, 2)
+    # The read as [k q]^T @ S: x86 BLAS runs [2, dk] @ [dk, dv] 6-8x faster than S^T @ [dk, 2], with the same bits
+    # (scripts/probe_gdn_read.py)
+    kq = torch.stack([kf, qf], dim=-2).transpose(0, 1).reshape(T, BH, 2, dk)
     k_dot_q = (kf * qf).sum(-1).transpose(0, 1).reshape(T, BH, 1)  # [T, BH, 1]
     vf = v.to(torch.float32).transpose(0, 1).reshape(T, BH, dv)
     decay = g.to(torch.float32).exp().transpose(0, 1).reshape(T, BH, 1, 1)
@@ -171,9 +169,9 @@ def gated_delta_rule_step(q, k, v, g, beta, state, *, scale=None, return_states=
         S = bufs[t] if return_states else bufs[t % 2]
         torch.mul(prev, decay[t], out=S)
         # [BH, 2, dv] = decayed k^T S, q^T S
-        read = torch.bmm(kq[t], S) if rows else torch.bmm(S.transpose(1, 2), kq[t]).transpose(1, 2)
+        read = torch.bmm(kq[t], S)
         u = bf[t] * (vf[t] - read[:, 0])  # [BH, dv]
-        S.baddbmm_(kq[t][:, 0].unsqueeze(-1) if rows else kq[t][:, :, :1], u.unsqueeze(1))  # S += k u^T
+        S.baddbmm_(kq[t][:, 0].unsqueeze(-1), u.unsqueeze(1))  # S += k u^T
         # S_new^T q = S_decayed^T q + (k . q) u, without a fourth pass over the state
         outs.append(read[:, 1] + k_dot_q[t] * u)
         prev = S

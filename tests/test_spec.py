@@ -10,6 +10,7 @@ import torch
 from ninfer_bench.engine.runtime import Engine
 from ninfer_bench.engine.sampling import SamplingParams
 from ninfer_bench.engine.spec.accept import accept_greedy, accept_sampling
+from ninfer_bench.engine.spec.dflash import ordered_topk
 from ninfer_bench.suites.decode import summarize
 
 from spec_rigs import RiggedDrafter, always, never, random_prefix
@@ -135,6 +136,21 @@ def test_greedy_accept_arithmetic():
     logits.scatter_(2, target[..., None], 1.0)
     n_acc, bonus = accept_greedy(torch.tensor([[1, 2, 9], [0, 6, 7]]), logits)
     assert n_acc.tolist() == [2, 0] and bonus.tolist() == [3, 5]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+def test_ordered_topk_breaks_ties_by_column(device):
+    """DFlash2's candidates: topk's values, and among equal values the lower column first - also across the k-th
+    place, where plain topk may take any of the tied columns."""
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randint(-3, 4, (4, 7, 3000), generator=g).float() / 2).to(device, torch.bfloat16)  # many ties
+    vals, cols = ordered_topk(x, 16)
+    want, _ = torch.topk(x.float(), 16, dim=-1)
+    assert torch.equal(vals, want) and torch.equal(vals, x.float().gather(-1, cols))
+    key = torch.sort(-x.float() * 1e4 + torch.arange(3000, device=device), dim=-1, stable=True).indices[..., :16]
+    assert torch.equal(cols, key)
+    assert torch.equal(ordered_topk(torch.tensor([[-0.5, 2.0, -7.0, 2.0]]), 3)[1], torch.tensor([[1, 3, 0]]))
 
 
 def test_spec_sampling_is_seeded_and_reproducible():

@@ -78,6 +78,22 @@ class DraftLayer(nn.Module):
         return x + self.down_proj(F.silu(self.gate_proj(y)) * self.up_proj(y))
 
 
+def ordered_topk(x: torch.Tensor, k: int):
+    """``torch.topk(x.float(), k)`` along the last dim with ties in one order: equal values by ascending column.
+
+    topk's order among equal values is not specified and, on CUDA, not always the same run to run; bf16 logits tie
+    often. Each float is mapped to an int32 of the same order, shifted up 32 bits and joined with its reversed
+    column, so every key is distinct and topk's choice is a function of the values alone. Returns (values, columns).
+    """
+    f = x.float()
+    bits = f.view(torch.int32)
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)
+    n = f.shape[-1]
+    cols = torch.arange(n - 1, -1, -1, device=f.device, dtype=torch.int64)
+    _, top = torch.topk((ordered << 32) | cols, k, dim=-1)
+    return f.gather(-1, top), top
+
+
 class CandidateSelector(nn.Module):
     """DFlash2's top-k walk with a low-rank previous-token scorer."""
 
@@ -101,7 +117,7 @@ class CandidateSelector(nn.Module):
         ``ids_map [N]`` maps logit columns to vocabulary ids when the logits cover only part of the
         vocabulary. Returns (tokens [B, K], candidates [B, K, C], q [B, K, C] or None), tokens and candidates
         as vocabulary ids; q is the sampling distribution over each position's candidates (None if greedy)."""
-        unary, cand = torch.topk(logits.float(), self.candidates, dim=-1)
+        unary, cand = ordered_topk(logits, self.candidates)
         if ids_map is not None:
             cand = ids_map[cand]
         prev, toks, qs = anchor, [], []
