@@ -6,7 +6,8 @@ metric fails when its median moved the wrong way by more than its threshold *and
 the shift is significant (two-sided Mann-Whitney U test, p < ``alpha``); a change past the threshold that enough
 samples cannot confirm is "ambiguous": shown, never silently passed. Where the samples are too few for the test
 ever to reach ``alpha`` (3 repeats against 3, decode's default) or there are none (peak memory), the threshold
-alone decides, and the verdict says so.
+alone decides, and the verdict says so. A metric whose value or samples hold a NaN or an infinity cannot be judged:
+its row is "missing" and fails the gate.
 
 Two runs that differ in model, workload, engine settings or GPU are different experiments: the gate fails them
 with a ``config`` row unless ``allow_config_change``. A rules list of which no rule applies is refused.
@@ -27,7 +28,7 @@ from pathlib import Path
 
 from .metric_path import MetricMissing, format_path, instances, lookup, parse_path, root, stars, substitute
 from .schema import SUITES
-from .stats import ALPHA, Shift, rank_test
+from .stats import ALPHA, rank_test
 
 KINDS = ("exact", "timing")
 # config / model keys that make two runs different experiments (a gate across them fails)
@@ -185,8 +186,11 @@ class Verdict:
 
 def config_value(config: dict, key: str):
     """``config[key]`` as two runs of one experiment would share it: file paths reduced to their names, tuples
-    (a fresh document's) as lists (a document read back from JSON)."""
+    (a fresh document's) as lists (a document read back from JSON); ``quant`` only where it built the weights
+    (``synthetic``: earlier documents recorded its unused default for artifacts too)."""
     value = config.get(key)
+    if key == "quant" and not config.get("synthetic"):
+        return None
     if isinstance(value, (list, tuple)):
         return [_portable(key, v) for v in value]
     return _portable(key, value)
@@ -228,30 +232,62 @@ def _relative(b, c) -> float | None:
     return (c - b) / abs(b)
 
 
+def _non_finite(value) -> list[float]:
+    """The NaN and infinite numbers in ``value`` (a number, or lists and dicts of them)."""
+    if isinstance(value, float):
+        return [] if math.isfinite(value) else [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [x for v in value for x in _non_finite(v)]
+    return []
+
+
+def _not_finite(named: list[tuple[str, object]]) -> str | None:
+    """Why a metric cannot be judged when a NaN or an infinity is among its (label, value) pairs; None if none is.
+    An infinite tok/s would otherwise read as an unbounded improvement, and NaN compares unequal to everything."""
+    bad = []
+    for label, value in named:
+        found = ", ".join(dict.fromkeys(map(repr, _non_finite(value))))  # inf, -inf, nan, each once
+        if found:
+            bad.append(f"{label} {'is' if isinstance(value, float) else 'holds'} {found}")
+    return "not finite: " + "; ".join(bad) if bad else None
+
+
+def _typed(value) -> str:
+    """A value with its type, strings quoted: ``str "32"``, ``int 32``, ``null``."""
+    if value is None:
+        return "null"
+    shown = f'"{_show(value)}"' if isinstance(value, str) else _show(value)
+    return f"{type(value).__name__} {shown}"
+
+
 def _judge_exact(rule: Rule, b, c, deterministic: bool) -> Verdict:
+    not_finite = _not_finite([("baseline", b), ("candidate", c)])
+    if not_finite:
+        return Verdict(rule.metric, "exact", b, c, None, "missing", not_finite)
     change = _relative(b, c)
-    if b == c or (isinstance(b, float) and isinstance(c, float) and math.isnan(b) and math.isnan(c)):
+    if b == c:
         return Verdict(rule.metric, "exact", b, c, change, "pass", "null on both sides" if b is None else "equal")
+    # "32" and 32 show alike in the table: name the types where they differ
+    differs = "differs" if type(b) is type(c) else f"differs: {_typed(b)} vs {_typed(c)}"
     if not deterministic:
         return Verdict(rule.metric, "exact", b, c, change, "ambiguous",
-                       "differs, but a run is not deterministic (sampling without a seed, or repeats disagreed)")
-    return Verdict(rule.metric, "exact", b, c, change, "fail", "differs")
+                       f"{differs}, but a run is not deterministic (sampling without a seed, or repeats disagreed)")
+    return Verdict(rule.metric, "exact", b, c, change, "fail", differs)
 
 
-def _shift(rule: Rule, baseline: dict, candidate: dict, alpha: float) -> Shift | None:
-    """The rank test over the rule's per-repeat samples; None when a document has none."""
+def _samples(rule: Rule, doc: dict, side: str) -> list | None:
+    """The rule's per-repeat samples in one document; None when it has none."""
     if rule.samples is None:
         return None
-    samples = []
-    for side, doc in (("baseline", baseline), ("candidate", candidate)):
-        try:
-            values = lookup(doc, rule.samples)
-        except MetricMissing:
-            return None
-        if not isinstance(values, list) or not all(v is None or _number(v) for v in values):
-            raise ValueError(f"{side} {rule.samples}: expected a list of numbers, got {_show(values)}")
-        samples.append(values)
-    return rank_test(*samples, alpha)
+    try:
+        values = lookup(doc, rule.samples)
+    except MetricMissing:
+        return None
+    if not isinstance(values, list) or not all(v is None or _number(v) for v in values):
+        raise ValueError(f"{side} {rule.samples}: expected a list of numbers, got {_show(values)}")
+    return values
 
 
 def _judge_timing(rule: Rule, baseline: dict, candidate: dict, b, c, alpha: float) -> Verdict:
@@ -262,14 +298,19 @@ def _judge_timing(rule: Rule, baseline: dict, candidate: dict, b, c, alpha: floa
         return verdict("pass", "not measured on either side")
     if b is None or c is None:
         return verdict("missing", f"null in the {'baseline' if b is None else 'candidate'}")
+    b_samples, c_samples = _samples(rule, baseline, "baseline"), _samples(rule, candidate, "candidate")
+    not_finite = _not_finite([("baseline", b), ("candidate", c), (f"baseline {rule.samples}", b_samples),
+                              (f"candidate {rule.samples}", c_samples)])
+    if not_finite:
+        return verdict("missing", not_finite)
     change = _relative(b, c)
-    if change is None or math.isnan(change):
-        return verdict("missing", f"not a number: {b!r} vs {c!r}")
+    if change is None:
+        return verdict("missing", f"not a number: {_typed(b)} vs {_typed(c)}")
     worse = -change if rule.higher_is_better else change
     limit = f"{rule.threshold * 100:g}%"
     if abs(worse) <= rule.threshold:
         return verdict("pass", f"within ±{limit}", change)
-    shift = _shift(rule, baseline, candidate, alpha)
+    shift = None if b_samples is None or c_samples is None else rank_test(b_samples, c_samples, alpha)
     stats = "" if shift is None else f"{shift.n_baseline} vs {shift.n_candidate} samples"
     stats = stats if shift is None or shift.p is None else f"p={shift.p:.3g}, {stats}"
     p = shift.p if shift else None

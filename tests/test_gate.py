@@ -141,6 +141,72 @@ def test_samples_that_are_not_numbers_are_named():
         gate(base, cand, [Rule("decode_tok_s", samples="samples_text")])
 
 
+@pytest.mark.parametrize("metric, value", [("decode_tok_s", math.inf), ("ttft_ms", -math.inf)])
+def test_an_infinite_candidate_timing_fails(metric, value):
+    """Infinite tok/s (or negative-infinite latency) is no unbounded improvement: it cannot be judged."""
+    cand = decode_doc()
+    cand["summary"][metric], cand["summary"]["samples"][metric] = value, [value]
+    verdicts = gate(decode_doc(), json.loads(json.dumps(cand)))  # Python's json writes and reads Infinity
+    v = by_metric(verdicts)[metric]
+    assert v.status == "missing" and v.reason == f"not finite: candidate is {value!r}; candidate samples.{metric} " \
+        f"holds {value!r}", v
+    assert exit_code(verdicts) == 1
+
+
+def test_an_infinite_baseline_timing_fails():
+    base = decode_doc()
+    base["summary"]["decode_tok_s"], base["summary"]["samples"]["decode_tok_s"] = math.inf, [math.inf]
+    v = by_metric(gate(base, decode_doc()))["decode_tok_s"]
+    assert v.status == "missing" and "not finite: baseline is inf" in v.reason, v
+    # a finite median over a sample that is not: the samples cannot be trusted either, within the threshold or not
+    base = decode_doc()
+    base["summary"]["samples"]["decode_tok_s"][3] = math.inf
+    verdicts = gate(base, decode_doc())
+    v = by_metric(verdicts)["decode_tok_s"]
+    assert v.status == "missing" and v.reason == "not finite: baseline samples.decode_tok_s holds inf", v
+    assert exit_code(verdicts) == 1
+
+
+def test_cli_fails_an_infinite_candidate(tmp_path):
+    from click.testing import CliRunner
+
+    from ninfer_bench.cli import main
+    from ninfer_bench.reports.schema import write_result
+
+    cand = decode_doc()
+    cand["summary"]["decode_tok_s"], cand["summary"]["samples"]["decode_tok_s"] = math.inf, [math.inf]
+    write_result(decode_doc(), tmp_path / "a.json")
+    write_result(cand, tmp_path / "b.json")
+    assert "Infinity" in (tmp_path / "b.json").read_text()
+    r = CliRunner().invoke(main, ["gate", "--baseline", str(tmp_path / "a.json"), "--candidate",
+                                  str(tmp_path / "b.json")], terminal_width=200)
+    assert r.exit_code == 1 and "not finite" in r.output, r.output
+
+
+def test_a_non_finite_exact_metric_fails_even_when_equal():
+    doc = decode_doc()
+    doc["summary"]["drafted_tokens"] = math.inf
+    doc["summary"]["accepted_per_position"][2] = math.nan
+    verdicts = by_metric(gate(doc, json.loads(json.dumps(doc))))
+    assert verdicts["drafted_tokens"].status == "missing", verdicts["drafted_tokens"]
+    assert verdicts["drafted_tokens"].reason == "not finite: baseline is inf; candidate is inf"
+    assert verdicts["accepted_per_position"].status == "missing", verdicts["accepted_per_position"]
+    assert verdicts["accepted_per_position"].reason == "not finite: baseline holds nan; candidate holds nan"
+
+
+def test_an_exact_difference_of_type_is_named():
+    """The string "32" and the number 32 print alike: the reason says what differs."""
+    cand = decode_doc()
+    cand["summary"]["rounds"] = "32"
+    verdicts = gate(decode_doc(), cand)
+    v = by_metric(verdicts)["rounds"]
+    assert v.status == "fail" and v.reason == 'differs: int 32 vs str "32"', v
+    console = Console(record=True, width=200)
+    console.print(render_table(verdicts))
+    assert 'differs: int 32 vs str "32"' in console.export_text()
+    assert by_metric(gate(decode_doc(accepted=60), decode_doc(accepted=59)))["accepted_tokens"].reason == "differs"
+
+
 def test_different_suites_are_refused():
     niah = make_result("niah", label="x", config={}, records=[], env=ENV,
                        summary={"cases": 0, "oracle_agreement": 1.0, "retrieval": 1.0, "first_divergence": {}})
@@ -156,6 +222,11 @@ def test_config_difference_fails_unless_allowed():
     allowed = gate(decode_doc(), cand, allow_config_change=True)
     assert allowed[0].status == "ambiguous" and exit_code(allowed) == 0
     assert "config" not in by_metric(gate(decode_doc(), decode_doc(config={"repeats": 5})))
+    # --quant builds --synthetic weights only: an artifact run's recorded default (earlier documents) is no difference
+    assert "config" not in by_metric(gate(decode_doc(config={"quant": "mixed"}), decode_doc(config={"quant": None})))
+    synthetic = gate(decode_doc(config={"synthetic": True, "quant": "mixed"}),
+                     decode_doc(config={"synthetic": True, "quant": "q4"}))
+    assert synthetic[0].metric == "config" and "quant 'mixed' vs 'q4'" in synthetic[0].reason
 
 
 @pytest.mark.parametrize("key, b, c", [
