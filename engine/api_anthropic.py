@@ -11,10 +11,24 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .backend import Backend, Outcome
 from .mrope import placeholder
-from .server import ApiError, api_error, error_body, new_id, read_json, session_of, sse, validate
+from .server import ApiError, api_error, error_body, new_id, read_json, refuse_unsupported, session_of, sse, validate
 
 STOP_REASON = {"eos": "end_turn", "stop_sequence": "stop_sequence", "length": "max_tokens"}
 NO_MODALITY = {"document": "document"}
+
+# Anthropic fields this server does not implement: accepted only with a value that asks for nothing, refused
+# otherwise. Field: (those values, why any other is refused).
+NO_TOOLS = "tool use is not supported by this server"
+UNSUPPORTED = {
+    "tools": ((None, []), NO_TOOLS), "tool_choice": ((None, {"type": "auto"}, {"type": "none"}), NO_TOOLS),
+    "mcp_servers": ((None, []), NO_TOOLS), "container": ((None,), NO_TOOLS),
+    "thinking": ((None, {"type": "disabled"}), "extended thinking is not configurable on this server"),
+    "output_config": ((None, {}), "output configuration (format, effort) is not supported by this server"),
+    "context_management": ((None,), "context management is not supported by this server"),
+    "diagnostics": ((None,), "diagnostics are not returned by this server")}
+# accepted and ignored: they change nothing a client gets back (bookkeeping, routing, caching and speed hints)
+IGNORED = frozenset({"metadata", "service_tier", "inference_geo", "speed", "cache_control", "user_profile_id",
+                     "workspace_id"})
 
 
 class Message(BaseModel):
@@ -28,7 +42,6 @@ class CountRequest(BaseModel):
     model: str
     messages: list[Message] = Field(min_length=1)
     system: str | list[dict] | None = None
-    tools: list | None = None
 
 
 class MessagesRequest(CountRequest):
@@ -42,6 +55,10 @@ class MessagesRequest(CountRequest):
     session_id: str | None = None
     return_token_ids: bool | None = None
     ignore_eos: bool | None = None
+
+
+# count_tokens may be sent a whole messages body: what only steers the generation leaves the count as it is
+COUNT_IGNORED = IGNORED | frozenset(MessagesRequest.model_fields)
 
 
 def image_block(block: dict, where: str, media: list | None) -> str:
@@ -83,8 +100,6 @@ def blocks_text(content, where: str, media: list | None = None) -> str:
 def render(backend: Backend, body: CountRequest, media: list | None = None) -> str:
     """The prompt text (``media`` collects the images, see :func:`blocks_text`). A final assistant message is a
     prefill: the reply continues it."""
-    if body.tools:
-        raise ApiError(400, "tools: tool use is not supported by this server")
     turns = [{"role": "system", "content": blocks_text(body.system, "system", media)}] if body.system else []
     turns += [{"role": m.role, "content": blocks_text(m.content, f"messages.{i}.content", media)}
               for i, m in enumerate(body.messages)]
@@ -104,6 +119,7 @@ def register(app: FastAPI, backend: Backend, max_body: int) -> None:
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request):
         body = validate(CountRequest, await read_json(request, max_body))
+        refuse_unsupported(body.model_extra or {}, UNSUPPORTED, COUNT_IGNORED)
         backend.check_model(body.model)
         media = [] if backend.engine.vision is not None else None
         text = render(backend, body, media)
@@ -115,6 +131,7 @@ def register(app: FastAPI, backend: Backend, max_body: int) -> None:
     @app.post("/v1/messages")
     async def messages(request: Request):
         body = validate(MessagesRequest, await read_json(request, max_body))
+        refuse_unsupported(body.model_extra or {}, UNSUPPORTED, IGNORED)
         backend.check_model(body.model)
         media = [] if backend.engine.vision is not None else None
         text = render(backend, body, media)

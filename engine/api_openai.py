@@ -12,13 +12,41 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .backend import Backend, Generation, Outcome
 from .mrope import placeholder
-from .server import ApiError, api_error, error_body, new_id, read_json, session_of, sse, validate
+from .server import (ApiError, api_error, error_body, new_id, read_json, refuse_unsupported, session_of, sse,
+                     validate)
 
 MAX_CHOICES = 64  # choices (n x prompts) in one request: each is a request of its own to the scheduler
 FINISH = {"eos": "stop", "stop_sequence": "stop", "length": "length"}
 MEDIA_PARTS = {"image_url": "image", "video_url": "video"}  # {"type": kind, kind: {"url": data URI | path}}
 NO_MODALITY = {"input_image": "vision", "image": "vision", "input_audio": "audio", "audio": "audio",
                "file": "file input"}
+
+# OpenAI fields this server does not implement: accepted only with a value that asks for nothing (as clients that
+# spell out every default send them), refused otherwise. Field: (those values, why any other is refused).
+NO_LOGPROBS = "log-probabilities are not returned by this server"
+NO_PENALTY = "presence and frequency penalties are not implemented by this server (only 0)"
+NO_TOOLS = "tool and function calling is not supported by this server"
+SHARED = {"logprobs": ((None, False), NO_LOGPROBS), "presence_penalty": ((None, 0, 0.0), NO_PENALTY),
+          "frequency_penalty": ((None, 0, 0.0), NO_PENALTY),
+          "logit_bias": ((None, {}), "biasing token logits is not implemented by this server")}
+CHAT_UNSUPPORTED = {
+    **SHARED, "top_logprobs": ((None, 0), NO_LOGPROBS),
+    "response_format": ((None, {"type": "text"}), "only plain text output is supported by this server"),
+    "tools": ((None, []), NO_TOOLS), "functions": ((None, []), NO_TOOLS),
+    "tool_choice": ((None, "none", "auto"), NO_TOOLS), "function_call": ((None, "none", "auto"), NO_TOOLS),
+    "audio": ((None,), "audio output is not supported by this server"),
+    "modalities": ((None, ["text"]), "only text output is supported by this server"),
+    "reasoning_effort": ((None,), "reasoning effort is not configurable on this server"),
+    "verbosity": ((None,), "verbosity is not configurable on this server"),
+    "web_search_options": ((None,), "web search is not supported by this server (no network)"),
+    "moderation": ((None,), "moderation is not run by this server")}
+COMPLETION_UNSUPPORTED = {
+    **SHARED, "echo": ((None, False), "returning the prompt is not supported by this server"),
+    "suffix": ((None, ""), "a suffix (inserting text before it) is not supported by this server")}
+# accepted and ignored: they change nothing a client gets back (bookkeeping and billing on OpenAI's platform,
+# caching and latency hints, what only matters alongside tools)
+IGNORED = frozenset({"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
+                     "prompt_cache_options", "prompt_cache_retention", "prediction", "parallel_tool_calls"})
 
 
 class StreamOptions(BaseModel):
@@ -33,7 +61,8 @@ class Message(BaseModel):
 
 
 class _Generate(BaseModel):
-    """Fields both routes share; ``None`` means the API's default. Unknown fields are ignored."""
+    """Fields both routes share; ``None`` means the API's default. The other fields the routes take are checked by
+    :func:`.server.refuse_unsupported`."""
 
     model_config = ConfigDict(extra="allow")
     model: str
@@ -54,11 +83,11 @@ class _Generate(BaseModel):
 class ChatRequest(_Generate):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    tools: list | None = None
 
 
 class CompletionRequest(_Generate):
     prompt: str | list[int] | list[str] | list[list[int]]
+    best_of: int | None = None
 
 
 def content_text(content, where: str, media: list | None = None) -> str:
@@ -91,6 +120,10 @@ def content_text(content, where: str, media: list | None = None) -> str:
 
 
 def render_chat(backend: Backend, messages: list[Message], media: list | None = None) -> str:
+    for i, m in enumerate(messages):  # the template would drop a past call and show an empty assistant turn
+        call = next((k for k in ("tool_calls", "function_call") if (m.model_extra or {}).get(k)), None)
+        if call is not None:
+            raise ApiError(400, f"messages[{i}].{call}: {NO_TOOLS}", param="messages")
     turns = [{"role": "system" if m.role == "developer" else m.role,
               "content": content_text(m.content, f"messages[{i}].content", media)} for i, m in enumerate(messages)]
     try:
@@ -131,14 +164,6 @@ async def start(request: Request, backend: Backend, body: _Generate, sources: li
     if session is not None and n * len(sources) > 1:
         raise ApiError(400, "session_id: a session continues one conversation, so n must be 1 with one prompt",
                        param="session_id")
-    extra = body.model_extra or {}
-    if extra.get("logprobs"):
-        raise ApiError(400, "logprobs: log-probabilities are not returned by this server", param="logprobs")
-    if extra.get("response_format") not in (None, {"type": "text"}):
-        raise ApiError(400, "response_format: only plain text output is supported by this server",
-                       param="response_format")
-    if extra.get("echo"):
-        raise ApiError(400, "echo: returning the prompt is not supported by this server", param="echo")
     if body.stream_options is not None and not body.stream:
         raise ApiError(400, "stream_options: only allowed when stream is true", param="stream_options")
     sampling = dict(temperature=1.0 if body.temperature is None else body.temperature,
@@ -247,8 +272,7 @@ def register(app: FastAPI, backend: Backend, max_body: int) -> None:
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         body = validate(ChatRequest, await read_json(request, max_body))
-        if body.tools:
-            raise ApiError(400, "tools: tool calling is not supported by this server", param="tools")
+        refuse_unsupported(body.model_extra or {}, CHAT_UNSUPPORTED, IGNORED)
         media = [] if backend.engine.vision is not None else None
         text = render_chat(backend, body.messages, media)
         gens = await start(request, backend, body, [{"text": text, "media": media or ()}],
@@ -277,6 +301,11 @@ def register(app: FastAPI, backend: Backend, max_body: int) -> None:
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = validate(CompletionRequest, await read_json(request, max_body))
+        refuse_unsupported(body.model_extra or {}, COMPLETION_UNSUPPORTED, IGNORED)
+        if body.best_of not in (None, body.n or 1):  # best_of == n: every candidate is returned, as n choices
+            raise ApiError(400, f"best_of: generating best_of candidates to return the n most likely is not "
+                                f"supported by this server (leave best_of out, or equal to n), got {body.best_of}",
+                           param="best_of")
         prompts = body.prompt
         if not (isinstance(prompts, list) and prompts and isinstance(prompts[0], (str, list))):
             prompts = [prompts]  # one prompt: a string or a list of token ids

@@ -19,7 +19,7 @@ from pathlib import Path
 from .runtime import CapacityError, Engine
 from .sampling import SamplingParams
 from .scheduler import QueueFull, Scheduler
-from .sessions import Session, SessionStore, check_session_id
+from .sessions import Session, SessionStore, check_session_id, quoted
 
 log = logging.getLogger("ninfer_bench.server")
 
@@ -315,7 +315,7 @@ class Backend:
 
     def check_model(self, name: str) -> None:
         if name != self.model_id:
-            raise ModelNotFound(f"model {name!r} not found: this server serves {self.model_id!r}")
+            raise ModelNotFound(f"model {quoted(name)} not found: this server serves {self.model_id!r}")
 
     def media_prompt(self, ids: list[int], media) -> tuple[list[int], object]:
         """Read and preprocess ``media`` ((kind, source) pairs, in prompt order) and widen their placeholders in

@@ -25,9 +25,14 @@ scheduler (batched with everything else running), at most 64 in a request, index
 request gives choice ``i`` the seed plus ``i`` (choice 0 is the ``n`` = 1 answer), the usage counts each prompt
 once, ``timings`` becomes a list in choice order, and a session takes one choice of one prompt only.
 
-Not supported, and refused with a 400 rather than ignored: ``tools``, ``logprobs``, ``echo``, a
-``response_format`` other than text. Stop strings: at most 16, of at most 1000 characters each. Generated control
-tokens (end tokens, chat markers) are left out of the text; ``return_token_ids`` still shows them.
+Not supported, and refused with a 400 naming the field rather than ignored (the tables of :mod:`.api_openai` and
+:mod:`.api_anthropic`): tools and function calling, log-probabilities, ``echo``, ``suffix``, ``best_of`` other
+than ``n``, ``logit_bias``, presence / frequency penalties, a ``response_format`` other than text, audio output,
+reasoning and thinking settings, web search; each is accepted with the value that asks for nothing. A field the
+route does not know is refused as unknown, as OpenAI and Anthropic refuse it; fields that change nothing a client
+gets back (``user``, ``metadata``, ``store``, ``service_tier``, prompt-cache hints, ...) are accepted and ignored.
+Stop strings: at most 16, of at most 1000 characters each. Generated control tokens (end tokens, chat markers)
+are left out of the text; ``return_token_ids`` still shows them.
 
 Images and videos (models with a vision component): OpenAI ``image_url`` / ``video_url`` content parts whose
 ``url`` is a data URI or a local file path, Anthropic ``image`` blocks with a base64 source. Remote URLs are
@@ -54,6 +59,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import socket
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -68,6 +74,7 @@ from starlette.exceptions import HTTPException
 from .backend import (Backend, BadRequest, CapacityError, ClientGone, GenerationFailed, ModelNotFound, QueueFull,
                       ShuttingDown)
 from .runtime import Engine
+from .sessions import SHOWN_CHARS, quoted
 
 log = logging.getLogger("ninfer_bench.server")
 
@@ -95,6 +102,40 @@ class ServerOptions:
             raise ValueError(f"session-dir {self.session_dir!r} is a file, not a folder")
         if self.max_body_bytes is not None and (not isinstance(self.max_body_bytes, int) or self.max_body_bytes < 1):
             raise ValueError(f"max body bytes must be a positive integer, got {self.max_body_bytes!r}")
+        if not isinstance(self.host, str):
+            raise ValueError(f"host must be a string, got {self.host!r}")
+        for sock in listen(self.host, self.port):  # a taken port is an error before the model loads, not after
+            sock.close()
+
+
+def listen(host: str, port: int) -> list[socket.socket]:
+    """Sockets bound to ``host``:``port``, one for each address the host resolves to (as asyncio's
+    ``create_server`` binds them, which uvicorn would call), not yet listening. ValueError naming the address when
+    it cannot be bound: a port in use, a host that does not resolve or is not this machine's."""
+    where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+    def refuse(e: OSError):
+        reason = e.strerror or str(e)
+        return ValueError(f"cannot listen on {where}: {reason[:1].lower()}{reason[1:]}")
+
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as e:  # socket.gaierror: no such host
+        raise refuse(e) from None
+    sockets = []
+    try:
+        for family, kind, proto, _, addr in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port left in TIME_WAIT is free to take
+            if family == socket.AF_INET6:  # "::" would otherwise take the IPv4 port too, bound next
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(addr)
+    except OSError as e:
+        for sock in sockets:
+            sock.close()
+        raise refuse(e) from None
+    return sockets
 
 
 class ApiError(Exception):
@@ -204,12 +245,30 @@ def validate(model: type[BaseModel], data: dict) -> BaseModel:
         raise ApiError(400, f"{param}: {msg}" if param else msg, param=param) from None
 
 
+def refuse_unsupported(extra: dict, unsupported: dict[str, tuple[tuple, str]], ignored: frozenset[str]) -> None:
+    """A 400 naming the first of a request's undeclared fields (``extra``) that this server would otherwise drop
+    unseen: one of ``unsupported`` ({field: (the values that ask for nothing, why any other is refused)}) holding
+    another value, or one in neither that nor ``ignored`` (fields whose loss changes nothing the client gets back),
+    which OpenAI and Anthropic refuse as unknown too."""
+    for name, value in extra.items():
+        if name in ignored:
+            continue
+        if name not in unsupported:
+            raise ApiError(400, f"unknown field {quoted(name)}: not part of the API, or not implemented by this server",
+                           param=name[:SHOWN_CHARS])
+        off, why = unsupported[name]
+        # of the same type too: a JSON 0 is not false (OpenAI completions' ``logprobs: 0`` asks for log-probabilities)
+        if not any(type(value) is type(v) and value == v for v in off):
+            raise ApiError(400, f"{name}: {why}", param=name)
+
+
 # ---- the app -------------------------------------------------------------------------------------------
 def session_of(request: Request, body_id: str | None) -> str | None:
     """The session a request names: its ``session_id`` field or its ``X-Session-Id`` header."""
     header = request.headers.get("x-session-id")
     if body_id is not None and header is not None and body_id != header:
-        raise ApiError(400, f"session_id {body_id!r} and header X-Session-Id {header!r} disagree", param="session_id")
+        raise ApiError(400, f"session_id {quoted(body_id)} and header X-Session-Id {quoted(header)} disagree",
+                       param="session_id")
     return body_id if body_id is not None else header
 
 
@@ -262,7 +321,7 @@ def create_app(backend: Backend, max_body: int) -> FastAPI:
     @app.delete("/v1/sessions/{sid}")
     async def delete_session(sid: str):
         if not await asyncio.to_thread(backend.sessions.delete, sid):
-            raise ApiError(404, f"session {sid!r} not found", code="session_not_found")
+            raise ApiError(404, f"session {quoted(sid)} not found", code="session_not_found")
         return {"id": sid, "object": "session", "deleted": True}
 
     api_openai.register(app, backend, max_body)
@@ -271,26 +330,33 @@ def create_app(backend: Backend, max_body: int) -> FastAPI:
 
 
 def serve(engine: Engine, options: ServerOptions, on_ready=None) -> None:
-    """Load the saved sessions, then serve until interrupted; ``on_ready(url, backend, restored, problems)`` runs
-    once the socket listens."""
+    """Bind the socket, load the saved sessions, then serve until interrupted; ``on_ready(url, backend, restored,
+    problems)`` runs once the socket listens. ValueError when the address cannot be bound (see :func:`listen`)."""
     import uvicorn
 
-    backend = Backend(engine, max_queue=options.max_queue, session_capacity=options.session_capacity,
-                      session_dir=options.session_dir)
-    restored, problems = backend.sessions.load()
-    max_body = options.max_body_bytes or max(1 << 20, 64 * engine.options.max_context)
+    # bound here rather than by uvicorn, which would log the OSError and exit 3: the port may have been taken
+    # while the model loaded, after ServerOptions found it free
+    sockets = listen(options.host, options.port)
+    try:
+        backend = Backend(engine, max_queue=options.max_queue, session_capacity=options.session_capacity,
+                          session_dir=options.session_dir)
+        restored, problems = backend.sessions.load()
+        max_body = options.max_body_bytes or max(1 << 20, 64 * engine.options.max_context)
 
-    class _Server(uvicorn.Server):
-        async def startup(self, sockets=None):
-            await super().startup(sockets)
-            if self.started and on_ready is not None:
-                host, port = self.servers[0].sockets[0].getsockname()[:2]
-                on_ready(f"http://{host}:{port}", backend, restored, problems)
+        class _Server(uvicorn.Server):
+            async def startup(self, sockets=None):
+                await super().startup(sockets)
+                if self.started and on_ready is not None:
+                    host, port = self.servers[0].sockets[0].getsockname()[:2]
+                    on_ready(f"http://{f'[{host}]' if ':' in host else host}:{port}", backend, restored, problems)
 
-        async def shutdown(self, sockets=None):
-            backend.drain()
-            await super().shutdown(sockets)
+            async def shutdown(self, sockets=None):
+                backend.drain()
+                await super().shutdown(sockets)
 
-    config = uvicorn.Config(create_app(backend, max_body), host=options.host, port=options.port, log_level="warning",
-                            timeout_graceful_shutdown=3, ws="none", lifespan="on")
-    _Server(config).run()
+        config = uvicorn.Config(create_app(backend, max_body), host=options.host, port=options.port,
+                                log_level="warning", timeout_graceful_shutdown=3, ws="none", lifespan="on")
+        _Server(config).run(sockets=sockets)
+    finally:
+        for sock in sockets:
+            sock.close()

@@ -32,14 +32,22 @@ import torch
 
 SESSION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 FILE_FORMAT = "ninfer-bench/session"
+SHOWN_CHARS = 64  # of an id quoted in an error message: a client's 5000-character id is not sent back whole
 log = logging.getLogger("ninfer_bench.server")
+
+
+def quoted(sid) -> str:
+    """``repr(sid)``; of a longer string, of its first ``SHOWN_CHARS`` characters followed by its length."""
+    if isinstance(sid, str) and len(sid) > SHOWN_CHARS:
+        return f"{sid[:SHOWN_CHARS]!r}... ({len(sid):,} characters)"
+    return repr(sid)
 
 
 def check_session_id(sid: str) -> str:
     """``sid`` when it is a valid session id (it names a file under --session-dir); ValueError otherwise."""
     if not isinstance(sid, str) or not SESSION_ID.fullmatch(sid):
         raise ValueError(f"session id must be 1-128 characters of letters, digits and '._:-' starting with a "
-                         f"letter or digit, got {sid!r}")
+                         f"letter or digit, got {quoted(sid)}")
     return sid
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import socket
 import subprocess
 import sys
 import time
@@ -20,6 +22,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 from ninfer_bench.engine.loader import default_model  # noqa: E402
+from ninfer_bench.engine.server import ServerOptions, serve  # noqa: E402
 from serveproc import ROOT, ServeProcess  # noqa: E402
 
 MODEL = default_model()
@@ -162,7 +165,8 @@ def test_openai_n_choices_and_prompt_lists(server):
         assert check_error(server.post("/v1/chat/completions", body), 400, False)["param"] == param
     comp = {"model": server.model, "prompt": ["x"] * 65, "max_tokens": 4}
     assert check_error(server.post("/v1/completions", comp), 400, False)["param"] == "prompt"
-    assert check_error(server.post("/v1/completions", {**comp, "prompt": ["x"] * 20, "n": 4}), 400, False)["param"] == "n"
+    too_many = {**comp, "prompt": ["x"] * 20, "n": 4}
+    assert check_error(server.post("/v1/completions", too_many), 400, False)["param"] == "n"
     assert server.wait_idle()["free_slots"] == 8
 
 
@@ -333,6 +337,122 @@ def test_errors_in_each_api_shape(server):
     with pytest.raises(anthropic.BadRequestError):
         server.anthropic.messages.create(model=server.model, messages=msgs["messages"], max_tokens=CONTEXT * 4)
     assert server.wait_idle()["free_slots"] == 8
+
+
+def test_unimplemented_fields_refused_harmless_ones_accepted(server):
+    """A field the server does not implement is a 400 naming it unless its value asks for nothing; a field of
+    neither API is refused as unknown; fields whose loss changes nothing the client gets back are accepted."""
+    chat = {"model": server.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    comp = {"model": server.model, "prompt": "hi", "max_tokens": 2}
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    refused = [  # (path, extra fields, the field the error names)
+        ("/v1/completions", {"suffix": "x"}, "suffix"),
+        ("/v1/completions", {"best_of": 3}, "best_of"),
+        ("/v1/completions", {"n": 2, "best_of": 3}, "best_of"),
+        ("/v1/completions", {"logprobs": 0}, "logprobs"),  # the sampled tokens' log-probabilities
+        ("/v1/completions", {"logit_bias": {"5": 10}}, "logit_bias"),
+        ("/v1/completions", {"presence_penalty": 0.5}, "presence_penalty"),
+        ("/v1/chat/completions", {"logit_bias": {"5": -100}}, "logit_bias"),
+        ("/v1/chat/completions", {"frequency_penalty": -1.0}, "frequency_penalty"),
+        ("/v1/chat/completions", {"tools": [tool]}, "tools"),
+        ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
+        ("/v1/chat/completions", {"functions": [tool["function"]]}, "functions"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages"),
+        ("/v1/chat/completions", {"top_logprobs": 3}, "top_logprobs"),
+        ("/v1/chat/completions", {"modalities": ["text", "audio"]}, "modalities"),
+        ("/v1/chat/completions", {"reasoning_effort": "high"}, "reasoning_effort"),
+        ("/v1/chat/completions", {"web_search_options": {}}, "web_search_options"),
+        ("/v1/chat/completions", {"min_p": 0.1}, "min_p"),  # another server's extension: unknown
+        ("/v1/chat/completions", {"best_of": 1}, "best_of"),  # a /v1/completions field only
+        ("/v1/messages", {"tools": [{"name": "f", "input_schema": {"type": "object"}}]}, "tools"),
+        ("/v1/messages", {"tool_choice": {"type": "any"}}, "tool_choice"),
+        ("/v1/messages", {"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
+        ("/v1/messages", {"output_config": {"format": {"type": "json_schema", "schema": {}}}}, "output_config"),
+        ("/v1/messages", {"top_a": 0.5}, "top_a"),
+        ("/v1/messages/count_tokens", {"tools": [{"name": "f", "input_schema": {"type": "object"}}]}, "tools"),
+    ]
+    for path, extra, field in refused:
+        anthropic_shape = path.startswith("/v1/messages")
+        err = check_error(server.post(path, {**(comp if "/v1/completions" == path else chat), **extra}), 400,
+                          anthropic_shape)
+        named = err["message"].startswith((f"{field}:", f"{field}[")) or f"unknown field {field!r}" in err["message"]
+        assert named, (path, err)
+        assert anthropic_shape or err["param"] == field, (path, err)
+    accepted = [
+        ("/v1/completions", {"best_of": 1, "suffix": "", "echo": False, "logprobs": None, "presence_penalty": 0,
+                             "frequency_penalty": 0.0, "logit_bias": {}, "user": "u"}),
+        ("/v1/completions", {"n": 2, "best_of": 2}),
+        ("/v1/chat/completions", {"user": "u", "metadata": {"k": "v"}, "store": False, "service_tier": "auto",
+                                  "parallel_tool_calls": True, "tools": [], "tool_choice": "none",
+                                  "response_format": {"type": "text"}, "modalities": ["text"], "logprobs": False,
+                                  "top_logprobs": 0, "prompt_cache_key": "k"}),
+        ("/v1/messages", {"metadata": {"user_id": "u"}, "service_tier": "auto", "thinking": {"type": "disabled"},
+                          "tools": [], "tool_choice": {"type": "auto"}}),
+        ("/v1/messages/count_tokens", {"tools": [], "thinking": {"type": "disabled"}}),
+    ]
+    for path, extra in accepted:
+        r = server.post(path, {**(comp if "/v1/completions" == path else chat), **extra})
+        assert r.status_code == 200, (path, r.text)
+    # the official clients: harmless arguments pass, the rest is refused naming the argument
+    args = dict(model=server.model, messages=chat["messages"], max_tokens=2)
+    server.openai.chat.completions.create(**args, user="u", store=False, presence_penalty=0)
+    with pytest.raises(openai.BadRequestError, match="logit_bias"):
+        server.openai.chat.completions.create(**args, logit_bias={"5": 10})
+    with pytest.raises(openai.BadRequestError, match="suffix"):
+        server.openai.completions.create(model=server.model, prompt="hi", max_tokens=2, suffix="x")
+    server.anthropic.messages.create(**args, metadata={"user_id": "u"})
+    with pytest.raises(anthropic.BadRequestError, match="tools"):
+        server.anthropic.messages.create(**args, tools=[{"name": "f", "input_schema": {"type": "object"}}])
+    assert server.wait_idle()["free_slots"] == 8
+
+
+def test_long_ids_are_not_echoed_whole(server):
+    """A 5000-character session id or model name comes back in the error cut to its first 64 characters."""
+    chat = {"model": server.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    long_id = "a" * 4999 + "!"
+    shown = f"{'a' * 64!r}... (5,000 characters)"
+    replies = [  # (response, status, in Anthropic's shape)
+        (server.post("/v1/chat/completions", {**chat, "session_id": long_id}), 400, False),
+        (server.post("/v1/completions", {"model": server.model, "prompt": "hi", "session_id": long_id}), 400, False),
+        (server.post("/v1/messages", {**chat, "session_id": long_id}), 400, True),
+        (httpx.post(f"{server.url}/v1/chat/completions", json={**chat, "session_id": "x"},
+                    headers={"X-Session-Id": long_id}), 400, False),
+        (server.post("/v1/chat/completions", {**chat, "model": long_id}), 404, False),
+        (httpx.delete(f"{server.url}/v1/sessions/{long_id}"), 404, False),
+    ]
+    for r, status, anthropic_shape in replies:
+        err = check_error(r, status, anthropic_shape)
+        assert shown in err["message"] and len(err["message"]) < 300, err
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_refuses_an_address_it_cannot_bind(tmp_path):
+    """A port in use or a host that does not resolve: one line in the CLI's error form and exit code 1, before the
+    model loads; a port taken after the options were checked (during the load) gives the same error."""
+    with socket.socket() as taker:
+        taker.bind(("127.0.0.1", 0))
+        taker.listen()
+        port = taker.getsockname()[1]
+        env = {**os.environ, "NO_COLOR": "1", "OMP_NUM_THREADS": "1"}
+        for args, reason in [(["--port", str(port)], f"127.0.0.1:{port}: address already in use"),
+                             (["--host", "999.1.1.1"], "999.1.1.1:8080: name or service not known")]:
+            res = subprocess.run([sys.executable, str(ROOT / "scripts" / "nb.py"), "serve", str(MODEL), "--device",
+                                  "cpu", *args], capture_output=True, text=True, timeout=120, env=env)
+            assert (res.returncode, res.stdout, res.stderr) == (1, "", f"error: cannot listen on {reason}\n")
+
+    port = free_port()
+    options = ServerOptions(port=port)
+    with socket.socket() as taker:
+        taker.bind(("127.0.0.1", port))
+        taker.listen()
+        with pytest.raises(ValueError, match=f"^cannot listen on 127.0.0.1:{port}: address already in use$"):
+            serve(None, options)  # refused before the engine is touched
 
 
 # ---- sessions -----------------------------------------------------------------------------------------
