@@ -384,12 +384,16 @@ class Engine:
             self._finish(seq)
         return final
 
-    def start(self, seq: Sequence) -> None:
-        """Prefill ``seq``'s prompt (past any cached prefix), pick its first token, and prime the drafter."""
+    def start(self, seq: Sequence, on_prefill=None) -> None:
+        """Prefill ``seq``'s prompt (past any cached prefix), pick its first token, and prime the drafter.
+        ``on_prefill(done, total)`` is called after each chunk with the prompt tokens prefilled so far."""
         if seq.length >= len(seq.prompt):
             raise ValueError("nothing to prefill: the cached prefix covers the whole prompt")
-        while not self.prefill_step(seq):
-            pass
+        done = False
+        while not done:
+            done = self.prefill_step(seq)
+            if on_prefill:
+                on_prefill(seq.length, len(seq.prompt))
 
     @torch.inference_mode()
     def advance(self, seqs: list[Sequence]) -> None:
@@ -465,22 +469,23 @@ class Engine:
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int = 256, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop=(), media: MediaPrompt | None = None,
-                 **extra) -> GenerationResult:
+                 on_prefill=None, **extra) -> GenerationResult:
         """Generate from ``prompt_ids`` (with ``media`` from :meth:`media_prompt`); returns tokens, text, timings
-        and speculative statistics (the vision encode is part of prefill and TTFT)."""
+        and speculative statistics (the vision encode is part of prefill and TTFT). ``on_prefill(done, total)``
+        follows a long prompt's prefill chunk by chunk (see :meth:`start`)."""
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                 seed=seed, stop=tuple(stop) if not isinstance(stop, str) else (stop,), **extra)
         seq = self.acquire(prompt_ids, params, media)
         try:
-            return self._run(seq)
+            return self._run(seq, on_prefill)
         finally:
             self.release(seq)
 
-    def _run(self, seq: Sequence) -> GenerationResult:
+    def _run(self, seq: Sequence, on_prefill=None) -> GenerationResult:
         dev = self.device
         _sync(dev)
         t0 = time.perf_counter()
-        self.start(seq)
+        self.start(seq, on_prefill)
         _sync(dev)
         t1 = time.perf_counter()
         ev0, ev1 = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) \

@@ -195,23 +195,36 @@ def rescore_niah(doc: dict, oracle: str | None = None) -> dict:
 
 
 def run_niah(opts: NiahOptions, progress=None) -> dict:
-    """Run every case; returns the result document (heatmap drawing is left to reports)."""
+    """Run every case; returns the result document (heatmap drawing is left to reports).
+
+    ``progress(done, total, what)`` counts prompt tokens prefilled over all cases, chunk by chunk: one 64K case
+    prefills for minutes on a CPU, and a count of finished cases alone would stand still meanwhile."""
     from ..engine.runtime import Engine
 
     top = max(opts.ctxs)
+    if progress:
+        progress(0, None, "loading the model")
     eng = Engine.load(opts.model, device=opts.device, kv_dtype=opts.kv_dtype, max_context=top,
                       prefill_chunk=opts.prefill_chunk, runtime=opts.runtime)
     all_cases = cases(eng.tokenizer, opts)
     oracles = _load_oracles(opts, eng.model_info)
-    records, t0 = [], time.perf_counter()
+    total = sum(len(c["prompt_ids"]) for c in all_cases)
+    records, before, t0 = [], 0, time.perf_counter()
     for n, case in enumerate(all_cases, 1):
-        res = eng.generate(case["prompt_ids"], max_new_tokens=opts.answer_tokens, ignore_eos=True)
+        what = f"prompt tokens, case {n}/{len(all_cases)} {case['case']}"
+
+        def on_prefill(done, _case_total, at=before, what=what):
+            progress(at + done, total, what)
+
+        if progress:
+            on_prefill(0, None)
+        res = eng.generate(case["prompt_ids"], max_new_tokens=opts.answer_tokens, ignore_eos=True,
+                           on_prefill=on_prefill if progress else None)
+        before += len(case["prompt_ids"])
         rec = {k: case[k] for k in ("case", "ctx", "depth", "key", "value")}
         rec.update(prompt_tokens=len(case["prompt_ids"]), answer=res.text, tokens=res.tokens,
                    retrieved=retrieved(res.text, case["value"]), seconds=res.prefill_s + res.decode_s)
         records.append(judge(rec, case, oracles.get(case["case"]), opts.near_tie))
-        if progress:
-            progress(n, len(all_cases), case["case"])
     summary = summarize(records, opts.ctxs, time.perf_counter() - t0)
     config = asdict(opts)
     config["label"] = opts.label or f"{opts.runtime}-niah"

@@ -102,3 +102,23 @@ def test_rescore_refuses_a_document_it_cannot_rebuild(tmp_path):
     write_result(doc, tmp_path / "n.json")
     r = CliRunner().invoke(main, ["niah", "--rescore", str(tmp_path / "n.json")])
     assert r.exit_code == 1 and "records[0] lacks" in r.output and r.exception.__class__ is SystemExit, r.output
+
+
+def test_niah_progress_counts_prefill_chunks_within_a_case(tmp_path):
+    """A long case shows progress while it prefills: the callback counts prompt tokens chunk by chunk, rising over
+    all cases to their total, and following it changes no result."""
+    opts = NiahOptions(model="tiny", ctxs=(512,), depths=(0, 100), answer_tokens=3, device="cpu", prefill_chunk=128,
+                       oracle=str(tmp_path / "none"))
+    calls = []
+    doc = run_niah(opts, progress=lambda done, total, what: calls.append((done, total, what)))
+    assert calls[0] == (0, None, "loading the model")
+    counts = [c for c in calls[1:] if c[2].endswith("ctx512-d0-0")]
+    lengths = [r["prompt_tokens"] for r in doc["records"]]
+    assert lengths[0] > 2 * 128  # several chunks
+    assert [done for done, _, _ in counts] == [*range(0, lengths[0], 128), lengths[0]]
+    done = [c[0] for c in calls[1:]]
+    assert done == sorted(done) and done[-1] == calls[-1][1] == sum(lengths)
+    assert "case 2/2 ctx512-d100-0" in calls[-1][2]
+    quiet = run_niah(opts)
+    strip = [{k: v for k, v in r.items() if k != "seconds"} for r in doc["records"]]
+    assert strip == [{k: v for k, v in r.items() if k != "seconds"} for r in quiet["records"]]
