@@ -115,8 +115,8 @@ def inspect(artifact, as_json):
 
 def component_checks(art) -> dict[str, tuple[bool, str]]:
     """(ok, message) per part of the model the artifact holds (``text`` with its MTP head, ``drafters``,
-    ``vision``): its configs parsed and its tensors checked against them, as loading it would."""
-    from .engine.loader import drafters_of, text_of, vision_of
+    ``vision``, the ``tokenizer``): its configs parsed and its tensors checked against them, as loading it would."""
+    from .engine.loader import drafters_of, text_of, tokenizer_of, vision_of
 
     comps = art.components or {}
     parts = [("text", text_of, True), ("drafters", drafters_of, comps.get("dflash") or comps.get("dflash2")),
@@ -132,6 +132,12 @@ def component_checks(art) -> dict[str, tuple[bool, str]]:
             out[name] = (True, "ok")
         except ValueError as e:
             out[name] = (False, str(e))
+    if text_cfg is not None and (art.metadata or {}).get("tokenizer"):
+        try:
+            tokenizer_of(art, text_cfg)
+            out["tokenizer"] = (True, "ok")
+        except ValueError as e:
+            out["tokenizer"] = (False, str(e))
     return out
 
 
@@ -149,15 +155,19 @@ def verify(artifact):
     bad = [f"{label}: {msg}" for label, ok, msg in results if not ok]
     for line in bad + [msg for ok, msg in components.values() if not ok]:
         err_console.print(Text.assemble(("FAIL", "red"), " ", line), highlight=False)
-    problems = [f"{len(bad)} of {len(results)} objects failed verification"] if bad else []
+    n = len(art.objects)
+    whole = [label for label, ok, _ in results[:len(results) - n] if not ok]  # the header's and the file end's
+    problems = [f"the {label} failed verification" for label in whole]
+    problems += [f"{len(bad) - len(whole)} of {n} objects failed verification"] if len(bad) > len(whole) else []
     problems += [f"the {name} component does not load" for name, (ok, _) in components.items() if not ok]
     if problems:
         raise UserError("; ".join(problems))
     if art.version == 2:
-        console.print(f"[green]ok[/]: {len(results)} objects bounds-checked in {artifact} (a v2 artifact carries no "
+        console.print(f"[green]ok[/]: {n} objects bounds-checked in {artifact} (a v2 artifact carries no "
                       f"digests; `upgrade` writes a v3 that does)", soft_wrap=True)
     else:
-        console.print(f"[green]ok[/]: {len(results)} objects verified in {artifact}", soft_wrap=True)
+        header = "and the header " if art.provenance.get("header_sha256") else "(the header carries no digest) "
+        console.print(f"[green]ok[/]: {n} objects {header}verified in {artifact}", soft_wrap=True)
 
 
 def check_output(path: str | None, *, folder: bool = False, parents: bool = False) -> bool:
@@ -175,9 +185,20 @@ def check_output(path: str | None, *, folder: bool = False, parents: bool = Fals
     if not parent.is_dir():
         raise UserError(f"cannot write {path}: folder {parent} "
                         f"{'is a file' if parent.exists() else 'does not exist'}")
-    if not os.access(parent, os.W_OK | os.X_OK):
+    if not os.access(parent, os.W_OK | os.X_OK) or not _can_create(parent):
         raise UserError(f"cannot write {path}: folder {parent} is not writable")
     return p.exists()
+
+
+def _can_create(folder: Path) -> bool:
+    """Whether a file can be made in ``folder`` (permission bits say yes on read-only mounts and /proc)."""
+    import tempfile
+
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".ninfer-bench-check-"):
+            return True
+    except OSError:
+        return False
 
 
 def overwritten(path: str, existed: bool) -> None:
@@ -232,6 +253,19 @@ def comma_list(choices):
             raise click.BadParameter(f"{value!r}: comma-separated values from {', '.join(choices)}")
         return items
     return parse
+
+
+def run_label(ctx, param, value):
+    """A click callback for ``--label``: a run's label names its result file in a grid's folder and its rows in
+    reports, so it is one file name - no path separator, not ``.`` / ``..``, no control character."""
+    if value is None:
+        return None
+    bad = not value.strip() or value in (".", "..") or any(c in value for c in "/\\") \
+        or any(ord(c) < 32 for c in value)
+    if bad:
+        raise click.BadParameter(f"{value!r}: a label is a file name (no '/', '\\', control characters; not empty, "
+                                 f"'.' or '..')")
+    return value
 
 
 def engine_options(f=None, *, kv_default: str = "int8", runtime_list: bool = False):
@@ -331,10 +365,11 @@ def generate(artifact, prompt, prompt_file, chat, max_new_tokens, temperature, t
              draft_tokens, images, videos, **options):
     """Generate text from a prompt, optionally about images and videos (default model: the bundled one)."""
     from .engine.mrope import placeholder
+    from .suites.common import read_text
 
     if (prompt is None) == (prompt_file is None):
         raise UserError("give exactly one of --prompt or --prompt-file")
-    text = prompt if prompt is not None else Path(prompt_file).read_text()
+    text = prompt if prompt is not None else read_text(prompt_file)
     eng = build_engine(artifact, spec=spec, draft_tokens=draft_tokens, **options)
     items = [eng.load_media("image", p) for p in images] + [eng.load_media("video", p) for p in videos]
     text = "".join(placeholder(it.kind) for it in items) + text

@@ -14,7 +14,8 @@ from rich.progress import BarColumn, Progress, TextColumn
 from rich.table import Table
 from rich.text import Text
 
-from .cli import UserError, check_output, comma_list, console, engine_options, err_console, int_list, main, oracle
+from .cli import (UserError, check_output, comma_list, console, engine_options, err_console, int_list, main, oracle,
+                  run_label)
 
 
 # ---- suites ------------------------------------------------------------------------------------------
@@ -107,8 +108,9 @@ def fmt(v, spec=".2f"):
 @click.option("--stop-at-eos", is_flag=True, help="Stop at end-of-sequence (default: always generate -n tokens).")
 @click.option("--repeats", type=int, default=3, show_default=True)
 @click.option("--warmup", type=int, default=1, show_default=True)
-@click.option("--label", default=None, help="Label of this run in reports [default: runtime-spec-k; with several "
-                                            "runs, a prefix of each run's label].")
+@click.option("--label", default=None, callback=run_label,
+              help="Label of this run in reports [default: runtime-spec-k; with several runs, a prefix of each "
+                   "run's label].")
 @click.option("--json", "json_path", type=click.Path(), default=None,
               help="Write the result document (several runs: a folder, one LABEL.json per run).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of --synthetic weights.")
@@ -275,7 +277,7 @@ def gate(baseline, candidate, rules, as_json, allow_config_change):
 @click.option("--prefill-chunk", type=int, default=2048, show_default=True)
 @click.option("--interleave-chunk", type=int, default=512, show_default=True,
               help="Prompt tokens prefilled per iteration while other requests decode (at most --prefill-chunk).")
-@click.option("--label", default=None)
+@click.option("--label", default=None, callback=run_label)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write the result document.")
 def concurrency(levels, url, served_model, model, synthetic, quant, spec, draft_tokens, max_new_tokens, prompt_tokens,
                 rounds, device, kv_dtype, runtime, max_context, prefill_chunk, interleave_chunk, label, json_path):
@@ -321,7 +323,8 @@ def concurrency(levels, url, served_model, model, synthetic, quant, spec, draft_
 @click.option("--warmup", type=int, default=None, help="Untimed calls first [default: 5 on CUDA, 1 on a CPU].")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random inputs.")
-@click.option("--label", default=None, help="Label of this run in reports [default: kernels-SHAPE-DEVICE].")
+@click.option("--label", default=None, callback=run_label,
+              help="Label of this run in reports [default: kernels-SHAPE-DEVICE].")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write the result document.")
 def kernels(shape, model, ts, variants, ops, quant, contexts, repeats, warmup, device, seed, label, json_path):
     """Per-op microseconds, GB/s and % of copy bandwidth of the model's hot decode ops, each checked against its
@@ -400,7 +403,7 @@ def niah_case_options(f):
               help="Stored oracle outputs [default: oracles/data/niah-<model>-<ctx>.json.gz].")
 @click.option("--require-oracle", is_flag=True, help="Fail when a case has no stored oracle output.")
 @click.option("--heatmap", type=click.Path(dir_okay=False), default=None, help="Write the ctx x depth heatmap PNG.")
-@click.option("--label", default=None)
+@click.option("--label", default=None, callback=run_label)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write the result document.")
 @click.option("--rescore", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Judge an earlier niah result document against the oracles stored now (nothing is run; its "

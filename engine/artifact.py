@@ -48,6 +48,15 @@ def _align(n: int, to: int) -> int:
     return (n + to - 1) // to * to
 
 
+def header_digest(header: bytes) -> str:
+    """SHA-256 of a v3 artifact's fixed header and JSON with ``provenance.header_sha256`` set to the placeholder:
+    the configs, bindings, metadata and every object's digest (so, through them, every byte of the file)."""
+    stored = json.loads(header[HEADER_BYTES[3]:]).get("provenance", {}).get("header_sha256", _DIGEST_PLACEHOLDER)
+    key = b'"header_sha256":"'
+    return hashlib.sha256(header.replace(key + str(stored).encode() + b'"', key + _DIGEST_PLACEHOLDER.encode() + b'"',
+                                         1)).hexdigest()
+
+
 class ArtifactError(ValueError):
     """A problem with an artifact file; the message names the file and, where there is one, the object."""
 
@@ -165,7 +174,8 @@ class Artifact:
             raise ArtifactError(f"no such file: {path}")
         size = os.path.getsize(path)
         with open(path, "rb") as f:
-            version, jlen, aid = _parse_header(path, f.read(32), size)
+            head = f.read(32)
+            version, jlen, aid = _parse_header(path, head, size)
             f.seek(HEADER_BYTES[version])
             raw_json = f.read(jlen)
         try:
@@ -178,7 +188,9 @@ class Artifact:
             aid_hex = str((doc.get("identity") or {}).get("weights_id", ""))
         else:
             aid_hex = aid.hex()
-        return cls(path, version, aid_hex, doc, _align(HEADER_BYTES[version] + jlen, PAYLOAD_ALIGN), size)
+        art = cls(path, version, aid_hex, doc, _align(HEADER_BYTES[version] + jlen, PAYLOAD_ALIGN), size)
+        art._header = head[:HEADER_BYTES[version]] + raw_json
+        return art
 
     def _check_bounds(self) -> None:
         for info in sorted(self.objects.values(), key=lambda o: o.offset):
@@ -323,7 +335,9 @@ class Artifact:
         if self._mm is None:
             raise ArtifactError(f"{self.path}: artifact is closed")
         objs = sorted(self.objects.values(), key=lambda o: o.offset)
-        total, done, results = sum(o.nbytes for o in objs), 0, []
+        total, done, results = sum(o.nbytes for o in objs), 0, self.check_header()
+        if strict and not all(ok for _, ok, _ in results):
+            raise ArtifactError(f"{self.path}: " + "; ".join(f"{lb}: {m}" for lb, ok, m in results if not ok))
         for info in objs:
             start, end = self.payload_start + info.offset, self.payload_start + info.offset + info.nbytes
             if end > self.file_size:
@@ -347,6 +361,25 @@ class Artifact:
             if progress and not info.sha256:
                 progress(done, total, info.label)
         return results
+
+    def check_header(self) -> list[tuple[str, bool, str]]:
+        """(label, ok, message) for what the objects' digests do not cover: the v3 header's own digest (configs,
+        bindings, metadata, the object table; artifacts written before it carry none) and bytes past the last
+        object (a writer ends the file there)."""
+        out = []
+        if self.version == 3:
+            want = self.provenance.get("header_sha256")
+            if want is None:
+                out.append(("header", True, "no header digest (written before artifacts carried one)"))
+            else:
+                got = header_digest(self._header)
+                out.append(("header", got == want, "ok" if got == want else
+                            f"sha256 mismatch (expected {want}, got {got}): the configs, metadata or object table "
+                            f"were changed after writing"))
+        end = max((self.payload_start + o.offset + o.nbytes for o in self.objects.values()), default=self.payload_start)
+        if self.file_size > end:
+            out.append(("file end", False, f"{self.file_size - end} bytes after the last object (it ends at {end})"))
+        return out
 
     def _nonfinite(self, info: ObjectInfo) -> int:
         """NaN / inf among a weight's stored floats (values, or a quantized format's scales): a digest holds them

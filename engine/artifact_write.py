@@ -19,7 +19,7 @@ import torch
 from .. import __version__
 from . import quant
 from .artifact import (COMPONENTS, HEADER_BYTES, LAYOUTS, MAGIC, OBJECT_ALIGN, PAYLOAD_ALIGN, V2_BLOBS,
-                       _DIGEST_PLACEHOLDER, Artifact, ArtifactError, _align)
+                       _DIGEST_PLACEHOLDER, Artifact, ArtifactError, _align, header_digest)
 
 
 @dataclass(slots=True)
@@ -129,6 +129,8 @@ def _object_bytes(path: str, e: _Entry) -> memoryview:
 def _write_file(path: str, tmp: str, version: int, aid: bytes, doc: dict, entries: list[_Entry], progress) -> None:
     """Payload first (hashing as it goes), then header and JSON with the digests filled in, then fsync; ``tmp``
     is written, errors name ``path``."""
+    if version == 3:  # the header's own digest (artifact.header_digest), filled in last
+        doc["provenance"]["header_sha256"] = _DIGEST_PLACEHOLDER
     body_len = len(_dump(path, doc))  # digests are placeholders of their final length
     payload_start = _align(HEADER_BYTES[version] + body_len, PAYLOAD_ALIGN)
     total, pos = sum(e.nbytes for e in entries), 0
@@ -149,8 +151,12 @@ def _write_file(path: str, tmp: str, version: int, aid: bytes, doc: dict, entrie
         final = _dump(path, doc)
         if len(final) != body_len:
             raise RuntimeError("artifact JSON changed length when digests were filled in")
+        head = MAGIC + bytes([version]) + struct.pack("<Q", len(final)) + (aid if version == 3 else b"")
+        if version == 3:
+            doc["provenance"]["header_sha256"] = header_digest(head + final)
+            final = _dump(path, doc)
         f.seek(0)
-        f.write(MAGIC + bytes([version]) + struct.pack("<Q", len(final)) + (aid if version == 3 else b"") + final)
+        f.write(head + final)
         f.flush()
         os.fsync(f.fileno())
 

@@ -169,11 +169,28 @@ class HFCheckpoint:
             raise CheckpointError(f"{p}: not valid JSON ({e})") from None
 
     def blobs(self) -> dict[str, bytes]:
-        """Tokenizer and generation files found in the folder, by file name."""
+        """Tokenizer and generation files found in the folder, by file name; each JSON file checked to parse, and the
+        tokenizer to load and fit the model's vocabulary (an artifact with a broken one would only fail at use)."""
+        from .tokenizer import check_tokenizer_json
+
         out = {}
         for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja",
                      "special_tokens_map.json"):
             p = self.folder / name
-            if p.is_file():
-                out[name] = p.read_bytes()
+            if not p.is_file():
+                continue
+            out[name] = data = p.read_bytes()
+            try:
+                if name == "tokenizer.json":
+                    check_tokenizer_json(data, self.config.vocab_size)
+                elif name.endswith(".json"):
+                    json.loads(data.decode("utf-8"))
+                else:
+                    data.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise CheckpointError(f"{p}: not UTF-8 text (byte {e.start})") from None
+            except json.JSONDecodeError as e:
+                raise CheckpointError(f"{p}: not valid JSON ({e})") from None
+            except ValueError as e:
+                raise CheckpointError(f"{p}: {e}") from None
         return out

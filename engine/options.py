@@ -97,10 +97,13 @@ class EngineOptions:
             raise ValueError(f"runtime must be v2 or v3, got {self.runtime!r}")
         if self.spec not in SPECS:
             raise ValueError(f"spec must be one of {', '.join(SPECS)}, got {self.spec!r}")
-        if self.draft_tokens is None:
-            self.draft_tokens = DEFAULT_DRAFT[self.spec]
         if self.spec == "none":
+            if self.draft_tokens not in (None, 0):
+                raise ValueError(f"draft-tokens (-k {self.draft_tokens}) is speculative decoding's drafts per round: "
+                                 f"give it with --spec mtp, dflash or dflash2, not --spec none")
             self.draft_tokens = 0
+        elif self.draft_tokens is None:
+            self.draft_tokens = DEFAULT_DRAFT[self.spec]
         elif not isinstance(self.draft_tokens, int) or not 1 <= self.draft_tokens <= 32:
             raise ValueError(f"draft-tokens must be an integer in 1..32 with --spec {self.spec}, "
                              f"got {self.draft_tokens!r}")

@@ -68,6 +68,23 @@ class Tokenizer:
             messages=messages, add_generation_prompt=add_generation_prompt, bos_token="", eos_token="")
 
 
+def check_tokenizer_json(data: bytes, vocab_size: int) -> None:
+    """Raise ValueError when ``tokenizer.json`` bytes do not load with ``tokenizers`` or name a token id the model's
+    vocabulary (``vocab_size`` embedding rows) does not have. Fewer ids than rows is common (padded vocabularies)."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    try:
+        backend = HFTokenizer.from_str(data.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ValueError(f"the tokenizer is not UTF-8 text (byte {e.start})") from None
+    except Exception as e:  # tokenizers raises its own exception type
+        raise ValueError(f"the tokenizer does not load ({e})") from None
+    top = max(backend.get_vocab(with_added_tokens=True).values(), default=-1)
+    if top >= vocab_size:
+        raise ValueError(f"the tokenizer has token ids up to {top}, but the model's vocabulary has {vocab_size} "
+                         f"(ids 0..{vocab_size - 1}): this tokenizer is not the model's")
+
+
 def _raise(message):
     raise ValueError(message)
 

@@ -188,13 +188,18 @@ def write_result(doc: dict, path: str | Path) -> Path:
     """Write a result document as indented JSON (atomically); gzip-compressed when ``path`` ends in ``.gz``, as
     oracle files are."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     data = (json.dumps(doc, indent=1, default=_jsonable) + "\n").encode()
     if path.suffix == ".gz":
         data = gzip.compress(data, mtime=0)
     tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except OSError as e:  # named by the path asked for, not the temporary file
+        if tmp.parent.is_dir():
+            tmp.unlink(missing_ok=True)
+        raise OSError(f"cannot write {path}: {e.strerror or e}") from None
     return path
 
 
@@ -212,6 +217,8 @@ def read_result(path: str | Path) -> dict:
     if not path.is_file():
         raise ResultError(f"no such result file: {path}")
     data = path.read_bytes()
+    if path.suffix == ".gz" and data[:2] != GZIP_MAGIC:
+        raise ResultError(f"{path}: named .gz but not a gzip file")
     try:
         if data[:2] == GZIP_MAGIC:
             data = gzip.decompress(data)

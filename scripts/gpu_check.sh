@@ -93,6 +93,7 @@ for stage in "$@"; do
                  dflash2)       flags="--spec dflash2 -k 7" ;;        # DFlash2 K=7 rounds (captured drafting)
                  dflash2eager)  flags="--spec dflash2 -k 7 --eager-draft" ;;
                  lookahead)     flags="" ;;
+                 gdnbv-*)       flags="--gdn-block-v ${mode#gdnbv-}" ;;  # GDN state tile width (128: norm fused)
                  drop-*)        m=${mode#drop-}; flags="--drop ${m//+/,}" ;;  # headroom: without those launches
                                                                       # (drop-norm+silu: --drop norm,silu)
                  *)             echo "profile: unknown mode $mode" >&2; continue ;;

@@ -65,8 +65,8 @@ HOG = "import torch\na = torch.randn(4096, 4096, device='cuda')\nwhile True:\n  
 def probe(args, names, known, base) -> int:
     prompt, want, accepted, draft_sets, bad = None, None, set(), set(), 0
     for name in names:
-        eng = Engine.load(args.model, device="cuda",
-                          **{**base, "spec": args.spec, "draft_tokens": args.k, **known[name]})
+        spec = {"spec": args.spec, "draft_tokens": args.k} if name != "plain" else {}
+        eng = Engine.load(args.model, device="cuda", **{**base, **spec, **known[name]})
         prompt = prompt or load_prompts(str(DEFAULT_PROMPT), eng.tokenizer)[0]
         drafts = record_drafts(eng)
         for i in range(args.generates):

@@ -156,6 +156,9 @@ def main() -> int:
     ap.add_argument("--drop", default="", help="comma list of " + ", ".join(DROPPABLE) + ": the step without "
                     "those launches (its values are wrong; only its time means something: what fusing them away "
                     "could win at most)")
+    ap.add_argument("--gdn-block-v", type=int, default=None,
+                    help="GDN recurrence state tile width (kernels/gdn_triton.plan's block_v; >= dv fuses the gated "
+                         "norm into the recurrence: one launch fewer a layer)")
     ap.add_argument("--host", action="store_true",
                     help="profile the host instead (cProfile of the same steps): where a host-bound step's time goes")
     ap.add_argument("--json", default=None)
@@ -169,6 +172,12 @@ def main() -> int:
         print("profile_step: needs a CUDA GPU", file=sys.stderr)
         return 2
 
+    if args.gdn_block_v:
+        from ninfer_bench.kernels import gdn_triton
+
+        plan = gdn_triton.plan
+        gdn_triton.plan = lambda dk, dv, block_v=None, num_warps=None: plan(dk, dv, block_v=block_v or args.gdn_block_v,
+                                                                            num_warps=num_warps)
     if args.attn_fixed_split:
         from ninfer_bench.kernels import attention_triton
 

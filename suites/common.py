@@ -7,6 +7,7 @@ import json
 import resource
 import statistics
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -83,14 +84,22 @@ def percentile(values, q: float):
     return float(np.percentile(vals, q)) if vals else None
 
 
+def read_text(path: str | Path) -> str:
+    """A prompt file's text; a file that is not UTF-8 is refused by name and byte offset."""
+    try:
+        return Path(path).read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
+
+
 def read_prompt_set(path: str | Path, tokenizer) -> list[dict]:
     """Prompts as ``{"id", "prompt_ids"}``: one per line of a .jsonl set (``{"id", "text"}`` or ``{"id", "ids"}``),
     or the whole text of any other file as one prompt."""
     p = Path(path)
     if p.suffix != ".jsonl":
-        return [{"id": p.stem, "prompt_ids": tokenizer.encode(p.read_text())}]
+        return [{"id": p.stem, "prompt_ids": tokenizer.encode(read_text(p))}]
     out = []
-    for n, line in enumerate(p.read_text().splitlines(), 1):
+    for n, line in enumerate(read_text(p).splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -104,3 +113,12 @@ def read_prompt_set(path: str | Path, tokenizer) -> list[dict]:
     if not out:
         raise ValueError(f"{path}: no prompts")
     return out
+
+
+def recorded_config(opts) -> dict:
+    """A suite's options as its result document's ``config``: every field, except ``quant`` when the weights are
+    not ``--synthetic`` (the policy only builds synthetic weights; an artifact's own is ``model.quant_policy``)."""
+    config = asdict(opts)
+    if not config.get("synthetic"):
+        config["quant"] = None
+    return config

@@ -12,12 +12,12 @@ from __future__ import annotations
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import numpy as np
 
 from ..reports.schema import make_result
-from .common import DATA, DEFAULT_PROMPT, percentile, tokens_sha256
+from .common import DATA, DEFAULT_PROMPT, percentile, recorded_config, tokens_sha256
 
 
 @dataclass(slots=True)
@@ -285,7 +285,7 @@ def run_concurrency(opts: ConcurrencyOptions, progress=None) -> dict:
     levels = [level_summary(c, [r for r in records if r["concurrency"] == c], baseline) for c in opts.levels]
     for r in records:  # raw times are bulky; the summary keeps the samples
         r.pop("times_abs")
-    config = asdict(opts)
+    config = recorded_config(opts)
     config["label"] = opts.label or opts.default_label()
     config["device"] = device
     summary = {"levels": levels, "baseline": "each prompt run alone, greedy, same max-new-tokens"}

@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 
 from ..reports.schema import make_result
-from .common import (DEFAULT_PROMPT, copy_bandwidth, median, peak_memory_bytes, read_prompt_set, reset_peak_memory,
-                     tokens_sha256)
+from .common import (DEFAULT_PROMPT, copy_bandwidth, median, peak_memory_bytes, read_prompt_set, recorded_config,
+                     reset_peak_memory, tokens_sha256)
 
 
 @dataclass(slots=True)
@@ -241,6 +241,9 @@ def decode_runs(base: dict, *, engines=("ours",), specs=("none",), runtimes=("v3
     the transformers peer once (plain greedy).
     Labels are unique: with several rollbacks each speculative label names its own, and ``label`` prefixes them
     all."""
+    if draft_tokens is not None and all(parse_spec(x, None)[0] == "none" for x in specs):
+        raise ValueError(f"-k {draft_tokens} is speculative decoding's drafts per round: give it with --spec mtp, "
+                         f"dflash or dflash2, not --spec none")
     if set(engines) == {"hf"} and any(parse_spec(x, None)[0] != "none" for x in specs):
         raise ValueError("--engine hf runs plain greedy decoding: use --spec none (or --engine ours,hf)")
     default = {f.name: f.default for f in dataclasses.fields(DecodeOptions)}
@@ -346,7 +349,7 @@ def run_decode(opts: DecodeOptions, progress=None, loaded=None) -> dict:
     peak = peak_memory_bytes(runner.device)
     bw = copy_bandwidth(runner.device)
     summary = summarize(records, weight_bytes=runner.weight_bytes_per_step, copy_bw=bw, peak=peak)
-    config = asdict(opts)
+    config = recorded_config(opts)
     config["label"] = opts.label or opts.default_label()
     config["device"] = str(runner.device)
     config["dtype"] = str(runner.dtype).replace("torch.", "")

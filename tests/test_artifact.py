@@ -151,10 +151,35 @@ def test_verify_passes_and_reports_progress(tmp_path):
     calls = []
     with Artifact.open(path) as art:
         results = art.verify(progress=lambda done, total, label: calls.append((done, total, label)))
-        assert len(results) == len(art.objects) and all(ok and msg == "ok" for _, ok, msg in results)
+        assert results[0] == ("header", True, "ok") and len(results) == len(art.objects) + 1
+        assert all(ok and msg == "ok" for _, ok, msg in results)
         total = sum(o.nbytes for o in art.objects.values())
     assert calls[-1][:2] == (total, total)
     assert [c[0] for c in calls] == sorted(c[0] for c in calls)
+
+
+def test_verify_checks_the_header_and_the_file_end(tmp_path):
+    """The objects' digests do not cover the JSON header (configs, metadata, the object table) or bytes past the
+    last object: the header's own digest does, and a file longer than its objects fails."""
+    path = tmp_path / "a.ninfer"
+    _write_small(path)
+    data = path.read_bytes()
+    with Artifact.open(path) as art:
+        end = art.payload_start + max(o.offset + o.nbytes for o in art.objects.values())
+        assert len(data) == end and art.provenance["header_sha256"] != "0" * 64
+    edited = tmp_path / "edited.ninfer"
+    assert data.count(b'"model_id":"tiny"') == 1
+    edited.write_bytes(data.replace(b'"model_id":"tiny"', b'"model_id":"tinx"'))
+    with Artifact.open(edited) as art:
+        (label, ok, msg), *rest = art.verify()
+        assert (label, ok) == ("header", False) and "sha256 mismatch" in msg and all(r[1] for r in rest)
+        with pytest.raises(ArtifactError, match="header: sha256 mismatch"):
+            art.verify(strict=True)
+    longer = tmp_path / "longer.ninfer"
+    longer.write_bytes(data + b"x" * 5)
+    with Artifact.open(longer) as art:
+        assert [r for r in art.verify() if not r[1]] == [("file end", False, f"5 bytes after the last object "
+                                                                            f"(it ends at {end})")]
 
 
 def test_verify_v2_has_no_digests(tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -98,6 +99,7 @@ def test_cli_grid_writes_one_document_per_run(tmp_path):
                                                       "v3-none.json"]
     docs = [json.loads(p.read_text()) for p in sorted(out.iterdir())]
     assert len({d["summary"]["tokens_sha256"] for d in docs}) == 1  # greedy: every run decodes the same tokens
+    assert all(d["config"]["quant"] is None for d in docs)  # --quant builds only --synthetic weights
     assert "= plain" in r.output and "NO" not in r.output and "tokens differ" not in r.output
     # stderr is not a terminal here: progress comes as lines, one at each run's start
     assert all(f"decode 0/1 run {i}/4" in r.output for i in range(1, 5)), r.output
@@ -122,10 +124,18 @@ def test_bad_outputs_and_options_fail_before_any_work(tmp_path):
          "one context"),
         (["concurrency", "--url", "localhost:9", "-c", "1"], "--url"),
         (["concurrency", "--url", "http://127.0.0.1:9", "-c", "1", "-n", "4"], "127.0.0.1:9"),
+        (["decode", "--model", "tiny", "--spec", "none", "-k", "5"], "-k 5 is speculative decoding's drafts"),
+        (["generate", "tiny", "-p", "x", "-k", "5"], "draft-tokens (-k 5) is speculative decoding's drafts"),
     ]
+    if Path("/proc/self").is_dir():  # a folder whose permission bits allow writing, where no file can be made
+        cases.append((["decode", "--model", "tiny", "--json", "/proc/nope.json"], "cannot write /proc/nope.json"))
     for args, message in cases:
         r = CliRunner().invoke(main, args)
         assert r.exit_code == 1 and message in r.output and "Traceback" not in r.output, (args, r.output)
+    for label in ("../x", "a/b", "..", ""):  # a label names a file in the grid's folder
+        r = CliRunner().invoke(main, ["decode", "--model", "tiny", "--label", label, "--json", str(tmp_path / "g")])
+        assert r.exit_code == 2 and "a label is a file name" in r.output, (label, r.output)
+    assert not (tmp_path / "g").exists() and not (tmp_path / "x").exists()
     assert not list(tmp_path.glob("o*.json.gz"))
     opts = DecodeOptions(**BASE, max_concurrency=2, kv_capacity=300)
     eng_opts = opts.engine_options()

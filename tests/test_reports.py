@@ -302,6 +302,11 @@ def test_gzipped_results_are_read_and_other_files_are_named(tmp_path):
     (tmp_path / "cut.json.gz").write_bytes(path.read_bytes()[:40])
     with pytest.raises(ResultError, match="cut.json.gz: not a readable gzip file"):
         read_result(tmp_path / "cut.json.gz")
+    (tmp_path / "plain.json.gz").write_text(json.dumps(doc))
+    with pytest.raises(ResultError, match="plain.json.gz: named .gz but not a gzip file"):
+        read_result(tmp_path / "plain.json.gz")
+    with pytest.raises(OSError, match=f"cannot write {tmp_path / 'bin.json'}/x.json: "):
+        write_result(doc, tmp_path / "bin.json" / "x.json")
 
 
 def test_a_file_given_twice_is_one_document(docs, tmp_path):
