@@ -185,6 +185,20 @@ def test_finishing_inside_a_block_keeps_cache_and_length_consistent(plain):
     state = eng.export_state(seq)
     eng.release(seq)
     assert len(state["ids"]) == state["cache"]["length"]
+    # the stats count the drafts that reached the output: round 2 was cut to 2 tokens (its last the round's own)
+    st = seq.stats
+    assert (st["rounds"], st["accepted_tokens"], st["accepted_per_position"]) == (2, 6, [2, 1, 1, 1, 1])
+    assert 1 + st["rounds"] + st["accepted_tokens"] == len(seq.tokens)
+
+
+@pytest.mark.parametrize("spec,k", [("mtp", 3), ("dflash2", 7)])
+@pytest.mark.parametrize("new", [5, 37])
+def test_completion_is_first_token_plus_rounds_plus_accepted(spec, k, new):
+    """Greedy speculative decoding cut by the token limit: every round adds 1 + the drafts it counts as accepted."""
+    res = engine(spec=spec, draft_tokens=k).generate(PROMPTS[1], max_new_tokens=new, ignore_eos=True)
+    st = res.spec
+    assert len(res.tokens) == new == 1 + st["rounds"] + st["accepted_tokens"]
+    assert st["tokens_per_round"] == (len(res.tokens) - 1) / st["rounds"]
 
 
 class _EagerGraph:

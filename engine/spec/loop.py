@@ -56,8 +56,11 @@ def speculative_round(e, seqs) -> None:
     t2 = _timer(dev)
     e.drafter.commit(seqs, old_len, block, hidden, torch.cat(taps, dim=-1) if taps else None, n_acc, bonus)
     t3 = _timer(dev)
-    for s, n in zip(seqs, n_list):
-        _record(s.stats, k, n)
+    for s, added in zip(seqs, keep):
+        # the drafts this round put into the output: all n accepted ones when the round ends in its bonus token,
+        # fewer when the length limit, a stop string or EOS cut it (the last token added then counts as the round's
+        # own), so completion = first token + rounds + accepted drafts holds for every sequence
+        _record(s.stats, k, added - 1)
     e.spec_times = (seqs, (t0, t1, t2, t3))
     if any(s.finish_reason is not None for s in seqs):
         settle_times(e)
