@@ -175,6 +175,8 @@ def test_v2_upgrade_keeps_bytes_and_logits(tmp_path, hf_qwen35):
     assert run("convert", hf_qwen35[0], v2, "--quant", "mixed", "--format-version", "2")[0] == 0
     code, text = run("verify", v2)
     assert code == 0 and "bounds-checked" in text and "no digests" in text
+    code, text = run("inspect", v2, "--json")
+    assert code == 0 and json.loads(text)["checks"]["digests"] is None  # n/a, not "pass": v2 carries none
     code, text = run("upgrade", v2, v3)
     assert code == 0 and "certify the bytes" in text and "overwritten" not in text
     code, text = run("upgrade", v2, v3)
@@ -188,6 +190,11 @@ def test_v2_upgrade_keeps_bytes_and_logits(tmp_path, hf_qwen35):
     l2 = Engine.load(str(v2), device="cpu", kv_dtype="fp32").logits(ids)
     l3 = Engine.load(str(v3), device="cpu", kv_dtype="fp32").logits(ids)
     assert torch.equal(l2, l3)
+
+
+def test_generate_of_one_token_has_no_decode_rate(tiny_artifact):
+    code, text = run("generate", tiny_artifact, "-p", "abc", "-n", "1", "--device", "cpu")
+    assert code == 0 and "decode - tok/s" in text and "nan" not in text
 
 
 def test_oracle_command_and_engine_agree(tmp_path, tiny_artifact):
