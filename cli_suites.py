@@ -457,8 +457,9 @@ def niah(model, ctx, depths, cases, answer_tokens, seed, prefill_chunk, device, 
 @click.option("--top-k", type=int, default=8, show_default=True)
 @click.option("--out", default=None, type=click.Path(dir_okay=False),
               help="Output file (one context only) [default: oracles/data/niah-<model>-<ctx>.json.gz].")
-@click.option("--force", is_flag=True, help="Recompute cases the output file already holds (default: keep them and "
-                                           "add the new ones).")
+@click.option("--force", is_flag=True,
+              help="Replace the output file: drop the cases it holds and compute the requested ones afresh (needed "
+                   "when its model or settings differ from this run's). Default: keep its cases and add the new ones.")
 def oracle_niah(model, ctx, depths, cases, answer_tokens, seed, prefill_chunk, dtype, top_k, out, force):
     """Reference-model answers for the NIAH cases, stored for `ninfer-bench niah` to compare against."""
     from .suites.niah import build_niah_oracle

@@ -43,6 +43,7 @@ class Sequence:
     text: str = ""
     stats: dict = field(default_factory=dict)
     media: MediaPrompt | None = None  # images / videos of the prompt (engine/mrope.py)
+    logprobs: list = field(default_factory=list)  # with params.logprobs: each token's log-softmax row, fp32 CPU
 
     @property
     def last(self) -> int:
@@ -63,10 +64,17 @@ class GenerationResult:
     device_decode_ms: float
     spec: dict = field(default_factory=dict)
     vision: dict = field(default_factory=dict)  # media requests: encode_ms, tokens, items, cached
+    logprobs: list | None = None  # SamplingParams.logprobs: [vocab] fp32 log-softmax rows, one a token
 
     @property
     def completion_tokens(self) -> int:
         return len(self.tokens)
+
+
+def _keep_logprobs(seq: Sequence, logits: torch.Tensor) -> None:
+    """With ``params.logprobs``, keep the log-softmax of the logits the next token of ``seq`` is picked from."""
+    if seq.params.logprobs:
+        seq.logprobs.append(torch.log_softmax(logits.float(), -1).cpu())
 
 
 def _sync(device: torch.device) -> None:
@@ -192,6 +200,8 @@ class Engine:
         if media is not None and len(media.mask) != len(prompt):
             raise ValueError(f"media prompt covers {len(media.mask)} tokens, the prompt has {len(prompt)}")
         self.check_ids(prompt)
+        if params.logprobs and self.drafter is not None:
+            raise ValueError("logprobs are kept for plain decoding only (spec none)")
         if not self.free_slots:
             raise CapacityError(f"no free capacity: all {self.options.max_concurrency} slots are busy")
         gen = None if params.greedy else make_generator(params.seed, self.device)
@@ -377,7 +387,9 @@ class Engine:
         seq.length += len(piece)
         final = seq.length == len(seq.prompt)
         if final:
-            seq.tokens.append(int(select(self.model.logits(hidden[0, -1:])[0], seq.params, seq.generator)))
+            row = self.model.logits(hidden[0, -1:])[0]
+            _keep_logprobs(seq, row)
+            seq.tokens.append(int(select(row, seq.params, seq.generator)))
         if self.drafter:
             self.drafter.begin(seq, start, hidden[0], torch.cat([t[0] for t in tap_out], dim=-1) if taps else None)
         if final:
@@ -409,6 +421,7 @@ class Engine:
         last = logits[:, -1]
         picked = last.argmax(-1)  # greedy rows; sampling rows draw below from their own generators
         for r, s in enumerate(live):
+            _keep_logprobs(s, last[r])
             if not s.params.greedy:
                 picked[r] = select(last[r], s.params, s.generator)
         for s, tok in zip(live, picked.tolist()):  # one device-to-host read for the whole batch
@@ -427,7 +440,7 @@ class Engine:
 
         p = seq.params
         return (self.options.lookahead and self.graphs is not None and self.drafter is None and p.greedy
-                and not p.stop and not (seq.media is not None and seq.media.delta) and seq.finish_reason is None
+                and not p.logprobs and not p.stop and not (seq.media is not None and seq.media.delta) and seq.finish_reason is None
                 and len(self._stop_ids(p)) <= MAX_STOP_IDS)
 
     def _decode_chained(self, seq: Sequence) -> None:
@@ -506,4 +519,5 @@ class Engine:
         return GenerationResult(tokens=list(seq.tokens), text=text, finish_reason=seq.finish_reason,
                                 prompt_tokens=len(seq.prompt), prefill_s=t1 - t0, decode_s=t2 - t1,
                                 ttft_s=t1 - t0, device_decode_ms=device_ms, spec=dict(seq.stats),
-                                vision=dict(seq.media.stats) if seq.media is not None else {})
+                                vision=dict(seq.media.stats) if seq.media is not None else {},
+                                logprobs=list(seq.logprobs) if seq.params.logprobs else None)

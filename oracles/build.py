@@ -20,6 +20,16 @@ def reference_model(source: str | None, dtype: str = "fp64"):
     return ReferenceModel(loaded.config, weights, dtype=DTYPES[dtype]), loaded
 
 
+def model_meta(info: dict) -> dict:
+    """The model identity an oracle file records (``store.identity_mismatch`` reads it back): the artifact id and
+    file digest, the text model's identity (v3), and for a preset its name, with the digest of its config standing
+    in for a file's (a preset has neither artifact id nor text identity, and without its name an oracle of one
+    would carry no identity at all)."""
+    sha = file_sha256(info["path"]) if info.get("path") else info.get("config_sha256", "")
+    return {"artifact_id": info.get("artifact_id") or "", "artifact_sha256": sha, "text_id": info.get("text_id") or "",
+            "preset": info.get("preset") or ""}
+
+
 def build_oracle(source: str, prompts: list[dict], out: str, *, max_new_tokens: int, top_k: int = 8,
                  dtype: str = "fp64", progress=None) -> list[dict]:
     """Greedy tokens and per-step top-k log-probs of the reference model for every prompt; saved at ``out``.
@@ -35,8 +45,7 @@ def build_oracle(source: str, prompts: list[dict], out: str, *, max_new_tokens: 
         if progress:
             progress(i + 1, len(prompts), p["id"])
     info = loaded.info
-    sha = file_sha256(info["path"]) if info.get("path") else info.get("config_sha256", "")
-    meta = {"artifact_id": info.get("artifact_id") or "", "artifact_sha256": sha, "dtype": dtype, "top_k": top_k,
-            "model": info.get("preset") or info.get("path"), "max_new_tokens": max_new_tokens}
+    meta = {**model_meta(info), "dtype": dtype, "top_k": top_k, "model": info.get("preset") or info.get("path"),
+            "max_new_tokens": max_new_tokens}
     save_oracle(out, records, meta)
     return records

@@ -3,7 +3,7 @@
 File format: one JSON document (gzip-compressed when the path ends in ``.gz``)::
 
     {"schema": "ninfer-bench/oracle", "schema_version": 1,
-     "meta": {"artifact_id", "artifact_sha256", "dtype", "top_k", "created", ...},
+     "meta": {"artifact_id", "artifact_sha256", "text_id", "preset", "dtype", "top_k", "created", ...},
      "records": [{"id", "prompt_ids", "tokens", "topk_ids", "topk_logprobs"}, ...]}
 
 ``tokens[i]`` is the oracle's greedy token at generation step i; ``topk_ids[i]`` / ``topk_logprobs[i]``
@@ -103,6 +103,46 @@ def load_oracle(path: str | Path) -> tuple[list[dict], dict]:
     for rec in doc["records"]:
         _validate_record(rec, int(meta["top_k"]))
     return doc["records"], meta
+
+
+# ---- model identity ---------------------------------------------------------------------------------
+def _describe(ident: dict, sha: str) -> str:
+    if ident.get("preset"):
+        return f"preset {ident['preset']}"
+    if ident.get("text_id"):
+        art = f" (artifact {ident['artifact_id']})" if ident.get("artifact_id") else ""
+        return f"text model {ident['text_id'][:16]}{art}"
+    if ident.get("artifact_id"):
+        return f"artifact {ident['artifact_id']}"
+    # an oracle built for a preset before the preset's name was recorded: its config digest is all it carries
+    return f"an unnamed preset (config sha256 {sha[:16]})" if sha else "an unrecorded model"
+
+
+def identity_mismatch(meta: dict, model: dict) -> str | None:
+    """Why an oracle whose metadata is ``meta`` is not the reference of ``model`` (a loader ``info`` or a result's
+    ``model``: text_id, artifact_id, preset, config_sha256), or None when it is.
+
+    The text model's identity decides when both carry one (an artifact whose drafters were replaced keeps its
+    oracles), else the artifact id. A preset has neither: it is known by its name and the digest of its config
+    (recorded as ``artifact_sha256``), so a preset's oracle is refused for an artifact, another preset, or the same
+    preset whose config changed, instead of surfacing later as "different prompt tokens"."""
+    o_sha, m_sha = meta.get("artifact_sha256") or "", model.get("config_sha256") or ""
+    o_art, m_art = bool(meta.get("text_id") or meta.get("artifact_id")), bool(model.get("text_id")
+                                                                               or model.get("artifact_id"))
+    if meta.get("text_id") and model.get("text_id"):
+        same = meta["text_id"] == model["text_id"]
+    elif meta.get("artifact_id") and model.get("artifact_id"):
+        same = meta["artifact_id"] == model["artifact_id"]
+    elif o_art or m_art:  # an artifact on one side only, or two artifacts with no identity in common
+        same = False
+    else:  # two presets: the name where the oracle records one, and the config digest
+        same = (not meta.get("preset") or meta["preset"] == model.get("preset")) and (o_sha == m_sha or not m_sha)
+    if same:
+        return None
+    theirs, ours = _describe(meta, o_sha), _describe(model, m_sha)
+    if theirs == ours:  # the same preset name, another config
+        theirs, ours = f"{theirs} with config sha256 {o_sha[:16]}", f"{ours} with config sha256 {m_sha[:16]}"
+    return f"oracle made for {theirs}, this model is {ours}"
 
 
 # ---- agreement --------------------------------------------------------------------------------------

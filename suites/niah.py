@@ -9,13 +9,14 @@ tokens identical to the stored float64 reference outputs, or a first divergence 
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
-from ..oracles.store import NEAR_TIE_NATS, agreement, load_oracle
+from ..oracles.store import NEAR_TIE_NATS, agreement, identity_mismatch, kl, load_oracle
 from ..reports.schema import make_result
 from .common import DATA
 from .needle import make_needle, needle_text, question_text
@@ -103,6 +104,8 @@ def oracle_path(model_info: dict, ctx: int) -> Path:
 
 
 def _load_oracles(opts: NiahOptions, model_info: dict) -> dict[str, dict]:
+    """The stored oracle records for ``opts``'s cases, by case id; a file made for another model, or for cases
+    built with another seed or answer length (other prompts), is refused naming what differs."""
     paths = [Path(opts.oracle)] if opts.oracle else [oracle_path(model_info, c) for c in opts.ctxs]
     out = {}
     for p in paths:
@@ -111,13 +114,13 @@ def _load_oracles(opts: NiahOptions, model_info: dict) -> dict[str, dict]:
             if meta.get("suite") != "niah":  # (`oracle prompts` files name no suite)
                 raise ValueError(f"{p}: not an oracle of needle-in-a-haystack cases (suite "
                                  f"{meta.get('suite')!r}): make one with `ninfer-bench oracle niah`")
-            if model_info.get("text_id") and meta.get("text_id"):
-                if meta["text_id"] != model_info["text_id"]:
-                    raise ValueError(f"{p}: oracle made for text model {meta['text_id'][:16]}, this model's is "
-                                     f"{model_info['text_id'][:16]}")
-            elif model_info.get("artifact_id") and meta.get("artifact_id") not in ("", model_info["artifact_id"]):
-                raise ValueError(f"{p}: oracle made for artifact {meta.get('artifact_id')}, "
-                                 f"this model is {model_info['artifact_id']}")
+            if why := identity_mismatch(meta, model_info):
+                raise ValueError(f"{p}: {why}")
+            differ = [f"{k} {meta[k]} (this run: {getattr(opts, k)})" for k in ("seed", "answer_tokens")
+                      if k in meta and meta[k] != getattr(opts, k)]
+            if differ:
+                raise ValueError(f"{p}: oracle cases built with {', '.join(differ)}: its prompts are not this "
+                                 f"run's")
             out.update({r["id"]: r for r in records})
     return out
 
@@ -129,18 +132,33 @@ def retrieved(text: str, value: int) -> bool:
     return str(value) in digits
 
 
-def judge(rec: dict, case: dict, oracle: dict | None, near_tie: float) -> dict:
-    """``rec`` with the oracle verdict of its tokens (``pass`` None when there is no stored oracle output)."""
+def judge(rec: dict, case: dict, oracle: dict | None, near_tie: float, logprobs=None) -> dict:
+    """``rec`` with the oracle verdict of its tokens (``pass`` None when there is no stored oracle output) and, given
+    the engine's log-softmax rows of its tokens (``logprobs``), ``kl``: the mean over the steps on the oracle's own
+    path (before the first divergence) of KL(oracle || engine) on the oracle's top-k ids (``oracles.store.kl``)."""
     if oracle is None:
-        rec.update({"pass": None, "first_divergence": None, "top1_agreement": None, "gap_at_divergence": None})
+        rec.update({"pass": None, "first_divergence": None, "top1_agreement": None, "gap_at_divergence": None,
+                    "kl": None})
         return rec
     if oracle["prompt_ids"] != case["prompt_ids"]:
         raise ValueError(f"oracle for {case['case']} was made for a different prompt (tokenizer or haystack "
                          f"changed): regenerate it with `ninfer-bench oracle niah`")
     ag = agreement(rec["tokens"], oracle, near_tie=near_tie)
     rec.update({"pass": ag["pass"], "first_divergence": ag["first_divergence"], "top1_agreement": ag["top1_agreement"],
-                "gap_at_divergence": ag["gap_at_divergence"], "oracle_tokens": oracle["tokens"]})
+                "gap_at_divergence": ag["gap_at_divergence"], "oracle_tokens": oracle["tokens"],
+                "kl": path_kl(oracle, logprobs, ag["compared_steps"] if ag["first_divergence"] is None
+                              else ag["first_divergence"])})
     return rec
+
+
+def path_kl(oracle: dict, logprobs, steps: int) -> float | None:
+    """Mean KL(oracle || engine) over the first ``steps`` generated positions, on the oracle's top-k ids there (None
+    without the engine's rows, or with no step on the oracle's path)."""
+    if not logprobs or steps == 0:
+        return None
+    vals = [kl(oracle["topk_logprobs"][i], [float(logprobs[i][int(t)]) for t in oracle["topk_ids"][i]])
+            for i in range(min(steps, len(logprobs)))]
+    return float(np.mean(vals)) if vals else None
 
 
 def summarize(records: list[dict], ctxs, seconds: float) -> dict:
@@ -151,6 +169,7 @@ def summarize(records: list[dict], ctxs, seconds: float) -> dict:
         "oracle_agreement": sum(r["pass"] for r in judged) / len(judged) if judged else None,
         "retrieval": sum(r["retrieved"] for r in records) / len(records),
         "first_divergence": {r["case"]: r["first_divergence"] for r in judged},
+        "kl_mean": float(np.mean(kls)) if (kls := [r["kl"] for r in judged if r.get("kl") is not None]) else None,
         "retrieval_by_ctx": {str(c): float(np.mean([r["retrieved"] for r in records if r["ctx"] == c]))
                              for c in ctxs},
         "seconds": seconds,
@@ -218,13 +237,14 @@ def run_niah(opts: NiahOptions, progress=None) -> dict:
 
         if progress:
             on_prefill(0, None)
+        oracle = oracles.get(case["case"])
         res = eng.generate(case["prompt_ids"], max_new_tokens=opts.answer_tokens, ignore_eos=True,
-                           on_prefill=on_prefill if progress else None)
+                           on_prefill=on_prefill if progress else None, logprobs=oracle is not None)
         before += len(case["prompt_ids"])
         rec = {k: case[k] for k in ("case", "ctx", "depth", "key", "value")}
         rec.update(prompt_tokens=len(case["prompt_ids"]), answer=res.text, tokens=res.tokens,
                    retrieved=retrieved(res.text, case["value"]), seconds=res.prefill_s + res.decode_s)
-        records.append(judge(rec, case, oracles.get(case["case"]), opts.near_tie))
+        records.append(judge(rec, case, oracle, opts.near_tie, res.logprobs))
     summary = summarize(records, opts.ctxs, time.perf_counter() - t0)
     config = asdict(opts)
     config["label"] = opts.label or f"{opts.runtime}-niah"
@@ -233,42 +253,87 @@ def run_niah(opts: NiahOptions, progress=None) -> dict:
                        model=dict(eng.model_info))
 
 
+NIAH_SETTINGS = ("suite", "ctx", "dtype", "top_k", "seed", "answer_tokens")
+"""What an oracle file's cases were built with besides the model: a run that differs in any of them makes cases
+that cannot sit with the stored ones (``--cases`` and ``--depths`` only add cases, ``--prefill-chunk`` only
+schedules the same computation)."""
+
+
+def _case_key(case_id: str) -> tuple[int, int, int] | None:
+    """(ctx, depth, index) of a case id made by ``build_case``, or None for any other id."""
+    m = re.fullmatch(r"ctx(\d+)-d(\d+)-(\d+)", case_id)
+    return (int(m[1]), int(m[2]), int(m[3])) if m else None
+
+
+def _stale_prompt(records: list[dict], tokenizer, ctx: int, seed: int, answer_tokens: int) -> str | None:
+    """Why the first stored record that these settings would not build as it is stored (another context's case,
+    or a prompt that changed with the tokenizer or the haystack) cannot stay, or None."""
+    for rec in records:
+        key = _case_key(rec["id"])
+        if key is None or key[0] != ctx:
+            return f"case {rec['id']!r} is not a case of context {ctx}"
+        if build_case(tokenizer, *key, seed, answer_tokens)["prompt_ids"] != rec["prompt_ids"]:
+            return f"case {rec['id']}'s stored prompt is not the one built now (tokenizer or haystack changed)"
+    return None
+
+
+def _stored_cases(path: Path, meta: dict, info: dict, tokenizer) -> dict[str, dict]:
+    """The records of the oracle file at ``path`` when this build may extend it (same model, same settings, every
+    stored prompt the one these settings build now); otherwise ValueError naming what differs. Checked before any
+    reference compute: a file's 64K cases took hours of float64 work, and a rebuild for another model or settings
+    used to replace them silently."""
+    old, old_meta = load_oracle(path)
+    differ = [f"{k} {old_meta.get(k)!r} (this run: {meta[k]!r})" for k in NIAH_SETTINGS if old_meta.get(k) != meta[k]]
+    if why := identity_mismatch(old_meta, info):
+        differ.insert(0, why)
+    if not differ and (why := _stale_prompt(old, tokenizer, meta["ctx"], meta["seed"], meta["answer_tokens"])):
+        differ.append(why)
+    if differ:
+        raise ValueError(f"{path}: holds oracle cases this run cannot add to: {'; '.join(differ)}. "
+                         f"--force replaces the file, dropping its cases")
+    return {r["id"]: r for r in old}
+
+
+def _coverage(records) -> dict:
+    """``depths`` (every depth the file holds) and ``cases`` (the fewest cases any of them has: runs with
+    different ``--cases`` extend one file) of a file's records."""
+    per_depth: dict[int, int] = {}
+    for rec in records:
+        depth = _case_key(rec["id"])[1]
+        per_depth[depth] = per_depth.get(depth, 0) + 1
+    return {"depths": sorted(per_depth), "cases": min(per_depth.values(), default=0)}
+
+
 def build_niah_oracle(source: str | None, opts: NiahOptions, out: str | None = None, *, top_k: int = 8,
                       dtype: str = "fp64", force: bool = False, progress=None) -> list[Path]:
     """Reference-model (float64, sequential) greedy answers for every case; one file per context length.
 
     A file that exists for the same model and settings is extended: its cases stay, and the ones asked for again
-    are reused rather than recomputed (a 64K case takes minutes) unless ``force``."""
-    from ..engine.loader import file_sha256
-    from ..oracles.build import reference_model
-    from ..oracles.store import load_oracle, save_oracle
+    are reused rather than recomputed (a 64K case takes minutes). A file made for another model or other settings
+    is refused, before any compute, naming what differs; ``force`` replaces the file instead (its cases are dropped
+    and the requested ones computed afresh)."""
+    from ..oracles.build import model_meta, reference_model
+    from ..oracles.store import save_oracle
 
     if out and len(opts.ctxs) != 1:
         raise ValueError(f"out names one oracle file, for one context length; got {len(opts.ctxs)}")
     model, loaded = reference_model(source, dtype)
     info = loaded.info
-    sha = file_sha256(info["path"]) if info.get("path") else info.get("config_sha256", "")
-    written = []
-    total = len(opts.ctxs) * len(opts.depths) * opts.cases
-    done = 0
+    plan = []  # (path, meta, stored records) per context, every file checked before the first case is computed
     for ctx in opts.ctxs:
         path = Path(out) if out else oracle_path(info, ctx)
-        meta = {"artifact_id": info.get("artifact_id") or "", "artifact_sha256": sha,
-                "text_id": info.get("text_id") or "", "dtype": dtype, "top_k": top_k, "suite": "niah", "ctx": ctx,
-                "cases": opts.cases, "seed": opts.seed, "answer_tokens": opts.answer_tokens}
-        same = [k for k in meta if not (meta["text_id"] and k in ("artifact_id", "artifact_sha256"))]
-        kept, covered = {}, set()
-        if path.is_file() and not force:
-            old, old_meta = load_oracle(path)
-            if all(old_meta.get(k) == meta[k] for k in same):  # the same text model: extend its records
-                kept, covered = {r["id"]: r for r in old}, set(old_meta.get("depths", []))
+        meta = {**model_meta(info), "dtype": dtype, "top_k": top_k, "suite": "niah", "ctx": ctx, "seed": opts.seed,
+                "answer_tokens": opts.answer_tokens}
+        kept = _stored_cases(path, meta, info, loaded.tokenizer) if path.is_file() and not force else {}
+        plan.append((path, meta, kept))
+    written, done, total = [], 0, len(opts.ctxs) * len(opts.depths) * opts.cases
+    for path, meta, kept in plan:
         path.parent.mkdir(parents=True, exist_ok=True)
-        unsaved = False
         for d in opts.depths:
             computed = False
             for i in range(opts.cases):
-                case = build_case(loaded.tokenizer, ctx, d, i, opts.seed, opts.answer_tokens)
-                if kept.get(case["case"], {}).get("prompt_ids") != case["prompt_ids"]:
+                case = build_case(loaded.tokenizer, meta["ctx"], d, i, opts.seed, opts.answer_tokens)
+                if case["case"] not in kept:
                     res = model.greedy(case["prompt_ids"], opts.answer_tokens, top_k=top_k,
                                        prefill_chunk=opts.prefill_chunk)
                     kept[case["case"]] = {"id": case["case"], "prompt_ids": case["prompt_ids"], **res}
@@ -276,12 +341,9 @@ def build_niah_oracle(source: str | None, opts: NiahOptions, out: str | None = N
                 done += 1
                 if progress:
                     progress(done, total, case["case"])
-            unsaved = unsaved or d not in covered
-            covered.add(d)
             if computed:  # saved depth by depth: an interrupted 64K build keeps every depth it finished
-                save_oracle(path, list(kept.values()), {**meta, "depths": sorted(covered)})
-                unsaved = False
-        if unsaved or not path.is_file():
-            save_oracle(path, list(kept.values()), {**meta, "depths": sorted(covered)})
+                save_oracle(path, list(kept.values()), {**meta, **_coverage(kept.values())})
+        if not path.is_file():  # (no depths asked for)
+            save_oracle(path, list(kept.values()), {**meta, **_coverage(kept.values())})
         written.append(path)
     return written

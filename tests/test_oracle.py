@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 
 import pytest
 import torch
@@ -396,7 +397,116 @@ def test_niah_oracles_belong_to_a_text_model_not_an_artifact(tmp_path):
     assert list(_load_oracles(opts, {"artifact_id": "new", "text_id": "a" * 64})) == ["c0"]
     with pytest.raises(ValueError, match="oracle made for text model"):
         _load_oracles(opts, {"artifact_id": "old", "text_id": "b" * 64})
-    with pytest.raises(ValueError, match="oracle made for artifact old"):
+    with pytest.raises(ValueError, match=r"oracle made for text model a{16} \(artifact old\), this model is "
+                                         r"artifact new"):
         _load_oracles(opts, {"artifact_id": "new"})
     assert oracle_path({"artifact_id": "new", "text_id": "a" * 64}, 2048).name == f"niah-{'a' * 16}-2048.json.gz"
     assert oracle_path({"artifact_id": "new" * 8}, 2048).name == f"niah-{('new' * 8)[:16]}-2048.json.gz"
+
+
+def _counting_greedy(monkeypatch) -> list[int]:
+    """Prompt lengths of every reference forward from now on (what a build computed rather than kept)."""
+    calls = []
+    real = ReferenceModel.greedy
+    monkeypatch.setattr(ReferenceModel, "greedy", lambda self, ids, *a, **k: calls.append(len(ids)) or
+                        real(self, ids, *a, **k))
+    return calls
+
+
+def test_niah_oracle_extended_by_new_depths_and_more_cases(tmp_path, monkeypatch):
+    """The audit's repro: a run for depth 25 after one for 0/50/100 adds its case; a run with more --cases
+    (not a setting: it only adds case indices) adds them too instead of replacing the file."""
+    from ninfer_bench.suites.niah import NiahOptions, build_niah_oracle
+
+    calls = _counting_greedy(monkeypatch)
+    out = tmp_path / "x.json.gz"
+    opts = dict(model="tiny", ctxs=(256,), answer_tokens=3)
+    build_niah_oracle("tiny", NiahOptions(depths=(0, 50, 100), **opts), str(out))
+    build_niah_oracle("tiny", NiahOptions(depths=(25,), **opts), str(out))
+    build_niah_oracle("tiny", NiahOptions(depths=(25, 50), cases=2, **opts), str(out))
+    records, meta = load_oracle(out)
+    assert sorted(r["id"] for r in records) == ["ctx256-d0-0", "ctx256-d100-0", "ctx256-d25-0", "ctx256-d25-1",
+                                                "ctx256-d50-0", "ctx256-d50-1"]
+    assert len(calls) == 6 and meta["depths"] == [0, 25, 50, 100] and meta["cases"] == 1
+    assert meta["preset"] == "tiny"
+
+
+@pytest.mark.parametrize("change, named", [
+    (dict(top_k=4), "top_k 8 (this run: 4)"), (dict(dtype="fp32"), "dtype 'fp64' (this run: 'fp32')"),
+    (dict(seed=1), "seed 0 (this run: 1)"), (dict(answer_tokens=4), "answer_tokens 3 (this run: 4)")])
+def test_niah_oracle_with_other_settings_refused_unless_forced(tmp_path, monkeypatch, change, named):
+    """A build whose cases would not be comparable with the file's is refused before any compute, naming the
+    setting and leaving the file as it was; --force replaces the file (its cases dropped)."""
+    from ninfer_bench.suites.niah import NiahOptions, build_niah_oracle
+
+    out = tmp_path / "x.json.gz"
+    case = dict(model="tiny", ctxs=(256,), answer_tokens=3, seed=0)
+    kw = dict(top_k=8, dtype="fp64")
+    build_niah_oracle("tiny", NiahOptions(depths=(0, 100), **case), str(out), **kw)
+    before = out.read_bytes()
+    case.update((k, v) for k, v in change.items() if k in case)
+    kw.update((k, v) for k, v in change.items() if k in kw)
+    calls = _counting_greedy(monkeypatch)
+    with pytest.raises(ValueError, match=rf"{re.escape(named)}\. --force replaces the file"):
+        build_niah_oracle("tiny", NiahOptions(depths=(50,), **case), str(out), **kw)
+    assert out.read_bytes() == before and calls == []
+    build_niah_oracle("tiny", NiahOptions(depths=(50,), **case), str(out), force=True, **kw)
+    records, meta = load_oracle(out)
+    assert [r["id"] for r in records] == ["ctx256-d50-0"] and meta["depths"] == [50]
+    assert all(meta[k] == v for k, v in change.items())
+
+
+def test_niah_oracle_of_another_model_or_prompt_refused(tmp_path, tiny_artifact):
+    """A preset's oracle file is not extended by an artifact's build (the error names both), nor one whose stored
+    prompt is not what the same settings build now (tokenizer or haystack changed)."""
+    from ninfer_bench.suites.niah import NiahOptions, build_niah_oracle
+
+    out = tmp_path / "x.json.gz"
+    opts = dict(ctxs=(256,), answer_tokens=3)
+    build_niah_oracle("tiny", NiahOptions(depths=(0,), **opts), str(out))
+    before = out.read_bytes()
+    with pytest.raises(ValueError, match=r"oracle made for preset tiny, this model is text model [0-9a-f]{16} "
+                                         r"\(artifact \w+\)\. --force replaces the file"):
+        build_niah_oracle(str(tiny_artifact), NiahOptions(depths=(50,), **opts), str(out))
+    assert out.read_bytes() == before
+    records, meta = load_oracle(out)
+    records[0]["prompt_ids"][5] += 1
+    save_oracle(out, records, meta)
+    with pytest.raises(ValueError, match=r"case ctx256-d0-0's stored prompt is not the one built now \(tokenizer "
+                                         r"or haystack changed\)"):
+        build_niah_oracle("tiny", NiahOptions(depths=(50,), **opts), str(out))
+
+
+def test_niah_oracle_identity_names_what_differs(tmp_path):
+    """`niah --oracle FILE` accepts a preset's oracle only for that preset with the same config (also a file made
+    before the preset's name was recorded, by its config digest) and an artifact's only for its text model; a
+    mismatch says what the oracle was made for and what the model is, before any prompt comparison blames the
+    tokenizer."""
+    from ninfer_bench.engine.loader import load_source
+    from ninfer_bench.suites.niah import NiahOptions, _load_oracles
+
+    tiny = load_source("tiny").info
+    rec = {"id": "c0", "prompt_ids": [1, 2], "tokens": [3], "topk_ids": [[3]], "topk_logprobs": [[-0.1]]}
+    base = {"artifact_id": "", "artifact_sha256": tiny["config_sha256"], "text_id": "", "dtype": "fp64",
+            "top_k": 1, "suite": "niah", "seed": 0, "answer_tokens": 10}
+    artifact = {"artifact_id": "abc", "text_id": "b" * 64, "preset": None}
+    for name, extra in (("named", {"preset": "tiny"}), ("legacy", {})):  # legacy: no preset name recorded
+        path = tmp_path / f"{name}.json.gz"
+        save_oracle(path, [rec], {**base, **extra})
+        opts = NiahOptions(ctxs=(2048,), oracle=str(path))
+        assert list(_load_oracles(opts, tiny)) == ["c0"]
+        what = "preset tiny" if extra else r"an unnamed preset \(config sha256 [0-9a-f]{16}\)"
+        with pytest.raises(ValueError, match=rf"oracle made for {what}, this model is text model b{{16}} "
+                                             rf"\(artifact abc\)"):
+            _load_oracles(opts, artifact)
+    with pytest.raises(ValueError, match=r"oracle made for preset tiny with config sha256 \w{16}, this model is "
+                                         r"preset tiny with config sha256 0{16}"):
+        _load_oracles(NiahOptions(oracle=str(tmp_path / "named.json.gz")), {**tiny, "config_sha256": "0" * 64})
+    path = tmp_path / "art.json.gz"
+    save_oracle(path, [rec], {**base, "artifact_id": "abc", "artifact_sha256": "f" * 64, "text_id": "b" * 64})
+    assert list(_load_oracles(NiahOptions(oracle=str(path)), {**artifact, "artifact_id": "redrafted"})) == ["c0"]
+    with pytest.raises(ValueError, match=r"oracle made for text model b{16} \(artifact abc\), this model is preset "
+                                         r"tiny"):
+        _load_oracles(NiahOptions(oracle=str(path)), tiny)
+    with pytest.raises(ValueError, match=r"oracle cases built with answer_tokens 10 \(this run: 4\)"):
+        _load_oracles(NiahOptions(oracle=str(path), answer_tokens=4), artifact)

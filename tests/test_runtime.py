@@ -18,6 +18,28 @@ def engine(**kw):
     return Engine.load("tiny", **kw)
 
 
+def test_the_documented_import_path():
+    """DESIGN.md's API: ``from ninfer_bench.engine import Engine``."""
+    import ninfer_bench.engine as engine_pkg
+
+    assert engine_pkg.Engine is Engine
+    with pytest.raises(AttributeError):
+        engine_pkg.NoSuchThing  # noqa: B018
+
+
+def test_logprobs_are_the_rows_the_tokens_were_picked_from():
+    eng = Engine.load("tiny", device="cpu", kv_dtype="fp32", max_context=512)
+    ids = list(range(3, 40))
+    res = eng.generate(ids, max_new_tokens=6, ignore_eos=True, logprobs=True)
+    assert len(res.logprobs) == len(res.tokens) == 6
+    assert [int(r.argmax()) for r in res.logprobs] == res.tokens  # greedy: each token is its row's argmax
+    full = eng.logits(ids + res.tokens[:-1])[len(ids) - 1:].float().log_softmax(-1)
+    assert torch.allclose(torch.stack(res.logprobs), full, atol=1e-4)
+    assert eng.generate(ids, max_new_tokens=2, ignore_eos=True).logprobs is None
+    with pytest.raises(ValueError, match="plain decoding only"):
+        Engine.load("tiny", device="cpu", spec="mtp").generate(ids, max_new_tokens=2, logprobs=True)
+
+
 def test_greedy_identical_across_runtimes_and_chunk_sizes():
     ref = engine(runtime="v3", prefill_chunk=512, kv_dtype="bf16").generate(PROMPT, max_new_tokens=48).tokens
     for kw in (dict(runtime="v2"), dict(prefill_chunk=16), dict(prefill_chunk=33, runtime="v2")):
