@@ -14,16 +14,23 @@ re-tokenizing would have given other tokens (a reply cut at max_tokens inside a 
 tokens the model produced and may continue differently from the same conversation sent without a session.
 
 The store is a bounded LRU (``--session-capacity`` states). With ``--session-dir`` each retained state is also
-written to ``DIR/<id>.pt`` when stored, the files are loaded on start (newest kept), and a file is deleted with
-its session (``DELETE /v1/sessions/{id}``, or eviction).
+written to ``DIR/<model>/<id>.pt`` when stored, the files are loaded on start (newest kept), and a file is deleted
+with its session (``DELETE /v1/sessions/{id}``, or eviction). ``<model>`` names the model's identity (its artifact
+id), so servers of different models can share a folder and both use session ``s1``: a state is only of use to the
+model that made it, and no server overwrites or deletes another model's files. The file name is the session
+id: a file renamed ``DIR/<model>/other.pt`` is restored as session ``other`` (and reported), so deleting a session
+always deletes the one file that holds it. Files an older version kept at the top of ``DIR`` move into the
+model's folder when that model's server starts.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import re
 import threading
 import time
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +38,7 @@ from pathlib import Path
 import torch
 
 SESSION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
+FOLDER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 FILE_FORMAT = "ninfer-bench/session"
 SHOWN_CHARS = 64  # of an id quoted in an error message: a client's 5000-character id is not sent back whole
 log = logging.getLogger("ninfer_bench.server")
@@ -49,6 +57,47 @@ def check_session_id(sid: str) -> str:
         raise ValueError(f"session id must be 1-128 characters of letters, digits and '._:-' starting with a "
                          f"letter or digit, got {quoted(sid)}")
     return sid
+
+
+def model_folder(model_key: str) -> str:
+    """The name of a model's folder under --session-dir: its key (an artifact id) when that is a plain file name,
+    else a digest of it."""
+    if FOLDER_NAME.fullmatch(model_key):
+        return model_key
+    return "model-" + hashlib.sha256(model_key.encode()).hexdigest()[:32]
+
+
+def read_session_file(path: Path) -> dict:
+    """The document in a session file; ValueError saying in a few words why ``path`` is not a usable one."""
+    try:
+        f = open(path, "rb")
+    except OSError as e:
+        raise ValueError(f"cannot be read ({e.strerror or e})") from None
+    with f, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's notes on pickle protocols say nothing to whoever runs the server
+        try:
+            doc = torch.load(f, map_location="cpu", weights_only=True)
+        except Exception:  # torch's own message advises weights_only=False: unsafe for a file from anywhere
+            raise ValueError("not a session file (truncated or corrupt)") from None
+    if not isinstance(doc, dict) or doc.get("format") != FILE_FORMAT:
+        raise ValueError("not a session file (a torch file of something else)")
+    if doc.get("version") != 1:
+        raise ValueError(f"a session file of version {doc.get('version')!r}, this version reads version 1")
+    state = doc.get("state")
+    if not (isinstance(state, dict) and isinstance(state.get("ids"), list) and isinstance(doc.get("ids"), list)
+            and isinstance(doc.get("text"), (str, type(None))) and isinstance(doc.get("updated"), (int, float))):
+        raise ValueError("a damaged session file (fields missing or of the wrong type)")
+    return doc
+
+
+def oldest_first(paths) -> list[Path]:
+    """``paths`` by modification time; one that vanished meanwhile sorts first (and reports itself when read)."""
+    def mtime(path: Path) -> float:
+        try:
+            return path.stat().st_mtime
+        except OSError:
+            return 0.0
+    return sorted(paths, key=mtime)
 
 
 def state_bytes(obj) -> int:
@@ -94,7 +143,8 @@ class SessionStore:
         if not isinstance(capacity, int) or capacity < 0:
             raise ValueError(f"session-capacity must be a non-negative integer, got {capacity!r}")
         self.capacity = capacity
-        self.dir = Path(directory) if directory else None
+        self.root = Path(directory) if directory else None  # --session-dir, maybe shared with other models
+        self.dir = self.root / model_folder(model_key) if directory else None  # this model's files, <id>.pt
         self.model_key = model_key  # states of another model are never loaded
         self._items: OrderedDict[str, Session] = OrderedDict()
         self._lock = threading.Lock()
@@ -158,26 +208,55 @@ class SessionStore:
                 for s in reversed(items)]
 
     def load(self) -> tuple[int, list[str]]:
-        """Load the folder's session files (newest last, so the LRU keeps the newest); returns (loaded,
-        problems), skipping files that are unreadable or of another model."""
+        """Load this model's session files (newest last, so the LRU keeps the newest), after moving in those an
+        older version kept at the top of the folder; returns (loaded, problems): a line for each file skipped or
+        restored under another name."""
         if self.dir is None:
             return 0, []
         try:  # an unusable folder is an error before serving, not after
             self.dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise ValueError(f"--session-dir {self.dir}: {e.strerror or e}") from None
-        loaded, problems = 0, []
-        for path in sorted(self.dir.glob("*.pt"), key=lambda p: p.stat().st_mtime):
-            try:
-                doc = torch.load(path, map_location="cpu", weights_only=True)
-                if not isinstance(doc, dict) or doc.get("format") != FILE_FORMAT:
-                    raise ValueError("not a session file")
-                if doc.get("model") != self.model_key:
-                    problems.append(f"{path.name}: saved by another model, skipped")
-                    continue
-                sid = check_session_id(doc["id"])
+            raise ValueError(f"--session-dir {self.root}: {e.strerror or e}") from None
+        problems = self._adopt_top_level()
+        loaded = 0
+        for path in oldest_first(self.dir.glob("*.pt")):
+            shown = path.relative_to(self.root)
+            try:  # one bad file must not stop the server from starting
+                doc = read_session_file(path)
+            except ValueError as e:
+                problems.append(f"{shown}: {e}; skipped")
+                continue
+            sid = path.stem  # the file's name, so that deleting the session deletes this file
+            if doc.get("model") != self.model_key:  # copied here by hand: its tensors would not fit this model
+                problems.append(f"{shown}: saved by another model; skipped")
+            elif not SESSION_ID.fullmatch(sid):
+                problems.append(f"{shown}: {quoted(sid)} is not a session id (letters, digits and '._:-'); skipped")
+            else:
+                if doc.get("id") != sid:
+                    problems.append(f"{shown}: saved as session {quoted(doc.get('id'))}, restored as session "
+                                    f"{quoted(sid)} (a session is named by its file)")
                 self.put(Session(sid, doc["state"], list(doc["ids"]), doc["text"], doc["updated"]), write=False)
                 loaded += 1
-            except Exception as e:  # one bad file must not stop the server from starting
-                problems.append(f"{path.name}: {e}")
         return min(loaded, len(self)), problems
+
+    def _adopt_top_level(self) -> list[str]:
+        """Move this model's session files from the top of --session-dir (where versions before per-model folders
+        kept them) into its folder; other models' are left for their servers. Returns the problems."""
+        problems = []
+        for path in sorted(p for p in self.root.glob("*.pt") if p.is_file()):
+            try:
+                doc = read_session_file(path)
+            except ValueError as e:
+                problems.append(f"{path.name}: {e}; skipped")
+                continue
+            if doc.get("model") != self.model_key:
+                continue
+            target = self.dir / path.name
+            if target.exists():
+                problems.append(f"{path.name}: left in place, {target.relative_to(self.root)} holds that session")
+                continue
+            try:
+                path.replace(target)  # keeps its modification time, so its place in the LRU
+            except OSError as e:
+                problems.append(f"{path.name}: not moved into {self.dir} ({e.strerror or e}); skipped")
+        return problems

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 anthropic = pytest.importorskip("anthropic")
 openai = pytest.importorskip("openai")
@@ -23,6 +24,7 @@ pytest.importorskip("uvicorn")
 
 from ninfer_bench.engine.loader import default_model  # noqa: E402
 from ninfer_bench.engine.server import ServerOptions, serve  # noqa: E402
+from ninfer_bench.engine.sessions import Session, SessionStore  # noqa: E402
 from serveproc import ROOT, ServeProcess  # noqa: E402
 
 MODEL = default_model()
@@ -522,18 +524,90 @@ def test_sessions_survive_a_restart(tmp_path):
         first = complete(s, prompt, session_id="keep")
     finally:
         s.stop()
-    assert (folder / "keep.pt").is_file()
+    [mine] = folder.iterdir()  # the model's own folder
+    assert (mine / "keep.pt").is_file()
+    (mine / "cut.pt").write_bytes((mine / "keep.pt").read_bytes()[:100])
     s = Server(tmp_path / "b.log", "--session-dir", str(folder))
     try:
-        assert "1 sessions restored" in s.log.read_text()
+        log = s.log.read_text()
+        assert "1 sessions restored" in log and "weights_only" not in log
+        assert f"session file {mine.name}/cut.pt: not a session file (truncated or corrupt); skipped" in log
         turn2 = prompt + first["choices"][0]["token_ids"] + prompt[:10]
         cont = complete(s, turn2, session_id="keep")
         assert cont["timings"]["prompt_cached_n"] == len(turn2) - 10 - 1
         assert cont["choices"][0]["token_ids"] == complete(s, turn2)["choices"][0]["token_ids"]
         assert httpx.delete(f"{s.url}/v1/sessions/keep").status_code == 200
-        assert not (folder / "keep.pt").exists()
+        assert not (mine / "keep.pt").exists()
     finally:
         s.stop()
+
+
+def a_session(sid: str, first: int = 0) -> Session:
+    """A small session as Engine.export_state makes them (ids and a cache of tensors), told apart by ``first``."""
+    ids = list(range(first, first + 4))
+    return Session(sid, {"ids": ids, "cache": {"length": 4, "k": torch.full((2, 4), float(first))}}, ids + [9], "t")
+
+
+def session_ids(store: SessionStore) -> list[str]:
+    return [d["id"] for d in store.describe()]
+
+
+def test_session_file_name_is_its_id(tmp_path):
+    """A renamed session file is restored under its new name, so deleting that session deletes the file."""
+    SessionStore(4, tmp_path, "model-a").put(a_session("s2"))
+    store = SessionStore(4, tmp_path, "model-a")
+    (store.dir / "s2.pt").rename(store.dir / "renamed.pt")
+    assert store.load() == (1, [f"{store.dir.name}/renamed.pt: saved as session 's2', restored as session "
+                                "'renamed' (a session is named by its file)"])
+    assert session_ids(store) == ["renamed"] and not store.delete("s2")
+    assert store.delete("renamed") and not list(store.dir.glob("*.pt"))
+    assert SessionStore(4, tmp_path, "model-a").load() == (0, [])  # nothing comes back
+
+
+def test_session_files_that_do_not_load_are_reported_in_one_line(tmp_path):
+    store = SessionStore(4, tmp_path, "model-a")
+    store.put(a_session("good"))
+    data = (store.dir / "good.pt").read_bytes()
+    bad = {"half.pt": data[: len(data) // 2], "three.pt": data[:3], "empty.pt": b"", "junk.pt": b"not a torch file"}
+    for name, content in bad.items():
+        (store.dir / name).write_bytes(content)
+    torch.save({"weights": torch.zeros(2)}, store.dir / "tensors.pt")
+    torch.save(Path("x"), store.dir / "object.pt")  # a pickle of a class: weights_only refuses it
+    torch.save({"format": "ninfer-bench/session", "version": 1, "model": "model-a", "id": "x"}, store.dir / "x.pt")
+    (store.dir / "bad name.pt").write_bytes(data)
+    loaded, problems = SessionStore(4, tmp_path, "model-a").load()
+    folder = store.dir.name
+    corrupt = "not a session file (truncated or corrupt); skipped"
+    assert loaded == 1 and sorted(problems) == sorted(
+        [f"{folder}/{name}: {corrupt}" for name in [*bad, "object.pt"]]
+        + [f"{folder}/tensors.pt: not a session file (a torch file of something else); skipped",
+           f"{folder}/x.pt: a damaged session file (fields missing or of the wrong type); skipped",
+           f"{folder}/bad name.pt: 'bad name' is not a session id (letters, digits and '._:-'); skipped"])
+
+
+def test_session_dir_shared_by_two_models(tmp_path):
+    """Servers of two models on one --session-dir both use session s1 without touching each other's file."""
+    SessionStore(4, tmp_path, "model-a").put(a_session("s1", first=1))
+    other = SessionStore(4, tmp_path, "model-b")
+    assert other.load()[0] == 0
+    other.put(a_session("s1", first=2))
+    assert other.delete("s1") and not other.delete("s1")
+    again = SessionStore(4, tmp_path, "model-a")
+    assert again.load() == (1, []) and again.get("s1").ids == [1, 2, 3, 4, 9]
+
+
+def test_session_files_at_the_top_level_move_into_the_model_folder(tmp_path):
+    """Files an older version wrote to DIR/<id>.pt are adopted by their model's server, left alone by others."""
+    old = SessionStore(4, None, "model-a")
+    old.dir = tmp_path  # the old layout
+    old._write(a_session("s1", first=1))
+    (tmp_path / "junk.pt").write_bytes(b"junk")
+    assert SessionStore(4, tmp_path, "model-b").load() == (0, ["junk.pt: not a session file (truncated or corrupt); "
+                                                                "skipped"])
+    assert (tmp_path / "s1.pt").is_file()
+    store = SessionStore(4, tmp_path, "model-a")
+    assert store.load()[0] == 1 and store.get("s1").ids == [1, 2, 3, 4, 9]
+    assert not (tmp_path / "s1.pt").exists() and (store.dir / "s1.pt").is_file()
 
 
 # ---- speculative decoding and the queue ---------------------------------------------------------------------
