@@ -315,8 +315,9 @@ def concurrency(levels, url, served_model, model, synthetic, quant, spec, draft_
 @click.option("--t", "ts", default="1,8", show_default=True, help="New tokens per call (comma-separated).")
 @click.option("--kernels", "variants", default="v2,v3", show_default=True, help="Variants to run: v2, v3.")
 @click.option("--ops", default=None, help="Only ops whose name contains one of these (comma-separated).")
-@click.option("--quant", type=click.Choice(["fp32", "bf16", "q8", "q5", "q4", "mixed"]), default="mixed",
-              show_default=True, help="Weight format policy of the projections.")
+@click.option("--quant", type=click.Choice(["fp32", "bf16", "q8", "q5", "q4", "mixed"]), default=None,
+              help="Weight format policy of the projections [default: the artifact's stored formats with --model, "
+                   "mixed for a --shape preset].")
 @click.option("--contexts", default=None,
               help="Attention K/V lengths [default: 8192,65536 on CUDA, 1024,4096 on a CPU].")
 @click.option("--repeats", type=int, default=None, help="Timed calls per record [default: 50 on CUDA, 10 on a CPU].")

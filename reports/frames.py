@@ -31,7 +31,8 @@ COLUMNS = {
 
 def load_results(paths) -> list[dict]:
     """Read and validate result documents; a folder stands for the ``*.json`` and ``*.json.gz`` files directly in
-    it. A file named twice (directly or through its folder) is read once."""
+    it. A file named twice (directly or through its folder) is read once; two files holding results of one suite
+    under one label are refused, naming both."""
     files = []
     for p in map(Path, paths):
         if p.is_dir():
@@ -46,7 +47,17 @@ def load_results(paths) -> list[dict]:
     unique = {}
     for f in files:
         unique.setdefault(f.resolve(), f)
-    return [read_result(f) for f in unique.values()]
+    docs, seen = [], {}
+    for f in unique.values():
+        doc = read_result(f)
+        key = (doc["suite"], doc["label"])
+        if key in seen:
+            raise ResultError(f"{seen[key]} and {f} are both {key[0]} results labelled {key[1]!r}: a report names "
+                              "runs by label, so which one is the baseline or a delta row would be a guess; give "
+                              "each run its own --label, or leave one file out")
+        seen[key] = f
+        docs.append(doc)
+    return docs
 
 
 def unique_labels(docs: list[dict]) -> list[dict]:

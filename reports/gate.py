@@ -9,8 +9,10 @@ ever to reach ``alpha`` (3 repeats against 3, decode's default) or there are non
 alone decides, and the verdict says so. A metric whose value or samples hold a NaN or an infinity cannot be judged:
 its row is "missing" and fails the gate.
 
-Two runs that differ in model, workload, engine settings or GPU are different experiments: the gate fails them
-with a ``config`` row unless ``allow_config_change``. A rules list of which no rule applies is refused.
+Two runs that differ in model, workload, engine settings or GPU (for kernels: a projection's weight format) are
+different experiments: the gate fails them with a ``config`` row unless ``allow_config_change``. How many samples
+a run took (decode's ``repeats``, concurrency's ``rounds``) is no part of the experiment. A rules list of which
+no rule applies is refused.
 
 Metrics are addressed by paths into the summary (:mod:`.metric_path`): ``decode_tok_s``,
 ``levels[concurrency=4].aggregate_tok_s``, ``records[op=rmsnorm,variant=v3,t=1].us_median``; a wildcard
@@ -31,13 +33,14 @@ from .schema import SUITES
 from .stats import ALPHA, rank_test
 
 KINDS = ("exact", "timing")
-# config / model keys that make two runs different experiments (a gate across them fails)
+# config / model keys that make two runs different experiments (a gate across them fails); how many samples a run
+# takes (decode's repeats, concurrency's rounds per level) is no part of the experiment: the rank test weighs them
 CONFIG_KEYS = (
     "engine", "runtime", "device", "dtype", "quant", "kv_dtype",  # what runs, in which numerics
     "spec", "draft_tokens", "rollback", "lm_head_draft",  # speculation
     "prompt_file", "prompts", "images", "max_new_tokens", "temperature", "seed",  # the decode workload
     "ctxs", "depths", "answer_tokens", "cases", "near_tie",  # niah's cases and agreement rule
-    "levels", "prompt_tokens", "rounds",  # concurrency's load
+    "levels", "prompt_tokens",  # concurrency's load
 )
 PATH_KEYS = ("prompt_file", "images")  # compared by file name: where a checkout lies is no part of the experiment
 MODEL_KEYS = ("artifact_id", "sha256", "model_id", "preset", "quant_policy", "config_sha256", "seed")
@@ -209,7 +212,30 @@ def config_differences(baseline: dict, candidate: dict) -> list[str]:
     on_cpu = baseline["config"].get("device") == candidate["config"].get("device") == "cpu"
     if not on_cpu:  # the GPU a run had matters only where it ran on one
         pairs.append(("env.gpu", baseline["env"].get("gpu"), candidate["env"].get("gpu")))
+    if baseline.get("suite") == candidate.get("suite") == "kernels":
+        pairs += kernel_format_differences(baseline, candidate)
     return [f"{key} {b!r} vs {c!r}" for key, b, c in pairs if b != c]
+
+
+def kernel_formats(doc: dict) -> dict[str, str]:
+    """Weight format per kernel op, from its records' ``fmt`` (ops without a weight have none): records are matched
+    by op, shape, variant and T, so a format change would otherwise be gated as a speed change."""
+    out: dict[str, set] = {}
+    for rec in doc["records"]:
+        if rec.get("fmt") is not None:
+            out.setdefault(rec["op"], set()).add(str(rec["fmt"]))
+    return {op: ", ".join(sorted(fmts)) for op, fmts in out.items()}
+
+
+def kernel_format_differences(baseline: dict, candidate: dict) -> list[tuple[str, object, object]]:
+    """``("fmt of attn.o, attn.k", baseline format, candidate format)``: the ops both runs measured, in other
+    formats, grouped by the change."""
+    b, c = kernel_formats(baseline), kernel_formats(candidate)
+    changes: dict[tuple[str, str], list[str]] = {}
+    for op in b:
+        if op in c and b[op] != c[op]:
+            changes.setdefault((b[op], c[op]), []).append(op)
+    return [(f"fmt of {', '.join(ops)}", old, new) for (old, new), ops in changes.items()]
 
 
 def _deterministic(doc: dict) -> bool:

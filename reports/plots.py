@@ -160,9 +160,20 @@ def _depth_text(depth: float, fraction: bool) -> str:
     return f"{depth:.0%}" if fraction else f"{depth:g}"
 
 
+def _cell_text(rate: float, n: int, of: int, oracle: bool) -> str:
+    """A heatmap cell's rate and count: the oracle panel's rate is over the cases with an oracle ("1 of 2 with an
+    oracle"), so a cell where only some had one does not read as all of them."""
+    if of == 0:
+        return "-"
+    if oracle:
+        return "no oracle" if n == 0 else f"{rate:.0%}\n{n} of {of} with\nan oracle"
+    return "-" if np.isnan(rate) else f"{rate:.0%}\n{n} case{'s' if n != 1 else ''}"
+
+
 def plot_niah(niah: pd.DataFrame, path) -> Path | None:
     """Heatmaps of needle retrieval and oracle-agreement pass rate over (context length x needle depth), one
-    row of panels per label, each cell annotated with its rate and case count."""
+    row of panels per label, each cell annotated with its rate and case count (for agreement: of the cases with an
+    oracle)."""
     if niah.empty:
         return None
     labels = _labels(niah)
@@ -182,14 +193,16 @@ def plot_niah(niah: pd.DataFrame, path) -> Path | None:
             values = sel.assign(v=_num(sel[col]) if col in sel else np.nan)
             rate = values.pivot_table(index="depth", columns="ctx", values="v", aggfunc="mean", dropna=False)
             count = values.pivot_table(index="depth", columns="ctx", values="v", aggfunc="count", dropna=False)
+            total = values.pivot_table(index="depth", columns="ctx", values="case", aggfunc="count", dropna=False)
             rate, count = rate.reindex(index=depths, columns=ctxs), count.reindex(index=depths, columns=ctxs)
+            total = total.reindex(index=depths, columns=ctxs)
             grid = rate.to_numpy(dtype=float)
             image = ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
             for i in range(len(depths)):
                 for j in range(len(ctxs)):
-                    n = int(np.nan_to_num(count.iat[i, j]))
-                    text = "-" if np.isnan(grid[i, j]) else f"{grid[i, j]:.0%}\n{n} case{'s' if n != 1 else ''}"
-                    ax.text(j, i, text, ha="center", va="center", fontsize=7)
+                    n, of = int(np.nan_to_num(count.iat[i, j])), int(np.nan_to_num(total.iat[i, j]))
+                    ax.text(j, i, _cell_text(grid[i, j], n, of, col == "pass"), ha="center", va="center",
+                            fontsize=7)
             ax.set_xticks(range(len(ctxs)), [_ctx_text(v) for v in ctxs])
             ax.set_yticks(range(len(depths)), [_depth_text(v, fraction) for v in depths])
             ax.set_xlabel("context")

@@ -7,6 +7,11 @@ Markdown, which links the PNG files written next to it. All text from result doc
 Speed deltas against the baseline label use the gate's rank test over the per-repeat samples
 (:func:`.stats.rank_test`): "faster" / "slower" when p < 0.05, "same within noise" when not, and
 "inconclusive" when the sample counts could never reach p < 0.05 (for example 3 repeats against 3).
+
+A label names one run per suite: two results of one suite under one label are refused, as the baseline and the
+delta rows would otherwise be a guess. A suite in which the baseline label has no result takes its first result
+as the baseline, and every section says which run that is and why. Rows that compare unlike runs (another model or
+workload; for kernels another weight format, shape, timer, dtype or GPU) say so instead of reading as a speedup.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from __future__ import annotations
 from datetime import datetime, timezone
 from pathlib import Path
 
-from .frames import frames, model_id, shape_text, unique_labels
+from .frames import frames, model_id, shape_text
 from .gate import config_value, default_rules, expand
 from .metric_path import MetricMissing, lookup
 from .plots import plot_all
@@ -22,8 +27,9 @@ from .render import Table, html_page, markdown, num, numbers, pct, sha, size
 from .stats import ALPHA, rank_test
 
 DEFAULT_TITLE = "ninfer-bench release validation"
-# config keys of the workload: runs that differ in them (or in the model) do not compare like with like
-WORKLOAD_KEYS = ("prompt_file", "prompts", "images", "max_new_tokens", "prompt_tokens", "rounds")
+# config keys of the workload: runs that differ in them (or in the model) do not compare like with like; the number
+# of samples (decode's repeats, concurrency's rounds per level) is not the workload
+WORKLOAD_KEYS = ("prompt_file", "prompts", "images", "max_new_tokens", "prompt_tokens")
 UNLIKE = "differs from the baseline"
 
 
@@ -68,6 +74,23 @@ def _unlike(base: dict, doc: dict) -> tuple[str, str]:
     return ("NOT COMPARABLE: " + "; ".join(diffs), "bad") if diffs else ("-", "")
 
 
+def _stand_in(suite: str, base: dict, baseline_label: str | None) -> str | None:
+    """Why a suite's baseline is a stand-in, not the baseline label's run (None when it is that run)."""
+    if base["label"] == baseline_label:
+        return None
+    return "no baseline label was given" if baseline_label is None else f"{baseline_label} has no {suite} result"
+
+
+def _baseline_note(suite: str, base: dict, baseline_label: str | None) -> str:
+    """Which run a suite's deltas are taken against, and why that one."""
+    run = f"{base['label']} ({_model_name(base)}, created {base['created']})"
+    why = _stand_in(suite, base, baseline_label)
+    if why is None:
+        return f"Baseline: {run}, the baseline label."
+    return (f"Baseline: {run}, standing in as the first {suite} result read (a folder's files are read in name "
+            f"order): {why}. Name another with --baseline LABEL.")
+
+
 # ---- sections ------------------------------------------------------------------------------------------
 def _overview(docs, baselines, baseline_label) -> list:
     by_suite = {}
@@ -75,12 +98,12 @@ def _overview(docs, baselines, baseline_label) -> list:
         by_suite.setdefault(d["suite"], []).append(d["label"])
     rows = []
     for suite, labels in by_suite.items():
-        base = baselines[suite]["label"]
-        note = "" if base == baseline_label else " (first given" + \
-            (f"; {baseline_label} has no {suite} result)" if baseline_label else ")")
-        rows.append([suite, ", ".join(labels), base + note])
+        base = baselines[suite]
+        why = _stand_in(suite, base, baseline_label)
+        rows.append([suite, ", ".join(labels), base["label"] + (f" (stand-in, the first read: {why})" if why else ""),
+                     _model_name(base)])
     return [("p", f"Generated {datetime.now(timezone.utc).isoformat(timespec='seconds')} from {len(docs)} "
-                  f"result document(s)."), ("table", Table(["suite", "labels", "baseline"], rows))]
+                  f"result document(s)."), ("table", Table(["suite", "labels", "baseline", "baseline model"], rows))]
 
 
 def _environment(docs) -> list:
@@ -143,7 +166,7 @@ def _agreement(decode_docs) -> Table:
     return table
 
 
-def _decode(docs, base, figures) -> list:
+def _decode(docs, base, baseline_label, figures) -> list:
     table = Table(["label", "engine", "runtime", "spec", "K", "decode tok/s", "prefill tok/s", "TTFT ms",
                    "device ms/round", "tokens/round", "acceptance", "roofline", "peak memory", "tokens"])
     for d in docs:
@@ -162,6 +185,7 @@ def _decode(docs, base, figures) -> list:
         deltas.rows = [[d["label"]] + [_compare(base, d, r) for r in rules] + [_unlike(base, d)]
                        for d in docs if d is not base]
         blocks += [("h3", f"Against the baseline {base['label']}"),
+                   ("p", _baseline_note("decode", base, baseline_label)),
                    ("p", "Ratio of medians candidate/baseline; verdicts from a two-sided Mann-Whitney U test over "
                          "the per-repeat samples (p < 0.05). A row whose last column is not '-' ran another model "
                          "or workload than the baseline: its ratios compare unlike runs."), ("table", deltas)]
@@ -181,7 +205,7 @@ def _decode(docs, base, figures) -> list:
     return blocks
 
 
-def _concurrency(docs, base, figures) -> list:
+def _concurrency(docs, base, baseline_label, figures) -> list:
     table = Table(["label", "C", "aggregate tok/s", "per-request tok/s", "TTFT p50 ms", "TTFT p99 ms",
                    "ITL p50 ms", "ITL p99 ms", "E2E p50 ms", "E2E p99 ms", "matches sequential"])
     for d in docs:
@@ -201,61 +225,128 @@ def _concurrency(docs, base, figures) -> list:
                 continue
             rules = [r for r in expand(default_rules("concurrency"), base, d) if r.kind == "timing" and r.samples]
             deltas.rows += [[d["label"], r.metric, _compare(base, d, r), _unlike(base, d)] for r in rules]
-        blocks += [("h3", f"Against the baseline {base['label']}"), ("table", deltas)]
+        blocks += [("h3", f"Against the baseline {base['label']}"),
+                   ("p", _baseline_note("concurrency", base, baseline_label)), ("table", deltas)]
     return blocks
 
 
-def _kernels(docs, base, figures) -> list:
-    """Per (op, shape, t): every label/variant, and its speedup over the reference row - the baseline label's
-    row (any label's when the baseline has none), variant v2 preferred (before/after), else the first."""
+def _kernel_run_differences(base: dict, doc: dict) -> list[str]:
+    """What makes every timing of a kernels run unlike the baseline's: another timer, compute dtype or GPU."""
+    pairs = [("timer", base["summary"].get("timer"), doc["summary"].get("timer")),
+             ("dtype", base["config"].get("dtype"), doc["config"].get("dtype")),
+             ("gpu", base["env"].get("gpu"), doc["env"].get("gpu"))]
+    return [f"{key} {num(c)} (baseline {num(b)})" for key, b, c in pairs if b != c]
+
+
+def _speedup(ref: dict | None, rec: dict, ref_shapes=()) -> tuple[str, str]:
+    """``rec``'s speedup over ``ref`` (median µs ref / rec, with the rank test's verdict); refused, saying why, where
+    the two rows are unlike: another weight format, or no ``ref`` at this shape but at ``ref_shapes``."""
+    if ref is None:
+        if ref_shapes:
+            shape = num(shape_text(rec.get("shape")))
+            return f"NOT COMPARABLE: shape {shape} (baseline {', '.join(map(num, ref_shapes))})", "bad"
+        return "-", ""
+    if ref.get("fmt") != rec.get("fmt"):
+        return f"NOT COMPARABLE: format {num(rec.get('fmt'))} (baseline {num(ref.get('fmt'))})", "bad"
+    b, c = ref.get("us_median"), rec.get("us_median")
+    if not numbers(b, c) or not c:
+        return "-", ""
+    verdict, tone = _verdict(ref.get("samples_us"), rec.get("samples_us"), False)
+    return f"{b / c:.2f}x speedup, {verdict}", tone
+
+
+def _kernels(docs, base, baseline_label, figures) -> list:
+    """Per (op, shape, T), every label and variant with its weight format, and two speedups: over the baseline
+    run's row of the same op, shape, T and variant (refused where the format, the shape or the run's timer, dtype
+    or GPU differ), and over its own run's v2 row (v2 -> v3, before/after)."""
+    def key(rec):
+        return rec["op"], shape_text(rec.get("shape")), rec["t"], rec["variant"]
+
+    base_rows = {key(rec): rec for rec in base["records"]}
+    base_shapes = {}  # (op, T, variant) -> the baseline's shapes, to name where a row's shape has no counterpart
+    for rec in base["records"]:
+        base_shapes.setdefault((rec["op"], rec["t"], rec["variant"]), {})[shape_text(rec.get("shape"))] = None
     groups = {}
     for d in docs:
         for rec in d["records"]:
-            groups.setdefault((rec["op"], shape_text(rec.get("shape")), rec["t"]), []).append((d["label"], rec))
-    table = Table(["label", "op", "shape", "T", "variant", "µs median [p10-p90]", "GB/s", "roofline",
-                   "max rel err", "speedup over reference"])
+            groups.setdefault(key(rec)[:3], []).append((d, rec))
+    table = Table(["label", "op", "shape", "T", "variant", "format", "µs median [p10-p90]", "GB/s", "roofline",
+                   "max rel err", f"against {base['label']}", "over v2 (same run)"])
     for (op, shape, t), rows in groups.items():
-        pool = [row for row in rows if base is not None and row[0] == base["label"]] or rows
-        ref = next((row for row in pool if row[1]["variant"] == "v2"), pool[0])[1]
-        for label, rec in rows:
-            if rec is ref:
-                speed = ("reference", "")
+        own_v2 = {id(d): rec for d, rec in rows if rec["variant"] == "v2"}
+        for d, rec in rows:
+            unlike = _kernel_run_differences(base, d)
+            if d is base:
+                against = ("baseline", "")
+            elif unlike:
+                against = ("NOT COMPARABLE: " + "; ".join(unlike), "bad")
             else:
-                b, c = ref.get("us_median"), rec.get("us_median")
-                speed = ("-", "")
-                if numbers(b, c) and c:
-                    verdict, tone = _verdict(ref.get("samples_us"), rec.get("samples_us"), False)
-                    speed = (f"{b / c:.2f}x speedup, {verdict}", tone)
+                against = _speedup(base_rows.get(key(rec)), rec, base_shapes.get((op, t, rec["variant"]), ()))
+            over_v2 = ("-", "") if rec["variant"] == "v2" else _speedup(own_v2.get(id(d)), rec)
             err = rec.get("max_rel_err")
-            table.rows.append([label, op, num(shape), num(t), num(rec["variant"]),
+            table.rows.append([d["label"], op, num(shape), num(t), num(rec["variant"]), num(rec.get("fmt")),
                                f"{num(rec['us_median'])} [{num(rec.get('us_p10'))}-{num(rec.get('us_p90'))}]",
                                num(rec.get("gbps"), 1), pct(rec.get("roofline_fraction")),
-                               "-" if err is None else f"{err:.2e}", speed])
+                               "-" if err is None else f"{err:.2e}", against, over_v2])
     notes = "; ".join(f"{d['label']}: timer {d['summary'].get('timer', '-')}, copy bandwidth "
                       f"{num(d['summary'].get('copy_bandwidth_gbps'), 1)} GB/s" for d in docs)
-    blocks = [("h2", "Kernels"), ("p", notes), ("table", table)]
+    blocks = [("h2", "Kernels"), ("p", notes), ("p", _baseline_note("kernels", base, baseline_label)),
+              ("p", "Speedups are ratios of median µs (reference / row) with the rank test's verdict: against the "
+                    "baseline run's row of the same op, shape, T and variant, refused where the weight format, the "
+                    "shape or the run's timer, dtype or GPU differ; and v3 over the same run's v2."),
+              ("table", table)]
     if "kernels" in figures:
         blocks.append(("figure", "kernels", "median microseconds per op, shape and T (log scale)"))
     return blocks
+
+
+def _oracle_cases(doc: dict) -> tuple[int | None, int | None]:
+    """(cases that passed the oracle agreement rule, cases that had an oracle): counted from the records where they
+    carry verdicts (``pass`` null: no oracle), else from the summary; (None, None) when neither says."""
+    verdicts = [r["pass"] for r in doc["records"] if "pass" in r]
+    if verdicts:
+        judged = [v for v in verdicts if v is not None]
+        return sum(bool(v) for v in judged), len(judged)
+    s = doc["summary"]
+    judged, agree = s.get("oracle_cases"), s.get("oracle_agreement")
+    if not numbers(judged):
+        return None, None
+    return (round(agree * judged) if numbers(agree) else 0), judged
+
+
+def _oracle_agreement(doc: dict) -> tuple[str, str]:
+    """The agreement cell with its denominator: "100.0% (1 of 1 cases with an oracle)"; "warn" where cases lacked
+    an oracle, "bad" where one failed."""
+    agree, cases = doc["summary"].get("oracle_agreement"), doc["summary"].get("cases")
+    passed, judged = _oracle_cases(doc)
+    if judged is None:
+        return pct(agree), "" if agree is None else "good" if agree == 1 else "bad"
+    if judged == 0:
+        return f"no oracle (0 of {num(cases)} cases)", "warn"
+    partial = numbers(cases) and judged < cases
+    text = f"{pct(passed / judged)} ({passed} of {judged} cases with an oracle" + \
+        (f"; {cases - judged} without)" if partial else ")")
+    return text, "bad" if passed < judged else "warn" if partial else "good"
 
 
 def _niah(docs, figures) -> list:
     summary = Table(["label", "cases", "oracle agreement", "retrieval", "seconds"])
     for d in docs:
         s = d["summary"]
-        agree = s.get("oracle_agreement")
-        summary.rows.append([d["label"], num(s.get("cases")), (pct(agree), "good" if agree == 1 else "bad"),
-                             pct(s.get("retrieval")), num(s.get("seconds"), 1)])
+        summary.rows.append([d["label"], num(s.get("cases")), _oracle_agreement(d), pct(s.get("retrieval")),
+                             num(s.get("seconds"), 1)])
     cases = Table(["label", "case", "ctx", "depth", "oracle pass", "retrieved", "first divergence",
                    "top-1 agreement", "KL"])
     for d in docs:
         for r in d["records"]:
             cases.rows.append([d["label"], num(r.get("case")), num(r.get("ctx")), num(r.get("depth")),
-                               (num(r.get("pass")), "good" if r.get("pass") else "bad"), num(r.get("retrieved")),
+                               ("no oracle", "") if r.get("pass") is None else
+                               (num(r["pass"]), "good" if r["pass"] else "bad"), num(r.get("retrieved")),
                                num(r.get("first_divergence")), pct(r.get("top1_agreement")), num(r.get("kl"), 4)])
     blocks = [("h2", "Needle in a haystack"), ("table", summary)]
     if "niah" in figures:
-        blocks.append(("figure", "niah", "retrieval and oracle-agreement pass rate by context length and depth"))
+        blocks.append(("figure", "niah", "retrieval and oracle-agreement pass rate by context length and depth "
+                                         "(agreement over the cases with an oracle)"))
     return blocks + [("h3", "Cases"), ("table", cases)]
 
 
@@ -271,10 +362,17 @@ def write_report(docs: list[dict], out_dir, baseline_label: str | None = None,
     """Write ``report.html`` (self-contained), ``report.md`` and the figures' PNGs into ``out_dir``.
 
     ``baseline_label``: the label deltas are taken against, in every suite where it has a result; the first
-    document of a suite otherwise (and when no label is given)."""
+    document of a suite otherwise (and when no label is given), which the report names as a stand-in. Two
+    documents of one suite under one label are refused."""
     if not docs:
         raise ValueError("write_report needs at least one result document")
-    docs = unique_labels(docs)
+    seen = {}
+    for d in docs:
+        other = seen.setdefault((d["suite"], d["label"]), d)
+        if other is not d:
+            raise ValueError(f"two {d['suite']} results are labelled {d['label']!r} ({_model_name(other)}, created "
+                             f"{other['created']}; {_model_name(d)}, created {d['created']}): a report names runs by "
+                             "label, so give each its own")
     labels = {d["label"] for d in docs}
     if baseline_label is not None and baseline_label not in labels:
         raise ValueError(f"baseline label {baseline_label!r} is not among the results' labels {sorted(labels)}")
@@ -287,13 +385,13 @@ def write_report(docs: list[dict], out_dir, baseline_label: str | None = None,
     figures = plot_all(frames(docs), out_dir)
     blocks = _overview(docs, baselines, baseline_label) + _environment(docs)
     if "decode" in by_suite:
-        blocks += _decode(by_suite["decode"], baselines.get("decode"), figures)
+        blocks += _decode(by_suite["decode"], baselines["decode"], baseline_label, figures)
     if "prefill" in by_suite:
         blocks += _prefill(by_suite["prefill"])
     if "concurrency" in by_suite:
-        blocks += _concurrency(by_suite["concurrency"], baselines.get("concurrency"), figures)
+        blocks += _concurrency(by_suite["concurrency"], baselines["concurrency"], baseline_label, figures)
     if "kernels" in by_suite:
-        blocks += _kernels(by_suite["kernels"], baselines.get("kernels"), figures)
+        blocks += _kernels(by_suite["kernels"], baselines["kernels"], baseline_label, figures)
     if "niah" in by_suite:
         blocks += _niah(by_suite["niah"], figures)
     html_path, md_path = out_dir / "report.html", out_dir / "report.md"

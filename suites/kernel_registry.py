@@ -3,10 +3,11 @@
 Each entry builds, for T new tokens of one sequence, seeded random inputs, an fp32 reference and the v2 / v3
 implementations (suites/kernels.py says what the variants are and what a record holds). Families:
 
-  projection  every weight projection of a decode step, in its stored format (engine.convert.weight_format under
-              the --quant policy; mixed: attention q5, MLP / GDN q4, GDN b / a bf16, lm_head q8): attention q+gate,
-              k, v, o; GDN qkv, z, b, a, out; MLP gate, up, down; lm_head; and the row-concatenations v3 launches as
-              one (attention k+v, GDN qkv+z and b+a, MLP gate+up)
+  projection  every weight projection of a decode step, in its stored format (an artifact's own with --model;
+              else engine.convert.weight_format under the --quant policy; mixed, a preset's default: attention q5,
+              MLP / GDN q4, GDN b / a bf16, lm_head q8): attention q+gate, k, v, o; GDN qkv, z, b, a, out; MLP
+              gate, up, down; lm_head; and the row-concatenations v3 launches as one (attention k+v, GDN qkv+z and
+              b+a, MLP gate+up)
   attention   decode attention over one layer's int8 K/V cache, at each context length
   gdn         the gated delta rule step from an fp32 state; the fused GDN token mixer (conv, gates, L2 norms,
               recurrence, gated norm) when kernels/gdn_triton.py imports
@@ -25,7 +26,6 @@ import torch.nn.functional as F
 
 from ..engine import quant
 from ..engine.cache import KV_GROUP, dequantize_kv, quantize_kv
-from ..engine.convert import weight_format
 from ..engine.options import EngineOptions
 from ..engine.sampling import SamplingParams, probs, select
 from ..engine.weights import GATE_UP_RUN, interleave_order
@@ -100,7 +100,7 @@ PROJECTIONS = {
 
 def _projection(name: str, dims, ctx: KernelContext, t: int, _param) -> Case:
     n, k = dims(ctx.cfg)
-    fmt = weight_format(name, (n, k), ctx.quant)
+    fmt = ctx.weight_format(name, (n, k))
     w = ctx.memo("weight", lambda: _weight(ctx, name, fmt, n, k))
     x = ctx.randn(t, k, gen=ctx.generator(name, "x", t))  # [T, K]
     dt = str(ctx.dtype).replace("torch.", "")
@@ -128,7 +128,7 @@ def _gate_up_silu(ctx: KernelContext, t: int, _param) -> Case:
     elsewhere the packed product and the activation."""
     inter, k = ctx.cfg.intermediate_size, ctx.cfg.hidden_size
     name = _M + "gate_proj.weight"
-    fmt = weight_format(name, (2 * inter, k), ctx.quant)
+    fmt = ctx.weight_format(name, (2 * inter, k))
     w = ctx.memo("weight", lambda: _weight(ctx, name, fmt, 2 * inter, k))  # rows: gate, then up
     x = ctx.randn(t, k, gen=ctx.generator(name, "x", t))
 

@@ -17,7 +17,12 @@ and out; K/V codes + scales for the valid length; the fp32 GDN state read and wr
 so ``gbps = bytes / median time`` is an effective bandwidth and ``roofline_fraction = gbps / copy bandwidth`` says
 how close the variant gets to the op's memory floor; ``max_rel_err``, the largest relative RMS error
 ``||out - ref|| / ||ref||`` over the op's outputs (e.g. a GDN step's o and new state), with the op's ``tolerance``
-and ``ok``; ``note``, what ran.
+and ``ok``; ``note``, what ran; ``fmt``, a projection's weight format.
+
+Weight formats. With ``--model`` the projections are timed in the formats the artifact stores (a q8 artifact's
+weights as q8); ``--quant`` overrides them with a policy's (``engine.convert.weight_format``), and the run's
+``config.quant`` and default label say so. A preset (``--shape``) has no stored formats: its policy is ``--quant``,
+mixed by default.
 
 Timing. CUDA: warm-up calls, then each repeat preceded by an L2 flush (a 256 MB write) and timed with CUDA events
 around the op only (``summary.timer = "cuda-events"``); v2 runs eagerly, as that runtime does, and v3 as the replay
@@ -31,8 +36,10 @@ from __future__ import annotations
 import functools
 import importlib
 import math
+import re
 import time
 import zlib
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
@@ -41,7 +48,7 @@ import numpy as np
 import torch
 
 from ..engine.config import ModelConfig, preset
-from ..engine.convert import POLICIES
+from ..engine.convert import POLICIES, weight_format as policy_format
 from ..reports.schema import make_result
 from .common import copy_bandwidth
 
@@ -49,6 +56,7 @@ VARIANTS = ("v2", "v3")
 CUDA_SHAPE, CPU_SHAPE = "qwen3.8-27b", "tiny"
 CUDA_CONTEXTS, CPU_CONTEXTS = (8192, 65536), (1024, 4096)
 FLUSH_BYTES = 256 << 20  # written before every timed CUDA repeat: several times the H200's 50 MB L2
+LAYER_PREFIX = re.compile(r"^model\.layers\.\d+\.")  # a decoder layer's weights, whichever layer
 
 
 # ---- the registry ------------------------------------------------------------------------------------------
@@ -128,14 +136,16 @@ def entries(patterns: Sequence[str] = ()) -> list[OpEntry]:
 
 @dataclass(slots=True)
 class KernelContext:
-    """What op builders read: the model config, device, compute dtype, quant policy, attention context lengths."""
+    """What op builders read: the model config, device, compute dtype, weight formats (an artifact's stored ones, or
+    a quant policy's), attention context lengths."""
 
     cfg: ModelConfig
     device: torch.device
     dtype: torch.dtype
-    quant: str = "mixed"
+    quant: str = "mixed"  # the policy that gives the weight formats where ``formats`` is None
     contexts: tuple[int, ...] = CPU_CONTEXTS
     seed: int = 0
+    formats: dict[str, str] | None = None  # an artifact's stored formats by layer-free name (:func:`stored_formats`)
     _memo: dict = field(default_factory=dict)
 
     @property
@@ -146,6 +156,17 @@ class KernelContext:
     def elt(self) -> int:
         """Bytes per activation element in the compute dtype."""
         return torch.empty(0, dtype=self.dtype).element_size()
+
+    def weight_format(self, name: str, shape: tuple[int, int]) -> str:
+        """The format projection weight ``name`` is timed in: the artifact's, where its stored formats are used,
+        else the quant policy's (``engine.convert.weight_format``)."""
+        if self.formats is None:
+            return policy_format(name, shape, self.quant)
+        key = LAYER_PREFIX.sub("", name)
+        if key not in self.formats:
+            raise ValueError(f"the artifact stores no {key} to take its format from (give --quant to time the op "
+                             "in a policy's formats)")
+        return self.formats[key]
 
     def memo(self, key, make):
         """``make()`` once per key until :meth:`clear` (weights shared by an op's T values)."""
@@ -195,7 +216,7 @@ class KernelOptions:
     ts: tuple[int, ...] = (1, 8)
     variants: tuple[str, ...] = VARIANTS
     ops: tuple[str, ...] = ()  # op-name substrings; empty: every op
-    quant: str = "mixed"
+    quant: str | None = None  # a policy; default: an artifact's stored formats (--model), mixed (a preset)
     contexts: tuple[int, ...] | None = None  # attention K/V lengths; default 8K, 64K on CUDA and 1K, 4K on a CPU
     repeats: int | None = None  # default 50 on CUDA, 10 on a CPU
     warmup: int | None = None  # default 5 on CUDA, 1 on a CPU
@@ -211,7 +232,7 @@ class KernelOptions:
         bad = [v for v in self.variants if v not in VARIANTS]
         if bad or not self.variants:
             raise ValueError(f"--kernels must list variants among {', '.join(VARIANTS)}, got {list(self.variants)}")
-        if self.quant not in POLICIES:
+        if self.quant is not None and self.quant not in POLICIES:
             raise ValueError(f"--quant must be one of {', '.join(POLICIES)}, got {self.quant!r}")
         if self.contexts is not None and (not self.contexts or any(c < max(self.ts) for c in self.contexts)):
             raise ValueError(f"--contexts must be K/V lengths >= the largest T, got {list(self.contexts)}")
@@ -272,11 +293,24 @@ def time_cpu(fn, repeats: int, warmup: int) -> list[float]:
 
 
 # ---- the run -----------------------------------------------------------------------------------------------
-def model_config(opts: KernelOptions, device: torch.device) -> tuple[ModelConfig, dict]:
-    """The shapes to measure at: an artifact's text config (``--model``) or a preset; and the result's ``model``."""
+def stored_formats(art) -> dict[str, str]:
+    """An artifact's weight formats by name with the decoder-layer prefix dropped (``self_attn.o_proj.weight``,
+    ``lm_head.weight``); where layers store one weight in several formats, the most common one."""
+    counts: dict[str, Counter] = {}
+    for name in art.names("model.") + art.names("lm_head"):
+        target = art.bindings[name]
+        ids = target["parts"] if isinstance(target, dict) else [target]
+        counts.setdefault(LAYER_PREFIX.sub("", name), Counter()).update(art.objects[i].format for i in ids)
+    return {key: c.most_common(1)[0][0] for key, c in counts.items()}
+
+
+def model_config(opts: KernelOptions, device: torch.device) -> tuple[ModelConfig, dict, dict[str, str] | None]:
+    """The shapes to measure at: an artifact's text config (``--model``) or a preset; the result's ``model``; and
+    the artifact's stored weight formats, which the projections are timed in unless ``--quant`` names a policy
+    (None: the policy's formats)."""
     if opts.model is None:
         name = opts.shape or (CUDA_SHAPE if device.type == "cuda" else CPU_SHAPE)
-        return preset(name), {"preset": name, "synthetic": True, "quant_policy": opts.quant}
+        return preset(name), {"preset": name, "synthetic": True, "quant_policy": opts.quant or "mixed"}, None
     from ..engine.artifact import Artifact
 
     if not Path(opts.model).is_file():
@@ -288,8 +322,18 @@ def model_config(opts: KernelOptions, device: torch.device) -> tuple[ModelConfig
         cfg = ModelConfig.from_dict(dict(text["config"]))
         info = {"path": str(Path(opts.model).resolve()), "artifact_id": art.artifact_id, "preset": None,
                 "format_version": art.version, "model_id": (art.metadata or {}).get("model_id"),
-                "quant_policy": opts.quant}
-    return cfg, info
+                "quant_policy": (art.metadata or {}).get("quant_policy")}  # how the artifact was converted
+        formats = stored_formats(art) if opts.quant is None else None
+    return cfg, info, formats
+
+
+def default_label(opts: KernelOptions, model: dict, device: torch.device) -> str:
+    """``kernels-<preset or artifact file>[-<quant>]-<device>``: a --quant that overrides an artifact's stored
+    formats is named, as those timings are not the artifact's."""
+    if opts.model is None:
+        return f"kernels-{model['preset']}-{device.type}"
+    quant = f"-{opts.quant}" if opts.quant is not None else ""
+    return f"kernels-{Path(opts.model).stem}{quant}-{device.type}"
 
 
 def _failed(rec: dict, err: Exception) -> dict:
@@ -335,12 +379,12 @@ def failure_text(rec: dict) -> str:
 def run_kernels(opts: KernelOptions, progress=None) -> dict:
     """Run the kernels suite; returns the result document. ``progress(done, total, what)`` reports each record."""
     device = resolve_device(opts.device)
-    cfg, model = model_config(opts, device)
+    cfg, model, formats = model_config(opts, device)
     cuda = device.type == "cuda"
     repeats = opts.repeats or (50 if cuda else 10)
     warmup = opts.warmup if opts.warmup is not None else (5 if cuda else 1)
-    ctx = KernelContext(cfg, device, torch.bfloat16 if cuda else torch.float32, opts.quant,
-                        tuple(opts.contexts or (CUDA_CONTEXTS if cuda else CPU_CONTEXTS)), opts.seed)
+    ctx = KernelContext(cfg, device, torch.bfloat16 if cuda else torch.float32, opts.quant or "mixed",
+                        tuple(opts.contexts or (CUDA_CONTEXTS if cuda else CPU_CONTEXTS)), opts.seed, formats)
     todo = entries(opts.ops)
     if not todo:
         raise ValueError(f"--ops {','.join(opts.ops)}: no registered op matches")
@@ -382,7 +426,8 @@ def run_kernels(opts: KernelOptions, progress=None) -> dict:
     config = asdict(opts)
     config.update(shape=model.get("preset"), ts=list(opts.ts), variants=list(opts.variants), ops=list(opts.ops),
                   contexts=list(ctx.contexts), repeats=repeats, warmup=warmup, device=str(device),
-                  dtype=str(ctx.dtype).replace("torch.", ""),
-                  label=opts.label or f"kernels-{model.get('preset') or 'model'}-{device.type}")
+                  dtype=str(ctx.dtype).replace("torch.", ""), quant=None if formats is not None else ctx.quant,
+                  weight_formats="artifact" if formats is not None else "quant policy",
+                  label=opts.label or default_label(opts, model, device))
     return make_result("kernels", label=config["label"], config=config, records=records, summary=summary,
                        model=model)

@@ -233,7 +233,7 @@ def test_config_difference_fails_unless_allowed():
     ("prompt_file", "/a/short.txt", "/a/long.txt"), ("prompts", None, "set.jsonl"), ("runtime", "v3", "v2"),
     ("engine", "ours", "hf"), ("rollback", "recompute", "snapshot"), ("lm_head_draft", 0, 4096),
     ("ctxs", [2048], [8192]), ("depths", [0, 50], [100]), ("answer_tokens", 8, 16), ("cases", 1, 2),
-    ("seed", 0, 1), ("levels", [1, 2], [1, 4]), ("prompt_tokens", 32, 64), ("rounds", 1, 2),
+    ("seed", 0, 1), ("levels", [1, 2], [1, 4]), ("prompt_tokens", 32, 64),
 ])
 def test_every_experiment_key_makes_a_config_difference(key, b, c):
     verdicts = gate(decode_doc(config={key: b}), decode_doc(config={key: c}))
@@ -250,6 +250,27 @@ def test_what_is_not_the_experiment_is_no_config_difference():
     assert "config" not in by_metric(gate(base, cand))
     cand["config"]["device"] = "cuda:0"
     assert "env.gpu" in by_metric(gate(base, cand))["config"].reason
+
+
+def test_runs_differing_only_in_sample_counts_are_one_experiment():
+    """Concurrency's --rounds, like decode's --repeats, is how many samples a run takes: the rank test weighs it."""
+    base, cand = concurrency_doc([1, 2]), concurrency_doc([1, 2])
+    base["config"]["rounds"], cand["config"]["rounds"] = 1, 2
+    verdicts = gate(base, cand)
+    assert "config" not in by_metric(verdicts) and exit_code(verdicts) == 0
+    assert "config" not in by_metric(gate(decode_doc(config={"repeats": 3}), decode_doc(config={"repeats": 10})))
+
+
+def test_kernel_weight_formats_make_a_config_difference():
+    """The same op, shape, variant and T timed in fp32 and in q5 are different experiments, not a speed change."""
+    base, cand = kernels_doc(5.0), kernels_doc(5.0)
+    for doc, fmt in ((base, "q5_g64_fp16"), (cand, "fp32")):
+        for rec in doc["records"]:
+            rec["fmt"] = fmt if rec["op"] == "gdn_decode" else "q8_g32_fp16"
+    verdicts = gate(base, cand)
+    assert verdicts[0].metric == "config" and verdicts[0].status == "fail"
+    assert verdicts[0].reason.endswith("fmt of gdn_decode 'q5_g64_fp16' vs 'fp32'")
+    assert "config" not in by_metric(gate(base, base))
 
 
 def test_rules_that_apply_to_nothing_are_refused(tmp_path):

@@ -173,11 +173,14 @@ def test_report_verdicts_against_the_baseline(report):
     assert "(+350.0%) faster" in row
     evil_row = next(line for line in md.splitlines() if line.startswith("| &lt;script&gt;") and "x (" in line)
     assert "1.000x (+0.0%) same within noise" in evil_row  # 41/40/39 against 40 +- 0.5
-    # kernels: v3 against the baseline-less suite's first label's v2 row, 1.5x faster
-    assert "| v3-dflash2-k7 | rmsnorm | 1x5120 | 1 | v3 |" in md
-    assert "| 1.50x speedup, faster, p=" in md and "| 1.00x speedup, same within noise, p=1 |" in md
-    # concurrency: hf-peer has no concurrency result, so the first one given is the baseline
-    assert "| concurrency | v2-none, v3-dflash2-k7 | v2-none (first given; hf-peer has no concurrency result) |" in md
+    # kernels: v3 over its own run's v2, 1.5x faster; v2-none's v2 against the stand-in baseline's v2, the same
+    assert "| v3-dflash2-k7 | rmsnorm | 1x5120 | 1 | v3 | - |" in md
+    assert "| baseline | 1.50x speedup, faster, p=" in md
+    assert "| v2-none | rmsnorm | 1x5120 | 1 | v2 | - |" in md and "| 1.00x speedup, same within noise, p=1 | - |" in md
+    # concurrency: hf-peer has no concurrency result, so the first one given stands in, and the report says so
+    assert ("| concurrency | v2-none, v3-dflash2-k7 | v2-none (stand-in, the first read: hf-peer has no concurrency "
+            "result) | 5f3c |") in md
+    assert "Baseline: v2-none (5f3c, created " in md and "hf-peer has no concurrency result. Name another" in md
     assert ("| v3-dflash2-k7 | levels[concurrency=8].aggregate_tok_s | 1.599x (+59.9%) faster, p=0.0079 |"
             in md)  # 5 vs 5 separated samples: exact p = 2/252
 
@@ -319,13 +322,109 @@ def test_a_file_given_twice_is_one_document(docs, tmp_path):
 
 def test_report_flags_deltas_of_another_model_or_workload(tmp_path):
     base = decode_doc("v3-none", [70.0, 71.0, 69.0])
-    other_model = decode_doc("v3-none", [90.0, 91.0, 89.0])
+    other_model = decode_doc("v3-none-tiny", [90.0, 91.0, 89.0])
     other_model["model"] = {"preset": "tiny", "synthetic": True}
     longer = decode_doc("v3-long", [90.0, 91.0, 89.0])
     longer["config"]["max_new_tokens"] = 256
     same = decode_doc("v3-dflash2", [90.0, 91.0, 89.0], spec="dflash2", k=7)  # another method, same workload
     md = write_report([base, other_model, longer, same], tmp_path)[1].read_text()
     rows = {line.split(" | ")[0]: line for line in md.splitlines() if line.startswith("| v3-") and "x (" in line}
-    assert "NOT COMPARABLE: model tiny (synthetic) (baseline 5f3c)" in rows["| v3-none#2"]
+    assert "NOT COMPARABLE: model tiny (synthetic) (baseline 5f3c)" in rows["| v3-none-tiny"]
     assert "NOT COMPARABLE: max_new_tokens 256 (baseline 129)" in rows["| v3-long"]
     assert rows["| v3-dflash2"].endswith("| - |")
+
+
+def test_concurrency_runs_differing_only_in_rounds_are_comparable(tmp_path):
+    """--rounds is how many samples a level takes, not the load: no NOT COMPARABLE flag (decode's --repeats alike)."""
+    one, two = concurrency_doc("c-r1", 1.0), concurrency_doc("c-r2", 1.0)
+    one["config"]["rounds"], two["config"]["rounds"] = 1, 2
+    longer = concurrency_doc("c-long", 1.0)
+    longer["config"].update(rounds=1, prompt_tokens=512)
+    md = write_report([one, two, longer], tmp_path, baseline_label="c-r1")[1].read_text()
+    rows = [line for line in md.splitlines() if line.startswith("| c-") and "aggregate_tok_s" in line]
+    assert rows and "NOT COMPARABLE" not in "".join(r for r in rows if r.startswith("| c-r2"))
+    assert all(r.endswith("| - |") for r in rows if r.startswith("| c-r2"))
+    assert all("NOT COMPARABLE: prompt_tokens 512 (baseline None)" in r for r in rows if r.startswith("| c-long"))
+
+
+def kernel_rec(op, shape, variant, us, fmt=None):
+    samples = [us * (1 + 0.002 * i) for i in range(10)]
+    rec = {"op": op, "shape": shape, "variant": variant, "t": 1, "us_median": statistics.median(samples),
+           "us_p10": samples[1], "us_p90": samples[8], "samples_us": samples, "bytes": 1 << 20, "gbps": 100.0,
+           "roofline_fraction": 0.1, "max_rel_err": 1e-3}
+    return rec if fmt is None else {**rec, "fmt": fmt}
+
+
+def test_kernel_rows_show_their_format_and_unlike_rows_get_no_speedup(tmp_path):
+    """A fp32 run of attn.o against the default q5 one: the format is shown and no speedup is computed; so for
+    another shape and for a run with another timer; like rows still get their speedups."""
+    def doc(label, fmt, o_us, shape=(512, 384), timer="torch-cpu"):
+        recs = [kernel_rec("attn.o", list(shape), v, us, fmt) for v, us in (("v2", 2 * o_us), ("v3", o_us))]
+        recs += [kernel_rec("norm.rms", [1, 512], v, 5.0) for v in ("v2", "v3")]
+        return make_result("kernels", label=label, config={"device": "cpu", "dtype": "float32"}, records=recs,
+                           env=ENV, summary={"ops": 2, "copy_bandwidth_gbps": 10.0, "timer": timer})
+
+    docs = [doc("k-fp32", "fp32", 30.0), doc("kernels-model-cpu", "q5_g64_fp16", 20.0),
+            doc("k-wide", "q5_g64_fp16", 10.0, shape=(1024, 384)),
+            doc("k-gpu", "q5_g64_fp16", 5.0, timer="cuda-events")]
+    md = write_report(docs, tmp_path, baseline_label="kernels-model-cpu")[1].read_text()
+    rows = {tuple(line.split(" | ")[:5]): line for line in md.splitlines() if line.startswith("| k")}
+    fp32 = rows[("| k-fp32", "attn.o", "512x384", "1", "v3")]
+    assert "| v3 | fp32 |" in fp32 and "NOT COMPARABLE: format fp32 (baseline q5_g64_fp16)" in fp32
+    assert "speedup, slower" not in fp32.split("NOT COMPARABLE")[1].split(" | ")[0]
+    assert "| 2.00x speedup, faster" in fp32  # v3 over its own v2: one format
+    assert "| v3 | q5_g64_fp16 |" in rows[("| kernels-model-cpu", "attn.o", "512x384", "1", "v3")]
+    wide = rows[("| k-wide", "attn.o", "1024x384", "1", "v3")]
+    assert "NOT COMPARABLE: shape 1024x384 (baseline 512x384)" in wide
+    assert "NOT COMPARABLE: timer cuda-events (baseline torch-cpu)" in rows[("| k-gpu", "attn.o", "512x384", "1", "v3")]
+    assert "| 1.00x speedup, same within noise" in rows[("| k-fp32", "norm.rms", "1x512", "1", "v3")]
+    assert "Baseline: kernels-model-cpu" in md and "the baseline label." in md
+
+
+def test_duplicate_labels_are_refused_naming_the_files(tmp_path):
+    a, b = decode_doc("v3-none", [70.0, 71.0, 69.0]), decode_doc("v3-none", [90.0, 91.0, 89.0])
+    b["model"] = {"preset": "tiny", "synthetic": True}
+    write_result(a, tmp_path / "runs" / "a.json")
+    write_result(b, tmp_path / "runs" / "b.json")
+    write_result(concurrency_doc("v3-none", 1.0), tmp_path / "runs" / "c.json")  # another suite: no clash
+    with pytest.raises(ResultError, match=r"runs/a.json and .*runs/b.json are both decode results labelled 'v3-none'"):
+        load_results([tmp_path / "runs"])
+    assert len(load_results([tmp_path / "runs" / "a.json", tmp_path / "runs" / "c.json"])) == 2
+    with pytest.raises(ValueError, match=r"two decode results are labelled 'v3-none' \(5f3c, .*tiny \(synthetic\)"):
+        write_report([a, b], tmp_path / "out")
+
+
+def test_the_baseline_of_a_suite_without_the_label_is_named(tmp_path):
+    docs = [decode_doc("hf-peer", [40.0, 41.0, 39.0], engine="hf"), decode_doc("v3-none", [90.0, 91.0, 89.0]),
+            concurrency_doc("b-conc", 1.0), concurrency_doc("a-conc", 1.2)]
+    md = write_report(docs, tmp_path, baseline_label="hf-peer")[1].read_text()
+    assert "Baseline: hf-peer (5f3c, created " in md and "), the baseline label." in md
+    assert ("| concurrency | b-conc, a-conc | b-conc (stand-in, the first read: hf-peer has no concurrency result) |"
+            in md)
+    assert ("Baseline: b-conc (5f3c, created " in md and "standing in as the first concurrency result read (a "
+            "folder's files are read in name order): hf-peer has no concurrency result." in md)
+    md = write_report(docs, tmp_path / "none")[1].read_text()
+    assert "standing in as the first decode result read (a folder's files are read in name order): no baseline " \
+           "label was given." in md
+
+
+def test_niah_oracle_agreement_shows_its_denominator(tmp_path):
+    """Two cases, one with an oracle (which passed): 100% of 1, not of 2."""
+    recs = [{"case": "ctx1024-d0", "ctx": 1024, "depth": 0, "pass": True, "retrieved": True, "first_divergence": None,
+             "top1_agreement": 1.0, "kl": 0.0},
+            {"case": "ctx1024-d100", "ctx": 1024, "depth": 100, "pass": None, "retrieved": True,
+             "first_divergence": None, "top1_agreement": None, "kl": None}]
+    half = make_result("niah", label="half", config={}, records=recs, model=MODEL, env=ENV,
+                       summary={"cases": 2, "oracle_cases": 1, "oracle_agreement": 1.0, "retrieval": 1.0,
+                                "first_divergence": {"ctx1024-d0": None}})
+    none = make_result("niah", label="none", config={}, records=[{**recs[1], "case": "c"}], model=MODEL, env=ENV,
+                       summary={"cases": 1, "oracle_cases": 0, "oracle_agreement": None, "retrieval": 1.0,
+                                "first_divergence": {}})
+    html_path, md_path = write_report([half, none], tmp_path)
+    md = md_path.read_text()
+    assert "| half | 2 | 100.0% (1 of 1 cases with an oracle; 1 without) | 100.0% |" in md
+    assert "| none | 1 | no oracle (0 of 1 cases) |" in md
+    assert "| half | ctx1024-d100 | 1,024 | 100 | no oracle |" in md
+    assert '<td class="warn">100.0% (1 of 1 cases with an oracle; 1 without)</td>' in html_path.read_text()
+    assert plots._cell_text(1.0, 1, 2, oracle=True) == "100%\n1 of 2 with\nan oracle"
+    assert plots._cell_text(float("nan"), 0, 2, oracle=True) == "no oracle"

@@ -4,6 +4,7 @@ check passing; a broken implementation is reported and the command exits 1; byte
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -136,6 +137,47 @@ def test_model_artifact_gives_the_shapes(tiny_artifact, tmp_path):
     with Artifact.open(tiny_artifact) as art:
         assert hidden == art.components["text"]["config"]["hidden_size"]
     assert doc["model"]["artifact_id"] and doc["config"]["model"] == str(tiny_artifact)
+
+
+BUNDLED = Path(__file__).resolve().parent.parent / "models" / "ninfer-code-small.ninfer"
+
+
+def test_an_artifacts_projections_are_timed_in_its_stored_formats():
+    """The bundled artifact stores its projections as q8: they are timed as q8 (not the mixed policy's q5 / q4 / bf16),
+    under a label naming the artifact; a --quant given overrides that and the label and config say so."""
+    opts = dict(model=str(BUNDLED), ops=("attn.o", "gdn.b", "lm_head"), ts=(1,), repeats=2, warmup=0, device="cpu")
+    doc = ks.run_kernels(ks.KernelOptions(**opts))
+    assert {(r["op"], r["fmt"]) for r in doc["records"]} == {
+        ("attn.o", "q8_g32_fp16"), ("gdn.b", "q8_g32_fp16"), ("gdn.ba", "q8_g32_fp16"), ("lm_head", "q8_g32_fp16")}
+    assert all(r["ok"] for r in doc["records"])
+    assert doc["label"] == "kernels-ninfer-code-small-cpu" and doc["config"]["quant"] is None
+    assert doc["config"]["weight_formats"] == "artifact" and doc["model"]["quant_policy"] == "q8"
+    n, k = one(doc, op="attn.o", variant="v2")["shape"]
+    assert one(doc, op="attn.o", variant="v2")["bytes"] == projection_bytes("q8_g32_fp16", n, k, 1, 4)
+    fp32 = ks.run_kernels(ks.KernelOptions(**{**opts, "ops": ("attn.o",)}, quant="fp32"))
+    assert {r["fmt"] for r in fp32["records"]} == {"fp32"}
+    assert fp32["label"] == "kernels-ninfer-code-small-fp32-cpu"
+    assert fp32["config"]["quant"] == "fp32" and fp32["config"]["weight_formats"] == "quant policy"
+
+
+def test_a_preset_keeps_the_mixed_policy_by_default():
+    doc = ks.run_kernels(ks.KernelOptions(shape="tiny", ops=("attn.o", "mlp.down"), ts=(1,), repeats=2, warmup=0,
+                                          device="cpu"))
+    assert {(r["op"], r["fmt"]) for r in doc["records"]} == {("attn.o", "q5_g64_fp16"), ("mlp.down", "q4_g64_fp16")}
+    assert doc["label"] == "kernels-tiny-cpu" and doc["config"]["quant"] == "mixed"
+
+
+def test_stored_formats_drop_the_layer_and_follow_aliases():
+    from ninfer_bench.engine.artifact import Artifact
+
+    with Artifact.open(BUNDLED) as art:
+        formats = ks.stored_formats(art)
+    assert formats["self_attn.o_proj.weight"] == formats["lm_head.weight"] == "q8_g32_fp16"
+    assert formats["input_layernorm.weight"] == "fp32"
+    ctx = ks.KernelContext(preset("tiny"), torch.device("cpu"), torch.float32, formats={"mlp.down_proj.weight": "q8"})
+    assert ctx.weight_format("model.layers.0.mlp.down_proj.weight", (4, 4)) == "q8"
+    with pytest.raises(ValueError, match="stores no mlp.up_proj.weight"):
+        ctx.weight_format("model.layers.0.mlp.up_proj.weight", (4, 4))
 
 
 @pytest.mark.parametrize("args,message", [
