@@ -19,29 +19,19 @@ from __future__ import annotations
 from datetime import datetime, timezone
 from pathlib import Path
 
-from .frames import frames, model_id, shape_text
+from .baseline import baseline_note, model_name, read_shift, stand_in
+from .frames import frames, model_id
 from .gate import config_value, default_rules, expand
 from .metric_path import MetricMissing, lookup
 from .plots import plot_all
 from .render import Table, html_page, markdown, num, numbers, pct, sha, size
-from .stats import ALPHA, rank_test
+from .sections import kernels_section, niah_section
 
 DEFAULT_TITLE = "ninfer-bench release validation"
 # config keys of the workload: runs that differ in them (or in the model) do not compare like with like; the number
 # of samples (decode's repeats, concurrency's rounds per level) is not the workload
 WORKLOAD_KEYS = ("prompt_file", "prompts", "images", "max_new_tokens", "prompt_tokens")
 UNLIKE = "differs from the baseline"
-
-
-def _verdict(b_samples, c_samples, higher_is_better: bool) -> tuple[str, str]:
-    """``("faster, p=0.008", tone)``: the rank test's reading of candidate samples against baseline samples."""
-    shift = rank_test(b_samples, c_samples, ALPHA)
-    if shift.powerless:
-        return f"inconclusive ({shift.n_baseline} vs {shift.n_candidate} samples)", "warn"
-    if not shift.significant:
-        return f"same within noise, p={shift.p:.2g}", ""
-    better = (shift.direction > 0) == higher_is_better
-    return f"{'faster' if better else 'slower'}, p={shift.p:.2g}", "good" if better else "bad"
 
 
 def _compare(base: dict, doc: dict, rule) -> tuple[str, str]:
@@ -57,38 +47,16 @@ def _compare(base: dict, doc: dict, rule) -> tuple[str, str]:
             samples.append(None)
     if not numbers(b, c) or not b:
         return ("-", "")
-    verdict, tone = _verdict(*samples, rule.higher_is_better)
+    verdict, tone = read_shift(*samples, rule.higher_is_better)
     return f"{c / b:.3f}x ({c / b - 1:+.1%}) {verdict}", tone
-
-
-def _model_name(doc: dict) -> str:
-    name = model_id(doc["model"])
-    return name if name != "-" else num(doc["config"].get("model"))
 
 
 def _unlike(base: dict, doc: dict) -> tuple[str, str]:
     """What makes a delta row compare unlike runs: another model or workload than the baseline's."""
-    pairs = [("model", _model_name(base), _model_name(doc))]
+    pairs = [("model", model_name(base), model_name(doc))]
     pairs += [(k, config_value(base["config"], k), config_value(doc["config"], k)) for k in WORKLOAD_KEYS]
     diffs = [f"{key} {c} (baseline {b})" for key, b, c in pairs if b != c]
     return ("NOT COMPARABLE: " + "; ".join(diffs), "bad") if diffs else ("-", "")
-
-
-def _stand_in(suite: str, base: dict, baseline_label: str | None) -> str | None:
-    """Why a suite's baseline is a stand-in, not the baseline label's run (None when it is that run)."""
-    if base["label"] == baseline_label:
-        return None
-    return "no baseline label was given" if baseline_label is None else f"{baseline_label} has no {suite} result"
-
-
-def _baseline_note(suite: str, base: dict, baseline_label: str | None) -> str:
-    """Which run a suite's deltas are taken against, and why that one."""
-    run = f"{base['label']} ({_model_name(base)}, created {base['created']})"
-    why = _stand_in(suite, base, baseline_label)
-    if why is None:
-        return f"Baseline: {run}, the baseline label."
-    return (f"Baseline: {run}, standing in as the first {suite} result read (a folder's files are read in name "
-            f"order): {why}. Name another with --baseline LABEL.")
 
 
 # ---- sections ------------------------------------------------------------------------------------------
@@ -99,9 +67,9 @@ def _overview(docs, baselines, baseline_label) -> list:
     rows = []
     for suite, labels in by_suite.items():
         base = baselines[suite]
-        why = _stand_in(suite, base, baseline_label)
+        why = stand_in(suite, base, baseline_label)
         rows.append([suite, ", ".join(labels), base["label"] + (f" (stand-in, the first read: {why})" if why else ""),
-                     _model_name(base)])
+                     model_name(base)])
     return [("p", f"Generated {datetime.now(timezone.utc).isoformat(timespec='seconds')} from {len(docs)} "
                   f"result document(s)."), ("table", Table(["suite", "labels", "baseline", "baseline model"], rows))]
 
@@ -185,7 +153,7 @@ def _decode(docs, base, baseline_label, figures) -> list:
         deltas.rows = [[d["label"]] + [_compare(base, d, r) for r in rules] + [_unlike(base, d)]
                        for d in docs if d is not base]
         blocks += [("h3", f"Against the baseline {base['label']}"),
-                   ("p", _baseline_note("decode", base, baseline_label)),
+                   ("p", baseline_note("decode", base, baseline_label)),
                    ("p", "Ratio of medians candidate/baseline; verdicts from a two-sided Mann-Whitney U test over "
                          "the per-repeat samples (p < 0.05). A row whose last column is not '-' ran another model "
                          "or workload than the baseline: its ratios compare unlike runs."), ("table", deltas)]
@@ -226,128 +194,8 @@ def _concurrency(docs, base, baseline_label, figures) -> list:
             rules = [r for r in expand(default_rules("concurrency"), base, d) if r.kind == "timing" and r.samples]
             deltas.rows += [[d["label"], r.metric, _compare(base, d, r), _unlike(base, d)] for r in rules]
         blocks += [("h3", f"Against the baseline {base['label']}"),
-                   ("p", _baseline_note("concurrency", base, baseline_label)), ("table", deltas)]
+                   ("p", baseline_note("concurrency", base, baseline_label)), ("table", deltas)]
     return blocks
-
-
-def _kernel_run_differences(base: dict, doc: dict) -> list[str]:
-    """What makes every timing of a kernels run unlike the baseline's: another timer, compute dtype or GPU."""
-    pairs = [("timer", base["summary"].get("timer"), doc["summary"].get("timer")),
-             ("dtype", base["config"].get("dtype"), doc["config"].get("dtype")),
-             ("gpu", base["env"].get("gpu"), doc["env"].get("gpu"))]
-    return [f"{key} {num(c)} (baseline {num(b)})" for key, b, c in pairs if b != c]
-
-
-def _speedup(ref: dict | None, rec: dict, ref_shapes=()) -> tuple[str, str]:
-    """``rec``'s speedup over ``ref`` (median µs ref / rec, with the rank test's verdict); refused, saying why, where
-    the two rows are unlike: another weight format, or no ``ref`` at this shape but at ``ref_shapes``."""
-    if ref is None:
-        if ref_shapes:
-            shape = num(shape_text(rec.get("shape")))
-            return f"NOT COMPARABLE: shape {shape} (baseline {', '.join(map(num, ref_shapes))})", "bad"
-        return "-", ""
-    if ref.get("fmt") != rec.get("fmt"):
-        return f"NOT COMPARABLE: format {num(rec.get('fmt'))} (baseline {num(ref.get('fmt'))})", "bad"
-    b, c = ref.get("us_median"), rec.get("us_median")
-    if not numbers(b, c) or not c:
-        return "-", ""
-    verdict, tone = _verdict(ref.get("samples_us"), rec.get("samples_us"), False)
-    return f"{b / c:.2f}x speedup, {verdict}", tone
-
-
-def _kernels(docs, base, baseline_label, figures) -> list:
-    """Per (op, shape, T), every label and variant with its weight format, and two speedups: over the baseline
-    run's row of the same op, shape, T and variant (refused where the format, the shape or the run's timer, dtype
-    or GPU differ), and over its own run's v2 row (v2 -> v3, before/after)."""
-    def key(rec):
-        return rec["op"], shape_text(rec.get("shape")), rec["t"], rec["variant"]
-
-    base_rows = {key(rec): rec for rec in base["records"]}
-    base_shapes = {}  # (op, T, variant) -> the baseline's shapes, to name where a row's shape has no counterpart
-    for rec in base["records"]:
-        base_shapes.setdefault((rec["op"], rec["t"], rec["variant"]), {})[shape_text(rec.get("shape"))] = None
-    groups = {}
-    for d in docs:
-        for rec in d["records"]:
-            groups.setdefault(key(rec)[:3], []).append((d, rec))
-    table = Table(["label", "op", "shape", "T", "variant", "format", "µs median [p10-p90]", "GB/s", "roofline",
-                   "max rel err", f"against {base['label']}", "over v2 (same run)"])
-    for (op, shape, t), rows in groups.items():
-        own_v2 = {id(d): rec for d, rec in rows if rec["variant"] == "v2"}
-        for d, rec in rows:
-            unlike = _kernel_run_differences(base, d)
-            if d is base:
-                against = ("baseline", "")
-            elif unlike:
-                against = ("NOT COMPARABLE: " + "; ".join(unlike), "bad")
-            else:
-                against = _speedup(base_rows.get(key(rec)), rec, base_shapes.get((op, t, rec["variant"]), ()))
-            over_v2 = ("-", "") if rec["variant"] == "v2" else _speedup(own_v2.get(id(d)), rec)
-            err = rec.get("max_rel_err")
-            table.rows.append([d["label"], op, num(shape), num(t), num(rec["variant"]), num(rec.get("fmt")),
-                               f"{num(rec['us_median'])} [{num(rec.get('us_p10'))}-{num(rec.get('us_p90'))}]",
-                               num(rec.get("gbps"), 1), pct(rec.get("roofline_fraction")),
-                               "-" if err is None else f"{err:.2e}", against, over_v2])
-    notes = "; ".join(f"{d['label']}: timer {d['summary'].get('timer', '-')}, copy bandwidth "
-                      f"{num(d['summary'].get('copy_bandwidth_gbps'), 1)} GB/s" for d in docs)
-    blocks = [("h2", "Kernels"), ("p", notes), ("p", _baseline_note("kernels", base, baseline_label)),
-              ("p", "Speedups are ratios of median µs (reference / row) with the rank test's verdict: against the "
-                    "baseline run's row of the same op, shape, T and variant, refused where the weight format, the "
-                    "shape or the run's timer, dtype or GPU differ; and v3 over the same run's v2."),
-              ("table", table)]
-    if "kernels" in figures:
-        blocks.append(("figure", "kernels", "median microseconds per op, shape and T (log scale)"))
-    return blocks
-
-
-def _oracle_cases(doc: dict) -> tuple[int | None, int | None]:
-    """(cases that passed the oracle agreement rule, cases that had an oracle): counted from the records where they
-    carry verdicts (``pass`` null: no oracle), else from the summary; (None, None) when neither says."""
-    verdicts = [r["pass"] for r in doc["records"] if "pass" in r]
-    if verdicts:
-        judged = [v for v in verdicts if v is not None]
-        return sum(bool(v) for v in judged), len(judged)
-    s = doc["summary"]
-    judged, agree = s.get("oracle_cases"), s.get("oracle_agreement")
-    if not numbers(judged):
-        return None, None
-    return (round(agree * judged) if numbers(agree) else 0), judged
-
-
-def _oracle_agreement(doc: dict) -> tuple[str, str]:
-    """The agreement cell with its denominator: "100.0% (1 of 1 cases with an oracle)"; "warn" where cases lacked
-    an oracle, "bad" where one failed."""
-    agree, cases = doc["summary"].get("oracle_agreement"), doc["summary"].get("cases")
-    passed, judged = _oracle_cases(doc)
-    if judged is None:
-        return pct(agree), "" if agree is None else "good" if agree == 1 else "bad"
-    if judged == 0:
-        return f"no oracle (0 of {num(cases)} cases)", "warn"
-    partial = numbers(cases) and judged < cases
-    text = f"{pct(passed / judged)} ({passed} of {judged} cases with an oracle" + \
-        (f"; {cases - judged} without)" if partial else ")")
-    return text, "bad" if passed < judged else "warn" if partial else "good"
-
-
-def _niah(docs, figures) -> list:
-    summary = Table(["label", "cases", "oracle agreement", "retrieval", "seconds"])
-    for d in docs:
-        s = d["summary"]
-        summary.rows.append([d["label"], num(s.get("cases")), _oracle_agreement(d), pct(s.get("retrieval")),
-                             num(s.get("seconds"), 1)])
-    cases = Table(["label", "case", "ctx", "depth", "oracle pass", "retrieved", "first divergence",
-                   "top-1 agreement", "KL"])
-    for d in docs:
-        for r in d["records"]:
-            cases.rows.append([d["label"], num(r.get("case")), num(r.get("ctx")), num(r.get("depth")),
-                               ("no oracle", "") if r.get("pass") is None else
-                               (num(r["pass"]), "good" if r["pass"] else "bad"), num(r.get("retrieved")),
-                               num(r.get("first_divergence")), pct(r.get("top1_agreement")), num(r.get("kl"), 4)])
-    blocks = [("h2", "Needle in a haystack"), ("table", summary)]
-    if "niah" in figures:
-        blocks.append(("figure", "niah", "retrieval and oracle-agreement pass rate by context length and depth "
-                                         "(agreement over the cases with an oracle)"))
-    return blocks + [("h3", "Cases"), ("table", cases)]
 
 
 def _prefill(docs) -> list:
@@ -370,8 +218,8 @@ def write_report(docs: list[dict], out_dir, baseline_label: str | None = None,
     for d in docs:
         other = seen.setdefault((d["suite"], d["label"]), d)
         if other is not d:
-            raise ValueError(f"two {d['suite']} results are labelled {d['label']!r} ({_model_name(other)}, created "
-                             f"{other['created']}; {_model_name(d)}, created {d['created']}): a report names runs by "
+            raise ValueError(f"two {d['suite']} results are labelled {d['label']!r} ({model_name(other)}, created "
+                             f"{other['created']}; {model_name(d)}, created {d['created']}): a report names runs by "
                              "label, so give each its own")
     labels = {d["label"] for d in docs}
     if baseline_label is not None and baseline_label not in labels:
@@ -391,9 +239,9 @@ def write_report(docs: list[dict], out_dir, baseline_label: str | None = None,
     if "concurrency" in by_suite:
         blocks += _concurrency(by_suite["concurrency"], baselines["concurrency"], baseline_label, figures)
     if "kernels" in by_suite:
-        blocks += _kernels(by_suite["kernels"], baselines["kernels"], baseline_label, figures)
+        blocks += kernels_section(by_suite["kernels"], baselines["kernels"], baseline_label, figures)
     if "niah" in by_suite:
-        blocks += _niah(by_suite["niah"], figures)
+        blocks += niah_section(by_suite["niah"], figures)
     html_path, md_path = out_dir / "report.html", out_dir / "report.md"
     html_path.write_text(html_page(title, blocks, figures), encoding="utf-8")
     md_path.write_text(markdown(title, blocks, figures), encoding="utf-8")
