@@ -106,13 +106,33 @@ def read_prompt_set(path: str | Path, tokenizer) -> list[dict]:
             rec = json.loads(line)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{n}: not JSON ({e.msg})") from None
-        ids = rec.get("ids") or tokenizer.encode(rec.get("text", ""))
-        if not ids:
-            raise ValueError(f"{path}:{n}: prompt has no 'text' or 'ids'")
-        out.append({"id": str(rec.get("id", n)), "prompt_ids": [int(t) for t in ids]})
+        out.append({"id": str(rec.get("id", n)) if isinstance(rec, dict) else None,
+                    "prompt_ids": _record_ids(rec, tokenizer, f"{path}:{n}")})
     if not out:
         raise ValueError(f"{path}: no prompts")
     return out
+
+
+def _record_ids(rec, tokenizer, where: str) -> list[int]:
+    """A prompt-set record's token ids: its ``text`` (a string) encoded, or its ``ids`` (a list of integers) - one of
+    the two, never both (they could disagree)."""
+    if not isinstance(rec, dict):
+        raise ValueError(f"{where}: a record is a JSON object with 'text' or 'ids', got {type(rec).__name__}")
+    has_text, has_ids = rec.get("text") is not None, rec.get("ids") is not None
+    if has_text == has_ids:
+        raise ValueError(f"{where}: a record has 'text' or 'ids' (one of them), " +
+                         ("got both" if has_text else "got neither"))
+    if has_text:
+        if not isinstance(rec["text"], str):
+            raise ValueError(f"{where}: 'text' must be a string, got {type(rec['text']).__name__}")
+        ids = tokenizer.encode(rec["text"])
+    else:
+        ids = rec["ids"]
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ValueError(f"{where}: 'ids' must be a list of integers")
+    if not ids:
+        raise ValueError(f"{where}: the prompt is empty")
+    return list(ids)
 
 
 def recorded_config(opts) -> dict:

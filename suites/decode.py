@@ -177,6 +177,8 @@ def fresh_media(engine, media) -> dict:
 def load_prompts(path: str, tokenizer, limit: int | None = None) -> list[list[int]]:
     """Token ids of the prompt file (see :func:`read_prompt_set`), the first ``limit`` of them."""
     ids = [rec["prompt_ids"] for rec in read_prompt_set(path, tokenizer)]
+    if limit and limit > len(ids):
+        raise ValueError(f"--prompts {limit}: {path} holds {len(ids)} prompt(s)")
     return ids[:limit] if limit else ids
 
 

@@ -140,3 +140,26 @@ def test_bad_outputs_and_options_fail_before_any_work(tmp_path):
     opts = DecodeOptions(**BASE, max_concurrency=2, kv_capacity=300)
     eng_opts = opts.engine_options()
     assert (eng_opts.max_concurrency, eng_opts.kv_capacity) == (2, 300)
+
+
+def test_prompt_sets_refuse_malformed_records(tmp_path):
+    """A .jsonl prompt set: each record is an object with a string 'text' or a list of integer 'ids' (not both);
+    anything else is refused naming the file and line, and --prompts beyond the set's size is refused."""
+    from ninfer_bench.engine.tokenizer import ByteTokenizer
+    from ninfer_bench.suites.common import read_prompt_set
+
+    tok = ByteTokenizer(300)
+    bad = {'[1, 2, 3]': "a JSON object", '{"text": 12345}': "'text' must be a string",
+           '{"text": null, "ids": null}': "got neither", '{"ids": [[1, 2], [3]]}': "'ids' must be a list of integers",
+           '{"ids": "hello"}': "'ids' must be a list of integers", '{"ids": [5.9, 7.2]}': "list of integers",
+           '{"ids": [true]}': "list of integers", '{"text": "a", "ids": [97]}': "got both", '{"text": ""}': "empty"}
+    for line, message in bad.items():
+        path = tmp_path / "set.jsonl"
+        path.write_text('{"id": "ok", "text": "x"}\n\n' + line + "\n")
+        with pytest.raises(ValueError, match=message) as err:
+            read_prompt_set(path, tok)
+        assert f"{path}:3:" in str(err.value), line
+    path.write_text('{"id": "a", "text": "xy"}\n{"ids": [1, 2]}\n')
+    assert read_prompt_set(path, tok) == [{"id": "a", "prompt_ids": [120, 121]}, {"id": "2", "prompt_ids": [1, 2]}]
+    r = CliRunner().invoke(main, ["decode", "--model", "tiny", "--prompt-file", str(path), "--prompts", "3"])
+    assert r.exit_code == 1 and "--prompts 3" in r.output and "holds 2 prompt(s)" in r.output, r.output
