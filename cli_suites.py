@@ -266,8 +266,9 @@ def gate(baseline, candidate, rules, as_json, allow_config_change):
 @click.option("--draft-tokens", "-k", type=int, default=None)
 @click.option("--max-new-tokens", "-n", type=int, default=128, show_default=True)
 @click.option("--prompt-tokens", type=int, default=256, show_default=True,
-              help="Prompt length in tokens, each client's prompt cut or repeated to it (in-process runs; --url "
-                   "sends the prompt texts whole, tokenized by the server).")
+              help="Prompt length in tokens, each client's prompt cut or repeated to it (--url: from the server's "
+                   "own tokenization, sent as token ids; a server that returns no prompt_token_ids gets the texts "
+                   "whole).")
 @click.option("--rounds", type=int, default=2, show_default=True, help="Rounds per level (samples).")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
 @click.option("--kv-dtype", type=click.Choice(["fp32", "bf16", "fp16", "int8"]), default="int8", show_default=True)
@@ -281,31 +282,60 @@ def gate(baseline, candidate, rules, as_json, allow_config_change):
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write the result document.")
 def concurrency(levels, url, served_model, model, synthetic, quant, spec, draft_tokens, max_new_tokens, prompt_tokens,
                 rounds, device, kv_dtype, runtime, max_context, prefill_chunk, interleave_chunk, label, json_path):
-    """C1/C2/C4/C8 throughput and latency, in-process (continuous batching) or against a server."""
-    from .suites.concurrency import ConcurrencyOptions, run_concurrency
+    """C1/C2/C4/C8 throughput and latency, in-process (continuous batching) or against a server.
 
+    With --url the engine is the server's: --model, --synthetic, --quant, --spec, -k, --device, --kv-dtype,
+    --runtime, --max-context, --prefill-chunk and --interleave-chunk are refused (give them to `serve`), and the
+    result records the settings the server reports about itself, null for those it does not report."""
+    from click.core import ParameterSource
+
+    from .suites.concurrency import ENGINE_FIELDS, ConcurrencyOptions, run_concurrency
+
+    ctx = click.get_current_context()
+    given = [p for p in ctx.command.params if ctx.get_parameter_source(p.name) is not ParameterSource.DEFAULT]
+    engine_flags = [max(p.opts, key=len) for p in given if p.name in ENGINE_FIELDS]
+    if url and engine_flags:  # even at their default values: the server's settings are not this client's defaults
+        raise UserError(f"{', '.join(engine_flags)} configure the in-process engine; with --url the server's own "
+                        "settings apply (give them to `serve`), and the result records what the server reports")
     lv = tuple(int_list(levels, "-c"))
     check_output(json_path, parents=True)
-    opts = ConcurrencyOptions(levels=lv, url=url, served_model=served_model, model=model, synthetic=synthetic,
-                              quant=quant, spec=spec,
-                              draft_tokens=draft_tokens, max_new_tokens=max_new_tokens, prompt_tokens=prompt_tokens,
-                              rounds=rounds, device=device, kv_dtype=kv_dtype, runtime=runtime, label=label,
-                              max_context=max_context, prefill_chunk=prefill_chunk, interleave_chunk=interleave_chunk)
+    opts = ConcurrencyOptions(levels=lv, url=url, served_model=served_model, max_new_tokens=max_new_tokens,
+                              prompt_tokens=prompt_tokens, rounds=rounds, label=label,
+                              **({} if url else dict(model=model, synthetic=synthetic, quant=quant, spec=spec,
+                                                     draft_tokens=draft_tokens, device=device, kv_dtype=kv_dtype,
+                                                     runtime=runtime, max_context=max_context,
+                                                     prefill_chunk=prefill_chunk, interleave_chunk=interleave_chunk)))
     prog, update = suite_progress("concurrency")
     with prog:
         doc = run_concurrency(opts, progress=update)
-    table = Table(title=f"concurrency: {doc['label']}")
-    for col in ("C", "agg tok/s", "req tok/s", "TTFT p50/p99 ms", "ITL p50/p99 ms", "e2e p50 ms", "= sequential"):
-        table.add_column(col)
-    for lv_ in doc["summary"]["levels"]:
-        table.add_row(str(lv_["concurrency"]), fmt(lv_["aggregate_tok_s"], ".1f"), fmt(lv_["per_request_tok_s"], ".1f"),
-                      f"{fmt(lv_['ttft_ms_p50'], '.1f')} / {fmt(lv_['ttft_ms_p99'], '.1f')}",
-                      f"{fmt(lv_['itl_ms_p50'], '.2f')} / {fmt(lv_['itl_ms_p99'], '.2f')}", fmt(lv_["e2e_ms_p50"], ".0f"),
-                      "[green]yes[/]" if lv_["matches_sequential"] else "[red]NO[/]")
-    console.print(table)
+    console.print(concurrency_table(doc))
+    if url and doc["config"]["prompt_tokens"] is None and "prompt_tokens" in {p.name for p in given}:
+        err_console.print(f"[yellow]{url} returns no prompt_token_ids: the prompt texts went whole, not cut to "
+                          f"--prompt-tokens {prompt_tokens}[/]")
     save_result(doc, json_path)
     if not all(lv_["matches_sequential"] for lv_ in doc["summary"]["levels"]):
         raise UserError("concurrent greedy outputs differ from the sequential ones")
+
+
+def concurrency_table(doc: dict) -> Table:
+    """One concurrency result, a row per level; the caption defines the two throughput columns."""
+    c = doc["config"]
+    engine = ", ".join(f"{k} {c[k]}" for k in ("device", "spec", "draft_tokens", "kv_dtype", "runtime",
+                                                "max_concurrency") if c.get(k) is not None)
+    table = Table(title=f"concurrency: {doc['label']} ({engine})",
+                  caption="agg tok/s: output tokens / round wall time (first request sent to last one finished, "
+                          "queueing and prefill included), the same at every level; steady tok/s: while every "
+                          "client decodes at once (-: never, e.g. more clients than slots)")
+    for col in ("C", "agg tok/s", "steady tok/s", "req tok/s", "TTFT p50/p99 ms", "ITL p50/p99 ms", "e2e p50 ms",
+                "= sequential"):
+        table.add_column(col)
+    for lv in doc["summary"]["levels"]:
+        table.add_row(str(lv["concurrency"]), fmt(lv["aggregate_tok_s"], ".1f"), fmt(lv.get("steady_tok_s"), ".1f"),
+                      fmt(lv["per_request_tok_s"], ".1f"),
+                      f"{fmt(lv['ttft_ms_p50'], '.1f')} / {fmt(lv['ttft_ms_p99'], '.1f')}",
+                      f"{fmt(lv['itl_ms_p50'], '.2f')} / {fmt(lv['itl_ms_p99'], '.2f')}", fmt(lv["e2e_ms_p50"], ".0f"),
+                      "[green]yes[/]" if lv["matches_sequential"] else "[red]NO[/]")
+    return table
 
 
 @main.command()

@@ -2,9 +2,22 @@
 scheduler or against any OpenAI-compatible server (``--url``) with streaming.
 
 Per request: TTFT, inter-token latency per token (a chunk of n tokens after a gap g counts n gaps of g/n),
-end-to-end latency, tokens. Per level: aggregate tok/s over the steady window (from the moment every request
-of the round has its first token to the moment the first one finishes: all clients decoding at once),
-per-request decode tok/s, p50/p90/p99, and whether greedy outputs equal the same prompts run alone.
+end-to-end latency, tokens. Per level, medians over its rounds:
+
+- ``aggregate_tok_s``: output tokens of the round / the round's wall time (the first request sent to the last one
+  finished: queueing, prefill and the tail included), one definition at every level, as vLLM's benchmark_serving
+  and SGLang's bench_serving report output throughput (their whole run is one of our rounds);
+- ``steady_tok_s``: tokens in the steady window (from the moment every request of the round has its first token to
+  the moment the first one finishes: all clients decoding at once) / its length; None when a round has no such
+  window (more clients than the server's slots: some finish before others start);
+- per-request decode tok/s, p50/p90/p99 latencies, and whether greedy outputs equal the same prompts run alone.
+
+Against a server the engine is the server's: the options that build an in-process engine (``ENGINE_FIELDS``) are
+refused, and the result's ``config`` records what the server reports about itself (our server: ``spec`` and
+``max_context`` in ``/v1/models``, ``slots`` in ``/health`` as ``max_concurrency``), ``device`` "server" and None
+for every engine setting it does not report, never this client's defaults. Prompts are cut to ``prompt_tokens``
+from the server's own tokenization (``prompt_token_ids`` of ``return_token_ids``) and sent as token ids; a server
+that does not return them gets the texts whole, and ``config.prompt_tokens`` is None.
 """
 
 from __future__ import annotations
@@ -12,12 +25,17 @@ from __future__ import annotations
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 
 from ..reports.schema import make_result
 from .common import DATA, DEFAULT_PROMPT, percentile, recorded_config, tokens_sha256
+
+
+# the options that only build an in-process engine: refused with a url, recorded from the server (or None) instead
+ENGINE_FIELDS = ("model", "synthetic", "quant", "device", "kv_dtype", "max_context", "prefill_chunk",
+                 "interleave_chunk", "runtime", "spec", "draft_tokens")
 
 
 @dataclass(slots=True)
@@ -55,6 +73,13 @@ class ConcurrencyOptions:
                              f"({self.prefill_chunk})")
         if self.url is not None and not self.url.startswith(("http://", "https://")):
             raise ValueError(f"--url {self.url}: expected http://HOST:PORT or https://...")
+        if self.url is not None:  # (the CLI also refuses these given explicitly at their default values)
+            own = [f.name for f in fields(self) if f.name in ENGINE_FIELDS and getattr(self, f.name) != f.default]
+            if own:
+                raise ValueError(f"{', '.join(own)} configure an in-process engine; against --url {self.url} the "
+                                 "server's own settings apply (give them to its `serve`)")
+        elif self.served_model is not None:
+            raise ValueError("served-model names the model sent to a server: it needs --url")
 
     def default_label(self) -> str:
         if self.url:
@@ -88,27 +113,31 @@ def itl_samples(token_times: list[float]) -> list[float]:
     return out
 
 
+def round_throughput(rows: list[dict]) -> tuple[float, float | None]:
+    """(output tokens / wall time, tokens / steady window or None) of one round's requests (see the module doc)."""
+    t0, t1 = min(r["submitted_abs"] for r in rows), max(r["finished_abs"] for r in rows)
+    wall = sum(r["completion_tokens"] for r in rows) / (t1 - t0)
+    start, end = max(r["first_abs"] for r in rows), min(r["finished_abs"] for r in rows)
+    if end <= start:  # a request finished before another had its first token: never all decoding at once
+        return wall, None
+    return wall, sum(sum(1 for t in r["times_abs"] if start < t <= end) for r in rows) / (end - start)
+
+
 def level_summary(c: int, reqs: list[dict], baseline: dict[str, str]) -> dict:
     """Aggregate one level's per-request records (dicts with submitted, first, finished, times, tokens...)."""
     ttft = [r["ttft_ms"] for r in reqs]
     itl = [x for r in reqs for x in r["itl_ms"]]
     e2e = [r["e2e_ms"] for r in reqs]
-    agg = []
-    for rnd in sorted({r["round"] for r in reqs}):
-        rows = [r for r in reqs if r["round"] == rnd]
-        start = max(r["first_abs"] for r in rows)
-        end = min(r["finished_abs"] for r in rows)
-        if end > start:
-            n = sum(sum(1 for t in r["times_abs"] if start < t <= end) for r in rows)
-            agg.append(n / (end - start))
-        else:  # a request finished before another started decoding: whole-round throughput instead
-            t0, t1 = min(r["submitted_abs"] for r in rows), max(r["finished_abs"] for r in rows)
-            agg.append(sum(r["completion_tokens"] for r in rows) / (t1 - t0))
+    rounds = [round_throughput([r for r in reqs if r["round"] == rnd]) for rnd in sorted({r["round"] for r in reqs})]
+    agg = [wall for wall, _ in rounds]
+    steady = [s for _, s in rounds] if all(s is not None for _, s in rounds) else []  # every round's, or none
     per_req = [r["decode_tok_s"] for r in reqs if r["decode_tok_s"]]
     matches = all(baseline.get(r["prompt_id"]) == r["tokens_sha256"] for r in reqs)
-    out = {"concurrency": c, "aggregate_tok_s": float(np.median(agg)), "per_request_tok_s": percentile(per_req, 50),
+    out = {"concurrency": c, "aggregate_tok_s": float(np.median(agg)),
+           "steady_tok_s": float(np.median(steady)) if steady else None, "per_request_tok_s": percentile(per_req, 50),
            "matches_sequential": matches, "requests": len(reqs),
-           "samples": {"aggregate_tok_s": agg, "ttft_ms": ttft, "itl_ms": itl}}
+           "samples": {"aggregate_tok_s": agg, **({"steady_tok_s": steady} if steady else {}), "ttft_ms": ttft,
+                       "itl_ms": itl}}
     for name, vals in (("ttft_ms", ttft), ("itl_ms", itl), ("e2e_ms", e2e)):
         for q in (50, 90, 99):
             out[f"{name}_p{q}"] = percentile(vals, q)
@@ -118,7 +147,7 @@ def level_summary(c: int, reqs: list[dict], baseline: dict[str, str]) -> dict:
     return out
 
 
-def _record(c, rnd, pid, submitted, times, tokens_or_n, finished, spec=None) -> dict:
+def _record(c, rnd, pid, submitted, times, tokens_or_n, finished, extra=None) -> dict:
     n = tokens_or_n if isinstance(tokens_or_n, int) else len(tokens_or_n)
     first = times[0] if times else finished
     dec = (n - 1) / (finished - first) if n > 1 and finished > first else None
@@ -128,7 +157,7 @@ def _record(c, rnd, pid, submitted, times, tokens_or_n, finished, spec=None) -> 
            "times_abs": times}
     if not isinstance(tokens_or_n, int):
         rec["tokens_sha256"] = tokens_sha256(tokens_or_n)
-    rec.update(spec or {})
+    rec.update(extra or {})
     return rec
 
 
@@ -139,10 +168,10 @@ def run_in_process(opts: ConcurrencyOptions, progress=None):
     from ..engine.scheduler import Scheduler
 
     top = max(opts.levels)
-    eng = Engine.load(opts.model, synthetic=opts.synthetic, quant=opts.quant, device=opts.device, kv_dtype=opts.kv_dtype, max_context=opts.max_context,
-                      max_concurrency=top, prefill_chunk=opts.prefill_chunk, interleave_chunk=opts.interleave_chunk,
-                      runtime=opts.runtime, spec=opts.spec,
-                      draft_tokens=opts.draft_tokens)
+    eng = Engine.load(opts.model, synthetic=opts.synthetic, quant=opts.quant, device=opts.device,
+                      kv_dtype=opts.kv_dtype, max_context=opts.max_context, max_concurrency=top,
+                      prefill_chunk=opts.prefill_chunk, interleave_chunk=opts.interleave_chunk, runtime=opts.runtime,
+                      spec=opts.spec, draft_tokens=opts.draft_tokens)
     opts.draft_tokens = eng.options.draft_tokens
     prompts = [exact_length(eng.tokenizer.encode(t), opts.prompt_tokens) for t in prompt_texts(top)]
     params = SamplingParams(max_new_tokens=opts.max_new_tokens, ignore_eos=True)
@@ -171,12 +200,13 @@ def run_in_process(opts: ConcurrencyOptions, progress=None):
                     raise RuntimeError(f"request failed at concurrency {c}: {r.error}")
                 st = r.seq.stats
                 rec = _record(c, rnd, f"p{i}", r.submitted, r.token_times, r.tokens, r.finished_at,
-                              {"drafted_tokens": st.get("drafted_tokens"), "accepted_tokens": st.get("accepted_tokens")})
+                              {"prompt_tokens": len(prompts[i]), "drafted_tokens": st.get("drafted_tokens"),
+                               "accepted_tokens": st.get("accepted_tokens")})
                 records.append(rec)
             done += 1
             if progress:
                 progress(done, total, f"C{c} round {rnd + 1}")
-    return records, baseline, dict(eng.model_info), str(eng.device)
+    return records, baseline, dict(eng.model_info), {"device": str(eng.device), "max_concurrency": top}
 
 
 def exact_length(ids: list[int], n: int) -> list[int]:
@@ -187,8 +217,9 @@ def exact_length(ids: list[int], n: int) -> list[int]:
 
 
 # ---- against a server ---------------------------------------------------------------------------------
-def _stream_one(client, url: str, model: str, prompt: str, max_tokens: int, timeout: float) -> dict:
-    """One streamed /v1/completions request; token arrival times from the SSE chunks."""
+def _stream_one(client, url: str, model: str, prompt: str | list[int], max_tokens: int, timeout: float) -> dict:
+    """One streamed /v1/completions request (``prompt``: text or token ids); token arrival times from the SSE
+    chunks."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
             "stream_options": {"include_usage": True}, "return_token_ids": True, "ignore_eos": True}
     submitted = time.perf_counter()
@@ -217,17 +248,49 @@ def _stream_one(client, url: str, model: str, prompt: str, max_tokens: int, time
     finished = time.perf_counter()
     n = (usage or {}).get("completion_tokens") or len(times)
     return {"submitted": submitted, "times": times, "finished": finished, "text": "".join(text), "ids": ids,
-            "n": n, "timings": timings or {}}
+            "n": n, "prompt_n": (usage or {}).get("prompt_tokens"), "timings": timings or {}}
 
 
-def _served_model(client, url: str) -> str:
+def _count(value) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def server_settings(client, url: str, served_model: str | None) -> dict:
+    """What the server reports about itself: the model it serves (the first of /v1/models unless ``served_model``),
+    and where it says them its ``spec`` and ``max_context`` (our server's /v1/models entry; vLLM's
+    ``max_model_len``) and its slots (``slots`` of our /health) as ``max_concurrency``; None for what it does not
+    say."""
+    import httpx
+
     resp = client.get(f"{url}/v1/models", timeout=30)
     if resp.status_code != 200:
         raise RuntimeError(f"{url}/v1/models: HTTP {resp.status_code}")
     data = resp.json().get("data") or []
     if not data:
         raise RuntimeError(f"{url}/v1/models lists no model")
-    return data[0]["id"]
+    entry = next((m for m in data if m.get("id") == served_model), {}) if served_model else data[0]
+    spec = entry.get("spec")
+    out = {"served_model": served_model or entry["id"], "spec": spec if isinstance(spec, str) else None,
+           "max_context": _count(entry.get("max_context", entry.get("max_model_len"))), "max_concurrency": None}
+    try:  # optional: a server without /health, or with another body, just does not say
+        health = client.get(f"{url}/health", timeout=30)
+        body = health.json() if health.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        body = None
+    if isinstance(body, dict):
+        out["max_concurrency"] = _count(body.get("slots"))
+    return out
+
+
+def _prompt_ids(client, url: str, model: str, text: str, timeout: float) -> list[int] | None:
+    """The server's own tokenization of ``text`` (``prompt_token_ids`` of a one-token completion asked with
+    ``return_token_ids``), or None when it does not return it."""
+    body = {"model": model, "prompt": text, "max_tokens": 1, "temperature": 0.0, "return_token_ids": True}
+    resp = client.post(f"{url}/v1/completions", json=body, timeout=timeout)
+    if resp.status_code != 200:
+        raise RuntimeError(f"{url}: HTTP {resp.status_code}: {resp.text[:300]}")
+    ids = resp.json().get("prompt_token_ids")
+    return ids if isinstance(ids, list) and ids and all(type(i) is int for i in ids) else None
 
 
 def run_against_url(opts: ConcurrencyOptions, progress=None):
@@ -248,10 +311,15 @@ def _run_against_url(opts: ConcurrencyOptions, progress=None):
     total = len(texts) + len(opts.levels) * opts.rounds
     done = 0
     with httpx.Client() as client:
-        model = opts.served_model or _served_model(client, url)
-        _stream_one(client, url, model, texts[0], 4, opts.timeout_s)  # warm-up
-        for i, text in enumerate(texts):  # the sequential reference: each prompt alone
-            r = _stream_one(client, url, model, text, opts.max_new_tokens, opts.timeout_s)
+        settings = server_settings(client, url, opts.served_model)
+        model = settings["served_model"]
+        ids = [_prompt_ids(client, url, model, t, opts.timeout_s) for t in texts]
+        cut = all(x is not None for x in ids)  # else the texts whole: their length is the server's tokenization
+        prompts = [exact_length(x, opts.prompt_tokens) for x in ids] if cut else texts
+        settings["prompt_tokens"] = opts.prompt_tokens if cut else None
+        _stream_one(client, url, model, prompts[0], 4, opts.timeout_s)  # warm-up
+        for i, prompt in enumerate(prompts):  # the sequential reference: each prompt alone
+            r = _stream_one(client, url, model, prompt, opts.max_new_tokens, opts.timeout_s)
             baseline[f"p{i}"] = tokens_sha256(r["ids"] if r["ids"] else list(r["text"].encode()))
             done += 1
             if progress:
@@ -259,35 +327,38 @@ def _run_against_url(opts: ConcurrencyOptions, progress=None):
         with ThreadPoolExecutor(max_workers=max(opts.levels)) as pool:
             for c in opts.levels:
                 for rnd in range(opts.rounds):
-                    futs = [pool.submit(_stream_one, client, url, model, texts[i], opts.max_new_tokens,
+                    futs = [pool.submit(_stream_one, client, url, model, prompts[i], opts.max_new_tokens,
                                         opts.timeout_s) for i in range(c)]
                     for i, f in enumerate(futs):
                         r = f.result()
                         toks = r["ids"] if r["ids"] else list(r["text"].encode())
                         t = r["timings"]
                         rec = _record(c, rnd, f"p{i}", r["submitted"], r["times"], toks, r["finished"],
-                                      {"drafted_tokens": t.get("draft_n"), "accepted_tokens": t.get("draft_n_accepted")})
+                                      {"prompt_tokens": r["prompt_n"], "drafted_tokens": t.get("draft_n"),
+                                       "accepted_tokens": t.get("draft_n_accepted")})
                         rec["completion_tokens"] = r["n"]
                         records.append(rec)
                     done += 1
                     if progress:
                         progress(done, total, f"C{c} round {rnd + 1}")
-    return records, baseline, {"url": url, "served_model": model}
+    return records, baseline, {"url": url, "served_model": model}, settings
 
 
 def run_concurrency(opts: ConcurrencyOptions, progress=None) -> dict:
     """Run every level; returns the result document."""
-    device = opts.device  # (a server's own: not known here)
     if opts.url:
-        records, baseline, model = run_against_url(opts, progress)
+        records, baseline, model, settings = run_against_url(opts, progress)
+        settings = {**dict.fromkeys(ENGINE_FIELDS), **settings, "device": "server"}  # never this client's defaults
+        settings.pop("served_model")
     else:  # the device the engine ran on, not "auto"
-        records, baseline, model, device = run_in_process(opts, progress)
+        records, baseline, model, settings = run_in_process(opts, progress)
     levels = [level_summary(c, [r for r in records if r["concurrency"] == c], baseline) for c in opts.levels]
     for r in records:  # raw times are bulky; the summary keeps the samples
         r.pop("times_abs")
-    config = recorded_config(opts)
+    config = {**recorded_config(opts), **settings}
     config["label"] = opts.label or opts.default_label()
-    config["device"] = device
-    summary = {"levels": levels, "baseline": "each prompt run alone, greedy, same max-new-tokens"}
+    summary = {"levels": levels, "baseline": "each prompt run alone, greedy, same max-new-tokens",
+               "throughput": "aggregate_tok_s: output tokens / round wall time (first request sent to last one "
+                             "finished); steady_tok_s: while every client decodes at once"}
     return make_result("concurrency", label=config["label"], config=config, records=records, summary=summary,
                        model=dict(model))

@@ -1,4 +1,4 @@
-"""Continuous batching and the concurrency suite (in-process)."""
+"""Continuous batching and the concurrency suite (in-process, and against a ``serve tiny`` subprocess)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from ninfer_bench.engine.runtime import CapacityError, Engine
 from ninfer_bench.engine.sampling import SamplingParams
 from ninfer_bench.engine.scheduler import QueueFull, Scheduler
 from ninfer_bench.reports.schema import validate
-from ninfer_bench.suites.concurrency import ConcurrencyOptions, itl_samples, run_concurrency
+from ninfer_bench.suites.concurrency import ConcurrencyOptions, _record, itl_samples, level_summary, run_concurrency
 
 
 @pytest.mark.parametrize("spec", ["none", "mtp", "dflash2"])
@@ -82,6 +82,92 @@ def test_concurrency_suite_in_process():
     assert all(lv["matches_sequential"] for lv in levels)
     assert all(lv["aggregate_tok_s"] > 0 and lv["ttft_ms_p50"] > 0 for lv in levels)
     assert len(doc["records"]) == 1 + 2 + 4
+    assert all(r["prompt_tokens"] == 48 for r in doc["records"])
+    assert (doc["config"]["device"], doc["config"]["max_concurrency"], doc["config"]["spec"]) == ("cpu", 4, "dflash2")
+    assert_wall_throughput(doc)
+
+
+def assert_wall_throughput(doc):
+    """Every level's aggregate_tok_s is its output tokens / (first request sent .. last one finished) (one round)."""
+    for lv in doc["summary"]["levels"]:
+        rows = [r for r in doc["records"] if r["concurrency"] == lv["concurrency"]]
+        wall = max(r["finished_abs"] for r in rows) - min(r["submitted_abs"] for r in rows)
+        assert lv["aggregate_tok_s"] == pytest.approx(sum(r["completion_tokens"] for r in rows) / wall)
+
+
+def test_aggregate_throughput_has_one_definition_at_every_level():
+    """C2 with both clients decoding together, and C4 on two slots (two requests queue behind the others, so the
+    clients never all decode at once): both levels' aggregate_tok_s is output tokens / round wall time; the steady
+    window's figure is a second key, None where there is no such window."""
+    def req(c, i, first, finished, n=10):  # submitted at 0, n tokens evenly from first to finished
+        times = [first + (finished - first) * k / (n - 1) for k in range(n)]
+        return _record(c, 0, f"p{i}", 0.0, times, list(range(n)), finished)
+
+    both = [req(2, 0, 0.1, 1.0), req(2, 1, 0.2, 1.1)]
+    queued = [req(4, 0, 0.1, 1.0), req(4, 1, 0.2, 1.1), req(4, 2, 1.2, 2.0), req(4, 3, 1.3, 2.2)]
+    base = {f"p{i}": r["tokens_sha256"] for i, r in enumerate(queued)}
+    c2, c4 = level_summary(2, both, base), level_summary(4, queued, base)
+    assert c2["aggregate_tok_s"] == pytest.approx(20 / 1.1)
+    assert c4["aggregate_tok_s"] == pytest.approx(40 / 2.2)
+    steady = sum(1 for r in both for t in r["times_abs"] if 0.2 < t <= 1.0) / 0.8
+    assert c2["steady_tok_s"] == pytest.approx(steady) and c2["samples"]["steady_tok_s"] == [pytest.approx(steady)]
+    assert c4["steady_tok_s"] is None and "steady_tok_s" not in c4["samples"]
+    assert c2["matches_sequential"] and c4["matches_sequential"]
+
+
+def test_url_refuses_in_process_engine_options():
+    """With --url the engine is the server's: its options are refused when given, even at their defaults, before
+    any request (port 9: nothing listens)."""
+    from click.testing import CliRunner
+
+    from ninfer_bench.cli import main
+
+    url = "http://127.0.0.1:9"
+    for extra, named in ((["--spec", "mtp"], "--spec"), (["--kv-dtype", "int8", "--runtime", "v3"], "--kv-dtype"),
+                         (["-k", "7"], "--draft-tokens"), (["--model", "tiny", "--device", "cpu"], "--model")):
+        r = CliRunner().invoke(main, ["concurrency", "--url", url, "-c", "1", *extra])
+        out = " ".join(r.output.split())
+        assert r.exit_code == 1 and named in out and "in-process engine" in out, r.output
+    with pytest.raises(ValueError, match="spec, draft_tokens configure an in-process engine"):
+        ConcurrencyOptions(url=url, spec="mtp", draft_tokens=3)
+    with pytest.raises(ValueError, match="needs --url"):
+        ConcurrencyOptions(served_model="tiny")
+
+
+def test_url_run_records_the_servers_settings(tmp_path):
+    """Against `serve tiny --spec dflash2 -k 5 --max-concurrency 2`: the config holds what the server reports (spec,
+    max context, slots), "server" / None for the engine settings it does not report (never this client's
+    defaults), prompts cut to --prompt-tokens from the server's tokenization; C4 on two slots has no steady window
+    and its aggregate tok/s has the same definition as C1's and C2's."""
+    import json
+
+    from click.testing import CliRunner
+    from serveproc import ServeProcess
+
+    from ninfer_bench.cli import main
+
+    server = ServeProcess("tiny", tmp_path / "serve.log", "--spec", "dflash2", "-k", "5", "--max-concurrency", "2")
+    try:
+        r = CliRunner().invoke(main, ["concurrency", "--url", server.url, "-c", "1,2,4", "-n", "8", "--rounds", "1",
+                                      "--prompt-tokens", "24", "--json", str(tmp_path / "c.json")])
+    finally:
+        server.stop()
+    assert r.exit_code == 0, r.output
+    assert "steady tok/s" in r.output
+    doc = json.loads((tmp_path / "c.json").read_text())
+    validate(doc)
+    c = doc["config"]
+    assert (c["spec"], c["max_context"], c["max_concurrency"], c["device"], c["prompt_tokens"]) == \
+        ("dflash2", 4096, 2, "server", 24)
+    for key in ("draft_tokens", "kv_dtype", "runtime", "model", "synthetic", "quant", "prefill_chunk",
+                "interleave_chunk"):
+        assert c[key] is None, key
+    assert all(r["prompt_tokens"] == 24 for r in doc["records"])
+    levels = doc["summary"]["levels"]
+    assert all(lv["matches_sequential"] for lv in levels)
+    assert all(r["drafted_tokens"] > 0 for r in doc["records"])  # the server speculated, as its config says
+    assert levels[2]["steady_tok_s"] is None  # 4 clients, 2 slots: two finish before the others start
+    assert_wall_throughput(doc)
 
 
 def test_every_client_prompt_has_the_asked_length():
