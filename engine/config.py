@@ -6,7 +6,8 @@ One dataclass describes the text decoder (plus the optional MTP head). It is val
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+import math
+from dataclasses import MISSING, asdict, dataclass, field, fields
 
 LINEAR = "linear_attention"
 FULL = "full_attention"
@@ -253,6 +254,23 @@ def preset(name: str) -> ModelConfig:
     return ModelConfig(**PRESETS[name])
 
 
+class DraftConfigError(ValueError):
+    """A bad :class:`DraftConfig` value: ``name`` is the field and ``problem`` what is wrong with it, so a reader of
+    another format (a z-lab ``config.json``) can name its own key."""
+
+    def __init__(self, name: str, problem: str):
+        super().__init__(f"draft config: {name} {problem}")
+        self.name, self.problem = name, problem
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return _is_int(value) or (isinstance(value, float) and math.isfinite(value))
+
+
 @dataclass(slots=True)
 class DraftConfig:
     """A DFlash / DFlash2 block drafter: a few non-causal layers over target tap features."""
@@ -275,18 +293,49 @@ class DraftConfig:
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        # every value the drafter cannot run with is refused here (or, when it depends on the target, in
+        # ``spec.dflash.check_drafter``), not left to fail as an index or shape error at the first decode
+        bad = DraftConfigError
         if self.kind not in ("dflash", "dflash2"):
-            raise ValueError(f"draft config: kind must be 'dflash' or 'dflash2', got {self.kind!r}")
+            raise bad("kind", f"must be 'dflash' or 'dflash2', got {self.kind!r}")
         for name in ("num_layers", "block_size", "hidden_size", "intermediate_size", "num_attention_heads",
-                     "num_key_value_heads", "head_dim"):
+                     "num_key_value_heads", "head_dim", "candidates"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"draft config: {name} must be a positive integer, got {value!r}")
+            if not _is_int(value) or value <= 0:
+                raise bad(name, f"must be a positive integer, got {value!r}")
+        for name in ("mask_token_id", "window", "scorer_rank"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 0:
+                raise bad(name, f"must be a non-negative integer, got {value!r}")
         if self.block_size < 2:
-            raise ValueError(f"draft config: block_size must be >= 2, got {self.block_size}")
-        if not self.target_layer_ids:
-            raise ValueError("draft config: target_layer_ids is empty")
-        self.target_layer_ids = tuple(int(i) for i in self.target_layer_ids)
+            raise bad("block_size", f"must be >= 2 (the last committed token plus mask slots), got {self.block_size}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise bad("num_attention_heads", f"{self.num_attention_heads} is not a multiple of num_key_value_heads "
+                                             f"{self.num_key_value_heads}")
+        if self.head_dim % 2:
+            raise bad("head_dim", f"must be even (rotary over the whole head), got {self.head_dim}")
+        taps = self.target_layer_ids
+        if not isinstance(taps, (list, tuple)) or not all(_is_int(i) for i in taps):
+            raise bad("target_layer_ids", f"must be a list of integers, got {taps!r}")
+        if not taps:
+            raise bad("target_layer_ids", "is empty")
+        if min(taps) < 0:
+            raise bad("target_layer_ids", f"{list(taps)} has a negative layer")
+        repeated = sorted({i for i in taps if taps.count(i) > 1})
+        if repeated:  # the target hands over each tap layer's output once: fc would get fewer inputs than it reads
+            raise bad("target_layer_ids", f"{list(taps)} repeats layer(s) {repeated}")
+        self.target_layer_ids = tuple(taps)
+        for name in ("rms_norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if not _is_number(value) or value <= 0:
+                raise bad(name, f"must be a positive number, got {value!r}")
+        if not isinstance(self.extra, dict):
+            raise bad("extra", f"must be a dict, got {self.extra!r}")
+        for name in ("logit_scale", "logit_softcap"):
+            value = self.extra.get(name, 0.0)
+            if not _is_number(value) or (name == "logit_softcap" and value < 0):
+                raise bad(name, f"must be a finite number{' >= 0' if name == 'logit_softcap' else ''}, "
+                                f"got {value!r}")
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -295,4 +344,12 @@ class DraftConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "DraftConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"draft config: unknown field(s) {unknown}")
+        missing = [f.name for f in fields(cls)
+                   if f.name not in d and f.default is MISSING and f.default_factory is MISSING]
+        if missing:
+            raise ValueError(f"draft config: missing field(s) {missing}")
         return cls(**d)

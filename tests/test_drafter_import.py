@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
 import torch
 from click.testing import CliRunner
@@ -52,8 +55,6 @@ def test_zlab_folder_round_trip_and_convert(tmp_path, hf_qwen35, kind):
 def test_zlab_folder_with_dynamic_convs_is_refused(tmp_path):
     cfg, tensors = random_drafter("dflash2")
     write_zlab_drafter(tmp_path / "d", cfg, tensors)
-    import json
-
     conf = json.loads((tmp_path / "d" / "config.json").read_text())
     conf["dflash_config"]["conv_kernel_size"] = 2
     (tmp_path / "d" / "config.json").write_text(json.dumps(conf))
@@ -80,10 +81,12 @@ def test_lm_head_draft_keeps_greedy_exact(tmp_path, hf_qwen35):
         Engine.load(str(art), device="cpu", spec="dflash2", draft_tokens=4, lm_head_draft=1000)
 
 
-def _with_drafter(path, hf_folder, cfg, tensors):
+def _with_drafter(path, hf_folder, cfg, tensors, config: dict | None = None):
+    """An fp32 artifact of ``hf_folder`` with the drafter ``cfg`` / ``tensors``; ``config`` replaces the stored
+    config dict (values DraftConfig itself would refuse, as a hand-edited or foreign artifact may hold)."""
     ckpt = HFCheckpoint(hf_folder)
     write_model(path, ckpt.config, ckpt.tensors(), policy="fp32",
-                extra_components={cfg.kind: {"config": cfg.to_dict(), "tensors": sorted(tensors)}},
+                extra_components={cfg.kind: {"config": config or cfg.to_dict(), "tensors": sorted(tensors)}},
                 extra_tensors={n: ("fp32", t) for n, t in tensors.items()})
 
 
@@ -91,7 +94,8 @@ def _with_drafter(path, hf_folder, cfg, tensors):
     ("shape", r"misshapen: layers\.0\.down_proj\.weight \[64, 95\] \(expected \[64, 96\]\)"),
     ("drop", r"missing \['norm\.weight'\]"),
     ("extra", r"unexpected \['layers\.9\.bias'\]"),
-    ("taps", r"does not fit this target \(mask token 299, taps \[1, 40\]"),
+    ("taps", r"does not fit this target: target_layer_ids \[1, 40\] name layer\(s\) \[40\] outside its layers "
+             r"\(0\.\.7\)"),
 ])
 def test_a_drafter_unlike_its_config_is_refused_at_load(tmp_path, hf_qwen35, edit, message):
     """An artifact whose drafter tensors do not match its config (a hand-edited or foreign export): loading,
@@ -116,3 +120,96 @@ def test_a_drafter_unlike_its_config_is_refused_at_load(tmp_path, hf_qwen35, edi
     res = CliRunner().invoke(main, ["convert", str(hf_qwen35[0]), str(tmp_path / "c.ninfer"), "--quant", "fp32",
                                     "--drafter", str(tmp_path / "d")])
     assert res.exit_code != 0 and not (tmp_path / "c.ninfer").exists(), res.output
+
+
+def _zlab_folder(tmp_path, kind: str = "dflash2", **edits):
+    """A z-lab folder of ``random_drafter(kind)`` whose config.json has ``edits`` applied (in ``dflash_config`` for
+    the keys kept there, else at the top level; a value of None deletes the key)."""
+    cfg, tensors = random_drafter(kind)
+    folder = tmp_path / "drafter"
+    write_zlab_drafter(folder, cfg, tensors)
+    conf = json.loads((folder / "config.json").read_text())
+    for key, value in edits.items():
+        where = conf["dflash_config"] if key in conf["dflash_config"] else conf
+        if value is None:
+            del where[key]
+        else:
+            where[key] = value
+    (folder / "config.json").write_text(json.dumps(conf))
+    return folder
+
+
+def _convert_error(tmp_path, hf_folder, drafter) -> str:
+    """``convert --drafter`` of a bad drafter folder: the one line it prints (nothing written)."""
+    out = tmp_path / "m.ninfer"
+    res = CliRunner().invoke(main, ["convert", str(hf_folder), str(out), "--quant", "fp32", "--drafter", str(drafter)])
+    assert res.exit_code == 1 and not out.exists(), res.output
+    assert res.exception is None or isinstance(res.exception, SystemExit), res.exception  # no traceback
+    lines = res.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), res.output
+    return lines[0]
+
+
+@pytest.mark.parametrize("edits,message", [
+    # values that used to convert and verify cleanly, then fail inside torch at the first decode
+    ({"mask_token_id": -1}, r"config\.json: mask_token_id must be a non-negative integer, got -1$"),
+    ({"target_layer_ids": [1, 1]}, r"config\.json: target_layer_ids \[1, 1\] repeats layer\(s\) \[1\]$"),
+    ({"target_layer_ids": [-1, 5]}, r"config\.json: target_layer_ids \[-1, 5\] has a negative layer$"),
+    ({"selector_top_k": 0}, r"config\.json: selector_top_k must be a positive integer, got 0$"),
+    ({"block_size": 1}, r"config\.json: block_size must be >= 2"),
+    ({"use_sliding_window": True, "layer_types": ["sliding_attention"] * 2, "sliding_window": -4},
+     r"config\.json: sliding_window must be a non-negative integer, got -4$"),
+    ({"num_hidden_layers": 0}, r"config\.json: num_hidden_layers must be a positive integer, got 0$"),
+    ({"num_key_value_heads": 3}, r"config\.json: num_attention_heads 4 is not a multiple of num_key_value_heads 3$"),
+    ({"head_dim": 15}, r"config\.json: head_dim must be even"),
+    ({"selector_rank": -2}, r"config\.json: selector_rank must be a non-negative integer, got -2$"),
+    ({"rms_norm_eps": 0}, r"config\.json: rms_norm_eps must be a positive number, got 0$"),
+    ({"output_multiplier": "2"}, r"config\.json: output_multiplier must be a finite number, got '2'$"),
+    # other config.json mistakes that gave a traceback or a message without the file
+    ({"num_hidden_layers": None}, r"config\.json: missing 'num_hidden_layers'$"),
+    ({"target_layer_ids": "1,5"}, r"config\.json: target_layer_ids must be a list of integers, got '1,5'$"),
+    ({"dflash_config": [1, 5]}, r"config\.json: dflash_config must be a JSON object"),
+    # values that only the target rules out: named at convert, before anything is written
+    ({"mask_token_id": 300}, r"dflash2 drafter: .*mask_token_id 300 is outside its vocabulary \(0\.\.299\)$"),
+    ({"target_layer_ids": [1, 8]}, r"dflash2 drafter: .*target_layer_ids \[1, 8\] name layer\(s\) \[8\] outside"),
+    ({"selector_top_k": 301}, r"dflash2 drafter: .*candidates \(z-lab selector_top_k\) 301 exceed its vocabulary"),
+], ids=lambda v: ",".join(f"{k}={v[k]}" for k in v) if isinstance(v, dict) else "")
+def test_a_bad_zlab_config_is_one_line_at_convert(tmp_path, hf_qwen35, edits, message):
+    """A drafter config.json the drafter cannot run with is refused by ``convert --drafter`` in one line naming the
+    file (or the drafter) and the key, not by a torch error at decode or a traceback."""
+    folder = _zlab_folder(tmp_path, **edits)
+    line = _convert_error(tmp_path, hf_qwen35[0], folder)
+    if "config\\.json" in message:
+        assert line.startswith(f"error: {folder / 'config.json'}: "), line
+    assert re.search(message, line), line
+
+
+def test_a_zlab_config_that_is_not_json_names_the_file(tmp_path, hf_qwen35):
+    folder = _zlab_folder(tmp_path)
+    (folder / "config.json").write_text('{"num_hidden_layers": 2,}')
+    line = _convert_error(tmp_path, hf_qwen35[0], folder)
+    assert line.startswith(f"error: {folder / 'config.json'}: not valid JSON (Expecting property name"), line
+    (folder / "config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="config.json: expected a JSON object, got list"):
+        read_zlab_drafter(folder)
+
+
+@pytest.mark.parametrize("edit,message", [
+    ({"mask_token_id": -1}, r"dflash2 component: draft config: mask_token_id must be a non-negative integer"),
+    ({"target_layer_ids": [1, 1]}, r"dflash2 component: draft config: target_layer_ids \[1, 1\] repeats layer"),
+    ({"candidates": 0}, r"dflash2 component: draft config: candidates must be a positive integer, got 0"),
+    ({"candidates": 301}, r"dflash2 component: the dflash2 drafter does not fit this target: candidates"),
+    ({"window": -1}, r"dflash2 component: draft config: window must be a non-negative integer, got -1"),
+    ({"target_layer_ids": "1,5"}, r"dflash2 component: draft config: target_layer_ids must be a list of integers"),
+    ({"taps": [1, 5]}, r"dflash2 component: draft config: unknown field\(s\) \['taps'\]"),
+], ids=lambda v: ",".join(f"{k}={v[k]}" for k in v) if isinstance(v, dict) else "")
+def test_bad_drafter_values_in_an_artifact_are_refused_at_load_and_verify(tmp_path, hf_qwen35, edit, message):
+    """An artifact whose drafter config holds a value the drafter cannot run with (written by another tool, or by
+    hand): loading and ``verify`` name the component and the field, before any decode."""
+    cfg, tensors = random_drafter("dflash2")
+    art = tmp_path / "m.ninfer"
+    _with_drafter(art, hf_qwen35[0], cfg, tensors, config={**cfg.to_dict(), **edit})
+    with pytest.raises(ValueError, match=message):
+        Engine.load(str(art), device="cpu", spec="dflash2", draft_tokens=3)
+    res = CliRunner().invoke(main, ["verify", str(art)])
+    assert res.exit_code == 1 and re.search(message, res.output), res.output

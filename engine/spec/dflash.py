@@ -200,14 +200,22 @@ class BlockDrafter(nn.Module):
 
 
 def check_drafter(c: DraftConfig, target, names_shapes: dict[str, tuple[int, ...]], where: str) -> None:
-    """Refuse a drafter that cannot run on ``target`` (a ModelConfig): taps or mask token outside it, or tensors
-    (names without the ``dflash.`` / ``dflash2.`` prefix -> shape) other than its config implies - the missing,
-    unexpected and misshapen ones all named, at load rather than mid-run."""
-    if c.mask_token_id >= target.vocab_size or max(c.target_layer_ids) >= target.num_hidden_layers \
-            or min(c.target_layer_ids) < 0:
-        raise ValueError(f"{where}: the {c.kind} drafter does not fit this target (mask token {c.mask_token_id}, "
-                         f"taps {list(c.target_layer_ids)}; the target has {target.vocab_size} tokens and "
-                         f"{target.num_hidden_layers} layers)")
+    """Refuse a drafter that cannot run on ``target`` (a ModelConfig): taps, mask token or DFlash2 candidates outside
+    it, or tensors (names without the ``dflash.`` / ``dflash2.`` prefix -> shape) other than its config implies - the
+    missing, unexpected and misshapen ones all named, at load rather than mid-run. What does not depend on the target
+    (block size, heads, repeated taps, ...) ``DraftConfig`` itself refuses."""
+    vocab, layers = target.vocab_size, target.num_hidden_layers
+    unfit = []
+    if not 0 <= c.mask_token_id < vocab:
+        unfit.append(f"mask_token_id {c.mask_token_id} is outside its vocabulary (0..{vocab - 1})")
+    outside = [i for i in c.target_layer_ids if not 0 <= i < layers]
+    if outside:
+        unfit.append(f"target_layer_ids {list(c.target_layer_ids)} name layer(s) {outside} outside its layers "
+                     f"(0..{layers - 1})")
+    if c.kind == "dflash2" and c.scorer_rank > 0 and c.candidates > vocab:
+        unfit.append(f"candidates (z-lab selector_top_k) {c.candidates} exceed its vocabulary of {vocab} tokens")
+    if unfit:
+        raise ValueError(f"{where}: the {c.kind} drafter does not fit this target: {'; '.join(unfit)}")
     try:
         with torch.device("meta"):  # shapes only: no memory, no init cost
             want = {n: tuple(t.shape) for n, t in BlockDrafter(c, target.hidden_size, target.vocab_size)
