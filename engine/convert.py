@@ -104,21 +104,23 @@ def write_model(out: str | Path, cfg: ModelConfig, tensors: dict[str, torch.Tens
     )
 
 
-def drafter_components(folders, policy: str) -> tuple[dict, dict]:
-    """(components, tensors) for z-lab style drafter folders: projections bf16 (fp32 under the fp32 policy),
-    small vectors fp32 (drafters are small next to the target, and their precision sets acceptance)."""
+def drafter_components(folders, policy: str) -> tuple[dict, dict, dict]:
+    """(components, tensors, the folder of each kind) for z-lab style drafter folders: projections bf16 (fp32 under
+    the fp32 policy), small vectors fp32 (drafters are small next to the target, and their precision sets
+    acceptance)."""
     from .spec.zlab import read_zlab_drafter
 
-    comps, tensors = {}, {}
+    comps, tensors, sources = {}, {}, {}
     for folder in folders or ():
         dcfg, ts = read_zlab_drafter(folder)
         if dcfg.kind in comps:
             raise ValueError(f"two {dcfg.kind} drafters given ({folder})")
         comps[dcfg.kind] = {"config": dcfg.to_dict(), "tensors": sorted(ts)}
+        sources[dcfg.kind] = folder
         for name, t in ts.items():
             fmt = "fp32" if policy == "fp32" or t.dim() != 2 else "bf16"
             tensors[name] = (fmt, t)
-    return comps, tensors
+    return comps, tensors, sources
 
 
 def convert(hf_dir: str | Path, out: str | Path, *, policy: str = "mixed", version: int = 3, progress=None,
@@ -138,10 +140,11 @@ def convert(hf_dir: str | Path, out: str | Path, *, policy: str = "mixed", versi
     vision = ckpt.vision()  # the tower of a Qwen3_5ForConditionalGeneration: stored whole, never quantized
     comps, extra = ({"vision": vision[0]}, {n: (vision_format(t.shape, policy), t) for n, t in vision[1].items()}) \
         if vision else ({}, {})
-    dcomps, dtensors = drafter_components(drafters, policy)
+    dcomps, dtensors, sources = drafter_components(drafters, policy)
     for kind, comp in dcomps.items():  # refused before anything is written, as loading the artifact would
         check_drafter(DraftConfig.from_dict(comp["config"]), ckpt.config,
-                      {n.split(".", 1)[-1]: tuple(dtensors[n][1].shape) for n in comp["tensors"]}, f"{kind} drafter")
+                      {n.split(".", 1)[-1]: tuple(dtensors[n][1].shape) for n in comp["tensors"]},
+                      str(sources[kind]))
     comps.update(dcomps)
     extra.update(dtensors)
     write_model(out, ckpt.config, tensors, policy=policy, blobs=ckpt.blobs(), version=version,

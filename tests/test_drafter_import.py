@@ -150,6 +150,8 @@ def _convert_error(tmp_path, hf_folder, drafter) -> str:
     return lines[0]
 
 
+FIT = r"/drafter: the dflash2 drafter does not fit this target: "  # the folder named, at convert
+
 @pytest.mark.parametrize("edits,message", [
     # values that used to convert and verify cleanly, then fail inside torch at the first decode
     ({"mask_token_id": -1}, r"config\.json: mask_token_id must be a non-negative integer, got -1$"),
@@ -170,9 +172,9 @@ def _convert_error(tmp_path, hf_folder, drafter) -> str:
     ({"target_layer_ids": "1,5"}, r"config\.json: target_layer_ids must be a list of integers, got '1,5'$"),
     ({"dflash_config": [1, 5]}, r"config\.json: dflash_config must be a JSON object"),
     # values that only the target rules out: named at convert, before anything is written
-    ({"mask_token_id": 300}, r"dflash2 drafter: .*mask_token_id 300 is outside its vocabulary \(0\.\.299\)$"),
-    ({"target_layer_ids": [1, 8]}, r"dflash2 drafter: .*target_layer_ids \[1, 8\] name layer\(s\) \[8\] outside"),
-    ({"selector_top_k": 301}, r"dflash2 drafter: .*candidates \(z-lab selector_top_k\) 301 exceed its vocabulary"),
+    ({"mask_token_id": 300}, FIT + r"mask_token_id 300 is outside its vocabulary \(0\.\.299\)$"),
+    ({"target_layer_ids": [1, 8]}, FIT + r"target_layer_ids \[1, 8\] name layer\(s\) \[8\] outside"),
+    ({"selector_top_k": 301}, FIT + r"candidates \(z-lab selector_top_k\) 301 exceed its vocabulary"),
 ], ids=lambda v: ",".join(f"{k}={v[k]}" for k in v) if isinstance(v, dict) else "")
 def test_a_bad_zlab_config_is_one_line_at_convert(tmp_path, hf_qwen35, edits, message):
     """A drafter config.json the drafter cannot run with is refused by ``convert --drafter`` in one line naming the
@@ -213,3 +215,11 @@ def test_bad_drafter_values_in_an_artifact_are_refused_at_load_and_verify(tmp_pa
         Engine.load(str(art), device="cpu", spec="dflash2", draft_tokens=3)
     res = CliRunner().invoke(main, ["verify", str(art)])
     assert res.exit_code == 1 and re.search(message, res.output), res.output
+
+
+def test_a_proposal_head_narrower_than_the_candidates_is_refused():
+    """--lm-head-draft N below DFlash2's candidates a position would fail inside top-k at the first round."""
+    from ninfer_bench.engine.loader import default_model
+
+    with pytest.raises(ValueError, match="--lm-head-draft 4 is fewer tokens than the dflash2 drafter's 16 candidates"):
+        Engine.load(default_model(), device="cpu", spec="dflash2", lm_head_draft=4)

@@ -241,6 +241,10 @@ class BlockDraftRunner:
         if k + 1 > cfg.block_size:
             raise ValueError(f"{kind} drafter was trained with block size {cfg.block_size} "
                              f"(draft-tokens <= {cfg.block_size - 1}); asked for {k}")
+        head_n = engine.options.lm_head_draft
+        if head_n and cfg.kind == "dflash2" and cfg.scorer_rank > 0 and head_n < cfg.candidates:
+            raise ValueError(f"--lm-head-draft {head_n} is fewer tokens than the {kind} drafter's {cfg.candidates} "
+                             f"candidates a position")
         self.taps = tuple(cfg.target_layer_ids)
         self.net = BlockDrafter.from_raws(cfg, raws, engine.config.hidden_size, engine.config.vocab_size)
         self.net.to(device=engine.device, dtype=engine.dtype).eval()
