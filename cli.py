@@ -436,17 +436,20 @@ def oracle_prompts(artifact, prompts_path, max_new_tokens, top_k, dtype, out):
               help="Session states retained (least recently used are dropped).")
 @click.option("--session-dir", type=click.Path(file_okay=False), default=None,
               help="Write session states here and restore them on start.")
+@click.option("--media-dir", type=click.Path(file_okay=False), default=None,
+              help="Let requests name image / video files (a path or file:// URL) inside this folder; "
+                   "without it media must be sent as data URIs and no local file is read.")
 @click.option("--interleave-chunk", type=int, default=512, show_default=True,
               help="Prompt tokens prefilled per scheduler iteration while other requests decode (at most "
                    "--prefill-chunk): smaller lowers their inter-token latency, raises the newcomer's TTFT.")
 @engine_options
 def serve(artifact, host, port, spec, draft_tokens, lm_head_draft, max_queue, session_capacity, session_dir,
-          **options):
+          media_dir, **options):
     """Serve OpenAI- and Anthropic-style HTTP APIs (default: the bundled model on 127.0.0.1:8080)."""
     from .engine.server import ServerOptions, serve as run_server
 
     server_opts = ServerOptions(host=host, port=port, max_queue=max_queue, session_capacity=session_capacity,
-                                session_dir=session_dir)
+                                session_dir=session_dir, media_dir=media_dir)
     eng = build_engine(artifact, spec=spec, draft_tokens=draft_tokens, lm_head_draft=lm_head_draft, **options)
 
     def ready(url, backend, restored, problems):

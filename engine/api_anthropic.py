@@ -124,7 +124,7 @@ def register(app: FastAPI, backend: Backend, max_body: int) -> None:
         media = [] if backend.engine.vision is not None else None
         text = render(backend, body, media)
         ids = await asyncio.to_thread(backend.engine.tokenizer.encode, text)
-        if media:
+        if media is not None:  # a vision model: the placeholders are checked even without media, as generating does
             ids, _ = await asyncio.to_thread(backend.media_prompt, ids, media)
         return {"input_tokens": len(ids)}
 

@@ -18,6 +18,7 @@ from .server import (ApiError, api_error, error_body, new_id, read_json, refuse_
 MAX_CHOICES = 64  # choices (n x prompts) in one request: each is a request of its own to the scheduler
 FINISH = {"eos": "stop", "stop_sequence": "stop", "length": "length"}
 MEDIA_PARTS = {"image_url": "image", "video_url": "video"}  # {"type": kind, kind: {"url": data URI | path}}
+MEDIA_URL = "expected a data URI (data:<type>;base64,<data>), or a path in the server's --media-dir"
 NO_MODALITY = {"input_image": "vision", "image": "vision", "input_audio": "audio", "audio": "audio",
                "file": "file input"}
 
@@ -108,7 +109,7 @@ def content_text(content, where: str, media: list | None = None) -> str:
             spec = part.get(kind)
             url = spec.get("url") if isinstance(spec, dict) else spec
             if not isinstance(url, str) or not url:
-                raise ApiError(400, f"{where}[{i}].{kind}.url: expected a data URI or a local file path", param=where)
+                raise ApiError(400, f"{where}[{i}].{kind}.url: {MEDIA_URL}", param=where)
             media.append((MEDIA_PARTS[kind], url))
             out, after_text = out + placeholder(MEDIA_PARTS[kind]), False
         elif kind in NO_MODALITY:
@@ -222,9 +223,14 @@ async def merged(gens: list[Generation]):
 
 
 def stream(gens: list[Generation], head: dict, choice, final, body: _Generate) -> StreamingResponse:
-    """SSE chunks: ``choice(index, text, ids)`` builds a chunk's choice, ``final(index, out)`` a choice's last one."""
+    """SSE chunks: ``choice(index, text, ids)`` builds a chunk's choice, ``final(index, out)`` a choice's last one
+    (with that choice's ``timings``, an extension clients keep as an unknown field). As OpenAI streams them: the
+    usage only when ``stream_options.include_usage`` asks for it, in a last chunk without choices, every other
+    chunk then carrying ``"usage": null``; without it no chunk has a usage field."""
     want_ids = bool(body.return_token_ids)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    if include_usage:
+        head = {**head, "usage": None}
     n = body.n or 1  # choices a prompt
 
     async def events():
@@ -240,11 +246,7 @@ def stream(gens: list[Generation], head: dict, choice, final, body: _Generate) -
                         yield sse({**head, "choices": [choice(i, text, ids if want_ids else None)]})
                     continue
                 outs[i] = out
-                last = all(o is not None for o in outs)
-                if include_usage or not last:  # as OpenAI: the usage once, in a last chunk without choices
-                    yield sse({**head, "choices": [final(i, out)], "usage": None, "timings": out.timings})
-                else:  # (an extension: OpenAI sends none)
-                    yield sse({**head, "choices": [final(i, out)], "usage": usage(outs, n), "timings": out.timings})
+                yield sse({**head, "choices": [final(i, out)], "timings": out.timings})
             if include_usage:
                 yield sse({**head, "choices": [], "usage": usage(outs, n)})
         except Exception as e:  # the status line is sent: the error goes in the stream
@@ -317,7 +319,7 @@ def register(app: FastAPI, backend: Backend, max_body: int) -> None:
                 raise ApiError(400, "prompt: the prompt is empty" if len(prompts) == 1 else f"prompt[{j}]: empty",
                                param="prompt")
         sources = [{"text": p} if isinstance(p, str) else {"ids": list(p)} for p in prompts]
-        gens = await start(request, backend, body, sources, max_tokens=body.max_tokens or 16)
+        gens = await start(request, backend, body, sources, max_tokens=body.max_tokens or 16, prompt_param="prompt")
         head = {"id": new_id("cmpl-"), "object": "text_completion", "created": int(time.time()),
                 "model": backend.model_id, **({"session_id": gens[0].session_id} if gens[0].session_id else {})}
         if body.stream:

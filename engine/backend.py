@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from .media import request_source
 from .runtime import CapacityError, Engine
 from .sampling import SamplingParams
 from .scheduler import QueueFull, Scheduler
@@ -282,8 +283,9 @@ class Backend:
     """The engine, its scheduler thread and the sessions, shared by every route."""
 
     def __init__(self, engine: Engine, *, max_queue: int = 256, session_capacity: int = 16,
-                 session_dir: str | None = None):
+                 session_dir: str | None = None, media_dir: str | None = None):
         self.engine = engine
+        self.media_dir = media_dir  # the one folder whose files requests may name (None: data URIs only)
         self.scheduler = ServingScheduler(engine, max_queue=max_queue)
         info = engine.loaded.info
         self.model_id = info.get("model_id") or (Path(info["path"]).stem if info.get("path") else None) \
@@ -317,22 +319,27 @@ class Backend:
         if name != self.model_id:
             raise ModelNotFound(f"model {quoted(name)} not found: this server serves {self.model_id!r}")
 
-    def media_prompt(self, ids: list[int], media) -> tuple[list[int], object]:
+    def media_prompt(self, ids: list[int], media, param: str = "messages") -> tuple[list[int], object]:
         """Read and preprocess ``media`` ((kind, source) pairs, in prompt order) and widen their placeholders in
-        ``ids``: (ids, MediaPrompt or None). Any problem with the media is a BadRequest."""
-        limit = self.engine.media_limits.max_items
-        if len(media) > limit:  # before any decoding
-            raise BadRequest(f"{len(media)} media inputs exceed the limit of {limit} per request", "messages")
+        ``ids``: (ids, MediaPrompt or None). Sources are data URIs, or paths inside ``media_dir`` when the server
+        was given one (:func:`.media.request_source`). Any problem with the media, or placeholders in ``ids``
+        that the media does not match (none at all included), is a BadRequest naming ``param``."""
+        limits = self.engine.media_limits
+        if len(media) > limits.max_items:  # before any decoding
+            raise BadRequest(f"{len(media)} media inputs exceed the limit of {limits.max_items} per request", param)
         try:
-            items = [self.engine.load_media(kind, source) for kind, source in media]
+            items = [self.engine.load_media(kind, request_source(source, self.media_dir, limits))
+                     for kind, source in media]
             return self.engine.media_prompt(ids, items)
         except ValueError as e:
-            raise BadRequest(str(e), "messages") from None
+            raise BadRequest(str(e), param) from None
 
     async def generate(self, *, text: str | None = None, ids: list[int] | None = None, max_tokens: int | None,
-                       session_id: str | None = None, media=(), **sampling) -> Generation:
+                       session_id: str | None = None, media=(), prompt_param: str = "messages",
+                       **sampling) -> Generation:
         """Tokenize (continuing the session's tokens when the text extends them), read the media, check the
-        capacities and submit. ``max_tokens`` None: as many as fit. Raises BadRequest, CapacityError, QueueFull."""
+        capacities and submit. ``max_tokens`` None: as many as fit; ``prompt_param``: the request field the prompt
+        came from (errors name it). Raises BadRequest, CapacityError, QueueFull."""
         if session_id is not None:
             try:
                 check_session_id(session_id)
@@ -343,8 +350,10 @@ class Backend:
             encode = self.engine.tokenizer.encode
             ids = await asyncio.to_thread(lambda: (saved.prompt_ids(text, encode) if saved else None) or encode(text))
         mm = None
-        if media:  # decoding and resizing images or frames takes a while too
-            ids, mm = await asyncio.to_thread(self.media_prompt, ids, media)
+        # decoding and resizing images or frames takes a while too; a vision model checks a prompt without media as
+        # well: a placeholder token typed into the text would otherwise take the pad embedding with no image behind
+        if media or self.engine.vision is not None:
+            ids, mm = await asyncio.to_thread(self.media_prompt, ids, media, prompt_param)
         vocab = self.engine.config.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:

@@ -1,5 +1,6 @@
 """Images and videos for the vision tower: reading (data URIs, local files, raw bytes), decoding, preprocessing
-to patch rows, and the encoder-output cache keyed by SHA-256.
+to patch rows, and the encoder-output cache keyed by SHA-256. Sources an HTTP client names are read through
+:func:`request_source`: data URIs, and files only inside a folder the server's operator allowed.
 
 Preprocessing follows transformers' processors for Qwen3.5 so the tower sees the same numbers:
 
@@ -28,8 +29,11 @@ import hashlib
 import io
 import math
 import os
+import stat
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
 
 import numpy as np
 import torch
@@ -141,7 +145,8 @@ class MediaInput:
 # ---- reading and decoding ---------------------------------------------------------------------------------------
 
 def read_source(source, limits: MediaLimits) -> bytes:
-    """The bytes of ``source``: bytes, a ``data:`` URI (base64), a local path or ``file://`` URL."""
+    """The bytes of ``source``: bytes, a ``data:`` URI (base64), a local path or ``file://`` URL. Any path is
+    read: this is for a local user (the CLI); what an HTTP client names goes through :func:`request_source`."""
     if isinstance(source, (bytes, bytearray, memoryview)):
         data = bytes(source)
     elif isinstance(source, (str, os.PathLike)):
@@ -181,6 +186,56 @@ def read_source(source, limits: MediaLimits) -> bytes:
     return data
 
 
+def request_source(source, media_dir: str | None, limits: MediaLimits) -> bytes | str:
+    """What :func:`read_source` may be given for a source named by an HTTP client: a ``data:`` URI as it is, or
+    the bytes of a file inside ``media_dir`` (a local path or ``file://`` URL, relative to the folder or absolute;
+    symlinks resolved, and the resolved path must stay inside the folder). Without ``media_dir`` no file is read:
+    the server is not a file browser for whoever can reach its port. A refused path says neither whether it
+    exists nor where it leads."""
+    if not isinstance(source, str):
+        raise ValueError(f"media source must be a data URI, got {type(source).__name__}")
+    low = source[:16].lower()
+    if low.startswith("data:"):
+        return source
+    shown = f"{source[:64]!r}" + ("..." if len(source) > 64 else "")
+    if low.startswith(("http://", "https://")):
+        raise ValueError("remote media URLs are not fetched (no network): send the media as a data URI")
+    if "://" in low and not low.startswith("file://"):
+        raise ValueError(f"unsupported media URL scheme in {shown}: send the media as a data URI")
+    if media_dir is None:
+        raise ValueError(f"media {shown}: this server reads no local files; send the media as a data URI "
+                         f"(data:<type>;base64,<data>), or start it with --media-dir DIR to allow paths in DIR")
+    path = source
+    if low.startswith("file://"):
+        url = urlsplit(source)
+        if url.netloc not in ("", "localhost"):
+            raise ValueError(f"media {shown}: a file:// URL must name a local path (file:///path)")
+        path = unquote(url.path)
+    root = Path(media_dir).resolve()
+    try:
+        full = (root / path).resolve()  # an absolute path replaces root; ".." and symlinks are resolved
+        inside = full.is_relative_to(root)
+    except (OSError, RuntimeError, ValueError):  # an embedded NUL, a name too long, a symlink loop (3.11)
+        inside = False
+    if not inside:
+        raise ValueError(f"media {shown}: not a path inside the server's media folder")
+    try:  # O_NOFOLLOW: a symlink swapped in since resolve() is not followed; O_NONBLOCK: a FIFO does not hang
+        fd = os.open(full, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    except FileNotFoundError:
+        raise ValueError(f"media file {shown} not found in the server's media folder") from None
+    except OSError as e:
+        raise ValueError(f"media file {shown} cannot be read ({e.strerror})") from None
+    st = os.fstat(fd)
+    problem = (f"media {shown} is not a file" if not stat.S_ISREG(st.st_mode) else
+               f"media file {shown} of {st.st_size:,} bytes exceeds the limit of {limits.max_bytes:,} bytes"
+               if st.st_size > limits.max_bytes else None)
+    if problem is not None:
+        os.close(fd)
+        raise ValueError(problem)
+    with os.fdopen(fd, "rb") as f:
+        return f.read(limits.max_bytes + 1)  # read_source refuses a file that grew past the limit
+
+
 def _open_pil(data: bytes, limits: MediaLimits):
     from PIL import Image, UnidentifiedImageError
 
@@ -215,6 +270,18 @@ def decode_image(data: bytes, limits: MediaLimits) -> np.ndarray:
         raise ValueError(f"cannot decode the image ({type(e).__name__}: {e})") from None
 
 
+def video_fps(value) -> float:
+    """A ``.npz`` video's ``fps`` as a float: a finite positive scalar, since frame sampling divides by it and the
+    timestamps written into the prompt are frame index / fps."""
+    arr = np.asarray(value)
+    if arr.shape != () or arr.dtype.kind not in "iuf":
+        raise ValueError(f"a .npz video's 'fps' must be one number, got a {arr.dtype} array of shape {list(arr.shape)}")
+    fps = float(arr)
+    if not (math.isfinite(fps) and fps > 0):
+        raise ValueError(f"a .npz video's 'fps' must be a finite positive number, got {fps}")
+    return fps
+
+
 def decode_video(data: bytes, cfg: PreprocessConfig, limits: MediaLimits) -> tuple[np.ndarray, float, list[int]]:
     """(sampled frames ``[T, H, W, 3]`` uint8, the video's fps, the sampled frame indices)."""
     if data[:6] == b"\x93NUMPY" or data[:4] == b"PK\x03\x04":
@@ -226,7 +293,7 @@ def decode_video(data: bytes, cfg: PreprocessConfig, limits: MediaLimits) -> tup
         if isinstance(arr, np.lib.npyio.NpzFile):
             if "frames" not in arr.files:
                 raise ValueError("a .npz video needs a 'frames' array (and optionally 'fps')")
-            fps = float(arr["fps"]) if "fps" in arr.files else fps
+            fps = video_fps(arr["fps"]) if "fps" in arr.files else fps
             arr = arr["frames"]
         if arr.dtype != np.uint8 or arr.ndim != 4 or arr.shape[-1] != 3 or 0 in arr.shape:
             raise ValueError(f"a video array must be uint8 [frames, height, width, 3], got {arr.dtype} "
@@ -318,7 +385,7 @@ def image_patches(img: np.ndarray, cfg: PreprocessConfig) -> tuple[torch.Tensor,
 
 def sample_frames(total: int, fps: float, cfg: PreprocessConfig) -> list[int]:
     """Indices of the frames kept: ``cfg.fps`` per second of video, within min/max frames (transformers' rule)."""
-    n = int(total / fps * cfg.fps)
+    n = int(min(total / fps * cfg.fps, total))  # capped before int(): a tiny fps makes the quotient infinite
     n = min(max(n, cfg.min_frames), cfg.max_frames, total)
     return np.linspace(0, total - 1, n).round().astype(int).tolist()
 

@@ -218,8 +218,13 @@ class Engine:
 
     def media_prompt(self, ids: list[int], items: list[MediaInput]) -> tuple[list[int], MediaPrompt | None]:
         """``ids`` with one placeholder per item (:func:`mrope.placeholder`) widened to the item's vision tokens,
-        and where those go; (ids, None) without media."""
+        and where those go; (ids, None) without media. ValueError when the placeholders and the items disagree,
+        no items included: a placeholder typed into the text would take the pad embedding with no image."""
         if not items:
+            if self.vision is not None:
+                from .mrope import expand
+
+                expand(ids, [], self.vision.cfg, self.tokenizer.encode)
             return list(ids), None
         if self.vision is None:
             raise ValueError("this model has no vision component: it cannot take image or video input")

@@ -35,15 +35,22 @@ Stop strings: at most 16, of at most 1000 characters each. Generated control tok
 are left out of the text; ``return_token_ids`` still shows them.
 
 Images and videos (models with a vision component): OpenAI ``image_url`` / ``video_url`` content parts whose
-``url`` is a data URI or a local file path, Anthropic ``image`` blocks with a base64 source. Remote URLs are
-refused (no network); media that cannot be decoded, or exceeds the limits (``Engine.media_limits``), is a 400.
-A model without a vision component answers any media with a 400.
+``url`` is a data URI, Anthropic ``image`` blocks with a base64 source. The server reads no local file a client
+names unless started with ``--media-dir DIR`` (``ServerOptions.media_dir``): then a ``url`` may also be a path or
+``file://`` URL, relative to DIR or absolute, that stays inside DIR once ``..`` and symlinks are resolved; any other
+path is a 400 that says neither whether the file exists nor where a link leads. Remote URLs are refused (no
+network); media that cannot be decoded, or exceeds the limits (``Engine.media_limits``), is a 400, and so is a
+prompt whose vision placeholders (``<|image_pad|>``, ``<|video_pad|>`` typed into the text) do not match its
+media, none at all included. A model without a vision component answers any media with a 400.
 
-Every response (and the final chunk of a stream, Anthropic: ``message_delta``) carries ``timings``:
+Every response (and, streamed, each choice's finish chunk; Anthropic: ``message_delta``) carries ``timings``, an
+extension that clients keep as an unknown field:
 ``prompt_n`` (prompt tokens), ``prompt_cached_n`` (of them loaded from the session instead of prefilled),
 ``predicted_n``, ``draft_n`` / ``draft_n_accepted`` (speculative decoding), ``queue_ms``, ``prefill_ms``,
 ``decode_ms``. Usage reports the cached prompt tokens too (OpenAI ``prompt_tokens_details.cached_tokens``;
-Anthropic ``cache_read_input_tokens``, with ``input_tokens`` the prefilled rest, as Anthropic counts).
+Anthropic ``cache_read_input_tokens``, with ``input_tokens`` the prefilled rest, as Anthropic counts). An OpenAI
+stream carries the usage only when ``stream_options.include_usage`` asks for it, as OpenAI does: in a last chunk
+with no choices (the other chunks then have ``"usage": null``).
 
 Errors take each API's shape (``/v1/messages*``: Anthropic ``{"type": "error", "error": {...}}``, elsewhere
 OpenAI ``{"error": {...}}``): 400 malformed JSON, invalid parameters or context overflow, 413 a body over
@@ -90,6 +97,7 @@ class ServerOptions:
     session_capacity: int = 16
     session_dir: str | None = None
     max_body_bytes: int | None = None
+    media_dir: str | None = None  # the one folder whose files requests may name as media (None: data URIs only)
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -102,6 +110,10 @@ class ServerOptions:
             raise ValueError(f"session-dir {self.session_dir!r} is a file, not a folder")
         if self.max_body_bytes is not None and (not isinstance(self.max_body_bytes, int) or self.max_body_bytes < 1):
             raise ValueError(f"max body bytes must be a positive integer, got {self.max_body_bytes!r}")
+        if self.media_dir is not None:
+            if not Path(self.media_dir).is_dir():
+                raise ValueError(f"media-dir {self.media_dir!r} is not a folder")
+            self.media_dir = str(Path(self.media_dir).resolve())  # symlinks in the folder's own path resolved once
         if not isinstance(self.host, str):
             raise ValueError(f"host must be a string, got {self.host!r}")
         for sock in listen(self.host, self.port):  # a taken port is an error before the model loads, not after
@@ -339,7 +351,7 @@ def serve(engine: Engine, options: ServerOptions, on_ready=None) -> None:
     sockets = listen(options.host, options.port)
     try:
         backend = Backend(engine, max_queue=options.max_queue, session_capacity=options.session_capacity,
-                          session_dir=options.session_dir)
+                          session_dir=options.session_dir, media_dir=options.media_dir)
         restored, problems = backend.sessions.load()
         max_body = options.max_body_bytes or max(1 << 20, 64 * engine.options.max_context)
 

@@ -172,6 +172,38 @@ def test_openai_n_choices_and_prompt_lists(server):
     assert server.wait_idle()["free_slots"] == 8
 
 
+def sse_chunks(s: Server, path: str, body: dict) -> list[dict]:
+    """The JSON chunks of a streamed request, as sent (the raw ``data:`` lines up to ``[DONE]``)."""
+    with httpx.stream("POST", f"{s.url}{path}", json={"model": s.model, "stream": True, **body}, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        lines = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def test_openai_stream_usage_only_when_asked(server):
+    """As OpenAI streams: without ``stream_options.include_usage`` no chunk has a usage field; with it every chunk
+    has ``"usage": null`` but a last one without choices that holds it. Each choice's finish chunk carries its
+    ``timings`` (the documented extension); the official client parses every chunk."""
+    chat = {"messages": [{"role": "user", "content": PROMPTS[6]}], "max_tokens": 8, "temperature": 0}
+    comp = {"prompt": PROMPTS[6], "max_tokens": 8, "temperature": 0}
+    for path, body, choices in [("/v1/chat/completions", chat, 1), ("/v1/chat/completions", {**chat, "n": 2}, 2),
+                                ("/v1/completions", comp, 1), ("/v1/completions", {**comp, "prompt": PROMPTS[:2]}, 2)]:
+        chunks = sse_chunks(server, path, body)
+        assert not any("usage" in ch for ch in chunks), (path, body, chunks[-1])
+        finals = [ch for ch in chunks if ch["choices"] and ch["choices"][0]["finish_reason"] is not None]
+        assert len(finals) == choices and all(ch["timings"]["predicted_n"] > 0 for ch in finals)
+        asked = sse_chunks(server, path, {**body, "stream_options": {"include_usage": True}})
+        assert asked[-1]["choices"] == [] and asked[-1]["usage"]["completion_tokens"] > 0
+        assert all("usage" in ch and ch["usage"] is None for ch in asked[:-1])
+    c, args = server.openai, dict(model=server.model, max_tokens=8, temperature=0)
+    chunks = list(c.chat.completions.create(messages=chat["messages"], stream=True, **args))
+    assert chunks and all(ch.usage is None for ch in chunks)
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length") and chunks[-1].model_extra["timings"]
+    chunks = list(c.completions.create(prompt=PROMPTS[6], stream=True, **args))
+    assert chunks and all(ch.usage is None for ch in chunks)
+
+
 def test_anthropic_messages(server):
     c = server.anthropic
     # (this client version has no sampling arguments: they go in the body)

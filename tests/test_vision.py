@@ -433,62 +433,226 @@ def test_cli_generate_and_decode_with_image(vl, tmp_path):
     assert len(s["samples"]["vision_encode_ms"]) == 2
 
 
-def test_server_openai_and_anthropic_with_media(vl, eng, tmp_path):
+@pytest.fixture(scope="module")
+def vl_server(vl, tmp_path_factory):
+    """``serve`` of the tiny VL artifact without --media-dir."""
     pytest.importorskip("fastapi")
     pytest.importorskip("uvicorn")
-    _, art = vl
-    server = ServeProcess(art, tmp_path / "server.log", max_context=2048)
+    server = ServeProcess(vl[1], tmp_path_factory.mktemp("vl_serve") / "server.log", max_context=2048)
+    yield server
+    server.stop()
+
+
+def vl_chat(server, parts, **kw):
+    return server.post("/v1/chat/completions", {"model": server.model, "max_tokens": 4, "temperature": 0,
+                                                "messages": [{"role": "user", "content": parts}], **kw})
+
+
+def test_server_openai_and_anthropic_with_media(vl_server, eng):
+    server = vl_server
+    image = png(noise(45, 71, seed=31))
+    n_vis = eng.load_media("image", image).tokens(2)
+    chat = lambda parts, **kw: vl_chat(server, parts, **kw)  # noqa: E731
+    ok = chat([{"type": "text", "text": "What is this?"},
+               {"type": "image_url", "image_url": {"url": data_uri(image)}}], return_token_ids=True)
+    assert ok.status_code == 200, ok.text
+    body = ok.json()
+    assert body["prompt_token_ids"].count(IMG) == n_vis
+    assert body["usage"]["completion_tokens"] == 4
+    video = chat([{"type": "video_url", "video_url": {"url": data_uri(npy(np.stack([noise(24, 40, seed=s)
+                                                                                     for s in range(4)])),
+                                                                      "application/octet-stream")}},
+                  {"type": "text", "text": "and this?"}])
+    assert video.status_code == 200, video.text
+
+    msg = {"model": server.model, "max_tokens": 4, "temperature": 0, "return_token_ids": True,
+           "messages": [{"role": "user", "content": [
+               {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                            "data": base64.b64encode(image).decode()}},
+               {"type": "text", "text": "What is this?"}]}]}
+    r = server.post("/v1/messages", msg)
+    assert r.status_code == 200, r.text
+    assert r.json()["prompt_token_ids"].count(IMG) == n_vis and len(r.json()["token_ids"]) == 4
+    count = server.post("/v1/messages/count_tokens", {k: msg[k] for k in ("model", "messages")})
+    assert count.json()["input_tokens"] == len(r.json()["prompt_token_ids"])
+
+    big = io.BytesIO()  # 9000 x 9000 grey: ~80 KB of PNG, 81 M pixels > the 67 M limit
+    Image.new("L", (9000, 9000)).save(big, "PNG")
+    bad = [
+        (chat([{"type": "image_url", "image_url": {"url": "data:image/png;base64,!!!"}}]), "base64"),
+        (chat([{"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]), "no network"),
+        (chat([{"type": "image_url", "image_url": {"url": data_uri(b"garbage")}}]), "cannot decode"),
+        (chat([{"type": "image_url", "image_url": {"url": data_uri(big.getvalue())}}]), "exceeds the limit"),
+        (chat([{"type": "image_url", "image_url": {}}]), "expected a data URI"),
+        (server.post("/v1/messages", {**msg, "messages": [{"role": "user", "content": [
+            {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}}]}]}), "no network"),
+    ]
+    for resp, text in bad:
+        assert resp.status_code == 400, resp.text
+        err = resp.json()["error"]
+        assert text in err["message"], err
+    after = chat([{"type": "text", "text": "still there?"}])
+    assert after.status_code == 200
+    assert server.health()["status"] == "ok"
+
+
+def test_server_reads_no_local_file_without_media_dir(vl_server, tmp_path):
+    """Without --media-dir a path or file:// URL is a 400 whose message is the same whether the file exists or not
+    (a readable image included), for images and videos; nothing is read."""
+    real = tmp_path / "cat.png"
+    real.write_bytes(png(noise(45, 71, seed=31)))
+    np.save(tmp_path / "clip.npy", np.zeros((4, 16, 16, 3), np.uint8))
+    messages = set()
+    for kind, path in [("image", str(real)), ("image", str(tmp_path / "missing.png")), ("image", "/etc/passwd"),
+                       ("image", "/etc/nonexistent"), ("image", f"file://{real}"), ("image", "file:///etc/passwd"),
+                       ("video", str(tmp_path / "clip.npy")), ("video", "../../etc/passwd")]:
+        part = f"{kind}_url"
+        r = vl_chat(vl_server, [{"type": part, part: {"url": path}}, {"type": "text", "text": "what?"}])
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert "data URI" in err["message"] and "--media-dir" in err["message"], err
+        messages.add(re.sub(r"'[^']*'(\.\.\.)?", "PATH", err["message"], count=1))
+    assert len(messages) == 1, messages
+    assert vl_server.health()["status"] == "ok"
+
+
+def test_server_media_dir_confines_paths(vl, tmp_path):
+    """With --media-dir DIR: a relative path, an absolute one and a file:// URL inside DIR give the data URI's
+    answer; a path that leaves DIR (absolute, "..", a symlink to a file outside, another host) is a 400 that is the
+    same for an existing and a missing target."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    folder, outside = tmp_path / "media", tmp_path / "outside"
+    folder.mkdir()
+    outside.mkdir()
+    image = png(noise(45, 71, seed=31))
+    (folder / "cat.png").write_bytes(image)
+    (outside / "secret.png").write_bytes(image)
+    (folder / "link.png").symlink_to(outside / "secret.png")
+    (folder / "up").symlink_to(outside)
+    server = ServeProcess(vl[1], tmp_path / "server.log", "--media-dir", str(folder), max_context=2048)
     try:
-        image = png(noise(45, 71, seed=31))
-        n_vis = eng.load_media("image", image).tokens(2)
-        chat = lambda parts, **kw: server.post("/v1/chat/completions", {  # noqa: E731
-            "model": server.model, "max_tokens": 4, "temperature": 0,
-            "messages": [{"role": "user", "content": parts}], **kw})
-        ok = chat([{"type": "text", "text": "What is this?"},
-                   {"type": "image_url", "image_url": {"url": data_uri(image)}}], return_token_ids=True)
-        assert ok.status_code == 200, ok.text
-        body = ok.json()
-        assert body["prompt_token_ids"].count(IMG) == n_vis
-        assert body["usage"]["completion_tokens"] == 4
-        path = tmp_path / "cat.png"
-        path.write_bytes(image)
-        again = chat([{"type": "text", "text": "What is this?"},
-                      {"type": "image_url", "image_url": {"url": str(path)}}], return_token_ids=True)
-        assert again.status_code == 200 and again.json()["choices"][0]["token_ids"] == body["choices"][0]["token_ids"]
-        video = chat([{"type": "video_url", "video_url": {"url": data_uri(npy(np.stack([noise(24, 40, seed=s)
-                                                                                         for s in range(4)])),
-                                                                          "application/octet-stream")}},
-                      {"type": "text", "text": "and this?"}])
-        assert video.status_code == 200, video.text
+        def ask(url):
+            return vl_chat(server, [{"type": "image_url", "image_url": {"url": url}}], return_token_ids=True)
 
-        msg = {"model": server.model, "max_tokens": 4, "temperature": 0, "return_token_ids": True,
-               "messages": [{"role": "user", "content": [
-                   {"type": "image", "source": {"type": "base64", "media_type": "image/png",
-                                                "data": base64.b64encode(image).decode()}},
-                   {"type": "text", "text": "What is this?"}]}]}
-        r = server.post("/v1/messages", msg)
-        assert r.status_code == 200, r.text
-        assert r.json()["prompt_token_ids"].count(IMG) == n_vis and len(r.json()["token_ids"]) == 4
-        count = server.post("/v1/messages/count_tokens", {k: msg[k] for k in ("model", "messages")})
-        assert count.json()["input_tokens"] == len(r.json()["prompt_token_ids"])
-
-        big = io.BytesIO()  # 9000 x 9000 grey: ~80 KB of PNG, 81 M pixels > the 67 M limit
-        Image.new("L", (9000, 9000)).save(big, "PNG")
-        bad = [
-            (chat([{"type": "image_url", "image_url": {"url": "data:image/png;base64,!!!"}}]), "base64"),
-            (chat([{"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]), "no network"),
-            (chat([{"type": "image_url", "image_url": {"url": data_uri(b"garbage")}}]), "cannot decode"),
-            (chat([{"type": "image_url", "image_url": {"url": data_uri(big.getvalue())}}]), "exceeds the limit"),
-            (chat([{"type": "image_url", "image_url": {}}]), "data URI or a local file path"),
-            (server.post("/v1/messages", {**msg, "messages": [{"role": "user", "content": [
-                {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}}]}]}), "no network"),
-        ]
-        for resp, text in bad:
-            assert resp.status_code == 400, resp.text
-            err = resp.json()["error"]
-            assert text in err["message"], err
-        after = chat([{"type": "text", "text": "still there?"}])
-        assert after.status_code == 200
-        assert server.health()["status"] == "ok"
+        want = ask(data_uri(image))
+        assert want.status_code == 200, want.text
+        for url in ["cat.png", str(folder / "cat.png"), f"file://{folder / 'cat.png'}", "./sub/../cat.png"]:
+            r = ask(url)
+            assert r.status_code == 200, (url, r.text)
+            assert r.json()["choices"][0]["token_ids"] == want.json()["choices"][0]["token_ids"]
+        messages = set()
+        for url in [str(outside / "secret.png"), str(outside / "missing.png"), "../outside/secret.png",
+                    "../outside/missing.png", "link.png", "up/secret.png", "up/missing.png", "/etc/passwd",
+                    "/etc/nonexistent", f"file://{outside / 'secret.png'}", "file:///etc/passwd"]:
+            r = ask(url)
+            assert r.status_code == 400, (url, r.text)
+            messages.add(re.sub(r"'[^']*'(\.\.\.)?", "PATH", r.json()["error"]["message"], count=1))
+        assert messages == {"media PATH: not a path inside the server's media folder"}
+        missing = ask("missing.png")  # inside the folder the operator opened: that it is missing may be said
+        assert missing.status_code == 400 and "not found in the server's media folder" in missing.text
+        assert "a local path" in ask(f"file://otherhost{folder / 'cat.png'}").json()["error"]["message"]
     finally:
         server.stop()
+    from ninfer_bench.engine.server import ServerOptions
+
+    with pytest.raises(ValueError, match="media-dir .* is not a folder"):
+        ServerOptions(port=0, media_dir=str(folder / "cat.png"))
+
+
+def test_request_source_is_confined(tmp_path):
+    """The reading rule itself: data URIs pass untouched; no file without a folder; inside the folder only regular
+    files (a FIFO is refused without blocking); a symlink loop or NUL byte is refused like any outside path."""
+    limits = M.MediaLimits(max_bytes=100)
+    (tmp_path / "a.bin").write_bytes(b"x" * 10)
+    (tmp_path / "big.bin").write_bytes(b"x" * 101)
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    os.mkfifo(tmp_path / "fifo")
+    assert M.request_source("data:image/png;base64,AAAA", None, limits) == "data:image/png;base64,AAAA"
+    assert M.request_source("a.bin", str(tmp_path), limits) == b"x" * 10
+    for source, folder, message in [
+        (str(tmp_path / "a.bin"), None, "reads no local files"), (b"bytes", str(tmp_path), "must be a data URI"),
+        ("ftp://host/a.png", str(tmp_path), "unsupported media URL scheme"),
+        ("big.bin", str(tmp_path), "exceeds the limit of 100 bytes"), ("fifo", str(tmp_path), "is not a file"),
+        (".", str(tmp_path), "is not a file"), ("loop", str(tmp_path), "not a path inside"),
+        ("a\0.bin", str(tmp_path), "not a path inside"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            M.request_source(source, folder, limits)
+
+
+# ---- fps of .npz videos, placeholders without media (CLI and server) ---------------------------------------------
+
+BAD_FPS = {"zero": np.float64(0), "negative": np.float64(-3), "nan": np.float64("nan"), "inf": np.float64("inf"),
+           "array": np.array([1.0, 2.0]), "text": np.array("fast")}
+
+
+def npz_fps(fps) -> bytes:
+    buf = io.BytesIO()
+    np.savez(buf, frames=np.random.default_rng(3).integers(0, 256, (6, 30, 40, 3), dtype=np.uint8), fps=fps)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("name", list(BAD_FPS))
+def test_npz_fps_must_be_finite_positive(eng, name):
+    with pytest.raises(ValueError, match=r"^a \.npz video's 'fps' must be"):
+        eng.load_media("video", npz_fps(BAD_FPS[name]))
+
+
+def test_npz_fps_accepted_and_tiny_fps_does_not_overflow(eng):
+    # 4 of 6 frames at 3 fps: frames 0, 2, 3, 5; the first temporal patch spans 0 and 2/3 s
+    assert eng.load_media("video", npz_fps(np.int64(3))).timestamps[0] == pytest.approx(1 / 3)
+    assert M.sample_frames(6, 5e-324, eng.preprocess) == [0, 1, 2, 3, 4, 5]  # 6 / fps is infinite
+
+
+def test_placeholders_without_media_are_refused(eng):
+    for text, found in [("<|image_pad|> what", "['image']"), ("a <|video_pad|> b <|image_pad|>", "['video', 'image']"),
+                        (placeholder("image") + " what", "['image']")]:
+        with pytest.raises(ValueError, match=re.escape(f"placeholder(s) {found} for 0 media input(s)")):
+            eng.media_prompt(eng.tokenizer.encode(text), [])
+    ids = eng.tokenizer.encode("<|vision_start|> plain text")  # start / end markers take no vision features
+    assert eng.media_prompt(ids, []) == (ids, None)
+
+
+def test_cli_bad_fps_and_placeholders_are_one_line_errors(vl, tmp_path):
+    _, art = vl
+    for name in ("zero", "array"):
+        (tmp_path / f"{name}.npz").write_bytes(npz_fps(BAD_FPS[name]))
+        out = cli("generate", str(art), "--video", str(tmp_path / f"{name}.npz"), "-p", "hi", "-n", "2", "--device",
+                  "cpu")
+        assert out.returncode == 1 and out.stderr.startswith("error: a .npz video's 'fps' must be"), out.stderr
+        assert out.stderr.count("\n") == 1, out.stderr
+    out = cli("generate", str(art), "-p", "<|image_pad|> what", "-n", "2", "--device", "cpu")
+    assert out.returncode == 1 and out.stderr.count("\n") == 1, out.stderr
+    assert out.stderr.startswith("error: the prompt has 1 media placeholder(s) ['image'] for 0 media input(s)")
+
+
+def test_server_bad_fps_is_a_400(vl_server):
+    for name, fps in BAD_FPS.items():
+        r = vl_chat(vl_server, [{"type": "video_url", "video_url": {"url": data_uri(npz_fps(fps), "x/npz")}},
+                                {"type": "text", "text": "and this?"}])
+        assert r.status_code == 400, (name, r.text)
+        assert "'fps' must be" in r.json()["error"]["message"], (name, r.text)
+    assert vl_server.health()["status"] == "ok"
+
+
+def test_server_refuses_placeholders_without_media(vl_server):
+    """Typed into the text with no media, in every route that takes a prompt; a 400 naming the field."""
+    s, typed = vl_server, "<|image_pad|> what"
+    base = {"model": s.model, "max_tokens": 2}
+    replies = [
+        (s.post("/v1/chat/completions", {**base, "messages": [{"role": "user", "content": typed}]}), "messages"),
+        (vl_chat(s, [{"type": "text", "text": typed}]), "messages"),
+        (s.post("/v1/completions", {**base, "prompt": typed}), "prompt"),
+        (s.post("/v1/completions", {**base, "prompt": [72, IMG, 105]}), "prompt"),
+        (s.post("/v1/messages", {**base, "messages": [{"role": "user", "content": typed}]}), None),
+        (s.post("/v1/messages/count_tokens", {"model": s.model, "messages": [{"role": "user", "content": typed}]}),
+         None),
+    ]
+    for r, param in replies:
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert "1 media placeholder(s) ['image'] for 0 media input(s)" in err["message"], err
+        assert param is None or err["param"] == param, err
+    ok = s.post("/v1/completions", {**base, "prompt": "what"})
+    assert ok.status_code == 200, ok.text
