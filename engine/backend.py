@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from .media import request_source
+from .media_sources import request_source
 from .runtime import CapacityError, Engine
 from .sampling import SamplingParams
 from .scheduler import QueueFull, Scheduler
@@ -322,7 +322,7 @@ class Backend:
     def media_prompt(self, ids: list[int], media, param: str = "messages") -> tuple[list[int], object]:
         """Read and preprocess ``media`` ((kind, source) pairs, in prompt order) and widen their placeholders in
         ``ids``: (ids, MediaPrompt or None). Sources are data URIs, or paths inside ``media_dir`` when the server
-        was given one (:func:`.media.request_source`). Any problem with the media, or placeholders in ``ids``
+        was given one (:func:`.media_sources.request_source`). Any problem with the media, or placeholders in ``ids``
         that the media does not match (none at all included), is a BadRequest naming ``param``."""
         limits = self.engine.media_limits
         if len(media) > limits.max_items:  # before any decoding

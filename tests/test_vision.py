@@ -563,13 +563,15 @@ def test_server_media_dir_confines_paths(vl, tmp_path):
 def test_request_source_is_confined(tmp_path):
     """The reading rule itself: data URIs pass untouched; no file without a folder; inside the folder only regular
     files (a FIFO is refused without blocking); a symlink loop or NUL byte is refused like any outside path."""
+    from ninfer_bench.engine.media_sources import request_source
+
     limits = M.MediaLimits(max_bytes=100)
     (tmp_path / "a.bin").write_bytes(b"x" * 10)
     (tmp_path / "big.bin").write_bytes(b"x" * 101)
     (tmp_path / "loop").symlink_to(tmp_path / "loop")
     os.mkfifo(tmp_path / "fifo")
-    assert M.request_source("data:image/png;base64,AAAA", None, limits) == "data:image/png;base64,AAAA"
-    assert M.request_source("a.bin", str(tmp_path), limits) == b"x" * 10
+    assert request_source("data:image/png;base64,AAAA", None, limits) == "data:image/png;base64,AAAA"
+    assert request_source("a.bin", str(tmp_path), limits) == b"x" * 10
     for source, folder, message in [
         (str(tmp_path / "a.bin"), None, "reads no local files"), (b"bytes", str(tmp_path), "must be a data URI"),
         ("ftp://host/a.png", str(tmp_path), "unsupported media URL scheme"),
@@ -578,7 +580,7 @@ def test_request_source_is_confined(tmp_path):
         ("a\0.bin", str(tmp_path), "not a path inside"),
     ]:
         with pytest.raises(ValueError, match=re.escape(message)):
-            M.request_source(source, folder, limits)
+            request_source(source, folder, limits)
 
 
 # ---- fps of .npz videos, placeholders without media (CLI and server) ---------------------------------------------
