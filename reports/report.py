@@ -21,7 +21,8 @@ from pathlib import Path
 
 from .baseline import baseline_note, model_name, read_shift, stand_in
 from .frames import frames, model_id
-from .gate import config_value, default_rules, expand
+from .experiment import config_value
+from .gate import default_rules, expand
 from .metric_path import MetricMissing, lookup
 from .plots import plot_all
 from .render import Table, html_page, markdown, num, numbers, pct, sha, size
