@@ -29,7 +29,12 @@ NO_PENALTY = "presence and frequency penalties are not implemented by this serve
 NO_TOOLS = "tool and function calling is not supported by this server"
 SHARED = {"logprobs": ((None, False), NO_LOGPROBS), "presence_penalty": ((None, 0, 0.0), NO_PENALTY),
           "frequency_penalty": ((None, 0, 0.0), NO_PENALTY),
-          "logit_bias": ((None, {}), "biasing token logits is not implemented by this server")}
+          "logit_bias": ((None, {}), "biasing token logits is not implemented by this server"),
+          # vLLM / llama.cpp sampling extensions that scripts written for those servers send at their no-op values
+          "repetition_penalty": ((None, 1, 1.0), "repetition penalties are not implemented by this server (only 1)"),
+          "min_p": ((None, 0, 0.0), "min-p sampling is not implemented by this server (only 0)"),
+          "length_penalty": ((None, 1, 1.0), "length penalties are not implemented by this server (only 1)"),
+          "use_beam_search": ((None, False), "beam search is not implemented by this server")}
 CHAT_UNSUPPORTED = {
     **SHARED, "top_logprobs": ((None, 0), NO_LOGPROBS),
     "response_format": ((None, {"type": "text"}), "only plain text output is supported by this server"),

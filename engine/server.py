@@ -28,7 +28,8 @@ once, ``timings`` becomes a list in choice order, and a session takes one choice
 Not supported, and refused with a 400 naming the field rather than ignored (the tables of :mod:`.api_openai` and
 :mod:`.api_anthropic`): tools and function calling, log-probabilities, ``echo``, ``suffix``, ``best_of`` other
 than ``n``, ``logit_bias``, presence / frequency penalties, a ``response_format`` other than text, audio output,
-reasoning and thinking settings, web search; each is accepted with the value that asks for nothing. A field the
+reasoning and thinking settings, web search, and vLLM's ``repetition_penalty`` / ``min_p`` / ``length_penalty`` /
+``use_beam_search``; each is accepted with the value that asks for nothing. A field the
 route does not know is refused as unknown, as OpenAI and Anthropic refuse it; fields that change nothing a client
 gets back (``user``, ``metadata``, ``store``, ``service_tier``, prompt-cache hints, ...) are accepted and ignored.
 Stop strings: at most 16, of at most 1000 characters each. Generated control tokens (end tokens, chat markers)

@@ -397,7 +397,9 @@ def test_unimplemented_fields_refused_harmless_ones_accepted(server):
         ("/v1/chat/completions", {"modalities": ["text", "audio"]}, "modalities"),
         ("/v1/chat/completions", {"reasoning_effort": "high"}, "reasoning_effort"),
         ("/v1/chat/completions", {"web_search_options": {}}, "web_search_options"),
-        ("/v1/chat/completions", {"min_p": 0.1}, "min_p"),  # another server's extension: unknown
+        ("/v1/chat/completions", {"min_p": 0.1}, "min_p"),  # vLLM's extension, at a value that asks for something
+        ("/v1/completions", {"repetition_penalty": 1.2}, "repetition_penalty"),
+        ("/v1/chat/completions", {"top_a": 0.5}, "top_a"),  # a field neither API nor the usual servers have
         ("/v1/chat/completions", {"best_of": 1}, "best_of"),  # a /v1/completions field only
         ("/v1/messages", {"tools": [{"name": "f", "input_schema": {"type": "object"}}]}, "tools"),
         ("/v1/messages", {"tool_choice": {"type": "any"}}, "tool_choice"),
@@ -417,6 +419,8 @@ def test_unimplemented_fields_refused_harmless_ones_accepted(server):
         ("/v1/completions", {"best_of": 1, "suffix": "", "echo": False, "logprobs": None, "presence_penalty": 0,
                              "frequency_penalty": 0.0, "logit_bias": {}, "user": "u"}),
         ("/v1/completions", {"n": 2, "best_of": 2}),
+        ("/v1/completions", {"repetition_penalty": 1.0, "min_p": 0, "length_penalty": 1, "use_beam_search": False}),
+        ("/v1/chat/completions", {"repetition_penalty": 1, "min_p": 0.0}),  # scripts written for vLLM send these
         ("/v1/chat/completions", {"user": "u", "metadata": {"k": "v"}, "store": False, "service_tier": "auto",
                                   "parallel_tool_calls": True, "tools": [], "tool_choice": "none",
                                   "response_format": {"type": "text"}, "modalities": ["text"], "logprobs": False,
