@@ -171,7 +171,7 @@ class HFCheckpoint:
     def blobs(self) -> dict[str, bytes]:
         """Tokenizer and generation files found in the folder, by file name; each JSON file checked to parse, and the
         tokenizer to load and fit the model's vocabulary (an artifact with a broken one would only fail at use)."""
-        from .tokenizer import check_tokenizer_json
+        from .tokenizer import load_tokenizer_json
 
         out = {}
         for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja",
@@ -182,7 +182,7 @@ class HFCheckpoint:
             out[name] = data = p.read_bytes()
             try:
                 if name == "tokenizer.json":
-                    check_tokenizer_json(data, self.config.vocab_size)
+                    load_tokenizer_json(data, self.config.vocab_size)
                 elif name.endswith(".json"):
                     json.loads(data.decode("utf-8"))
                 else:

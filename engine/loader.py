@@ -11,7 +11,7 @@ from pathlib import Path
 from .artifact import Artifact
 from .config import PRESETS, DraftConfig, ModelConfig, preset
 from .synthetic import preset_draft_config, synthetic_drafter, synthetic_raws
-from .tokenizer import ByteTokenizer, Tokenizer, check_tokenizer_json
+from .tokenizer import ByteTokenizer, Tokenizer
 from .weights import RawWeight, check_text_shapes
 
 MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
@@ -65,12 +65,11 @@ def tokenizer_of(art: Artifact, cfg: ModelConfig):
     extra = config_eos_ids(meta, cfg)
     if name:
         eos = [meta["eos_token"]] if meta.get("eos_token") else []
-        data = art.blob(name)
         try:
-            check_tokenizer_json(data, cfg.vocab_size)
+            tok = Tokenizer.from_json(art.blob(name), cfg.vocab_size, eos_tokens=eos,
+                                      chat_template=meta.get("chat_template"))
         except ValueError as e:
             raise ValueError(f"{art.path}: {name}: {e}") from None
-        tok = Tokenizer.from_json(data.decode(), eos_tokens=eos, chat_template=meta.get("chat_template"))
         tok.eos_ids = tuple(dict.fromkeys(tok.eos_ids + extra))
         return tok
     return ByteTokenizer(cfg.vocab_size, eos_ids=extra or None)

@@ -445,8 +445,8 @@ class Engine:
 
         p = seq.params
         return (self.options.lookahead and self.graphs is not None and self.drafter is None and p.greedy
-                and not p.logprobs and not p.stop and not (seq.media is not None and seq.media.delta) and seq.finish_reason is None
-                and len(self._stop_ids(p)) <= MAX_STOP_IDS)
+                and not p.logprobs and not p.stop and not (seq.media is not None and seq.media.delta)
+                and seq.finish_reason is None and len(self._stop_ids(p)) <= MAX_STOP_IDS)
 
     def _decode_chained(self, seq: Sequence) -> None:
         """Greedy decode of ``seq`` with the host one step behind the GPU: step n + 1 is queued before token n is

@@ -29,10 +29,11 @@ class Tokenizer:
     chat_template: str = DEFAULT_CHAT_TEMPLATE
 
     @classmethod
-    def from_json(cls, text: str, *, eos_tokens=(), chat_template: str | None = None) -> "Tokenizer":
-        from tokenizers import Tokenizer as HFTokenizer
-
-        backend = HFTokenizer.from_str(text)
+    def from_json(cls, data: bytes, vocab_size: int, *, eos_tokens=(), chat_template: str | None = None
+                  ) -> "Tokenizer":
+        """The tokenizer of ``tokenizer.json`` bytes, checked against the model's vocabulary
+        (:func:`load_tokenizer_json`: ValueError when it does not load or does not fit)."""
+        backend = load_tokenizer_json(data, vocab_size)
         eos = []
         for tok in list(eos_tokens) + ["<|endoftext|>", "<|im_end|>"]:
             tid = backend.token_to_id(tok)
@@ -68,9 +69,10 @@ class Tokenizer:
             messages=messages, add_generation_prompt=add_generation_prompt, bos_token="", eos_token="")
 
 
-def check_tokenizer_json(data: bytes, vocab_size: int) -> None:
-    """Raise ValueError when ``tokenizer.json`` bytes do not load with ``tokenizers`` or name a token id the model's
-    vocabulary (``vocab_size`` embedding rows) does not have. Fewer ids than rows is common (padded vocabularies)."""
+def load_tokenizer_json(data: bytes, vocab_size: int):
+    """The ``tokenizers.Tokenizer`` of ``tokenizer.json`` bytes; ValueError when they do not load or name a token id
+    the model's vocabulary (``vocab_size`` embedding rows) does not have. Fewer ids than rows is common (padded
+    vocabularies)."""
     from tokenizers import Tokenizer as HFTokenizer
 
     try:
@@ -83,6 +85,7 @@ def check_tokenizer_json(data: bytes, vocab_size: int) -> None:
     if top >= vocab_size:
         raise ValueError(f"the tokenizer has token ids up to {top}, but the model's vocabulary has {vocab_size} "
                          f"(ids 0..{vocab_size - 1}): this tokenizer is not the model's")
+    return backend
 
 
 def _raise(message):
