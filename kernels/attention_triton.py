@@ -32,7 +32,8 @@ Triton is imported on first use, so this module imports on machines without it.
 
 Implementations, same argument order:
   decode_attention_ref  plain fp32 torch on a gathered, dequantized copy (the reference)
-  decode_attention      the Triton kernels (CUDA, or ``TRITON_INTERPRET=1`` on the CPU)
+  decode_attention      the Triton kernels of kernels/attention_triton_kernels.py (CUDA, or ``TRITON_INTERPRET=1``
+                        on the CPU)
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ import torch
 from . import _triton
 from ..engine.cache import KV_GROUP, dequantize_kv
 from .attention import attention_ref
+from .attention_triton_kernels import jit_kernels as _kernels
 
 __all__ = ["AttnConfig", "plan", "decode_attention", "decode_attention_ref", "triton_available"]
 
@@ -283,170 +285,4 @@ def _launch(kern, q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, scale, kv
             cfg.chunk, cfg.min_chunk or cfg.chunk, splits, BLOCK_N=cfg.block_n, HAS_GATE=gate is not None,
             HD=hd, BLOCK_S=COMBINE_SPLITS, BLOCK_DC=block_dc, num_warps=4, **_triton.pdl_args(q.device),
         )
-    return out
-
-
-# ---- Triton kernels ------------------------------------------------------------------------------------------
-# Plain functions here, turned into jitted kernels by `_kernels()` on first use: triton is optional, and
-# TRITON_INTERPRET (which the test module sets on machines without CUDA) is read when `triton.jit` runs. Their
-# annotations are strings (postponed evaluation), so `tl` only has to exist by then.
-
-tl = pdl_enter = None  # triton.language and the PDL helper, bound by _kernels()
-
-
-def _load_tile(base, s_base, stride_n, stride_sn, offs_n, n_ok, DOT_DTYPE: tl.constexpr, HD: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NG: tl.constexpr, GW: tl.constexpr,
-               IS_INT8: tl.constexpr):
-    """Keys or values [BLOCK_N, BLOCK_D] of one slot and kv head in DOT_DTYPE, 0 past HD and where n_ok is false."""
-    if IS_INT8:
-        # codes as [BLOCK_N, NG, GW], so that each 64-wide group meets its scale by broadcasting; the product in
-        # fp16 (exact codes, one rounding) holds the tile in half the registers of fp32, and overflows only for
-        # cached values past fp16's 65504
-        # TODO(perf): for BLOCK_M=16 (mma.sync) sm_90 SASS reads the int8 V tile from shared memory one byte per
-        # LDS (the dot-operand layout walks keys, which are strided); first suspect if int8 lags bf16 in % copy bw
-        offs_g = tl.arange(0, NG)
-        d3 = offs_g[None, :, None] * GW + tl.arange(0, GW)[None, None, :]
-        codes = tl.load(base + offs_n[:, None, None] * stride_n + d3, mask=n_ok[:, None, None] & (d3 < HD), other=0)
-        sc = tl.load(s_base + offs_n[:, None] * stride_sn + offs_g[None, :],
-                     mask=n_ok[:, None] & (offs_g[None, :] * GW < HD), other=0.0)
-        # c + 1152 from bits (0x6400 = 1024.0 holds 0..255 exactly in its mantissa), then - 1152: no int->float
-        # conversion, which runs at a quarter of the FMA rate on Hopper
-        c16 = (codes.to(tl.int32) + 0x6480).to(tl.int16).to(tl.float16, bitcast=True) - 1152.0
-        x = c16 * sc[:, :, None]
-        return tl.reshape(x, (BLOCK_N, BLOCK_D)).to(DOT_DTYPE)
-    else:
-        offs_d = tl.arange(0, BLOCK_D)
-        x = tl.load(base + offs_n[:, None] * stride_n + offs_d[None, :],
-                    mask=n_ok[:, None] & (offs_d[None, :] < HD), other=0.0)
-        return x.to(DOT_DTYPE)
-
-
-def _row_chunk(pos, CHUNK, MIN_CHUNK, NUM_SPLITS, BLOCK_N: tl.constexpr):
-    """Keys per split for a query token at ``pos``: its key range over the grid's NUM_SPLITS, in whole blocks,
-    within [MIN_CHUNK, CHUNK] - so a short sequence spreads over the splits instead of filling a few (the grid is
-    sized for the longest key range). A function of the token's own position: nothing batched with it changes it."""
-    want = tl.cdiv(tl.cdiv(pos + 1, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    return tl.minimum(tl.maximum(want, MIN_CHUNK), CHUNK)
-
-
-def _attn_split(Q, K, V, KS, VS, SLOTS, QPOS, O, OP, LSE, GATE, stride_gb, stride_gt,
-                stride_qb, stride_qt, stride_qh, stride_ks, stride_kh, stride_kn, stride_vs, stride_vh, stride_vn,
-                stride_kss, stride_ksh, stride_ksn, stride_vss, stride_vsh, stride_vsn,
-                stride_pb, stride_pt, stride_ob, stride_ot, stride_oh,
-                qk_scale, T, H, HKV, KV_LEN, CHUNK, MIN_CHUNK, NUM_SPLITS, M_TILES,
-                G: tl.constexpr, HD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_D: tl.constexpr, NG: tl.constexpr, GW: tl.constexpr, IS_INT8: tl.constexpr,
-                SPLIT: tl.constexpr, HAS_GATE: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
-                PDL: tl.constexpr):
-    """Program (t * M_TILES + m tile, split, b * Hkv + hkv): token t's rows g of the tile against keys
-    [split * chunk, + chunk), chunk the token's own (_row_chunk)."""
-    pdl_enter(PDL)  # PDL launches: wait for the kernel before, let the next one launch
-    pid_m = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    pid_bh = tl.program_id(2)
-    b = pid_bh // HKV
-    hkv = pid_bh % HKV
-    t = pid_m // M_TILES  # one token a tile
-    g = (pid_m % M_TILES) * BLOCK_M + tl.arange(0, BLOCK_M)
-    h = hkv * G + g
-    row_ok = g < G
-    pos = tl.load(QPOS + b * stride_pb + t * stride_pt).to(tl.int32)
-    qpos = tl.where(row_ok, pos, -1)  # [BLOCK_M]
-    chunk = _row_chunk(pos, CHUNK, MIN_CHUNK, NUM_SPLITS, BLOCK_N)
-    lo = pid_s * chunk
-    hi = tl.minimum(tl.minimum(lo + chunk, KV_LEN), pos + 1)  # hi <= lo: the chunk is past the token
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HD
-    q = tl.load(Q + b * stride_qb + t * stride_qt + h[:, None] * stride_qh + offs_d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(DOT_DTYPE)  # [BLOCK_M, BLOCK_D]
-    slot = tl.load(SLOTS + b).to(tl.int64)  # slot * stride overflows int32 on large caches
-    k_base = K + slot * stride_ks + hkv * stride_kh
-    v_base = V + slot * stride_vs + hkv * stride_vh
-    ks_base = KS + slot * stride_kss + hkv * stride_ksh
-    vs_base = VS + slot * stride_vss + hkv * stride_vsh
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for start in range(lo, hi, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < hi  # masked loads give 0, so NaN or garbage past the last position never reaches p @ v
-        k = _load_tile(k_base, ks_base, stride_kn, stride_ksn, offs_n, n_ok, DOT_DTYPE, HD, BLOCK_N, BLOCK_D,
-                       NG, GW, IS_INT8)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
-        live = (offs_n[None, :] <= qpos[:, None]) & n_ok[None, :]
-        qk = tl.where(live, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no live key yet: avoid inf - inf
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(qk - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load_tile(v_base, vs_base, stride_vn, stride_vsn, offs_n, n_ok, DOT_DTYPE, HD, BLOCK_N, BLOCK_D,
-                       NG, GW, IS_INT8)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PREC)
-        m_i = m_new
-    has = l_i > 0.0
-    l_safe = tl.where(has, l_i, 1.0)
-    o = acc / l_safe[:, None]
-    if SPLIT:
-        # partials [B, T, H, NUM_SPLITS, (hd)]; rows whose q_pos lies before this chunk are never read: skip them
-        r = ((b * T + t) * H + h).to(tl.int64) * NUM_SPLITS + pid_s
-        used = row_ok & (qpos >= lo)
-        tl.store(OP + r[:, None] * HD + offs_d[None, :], o, mask=used[:, None] & d_ok[None, :])
-        tl.store(LSE + r, tl.where(has, m_i + tl.log2(l_safe), float("-inf")), mask=used)
-    else:
-        mask = row_ok[:, None] & d_ok[None, :]
-        val = _gated(o.to(O.dtype.element_ty), GATE + b * stride_gb + t * stride_gt + h[:, None] * HD + offs_d[None, :],
-                     mask, HAS_GATE)
-        tl.store(O + b * stride_ob + t * stride_ot + h[:, None] * stride_oh + offs_d[None, :], val, mask=mask)
-
-
-def _gated(o, gate_ptr, mask, HAS_GATE: tl.constexpr):
-    """The stored output ``o`` (already in the output dtype), with HAS_GATE times sigmoid(gate) in fp32, rounded
-    again: the bits kernels/fused.sigmoid_mul makes of it."""
-    if HAS_GATE:
-        g = tl.load(gate_ptr, mask=mask, other=0.0).to(tl.float32)
-        o = (o.to(tl.float32) * tl.sigmoid(g)).to(o.dtype)
-    return o
-
-
-def _attn_combine(OP, LSE, QPOS, O, GATE, stride_pb, stride_pt, stride_ob, stride_ot, stride_oh, stride_gb, stride_gt,
-                  T, H, CHUNK, MIN_CHUNK, NUM_SPLITS, HD: tl.constexpr, BLOCK_S: tl.constexpr,
-                  BLOCK_DC: tl.constexpr, BLOCK_N: tl.constexpr, HAS_GATE: tl.constexpr, PDL: tl.constexpr):
-    """Program (r = (b * T + t) * H + h, column block): merge the splits row r's q_pos reaches (log2-sum-exp)."""
-    pdl_enter(PDL)  # PDL launches: wait for the kernel before, let the next one launch
-    r = tl.program_id(0)
-    h = r % H
-    t = (r // H) % T
-    b = r // (H * T)
-    pos = tl.load(QPOS + b * stride_pb + t * stride_pt).to(tl.int32)
-    n_used = tl.minimum(pos // _row_chunk(pos, CHUNK, MIN_CHUNK, NUM_SPLITS, BLOCK_N) + 1, NUM_SPLITS)
-    offs_d = tl.program_id(1) * BLOCK_DC + tl.arange(0, BLOCK_DC)
-    d_ok = offs_d < HD
-    base = r.to(tl.int64) * NUM_SPLITS
-    m = tl.full([], float("-inf"), tl.float32)
-    l = tl.zeros([], tl.float32)
-    acc = tl.zeros([BLOCK_DC], tl.float32)
-    for s0 in range(0, n_used, BLOCK_S):
-        offs_s = s0 + tl.arange(0, BLOCK_S)
-        s_ok = offs_s < n_used
-        lse = tl.load(LSE + base + offs_s, mask=s_ok, other=float("-inf"))
-        o = tl.load(OP + (base + offs_s)[:, None] * HD + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :],
-                    other=0.0)
-        m_new = tl.maximum(m, tl.max(lse, 0))  # finite: split 0 always holds key 0
-        w = tl.exp2(lse - m_new)
-        alpha = tl.exp2(m - m_new)
-        acc = acc * alpha + tl.sum(w[:, None] * o, 0)
-        l = l * alpha + tl.sum(w, 0)
-        m = m_new
-    val = _gated((acc / l).to(O.dtype.element_ty), GATE + b * stride_gb + t * stride_gt + h * HD + offs_d, d_ok,
-                 HAS_GATE)
-    tl.store(O + b * stride_ob + t * stride_ot + h * stride_oh + offs_d, val, mask=d_ok)
-
-
-@functools.lru_cache(maxsize=1)
-def _kernels() -> dict:
-    """Jit the kernels (first call only). `_attn_split` finds `_load_tile` and `tl` as module globals."""
-    out = _triton.jit_module(globals(), ("_load_tile", "_row_chunk", "_gated"),
-                             {"split": "_attn_split", "combine": "_attn_combine"})
-    out["dtypes"] = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
     return out
