@@ -39,7 +39,7 @@ from ..kernels import qmv_cuda
 from ..kernels.qlinear import MAX_KERNEL_ROWS, PackedLinear
 from ..kernels.qlinear import triton_available as qlinear_triton_available
 from ..kernels.rope import apply_rope, rope_tables
-from .kernels import Case, Impl, KernelContext, optional_kernels, register, v3_impl
+from .kernel_cases import Case, Impl, KernelContext, optional_kernels, register, v3_impl
 
 F32 = torch.float32
 

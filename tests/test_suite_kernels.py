@@ -15,6 +15,7 @@ from ninfer_bench.engine import quant
 from ninfer_bench.engine.config import preset
 from ninfer_bench.engine.convert import weight_format
 from ninfer_bench.reports.schema import read_result
+from ninfer_bench.suites import kernel_cases as kc
 from ninfer_bench.suites import kernels as ks
 from ninfer_bench.suites.kernel_registry import projection_bytes
 
@@ -41,7 +42,7 @@ def cpu_run(tmp_path_factory):
 def test_cli_measures_every_family_and_every_check_passes(cpu_run):
     doc, text = cpu_run
     recs = doc["records"]
-    registered = ks.entries()
+    registered = kc.entries()
     families = {e.family for e in registered}
     assert {"projection", "attention", "gdn", "conv", "norm", "sampling"} <= families
     assert {r["family"] for r in recs} == families
@@ -82,23 +83,23 @@ def test_q4_projection_bytes_are_the_packed_weight_plus_activations(cpu_run):
 
 
 def test_broken_implementation_fails_its_check_and_exits_1(tmp_path, monkeypatch):
-    ks.entries()  # the declarations are registered before the registry is copied
-    monkeypatch.setattr(ks, "REGISTRY", dict(ks.REGISTRY))
+    kc.entries()  # the declarations are registered before the registry is copied
+    monkeypatch.setattr(kc, "REGISTRY", dict(kc.REGISTRY))
 
-    @ks.register(op="test.scaled_ref", family="test", tolerance=(1e-3, 1e-3))
+    @kc.register(op="test.scaled_ref", family="test", tolerance=(1e-3, 1e-3))
     def _scaled(ctx, t, _param):
         x = ctx.randn(t, 64, gen=ctx.generator("test", t))
-        return ks.Case([t, 64], 2 * x.numel() * ctx.elt, lambda: x.float() * 2,
-                       {"v2": ks.Impl(lambda: x * 2, "exact"), "v3": ks.Impl(lambda: x * 2 * 1.1, "scaled by 1.1")})
+        return kc.Case([t, 64], 2 * x.numel() * ctx.elt, lambda: x.float() * 2,
+                       {"v2": kc.Impl(lambda: x * 2, "exact"), "v3": kc.Impl(lambda: x * 2 * 1.1, "scaled by 1.1")})
 
-    @ks.register(op="test.raises", family="test")
+    @kc.register(op="test.raises", family="test")
     def _raises(ctx, t, _param):
         def boom():
             raise RuntimeError("kernel launch failed")
 
-        return ks.Case([t], 8, lambda: torch.ones(t), {"v2": ks.Impl(lambda: torch.ones(t)), "v3": ks.Impl(boom)})
+        return kc.Case([t], 8, lambda: torch.ones(t), {"v2": kc.Impl(lambda: torch.ones(t)), "v3": kc.Impl(boom)})
 
-    @ks.register(op="test.build_fails", family="test")
+    @kc.register(op="test.build_fails", family="test")
     def _build_fails(ctx, t, _param):
         raise MemoryError("no room for the weights")
 
@@ -119,10 +120,10 @@ def test_broken_implementation_fails_its_check_and_exits_1(tmp_path, monkeypatch
 
 def test_max_rel_err_is_the_largest_relative_rms():
     ref = (torch.ones(4), torch.full((2,), 2.0))
-    assert ks.max_rel_err((torch.ones(4), torch.full((2,), 2.2)), ref) == pytest.approx(0.1)
-    assert math.isnan(ks.max_rel_err(torch.tensor([1.0, float("nan")]), torch.ones(2)))
+    assert kc.max_rel_err((torch.ones(4), torch.full((2,), 2.2)), ref) == pytest.approx(0.1)
+    assert math.isnan(kc.max_rel_err(torch.tensor([1.0, float("nan")]), torch.ones(2)))
     with pytest.raises(ValueError, match="shape"):
-        ks.max_rel_err(torch.ones(3), torch.ones(4))
+        kc.max_rel_err(torch.ones(3), torch.ones(4))
 
 
 def test_model_artifact_gives_the_shapes(tiny_artifact, tmp_path):
@@ -174,7 +175,7 @@ def test_stored_formats_drop_the_layer_and_follow_aliases():
         formats = ks.stored_formats(art)
     assert formats["self_attn.o_proj.weight"] == formats["lm_head.weight"] == "q8_g32_fp16"
     assert formats["input_layernorm.weight"] == "fp32"
-    ctx = ks.KernelContext(preset("tiny"), torch.device("cpu"), torch.float32, formats={"mlp.down_proj.weight": "q8"})
+    ctx = kc.KernelContext(preset("tiny"), torch.device("cpu"), torch.float32, formats={"mlp.down_proj.weight": "q8"})
     assert ctx.weight_format("model.layers.0.mlp.down_proj.weight", (4, 4)) == "q8"
     with pytest.raises(ValueError, match="stores no mlp.up_proj.weight"):
         ctx.weight_format("model.layers.0.mlp.up_proj.weight", (4, 4))
