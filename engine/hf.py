@@ -4,7 +4,8 @@ Accepted layouts: ``Qwen3_5ForCausalLM`` (``model.*``, ``lm_head.weight``, ``mtp
 ``Qwen3_5ForConditionalGeneration`` (``model.language_model.*``, ``model.visual.*`` read as ``vision.*``), and
 ``Qwen3NextForCausalLM`` whose fused ``in_proj_qkvz`` / ``in_proj_ba`` are split here into the
 Qwen3.5 names (same rows, reordered; see :func:`split_qwen3_next`). Everything is returned under the
-``Qwen3_5ForCausalLM`` names the rest of the engine uses.
+``Qwen3_5ForCausalLM`` names the rest of the engine uses. FP8 checkpoints (Qwen's ``-FP8`` releases,
+llm-compressor's FP8 schemes) are read back to the checkpoint's dtype with their scales (:mod:`engine.fp8`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from . import fp8
 from .config import ModelConfig
 from .weights import check_text_shapes, text_weight_names
 
@@ -115,6 +117,10 @@ class HFCheckpoint:
             except Exception as e:  # safetensors raises its own error types
                 raise CheckpointError(f"{f}: not a readable safetensors file ({e})") from None
         self.next_fused = self.config.model_type == "qwen3_next"
+        try:
+            self.fp8 = fp8.fp8_layout(self.hf_config)
+        except ValueError as e:
+            raise CheckpointError(f"{self.folder}: {e}") from None
         if self.config.mtp_num_hidden_layers and not any(n.startswith("mtp.") for n in self.where):
             # a config that announces MTP layers whose weights were not shipped: run without the head
             self.config.mtp_num_hidden_layers = 0
@@ -122,12 +128,33 @@ class HFCheckpoint:
     def _raw(self, canon: str) -> torch.Tensor:
         f, key = self.where[canon]
         with safe_open(str(f), framework="pt") as sf:
-            return sf.get_tensor(key)
+            t = sf.get_tensor(key)
+        return self._dequantized(canon, t) if t.dtype in fp8.FP8_DTYPES else t
+
+    def _dequantized(self, canon: str, t: torch.Tensor) -> torch.Tensor:
+        """An FP8 weight times its scale, in the dtype the checkpoint declares (bf16 for the published ones)."""
+        if self.fp8 is None:
+            raise CheckpointError(f"{self.folder}: tensor {canon} is stored in {t.dtype}, but config.json declares "
+                                  "no quantization_config to scale it with")
+        scale = self.fp8.scale_name(canon)
+        if scale is None or scale not in self.where:
+            raise CheckpointError(f"{self.folder}: FP8 tensor {canon} has no {scale or 'scale'} beside it")
+        try:
+            w = fp8.dequantize(t, self._raw(scale), self.fp8.block, canon)
+        except ValueError as e:
+            raise CheckpointError(f"{self.folder}: {e}") from None
+        text = self.hf_config.get("text_config") if isinstance(self.hf_config.get("text_config"), dict) else {}
+        declared = next((c.get(k) for c in (self.hf_config, text) for k in ("dtype", "torch_dtype") if c.get(k)), None)
+        return w.to(torch.bfloat16) if declared in ("bfloat16", "bf16") else w
+
+    def _weight_names(self, prefixes: tuple[str, ...]) -> list[str]:
+        """The tensors under ``prefixes`` that are weights (not an FP8 checkpoint's scales)."""
+        return [n for n in self.where if n.startswith(prefixes) and not (self.fp8 and self.fp8.is_scale(n))]
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Every needed tensor under Qwen3_5ForCausalLM names, checked against the config's shapes."""
         cfg = self.config
-        raw = {n: self._raw(n) for n in self.where if n.startswith(("model.", "lm_head.", "mtp."))}
+        raw = {n: self._raw(n) for n in self._weight_names(("model.", "lm_head.", "mtp."))}
         if self.next_fused:
             raw = split_qwen3_next(raw, cfg)
         needed = text_weight_names(cfg)
