@@ -163,15 +163,27 @@ def decode(model, engines, specs, draft_tokens, rollbacks, lm_head_draft, lookah
                               "(greedy speculative decoding should reproduce them)")
 
 
+def timed(summary: dict, key: str, spec: str = ".1f") -> str:
+    """A timing metric of a decode summary: its median over the repeats ± their sample standard deviation and the
+    number of repeats (``91.7 ± 1.3 (n=3)``), as llama-bench shows ``t/s`` with its spread; the bare value where the
+    document holds no samples of it."""
+    from .reports.stats import spread
+
+    samples = (summary.get("samples") or {}).get(key)
+    if not samples:
+        return fmt(summary.get(key), spec)
+    return spread(samples).text(spec)
+
+
 def decode_table(doc: dict) -> Table:
-    """One decode result, metric by metric."""
+    """One decode result, metric by metric (timings: median of the repeats ± sample standard deviation)."""
     s = doc["summary"]
     table = Table(title=f"decode: {doc['label']} on {doc['config']['device']} ({doc['env'].get('gpu') or 'cpu'})")
     for col in ("metric", "value"):
         table.add_column(col)
     rows = [("prompt / completion tokens", f"{s['prompt_tokens']} / {s['completion_tokens']}"),
-            ("prefill tok/s", fmt(s["prefill_tok_s"], ".1f")), ("decode tok/s", fmt(s["decode_tok_s"], ".1f")),
-            ("TTFT ms", fmt(s["ttft_ms"], ".1f")), ("device ms / round", fmt(s["device_ms_per_round"], ".3f")),
+            ("prefill tok/s", timed(s, "prefill_tok_s")), ("decode tok/s", timed(s, "decode_tok_s")),
+            ("TTFT ms", timed(s, "ttft_ms")), ("device ms / round", timed(s, "device_ms_per_round", ".3f")),
             ("rounds", str(s["rounds"])), ("tokens / round", fmt(s["tokens_per_round"])),
             ("acceptance rate", fmt(s["acceptance_rate"], ".3f")),
             ("accepted per position", " ".join(f"{a:.2f}" for a in s["accepted_per_position"]) or "-"),
@@ -190,12 +202,15 @@ def decode_table(doc: dict) -> Table:
 
 def compare_table(docs: list[dict], same: dict[str, bool | None]) -> Table:
     """Several decode results side by side; speed also as a ratio to the first run; whether each speculative run
-    decoded the plain run's tokens (``same``: suites.decode.plain_agreement of ``docs``)."""
+    decoded the plain run's tokens (``same``: suites.decode.plain_agreement of ``docs``); tok/s is the median of the
+    repeats, ± sd their sample standard deviation."""
+    from .reports.stats import spread
+
     first = docs[0]["summary"]["decode_tok_s"]
     table = Table(title=f"decode: {len(docs)} runs on {docs[0]['config']['device']} "
                         f"({docs[0]['env'].get('gpu') or 'cpu'}), x = decode speed / {docs[0]['label']}'s")
-    cols = ("run", "tok/s", "x", "ms/round", "draft/verify", "tok/round", "accept", "roofline", "MiB", "sha256",
-            "= plain")
+    cols = ("run", "tok/s", "± sd", "x", "ms/round", "draft/verify", "tok/round", "accept", "roofline", "MiB",
+            "sha256", "= plain")
     for c in cols:
         table.add_column(c, justify="left" if c in ("run", "sha256") else "right", no_wrap=True)
     for d in docs:
@@ -203,7 +218,8 @@ def compare_table(docs: list[dict], same: dict[str, bool | None]) -> Table:
         split = (f"{fmt(s.get('draft_ms_per_round'), '.1f')}/{fmt(s.get('verify_ms_per_round'), '.1f')}"
                  if s.get("draft_ms_per_round") is not None else "-")
         ratio = s["decode_tok_s"] / first if first and s["decode_tok_s"] else None
-        table.add_row(d["label"], fmt(s["decode_tok_s"], ".1f"), fmt(ratio, ".2f"),
+        sd = spread((s.get("samples") or {}).get("decode_tok_s")).stdev
+        table.add_row(d["label"], fmt(s["decode_tok_s"], ".1f"), fmt(sd, ".1f"), fmt(ratio, ".2f"),
                       fmt(s["device_ms_per_round"], ".2f"), split, fmt(s["tokens_per_round"]),
                       fmt(s["acceptance_rate"], ".3f"), fmt(s["roofline_fraction"], ".3f"),
                       f"{s['peak_memory_bytes'] / 2**20:,.0f}", s["tokens_sha256"][:8],
@@ -218,7 +234,8 @@ def compare_table(docs: list[dict], same: dict[str, bool | None]) -> Table:
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Output folder.")
 @click.option("--title", default=None, help="Report title.")
 def report(results, baseline_label, out_dir, title):
-    """Release-validation report (HTML + Markdown + PNG figures) from result documents or folders of them."""
+    """Release-validation report (HTML + Markdown + PNG figures + CSV tables) from result documents or folders of
+    them."""
     from .reports.frames import load_results
     from .reports.report import DEFAULT_TITLE, write_report
 
@@ -326,13 +343,14 @@ def concurrency_table(doc: dict) -> Table:
                   caption="agg tok/s: output tokens / round wall time (first request sent to last one finished, "
                           "queueing and prefill included), the same at every level; steady tok/s: while every "
                           "client decodes at once (-: never, e.g. more clients than slots)")
-    for col in ("C", "agg tok/s", "steady tok/s", "req tok/s", "TTFT p50/p99 ms", "ITL p50/p99 ms", "e2e p50 ms",
-                "= sequential"):
+    for col in ("C", "agg tok/s", "steady tok/s", "req tok/s", "TTFT p50/p99 ms", "TPOT p50/p99 ms", "ITL p50/p99 ms",
+                "e2e p50 ms", "= sequential"):
         table.add_column(col)
     for lv in doc["summary"]["levels"]:
         table.add_row(str(lv["concurrency"]), fmt(lv["aggregate_tok_s"], ".1f"), fmt(lv.get("steady_tok_s"), ".1f"),
                       fmt(lv["per_request_tok_s"], ".1f"),
                       f"{fmt(lv['ttft_ms_p50'], '.1f')} / {fmt(lv['ttft_ms_p99'], '.1f')}",
+                      f"{fmt(lv.get('tpot_ms_p50'), '.2f')} / {fmt(lv.get('tpot_ms_p99'), '.2f')}",
                       f"{fmt(lv['itl_ms_p50'], '.2f')} / {fmt(lv['itl_ms_p99'], '.2f')}", fmt(lv["e2e_ms_p50"], ".0f"),
                       "[green]yes[/]" if lv["matches_sequential"] else "[red]NO[/]")
     return table

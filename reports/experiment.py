@@ -15,6 +15,12 @@ CONFIG_KEYS = (
     "ctxs", "depths", "answer_tokens", "cases", "near_tie",  # niah's cases and agreement rule
     "levels", "prompt_tokens",  # concurrency's load
 )
+# engine switches and capacities that change speed but not tokens (``--pdl off``, ``--prefill-chunk``, ...): also the
+# experiment, compared where both documents record them (documents made before a switch existed do not say)
+SETTING_KEYS = (
+    "lookahead", "draft_graphs", "pdl", "side_stream", "silu_epilogue",  # decode's CUDA-graph switches
+    "prefill_chunk", "interleave_chunk", "max_context", "kv_capacity", "max_concurrency", "synthetic", "ignore_eos",
+)
 PATH_KEYS = ("prompt_file", "images")  # compared by file name: where a checkout lies is no part of the experiment
 MODEL_KEYS = ("artifact_id", "sha256", "model_id", "preset", "quant_policy", "config_sha256", "seed")
 
@@ -36,15 +42,22 @@ def _portable(key: str, value):
     return Path(value).name if key in PATH_KEYS and isinstance(value, (str, Path)) else value
 
 
-def config_differences(baseline: dict, candidate: dict) -> list[str]:
-    """What makes the two runs different experiments: model identity, workload, engine settings, GPU."""
+def config_differences(baseline: dict, candidate: dict, timings: bool = True) -> list[str]:
+    """What makes the two runs different experiments: model identity, workload, engine settings, GPU; for CPU runs
+    whose timings are compared (``timings``), the CPU model and core count where both documents record them (exact
+    metrics of CPU runs are compared across machines: CI's own vary)."""
     pairs = [(f"model.{k}", baseline["model"].get(k), candidate["model"].get(k)) for k in MODEL_KEYS]
     if all(b is None and c is None for _, b, c in pairs):  # no identity recorded: fall back to the config
         pairs = [("model", baseline["config"].get("model"), candidate["config"].get("model"))]
     pairs += [(k, config_value(baseline["config"], k), config_value(candidate["config"], k)) for k in CONFIG_KEYS]
+    pairs += [(k, config_value(baseline["config"], k), config_value(candidate["config"], k)) for k in SETTING_KEYS
+              if k in baseline["config"] and k in candidate["config"]]
     on_cpu = baseline["config"].get("device") == candidate["config"].get("device") == "cpu"
     if not on_cpu:  # the GPU a run had matters only where it ran on one
         pairs.append(("env.gpu", baseline["env"].get("gpu"), candidate["env"].get("gpu")))
+    elif timings:  # a laptop's baseline against a CI box's candidate is no speed change
+        pairs += [(f"env.{k}", baseline["env"].get(k), candidate["env"].get(k)) for k in ("cpu_model", "cpu_count")
+                  if baseline["env"].get(k) is not None and candidate["env"].get(k) is not None]
     if baseline.get("suite") == candidate.get("suite") == "kernels":
         pairs += kernel_format_differences(baseline, candidate)
     return [f"{key} {b!r} vs {c!r}" for key, b, c in pairs if b != c]

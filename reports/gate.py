@@ -1,7 +1,9 @@
 """The regression gate: compare a candidate result document with a baseline (DESIGN.md "Suites, results,
 reports, gates").
 
-Exact metrics (token hashes, acceptance counts on deterministic runs, oracle agreement) must be equal. A timing
+Exact metrics (token hashes, acceptance counts on deterministic runs, oracle agreement, kernels' checks against
+their references) must be equal; a candidate whose greedy repeats disagree where the baseline's agreed fails its
+``deterministic`` row (its other exact rows can then only be "ambiguous"). A timing
 metric fails when its median moved the wrong way by more than its threshold *and* the per-repeat samples show
 the shift is significant (two-sided Mann-Whitney U test, p < ``alpha``); a change past the threshold that enough
 samples cannot confirm is "ambiguous": shown, never silently passed. Where the samples are too few for the test
@@ -9,10 +11,10 @@ ever to reach ``alpha`` (3 repeats against 3, decode's default) or there are non
 alone decides, and the verdict says so. A metric whose value or samples hold a NaN or an infinity cannot be judged:
 its row is "missing" and fails the gate.
 
-Two runs that differ in model, workload, engine settings or GPU (for kernels: a projection's weight format) are
-different experiments: the gate fails them with a ``config`` row unless ``allow_config_change``. How many samples
-a run took (decode's ``repeats``, concurrency's ``rounds``) is no part of the experiment. A rules list of which
-no rule applies is refused.
+Two runs that differ in model, workload, engine settings or GPU (CPU runs gated on timings: CPU model and core
+count; for kernels: a projection's weight format) are different experiments: the gate fails them with a ``config``
+row unless ``allow_config_change``. How many samples a run took (decode's ``repeats``, concurrency's ``rounds``)
+is no part of the experiment. A rules list of which no rule applies is refused.
 
 Metrics are addressed by paths into the summary (:mod:`.metric_path`): ``decode_tok_s``,
 ``levels[concurrency=4].aggregate_tok_s``, ``records[op=rmsnorm,variant=v3,t=1].us_median``; a wildcard
@@ -73,7 +75,7 @@ def default_rules(suite: str) -> list[Rule]:
     """The gate's rules for one suite (per-level and per-kernel rules use wildcards)."""
     if suite == "decode":
         exact = ("tokens_sha256", "prompt_tokens", "completion_tokens", "rounds", "drafted_tokens",
-                 "accepted_tokens", "accepted_per_position")
+                 "accepted_tokens", "accepted_per_position", "deterministic")
         return [Rule(m, "exact") for m in exact] + [
             _timing("decode_tok_s", True, 0.05, "samples.decode_tok_s"),
             _timing("prefill_tok_s", True, 0.05, "samples.prefill_tok_s"),
@@ -91,7 +93,8 @@ def default_rules(suite: str) -> list[Rule]:
                 _timing(f"{lv}.itl_ms_p50", False, 0.10, f"{lv}.samples.itl_ms")]
     if suite == "kernels":
         rec = "records[op=*,shape=*,variant=*,t=*]"
-        return [_timing(f"{rec}.us_median", False, 0.05, f"{rec}.samples_us")]
+        # ok: the record's check against its fp32 reference in the same run (a fast wrong kernel is no speedup)
+        return [Rule(f"{rec}.ok", "exact"), _timing(f"{rec}.us_median", False, 0.05, f"{rec}.samples_us")]
     if suite == "prefill":
         return [_timing("prefill_tok_s", True, 0.05, "samples.prefill_tok_s")]
     raise ValueError(f"unknown suite {suite!r} (one of {SUITES})")
@@ -177,12 +180,15 @@ class Verdict:
         return asdict(self)
 
 
-def _deterministic(doc: dict) -> bool:
-    """Greedy runs are deterministic unless the suite saw its repeats disagree; sampling needs a fixed seed."""
-    if doc["summary"].get("deterministic") is False:
-        return False
+def _seeded(doc: dict) -> bool:
+    """Whether a run's settings make it deterministic: greedy, or sampling with a fixed seed."""
     temperature = doc["config"].get("temperature") or 0
     return temperature <= 0 or doc["config"].get("seed") is not None
+
+
+def _deterministic(doc: dict) -> bool:
+    """Greedy runs are deterministic unless the suite saw its repeats disagree; sampling needs a fixed seed."""
+    return doc["summary"].get("deterministic") is not False and _seeded(doc)
 
 
 def _number(v) -> bool:
@@ -240,6 +246,21 @@ def _judge_exact(rule: Rule, b, c, deterministic: bool) -> Verdict:
         return Verdict(rule.metric, "exact", b, c, change, "ambiguous",
                        f"{differs}, but a run is not deterministic (sampling without a seed, or repeats disagreed)")
     return Verdict(rule.metric, "exact", b, c, change, "fail", differs)
+
+
+def _judge_determinism(rule: Rule, b, c, sampling: bool) -> Verdict:
+    """``deterministic`` (whether a run's repeats decoded the same tokens) lost is a failure, not an excuse: the
+    exact metrics of a candidate whose greedy repeats disagree are only "ambiguous", so without this row a build that
+    made decoding nondeterministic (a race, an uninitialised buffer) would pass the gate."""
+    if b is c or not isinstance(b, bool) or not isinstance(c, bool):
+        return _judge_exact(rule, b, c, True)
+    if b is False:
+        return Verdict(rule.metric, "exact", b, c, None, "pass", "improved: the candidate's repeats agree")
+    if sampling:
+        return Verdict(rule.metric, "exact", b, c, None, "ambiguous",
+                       "the candidate's repeats differ, but it samples without a seed")
+    return Verdict(rule.metric, "exact", b, c, None, "fail",
+                   "the candidate's repeats decoded different tokens; the baseline's agreed")
 
 
 def _samples(rule: Rule, doc: dict, side: str) -> list | None:
@@ -315,7 +336,7 @@ def gate(baseline: dict, candidate: dict, rules: list[Rule] | None = None, alpha
         raise ValueError(f"no gate rule applies to a {suite} result"
                          + (f" (the rules are for {', '.join(others)})" if others else " (the rules list is empty)"))
     verdicts = []
-    diffs = config_differences(baseline, candidate)
+    diffs = config_differences(baseline, candidate, timings=any(r.kind == "timing" for r in applicable))
     if diffs:
         status, note = ("ambiguous", "allowed") if allow_config_change else ("fail", "different experiments")
         verdicts.append(Verdict("config", "config", None, None, None, status,
@@ -327,6 +348,8 @@ def gate(baseline: dict, candidate: dict, rules: list[Rule] | None = None, alpha
             reason = "; ".join(f"{side}: {why}" for side, why in (("baseline", b_missing), ("candidate", c_missing))
                                if why)
             verdicts.append(Verdict(rule.metric, rule.kind, b, c, None, "missing", reason))
+        elif rule.kind == "exact" and parse_path(rule.metric) == (("deterministic", None),):
+            verdicts.append(_judge_determinism(rule, b, c, not _seeded(baseline) or not _seeded(candidate)))
         elif rule.kind == "exact":
             verdicts.append(_judge_exact(rule, b, c, deterministic))
         else:

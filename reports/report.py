@@ -27,6 +27,7 @@ from .metric_path import MetricMissing, lookup
 from .plots import plot_all
 from .render import Table, html_page, markdown, num, numbers, pct, sha, size
 from .sections import kernels_section, niah_section
+from .stats import spread
 
 DEFAULT_TITLE = "ninfer-bench release validation"
 # config keys of the workload: runs that differ in them (or in the model) do not compare like with like; the number
@@ -88,7 +89,9 @@ def _environment(docs) -> list:
         rev = e.get("git_sha")
         git = rev[:12] + ("-dirty" if rev.endswith("-dirty") else "") if isinstance(rev, str) else "-"
         env.rows.append([d["label"], suites, d["created"], git, num(e.get("gpu")), num(e.get("driver")),
-                         num(e.get("torch")), num(e.get("cuda")), num(e.get("python")), num(e.get("cpu"))])
+                         num(e.get("torch")), num(e.get("cuda")), num(e.get("python")),
+                         num(e.get("cpu_model") or e.get("cpu")) + (f" ({e['cpu_count']} cores)"
+                                                                    if e.get("cpu_count") else "")])
         model.rows.append([d["label"], suites, model_id(m) if m else "-", num(m.get("model_type")),
                            num(m.get("layers")), num(m.get("quant_policy")), num(m.get("format_version")),
                            size(m.get("weight_bytes"))])
@@ -135,23 +138,43 @@ def _agreement(decode_docs) -> Table:
     return table
 
 
+def _per_round(base: dict, doc: dict) -> tuple[str, str] | None:
+    """Why device ms per round does not compare between two decode runs (a plain step makes one token, a round of
+    another drafter or K a different number), or None when it does."""
+    spec = [(d["config"].get("spec"), d["config"].get("draft_tokens") or None) for d in (base, doc)]
+    if spec[0] == spec[1]:
+        return None
+    name = [f"{s or '-'}" + (f" K={k}" if k and s != "none" else "") for s, k in spec]
+    return f"NOT COMPARABLE: rounds of {name[1]} (baseline {name[0]})", "warn"
+
+
+def _sd(summary: dict, key: str) -> str:
+    """``± 1.30 (3)``: the sample standard deviation of a metric's per-repeat samples and how many there are."""
+    sp = spread((summary.get("samples") or {}).get(key))
+    return "-" if not sp.n else f"{'-' if sp.stdev is None else '± ' + num(sp.stdev)} ({sp.n})"
+
+
 def _decode(docs, base, baseline_label, figures) -> list:
-    table = Table(["label", "engine", "runtime", "spec", "K", "decode tok/s", "prefill tok/s", "TTFT ms",
-                   "device ms/round", "tokens/round", "acceptance", "roofline", "peak memory", "tokens"])
+    table = Table(["label", "engine", "runtime", "spec", "K", "decode tok/s", "± sd (repeats)", "prefill tok/s",
+                   "TTFT ms", "device ms/round", "tokens/round", "acceptance", "roofline", "peak memory", "tokens"])
     for d in docs:
         c, s = d["config"], d["summary"]
         table.rows.append([d["label"], num(c.get("engine")), num(c.get("runtime")), num(c.get("spec")),
-                           num(c.get("draft_tokens")), num(s.get("decode_tok_s")), num(s.get("prefill_tok_s"), 1),
+                           num(c.get("draft_tokens")), num(s.get("decode_tok_s")), _sd(s, "decode_tok_s"),
+                           num(s.get("prefill_tok_s"), 1),
                            num(s.get("ttft_ms")), num(s.get("device_ms_per_round"), 3), num(s.get("tokens_per_round")),
                            pct(s.get("acceptance_rate")), pct(s.get("roofline_fraction")),
                            size(s.get("peak_memory_bytes")), sha(s.get("tokens_sha256"))])
-    blocks = [("h2", "Decode"), ("table", table)]
+    blocks = [("h2", "Decode"), ("p", "Timings are medians of each run's repeats (decode tok/s: completion tokens "
+                                       "after the first / decode seconds); ± sd is the sample standard deviation of "
+                                       "its decode tok/s repeats, with their count."), ("table", table)]
     if "decode" in figures:
         blocks.append(("figure", "decode", "decode tok/s and tokens per round by configuration"))
     if base is not None and len(docs) > 1:
         rules = [r for r in default_rules("decode") if r.kind == "timing" and r.samples]
         deltas = Table(["label"] + [r.metric for r in rules] + [UNLIKE])
-        deltas.rows = [[d["label"]] + [_compare(base, d, r) for r in rules] + [_unlike(base, d)]
+        deltas.rows = [[d["label"]] + [_per_round(base, d) or _compare(base, d, r) if r.metric == "device_ms_per_round"
+                                       else _compare(base, d, r) for r in rules] + [_unlike(base, d)]
                        for d in docs if d is not base]
         blocks += [("h3", f"Against the baseline {base['label']}"),
                    ("p", baseline_note("decode", base, baseline_label)),
@@ -176,14 +199,16 @@ def _decode(docs, base, baseline_label, figures) -> list:
 
 def _concurrency(docs, base, baseline_label, figures) -> list:
     table = Table(["label", "C", "aggregate tok/s", "per-request tok/s", "TTFT p50 ms", "TTFT p99 ms",
-                   "ITL p50 ms", "ITL p99 ms", "E2E p50 ms", "E2E p99 ms", "matches sequential"])
+                   "TPOT p50 ms", "TPOT p99 ms", "ITL p50 ms", "ITL p99 ms", "E2E p50 ms", "E2E p99 ms",
+                   "matches sequential"])
     for d in docs:
         for lv in d["summary"]["levels"]:
             match = lv.get("matches_sequential")
             table.rows.append([d["label"], num(lv.get("concurrency"))]
                               + [num(lv.get(k)) for k in ("aggregate_tok_s", "per_request_tok_s", "ttft_ms_p50",
-                                                         "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99", "e2e_ms_p50",
-                                                         "e2e_ms_p99")] + [(num(match), "good" if match else "bad")])
+                                                         "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99", "itl_ms_p50",
+                                                         "itl_ms_p99", "e2e_ms_p50", "e2e_ms_p99")]
+                              + [(num(match), "good" if match else "bad")])
     blocks = [("h2", "Concurrency"), ("table", table)]
     if "concurrency" in figures:
         blocks.append(("figure", "concurrency", "aggregate and per-request tok/s against concurrency"))
@@ -206,9 +231,21 @@ def _prefill(docs) -> list:
     return [("h2", "Prefill"), ("table", table)]
 
 
+def write_csv(tables: dict, out_dir: Path) -> list[Path]:
+    """Each non-empty frame of :func:`.frames.frames` as ``<name>.csv`` in ``out_dir`` (llama-bench's ``-o csv``; the
+    report's tables for a spreadsheet or a script); the paths written."""
+    written = []
+    for name, df in tables.items():
+        if not df.empty:
+            path = out_dir / f"{name}.csv"
+            df.to_csv(path, index=False)
+            written.append(path)
+    return written
+
+
 def write_report(docs: list[dict], out_dir, baseline_label: str | None = None,
                  title: str = DEFAULT_TITLE) -> tuple[Path, Path]:
-    """Write ``report.html`` (self-contained), ``report.md`` and the figures' PNGs into ``out_dir``.
+    """Write ``report.html`` (self-contained), ``report.md``, the figures' PNGs and the frames as CSV into ``out_dir``.
 
     ``baseline_label``: the label deltas are taken against, in every suite where it has a result; the first
     document of a suite otherwise (and when no label is given), which the report names as a stand-in. Two
@@ -231,7 +268,9 @@ def write_report(docs: list[dict], out_dir, baseline_label: str | None = None,
     baselines = {suite: next((d for d in ds if d["label"] == baseline_label), ds[0]) for suite, ds in by_suite.items()}
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    figures = plot_all(frames(docs), out_dir)
+    tables = frames(docs)
+    figures = plot_all(tables, out_dir)
+    csvs = write_csv(tables, out_dir)
     blocks = _overview(docs, baselines, baseline_label) + _environment(docs)
     if "decode" in by_suite:
         blocks += _decode(by_suite["decode"], baselines["decode"], baseline_label, figures)
@@ -243,6 +282,9 @@ def write_report(docs: list[dict], out_dir, baseline_label: str | None = None,
         blocks += kernels_section(by_suite["kernels"], baselines["kernels"], baseline_label, figures)
     if "niah" in by_suite:
         blocks += niah_section(by_suite["niah"], figures)
+    if csvs:
+        blocks += [("h2", "Data"), ("p", "Every number above, one row per run, repeat, level, kernel or case, as CSV "
+                                         "(pandas-readable) beside this report: " + ", ".join(p.name for p in csvs))]
     html_path, md_path = out_dir / "report.html", out_dir / "report.md"
     html_path.write_text(html_page(title, blocks, figures), encoding="utf-8")
     md_path.write_text(markdown(title, blocks, figures), encoding="utf-8")

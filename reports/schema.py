@@ -62,13 +62,34 @@ def _git_sha() -> str | None:
         return None
 
 
+def cpu_model() -> str | None:
+    """The CPU's model name (``AMD EPYC 9654 96-Core Processor``), which ``platform.processor()`` does not give on
+    Linux (it says ``x86_64``): CPU timings compare only between runs on the same model. None where unknown."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() in ("model name", "Model") and value.strip():
+                return value.strip()
+    except OSError:
+        pass
+    if sys.platform == "darwin":
+        try:
+            out = subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True,
+                                 timeout=5).stdout.strip()
+            return out or None
+        except (OSError, subprocess.SubprocessError):
+            return None
+    return None
+
+
 def environment() -> dict:
     """Where a run happened: software versions, GPU and CPU."""
     import torch
 
     env = {"git_sha": _git_sha(), "python": sys.version.split()[0], "torch": torch.__version__,
            "platform": platform.platform(), "cpu": platform.processor() or platform.machine(),
-           "cpu_count": os.cpu_count(), "cuda": torch.version.cuda, "gpu": None, "driver": None}
+           "cpu_model": cpu_model(), "cpu_count": os.cpu_count(), "cuda": torch.version.cuda, "gpu": None,
+           "driver": None}
     try:
         import transformers
 

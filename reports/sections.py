@@ -8,10 +8,12 @@ from .render import Table, num, numbers, pct
 
 
 def _kernel_run_differences(base: dict, doc: dict) -> list[str]:
-    """What makes every timing of a kernels run unlike the baseline's: another timer, compute dtype or GPU."""
+    """What makes every timing of a kernels run unlike the baseline's: another timer, compute dtype, GPU or CPU."""
     pairs = [("timer", base["summary"].get("timer"), doc["summary"].get("timer")),
              ("dtype", base["config"].get("dtype"), doc["config"].get("dtype")),
              ("gpu", base["env"].get("gpu"), doc["env"].get("gpu"))]
+    if base["env"].get("cpu_model") and doc["env"].get("cpu_model"):  # (documents before it say nothing)
+        pairs.append(("cpu", base["env"]["cpu_model"], doc["env"]["cpu_model"]))
     return [f"{key} {num(c)} (baseline {num(b)})" for key, b, c in pairs if b != c]
 
 

@@ -101,3 +101,32 @@ def rank_test(baseline, candidate, alpha: float = ALPHA) -> Shift:
     best = mann_whitney_u(range(len(b)), range(len(b), len(b) + len(c))).p  # fully separated samples
     powerless = min(len(b), len(c)) < MIN_SAMPLES or best >= alpha
     return Shift(mw.p, not powerless and mw.p < alpha, direction, len(b), len(c), powerless)
+
+
+@dataclass(slots=True)
+class Spread:
+    """How far a run's per-repeat samples spread around the median it reports (None dropped)."""
+
+    n: int
+    median: float | None
+    stdev: float | None  # sample standard deviation (n - 1); None below two samples
+    low: float | None
+    high: float | None
+
+    def text(self, spec: str = ".1f") -> str:
+        """``"91.7 ± 1.3 (n=3)"``; ``"91.7 (n=1)"``; ``"-"`` without samples."""
+        if self.median is None:
+            return "-"
+        sd = "" if self.stdev is None else f" ± {self.stdev:{spec}}"
+        return f"{self.median:{spec}}{sd} (n={self.n})"
+
+
+def spread(samples) -> Spread:
+    """The median, sample standard deviation and range of per-repeat samples (the numbers a "± sd" column shows)."""
+    vals = [float(v) for v in samples or [] if v is not None and not isinstance(v, bool)]
+    if not vals:
+        return Spread(0, None, None, None, None)
+    n = len(vals)
+    mid = sorted(vals)[n // 2] if n % 2 else sum(sorted(vals)[n // 2 - 1:n // 2 + 1]) / 2
+    sd = float(np.std(vals, ddof=1)) if n > 1 else None
+    return Spread(n, mid, sd, min(vals), max(vals))

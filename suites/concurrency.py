@@ -10,7 +10,9 @@ end-to-end latency, tokens. Per level, medians over its rounds:
 - ``steady_tok_s``: tokens in the steady window (from the moment every request of the round has its first token to
   the moment the first one finishes: all clients decoding at once) / its length; None when a round has no such
   window (more clients than the server's slots: some finish before others start);
-- per-request decode tok/s, p50/p90/p99 latencies, and whether greedy outputs equal the same prompts run alone.
+- per-request decode tok/s, p50/p90/p99 latencies (TTFT; ITL; TPOT, a request's time after its first token / its
+  tokens after the first, as vLLM's benchmark_serving; end-to-end), and whether greedy outputs equal the same prompts
+  run alone.
 
 Against a server the engine is the server's: the options that build an in-process engine (``ENGINE_FIELDS``) are
 refused, and the result's ``config`` records what the server reports about itself (our server: ``spec`` and
@@ -128,6 +130,8 @@ def level_summary(c: int, reqs: list[dict], baseline: dict[str, str]) -> dict:
     ttft = [r["ttft_ms"] for r in reqs]
     itl = [x for r in reqs for x in r["itl_ms"]]
     e2e = [r["e2e_ms"] for r in reqs]
+    # TPOT as vLLM's benchmark_serving defines it: a request's time after its first token / its tokens after the first
+    tpot = [(r["e2e_ms"] - r["ttft_ms"]) / (r["completion_tokens"] - 1) for r in reqs if r["completion_tokens"] > 1]
     rounds = [round_throughput([r for r in reqs if r["round"] == rnd]) for rnd in sorted({r["round"] for r in reqs})]
     agg = [wall for wall, _ in rounds]
     steady = [s for _, s in rounds] if all(s is not None for _, s in rounds) else []  # every round's, or none
@@ -138,7 +142,7 @@ def level_summary(c: int, reqs: list[dict], baseline: dict[str, str]) -> dict:
            "matches_sequential": matches, "requests": len(reqs),
            "samples": {"aggregate_tok_s": agg, **({"steady_tok_s": steady} if steady else {}), "ttft_ms": ttft,
                        "itl_ms": itl}}
-    for name, vals in (("ttft_ms", ttft), ("itl_ms", itl), ("e2e_ms", e2e)):
+    for name, vals in (("ttft_ms", ttft), ("itl_ms", itl), ("tpot_ms", tpot), ("e2e_ms", e2e)):
         for q in (50, 90, 99):
             out[f"{name}_p{q}"] = percentile(vals, q)
     drafted = sum(r.get("drafted_tokens") or 0 for r in reqs)

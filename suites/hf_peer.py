@@ -62,7 +62,8 @@ class HFPeer:
             import transformers  # noqa: F401  (the clear error before any weight loads)
         except ImportError:
             raise ValueError("--engine hf needs transformers: pip install 'ninfer-bench[hf]'") from None
-        device = torch.device(opts.device if opts.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+        auto = "cuda" if torch.cuda.is_available() else "cpu"
+        device = torch.device(opts.device if opts.device != "auto" else auto)
         dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32, "fp32": torch.float32,
                  "bf16": torch.bfloat16, "fp16": torch.float16}[opts.dtype]
         if loaded is None:
@@ -74,7 +75,13 @@ class HFPeer:
 
     @property
     def weight_bytes_per_step(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+        """Bytes of weights one decode step reads, counted as the Engine counts its own: every parameter, but of an
+        untied input embedding one row (a step looks up one token; tied, the table is the lm_head and read whole)."""
+        total = sum(p.numel() * p.element_size() for p in self.model.parameters())  # (tied: counted once)
+        embed = self.model.get_input_embeddings().weight
+        if embed.data_ptr() != self.model.get_output_embeddings().weight.data_ptr():
+            total -= embed.numel() * embed.element_size() - embed.shape[1] * embed.element_size()
+        return total
 
     @property
     def model_info(self) -> dict:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from ninfer_bench.engine.runtime import CapacityError, Engine
@@ -113,6 +114,23 @@ def test_aggregate_throughput_has_one_definition_at_every_level():
     assert c2["steady_tok_s"] == pytest.approx(steady) and c2["samples"]["steady_tok_s"] == [pytest.approx(steady)]
     assert c4["steady_tok_s"] is None and "steady_tok_s" not in c4["samples"]
     assert c2["matches_sequential"] and c4["matches_sequential"]
+
+
+def test_tpot_is_time_after_the_first_token_over_the_tokens_after_it():
+    """TPOT per request as vLLM's benchmark_serving reports it: (e2e - TTFT) / (tokens - 1); its p50 / p99 over a
+    level's requests, beside the ITL that pools every gap."""
+    def req(i, first, finished, n):
+        times = [first + (finished - first) * k / (n - 1) for k in range(n)]
+        return _record(2, 0, f"p{i}", 0.0, times, list(range(n)), finished)
+
+    rows = [req(0, 0.1, 1.0, 10), req(1, 0.3, 0.7, 5)]
+    lv = level_summary(2, rows, {})
+    tpot = [(1.0 - 0.1) * 1e3 / 9, (0.7 - 0.3) * 1e3 / 4]  # 100 ms and 100 ms
+    assert lv["tpot_ms_p50"] == pytest.approx(np.percentile(tpot, 50))
+    assert lv["tpot_ms_p99"] == pytest.approx(np.percentile(tpot, 99))
+    rows = [req(0, 0.1, 1.0, 10), req(1, 0.3, 1.1, 5)]  # 100 and 200 ms a token
+    lv = level_summary(2, rows, {})
+    assert lv["tpot_ms_p50"] == pytest.approx(150.0) and lv["tpot_ms_p99"] == pytest.approx(199.0)
 
 
 def test_url_refuses_in_process_engine_options():

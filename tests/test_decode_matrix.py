@@ -163,3 +163,46 @@ def test_prompt_sets_refuse_malformed_records(tmp_path):
     assert read_prompt_set(path, tok) == [{"id": "a", "prompt_ids": [120, 121]}, {"id": "2", "prompt_ids": [1, 2]}]
     r = CliRunner().invoke(main, ["decode", "--model", "tiny", "--prompt-file", str(path), "--prompts", "3"])
     assert r.exit_code == 1 and "--prompts 3" in r.output and "holds 2 prompt(s)" in r.output, r.output
+
+
+def test_hf_peer_counts_the_weight_bytes_a_step_reads_as_the_engine_does():
+    """The roofline fraction of the transformers peer and of our engine must count the same bytes: an untied
+    embedding table is looked up one row a step, not read whole (the 27B shape's 2.5 GB table would inflate the
+    peer's fraction by 5%). On fp32 weights both hold the same numbers, so the counts are equal."""
+    import torch
+
+    from ninfer_bench.engine.loader import load_source
+    from ninfer_bench.engine.options import EngineOptions
+    from ninfer_bench.engine.runtime import Engine
+    from ninfer_bench.suites.hf_peer import HFPeer, transformers_model
+
+    loaded = load_source("tiny", synthetic=True, quant="fp32", device=torch.device("cpu"))
+    assert not loaded.config.tie_word_embeddings
+    cpu = torch.device("cpu")
+    peer = HFPeer(transformers_model(loaded, cpu, torch.float32), loaded, cpu, torch.float32)
+    ours = Engine(loaded, EngineOptions(device="cpu")).weight_bytes_per_step
+    table = peer.model.get_input_embeddings().weight
+    assert table.shape[0] > 1 and peer.weight_bytes_per_step == ours
+    assert sum(p.numel() * p.element_size() for p in peer.model.parameters()) - ours == \
+        (table.shape[0] - 1) * table.shape[1] * 4
+
+
+def test_decode_tables_show_the_spread_of_the_repeats(tmp_path):
+    """``--repeats N`` reports the median with the repeats' sample standard deviation and their count (llama-bench's
+    t/s ± stddev), computed from the per-repeat samples in the document."""
+    import statistics
+
+    from rich.console import Console
+
+    from ninfer_bench.cli_suites import compare_table, decode_table
+
+    doc = run_decode(DecodeOptions(**{**BASE, "repeats": 3}))
+    samples = doc["summary"]["samples"]["decode_tok_s"]
+    assert len(samples) == 3 and doc["summary"]["decode_tok_s"] == statistics.median(samples)
+    console = Console(width=200, record=True)
+    console.print(decode_table(doc))
+    console.print(compare_table([doc], {}))
+    text = console.export_text()
+    sd = statistics.stdev(samples)
+    assert f"{statistics.median(samples):.1f} ± {sd:.1f} (n=3)" in text
+    assert "± sd" in text and f"{sd:.1f}" in text.split("± sd")[1]

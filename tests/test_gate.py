@@ -114,6 +114,27 @@ def test_exact_mismatch_on_a_nondeterministic_run_is_ambiguous():
     assert by_metric(gate(decode_doc(), sampled))["accepted_tokens"].status == "ambiguous"
 
 
+def test_a_candidate_whose_greedy_repeats_disagree_fails():
+    """Repeats of a greedy run that decode different tokens are a regression (a race, an uninitialised buffer), not
+    an excuse: the exact rows it makes ambiguous would otherwise let the gate pass."""
+    cand = decode_doc(sha="cd" * 32)
+    cand["summary"]["deterministic"] = False
+    verdicts = gate(decode_doc(), cand)
+    rows = by_metric(verdicts)
+    assert rows["tokens_sha256"].status == "ambiguous"
+    assert rows["deterministic"].status == "fail" and "baseline's agreed" in rows["deterministic"].reason
+    assert exit_code(verdicts) == 1
+    # a baseline whose repeats already disagreed: the candidate agreeing is an improvement, both disagreeing equal
+    base = decode_doc()
+    base["summary"]["deterministic"] = False
+    assert by_metric(gate(base, decode_doc()))["deterministic"].status == "pass"
+    assert by_metric(gate(base, cand))["deterministic"].status == "pass"
+    # sampling without a seed is not expected to repeat itself
+    sampled = decode_doc(config={"temperature": 0.7, "seed": None})
+    sampled["summary"]["deterministic"] = False
+    assert by_metric(gate(decode_doc(), sampled))["deterministic"].status == "ambiguous"
+
+
 def test_missing_metric_is_missing_and_exits_1():
     cand = decode_doc()
     del cand["summary"]["accepted_tokens"]
@@ -240,6 +261,38 @@ def test_every_experiment_key_makes_a_config_difference(key, b, c):
     assert verdicts[0].metric == "config" and verdicts[0].status == "fail" and key in verdicts[0].reason
 
 
+@pytest.mark.parametrize("key, b, c", [
+    ("pdl", True, False), ("side_stream", True, False), ("silu_epilogue", True, False), ("lookahead", True, False),
+    ("draft_graphs", True, False), ("prefill_chunk", 2048, 512), ("interleave_chunk", 512, 128),
+    ("max_context", 8192, 65536), ("ignore_eos", True, False), ("synthetic", False, True),
+])
+def test_engine_switches_make_a_config_difference(key, b, c):
+    """``--pdl off`` (or a smaller prefill chunk) against a default baseline is another experiment, not a speed
+    change of the build; a document made before a switch existed does not say, and is not held against it."""
+    verdicts = gate(decode_doc(config={key: b}), decode_doc(config={key: c}))
+    assert verdicts[0].metric == "config" and verdicts[0].status == "fail" and f"{key} {b!r} vs {c!r}" in \
+        verdicts[0].reason
+    older = decode_doc()
+    assert key not in older["config"]
+    assert "config" not in by_metric(gate(older, decode_doc(config={key: c})))
+
+
+def test_cpu_timings_of_another_cpu_are_another_experiment():
+    """A CPU baseline made on a laptop against a candidate on the CI box: the timings compare machines. Exact metrics
+    still compare across CPUs (CI's machines vary), and documents that do not name their CPU model are not held
+    against each other."""
+    base, cand = decode_doc(config={"device": "cpu"}), decode_doc(config={"device": "cpu"})
+    base["env"] = {**ENV, "gpu": None, "cpu_model": "Apple M3 Max", "cpu_count": 16}
+    cand["env"] = {**ENV, "gpu": None, "cpu_model": "AMD EPYC 9654 96-Core Processor", "cpu_count": 2}
+    verdicts = gate(base, cand)
+    assert verdicts[0].metric == "config" and verdicts[0].status == "fail"
+    assert "env.cpu_model 'Apple M3 Max'" in verdicts[0].reason and "env.cpu_count 16 vs 2" in verdicts[0].reason
+    exact = [r for r in default_rules("decode") if r.kind == "exact"]
+    assert "config" not in by_metric(gate(base, cand, exact))
+    del base["env"]["cpu_model"], base["env"]["cpu_count"]
+    assert "config" not in by_metric(gate(base, cand))
+
+
 def test_what_is_not_the_experiment_is_no_config_difference():
     """A checkout's location, and the GPU of a CPU run, do not make another experiment."""
     base = decode_doc(config={"prompt_file": "/home/ci/repo/suites/data/short.txt", "device": "cpu",
@@ -317,14 +370,15 @@ def test_concurrency_levels_expand_and_a_dropped_level_is_missing():
     assert slow["levels[concurrency=4].per_request_tok_s"].status == "fail"  # no samples: the threshold decides
 
 
-def kernels_doc(us_v3):
+def kernels_doc(us_v3, ok=True):
     recs = []
     for op, shape in (("rmsnorm", [1, 5120]), ("gdn_decode", [1, 48, 128, 128])):
         for variant, us in (("v2", 10.0), ("v3", us_v3)):
             samples = [us + 0.01 * i for i in range(9)]
             recs.append({"op": op, "shape": shape, "variant": variant, "t": 1, "us_median": statistics.median(samples),
                          "us_p10": samples[1], "us_p90": samples[-2], "samples_us": samples, "bytes": 1 << 20,
-                         "gbps": 100.0, "roofline_fraction": 0.02, "max_rel_err": 1e-3})
+                         "gbps": 100.0, "roofline_fraction": 0.02, "max_rel_err": 1e-3 if ok else 0.5,
+                         "ok": ok or variant == "v2"})
     return make_result("kernels", label="k", config={"device": "cuda:0"}, records=recs, env=ENV,
                        summary={"ops": 2, "copy_bandwidth_gbps": 4000.0, "timer": "cuda-events"})
 
@@ -334,7 +388,20 @@ def test_kernel_records_expand_per_op_shape_variant():
     key = "records[op=gdn_decode,shape=1x48x128x128,variant=v3,t=1].us_median"
     assert verdicts[key].status == "fail"
     assert verdicts[key.replace("variant=v3", "variant=v2")].status == "pass"
-    assert len(verdicts) == 4
+    assert len(verdicts) == 8  # per record: its check against the reference, its time
+    assert verdicts[key.replace("us_median", "ok")].status == "pass"
+
+
+def test_a_kernel_that_fails_its_check_fails_the_gate_however_fast():
+    """A v3 kernel that got faster by computing the wrong thing (its check against the fp32 reference failed in the
+    candidate's own run) is no speedup: its ``ok`` row fails."""
+    verdicts = gate(kernels_doc(5.0), kernels_doc(2.0, ok=False))
+    rows = by_metric(verdicts)
+    key = "records[op=gdn_decode,shape=1x48x128x128,variant=v3,t=1]"
+    assert rows[f"{key}.us_median"].status == "pass"  # improved
+    assert rows[f"{key}.ok"].status == "fail" and rows[f"{key}.ok"].candidate is False
+    assert rows[key.replace("variant=v3", "variant=v2") + ".ok"].status == "pass"
+    assert exit_code(verdicts) == 1
 
 
 def test_lookup_paths():

@@ -47,7 +47,8 @@ def concurrency_doc(label, scale):
         agg = [60.0 * c ** 0.8 * scale + 0.2 * i for i in range(5)]
         levels.append({"concurrency": c, "aggregate_tok_s": statistics.median(agg),
                        "per_request_tok_s": statistics.median(agg) / c, "ttft_ms_p50": 30.0 * c,
-                       "ttft_ms_p90": 35.0 * c, "ttft_ms_p99": 40.0 * c, "itl_ms_p50": 12.0, "itl_ms_p90": 13.0, "itl_ms_p99": 15.0,
+                       "ttft_ms_p90": 35.0 * c, "ttft_ms_p99": 40.0 * c, "itl_ms_p50": 12.0, "itl_ms_p90": 13.0,
+                       "itl_ms_p99": 15.0,
                        "e2e_ms_p50": 1600.0, "e2e_ms_p99": 1700.0, "matches_sequential": True,
                        "samples": {"aggregate_tok_s": agg, "ttft_ms": [30.0 * c + i for i in range(5)],
                                    "itl_ms": [12.0 + 0.1 * i for i in range(5)]}})
@@ -428,3 +429,51 @@ def test_niah_oracle_agreement_shows_its_denominator(tmp_path):
     assert '<td class="warn">100.0% (1 of 1 cases with an oracle; 1 without)</td>' in html_path.read_text()
     assert plots._cell_text(1.0, 1, 2, oracle=True) == "100%\n1 of 2 with\nan oracle"
     assert plots._cell_text(float("nan"), 0, 2, oracle=True) == "no oracle"
+
+
+def test_report_shows_the_spread_of_the_repeats_and_refuses_per_round_deltas_across_drafters(report, docs):
+    """Decode rows show their repeats' sample standard deviation (computed from the samples in the document) beside
+    the median; device ms per round is no delta between a plain run and a speculative one (one token a step against
+    several a round), while the tok/s ratio still is."""
+    md = report[1].read_text()
+    evil = next(d for d in docs if d["label"] == EVIL)
+    sd = statistics.stdev(evil["summary"]["samples"]["decode_tok_s"])  # 41, 40, 39: 1.0
+    assert "| decode tok/s | ± sd (repeats) |" in md
+    assert f"| 40.00 | ± {sd:.2f} (3) |" in md
+    dflash = next(line for line in md.splitlines() if line.startswith("| v3-dflash2-k7 | 4.500x"))
+    assert "NOT COMPARABLE: rounds of dflash2 K=7 (baseline none)" in dflash
+    v2 = next(line for line in md.splitlines() if line.startswith("| v2-none | 1.750x"))
+    assert "NOT COMPARABLE" not in v2  # plain against plain: the per-round ratio stands
+
+
+def test_report_names_the_cpu_model_of_cpu_runs(tmp_path):
+    """``env.cpu`` is ``x86_64`` on Linux; the report names the CPU model and core count a run measured."""
+    from ninfer_bench.reports.schema import cpu_model, environment
+
+    env = environment()
+    assert env["cpu_model"] == cpu_model()
+    doc = decode_doc("cpu-run", [10.0, 11.0, 12.0])
+    doc["env"] = {**ENV, "gpu": None, "cpu_model": "AMD EPYC 9654 96-Core Processor", "cpu_count": 2}
+    md = write_report([doc], tmp_path)[1].read_text()
+    assert "| AMD EPYC 9654 96-Core Processor (2 cores) |" in md
+
+
+def test_report_writes_its_frames_as_csv(report, docs):
+    """The report's tables as CSV beside it (llama-bench's -o csv): one row per decode run, per repeat, per level,
+    per case, the numbers read back equal to the documents'."""
+    import pandas as pd
+
+    out = report[0].parent
+    decode = pd.read_csv(out / "decode.csv")
+    decode_docs = [d for d in docs if d["suite"] == "decode"]
+    assert len(decode) == len(decode_docs)
+    for d in decode_docs:
+        row = decode[decode["label"] == d["label"]].iloc[0]
+        assert row["decode_tok_s"] == pytest.approx(d["summary"]["decode_tok_s"])
+    repeats = pd.read_csv(out / "decode_repeats.csv")
+    assert len(repeats) == sum(len(d["records"]) for d in decode_docs)
+    conc = pd.read_csv(out / "concurrency.csv")
+    assert sorted(conc["concurrency"].unique()) == [1, 2, 4, 8] and len(conc) == 8
+    assert {"niah.csv", "kernels.csv"} <= {p.name for p in out.iterdir()}
+    assert not (out / "prefill.csv").exists()  # no prefill result: no empty file
+    assert "decode.csv" in report[1].read_text()
