@@ -88,6 +88,8 @@ def blocks_text(content, where: str, media: list | None = None) -> str:
         if kind == "text" and isinstance(block.get("text"), str):
             out += ("\n" if after_text else "") + block["text"]
             after_text = True
+        elif kind == "text":
+            raise ApiError(400, f"{where}[{i}].text: a text block needs a string 'text'")
         elif kind == "image":
             out, after_text = out + image_block(block, f"{where}[{i}]", media), False
         elif kind in NO_MODALITY:

@@ -14,6 +14,7 @@ from .backend import Backend, Generation, Outcome
 from .mrope import placeholder
 from .server import (ApiError, api_error, error_body, new_id, read_json, refuse_unsupported, session_of, sse,
                      validate)
+from .sessions import SHOWN_CHARS
 
 MAX_CHOICES = 64  # choices (n x prompts) in one request: each is a request of its own to the scheduler
 FINISH = {"eos": "stop", "stop_sequence": "stop", "length": "length"}
@@ -56,8 +57,12 @@ IGNORED = frozenset({"user", "metadata", "store", "service_tier", "safety_identi
 
 
 class StreamOptions(BaseModel):
+    """``include_usage``; OpenAI's ``include_obfuscation`` (padding against length side channels) is accepted and
+    ignored, anything else refused by :func:`start` (vLLM's ``continuous_usage_stats`` is not implemented)."""
+
     model_config = ConfigDict(extra="allow")
     include_usage: bool | None = None
+    include_obfuscation: bool | None = None
 
 
 class Message(BaseModel):
@@ -77,7 +82,7 @@ class _Generate(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=0)
+    top_k: int | None = Field(None, ge=-1)  # -1: no limit, as vLLM and SGLang take it (scripts for them send it)
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=-2**63, le=2**63 - 1)
     n: int | None = None
@@ -108,6 +113,8 @@ def content_text(content, where: str, media: list | None = None) -> str:
         if kind == "text" and isinstance(part.get("text"), str):
             out += ("\n" if after_text else "") + part["text"]
             after_text = True
+        elif kind == "text":
+            raise ApiError(400, f"{where}[{i}].text: a text part needs a string 'text'", param=where)
         elif kind in MEDIA_PARTS:
             if media is None:
                 raise ApiError(400, f"{where}[{i}]: this model has no vision component", param=where)
@@ -172,8 +179,12 @@ async def start(request: Request, backend: Backend, body: _Generate, sources: li
                        param="session_id")
     if body.stream_options is not None and not body.stream:
         raise ApiError(400, "stream_options: only allowed when stream is true", param="stream_options")
+    unknown = next(iter(body.stream_options.model_extra or {}), None) if body.stream_options else None
+    if unknown is not None:
+        raise ApiError(400, f"stream_options.{unknown[:SHOWN_CHARS]}: not an option this server implements "
+                            f"(include_usage, include_obfuscation)", param="stream_options")
     sampling = dict(temperature=1.0 if body.temperature is None else body.temperature,
-                    top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0, stop=body.stop,
+                    top_p=1.0 if body.top_p is None else body.top_p, top_k=max(body.top_k or 0, 0), stop=body.stop,
                     ignore_eos=body.ignore_eos)
     gens: list[Generation] = []
     try:
@@ -271,7 +282,7 @@ def register(app: FastAPI, backend: Backend, max_body: int) -> None:
                                             "owned_by": "ninfer-bench", "max_context": backend.context_limit,
                                             "spec": opts.spec}]}
 
-    @app.get("/v1/models/{name}")
+    @app.get("/v1/models/{name:path}")  # a Hugging Face style id has a slash ("org/name"; clients send it as %2F)
     async def model(name: str):
         backend.check_model(name)
         return {"id": backend.model_id, "object": "model", "created": backend.created, "owned_by": "ninfer-bench"}

@@ -12,7 +12,8 @@ Endpoints::
     DELETE /v1/sessions/{id}            forget a session (404 when unknown)
 
 Sampling: ``temperature``, ``top_p``, ``max_tokens``, ``stop`` (Anthropic ``stop_sequences``), ``seed``,
-``top_k``. Extensions every generation route accepts in its JSON body:
+``top_k`` (0, or on the OpenAI routes -1 as vLLM and SGLang take it: no limit). Extensions every generation route
+accepts in its JSON body:
 
 - ``session_id``: a persistent session (also the ``X-Session-Id`` header); see :mod:`.sessions`.
 - ``return_token_ids: true``: the generated token ids, in ``choices[i].token_ids`` (Anthropic: top-level

@@ -464,6 +464,49 @@ def test_long_ids_are_not_echoed_whole(server):
         assert shown in err["message"] and len(err["message"]) < 300, err
 
 
+def test_vllm_style_top_k_and_stream_options(server):
+    """``top_k: -1`` (vLLM's and SGLang's "no limit") samples as ``top_k: 0``; a ``stream_options`` key other than
+    OpenAI's is refused naming it rather than dropped (vLLM's ``continuous_usage_stats`` would promise a usage in
+    every chunk); a text part without its text says so."""
+    sampled = dict(model=server.model, prompt=PROMPTS[2], max_tokens=6, temperature=1.0, seed=3,
+                   extra_body={"return_token_ids": True})
+    off = server.openai.completions.create(**sampled).choices[0].token_ids
+    assert server.openai.completions.create(**{**sampled, "extra_body": {"return_token_ids": True, "top_k": -1}}
+                                            ).choices[0].token_ids == off
+    chat = {"model": server.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    assert check_error(server.post("/v1/chat/completions", {**chat, "top_k": -2}), 400, False)["param"] == "top_k"
+    err = check_error(server.post("/v1/chat/completions", {**chat, "stream": True, "stream_options": {
+        "include_usage": True, "continuous_usage_stats": True}}), 400, False)
+    assert err["param"] == "stream_options" and "continuous_usage_stats" in err["message"]
+    chunks = sse_chunks(server, "/v1/chat/completions", {k: v for k, v in chat.items() if k != "model"} | {
+        "stream_options": {"include_usage": True, "include_obfuscation": False}})
+    assert chunks[-1]["usage"]["completion_tokens"] == 2
+    err = check_error(server.post("/v1/chat/completions", {**chat, "messages": [
+        {"role": "user", "content": [{"type": "text", "txt": "hi"}]}]}), 400, False)
+    assert "needs a string 'text'" in err["message"]
+    err = check_error(server.post("/v1/messages", {**chat, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": 3}]}]}), 400, True)
+    assert "needs a string 'text'" in err["message"]
+
+
+def test_model_ids_with_a_slash(tmp_path):
+    """A model id in Hugging Face's ``org/name`` form (what ``convert`` records from ``_name_or_path``) is found by
+    ``GET /v1/models/{id}``, which the official client sends with the slash as %2F."""
+    from fastapi.testclient import TestClient
+
+    from ninfer_bench.engine import Engine
+    from ninfer_bench.engine.backend import Backend
+    from ninfer_bench.engine.server import create_app
+
+    backend = Backend(Engine.load(MODEL, device="cpu", max_context=256, max_concurrency=1), session_capacity=0)
+    backend.model_id = "org/ninfer-code-small"
+    with TestClient(create_app(backend, 1 << 20)) as http:
+        client = openai.OpenAI(base_url="http://testserver/v1", api_key="none", max_retries=0, http_client=http)
+        assert client.models.retrieve("org/ninfer-code-small").id == "org/ninfer-code-small"
+        with pytest.raises(openai.NotFoundError):
+            client.models.retrieve("org/other")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
