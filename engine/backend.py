@@ -363,6 +363,10 @@ class Backend:
             if max_tokens < 1:
                 raise CapacityError(f"prompt of {len(ids)} tokens leaves no room to generate within the context "
                                     f"of {self.context_limit} tokens")
+        if len(ids) + max_tokens > self.context_limit:  # in the API's words; the engine's check names its flags
+            raise CapacityError(f"this model's context is {self.context_limit} tokens, but {len(ids) + max_tokens} "
+                                f"were requested ({len(ids)} in the prompt, {max_tokens} in max_tokens): shorten "
+                                f"the prompt or lower max_tokens")
         params = sampling_params(max_tokens, **sampling)
         self.engine.check_fits(len(ids), max_tokens)
         gen = Generation(self, ids, params, session_id, saved, text, mm)
