@@ -347,7 +347,8 @@ def logits(artifact, text, ids, out, **options):
 @main.command()
 @click.argument("artifact", required=False)
 @click.option("--prompt", "-p", default=None, help="Prompt text.")
-@click.option("--prompt-file", type=click.Path(exists=True, dir_okay=False), default=None, help="Read the prompt from a file.")
+@click.option("--prompt-file", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Read the prompt from a file.")
 @click.option("--chat", is_flag=True, help="Wrap the prompt as a user turn with the artifact's chat template.")
 @click.option("--max-new-tokens", "-n", type=int, default=128, show_default=True)
 @click.option("--temperature", type=float, default=0.0, show_default=True)
@@ -442,14 +443,17 @@ def oracle_prompts(artifact, prompts_path, max_new_tokens, top_k, dtype, out):
 @click.option("--interleave-chunk", type=int, default=512, show_default=True,
               help="Prompt tokens prefilled per scheduler iteration while other requests decode (at most "
                    "--prefill-chunk): smaller lowers their inter-token latency, raises the newcomer's TTFT.")
+@click.option("--generation-config", type=click.Choice(["auto", "none"]), default="auto", show_default=True,
+              help="auto: the model's generation_config.json sampling defaults (temperature, top_p, top_k) fill what "
+                   "a request leaves out, as vLLM does; none: the APIs' own (temperature 1, top_p 1, no top-k).")
 @engine_options
 def serve(artifact, host, port, spec, draft_tokens, lm_head_draft, max_queue, session_capacity, session_dir,
-          media_dir, **options):
+          media_dir, generation_config, **options):
     """Serve OpenAI- and Anthropic-style HTTP APIs (default: the bundled model on 127.0.0.1:8080)."""
     from .engine.server import ServerOptions, serve as run_server
 
     server_opts = ServerOptions(host=host, port=port, max_queue=max_queue, session_capacity=session_capacity,
-                                session_dir=session_dir, media_dir=media_dir)
+                                session_dir=session_dir, media_dir=media_dir, generation_config=generation_config)
     eng = build_engine(artifact, spec=spec, draft_tokens=draft_tokens, lm_head_draft=lm_head_draft, **options)
 
     def ready(url, backend, restored, problems):
@@ -458,9 +462,13 @@ def serve(artifact, host, port, spec, draft_tokens, lm_head_draft, max_queue, se
         o = eng.options
         spec_txt = f"spec {o.spec}" + (f" k={o.draft_tokens}" if o.spec != "none" else "")
         sessions = f", {restored} sessions restored" if session_dir else ""
+        defaults = ", ".join(f"{k} {v}" for k, v in backend.sampling_defaults.items())
         console.print(f"[green]ready:[/] {url} (model {backend.model_id}, {o.max_concurrency} slots, {spec_txt}, "
-                      f"kv {o.kv_dtype}, context {backend.context_limit}, {eng.device.type}{sessions})",
+                      f"kv {o.kv_dtype}, context {backend.context_limit}, {eng.device.type}{sessions}"
+                      f"{f'; sampling defaults from generation_config.json: {defaults}' if defaults else ''})",
                       highlight=False, soft_wrap=True)
+        for line in backend.ignored_defaults:
+            err_console.print(f"[yellow]generation_config.json[/] {line}: ignored", highlight=False)
 
     try:
         run_server(eng, server_opts, on_ready=ready)

@@ -139,9 +139,8 @@ def register(app: FastAPI, backend: Backend, max_body: int) -> None:
         text = render(backend, body, media)
         gen = await backend.generate(
             text=text, media=media or (), max_tokens=body.max_tokens, session_id=session_of(request, body.session_id),
-            temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0, seed=body.seed,
-            stop=body.stop_sequences, ignore_eos=body.ignore_eos)
+            **backend.sampling(body.temperature, body.top_p, body.top_k), seed=body.seed, stop=body.stop_sequences,
+            ignore_eos=body.ignore_eos)
         msg = {"id": new_id("msg_"), "type": "message", "role": "assistant", "model": backend.model_id,
                **({"session_id": gen.session_id} if gen.session_id else {})}
         want_ids = bool(body.return_token_ids)

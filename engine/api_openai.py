@@ -183,8 +183,7 @@ async def start(request: Request, backend: Backend, body: _Generate, sources: li
     if unknown is not None:
         raise ApiError(400, f"stream_options.{unknown[:SHOWN_CHARS]}: not an option this server implements "
                             f"(include_usage, include_obfuscation)", param="stream_options")
-    sampling = dict(temperature=1.0 if body.temperature is None else body.temperature,
-                    top_p=1.0 if body.top_p is None else body.top_p, top_k=max(body.top_k or 0, 0), stop=body.stop,
+    sampling = dict(backend.sampling(body.temperature, body.top_p, body.top_k), stop=body.stop,
                     ignore_eos=body.ignore_eos)
     gens: list[Generation] = []
     try:

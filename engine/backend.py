@@ -70,6 +70,33 @@ def sampling_params(max_tokens: int, temperature, top_p, top_k, seed, stop, igno
         raise BadRequest(str(e)) from None
 
 
+GENERATION_DEFAULTS = {"temperature": (0.0, 2.0), "top_p": (0.0, 1.0), "top_k": (0, None)}  # key: accepted range
+API_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}  # both APIs', where the model's config is silent
+
+
+def generation_defaults(meta: dict) -> tuple[dict, list[str]]:
+    """The sampling defaults a model's ``generation_config.json`` sets (temperature, top_p, top_k: what vLLM takes
+    from it, ``do_sample`` aside) and a line for each value it gives that is ignored (out of range, or a setting
+    this server does not implement, such as a repetition penalty)."""
+    gen = meta.get("generation_config") or {}
+    out, ignored = {}, []
+    for key, (lo, hi) in GENERATION_DEFAULTS.items():
+        v = gen.get(key)
+        if v is None:
+            continue
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and lo <= v and (hi is None or v <= hi) \
+            and (key != "top_k" or float(v).is_integer()) and (key != "top_p" or v > 0)
+        if ok:
+            out[key] = int(v) if key == "top_k" else float(v)
+        else:
+            ignored.append(f"{key} {v!r}: out of range")
+    for key, noop in (("repetition_penalty", 1.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0),
+                      ("min_p", 0.0)):
+        if gen.get(key) not in (None, noop):
+            ignored.append(f"{key} {gen[key]!r}: not implemented")
+    return out, ignored
+
+
 def _held(tail: str, stops) -> int:
     """Length of the longest end of ``tail`` that begins a stop string (no whole stop is in ``tail``): text held
     back, since the next tokens may complete it. Only ends shorter than the stop string are tried, each from an
@@ -283,8 +310,12 @@ class Backend:
     """The engine, its scheduler thread and the sessions, shared by every route."""
 
     def __init__(self, engine: Engine, *, max_queue: int = 256, session_capacity: int = 16,
-                 session_dir: str | None = None, media_dir: str | None = None):
+                 session_dir: str | None = None, media_dir: str | None = None, generation_config: str = "auto"):
         self.engine = engine
+        # what a request leaves out: the model's generation_config.json ("auto", as vLLM), or the APIs' own defaults
+        meta = engine.loaded.artifact.metadata if engine.loaded.artifact is not None else {}
+        self.sampling_defaults, self.ignored_defaults = generation_defaults(meta) if generation_config == "auto" \
+            else ({}, [])
         self.media_dir = media_dir  # the one folder whose files requests may name (None: data URIs only)
         self.scheduler = ServingScheduler(engine, max_queue=max_queue)
         info = engine.loaded.info
@@ -300,6 +331,14 @@ class Backend:
         self.created = int(time.time())
         self.active: set[Generation] = set()
         self._thread: threading.Thread | None = None
+
+    def sampling(self, temperature, top_p, top_k) -> dict:
+        """A request's temperature / top_p / top_k, with what it leaves out from the model's generation config (then
+        the APIs' own: 1, 1, no top-k); top_k -1 is vLLM's "no limit", as 0 here."""
+        given = {"temperature": temperature, "top_p": top_p, "top_k": top_k}
+        out = {k: v if v is not None else self.sampling_defaults.get(k, API_DEFAULTS[k]) for k, v in given.items()}
+        out["top_k"] = max(out["top_k"], 0)
+        return out
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self.scheduler.serve_forever, name="engine", daemon=True)

@@ -12,8 +12,10 @@ Endpoints::
     DELETE /v1/sessions/{id}            forget a session (404 when unknown)
 
 Sampling: ``temperature``, ``top_p``, ``max_tokens``, ``stop`` (Anthropic ``stop_sequences``), ``seed``,
-``top_k`` (0, or on the OpenAI routes -1 as vLLM and SGLang take it: no limit). Extensions every generation route
-accepts in its JSON body:
+``top_k`` (0, or on the OpenAI routes -1 as vLLM and SGLang take it: no limit). What a request leaves out of
+temperature / top_p / top_k comes from the model's ``generation_config.json``, as vLLM does (``serve
+--generation-config none``: the APIs' own 1, 1 and no top-k). Extensions every generation route accepts in its
+JSON body:
 
 - ``session_id``: a persistent session (also the ``X-Session-Id`` header); see :mod:`.sessions`.
 - ``return_token_ids: true``: the generated token ids, in ``choices[i].token_ids`` (Anthropic: top-level
@@ -100,6 +102,7 @@ class ServerOptions:
     session_dir: str | None = None
     max_body_bytes: int | None = None
     media_dir: str | None = None  # the one folder whose files requests may name as media (None: data URIs only)
+    generation_config: str = "auto"  # "auto": the model's sampling defaults fill what a request leaves out; "none"
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -116,6 +119,8 @@ class ServerOptions:
             if not Path(self.media_dir).is_dir():
                 raise ValueError(f"media-dir {self.media_dir!r} is not a folder")
             self.media_dir = str(Path(self.media_dir).resolve())  # symlinks in the folder's own path resolved once
+        if self.generation_config not in ("auto", "none"):
+            raise ValueError(f"generation-config must be auto or none, got {self.generation_config!r}")
         if not isinstance(self.host, str):
             raise ValueError(f"host must be a string, got {self.host!r}")
         for sock in listen(self.host, self.port):  # a taken port is an error before the model loads, not after
@@ -353,7 +358,8 @@ def serve(engine: Engine, options: ServerOptions, on_ready=None) -> None:
     sockets = listen(options.host, options.port)
     try:
         backend = Backend(engine, max_queue=options.max_queue, session_capacity=options.session_capacity,
-                          session_dir=options.session_dir, media_dir=options.media_dir)
+                          session_dir=options.session_dir, media_dir=options.media_dir,
+                          generation_config=options.generation_config)
         restored, problems = backend.sessions.load()
         max_body = options.max_body_bytes or max(1 << 20, 64 * engine.options.max_context)
 

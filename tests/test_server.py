@@ -508,6 +508,43 @@ def test_model_ids_with_a_slash(tmp_path):
             client.models.retrieve("org/other")
 
 
+def test_sampling_defaults_come_from_the_generation_config():
+    """What a request leaves out of temperature / top_p / top_k comes from the model's generation_config.json (as
+    vLLM does); values out of range, and settings the server does not implement, are ignored and named;
+    ``--generation-config none`` keeps the APIs' own defaults (temperature 1: sampling)."""
+    from fastapi.testclient import TestClient
+
+    from ninfer_bench.engine import Engine
+    from ninfer_bench.engine.backend import Backend, generation_defaults
+    from ninfer_bench.engine.server import create_app
+
+    gen = {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20, "repetition_penalty": 1.05}
+    assert generation_defaults({"generation_config": gen}) == (
+        {"temperature": 0.6, "top_p": 0.95, "top_k": 20}, ["repetition_penalty 1.05: not implemented"])
+    assert generation_defaults({"generation_config": {"temperature": -1, "top_p": 0, "top_k": 2.5}}) == (
+        {}, ["temperature -1: out of range", "top_p 0: out of range", "top_k 2.5: out of range"])
+    assert generation_defaults({}) == ({}, [])
+
+    eng = Engine.load(MODEL, device="cpu", max_context=256, max_concurrency=1)
+    eng.loaded.artifact.metadata["generation_config"] = {"temperature": 0.0}  # a model whose default is greedy
+    texts = {}
+    for mode in ("auto", "none"):
+        backend = Backend(eng, session_capacity=0, generation_config=mode)
+        with TestClient(create_app(backend, 1 << 20)) as http:
+            client = openai.OpenAI(base_url="http://testserver/v1", api_key="none", max_retries=0, http_client=http)
+            ask = dict(model=backend.model_id, prompt="def main(", max_tokens=16, seed=3)
+            texts[mode] = client.completions.create(**ask).choices[0].text
+            texts["greedy"] = client.completions.create(**ask, temperature=0).choices[0].text
+            claude = anthropic.Anthropic(base_url="http://testserver", api_key="none", max_retries=0, http_client=http)
+            texts[f"{mode}-messages"] = [claude.messages.create(
+                model=backend.model_id, max_tokens=16, messages=[{"role": "user", "content": "def main("}],
+                extra_body={"return_token_ids": True}).model_extra["token_ids"] for _ in range(2)]
+    assert texts["auto"] == texts["greedy"]
+    assert texts["none"] != texts["greedy"]  # temperature 1 with seed 3: sampled tokens
+    first, second = texts["auto-messages"]
+    assert first == second and len(first) == 16  # greedy by the model's default: the same tokens without a seed
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
