@@ -177,6 +177,7 @@ def run_in_process(opts: ConcurrencyOptions, progress=None):
                       prefill_chunk=opts.prefill_chunk, interleave_chunk=opts.interleave_chunk, runtime=opts.runtime,
                       spec=opts.spec, draft_tokens=opts.draft_tokens)
     opts.draft_tokens = eng.options.draft_tokens
+    opts.max_context = eng.options.max_context  # recorded as resolved (the model's limit, or 8192), as decode does
     prompts = [exact_length(eng.tokenizer.encode(t), opts.prompt_tokens) for t in prompt_texts(top)]
     params = SamplingParams(max_new_tokens=opts.max_new_tokens, ignore_eos=True)
     sched = Scheduler(eng)

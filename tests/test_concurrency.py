@@ -85,6 +85,7 @@ def test_concurrency_suite_in_process():
     assert len(doc["records"]) == 1 + 2 + 4
     assert all(r["prompt_tokens"] == 48 for r in doc["records"])
     assert (doc["config"]["device"], doc["config"]["max_concurrency"], doc["config"]["spec"]) == ("cpu", 4, "dflash2")
+    assert doc["config"]["max_context"] == 8192  # the resolved capacity (the option was left to its default)
     assert_wall_throughput(doc)
 
 
