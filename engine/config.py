@@ -50,7 +50,10 @@ class ModelConfig:
         self.layer_types = tuple(self.layer_types)
         if isinstance(self.eos_token_id, int):
             self.eos_token_id = (self.eos_token_id,)
-        self.eos_token_id = tuple(int(e) for e in (self.eos_token_id or ()))
+        eos = self.eos_token_id or ()
+        if not isinstance(eos, (list, tuple)) or not all(_is_int(e) for e in eos):
+            raise ValueError(f"model config: eos_token_id must be an integer or a list of integers, got {eos!r}")
+        self.eos_token_id = tuple(eos)
         positive = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                     "num_key_value_heads", "head_dim", "linear_num_key_heads", "linear_num_value_heads",
                     "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim")
@@ -73,14 +76,29 @@ class ModelConfig:
         if self.linear_num_value_heads % self.linear_num_key_heads:
             raise ValueError(f"model config: linear_num_value_heads {self.linear_num_value_heads} is not a multiple "
                              f"of linear_num_key_heads {self.linear_num_key_heads}")
-        if not 0.0 < self.partial_rotary_factor <= 1.0:
-            raise ValueError(f"model config: partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor}")
+        for name in ("rms_norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if not _is_number(value) or value <= 0:
+                raise ValueError(f"model config: {name} must be a positive number, got {value!r}")
+        if not _is_int(self.max_position_embeddings) or self.max_position_embeddings < 1:
+            raise ValueError(f"model config: max_position_embeddings must be a positive integer, "
+                             f"got {self.max_position_embeddings!r}")
+        if not _is_int(self.mtp_num_hidden_layers) or self.mtp_num_hidden_layers < 0:
+            raise ValueError(f"model config: mtp_num_hidden_layers must be an integer >= 0, "
+                             f"got {self.mtp_num_hidden_layers!r}")
+        for name in ("tie_word_embeddings", "attention_bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"model config: {name} must be true or false, got {getattr(self, name)!r}")
+        if self.linear_layers and self.linear_conv_kernel_dim < 2:  # the conv state keeps the last W-1 inputs
+            raise ValueError(f"model config: linear_conv_kernel_dim must be >= 2, got {self.linear_conv_kernel_dim}")
+        if not _is_number(self.partial_rotary_factor) or not 0.0 < self.partial_rotary_factor <= 1.0:
+            raise ValueError(f"model config: partial_rotary_factor must be in (0, 1], "
+                             f"got {self.partial_rotary_factor!r}")
         if self.rotary_dim % 2:
-            raise ValueError(f"model config: rotary dim head_dim*partial_rotary_factor = {self.rotary_dim} must be even")
+            raise ValueError(f"model config: rotary dim head_dim*partial_rotary_factor = {self.rotary_dim} "
+                             "must be even")
         if self.hidden_act != "silu":
             raise ValueError(f"model config: hidden_act {self.hidden_act!r} is not supported (only 'silu')")
-        if self.mtp_num_hidden_layers < 0:
-            raise ValueError(f"model config: mtp_num_hidden_layers must be >= 0, got {self.mtp_num_hidden_layers}")
 
     # ---- derived shapes -------------------------------------------------------------------------
     @property
@@ -216,10 +234,10 @@ class ModelConfig:
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             rope_theta=rope.get("rope_theta", hf.get("rope_theta", 10000.0)),
             partial_rotary_factor=rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25)),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            tie_word_embeddings=_flag(hf, "tie_word_embeddings"),
             max_position_embeddings=hf.get("max_position_embeddings", 262144),
             mtp_num_hidden_layers=hf.get("mtp_num_hidden_layers", 0) or 0,
-            attention_bias=bool(hf.get("attention_bias", False)),
+            attention_bias=_flag(hf, "attention_bias"),
             hidden_act=hf.get("hidden_act", "silu"),
             model_type=hf.get("model_type", model_type),
             eos_token_id=hf.get("eos_token_id") or (),
@@ -261,6 +279,13 @@ class DraftConfigError(ValueError):
     def __init__(self, name: str, problem: str):
         super().__init__(f"draft config: {name} {problem}")
         self.name, self.problem = name, problem
+
+
+def _flag(hf: dict, key: str):
+    """A config.json flag as given (false when absent or null): ``__post_init__`` refuses what is not a boolean,
+    where ``bool("no")`` would have read a string as true."""
+    value = hf.get(key)
+    return False if value is None else value
 
 
 def _is_int(value) -> bool:

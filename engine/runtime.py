@@ -40,7 +40,7 @@ class Sequence:
     tokens: list[int] = field(default_factory=list)
     length: int = 0  # tokens whose state is in the cache
     finish_reason: str | None = None
-    text: str = ""
+    text: str | None = None  # the output cut before a stop string, when one ended it (None: not cut)
     stats: dict = field(default_factory=dict)
     media: MediaPrompt | None = None  # images / videos of the prompt (engine/mrope.py)
     logprobs: list = field(default_factory=list)  # with params.logprobs: each token's log-softmax row, fp32 CPU
@@ -364,9 +364,7 @@ class Engine:
         if tok in eos or tok in p.stop_token_ids:
             seq.finish_reason = "stop"
         elif p.stop:
-            # a stop string must end in the newest token: look at a tail long enough to hold any of them
-            # (>= 1 byte per token, <= 4 bytes per character), and decode everything only on a hit
-            tail = self.tokenizer.decode(seq.tokens[-(4 * max(map(len, p.stop)) + 2):])
+            tail = self._stop_tail(seq.tokens, max(map(len, p.stop)))
             if any(stop in tail for stop in p.stop):
                 text = self.tokenizer.decode(seq.tokens)
                 cut = min(text.index(stop) for stop in p.stop if stop in text)
@@ -375,6 +373,20 @@ class Engine:
         if seq.finish_reason is None and len(seq.tokens) >= p.max_new_tokens:
             seq.finish_reason = "length"
         return seq.finish_reason is not None
+
+    def _stop_tail(self, tokens: list[int], longest: int) -> str:
+        """The decoded end of ``tokens`` that holds any stop string of up to ``longest`` characters ending in the
+        newest token (the whole text is decoded only on a hit): 4 * longest + 1 tokens before the newest one (>= 1
+        byte a token, <= 4 bytes a character), more while those decode to too few characters - ids that decode to
+        nothing, as a byte tokenizer's unnamed ids or a padded vocabulary's. The margin of 5 covers the replacement
+        characters of a character cut at either end."""
+        n = 4 * longest + 2
+        tail = self.tokenizer.decode(tokens[-n:])
+        newest = len(self.tokenizer.decode(tokens[-1:]))
+        while n < len(tokens) and len(tail) - newest < longest + 5:
+            n *= 2
+            tail = self.tokenizer.decode(tokens[-n:])
+        return tail
 
     @torch.inference_mode()
     def prefill_step(self, seq: Sequence, chunk: int | None = None) -> bool:
@@ -492,7 +504,7 @@ class Engine:
         and speculative statistics (the vision encode is part of prefill and TTFT). ``on_prefill(done, total)``
         follows a long prompt's prefill chunk by chunk (see :meth:`start`)."""
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                                seed=seed, stop=tuple(stop) if not isinstance(stop, str) else (stop,), **extra)
+                                seed=seed, stop=(stop,) if isinstance(stop, str) else tuple(stop or ()), **extra)
         seq = self.acquire(prompt_ids, params, media)
         try:
             return self._run(seq, on_prefill)
@@ -520,7 +532,7 @@ class Engine:
         _sync(dev)
         t2 = time.perf_counter()
         device_ms = ev0.elapsed_time(ev1) if ev0 else (t2 - t1) * 1e3
-        text = seq.text if seq.params.stop and seq.finish_reason == "stop" else self.tokenizer.decode(seq.tokens)
+        text = seq.text if seq.text is not None else self.tokenizer.decode(seq.tokens)
         return GenerationResult(tokens=list(seq.tokens), text=text, finish_reason=seq.finish_reason,
                                 prompt_tokens=len(seq.prompt), prefill_s=t1 - t0, decode_s=t2 - t1,
                                 ttft_s=t1 - t0, device_decode_ms=device_ms, spec=dict(seq.stats),

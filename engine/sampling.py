@@ -73,6 +73,11 @@ def select(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator |
 
 
 def make_generator(seed: int | None, device) -> torch.Generator:
+    """A generator seeded with ``seed``, or with a fresh non-deterministic seed of its own when None (without
+    reseeding torch's global generator, which the caller may have seeded for its own work)."""
     g = torch.Generator(device=device)
-    g.manual_seed(seed if seed is not None else torch.seed() % (2**63))
+    if seed is None:
+        g.seed()
+    else:
+        g.manual_seed(seed)
     return g

@@ -419,6 +419,28 @@ def test_header_config_is_checked_against_the_tensors(tmp_path, tiny_artifact, e
         load_artifact(path)
 
 
+@pytest.mark.parametrize("key, value, message", [
+    ("rope_theta", "1e6", "rope_theta must be a positive number, got '1e6'"),
+    ("rope_theta", None, "rope_theta must be a positive number, got None"),
+    ("rms_norm_eps", -1e-6, "rms_norm_eps must be a positive number, got -1e-06"),
+    ("max_position_embeddings", "4096", "max_position_embeddings must be a positive integer, got '4096'"),
+    ("partial_rotary_factor", "0.5", "partial_rotary_factor must be in (0, 1], got '0.5'"),
+    ("tie_word_embeddings", "no", "tie_word_embeddings must be true or false, got 'no'"),
+    ("eos_token_id", ["</s>"], "eos_token_id must be an integer or a list of integers, got ['</s>']"),
+    ("linear_conv_kernel_dim", 1, "linear_conv_kernel_dim must be >= 2, got 1"),
+])
+def test_header_config_values_of_the_wrong_kind_are_named(tmp_path, tiny_artifact, key, value, message):
+    """A config value that would only fail deep in the first forward (a TypeError, a shape error in the conv) is
+    refused at load, naming the key and the value."""
+    from ninfer_bench.engine.loader import load_artifact
+
+    path = tmp_path / "edited.ninfer"
+    path.write_bytes(tiny_artifact.read_bytes())
+    _rewrite_doc(path, lambda doc: doc["components"]["text"]["config"].update({key: value}))
+    with pytest.raises(ValueError, match=re.escape(f"{path}: text component: model config: {message}")):
+        load_artifact(path)
+
+
 def test_mtp_component_config_must_agree_with_the_text_config(tmp_path):
     from ninfer_bench.engine.config import preset
     from ninfer_bench.engine.convert import write_model
@@ -468,3 +490,17 @@ def test_nonfinite_stored_values_fail_verify(tmp_path, fmt):
             assert sum(not ok for ok, _ in results.values()) == 1
             with pytest.raises(ArtifactError, match=f"{name}.*NaN or inf"):
                 art.verify(strict=True)
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("tie_word_embeddings", "no", "tie_word_embeddings must be true or false, got 'no'"),
+    ("attention_bias", 1, "attention_bias must be true or false, got 1"),
+])
+def test_config_json_flags_that_are_not_booleans_are_named(key, value, message):
+    """config.json's flags are read as given, not through bool() (which reads the string "no" as true)."""
+    from ninfer_bench.engine.config import ModelConfig, preset
+
+    hf = {**preset("tiny").to_hf(), key: value}
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ModelConfig.from_hf(hf)
+    assert ModelConfig.from_hf({**hf, key: None}).to_dict()[key] is False  # null: the default

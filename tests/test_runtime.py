@@ -102,6 +102,39 @@ def test_sampling_is_seeded_stops_and_respects_top_k():
     res = eng.generate(PROMPT, max_new_tokens=30, stop_token_ids=(greedy.tokens[3],))
     assert res.tokens == greedy.tokens[:4] and res.finish_reason == "stop"
     assert eos in eng.tokenizer.eos_ids
+    # a stop string that never comes, the request ended by a stop id: the text is that of the tokens, not empty
+    res = eng.generate(PROMPT, max_new_tokens=30, stop=["never in this text"], stop_token_ids=(greedy.tokens[3],))
+    assert res.tokens == greedy.tokens[:4] and res.text == eng.tokenizer.decode(greedy.tokens[:4]) != ""
+    assert eng.generate(PROMPT, max_new_tokens=30, stop=None).tokens == greedy.tokens  # None: no stop strings
+
+
+def test_unseeded_sampling_leaves_the_global_generator_alone():
+    """A request without a seed draws from a generator seeded on its own: the caller's seeded global torch
+    generator goes on as if the engine had not sampled, and two unseeded requests differ."""
+    eng = engine()
+    torch.manual_seed(0)
+    want = torch.rand(4)
+    torch.manual_seed(0)
+    a = eng.generate(PROMPT, max_new_tokens=20, temperature=1.0, ignore_eos=True).tokens
+    assert torch.equal(torch.rand(4), want)
+    assert a != eng.generate(PROMPT, max_new_tokens=20, temperature=1.0, ignore_eos=True).tokens
+
+
+def test_stop_string_across_tokens_that_decode_to_nothing():
+    """A stop string is found however many tokens between its characters decode to nothing (the byte tokenizer's
+    unnamed ids past its specials, a padded vocabulary's ids), and the text is cut before it."""
+    from ninfer_bench.engine.runtime import Sequence
+    from ninfer_bench.engine.sampling import SamplingParams
+
+    eng = engine()
+    blank = eng.config.vocab_size - 1
+    assert eng.tokenizer.decode([blank]) == ""
+    seq = Sequence(slot=0, prompt=[1], params=SamplingParams(max_new_tokens=64, stop=("ab",)))
+    for tok in [ord("x"), ord("a")] + [blank] * 20 + [ord("b"), ord("c")]:
+        seq.tokens.append(tok)
+        if eng._finish(seq):
+            break
+    assert (seq.finish_reason, len(seq.tokens), seq.text) == ("stop", 23, "x")
 
 
 def test_top_p_keeps_the_nucleus_only():
@@ -139,7 +172,8 @@ def test_hf_peer_same_tokens_and_real_timings():
 
 
 def test_fp32_kv_takes_the_eager_attention():
-    """The fused attention reads bf16 / fp16 / int8 K/V: fp32 K/V decodes eagerly, and asking for the kernels says so."""
+    """The fused attention reads bf16 / fp16 / int8 K/V: fp32 K/V decodes eagerly, and asking for the kernels says
+    so."""
     from ninfer_bench.engine.options import EngineOptions
 
     assert not EngineOptions(device="cpu", kv_dtype="fp32").fused_kernels()

@@ -254,3 +254,24 @@ def test_round_times_are_settled_by_the_end_of_a_generation(monkeypatch):
     rounds = res.spec["rounds"]
     assert rounds > 1 and eng.spec_times is None
     assert res.spec["draft_ms"] == 2.0 * rounds and res.spec["verify_ms"] == 1.0 * rounds
+
+
+def test_mtp_prompt_entries_do_not_depend_on_the_prefill_chunk():
+    """The MTP head's entry for a chunk's last prompt position needs the next chunk's first token: it is made with
+    that chunk. Its K/V for every prompt position, and the first round's pending draft logits, are those of a
+    one-chunk prefill, also in a slot an earlier (longer) request left K/V in."""
+    prompt = PROMPTS[0]
+    caches = []
+    for chunk in (len(prompt), 7, 1):
+        eng = Engine.load("tiny", device="cpu", kv_dtype="fp32", max_context=256, prefill_chunk=chunk, spec="mtp")
+        eng.generate(list(range(100, 200)), max_new_tokens=4, ignore_eos=True)  # leaves K/V in slot 0
+        seq = eng.acquire(prompt, SamplingParams(max_new_tokens=4))
+        eng.start(seq)
+        kv = eng.cache.kv["mtp0"]
+        caches.append((kv.k[seq.slot, :, :len(prompt)].clone(), kv.v[seq.slot, :, :len(prompt)].clone(),
+                       eng.drafter.pending[seq.slot][1].clone()))
+        eng.release(seq)
+    for k, v, logits in caches[1:]:
+        torch.testing.assert_close(k, caches[0][0], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(v, caches[0][1], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(logits, caches[0][2], rtol=1e-4, atol=1e-4)

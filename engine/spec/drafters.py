@@ -114,6 +114,7 @@ class MTPDrafter:
         self.e = engine
         self.head = DraftHead(engine, draft_head_ids(engine))
         self.pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.carry: dict[int, tuple[int, torch.Tensor]] = {}  # slot -> (next chunk's start, last hidden row [H])
         # greedy drafting and the head's pass over each verified block (commit) replayed from CUDA graphs
         # (``draft_graphs``, on by default: the eager drafts' tokens); made on first use, once the engine's target
         # graphs (runtime v3 on CUDA) exist
@@ -152,8 +153,15 @@ class MTPDrafter:
     def begin(self, seq, start, hidden, taps) -> None:
         """MTP entries for prompt positions ``start ..`` (hidden ``[n, H]``); the entry of the last prompt
         position needs the first generated token, so it is made with the final chunk."""
+        # the entry of a chunk's last position needs the next chunk's first token: it is made with that chunk, from
+        # the hidden row carried over (else the head's K/V there would stay unwritten, stale from an earlier request)
+        carry = self.carry.pop(seq.slot, None)
+        if carry is not None and carry[0] == start:
+            hidden, start = torch.cat([carry[1][None], hidden]), start - 1
         n = hidden.shape[0]
         final = start + n == len(seq.prompt)
+        if not final:
+            self.carry[seq.slot] = (start + n, hidden[-1].clone())  # a copy: the forward may reuse its buffers
         nxt = seq.prompt[start + 1:start + n] + ([seq.tokens[0]] if final else [])
         m = len(nxt)
         if m == 0:
@@ -219,12 +227,14 @@ class MTPDrafter:
 
     def release(self, seq) -> None:
         self.pending.pop(seq.slot, None)
+        self.carry.pop(seq.slot, None)
 
     def export_slot(self, slot: int) -> dict:
         return {}  # the MTP head's K/V lives in the engine cache (exported with it)
 
     def import_slot(self, slot: int, state: dict) -> None:
         self.pending.pop(slot, None)
+        self.carry.pop(slot, None)
 
 
 class BlockDraftRunner:
