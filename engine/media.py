@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import io
 import math
+import os
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field, fields
 
@@ -125,18 +126,28 @@ class MediaInput:
 
 # ---- decoding ---------------------------------------------------------------------------------------------------
 
-def _open_pil(data: bytes, limits: MediaLimits):
+UNREADABLE = {"image": "cannot decode the image: not a format PIL reads (PNG, JPEG, WebP, GIF, ...)",
+              "video": "cannot decode the video: this build reads .npy / .npz frame arrays and animated GIF / PNG / "
+                       "WebP (other containers need FFmpeg, which is not used here)"}
+
+
+def _open_pil(data: bytes, limits: MediaLimits, kind: str = "image"):
     from PIL import Image, UnidentifiedImageError
 
     try:
         img = Image.open(io.BytesIO(data))  # reads the header only: the size is checked before any decoding
-    except (UnidentifiedImageError, OSError, ValueError) as e:
-        raise ValueError(f"cannot decode the image ({type(e).__name__}: {e})") from None
+    except Image.DecompressionBombError as e:  # past PIL's own cap (~179 M pixels), an Exception, not a ValueError
+        raise ValueError(f"image exceeds the limit of {limits.max_pixels:,} pixels ({e})") from None
+    except UnidentifiedImageError:
+        raise ValueError(UNREADABLE[kind]) from None
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot decode the {kind} ({type(e).__name__}: {e})") from None
     w, h = img.size
+    what = "image" if kind == "image" else "video frame"
     if w * h > limits.max_pixels:
-        raise ValueError(f"image of {w}x{h} = {w * h:,} pixels exceeds the limit of {limits.max_pixels:,}")
+        raise ValueError(f"{what} of {w}x{h} = {w * h:,} pixels exceeds the limit of {limits.max_pixels:,}")
     if w < 1 or h < 1:
-        raise ValueError(f"image of {w}x{h} pixels is empty")
+        raise ValueError(f"{what} of {w}x{h} pixels is empty")
     return img
 
 
@@ -151,10 +162,13 @@ def _rgb(img) -> np.ndarray:
 
 
 def decode_image(data: bytes, limits: MediaLimits) -> np.ndarray:
-    """An encoded image (PNG, JPEG, WebP, ...) as ``[H, W, 3]`` uint8."""
+    """An encoded image (PNG, JPEG, WebP, ...) as ``[H, W, 3]`` uint8, turned upright by its EXIF orientation
+    (as transformers' ``load_image`` does: a phone photo stored sideways is seen the way it is shown)."""
+    from PIL import ImageOps
+
     img = _open_pil(data, limits)
     try:
-        return _rgb(img)
+        return _rgb(ImageOps.exif_transpose(img))
     except (OSError, ValueError) as e:  # a truncated or corrupt body fails only when pixels are read
         raise ValueError(f"cannot decode the image ({type(e).__name__}: {e})") from None
 
@@ -171,19 +185,29 @@ def video_fps(value) -> float:
     return fps
 
 
+def _read_array(data: bytes) -> tuple[np.ndarray, float]:
+    """(frames, fps) of a ``.npy`` array or a ``.npz`` with ``frames`` (and ``fps``). A ``.npz`` member is read
+    only when indexed, so a corrupt archive (zipfile / zlib errors, not ValueErrors) can fail there too."""
+    import zipfile
+    import zlib
+
+    try:
+        arr = np.load(io.BytesIO(data), allow_pickle=False)
+        if not isinstance(arr, np.lib.npyio.NpzFile):
+            return arr, DEFAULT_VIDEO_FPS
+        members = {k: arr[k] for k in ("frames", "fps") if k in arr.files}
+    except (ValueError, zipfile.BadZipFile, zlib.error, OSError, EOFError, KeyError) as e:
+        raise ValueError(f"cannot read the video array ({e})") from None
+    if "frames" not in members:
+        raise ValueError("a .npz video needs a 'frames' array (and optionally 'fps')")
+    fps = video_fps(members["fps"]) if "fps" in members else DEFAULT_VIDEO_FPS
+    return members["frames"], fps
+
+
 def decode_video(data: bytes, cfg: PreprocessConfig, limits: MediaLimits) -> tuple[np.ndarray, float, list[int]]:
     """(sampled frames ``[T, H, W, 3]`` uint8, the video's fps, the sampled frame indices)."""
     if data[:6] == b"\x93NUMPY" or data[:4] == b"PK\x03\x04":
-        try:
-            arr = np.load(io.BytesIO(data), allow_pickle=False)
-        except (ValueError, OSError, EOFError) as e:
-            raise ValueError(f"cannot read the video array ({e})") from None
-        fps = DEFAULT_VIDEO_FPS
-        if isinstance(arr, np.lib.npyio.NpzFile):
-            if "frames" not in arr.files:
-                raise ValueError("a .npz video needs a 'frames' array (and optionally 'fps')")
-            fps = video_fps(arr["fps"]) if "fps" in arr.files else fps
-            arr = arr["frames"]
+        arr, fps = _read_array(data)
         if arr.dtype != np.uint8 or arr.ndim != 4 or arr.shape[-1] != 3 or 0 in arr.shape:
             raise ValueError(f"a video array must be uint8 [frames, height, width, 3], got {arr.dtype} "
                              f"{list(arr.shape)}")
@@ -192,23 +216,22 @@ def decode_video(data: bytes, cfg: PreprocessConfig, limits: MediaLimits) -> tup
                              f"{limits.max_pixels:,} pixels")
         idx = sample_frames(arr.shape[0], fps, cfg)
         return arr[idx], fps, idx
-    try:
-        img = _open_pil(data, limits)
-    except ValueError:
-        raise ValueError("cannot decode the video: this build reads .npy / .npz frame arrays and animated "
-                         "GIF / PNG / WebP (other containers need FFmpeg, which is not used here)") from None
-    total = getattr(img, "n_frames", 1)
-    durations = []
-    for i in range(min(total, 64)):  # the mean frame duration of the first frames gives the fps
-        img.seek(i)
-        durations.append(img.info.get("duration") or 0)
-    mean_ms = sum(durations) / len(durations)
-    fps = 1000.0 / mean_ms if mean_ms > 0 else DEFAULT_VIDEO_FPS
-    idx = sample_frames(total, fps, cfg)
-    frames = []
-    for i in idx:
-        img.seek(i)
-        frames.append(_rgb(img))
+    img = _open_pil(data, limits, "video")  # an oversized frame says so; an unknown container names what is read
+    try:  # a truncated or corrupt body fails only when frames are read
+        total = getattr(img, "n_frames", 1)
+        durations = []
+        for i in range(min(total, 64)):  # the mean frame duration of the first frames gives the fps
+            img.seek(i)
+            durations.append(img.info.get("duration") or 0)
+        mean_ms = sum(durations) / len(durations)
+        fps = 1000.0 / mean_ms if mean_ms > 0 else DEFAULT_VIDEO_FPS
+        idx = sample_frames(total, fps, cfg)
+        frames = []
+        for i in idx:
+            img.seek(i)
+            frames.append(_rgb(img))
+    except (OSError, EOFError, ValueError) as e:
+        raise ValueError(f"cannot decode the video ({type(e).__name__}: {e})") from None
     return np.stack(frames), fps, idx
 
 
@@ -309,12 +332,24 @@ def load_media(kind: str, source, cfg: PreprocessConfig, limits: MediaLimits) ->
         raise ValueError(f"media kind must be 'image' or 'video', got {kind!r}")
     data = read_source(source, limits)
     digest = hashlib.sha256(kind.encode() + b"\0" + data).hexdigest()
-    if kind == "image":
-        pixels, grid = image_patches(decode_image(data, limits), cfg)
-        return MediaInput("image", digest, pixels, grid)
-    frames, fps, idx = decode_video(data, cfg, limits)
-    pixels, grid = video_patches(frames, cfg)
-    return MediaInput("video", digest, pixels, grid, frame_timestamps(idx, fps, cfg.temporal_patch_size))
+    try:
+        if kind == "image":
+            pixels, grid = image_patches(decode_image(data, limits), cfg)
+            return MediaInput("image", digest, pixels, grid)
+        frames, fps, idx = decode_video(data, cfg, limits)
+        pixels, grid = video_patches(frames, cfg)
+        return MediaInput("video", digest, pixels, grid, frame_timestamps(idx, fps, cfg.temporal_patch_size))
+    except ValueError as e:
+        if (name := _file_name(source)) is None:
+            raise
+        raise ValueError(f"{kind} {name}: {e}") from None  # several --image / --video: which one it was
+
+
+def _file_name(source) -> str | None:
+    """The path a local-file source names (what an error should show), None for bytes and data URIs."""
+    if isinstance(source, (str, os.PathLike)) and not os.fspath(source)[:5].lower() == "data:":
+        return os.fspath(source)
+    return None
 
 
 class MediaCache:

@@ -84,10 +84,24 @@ def build_case(tokenizer, ctx: int, depth: int, index: int, seed: int = 0, answe
         body.append(list(line))
         used += len(line)
         i += 1
-    at = round(len(body) * depth / 100)
+    at = needle_line(body, depth)
     ids = [t for line in body[:at] for t in line] + needle + [t for line in body[at:] for t in line] + question
     return {"case": f"ctx{ctx}-d{depth}-{index}", "ctx": ctx, "depth": depth, "key": key, "value": value,
             "prompt_ids": ids}
+
+
+def needle_line(body: list[list[int]], depth: int) -> int:
+    """The line boundary the needle goes in front of: the one whose token offset is nearest ``depth`` percent of
+    the body's tokens (the lower one on a tie). Lines differ in length, so a share of the lines (``depth`` percent
+    of the line count) can sit several points of the context away from where the case says its needle is."""
+    starts = np.concatenate([[0], np.cumsum([len(line) for line in body])])  # [lines + 1] token offsets
+    return int(np.argmin(np.abs(starts * 100 - starts[-1] * depth)))  # integers: no float ties
+
+
+NEEDLE_PLACEMENT = "tokens"
+"""How ``build_case`` places a needle (recorded in a result's config): at the line boundary nearest the depth's
+share of the body's tokens. Documents made before (no such key: by share of lines) have other prompts at most
+depths, so ``--rescore`` cannot rebuild their cases."""
 
 
 def cases(tokenizer, opts: NiahOptions) -> list[dict]:
@@ -126,7 +140,7 @@ def _load_oracles(opts: NiahOptions, model_info: dict) -> dict[str, dict]:
 
 
 def retrieved(text: str, value: int) -> bool:
-    """The answer holds the value as a whole number on the answer's first line."""
+    """The answer holds the value (DESIGN.md) as a whole number on the answer's first line."""
     first = text.strip().splitlines()[0] if text.strip() else ""
     digits = "".join(ch if ch.isdigit() else " " for ch in first).split()
     return str(value) in digits
@@ -196,6 +210,9 @@ def rescore_niah(doc: dict, oracle: str | None = None) -> dict:
         lacking = [k for k in RESCORE_RECORD if k not in rec]
         if lacking:
             raise ValueError(f"niah result {doc.get('label')!r}: records[{i}] lacks {lacking}")
+    if cfg.get("needle_placement") != NEEDLE_PLACEMENT:
+        raise ValueError(f"niah result {doc.get('label')!r}: its needles were placed by share of lines (before "
+                         f"placement by tokens): this build's cases are other prompts, its tokens cannot be rescored")
     opts = NiahOptions(model=cfg.get("model"), ctxs=tuple(cfg["ctxs"]), depths=tuple(cfg["depths"]),
                        cases=cfg["cases"], answer_tokens=cfg["answer_tokens"], seed=cfg["seed"],
                        oracle=oracle or None, near_tie=cfg.get("near_tie", NEAR_TIE_NATS))
@@ -249,6 +266,7 @@ def run_niah(opts: NiahOptions, progress=None) -> dict:
     config = asdict(opts)
     config["label"] = opts.label or f"{opts.runtime}-niah"
     config["device"] = str(eng.device)
+    config["needle_placement"] = NEEDLE_PLACEMENT
     return make_result("niah", label=config["label"], config=config, records=records, summary=summary,
                        model=dict(eng.model_info))
 

@@ -510,3 +510,37 @@ def test_niah_oracle_identity_names_what_differs(tmp_path):
         _load_oracles(NiahOptions(oracle=str(path)), tiny)
     with pytest.raises(ValueError, match=r"oracle cases built with answer_tokens 10 \(this run: 4\)"):
         _load_oracles(NiahOptions(oracle=str(path), answer_tokens=4), artifact)
+
+
+def test_niah_needle_sits_at_its_depth_of_the_body_tokens():
+    """The needle goes to the line boundary nearest ``depth`` percent of the body's tokens, not ``depth`` percent of
+    its lines: with lines of uneven length the two are far apart (here 50 % of the lines is 83 % of the tokens)."""
+    from ninfer_bench.engine.loader import load_source
+    from ninfer_bench.suites.needle import needle_text
+    from ninfer_bench.suites.niah import build_case, needle_line, question_text
+
+    body = [[1] * 10] * 5 + [[2]] * 5  # 55 tokens: five long lines, then five short ones
+    assert [needle_line(body, d) for d in (0, 10, 50, 80, 100)] == [0, 1, 3, 4, 10]  # offsets 0, 10, 30, 40, 55
+    assert needle_line(body, 95) == 7  # 52.25 of 55: the boundary at 52 (line 7) beats 53
+    tok = load_source("tiny").tokenizer
+    for ctx, depth in [(1024, 33), (2048, 50), (2048, 77), (1024, 5)]:
+        case = build_case(tok, ctx, depth, 0)
+        ids, needle = case["prompt_ids"], tok.encode(needle_text(case["key"], case["value"]))
+        at = next(i for i in range(len(ids)) if ids[i:i + len(needle)] == needle)
+        body_tokens = len(ids) - len(needle) - len(tok.encode("\n" + question_text(case["key"])))
+        assert abs(100 * at / body_tokens - depth) < 1.5, (ctx, depth, 100 * at / body_tokens)
+
+
+def test_niah_rescore_refuses_documents_with_the_old_needle_placement():
+    """A document made when needles were placed by share of lines ran other prompts than this build makes: its
+    tokens are not judged against today's oracles (their prompts differ, at most depths, by where the needle is)."""
+    from ninfer_bench.reports.schema import make_result
+    from ninfer_bench.suites.niah import rescore_niah
+
+    config = {"model": None, "ctxs": [2048], "depths": [50], "cases": 1, "answer_tokens": 10, "seed": 0}
+    rec = {"case": "ctx2048-d50-0", "ctx": 2048, "depth": 50, "prompt_tokens": 2034, "answer": " 1\n", "tokens": [1],
+           "retrieved": False}
+    doc = make_result("niah", label="old", config=config, records=[rec], env={},
+                      summary={"cases": 1, "oracle_agreement": None, "retrieval": 0.0, "first_divergence": {}})
+    with pytest.raises(ValueError, match="placed by share of lines"):
+        rescore_niah(doc)

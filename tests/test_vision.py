@@ -387,6 +387,48 @@ def test_bad_media_is_a_clear_error(eng, tmp_path):
         eng.media_prompt(eng.tokenizer.encode(placeholder("image")), [item, item])
 
 
+def test_exif_orientation_is_applied_like_transformers(eng):
+    """A JPEG stored sideways with EXIF orientation 6 (rotate 90 degrees clockwise to show) reaches the tower
+    upright, as transformers' load_image turns it: a 32 x 64 stored frame is a 64 x 32 picture."""
+    from transformers.image_utils import load_image
+
+    stored = np.zeros((32, 64, 3), np.uint8)
+    stored[:, :8] = 255  # a white band on the stored left edge: on top once turned
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    buf = io.BytesIO()
+    Image.fromarray(stored).save(buf, "JPEG", exif=exif.tobytes(), quality=95)
+    ours = M.decode_image(buf.getvalue(), M.MediaLimits())
+    ref = np.asarray(load_image(Image.open(io.BytesIO(buf.getvalue()))))
+    assert ours.shape == (64, 32, 3) and np.array_equal(ours, ref)
+    assert ours[:8].mean() > 200 and ours[16:].mean() < 50
+    assert eng.load_media("image", buf.getvalue()).grid == eng.load_media("image", png(ref)).grid
+
+
+def test_unreadable_and_oversized_files_are_one_line_errors_naming_the_file(eng, tmp_path):
+    """Past PIL's own decompression-bomb cap, a corrupt .npz, an unknown format, a truncated animated GIF: each a
+    ValueError (the CLI's one-line error) that names the file, no PIL / zipfile exception type escaping."""
+    huge = io.BytesIO()
+    Image.new("1", (14000, 14000)).save(huge, "PNG")  # 196 M pixels: PIL refuses before our own limit is read
+    gif = io.BytesIO()
+    frames = [Image.fromarray(noise(20, 30, seed=s)) for s in range(6)]
+    frames[0].save(gif, "GIF", save_all=True, append_images=frames[1:], duration=100)
+    files = {"huge.png": ("image", huge.getvalue(), "exceeds the limit of"),
+             "huge-as-video.png": ("video", huge.getvalue(), "exceeds the limit of"),
+             "bad.npz": ("video", b"PK\x03\x04 not a zip", "cannot read the video array"),
+             "bad.png": ("image", b"garbage bytes", "cannot decode the image"),
+             "cut.gif": ("video", gif.getvalue()[:len(gif.getvalue()) // 2], "cannot decode the video")}
+    for name, (kind, data, message) in files.items():
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(ValueError) as e:
+            eng.load_media(kind, str(tmp_path / name))
+        text = str(e.value)
+        assert text.startswith(f"{kind} {tmp_path / name}: ") and message in text and "\n" not in text, text
+        assert "BytesIO" not in text, text
+    with pytest.raises(ValueError, match=r"^cannot read the video array"):  # bytes: nothing to name
+        eng.load_media("video", b"PK\x03\x04 not a zip")
+
+
 def test_model_without_vision_refuses_media(tiny_artifact):
     plain = Engine.load(str(tiny_artifact), device="cpu", kv_dtype="fp32", max_context=128)
     with pytest.raises(ValueError, match="no vision component"):
@@ -637,7 +679,8 @@ def test_cli_bad_fps_and_placeholders_are_one_line_errors(vl, tmp_path):
         (tmp_path / f"{name}.npz").write_bytes(npz_fps(BAD_FPS[name]))
         out = cli("generate", str(art), "--video", str(tmp_path / f"{name}.npz"), "-p", "hi", "-n", "2", "--device",
                   "cpu")
-        assert out.returncode == 1 and out.stderr.startswith("error: a .npz video's 'fps' must be"), out.stderr
+        want = f"error: video {tmp_path / name}.npz: a .npz video's 'fps' must be"
+        assert out.returncode == 1 and out.stderr.startswith(want), out.stderr
         assert out.stderr.count("\n") == 1, out.stderr
     out = cli("generate", str(art), "-p", "<|image_pad|> what", "-n", "2", "--device", "cpu")
     assert out.returncode == 1 and out.stderr.count("\n") == 1, out.stderr
