@@ -509,7 +509,9 @@ def niah(model, ctx, depths, cases, answer_tokens, seed, prefill_chunk, device, 
 @click.option("--force", is_flag=True,
               help="Replace the output file: drop the cases it holds and compute the requested ones afresh (needed "
                    "when its model or settings differ from this run's). Default: keep its cases and add the new ones.")
-def oracle_niah(model, ctx, depths, cases, answer_tokens, seed, prefill_chunk, dtype, top_k, out, force):
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
+              help="Where the reference runs its plain torch ops (auto: CUDA when there is one).")
+def oracle_niah(model, ctx, depths, cases, answer_tokens, seed, prefill_chunk, dtype, top_k, out, force, device):
     """Reference-model answers for the NIAH cases, stored for `ninfer-bench niah` to compare against."""
     from .suites.niah import build_niah_oracle
 
@@ -520,6 +522,7 @@ def oracle_niah(model, ctx, depths, cases, answer_tokens, seed, prefill_chunk, d
     check_output(out)  # (save_oracle makes no folders)
     prog, update = suite_progress("oracle niah")
     with prog:
-        paths = build_niah_oracle(model, opts, out, top_k=top_k, dtype=dtype, force=force, progress=update)
+        paths = build_niah_oracle(model, opts, out, top_k=top_k, dtype=dtype, force=force, device=device,
+                                  progress=update)
     for p in paths:
         console.print(f"[green]wrote[/] {p}")

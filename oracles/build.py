@@ -11,13 +11,18 @@ from .store import save_oracle
 DTYPES = {"fp64": torch.float64, "fp32": torch.float32}
 
 
-def reference_model(source: str | None, dtype: str = "fp64"):
-    """(ReferenceModel with weights dequantized from ``source``, the loaded model)."""
+def reference_model(source: str | None, dtype: str = "fp64", device: str = "cpu"):
+    """(ReferenceModel with weights dequantized from ``source``, on ``device`` (auto: CUDA when there is one), the
+    loaded model)."""
     if dtype not in DTYPES:
         raise ValueError(f"oracle dtype must be fp64 or fp32, got {dtype!r}")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is visible here (use --device cpu)")
     loaded = load_source(source, device="cpu")
     weights = {name: raw.dense(torch.float32) for name, raw in loaded.raws.items()}
-    return ReferenceModel(loaded.config, weights, dtype=DTYPES[dtype]), loaded
+    return ReferenceModel(loaded.config, weights, dtype=DTYPES[dtype], device=device), loaded
 
 
 def model_meta(info: dict) -> dict:

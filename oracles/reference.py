@@ -43,7 +43,7 @@ def rope(x: torch.Tensor, positions: torch.Tensor, rotary_dim: int, theta: float
 
     The angle table is always built in float64 so the float32 oracle's RoPE is as exact as it can be.
     """
-    inv_freq = 1.0 / theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
+    inv_freq = 1.0 / theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64, device=x.device) / rotary_dim)
     angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]  # [T, rd/2]
     cos = torch.cat([angles.cos(), angles.cos()], -1).to(x.dtype)[:, None, :]  # [T, 1, rd]
     sin = torch.cat([angles.sin(), angles.sin()], -1).to(x.dtype)[:, None, :]
@@ -107,14 +107,17 @@ class DecodeState:
 class ReferenceModel:
     """The oracle: full-sequence logits, incremental greedy decode, and the MTP head."""
 
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype = torch.float64):
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype = torch.float64,
+                 device="cpu"):
         if dtype not in (torch.float64, torch.float32):
             raise ValueError(f"reference model: dtype must be torch.float64 or torch.float32, got {dtype}")
         self.config = config
         self.dtype = dtype
+        # the same plain torch ops on any device (a GPU runs the long-context cases in a fraction of the time)
+        self.device = torch.device(device)
         if any(name.endswith("in_proj_qkvz.weight") for name in weights):
             weights = split_qwen3_next_weights(weights, config)
-        self.w = {name: t.detach().to(device="cpu", dtype=dtype) for name, t in weights.items()}
+        self.w = {name: t.detach().to(device=self.device, dtype=dtype) for name, t in weights.items()}
         if config.tie_word_embeddings and "model.embed_tokens.weight" in self.w:
             self.w["lm_head.weight"] = self.w["model.embed_tokens.weight"]
         self._validate_weights()
@@ -181,7 +184,7 @@ class ReferenceModel:
 
         # Depthwise causal conv: each output sees its own input and the W-1 before it.
         qkv = self._linear(x, p + "in_proj_qkv")  # [T, conv_dim]
-        past = st.conv.get(p, torch.zeros(width - 1, c.conv_dim, dtype=self.dtype))
+        past = st.conv.get(p, torch.zeros(width - 1, c.conv_dim, dtype=self.dtype, device=self.device))
         window = torch.cat([past, qkv])  # [W-1+T, conv_dim]
         st.conv[p] = window[window.shape[0] - (width - 1):]
         taps = window.unfold(0, width, 1)  # [T, conv_dim, W], taps[t, :, j] = window[t + j]
@@ -196,8 +199,8 @@ class ReferenceModel:
         beta = torch.sigmoid(self._linear(x, p + "in_proj_b"))  # [T, Hv]
         g = -torch.exp(self.w[p + "A_log"]) * F.softplus(self._linear(x, p + "in_proj_a") + self.w[p + "dt_bias"])
 
-        s = st.ssm.get(p, torch.zeros(hv, dk, dv, dtype=self.dtype))  # [Hv, dk, dv]
-        out = torch.empty(t_len, hv, dv, dtype=self.dtype)
+        s = st.ssm.get(p, torch.zeros(hv, dk, dv, dtype=self.dtype, device=self.device))  # [Hv, dk, dv]
+        out = torch.empty(t_len, hv, dv, dtype=self.dtype, device=self.device)
         for t in range(t_len):
             s = s * torch.exp(g[t])[:, None, None]
             recalled = torch.einsum("hkv,hk->hv", s, k[t])  # S^T k
@@ -215,7 +218,7 @@ class ReferenceModel:
         c = self.config
         t_len, hq, hkv, d = x.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
         eps = c.rms_norm_eps
-        positions = torch.arange(st.position, st.position + t_len)
+        positions = torch.arange(st.position, st.position + t_len, device=self.device)
 
         q_and_gate = self._linear(x, p + "q_proj").reshape(t_len, hq, 2 * d)  # per head: [query | gate]
         q, gate = q_and_gate[..., :d], q_and_gate[..., d:]
@@ -231,7 +234,7 @@ class ReferenceModel:
         keys = torch.cat(st.keys[p]).repeat_interleave(hq // hkv, dim=1)
         values = torch.cat(st.values[p]).repeat_interleave(hq // hkv, dim=1)
         scores = torch.einsum("thd,shd->hts", q, keys) * d ** -0.5  # [Hq, T, S]
-        visible = torch.arange(keys.shape[0])[None, :] <= positions[:, None]  # [T, S] causal
+        visible = torch.arange(keys.shape[0], device=self.device)[None, :] <= positions[:, None]  # [T, S] causal
         probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
         out = torch.einsum("hts,shd->thd", probs, values).reshape(t_len, hq * d)
         return self._linear(out * torch.sigmoid(gate.reshape(t_len, hq * d)), p + "o_proj")
@@ -249,7 +252,7 @@ class ReferenceModel:
 
     # ---- public entry points ----
     def _as_ids(self, ids) -> torch.Tensor:
-        ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)
+        ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1).to(self.device)
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size):
             raise ValueError(f"reference model: token ids must be in [0, {self.config.vocab_size}), "
                              f"got range [{int(ids.min())}, {int(ids.max())}]")
@@ -302,7 +305,7 @@ class ReferenceModel:
             result["topk_logprobs"].append([float(v) for v in top.values])
             if token in stop or step == max_new_tokens - 1:
                 break
-            hidden = self._run(torch.tensor([token]), st)
+            hidden = self._run(torch.tensor([token], device=self.device), st)
         return result
 
     @torch.no_grad()

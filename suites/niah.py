@@ -323,7 +323,7 @@ def _coverage(records) -> dict:
 
 
 def build_niah_oracle(source: str | None, opts: NiahOptions, out: str | None = None, *, top_k: int = 8,
-                      dtype: str = "fp64", force: bool = False, progress=None) -> list[Path]:
+                      dtype: str = "fp64", force: bool = False, device: str = "cpu", progress=None) -> list[Path]:
     """Reference-model (float64, sequential) greedy answers for every case; one file per context length.
 
     A file that exists for the same model and settings is extended: its cases stay, and the ones asked for again
@@ -335,7 +335,7 @@ def build_niah_oracle(source: str | None, opts: NiahOptions, out: str | None = N
 
     if out and len(opts.ctxs) != 1:
         raise ValueError(f"out names one oracle file, for one context length; got {len(opts.ctxs)}")
-    model, loaded = reference_model(source, dtype)
+    model, loaded = reference_model(source, dtype, device)
     info = loaded.info
     plan = []  # (path, meta, stored records) per context, every file checked before the first case is computed
     for ctx in opts.ctxs:

@@ -162,6 +162,18 @@ def test_float32_oracle_is_close():
     assert rel_rms(ref32, ref64) <= RTOL_VS_HF_FP32
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_oracle_on_cuda_is_the_oracle_on_the_cpu():
+    """``oracle niah --device cuda``: the same plain float64 ops on the GPU give the CPU's greedy tokens, top-k ids
+    and log-probs (to float64 rounding: the sums run in another order), chunked prefill included."""
+    hf, cfg = build_hf("qwen3_5_ratio2_untied")
+    ids = prompt(97, cfg.vocab_size)
+    cpu = ReferenceModel(cfg, weights_of(hf)).greedy(ids, 12, prefill_chunk=40)
+    gpu = ReferenceModel(cfg, weights_of(hf), device="cuda").greedy(ids, 12, prefill_chunk=40)
+    assert (gpu["tokens"], gpu["topk_ids"]) == (cpu["tokens"], cpu["topk_ids"])
+    assert torch.allclose(torch.tensor(gpu["topk_logprobs"]), torch.tensor(cpu["topk_logprobs"]), rtol=0, atol=1e-9)
+
+
 def test_qwen3_next_split_matches_hf_ordering():
     hf, cfg = build_hf("qwen3_next_ratio3")
     split = split_qwen3_next_weights(weights_of(hf), cfg)
