@@ -90,6 +90,9 @@ class Engine:
         self.loaded = loaded
         self.config: ModelConfig = loaded.config
         self.tokenizer = loaded.tokenizer
+        # ids that are control, not text: end tokens and the tokenizer's special tokens (chat markers, the mask);
+        # the output text and stop strings leave them out, as servers do by default (vLLM's skip_special_tokens)
+        self.control_ids = frozenset(self.tokenizer.eos_ids) | frozenset(self.tokenizer.special_ids)
         self.device, self.dtype = opts.torch_device, opts.torch_dtype
         opts.bind(self.config.max_position_embeddings)
         if self.device.type == "cpu":
@@ -366,7 +369,7 @@ class Engine:
         elif p.stop:
             tail = self._stop_tail(seq.tokens, max(map(len, p.stop)))
             if any(stop in tail for stop in p.stop):
-                text = self.tokenizer.decode(seq.tokens)
+                text = self.text(seq.tokens)
                 cut = min(text.index(stop) for stop in p.stop if stop in text)
                 seq.text = text[:cut]
                 seq.finish_reason = "stop"
@@ -377,16 +380,20 @@ class Engine:
     def _stop_tail(self, tokens: list[int], longest: int) -> str:
         """The decoded end of ``tokens`` that holds any stop string of up to ``longest`` characters ending in the
         newest token (the whole text is decoded only on a hit): 4 * longest + 1 tokens before the newest one (>= 1
-        byte a token, <= 4 bytes a character), more while those decode to too few characters - ids that decode to
-        nothing, as a byte tokenizer's unnamed ids or a padded vocabulary's. The margin of 5 covers the replacement
-        characters of a character cut at either end."""
+        byte a token, <= 4 bytes a character), more while those decode to too few characters - ids that are no
+        text: control ids, a byte tokenizer's unnamed ids, a padded vocabulary's. The margin of 5 covers the
+        replacement characters of a character cut at either end."""
         n = 4 * longest + 2
-        tail = self.tokenizer.decode(tokens[-n:])
-        newest = len(self.tokenizer.decode(tokens[-1:]))
+        tail = self.text(tokens[-n:])
+        newest = len(self.text(tokens[-1:]))
         while n < len(tokens) and len(tail) - newest < longest + 5:
             n *= 2
-            tail = self.tokenizer.decode(tokens[-n:])
+            tail = self.text(tokens[-n:])
         return tail
+
+    def text(self, ids) -> str:
+        """The text of generated ids: control ids (end tokens, special tokens) left out."""
+        return self.tokenizer.decode([t for t in ids if t not in self.control_ids])
 
     @torch.inference_mode()
     def prefill_step(self, seq: Sequence, chunk: int | None = None) -> bool:
@@ -460,6 +467,7 @@ class Engine:
                 and not p.logprobs and not p.stop and not (seq.media is not None and seq.media.delta)
                 and seq.finish_reason is None and len(self._stop_ids(p)) <= MAX_STOP_IDS)
 
+    @torch.inference_mode()  # the decode graph may have been captured (its buffers made) in inference mode
     def _decode_chained(self, seq: Sequence) -> None:
         """Greedy decode of ``seq`` with the host one step behind the GPU: step n + 1 is queued before token n is
         read, so the GPU never waits for the host's bookkeeping. The steps are never more than the tokens still
@@ -532,7 +540,7 @@ class Engine:
         _sync(dev)
         t2 = time.perf_counter()
         device_ms = ev0.elapsed_time(ev1) if ev0 else (t2 - t1) * 1e3
-        text = seq.text if seq.text is not None else self.tokenizer.decode(seq.tokens)
+        text = seq.text if seq.text is not None else self.text(seq.tokens)
         return GenerationResult(tokens=list(seq.tokens), text=text, finish_reason=seq.finish_reason,
                                 prompt_tokens=len(seq.prompt), prefill_s=t1 - t0, decode_s=t2 - t1,
                                 ttft_s=t1 - t0, device_decode_ms=device_ms, spec=dict(seq.stats),

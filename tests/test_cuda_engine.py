@@ -150,6 +150,17 @@ def test_lookahead_decode_equals_synchronous(dtype):
     assert after["ahead"] == after["sync"]
 
 
+def test_chained_decode_after_graphs_captured_by_the_synchronous_loop():
+    """A request that cannot chain (here: it keeps log-probs, as niah does with an oracle) captures the decode graph
+    inside the synchronous loop's inference mode; the next plain request chains through the same graph and must be
+    able to write its buffers (it raised "Inplace update to inference tensor outside InferenceMode")."""
+    eng = Engine.load("tiny", device="cuda", max_context=1024)
+    first = eng.generate(PROMPT, max_new_tokens=16, ignore_eos=True, logprobs=True)
+    assert not eng._chain_used and len(first.logprobs) == 16
+    second = eng.generate(PROMPT, max_new_tokens=16, ignore_eos=True)
+    assert eng._chain_used and second.tokens == first.tokens
+
+
 def test_tiled_weights_decode_like_row_major():
     """qmv_layout tiled (the default for bf16 models) and lanes: only the tiled copies are kept, and decoding gives
     the row-major buffers' greedy tokens (the same sums from other addresses); the 137-token prefill takes the
