@@ -327,7 +327,7 @@ class Backend:
         self.context_limit = min(opts.max_context, opts.slot_capacity)
         self.eos = set(engine.tokenizer.eos_ids)
         # token ids left out of the text: end tokens and control tokens (chat markers), as OpenAI-style servers do
-        self.hidden = self.eos | engine.tokenizer.special_ids
+        self.hidden = engine.stops.control_ids
         self.created = int(time.time())
         self.active: set[Generation] = set()
         self._thread: threading.Thread | None = None

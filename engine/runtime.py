@@ -8,8 +8,6 @@ On a CPU both run eagerly through torch.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-
 import torch
 
 from .cache import HybridCache
@@ -20,61 +18,15 @@ from .mrope import MediaPrompt, column_axes, media_prompt
 from .model import DECODE, PREFILL, HybridModel, Step
 from .options import EngineOptions, apply_cpu_threads
 from .sampling import SamplingParams, make_generator, select
+from .sequence import GenerationResult, Sequence, keep_logprobs
 from .spec.loop import speculative_round
+from .stops import StopRule
 from .vision import encode_items
 from .weights import WeightStore
 
 
 class CapacityError(ValueError):
     """A request that cannot fit the engine's capacities; refused before any work."""
-
-
-@dataclass
-class Sequence:
-    """One request in flight: its slot, tokens and accounting."""
-
-    slot: int
-    prompt: list[int]
-    params: SamplingParams
-    generator: torch.Generator | None = None
-    tokens: list[int] = field(default_factory=list)
-    length: int = 0  # tokens whose state is in the cache
-    finish_reason: str | None = None
-    text: str | None = None  # the output cut before a stop string, when one ended it (None: not cut)
-    stats: dict = field(default_factory=dict)
-    media: MediaPrompt | None = None  # images / videos of the prompt (engine/mrope.py)
-    logprobs: list = field(default_factory=list)  # with params.logprobs: each token's log-softmax row, fp32 CPU
-
-    @property
-    def last(self) -> int:
-        return self.tokens[-1] if self.tokens else self.prompt[-1]
-
-
-@dataclass
-class GenerationResult:
-    """Tokens and measurements of one generation."""
-
-    tokens: list[int]
-    text: str
-    finish_reason: str
-    prompt_tokens: int
-    prefill_s: float
-    decode_s: float
-    ttft_s: float
-    device_decode_ms: float
-    spec: dict = field(default_factory=dict)
-    vision: dict = field(default_factory=dict)  # media requests: encode_ms, tokens, items, cached
-    logprobs: list | None = None  # SamplingParams.logprobs: [vocab] fp32 log-softmax rows, one a token
-
-    @property
-    def completion_tokens(self) -> int:
-        return len(self.tokens)
-
-
-def _keep_logprobs(seq: Sequence, logits: torch.Tensor) -> None:
-    """With ``params.logprobs``, keep the log-softmax of the logits the next token of ``seq`` is picked from."""
-    if seq.params.logprobs:
-        seq.logprobs.append(torch.log_softmax(logits.float(), -1).cpu())
 
 
 def _sync(device: torch.device) -> None:
@@ -90,9 +42,7 @@ class Engine:
         self.loaded = loaded
         self.config: ModelConfig = loaded.config
         self.tokenizer = loaded.tokenizer
-        # ids that are control, not text: end tokens and the tokenizer's special tokens (chat markers, the mask);
-        # the output text and stop strings leave them out, as servers do by default (vLLM's skip_special_tokens)
-        self.control_ids = frozenset(self.tokenizer.eos_ids) | frozenset(self.tokenizer.special_ids)
+        self.stops = StopRule(self.tokenizer)  # end / stop ids, stop strings in the text (control ids left out)
         self.device, self.dtype = opts.torch_device, opts.torch_dtype
         opts.bind(self.config.max_position_embeddings)
         if self.device.type == "cpu":
@@ -360,41 +310,6 @@ class Engine:
             self.cache.commit(keep)
 
     # ---- generation ------------------------------------------------------------------------------
-    def _finish(self, seq: Sequence) -> bool:
-        """Set ``finish_reason`` when ``seq`` must stop after its newest token."""
-        p, tok = seq.params, seq.tokens[-1]
-        eos = () if p.ignore_eos else tuple(self.tokenizer.eos_ids)
-        if tok in eos or tok in p.stop_token_ids:
-            seq.finish_reason = "stop"
-        elif p.stop:
-            tail = self._stop_tail(seq.tokens, max(map(len, p.stop)))
-            if any(stop in tail for stop in p.stop):
-                text = self.text(seq.tokens)
-                cut = min(text.index(stop) for stop in p.stop if stop in text)
-                seq.text = text[:cut]
-                seq.finish_reason = "stop"
-        if seq.finish_reason is None and len(seq.tokens) >= p.max_new_tokens:
-            seq.finish_reason = "length"
-        return seq.finish_reason is not None
-
-    def _stop_tail(self, tokens: list[int], longest: int) -> str:
-        """The decoded end of ``tokens`` that holds any stop string of up to ``longest`` characters ending in the
-        newest token (the whole text is decoded only on a hit): 4 * longest + 1 tokens before the newest one (>= 1
-        byte a token, <= 4 bytes a character), more while those decode to too few characters - ids that are no
-        text: control ids, a byte tokenizer's unnamed ids, a padded vocabulary's. The margin of 5 covers the
-        replacement characters of a character cut at either end."""
-        n = 4 * longest + 2
-        tail = self.text(tokens[-n:])
-        newest = len(self.text(tokens[-1:]))
-        while n < len(tokens) and len(tail) - newest < longest + 5:
-            n *= 2
-            tail = self.text(tokens[-n:])
-        return tail
-
-    def text(self, ids) -> str:
-        """The text of generated ids: control ids (end tokens, special tokens) left out."""
-        return self.tokenizer.decode([t for t in ids if t not in self.control_ids])
-
     @torch.inference_mode()
     def prefill_step(self, seq: Sequence, chunk: int | None = None) -> bool:
         """Prefill the next ``chunk`` (default ``--prefill-chunk``) tokens of ``seq``'s prompt (from ``seq.length``,
@@ -412,12 +327,12 @@ class Engine:
         final = seq.length == len(seq.prompt)
         if final:
             row = self.model.logits(hidden[0, -1:])[0]
-            _keep_logprobs(seq, row)
+            keep_logprobs(seq, row)
             seq.tokens.append(int(select(row, seq.params, seq.generator)))
         if self.drafter:
             self.drafter.begin(seq, start, hidden[0], torch.cat([t[0] for t in tap_out], dim=-1) if taps else None)
         if final:
-            self._finish(seq)
+            self.stops.finish(seq)
         return final
 
     def start(self, seq: Sequence, on_prefill=None) -> None:
@@ -445,17 +360,13 @@ class Engine:
         last = logits[:, -1]
         picked = last.argmax(-1)  # greedy rows; sampling rows draw below from their own generators
         for r, s in enumerate(live):
-            _keep_logprobs(s, last[r])
+            keep_logprobs(s, last[r])
             if not s.params.greedy:
                 picked[r] = select(last[r], s.params, s.generator)
         for s, tok in zip(live, picked.tolist()):  # one device-to-host read for the whole batch
             s.length += 1
             s.tokens.append(tok)
-            self._finish(s)
-
-    def _stop_ids(self, p: SamplingParams) -> set[int]:
-        """Token ids that end a request: its stop ids, and EOS unless it ignores EOS."""
-        return set(p.stop_token_ids) | set(() if p.ignore_eos else self.tokenizer.eos_ids)
+            self.stops.finish(s)
 
     def _chainable(self, seq: Sequence) -> bool:
         """Whether ``seq`` can decode through the graph chain: greedy, no drafter, no stop strings (the host finds
@@ -465,7 +376,7 @@ class Engine:
         p = seq.params
         return (self.options.lookahead and self.graphs is not None and self.drafter is None and p.greedy
                 and not p.logprobs and not p.stop and not (seq.media is not None and seq.media.delta)
-                and seq.finish_reason is None and len(self._stop_ids(p)) <= MAX_STOP_IDS)
+                and seq.finish_reason is None and len(self.stops.stop_ids(p)) <= MAX_STOP_IDS)
 
     @torch.inference_mode()  # the decode graph may have been captured (its buffers made) in inference mode
     def _decode_chained(self, seq: Sequence) -> None:
@@ -477,7 +388,7 @@ class Engine:
         left = seq.params.max_new_tokens - len(seq.tokens)
         if left <= 0:
             return
-        ch = self.graphs.chain(seq.last, seq.length, seq.slot, self._stop_ids(seq.params))
+        ch = self.graphs.chain(seq.last, seq.length, seq.slot, self.stops.stop_ids(seq.params))
         host = torch.empty(left, dtype=torch.long, pin_memory=True)
         done = []
         queued = read = 0
@@ -496,7 +407,7 @@ class Engine:
             read += 1
             seq.length += 1
             seq.tokens.append(tok)
-            self._finish(seq)
+            self.stops.finish(seq)
 
     def release(self, seq: Sequence) -> None:
         if self.drafter is not None:
@@ -540,7 +451,7 @@ class Engine:
         _sync(dev)
         t2 = time.perf_counter()
         device_ms = ev0.elapsed_time(ev1) if ev0 else (t2 - t1) * 1e3
-        text = seq.text if seq.text is not None else self.text(seq.tokens)
+        text = seq.text if seq.text is not None else self.stops.text(seq.tokens)
         return GenerationResult(tokens=list(seq.tokens), text=text, finish_reason=seq.finish_reason,
                                 prompt_tokens=len(seq.prompt), prefill_s=t1 - t0, decode_s=t2 - t1,
                                 ttft_s=t1 - t0, device_decode_ms=device_ms, spec=dict(seq.stats),

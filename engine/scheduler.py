@@ -20,7 +20,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .runtime import CapacityError, Engine, Sequence
+from .runtime import CapacityError, Engine
+from .sequence import Sequence
 from .sampling import SamplingParams
 
 

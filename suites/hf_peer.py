@@ -16,7 +16,7 @@ import torch
 
 from ..engine.loader import load_source
 from ..engine.options import apply_cpu_threads
-from ..engine.runtime import GenerationResult
+from ..engine.sequence import GenerationResult
 from ..engine.weights import text_weight_names
 
 

@@ -123,7 +123,7 @@ def test_unseeded_sampling_leaves_the_global_generator_alone():
 def test_stop_string_across_tokens_that_decode_to_nothing():
     """A stop string is found however many tokens between its characters decode to nothing (the byte tokenizer's
     unnamed ids past its specials, a padded vocabulary's ids), and the text is cut before it."""
-    from ninfer_bench.engine.runtime import Sequence
+    from ninfer_bench.engine.sequence import Sequence
     from ninfer_bench.engine.sampling import SamplingParams
 
     eng = engine()
@@ -132,9 +132,30 @@ def test_stop_string_across_tokens_that_decode_to_nothing():
     seq = Sequence(slot=0, prompt=[1], params=SamplingParams(max_new_tokens=64, stop=("ab",)))
     for tok in [ord("x"), ord("a")] + [blank] * 20 + [ord("b"), ord("c")]:
         seq.tokens.append(tok)
-        if eng._finish(seq):
+        if eng.stops.finish(seq):
             break
     assert (seq.finish_reason, len(seq.tokens), seq.text) == ("stop", 23, "x")
+
+
+def test_control_tokens_are_no_text_for_the_output_or_stop_strings():
+    """End and special tokens (chat markers) are left out of the output text and of the text stop strings are
+    matched in, as the server's stream leaves them out (vLLM's default): a stop string split by a chat marker still
+    stops the engine, and a special token's name is no stop string."""
+    from ninfer_bench.engine.sequence import Sequence
+    from ninfer_bench.engine.sampling import SamplingParams
+
+    eng = engine()
+    marker = min(t for t in eng.tokenizer.special_ids if t not in eng.tokenizer.eos_ids)
+    name, eos = eng.tokenizer.decode([marker]), eng.tokenizer.eos_ids[0]
+    assert name and eng.stops.text([ord("x"), marker, ord("y"), eos]) == "xy"
+    for stop, tokens, want in [("ab", [ord("x"), ord("a"), marker, ord("b"), ord("c")], ("stop", 4, "x")),
+                               (name, [ord("x"), marker, ord("y")], (None, 3, None))]:
+        seq = Sequence(slot=0, prompt=[1], params=SamplingParams(max_new_tokens=64, stop=(stop,)))
+        for tok in tokens:
+            seq.tokens.append(tok)
+            if eng.stops.finish(seq):
+                break
+        assert (seq.finish_reason, len(seq.tokens), seq.text) == want, stop
 
 
 def test_top_p_keeps_the_nucleus_only():

@@ -87,7 +87,7 @@ def _append(e, seq, tokens: list[int]) -> int:
     for tok in tokens:
         seq.tokens.append(tok)
         added += 1
-        if e._finish(seq):
+        if e.stops.finish(seq):
             break
     seq.length += added
     return added
