@@ -20,6 +20,23 @@ from ..engine.sequence import GenerationResult
 from ..engine.weights import text_weight_names
 
 
+def cpu_blocked() -> str | None:
+    """Why transformers' Qwen3.5 cannot run on the CPU in this environment, None when it can: before 5.24 (the H200
+    machine's 5.17), with fla-core importable its GDN layers hand CPU tensors to fla's Triton kernels, which fail
+    ("Pointer argument cannot be accessed from Triton"); 5.24 falls back to its torch implementation there."""
+    import importlib.util
+    import re
+
+    import transformers
+
+    if importlib.util.find_spec("fla") is None:
+        return None
+    if tuple(int(x) for x in re.findall(r"\d+", transformers.__version__)[:2]) >= (5, 24):
+        return None
+    return (f"transformers {transformers.__version__} with fla-core installed runs fla's Triton kernels on CPU "
+            f"tensors, which fails: run the peer with --device cuda, or on the CPU with transformers >= 5.24")
+
+
 def _sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -64,6 +81,8 @@ class HFPeer:
             raise ValueError("--engine hf needs transformers: pip install 'ninfer-bench[hf]'") from None
         auto = "cuda" if torch.cuda.is_available() else "cpu"
         device = torch.device(opts.device if opts.device != "auto" else auto)
+        if device.type == "cpu" and (why := cpu_blocked()):
+            raise ValueError(f"--engine hf on the CPU: {why}")
         dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32, "fp32": torch.float32,
                  "bf16": torch.bfloat16, "fp16": torch.float16}[opts.dtype]
         if loaded is None:

@@ -181,7 +181,13 @@ def test_decode_document_has_every_required_key(tmp_path):
 def test_hf_peer_same_tokens_and_real_timings():
     """The transformers peer decodes the same greedy tokens as ours on the same weights, and its times come from
     one generate call (TTFT and decode both positive even without warm-up)."""
+    from ninfer_bench.suites.hf_peer import cpu_blocked
+
     kw = dict(model="tiny", device="cpu", dtype="fp32", kv_dtype="fp32", max_new_tokens=12, repeats=1, warmup=0)
+    if cpu_blocked():  # (the H200 machine: transformers 5.17 with fla-core) refused before any work, saying why
+        with pytest.raises(ValueError, match="--engine hf on the CPU: transformers .* fla's Triton kernels"):
+            run_decode(DecodeOptions(engine="hf", **kw))
+        return
     ours = run_decode(DecodeOptions(**kw))
     peer = run_decode(DecodeOptions(engine="hf", **kw))
     assert peer["summary"]["tokens_sha256"] == ours["summary"]["tokens_sha256"]
@@ -190,6 +196,25 @@ def test_hf_peer_same_tokens_and_real_timings():
     rec = peer["records"][0]
     assert rec["ttft_ms"] > 0 and rec["decode_s"] > 0
     assert 0 < rec["decode_tok_s"] < 1e6
+
+
+def test_hf_peer_on_the_cpu_is_refused_where_transformers_would_send_cpu_tensors_to_fla(monkeypatch):
+    """transformers before 5.24 with fla-core importable fails on CPU tensors in fla's Triton kernels: the peer says
+    so before any weight loads; 5.24, or no fla, runs."""
+    import importlib.util
+
+    import transformers
+
+    from ninfer_bench.suites.hf_peer import cpu_blocked
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "fla" else real(name, *a))
+    monkeypatch.setattr(transformers, "__version__", "5.17.0")
+    assert "transformers 5.17.0 with fla-core installed" in cpu_blocked()
+    with pytest.raises(ValueError, match="--engine hf on the CPU: transformers 5.17.0"):
+        run_decode(DecodeOptions(model="tiny", device="cpu", engine="hf", max_new_tokens=4, repeats=1, warmup=0))
+    monkeypatch.setattr(transformers, "__version__", "5.24.0")
+    assert cpu_blocked() is None
 
 
 def test_fp32_kv_takes_the_eager_attention():
