@@ -36,7 +36,8 @@ reasoning and thinking settings, web search, and vLLM's ``repetition_penalty`` /
 route does not know is refused as unknown, as OpenAI and Anthropic refuse it; fields that change nothing a client
 gets back (``user``, ``metadata``, ``store``, ``service_tier``, prompt-cache hints, ...) are accepted and ignored.
 Stop strings: at most 16, of at most 1000 characters each. Generated control tokens (end tokens, chat markers)
-are left out of the text; ``return_token_ids`` still shows them.
+are left out of the text, and so of what stop strings are matched in (as vLLM by default: a special token's name
+is no stop string; the engine's own output text and stop check agree); ``return_token_ids`` still shows them.
 
 Images and videos (models with a vision component): OpenAI ``image_url`` / ``video_url`` content parts whose
 ``url`` is a data URI, Anthropic ``image`` blocks with a base64 source. The server reads no local file a client
