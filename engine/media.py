@@ -185,6 +185,34 @@ def video_fps(value) -> float:
     return fps
 
 
+def _declared_frames(data: bytes) -> tuple[tuple[int, ...], np.dtype] | None:
+    """The shape and dtype a ``.npy`` array (or a ``.npz``'s ``frames``) declares in its header, read without
+    inflating its data; None where the header cannot be read (the full read then says what is wrong)."""
+    import zipfile
+
+    try:
+        if data[:6] == b"\x93NUMPY":
+            stream = io.BytesIO(data)
+        else:
+            archive = zipfile.ZipFile(io.BytesIO(data))
+            if "frames.npy" not in archive.namelist():
+                return None
+            stream = archive.open("frames.npy")
+        version = np.lib.format.read_magic(stream)
+        read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        shape, _, dtype = read(stream)
+        return tuple(shape), dtype
+    except Exception:  # zip, zlib and header errors alike: left to the full read's message
+        return None
+
+
+def _check_video_bytes(shape, itemsize: int, limits: MediaLimits, what: str) -> None:
+    n = math.prod(shape) * itemsize
+    if n > limits.max_video_bytes:
+        raise ValueError(f"{what} of {list(shape)} decode to {n:,} bytes, over the limit of "
+                         f"{limits.max_video_bytes:,}")
+
+
 def _read_array(data: bytes) -> tuple[np.ndarray, float]:
     """(frames, fps) of a ``.npy`` array or a ``.npz`` with ``frames`` (and ``fps``). A ``.npz`` member is read
     only when indexed, so a corrupt archive (zipfile / zlib errors, not ValueErrors) can fail there too."""
@@ -207,6 +235,9 @@ def _read_array(data: bytes) -> tuple[np.ndarray, float]:
 def decode_video(data: bytes, cfg: PreprocessConfig, limits: MediaLimits) -> tuple[np.ndarray, float, list[int]]:
     """(sampled frames ``[T, H, W, 3]`` uint8, the video's fps, the sampled frame indices)."""
     if data[:6] == b"\x93NUMPY" or data[:4] == b"PK\x03\x04":
+        declared = _declared_frames(data)
+        if declared is not None:  # before np.load inflates it
+            _check_video_bytes(declared[0], declared[1].itemsize, limits, "video frames")
         arr, fps = _read_array(data)
         if arr.dtype != np.uint8 or arr.ndim != 4 or arr.shape[-1] != 3 or 0 in arr.shape:
             raise ValueError(f"a video array must be uint8 [frames, height, width, 3], got {arr.dtype} "
@@ -226,6 +257,10 @@ def decode_video(data: bytes, cfg: PreprocessConfig, limits: MediaLimits) -> tup
         mean_ms = sum(durations) / len(durations)
         fps = 1000.0 / mean_ms if mean_ms > 0 else DEFAULT_VIDEO_FPS
         idx = sample_frames(total, fps, cfg)
+    except (OSError, EOFError, ValueError) as e:
+        raise ValueError(f"cannot decode the video ({type(e).__name__}: {e})") from None
+    _check_video_bytes((len(idx), img.size[1], img.size[0], 3), 1, limits, "sampled video frames")
+    try:
         frames = []
         for i in idx:
             img.seek(i)

@@ -14,14 +14,17 @@ from urllib.parse import unquote, urlsplit
 
 @dataclass(slots=True)
 class MediaLimits:
-    """What one request may send: bytes per item, decoded pixels per image or frame, items per request."""
+    """What one request may send: bytes per item, decoded pixels per image or frame, items per request, and bytes a
+    video's decoded frames may take (checked from its header before anything is inflated: a few MB of compressed
+    frames can decode to gigabytes)."""
 
     max_bytes: int = 32 << 20
     max_pixels: int = 8192 * 8192
     max_items: int = 16
+    max_video_bytes: int = 4 << 30
 
     def __post_init__(self) -> None:
-        for name in ("max_bytes", "max_pixels", "max_items"):
+        for name in ("max_bytes", "max_pixels", "max_items", "max_video_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"media limits: {name} must be a positive integer, got {value!r}")

@@ -429,6 +429,33 @@ def test_unreadable_and_oversized_files_are_one_line_errors_naming_the_file(eng,
         eng.load_media("video", b"PK\x03\x04 not a zip")
 
 
+def test_video_decode_size_is_checked_before_anything_is_inflated(eng, monkeypatch):
+    """A video's decoded size comes from its header: a .npz whose ``frames`` header declares 100 GB is refused
+    before np.load would inflate it (a few compressed MB can decode to that), as are .npy arrays and the sampled
+    frames of an animated image past ``max_video_bytes``."""
+    import zipfile
+
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(header, {"descr": "|u1", "fortran_order": False,
+                                                 "shape": (100000, 1000, 1000, 3)})
+    bomb = io.BytesIO()
+    with zipfile.ZipFile(bomb, "w") as z:
+        z.writestr("frames.npy", header.getvalue())  # the header alone: np.load would fail on the data, later
+    with pytest.raises(ValueError, match=r"video frames of \[100000, 1000, 1000, 3\] decode to 300,000,000,000 bytes"):
+        eng.load_media("video", bomb.getvalue())
+    small = io.BytesIO()
+    np.save(small, np.zeros((4, 16, 16, 3), np.uint8))
+    gif = io.BytesIO()
+    frames = [Image.fromarray(noise(16, 16, seed=s)) for s in range(4)]
+    frames[0].save(gif, "GIF", save_all=True, append_images=frames[1:], duration=500)
+    assert eng.load_media("video", small.getvalue()).kind == "video"
+    monkeypatch.setattr(eng.media_limits, "max_video_bytes", 1000)  # 4 x 16 x 16 x 3 = 3,072 bytes now too many
+    with pytest.raises(ValueError, match="video frames of .* over the limit of 1,000"):
+        eng.load_media("video", small.getvalue())
+    with pytest.raises(ValueError, match="sampled video frames of .* over the limit of 1,000"):
+        eng.load_media("video", gif.getvalue())
+
+
 def test_model_without_vision_refuses_media(tiny_artifact):
     plain = Engine.load(str(tiny_artifact), device="cpu", kv_dtype="fp32", max_context=128)
     with pytest.raises(ValueError, match="no vision component"):
