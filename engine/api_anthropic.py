@@ -101,11 +101,19 @@ def blocks_text(content, where: str, media: list | None = None) -> str:
 
 def render(backend: Backend, body: CountRequest, media: list | None = None) -> str:
     """The prompt text (``media`` collects the images, see :func:`blocks_text`). A final assistant message is a
-    prefill: the reply continues it."""
+    prefill: the reply continues it. As Anthropic's API: every message but that prefill needs content, and the
+    prefill may not end in whitespace."""
     turns = [{"role": "system", "content": blocks_text(body.system, "system", media)}] if body.system else []
-    turns += [{"role": m.role, "content": blocks_text(m.content, f"messages.{i}.content", media)}
-              for i, m in enumerate(body.messages)]
+    for i, m in enumerate(body.messages):
+        last_assistant = i == len(body.messages) - 1 and m.role == "assistant"
+        if not m.content and not last_assistant:  # "" or []
+            raise ApiError(400, f"messages.{i}: all messages must have non-empty content except for the optional "
+                                f"final assistant message", param=f"messages.{i}.content")
+        turns.append({"role": m.role, "content": blocks_text(m.content, f"messages.{i}.content", media)})
     prefill = turns.pop()["content"] if turns[-1]["role"] == "assistant" else ""
+    if prefill != prefill.rstrip():
+        raise ApiError(400, "final assistant content cannot end with trailing whitespace",
+                       param=f"messages.{len(body.messages) - 1}.content")
     try:
         return backend.engine.tokenizer.apply_chat_template(turns, add_generation_prompt=True) + prefill
     except Exception as e:  # the template's own raise_exception, or a Jinja error on odd input

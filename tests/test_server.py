@@ -332,6 +332,11 @@ def test_errors_in_each_api_shape(server):
         ("/v1/messages", {**msgs, "messages": [{"role": "user", "content": long_text}]}, 400,
          lambda e: e["type"] == "invalid_request_error"),
         ("/v1/messages", {**msgs, "max_tokens": CONTEXT * 4}, 400, lambda e: e["type"] == "invalid_request_error"),
+        ("/v1/messages", {**msgs, "messages": [{"role": "user", "content": []}]}, 400,  # as Anthropic refuses them
+         lambda e: "non-empty content" in e["message"]),
+        ("/v1/messages", {**msgs, "messages": [{"role": "user", "content": "hi"},
+                                               {"role": "assistant", "content": "def f(): "}]}, 400,
+         lambda e: "trailing whitespace" in e["message"]),
         ("/v1/messages", {**msgs, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
          400, lambda e: "vision" in e["message"]),
         ("/v1/messages/count_tokens", "x" * (65 * CONTEXT + (1 << 20)), 413,
