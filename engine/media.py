@@ -168,7 +168,11 @@ def decode_image(data: bytes, limits: MediaLimits) -> np.ndarray:
 
     img = _open_pil(data, limits)
     try:
-        return _rgb(ImageOps.exif_transpose(img))
+        img = ImageOps.exif_transpose(img)
+    except Exception:  # unreadable EXIF (struct / key errors, not just ValueError): the image as it is stored
+        pass
+    try:
+        return _rgb(img)
     except (OSError, ValueError) as e:  # a truncated or corrupt body fails only when pixels are read
         raise ValueError(f"cannot decode the image ({type(e).__name__}: {e})") from None
 
@@ -185,25 +189,39 @@ def video_fps(value) -> float:
     return fps
 
 
-def _declared_frames(data: bytes) -> tuple[tuple[int, ...], np.dtype] | None:
-    """The shape and dtype a ``.npy`` array (or a ``.npz``'s ``frames``) declares in its header, read without
-    inflating its data; None where the header cannot be read (the full read then says what is wrong)."""
-    import zipfile
-
+def _npy_header(stream, what: str) -> tuple[tuple[int, ...], np.dtype]:
     try:
-        if data[:6] == b"\x93NUMPY":
-            stream = io.BytesIO(data)
-        else:
-            archive = zipfile.ZipFile(io.BytesIO(data))
-            if "frames.npy" not in archive.namelist():
-                return None
-            stream = archive.open("frames.npy")
         version = np.lib.format.read_magic(stream)
         read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
         shape, _, dtype = read(stream)
-        return tuple(shape), dtype
-    except Exception:  # zip, zlib and header errors alike: left to the full read's message
-        return None
+    except Exception as e:  # zip / zlib / header errors alike
+        raise ValueError(f"cannot read the video array ({what}: not a readable .npy header: {e})") from None
+    return tuple(shape), dtype
+
+
+def _declared_arrays(data: bytes) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """The shape and dtype each array of a ``.npy`` (``frames``) or ``.npz`` (``frames``, ``fps``: members named
+    with or without ``.npy``, as numpy finds them) declares in its header, read without inflating any data. An
+    archive that does not open is left to the full read, which names what is wrong."""
+    import zipfile
+
+    if data[:6] == b"\x93NUMPY":
+        return {"frames": _npy_header(io.BytesIO(data), "frames")}
+    try:
+        archive = zipfile.ZipFile(io.BytesIO(data))
+        names = set(archive.namelist())
+    except Exception:
+        return {}
+    out = {}
+    for key in ("frames", "fps"):
+        member = next((m for m in (f"{key}.npy", key) if m in names), None)
+        if member is not None:
+            try:
+                stream = archive.open(member)
+            except Exception as e:
+                raise ValueError(f"cannot read the video array ({member}: {e})") from None
+            out[key] = _npy_header(stream, member)
+    return out
 
 
 def _check_video_bytes(shape, itemsize: int, limits: MediaLimits, what: str) -> None:
@@ -235,9 +253,12 @@ def _read_array(data: bytes) -> tuple[np.ndarray, float]:
 def decode_video(data: bytes, cfg: PreprocessConfig, limits: MediaLimits) -> tuple[np.ndarray, float, list[int]]:
     """(sampled frames ``[T, H, W, 3]`` uint8, the video's fps, the sampled frame indices)."""
     if data[:6] == b"\x93NUMPY" or data[:4] == b"PK\x03\x04":
-        declared = _declared_frames(data)
-        if declared is not None:  # before np.load inflates it
-            _check_video_bytes(declared[0], declared[1].itemsize, limits, "video frames")
+        declared = _declared_arrays(data)  # checked before np.load inflates anything
+        if "frames" in declared:
+            _check_video_bytes(declared["frames"][0], declared["frames"][1].itemsize, limits, "video frames")
+        if "fps" in declared and math.prod(declared["fps"][0]) * declared["fps"][1].itemsize > 16:
+            shape, dtype = declared["fps"]
+            raise ValueError(f"a .npz video's 'fps' must be one number, got a {dtype} array of shape {list(shape)}")
         arr, fps = _read_array(data)
         if arr.dtype != np.uint8 or arr.ndim != 4 or arr.shape[-1] != 3 or 0 in arr.shape:
             raise ValueError(f"a video array must be uint8 [frames, height, width, 3], got {arr.dtype} "

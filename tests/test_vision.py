@@ -405,6 +405,30 @@ def test_exif_orientation_is_applied_like_transformers(eng):
     assert eng.load_media("image", buf.getvalue()).grid == eng.load_media("image", png(ref)).grid
 
 
+# a 16 x 32 JPEG whose EXIF block has flipped bytes: Pillow's exif_transpose raises struct.error on it
+BAD_EXIF_JPEG = (
+    "/9j/4AAQSkZJRgABAQAAAQABAAD/4QBgRXhpZgAATU0AKgAAAAgAAwFOAAIAAAAEY2FtAAESAAMAAAABAAYAAIdpAAQAAAABAAAA"
+    "MgAAAAAAAZADAAIAAAAUAAAARAAAAAAyMDIwOjAxOjAxIDAwOjAwOjAwAP/bAEMACAYGBwYFCAcHBwkJCAoMFA0MCwsMGRITDxQd"
+    "Gh8eHRocHCAkLicgIiwjHBwoNyksMDE0NDQfJzk9ODI8LjM0Mv/bAEMBCQkJDAsMGA0NGDIhHCEyMjIyMjIyMjIyMjIyMjIyMjIy"
+    "MjIyMjIyMjIyMjIyMjIyMjIyMjIyMjIyMjIyMjIyMv/AABEIABAAIAMBIgACEQEDEQH/xAAfAAABBQEBAQEBAQAAAAAAAAAAAQID"
+    "BAUGBwgJCgv/xAC1EAACAQMDAgQDBQUEBAAAAX0BAgMABBEFEiExQQYTUWEHInEUMoGRoQgjQrHBFVLR8CQzYnKCCQoWFxgZGiUm"
+    "JygpKjQ1Njc4OTpDREVGR0hJSlNUVVZXWFlaY2RlZmdoaWpzdHV2d3h5eoOEhYaHiImKkpOUlZaXmJmaoqOkpaanqKmqsrO0tba3"
+    "uLm6wsPExcbHyMnK0tPU1dbX2Nna4eLj5OXm5+jp6vHy8/T19vf4+fr/xAAfAQADAQEBAQEBAQEBAAAAAAAAAQIDBAUGBwgJCgv/"
+    "xAC1EQACAQIEBAMEBwUEBAABAncAAQIDEQQFITEGEkFRB2FxEyIygQgUQpGhscEJIzNS8BVictEKFiQ04SXxFxgZGiYnKCkqNTY3"
+    "ODk6Q0RFRkdISUpTVFVWV1hZWmNkZWZnaGlqc3R1dnd4eXqCg4SFhoeIiYqSk5SVlpeYmZqio6Slpqeoqaqys7S1tre4ubrCw8TF"
+    "xsfIycrS09TV1tfY2dri4+Tl5ufo6ery8/T19vf4+fr/2gAMAwEAAhEDEQA/APEaKKK2MgooooA//9k="
+)
+
+
+def test_an_image_with_unreadable_exif_is_read_as_stored():
+    """EXIF that Pillow cannot parse (it raises struct.error, not a ValueError) leaves the image as it is stored,
+    as before orientation was applied; it used to escape as an internal error."""
+    import base64
+
+    data = base64.b64decode(BAD_EXIF_JPEG)
+    assert M.decode_image(data, M.MediaLimits()).shape == (16, 32, 3)
+
+
 def test_unreadable_and_oversized_files_are_one_line_errors_naming_the_file(eng, tmp_path):
     """Past PIL's own decompression-bomb cap, a corrupt .npz, an unknown format, a truncated animated GIF: each a
     ValueError (the CLI's one-line error) that names the file, no PIL / zipfile exception type escaping."""
@@ -429,6 +453,19 @@ def test_unreadable_and_oversized_files_are_one_line_errors_naming_the_file(eng,
         eng.load_media("video", b"PK\x03\x04 not a zip")
 
 
+def small_npy() -> bytes:
+    out = io.BytesIO()
+    np.save(out, np.zeros((2, 8, 8, 3), np.uint8))
+    return out.getvalue()
+
+
+def big_fps() -> bytes:
+    """An ``fps`` member whose header declares 10 GB (its body is never read)."""
+    out = io.BytesIO()
+    np.lib.format.write_array_header_1_0(out, {"descr": "<f8", "fortran_order": False, "shape": (1250000000,)})
+    return out.getvalue()
+
+
 def test_video_decode_size_is_checked_before_anything_is_inflated(eng, monkeypatch):
     """A video's decoded size comes from its header: a .npz whose ``frames`` header declares 100 GB is refused
     before np.load would inflate it (a few compressed MB can decode to that), as are .npy arrays and the sampled
@@ -443,6 +480,14 @@ def test_video_decode_size_is_checked_before_anything_is_inflated(eng, monkeypat
         z.writestr("frames.npy", header.getvalue())  # the header alone: np.load would fail on the data, later
     with pytest.raises(ValueError, match=r"video frames of \[100000, 1000, 1000, 3\] decode to 300,000,000,000 bytes"):
         eng.load_media("video", bomb.getvalue())
+    for members in ({"frames": header.getvalue()},  # numpy also finds a member named without .npy
+                    {"frames.npy": small_npy(), "fps.npy": big_fps()}):
+        archive = io.BytesIO()
+        with zipfile.ZipFile(archive, "w") as z:
+            for name, body in members.items():
+                z.writestr(name, body)
+        with pytest.raises(ValueError, match="decode to 300,000,000,000 bytes|'fps' must be one number"):
+            eng.load_media("video", archive.getvalue())
     small = io.BytesIO()
     np.save(small, np.zeros((4, 16, 16, 3), np.uint8))
     gif = io.BytesIO()
