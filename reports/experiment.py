@@ -16,7 +16,8 @@ CONFIG_KEYS = (
     "levels", "prompt_tokens",  # concurrency's load
 )
 # engine switches and capacities that change speed but not tokens (``--pdl off``, ``--prefill-chunk``, ...): also the
-# experiment, compared where both documents record them (documents made before a switch existed do not say)
+# experiment, compared where both documents record a value (documents made before a switch existed do not say, and
+# in-process concurrency documents before session 27 recorded max_context null)
 SETTING_KEYS = (
     "lookahead", "draft_graphs", "pdl", "side_stream", "silu_epilogue",  # decode's CUDA-graph switches
     "prefill_chunk", "interleave_chunk", "max_context", "kv_capacity", "max_concurrency", "synthetic", "ignore_eos",
@@ -51,7 +52,7 @@ def config_differences(baseline: dict, candidate: dict, timings: bool = True) ->
         pairs = [("model", baseline["config"].get("model"), candidate["config"].get("model"))]
     pairs += [(k, config_value(baseline["config"], k), config_value(candidate["config"], k)) for k in CONFIG_KEYS]
     pairs += [(k, config_value(baseline["config"], k), config_value(candidate["config"], k)) for k in SETTING_KEYS
-              if k in baseline["config"] and k in candidate["config"]]
+              if baseline["config"].get(k) is not None and candidate["config"].get(k) is not None]
     on_cpu = baseline["config"].get("device") == candidate["config"].get("device") == "cpu"
     if not on_cpu:  # the GPU a run had matters only where it ran on one
         pairs.append(("env.gpu", baseline["env"].get("gpu"), candidate["env"].get("gpu")))

@@ -263,6 +263,18 @@ def _judge_determinism(rule: Rule, b, c, sampling: bool) -> Verdict:
                    "the candidate's repeats decoded different tokens; the baseline's agreed")
 
 
+def _judge_check(rule: Rule, b, c) -> Verdict:
+    """A record's ``ok`` (its check against the reference in the candidate's own run) is judged on the candidate:
+    a kernel that fails its check fails the gate whatever the baseline did, one that passes it passes (fixed, when
+    the baseline's failed)."""
+    if not isinstance(c, bool):
+        return _judge_exact(rule, b, c, True)
+    if not c:
+        return Verdict(rule.metric, "exact", b, c, None, "fail", "the candidate fails its check against the reference")
+    return Verdict(rule.metric, "exact", b, c, None, "pass", "fixed: the baseline failed its check" if b is False
+                   else "passes its check")
+
+
 def _samples(rule: Rule, doc: dict, side: str) -> list | None:
     """The rule's per-repeat samples in one document; None when it has none."""
     if rule.samples is None:
@@ -350,6 +362,8 @@ def gate(baseline: dict, candidate: dict, rules: list[Rule] | None = None, alpha
             verdicts.append(Verdict(rule.metric, rule.kind, b, c, None, "missing", reason))
         elif rule.kind == "exact" and parse_path(rule.metric) == (("deterministic", None),):
             verdicts.append(_judge_determinism(rule, b, c, not _seeded(baseline) or not _seeded(candidate)))
+        elif rule.kind == "exact" and parse_path(rule.metric)[-1] == ("ok", None):
+            verdicts.append(_judge_check(rule, b, c))
         elif rule.kind == "exact":
             verdicts.append(_judge_exact(rule, b, c, deterministic))
         else:

@@ -275,6 +275,8 @@ def test_engine_switches_make_a_config_difference(key, b, c):
     older = decode_doc()
     assert key not in older["config"]
     assert "config" not in by_metric(gate(older, decode_doc(config={key: c})))
+    # recorded as null (in-process concurrency's max_context before it recorded the resolved value): not held either
+    assert "config" not in by_metric(gate(decode_doc(config={key: None}), decode_doc(config={key: c})))
 
 
 def test_cpu_timings_of_another_cpu_are_another_experiment():
@@ -402,6 +404,10 @@ def test_a_kernel_that_fails_its_check_fails_the_gate_however_fast():
     assert rows[f"{key}.ok"].status == "fail" and rows[f"{key}.ok"].candidate is False
     assert rows[key.replace("variant=v3", "variant=v2") + ".ok"].status == "pass"
     assert exit_code(verdicts) == 1
+    # judged on the candidate: still broken fails, fixed passes
+    assert by_metric(gate(kernels_doc(5.0, ok=False), kernels_doc(5.0, ok=False)))[f"{key}.ok"].status == "fail"
+    fixed = by_metric(gate(kernels_doc(5.0, ok=False), kernels_doc(5.0)))[f"{key}.ok"]
+    assert fixed.status == "pass" and "fixed" in fixed.reason
 
 
 def test_lookup_paths():
