@@ -7,8 +7,9 @@ Two layouts are published for this family, both ``float8_e4m3fn`` weights with a
   (a single value without one); despite its name the stored value multiplies: ``w = fp8 * scale_inv``.
 - ``quant_method: "compressed-tensors"`` with ``format: "float-quantized"`` (llm-compressor's FP8 / FP8_DYNAMIC /
   FP8_BLOCK schemes): ``X.weight`` and ``X.weight_scale`` per tensor [1], per output channel [N, 1] or per block
-  (``block_structure`` [bn, bk]); ``w = fp8 * weight_scale``. ``input_scale`` tensors (static activation scales)
-  are dropped: the engine computes activations in its own dtype.
+  (``block_structure`` [bn, bk]); ``w = fp8 * weight_scale``. Static activation and K/V-cache scales
+  (``input_scale``, ``activation_scale``, ``k_scale``, ``v_scale``) are dropped: the engine computes activations in
+  its own dtype and quantizes its own cache.
 
 Layers left unquantized (``ignore`` / ``modules_to_not_convert``, e.g. lm_head) are plain tensors and pass as they
 are. Any other ``quant_method`` (GPTQ, AWQ, bitsandbytes, int-quantized compressed-tensors ...) is refused naming it:
@@ -22,7 +23,9 @@ from dataclasses import dataclass
 import torch
 
 FP8_DTYPES = (torch.float8_e4m3fn,)
-DROPPED_SUFFIXES = (".input_scale",)  # static activation scales: not weights
+# static activation and K/V cache scales (llm-compressor, Qwen's fp8 layout): not weights, the engine computes its
+# activations and quantizes its own cache
+DROPPED_SUFFIXES = (".input_scale", ".activation_scale", ".k_scale", ".v_scale")
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +77,8 @@ def _compressed_tensors(qc: dict) -> FP8Layout:
         blocks.add(_block(w.get("block_structure"), f"group {name!r} block_structure") if strategy == "block"
                    else None)
     if len(blocks) > 1:
-        raise ValueError(f"config.json: compressed-tensors groups use different block shapes {sorted(map(str, blocks))}")
+        raise ValueError(f"config.json: compressed-tensors groups use different block shapes "
+                         f"{sorted(map(str, blocks))}")
     return FP8Layout("compressed-tensors", ".weight_scale", blocks.pop())
 
 

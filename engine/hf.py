@@ -145,7 +145,8 @@ class HFCheckpoint:
             raise CheckpointError(f"{self.folder}: {e}") from None
         text = self.hf_config.get("text_config") if isinstance(self.hf_config.get("text_config"), dict) else {}
         declared = next((c.get(k) for c in (self.hf_config, text) for k in ("dtype", "torch_dtype") if c.get(k)), None)
-        return w.to(torch.bfloat16) if declared in ("bfloat16", "bf16") else w
+        half = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+        return w.to(half[declared]) if declared in half else w
 
     def _weight_names(self, prefixes: tuple[str, ...]) -> list[str]:
         """The tensors under ``prefixes`` that are weights (not an FP8 checkpoint's scales)."""

@@ -66,6 +66,9 @@ def _write_pair(hf, fp8_dir, ref_dir, *, method: str) -> None:
             codes, scale, deq = _row_fp8(t.float())
             fp8[name], fp8[name[:-len("weight")] + "weight_scale"] = codes, scale
             fp8[name[:-len("weight")] + "input_scale"] = torch.ones(1)  # a static activation scale: dropped
+            if name.endswith("self_attn.k_proj.weight"):  # K/V cache scales: dropped too
+                attn = name[:-len("k_proj.weight")]
+                fp8[attn + "k_scale"], fp8[attn + "v_scale"] = torch.ones(()), torch.ones(())
         ref[name] = deq.to(t.dtype)
     save_file(fp8, str(fp8_dir / "model.safetensors"))
     save_file(ref, str(ref_dir / "model.safetensors"))
@@ -94,6 +97,10 @@ def test_fp8_checkpoint_reads_as_its_dequantized_weights(tmp_path, hf_dir, metho
     assert sorted(ours) == sorted(ref)
     for name in ref:
         assert ours[name].dtype == ref[name].dtype and torch.equal(ours[name], ref[name]), name
+    cfg = json.loads((tmp_path / "fp8" / "config.json").read_text())
+    (tmp_path / "fp8" / "config.json").write_text(json.dumps({**cfg, "dtype": "float16"}))
+    half = HFCheckpoint(tmp_path / "fp8").tensors()
+    assert half["model.layers.0.mlp.down_proj.weight"].dtype == torch.float16  # the dtype the checkpoint declares
 
 
 def test_fp8_checkpoint_converts_and_decodes_as_the_dequantized_one(tmp_path, hf_dir):
