@@ -170,7 +170,7 @@ def register(app: FastAPI, backend: Backend, max_body: int) -> None:
                 yield sse({"type": "message_start", "message": start}, "message_start")
                 yield sse({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
                           "content_block_start")
-                async for text, ids in gen.deltas():
+                async for text, ids, _ in gen.deltas():
                     if text or (want_ids and ids):
                         delta = {"type": "content_block_delta", "index": 0,
                                  "delta": {"type": "text_delta", "text": text},

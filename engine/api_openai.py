@@ -10,6 +10,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from .api_logprobs import MAX_TOP_LOGPROBS, chat_content, completion_logprobs, text_length
 from .backend import Backend, Generation, Outcome
 from .mrope import placeholder
 from .server import (ApiError, api_error, error_body, new_id, read_json, refuse_unsupported, session_of, sse,
@@ -25,10 +26,9 @@ NO_MODALITY = {"input_image": "vision", "image": "vision", "input_audio": "audio
 
 # OpenAI fields this server does not implement: accepted only with a value that asks for nothing (as clients that
 # spell out every default send them), refused otherwise. Field: (those values, why any other is refused).
-NO_LOGPROBS = "log-probabilities are not returned by this server"
 NO_PENALTY = "presence and frequency penalties are not implemented by this server (only 0)"
 NO_TOOLS = "tool and function calling is not supported by this server"
-SHARED = {"logprobs": ((None, False), NO_LOGPROBS), "presence_penalty": ((None, 0, 0.0), NO_PENALTY),
+SHARED = {"presence_penalty": ((None, 0, 0.0), NO_PENALTY),
           "frequency_penalty": ((None, 0, 0.0), NO_PENALTY),
           "logit_bias": ((None, {}), "biasing token logits is not implemented by this server"),
           # vLLM / llama.cpp sampling extensions that scripts written for those servers send at their no-op values
@@ -37,7 +37,7 @@ SHARED = {"logprobs": ((None, False), NO_LOGPROBS), "presence_penalty": ((None, 
           "length_penalty": ((None, 1, 1.0), "length penalties are not implemented by this server (only 1)"),
           "use_beam_search": ((None, False), "beam search is not implemented by this server")}
 CHAT_UNSUPPORTED = {
-    **SHARED, "top_logprobs": ((None, 0), NO_LOGPROBS),
+    **SHARED,
     "response_format": ((None, {"type": "text"}), "only plain text output is supported by this server"),
     "tools": ((None, []), NO_TOOLS), "functions": ((None, []), NO_TOOLS),
     "tool_choice": ((None, "none", "auto"), NO_TOOLS), "function_call": ((None, "none", "auto"), NO_TOOLS),
@@ -94,11 +94,14 @@ class _Generate(BaseModel):
 class ChatRequest(_Generate):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
 
 class CompletionRequest(_Generate):
     prompt: str | list[int] | list[str] | list[list[int]]
     best_of: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # the top N besides each token's own
 
 
 def content_text(content, where: str, media: list | None = None) -> str:
@@ -184,7 +187,7 @@ async def start(request: Request, backend: Backend, body: _Generate, sources: li
         raise ApiError(400, f"stream_options.{unknown[:SHOWN_CHARS]}: not an option this server implements "
                             f"(include_usage, include_obfuscation)", param="stream_options")
     sampling = dict(backend.sampling(body.temperature, body.top_p, body.top_k), stop=body.stop,
-                    ignore_eos=body.ignore_eos)
+                    ignore_eos=body.ignore_eos, top_logprobs=top_logprobs(body))
     gens: list[Generation] = []
     try:
         for source in sources:
@@ -195,6 +198,16 @@ async def start(request: Request, backend: Backend, body: _Generate, sources: li
         cancel(gens)
         raise
     return gens
+
+
+def top_logprobs(body: _Generate) -> int | None:
+    """How many most likely tokens to list beside each generated token's own log-probability (None: no
+    log-probabilities): chat's ``logprobs: true`` with ``top_logprobs``, a completion's ``logprobs: N``."""
+    if isinstance(body, ChatRequest):
+        if body.top_logprobs and not body.logprobs:  # (0 asks for nothing: clients that spell out defaults send it)
+            raise ApiError(400, "top_logprobs: only with logprobs true", param="top_logprobs")
+        return (body.top_logprobs or 0) if body.logprobs else None
+    return body.logprobs
 
 
 def cancel(gens: list[Generation]) -> None:
@@ -210,38 +223,38 @@ async def collect(request: Request, gens: list[Generation]) -> list[Outcome]:
 
 
 async def merged(gens: list[Generation]):
-    """``(index, text, ids, None)`` as any of the generations commits tokens, ``(index, None, None, outcome)`` as each
-    ends; one generation's order is its own (for a single one: its deltas, then its outcome)."""
+    """``(index, text, ids, logprobs, None)`` as any of the generations commits tokens, ``(index, None, None, None,
+    outcome)`` as each ends; one generation's order is its own (for a single one: its deltas, then its outcome)."""
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int, gen: Generation) -> None:
         try:
-            async for text, ids in gen.deltas():
-                queue.put_nowait((i, text, ids, None))
-            queue.put_nowait((i, None, None, await gen.outcome()))
+            async for text, ids, entries in gen.deltas():
+                queue.put_nowait((i, text, ids, entries, None))
+            queue.put_nowait((i, None, None, None, await gen.outcome()))
         except Exception as e:
-            queue.put_nowait((i, None, None, e))
+            queue.put_nowait((i, None, None, None, e))
 
     tasks = [asyncio.create_task(pump(i, gen)) for i, gen in enumerate(gens)]
     try:
         left = len(gens)
         while left:
-            i, text, ids, end = await queue.get()
+            i, text, ids, entries, end = await queue.get()
             if isinstance(end, Exception):
                 raise end
             if end is not None:
                 left -= 1
-            yield i, text, ids, end
+            yield i, text, ids, entries, end
     finally:
         for task in tasks:
             task.cancel()
 
 
 def stream(gens: list[Generation], head: dict, choice, final, body: _Generate) -> StreamingResponse:
-    """SSE chunks: ``choice(index, text, ids)`` builds a chunk's choice, ``final(index, out)`` a choice's last one
-    (with that choice's ``timings``, an extension clients keep as an unknown field). As OpenAI streams them: the
-    usage only when ``stream_options.include_usage`` asks for it, in a last chunk without choices, every other
-    chunk then carrying ``"usage": null``; without it no chunk has a usage field."""
+    """SSE chunks: ``choice(index, text, ids, logprobs)`` builds a chunk's choice, ``final(index, out)`` a choice's
+    last one (with that choice's ``timings``, an extension clients keep as an unknown field). As OpenAI streams
+    them: the usage only when ``stream_options.include_usage`` asks for it, in a last chunk without choices, every
+    other chunk then carrying ``"usage": null``; without it no chunk has a usage field."""
     want_ids = bool(body.return_token_ids)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     if include_usage:
@@ -251,14 +264,14 @@ def stream(gens: list[Generation], head: dict, choice, final, body: _Generate) -
     async def events():
         try:
             for i in range(len(gens)):
-                first = choice(i, None, None)
+                first = choice(i, None, None, None)
                 if first:
                     yield sse({**head, "choices": [first]})
             outs: list[Outcome | None] = [None] * len(gens)
-            async for i, text, ids, out in merged(gens):
+            async for i, text, ids, entries, out in merged(gens):
                 if out is None:
-                    if text or (want_ids and ids):
-                        yield sse({**head, "choices": [choice(i, text, ids if want_ids else None)]})
+                    if text or (want_ids and ids) or entries:
+                        yield sse({**head, "choices": [choice(i, text, ids if want_ids else None, entries)]})
                     continue
                 outs[i] = out
                 yield sse({**head, "choices": [final(i, out)], "timings": out.timings})
@@ -297,10 +310,12 @@ def register(app: FastAPI, backend: Backend, max_body: int) -> None:
         cid, created = new_id("chatcmpl-"), int(time.time())
         head = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": backend.model_id}
         extra = {"session_id": gens[0].session_id} if gens[0].session_id else {}
+        tok = backend.engine.tokenizer
         if body.stream:
-            def choice(i, text, ids):
+            def choice(i, text, ids, entries):
                 delta = {"role": "assistant", "content": ""} if text is None else ({"content": text} if text else {})
-                return {"index": i, "delta": delta, "logprobs": None, "finish_reason": None,
+                lp = chat_content(tok, entries) if entries is not None else None
+                return {"index": i, "delta": delta, "logprobs": lp, "finish_reason": None,
                         **({"token_ids": ids} if ids is not None else {})}
 
             def final(i, out):
@@ -308,7 +323,8 @@ def register(app: FastAPI, backend: Backend, max_body: int) -> None:
 
             return stream(gens, {**head, **extra}, choice, final, body)
         outs = await collect(request, gens)
-        msgs = [{"index": i, "message": {"role": "assistant", "content": out.text}, "logprobs": None,
+        msgs = [{"index": i, "message": {"role": "assistant", "content": out.text},
+                 "logprobs": chat_content(tok, out.logprobs) if out.logprobs is not None else None,
                  "finish_reason": FINISH[out.finish], **({"token_ids": out.tokens} if body.return_token_ids else {})}
                 for i, out in enumerate(outs)]
         return {**head, "object": "chat.completion", "choices": msgs, "usage": usage(outs, len(outs)),
@@ -337,11 +353,16 @@ def register(app: FastAPI, backend: Backend, max_body: int) -> None:
         gens = await start(request, backend, body, sources, max_tokens=body.max_tokens or 16, prompt_param="prompt")
         head = {"id": new_id("cmpl-"), "object": "text_completion", "created": int(time.time()),
                 "model": backend.model_id, **({"session_id": gens[0].session_id} if gens[0].session_id else {})}
+        tok, offsets = backend.engine.tokenizer, [0] * len(gens)
         if body.stream:
-            def choice(i, text, ids):
+            def choice(i, text, ids, entries):
                 if text is None:
                     return None
-                return {"index": i, "text": text, "logprobs": None, "finish_reason": None,
+                lp = None
+                if entries is not None:
+                    lp = completion_logprobs(tok, entries, offsets[i])
+                    offsets[i] += text_length(tok, entries)
+                return {"index": i, "text": text, "logprobs": lp, "finish_reason": None,
                         **({"token_ids": ids} if ids is not None else {})}
 
             def final(i, out):
@@ -350,7 +371,8 @@ def register(app: FastAPI, backend: Backend, max_body: int) -> None:
             return stream(gens, head, choice, final, body)
         outs = await collect(request, gens)
         n = body.n or 1  # choices a prompt (start checked it)
-        choices = [{"index": i, "text": out.text, "logprobs": None, "finish_reason": FINISH[out.finish],
+        choices = [{"index": i, "text": out.text, "finish_reason": FINISH[out.finish],
+                    "logprobs": completion_logprobs(tok, out.logprobs) if out.logprobs is not None else None,
                     **({"token_ids": out.tokens} if body.return_token_ids else {})} for i, out in enumerate(outs)]
         ids = [gen.prompt for gen in gens[::n]]
         return {**head, "choices": choices, "usage": usage(outs, n), "timings": timings(outs),

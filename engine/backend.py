@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from .api_logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_logprobs
 from .media_sources import request_source
 from .runtime import CapacityError, Engine
 from .sampling import SamplingParams
@@ -55,7 +56,8 @@ class ClientGone(Exception):
 MAX_STOPS, MAX_STOP_CHARS = 16, 1000  # stop strings a request may give, and characters in each
 
 
-def sampling_params(max_tokens: int, temperature, top_p, top_k, seed, stop, ignore_eos) -> SamplingParams:
+def sampling_params(max_tokens: int, temperature, top_p, top_k, seed, stop, ignore_eos,
+                    logprobs: bool = False) -> SamplingParams:
     if stop is not None and not isinstance(stop, str) and not all(isinstance(s, str) for s in stop):
         raise BadRequest("stop must be a string or a list of strings", "stop")
     stops = [stop] if isinstance(stop, str) else list(stop or ())
@@ -64,8 +66,7 @@ def sampling_params(max_tokens: int, temperature, top_p, top_k, seed, stop, igno
                          "stop")
     try:
         return SamplingParams(max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                              seed=seed, stop=tuple(stops),
-                              ignore_eos=bool(ignore_eos))
+                              seed=seed, stop=tuple(stops), ignore_eos=bool(ignore_eos), logprobs=logprobs)
     except ValueError as e:
         raise BadRequest(str(e)) from None
 
@@ -167,14 +168,17 @@ class Outcome:
     prompt_n: int
     cached_n: int
     timings: dict = field(default_factory=dict)
+    logprobs: list | None = None  # TokenLogprob per generated token, when the request asked for them
 
 
 class Generation:
     """One request handed to the engine thread; its tokens arrive on an asyncio queue."""
 
     def __init__(self, backend: "Backend", ids: list[int], params: SamplingParams, session_id: str | None,
-                 saved: Session | None, prompt_text: str | None, media=None):
+                 saved: Session | None, prompt_text: str | None, media=None, top_logprobs: int | None = None):
         self.backend, self.prompt, self.params, self.media = backend, ids, params, media
+        self.top_logprobs = top_logprobs  # None: no log-probabilities; N: each token's and the N most likely
+        self.logprobs: list[TokenLogprob] = []
         self.session_id, self.saved, self.prompt_text = session_id, saved, prompt_text
         self.stream = TextStream(backend.engine.tokenizer, params.stop, backend.hidden)
         self.loop = asyncio.get_running_loop()
@@ -201,6 +205,16 @@ class Generation:
         if len(state["ids"]) == state["cache"]["length"]:
             self.state = state
 
+    def _tokens(self, req, ids: list[int]) -> None:
+        """Engine thread: the newly committed ``ids`` (with their log-probabilities, whose rows the engine keeps
+        until here: compacted to the requested top N and dropped, so a long generation holds no vocabulary rows)."""
+        entries = None
+        if self.top_logprobs is not None:
+            rows = req.seq.logprobs[:len(ids)]
+            del req.seq.logprobs[:len(ids)]
+            entries = token_logprobs(rows, ids, self.top_logprobs)
+        self._post((ids, entries))
+
     def _post(self, item) -> None:
         try:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
@@ -211,7 +225,7 @@ class Generation:
     def submit(self) -> None:
         """Queue the request (CapacityError, QueueFull)."""
         self.req = self.backend.scheduler.submit(
-            self.prompt, self.params, on_tokens=lambda r, ids: self._post(ids), on_done=lambda r: self._post(None),
+            self.prompt, self.params, on_tokens=self._tokens, on_done=lambda r: self._post(None),
             prefix=self._prefix, state_hook=self._keep, media=self.media)
         self.backend.active.add(self)
 
@@ -223,26 +237,30 @@ class Generation:
             self.backend.scheduler.cancel(self.req)
 
     async def deltas(self, gone=None):
-        """Yields (text, token ids) as tokens are committed, then the held-back text. ``gone``: an async
-        callable polled about once a second, True when the client has disconnected (ClientGone then)."""
+        """Yields (text, token ids, their TokenLogprobs or None) as tokens are committed, then the held-back text.
+        ``gone``: an async callable polled about once a second, True when the client has disconnected (ClientGone
+        then)."""
         check_at = time.monotonic() + 1.0
         while True:
             try:
-                ids = await asyncio.wait_for(self.queue.get(), timeout=1.0)
+                item = await asyncio.wait_for(self.queue.get(), timeout=1.0)
             except asyncio.TimeoutError:
-                ids = ()
+                item = ((), None)
             if gone is not None and time.monotonic() >= check_at:
                 check_at = time.monotonic() + 1.0
                 if await gone():
                     self.cancel()
                     raise ClientGone()
-            if ids is None:
+            if item is None:
                 break
+            ids, entries = item
             if not ids:
                 continue
             text = self.stream.push(ids)
             self.text += text
-            yield text, ids
+            if entries is not None:
+                self.logprobs += entries
+            yield text, ids, entries
         self.finished = True
         self.backend.active.discard(self)
         if self.req.finish_reason == "error":
@@ -252,7 +270,7 @@ class Generation:
         tail = self.stream.finish()
         self.text += tail
         if tail:
-            yield tail, []
+            yield tail, [], [] if self.top_logprobs is not None else None
 
     async def collect(self, gone=None) -> Outcome:
         async for _ in self.deltas(gone):
@@ -278,7 +296,8 @@ class Generation:
                    "queue_ms": round((admitted - req.submitted) * 1e3, 3),
                    "prefill_ms": round((first - admitted) * 1e3, 3),
                    "decode_ms": round((req.finished_at - first) * 1e3, 3)}
-        return Outcome(self.text, tokens, finish, self.stream.stopped, len(self.prompt), req.prefill_from, timings)
+        return Outcome(self.text, tokens, finish, self.stream.stopped, len(self.prompt), req.prefill_from, timings,
+                       list(self.logprobs) if self.top_logprobs is not None else None)
 
     def _session(self, tokens: list[int], finish: str) -> Session:
         """This turn as a session. Its text is what the client saw plus the end-of-turn token's text, which the
@@ -406,15 +425,22 @@ class Backend:
             raise CapacityError(f"this model's context is {self.context_limit} tokens, but {len(ids) + max_tokens} "
                                 f"were requested ({len(ids)} in the prompt, {max_tokens} in max_tokens): shorten "
                                 f"the prompt or lower max_tokens")
-        params = sampling_params(max_tokens, **sampling)
+        top = sampling.pop("top_logprobs", None)
+        if top is not None and self.engine.drafter is not None:
+            raise BadRequest(f"logprobs: this server decodes speculatively (--spec {self.engine.options.spec}); "
+                             f"log-probabilities are returned by servers without a drafter", "logprobs")
+        if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise BadRequest(f"top_logprobs: between 0 and {MAX_TOP_LOGPROBS}, got {top}", "top_logprobs")
+        params = sampling_params(max_tokens, **sampling, logprobs=top is not None)
         self.engine.check_fits(len(ids), max_tokens)
-        gen = Generation(self, ids, params, session_id, saved, text, mm)
+        gen = Generation(self, ids, params, session_id, saved, text, mm, top)
         gen.submit()
         return gen
 
     def again(self, gen: Generation, seed: int | None) -> Generation:
         """Another generation of ``gen``'s prompt (ids and media already read) with another seed and no session:
         a further choice of the same request (QueueFull)."""
-        other = Generation(self, gen.prompt, replace(gen.params, seed=seed), None, None, gen.prompt_text, gen.media)
+        other = Generation(self, gen.prompt, replace(gen.params, seed=seed), None, None, gen.prompt_text, gen.media,
+                           gen.top_logprobs)
         other.submit()
         return other

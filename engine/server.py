@@ -28,8 +28,11 @@ scheduler (batched with everything else running), at most 64 in a request, index
 request gives choice ``i`` the seed plus ``i`` (choice 0 is the ``n`` = 1 answer), the usage counts each prompt
 once, ``timings`` becomes a list in choice order, and a session takes one choice of one prompt only.
 
+Log-probabilities (OpenAI routes, plain decoding): chat ``logprobs: true`` with ``top_logprobs`` (0-20),
+completions ``logprobs: N`` (0-20), streamed or not (:mod:`.api_logprobs`); a server with a drafter refuses them.
+
 Not supported, and refused with a 400 naming the field rather than ignored (the tables of :mod:`.api_openai` and
-:mod:`.api_anthropic`): tools and function calling, log-probabilities, ``echo``, ``suffix``, ``best_of`` other
+:mod:`.api_anthropic`): tools and function calling, ``echo`` (prompt log-probabilities), ``suffix``, ``best_of`` other
 than ``n``, ``logit_bias``, presence / frequency penalties, a ``response_format`` other than text, audio output,
 reasoning and thinking settings, web search, and vLLM's ``repetition_penalty`` / ``min_p`` / ``length_penalty`` /
 ``use_beam_search``; each is accepted with the value that asks for nothing. A field the

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import socket
 import subprocess
@@ -389,7 +390,6 @@ def test_unimplemented_fields_refused_harmless_ones_accepted(server):
         ("/v1/completions", {"suffix": "x"}, "suffix"),
         ("/v1/completions", {"best_of": 3}, "best_of"),
         ("/v1/completions", {"n": 2, "best_of": 3}, "best_of"),
-        ("/v1/completions", {"logprobs": 0}, "logprobs"),  # the sampled tokens' log-probabilities
         ("/v1/completions", {"logit_bias": {"5": 10}}, "logit_bias"),
         ("/v1/completions", {"presence_penalty": 0.5}, "presence_penalty"),
         ("/v1/chat/completions", {"logit_bias": {"5": -100}}, "logit_bias"),
@@ -399,7 +399,8 @@ def test_unimplemented_fields_refused_harmless_ones_accepted(server):
         ("/v1/chat/completions", {"functions": [tool["function"]]}, "functions"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [
             {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages"),
-        ("/v1/chat/completions", {"top_logprobs": 3}, "top_logprobs"),
+        ("/v1/chat/completions", {"top_logprobs": 3}, "top_logprobs"),  # without logprobs: true
+        ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ("/v1/chat/completions", {"modalities": ["text", "audio"]}, "modalities"),
         ("/v1/chat/completions", {"reasoning_effort": "high"}, "reasoning_effort"),
         ("/v1/chat/completions", {"web_search_options": {}}, "web_search_options"),
@@ -548,6 +549,58 @@ def test_sampling_defaults_come_from_the_generation_config():
     assert texts["none"] != texts["greedy"]  # temperature 1 with seed 3: sampled tokens
     first, second = texts["auto-messages"]
     assert first == second and len(first) == 16  # greedy by the model's default: the same tokens without a seed
+
+
+def test_logprobs_as_the_openai_client_reads_them(server):
+    """Chat ``logprobs`` + ``top_logprobs`` and completions ``logprobs: N``, streamed and not, through the official
+    client: one entry a generated token; greedy, the sampled token is the most likely one; top lists most likely
+    first; a completion's ``top_logprobs`` hold the N most likely and the sampled token, and its tokens' texts add
+    up to the text at ``text_offset``; streamed equals non-streamed."""
+    ask = dict(model=server.model, max_tokens=8, temperature=0,
+               extra_body={"ignore_eos": True, "return_token_ids": True})
+    msgs = [{"role": "user", "content": "def main("}]
+    chat = server.openai.chat.completions.create(messages=msgs, logprobs=True, top_logprobs=3, **ask)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == len(chat.choices[0].model_extra["token_ids"]) == chat.usage.completion_tokens == 8
+    for e in content:
+        tops = [t.logprob for t in e.top_logprobs]
+        assert len(tops) == 3 and tops == sorted(tops, reverse=True) and sum(map(math.exp, tops)) <= 1 + 1e-6
+        assert (e.token, e.logprob) == (e.top_logprobs[0].token, tops[0]) and e.bytes == list(e.token.encode())
+    streamed = [e for chunk in server.openai.chat.completions.create(messages=msgs, logprobs=True, top_logprobs=3,
+                                                                      stream=True, **ask)
+                for c in chunk.choices if c.logprobs for e in c.logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    plain = server.openai.chat.completions.create(messages=msgs, **ask)
+    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == chat.choices[0].message.content
+
+    comp = server.openai.completions.create(prompt="def main(", logprobs=2, **ask)
+    lp = comp.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 8
+    assert "".join(lp.tokens) == comp.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(8)]
+    for tok, own, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert 2 <= len(top) <= 3 and top[tok] == own == max(top.values())
+    chunks = [c.logprobs for chunk in server.openai.completions.create(prompt="def main(", logprobs=2, stream=True,
+                                                                        **ask)
+              for c in chunk.choices if c.logprobs]
+    assert sum((c.tokens for c in chunks), []) == lp.tokens
+    assert sum((c.text_offset for c in chunks), []) == lp.text_offset
+
+
+def test_logprobs_are_refused_by_a_speculative_server():
+    """A drafter's rounds keep no log-probabilities: such a server refuses them naming the field and the spec."""
+    from fastapi.testclient import TestClient
+
+    from ninfer_bench.engine import Engine
+    from ninfer_bench.engine.backend import Backend
+    from ninfer_bench.engine.server import create_app
+
+    eng = Engine.load(MODEL, device="cpu", max_context=256, max_concurrency=1, spec="mtp")
+    with TestClient(create_app(Backend(eng, session_capacity=0), 1 << 20)) as http:
+        r = http.post("/v1/completions", json={"model": "ninfer-code-small", "prompt": "x", "max_tokens": 2,
+                                               "logprobs": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs", r.text
+    assert "--spec mtp" in r.json()["error"]["message"]
 
 
 def free_port() -> int:

@@ -1,0 +1,70 @@
+"""Log-probabilities for the OpenAI routes: each generated token's (:class:`TokenLogprob`, made by the backend from
+the engine's log-softmax rows) and OpenAI's ``logprobs`` shapes of them.
+
+Chat completions (``logprobs: true``, ``top_logprobs: N``): ``choices[i].logprobs.content`` is one object a token,
+``{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}``. Completions (``logprobs: N``):
+``choices[i].logprobs`` is ``{tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset}``. Streamed
+chunks carry the entries of the tokens they commit. A token's text is its own decoding (a token that holds part of
+a multi-byte character decodes to U+FFFD; ``bytes`` are that text's UTF-8). Control tokens (end tokens, chat
+markers) are listed with their names, as ``return_token_ids`` lists them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    """A generated token's log-probability under the distribution it was picked from, and that distribution's
+    ``top`` most likely (id, log-probability) pairs, most likely first."""
+
+    id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+MAX_TOP_LOGPROBS = 20  # as vLLM's default max_logprobs
+
+
+def token_logprobs(rows: list, ids: list[int], top: int) -> list[TokenLogprob]:
+    """The entries of ``ids`` from the engine's log-softmax rows (one a token, in order)."""
+    out = []
+    for row, tok in zip(rows, ids):
+        best = row.topk(top) if top else None
+        pairs = [] if best is None else [(int(i), float(v)) for v, i in zip(best.values, best.indices)]
+        out.append(TokenLogprob(int(tok), float(row[tok]), pairs))
+    return out
+
+
+def _text(tokenizer, tok: int) -> str:
+    return tokenizer.decode([tok])
+
+
+def chat_content(tokenizer, entries: list[TokenLogprob]) -> dict:
+    """``choices[i].logprobs`` of a chat completion (or of one streamed chunk)."""
+    def item(tok: int, lp: float) -> dict:
+        text = _text(tokenizer, tok)
+        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**item(e.id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
+                        for e in entries], "refusal": None}
+
+
+def completion_logprobs(tokenizer, entries: list[TokenLogprob], offset: int = 0) -> dict:
+    """``choices[i].logprobs`` of a text completion (or of one streamed chunk whose text starts at ``offset``
+    characters into the completion)."""
+    tokens, offsets = [], []
+    for e in entries:
+        offsets.append(offset)
+        tokens.append(_text(tokenizer, e.id))
+        offset += len(tokens[-1])
+    # as OpenAI's legacy completions: the N most likely, and the sampled token's own (up to N + 1 entries)
+    tops = [{_text(tokenizer, t): lp for t, lp in [*e.top, (e.id, e.logprob)]} for e in entries]
+    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries], "top_logprobs": tops,
+            "text_offset": offsets}
+
+
+def text_length(tokenizer, entries: list[TokenLogprob]) -> int:
+    """Characters the entries' token texts take (a streamed completion's next ``offset``)."""
+    return sum(len(_text(tokenizer, e.id)) for e in entries)
