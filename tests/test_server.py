@@ -486,7 +486,7 @@ def test_vllm_style_top_k_and_stream_options(server):
         "include_usage": True, "continuous_usage_stats": True}}), 400, False)
     assert err["param"] == "stream_options" and "continuous_usage_stats" in err["message"]
     chunks = sse_chunks(server, "/v1/chat/completions", {k: v for k, v in chat.items() if k != "model"} | {
-        "stream_options": {"include_usage": True, "include_obfuscation": False}})
+        "stream_options": {"include_usage": True, "include_obfuscation": False}, "ignore_eos": True})  # (2 tokens)
     assert chunks[-1]["usage"]["completion_tokens"] == 2
     err = check_error(server.post("/v1/chat/completions", {**chat, "messages": [
         {"role": "user", "content": [{"type": "text", "txt": "hi"}]}]}), 400, False)
