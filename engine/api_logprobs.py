@@ -63,8 +63,3 @@ def completion_logprobs(tokenizer, entries: list[TokenLogprob], offset: int = 0)
     tops = [{_text(tokenizer, t): lp for t, lp in [*e.top, (e.id, e.logprob)]} for e in entries]
     return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries], "top_logprobs": tops,
             "text_offset": offsets}
-
-
-def text_length(tokenizer, entries: list[TokenLogprob]) -> int:
-    """Characters the entries' token texts take (a streamed completion's next ``offset``)."""
-    return sum(len(_text(tokenizer, e.id)) for e in entries)

@@ -10,7 +10,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from .api_logprobs import MAX_TOP_LOGPROBS, chat_content, completion_logprobs, text_length
+from .api_logprobs import MAX_TOP_LOGPROBS, chat_content, completion_logprobs
 from .backend import Backend, Generation, Outcome
 from .mrope import placeholder
 from .server import (ApiError, api_error, error_body, new_id, read_json, refuse_unsupported, session_of, sse,
@@ -361,7 +361,7 @@ def register(app: FastAPI, backend: Backend, max_body: int) -> None:
                 lp = None
                 if entries is not None:
                     lp = completion_logprobs(tok, entries, offsets[i])
-                    offsets[i] += text_length(tok, entries)
+                    offsets[i] += sum(map(len, lp["tokens"]))  # the next chunk's first offset
                 return {"index": i, "text": text, "logprobs": lp, "finish_reason": None,
                         **({"token_ids": ids} if ids is not None else {})}
 

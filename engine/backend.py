@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from .api_logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_logprobs
+from .api_logprobs import TokenLogprob, token_logprobs
 from .media_sources import request_source
 from .runtime import CapacityError, Engine
 from .sampling import SamplingParams
@@ -429,8 +429,6 @@ class Backend:
         if top is not None and self.engine.drafter is not None:
             raise BadRequest(f"logprobs: this server decodes speculatively (--spec {self.engine.options.spec}); "
                              f"log-probabilities are returned by servers without a drafter", "logprobs")
-        if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
-            raise BadRequest(f"top_logprobs: between 0 and {MAX_TOP_LOGPROBS}, got {top}", "top_logprobs")
         params = sampling_params(max_tokens, **sampling, logprobs=top is not None)
         self.engine.check_fits(len(ids), max_tokens)
         gen = Generation(self, ids, params, session_id, saved, text, mm, top)

@@ -30,7 +30,7 @@ class StopRule:
         """Set ``finish_reason`` when ``seq`` must stop after its newest token (``seq.text``: the text cut before
         the stop string that ended it)."""
         p, tok = seq.params, seq.tokens[-1]
-        if tok in self.stop_ids(p):
+        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.tokenizer.eos_ids):
             seq.finish_reason = "stop"
         elif p.stop:
             tail = self.tail(seq.tokens, max(map(len, p.stop)))

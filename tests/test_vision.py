@@ -114,8 +114,8 @@ def eng(vl):
 
 def transformers_before_5_24() -> bool:
     """Parity here is measured against transformers 5.24 (CI's). 5.17 (the device machine's) composites an RGBA image
-    otherwise, and with fla-core importable its Qwen3.5 sends CPU tensors to fla's Triton kernels (device run at
-    f546deb, docs/perf/2026-12-01f-topk-ties-gdn-tile-h200.md)."""
+    otherwise (device run at f546deb, docs/perf/2026-12-01f-topk-ties-gdn-tile-h200.md; its fla-core problem on CPU
+    tensors is suites.hf_peer.cpu_blocked)."""
     import transformers
 
     return tuple(int(x) for x in re.findall(r"\d+", transformers.__version__)[:2]) < (5, 24)
@@ -242,10 +242,10 @@ CASES = {
 def test_logits_equal_transformers(vl, eng, case):
     """[text, media, text] prefill (chunks of 16 cut through the vision tokens), then 12 greedy decode steps whose
     rotary positions continue at index + delta, against transformers on the whole sequence."""
-    import importlib.util
+    from ninfer_bench.suites.hf_peer import cpu_blocked
 
-    if transformers_before_5_24() and importlib.util.find_spec("fla") is not None:
-        pytest.skip("transformers < 5.24 with fla importable runs fla's Triton kernels on CPU tensors")
+    if cpu_blocked():
+        pytest.skip(f"transformers cannot run Qwen3.5 on the CPU here: {cpu_blocked()}")
     model, _ = vl
     items = CASES[case](eng)
     text = "Look" + "".join(placeholder(it.kind) + f" and {i} " for i, it in enumerate(items)) + "describe it."
