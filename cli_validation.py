@@ -153,6 +153,7 @@ def niah(model, ctx, depths, cases, answer_tokens, seed, prefill_chunk, device, 
               help="Where the reference runs its plain torch ops (auto: CUDA when there is one).")
 def oracle_niah(model, ctx, depths, cases, answer_tokens, seed, prefill_chunk, dtype, top_k, out, force, device):
     """Reference-model answers for the NIAH cases, stored for `ninfer-bench niah` to compare against."""
+    from .oracles.store import UNKNOWN_DEVICE, devices, load_oracle
     from .suites.niah import build_niah_oracle
 
     opts = _niah_options(model, ctx, depths, cases, answer_tokens, seed, prefill_chunk=prefill_chunk)
@@ -164,5 +165,8 @@ def oracle_niah(model, ctx, depths, cases, answer_tokens, seed, prefill_chunk, d
     with prog:
         paths = build_niah_oracle(model, opts, out, top_k=top_k, dtype=dtype, force=force, device=device,
                                   progress=update)
-    for p in paths:
-        console.print(f"[green]wrote[/] {p}")
+    for p in paths:  # where each case was computed: --device auto may have added GPU cases to a CPU-built file
+        records, _ = load_oracle(p)
+        built = ", ".join(f"{n} on {'an unrecorded device' if d == UNKNOWN_DEVICE else d}"
+                          for d, n in devices(records).items())
+        console.print(f"[green]wrote[/] {p}: {len(records)} cases ({built or 'none'})")

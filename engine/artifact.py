@@ -1,21 +1,6 @@
-"""Artifact container: one file holding a model's weights, tokenizer, configs and components.
-
-Byte layout (DESIGN.md "Artifact container"; integers little-endian, object offsets relative to the payload):
-
-====  ========================================================================================================
-v3    ``b"NINFER\\0\\x03"`` | u64 JSON length | 16-byte artifact id | JSON | zeros up to 4096 | payload
-      JSON ``{components, objects[{id, kind, shape, format, layout, offset, bytes, sha256}], bindings,
-      metadata, provenance}``; every object starts at a multiple of 256 bytes into the payload.
-v2    ``b"NINFER\\0\\x02"`` | u64 JSON length | JSON | zeros up to 4096 | payload
-      JSON ``{identity{model_id, weights_id}, objects[{name, kind, shape, format, layout, offset, bytes}]}``
-====  ========================================================================================================
-
-Weights (``kind "weight"``) hold ``quant.pack(tensor, format)`` for their logical ``shape``; other payloads
-(tokenizer.json, chat template) are ``kind "blob"``, ``format "bytes"``, ``shape [nbytes]``. v3 ``bindings`` map a
-Hugging Face name to an object id, or to ``{"parts": [ids], "axis": a}`` (concatenation, read only); tied weights
-bind two names to one object. v2 has no components/metadata/bindings, so the writer keeps them in JSON blobs
-(``__components__.json``, ``__metadata__.json``, ``__provenance__.json``, ``__aliases__.json``) and ``upgrade``
-loses nothing. Files are memory-mapped on open; digests are only checked by ``Artifact.verify``.
+"""Reading artifacts: :class:`Artifact` memory-maps a file (v2 or v3), checks on open that every object fits the
+file and every binding resolves, and reads tensors and blobs by their Hugging Face names; digests are only checked
+by ``Artifact.verify``. The byte layout is :mod:`engine.artifact_format`'s, writing :mod:`engine.artifact_write`'s.
 """
 
 from __future__ import annotations
@@ -23,115 +8,15 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import struct
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from . import quant
+from .artifact_format import (HEADER_BYTES, PAYLOAD_ALIGN, V2_BLOBS, ArtifactError, ObjectInfo, align, header_digest,
+                              parse_header, parse_object)
 
-MAGIC = b"NINFER\0"
-HEADER_BYTES = {2: 16, 3: 32}
-PAYLOAD_ALIGN = 4096
-OBJECT_ALIGN = 256
-COMPONENTS = ("text", "mtp", "dflash", "dflash2", "vision")
-LAYOUTS = {"fp32": "row-major", "bf16": "row-major", "bytes": "bytes",
-           **{fmt: "qpack.v1" for fmt in quant.QUANT_FORMATS}}
-V2_BLOBS = {"components": "__components__.json", "metadata": "__metadata__.json",
-            "provenance": "__provenance__.json", "aliases": "__aliases__.json"}
 _HASH_CHUNK = 1 << 24
-_DIGEST_PLACEHOLDER = "0" * 64  # same length as a hex sha256, so the JSON length is known before hashing
-
-
-def _align(n: int, to: int) -> int:
-    return (n + to - 1) // to * to
-
-
-def header_digest(header: bytes) -> str:
-    """SHA-256 of a v3 artifact's fixed header and JSON with ``provenance.header_sha256`` set to the placeholder:
-    the configs, bindings, metadata and every object's digest (so, through them, every byte of the file)."""
-    stored = json.loads(header[HEADER_BYTES[3]:]).get("provenance", {}).get("header_sha256", _DIGEST_PLACEHOLDER)
-    key = b'"header_sha256":"'
-    return hashlib.sha256(header.replace(key + str(stored).encode() + b'"', key + _DIGEST_PLACEHOLDER.encode() + b'"',
-                                         1)).hexdigest()
-
-
-class ArtifactError(ValueError):
-    """A problem with an artifact file; the message names the file and, where there is one, the object."""
-
-
-@dataclass(slots=True)
-class ObjectInfo:
-    """One stored object: where its bytes are and how to read them."""
-
-    id: str
-    name: str | None
-    kind: str
-    shape: tuple[int, ...]
-    format: str
-    layout: str
-    offset: int  # from the payload start
-    nbytes: int
-    sha256: str | None  # None in v2
-
-    @property
-    def label(self) -> str:
-        return f"{self.id} ({self.name})" if self.name else self.id
-
-
-# ---- reading ------------------------------------------------------------------------------------------------
-
-def _parse_header(path: str, head: bytes, size: int) -> tuple[int, int, bytes]:
-    """(version, JSON length, artifact id) from the first bytes of the file."""
-    if len(head) < 8 or head[:7] != MAGIC:
-        raise ArtifactError(f"{path}: not a ninfer artifact (magic {head[:8]!r})")
-    version = head[7]
-    if version not in HEADER_BYTES:
-        raise ArtifactError(f"{path}: unsupported artifact version {version} (this reader knows 2 and 3)")
-    hlen = HEADER_BYTES[version]
-    if size < hlen:
-        raise ArtifactError(f"{path}: truncated: v{version} header needs {hlen} bytes, file has {size}")
-    (jlen,) = struct.unpack("<Q", head[8:16])
-    if hlen + jlen > size:
-        raise ArtifactError(f"{path}: truncated: JSON of {jlen} bytes runs past the end of the {size}-byte file")
-    return version, jlen, head[16:32] if version == 3 else b""
-
-
-def _parse_object(path: str, version: int, index: int, e: dict, names: dict[str, str]) -> ObjectInfo:
-    """An ``objects[index]`` entry of the JSON, checked for types and for size == size implied by shape.
-
-    ``names`` (v3): object id -> a logical name bound to it, so that errors can name the tensor.
-    """
-    try:
-        oid = str(e["id"]) if version == 3 else f"o{index}"
-        info = ObjectInfo(id=oid, name=str(e["name"]) if version == 2 else names.get(oid),
-                          kind=str(e["kind"]), shape=tuple(int(s) for s in e["shape"]), format=str(e["format"]),
-                          layout=str(e.get("layout", "")), offset=int(e["offset"]), nbytes=int(e["bytes"]),
-                          sha256=str(e["sha256"]) if version == 3 else None)
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ArtifactError(f"{path}: objects[{index}] is malformed ({type(exc).__name__}: {exc})") from None
-    where = f"{path}: object {info.label}"
-    if info.offset < 0 or (version == 3 and info.offset % OBJECT_ALIGN):
-        raise ArtifactError(f"{where}: offset {info.offset} is not a non-negative multiple of {OBJECT_ALIGN}")
-    if info.kind == "blob":
-        if info.format != "bytes" or len(info.shape) != 1:
-            raise ArtifactError(f"{where}: a blob needs format 'bytes' and shape [n], got {info.format} "
-                                f"{list(info.shape)}")
-        expected = info.shape[0]
-    elif info.kind == "weight":
-        if info.format not in quant.FORMATS:
-            raise ArtifactError(f"{where}: unknown format {info.format!r} (known: {', '.join(quant.FORMATS)})")
-        try:
-            expected = quant.nbytes(info.format, info.shape)
-        except ValueError as exc:
-            raise ArtifactError(f"{where}: {exc}") from None
-    else:
-        raise ArtifactError(f"{where}: unknown kind {info.kind!r} (expected 'weight' or 'blob')")
-    if info.nbytes != expected:
-        raise ArtifactError(f"{where}: shape/size mismatch: {info.format} {list(info.shape)} needs {expected} "
-                            f"bytes, the entry says {info.nbytes}")
-    return info
 
 
 class Artifact:
@@ -149,7 +34,7 @@ class Artifact:
         names = {t: n for n, t in reversed((doc.get("bindings") or {}).items()) if isinstance(t, str)}
         self.objects: dict[str, ObjectInfo] = {}
         for i, e in enumerate(objs):
-            info = _parse_object(path, version, i, e if isinstance(e, dict) else {}, names)
+            info = parse_object(path, version, i, e if isinstance(e, dict) else {}, names)
             if info.id in self.objects:
                 raise ArtifactError(f"{path}: object id {info.id} appears twice")
             self.objects[info.id] = info
@@ -175,7 +60,7 @@ class Artifact:
         size = os.path.getsize(path)
         with open(path, "rb") as f:
             head = f.read(32)
-            version, jlen, aid = _parse_header(path, head, size)
+            version, jlen, aid = parse_header(path, head, size)
             f.seek(HEADER_BYTES[version])
             raw_json = f.read(jlen)
         try:
@@ -188,7 +73,7 @@ class Artifact:
             aid_hex = str((doc.get("identity") or {}).get("weights_id", ""))
         else:
             aid_hex = aid.hex()
-        art = cls(path, version, aid_hex, doc, _align(HEADER_BYTES[version] + jlen, PAYLOAD_ALIGN), size)
+        art = cls(path, version, aid_hex, doc, align(HEADER_BYTES[version] + jlen, PAYLOAD_ALIGN), size)
         art._header = head[:HEADER_BYTES[version]] + raw_json
         return art
 
@@ -429,6 +314,3 @@ class Artifact:
 
     def __repr__(self) -> str:
         return f"Artifact({self.path!r}, v{self.version}, {len(self.objects)} objects)"
-
-
-# ---- writing ------------------------------------------------------------------------------------------------

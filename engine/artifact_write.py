@@ -1,4 +1,4 @@
-"""Writing artifacts (v2 and v3) and upgrading v2 to v3: see :mod:`engine.artifact` for the byte layout.
+"""Writing artifacts (v2 and v3) and upgrading v2 to v3: see :mod:`engine.artifact_format` for the byte layout.
 
 Writes are atomic (a temporary file in the same folder, fsync, rename; removed on any error), stream one
 tensor at a time, and hash each object while writing it.
@@ -18,8 +18,9 @@ import torch
 
 from .. import __version__
 from . import quant
-from .artifact import (COMPONENTS, HEADER_BYTES, LAYOUTS, MAGIC, OBJECT_ALIGN, PAYLOAD_ALIGN, V2_BLOBS,
-                       _DIGEST_PLACEHOLDER, Artifact, ArtifactError, _align, header_digest)
+from .artifact import Artifact
+from .artifact_format import (COMPONENTS, DIGEST_PLACEHOLDER, HEADER_BYTES, LAYOUTS, MAGIC, OBJECT_ALIGN, PAYLOAD_ALIGN,
+                              V2_BLOBS, ArtifactError, align, header_digest)
 
 
 @dataclass(slots=True)
@@ -34,7 +35,7 @@ class _Entry:
     data: object
     pack: bool
     offset: int = 0
-    sha256: str = _DIGEST_PLACEHOLDER
+    sha256: str = DIGEST_PLACEHOLDER
 
 
 def _weight_bytes(path: str, name: str, fmt: str, shape: tuple[int, ...]) -> int:
@@ -70,7 +71,7 @@ def _plan(path: str, tensors: dict, packed: dict, blobs: dict) -> list[_Entry]:
         if e.name in seen:
             raise ArtifactError(f"{path}: {e.name} is given twice")
         seen.add(e.name)
-        e.offset = _align(offset, OBJECT_ALIGN)
+        e.offset = align(offset, OBJECT_ALIGN)
         offset = e.offset + e.nbytes
     return entries
 
@@ -129,10 +130,10 @@ def _object_bytes(path: str, e: _Entry) -> memoryview:
 def _write_file(path: str, tmp: str, version: int, aid: bytes, doc: dict, entries: list[_Entry], progress) -> None:
     """Payload first (hashing as it goes), then header and JSON with the digests filled in, then fsync; ``tmp``
     is written, errors name ``path``."""
-    if version == 3:  # the header's own digest (artifact.header_digest), filled in last
-        doc["provenance"]["header_sha256"] = _DIGEST_PLACEHOLDER
+    if version == 3:  # the header's own digest (artifact_format.header_digest), filled in last
+        doc["provenance"]["header_sha256"] = DIGEST_PLACEHOLDER
     body_len = len(_dump(path, doc))  # digests are placeholders of their final length
-    payload_start = _align(HEADER_BYTES[version] + body_len, PAYLOAD_ALIGN)
+    payload_start = align(HEADER_BYTES[version] + body_len, PAYLOAD_ALIGN)
     total, pos = sum(e.nbytes for e in entries), 0
     with open(tmp, "wb") as f:
         f.write(bytes(payload_start))

@@ -51,7 +51,7 @@ class ModelConfig:
         if isinstance(self.eos_token_id, int):
             self.eos_token_id = (self.eos_token_id,)
         eos = self.eos_token_id or ()
-        if not isinstance(eos, (list, tuple)) or not all(_is_int(e) for e in eos):
+        if not isinstance(eos, (list, tuple)) or not all(is_int(e) for e in eos):
             raise ValueError(f"model config: eos_token_id must be an integer or a list of integers, got {eos!r}")
         self.eos_token_id = tuple(eos)
         positive = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -59,7 +59,7 @@ class ModelConfig:
                     "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim")
         for name in positive:
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            if not is_int(value) or value <= 0:
                 raise ValueError(f"model config: {name} must be a positive integer, got {value!r}")
         if self.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model config: unknown model_type {self.model_type!r} "
@@ -80,10 +80,10 @@ class ModelConfig:
             value = getattr(self, name)
             if not _is_number(value) or value <= 0:
                 raise ValueError(f"model config: {name} must be a positive number, got {value!r}")
-        if not _is_int(self.max_position_embeddings) or self.max_position_embeddings < 1:
+        if not is_int(self.max_position_embeddings) or self.max_position_embeddings < 1:
             raise ValueError(f"model config: max_position_embeddings must be a positive integer, "
                              f"got {self.max_position_embeddings!r}")
-        if not _is_int(self.mtp_num_hidden_layers) or self.mtp_num_hidden_layers < 0:
+        if not is_int(self.mtp_num_hidden_layers) or self.mtp_num_hidden_layers < 0:
             raise ValueError(f"model config: mtp_num_hidden_layers must be an integer >= 0, "
                              f"got {self.mtp_num_hidden_layers!r}")
         for name in ("tie_word_embeddings", "attention_bias"):
@@ -288,12 +288,13 @@ def _flag(hf: dict, key: str):
     return False if value is None else value
 
 
-def _is_int(value) -> bool:
+def is_int(value) -> bool:
+    """An integer as config.json gives one: JSON's true / false arrive as Python bools, which are ints too."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _is_number(value) -> bool:
-    return _is_int(value) or (isinstance(value, float) and math.isfinite(value))
+    return is_int(value) or (isinstance(value, float) and math.isfinite(value))
 
 
 @dataclass(slots=True)
@@ -326,11 +327,11 @@ class DraftConfig:
         for name in ("num_layers", "block_size", "hidden_size", "intermediate_size", "num_attention_heads",
                      "num_key_value_heads", "head_dim", "candidates"):
             value = getattr(self, name)
-            if not _is_int(value) or value <= 0:
+            if not is_int(value) or value <= 0:
                 raise bad(name, f"must be a positive integer, got {value!r}")
         for name in ("mask_token_id", "window", "scorer_rank"):
             value = getattr(self, name)
-            if not _is_int(value) or value < 0:
+            if not is_int(value) or value < 0:
                 raise bad(name, f"must be a non-negative integer, got {value!r}")
         if self.block_size < 2:
             raise bad("block_size", f"must be >= 2 (the last committed token plus mask slots), got {self.block_size}")
@@ -340,7 +341,7 @@ class DraftConfig:
         if self.head_dim % 2:
             raise bad("head_dim", f"must be even (rotary over the whole head), got {self.head_dim}")
         taps = self.target_layer_ids
-        if not isinstance(taps, (list, tuple)) or not all(_is_int(i) for i in taps):
+        if not isinstance(taps, (list, tuple)) or not all(is_int(i) for i in taps):
             raise bad("target_layer_ids", f"must be a list of integers, got {taps!r}")
         if not taps:
             raise bad("target_layer_ids", "is empty")

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .config import is_int
+
 FP8_DTYPES = (torch.float8_e4m3fn,)
 # static activation and K/V cache scales (llm-compressor, Qwen's fp8 layout): not weights, the engine computes its
 # activations and quantizes its own cache
@@ -48,12 +50,12 @@ class FP8Layout:
 
 
 def _block(value, where: str) -> tuple[int, int] | None:
+    """A block shape [bn, bk] of ``quantization_config`` (``where`` names its key), None for none."""
     if value is None:
         return None
-    if (not isinstance(value, (list, tuple)) or len(value) != 2
-            or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)):
+    if not isinstance(value, (list, tuple)) or len(value) != 2 or not all(is_int(v) and v > 0 for v in value):
         raise ValueError(f"config.json: {where} must be two positive integers [rows, columns], got {value!r}")
-    return int(value[0]), int(value[1])
+    return value[0], value[1]
 
 
 def _compressed_tensors(qc: dict) -> FP8Layout:

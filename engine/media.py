@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field, fields
 import numpy as np
 import torch
 
-from .media_sources import MediaLimits, read_source
+from .media_sources import MediaBudget, MediaLimits, read_source
 
 DEFAULT_VIDEO_FPS = 24.0  # what transformers assumes for frames without metadata
 
@@ -161,12 +161,15 @@ def _rgb(img) -> np.ndarray:
     return np.asarray(img.convert("RGB"))
 
 
-def decode_image(data: bytes, limits: MediaLimits) -> np.ndarray:
+def decode_image(data: bytes, limits: MediaLimits, budget: MediaBudget | None = None) -> np.ndarray:
     """An encoded image (PNG, JPEG, WebP, ...) as ``[H, W, 3]`` uint8, turned upright by its EXIF orientation
-    (as transformers' ``load_image`` does: a phone photo stored sideways is seen the way it is shown)."""
+    (as transformers' ``load_image`` does: a phone photo stored sideways is seen the way it is shown). Its
+    decoded size is charged to ``budget`` (the request's) from the header, before any pixel is read."""
     from PIL import ImageOps
 
     img = _open_pil(data, limits)
+    if budget is not None:
+        budget.charge(img.size[0] * img.size[1] * 3, f"image of {img.size[0]}x{img.size[1]}")
     try:
         img = ImageOps.exif_transpose(img)
     except Exception:  # unreadable EXIF (struct / key errors, not just ValueError): the image as it is stored
@@ -224,11 +227,14 @@ def _declared_arrays(data: bytes) -> dict[str, tuple[tuple[int, ...], np.dtype]]
     return out
 
 
-def _check_video_bytes(shape, itemsize: int, limits: MediaLimits, what: str) -> None:
+def _check_video_bytes(shape, itemsize: int, limits: MediaLimits, what: str, budget: MediaBudget | None) -> None:
+    """Refuse frames of ``shape`` past the per-video limit, then charge them to the request's ``budget``."""
     n = math.prod(shape) * itemsize
     if n > limits.max_video_bytes:
         raise ValueError(f"{what} of {list(shape)} decode to {n:,} bytes, over the limit of "
                          f"{limits.max_video_bytes:,}")
+    if budget is not None:
+        budget.charge(n, f"{what} of {list(shape)}")
 
 
 def _read_array(data: bytes) -> tuple[np.ndarray, float]:
@@ -250,12 +256,15 @@ def _read_array(data: bytes) -> tuple[np.ndarray, float]:
     return members["frames"], fps
 
 
-def decode_video(data: bytes, cfg: PreprocessConfig, limits: MediaLimits) -> tuple[np.ndarray, float, list[int]]:
-    """(sampled frames ``[T, H, W, 3]`` uint8, the video's fps, the sampled frame indices)."""
+def decode_video(data: bytes, cfg: PreprocessConfig, limits: MediaLimits,
+                 budget: MediaBudget | None = None) -> tuple[np.ndarray, float, list[int]]:
+    """(sampled frames ``[T, H, W, 3]`` uint8, the video's fps, the sampled frame indices). The frames' decoded
+    size is checked and charged to ``budget`` (the request's) from headers, before they are inflated."""
     if data[:6] == b"\x93NUMPY" or data[:4] == b"PK\x03\x04":
         declared = _declared_arrays(data)  # checked before np.load inflates anything
         if "frames" in declared:
-            _check_video_bytes(declared["frames"][0], declared["frames"][1].itemsize, limits, "video frames")
+            shape, dtype = declared["frames"]
+            _check_video_bytes(shape, dtype.itemsize, limits, "video frames", budget)
         if "fps" in declared and math.prod(declared["fps"][0]) * declared["fps"][1].itemsize > 16:
             shape, dtype = declared["fps"]
             raise ValueError(f"a .npz video's 'fps' must be one number, got a {dtype} array of shape {list(shape)}")
@@ -280,7 +289,7 @@ def decode_video(data: bytes, cfg: PreprocessConfig, limits: MediaLimits) -> tup
         idx = sample_frames(total, fps, cfg)
     except (OSError, EOFError, ValueError) as e:
         raise ValueError(f"cannot decode the video ({type(e).__name__}: {e})") from None
-    _check_video_bytes((len(idx), img.size[1], img.size[0], 3), 1, limits, "sampled video frames")
+    _check_video_bytes((len(idx), img.size[1], img.size[0], 3), 1, limits, "sampled video frames", budget)
     try:
         frames = []
         for i in idx:
@@ -382,17 +391,21 @@ def video_patches(frames: np.ndarray, cfg: PreprocessConfig) -> tuple[torch.Tens
     return patchify(x, cfg)
 
 
-def load_media(kind: str, source, cfg: PreprocessConfig, limits: MediaLimits) -> MediaInput:
-    """Read, decode and preprocess one image or video (ValueError with a message for people on bad input)."""
+def load_media(kind: str, source, cfg: PreprocessConfig, limits: MediaLimits,
+               budget: MediaBudget | None = None) -> MediaInput:
+    """Read, decode and preprocess one image or video (ValueError with a message for people on bad input).
+    ``budget``: the request's :class:`MediaBudget`, shared by all its items so that together they decode to at
+    most ``limits.max_request_bytes``; without one the item is held to that total alone."""
     if kind not in ("image", "video"):
         raise ValueError(f"media kind must be 'image' or 'video', got {kind!r}")
+    budget = MediaBudget(limits) if budget is None else budget
     data = read_source(source, limits)
     digest = hashlib.sha256(kind.encode() + b"\0" + data).hexdigest()
     try:
         if kind == "image":
-            pixels, grid = image_patches(decode_image(data, limits), cfg)
+            pixels, grid = image_patches(decode_image(data, limits, budget), cfg)
             return MediaInput("image", digest, pixels, grid)
-        frames, fps, idx = decode_video(data, cfg, limits)
+        frames, fps, idx = decode_video(data, cfg, limits, budget)
         pixels, grid = video_patches(frames, cfg)
         return MediaInput("video", digest, pixels, grid, frame_timestamps(idx, fps, cfg.temporal_patch_size))
     except ValueError as e:

@@ -14,21 +14,41 @@ from urllib.parse import unquote, urlsplit
 
 @dataclass(slots=True)
 class MediaLimits:
-    """What one request may send: bytes per item, decoded pixels per image or frame, items per request, and bytes a
-    video's decoded frames may take (checked from its header before anything is inflated: a few MB of compressed
-    frames can decode to gigabytes)."""
+    """What one request may send: bytes per item, decoded pixels per image or frame, items per request, bytes a
+    video's decoded frames may take, and bytes all of a request's items may decode to together (both checked from
+    headers before anything is inflated: a few MB of compressed frames can decode to gigabytes, and 16 items each
+    under the per-video cap to 16 times that)."""
 
     max_bytes: int = 32 << 20
     max_pixels: int = 8192 * 8192
     max_items: int = 16
     max_video_bytes: int = 4 << 30
+    max_request_bytes: int = 8 << 30  # two videos at max_video_bytes
 
     def __post_init__(self) -> None:
-        for name in ("max_bytes", "max_pixels", "max_items", "max_video_bytes"):
+        for name in ("max_bytes", "max_pixels", "max_items", "max_video_bytes", "max_request_bytes"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"media limits: {name} must be a positive integer, got {value!r}")
 
+
+class MediaBudget:
+    """The decoded bytes one request's items have taken so far, against ``limits.max_request_bytes``: make one per
+    request and pass it to :func:`.media.load_media` for each of its items. Each item is charged from its header
+    before its pixels are inflated."""
+
+    __slots__ = ("limits", "used")
+
+    def __init__(self, limits: MediaLimits):
+        self.limits, self.used = limits, 0
+
+    def charge(self, n: int, what: str) -> None:
+        """Count ``n`` more decoded bytes of ``what`` (e.g. "image of 640x480"); ValueError past the limit."""
+        total, limit = self.used + n, self.limits.max_request_bytes
+        if total > limit:
+            raise ValueError(f"{what}: the request's media would decode to {total:,} bytes, over the limit of "
+                             f"{limit:,} per request")
+        self.used = total
 
 
 def read_source(source, limits: MediaLimits) -> bytes:

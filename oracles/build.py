@@ -46,7 +46,7 @@ def build_oracle(source: str, prompts: list[dict], out: str, *, max_new_tokens: 
     records = []
     for i, p in enumerate(prompts):
         res = model.greedy(p["prompt_ids"], max_new_tokens, top_k=top_k, stop_ids=eos)
-        records.append({"id": p["id"], "prompt_ids": list(p["prompt_ids"]), **res})
+        records.append({"id": p["id"], "prompt_ids": list(p["prompt_ids"]), **res, "device": model.device.type})
         if progress:
             progress(i + 1, len(prompts), p["id"])
     info = loaded.info

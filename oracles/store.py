@@ -4,11 +4,13 @@ File format: one JSON document (gzip-compressed when the path ends in ``.gz``)::
 
     {"schema": "ninfer-bench/oracle", "schema_version": 1,
      "meta": {"artifact_id", "artifact_sha256", "text_id", "preset", "dtype", "top_k", "created", ...},
-     "records": [{"id", "prompt_ids", "tokens", "topk_ids", "topk_logprobs"}, ...]}
+     "records": [{"id", "prompt_ids", "tokens", "topk_ids", "topk_logprobs", "device"}, ...]}
 
 ``tokens[i]`` is the oracle's greedy token at generation step i; ``topk_ids[i]`` / ``topk_logprobs[i]``
 are the top-k of that step's log-softmax over the full vocabulary, best first. JSON floats round-trip
-exactly, so a stored oracle compares bit-for-bit with a fresh one.
+exactly, so a stored oracle compares bit-for-bit with a fresh one. ``device`` ("cpu" or "cuda") is where the
+reference computed that case: a file built on the CPU may be extended with cases from a GPU. Files written before
+cases recorded it have none (``UNKNOWN_DEVICE``).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import gzip
 import json
 import math
 import os
+from collections import Counter
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Sequence
@@ -24,6 +27,7 @@ from typing import Sequence
 SCHEMA = "ninfer-bench/oracle"
 SCHEMA_VERSION = 1
 RECORD_KEYS = ("id", "prompt_ids", "tokens", "topk_ids", "topk_logprobs")
+UNKNOWN_DEVICE = "unknown"  # what a record without "device" (written before records carried one) was computed on
 META_KEYS = ("artifact_id", "artifact_sha256", "dtype", "top_k")
 
 NEAR_TIE_NATS = 0.05
@@ -43,6 +47,9 @@ def _validate_record(rec: dict, top_k: int) -> None:
     missing = [k for k in RECORD_KEYS if k not in rec]
     if missing:
         raise ValueError(f"oracle record {rec.get('id')!r}: missing key(s) {missing}")
+    if "device" in rec and not (isinstance(rec["device"], str) and rec["device"]):
+        raise ValueError(f"oracle record {rec['id']!r}: device must name where it was computed (e.g. 'cpu'), "
+                         f"got {rec['device']!r}")
     steps = len(rec["tokens"])
     if len(rec["topk_ids"]) != steps or len(rec["topk_logprobs"]) != steps:
         raise ValueError(f"oracle record {rec['id']!r}: {steps} tokens but {len(rec['topk_ids'])} topk_ids "
@@ -68,7 +75,8 @@ def save_oracle(path: str | Path, records: Sequence[dict], meta: dict) -> Path:
         clean.append({"id": rec["id"], "prompt_ids": [int(t) for t in rec["prompt_ids"]],
                       "tokens": [int(t) for t in rec["tokens"]],
                       "topk_ids": [[int(t) for t in row] for row in rec["topk_ids"]],
-                      "topk_logprobs": [[float(v) for v in row] for row in rec["topk_logprobs"]]})
+                      "topk_logprobs": [[float(v) for v in row] for row in rec["topk_logprobs"]],
+                      **({"device": rec["device"]} if "device" in rec else {})})
     doc = {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "meta": meta, "records": clean}
     path = Path(path)
     data = json.dumps(doc, separators=(",", ":")).encode("utf-8")
@@ -103,6 +111,13 @@ def load_oracle(path: str | Path) -> tuple[list[dict], dict]:
     for rec in doc["records"]:
         _validate_record(rec, int(meta["top_k"]))
     return doc["records"], meta
+
+
+def devices(records: Sequence[dict]) -> dict[str, int]:
+    """How many of an oracle file's cases each device computed, most first (``UNKNOWN_DEVICE`` counts the records
+    written before cases recorded one)."""
+    counts = Counter(rec.get("device", UNKNOWN_DEVICE) for rec in records)
+    return dict(counts.most_common())
 
 
 # ---- model identity ---------------------------------------------------------------------------------

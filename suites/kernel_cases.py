@@ -1,7 +1,7 @@
 """What the kernels suite measures, declared: :func:`register` binds an op name to a builder that makes a
 :class:`Case` (seeded inputs, the fp32 reference, an :class:`Impl` per runtime variant, the bytes the op must move)
 from a :class:`KernelContext` (model config, device, dtype, weight formats). ``suites/kernel_registry.py`` holds
-the declarations, ``suites/kernels.py`` times them."""
+the declarations (the projection family in ``suites/kernel_projections.py``), ``suites/kernels.py`` times them."""
 
 from __future__ import annotations
 

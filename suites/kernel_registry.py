@@ -3,11 +3,8 @@
 Each entry builds, for T new tokens of one sequence, seeded random inputs, an fp32 reference and the v2 / v3
 implementations (suites/kernels.py says what the variants are and what a record holds). Families:
 
-  projection  every weight projection of a decode step, in its stored format (an artifact's own with --model;
-              else engine.convert.weight_format under the --quant policy; mixed, a preset's default: attention q5,
-              MLP / GDN q4, GDN b / a bf16, lm_head q8): attention q+gate, k, v, o; GDN qkv, z, b, a, out; MLP
-              gate, up, down; lm_head; and the row-concatenations v3 launches as one (attention k+v, GDN qkv+z and
-              b+a, MLP gate+up)
+  projection  every weight projection of a decode step, in its stored format, and the row-concatenations v3
+              launches as one: ``suites/kernel_projections.py``
   attention   decode attention over one layer's int8 K/V cache, at each context length
   gdn         the gated delta rule step from an fp32 state; the fused GDN token mixer (conv, gates, L2 norms,
               recurrence, gated norm) when kernels/gdn_triton.py imports
@@ -15,149 +12,28 @@ implementations (suites/kernels.py says what the variants are and what a record 
   norm        zero-centred RMSNorm over the hidden size; gated RMSNorm per GDN head
   glue        kernels/fused.py, when it imports: add + RMSNorm, SiLU * up, the attention prologue
   sampling    temperature / top-k / top-p over the vocabulary; reference: the distribution in fp64
+
+Importing this module registers all of them (the projections first, as they are listed).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
-from ..engine import quant
 from ..engine.cache import KV_GROUP, dequantize_kv, quantize_kv
-from ..engine.options import EngineOptions
 from ..engine.sampling import SamplingParams, probs, select
-from ..engine.weights import GATE_UP_RUN, interleave_order
 from ..kernels.attention import attention
 from ..kernels.attention_triton import decode_attention, decode_attention_ref
 from ..kernels.attention_triton import triton_available as attention_triton_available
 from ..kernels.conv import causal_conv1d, causal_conv1d_ref
 from ..kernels.gdn import gated_delta_rule_ref, gated_delta_rule_step, l2norm
 from ..kernels.norm import gated_rms_norm, gated_rms_norm_ref, rms_norm, rms_norm_ref
-from ..kernels import qmv_cuda
-from ..kernels.qlinear import MAX_KERNEL_ROWS, PackedLinear
-from ..kernels.qlinear import triton_available as qlinear_triton_available
 from ..kernels.rope import apply_rope, rope_tables
+from . import kernel_projections  # noqa: F401  (registers the projection family, before the families below)
 from .kernel_cases import Case, Impl, KernelContext, optional_kernels, register, v3_impl
 
 F32 = torch.float32
-
-
-# ---- projections -------------------------------------------------------------------------------------------
-def projection_bytes(fmt: str, n: int, k: int, t: int, elt: int) -> int:
-    """Weight bytes as stored (``quant.nbytes``) + activations in ([t, k]) and out ([t, n]) of ``elt`` bytes."""
-    return quant.nbytes(fmt, (n, k)) + t * k * elt + t * n * elt
-
-
-@dataclass(slots=True)
-class _Weight:
-    ref: torch.Tensor  # [N, K] fp32, the stored weight dequantized exactly
-    dense: torch.Tensor  # [N, K] in the compute dtype: what v2 (and every CPU run) multiplies with
-    packed: PackedLinear | None  # v3 on CUDA, for the quantized formats
-
-
-def _weight(ctx: KernelContext, name: str, fmt: str, n: int, k: int) -> _Weight:
-    buf = quant.pack(ctx.randn(n, k, gen=ctx.generator(name, "w"), dtype=F32, scale=k ** -0.5), fmt)
-    ref = quant.dequantize(buf, fmt, (n, k), F32)
-    # held as the engine holds it: qmv's layout when the compute dtype is 16-bit (EngineOptions.qmv_layout)
-    layout = EngineOptions().qmv_layout if ctx.dtype in (torch.bfloat16, torch.float16) else "rows"
-    packed = PackedLinear(buf, fmt, (n, k), ctx.device, layout=layout) \
-        if fmt in quant.QUANT_FORMATS else None
-    return _Weight(ref, ref.to(ctx.dtype), packed)
-
-
-def _hd(c):
-    return c.num_attention_heads * c.head_dim
-
-
-def _kv(c):
-    return c.num_key_value_heads * c.head_dim
-
-
-_A, _G, _M = "model.layers.3.self_attn.", "model.layers.0.linear_attn.", "model.layers.0.mlp."
-# op -> (the stored weight whose format applies, (N, K) of the config)
-PROJECTIONS = {
-    "attn.q_gate": (_A + "q_proj.weight", lambda c: (2 * _hd(c), c.hidden_size)),
-    "attn.k": (_A + "k_proj.weight", lambda c: (_kv(c), c.hidden_size)),
-    "attn.v": (_A + "v_proj.weight", lambda c: (_kv(c), c.hidden_size)),
-    "attn.kv": (_A + "k_proj.weight", lambda c: (2 * _kv(c), c.hidden_size)),
-    "attn.o": (_A + "o_proj.weight", lambda c: (c.hidden_size, _hd(c))),
-    "gdn.qkv": (_G + "in_proj_qkv.weight", lambda c: (c.conv_dim, c.hidden_size)),
-    "gdn.z": (_G + "in_proj_z.weight", lambda c: (c.value_dim, c.hidden_size)),
-    "gdn.qkvz": (_G + "in_proj_qkv.weight", lambda c: (c.conv_dim + c.value_dim, c.hidden_size)),
-    "gdn.b": (_G + "in_proj_b.weight", lambda c: (c.linear_num_value_heads, c.hidden_size)),
-    "gdn.a": (_G + "in_proj_a.weight", lambda c: (c.linear_num_value_heads, c.hidden_size)),
-    "gdn.ba": (_G + "in_proj_b.weight", lambda c: (2 * c.linear_num_value_heads, c.hidden_size)),
-    "gdn.out": (_G + "out_proj.weight", lambda c: (c.hidden_size, c.value_dim)),
-    "mlp.gate": (_M + "gate_proj.weight", lambda c: (c.intermediate_size, c.hidden_size)),
-    "mlp.up": (_M + "up_proj.weight", lambda c: (c.intermediate_size, c.hidden_size)),
-    "mlp.gate_up": (_M + "gate_proj.weight", lambda c: (2 * c.intermediate_size, c.hidden_size)),
-    "mlp.down": (_M + "down_proj.weight", lambda c: (c.hidden_size, c.intermediate_size)),
-    "lm_head": ("lm_head.weight", lambda c: (c.vocab_size, c.hidden_size)),
-}
-
-
-def _projection(name: str, dims, ctx: KernelContext, t: int, _param) -> Case:
-    n, k = dims(ctx.cfg)
-    fmt = ctx.weight_format(name, (n, k))
-    w = ctx.memo("weight", lambda: _weight(ctx, name, fmt, n, k))
-    x = ctx.randn(t, k, gen=ctx.generator(name, "x", t))  # [T, K]
-    dt = str(ctx.dtype).replace("torch.", "")
-    v2 = Impl(lambda: F.linear(x, w.dense), f"dense {dt} weight, F.linear")
-    if w.packed is None:
-        v3 = Impl(v2.run, f"{fmt} weight: dense F.linear, as v2")
-    else:
-        path = "tensor-core qmv (CuPy)" if qmv_cuda.supports(x, w.packed) else "Triton qlinear"
-        v3 = v3_impl(ctx, Impl(lambda: w.packed(x), f"packed {fmt}, {path}"),
-                 Impl(lambda: w.packed(x), f"dense {dt} F.linear on the dequantized {fmt} weight"),
-                 qlinear_triton_available() and t <= MAX_KERNEL_ROWS)
-    return Case([n, k], projection_bytes(fmt, n, k, t, ctx.elt), lambda: x.float() @ w.ref.T,
-                {"v2": v2, "v3": v3}, {"fmt": fmt})
-
-
-for _op, (_name, _dims) in PROJECTIONS.items():
-    register(op=_op, family="projection", tolerance=(1e-4, 6e-3))(
-        lambda ctx, t, param, _name=_name, _dims=_dims: _projection(_name, _dims, ctx, t, param))
-
-
-@register(op="mlp.gate_up_silu", family="projection", tolerance=(1e-4, 1e-2))
-def _gate_up_silu(ctx: KernelContext, t: int, _param) -> Case:
-    """The MLP's gate / up projection through to ``silu(gate) * up``, as each runtime runs it: v2 the dense product
-    and the eager activation; v3 on CUDA qmv's epilogue on the interleaved weight (EngineOptions.silu_epilogue),
-    elsewhere the packed product and the activation."""
-    inter, k = ctx.cfg.intermediate_size, ctx.cfg.hidden_size
-    name = _M + "gate_proj.weight"
-    fmt = ctx.weight_format(name, (2 * inter, k))
-    w = ctx.memo("weight", lambda: _weight(ctx, name, fmt, 2 * inter, k))  # rows: gate, then up
-    x = ctx.randn(t, k, gen=ctx.generator(name, "x", t))
-
-    def act(gu):
-        return F.silu(gu[:, :inter]) * gu[:, inter:]
-
-    ref = lambda: act(x.float() @ w.ref.T)  # noqa: E731
-    v2 = Impl(lambda: act(F.linear(x, w.dense)), "dense F.linear, then F.silu(gate) * up")
-    mixed = ctx.memo("interleaved", lambda: _interleaved(ctx, w, fmt, inter, k))
-    if w.packed is None:
-        v3 = Impl(v2.run, f"{fmt} weight: as v2")
-    elif mixed is not None and mixed.silu_mul(x) is not None:
-        v3 = Impl(lambda: mixed.silu_mul(x), f"packed {fmt}, rows interleaved: qmv storing silu(gate) * up")
-    else:
-        v3 = v3_impl(ctx, Impl(lambda: act(w.packed(x)), f"packed {fmt}, Triton qlinear, then F.silu(gate) * up"),
-                     Impl(lambda: act(w.packed(x)), f"dense F.linear on the dequantized {fmt} weight, then the "
-                          "activation"), qlinear_triton_available() and t <= MAX_KERNEL_ROWS)
-    return Case([2 * inter, k], projection_bytes(fmt, 2 * inter, k, t, ctx.elt) - t * inter * ctx.elt, ref,
-                {"v2": v2, "v3": v3}, {"fmt": fmt})
-
-
-def _interleaved(ctx: KernelContext, w: _Weight, fmt: str, inter: int, k: int) -> PackedLinear | None:
-    """The packed gate_up weight with its rows interleaved as the engine stores it, or None where the engine keeps
-    none (a dense format, an intermediate size that is no multiple of the run, or no qmv to read it)."""
-    if w.packed is None or inter % GATE_UP_RUN or ctx.device.type != "cuda" or not qmv_cuda.available():
-        return None
-    layout = EngineOptions().qmv_layout if ctx.dtype in (torch.bfloat16, torch.float16) else "rows"
-    buf = quant.take_rows(w.packed.row_major().buf.cpu(), fmt, (2 * inter, k), interleave_order(2 * inter))
-    return PackedLinear(buf, fmt, (2 * inter, k), ctx.device, layout=layout)
 
 
 # ---- attention ---------------------------------------------------------------------------------------------
@@ -208,6 +84,7 @@ def _as_v2(impl: Impl) -> dict[str, Impl]:
     """v2 and v3 run the same torch op (v3's CUDA decode fuses it into gdn.mixer when that kernel is present)."""
     more = " (v3's CUDA decode fuses it into gdn.mixer)" if optional_kernels("gdn_triton", runnable=True) else ""
     return {"v2": impl, "v3": Impl(impl.run, f"{impl.note}, as v2{more}", impl.check)}
+
 
 @register(op="gdn.step", family="gdn", tolerance=(1e-4, 1e-2))
 def _gdn_step(ctx: KernelContext, t: int, _param) -> Case:

@@ -1,8 +1,9 @@
 """The kernels suite: the model's hot decode ops at their real shapes, timed, checked against a reference in the
 same run, and set against the device's copy bandwidth measured in the same run.
 
-What is measured is declared, not coded into the runner: ``suites/kernel_registry.py`` registers each op with
-``@register(op=..., family=...)`` (the vocabulary is ``suites/kernel_cases.py``). An entry builds, for a model config
+What is measured is declared, not coded into the runner: ``suites/kernel_registry.py`` (and, for the projections,
+``suites/kernel_projections.py``) registers each op with ``@register(op=..., family=...)`` (the vocabulary is
+``suites/kernel_cases.py``). An entry builds, for a model config
 and T new tokens, seeded random inputs (never zeros), a plain fp32 (fp64 for sampling) reference and the
 implementations each runtime runs:
 

@@ -354,7 +354,8 @@ def build_niah_oracle(source: str | None, opts: NiahOptions, out: str | None = N
                 if case["case"] not in kept:
                     res = model.greedy(case["prompt_ids"], opts.answer_tokens, top_k=top_k,
                                        prefill_chunk=opts.prefill_chunk)
-                    kept[case["case"]] = {"id": case["case"], "prompt_ids": case["prompt_ids"], **res}
+                    kept[case["case"]] = {"id": case["case"], "prompt_ids": case["prompt_ids"], **res,
+                                          "device": model.device.type}  # a CPU-built file may gain GPU cases
                     computed = True
                 done += 1
                 if progress:

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from ninfer_bench.engine import quant
-from ninfer_bench.engine.artifact import Artifact, ArtifactError
+from ninfer_bench.engine.artifact import Artifact
+from ninfer_bench.engine.artifact_format import ArtifactError
 from ninfer_bench.engine.artifact_write import upgrade, write_artifact
 
 # (format, shape): K not a multiple of the group, a multiple, a 3-D tensor; floats also as 1-D / conv weights

@@ -125,6 +125,7 @@ def _set_qc(folder, qc) -> None:
     ({"quant_method": "compressed-tensors", "format": "float-quantized",
       "config_groups": {"g": {"weights": {"num_bits": 4, "type": "int"}}}}, "4-bit 'int' weights"),
     ({"quant_method": "fp8", "weight_block_size": [128]}, "weight_block_size must be two positive integers"),
+    ({"quant_method": "fp8", "weight_block_size": [128, True]}, r"weight_block_size .* got \[128, True\]"),
 ])
 def test_other_quantizations_are_refused_naming_them(tmp_path, hf_dir, qc, match):
     shutil.copytree(hf_dir, tmp_path / "q")

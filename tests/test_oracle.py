@@ -382,6 +382,34 @@ def test_niah_oracle_file_is_extended_not_rebuilt(tmp_path, monkeypatch):
     assert len(calls) == 3 and [r["id"] for r in records] == ["ctx512-d100-0"] and meta["depths"] == [100]
 
 
+def test_niah_oracle_cases_record_their_device(tmp_path):
+    """Each case records the device that computed it (`--device auto` may extend a CPU-built file with GPU cases),
+    and `oracle niah` says which built how many. A file from before cases recorded one stays readable, its cases
+    counted as unknown and kept as they are when the file is extended."""
+    from click.testing import CliRunner
+
+    from ninfer_bench.cli import main
+    from ninfer_bench.oracles.store import UNKNOWN_DEVICE, devices
+    from ninfer_bench.suites.niah import NiahOptions, build_niah_oracle
+
+    out = tmp_path / "o.json.gz"
+    build_niah_oracle("tiny", NiahOptions(model="tiny", ctxs=(512,), depths=(0,), answer_tokens=3), str(out),
+                      device="cpu")
+    records, meta = load_oracle(out)
+    assert [r["device"] for r in records] == ["cpu"]
+    save_oracle(out, [{k: v for k, v in r.items() if k != "device"} for r in records], meta)  # as older files are
+    records, _ = load_oracle(out)
+    assert "device" not in records[0] and devices(records) == {UNKNOWN_DEVICE: 1}
+    res = CliRunner().invoke(main, ["oracle", "niah", "--model", "tiny", "--ctx", "512", "--depths", "0,100",
+                                    "--answer-tokens", "3", "--out", str(out), "--device", "cpu"])
+    assert res.exit_code == 0, res.output
+    assert "2 cases (1 on an unrecorded device, 1 on cpu)" in " ".join(res.output.split())
+    records, _ = load_oracle(out)
+    assert {r["id"]: r.get("device") for r in records} == {"ctx512-d0-0": None, "ctx512-d100-0": "cpu"}
+    with pytest.raises(ValueError, match="device must name where it was computed"):
+        save_oracle(out, [{**records[0], "device": ""}], meta)
+
+
 def test_niah_oracle_keeps_finished_depths_when_interrupted(tmp_path):
     """Each finished depth is on disk before the next starts: stopping a long build loses only the case in hand."""
     from ninfer_bench.suites.niah import NiahOptions, build_niah_oracle

@@ -17,7 +17,7 @@ from ninfer_bench.engine.convert import weight_format
 from ninfer_bench.reports.schema import read_result
 from ninfer_bench.suites import kernel_cases as kc
 from ninfer_bench.suites import kernels as ks
-from ninfer_bench.suites.kernel_registry import projection_bytes
+from ninfer_bench.suites.kernel_projections import projection_bytes
 
 
 def run(*args):
