@@ -191,7 +191,7 @@ def logits(artifact, text, ids, out, **options):
 @click.option("--prompt-file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Read the prompt from a file.")
 @click.option("--chat", is_flag=True, help="Wrap the prompt as a user turn with the artifact's chat template.")
-@click.option("--max-new-tokens", "-n", type=int, default=128, show_default=True)
+@click.option("--max-new-tokens", "-n", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--temperature", type=float, default=0.0, show_default=True)
 @click.option("--top-p", type=float, default=1.0, show_default=True)
 @click.option("--top-k", type=int, default=0, show_default=True)
@@ -214,7 +214,8 @@ def generate(artifact, prompt, prompt_file, chat, max_new_tokens, temperature, t
         raise UserError("give exactly one of --prompt or --prompt-file")
     text = prompt if prompt is not None else read_text(prompt_file)
     eng = build_engine(artifact, spec=spec, draft_tokens=draft_tokens, **options)
-    items = [eng.load_media("image", p) for p in images] + [eng.load_media("video", p) for p in videos]
+    budget = eng.media_budget()  # all the prompt's items together
+    items = [eng.load_media("image", p, budget) for p in images] + [eng.load_media("video", p, budget) for p in videos]
     text = "".join(placeholder(it.kind) for it in items) + text
     if chat:
         text = eng.tokenizer.apply_chat_template([{"role": "user", "content": text}])
@@ -243,7 +244,7 @@ def oracle():
 @click.argument("artifact")
 @click.option("--prompts", "prompts_path", required=True, type=click.Path(exists=True, dir_okay=False),
               help=".jsonl prompt set ({id, text} per line) or a .txt prompt.")
-@click.option("--max-new-tokens", "-n", type=int, default=32, show_default=True)
+@click.option("--max-new-tokens", "-n", type=click.IntRange(min=1), default=32, show_default=True)
 @click.option("--top-k", type=int, default=8, show_default=True)
 @click.option("--dtype", type=click.Choice(["fp64", "fp32"]), default="fp64", show_default=True)
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="Output file (.json or .json.gz).")

@@ -14,6 +14,7 @@ from .mrope import placeholder
 from .server import ApiError, api_error, error_body, new_id, read_json, refuse_unsupported, session_of, sse, validate
 
 STOP_REASON = {"eos": "end_turn", "stop_sequence": "stop_sequence", "length": "max_tokens"}
+MAX_TEMPERATURE = 1.0  # Anthropic's range is 0-1: a model default above it (generation_config.json) is lowered to it
 NO_MODALITY = {"document": "document"}
 
 # Anthropic fields this server does not implement: accepted only with a value that asks for nothing, refused
@@ -48,7 +49,7 @@ class MessagesRequest(CountRequest):
     max_tokens: int = Field(ge=1)
     stream: bool | None = None
     stop_sequences: list[str] | None = None
-    temperature: float | None = Field(None, ge=0, le=1)
+    temperature: float | None = Field(None, ge=0, le=MAX_TEMPERATURE)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=0)
     seed: int | None = Field(None, ge=-2**63, le=2**63 - 1)
@@ -147,8 +148,8 @@ def register(app: FastAPI, backend: Backend, max_body: int) -> None:
         text = render(backend, body, media)
         gen = await backend.generate(
             text=text, media=media or (), max_tokens=body.max_tokens, session_id=session_of(request, body.session_id),
-            **backend.sampling(body.temperature, body.top_p, body.top_k), seed=body.seed, stop=body.stop_sequences,
-            ignore_eos=body.ignore_eos)
+            **backend.sampling(body.temperature, body.top_p, body.top_k, MAX_TEMPERATURE), seed=body.seed,
+            stop=body.stop_sequences, ignore_eos=body.ignore_eos)
         msg = {"id": new_id("msg_"), "type": "message", "role": "assistant", "model": backend.model_id,
                **({"session_id": gen.session_id} if gen.session_id else {})}
         want_ids = bool(body.return_token_ids)
@@ -183,7 +184,7 @@ def register(app: FastAPI, backend: Backend, max_body: int) -> None:
                            "usage": usage(out), "timings": out.timings}, "message_delta")
                 yield sse({"type": "message_stop"}, "message_stop")
             except Exception as e:  # the status line is sent: the error goes in the stream
-                yield sse(error_body(api_error(e), anthropic=True), "error")
+                yield sse(error_body(api_error(e, anthropic=True), anthropic=True), "error")
             finally:
                 gen.cancel()
 

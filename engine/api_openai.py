@@ -48,8 +48,7 @@ CHAT_UNSUPPORTED = {
     "web_search_options": ((None,), "web search is not supported by this server (no network)"),
     "moderation": ((None,), "moderation is not run by this server")}
 COMPLETION_UNSUPPORTED = {
-    **SHARED, "echo": ((None, False), "returning the prompt is not supported by this server"),
-    "suffix": ((None, ""), "a suffix (inserting text before it) is not supported by this server")}
+    **SHARED, "suffix": ((None, ""), "a suffix (inserting text before it) is not supported by this server")}
 # accepted and ignored: they change nothing a client gets back (bookkeeping and billing on OpenAI's platform,
 # caching and latency hints, what only matters alongside tools)
 IGNORED = frozenset({"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
@@ -100,8 +99,10 @@ class ChatRequest(_Generate):
 
 class CompletionRequest(_Generate):
     prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=0)  # 0 only with echo (the prompt scored, nothing generated)
     best_of: int | None = None
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # the top N besides each token's own
+    echo: bool | None = None  # the prompt before the completion, in the text and (with logprobs) the log-probabilities
 
 
 def content_text(content, where: str, media: list | None = None) -> str:
@@ -349,31 +350,49 @@ def register(app: FastAPI, backend: Backend, max_body: int) -> None:
             if not prompt:
                 raise ApiError(400, "prompt: the prompt is empty" if len(prompts) == 1 else f"prompt[{j}]: empty",
                                param="prompt")
+        if body.max_tokens == 0 and not body.echo:  # as OpenAI: scoring a prompt (echo) is the one use of 0
+            raise ApiError(400, "max_tokens: 0 is less than the minimum of 1 (0 only with echo: the prompt is "
+                                "returned, nothing generated)", param="max_tokens")
         sources = [{"text": p} if isinstance(p, str) else {"ids": list(p)} for p in prompts]
-        gens = await start(request, backend, body, sources, max_tokens=body.max_tokens or 16, prompt_param="prompt")
+        max_tokens = 16 if body.max_tokens is None else body.max_tokens  # OpenAI's default
+        gens = await start(request, backend, body, sources, max_tokens=max_tokens, prompt_param="prompt",
+                           prompt_logprobs=body.logprobs if body.echo else None)
         head = {"id": new_id("cmpl-"), "object": "text_completion", "created": int(time.time()),
                 "model": backend.model_id, **({"session_id": gens[0].session_id} if gens[0].session_id else {})}
-        tok, offsets = backend.engine.tokenizer, [0] * len(gens)
+        tok, offsets, n = backend.engine.tokenizer, [0] * len(gens), body.n or 1  # n: choices a prompt
+        # echo: a text prompt as given, token ids decoded
+        echoes = [p if isinstance(p, str) else tok.decode(p) for p in prompts] if body.echo else None
         if body.stream:
-            def choice(i, text, ids, entries):
+            pending = [bool(body.echo)] * len(gens)  # choices whose prompt is still to be sent
+
+            def choice(i, text, ids, entries, finish=None):
                 if text is None:
                     return None
+                if pending[i]:  # the prompt (text and entries) in the choice's first chunk, as vLLM sends it
+                    pending[i] = False
+                    text, prompt = echoes[i // n] + text, gens[i].prompt_logprobs()
+                    entries = None if prompt is None else [*prompt, *(entries or [])]
                 lp = None
                 if entries is not None:
                     lp = completion_logprobs(tok, entries, offsets[i])
                     offsets[i] += sum(map(len, lp["tokens"]))  # the next chunk's first offset
-                return {"index": i, "text": text, "logprobs": lp, "finish_reason": None,
+                return {"index": i, "text": text, "logprobs": lp, "finish_reason": finish,
                         **({"token_ids": ids} if ids is not None else {})}
 
-            def final(i, out):
-                return {"index": i, "text": "", "logprobs": None, "finish_reason": FINISH[out.finish]}
+            def final(i, out):  # (with the prompt when no text came before: max_tokens 0, or only end tokens)
+                return choice(i, "", None, None, FINISH[out.finish])
 
             return stream(gens, head, choice, final, body)
         outs = await collect(request, gens)
-        n = body.n or 1  # choices a prompt (start checked it)
-        choices = [{"index": i, "text": out.text, "finish_reason": FINISH[out.finish],
-                    "logprobs": completion_logprobs(tok, out.logprobs) if out.logprobs is not None else None,
-                    **({"token_ids": out.tokens} if body.return_token_ids else {})} for i, out in enumerate(outs)]
+
+        def logprobs(out: Outcome) -> dict | None:
+            if out.logprobs is None:
+                return None
+            return completion_logprobs(tok, [*(out.prompt_logprobs or []), *out.logprobs])
+
+        choices = [{"index": i, "text": (echoes[i // n] if echoes else "") + out.text, "logprobs": logprobs(out),
+                    "finish_reason": FINISH[out.finish], **({"token_ids": out.tokens} if body.return_token_ids else {})}
+                   for i, out in enumerate(outs)]
         ids = [gen.prompt for gen in gens[::n]]
         return {**head, "choices": choices, "usage": usage(outs, n), "timings": timings(outs),
                 **({"prompt_token_ids": ids[0] if len(ids) == 1 else ids} if body.return_token_ids else {})}

@@ -16,16 +16,16 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from .api_logprobs import TokenLogprob, token_logprobs
+from .api_logprobs import TokenLogprob, prompt_token_logprobs, token_logprobs
 from .media_sources import request_source
-from .runtime import CapacityError, Engine
+from .runtime import CapacityError, ContextOverflow, Engine
 from .sampling import SamplingParams
 from .scheduler import QueueFull, Scheduler
 from .sessions import Session, SessionStore, check_session_id, quoted
 
 log = logging.getLogger("ninfer_bench.server")
 
-__all__ = ["Backend", "BadRequest", "CapacityError", "ClientGone", "GenerationFailed", "Generation",
+__all__ = ["Backend", "BadRequest", "CapacityError", "ClientGone", "ContextOverflow", "GenerationFailed", "Generation",
            "ModelNotFound", "Outcome", "QueueFull", "ShuttingDown", "TextStream"]
 
 
@@ -57,7 +57,7 @@ MAX_STOPS, MAX_STOP_CHARS = 16, 1000  # stop strings a request may give, and cha
 
 
 def sampling_params(max_tokens: int, temperature, top_p, top_k, seed, stop, ignore_eos,
-                    logprobs: bool = False) -> SamplingParams:
+                    logprobs: bool = False, prompt_logprobs: int | None = None) -> SamplingParams:
     if stop is not None and not isinstance(stop, str) and not all(isinstance(s, str) for s in stop):
         raise BadRequest("stop must be a string or a list of strings", "stop")
     stops = [stop] if isinstance(stop, str) else list(stop or ())
@@ -66,7 +66,8 @@ def sampling_params(max_tokens: int, temperature, top_p, top_k, seed, stop, igno
                          "stop")
     try:
         return SamplingParams(max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                              seed=seed, stop=tuple(stops), ignore_eos=bool(ignore_eos), logprobs=logprobs)
+                              seed=seed, stop=tuple(stops), ignore_eos=bool(ignore_eos), logprobs=logprobs,
+                              prompt_logprobs=prompt_logprobs)
     except ValueError as e:
         raise BadRequest(str(e)) from None
 
@@ -169,6 +170,7 @@ class Outcome:
     cached_n: int
     timings: dict = field(default_factory=dict)
     logprobs: list | None = None  # TokenLogprob per generated token, when the request asked for them
+    prompt_logprobs: list | None = None  # TokenLogprob per prompt token (the first has none), when asked for
 
 
 class Generation:
@@ -179,6 +181,7 @@ class Generation:
         self.backend, self.prompt, self.params, self.media = backend, ids, params, media
         self.top_logprobs = top_logprobs  # None: no log-probabilities; N: each token's and the N most likely
         self.logprobs: list[TokenLogprob] = []
+        self._prompt_logprobs: list[TokenLogprob] | None = None
         self.session_id, self.saved, self.prompt_text = session_id, saved, prompt_text
         self.stream = TextStream(backend.engine.tokenizer, params.stop, backend.hidden)
         self.loop = asyncio.get_running_loop()
@@ -197,8 +200,12 @@ class Generation:
         return eng.import_state(seq, self.saved.state) if self.saved else 0
 
     def _keep(self, eng: Engine, seq) -> None:
-        if self.session_id is None or self.cancelled or self.backend.sessions.capacity == 0 or self.media is not None:
-            return  # (a state with media is not kept: its pad tokens do not say which image they stood for)
+        if self.session_id is None or self.cancelled or self.backend.sessions.capacity == 0:
+            return
+        # not kept: a state with media (its pad tokens do not say which image they stood for), a prefill only
+        # (max_tokens 0 with echo: no turn to continue)
+        if self.media is not None or not seq.tokens:
+            return
         state = eng.export_state(seq)
         # a speculative round that stopped inside its block leaves the cache past the tokens kept, and recurrent
         # state cannot be cut back: such a turn is not retained
@@ -272,6 +279,14 @@ class Generation:
         if tail:
             yield tail, [], [] if self.top_logprobs is not None else None
 
+    def prompt_logprobs(self) -> list[TokenLogprob] | None:
+        """The prompt tokens' entries once the prompt is prefilled (after the first delta, or at the outcome), when
+        the request asked for them (``params.prompt_logprobs``); the first token's has no log-probability."""
+        scores = self.req.seq.prompt_scores if self.req is not None and self.req.seq is not None else None
+        if self._prompt_logprobs is None and scores is not None and scores.own is not None:
+            self._prompt_logprobs = prompt_token_logprobs(self.prompt, scores.rows())
+        return self._prompt_logprobs
+
     async def collect(self, gone=None) -> Outcome:
         async for _ in self.deltas(gone):
             pass
@@ -297,7 +312,7 @@ class Generation:
                    "prefill_ms": round((first - admitted) * 1e3, 3),
                    "decode_ms": round((req.finished_at - first) * 1e3, 3)}
         return Outcome(self.text, tokens, finish, self.stream.stopped, len(self.prompt), req.prefill_from, timings,
-                       list(self.logprobs) if self.top_logprobs is not None else None)
+                       list(self.logprobs) if self.top_logprobs is not None else None, self.prompt_logprobs())
 
     def _session(self, tokens: list[int], finish: str) -> Session:
         """This turn as a session. Its text is what the client saw plus the end-of-turn token's text, which the
@@ -342,8 +357,7 @@ class Backend:
             or info.get("preset") or "model"
         key = info.get("artifact_id") or info.get("config_sha256") or self.model_id
         self.sessions = SessionStore(session_capacity, session_dir, model_key=str(key))
-        opts = engine.options
-        self.context_limit = min(opts.max_context, opts.slot_capacity)
+        self.context_limit = engine.context_limit
         self.eos = set(engine.tokenizer.eos_ids)
         # token ids left out of the text: end tokens and control tokens (chat markers), as OpenAI-style servers do
         self.hidden = engine.stops.control_ids
@@ -351,12 +365,16 @@ class Backend:
         self.active: set[Generation] = set()
         self._thread: threading.Thread | None = None
 
-    def sampling(self, temperature, top_p, top_k) -> dict:
+    def sampling(self, temperature, top_p, top_k, max_temperature: float | None = None) -> dict:
         """A request's temperature / top_p / top_k, with what it leaves out from the model's generation config (then
-        the APIs' own: 1, 1, no top-k); top_k -1 is vLLM's "no limit", as 0 here."""
+        the APIs' own: 1, 1, no top-k); top_k -1 is vLLM's "no limit", as 0 here. ``max_temperature``: the highest
+        the route's API takes; a default above it is lowered to it (a generation config's 1.5 samples at 1 on the
+        Anthropic route, whose requests may ask 0-1)."""
         given = {"temperature": temperature, "top_p": top_p, "top_k": top_k}
         out = {k: v if v is not None else self.sampling_defaults.get(k, API_DEFAULTS[k]) for k, v in given.items()}
         out["top_k"] = max(out["top_k"], 0)
+        if max_temperature is not None:
+            out["temperature"] = min(out["temperature"], max_temperature)
         return out
 
     def start(self) -> None:
@@ -386,7 +404,8 @@ class Backend:
         if len(media) > limits.max_items:  # before any decoding
             raise BadRequest(f"{len(media)} media inputs exceed the limit of {limits.max_items} per request", param)
         try:
-            items = [self.engine.load_media(kind, request_source(source, self.media_dir, limits))
+            budget = self.engine.media_budget()  # all the request's items together
+            items = [self.engine.load_media(kind, request_source(source, self.media_dir, limits), budget)
                      for kind, source in media]
             return self.engine.media_prompt(ids, items)
         except ValueError as e:
@@ -394,16 +413,19 @@ class Backend:
 
     async def generate(self, *, text: str | None = None, ids: list[int] | None = None, max_tokens: int | None,
                        session_id: str | None = None, media=(), prompt_param: str = "messages",
-                       **sampling) -> Generation:
+                       prompt_logprobs: int | None = None, **sampling) -> Generation:
         """Tokenize (continuing the session's tokens when the text extends them), read the media, check the
-        capacities and submit. ``max_tokens`` None: as many as fit; ``prompt_param``: the request field the prompt
-        came from (errors name it). Raises BadRequest, CapacityError, QueueFull."""
+        capacities (the engine's :meth:`~.runtime.Engine.check_fits`) and submit. ``max_tokens`` None: as many as
+        fit, 0: the prompt is only prefilled (to score it); ``prompt_logprobs`` N: each prompt token's
+        log-probability and the N most likely (every position is prefilled then: a session's saved state is not
+        loaded); ``prompt_param``: the request field the prompt came from (errors name it). Raises BadRequest,
+        CapacityError (ContextOverflow past the context: the routes word it in their API's terms), QueueFull."""
         if session_id is not None:
             try:
                 check_session_id(session_id)
             except ValueError as e:
                 raise BadRequest(str(e), "session_id") from None
-        saved = self.sessions.get(session_id) if session_id and not media else None
+        saved = self.sessions.get(session_id) if session_id and not media and prompt_logprobs is None else None
         if ids is None:  # tokenizing a long prompt takes a while: off the event loop
             encode = self.engine.tokenizer.encode
             ids = await asyncio.to_thread(lambda: (saved.prompt_ids(text, encode) if saved else None) or encode(text))
@@ -412,25 +434,19 @@ class Backend:
         # well: a placeholder token typed into the text would otherwise take the pad embedding with no image behind
         if media or self.engine.vision is not None:
             ids, mm = await asyncio.to_thread(self.media_prompt, ids, media, prompt_param)
-        vocab = self.engine.config.vocab_size
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise BadRequest(f"token id {bad} is outside the vocabulary (0..{vocab - 1})", "prompt")
+        try:
+            self.engine.check_ids(ids)
+        except ValueError as e:
+            raise BadRequest(str(e), prompt_param) from None
+        self.engine.check_fits(len(ids), max_tokens)
         if max_tokens is None:
             max_tokens = self.context_limit - len(ids)
-            if max_tokens < 1:
-                raise CapacityError(f"prompt of {len(ids)} tokens leaves no room to generate within the context "
-                                    f"of {self.context_limit} tokens")
-        if len(ids) + max_tokens > self.context_limit:  # in the API's words; the engine's check names its flags
-            raise CapacityError(f"this model's context is {self.context_limit} tokens, but {len(ids) + max_tokens} "
-                                f"were requested ({len(ids)} in the prompt, {max_tokens} in max_tokens): shorten "
-                                f"the prompt or lower max_tokens")
         top = sampling.pop("top_logprobs", None)
-        if top is not None and self.engine.drafter is not None:
+        if top is not None and self.engine.drafter is not None and max_tokens > 1:  # (see Engine.acquire)
             raise BadRequest(f"logprobs: this server decodes speculatively (--spec {self.engine.options.spec}); "
-                             f"log-probabilities are returned by servers without a drafter", "logprobs")
-        params = sampling_params(max_tokens, **sampling, logprobs=top is not None)
-        self.engine.check_fits(len(ids), max_tokens)
+                             f"log-probabilities past the first generated token are returned by servers without a "
+                             f"drafter (max_tokens 1, or 0 with echo, work here)", "logprobs")
+        params = sampling_params(max_tokens, **sampling, logprobs=top is not None, prompt_logprobs=prompt_logprobs)
         gen = Generation(self, ids, params, session_id, saved, text, mm, top)
         gen.submit()
         return gen

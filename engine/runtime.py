@@ -11,13 +11,15 @@ import time
 import torch
 
 from .cache import HybridCache
+from .chain import chainable, decode_chained
 from .config import ModelConfig
 from .loader import LoadedModel, load_source
-from .media import MediaCache, MediaInput, MediaLimits, load_media
+from .media import MediaBudget, MediaCache, MediaInput, MediaLimits, load_media
 from .mrope import MediaPrompt, column_axes, media_prompt
 from .model import DECODE, PREFILL, HybridModel, Step
 from .options import EngineOptions, apply_cpu_threads
 from .sampling import SamplingParams, make_generator, select
+from .scoring import PromptScores
 from .sequence import GenerationResult, Sequence, keep_logprobs
 from .spec.loop import speculative_round
 from .stops import StopRule
@@ -27,6 +29,16 @@ from .weights import WeightStore
 
 class CapacityError(ValueError):
     """A request that cannot fit the engine's capacities; refused before any work."""
+
+
+class ContextOverflow(CapacityError):
+    """A request whose tokens exceed the context: ``prompt_tokens`` + ``new_tokens`` (None: as many as fit, so at
+    least one) > ``context`` (:attr:`Engine.context_limit`). The message names the engine's flags; a server words
+    it in its API's terms from the fields."""
+
+    def __init__(self, message: str, prompt_tokens: int, new_tokens: int | None, context: int):
+        super().__init__(message)
+        self.prompt_tokens, self.new_tokens, self.context = prompt_tokens, new_tokens, context
 
 
 def _sync(device: torch.device) -> None:
@@ -129,18 +141,27 @@ class Engine:
         return total
 
     # ---- slots -----------------------------------------------------------------------------------
-    def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
-        """Refuse, before any work, a request that cannot fit the capacities."""
+    @property
+    def context_limit(self) -> int:
+        """Prompt plus generated tokens a request may hold: --max-context, or a slot's K/V capacity when smaller."""
+        return min(self.options.max_context, self.options.slot_capacity)
+
+    def check_fits(self, prompt_len: int, max_new_tokens: int | None) -> None:
+        """Refuse, before any work, a request that cannot fit the capacities (:class:`ContextOverflow` when its
+        tokens exceed :attr:`context_limit`). ``max_new_tokens`` None: as many as fit, so at least one."""
         opts = self.options
         if prompt_len < 1:
             raise CapacityError("empty prompt: at least one token is needed")
-        need = prompt_len + max_new_tokens
+        new = 1 if max_new_tokens is None else max_new_tokens
+        need = prompt_len + new
+        asked = f"max_new_tokens ({new})" if max_new_tokens is not None else "a generated token"
         if need > opts.max_context:
-            raise CapacityError(f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) = {need} "
-                                f"exceeds --max-context {opts.max_context}")
+            raise ContextOverflow(f"prompt ({prompt_len} tokens) + {asked} = {need} exceeds --max-context "
+                                  f"{opts.max_context}", prompt_len, max_new_tokens, self.context_limit)
         if need > opts.slot_capacity:
-            raise CapacityError(f"request needs {need} K/V tokens but each of the {opts.max_concurrency} slots "
-                                f"holds {opts.slot_capacity} (--kv-capacity {opts.kv_capacity})")
+            raise ContextOverflow(f"request needs {need} K/V tokens but each of the {opts.max_concurrency} slots "
+                                  f"holds {opts.slot_capacity} (--kv-capacity {opts.kv_capacity})", prompt_len,
+                                  max_new_tokens, self.context_limit)
 
     def check_ids(self, ids) -> None:
         """Refuse token ids outside the vocabulary (the embedding lookup would fail with an IndexError)."""
@@ -149,25 +170,36 @@ class Engine:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{self.config.vocab_size - 1})")
 
     def acquire(self, prompt: list[int], params: SamplingParams, media: MediaPrompt | None = None) -> Sequence:
+        """A slot for ``prompt`` (CapacityError when none is free). With a drafter, log-probabilities come only from
+        the target's own prefill: the prompt's (``prompt_logprobs``) and the first generated token's (``logprobs``
+        with ``max_new_tokens`` <= 1); speculative rounds keep none."""
         self.check_fits(len(prompt), params.max_new_tokens)
         if media is not None and len(media.mask) != len(prompt):
             raise ValueError(f"media prompt covers {len(media.mask)} tokens, the prompt has {len(prompt)}")
         self.check_ids(prompt)
-        if params.logprobs and self.drafter is not None:
-            raise ValueError("logprobs are kept for plain decoding only (spec none)")
+        if params.logprobs and self.drafter is not None and params.max_new_tokens > 1:
+            raise ValueError("logprobs past the first generated token are kept for plain decoding only (spec none)")
         if not self.free_slots:
             raise CapacityError(f"no free capacity: all {self.options.max_concurrency} slots are busy")
         gen = None if params.greedy else make_generator(params.seed, self.device)
         slot = self.free_slots.pop(0)
         self.cache.reset(slot)
-        return Sequence(slot=slot, prompt=list(prompt), params=params, generator=gen, media=media)
+        scores = PromptScores(params.prompt_logprobs) if params.prompt_logprobs is not None else None
+        return Sequence(slot=slot, prompt=list(prompt), params=params, generator=gen, media=media,
+                        prompt_scores=scores)
 
     # ---- media -------------------------------------------------------------------------------------
-    def load_media(self, kind: str, source) -> MediaInput:
-        """Read and preprocess an image or video (bytes, data URI or path) for this model's vision tower."""
+    def load_media(self, kind: str, source, budget: MediaBudget | None = None) -> MediaInput:
+        """Read and preprocess an image or video (bytes, data URI or path) for this model's vision tower.
+        ``budget``: the request's (:meth:`media_budget`), shared by all its items; without one the item is held to
+        the per-request total alone."""
         if self.vision is None:
             raise ValueError(f"this model has no vision component: it cannot take {kind} input")
-        return load_media(kind, source, self.preprocess, self.media_limits)
+        return load_media(kind, source, self.preprocess, self.media_limits, budget)
+
+    def media_budget(self) -> MediaBudget:
+        """A fresh decoded-bytes budget for one request's media items (``MediaLimits.max_request_bytes``)."""
+        return MediaBudget(self.media_limits)
 
     def media_prompt(self, ids: list[int], items: list[MediaInput]) -> tuple[list[int], MediaPrompt | None]:
         """``ids`` with one placeholder per item (:func:`mrope.placeholder`) widened to the item's vision tokens,
@@ -281,6 +313,19 @@ class Engine:
         out, _, _ = self.prefill(self.scratch_slot, list(ids), all_logits=True, media=media)
         return out.float().cpu()
 
+    def score(self, ids: list[int], top: int = 0) -> PromptScores:
+        """Each token's log-probability given those before it, and the ``top`` most likely of each position, for
+        ``ids`` prefilled chunk by chunk on the scratch slot (compact: no ``[T, V]`` rows are kept, see
+        :mod:`.scoring`). A server scores in the request's own prefill instead (``prompt_logprobs``)."""
+        self.check_fits(len(ids), 0)
+        self.check_ids(ids)
+        self.cache.reset(self.scratch_slot)
+        seq = Sequence(slot=self.scratch_slot, prompt=list(ids), prompt_scores=PromptScores(top),
+                       params=SamplingParams(max_new_tokens=0, prompt_logprobs=top))
+        while not self.prefill_step(seq):
+            pass
+        return seq.prompt_scores
+
     @torch.inference_mode()
     def decode_step(self, seqs: list[Sequence], ids: torch.Tensor, mode: str = DECODE):
         """One forward of ``ids [B, T]`` continuing each sequence at its length: (hidden, logits [B, T, V])."""
@@ -313,18 +358,27 @@ class Engine:
     @torch.inference_mode()
     def prefill_step(self, seq: Sequence, chunk: int | None = None) -> bool:
         """Prefill the next ``chunk`` (default ``--prefill-chunk``) tokens of ``seq``'s prompt (from ``seq.length``,
-        so a cached prefix is skipped). After the last chunk, pick the first token and prime the drafter; returns
-        True then."""
+        so a cached prefix is skipped), scoring its positions when ``seq.prompt_scores`` asks for it. After the last
+        chunk, pick the first token and prime the drafter (``max_new_tokens`` 0: neither, the sequence ends there);
+        returns True then."""
         chunk = min(chunk or self.options.prefill_chunk, self.options.prefill_chunk)
         start = seq.length
         piece = seq.prompt[start:start + chunk]
-        taps = self.drafter.taps if self.drafter else ()
+        prefill_only = seq.params.max_new_tokens == 0
+        taps = self.drafter.taps if self.drafter and not prefill_only else ()
         pos = torch.arange(start, start + len(piece), device=self.device)[None]
         step = Step(self._ids([piece]), pos, self._ids([seq.slot]), kv_len=start + len(piece), mode=PREFILL,
                     taps=taps, **self._media_rows(seq.media, start, start + len(piece)))
         hidden, tap_out = self.model.forward(step, self.cache)
         seq.length += len(piece)
         final = seq.length == len(seq.prompt)
+        if seq.prompt_scores is not None:  # each position scores the prompt token after it
+            seq.prompt_scores.add(self.model.logits, hidden[0], start, self._ids(seq.prompt[start + 1:seq.length + 1]))
+            if final:
+                seq.prompt_scores.finish()
+        if prefill_only:  # nothing to generate, nothing to draft: the sequence ends with its prompt
+            seq.finish_reason = "length" if final else None
+            return final
         if final:
             row = self.model.logits(hidden[0, -1:])[0]
             keep_logprobs(seq, row)
@@ -368,47 +422,6 @@ class Engine:
             s.tokens.append(tok)
             self.stops.finish(s)
 
-    def _chainable(self, seq: Sequence) -> bool:
-        """Whether ``seq`` can decode through the graph chain: greedy, no drafter, no stop strings (the host finds
-        those only in the text), no media rotary shift, CUDA graphs captured, lookahead on."""
-        from .graphs import MAX_STOP_IDS
-
-        p = seq.params
-        return (self.options.lookahead and self.graphs is not None and self.drafter is None and p.greedy
-                and not p.logprobs and not p.stop and not (seq.media is not None and seq.media.delta)
-                and seq.finish_reason is None and len(self.stops.stop_ids(p)) <= MAX_STOP_IDS)
-
-    @torch.inference_mode()  # the decode graph may have been captured (its buffers made) in inference mode
-    def _decode_chained(self, seq: Sequence) -> None:
-        """Greedy decode of ``seq`` with the host one step behind the GPU: step n + 1 is queued before token n is
-        read, so the GPU never waits for the host's bookkeeping. The steps are never more than the tokens still
-        allowed (``max_new_tokens``); when token n is a stop id the GPU already knows it, and step n + 1 (queued)
-        writes the scratch slot instead of the sequence's (its state stays that of the tokens kept). Same tokens
-        as :meth:`advance` (the same argmax)."""
-        left = seq.params.max_new_tokens - len(seq.tokens)
-        if left <= 0:
-            return
-        ch = self.graphs.chain(seq.last, seq.length, seq.slot, self.stops.stop_ids(seq.params))
-        host = torch.empty(left, dtype=torch.long, pin_memory=True)
-        done = []
-        queued = read = 0
-        while seq.finish_reason is None:
-            if queued < left and queued <= read + 1:
-                self.graphs.step(ch)
-                host[queued:queued + 1].copy_(ch.tok, non_blocking=True)
-                ev = torch.cuda.Event()
-                ev.record()
-                done.append(ev)
-                queued += 1
-                if queued <= read + 1:  # keep one step queued ahead of the read
-                    continue
-            done[read].synchronize()
-            tok = int(host[read])
-            read += 1
-            seq.length += 1
-            seq.tokens.append(tok)
-            self.stops.finish(seq)
-
     def release(self, seq: Sequence) -> None:
         if self.drafter is not None:
             self.drafter.release(seq)
@@ -441,9 +454,9 @@ class Engine:
             if dev.type == "cuda" else (None, None)
         if ev0:
             ev0.record()
-        self._chain_used = self._chainable(seq)
+        self._chain_used = chainable(self, seq)
         if self._chain_used:
-            self._decode_chained(seq)
+            decode_chained(self, seq)
         while seq.finish_reason is None:
             self.advance([seq])
         if ev1:

@@ -15,7 +15,7 @@ import torch
 class SamplingParams:
     """How to pick tokens, and when to stop."""
 
-    max_new_tokens: int = 256
+    max_new_tokens: int = 256  # 0: prefill only (scoring the prompt with prompt_logprobs): nothing generated
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
@@ -23,11 +23,14 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
-    logprobs: bool = False  # keep every generated position's log-softmax row (validation; plain decoding only)
+    logprobs: bool = False  # keep every generated position's log-softmax row (a drafter's rounds keep none)
+    prompt_logprobs: int | None = None  # N: each prompt token's log-probability and its N most likely (scoring.py)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be a non-negative integer, got {self.max_new_tokens!r}")
+        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int) or self.prompt_logprobs < 0):
+            raise ValueError(f"prompt_logprobs must be None or a non-negative integer, got {self.prompt_logprobs!r}")
         if not (isinstance(self.temperature, (int, float)) and 0.0 <= self.temperature <= 100.0):
             raise ValueError(f"temperature must be in [0, 100], got {self.temperature!r}")
         if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):

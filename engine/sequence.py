@@ -8,6 +8,7 @@ import torch
 
 from .mrope import MediaPrompt
 from .sampling import SamplingParams
+from .scoring import PromptScores
 
 
 @dataclass
@@ -25,6 +26,7 @@ class Sequence:
     stats: dict = field(default_factory=dict)
     media: MediaPrompt | None = None  # images / videos of the prompt (engine/mrope.py)
     logprobs: list = field(default_factory=list)  # with params.logprobs: each token's log-softmax row, fp32 CPU
+    prompt_scores: PromptScores | None = None  # with params.prompt_logprobs: made by the prefill (scoring.py)
 
     @property
     def last(self) -> int:

@@ -14,8 +14,8 @@ Endpoints::
 Sampling: ``temperature``, ``top_p``, ``max_tokens``, ``stop`` (Anthropic ``stop_sequences``), ``seed``,
 ``top_k`` (0, or on the OpenAI routes -1 as vLLM and SGLang take it: no limit). What a request leaves out of
 temperature / top_p / top_k comes from the model's ``generation_config.json``, as vLLM does (``serve
---generation-config none``: the APIs' own 1, 1 and no top-k). Extensions every generation route accepts in its
-JSON body:
+--generation-config none``: the APIs' own 1, 1 and no top-k); a default temperature above 1 is lowered to 1 on the
+Anthropic route, whose requests may ask 0-1. Extensions every generation route accepts in its JSON body:
 
 - ``session_id``: a persistent session (also the ``X-Session-Id`` header); see :mod:`.sessions`.
 - ``return_token_ids: true``: the generated token ids, in ``choices[i].token_ids`` (Anthropic: top-level
@@ -28,16 +28,22 @@ scheduler (batched with everything else running), at most 64 in a request, index
 request gives choice ``i`` the seed plus ``i`` (choice 0 is the ``n`` = 1 answer), the usage counts each prompt
 once, ``timings`` becomes a list in choice order, and a session takes one choice of one prompt only.
 
-Log-probabilities (OpenAI routes, plain decoding): chat ``logprobs: true`` with ``top_logprobs`` (0-20),
-completions ``logprobs: N`` (0-20), streamed or not (:mod:`.api_logprobs`); a server with a drafter refuses them.
+Log-probabilities (OpenAI routes): chat ``logprobs: true`` with ``top_logprobs`` (0-20), completions ``logprobs: N``
+(0-20), streamed or not (:mod:`.api_logprobs`); a server with a drafter gives them for the first generated token
+only (``max_tokens`` 1: it comes from the prefill) and refuses more. Completions ``echo: true`` puts the prompt
+(text as given, token ids decoded) before the completion, and with ``logprobs`` the prompt tokens'
+log-probabilities first, the first token's ``null`` (:mod:`.scoring`: made in the request's own prefill, drafter
+or not); ``max_tokens: 0`` with ``echo`` scores the prompt and generates nothing (without ``echo`` it is refused,
+as OpenAI does); streamed, the prompt comes in each choice's first chunk, as vLLM sends it. This is what
+lm-evaluation-harness's ``local-completions`` loglikelihood requests use.
 
 Not supported, and refused with a 400 naming the field rather than ignored (the tables of :mod:`.api_openai` and
-:mod:`.api_anthropic`): tools and function calling, ``echo`` (prompt log-probabilities), ``suffix``, ``best_of`` other
-than ``n``, ``logit_bias``, presence / frequency penalties, a ``response_format`` other than text, audio output,
-reasoning and thinking settings, web search, and vLLM's ``repetition_penalty`` / ``min_p`` / ``length_penalty`` /
-``use_beam_search``; each is accepted with the value that asks for nothing. A field the
-route does not know is refused as unknown, as OpenAI and Anthropic refuse it; fields that change nothing a client
-gets back (``user``, ``metadata``, ``store``, ``service_tier``, prompt-cache hints, ...) are accepted and ignored.
+:mod:`.api_anthropic`): tools and function calling, ``suffix``, ``best_of`` other than ``n``, ``logit_bias``,
+presence / frequency penalties, a ``response_format`` other than text, audio output, reasoning and thinking
+settings, web search, and vLLM's ``repetition_penalty`` / ``min_p`` / ``length_penalty`` / ``use_beam_search``;
+each is accepted with the value that asks for nothing. A field the route does not know is refused as unknown, as
+OpenAI and Anthropic refuse it; fields that change nothing a client gets back (``user``, ``metadata``, ``store``,
+``service_tier``, prompt-cache hints, ...) are accepted and ignored.
 Stop strings: at most 16, of at most 1000 characters each. Generated control tokens (end tokens, chat markers)
 are left out of the text, and so of what stop strings are matched in (as vLLM by default: a special token's name
 is no stop string; the engine's own output text and stop check agree); ``return_token_ids`` still shows them.
@@ -62,7 +68,8 @@ with no choices (the other chunks then have ``"usage": null``).
 
 Errors take each API's shape (``/v1/messages*``: Anthropic ``{"type": "error", "error": {...}}``, elsewhere
 OpenAI ``{"error": {...}}``): 400 malformed JSON, invalid parameters or context overflow, 413 a body over
-the size limit, 404 unknown model / session / route, 503 a full queue (with Retry-After), 500 otherwise.
+the size limit, 404 unknown model / session / route, 503 a full queue (with Retry-After), 500 otherwise. A request
+past the context is refused by the engine's own check (``Engine.check_fits``), worded here in each API's terms.
 
 The engine runs in one background thread; async handlers submit to it and receive tokens through callbacks
 bridged onto an asyncio queue per request (:mod:`.backend`). A client that disconnects cancels its request,
@@ -86,8 +93,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
-from .backend import (Backend, BadRequest, CapacityError, ClientGone, GenerationFailed, ModelNotFound, QueueFull,
-                      ShuttingDown)
+from .backend import (Backend, BadRequest, CapacityError, ClientGone, ContextOverflow, GenerationFailed, ModelNotFound,
+                      QueueFull, ShuttingDown)
 from .runtime import Engine
 from .sessions import SHOWN_CHARS, quoted
 
@@ -174,10 +181,26 @@ RETRY = {"Retry-After": "1"}
 EXPECTED = (ApiError, BadRequest, CapacityError, ModelNotFound, QueueFull, ShuttingDown, GenerationFailed, ClientGone)
 
 
-def api_error(err: BaseException) -> ApiError:
-    """The HTTP error of an exception raised while serving a request."""
+def overflow_message(err: ContextOverflow, anthropic: bool) -> str:
+    """A request past the context in its API's words (the engine's own message names its flags)."""
+    prompt, new, limit = err.prompt_tokens, err.new_tokens, err.context
+    if anthropic:  # Anthropic's wording of both cases (its requests always give max_tokens)
+        if prompt > limit:
+            return f"prompt is too long: {prompt} tokens > {limit} maximum"
+        return (f"input length and `max_tokens` exceed context limit: {prompt} + {1 if new is None else new} > "
+                f"{limit}, decrease input length or `max_tokens` and try again")
+    if new is None:  # max_tokens left out: as many as fit
+        return f"prompt of {prompt} tokens leaves no room to generate within the context of {limit} tokens"
+    return (f"this model's context is {limit} tokens, but {prompt + new} were requested ({prompt} in the prompt, "
+            f"{new} in max_tokens): shorten the prompt or lower max_tokens")
+
+
+def api_error(err: BaseException, anthropic: bool = False) -> ApiError:
+    """The HTTP error of an exception raised while serving a request (``anthropic``: on an Anthropic route)."""
     if isinstance(err, ApiError):
         return err
+    if isinstance(err, ContextOverflow):
+        return ApiError(400, overflow_message(err, anthropic), code="context_length_exceeded")
     if isinstance(err, CapacityError):
         return ApiError(400, str(err), code="context_length_exceeded")
     if isinstance(err, BadRequest):
@@ -316,7 +339,7 @@ def create_app(backend: Backend, max_body: int) -> FastAPI:
     app.state.backend = backend
 
     async def on_error(request: Request, err: Exception):
-        return error_response(request, api_error(err))
+        return error_response(request, api_error(err, is_anthropic(request.url.path)))
 
     for kind in EXPECTED:
         app.add_exception_handler(kind, on_error)

@@ -125,6 +125,7 @@ def main() -> int:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
+    from ninfer_bench.engine.chain import chainable, decode_chained
     from ninfer_bench.engine.runtime import Engine
     from ninfer_bench.engine.sampling import SamplingParams
 
@@ -205,8 +206,8 @@ def main() -> int:
             n0 = len(seq.tokens)
             t = time.perf_counter()
             with prof if prof is not None else _null():
-                if chained and eng._chainable(seq):
-                    eng._decode_chained(seq)  # the host one step behind the GPU (generate()'s greedy path)
+                if chained and chainable(eng, seq):
+                    decode_chained(eng, seq)  # the host one step behind the GPU (generate()'s greedy path)
                 else:
                     for _ in range(steps):
                         eng.advance([seq])

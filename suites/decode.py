@@ -160,7 +160,8 @@ def with_images(engine, prompts: list[list[int]], paths: tuple[str, ...]) -> lis
     """Each prompt as (ids, MediaPrompt) with the images placed before its text."""
     from ..engine.mrope import placeholder
 
-    items = [engine.load_media("image", p) for p in paths]
+    budget = engine.media_budget()  # all the prompt's images together
+    items = [engine.load_media("image", p, budget) for p in paths]
     head = engine.tokenizer.encode("".join(placeholder("image") for _ in items))
     return [engine.media_prompt(head + ids, items) for ids in prompts]
 

@@ -271,3 +271,20 @@ def test_bundled_model_v3_decodes_v2_tokens():
         assert v3.model.fast is not None and bool(v3.model.fast.sides) == side
         for _ in range(2):
             assert v3.generate(prompt, max_new_tokens=256, ignore_eos=True).tokens == want
+
+
+@pytest.mark.parametrize("spec", ["none", "mtp"])
+def test_prompt_scores_match_the_full_logits(spec):
+    """``Engine.score`` (prompt log-probabilities, chunk by chunk) on the captured bf16 engine, drafter or not: each
+    token's log-probability and its position's top list equal the log-softmax of ``Engine.logits``; a greedy
+    generate after it (graphs captured meanwhile) still decodes the tokens of an engine that never scored."""
+    kw = dict(runtime="v3", kv_dtype="int8", dtype="bf16", spec=spec, prefill_chunk=48)
+    eng = Engine.load("tiny", device="cuda", max_context=1024, **kw)
+    ref = torch.log_softmax(eng.logits(PROMPT).float(), dim=-1)[:-1]  # [T-1, V]
+    scores = eng.score(PROMPT, top=5)
+    own = ref[torch.arange(len(PROMPT) - 1), torch.tensor(PROMPT[1:])]
+    torch.testing.assert_close(scores.own, own, atol=1e-4, rtol=0)
+    torch.testing.assert_close(scores.values, ref.topk(5).values, atol=1e-4, rtol=0)
+    got = eng.generate(PROMPT, max_new_tokens=32, ignore_eos=True).tokens
+    _, plain = gen(**kw)
+    assert got == plain.tokens[:32]

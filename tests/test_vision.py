@@ -381,6 +381,14 @@ def test_bad_media_is_a_clear_error(eng, tmp_path):
         item = eng.load_media("image", png(np.zeros((30, 30, 3), np.uint8)))
         with pytest.raises(ValueError, match="3 media inputs exceed the limit of 2"):
             eng.media_prompt(eng.tokenizer.encode(placeholder("image") * 3), [item] * 3)
+        # one request's items share a decoded-bytes budget: two 30 x 30 images fit 5,400 bytes, a third does not
+        eng.media_limits = M.MediaLimits(max_request_bytes=2 * 30 * 30 * 3)
+        budget = eng.media_budget()
+        for _ in range(2):
+            eng.load_media("image", png(np.zeros((30, 30, 3), np.uint8)), budget)
+        with pytest.raises(ValueError, match="decode to 8,100 bytes, over the limit of 5,400 per request"):
+            eng.load_media("image", png(np.zeros((30, 30, 3), np.uint8)), budget)
+        eng.load_media("image", png(np.zeros((30, 30, 3), np.uint8)))  # another request: a budget of its own
     finally:
         eng.media_limits = limits
     with pytest.raises(ValueError, match="1 media placeholder"):
