@@ -110,7 +110,8 @@ class HybridCache:
                            torch.ones(sshape, dtype=torch.float16, device=self.device),
                            torch.ones(sshape, dtype=torch.float16, device=self.device))
         dt = KV_DTYPES[self.kv_dtype]
-        return KVLayer(torch.zeros(shape, dtype=dt, device=self.device), torch.zeros(shape, dtype=dt, device=self.device))
+        return KVLayer(torch.zeros(shape, dtype=dt, device=self.device),
+                       torch.zeros(shape, dtype=dt, device=self.device))
 
     @property
     def nbytes(self) -> int:
