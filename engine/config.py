@@ -11,6 +11,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 
 LINEAR = "linear_attention"
 FULL = "full_attention"
+HF_DEFAULT_HEAD_DIM, HF_DEFAULT_MAX_POSITIONS = 256, 32768  # transformers' when config.json has none
 SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_next")
 
 
@@ -216,7 +217,9 @@ class ModelConfig:
         if not layer_types:
             interval = hf.get("full_attention_interval", 4)
             layer_types = [FULL if (i + 1) % interval == 0 else LINEAR for i in range(hf["num_hidden_layers"])]
-        head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+        # what config.json leaves out takes transformers' defaults for these models (Qwen3_5TextConfig and
+        # Qwen3NextConfig agree): a head_dim of 256 whatever the hidden size, a 32K position limit
+        head_dim = hf.get("head_dim") or HF_DEFAULT_HEAD_DIM
         return cls(
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
@@ -235,7 +238,7 @@ class ModelConfig:
             rope_theta=rope.get("rope_theta", hf.get("rope_theta", 10000.0)),
             partial_rotary_factor=rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25)),
             tie_word_embeddings=_flag(hf, "tie_word_embeddings"),
-            max_position_embeddings=hf.get("max_position_embeddings", 262144),
+            max_position_embeddings=hf.get("max_position_embeddings", HF_DEFAULT_MAX_POSITIONS),
             mtp_num_hidden_layers=hf.get("mtp_num_hidden_layers", 0) or 0,
             attention_bias=_flag(hf, "attention_bias"),
             hidden_act=hf.get("hidden_act", "silu"),

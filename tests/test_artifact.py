@@ -505,3 +505,26 @@ def test_config_json_flags_that_are_not_booleans_are_named(key, value, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         ModelConfig.from_hf(hf)
     assert ModelConfig.from_hf({**hf, key: None}).to_dict()[key] is False  # null: the default
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3_next"])
+def test_config_json_defaults_are_transformers(model_type):
+    """What a config.json leaves out takes the value transformers' own config class gives it (head_dim 256 whatever
+    the hidden size, the position limit, the rotary and conv settings, the layer pattern, the flags), so our model
+    and transformers' read the same file as the same model."""
+    transformers = pytest.importorskip("transformers")
+    from ninfer_bench.engine.config import ModelConfig, preset
+
+    given = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+             "num_key_value_heads", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+             "linear_value_head_dim")
+    hf = {k: v for k, v in preset("tiny").to_hf().items() if k in given}
+    ours = ModelConfig.from_hf({**hf, "model_type": model_type}).to_hf()
+    cls = transformers.Qwen3_5TextConfig if model_type == "qwen3_5_text" else transformers.Qwen3NextConfig
+    theirs = cls(**hf).to_dict()
+    for key in ("head_dim", "max_position_embeddings", "rms_norm_eps", "linear_conv_kernel_dim", "layer_types",
+                "tie_word_embeddings", "attention_bias", "hidden_act"):
+        assert ours[key] == theirs[key], key
+    for key in ("rope_theta", "partial_rotary_factor"):
+        assert ours["rope_parameters"][key] == theirs["rope_parameters"][key], key
+    assert ours["head_dim"] != hf["hidden_size"] // hf["num_attention_heads"]  # (the case that used to differ)
