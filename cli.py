@@ -291,6 +291,7 @@ def oracle_prompts(artifact, prompts_path, max_new_tokens, top_k, dtype, out):
 def serve(artifact, host, port, spec, draft_tokens, lm_head_draft, max_queue, session_capacity, session_dir,
           media_dir, generation_config, **options):
     """Serve OpenAI- and Anthropic-style HTTP APIs (default: the bundled model on 127.0.0.1:8080)."""
+    from .engine.api_anthropic import MAX_TEMPERATURE
     from .engine.server import ServerOptions, serve as run_server
 
     server_opts = ServerOptions(host=host, port=port, max_queue=max_queue, session_capacity=session_capacity,
@@ -304,6 +305,8 @@ def serve(artifact, host, port, spec, draft_tokens, lm_head_draft, max_queue, se
         spec_txt = f"spec {o.spec}" + (f" k={o.draft_tokens}" if o.spec != "none" else "")
         sessions = f", {restored} sessions restored" if session_dir else ""
         defaults = ", ".join(f"{k} {v}" for k, v in backend.sampling_defaults.items())
+        if backend.sampling_defaults.get("temperature", 0) > MAX_TEMPERATURE:
+            defaults += f" ({MAX_TEMPERATURE:g} on /v1/messages, whose requests may ask 0-{MAX_TEMPERATURE:g})"
         console.print(f"[green]ready:[/] {url} (model {backend.model_id}, {o.max_concurrency} slots, {spec_txt}, "
                       f"kv {o.kv_dtype}, context {backend.context_limit}, {eng.device.type}{sessions}"
                       f"{f'; sampling defaults from generation_config.json: {defaults}' if defaults else ''})",
