@@ -445,7 +445,7 @@ class Backend:
         if top is not None and self.engine.drafter is not None and max_tokens > 1:  # (see Engine.acquire)
             raise BadRequest(f"logprobs: this server decodes speculatively (--spec {self.engine.options.spec}); "
                              f"log-probabilities past the first generated token are returned by servers without a "
-                             f"drafter (max_tokens 1, or 0 with echo, work here)", "logprobs")
+                             f"drafter (max_tokens 1 works here, and completions' echo with 0)", "logprobs")
         params = sampling_params(max_tokens, **sampling, logprobs=top is not None, prompt_logprobs=prompt_logprobs)
         gen = Generation(self, ids, params, session_id, saved, text, mm, top)
         gen.submit()

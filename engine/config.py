@@ -219,7 +219,7 @@ class ModelConfig:
             layer_types = [FULL if (i + 1) % interval == 0 else LINEAR for i in range(hf["num_hidden_layers"])]
         # what config.json leaves out takes transformers' defaults for these models (Qwen3_5TextConfig and
         # Qwen3NextConfig agree): a head_dim of 256 whatever the hidden size, a 32K position limit
-        head_dim = hf.get("head_dim") or HF_DEFAULT_HEAD_DIM
+        head_dim = hf["head_dim"] if hf.get("head_dim") is not None else HF_DEFAULT_HEAD_DIM  # (0 is refused below)
         return cls(
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],

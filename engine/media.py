@@ -217,7 +217,8 @@ def _declared_arrays(data: bytes) -> dict[str, tuple[tuple[int, ...], np.dtype]]
         return {}
     out = {}
     for key in ("frames", "fps"):
-        member = next((m for m in (f"{key}.npy", key) if m in names), None)
+        # the member np.load reads for the key: one named without .npy wins over one with it (NpzFile's lookup)
+        member = next((m for m in (key, f"{key}.npy") if m in names), None)
         if member is not None:
             try:
                 stream = archive.open(member)

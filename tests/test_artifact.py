@@ -528,3 +528,5 @@ def test_config_json_defaults_are_transformers(model_type):
     for key in ("rope_theta", "partial_rotary_factor"):
         assert ours["rope_parameters"][key] == theirs["rope_parameters"][key], key
     assert ours["head_dim"] != hf["hidden_size"] // hf["num_attention_heads"]  # (the case that used to differ)
+    with pytest.raises(ValueError, match="head_dim must be a positive integer, got 0"):  # given, not left out
+        ModelConfig.from_hf({**hf, "model_type": model_type, "head_dim": 0})

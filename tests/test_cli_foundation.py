@@ -108,7 +108,8 @@ def test_bad_hf_folders(tmp_path):
     code, text = run("convert", folder, out)
     assert code != 0 and "mlp" in one_line_error(text) and "shape" in text
     # missing tensor: the config claims more layers
-    (folder / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 8, "layer_types": cfg["layer_types"] * 2}))
+    (folder / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 8,
+                                                    "layer_types": cfg["layer_types"] * 2}))
     code, text = run("convert", folder, out)
     assert code != 0 and "missing" in one_line_error(text)
     # nonexistent path

@@ -87,3 +87,33 @@ def test_videos_are_charged_from_their_headers(monkeypatch):
     with pytest.raises(ValueError, match=r"image of 20x20: .* 4,272 bytes, over the limit of 3,840"):
         M.load_media("image", png(20, 20), CFG, limits, budget)
     assert budget.used == 3072
+
+
+def test_an_npz_is_charged_for_the_member_np_load_reads(monkeypatch):
+    """An archive holding both ``frames`` and ``frames.npy`` (and ``fps`` / ``fps.npy``): np.load reads the member
+    named without .npy, so that is the header checked and charged; a small ``frames.npy`` beside a large ``frames``
+    used to pass the checks with np.load then inflating the large one."""
+    import zipfile
+
+    def archive(**members) -> bytes:
+        out = io.BytesIO()
+        with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as z:
+            for name, body in members.items():
+                z.writestr(name.replace("_npy", ".npy"), body)
+        return out.getvalue()
+
+    small, large = npy(4, 16, 16), npy(64, 64, 64)
+    limits = M.MediaLimits(max_video_bytes=10_000)
+    monkeypatch.setattr(M, "_read_array", lambda data: pytest.fail("np.load ran before the size checks"))
+    with pytest.raises(ValueError, match=r"video frames of \[64, 64, 64, 3\] decode to 786,432 bytes, over the limit "
+                                         r"of 10,000"):
+        M.load_media("video", archive(frames_npy=small, frames=large), CFG, limits)
+    budget = M.MediaBudget(M.MediaLimits(max_request_bytes=10_000))
+    with pytest.raises(ValueError, match=r"video frames of \[64, 64, 64, 3\]: the request's media would decode to "
+                                         r"786,432 bytes"):
+        M.load_media("video", archive(frames=large, frames_npy=small), CFG, budget.limits, budget)
+    one, many = io.BytesIO(), io.BytesIO()
+    np.save(one, np.float64(2))
+    np.save(many, np.zeros(1000))
+    with pytest.raises(ValueError, match=r"'fps' must be one number, got a float64 array of shape \[1000\]"):
+        M.load_media("video", archive(frames=small, fps_npy=one.getvalue(), fps=many.getvalue()), CFG, limits)
