@@ -152,7 +152,7 @@ def qlinear_triton(x: torch.Tensor, lin: PackedLinear, config: QConfig | None = 
     fresh tensor. One kernel launch, no host synchronisation, no allocation but ``out``: safe to capture in
     a CUDA graph once a first call for the shape (which compiles the kernel) has run outside the capture.
     """
-    gemv_kernel, dot_kernel, _ = _kernels()
+    gemv_kernel, dot_kernel, _, _ = _kernels()
     if x.dim() != 2 or x.shape[1] != lin.k:
         raise ValueError(f"qlinear_triton: x must be [T, K={lin.k}], got shape {tuple(x.shape)}")
     if not x.is_contiguous():
@@ -231,13 +231,23 @@ def split_k_scratch(store: dict, device, floats: int, tiles: int, who: str) -> t
     return ws, counters
 
 
-def qlinear_dequant(lin, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+LANES_GROUPS = 4  # groups a program of the lanes dequantization (16 rows x 4 x 64 codes)
+
+
+def qlinear_dequant(lin, dtype: torch.dtype = torch.bfloat16, *, word_reads: bool = True) -> torch.Tensor:
     """The packed weight as a dense ``[N, K]`` tensor of ``dtype`` on its device (Triton kernel): ``lin`` a
     row-major :class:`PackedLinear` or a :class:`kernels.qmv_cuda.TiledWeight` (tiled or lanes layout), read in
-    place (no row-major copy)."""
-    _, _, kernel = _kernels()
+    place (no row-major copy). The lanes layout (the engine's on CUDA) is read a tile's code words at a time
+    (``word_reads``; False: the general kernel's byte gathers, the same bits)."""
+    _, _, kernel, lanes_kernel = _kernels()
     layout = getattr(lin, "layout", 0)  # 0: a PackedLinear's row-major sections
     w = torch.empty(lin.n, lin.k, dtype=dtype, device=lin.codes.device)
+    if layout == 2 and word_reads:
+        words = lin.codes.reshape(-1).view(torch.int32)  # [tiles * NG * 128]
+        lanes_kernel[(_cdiv(lin.n, 16), _cdiv(lin.ng, LANES_GROUPS))](
+            words, lin.high, lin.scales, w, lin.n, lin.k, lin.ng, w.stride(0), FMT=_FMT_ID[lin.fmt],
+            GPS=LANES_GROUPS)
+        return w
     block_n = 64
     kernel[(_cdiv(lin.n, block_n), lin.ng)](
         lin.codes, lin.high, lin.scales, w, lin.n, lin.k, lin.ng,

@@ -5,6 +5,7 @@ first needed and the module imports without Triton.
   _gemv_kernel     T = 1 on the CUDA cores, codes read as 32-bit words
   _dot_kernel      T >= 2 on the tensor cores, the dequantized weight tile as the left operand
   _dequant_kernel  the dense weight (prefill), from the row-major, tiled or lanes layout
+  _dequant_lanes_kernel  the same from the lanes layout, a tile's code words read whole (the engine's prefill path)
 """
 
 from __future__ import annotations
@@ -314,6 +315,53 @@ def _dequant_kernel(codes_ptr, high_ptr, scales_ptr, w_ptr, N, K, NG, stride_c, 
              mask=row_ok[:, None] & (k[None, :] < K))
 
 
+def _dequant_lanes_kernel(words_ptr, high_ptr, scales_ptr, w_ptr, N, K, NG, stride_w,
+                          FMT: tl.constexpr, GPS: tl.constexpr):
+    """The lanes layout (qmv_cuda.TiledWeight(lanes=True)) to a dense weight, one 16-row tile and ``GPS`` groups a
+    program: a (tile, group)'s codes are 128 consecutive 32-bit words (512 bytes) read as words, unpacked in
+    registers and stored in K order - not gathered a byte per code as ``_dequant_kernel``'s path for it does. The
+    same values (q * scale in fp32, rounded once), so the same bits.
+
+    A (tile, group)'s words, in order: row j of each half (8), piece c (4), half (2), word (2) - word ``2 c + wp`` of
+    row ``8 half + j``'s group. A word holds its even codes in the low 16 bits and its odd codes in the high 16
+    (:data:`qmv_layout.WORD_ORDER`): field i of a half is code 2 i (+ 1). q5's high bits: one byte a word, in the
+    same order, bit p of it for the code at field position p; scales [j, half]."""
+    GROUP: tl.constexpr = 32 if FMT == 0 else 64
+    FB: tl.constexpr = 8 if FMT == 0 else 4  # bits a code field
+    HALF: tl.constexpr = 16 // FB  # fields in each 16-bit half of a word
+    QMIN: tl.constexpr = -128 if FMT == 0 else (-16 if FMT == 1 else -8)
+    tile = tl.program_id(0)
+    i = tl.arange(0, HALF)
+    shift = (i * FB)[None, None, None, None, :]
+    mask_bits: tl.constexpr = (1 << FB) - 1
+    # output coordinates of the [j, c, half, wp, q] values once permuted to [half, j, c, wp, q] = [16, GROUP]
+    rows = tile * 16 + tl.arange(0, 16)
+    cols = tl.arange(0, GROUP)
+    for gi in tl.static_range(GPS):
+        g = tl.program_id(1) * GPS + gi
+        if g < NG:
+            base = (tile * NG + g).to(tl.int64)
+            w = tl.load(words_ptr + base * 128 + tl.arange(0, 128)).reshape(8, 4, 2, 2)  # [j, c, half, wp]
+            w = w[:, :, :, :, None]
+            lo = (w >> shift) & mask_bits  # codes 2 i
+            hi = (w >> (shift + 16)) & mask_bits  # codes 2 i + 1
+            if FMT == 1:  # bit 4 of each code: bit p of the word's high byte, p its field (i low, HALF + i high)
+                h = tl.load(high_ptr + base * 128 + tl.arange(0, 128)).to(tl.int32).reshape(8, 4, 2, 2)
+                h = h[:, :, :, :, None]
+                lo = lo | (((h >> (i[None, None, None, None, :])) & 1) << 4)
+                hi = hi | (((h >> (i[None, None, None, None, :] + HALF)) & 1) << 4)
+            if FMT == 0:  # the bytes of int8 codes: their top bit flipped makes u = q + 128
+                lo = lo ^ 0x80
+                hi = hi ^ 0x80
+            u = tl.join(lo, hi).reshape(8, 4, 2, 2, 2 * HALF)  # [j, c, half, wp, q = 2 i + e]
+            s = tl.load(scales_ptr + base * 16 + tl.arange(0, 16)).to(tl.float32).reshape(8, 1, 2, 1, 1)
+            v = _codes_as(u, QMIN, tl.float32) * s  # [j, c, half, wp, q]
+            v = tl.permute(v, (2, 0, 1, 3, 4)).reshape(16, GROUP)  # rows 8 half + j, k 8 (2 c + wp) / .. + q
+            k = g * GROUP + cols
+            tl.store(w_ptr + rows[:, None].to(tl.int64) * stride_w + k[None, :], v.to(w_ptr.dtype.element_ty),
+                     mask=(rows[:, None] < N) & (k[None, :] < K))
+
+
 _HELPERS = ("_word_codes", "_load_in_layout", "_codes_as", "_lanes_weights", "_step_weights", "_epilogue")
 
 
@@ -325,5 +373,5 @@ def kernels():
 
     triton = _triton_pkg
     k = _triton.jit_module(globals(), _HELPERS, {"gemv": "_gemv_kernel", "dot": "_dot_kernel",
-                                                 "dequant": "_dequant_kernel"})
-    return k["gemv"], k["dot"], k["dequant"]
+                                                 "dequant": "_dequant_kernel", "lanes": "_dequant_lanes_kernel"})
+    return k["gemv"], k["dot"], k["dequant"], k["lanes"]
