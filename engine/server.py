@@ -201,8 +201,8 @@ def api_error(err: BaseException, anthropic: bool = False) -> ApiError:
         return err
     if isinstance(err, ContextOverflow):
         return ApiError(400, overflow_message(err, anthropic), code="context_length_exceeded")
-    if isinstance(err, CapacityError):
-        return ApiError(400, str(err), code="context_length_exceeded")
+    if isinstance(err, CapacityError):  # not past the context (an empty prompt): no context code
+        return ApiError(400, str(err))
     if isinstance(err, BadRequest):
         return ApiError(400, str(err), param=err.param)
     if isinstance(err, ModelNotFound):

@@ -262,3 +262,14 @@ def test_anthropic_default_temperature_is_at_most_1():
         assert left_out == s.openai.completions.create(**comp, temperature=1.7).choices[0].token_ids
     finally:
         s.close()
+
+
+def test_only_a_context_overflow_is_named_so():
+    """The server's error for a capacity refusal that is not past the context (an empty prompt) carries no
+    ``context_length_exceeded`` code; an overflow does."""
+    from ninfer_bench.engine.runtime import CapacityError
+    from ninfer_bench.engine.server import api_error
+
+    assert api_error(CapacityError("empty prompt: at least one token is needed")).code is None
+    over = api_error(ContextOverflow("prompt (9 tokens) + max_new_tokens (4) = 13 exceeds --max-context 8", 9, 4, 8))
+    assert over.status == 400 and over.code == "context_length_exceeded" and "context is 8 tokens" in over.message
