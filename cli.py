@@ -222,7 +222,8 @@ def generate(artifact, prompt, prompt_file, chat, max_new_tokens, temperature, t
     ids, media = eng.media_prompt(eng.tokenizer.encode(text), items)
     res = eng.generate(ids, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                        seed=seed, stop=stop, media=media)
-    console.print(res.text, highlight=False, markup=False)
+    # the completion as generated: no wrapping at the console width, no :name: emoji codes replaced
+    console.print(res.text, highlight=False, markup=False, emoji=False, soft_wrap=True)
     n = res.completion_tokens
     tok_s = f"{(n - 1) / res.decode_s:.1f}" if n > 1 and res.decode_s > 0 else "-"  # one token: no decode step
     extra = ""

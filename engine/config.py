@@ -179,6 +179,8 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, hf: dict) -> "ModelConfig":
         """Read a Hugging Face config.json dict of model_type qwen3_5 / qwen3_5_text / qwen3_next."""
+        if not isinstance(hf, dict):
+            raise ValueError(f"config.json: expected a JSON object, got {type(hf).__name__}")
         model_type = hf.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"config.json: unknown model_type {model_type!r} "
@@ -195,27 +197,37 @@ class ModelConfig:
             for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
                 if hf.get(key) is None and top.get(key) is not None:
                     hf[key] = top[key]
-        if model_type == "qwen3_next":
-            experts = hf.get("num_experts", 0) or 0
-            sparse = [i for i in range(hf.get("num_hidden_layers", 0))
-                      if experts > 0 and i not in (hf.get("mlp_only_layers") or [])
-                      and (i + 1) % (hf.get("decoder_sparse_step") or 1) == 0]
-            if sparse:
-                raise ValueError(f"config.json: qwen3_next with mixture-of-experts layers {sparse[:8]} is not "
-                                 f"supported (only dense MLP: num_experts 0 or every layer in mlp_only_layers)")
-        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", "mrope", None):
-            raise ValueError(f"config.json: rope_type {rope_type!r} is not supported (only default / text mRoPE)")
         required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                     "num_key_value_heads", "linear_num_key_heads", "linear_num_value_heads",
                     "linear_key_head_dim", "linear_value_head_dim")
         missing = [k for k in required if k not in hf]
         if missing:
             raise ValueError(f"config.json: missing key(s) {missing}")
+        # the layer count drives the loops below: checked here, before them (the rest in __post_init__)
+        if not is_int(hf["num_hidden_layers"]) or hf["num_hidden_layers"] <= 0:
+            raise ValueError(f"config.json: num_hidden_layers must be a positive integer, got "
+                             f"{hf['num_hidden_layers']!r}")
+        if model_type == "qwen3_next":
+            experts = hf.get("num_experts", 0) or 0
+            sparse = [i for i in range(hf["num_hidden_layers"])
+                      if experts > 0 and i not in (hf.get("mlp_only_layers") or [])
+                      and (i + 1) % (hf.get("decoder_sparse_step") or 1) == 0]
+            if sparse:
+                raise ValueError(f"config.json: qwen3_next with mixture-of-experts layers {sparse[:8]} is not "
+                                 f"supported (only dense MLP: num_experts 0 or every layer in mlp_only_layers)")
+        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        if not isinstance(rope, dict):
+            raise ValueError(f"config.json: rope_parameters must be an object, got {rope!r}")
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "mrope", None):
+            raise ValueError(f"config.json: rope_type {rope_type!r} is not supported (only default / text mRoPE)")
         layer_types = hf.get("layer_types")
+        if layer_types and (not isinstance(layer_types, list) or not all(isinstance(t, str) for t in layer_types)):
+            raise ValueError(f"config.json: layer_types must be a list of layer type names, got {layer_types!r}")
         if not layer_types:
             interval = hf.get("full_attention_interval", 4)
+            if not is_int(interval) or interval <= 0:
+                raise ValueError(f"config.json: full_attention_interval must be a positive integer, got {interval!r}")
             layer_types = [FULL if (i + 1) % interval == 0 else LINEAR for i in range(hf["num_hidden_layers"])]
         # what config.json leaves out takes transformers' defaults for these models (Qwen3_5TextConfig and
         # Qwen3NextConfig agree): a head_dim of 256 whatever the hidden size, a 32K position limit

@@ -174,14 +174,18 @@ class HFCheckpoint:
         """The ``vision`` component (tower config, preprocessing parameters, tensor names) and its ``vision.*``
         tensors, checked against the config; None for a checkpoint without a vision tower."""
         from .media import PreprocessConfig
-        from .vision import VisionConfig, check_shapes, vision_weight_shapes
+        from .vision import VisionConfig, check_preprocess, check_shapes, vision_weight_shapes
 
         try:
             vcfg = VisionConfig.from_hf(self.hf_config)
             if vcfg is None or not any(n.startswith("vision.") for n in self.where):
                 return None  # no tower, or a text-only export of a vision model's config
-            pre = PreprocessConfig.from_hf(*(self._json(n) for n in ("preprocessor_config.json",
-                                                                     "video_preprocessor_config.json")))
+            image, video = (self._json(n) for n in ("preprocessor_config.json", "video_preprocessor_config.json"))
+            # what the processor files leave out of the patch geometry (or a folder without them) is the tower's
+            geometry = {"patch_size": vcfg.patch_size, "temporal_patch_size": vcfg.temporal_patch_size,
+                        "merge_size": vcfg.spatial_merge_size}
+            pre = PreprocessConfig.from_hf({**geometry, **(image or {})}, video)
+            check_preprocess(vcfg, pre)
             names = list(vision_weight_shapes(vcfg))
             tensors = {n: self._raw(n) for n in names if n in self.where}
             check_shapes(vcfg, {n: tuple(t.shape) for n, t in tensors.items()}, str(self.folder))

@@ -162,7 +162,7 @@ def drafters_of(art: Artifact, path, target: ModelConfig | None = None
 def vision_of(art: Artifact, path) -> tuple | None:
     """The artifact's vision component, its configs validated and its tensors checked against them."""
     from .media import PreprocessConfig
-    from .vision import VisionConfig, check_shapes
+    from .vision import VisionConfig, check_preprocess, check_shapes
 
     comp = (art.components or {}).get("vision")
     if not comp:
@@ -170,6 +170,7 @@ def vision_of(art: Artifact, path) -> tuple | None:
     try:
         vcfg = VisionConfig.from_dict(dict(comp["config"]))
         pre = PreprocessConfig.from_dict(dict(comp.get("preprocess") or {}))
+        check_preprocess(vcfg, pre)
         names = list(comp.get("tensors", []))
         check_shapes(vcfg, {n: art.shape(n) for n in names}, f"{path}: vision component")
     except (KeyError, TypeError, ValueError) as e:

@@ -160,6 +160,16 @@ def check_shapes(cfg: VisionConfig, shapes: dict[str, tuple[int, ...]], where: s
                              f"implies {list(want)}")
 
 
+def check_preprocess(cfg: VisionConfig, pre) -> None:
+    """Raise ValueError when the processor (:class:`media.PreprocessConfig`) cuts patches of another geometry than
+    the tower embeds: its rows would not fit the patch projection, and the first image would fail."""
+    for ours, tower in (("patch_size", "patch_size"), ("temporal_patch_size", "temporal_patch_size"),
+                        ("merge_size", "spatial_merge_size")):
+        if getattr(pre, ours) != getattr(cfg, tower):
+            raise ValueError(f"the preprocessor's {ours} {getattr(pre, ours)} differs from the vision tower's "
+                             f"{tower} {getattr(cfg, tower)}")
+
+
 # ---- position tables ------------------------------------------------------------------------------------------
 
 def block_order(h: int, w: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:

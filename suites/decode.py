@@ -369,6 +369,7 @@ def run_matrix(runs: list[DecodeOptions], progress=None, done=None) -> list[dict
             loaded = None
             free_device_memory()
             key, loaded = model_key(opts), load_model(opts)
+            check_drafters(loaded, [r for r in runs[i:] if model_key(r) == key])  # before the first run on them
         if progress:
             progress(0, 1, f"run {i + 1}/{len(runs)}: {opts.label or opts.default_label()}")
         doc = run_decode(opts, progress, loaded=loaded)
@@ -377,6 +378,16 @@ def run_matrix(runs: list[DecodeOptions], progress=None, done=None) -> list[dict
         if done:
             done(doc)
     return docs
+
+
+def check_drafters(loaded, runs: list[DecodeOptions]) -> None:
+    """Refuse, before any of ``runs`` starts, a speculative run the weights cannot draft for (a grid would
+    otherwise lose the runs before it to the error)."""
+    from ..engine.spec.drafters import missing_drafter
+
+    for opts in runs:
+        if opts.engine == "ours" and (why := missing_drafter(loaded, opts.spec)):
+            raise ValueError(why)
 
 
 def free_device_memory() -> None:

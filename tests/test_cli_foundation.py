@@ -119,6 +119,26 @@ def test_bad_hf_folders(tmp_path):
     assert not list(tmp_path.glob("out.ninfer*"))
 
 
+@pytest.mark.parametrize("edit, named", [
+    (lambda c: {**c, "layer_types": None, "full_attention_interval": 0}, "full_attention_interval"),
+    (lambda c: {**c, "layer_types": None, "full_attention_interval": "4"}, "full_attention_interval"),
+    (lambda c: {**c, "layer_types": "linear_attention"}, "layer_types"),
+    (lambda c: {**c, "rope_parameters": "default"}, "rope_parameters"),
+    (lambda c: {**c, "num_hidden_layers": None}, "num_hidden_layers"),
+    (lambda c: {**c, "model_type": "qwen3_next", "num_hidden_layers": None}, "num_hidden_layers"),
+    (lambda c: [c], "JSON object"),
+])
+def test_config_values_of_the_wrong_kind_fail_in_one_line(tmp_path, hf_qwen35, edit, named):
+    """config.json values of the wrong type or range are named in one line, not a ZeroDivisionError / TypeError /
+    AttributeError traceback from reading them."""
+    folder = tmp_path / "hf"
+    shutil.copytree(hf_qwen35[0], folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(edit(cfg)))
+    code, text = run("convert", folder, tmp_path / "out.ninfer")
+    assert code == 1 and named in one_line_error(text)
+
+
 def test_broken_or_foreign_tokenizers_are_refused(tmp_path, hf_qwen35):
     """A tokenizer.json that does not load, or names ids past the model's vocabulary, and a tokenizer_config.json that
     is not JSON are refused by convert, naming the file; an artifact that carries a broken tokenizer (written by
@@ -196,6 +216,22 @@ def test_v2_upgrade_keeps_bytes_and_logits(tmp_path, hf_qwen35):
 def test_generate_of_one_token_has_no_decode_rate(tiny_artifact):
     code, text = run("generate", tiny_artifact, "-p", "abc", "-n", "1", "--device", "cpu")
     assert code == 0 and "decode - tok/s" in text and "nan" not in text
+
+
+def test_generated_text_is_printed_as_generated(tiny_artifact, monkeypatch):
+    """generate prints the completion unchanged: not hard-wrapped at the console width when piped (a newline into a
+    long code line), no ``:name:`` emoji codes replaced."""
+    text = "x = a[:smile:] + [1]  # " + "word " * 60
+    real = Engine.generate
+
+    def with_text(self, *args, **kwargs):
+        res = real(self, *args, **kwargs)
+        res.text = text
+        return res
+
+    monkeypatch.setattr(Engine, "generate", with_text)
+    code, out = run("generate", tiny_artifact, "-p", "abc", "-n", "2", "--device", "cpu")
+    assert code == 0 and text in out
 
 
 def test_oracle_command_and_engine_agree(tmp_path, tiny_artifact):

@@ -77,6 +77,25 @@ def test_matrix_loads_once_and_equals_separate_runs(monkeypatch):
         assert doc["label"] == opts.label
 
 
+def test_a_run_the_weights_cannot_draft_for_is_refused_before_the_grid_starts(monkeypatch):
+    """--spec none,dflash on weights without a DFlash drafter (or mtp without an MTP head): the error comes before
+    the plain run, not after it (its result would be lost)."""
+    started = []
+    real = dec.run_decode
+    monkeypatch.setattr(dec, "run_decode", lambda *a, **kw: started.append(a) or real(*a, **kw))
+    real_load = dec.load_model
+
+    def without_drafters(opts):
+        loaded = real_load(opts)
+        loaded.drafters.pop("dflash", None)
+        return loaded
+
+    monkeypatch.setattr(dec, "load_model", without_drafters)
+    with pytest.raises(ValueError, match="--spec dflash needs a dflash drafter"):
+        run_matrix(decode_runs(BASE, specs=("none", "dflash:3")))
+    assert started == []
+
+
 def test_plain_agreement_flags_speculative_runs_that_decode_other_tokens():
     def doc(label, engine, runtime, spec, sha):
         return {"label": label, "config": {"engine": engine, "runtime": runtime, "spec": spec},

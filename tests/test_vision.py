@@ -796,3 +796,43 @@ def test_server_refuses_placeholders_without_media(vl_server):
         assert param is None or err["param"] == param, err
     ok = s.post("/v1/completions", {**base, "prompt": "what"})
     assert ok.status_code == 200, ok.text
+
+
+def test_patch_geometry_without_a_preprocessor_config_is_the_towers(tmp_path):
+    """A folder without preprocessor_config.json cuts patches as its tower embeds them (8 pixels here, not the
+    processor's default 16, which failed at the first image: "pixels must be [.., 384] ... got [.., 1536]"); a
+    preprocessor_config.json that disagrees with the tower is refused by convert, and an artifact that holds such a
+    pair by load, not at the first image."""
+    import transformers as tf
+
+    from ninfer_bench.engine.artifact import Artifact
+    from ninfer_bench.engine.artifact_write import write_artifact
+    from ninfer_bench.engine.loader import load_artifact
+
+    folder = tmp_path / "hf"
+    torch.manual_seed(7)
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=8,
+                  num_position_embeddings=36)
+    cfg = tf.Qwen3_5Config(text_config={**TEXT_KW, "num_hidden_layers": 4}, vision_config=vision, image_token_id=IMG,
+                           video_token_id=VID, vision_start_token_id=VS, vision_end_token_id=VE)
+    tf.Qwen3_5ForConditionalGeneration(cfg).eval().save_pretrained(folder)
+    write_tokenizer(folder)
+    art = tmp_path / "vl.ninfer"
+    convert(folder, art, policy="fp32")
+    eng = Engine.load(str(art), device="cpu", dtype="fp32", kv_dtype="fp32", max_context=1024)
+    assert eng.preprocess.patch_size == 8
+    item = eng.load_media("image", png(noise(37, 53, seed=4)), eng.media_budget())
+    ids, media = eng.media_prompt(eng.tokenizer.encode(placeholder("image") + "What?"), [item])
+    assert eng.generate(ids, max_new_tokens=2, media=media).vision["tokens"] > 0
+
+    (folder / "preprocessor_config.json").write_text(json.dumps({**PRE, "patch_size": 16}))
+    with pytest.raises(ValueError, match="preprocessor's patch_size 16 differs from the vision tower's patch_size 8"):
+        convert(folder, tmp_path / "bad.ninfer", policy="fp32")
+    with Artifact.open(art) as a:
+        tensors = {n: ("fp32", a.tensor(n)) for n in a.names()}
+        components = dict(a.components)
+    components["vision"] = {**components["vision"], "preprocess": {**components["vision"]["preprocess"],
+                                                                   "patch_size": 16}}
+    write_artifact(tmp_path / "bad.ninfer", tensors=tensors, components=components)
+    with pytest.raises(ValueError, match="vision component: the preprocessor's patch_size 16"):
+        load_artifact(tmp_path / "bad.ninfer")

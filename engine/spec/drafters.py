@@ -99,6 +99,18 @@ def pick(seqs, logits: torch.Tensor, head: DraftHead) -> tuple[torch.Tensor, tor
     return head.to_vocab(idx), torch.stack(qs)
 
 
+def missing_drafter(loaded, spec: str) -> str | None:
+    """Why the weights ``loaded`` (:class:`..loader.LoadedModel`) cannot draft for ``spec`` (mtp / dflash /
+    dflash2), or None when they can: checked by the drafters and by a decode grid before its first run."""
+    if spec == "mtp":
+        if loaded.config.mtp_num_hidden_layers < 1 or "mtp.fc.weight" not in loaded.raws:
+            return "--spec mtp needs a model with an MTP head (mtp.* weights); this one has none"
+    elif spec != "none" and spec not in loaded.drafters:
+        have = ", ".join(sorted(loaded.drafters)) or "none"
+        return f"--spec {spec} needs a {spec} drafter in the artifact (it has: {have})"
+    return None
+
+
 class MTPDrafter:
     """Qwen3.5's MTP head, applied recursively: entry i reads (h_i, token i+1) and predicts token i+2.
 
@@ -109,8 +121,8 @@ class MTPDrafter:
     taps: tuple[int, ...] = ()
 
     def __init__(self, engine):
-        if engine.config.mtp_num_hidden_layers < 1 or not engine.weights.has("mtp.fc.weight"):
-            raise ValueError("--spec mtp needs a model with an MTP head (mtp.* weights); this one has none")
+        if why := missing_drafter(engine.loaded, "mtp"):
+            raise ValueError(why)
         self.e = engine
         self.head = DraftHead(engine, draft_head_ids(engine))
         self.pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -241,9 +253,8 @@ class BlockDraftRunner:
     """A DFlash / DFlash2 drafter bound to an Engine: context K/V per slot and layer, block drafting."""
 
     def __init__(self, engine, kind: str):
-        if kind not in engine.loaded.drafters:
-            have = ", ".join(sorted(engine.loaded.drafters)) or "none"
-            raise ValueError(f"--spec {kind} needs a {kind} drafter in the artifact (it has: {have})")
+        if why := missing_drafter(engine.loaded, kind):
+            raise ValueError(why)
         self.e = engine
         cfg, raws = engine.loaded.drafters[kind]
         self.cfg = cfg
