@@ -72,9 +72,11 @@ class VisionConfig:
         if self.hidden_act not in ACTIVATIONS:
             raise ValueError(f"vision config: hidden_act {self.hidden_act!r} is not supported "
                              f"(known: {', '.join(ACTIVATIONS)})")
-        self.mrope_section = tuple(int(s) for s in self.mrope_section)
-        if len(self.mrope_section) != 3 or any(s < 0 for s in self.mrope_section):
-            raise ValueError(f"vision config: mrope_section must be 3 non-negative integers, got {self.mrope_section}")
+        section = self.mrope_section
+        if (not isinstance(section, (list, tuple)) or len(section) != 3
+                or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in section)):
+            raise ValueError(f"vision config: mrope_section must be 3 non-negative integers, got {section!r}")
+        self.mrope_section = tuple(section)
         ids = [self.image_token_id, self.video_token_id, self.vision_start_token_id, self.vision_end_token_id]
         if len(set(ids)) != 4 or any(not isinstance(i, int) or i < 0 for i in ids):
             raise ValueError(f"vision config: the image/video/vision_start/vision_end token ids must be 4 distinct "
@@ -109,8 +111,10 @@ class VisionConfig:
     def from_hf(cls, hf: dict) -> "VisionConfig | None":
         """From a ``qwen3_5`` config.json (``vision_config`` + top-level token ids); None when it has no vision."""
         v = hf.get("vision_config")
-        if not isinstance(v, dict):
+        if v is None:
             return None
+        if not isinstance(v, dict):  # (not read as "no vision": the tower's weights would be dropped silently)
+            raise ValueError(f"config.json: vision_config must be an object, got {v!r}")
         rope = v.get("rope_parameters") or {}
         text_rope = (hf.get("text_config") or {}).get("rope_parameters") or {}
         tokens = {k: hf[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id",

@@ -85,9 +85,10 @@ def percentile(values, q: float):
 
 
 def read_text(path: str | Path) -> str:
-    """A prompt file's text; a file that is not UTF-8 is refused by name and byte offset."""
+    """A prompt file's text (a leading byte-order mark, as some editors write, left out); a file that is not UTF-8
+    is refused by name and byte offset."""
     try:
-        return Path(path).read_bytes().decode("utf-8")
+        return Path(path).read_bytes().decode("utf-8-sig")
     except UnicodeDecodeError as e:
         raise ValueError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
 

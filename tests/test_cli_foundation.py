@@ -355,3 +355,15 @@ def test_verify_fails_on_nan_weights_with_matching_digests(tmp_path, tiny_artifa
     assert code == 1 and "model.norm.weight" in text and "NaN or inf" in text
     code, text = run("inspect", bad, "--json")
     assert code == 1 and json.loads(text)["checks"]["digests"] is False
+
+
+def test_a_prompt_file_with_a_byte_order_mark_reads_as_its_text(tmp_path):
+    """A UTF-8 prompt file saved with a byte-order mark (as some Windows editors write it) is its text: the mark is
+    no prompt token; a file that is not UTF-8 is still named."""
+    from ninfer_bench.suites.common import read_text
+
+    (tmp_path / "bom.txt").write_bytes("\ufeffdef f(x):\r\n    return x\n".encode("utf-8"))
+    assert read_text(tmp_path / "bom.txt") == "def f(x):\r\n    return x\n"
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    with pytest.raises(ValueError, match="latin1.txt: not UTF-8 text"):
+        read_text(tmp_path / "latin1.txt")

@@ -836,3 +836,25 @@ def test_patch_geometry_without_a_preprocessor_config_is_the_towers(tmp_path):
     write_artifact(tmp_path / "bad.ninfer", tensors=tensors, components=components)
     with pytest.raises(ValueError, match="vision component: the preprocessor's patch_size 16"):
         load_artifact(tmp_path / "bad.ninfer")
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda hf: hf.update(vision_config="none"), "vision_config must be an object, got 'none'"),
+    (lambda hf: hf["text_config"]["rope_parameters"].update(mrope_section=["x", 3, 2]),
+     "mrope_section must be 3 non-negative integers, got \\('x', 3, 2\\)"),
+    (lambda hf: hf["text_config"]["rope_parameters"].update(mrope_section=[3, 3]), "mrope_section must be 3"),
+])
+def test_vision_config_values_of_the_wrong_kind_are_named(edit, message):
+    """A vision_config that is not an object is an error, not a text-only model (its tower's weights would be
+    dropped); an mrope_section that is not three integers is named."""
+    from ninfer_bench.engine.vision import VisionConfig
+
+    hf = {"model_type": "qwen3_5", "vision_config": {"depth": 1, "hidden_size": 32, "num_heads": 2,
+                                                     "intermediate_size": 64, "out_hidden_size": 48,
+                                                     "num_position_embeddings": 16, "patch_size": 8},
+          "text_config": {"rope_parameters": {"mrope_section": [3, 3, 2]}},
+          "image_token_id": 5, "video_token_id": 6, "vision_start_token_id": 7, "vision_end_token_id": 8}
+    assert VisionConfig.from_hf(hf).mrope_section == (3, 3, 2)
+    edit(hf)
+    with pytest.raises(ValueError, match=message):
+        VisionConfig.from_hf(hf)
