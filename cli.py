@@ -292,6 +292,12 @@ def oracle_prompts(artifact, prompts_path, max_new_tokens, top_k, dtype, out):
 def serve(artifact, host, port, spec, draft_tokens, lm_head_draft, max_queue, session_capacity, session_dir,
           media_dir, generation_config, **options):
     """Serve OpenAI- and Anthropic-style HTTP APIs (default: the bundled model on 127.0.0.1:8080)."""
+    import importlib.util
+
+    # the HTTP stack is the [serve] extra, not a core dependency: say so before the model loads, not in a traceback
+    missing = [m for m in ("fastapi", "uvicorn") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise UserError(f"serve needs {' and '.join(missing)} (the [serve] extra): pip install -e '.[serve]'")
     from .engine.api_anthropic import MAX_TEMPERATURE
     from .engine.server import ServerOptions, serve as run_server
 

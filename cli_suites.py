@@ -82,16 +82,16 @@ def fmt(v, spec=".2f"):
                    "compare (0,2048).")
 @click.option("--lookahead", "lookaheads", default="on", show_default=True, callback=comma_list(("on", "off")),
               help="Plain greedy decode on CUDA graphs: queue step n + 1 before reading token n (off: read each "
-                   "token first); on,off runs both.")
+                   "token first, labelled -sync); on,off runs both.")
 @click.option("--draft-graphs", "draft_graphs", default="on", show_default=True, callback=comma_list(("on", "off")),
               help="Greedy drafting (MTP, DFlash, DFlash2) replayed from CUDA graphs (v3 on CUDA; off: eager "
                    "drafting, labelled -eagerdraft); on,off runs both.")
 @click.option("--pdl", "pdls", default="on", show_default=True, callback=comma_list(("on", "off")),
               help="The decode step's CUDA-graph kernels with programmatic dependent launch (sm_90+ GPUs, ignored "
-                   "elsewhere; off is labelled -nopdl); on,off runs both.")
+                   "on older ones; off is labelled -nopdl); on,off runs both.")
 @click.option("--side-stream", "side_streams", default="on", show_default=True, callback=comma_list(("on", "off")),
-              help="A GDN layer's b / a and z projections on CUDA-graph branches beside the main chain (off is "
-                   "labelled -noside); on,off runs both.")
+              help="A GDN layer's b / a and z projections on CUDA-graph branches beside the main chain (CUDA; off "
+                   "is labelled -noside); on,off runs both.")
 @click.option("--silu-epilogue", "silu_epilogues", default="on", show_default=True,
               callback=comma_list(("on", "off")),
               help="The MLP's gate / up weight interleaved so the projection kernel stores silu(gate) * up itself "
@@ -121,19 +121,24 @@ def decode(model, engines, specs, draft_tokens, rollbacks, lm_head_draft, lookah
     """The short-code decode test: prefill a code prompt, greedy-decode N tokens, measure speed and acceptance.
 
     Comma-separated --engine, --runtime, --spec, --rollback and --lm-head-draft run every combination in one
-    process, the weights loaded once (as llama-bench runs its grid), and end with a side-by-side table."""
-    from .suites.common import DEFAULT_PROMPT
-    from .suites.decode import decode_runs, plain_agreement, run_matrix
+    process, the weights loaded once (as llama-bench runs its grid), and end with a side-by-side table.
 
+    --lookahead, --draft-graphs, --pdl, --side-stream and --silu-epilogue change only runs on CUDA: off is refused
+    on a CPU."""
+    from .suites.common import DEFAULT_PROMPT
+    from .suites.decode import decode_runs, plain_agreement, refuse_cuda_switches, run_matrix
+
+    lookaheads, draft_graphs, pdls, side_streams, silu_epilogues = (
+        tuple(x == "on" for x in values) for values in (lookaheads, draft_graphs, pdls, side_streams, silu_epilogues))
+    refuse_cuda_switches(options["device"], {"--lookahead": lookaheads, "--draft-graphs": draft_graphs, "--pdl": pdls,
+                                             "--side-stream": side_streams, "--silu-epilogue": silu_epilogues})
     base = dict(model=model, prompt_file=prompt_file or str(DEFAULT_PROMPT), prompts=n_prompts, images=images,
                 max_new_tokens=max_new_tokens, ignore_eos=not stop_at_eos, repeats=repeats, warmup=warmup, seed=seed,
                 max_concurrency=max_concurrency, kv_capacity=kv_capacity, **options)
     runs = decode_runs(base, engines=engines, specs=tuple(specs.split(",")), runtimes=runtime, rollbacks=rollbacks,
                        lm_heads=tuple(int_list(lm_head_draft, "--lm-head-draft")),
-                       lookaheads=tuple(x == "on" for x in lookaheads),
-                       draft_graphs=tuple(x == "on" for x in draft_graphs), pdls=tuple(x == "on" for x in pdls),
-                       side_streams=tuple(x == "on" for x in side_streams),
-                       silu_epilogues=tuple(x == "on" for x in silu_epilogues),
+                       lookaheads=lookaheads, draft_graphs=draft_graphs, pdls=pdls, side_streams=side_streams,
+                       silu_epilogues=silu_epilogues,
                        draft_tokens=draft_tokens,
                        label=label)
     many = len(runs) > 1
@@ -268,7 +273,8 @@ def concurrency(levels, url, served_model, model, synthetic, quant, spec, draft_
     given = [p for p in ctx.command.params if ctx.get_parameter_source(p.name) is not ParameterSource.DEFAULT]
     engine_flags = [max(p.opts, key=len) for p in given if p.name in ENGINE_FIELDS]
     if url and engine_flags:  # even at their default values: the server's settings are not this client's defaults
-        raise UserError(f"{', '.join(engine_flags)} configure the in-process engine; with --url the server's own "
+        raise UserError(f"{', '.join(engine_flags)} {'configures' if len(engine_flags) == 1 else 'configure'} the "
+                        "in-process engine; with --url the server's own "
                         "settings apply (give them to `serve`), and the result records what the server reports")
     lv = tuple(int_list(levels, "-c"))
     check_output(json_path, parents=True)

@@ -233,6 +233,22 @@ def parse_spec(item: str, draft_tokens: int | None) -> tuple[str, int | None]:
     return name, draft_tokens if draft_tokens is not None else DEFAULT_DRAFT[name]
 
 
+def refuse_cuda_switches(device: str, switches: dict[str, tuple[bool, ...]]) -> None:
+    """``switches`` (flag -> values asked for) each change only a run on CUDA (its graphs and fused kernels: the
+    engine takes neither on a CPU). Off on a CPU would run the default engine again under another label (-sync,
+    -eagerdraft, -nopdl, -noside, -nosilu), which a gate then takes for another experiment: refused before any
+    work."""
+    from ..engine.options import EngineOptions
+
+    if EngineOptions(device=device).torch_device.type == "cuda":
+        return
+    off = [flag for flag, values in switches.items() if False in values]
+    if off:
+        raise ValueError(f"{', '.join(off)} off: {'these switches change' if len(off) > 1 else 'this switch changes'} "
+                         f"only a run on CUDA (its graphs and fused kernels); on a CPU every run would take the "
+                         f"same path under another label")
+
+
 def decode_runs(base: dict, *, engines=("ours",), specs=("none",), runtimes=("v3",), rollbacks=("recompute",),
                 lm_heads=(0,), lookaheads=(True,), draft_graphs=(True,), pdls=(True,), side_streams=(True,),
                 silu_epilogues=(True,), draft_tokens: int | None = None,

@@ -367,3 +367,13 @@ def test_a_prompt_file_with_a_byte_order_mark_reads_as_its_text(tmp_path):
     (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
     with pytest.raises(ValueError, match="latin1.txt: not UTF-8 text"):
         read_text(tmp_path / "latin1.txt")
+
+
+def test_serve_without_its_extra_names_it_before_loading(monkeypatch):
+    """`pip install -e '.[hf]'` (the README's main set-up) has no HTTP stack: serve says which extra, no traceback."""
+    from ninfer_bench.engine import runtime
+
+    monkeypatch.setitem(sys.modules, "fastapi", None)  # find_spec and import both treat it as not installed
+    monkeypatch.setattr(runtime, "load_source", lambda *a, **k: pytest.fail("the model loaded"))
+    code, text = run("serve", "--port", "0")
+    assert code == 1 and "'.[serve]'" in one_line_error(text) and "fastapi" in text

@@ -225,3 +225,17 @@ def test_decode_tables_show_the_spread_of_the_repeats(tmp_path):
     sd = statistics.stdev(samples)
     assert f"{statistics.median(samples):.1f} ± {sd:.1f} (n=3)" in text
     assert "± sd" in text and f"{sd:.1f}" in text.split("± sd")[1]
+
+
+@pytest.mark.parametrize("flags, named", [(["--pdl", "off"], "--pdl off"),
+                                          (["--lookahead", "on,off", "--silu-epilogue", "off"],
+                                           "--lookahead, --silu-epilogue off")])
+def test_cuda_only_switches_off_are_refused_on_a_cpu(monkeypatch, flags, named):
+    """On a CPU the engine takes no graphs and no fused kernels: an 'off' run would be the default run relabelled
+    (-nopdl, -sync, ...), so it is refused before the weights load; 'on' (the default) runs."""
+    monkeypatch.setattr(dec, "load_model", lambda o: pytest.fail("the weights loaded"))
+    r = CliRunner().invoke(main, ["decode", "--model", "tiny", "--device", "cpu", *flags])
+    assert r.exit_code == 1 and f"error: {named}: " in r.output and "CUDA" in r.output, r.output
+    with pytest.raises(ValueError, match="--side-stream off"):
+        dec.refuse_cuda_switches("cpu", {"--pdl": (True,), "--side-stream": (True, False)})
+    dec.refuse_cuda_switches("cpu", {"--pdl": (True,), "--side-stream": (True,)})
