@@ -8,9 +8,12 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from .artifact import Artifact
 from .config import PRESETS, DraftConfig, ModelConfig, preset
-from .synthetic import preset_draft_config, synthetic_drafter, synthetic_raws
+from .memory import check_fits_memory
+from .synthetic import preset_draft_config, synthetic_bytes, synthetic_drafter, synthetic_raws
 from .tokenizer import ByteTokenizer, Tokenizer
 from .weights import RawWeight, check_text_shapes
 
@@ -188,6 +191,11 @@ def load_source(source: str | None, *, synthetic: bool = False, quant: str = "mi
             raise ValueError(f"preset {source!r} has no weights file: add --synthetic for seeded random weights "
                              f"of its shape, or pass an artifact path")
         cfg = preset(source)
+        # on a CPU the engine then holds every matrix dense too (2 bytes a weight at the least: bf16)
+        cpu = torch.device(device).type == "cpu"
+        check_fits_memory(synthetic_bytes(cfg, quant, 2 if cpu else 0), device,
+                          f"the {source} preset's {quant} weights" + (" and their dense CPU copies" if cpu else ""),
+                          "use a smaller preset (tiny), or a GPU (runtime v3 keeps the weights packed)")
         raws = synthetic_raws(cfg, quant, seed, device)
         tok = ByteTokenizer(cfg.vocab_size)
         mask = tok.token_to_id("<|mask|>")

@@ -42,6 +42,16 @@ def synthetic_tensors(cfg: ModelConfig, seed: int = 0, device="cpu") -> dict[str
     return {n: _init(n, shapes[n], gen, device) for n in text_weight_names(cfg)}
 
 
+def synthetic_bytes(cfg: ModelConfig, policy: str = "mixed", dense_itemsize: int = 0) -> int:
+    """Bytes :func:`synthetic_raws` will hold (the packed weights) plus its peak (its largest tensor in fp32), and
+    with ``dense_itemsize`` the dense copies of the matrices a CPU engine then makes at that many bytes a weight."""
+    shapes = expected_shapes(cfg)
+    names = text_weight_names(cfg)
+    packed = sum(quant.nbytes(weight_format(n, shapes[n], policy), shapes[n]) for n in names)
+    dense = dense_itemsize * sum(math.prod(shapes[n]) for n in names if len(shapes[n]) == 2)
+    return packed + max(4 * math.prod(shapes[n]) for n in names) + dense
+
+
 def synthetic_raws(cfg: ModelConfig, policy: str = "mixed", seed: int = 0, device="cpu",
                    progress=None) -> dict[str, RawWeight]:
     """Random weights packed in ``policy``'s formats, one tensor at a time (peak memory: one fp32 tensor)."""

@@ -12,6 +12,7 @@ The model never looks at formats: it calls ``store.linear(name)(x)``, ``store.em
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -149,6 +150,12 @@ class WeightStore:
         self.vectors: dict[str, torch.Tensor] = {}
         self.embeddings: dict[str, Embedding] = {}
         self.weight_bytes = sum(r.nbytes for r in raws.values())
+        if not self.packed:  # each matrix becomes a dense copy in the compute dtype (v2, and every CPU run)
+            from .memory import check_fits_memory
+
+            dense = sum(math.prod(r.shape) for r in raws.values() if len(r.shape) == 2) * dtype.itemsize
+            check_fits_memory(dense, self.device, f"dense {str(dtype).replace('torch.', '')} copies of the weights",
+                              "on a GPU runtime v3 keeps them packed; or use a smaller model")
         if fuse:
             raws = self._fused(raws, apart)
         # fused gate_up weights whose gate and up rows alternate in runs of GATE_UP_RUN (see _interleaved)

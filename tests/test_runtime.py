@@ -329,3 +329,24 @@ def test_served_text_leaves_out_control_tokens():
     stream = TextStream(tok, hide=tok.special_ids)
     assert stream.push([ord("a"), start, ord("b"), mask]) + stream.finish() == "ab"
     assert TextStream(tok).push([ord("a"), start]) == "a<|im_start|>"  # (decode alone keeps them)
+
+
+def test_weights_that_cannot_fit_are_refused_before_they_are_made(monkeypatch):
+    """A synthetic preset whose packed weights exceed the device's available memory is refused before any weight is
+    drawn; a model whose dense copies (every CPU run) would not fit is refused before they are made - one line each,
+    not an allocator error minutes in."""
+    from ninfer_bench.engine import loader, memory
+    from ninfer_bench.engine.options import EngineOptions
+
+    monkeypatch.setattr(memory, "available_bytes", lambda device: 8 << 30)
+    monkeypatch.setattr(loader, "synthetic_raws", lambda *a, **k: pytest.fail("weights drawn before the check"))
+    with pytest.raises(ValueError, match=r"qwen3.8-27b preset's mixed weights and their dense CPU copies need "
+                                         r"\d+\.\d GiB, this machine has 8.0 GiB available"):
+        loader.load_source("qwen3.8-27b", synthetic=True)
+    monkeypatch.undo()
+    loaded = loader.load_source("tiny")
+    monkeypatch.setattr(memory, "available_bytes", lambda device: 1 << 20)
+    with pytest.raises(ValueError, match="dense float32 copies of the weights need .* GiB, this machine has 0.0 GiB"):
+        Engine(loaded, EngineOptions(device="cpu"))
+    monkeypatch.setattr(memory, "available_bytes", lambda device: None)  # unknown: no check
+    Engine(loaded, EngineOptions(device="cpu"))
