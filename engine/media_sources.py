@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
+from .config import is_int
+
 
 @dataclass(slots=True)
 class MediaLimits:
@@ -28,7 +30,7 @@ class MediaLimits:
     def __post_init__(self) -> None:
         for name in ("max_bytes", "max_pixels", "max_items", "max_video_bytes", "max_request_bytes"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"media limits: {name} must be a positive integer, got {value!r}")
 
 

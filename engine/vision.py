@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, fields
 import torch
 import torch.nn.functional as F
 
+from .config import is_int
 from .weights import RawWeight
 
 ACTIVATIONS = {"gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu}
@@ -74,7 +75,7 @@ class VisionConfig:
                              f"(known: {', '.join(ACTIVATIONS)})")
         section = self.mrope_section
         if (not isinstance(section, (list, tuple)) or len(section) != 3
-                or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in section)):
+                or not all(is_int(s) and s >= 0 for s in section)):
             raise ValueError(f"vision config: mrope_section must be 3 non-negative integers, got {section!r}")
         self.mrope_section = tuple(section)
         ids = [self.image_token_id, self.video_token_id, self.vision_start_token_id, self.vision_end_token_id]

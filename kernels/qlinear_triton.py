@@ -356,7 +356,7 @@ def _dequant_lanes_kernel(words_ptr, high_ptr, scales_ptr, w_ptr, N, K, NG, stri
             u = tl.join(lo, hi).reshape(8, 4, 2, 2, 2 * HALF)  # [j, c, half, wp, q = 2 i + e]
             s = tl.load(scales_ptr + base * 16 + tl.arange(0, 16)).to(tl.float32).reshape(8, 1, 2, 1, 1)
             v = _codes_as(u, QMIN, tl.float32) * s  # [j, c, half, wp, q]
-            v = tl.permute(v, (2, 0, 1, 3, 4)).reshape(16, GROUP)  # rows 8 half + j, k 8 (2 c + wp) / .. + q
+            v = tl.permute(v, (2, 0, 1, 3, 4)).reshape(16, GROUP)  # row 8 half + j; k (2 c + wp) 2 HALF + q
             k = g * GROUP + cols
             tl.store(w_ptr + rows[:, None].to(tl.int64) * stride_w + k[None, :], v.to(w_ptr.dtype.element_ty),
                      mask=(rows[:, None] < N) & (k[None, :] < K))
