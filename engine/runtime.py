@@ -8,6 +8,7 @@ On a CPU both run eagerly through torch.
 from __future__ import annotations
 
 import time
+
 import torch
 
 from .cache import HybridCache
@@ -184,9 +185,7 @@ class Engine:
         gen = None if params.greedy else make_generator(params.seed, self.device)
         slot = self.free_slots.pop(0)
         self.cache.reset(slot)
-        scores = PromptScores(params.prompt_logprobs) if params.prompt_logprobs is not None else None
-        return Sequence(slot=slot, prompt=list(prompt), params=params, generator=gen, media=media,
-                        prompt_scores=scores)
+        return Sequence(slot=slot, prompt=list(prompt), params=params, generator=gen, media=media)
 
     # ---- media -------------------------------------------------------------------------------------
     def load_media(self, kind: str, source, budget: MediaBudget | None = None) -> MediaInput:
@@ -320,7 +319,7 @@ class Engine:
         self.check_fits(len(ids), 0)
         self.check_ids(ids)
         self.cache.reset(self.scratch_slot)
-        seq = Sequence(slot=self.scratch_slot, prompt=list(ids), prompt_scores=PromptScores(top),
+        seq = Sequence(slot=self.scratch_slot, prompt=list(ids),
                        params=SamplingParams(max_new_tokens=0, prompt_logprobs=top))
         while not self.prefill_step(seq):
             pass

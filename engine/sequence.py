@@ -26,7 +26,11 @@ class Sequence:
     stats: dict = field(default_factory=dict)
     media: MediaPrompt | None = None  # images / videos of the prompt (engine/mrope.py)
     logprobs: list = field(default_factory=list)  # with params.logprobs: each token's log-softmax row, fp32 CPU
-    prompt_scores: PromptScores | None = None  # with params.prompt_logprobs: made by the prefill (scoring.py)
+    prompt_scores: PromptScores | None = field(default=None, init=False)  # filled by the prefill (scoring.py)
+
+    def __post_init__(self) -> None:
+        if self.params.prompt_logprobs is not None:  # the request asks for its prompt's log-probabilities
+            self.prompt_scores = PromptScores(self.params.prompt_logprobs)
 
     @property
     def last(self) -> int:
