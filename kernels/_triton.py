@@ -1,10 +1,13 @@
-"""Loading Triton lazily, for every kernel module: so ``kernels.*`` import (and their CPU references run)
-on machines without Triton, and ``TRITON_INTERPRET`` is read only when a kernel is first used."""
+"""Launch helpers every kernel module shares: Triton loaded lazily (so ``kernels.*`` import, and their CPU references
+run, on machines without Triton, and ``TRITON_INTERPRET`` is read only when a kernel is first used), programmatic
+dependent launch, the CUDA-graph and split-K scopes, and each device's split-K scratch."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
+
+import torch
 
 
 @functools.lru_cache(maxsize=None)
@@ -71,14 +74,12 @@ def pdl_enabled() -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _sm90(device_index: int) -> bool:
-    import torch
-
     return torch.cuda.get_device_capability(device_index) >= (9, 0)
 
 
 @contextlib.contextmanager
 def graph_scope():
-    """Launches inside count as launches into a CUDA-graph capture (engine.graphs.capture wraps its warm-up runs and
+    """Launches inside count as launches into a CUDA-graph capture (the engine's graph capture wraps its warm-up runs and
     the capture in it)."""
     _PDL["scope"] += 1
     try:
@@ -110,8 +111,6 @@ def in_graph_scope() -> bool:
     """Inside :func:`graph_scope`, or capturing on the current stream."""
     if _PDL["scope"]:
         return True
-    import torch
-
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
@@ -134,3 +133,25 @@ def _pdl_enter(PDL: tl.constexpr):  # noqa: F821 - tl and gdc_* are bound by jit
     if PDL:
         gdc_wait()  # noqa: F821 - the kernel before has finished and its writes are visible
         gdc_launch_dependents()  # noqa: F821 - the next kernel may launch now, overlapping this kernel's work
+
+
+_MAX_TILES = 1 << 16  # split-K arrival counters a device's scratch holds
+
+
+def split_k_scratch(store: dict, device, floats: int, tiles: int, who: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``store[device]``: (fp32 sums of at least ``floats``, ``_MAX_TILES`` int32 arrival counters), made zeroed
+    and grown on demand - never inside a CUDA-graph capture, where allocating is not allowed."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # one scratch a GPU, however the device is spelled
+        device = torch.device("cuda", torch.cuda.current_device())
+    if tiles > _MAX_TILES:
+        raise ValueError(f"{who}: {tiles} output tiles exceed the split-K counters ({_MAX_TILES})")
+    ws, counters = store.get(device, (None, None))
+    if ws is None or ws.numel() < floats:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"{who}: the split-K workspace must grow outside CUDA-graph capture "
+                               "(build the PackedLinear, or call once, before capturing)")
+        ws = torch.zeros(max(floats, 1 << 20), dtype=torch.float32, device=device)
+        counters = torch.zeros(_MAX_TILES, dtype=torch.int32, device=device)
+        store[device] = (ws, counters)
+    return ws, counters

@@ -1,7 +1,7 @@
 """Decode / speculative-verify attention in Triton, reading the engine's KV cache in place.
 
 Same semantics as :func:`kernels.attention.attention_ref`, but the keys and values come straight from the cache
-layout of :mod:`engine.cache`: ``k_cache``/``v_cache`` ``[S, Hkv, cap, hd]`` in bf16 / fp16, or int8 codes with
+layout of :mod:`engine.model.cache`: ``k_cache``/``v_cache`` ``[S, Hkv, cap, hd]`` in bf16 / fp16, or int8 codes with
 fp16 scales ``[S, Hkv, cap, ceil(hd/64)]`` (one per 64 contiguous values) that are applied in registers, so no
 dequantized copy of the cache is ever written. Row ``b`` of the batch reads slot ``slots[b]``; its query ``t``
 sits at ``q_pos[b, t]`` and sees keys ``0 .. q_pos[b, t]`` (the new tokens' keys are already in the cache).
@@ -45,9 +45,9 @@ from dataclasses import dataclass
 import torch
 
 from . import _triton
-from ..engine.cache import KV_GROUP, dequantize_kv
 from .attention import attention_ref
 from .attention_triton_kernels import jit_kernels as _kernels
+from .kv_quant import KV_GROUP, dequantize_kv
 
 __all__ = ["AttnConfig", "plan", "decode_attention", "decode_attention_ref", "triton_available"]
 

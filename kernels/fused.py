@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from . import _triton
-from ..engine.cache import KV_GROUP, quantize_kv
+from .kv_quant import KV_GROUP, quantize_kv
 from .norm import rms_norm_ref as _rms_norm_ref
 from .rope import apply_rope_ref
 
@@ -231,7 +231,7 @@ def attn_prologue(qg, kv, q_norm_w, k_norm_w, cos, sin, k_cache, v_cache, k_scal
     v_scale ``[S, Hkv, cap, ceil(hd / 64)]`` fp16 (None otherwise); slots ``[B]``; pos ``[B, T]``.
 
     q = rope(rmsnorm(q)), k = rope(rmsnorm(k)) (NeoX rotate-half on the first rd dims), written with v into the
-    cache at ``(slots[b], :, pos[b, t])`` (int8: engine.cache.quantize_kv's codes and scales). Returns
+    cache at ``(slots[b], :, pos[b, t])`` (int8: kv_quant.quantize_kv's codes and scales). Returns
     ``(q [B, T, H, hd], gate [B, T, H * hd])`` in qg's dtype. fp32 math.
     """
     b, t, h, hd, hkv = _check_prologue(qg, kv, q_norm_w, k_norm_w, cos, sin, k_cache, v_cache, k_scale, v_scale,
@@ -334,7 +334,7 @@ def _store_kv(x, cache, scales, IS_INT8: tl.constexpr, HD: tl.constexpr, BLOCK_D
     if IS_INT8:
         xg = tl.reshape(x, (NG, GW))
         sc = (tl.max(tl.abs(xg), 1) / 127.0)
-        sc = tl.maximum(sc, 1e-8).to(tl.float16)  # engine.cache.quantize_kv: clamp_min(1e-8), then fp16
+        sc = tl.maximum(sc, 1e-8).to(tl.float16)  # kv_quant.quantize_kv: clamp_min(1e-8), then fp16
         sf = sc.to(tl.float32)
         y = tl.where(sf[:, None] > 0.0, tl.div_rn(xg, tl.where(sf > 0.0, sf, 1.0)[:, None]), 0.0)
         codes = tl.minimum(tl.maximum(_round_half_even(y), -127.0), 127.0).to(tl.int8)

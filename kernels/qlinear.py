@@ -1,8 +1,8 @@
-"""Quantized projections ``y = x @ W.T`` straight from the packed formats of ``engine.quant``.
+"""Quantized projections ``y = x @ W.T`` straight from the packed formats of ``kernels/quant.py``.
 
 Shapes: x ``[T, K]``, W ``[N, K]`` stored as ``quant.pack(W, fmt)`` (flat uint8), y ``[T, N]``.
 ``fmt`` is one of ``q8_g32_fp16``, ``q5_g64_fp16``, ``q4_g64_fp16``; the byte layout is fixed in
-``engine/quant.py`` and read here as it is: each group (32 values for q8, 64 for q5/q4) of a row is 32
+``kernels/quant.py`` and read here as it is: each group (32 values for q8, 64 for q5/q4) of a row is 32
 contiguous code bytes (8 32-bit words), plus 8 high-bit bytes for q5, plus one fp16 scale.
 
   qlinear_ref      plain fp32 reference: x @ dequantize(buf).T
@@ -51,8 +51,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..engine import quant
-from . import _triton, qmv_cuda
+from . import _triton, qmv_cuda, quant
 from .qlinear_triton import kernels as _kernels
 
 __all__ = ["qlinear_ref", "qlinear_triton", "qlinear_dequant", "PackedLinear", "QConfig", "choose_config",
@@ -192,7 +191,6 @@ def qlinear_triton(x: torch.Tensor, lin: PackedLinear, config: QConfig | None = 
 # stream run one after the other, so they share it; two split-K launches running at once on different streams
 # must not.
 _WORKSPACES: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-_MAX_TILES = 1 << 16
 
 
 def _workspace(device, rows: int, n: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -202,7 +200,7 @@ def _workspace(device, rows: int, n: int, tiles: int) -> tuple[torch.Tensor, tor
     Growing allocates, so it must not happen inside a CUDA-graph capture: PackedLinear reserves
     :func:`scratch_rows` x N when it is built.
     """
-    return split_k_scratch(_WORKSPACES, device, rows * n, tiles, "qlinear")
+    return _triton.split_k_scratch(_WORKSPACES, device, rows * n, tiles, "qlinear")
 
 
 @functools.cache  # a model has a handful of shapes and many weights of each
@@ -210,25 +208,6 @@ def scratch_rows(fmt: str, n: int, k: int) -> int:
     """The most split-K workspace rows (K splits x rows of x) a launch of :func:`choose_config` takes for a
     ``[n, k]`` weight, over every width up to MAX_KERNEL_ROWS."""
     return max(choose_config(fmt, n, k, t).split_k * t for t in range(1, MAX_KERNEL_ROWS + 1))
-
-
-def split_k_scratch(store: dict, device, floats: int, tiles: int, who: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``store[device]``: (fp32 sums of at least ``floats``, ``_MAX_TILES`` int32 arrival counters), made zeroed
-    and grown on demand - never inside a CUDA-graph capture, where allocating is not allowed."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:  # one scratch a GPU, however the device is spelled
-        device = torch.device("cuda", torch.cuda.current_device())
-    if tiles > _MAX_TILES:
-        raise ValueError(f"{who}: {tiles} output tiles exceed the split-K counters ({_MAX_TILES})")
-    ws, counters = store.get(device, (None, None))
-    if ws is None or ws.numel() < floats:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"{who}: the split-K workspace must grow outside CUDA-graph capture "
-                               "(build the PackedLinear, or call once, before capturing)")
-        ws = torch.zeros(max(floats, 1 << 20), dtype=torch.float32, device=device)
-        counters = torch.zeros(_MAX_TILES, dtype=torch.int32, device=device)
-        store[device] = (ws, counters)
-    return ws, counters
 
 
 LANES_GROUPS = 4  # groups a program of the lanes dequantization (16 rows x 4 x 64 codes)
@@ -357,7 +336,7 @@ class PackedLinear:
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
         """``silu(gate) * up`` ``[..., N / 2]`` of a gate / up weight whose rows alternate in runs of 8
-        (engine/weights.py's interleaved gate_up), through qmv's fused epilogue; None where that kernel does not run
+        (engine/model/weights.py's interleaved gate_up), through qmv's fused epilogue; None where that kernel does not run
         for x (the caller takes the product itself)."""
         x2 = x.reshape(-1, self.k)
         qw = self.qmv_weight or self

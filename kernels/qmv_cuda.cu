@@ -1,5 +1,5 @@
 // Quantized GEMV / skinny GEMM on the tensor cores: out[t, n] = sum_k x[t, k] W[n, k] for T <= 8 rows of x,
-// W in the packed q8_g32 / q5_g64 / q4_g64 formats of engine/quant.py, read in place (no repacking).
+// W in the packed q8_g32 / q5_g64 / q4_g64 formats of kernels/quant.py, read in place (no repacking).
 //
 // Compiled at run time (CuPy / NVRTC) once per (FMT, HALF); no headers, so it builds with any CUDA toolkit:
 //   FMT   0 = q8_g32_fp16, 1 = q5_g64_fp16, 2 = q4_g64_fp16, 3 = dense 16-bit weights in x's dtype (K a multiple
@@ -68,7 +68,7 @@ typedef unsigned char u8;
                       // step; and each code word's codes reordered so that pair i meets x's own pair i (no PRMT):
                       // q4/q5 nibbles k0 k2 k4 k6 | k1 k3 k5 k7 (q5 high bits alike), q8 bytes k0 k2 k1 k3
 #ifndef ACT
-#define ACT 0     // 1: the weight is a gate / up pair whose rows alternate in runs of 8 (engine/weights.py's
+#define ACT 0     // 1: the weight is a gate / up pair whose rows alternate in runs of 8 (engine/model/weights.py's
 #endif            // interleaved gate_up): tile j's rows g and g + 8 are gate and up of output column 8 j + g, and the
                   // kernel stores silu(gate) * up, [T, N / 2] (no split-K)
 #ifndef MIN_BLOCKS

@@ -122,9 +122,7 @@ _WORKSPACES: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 def workspace(device, floats: int, tiles: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """The device's split-K scratch, grown to at least ``floats`` floats; never grown inside a CUDA-graph capture
     (``PackedLinear`` reserves ``MAX_SPLITS * MAX_T * N`` when it is built)."""
-    from .qlinear import split_k_scratch
-
-    return split_k_scratch(_WORKSPACES, device, floats, tiles, "qmv")
+    return _triton.split_k_scratch(_WORKSPACES, device, floats, tiles, "qmv")
 
 
 # ---- switches, process-wide (as DeepGEMM's set_pdl); off here, the engine sets them from EngineOptions ---------
@@ -261,7 +259,7 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
     for tuning and tests - none of the last three was faster on the H200 (``fold`` 3-15 % slower). ``pdl``
     (default :func:`kernels._triton.pdl_now`: the switch is on and the launch is for a CUDA graph) launches with
     programmatic dependent launch on sm_90+. ``act``: the weight is a gate / up pair with rows alternating in runs of
-    8 (engine/weights.py's interleaved gate_up) and the result is ``silu(gate) * up`` ``[T, N / 2]`` (one launch,
+    8 (engine/model/weights.py's interleaved gate_up) and the result is ``silu(gate) * up`` ``[T, N / 2]`` (one launch,
     no split-K; N a multiple of 16). ``warps``: warps per 16-row tile (default :func:`choose_warps`; they take its
     groups in turn, so this fixes the order of the sums), ``min_blocks`` defaulting to 24 warps an SM; ``tail``: a
     warp's last groups (fewer than ``unroll``) loaded as one predicated batch instead of one step at a time (the

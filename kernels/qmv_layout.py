@@ -78,8 +78,8 @@ class TiledWeight:
                 self.high = self.high.view(t, ng, 2, 8, 4, 2).permute(0, 1, 3, 4, 2, 5).contiguous()
 
     def row_major(self) -> torch.Tensor:
-        """The packed buffer of engine/quant.py's layout (q formats), rebuilt from the tiles."""
-        from ..engine import quant
+        """The packed buffer of kernels/quant.py's layout (q formats), rebuilt from the tiles."""
+        from . import quant
 
         lay = quant.qlayout(self.fmt, (self.n, self.k))
         buf = torch.zeros(lay.nbytes, dtype=torch.uint8, device=self.codes.device)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..engine.loader import file_sha256, load_source
+from ..engine.artifact.loader import file_sha256, load_source
 from .reference import ReferenceModel
 from .store import save_oracle
 

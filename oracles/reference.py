@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from ninfer_bench.engine.config import ModelConfig
+from ..engine.model.config import ModelConfig
 
 L2_EPS = 1e-6  # q/k L2 normalisation in GDN: x * rsqrt(sum(x^2) + eps), as in FLA / transformers
 

@@ -26,9 +26,10 @@ from __future__ import annotations
 
 import json
 import math
-import tomllib
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+
+import tomllib
 
 from .experiment import config_differences
 from .metric_path import MetricMissing, format_path, instances, lookup, parse_path, root, stars, substitute

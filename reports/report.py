@@ -20,8 +20,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from .baseline import baseline_note, model_name, read_shift, stand_in
-from .frames import frames, model_id
 from .experiment import config_value
+from .frames import frames, model_id
 from .gate import default_rules, expand
 from .metric_path import MetricMissing, lookup
 from .plots import plot_all

@@ -31,7 +31,7 @@ from _benchlib import copy_bandwidth, graph_us, resource_report  # noqa: E402
 
 import torch  # noqa: E402
 
-from ninfer_bench.engine.cache import dequantize_kv, quantize_kv  # noqa: E402
+from ninfer_bench.kernels.kv_quant import dequantize_kv, quantize_kv  # noqa: E402
 from ninfer_bench.kernels import attention_triton as at  # noqa: E402
 from ninfer_bench.kernels.attention import attention as sdpa_attention  # noqa: E402
 

@@ -23,7 +23,7 @@ import torch  # noqa: E402
 from _benchlib import copy_bandwidth, graph_us  # noqa: E402
 from bench_qlinear import FMT_ALIASES, SHAPES  # noqa: E402
 
-from ninfer_bench.engine import quant  # noqa: E402
+from ninfer_bench.kernels import quant  # noqa: E402
 from ninfer_bench.kernels import qlinear as ql  # noqa: E402
 from ninfer_bench.kernels.qmv_cuda import TiledWeight  # noqa: E402
 

@@ -4,7 +4,7 @@ Gated DeltaNet (Hk=16, Hv=48, dk=dv=128, conv_dim 10240, W=4): ``gdn_decode`` (p
 the norm kernel when block_v < dv) for B = 1 / 8 slots and T = 1 / 8 new tokens, with and without per-token
 snapshots (``states_out``), the state-only rollback form (keep + conv_init / ssm_init, z=None), and several
 (block_v, num_warps) launch shapes (128 = gated RMSNorm fused; ``--sweep`` for more), against the eager torch path of
-engine/model.py (conv, l2norms, gates, gated_delta_rule_step, cache writes, gated RMSNorm). Then the fused glue
+engine/model/hybrid.py (conv, l2norms, gates, gated_delta_rule_step, cache writes, gated RMSNorm). Then the fused glue
 (hidden 5120): add_rms_norm, rms_norm, silu_mul (I = 17408), sigmoid_mul (H*hd = 6144) and attn_prologue (H=24,
 Hkv=4, hd=256, partial rotary 64, int8 cache) against their eager torch equivalents.
 
@@ -37,7 +37,7 @@ ensure_package()
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from ninfer_bench.engine.cache import quantize_kv  # noqa: E402
+from ninfer_bench.kernels.kv_quant import quantize_kv  # noqa: E402
 from ninfer_bench.kernels import fused as fu  # noqa: E402
 from ninfer_bench.kernels import gdn_triton as gt  # noqa: E402
 from ninfer_bench.kernels.conv import causal_conv1d  # noqa: E402
@@ -112,7 +112,7 @@ class GDNCase:
 
 
 def eager_gdn(qkv, z, b, a, conv, conv_w, ssm, slots, A_log, dt_bias, norm_w, eps, snap=False):
-    """engine/model.py gated_deltanet between the projections and out_proj (decode / snapshot verify)."""
+    """engine/model/hybrid.py gated_deltanet between the projections and out_proj (decode / snapshot verify)."""
     bsz, t, _ = qkv.shape
     conv_old = conv[slots]
     y, conv_new = causal_conv1d(qkv, conv_w, conv_old)
@@ -257,7 +257,7 @@ class Prologue:
                 self.slots, self.pos, EPS)
 
     def eager(self):
-        """engine/model.py attention up to the attention call (rms norms, rope, int8 cache write)."""
+        """engine/model/hybrid.py attention up to the attention call (rms norms, rope, int8 cache write)."""
         b, t = self.b, self.t
         q, gate = self.qg[..., :HD], self.qg[..., HD:].reshape(b, t, H * HD)
         k, v = self.kv.split([HKV * HD, HKV * HD], dim=-1)

@@ -42,8 +42,8 @@ from _benchlib import capture, copy_bandwidth, graph_us  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from ninfer_bench.engine import quant  # noqa: E402
-from ninfer_bench.engine.options import EngineOptions  # noqa: E402
+from ninfer_bench.kernels import quant  # noqa: E402
+from ninfer_bench.engine.runtime.options import EngineOptions  # noqa: E402
 from ninfer_bench.kernels import qlinear as ql  # noqa: E402
 from ninfer_bench.kernels import qmv_cuda  # noqa: E402
 

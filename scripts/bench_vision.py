@@ -1,5 +1,5 @@
 """Vision encode time at the real Qwen3.5 vision shape (depth 27, hidden 1152, 16 heads, patch 16, merge 2, out 5120),
-ours (engine/vision.py) next to transformers' ``Qwen3_5VisionModel`` on the same seeded synthetic weights.
+ours (engine/model/vision.py) next to transformers' ``Qwen3_5VisionModel`` on the same seeded synthetic weights.
 
 Inputs: one 1024 x 1024 image (64 x 64 patches -> 1024 merged tokens) and one 16-frame 640 x 360 video (sampled at
 2 fps from 8 s -> 16 frames -> 8 x 22 x 40 patches -> 1760 tokens), both random pixels through our preprocessing
@@ -30,10 +30,10 @@ _bootstrap.ensure_package()
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from ninfer_bench.engine import quant  # noqa: E402
-from ninfer_bench.engine.media import PreprocessConfig, image_patches, sample_frames, video_patches  # noqa: E402
-from ninfer_bench.engine.vision import VisionConfig, VisionTower  # noqa: E402
-from ninfer_bench.engine.weights import RawWeight  # noqa: E402
+from ninfer_bench.kernels import quant  # noqa: E402
+from ninfer_bench.engine.media.decode import PreprocessConfig, image_patches, sample_frames, video_patches  # noqa: E402
+from ninfer_bench.engine.model.vision import VisionConfig, VisionTower  # noqa: E402
+from ninfer_bench.engine.model.weights import RawWeight  # noqa: E402
 
 SHAPE = dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, out_hidden_size=5120, patch_size=16,
              temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=2304)

@@ -25,9 +25,9 @@ _bootstrap.ensure_package()
 
 import torch  # noqa: E402
 
-from ninfer_bench.engine import cache as cache_mod  # noqa: E402
-from ninfer_bench.engine import model as model_mod  # noqa: E402
-from ninfer_bench.engine.runtime import Engine  # noqa: E402
+from ninfer_bench.engine.model import cache as cache_mod  # noqa: E402
+from ninfer_bench.engine.model import hybrid as model_mod  # noqa: E402
+from ninfer_bench.engine.runtime.engine import Engine  # noqa: E402
 from ninfer_bench.kernels import gdn  # noqa: E402
 from ninfer_bench.suites.common import DEFAULT_PROMPT  # noqa: E402
 

@@ -23,7 +23,7 @@ from bench_qlinear import FMT_ALIASES, L2_BYTES, random_packed  # noqa: E402
 
 import torch  # noqa: E402
 
-from ninfer_bench.engine import quant  # noqa: E402
+from ninfer_bench.kernels import quant  # noqa: E402
 from ninfer_bench.kernels import qlinear as ql  # noqa: E402
 from ninfer_bench.kernels import qmv_cuda  # noqa: E402
 

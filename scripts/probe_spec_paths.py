@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _bootstrap  # noqa: E402
 
 _bootstrap.ensure_package()
-from ninfer_bench.engine.runtime import Engine  # noqa: E402
+from ninfer_bench.engine.runtime.engine import Engine  # noqa: E402
 from ninfer_bench.suites.common import DEFAULT_PROMPT  # noqa: E402
 from ninfer_bench.suites.decode import load_prompts  # noqa: E402
 

@@ -86,7 +86,7 @@ def drop_launches(eng, names: list[str]) -> None:
 
         model._proj = no_ba
     if "gdn" in names:
-        from ninfer_bench.engine import fastpath
+        from ninfer_bench.engine.model import fused_forward as fastpath
 
         def no_mix(qkv, z, *_, before_z=None, **__):
             if before_z is not None:
@@ -95,7 +95,7 @@ def drop_launches(eng, names: list[str]) -> None:
 
         fastpath.gdn_decode = no_mix
     if "attn" in names:
-        from ninfer_bench.engine import fastpath
+        from ninfer_bench.engine.model import fused_forward as fastpath
 
         def no_prologue(qg, *_):
             b, t, h, hd2 = qg.shape
@@ -125,8 +125,8 @@ def main() -> int:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from ninfer_bench.engine.chain import chainable, decode_chained
-    from ninfer_bench.engine.runtime import Engine
+    from ninfer_bench.engine.runtime.chain import chainable, decode_chained
+    from ninfer_bench.engine.runtime.engine import Engine
     from ninfer_bench.engine.sampling import SamplingParams
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -38,9 +38,9 @@ import torch  # noqa: E402
 import train_bundled as tb  # noqa: E402
 from bundled import card, drafters, evaluate, export, graft, target, tok  # noqa: E402
 from bundled.batches import Batches  # noqa: E402
-from ninfer_bench.engine.artifact import Artifact  # noqa: E402
-from ninfer_bench.engine.loader import BUNDLED_NAME, load_artifact  # noqa: E402
-from ninfer_bench.engine.spec.dflash import BlockDrafter  # noqa: E402
+from ninfer_bench.engine.artifact.reader import Artifact  # noqa: E402
+from ninfer_bench.engine.artifact.loader import BUNDLED_NAME, load_artifact  # noqa: E402
+from ninfer_bench.engine.model.dflash import BlockDrafter  # noqa: E402
 from ninfer_bench.suites.hf_peer import transformers_model  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent

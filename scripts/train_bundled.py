@@ -40,7 +40,7 @@ import torch  # noqa: E402
 
 from bundled import corpus, drafters, evaluate, export, target, tok  # noqa: E402
 from bundled.batches import Batches  # noqa: E402
-from ninfer_bench.engine.loader import BUNDLED_NAME  # noqa: E402
+from ninfer_bench.engine.artifact.loader import BUNDLED_NAME  # noqa: E402
 
 STAGES = ("corpus", "tokenizer", "target", "drafters", "export")
 # (spec, K) measured for the card, the targets first (a tight evaluation budget skips the tail)

@@ -34,7 +34,6 @@ import numpy as np
 from ..reports.schema import make_result
 from .common import DATA, DEFAULT_PROMPT, percentile, recorded_config, tokens_sha256
 
-
 # the options that only build an in-process engine: refused with a url, recorded from the server (or None) instead
 ENGINE_FIELDS = ("model", "synthetic", "quant", "device", "kv_dtype", "max_context", "prefill_chunk",
                  "interleave_chunk", "runtime", "spec", "draft_tokens")
@@ -167,9 +166,9 @@ def _record(c, rnd, pid, submitted, times, tokens_or_n, finished, extra=None) ->
 
 # ---- in-process ---------------------------------------------------------------------------------------
 def run_in_process(opts: ConcurrencyOptions, progress=None):
-    from ..engine.runtime import Engine
+    from ..engine.runtime.engine import Engine
+    from ..engine.runtime.scheduler import Scheduler
     from ..engine.sampling import SamplingParams
-    from ..engine.scheduler import Scheduler
 
     top = max(opts.levels)
     eng = Engine.load(opts.model, synthetic=opts.synthetic, quant=opts.quant, device=opts.device,

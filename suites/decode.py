@@ -16,8 +16,16 @@ from pathlib import Path
 import torch
 
 from ..reports.schema import make_result
-from .common import (DEFAULT_PROMPT, copy_bandwidth, median, peak_memory_bytes, read_prompt_set, recorded_config,
-                     reset_peak_memory, tokens_sha256)
+from .common import (
+    DEFAULT_PROMPT,
+    copy_bandwidth,
+    median,
+    peak_memory_bytes,
+    read_prompt_set,
+    recorded_config,
+    reset_peak_memory,
+    tokens_sha256,
+)
 
 
 @dataclass(slots=True)
@@ -79,7 +87,7 @@ class DecodeOptions:
 
     def engine_options(self):
         """Our engine's options for this run (their checks run when a run is made: before any weights load)."""
-        from ..engine.options import EngineOptions
+        from ..engine.runtime.options import EngineOptions
 
         return EngineOptions(device=self.device, dtype=self.dtype, kv_dtype=self.kv_dtype, max_context=self.max_context,
                              kv_capacity=self.kv_capacity, max_concurrency=self.max_concurrency,
@@ -158,7 +166,7 @@ def run_once(engine, prompts: list[list[int]], opts: DecodeOptions) -> dict:
 
 def with_images(engine, prompts: list[list[int]], paths: tuple[str, ...]) -> list[tuple[list[int], object]]:
     """Each prompt as (ids, MediaPrompt) with the images placed before its text."""
-    from ..engine.mrope import placeholder
+    from ..engine.media.prompt import placeholder
 
     budget = engine.media_budget()  # all the prompt's images together
     items = [engine.load_media("image", p, budget) for p in paths]
@@ -217,7 +225,7 @@ SPECS = ("none", "mtp", "dflash", "dflash2")
 
 def parse_spec(item: str, draft_tokens: int | None) -> tuple[str, int | None]:
     """``NAME`` or ``NAME:K`` -> (spec, K); K defaults to ``draft_tokens``, then to the drafter's default."""
-    from ..engine.options import DEFAULT_DRAFT
+    from ..engine.runtime.options import DEFAULT_DRAFT
 
     name, colon, k = item.strip().partition(":")
     if name not in SPECS:
@@ -238,7 +246,7 @@ def refuse_cuda_switches(device: str, switches: dict[str, tuple[bool, ...]]) -> 
     engine takes neither on a CPU). Off on a CPU would run the default engine again under another label (-sync,
     -eagerdraft, -nopdl, -noside, -nosilu), which a gate then takes for another experiment: refused before any
     work."""
-    from ..engine.options import EngineOptions
+    from ..engine.runtime.options import EngineOptions
 
     if EngineOptions(device=device).torch_device.type == "cuda":
         return
@@ -319,8 +327,8 @@ def plain_agreement(docs: list[dict]) -> dict[str, bool | None]:
 
 def load_model(opts: DecodeOptions):
     """The weights a run of ``opts`` decodes with (what several runs on one model share)."""
-    from ..engine.loader import load_source
-    from ..engine.options import EngineOptions
+    from ..engine.artifact.loader import load_source
+    from ..engine.runtime.options import EngineOptions
 
     device = EngineOptions(device=opts.device).torch_device
     return load_source(opts.model, synthetic=opts.synthetic, quant=opts.quant, seed=opts.seed, device=device)
@@ -338,7 +346,7 @@ def run_decode(opts: DecodeOptions, progress=None, loaded=None) -> dict:
 
         runner = HFPeer.load(opts, loaded)
     else:
-        from ..engine.runtime import Engine
+        from ..engine.runtime.engine import Engine
 
         runner = Engine(loaded if loaded is not None else load_model(opts), opts.engine_options())
         opts.draft_tokens = runner.options.draft_tokens

@@ -14,10 +14,10 @@ import time
 
 import torch
 
-from ..engine.loader import load_source
-from ..engine.options import apply_cpu_threads
-from ..engine.sequence import GenerationResult
-from ..engine.weights import text_weight_names
+from ..engine.artifact.loader import load_source
+from ..engine.model.weights import text_weight_names
+from ..engine.runtime.options import apply_cpu_threads
+from ..engine.runtime.sequence import GenerationResult
 
 
 def cpu_blocked() -> str | None:

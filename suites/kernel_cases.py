@@ -1,7 +1,7 @@
 """What the kernels suite measures, declared: :func:`register` binds an op name to a builder that makes a
 :class:`Case` (seeded inputs, the fp32 reference, an :class:`Impl` per runtime variant, the bytes the op must move)
-from a :class:`KernelContext` (model config, device, dtype, weight formats). ``suites/kernel_registry.py`` holds
-the declarations (the projection family in ``suites/kernel_projections.py``), ``suites/kernels.py`` times them."""
+from a :class:`KernelContext` (model config, device, dtype, weight formats). ``suites/kernel_registry.py`` gathers
+the declarations (``suites/kernel_projections.py``, ``suites/kernel_ops.py``), ``suites/kernels.py`` times them."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..engine.config import ModelConfig
-from ..engine.convert import weight_format as policy_format
+from ..engine.artifact.convert import weight_format as policy_format
+from ..engine.model.config import ModelConfig
 
 CPU_CONTEXTS = (1024, 4096)  # attention K/V lengths on a CPU (suites/kernels.py has the CUDA ones)
 LAYER_PREFIX = re.compile(r"^model\.layers\.\d+\.")  # a decoder layer's weights, whichever layer
@@ -88,10 +88,9 @@ def v3_impl(ctx: KernelContext, fast: Impl, eager: Impl, available: bool = True)
     return Impl(eager.run, f"{eager.note} ({where})", eager.check)
 
 
-def entries(patterns: Sequence[str] = ()) -> list[OpEntry]:
-    """The registered ops whose required module imports, filtered by op-name substrings (any of ``patterns``)."""
-    from . import kernel_registry  # noqa: F401  (the declarations register themselves on import)
-
+def registered(patterns: Sequence[str] = ()) -> list[OpEntry]:
+    """The ops registered so far whose required module imports, filtered by op-name substrings (any of
+    ``patterns``); :func:`.kernel_registry.entries` imports every declaration first."""
     out = [e for e in REGISTRY.values() if e.requires is None or optional_kernels(e.requires) is not None]
     return [e for e in out if not patterns or any(p in e.op for p in patterns)]
 
@@ -121,7 +120,7 @@ class KernelContext:
 
     def weight_format(self, name: str, shape: tuple[int, int]) -> str:
         """The format projection weight ``name`` is timed in: the artifact's, where its stored formats are used,
-        else the quant policy's (``engine.convert.weight_format``)."""
+        else the quant policy's (``engine.artifact.convert.weight_format``)."""
         if self.formats is None:
             return policy_format(name, shape, self.quant)
         key = LAYER_PREFIX.sub("", name)

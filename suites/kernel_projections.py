@@ -1,9 +1,9 @@
 """The kernels suite's projection family: every weight projection of a decode step at a model config's shapes, in
-its stored format (an artifact's own with --model; else engine.convert.weight_format under the --quant policy;
+its stored format (an artifact's own with --model; else engine.artifact.convert.weight_format under the --quant policy;
 mixed, a preset's default: attention q5, MLP / GDN q4, GDN b / a bf16, lm_head q8): attention q+gate, k, v, o; GDN
 qkv, z, b, a, out; MLP gate, up, down; lm_head; the row-concatenations v3 launches as one (attention k+v, GDN qkv+z
 and b+a, MLP gate+up); and the MLP's gate / up through to ``silu(gate) * up``. The other families are in
-``suites/kernel_registry.py``."""
+``suites/kernel_ops.py``."""
 
 from __future__ import annotations
 
@@ -12,10 +12,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..engine import quant
-from ..engine.options import EngineOptions
-from ..engine.weights import GATE_UP_RUN, interleave_order
-from ..kernels import qmv_cuda
+from ..engine.model.weights import GATE_UP_RUN, interleave_order
+from ..engine.runtime.options import EngineOptions
+from ..kernels import qmv_cuda, quant
 from ..kernels.qlinear import MAX_KERNEL_ROWS, PackedLinear
 from ..kernels.qlinear import triton_available as qlinear_triton_available
 from .kernel_cases import Case, Impl, KernelContext, register, v3_impl

@@ -22,7 +22,7 @@ how close the variant gets to the op's memory floor; ``max_rel_err``, the larges
 and ``ok``; ``note``, what ran; ``fmt``, a projection's weight format.
 
 Weight formats. With ``--model`` the projections are timed in the formats the artifact stores (a q8 artifact's
-weights as q8); ``--quant`` overrides them with a policy's (``engine.convert.weight_format``), and the run's
+weights as q8); ``--quant`` overrides them with a policy's (``engine.artifact.convert.weight_format``), and the run's
 ``config.quant`` and default label say so. A preset (``--shape``) has no stored formats: its policy is ``--quant``,
 mixed by default.
 
@@ -45,11 +45,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..engine.config import ModelConfig, preset
-from ..engine.convert import POLICIES
+from ..engine.artifact.convert import POLICIES
+from ..engine.model.config import ModelConfig, preset
 from ..reports.schema import make_result
 from .common import copy_bandwidth
-from .kernel_cases import CPU_CONTEXTS, LAYER_PREFIX, Case, KernelContext, entries, max_rel_err
+from .kernel_cases import CPU_CONTEXTS, LAYER_PREFIX, Case, KernelContext, max_rel_err
+from .kernel_registry import entries
 
 VARIANTS = ("v2", "v3")
 CUDA_SHAPE, CPU_SHAPE = "qwen3.8-27b", "tiny"
@@ -162,7 +163,7 @@ def model_config(opts: KernelOptions, device: torch.device) -> tuple[ModelConfig
     if opts.model is None:
         name = opts.shape or (CUDA_SHAPE if device.type == "cuda" else CPU_SHAPE)
         return preset(name), {"preset": name, "synthetic": True, "quant_policy": opts.quant or "mixed"}, None
-    from ..engine.artifact import Artifact
+    from ..engine.artifact.reader import Artifact
 
     if not Path(opts.model).is_file():
         raise ValueError(f"--model {opts.model}: no such artifact file")

@@ -198,7 +198,7 @@ def rescore_niah(doc: dict, oracle: str | None = None) -> dict:
     """A niah result document judged again against the oracle outputs stored now (e.g. a GPU grid run before its
     64K oracles existed): same cases, same tokens, new verdicts. Each case is rebuilt from the document's config
     and must equal the stored oracle's prompt, so a changed tokenizer or haystack is refused."""
-    from ..engine.loader import load_source
+    from ..engine.artifact.loader import load_source
 
     if doc.get("suite") != "niah":
         raise ValueError(f"--rescore takes a niah result document, this one is {doc.get('suite')!r}")
@@ -235,7 +235,7 @@ def run_niah(opts: NiahOptions, progress=None) -> dict:
 
     ``progress(done, total, what)`` counts prompt tokens prefilled over all cases, chunk by chunk: one 64K case
     prefills for minutes on a CPU, and a count of finished cases alone would stand still meanwhile."""
-    from ..engine.runtime import Engine
+    from ..engine.runtime.engine import Engine
 
     top = max(opts.ctxs)
     if progress:

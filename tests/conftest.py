@@ -29,7 +29,7 @@ def hf_qwen35(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_artifact(tmp_path_factory, hf_qwen35):
     """A fp32 v3 artifact of ``hf_qwen35``."""
-    from ninfer_bench.engine.convert import convert
+    from ninfer_bench.engine.artifact.convert import convert
 
     out = tmp_path_factory.mktemp("art") / "tiny.ninfer"
     convert(hf_qwen35[0], out, policy="fp32")

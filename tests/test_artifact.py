@@ -8,10 +8,10 @@ import struct
 import pytest
 import torch
 
-from ninfer_bench.engine import quant
-from ninfer_bench.engine.artifact import Artifact
-from ninfer_bench.engine.artifact_format import ArtifactError
-from ninfer_bench.engine.artifact_write import upgrade, write_artifact
+from ninfer_bench.kernels import quant
+from ninfer_bench.engine.artifact.reader import Artifact
+from ninfer_bench.engine.artifact.format import ArtifactError
+from ninfer_bench.engine.artifact.writer import upgrade, write_artifact
 
 # (format, shape): K not a multiple of the group, a multiple, a 3-D tensor; floats also as 1-D / conv weights
 CASES = [(fmt, shape) for fmt in quant.QUANT_FORMATS for shape in [(5, 100), (3, 64), (2, 3, 70)]]
@@ -405,7 +405,7 @@ def test_writer_errors_name_the_path_not_the_temporary_file(tmp_path):
     ({"num_hidden_layers": 12}, "tensor model.layers.8.input_layernorm.weight is missing"),
 ])
 def test_header_config_is_checked_against_the_tensors(tmp_path, tiny_artifact, edit, tensor):
-    from ninfer_bench.engine.loader import load_artifact
+    from ninfer_bench.engine.artifact.loader import load_artifact
 
     path = tmp_path / "edited.ninfer"
     path.write_bytes(tiny_artifact.read_bytes())
@@ -433,7 +433,7 @@ def test_header_config_is_checked_against_the_tensors(tmp_path, tiny_artifact, e
 def test_header_config_values_of_the_wrong_kind_are_named(tmp_path, tiny_artifact, key, value, message):
     """A config value that would only fail deep in the first forward (a TypeError, a shape error in the conv) is
     refused at load, naming the key and the value."""
-    from ninfer_bench.engine.loader import load_artifact
+    from ninfer_bench.engine.artifact.loader import load_artifact
 
     path = tmp_path / "edited.ninfer"
     path.write_bytes(tiny_artifact.read_bytes())
@@ -443,10 +443,10 @@ def test_header_config_values_of_the_wrong_kind_are_named(tmp_path, tiny_artifac
 
 
 def test_mtp_component_config_must_agree_with_the_text_config(tmp_path):
-    from ninfer_bench.engine.config import preset
-    from ninfer_bench.engine.convert import write_model
-    from ninfer_bench.engine.loader import load_artifact
-    from ninfer_bench.engine.synthetic import synthetic_raws
+    from ninfer_bench.engine.model.config import preset
+    from ninfer_bench.engine.artifact.convert import write_model
+    from ninfer_bench.engine.artifact.loader import load_artifact
+    from ninfer_bench.engine.artifact.synthetic import synthetic_raws
 
     cfg = preset("tiny")
     tensors = {n: r.dense() for n, r in synthetic_raws(cfg, "fp32", 0, "cpu").items()}
@@ -461,7 +461,7 @@ def test_mtp_component_config_must_agree_with_the_text_config(tmp_path):
 
 
 def test_bundled_model_passes_the_config_checks():
-    from ninfer_bench.engine.loader import bundled_model_path, load_artifact
+    from ninfer_bench.engine.artifact.loader import bundled_model_path, load_artifact
 
     path = bundled_model_path()
     if path is None:
@@ -499,7 +499,7 @@ def test_nonfinite_stored_values_fail_verify(tmp_path, fmt):
 ])
 def test_config_json_flags_that_are_not_booleans_are_named(key, value, message):
     """config.json's flags are read as given, not through bool() (which reads the string "no" as true)."""
-    from ninfer_bench.engine.config import ModelConfig, preset
+    from ninfer_bench.engine.model.config import ModelConfig, preset
 
     hf = {**preset("tiny").to_hf(), key: value}
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -513,7 +513,7 @@ def test_config_json_defaults_are_transformers(model_type):
     the hidden size, the position limit, the rotary and conv settings, the layer pattern, the flags), so our model
     and transformers' read the same file as the same model."""
     transformers = pytest.importorskip("transformers")
-    from ninfer_bench.engine.config import ModelConfig, preset
+    from ninfer_bench.engine.model.config import ModelConfig, preset
 
     given = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
              "num_key_value_heads", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",

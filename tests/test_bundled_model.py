@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from ninfer_bench.engine.artifact import Artifact
-from ninfer_bench.engine.loader import BUNDLED_NAME, default_model, load_source
-from ninfer_bench.engine.runtime import Engine
+from ninfer_bench.engine.artifact.reader import Artifact
+from ninfer_bench.engine.artifact.loader import BUNDLED_NAME, default_model, load_source
+from ninfer_bench.engine.runtime.engine import Engine
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
 ART = MODELS / BUNDLED_NAME

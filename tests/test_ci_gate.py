@@ -6,7 +6,7 @@ import copy
 
 import pytest
 
-from ninfer_bench.engine.loader import default_model
+from ninfer_bench.engine.artifact.loader import default_model
 from ninfer_bench.reports.gate import exit_code, gate
 from ninfer_bench.reports.schema import read_result
 from ninfer_bench.suites.ci import DECODE_RUNS, EXACT_DECODE, EXACT_NIAH, baseline_path, decode_options
@@ -29,14 +29,14 @@ def test_decode_exact_metrics_match_the_baseline(name):
 
 
 def _model_id():
-    from ninfer_bench.engine.loader import load_source
+    from ninfer_bench.engine.artifact.loader import load_source
 
     return load_source(default_model()).info.get("artifact_id")
 
 
 def test_niah_subset_agrees_with_committed_oracles():
     opts = NiahOptions(model=None, ctxs=(2048, 8192), depths=(0, 50, 100), device="cpu", kv_dtype="int8")
-    from ninfer_bench.engine.loader import load_source
+    from ninfer_bench.engine.artifact.loader import load_source
 
     info = load_source(default_model()).info  # oracles are named by the text model's identity
     if not all(oracle_path(info, c).is_file() for c in opts.ctxs):

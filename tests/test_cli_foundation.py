@@ -14,8 +14,8 @@ import torch
 from click.testing import CliRunner
 
 from ninfer_bench.cli import main
-from ninfer_bench.engine.artifact import Artifact
-from ninfer_bench.engine.runtime import Engine
+from ninfer_bench.engine.artifact.reader import Artifact
+from ninfer_bench.engine.runtime.engine import Engine
 from ninfer_bench.oracles.store import load_oracle
 
 from tinyhf import make_hf
@@ -145,8 +145,8 @@ def test_broken_or_foreign_tokenizers_are_refused(tmp_path, hf_qwen35):
     hand: convert refuses it) fails verify and gives a one-line error where it is loaded."""
     from tokenizers import Tokenizer, models
 
-    from ninfer_bench.engine.convert import write_model
-    from ninfer_bench.engine.hf import HFCheckpoint
+    from ninfer_bench.engine.artifact.convert import write_model
+    from ninfer_bench.engine.artifact.hf_checkpoint import HFCheckpoint
 
     folder, out = tmp_path / "hf", tmp_path / "m.ninfer"
     shutil.copytree(hf_qwen35[0], folder)
@@ -371,7 +371,7 @@ def test_a_prompt_file_with_a_byte_order_mark_reads_as_its_text(tmp_path):
 
 def test_serve_without_its_extra_names_it_before_loading(monkeypatch):
     """`pip install -e '.[hf]'` (the README's main set-up) has no HTTP stack: serve says which extra, no traceback."""
-    from ninfer_bench.engine import runtime
+    from ninfer_bench.engine.runtime import engine as runtime
 
     monkeypatch.setitem(sys.modules, "fastapi", None)  # find_spec and import both treat it as not installed
     monkeypatch.setattr(runtime, "load_source", lambda *a, **k: pytest.fail("the model loaded"))

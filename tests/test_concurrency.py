@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ninfer_bench.engine.runtime import CapacityError, Engine
+from ninfer_bench.engine.runtime.engine import CapacityError, Engine
 from ninfer_bench.engine.sampling import SamplingParams
-from ninfer_bench.engine.scheduler import QueueFull, Scheduler
+from ninfer_bench.engine.runtime.scheduler import QueueFull, Scheduler
 from ninfer_bench.reports.schema import validate
 from ninfer_bench.suites.concurrency import ConcurrencyOptions, _record, itl_samples, level_summary, run_concurrency
 

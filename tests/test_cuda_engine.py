@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ninfer_bench.engine.runtime import Engine
+from ninfer_bench.engine.runtime.engine import Engine
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -90,7 +90,7 @@ def test_verify_rows_are_decode_steps_bit_for_bit(spec, k):
     row by row, the logits of k + 1 single decode steps - to the bit, so greedy speculative decoding keeps plain
     decoding's tokens even where two logits almost tie (packed projections, attention, GDN, norms all compute a
     token the same way whatever else is in the call)."""
-    from ninfer_bench.engine.model import VERIFY
+    from ninfer_bench.engine.model.hybrid import VERIFY
     from ninfer_bench.engine.sampling import SamplingParams
 
     eng = Engine.load("tiny", device="cuda", max_context=1024, max_concurrency=2, dtype="bf16", kv_dtype="int8",
@@ -102,12 +102,12 @@ def test_verify_rows_are_decode_steps_bit_for_bit(spec, k):
         ids = [steps.last] + [(37 * i + 11) % eng.config.vocab_size for i in range(k)]
         rows = []
         for tok in ids:
-            _, logits = eng.decode_step([steps], eng._ids([[tok]]))
+            _, logits = eng.decode_step([steps], eng.device_ids([[tok]]))
             rows.append(logits[0, -1].float().cpu())
             steps.length += 1
         with torch.inference_mode():  # as a speculative round runs it
-            _, logits = eng.decode_step([block], eng._ids([ids]), mode=VERIFY)
-            eng.commit(eng._ids([len(ids)]))
+            _, logits = eng.decode_step([block], eng.device_ids([ids]), mode=VERIFY)
+            eng.commit(eng.device_ids([len(ids)]))
         got = logits[0].float().cpu()
         differ = [(i, float((got[i] - rows[i]).abs().max())) for i in range(len(ids))
                   if not torch.equal(got[i], rows[i])]
@@ -128,7 +128,7 @@ def test_lookahead_decode_equals_synchronous(dtype):
     ahead = Engine.load("tiny", device="cuda", max_context=1024, dtype=dtype)
     a = sync.generate(PROMPT, max_new_tokens=96, ignore_eos=True)
     b = ahead.generate(PROMPT, max_new_tokens=96, ignore_eos=True)
-    assert ahead._chain_used and not sync._chain_used
+    assert ahead.chain_used and not sync.chain_used
     assert b.tokens == a.tokens and b.finish_reason == "length" and len(b.tokens) == 96
     stop = a.tokens[40]
     kept = a.tokens[:a.tokens.index(stop) + 1]
@@ -136,7 +136,7 @@ def test_lookahead_decode_equals_synchronous(dtype):
     for name, eng in (("sync", sync), ("ahead", ahead)):
         seq = eng.acquire(PROMPT, SamplingParams(max_new_tokens=96, stop_token_ids=(stop,), ignore_eos=True))
         try:
-            res = eng._run(seq)
+            res = eng.run(seq)
             assert res.tokens == kept and res.finish_reason == "stop"
             seq.finish_reason = None
             seq.params = SamplingParams(max_new_tokens=len(seq.tokens) + 12, ignore_eos=True)
@@ -156,9 +156,9 @@ def test_chained_decode_after_graphs_captured_by_the_synchronous_loop():
     able to write its buffers (it raised "Inplace update to inference tensor outside InferenceMode")."""
     eng = Engine.load("tiny", device="cuda", max_context=1024)
     first = eng.generate(PROMPT, max_new_tokens=16, ignore_eos=True, logprobs=True)
-    assert not eng._chain_used and len(first.logprobs) == 16
+    assert not eng.chain_used and len(first.logprobs) == 16
     second = eng.generate(PROMPT, max_new_tokens=16, ignore_eos=True)
-    assert eng._chain_used and second.tokens == first.tokens
+    assert eng.chain_used and second.tokens == first.tokens
 
 
 def test_tiled_weights_decode_like_row_major():
@@ -240,7 +240,7 @@ def test_attention_biases_through_the_fused_path(tmp_path):
     and v3 (graphs, fused kernels) decodes v2's eager tokens."""
     from tinyhf import make_hf
 
-    from ninfer_bench.engine.convert import convert
+    from ninfer_bench.engine.artifact.convert import convert
 
     make_hf("qwen3_5", tmp_path / "hf", seed=5, attention_bias=True)
     convert(tmp_path / "hf", tmp_path / "m.ninfer", policy="q8")
@@ -257,7 +257,7 @@ def test_bundled_model_v3_decodes_v2_tokens():
     """The bundled model in bf16 (qmv picks split-K at its small shapes): v3 - graphs, PDL, the GDN projections on
     graph branches - decodes v2's eager tokens. The branches once shared the device's one split-K scratch with the
     main chain's launches, and the tokens changed from run to run."""
-    from ninfer_bench.engine.loader import bundled_model_path
+    from ninfer_bench.engine.artifact.loader import bundled_model_path
     from ninfer_bench.suites.common import DEFAULT_PROMPT
 
     path = bundled_model_path()

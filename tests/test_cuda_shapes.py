@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ninfer_bench.engine.convert import convert
-from ninfer_bench.engine.runtime import Engine
+from ninfer_bench.engine.artifact.convert import convert
+from ninfer_bench.engine.runtime.engine import Engine
 from ninfer_bench.engine.sampling import SamplingParams
-from ninfer_bench.engine.scheduler import Scheduler
+from ninfer_bench.engine.runtime.scheduler import Scheduler
 from tinyhf import make_hf
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

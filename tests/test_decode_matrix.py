@@ -164,7 +164,7 @@ def test_bad_outputs_and_options_fail_before_any_work(tmp_path):
 def test_prompt_sets_refuse_malformed_records(tmp_path):
     """A .jsonl prompt set: each record is an object with a string 'text' or a list of integer 'ids' (not both);
     anything else is refused naming the file and line, and --prompts beyond the set's size is refused."""
-    from ninfer_bench.engine.tokenizer import ByteTokenizer
+    from ninfer_bench.engine.artifact.tokenizer import ByteTokenizer
     from ninfer_bench.suites.common import read_prompt_set
 
     tok = ByteTokenizer(300)
@@ -190,9 +190,9 @@ def test_hf_peer_counts_the_weight_bytes_a_step_reads_as_the_engine_does():
     peer's fraction by 5%). On fp32 weights both hold the same numbers, so the counts are equal."""
     import torch
 
-    from ninfer_bench.engine.loader import load_source
-    from ninfer_bench.engine.options import EngineOptions
-    from ninfer_bench.engine.runtime import Engine
+    from ninfer_bench.engine.artifact.loader import load_source
+    from ninfer_bench.engine.runtime.options import EngineOptions
+    from ninfer_bench.engine.runtime.engine import Engine
     from ninfer_bench.suites.hf_peer import HFPeer, transformers_model
 
     loaded = load_source("tiny", synthetic=True, quant="fp32", device=torch.device("cpu"))
@@ -213,7 +213,7 @@ def test_decode_tables_show_the_spread_of_the_repeats(tmp_path):
 
     from rich.console import Console
 
-    from ninfer_bench.cli_suites import compare_table, decode_table
+    from ninfer_bench.cli.suites import compare_table, decode_table
 
     doc = run_decode(DecodeOptions(**{**BASE, "repeats": 3}))
     samples = doc["summary"]["samples"]["decode_tok_s"]

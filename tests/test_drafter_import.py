@@ -10,12 +10,12 @@ import torch
 from click.testing import CliRunner
 
 from ninfer_bench.cli import main
-from ninfer_bench.engine.config import DraftConfig
-from ninfer_bench.engine.convert import write_model
-from ninfer_bench.engine.hf import HFCheckpoint
-from ninfer_bench.engine.runtime import Engine
-from ninfer_bench.engine.spec.dflash import BlockDrafter
-from ninfer_bench.engine.spec.zlab import read_zlab_drafter, write_zlab_drafter
+from ninfer_bench.engine.model.config import DraftConfig
+from ninfer_bench.engine.artifact.convert import write_model
+from ninfer_bench.engine.artifact.hf_checkpoint import HFCheckpoint
+from ninfer_bench.engine.runtime.engine import Engine
+from ninfer_bench.engine.model.dflash import BlockDrafter
+from ninfer_bench.engine.artifact.zlab import read_zlab_drafter, write_zlab_drafter
 
 PROMPT = list(range(7, 90))
 
@@ -219,7 +219,7 @@ def test_bad_drafter_values_in_an_artifact_are_refused_at_load_and_verify(tmp_pa
 
 def test_a_proposal_head_narrower_than_the_candidates_is_refused():
     """--lm-head-draft N below DFlash2's candidates a position would fail inside top-k at the first round."""
-    from ninfer_bench.engine.loader import default_model
+    from ninfer_bench.engine.artifact.loader import default_model
 
     with pytest.raises(ValueError, match="--lm-head-draft 4 is fewer tokens than the dflash2 drafter's 16 candidates"):
         Engine.load(default_model(), device="cpu", spec="dflash2", lm_head_draft=4)

@@ -1,7 +1,7 @@
 """The v3 decode/verify path through the fused Triton kernels equals the eager torch path.
 
 On CUDA the kernels run natively; without CUDA they run in Triton's interpreter on CPU tensors, so the engine
-integration (fastpath.py, rollback through the kernels) is checked on every machine.
+integration (engine/model/fused_forward.py, rollback through the kernels) is checked on every machine.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import triton_interp  # noqa: F401  (sets TRITON_INTERPRET=1 without CUDA, fixes the interpreter)
-from ninfer_bench.engine.fastpath import available
-from ninfer_bench.engine.runtime import Engine
+from ninfer_bench.engine.model.fused_forward import available
+from ninfer_bench.engine.runtime.engine import Engine
 
 pytestmark = pytest.mark.skipif(not available(), reason="triton does not import")
 

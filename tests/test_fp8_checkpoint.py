@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from ninfer_bench.engine.convert import convert
-from ninfer_bench.engine.hf import CheckpointError, HFCheckpoint
-from ninfer_bench.engine.runtime import Engine
+from ninfer_bench.engine.artifact.convert import convert
+from ninfer_bench.engine.artifact.hf_checkpoint import CheckpointError, HFCheckpoint
+from ninfer_bench.engine.runtime.engine import Engine
 from tinyhf import make_hf
 
 FP8_MAX = 448.0  # the largest float8_e4m3fn value

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ninfer_bench.engine.convert import convert
-from ninfer_bench.engine.model import DECODE
-from ninfer_bench.engine.runtime import Engine
+from ninfer_bench.engine.artifact.convert import convert
+from ninfer_bench.engine.model.hybrid import DECODE
+from ninfer_bench.engine.runtime.engine import Engine
 from ninfer_bench.engine.sampling import SamplingParams
 
 from tinyhf import make_hf
@@ -97,8 +97,8 @@ def test_quantized_artifact_close_to_fp32(tmp_path, hf_qwen35):
 def test_attention_biases_fuse_with_their_projections(tmp_path):
     """attention_bias: the q / k / v / o biases are kept, and the CUDA path's fused q|k|v weight carries their
     concatenation (checked on the CPU: the fused store's forward equals the plain one's)."""
-    from ninfer_bench.engine.model import HybridModel
-    from ninfer_bench.engine.weights import WeightStore
+    from ninfer_bench.engine.model.hybrid import HybridModel
+    from ninfer_bench.engine.model.weights import WeightStore
 
     make_hf("qwen3_5", tmp_path / "hf", seed=5, attention_bias=True)
     convert(tmp_path / "hf", tmp_path / "m.ninfer", policy="q8")
@@ -119,7 +119,7 @@ def test_tensors_the_config_does_not_describe_are_refused(tmp_path):
     that says there are none) is refused at conversion, not converted into a model that computes something else."""
     import json
 
-    from ninfer_bench.engine.hf import CheckpointError
+    from ninfer_bench.engine.artifact.hf_checkpoint import CheckpointError
 
     make_hf("qwen3_5", tmp_path / "hf", seed=5, attention_bias=True)
     cfg_path = tmp_path / "hf" / "config.json"

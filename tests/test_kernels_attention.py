@@ -11,7 +11,7 @@ import torch
 
 import triton_interp  # noqa: F401  (sets TRITON_INTERPRET=1 without CUDA, fixes the interpreter)
 
-from ninfer_bench.engine.cache import quantize_kv
+from ninfer_bench.kernels.kv_quant import quantize_kv
 from ninfer_bench.kernels import attention_triton as at
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -11,7 +11,7 @@ import torch
 
 import triton_interp  # noqa: E402,F401  (sets TRITON_INTERPRET=1 without CUDA, fixes the interpreter)
 
-from ninfer_bench.engine.cache import dequantize_kv  # noqa: E402
+from ninfer_bench.kernels.kv_quant import dequantize_kv  # noqa: E402
 from ninfer_bench.kernels import fused as fu  # noqa: E402
 from ninfer_bench.kernels.rope import rope_tables  # noqa: E402
 

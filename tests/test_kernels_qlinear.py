@@ -17,7 +17,7 @@ import triton_interp  # noqa: E402,F401  (sets TRITON_INTERPRET=1 without CUDA, 
 
 CUDA = torch.cuda.is_available()
 
-from ninfer_bench.engine import quant  # noqa: E402
+from ninfer_bench.kernels import quant  # noqa: E402
 from ninfer_bench.kernels import qlinear as ql  # noqa: E402
 
 QC = ql.QConfig

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ninfer_bench.engine import quant
+from ninfer_bench.kernels import quant
 from ninfer_bench.kernels import qlinear as ql
 from ninfer_bench.kernels import qmv_cuda
 
@@ -381,9 +381,9 @@ def test_dense_weight_path(dtype, n, k, t):
 
 @needs_qmv
 def test_dense_linear_takes_qmv_when_enabled():
-    """engine.weights.DenseLinear: small projections through qmv (8 rows a launch, up to 64 rows) only when the
+    """engine.model.weights.DenseLinear: small projections through qmv (8 rows a launch, up to 64 rows) only when the
     experimental switch is on; more rows, or the switch off, take F.linear."""
-    from ninfer_bench.engine.weights import DenseLinear
+    from ninfer_bench.engine.model.weights import DenseLinear
 
     g = torch.Generator().manual_seed(14)
     w = (torch.randn(96, 512, generator=g) * 0.05).to(torch.bfloat16).cuda()
@@ -406,7 +406,7 @@ def test_dense_linear_takes_qmv_when_enabled():
 def _interleaved_gate_up(fmt, inter, k, t, dtype, seed):
     """A gate / up pair packed as one weight with its rows alternating 8 gate, 8 up (WeightStore's interleaved
     gate_up), in the lanes layout; x; and the reference silu(g) * u from the unfused projection's output."""
-    from ninfer_bench.engine.weights import interleave_order
+    from ninfer_bench.engine.model.weights import interleave_order
 
     lin, x, _ = _case(fmt, 2 * inter, k, t, dtype, seed=seed)  # rows: gate, then up
     buf = quant.take_rows(lin.buf.cpu(), fmt, (2 * inter, k), interleave_order(2 * inter))

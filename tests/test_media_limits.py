@@ -8,7 +8,7 @@ import io
 import numpy as np
 import pytest
 
-from ninfer_bench.engine import media as M
+from ninfer_bench.engine.media import decode as M
 
 Image = pytest.importorskip("PIL.Image")
 

@@ -16,7 +16,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from ninfer_bench.engine.config import ModelConfig
+from ninfer_bench.engine.model.config import ModelConfig
 from ninfer_bench.oracles.reference import ReferenceModel, split_qwen3_next_weights
 from ninfer_bench.oracles.store import NEAR_TIE_NATS, agreement, kl, load_oracle, save_oracle
 
@@ -526,7 +526,7 @@ def test_niah_oracle_identity_names_what_differs(tmp_path):
     before the preset's name was recorded, by its config digest) and an artifact's only for its text model; a
     mismatch says what the oracle was made for and what the model is, before any prompt comparison blames the
     tokenizer."""
-    from ninfer_bench.engine.loader import load_source
+    from ninfer_bench.engine.artifact.loader import load_source
     from ninfer_bench.suites.niah import NiahOptions, _load_oracles
 
     tiny = load_source("tiny").info
@@ -559,7 +559,7 @@ def test_niah_oracle_identity_names_what_differs(tmp_path):
 def test_niah_needle_sits_at_its_depth_of_the_body_tokens():
     """The needle goes to the line boundary nearest ``depth`` percent of the body's tokens, not ``depth`` percent of
     its lines: with lines of uneven length the two are far apart (here 50 % of the lines is 83 % of the tokens)."""
-    from ninfer_bench.engine.loader import load_source
+    from ninfer_bench.engine.artifact.loader import load_source
     from ninfer_bench.suites.needle import needle_text
     from ninfer_bench.suites.niah import build_case, needle_line, question_text
 

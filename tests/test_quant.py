@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from ninfer_bench.engine import quant
+from ninfer_bench.kernels import quant
 
 SHAPES = [(5, 100), (3, 64), (1, 1), (2, 3, 70)]  # K not a multiple of the group, a multiple, tiny, 3-D
 

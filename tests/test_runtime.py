@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ninfer_bench.engine.runtime import CapacityError, Engine
+from ninfer_bench.engine.runtime.engine import CapacityError, Engine
 from ninfer_bench.reports.schema import REQUIRED_SUMMARY, validate
 from ninfer_bench.suites.decode import DecodeOptions, run_decode
 
@@ -123,7 +123,7 @@ def test_unseeded_sampling_leaves_the_global_generator_alone():
 def test_stop_string_across_tokens_that_decode_to_nothing():
     """A stop string is found however many tokens between its characters decode to nothing (the byte tokenizer's
     unnamed ids past its specials, a padded vocabulary's ids), and the text is cut before it."""
-    from ninfer_bench.engine.sequence import Sequence
+    from ninfer_bench.engine.runtime.sequence import Sequence
     from ninfer_bench.engine.sampling import SamplingParams
 
     eng = engine()
@@ -141,7 +141,7 @@ def test_control_tokens_are_no_text_for_the_output_or_stop_strings():
     """End and special tokens (chat markers) are left out of the output text and of the text stop strings are
     matched in, as the server's stream leaves them out (vLLM's default): a stop string split by a chat marker still
     stops the engine, and a special token's name is no stop string."""
-    from ninfer_bench.engine.sequence import Sequence
+    from ninfer_bench.engine.runtime.sequence import Sequence
     from ninfer_bench.engine.sampling import SamplingParams
 
     eng = engine()
@@ -220,7 +220,7 @@ def test_hf_peer_on_the_cpu_is_refused_where_transformers_would_send_cpu_tensors
 def test_fp32_kv_takes_the_eager_attention():
     """The fused attention reads bf16 / fp16 / int8 K/V: fp32 K/V decodes eagerly, and asking for the kernels says
     so."""
-    from ninfer_bench.engine.options import EngineOptions
+    from ninfer_bench.engine.runtime.options import EngineOptions
 
     assert not EngineOptions(device="cpu", kv_dtype="fp32").fused_kernels()
     with pytest.raises(ValueError, match="kv-dtype"):
@@ -230,8 +230,8 @@ def test_fp32_kv_takes_the_eager_attention():
 def test_fused_projections_give_the_members_outputs():
     """The CUDA path's fused weights (q|k|v, k|v, gate|up, qkv|z, b|a rows stacked) on the CPU: each layer's
     projections through the fused store equal the member projections one by one."""
-    from ninfer_bench.engine.model import HybridModel
-    from ninfer_bench.engine.weights import WeightStore
+    from ninfer_bench.engine.model.hybrid import HybridModel
+    from ninfer_bench.engine.model.weights import WeightStore
 
     eng = engine()
     raws, cfg = eng.weights.raws, eng.config
@@ -255,8 +255,8 @@ def test_fused_projections_give_the_members_outputs():
 def test_interleaved_gate_up_gives_the_members_outputs():
     """WeightStore(interleave=True): the fused gate_up rows alternate 8 gate, 8 up; HybridModel.gate_up takes them
     apart again into the member projections' outputs, and the MLP is unchanged."""
-    from ninfer_bench.engine.model import HybridModel
-    from ninfer_bench.engine.weights import GATE_UP_RUN, WeightStore
+    from ninfer_bench.engine.model.hybrid import HybridModel
+    from ninfer_bench.engine.model.weights import GATE_UP_RUN, WeightStore
 
     eng = engine()
     raws, cfg = eng.weights.raws, eng.config
@@ -280,10 +280,10 @@ def test_interleaved_gate_up_gives_the_members_outputs():
 def test_store_options_keep_what_they_cannot_serve():
     """interleave on an intermediate size that is no multiple of the run leaves gate_up as the plain fusion (the
     MLP unchanged)."""
-    from ninfer_bench.engine.config import PRESETS, ModelConfig
-    from ninfer_bench.engine.model import HybridModel
-    from ninfer_bench.engine.synthetic import synthetic_raws
-    from ninfer_bench.engine.weights import WeightStore
+    from ninfer_bench.engine.model.config import PRESETS, ModelConfig
+    from ninfer_bench.engine.model.hybrid import HybridModel
+    from ninfer_bench.engine.artifact.synthetic import synthetic_raws
+    from ninfer_bench.engine.model.weights import WeightStore
 
     cfg = ModelConfig(**{**PRESETS["tiny"], "intermediate_size": 100})
     raws = synthetic_raws(cfg, seed=3)
@@ -300,7 +300,7 @@ def test_stop_hold_back_is_the_longest_possible_stop_start():
     every prefix of every stop, which the server ran before, is the reference)."""
     import random
 
-    from ninfer_bench.engine.backend import _held
+    from ninfer_bench.engine.serve.engine_thread import _held
     from ninfer_bench.engine.sampling import SamplingParams
 
     rng = random.Random(0)
@@ -320,8 +320,8 @@ def test_stop_hold_back_is_the_longest_possible_stop_start():
 
 def test_served_text_leaves_out_control_tokens():
     """The server's text stream hides special tokens (chat markers, the mask) as OpenAI-style servers do."""
-    from ninfer_bench.engine.backend import TextStream
-    from ninfer_bench.engine.tokenizer import ByteTokenizer
+    from ninfer_bench.engine.serve.engine_thread import TextStream
+    from ninfer_bench.engine.artifact.tokenizer import ByteTokenizer
 
     tok = ByteTokenizer(300)
     start, mask = tok.token_to_id("<|im_start|>"), tok.token_to_id("<|mask|>")
@@ -335,8 +335,9 @@ def test_weights_that_cannot_fit_are_refused_before_they_are_made(monkeypatch):
     """A synthetic preset whose packed weights exceed the device's available memory is refused before any weight is
     drawn; a model whose dense copies (every CPU run) would not fit is refused before they are made - one line each,
     not an allocator error minutes in."""
-    from ninfer_bench.engine import loader, memory
-    from ninfer_bench.engine.options import EngineOptions
+    from ninfer_bench.engine.artifact import loader
+    from ninfer_bench.engine.model import memory
+    from ninfer_bench.engine.runtime.options import EngineOptions
 
     monkeypatch.setattr(memory, "available_bytes", lambda device: 8 << 30)
     monkeypatch.setattr(loader, "synthetic_raws", lambda *a, **k: pytest.fail("weights drawn before the check"))

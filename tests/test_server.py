@@ -23,9 +23,9 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-from ninfer_bench.engine.loader import default_model  # noqa: E402
-from ninfer_bench.engine.server import ServerOptions, serve  # noqa: E402
-from ninfer_bench.engine.sessions import Session, SessionStore  # noqa: E402
+from ninfer_bench.engine.artifact.loader import default_model  # noqa: E402
+from ninfer_bench.engine.serve.app import ServerOptions, serve  # noqa: E402
+from ninfer_bench.engine.serve.sessions import Session, SessionStore  # noqa: E402
 from serveproc import ROOT, ServeProcess  # noqa: E402
 
 MODEL = default_model()
@@ -503,8 +503,8 @@ def test_model_ids_with_a_slash(tmp_path):
     from fastapi.testclient import TestClient
 
     from ninfer_bench.engine import Engine
-    from ninfer_bench.engine.backend import Backend
-    from ninfer_bench.engine.server import create_app
+    from ninfer_bench.engine.serve.engine_thread import Backend
+    from ninfer_bench.engine.serve.app import create_app
 
     backend = Backend(Engine.load(MODEL, device="cpu", max_context=256, max_concurrency=1), session_capacity=0)
     backend.model_id = "org/ninfer-code-small"
@@ -522,8 +522,8 @@ def test_sampling_defaults_come_from_the_generation_config():
     from fastapi.testclient import TestClient
 
     from ninfer_bench.engine import Engine
-    from ninfer_bench.engine.backend import Backend, generation_defaults
-    from ninfer_bench.engine.server import create_app
+    from ninfer_bench.engine.serve.engine_thread import Backend, generation_defaults
+    from ninfer_bench.engine.serve.app import create_app
 
     gen = {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20, "repetition_penalty": 1.05}
     assert generation_defaults({"generation_config": gen}) == (
@@ -593,8 +593,8 @@ def test_logprobs_are_refused_by_a_speculative_server():
     from fastapi.testclient import TestClient
 
     from ninfer_bench.engine import Engine
-    from ninfer_bench.engine.backend import Backend
-    from ninfer_bench.engine.server import create_app
+    from ninfer_bench.engine.serve.engine_thread import Backend
+    from ninfer_bench.engine.serve.app import create_app
 
     eng = Engine.load(MODEL, device="cpu", max_context=256, max_concurrency=1, spec="mtp")
     with TestClient(create_app(Backend(eng, session_capacity=0), 1 << 20)) as http:
@@ -791,7 +791,7 @@ def drafter_kind() -> str:
     """A speculative method the served model has (the tiny preset has them all)."""
     if MODEL == "tiny":
         return "mtp"
-    from ninfer_bench.engine.artifact import Artifact
+    from ninfer_bench.engine.artifact.reader import Artifact
 
     with Artifact.open(MODEL) as art:
         components = art.components or {}

@@ -17,11 +17,11 @@ pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
 
 from ninfer_bench.engine import Engine  # noqa: E402
-from ninfer_bench.engine import scoring  # noqa: E402
-from ninfer_bench.engine.backend import Backend  # noqa: E402
-from ninfer_bench.engine.loader import default_model  # noqa: E402
-from ninfer_bench.engine.runtime import ContextOverflow  # noqa: E402
-from ninfer_bench.engine.server import create_app  # noqa: E402
+from ninfer_bench.engine.runtime import scoring  # noqa: E402
+from ninfer_bench.engine.serve.engine_thread import Backend  # noqa: E402
+from ninfer_bench.engine.artifact.loader import default_model  # noqa: E402
+from ninfer_bench.engine.runtime.engine import ContextOverflow  # noqa: E402
+from ninfer_bench.engine.serve.app import create_app  # noqa: E402
 
 MODEL = default_model()
 CONTEXT = 256
@@ -267,8 +267,8 @@ def test_anthropic_default_temperature_is_at_most_1():
 def test_only_a_context_overflow_is_named_so():
     """The server's error for a capacity refusal that is not past the context (an empty prompt) carries no
     ``context_length_exceeded`` code; an overflow does."""
-    from ninfer_bench.engine.runtime import CapacityError
-    from ninfer_bench.engine.server import api_error
+    from ninfer_bench.engine.runtime.engine import CapacityError
+    from ninfer_bench.engine.serve.http import api_error
 
     assert api_error(CapacityError("empty prompt: at least one token is needed")).code is None
     over = api_error(ContextOverflow("prompt (9 tokens) + max_new_tokens (4) = 13 exceeds --max-context 8", 9, 4, 8))

@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
-from ninfer_bench.engine.runtime import Engine
+from ninfer_bench.engine.runtime.engine import Engine
 from ninfer_bench.engine.sampling import SamplingParams
 from ninfer_bench.engine.spec.accept import accept_greedy, accept_sampling
-from ninfer_bench.engine.spec.dflash import ordered_topk
+from ninfer_bench.engine.model.dflash import ordered_topk
 from ninfer_bench.suites.decode import summarize
 
 from spec_rigs import RiggedDrafter, always, never, random_prefix

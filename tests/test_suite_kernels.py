@@ -11,11 +11,12 @@ import torch
 from click.testing import CliRunner
 
 from ninfer_bench.cli import main
-from ninfer_bench.engine import quant
-from ninfer_bench.engine.config import preset
-from ninfer_bench.engine.convert import weight_format
+from ninfer_bench.kernels import quant
+from ninfer_bench.engine.model.config import preset
+from ninfer_bench.engine.artifact.convert import weight_format
 from ninfer_bench.reports.schema import read_result
 from ninfer_bench.suites import kernel_cases as kc
+from ninfer_bench.suites.kernel_registry import entries
 from ninfer_bench.suites import kernels as ks
 from ninfer_bench.suites.kernel_projections import projection_bytes
 
@@ -42,7 +43,7 @@ def cpu_run(tmp_path_factory):
 def test_cli_measures_every_family_and_every_check_passes(cpu_run):
     doc, text = cpu_run
     recs = doc["records"]
-    registered = kc.entries()
+    registered = entries()
     families = {e.family for e in registered}
     assert {"projection", "attention", "gdn", "conv", "norm", "sampling"} <= families
     assert {r["family"] for r in recs} == families
@@ -83,7 +84,7 @@ def test_q4_projection_bytes_are_the_packed_weight_plus_activations(cpu_run):
 
 
 def test_broken_implementation_fails_its_check_and_exits_1(tmp_path, monkeypatch):
-    kc.entries()  # the declarations are registered before the registry is copied
+    entries()  # the declarations are registered before the registry is copied
     monkeypatch.setattr(kc, "REGISTRY", dict(kc.REGISTRY))
 
     @kc.register(op="test.scaled_ref", family="test", tolerance=(1e-3, 1e-3))
@@ -133,7 +134,7 @@ def test_model_artifact_gives_the_shapes(tiny_artifact, tmp_path):
     assert code == 0, text
     doc = read_result(out)
     hidden = doc["records"][0]["shape"][1]
-    from ninfer_bench.engine.artifact import Artifact
+    from ninfer_bench.engine.artifact.reader import Artifact
 
     with Artifact.open(tiny_artifact) as art:
         assert hidden == art.components["text"]["config"]["hidden_size"]
@@ -169,7 +170,7 @@ def test_a_preset_keeps_the_mixed_policy_by_default():
 
 
 def test_stored_formats_drop_the_layer_and_follow_aliases():
-    from ninfer_bench.engine.artifact import Artifact
+    from ninfer_bench.engine.artifact.reader import Artifact
 
     with Artifact.open(BUNDLED) as art:
         formats = ks.stored_formats(art)

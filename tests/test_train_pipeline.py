@@ -16,11 +16,11 @@ import torch
 
 import train_bundled
 from bundled import batches, corpus, drafters, export, target, tok
-from ninfer_bench.engine.loader import BUNDLED_NAME
-from ninfer_bench.engine.model import DECODE, PREFILL
-from ninfer_bench.engine.runtime import Engine
+from ninfer_bench.engine.artifact.loader import BUNDLED_NAME
+from ninfer_bench.engine.model.hybrid import DECODE, PREFILL
+from ninfer_bench.engine.runtime.engine import Engine
 from ninfer_bench.engine.sampling import SamplingParams
-from ninfer_bench.engine.spec.dflash import forward_train
+from ninfer_bench.engine.model.dflash import forward_train
 
 RTOL = 1e-4  # fp32 engine vs fp32 training modules, relative RMS
 
@@ -78,12 +78,12 @@ def test_mtp_head_in_artifact_matches_training_module(built):
     n = len(ids)
     seq = eng.acquire(ids, SamplingParams(max_new_tokens=4))
     _, hidden, _ = eng.prefill(seq.slot, ids)
-    slots = eng._ids([seq.slot])
-    h, logits = eng.drafter.forward(hidden[None], eng._ids([ids[1:] + extra[:1]]),
+    slots = eng.device_ids([seq.slot])
+    h, logits = eng.drafter.forward(hidden[None], eng.device_ids([ids[1:] + extra[:1]]),
                                     torch.arange(n)[None], slots, n, PREFILL)
     engine_out = [logits[0]]
     for j in (1, 2):  # recursion: the head's own output one position back, the next token, position n + j - 1
-        h, logits = eng.drafter.forward(h[:, -1:], eng._ids([[extra[j]]]), torch.tensor([[n + j - 1]]), slots,
+        h, logits = eng.drafter.forward(h[:, -1:], eng.device_ids([[extra[j]]]), torch.tensor([[n + j - 1]]), slots,
                                         n + j, DECODE)
         engine_out.append(logits[0, 0])
     eng.release(seq)
@@ -187,8 +187,8 @@ def test_retrained_drafters_replace_only_the_drafters(built, tmp_path):
     object's bytes, its drafters changed and still decode plain greedy's tokens; join installs it and the card."""
     import retrain_drafters
 
-    from ninfer_bench.engine.artifact import Artifact
-    from ninfer_bench.engine.loader import text_identity
+    from ninfer_bench.engine.artifact.reader import Artifact
+    from ninfer_bench.engine.artifact.loader import text_identity
 
     out = tmp_path / "re"
     retrain_drafters.main(["--artifact", str(built["art"]), "--out", str(out), "--tiny", "--device", "cpu",

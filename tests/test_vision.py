@@ -18,11 +18,12 @@ import numpy as np
 import pytest
 import torch
 
-from ninfer_bench.engine import media as M
-from ninfer_bench.engine.convert import convert
-from ninfer_bench.engine.model import DECODE
-from ninfer_bench.engine.mrope import column_axes, mrope_cos_sin, placeholder
-from ninfer_bench.engine.runtime import Engine
+from ninfer_bench.engine.media import decode as M
+from ninfer_bench.engine.artifact.convert import convert
+from ninfer_bench.engine.model.hybrid import DECODE
+from ninfer_bench.engine.model.rotary import column_axes, mrope_cos_sin
+from ninfer_bench.engine.media.prompt import placeholder
+from ninfer_bench.engine.runtime.engine import Engine
 from ninfer_bench.engine.sampling import SamplingParams
 
 from serveproc import ServeProcess
@@ -319,10 +320,10 @@ def test_generate_with_image_reports_vision(eng):
 
 def tiny_with_vision(spec: str) -> Engine:
     """The ``tiny`` preset (MTP head, DFlash drafters) given a seeded random vision tower."""
-    from ninfer_bench.engine.loader import load_source
-    from ninfer_bench.engine.options import EngineOptions
-    from ninfer_bench.engine.vision import VisionConfig, vision_weight_shapes
-    from ninfer_bench.engine.weights import RawWeight
+    from ninfer_bench.engine.artifact.loader import load_source
+    from ninfer_bench.engine.runtime.options import EngineOptions
+    from ninfer_bench.engine.model.vision import VisionConfig, vision_weight_shapes
+    from ninfer_bench.engine.model.weights import RawWeight
 
     vcfg = VisionConfig(depth=1, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=96, patch_size=8,
                         num_position_embeddings=16, image_token_id=300, video_token_id=301,
@@ -516,9 +517,9 @@ def test_model_without_vision_refuses_media(tiny_artifact):
 
 
 def test_artifact_vision_component_is_checked(vl, tmp_path):
-    from ninfer_bench.engine.artifact import Artifact
-    from ninfer_bench.engine.artifact_write import write_artifact
-    from ninfer_bench.engine.loader import load_artifact
+    from ninfer_bench.engine.artifact.reader import Artifact
+    from ninfer_bench.engine.artifact.writer import write_artifact
+    from ninfer_bench.engine.artifact.loader import load_artifact
 
     _, art = vl
     with Artifact.open(art) as a:
@@ -539,7 +540,7 @@ def test_artifact_vision_component_is_checked(vl, tmp_path):
 
 
 def test_vision_weights_are_never_quantized():
-    from ninfer_bench.engine.convert import vision_format
+    from ninfer_bench.engine.artifact.convert import vision_format
 
     assert vision_format((32, 32), "q4") == "bf16" and vision_format((32,), "mixed") == "fp32"
     assert vision_format((32, 32), "fp32") == "fp32"
@@ -691,7 +692,7 @@ def test_server_media_dir_confines_paths(vl, tmp_path):
         assert "a local path" in ask(f"file://otherhost{folder / 'cat.png'}").json()["error"]["message"]
     finally:
         server.stop()
-    from ninfer_bench.engine.server import ServerOptions
+    from ninfer_bench.engine.serve.app import ServerOptions
 
     with pytest.raises(ValueError, match="media-dir .* is not a folder"):
         ServerOptions(port=0, media_dir=str(folder / "cat.png"))
@@ -700,7 +701,7 @@ def test_server_media_dir_confines_paths(vl, tmp_path):
 def test_request_source_is_confined(tmp_path):
     """The reading rule itself: data URIs pass untouched; no file without a folder; inside the folder only regular
     files (a FIFO is refused without blocking); a symlink loop or NUL byte is refused like any outside path."""
-    from ninfer_bench.engine.media_sources import request_source
+    from ninfer_bench.engine.media.sources import request_source
 
     limits = M.MediaLimits(max_bytes=100)
     (tmp_path / "a.bin").write_bytes(b"x" * 10)
@@ -805,9 +806,9 @@ def test_patch_geometry_without_a_preprocessor_config_is_the_towers(tmp_path):
     pair by load, not at the first image."""
     import transformers as tf
 
-    from ninfer_bench.engine.artifact import Artifact
-    from ninfer_bench.engine.artifact_write import write_artifact
-    from ninfer_bench.engine.loader import load_artifact
+    from ninfer_bench.engine.artifact.reader import Artifact
+    from ninfer_bench.engine.artifact.writer import write_artifact
+    from ninfer_bench.engine.artifact.loader import load_artifact
 
     folder = tmp_path / "hf"
     torch.manual_seed(7)
@@ -847,7 +848,7 @@ def test_patch_geometry_without_a_preprocessor_config_is_the_towers(tmp_path):
 def test_vision_config_values_of_the_wrong_kind_are_named(edit, message):
     """A vision_config that is not an object is an error, not a text-only model (its tower's weights would be
     dropped); an mrope_section that is not three integers is named."""
-    from ninfer_bench.engine.vision import VisionConfig
+    from ninfer_bench.engine.model.vision import VisionConfig
 
     hf = {"model_type": "qwen3_5", "vision_config": {"depth": 1, "hidden_size": 32, "num_heads": 2,
                                                      "intermediate_size": 64, "out_hidden_size": 48,

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import torch
 
-from ..graphs import capture
+from ..model.graphs import capture
 
 
 class DraftGraphs:
-    """One drafter's captured functions. ``runner`` (default the engine's :class:`engine.graphs.GraphRunner`) gives
+    """One drafter's captured functions. ``runner`` (default the engine's :class:`engine.model.graphs.GraphRunner`) gives
     the batch buckets (``bucket(b)``) and the memory pool (``pool``)."""
 
     def __init__(self, engine, runner=None):

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import torch
 
+from ...kernels import quant
 from ...kernels.norm import rms_norm
-from .. import quant
-from ..model import DECODE, PREFILL, Step
+from ..model.dflash import BlockDrafter
+from ..model.hybrid import DECODE, PREFILL, Step
+from ..model.weights import RawWeight
 from ..sampling import probs
-from ..weights import RawWeight
-from .dflash import BlockDrafter
 from .draft_graphs import DraftGraphs, wanted
 
 
@@ -180,7 +180,7 @@ class MTPDrafter:
             return
         pos = torch.arange(start, start + m, device=self.e.device)[None]
         rope = seq.media.rope_pos[:, None, start:start + m].to(pos.device) if seq.media is not None else None
-        h, logits = self.forward(hidden[None, :m], self.e._ids([nxt]), pos, self.e._ids([seq.slot]), start + m,
+        h, logits = self.forward(hidden[None, :m], self.e.device_ids([nxt]), pos, self.e.device_ids([seq.slot]), start + m,
                                  PREFILL, rope)
         if not final:
             return
@@ -188,7 +188,7 @@ class MTPDrafter:
 
     def commit(self, seqs, old_len, block, hidden, taps, n_acc, bonus) -> None:
         t = block.shape[1]
-        slots = self.e._ids([s.slot for s in seqs])
+        slots = self.e.device_ids([s.slot for s in seqs])
         plain_rope = self.e.rope_shift(seqs, old_len[:, None]) is None
         graphs = wanted(self, self._want_graphs and plain_rope)
         if graphs is not None:  # keys bound by the capacity (later ones are masked by position)
@@ -222,9 +222,9 @@ class MTPDrafter:
     def draft(self, seqs, k: int):
         h = torch.stack([self.pending[s.slot][0] for s in seqs])
         logits = torch.stack([self.pending[s.slot][1] for s in seqs])
-        slots = self.e._ids([s.slot for s in seqs])
+        slots = self.e.device_ids([s.slot for s in seqs])
         lengths = [s.length for s in seqs]
-        length = self.e._ids(lengths)
+        length = self.e.device_ids(lengths)
         if all(s.params.greedy for s in seqs) and self.e.rope_shift(seqs, length) is None:
             graphs = wanted(self, self._want_graphs)
             if graphs is not None:
@@ -301,11 +301,11 @@ class BlockDraftRunner:
         if start == 0:
             self.pos[seq.slot] = -1
         pos = torch.arange(start, start + taps.shape[0], device=self.e.device)[None]
-        self._write(self.e._ids([seq.slot]), taps[None], pos, torch.ones_like(pos, dtype=torch.bool))
+        self._write(self.e.device_ids([seq.slot]), taps[None], pos, torch.ones_like(pos, dtype=torch.bool))
 
     def commit(self, seqs, old_len, block, hidden, taps, n_acc, bonus) -> None:
         t = block.shape[1]
-        slots = self.e._ids([s.slot for s in seqs])
+        slots = self.e.device_ids([s.slot for s in seqs])
         graphs = wanted(self, self._want_graphs)
         if graphs is not None:  # replayed whatever the rows sample: the context K/V do not depend on it
             graphs.replay("commit", t, (taps, old_len, n_acc, slots), lambda *ins: self.verified(*ins, t))
@@ -322,9 +322,9 @@ class BlockDraftRunner:
     @torch.inference_mode()
     def draft(self, seqs, k: int):
         e = self.e
-        slots = e._ids([s.slot for s in seqs])
-        length = e._ids([s.length for s in seqs])
-        last = e._ids([s.last for s in seqs])
+        slots = e.device_ids([s.slot for s in seqs])
+        length = e.device_ids([s.length for s in seqs])
+        last = e.device_ids([s.last for s in seqs])
         greedy = all(s.params.greedy for s in seqs)
         graphs = wanted(self, greedy and self._want_graphs)
         if graphs is not None:

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from ..model import VERIFY
+from ..model.hybrid import VERIFY
 from ..sampling import probs
 from .accept import accept_greedy, accept_sampling
 
@@ -40,8 +40,8 @@ def speculative_round(e, seqs) -> None:
     t0 = _timer(dev)
     drafts, q = e.drafter.draft(seqs, k)  # [B, K]
     t1 = _timer(dev)
-    old_len = e._ids([s.length for s in seqs])
-    block = torch.cat([e._ids([[s.last] for s in seqs]), drafts], dim=1)  # [B, K+1]
+    old_len = e.device_ids([s.length for s in seqs])
+    block = torch.cat([e.device_ids([[s.last] for s in seqs]), drafts], dim=1)  # [B, K+1]
     hidden, logits, taps = e.forward_rows(seqs, block, VERIFY, e.drafter.taps)  # logits [B, K+1, V]
     n_acc, bonus = accept_greedy(drafts, logits)
     sampling = [r for r, s in enumerate(seqs) if not s.params.greedy]
@@ -52,7 +52,7 @@ def speculative_round(e, seqs) -> None:
     n_list, d_list, b_list = n_acc.tolist(), drafts.tolist(), bonus.tolist()
     settle_times(e)  # the read above waited for everything queued before it: the last round's events are complete
     keep = [_append(e, s, d_list[r][: n_list[r]] + [b_list[r]]) for r, s in enumerate(seqs)]
-    e.commit(e._ids(keep))  # the cache keeps block positions 0 .. keep-1; the newest token is not in it yet
+    e.commit(e.device_ids(keep))  # the cache keeps block positions 0 .. keep-1; the newest token is not in it yet
     t2 = _timer(dev)
     e.drafter.commit(seqs, old_len, block, hidden, torch.cat(taps, dim=-1) if taps else None, n_acc, bonus)
     t3 = _timer(dev)

@@ -29,8 +29,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from bundled import card, evaluate  # noqa: E402
-from ninfer_bench.engine.loader import BUNDLED_NAME  # noqa: E402
-from ninfer_bench.engine.runtime import Engine  # noqa: E402
+from ninfer_bench.engine.artifact.loader import BUNDLED_NAME  # noqa: E402
+from ninfer_bench.engine.runtime.engine import Engine  # noqa: E402
 
 REPO = HERE.parent.parent
 PLAN = [("mtp", 1), ("mtp", 2), ("mtp", 3), ("mtp", 4), ("dflash", 3), ("dflash", 7), ("dflash", 11),

@@ -1,4 +1,4 @@
-"""DFlash and DFlash2 drafters (``engine/spec/dflash.py`` ``BlockDrafter``) trained on the frozen target, and
+"""DFlash and DFlash2 drafters (``engine/model/dflash.py`` ``BlockDrafter``) trained on the frozen target, and
 the MTP head's multi-depth fine-tuning, all from one target forward per step.
 
 Each step: the frozen target (bf16, no grad) reads a batch of corpus sequences; its tap-layer outputs are
@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from ninfer_bench.engine.config import DraftConfig, ModelConfig
-from ninfer_bench.engine.spec.dflash import BlockDrafter, forward_train
+from ninfer_bench.engine.model.config import DraftConfig, ModelConfig
+from ninfer_bench.engine.model.dflash import BlockDrafter, forward_train
 
 from .mtp import mtp_loss
 from .schedule import Schedule

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ninfer_bench.engine.runtime import Engine
+from ninfer_bench.engine.runtime.engine import Engine
 
 from .corpus import build_haystack, make_needle
 from .target import run

@@ -31,9 +31,9 @@ if __name__ == "__main__":  # run as a script: import this file as ``bundled.exp
 import torch  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from ninfer_bench.engine.convert import write_model  # noqa: E402
-from ninfer_bench.engine.hf import HFCheckpoint  # noqa: E402
-from ninfer_bench.engine.loader import BUNDLED_NAME  # noqa: E402
+from ninfer_bench.engine.artifact.convert import write_model  # noqa: E402
+from ninfer_bench.engine.artifact.hf_checkpoint import HFCheckpoint  # noqa: E402
+from ninfer_bench.engine.artifact.loader import BUNDLED_NAME  # noqa: E402
 
 from . import card  # noqa: E402
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ninfer_bench.engine.artifact import Artifact
-from ninfer_bench.engine.artifact_write import write_artifact
+from ninfer_bench.engine.artifact.reader import Artifact
+from ninfer_bench.engine.artifact.writer import write_artifact
 
 from .export import drafter_extras
 

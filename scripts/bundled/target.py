@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from ninfer_bench.engine.config import ModelConfig
+from ninfer_bench.engine.model.config import ModelConfig
 
 from .mtp import MTPHead, mtp_loss
 from .schedule import Schedule

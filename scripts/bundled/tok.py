@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from ninfer_bench.engine.tokenizer import DEFAULT_CHAT_TEMPLATE, SPECIALS
+from ninfer_bench.engine.artifact.tokenizer import DEFAULT_CHAT_TEMPLATE, SPECIALS
 
 EOT = "<|endoftext|>"
 MASK = "<|mask|>"

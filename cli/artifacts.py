@@ -1,0 +1,174 @@
+"""The artifact commands of ``ninfer-bench``: inspect, verify, convert, upgrade."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+from rich.text import Text
+
+from .common import UserError, check_output, console, err_console, overwritten
+
+
+def byte_progress(description: str):
+    """A rich progress bar for work measured in bytes; returns (progress, callback(done, total, name))."""
+    prog = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
+                    console=err_console, transient=True)
+    task = prog.add_task(description, total=None)
+
+    def update(done, total, name=""):
+        prog.update(task, completed=done, total=total, description=f"{description} {name}"[:60])
+
+    return prog, update
+
+
+@click.command()
+@click.argument("artifact", type=click.Path(dir_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+def inspect(artifact, as_json):
+    """Show an artifact's components, objects, formats, bytes and which checks pass."""
+    from ..engine.artifact.reader import Artifact
+
+    with Artifact.open(artifact) as art:
+        summary = art.summary()
+        checks = {"header": True, "bounds": True, "bindings": True}  # open() raises when any fails
+        digests = art.verify()
+        # v2 objects carry no digest: "n/a" then (bounds and finite values are still checked, failures still listed)
+        checks["digests"] = all(ok for _, ok, _ in digests) if art.version == 3 else None
+        components = component_checks(art)
+        checks.update({name: ok for name, (ok, _) in components.items()})
+        bad = [f"{label}: {msg}" for label, ok, msg in digests if not ok]
+        bad += [msg for ok, msg in components.values() if not ok]
+        if as_json:
+            console.print_json(json.dumps({"summary": summary, "checks": checks, "failures": bad}, default=str))
+            if bad:
+                sys.exit(1)
+            return
+        console.print(f"[bold]{artifact}[/]  v{art.version}  id {art.artifact_id}  "
+                      f"model {art.model_id or '-'}  policy {(art.metadata or {}).get('quant_policy', '-')}")
+        table = Table(title="components")
+        for col in ("component", "tensors", "bytes", "config"):
+            table.add_column(col)
+        for name, comp in (art.components or {}).items():
+            if comp is None:
+                table.add_row(name, "-", "-", "(empty)")
+                continue
+            cfg = comp.get("config", {})
+            brief = ", ".join(f"{k}={cfg[k]}" for k in list(cfg)[:6])
+            c = summary.get("components", {}).get(name, {})
+            table.add_row(name, str(len(comp.get("tensors", []))), f"{c.get('bytes', 0):,}", brief)
+        console.print(table)
+        fmt = Table(title="formats")
+        fmt.add_column("format")
+        fmt.add_column("objects")
+        fmt.add_column("bytes")
+        for f, c in summary.get("formats", {}).items():
+            fmt.add_row(f, str(c.get("objects", c.get("count", ""))), f"{c.get('bytes', 0):,}")
+        console.print(fmt)
+        for name, ok in checks.items():
+            console.print(f"  {'[dim]n/a[/] ' if ok is None else '[green]pass[/]' if ok else '[red]FAIL[/]'}  {name}")
+        for line in bad[:10]:
+            console.print(Text("    " + line, style="red"), highlight=False)
+        if bad:
+            sys.exit(1)
+
+
+def component_checks(art) -> dict[str, tuple[bool, str]]:
+    """(ok, message) per part of the model the artifact holds (``text`` with its MTP head, ``drafters``,
+    ``vision``, the ``tokenizer``): its configs parsed and its tensors checked against them, as loading it would."""
+    from ..engine.artifact.loader import drafters_of, text_of, tokenizer_of, vision_of
+
+    comps = art.components or {}
+    parts = [("text", text_of, True), ("drafters", drafters_of, comps.get("dflash") or comps.get("dflash2")),
+             ("vision", vision_of, comps.get("vision"))]
+    out, text_cfg = {}, None
+    for name, load, present in parts:
+        if not present:
+            continue
+        try:
+            # the drafters are checked against the text config read just before (when it read)
+            got = load(art, art.path, text_cfg) if name == "drafters" else load(art, art.path)
+            text_cfg = got[0] if name == "text" else text_cfg
+            out[name] = (True, "ok")
+        except ValueError as e:
+            out[name] = (False, str(e))
+    if text_cfg is not None and (art.metadata or {}).get("tokenizer"):
+        try:
+            tokenizer_of(art, text_cfg)
+            out["tokenizer"] = (True, "ok")
+        except ValueError as e:
+            out["tokenizer"] = (False, str(e))
+    return out
+
+
+@click.command()
+@click.argument("artifact", type=click.Path(dir_okay=False))
+def verify(artifact):
+    """Check every object's SHA-256 digest (and bounds), with a progress bar, and that the model's configs load."""
+    from ..engine.artifact.reader import Artifact
+
+    with Artifact.open(artifact) as art:
+        prog, update = byte_progress("verifying")
+        with prog:
+            results = art.verify(progress=update)
+        components = component_checks(art)
+    bad = [f"{label}: {msg}" for label, ok, msg in results if not ok]
+    for line in bad + [msg for ok, msg in components.values() if not ok]:
+        err_console.print(Text.assemble(("FAIL", "red"), " ", line), highlight=False)
+    n = len(art.objects)
+    whole = [label for label, ok, _ in results[:len(results) - n] if not ok]  # the header's and the file end's
+    problems = [f"the {label} failed verification" for label in whole]
+    problems += [f"{len(bad) - len(whole)} of {n} objects failed verification"] if len(bad) > len(whole) else []
+    problems += [f"the {name} component does not load" for name, (ok, _) in components.items() if not ok]
+    if problems:
+        raise UserError("; ".join(problems))
+    if art.version == 2:
+        console.print(f"[green]ok[/]: {n} objects bounds-checked in {artifact} (a v2 artifact carries no "
+                      f"digests; `upgrade` writes a v3 that does)", soft_wrap=True)
+    else:
+        header = "and the header " if art.provenance.get("header_sha256") else "(the header carries no digest) "
+        console.print(f"[green]ok[/]: {n} objects {header}verified in {artifact}", soft_wrap=True)
+
+
+@click.command()
+@click.argument("hf_dir", type=click.Path(file_okay=False))
+@click.argument("out", type=click.Path(dir_okay=False))
+@click.option("--quant", type=click.Choice(["fp32", "bf16", "q8", "q5", "q4", "mixed"]), default="mixed",
+              show_default=True, help="Quantization policy.")
+@click.option("--format-version", type=click.Choice(["2", "3"]), default="3", show_default=True)
+@click.option("--drafter", "drafters", multiple=True, type=click.Path(file_okay=False, exists=True),
+              help="A z-lab style DFlash / DFlash2 drafter folder to add as a component (repeatable).")
+def convert(hf_dir, out, quant, format_version, drafters):
+    """Convert a Hugging Face Qwen3.5 / Qwen3-Next folder (and drafter folders) into an artifact."""
+    from ..engine.artifact.convert import convert as do_convert
+
+    existed = check_output(out)
+    prog, update = byte_progress("writing")
+    with prog:
+        do_convert(hf_dir, out, policy=quant, version=int(format_version), progress=update, drafters=drafters)
+    console.print(f"[green]wrote[/] {out} ({Path(out).stat().st_size:,} bytes, quant {quant}, v{format_version})")
+    overwritten(out, existed)
+
+
+@click.command()
+@click.argument("v2_file", type=click.Path(dir_okay=False))
+@click.argument("v3_file", type=click.Path(dir_okay=False))
+def upgrade(v2_file, v3_file):
+    """Rewrite a v2 artifact as v3 without changing any weight bytes."""
+    from ..engine.artifact.writer import upgrade as do_upgrade
+
+    existed = check_output(v3_file)
+    prog, update = byte_progress("upgrading")
+    with prog:
+        do_upgrade(v2_file, v3_file, progress=update)
+    console.print(f"[green]wrote[/] {v3_file}")
+    err_console.print(f"[dim]its digests certify the bytes as they were read from {v2_file} (v2 carries none, so "
+                      f"damage already there is not detected)[/]", highlight=False)
+    overwritten(v3_file, existed)
+
+
+COMMANDS = (inspect, verify, convert, upgrade)

@@ -1,0 +1,182 @@
+"""What the command modules share: the consoles, one-line user errors, output-path checks, list flags, the engine
+options every engine-binding command takes, progress bars and result saving."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn
+from rich.text import Text
+
+# piped into a file or a CI log, rich would assume 80 columns and squeeze wide tables: give it room
+console = Console(stderr=False, width=None if sys.stdout.isatty() else 140)
+err_console = Console(stderr=True, soft_wrap=True)
+
+
+class UserError(click.ClickException):
+    """A mistake in what the user asked for: one line on stderr, exit code 1."""
+
+    def show(self, file=None) -> None:
+        # the message as plain text: no markup or emoji codes inside it (``[...]``, ``:x``) are interpreted
+        err_console.print(Text.assemble(("error:", "bold red"), " ", self.message), highlight=False)
+
+
+# ---- output paths ------------------------------------------------------------------------------
+def check_output(path: str | None, *, folder: bool = False, parents: bool = False) -> bool:
+    """Refuse, before any work, an output path that could not be written at the end: a folder where a file goes (or
+    the other way round), or no writable folder to put it in (``parents``: the writer makes missing folders, so the
+    nearest existing one must be writable). Returns whether something is there already (it will be replaced)."""
+    if not path:
+        return False
+    p = Path(path)
+    if p.exists() and p.is_dir() != folder:
+        raise UserError(f"cannot write {path}: {'not a folder' if folder else 'it is a folder'}")
+    parent = (p if folder else p.parent).resolve()
+    while parents and not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise UserError(f"cannot write {path}: folder {parent} "
+                        f"{'is a file' if parent.exists() else 'does not exist'}")
+    if not os.access(parent, os.W_OK | os.X_OK) or not _can_create(parent):
+        raise UserError(f"cannot write {path}: folder {parent} is not writable")
+    return p.exists()
+
+
+def _can_create(folder: Path) -> bool:
+    """Whether a file can be made in ``folder`` (permission bits say yes on read-only mounts and /proc)."""
+    import tempfile
+
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".ninfer-bench-check-"):
+            return True
+    except OSError:
+        return False
+
+
+def overwritten(path: str, existed: bool) -> None:
+    if existed:
+        err_console.print(f"[yellow]note:[/] the existing {path} was overwritten", highlight=False)
+
+
+# ---- running a model ---------------------------------------------------------------------------------
+def comma_list(choices):
+    """A click callback: a comma-separated list of ``choices`` -> tuple (order kept, duplicates dropped)."""
+    def parse(ctx, param, value):
+        items = tuple(dict.fromkeys(v.strip() for v in value.split(",") if v.strip()))
+        bad = [v for v in items if v not in choices]
+        if bad or not items:
+            raise click.BadParameter(f"{value!r}: comma-separated values from {', '.join(choices)}")
+        return items
+    return parse
+
+
+def run_label(ctx, param, value):
+    """A click callback for ``--label``: a run's label names its result file in a grid's folder and its rows in
+    reports, so it is one file name - no path separator, not ``.`` / ``..``, no control character."""
+    if value is None:
+        return None
+    bad = not value.strip() or value in (".", "..") or any(c in value for c in "/\\") \
+        or any(ord(c) < 32 for c in value)
+    if bad:
+        raise click.BadParameter(f"{value!r}: a label is a file name (no '/', '\\', control characters; not empty, "
+                                 f"'.' or '..')")
+    return value
+
+
+def engine_options(f=None, *, kv_default: str = "int8", runtime_list: bool = False):
+    """The options every command that binds an Engine takes (``runtime_list``: --runtime takes v3,v2)."""
+    if f is None:
+        return lambda g: engine_options(g, kv_default=kv_default, runtime_list=runtime_list)
+    runtime = click.option("--runtime", default="v3", show_default=True, callback=comma_list(("v2", "v3")),
+                           help="v3 (fused kernels, CUDA graphs) or v2 (eager); comma-separated to run both.") \
+        if runtime_list else click.option("--runtime", type=click.Choice(["v2", "v3"]), default="v3",
+                                          show_default=True)
+    opts = [
+        click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True),
+        click.option("--dtype", type=click.Choice(["auto", "fp32", "bf16", "fp16"]), default="auto",
+                     show_default=True, help="Compute dtype (auto: bf16 on CUDA, fp32 on CPU)."),
+        click.option("--kv-dtype", type=click.Choice(["fp32", "bf16", "fp16", "int8"]), default=kv_default,
+                     show_default=True, help="K/V cache format (int8: one fp16 scale per 64 values)."),
+        click.option("--max-context", type=int, default=None,
+                     help="Longest prompt + completion one request may have [default: 8192, or the model's limit]."),
+        click.option("--kv-capacity", type=int, default=None,
+                     help="Total K/V tokens over all slots (default max-context x max-concurrency)."),
+        click.option("--max-concurrency", type=int, default=1, show_default=True),
+        click.option("--prefill-chunk", type=int, default=2048, show_default=True,
+                     help="Prompt tokens per prefill forward."),
+        runtime,
+        click.option("--synthetic", is_flag=True, help="Seeded random weights for a preset (e.g. qwen3.8-27b)."),
+        click.option("--quant", type=click.Choice(["fp32", "bf16", "q8", "q5", "q4", "mixed"]), default="mixed",
+                     show_default=True, help="Formats of --synthetic weights."),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+def build_engine(model, *, synthetic=False, quant="mixed", seed=0, **options):
+    from ..engine.runtime.engine import Engine
+
+    return Engine.load(model, synthetic=synthetic, quant=quant, seed=seed, **options)
+
+
+def int_list(text: str, flag: str) -> list[int]:
+    """Comma-separated integers of a flag (``1,2,3``; repeats kept), or a one-line error naming the flag."""
+    items = [v.strip() for v in text.split(",")]
+    if not text.strip():
+        raise UserError(f"{flag} is empty")
+    if "" in items:
+        raise UserError(f"{flag} has an empty item (item {items.index('') + 1} of {text!r})")
+    try:
+        return [int(v) for v in items]
+    except ValueError:
+        raise UserError(f"{flag} must be comma-separated integers, got {text!r}") from None
+
+
+# ---- progress and results -------------------------------------------------------------------------
+def suite_progress(description: str):
+    """A rich progress bar for suites counting units of work; returns (progress, callback(done, total, what)).
+
+    Without a terminal (CI logs, a GPU box's captured output, nohup) the bar cannot redraw: one line per finished
+    unit of work instead, at most every 10 s (a start and a finish always), with the time elapsed."""
+    from rich.progress import MofNCompleteColumn, TimeElapsedColumn
+
+    if not err_console.is_terminal:
+        return _line_progress(description)
+    prog = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=err_console, transient=True)
+    task = prog.add_task(description, total=None)
+
+    def update(done, total, what=""):
+        prog.update(task, completed=done, total=total, description=f"{description} {what}")
+
+    return prog, update
+
+
+def _line_progress(description: str, every_s: float = 10.0):
+    import contextlib
+    import time
+
+    start, last = time.perf_counter(), [None, -every_s]
+
+    def update(done, total, what=""):
+        now = time.perf_counter() - start
+        if (done, total) == tuple(last[0] or ()) or (now - last[1] < every_s and done not in (0, total)):
+            return
+        last[0], last[1] = (done, total), now
+        of = f"/{total}" if total else ""
+        err_console.print(Text(f"{description} {done}{of} {what} ({now:.0f} s)"), highlight=False)
+
+    return contextlib.nullcontext(), update
+
+
+def save_result(doc: dict, json_path: str | None) -> None:
+    from ..reports.schema import write_result
+
+    if json_path:
+        write_result(doc, json_path)
+        err_console.print(f"[dim]result document: {json_path}[/]")

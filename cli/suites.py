@@ -1,0 +1,346 @@
+"""The suite commands of ``ninfer-bench`` that measure speed: decode, concurrency, kernels. The validation
+commands - niah, ``oracle``, report, gate - are in :mod:`.validation`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+from rich.table import Table
+
+from .common import (
+    UserError,
+    check_output,
+    comma_list,
+    console,
+    engine_options,
+    err_console,
+    int_list,
+    run_label,
+    save_result,
+    suite_progress,
+)
+
+
+# ---- suites ------------------------------------------------------------------------------------------
+def fmt(v, spec=".2f"):
+    return "-" if v is None else format(v, spec)
+
+
+@click.command()
+@click.option("--model", default=None, help="Artifact path or preset [default: the bundled model].")
+@click.option("--engine", "engines", default="ours", show_default=True, callback=comma_list(("ours", "hf")),
+              help="ours, or hf (the transformers peer on the same weights); ours,hf runs both on one load.")
+@click.option("--spec", "specs", default="none", show_default=True,
+              help="none, mtp, dflash or dflash2, each optionally NAME:K; comma-separated to run several "
+                   "(e.g. none,mtp:3,dflash2:7).")
+@click.option("--draft-tokens", "-k", type=int, default=None, help="Draft tokens per round (default: MTP 3, DFlash 7).")
+@click.option("--rollback", "rollbacks", default="recompute", show_default=True,
+              callback=comma_list(("recompute", "snapshot")),
+              help="How rejected positions' recurrent state is undone; recompute,snapshot runs both.")
+@click.option("--lm-head-draft", default="0", show_default=True,
+              help="Drafters score only the N most frequent tokens (0: the full vocabulary); comma-separated to "
+                   "compare (0,2048).")
+@click.option("--lookahead", "lookaheads", default="on", show_default=True, callback=comma_list(("on", "off")),
+              help="Plain greedy decode on CUDA graphs: queue step n + 1 before reading token n (off: read each "
+                   "token first, labelled -sync); on,off runs both.")
+@click.option("--draft-graphs", "draft_graphs", default="on", show_default=True, callback=comma_list(("on", "off")),
+              help="Greedy drafting (MTP, DFlash, DFlash2) replayed from CUDA graphs (v3 on CUDA; off: eager "
+                   "drafting, labelled -eagerdraft); on,off runs both.")
+@click.option("--pdl", "pdls", default="on", show_default=True, callback=comma_list(("on", "off")),
+              help="The decode step's CUDA-graph kernels with programmatic dependent launch (sm_90+ GPUs, ignored "
+                   "on older ones; off is labelled -nopdl); on,off runs both.")
+@click.option("--side-stream", "side_streams", default="on", show_default=True, callback=comma_list(("on", "off")),
+              help="A GDN layer's b / a and z projections on CUDA-graph branches beside the main chain (CUDA; off "
+                   "is labelled -noside); on,off runs both.")
+@click.option("--silu-epilogue", "silu_epilogues", default="on", show_default=True,
+              callback=comma_list(("on", "off")),
+              help="The MLP's gate / up weight interleaved so the projection kernel stores silu(gate) * up itself "
+                   "(CUDA, cupy; off is labelled -nosilu); on,off runs both.")
+@click.option("--prompt-file", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Prompt text, or a .jsonl prompt set (e.g. suites/data/heldout_prompts.jsonl) "
+                   "[default: the shipped short-code prompt].")
+@click.option("--prompts", "n_prompts", type=int, default=None, help="Use the first N prompts of a .jsonl set.")
+@click.option("--image", "images", multiple=True, type=click.Path(exists=True, dir_okay=False),
+              help="An image before each prompt (repeatable; a model with a vision component): the result reports "
+                   "the vision encode time and merged token count.")
+@click.option("--max-new-tokens", "-n", type=int, default=4096, show_default=True)
+@click.option("--stop-at-eos", is_flag=True, help="Stop at end-of-sequence (default: always generate -n tokens).")
+@click.option("--repeats", type=int, default=3, show_default=True)
+@click.option("--warmup", type=int, default=1, show_default=True)
+@click.option("--label", default=None, callback=run_label,
+              help="Label of this run in reports [default: runtime-spec-k; with several runs, a prefix of each "
+                   "run's label].")
+@click.option("--json", "json_path", type=click.Path(), default=None,
+              help="Write the result document (several runs: a folder, one LABEL.json per run).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of --synthetic weights.")
+@engine_options(runtime_list=True)
+def decode(model, engines, specs, draft_tokens, rollbacks, lm_head_draft, lookaheads, draft_graphs, pdls, side_streams,
+           silu_epilogues, prompt_file,
+           n_prompts, images, max_new_tokens, stop_at_eos, repeats, warmup, label, json_path, seed, max_concurrency,
+           kv_capacity, runtime, **options):
+    """The short-code decode test: prefill a code prompt, greedy-decode N tokens, measure speed and acceptance.
+
+    Comma-separated --engine, --runtime, --spec, --rollback and --lm-head-draft run every combination in one
+    process, the weights loaded once (as llama-bench runs its grid), and end with a side-by-side table.
+
+    --lookahead, --draft-graphs, --pdl, --side-stream and --silu-epilogue change only runs on CUDA: off is refused
+    on a CPU."""
+    from ..suites.common import DEFAULT_PROMPT
+    from ..suites.decode import decode_runs, plain_agreement, refuse_cuda_switches, run_matrix
+
+    lookaheads, draft_graphs, pdls, side_streams, silu_epilogues = (
+        tuple(x == "on" for x in values) for values in (lookaheads, draft_graphs, pdls, side_streams, silu_epilogues))
+    refuse_cuda_switches(options["device"], {"--lookahead": lookaheads, "--draft-graphs": draft_graphs, "--pdl": pdls,
+                                             "--side-stream": side_streams, "--silu-epilogue": silu_epilogues})
+    base = dict(model=model, prompt_file=prompt_file or str(DEFAULT_PROMPT), prompts=n_prompts, images=images,
+                max_new_tokens=max_new_tokens, ignore_eos=not stop_at_eos, repeats=repeats, warmup=warmup, seed=seed,
+                max_concurrency=max_concurrency, kv_capacity=kv_capacity, **options)
+    runs = decode_runs(base, engines=engines, specs=tuple(specs.split(",")), runtimes=runtime, rollbacks=rollbacks,
+                       lm_heads=tuple(int_list(lm_head_draft, "--lm-head-draft")),
+                       lookaheads=lookaheads, draft_graphs=draft_graphs, pdls=pdls, side_streams=side_streams,
+                       silu_epilogues=silu_epilogues,
+                       draft_tokens=draft_tokens,
+                       label=label)
+    many = len(runs) > 1
+    if many and json_path and Path(json_path).is_file():
+        raise UserError(f"--json {json_path}: several runs write a folder (one LABEL.json each), not a file")
+    if not many and json_path and Path(json_path).is_dir():
+        raise UserError(f"--json {json_path}: one run writes a file, and this is a folder")
+    check_output(json_path, folder=many, parents=True)
+
+    def done(doc):
+        if many:
+            save_result(doc, str(Path(json_path) / f"{doc['label']}.json") if json_path else None)
+        else:
+            console.print(decode_table(doc))
+            save_result(doc, json_path)
+
+    prog, update = suite_progress("decode")
+    with prog:
+        docs = run_matrix(runs, progress=update, done=done)
+    if many:
+        same = plain_agreement(docs)
+        console.print(compare_table(docs, same))
+        differ = [label for label, agrees in same.items() if agrees is False]
+        if differ:
+            err_console.print(f"[bold red]tokens differ from the plain run on the same runtime: {', '.join(differ)}[/] "
+                              "(greedy speculative decoding should reproduce them)")
+
+
+def timed(summary: dict, key: str, spec: str = ".1f") -> str:
+    """A timing metric of a decode summary: its median over the repeats ± their sample standard deviation and the
+    number of repeats (``91.7 ± 1.3 (n=3)``), as llama-bench shows ``t/s`` with its spread; the bare value where the
+    document holds no samples of it."""
+    from ..reports.stats import spread
+
+    samples = (summary.get("samples") or {}).get(key)
+    if not samples:
+        return fmt(summary.get(key), spec)
+    return spread(samples).text(spec)
+
+
+def decode_table(doc: dict) -> Table:
+    """One decode result, metric by metric (timings: median of the repeats ± sample standard deviation)."""
+    s = doc["summary"]
+    table = Table(title=f"decode: {doc['label']} on {doc['config']['device']} ({doc['env'].get('gpu') or 'cpu'})")
+    for col in ("metric", "value"):
+        table.add_column(col)
+    rows = [("prompt / completion tokens", f"{s['prompt_tokens']} / {s['completion_tokens']}"),
+            ("prefill tok/s", timed(s, "prefill_tok_s")), ("decode tok/s", timed(s, "decode_tok_s")),
+            ("TTFT ms", timed(s, "ttft_ms")), ("device ms / round", timed(s, "device_ms_per_round", ".3f")),
+            ("rounds", str(s["rounds"])), ("tokens / round", fmt(s["tokens_per_round"])),
+            ("acceptance rate", fmt(s["acceptance_rate"], ".3f")),
+            ("accepted per position", " ".join(f"{a:.2f}" for a in s["accepted_per_position"]) or "-"),
+            ("weight bytes / step", f"{s['weight_bytes_per_step']:,}" if s["weight_bytes_per_step"] else "-"),
+            ("copy bandwidth GB/s", fmt(s["copy_bandwidth_gbps"], ".0f")),
+            ("achieved GB/s (weights)", fmt(s["achieved_gbps"], ".0f")),
+            ("roofline fraction", fmt(s["roofline_fraction"], ".3f")),
+            ("peak memory", f"{s['peak_memory_bytes'] / 2**20:,.0f} MiB"),
+            ("tokens sha256", s["tokens_sha256"][:16] + ("" if s["deterministic"] else " (varies!)"))]
+    if "vision_encode_ms" in s:
+        rows += [("vision encode ms", fmt(s["vision_encode_ms"], ".1f")), ("vision tokens", str(s["vision_tokens"]))]
+    for k, v in rows:
+        table.add_row(k, v)
+    return table
+
+
+def compare_table(docs: list[dict], same: dict[str, bool | None]) -> Table:
+    """Several decode results side by side; speed also as a ratio to the first run; whether each speculative run
+    decoded the plain run's tokens (``same``: suites.decode.plain_agreement of ``docs``); tok/s is the median of the
+    repeats, ± sd their sample standard deviation."""
+    from ..reports.stats import spread
+
+    first = docs[0]["summary"]["decode_tok_s"]
+    table = Table(title=f"decode: {len(docs)} runs on {docs[0]['config']['device']} "
+                        f"({docs[0]['env'].get('gpu') or 'cpu'}), x = decode speed / {docs[0]['label']}'s")
+    cols = ("run", "tok/s", "± sd", "x", "ms/round", "draft/verify", "tok/round", "accept", "roofline", "MiB",
+            "sha256", "= plain")
+    for c in cols:
+        table.add_column(c, justify="left" if c in ("run", "sha256") else "right", no_wrap=True)
+    for d in docs:
+        s = d["summary"]
+        split = (f"{fmt(s.get('draft_ms_per_round'), '.1f')}/{fmt(s.get('verify_ms_per_round'), '.1f')}"
+                 if s.get("draft_ms_per_round") is not None else "-")
+        ratio = s["decode_tok_s"] / first if first and s["decode_tok_s"] else None
+        sd = spread((s.get("samples") or {}).get("decode_tok_s")).stdev
+        table.add_row(d["label"], fmt(s["decode_tok_s"], ".1f"), fmt(sd, ".1f"), fmt(ratio, ".2f"),
+                      fmt(s["device_ms_per_round"], ".2f"), split, fmt(s["tokens_per_round"]),
+                      fmt(s["acceptance_rate"], ".3f"), fmt(s["roofline_fraction"], ".3f"),
+                      f"{s['peak_memory_bytes'] / 2**20:,.0f}", s["tokens_sha256"][:8],
+                      {None: "-", True: "yes", False: "[bold red]NO[/]"}[same.get(d["label"])])
+    return table
+
+
+@click.command()
+@click.option("-c", "--concurrency", "levels", default="1,2,4,8", show_default=True,
+              help="Comma-separated numbers of simultaneous clients.")
+@click.option("--url", default=None, help="Run against an OpenAI-compatible server (streaming /v1/completions).")
+@click.option("--served-model", default=None, help="Model name to send to --url [default: its first model].")
+@click.option("--model", default=None, help="Artifact path or preset for in-process runs [default: bundled].")
+@click.option("--synthetic", is_flag=True, help="Seeded random weights for a preset (e.g. qwen3.8-27b).")
+@click.option("--quant", type=click.Choice(["fp32", "bf16", "q8", "q5", "q4", "mixed"]), default="mixed",
+              show_default=True, help="Formats of --synthetic weights.")
+@click.option("--spec", type=click.Choice(["none", "mtp", "dflash", "dflash2"]), default="none", show_default=True)
+@click.option("--draft-tokens", "-k", type=int, default=None)
+@click.option("--max-new-tokens", "-n", type=int, default=128, show_default=True)
+@click.option("--prompt-tokens", type=int, default=256, show_default=True,
+              help="Prompt length in tokens, each client's prompt cut or repeated to it (--url: from the server's "
+                   "own tokenization, sent as token ids; a server that returns no prompt_token_ids gets the texts "
+                   "whole).")
+@click.option("--rounds", type=int, default=2, show_default=True, help="Rounds per level (samples).")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+@click.option("--kv-dtype", type=click.Choice(["fp32", "bf16", "fp16", "int8"]), default="int8", show_default=True)
+@click.option("--runtime", type=click.Choice(["v2", "v3"]), default="v3", show_default=True)
+@click.option("--max-context", type=int, default=None,
+              help="Longest prompt + completion a request may have [default: 8192, or the model's limit].")
+@click.option("--prefill-chunk", type=int, default=2048, show_default=True)
+@click.option("--interleave-chunk", type=int, default=512, show_default=True,
+              help="Prompt tokens prefilled per iteration while other requests decode (at most --prefill-chunk).")
+@click.option("--label", default=None, callback=run_label)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write the result document.")
+def concurrency(levels, url, served_model, model, synthetic, quant, spec, draft_tokens, max_new_tokens, prompt_tokens,
+                rounds, device, kv_dtype, runtime, max_context, prefill_chunk, interleave_chunk, label, json_path):
+    """C1/C2/C4/C8 throughput and latency, in-process (continuous batching) or against a server.
+
+    With --url the engine is the server's: --model, --synthetic, --quant, --spec, -k, --device, --kv-dtype,
+    --runtime, --max-context, --prefill-chunk and --interleave-chunk are refused (give them to `serve`), and the
+    result records the settings the server reports about itself, null for those it does not report."""
+    from click.core import ParameterSource
+
+    from ..suites.concurrency import ENGINE_FIELDS, ConcurrencyOptions, run_concurrency
+
+    ctx = click.get_current_context()
+    given = [p for p in ctx.command.params if ctx.get_parameter_source(p.name) is not ParameterSource.DEFAULT]
+    engine_flags = [max(p.opts, key=len) for p in given if p.name in ENGINE_FIELDS]
+    if url and engine_flags:  # even at their default values: the server's settings are not this client's defaults
+        raise UserError(f"{', '.join(engine_flags)} {'configures' if len(engine_flags) == 1 else 'configure'} the "
+                        "in-process engine; with --url the server's own "
+                        "settings apply (give them to `serve`), and the result records what the server reports")
+    lv = tuple(int_list(levels, "-c"))
+    check_output(json_path, parents=True)
+    opts = ConcurrencyOptions(levels=lv, url=url, served_model=served_model, max_new_tokens=max_new_tokens,
+                              prompt_tokens=prompt_tokens, rounds=rounds, label=label,
+                              **({} if url else dict(model=model, synthetic=synthetic, quant=quant, spec=spec,
+                                                     draft_tokens=draft_tokens, device=device, kv_dtype=kv_dtype,
+                                                     runtime=runtime, max_context=max_context,
+                                                     prefill_chunk=prefill_chunk, interleave_chunk=interleave_chunk)))
+    prog, update = suite_progress("concurrency")
+    with prog:
+        doc = run_concurrency(opts, progress=update)
+    console.print(concurrency_table(doc))
+    if url and doc["config"]["prompt_tokens"] is None and "prompt_tokens" in {p.name for p in given}:
+        err_console.print(f"[yellow]{url} returns no prompt_token_ids: the prompt texts went whole, not cut to "
+                          f"--prompt-tokens {prompt_tokens}[/]")
+    save_result(doc, json_path)
+    if not all(lv_["matches_sequential"] for lv_ in doc["summary"]["levels"]):
+        raise UserError("concurrent greedy outputs differ from the sequential ones")
+
+
+def concurrency_table(doc: dict) -> Table:
+    """One concurrency result, a row per level; the caption defines the two throughput columns."""
+    c = doc["config"]
+    engine = ", ".join(f"{k} {c[k]}" for k in ("device", "spec", "draft_tokens", "kv_dtype", "runtime",
+                                                "max_concurrency") if c.get(k) is not None)
+    table = Table(title=f"concurrency: {doc['label']} ({engine})",
+                  caption="agg tok/s: output tokens / round wall time (first request sent to last one finished, "
+                          "queueing and prefill included), the same at every level; steady tok/s: while every "
+                          "client decodes at once (-: never, e.g. more clients than slots)")
+    for col in ("C", "agg tok/s", "steady tok/s", "req tok/s", "TTFT p50/p99 ms", "TPOT p50/p99 ms", "ITL p50/p99 ms",
+                "e2e p50 ms", "= sequential"):
+        table.add_column(col)
+    for lv in doc["summary"]["levels"]:
+        table.add_row(str(lv["concurrency"]), fmt(lv["aggregate_tok_s"], ".1f"), fmt(lv.get("steady_tok_s"), ".1f"),
+                      fmt(lv["per_request_tok_s"], ".1f"),
+                      f"{fmt(lv['ttft_ms_p50'], '.1f')} / {fmt(lv['ttft_ms_p99'], '.1f')}",
+                      f"{fmt(lv.get('tpot_ms_p50'), '.2f')} / {fmt(lv.get('tpot_ms_p99'), '.2f')}",
+                      f"{fmt(lv['itl_ms_p50'], '.2f')} / {fmt(lv['itl_ms_p99'], '.2f')}", fmt(lv["e2e_ms_p50"], ".0f"),
+                      "[green]yes[/]" if lv["matches_sequential"] else "[red]NO[/]")
+    return table
+
+
+@click.command()
+@click.option("--shape", default=None, help="Model preset whose shapes to measure [default: qwen3.8-27b on CUDA, "
+              "tiny on a CPU].")
+@click.option("--model", default=None, type=click.Path(dir_okay=False), help="Artifact whose config gives the shapes.")
+@click.option("--t", "ts", default="1,8", show_default=True, help="New tokens per call (comma-separated).")
+@click.option("--kernels", "variants", default="v2,v3", show_default=True, help="Variants to run: v2, v3.")
+@click.option("--ops", default=None, help="Only ops whose name contains one of these (comma-separated).")
+@click.option("--quant", type=click.Choice(["fp32", "bf16", "q8", "q5", "q4", "mixed"]), default=None,
+              help="Weight format policy of the projections [default: the artifact's stored formats with --model, "
+                   "mixed for a --shape preset].")
+@click.option("--contexts", default=None,
+              help="Attention K/V lengths [default: 8192,65536 on CUDA, 1024,4096 on a CPU].")
+@click.option("--repeats", type=int, default=None, help="Timed calls per record [default: 50 on CUDA, 10 on a CPU].")
+@click.option("--warmup", type=int, default=None, help="Untimed calls first [default: 5 on CUDA, 1 on a CPU].")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random inputs.")
+@click.option("--label", default=None, callback=run_label,
+              help="Label of this run in reports [default: kernels-SHAPE-DEVICE].")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write the result document.")
+def kernels(shape, model, ts, variants, ops, quant, contexts, repeats, warmup, device, seed, label, json_path):
+    """Per-op microseconds, GB/s and % of copy bandwidth of the model's hot decode ops, each checked against its
+    fp32 reference in the same run; exit 1 when any check fails."""
+    from ..suites.kernels import KernelOptions, run_kernels
+
+    def names(text):
+        return tuple(dict.fromkeys(v.strip() for v in text.split(",") if v.strip()))
+
+    def numbers(text, flag):
+        return tuple(dict.fromkeys(int_list(text, flag)))
+
+    check_output(json_path, parents=True)
+    opts = KernelOptions(shape=shape, model=model, ts=numbers(ts, "--t"), variants=names(variants),
+                         ops=names(ops or ""), quant=quant,
+                         contexts=numbers(contexts, "--contexts") if contexts else None,
+                         repeats=repeats, warmup=warmup, device=device, label=label, seed=seed)
+    import torch
+
+    if opts.device == "cpu" or (opts.device == "auto" and not torch.cuda.is_available()):
+        err_console.print("[yellow]CPU run: torch timers on the host; these timings are not GPU numbers[/]")
+    prog, update = suite_progress("kernels")
+    with prog:
+        doc = run_kernels(opts, progress=update)
+    s = doc["summary"]
+    table = Table(title=f"kernels: {doc['label']} on {s['gpu'] or s['device']} ({doc['config']['dtype']}, "
+                        f"timer {s['timer']})")
+    for col in ("op", "shape", "t", "variant", "us [p10-p90]", "GB/s", "% roofline", "max rel err", "ok"):
+        table.add_column(col, justify="left" if col in ("op", "shape", "variant") else "right")
+    for r in doc["records"]:
+        us = f"{fmt(r['us_median'], '.1f')} [{fmt(r['us_p10'], '.1f')}-{fmt(r['us_p90'], '.1f')}]"
+        roof = fmt(None if r["roofline_fraction"] is None else 100 * r["roofline_fraction"], ".1f")
+        table.add_row(r["op"], "x".join(map(str, r["shape"] or [])), str(r["t"]), r["variant"], us,
+                      fmt(r["gbps"], ".1f"), roof, fmt(r["max_rel_err"], ".1e"),
+                      "[green]ok[/]" if r["ok"] else "[red]FAIL[/]")
+    console.print(table)
+    console.print(f"copy bandwidth (read + write) measured in this run: {s['copy_bandwidth_gbps']:.1f} GB/s")
+    for note in sorted({f"{r['variant']}: {r['note']}" for r in doc["records"] if r["ok"] and r["note"]}):
+        console.print(f"[dim]  {note}[/]", highlight=False)
+    save_result(doc, json_path)
+    if s["failures"]:
+        for line in s["failures"]:
+            err_console.print(f"[red]FAIL[/] {line}", highlight=False)
+        raise UserError(f"{len(s['failures'])} of {s['checks']} kernel checks failed")
+
+
+COMMANDS = (decode, concurrency, kernels)

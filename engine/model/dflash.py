@@ -1,0 +1,267 @@
+"""DFlash and DFlash2 block drafters: one torch module, used to train the drafters and to run them.
+
+A drafter sees the target through its tap layers: the outputs of ``target_layer_ids`` at every committed
+position are concatenated, projected by ``fc`` and RMS-normed into context features, whose keys and values
+each drafter layer computes once. A block is ``[anchor, mask x K]`` (the anchor is the last committed token)
+embedded with the target's embedding table; each layer's queries come from the block, its keys/values from
+[context ; block] with no causal mask inside the block; the final hidden states of block positions 1..K go
+through the target's ``lm_head``, drafting K tokens in one forward.
+
+DFlash2 adds (a) a sliding window: a block sees only the last ``window`` context positions (at inference a
+ring of that many K/V entries per slot), and (b) a candidate selector: the top-``candidates`` tokens of
+each position's logits are re-scored left to right with a low-rank previous-token term
+``<pred[prev] * proj(h_i), succ[cand]>``, so each draft depends on the one chosen before it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...kernels.attention import sdpa
+from ...kernels.norm import rms_norm
+from ...kernels.rope import apply_rope, rope_tables
+from .config import DraftConfig
+
+
+class ZeroCentredRMSNorm(nn.Module):
+    """``x * rsqrt(mean(x^2) + eps) * (1 + w)`` with ``w`` initialised to zero (as the target's norms)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        return rms_norm(x, self.weight, self.eps)
+
+
+class DraftLayer(nn.Module):
+    """Pre-norm block: attention of block queries over [context ; block] keys, then a SwiGLU MLP."""
+
+    def __init__(self, c: DraftConfig):
+        super().__init__()
+        self.c = c
+        h, hd = c.hidden_size, c.head_dim
+        self.input_layernorm = ZeroCentredRMSNorm(h, c.rms_norm_eps)
+        self.post_attention_layernorm = ZeroCentredRMSNorm(h, c.rms_norm_eps)
+        self.q_proj = nn.Linear(h, c.num_attention_heads * hd, bias=False)
+        self.k_proj = nn.Linear(h, c.num_key_value_heads * hd, bias=False)
+        self.v_proj = nn.Linear(h, c.num_key_value_heads * hd, bias=False)
+        self.o_proj = nn.Linear(c.num_attention_heads * hd, h, bias=False)
+        self.q_norm = ZeroCentredRMSNorm(hd, c.rms_norm_eps)
+        self.k_norm = ZeroCentredRMSNorm(hd, c.rms_norm_eps)
+        self.gate_proj = nn.Linear(h, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(h, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, h, bias=False)
+
+    def kv(self, x, cos, sin):
+        """Keys and values ``[B, L, Hkv, hd]`` of inputs ``x [B, L, H]`` (k-normed, rotated)."""
+        b, n, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(b, n, -1, self.c.head_dim))
+        v = self.v_proj(x).view(b, n, -1, self.c.head_dim)
+        return apply_rope(k, cos, sin), v
+
+    def forward(self, x, cos, sin, ctx_k, ctx_v, mask):
+        """x ``[B, S, H]`` block states; ctx_k/v ``[B, Lc, Hkv, hd]``; mask ``[B, 1, S, Lc + S]`` (True = visible)."""
+        b, s, _ = x.shape
+        hd = self.c.head_dim
+        y = self.input_layernorm(x)
+        q = apply_rope(self.q_norm(self.q_proj(y).view(b, s, -1, hd)), cos, sin)
+        k_blk, v_blk = self.kv(y, cos, sin)
+        k = torch.cat([ctx_k, k_blk], dim=1).transpose(1, 2)  # [B, Hkv, Lc + S, hd]
+        v = torch.cat([ctx_v, v_blk], dim=1).transpose(1, 2)
+        o = sdpa(q.transpose(1, 2), k.to(q.dtype), v.to(q.dtype), mask, hd ** -0.5)
+        x = x + self.o_proj(o.transpose(1, 2).reshape(b, s, -1))
+        y = self.post_attention_layernorm(x)
+        return x + self.down_proj(F.silu(self.gate_proj(y)) * self.up_proj(y))
+
+
+def ordered_topk(x: torch.Tensor, k: int):
+    """``torch.topk(x.float(), k)`` along the last dim with ties in one order: equal values by ascending column.
+
+    topk's order among equal values is not specified and, on CUDA, not always the same run to run; bf16 logits tie
+    often. Each float is mapped to an int32 of the same order, shifted up 32 bits and joined with its reversed
+    column, so every key is distinct and topk's choice is a function of the values alone. Returns (values, columns).
+    """
+    f = x.float()
+    bits = f.view(torch.int32)
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)
+    n = f.shape[-1]
+    cols = torch.arange(n - 1, -1, -1, device=f.device, dtype=torch.int64)
+    _, top = torch.topk((ordered << 32) | cols, k, dim=-1)
+    return f.gather(-1, top), top
+
+
+class CandidateSelector(nn.Module):
+    """DFlash2's top-k walk with a low-rank previous-token scorer."""
+
+    def __init__(self, vocab: int, hidden: int, rank: int, candidates: int):
+        super().__init__()
+        self.candidates = candidates
+        self.pred = nn.Embedding(vocab, rank)
+        self.succ = nn.Embedding(vocab, rank)
+        self.proj = nn.Linear(hidden, rank, bias=False)
+        nn.init.normal_(self.pred.weight, std=0.02)
+        nn.init.normal_(self.succ.weight, std=0.02)
+
+    def pair_scores(self, hidden, prev, cand):
+        """Score of candidates ``cand [..., C]`` after ``prev [...]`` given ``hidden [..., H]``: ``[..., C]``."""
+        a = self.pred(prev) * self.proj(hidden)  # [..., r]
+        return torch.einsum("...r,...cr->...c", a, self.succ(cand))
+
+    def walk(self, hidden, logits, anchor, temperature: float = 0.0, generator=None, ids_map=None):
+        """Left-to-right selection over ``hidden [B, K, H]``, ``logits [B, K, N]`` from ``anchor [B]``.
+
+        ``ids_map [N]`` maps logit columns to vocabulary ids when the logits cover only part of the
+        vocabulary. Returns (tokens [B, K], candidates [B, K, C], q [B, K, C] or None), tokens and candidates
+        as vocabulary ids; q is the sampling distribution over each position's candidates (None if greedy)."""
+        unary, cand = ordered_topk(logits, self.candidates)
+        if ids_map is not None:
+            cand = ids_map[cand]
+        prev, toks, qs = anchor, [], []
+        for i in range(hidden.shape[1]):
+            scores = unary[:, i] + self.pair_scores(hidden[:, i], prev, cand[:, i]).float()
+            if temperature > 0:
+                q = torch.softmax(scores / temperature, dim=-1)
+                idx = torch.multinomial(q, 1, generator=generator).squeeze(-1)
+                qs.append(q)
+            else:
+                idx = scores.argmax(-1)
+            prev = cand[:, i].gather(1, idx[:, None]).squeeze(1)
+            toks.append(prev)
+        return torch.stack(toks, 1), cand, (torch.stack(qs, 1) if qs else None)
+
+
+class BlockDrafter(nn.Module):
+    """A DFlash / DFlash2 drafter. Weight names (under the artifact's ``dflash.`` / ``dflash2.`` prefix):
+    ``fc``, ``hidden_norm``, ``layers.{i}.*``, ``norm``, and for DFlash2 ``selector.{pred,succ,proj}``."""
+
+    def __init__(self, c: DraftConfig, target_hidden: int, vocab: int):
+        super().__init__()
+        if c.hidden_size != target_hidden:
+            raise ValueError(f"drafter hidden_size {c.hidden_size} must equal the target's {target_hidden} "
+                             f"(it shares the target's embeddings and lm_head)")
+        self.c = c
+        self.fc = nn.Linear(len(c.target_layer_ids) * target_hidden, c.hidden_size, bias=False)
+        self.hidden_norm = ZeroCentredRMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.layers = nn.ModuleList(DraftLayer(c) for _ in range(c.num_layers))
+        self.norm = ZeroCentredRMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.selector = (CandidateSelector(vocab, c.hidden_size, c.scorer_rank, c.candidates)
+                         if c.kind == "dflash2" and c.scorer_rank > 0 else None)
+        self._rope = None
+        self._rope_covers = 0  # reserve_rope(n): every position below n is in the table, no size check needed
+
+    @classmethod
+    def from_raws(cls, c: DraftConfig, raws: dict, target_hidden: int, vocab: int) -> "BlockDrafter":
+        """The drafter (fp32, on the CPU) holding an artifact component's weights, ``raws``: ``{kind}.<name>`` ->
+        RawWeight, dequantized."""
+        net = cls(c, target_hidden, vocab)
+        net.load_state_dict({n.split(".", 1)[1]: r.dense(torch.float32) for n, r in raws.items()}, strict=True)
+        return net
+
+    def reserve_rope(self, positions: int, device) -> None:
+        """Tables for every position below ``positions`` (the engine's context bound): :meth:`rope` then needs no
+        ``pos.max()``, a device-to-host read that would stall every drafting round on a GPU."""
+        self._rope = rope_tables(self.c.head_dim, self.c.rope_theta, max(positions, 4096), torch.device(device))
+        self._rope_covers = self._rope[0].shape[0]
+
+    def rope(self, pos: torch.Tensor):
+        """cos, sin ``[.., rd]`` at positions ``pos`` (full-width rotary over head_dim)."""
+        if self._rope_covers and self._rope[0].device == pos.device:
+            return self._rope[0][pos], self._rope[1][pos]
+        need = int(pos.max()) + 1 if pos.numel() else 1
+        if self._rope is None or self._rope[0].shape[0] < need or self._rope[0].device != pos.device:
+            size = max(need, 4096)
+            self._rope = rope_tables(self.c.head_dim, self.c.rope_theta, size, pos.device)
+        return self._rope[0][pos], self._rope[1][pos]
+
+    def context(self, taps: torch.Tensor) -> torch.Tensor:
+        """Context features ``[B, L, H]`` from concatenated tap outputs ``[B, L, n_taps * H_target]``."""
+        return self.hidden_norm(self.fc(taps))
+
+    def blocks(self, x, pos, ctx_k: list, ctx_v: list, mask) -> torch.Tensor:
+        """Final-normed hidden states of the block tokens ``x [B, S, H]`` at positions ``pos [B, S]``."""
+        cos, sin = self.rope(pos)
+        for layer, k, v in zip(self.layers, ctx_k, ctx_v):
+            x = layer(x, cos, sin, k, v, mask)
+        return self.norm(x)
+
+    def context_kv(self, ctx: torch.Tensor, pos: torch.Tensor):
+        """Per-layer context keys and values for features ``ctx [B, L, H]`` at ``pos [B, L]``."""
+        cos, sin = self.rope(pos)
+        ks, vs = [], []
+        for layer in self.layers:
+            k, v = layer.kv(ctx, cos, sin)  # context features are already normed (hidden_norm)
+            ks.append(k)
+            vs.append(v)
+        return ks, vs
+
+
+def check_drafter(c: DraftConfig, target, names_shapes: dict[str, tuple[int, ...]], where: str) -> None:
+    """Refuse a drafter that cannot run on ``target`` (a ModelConfig): taps, mask token or DFlash2 candidates outside
+    it, or tensors (names without the ``dflash.`` / ``dflash2.`` prefix -> shape) other than its config implies - the
+    missing, unexpected and misshapen ones all named, at load rather than mid-run. What does not depend on the target
+    (block size, heads, repeated taps, ...) ``DraftConfig`` itself refuses."""
+    vocab, layers = target.vocab_size, target.num_hidden_layers
+    unfit = []
+    if not 0 <= c.mask_token_id < vocab:
+        unfit.append(f"mask_token_id {c.mask_token_id} is outside its vocabulary (0..{vocab - 1})")
+    outside = [i for i in c.target_layer_ids if not 0 <= i < layers]
+    if outside:
+        unfit.append(f"target_layer_ids {list(c.target_layer_ids)} name layer(s) {outside} outside its layers "
+                     f"(0..{layers - 1})")
+    if c.kind == "dflash2" and c.scorer_rank > 0 and c.candidates > vocab:
+        unfit.append(f"candidates (z-lab selector_top_k) {c.candidates} exceed its vocabulary of {vocab} tokens")
+    if unfit:
+        raise ValueError(f"{where}: the {c.kind} drafter does not fit this target: {'; '.join(unfit)}")
+    try:
+        with torch.device("meta"):  # shapes only: no memory, no init cost
+            want = {n: tuple(t.shape) for n, t in BlockDrafter(c, target.hidden_size, target.vocab_size)
+                    .state_dict().items()}
+    except ValueError as e:  # a hidden size other than the target's
+        raise ValueError(f"{where}: {e}") from None
+    missing = sorted(set(want) - set(names_shapes))
+    extra = sorted(set(names_shapes) - set(want))
+    wrong = [f"{n} {list(names_shapes[n])} (expected {list(want[n])})" for n in sorted(set(want) & set(names_shapes))
+             if tuple(names_shapes[n]) != want[n]]
+    problems = ([f"missing {missing}"] if missing else []) + ([f"unexpected {extra}"] if extra else []) \
+        + ([f"misshapen: {', '.join(wrong)}"] if wrong else [])
+    if problems:
+        raise ValueError(f"{where}: the {c.kind} drafter's tensors do not match its config: {'; '.join(problems)}")
+
+
+def forward_train(drafter: BlockDrafter, taps: torch.Tensor, block_emb: torch.Tensor,
+                  anchors: torch.Tensor) -> torch.Tensor:
+    """Hidden states of many blocks of one batch of sequences in one pass (the training forward).
+
+    taps ``[B, L, n_taps * H]`` tap outputs of the frozen target over the whole sequence; block_emb
+    ``[B, nb * S, H]`` target embeddings of each block ([anchor token, mask x K]); anchors ``[B, nb]``.
+    """
+    b, L, _ = taps.shape
+    s = drafter.c.block_size
+    nb = anchors.shape[1]
+    ctx_pos = torch.arange(L, device=taps.device).expand(b, L)
+    ks, vs = drafter.context_kv(drafter.context(taps), ctx_pos)
+    blk_pos = (anchors[..., None] + torch.arange(s, device=taps.device)).reshape(b, nb * s)
+    mask = training_mask(anchors, L, s, drafter.c.window if drafter.c.kind == "dflash2" else 0)
+    return drafter.blocks(block_emb, blk_pos, ks, vs, mask)
+
+
+def training_mask(anchors: torch.Tensor, ctx_len: int, block: int, window: int = 0) -> torch.Tensor:
+    """Attention mask ``[B, 1, nb*S, L + nb*S]`` for training many blocks of one sequence in one pass.
+
+    Block j (anchored at position a_j, its tokens at a_j .. a_j + S - 1) sees context positions < a_j
+    (only the last ``window`` of them when window > 0) and every position of its own block.
+    """
+    b, nb = anchors.shape
+    dev = anchors.device
+    qa = anchors.repeat_interleave(block, dim=1)  # [B, nb*S] anchor of each query
+    kpos = torch.arange(ctx_len, device=dev)
+    vis_ctx = kpos.view(1, 1, -1) < qa[..., None]
+    if window > 0:
+        vis_ctx &= kpos.view(1, 1, -1) >= (qa[..., None] - window)
+    qb = torch.arange(nb, device=dev).repeat_interleave(block)
+    vis_blk = (qb[:, None] == qb[None, :]).expand(b, -1, -1)
+    return torch.cat([vis_ctx, vis_blk], dim=-1)[:, None]

@@ -1,0 +1,175 @@
+"""The v3 decode/verify path: the same layer math as :mod:`engine.model.hybrid`, through the fused Triton kernels.
+
+Per GDN layer one ``gdn_decode`` (conv, norms, gates, recurrence, gated RMSNorm) replaces the eager T-step
+loop; per attention layer ``attn_prologue`` (q/k norms, partial RoPE, the K/V cache write, int8 quantization)
++ ``decode_attention`` (which applies the output gate as it stores the output); between layers ``add_rms_norm``
+folds each residual add into the next norm, and ``silu_mul`` (or qmv's epilogue) the MLP gate. Used on CUDA
+(runtime v3) for decode and verify steps; prefill keeps the eager path (its matmuls are compute-bound and fla
+runs its recurrence). Under ``TRITON_INTERPRET=1`` the same code runs on CPU tensors, which is how the tests
+check it against the eager path.
+
+Inside a CUDA-graph capture (``side_stream``, on by default) a GDN layer's b / a and z projections run on two side
+streams, forked after the layer's norm: graph branches beside the main chain. b / a (a few row tiles) runs beside
+the qkv projection and joins before the token mixing; z (whose weight the engine then keeps apart from qkv's) runs
+beside the qkv projection and the latency-bound mixing kernels, and joins just before the gated norm reads it.
+Those projections take K in one pass, branch or not (:func:`kernels._triton.single_pass`): a split-K launch on a
+branch would share the device's split-K scratch with the main chain's launches running at the same time.
+
+Speculative rollback with these kernels: ``recompute`` verifies with ``write_state=False`` (the cache keeps the
+pre-verify state) and commits by re-running the block's recurrence with ``keep``; ``snapshot`` verifies
+writing the state after every position into a buffer and commits by gathering from it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ...kernels import fused
+from ...kernels._triton import single_pass
+from ...kernels.attention_triton import decode_attention
+from ...kernels.gdn_triton import gdn_decode
+from .cache import HybridCache, PendingGDN
+
+
+@dataclass(slots=True)
+class GDNParams:
+    """A GDN layer's small tensors in the layout the kernel wants (made once)."""
+
+    conv_w: torch.Tensor  # [C, W] fp32 contiguous
+    A_log: torch.Tensor
+    dt_bias: torch.Tensor
+    norm_w: torch.Tensor
+
+
+def available() -> bool:
+    from ...kernels.attention_triton import triton_available
+
+    return triton_available()
+
+
+class FastPath:
+    """Decode / verify forwards of a :class:`HybridModel` through the fused kernels."""
+
+    def __init__(self, model, *, side_stream: bool = True):
+        self.m = model
+        self.cfg, self.w = model.cfg, model.w
+        self.gdn: dict[str, GDNParams] = {}
+        on = side_stream and model.device.type == "cuda"
+        self.sides = [torch.cuda.Stream(model.device) for _ in range(2)] if on else []  # made here: not in a capture
+        self.branches = 0  # launch sequences captured on side streams so far
+
+    def _fork(self, side: int, launch):
+        """``launch()`` and the join to call before the main stream reads its result. In a CUDA-graph capture it goes
+        on side stream ``side``, a branch of the graph after everything queued on the main stream so far (so a
+        buffer it reuses is never still being read there); otherwise it runs right here and the join is a no-op."""
+        if not self.sides or not torch.cuda.is_current_stream_capturing():
+            with single_pass():  # the same sums as on a branch, whether or not this runs on one
+                return launch(), _no_join
+        main, stream = torch.cuda.current_stream(self.m.device), self.sides[side]
+        stream.wait_stream(main)
+        with torch.cuda.stream(stream), single_pass():  # beside the main chain: no shared split-K scratch
+            out = launch()
+        self.branches += 1
+        return out, lambda: main.wait_stream(stream)
+
+    def _gdn_inputs(self, p: str, x):
+        """A GDN layer's projections: qkv, z, b, a and the join to call before z is read (see the module doc)."""
+        cfg, m = self.cfg, self.m
+        hv = cfg.linear_num_value_heads
+        (bb, aa), join_ba = self._fork(0, lambda: m._proj(p, "linear_attn.in_proj_ba", (
+            "linear_attn.in_proj_b", "linear_attn.in_proj_a"), [hv, hv], x))
+        if self.w.has(f"{p}.linear_attn.in_proj_qkvz.weight"):
+            (qkv, z), join_z = m._proj(p, "linear_attn.in_proj_qkvz", (), [cfg.conv_dim, cfg.value_dim], x), _no_join
+        else:
+            z, join_z = self._fork(1, lambda: self.w.linear(f"{p}.linear_attn.in_proj_z.weight")(x))
+            qkv = self.w.linear(f"{p}.linear_attn.in_proj_qkv.weight")(x)
+        join_ba()
+        return qkv, z, bb, aa, join_z
+
+    def params(self, p: str) -> GDNParams:
+        if p not in self.gdn:
+            a = f"{p}.linear_attn"
+            v = self.w.vector
+            self.gdn[p] = GDNParams(v(f"{a}.conv1d.weight").reshape(self.cfg.conv_dim, -1).float().contiguous(),
+                                    v(f"{a}.A_log").float().contiguous(), v(f"{a}.dt_bias").float().contiguous(),
+                                    v(f"{a}.norm.weight").float().contiguous())
+        return self.gdn[p]
+
+    def gated_deltanet(self, p: str, i: int, x, step, cache: HybridCache):
+        cfg = self.cfg
+        hv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        qkv, z, bb, aa, join_z = self._gdn_inputs(p, x)
+        prm = self.params(p)
+        args = (cache.conv[i], prm.conv_w, cache.ssm[i], step.slots, prm.A_log, prm.dt_bias, prm.norm_w,
+                cfg.rms_norm_eps)
+        if step.mode == "verify":
+            b, t, _ = qkv.shape
+            rec = PendingGDN(conv_in=qkv, conv_old=None)
+            if cache.rollback == "snapshot":
+                rec.conv_old = cache.conv[i][step.slots]
+                rec.states = torch.empty(b, t, hv, dk, dv, dtype=torch.float32, device=x.device)
+                o = gdn_decode(qkv, z, bb, aa, *args, states_out=rec.states, before_z=join_z)
+            else:
+                rec.kernel, rec.args = commit_kernel, (bb, aa, prm)
+                o = gdn_decode(qkv, z, bb, aa, *args, write_state=False, before_z=join_z)
+            cache.record(i, rec)
+        else:
+            o = gdn_decode(qkv, z, bb, aa, *args, before_z=join_z)
+        return self.w.linear(f"{p}.linear_attn.out_proj.weight")(o)
+
+    def attention(self, p: str, key, x, step, cache: HybridCache):
+        cfg, m, w = self.cfg, self.m, self.w
+        b, t, _ = x.shape
+        h, hd = cfg.num_attention_heads, cfg.head_dim
+        qg, kv = m.attn_proj(p, x)
+        c = cache.kv[key]
+        q, gate = fused.attn_prologue(qg, kv, w.vector(f"{p}.self_attn.q_norm.weight"),
+                                      w.vector(f"{p}.self_attn.k_norm.weight"), m.cos, m.sin, c.k, c.v,
+                                      c.k_scale, c.v_scale, step.slots, step.pos, cfg.rms_norm_eps)
+        o = decode_attention(q, c.k, c.v, c.k_scale, c.v_scale, step.slots, step.pos, m.scale,
+                             kv_len_max=cache.capacity, gate=gate)  # the output gate applied as o is stored
+        return w.project(f"{p}.self_attn.o_proj", o.reshape(b, t, h * hd))
+
+    def mlp(self, p: str, x):
+        name = f"{p}.mlp.gate_up_proj.weight"
+        act = None
+        if name in self.w.interleaved:  # silu(g) * u in the projection's epilogue where its kernel runs
+            act = getattr(self.w.linear(name), "silu_mul", lambda _: None)(x)
+        elif name in self.w.linears:
+            act = fused.silu_mul(self.w.linear(name)(x), self.cfg.intermediate_size)
+        if act is None:  # separate gate / up weights, or an interleaved one the epilogue kernel cannot take
+            gate, up = self.m.gate_up(p, x)
+            act = torch.nn.functional.silu(gate) * up
+        return self.w.linear(f"{p}.mlp.down_proj.weight")(act)
+
+    def forward(self, step, cache: HybridCache):
+        """Final-normed hidden ``[B, T, H]`` and tap outputs, with each residual add fused into the next norm."""
+        cfg, w = self.cfg, self.w
+        eps = cfg.rms_norm_eps
+        names = [f"model.layers.{i}" for i in range(cfg.num_hidden_layers)]
+        h = w.embed(step.ids)
+        x = fused.rms_norm(h, w.vector(f"{names[0]}.input_layernorm.weight"), eps)
+        taps = []
+        for i, (p, kind) in enumerate(zip(names, cfg.layer_types)):
+            y = self.gated_deltanet(p, i, x, step, cache) if kind == "linear_attention" \
+                else self.attention(p, i, x, step, cache)
+            x, h = fused.add_rms_norm(y, h, w.vector(f"{p}.post_attention_layernorm.weight"), eps)
+            nxt = f"{names[i + 1]}.input_layernorm.weight" if i + 1 < len(names) else "model.norm.weight"
+            x, h = fused.add_rms_norm(self.mlp(p, x), h, w.vector(nxt), eps)
+            if i in step.taps:
+                taps.append(h)
+        return x, taps
+
+
+def _no_join() -> None:
+    pass
+
+
+def commit_kernel(cache: HybridCache, i: int, slots: torch.Tensor, rec: PendingGDN, keep: torch.Tensor) -> None:
+    """``recompute`` rollback of one layer: re-run the verified block from the pre-verify state (still in the
+    cache), applying only the first ``keep[b]`` positions, and write conv and recurrent state."""
+    bb, aa, prm = rec.args
+    gdn_decode(rec.conv_in, None, bb, aa, cache.conv[i], prm.conv_w, cache.ssm[i], slots, prm.A_log, prm.dt_bias,
+               prm.norm_w, cache.cfg.rms_norm_eps, keep=keep)

@@ -1,0 +1,185 @@
+"""CUDA-graph capture of the decode and verify forwards (runtime v3 on CUDA).
+
+One graph per (mode, T, batch bucket), captured on first use, largest bucket first where several are asked
+for, all in one memory pool. Inputs are copied into static buffers; rows past the real batch are padding that
+reads and writes the engine's scratch slot. Speculative verification also captures the rollback (``commit``)
+of its bucket, so a whole round replays with no host synchronisation other than reading the accepted tokens.
+A greedy single-sequence decode can also be chained (:meth:`GraphRunner.chain`): a small captured link feeds each
+step's picked token to the next, so the host launches step n + 1 before it reads token n.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ...kernels._triton import graph_scope
+from .hybrid import DECODE, VERIFY, Step
+
+
+def buckets(max_batch: int) -> list[int]:
+    """Batch sizes graphs are captured for: powers of two up to ``max_batch``, and ``max_batch`` itself."""
+    out, b = [], 1
+    while b < max_batch:
+        out.append(b)
+        b *= 2
+    return out + [max_batch]
+
+
+@dataclass
+class Captured:
+    graph: torch.cuda.CUDAGraph
+    ids: torch.Tensor
+    pos: torch.Tensor
+    slots: torch.Tensor
+    hidden: torch.Tensor
+    logits: torch.Tensor
+    taps: list
+    pending: object = None
+    keep: torch.Tensor | None = None
+    commit_graph: torch.cuda.CUDAGraph | None = None
+
+
+def capture(fn, pool, device, *, warmups: int = 2, warm=None):
+    """(graph, fn's result captured): ``warm`` (default ``fn``) runs ``warmups`` times on a side stream first, so
+    kernels are compiled and allocations settled outside the capture; the graph allocates from ``pool``."""
+    side = torch.cuda.Stream(device=device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with graph_scope():  # the warm-ups launch as the capture will (PDL variants compiled before it)
+        with torch.cuda.stream(side):
+            for _ in range(warmups):
+                (warm or fn)()
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out = fn()
+    return graph, out
+
+
+MAX_STOP_IDS = 64  # token ids a chained decode can stop on inside the graph (EOS + the request's stop ids)
+
+
+@dataclass
+class Chain:
+    """The in-graph link between two greedy decode steps of one sequence (bucket 1): the picked token becomes the
+    next step's input and position, and once it is a stop id the following steps write the scratch slot."""
+
+    graph: torch.cuda.CUDAGraph
+    cap: Captured
+    tok: torch.Tensor  # [1] the token the last replay picked
+    done: torch.Tensor  # [1] bool: a stop id was picked
+    slot: torch.Tensor  # [1] the sequence's own slot
+    stop: torch.Tensor  # [MAX_STOP_IDS] stop ids, padded with -1
+
+
+class GraphRunner:
+    """Replays captured forwards of ``engine.model`` over ``engine.cache`` (an Engine's attributes)."""
+
+    def __init__(self, engine):
+        self.e = engine
+        self.buckets = buckets(engine.options.max_concurrency)
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[tuple, Captured] = {}
+        self._chain: Chain | None = None
+
+    def bucket(self, b: int) -> int:
+        return next(x for x in self.buckets if x >= b)
+
+    def _capture(self, mode: str, t: int, b: int, taps: tuple[int, ...]) -> Captured:
+        e = self.e
+        dev = e.device
+        ids = torch.zeros(b, t, dtype=torch.long, device=dev)
+        pos = torch.arange(t, device=dev).repeat(b, 1)
+        slots = torch.full((b,), e.scratch_slot, dtype=torch.long, device=dev)
+        step = Step(ids, pos, slots, kv_len=e.capacity, mode=mode, taps=taps)
+        keep = torch.full((b,), t, dtype=torch.long, device=dev)
+
+        def forward():
+            hidden, tp = e.model.forward(step, e.cache)
+            return hidden, e.model.logits(hidden), tp
+
+        def warm():  # verification's warm-up rolls back too, as its replays do
+            forward()
+            if mode == VERIFY:
+                e.cache.commit(keep)
+
+        graph, (hidden, logits, tp) = capture(forward, self.pool, dev, warm=warm)
+        cap = Captured(graph, ids, pos, slots, hidden, logits, tp)
+        if mode == VERIFY:
+            cap.pending, cap.keep = e.cache.pending, keep
+            cap.commit_graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(cap.commit_graph, pool=self.pool):
+                e.cache.commit(keep)
+            e.cache.pending = None
+        return cap
+
+    def _captured(self, mode: str, t: int, b: int, taps: tuple[int, ...] = ()) -> Captured:
+        key = (mode, t, self.bucket(b), taps)
+        cap = self.graphs.get(key)
+        if cap is None:
+            cap = self.graphs[key] = self._capture(mode, t, key[2], taps)
+        return cap
+
+    def chain(self, last: int, pos: int, slot: int, stop_ids) -> Chain:
+        """The greedy decode chain of one sequence, primed with its newest token ``last`` at position ``pos``:
+        each :meth:`step` replays the decode forward and the link, with no host work in between."""
+        stop_ids = sorted({int(i) for i in stop_ids})
+        if len(stop_ids) > MAX_STOP_IDS:
+            raise ValueError(f"a chained decode stops on at most {MAX_STOP_IDS} token ids, got {len(stop_ids)}")
+        cap = self._captured(DECODE, 1, 1)
+        ch = self._chain
+        if ch is None or ch.cap is not cap:
+            dev, scratch = self.e.device, self.e.scratch_slot
+            picked, done = torch.zeros(1, dtype=torch.long, device=dev), torch.zeros(1, dtype=torch.bool, device=dev)
+            own = torch.zeros(1, dtype=torch.long, device=dev)
+            stops = torch.full((MAX_STOP_IDS,), -1, dtype=torch.long, device=dev)
+
+            def link():
+                tok = cap.logits[:, -1].argmax(-1)  # the same pick as Engine.advance's greedy rows
+                picked.copy_(tok)
+                cap.ids[:, 0].copy_(tok)
+                cap.pos.add_(1)
+                done.logical_or_((tok[:, None] == stops[None]).any(-1))
+                cap.slots.copy_(torch.where(done, torch.full_like(own, scratch), own))
+
+            # one warm-up run (it changes nothing that the priming below does not set again)
+            graph, _ = capture(link, self.pool, dev, warmups=1)
+            ch = self._chain = Chain(graph, cap, picked, done, own, stops)
+        cap.ids.fill_(last)
+        cap.pos.fill_(pos)
+        cap.slots.fill_(slot)
+        ch.slot.fill_(slot)
+        ch.done.fill_(False)
+        ch.stop.fill_(-1)
+        if stop_ids:
+            ch.stop[:len(stop_ids)].copy_(torch.tensor(stop_ids, dtype=torch.long))
+        return ch
+
+    @staticmethod
+    def step(ch: Chain) -> None:
+        """One chained greedy step: forward at the primed input, then the link (token -> next input)."""
+        ch.cap.graph.replay()
+        ch.graph.replay()
+
+    def forward(self, mode: str, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
+                taps: tuple[int, ...] = ()):
+        """(hidden, logits, taps) for the real rows of ``ids [B, T]`` via the bucket's graph."""
+        b, t = ids.shape
+        cap = self._captured(mode, t, b, taps)
+        cap.ids[:b].copy_(ids)
+        cap.pos[:b].copy_(pos)
+        cap.slots[:b].copy_(slots)
+        if b < cap.ids.shape[0]:
+            cap.slots[b:].fill_(self.e.scratch_slot)
+        cap.graph.replay()
+        if mode == VERIFY:
+            self.e.cache.pending = cap
+        return cap.hidden[:b], cap.logits[:b], [x[:b] for x in cap.taps]
+
+    def commit(self, cap: Captured, keep: torch.Tensor) -> None:
+        """Replay the captured rollback with ``keep [B]`` (padding rows keep everything)."""
+        b = keep.shape[0]
+        cap.keep[:b].copy_(keep)
+        cap.keep[b:].fill_(cap.ids.shape[1])
+        cap.commit_graph.replay()

@@ -1,0 +1,202 @@
+"""The hybrid decoder forward (Gated DeltaNet + gated full attention) over a batch of cache slots.
+
+One forward serves every phase: prefill of a chunk (B = 1, T = chunk), decode (B slots, T = 1) and
+speculative verification (B slots, T = K + 1, recording what rollback needs). Host-side preparation
+(positions, slots, the K/V length to read) arrives in a :class:`Step`; nothing here reads globals.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ...kernels import attention as attn_k
+from ...kernels.conv import causal_conv1d
+from ...kernels.gdn import gated_delta_rule, gated_delta_rule_step, l2norm
+from ...kernels.norm import gated_rms_norm, rms_norm
+from ...kernels.rope import apply_rope, rope_tables
+from .cache import HybridCache, PendingGDN
+from .config import ModelConfig
+from .rotary import mrope_cos_sin
+from .weights import GATE_UP_RUN, WeightStore
+
+PREFILL, DECODE, VERIFY = "prefill", "decode", "verify"
+
+
+@dataclass(slots=True)
+class Step:
+    """Host-prepared metadata of one forward.
+
+    ids ``[B, T]`` token ids; pos ``[B, T]`` absolute positions; slots ``[B]`` cache slots;
+    kv_len: how many cached K/V positions attention reads (>= max(pos) + 1);
+    mode: prefill | decode | verify; taps: decoder layer indices whose outputs to return.
+    Media (all None for text, which keeps the plain path): embeds ``[N, H]`` replace the token embeddings where
+    embed_mask ``[B, T]`` is set (in order); rope_pos: rotary positions when they differ from the cache positions,
+    ``[B, T]`` (text after media: pos + delta) or ``[3, B, T]`` (mRoPE t, h, w; see engine/media/prompt.py).
+    """
+
+    ids: torch.Tensor
+    pos: torch.Tensor
+    slots: torch.Tensor
+    kv_len: int
+    mode: str = DECODE
+    taps: tuple[int, ...] = ()
+    embeds: torch.Tensor | None = None
+    embed_mask: torch.Tensor | None = None
+    rope_pos: torch.Tensor | None = None
+
+
+class HybridModel:
+    """Forward of a Qwen3.5 / Qwen3-Next text decoder with weights from a :class:`WeightStore`."""
+
+    def __init__(self, cfg: ModelConfig, weights: WeightStore, *, max_positions: int, gdn_impl: str = "auto",
+                 fused_kernels: bool = False, side_stream: bool = True):
+        self.cfg, self.w, self.gdn_impl = cfg, weights, gdn_impl
+        self.device, self.dtype = weights.device, weights.dtype
+        self.cos, self.sin = rope_tables(cfg.rotary_dim, cfg.rope_theta, max_positions, self.device)
+        self.scale = cfg.head_dim ** -0.5
+        # decode and verify through the fused Triton kernels (engine/model/fused_forward.py); prefill stays eager
+        self.fast = None
+        if fused_kernels:
+            from .fused_forward import FastPath
+
+            self.fast = FastPath(self, side_stream=side_stream)
+        self.mrope_axes = None  # [rd] stream per rotary column, set by the engine for models with vision
+
+    # ---- pieces ----------------------------------------------------------------------------------
+    def _proj(self, prefix: str, fused: str, members: tuple[str, ...], sizes: list[int], x):
+        """Outputs of the member projections (with their biases), through the fused linear when the store has one."""
+        if f"{prefix}.{fused}.weight" in self.w.linears:
+            return list(torch.split(self.w.project(f"{prefix}.{fused}", x), sizes, dim=-1))
+        return [self.w.project(f"{prefix}.{m}", x) for m in members]
+
+    def attn_proj(self, p: str, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Full attention's input projections: ``qg [B, T, H, 2 hd]`` (query | gate per head) and ``kv [B, T,
+        2 Hkv hd]`` (k | v), through the fused qkv (or kv) projection when the store has one (views then)."""
+        cfg, w = self.cfg, self.w
+        b, t, _ = x.shape
+        h, hkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        if f"{p}.self_attn.qkv_proj.weight" in w.linears:
+            qg, kv = torch.split(w.project(f"{p}.self_attn.qkv_proj", x), [2 * h * hd, 2 * hkv * hd], dim=-1)
+        else:
+            qg = w.project(f"{p}.self_attn.q_proj", x)
+            kv = torch.cat(self._proj(p, "self_attn.kv_proj", ("self_attn.k_proj", "self_attn.v_proj"),
+                                      [hkv * hd, hkv * hd], x), dim=-1)
+        return qg.view(b, t, h, 2 * hd), kv
+
+    def gate_up(self, p: str, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MLP's gate and up projections (from an interleaved fused weight too: WeightStore.interleaved)."""
+        name = f"{p}.mlp.gate_up_proj.weight"
+        if name in self.w.interleaved:
+            runs = self.w.linear(name)(x).unflatten(-1, (-1, 2, GATE_UP_RUN))  # [..., I / run, gate | up, run]
+            return runs[..., 0, :].flatten(-2), runs[..., 1, :].flatten(-2)
+        i = self.cfg.intermediate_size
+        return tuple(self._proj(p, "mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj"), [i, i], x))
+
+    def mlp(self, p: str, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(p, x)
+        return self.w.linear(f"{p}.mlp.down_proj.weight")(F.silu(gate) * up)
+
+    def attention(self, p: str, key, x: torch.Tensor, step: Step, cache: HybridCache) -> torch.Tensor:
+        cfg, w = self.cfg, self.w
+        b, t, _ = x.shape
+        h, hkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        qg, kv = self.attn_proj(p, x)
+        q, gate = qg[..., :hd], qg[..., hd:].reshape(b, t, h * hd)
+        k, v = torch.split(kv, [hkv * hd, hkv * hd], dim=-1)
+        q = rms_norm(q, w.vector(f"{p}.self_attn.q_norm.weight"), cfg.rms_norm_eps)
+        k = rms_norm(k.view(b, t, hkv, hd), w.vector(f"{p}.self_attn.k_norm.weight"), cfg.rms_norm_eps)
+        cos, sin = self.rope(step)  # [B, T, rd]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        cache.write_kv(key, step.slots, step.pos, k, v.view(b, t, hkv, hd))
+        kk, vv = cache.read_kv(key, step.slots, step.kv_len, x.dtype)
+        o = attn_k.attention(q, kk, vv, step.pos, self.scale).reshape(b, t, h * hd)
+        return w.project(f"{p}.self_attn.o_proj", o * torch.sigmoid(gate))
+
+    def rope(self, step: Step) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin ``[B, T, rd]`` at the step's rotary positions."""
+        if step.rope_pos is None:
+            return self.cos[step.pos], self.sin[step.pos]
+        if step.rope_pos.dim() == 2:
+            return self.cos[step.rope_pos], self.sin[step.rope_pos]
+        return mrope_cos_sin(self.cos, self.sin, step.rope_pos, self.mrope_axes)
+
+    def gated_deltanet(self, p: str, i: int, x: torch.Tensor, step: Step, cache: HybridCache) -> torch.Tensor:
+        cfg, w = self.cfg, self.w
+        b, t, _ = x.shape
+        hk, hv, dk, dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads,
+                          cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+        a_ = f"{p}.linear_attn"
+        qkv, z = self._proj(p, "linear_attn.in_proj_qkvz", ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z"),
+                            [cfg.conv_dim, cfg.value_dim], x)
+        bb, aa = self._proj(p, "linear_attn.in_proj_ba", ("linear_attn.in_proj_b", "linear_attn.in_proj_a"),
+                            [hv, hv], x)
+        conv_old = cache.conv[i][step.slots]  # [B, C, W-1]
+        y, conv_new = causal_conv1d(qkv, w.vector(f"{a_}.conv1d.weight").squeeze(1), conv_old)
+        q, k, v = torch.split(y, [cfg.key_dim, cfg.key_dim, cfg.value_dim], dim=-1)
+        q = l2norm(q.reshape(b, t, hk, dk))
+        k = l2norm(k.reshape(b, t, hk, dk))
+        v = v.reshape(b, t, hv, dv)
+        beta = torch.sigmoid(bb.float())
+        g = -torch.exp(w.vector(f"{a_}.A_log")) * F.softplus(aa.float() + w.vector(f"{a_}.dt_bias"))
+        ssm_old = cache.ssm[i][step.slots]
+        if step.mode == PREFILL:
+            o, state = gated_delta_rule(q, k, v, g, beta, initial_state=ssm_old, impl=self.gdn_impl)
+        else:
+            snap = step.mode == VERIFY and cache.rollback == "snapshot"
+            res = gated_delta_rule_step(q, k, v, g, beta, ssm_old, return_states=snap)
+            o, state = res[0], res[1]
+            if step.mode == VERIFY:
+                rec = PendingGDN(conv_in=qkv, conv_old=conv_old)
+                if snap:
+                    rec.states = res[2]
+                else:
+                    rec.ssm_old, rec.inputs = ssm_old, (q, k, v, g, beta)
+                cache.record(i, rec)
+        cache.conv[i][step.slots] = conv_new.to(cache.conv[i].dtype)
+        cache.ssm[i][step.slots] = state
+        o = gated_rms_norm(o.to(x.dtype), z.view(b, t, hv, dv), w.vector(f"{a_}.norm.weight"), cfg.rms_norm_eps)
+        return w.linear(f"{a_}.out_proj.weight")(o.reshape(b, t, hv * dv))
+
+    def layer(self, p: str, i, kind: str, h: torch.Tensor, step: Step, cache: HybridCache) -> torch.Tensor:
+        """One pre-norm residual block (``i`` indexes the cache: a layer number, or ``"mtp0"``...)."""
+        eps = self.cfg.rms_norm_eps
+        x = rms_norm(h, self.w.vector(f"{p}.input_layernorm.weight"), eps)
+        if kind == "linear_attention":
+            h = h + self.gated_deltanet(p, i, x, step, cache)
+        elif self._fused(step):
+            # a drafter's attention layer (MTP) in decode: each row's keys up to its own position, as the target's
+            # layers read them, instead of a masked SDPA over step.kv_len (the whole capacity in captured drafting)
+            h = h + self.fast.attention(p, i, x, step, cache)
+        else:
+            h = h + self.attention(p, i, x, step, cache)
+        x = rms_norm(h, self.w.vector(f"{p}.post_attention_layernorm.weight"), eps)
+        return h + self.mlp(p, x)
+
+    def _fused(self, step: Step) -> bool:
+        """Whether ``step`` runs the fused kernels: decode / verify, with them built; the fused kernels rotate at
+        the cache position, so rows of media requests (rope_pos) run eagerly."""
+        return self.fast is not None and step.mode != PREFILL and step.rope_pos is None
+
+    # ---- whole model -----------------------------------------------------------------------------
+    def forward(self, step: Step, cache: HybridCache) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Final-normed hidden states ``[B, T, H]`` and the outputs of ``step.taps`` layers."""
+        if step.mode == VERIFY:
+            cache.begin_verify(step.slots)
+        if self._fused(step):
+            return self.fast.forward(step, cache)
+        h = self.w.embed(step.ids)
+        if step.embeds is not None:  # merged vision tokens take their placeholders' rows
+            h = h.masked_scatter(step.embed_mask[..., None], step.embeds.to(h.dtype))
+        taps = []
+        for i, kind in enumerate(self.cfg.layer_types):
+            h = self.layer(f"model.layers.{i}", i, kind, h, step, cache)
+            if i in step.taps:
+                taps.append(h)
+        return rms_norm(h, self.w.vector("model.norm.weight"), self.cfg.rms_norm_eps), taps
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """lm_head over final-normed hidden states, in fp32."""
+        return self.w.linear("lm_head.weight")(hidden).float()
