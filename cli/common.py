@@ -180,3 +180,14 @@ def save_result(doc: dict, json_path: str | None) -> None:
     if json_path:
         write_result(doc, json_path)
         err_console.print(f"[dim]result document: {json_path}[/]")
+
+
+def switch_options(f):
+    """``--NAME on|off|on,off`` for each engine switch (:data:`engine.runtime.options.SWITCHES`), defined there once:
+    its help, and the label suffix of the run with it off."""
+    from ..engine.runtime.options import SWITCHES
+
+    for name, sw in reversed(SWITCHES.items()):
+        f = click.option(sw.flag, name, default="on", show_default=True, callback=comma_list(("on", "off")),
+                         help=f"{sw.help} Off is labelled {sw.off_label}; on,off runs both.")(f)
+    return f

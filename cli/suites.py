@@ -19,6 +19,7 @@ from .common import (
     run_label,
     save_result,
     suite_progress,
+    switch_options,
 )
 
 
@@ -41,22 +42,7 @@ def fmt(v, spec=".2f"):
 @click.option("--lm-head-draft", default="0", show_default=True,
               help="Drafters score only the N most frequent tokens (0: the full vocabulary); comma-separated to "
                    "compare (0,2048).")
-@click.option("--lookahead", "lookaheads", default="on", show_default=True, callback=comma_list(("on", "off")),
-              help="Plain greedy decode on CUDA graphs: queue step n + 1 before reading token n (off: read each "
-                   "token first, labelled -sync); on,off runs both.")
-@click.option("--draft-graphs", "draft_graphs", default="on", show_default=True, callback=comma_list(("on", "off")),
-              help="Greedy drafting (MTP, DFlash, DFlash2) replayed from CUDA graphs (v3 on CUDA; off: eager "
-                   "drafting, labelled -eagerdraft); on,off runs both.")
-@click.option("--pdl", "pdls", default="on", show_default=True, callback=comma_list(("on", "off")),
-              help="The decode step's CUDA-graph kernels with programmatic dependent launch (sm_90+ GPUs, ignored "
-                   "on older ones; off is labelled -nopdl); on,off runs both.")
-@click.option("--side-stream", "side_streams", default="on", show_default=True, callback=comma_list(("on", "off")),
-              help="A GDN layer's b / a and z projections on CUDA-graph branches beside the main chain (CUDA; off "
-                   "is labelled -noside); on,off runs both.")
-@click.option("--silu-epilogue", "silu_epilogues", default="on", show_default=True,
-              callback=comma_list(("on", "off")),
-              help="The MLP's gate / up weight interleaved so the projection kernel stores silu(gate) * up itself "
-                   "(CUDA, cupy; off is labelled -nosilu); on,off runs both.")
+@switch_options
 @click.option("--prompt-file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Prompt text, or a .jsonl prompt set (e.g. suites/data/heldout_prompts.jsonl) "
                    "[default: the shipped short-code prompt].")
@@ -75,33 +61,27 @@ def fmt(v, spec=".2f"):
               help="Write the result document (several runs: a folder, one LABEL.json per run).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of --synthetic weights.")
 @engine_options(runtime_list=True)
-def decode(model, engines, specs, draft_tokens, rollbacks, lm_head_draft, lookaheads, draft_graphs, pdls, side_streams,
-           silu_epilogues, prompt_file,
-           n_prompts, images, max_new_tokens, stop_at_eos, repeats, warmup, label, json_path, seed, max_concurrency,
-           kv_capacity, runtime, **options):
+def decode(model, engines, specs, draft_tokens, rollbacks, lm_head_draft, prompt_file, n_prompts, images,
+           max_new_tokens, stop_at_eos, repeats, warmup, label, json_path, seed, runtime, **options):
     """The short-code decode test: prefill a code prompt, greedy-decode N tokens, measure speed and acceptance.
 
     Comma-separated --engine, --runtime, --spec, --rollback and --lm-head-draft run every combination in one
     process, the weights loaded once (as llama-bench runs its grid), and end with a side-by-side table.
 
-    --lookahead, --draft-graphs, --pdl, --side-stream and --silu-epilogue change only runs on CUDA: off is refused
-    on a CPU."""
+    The on / off switches (--lookahead, --draft-graphs, --pdl, --side-stream, --silu-epilogue) change only runs on
+    CUDA: off is refused on a CPU."""
+    from ..engine.runtime.options import SWITCHES, refuse_cuda_switches
     from ..suites.common import DEFAULT_PROMPT
-    from ..suites.decode import decode_runs, plain_agreement, refuse_cuda_switches, run_matrix
+    from ..suites.decode import decode_runs, plain_agreement, run_matrix
 
-    lookaheads, draft_graphs, pdls, side_streams, silu_epilogues = (
-        tuple(x == "on" for x in values) for values in (lookaheads, draft_graphs, pdls, side_streams, silu_epilogues))
-    refuse_cuda_switches(options["device"], {"--lookahead": lookaheads, "--draft-graphs": draft_graphs, "--pdl": pdls,
-                                             "--side-stream": side_streams, "--silu-epilogue": silu_epilogues})
+    switches = {name: tuple(v == "on" for v in options.pop(name)) for name in SWITCHES}
+    refuse_cuda_switches(options["device"], switches)
     base = dict(model=model, prompt_file=prompt_file or str(DEFAULT_PROMPT), prompts=n_prompts, images=images,
                 max_new_tokens=max_new_tokens, ignore_eos=not stop_at_eos, repeats=repeats, warmup=warmup, seed=seed,
-                max_concurrency=max_concurrency, kv_capacity=kv_capacity, **options)
+                **options)
     runs = decode_runs(base, engines=engines, specs=tuple(specs.split(",")), runtimes=runtime, rollbacks=rollbacks,
-                       lm_heads=tuple(int_list(lm_head_draft, "--lm-head-draft")),
-                       lookaheads=lookaheads, draft_graphs=draft_graphs, pdls=pdls, side_streams=side_streams,
-                       silu_epilogues=silu_epilogues,
-                       draft_tokens=draft_tokens,
-                       label=label)
+                       lm_heads=tuple(int_list(lm_head_draft, "--lm-head-draft")), switches=switches,
+                       draft_tokens=draft_tokens, label=label)
     many = len(runs) > 1
     if many and json_path and Path(json_path).is_file():
         raise UserError(f"--json {json_path}: several runs write a folder (one LABEL.json each), not a file")
@@ -239,12 +219,13 @@ def concurrency(levels, url, served_model, model, synthetic, quant, spec, draft_
                         "settings apply (give them to `serve`), and the result records what the server reports")
     lv = tuple(int_list(levels, "-c"))
     check_output(json_path, parents=True)
-    opts = ConcurrencyOptions(levels=lv, url=url, served_model=served_model, max_new_tokens=max_new_tokens,
-                              prompt_tokens=prompt_tokens, rounds=rounds, label=label,
-                              **({} if url else dict(model=model, synthetic=synthetic, quant=quant, spec=spec,
-                                                     draft_tokens=draft_tokens, device=device, kv_dtype=kv_dtype,
-                                                     runtime=runtime, max_context=max_context,
-                                                     prefill_chunk=prefill_chunk, interleave_chunk=interleave_chunk)))
+    opts = ConcurrencyOptions.make(levels=lv, url=url, served_model=served_model, max_new_tokens=max_new_tokens,
+                                   prompt_tokens=prompt_tokens, rounds=rounds, label=label,
+                                   **({} if url else dict(model=model, synthetic=synthetic, quant=quant, spec=spec,
+                                                          draft_tokens=draft_tokens, device=device, kv_dtype=kv_dtype,
+                                                          runtime=runtime, max_context=max_context,
+                                                          prefill_chunk=prefill_chunk,
+                                                          interleave_chunk=interleave_chunk)))
     prog, update = suite_progress("concurrency")
     with prog:
         doc = run_concurrency(opts, progress=update)

@@ -63,8 +63,8 @@ def _niah_options(model, ctx, depths, cases, answer_tokens, seed, **kw):
 
     ctxs = tuple(dict.fromkeys(x for c in ctx for x in int_list(c, "--ctx"))) or (65536,)
     depths = tuple(dict.fromkeys(int_list(depths, "--depths"))) if depths else DEFAULT_DEPTHS
-    return NiahOptions(model=model, ctxs=ctxs, depths=depths,
-                       cases=cases, answer_tokens=answer_tokens, seed=seed, **kw)
+    return NiahOptions.make(model=model, ctxs=ctxs, depths=depths, cases=cases, answer_tokens=answer_tokens, seed=seed,
+                            **kw)
 
 
 def niah_case_options(f):

@@ -1,5 +1,10 @@
-"""The engine: ``from ninfer_bench.engine import Engine`` (DESIGN.md's API). Imported on first use, so importing the
-package (or a submodule such as ``engine.model.config``) does not load the runtime's modules."""
+"""The engine: ``from ninfer_bench.engine import Engine`` (docs/DESIGN.md, "Engine and runtime"). Imported on first
+use, so importing the package (or a submodule such as ``engine.model.config``) does not load the runtime's modules.
+
+Subpackages, one concern each (dependencies point down the list; ``pyproject.toml``'s import-linter contracts):
+``serve`` (HTTP), ``runtime`` (the Engine, options, scheduler), ``spec`` (drafters and the speculative round) beside
+``artifact`` (files, conversion, loading), ``media`` (images and videos in prompts), ``model`` (the forward, caches,
+weights, CUDA graphs), and ``sampling`` (token selection)."""
 
 from __future__ import annotations
 

@@ -30,16 +30,10 @@ The launch configuration is a pure function of (fmt, N, K, T) (``choose_config``
 first call only compiles, nothing is timed or synchronised, and later calls are safe to capture in a
 CUDA graph. Triton is imported on first use, so this module imports (and the CPU fallback runs) without it.
 
-Where it stands (H200, 27B projection shapes, 20 calls replayed from a CUDA graph over weight copies, % of
-the 4.27 TB/s copy bandwidth; scripts/bench_qlinear.py, docs/perf/2026-11-30-27b-decode-qmv-h200.md): gemv
-T = 1: q4 31-48 % (lm_head 68 %), q5 25-34 %, q8 47-70 % (lm_head 86 %). dot T = 2..16: q4 18-30 %, q5
-10-12 %, q8 25-38 %, and it still returns wrong sums now and then (an H200 caught mlp gate+up q8 T = 4 at
-relative RMS 0.07 with num_stages=1, so the missing-fence explanation below is not the whole story). For bf16 /
-fp16 x the engine therefore runs ``kernels/qmv_cuda.cu`` (tensor cores, 8 rows a launch, deterministic, T = 8 at
-the cost of T = 1) whenever cupy imports; these kernels serve fp32 x and machines without cupy. The gemv spends
-~4.3 instructions per weight; qmv 2.3 (q4). qmv now holds 49-99 % of the copy bandwidth at T = 1 depending on the
-weight's shape (docs/perf/2026-12-01-qmv-warps-h200.md); streaming its weights through shared memory by bulk copies
-(cp.async.bulk / TMA) measured slower at every 27B shape (docs/perf/2026-12-01c-bulk-qmv-dflash-commit-peer-h200.md).
+On CUDA with bf16 / fp16 x the engine runs ``kernels/qmv_cuda.cu`` instead (tensor cores, 8 rows a launch,
+deterministic, T = 8 at the cost of T = 1) whenever cupy imports: these Triton kernels serve fp32 x and machines
+without cupy. Their dot kernel (T >= 2) has returned wrong sums now and then on the GPU (see ``_dot_kernel``). How
+fast each is at the 27B shapes: ``docs/perf/README.md``.
 """
 
 from __future__ import annotations

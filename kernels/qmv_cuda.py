@@ -14,13 +14,9 @@ to capture in a CUDA graph once a first call for its (format, dtype) has compile
 are deterministic and row t of the output does not depend on the other rows of x (split-K partials are added in
 a fixed order), which is what lets concurrent greedy decoding reproduce sequential decoding bit for bit.
 
-Measured (H200, 27B shapes, docs/perf/2026-11-30-lookahead-qmv-sweep-bundled-h200.md and
-docs/perf/2026-11-30-tiled-qmv-sdpa-h200.md): one split and 3 blocks per SM (the defaults); on the row-major
-buffers the q4 / q5 projections ran at 38-59 % of the copy bandwidth in a captured step, on a :class:`TiledWeight`
-(``kernels/qmv_layout.py``, the engine's default) at 45-74 % (gate_up q4 30.2 us against 37.5); T = 8 costs
-about T = 1. In a 27B decode step qmv is 82 % of the GPU time (321 launches, 5.3 ms of 6.4).
-Wide weights take 4 warps a tile (:func:`choose_warps`; docs/perf/2026-12-01-qmv-warps-h200.md: the 27B step
-5.35 -> 5.23 ms).
+Defaults: one split and 3 blocks per SM; wide weights take 4 warps a tile (:func:`choose_warps`); the engine keeps
+its weights in a :class:`TiledWeight` (``kernels/qmv_layout.py``). The measurements behind them, and what each
+projection reaches at the 27B shapes: ``docs/perf/README.md``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Weight formats: fp32, bf16 and symmetric group-quantized q8/q5/q4 with one fp16 scale per group along K.
 
-Quantization (DESIGN.md): for each row n and group g of ``group`` consecutive K values,
+Quantization (docs/DESIGN.md, "Artifact formats"): for each row n and group g of ``group`` consecutive K values,
 ``scale = fp16(amax / qmax)`` (a zero scale becomes the smallest positive fp16),
 ``q = clamp(round_half_even(x / scale), -qmax, qmax)`` and ``w = scale * q``.
 

@@ -3,7 +3,7 @@
 Written for clarity, not speed: float64 by default (float32 on request), a token-by-token Gated
 DeltaNet recurrence (no chunked form), plain softmax attention, and its own tiny decode state. It
 shares nothing with the engine but ``ModelConfig`` (for shapes) and nothing with ``kernels``: it is
-the independent check of both. Semantics follow DESIGN.md "The model family"; Hugging Face
+the independent check of both. Semantics follow docs/DESIGN.md, "The model family"; Hugging Face
 transformers' ``Qwen3_5ForCausalLM`` is the semantic reference it is tested against.
 
 Weights are a dict of Hugging Face ``Qwen3_5ForCausalLM`` names (plus ``mtp.*``); a ``qwen3_next``

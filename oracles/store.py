@@ -1,4 +1,4 @@
-"""Stored oracle outputs and the oracle agreement rule (DESIGN.md "Suites, results, reports, gates").
+"""Stored oracle outputs and the oracle agreement rule (docs/DESIGN.md, "Metrics").
 
 File format: one JSON document (gzip-compressed when the path ends in ``.gz``)::
 

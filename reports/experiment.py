@@ -30,10 +30,13 @@ MODEL_KEYS = ("artifact_id", "sha256", "model_id", "preset", "quant_policy", "co
 def config_value(config: dict, key: str):
     """``config[key]`` as two runs of one experiment would share it: file paths reduced to their names, tuples
     (a fresh document's) as lists (a document read back from JSON); ``quant`` only where it built the weights
-    (``synthetic``: earlier documents recorded its unused default for artifacts too)."""
+    (``synthetic``: earlier documents recorded its unused default for artifacts too); ``draft_tokens`` 0 without a
+    drafter."""
     value = config.get(key)
     if key == "quant" and not config.get("synthetic"):
         return None
+    if key == "draft_tokens" and config.get("spec") in (None, "none"):
+        return 0  # plain decoding drafts nothing (the peer's documents recorded None before its options were nested)
     if isinstance(value, (list, tuple)):
         return [_portable(key, v) for v in value]
     return _portable(key, value)

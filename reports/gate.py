@@ -1,5 +1,4 @@
-"""The regression gate: compare a candidate result document with a baseline (DESIGN.md "Suites, results,
-reports, gates").
+"""The regression gate: compare a candidate result document with a baseline (docs/DESIGN.md, "The gate").
 
 Exact metrics (token hashes, acceptance counts on deterministic runs, oracle agreement, kernels' checks against
 their references) must be equal; a candidate whose greedy repeats disagree where the baseline's agreed fails its

@@ -1,4 +1,4 @@
-"""The result document every suite run writes (DESIGN.md "Suites, results, reports, gates").
+"""The result document every suite run writes (docs/DESIGN.md, "The result document").
 
 ::
 
@@ -27,7 +27,7 @@ SCHEMA_VERSION = 1
 GZIP_MAGIC = b"\x1f\x8b"
 SUITES = ("decode", "niah", "concurrency", "kernels", "prefill")
 
-# summary keys each suite must provide (DESIGN.md); suites may add more
+# summary keys each suite must provide (docs/DESIGN.md); suites may add more
 REQUIRED_SUMMARY = {
     "decode": ("prompt_tokens", "completion_tokens", "tokens_sha256", "prefill_tok_s", "decode_tok_s", "ttft_ms",
                "device_ms_per_round", "rounds", "drafted_tokens", "accepted_tokens", "acceptance_rate",

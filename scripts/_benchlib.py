@@ -8,7 +8,7 @@ GRAPH_REPLAYS = 20
 
 
 def copy_bandwidth(device="cuda") -> float:
-    """Device copy bandwidth, bytes read + written per second (2 GiB buffer, as in shared/anchors)."""
+    """Device copy bandwidth, bytes read + written per second (2 GiB buffer, as the reference-GPU anchors measure it)."""
     from triton.testing import do_bench
 
     x = torch.empty(2 * 1024**3, dtype=torch.uint8, device=device)

@@ -12,7 +12,7 @@ reference on a sample of rows (rel. RMS), then times
   qmv           kernels/qmv_cuda.cu (tensor cores, T <= 8) with its default split
   X@graph20     20 calls of X replayed from one CUDA graph, cycling over weight copies so L2 cannot hold them
   bf16      cuBLAS F.linear on a dense bf16 weight
-  int4      torch's _weight_int4pack_mm (tinygemm, g128), as in shared/anchors/kernel_anchors.py
+  int4      torch's _weight_int4pack_mm (tinygemm, g128), as the reference-GPU kernel anchors time it
 and reports us, GB/s (packed weight bytes + x + out; dense bytes for bf16) and % of the copy bandwidth
 measured in the same run. ``--variants`` also times every Triton variant in VARIANTS, ``--qmv-variants`` qmv's
 launch variants (split-K, unroll x blocks per SM; the tiled and lanes layouts); the best is named

@@ -29,6 +29,8 @@
 #   redraft  scripts/retrain_drafters.py: the bundled drafters trained REDRAFT_MIN (5.5) more minutes on the shipped
 #            target, before / after acceptance, the new artifact in parts (back here: retrain_drafters.py join $OUT)
 #   specprobe scripts/probe_spec_paths.py on the bundled model: MTP3 and DFlash2 K=7, drafting captured / eager x PDL
+#   hashes   the token hashes a refactor must keep: the README's main command (timed), the bundled model's plain and
+#            MTP3 runs, and the 27B synthetic plain / MTP3 / DFlash2 K=7 runs (64 tokens, the default prompt)
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -129,6 +131,18 @@ for stage in "$@"; do
                timeout ${STAGE_S:-300} python3 scripts/probe_spec_paths.py --spec $sp -k $k -n 256 \
                  --generates ${SPECPROBE_N:-3} 2>&1 | tee -a "$OUT/specprobe.log" | grep -v Warn | tail -16
              done ;;
+    hashes)  /usr/bin/time -f "main command: %e s wall, %M KiB peak RSS" python3 scripts/nb.py decode --spec dflash2 -k 7 \
+               --json "$OUT/main.json" 2>&1 | tee "$OUT/main.log" | tail -6
+             nb decode --spec none,mtp:3 --repeats 1 --json "$OUT/hb" 2>&1 | tail -8
+             nb decode $M27 --spec none,mtp:3,dflash2:7 -n 64 --repeats 1 --json "$OUT/h27" 2>&1 | tail -8
+             python3 - "$OUT" <<'PY'
+import json, pathlib, sys
+for p in sorted(pathlib.Path(sys.argv[1]).glob("**/*.json")):
+    d = json.loads(p.read_text()); s = d["summary"]
+    print(f"{p.parent.name}/{p.name}: {d['label']} {s['tokens_sha256'][:8]} {s['decode_tok_s']:.1f} tok/s "
+          f"{s.get('tokens_per_round') or 1:.2f} tok/round")
+PY
+             ;;
     *)       echo "unknown stage $stage" ;;
   esac
 done

@@ -1,5 +1,5 @@
-"""Why our transformers peer (suites/hf_peer.py) decodes faster than the anchor's probe (../shared/anchors/
-hf_peer_27b.py) on the same GPU: one 27B-shape ``Qwen3_5ForCausalLM`` (random bf16 weights, built as the anchor
+"""Why our transformers peer (suites/hf_peer.py) decodes faster than the reference-GPU anchors'
+transformers probe on the same GPU: one 27B-shape ``Qwen3_5ForCausalLM`` (random bf16 weights, built as the anchor
 builds it), greedy ``generate`` timed the anchor's way (a 64-token call minus a 1-token call) under each
 combination of the two things the peers do differently - the autograd mode around ``generate`` (the anchor: none,
 i.e. generate's own no_grad; ours: inference_mode) and torch's default dtype left at bf16 after the build (the

@@ -22,8 +22,8 @@ EXACT_NIAH = [Rule(m, "exact") for m in ("cases", "oracle_agreement", "first_div
 
 def decode_options(name: str, model: str | None = None) -> DecodeOptions:
     spec, k = DECODE_RUNS[name]
-    return DecodeOptions(model=model, device="cpu", dtype="fp32", kv_dtype="int8", spec=spec, draft_tokens=k,
-                         max_new_tokens=48, repeats=1, warmup=0, label=f"ci-{name}")
+    return DecodeOptions.make(model=model, device="cpu", dtype="fp32", kv_dtype="int8", spec=spec, draft_tokens=k,
+                              max_new_tokens=48, repeats=1, warmup=0, label=f"ci-{name}")
 
 
 def baseline_path(name: str) -> Path:

@@ -7,7 +7,7 @@ import json
 import resource
 import statistics
 import time
-from dataclasses import asdict
+from dataclasses import asdict, fields, is_dataclass
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +18,7 @@ DEFAULT_PROMPT = DATA / "short_code.py.txt"
 
 
 def tokens_sha256(tokens) -> str:
-    """SHA-256 of token ids as little-endian int32 bytes (DESIGN.md)."""
+    """SHA-256 of token ids as little-endian int32 bytes (docs/DESIGN.md, "Metrics")."""
     return hashlib.sha256(np.asarray(list(tokens), dtype="<i4").tobytes()).hexdigest()
 
 
@@ -136,10 +136,32 @@ def _record_ids(rec, tokenizer, where: str) -> list[int]:
     return list(ids)
 
 
+def flat_config(opts) -> dict:
+    """A suite's options as one flat dict: every field of the suite's own, and every field of the engine options it
+    holds (``engine_options``) beside them."""
+    flat, config = asdict(opts), {}
+    for f in fields(opts):
+        if is_dataclass(getattr(opts, f.name)):
+            config.update(flat[f.name])
+        else:
+            config[f.name] = flat[f.name]
+    return config
+
+
 def recorded_config(opts) -> dict:
-    """A suite's options as its result document's ``config``: every field, except ``quant`` when the weights are
-    not ``--synthetic`` (the policy only builds synthetic weights; an artifact's own is ``model.quant_policy``)."""
-    config = asdict(opts)
+    """A decode or concurrency run's options as its result document's ``config`` (:func:`flat_config`), ``quant``
+    None when the weights are not ``--synthetic`` (the policy only builds synthetic weights; an artifact's own is
+    ``model.quant_policy``)."""
+    config = flat_config(opts)
     if not config.get("synthetic"):
         config["quant"] = None
     return config
+
+
+def split_options(cls, kw: dict):
+    """``cls(**suite keywords, engine_options=EngineOptions(**the rest))`` from one flat set of keywords."""
+    from ..engine.runtime.options import EngineOptions
+
+    own = {f.name for f in fields(cls)}
+    return cls(**{k: v for k, v in kw.items() if k in own},
+               engine_options=EngineOptions(**{k: v for k, v in kw.items() if k not in own}))

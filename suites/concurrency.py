@@ -24,24 +24,28 @@ that does not return them gets the texts whole, and ``config.prompt_tokens`` is 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
+from ..engine.runtime.options import EngineOptions
 from ..reports.schema import make_result
-from .common import DATA, DEFAULT_PROMPT, percentile, recorded_config, tokens_sha256
+from .common import DATA, DEFAULT_PROMPT, percentile, recorded_config, split_options, tokens_sha256
 
-# the options that only build an in-process engine: refused with a url, recorded from the server (or None) instead
-ENGINE_FIELDS = ("model", "synthetic", "quant", "device", "kv_dtype", "max_context", "prefill_chunk",
-                 "interleave_chunk", "runtime", "spec", "draft_tokens")
+# the suite's options that only build an in-process engine (with every EngineOptions field): refused with a url,
+# recorded from the server (or None) instead
+OWN_ENGINE_FIELDS = ("model", "synthetic", "quant")
+ENGINE_FIELDS = OWN_ENGINE_FIELDS + tuple(f.name for f in fields(EngineOptions))
 
 
 @dataclass(slots=True)
 class ConcurrencyOptions:
-    """Everything a concurrency run depends on (recorded as the result's ``config``)."""
+    """Everything a concurrency run depends on (recorded flat as the result's ``config``). ``engine_options``: the
+    in-process engine's (its ``max_concurrency`` is the highest level)."""
 
     levels: tuple[int, ...] = (1, 2, 4, 8)
     url: str | None = None
@@ -49,14 +53,7 @@ class ConcurrencyOptions:
     synthetic: bool = False
     quant: str = "mixed"
     served_model: str | None = None  # the `model` field sent to a server (default: the first of /v1/models)
-    device: str = "auto"
-    kv_dtype: str = "int8"
-    max_context: int | None = None
-    prefill_chunk: int = 2048
-    interleave_chunk: int | None = 512
-    runtime: str = "v3"
-    spec: str = "none"
-    draft_tokens: int | None = None
+    engine_options: EngineOptions = field(default_factory=EngineOptions)
     max_new_tokens: int = 128
     rounds: int = 2
     prompt_tokens: int = 256
@@ -69,24 +66,33 @@ class ConcurrencyOptions:
             raise ValueError(f"concurrency levels must be positive integers, got {self.levels}")
         if self.rounds < 1 or self.max_new_tokens < 2:
             raise ValueError("rounds must be >= 1 and max-new-tokens >= 2")
-        if self.interleave_chunk is not None and self.interleave_chunk > self.prefill_chunk:
-            raise ValueError(f"--interleave-chunk ({self.interleave_chunk}) must be at most --prefill-chunk "
-                             f"({self.prefill_chunk})")
+        eo = self.engine_options
+        if eo.interleave_chunk is not None and eo.interleave_chunk > eo.prefill_chunk:
+            raise ValueError(f"--interleave-chunk ({eo.interleave_chunk}) must be at most --prefill-chunk "
+                             f"({eo.prefill_chunk})")
         if self.url is not None and not self.url.startswith(("http://", "https://")):
             raise ValueError(f"--url {self.url}: expected http://HOST:PORT or https://...")
         if self.url is not None:  # (the CLI also refuses these given explicitly at their default values)
-            own = [f.name for f in fields(self) if f.name in ENGINE_FIELDS and getattr(self, f.name) != f.default]
+            own = [f.name for f in fields(self) if f.name in OWN_ENGINE_FIELDS and getattr(self, f.name) != f.default]
+            default = EngineOptions()
+            own += [f.name for f in fields(eo) if getattr(eo, f.name) != getattr(default, f.name)]
             if own:
                 raise ValueError(f"{', '.join(own)} configure an in-process engine; against --url {self.url} the "
                                  "server's own settings apply (give them to its `serve`)")
         elif self.served_model is not None:
             raise ValueError("served-model names the model sent to a server: it needs --url")
 
+    @classmethod
+    def make(cls, **kw) -> "ConcurrencyOptions":
+        """Options from one flat set of keywords: the suite's fields, the rest :class:`EngineOptions`'."""
+        return split_options(cls, kw)
+
     def default_label(self) -> str:
         if self.url:
             return f"server-{self.url.split('//')[-1]}"
-        k = f"-k{self.draft_tokens}" if self.spec != "none" and self.draft_tokens else ""
-        return f"{self.runtime}-{self.spec}{k}-conc"
+        eo = self.engine_options
+        k = f"-k{eo.draft_tokens}" if eo.spec != "none" and eo.draft_tokens else ""
+        return f"{eo.runtime}-{eo.spec}{k}-conc"
 
 
 def prompt_texts(n: int) -> list[str]:
@@ -166,17 +172,15 @@ def _record(c, rnd, pid, submitted, times, tokens_or_n, finished, extra=None) ->
 
 # ---- in-process ---------------------------------------------------------------------------------------
 def run_in_process(opts: ConcurrencyOptions, progress=None):
+    from ..engine.artifact.loader import load_source
     from ..engine.runtime.engine import Engine
     from ..engine.runtime.scheduler import Scheduler
     from ..engine.sampling import SamplingParams
 
     top = max(opts.levels)
-    eng = Engine.load(opts.model, synthetic=opts.synthetic, quant=opts.quant, device=opts.device,
-                      kv_dtype=opts.kv_dtype, max_context=opts.max_context, max_concurrency=top,
-                      prefill_chunk=opts.prefill_chunk, interleave_chunk=opts.interleave_chunk, runtime=opts.runtime,
-                      spec=opts.spec, draft_tokens=opts.draft_tokens)
-    opts.draft_tokens = eng.options.draft_tokens
-    opts.max_context = eng.options.max_context  # recorded as resolved (the model's limit, or 8192), as decode does
+    eo = dataclasses.replace(opts.engine_options, max_concurrency=top)
+    eng = Engine(load_source(opts.model, synthetic=opts.synthetic, quant=opts.quant, device=eo.torch_device), eo)
+    opts.engine_options.max_context = eng.options.max_context  # recorded as resolved (the model's limit, or 8192)
     prompts = [exact_length(eng.tokenizer.encode(t), opts.prompt_tokens) for t in prompt_texts(top)]
     params = SamplingParams(max_new_tokens=opts.max_new_tokens, ignore_eos=True)
     sched = Scheduler(eng)

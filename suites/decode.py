@@ -10,11 +10,12 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from ..engine.runtime.options import SWITCHES, EngineOptions
 from ..reports.schema import make_result
 from .common import (
     DEFAULT_PROMPT,
@@ -24,35 +25,22 @@ from .common import (
     read_prompt_set,
     recorded_config,
     reset_peak_memory,
+    split_options,
     tokens_sha256,
 )
 
 
 @dataclass(slots=True)
 class DecodeOptions:
-    """Everything a decode run depends on (recorded as the result's ``config``)."""
+    """Everything a decode run depends on (recorded flat as the result's ``config``: the suite's own fields and
+    ``engine_options``'). ``engine_options`` is what our engine is bound to; the transformers peer takes its device
+    and dtype."""
 
     model: str | None = None
     engine: str = "ours"
     synthetic: bool = False
     quant: str = "mixed"
-    device: str = "auto"
-    dtype: str = "auto"
-    kv_dtype: str = "int8"
-    max_context: int | None = None
-    kv_capacity: int | None = None
-    max_concurrency: int = 1
-    prefill_chunk: int = 2048
-    runtime: str = "v3"
-    spec: str = "none"
-    draft_tokens: int | None = None
-    rollback: str = "recompute"
-    lm_head_draft: int = 0
-    lookahead: bool = True  # plain greedy decode on CUDA graphs: the host one step behind the GPU
-    draft_graphs: bool = True  # greedy drafting replayed from CUDA graphs (v3 on CUDA; off: eager drafting)
-    pdl: bool = True  # the decode step's kernels with programmatic dependent launch (EngineOptions.pdl; sm_90+)
-    side_stream: bool = True  # GDN projections on CUDA-graph branches (EngineOptions.side_stream)
-    silu_epilogue: bool = True  # qmv stores the MLP's silu(gate) * up (EngineOptions.silu_epilogue)
+    engine_options: EngineOptions = field(default_factory=EngineOptions)
     prompt_file: str = str(DEFAULT_PROMPT)
     prompts: int | None = None  # with a .jsonl prompt set: how many of its prompts (default all)
     images: tuple[str, ...] = ()  # images placed before each prompt (a model with a vision component)
@@ -77,35 +65,27 @@ class DecodeOptions:
         if self.prompts is not None and (self.prompts < 1 or Path(self.prompt_file).suffix != ".jsonl"):
             raise ValueError(f"--prompts takes a positive count of a .jsonl prompt set's prompts, got {self.prompts} "
                              f"for {self.prompt_file}")
-        if self.engine == "hf" and self.spec != "none":
+        if self.engine == "hf" and self.engine_options.spec != "none":
             raise ValueError("--engine hf runs plain greedy decoding: use --spec none")
         self.images = tuple(self.images)
         if self.images and self.engine != "ours":
             raise ValueError("--image runs with our engine only: use --engine ours")
-        if self.engine == "ours":
-            self.engine_options()  # a bad engine option fails now, not after the weights load
 
-    def engine_options(self):
-        """Our engine's options for this run (their checks run when a run is made: before any weights load)."""
-        from ..engine.runtime.options import EngineOptions
-
-        return EngineOptions(device=self.device, dtype=self.dtype, kv_dtype=self.kv_dtype, max_context=self.max_context,
-                             kv_capacity=self.kv_capacity, max_concurrency=self.max_concurrency,
-                             prefill_chunk=self.prefill_chunk, runtime=self.runtime, spec=self.spec,
-                             draft_tokens=self.draft_tokens, rollback=self.rollback, lm_head_draft=self.lm_head_draft,
-                             lookahead=self.lookahead, draft_graphs=self.draft_graphs, pdl=self.pdl,
-                             side_stream=self.side_stream, silu_epilogue=self.silu_epilogue)
+    @classmethod
+    def make(cls, **kw) -> "DecodeOptions":
+        """Options from one flat set of keywords: the suite's fields, the rest :class:`EngineOptions`'."""
+        return split_options(cls, kw)
 
     def default_label(self) -> str:
         if self.engine == "hf":
             return "hf-peer"
-        k = f"-k{self.draft_tokens}" if self.spec != "none" and self.draft_tokens else ""
-        head = f"-lmh{self.lm_head_draft}" if self.spec != "none" and self.lm_head_draft else ""
-        sync = "-sync" if self.spec == "none" and not self.lookahead else ""
-        graphs = "-eagerdraft" if self.spec != "none" and not self.draft_graphs else ""
-        pdl = "" if self.pdl else "-nopdl"
-        build = ("" if self.side_stream else "-noside") + ("" if self.silu_epilogue else "-nosilu")
-        return f"{self.runtime}-{self.spec}{k}{head}{sync}{graphs}{pdl}{build}"
+        eo = self.engine_options
+        spec = eo.spec != "none"
+        k = f"-k{eo.draft_tokens}" if spec and eo.draft_tokens else ""
+        head = f"-lmh{eo.lm_head_draft}" if spec and eo.lm_head_draft else ""
+        off = "".join(s.off_label for name, s in SWITCHES.items()
+                      if s.applies_to(eo.runtime, eo.spec) and not getattr(eo, name))
+        return f"{eo.runtime}-{eo.spec}{k}{head}{off}"
 
 
 def _spec_summary(rec: dict) -> dict:
@@ -145,7 +125,7 @@ def run_once(engine, prompts: list[list[int]], opts: DecodeOptions) -> dict:
         per_pos = [a + b for a, b in zip(per_pos, counts)] if per_pos else list(counts)
         tokens += res.tokens
         finish.append(res.finish_reason)
-    rounds, spec_run = tot["rounds"], opts.spec != "none"
+    rounds, spec_run = tot["rounds"], opts.engine_options.spec != "none"
     decoded = tot["completion_tokens"] - len(prompts)
     return {
         "prompts": len(prompts), "prompt_tokens": tot["prompt_tokens"], "completion_tokens": tot["completion_tokens"],
@@ -241,66 +221,44 @@ def parse_spec(item: str, draft_tokens: int | None) -> tuple[str, int | None]:
     return name, draft_tokens if draft_tokens is not None else DEFAULT_DRAFT[name]
 
 
-def refuse_cuda_switches(device: str, switches: dict[str, tuple[bool, ...]]) -> None:
-    """``switches`` (flag -> values asked for) each change only a run on CUDA (its graphs and fused kernels: the
-    engine takes neither on a CPU). Off on a CPU would run the default engine again under another label (-sync,
-    -eagerdraft, -nopdl, -noside, -nosilu), which a gate then takes for another experiment: refused before any
-    work."""
-    from ..engine.runtime.options import EngineOptions
-
-    if EngineOptions(device=device).torch_device.type == "cuda":
-        return
-    off = [flag for flag, values in switches.items() if False in values]
-    if off:
-        raise ValueError(f"{', '.join(off)} off: {'these switches change' if len(off) > 1 else 'this switch changes'} "
-                         f"only a run on CUDA (its graphs and fused kernels); on a CPU every run would take the "
-                         f"same path under another label")
-
-
 def decode_runs(base: dict, *, engines=("ours",), specs=("none",), runtimes=("v3",), rollbacks=("recompute",),
-                lm_heads=(0,), lookaheads=(True,), draft_graphs=(True,), pdls=(True,), side_streams=(True,),
-                silu_epilogues=(True,), draft_tokens: int | None = None,
+                lm_heads=(0,), switches: dict[str, tuple[bool, ...]] | None = None, draft_tokens: int | None = None,
                 label: str | None = None) -> list[DecodeOptions]:
     """The grid of decode runs a command line asks for: every runtime x spec x rollback x lm-head-draft size of
-    our engine (the last two only where there is a drafter; lookahead on / off only without one; captured drafting
-    on / off only with a drafter) x the kernel switches (PDL, side streams, the silu epilogue: v3 only, v2 runs
-    neither graphs nor fused kernels), and
-    the transformers peer once (plain greedy).
+    our engine (the last two only where there is a drafter) x the values of each engine switch (``switches``,
+    {name of :data:`SWITCHES`: values}; each only on the runs it applies to, the others keep its default), and the
+    transformers peer once (plain greedy). ``base``: the other keywords of :meth:`DecodeOptions.make`.
     Labels are unique: with several rollbacks each speculative label names its own, and ``label`` prefixes them
     all."""
+    switches = switches or {}
     if draft_tokens is not None and all(parse_spec(x, None)[0] == "none" for x in specs):
         raise ValueError(f"-k {draft_tokens} is speculative decoding's drafts per round: give it with --spec mtp, "
                          f"dflash or dflash2, not --spec none")
     if set(engines) == {"hf"} and any(parse_spec(x, None)[0] != "none" for x in specs):
         raise ValueError("--engine hf runs plain greedy decoding: use --spec none (or --engine ours,hf)")
-    default = {f.name: f.default for f in dataclasses.fields(DecodeOptions)}
     runs = []
     for engine in dict.fromkeys(engines):
         if engine == "hf":
-            runs.append(DecodeOptions(**base, engine="hf"))
+            runs.append(DecodeOptions.make(**base, engine="hf"))
             continue
         for runtime in dict.fromkeys(runtimes):
-            switches = ((pdls, side_streams, silu_epilogues) if runtime == "v3" else
-                        # v2 (no graphs, no fused kernels) ignores them: the defaults, once
-                        tuple((default[n],) for n in ("pdl", "side_stream", "silu_epilogue")))
             for item in dict.fromkeys(specs):
                 spec, k = parse_spec(item, draft_tokens)
+                names = [n for n in switches if SWITCHES[n].applies_to(runtime, spec)]
                 for rollback in dict.fromkeys(rollbacks if spec != "none" else rollbacks[:1]):
                     for head in dict.fromkeys(lm_heads if spec != "none" else (0,)):
-                        for ahead in dict.fromkeys(lookaheads if spec == "none" else lookaheads[:1]):
-                            for dg in dict.fromkeys(draft_graphs if spec != "none" else (True,)):
-                                for pdl, side, silu in itertools.product(*map(dict.fromkeys, switches)):
-                                    runs.append(DecodeOptions(**base, engine=engine, runtime=runtime, spec=spec,
-                                                              draft_tokens=k, rollback=rollback, lm_head_draft=head,
-                                                              lookahead=ahead, draft_graphs=dg, pdl=pdl,
-                                                              side_stream=side, silu_epilogue=silu))
+                        for values in itertools.product(*(dict.fromkeys(switches[n]) for n in names)):
+                            runs.append(DecodeOptions.make(**base, engine=engine, runtime=runtime, spec=spec,
+                                                           draft_tokens=k, rollback=rollback, lm_head_draft=head,
+                                                           **dict(zip(names, values))))
     if not runs:
         raise ValueError("no decode run: give at least one engine, runtime and spec")
     if len(runs) == 1:
         runs[0].label = label
         return runs
     for r in runs:
-        name = r.default_label() + (f"-{r.rollback}" if len(set(rollbacks)) > 1 and r.spec != "none" else "")
+        spec_run = r.engine_options.spec != "none"
+        name = r.default_label() + (f"-{r.engine_options.rollback}" if len(set(rollbacks)) > 1 and spec_run else "")
         r.label = f"{label}-{name}" if label else name
     seen = [r.label for r in runs]
     if len(set(seen)) != len(seen):
@@ -328,14 +286,13 @@ def plain_agreement(docs: list[dict]) -> dict[str, bool | None]:
 def load_model(opts: DecodeOptions):
     """The weights a run of ``opts`` decodes with (what several runs on one model share)."""
     from ..engine.artifact.loader import load_source
-    from ..engine.runtime.options import EngineOptions
 
-    device = EngineOptions(device=opts.device).torch_device
+    device = opts.engine_options.torch_device
     return load_source(opts.model, synthetic=opts.synthetic, quant=opts.quant, seed=opts.seed, device=device)
 
 
 def model_key(opts: DecodeOptions) -> tuple:
-    return opts.model, opts.synthetic, opts.quant, opts.seed, opts.device
+    return opts.model, opts.synthetic, opts.quant, opts.seed, opts.engine_options.device
 
 
 def run_decode(opts: DecodeOptions, progress=None, loaded=None) -> dict:
@@ -348,9 +305,9 @@ def run_decode(opts: DecodeOptions, progress=None, loaded=None) -> dict:
     else:
         from ..engine.runtime.engine import Engine
 
-        runner = Engine(loaded if loaded is not None else load_model(opts), opts.engine_options())
-        opts.draft_tokens = runner.options.draft_tokens
-        opts.max_context = runner.options.max_context
+        # the engine binds a copy (its capacities resolved against the model); the run records max-context as bound
+        runner = Engine(loaded if loaded is not None else load_model(opts), dataclasses.replace(opts.engine_options))
+        opts.engine_options.max_context = runner.options.max_context
     prompts = load_prompts(opts.prompt_file, runner.tokenizer, opts.prompts)
     if opts.images:
         prompts = with_images(runner, prompts, opts.images)
@@ -359,8 +316,7 @@ def run_decode(opts: DecodeOptions, progress=None, loaded=None) -> dict:
     # longest keys first: a 64-token warm-up left MTP's first 256-token repeat 11x slower on the H200); on a CPU,
     # with nothing compiled at first use, 64 tokens
     cuda = torch.device(runner.device).type == "cuda"
-    warm = DecodeOptions(**{**asdict(opts), "max_new_tokens": opts.max_new_tokens if cuda
-                            else min(opts.max_new_tokens, 64)})
+    warm = dataclasses.replace(opts, max_new_tokens=opts.max_new_tokens if cuda else min(opts.max_new_tokens, 64))
     for i in range(opts.warmup):
         run_once(runner, prompts[:1], warm)
         if progress:
@@ -410,7 +366,7 @@ def check_drafters(loaded, runs: list[DecodeOptions]) -> None:
     from ..engine.spec.drafters import missing_drafter
 
     for opts in runs:
-        if opts.engine == "ours" and (why := missing_drafter(loaded, opts.spec)):
+        if opts.engine == "ours" and (why := missing_drafter(loaded, opts.engine_options.spec)):
             raise ValueError(why)
 
 

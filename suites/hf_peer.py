@@ -2,8 +2,8 @@
 
 This is what a Python user would otherwise run: ``Qwen3_5ForCausalLM`` in bf16 on CUDA (fp32 on CPU), eager
 greedy ``generate``. TTFT is the time to its first new token and decode time the rest of the same call (the
-anchors measure it the same way). torch's default dtype is back at fp32 once the model is built: the anchor's probe
-(../shared/anchors/hf_peer_27b.py) leaves it at bf16, which alone makes its 27B decode about a third slower on the
+anchors measure it the same way). torch's default dtype is back at fp32 once the model is built: the reference-GPU anchors'
+transformers probe leaves it at bf16, which alone makes its 27B decode about a third slower on the
 H200 (8.77 against 12.64 tok/s in one process; inference mode or not makes no difference at fp32:
 docs/perf/2026-12-01d-norm-epilogue-peer-modes-h200.md).
 """
@@ -79,12 +79,9 @@ class HFPeer:
             import transformers  # noqa: F401  (the clear error before any weight loads)
         except ImportError:
             raise ValueError("--engine hf needs transformers: pip install 'ninfer-bench[hf]'") from None
-        auto = "cuda" if torch.cuda.is_available() else "cpu"
-        device = torch.device(opts.device if opts.device != "auto" else auto)
+        device, dtype = opts.engine_options.torch_device, opts.engine_options.torch_dtype  # as our engine reads them
         if device.type == "cpu" and (why := cpu_blocked()):
             raise ValueError(f"--engine hf on the CPU: {why}")
-        dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32, "fp32": torch.float32,
-                 "bf16": torch.bfloat16, "fp16": torch.float16}[opts.dtype]
         if loaded is None:
             loaded = load_source(opts.model, synthetic=opts.synthetic, quant=opts.quant, seed=opts.seed,
                                  device=device)

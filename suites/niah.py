@@ -3,22 +3,24 @@
 Each case (context length x depth x case index) is built deterministically from the shipped haystack
 (``suites/data/haystack.py.txt``, CPython standard-library code) and the retrieval format of
 ``suites/needle.py`` (the one the bundled model was trained with). The engine answers greedily; the answer
-is scored two ways: retrieval (does it hold the needle's value) and oracle agreement (DESIGN.md: greedy
+is scored two ways: retrieval (does it hold the needle's value) and oracle agreement (docs/DESIGN.md, "Metrics": greedy
 tokens identical to the stored float64 reference outputs, or a first divergence at a near tie).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from ..engine.runtime.options import EngineOptions
 from ..oracles.store import NEAR_TIE_NATS, agreement, identity_mismatch, kl, load_oracle
 from ..reports.schema import make_result
-from .common import DATA
+from .common import DATA, flat_config, split_options
 from .needle import make_needle, needle_text, question_text
 
 HAYSTACK = DATA / "haystack.py.txt"
@@ -28,21 +30,24 @@ DEFAULT_DEPTHS = tuple(range(0, 101, 10))
 
 @dataclass(slots=True)
 class NiahOptions:
-    """Everything a NIAH run depends on (recorded as the result's ``config``)."""
+    """Everything a NIAH run depends on (recorded flat as the result's ``config``). ``engine_options``: the engine's
+    (its ``max_context`` is the longest context), and the prefill chunk an oracle build's reference model takes."""
 
     model: str | None = None
     ctxs: tuple[int, ...] = (65536,)
     depths: tuple[int, ...] = DEFAULT_DEPTHS
     cases: int = 1
     answer_tokens: int = 10
-    device: str = "auto"
-    kv_dtype: str = "int8"
-    prefill_chunk: int = 2048
-    runtime: str = "v3"
+    engine_options: EngineOptions = field(default_factory=EngineOptions)
     seed: int = 0
     oracle: str | None = None  # a file, or None: look in oracles/data for the model's file per context
     near_tie: float = NEAR_TIE_NATS
     label: str | None = None
+
+    @classmethod
+    def make(cls, **kw) -> "NiahOptions":
+        """Options from one flat set of keywords: the suite's fields, the rest :class:`EngineOptions`'."""
+        return split_options(cls, kw)
 
     def __post_init__(self) -> None:
         self.ctxs = tuple(int(c) for c in self.ctxs)
@@ -140,7 +145,7 @@ def _load_oracles(opts: NiahOptions, model_info: dict) -> dict[str, dict]:
 
 
 def retrieved(text: str, value: int) -> bool:
-    """The answer holds the value (DESIGN.md) as a whole number on the answer's first line."""
+    """The answer holds the value (docs/DESIGN.md, "Metrics") as a whole number on the answer's first line."""
     first = text.strip().splitlines()[0] if text.strip() else ""
     digits = "".join(ch if ch.isdigit() else " " for ch in first).split()
     return str(value) in digits
@@ -235,13 +240,14 @@ def run_niah(opts: NiahOptions, progress=None) -> dict:
 
     ``progress(done, total, what)`` counts prompt tokens prefilled over all cases, chunk by chunk: one 64K case
     prefills for minutes on a CPU, and a count of finished cases alone would stand still meanwhile."""
+    from ..engine.artifact.loader import load_source
     from ..engine.runtime.engine import Engine
 
     top = max(opts.ctxs)
     if progress:
         progress(0, None, "loading the model")
-    eng = Engine.load(opts.model, device=opts.device, kv_dtype=opts.kv_dtype, max_context=top,
-                      prefill_chunk=opts.prefill_chunk, runtime=opts.runtime)
+    eo = dataclasses.replace(opts.engine_options, max_context=top)
+    eng = Engine(load_source(opts.model, device=eo.torch_device), eo)
     all_cases = cases(eng.tokenizer, opts)
     oracles = _load_oracles(opts, eng.model_info)
     total = sum(len(c["prompt_ids"]) for c in all_cases)
@@ -263,8 +269,8 @@ def run_niah(opts: NiahOptions, progress=None) -> dict:
                    retrieved=retrieved(res.text, case["value"]), seconds=res.prefill_s + res.decode_s)
         records.append(judge(rec, case, oracle, opts.near_tie, res.logprobs))
     summary = summarize(records, opts.ctxs, time.perf_counter() - t0)
-    config = asdict(opts)
-    config["label"] = opts.label or f"{opts.runtime}-niah"
+    config = flat_config(opts)
+    config["label"] = opts.label or f"{opts.engine_options.runtime}-niah"
     config["device"] = str(eng.device)
     config["needle_placement"] = NEEDLE_PLACEMENT
     return make_result("niah", label=config["label"], config=config, records=records, summary=summary,
@@ -353,7 +359,7 @@ def build_niah_oracle(source: str | None, opts: NiahOptions, out: str | None = N
                 case = build_case(loaded.tokenizer, meta["ctx"], d, i, opts.seed, opts.answer_tokens)
                 if case["case"] not in kept:
                     res = model.greedy(case["prompt_ids"], opts.answer_tokens, top_k=top_k,
-                                       prefill_chunk=opts.prefill_chunk)
+                                       prefill_chunk=opts.engine_options.prefill_chunk)
                     kept[case["case"]] = {"id": case["case"], "prompt_ids": case["prompt_ids"], **res,
                                           "device": model.device.type}  # a CPU-built file may gain GPU cases
                     computed = True

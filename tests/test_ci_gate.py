@@ -35,7 +35,7 @@ def _model_id():
 
 
 def test_niah_subset_agrees_with_committed_oracles():
-    opts = NiahOptions(model=None, ctxs=(2048, 8192), depths=(0, 50, 100), device="cpu", kv_dtype="int8")
+    opts = NiahOptions.make(model=None, ctxs=(2048, 8192), depths=(0, 50, 100), device="cpu", kv_dtype="int8")
     from ninfer_bench.engine.artifact.loader import load_source
 
     info = load_source(default_model()).info  # oracles are named by the text model's identity
@@ -66,7 +66,8 @@ def test_rescore_judges_an_earlier_document_against_stored_oracles(tmp_path):
     from ninfer_bench.reports.schema import write_result
     from ninfer_bench.suites.niah import rescore_niah
 
-    doc = run_niah(NiahOptions(model=None, ctxs=(2048,), depths=(50,), device="cpu", oracle=str(tmp_path / "none")))
+    doc = run_niah(NiahOptions.make(model=None, ctxs=(2048,), depths=(50,), device="cpu",
+                                    oracle=str(tmp_path / "none")))
     assert doc["summary"]["oracle_cases"] == 0  # no oracle where it looked
     again = rescore_niah(doc)
     assert again["summary"]["oracle_cases"] == 1 and again["summary"]["oracle_agreement"] == 1.0
@@ -112,8 +113,8 @@ def test_rescore_refuses_a_document_it_cannot_rebuild(tmp_path):
 def test_niah_progress_counts_prefill_chunks_within_a_case(tmp_path):
     """A long case shows progress while it prefills: the callback counts prompt tokens chunk by chunk, rising over
     all cases to their total, and following it changes no result."""
-    opts = NiahOptions(model="tiny", ctxs=(512,), depths=(0, 100), answer_tokens=3, device="cpu", prefill_chunk=128,
-                       oracle=str(tmp_path / "none"))
+    opts = NiahOptions.make(model="tiny", ctxs=(512,), depths=(0, 100), answer_tokens=3, device="cpu",
+                            prefill_chunk=128, oracle=str(tmp_path / "none"))
     calls = []
     doc = run_niah(opts, progress=lambda done, total, what: calls.append((done, total, what)))
     assert calls[0] == (0, None, "loading the model")

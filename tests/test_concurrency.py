@@ -75,8 +75,8 @@ def test_itl_counts_tokens_not_chunks():
 
 
 def test_concurrency_suite_in_process():
-    doc = run_concurrency(ConcurrencyOptions(levels=(1, 2, 4), model="tiny", device="cpu", kv_dtype="fp32",
-                                             max_new_tokens=16, prompt_tokens=48, rounds=1, spec="dflash2"))
+    doc = run_concurrency(ConcurrencyOptions.make(levels=(1, 2, 4), model="tiny", device="cpu", kv_dtype="fp32",
+                                                  max_new_tokens=16, prompt_tokens=48, rounds=1, spec="dflash2"))
     validate(doc)
     levels = doc["summary"]["levels"]
     assert [lv["concurrency"] for lv in levels] == [1, 2, 4]
@@ -148,9 +148,9 @@ def test_url_refuses_in_process_engine_options():
         out = " ".join(r.output.split())
         assert r.exit_code == 1 and named in out and "in-process engine" in out, r.output
     with pytest.raises(ValueError, match="spec, draft_tokens configure an in-process engine"):
-        ConcurrencyOptions(url=url, spec="mtp", draft_tokens=3)
+        ConcurrencyOptions.make(url=url, spec="mtp", draft_tokens=3)
     with pytest.raises(ValueError, match="needs --url"):
-        ConcurrencyOptions(served_model="tiny")
+        ConcurrencyOptions.make(served_model="tiny")
 
 
 def test_url_run_records_the_servers_settings(tmp_path):
@@ -195,4 +195,4 @@ def test_every_client_prompt_has_the_asked_length():
     assert exact_length([1, 2, 3], 7) == [1, 2, 3, 1, 2, 3, 1]
     assert exact_length([1, 2, 3], 2) == [1, 2]
     with pytest.raises(ValueError, match="interleave"):
-        ConcurrencyOptions(prefill_chunk=256, interleave_chunk=512)
+        ConcurrencyOptions.make(prefill_chunk=256, interleave_chunk=512)

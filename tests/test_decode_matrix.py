@@ -10,6 +10,7 @@ from click.testing import CliRunner
 
 from ninfer_bench.cli import main
 from ninfer_bench.suites import decode as dec
+from ninfer_bench.engine.runtime.options import refuse_cuda_switches
 from ninfer_bench.suites.decode import DecodeOptions, decode_runs, parse_spec, run_decode, run_matrix
 
 BASE = dict(model="tiny", device="cpu", max_new_tokens=10, repeats=1, warmup=0)
@@ -34,30 +35,34 @@ def test_grid_and_labels():
     assert labels == ["v3-none", "v3-mtp-k2-recompute", "v3-mtp-k2-snapshot", "v3-dflash2-k7-recompute",
                       "v3-dflash2-k7-snapshot", "v2-none", "v2-mtp-k2-recompute", "v2-mtp-k2-snapshot",
                       "v2-dflash2-k7-recompute", "v2-dflash2-k7-snapshot", "hf-peer"]
-    assert runs[-1].engine == "hf" and runs[-1].spec == "none"
+    assert runs[-1].engine == "hf" and runs[-1].engine_options.spec == "none"
     one = decode_runs(BASE, specs=("dflash2",), draft_tokens=7, label="mine")
-    assert len(one) == 1 and one[0].label == "mine" and one[0].draft_tokens == 7
+    assert len(one) == 1 and one[0].label == "mine" and one[0].engine_options.draft_tokens == 7
     pre = decode_runs(BASE, specs=("none", "mtp"), label="rc1")
     assert [r.label for r in pre] == ["rc1-v3-none", "rc1-v3-mtp-k3"]
     heads = decode_runs(BASE, specs=("none", "dflash2:7"), lm_heads=(0, 256))
-    assert [(r.label, r.lm_head_draft) for r in heads] == [("v3-none", 0), ("v3-dflash2-k7", 0),
+    assert [(r.label, r.engine_options.lm_head_draft) for r in heads] == [("v3-none", 0), ("v3-dflash2-k7", 0),
                                                             ("v3-dflash2-k7-lmh256", 256)]
-    ahead = decode_runs(BASE, specs=("none", "mtp:2"), lookaheads=(True, False))
-    assert [(r.label, r.lookahead) for r in ahead] == [("v3-none", True), ("v3-none-sync", False),
+    ahead = decode_runs(BASE, specs=("none", "mtp:2"), switches={"lookahead": (True, False)})
+    assert [(r.label, r.engine_options.lookahead) for r in ahead] == [("v3-none", True), ("v3-none-sync", False),
                                                       ("v3-mtp-k2", True)]
-    graphs = decode_runs(BASE, specs=("none", "mtp:3", "dflash2:7"), draft_graphs=(True, False))
-    assert [(r.label, r.draft_graphs) for r in graphs] == [("v3-none", True), ("v3-mtp-k3", True),
+    graphs = decode_runs(BASE, specs=("none", "mtp:3", "dflash2:7"), switches={"draft_graphs": (True, False)})
+    assert [(r.label, r.engine_options.draft_graphs) for r in graphs] == [("v3-none", True), ("v3-mtp-k3", True),
                                                           ("v3-mtp-k3-eagerdraft", False), ("v3-dflash2-k7", True),
                                                               ("v3-dflash2-k7-eagerdraft", False)]
-    pdl = decode_runs(BASE, specs=("none",), pdls=(True, False))
-    assert [(r.label, r.pdl) for r in pdl] == [("v3-none", True), ("v3-none-nopdl", False)]
-    build = decode_runs(BASE, specs=("none",), side_streams=(True, False), silu_epilogues=(True, False))
-    assert [(r.label, r.side_stream, r.silu_epilogue) for r in build] == [
+    pdl = decode_runs(BASE, specs=("none",), switches={"pdl": (True, False)})
+    assert [(r.label, r.engine_options.pdl) for r in pdl] == [("v3-none", True), ("v3-none-nopdl", False)]
+    build = decode_runs(BASE, specs=("none",),
+                        switches={"side_stream": (True, False), "silu_epilogue": (True, False)})
+    assert [(r.label, r.engine_options.side_stream, r.engine_options.silu_epilogue) for r in build] == [
         ("v3-none", True, True), ("v3-none-nosilu", True, False), ("v3-none-noside", False, True),
         ("v3-none-noside-nosilu", False, False)]
-    assert decode_runs(BASE, specs=("none", "mtp:2"), silu_epilogues=(False,))[1].label == "v3-mtp-k2-nosilu"
-    v2 = decode_runs(BASE, specs=("none",), runtimes=("v3", "v2"), pdls=(False,), side_streams=(True, False))
-    assert [(r.label, r.pdl, r.side_stream) for r in v2] == [  # v2: no graphs, no fused kernels, one run
+    nosilu = decode_runs(BASE, specs=("none", "mtp:2"), switches={"silu_epilogue": (False,)})
+    assert nosilu[1].label == "v3-mtp-k2-nosilu"
+    v2 = decode_runs(BASE, specs=("none",), runtimes=("v3", "v2"),
+                     switches={"pdl": (False,), "side_stream": (True, False)})
+    # v2: no graphs, no fused kernels, one run
+    assert [(r.label, r.engine_options.pdl, r.engine_options.side_stream) for r in v2] == [
         ("v3-none-nopdl", False, True), ("v3-none-nopdl-noside", False, False), ("v2-none", True, True)]
     with pytest.raises(ValueError, match="plain greedy"):
         decode_runs(BASE, engines=("hf",), specs=("mtp",))
@@ -71,7 +76,8 @@ def test_matrix_loads_once_and_equals_separate_runs(monkeypatch):
     docs = run_matrix(runs)
     assert len(loads) == 1  # one load shared by the three runs
     for opts, doc in zip(decode_runs(BASE, specs=("none", "mtp:2", "dflash2:3")), docs):
-        alone = run_decode(DecodeOptions(**{**BASE, "spec": opts.spec, "draft_tokens": opts.draft_tokens}))
+        eo = opts.engine_options
+        alone = run_decode(DecodeOptions.make(**{**BASE, "spec": eo.spec, "draft_tokens": eo.draft_tokens}))
         assert doc["summary"]["tokens_sha256"] == alone["summary"]["tokens_sha256"]
         assert doc["summary"]["accepted_tokens"] == alone["summary"]["accepted_tokens"]
         assert doc["label"] == opts.label
@@ -156,8 +162,8 @@ def test_bad_outputs_and_options_fail_before_any_work(tmp_path):
         assert r.exit_code == 2 and "a label is a file name" in r.output, (label, r.output)
     assert not (tmp_path / "g").exists() and not (tmp_path / "x").exists()
     assert not list(tmp_path.glob("o*.json.gz"))
-    opts = DecodeOptions(**BASE, max_concurrency=2, kv_capacity=300)
-    eng_opts = opts.engine_options()
+    opts = DecodeOptions.make(**BASE, max_concurrency=2, kv_capacity=300)
+    eng_opts = opts.engine_options
     assert (eng_opts.max_concurrency, eng_opts.kv_capacity) == (2, 300)
 
 
@@ -215,7 +221,7 @@ def test_decode_tables_show_the_spread_of_the_repeats(tmp_path):
 
     from ninfer_bench.cli.suites import compare_table, decode_table
 
-    doc = run_decode(DecodeOptions(**{**BASE, "repeats": 3}))
+    doc = run_decode(DecodeOptions.make(**{**BASE, "repeats": 3}))
     samples = doc["summary"]["samples"]["decode_tok_s"]
     assert len(samples) == 3 and doc["summary"]["decode_tok_s"] == statistics.median(samples)
     console = Console(width=200, record=True)
@@ -237,5 +243,5 @@ def test_cuda_only_switches_off_are_refused_on_a_cpu(monkeypatch, flags, named):
     r = CliRunner().invoke(main, ["decode", "--model", "tiny", "--device", "cpu", *flags])
     assert r.exit_code == 1 and f"error: {named}: " in r.output and "CUDA" in r.output, r.output
     with pytest.raises(ValueError, match="--side-stream off"):
-        dec.refuse_cuda_switches("cpu", {"--pdl": (True,), "--side-stream": (True, False)})
-    dec.refuse_cuda_switches("cpu", {"--pdl": (True,), "--side-stream": (True,)})
+        refuse_cuda_switches("cpu", {"pdl": (True,), "side_stream": (True, False)})
+    refuse_cuda_switches("cpu", {"pdl": (True,), "side_stream": (True,)})

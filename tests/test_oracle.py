@@ -370,14 +370,14 @@ def test_niah_oracle_file_is_extended_not_rebuilt(tmp_path, monkeypatch):
                         real(self, ids, *a, **k))
     out = tmp_path / "o.json.gz"
     opts = dict(model="tiny", ctxs=(512,), answer_tokens=4)
-    build_niah_oracle("tiny", NiahOptions(depths=(0,), **opts), str(out))
+    build_niah_oracle("tiny", NiahOptions.make(depths=(0,), **opts), str(out))
     first, _ = load_oracle(out)
-    build_niah_oracle("tiny", NiahOptions(depths=(0, 100), **opts), str(out))
+    build_niah_oracle("tiny", NiahOptions.make(depths=(0, 100), **opts), str(out))
     records, meta = load_oracle(out)
     assert len(calls) == 2 and meta["depths"] == [0, 100]  # depth 0 reused, depth 100 computed
     assert sorted(r["id"] for r in records) == ["ctx512-d0-0", "ctx512-d100-0"]
     assert next(r for r in records if r["id"] == "ctx512-d0-0")["tokens"] == first[0]["tokens"]
-    build_niah_oracle("tiny", NiahOptions(depths=(100,), **opts), str(out), force=True)
+    build_niah_oracle("tiny", NiahOptions.make(depths=(100,), **opts), str(out), force=True)
     records, meta = load_oracle(out)
     assert len(calls) == 3 and [r["id"] for r in records] == ["ctx512-d100-0"] and meta["depths"] == [100]
 
@@ -393,7 +393,7 @@ def test_niah_oracle_cases_record_their_device(tmp_path):
     from ninfer_bench.suites.niah import NiahOptions, build_niah_oracle
 
     out = tmp_path / "o.json.gz"
-    build_niah_oracle("tiny", NiahOptions(model="tiny", ctxs=(512,), depths=(0,), answer_tokens=3), str(out),
+    build_niah_oracle("tiny", NiahOptions.make(model="tiny", ctxs=(512,), depths=(0,), answer_tokens=3), str(out),
                       device="cpu")
     records, meta = load_oracle(out)
     assert [r["device"] for r in records] == ["cpu"]
@@ -421,7 +421,7 @@ def test_niah_oracle_keeps_finished_depths_when_interrupted(tmp_path):
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        build_niah_oracle("tiny", NiahOptions(model="tiny", ctxs=(512,), depths=(0, 50, 100), answer_tokens=3),
+        build_niah_oracle("tiny", NiahOptions.make(model="tiny", ctxs=(512,), depths=(0, 50, 100), answer_tokens=3),
                           str(out), progress=stop_at_second)
     records, meta = load_oracle(out)
     assert meta["depths"] == [0] and [r["id"] for r in records] == ["ctx512-d0-0"]
@@ -437,7 +437,7 @@ def test_niah_oracles_belong_to_a_text_model_not_an_artifact(tmp_path):
     path = tmp_path / "o.json.gz"
     save_oracle(path, [rec], {"artifact_id": "old", "artifact_sha256": "", "text_id": "a" * 64, "dtype": "float64",
                               "top_k": 1, "suite": "niah"})
-    opts = NiahOptions(ctxs=(2048,), oracle=str(path))
+    opts = NiahOptions.make(ctxs=(2048,), oracle=str(path))
     assert list(_load_oracles(opts, {"artifact_id": "new", "text_id": "a" * 64})) == ["c0"]
     with pytest.raises(ValueError, match="oracle made for text model"):
         _load_oracles(opts, {"artifact_id": "old", "text_id": "b" * 64})
@@ -465,9 +465,9 @@ def test_niah_oracle_extended_by_new_depths_and_more_cases(tmp_path, monkeypatch
     calls = _counting_greedy(monkeypatch)
     out = tmp_path / "x.json.gz"
     opts = dict(model="tiny", ctxs=(256,), answer_tokens=3)
-    build_niah_oracle("tiny", NiahOptions(depths=(0, 50, 100), **opts), str(out))
-    build_niah_oracle("tiny", NiahOptions(depths=(25,), **opts), str(out))
-    build_niah_oracle("tiny", NiahOptions(depths=(25, 50), cases=2, **opts), str(out))
+    build_niah_oracle("tiny", NiahOptions.make(depths=(0, 50, 100), **opts), str(out))
+    build_niah_oracle("tiny", NiahOptions.make(depths=(25,), **opts), str(out))
+    build_niah_oracle("tiny", NiahOptions.make(depths=(25, 50), cases=2, **opts), str(out))
     records, meta = load_oracle(out)
     assert sorted(r["id"] for r in records) == ["ctx256-d0-0", "ctx256-d100-0", "ctx256-d25-0", "ctx256-d25-1",
                                                 "ctx256-d50-0", "ctx256-d50-1"]
@@ -486,15 +486,15 @@ def test_niah_oracle_with_other_settings_refused_unless_forced(tmp_path, monkeyp
     out = tmp_path / "x.json.gz"
     case = dict(model="tiny", ctxs=(256,), answer_tokens=3, seed=0)
     kw = dict(top_k=8, dtype="fp64")
-    build_niah_oracle("tiny", NiahOptions(depths=(0, 100), **case), str(out), **kw)
+    build_niah_oracle("tiny", NiahOptions.make(depths=(0, 100), **case), str(out), **kw)
     before = out.read_bytes()
     case.update((k, v) for k, v in change.items() if k in case)
     kw.update((k, v) for k, v in change.items() if k in kw)
     calls = _counting_greedy(monkeypatch)
     with pytest.raises(ValueError, match=rf"{re.escape(named)}\. --force replaces the file"):
-        build_niah_oracle("tiny", NiahOptions(depths=(50,), **case), str(out), **kw)
+        build_niah_oracle("tiny", NiahOptions.make(depths=(50,), **case), str(out), **kw)
     assert out.read_bytes() == before and calls == []
-    build_niah_oracle("tiny", NiahOptions(depths=(50,), **case), str(out), force=True, **kw)
+    build_niah_oracle("tiny", NiahOptions.make(depths=(50,), **case), str(out), force=True, **kw)
     records, meta = load_oracle(out)
     assert [r["id"] for r in records] == ["ctx256-d50-0"] and meta["depths"] == [50]
     assert all(meta[k] == v for k, v in change.items())
@@ -507,18 +507,18 @@ def test_niah_oracle_of_another_model_or_prompt_refused(tmp_path, tiny_artifact)
 
     out = tmp_path / "x.json.gz"
     opts = dict(ctxs=(256,), answer_tokens=3)
-    build_niah_oracle("tiny", NiahOptions(depths=(0,), **opts), str(out))
+    build_niah_oracle("tiny", NiahOptions.make(depths=(0,), **opts), str(out))
     before = out.read_bytes()
     with pytest.raises(ValueError, match=r"oracle made for preset tiny, this model is text model [0-9a-f]{16} "
                                          r"\(artifact \w+\)\. --force replaces the file"):
-        build_niah_oracle(str(tiny_artifact), NiahOptions(depths=(50,), **opts), str(out))
+        build_niah_oracle(str(tiny_artifact), NiahOptions.make(depths=(50,), **opts), str(out))
     assert out.read_bytes() == before
     records, meta = load_oracle(out)
     records[0]["prompt_ids"][5] += 1
     save_oracle(out, records, meta)
     with pytest.raises(ValueError, match=r"case ctx256-d0-0's stored prompt is not the one built now \(tokenizer "
                                          r"or haystack changed\)"):
-        build_niah_oracle("tiny", NiahOptions(depths=(50,), **opts), str(out))
+        build_niah_oracle("tiny", NiahOptions.make(depths=(50,), **opts), str(out))
 
 
 def test_niah_oracle_identity_names_what_differs(tmp_path):
@@ -537,7 +537,7 @@ def test_niah_oracle_identity_names_what_differs(tmp_path):
     for name, extra in (("named", {"preset": "tiny"}), ("legacy", {})):  # legacy: no preset name recorded
         path = tmp_path / f"{name}.json.gz"
         save_oracle(path, [rec], {**base, **extra})
-        opts = NiahOptions(ctxs=(2048,), oracle=str(path))
+        opts = NiahOptions.make(ctxs=(2048,), oracle=str(path))
         assert list(_load_oracles(opts, tiny)) == ["c0"]
         what = "preset tiny" if extra else r"an unnamed preset \(config sha256 [0-9a-f]{16}\)"
         with pytest.raises(ValueError, match=rf"oracle made for {what}, this model is text model b{{16}} "
@@ -545,15 +545,15 @@ def test_niah_oracle_identity_names_what_differs(tmp_path):
             _load_oracles(opts, artifact)
     with pytest.raises(ValueError, match=r"oracle made for preset tiny with config sha256 \w{16}, this model is "
                                          r"preset tiny with config sha256 0{16}"):
-        _load_oracles(NiahOptions(oracle=str(tmp_path / "named.json.gz")), {**tiny, "config_sha256": "0" * 64})
+        _load_oracles(NiahOptions.make(oracle=str(tmp_path / "named.json.gz")), {**tiny, "config_sha256": "0" * 64})
     path = tmp_path / "art.json.gz"
     save_oracle(path, [rec], {**base, "artifact_id": "abc", "artifact_sha256": "f" * 64, "text_id": "b" * 64})
-    assert list(_load_oracles(NiahOptions(oracle=str(path)), {**artifact, "artifact_id": "redrafted"})) == ["c0"]
+    assert list(_load_oracles(NiahOptions.make(oracle=str(path)), {**artifact, "artifact_id": "redrafted"})) == ["c0"]
     with pytest.raises(ValueError, match=r"oracle made for text model b{16} \(artifact abc\), this model is preset "
                                          r"tiny"):
-        _load_oracles(NiahOptions(oracle=str(path)), tiny)
+        _load_oracles(NiahOptions.make(oracle=str(path)), tiny)
     with pytest.raises(ValueError, match=r"oracle cases built with answer_tokens 10 \(this run: 4\)"):
-        _load_oracles(NiahOptions(oracle=str(path), answer_tokens=4), artifact)
+        _load_oracles(NiahOptions.make(oracle=str(path), answer_tokens=4), artifact)
 
 
 def test_niah_needle_sits_at_its_depth_of_the_body_tokens():

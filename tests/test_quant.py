@@ -1,4 +1,4 @@
-"""Weight formats: packing is lossless for codes, dequant matches the DESIGN.md formula, error bounds hold."""
+"""Weight formats: packing is lossless for codes, dequant matches the docs/DESIGN.md formula, error bounds hold."""
 
 import numpy as np
 import pytest
@@ -18,7 +18,7 @@ def _weights(shape, seed=0):
 
 
 def _reference(w: torch.Tensor, fmt: str):
-    """DESIGN.md in numpy: codes [N, Kp], scales fp16 [N, G] and dequantized [N, K]."""
+    """docs/DESIGN.md in numpy: codes [N, Kp], scales fp16 [N, G] and dequantized [N, K]."""
     group, qmax, _ = quant.QSPEC[fmt]
     x = w.reshape(-1, w.shape[-1]).numpy().astype(np.float32)
     n, k = x.shape
@@ -72,7 +72,7 @@ def test_error_bound(fmt, shape):
     assert bool((excess <= 0).all()), f"bound exceeded by up to {excess.max():.3g}"
 
 
-CODE_RANGE = {"q8_g32_fp16": (-127, 127), "q5_g64_fp16": (-16, 15), "q4_g64_fp16": (-8, 7)}  # DESIGN.md
+CODE_RANGE = {"q8_g32_fp16": (-127, 127), "q5_g64_fp16": (-16, 15), "q4_g64_fp16": (-8, 7)}  # what the unpacker accepts
 
 
 @pytest.mark.parametrize("fmt", quant.QUANT_FORMATS)

@@ -19,7 +19,7 @@ def engine(**kw):
 
 
 def test_the_documented_import_path():
-    """DESIGN.md's API: ``from ninfer_bench.engine import Engine``."""
+    """docs/DESIGN.md's API: ``from ninfer_bench.engine import Engine``."""
     import ninfer_bench.engine as engine_pkg
 
     assert engine_pkg.Engine is Engine
@@ -167,8 +167,8 @@ def test_top_p_keeps_the_nucleus_only():
 
 
 def test_decode_document_has_every_required_key(tmp_path):
-    doc = run_decode(DecodeOptions(model="tiny", device="cpu", max_new_tokens=16, repeats=2, warmup=0,
-                                   spec="dflash2", draft_tokens=3))
+    doc = run_decode(DecodeOptions.make(model="tiny", device="cpu", max_new_tokens=16, repeats=2, warmup=0,
+                                        spec="dflash2", draft_tokens=3))
     validate(doc)
     s = doc["summary"]
     for key in REQUIRED_SUMMARY["decode"] + ("weight_bytes_per_step", "copy_bandwidth_gbps", "roofline_fraction",
@@ -186,10 +186,10 @@ def test_hf_peer_same_tokens_and_real_timings():
     kw = dict(model="tiny", device="cpu", dtype="fp32", kv_dtype="fp32", max_new_tokens=12, repeats=1, warmup=0)
     if cpu_blocked():  # (the H200 machine: transformers 5.17 with fla-core) refused before any work, saying why
         with pytest.raises(ValueError, match="--engine hf on the CPU: transformers .* fla's Triton kernels"):
-            run_decode(DecodeOptions(engine="hf", **kw))
+            run_decode(DecodeOptions.make(engine="hf", **kw))
         return
-    ours = run_decode(DecodeOptions(**kw))
-    peer = run_decode(DecodeOptions(engine="hf", **kw))
+    ours = run_decode(DecodeOptions.make(**kw))
+    peer = run_decode(DecodeOptions.make(engine="hf", **kw))
     assert peer["summary"]["tokens_sha256"] == ours["summary"]["tokens_sha256"]
     assert peer["model"]["gdn_kernels"] in ("fla", "torch fallback")
     assert peer["model"]["generate"] == "inference_mode, torch default dtype float32"
@@ -212,7 +212,7 @@ def test_hf_peer_on_the_cpu_is_refused_where_transformers_would_send_cpu_tensors
     monkeypatch.setattr(transformers, "__version__", "5.17.0")
     assert "transformers 5.17.0 with fla-core installed" in cpu_blocked()
     with pytest.raises(ValueError, match="--engine hf on the CPU: transformers 5.17.0"):
-        run_decode(DecodeOptions(model="tiny", device="cpu", engine="hf", max_new_tokens=4, repeats=1, warmup=0))
+        run_decode(DecodeOptions.make(model="tiny", device="cpu", engine="hf", max_new_tokens=4, repeats=1, warmup=0))
     monkeypatch.setattr(transformers, "__version__", "5.24.0")
     assert cpu_blocked() is None
 

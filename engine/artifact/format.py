@@ -2,7 +2,7 @@
 constants, header digest and error type serve the reader (:mod:`.reader`) and the writer
 (:mod:`.writer`); the fixed header and each object entry are parsed and checked here.
 
-Byte layout (DESIGN.md "Artifact container"; integers little-endian, object offsets relative to the payload):
+Byte layout (docs/DESIGN.md, "Artifact formats"; integers little-endian, object offsets relative to the payload):
 
 ====  ========================================================================================================
 v3    ``b"NINFER\\0\\x03"`` | u64 JSON length | 16-byte artifact id | JSON | zeros up to 4096 | payload

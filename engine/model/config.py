@@ -262,7 +262,7 @@ class ModelConfig:
 
 
 PRESETS: dict[str, dict] = {
-    # Qwen3.5-27B text shape (DESIGN.md "reference shape").
+    # Qwen3.5-27B text shape (docs/DESIGN.md, "The model family").
     "qwen3.8-27b": dict(
         vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
         num_attention_heads=24, num_key_value_heads=4, head_dim=256,

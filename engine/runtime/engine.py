@@ -49,7 +49,7 @@ def _sync(device: torch.device) -> None:
 
 
 class Engine:
-    """An inference engine bound to one model, one device and fixed capacities (see DESIGN.md)."""
+    """An inference engine bound to one model, one device and fixed capacities (docs/DESIGN.md, "Engine and runtime")."""
 
     def __init__(self, loaded: LoadedModel, options: EngineOptions):
         self.options = opts = options
@@ -202,9 +202,9 @@ class Engine:
         return MediaBudget(self.media_limits)
 
     def media_prompt(self, ids: list[int], items: list[MediaInput]) -> tuple[list[int], MediaPrompt | None]:
-        """``ids`` with one placeholder per item (:func:`..media.prompt.placeholder`) widened to the item's vision tokens,
-        and where those go; (ids, None) without media. ValueError when the placeholders and the items disagree,
-        no items included: a placeholder typed into the text would take the pad embedding with no image."""
+        """``ids`` with one placeholder per item (:func:`..media.prompt.placeholder`) widened to the item's vision
+        tokens, and where those go; (ids, None) without media. ValueError when the placeholders and the items
+        disagree, no items included: a placeholder typed into the text would take the pad embedding with no image."""
         if not items:
             if self.vision is not None:
                 from ..media.prompt import expand
@@ -373,7 +373,8 @@ class Engine:
         seq.length += len(piece)
         final = seq.length == len(seq.prompt)
         if seq.prompt_scores is not None:  # each position scores the prompt token after it
-            seq.prompt_scores.add(self.model.logits, hidden[0], start, self.device_ids(seq.prompt[start + 1:seq.length + 1]))
+            following = self.device_ids(seq.prompt[start + 1:seq.length + 1])
+            seq.prompt_scores.add(self.model.logits, hidden[0], start, following)
             if final:
                 seq.prompt_scores.finish()
         if prefill_only:  # nothing to generate, nothing to draft: the sequence ends with its prompt

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -20,11 +20,30 @@ def apply_cpu_threads(hidden_size: int, requested: int | None = None) -> None:
         torch.set_num_threads(threads)
 
 
+@dataclass(frozen=True, slots=True)
+class Switch:
+    """An on / off engine switch that changes only runs on CUDA (graphs, fused kernels) and that a decode grid can
+    compare: its flag, the label suffix of a run with it off, and the runs it applies to (``plain``: no drafter;
+    ``spec``: a drafter; ``v3``: the v3 runtime)."""
+
+    flag: str
+    off_label: str
+    applies: str
+    help: str
+
+    def applies_to(self, runtime: str, spec: str) -> bool:
+        return {"plain": spec == "none", "spec": spec != "none", "v3": runtime == "v3"}[self.applies]
+
+
+def _switch(flag: str, off_label: str, applies: str, help: str):
+    return field(default=True, metadata={"switch": Switch(flag, off_label, applies, help)})
+
+
 @dataclass(slots=True)
 class EngineOptions:
     """What an Engine is bound to. ``kv_capacity`` is the total number of K/V tokens, split evenly over
     ``max_concurrency`` slots (as llama.cpp splits ``-c`` over ``-np``); it defaults to
-    ``max_context * max_concurrency``."""
+    ``max_context * max_concurrency``. Measured effects of the switches: ``docs/perf/README.md``."""
 
     device: str = "auto"
     dtype: str = "auto"
@@ -32,8 +51,7 @@ class EngineOptions:
     max_context: int | None = None  # None: 8192, or the model's limit when smaller
     kv_capacity: int | None = None
     max_concurrency: int = 1
-    prefill_chunk: int = 2048  # prompt tokens a forward (each chunk dequantizes every packed weight once on CUDA:
-    #                            H200 27B 818-token prefill 275 ms in two chunks of 512, 148 ms in one)
+    prefill_chunk: int = 2048  # prompt tokens a forward (on CUDA each chunk dequantizes every packed weight once)
     interleave_chunk: int | None = 512  # prompt tokens a scheduler iteration prefills while others decode (None:
     #                                     prefill_chunk): smaller trades a newcomer's TTFT for the others' ITL
     runtime: str = "v3"
@@ -42,33 +60,30 @@ class EngineOptions:
     rollback: str = "recompute"
     lm_head_draft: int = 0
     cuda_graphs: bool = True
-    draft_graphs: bool = True  # greedy drafting replayed from CUDA graphs (v3 on CUDA): MTP's draft steps and its
-    #                            pass over each verified block, DFlash / DFlash2 block drafting and their context K/V
-    #                            of each verified block; the eager drafts' tokens. H200 27B a round: MTP3 14.0 ->
-    #                            11.5 ms (commit captured too), DFlash2 K=7 22.9 -> 13.6 ms; bundled DFlash2 K=7
-    #                            2.22 -> 1.34 ms with its context commit captured
-    lookahead: bool = True  # greedy single-sequence decode on CUDA graphs: launch step n + 1 before reading
-    #                         token n (a finished sequence's extra step writes the scratch slot)
-    pdl: bool = True  # the decode step's kernels (qmv and the fused Triton glue) launch with programmatic dependent
-    #                   launch in CUDA graphs (sm_90+, ignored elsewhere; process-wide: kernels/_triton.set_pdl): each
-    #                   may launch while the one before finishes. H200 27B step 6.08 -> 5.82 ms. (The MTP runs that
-    #                   once made it an opt-in differed with it off too: verify passes were not token-invariant,
-    #                   docs/perf/2026-11-30-token-invariance-h200.md)
-    side_stream: bool = True  # captured decode steps run each GDN layer's b / a and z projections on side streams,
-    #                           graph branches beside the main chain (engine/model/fused_forward.py; z then keeps a weight of its
-    #                           own, apart from qkv's). H200 27B step 5.62 -> 5.35 ms; branch launches take K in one
-    #                           pass (kernels/_triton.single_pass): split-K launches there once shared the device's
-    #                           split-K scratch with the main chain's and the bundled model's tokens changed from run
-    #                           to run (docs/perf/2026-11-30-side-streams-fixed-h200.md)
-    silu_epilogue: bool = True  # fused kernels: the MLP gate / up weight interleaved in runs of 8 rows so that qmv
-    #                             stores silu(gate) * up itself (one launch less a layer; H200 27B step 5.41 -> 5.36 ms,
-    #                             the same tokens: docs/perf/2026-11-30-silu-epilogue-h200.md)
+    draft_graphs: bool = _switch(
+        "--draft-graphs", "-eagerdraft", "spec",
+        "Greedy drafting (MTP, DFlash, DFlash2) and each drafter's pass over the verified block replayed from CUDA "
+        "graphs (v3 on CUDA; off: eager drafting).")
+    lookahead: bool = _switch(
+        "--lookahead", "-sync", "plain",
+        "Plain greedy decode on CUDA graphs: queue step n + 1 before reading token n (a finished sequence's extra "
+        "step writes the scratch slot; off: read each token first).")
+    pdl: bool = _switch(
+        "--pdl", "-nopdl", "v3",
+        "The decode step's kernels (qmv and the fused Triton glue) launch with programmatic dependent launch in CUDA "
+        "graphs (sm_90+, ignored on older GPUs; process-wide: kernels/_triton.set_pdl).")
+    side_stream: bool = _switch(
+        "--side-stream", "-noside", "v3",
+        "Captured decode steps run a GDN layer's b / a and z projections on CUDA-graph branches beside the main "
+        "chain (z then keeps a weight of its own, apart from qkv's).")
+    silu_epilogue: bool = _switch(
+        "--silu-epilogue", "-nosilu", "v3",
+        "The MLP's gate / up weight interleaved in runs of 8 rows so that the projection kernel stores "
+        "silu(gate) * up itself (CUDA, cupy).")
     qmv_dense: bool = True  # small dense bf16/fp16 projections (<= 1024 rows, <= 64 x rows) through qmv's dense
-    #                         path instead of cuBLAS (process-wide: kernels/qmv_cuda.set_dense; H200 27B step 8.01 ->
-    #                         7.90 ms)
+    #                         path instead of cuBLAS (process-wide: kernels/qmv_cuda.set_dense)
     qmv_layout: str = "lanes"  # packed weights of bf16/fp16 models on CUDA: "lanes" (qmv's tile-contiguous layout
-    #                            with one load a lane and no x shuffles; H200 27B step 6.43 -> 6.08 ms GPU busy),
-    #                            "tiled" (tile-contiguous; 1.1-1.3x faster projections than rows) or "rows" (the
+    #                            with one load a lane and no x shuffles), "tiled" (tile-contiguous) or "rows" (the
     #                            row-major buffers)
     gdn_impl: str = "auto"
     kernels: str = "auto"  # decode/verify kernels: auto (fused Triton for v3 on CUDA), torch, or triton
@@ -168,3 +183,18 @@ class EngineOptions:
     def slot_capacity(self) -> int:
         """K/V tokens one sequence may hold."""
         return self.kv_capacity // self.max_concurrency
+
+
+SWITCHES: dict[str, Switch] = {f.name: f.metadata["switch"] for f in fields(EngineOptions) if "switch" in f.metadata}
+
+
+def refuse_cuda_switches(device: str, switches: dict[str, tuple[bool, ...]]) -> None:
+    """Refuse, before any work, a switch of :data:`SWITCHES` asked off (``{name: values}``) for a run that is not on
+    CUDA: the same run would come out under another label, which a gate takes for another experiment."""
+    if EngineOptions(device=device).torch_device.type == "cuda":
+        return
+    off = [SWITCHES[name].flag for name, values in switches.items() if False in values]
+    if off:
+        raise ValueError(f"{', '.join(off)} off: {'these switches change' if len(off) > 1 else 'this switch changes'} "
+                         f"only a run on CUDA (its graphs and fused kernels); on a CPU every run would take the "
+                         f"same path under another label")

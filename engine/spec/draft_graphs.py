@@ -15,8 +15,8 @@ from ..model.graphs import capture
 
 
 class DraftGraphs:
-    """One drafter's captured functions. ``runner`` (default the engine's :class:`engine.model.graphs.GraphRunner`) gives
-    the batch buckets (``bucket(b)``) and the memory pool (``pool``)."""
+    """One drafter's captured functions. ``runner`` (default the engine's :class:`..model.graphs.GraphRunner`) gives the
+    batch buckets (``bucket(b)``) and the memory pool (``pool``)."""
 
     def __init__(self, engine, runner=None):
         self.e = engine

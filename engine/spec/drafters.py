@@ -180,7 +180,8 @@ class MTPDrafter:
             return
         pos = torch.arange(start, start + m, device=self.e.device)[None]
         rope = seq.media.rope_pos[:, None, start:start + m].to(pos.device) if seq.media is not None else None
-        h, logits = self.forward(hidden[None, :m], self.e.device_ids([nxt]), pos, self.e.device_ids([seq.slot]), start + m,
+        e = self.e
+        h, logits = self.forward(hidden[None, :m], e.device_ids([nxt]), pos, e.device_ids([seq.slot]), start + m,
                                  PREFILL, rope)
         if not final:
             return
