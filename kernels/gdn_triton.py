@@ -13,12 +13,11 @@ Shapes (C = 2 * Hk * dk + Hv * dv channels, q | k | v; W the conv width; S cache
 
 Two launches (three with block_v < dv):
 
-1. ``_prep_kernel`` over (B, Hk + Hv): one program per k head (its q and k channels) or v head (its v channels and
-   gates), for the T tokens one after the other (so every sum is the same bits whatever T is: a verify pass over
-   drafted tokens computes what single decode steps compute): conv + SiLU, L2 norms, q.k, e^g and beta, written
-   to a small fp32 workspace
-   ([B, T, C] and [B, T, 2 Hv + Hk]); and the channels' new conv windows (ending at keep[b]) into the cache. Each
-   channel is read and written by one program only, so the conv state is updated in place with no race.
+1. ``_prep_kernel`` over (B, Hk + Hv, T): one program per k head (its q and k channels) or v head (its v channels
+   and gates) and token, each token computed as a single decode step computes it (so every sum is the same bits
+   whatever T is: a verify pass over drafted tokens computes what single decode steps compute): conv + SiLU, L2
+   norms, q.k, e^g and beta, written to a small fp32 workspace ([B, T, C] and [B, T, 2 Hv + Hk]). It writes nothing
+   of the cache, so the tokens run side by side.
 2. ``_recur_kernel`` over (B * Hv, dv / BV): the fp32 state tile ``S[:, v block]`` ([dk, BV]) stays in registers
    across the T tokens (read and written once per call; the cache's state is read before the PDL wait, beside the
    prep kernel's tail). The token loop is unrolled and its inputs come from the
@@ -28,12 +27,16 @@ Two launches (three with block_v < dv):
    o goes to an fp32 buffer and
 3. ``_gated_norm_kernel`` normalises it.
 
+A verify pass can keep the workspace (``return_workspace``); its rollback is then the recurrence alone
+(``workspace`` with ``keep``): one launch a layer.
+
 (An earlier single-launch version, with every program of a k head recomputing its q/k conv and holding all T
 tokens' q/k/v in registers, used 255 registers per thread with spills at T = 8 and ran 4-8x over the floor there.)
 
-State write-back (``write_state``): the state after the first ``keep[b]`` tokens (tokens past keep[b] get
-beta = 0 and g = 0, which leaves the state exactly unchanged) goes to ``ssm[slots[b]]``, each tile by the program
-that read it, and the conv window ending at keep[b] to ``conv_state[slots[b]]``.
+State write-back (``write_state``, by the recurrence): the state after the first ``keep[b]`` tokens (tokens past
+keep[b] get beta = 0 and g = 0, which leaves the state exactly unchanged) goes to ``ssm[slots[b]]``, each tile by the
+program that read it, and the conv window ending at keep[b] to ``conv_state[slots[b]]``, each channel by one program
+of v block 0, which reads its old window before it writes the new one.
 
 No host synchronisation and a grid that depends only on static sizes: CUDA-graph safe. Slots must be distinct.
 Triton is imported on first use, so this module imports on machines without it.
@@ -56,7 +59,7 @@ from .gdn import STEP_MAX_T, gated_delta_rule_ref, l2norm
 from .gdn_triton_kernels import jit_kernels as _kernels
 from .norm import gated_rms_norm_ref
 
-__all__ = ["GDNConfig", "plan", "gdn_decode", "gdn_decode_ref", "triton_available", "MAX_T"]
+__all__ = ["GDNConfig", "GDNWorkspace", "plan", "gdn_decode", "gdn_decode_ref", "triton_available", "MAX_T"]
 
 MAX_T = STEP_MAX_T  # tokens per call: every token's q/k/v tiles stay in registers for the whole loop
 L2_EPS = 1e-6  # l2norm's eps (kernels/gdn.py)
@@ -189,9 +192,21 @@ def gdn_decode_ref(qkv, z, b, a, conv_state, conv_w, ssm, slots, A_log, dt_bias,
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class GDNWorkspace:
+    """What the prep launch of :func:`gdn_decode` leaves for the recurrence: the conv + SiLU outputs (q normalised
+    and scaled, k normalised, v) ``work [B, T, C]`` and ``gates [B, T, 2 Hv + Hk]`` (e^g | beta | q.k), fp32. A
+    verify pass keeps it (``return_workspace``), so its rollback (``workspace`` and ``keep``) runs the recurrence
+    alone."""
+
+    work: torch.Tensor
+    gates: torch.Tensor
+
+
 def gdn_decode(qkv, z, b, a, conv_state, conv_w, ssm, slots, A_log, dt_bias, norm_w, eps, *,
                keep=None, conv_init=None, ssm_init=None, states_out=None, write_state=True,
-               config: GDNConfig | None = None, before_z=None):
+               config: GDNConfig | None = None, before_z=None, workspace: GDNWorkspace | None = None,
+               return_workspace: bool = False):
     """One GDN layer's token mixing for T (1..16) new tokens of B slots: two launches (three when block_v < dv).
 
     qkv [B, T, C] (C = 2*Hk*dk + Hv*dv: the in_proj_qkv output before the conv, q | k | v), z [B, T, Hv*dv],
@@ -210,7 +225,9 @@ def gdn_decode(qkv, z, b, a, conv_state, conv_w, ssm, slots, A_log, dt_bias, nor
     after keep[b] tokens is written to conv_state[slots] / ssm[slots]. states_out [B, T, Hv, dk, dv] fp32, when
     given, receives the state after every token. No host synchronisation, static grid: CUDA-graph safe.
     ``config`` overrides :func:`plan` (tuning, tests). ``before_z``, when given, is called right before the first
-    launch that reads z (z may still be in the making on another stream until then).
+    launch that reads z (z may still be in the making on another stream until then). ``return_workspace``: return
+    (out, :class:`GDNWorkspace`); ``workspace``: that of an earlier call on the same qkv, conv state and gates (b, a
+    are then not read), whose prep launch this call skips - a verify pass's rollback is one launch.
     """
     bsz, t, c, hk, hv, dk, dv, w = _check(qkv, z, b, a, conv_state, conv_w, ssm, slots, A_log, dt_bias, norm_w,
                                           keep, conv_init, ssm_init, states_out)
@@ -223,18 +240,23 @@ def gdn_decode(qkv, z, b, a, conv_state, conv_w, ssm, slots, A_log, dt_bias, nor
                          f"their first use), got qkv on {qkv.device}")
     cfg = config or plan(dk, dv)
     dev, bt = qkv.device, _pow2(t)
-    work = _new_buffer((bsz, t, c), torch.float32, dev)  # q (normalised, scaled) | k (normalised) | v
-    gates = _new_buffer((bsz, t, 2 * hv + hk), torch.float32, dev)  # e^g | beta | q.k
     conv_src = conv_init if conv_init is not None else conv_state
-    kp = keep if keep is not None else slots  # placeholders keep one signature; never read with the flag off
-    kern["prep"][(bsz, hk + hv)](
-        qkv, conv_src, conv_w.contiguous(), conv_state, slots, kp, b, a, A_log, dt_bias, work, gates,
-        qkv.stride(0), qkv.stride(1), *conv_src.stride(), *conv_state.stride(), b.stride(0), b.stride(1),
-        a.stride(0), a.stride(1), t, dk ** -0.5,
-        HK=hk, HV=hv, DK=dk, DV=dv, W=w, BT=bt, BD=max(16, _pow2(max(dk, dv))), BW=_pow2(w - 1),
-        HAS_KEEP=keep is not None, CONV_INIT=conv_init is not None, WRITE_STATE=write_state,
-        num_warps=4 if max(dk, dv) >= 512 else 2, **_triton.pdl_args(dev),  # not from T: the sums' layout
-    )
+    if workspace is None:
+        if b is None or a is None:
+            raise ValueError("gdn_decode: b and a are needed without a workspace")
+        work = _new_buffer((bsz, t, c), torch.float32, dev)  # q (normalised, scaled) | k (normalised) | v
+        gates = _new_buffer((bsz, t, 2 * hv + hk), torch.float32, dev)  # e^g | beta | q.k
+        kern["prep"][(bsz, hk + hv, t)](  # one token a program: each token's sums as a single step's
+            qkv, conv_src, conv_w.contiguous(), slots, b, a, A_log, dt_bias, work, gates,
+            qkv.stride(0), qkv.stride(1), *conv_src.stride(), b.stride(0), b.stride(1), a.stride(0), a.stride(1),
+            t, dk ** -0.5,
+            HK=hk, HV=hv, DK=dk, DV=dv, W=w, BD=max(16, _pow2(max(dk, dv))), CONV_INIT=conv_init is not None,
+            num_warps=4 if max(dk, dv) >= 512 else 2, **_triton.pdl_args(dev),  # not from T: the sums' layout
+        )
+    else:
+        work, gates = workspace.work, workspace.gates
+        if tuple(work.shape) != (bsz, t, c) or tuple(gates.shape) != (bsz, t, 2 * hv + hk):
+            raise ValueError(f"gdn_decode: the workspace is for {list(work.shape)}, not this call's {[bsz, t, c]}")
     bv = min(cfg.block_v, max(8, _pow2(dv)))
     fused_norm = bv >= dv
     has_out = z is not None
@@ -246,12 +268,14 @@ def gdn_decode(qkv, z, b, a, conv_state, conv_w, ssm, slots, A_log, dt_bias, nor
     so = states_out if states_out is not None else ssm
     if has_out and fused_norm and before_z is not None:
         before_z()  # the recurrence's epilogue reads z
+    kp = keep if keep is not None else slots  # a placeholder keeps one signature; never read with HAS_KEEP off
     kern["recur"][(bsz * hv, -(-dv // bv))](
-        work, gates, ssm_src, ssm, slots, so, zz, norm_w, y,
+        work, gates, ssm_src, ssm, slots, kp, so, zz, norm_w, y, qkv, conv_src, conv_state,
         *ssm_src.stride()[:3], *ssm.stride()[:3], *so.stride()[:4], zz.stride(0), zz.stride(1), y.stride(0),
-        y.stride(1), t, eps,
-        HK=hk, R=hv // hk, DK=dk, DV=dv, BT=bt, BK=_pow2(dk), BV=bv,
-        SSM_INIT=ssm_init is not None, WRITE_STATE=write_state, STORE_STATES=states_out is not None,
+        y.stride(1), qkv.stride(0), qkv.stride(1), *conv_src.stride(), *conv_state.stride(), t, eps,
+        HK=hk, R=hv // hk, DK=dk, DV=dv, BT=bt, BK=_pow2(dk), BV=bv, W=w, BW=_pow2(w - 1), BDK=max(16, _pow2(dk)),
+        BDV=max(16, _pow2(dv)), SSM_INIT=ssm_init is not None, CONV_INIT=conv_init is not None,
+        HAS_KEEP=keep is not None, WRITE_STATE=write_state, STORE_STATES=states_out is not None,
         HAS_OUT=has_out, FUSED_NORM=fused_norm,
         num_warps=cfg.num_warps, **_triton.pdl_args(dev),
     )
@@ -263,4 +287,4 @@ def gdn_decode(qkv, z, b, a, conv_state, conv_w, ssm, slots, A_log, dt_bias, nor
             obuf, z, norm_w, out, obuf.stride(0), obuf.stride(1), z.stride(0), z.stride(1), out.stride(0),
             out.stride(1), t, hv, eps, DV=dv, BD=max(16, _pow2(dv)), HB=hb, num_warps=4, **_triton.pdl_args(dev),
         )
-    return out
+    return (out, GDNWorkspace(work, gates)) if return_workspace else out

@@ -1,7 +1,7 @@
 """The Triton kernels of :mod:`kernels.gdn_triton` (the device side; planning, checks, launches and the
-fp32 reference live there): ``_prep_kernel`` (conv + SiLU, L2 norms, gates into a workspace, new conv windows),
-``_recur_kernel`` (the delta-rule recurrence on a state tile held in registers, optionally the gated norm) and
-``_gated_norm_kernel``.
+fp32 reference live there): ``_prep_kernel`` (conv + SiLU, L2 norms, gates into a workspace, one token a program),
+``_recur_kernel`` (the delta-rule recurrence on a state tile held in registers, optionally the gated norm, the
+state and the new conv windows) and ``_gated_norm_kernel``.
 """
 
 from __future__ import annotations
@@ -17,22 +17,22 @@ from . import _triton
 tl = pdl_enter = None  # triton.language and the PDL helper, bound by jit_kernels()
 
 
-def _conv_row(x_base, stride_xt, src_base, stride_sc, stride_sw, CW, chan, c_ok, t: tl.constexpr, live,
-              W: tl.constexpr, BD: tl.constexpr):
-    """silu(depthwise causal conv) of channels ``chan`` for token ``t`` (``live``: t < T): [BD] fp32.
+def _conv_tok(x_base, stride_xt, src_base, stride_sc, stride_sw, CW, chan, c_ok, t, W: tl.constexpr,
+              BD: tl.constexpr):
+    """silu(depthwise causal conv) of channels ``chan`` for token ``t``: [BD] fp32.
 
     Token t reads positions t .. t+W-1 of cat(old window [W-1], new inputs [T]); the old window is src[c, 0:W-1].
-    One token at a time in a [BD] vector whose layout depends on BD alone: its sums (and the norms the caller
-    takes of it) are the same bits whatever T is, so a verify pass computes what single decode steps compute.
+    One token in a [BD] vector whose layout depends on BD alone: its sums (and the norms the caller takes of it)
+    are the same bits whatever T is, so a verify pass computes what single decode steps compute.
     """
     acc = tl.zeros([BD], tl.float32)
     for j in tl.static_range(W):
         wj = tl.load(CW + chan * W + j, mask=c_ok, other=0.0)
-        if t + j < W - 1:  # compile-time: the tap reads the old window or the new inputs
-            x = tl.load(src_base + chan * stride_sc + (t + j) * stride_sw, mask=c_ok & live, other=0.0)
-        else:
-            x = tl.load(x_base + (t + j - (W - 1)) * stride_xt + chan, mask=c_ok & live, other=0.0)
-        acc += wj * x.to(tl.float32)
+        p = t + j
+        old = p < W - 1  # the tap reads the old window, else the new inputs
+        xs = tl.load(src_base + chan * stride_sc + p * stride_sw, mask=c_ok & old, other=0.0).to(tl.float32)
+        xn = tl.load(x_base + (p - (W - 1)) * stride_xt + chan, mask=c_ok & (p >= W - 1), other=0.0).to(tl.float32)
+        acc += wj * tl.where(old, xs, xn)
     return acc * tl.sigmoid(acc)
 
 
@@ -48,92 +48,76 @@ def _window(x_base, stride_xt, src_base, stride_sc, stride_sw, chan, c_ok, keep,
     return tl.where(old[:, None], xs.to(tl.float32), xn.to(tl.float32))
 
 
-def _gates(b_ptr, stride_bt, a_ptr, stride_at, alog_ptr, dtb_ptr, offs_t, live):
-    """(e^g, beta) of tokens offs_t, [BT] fp32: beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias); 1 and 0
-    where ``live`` is false (offs_t < keep <= T, so padding rows are never read)."""
-    bt = tl.load(b_ptr + offs_t * stride_bt, mask=live, other=0.0).to(tl.float32)
-    x = tl.load(a_ptr + offs_t * stride_at, mask=live, other=0.0).to(tl.float32) + tl.load(dtb_ptr)
-    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))  # torch's threshold 20
-    decay = tl.exp(-tl.exp(tl.load(alog_ptr)) * softplus)
-    return tl.where(live, decay, 1.0), tl.where(live, tl.sigmoid(bt), 0.0)
+def _write_window(x_base, stride_xt, src_base, stride_sc, stride_sw, dst_base, stride_vc, stride_vw, chan, c_ok,
+                  keep, ty, W: tl.constexpr, BW: tl.constexpr):
+    """Channels ``chan``'s new conv window (the W-1 inputs ending at token ``keep``) into the cache: read whole
+    before any of it is written (the source may be the same cache rows)."""
+    win = _window(x_base, stride_xt, src_base, stride_sc, stride_sw, chan, c_ok, keep, W, BW)
+    tl.debug_barrier()  # every thread's reads of the old window before any write over it
+    jj = tl.arange(0, BW)[:, None]
+    tl.store(dst_base + chan[None, :] * stride_vc + jj * stride_vw, win.to(ty), mask=(jj < W - 1) & c_ok[None, :])
 
 
-def _prep_kernel(QKV, CSRC, CW, CONV, SLOTS, KEEP, BB, AA, ALOG, DTB, WORK, GATES,
-                 stride_xb, stride_xt, stride_cb, stride_cc, stride_cw, stride_vs, stride_vc, stride_vw,
-                 stride_bb, stride_bt, stride_ab, stride_at, T, scale,
+def _prep_kernel(QKV, CSRC, CW, SLOTS, BB, AA, ALOG, DTB, WORK, GATES,
+                 stride_xb, stride_xt, stride_cb, stride_cc, stride_cw, stride_bb, stride_bt, stride_ab, stride_at,
+                 T, scale,
                  HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, W: tl.constexpr,
-                 BT: tl.constexpr, BD: tl.constexpr, BW: tl.constexpr,
-                 HAS_KEEP: tl.constexpr, CONV_INIT: tl.constexpr, WRITE_STATE: tl.constexpr, PDL: tl.constexpr):
-    """Program (b, j): j < Hk the q and k channels of k head j (conv, SiLU, L2 norms, q.k), else the v channels of
-    v head j - Hk (conv, SiLU) and its gates. Writes them to WORK / GATES [B, T, .] fp32 and, with WRITE_STATE, the
-    channels' new conv windows into the cache: each channel is read and written by this program only."""
+                 BD: tl.constexpr, CONV_INIT: tl.constexpr, PDL: tl.constexpr):
+    """Program (b, j, t), one token each: j < Hk the q and k channels of k head j (conv, SiLU, L2 norms, q.k), else
+    the v channels of v head j - Hk (conv, SiLU) and its gates. Writes them to WORK / GATES [B, T, .] fp32 and
+    nothing else: the cache's conv windows are the recurrence's to write, so tokens can run side by side."""
     pdl_enter(PDL)  # PDL launches: wait for the kernel before, let the next one launch
     b = tl.program_id(0)
     j = tl.program_id(1)
+    t = tl.program_id(2)
     slot = tl.load(SLOTS + b).to(tl.int64)  # slot * stride overflows int32 on large caches
-    offs_t = tl.arange(0, BT)
-    t_ok = offs_t < T
     offs_d = tl.arange(0, BD)
-    keep = tl.load(KEEP + b).to(tl.int32) if HAS_KEEP else T
     x_base = QKV + b.to(tl.int64) * stride_xb
     src_base = CSRC + (b.to(tl.int64) if CONV_INIT else slot) * stride_cb
-    dst_base = CONV + slot * stride_vs
     C = 2 * HK * DK + HV * DV  # a WORK row
     NGATE = 2 * HV + HK  # a GATES row
-    g_row = (b * T + offs_t) * NGATE
+    w_row = WORK + (b * T + t) * C
+    g_row = GATES + (b * T + t) * NGATE
     if j < HK:
         ok = offs_d < DK
         q_chan = j * DK + offs_d
         k_chan = HK * DK + j * DK + offs_d
-        for t in tl.static_range(BT):  # token by token: the sums do not depend on T (see _conv_row)
-            live = t < T
-            q = _conv_row(x_base, stride_xt, src_base, stride_cc, stride_cw, CW, q_chan, ok, t, live, W, BD)
-            k = _conv_row(x_base, stride_xt, src_base, stride_cc, stride_cw, CW, k_chan, ok, t, live, W, BD)
-            q = q * (tl.rsqrt(tl.sum(q * q, 0) + 1e-6) * scale)
-            k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
-            w_row = WORK + (b * T + t) * C
-            tl.store(w_row + q_chan, q, mask=ok & live)
-            tl.store(w_row + k_chan, k, mask=ok & live)
-            # q . k, for o = e^g S^T q + (q.k) u
-            tl.store(GATES + (b * T + t) * NGATE + 2 * HV + j, tl.sum(q * k, 0), mask=live)
-        if WRITE_STATE:
-            wq = _window(x_base, stride_xt, src_base, stride_cc, stride_cw, q_chan, ok, keep, W, BW)
-            wk = _window(x_base, stride_xt, src_base, stride_cc, stride_cw, k_chan, ok, keep, W, BW)
-            tl.debug_barrier()  # every thread's reads of the old windows before any write over them
-            jj = tl.arange(0, BW)[:, None]
-            wm = (jj < W - 1) & ok[None, :]
-            ty = CONV.dtype.element_ty
-            tl.store(dst_base + q_chan[None, :] * stride_vc + jj * stride_vw, wq.to(ty), mask=wm)
-            tl.store(dst_base + k_chan[None, :] * stride_vc + jj * stride_vw, wk.to(ty), mask=wm)
+        q = _conv_tok(x_base, stride_xt, src_base, stride_cc, stride_cw, CW, q_chan, ok, t, W, BD)
+        k = _conv_tok(x_base, stride_xt, src_base, stride_cc, stride_cw, CW, k_chan, ok, t, W, BD)
+        q = q * (tl.rsqrt(tl.sum(q * q, 0) + 1e-6) * scale)
+        k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
+        tl.store(w_row + q_chan, q, mask=ok)
+        tl.store(w_row + k_chan, k, mask=ok)
+        tl.store(g_row + 2 * HV + j, tl.sum(q * k, 0))  # q . k, for o = e^g S^T q + (q.k) u
     else:
         h = j - HK
         ok = offs_d < DV
         v_chan = 2 * HK * DK + h * DV + offs_d
-        for t in tl.static_range(BT):
-            live = t < T
-            v = _conv_row(x_base, stride_xt, src_base, stride_cc, stride_cw, CW, v_chan, ok, t, live, W, BD)
-            tl.store(WORK + (b * T + t) * C + v_chan, v, mask=ok & live)
-        # tokens past keep (and padding rows) leave the state exactly unchanged: e^0 = 1, beta = 0
-        decay, beta = _gates(BB + b * stride_bb + h, stride_bt, AA + b * stride_ab + h, stride_at, ALOG + h,
-                             DTB + h, offs_t, offs_t < keep)
-        tl.store(GATES + g_row + h, decay, mask=t_ok)
-        tl.store(GATES + g_row + HV + h, beta, mask=t_ok)
-        if WRITE_STATE:
-            wv = _window(x_base, stride_xt, src_base, stride_cc, stride_cw, v_chan, ok, keep, W, BW)
-            tl.debug_barrier()  # every thread's reads of the old windows before any write over them
-            jj = tl.arange(0, BW)[:, None]
-            tl.store(dst_base + v_chan[None, :] * stride_vc + jj * stride_vw, wv.to(CONV.dtype.element_ty),
-                     mask=(jj < W - 1) & ok[None, :])
+        v = _conv_tok(x_base, stride_xt, src_base, stride_cc, stride_cw, CW, v_chan, ok, t, W, BD)
+        tl.store(w_row + v_chan, v, mask=ok)
+        # beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias); the recurrence masks tokens past keep
+        bt = tl.load(BB + b * stride_bb + t * stride_bt + h).to(tl.float32)
+        x = tl.load(AA + b * stride_ab + t * stride_at + h).to(tl.float32) + tl.load(DTB + h)
+        softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))  # torch's threshold 20
+        tl.store(g_row + h, tl.exp(-tl.exp(tl.load(ALOG + h)) * softplus))
+        tl.store(g_row + HV + h, tl.sigmoid(bt))
 
 
-def _recur_kernel(WORK, GATES, SSRC, SSM, SLOTS, STATES, Z, NW, Y,
+def _recur_kernel(WORK, GATES, SSRC, SSM, SLOTS, KEEP, STATES, Z, NW, Y, QKV, CSRC, CONV,
                   stride_sb, stride_sh, stride_sk, stride_mb, stride_mh, stride_mk,
-                  stride_ob, stride_ot, stride_oh, stride_ok, stride_zb, stride_zt, stride_yb, stride_yt, T, eps,
+                  stride_ob, stride_ot, stride_oh, stride_ok, stride_zb, stride_zt, stride_yb, stride_yt,
+                  stride_xb, stride_xt, stride_cb, stride_cc, stride_cw, stride_vs, stride_vc, stride_vw, T, eps,
                   HK: tl.constexpr, R: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr,
-                  BK: tl.constexpr, BV: tl.constexpr, SSM_INIT: tl.constexpr, WRITE_STATE: tl.constexpr,
-                  STORE_STATES: tl.constexpr, HAS_OUT: tl.constexpr, FUSED_NORM: tl.constexpr, PDL: tl.constexpr):
+                  BK: tl.constexpr, BV: tl.constexpr, W: tl.constexpr, BW: tl.constexpr, BDK: tl.constexpr,
+                  BDV: tl.constexpr, SSM_INIT: tl.constexpr, CONV_INIT: tl.constexpr, HAS_KEEP: tl.constexpr,
+                  WRITE_STATE: tl.constexpr, STORE_STATES: tl.constexpr, HAS_OUT: tl.constexpr,
+                  FUSED_NORM: tl.constexpr, PDL: tl.constexpr):
     """Program (b * Hv + h, v block): the recurrence over the T tokens with the state tile [BK, BV] in registers;
-    per token o (or, with the whole head in the tile, the gated RMSNorm output) and optionally the state."""
+    per token o (or, with the whole head in the tile, the gated RMSNorm output) and optionally the state. Tokens
+    from ``keep[b]`` on (HAS_KEEP) get e^g = 1 and beta = 0, which leaves the state exactly unchanged. With
+    WRITE_STATE the state after the first keep[b] tokens goes to the cache, and the programs of v block 0 write
+    the conv windows ending at keep[b] (head h's v channels; with h % R == 0 also k head h // R's q and k channels):
+    each channel by one program, which reads its old window before it writes the new one."""
     pid = tl.program_id(0)
     pid_v = tl.program_id(1)
     b = pid // (HK * R)
@@ -160,15 +144,17 @@ def _recur_kernel(WORK, GATES, SSRC, SSM, SLOTS, STATES, Z, NW, Y,
     if FUSED_NORM:
         nw = tl.load(NW + offs_v, mask=v_ok, other=0.0)
     st_base = STATES + b.to(tl.int64) * stride_ob + h * stride_oh + offs_k[:, None] * stride_ok + offs_v[None, :]
+    keep = tl.load(KEEP + b).to(tl.int32) if HAS_KEEP else T
     for t in tl.static_range(BT):  # unrolled: the loads of later tokens do not wait for the state
         live = t < T  # padding tokens read e^g = 1, beta = 0: no change
+        kept = live & (t < keep)  # tokens past keep likewise
         w_row = WORK + (b * T + t) * C
         g_row = GATES + (b * T + t) * NG
         q_t = tl.load(w_row + hk * DK + offs_k, mask=k_ok & live, other=0.0)  # [BK]
         k_t = tl.load(w_row + HK * DK + hk * DK + offs_k, mask=k_ok & live, other=0.0)
         v_t = tl.load(w_row + 2 * HK * DK + h * DV + offs_v, mask=v_ok & live, other=0.0)  # [BV]
-        e_t = tl.load(g_row + h, mask=live, other=1.0)
-        b_t = tl.load(g_row + HK * R + h, mask=live, other=0.0)
+        e_t = tl.load(g_row + h, mask=kept, other=1.0)
+        b_t = tl.load(g_row + HK * R + h, mask=kept, other=0.0)
         qk_t = tl.load(g_row + 2 * HK * R + hk, mask=live, other=0.0)
         kS = tl.sum(S * k_t[:, None], 0) * e_t  # (e^g S)^T k, [BV]
         qS = tl.sum(S * q_t[:, None], 0) * e_t
@@ -187,6 +173,20 @@ def _recur_kernel(WORK, GATES, SSRC, SSM, SLOTS, STATES, Z, NW, Y,
     if WRITE_STATE:
         tl.store(SSM + slot * stride_mb + h * stride_mh + offs_k[:, None] * stride_mk + offs_v[None, :], S,
                  mask=s_mask)
+        if pid_v == 0:
+            x_base = QKV + b.to(tl.int64) * stride_xb
+            src_base = CSRC + (b.to(tl.int64) if CONV_INIT else slot) * stride_cb
+            dst_base = CONV + slot * stride_vs
+            ty = CONV.dtype.element_ty
+            dv_ = tl.arange(0, BDV)
+            _write_window(x_base, stride_xt, src_base, stride_cc, stride_cw, dst_base, stride_vc, stride_vw,
+                          2 * HK * DK + h * DV + dv_, dv_ < DV, keep, ty, W, BW)
+            if h % R == 0:
+                dk_ = tl.arange(0, BDK)
+                _write_window(x_base, stride_xt, src_base, stride_cc, stride_cw, dst_base, stride_vc, stride_vw,
+                              hk * DK + dk_, dk_ < DK, keep, ty, W, BW)
+                _write_window(x_base, stride_xt, src_base, stride_cc, stride_cw, dst_base, stride_vc, stride_vw,
+                              HK * DK + hk * DK + dk_, dk_ < DK, keep, ty, W, BW)
 
 
 def _gated_norm_kernel(O, Z, NW, Y, stride_ob, stride_ot, stride_zb, stride_zt, stride_yb, stride_yt, T, HV, eps,
@@ -211,5 +211,5 @@ def _gated_norm_kernel(O, Z, NW, Y, stride_ob, stride_ot, stride_zb, stride_zt, 
 @functools.lru_cache(maxsize=1)
 def jit_kernels() -> dict:
     """Jit the kernels (first call only). The kernels find their helpers and `tl` as module globals."""
-    return _triton.jit_module(globals(), ("_conv_row", "_window", "_gates"),
+    return _triton.jit_module(globals(), ("_conv_tok", "_window", "_write_window"),
                               {"prep": "_prep_kernel", "recur": "_recur_kernel", "norm": "_gated_norm_kernel"})

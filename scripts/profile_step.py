@@ -3,7 +3,7 @@
 torch profiler, grouped by kernel, with the GPU's busy time next to the step's wall time (the difference is the
 step's idle gaps: graph launch, the token read-back, host work).
 
-    python3 scripts/profile_step.py --model qwen3.8-27b --synthetic [--steps 32] [--spec mtp -k 3] [--sync]
+    python3 scripts/profile_step.py --model qwen3.8-27b --synthetic [--steps 32] [--spec none,mtp:3,dflash2:7] [--sync]
         [--no-pdl] [--no-side-stream] [--no-silu-epilogue] [--cublas-dense] [--qmv-layout L]
         [--eager-draft] [--attn-fixed-split]
         [--prefill]      # switches against the engine's defaults, compared by step time
@@ -123,18 +123,15 @@ def main() -> int:
 
     _bootstrap.ensure_package()
     import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    from ninfer_bench.engine.runtime.chain import chainable, decode_chained
     from ninfer_bench.engine.runtime.engine import Engine
-    from ninfer_bench.engine.sampling import SamplingParams
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None)
     ap.add_argument("--synthetic", action="store_true")
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=512)
-    ap.add_argument("--spec", default="none")
+    ap.add_argument("--spec", default="none", help="none, mtp, dflash2 (NAME or NAME:K), comma-separated: each profiled "
+                    "in turn on one weight load")
     ap.add_argument("-k", "--draft-tokens", type=int, default=None)
     ap.add_argument("--runtime", default="v3")
     ap.add_argument("--top", type=int, default=30)
@@ -183,18 +180,43 @@ def main() -> int:
         from ninfer_bench.kernels import attention_triton
 
         attention_triton.SHORT_MIN_BLOCKS = 1 << 30  # min_chunk = chunk: the split the grid is sized for
+    from ninfer_bench.engine.artifact.loader import load_source
+    from ninfer_bench.engine.runtime.options import EngineOptions
+    from ninfer_bench.suites.decode import parse_spec
+
     t0 = time.time()
-    eng = Engine.load(args.model, synthetic=args.synthetic, device="cuda", runtime=args.runtime, spec=args.spec,
-                      draft_tokens=args.draft_tokens, pdl=args.pdl, side_stream=args.side_stream,
-                      silu_epilogue=args.silu_epilogue, qmv_dense=not args.cublas_dense,
-                      qmv_layout=args.qmv_layout,
-                      draft_graphs=not args.eager_draft)
-    print(f"loaded in {time.time() - t0:.0f} s: {eng.model_info.get('name', args.model)}", flush=True)
+    loaded = load_source(args.model, synthetic=args.synthetic, device=torch.device("cuda"))
+    print(f"loaded in {time.time() - t0:.0f} s: {args.model}", flush=True)
+    out = {}
+    for item in args.spec.split(","):
+        spec, k = parse_spec(item, args.draft_tokens)
+        opts = EngineOptions(device="cuda", runtime=args.runtime, spec=spec, draft_tokens=k, pdl=args.pdl,
+                             side_stream=args.side_stream, silu_epilogue=args.silu_epilogue,
+                             qmv_dense=not args.cublas_dense, qmv_layout=args.qmv_layout,
+                             draft_graphs=not args.eager_draft)
+        print(f"=== {spec}{f':{k}' if k else ''}", flush=True)
+        out[item] = profile_one(Engine(loaded, opts), args, drop)
+        torch.cuda.empty_cache()
+    if args.json:
+        Path(args.json).write_text(json.dumps(out if len(out) > 1 else next(iter(out.values())), indent=1))
+    return 0
+
+
+def profile_one(eng, args, drop):
+    """Profile ``args.steps`` decode steps (rounds) of ``eng``; the record the --json file keeps."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from ninfer_bench.engine.runtime.chain import chainable, decode_chained
+    from ninfer_bench.engine.sampling import SamplingParams
+
     if drop:
         drop_launches(eng, drop)
         print(f"dropped: {', '.join(drop)} (the step's values are wrong from here on; its time is what counts)")
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(10, eng.config.vocab_size - 10, (args.prompt_len,), generator=g).tolist()
+
+    last_stats: dict = {}
 
     def run(steps: int, prof=None) -> tuple[float, int]:
         chained = not args.sync and eng.drafter is None
@@ -213,6 +235,8 @@ def main() -> int:
                         eng.advance([seq])
                 torch.cuda.synchronize()
             wall = time.perf_counter() - t
+            last_stats.clear()
+            last_stats.update(seq.stats)
             return wall, len(seq.tokens) - n0
         finally:
             eng.release(seq)
@@ -235,8 +259,13 @@ def main() -> int:
     wall, toks = run(args.steps)
     print(f"{args.steps} steps without the profiler: {1e3 * wall / args.steps:.3f} ms a step, "
           f"{toks} tokens", flush=True)
+    rounds = last_stats.get("rounds")
+    if rounds:  # the engine's own events: drafting (and its commit) and the verify forward (and the rollback)
+        print(f"a round: draft {last_stats['draft_ms'] / rounds:.3f} ms, verify {last_stats['verify_ms'] / rounds:.3f} "
+              f"ms ({rounds} rounds, {last_stats.get('accepted_tokens', 0)} drafts accepted)", flush=True)
     if args.host:
-        return host_profile(run, args.steps, args.top)
+        host_profile(run, args.steps, args.top)
+        return {}
     prof = profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU])
     pwall, _ = run(args.steps, prof)
 
@@ -251,8 +280,7 @@ def main() -> int:
             per[name][1] += 1
             intervals.append((evt.time_range.start, evt.time_range.end))
     if not intervals:
-        print("the profiler recorded no GPU kernels (CUPTI unavailable?)")
-        return 1
+        raise SystemExit("the profiler recorded no GPU kernels (CUPTI unavailable?)")
     busy = busy_us(intervals) / args.steps
     total = sum(v[0] for v in per.values()) / args.steps
     step_us = 1e6 * wall / args.steps
@@ -263,18 +291,13 @@ def main() -> int:
     for name, (us, n) in rows[:args.top]:
         print(f"{name[:90]:90s} {us / args.steps:9.1f} {n / args.steps:10.1f} {us / n:8.2f} "
               f"{100 * us / args.steps / total:5.1f}%")
-    if args.json:
-        Path(args.json).write_text(json.dumps({
-            "model": args.model, "spec": args.spec, "sync": args.sync, "pdl": args.pdl, "side_stream": args.side_stream,
-            "silu_epilogue": args.silu_epilogue,
-            "cublas_dense": args.cublas_dense, "qmv_layout": args.qmv_layout,
-            "draft_graphs": not args.eager_draft,
-            "attn_fixed_split": args.attn_fixed_split, "dropped": drop,
-            "runtime": args.runtime, "steps": args.steps,
+    return {"model": args.model, "spec": eng.options.spec, "draft_tokens": eng.options.draft_tokens,
+            "sync": args.sync, "pdl": args.pdl, "side_stream": args.side_stream, "silu_epilogue": args.silu_epilogue,
+            "cublas_dense": args.cublas_dense, "qmv_layout": args.qmv_layout, "draft_graphs": not args.eager_draft,
+            "attn_fixed_split": args.attn_fixed_split, "dropped": drop, "runtime": args.runtime, "steps": args.steps,
             "step_wall_us": step_us, "gpu_busy_us": busy, "kernels_summed_us": total,
             "kernels": [{"name": k, "us_per_step": v[0] / args.steps, "calls_per_step": v[1] / args.steps}
-                        for k, v in rows]}, indent=1))
-    return 0
+                        for k, v in rows]}
 
 
 class _null:

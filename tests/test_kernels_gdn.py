@@ -103,11 +103,15 @@ def test_l2norm():
 
 @pytest.mark.skipif(fla_available(), reason="HF would dispatch to fla instead of its torch code")
 def test_ref_matches_hugging_face_conventions():
-    """Grouped heads, scale and state layout agree with transformers' torch recurrence."""
+    """Grouped heads, scale and state layout agree with transformers' torch recurrence. Its model repeats each key
+    head over its group (repeat_interleave) before the recurrence, which some releases of the function (5.17) then
+    require: value head i reads key head i // (Hv / Hk) either way."""
     hf = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
     (q, k, v, g, beta), S0 = make_inputs(2, 9, 2, 6, 24, 40, seed=12)
     o, S = gated_delta_rule_ref(q, k, v, g, beta, initial_state=S0)
-    o_hf, S_hf = hf.torch_recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=S0, output_final_state=True)
+    group = v.shape[2] // q.shape[2]
+    qg, kg = (x.repeat_interleave(group, dim=2) for x in (q, k))
+    o_hf, S_hf = hf.torch_recurrent_gated_delta_rule(qg, kg, v, g, beta, initial_state=S0, output_final_state=True)
     check({"o": o, "state": S}, {"o": o_hf, "state": S_hf}, REF_VS_F64, "ref vs transformers")
 
 

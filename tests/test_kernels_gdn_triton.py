@@ -192,6 +192,27 @@ def test_state_only_call():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_rollback_from_the_verify_workspace(dtype):
+    """The fused 'recompute' rollback: a verify call that leaves the caches alone and keeps its workspace, then the
+    recurrence alone from that workspace with keep, writes bit for bit what one call with keep writes (and the
+    verify's outputs are a plain call's); a workspace of another shape is refused."""
+    B, T, Hk, Hv, dk, dv = 3, 8, 2, 4, 16, 24
+    c = make_case(B, T, Hk, Hv, dk, dv, dtype=dtype, seed=8)
+    keep = torch.tensor([T, 1, 5], device=DEVICE)
+    direct = clone(c)
+    gt.gdn_decode(**{**direct, "z": None}, keep=keep)
+    two = clone(c)
+    out, ws = gt.gdn_decode(**two, write_state=False, return_workspace=True)
+    assert torch.equal(two["ssm"], c["ssm"]) and torch.equal(two["conv_state"], c["conv_state"])
+    assert torch.equal(out, gt.gdn_decode(**clone(c), write_state=False))
+    assert gt.gdn_decode(**{**two, "z": None, "b": None, "a": None}, keep=keep, workspace=ws) is None
+    assert torch.equal(two["ssm"], direct["ssm"]) and torch.equal(two["conv_state"], direct["conv_state"])
+    short = {**clone(c), **{n: c[n][:, :4] for n in ("qkv", "z", "b", "a")}}
+    with pytest.raises(ValueError, match="workspace"):
+        gt.gdn_decode(**{**short, "z": None}, keep=keep.clamp(max=4), workspace=ws)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_write_state_false_leaves_caches(dtype):
     c = make_case(*SHAPES["B3-T3-r2"], dtype=dtype, seed=6)
     B, T, _, Hv, dk, dv = SHAPES["B3-T3-r2"]

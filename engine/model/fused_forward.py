@@ -16,8 +16,9 @@ Those projections take K in one pass, branch or not (:func:`kernels._triton.sing
 branch would share the device's split-K scratch with the main chain's launches running at the same time.
 
 Speculative rollback with these kernels: ``recompute`` verifies with ``write_state=False`` (the cache keeps the
-pre-verify state) and commits by re-running the block's recurrence with ``keep``; ``snapshot`` verifies
-writing the state after every position into a buffer and commits by gathering from it.
+pre-verify state) and commits by re-running the block's recurrence with ``keep`` over the verify pass's prep outputs
+(one launch a layer: no conv, norms or gates again); ``snapshot`` verifies writing the state after every position
+into a buffer and commits by gathering from it.
 """
 
 from __future__ import annotations
@@ -111,9 +112,9 @@ class FastPath:
                 rec.conv_old = cache.conv[i][step.slots]
                 rec.states = torch.empty(b, t, hv, dk, dv, dtype=torch.float32, device=x.device)
                 o = gdn_decode(qkv, z, bb, aa, *args, states_out=rec.states, before_z=join_z)
-            else:
-                rec.kernel, rec.args = commit_kernel, (bb, aa, prm)
-                o = gdn_decode(qkv, z, bb, aa, *args, write_state=False, before_z=join_z)
+            else:  # the cache keeps the pre-verify state; the rollback reruns the recurrence from the kept workspace
+                o, ws = gdn_decode(qkv, z, bb, aa, *args, write_state=False, before_z=join_z, return_workspace=True)
+                rec.kernel, rec.args = commit_kernel, (ws, prm)
             cache.record(i, rec)
         else:
             o = gdn_decode(qkv, z, bb, aa, *args, before_z=join_z)
@@ -168,8 +169,9 @@ def _no_join() -> None:
 
 
 def commit_kernel(cache: HybridCache, i: int, slots: torch.Tensor, rec: PendingGDN, keep: torch.Tensor) -> None:
-    """``recompute`` rollback of one layer: re-run the verified block from the pre-verify state (still in the
-    cache), applying only the first ``keep[b]`` positions, and write conv and recurrent state."""
-    bb, aa, prm = rec.args
-    gdn_decode(rec.conv_in, None, bb, aa, cache.conv[i], prm.conv_w, cache.ssm[i], slots, prm.A_log, prm.dt_bias,
-               prm.norm_w, cache.cfg.rms_norm_eps, keep=keep)
+    """``recompute`` rollback of one layer: the recurrence of the verified block rerun from the pre-verify state
+    (still in the cache) over the verify pass's own prep outputs, applying only the first ``keep[b]`` positions, and
+    the conv and recurrent state written: one launch."""
+    ws, prm = rec.args
+    gdn_decode(rec.conv_in, None, None, None, cache.conv[i], prm.conv_w, cache.ssm[i], slots, prm.A_log,
+               prm.dt_bias, prm.norm_w, cache.cfg.rms_norm_eps, keep=keep, workspace=ws)
