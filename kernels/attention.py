@@ -69,6 +69,20 @@ def sdpa(q, k, v, mask, scale: float, group: str = "auto") -> torch.Tensor:
 _NO_CUDNN = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
 
 
+def sdpa_rows(q, k, v, mask, scale: float) -> torch.Tensor:
+    """:func:`sdpa` for a few query rows against many keys (a drafter's block against its context): two batched
+    matmuls and a softmax in fp32, the group folded into the query rows. torch's fused kernels give such a call one
+    program per head (a 27B drafter layer, 8 queries x 4 groups against 2,056 keys: 10 programs, about 90 us on an
+    H200). Same shapes as :func:`sdpa`; every query row must see at least one key."""
+    b, h, t, hd = q.shape
+    hkv, length = k.shape[1], k.shape[2]
+    rep = h // hkv
+    s = torch.matmul(q.reshape(b, hkv, rep * t, hd), k.transpose(-1, -2)).float() * scale  # [B, Hkv, rep*T, L]
+    m = mask.expand(mask.shape[0], 1, t, length).repeat(1, 1, rep, 1)  # row r * T + i is query row i's mask
+    p = torch.softmax(s.masked_fill(~m, float("-inf")), dim=-1).to(v.dtype)
+    return torch.matmul(p, v).reshape(b, h, t, hd)
+
+
 def attention(q, k, v, q_pos, scale: float) -> torch.Tensor:
     """:func:`sdpa` with an explicit causal-offset mask (q ``[B, T, H, hd]`` -> ``[B, T, H, hd]``)."""
     o = sdpa(q.transpose(1, 2), k.to(q.dtype), v.to(q.dtype), _mask(q_pos, k.shape[2]), scale)

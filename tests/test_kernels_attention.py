@@ -252,3 +252,22 @@ def test_sdpa_group_strategies_equal_reference(group, b, t, h, hkv, length):
     assert (out - ref).abs().max().item() < 1e-4
     with pytest.raises(ValueError, match="group"):
         sdpa(q.transpose(1, 2), k, v, _mask(q_pos, length), 0.25, group="bogus")
+
+
+@pytest.mark.parametrize("b,t,h,hkv,length", [(2, 1, 6, 1, 37), (1, 8, 40, 10, 300), (3, 5, 4, 4, 24)])
+def test_sdpa_rows_equals_reference(b, t, h, hkv, length):
+    """kernels.attention.sdpa_rows (a drafter's few query rows against its context, as matmuls): the grouped
+    attention of the fp32 reference, a random visibility mask per row included, on whatever device this runs."""
+    from ninfer_bench.kernels.attention import sdpa, sdpa_rows
+
+    g = torch.Generator().manual_seed(b * 100 + t)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    q = torch.randn(b, h, t, 16, generator=g).to(dev)
+    k = torch.randn(b, hkv, length, 16, generator=g).to(dev)
+    v = torch.randn(b, hkv, length, 16, generator=g).to(dev)
+    mask = torch.rand(b, 1, t, length, generator=g) < 0.6
+    mask[..., -1] = True  # every row sees a key
+    ref = sdpa(q, k, v, mask.to(dev), 0.25, group="native")
+    out = sdpa_rows(q, k, v, mask.to(dev), 0.25)
+    assert out.shape == ref.shape
+    assert (out - ref).abs().max().item() < 1e-4

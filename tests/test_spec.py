@@ -275,3 +275,44 @@ def test_mtp_prompt_entries_do_not_depend_on_the_prefill_chunk():
         torch.testing.assert_close(k, caches[0][0], rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(v, caches[0][1], rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(logits, caches[0][2], rtol=1e-4, atol=1e-4)
+
+
+def test_packed_projections_run_the_drafters_stored_formats():
+    """A drafter whose projections are stored packed (the synthetic drafters: the target's policy) runs them through
+    the store's linears where the store keeps weights packed (v3 on CUDA; here a stand-in store), with the same
+    results; a store that does not pack leaves the module as it is."""
+    import copy
+
+    from ninfer_bench.engine.artifact.loader import load_source
+    from ninfer_bench.engine.model.dflash import BlockDrafter
+    from ninfer_bench.engine.model.weights import DenseLinear
+    from ninfer_bench.engine.spec.drafters import Projection, packed_projections
+    from ninfer_bench.kernels import quant
+
+    loaded = load_source("tiny", synthetic=True)
+    cfg, raws = loaded.drafters["dflash2"]
+    net = BlockDrafter.from_raws(cfg, raws, loaded.config.hidden_size, loaded.config.vocab_size)
+    ref = copy.deepcopy(net)
+
+    class Store:
+        def __init__(self, packed):
+            self.packed, self.made = packed, 0
+
+        def linear_of(self, raw):
+            self.made += 1
+            return DenseLinear(raw.dense(torch.float32))
+
+    assert packed_projections(net, raws, Store(False)) == 0
+    store = Store(True)
+    n = packed_projections(net, raws, store)
+    packed = [name for name, r in raws.items() if r.fmt in quant.QUANT_FORMATS and len(r.shape) == 2
+              and not name.endswith("embed_tokens.weight") and ".selector." not in name]
+    assert n == store.made == len(packed) > 0
+    assert sum(isinstance(m, Projection) for m in net.modules()) == n
+    g = torch.Generator().manual_seed(0)
+    taps = torch.randn(1, 5, len(cfg.target_layer_ids) * loaded.config.hidden_size, generator=g)
+    pos = torch.arange(5)[None]
+    with torch.no_grad():
+        for a, b in zip(net.context_kv(net.context(taps), pos), ref.context_kv(ref.context(taps), pos)):
+            for x, y in zip(a, b):
+                assert torch.equal(x, y)

@@ -19,10 +19,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...kernels.attention import sdpa
+from ...kernels.attention import sdpa, sdpa_rows
 from ...kernels.norm import rms_norm
 from ...kernels.rope import apply_rope, rope_tables
 from .config import DraftConfig
+
+
+ROWS_MATMUL = 128  # query rows (block x group) up to which drafting attention runs as matmuls on a GPU
 
 
 class ZeroCentredRMSNorm(nn.Module):
@@ -72,7 +75,11 @@ class DraftLayer(nn.Module):
         k_blk, v_blk = self.kv(y, cos, sin)
         k = torch.cat([ctx_k, k_blk], dim=1).transpose(1, 2)  # [B, Hkv, Lc + S, hd]
         v = torch.cat([ctx_v, v_blk], dim=1).transpose(1, 2)
-        o = sdpa(q.transpose(1, 2), k.to(q.dtype), v.to(q.dtype), mask, hd ** -0.5)
+        # drafting on a GPU (a block of a few rows against the context): two matmuls beat the fused kernels' one
+        # program a head; training and CPU runs keep sdpa
+        attend = sdpa_rows if q.is_cuda and not self.training and s * self.c.num_attention_heads \
+            // self.c.num_key_value_heads <= ROWS_MATMUL else sdpa
+        o = attend(q.transpose(1, 2), k.to(q.dtype), v.to(q.dtype), mask, hd ** -0.5)
         x = x + self.o_proj(o.transpose(1, 2).reshape(b, s, -1))
         y = self.post_attention_layernorm(x)
         return x + self.down_proj(F.silu(self.gate_proj(y)) * self.up_proj(y))

@@ -166,13 +166,15 @@ class WeightStore:
             if name.endswith("embed_tokens.weight"):
                 self.embeddings[name] = Embedding(raw, dtype, self.device, dense=not self.packed)
             elif len(raw.shape) == 2 and not name.endswith("conv1d.weight"):
-                self.linears[name] = self._linear(raw)
+                self.linears[name] = self.linear_of(raw)
             else:  # norms, A_log, dt_bias, conv weights: fp32, small
                 self.vectors[name] = raw.dense(torch.float32, self.device)
         if tied_embeddings and "lm_head.weight" not in self.linears:
-            self.linears["lm_head.weight"] = self._linear(raws["model.embed_tokens.weight"])
+            self.linears["lm_head.weight"] = self.linear_of(raws["model.embed_tokens.weight"])
 
-    def _linear(self, raw: RawWeight):
+    def linear_of(self, raw: RawWeight):
+        """A projection of ``raw`` held as this store holds its own: packed where the store keeps weights packed
+        (v3 on CUDA) and ``raw`` is in a quantized format, else a dense copy in the compute dtype."""
         if self.packed and raw.fmt in quant.QUANT_FORMATS:
             return _packed_linear(raw, self.device, self.weight_bytes <= DENSE_CACHE_LIMIT, self.qmv_layout)
         return DenseLinear(raw.dense(self.dtype, self.device))
