@@ -60,9 +60,17 @@ def fmt(v, spec=".2f"):
 @click.option("--json", "json_path", type=click.Path(), default=None,
               help="Write the result document (several runs: a folder, one LABEL.json per run).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of --synthetic weights.")
+@click.option("--no-baseline", is_flag=True,
+              help="Run a speculative run alone: without it, each gets a plain run on the same load first and the "
+                   "speed-up over it beside its result.")
+@click.option("--replay-acceptance", default=None, metavar="seed|P|FILE",
+              help="For weights that cannot draft (--synthetic): each draft becomes the plain run's token with "
+                   "probability P a position (seed: the release's tokens per round, 5.16 for DFlash2 K=7, 3.37 for "
+                   "MTP3; FILE: a JSON list, one probability a position), else a rejected one; labelled -replay.")
 @engine_options(runtime_list=True)
 def decode(model, engines, specs, draft_tokens, rollbacks, lm_head_draft, prompt_file, n_prompts, images,
-           max_new_tokens, stop_at_eos, repeats, warmup, label, json_path, seed, runtime, **options):
+           max_new_tokens, stop_at_eos, repeats, warmup, label, json_path, seed, no_baseline, replay_acceptance,
+           runtime, **options):
     """The short-code decode test: prefill a code prompt, greedy-decode N tokens, measure speed and acceptance.
 
     Comma-separated --engine, --runtime, --spec, --rollback and --lm-head-draft run every combination in one
@@ -81,18 +89,21 @@ def decode(model, engines, specs, draft_tokens, rollbacks, lm_head_draft, prompt
                 **options)
     runs = decode_runs(base, engines=engines, specs=tuple(specs.split(",")), runtimes=runtime, rollbacks=rollbacks,
                        lm_heads=tuple(int_list(lm_head_draft, "--lm-head-draft")), switches=switches,
-                       draft_tokens=draft_tokens, label=label)
-    many = len(runs) > 1
+                       draft_tokens=draft_tokens, label=label, baseline=not no_baseline,
+                       replay=replay_acceptance)
+    many = sum(not r.baseline for r in runs) > 1  # an added plain partner of one run is no grid
     if many and json_path and Path(json_path).is_file():
         raise UserError(f"--json {json_path}: several runs write a folder (one LABEL.json each), not a file")
     if not many and json_path and Path(json_path).is_dir():
         raise UserError(f"--json {json_path}: one run writes a file, and this is a folder")
     check_output(json_path, folder=many, parents=True)
 
+    partners = {r.label or r.default_label() for r in runs if r.baseline}
+
     def done(doc):
         if many:
             save_result(doc, str(Path(json_path) / f"{doc['label']}.json") if json_path else None)
-        else:
+        elif doc["label"] not in partners:  # one run: its table (with the speed-up over its partner) and file
             console.print(decode_table(doc))
             save_result(doc, json_path)
 
@@ -138,6 +149,13 @@ def decode_table(doc: dict) -> Table:
             ("roofline fraction", fmt(s["roofline_fraction"], ".3f")),
             ("peak memory", f"{s['peak_memory_bytes'] / 2**20:,.0f} MiB"),
             ("tokens sha256", s["tokens_sha256"][:16] + ("" if s["deterministic"] else " (varies!)"))]
+    if s.get("plain"):  # a speculative run against plain decoding on the same load
+        p = s["plain"]
+        rows += [("plain decode tok/s (same load)", fmt(p["decode_tok_s"], ".1f")),
+                 ("speed-up over plain", f"{fmt(p['speedup'])}x"),
+                 ("tokens = plain", "yes" if p["tokens_equal"] else "[bold red]NO[/]")]
+    if doc["config"].get("replay_profile"):
+        rows.append(("replayed acceptance", " ".join(f"{x:.3f}" for x in doc["config"]["replay_profile"])))
     if "vision_encode_ms" in s:
         rows += [("vision encode ms", fmt(s["vision_encode_ms"], ".1f")), ("vision tokens", str(s["vision_tokens"]))]
     for k, v in rows:

@@ -10,7 +10,8 @@ from pathlib import Path
 # takes (decode's repeats, concurrency's rounds per level) is no part of the experiment: the rank test weighs them
 CONFIG_KEYS = (
     "engine", "runtime", "device", "dtype", "quant", "kv_dtype",  # what runs, in which numerics
-    "spec", "draft_tokens", "rollback", "lm_head_draft",  # speculation
+    "spec", "draft_tokens", "rollback", "lm_head_draft", "replay_acceptance",  # speculation (a replayed acceptance
+    #                                                                             is never a real one)
     "prompt_file", "prompts", "images", "max_new_tokens", "temperature", "seed",  # the decode workload
     "ctxs", "depths", "answer_tokens", "cases", "near_tie",  # niah's cases and agreement rule
     "levels", "prompt_tokens",  # concurrency's load

@@ -29,6 +29,9 @@
 #   redraft  scripts/retrain_drafters.py: the bundled drafters trained REDRAFT_MIN (5.5) more minutes on the shipped
 #            target, before / after acceptance, the new artifact in parts (back here: retrain_drafters.py join $OUT)
 #   specprobe scripts/probe_spec_paths.py on the bundled model: MTP3 and DFlash2 K=7, drafting captured / eager x PDL
+#   spec     speculative decoding as measured for the release: the 27B synthetic plain / MTP3 / DFlash2 K=7 grid at
+#            replayed acceptance (seed: the release's tokens per round), the README's main command, and the bundled
+#            model's plain / MTP3 / DFlash2 K=7 on its held-out prompts (SPEC_N tokens, default 128)
 #   hashes   the token hashes a refactor must keep: the README's main command (timed), the bundled model's plain and
 #            MTP3 runs, and the 27B synthetic plain / MTP3 / DFlash2 K=7 runs (64 tokens, the default prompt)
 set -u
@@ -131,6 +134,12 @@ for stage in "$@"; do
                timeout ${STAGE_S:-300} python3 scripts/probe_spec_paths.py --spec $sp -k $k -n 256 \
                  --generates ${SPECPROBE_N:-3} 2>&1 | tee -a "$OUT/specprobe.log" | grep -v Warn | tail -16
              done ;;
+    spec)    nb decode $M27 --spec none,mtp:3,dflash2:7 --replay-acceptance seed -n ${SPEC_N:-128} --repeats 2 \
+               --json "$OUT/spec27" 2>&1 | tee "$OUT/spec27.log" | tail -12
+             /usr/bin/time -f "main command: %e s wall, %M KiB peak RSS" python3 scripts/nb.py decode --spec dflash2 -k 7 \
+               --json "$OUT/main.json" 2>&1 | tee "$OUT/main.log" | tail -30
+             nb decode --spec none,mtp:3,dflash2:7 --prompt-file suites/data/heldout_prompts.jsonl -n 256 --repeats 2 \
+               --json "$OUT/specb" 2>&1 | tee "$OUT/specb.log" | tail -10 ;;
     hashes)  /usr/bin/time -f "main command: %e s wall, %M KiB peak RSS" python3 scripts/nb.py decode --spec dflash2 -k 7 \
                --json "$OUT/main.json" 2>&1 | tee "$OUT/main.log" | tail -6
              nb decode --spec none,mtp:3 --repeats 1 --json "$OUT/hb" 2>&1 | tail -8

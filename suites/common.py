@@ -141,6 +141,8 @@ def flat_config(opts) -> dict:
     holds (``engine_options``) beside them."""
     flat, config = asdict(opts), {}
     for f in fields(opts):
+        if not f.metadata.get("record", True):  # bookkeeping of the suite, no part of the run
+            continue
         if is_dataclass(getattr(opts, f.name)):
             config.update(flat[f.name])
         else:

@@ -50,6 +50,8 @@ class DecodeOptions:
     warmup: int = 1
     label: str | None = None
     seed: int = 0
+    baseline: bool = field(default=False, metadata={"record": False})  # a plain run added for the speculative
+    #                                                                      runs beside it (decode_runs)
 
     def __post_init__(self) -> None:
         if self.engine not in ("ours", "hf"):
@@ -85,7 +87,16 @@ class DecodeOptions:
         head = f"-lmh{eo.lm_head_draft}" if spec and eo.lm_head_draft else ""
         off = "".join(s.off_label for name, s in SWITCHES.items()
                       if s.applies_to(eo.runtime, eo.spec) and not getattr(eo, name))
-        return f"{eo.runtime}-{eo.spec}{k}{head}{off}"
+        replay = "-replay" if spec and eo.replay_acceptance is not None else ""
+        return f"{eo.runtime}-{eo.spec}{k}{head}{off}{replay}"
+
+    def workload(self) -> tuple:
+        """What a speculative run and its plain partner share: the weights, the runtime and its numerics, the
+        prompts and lengths, and the kernel switches of the step."""
+        eo = self.engine_options
+        return (model_key(self), eo.runtime, eo.dtype, eo.kv_dtype, eo.max_context, eo.kv_capacity, eo.prefill_chunk,
+                self.prompt_file, self.prompts, tuple(self.images), self.max_new_tokens, self.ignore_eos, eo.pdl,
+                eo.side_stream, eo.silu_epilogue)
 
 
 def _spec_summary(rec: dict) -> dict:
@@ -98,18 +109,24 @@ def _spec_summary(rec: dict) -> dict:
     }
 
 
-def run_once(engine, prompts: list[list[int]], opts: DecodeOptions) -> dict:
+def run_once(engine, prompts: list[list[int]], opts: DecodeOptions, references=None, tokens_out=None) -> dict:
     """One measured pass over the prompt set (usually one prompt): a decode record, summed over prompts.
 
     Rates are totals over totals (all completion tokens after the first of each prompt / all decode time);
-    ``tokens_sha256`` hashes every prompt's tokens in order."""
+    ``tokens_sha256`` hashes every prompt's tokens in order. ``references``: per prompt, the plain run's tokens
+    (replayed acceptance); ``tokens_out``, a list, receives each prompt's tokens."""
     tot = dict(prompt_tokens=0, completion_tokens=0, prefill_s=0.0, decode_s=0.0, ttft_s=0.0, device_ms=0.0,
                rounds=0, drafted_tokens=0, accepted_tokens=0, draft_ms=0.0, verify_ms=0.0, target_forwards=0)
     per_pos, tokens, finish, vision = [], [], [], []
-    for ids in prompts:
+    if tokens_out is not None:
+        tokens_out.clear()
+    for i, ids in enumerate(prompts):
         ids, media = ids if isinstance(ids, tuple) else (ids, None)  # (ids, MediaPrompt) with --image
+        ref = {"reference": references[i]} if references is not None else {}
         res = engine.generate(ids, max_new_tokens=opts.max_new_tokens, ignore_eos=opts.ignore_eos,
-                              **fresh_media(engine, media))
+                              **fresh_media(engine, media), **ref)
+        if tokens_out is not None:
+            tokens_out.append(list(res.tokens))
         vision += [res.vision] if res.vision else []
         spec, n = res.spec, res.completion_tokens
         rounds = spec.get("rounds", max(n - 1, 0))
@@ -223,13 +240,16 @@ def parse_spec(item: str, draft_tokens: int | None) -> tuple[str, int | None]:
 
 def decode_runs(base: dict, *, engines=("ours",), specs=("none",), runtimes=("v3",), rollbacks=("recompute",),
                 lm_heads=(0,), switches: dict[str, tuple[bool, ...]] | None = None, draft_tokens: int | None = None,
-                label: str | None = None) -> list[DecodeOptions]:
+                label: str | None = None, baseline: bool = True, replay: str | None = None) -> list[DecodeOptions]:
     """The grid of decode runs a command line asks for: every runtime x spec x rollback x lm-head-draft size of
     our engine (the last two only where there is a drafter) x the values of each engine switch (``switches``,
     {name of :data:`SWITCHES`: values}; each only on the runs it applies to, the others keep its default), and the
     transformers peer once (plain greedy). ``base``: the other keywords of :meth:`DecodeOptions.make`.
-    Labels are unique: with several rollbacks each speculative label names its own, and ``label`` prefixes them
-    all."""
+    ``replay``: replayed acceptance for every speculative run (``EngineOptions.replay_acceptance``).
+    ``baseline``: each speculative run gets a plain run on the same workload (added where the grid has none,
+    flagged ``baseline``); plain runs go first, so a speculative run can be set against its partner (and replay
+    its tokens). Labels are unique: with several rollbacks each speculative label names its own, and ``label``
+    prefixes them all (an added baseline alone beside one run: ``LABEL-plain``)."""
     switches = switches or {}
     if draft_tokens is not None and all(parse_spec(x, None)[0] == "none" for x in specs):
         raise ValueError(f"-k {draft_tokens} is speculative decoding's drafts per round: give it with --spec mtp, "
@@ -250,11 +270,21 @@ def decode_runs(base: dict, *, engines=("ours",), specs=("none",), runtimes=("v3
                         for values in itertools.product(*(dict.fromkeys(switches[n]) for n in names)):
                             runs.append(DecodeOptions.make(**base, engine=engine, runtime=runtime, spec=spec,
                                                            draft_tokens=k, rollback=rollback, lm_head_draft=head,
+                                                           replay_acceptance=replay if spec != "none" else None,
                                                            **dict(zip(names, values))))
     if not runs:
         raise ValueError("no decode run: give at least one engine, runtime and spec")
-    if len(runs) == 1:
-        runs[0].label = label
+    runs = with_baselines(runs, base) if baseline else runs
+    missing = [r.default_label() for r in runs if r.engine_options.replay_acceptance is not None
+               and not any(p.workload() == r.workload() and _plain(p) for p in runs)]
+    if missing:
+        raise ValueError(f"{', '.join(missing)}: replayed acceptance replays a plain run's tokens; drop --no-baseline")
+    asked = [r for r in runs if not r.baseline]
+    if len(asked) == 1:
+        asked[0].label = label
+        for r in runs:
+            if r.baseline:
+                r.label = f"{label}-plain" if label else None
         return runs
     for r in runs:
         spec_run = r.engine_options.spec != "none"
@@ -264,6 +294,34 @@ def decode_runs(base: dict, *, engines=("ours",), specs=("none",), runtimes=("v3
     if len(set(seen)) != len(seen):
         raise ValueError(f"two runs would share a label: {seen}")
     return runs
+
+
+def _plain(opts: DecodeOptions) -> bool:
+    return opts.engine == "ours" and opts.engine_options.spec == "none"
+
+
+def with_baselines(runs: list[DecodeOptions], base: dict) -> list[DecodeOptions]:
+    """``runs`` with a plain run (flagged ``baseline``) for each speculative workload that has none, and every
+    plain run of ours before the speculative runs (the peer keeps its place at the end)."""
+    out = list(runs)
+    for r in runs:
+        if r.engine != "ours" or _plain(r) or any(p.workload() == r.workload() and _plain(p) for p in out):
+            continue
+        eo = r.engine_options
+        out.append(DecodeOptions.make(**base, engine="ours", runtime=eo.runtime, pdl=eo.pdl,
+                                      side_stream=eo.side_stream, silu_epilogue=eo.silu_epilogue, baseline=True))
+    runtimes = list(dict.fromkeys(r.engine_options.runtime for r in out))
+    # stable: the grid's order otherwise (runtime by runtime, the peer last)
+    return sorted(out, key=lambda r: (r.engine != "ours", runtimes.index(r.engine_options.runtime), not _plain(r)))
+
+
+def attach_plain(doc: dict, plain: dict) -> None:
+    """A speculative run's document with its plain partner's speed beside it: ``summary.plain`` holds the
+    partner's label, decode tok/s, this run's speed-up over it and whether the tokens are the same."""
+    s, p = doc["summary"], plain["summary"]
+    speedup = s["decode_tok_s"] / p["decode_tok_s"] if s.get("decode_tok_s") and p.get("decode_tok_s") else None
+    s["plain"] = {"label": plain["label"], "decode_tok_s": p.get("decode_tok_s"), "speedup": speedup,
+                  "tokens_equal": s["tokens_sha256"] == p["tokens_sha256"]}
 
 
 def plain_agreement(docs: list[dict]) -> dict[str, bool | None]:
@@ -295,9 +353,14 @@ def model_key(opts: DecodeOptions) -> tuple:
     return opts.model, opts.synthetic, opts.quant, opts.seed, opts.engine_options.device
 
 
-def run_decode(opts: DecodeOptions, progress=None, loaded=None) -> dict:
+def run_decode(opts: DecodeOptions, progress=None, loaded=None, references=None, tokens_out=None) -> dict:
     """Run the decode suite; returns the result document. ``progress(done, total, what)`` reports repeats.
-    ``loaded``: the weights (``load_model(opts)``), when the caller shares one load between runs."""
+    ``loaded``: the weights (``load_model(opts)``), when the caller shares one load between runs; ``references``:
+    per prompt, the plain run's tokens (for replayed acceptance); ``tokens_out``, a list, receives each prompt's
+    tokens of the last repeat."""
+    if opts.engine_options.replay_acceptance is not None and references is None:
+        raise ValueError("replayed acceptance needs a plain run on the same load first (its tokens are the "
+                         "continuation drafts are replaced by)")
     if opts.engine == "hf":
         from .hf_peer import HFPeer
 
@@ -318,13 +381,13 @@ def run_decode(opts: DecodeOptions, progress=None, loaded=None) -> dict:
     cuda = torch.device(runner.device).type == "cuda"
     warm = dataclasses.replace(opts, max_new_tokens=opts.max_new_tokens if cuda else min(opts.max_new_tokens, 64))
     for i in range(opts.warmup):
-        run_once(runner, prompts[:1], warm)
+        run_once(runner, prompts[:1], warm, references[:1] if references is not None else None)
         if progress:
             progress(i + 1, total, "warm-up")
     reset_peak_memory(runner.device)
     records = []
     for i in range(opts.repeats):
-        rec = run_once(runner, prompts, opts)
+        rec = run_once(runner, prompts, opts, references, tokens_out)
         rec["repeat"] = i
         records.append(rec)
         if progress:
@@ -336,6 +399,8 @@ def run_decode(opts: DecodeOptions, progress=None, loaded=None) -> dict:
     config["label"] = opts.label or opts.default_label()
     config["device"] = str(runner.device)
     config["dtype"] = str(runner.dtype).replace("torch.", "")
+    if getattr(runner, "replay", None) is not None:
+        config["replay_profile"] = runner.replay.probs  # the per-position conditional acceptance replayed
     return make_result("decode", label=config["label"], config=config, records=records, summary=summary,
                        model=dict(runner.model_info))
 
@@ -344,6 +409,7 @@ def run_matrix(runs: list[DecodeOptions], progress=None, done=None) -> list[dict
     """Several decode runs in one process, as llama-bench runs its parameter grid: consecutive runs on the same
     weights share one load (a 27B synthetic build takes minutes on a GPU). ``done(doc)`` is called after each."""
     docs, key, loaded = [], None, None
+    plain: dict[tuple, tuple[dict, list]] = {}  # workload -> (a plain run's document, its tokens per prompt)
     for i, opts in enumerate(runs):
         if model_key(opts) != key:
             loaded = None
@@ -352,8 +418,19 @@ def run_matrix(runs: list[DecodeOptions], progress=None, done=None) -> list[dict
             check_drafters(loaded, [r for r in runs[i:] if model_key(r) == key])  # before the first run on them
         if progress:
             progress(0, 1, f"run {i + 1}/{len(runs)}: {opts.label or opts.default_label()}")
-        doc = run_decode(opts, progress, loaded=loaded)
+        work = opts.workload()  # before the run resolves its capacities
+        partner = plain.get(work) if opts.engine == "ours" else None
+        replay = opts.engine_options.replay_acceptance is not None
+        if replay and partner is None:
+            raise ValueError(f"{opts.label or opts.default_label()}: replayed acceptance needs a plain run on the "
+                             "same workload before it")
+        tokens = [] if _plain(opts) else None
+        doc = run_decode(opts, progress, loaded=loaded, references=partner[1] if replay else None, tokens_out=tokens)
         free_device_memory()  # the run's engine (its caches, graphs and packed weights) is gone: give it back
+        if tokens is not None:
+            plain.setdefault(work, (doc, tokens))
+        elif partner is not None:
+            attach_plain(doc, partner[0])
         docs.append(doc)
         if done:
             done(doc)

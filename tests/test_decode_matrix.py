@@ -37,7 +37,14 @@ def test_grid_and_labels():
                       "v2-dflash2-k7-recompute", "v2-dflash2-k7-snapshot", "hf-peer"]
     assert runs[-1].engine == "hf" and runs[-1].engine_options.spec == "none"
     one = decode_runs(BASE, specs=("dflash2",), draft_tokens=7, label="mine")
-    assert len(one) == 1 and one[0].label == "mine" and one[0].engine_options.draft_tokens == 7
+    # a speculative run brings its plain partner (first), labelled after it
+    assert [(r.label, r.baseline, r.engine_options.spec) for r in one] == [("mine-plain", True, "none"),
+                                                                          ("mine", False, "dflash2")]
+    assert one[1].engine_options.draft_tokens == 7
+    alone = decode_runs(BASE, specs=("dflash2",), label="mine", baseline=False)
+    assert [r.label for r in alone] == ["mine"]
+    later = decode_runs(BASE, specs=("mtp:2", "none"))  # plain runs go first, whatever the order asked
+    assert [r.label for r in later] == ["v3-none", "v3-mtp-k2"] and not any(r.baseline for r in later)
     pre = decode_runs(BASE, specs=("none", "mtp"), label="rc1")
     assert [r.label for r in pre] == ["rc1-v3-none", "rc1-v3-mtp-k3"]
     heads = decode_runs(BASE, specs=("none", "dflash2:7"), lm_heads=(0, 256))

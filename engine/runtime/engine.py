@@ -90,6 +90,12 @@ class Engine:
         self.media_cache, self.media_limits = MediaCache(), MediaLimits()
         self.free_slots = list(range(opts.max_concurrency))
         self.drafter = self._make_drafter(opts.spec)
+        self.replay = None  # replayed acceptance (spec/replay.py): drafts replaced at a chosen acceptance
+        if opts.replay_acceptance is not None:
+            from ..spec.replay import Replay, profile
+
+            self.replay = Replay(profile(str(opts.replay_acceptance), opts.spec, opts.draft_tokens),
+                                 self.config.vocab_size, self.device)
         self.graphs = None
         self.chain_used = False  # whether the last run() decoded through the graph chain (chain.py)
         self.spec_times = None  # the last speculative round's timing events, read one round late (spec/loop.py)
@@ -181,6 +187,8 @@ class Engine:
         self.check_ids(prompt)
         if params.logprobs and self.drafter is not None and params.max_new_tokens > 1:
             raise ValueError("logprobs past the first generated token are kept for plain decoding only (spec none)")
+        if self.replay is not None and not params.greedy:
+            raise ValueError("replayed acceptance replays greedy decoding: temperature 0 only")
         if not self.free_slots:
             raise CapacityError(f"no free capacity: all {self.options.max_concurrency} slots are busy")
         gen = None if params.greedy else make_generator(params.seed, self.device)
@@ -432,13 +440,18 @@ class Engine:
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int = 256, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop=(), media: MediaPrompt | None = None,
-                 on_prefill=None, **extra) -> GenerationResult:
+                 on_prefill=None, reference: list[int] | None = None, **extra) -> GenerationResult:
         """Generate from ``prompt_ids`` (with ``media`` from :meth:`media_prompt`); returns tokens, text, timings
         and speculative statistics (the vision encode is part of prefill and TTFT). ``on_prefill(done, total)``
-        follows a long prompt's prefill chunk by chunk (see :meth:`start`)."""
+        follows a long prompt's prefill chunk by chunk (see :meth:`start`). ``reference``: with replayed
+        acceptance, the plain run's tokens on this prompt (the continuation drafts are replaced by)."""
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                 seed=seed, stop=(stop,) if isinstance(stop, str) else tuple(stop or ()), **extra)
+        if self.replay is not None and reference is None:
+            raise ValueError("replayed acceptance needs the plain run's tokens on this prompt (reference=...)")
         seq = self.acquire(prompt_ids, params, media)
+        if reference is not None and self.replay is not None:
+            seq.reference = self.replay.reference(reference, self.device)
         try:
             return self.run(seq, on_prefill)
         finally:

@@ -59,6 +59,8 @@ class EngineOptions:
     draft_tokens: int | None = None
     rollback: str = "recompute"
     lm_head_draft: int = 0
+    replay_acceptance: str | None = None  # seed, a probability or a .json file: drafts replaced by the plain
+    #                                       continuation at that acceptance (engine/spec/replay.py; greedy only)
     cuda_graphs: bool = True
     draft_graphs: bool = _switch(
         "--draft-graphs", "-eagerdraft", "spec",
@@ -124,6 +126,13 @@ class EngineOptions:
                              f"got {self.draft_tokens!r}")
         if self.rollback not in ("recompute", "snapshot"):
             raise ValueError(f"rollback must be recompute or snapshot, got {self.rollback!r}")
+        if self.replay_acceptance is not None:
+            if self.spec == "none":
+                raise ValueError("--replay-acceptance replays a drafter's acceptance: give it with --spec mtp, "
+                                 "dflash or dflash2")
+            from ..spec.replay import check_value
+
+            check_value(str(self.replay_acceptance))
         if not isinstance(self.lm_head_draft, int) or self.lm_head_draft < 0:
             raise ValueError(f"lm-head-draft must be a non-negative integer, got {self.lm_head_draft!r}")
         if self.interleave_chunk is not None and (not isinstance(self.interleave_chunk, int)

@@ -27,6 +27,7 @@ class Sequence:
     media: MediaPrompt | None = None  # images / videos of the prompt (engine/media/prompt.py)
     logprobs: list = field(default_factory=list)  # with params.logprobs: each token's log-softmax row, fp32 CPU
     prompt_scores: PromptScores | None = field(default=None, init=False)  # filled by the prefill (scoring.py)
+    reference: torch.Tensor | None = None  # replayed acceptance: the plain run's tokens on the device (spec/replay.py)
 
     def __post_init__(self) -> None:
         if self.params.prompt_logprobs is not None:  # the request asks for its prompt's log-probabilities

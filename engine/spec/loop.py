@@ -39,6 +39,8 @@ def speculative_round(e, seqs) -> None:
     k, dev = e.options.draft_tokens, e.device
     t0 = _timer(dev)
     drafts, q = e.drafter.draft(seqs, k)  # [B, K]
+    if e.replay is not None:  # replayed acceptance: proposals replaced on the device (spec/replay.py)
+        drafts = e.replay.substitute(e, seqs, drafts)
     t1 = _timer(dev)
     old_len = e.device_ids([s.length for s in seqs])
     block = torch.cat([e.device_ids([[s.last] for s in seqs]), drafts], dim=1)  # [B, K+1]
