@@ -316,3 +316,23 @@ def test_packed_projections_run_the_drafters_stored_formats():
         for a, b in zip(net.context_kv(net.context(taps), pos), ref.context_kv(ref.context(taps), pos)):
             for x, y in zip(a, b):
                 assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("where", [0, 3])
+def test_a_stop_id_inside_a_round_is_cut_on_the_device_as_on_the_host(plain, where):
+    """Greedy rounds work out on the device how many tokens each row keeps (speculative_round's device_keep): a stop
+    id among the accepted drafts (or as the bonus) ends the sequence there, and the rolled-back cache holds exactly
+    the host's tokens, as a session export of it needs."""
+    eng = engine(spec="mtp", draft_tokens=5)
+    eng.drafter = RiggedDrafter(eng, plain[0], always(5), eng.config.vocab_size)
+    stop = plain[0][1 + where + 1]  # the (where + 1)-th token of the first round
+    seq = eng.acquire(PROMPTS[0], SamplingParams(max_new_tokens=40, ignore_eos=True, stop_token_ids=(stop,)))
+    eng.start(seq)
+    while seq.finish_reason is None:
+        eng.advance([seq])
+    cut = plain[0].index(stop) + 1
+    assert seq.finish_reason == "stop" and seq.tokens == plain[0][:cut]
+    assert seq.length == len(PROMPTS[0]) + len(seq.tokens) - 1
+    state = eng.export_state(seq)
+    eng.release(seq)
+    assert len(state["ids"]) == state["cache"]["length"]

@@ -51,12 +51,29 @@ def speculative_round(e, seqs) -> None:
         rows = torch.tensor(sampling, device=dev)
         p = torch.stack([probs(logits[r], seqs[r].params) for r in sampling])
         n_acc[rows], bonus[rows] = accept_sampling(drafts[rows], p, q[rows], [seqs[r].generator for r in sampling])
-    n_list, d_list, b_list = n_acc.tolist(), drafts.tolist(), bonus.tolist()
-    settle_times(e)  # the read above waited for everything queued before it: the last round's events are complete
-    keep = [_append(e, s, d_list[r][: n_list[r]] + [b_list[r]]) for r, s in enumerate(seqs)]
-    e.commit(e.device_ids(keep))  # the cache keeps block positions 0 .. keep-1; the newest token is not in it yet
-    t2 = _timer(dev)
-    e.drafter.commit(seqs, old_len, block, hidden, torch.cat(taps, dim=-1) if taps else None, n_acc, bonus)
+    taps_cat = torch.cat(taps, dim=-1) if taps else None
+    if sampling or any(s.params.stop for s in seqs):  # stop strings end a sequence only in the host's text
+        n_list, d_list, b_list = n_acc.tolist(), drafts.tolist(), bonus.tolist()
+        settle_times(e)  # the read waited for everything queued before it: the last round's events are complete
+        keep = [_append(e, s, d_list[r][: n_list[r]] + [b_list[r]]) for r, s in enumerate(seqs)]
+        e.commit(e.device_ids(keep))  # the cache keeps block positions 0 .. keep-1; the newest is not in it yet
+        t2 = _timer(dev)
+        e.drafter.commit(seqs, old_len, block, hidden, taps_cat, n_acc, bonus)
+    else:  # greedy, stop ids only: how many tokens each row keeps is known on the device; both rollbacks are
+        # queued before the host reads the round, and its bookkeeping runs while they do
+        keep_dev = device_keep(e, seqs, drafts, n_acc, bonus)
+        read, ready = _read_later(dev, n_acc, bonus, keep_dev, drafts)
+        e.commit(keep_dev)
+        t2 = _timer(dev)
+        e.drafter.commit(seqs, old_len, block, hidden, taps_cat, n_acc, bonus)
+        if ready is not None:
+            ready.synchronize()  # the accept and its copy, not the rollbacks queued after them
+        settle_times(e)
+        rows = read.tolist()
+        keep = [_append(e, s, row[3:3 + row[0]] + [row[1]]) for row, s in zip(rows, seqs)]
+        if keep != [row[2] for row in rows]:
+            raise RuntimeError(f"speculative round: the device kept {[row[2] for row in rows]} tokens, the host "
+                               f"{keep}")
     t3 = _timer(dev)
     for s, added in zip(seqs, keep):
         # the drafts this round put into the output: all n accepted ones when the round ends in its bonus token,
@@ -66,6 +83,37 @@ def speculative_round(e, seqs) -> None:
     e.spec_times = (seqs, (t0, t1, t2, t3))
     if any(s.finish_reason is not None for s in seqs):
         settle_times(e)
+
+
+def device_keep(e, seqs, drafts: torch.Tensor, n_acc: torch.Tensor, bonus: torch.Tensor) -> torch.Tensor:
+    """Tokens each row keeps of this round, on the device ``[B]``: the accepted drafts and the bonus, cut after the
+    first of the row's stop ids (EOS unless ignored, ``stop_token_ids``) and at its ``max_new_tokens`` - what
+    :func:`_append` keeps on the host for requests without stop strings."""
+    b, k = drafts.shape
+    i = torch.arange(k + 1, device=drafts.device)[None]
+    block = torch.cat([drafts, bonus[:, None]], dim=1)
+    out = torch.where(i < n_acc[:, None], block, bonus[:, None])  # the tokens in order; position n_acc: the bonus
+    count = n_acc + 1
+    stop_lists = [sorted(e.stops.stop_ids(s.params)) or [-1] for s in seqs]
+    width = max(map(len, stop_lists))
+    stops = e.device_ids([ids + [-1] * (width - len(ids)) for ids in stop_lists])  # [B, S], -1 matches no token
+    hit = (out[:, :, None] == stops[:, None, :]).any(-1) & (i < count[:, None])
+    first = torch.where(hit.any(1), hit.to(torch.int64).argmax(1) + 1, count)
+    left = e.device_ids([s.params.max_new_tokens - len(s.tokens) for s in seqs])
+    return torch.minimum(torch.minimum(count, first), left)
+
+
+def _read_later(dev, n_acc, bonus, keep, drafts):
+    """The round's result ``[B, 3 + K]`` (n_acc | bonus | keep | drafts) copied towards the host without waiting:
+    (host tensor, event to wait on before reading it; None on a CPU, where it is already there)."""
+    pack = torch.cat([n_acc[:, None], bonus[:, None], keep[:, None], drafts], dim=1)
+    if dev.type != "cuda":
+        return pack, None
+    host = torch.empty(pack.shape, dtype=pack.dtype, pin_memory=True)
+    host.copy_(pack, non_blocking=True)
+    ev = torch.cuda.Event()
+    ev.record()
+    return host, ev
 
 
 def settle_times(e) -> None:
