@@ -71,9 +71,10 @@ class EngineOptions:
         "Plain greedy decode on CUDA graphs: queue step n + 1 before reading token n (a finished sequence's extra "
         "step writes the scratch slot; off: read each token first).")
     pdl: bool = _switch(
-        "--pdl", "-nopdl", "v3",
-        "The decode step's kernels (qmv and the fused Triton glue) launch with programmatic dependent launch in CUDA "
-        "graphs (sm_90+, ignored on older GPUs; process-wide: kernels/_triton.set_pdl).")
+        "--pdl", "-nopdl", "plain",
+        "Plain decoding's kernels (qmv and the fused Triton glue) launch with programmatic dependent launch in CUDA "
+        "graphs (sm_90+, ignored on older GPUs; process-wide: kernels/_triton.set_pdl). Speculative engines launch "
+        "without it: their rounds measured faster so.")
     side_stream: bool = _switch(
         "--side-stream", "-noside", "v3",
         "Captured decode steps run a GDN layer's b / a and z projections on CUDA-graph branches beside the main "
