@@ -24,7 +24,7 @@ def apply_cpu_threads(hidden_size: int, requested: int | None = None) -> None:
 class Switch:
     """An on / off engine switch that changes only runs on CUDA (graphs, fused kernels) and that a decode grid can
     compare: its flag, the label suffix of a run with it off, and the runs it applies to (``plain``: no drafter;
-    ``spec``: a drafter; ``v3``: the v3 runtime)."""
+    ``spec``: a drafter; ``v3``: the v3 runtime; ``v3-plain``: both)."""
 
     flag: str
     off_label: str
@@ -32,7 +32,8 @@ class Switch:
     help: str
 
     def applies_to(self, runtime: str, spec: str) -> bool:
-        return {"plain": spec == "none", "spec": spec != "none", "v3": runtime == "v3"}[self.applies]
+        return {"plain": spec == "none", "spec": spec != "none", "v3": runtime == "v3",
+                "v3-plain": runtime == "v3" and spec == "none"}[self.applies]
 
 
 def _switch(flag: str, off_label: str, applies: str, help: str):
@@ -71,7 +72,7 @@ class EngineOptions:
         "Plain greedy decode on CUDA graphs: queue step n + 1 before reading token n (a finished sequence's extra "
         "step writes the scratch slot; off: read each token first).")
     pdl: bool = _switch(
-        "--pdl", "-nopdl", "plain",
+        "--pdl", "-nopdl", "v3-plain",
         "Plain decoding's kernels (qmv and the fused Triton glue) launch with programmatic dependent launch in CUDA "
         "graphs (sm_90+, ignored on older GPUs; process-wide: kernels/_triton.set_pdl). Speculative engines launch "
         "without it: their rounds measured faster so.")
