@@ -106,9 +106,17 @@ def generate(artifact, prompt, prompt_file, chat, max_new_tokens, temperature, t
 @click.option("--generation-config", type=click.Choice(["auto", "none"]), default="auto", show_default=True,
               help="auto: the model's generation_config.json sampling defaults (temperature, top_p, top_k) fill what "
                    "a request leaves out, as vLLM does; none: the APIs' own (temperature 1, top_p 1, no top-k).")
+@click.option("--api-key", default=None, envvar="NINFER_BENCH_API_KEY",
+              help="Every /v1/ route wants this key (Authorization: Bearer KEY, or x-api-key: KEY, as the official "
+                   "clients send it); also read from NINFER_BENCH_API_KEY.")
+@click.option("--insecure", is_flag=True, help="Serve beyond loopback (--host 0.0.0.0, ...) without an API key.")
+@click.option("--allowed-hosts", default="", help="Comma-separated Host names served besides loopback's (a loopback "
+                                                   "bind refuses other names: DNS rebinding).")
+@click.option("--allowed-origins", default="", help="Comma-separated browser origins (https://app.example:3000, or "
+                                                     "*) whose cross-origin requests are served; others are refused.")
 @engine_options
 def serve(artifact, host, port, spec, draft_tokens, lm_head_draft, max_queue, session_capacity, session_dir,
-          media_dir, generation_config, **options):
+          media_dir, generation_config, api_key, insecure, allowed_hosts, allowed_origins, **options):
     """Serve OpenAI- and Anthropic-style HTTP APIs (default: the bundled model on 127.0.0.1:8080)."""
     import importlib.util
 
@@ -120,8 +128,13 @@ def serve(artifact, host, port, spec, draft_tokens, lm_head_draft, max_queue, se
     from ..engine.serve.app import ServerOptions
     from ..engine.serve.app import serve as run_server
 
+    def names(text):
+        return tuple(v.strip() for v in text.split(",") if v.strip())
+
     server_opts = ServerOptions(host=host, port=port, max_queue=max_queue, session_capacity=session_capacity,
-                                session_dir=session_dir, media_dir=media_dir, generation_config=generation_config)
+                                session_dir=session_dir, media_dir=media_dir, generation_config=generation_config,
+                                api_key=api_key, insecure=insecure, allowed_hosts=names(allowed_hosts),
+                                allowed_origins=names(allowed_origins))
     eng = build_engine(artifact, spec=spec, draft_tokens=draft_tokens, lm_head_draft=lm_head_draft, **options)
 
     def ready(url, backend, restored, problems):
@@ -133,8 +146,9 @@ def serve(artifact, host, port, spec, draft_tokens, lm_head_draft, max_queue, se
         defaults = ", ".join(f"{k} {v}" for k, v in backend.sampling_defaults.items())
         if backend.sampling_defaults.get("temperature", 0) > MAX_TEMPERATURE:
             defaults += f" ({MAX_TEMPERATURE:g} on /v1/messages, whose requests may ask 0-{MAX_TEMPERATURE:g})"
+        access = ", API key required" if api_key else ""
         console.print(f"[green]ready:[/] {url} (model {backend.model_id}, {o.max_concurrency} slots, {spec_txt}, "
-                      f"kv {o.kv_dtype}, context {backend.context_limit}, {eng.device.type}{sessions}"
+                      f"kv {o.kv_dtype}, context {backend.context_limit}, {eng.device.type}{sessions}{access}"
                       f"{f'; sampling defaults from generation_config.json: {defaults}' if defaults else ''})",
                       highlight=False, soft_wrap=True)
         for line in backend.ignored_defaults:

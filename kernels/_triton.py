@@ -79,7 +79,8 @@ def _sm90(device_index: int) -> bool:
 
 @contextlib.contextmanager
 def graph_scope():
-    """Launches inside count as launches into a CUDA-graph capture (the engine's graph capture wraps its warm-up runs and
+    """Launches inside count as launches into a CUDA-graph capture (the engine's graph capture wraps its warm-up runs
+    and
     the capture in it)."""
     _PDL["scope"] += 1
     try:

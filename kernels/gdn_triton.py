@@ -1,6 +1,7 @@
 """Gated DeltaNet token mixing for decode / speculative verify in Triton: one layer, T new tokens of B slots.
 
-Replaces, on the CUDA decode path, everything :meth:`engine.model.hybrid.HybridModel.gated_deltanet` does between the input
+Replaces, on the CUDA decode path, everything :meth:`engine.model.hybrid.HybridModel.gated_deltanet` does between the
+input
 projections and ``out_proj``: the depthwise causal conv (reading and updating the conv state in the cache), SiLU,
 the per-head L2 norms of q and k, the gates ``beta = sigmoid(b)`` and ``g = -exp(A_log) * softplus(a + dt_bias)``,
 the delta-rule recurrence from the cached state, and the gated RMSNorm ``norm_w * rmsnorm(o) * silu(z)``.
@@ -214,7 +215,8 @@ def gdn_decode(qkv, z, b, a, conv_state, conv_w, ssm, slots, A_log, dt_bias, nor
     dtype) and ssm [S, Hv, dk, dv] fp32 are the cache tensors of all slots; conv_w [C, W] fp32; slots [B] int64
     (distinct); A_log, dt_bias [Hv] and norm_w [dv] fp32.
 
-    Semantics of engine/model/hybrid.py ``gated_deltanet`` (decode): y = silu(causal conv over cat(conv_state[slot], qkv)),
+    Semantics of engine/model/hybrid.py ``gated_deltanet`` (decode): y = silu(causal conv over cat(conv_state[slot],
+    qkv)),
     q, k L2-normalised per k head, q scaled by dk^-0.5, beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias),
     per v head h (k head h // (Hv/Hk)): S = S e^g; S += k (beta (v - S^T k))^T; o = S^T q; then
     out = norm_w * rmsnorm(o) * silu(z) per head. Returns out [B, T, Hv*dv] in qkv's dtype (None when z is None:

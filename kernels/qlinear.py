@@ -330,7 +330,8 @@ class PackedLinear:
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
         """``silu(gate) * up`` ``[..., N / 2]`` of a gate / up weight whose rows alternate in runs of 8
-        (engine/model/weights.py's interleaved gate_up), through qmv's fused epilogue; None where that kernel does not run
+        (engine/model/weights.py's interleaved gate_up), through qmv's fused epilogue; None where that kernel does not
+        run
         for x (the caller takes the product itself)."""
         x2 = x.reshape(-1, self.k)
         qw = self.qmv_weight or self

@@ -2,8 +2,8 @@
 
 This is what a Python user would otherwise run: ``Qwen3_5ForCausalLM`` in bf16 on CUDA (fp32 on CPU), eager
 greedy ``generate``. TTFT is the time to its first new token and decode time the rest of the same call (the
-anchors measure it the same way). torch's default dtype is back at fp32 once the model is built: the reference-GPU anchors'
-transformers probe leaves it at bf16, which alone makes its 27B decode about a third slower on the
+anchors measure it the same way). torch's default dtype is back at fp32 once the model is built: the reference-GPU
+anchors' transformers probe leaves it at bf16, which alone makes its 27B decode about a third slower on the
 H200 (8.77 against 12.64 tok/s in one process; inference mode or not makes no difference at fp32:
 docs/perf/2026-12-01d-norm-epilogue-peer-modes-h200.md).
 """

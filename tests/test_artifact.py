@@ -10,7 +10,8 @@ import torch
 
 from ninfer_bench.kernels import quant
 from ninfer_bench.engine.artifact.reader import Artifact
-from ninfer_bench.engine.artifact.format import ArtifactError
+from ninfer_bench.engine.artifact.format import DIGEST_PLACEHOLDER, ArtifactError, header_digest
+from ninfer_bench.engine.artifact.loader import bundled_model_path
 from ninfer_bench.engine.artifact.writer import upgrade, write_artifact
 
 # (format, shape): K not a multiple of the group, a multiple, a 3-D tensor; floats also as 1-D / conv weights
@@ -50,13 +51,21 @@ def _read_doc(path):
     return version, json.loads(data[HEADER[version]:start]), data[payload_start:], payload_start
 
 
-def _rewrite_doc(path, mutate):
-    """Apply ``mutate(doc)`` to the JSON of an artifact, moving the payload as needed."""
+def _rewrite_doc(path, mutate, *, digest: bool = True):
+    """Apply ``mutate(doc)`` to the JSON of an artifact, moving the payload as needed; with ``digest`` a v3 header
+    digest is made anew (so the reader's other checks are reached), else the stale one stays."""
     data = open(path, "rb").read()
     version, doc, payload, _ = _read_doc(path)
     mutate(doc)
-    body = json.dumps(doc).encode()
-    head = data[:8] + struct.pack("<Q", len(body)) + data[16:HEADER[version]] + body
+    renew = digest and version == 3 and "header_sha256" in doc.get("provenance", {})
+    if renew:
+        doc["provenance"]["header_sha256"] = DIGEST_PLACEHOLDER
+    body = json.dumps(doc, separators=(",", ":")).encode()  # as the writer writes it
+    head = data[:8] + struct.pack("<Q", len(body)) + data[16:HEADER[version]]
+    if renew:
+        doc["provenance"]["header_sha256"] = header_digest(head + body)
+        body = json.dumps(doc, separators=(",", ":")).encode()  # as the writer writes it
+    head += body
     with open(path, "wb") as f:
         f.write(head + bytes(-len(head) % 4096) + payload)
 
@@ -171,7 +180,9 @@ def test_verify_checks_the_header_and_the_file_end(tmp_path):
     edited = tmp_path / "edited.ninfer"
     assert data.count(b'"model_id":"tiny"') == 1
     edited.write_bytes(data.replace(b'"model_id":"tiny"', b'"model_id":"tinx"'))
-    with Artifact.open(edited) as art:
+    with pytest.raises(ArtifactError, match="header digest mismatch"):  # refused on load
+        Artifact.open(edited)
+    with Artifact.open(edited, check_header=False) as art:  # as verify opens it
         (label, ok, msg), *rest = art.verify()
         assert (label, ok) == ("header", False) and "sha256 mismatch" in msg and all(r[1] for r in rest)
         with pytest.raises(ArtifactError, match="header: sha256 mismatch"):
@@ -530,3 +541,56 @@ def test_config_json_defaults_are_transformers(model_type):
     assert ours["head_dim"] != hf["hidden_size"] // hf["num_attention_heads"]  # (the case that used to differ)
     with pytest.raises(ValueError, match="head_dim must be a positive integer, got 0"):  # given, not left out
         ModelConfig.from_hf({**hf, "model_type": model_type, "head_dim": 0})
+
+
+def test_an_edited_header_is_refused_on_load_and_reported_by_verify(tmp_path):
+    """A v3 header digest covers the configs, metadata and object table: an edit of one of them (a config value, an
+    object's offset) is refused when the artifact opens, and verify - which opens without that check - names it."""
+    from click.testing import CliRunner
+
+    from ninfer_bench.cli import main
+
+    for edit in (lambda d: d["metadata"].update(model_id="edited"), lambda d: d["objects"][0].update(offset=256)):
+        path = tmp_path / "a.ninfer"
+        _write_small(path, 3, metadata={"model_id": "small"})
+        _rewrite_doc(path, edit, digest=False)
+        with pytest.raises(ArtifactError, match="header digest mismatch"):
+            Artifact.open(path)
+        r = CliRunner().invoke(main, ["verify", str(path)])
+        assert r.exit_code == 1 and "header" in r.output and "changed after writing" in r.output, r.output
+
+
+def test_upgrade_gives_a_v3_artifact_without_a_header_digest_one(tmp_path, tiny_artifact):
+    """Artifacts written before the header digest: verify says plainly it has none, and upgrade writes the same
+    artifact (id, objects, bytes) with one."""
+    import shutil
+
+    from click.testing import CliRunner
+
+    from ninfer_bench.cli import main
+
+    old, new = tmp_path / "old.ninfer", tmp_path / "new.ninfer"
+    shutil.copy(tiny_artifact, old)
+    _rewrite_doc(old, lambda d: d["provenance"].pop("header_sha256"))
+    with Artifact.open(old) as art:
+        tensors = [n for n, t in art.bindings.items() if not isinstance(t, dict) and art.objects[t].kind == "weight"]
+    r = CliRunner().invoke(main, ["verify", str(old)])
+    assert r.exit_code == 0 and "no header digest" in " ".join(r.output.split()), r.output
+    r = CliRunner().invoke(main, ["upgrade", str(old), str(new)])
+    assert r.exit_code == 0, r.output
+    with Artifact.open(old) as a, Artifact.open(new) as b:
+        assert b.provenance["header_sha256"] and a.artifact_id == b.artifact_id
+        assert all(ok for _, ok, _ in b.verify())
+        for name in tensors:
+            assert torch.equal(a.raw(name), b.raw(name))
+    with pytest.raises(ArtifactError, match="with a header digest; nothing to upgrade"):
+        upgrade(new, tmp_path / "again.ninfer")
+
+
+def test_the_bundled_artifact_carries_a_header_digest():
+    path = bundled_model_path()
+    if path is None:
+        pytest.skip("no bundled model in this checkout")
+    with Artifact.open(path) as art:
+        assert art.provenance.get("header_sha256") and all(ok for _, ok, _ in art.check_header())
+

@@ -757,7 +757,7 @@ def test_session_files_that_do_not_load_are_reported_in_one_line(tmp_path):
     assert loaded == 1 and sorted(problems) == sorted(
         [f"{folder}/{name}: {corrupt}" for name in [*bad, "object.pt"]]
         + [f"{folder}/tensors.pt: not a session file (a torch file of something else); skipped",
-           f"{folder}/x.pt: a damaged session file (fields missing or of the wrong type); skipped",
+           f"{folder}/x.pt: a session file of version 1, this version reads version 2; skipped",
            f"{folder}/bad name.pt: 'bad name' is not a session id (letters, digits and '._:-'); skipped"])
 
 

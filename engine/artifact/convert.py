@@ -1,7 +1,8 @@
 """Hugging Face folder -> ninfer artifact, with a quantization policy per tensor class.
 
 Policies: ``fp32``, ``bf16``, ``q8``, ``q5``, ``q4`` put every 2-D projection (embeddings and lm_head
-included) in that format; ``mixed`` (docs/DESIGN.md, "Artifact formats"): attention projections (and the MTP fc) q5, MLP and
+included) in that format; ``mixed`` (docs/DESIGN.md, "Artifact formats"): attention projections (and the MTP fc)
+q5, MLP and
 GDN projections q4, embeddings / lm_head q8, the tiny GDN ``in_proj_b``/``in_proj_a`` (Hv rows each, and
 they set the decay and write strength of the recurrence) bf16. Norm weights, ``A_log``, ``dt_bias`` and conv
 kernels are always fp32. A vision tower becomes the ``vision`` component (see :func:`vision_format`).

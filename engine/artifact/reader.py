@@ -61,8 +61,10 @@ class Artifact:
         self._check_bindings()
 
     @classmethod
-    def open(cls, path) -> "Artifact":
-        """Parse the header and JSON, check every object fits the file and every binding resolves, then mmap."""
+    def open(cls, path, *, check_header: bool = True) -> "Artifact":
+        """Parse the header and JSON, check the header digest when the artifact carries one (``check_header``; verify
+        reports it among its other checks instead), check every object fits the file and every binding resolves,
+        then mmap."""
         path = os.fspath(path)
         if not os.path.isfile(path):
             raise ArtifactError(f"no such file: {path}")
@@ -82,8 +84,13 @@ class Artifact:
             aid_hex = str((doc.get("identity") or {}).get("weights_id", ""))
         else:
             aid_hex = aid.hex()
+        header = head[:HEADER_BYTES[version]] + raw_json
+        want = (doc.get("provenance") or {}).get("header_sha256") if version == 3 else None
+        if check_header and want is not None and header_digest(header) != want:  # cheap: the header and JSON only
+            raise ArtifactError(f"{path}: header digest mismatch: the configs, metadata or object table were changed "
+                                f"after writing (ninfer-bench verify says more)")
         art = cls(path, version, aid_hex, doc, align(HEADER_BYTES[version] + jlen, PAYLOAD_ALIGN), size)
-        art._header = head[:HEADER_BYTES[version]] + raw_json
+        art._header = header
         return art
 
     def _check_bounds(self) -> None:

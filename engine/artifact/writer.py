@@ -222,11 +222,54 @@ def write_artifact(path, *, tensors: dict | None = None, packed: dict | None = N
         raise
 
 
+def add_header_digest(src_path, dst_path, progress=None) -> None:
+    """A v3 artifact written before artifacts carried a header digest, rewritten with one: the same artifact id,
+    JSON and object bytes (object offsets count from the payload start, which may move to fit the longer JSON), and
+    ``provenance.header_sha256`` over the new header. Atomic, as :func:`write_artifact`."""
+    with Artifact.open(src_path) as src:
+        if src.version != 3:
+            raise ArtifactError(f"{src.path}: a v{src.version} artifact; upgrade it to v3 instead")
+        if src.provenance.get("header_sha256") is not None:
+            raise ArtifactError(f"{src.path}: already carries a header digest")
+        doc = json.loads(src._header[HEADER_BYTES[3]:])
+        aid, old_start, size = bytes.fromhex(src.artifact_id), src.payload_start, src.file_size
+    path = os.fspath(dst_path)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        doc.setdefault("provenance", {})["header_sha256"] = DIGEST_PLACEHOLDER
+        body = _dump(path, doc)
+        head = MAGIC + bytes([3]) + struct.pack("<Q", len(body)) + aid
+        doc["provenance"]["header_sha256"] = header_digest(head + body)
+        body = _dump(path, doc)
+        start = align(HEADER_BYTES[3] + len(body), PAYLOAD_ALIGN)
+        with open(os.fspath(src_path), "rb") as fin, open(tmp, "wb") as fout:
+            fout.write(head + body + bytes(start - len(head) - len(body)))
+            fin.seek(old_start)
+            done, total = 0, size - old_start
+            while chunk := fin.read(1 << 24):
+                fout.write(chunk)
+                done += len(chunk)
+                if progress:
+                    progress(done, total, "payload")
+            fout.flush()
+            os.fsync(fout.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+        raise
+
+
 def upgrade(src_v2, dst_v3, progress=None) -> None:
-    """Rewrite a v2 artifact as v3 with every object's bytes unchanged (components/metadata from its blobs)."""
+    """Rewrite a v2 artifact as v3 with every object's bytes unchanged (components/metadata from its blobs); a v3
+    artifact without a header digest gains one (:func:`add_header_digest`)."""
+    with Artifact.open(src_v2) as src:
+        version, digest = src.version, src.provenance.get("header_sha256")
+    if version == 3 and digest is None:
+        return add_header_digest(src_v2, dst_v3, progress)
     with Artifact.open(src_v2) as src:
         if src.version != 2:
-            raise ArtifactError(f"{src.path}: is already v{src.version}; upgrade reads v2 artifacts")
+            raise ArtifactError(f"{src.path}: is already v{src.version} with a header digest; nothing to upgrade")
         packed, blobs, aliases = {}, {}, {}
         reserved = set(V2_BLOBS.values())
         for name, oid in src.bindings.items():

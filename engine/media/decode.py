@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field, fields
 import numpy as np
 import torch
 
-from .sources import MediaBudget, MediaLimits, read_source
+from .sources import MediaBudget, MediaLimits, declared_type, read_source
 
 DEFAULT_VIDEO_FPS = 24.0  # what transformers assumes for frames without metadata
 
@@ -401,6 +401,7 @@ def load_media(kind: str, source, cfg: PreprocessConfig, limits: MediaLimits,
         raise ValueError(f"media kind must be 'image' or 'video', got {kind!r}")
     budget = MediaBudget(limits) if budget is None else budget
     data = read_source(source, limits)
+    check_declared_type(declared_type(source), data, kind)
     digest = hashlib.sha256(kind.encode() + b"\0" + data).hexdigest()
     try:
         if kind == "image":
@@ -413,6 +414,37 @@ def load_media(kind: str, source, cfg: PreprocessConfig, limits: MediaLimits,
         if (name := _file_name(source)) is None:
             raise
         raise ValueError(f"{kind} {name}: {e}") from None  # several --image / --video: which one it was
+
+
+# what a data URI may declare for the bytes PIL finds (its format name); npy / npz frames declare these or none
+PIL_TYPES = {"PNG": {"image/png", "image/apng", "video/apng"}, "JPEG": {"image/jpeg", "image/jpg", "image/pjpeg"},
+             "WEBP": {"image/webp", "video/webp"}, "GIF": {"image/gif", "video/gif"}, "BMP": {"image/bmp"},
+             "TIFF": {"image/tiff"}, "ICO": {"image/x-icon", "image/vnd.microsoft.icon"},
+             "PPM": {"image/x-portable-pixmap"}}
+ARRAY_TYPES = {"application/octet-stream", "application/x-npy", "application/x-npz", "application/zip",
+               "application/x-numpy", "application/npy"}
+GENERIC = {"image/*", "video/*", "application/octet-stream"}
+
+
+def check_declared_type(declared: str | None, data: bytes, kind: str) -> None:
+    """ValueError when a data URI's declared media type disagrees with what its bytes are (``image/png`` over JPEG
+    bytes, a PDF declared as an image): a client's label is not taken on trust. No declared type, or a generic one,
+    checks nothing here (the decoder still refuses what it cannot read)."""
+    if declared is None or declared in GENERIC:
+        return
+    if data[:6] == b"\x93NUMPY" or data[:4] == b"PK\x03\x04":  # .npy / .npz frames (videos)
+        if declared not in ARRAY_TYPES and not any(k in declared for k in ("npy", "npz", "numpy")):
+            raise ValueError(f"the data URI declares {declared}, but its bytes are a numpy array file")
+        return
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(data)) as img:  # the header only
+            fmt = img.format
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError):
+        return  # not an image PIL knows: the decoder says what is wrong with it
+    if declared not in PIL_TYPES.get(fmt, {f"image/{str(fmt).lower()}"}):
+        raise ValueError(f"the data URI declares {declared}, but its bytes are a {fmt} {kind if fmt else 'file'}")
 
 
 def _file_name(source) -> str | None:

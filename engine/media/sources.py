@@ -53,6 +53,15 @@ class MediaBudget:
         self.used = total
 
 
+def declared_type(source) -> str | None:
+    """The media type a ``data:`` URI declares (``image/png``), lower-cased; None for bytes, paths and a URI that
+    declares none."""
+    if not isinstance(source, str) or not source[:5].lower() == "data:":
+        return None
+    head = source.partition(",")[0][5:].split(";")[0].strip().lower()
+    return head or None
+
+
 def read_source(source, limits: MediaLimits) -> bytes:
     """The bytes of ``source``: bytes, a ``data:`` URI (base64), a local path or ``file://`` URL. Any path is
     read: this is for a local user (the CLI); what an HTTP client names goes through :func:`request_source`."""

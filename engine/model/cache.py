@@ -161,6 +161,18 @@ class HybridCache:
             out["ssm"][str(i)] = self.ssm[i][slot].cpu().clone()
         return out
 
+    def slot_shapes(self, length: int) -> dict:
+        """What :meth:`export_slot` gives for ``length`` tokens, as (dtype, shape) pairs (None where it holds None):
+        the template a saved state must match."""
+        out = {"kv": {}, "conv": {}, "ssm": {}}
+        for key, layer in self.kv.items():
+            out["kv"][str(key)] = [None if t is None else (t.dtype, (t.shape[1], length, t.shape[3]))
+                                   for t in (layer.k, layer.v, layer.k_scale, layer.v_scale)]
+        for i in self.conv:
+            out["conv"][str(i)] = (self.conv[i].dtype, tuple(self.conv[i].shape[1:]))
+            out["ssm"][str(i)] = (self.ssm[i].dtype, tuple(self.ssm[i].shape[1:]))
+        return out
+
     def import_slot(self, slot: int, state: dict) -> int:
         """Load a state made by :meth:`export_slot` into ``slot``; returns its length."""
         length = state["length"]

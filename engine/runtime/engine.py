@@ -43,13 +43,38 @@ class ContextOverflow(CapacityError):
         self.prompt_tokens, self.new_tokens, self.context = prompt_tokens, new_tokens, context
 
 
+def _match(have, want, path: str) -> None:
+    """ValueError at the first place where a saved nested state differs from the template (dtype, shape) pairs."""
+    if isinstance(want, dict):
+        if not isinstance(have, dict) or set(have) != set(want):
+            raise ValueError(f"{path}: expected the entries {sorted(want)}, got "
+                             f"{sorted(have) if isinstance(have, dict) else type(have).__name__}")
+        for key in want:
+            _match(have[key], want[key], f"{path}.{key}")
+    elif isinstance(want, list):
+        if not isinstance(have, (list, tuple)) or len(have) != len(want):
+            raise ValueError(f"{path}: expected {len(want)} entries")
+        for i, (h, w) in enumerate(zip(have, want)):
+            _match(h, w, f"{path}[{i}]")
+    elif want is None:
+        if have is not None:
+            raise ValueError(f"{path}: expected nothing there")
+    else:
+        dtype, shape = want
+        if not isinstance(have, torch.Tensor) or have.dtype != dtype or tuple(have.shape) != tuple(shape):
+            got = f"{str(have.dtype).replace('torch.', '')} {list(have.shape)}" if isinstance(have, torch.Tensor) \
+                else type(have).__name__
+            raise ValueError(f"{path}: expected {str(dtype).replace('torch.', '')} {list(shape)}, got {got}")
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
 class Engine:
-    """An inference engine bound to one model, one device and fixed capacities (docs/DESIGN.md, "Engine and runtime")."""
+    """An inference engine bound to one model, one device and fixed capacities (docs/DESIGN.md, "Engine and
+    runtime")."""
 
     def __init__(self, loaded: LoadedModel, options: EngineOptions):
         self.options = opts = options
@@ -257,6 +282,22 @@ class Engine:
         if self.drafter is not None:
             state["drafter"] = self.drafter.export_slot(seq.slot)
         return state
+
+    def check_state(self, state: dict) -> None:
+        """ValueError naming the first thing of a saved state (:meth:`export_state`, from a file) that this engine's
+        slots cannot take: its structure, a tensor's dtype or shape, a length past a slot's capacity."""
+        if not isinstance(state, dict) or not isinstance(state.get("ids"), list) \
+                or not isinstance(state.get("cache"), dict):
+            raise ValueError("not an engine state (ids and cache missing)")
+        length = state["cache"].get("length")
+        if not isinstance(length, int) or length != len(state["ids"]) or not 0 <= length <= self.capacity:
+            raise ValueError(f"its length {length!r} is not its {len(state['ids'])} tokens within a slot's "
+                             f"{self.capacity}")
+        want = {"cache": self.cache.slot_shapes(length)}
+        have = {"cache": {k: state["cache"].get(k) for k in ("kv", "conv", "ssm")}}
+        if self.drafter is not None and state.get("spec") == self.options.spec and "drafter" in state:
+            want["drafter"], have["drafter"] = self.drafter.slot_shapes(), state["drafter"]
+        _match(have, want, "state")
 
     def reusable(self, state: dict, prompt: list[int], media: MediaPrompt | None = None) -> int:
         """How many tokens of ``prompt`` a saved state (:meth:`export_state`) covers: all of its ids when they

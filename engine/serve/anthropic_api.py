@@ -11,7 +11,18 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..media.prompt import placeholder
 from .engine_thread import Backend, Outcome
-from .http import ApiError, api_error, error_body, new_id, read_json, refuse_unsupported, session_of, sse, validate
+from .http import (
+    ApiError,
+    api_error,
+    body_schema,
+    error_body,
+    new_id,
+    read_json,
+    refuse_unsupported,
+    session_of,
+    sse,
+    validate,
+)
 
 STOP_REASON = {"eos": "end_turn", "stop_sequence": "stop_sequence", "length": "max_tokens"}
 MAX_TEMPERATURE = 1.0  # Anthropic's range is 0-1: a model default above it (generation_config.json) is lowered to it
@@ -33,13 +44,13 @@ IGNORED = frozenset({"metadata", "service_tier", "inference_geo", "speed", "cach
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)  # NaN is no number a sampler can take
     role: Literal["user", "assistant"]
     content: str | list[dict]
 
 
 class CountRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)  # NaN is no number a sampler can take
     model: str
     messages: list[Message] = Field(min_length=1)
     system: str | list[dict] | None = None
@@ -127,7 +138,7 @@ def usage(out: Outcome) -> dict:
 
 
 def register(app: FastAPI, backend: Backend, max_body: int) -> None:
-    @app.post("/v1/messages/count_tokens")
+    @app.post("/v1/messages/count_tokens", openapi_extra=body_schema(CountRequest))
     async def count_tokens(request: Request):
         body = validate(CountRequest, await read_json(request, max_body))
         refuse_unsupported(body.model_extra or {}, UNSUPPORTED, COUNT_IGNORED)
@@ -139,7 +150,7 @@ def register(app: FastAPI, backend: Backend, max_body: int) -> None:
             ids, _ = await asyncio.to_thread(backend.media_prompt, ids, media)
         return {"input_tokens": len(ids)}
 
-    @app.post("/v1/messages")
+    @app.post("/v1/messages", openapi_extra=body_schema(MessagesRequest))
     async def messages(request: Request):
         body = validate(MessagesRequest, await read_json(request, max_body))
         refuse_unsupported(body.model_extra or {}, UNSUPPORTED, IGNORED)

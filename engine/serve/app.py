@@ -67,9 +67,14 @@ stream carries the usage only when ``stream_options.include_usage`` asks for it,
 with no choices (the other chunks then have ``"usage": null``).
 
 Errors take each API's shape (``/v1/messages*``: Anthropic ``{"type": "error", "error": {...}}``, elsewhere
-OpenAI ``{"error": {...}}``): 400 malformed JSON, invalid parameters or context overflow, 413 a body over
-the size limit, 404 unknown model / session / route, 503 a full queue (with Retry-After), 500 otherwise. A request
-past the context is refused by the engine's own check (``Engine.check_fits``), worded here in each API's terms.
+OpenAI ``{"error": {...}}``): 400 malformed JSON, invalid parameters or context overflow, 401 a missing or wrong API
+key, 403 a Host or browser Origin not served, 413 a body over the size limit, 404 unknown model / session / route
+(and a session whose saved state was dropped at start, once), 503 a full queue (with Retry-After), 500 otherwise. A
+request past the context is refused by the engine's own check (``Engine.check_fits``), worded here in each API's
+terms. Who may talk to the server - the API key, the Host of a loopback bind, browser origins - is
+:mod:`.guard`'s. With ``--session-dir``, ``timings.session_persisted`` says whether a session's turn reached the
+disk (a failed write never fails the request: :mod:`.sessions`). The schema, request bodies included, is at
+``GET /openapi.json``.
 
 The engine runs in one background thread; async handlers submit to it and receive tokens through callbacks
 bridged onto an asyncio queue per request (:mod:`.engine_thread`). A client that disconnects cancels its request,
@@ -92,6 +97,7 @@ from starlette.exceptions import HTTPException
 from ..runtime.engine import Engine
 from . import anthropic_api, openai_api
 from .engine_thread import Backend
+from .guard import AccessGuard, AccessPolicy, is_loopback
 from .http import EXPECTED, ApiError, api_error, error_response, is_anthropic
 from .sessions import quoted
 
@@ -111,6 +117,10 @@ class ServerOptions:
     max_body_bytes: int | None = None
     media_dir: str | None = None  # the one folder whose files requests may name as media (None: data URIs only)
     generation_config: str = "auto"  # "auto": the model's sampling defaults fill what a request leaves out; "none"
+    api_key: str | None = None  # every /v1/ route wants it (guard.py)
+    insecure: bool = False  # a bind beyond loopback without a key, meant
+    allowed_hosts: tuple[str, ...] = ()  # Host names served besides loopback's (a loopback bind)
+    allowed_origins: tuple[str, ...] = ()  # browser origins whose cross-origin requests are served ("*": any)
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -131,8 +141,13 @@ class ServerOptions:
             raise ValueError(f"generation-config must be auto or none, got {self.generation_config!r}")
         if not isinstance(self.host, str):
             raise ValueError(f"host must be a string, got {self.host!r}")
+        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key.strip()):
+            raise ValueError("api-key must be a non-empty string")
         for sock in listen(self.host, self.port):  # a taken port is an error before the model loads, not after
             sock.close()
+        if not is_loopback(self.host) and self.api_key is None and not self.insecure:
+            raise ValueError(f"--host {self.host} serves beyond this machine: give --api-key KEY (clients send it as "
+                             f"Authorization: Bearer KEY or x-api-key), or --insecure to serve without one")
 
 
 def listen(host: str, port: int) -> list[socket.socket]:
@@ -165,9 +180,9 @@ def listen(host: str, port: int) -> list[socket.socket]:
     return sockets
 
 
-def create_app(backend: Backend, max_body: int) -> FastAPI:
+def create_app(backend: Backend, max_body: int, policy: AccessPolicy | None = None) -> FastAPI:
     """The FastAPI app over ``backend`` (request bodies up to ``max_body`` bytes); its lifespan starts and stops
-    the engine thread."""
+    the engine thread. ``policy``: who may talk to it (:mod:`.guard`; None: anyone, as in-process tests do)."""
     @asynccontextmanager
     async def lifespan(app):
         backend.start()
@@ -176,8 +191,11 @@ def create_app(backend: Backend, max_body: int) -> FastAPI:
         finally:
             backend.stop()
 
-    app = FastAPI(title="ninfer-bench", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    # the schema (request bodies included: http.body_schema) is published for clients and fuzzers; no docs pages
+    app = FastAPI(title="ninfer-bench", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.state.backend = backend
+    if policy is not None:
+        app.add_middleware(AccessGuard, policy=policy)
 
     async def on_error(request: Request, err: Exception):
         return error_response(request, api_error(err, is_anthropic(request.url.path)))
@@ -242,7 +260,8 @@ def serve(engine: Engine, options: ServerOptions, on_ready=None) -> None:
                 backend.drain()
                 await super().shutdown(sockets)
 
-        config = uvicorn.Config(create_app(backend, max_body), host=options.host, port=options.port,
+        policy = AccessPolicy.for_bind(options.host, options.api_key, options.allowed_hosts, options.allowed_origins)
+        config = uvicorn.Config(create_app(backend, max_body, policy), host=options.host, port=options.port,
                                 log_level="warning", timeout_graceful_shutdown=3, ws="none", lifespan="on")
         _Server(config).run(sockets=sockets)
     finally:

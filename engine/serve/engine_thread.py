@@ -26,7 +26,7 @@ from .sessions import Session, SessionStore, check_session_id, quoted
 log = logging.getLogger("ninfer_bench.server")
 
 __all__ = ["Backend", "BadRequest", "CapacityError", "ClientGone", "ContextOverflow", "GenerationFailed", "Generation",
-           "ModelNotFound", "Outcome", "QueueFull", "ShuttingDown", "TextStream"]
+           "ModelNotFound", "Outcome", "QueueFull", "SessionUnusable", "ShuttingDown", "TextStream"]
 
 
 class BadRequest(ValueError):
@@ -39,6 +39,10 @@ class BadRequest(ValueError):
 
 class ModelNotFound(LookupError):
     """A request for a model this server does not serve (404)."""
+
+
+class SessionUnusable(LookupError):
+    """A request named a session whose saved state was dropped at start (damaged, or not for this engine)."""
 
 
 class ShuttingDown(RuntimeError):
@@ -302,8 +306,9 @@ class Generation:
             finish = "length"
         else:
             finish = "eos"
+        persisted = False
         if self.state is not None:
-            await asyncio.to_thread(self.backend.sessions.put, self._session(tokens, finish))
+            persisted = await asyncio.to_thread(self.backend.sessions.put, self._session(tokens, finish))
         stats, admitted = seq.stats, self.admitted_at or req.submitted
         first = req.first_token_at or req.finished_at
         timings = {"prompt_n": len(self.prompt), "prompt_cached_n": req.prefill_from, "predicted_n": len(tokens),
@@ -311,6 +316,8 @@ class Generation:
                    "queue_ms": round((admitted - req.submitted) * 1e3, 3),
                    "prefill_ms": round((first - admitted) * 1e3, 3),
                    "decode_ms": round((req.finished_at - first) * 1e3, 3)}
+        if self.session_id is not None and self.backend.sessions.dir is not None:  # kept on disk for a restart?
+            timings["session_persisted"] = persisted
         return Outcome(self.text, tokens, finish, self.stream.stopped, len(self.prompt), req.prefill_from, timings,
                        list(self.logprobs) if self.top_logprobs is not None else None, self.prompt_logprobs())
 
@@ -356,7 +363,7 @@ class Backend:
         self.model_id = info.get("model_id") or (Path(info["path"]).stem if info.get("path") else None) \
             or info.get("preset") or "model"
         key = info.get("artifact_id") or info.get("config_sha256") or self.model_id
-        self.sessions = SessionStore(session_capacity, session_dir, model_key=str(key))
+        self.sessions = SessionStore(session_capacity, session_dir, model_key=str(key), check=engine.check_state)
         self.context_limit = engine.context_limit
         self.eos = set(engine.tokenizer.eos_ids)
         # token ids left out of the text: end tokens and control tokens (chat markers), as OpenAI-style servers do
@@ -425,6 +432,9 @@ class Backend:
                 check_session_id(session_id)
             except ValueError as e:
                 raise BadRequest(str(e), "session_id") from None
+            if (why := self.sessions.take_damaged(session_id)) is not None:
+                raise SessionUnusable(f"session {quoted(session_id)} cannot be continued: {why}; send the whole "
+                                      f"conversation (the id now starts a new session)")
         saved = self.sessions.get(session_id) if session_id and not media and prompt_logprobs is None else None
         if ids is None:  # tokenizing a long prompt takes a while: off the event loop
             encode = self.engine.tokenizer.encode

@@ -11,6 +11,7 @@ import uuid
 from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 
 from .engine_thread import (
     BadRequest,
@@ -20,6 +21,7 @@ from .engine_thread import (
     GenerationFailed,
     ModelNotFound,
     QueueFull,
+    SessionUnusable,
     ShuttingDown,
 )
 from .sessions import SHOWN_CHARS, quoted
@@ -37,7 +39,8 @@ class ApiError(Exception):
 
 
 RETRY = {"Retry-After": "1"}
-EXPECTED = (ApiError, BadRequest, CapacityError, ModelNotFound, QueueFull, ShuttingDown, GenerationFailed, ClientGone)
+EXPECTED = (ApiError, BadRequest, CapacityError, ModelNotFound, SessionUnusable, QueueFull, ShuttingDown,
+            GenerationFailed, ClientGone)
 
 
 def overflow_message(err: ContextOverflow, anthropic: bool) -> str:
@@ -64,6 +67,8 @@ def api_error(err: BaseException, anthropic: bool = False) -> ApiError:
         return ApiError(400, str(err))
     if isinstance(err, BadRequest):
         return ApiError(400, str(err), param=err.param)
+    if isinstance(err, SessionUnusable):
+        return ApiError(404, str(err), code="session_not_found", param="session_id")
     if isinstance(err, ModelNotFound):
         return ApiError(404, str(err), code="model_not_found", param="model")
     if isinstance(err, QueueFull):
@@ -78,10 +83,10 @@ def api_error(err: BaseException, anthropic: bool = False) -> ApiError:
                     f"internal error: {type(err).__name__}: {err}")
 
 
-OPENAI_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 413: "invalid_request_error",
-                503: "server_error", 500: "server_error"}
-ANTHROPIC_TYPES = {400: "invalid_request_error", 404: "not_found_error", 413: "request_too_large",
-                   503: "overloaded_error", 500: "api_error"}
+OPENAI_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 403: "invalid_request_error",
+                404: "invalid_request_error", 413: "invalid_request_error", 503: "server_error", 500: "server_error"}
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                   404: "not_found_error", 413: "request_too_large", 503: "overloaded_error", 500: "api_error"}
 
 
 def is_anthropic(path: str) -> bool:
@@ -108,12 +113,16 @@ def sse(data: dict, event: str | None = None) -> str:
 
 # ---- request bodies ------------------------------------------------------------------------------------
 async def read_json(request: Request, limit: int) -> dict:
-    """The JSON object of the body; 413 past ``limit`` bytes, 400 when it is not a JSON object."""
+    """The JSON object of the body; 413 past ``limit`` bytes, 400 when it is not a JSON object; ClientGone when the
+    client goes away before it sent the whole body (nobody is left to answer, nothing to log)."""
     body, size = bytearray(), 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size <= limit:
-            body += chunk  # past the limit the rest is read and dropped, so the client sees the 413
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size <= limit:
+                body += chunk  # past the limit the rest is read and dropped, so the client sees the 413
+    except ClientDisconnect:
+        raise ClientGone() from None
     if size > limit:
         raise ApiError(413, f"request body of {size:,} bytes exceeds the limit of {limit:,} bytes")
     try:
@@ -179,3 +188,22 @@ def session_of(request: Request, body_id: str | None) -> str | None:
 
 def new_id(prefix: str) -> str:
     return f"{prefix}{uuid.uuid4().hex[:24]}"
+
+
+def body_schema(model: type[BaseModel]) -> dict:
+    """A route's ``openapi_extra``: its JSON body as ``model`` validates it, references inlined (the routes read
+    their bodies themselves, so FastAPI would otherwise publish none: clients and fuzzers read this schema)."""
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def inline(node):
+        if isinstance(node, dict):
+            if "$ref" in node:
+                return inline(defs[node["$ref"].rsplit("/", 1)[1]])
+            return {k: inline(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [inline(v) for v in node]
+        return node
+
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": inline(schema)}}}}
+

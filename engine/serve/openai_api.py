@@ -12,7 +12,18 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..media.prompt import placeholder
 from .engine_thread import Backend, Generation, Outcome
-from .http import ApiError, api_error, error_body, new_id, read_json, refuse_unsupported, session_of, sse, validate
+from .http import (
+    ApiError,
+    api_error,
+    body_schema,
+    error_body,
+    new_id,
+    read_json,
+    refuse_unsupported,
+    session_of,
+    sse,
+    validate,
+)
 from .logprobs import MAX_TOP_LOGPROBS, chat_content, completion_logprobs
 from .sessions import SHOWN_CHARS
 
@@ -58,13 +69,13 @@ class StreamOptions(BaseModel):
     """``include_usage``; OpenAI's ``include_obfuscation`` (padding against length side channels) is accepted and
     ignored, anything else refused by :func:`start` (vLLM's ``continuous_usage_stats`` is not implemented)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)  # NaN is no number a sampler can take
     include_usage: bool | None = None
     include_obfuscation: bool | None = None
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)  # NaN is no number a sampler can take
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict] | None = None
 
@@ -73,7 +84,7 @@ class _Generate(BaseModel):
     """Fields both routes share; ``None`` means the API's default. The other fields the routes take are checked by
     :func:`.http.refuse_unsupported`."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)  # NaN is no number a sampler can take
     model: str
     stream: bool | None = None
     stream_options: StreamOptions | None = None
@@ -299,7 +310,7 @@ def register(app: FastAPI, backend: Backend, max_body: int) -> None:
         backend.check_model(name)
         return {"id": backend.model_id, "object": "model", "created": backend.created, "owned_by": "ninfer-bench"}
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=body_schema(ChatRequest))
     async def chat(request: Request):
         body = validate(ChatRequest, await read_json(request, max_body))
         refuse_unsupported(body.model_extra or {}, CHAT_UNSUPPORTED, IGNORED)
@@ -331,7 +342,7 @@ def register(app: FastAPI, backend: Backend, max_body: int) -> None:
                 "timings": timings(outs), **extra,
                 **({"prompt_token_ids": gens[0].prompt} if body.return_token_ids else {})}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=body_schema(CompletionRequest))
     async def completions(request: Request):
         body = validate(CompletionRequest, await read_json(request, max_body))
         refuse_unsupported(body.model_extra or {}, COMPLETION_UNSUPPORTED, IGNORED)

@@ -21,11 +21,19 @@ model that made it, and no server overwrites or deletes another model's files. T
 id: a file renamed ``DIR/<model>/other.pt`` is restored as session ``other`` (and reported), so deleting a session
 always deletes the one file that holds it. Files an older version kept at the top of ``DIR`` move into the
 model's folder when that model's server starts.
+
+Integrity: a file holds its model's identity, the shapes of its state's tensors and a SHA-256 of everything else in
+it (:func:`state_digest`); at start a file whose digest or shapes do not match, or whose tensors are not the shapes
+this engine's slots take (``check``), is dropped with one log line, and the first request that names its session
+gets a 404 saying so (then the id is free again). A failed write (a full or read-only disk) never fails the request
+that finished the turn: the session stays in memory, the reply says it was not persisted (``timings``'
+``session_persisted``), the partial file goes, and leftovers of earlier crashes are swept at start.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import re
 import threading
@@ -40,6 +48,7 @@ import torch
 SESSION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 FOLDER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 FILE_FORMAT = "ninfer-bench/session"
+FILE_VERSION = 2  # 2: digest and shapes; version 1 files (no digest) are not restored
 SHOWN_CHARS = 64  # of an id quoted in an error message: a client's 5000-character id is not sent back whole
 log = logging.getLogger("ninfer_bench.server")
 
@@ -81,13 +90,23 @@ def read_session_file(path: Path) -> dict:
             raise ValueError("not a session file (truncated or corrupt)") from None
     if not isinstance(doc, dict) or doc.get("format") != FILE_FORMAT:
         raise ValueError("not a session file (a torch file of something else)")
-    if doc.get("version") != 1:
-        raise ValueError(f"a session file of version {doc.get('version')!r}, this version reads version 1")
+    if doc.get("version") != FILE_VERSION:
+        raise ValueError(f"a session file of version {doc.get('version')!r}, this version reads version "
+                         f"{FILE_VERSION}")
     state = doc.get("state")
     if not (isinstance(state, dict) and isinstance(state.get("ids"), list) and isinstance(doc.get("ids"), list)
-            and isinstance(doc.get("text"), (str, type(None))) and isinstance(doc.get("updated"), (int, float))):
+            and isinstance(doc.get("text"), (str, type(None))) and isinstance(doc.get("updated"), (int, float))
+            and isinstance(doc.get("digest"), str) and isinstance(doc.get("shapes"), dict)):
         raise ValueError("a damaged session file (fields missing or of the wrong type)")
     return doc
+
+
+def check_session_doc(doc: dict) -> None:
+    """ValueError when a session file's content is not what it was written as: its digest or recorded shapes."""
+    if state_digest(doc) != doc["digest"]:
+        raise ValueError("its content does not match its digest")
+    if state_shapes(doc["state"]) != doc["shapes"]:
+        raise ValueError("its tensors are not the shapes it records")
 
 
 def oldest_first(paths) -> list[Path]:
@@ -109,6 +128,40 @@ def state_bytes(obj) -> int:
     if isinstance(obj, (list, tuple)):
         return sum(state_bytes(v) for v in obj)
     return 0
+
+
+def _leaves(obj, path: str = ""):
+    """(path, leaf) of a nested state in a fixed order: dicts by key, lists by position."""
+    if isinstance(obj, dict):
+        for key in sorted(obj, key=str):
+            yield from _leaves(obj[key], f"{path}/{key}")
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from _leaves(v, f"{path}/{i}")
+    else:
+        yield path, obj
+
+
+def state_shapes(state: dict) -> dict[str, list]:
+    """``{path: [dtype, shape]}`` of every tensor in a nested state."""
+    return {p: [str(v.dtype).replace("torch.", ""), list(v.shape)] for p, v in _leaves(state)
+            if isinstance(v, torch.Tensor)}
+
+
+def state_digest(doc: dict) -> str:
+    """SHA-256 of a session file's content but its digest: every tensor's dtype, shape and bytes, and every other
+    value's JSON, in a fixed order."""
+    h = hashlib.sha256()
+    for path, v in _leaves({k: v for k, v in doc.items() if k != "digest"}):
+        h.update(path.encode() + b"\0")
+        if isinstance(v, torch.Tensor):
+            t = v.detach().contiguous().reshape(-1)
+            h.update(f"{t.dtype}{list(v.shape)}".encode())
+            h.update(t.view(torch.uint8).numpy().tobytes())
+        else:
+            h.update(json.dumps(v, sort_keys=True, default=str).encode())
+        h.update(b"\1")
+    return h.hexdigest()
 
 
 @dataclass
@@ -139,13 +192,15 @@ class Session:
 class SessionStore:
     """A thread-safe LRU of sessions, mirrored to a folder when one is given."""
 
-    def __init__(self, capacity: int = 16, directory: str | Path | None = None, model_key: str = ""):
+    def __init__(self, capacity: int = 16, directory: str | Path | None = None, model_key: str = "", check=None):
         if not isinstance(capacity, int) or capacity < 0:
             raise ValueError(f"session-capacity must be a non-negative integer, got {capacity!r}")
         self.capacity = capacity
         self.root = Path(directory) if directory else None  # --session-dir, maybe shared with other models
         self.dir = self.root / model_folder(model_key) if directory else None  # this model's files, <id>.pt
         self.model_key = model_key  # states of another model are never loaded
+        self.check = check  # check(state): ValueError when the engine's slots cannot take the state
+        self.damaged: dict[str, str] = {}  # session id -> why its file was dropped at start (said once, then free)
         self._items: OrderedDict[str, Session] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -162,10 +217,17 @@ class SessionStore:
                 self._items.move_to_end(sid)
             return s
 
-    def put(self, session: Session, *, write: bool = True) -> None:
-        """Retain ``session`` (replacing its previous turn), evicting the least recently used beyond capacity."""
+    def take_damaged(self, sid: str) -> str | None:
+        """Why session ``sid``'s file was dropped at start, once (the id is then free for a new session)."""
+        with self._lock:
+            return self.damaged.pop(sid, None)
+
+    def put(self, session: Session, *, write: bool = True) -> bool:
+        """Retain ``session`` (replacing its previous turn), evicting the least recently used beyond capacity.
+        Returns whether it is persisted: False when its file could not be written (it stays in memory, and the
+        failure is one log line - never the caller's error)."""
         if self.capacity == 0:
-            return
+            return False
         session.updated = session.updated or time.time()
         with self._lock:
             self._items[session.id] = session
@@ -174,21 +236,31 @@ class SessionStore:
             while len(self._items) > self.capacity:
                 evicted.append(self._items.popitem(last=False)[0])
             if self.dir is None:
-                return
+                return False
+            persisted = not write
             try:
                 if write:
                     self._write(session)
+                    persisted = True
                 for sid in evicted:
                     self._path(sid).unlink(missing_ok=True)
-            except OSError as e:  # a full or read-only disk costs the restart, not the request
-                log.warning("session %s not saved to %s: %s", session.id, self.dir, e)
+            except Exception as e:  # a full or read-only disk (torch raises RuntimeError) costs the restart only
+                log.warning("session %s not saved to %s: %s", quoted(session.id), self.dir,
+                            str(e).splitlines()[0] if str(e) else type(e).__name__)
+            return persisted
 
     def _write(self, s: Session) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
         tmp = self._path(s.id).with_suffix(".pt.tmp")
-        torch.save({"format": FILE_FORMAT, "version": 1, "model": self.model_key, "id": s.id, "state": s.state,
-                    "ids": s.ids, "text": s.text, "updated": s.updated}, tmp)
-        tmp.replace(self._path(s.id))  # a crash mid-write never leaves a truncated session file
+        doc = {"format": FILE_FORMAT, "version": FILE_VERSION, "model": self.model_key, "id": s.id, "state": s.state,
+               "ids": s.ids, "text": s.text, "updated": s.updated, "shapes": state_shapes(s.state)}
+        doc["digest"] = state_digest(doc)
+        try:
+            torch.save(doc, tmp)
+            tmp.replace(self._path(s.id))  # a crash mid-write never leaves a truncated session file
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
 
     def delete(self, sid: str) -> bool:
         if not SESSION_ID.fullmatch(sid):
@@ -218,15 +290,36 @@ class SessionStore:
         except OSError as e:
             raise ValueError(f"--session-dir {self.root}: {e.strerror or e}") from None
         problems = self._adopt_top_level()
+        for tmp in sorted(self.dir.glob("*.pt.tmp")):  # what an interrupted write left
+            try:
+                tmp.unlink()
+                problems.append(f"{tmp.relative_to(self.root)}: an unfinished write; removed")
+            except OSError as e:
+                problems.append(f"{tmp.relative_to(self.root)}: an unfinished write, not removed ({e.strerror or e})")
         loaded = 0
         for path in oldest_first(self.dir.glob("*.pt")):
             shown = path.relative_to(self.root)
+            sid = path.stem  # the file's name, so that deleting the session deletes this file
             try:  # one bad file must not stop the server from starting
                 doc = read_session_file(path)
             except ValueError as e:
                 problems.append(f"{shown}: {e}; skipped")
                 continue
-            sid = path.stem  # the file's name, so that deleting the session deletes this file
+            if doc.get("model") == self.model_key and SESSION_ID.fullmatch(sid):
+                try:  # this model's session, damaged: dropped, and its id said so once
+                    check_session_doc(doc)
+                except ValueError as e:
+                    problems.append(f"{shown}: a damaged session ({e}); dropped")
+                    self.damaged[sid] = f"its saved state was damaged ({e}) and has been dropped"
+                    path.unlink(missing_ok=True)
+                    continue
+                try:  # intact, but not for this engine (another dtype or capacity): left for a server it fits
+                    if self.check is not None:
+                        self.check(doc["state"])
+                except ValueError as e:
+                    problems.append(f"{shown}: a state this engine's slots cannot take ({e}); skipped")
+                    self.damaged[sid] = f"its saved state does not fit this server's engine ({e})"
+                    continue
             if doc.get("model") != self.model_key:  # copied here by hand: its tensors would not fit this model
                 problems.append(f"{shown}: saved by another model; skipped")
             elif not SESSION_ID.fullmatch(sid):

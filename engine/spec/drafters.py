@@ -246,6 +246,9 @@ class MTPDrafter:
     def export_slot(self, slot: int) -> dict:
         return {}  # the MTP head's K/V lives in the engine cache (exported with it)
 
+    def slot_shapes(self) -> dict:
+        return {}
+
     def import_slot(self, slot: int, state: dict) -> None:
         self.pending.pop(slot, None)
         self.carry.pop(slot, None)
@@ -426,6 +429,12 @@ class BlockDraftRunner:
         """A CPU copy of the slot's context K/V (sessions)."""
         return {"k": [k[slot].cpu().clone() for k in self.k], "v": [v[slot].cpu().clone() for v in self.v],
                 "pos": self.pos[slot].cpu().clone()}
+
+    def slot_shapes(self) -> dict:
+        """What :meth:`export_slot` gives, as (dtype, shape) pairs."""
+        return {"k": [(k.dtype, tuple(k.shape[1:])) for k in self.k],
+                "v": [(v.dtype, tuple(v.shape[1:])) for v in self.v],
+                "pos": (self.pos.dtype, tuple(self.pos.shape[1:]))}
 
     def import_slot(self, slot: int, state: dict) -> None:
         for dst, src in zip(self.k + self.v, state["k"] + state["v"]):
