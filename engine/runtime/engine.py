@@ -127,8 +127,8 @@ class Engine:
         if self.device.type == "cuda":
             from ...kernels import _triton, qmv_cuda
 
-            # qmv's and the Triton glue kernels' one switch; off for speculative rounds (27B on an H200: DFlash2 K=7
-            # 11.4 -> 9.2 ms a round, MTP3 8.5 -> 7.9, docs/perf/2026-12-01i-session29-h200.md)
+            # qmv's and the Triton glue kernels' one switch; off for speculative rounds, which measured faster without
+            # it (docs/perf/2026-12-01i-session29-h200.md)
             _triton.set_pdl(opts.pdl and opts.spec == "none")
             qmv_cuda.set_dense(opts.qmv_dense)
         if self.device.type == "cuda" and opts.runtime == "v3" and opts.cuda_graphs:
