@@ -276,7 +276,7 @@ def decode_runs(base: dict, *, engines=("ours",), specs=("none",), runtimes=("v3
         raise ValueError("no decode run: give at least one engine, runtime and spec")
     runs = with_baselines(runs, base) if baseline else runs
     missing = [r.default_label() for r in runs if r.engine_options.replay_acceptance is not None
-               and not any(p.workload() == r.workload() and _plain(p) for p in runs)]
+               and not _has_partner(r, runs)]
     if missing:
         raise ValueError(f"{', '.join(missing)}: replayed acceptance replays a plain run's tokens; drop --no-baseline")
     asked = [r for r in runs if not r.baseline]
@@ -300,12 +300,17 @@ def _plain(opts: DecodeOptions) -> bool:
     return opts.engine == "ours" and opts.engine_options.spec == "none"
 
 
+def _has_partner(run: DecodeOptions, runs: list[DecodeOptions]) -> bool:
+    """Whether ``runs`` hold a plain run of ours on ``run``'s workload."""
+    return any(p.workload() == run.workload() and _plain(p) for p in runs)
+
+
 def with_baselines(runs: list[DecodeOptions], base: dict) -> list[DecodeOptions]:
     """``runs`` with a plain run (flagged ``baseline``) for each speculative workload that has none, and every
     plain run of ours before the speculative runs (the peer keeps its place at the end)."""
     out = list(runs)
     for r in runs:
-        if r.engine != "ours" or _plain(r) or any(p.workload() == r.workload() and _plain(p) for p in out):
+        if r.engine != "ours" or _plain(r) or _has_partner(r, out):
             continue
         eo = r.engine_options
         out.append(DecodeOptions.make(**base, engine="ours", runtime=eo.runtime, pdl=eo.pdl,
