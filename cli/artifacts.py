@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
+import time
 from pathlib import Path
 
 import click
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
 from rich.text import Text
 
@@ -15,15 +17,34 @@ from .common import UserError, check_output, console, err_console, overwritten
 
 
 def byte_progress(description: str):
-    """A rich progress bar for work measured in bytes; returns (progress, callback(done, total, name))."""
-    prog = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
-                    console=err_console, transient=True)
+    """A progress bar for work measured in bytes (bytes done, rate, time left); returns (progress, callback(done,
+    total, name)). Without a terminal (CI logs, a GPU box's captured output) one line at most every 10 s instead."""
+    if not err_console.is_terminal:
+        return contextlib.nullcontext(), _byte_lines(description)
+    prog = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                    TimeRemainingColumn(), console=err_console, transient=True)
     task = prog.add_task(description, total=None)
 
     def update(done, total, name=""):
         prog.update(task, completed=done, total=total, description=f"{description} {name}"[:60])
 
     return prog, update
+
+
+def _byte_lines(description: str, every_s: float = 10.0):
+    start, last = time.perf_counter(), [-every_s]
+
+    def update(done, total, name=""):
+        now = time.perf_counter() - start
+        if now - last[0] < every_s and done != total:
+            return
+        last[0] = now
+        rate = done / now if now > 0 else 0.0
+        left = f", {(total - done) / rate:.0f} s left" if rate and total else ""
+        err_console.print(Text(f"{description} {done / 1e9:.2f} / {total / 1e9:.2f} GB, {rate / 1e6:.0f} MB/s"
+                               f"{left} ({now:.0f} s)"), highlight=False)
+
+    return update
 
 
 @click.command()
@@ -146,14 +167,23 @@ def verify(artifact):
 @click.option("--format-version", type=click.Choice(["2", "3"]), default="3", show_default=True)
 @click.option("--drafter", "drafters", multiple=True, type=click.Path(file_okay=False, exists=True),
               help="A z-lab style DFlash / DFlash2 drafter folder to add as a component (repeatable).")
-def convert(hf_dir, out, quant, format_version, drafters):
-    """Convert a Hugging Face Qwen3.5 / Qwen3-Next folder (and drafter folders) into an artifact."""
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
+              help="Where to quantize (auto: the GPU when there is one); the bytes written are the same either way.")
+def convert(hf_dir, out, quant, format_version, drafters, device):
+    """Convert a Hugging Face Qwen3.5 / Qwen3-Next folder (bf16, fp16, fp32 or FP8) and drafter folders into an
+    artifact. The checkpoint is streamed a row block at a time: memory stays near one tensor, whatever its size."""
+    import torch
+
     from ..engine.artifact.convert import convert as do_convert
 
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda: no CUDA device is available here (use --device cpu)")
+    where = "cuda" if device == "cuda" or (device == "auto" and torch.cuda.is_available()) else "cpu"
     existed = check_output(out)
     prog, update = byte_progress("writing")
     with prog:
-        do_convert(hf_dir, out, policy=quant, version=int(format_version), progress=update, drafters=drafters)
+        do_convert(hf_dir, out, policy=quant, version=int(format_version), progress=update, drafters=drafters,
+                   device=where)
     console.print(f"[green]wrote[/] {out} ({Path(out).stat().st_size:,} bytes, quant {quant}, v{format_version})")
     overwritten(out, existed)
 

@@ -95,7 +95,10 @@ def quantize_codes(w: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tenso
     if kp != k:
         w = torch.nn.functional.pad(w, (0, kp - k))
     g = w.reshape(n, kp // group, group)
-    scale = (g.abs().amax(-1) / qmax).to(torch.float16)
+    # a tensor divisor, not a Python number: CUDA turns division by a host scalar into multiplication by its
+    # reciprocal, which rounds differently; a tensor divides exactly on every device, so packing on the GPU gives
+    # the CPU's bytes
+    scale = (g.abs().amax(-1) / torch.tensor(float(qmax), device=w.device)).to(torch.float16)
     scale = torch.where(scale == 0, torch.full_like(scale, FP16_TINY), scale)
     # torch.round rounds half to even, as the format asks.
     q = torch.round(g / scale.to(torch.float32)[..., None]).clamp_(-qmax, qmax).to(torch.int8)
@@ -127,6 +130,44 @@ def pack(w: torch.Tensor, fmt: str) -> torch.Tensor:
     out[lay.codes[0]:lay.codes[0] + lay.codes[1]] = codes
     out[lay.scales[0]:lay.scales[0] + lay.scales[1]] = scale.contiguous().reshape(-1).view(torch.uint8)
     return out
+
+
+def rows_per_block(shape: tuple[int, ...], budget_bytes: int) -> int:
+    """How many rows (of the first dimension) of a tensor of ``shape`` fit ``budget_bytes`` in fp32 (at least 1)."""
+    row = 4 * int(np.prod(shape[1:])) if len(shape) > 1 else 4
+    return max(1, budget_bytes // row)
+
+
+def pack_blocks(blocks, fmt: str, shape: tuple[int, ...]):
+    """:func:`pack` of a tensor given as consecutive row blocks (``blocks`` yields ``w[r0:r1]`` in order), as
+    uint8 chunks in the packed buffer's byte order: their concatenation is ``pack(w, fmt)``, while only one block
+    (and, for quantized formats, the ``high`` and ``scales`` sections, 1/10 of the codes or less) is held at a time.
+    Rows are independent in every format, so a block packs exactly as the same rows of the whole tensor."""
+    if fmt in FLOAT_FORMATS:
+        for b in blocks:
+            yield pack(b, fmt)
+        return
+    if fmt not in QSPEC:
+        raise ValueError(f"unknown weight format {fmt!r} (known: {', '.join(FORMATS)})")
+    lay = qlayout(fmt, tuple(shape))
+    rows, done, tails = int(np.prod(shape[:-1])), 0, {"high": [], "scales": []}
+    for b in blocks:
+        part = b.reshape(-1, lay.k)
+        sec = sections(pack(part, fmt), fmt, (part.shape[0], lay.k))
+        yield sec["codes"].reshape(-1).view(torch.uint8)
+        for name in tails:
+            if name in sec:
+                tails[name].append(sec[name].reshape(-1).view(torch.uint8).cpu())
+        done += part.shape[0]
+    if done != rows:
+        raise ValueError(f"pack_blocks: blocks gave {done} rows, the shape {tuple(shape)} has {rows}")
+    end = lay.codes[1]
+    for name, (offset, length) in (("high", lay.high), ("scales", lay.scales)):
+        if not length:
+            continue
+        yield torch.zeros(offset - end, dtype=torch.uint8)  # the 16-byte alignment between sections
+        yield from tails[name]
+        end = offset + length
 
 
 def sections(buf: torch.Tensor, fmt: str, shape: tuple[int, ...]) -> dict[str, torch.Tensor]:

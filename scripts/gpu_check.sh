@@ -32,6 +32,8 @@
 #   spec     speculative decoding as measured for the release: the 27B synthetic plain / MTP3 / DFlash2 K=7 grid at
 #            replayed acceptance (seed: the release's tokens per round), the README's main command, and the bundled
 #            model's plain / MTP3 / DFlash2 K=7 on its held-out prompts (SPEC_N tokens, default 128)
+#   convert27 a 27B-shaped FP8 checkpoint (transformers, random weights) converted, verified, inspected and decoded
+#            beside the synthetic 27B, with each step's wall time and peak RSS (about 8 minutes)
 #   hashes   the token hashes a refactor must keep: the README's main command (timed), the bundled model's plain and
 #            MTP3 runs, and the 27B synthetic plain / MTP3 / DFlash2 K=7 runs (64 tokens, the default prompt)
 set -u
@@ -150,6 +152,30 @@ for p in sorted(pathlib.Path(sys.argv[1]).glob("**/*.json")):
     d = json.loads(p.read_text()); s = d["summary"]
     print(f"{p.parent.name}/{p.name}: {d['label']} {s['tokens_sha256'][:8]} {s['decode_tok_s']:.1f} tok/s "
           f"{s.get('tokens_per_round') or 1:.2f} tok/round")
+PY
+             ;;
+    convert27) # issue 39: a 27B-shaped FP8 checkpoint written by transformers, converted (streamed, on the GPU),
+             # verified, inspected and decoded beside the synthetic 27B; wall time and peak RSS of each step
+             C=${CONVERT_DIR:-/tmp/ck27}; A=${CONVERT_OUT:-/tmp/q27.ninfer}; rm -rf "$C" "$A"; mkdir -p "$OUT/conv27"
+             T() { /usr/bin/time -f "$1: %e s wall, %M KiB peak RSS" "${@:2}"; }
+             T make_checkpoint python3 scripts/make_checkpoint.py "$C" --shape 27b --dtype fp8 --device cuda 2>&1 \
+               | grep -v "Writing model shards" | tail -4
+             df -h "$(dirname "$A")" | tail -1
+             T convert timeout "${STAGE_S:-400}" python3 scripts/nb.py convert "$C" "$A" --quant mixed 2>&1 | tail -4
+             T verify python3 scripts/nb.py verify "$A" 2>&1 | tail -2
+             T inspect python3 scripts/nb.py inspect "$A" --json 2>&1 > "$OUT/conv27/inspect.json"
+             python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('inspect checks', d['checks'])" \
+               "$OUT/conv27/inspect.json"
+             rm -rf "$C"
+             T decode_file nb decode --model "$A" -n 64 --repeats 3 --json "$OUT/conv27/file.json" 2>&1 | tail -4
+             T decode_synthetic nb decode $M27 -n 64 --repeats 3 --json "$OUT/conv27/synthetic.json" 2>&1 | tail -4
+             python3 - "$OUT/conv27" <<'PY'
+import json, pathlib, sys
+for p in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
+    if p.name == "inspect.json":
+        continue
+    s = json.loads(p.read_text())["summary"]
+    print(f"{p.name}: {s['decode_tok_s']:.1f} tok/s {s['samples']['decode_tok_s']} {s['tokens_sha256'][:8]}")
 PY
              ;;
     *)       echo "unknown stage $stage" ;;

@@ -18,7 +18,8 @@ import torch
 
 from ... import __version__
 from ..model.config import DraftConfig, ModelConfig
-from .writer import write_artifact
+from .source import TensorSource
+from .writer import BLOCK_BYTES, write_artifact
 
 POLICIES = ("fp32", "bf16", "q8", "q5", "q4", "mixed")
 _UNIFORM = {"fp32": "fp32", "bf16": "bf16", "q8": "q8_g32_fp16", "q5": "q5_g64_fp16", "q4": "q4_g64_fp16"}
@@ -77,11 +78,12 @@ def build_metadata(blobs: dict[str, bytes], policy: str, model_id: str) -> dict:
     return meta
 
 
-def write_model(out: str | Path, cfg: ModelConfig, tensors: dict[str, torch.Tensor], *, policy: str,
+def write_model(out: str | Path, cfg: ModelConfig, tensors: dict[str, torch.Tensor | TensorSource], *, policy: str,
                 blobs: dict[str, bytes] | None = None, version: int = 3, model_id: str = "",
                 source: str = "", extra_components: dict | None = None, extra_tensors: dict | None = None,
-                progress=None) -> None:
-    """Quantize ``tensors`` by ``policy`` and write an artifact (atomically) at ``out``.
+                progress=None, device="cpu", block_bytes: int = BLOCK_BYTES) -> None:
+    """Quantize ``tensors`` by ``policy`` and write an artifact (atomically) at ``out``, one row block at a time
+    (see :func:`.writer.write_artifact`; ``device`` packs there, with the same bytes as on the CPU).
 
     ``extra_components`` / ``extra_tensors`` carry drafter components (``dflash``, ``dflash2``) whose
     tensors are stored as given: ``name -> (format, tensor)``.
@@ -101,7 +103,7 @@ def write_model(out: str | Path, cfg: ModelConfig, tensors: dict[str, torch.Tens
         metadata=build_metadata(blobs, policy, model_id), version=version, model_id=model_id,
         provenance={"source": source, "tool": f"ninfer-bench {__version__}",
                     "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")},
-        progress=progress,
+        progress=progress, device=device, block_bytes=block_bytes,
     )
 
 
@@ -125,9 +127,11 @@ def drafter_components(folders, policy: str) -> tuple[dict, dict, dict]:
 
 
 def convert(hf_dir: str | Path, out: str | Path, *, policy: str = "mixed", version: int = 3, progress=None,
-            drafters=()) -> None:
+            drafters=(), device="cpu", block_bytes: int = BLOCK_BYTES) -> None:
     """Convert a Hugging Face folder (Qwen3.5 / Qwen3-Next) into an artifact, with optional z-lab style drafter
-    folders (DFlash / DFlash2) added as components."""
+    folders (DFlash / DFlash2) added as components. The checkpoint is streamed: each tensor is read, quantized (on
+    ``device``), hashed and written one row block of at most ``block_bytes`` (as fp32) at a time, so memory holds
+    a block (and the drafters, which are small), never the model."""
     from ..model.dflash import check_drafter
     from .hf_checkpoint import HFCheckpoint
 
@@ -137,7 +141,7 @@ def convert(hf_dir: str | Path, out: str | Path, *, policy: str = "mixed", versi
         raise ValueError(f"format version must be 2 or 3, got {version}")
     check_outside(out, [hf_dir, *drafters])
     ckpt = HFCheckpoint(hf_dir)
-    tensors = ckpt.tensors()
+    tensors = ckpt.sources()
     vision = ckpt.vision()  # the tower of a Qwen3_5ForConditionalGeneration: stored whole, never quantized
     comps, extra = ({"vision": vision[0]}, {n: (vision_format(t.shape, policy), t) for n, t in vision[1].items()}) \
         if vision else ({}, {})
@@ -150,7 +154,8 @@ def convert(hf_dir: str | Path, out: str | Path, *, policy: str = "mixed", versi
     extra.update(dtensors)
     write_model(out, ckpt.config, tensors, policy=policy, blobs=ckpt.blobs(), version=version,
                 model_id=ckpt.hf_config.get("_name_or_path") or Path(hf_dir).name,
-                source=str(Path(hf_dir).resolve()), extra_components=comps, extra_tensors=extra, progress=progress)
+                source=str(Path(hf_dir).resolve()), extra_components=comps, extra_tensors=extra, progress=progress,
+                device=device, block_bytes=block_bytes)
 
 
 def check_outside(out: str | Path, folders) -> None:

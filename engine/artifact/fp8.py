@@ -24,7 +24,7 @@ import torch
 
 from ..model.config import is_int
 
-FP8_DTYPES = (torch.float8_e4m3fn,)
+FP8_STORED = ("F8_E4M3",)  # float8_e4m3fn, as safetensors names it in a file's header
 # static activation and K/V cache scales (llm-compressor, Qwen's fp8 layout): not weights, the engine computes its
 # activations and quantizes its own cache
 DROPPED_SUFFIXES = (".input_scale", ".activation_scale", ".k_scale", ".v_scale")
@@ -106,22 +106,28 @@ def fp8_layout(hf_config: dict) -> FP8Layout | None:
                      "are: 'fp8', 'compressed-tensors' float-quantized); convert from the unquantized checkpoint")
 
 
-def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None, name: str) -> torch.Tensor:
-    """``weight`` [N, K] (FP8) times its ``scale`` as fp32: one value, one per row ([N] or [N, 1]), or one per
-    [bn, bk] block ([ceil(N / bn), ceil(K / bk)]); ValueError naming ``name`` when the scale fits none of these."""
+def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None, name: str, row0: int = 0,
+               rows: int | None = None) -> torch.Tensor:
+    """``weight`` [n, K] (FP8) times its ``scale`` as fp32: one value, one per row ([N] or [N, 1]), or one per
+    [bn, bk] block ([ceil(N / bn), ceil(K / bk)]); ValueError naming ``name`` when the scale fits none of these.
+    ``weight`` may be rows ``[row0, row0 + n)`` of a weight of ``rows`` rows (a block read by the converter): the
+    scale is the whole weight's, and the rows take their own."""
     if weight.dim() != 2:
         raise ValueError(f"{name}: an FP8 tensor of shape {list(weight.shape)}, expected a 2-D weight")
     n, k = weight.shape
+    total = n if rows is None else rows
     w, s = weight.to(torch.float32), scale.to(torch.float32)
     if s.numel() == 1:
         return w * s.reshape(())
-    if block is None and tuple(s.shape) in ((n,), (n, 1)):
-        return w * s.reshape(n, 1)
+    if block is None and tuple(s.shape) in ((total,), (total, 1)):
+        return w * s.reshape(total, 1)[row0:row0 + n]
     if block is not None:
         bn, bk = block
-        if tuple(s.shape) == (-(-n // bn), -(-k // bk)):
-            full = s.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]  # [N, K]
-            return w * full
-    want = f"one per [{block[0]}, {block[1]}] block: {[-(-n // block[0]), -(-k // block[1])]}" if block \
-        else f"[1] or one per row [{n}, 1]"
-    raise ValueError(f"{name}: scale of shape {list(s.shape)} does not fit the weight {[n, k]} ({want})")
+        if tuple(s.shape) == (-(-total // bn), -(-k // bk)):
+            first = row0 // bn
+            mine = s[first:-(-(row0 + n) // bn)]  # the block rows these weight rows fall in
+            full = mine.repeat_interleave(bn, 0)[row0 - first * bn:row0 - first * bn + n].repeat_interleave(bk, 1)
+            return w * full[:, :k]
+    want = f"one per [{block[0]}, {block[1]}] block: {[-(-total // block[0]), -(-k // block[1])]}" if block \
+        else f"[1] or one per row [{total}, 1]"
+    raise ValueError(f"{name}: scale of shape {list(s.shape)} does not fit the weight {[total, k]} ({want})")

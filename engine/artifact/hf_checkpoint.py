@@ -19,6 +19,7 @@ from safetensors import safe_open
 from ..model.config import ModelConfig
 from ..model.weights import check_text_shapes, text_weight_names
 from . import fp8
+from .source import TensorSource
 
 
 class CheckpointError(ValueError):
@@ -73,29 +74,45 @@ def canonical_name(name: str) -> str | None:
     return name
 
 
-def split_qwen3_next(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+def _split_fused(t: torch.Tensor, fused: str, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """The Qwen3.5 parts (suffix -> rows) of one fused Qwen3-Next tensor ``in_proj_qkvz`` or ``in_proj_ba``."""
+    hk, dk, dv = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    r = cfg.linear_num_value_heads // hk
+    if fused == "qkvz":
+        g = t.reshape(hk, 2 * dk + 2 * r * dv, -1)
+        q, k, v, z = torch.split(g, [dk, dk, r * dv, r * dv], dim=1)
+        return {"in_proj_qkv.weight": torch.cat([x.reshape(-1, t.shape[-1]) for x in (q, k, v)]),
+                "in_proj_z.weight": z.reshape(-1, t.shape[-1])}
+    g = t.reshape(hk, 2 * r, -1)
+    return {"in_proj_b.weight": g[:, :r].reshape(-1, t.shape[-1]), "in_proj_a.weight": g[:, r:].reshape(-1, t.shape[-1])}
+
+
+def split_qwen3_next(sources: dict[str, TensorSource], cfg: ModelConfig) -> dict[str, TensorSource]:
     """Turn Qwen3-Next's per-key-head interleaved ``in_proj_qkvz`` / ``in_proj_ba`` into Qwen3.5 rows.
 
     qkvz rows are grouped per key head: [q (dk), k (dk), v (r*dv), z (r*dv)] with r = Hv/Hk; ba rows per key
-    head: [b (r), a (r)]. The Qwen3.5 layout puts all q heads first, then k, then v (conv channel order).
+    head: [b (r), a (r)]. The Qwen3.5 layout puts all q heads first, then k, then v (conv channel order). Each part
+    is a source of its own, which reads the fused tensor whole when asked (the rows it needs are spread through it).
     """
     out = {}
     hk, dk, dv = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
     r = cfg.linear_num_value_heads // hk
-    for name, t in tensors.items():
-        if name.endswith("linear_attn.in_proj_qkvz.weight"):
-            p = name[: -len("in_proj_qkvz.weight")]
-            g = t.reshape(hk, 2 * dk + 2 * r * dv, -1)
-            q, k, v, z = torch.split(g, [dk, dk, r * dv, r * dv], dim=1)
-            out[p + "in_proj_qkv.weight"] = torch.cat([x.reshape(-1, t.shape[-1]) for x in (q, k, v)])
-            out[p + "in_proj_z.weight"] = z.reshape(-1, t.shape[-1])
-        elif name.endswith("linear_attn.in_proj_ba.weight"):
-            p = name[: -len("in_proj_ba.weight")]
-            g = t.reshape(hk, 2 * r, -1)
-            out[p + "in_proj_b.weight"] = g[:, :r].reshape(-1, t.shape[-1])
-            out[p + "in_proj_a.weight"] = g[:, r:].reshape(-1, t.shape[-1])
-        else:
-            out[name] = t
+    for name, src in sources.items():
+        fused = "qkvz" if name.endswith("linear_attn.in_proj_qkvz.weight") else \
+            "ba" if name.endswith("linear_attn.in_proj_ba.weight") else None
+        if fused is None:
+            out[name] = src
+            continue
+        prefix, k = name[: -len(f"in_proj_{fused}.weight")], src.shape[-1]
+        rows = {"in_proj_qkv.weight": hk * (2 * dk + r * dv), "in_proj_z.weight": hk * r * dv} if fused == "qkvz" \
+            else {"in_proj_b.weight": hk * r, "in_proj_a.weight": hk * r}
+        if sum(rows.values()) != src.shape[0]:  # a misshapen fused tensor: left whole for the shape check to name
+            out[name] = src
+            continue
+        for part, n in rows.items():
+            out[prefix + part] = TensorSource(
+                (n, k), lambda r0, r1, src=src, fused=fused, part=part: _split_fused(src.load(), fused, cfg)[part][r0:r1],
+                whole=True)
     return out
 
 
@@ -107,6 +124,9 @@ class HFCheckpoint:
         self.hf_config, self.config = read_config(self.folder)
         self.files = safetensor_files(self.folder)
         self.where: dict[str, tuple[Path, str]] = {}
+        # from the files' headers: no tensor is read before the writer asks for it
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self.stored: dict[str, str] = {}  # safetensors dtype names ("BF16", "F8_E4M3", ...)
         for f in self.files:
             try:
                 with safe_open(str(f), framework="pt") as sf:
@@ -114,6 +134,9 @@ class HFCheckpoint:
                         canon = canonical_name(key)
                         if canon is not None:
                             self.where[canon] = (f, key)
+                            part = sf.get_slice(key)
+                            self.shapes[canon] = tuple(int(d) for d in part.get_shape())
+                            self.stored[canon] = part.get_dtype()
             except Exception as e:  # safetensors raises its own error types
                 raise CheckpointError(f"{f}: not a readable safetensors file ({e})") from None
         self.next_fused = self.config.model_type == "qwen3_next"
@@ -125,22 +148,37 @@ class HFCheckpoint:
             # a config that announces MTP layers whose weights were not shipped: run without the head
             self.config.mtp_num_hidden_layers = 0
 
-    def _raw(self, canon: str) -> torch.Tensor:
+    def _rows(self, canon: str, r0: int, r1: int) -> torch.Tensor:
+        """Rows [r0, r1) of a stored tensor as the checkpoint stores it; the file is opened for this read only, so
+        its mapped pages are let go when the rows are copied out."""
         f, key = self.where[canon]
         with safe_open(str(f), framework="pt") as sf:
-            t = sf.get_tensor(key)
-        return self._dequantized(canon, t) if t.dtype in fp8.FP8_DTYPES else t
+            part = sf.get_slice(key)
+            return part[r0:r1] if self.shapes[canon] else part[:]
 
-    def _dequantized(self, canon: str, t: torch.Tensor) -> torch.Tensor:
-        """An FP8 weight times its scale, in the dtype the checkpoint declares (bf16 for the published ones)."""
-        if self.fp8 is None:
-            raise CheckpointError(f"{self.folder}: tensor {canon} is stored in {t.dtype}, but config.json declares "
-                                  "no quantization_config to scale it with")
-        scale = self.fp8.scale_name(canon)
-        if scale is None or scale not in self.where:
-            raise CheckpointError(f"{self.folder}: FP8 tensor {canon} has no {scale or 'scale'} beside it")
+    def source(self, canon: str) -> TensorSource:
+        """Tensor ``canon`` read on demand: FP8 weights come back times their scales, in the checkpoint's dtype."""
+        shape = self.shapes[canon]
+        if self.fp8 is not None and self._stored_fp8(canon):
+            scale = self.fp8.scale_name(canon)
+            if scale is None or scale not in self.where:
+                raise CheckpointError(f"{self.folder}: FP8 tensor {canon} has no {scale or 'scale'} beside it")
+            return TensorSource(shape, lambda r0, r1: self._dequantized(canon, scale, r0, r1))
+        if self._stored_fp8(canon):
+            raise CheckpointError(f"{self.folder}: tensor {canon} is stored in FP8, but config.json declares no "
+                                  "quantization_config to scale it with")
+        return TensorSource(shape, lambda r0, r1: self._rows(canon, r0, r1))
+
+    def _stored_fp8(self, canon: str) -> bool:
+        return self.stored[canon] in fp8.FP8_STORED
+
+    def _dequantized(self, canon: str, scale: str, r0: int, r1: int) -> torch.Tensor:
+        """Rows [r0, r1) of an FP8 weight times its scale, in the dtype the checkpoint declares (bf16 for the
+        published ones)."""
         try:
-            w = fp8.dequantize(t, self._raw(scale), self.fp8.block, canon)
+            scales = self._rows(scale, 0, self.shapes[scale][0] if self.shapes[scale] else 1)  # small: read whole
+            w = fp8.dequantize(self._rows(canon, r0, r1), scales, self.fp8.block, canon, row0=r0,
+                               rows=self.shapes[canon][0])
         except ValueError as e:
             raise CheckpointError(f"{self.folder}: {e}") from None
         text = self.hf_config.get("text_config") if isinstance(self.hf_config.get("text_config"), dict) else {}
@@ -152,10 +190,11 @@ class HFCheckpoint:
         """The tensors under ``prefixes`` that are weights (not an FP8 checkpoint's scales)."""
         return [n for n in self.where if n.startswith(prefixes) and not (self.fp8 and self.fp8.is_scale(n))]
 
-    def tensors(self) -> dict[str, torch.Tensor]:
-        """Every needed tensor under Qwen3_5ForCausalLM names, checked against the config's shapes."""
+    def sources(self) -> dict[str, TensorSource]:
+        """Every needed text (and MTP) tensor under Qwen3_5ForCausalLM names, read on demand, checked against the
+        config's shapes (from the files' headers: no weight is read here)."""
         cfg = self.config
-        raw = {n: self._raw(n) for n in self._weight_names(("model.", "lm_head.", "mtp."))}
+        raw = {n: self.source(n) for n in self._weight_names(("model.", "lm_head.", "mtp."))}
         if self.next_fused:
             raw = split_qwen3_next(raw, cfg)
         needed = text_weight_names(cfg)
@@ -169,6 +208,10 @@ class HFCheckpoint:
         except ValueError as e:
             raise CheckpointError(str(e)) from None
         return {n: raw[n] for n in needed}
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """:meth:`sources`, read whole (small checkpoints, tests)."""
+        return {n: s.load() for n, s in self.sources().items()}
 
     def vision(self) -> tuple[dict, dict[str, torch.Tensor]] | None:
         """The ``vision`` component (tower config, preprocessing parameters, tensor names) and its ``vision.*``
@@ -187,7 +230,7 @@ class HFCheckpoint:
             pre = PreprocessConfig.from_hf({**geometry, **(image or {})}, video)
             check_preprocess(vcfg, pre)
             names = list(vision_weight_shapes(vcfg))
-            tensors = {n: self._raw(n) for n in names if n in self.where}
+            tensors = {n: self.source(n) for n in names if n in self.where}
             check_shapes(vcfg, {n: tuple(t.shape) for n, t in tensors.items()}, str(self.folder))
         except ValueError as e:
             raise CheckpointError(f"{self.folder}: {e}") from None

@@ -1,7 +1,7 @@
 """Writing artifacts (v2 and v3) and upgrading v2 to v3: see :mod:`.format` for the byte layout.
 
-Writes are atomic (a temporary file in the same folder, fsync, rename; removed on any error), stream one
-tensor at a time, and hash each object while writing it.
+Writes are atomic (a temporary file in the same folder, fsync, rename; removed on any error), stream one row
+block of one tensor at a time (memory holds a block, not the model), and hash each object while writing it.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from .format import (
     header_digest,
 )
 from .reader import Artifact
+from .source import FileRange, row_blocks
 
 
 @dataclass(slots=True)
@@ -69,7 +70,8 @@ def _plan(path: str, tensors: dict, packed: dict, blobs: dict) -> list[_Entry]:
         need = _weight_bytes(path, name, fmt, shape)
         if isinstance(data, torch.Tensor) and data.dtype != torch.uint8:
             raise ArtifactError(f"{path}: packed {name}: expected uint8 bytes, got a {data.dtype} tensor")
-        have = data.numel() if isinstance(data, torch.Tensor) else len(data)
+        have = data.numel() if isinstance(data, torch.Tensor) else data.nbytes if isinstance(data, FileRange) \
+            else len(data)
         if have != need:
             raise ArtifactError(f"{path}: packed {name}: {have} bytes but {fmt} {list(shape)} needs {need}")
         entries.append(_Entry(name, "weight", fmt, shape, need, data, False))
@@ -121,24 +123,45 @@ def _dump(path: str, doc: dict) -> bytes:
         raise ArtifactError(f"{path}: components/metadata/provenance are not JSON-serialisable ({exc})") from None
 
 
-def _object_bytes(path: str, e: _Entry) -> memoryview:
-    """The bytes of one object, packed now if needed (one tensor in memory at a time)."""
+BLOCK_BYTES = 64 << 20  # fp32 bytes of one row block packed at a time: bounds the converter's memory
+
+
+def _object_chunks(path: str, e: _Entry, device, block_bytes: int):
+    """The bytes of one object in order, as byte-like chunks: a tensor (or :class:`.source.TensorSource`) to pack
+    is read, checked and packed one row block at a time (on ``device``), so memory holds one block, never the
+    whole tensor."""
     if e.pack:
-        t = e.data.detach().cpu()
-        bad = int(t.numel() - torch.isfinite(t).sum())
-        if bad:  # a NaN would poison its group's scale, and any weight of it poisons every logit
-            raise ArtifactError(f"{path}: tensor {e.name} has {bad} non-finite value(s) (NaN or inf); nothing written")
-        data = quant.pack(t, e.fmt)
+        blocks = _checked_blocks(path, e, device, quant.rows_per_block(e.shape, block_bytes))
+        for chunk in quant.pack_blocks(blocks, e.fmt, e.shape):
+            yield memoryview(chunk.cpu().numpy())
+    elif isinstance(e.data, FileRange):
+        yield from e.data.chunks()
     elif isinstance(e.data, torch.Tensor):
-        data = e.data.detach().cpu().contiguous().reshape(-1)
+        flat = e.data.detach().reshape(-1)
+        for i in range(0, flat.numel(), 1 << 24):
+            yield memoryview(flat[i:i + (1 << 24)].cpu().contiguous().numpy())
     else:
-        return memoryview(e.data)
-    if data.numel() != e.nbytes:
-        raise ArtifactError(f"{path}: {e.name}: packed to {data.numel()} bytes, expected {e.nbytes}")
-    return memoryview(data.numpy())
+        yield memoryview(e.data)
 
 
-def _write_file(path: str, tmp: str, version: int, aid: bytes, doc: dict, entries: list[_Entry], progress) -> None:
+def _checked_blocks(path: str, e: _Entry, device, rows: int):
+    """Row blocks of ``e.data`` on ``device``; a NaN or an infinity anywhere refuses the tensor (it would poison its
+    group's scale, and any weight of it every logit), counting the bad values of the rest of the tensor first."""
+    bad = 0
+    for block in row_blocks(e.data, rows):
+        block = block.detach().to(device)
+        if block.numel() and block.is_floating_point():
+            low, high = torch.aminmax(block)  # NaN or inf come out here: one fast pass, the exact count only then
+            if not bool(torch.isfinite(low) & torch.isfinite(high)):
+                bad += int(block.numel() - torch.isfinite(block).sum())
+        if bad == 0:
+            yield block
+    if bad:
+        raise ArtifactError(f"{path}: tensor {e.name} has {bad} non-finite value(s) (NaN or inf); nothing written")
+
+
+def _write_file(path: str, tmp: str, version: int, aid: bytes, doc: dict, entries: list[_Entry], progress,
+                device="cpu", block_bytes: int = BLOCK_BYTES) -> None:
     """Payload first (hashing as it goes), then header and JSON with the digests filled in, then fsync; ``tmp``
     is written, errors name ``path``."""
     if version == 3:  # the header's own digest (format.header_digest), filled in last
@@ -150,13 +173,16 @@ def _write_file(path: str, tmp: str, version: int, aid: bytes, doc: dict, entrie
         f.write(bytes(payload_start))
         for e in entries:
             f.write(bytes(e.offset - pos))
-            data = _object_bytes(path, e)
-            e.sha256 = hashlib.sha256(data).hexdigest()
-            f.write(data)
-            del data
-            pos = e.offset + e.nbytes
-            if progress:
-                progress(pos, total, e.name)
+            pos, digest = e.offset, hashlib.sha256()
+            for chunk in _object_chunks(path, e, device, block_bytes):
+                digest.update(chunk)
+                f.write(chunk)
+                pos += len(chunk) if isinstance(chunk, bytes) else chunk.nbytes
+                if progress:
+                    progress(pos, total, e.name)
+            if pos != e.offset + e.nbytes:
+                raise ArtifactError(f"{path}: {e.name}: wrote {pos - e.offset} bytes, expected {e.nbytes}")
+            e.sha256 = digest.hexdigest()
         if version == 3:
             for obj, e in zip(doc["objects"], entries):
                 obj["sha256"] = e.sha256
@@ -176,11 +202,13 @@ def _write_file(path: str, tmp: str, version: int, aid: bytes, doc: dict, entrie
 def write_artifact(path, *, tensors: dict | None = None, packed: dict | None = None, blobs: dict | None = None,
                    components: dict | None = None, metadata: dict | None = None, provenance: dict | None = None,
                    aliases: dict[str, str] | None = None, version: int = 3, artifact_id: bytes | None = None,
-                   model_id: str = "", progress=None) -> None:
+                   model_id: str = "", progress=None, device="cpu", block_bytes: int = BLOCK_BYTES) -> None:
     """Write an artifact atomically (temp file in the same directory, fsync, rename).
 
-    ``tensors``: name -> (format, tensor), packed with ``quant.pack`` one at a time while streaming to disk;
-    ``packed``: name -> (format, shape, uint8 tensor or bytes) already packed (copied as-is); ``blobs``: name ->
+    ``tensors``: name -> (format, tensor or :class:`.source.TensorSource`), packed while streaming to disk one row
+    block of at most ``block_bytes`` (as fp32) at a time, on ``device`` (the bytes are the same on any device);
+    ``packed``: name -> (format, shape, uint8 tensor, bytes or :class:`.source.FileRange`) already packed (copied
+    as-is); ``blobs``: name ->
     bytes; ``aliases``: name -> name of a written object bound to the same bytes (tied weights, stored once).
     ``progress(done_bytes, total_bytes, name)`` is called after each object. On any error nothing is left at
     ``path`` (an existing file there is untouched).
@@ -212,7 +240,7 @@ def write_artifact(path, *, tensors: dict | None = None, packed: dict | None = N
         doc = _document(version, entries, extras["aliases"], extras, model_id, aid)
         _dump(path, doc)  # fail on unserialisable metadata before any file exists
         try:
-            _write_file(path, tmp, version, aid, doc, entries, progress)
+            _write_file(path, tmp, version, aid, doc, entries, progress, device, block_bytes)
             os.replace(tmp, path)
         except OSError as exc:  # name the user's path, not the temporary file
             raise OSError(f"cannot write {path}: {exc.strerror or exc}") from None
@@ -281,7 +309,8 @@ def upgrade(src_v2, dst_v3, progress=None) -> None:
             elif info.kind == "blob":
                 blobs[name] = src.blob(name)
             else:
-                packed[name] = (info.format, info.shape, src.raw(name))
+                packed[name] = (info.format, info.shape, FileRange(src.path, src.payload_start + info.offset,
+                                                                   info.nbytes))
         try:
             aid = bytes.fromhex(src.artifact_id)
         except ValueError:
