@@ -167,8 +167,10 @@ PY
              python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('inspect checks', d['checks'])" \
                "$OUT/conv27/inspect.json"
              rm -rf "$C"
-             T decode_file nb decode --model "$A" -n 64 --repeats 3 --json "$OUT/conv27/file.json" 2>&1 | tail -4
-             T decode_synthetic nb decode $M27 -n 64 --repeats 3 --json "$OUT/conv27/synthetic.json" 2>&1 | tail -4
+             T decode_file python3 scripts/nb.py decode --model "$A" -n 64 --repeats 3 --json "$OUT/conv27/file.json" \
+               2>&1 | tail -4
+             T decode_synthetic python3 scripts/nb.py decode $M27 -n 64 --repeats 3 --json "$OUT/conv27/synthetic.json" \
+               2>&1 | tail -4
              python3 - "$OUT/conv27" <<'PY'
 import json, pathlib, sys
 for p in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
