@@ -2,14 +2,14 @@
 
 One module per family of commands, each declaring plain click commands that this module registers on :func:`main`:
 :mod:`.engine_commands` (logits, generate, serve), :mod:`.suites` (decode, concurrency, kernels), :mod:`.validation`
-(report, gate, niah, oracle), :mod:`.artifacts` (inspect, verify, convert, upgrade); :mod:`.common` holds what they
-share."""
+(report, gate, niah, oracle), :mod:`.artifacts` (inspect, verify, convert, upgrade), :mod:`.history` (compare);
+:mod:`.common` holds what they share."""
 
 from __future__ import annotations
 
 import click
 
-from . import artifacts, engine_commands, suites, validation
+from . import artifacts, engine_commands, history, suites, validation
 from .common import UserError
 
 
@@ -37,6 +37,6 @@ def main(ctx, debug):
     ctx.obj["debug"] = debug
 
 
-for _module in (engine_commands, suites, validation, artifacts):
+for _module in (engine_commands, suites, validation, artifacts, history):
     for _command in _module.COMMANDS:
         main.add_command(_command)

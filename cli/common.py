@@ -175,11 +175,14 @@ def _line_progress(description: str, every_s: float = 10.0):
 
 
 def save_result(doc: dict, json_path: str | None) -> None:
+    """Write a result document to ``--json`` (when given), and add it to the ``--db`` history (when the command has
+    :func:`output_options` and one was given)."""
     from ..reports.schema import write_result
 
     if json_path:
         write_result(doc, json_path)
         err_console.print(f"[dim]result document: {json_path}[/]")
+    record_history(doc)
 
 
 def switch_options(f):
@@ -191,3 +194,76 @@ def switch_options(f):
         f = click.option(sw.flag, name, default="on", show_default=True, callback=comma_list(("on", "off")),
                          help=f"{sw.help} Off is labelled {sw.off_label}; on,off runs both.")(f)
     return f
+
+
+# ---- output formats and history ------------------------------------------------------------------------------
+_OUTPUT, _DB = "ninfer_bench.output", "ninfer_bench.db"
+
+
+def output_options(f=None, *, db: bool = True):
+    """``-o/--output table|md|csv|json|jsonl|sql`` and (``db``) ``--db FILE`` on a suite command, kept on the click
+    context - the command takes no parameters for them: :func:`show` prints its table in the chosen format,
+    :func:`say` a line beside it, :func:`save_result` adds each result to the history. A --db file that is there
+    and is no history database is refused before the run."""
+    if f is None:
+        return lambda g: output_options(g, db=db)
+    from ..reports.tables import FORMATS
+
+    def keep(ctx, param, value):
+        if param.name == "db" and value:
+            from ..reports.history import check
+
+            check_output(value, parents=True)
+            try:
+                check(value)
+            except ValueError as e:
+                raise click.BadParameter(str(e)) from None
+        ctx.meta[f"ninfer_bench.{param.name}"] = value
+        return value
+
+    if db:
+        f = click.option("--db", type=click.Path(dir_okay=False), default=None, expose_value=False, callback=keep,
+                         help="Add the result to this SQLite history (made when missing; the same result twice is "
+                              "one run) for `ninfer-bench compare`.")(f)
+    return click.option("-o", "--output", type=click.Choice(FORMATS), default="table", show_default=True,
+                        expose_value=False, callback=keep,
+                        help="table: the console table; md: it as Markdown; csv, json (an array), jsonl, sql (CREATE "
+                             "TABLE + INSERTs): every field of its rows. Other than table, stdout holds the output "
+                             "alone (messages go to stderr).")(f)
+
+
+def output_format() -> str:
+    """The running command's ``-o`` (``table`` outside one, or without the option)."""
+    ctx = click.get_current_context(silent=True)
+    return (ctx.meta.get(_OUTPUT) if ctx else None) or "table"
+
+
+def show(grid) -> None:
+    """A table (:class:`reports.tables.Grid`) in the ``-o`` format: the rich table on the console, any other format
+    as plain text on stdout."""
+    from ..reports.tables import render, to_rich
+
+    out = output_format()
+    if out == "table":
+        console.print(to_rich(grid))
+    else:
+        click.echo(render(grid, out), nl=False)
+
+
+def say(*objects, **kwargs) -> None:
+    """A line a suite prints after its table: on stdout beside a console table, on stderr when stdout carries ``-o``
+    data."""
+    (console if output_format() == "table" else err_console).print(*objects, **kwargs)
+
+
+def record_history(doc: dict) -> None:
+    """Add a result document to the running command's ``--db`` history, if it has one."""
+    ctx = click.get_current_context(silent=True)
+    db = ctx.meta.get(_DB) if ctx else None
+    if not db:
+        return
+    from ..reports.history import append
+
+    run_id, new = append(db, doc)
+    err_console.print(Text(f"history: {db} (run {run_id}{'' if new else ', already there'})", style="dim"),
+                      highlight=False)

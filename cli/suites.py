@@ -8,16 +8,24 @@ from pathlib import Path
 import click
 from rich.table import Table
 
+from ..reports.tables import (
+    concurrency_grid,
+    decode_grid,
+    decode_runs_grid,
+    kernels_grid,
+)
 from .common import (
     UserError,
     check_output,
     comma_list,
-    console,
     engine_options,
     err_console,
     int_list,
+    output_options,
     run_label,
     save_result,
+    say,
+    show,
     suite_progress,
     switch_options,
 )
@@ -26,6 +34,17 @@ from .common import (
 # ---- suites ------------------------------------------------------------------------------------------
 def fmt(v, spec=".2f"):
     return "-" if v is None else format(v, spec)
+
+
+def repeats_count(ctx, param, value) -> int | str:
+    """A click callback for decode's ``--repeats``: a count, or ``auto``."""
+    text = str(value).strip().lower()
+    if text == "auto":
+        return "auto"
+    try:
+        return int(text)
+    except ValueError:
+        raise click.BadParameter(f"{value!r}: a number of repeats, or auto") from None
 
 
 @click.command()
@@ -52,7 +71,18 @@ def fmt(v, spec=".2f"):
                    "the vision encode time and merged token count.")
 @click.option("--max-new-tokens", "-n", type=int, default=4096, show_default=True)
 @click.option("--stop-at-eos", is_flag=True, help="Stop at end-of-sequence (default: always generate -n tokens).")
-@click.option("--repeats", type=int, default=3, show_default=True)
+@click.option("--repeats", default="3", show_default=True, callback=repeats_count, metavar="N|auto",
+              help="Timed repeats, or auto: repeat until the 95% confidence interval of the median decode tok/s is "
+                   "within ±--repeats-target of it (5 to 50 repeats, at most --repeats-budget-s of them).")
+@click.option("--repeats-target", type=float, default=None, metavar="PCT",
+              help="--repeats auto: the CI half-width to reach, in percent of the median [default: 2].")
+@click.option("--repeats-budget-s", type=float, default=None,
+              help="--repeats auto: seconds of timed repeats at most [default: 60].")
+@click.option("--inject-delay-us", type=float, default=0.0,
+              help="Testing only: make every decode step (a speculative round) N microseconds longer - a busy-wait "
+                   "of that much CPU time; on CUDA a sleep kernel on the step's stream with the host waiting as long "
+                   "meanwhile - a known slowdown for checking the gate (recorded as config.inject_delay_us, no part "
+                   "of the experiment).")
 @click.option("--warmup", type=int, default=1, show_default=True)
 @click.option("--label", default=None, callback=run_label,
               help="Label of this run in reports [default: runtime-spec-k; with several runs, a prefix of each "
@@ -67,10 +97,11 @@ def fmt(v, spec=".2f"):
               help="For weights that cannot draft (--synthetic): each draft becomes the plain run's token with "
                    "probability P a position (seed: the release's tokens per round, 5.16 for DFlash2 K=7, 3.37 for "
                    "MTP3; FILE: a JSON list, one probability a position), else a rejected one; labelled -replay.")
+@output_options
 @engine_options(runtime_list=True)
 def decode(model, engines, specs, draft_tokens, rollbacks, lm_head_draft, prompt_file, n_prompts, images,
-           max_new_tokens, stop_at_eos, repeats, warmup, label, json_path, seed, no_baseline, replay_acceptance,
-           runtime, **options):
+           max_new_tokens, stop_at_eos, repeats, repeats_target, repeats_budget_s, inject_delay_us, warmup, label,
+           json_path, seed, no_baseline, replay_acceptance, runtime, **options):
     """The short-code decode test: prefill a code prompt, greedy-decode N tokens, measure speed and acceptance.
 
     Comma-separated --engine, --runtime, --spec, --rollback and --lm-head-draft run every combination in one
@@ -86,7 +117,8 @@ def decode(model, engines, specs, draft_tokens, rollbacks, lm_head_draft, prompt
     refuse_cuda_switches(options["device"], switches)
     base = dict(model=model, prompt_file=prompt_file or str(DEFAULT_PROMPT), prompts=n_prompts, images=images,
                 max_new_tokens=max_new_tokens, ignore_eos=not stop_at_eos, repeats=repeats, warmup=warmup, seed=seed,
-                **options)
+                repeats_target=None if repeats_target is None else repeats_target / 100,
+                repeats_budget_s=repeats_budget_s, inject_delay_us=inject_delay_us, **options)
     runs = decode_runs(base, engines=engines, specs=tuple(specs.split(",")), runtimes=runtime, rollbacks=rollbacks,
                        lm_heads=tuple(int_list(lm_head_draft, "--lm-head-draft")), switches=switches,
                        draft_tokens=draft_tokens, label=label, baseline=not no_baseline,
@@ -104,7 +136,7 @@ def decode(model, engines, specs, draft_tokens, rollbacks, lm_head_draft, prompt
         if many:
             save_result(doc, str(Path(json_path) / f"{doc['label']}.json") if json_path else None)
         elif doc["label"] not in partners:  # one run: its table (with the speed-up over its partner) and file
-            console.print(decode_table(doc))
+            show(decode_grid(doc, decode_table(doc)))
             save_result(doc, json_path)
 
     prog, update = suite_progress("decode")
@@ -112,7 +144,7 @@ def decode(model, engines, specs, draft_tokens, rollbacks, lm_head_draft, prompt
         docs = run_matrix(runs, progress=update, done=done)
     if many:
         same = plain_agreement(docs)
-        console.print(compare_table(docs, same))
+        show(decode_runs_grid(docs, same, compare_table(docs, same)))
         differ = [label for label, agrees in same.items() if agrees is False]
         if differ:
             err_console.print(f"[bold red]tokens differ from the plain run on the same runtime: {', '.join(differ)}[/] "
@@ -149,6 +181,13 @@ def decode_table(doc: dict) -> Table:
             ("roofline fraction", fmt(s["roofline_fraction"], ".3f")),
             ("peak memory", f"{s['peak_memory_bytes'] / 2**20:,.0f} MiB"),
             ("tokens sha256", s["tokens_sha256"][:16] + ("" if s["deterministic"] else " (varies!)"))]
+    if s.get("repeats_run") is not None:  # how well the repeats pin the median decode tok/s down
+        width = s.get("decode_tok_s_ci_half_width")
+        stopped = f" (auto: {s['repeats_stopped_by']})" if s.get("repeats_stopped_by") else ""
+        rows += [("repeats", f"{s['repeats_run']}{stopped}"),
+                 ("decode tok/s median 95% CI", "-" if width is None else f"±{width:.1%}")]
+    if doc["config"].get("inject_delay_us"):
+        rows.append(("injected delay / step (testing)", f"{doc['config']['inject_delay_us']:g} µs"))
     if s.get("plain"):  # a speculative run against plain decoding on the same load
         p = s["plain"]
         rows += [("plain decode tok/s (same load)", fmt(p["decode_tok_s"], ".1f")),
@@ -217,6 +256,7 @@ def compare_table(docs: list[dict], same: dict[str, bool | None]) -> Table:
               help="Prompt tokens prefilled per iteration while other requests decode (at most --prefill-chunk).")
 @click.option("--label", default=None, callback=run_label)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write the result document.")
+@output_options
 def concurrency(levels, url, served_model, model, synthetic, quant, spec, draft_tokens, max_new_tokens, prompt_tokens,
                 rounds, device, kv_dtype, runtime, max_context, prefill_chunk, interleave_chunk, label, json_path):
     """C1/C2/C4/C8 throughput and latency, in-process (continuous batching) or against a server.
@@ -247,35 +287,13 @@ def concurrency(levels, url, served_model, model, synthetic, quant, spec, draft_
     prog, update = suite_progress("concurrency")
     with prog:
         doc = run_concurrency(opts, progress=update)
-    console.print(concurrency_table(doc))
+    show(concurrency_grid(doc))
     if url and doc["config"]["prompt_tokens"] is None and "prompt_tokens" in {p.name for p in given}:
         err_console.print(f"[yellow]{url} returns no prompt_token_ids: the prompt texts went whole, not cut to "
                           f"--prompt-tokens {prompt_tokens}[/]")
     save_result(doc, json_path)
     if not all(lv_["matches_sequential"] for lv_ in doc["summary"]["levels"]):
         raise UserError("concurrent greedy outputs differ from the sequential ones")
-
-
-def concurrency_table(doc: dict) -> Table:
-    """One concurrency result, a row per level; the caption defines the two throughput columns."""
-    c = doc["config"]
-    engine = ", ".join(f"{k} {c[k]}" for k in ("device", "spec", "draft_tokens", "kv_dtype", "runtime",
-                                                "max_concurrency") if c.get(k) is not None)
-    table = Table(title=f"concurrency: {doc['label']} ({engine})",
-                  caption="agg tok/s: output tokens / round wall time (first request sent to last one finished, "
-                          "queueing and prefill included), the same at every level; steady tok/s: while every "
-                          "client decodes at once (-: never, e.g. more clients than slots)")
-    for col in ("C", "agg tok/s", "steady tok/s", "req tok/s", "TTFT p50/p99 ms", "TPOT p50/p99 ms", "ITL p50/p99 ms",
-                "e2e p50 ms", "= sequential"):
-        table.add_column(col)
-    for lv in doc["summary"]["levels"]:
-        table.add_row(str(lv["concurrency"]), fmt(lv["aggregate_tok_s"], ".1f"), fmt(lv.get("steady_tok_s"), ".1f"),
-                      fmt(lv["per_request_tok_s"], ".1f"),
-                      f"{fmt(lv['ttft_ms_p50'], '.1f')} / {fmt(lv['ttft_ms_p99'], '.1f')}",
-                      f"{fmt(lv.get('tpot_ms_p50'), '.2f')} / {fmt(lv.get('tpot_ms_p99'), '.2f')}",
-                      f"{fmt(lv['itl_ms_p50'], '.2f')} / {fmt(lv['itl_ms_p99'], '.2f')}", fmt(lv["e2e_ms_p50"], ".0f"),
-                      "[green]yes[/]" if lv["matches_sequential"] else "[red]NO[/]")
-    return table
 
 
 @click.command()
@@ -297,6 +315,7 @@ def concurrency_table(doc: dict) -> Table:
 @click.option("--label", default=None, callback=run_label,
               help="Label of this run in reports [default: kernels-SHAPE-DEVICE].")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write the result document.")
+@output_options
 def kernels(shape, model, ts, variants, ops, quant, contexts, repeats, warmup, device, seed, label, json_path):
     """Per-op microseconds, GB/s and % of copy bandwidth of the model's hot decode ops, each checked against its
     fp32 reference in the same run; exit 1 when any check fails."""
@@ -321,20 +340,10 @@ def kernels(shape, model, ts, variants, ops, quant, contexts, repeats, warmup, d
     with prog:
         doc = run_kernels(opts, progress=update)
     s = doc["summary"]
-    table = Table(title=f"kernels: {doc['label']} on {s['gpu'] or s['device']} ({doc['config']['dtype']}, "
-                        f"timer {s['timer']})")
-    for col in ("op", "shape", "t", "variant", "us [p10-p90]", "GB/s", "% roofline", "max rel err", "ok"):
-        table.add_column(col, justify="left" if col in ("op", "shape", "variant") else "right")
-    for r in doc["records"]:
-        us = f"{fmt(r['us_median'], '.1f')} [{fmt(r['us_p10'], '.1f')}-{fmt(r['us_p90'], '.1f')}]"
-        roof = fmt(None if r["roofline_fraction"] is None else 100 * r["roofline_fraction"], ".1f")
-        table.add_row(r["op"], "x".join(map(str, r["shape"] or [])), str(r["t"]), r["variant"], us,
-                      fmt(r["gbps"], ".1f"), roof, fmt(r["max_rel_err"], ".1e"),
-                      "[green]ok[/]" if r["ok"] else "[red]FAIL[/]")
-    console.print(table)
-    console.print(f"copy bandwidth (read + write) measured in this run: {s['copy_bandwidth_gbps']:.1f} GB/s")
+    show(kernels_grid(doc))
+    say(f"copy bandwidth (read + write) measured in this run: {s['copy_bandwidth_gbps']:.1f} GB/s")
     for note in sorted({f"{r['variant']}: {r['note']}" for r in doc["records"] if r["ok"] and r["note"]}):
-        console.print(f"[dim]  {note}[/]", highlight=False)
+        say(f"[dim]  {note}[/]", highlight=False)
     save_result(doc, json_path)
     if s["failures"]:
         for line in s["failures"]:

@@ -8,9 +8,20 @@ from pathlib import Path
 
 import click
 from rich.progress import Progress
-from rich.table import Table
 
-from .common import UserError, check_output, console, err_console, int_list, run_label, save_result, suite_progress
+from .common import (
+    UserError,
+    check_output,
+    console,
+    err_console,
+    int_list,
+    output_options,
+    run_label,
+    save_result,
+    say,
+    show,
+    suite_progress,
+)
 
 
 # ---- reports and gates -------------------------------------------------------------------------------
@@ -30,30 +41,138 @@ def report(results, baseline_label, out_dir, title):
     console.print(f"[green]wrote[/] {html} and {md} ({len(docs)} result documents)")
 
 
-@click.command()
-@click.option("--baseline", required=True, type=click.Path(exists=True, dir_okay=False), help="Baseline result.")
-@click.option("--candidate", required=True, type=click.Path(exists=True, dir_okay=False), help="Candidate result.")
+@click.command(context_settings={"max_content_width": 120})
+@click.option("--baseline", required=True, type=click.Path(exists=True),
+              help="Baseline result document, or a folder of them (a grid).")
+@click.option("--candidate", required=True, type=click.Path(exists=True),
+              help="Candidate result document, or a folder of them (paired with the baseline's by suite and label).")
 @click.option("--rules", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="Rules file (.json or .toml) [default: the suite's rules].")
-@click.option("--json", "as_json", is_flag=True, help="Print the verdicts as JSON.")
+              help="Rules file (.toml or .json) merged into each suite's default rules (format below).")
+@click.option("--threshold", "thresholds", multiple=True, metavar="METRIC=PCT",
+              help="Set a rule's threshold in percent, e.g. --threshold decode_tok_s=10 (repeatable; a wildcard "
+                   "rule's instance, levels[concurrency=4].aggregate_tok_s=8, changes that instance only).")
+@click.option("--alpha", type=click.FloatRange(0, 1, min_open=True, max_open=True), default=0.01, show_default=True,
+              help="Timings are decided on two-sided 1-alpha intervals.")
+@click.option("--json", "as_json", is_flag=True, help="Print the verdicts as JSON (format in docs/DESIGN.md).")
 @click.option("--allow-config-change", is_flag=True,
-              help="Gate runs of different settings (model, prompt, lengths, engine options...) anyway: their "
-                   "config row is then ambiguous, not a failure.")
-def gate(baseline, candidate, rules, as_json, allow_config_change):
-    """Compare a candidate result to a baseline: exit 1 on any failed or missing metric."""
-    from ..reports.gate import exit_code, load_rules, render_table
+              help="Gate runs of different settings (model, prompt, lengths, engine options, threads, clocks...) "
+                   "anyway: their config row is then ambiguous, not a failure.")
+def gate(baseline, candidate, rules, thresholds, alpha, as_json, allow_config_change):
+    """Compare a candidate result to a baseline (or a grid to a grid): exact metrics must match; timings are decided
+    on confidence intervals over their per-repeat samples.
+
+    --baseline and --candidate are both result files, or both folders: a folder's *.json / *.json.gz results are
+    paired by suite and label, one table per pair; a baseline run without a candidate fails the gate, a candidate run
+    without a baseline is listed.
+
+    \b
+    Exit codes (the worst over all pairs):
+      0  every row passed
+      1  a row failed or is missing, a baseline run has no candidate, or nothing was compared
+         (also a bad rules file or result document: one line on stderr)
+      2  a usage error
+      3  nothing failed, but some row is ambiguous: its samples cannot tell (the reason says
+         about how many repeats a side would), a config change was allowed, or the load differed
+
+    A timing passes when the 99% interval (--alpha) of its change stays within the threshold, and fails when the
+    interval excludes no change, reaches past the threshold and the estimated slowdown is at least 3/4 of it;
+    anything else is ambiguous, and so is every timing with fewer than 5 samples a side (at the default
+    --alpha). A timing without samples passes within its threshold and is ambiguous beyond it; peak memory (kind
+    threshold) is judged on its threshold alone.
+
+    Rules: --rules FILE and --threshold merge into each suite's default rules. An entry whose metric (and suite) is a
+    default rule's replaces the keys it gives; one naming an instance of a wildcard rule overrides that instance;
+    any other adds a rule; remove = true drops one. Dropping an exact rule (or changing its kind) prints a warning
+    and is listed in the JSON's "removed": exact checks are never switched off silently.
+
+    \b
+    Rule keys:
+      metric            required: a path into the summary (decode_tok_s,
+                        levels[concurrency=*].aggregate_tok_s, records[op=*,shape=*,variant=*,t=*].us_median)
+      kind              exact | timing | threshold                       [timing]
+      higher_is_better  true | false                                     [true]
+      threshold         a fraction: 0.05 is 5% (--threshold takes percent) [0.05]
+      samples           path of the per-repeat sample list (timing)      [none]
+      suite             decode | niah | concurrency | kernels | prefill: only that suite's results
+      remove            true: drop the rule of this metric (with metric and suite only)
+
+    \b
+    rules.toml:
+      [[rules]]
+      metric = "decode_tok_s"
+      threshold = 0.10
+    \b
+      [[rules]]
+      metric = "peak_memory_bytes"
+      remove = true
+
+    \b
+    rules.json:
+      {"rules": [{"metric": "decode_tok_s", "threshold": 0.10},
+                 {"metric": "levels[concurrency=*].ttft_ms_p50", "suite": "concurrency", "threshold": 0.2}]}
+    """
+    from ..reports.gate import (EXIT_CODES, STATUSES, Pair, env_line, env_summary, load_rule_changes, merge_rules,
+                                pair_results, parse_threshold, read_folder, render_table, status_of, worst)
     from ..reports.gate import gate as run_gate
     from ..reports.schema import read_result
 
-    verdicts = run_gate(read_result(baseline), read_result(candidate), load_rules(rules) if rules else None,
-                        allow_config_change=allow_config_change)
-    if as_json:
-        console.print_json(json.dumps([v.to_dict() for v in verdicts], default=str))
+    folders = [Path(p).is_dir() for p in (baseline, candidate)]
+    if folders[0] != folders[1]:
+        raise UserError(f"--baseline is a {'folder' if folders[0] else 'file'} and --candidate a "
+                        f"{'folder' if folders[1] else 'file'}: give two result files or two folders")
+    try:
+        changes = [parse_threshold(t) for t in thresholds]
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--threshold") from None
+    changes = (load_rule_changes(rules) if rules else []) + changes
+    if folders[0]:
+        pairs, unpaired = pair_results(read_folder(baseline), read_folder(candidate))
     else:
-        console.print(render_table(verdicts))
-    code = exit_code(verdicts)
-    counts = {s: sum(v.status == s for v in verdicts) for s in ("pass", "fail", "ambiguous", "missing")}
-    err_console.print(", ".join(f"{n} {s}" for s, n in counts.items()))
+        b, c = read_result(baseline), read_result(candidate)
+        pairs, unpaired = [Pair(b["suite"], c["label"], baseline, candidate, b, c)], []
+    merged = {s: merge_rules(s, changes) for s in dict.fromkeys(p.suite for p in pairs)}
+    used = [id(ch) for m in merged.values() for ch in m.used]
+    for ch in changes:
+        if id(ch) not in used and ch.adjust_only:
+            raise UserError(f"{ch.source}: no rule of the gated {', '.join(merged) or 'results'} has metric "
+                            f"{ch.metric!r}")
+        if id(ch) not in used and (ch.suite is None or ch.suite in merged):
+            err_console.print(f"[yellow]warning:[/] {ch.source} ({ch.metric}) applies to none of the gated results",
+                              highlight=False)
+    removed = [r for m in merged.values() for r in m.removed]
+    for r in removed:
+        tag = "[yellow]warning:[/]" if r["kind"] == "exact" else "note:"
+        checked = "; it is no longer checked" if r["what"] == "removed" else "; it is no longer checked exactly"
+        err_console.print(f"{tag} {r['source']} {r['what']} the {r['kind']} {r['suite']} rule {r['metric']}"
+                          + (checked if r["kind"] == "exact" else ""), highlight=False)
+    results = []
+    for p in pairs:
+        verdicts = run_gate(p.baseline, p.candidate, merged[p.suite].rules, alpha=alpha,
+                            allow_config_change=allow_config_change)
+        results.append((p, verdicts, status_of(verdicts), env_summary(p.baseline, p.candidate)))
+    status = worst([s for *_, s, _ in results] + ["fail" for u in unpaired if u["side"] == "baseline"])
+    code = EXIT_CODES[status]
+    if as_json:
+        out = {"status": status, "exit_code": code, "alpha": alpha,
+               "rules": {"changes": [ch.to_dict() for ch in changes], "removed": removed},
+               "pairs": [{"suite": p.suite, "label": p.label, "status": s, "env": env,
+                          "baseline": {"path": p.baseline_path, "label": p.baseline["label"]},
+                          "candidate": {"path": p.candidate_path, "label": p.candidate["label"]},
+                          "verdicts": [v.to_dict() for v in verdicts]} for p, verdicts, s, env in results],
+               "unpaired": unpaired}
+        console.print_json(json.dumps(out, default=str))
+    for p, verdicts, s, env in results:
+        name = p.label if p.baseline["label"] == p.label else f"{p.baseline['label']} -> {p.label}"
+        if not as_json:
+            console.print(render_table(verdicts, title=f"{p.suite} {name}: {s}"))
+        counts = ", ".join(f"{n} {st}" for st in STATUSES if (n := sum(v.status == st for v in verdicts)))
+        err_console.print(f"{p.suite} {name}: {s} ({counts or 'nothing compared'}); {env_line(env)}",
+                          highlight=False)
+    for u in unpaired:
+        what = "no candidate run: fails the gate" if u["side"] == "baseline" else "no baseline run: not gated"
+        err_console.print(f"{'[red]' if u['side'] == 'baseline' else '[yellow]'}{u['suite']} {u['label']}[/] "
+                          f"({u['path']}): {what}", highlight=False)
+    err_console.print(f"gate: {status} (exit {code})", highlight=False)
     sys.exit(code)
 
 
@@ -95,9 +214,11 @@ def niah_case_options(f):
 @click.option("--rescore", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Judge an earlier niah result document against the oracles stored now (nothing is run; its "
                    "cases and model come from the document).")
+@output_options
 def niah(model, ctx, depths, cases, answer_tokens, seed, prefill_chunk, device, kv_dtype, runtime, oracle_file,
          require_oracle, heatmap, label, json_path, rescore):
     """Needle in a haystack: retrieval, and agreement with stored float64 oracle outputs."""
+    from ..reports.tables import niah_grid
     from ..suites.niah import rescore_niah, run_niah
 
     check_output(json_path, parents=True)
@@ -113,17 +234,9 @@ def niah(model, ctx, depths, cases, answer_tokens, seed, prefill_chunk, device, 
         with prog:
             doc = run_niah(opts, progress=update)
     s = doc["summary"]
-    table = Table(title=f"niah: {doc['label']} ({s['cases']} cases, {s['seconds']:.1f} s)")
-    for col in ("case", "tokens", "retrieved", "oracle", "first divergence", "answer"):
-        table.add_column(col)
-    for r in doc["records"]:
-        verdict = "-" if r["pass"] is None else ("[green]pass[/]" if r["pass"] else "[red]FAIL[/]")
-        table.add_row(r["case"], str(r["prompt_tokens"]), "yes" if r["retrieved"] else "no", verdict,
-                      "-" if r["first_divergence"] is None else str(r["first_divergence"]),
-                      repr(r["answer"][:24]))
-    console.print(table)
+    show(niah_grid(doc))
     agree = "no oracle" if s["oracle_agreement"] is None else f"{s['oracle_agreement']:.0%} of {s['oracle_cases']}"
-    console.print(f"retrieval {s['retrieval']:.0%}, oracle agreement {agree}")
+    say(f"retrieval {s['retrieval']:.0%}, oracle agreement {agree}")
     save_result(doc, json_path)
     if heatmap or json_path:
         from ..reports.frames import frames

@@ -2,48 +2,74 @@
 
 Exact metrics (token hashes, acceptance counts on deterministic runs, oracle agreement, kernels' checks against
 their references) must be equal; a candidate whose greedy repeats disagree where the baseline's agreed fails its
-``deterministic`` row (its other exact rows can then only be "ambiguous"). A timing
-metric fails when its median moved the wrong way by more than its threshold *and* the per-repeat samples show
-the shift is significant (two-sided Mann-Whitney U test, p < ``alpha``); a change past the threshold that enough
-samples cannot confirm is "ambiguous": shown, never silently passed. Where the samples are too few for the test
-ever to reach ``alpha`` (3 repeats against 3, decode's default) or there are none (peak memory), the threshold
-alone decides, and the verdict says so. A metric whose value or samples hold a NaN or an infinity cannot be judged:
-its row is "missing" and fails the gate.
+``deterministic`` row (its other exact rows can then only be "ambiguous"). A metric whose value or samples hold a
+NaN or an infinity cannot be judged: its row is "missing" and fails the gate.
 
-Two runs that differ in model, workload, engine settings or GPU (CPU runs gated on timings: CPU model and core
-count; for kernels: a projection's weight format) are different experiments: the gate fails them with a ``config``
-row unless ``allow_config_change``. How many samples a run took (decode's ``repeats``, concurrency's ``rounds``)
-is no part of the experiment. A rules list of which no rule applies is refused.
+A timing with per-repeat samples is decided on a confidence interval, never on its threshold alone. ``s`` is the
+relative shift toward worse (slower, or more latency) of the candidate against the baseline: the Hodges-Lehmann
+shift of the samples (the median of all candidate - baseline differences) over the baseline's value, with its
+two-sided ``1 - alpha`` interval [lo, hi] (Moses: order statistics of those differences; distribution-free, so a
+load spike moves it by one order statistic, not by its size). With ``t`` the rule's threshold:
+
+- pass: hi <= t (the change is at most the threshold, or an improvement);
+- fail: lo > 0 (a significant slowdown: the interval excludes no change), hi > t, and s >= 3/4 t
+  (:data:`FAIL_FRACTION`: a significant slowdown estimated well short of the threshold is left to more repeats,
+  since drift between two runs, which no interval over one run's repeats sees, could explain it);
+- ambiguous otherwise, or when the samples are too few for any interval (below 5 a side at the default alpha
+  0.01: 2 or 3 repeats never fail and never pass), with ``repeats_needed``: the samples a side at which the
+  interval would be narrow enough to decide, estimated from the samples' spread (a robust standard deviation).
+
+The default ``alpha`` is :data:`GATE_ALPHA` (0.01): an A/A pair fails one metric about 1 time in 200 or less. A timing
+without samples (no ``samples`` path, or none in a document) passes within its threshold and is "ambiguous" beyond
+it: one number is never failed. A ``threshold`` rule (peak memory: no per-repeat noise) is decided on its threshold
+alone, and says so. Timings of two runs measured under different load classes (:func:`.experiment.load_shift`) are
+not failed: such a row is "ambiguous", and so is a pass when the candidate ran under the lighter load.
+
+Two runs that differ in model, workload, engine settings or GPU (where timings are compared: torch's threads, CPU
+affinity, the GPU's configured clocks; CPU runs: CPU model and core count; for kernels: a projection's weight
+format) are different experiments: the gate fails them with a ``config`` row unless ``allow_config_change``. How
+many samples a run took (decode's ``repeats``, concurrency's ``rounds``) is no part of the experiment. A rules list
+of which no rule applies is refused.
 
 Metrics are addressed by paths into the summary (:mod:`.metric_path`): ``decode_tok_s``,
 ``levels[concurrency=4].aggregate_tok_s``, ``records[op=rmsnorm,variant=v3,t=1].us_median``; a wildcard
-(``levels[concurrency=*]``) makes one rule per value present in either document. The rank test is
-:func:`.stats.rank_test`.
+(``levels[concurrency=*]``) makes one rule per value present in either document, and a later rule for the same
+concrete metric replaces an earlier one. ``ninfer-bench gate`` merges a rules file and ``--threshold`` into the
+defaults (:func:`merge_rules`); its exit code is :func:`exit_code`: 0 pass, 1 fail or missing, 3 ambiguous.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from statistics import NormalDist
 
 import tomllib
 
-from .experiment import config_differences
-from .metric_path import MetricMissing, format_path, instances, lookup, parse_path, root, stars, substitute
-from .schema import SUITES
-from .stats import ALPHA, rank_test
+from .experiment import config_differences, load_shift, load_text
+from .metric_path import (STAR, MetricMissing, format_path, instances, lookup, parse_path, root, stars,
+                          substitute)
+from .schema import SUITES, ResultError, read_result
+from .stats import (mann_whitney_u, min_interval_samples, robust_sd, samples_for_half_width, shift_interval)
 
-KINDS = ("exact", "timing")
+KINDS = ("exact", "timing", "threshold")
+GATE_ALPHA = 0.01  # the gate's default: two-sided 99% intervals
+FAIL_FRACTION = 0.75  # a significant slowdown fails only when estimated at >= 3/4 of the threshold (module docstring)
+MAX_REPEATS_NEEDED = 10_000
+DECIDE_Z = NormalDist().inv_cdf(0.9)  # repeats_needed aims to decide 9 times in 10 (repeats_to_decide)
+EXIT_PASS, EXIT_FAIL, EXIT_AMBIGUOUS = 0, 1, 3  # 2 is click's usage error
+STATUSES = ("pass", "fail", "ambiguous", "missing")
 
 
 # ---- rules ---------------------------------------------------------------------------------------------
 @dataclass(slots=True)
 class Rule:
     """One gated metric. ``threshold`` is a relative change of the median (0.05 = 5%); ``samples`` is the path
-    of the per-repeat sample list a timing metric's significance is tested on; ``suite`` (optional) limits a
-    rule in a shared rules file to one suite."""
+    of the per-repeat sample list a timing metric is judged on; ``suite`` (optional) limits a rule in a shared rules
+    file to one suite. Kinds: ``exact`` (must be equal), ``timing`` (judged on its samples' interval), ``threshold``
+    (a quantity without per-repeat noise, such as peak memory: judged on its threshold alone)."""
 
     metric: str
     kind: str = "timing"
@@ -53,6 +79,9 @@ class Rule:
     suite: str | None = None
 
     def __post_init__(self) -> None:
+        if not isinstance(self.metric, str):
+            raise ValueError(f"rule metric must be a metric path (text), got {self.metric!r}")
+        parse_path(self.metric)
         if self.kind not in KINDS:
             raise ValueError(f"rule {self.metric!r}: kind must be one of {KINDS}, got {self.kind!r}")
         if not isinstance(self.higher_is_better, bool):
@@ -63,8 +92,17 @@ class Rule:
             raise ValueError(f"rule {self.metric!r}: threshold must be a relative change >= 0, got {self.threshold!r}")
         if self.suite is not None and self.suite not in SUITES:
             raise ValueError(f"rule {self.metric!r}: unknown suite {self.suite!r} (one of {SUITES})")
+        if self.samples is not None and not isinstance(self.samples, str):
+            raise ValueError(f"rule {self.metric!r}: samples must be a metric path (text), got {self.samples!r}")
+        if self.samples is not None and self.kind == "threshold":
+            raise ValueError(f"rule {self.metric!r}: a threshold rule is judged on its threshold alone and takes no "
+                             f"samples (make it a timing rule)")
         if self.samples is not None and not stars(parse_path(self.samples)) <= stars(parse_path(self.metric)):
             raise ValueError(f"rule {self.metric!r}: samples path {self.samples!r} has a wildcard the metric lacks")
+
+
+RULE_KEYS = tuple(f.name for f in fields(Rule))
+CHANGE_KEYS = (*RULE_KEYS, "remove")
 
 
 def _timing(metric, higher=True, threshold=0.05, samples=None):
@@ -81,7 +119,7 @@ def default_rules(suite: str) -> list[Rule]:
             _timing("prefill_tok_s", True, 0.05, "samples.prefill_tok_s"),
             _timing("ttft_ms", False, 0.10, "samples.ttft_ms"),
             _timing("device_ms_per_round", False, 0.05, "samples.device_ms_per_round"),
-            _timing("peak_memory_bytes", False, 0.05)]
+            Rule("peak_memory_bytes", "threshold", False, 0.05)]
     if suite == "niah":
         return [Rule(m, "exact") for m in ("cases", "oracle_agreement", "retrieval", "first_divergence")]
     if suite == "concurrency":
@@ -100,10 +138,26 @@ def default_rules(suite: str) -> list[Rule]:
     raise ValueError(f"unknown suite {suite!r} (one of {SUITES})")
 
 
-def load_rules(path: str | Path) -> list[Rule]:
-    """Rules from a JSON file (a list of rule objects, or ``{"rules": [...]}``) or a TOML file (``[[rules]]``
-    tables). Keys: metric, kind, higher_is_better, threshold, samples, suite."""
-    path = Path(path)
+@dataclass(slots=True)
+class RuleChange:
+    """One entry of a rules file (or one ``--threshold``), merged into a suite's default rules by
+    :func:`merge_rules`: ``given`` holds the rule keys it sets (kind, higher_is_better, threshold, samples);
+    ``remove`` drops the rule of that metric; ``adjust_only`` (``--threshold``) may only change an existing rule;
+    ``source`` names it in messages (``rules.toml rule 2``)."""
+
+    metric: str
+    given: dict = field(default_factory=dict)
+    suite: str | None = None
+    remove: bool = False
+    adjust_only: bool = False
+    source: str = ""
+
+    def to_dict(self) -> dict:
+        return {"metric": self.metric, "suite": self.suite, **self.given, **({"remove": True} if self.remove else {}),
+                "source": self.source}
+
+
+def _read_rules_file(path: Path) -> list:
     if not path.is_file():
         raise FileNotFoundError(f"no such rules file: {path}")
     try:
@@ -122,50 +176,199 @@ def load_rules(path: str | Path) -> list[Rule]:
         data = data.get("rules", [])
     if not isinstance(data, list):
         raise ValueError(f"{path}: expected a list of rules")
-    allowed = [f.name for f in fields(Rule)]
-    rules = []
-    for i, item in enumerate(data, 1):
+    if not data:
+        raise ValueError(f"{path}: no rules (a gate with nothing to check would always pass)")
+    return data
+
+
+def load_rule_changes(path: str | Path) -> list[RuleChange]:
+    """The entries of a rules file (docs/DESIGN.md, "The gate"; ``ninfer-bench gate --help``): a JSON list of rule
+    objects or ``{"rules": [...]}``, or TOML ``[[rules]]`` tables. Keys: metric (required), kind, higher_is_better,
+    threshold, samples, suite, and ``remove = true`` (with metric and suite only) to drop a default rule."""
+    path = Path(path)
+    changes = []
+    for i, item in enumerate(_read_rules_file(path), 1):
+        where = f"{path.name} rule {i}"
         if not isinstance(item, dict):
             raise ValueError(f"{path}: rule {i} is not a table/object")
-        unknown = sorted(set(item) - set(allowed))
+        unknown = sorted(set(item) - set(CHANGE_KEYS))
         if unknown:
-            raise ValueError(f"{path}: rule {i} has unknown key(s) {unknown}; allowed: {allowed}")
+            raise ValueError(f"{path}: rule {i} has unknown key(s) {unknown}; allowed: {list(CHANGE_KEYS)}")
         if "metric" not in item:
             raise ValueError(f"{path}: rule {i} has no 'metric'")
-        try:
-            rules.append(Rule(**item))
-        except ValueError as e:
+        remove = item.get("remove", False)
+        if not isinstance(remove, bool):
+            raise ValueError(f"{path}: rule {i}: remove must be true or false, got {remove!r}")
+        given = {k: v for k, v in item.items() if k not in ("metric", "suite", "remove")}
+        if remove and given:
+            raise ValueError(f"{path}: rule {i} removes {item['metric']!r} and sets {sorted(given)}: a removal takes "
+                             "only metric and suite")
+        try:  # the values alone must make a rule (a change's combination with its default is checked on merging)
+            Rule(item["metric"], **({} if remove else given), suite=item.get("suite"))
+        except (ValueError, TypeError) as e:
             raise ValueError(f"{path}: rule {i}: {e}") from None
-    if not rules:
-        raise ValueError(f"{path}: no rules (a gate with nothing to check would always pass)")
+        changes.append(RuleChange(item["metric"], given, item.get("suite"), remove, source=where))
+    return changes
+
+
+def load_rules(path: str | Path) -> list[Rule]:
+    """The rules of a file taken as the whole rule list (the library's ``gate(rules=...)``), each key it does not
+    give at its :class:`Rule` default; ``ninfer-bench gate`` merges a file into the defaults instead
+    (:func:`load_rule_changes`, :func:`merge_rules`)."""
+    rules = []
+    for ch in load_rule_changes(path):
+        if ch.remove:
+            raise ValueError(f"{path}: {ch.source.split(' ', 1)[1]} removes {ch.metric!r}: a removal applies only "
+                             "when a rules file merges into the defaults (ninfer-bench gate --rules)")
+        rules.append(Rule(ch.metric, **ch.given, suite=ch.suite))
     return rules
 
 
+def parse_threshold(text: str) -> RuleChange:
+    """``--threshold METRIC=PCT`` (``decode_tok_s=10``: 10%, a ``%`` allowed) -> a change of that rule's threshold."""
+    metric, eq, pct = str(text).rpartition("=")
+    try:
+        value = float(pct.strip().removesuffix("%"))
+    except ValueError:
+        value = math.nan
+    if not eq or not metric.strip() or not 0 <= value < math.inf:
+        raise ValueError(f"--threshold {text!r}: expected METRIC=PCT with PCT a percentage >= 0 (decode_tok_s=10)")
+    metric = metric.strip()
+    parse_path(metric)
+    return RuleChange(metric, {"threshold": value / 100}, adjust_only=True, source=f"--threshold {text}")
+
+
+def _narrows(child, parent) -> dict | None:
+    """Where the parsed path ``child`` is ``parent`` or an instance of its wildcards (every selector with the same
+    keys, each value the parent's or one in place of its ``*``): the child's value for each selector key
+    ``{(list name, key): value}``; None where it is not."""
+    if len(child) != len(parent):
+        return None
+    binding = {}
+    for (cname, csel), (pname, psel) in zip(child, parent):
+        if cname != pname or isinstance(csel, tuple) != isinstance(psel, tuple):
+            return None
+        if not isinstance(psel, tuple):
+            if csel != psel:
+                return None
+            continue
+        cvals, pvals = dict(csel), dict(psel)
+        if set(cvals) != set(pvals) or len(cvals) != len(csel):
+            return None
+        for key, pv in pvals.items():
+            cv = cvals[key]
+            if pv is STAR:
+                binding[(pname, key)] = cv
+            elif cv != pv:
+                return None
+    return binding
+
+
+def _bind(path: str, binding: dict) -> str:
+    """``path`` with the wildcards of :func:`_narrows`'s binding filled in (in the path's own key order)."""
+    return format_path([(name, tuple((k, binding.get((name, k), v) if v is STAR else v) for k, v in sel)
+                         if isinstance(sel, tuple) else sel) for name, sel in parse_path(path)])
+
+
+@dataclass(slots=True)
+class Merged:
+    """A suite's rules after :func:`merge_rules`: ``removed`` lists each rule a change dropped (or turned from exact to
+    another kind) as ``{"suite", "metric", "kind", "source", "what"}``; ``used`` the changes that applied."""
+
+    rules: list[Rule]
+    removed: list[dict]
+    used: list[RuleChange]
+
+
+def merge_rules(suite: str, changes: list[RuleChange], base: list[Rule] | None = None) -> Merged:
+    """The suite's rules (``base``, default: :func:`default_rules`) with ``changes`` applied in order. A change of the
+    suite (or of no suite) whose metric is a rule's replaces the keys it gives; one whose metric narrows a wildcard
+    rule (``levels[concurrency=4].x`` of ``levels[concurrency=*].x``) adds that instance with the wildcard rule's keys
+    and its own (a later rule for a concrete metric wins, :func:`expand`); any other adds a rule (unless
+    ``adjust_only``); ``remove`` drops the rule. Dropping an exact rule, or changing its kind, is listed in
+    ``removed``: exact checks are never switched off silently."""
+    rules = list(default_rules(suite) if base is None else base)
+    removed, used = [], []
+    for ch in changes:
+        if ch.suite not in (None, suite):
+            continue
+        segs = parse_path(ch.metric)
+        same = next((i for i, r in enumerate(rules) if parse_path(r.metric) == segs), None)
+        if ch.remove:
+            if same is None:
+                if ch.suite == suite:
+                    raise ValueError(f"{ch.source} removes {ch.metric!r}, which no {suite} rule has")
+                continue
+            old = rules.pop(same)
+            removed.append({"suite": suite, "metric": old.metric, "kind": old.kind, "source": ch.source,
+                            "what": "removed"})
+            used.append(ch)
+            continue
+        if same is not None:
+            old = rules[same]
+            if ch.adjust_only and old.kind == "exact":
+                raise ValueError(f"{ch.source}: {old.metric} is an exact {suite} rule; it has no threshold")
+            try:
+                new = Rule(**{**asdict(old), **ch.given, "suite": old.suite if ch.suite is None else ch.suite})
+            except ValueError as e:
+                raise ValueError(f"{ch.source}: {e}") from None
+            if old.kind == "exact" and new.kind != "exact":
+                removed.append({"suite": suite, "metric": old.metric, "kind": old.kind, "source": ch.source,
+                                "what": f"made a {new.kind} rule"})
+            rules[same] = new
+            used.append(ch)
+            continue
+        parents = [(r, b) for r in rules if stars(parse_path(r.metric)) for b in [_narrows(segs, parse_path(r.metric))]
+                   if b is not None]
+        if parents:
+            parent, binding = parents[-1]
+            if ch.adjust_only and parent.kind == "exact":
+                raise ValueError(f"{ch.source}: {parent.metric} is an exact {suite} rule; it has no threshold")
+            base_keys = {**asdict(parent), "metric": _bind(parent.metric, binding),
+                         "samples": None if parent.samples is None else _bind(parent.samples, binding)}
+            try:
+                rules.append(Rule(**{**base_keys, **ch.given, "suite": ch.suite if ch.suite else parent.suite}))
+            except ValueError as e:
+                raise ValueError(f"{ch.source}: {e}") from None
+            used.append(ch)
+        elif not ch.adjust_only:
+            try:
+                rules.append(Rule(ch.metric, **ch.given, suite=ch.suite))
+            except ValueError as e:
+                raise ValueError(f"{ch.source}: {e}") from None
+            used.append(ch)
+    return Merged(rules, removed, used)
+
+
 def expand(rules: list[Rule], baseline: dict, candidate: dict) -> list[Rule]:
-    """Concrete rules: each wildcard rule once per value present in either document (baseline order first)."""
-    out = []
+    """Concrete rules: each wildcard rule once per value present in either document (baseline order first); a later
+    rule for the same concrete metric replaces an earlier one (in its place)."""
+    out: dict[str, Rule] = {}
     for rule in rules:
         segs = parse_path(rule.metric)
         if not stars(segs):
-            out.append(rule)
+            out[format_path(segs)] = rule
             continue
         found = {}
         for doc in (baseline, candidate):
             for inst in instances(root(doc), segs):
                 found.setdefault(format_path(inst), inst)
         if not found:  # nothing to expand in either document: keep the wildcard rule so it reports "missing"
-            out.append(rule)
+            out[rule.metric] = rule
         for text, inst in found.items():
             samples = None if rule.samples is None else substitute(rule.samples, inst)
-            out.append(Rule(text, rule.kind, rule.higher_is_better, rule.threshold, samples, rule.suite))
-    return out
+            out[text] = Rule(text, rule.kind, rule.higher_is_better, rule.threshold, samples, rule.suite)
+    return list(out.values())
 
 
 # ---- the gate ------------------------------------------------------------------------------------------
 @dataclass(slots=True)
 class Verdict:
     """One gate row. ``change`` is the signed relative change of the candidate vs the baseline median
-    ((candidate - baseline) / |baseline|); ``p`` the rank test's p-value where one was computed."""
+    ((candidate - baseline) / |baseline|); ``p`` the Mann-Whitney p-value where samples were compared; ``ci`` the
+    ``1 - alpha`` interval of the relative change (signed like ``change``: the Hodges-Lehmann shift's, over the
+    baseline's value) where the samples give one; ``repeats_needed`` (ambiguous timing rows only) about how many
+    samples a side would decide it."""
 
     metric: str
     kind: str
@@ -175,6 +378,8 @@ class Verdict:
     status: str
     reason: str
     p: float | None = None
+    repeats_needed: int | None = None
+    ci: tuple[float, float] | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -288,15 +493,57 @@ def _samples(rule: Rule, doc: dict, side: str) -> list | None:
     return values
 
 
+def _pct(x: float) -> str:
+    return f"{x:+.1%}" if math.isfinite(x) else ("+inf" if x > 0 else "-inf")
+
+
+def _level(alpha: float) -> str:
+    return f"{(1 - alpha) * 100:g}%"
+
+
+def repeats_to_decide(b_samples, c_samples, scale: float, worse: float, threshold: float, alpha: float) -> int:
+    """Samples a side (as many on each) at which the interval would decide a timing row 9 times in 10 if the shift is
+    what it looks like: half-width below ``threshold - worse`` (to pass) or below ``worse`` (to fail, where the
+    estimate is at least FAIL_FRACTION of the threshold), whichever is wider, less the estimate's own wobble; from the
+    samples' pooled robust spread; at least the fewest samples that give an interval at all, and more than either
+    side has."""
+    have = min(sum(v is not None for v in b_samples), sum(v is not None for v in c_samples))
+    floor = max(min_interval_samples(alpha), have + 1)
+    sds = [sd for sd in (robust_sd(b_samples), robust_sd(c_samples)) if sd is not None]
+    if not sds or scale <= 0:
+        return floor
+    sd = math.sqrt(sum(x * x for x in sds) / len(sds)) / scale
+    room = max([threshold - worse] + ([worse] if worse >= FAIL_FRACTION * threshold else []))
+    # the estimate moves as samples come (its sd is about half-width / z): leave it room to, so that a shift that is
+    # what it looks like now is decided 9 times in 10
+    z = NormalDist().inv_cdf(1 - alpha / 2)
+    need = samples_for_half_width(sd, room / (1 + DECIDE_Z / z), alpha)
+    return min(MAX_REPEATS_NEEDED, max(need, floor))
+
+
+def _judge_threshold(rule: Rule, b, c, change: float, worse: float) -> Verdict:
+    """A quantity without per-repeat noise (peak memory): the threshold alone decides."""
+    limit = f"{rule.threshold * 100:g}%"
+    alone = "judged on the threshold alone (no per-repeat noise)"
+    if worse < -rule.threshold:
+        return Verdict(rule.metric, rule.kind, b, c, change, "pass", f"improved by {-worse:.1%}; {alone}")
+    if worse <= rule.threshold:
+        return Verdict(rule.metric, rule.kind, b, c, change, "pass", f"within ±{limit}; {alone}")
+    return Verdict(rule.metric, rule.kind, b, c, change, "fail", f"{worse:.1%} worse (threshold {limit}); {alone}")
+
+
 def _judge_timing(rule: Rule, baseline: dict, candidate: dict, b, c, alpha: float) -> Verdict:
-    def verdict(status, reason, change=None, p=None):
-        return Verdict(rule.metric, "timing", b, c, change, status, reason, p)
+    def verdict(status, reason, change=None, p=None, needed=None, ci=None):
+        return Verdict(rule.metric, rule.kind, b, c, change, status, reason, p, needed, ci)
 
     if b is None and c is None:
         return verdict("pass", "not measured on either side")
     if b is None or c is None:
         return verdict("missing", f"null in the {'baseline' if b is None else 'candidate'}")
-    b_samples, c_samples = _samples(rule, baseline, "baseline"), _samples(rule, candidate, "candidate")
+    if rule.kind == "timing":
+        b_samples, c_samples = _samples(rule, baseline, "baseline"), _samples(rule, candidate, "candidate")
+    else:
+        b_samples = c_samples = None
     not_finite = _not_finite([("baseline", b), ("candidate", c), (f"baseline {rule.samples}", b_samples),
                               (f"candidate {rule.samples}", c_samples)])
     if not_finite:
@@ -304,39 +551,77 @@ def _judge_timing(rule: Rule, baseline: dict, candidate: dict, b, c, alpha: floa
     change = _relative(b, c)
     if change is None:
         return verdict("missing", f"not a number: {_typed(b)} vs {_typed(c)}")
-    worse = -change if rule.higher_is_better else change
+    sign = -1 if rule.higher_is_better else 1  # worse = sign * change
+    worse = sign * change
     limit = f"{rule.threshold * 100:g}%"
-    if abs(worse) <= rule.threshold:
-        return verdict("pass", f"within ±{limit}", change)
-    shift = None if b_samples is None or c_samples is None else rank_test(b_samples, c_samples, alpha)
-    stats = "" if shift is None else f"{shift.n_baseline} vs {shift.n_candidate} samples"
-    stats = stats if shift is None or shift.p is None else f"p={shift.p:.3g}, {stats}"
-    p = shift.p if shift else None
-    if worse < 0:
-        return verdict("pass", f"improved by {-worse:.1%}" + (f" ({stats})" if stats else ""), change, p)
-    moved = f"{worse:.1%} worse (threshold {limit})"
-    if shift is None or shift.powerless:
-        # no test could confirm the change: the threshold alone decides, or a gate on decode's default 3 repeats
-        # (or on peak memory, which has no samples) could never fail
-        if shift is None:
-            why = "no samples" if rule.samples is None else f"no {rule.samples}"
-        else:
-            why = f"too few samples to ever reach p<{alpha:g} ({stats})"
-        return verdict("fail", f"{moved}; decided on the threshold alone, without a significance test: {why}",
-                       change, p)
-    if not shift.significant:
-        return verdict("ambiguous", f"{moved}, not significant at p<{alpha:g} ({stats})", change, p)
-    wrong_way = -1 if rule.higher_is_better else 1
-    if shift.direction != wrong_way:
-        return verdict("ambiguous", f"{moved}, but the samples shift the other way ({stats})", change, p)
-    return verdict("fail", f"{moved}, significant ({stats})", change, p)
+    if rule.kind == "threshold":
+        return _judge_threshold(rule, b, c, change, worse)
+    b_vals = [v for v in b_samples or [] if v is not None]
+    c_vals = [v for v in c_samples or [] if v is not None]
+    if not b_vals or not c_vals:  # one number a side: screened by the threshold, never failed
+        why = "no samples" if rule.samples is None else \
+            f"no {rule.samples} in the {'baseline' if not b_vals else 'candidate'}"
+        if worse < -rule.threshold:
+            return verdict("pass", f"improved by {-worse:.1%} ({why})", change)
+        if worse <= rule.threshold:
+            return verdict("pass", f"within ±{limit} ({why}: screened by the threshold alone)", change)
+        return verdict("ambiguous", f"{worse:.1%} worse (threshold {limit}), but {why}: a timing is not failed on "
+                                    "one number; record per-repeat samples", change)
+    scale = abs(b) if b else abs(float(sorted(b_vals)[len(b_vals) // 2]))
+    counts = f"{len(b_vals)} vs {len(c_vals)} samples"
+    p = mann_whitney_u(b_vals, c_vals).p
+    if scale == 0:  # a baseline of zeros: no relative shift to speak of
+        if all(v == 0 for v in c_vals):
+            return verdict("pass", f"zero on both sides ({counts})", change, p)
+        return verdict("ambiguous", f"the baseline is zero: no relative change to judge ({counts})", change, p)
+    shift = shift_interval(b_vals, c_vals, alpha)
+    estimate = sign * shift.estimate / scale  # the Hodges-Lehmann shift toward worse, relative
+    level = _level(alpha)
+    if shift.low is None:
+        needed = repeats_to_decide(b_vals, c_vals, scale, estimate, rule.threshold, alpha)
+        return verdict("ambiguous", f"{_pct(change)}: {counts} are too few for a {level} interval; needs about "
+                                    f"{needed} repeats a side", change, p, needed)
+    ci = (shift.low / scale, shift.high / scale)  # of the signed relative change
+    lo, hi = sorted(sign * x for x in ci)
+    interval = f"{level} CI {_pct(ci[0])}..{_pct(ci[1])}, {counts}"
+    if hi <= rule.threshold:
+        if hi < 0:
+            return verdict("pass", f"improved by {-estimate:.1%} ({interval})", change, p, None, ci)
+        return verdict("pass", f"within ±{limit} ({interval})", change, p, None, ci)
+    if lo > 0 and estimate >= FAIL_FRACTION * rule.threshold:
+        return verdict("fail", f"{_pct(change)}: a significant slowdown (p={p:.2g}) at or past the {limit} threshold "
+                               f"({interval})", change, p, None, ci)
+    needed = repeats_to_decide(b_vals, c_vals, scale, estimate, rule.threshold, alpha)
+    what = f"a significant slowdown (p={p:.2g}) short of the {limit} threshold, but the interval reaches past it" \
+        if lo > 0 else f"undecided: the interval spans no change and a slowdown past the {limit} threshold (p={p:.2g})"
+    return verdict("ambiguous", f"{_pct(change)}: {what} ({interval}); needs about {needed} repeats a side", change,
+                   p, needed, ci)
 
 
-def gate(baseline: dict, candidate: dict, rules: list[Rule] | None = None, alpha: float = ALPHA,
+def _under_load(v: Verdict, shift: tuple[str, bool] | None) -> Verdict:
+    """A timing row of two runs measured under different load classes: a fail is not trusted (ambiguous), nor a pass
+    where the candidate ran under the lighter load."""
+    if shift is None or v.kind != "timing" or v.status not in ("pass", "fail", "ambiguous"):
+        return v
+    what, candidate_heavier = shift
+    if v.status == "fail":
+        v.status, v.repeats_needed = "ambiguous", None
+        v.reason += f"; not failed: {what}"
+    elif v.status == "pass" and not candidate_heavier and v.reason != "not measured on either side":
+        v.status = "ambiguous"
+        v.reason += f"; but {what}: the candidate had the lighter load"
+    elif v.status == "ambiguous":
+        v.reason += f"; {what}"
+    return v
+
+
+def gate(baseline: dict, candidate: dict, rules: list[Rule] | None = None, alpha: float = GATE_ALPHA,
          allow_config_change: bool = False) -> list[Verdict]:
     """Compare two result documents of the same suite; one :class:`Verdict` per (expanded) rule, preceded by a
-    ``config`` row when the runs are different experiments (model, workload, spec, KV dtype, device...): "fail",
-    or "ambiguous" with ``allow_config_change``. Raises ValueError when no rule applies to the suite."""
+    ``config`` row when the runs are different experiments (model, workload, spec, KV dtype, device, threads...):
+    "fail", or "ambiguous" with ``allow_config_change``. ``rules`` is the whole rule list (default: the suite's
+    :func:`default_rules`; :func:`merge_rules` makes one from changes). Timings are decided on ``1 - alpha``
+    intervals (module docstring). Raises ValueError when no rule applies to the suite."""
     suite = baseline.get("suite")
     if suite != candidate.get("suite"):
         raise ValueError(f"cannot gate a {candidate.get('suite')} result against a {suite} baseline")
@@ -348,12 +633,14 @@ def gate(baseline: dict, candidate: dict, rules: list[Rule] | None = None, alpha
         raise ValueError(f"no gate rule applies to a {suite} result"
                          + (f" (the rules are for {', '.join(others)})" if others else " (the rules list is empty)"))
     verdicts = []
-    diffs = config_differences(baseline, candidate, timings=any(r.kind == "timing" for r in applicable))
+    timed = any(r.kind != "exact" for r in applicable)
+    diffs = config_differences(baseline, candidate, timings=timed)
     if diffs:
         status, note = ("ambiguous", "allowed") if allow_config_change else ("fail", "different experiments")
         verdicts.append(Verdict("config", "config", None, None, None, status,
                                 f"config differs ({note}): " + "; ".join(diffs)))
     deterministic = _deterministic(baseline) and _deterministic(candidate)
+    load = load_shift(baseline, candidate) if timed else None
     for rule in expand(applicable, baseline, candidate):
         (b, b_missing), (c, c_missing) = _value(baseline, rule.metric), _value(candidate, rule.metric)
         if b_missing or c_missing:
@@ -367,7 +654,7 @@ def gate(baseline: dict, candidate: dict, rules: list[Rule] | None = None, alpha
         elif rule.kind == "exact":
             verdicts.append(_judge_exact(rule, b, c, deterministic))
         else:
-            verdicts.append(_judge_timing(rule, baseline, candidate, b, c, alpha))
+            verdicts.append(_under_load(_judge_timing(rule, baseline, candidate, b, c, alpha), load))
     return verdicts
 
 
@@ -379,12 +666,101 @@ def _value(doc: dict, path: str) -> tuple[object, str | None]:
         return None, str(e)
 
 
+def status_of(verdicts: list[Verdict]) -> str:
+    """"fail" when any verdict failed or is missing, or there is none (nothing was compared); else "ambiguous" when
+    any is; else "pass"."""
+    if not verdicts or any(v.status in ("fail", "missing") for v in verdicts):
+        return "fail"
+    return "ambiguous" if any(v.status == "ambiguous" for v in verdicts) else "pass"
+
+
+EXIT_CODES = {"pass": EXIT_PASS, "fail": EXIT_FAIL, "ambiguous": EXIT_AMBIGUOUS}
+
+
 def exit_code(verdicts: list[Verdict]) -> int:
-    """1 when any verdict failed or is missing, or there is none (nothing was compared); ambiguous rows are shown
-    but do not fail."""
-    return int(not verdicts or any(v.status in ("fail", "missing") for v in verdicts))
+    """``ninfer-bench gate``'s exit code: 1 when any verdict failed or is missing, or there is none (nothing was
+    compared); 3 when none did but some are ambiguous; 0 when every one passed."""
+    return EXIT_CODES[status_of(verdicts)]
 
 
+def worst(statuses) -> str:
+    """The gate status of several pairs: fail over ambiguous over pass (fail when there is none)."""
+    statuses = list(statuses)
+    return "fail" if not statuses or "fail" in statuses else "ambiguous" if "ambiguous" in statuses else "pass"
+
+
+# ---- grids: folders of result documents, paired by (suite, label) --------------------------------------
+@dataclass(slots=True)
+class Pair:
+    suite: str
+    label: str
+    baseline_path: str
+    candidate_path: str
+    baseline: dict
+    candidate: dict
+
+
+def read_folder(folder: str | Path) -> list[tuple[str, dict]]:
+    """(path, document) of each ``*.json`` / ``*.json.gz`` result directly in ``folder``, in name order; two of one
+    suite and label are refused (a pair would be a guess)."""
+    folder = Path(folder)
+    files = sorted([*folder.glob("*.json"), *folder.glob("*.json.gz")])
+    if not files:
+        raise ResultError(f"{folder}: a folder with no *.json or *.json.gz result files")
+    out, seen = [], {}
+    for f in files:
+        doc = read_result(f)
+        key = (doc["suite"], doc["label"])
+        if key in seen:
+            raise ResultError(f"{seen[key]} and {f} are both {key[0]} results labelled {key[1]!r}: runs are paired by "
+                              "suite and label; give each run its own --label, or move one out")
+        seen[key] = f
+        out.append((str(f), doc))
+    return out
+
+
+def pair_results(baseline: list[tuple[str, dict]], candidate: list[tuple[str, dict]]) \
+        -> tuple[list[Pair], list[dict]]:
+    """Pairs of baseline and candidate documents of one suite and label (baseline order), and the documents without
+    a partner as ``{"side", "suite", "label", "path"}``."""
+    cands = {(d["suite"], d["label"]): (p, d) for p, d in candidate}
+    pairs, unpaired, taken = [], [], set()
+    for path, doc in baseline:
+        key = (doc["suite"], doc["label"])
+        if key in cands:
+            c_path, c_doc = cands[key]
+            pairs.append(Pair(*key, path, c_path, doc, c_doc))
+            taken.add(key)
+        else:
+            unpaired.append({"side": "baseline", "suite": key[0], "label": key[1], "path": path})
+    unpaired += [{"side": "candidate", "suite": d["suite"], "label": d["label"], "path": p} for p, d in candidate
+                 if (d["suite"], d["label"]) not in taken]
+    return pairs, unpaired
+
+
+def env_summary(baseline: dict, candidate: dict) -> dict:
+    """The conditions of the two measurements, as recorded (``None`` where a document does not say): load, threads,
+    CPU affinity, GPU clocks."""
+    out = {"load": [load_text(baseline["env"]), load_text(candidate["env"])]}
+    for key in ("threads", "cpu_affinity", "gpu_clocks"):
+        out[key] = [baseline["env"].get(key), candidate["env"].get(key)]
+    return out
+
+
+def env_line(summary: dict) -> str:
+    """One line of :func:`env_summary` for the console."""
+    parts = [f"load {summary['load'][0]} vs {summary['load'][1]}"]
+    for key in ("threads", "cpu_affinity"):
+        b, c = summary[key]
+        if b is not None or c is not None:
+            parts.append(f"{key.replace('_', ' ')} {_show(b)} vs {_show(c)}")
+    clocks = [(x or {}).get("sm_mhz") for x in summary["gpu_clocks"]]
+    if any(v is not None for v in clocks):
+        parts.append(f"SM clock now {_show(clocks[0])} vs {_show(clocks[1])} MHz")
+    return "; ".join(parts)
+
+
+# ---- output --------------------------------------------------------------------------------------------
 def _show(value) -> str:
     if value is None:
         return "-"
@@ -407,7 +783,7 @@ def render_table(verdicts: list[Verdict], title: str = "gate"):
                          ("change", "right"), ("status", "left"), ("reason", "left")):
         table.add_column(col, justify=justify, overflow="fold")
     for v in verdicts:
-        change = "-" if v.change is None else f"{v.change:+.1%}" if math.isfinite(v.change) else "inf"
+        change = "-" if v.change is None else _pct(v.change)
         table.add_row(Text(v.metric), v.kind, Text(_show(v.baseline)), Text(_show(v.candidate)), change,
                       Text(v.status, style=colour.get(v.status, "")), Text(v.reason))
     return table

@@ -39,19 +39,50 @@ def _labels(df: pd.DataFrame) -> list[str]:
     return list(dict.fromkeys(df["label"].astype(str)))
 
 
-def plot_decode(decode: pd.DataFrame, path, repeats: pd.DataFrame | None = None) -> Path | None:
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+LINESTYLES = ("-", "--", ":", "-.")
+BASELINE_HATCH = "//"
+
+
+def decode_order(decode: pd.DataFrame, groups=None, baselines=()) -> list[list[str]]:
+    """Bar groups of the decode figure: each group led by its baseline run (groups whose first label is a baseline),
+    then every other run, fastest first."""
+    labels = decode["label"].astype(str).tolist()
+    value = dict(zip(labels, _num(decode["decode_tok_s"]) if "decode_tok_s" in decode else np.zeros(len(labels))))
+    groups = [[x for x in g if x in value] for g in groups or []]
+    led = [g for g in groups if g and g[0] in baselines]
+    placed = {x for g in led for x in g}
+    rest = [[x] for x in labels if x not in placed]
+    rest.sort(key=lambda g: -np.nan_to_num(value[g[0]], nan=-np.inf))
+    return led + rest
+
+
+def plot_decode(decode: pd.DataFrame, path, repeats: pd.DataFrame | None = None, groups=None,
+                baselines=()) -> Path | None:
     """Bars per run: decode tok/s (whiskers: the slowest and fastest repeat, when ``repeats`` is given) and
-    tokens per round."""
+    tokens per round, grouped by experiment: a group's baseline run first (hatched) with a dashed line at its value
+    across the group; runs without a baseline after them, fastest first."""
     if decode.empty or all(np.isnan(_num(decode[c])).all() for c in ("decode_tok_s", "tokens_per_round")
                            if c in decode):
         return None
-    labels = decode["label"].astype(str).tolist()
-    fig, axes = _figure(max(7, 1.3 * len(labels) + 3), 4.2, ncols=2)
-    x = np.arange(len(labels))
-    colours = [f"C{i % 10}" for i in range(len(labels))]
+    order = decode_order(decode, groups, baselines)
+    labels, x, colours, spans, pos = [], [], [], [], 0.0
+    for gi, group in enumerate(order):
+        start = pos
+        for label in group:
+            labels.append(label)
+            x.append(pos)
+            colours.append(f"C{gi % 10}")
+            pos += 1
+        if group[0] in baselines and len(group) > 1:
+            spans.append((group[0], start - 0.45, pos - 0.55))
+        pos += 0.5
+    x = np.array(x)
+    rows = decode.assign(label=decode["label"].astype(str)).drop_duplicates("label").set_index("label").loc[labels]
+    fig, axes = _figure(max(7, 1.3 * len(labels) + 3), 4.4, ncols=2)
     for ax, col, title in ((axes[0, 0], "decode_tok_s", "decode tok/s"), (axes[0, 1], "tokens_per_round",
                                                                            "tokens per round")):
-        y = _num(decode[col]) if col in decode else np.full(len(labels), np.nan)
+        y = _num(rows[col]) if col in rows else np.full(len(labels), np.nan)
         err = None
         if col == "decode_tok_s" and repeats is not None and col in repeats:
             lo, hi = [], []
@@ -62,23 +93,67 @@ def plot_decode(decode: pd.DataFrame, path, repeats: pd.DataFrame | None = None)
                 hi.append(s.max() - mid if s.size and not np.isnan(mid) else 0.0)
             err = np.clip([lo, hi], 0, None)
         bars = ax.bar(x, np.nan_to_num(y), color=colours, yerr=err, capsize=4)
+        for bar, label, colour in zip(bars, labels, colours):
+            if label in baselines:
+                bar.set(hatch=BASELINE_HATCH, alpha=0.55, edgecolor=colour)
+        value = dict(zip(labels, y))
+        for base, x0, x1 in spans:
+            if not np.isnan(value[base]):
+                ax.hlines(value[base], x0, x1, colors="k", linestyles="--", linewidth=1.2, zorder=3)
         ax.bar_label(bars, labels=["-" if np.isnan(v) else f"{v:.3g}" for v in y], padding=2, fontsize=8)
         ax.set_xticks(x, labels, rotation=30, ha="right")
         ax.set_title(title)
         ax.margins(y=0.15)
+    if any(label in baselines for label in labels):
+        from matplotlib.lines import Line2D
+        from matplotlib.patches import Patch
+
+        handles = [Patch(facecolor="0.85", edgecolor="0.3", hatch=BASELINE_HATCH, label="baseline run")]
+        if spans:
+            handles.append(Line2D([], [], color="k", linestyle="--", label="baseline value (its experiment)"))
+        fig.legend(handles=handles, fontsize=8, loc="outside upper center", ncols=len(handles))
     return _save(fig, path)
 
 
-def plot_acceptance(positions: pd.DataFrame, path) -> Path | None:
-    """Acceptance per draft position, one line per label."""
+def _series_names(frame: pd.DataFrame, value: str, x: str, baselines=()) -> dict[str, str]:
+    """Legend names per label: ``(baseline)`` after a baseline run, ``(identical to X)`` after a line that lies
+    exactly on an earlier one (which would hide it)."""
+    names, seen = {}, {}
+    for label in _labels(frame):
+        sel = frame[frame["label"].astype(str) == label].sort_values(x)
+        key = tuple(np.round(np.nan_to_num(_num(sel[x]), nan=-1), 9)) + ("|",) + \
+            tuple(np.round(np.nan_to_num(_num(sel[value]), nan=-1), 9))
+        name = label + (" (baseline)" if label in baselines else "")
+        if key in seen:
+            name += f" (identical to {seen[key]})"
+        else:
+            seen[key] = label
+        names[label] = name
+    return names
+
+
+def _style(i: int, n: int) -> dict:
+    """Line i of n: its own marker and line style (lines that coincide stay told apart)."""
+    return {"marker": MARKERS[i % len(MARKERS)], "linestyle": LINESTYLES[(i // 2) % len(LINESTYLES)],
+            "markersize": max(4.0, 8.0 - 0.6 * i), "markerfacecolor": "none" if i % 2 else None}
+
+
+def plot_acceptance(positions: pd.DataFrame, path, baselines=()) -> Path | None:
+    """Acceptance per draft position, one line per label; each line has its own marker and style and a small
+    sideways offset, and a line identical to an earlier one says so in the legend."""
     if positions.empty:
         return None
     fig, axes = _figure(7, 4.2)
     ax = axes[0, 0]
-    for label in _labels(positions):
+    labels = _labels(positions)
+    names = _series_names(positions, "acceptance", "position", baselines)
+    step = min(0.06, 0.3 / max(len(labels), 1))
+    for i, label in enumerate(labels):
         sel = positions[positions["label"].astype(str) == label].sort_values("position")
-        ax.plot(_num(sel["position"]), _num(sel["acceptance"]), marker="o", label=label)
-    ax.set_xlabel("draft position")
+        style = {k: v for k, v in _style(i, len(labels)).items() if v is not None}
+        ax.plot(_num(sel["position"]) + (i - (len(labels) - 1) / 2) * step, _num(sel["acceptance"]),
+                label=names[label], color=f"C{i % 10}", **style)
+    ax.set_xlabel("draft position (runs offset sideways to stay visible)")
     ax.set_ylabel("fraction of rounds accepted")
     ax.set_ylim(0, 1.05)
     ax.xaxis.get_major_locator().set_params(integer=True)
@@ -88,24 +163,29 @@ def plot_acceptance(positions: pd.DataFrame, path) -> Path | None:
     return _save(fig, path)
 
 
-def plot_concurrency(concurrency: pd.DataFrame, path) -> Path | None:
-    """Aggregate and per-request tok/s against concurrency, one line per label."""
+def plot_concurrency(concurrency: pd.DataFrame, path, baselines=()) -> Path | None:
+    """Aggregate and per-request tok/s against concurrency, one line per label (baseline runs drawn thicker; each
+    line its own marker and style; a line identical to an earlier one says so in the legend)."""
     if concurrency.empty:
         return None
     fig, axes = _figure(10, 4.2, ncols=2)
     levels = sorted({v for v in _num(concurrency["concurrency"]) if not np.isnan(v)})
+    labels = _labels(concurrency)
     for ax, col, title in ((axes[0, 0], "aggregate_tok_s", "aggregate tok/s"),
                            (axes[0, 1], "per_request_tok_s", "per-request tok/s")):
-        for label in _labels(concurrency):
+        names = _series_names(concurrency, col, "concurrency", baselines)
+        for i, label in enumerate(labels):
             sel = concurrency[concurrency["label"].astype(str) == label].sort_values("concurrency")
-            ax.plot(_num(sel["concurrency"]), _num(sel[col]), marker="o", label=label)
+            style = {k: v for k, v in _style(i, len(labels)).items() if v is not None}
+            ax.plot(_num(sel["concurrency"]), _num(sel[col]), label=names[label], color=f"C{i % 10}",
+                    linewidth=2.6 if label in baselines else 1.5, **style)
         ax.set_xscale("log", base=2)
         ax.set_xticks(levels, [f"{v:g}" for v in levels])
         ax.set_xlabel("concurrent requests")
         ax.set_title(title)
         ax.grid(alpha=0.3)
         ax.set_ylim(bottom=0)
-    axes[0, 0].legend(fontsize=8)
+        ax.legend(fontsize=8)
     return _save(fig, path)
 
 
@@ -119,14 +199,17 @@ def kernel_series(kernels: pd.DataFrame) -> pd.Series:
     return labels + ":" + variants
 
 
-def plot_kernels(kernels: pd.DataFrame, path) -> Path | None:
-    """Median microseconds per (op, shape, t) group, one bar per variant or label (whiskers: p10-p90); log y."""
+def plot_kernels(kernels: pd.DataFrame, path, baselines=()) -> Path | None:
+    """Median microseconds per (op, shape, t) group, one bar per variant or label (whiskers: p10-p90; hatched:
+    a baseline run's); log y."""
     if kernels.empty:
         return None
     df = kernels.assign(series=kernel_series(kernels),
                         group=kernels["op"].astype(str) + "\n" + kernels["shape"].fillna("").astype(str)
                         + "\nT=" + kernels["t"].astype(str))
     groups, series = list(dict.fromkeys(df["group"])), list(dict.fromkeys(df["series"]))
+    base_series = set(df.loc[df["label"].astype(str).isin(set(baselines)), "series"]) \
+        if df["label"].astype(str).nunique() > 1 else set()
     width = 0.8 / len(series)
     fig, axes = _figure(max(7, len(groups) * (0.5 + 0.35 * len(series)) + 2), 5)
     ax = axes[0, 0]
@@ -137,8 +220,9 @@ def plot_kernels(kernels: pd.DataFrame, path) -> Path | None:
         err = None
         if "us_p10" in sel and "us_p90" in sel:
             err = np.clip(np.nan_to_num([mid - _num(sel["us_p10"]), _num(sel["us_p90"]) - mid]), 0, None)
-        ax.bar(x + (i - (len(series) - 1) / 2) * width, mid, width, yerr=err, capsize=2, label=name,
-               color=f"C{i % 10}")
+        ax.bar(x + (i - (len(series) - 1) / 2) * width, mid, width, yerr=err, capsize=2,
+               label=name + (" (baseline)" if name in base_series else ""), color=f"C{i % 10}",
+               hatch=BASELINE_HATCH if name in base_series else None)
     ax.set_yscale("log")
     plain = FuncFormatter(lambda v, _: f"{v:g}")
     ax.yaxis.set_major_formatter(plain)
@@ -170,7 +254,7 @@ def _cell_text(rate: float, n: int, of: int, oracle: bool) -> str:
     return "-" if np.isnan(rate) else f"{rate:.0%}\n{n} case{'s' if n != 1 else ''}"
 
 
-def plot_niah(niah: pd.DataFrame, path) -> Path | None:
+def plot_niah(niah: pd.DataFrame, path, baselines=()) -> Path | None:
     """Heatmaps of needle retrieval and oracle-agreement pass rate over (context length x needle depth), one
     row of panels per label, each cell annotated with its rate and case count (for agreement: of the cases with an
     oracle)."""
@@ -207,19 +291,29 @@ def plot_niah(niah: pd.DataFrame, path) -> Path | None:
             ax.set_yticks(range(len(depths)), [_depth_text(v, fraction) for v in depths])
             ax.set_xlabel("context")
             ax.set_ylabel("needle depth")
-            ax.set_title(f"{label}: {name}", fontsize=9)
+            ax.set_title(f"{label}{' (baseline)' if label in baselines else ''}: {name}", fontsize=9)
     fig.colorbar(image, ax=axes, shrink=0.8, label="pass rate")
     return _save(fig, path)
 
 
-def plot_all(tables: dict[str, pd.DataFrame], out_dir) -> dict[str, Path]:
-    """Every figure the frames allow, as ``{name: png path}`` in ``out_dir`` (empty suites give none)."""
+def plot_all(tables: dict[str, pd.DataFrame], out_dir, groups: dict | None = None,
+             baselines: dict | None = None) -> dict[str, Path]:
+    """Every figure the frames allow, as ``{name: png path}`` in ``out_dir`` (empty suites give none).
+
+    ``groups``: per suite, lists of labels that are one experiment, each led by its baseline run (the decode bars
+    are grouped so); ``baselines``: per suite, the labels of baseline runs (marked in every figure)."""
     out_dir = Path(out_dir)
+    groups, baselines = groups or {}, baselines or {}
+
+    def base(suite):
+        return set(baselines.get(suite, ()))
+
     made = {
-        "decode": plot_decode(tables["decode"], out_dir / "decode.png", tables.get("decode_repeats")),
-        "acceptance": plot_acceptance(tables["decode_positions"], out_dir / "acceptance.png"),
-        "concurrency": plot_concurrency(tables["concurrency"], out_dir / "concurrency.png"),
-        "kernels": plot_kernels(tables["kernels"], out_dir / "kernels.png"),
-        "niah": plot_niah(tables["niah"], out_dir / "niah.png"),
+        "decode": plot_decode(tables["decode"], out_dir / "decode.png", tables.get("decode_repeats"),
+                              groups.get("decode"), base("decode")),
+        "acceptance": plot_acceptance(tables["decode_positions"], out_dir / "acceptance.png", base("decode")),
+        "concurrency": plot_concurrency(tables["concurrency"], out_dir / "concurrency.png", base("concurrency")),
+        "kernels": plot_kernels(tables["kernels"], out_dir / "kernels.png", base("kernels")),
+        "niah": plot_niah(tables["niah"], out_dir / "niah.png", base("niah")),
     }
     return {name: p for name, p in made.items() if p is not None}

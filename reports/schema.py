@@ -82,14 +82,75 @@ def cpu_model() -> str | None:
     return None
 
 
+# nvidia-smi --query-gpu fields of ``env.gpu_clocks`` (MHz): the clocks at the moment the document was written, the
+# application clocks (``nvidia-smi -ac``, where set) and the most the board allows
+GPU_CLOCK_FIELDS = {"sm_mhz": "clocks.sm", "mem_mhz": "clocks.mem", "app_sm_mhz": "clocks.applications.graphics",
+                    "app_mem_mhz": "clocks.applications.memory", "max_sm_mhz": "clocks.max.sm",
+                    "max_mem_mhz": "clocks.max.mem"}
+
+
+def _mhz(text: str) -> int | None:
+    """``"1980"`` -> 1980; ``"[N/A]"``, ``"[Not Supported]"`` -> None."""
+    try:
+        return int(float(text.strip()))
+    except ValueError:
+        return None
+
+
+def _nvidia_smi(torch) -> tuple[str | None, dict | None]:
+    """(driver version, ``gpu_clocks``) of the GPU the run used, from one nvidia-smi query; (None, None) where it
+    cannot be read. The GPU is found by its UUID (CUDA_VISIBLE_DEVICES renumbers devices), or is the only one."""
+    query = ["driver_version", "uuid", *GPU_CLOCK_FIELDS.values()]
+    try:
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={','.join(query)}", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None, None
+    rows = [[f.strip() for f in line.split(",")] for line in out.stdout.strip().splitlines()]
+    rows = [r for r in rows if len(r) == len(query)]
+    if not rows:
+        return None, None
+    try:
+        uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+    except (AttributeError, RuntimeError, AssertionError):
+        uuid = None
+    mine = [r for r in rows if uuid and r[1].removeprefix("GPU-") == uuid.removeprefix("GPU-")]
+    row = mine[0] if mine else rows[0] if len(rows) == 1 else None
+    if row is None:  # several GPUs and none known as this one: the driver is shared, the clocks are not
+        return rows[0][0] or None, None
+    clocks = {key: _mhz(value) for key, value in zip(GPU_CLOCK_FIELDS, row[2:])}
+    return row[0] or None, clocks if any(v is not None for v in clocks.values()) else None
+
+
+def cpu_affinity() -> int | None:
+    """How many CPUs this process may run on (``taskset``, cgroup cpusets); None where the OS does not say."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return None
+
+
+def load_average() -> float | None:
+    """The 1-minute load average (runnable processes, this run's own included); None where the OS has none."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None
+
+
 def environment() -> dict:
-    """Where a run happened: software versions, GPU and CPU."""
+    """Where a run happened: software versions, GPU and CPU, and the conditions of the measurement: torch's CPU
+    threads, the CPUs the process may use (``cpu_affinity``), the 1-minute load average when the document was made,
+    and the GPU's clocks where nvidia-smi reads them (``gpu_clocks``, MHz, or None). The gate treats a change of
+    threads, affinity or configured clocks as another experiment, and a change of load as a reason to doubt timings
+    (reports/experiment.py)."""
     import torch
 
     env = {"git_sha": _git_sha(), "python": sys.version.split()[0], "torch": torch.__version__,
            "platform": platform.platform(), "cpu": platform.processor() or platform.machine(),
-           "cpu_model": cpu_model(), "cpu_count": os.cpu_count(), "cuda": torch.version.cuda, "gpu": None,
-           "driver": None}
+           "cpu_model": cpu_model(), "cpu_count": os.cpu_count(), "cpu_affinity": cpu_affinity(),
+           "threads": torch.get_num_threads(), "load_avg_1m": load_average(), "cuda": torch.version.cuda,
+           "gpu": None, "driver": None, "gpu_clocks": None}
     try:
         import transformers
 
@@ -98,12 +159,7 @@ def environment() -> dict:
         pass
     if torch.cuda.is_available():
         env["gpu"] = torch.cuda.get_device_name()
-        try:
-            out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                 capture_output=True, text=True, timeout=10)
-            env["driver"] = out.stdout.strip().splitlines()[0] if out.stdout.strip() else None
-        except (OSError, subprocess.SubprocessError):
-            pass
+        env["driver"], env["gpu_clocks"] = _nvidia_smi(torch)
     try:
         import triton
 

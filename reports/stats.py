@@ -4,8 +4,10 @@ package needs no scipy."""
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
+from statistics import NormalDist
 
 import numpy as np
 
@@ -130,3 +132,146 @@ def spread(samples) -> Spread:
     mid = sorted(vals)[n // 2] if n % 2 else sum(sorted(vals)[n // 2 - 1:n // 2 + 1]) / 2
     sd = float(np.std(vals, ddof=1)) if n > 1 else None
     return Spread(n, mid, sd, min(vals), max(vals))
+
+
+def median_ci(samples, confidence: float = 0.95) -> tuple[float, float]:
+    """A distribution-free confidence interval of the median of ``samples`` (None dropped): the order statistics
+    ``(x_(k), x_(n+1-k))`` with the largest k whose coverage ``1 - 2 P(Binomial(n, 1/2) <= k - 1)`` is at least
+    ``confidence`` (exact for any continuous distribution). ``(-inf, inf)`` where even (min, max) covers less
+    (95%: fewer than 6 samples)."""
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence}")
+    vals = sorted(float(v) for v in samples or [] if v is not None)
+    n, k, tail = len(vals), 0, 0.0
+    while k < n // 2:  # tail: P(B <= k) for the candidate k + 1
+        tail += math.comb(n, k) / 2 ** n
+        if 1 - 2 * tail < confidence:
+            break
+        k += 1
+    return (vals[k - 1], vals[n - k]) if k else (-math.inf, math.inf)
+
+
+# ---- the gate's interval: the Hodges-Lehmann shift and its distribution-free (Moses) confidence interval ----------
+EXACT_INTERVAL_MAX_N = 100  # the exact null distribution of U up to this many samples in all, the normal beyond
+_PAIRS_IN_MEMORY = 1 << 20  # pairwise differences held at once; beyond, order statistics are found by bisection
+HL_EFFICIENCY = 3 / math.pi  # of the Hodges-Lehmann shift relative to a difference of means, on normal samples
+
+
+@dataclass(slots=True)
+class ShiftInterval:
+    """The shift of candidate samples against baseline samples (candidate - baseline, in their units): the
+    Hodges-Lehmann estimate (the median of all pairwise differences) and its two-sided ``level`` confidence interval
+    from the order statistics of those differences (Moses; the interval that inverts the Mann-Whitney U test).
+    ``low`` and ``high`` are None when these sample sizes are too few for any interval at that level."""
+
+    estimate: float
+    low: float | None
+    high: float | None
+    level: float
+    n_baseline: int
+    n_candidate: int
+
+
+@functools.lru_cache(maxsize=1024)
+def _u_null_cdf(m: int, n: int) -> tuple[float, ...]:
+    """P(U <= u) for u = 0 .. m n under no shift, without ties: the coefficients of the Gaussian binomial
+    [m + n choose m]_q (prod_{i=1..m} (1 - q^(n+i)) / (1 - q^i)), in exact integers."""
+    size = m * n + 1
+    poly = [1] + [0] * (size - 1)
+    for i in range(1, m + 1):
+        for u in range(size - 1, n + i - 1, -1):  # times (1 - q^(n+i))
+            poly[u] -= poly[u - n - i]
+        for u in range(i, size):  # divided by (1 - q^i): a running sum with stride i
+            poly[u] += poly[u - i]
+    total, acc, out = sum(poly), 0, []
+    for count in poly:
+        acc += count
+        out.append(acc / total)
+    return tuple(out)
+
+
+def interval_rank(m: int, n: int, alpha: float) -> int:
+    """k such that [D_(k), D_(mn+1-k)] of the m n ordered pairwise differences is a two-sided ``1 - alpha`` interval:
+    the largest k with P(U <= k - 1) <= alpha / 2 under no shift. 0 when these sizes give no interval at all."""
+    if m < 1 or n < 1:
+        return 0
+    if m + n <= EXACT_INTERVAL_MAX_N:
+        cdf = _u_null_cdf(min(m, n), max(m, n))
+        k = 0
+        while k < len(cdf) and cdf[k] <= alpha / 2:
+            k += 1
+        return min(k, (m * n + 1) // 2)
+    z = NormalDist().inv_cdf(1 - alpha / 2)
+    k = math.floor(m * n / 2 - 0.5 - z * math.sqrt(m * n * (m + n + 1) / 12)) + 1
+    return max(0, min(k, (m * n + 1) // 2))
+
+
+def min_interval_samples(alpha: float) -> int:
+    """The fewest samples a side (as many on each) that give a ``1 - alpha`` interval at all (5 at alpha 0.01)."""
+    n = 1
+    while interval_rank(n, n, alpha) < 1:
+        n += 1
+    return n
+
+
+def _kth_difference(b: np.ndarray, c: np.ndarray, k: int) -> float:
+    """The k-th smallest (1-based) of the pairwise differences c_j - b_i (b and c sorted)."""
+    if len(b) * len(c) <= _PAIRS_IN_MEMORY:
+        d = np.subtract.outer(c, b).ravel()
+        return float(np.partition(d, k - 1)[k - 1])
+    lo, hi = float(c[0] - b[-1]), float(c[-1] - b[0])
+
+    def at_most(x: float) -> int:  # how many differences are <= x: for each c_j, the b_i >= c_j - x
+        return int(np.sum(len(b) - np.searchsorted(b, c - x, side="left")))
+
+    while True:  # bisection over the values: hi always has at least k differences at or below it
+        mid = (lo + hi) / 2
+        if not lo < mid < hi:
+            return hi
+        if at_most(mid) >= k:
+            hi = mid
+        else:
+            lo = mid
+
+
+def _listed(values) -> list:
+    return [] if values is None else list(values)
+
+
+def shift_interval(baseline, candidate, alpha: float) -> ShiftInterval:
+    """The Hodges-Lehmann shift of ``candidate`` against ``baseline`` (None values dropped) with its two-sided
+    ``1 - alpha`` interval (None bounds below :func:`min_interval_samples`). Distribution-free: it assumes only
+    that the samples are independent repeats, and one wild sample moves it by at most one order statistic."""
+    b = np.sort(np.array([float(v) for v in _listed(baseline) if v is not None]))
+    c = np.sort(np.array([float(v) for v in _listed(candidate) if v is not None]))
+    if not len(b) or not len(c):
+        raise ValueError("shift_interval needs at least one value in each sample")
+    total = len(b) * len(c)
+    half = (total + 1) // 2
+    estimate = _kth_difference(b, c, half) if total % 2 else \
+        (_kth_difference(b, c, half) + _kth_difference(b, c, half + 1)) / 2
+    k = interval_rank(len(b), len(c), alpha)
+    low = _kth_difference(b, c, k) if k else None
+    high = _kth_difference(b, c, total + 1 - k) if k else None
+    return ShiftInterval(estimate, low, high, 1 - alpha, len(b), len(c))
+
+
+def robust_sd(samples) -> float | None:
+    """A spread of per-repeat samples that one wild sample does not blow up: 1.4826 x the median absolute
+    deviation (the standard deviation, for normal samples), or the sample standard deviation where that is 0 (most
+    samples equal). None below two samples."""
+    vals = np.array([float(v) for v in _listed(samples) if v is not None])
+    if len(vals) < 2:
+        return None
+    mad = 1.4826 * float(np.median(np.abs(vals - np.median(vals))))
+    return mad if mad > 0 else float(np.std(vals, ddof=1))
+
+
+def samples_for_half_width(sd: float, half_width: float, alpha: float) -> int:
+    """Samples a side (as many on each) at which the ``1 - alpha`` Hodges-Lehmann interval of a shift between two
+    samples of standard deviation ``sd`` is about ``half_width`` wide on either side of its estimate: the normal
+    approximation z sd sqrt(2 / n) over the estimator's efficiency 3 / pi."""
+    z = NormalDist().inv_cdf(1 - alpha / 2)
+    if half_width <= 0:
+        return 10 ** 6
+    return math.ceil(2 * (z * sd / half_width) ** 2 / HL_EFFICIENCY)

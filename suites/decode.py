@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +18,7 @@ import torch
 
 from ..engine.runtime.options import SWITCHES, EngineOptions
 from ..reports.schema import make_result
+from ..reports.stats import median_ci
 from .common import (
     DEFAULT_PROMPT,
     copy_bandwidth,
@@ -28,6 +30,41 @@ from .common import (
     split_options,
     tokens_sha256,
 )
+
+# --repeats auto (nvbench's noise stopping): at least AUTO_MIN_REPEATS timed repeats, then stop as soon as the 95%
+# confidence interval of the median decode tok/s is within ±target of it, or the next repeat would end past the time
+# budget, or at AUTO_MAX_REPEATS
+AUTO_MIN_REPEATS, AUTO_MAX_REPEATS = 5, 50
+AUTO_TARGET, AUTO_BUDGET_S = 0.02, 60.0
+AUTO_METRIC = "decode_tok_s"
+
+
+def relative_half_width(samples) -> float | None:
+    """Half the width of the 95% confidence interval of the samples' median (:func:`median_ci`, order statistics),
+    relative to the median; None where the samples cannot bound it (fewer than 6) or the median is not positive."""
+    vals = [v for v in samples if v is not None]
+    lo, hi = median_ci(vals)
+    mid = median(vals)
+    if not math.isfinite(lo) or not math.isfinite(hi) or not mid or mid <= 0:
+        return None
+    return (hi - lo) / 2 / mid
+
+
+def auto_stop(samples: list, elapsed_s: float, target: float, budget_s: float) -> str | None:
+    """Why ``--repeats auto`` stops after these samples of :data:`AUTO_METRIC` (``elapsed_s``: the timed repeats'
+    seconds so far): "max", "target" (the CI half-width reached), "budget" (one more repeat of the mean length so far
+    would end past it); None: run another."""
+    n = len(samples)
+    if n >= AUTO_MAX_REPEATS:
+        return "max"
+    if n < AUTO_MIN_REPEATS:
+        return None
+    width = relative_half_width(samples)
+    if width is not None and width <= target:
+        return "target"
+    if elapsed_s * (n + 1) / n > budget_s:
+        return "budget"
+    return None
 
 
 @dataclass(slots=True)
@@ -46,7 +83,9 @@ class DecodeOptions:
     images: tuple[str, ...] = ()  # images placed before each prompt (a model with a vision component)
     max_new_tokens: int = 4096
     ignore_eos: bool = True
-    repeats: int = 3
+    repeats: int | str = 3  # or "auto": repeat until the median decode tok/s is known well enough (auto_stop)
+    repeats_target: float | None = None  # "auto": the relative 95% CI half-width to reach (default 2%)
+    repeats_budget_s: float | None = None  # "auto": seconds of timed repeats at most (default 60)
     warmup: int = 1
     label: str | None = None
     seed: int = 0
@@ -56,8 +95,18 @@ class DecodeOptions:
     def __post_init__(self) -> None:
         if self.engine not in ("ours", "hf"):
             raise ValueError(f"engine must be 'ours' or 'hf', got {self.engine!r}")
-        if self.repeats < 1:
-            raise ValueError(f"repeats must be >= 1, got {self.repeats}")
+        if self.repeats == "auto":
+            self.repeats_target = AUTO_TARGET if self.repeats_target is None else self.repeats_target
+            self.repeats_budget_s = AUTO_BUDGET_S if self.repeats_budget_s is None else self.repeats_budget_s
+            for name, value in (("repeats-target", self.repeats_target), ("repeats-budget-s", self.repeats_budget_s)):
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                    raise ValueError(f"{name} must be a positive number, got {value!r}")
+        elif isinstance(self.repeats, bool) or not isinstance(self.repeats, int) or self.repeats < 1:
+            raise ValueError(f"repeats must be an integer >= 1 or 'auto', got {self.repeats!r}")
+        elif self.repeats_target is not None or self.repeats_budget_s is not None:
+            raise ValueError("--repeats-target and --repeats-budget-s set when --repeats auto stops: give --repeats auto")
+        if self.engine == "hf" and self.engine_options.inject_delay_us:
+            raise ValueError("--inject-delay-us delays our engine's steps: use --engine ours")
         if self.warmup < 0:
             raise ValueError(f"warmup must be >= 0, got {self.warmup}")
         if self.max_new_tokens < 2:
@@ -214,6 +263,12 @@ def summarize(records: list[dict], *, weight_bytes: int | None, copy_bw: float |
                                                               "device_ms_per_round")}
     if "vision_encode_ms" in last:
         summary["samples"]["vision_encode_ms"] = [r["vision_encode_ms"] for r in records]
+    # how well the repeats pin the gated median down: the 95% CI of the median decode tok/s (order statistics; None
+    # below 6 repeats) and its half-width relative to the median (what --repeats auto stops on)
+    summary["repeats_run"] = len(records)
+    lo, hi = median_ci(summary["samples"][AUTO_METRIC])
+    summary[f"{AUTO_METRIC}_ci95"] = [lo, hi] if math.isfinite(lo) and math.isfinite(hi) else None
+    summary[f"{AUTO_METRIC}_ci_half_width"] = relative_half_width(summary["samples"][AUTO_METRIC])
     return summary
 
 
@@ -358,11 +413,13 @@ def model_key(opts: DecodeOptions) -> tuple:
     return opts.model, opts.synthetic, opts.quant, opts.seed, opts.engine_options.device
 
 
-def run_decode(opts: DecodeOptions, progress=None, loaded=None, references=None, tokens_out=None) -> dict:
+def run_decode(opts: DecodeOptions, progress=None, loaded=None, references=None, tokens_out=None,
+               copy_bw: float | None = None) -> dict:
     """Run the decode suite; returns the result document. ``progress(done, total, what)`` reports repeats.
     ``loaded``: the weights (``load_model(opts)``), when the caller shares one load between runs; ``references``:
     per prompt, the plain run's tokens (for replayed acceptance); ``tokens_out``, a list, receives each prompt's
-    tokens of the last repeat."""
+    tokens of the last repeat; ``copy_bw``: the device's copy bandwidth (bytes/s) when the caller measured it
+    already (a machine's property, not the run's: on a CPU filling its 256 MiB buffer alone takes seconds)."""
     if opts.engine_options.replay_acceptance is not None and references is None:
         raise ValueError("replayed acceptance needs a plain run on the same load first (its tokens are the "
                          "continuation drafts are replaced by)")
@@ -379,7 +436,9 @@ def run_decode(opts: DecodeOptions, progress=None, loaded=None, references=None,
     prompts = load_prompts(opts.prompt_file, runner.tokenizer, opts.prompts)
     if opts.images:
         prompts = with_images(runner, prompts, opts.images)
-    total = opts.warmup + opts.repeats
+    auto = opts.repeats == "auto"
+    most = AUTO_MAX_REPEATS if auto else opts.repeats
+    total = opts.warmup + most
     # the warm-up covers every length the timed runs reach on a GPU (kernels compiled and buffers grown for the
     # longest keys first: a 64-token warm-up left MTP's first 256-token repeat 11x slower on the H200); on a CPU,
     # with nothing compiled at first use, 64 tokens
@@ -390,16 +449,22 @@ def run_decode(opts: DecodeOptions, progress=None, loaded=None, references=None,
         if progress:
             progress(i + 1, total, "warm-up")
     reset_peak_memory(runner.device)
-    records = []
-    for i in range(opts.repeats):
+    records, stopped, start = [], None, time.perf_counter()
+    for i in range(most):
         rec = run_once(runner, prompts, opts, references, tokens_out)
         rec["repeat"] = i
         records.append(rec)
+        if auto:
+            stopped = auto_stop([r[AUTO_METRIC] for r in records], time.perf_counter() - start, opts.repeats_target,
+                                opts.repeats_budget_s)
         if progress:
-            progress(opts.warmup + i + 1, total, f"repeat {i + 1}")
+            progress(opts.warmup + i + 1, opts.warmup + i + 1 if stopped else total, f"repeat {i + 1}")
+        if stopped:
+            break
     peak = peak_memory_bytes(runner.device)
-    bw = copy_bandwidth(runner.device)
+    bw = copy_bw or copy_bandwidth(runner.device)
     summary = summarize(records, weight_bytes=runner.weight_bytes_per_step, copy_bw=bw, peak=peak)
+    summary["repeats_stopped_by"] = stopped  # --repeats auto: max, target or budget; None for a fixed count
     config = recorded_config(opts)
     config["label"] = opts.label or opts.default_label()
     config["device"] = str(runner.device)

@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -110,6 +111,9 @@ def _checkpoint(folder):
 
 _CHILD = textwrap.dedent("""
     import json, sys
+    sys.path.insert(0, sys.argv[3])
+    import _bootstrap  # a plain checkout (the GPU machine) has no installed package
+    _bootstrap.ensure_package()
     from ninfer_bench.engine.artifact.convert import convert
     from ninfer_bench.engine.artifact.hf_checkpoint import HFCheckpoint
     HFCheckpoint(sys.argv[1])  # imports and one header read before the baseline
@@ -131,7 +135,8 @@ _CHILD = textwrap.dedent("""
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the peak from /proc (Linux)")
 def test_convert_memory_is_bounded_by_a_block_not_the_checkpoint(tmp_path):
     total, largest = _checkpoint(tmp_path / "hf")
-    out = subprocess.run([sys.executable, "-c", _CHILD, str(tmp_path / "hf"), str(tmp_path / "a.ninfer")],
+    scripts = Path(__file__).resolve().parent.parent / "scripts"
+    out = subprocess.run([sys.executable, "-c", _CHILD, str(tmp_path / "hf"), str(tmp_path / "a.ninfer"), str(scripts)],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     m = json.loads(out.stdout.strip().splitlines()[-1])

@@ -37,6 +37,8 @@ def decode_chained(engine, seq: Sequence) -> None:
     while seq.finish_reason is None:
         if queued < left and queued <= read + 1:
             graphs.step(ch)
+            if engine.step_delay:  # testing only (EngineOptions.inject_delay_us): before the token's copy
+                engine.step_delay()
             host[queued:queued + 1].copy_(ch.tok, non_blocking=True)
             ev = torch.cuda.Event()
             ev.record()

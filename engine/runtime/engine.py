@@ -23,6 +23,7 @@ from ..model.weights import WeightStore
 from ..sampling import SamplingParams, make_generator, select
 from ..spec.loop import speculative_round
 from .chain import chainable, decode_chained
+from .delay import step_delay
 from .options import EngineOptions, apply_cpu_threads
 from .scoring import PromptScores
 from .sequence import GenerationResult, Sequence, keep_logprobs
@@ -114,6 +115,7 @@ class Engine:
             self.model.mrope_axes = column_axes(self.config.rotary_dim, vcfg.mrope_section).to(self.device)
         self.media_cache, self.media_limits = MediaCache(), MediaLimits()
         self.free_slots = list(range(opts.max_concurrency))
+        self.step_delay = step_delay(opts.inject_delay_us, self.device)  # testing only: a known slowdown a step
         self.drafter = self._make_drafter(opts.spec)
         self.replay = None  # replayed acceptance (spec/replay.py): drafts replaced at a chosen acceptance
         if opts.replay_acceptance is not None:
@@ -460,9 +462,13 @@ class Engine:
             return
         if self.drafter is not None:
             speculative_round(self, live)
+            if self.step_delay:
+                self.step_delay()
             return
         ids = self.device_ids([[s.last] for s in live])
         _, logits = self.decode_step(live, ids)
+        if self.step_delay:  # queued behind the step's kernels, before its token is read
+            self.step_delay()
         last = logits[:, -1]
         picked = last.argmax(-1)  # greedy rows; sampling rows draw below from their own generators
         for r, s in enumerate(live):

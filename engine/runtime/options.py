@@ -92,6 +92,8 @@ class EngineOptions:
     gdn_impl: str = "auto"
     kernels: str = "auto"  # decode/verify kernels: auto (fused Triton for v3 on CUDA), torch, or triton
     cpu_threads: int | None = None  # torch intra-op threads on a CPU; None: 1 for small models, else torch's
+    inject_delay_us: float = 0.0  # testing only: every decode step (a speculative round) made this much longer - a
+    #                               known slowdown (runtime/delay.py: CPU time spun; on CUDA a sleep kernel + host spin)
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -142,6 +144,9 @@ class EngineOptions:
             raise ValueError(f"interleave-chunk must be a positive integer, got {self.interleave_chunk!r}")
         if self.cpu_threads is not None and (not isinstance(self.cpu_threads, int) or self.cpu_threads < 1):
             raise ValueError(f"cpu-threads must be a positive integer, got {self.cpu_threads!r}")
+        if isinstance(self.inject_delay_us, bool) or not isinstance(self.inject_delay_us, (int, float)) \
+                or not 0 <= self.inject_delay_us < 1e7:
+            raise ValueError(f"inject-delay-us must be a number of microseconds in [0, 1e7), got {self.inject_delay_us!r}")
         if self.qmv_layout not in ("tiled", "lanes", "rows"):
             raise ValueError(f"qmv layout must be tiled, lanes or rows, got {self.qmv_layout!r}")
         if self.kernels not in ("auto", "torch", "triton"):
