@@ -32,13 +32,14 @@ def byte_progress(description: str):
 
 
 def _byte_lines(description: str, every_s: float = 10.0):
-    start, last = time.perf_counter(), [-every_s]
+    start, last = time.perf_counter(), [0.0, False]  # when a line was last printed, whether one was
 
     def update(done, total, name=""):
         now = time.perf_counter() - start
-        if now - last[0] < every_s and done != total:
+        # a line every every_s seconds, and the last one where any was (work that ends sooner prints nothing)
+        if now - last[0] < every_s and not (done == total and last[1]):
             return
-        last[0] = now
+        last[0], last[1] = now, True
         rate = done / now if now > 0 else 0.0
         left = f", {(total - done) / rate:.0f} s left" if rate and total else ""
         err_console.print(Text(f"{description} {done / 1e9:.2f} / {total / 1e9:.2f} GB, {rate / 1e6:.0f} MB/s"
