@@ -173,13 +173,10 @@ def verify(artifact):
 def convert(hf_dir, out, quant, format_version, drafters, device):
     """Convert a Hugging Face Qwen3.5 / Qwen3-Next folder (bf16, fp16, fp32 or FP8) and drafter folders into an
     artifact. The checkpoint is streamed a row block at a time: memory stays near one tensor, whatever its size."""
-    import torch
-
     from ..engine.artifact.convert import convert as do_convert
+    from ..engine.runtime.options import resolve_device
 
-    if device == "cuda" and not torch.cuda.is_available():
-        raise UserError("--device cuda: no CUDA device is available here (use --device cpu)")
-    where = "cuda" if device == "cuda" or (device == "auto" and torch.cuda.is_available()) else "cpu"
+    where = resolve_device(device)
     existed = check_output(out)
     prog, update = byte_progress("writing")
     with prog:

@@ -189,9 +189,9 @@ def _sql_type(values) -> str:
     vals = [v for v in values if v is not None]
     if not vals:
         return ""
-    if vals and all(isinstance(v, (bool, int)) for v in vals):
+    if all(isinstance(v, (bool, int)) for v in vals):
         return "INTEGER"
-    if vals and all(isinstance(v, (bool, int, float)) for v in vals):
+    if all(isinstance(v, (bool, int, float)) for v in vals):
         return "REAL"
     return "TEXT"
 

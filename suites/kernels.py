@@ -47,6 +47,7 @@ import torch
 
 from ..engine.artifact.convert import POLICIES
 from ..engine.model.config import ModelConfig, preset
+from ..engine.runtime.options import resolve_device
 from ..reports.schema import make_result
 from .common import copy_bandwidth
 from .kernel_cases import CPU_CONTEXTS, LAYER_PREFIX, Case, KernelContext, max_rel_err
@@ -94,14 +95,6 @@ class KernelOptions:
                 raise ValueError(f"--{name} must be >= {1 if name == 'repeats' else 0}, got {v}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"--device must be auto, cpu or cuda, got {self.device!r}")
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda: no CUDA device is visible here (use --device cpu)")
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(name)
 
 
 def time_cuda(fn, repeats: int, warmup: int, flush: torch.Tensor) -> list[float]:

@@ -159,18 +159,15 @@ class HFCheckpoint:
     def source(self, canon: str) -> TensorSource:
         """Tensor ``canon`` read on demand: FP8 weights come back times their scales, in the checkpoint's dtype."""
         shape = self.shapes[canon]
-        if self.fp8 is not None and self._stored_fp8(canon):
-            scale = self.fp8.scale_name(canon)
-            if scale is None or scale not in self.where:
-                raise CheckpointError(f"{self.folder}: FP8 tensor {canon} has no {scale or 'scale'} beside it")
-            return TensorSource(shape, lambda r0, r1: self._dequantized(canon, scale, r0, r1))
-        if self._stored_fp8(canon):
+        if self.stored[canon] not in fp8.FP8_STORED:
+            return TensorSource(shape, lambda r0, r1: self._rows(canon, r0, r1))
+        if self.fp8 is None:
             raise CheckpointError(f"{self.folder}: tensor {canon} is stored in FP8, but config.json declares no "
                                   "quantization_config to scale it with")
-        return TensorSource(shape, lambda r0, r1: self._rows(canon, r0, r1))
-
-    def _stored_fp8(self, canon: str) -> bool:
-        return self.stored[canon] in fp8.FP8_STORED
+        scale = self.fp8.scale_name(canon)
+        if scale is None or scale not in self.where:
+            raise CheckpointError(f"{self.folder}: FP8 tensor {canon} has no {scale or 'scale'} beside it")
+        return TensorSource(shape, lambda r0, r1: self._dequantized(canon, scale, r0, r1))
 
     def _dequantized(self, canon: str, scale: str, r0: int, r1: int) -> torch.Tensor:
         """Rows [r0, r1) of an FP8 weight times its scale, in the dtype the checkpoint declares (bf16 for the

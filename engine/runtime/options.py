@@ -204,6 +204,15 @@ class EngineOptions:
 SWITCHES: dict[str, Switch] = {f.name: f.metadata["switch"] for f in fields(EngineOptions) if "switch" in f.metadata}
 
 
+def resolve_device(name: str) -> torch.device:
+    """``auto`` / ``cpu`` / ``cuda`` as a device: auto takes the GPU when one is visible; cuda without one is refused."""
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is visible here (use --device cpu)")
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)
+
+
 def refuse_cuda_switches(device: str, switches: dict[str, tuple[bool, ...]]) -> None:
     """Refuse, before any work, a switch of :data:`SWITCHES` asked off (``{name: values}``) for a run that is not on
     CUDA: the same run would come out under another label, which a gate takes for another experiment."""
