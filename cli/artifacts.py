@@ -1,4 +1,4 @@
-"""The artifact commands of ``ninfer-bench``: inspect, verify, convert, upgrade."""
+"""The artifact commands of ``ninfer-bench``: inspect, verify, convert, upgrade, export-gguf."""
 
 from __future__ import annotations
 
@@ -204,4 +204,41 @@ def upgrade(v2_file, v3_file):
     overwritten(v3_file, existed)
 
 
-COMMANDS = (inspect, verify, convert, upgrade)
+@click.command("export-gguf")
+@click.argument("model")
+@click.argument("out", type=click.Path(dir_okay=False))
+@click.option("--synthetic", is_flag=True, help="MODEL is a preset: export its seeded random weights.")
+@click.option("--quant", type=click.Choice(["mixed", "q8", "q5", "q4", "bf16", "fp32"]), default="mixed",
+              show_default=True, help="With --synthetic: the preset's quantization policy.")
+@click.option("--seed", type=int, default=0, show_default=True, help="With --synthetic: the weights' seed.")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
+              help="With --synthetic: where the seeded weights are built (auto: the GPU when there is one, as decode "
+                   "builds them; the seeded weights differ between a CPU and a GPU).")
+def export_gguf(model, out, synthetic, quant, seed, device):
+    """Write MODEL's text decoder (an artifact, or a preset with --synthetic) as a GGUF file that llama.cpp loads as
+    qwen35: q8 -> Q8_0, q4 -> Q4_0 and q5 -> Q5_0 (a group of 64 as two blocks with its scale), fp32 / bf16 as
+    they are, so every weight dequantizes to ours bit for bit; what cannot be exported exactly is refused. The
+    tokenizer and chat template go in; the MTP head, drafters and a vision tower do not."""
+    from ..engine.artifact.gguf_export import export_gguf as do_export
+    from ..engine.artifact.loader import load_source
+
+    try:
+        import gguf  # noqa: F401  (the clear error before any weight loads)
+    except ImportError:
+        raise UserError("export-gguf needs the gguf package: pip install 'ninfer-bench[peers]'") from None
+    from ..engine.runtime.options import resolve_device
+
+    existed = check_output(out)
+    loaded = load_source(model, synthetic=synthetic, quant=quant, seed=seed, device=resolve_device(device))
+    prog, update = byte_progress("writing")
+    with prog:
+        res = do_export(loaded, out, progress=update)
+    kinds = ", ".join(f"{n} {k}" for k, n in sorted(res.types.items()))
+    console.print(f"[green]wrote[/] {out} ({res.bytes:,} bytes; {res.tensors} tensors: {kinds}; "
+                  f"pre-tokenizer {res.pre_tokenizer})")
+    if res.skipped:
+        err_console.print(f"[dim]not exported: {', '.join(res.skipped)}[/]", highlight=False)
+    overwritten(out, existed)
+
+
+COMMANDS = (inspect, verify, convert, upgrade, export_gguf)

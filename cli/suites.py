@@ -49,8 +49,14 @@ def repeats_count(ctx, param, value) -> int | str:
 
 @click.command()
 @click.option("--model", default=None, help="Artifact path or preset [default: the bundled model].")
-@click.option("--engine", "engines", default="ours", show_default=True, callback=comma_list(("ours", "hf")),
-              help="ours, or hf (the transformers peer on the same weights); ours,hf runs both on one load.")
+@click.option("--url", default=None,
+              help="Decode against an OpenAI-compatible server (streamed /v1/completions): engine flags are refused, "
+                   "--model only names the tokenizer.")
+@click.option("--served-model", default=None, help="Model name to send to --url [default: its first model].")
+@click.option("--engine", "engines", default="ours", show_default=True,
+              callback=comma_list(("ours", "hf", "llamacpp")),
+              help="ours, hf (the transformers peer on the same weights) or llamacpp (llama.cpp on their exact GGUF "
+                   "export, with its agreement with ours); ours,hf,llamacpp runs them all on one load.")
 @click.option("--spec", "specs", default="none", show_default=True,
               help="none, mtp, dflash or dflash2, each optionally NAME:K; comma-separated to run several "
                    "(e.g. none,mtp:3,dflash2:7).")
@@ -90,6 +96,9 @@ def repeats_count(ctx, param, value) -> int | str:
 @click.option("--json", "json_path", type=click.Path(), default=None,
               help="Write the result document (several runs: a folder, one LABEL.json per run).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of --synthetic weights.")
+@click.option("--llamacpp-gguf", type=click.Path(dir_okay=False), default=None,
+              help="--engine llamacpp: run llama.cpp on this export-gguf file of the same weights (checked against "
+                   "them) instead of exporting them again.")
 @click.option("--no-baseline", is_flag=True,
               help="Run a speculative run alone: without it, each gets a plain run on the same load first and the "
                    "speed-up over it beside its result.")
@@ -109,6 +118,17 @@ def decode(model, engines, specs, draft_tokens, rollbacks, lm_head_draft, prompt
 
     The on / off switches (--lookahead, --draft-graphs, --pdl, --side-stream, --silu-epilogue) change only runs on
     CUDA: off is refused on a CPU."""
+    url, served_model = options.pop("url"), options.pop("served_model")
+    if url is not None or served_model is not None:  # against a server (cli/remote.py, suites/remote.py)
+        from .remote import decode_url
+
+        doc = decode_url(url, served_model, model=model, prompt_file=prompt_file, n_prompts=n_prompts,
+                         max_new_tokens=max_new_tokens, stop_at_eos=stop_at_eos, repeats=repeats,
+                         repeats_target=repeats_target, repeats_budget_s=repeats_budget_s, warmup=warmup,
+                         label=label, json_path=json_path)
+        show(decode_grid(doc, decode_table(doc)))
+        save_result(doc, json_path)
+        return
     from ..engine.runtime.options import SWITCHES, refuse_cuda_switches
     from ..suites.common import DEFAULT_PROMPT
     from ..suites.decode import decode_runs, plain_agreement, run_matrix
@@ -145,6 +165,9 @@ def decode(model, engines, specs, draft_tokens, rollbacks, lm_head_draft, prompt
     if many:
         same = plain_agreement(docs)
         show(decode_runs_grid(docs, same, compare_table(docs, same)))
+        for d in docs:
+            if d["summary"].get("agreement"):
+                say(agreement_table(d))
         differ = [label for label, agrees in same.items() if agrees is False]
         if differ:
             err_console.print(f"[bold red]tokens differ from the plain run on the same runtime: {', '.join(differ)}[/] "
@@ -179,13 +202,19 @@ def decode_table(doc: dict) -> Table:
             ("copy bandwidth GB/s", fmt(s["copy_bandwidth_gbps"], ".0f")),
             ("achieved GB/s (weights)", fmt(s["achieved_gbps"], ".0f")),
             ("roofline fraction", fmt(s["roofline_fraction"], ".3f")),
-            ("peak memory", f"{s['peak_memory_bytes'] / 2**20:,.0f} MiB"),
+            ("peak memory", "-" if s["peak_memory_bytes"] is None else f"{s['peak_memory_bytes'] / 2**20:,.0f} MiB"),
             ("tokens sha256", s["tokens_sha256"][:16] + ("" if s["deterministic"] else " (varies!)"))]
     if s.get("repeats_run") is not None:  # how well the repeats pin the median decode tok/s down
         width = s.get("decode_tok_s_ci_half_width")
         stopped = f" (auto: {s['repeats_stopped_by']})" if s.get("repeats_stopped_by") else ""
         rows += [("repeats", f"{s['repeats_run']}{stopped}"),
                  ("decode tok/s median 95% CI", "-" if width is None else f"±{width:.1%}")]
+    if doc["config"].get("url"):  # decode --url: the server, its inter-token latency, where the tokens came from
+        c = doc["config"]
+        rows += [("server", f"{c['url']} ({c['served_model']}, prompts as {c['prompt_format']})"),
+                 ("ITL p50 / p99 ms", f"{fmt(s.get('itl_ms_p50'))} / {fmt(s.get('itl_ms_p99'))}"),
+                 ("tokens from", c["tokens_from"] + ("" if c.get("ignore_eos_honoured") is not False
+                                                     else " ([bold red]ignore_eos not honoured[/])"))]
     if doc["config"].get("inject_delay_us"):
         rows.append(("injected delay / step (testing)", f"{doc['config']['inject_delay_us']:g} µs"))
     if s.get("plain"):  # a speculative run against plain decoding on the same load
@@ -195,11 +224,32 @@ def decode_table(doc: dict) -> Table:
                  ("tokens = plain", "yes" if p["tokens_equal"] else "[bold red]NO[/]")]
     if doc["config"].get("replay_profile"):
         rows.append(("replayed acceptance", " ".join(f"{x:.3f}" for x in doc["config"]["replay_profile"])))
+    if s.get("agreement"):  # a peer against our plain run on the same weights
+        rows += agreement_rows(s["agreement"])
     if "vision_encode_ms" in s:
         rows += [("vision encode ms", fmt(s["vision_encode_ms"], ".1f")), ("vision tokens", str(s["vision_tokens"]))]
     for k, v in rows:
         table.add_row(k, v)
     return table
+
+
+def agreement_table(doc: dict) -> Table:
+    table = Table(title=f"{doc['label']} against {doc['summary']['agreement']['reference']} (same weights)")
+    for col in ("metric", "value"):
+        table.add_column(col)
+    for k, v in agreement_rows(doc["summary"]["agreement"]):
+        table.add_row(k, v)
+    return table
+
+
+def agreement_rows(a: dict) -> list[tuple[str, str]]:
+    """A peer's agreement with our engine (suites.llamacpp_peer.agreement) as table rows."""
+    split = sorted(p["prefix_tokens"] for p in a["per_prompt"] if p["prefix_tokens"] < p["tokens"])
+    where = (f"{len(split)} diverge, after {', '.join(map(str, split))} tokens" if split else "none diverges")
+    return [(f"greedy tokens = {a['reference']}'s",
+             f"{a['prompts_equal_to_bar']}/{a['prompts']} prompts share >= {a['bar_tokens']} ({where})"),
+            ("teacher-forced top-1 agreement", fmt(a["top1_agreement"], ".4f")),
+            ("KL(ours || peer) mean / max nats", f"{fmt(a['kl_mean'], '.2e')} / {fmt(a['kl_max'], '.2e')}")]
 
 
 def compare_table(docs: list[dict], same: dict[str, bool | None]) -> Table:
@@ -224,7 +274,8 @@ def compare_table(docs: list[dict], same: dict[str, bool | None]) -> Table:
         table.add_row(d["label"], fmt(s["decode_tok_s"], ".1f"), fmt(sd, ".1f"), fmt(ratio, ".2f"),
                       fmt(s["device_ms_per_round"], ".2f"), split, fmt(s["tokens_per_round"]),
                       fmt(s["acceptance_rate"], ".3f"), fmt(s["roofline_fraction"], ".3f"),
-                      f"{s['peak_memory_bytes'] / 2**20:,.0f}", s["tokens_sha256"][:8],
+                      "-" if s["peak_memory_bytes"] is None else f"{s['peak_memory_bytes'] / 2**20:,.0f}",
+                      s["tokens_sha256"][:8],
                       {None: "-", True: "yes", False: "[bold red]NO[/]"}[same.get(d["label"])])
     return table
 

@@ -214,16 +214,29 @@ def niah_case_options(f):
 @click.option("--rescore", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Judge an earlier niah result document against the oracles stored now (nothing is run; its "
                    "cases and model come from the document).")
+@click.option("--url", default=None,
+              help="Run the cases against an OpenAI-compatible server: engine flags are refused; --model names the "
+                   "tokenizer that builds the cases (the server's) and whose oracles judge them.")
+@click.option("--served-model", default=None, help="Model name to send to --url [default: its first model].")
 @output_options
 def niah(model, ctx, depths, cases, answer_tokens, seed, prefill_chunk, device, kv_dtype, runtime, oracle_file,
-         require_oracle, heatmap, label, json_path, rescore):
+         require_oracle, heatmap, label, json_path, rescore, url, served_model):
     """Needle in a haystack: retrieval, and agreement with stored float64 oracle outputs."""
     from ..reports.tables import niah_grid
     from ..suites.niah import rescore_niah, run_niah
 
     check_output(json_path, parents=True)
     check_output(heatmap, parents=True)
-    if rescore:
+    if url is not None or served_model is not None:  # against a server (cli/remote.py, suites/remote.py)
+        from .remote import NIAH_URL_FLAGS, niah_url, refuse_engine_flags
+
+        if rescore:
+            raise UserError("--rescore judges a saved document again: it runs nothing, against --url or otherwise")
+        if url is not None:
+            refuse_engine_flags(NIAH_URL_FLAGS)
+        doc = niah_url(url, served_model, _niah_options(model, ctx, depths, cases, answer_tokens, seed,
+                                                        oracle=oracle_file, label=label))
+    elif rescore:
         from ..reports.schema import read_result
 
         doc = rescore_niah(read_result(rescore), oracle_file)
@@ -235,7 +248,7 @@ def niah(model, ctx, depths, cases, answer_tokens, seed, prefill_chunk, device, 
             doc = run_niah(opts, progress=update)
     s = doc["summary"]
     show(niah_grid(doc))
-    agree = "no oracle" if s["oracle_agreement"] is None else f"{s['oracle_agreement']:.0%} of {s['oracle_cases']}"
+    agree = (s.get("oracle_unavailable") or "no oracle") if s["oracle_agreement"] is None else f"{s['oracle_agreement']:.0%} of {s['oracle_cases']}"
     say(f"retrieval {s['retrieval']:.0%}, oracle agreement {agree}")
     save_result(doc, json_path)
     if heatmap or json_path:
@@ -246,7 +259,8 @@ def niah(model, ctx, depths, cases, answer_tokens, seed, prefill_chunk, device, 
         if plot_niah(frames([doc])["niah"], out):
             err_console.print(f"[dim]heatmap: {out}[/]")
     if require_oracle and s["oracle_cases"] < s["cases"]:
-        raise UserError(f"{s['cases'] - s['oracle_cases']} case(s) have no stored oracle output")
+        raise UserError(s.get("oracle_unavailable") or f"{s['cases'] - s['oracle_cases']} case(s) have no stored "
+                                                       f"oracle output")
     if s["oracle_agreement"] is not None and s["oracle_agreement"] < 1.0:
         raise UserError("some cases disagree with the oracle beyond the near-tie tolerance")
 

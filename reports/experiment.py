@@ -23,6 +23,7 @@ CONFIG_KEYS = (
     "prompt_file", "prompts", "images", "max_new_tokens", "temperature", "seed",  # the decode workload
     "ctxs", "depths", "answer_tokens", "cases", "near_tie",  # niah's cases and agreement rule
     "levels", "prompt_tokens",  # concurrency's load
+    "url", "tokens_from",  # a run against a server (--url): which one, and what its token hash hashes
 )
 # engine switches and capacities that change speed but not tokens (``--pdl off``, ``--prefill-chunk``, ...): also the
 # experiment, compared where both documents record a value (documents made before a switch existed do not say, and
@@ -32,7 +33,8 @@ SETTING_KEYS = (
     "prefill_chunk", "interleave_chunk", "max_context", "kv_capacity", "max_concurrency", "synthetic", "ignore_eos",
 )
 PATH_KEYS = ("prompt_file", "images")  # compared by file name: where a checkout lies is no part of the experiment
-MODEL_KEYS = ("artifact_id", "sha256", "model_id", "preset", "quant_policy", "config_sha256", "seed")
+MODEL_KEYS = ("artifact_id", "sha256", "model_id", "preset", "quant_policy", "config_sha256", "seed",
+              "served_model")  # (the model name a --url run sent: the server's weights are not known otherwise)
 # env keys of the measurement's conditions, compared where timings are and both documents record them: a run pinned
 # to one thread (or one core) is another experiment than one with the machine's default
 ENV_TIMING_KEYS = ("threads", "cpu_affinity")
@@ -75,12 +77,14 @@ def config_differences(baseline: dict, candidate: dict, timings: bool = True) ->
     pairs += [(k, config_value(baseline["config"], k), config_value(candidate["config"], k)) for k in SETTING_KEYS
               if baseline["config"].get(k) is not None and candidate["config"].get(k) is not None]
     on_cpu = baseline["config"].get("device") == candidate["config"].get("device") == "cpu"
-    if not on_cpu:  # the GPU a run had matters only where it ran on one
+    # two runs against servers (--url): this client's GPU, CPU, threads and clocks measured nothing
+    remote = baseline["config"].get("device") == candidate["config"].get("device") == "server"
+    if not on_cpu and not remote:  # the GPU a run had matters only where it ran on one
         pairs.append(("env.gpu", baseline["env"].get("gpu"), candidate["env"].get("gpu")))
-    elif timings:  # a laptop's baseline against a CI box's candidate is no speed change
+    elif on_cpu and timings:  # a laptop's baseline against a CI box's candidate is no speed change
         pairs += [(f"env.{k}", baseline["env"].get(k), candidate["env"].get(k)) for k in ("cpu_model", "cpu_count")
                   if baseline["env"].get(k) is not None and candidate["env"].get(k) is not None]
-    if timings:  # the conditions of the measurement, where both documents record them
+    if timings and not remote:  # the conditions of the measurement, where both documents record them
         pairs += _recorded([(f"env.{k}", baseline["env"].get(k), candidate["env"].get(k)) for k in ENV_TIMING_KEYS])
         if not on_cpu:
             b_clocks, c_clocks = (d["env"].get("gpu_clocks") for d in (baseline, candidate))

@@ -268,18 +268,19 @@ def _verdict(docs, pairings, judged, baseline_label) -> list:
 
 # ---- the suites ----------------------------------------------------------------------------------------
 def _agreement(decode_docs, several_models: bool) -> Table:
-    """Greedy runs of the same model, spec, KV dtype, device and workload must produce the same tokens."""
+    """Greedy runs of the same engine, model, spec, KV dtype, device and workload must produce the same tokens (a
+    peer engine's tokens are set against ours by :func:`_peer_agreement` instead)."""
     groups = {}
     for d in decode_docs:
         c = d["config"]
         if (c.get("temperature") or 0) > 0:
             continue
         key = (model_name(d), c.get("spec"), c.get("kv_dtype"), c.get("device"),
-               d["summary"].get("prompt_tokens"), c.get("max_new_tokens"))
+               d["summary"].get("prompt_tokens"), c.get("max_new_tokens"), c.get("engine") or "ours")
         groups.setdefault(key, []).append(d)
     table = Table((["model"] if several_models else []) + ["spec", "kv", "device", "prompt / max new", "labels",
                                                            "tokens_sha256", "agreement"])
-    for (model, spec, kv, device, prompt, new), members in groups.items():
+    for (model, spec, kv, device, prompt, new, _engine), members in groups.items():
         hashes = {d["label"]: d["summary"].get("tokens_sha256") for d in members}
         distinct = set(hashes.values())
         if len(members) == 1:
@@ -293,6 +294,23 @@ def _agreement(decode_docs, several_models: bool) -> Table:
         table.rows.append(([_short_model(members[0])] if several_models else [])
                           + [num(spec), num(kv), num(device), f"{num(prompt)} / {num(new)}", ", ".join(hashes),
                              ", ".join(sorted(sha(h) for h in distinct)), status])
+    return table
+
+
+def _peer_agreement(decode_docs) -> Table | None:
+    """Each peer run's agreement with our plain run on the same weights (summary.agreement: greedy tokens to the
+    first divergence, teacher-forced top-1 and KL); None where no run has one."""
+    peers = [d for d in decode_docs if d["summary"].get("agreement")]
+    if not peers:
+        return None
+    table = Table(["peer", "against", "prompts sharing ≥ bar tokens", "first divergence (min)", "top-1 agreement",
+                   "KL mean / max (nats)"])
+    for d in peers:
+        a = d["summary"]["agreement"]
+        table.rows.append([d["label"], a["reference"], f"{a['prompts_equal_to_bar']} / {a['prompts']} "
+                           f"(bar {a['bar_tokens']})", num(a.get("prefix_tokens_min")),
+                           f"{a['top1_agreement']:.4f}" if a.get("top1_agreement") is not None else "-",
+                           f"{a['kl_mean']:.2e} / {a['kl_max']:.2e}" if a.get("kl_mean") is not None else "-"])
     return table
 
 
@@ -361,8 +379,16 @@ def _decode(docs, pairings, judged, figures, several_models: bool) -> list:
                    ("table", _deltas(docs, pairings, judged, metrics, metrics))]
     blocks.append(("p", baseline_notes(docs, pairings)))
     blocks += [("h3", "Exact-metric agreement"),
-               ("p", "Greedy runs of the same model, spec, KV dtype, device and workload must produce identical "
-                     "tokens (tokens_sha256)."), ("table", _agreement(docs, several_models))]
+               ("p", "Greedy runs of the same engine, model, spec, KV dtype, device and workload must produce "
+                     "identical tokens (tokens_sha256)."), ("table", _agreement(docs, several_models))]
+    if (peer_table := _peer_agreement(docs)) is not None:
+        blocks += [("h3", "Peers against ours"),
+                   ("p", "A peer engine on the same weights (llama.cpp on their exact GGUF export) against our plain "
+                         "run: the generated tokens two greedy runs share before the first divergence, and "
+                         "teacher-forced on ours' path the peer's top-1 against ours' token and KL(ours || peer). "
+                         "Other arithmetic (llama.cpp quantizes activations for its quantized products) makes small "
+                         "differences expected; random weights (--synthetic) have near-flat distributions, where "
+                         "top-1 flips at tiny KL."), ("table", peer_table)]
     k = max((len(d["summary"].get("accepted_per_position") or []) for d in docs), default=0)
     if k:
         blocks.append(("h3", "Acceptance per draft position"))

@@ -220,9 +220,11 @@ def to_sql(grid: Grid) -> str:
 
 # ---- the rows of a result document --------------------------------------------------------------------------
 def model_name(doc: dict) -> str | None:
-    """A short name of a run's model: its artifact's model id, else its preset, else its path's file name."""
+    """A short name of a run's model: its artifact's model id, else its preset, else its path's file name, else the
+    model a --url run asked the server for."""
     m = doc.get("model") or {}
-    name = m.get("model_id") or m.get("preset") or m.get("path") or (doc.get("config") or {}).get("model")
+    name = m.get("model_id") or m.get("preset") or m.get("path") or m.get("served_model") \
+        or (doc.get("config") or {}).get("model")
     return str(name).rstrip("/").rsplit("/", 1)[-1] if name else None
 
 

@@ -34,6 +34,13 @@
 #            model's plain / MTP3 / DFlash2 K=7 on its held-out prompts (SPEC_N tokens, default 128)
 #   convert27 a 27B-shaped FP8 checkpoint (transformers, random weights) converted, verified, inspected and decoded
 #            beside the synthetic 27B, with each step's wall time and peak RSS (about 8 minutes)
+#   llamabuild llama-cpp-python built with CUDA (sm_90) from the carried trimmed source (.peer/llama-src.tgz, made
+#            by scripts/pack_llama_src.sh) into /tmp/llsite, in the background (setsid: it outlives the call while the
+#            machine stays warm; /tmp/llbuild.log, /tmp/llbuild.rc); LLBUILD_WAIT=1 waits for it
+#   peer27   the 27B synthetic exported to GGUF (during llamabuild's build), then (once built) ours beside llama.cpp
+#            (CUDA) on it, PEER_N (128) tokens at 8K context; PEER65K=1 adds one 65,000-token prompt with 16 tokens;
+#            LLBUILD_ARGS adds CMake flags to llamabuild (-DGGML_CUDA_FA=OFF: about 40% fewer CUDA files)
+#   peersmall (waits for llamabuild) the bundled model beside llama.cpp (CUDA) on the 64 held-out prompts, 64 tokens
 #   hashes   the token hashes a refactor must keep: the README's main command (timed), the bundled model's plain and
 #            MTP3 runs, and the 27B synthetic plain / MTP3 / DFlash2 K=7 runs (64 tokens, the default prompt)
 set -u
@@ -54,6 +61,15 @@ pack() {  # the device tool returns only a handful of files a call: one archive 
     fi )
 }
 trap pack EXIT
+llwait() {  # wait for the llamabuild stage's background build (LLWAIT_S seconds at most); 0 when it succeeded
+  local t=0
+  while [ ! -f /tmp/llbuild.rc ] && [ $t -lt "${LLWAIT_S:-560}" ]; do sleep 5; t=$((t + 5)); done
+  if [ ! -f /tmp/llbuild.rc ]; then echo "llama.cpp build still running after ${t} s: $(grep -c '^\s*\[' /tmp/llbuild.log) steps"
+    tail -c 600 /tmp/llbuild.log; return 1; fi
+  read -r rc secs < /tmp/llbuild.rc; echo "llama.cpp build: rc $rc in $secs s"
+  [ "$rc" = 0 ] || { grep -E "error|Error" /tmp/llbuild.log | head -20; tail -c 1500 /tmp/llbuild.log; cp /tmp/llbuild.log "$OUT/"; }
+  [ "$rc" = 0 ]
+}
 git log -1 --format='commit %H' 2>/dev/null || true
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 M27="--model qwen3.8-27b --synthetic"
@@ -180,6 +196,32 @@ for p in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
     print(f"{p.name}: {s['decode_tok_s']:.1f} tok/s {s['samples']['decode_tok_s']} {s['tokens_sha256'][:8]}")
 PY
              ;;
+    llamabuild) export LLBUILD_ARGS=${LLBUILD_ARGS:-}; rm -rf /tmp/llsrc /tmp/llsite /tmp/llbuild.rc; mkdir -p /tmp/llsrc && tar xzf .peer/llama-src.tgz -C /tmp/llsrc
+             nvcc --version | tail -2
+             setsid bash -c 'cd /tmp/llsrc/llama_cpp_python-* && s=$(date +%s) && CMAKE_BUILD_PARALLEL_LEVEL=16 \
+               CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAVA_BUILD=OFF -DGGML_NATIVE=ON $LLBUILD_ARGS" \
+               python3 -m pip install -v --no-build-isolation --no-deps --no-index --target /tmp/llsite . \
+               > /tmp/llbuild.log 2>&1; echo "$? $(( $(date +%s) - s ))" > /tmp/llbuild.rc' < /dev/null > /dev/null 2>&1 &
+             if [ "${LLBUILD_WAIT:-0}" = 1 ]; then llwait; fi ;;
+    peer27)  # the 27B export is written while llamabuild's background build runs (both need minutes)
+             /usr/bin/time -f "export-gguf 27B: %e s wall, %M KiB peak RSS" python3 scripts/nb.py export-gguf qwen3.8-27b \
+               /tmp/q27.gguf --synthetic --device cuda 2>&1 | tail -3
+             llwait || continue
+             export PYTHONPATH=/tmp/llsite:${PYTHONPATH:-}
+             /usr/bin/time -f "peer27 8K: %e s wall, %M KiB peak RSS" timeout ${STAGE_S:-500} python3 scripts/nb.py decode $M27 \
+               --engine ours,llamacpp --llamacpp-gguf /tmp/q27.gguf -n ${PEER_N:-128} --repeats ${PEER_REPEATS:-2} \
+               --json "$OUT/peer27" 2>&1 | tee "$OUT/peer27.log" | tail -32
+             if [ "${PEER65K:-0}" = 1 ]; then
+               python3 -c "t=open('suites/data/haystack.py.txt', encoding='utf-8').read().encode('ascii', 'ignore');
+t=(t*(65000//len(t)+1))[:65000]; open('/tmp/p65k.txt','wb').write(t)"
+               /usr/bin/time -f "peer27 65K: %e s wall, %M KiB peak RSS" timeout ${STAGE_S:-500} python3 scripts/nb.py decode \
+                 $M27 --engine ours,llamacpp --llamacpp-gguf /tmp/q27.gguf --prompt-file /tmp/p65k.txt --max-context 65600 \
+                 -n 16 --repeats 1 --json "$OUT/peer27_65k" 2>&1 | tee "$OUT/peer27_65k.log" | tail -30
+             fi ;;
+    peersmall) llwait || continue
+             export PYTHONPATH=/tmp/llsite:${PYTHONPATH:-}
+             nb decode --engine ours,llamacpp --prompt-file suites/data/heldout_prompts.jsonl -n 64 --repeats 2 \
+               --json "$OUT/peersmall" 2>&1 | grep -v "^llama_\|^load\|^print_info\|^ggml_\|^graph_\|^sched_" | tail -30 ;;
     *)       echo "unknown stage $stage" ;;
   esac
 done

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
 
@@ -35,6 +34,7 @@ import numpy as np
 from ..engine.runtime.options import EngineOptions
 from ..reports.schema import make_result
 from .common import DATA, DEFAULT_PROMPT, percentile, recorded_config, split_options, tokens_sha256
+from .remote import httpx_module, itl_samples, server_errors, server_prompt_ids, server_settings, stream_completion
 
 # the suite's options that only build an in-process engine (with every EngineOptions field): refused with a url,
 # recorded from the server (or None) instead
@@ -105,19 +105,6 @@ def prompt_texts(n: int) -> list[str]:
     base = DEFAULT_PROMPT.read_text()
     return [f"# task {i}: {['parse', 'merge', 'render', 'index', 'score', 'batch', 'cache', 'route'][i % 8]}\n{base}"
             for i in range(n)]
-
-
-def itl_samples(token_times: list[float]) -> list[float]:
-    """Inter-token latencies per token (ms): tokens arriving together share the gap before them."""
-    out, i = [], 1
-    while i < len(token_times):
-        j = i
-        while j + 1 < len(token_times) and token_times[j + 1] == token_times[i]:
-            j += 1
-        n = j - i + 1
-        out += [(token_times[i] - token_times[i - 1]) * 1e3 / n] * n
-        i = j + 1
-    return out
 
 
 def round_throughput(rows: list[dict]) -> tuple[float, float | None]:
@@ -224,95 +211,14 @@ def exact_length(ids: list[int], n: int) -> list[int]:
     return (ids * -(-n // len(ids)))[:n]
 
 
-# ---- against a server ---------------------------------------------------------------------------------
-def _stream_one(client, url: str, model: str, prompt: str | list[int], max_tokens: int, timeout: float) -> dict:
-    """One streamed /v1/completions request (``prompt``: text or token ids); token arrival times from the SSE
-    chunks."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
-            "stream_options": {"include_usage": True}, "return_token_ids": True, "ignore_eos": True}
-    submitted = time.perf_counter()
-    times, text, ids, usage, timings = [], [], [], None, None
-    with client.stream("POST", f"{url}/v1/completions", json=body, timeout=timeout) as resp:
-        if resp.status_code != 200:
-            raise RuntimeError(f"{url}: HTTP {resp.status_code}: {resp.read().decode(errors='replace')[:300]}")
-        for line in resp.iter_lines():
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                break
-            chunk = json.loads(data)
-            usage = chunk.get("usage") or usage
-            timings = chunk.get("timings") or timings
-            for choice in chunk.get("choices", []):
-                piece_ids = choice.get("token_ids")
-                piece = choice.get("text") or ""
-                n = len(piece_ids) if piece_ids is not None else (1 if piece else 0)
-                if n:
-                    now = time.perf_counter()
-                    times += [now] * n
-                    text.append(piece)
-                    ids += piece_ids or []
-    finished = time.perf_counter()
-    n = (usage or {}).get("completion_tokens") or len(times)
-    return {"submitted": submitted, "times": times, "finished": finished, "text": "".join(text), "ids": ids,
-            "n": n, "prompt_n": (usage or {}).get("prompt_tokens"), "timings": timings or {}}
-
-
-def _count(value) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
-
-
-def server_settings(client, url: str, served_model: str | None) -> dict:
-    """What the server reports about itself: the model it serves (the first of /v1/models unless ``served_model``),
-    and where it says them its ``spec`` and ``max_context`` (our server's /v1/models entry; vLLM's
-    ``max_model_len``) and its slots (``slots`` of our /health) as ``max_concurrency``; None for what it does not
-    say."""
-    import httpx
-
-    resp = client.get(f"{url}/v1/models", timeout=30)
-    if resp.status_code != 200:
-        raise RuntimeError(f"{url}/v1/models: HTTP {resp.status_code}")
-    data = resp.json().get("data") or []
-    if not data:
-        raise RuntimeError(f"{url}/v1/models lists no model")
-    entry = next((m for m in data if m.get("id") == served_model), {}) if served_model else data[0]
-    spec = entry.get("spec")
-    out = {"served_model": served_model or entry["id"], "spec": spec if isinstance(spec, str) else None,
-           "max_context": _count(entry.get("max_context", entry.get("max_model_len"))), "max_concurrency": None}
-    try:  # optional: a server without /health, or with another body, just does not say
-        health = client.get(f"{url}/health", timeout=30)
-        body = health.json() if health.status_code == 200 else None
-    except (httpx.HTTPError, ValueError):
-        body = None
-    if isinstance(body, dict):
-        out["max_concurrency"] = _count(body.get("slots"))
-    return out
-
-
-def _prompt_ids(client, url: str, model: str, text: str, timeout: float) -> list[int] | None:
-    """The server's own tokenization of ``text`` (``prompt_token_ids`` of a one-token completion asked with
-    ``return_token_ids``), or None when it does not return it."""
-    body = {"model": model, "prompt": text, "max_tokens": 1, "temperature": 0.0, "return_token_ids": True}
-    resp = client.post(f"{url}/v1/completions", json=body, timeout=timeout)
-    if resp.status_code != 200:
-        raise RuntimeError(f"{url}: HTTP {resp.status_code}: {resp.text[:300]}")
-    ids = resp.json().get("prompt_token_ids")
-    return ids if isinstance(ids, list) and ids and all(type(i) is int for i in ids) else None
-
-
+# ---- against a server (the client: suites/remote.py) -------------------------------------------------
 def run_against_url(opts: ConcurrencyOptions, progress=None):
-    import httpx
-
-    try:
-        return _run_against_url(opts, progress)
-    except httpx.HTTPError as e:  # unreachable, refused, timed out: one line naming the server
-        raise RuntimeError(f"{opts.url}: {type(e).__name__}: {e}") from None
+    httpx = httpx_module()
+    with server_errors(opts.url):  # unreachable, refused, timed out: one line naming the server
+        return _run_against_url(opts, httpx, progress)
 
 
-def _run_against_url(opts: ConcurrencyOptions, progress=None):
-    import httpx
-
+def _run_against_url(opts: ConcurrencyOptions, httpx, progress=None):
     url = opts.url.rstrip("/")
     texts = prompt_texts(max(opts.levels))
     records, baseline = [], {}
@@ -321,13 +227,13 @@ def _run_against_url(opts: ConcurrencyOptions, progress=None):
     with httpx.Client() as client:
         settings = server_settings(client, url, opts.served_model)
         model = settings["served_model"]
-        ids = [_prompt_ids(client, url, model, t, opts.timeout_s) for t in texts]
+        ids = [server_prompt_ids(client, url, model, t, opts.timeout_s) for t in texts]
         cut = all(x is not None for x in ids)  # else the texts whole: their length is the server's tokenization
         prompts = [exact_length(x, opts.prompt_tokens) for x in ids] if cut else texts
         settings["prompt_tokens"] = opts.prompt_tokens if cut else None
-        _stream_one(client, url, model, prompts[0], 4, opts.timeout_s)  # warm-up
+        stream_completion(client, url, model, prompts[0], 4, opts.timeout_s)  # warm-up
         for i, prompt in enumerate(prompts):  # the sequential reference: each prompt alone
-            r = _stream_one(client, url, model, prompt, opts.max_new_tokens, opts.timeout_s)
+            r = stream_completion(client, url, model, prompt, opts.max_new_tokens, opts.timeout_s)
             baseline[f"p{i}"] = tokens_sha256(r["ids"] if r["ids"] else list(r["text"].encode()))
             done += 1
             if progress:
@@ -335,7 +241,7 @@ def _run_against_url(opts: ConcurrencyOptions, progress=None):
         with ThreadPoolExecutor(max_workers=max(opts.levels)) as pool:
             for c in opts.levels:
                 for rnd in range(opts.rounds):
-                    futs = [pool.submit(_stream_one, client, url, model, prompts[i], opts.max_new_tokens,
+                    futs = [pool.submit(stream_completion, client, url, model, prompts[i], opts.max_new_tokens,
                                         opts.timeout_s) for i in range(c)]
                     for i, f in enumerate(futs):
                         r = f.result()

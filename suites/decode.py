@@ -1,8 +1,9 @@
 """The decode suite: the reference short-code test (a fixed code prompt, greedy, long completion).
 
 Measures prefill and decode speed, TTFT, device time per round, speculative acceptance, memory and the
-fraction of the device's copy bandwidth the weight reads achieve, for our engine or the transformers
-peer (``engine="hf"``), and writes one result document.
+fraction of the device's copy bandwidth the weight reads achieve, for our engine, the transformers peer
+(``engine="hf"``) or llama.cpp on a GGUF export of the same weights (``engine="llamacpp"``, with its agreement with
+our engine), and writes one result document.
 """
 
 from __future__ import annotations
@@ -89,12 +90,13 @@ class DecodeOptions:
     warmup: int = 1
     label: str | None = None
     seed: int = 0
+    llamacpp_gguf: str | None = None  # --engine llamacpp: this GGUF export of the weights (checked) instead of a new one
     baseline: bool = field(default=False, metadata={"record": False})  # a plain run added for the speculative
     #                                                                      runs beside it (decode_runs)
 
     def __post_init__(self) -> None:
-        if self.engine not in ("ours", "hf"):
-            raise ValueError(f"engine must be 'ours' or 'hf', got {self.engine!r}")
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         if self.repeats == "auto":
             self.repeats_target = AUTO_TARGET if self.repeats_target is None else self.repeats_target
             self.repeats_budget_s = AUTO_BUDGET_S if self.repeats_budget_s is None else self.repeats_budget_s
@@ -105,7 +107,7 @@ class DecodeOptions:
             raise ValueError(f"repeats must be an integer >= 1 or 'auto', got {self.repeats!r}")
         elif self.repeats_target is not None or self.repeats_budget_s is not None:
             raise ValueError("--repeats-target and --repeats-budget-s set when --repeats auto stops: give --repeats auto")
-        if self.engine == "hf" and self.engine_options.inject_delay_us:
+        if self.engine != "ours" and self.engine_options.inject_delay_us:
             raise ValueError("--inject-delay-us delays our engine's steps: use --engine ours")
         if self.warmup < 0:
             raise ValueError(f"warmup must be >= 0, got {self.warmup}")
@@ -116,8 +118,10 @@ class DecodeOptions:
         if self.prompts is not None and (self.prompts < 1 or Path(self.prompt_file).suffix != ".jsonl"):
             raise ValueError(f"--prompts takes a positive count of a .jsonl prompt set's prompts, got {self.prompts} "
                              f"for {self.prompt_file}")
-        if self.engine == "hf" and self.engine_options.spec != "none":
-            raise ValueError("--engine hf runs plain greedy decoding: use --spec none")
+        if self.llamacpp_gguf is not None and not Path(self.llamacpp_gguf).is_file():
+            raise ValueError(f"--llamacpp-gguf: no such file: {self.llamacpp_gguf}")
+        if self.engine != "ours" and self.engine_options.spec != "none":
+            raise ValueError(f"--engine {self.engine} runs plain greedy decoding: use --spec none")
         self.images = tuple(self.images)
         if self.images and self.engine != "ours":
             raise ValueError("--image runs with our engine only: use --engine ours")
@@ -128,8 +132,8 @@ class DecodeOptions:
         return split_options(cls, kw)
 
     def default_label(self) -> str:
-        if self.engine == "hf":
-            return "hf-peer"
+        if self.engine != "ours":
+            return f"{self.engine}-peer"
         eo = self.engine_options
         spec = eo.spec != "none"
         k = f"-k{eo.draft_tokens}" if spec and eo.draft_tokens else ""
@@ -253,7 +257,8 @@ def summarize(records: list[dict], *, weight_bytes: int | None, copy_bw: float |
     summary["peak_memory_bytes"] = peak
     summary["weight_bytes_per_step"] = weight_bytes
     summary["copy_bandwidth_gbps"] = copy_bw / 1e9 if copy_bw else None
-    forwards_per_s = median([r["target_forwards"] / r["decode_s"] for r in records if r["decode_s"]])
+    forwards_per_s = median([r["target_forwards"] / r["decode_s"] for r in records
+                             if r["decode_s"] and r["target_forwards"] is not None])  # (None: a server's, unknown)
     if weight_bytes and copy_bw and forwards_per_s:
         summary["achieved_gbps"] = weight_bytes * forwards_per_s / 1e9
         summary["roofline_fraction"] = weight_bytes * forwards_per_s / copy_bw
@@ -273,6 +278,7 @@ def summarize(records: list[dict], *, weight_bytes: int | None, copy_bw: float |
 
 
 SPECS = ("none", "mtp", "dflash", "dflash2")
+ENGINES = ("ours", "hf", "llamacpp")  # our engine, the transformers peer, llama.cpp on the GGUF export
 
 
 def parse_spec(item: str, draft_tokens: int | None) -> tuple[str, int | None]:
@@ -309,12 +315,15 @@ def decode_runs(base: dict, *, engines=("ours",), specs=("none",), runtimes=("v3
     if draft_tokens is not None and all(parse_spec(x, None)[0] == "none" for x in specs):
         raise ValueError(f"-k {draft_tokens} is speculative decoding's drafts per round: give it with --spec mtp, "
                          f"dflash or dflash2, not --spec none")
-    if set(engines) == {"hf"} and any(parse_spec(x, None)[0] != "none" for x in specs):
-        raise ValueError("--engine hf runs plain greedy decoding: use --spec none (or --engine ours,hf)")
+    if base.get("llamacpp_gguf") and "llamacpp" not in engines:
+        raise ValueError("--llamacpp-gguf is the llama.cpp peer's file: add --engine llamacpp")
+    peers = set(engines) - {"ours"}
+    if peers == set(engines) and any(parse_spec(x, None)[0] != "none" for x in specs):
+        raise ValueError(f"--engine {','.join(engines)} runs plain greedy decoding: use --spec none (or add ours)")
     runs = []
     for engine in dict.fromkeys(engines):
-        if engine == "hf":
-            runs.append(DecodeOptions.make(**base, engine="hf"))
+        if engine != "ours":
+            runs.append(DecodeOptions.make(**base, engine=engine))
             continue
         for runtime in dict.fromkeys(runtimes):
             for item in dict.fromkeys(specs):
@@ -414,12 +423,14 @@ def model_key(opts: DecodeOptions) -> tuple:
 
 
 def run_decode(opts: DecodeOptions, progress=None, loaded=None, references=None, tokens_out=None,
-               copy_bw: float | None = None) -> dict:
+               copy_bw: float | None = None, peer_out: list | None = None) -> dict:
     """Run the decode suite; returns the result document. ``progress(done, total, what)`` reports repeats.
     ``loaded``: the weights (``load_model(opts)``), when the caller shares one load between runs; ``references``:
     per prompt, the plain run's tokens (for replayed acceptance); ``tokens_out``, a list, receives each prompt's
     tokens of the last repeat; ``copy_bw``: the device's copy bandwidth (bytes/s) when the caller measured it
-    already (a machine's property, not the run's: on a CPU filling its 256 MiB buffer alone takes seconds)."""
+    already (a machine's property, not the run's: on a CPU filling its 256 MiB buffer alone takes seconds);
+    ``peer_out``, a list: a peer with a ``close`` (llama.cpp) is appended with its prompts, open, for the caller
+    to close."""
     if opts.engine_options.replay_acceptance is not None and references is None:
         raise ValueError("replayed acceptance needs a plain run on the same load first (its tokens are the "
                          "continuation drafts are replaced by)")
@@ -427,6 +438,10 @@ def run_decode(opts: DecodeOptions, progress=None, loaded=None, references=None,
         from .hf_peer import HFPeer
 
         runner = HFPeer.load(opts, loaded)
+    elif opts.engine == "llamacpp":
+        from .llamacpp_peer import LlamaCppPeer
+
+        runner = LlamaCppPeer.load(opts, loaded)
     else:
         from ..engine.runtime.engine import Engine
 
@@ -461,14 +476,20 @@ def run_decode(opts: DecodeOptions, progress=None, loaded=None, references=None,
             progress(opts.warmup + i + 1, opts.warmup + i + 1 if stopped else total, f"repeat {i + 1}")
         if stopped:
             break
-    peak = peak_memory_bytes(runner.device)
+    # a peer in a process of its own (llama.cpp): this process's peak says nothing of its memory
+    peak = None if getattr(runner, "worker", None) is not None else peak_memory_bytes(runner.device)
     bw = copy_bw or copy_bandwidth(runner.device)
     summary = summarize(records, weight_bytes=runner.weight_bytes_per_step, copy_bw=bw, peak=peak)
+    if peer_out is not None:  # the caller sets the peer against our engine before it is closed
+        peer_out.append((runner, prompts))
+    elif hasattr(runner, "close"):
+        runner.close()
     summary["repeats_stopped_by"] = stopped  # --repeats auto: max, target or budget; None for a fixed count
     config = recorded_config(opts)
     config["label"] = opts.label or opts.default_label()
     config["device"] = str(runner.device)
     config["dtype"] = str(runner.dtype).replace("torch.", "")
+    config.update(getattr(runner, "recorded", {}))  # what a peer ran with where our engine's options do not apply
     if getattr(runner, "replay", None) is not None:
         config["replay_profile"] = runner.replay.probs  # the per-position conditional acceptance replayed
     return make_result("decode", label=config["label"], config=config, records=records, summary=summary,
@@ -494,8 +515,18 @@ def run_matrix(runs: list[DecodeOptions], progress=None, done=None) -> list[dict
         if replay and partner is None:
             raise ValueError(f"{opts.label or opts.default_label()}: replayed acceptance needs a plain run on the "
                              "same workload before it")
-        tokens = [] if _plain(opts) else None
-        doc = run_decode(opts, progress, loaded=loaded, references=partner[1] if replay else None, tokens_out=tokens)
+        tokens = [] if _plain(opts) or opts.engine == "llamacpp" else None
+        peer = [] if opts.engine == "llamacpp" else None
+        doc = run_decode(opts, progress, loaded=loaded, references=partner[1] if replay else None, tokens_out=tokens,
+                         peer_out=peer)
+        if peer:
+            try:
+                ours = next((v for k, v in plain.items() if same_load(k, work)), None)
+                if ours is not None:
+                    doc["summary"]["agreement"] = peer_agreement(peer[0], loaded, ours, tokens, runs)
+            finally:
+                peer[0][0].close()
+            tokens = None
         free_device_memory()  # the run's engine (its caches, graphs and packed weights) is gone: give it back
         if tokens is not None:
             plain.setdefault(work, (doc, tokens))
@@ -505,6 +536,29 @@ def run_matrix(runs: list[DecodeOptions], progress=None, done=None) -> list[dict
         if done:
             done(doc)
     return docs
+
+
+def same_load(a: tuple, b: tuple) -> bool:
+    """Whether two :meth:`DecodeOptions.workload` keys decode the same weights, prompts and lengths (whatever the
+    runtime and switches: a peer is set against any plain run of ours on them)."""
+    return a[0] == b[0] and a[7:12] == b[7:12]
+
+
+def peer_agreement(peer, loaded, ours: tuple[dict, list], theirs: list[list[int]], runs: list[DecodeOptions]) -> dict:
+    """llama.cpp's agreement with our plain run on the same workload (``ours``: its document and tokens per
+    prompt): :func:`.llamacpp_peer.agreement`, with our engine's logits from a fresh engine of that run's options."""
+    from ..engine.runtime.engine import Engine
+    from .llamacpp_peer import agreement
+
+    runner, prompts = peer
+    doc, tokens = ours
+    mine = next(r for r in runs if (r.label or r.default_label()) == doc["label"])
+    engine = Engine(loaded, dataclasses.replace(mine.engine_options))
+    try:
+        return agreement(runner, engine.path_logits, prompts, tokens, theirs, doc["label"])
+    finally:
+        del engine
+        free_device_memory()
 
 
 def check_drafters(loaded, runs: list[DecodeOptions]) -> None:

@@ -226,9 +226,11 @@ def test_report_puts_the_verdict_first_and_the_environment_last(report):
 
 def test_report_checks_token_agreement(report):
     md = report[1].read_text()
-    # the plain runs share spec none, model and workload but not tokens
-    assert ("| hf-peer, base-v2-none, cand-v2-none, &lt;script&gt;alert(1)&lt;/script&gt; | abababababab, "
-            "eeeeeeeeeeee | DIFFER: &lt;script&gt;alert(1)&lt;/script&gt; vs hf-peer |") in md
+    # runs of one engine sharing spec none, model and workload: the peer's two differ, ours agree (a peer is never
+    # set against ours here)
+    assert ("| hf-peer, &lt;script&gt;alert(1)&lt;/script&gt; | abababababab, eeeeeeeeeeee | "
+            "DIFFER: &lt;script&gt;alert(1)&lt;/script&gt; vs hf-peer |") in md
+    assert "| base-v2-none, cand-v2-none | abababababab | equal |" in md
     assert "| base-v3-mtp-k3, cand-v3-mtp-k3 | abababababab | equal |" in md
     assert "| v3-dflash2-k7 | abababababab | single run |" in md
 
@@ -624,3 +626,16 @@ def test_decode_bars_lead_with_the_baseline_and_identical_lines_say_so(docs):
     assert names["base-v3-mtp-k3"] == "base-v3-mtp-k3 (baseline)"
     assert names["cand-v3-mtp-k3"] == "cand-v3-mtp-k3 (identical to base-v3-mtp-k3)"
     assert names["v3-dflash2-k7"] == "v3-dflash2-k7"
+
+
+def test_report_shows_a_peers_agreement_with_ours(tmp_path):
+    ours = decode_doc("v3-none", [90.0, 91.0, 89.0])
+    peer = decode_doc("llamacpp-peer", [50.0, 51.0, 49.0], engine="llamacpp", sha="cd" * 32)
+    peer["summary"]["agreement"] = {
+        "reference": "v3-none", "prompts": 64, "prompts_equal_to_bar": 58, "bar_tokens": 64, "prefix_tokens_min": 0,
+        "top1_agreement": 0.99834, "kl_mean": 6.3e-05, "kl_max": 1.9e-03, "per_prompt": []}
+    md = write_report([ours, peer], tmp_path)[1].read_text()
+    assert "### Peers against ours" in md
+    assert "| llamacpp-peer | v3-none | 58 / 64 (bar 64) | 0 | 0.9983 | 6.30e-05 / 1.90e-03 |" in md
+    assert "DIFFER" not in md  # another engine's tokens are not ours' to equal
+    assert "### Peers against ours" not in write_report([ours], tmp_path / "alone")[1].read_text()

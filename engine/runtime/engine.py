@@ -366,6 +366,20 @@ class Engine:
         out, _, _ = self.prefill(self.scratch_slot, list(ids), all_logits=True, media=media)
         return out.float().cpu()
 
+    @torch.inference_mode()
+    def path_logits(self, ids: list[int], start: int) -> torch.Tensor:
+        """fp32 logits ``[len(ids) - start, V]`` of positions ``start ..`` of one prefill of ``ids`` (the positions
+        before ``start`` prefilled without logits: a long prompt's rows are never all kept; for validation)."""
+        if not 0 <= start < len(ids):
+            raise ValueError(f"path_logits: start {start} outside the {len(ids)} ids")
+        self.check_fits(len(ids), 0)
+        self.check_ids(ids)
+        self.cache.reset(self.scratch_slot)
+        if start:
+            self.prefill(self.scratch_slot, list(ids[:start]))
+        out, _, _ = self.prefill(self.scratch_slot, list(ids[start:]), start, all_logits=True)
+        return out.float().cpu()
+
     def score(self, ids: list[int], top: int = 0) -> PromptScores:
         """Each token's log-probability given those before it, and the ``top`` most likely of each position, for
         ``ids`` prefilled chunk by chunk on the scratch slot (compact: no ``[T, V]`` rows are kept, see
