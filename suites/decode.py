@@ -422,6 +422,28 @@ def model_key(opts: DecodeOptions) -> tuple:
     return opts.model, opts.synthetic, opts.quant, opts.seed, opts.engine_options.device
 
 
+def timed_repeats(one, opts: DecodeOptions, progress=None) -> tuple[list[dict], str | None]:
+    """The timed repeats of a decode run after its warm-up: ``one()`` makes a record, ``opts.repeats`` times, or
+    with ``--repeats auto`` until :func:`auto_stop` says why to stop (returned beside the records; None for a fixed
+    count). ``progress(done, total, what)`` counts on from the warm-up's ``opts.warmup`` steps."""
+    auto = opts.repeats == "auto"
+    most = AUTO_MAX_REPEATS if auto else opts.repeats
+    total = opts.warmup + most
+    records, stopped, start = [], None, time.perf_counter()
+    for i in range(most):
+        rec = one()
+        rec["repeat"] = i
+        records.append(rec)
+        if auto:
+            stopped = auto_stop([r[AUTO_METRIC] for r in records], time.perf_counter() - start, opts.repeats_target,
+                                opts.repeats_budget_s)
+        if progress:
+            progress(opts.warmup + i + 1, opts.warmup + i + 1 if stopped else total, f"repeat {i + 1}")
+        if stopped:
+            break
+    return records, stopped
+
+
 def run_decode(opts: DecodeOptions, progress=None, loaded=None, references=None, tokens_out=None,
                copy_bw: float | None = None, peer_out: list | None = None) -> dict:
     """Run the decode suite; returns the result document. ``progress(done, total, what)`` reports repeats.
@@ -464,18 +486,7 @@ def run_decode(opts: DecodeOptions, progress=None, loaded=None, references=None,
         if progress:
             progress(i + 1, total, "warm-up")
     reset_peak_memory(runner.device)
-    records, stopped, start = [], None, time.perf_counter()
-    for i in range(most):
-        rec = run_once(runner, prompts, opts, references, tokens_out)
-        rec["repeat"] = i
-        records.append(rec)
-        if auto:
-            stopped = auto_stop([r[AUTO_METRIC] for r in records], time.perf_counter() - start, opts.repeats_target,
-                                opts.repeats_budget_s)
-        if progress:
-            progress(opts.warmup + i + 1, opts.warmup + i + 1 if stopped else total, f"repeat {i + 1}")
-        if stopped:
-            break
+    records, stopped = timed_repeats(lambda: run_once(runner, prompts, opts, references, tokens_out), opts, progress)
     # a peer in a process of its own (llama.cpp): this process's peak says nothing of its memory
     peak = None if getattr(runner, "worker", None) is not None else peak_memory_bytes(runner.device)
     bw = copy_bw or copy_bandwidth(runner.device)

@@ -384,7 +384,7 @@ def run_decode_url(opts: RemoteDecodeOptions, progress=None, tokenizer=None, cli
 
 
 def _run_decode_url(client, opts: RemoteDecodeOptions, progress, tokenizer, tok_info) -> dict:
-    from .decode import AUTO_MAX_REPEATS, AUTO_METRIC, auto_stop, summarize
+    from .decode import AUTO_MAX_REPEATS, summarize, timed_repeats
 
     d = opts.decode
     settings = server_settings(client, opts.url, opts.served_model)
@@ -397,18 +397,7 @@ def _run_decode_url(client, opts: RemoteDecodeOptions, progress, tokenizer, tok_
         _decode_once(client, opts, model, prompts[:1], tokenizer)
         if progress:
             progress(i + 1, total, "warm-up")
-    records, stopped, start = [], None, time.perf_counter()
-    for i in range(most):
-        rec = _decode_once(client, opts, model, prompts, tokenizer)
-        rec["repeat"] = i
-        records.append(rec)
-        if auto:
-            stopped = auto_stop([r[AUTO_METRIC] for r in records], time.perf_counter() - start, d.repeats_target,
-                                d.repeats_budget_s)
-        if progress:
-            progress(d.warmup + i + 1, d.warmup + i + 1 if stopped else total, f"repeat {i + 1}")
-        if stopped:
-            break
+    records, stopped = timed_repeats(lambda: _decode_once(client, opts, model, prompts, tokenizer), d, progress)
     summary = summarize(records, weight_bytes=None, copy_bw=None, peak=None)
     summary["repeats_stopped_by"] = stopped
     for key in ("itl_ms_p50", "itl_ms_p99"):
