@@ -1,4 +1,4 @@
-"""The artifact commands of ``ninfer-bench``: inspect, verify, convert, upgrade, export-gguf."""
+"""The artifact commands of ``ninfer-bench``: inspect, verify, convert, upgrade, export-gguf, export-tokenizer."""
 
 from __future__ import annotations
 
@@ -241,4 +241,27 @@ def export_gguf(model, out, synthetic, quant, seed, device):
     overwritten(out, existed)
 
 
-COMMANDS = (inspect, verify, convert, upgrade, export_gguf)
+@click.command("export-tokenizer")
+@click.argument("model")
+@click.argument("folder", type=click.Path(file_okay=False))
+def export_tokenizer(model, folder):
+    """Write MODEL's tokenizer (an artifact's, or a preset's byte tokenizer) into FOLDER as a Hugging Face tokenizer
+    that transformers' AutoTokenizer.from_pretrained(FOLDER) loads with no network: tokenizer.json,
+    tokenizer_config.json (end / padding tokens, the chat template) and special_tokens_map.json. It encodes and
+    decodes as the engine does (checked before writing); clients that tokenize for themselves (lm-evaluation-harness
+    local-completions, tokenizer_backend=huggingface) then send the server's own ids. No weight is read."""
+    from ..engine.artifact.tokenizer_export import FILES, tokenizer_source
+    from ..engine.artifact.tokenizer_export import export_tokenizer as do_export
+
+    check_output(folder, folder=True, parents=True)
+    tok, meta, data = tokenizer_source(model)
+    replaced = [name for name in FILES if (Path(folder) / name).exists()]
+    res = do_export(tok, folder, meta, data)
+    what = "the artifact's tokenizer.json" if res.kind == "tokenizer.json" else "the byte tokenizer as byte-level BPE"
+    console.print(f"[green]wrote[/] {folder} ({', '.join(res.files)}; {what}, {res.vocab:,} tokens, eos "
+                  f"{res.eos_token}, pad {res.pad_token})", highlight=False)
+    if replaced:
+        err_console.print(f"[yellow]note:[/] replaced {', '.join(replaced)} in {folder}", highlight=False)
+
+
+COMMANDS = (inspect, verify, convert, upgrade, export_gguf, export_tokenizer)

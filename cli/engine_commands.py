@@ -107,7 +107,7 @@ def generate(artifact, prompt, prompt_file, chat, max_new_tokens, temperature, t
               help="auto: the model's generation_config.json sampling defaults (temperature, top_p, top_k) fill what "
                    "a request leaves out, as vLLM does; none: the APIs' own (temperature 1, top_p 1, no top-k).")
 @click.option("--api-key", default=None, envvar="NINFER_BENCH_API_KEY",
-              help="Every /v1/ route wants this key (Authorization: Bearer KEY, or x-api-key: KEY, as the official "
+              help="Every /v1/ route, /metrics, /tokenize and /detokenize want this key (Authorization: Bearer KEY, or x-api-key: KEY, as the official "
                    "clients send it); also read from NINFER_BENCH_API_KEY.")
 @click.option("--insecure", is_flag=True, help="Serve beyond loopback (--host 0.0.0.0, ...) without an API key.")
 @click.option("--allowed-hosts", default="", help="Comma-separated Host names served besides loopback's (a loopback "

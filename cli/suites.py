@@ -7,12 +7,14 @@ from pathlib import Path
 
 import click
 from rich.table import Table
+from rich.text import Text
 
 from ..reports.tables import (
     concurrency_grid,
     decode_grid,
     decode_runs_grid,
     kernels_grid,
+    open_loop_grid,
 )
 from .common import (
     UserError,
@@ -280,6 +282,27 @@ def compare_table(docs: list[dict], same: dict[str, bool | None]) -> Table:
     return table
 
 
+class SloOption(click.Option):
+    """``--goodput ttft:500 tpot:50``, as vLLM takes it: the option also takes the ``NAME:MS`` words that follow
+    it (the command has no positional arguments for them to be)."""
+
+    def add_to_parser(self, parser, ctx) -> None:
+        super().add_to_parser(parser, ctx)
+        for name in self.opts:
+            opt = getattr(parser, "_long_opt", {}).get(name)
+            if opt is None or not hasattr(opt, "process"):
+                continue  # (another click: one NAME:MS a --goodput still works)
+            process = opt.process
+
+            def greedy(value, state, process=process):
+                words = [value]
+                while state.rargs and not state.rargs[0].startswith("-") and ":" in state.rargs[0]:
+                    words.append(state.rargs.pop(0))
+                process(" ".join(words) if isinstance(value, str) else value, state)
+
+            opt.process = greedy
+
+
 @click.command()
 @click.option("-c", "--concurrency", "levels", default="1,2,4,8", show_default=True,
               help="Comma-separated numbers of simultaneous clients.")
@@ -296,7 +319,27 @@ def compare_table(docs: list[dict], same: dict[str, bool | None]) -> Table:
               help="Prompt length in tokens, each client's prompt cut or repeated to it (--url: from the server's "
                    "own tokenization, sent as token ids; a server that returns no prompt_token_ids gets the texts "
                    "whole).")
-@click.option("--rounds", type=int, default=2, show_default=True, help="Rounds per level (samples).")
+@click.option("--rounds", type=int, default=None,
+              help="Rounds per level (samples) [default: 2]; open loop: times the schedule is sent [default: 1].")
+@click.option("--request-rate", default=None, metavar="R|inf",
+              help="Open loop (--url only), as vllm bench serve: send --num-prompts requests at seeded arrival times "
+                   "(R a second on average; inf: all at once) whether or not earlier ones finished.")
+@click.option("--burstiness", type=float, default=None,
+              help="Open loop: gamma shape of the gaps between arrivals (1: Poisson; below 1 burstier) [default: 1].")
+@click.option("--num-prompts", type=int, default=None,
+              help="Open loop: requests a round [default: the --dataset's lines, else 100].")
+@click.option("--seed", type=int, default=None, help="Open loop: seed of the arrival times [default: 0].")
+@click.option("--max-concurrency", "client_max_concurrency", type=int, default=None,
+              help="Open loop: requests in flight at most (a request whose time has come waits) [default: no cap].")
+@click.option("--dataset", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Open loop: JSONL prompts, an object a line with \"prompt\" (text) or \"prompt_ids\", optionally "
+                   "\"max_tokens\" or \"output_len\" (else -n); used in turn [default: the shipped prompts cut to "
+                   "--prompt-tokens].")
+@click.option("--goodput", cls=SloOption, multiple=True, metavar="NAME:MS...",
+              help="Open loop: SLOs (vLLM's ttft, tpot, e2el; ms) a good request meets, e.g. --goodput ttft:500 "
+                   "tpot:50; reports goodput, good requests a second.")
+@click.option("--percentiles", default=None,
+              help="Open loop: latency percentiles to show (vLLM's --metric-percentiles) [default: 50,90,99].")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
 @click.option("--kv-dtype", type=click.Choice(["fp32", "bf16", "fp16", "int8"]), default="int8", show_default=True)
 @click.option("--runtime", type=click.Choice(["v2", "v3"]), default="v3", show_default=True)
@@ -309,15 +352,22 @@ def compare_table(docs: list[dict], same: dict[str, bool | None]) -> Table:
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write the result document.")
 @output_options
 def concurrency(levels, url, served_model, model, synthetic, quant, spec, draft_tokens, max_new_tokens, prompt_tokens,
-                rounds, device, kv_dtype, runtime, max_context, prefill_chunk, interleave_chunk, label, json_path):
+                rounds, request_rate, burstiness, num_prompts, seed, client_max_concurrency, dataset, goodput,
+                percentiles, device, kv_dtype, runtime, max_context, prefill_chunk, interleave_chunk, label,
+                json_path):
     """C1/C2/C4/C8 throughput and latency, in-process (continuous batching) or against a server.
 
     With --url the engine is the server's: --model, --synthetic, --quant, --spec, -k, --device, --kv-dtype,
     --runtime, --max-context, --prefill-chunk and --interleave-chunk are refused (give them to `serve`), and the
-    result records the settings the server reports about itself, null for those it does not report."""
+    result records the settings the server reports about itself, null for those it does not report.
+
+    With --url and --request-rate the load is open-loop, as vllm bench serve sends it: requests at seeded arrival
+    times (--burstiness, --num-prompts, --seed, --max-concurrency), prompts from --dataset, goodput under --goodput
+    SLOs, and request / output token throughput and TTFT, TPOT, ITL and end-to-end latency (mean, median, std,
+    --percentiles) in vllm bench serve's summary table."""
     from click.core import ParameterSource
 
-    from ..suites.concurrency import ENGINE_FIELDS, ConcurrencyOptions, run_concurrency
+    from ..suites.concurrency import ENGINE_FIELDS, OPEN_LOOP_NEEDS_URL, ConcurrencyOptions, run_concurrency
 
     ctx = click.get_current_context()
     given = [p for p in ctx.command.params if ctx.get_parameter_source(p.name) is not ParameterSource.DEFAULT]
@@ -326,10 +376,23 @@ def concurrency(levels, url, served_model, model, synthetic, quant, spec, draft_
         raise UserError(f"{', '.join(engine_flags)} {'configures' if len(engine_flags) == 1 else 'configure'} the "
                         "in-process engine; with --url the server's own "
                         "settings apply (give them to `serve`), and the result records what the server reports")
+    names = {p.name for p in given}
+    if request_rate is not None:  # open loop: refused before any work where it cannot be
+        if not url:
+            raise UserError(OPEN_LOOP_NEEDS_URL)
+        if "levels" in names:
+            raise UserError("-c sets closed-loop clients; an open-loop run's cap on requests in flight is "
+                            "--max-concurrency")
+        if dataset and "prompt_tokens" in names:
+            raise UserError("--prompt-tokens cuts the shipped prompts; --dataset gives the prompts as they are")
     lv = tuple(int_list(levels, "-c"))
     check_output(json_path, parents=True)
+    open_loop = dict(request_rate=request_rate, burstiness=burstiness, num_prompts=num_prompts, seed=seed,
+                     client_max_concurrency=client_max_concurrency, dataset=dataset, goodput=goodput or None,
+                     percentiles=percentiles)
+    rounds = rounds if rounds is not None else 1 if request_rate is not None else 2
     opts = ConcurrencyOptions.make(levels=lv, url=url, served_model=served_model, max_new_tokens=max_new_tokens,
-                                   prompt_tokens=prompt_tokens, rounds=rounds, label=label,
+                                   prompt_tokens=prompt_tokens, rounds=rounds, label=label, **open_loop,
                                    **({} if url else dict(model=model, synthetic=synthetic, quant=quant, spec=spec,
                                                           draft_tokens=draft_tokens, device=device, kv_dtype=kv_dtype,
                                                           runtime=runtime, max_context=max_context,
@@ -338,12 +401,20 @@ def concurrency(levels, url, served_model, model, synthetic, quant, spec, draft_
     prog, update = suite_progress("concurrency")
     with prog:
         doc = run_concurrency(opts, progress=update)
-    show(concurrency_grid(doc))
-    if url and doc["config"]["prompt_tokens"] is None and "prompt_tokens" in {p.name for p in given}:
+    if opts.open_loop:
+        show(open_loop_grid(doc))
+        lv_ = doc["summary"]["levels"][0]
+        if lv_["failed"]:  # (the server's message as plain text: no markup in it is interpreted)
+            first = next(r["error"] for r in doc["records"] if r["error"])
+            err_console.print(Text.assemble((f"{lv_['failed']} of {lv_['requests']} requests failed", "bold red"),
+                                            f" (first: {first})"), highlight=False)
+    else:
+        show(concurrency_grid(doc))
+    if url and doc["config"]["prompt_tokens"] is None and "prompt_tokens" in names:
         err_console.print(f"[yellow]{url} returns no prompt_token_ids: the prompt texts went whole, not cut to "
                           f"--prompt-tokens {prompt_tokens}[/]")
     save_result(doc, json_path)
-    if not all(lv_["matches_sequential"] for lv_ in doc["summary"]["levels"]):
+    if any(lv_["matches_sequential"] is False for lv_ in doc["summary"]["levels"]):  # (open loop: not checked)
         raise UserError("concurrent greedy outputs differ from the sequential ones")
 
 

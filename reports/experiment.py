@@ -23,6 +23,8 @@ CONFIG_KEYS = (
     "prompt_file", "prompts", "images", "max_new_tokens", "temperature", "seed",  # the decode workload
     "ctxs", "depths", "answer_tokens", "cases", "near_tie",  # niah's cases and agreement rule
     "levels", "prompt_tokens",  # concurrency's load
+    # an open-loop concurrency run's (None in a closed-loop one: the two are never one experiment)
+    "request_rate", "burstiness", "num_prompts", "client_max_concurrency", "dataset", "goodput",
     "url", "tokens_from",  # a run against a server (--url): which one, and what its token hash hashes
 )
 # engine switches and capacities that change speed but not tokens (``--pdl off``, ``--prefill-chunk``, ...): also the
@@ -32,7 +34,8 @@ SETTING_KEYS = (
     "lookahead", "draft_graphs", "pdl", "side_stream", "silu_epilogue",  # decode's CUDA-graph switches
     "prefill_chunk", "interleave_chunk", "max_context", "kv_capacity", "max_concurrency", "synthetic", "ignore_eos",
 )
-PATH_KEYS = ("prompt_file", "images")  # compared by file name: where a checkout lies is no part of the experiment
+# compared by file name: where a checkout lies is no part of the experiment
+PATH_KEYS = ("prompt_file", "images", "dataset")
 MODEL_KEYS = ("artifact_id", "sha256", "model_id", "preset", "quant_policy", "config_sha256", "seed",
               "served_model")  # (the model name a --url run sent: the server's weights are not known otherwise)
 # env keys of the measurement's conditions, compared where timings are and both documents record them: a run pinned

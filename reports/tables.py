@@ -13,8 +13,8 @@ made from a row. The formats:
 Each row starts with where its run happened (:func:`run_context`: suite, label, created, git sha, model, device,
 GPU), so rows of many runs can be poured into one file or table. The suites' grids: :func:`decode_grid` (one run)
 and :func:`decode_runs_grid` (a row a run; their console tables are ``cli.suites``' decode_table and compare_table),
-:func:`concurrency_grid` (a row per level), :func:`kernels_grid` (a row per record), :func:`niah_grid` (a row per
-case).
+:func:`concurrency_grid` (a row per level; an open-loop run: :func:`open_loop_grid`, vllm bench serve's summary),
+:func:`kernels_grid` (a row per record), :func:`niah_grid` (a row per case).
 """
 
 from __future__ import annotations
@@ -317,12 +317,65 @@ def concurrency_grid(doc: dict) -> Grid:
             _pair("TTFT p50/p99 ms", "ttft_ms_p50", "ttft_ms_p99", ".1f"),
             _pair("TPOT p50/p99 ms", "tpot_ms_p50", "tpot_ms_p99", ".2f"),
             _pair("ITL p50/p99 ms", "itl_ms_p50", "itl_ms_p99", ".2f"), _col("e2e p50 ms", "e2e_ms_p50", ".0f"),
-            Column("= sequential", lambda r: styled("yes", "green") if r["matches_sequential"]
-                   else styled("NO", "red"))]
+            Column("= sequential", lambda r: Text("-") if r["matches_sequential"] is None  # (open loop: not run)
+                   else styled("yes", "green") if r["matches_sequential"] else styled("NO", "red"))]
     return Grid("concurrency", f"concurrency: {doc['label']} ({engine})", cols, rows,
                 caption="agg tok/s: output tokens / round wall time (first request sent to last one finished, "
                         "queueing and prefill included), the same at every level; steady tok/s: while every "
                         "client decodes at once (-: never, e.g. more clients than slots)")
+
+
+OPEN_LOOP_CONFIG = ("request_rate", "burstiness", "num_prompts", "client_max_concurrency", "seed", "dataset",
+                    "max_new_tokens", "prompt_tokens", "rounds", "max_concurrency", "spec", "url")
+OPEN_LOOP_LATENCIES = (("ttft_ms", "TTFT", "Time to First Token"),
+                       ("tpot_ms", "TPOT", "Time per Output Token (excl. 1st token)"),
+                       ("itl_ms", "ITL", "Inter-token Latency"), ("e2e_ms", "E2EL", "End-to-end Latency"))
+
+
+def open_loop_grid(doc: dict) -> Grid:
+    """An open-loop concurrency result (``config.request_rate`` set): one row (the run's settings, and its level's
+    scalars), shown as vllm bench serve's summary: counts, throughputs, goodput, then mean, median, std and the
+    chosen percentiles of TTFT, TPOT, ITL and end-to-end latency (ms)."""
+    from rich.table import Table
+
+    c, lv = doc.get("config") or {}, doc["summary"]["levels"][0]
+    row = {**run_context(doc), **{k: c.get(k) for k in OPEN_LOOP_CONFIG},
+           **{k: v for k, v in lv.items() if _scalar(v)}}
+    rate = c.get("request_rate")
+    rounds = c.get("rounds") or 1
+    per = f" (median of {rounds} rounds)" if rounds > 1 else ""
+    slos = c.get("goodput") or {}
+    table = Table(title=Text(f"serving benchmark: {doc['label']} (open loop)"), show_header=False)
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    cap = c.get("client_max_concurrency")
+    lines = [("Successful requests", str(lv["completed"])), ("Failed requests", str(lv["failed"])),
+             ("Request rate configured (RPS)", "inf" if rate == "inf" else fmt(rate)),
+             ("Burstiness factor", f"{c.get('burstiness'):g}" + (" (Poisson process)" if c.get("burstiness") == 1
+                                                                else "")),
+             ("Maximum request concurrency", "-" if cap is None else str(cap)),
+             (f"Benchmark duration (s){per}", fmt(lv["duration_s"])),
+             ("Total input tokens", str(lv["total_input_tokens"])),
+             ("Total generated tokens", str(lv["total_output_tokens"])),
+             (f"Request throughput (req/s){per}", fmt(lv["request_throughput"]))]
+    if slos:
+        bounds = ", ".join(f"{k} <= {v:g} ms" for k, v in slos.items())
+        lines += [(f"Request goodput (req/s){per}", fmt(lv["goodput"])),
+                  ("Good requests (SLOs)", f"{lv['good_requests']} ({bounds})")]
+    lines += [(f"Output token throughput (tok/s){per}", fmt(lv["output_throughput"])),
+              ("Peak concurrent requests", str(lv["peak_in_flight"])),
+              (f"Total token throughput (tok/s){per}", fmt(lv["total_token_throughput"]))]
+    for k, v in lines:
+        table.add_row(k, v)
+    qs = lv.get("percentiles") or [50, 90, 99]
+    for key, short, title in OPEN_LOOP_LATENCIES:
+        table.add_section()
+        table.add_row(Text(title, style="bold"), "")
+        stats = [("Mean", f"{key}_mean"), ("Median", f"{key}_median"), ("Std", f"{key}_std")]
+        stats += [(f"P{q:g}", f"{key}_p" + f"{q:g}".replace(".", "_")) for q in qs]
+        for name, k in stats:
+            table.add_row(f"{name} {short} (ms)", fmt(lv.get(k)))
+    return Grid("concurrency_open_loop", f"serving benchmark: {doc['label']} (open loop)", [], [row], rich=table)
 
 
 def kernels_grid(doc: dict) -> Grid:

@@ -79,7 +79,7 @@ for stage in "$@"; do
     tests)   # one process per file, all at once (correctness only, no timing): a kernel fault poisons its own
              # CUDA context, not the other files
              for f in ${TEST_FILES:-test_kernels_qmv_cuda test_kernels_qlinear test_kernels_fused test_kernels_attention \
-                      test_kernels_gdn_triton test_kernels_gdn test_fastpath test_cuda_engine test_suite_kernels}; do
+                      test_kernels_gdn_triton test_kernels_gdn test_fastpath test_cuda_engine test_suite_kernels test_sampler}; do
                timeout ${TESTS_S:-200} python3 -m pytest -p no:cacheprovider --durations=3 tests/$f.py > "$OUT/$f.log" 2>&1 &
              done
              wait

@@ -20,6 +20,10 @@ refused, and the result's ``config`` records what the server reports about itsel
 for every engine setting it does not report, never this client's defaults. Prompts are cut to ``prompt_tokens``
 from the server's own tokenization (``prompt_token_ids`` of ``return_token_ids``) and sent as token ids; a server
 that does not return them gets the texts whole, and ``config.prompt_tokens`` is None.
+
+``--url --request-rate R`` makes the load open-loop, as ``vllm bench serve`` sends it (``suites/open_loop.py``):
+requests at seeded arrival times whatever the earlier ones did, one level in the summary. In-process runs are
+closed-loop only (the scheduler is stepped by its caller: arrivals would wait for its steps).
 """
 
 from __future__ import annotations
@@ -40,6 +44,14 @@ from .remote import httpx_module, itl_samples, server_errors, server_prompt_ids,
 # recorded from the server (or None) instead
 OWN_ENGINE_FIELDS = ("model", "synthetic", "quant")
 ENGINE_FIELDS = OWN_ENGINE_FIELDS + tuple(f.name for f in fields(EngineOptions))
+# the options of an open-loop run (suites/open_loop.py), all None in a closed-loop one
+OPEN_LOOP_FIELDS = ("burstiness", "num_prompts", "seed", "client_max_concurrency", "dataset", "goodput",
+                    "percentiles")
+OPEN_LOOP_NEEDS_URL = ("--request-rate sends open-loop load over HTTP: it needs --url (run `ninfer-bench serve` and "
+                       "point --url at it); an in-process run is closed-loop (-c)")
+OPEN_LOOP_FLAGS = {"client_max_concurrency": "--max-concurrency"}
+DEFAULT_NUM_PROMPTS = 100
+DEFAULT_PERCENTILES = "50,90,99"
 
 
 @dataclass(slots=True)
@@ -59,8 +71,18 @@ class ConcurrencyOptions:
     prompt_tokens: int = 256
     label: str | None = None
     timeout_s: float = 600.0
+    # open loop (suites/open_loop.py; --url only): None for a closed-loop run, which records them so
+    request_rate: float | str | None = None  # requests a second, or "inf"
+    burstiness: float | None = None  # gamma shape of the gaps (default 1: Poisson)
+    num_prompts: int | None = None  # requests a round (default: the dataset's lines, else 100)
+    seed: int | None = None  # of the arrival times (default 0)
+    client_max_concurrency: int | None = None  # --max-concurrency: requests in flight at most (None: no cap)
+    dataset: str | None = None  # JSONL prompts (else the shipped prompts cut to prompt_tokens)
+    goodput: dict | None = None  # {"ttft" | "tpot" | "e2el": ms}
+    percentiles: tuple[float, ...] | None = None  # reported besides p50 and p99 (default 50, 90, 99)
 
     def __post_init__(self) -> None:
+        self._open_loop()
         self.levels = tuple(sorted({int(c) for c in self.levels}))
         if not self.levels or self.levels[0] < 1:
             raise ValueError(f"concurrency levels must be positive integers, got {self.levels}")
@@ -82,12 +104,54 @@ class ConcurrencyOptions:
         elif self.served_model is not None:
             raise ValueError("served-model names the model sent to a server: it needs --url")
 
+    def _open_loop(self) -> None:
+        """Resolve and check the open-loop options; a closed-loop run has none of them."""
+        from .open_loop import parse_goodput, parse_percentiles, parse_rate, read_dataset
+
+        given = [OPEN_LOOP_FLAGS.get(k, f"--{k.replace('_', '-')}") for k in OPEN_LOOP_FIELDS
+                 if getattr(self, k) is not None]
+        if self.request_rate is None:
+            if given:
+                verb = "configures" if len(given) == 1 else "configure"
+                raise ValueError(f"{', '.join(given)} {verb} an open-loop run: it needs --request-rate")
+            return
+        if self.url is None:
+            raise ValueError(OPEN_LOOP_NEEDS_URL)
+        self.request_rate = parse_rate(self.request_rate)
+        self.burstiness = 1.0 if self.burstiness is None else float(self.burstiness)
+        if not self.burstiness > 0:
+            raise ValueError(f"--burstiness {self.burstiness:g}: a positive gamma shape (1: Poisson)")
+        self.seed = 0 if self.seed is None else int(self.seed)
+        if self.dataset is not None:
+            lines = len(read_dataset(self.dataset))
+            self.num_prompts = lines if self.num_prompts is None else self.num_prompts
+        self.num_prompts = DEFAULT_NUM_PROMPTS if self.num_prompts is None else int(self.num_prompts)
+        if self.num_prompts < 1:
+            raise ValueError(f"--num-prompts {self.num_prompts}: at least one request")
+        if self.client_max_concurrency is not None and int(self.client_max_concurrency) < 1:
+            raise ValueError(f"--max-concurrency {self.client_max_concurrency}: at least 1")
+        self.goodput = parse_goodput(self.goodput) if not isinstance(self.goodput, dict) else \
+            parse_goodput([f"{k}:{v}" for k, v in self.goodput.items()])
+        self.goodput = self.goodput or None
+        self.percentiles = parse_percentiles(DEFAULT_PERCENTILES if self.percentiles is None else self.percentiles)
+        # the one "level": the most requests the client lets be in flight
+        self.levels = (min(self.num_prompts, self.client_max_concurrency or self.num_prompts),)
+        if self.dataset is not None:
+            self.prompt_tokens = None  # the dataset's prompts go as they are
+
+    @property
+    def open_loop(self) -> bool:
+        return self.request_rate is not None
+
     @classmethod
     def make(cls, **kw) -> "ConcurrencyOptions":
         """Options from one flat set of keywords: the suite's fields, the rest :class:`EngineOptions`'."""
         return split_options(cls, kw)
 
     def default_label(self) -> str:
+        if self.url and self.open_loop:  # another experiment than the closed loop's: another file in a folder
+            rate = self.request_rate if self.request_rate == "inf" else f"{self.request_rate:g}"
+            return f"server-{self.url.split('//')[-1]}-rate{rate}"
         if self.url:
             return f"server-{self.url.split('//')[-1]}"
         eo = self.engine_options
@@ -258,8 +322,52 @@ def _run_against_url(opts: ConcurrencyOptions, httpx, progress=None):
     return records, baseline, {"url": url, "served_model": model}, settings
 
 
+def _run_open_loop(opts: ConcurrencyOptions, httpx, progress=None):
+    """An open-loop run against ``opts.url`` (suites/open_loop.py): (records, level summary, model, settings)."""
+    from .open_loop import read_dataset, run_rounds
+
+    url = opts.url.rstrip("/")
+    n = opts.num_prompts
+    workers = min(n, opts.client_max_concurrency or n)
+    limits = httpx.Limits(max_connections=workers, max_keepalive_connections=workers)
+    with httpx.Client(limits=limits) as client:  # (httpx's default pool of 100 would cap the load unasked)
+        settings = server_settings(client, url, opts.served_model)
+        model = settings["served_model"]
+        if opts.dataset is not None:
+            lines = read_dataset(opts.dataset)
+            items = [{**lines[i % len(lines)], "max_tokens": lines[i % len(lines)]["max_tokens"] or
+                      opts.max_new_tokens} for i in range(n)]
+            settings["prompt_tokens"] = None
+        else:  # the closed loop's prompts, cut to --prompt-tokens from the server's own tokenization
+            texts = prompt_texts(n)
+            known = {t: server_prompt_ids(client, url, model, t, opts.timeout_s) for t in dict.fromkeys(texts)}
+            cut = all(x is not None for x in known.values())
+            items = [{"id": f"p{i}", "prompt": exact_length(known[t], opts.prompt_tokens) if cut else t,
+                      "max_tokens": opts.max_new_tokens} for i, t in enumerate(texts)]
+            settings["prompt_tokens"] = opts.prompt_tokens if cut else None
+        settings["prompt_format"] = ",".join(sorted({"ids" if isinstance(x["prompt"], list) else "text"
+                                                     for x in items}))
+        stream_completion(client, url, model, items[0]["prompt"], 4, opts.timeout_s)  # warm-up
+        records, level = run_rounds(client, url, model, items, opts, progress)
+    return records, level, {"url": url, "served_model": model}, settings
+
+
 def run_concurrency(opts: ConcurrencyOptions, progress=None) -> dict:
-    """Run every level; returns the result document."""
+    """Run every level (an open-loop run: its schedule, as one level); returns the result document."""
+    if opts.open_loop:
+        httpx = httpx_module()
+        with server_errors(opts.url):
+            records, level, model, settings = _run_open_loop(opts, httpx, progress)
+        settings = {**dict.fromkeys(ENGINE_FIELDS), **settings, "device": "server"}
+        settings.pop("served_model")
+        config = {**recorded_config(opts), **settings, "label": opts.label or opts.default_label()}
+        config["ignore_eos"] = True
+        summary = {"levels": [level], "mode": "open-loop",
+                   "throughput": "open loop: requests sent at seeded arrival times whatever the earlier ones did; "
+                                 "aggregate_tok_s = output_throughput: output tokens / (first arrival to last "
+                                 "finish), the median over rounds; goodput: requests meeting every SLO / that time"}
+        return make_result("concurrency", label=config["label"], config=config, records=records, summary=summary,
+                           model=dict(model))
     if opts.url:
         records, baseline, model, settings = run_against_url(opts, progress)
         settings = {**dict.fromkeys(ENGINE_FIELDS), **settings, "device": "server"}  # never this client's defaults

@@ -12,7 +12,8 @@ implementations (suites/kernels.py says what the variants are and what a record 
   conv        the GDN depthwise causal conv1d with its state
   norm        zero-centred RMSNorm over the hidden size; gated RMSNorm per GDN head
   glue        kernels/fused.py, when it imports: add + RMSNorm, SiLU * up, the attention prologue
-  sampling    temperature / top-k / top-p over the vocabulary; reference: the distribution in fp64
+  sampling    temperature / top-k / top-p over the vocabulary, every row in one batched call (the engine's
+              sample_rows); reference: the distribution in fp64
 
 Importing this module registers them (``suites/kernel_registry.py`` imports both family modules).
 """
@@ -22,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..engine.sampling import SamplingParams, probs, select
+from ..engine.sampling import RowSampling, SamplingParams, batch_probs, sample_rows
 from ..kernels.attention import attention
 from ..kernels.attention_triton import decode_attention, decode_attention_ref
 from ..kernels.attention_triton import triton_available as attention_triton_available
@@ -307,8 +308,8 @@ def _probs_fp64(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 def _sampling(ctx: KernelContext, t: int, _param) -> Case:
     vocab = ctx.cfg.vocab_size
     logits = ctx.randn(t, vocab, gen=ctx.generator("sample.logits", t), dtype=F32, scale=3.0)  # [T, V] fp32
-    draws = ctx.generator("sample.draws", t)
-    run = Impl(lambda: select(logits, SAMPLING, draws), "engine.sampling.select (one path in both runtimes)",
-               check=lambda: probs(logits, SAMPLING))
+    rows = RowSampling.make([SAMPLING] * t, list(range(t)), [0] * t, logits.device)  # a step's rows, made once
+    run = Impl(lambda: sample_rows(logits, rows), "engine.sampling.sample_rows (one path in both runtimes)",
+               check=lambda: batch_probs(logits, rows))
     return Case([t, vocab], t * vocab * 4 + t * 8, lambda: _probs_fp64(logits, SAMPLING), {"v2": run, "v3": run},
                 {"temperature": SAMPLING.temperature, "top_k": SAMPLING.top_k, "top_p": SAMPLING.top_p})

@@ -54,6 +54,11 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
 
+    def id_to_token(self, tid: int) -> str | None:
+        """The vocabulary string of ``tid`` (byte-level BPE: ``Ġ`` for a space, as Hugging Face's
+        ``convert_ids_to_tokens``); None for an id the tokenizer has no token for."""
+        return self.backend.id_to_token(tid)
+
     @property
     def special_ids(self) -> frozenset[int]:
         """Ids of the added tokens marked special (chat markers, end tokens, the mask): control, not text."""
@@ -90,6 +95,17 @@ def load_tokenizer_json(data: bytes, vocab_size: int):
 
 def _raise(message):
     raise ValueError(message)
+
+
+def _byte_chars() -> tuple[str, ...]:
+    """GPT-2's byte-level alphabet: byte b -> a printable character (byte-level BPE vocabularies are written in it)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+            *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    shifted = iter(range(256, 512))
+    return tuple(chr(b) if b in keep else chr(next(shifted)) for b in range(256))
+
+
+BYTE_CHARS = _byte_chars()
 
 
 class ByteTokenizer:
@@ -137,14 +153,23 @@ class ByteTokenizer:
             if t < 256:
                 buf.append(t)
                 continue
+            if t not in names:  # an id with no token is no text, and does not split the bytes around it
+                continue
             out.append(buf.decode("utf-8", errors="replace"))
             buf = bytearray()
-            out.append(names.get(t, ""))
+            out.append(names[t])
         out.append(buf.decode("utf-8", errors="replace"))
         return "".join(out)
 
     def token_to_id(self, token: str) -> int | None:
         return self.specials.get(token)
+
+    def id_to_token(self, tid: int) -> str | None:
+        """A byte's byte-level character (GPT-2's table, what the exported tokenizer.json names it), a special's
+        name; None for an id with no token."""
+        if 0 <= tid < min(256, self._vocab):
+            return BYTE_CHARS[tid]
+        return next((tok for tok, i in self.specials.items() if i == tid), None)
 
     @property
     def special_ids(self) -> frozenset[int]:

@@ -20,7 +20,7 @@ from ..model.hybrid import DECODE, PREFILL, HybridModel, Step
 from ..model.rotary import column_axes
 from ..model.vision import encode_items
 from ..model.weights import WeightStore
-from ..sampling import SamplingParams, make_generator, select
+from ..sampling import RowSampling, SamplingParams, make_generator, sample_rows
 from ..spec.loop import speculative_round
 from .chain import chainable, decode_chained
 from .delay import step_delay
@@ -223,7 +223,8 @@ class Engine:
         gen = None if params.greedy else make_generator(params.seed, self.device)
         slot = self.free_slots.pop(0)
         self.cache.reset(slot)
-        return Sequence(slot=slot, prompt=list(prompt), params=params, generator=gen, media=media)
+        seed = params.seed if params.seed is not None else gen.initial_seed() if gen is not None else 0
+        return Sequence(slot=slot, prompt=list(prompt), params=params, generator=gen, sample_seed=seed, media=media)
 
     # ---- media -------------------------------------------------------------------------------------
     def load_media(self, kind: str, source, budget: MediaBudget | None = None) -> MediaInput:
@@ -450,7 +451,7 @@ class Engine:
         if final:
             row = self.model.logits(hidden[0, -1:])[0]
             keep_logprobs(seq, row)
-            seq.tokens.append(int(select(row, seq.params, seq.generator)))
+            seq.tokens.append(int(self.pick([seq], row[None])[0]))
         if self.drafter:
             self.drafter.begin(seq, start, hidden[0], torch.cat([t[0] for t in tap_out], dim=-1) if taps else None)
         if final:
@@ -484,15 +485,23 @@ class Engine:
         if self.step_delay:  # queued behind the step's kernels, before its token is read
             self.step_delay()
         last = logits[:, -1]
-        picked = last.argmax(-1)  # greedy rows; sampling rows draw below from their own generators
         for r, s in enumerate(live):
             keep_logprobs(s, last[r])
-            if not s.params.greedy:
-                picked[r] = select(last[r], s.params, s.generator)
+        picked = self.pick(live, last)
         for s, tok in zip(live, picked.tolist()):  # one device-to-host read for the whole batch
             s.length += 1
             s.tokens.append(tok)
             self.stops.finish(s)
+
+    def pick(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
+        """The next token of each of ``seqs`` from its row of ``logits [B, V]``, every row in one batched call
+        (``sampling.sample_rows``): the argmax for a greedy row; for a sampling row draw ``len(seq.tokens)`` of its
+        request's stream (``seq.sample_seed``): a seeded request's tokens do not depend on what it is batched with."""
+        if all(s.params.greedy for s in seqs):
+            return logits.argmax(-1)
+        rows = RowSampling.make([s.params for s in seqs], [s.sample_seed for s in seqs], [len(s.tokens) for s in seqs],
+                                self.device)
+        return sample_rows(logits, rows).tokens
 
     def release(self, seq: Sequence) -> None:
         if self.drafter is not None:

@@ -18,7 +18,8 @@ class Sequence:
     slot: int
     prompt: list[int]
     params: SamplingParams
-    generator: torch.Generator | None = None
+    generator: torch.Generator | None = None  # speculative rounds' draws (acceptance, drafting)
+    sample_seed: int = 0  # the seed of the request's sampling stream (sampling.sample_rows): params.seed or fresh
     tokens: list[int] = field(default_factory=list)
     length: int = 0  # tokens whose state is in the cache
     finish_reason: str | None = None

@@ -10,6 +10,8 @@ Endpoints::
     POST   /v1/messages/count_tokens    Anthropic prompt token count
     GET    /v1/sessions                 retained sessions: id, tokens, bytes
     DELETE /v1/sessions/{id}            forget a session (404 when unknown)
+    POST   /tokenize, /detokenize       vLLM's tokenizer routes, in its shapes (:mod:`.tokenize_api`)
+    GET    /metrics                     Prometheus metrics: requests, tokens, queue, latencies, speculation (.metrics)
 
 Sampling: ``temperature``, ``top_p``, ``max_tokens``, ``stop`` (Anthropic ``stop_sequences``), ``seed``,
 ``top_k`` (0, or on the OpenAI routes -1 as vLLM and SGLang take it: no limit). What a request leaves out of
@@ -90,15 +92,16 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 
 from ..runtime.engine import Engine
-from . import anthropic_api, openai_api
+from . import anthropic_api, openai_api, tokenize_api
 from .engine_thread import Backend
 from .guard import AccessGuard, AccessPolicy, is_loopback
 from .http import EXPECTED, ApiError, api_error, error_response, is_anthropic
+from .metrics import METRICS_PATH, CountRequests
 from .sessions import quoted
 
 log = logging.getLogger("ninfer_bench.server")
@@ -196,6 +199,8 @@ def create_app(backend: Backend, max_body: int, policy: AccessPolicy | None = No
     app.state.backend = backend
     if policy is not None:
         app.add_middleware(AccessGuard, policy=policy)
+    if backend.metrics is not None:  # added last, so outermost: the guard's refusals are counted too
+        app.add_middleware(CountRequests, metrics=backend.metrics, routes=app.router.routes)
 
     async def on_error(request: Request, err: Exception):
         return error_response(request, api_error(err, is_anthropic(request.url.path)))
@@ -229,8 +234,16 @@ def create_app(backend: Backend, max_body: int, policy: AccessPolicy | None = No
             raise ApiError(404, f"session {quoted(sid)} not found", code="session_not_found")
         return {"id": sid, "object": "session", "deleted": True}
 
+    @app.get(METRICS_PATH, include_in_schema=False)  # Prometheus text, not a JSON API route (.metrics)
+    async def metrics():
+        if backend.metrics is None:
+            raise ApiError(501, "metrics need prometheus-client (pip install -e '.[serve]')")
+        body, kind = backend.metrics.render()
+        return Response(body, media_type=kind)
+
     openai_api.register(app, backend, max_body)
     anthropic_api.register(app, backend, max_body)
+    tokenize_api.register(app, backend, max_body)
     return app
 
 

@@ -21,6 +21,7 @@ from ..runtime.engine import CapacityError, ContextOverflow, Engine
 from ..runtime.scheduler import QueueFull, Scheduler
 from ..sampling import SamplingParams
 from .logprobs import TokenLogprob, prompt_token_logprobs, token_logprobs
+from .metrics import server_metrics
 from .sessions import Session, SessionStore, check_session_id, quoted
 
 log = logging.getLogger("ninfer_bench.server")
@@ -192,6 +193,7 @@ class Generation:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.text, self.req, self.state, self.admitted_at = "", None, None, None
         self.finished = self.cancelled = False
+        self.track = backend.metrics.track() if backend.metrics is not None else None  # its figures for /metrics
 
     @property
     def expected_cached(self) -> int:
@@ -224,7 +226,15 @@ class Generation:
             rows = req.seq.logprobs[:len(ids)]
             del req.seq.logprobs[:len(ids)]
             entries = token_logprobs(rows, ids, self.top_logprobs)
+        if self.track is not None:
+            self.track.tokens(req, len(ids))
         self._post((ids, entries))
+
+    def _ended(self, req) -> None:
+        """Engine thread: the request ended (its figures recorded, then the end posted)."""
+        if self.track is not None:
+            self.track.done(req)
+        self._post(None)
 
     def _post(self, item) -> None:
         try:
@@ -236,7 +246,7 @@ class Generation:
     def submit(self) -> None:
         """Queue the request (CapacityError, QueueFull)."""
         self.req = self.backend.scheduler.submit(
-            self.prompt, self.params, on_tokens=self._tokens, on_done=lambda r: self._post(None),
+            self.prompt, self.params, on_tokens=self._tokens, on_done=self._ended,
             prefix=self._prefix, state_hook=self._keep, media=self.media)
         self.backend.active.add(self)
 
@@ -371,6 +381,9 @@ class Backend:
         self.created = int(time.time())
         self.active: set[Generation] = set()
         self._thread: threading.Thread | None = None
+        # /metrics (None without prometheus-client); the speculative counters only with a drafter
+        self.metrics = server_metrics(lambda: self.scheduler.load,
+                                      (engine.options.draft_tokens or 0) if engine.drafter is not None else 0)
 
     def sampling(self, temperature, top_p, top_k, max_temperature: float | None = None) -> dict:
         """A request's temperature / top_p / top_k, with what it leaves out from the model's generation config (then

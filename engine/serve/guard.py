@@ -1,7 +1,9 @@
 """Who may talk to the server, checked before any route sees a request (an ASGI middleware):
 
 - **API key** (``serve --api-key``): every ``/v1/`` route wants it, as OpenAI's ``Authorization: Bearer KEY`` or
-  Anthropic's ``x-api-key: KEY`` (what the official clients send), compared in constant time; ``/health`` stays open.
+  Anthropic's ``x-api-key: KEY`` (what the official clients send), compared in constant time; so do ``/metrics``,
+  ``/tokenize`` and ``/detokenize`` (vLLM serves those without its key: here they are guarded, the conservative
+  choice; a Prometheus scrape sends the key as ``authorization: {credentials: KEY}``). ``/health`` stays open.
   A bind beyond loopback needs a key, or ``--insecure`` to say that an open server is meant.
 - **Host** (DNS rebinding): a loopback bind answers only requests whose ``Host`` names loopback (``localhost``,
   ``127.0.0.1``, ``[::1]``) or one of ``--allowed-hosts``: a web page whose own name was made to resolve to
@@ -25,6 +27,7 @@ from .http import ApiError, error_body, is_anthropic
 
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 CORS_HEADERS = "authorization, content-type, x-api-key, x-session-id, anthropic-version, anthropic-beta"
+KEYED_PATHS = frozenset({"/metrics", "/tokenize", "/detokenize"})  # outside /v1/, yet behind the API key
 
 
 def is_loopback(host: str) -> bool:
@@ -36,6 +39,12 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(name).is_loopback
     except ValueError:
         return False
+
+
+def needs_key(path: str) -> bool:
+    """Whether a request to ``path`` must carry the API key (when the server has one): every ``/v1/`` route, and the
+    ones outside it that read the model or the traffic (vLLM leaves these open; here the key guards them too)."""
+    return path.startswith("/v1/") or path in KEYED_PATHS
 
 
 def host_name(header: str) -> str:
@@ -96,7 +105,7 @@ class AccessGuard:
                 return await _send(send, 204, b"", cors + [
                     (b"access-control-allow-methods", b"GET, POST, DELETE, OPTIONS"),
                     (b"access-control-allow-headers", CORS_HEADERS.encode()), (b"access-control-max-age", b"600")])
-        if p.api_key is not None and path.startswith("/v1/") and not p.key_ok(headers):
+        if p.api_key is not None and needs_key(path) and not p.key_ok(headers):
             anthropic = is_anthropic(path)
             msg = "invalid x-api-key" if anthropic else "Incorrect API key provided (serve --api-key): send it as " \
                                                         "Authorization: Bearer KEY"

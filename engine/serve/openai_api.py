@@ -146,7 +146,8 @@ def content_text(content, where: str, media: list | None = None) -> str:
     return out
 
 
-def render_chat(backend: Backend, messages: list[Message], media: list | None = None) -> str:
+def render_chat(backend: Backend, messages: list[Message], media: list | None = None,
+                add_generation_prompt: bool = True) -> str:
     for i, m in enumerate(messages):  # the template would drop a past call and show an empty assistant turn
         call = next((k for k in ("tool_calls", "function_call") if (m.model_extra or {}).get(k)), None)
         if call is not None:
@@ -154,7 +155,7 @@ def render_chat(backend: Backend, messages: list[Message], media: list | None = 
     turns = [{"role": "system" if m.role == "developer" else m.role,
               "content": content_text(m.content, f"messages[{i}].content", media)} for i, m in enumerate(messages)]
     try:
-        return backend.engine.tokenizer.apply_chat_template(turns, add_generation_prompt=True)
+        return backend.engine.tokenizer.apply_chat_template(turns, add_generation_prompt=add_generation_prompt)
     except Exception as e:  # the template's own raise_exception, or a Jinja error on odd input
         raise ApiError(400, f"the chat template rejected the messages: {e}", param="messages") from None
 
