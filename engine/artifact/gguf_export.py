@@ -210,19 +210,6 @@ def gguf_array(raw, plan: Plan) -> tuple[np.ndarray, str]:
 # ---- tokenizer ---------------------------------------------------------------------------------------------------
 
 
-def _byte_chars() -> list[str]:
-    """GPT-2's byte -> printable character table (how byte-level BPE vocabularies spell bytes)."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
-    table, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            table[b] = chr(b)
-        else:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return [table[b] for b in range(256)]
-
-
 @dataclass
 class Vocab:
     tokens: list[str]
@@ -256,13 +243,13 @@ def _pre_tokenizer(pre: dict | None) -> str:
 def gguf_vocab(tokenizer, vocab_size: int) -> Vocab:
     """The GGUF vocabulary of an engine tokenizer (tokenizers' byte-level BPE, or the byte tokenizer), padded to
     the model's ``vocab_size`` with unused tokens."""
-    from .tokenizer import ByteTokenizer
+    from .tokenizer import BYTE_CHARS, ByteTokenizer
 
     normal, control, user, unused = 1, 3, 4, 5  # gguf.TokenType
     eos_ids = tuple(getattr(tokenizer, "eos_ids", ()) or ())
     template = getattr(tokenizer, "chat_template", "") or ""
     if isinstance(tokenizer, ByteTokenizer):
-        tokens = _byte_chars()[:min(256, vocab_size)]
+        tokens = list(BYTE_CHARS[:min(256, vocab_size)])
         types = [normal] * len(tokens)
         specials = sorted(tokenizer.specials.items(), key=lambda kv: kv[1])
         for tok, tid in specials:

@@ -113,17 +113,24 @@ def raw_weight(art: Artifact, name: str) -> RawWeight:
     return RawWeight(info.format, tuple(info.shape), art.raw(name))
 
 
+def text_config(art: Artifact, path) -> ModelConfig:
+    """The validated config of the artifact's ``text`` component (ValueError naming ``path`` when it has none or
+    it does not validate)."""
+    text = (art.components or {}).get("text")
+    if not text:
+        raise ValueError(f"{path}: artifact has no text component")
+    try:
+        return ModelConfig.from_dict(dict(text["config"]))
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{path}: text component: {e}") from None
+
+
 def text_of(art: Artifact, path) -> tuple[ModelConfig, dict[str, RawWeight]]:
     """The text model's config and weights (with the MTP head's when the artifact has an ``mtp`` component, and a
     stored tied ``lm_head``), the configs validated and the tensors checked against them."""
     comps = art.components or {}
     text, mtp = comps.get("text"), comps.get("mtp")
-    if not text:
-        raise ValueError(f"{path}: artifact has no text component")
-    try:
-        cfg = ModelConfig.from_dict(dict(text["config"]))
-    except (KeyError, TypeError, ValueError) as e:
-        raise ValueError(f"{path}: text component: {e}") from None
+    cfg = text_config(art, path)
     names = list(text.get("tensors", []))
     if mtp:
         mcfg = mtp.get("config")

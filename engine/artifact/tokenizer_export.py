@@ -22,7 +22,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..model.config import PRESETS, ModelConfig, preset
+from ..model.config import PRESETS, preset
 from .tokenizer import BYTE_CHARS, ByteTokenizer, Tokenizer
 
 # texts the written tokenizer must encode and decode exactly as the engine's (specials, multi-byte characters,
@@ -53,7 +53,7 @@ class ExportedTokenizer:
 def tokenizer_source(source: str | None) -> tuple[object, dict, bytes | None]:
     """(engine tokenizer, artifact metadata, the artifact's tokenizer.json bytes or None) of what ``--model`` names -
     an artifact path or a preset, the bundled model when None - without reading any weight."""
-    from .loader import default_model, tokenizer_of
+    from .loader import default_model, text_config, tokenizer_of
     from .reader import Artifact
 
     source = source or default_model()
@@ -63,13 +63,7 @@ def tokenizer_source(source: str | None) -> tuple[object, dict, bytes | None]:
     if not path.is_file():
         raise ValueError(f"no such model: {source!r} (an artifact path, or a preset: {', '.join(sorted(PRESETS))})")
     with Artifact.open(path) as art:
-        text = (art.components or {}).get("text")
-        if not text:
-            raise ValueError(f"{path}: artifact has no text component")
-        try:
-            cfg = ModelConfig.from_dict(dict(text["config"]))
-        except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"{path}: text component: {e}") from None
+        cfg = text_config(art, path)
         meta = dict(art.metadata or {})
         name = meta.get("tokenizer")
         return tokenizer_of(art, cfg), meta, bytes(art.blob(name)) if name else None
