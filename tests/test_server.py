@@ -405,7 +405,6 @@ def test_unimplemented_fields_refused_harmless_ones_accepted(server):
         ("/v1/chat/completions", {"modalities": ["text", "audio"]}, "modalities"),
         ("/v1/chat/completions", {"reasoning_effort": "high"}, "reasoning_effort"),
         ("/v1/chat/completions", {"web_search_options": {}}, "web_search_options"),
-        ("/v1/chat/completions", {"min_p": 0.1}, "min_p"),  # vLLM's extension, at a value that asks for something
         ("/v1/completions", {"repetition_penalty": 1.2}, "repetition_penalty"),
         ("/v1/chat/completions", {"top_a": 0.5}, "top_a"),  # a field neither API nor the usual servers have
         ("/v1/chat/completions", {"best_of": 1}, "best_of"),  # a /v1/completions field only
@@ -483,6 +482,11 @@ def test_vllm_style_top_k_and_stream_options(server):
                                             ).choices[0].token_ids == off
     chat = {"model": server.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     assert check_error(server.post("/v1/chat/completions", {**chat, "top_k": -2}), 400, False)["param"] == "top_k"
+    # vLLM's min_p: 1 keeps only the likeliest token, so sampling at any temperature decodes the greedy tokens
+    greedy = server.openai.completions.create(**{**sampled, "temperature": 0.0}).choices[0].token_ids
+    assert server.openai.completions.create(**{**sampled, "temperature": 1.5, "extra_body": {
+        "return_token_ids": True, "min_p": 1.0}}).choices[0].token_ids == greedy
+    assert check_error(server.post("/v1/chat/completions", {**chat, "min_p": 1.5}), 400, False)["param"] == "min_p"
     err = check_error(server.post("/v1/chat/completions", {**chat, "stream": True, "stream_options": {
         "include_usage": True, "continuous_usage_stats": True}}), 400, False)
     assert err["param"] == "stream_options" and "continuous_usage_stats" in err["message"]
@@ -525,9 +529,11 @@ def test_sampling_defaults_come_from_the_generation_config():
     from ninfer_bench.engine.serve.engine_thread import Backend, generation_defaults
     from ninfer_bench.engine.serve.app import create_app
 
-    gen = {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20, "repetition_penalty": 1.05}
+    gen = {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.05,
+           "repetition_penalty": 1.05}
     assert generation_defaults({"generation_config": gen}) == (
-        {"temperature": 0.6, "top_p": 0.95, "top_k": 20}, ["repetition_penalty 1.05: not implemented"])
+        {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.05}, ["repetition_penalty 1.05: not implemented"])
+    assert generation_defaults({"generation_config": {"min_p": 1.5}}) == ({}, ["min_p 1.5: out of range"])
     assert generation_defaults({"generation_config": {"temperature": -1, "top_p": 0, "top_k": 2.5}}) == (
         {}, ["temperature -1: out of range", "top_p 0: out of range", "top_k 2.5: out of range"])
     assert generation_defaults({}) == ({}, [])

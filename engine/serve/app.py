@@ -42,7 +42,8 @@ lm-evaluation-harness's ``local-completions`` loglikelihood requests use.
 Not supported, and refused with a 400 naming the field rather than ignored (the tables of :mod:`.openai_api` and
 :mod:`.anthropic_api`): tools and function calling, ``suffix``, ``best_of`` other than ``n``, ``logit_bias``,
 presence / frequency penalties, a ``response_format`` other than text, audio output, reasoning and thinking
-settings, web search, and vLLM's ``repetition_penalty`` / ``min_p`` / ``length_penalty`` / ``use_beam_search``;
+settings, web search, and vLLM's ``repetition_penalty`` / ``length_penalty`` / ``use_beam_search`` (its ``min_p`` is
+implemented);
 each is accepted with the value that asks for nothing. A field the route does not know is refused as unknown, as
 OpenAI and Anthropic refuse it; fields that change nothing a client gets back (``user``, ``metadata``, ``store``,
 ``service_tier``, prompt-cache hints, ...) are accepted and ignored.

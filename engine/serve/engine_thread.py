@@ -62,7 +62,7 @@ MAX_STOPS, MAX_STOP_CHARS = 16, 1000  # stop strings a request may give, and cha
 
 
 def sampling_params(max_tokens: int, temperature, top_p, top_k, seed, stop, ignore_eos,
-                    logprobs: bool = False, prompt_logprobs: int | None = None) -> SamplingParams:
+                    logprobs: bool = False, prompt_logprobs: int | None = None, min_p: float = 0.0) -> SamplingParams:
     if stop is not None and not isinstance(stop, str) and not all(isinstance(s, str) for s in stop):
         raise BadRequest("stop must be a string or a list of strings", "stop")
     stops = [stop] if isinstance(stop, str) else list(stop or ())
@@ -71,19 +71,21 @@ def sampling_params(max_tokens: int, temperature, top_p, top_k, seed, stop, igno
                          "stop")
     try:
         return SamplingParams(max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                              seed=seed, stop=tuple(stops), ignore_eos=bool(ignore_eos), logprobs=logprobs,
+                              min_p=min_p, seed=seed, stop=tuple(stops), ignore_eos=bool(ignore_eos),
+                              logprobs=logprobs,
                               prompt_logprobs=prompt_logprobs)
     except ValueError as e:
         raise BadRequest(str(e)) from None
 
 
-GENERATION_DEFAULTS = {"temperature": (0.0, 2.0), "top_p": (0.0, 1.0), "top_k": (0, None)}  # key: accepted range
-API_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}  # both APIs', where the model's config is silent
+GENERATION_DEFAULTS = {"temperature": (0.0, 2.0), "top_p": (0.0, 1.0), "top_k": (0, None),
+                       "min_p": (0.0, 1.0)}  # key: accepted range
+API_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0}  # where the model's config is silent
 
 
 def generation_defaults(meta: dict) -> tuple[dict, list[str]]:
-    """The sampling defaults a model's ``generation_config.json`` sets (temperature, top_p, top_k: what vLLM takes
-    from it, ``do_sample`` aside) and a line for each value it gives that is ignored (out of range, or a setting
+    """The sampling defaults a model's ``generation_config.json`` sets (temperature, top_p, top_k, min_p: what vLLM
+    takes from it, ``do_sample`` aside) and a line for each value it gives that is ignored (out of range, or a setting
     this server does not implement, such as a repetition penalty)."""
     gen = meta.get("generation_config") or {}
     out, ignored = {}, []
@@ -97,8 +99,7 @@ def generation_defaults(meta: dict) -> tuple[dict, list[str]]:
             out[key] = int(v) if key == "top_k" else float(v)
         else:
             ignored.append(f"{key} {v!r}: out of range")
-    for key, noop in (("repetition_penalty", 1.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0),
-                      ("min_p", 0.0)):
+    for key, noop in (("repetition_penalty", 1.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0)):
         if gen.get(key) not in (None, noop):
             ignored.append(f"{key} {gen[key]!r}: not implemented")
     return out, ignored
@@ -385,12 +386,12 @@ class Backend:
         self.metrics = server_metrics(lambda: self.scheduler.load,
                                       (engine.options.draft_tokens or 0) if engine.drafter is not None else 0)
 
-    def sampling(self, temperature, top_p, top_k, max_temperature: float | None = None) -> dict:
-        """A request's temperature / top_p / top_k, with what it leaves out from the model's generation config (then
-        the APIs' own: 1, 1, no top-k); top_k -1 is vLLM's "no limit", as 0 here. ``max_temperature``: the highest
-        the route's API takes; a default above it is lowered to it (a generation config's 1.5 samples at 1 on the
-        Anthropic route, whose requests may ask 0-1)."""
-        given = {"temperature": temperature, "top_p": top_p, "top_k": top_k}
+    def sampling(self, temperature, top_p, top_k, max_temperature: float | None = None, min_p=None) -> dict:
+        """A request's temperature / top_p / top_k / min_p, with what it leaves out from the model's generation
+        config (then the APIs' own: 1, 1, no top-k, no min-p); top_k -1 is vLLM's "no limit", as 0 here.
+        ``max_temperature``: the highest the route's API takes; a default above it is lowered to it (a generation
+        config's 1.5 samples at 1 on the Anthropic route, whose requests may ask 0-1)."""
+        given = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p}
         out = {k: v if v is not None else self.sampling_defaults.get(k, API_DEFAULTS[k]) for k, v in given.items()}
         out["top_k"] = max(out["top_k"], 0)
         if max_temperature is not None:

@@ -43,7 +43,6 @@ SHARED = {"presence_penalty": ((None, 0, 0.0), NO_PENALTY),
           "logit_bias": ((None, {}), "biasing token logits is not implemented by this server"),
           # vLLM / llama.cpp sampling extensions that scripts written for those servers send at their no-op values
           "repetition_penalty": ((None, 1, 1.0), "repetition penalties are not implemented by this server (only 1)"),
-          "min_p": ((None, 0, 0.0), "min-p sampling is not implemented by this server (only 0)"),
           "length_penalty": ((None, 1, 1.0), "length penalties are not implemented by this server (only 1)"),
           "use_beam_search": ((None, False), "beam search is not implemented by this server")}
 CHAT_UNSUPPORTED = {
@@ -92,6 +91,7 @@ class _Generate(BaseModel):
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)  # -1: no limit, as vLLM and SGLang take it (scripts for them send it)
+    min_p: float | None = Field(None, ge=0, le=1)  # vLLM's: keep tokens at least min_p times the likeliest's
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=-2**63, le=2**63 - 1)
     n: int | None = None
@@ -198,7 +198,7 @@ async def start(request: Request, backend: Backend, body: _Generate, sources: li
     if unknown is not None:
         raise ApiError(400, f"stream_options.{unknown[:SHOWN_CHARS]}: not an option this server implements "
                             f"(include_usage, include_obfuscation)", param="stream_options")
-    sampling = dict(backend.sampling(body.temperature, body.top_p, body.top_k), stop=body.stop,
+    sampling = dict(backend.sampling(body.temperature, body.top_p, body.top_k, min_p=body.min_p), stop=body.stop,
                     ignore_eos=body.ignore_eos, top_logprobs=top_logprobs(body))
     gens: list[Generation] = []
     try:
