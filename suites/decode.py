@@ -143,13 +143,17 @@ class DecodeOptions:
         replay = "-replay" if spec and eo.replay_acceptance is not None else ""
         return f"{eo.runtime}-{eo.spec}{k}{head}{off}{replay}"
 
+    def load(self) -> tuple:
+        """The weights, prompts and lengths a run decodes (whatever engine, runtime and switches decode them): what
+        a peer and our plain run it is set against share."""
+        return model_key(self), self.prompt_file, self.prompts, tuple(self.images), self.max_new_tokens, self.ignore_eos
+
     def workload(self) -> tuple:
-        """What a speculative run and its plain partner share: the weights, the runtime and its numerics, the
-        prompts and lengths, and the kernel switches of the step."""
+        """What a speculative run and its plain partner share: :meth:`load`, the runtime and its numerics, and the
+        kernel switches of the step."""
         eo = self.engine_options
-        return (model_key(self), eo.runtime, eo.dtype, eo.kv_dtype, eo.max_context, eo.kv_capacity, eo.prefill_chunk,
-                self.prompt_file, self.prompts, tuple(self.images), self.max_new_tokens, self.ignore_eos, eo.pdl,
-                eo.side_stream, eo.silu_epilogue)
+        return (self.load(), eo.runtime, eo.dtype, eo.kv_dtype, eo.max_context, eo.kv_capacity, eo.prefill_chunk,
+                eo.pdl, eo.side_stream, eo.silu_epilogue)
 
 
 def _spec_summary(rec: dict) -> dict:
@@ -532,7 +536,7 @@ def run_matrix(runs: list[DecodeOptions], progress=None, done=None) -> list[dict
                          peer_out=peer)
         if peer:
             try:
-                ours = next((v for k, v in plain.items() if same_load(k, work)), None)
+                ours = next((v for k, v in plain.items() if k[0] == work[0]), None)  # the same load()
                 if ours is not None:
                     doc["summary"]["agreement"] = peer_agreement(peer[0], loaded, ours, tokens, runs)
             finally:
@@ -547,12 +551,6 @@ def run_matrix(runs: list[DecodeOptions], progress=None, done=None) -> list[dict
         if done:
             done(doc)
     return docs
-
-
-def same_load(a: tuple, b: tuple) -> bool:
-    """Whether two :meth:`DecodeOptions.workload` keys decode the same weights, prompts and lengths (whatever the
-    runtime and switches: a peer is set against any plain run of ours on them)."""
-    return a[0] == b[0] and a[7:12] == b[7:12]
 
 
 def peer_agreement(peer, loaded, ours: tuple[dict, list], theirs: list[list[int]], runs: list[DecodeOptions]) -> dict:

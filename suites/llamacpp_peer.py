@@ -12,6 +12,7 @@ CPU, so small differences are expected; they are reported, not hidden.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -31,13 +32,12 @@ from ..engine.runtime.sequence import GenerationResult
 AGREE_PREFIX = 64  # the tokens two greedy runs should share (the issue's bar: >= 64 on most prompts)
 
 
-def llama_cpp_module():
-    try:
-        import llama_cpp
-    except ImportError:
+def require_llama_cpp() -> None:
+    """The clear error where llama-cpp-python is not installed, found without importing it: an import loads
+    llama.cpp's libraries (its CUDA ones too) into this process, which is what the worker process is for."""
+    if importlib.util.find_spec("llama_cpp") is None:
         raise ValueError("--engine llamacpp needs llama-cpp-python: pip install 'ninfer-bench[peers]' (built from "
-                         "source; CMAKE_ARGS=\"-DGGML_CUDA=on\" for a CUDA build)") from None
-    return llama_cpp
+                         "source; CMAKE_ARGS=\"-DGGML_CUDA=on\" for a CUDA build)")
 
 
 WORKER = Path(__file__).with_name("llamacpp_worker.py")
@@ -88,13 +88,13 @@ class LlamaCppPeer:
     surface."""
 
     def __init__(self, worker: Worker, info: dict, loaded, gguf_path: Path, device: torch.device, workdir,
-                 export_s: float, threads: int | None):
+                 export_s: float, threads: int | None, given: bool):
         self.worker, self.info, self.loaded, self.gguf_path, self.device = worker, info, loaded, gguf_path, device
         self.tokenizer, self.config = loaded.tokenizer, loaded.config
         self.dtype = "gguf"
         self.recorded = {"runtime": "llama.cpp", "kv_dtype": "f16"}  # its own runtime, its default K/V cache type
         self._workdir, self.export_s, self.threads = workdir, export_s, threads
-        self.given = None if Path(workdir.name) in gguf_path.parents else str(gguf_path)  # --llamacpp-gguf
+        self.given = given  # --llamacpp-gguf: an earlier export, checked (not written by this run)
         self.n_vocab = info["n_vocab"]
 
     @classmethod
@@ -102,7 +102,7 @@ class LlamaCppPeer:
         """The peer for a decode run's options: the weights exported to a temporary GGUF file, loaded with every
         layer on the GPU when the run's device is CUDA (a llama.cpp built with CUDA), else on the CPU with our
         engine's thread count."""
-        llama_cpp_module()  # the clear error before any export
+        require_llama_cpp()  # before any export
         device = opts.engine_options.torch_device
         if loaded is None:
             loaded = load_source(opts.model, synthetic=opts.synthetic, quant=opts.quant, seed=opts.seed,
@@ -131,7 +131,7 @@ class LlamaCppPeer:
             worker.close()
             workdir.cleanup()
             raise
-        return cls(worker, info, loaded, path, device, workdir, export_s, threads)
+        return cls(worker, info, loaded, path, device, workdir, export_s, threads, bool(opts.llamacpp_gguf))
 
     def close(self) -> None:
         if self.worker is not None:
@@ -158,7 +158,7 @@ class LlamaCppPeer:
     def model_info(self) -> dict:
         return {**self.loaded.info, "engine": "llama.cpp", "llama_cpp_python": self.info["version"],
                 "gguf_bytes": self.gguf_path.stat().st_size,
-                "gguf_export_s" if self.given is None else "gguf_check_s": round(self.export_s, 3),
+                "gguf_check_s" if self.given else "gguf_export_s": round(self.export_s, 3),
                 "gpu_offload": self.info["gpu_offload"], "n_ctx": self.info["n_ctx"], "threads": self.threads}
 
     def generate(self, prompt_ids, max_new_tokens: int = 256, ignore_eos: bool = True, **_) -> GenerationResult:

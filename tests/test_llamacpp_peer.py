@@ -4,8 +4,7 @@ without it; the option checks run everywhere."""
 
 from __future__ import annotations
 
-import builtins
-import sys
+import importlib.util
 from pathlib import Path
 
 import numpy as np
@@ -33,17 +32,10 @@ def test_grid_places_the_peer_after_ours_and_refuses_what_it_cannot_run():
 def test_missing_llama_cpp_is_one_clear_line(monkeypatch):
     from ninfer_bench.suites import llamacpp_peer
 
-    real = builtins.__import__
-
-    def no_llama(name, *a, **kw):
-        if name == "llama_cpp":
-            raise ImportError("no llama_cpp")
-        return real(name, *a, **kw)
-
-    monkeypatch.delitem(sys.modules, "llama_cpp", raising=False)
-    monkeypatch.setattr(builtins, "__import__", no_llama)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llama_cpp" else real(name, *a))
     with pytest.raises(ValueError, match=r"pip install 'ninfer-bench\[peers\]'"):
-        llamacpp_peer.llama_cpp_module()
+        llamacpp_peer.require_llama_cpp()
 
 
 def test_llamacpp_beside_ours_on_the_bundled_model():

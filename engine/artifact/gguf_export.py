@@ -87,8 +87,8 @@ def tensor_plans(cfg: ModelConfig, names: set[str]) -> list[Plan]:
     reorder = hk != hv
     per_k = hv // hk
 
-    def v_rows(size: int, head: int) -> np.ndarray | None:
-        return (_tiled(hk, per_k, head) if reorder else None) if size else None
+    def v_rows(head: int) -> np.ndarray | None:  # value heads of ``head`` entries each, grouped -> tiled
+        return _tiled(hk, per_k, head) if reorder else None
 
     plans = [Plan("model.embed_tokens.weight", "token_embd.weight"),
              Plan("model.norm.weight", "output_norm.weight", op="plus_one")]
@@ -110,14 +110,14 @@ def tensor_plans(cfg: ModelConfig, names: set[str]) -> list[Plan]:
             qk = 2 * hk * dk
             qkv_rows = (np.concatenate([np.arange(qk), qk + _tiled(hk, per_k, dv)]) if reorder else None)
             plans += [Plan(a + "in_proj_qkv.weight", b + "attn_qkv.weight", rows=qkv_rows),
-                      Plan(a + "in_proj_z.weight", b + "attn_gate.weight", rows=v_rows(1, dv)),
-                      Plan(a + "in_proj_b.weight", b + "ssm_beta.weight", rows=v_rows(1, 1)),
-                      Plan(a + "in_proj_a.weight", b + "ssm_alpha.weight", rows=v_rows(1, 1)),
+                      Plan(a + "in_proj_z.weight", b + "attn_gate.weight", rows=v_rows(dv)),
+                      Plan(a + "in_proj_b.weight", b + "ssm_beta.weight", rows=v_rows(1)),
+                      Plan(a + "in_proj_a.weight", b + "ssm_alpha.weight", rows=v_rows(1)),
                       Plan(a + "conv1d.weight", b + "ssm_conv1d.weight", rows=qkv_rows, op="squeeze_conv"),
-                      Plan(a + "A_log", b + "ssm_a", rows=v_rows(1, 1), op="neg_exp"),
-                      Plan(a + "dt_bias", b + "ssm_dt.bias", rows=v_rows(1, 1)),
+                      Plan(a + "A_log", b + "ssm_a", rows=v_rows(1), op="neg_exp"),
+                      Plan(a + "dt_bias", b + "ssm_dt.bias", rows=v_rows(1)),
                       Plan(a + "norm.weight", b + "ssm_norm.weight"),
-                      Plan(a + "out_proj.weight", b + "ssm_out.weight", cols=v_rows(1, dv))]
+                      Plan(a + "out_proj.weight", b + "ssm_out.weight", cols=v_rows(dv))]
         m = p + "mlp."
         plans += [Plan(m + "gate_proj.weight", b + "ffn_gate.weight"), Plan(m + "up_proj.weight", b + "ffn_up.weight"),
                   Plan(m + "down_proj.weight", b + "ffn_down.weight")]
@@ -131,16 +131,15 @@ def tensor_plans(cfg: ModelConfig, names: set[str]) -> list[Plan]:
 def _float_array(raw, plan: Plan) -> tuple[np.ndarray, str]:
     """An fp32 / bf16 tensor, transformed and permuted: (array, ggml type). bf16 stays bf16 unless an fp32
     operation applies (then F32, as llama.cpp's converter writes it)."""
-    t = raw.dense(torch.float32).cpu() if plan.op else None
-    if plan.op == "plus_one":
-        t = t + 1.0
-    elif plan.op == "neg_exp":
-        t = -torch.exp(t)
-    elif plan.op == "squeeze_conv":
-        t = t.reshape(t.shape[0], t.shape[-1])
-    if t is not None or raw.fmt == "fp32":
-        arr = (t if t is not None else raw.dense(torch.float32).cpu()).numpy()
-        kind = "F32"
+    if plan.op or raw.fmt == "fp32":
+        t = raw.dense(torch.float32).cpu()
+        if plan.op == "plus_one":
+            t = t + 1.0
+        elif plan.op == "neg_exp":
+            t = -torch.exp(t)
+        elif plan.op == "squeeze_conv":
+            t = t.reshape(t.shape[0], t.shape[-1])
+        arr, kind = t.numpy(), "F32"
     else:  # bf16 as stored: its bits as uint16
         arr = raw.buf.cpu().reshape(-1).contiguous().view(torch.int16).numpy().view(np.uint16).reshape(raw.shape)
         kind = "BF16"
@@ -157,9 +156,7 @@ def ggml_blocks(raw, rows: np.ndarray | None = None) -> tuple[np.ndarray, str]:
     its nibbles, a Q4_0 byte codes j, j+16 of its block; q5's low nibbles likewise (+16, low four bits), and its high
     bits section already holds, per 32 codes, the little-endian uint32 ``qh`` of Q5_0. A group of 64 gives its scale
     to both of its blocks."""
-    n, k = raw.shape
-    if k % BLOCK:
-        raise ExportError(f"K = {k} is not a multiple of {BLOCK}: ggml's blocks cannot hold it exactly")
+    n, k = raw.shape  # (k a multiple of BLOCK: ggml_type checks it)
     group = quant.QSPEC[raw.fmt][0]
     sec = quant.sections(raw.buf.cpu().contiguous(), raw.fmt, (n, k))
     if rows is not None:
@@ -183,8 +180,6 @@ def ggml_blocks(raw, rows: np.ndarray | None = None) -> tuple[np.ndarray, str]:
 
 
 def _quant_array(raw, plan: Plan) -> tuple[np.ndarray, str]:
-    if len(raw.shape) != 2:
-        raise ExportError(f"{plan.src}: a quantized tensor of shape {tuple(raw.shape)} (GGUF takes 2-D ones)")
     out, kind = ggml_blocks(raw, plan.rows)
     if plan.cols is not None:
         cols = plan.cols.reshape(-1, BLOCK)
@@ -196,15 +191,27 @@ def _quant_array(raw, plan: Plan) -> tuple[np.ndarray, str]:
     return np.ascontiguousarray(out), kind
 
 
-def gguf_array(raw, plan: Plan) -> tuple[np.ndarray, str]:
-    """(array to write, ggml type name) of one planned tensor; quantized arrays are block bytes."""
+def ggml_type(raw, plan: Plan) -> str:
+    """The ggml type one planned tensor is written as (an fp32 operation makes F32), or ExportError where it
+    cannot be written exactly."""
     if raw.fmt in quant.QSPEC:
         if plan.op:
             raise ExportError(f"{plan.src} is stored {raw.fmt}; its export needs an fp32 operation ({plan.op})")
-        return _quant_array(raw, plan)
+        if len(raw.shape) != 2:
+            raise ExportError(f"{plan.src}: a quantized tensor of shape {tuple(raw.shape)} (GGUF takes 2-D ones)")
+        if raw.shape[-1] % BLOCK:
+            raise ExportError(f"{plan.src}: K = {raw.shape[-1]} is not a multiple of {BLOCK}: ggml's "
+                              f"{GGML_TYPE_OF[raw.fmt]} blocks cannot hold it exactly")
+        return GGML_TYPE_OF[raw.fmt]
     if raw.fmt not in quant.FLOAT_FORMATS:
         raise ExportError(f"{plan.src}: unknown format {raw.fmt!r}")
-    return _float_array(raw, plan)
+    return "F32" if plan.op else GGML_TYPE_OF[raw.fmt]
+
+
+def gguf_array(raw, plan: Plan) -> tuple[np.ndarray, str]:
+    """(array to write, ggml type name) of one planned tensor; quantized arrays are block bytes."""
+    ggml_type(raw, plan)
+    return _quant_array(raw, plan) if raw.fmt in quant.QSPEC else _float_array(raw, plan)
 
 
 # ---- tokenizer ---------------------------------------------------------------------------------------------------
@@ -354,10 +361,7 @@ def export_gguf(loaded, out: str | os.PathLike, *, progress=None) -> ExportResul
     shapes = []
     for plan in plans:  # the tensor table first (sizes without the data), then the data a tensor at a time
         raw = raws[plan.src]
-        kind = GGML_TYPE_OF[raw.fmt] if raw.fmt in quant.QSPEC or not plan.op else "F32"
-        if raw.fmt in quant.QSPEC and raw.shape[-1] % BLOCK:
-            raise ExportError(f"{plan.src}: K = {raw.shape[-1]} is not a multiple of {BLOCK}: ggml's "
-                              f"{kind} blocks cannot hold it exactly")
+        kind = ggml_type(raw, plan)
         shape = (raw.shape[0], raw.shape[-1]) if plan.op == "squeeze_conv" else tuple(raw.shape)
         qtype = getattr(gguf.GGMLQuantizationType, kind)
         bsize, tsize = gguf.GGML_QUANT_SIZES[qtype]
@@ -394,9 +398,6 @@ def export_gguf(loaded, out: str | os.PathLike, *, progress=None) -> ExportResul
     return ExportResult(str(out), len(plans), out.stat().st_size, types, skipped, vocab.pre)
 
 
-SPOT_CHECKS = 3  # tensors compared by same_weights: the first, a middle and the last of the file's table
-
-
 def same_weights(loaded, path: str | os.PathLike) -> str | None:
     """Whether the GGUF file at ``path`` holds ``loaded``'s weights as :func:`export_gguf` writes them: None when
     it does, else why not. The tensor table must match the export's names, types and shapes, and three tensors (the
@@ -417,7 +418,10 @@ def same_weights(loaded, path: str | os.PathLike) -> str | None:
     for i, plan in enumerate(plans):
         t = tensors[plan.dst]
         raw = loaded.raws[plan.src]
-        want = GGML_TYPE_OF[raw.fmt] if raw.fmt in quant.QSPEC or not plan.op else "F32"
+        try:
+            want = ggml_type(raw, plan)
+        except ExportError as e:
+            return f"{path}: this model cannot be exported exactly ({e})"
         if t.tensor_type.name != want:
             return f"{path}: {plan.dst} is {t.tensor_type.name}, this model's export writes {want}"
         if i in picks:
