@@ -101,6 +101,9 @@ def repeats_count(ctx, param, value) -> int | str:
 @click.option("--llamacpp-gguf", type=click.Path(dir_okay=False), default=None,
               help="--engine llamacpp: run llama.cpp on this export-gguf file of the same weights (checked against "
                    "them) instead of exporting them again.")
+@click.option("--llamacpp-flash-attn/--no-llamacpp-flash-attn", default=None,
+              help="--engine llamacpp: llama.cpp's flash attention [default: on with CUDA, as llama.cpp's own auto "
+                   "picks it there; off on the CPU]. A build with -DGGML_CUDA_FA=OFF needs --no-llamacpp-flash-attn.")
 @click.option("--no-baseline", is_flag=True,
               help="Run a speculative run alone: without it, each gets a plain run on the same load first and the "
                    "speed-up over it beside its result.")
@@ -118,8 +121,8 @@ def decode(model, engines, specs, draft_tokens, rollbacks, lm_head_draft, prompt
     Comma-separated --engine, --runtime, --spec, --rollback and --lm-head-draft run every combination in one
     process, the weights loaded once (as llama-bench runs its grid), and end with a side-by-side table.
 
-    The on / off switches (--lookahead, --draft-graphs, --pdl, --side-stream, --silu-epilogue) change only runs on
-    CUDA: off is refused on a CPU."""
+    The on / off switches (--lookahead, --draft-graphs, --pdl, --side-stream, --prefill-graphs, --silu-epilogue)
+    change only runs on CUDA: off is refused on a CPU."""
     url, served_model = options.pop("url"), options.pop("served_model")
     if url is not None or served_model is not None:  # against a server (cli/remote.py, suites/remote.py)
         from .remote import decode_url

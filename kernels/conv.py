@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["causal_conv1d_ref", "causal_conv1d", "causal_conv1d_states"]
+__all__ = ["causal_conv1d_ref", "causal_conv1d", "causal_conv1d_states", "causal_conv1d_state_at"]
 
 _ACTIVATIONS = ("silu", None)
 
@@ -87,6 +87,17 @@ def causal_conv1d_states(x, weight, state=None):
     xx = torch.cat([head, x.to(dtype)], dim=1)  # [B, W-1+T, C], exact copies of the inputs
     # window i of length W-1 starts at xx[i]; the state after position t is window t+1
     return xx.unfold(1, W - 1, 1)[:, 1:].contiguous()  # [B, T, C, W-1]
+
+
+def causal_conv1d_state_at(x, state, n):
+    """The conv state after the first ``n [B]`` positions of each row of ``x [B, T, C]`` (0 <= n <= T), from
+    ``state [B, C, W-1]`` before them: [B, C, W-1] in the state's dtype, equal to `causal_conv1d`'s new state of
+    ``x[:, :n]``. For a row padded past its real tokens (a captured prefill's fixed length)."""
+    B, _, C = x.shape
+    keep = state.shape[-1]
+    xx = torch.cat([state.transpose(1, 2), x.to(state.dtype)], dim=1)  # [B, W-1+T, C], exact copies of the inputs
+    idx = n.to(torch.long)[:, None] + torch.arange(keep, device=x.device)[None]  # the W-1 inputs before position n
+    return xx.gather(1, idx[:, :, None].expand(B, keep, C)).transpose(1, 2).contiguous()
 
 
 def causal_conv1d(x, weight, state=None, *, activation="silu", return_states=False):

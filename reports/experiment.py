@@ -31,7 +31,7 @@ CONFIG_KEYS = (
 # experiment, compared where both documents record a value (documents made before a switch existed do not say, and
 # in-process concurrency documents before session 27 recorded max_context null)
 SETTING_KEYS = (
-    "lookahead", "draft_graphs", "pdl", "side_stream", "silu_epilogue",  # decode's CUDA-graph switches
+    "lookahead", "draft_graphs", "pdl", "side_stream", "silu_epilogue", "prefill_graphs",  # the CUDA-graph switches
     "prefill_chunk", "interleave_chunk", "max_context", "kv_capacity", "max_concurrency", "synthetic", "ignore_eos",
 )
 # compared by file name: where a checkout lies is no part of the experiment

@@ -116,7 +116,10 @@ def default_rules(suite: str) -> list[Rule]:
                  "accepted_tokens", "accepted_per_position", "deterministic")
         return [Rule(m, "exact") for m in exact] + [
             _timing("decode_tok_s", True, 0.05, "samples.decode_tok_s"),
-            _timing("prefill_tok_s", True, 0.05, "samples.prefill_tok_s"),
+            # a short prompt's prefill is compute-bound and follows the SM clock between runs: its run medians spread
+            # 0.91-1.03x on the H200 (scripts/probe_prefill_drift.py, captured prefill), so its threshold is TTFT's
+            # (asv's default factor, 1.1), not decode's 5%
+            _timing("prefill_tok_s", True, 0.10, "samples.prefill_tok_s"),
             _timing("ttft_ms", False, 0.10, "samples.ttft_ms"),
             _timing("device_ms_per_round", False, 0.05, "samples.device_ms_per_round"),
             Rule("peak_memory_bytes", "threshold", False, 0.05)]

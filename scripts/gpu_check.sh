@@ -40,6 +40,13 @@
 #   peer27   the 27B synthetic exported to GGUF (during llamabuild's build), then (once built) ours beside llama.cpp
 #            (CUDA) on it, PEER_N (128) tokens at 8K context; PEER65K=1 adds one 65,000-token prompt with 16 tokens;
 #            LLBUILD_ARGS adds CMake flags to llamabuild (-DGGML_CUDA_FA=OFF: about 40% fewer CUDA files)
+#            export27 writes only the export, peer27 keeps /tmp/q27.gguf when an earlier call of a warm machine
+#            wrote it; PEER8K=0 skips the 8K run; llwait waits for the build (split a build + 65K over two calls:
+#            `llamabuild export27 llwait`, then at once `PEER8K=0 PEER65K=1 ... peer27`)
+#   pgraphs  prefill CUDA graphs: tests/test_prefill_graphs.py, test_sampler.py, test_cuda_engine.py, then the 27B
+#            synthetic decode with --prefill-graphs on,off (prefill tok/s, TTFT and tokens of each)
+#   drift    scripts/probe_prefill_drift.py: the bundled model's prefill time between runs (fresh / shared Engine,
+#            GC off), DRIFT_RUNS (40) runs of 5 repeats a condition
 #   peersmall (waits for llamabuild) the bundled model beside llama.cpp (CUDA) on the 64 held-out prompts, 64 tokens
 #   hashes   the token hashes a refactor must keep: the README's main command (timed), the bundled model's plain and
 #            MTP3 runs, and the 27B synthetic plain / MTP3 / DFlash2 K=7 runs (64 tokens, the default prompt)
@@ -203,14 +210,19 @@ PY
                python3 -m pip install -v --no-build-isolation --no-deps --no-index --target /tmp/llsite . \
                > /tmp/llbuild.log 2>&1; echo "$? $(( $(date +%s) - s ))" > /tmp/llbuild.rc' < /dev/null > /dev/null 2>&1 &
              if [ "${LLBUILD_WAIT:-0}" = 1 ]; then llwait; fi ;;
-    peer27)  # the 27B export is written while llamabuild's background build runs (both need minutes)
-             /usr/bin/time -f "export-gguf 27B: %e s wall, %M KiB peak RSS" python3 scripts/nb.py export-gguf qwen3.8-27b \
-               /tmp/q27.gguf --synthetic --device cuda 2>&1 | tail -3
+    export27|peer27)  # the 27B export is written while llamabuild's background build runs (both need minutes)
+             if [ -s /tmp/q27.gguf ]; then echo "export-gguf 27B: /tmp/q27.gguf kept from an earlier call"; else
+               /usr/bin/time -f "export-gguf 27B: %e s wall, %M KiB peak RSS" python3 scripts/nb.py export-gguf \
+                 qwen3.8-27b /tmp/q27.gguf --synthetic --device cuda 2>&1 | tail -3  # written atomically
+             fi
+             [ "$stage" = export27 ] && continue
              llwait || continue
              export PYTHONPATH=/tmp/llsite:${PYTHONPATH:-}
-             /usr/bin/time -f "peer27 8K: %e s wall, %M KiB peak RSS" timeout ${STAGE_S:-500} python3 scripts/nb.py decode $M27 \
-               --engine ours,llamacpp --llamacpp-gguf /tmp/q27.gguf -n ${PEER_N:-128} --repeats ${PEER_REPEATS:-2} \
-               --json "$OUT/peer27" 2>&1 | tee "$OUT/peer27.log" | tail -32
+             if [ "${PEER8K:-1}" = 1 ]; then
+               /usr/bin/time -f "peer27 8K: %e s wall, %M KiB peak RSS" timeout ${STAGE_S:-500} python3 scripts/nb.py decode \
+                 $M27 --engine ours,llamacpp --llamacpp-gguf /tmp/q27.gguf -n ${PEER_N:-128} --repeats ${PEER_REPEATS:-2} \
+                 --json "$OUT/peer27" 2>&1 | tee "$OUT/peer27.log" | tail -32
+             fi
              if [ "${PEER65K:-0}" = 1 ]; then
                python3 -c "t=open('suites/data/haystack.py.txt', encoding='utf-8').read().encode('ascii', 'ignore');
 t=(t*(65000//len(t)+1))[:65000]; open('/tmp/p65k.txt','wb').write(t)"
@@ -218,6 +230,23 @@ t=(t*(65000//len(t)+1))[:65000]; open('/tmp/p65k.txt','wb').write(t)"
                  $M27 --engine ours,llamacpp --llamacpp-gguf /tmp/q27.gguf --prompt-file /tmp/p65k.txt --max-context 65600 \
                  -n 16 --repeats 1 --json "$OUT/peer27_65k" 2>&1 | tee "$OUT/peer27_65k.log" | tail -30
              fi ;;
+    pgraphs) # prefill CUDA graphs: their tests beside the engine's, then the 27B synthetic with them on / off
+             python3 -m pytest -q -x tests/test_prefill_graphs.py tests/test_sampler.py 2>&1 | tail -4
+             timeout ${STAGE_S:-300} python3 -m pytest -q -x tests/test_cuda_engine.py 2>&1 | tail -4
+             nb decode $M27 --prefill-graphs on,off -n 32 --repeats 3 --json "$OUT/pgraphs27" 2>&1 | tail -6
+             python3 - "$OUT/pgraphs27" <<'PY'
+import json, pathlib, sys
+for p in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
+    s = json.loads(p.read_text())["summary"]
+    print(f"{p.name}: prefill {s['prefill_tok_s']:.0f} tok/s {[round(x) for x in s['samples']['prefill_tok_s']]}, "
+          f"TTFT {s['ttft_ms']:.1f} ms {[round(x, 1) for x in s['samples']['ttft_ms']]}, decode {s['decode_tok_s']:.1f} "
+          f"tok/s, {s.get('prompt_tokens')} prompt tokens, {s['tokens_sha256'][:8]}")
+PY
+             ;;
+    llwait)  llwait ;;
+    drift)   nb_py() { timeout "${STAGE_S:-86400}" python3 "$@"; }
+             nb_py scripts/probe_prefill_drift.py --device cuda --runs ${DRIFT_RUNS:-40} --repeats 5 -n 128 \
+               --out "$OUT/drift.json" 2>&1 | tail -8 ;;
     peersmall) llwait || continue
              export PYTHONPATH=/tmp/llsite:${PYTHONPATH:-}
              nb decode --engine ours,llamacpp --prompt-file suites/data/heldout_prompts.jsonl -n 64 --repeats 2 \

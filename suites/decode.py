@@ -91,6 +91,7 @@ class DecodeOptions:
     label: str | None = None
     seed: int = 0
     llamacpp_gguf: str | None = None  # --engine llamacpp: this GGUF export of the weights (checked) instead of a new one
+    llamacpp_flash_attn: bool | None = None  # --engine llamacpp: its flash attention (None: on with CUDA, off on CPU)
     baseline: bool = field(default=False, metadata={"record": False})  # a plain run added for the speculative
     #                                                                      runs beside it (decode_runs)
 
@@ -153,7 +154,7 @@ class DecodeOptions:
         kernel switches of the step."""
         eo = self.engine_options
         return (self.load(), eo.runtime, eo.dtype, eo.kv_dtype, eo.max_context, eo.kv_capacity, eo.prefill_chunk,
-                eo.pdl, eo.side_stream, eo.silu_epilogue)
+                eo.pdl, eo.side_stream, eo.silu_epilogue, eo.prefill_graphs)
 
 
 def _spec_summary(rec: dict) -> dict:
@@ -321,6 +322,8 @@ def decode_runs(base: dict, *, engines=("ours",), specs=("none",), runtimes=("v3
                          f"dflash or dflash2, not --spec none")
     if base.get("llamacpp_gguf") and "llamacpp" not in engines:
         raise ValueError("--llamacpp-gguf is the llama.cpp peer's file: add --engine llamacpp")
+    if base.get("llamacpp_flash_attn") is not None and "llamacpp" not in engines:
+        raise ValueError("--llamacpp-flash-attn is the llama.cpp peer's switch: add --engine llamacpp")
     peers = set(engines) - {"ours"}
     if peers == set(engines) and any(parse_spec(x, None)[0] != "none" for x in specs):
         raise ValueError(f"--engine {','.join(engines)} runs plain greedy decoding: use --spec none (or add ours)")
@@ -382,7 +385,8 @@ def with_baselines(runs: list[DecodeOptions], base: dict) -> list[DecodeOptions]
             continue
         eo = r.engine_options
         out.append(DecodeOptions.make(**base, engine="ours", runtime=eo.runtime, pdl=eo.pdl,
-                                      side_stream=eo.side_stream, silu_epilogue=eo.silu_epilogue, baseline=True))
+                                      side_stream=eo.side_stream, silu_epilogue=eo.silu_epilogue,
+                                      prefill_graphs=eo.prefill_graphs, baseline=True))
     runtimes = list(dict.fromkeys(r.engine_options.runtime for r in out))
     # stable: the grid's order otherwise (runtime by runtime, the peer last)
     return sorted(out, key=lambda r: (r.engine != "ours", runtimes.index(r.engine_options.runtime), not _plain(r)))

@@ -123,10 +123,12 @@ class LlamaCppPeer:
             apply_cpu_threads(loaded.config.hidden_size)
             threads = torch.get_num_threads()
         ctx = n_ctx or min(loaded.config.max_position_embeddings, opts.engine_options.max_context or 8192)
+        flash = opts.llamacpp_flash_attn if opts.llamacpp_flash_attn is not None else device.type == "cuda"
         worker = Worker(Path(workdir.name))
-        try:
+        try:  # llama-bench's batch sizes (2048 tokens a call, 512 a micro-batch)
             info = worker.call("load", path=str(path), n_ctx=ctx, n_gpu_layers=-1 if device.type == "cuda" else 0,
-                               n_threads=threads or os.cpu_count() or 1)
+                               n_threads=threads or os.cpu_count() or 1, n_batch=2048, n_ubatch=512,
+                               flash_attn=flash)
         except BaseException:
             worker.close()
             workdir.cleanup()
@@ -159,7 +161,8 @@ class LlamaCppPeer:
         return {**self.loaded.info, "engine": "llama.cpp", "llama_cpp_python": self.info["version"],
                 "gguf_bytes": self.gguf_path.stat().st_size,
                 "gguf_check_s" if self.given else "gguf_export_s": round(self.export_s, 3),
-                "gpu_offload": self.info["gpu_offload"], "n_ctx": self.info["n_ctx"], "threads": self.threads}
+                "gpu_offload": self.info["gpu_offload"], "flash_attn": self.info["flash_attn"],
+                "n_ctx": self.info["n_ctx"], "threads": self.threads}
 
     def generate(self, prompt_ids, max_new_tokens: int = 256, ignore_eos: bool = True, **_) -> GenerationResult:
         """One greedy generation of ``max_new_tokens`` (or to an end token unless ``ignore_eos``), timed in the

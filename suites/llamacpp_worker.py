@@ -6,8 +6,8 @@ This file imports no torch (nor anything of the package): the peer starts it by 
 
 Requests, one JSON object a line on stdin; one reply a line (``{"error": ...}`` on failure):
 
-* ``{"op": "load", "path", "n_ctx", "n_gpu_layers", "n_threads", "n_batch"}`` -> ``n_vocab``, ``n_ctx``,
-  ``version``, ``gpu_offload``
+* ``{"op": "load", "path", "n_ctx", "n_gpu_layers", "n_threads", "n_batch", "n_ubatch", "flash_attn"}`` ->
+  ``n_vocab``, ``n_ctx``, ``version``, ``gpu_offload``, ``flash_attn``
 * ``{"op": "generate", "ids", "max_new_tokens", "eos", "ignore_eos"}`` -> ``tokens``, ``prefill_s``, ``decode_s``
   (timed here: the prompt's decode and the first argmax, then one decode and argmax a token)
 * ``{"op": "path_logits", "ids", "start", "out"}`` -> ``rows``: fp32 logits of positions ``start ..`` written to
@@ -42,17 +42,18 @@ class Worker:
         self.llama_cpp, self.np = llama_cpp, np
         self.llm = None
 
-    def load(self, path, n_ctx, n_gpu_layers, n_threads, n_batch=512):
+    def load(self, path, n_ctx, n_gpu_layers, n_threads, n_batch=2048, n_ubatch=512, flash_attn=False):
         lc = self.llama_cpp
         if n_gpu_layers and not lc.llama_supports_gpu_offload():
             raise RuntimeError("this llama-cpp-python was built without GPU support (reinstall with "
                                "CMAKE_ARGS=\"-DGGML_CUDA=on\")")
-        self.llm = lc.Llama(model_path=path, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch,
+        self.llm = lc.Llama(model_path=path, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch,
                             n_gpu_layers=n_gpu_layers, n_threads=n_threads, n_threads_batch=n_threads,
-                            logits_all=False, verbose=False, seed=0)
+                            flash_attn=bool(flash_attn), logits_all=False, verbose=False, seed=0)
+        self.n_ubatch = n_ubatch
         self.n_vocab = self.llm.n_vocab()
         return {"n_vocab": self.n_vocab, "n_ctx": self.llm.n_ctx(), "version": lc.__version__,
-                "gpu_offload": bool(n_gpu_layers)}
+                "gpu_offload": bool(n_gpu_layers), "flash_attn": bool(flash_attn)}
 
     def _last_argmax(self) -> int:
         ptr = self.llm._ctx.get_logits_ith(-1)
@@ -78,8 +79,9 @@ class Worker:
         np, llm = self.np, self.llm
         llm.reset()
         rows = []
-        for i in range(0, len(ids), llm.n_batch):
-            chunk = ids[i:i + llm.n_batch]
+        step = self.n_ubatch  # a scored chunk's logits are len(chunk) x n_vocab floats on the host
+        for i in range(0, len(ids), step):
+            chunk = ids[i:i + step]
             scored = i + len(chunk) > start  # a chunk before the path needs no logits (a long prompt's would not fit)
             llm._batch.set_batch(batch=chunk, n_past=i, logits_all=scored)
             llm._ctx.decode(llm._batch)

@@ -27,6 +27,8 @@ def test_grid_places_the_peer_after_ours_and_refuses_what_it_cannot_run():
         decode_runs(dict(model=BUNDLED), engines=("llamacpp",), specs=("dflash2:7",))
     with pytest.raises(ValueError, match="engine must be one of"):
         DecodeOptions.make(model=BUNDLED, engine="vllm")
+    with pytest.raises(ValueError, match="add --engine llamacpp"):
+        decode_runs(dict(model=BUNDLED, llamacpp_flash_attn=True), engines=("ours",), specs=("none",))
 
 
 def test_missing_llama_cpp_is_one_clear_line(monkeypatch):
@@ -57,6 +59,19 @@ def test_llamacpp_beside_ours_on_the_bundled_model():
     assert all(0 <= p["prefix_tokens"] <= 24 for p in a["per_prompt"])
     if peer["summary"]["tokens_sha256"] == ours["summary"]["tokens_sha256"]:
         assert a["prompts_equal_to_bar"] == 2
+    assert peer["model"]["flash_attn"] is False  # the CPU default
+
+
+def test_llamacpp_flash_attention_is_a_recorded_switch():
+    pytest.importorskip("llama_cpp")
+    pytest.importorskip("gguf")
+    from ninfer_bench.suites.decode import run_matrix
+
+    runs = decode_runs(dict(model=BUNDLED, prompt_file=HELDOUT, prompts=1, max_new_tokens=16, repeats=1, warmup=0,
+                            device="cpu", llamacpp_flash_attn=True), engines=("ours", "llamacpp"), specs=("none",))
+    _, peer = run_matrix(runs)
+    assert peer["model"]["flash_attn"] is True and peer["config"]["llamacpp_flash_attn"] is True
+    assert peer["summary"]["agreement"]["top1_agreement"] >= 0.9  # the same weights through its FA kernels
 
 
 def test_agreement_counts_divergence_and_teacher_forcing():

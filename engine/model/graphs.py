@@ -1,4 +1,4 @@
-"""CUDA-graph capture of the decode and verify forwards (runtime v3 on CUDA).
+"""CUDA-graph capture of the decode and verify forwards, and of a prompt's first prefill chunk (runtime v3 on CUDA).
 
 One graph per (mode, T, batch bucket), captured on first use, largest bucket first where several are asked
 for, all in one memory pool. Inputs are copied into static buffers; rows past the real batch are padding that
@@ -6,16 +6,21 @@ reads and writes the engine's scratch slot. Speculative verification also captur
 of its bucket, so a whole round replays with no host synchronisation other than reading the accepted tokens.
 A greedy single-sequence decode can also be chained (:meth:`GraphRunner.chain`): a small captured link feeds each
 step's picked token to the next, so the host launches step n + 1 before it reads token n.
+A prompt's first chunk (from position 0) replays a graph captured for its length bucket (:func:`prefill_buckets`):
+the tokens past the real ones are padding (``Step.valid``), inert in the recurrent state and attended by no real
+token; their K/V land past the prompt, where decoding writes before anything reads. A capture that fails (an
+operation that cannot be captured) turns prefill graphs off for the engine, with a warning: prefill runs eagerly.
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
 
 from ...kernels._triton import graph_scope
-from .hybrid import DECODE, VERIFY, Step
+from .hybrid import DECODE, PREFILL, VERIFY, Step
 
 
 def buckets(max_batch: int) -> list[int]:
@@ -25,6 +30,17 @@ def buckets(max_batch: int) -> list[int]:
         out.append(b)
         b *= 2
     return out + [max_batch]
+
+
+def prefill_buckets(limit: int) -> list[int]:
+    """Prompt lengths prefill graphs are captured for, up to ``limit`` (the prefill chunk, or a slot's capacity when
+    smaller): 16, 32, 64, then every multiple of 128 and ``limit`` itself, so padding stays under 128 tokens (or
+    under the real length, below 128)."""
+    out, b = [], 16
+    while b < min(128, limit):
+        out.append(b)
+        b *= 2
+    return out + list(range(128, limit, 128)) + [limit]
 
 
 @dataclass
@@ -39,12 +55,27 @@ class Captured:
     pending: object = None
     keep: torch.Tensor | None = None
     commit_graph: torch.cuda.CUDAGraph | None = None
+    valid: torch.Tensor | None = None  # [B] a prefill graph's real tokens
+
+
+_WARM_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def warm_stream(device) -> torch.cuda.Stream:
+    """The one side stream of the process (a device) that capture warm-ups run on. One, not a new stream a capture:
+    cuBLAS allocates a workspace for every stream it sees, so each new stream added about 32 MiB to the peak memory
+    of whichever run first captured a cuBLAS call on it (an A/A gate pair differed by up to 17% on the bundled model,
+    scripts/gate_trust.py on the H200, until torch's stream pool came round)."""
+    device = torch.device(device)
+    if device not in _WARM_STREAMS:
+        _WARM_STREAMS[device] = torch.cuda.Stream(device=device)
+    return _WARM_STREAMS[device]
 
 
 def capture(fn, pool, device, *, warmups: int = 2, warm=None):
     """(graph, fn's result captured): ``warm`` (default ``fn``) runs ``warmups`` times on a side stream first, so
     kernels are compiled and allocations settled outside the capture; the graph allocates from ``pool``."""
-    side = torch.cuda.Stream(device=device)
+    side = warm_stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with graph_scope():  # the warm-ups launch as the capture will (PDL variants compiled before it)
         with torch.cuda.stream(side):
@@ -82,6 +113,9 @@ class GraphRunner:
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[tuple, Captured] = {}
         self._chain: Chain | None = None
+        opts = engine.options
+        self.prefill_sizes = prefill_buckets(min(opts.prefill_chunk, engine.capacity)) if opts.prefill_graphs else []
+        self.prefill_off: str | None = None if opts.prefill_graphs else "--prefill-graphs off"
 
     def bucket(self, b: int) -> int:
         return next(x for x in self.buckets if x >= b)
@@ -120,6 +154,48 @@ class GraphRunner:
         if cap is None:
             cap = self.graphs[key] = self._capture(mode, t, key[2], taps)
         return cap
+
+    def prefill_bucket(self, t: int) -> int | None:
+        """The captured length a first chunk of ``t`` tokens runs at; None: it runs eagerly."""
+        if self.prefill_off is not None:
+            return None
+        return next((x for x in self.prefill_sizes if x >= t), None)
+
+    def _capture_prefill(self, t: int, taps: tuple[int, ...]) -> Captured:
+        e = self.e
+        dev = e.device
+        ids = torch.zeros(1, t, dtype=torch.long, device=dev)
+        pos = torch.arange(t, device=dev)[None]
+        slots = torch.full((1,), e.scratch_slot, dtype=torch.long, device=dev)  # warm-ups write the scratch slot
+        valid = torch.full((1,), t, dtype=torch.long, device=dev)
+        step = Step(ids, pos, slots, kv_len=t, mode=PREFILL, taps=taps, valid=valid)
+        graph, (hidden, tp) = capture(lambda: e.model.forward(step, e.cache), self.pool, dev)
+        return Captured(graph, ids, pos, slots, hidden, None, tp, valid=valid)
+
+    def prefill(self, ids: torch.Tensor, slot: int, taps: tuple[int, ...] = ()):
+        """(hidden ``[1, T, H]``, taps) of a prompt's first chunk ``ids [1, T]`` into ``slot`` via its bucket's graph,
+        or None when it has none (no bucket fits, or prefill graphs are off). The outputs are views of the graph's
+        buffers: read them before the next prefill replay."""
+        t = ids.shape[1]
+        size = self.prefill_bucket(t)
+        if size is None:
+            return None
+        key = (PREFILL, size, 1, taps)
+        cap = self.graphs.get(key)
+        if cap is None:
+            try:
+                cap = self.graphs[key] = self._capture_prefill(size, taps)
+            except RuntimeError as err:  # an operation the capture refused: prefill stays eager from now on
+                self.prefill_off = f"capture failed: {str(err).splitlines()[0][:200]}"
+                warnings.warn(f"prefill CUDA graphs off ({self.prefill_off}); prefill runs eagerly", stacklevel=2)
+                torch.cuda.synchronize(self.e.device)
+                return None
+        cap.ids[:, :t].copy_(ids)
+        cap.ids[:, t:].zero_()
+        cap.slots.fill_(slot)
+        cap.valid.fill_(t)
+        cap.graph.replay()
+        return cap.hidden[:, :t], [x[:, :t] for x in cap.taps]
 
     def chain(self, last: int, pos: int, slot: int, stop_ids) -> Chain:
         """The greedy decode chain of one sequence, primed with its newest token ``last`` at position ``pos``:

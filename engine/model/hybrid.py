@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ...kernels import attention as attn_k
-from ...kernels.conv import causal_conv1d
+from ...kernels.conv import causal_conv1d, causal_conv1d_state_at
 from ...kernels.gdn import gated_delta_rule, gated_delta_rule_step, l2norm
 from ...kernels.norm import gated_rms_norm, rms_norm
 from ...kernels.rope import apply_rope, rope_tables
@@ -32,6 +32,7 @@ class Step:
     ids ``[B, T]`` token ids; pos ``[B, T]`` absolute positions; slots ``[B]`` cache slots;
     kv_len: how many cached K/V positions attention reads (>= max(pos) + 1);
     mode: prefill | decode | verify; taps: decoder layer indices whose outputs to return.
+    valid ``[B]``: a prefill padded to a captured length; the first ``valid`` tokens of each row are real.
     Media (all None for text, which keeps the plain path): embeds ``[N, H]`` replace the token embeddings where
     embed_mask ``[B, T]`` is set (in order); rope_pos: rotary positions when they differ from the cache positions,
     ``[B, T]`` (text after media: pos + delta) or ``[3, B, T]`` (mRoPE t, h, w; see engine/media/prompt.py).
@@ -46,6 +47,8 @@ class Step:
     embeds: torch.Tensor | None = None
     embed_mask: torch.Tensor | None = None
     rope_pos: torch.Tensor | None = None
+    valid: torch.Tensor | None = None  # [B] real tokens of a padded (graph-captured) prefill; positions past them
+    #                                    are padding: inert in the recurrent state, never attended by a real token
 
 
 class HybridModel:
@@ -135,12 +138,17 @@ class HybridModel:
                             [hv, hv], x)
         conv_old = cache.conv[i][step.slots]  # [B, C, W-1]
         y, conv_new = causal_conv1d(qkv, w.vector(f"{a_}.conv1d.weight").squeeze(1), conv_old)
+        if step.valid is not None:  # the state after the real tokens, not after the padding
+            conv_new = causal_conv1d_state_at(qkv, conv_old, step.valid)
         q, k, v = torch.split(y, [cfg.key_dim, cfg.key_dim, cfg.value_dim], dim=-1)
         q = l2norm(q.reshape(b, t, hk, dk))
         k = l2norm(k.reshape(b, t, hk, dk))
         v = v.reshape(b, t, hv, dv)
         beta = torch.sigmoid(bb.float())
         g = -torch.exp(w.vector(f"{a_}.A_log")) * F.softplus(aa.float() + w.vector(f"{a_}.dt_bias"))
+        if step.valid is not None:  # padding writes nothing (beta = 0) and does not decay the state (g = 0)
+            real = (torch.arange(t, device=x.device)[None] < step.valid[:, None])[..., None]
+            beta, g = beta * real, g * real
         ssm_old = cache.ssm[i][step.slots]
         if step.mode == PREFILL:
             o, state = gated_delta_rule(q, k, v, g, beta, initial_state=ssm_old, impl=self.gdn_impl)

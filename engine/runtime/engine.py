@@ -434,10 +434,16 @@ class Engine:
         piece = seq.prompt[start:start + chunk]
         prefill_only = seq.params.max_new_tokens == 0
         taps = self.drafter.taps if self.drafter and not prefill_only else ()
-        pos = torch.arange(start, start + len(piece), device=self.device)[None]
-        step = Step(self.device_ids([piece]), pos, self.device_ids([seq.slot]), kv_len=start + len(piece), mode=PREFILL,
-                    taps=taps, **self._media_rows(seq.media, start, start + len(piece)))
-        hidden, tap_out = self.model.forward(step, self.cache)
+        ids = self.device_ids([piece])
+        out = None
+        if self.graphs is not None and start == 0 and seq.media is None and seq.prompt_scores is None:
+            out = self.graphs.prefill(ids, seq.slot, taps)  # None: no captured length fits (or graphs are off)
+        if out is None:
+            pos = torch.arange(start, start + len(piece), device=self.device)[None]
+            step = Step(ids, pos, self.device_ids([seq.slot]), kv_len=start + len(piece), mode=PREFILL, taps=taps,
+                        **self._media_rows(seq.media, start, start + len(piece)))
+            out = self.model.forward(step, self.cache)
+        hidden, tap_out = out
         seq.length += len(piece)
         final = seq.length == len(seq.prompt)
         if seq.prompt_scores is not None:  # each position scores the prompt token after it

@@ -80,6 +80,12 @@ class EngineOptions:
         "--side-stream", "-noside", "v3",
         "Captured decode steps run a GDN layer's b / a and z projections on CUDA-graph branches beside the main "
         "chain (z then keeps a weight of its own, apart from qkv's).")
+    prefill_graphs: bool = _switch(
+        "--prefill-graphs", "-eagerprefill", "v3",
+        "A prompt's first chunk (from position 0, no media, no prompt scores) replayed from a CUDA graph captured "
+        "for its length bucket (16-128 by powers of two, then multiples of 128 up to --prefill-chunk), padded past "
+        "its real tokens (inert: nothing written to the recurrent state, never attended): no per-op host launches "
+        "(v3 on CUDA; off: eager).")
     silu_epilogue: bool = _switch(
         "--silu-epilogue", "-nosilu", "v3",
         "The MLP's gate / up weight interleaved in runs of 8 rows so that the projection kernel stores "

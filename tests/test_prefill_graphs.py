@@ -1,0 +1,96 @@
+"""A prompt's first chunk padded to a captured length (engine/model/graphs.py, ``Step.valid``): the padding must be
+inert. On the CPU the padded forward is held to the unpadded one (hidden rows, the recurrent state, the K/V of the
+real positions); on CUDA the captured prefill is held to the eager one, token for token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ninfer_bench.engine.model.graphs import prefill_buckets
+from ninfer_bench.engine.model.hybrid import PREFILL, Step
+from ninfer_bench.engine.runtime.engine import Engine
+from ninfer_bench.kernels.conv import causal_conv1d, causal_conv1d_state_at
+
+
+def test_buckets_cover_every_length_with_little_padding():
+    sizes = prefill_buckets(2048)
+    assert sizes[:4] == [16, 32, 64, 128] and sizes[-1] == 2048 and sizes == sorted(set(sizes))
+    for t in range(1, 2049):
+        b = next(x for x in sizes if x >= t)
+        assert b - t < max(t, 128)  # under 128 tokens of padding (under t itself below 128)
+    assert prefill_buckets(100) == [16, 32, 64, 100]
+    assert prefill_buckets(300) == [16, 32, 64, 128, 256, 300]
+    assert prefill_buckets(8) == [8]
+
+
+@pytest.mark.parametrize("n", [0, 1, 3, 7, 12])
+def test_conv_state_at_is_the_state_after_the_real_tokens(n):
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(2, 12, 5, generator=g).to(torch.bfloat16)
+    w = torch.randn(5, 4, generator=g)
+    state = torch.randn(2, 5, 3, generator=g).to(torch.bfloat16)
+    counts = torch.tensor([n, max(n - 1, 0)])
+    got = causal_conv1d_state_at(x, state, counts)
+    for b in range(2):
+        m = int(counts[b])
+        _, want = causal_conv1d(x[b:b + 1, :m], w, state[b:b + 1])
+        assert torch.equal(got[b:b + 1], want)
+
+
+@pytest.mark.parametrize("t,pad", [(5, 11), (37, 27), (70, 58)])
+def test_padded_prefill_equals_the_unpadded_one(t, pad):
+    """The real rows' hidden states, the conv / GDN states and the real positions' K/V do not see the padding."""
+    eng = Engine.load("tiny", device="cpu", dtype="fp32", kv_dtype="fp32", max_context=256)
+    m, cache = eng.model, eng.cache
+    ids = torch.randint(3, eng.config.vocab_size, (1, t), generator=torch.Generator().manual_seed(t))
+
+    def run(slot, n_pad):
+        cache.reset(slot)
+        x = torch.cat([ids, torch.zeros(1, n_pad, dtype=torch.long)], dim=1)
+        step = Step(x, torch.arange(t + n_pad)[None], torch.tensor([slot]), kv_len=t + n_pad, mode=PREFILL,
+                    valid=torch.tensor([t]) if n_pad else None)
+        hidden, _ = m.forward(step, cache)
+        return hidden[:, :t]
+
+    want, got = run(0, 0), run(1, pad)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for i in cache.conv:
+        torch.testing.assert_close(cache.conv[i][1], cache.conv[i][0], rtol=1e-5, atol=1e-6)  # (M-dependent GEMMs)
+        torch.testing.assert_close(cache.ssm[i][1], cache.ssm[i][0], rtol=1e-5, atol=1e-6)
+    for layer in cache.kv.values():
+        torch.testing.assert_close(layer.k[1, :, :t], layer.k[0, :, :t], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(layer.v[1, :, :t], layer.v[0, :, :t], rtol=1e-5, atol=1e-5)
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@cuda
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("spec,k", [("none", 0), ("mtp", 3), ("dflash2", 7)])
+def test_captured_prefill_decodes_like_the_eager_one(dtype, spec, k):
+    """Prompts of several lengths (a bucket's exact size, padded ones, one longer than the chunk: its first chunk
+    captured, the rest eager) give the eager prefill's tokens; the graphs are captured and reused."""
+    kw = dict(device="cuda", dtype=dtype, kv_dtype="int8", max_context=1024, prefill_chunk=256,
+              spec=spec, draft_tokens=k or None)
+    on, off = Engine.load("tiny", **kw), Engine.load("tiny", prefill_graphs=False, **kw)
+    for t in (5, 16, 137, 256, 300, 700):
+        prompt = [3 + (i * 7919) % 500 for i in range(t)]
+        a = off.generate(prompt, max_new_tokens=24, ignore_eos=True).tokens
+        b = on.generate(prompt, max_new_tokens=24, ignore_eos=True).tokens
+        assert a == b, f"{t}-token prompt"
+    captured = sorted(key[1] for key in on.graphs.graphs if key[0] == PREFILL)
+    assert captured == [16, 256]  # 5 and 16 share 16; 137, 256 and the longer prompts' first chunks share 256
+    assert on.graphs.prefill_off is None
+    assert not any(key[0] == PREFILL for key in off.graphs.graphs)
+
+
+@cuda
+def test_prefill_graph_after_a_prompt_with_scores_and_a_cached_prefix():
+    """Scored prompts and prompts past position 0 stay eager; the next plain prompt still replays its graph."""
+    eng = Engine.load("tiny", device="cuda", dtype="fp32", max_context=512)
+    prompt = list(range(3, 90))
+    first = eng.generate(prompt, max_new_tokens=8, ignore_eos=True).tokens
+    eng.score(prompt, top=2)
+    assert eng.generate(prompt, max_new_tokens=8, ignore_eos=True).tokens == first
