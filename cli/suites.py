@@ -74,6 +74,10 @@ def repeats_count(ctx, param, value) -> int | str:
               help="Prompt text, or a .jsonl prompt set (e.g. suites/data/heldout_prompts.jsonl) "
                    "[default: the shipped short-code prompt].")
 @click.option("--prompts", "n_prompts", type=int, default=None, help="Use the first N prompts of a .jsonl set.")
+@click.option("-p", "--prompt-length", "prompt_lengths", default=None, metavar="N[,N...]",
+              help="llama-bench's prompt-length grid: the whole grid once for each N, on one prompt of exactly N "
+                   "tokens cut from the shipped code text (labels end -pN; --max-context grows to hold N + -n when "
+                   "not given). E.g. -p 512,8192,65536 -n 128 measures prefill and long-context decode in one run.")
 @click.option("--image", "images", multiple=True, type=click.Path(exists=True, dir_okay=False),
               help="An image before each prompt (repeatable; a model with a vision component): the result reports "
                    "the vision encode time and merged token count.")
@@ -113,7 +117,7 @@ def repeats_count(ctx, param, value) -> int | str:
                    "MTP3; FILE: a JSON list, one probability a position), else a rejected one; labelled -replay.")
 @output_options
 @engine_options(runtime_list=True)
-def decode(model, engines, specs, draft_tokens, rollbacks, lm_head_draft, prompt_file, n_prompts, images,
+def decode(model, engines, specs, draft_tokens, rollbacks, lm_head_draft, prompt_file, n_prompts, prompt_lengths, images,
            max_new_tokens, stop_at_eos, repeats, repeats_target, repeats_budget_s, inject_delay_us, warmup, label,
            json_path, seed, no_baseline, replay_acceptance, runtime, **options):
     """The short-code decode test: prefill a code prompt, greedy-decode N tokens, measure speed and acceptance.
@@ -124,6 +128,12 @@ def decode(model, engines, specs, draft_tokens, rollbacks, lm_head_draft, prompt
     The on / off switches (--lookahead, --draft-graphs, --pdl, --side-stream, --prefill-graphs, --silu-epilogue)
     change only runs on CUDA: off is refused on a CPU."""
     url, served_model = options.pop("url"), options.pop("served_model")
+    lengths = tuple(int_list(prompt_lengths, "-p")) if prompt_lengths is not None else ()
+    if lengths and (prompt_file or n_prompts or images):
+        raise UserError("-p cuts its prompts from the shipped code text: give it without --prompt-file, --prompts "
+                        "or --image")
+    if lengths and (url is not None or served_model is not None):
+        raise UserError("-p runs in-process (its prompts are token ids): give it without --url")
     if url is not None or served_model is not None:  # against a server (cli/remote.py, suites/remote.py)
         from .remote import decode_url
 
@@ -147,7 +157,7 @@ def decode(model, engines, specs, draft_tokens, rollbacks, lm_head_draft, prompt
     runs = decode_runs(base, engines=engines, specs=tuple(specs.split(",")), runtimes=runtime, rollbacks=rollbacks,
                        lm_heads=tuple(int_list(lm_head_draft, "--lm-head-draft")), switches=switches,
                        draft_tokens=draft_tokens, label=label, baseline=not no_baseline,
-                       replay=replay_acceptance)
+                       replay=replay_acceptance, prompt_lengths=lengths)
     many = sum(not r.baseline for r in runs) > 1  # an added plain partner of one run is no grid
     if many and json_path and Path(json_path).is_file():
         raise UserError(f"--json {json_path}: several runs write a folder (one LABEL.json each), not a file")
@@ -266,17 +276,20 @@ def compare_table(docs: list[dict], same: dict[str, bool | None]) -> Table:
     first = docs[0]["summary"]["decode_tok_s"]
     table = Table(title=f"decode: {len(docs)} runs on {docs[0]['config']['device']} "
                         f"({docs[0]['env'].get('gpu') or 'cpu'}), x = decode speed / {docs[0]['label']}'s")
-    cols = ("run", "tok/s", "± sd", "x", "ms/round", "draft/verify", "tok/round", "accept", "roofline", "MiB",
-            "sha256", "= plain")
+    lengths = any(d["config"].get("prompt_length") for d in docs)  # a -p grid: each run's prefill beside its decode
+    cols = ("run", *(("prompt", "prefill tok/s", "TTFT ms") if lengths else ()), "tok/s", "± sd", "x", "ms/round",
+            "draft/verify", "tok/round", "accept", "roofline", "MiB", "sha256", "= plain")
     for c in cols:
         table.add_column(c, justify="left" if c in ("run", "sha256") else "right", no_wrap=True)
     for d in docs:
         s = d["summary"]
+        prefill = (fmt(s.get("prompt_tokens"), ","), fmt(s.get("prefill_tok_s"), ",.0f"), fmt(s.get("ttft_ms"), ",.1f")) \
+            if lengths else ()
         split = (f"{fmt(s.get('draft_ms_per_round'), '.1f')}/{fmt(s.get('verify_ms_per_round'), '.1f')}"
                  if s.get("draft_ms_per_round") is not None else "-")
         ratio = s["decode_tok_s"] / first if first and s["decode_tok_s"] else None
         sd = spread((s.get("samples") or {}).get("decode_tok_s")).stdev
-        table.add_row(d["label"], fmt(s["decode_tok_s"], ".1f"), fmt(sd, ".1f"), fmt(ratio, ".2f"),
+        table.add_row(d["label"], *prefill, fmt(s["decode_tok_s"], ".1f"), fmt(sd, ".1f"), fmt(ratio, ".2f"),
                       fmt(s["device_ms_per_round"], ".2f"), split, fmt(s["tokens_per_round"]),
                       fmt(s["acceptance_rate"], ".3f"), fmt(s["roofline_fraction"], ".3f"),
                       "-" if s["peak_memory_bytes"] is None else f"{s['peak_memory_bytes'] / 2**20:,.0f}",

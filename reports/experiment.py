@@ -20,7 +20,7 @@ CONFIG_KEYS = (
     "engine", "runtime", "device", "dtype", "quant", "kv_dtype",  # what runs, in which numerics
     "spec", "draft_tokens", "rollback", "lm_head_draft", "replay_acceptance",  # speculation (a replayed acceptance
     #                                                                             is never a real one)
-    "prompt_file", "prompts", "images", "max_new_tokens", "temperature", "seed",  # the decode workload
+    "prompt_file", "prompts", "prompt_length", "images", "max_new_tokens", "temperature", "seed",  # the decode workload
     "ctxs", "depths", "answer_tokens", "cases", "near_tie",  # niah's cases and agreement rule
     "levels", "prompt_tokens",  # concurrency's load
     # an open-loop concurrency run's (None in a closed-loop one: the two are never one experiment)

@@ -45,6 +45,8 @@
 #            `llamabuild export27 llwait`, then at once `PEER8K=0 PEER65K=1 ... peer27`)
 #   pgraphs  prefill CUDA graphs: tests/test_prefill_graphs.py, test_sampler.py, test_cuda_engine.py, then the 27B
 #            synthetic decode with --prefill-graphs on,off (prefill tok/s, TTFT and tokens of each)
+#   plen27   decode -p PLEN (2991,65000) on the 27B synthetic, ours and the transformers peer (PLEN_ENGINES), PLEN_N
+#            (128) tokens: each length's prefill tok/s, TTFT and the decode after it (issue 32's targets)
 #   drift    scripts/probe_prefill_drift.py: the bundled model's prefill time between runs (fresh / shared Engine,
 #            GC off), DRIFT_RUNS (40) runs of 5 repeats a condition
 #   peersmall (waits for llamabuild) the bundled model beside llama.cpp (CUDA) on the 64 held-out prompts, 64 tokens
@@ -243,6 +245,9 @@ for p in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
           f"tok/s, {s.get('prompt_tokens')} prompt tokens, {s['tokens_sha256'][:8]}")
 PY
              ;;
+    plen27)  # issue 32's prompt-length grid: the 27B synthetic beside the transformers peer on exact-length prompts
+             nb decode $M27 --engine ${PLEN_ENGINES:-ours,hf} -p ${PLEN:-2991,65000} -n ${PLEN_N:-128} --repeats 2 \
+               --json "$OUT/plen27" 2>&1 | tail -12 ;;
     llwait)  llwait ;;
     drift)   nb_py() { timeout "${STAGE_S:-86400}" python3 "$@"; }
              nb_py scripts/probe_prefill_drift.py --device cuda --runs ${DRIFT_RUNS:-40} --repeats 5 -n 128 \

@@ -15,6 +15,7 @@ import torch
 
 DATA = Path(__file__).resolve().parent / "data"
 DEFAULT_PROMPT = DATA / "short_code.py.txt"
+CODE_TEXT = DATA / "haystack.py.txt"  # CPython standard-library code (HAYSTACK_LICENSE.md): NIAH's haystack, -p's text
 
 
 def tokens_sha256(tokens) -> str:
@@ -91,6 +92,18 @@ def read_text(path: str | Path) -> str:
         return Path(path).read_bytes().decode("utf-8-sig")
     except UnicodeDecodeError as e:
         raise ValueError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
+
+
+def code_prompt(tokenizer, length: int) -> list[int]:
+    """A prompt of exactly ``length`` tokens cut from the shipped code text (:data:`CODE_TEXT`, tokenized whole, its
+    tokens repeated as often as the length needs): llama-bench's ``-p`` prompts, made of code instead of random
+    tokens, so a model reads what it was trained on at any length."""
+    if isinstance(length, bool) or not isinstance(length, int) or length < 1:
+        raise ValueError(f"a prompt length is a positive number of tokens, got {length!r}")
+    ids = tokenizer.encode(read_text(CODE_TEXT))
+    if not ids:
+        raise ValueError(f"{CODE_TEXT.name} encodes to no tokens")
+    return (ids * -(-length // len(ids)))[:length]
 
 
 def read_prompt_set(path: str | Path, tokenizer) -> list[dict]:

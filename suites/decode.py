@@ -17,11 +17,13 @@ from pathlib import Path
 
 import torch
 
-from ..engine.runtime.options import SWITCHES, EngineOptions
+from ..engine.runtime.options import DEFAULT_CONTEXT, SWITCHES, EngineOptions
 from ..reports.schema import make_result
 from ..reports.stats import median_ci
 from .common import (
+    CODE_TEXT,
     DEFAULT_PROMPT,
+    code_prompt,
     copy_bandwidth,
     median,
     peak_memory_bytes,
@@ -81,6 +83,8 @@ class DecodeOptions:
     engine_options: EngineOptions = field(default_factory=EngineOptions)
     prompt_file: str = str(DEFAULT_PROMPT)
     prompts: int | None = None  # with a .jsonl prompt set: how many of its prompts (default all)
+    prompt_length: int | None = None  # -p: one prompt of exactly this many tokens cut from the shipped code text
+    #                                   (common.code_prompt) instead of prompt_file's
     images: tuple[str, ...] = ()  # images placed before each prompt (a model with a vision component)
     max_new_tokens: int = 4096
     ignore_eos: bool = True
@@ -116,6 +120,15 @@ class DecodeOptions:
             raise ValueError(f"max-new-tokens must be >= 2 to measure decode speed, got {self.max_new_tokens}")
         if not Path(self.prompt_file).is_file():
             raise ValueError(f"prompt file not found: {self.prompt_file}")
+        if self.prompt_length is not None:
+            if isinstance(self.prompt_length, bool) or not isinstance(self.prompt_length, int) \
+                    or self.prompt_length < 1:
+                raise ValueError(f"-p takes positive prompt lengths in tokens, got {self.prompt_length!r}")
+            if self.prompts is not None or self.images or Path(self.prompt_file) not in (Path(DEFAULT_PROMPT),
+                                                                                          Path(CODE_TEXT)):
+                raise ValueError("-p cuts its prompts from the shipped code text: give it without --prompt-file, "
+                                 "--prompts or --image")
+            self.prompt_file = str(CODE_TEXT)  # what the prompt is cut from (recorded)
         if self.prompts is not None and (self.prompts < 1 or Path(self.prompt_file).suffix != ".jsonl"):
             raise ValueError(f"--prompts takes a positive count of a .jsonl prompt set's prompts, got {self.prompts} "
                              f"for {self.prompt_file}")
@@ -133,6 +146,9 @@ class DecodeOptions:
         return split_options(cls, kw)
 
     def default_label(self) -> str:
+        return self._label() + (f"-p{self.prompt_length}" if self.prompt_length else "")
+
+    def _label(self) -> str:
         if self.engine != "ours":
             return f"{self.engine}-peer"
         eo = self.engine_options
@@ -147,7 +163,8 @@ class DecodeOptions:
     def load(self) -> tuple:
         """The weights, prompts and lengths a run decodes (whatever engine, runtime and switches decode them): what
         a peer and our plain run it is set against share."""
-        return model_key(self), self.prompt_file, self.prompts, tuple(self.images), self.max_new_tokens, self.ignore_eos
+        return (model_key(self), self.prompt_file, self.prompts, self.prompt_length, tuple(self.images),
+                self.max_new_tokens, self.ignore_eos)
 
     def workload(self) -> tuple:
         """What a speculative run and its plain partner share: :meth:`load`, the runtime and its numerics, and the
@@ -306,7 +323,8 @@ def parse_spec(item: str, draft_tokens: int | None) -> tuple[str, int | None]:
 
 def decode_runs(base: dict, *, engines=("ours",), specs=("none",), runtimes=("v3",), rollbacks=("recompute",),
                 lm_heads=(0,), switches: dict[str, tuple[bool, ...]] | None = None, draft_tokens: int | None = None,
-                label: str | None = None, baseline: bool = True, replay: str | None = None) -> list[DecodeOptions]:
+                label: str | None = None, baseline: bool = True, replay: str | None = None,
+                prompt_lengths: tuple[int, ...] = ()) -> list[DecodeOptions]:
     """The grid of decode runs a command line asks for: every runtime x spec x rollback x lm-head-draft size of
     our engine (the last two only where there is a drafter) x the values of each engine switch (``switches``,
     {name of :data:`SWITCHES`: values}; each only on the runs it applies to, the others keep its default), and the
@@ -314,8 +332,10 @@ def decode_runs(base: dict, *, engines=("ours",), specs=("none",), runtimes=("v3
     ``replay``: replayed acceptance for every speculative run (``EngineOptions.replay_acceptance``).
     ``baseline``: each speculative run gets a plain run on the same workload (added where the grid has none,
     flagged ``baseline``); plain runs go first, so a speculative run can be set against its partner (and replay
-    its tokens). Labels are unique: with several rollbacks each speculative label names its own, and ``label``
-    prefixes them all (an added baseline alone beside one run: ``LABEL-plain``)."""
+    its tokens). ``prompt_lengths`` (``-p``): the whole grid once for each length, on a prompt of exactly that many
+    tokens cut from the shipped code text, labelled ``-pN``, with a max-context that holds it when none is given.
+    Labels are unique: with several rollbacks each speculative label names its own, and ``label`` prefixes them all
+    (an added baseline alone beside one run: ``LABEL-plain``)."""
     switches = switches or {}
     if draft_tokens is not None and all(parse_spec(x, None)[0] == "none" for x in specs):
         raise ValueError(f"-k {draft_tokens} is speculative decoding's drafts per round: give it with --spec mtp, "
@@ -328,24 +348,26 @@ def decode_runs(base: dict, *, engines=("ours",), specs=("none",), runtimes=("v3
     if peers == set(engines) and any(parse_spec(x, None)[0] != "none" for x in specs):
         raise ValueError(f"--engine {','.join(engines)} runs plain greedy decoding: use --spec none (or add ours)")
     runs = []
-    for engine in dict.fromkeys(engines):
-        if engine != "ours":
-            runs.append(DecodeOptions.make(**base, engine=engine))
-            continue
-        for runtime in dict.fromkeys(runtimes):
-            for item in dict.fromkeys(specs):
-                spec, k = parse_spec(item, draft_tokens)
-                names = [n for n in switches if SWITCHES[n].applies_to(runtime, spec)]
-                for rollback in dict.fromkeys(rollbacks if spec != "none" else rollbacks[:1]):
-                    for head in dict.fromkeys(lm_heads if spec != "none" else (0,)):
-                        for values in itertools.product(*(dict.fromkeys(switches[n]) for n in names)):
-                            runs.append(DecodeOptions.make(**base, engine=engine, runtime=runtime, spec=spec,
-                                                           draft_tokens=k, rollback=rollback, lm_head_draft=head,
-                                                           replay_acceptance=replay if spec != "none" else None,
-                                                           **dict(zip(names, values))))
-    if not runs:
-        raise ValueError("no decode run: give at least one engine, runtime and spec")
-    runs = with_baselines(runs, base) if baseline else runs
+    for one in [base] if not prompt_lengths else [_at_length(base, n) for n in dict.fromkeys(prompt_lengths)]:
+        grid = []
+        for engine in dict.fromkeys(engines):
+            if engine != "ours":
+                grid.append(DecodeOptions.make(**one, engine=engine))
+                continue
+            for runtime in dict.fromkeys(runtimes):
+                for item in dict.fromkeys(specs):
+                    spec, k = parse_spec(item, draft_tokens)
+                    names = [n for n in switches if SWITCHES[n].applies_to(runtime, spec)]
+                    for rollback in dict.fromkeys(rollbacks if spec != "none" else rollbacks[:1]):
+                        for head in dict.fromkeys(lm_heads if spec != "none" else (0,)):
+                            for values in itertools.product(*(dict.fromkeys(switches[n]) for n in names)):
+                                grid.append(DecodeOptions.make(**one, engine=engine, runtime=runtime, spec=spec,
+                                                               draft_tokens=k, rollback=rollback, lm_head_draft=head,
+                                                               replay_acceptance=replay if spec != "none" else None,
+                                                               **dict(zip(names, values))))
+        if not grid:
+            raise ValueError("no decode run: give at least one engine, runtime and spec")
+        runs += with_baselines(grid, one) if baseline else grid
     missing = [r.default_label() for r in runs if r.engine_options.replay_acceptance is not None
                and not _has_partner(r, runs)]
     if missing:
@@ -365,6 +387,18 @@ def decode_runs(base: dict, *, engines=("ours",), specs=("none",), runtimes=("v3
     if len(set(seen)) != len(seen):
         raise ValueError(f"two runs would share a label: {seen}")
     return runs
+
+
+def _at_length(base: dict, length: int) -> dict:
+    """``base`` for ``-p length``: its prompt, and a max-context that holds it and the new tokens when none is given
+    and the default would not (llama-bench sizes its context to each test)."""
+    if isinstance(length, bool) or not isinstance(length, int) or length < 1:
+        raise ValueError(f"-p takes positive prompt lengths in tokens, got {length!r}")
+    out = {**base, "prompt_length": length}
+    need = length + out.get("max_new_tokens", DecodeOptions.__dataclass_fields__["max_new_tokens"].default)
+    if out.get("max_context") is None and need > DEFAULT_CONTEXT:
+        out["max_context"] = need
+    return out
 
 
 def _plain(opts: DecodeOptions) -> bool:
@@ -403,17 +437,20 @@ def attach_plain(doc: dict, plain: dict) -> None:
 
 def plain_agreement(docs: list[dict]) -> dict[str, bool | None]:
     """Per run label: whether our engine's speculative run decoded the tokens of the grid's plain run on the same
-    runtime (greedy speculative decoding must reproduce greedy decoding; in bf16 a verify forward may still flip a
-    near-tie); None where there is nothing to compare (plain runs, the peer, no plain run beside it)."""
+    runtime and prompts (greedy speculative decoding must reproduce greedy decoding; in bf16 a verify forward may
+    still flip a near-tie); None where there is nothing to compare (plain runs, the peer, no plain run beside it)."""
+    def key(c: dict) -> tuple:
+        return tuple(c.get(k) for k in ("runtime", "prompt_file", "prompts", "prompt_length", "max_new_tokens"))
+
     plain = {}
     for d in docs:
         c = d["config"]
         if c.get("engine") == "ours" and c.get("spec") == "none":
-            plain.setdefault(c.get("runtime"), d["summary"]["tokens_sha256"])
+            plain.setdefault(key(c), d["summary"]["tokens_sha256"])
     out = {}
     for d in docs:
         c = d["config"]
-        ref = plain.get(c.get("runtime")) if c.get("engine") == "ours" and c.get("spec") != "none" else None
+        ref = plain.get(key(c)) if c.get("engine") == "ours" and c.get("spec") != "none" else None
         out[d["label"]] = None if ref is None else d["summary"]["tokens_sha256"] == ref
     return out
 
@@ -478,7 +515,8 @@ def run_decode(opts: DecodeOptions, progress=None, loaded=None, references=None,
         # the engine binds a copy (its capacities resolved against the model); the run records max-context as bound
         runner = Engine(loaded if loaded is not None else load_model(opts), dataclasses.replace(opts.engine_options))
         opts.engine_options.max_context = runner.options.max_context
-    prompts = load_prompts(opts.prompt_file, runner.tokenizer, opts.prompts)
+    prompts = ([code_prompt(runner.tokenizer, opts.prompt_length)] if opts.prompt_length
+               else load_prompts(opts.prompt_file, runner.tokenizer, opts.prompts))
     if opts.images:
         prompts = with_images(runner, prompts, opts.images)
     auto = opts.repeats == "auto"

@@ -20,10 +20,10 @@ import numpy as np
 from ..engine.runtime.options import EngineOptions
 from ..oracles.store import NEAR_TIE_NATS, agreement, identity_mismatch, kl, load_oracle
 from ..reports.schema import make_result
-from .common import DATA, flat_config, split_options
+from .common import CODE_TEXT, flat_config, split_options
 from .needle import make_needle, needle_text, question_text
 
-HAYSTACK = DATA / "haystack.py.txt"
+HAYSTACK = CODE_TEXT
 ORACLE_DIR = Path(__file__).resolve().parent.parent / "oracles" / "data"
 DEFAULT_DEPTHS = tuple(range(0, 101, 10))
 

@@ -252,3 +252,55 @@ def test_cuda_only_switches_off_are_refused_on_a_cpu(monkeypatch, flags, named):
     with pytest.raises(ValueError, match="--side-stream off"):
         refuse_cuda_switches("cpu", {"pdl": (True,), "side_stream": (True, False)})
     refuse_cuda_switches("cpu", {"pdl": (True,), "side_stream": (True,)})
+
+
+def test_prompt_length_grid_cuts_exact_prompts_from_the_code_text(tmp_path):
+    """-p N,M: the grid once for each length, on a prompt of exactly that many tokens of the shipped code text, each
+    run labelled -pN, its prefill beside its decode in the table, and different lengths different experiments."""
+    from ninfer_bench.reports.experiment import config_differences
+    from ninfer_bench.suites.common import CODE_TEXT, code_prompt
+
+    out = tmp_path / "p"
+    r = CliRunner().invoke(main, ["decode", "--model", "tiny", "--device", "cpu", "-p", "24,40", "--spec", "none,mtp:2",
+                                  "-n", "5", "--repeats", "1", "--warmup", "0", "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    names = sorted(p.name for p in out.iterdir())
+    assert names == ["v3-mtp-k2-p24.json", "v3-mtp-k2-p40.json", "v3-none-p24.json", "v3-none-p40.json"]
+    docs = {p.stem: json.loads(p.read_text()) for p in out.iterdir()}
+    for name, doc in docs.items():
+        n = int(name.rsplit("-p", 1)[1])
+        assert doc["summary"]["prompt_tokens"] == n and doc["config"]["prompt_length"] == n
+        assert Path(doc["config"]["prompt_file"]).name == CODE_TEXT.name
+    assert docs["v3-none-p24"]["summary"]["tokens_sha256"] == docs["v3-mtp-k2-p24"]["summary"]["tokens_sha256"]
+    assert "prompt" in r.output and "NO" not in r.output and "differ" not in r.output
+    assert any("prompt_length" in d for d in config_differences(docs["v3-none-p24"], docs["v3-none-p40"]))
+
+    from ninfer_bench.engine.runtime.engine import Engine
+
+    tok = Engine.load("tiny", device="cpu").tokenizer
+    whole = tok.encode(CODE_TEXT.read_text(encoding="utf-8"))
+    assert code_prompt(tok, 40) == whole[:40]
+    long = code_prompt(tok, 2 * len(whole) + 3)  # longer than the text: its tokens again, then cut
+    assert len(long) == 2 * len(whole) + 3 and long[len(whole):2 * len(whole)] == whole
+    for bad in (0, -5, True, 2.5):
+        with pytest.raises(ValueError):
+            code_prompt(tok, bad)
+
+
+def test_prompt_lengths_size_the_context_and_refuse_other_prompts(tmp_path):
+    runs = decode_runs(dict(BASE, max_new_tokens=100), prompt_lengths=(512, 9000, 512))
+    assert [(r.label, r.prompt_length, r.engine_options.max_context) for r in runs] == [
+        ("v3-none-p512", 512, None), ("v3-none-p9000", 9000, 9100)]  # the default holds 612; 9,100 it must be told
+    given = decode_runs(dict(BASE, max_context=4096), prompt_lengths=(9000,))
+    assert given[0].engine_options.max_context == 4096  # given: kept (the engine then refuses what does not fit)
+    with pytest.raises(ValueError, match="positive prompt lengths"):
+        decode_runs(BASE, prompt_lengths=(0,))
+    with pytest.raises(ValueError, match="without --prompt-file"):
+        DecodeOptions.make(**BASE, prompt_length=64, prompts=2)
+    prompt = tmp_path / "q.txt"
+    prompt.write_text("x = 1\n")
+    for extra in (["--prompt-file", str(prompt)], ["--url", "http://127.0.0.1:9"], ["--prompts", "2"]):
+        r = CliRunner().invoke(main, ["decode", "--model", "tiny", "-p", "64", *extra])
+        assert r.exit_code == 1 and "-p" in r.output, r.output
+    r = CliRunner().invoke(main, ["decode", "--model", "tiny", "-p", "64,x"])
+    assert r.exit_code == 1 and "comma-separated integers" in r.output

@@ -40,6 +40,9 @@ def _switch(flag: str, off_label: str, applies: str, help: str):
     return field(default=True, metadata={"switch": Switch(flag, off_label, applies, help)})
 
 
+DEFAULT_CONTEXT = 8192  # --max-context when none is given (or the model's limit when smaller)
+
+
 @dataclass(slots=True)
 class EngineOptions:
     """What an Engine is bound to. ``kv_capacity`` is the total number of K/V tokens, split evenly over
@@ -49,7 +52,7 @@ class EngineOptions:
     device: str = "auto"
     dtype: str = "auto"
     kv_dtype: str = "int8"
-    max_context: int | None = None  # None: 8192, or the model's limit when smaller
+    max_context: int | None = None  # None: DEFAULT_CONTEXT, or the model's limit when smaller
     kv_capacity: int | None = None
     max_concurrency: int = 1
     prefill_chunk: int = 2048  # prompt tokens a forward (on CUDA each chunk dequantizes every packed weight once)
@@ -165,7 +168,7 @@ class EngineOptions:
     def bind(self, model_max_positions: int) -> None:
         """Resolve the defaults that depend on the model, and check max-context against it."""
         if self.max_context is None:
-            self.max_context = min(8192, model_max_positions)
+            self.max_context = min(DEFAULT_CONTEXT, model_max_positions)
         if self.max_context > model_max_positions:
             raise ValueError(f"max-context {self.max_context} exceeds the model's max_position_embeddings "
                              f"{model_max_positions}")
