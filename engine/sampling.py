@@ -28,6 +28,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: bool = False  # keep every generated position's log-softmax row (a drafter's rounds keep none)
+    top_logprobs: int | None = None  # N: keep each generated token's log-probability and its N most likely instead,
+    #                                  computed on the device in the step's batched pick (no vocabulary rows copied)
     prompt_logprobs: int | None = None  # N: each prompt token's log-probability and its N most likely (scoring.py)
 
     def __post_init__(self) -> None:
@@ -35,6 +37,11 @@ class SamplingParams:
             raise ValueError(f"max_new_tokens must be a non-negative integer, got {self.max_new_tokens!r}")
         if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int) or self.prompt_logprobs < 0):
             raise ValueError(f"prompt_logprobs must be None or a non-negative integer, got {self.prompt_logprobs!r}")
+        if self.top_logprobs is not None and (isinstance(self.top_logprobs, bool) or not isinstance(self.top_logprobs, int)
+                                              or self.top_logprobs < 0):
+            raise ValueError(f"top_logprobs must be None or a non-negative integer, got {self.top_logprobs!r}")
+        if self.top_logprobs is not None and self.logprobs:
+            raise ValueError("logprobs (whole rows) and top_logprobs (each token's and its N most likely): one of them")
         if not (isinstance(self.temperature, (int, float)) and 0.0 <= self.temperature <= 100.0):
             raise ValueError(f"temperature must be in [0, 100], got {self.temperature!r}")
         if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
@@ -53,6 +60,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def keeps_logprobs(self) -> bool:
+        """Whether generated tokens' log-probabilities are kept (whole rows or compact)."""
+        return self.logprobs or self.top_logprobs is not None
 
 
 def probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:

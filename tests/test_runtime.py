@@ -40,6 +40,43 @@ def test_logprobs_are_the_rows_the_tokens_were_picked_from():
         Engine.load("tiny", device="cpu", spec="mtp").generate(ids, max_new_tokens=2, logprobs=True)
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_top_logprobs_are_the_rows_compacted_in_the_batched_pick(temperature):
+    """top_logprobs N keeps each token's log-probability and its N most likely, computed in the step's batched pick:
+    the same numbers as the whole rows' (logprobs=True), the same tokens, and rows of a batch that did not ask keep
+    nothing; greedy or sampled."""
+    from ninfer_bench.engine.sampling import SamplingParams
+
+    eng = Engine.load("tiny", device="cpu", kv_dtype="fp32", max_context=512, max_concurrency=3)
+    ids = list(range(3, 40))
+    kw = dict(max_new_tokens=5, ignore_eos=True, temperature=temperature, seed=7)
+    rows = eng.generate(ids, logprobs=True, **kw)
+    top = eng.generate(ids, top_logprobs=4, **kw)
+    assert top.tokens == rows.tokens and len(top.logprobs) == len(top.tokens) == 5
+    for (lp, pairs), row, tok in zip(top.logprobs, rows.logprobs, top.tokens):
+        assert lp == pytest.approx(float(row[tok]), abs=1e-5)
+        best = row.topk(4)
+        assert [i for i, _ in pairs] == best.indices.tolist()
+        assert [v for _, v in pairs] == pytest.approx(best.values.tolist(), abs=1e-5)
+    # a batch of three rows: N 2, none, N 0 (the token's own only)
+    seqs = [eng.acquire(ids, SamplingParams(top_logprobs=2, **kw)), eng.acquire(ids, SamplingParams(**kw)),
+            eng.acquire(ids, SamplingParams(top_logprobs=0, **kw))]
+    for s in seqs:
+        eng.start(s)
+    while any(s.finish_reason is None for s in seqs):
+        eng.advance(seqs)
+    assert [s.tokens for s in seqs] == [top.tokens] * 3  # batched: each row its own stream
+    assert len(seqs[0].logprobs) == 5 and seqs[1].logprobs == [] and len(seqs[2].logprobs) == 5
+    assert all(len(p) == 2 for _, p in seqs[0].logprobs) and all(p == [] for _, p in seqs[2].logprobs)
+    assert [lp for lp, _ in seqs[2].logprobs] == pytest.approx([lp for lp, _ in top.logprobs], abs=1e-5)
+    for s in seqs:
+        eng.release(s)
+    with pytest.raises(ValueError, match="one of them"):
+        SamplingParams(logprobs=True, top_logprobs=2)
+    with pytest.raises(ValueError, match="top_logprobs"):
+        SamplingParams(top_logprobs=-1)
+
+
 def test_greedy_identical_across_runtimes_and_chunk_sizes():
     ref = engine(runtime="v3", prefill_chunk=512, kv_dtype="bf16").generate(PROMPT, max_new_tokens=48).tokens
     for kw in (dict(runtime="v2"), dict(prefill_chunk=16), dict(prefill_chunk=33, runtime="v2")):

@@ -17,7 +17,7 @@ def chainable(engine, seq: Sequence) -> bool:
 
     p = seq.params
     return (engine.options.lookahead and engine.graphs is not None and engine.drafter is None and p.greedy
-            and not p.logprobs and not p.stop and not (seq.media is not None and seq.media.delta)
+            and not p.keeps_logprobs and not p.stop and not (seq.media is not None and seq.media.delta)
             and seq.finish_reason is None and len(engine.stops.stop_ids(p)) <= MAX_STOP_IDS)
 
 

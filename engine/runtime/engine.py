@@ -214,7 +214,7 @@ class Engine:
         if media is not None and len(media.mask) != len(prompt):
             raise ValueError(f"media prompt covers {len(media.mask)} tokens, the prompt has {len(prompt)}")
         self.check_ids(prompt)
-        if params.logprobs and self.drafter is not None and params.max_new_tokens > 1:
+        if params.keeps_logprobs and self.drafter is not None and params.max_new_tokens > 1:
             raise ValueError("logprobs past the first generated token are kept for plain decoding only (spec none)")
         if self.replay is not None and not params.greedy:
             raise ValueError("replayed acceptance replays greedy decoding: temperature 0 only")
@@ -502,12 +502,26 @@ class Engine:
     def pick(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
         """The next token of each of ``seqs`` from its row of ``logits [B, V]``, every row in one batched call
         (``sampling.sample_rows``): the argmax for a greedy row; for a sampling row draw ``len(seq.tokens)`` of its
-        request's stream (``seq.sample_seed``): a seeded request's tokens do not depend on what it is batched with."""
-        if all(s.params.greedy for s in seqs):
+        request's stream (``seq.sample_seed``): a seeded request's tokens do not depend on what it is batched with.
+        A row whose request keeps ``top_logprobs`` N gets the token's log-probability (under the model's own
+        distribution) and its N most likely appended to ``seq.logprobs``, from the same call."""
+        tops = [s.params.top_logprobs for s in seqs]
+        n = max((t for t in tops if t is not None), default=None)
+        if n is None and all(s.params.greedy for s in seqs):
             return logits.argmax(-1)
         rows = RowSampling.make([s.params for s in seqs], [s.sample_seed for s in seqs], [len(s.tokens) for s in seqs],
                                 self.device)
-        return sample_rows(logits, rows).tokens
+        if n is None:
+            return sample_rows(logits, rows).tokens
+        out = sample_rows(logits, rows, logprobs=min(n, logits.shape[-1]))
+        # each asking row's token log-probability and top N: one small copy for the batch
+        lp = out.logprobs.tolist()
+        ids = out.top_ids.tolist() if out.top_ids is not None else [[] for _ in seqs]
+        vals = out.top_logprobs.tolist() if out.top_logprobs is not None else [[] for _ in seqs]
+        for r, (s, k) in enumerate(zip(seqs, tops)):
+            if k is not None:
+                s.logprobs.append((lp[r], list(zip(ids[r][:k], vals[r][:k]))))
+        return out.tokens
 
     def release(self, seq: Sequence) -> None:
         if self.drafter is not None:
@@ -563,4 +577,4 @@ class Engine:
                                 prompt_tokens=len(seq.prompt), prefill_s=t1 - t0, decode_s=t2 - t1,
                                 ttft_s=t1 - t0, device_decode_ms=device_ms, spec=dict(seq.stats),
                                 vision=dict(seq.media.stats) if seq.media is not None else {},
-                                logprobs=list(seq.logprobs) if seq.params.logprobs else None)
+                                logprobs=list(seq.logprobs) if seq.params.keeps_logprobs else None)

@@ -26,7 +26,9 @@ class Sequence:
     text: str | None = None  # the output cut before a stop string, when one ended it (None: not cut)
     stats: dict = field(default_factory=dict)
     media: MediaPrompt | None = None  # images / videos of the prompt (engine/media/prompt.py)
-    logprobs: list = field(default_factory=list)  # with params.logprobs: each token's log-softmax row, fp32 CPU
+    logprobs: list = field(default_factory=list)  # with params.logprobs: each token's log-softmax row, fp32 CPU; with
+    #                                               params.top_logprobs: (its log-probability, [(id, logprob)] of the
+    #                                               N most likely, most likely first) a token (Engine.pick)
     prompt_scores: PromptScores | None = field(default=None, init=False)  # filled by the prefill (scoring.py)
     reference: torch.Tensor | None = None  # replayed acceptance: the plain run's tokens on the device (spec/replay.py)
 
@@ -53,7 +55,8 @@ class GenerationResult:
     device_decode_ms: float
     spec: dict = field(default_factory=dict)
     vision: dict = field(default_factory=dict)  # media requests: encode_ms, tokens, items, cached
-    logprobs: list | None = None  # SamplingParams.logprobs: [vocab] fp32 log-softmax rows, one a token
+    logprobs: list | None = None  # SamplingParams.logprobs: [vocab] fp32 log-softmax rows, one a token;
+    #                               top_logprobs: (logprob, [(id, logprob)]) one a token
 
     @property
     def completion_tokens(self) -> int:

@@ -62,7 +62,8 @@ MAX_STOPS, MAX_STOP_CHARS = 16, 1000  # stop strings a request may give, and cha
 
 
 def sampling_params(max_tokens: int, temperature, top_p, top_k, seed, stop, ignore_eos,
-                    logprobs: bool = False, prompt_logprobs: int | None = None, min_p: float = 0.0) -> SamplingParams:
+                    top_logprobs: int | None = None, prompt_logprobs: int | None = None,
+                    min_p: float = 0.0) -> SamplingParams:
     if stop is not None and not isinstance(stop, str) and not all(isinstance(s, str) for s in stop):
         raise BadRequest("stop must be a string or a list of strings", "stop")
     stops = [stop] if isinstance(stop, str) else list(stop or ())
@@ -72,8 +73,7 @@ def sampling_params(max_tokens: int, temperature, top_p, top_k, seed, stop, igno
     try:
         return SamplingParams(max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                               min_p=min_p, seed=seed, stop=tuple(stops), ignore_eos=bool(ignore_eos),
-                              logprobs=logprobs,
-                              prompt_logprobs=prompt_logprobs)
+                              top_logprobs=top_logprobs, prompt_logprobs=prompt_logprobs)
     except ValueError as e:
         raise BadRequest(str(e)) from None
 
@@ -220,13 +220,13 @@ class Generation:
             self.state = state
 
     def _tokens(self, req, ids: list[int]) -> None:
-        """Engine thread: the newly committed ``ids`` (with their log-probabilities, whose rows the engine keeps
-        until here: compacted to the requested top N and dropped, so a long generation holds no vocabulary rows)."""
+        """Engine thread: the newly committed ``ids`` (with their log-probabilities: each token's and its top N, which
+        the engine's batched pick computed on the device and keeps until here)."""
         entries = None
         if self.top_logprobs is not None:
-            rows = req.seq.logprobs[:len(ids)]
+            kept = req.seq.logprobs[:len(ids)]
             del req.seq.logprobs[:len(ids)]
-            entries = token_logprobs(rows, ids, self.top_logprobs)
+            entries = token_logprobs(kept, ids)
         if self.track is not None:
             self.track.tokens(req, len(ids))
         self._post((ids, entries))
@@ -470,7 +470,7 @@ class Backend:
             raise BadRequest(f"logprobs: this server decodes speculatively (--spec {self.engine.options.spec}); "
                              f"log-probabilities past the first generated token are returned by servers without a "
                              f"drafter (max_tokens 1 works here, and completions' echo with 0)", "logprobs")
-        params = sampling_params(max_tokens, **sampling, logprobs=top is not None, prompt_logprobs=prompt_logprobs)
+        params = sampling_params(max_tokens, **sampling, top_logprobs=top, prompt_logprobs=prompt_logprobs)
         gen = Generation(self, ids, params, session_id, saved, text, mm, top)
         gen.submit()
         return gen

@@ -1,5 +1,6 @@
 """Log-probabilities for the OpenAI routes: each generated token's (:class:`TokenLogprob`, made by the backend from
-the engine's log-softmax rows), each prompt token's with ``echo``, and OpenAI's ``logprobs`` shapes of them.
+what the engine's batched pick computed on the device: the token's log-probability and its top N), each prompt
+token's with ``echo``, and OpenAI's ``logprobs`` shapes of them.
 
 Chat completions (``logprobs: true``, ``top_logprobs: N``): ``choices[i].logprobs.content`` is one object a token,
 ``{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}``. Completions (``logprobs: N``):
@@ -30,14 +31,10 @@ class TokenLogprob:
 MAX_TOP_LOGPROBS = 20  # as vLLM's default max_logprobs
 
 
-def token_logprobs(rows: list, ids: list[int], top: int) -> list[TokenLogprob]:
-    """The entries of ``ids`` from the engine's log-softmax rows (one a token, in order)."""
-    out = []
-    for row, tok in zip(rows, ids):
-        best = row.topk(top) if top else None
-        pairs = [] if best is None else [(int(i), float(v)) for v, i in zip(best.values, best.indices)]
-        out.append(TokenLogprob(int(tok), float(row[tok]), pairs))
-    return out
+def token_logprobs(kept: list, ids: list[int]) -> list[TokenLogprob]:
+    """The entries of ``ids`` from what the engine kept a token (``SamplingParams.top_logprobs``: the token's
+    log-probability and its top (id, log-probability) pairs, in order)."""
+    return [TokenLogprob(int(tok), float(lp), [(int(i), float(v)) for i, v in top]) for (lp, top), tok in zip(kept, ids)]
 
 
 def prompt_token_logprobs(ids: list[int], rows: list[tuple[float, list[tuple[int, float]]]]) -> list[TokenLogprob]:
