@@ -364,17 +364,22 @@ class SloOption(click.Option):
 @click.option("--prefill-chunk", type=int, default=2048, show_default=True)
 @click.option("--interleave-chunk", type=int, default=512, show_default=True,
               help="Prompt tokens prefilled per iteration while other requests decode (at most --prefill-chunk).")
+@click.option("--prefill-weights", type=click.Choice(["auto", "dense", "packed"]), default="auto", show_default=True,
+              help="Prefill projections of packed (quantized) weights on CUDA: dense keeps a dense copy of each "
+                   "(2 bytes a weight more, refused when the GPU cannot hold them; no dequantization per chunk), "
+                   "packed dequantizes every chunk, auto keeps copies up to 4 GiB of packed weights.")
 @click.option("--label", default=None, callback=run_label)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write the result document.")
 @output_options
 def concurrency(levels, url, served_model, model, synthetic, quant, spec, draft_tokens, max_new_tokens, prompt_tokens,
                 rounds, request_rate, burstiness, num_prompts, seed, client_max_concurrency, dataset, goodput,
-                percentiles, device, kv_dtype, runtime, max_context, prefill_chunk, interleave_chunk, label,
-                json_path):
+                percentiles, device, kv_dtype, runtime, max_context, prefill_chunk, interleave_chunk, prefill_weights,
+                label, json_path):
     """C1/C2/C4/C8 throughput and latency, in-process (continuous batching) or against a server.
 
     With --url the engine is the server's: --model, --synthetic, --quant, --spec, -k, --device, --kv-dtype,
-    --runtime, --max-context, --prefill-chunk and --interleave-chunk are refused (give them to `serve`), and the
+    --runtime, --max-context, --prefill-chunk, --interleave-chunk and --prefill-weights are refused (give them to
+    `serve`), and the
     result records the settings the server reports about itself, null for those it does not report.
 
     With --url and --request-rate the load is open-loop, as vllm bench serve sends it: requests at seeded arrival
@@ -413,7 +418,8 @@ def concurrency(levels, url, served_model, model, synthetic, quant, spec, draft_
                                                           draft_tokens=draft_tokens, device=device, kv_dtype=kv_dtype,
                                                           runtime=runtime, max_context=max_context,
                                                           prefill_chunk=prefill_chunk,
-                                                          interleave_chunk=interleave_chunk)))
+                                                          interleave_chunk=interleave_chunk,
+                                                          prefill_weights=prefill_weights)))
     prog, update = suite_progress("concurrency")
     with prog:
         doc = run_concurrency(opts, progress=update)

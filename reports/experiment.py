@@ -32,7 +32,8 @@ CONFIG_KEYS = (
 # in-process concurrency documents before session 27 recorded max_context null)
 SETTING_KEYS = (
     "lookahead", "draft_graphs", "pdl", "side_stream", "silu_epilogue", "prefill_graphs",  # the CUDA-graph switches
-    "prefill_chunk", "interleave_chunk", "max_context", "kv_capacity", "max_concurrency", "synthetic", "ignore_eos",
+    "prefill_chunk", "interleave_chunk", "prefill_weights", "max_context", "kv_capacity", "max_concurrency",
+    "synthetic", "ignore_eos",
 )
 # compared by file name: where a checkout lies is no part of the experiment
 PATH_KEYS = ("prompt_file", "images", "dataset")

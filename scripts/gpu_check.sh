@@ -47,6 +47,7 @@
 #            synthetic decode with --prefill-graphs on,off (prefill tok/s, TTFT and tokens of each)
 #   plen27   decode -p PLEN (2991,65000) on the 27B synthetic, ours and the transformers peer (PLEN_ENGINES), PLEN_N
 #            (128) tokens: each length's prefill tok/s, TTFT and the decode after it (issue 32's targets)
+#   pweights the 27B synthetic decode with --prefill-weights auto (packed there) and dense, then C1 / C8 with dense
 #   drift    scripts/probe_prefill_drift.py: the bundled model's prefill time between runs (fresh / shared Engine,
 #            GC off), DRIFT_RUNS (40) runs of 5 repeats a condition
 #   peersmall (waits for llamabuild) the bundled model beside llama.cpp (CUDA) on the 64 held-out prompts, 64 tokens
@@ -248,6 +249,11 @@ PY
     plen27)  # issue 32's prompt-length grid: the 27B synthetic beside the transformers peer on exact-length prompts
              nb decode $M27 --engine ${PLEN_ENGINES:-ours,hf} -p ${PLEN:-2991,65000} -n ${PLEN_N:-128} --repeats 2 \
                --json "$OUT/plen27" 2>&1 | tail -12 ;;
+    pweights) # --prefill-weights dense against the default (packed at the 27B shape): TTFT and memory, same tokens
+             for w in auto dense; do
+               nb decode $M27 --prefill-weights $w -n 32 --repeats 3 --json "$OUT/pweights-$w.json" 2>&1 | tail -3
+             done
+             nb concurrency $M27 -c 1,8 -n 128 --prefill-weights dense --json "$OUT/conc27-dense.json" 2>&1 | tail -8 ;;
     llwait)  llwait ;;
     drift)   nb_py() { timeout "${STAGE_S:-86400}" python3 "$@"; }
              nb_py scripts/probe_prefill_drift.py --device cuda --runs ${DRIFT_RUNS:-40} --repeats 5 -n 128 \

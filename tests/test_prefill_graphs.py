@@ -94,3 +94,31 @@ def test_prefill_graph_after_a_prompt_with_scores_and_a_cached_prefix():
     first = eng.generate(prompt, max_new_tokens=8, ignore_eos=True).tokens
     eng.score(prompt, top=2)
     assert eng.generate(prompt, max_new_tokens=8, ignore_eos=True).tokens == first
+
+
+def test_prefill_weights_choose_whether_dense_copies_are_kept():
+    from ninfer_bench.engine.runtime.options import EngineOptions
+
+    eng = Engine.load("tiny", device="cpu")
+    raws = eng.weights.raws
+    from ninfer_bench.engine.model.weights import WeightStore
+
+    assert WeightStore(raws, prefill_weights="auto").cache_dense  # a small model: copies kept
+    assert WeightStore(raws, prefill_weights="dense").cache_dense
+    assert not WeightStore(raws, prefill_weights="packed").cache_dense
+    with pytest.raises(ValueError, match="prefill weights must be"):
+        EngineOptions(prefill_weights="bf16")
+
+
+@cuda
+@pytest.mark.parametrize("choice", ["dense", "packed"])
+def test_prefill_weights_decode_the_same_tokens(choice):
+    """Dense copies kept or the packed weights dequantized every chunk: the same dequantized values, the same tokens;
+    only "dense" keeps a copy after the prefill."""
+    kw = dict(device="cuda", dtype="bf16", max_context=1024, quant="q4")
+    prompt = [3 + (i * 131) % 400 for i in range(300)]
+    want = Engine.load("tiny", **kw).generate(prompt, max_new_tokens=16, ignore_eos=True).tokens
+    eng = Engine.load("tiny", prefill_weights=choice, **kw)
+    assert eng.generate(prompt, max_new_tokens=16, ignore_eos=True).tokens == want
+    kept = [lin for lin in eng.weights.linears.values() if getattr(lin, "_dense", None)]
+    assert bool(kept) == (choice == "dense")

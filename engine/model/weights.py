@@ -138,7 +138,7 @@ class WeightStore:
 
     def __init__(self, raws: dict[str, RawWeight], *, device="cpu", dtype=torch.float32, runtime="v3",
                  fuse: bool | None = None, apart: tuple[str, ...] = (), interleave: bool = False,
-                 tied_embeddings: bool = False, qmv_layout: str = "lanes"):
+                 tied_embeddings: bool = False, qmv_layout: str = "lanes", prefill_weights: str = "auto"):
         self.device, self.dtype, self.runtime = torch.device(device), dtype, runtime
         # packed weights in a qmv layout only (no row-major copy): for 16-bit activations, which qmv takes; fp32
         # ones go through the Triton kernels, which read rows
@@ -150,6 +150,17 @@ class WeightStore:
         self.vectors: dict[str, torch.Tensor] = {}
         self.embeddings: dict[str, Embedding] = {}
         self.weight_bytes = sum(r.nbytes for r in raws.values())
+        # prefill-width calls of packed weights: a dense copy of each kept, or dequantized on every call
+        self.cache_dense = {"auto": self.weight_bytes <= DENSE_CACHE_LIMIT, "dense": True,
+                            "packed": False}[prefill_weights]
+        if self.packed and prefill_weights == "dense":
+            from .memory import check_fits_memory
+
+            dense = sum(math.prod(r.shape) for r in raws.values()
+                        if len(r.shape) == 2 and r.fmt in quant.QUANT_FORMATS) * dtype.itemsize
+            check_fits_memory(self.weight_bytes + dense, self.device,
+                              "the packed weights and dense copies of them for prefill",
+                              "use --prefill-weights packed (dequantized every prefill chunk) or auto")
         if not self.packed:  # each matrix becomes a dense copy in the compute dtype (v2, and every CPU run)
             from .memory import check_fits_memory
 
@@ -176,7 +187,7 @@ class WeightStore:
         """A projection of ``raw`` held as this store holds its own: packed where the store keeps weights packed
         (v3 on CUDA) and ``raw`` is in a quantized format, else a dense copy in the compute dtype."""
         if self.packed and raw.fmt in quant.QUANT_FORMATS:
-            return _packed_linear(raw, self.device, self.weight_bytes <= DENSE_CACHE_LIMIT, self.qmv_layout)
+            return _packed_linear(raw, self.device, self.cache_dense, self.qmv_layout)
         return DenseLinear(raw.dense(self.dtype, self.device))
 
     @staticmethod

@@ -93,7 +93,8 @@ class Engine:
         self.weights = WeightStore(loaded.raws, device=self.device, dtype=self.dtype, runtime=opts.runtime,
                                    apart=("linear_attn.in_proj_qkvz",) if side else (),
                                    interleave=interleave, fuse=True if interleave else None,
-                                   tied_embeddings=self.config.tie_word_embeddings, qmv_layout=opts.qmv_layout)
+                                   tied_embeddings=self.config.tie_word_embeddings, qmv_layout=opts.qmv_layout,
+                                   prefill_weights=opts.prefill_weights)
         # spec verification writes up to K + 1 positions past a sequence's length: room for them per slot
         self.slack = opts.draft_tokens + 1
         self.capacity = opts.slot_capacity + self.slack

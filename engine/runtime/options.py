@@ -95,6 +95,9 @@ class EngineOptions:
         "silu(gate) * up itself (CUDA, cupy).")
     qmv_dense: bool = True  # small dense bf16/fp16 projections (<= 1024 rows, <= 64 x rows) through qmv's dense
     #                         path instead of cuBLAS (process-wide: kernels/qmv_cuda.set_dense)
+    prefill_weights: str = "auto"  # prefill-width projections of packed weights (v3 on CUDA): "dense" keeps a dense
+    #                                copy of each (2 bytes a weight more; refused when the GPU cannot hold them),
+    #                                "packed" dequantizes it on every chunk, "auto" keeps copies up to 4 GiB packed
     qmv_layout: str = "lanes"  # packed weights of bf16/fp16 models on CUDA: "lanes" (qmv's tile-contiguous layout
     #                            with one load a lane and no x shuffles), "tiled" (tile-contiguous) or "rows" (the
     #                            row-major buffers)
@@ -156,6 +159,8 @@ class EngineOptions:
         if isinstance(self.inject_delay_us, bool) or not isinstance(self.inject_delay_us, (int, float)) \
                 or not 0 <= self.inject_delay_us < 1e7:
             raise ValueError(f"inject-delay-us must be a number of microseconds in [0, 1e7), got {self.inject_delay_us!r}")
+        if self.prefill_weights not in ("auto", "dense", "packed"):
+            raise ValueError(f"prefill weights must be auto, dense or packed, got {self.prefill_weights!r}")
         if self.qmv_layout not in ("tiled", "lanes", "rows"):
             raise ValueError(f"qmv layout must be tiled, lanes or rows, got {self.qmv_layout!r}")
         if self.kernels not in ("auto", "torch", "triton"):
