@@ -38,18 +38,24 @@ def test_conv_state_at_is_the_state_after_the_real_tokens(n):
         assert torch.equal(got[b:b + 1], want)
 
 
-@pytest.mark.parametrize("t,pad", [(5, 11), (37, 27), (70, 58)])
-def test_padded_prefill_equals_the_unpadded_one(t, pad):
-    """The real rows' hidden states, the conv / GDN states and the real positions' K/V do not see the padding."""
-    eng = Engine.load("tiny", device="cpu", dtype="fp32", kv_dtype="fp32", max_context=256)
+@pytest.mark.parametrize("start,t,pad", [(0, 5, 11), (0, 37, 27), (0, 70, 58), (40, 24, 40), (100, 9, 7)])
+def test_padded_prefill_equals_the_unpadded_one(start, t, pad):
+    """The real rows' hidden states, the conv / GDN states and the real positions' K/V do not see the padding: a
+    first chunk, and a later one (after ``start`` tokens prefilled unpadded) reading a key bucket past its end as its
+    graph does."""
+    eng = Engine.load("tiny", device="cpu", dtype="fp32", kv_dtype="fp32", max_context=512)
     m, cache = eng.model, eng.cache
-    ids = torch.randint(3, eng.config.vocab_size, (1, t), generator=torch.Generator().manual_seed(t))
+    ids = torch.randint(3, eng.config.vocab_size, (1, start + t), generator=torch.Generator().manual_seed(t))
 
     def run(slot, n_pad):
         cache.reset(slot)
-        x = torch.cat([ids, torch.zeros(1, n_pad, dtype=torch.long)], dim=1)
-        step = Step(x, torch.arange(t + n_pad)[None], torch.tensor([slot]), kv_len=t + n_pad, mode=PREFILL,
-                    valid=torch.tensor([t]) if n_pad else None)
+        if start:  # the chunk before, as the eager prefill runs it
+            m.forward(Step(ids[:, :start], torch.arange(start)[None], torch.tensor([slot]), kv_len=start,
+                           mode=PREFILL), cache)
+        x = torch.cat([ids[:, start:], torch.zeros(1, n_pad, dtype=torch.long)], dim=1)
+        keys = start + t if not n_pad else (start + t + n_pad if not start else 256)
+        step = Step(x, torch.arange(start, start + t + n_pad)[None], torch.tensor([slot]), kv_len=keys,
+                    mode=PREFILL, valid=torch.tensor([t]) if n_pad else None)
         hidden, _ = m.forward(step, cache)
         return hidden[:, :t]
 
@@ -59,8 +65,8 @@ def test_padded_prefill_equals_the_unpadded_one(t, pad):
         torch.testing.assert_close(cache.conv[i][1], cache.conv[i][0], rtol=1e-5, atol=1e-6)  # (M-dependent GEMMs)
         torch.testing.assert_close(cache.ssm[i][1], cache.ssm[i][0], rtol=1e-5, atol=1e-6)
     for layer in cache.kv.values():
-        torch.testing.assert_close(layer.k[1, :, :t], layer.k[0, :, :t], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(layer.v[1, :, :t], layer.v[0, :, :t], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(layer.k[1, :, :start + t], layer.k[0, :, :start + t], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(layer.v[1, :, :start + t], layer.v[0, :, :start + t], rtol=1e-5, atol=1e-5)
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -70,8 +76,8 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GP
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("spec,k", [("none", 0), ("mtp", 3), ("dflash2", 7)])
 def test_captured_prefill_decodes_like_the_eager_one(dtype, spec, k):
-    """Prompts of several lengths (a bucket's exact size, padded ones, one longer than the chunk: its first chunk
-    captured, the rest eager) give the eager prefill's tokens; the graphs are captured and reused."""
+    """Prompts of several lengths (a bucket's exact size, padded ones, longer than the chunk: their later chunks
+    captured too, reading key buckets past their ends) give the eager prefill's tokens; the graphs are reused."""
     kw = dict(device="cuda", dtype=dtype, kv_dtype="int8", max_context=1024, prefill_chunk=256,
               spec=spec, draft_tokens=k or None)
     on, off = Engine.load("tiny", **kw), Engine.load("tiny", prefill_graphs=False, **kw)
@@ -80,8 +86,11 @@ def test_captured_prefill_decodes_like_the_eager_one(dtype, spec, k):
         a = off.generate(prompt, max_new_tokens=24, ignore_eos=True).tokens
         b = on.generate(prompt, max_new_tokens=24, ignore_eos=True).tokens
         assert a == b, f"{t}-token prompt"
-    captured = sorted(key[1] for key in on.graphs.graphs if key[0] == PREFILL)
-    assert captured == [16, 256]  # 5 and 16 share 16; 137, 256 and the longer prompts' first chunks share 256
+    captured = {key[1:3] for key in on.graphs.graphs if key[0] == PREFILL}
+    # first chunks: 5 and 16 share 16; 137, 256 and the longer prompts' first chunks share 256. Later chunks (at most
+    # LATER_MAX_T long): 300's 44 tokens at 256 (bucket 64, keys to 512), 700's 256 at 256 (keys to 512) and 188 at
+    # 512 (bucket 256, keys to 1024)
+    assert captured == {(16, 16), (256, 256), (64, 512), (256, 512), (256, 1024)}
     assert on.graphs.prefill_off is None
     assert not any(key[0] == PREFILL for key in off.graphs.graphs)
 

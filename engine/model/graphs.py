@@ -8,8 +8,12 @@ A greedy single-sequence decode can also be chained (:meth:`GraphRunner.chain`):
 step's picked token to the next, so the host launches step n + 1 before it reads token n.
 A prompt's first chunk (from position 0) replays a graph captured for its length bucket (:func:`prefill_buckets`):
 the tokens past the real ones are padding (``Step.valid``), inert in the recurrent state and attended by no real
-token; their K/V land past the prompt, where decoding writes before anything reads. A capture that fails (an
-operation that cannot be captured) turns prefill graphs off for the engine, with a warning: prefill runs eagerly.
+token; their K/V land past the prompt, where decoding writes before anything reads. A later chunk (a long prompt's,
+or the scheduler's interleaved pieces) replays one too when it is short (a bucket of at most ``LATER_MAX_T`` tokens,
+where the host's launches would otherwise bound it) and the keys it attends fit ``LATER_MAX_KV``: its graph reads
+the keys up to a power-of-two bucket of its end (the positions past a token's own are masked). Longer chunks are
+bound by the device and run eagerly. A capture that fails (an operation that cannot be captured) turns prefill
+graphs off for the engine, with a warning: prefill runs eagerly.
 """
 
 from __future__ import annotations
@@ -41,6 +45,18 @@ def prefill_buckets(limit: int) -> list[int]:
         out.append(b)
         b *= 2
     return out + list(range(128, limit, 128)) + [limit]
+
+
+LATER_MAX_T = 512  # a later chunk's bucket at most this long is replayed from a graph (longer: device-bound, eager)
+LATER_MAX_KV = 8192  # ... when the keys it attends (a power-of-two bucket of its end, >= 256) fit this many
+
+
+def key_bucket(end: int) -> int:
+    """The keys a later chunk's graph reads: the power of two (at least 256) holding positions ``0 .. end - 1``."""
+    b = 256
+    while b < end:
+        b *= 2
+    return b
 
 
 @dataclass
@@ -155,36 +171,44 @@ class GraphRunner:
             cap = self.graphs[key] = self._capture(mode, t, key[2], taps)
         return cap
 
-    def prefill_bucket(self, t: int) -> int | None:
-        """The captured length a first chunk of ``t`` tokens runs at; None: it runs eagerly."""
+    def prefill_plan(self, t: int, start: int = 0) -> tuple[int, int] | None:
+        """(the captured length, the keys it reads) a chunk of ``t`` tokens at position ``start`` runs at; None: it
+        runs eagerly (prefill graphs off, no bucket fits, or a later chunk too long or reaching too far)."""
         if self.prefill_off is not None:
             return None
-        return next((x for x in self.prefill_sizes if x >= t), None)
+        size = next((x for x in self.prefill_sizes if x >= t), None)
+        if size is None or start == 0:
+            return None if size is None else (size, size)
+        keys = key_bucket(start + size)
+        if size > LATER_MAX_T or keys > min(LATER_MAX_KV, self.e.capacity):
+            return None
+        return size, keys
 
-    def _capture_prefill(self, t: int, taps: tuple[int, ...]) -> Captured:
+    def _capture_prefill(self, t: int, keys: int, taps: tuple[int, ...]) -> Captured:
         e = self.e
         dev = e.device
         ids = torch.zeros(1, t, dtype=torch.long, device=dev)
-        pos = torch.arange(t, device=dev)[None]
+        pos = torch.arange(keys - t, keys, device=dev)[None]  # (a replay sets the chunk's own positions)
         slots = torch.full((1,), e.scratch_slot, dtype=torch.long, device=dev)  # warm-ups write the scratch slot
         valid = torch.full((1,), t, dtype=torch.long, device=dev)
-        step = Step(ids, pos, slots, kv_len=t, mode=PREFILL, taps=taps, valid=valid)
+        step = Step(ids, pos, slots, kv_len=keys, mode=PREFILL, taps=taps, valid=valid)
         graph, (hidden, tp) = capture(lambda: e.model.forward(step, e.cache), self.pool, dev)
         return Captured(graph, ids, pos, slots, hidden, None, tp, valid=valid)
 
-    def prefill(self, ids: torch.Tensor, slot: int, taps: tuple[int, ...] = ()):
-        """(hidden ``[1, T, H]``, taps) of a prompt's first chunk ``ids [1, T]`` into ``slot`` via its bucket's graph,
-        or None when it has none (no bucket fits, or prefill graphs are off). The outputs are views of the graph's
+    def prefill(self, ids: torch.Tensor, slot: int, taps: tuple[int, ...] = (), start: int = 0):
+        """(hidden ``[1, T, H]``, taps) of a prompt chunk ``ids [1, T]`` at position ``start`` into ``slot`` via its
+        bucket's graph, or None when it has none (:meth:`prefill_plan`). The outputs are views of the graph's
         buffers: read them before the next prefill replay."""
         t = ids.shape[1]
-        size = self.prefill_bucket(t)
-        if size is None:
+        plan = self.prefill_plan(t, start)
+        if plan is None:
             return None
-        key = (PREFILL, size, 1, taps)
+        size, keys = plan
+        key = (PREFILL, size, keys, taps)
         cap = self.graphs.get(key)
         if cap is None:
             try:
-                cap = self.graphs[key] = self._capture_prefill(size, taps)
+                cap = self.graphs[key] = self._capture_prefill(size, keys, taps)
             except RuntimeError as err:  # an operation the capture refused: prefill stays eager from now on
                 self.prefill_off = f"capture failed: {str(err).splitlines()[0][:200]}"
                 warnings.warn(f"prefill CUDA graphs off ({self.prefill_off}); prefill runs eagerly", stacklevel=2)
@@ -192,10 +216,15 @@ class GraphRunner:
                 return None
         cap.ids[:, :t].copy_(ids)
         cap.ids[:, t:].zero_()
+        cap.pos.copy_(self._positions(size, start))
         cap.slots.fill_(slot)
         cap.valid.fill_(t)
         cap.graph.replay()
         return cap.hidden[:, :t], [x[:, :t] for x in cap.taps]
+
+    def _positions(self, size: int, start: int) -> torch.Tensor:
+        """``start .. start + size - 1`` as a [1, size] device tensor (one small arange, no host copy)."""
+        return torch.arange(start, start + size, device=self.e.device)[None]
 
     def chain(self, last: int, pos: int, slot: int, stop_ids) -> Chain:
         """The greedy decode chain of one sequence, primed with its newest token ``last`` at position ``pos``:

@@ -437,8 +437,8 @@ class Engine:
         taps = self.drafter.taps if self.drafter and not prefill_only else ()
         ids = self.device_ids([piece])
         out = None
-        if self.graphs is not None and start == 0 and seq.media is None and seq.prompt_scores is None:
-            out = self.graphs.prefill(ids, seq.slot, taps)  # None: no captured length fits (or graphs are off)
+        if self.graphs is not None and seq.media is None and seq.prompt_scores is None:
+            out = self.graphs.prefill(ids, seq.slot, taps, start)  # None: no graph for it (GraphRunner.prefill_plan)
         if out is None:
             pos = torch.arange(start, start + len(piece), device=self.device)[None]
             step = Step(ids, pos, self.device_ids([seq.slot]), kv_len=start + len(piece), mode=PREFILL, taps=taps,
