@@ -403,8 +403,8 @@ def kernels_grid(doc: dict) -> Grid:
 
 
 def niah_grid(doc: dict) -> Grid:
-    """One niah result, a row per case: its prompt length, whether the needle was retrieved, the oracle's verdict
-    and where the tokens first diverged from it."""
+    """One niah result, a row per case: its prompt length, its TTFT and prefill speed, whether the needle was
+    retrieved, the oracle's verdict and where the tokens first diverged from it."""
     s, base = doc["summary"], run_context(doc)
     rows = [{**base, **{k: v for k, v in r.items() if _scalar(v)}} for r in doc["records"]]
 
@@ -412,6 +412,8 @@ def niah_grid(doc: dict) -> Grid:
         return Text("-") if r.get("pass") is None else styled("pass", "green") if r["pass"] else styled("FAIL", "red")
 
     cols = [Column("case", lambda r: r["case"]), Column("tokens", lambda r: str(r.get("prompt_tokens"))),
+            Column("TTFT ms", lambda r: "-" if r.get("ttft_ms") is None else f"{r['ttft_ms']:,.0f}"),
+            Column("prefill tok/s", lambda r: "-" if r.get("prefill_tok_s") is None else f"{r['prefill_tok_s']:,.0f}"),
             Column("retrieved", lambda r: "yes" if r.get("retrieved") else "no"), Column("oracle", verdict),
             Column("first divergence", lambda r: "-" if r.get("first_divergence") is None
                    else str(r["first_divergence"])),

@@ -191,8 +191,20 @@ def summarize(records: list[dict], ctxs, seconds: float) -> dict:
         "kl_mean": float(np.mean(kls)) if (kls := [r["kl"] for r in judged if r.get("kl") is not None]) else None,
         "retrieval_by_ctx": {str(c): float(np.mean([r["retrieved"] for r in records if r["ctx"] == c]))
                              for c in ctxs},
+        # each context's median TTFT and prefill speed over its cases (a server's run, or an older document, may
+        # not have them)
+        "ttft_ms_by_ctx": _median_by_ctx(records, ctxs, "ttft_ms"),
+        "prefill_tok_s_by_ctx": _median_by_ctx(records, ctxs, "prefill_tok_s"),
         "seconds": seconds,
     }
+
+
+def _median_by_ctx(records: list[dict], ctxs, key: str) -> dict[str, float | None]:
+    out = {}
+    for c in ctxs:
+        values = [r[key] for r in records if r["ctx"] == c and r.get(key) is not None]
+        out[str(c)] = float(np.median(values)) if values else None
+    return out
 
 
 RESCORE_CONFIG = ("ctxs", "depths", "cases", "answer_tokens", "seed")  # what rebuilds a document's cases
@@ -266,7 +278,9 @@ def run_niah(opts: NiahOptions, progress=None) -> dict:
         before += len(case["prompt_ids"])
         rec = {k: case[k] for k in ("case", "ctx", "depth", "key", "value")}
         rec.update(prompt_tokens=len(case["prompt_ids"]), answer=res.text, tokens=res.tokens,
-                   retrieved=retrieved(res.text, case["value"]), seconds=res.prefill_s + res.decode_s)
+                   retrieved=retrieved(res.text, case["value"]), seconds=res.prefill_s + res.decode_s,
+                   ttft_ms=res.ttft_s * 1e3,
+                   prefill_tok_s=len(case["prompt_ids"]) / res.prefill_s if res.prefill_s else None)
         records.append(judge(rec, case, oracle, opts.near_tie, res.logprobs))
     summary = summarize(records, opts.ctxs, time.perf_counter() - t0)
     config = flat_config(opts)

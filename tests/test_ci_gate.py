@@ -51,6 +51,12 @@ def test_niah_subset_agrees_with_committed_oracles():
     kls = [r["kl"] for r in doc["records"]]
     assert all(0 <= v < 1e-2 for v in kls) and any(v > 0 for v in kls), kls
     assert s["kl_mean"] == pytest.approx(sum(kls) / len(kls))
+    # each case's TTFT and prefill speed, and each context's medians of them
+    assert all(r["ttft_ms"] > 0 and r["prefill_tok_s"] == pytest.approx(r["prompt_tokens"] / r["ttft_ms"] * 1e3)
+               for r in doc["records"])
+    for c in ("2048", "8192"):
+        ttfts = sorted(r["ttft_ms"] for r in doc["records"] if str(r["ctx"]) == c)
+        assert s["ttft_ms_by_ctx"][c] == pytest.approx(ttfts[1]) and s["prefill_tok_s_by_ctx"][c] > 0
     same = copy.deepcopy(doc)
     assert exit_code(gate(doc, same, EXACT_NIAH)) == 0
     same["summary"]["oracle_agreement"] = 0.5
@@ -126,5 +132,6 @@ def test_niah_progress_counts_prefill_chunks_within_a_case(tmp_path):
     assert done == sorted(done) and done[-1] == calls[-1][1] == sum(lengths)
     assert "case 2/2 ctx512-d100-0" in calls[-1][2]
     quiet = run_niah(opts)
-    strip = [{k: v for k, v in r.items() if k != "seconds"} for r in doc["records"]]
-    assert strip == [{k: v for k, v in r.items() if k != "seconds"} for r in quiet["records"]]
+    timings = ("seconds", "ttft_ms", "prefill_tok_s")
+    strip = [{k: v for k, v in r.items() if k not in timings} for r in doc["records"]]
+    assert strip == [{k: v for k, v in r.items() if k not in timings} for r in quiet["records"]]
