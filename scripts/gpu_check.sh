@@ -48,6 +48,7 @@
 #   plen27   decode -p PLEN (2991,65000) on the 27B synthetic, ours and the transformers peer (PLEN_ENGINES), PLEN_N
 #            (128) tokens: each length's prefill tok/s, TTFT and the decode after it (issue 32's targets)
 #   pweights the 27B synthetic decode with --prefill-weights auto (packed there) and dense, then C1 / C8 with dense
+#   ctx262   decode -p 262016 -n 128 on the 27B synthetic: the native context's prefill and decode on one GPU
 #   drift    scripts/probe_prefill_drift.py: the bundled model's prefill time between runs (fresh / shared Engine,
 #            GC off), DRIFT_RUNS (40) runs of 5 repeats a condition
 #   peersmall (waits for llamabuild) the bundled model beside llama.cpp (CUDA) on the 64 held-out prompts, 64 tokens
@@ -254,6 +255,9 @@ PY
                nb decode $M27 --prefill-weights $w -n 32 --repeats 3 --json "$OUT/pweights-$w.json" 2>&1 | tail -3
              done
              nb concurrency $M27 -c 1,8 -n 128 --prefill-weights dense --json "$OUT/conc27-dense.json" 2>&1 | tail -8 ;;
+    ctx262)  # the model's whole native context: a 262,016-token prompt and 128 tokens (262,144 positions), int8 K/V,
+             # one repeat without a warm-up (a warm-up would prefill it twice)
+             nb decode $M27 -p ${CTX_P:-262016} -n 128 --repeats 1 --warmup 0 --json "$OUT/ctx262.json" 2>&1 | tail -12 ;;
     llwait)  llwait ;;
     drift)   nb_py() { timeout "${STAGE_S:-86400}" python3 "$@"; }
              nb_py scripts/probe_prefill_drift.py --device cuda --runs ${DRIFT_RUNS:-40} --repeats 5 -n 128 \
