@@ -117,6 +117,8 @@ def test_prefill_weights_choose_whether_dense_copies_are_kept():
     assert not WeightStore(raws, prefill_weights="packed").cache_dense
     with pytest.raises(ValueError, match="prefill weights must be"):
         EngineOptions(prefill_weights="bf16")
+    with pytest.raises(ValueError, match="dense copy already"):
+        EngineOptions(device="cpu", prefill_weights="dense")
 
 
 @cuda

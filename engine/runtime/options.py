@@ -161,6 +161,10 @@ class EngineOptions:
             raise ValueError(f"inject-delay-us must be a number of microseconds in [0, 1e7), got {self.inject_delay_us!r}")
         if self.prefill_weights not in ("auto", "dense", "packed"):
             raise ValueError(f"prefill weights must be auto, dense or packed, got {self.prefill_weights!r}")
+        if self.prefill_weights != "auto" and (self.runtime != "v3" or self.torch_device.type != "cuda"):
+            raise ValueError(f"--prefill-weights {self.prefill_weights} chooses how runtime v3 on CUDA keeps packed "
+                             f"weights; here every weight is a dense copy already (the same run under another "
+                             f"setting)")
         if self.qmv_layout not in ("tiled", "lanes", "rows"):
             raise ValueError(f"qmv layout must be tiled, lanes or rows, got {self.qmv_layout!r}")
         if self.kernels not in ("auto", "torch", "triton"):
