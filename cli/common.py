@@ -87,6 +87,14 @@ def run_label(ctx, param, value):
     return value
 
 
+# engine_options' and concurrency's (which takes its engine's options one by one)
+prefill_weights_option = click.option(
+    "--prefill-weights", type=click.Choice(["auto", "dense", "packed"]), default="auto", show_default=True,
+    help="Prefill projections of packed (quantized) weights on CUDA: dense keeps a dense copy of each (2 bytes a "
+         "weight more, refused when the GPU cannot hold them; no dequantization per chunk), packed dequantizes every "
+         "chunk, auto keeps copies up to 4 GiB of packed weights.")
+
+
 def engine_options(f=None, *, kv_default: str = "int8", runtime_list: bool = False):
     """The options every command that binds an Engine takes (``runtime_list``: --runtime takes v3,v2)."""
     if f is None:
@@ -108,11 +116,7 @@ def engine_options(f=None, *, kv_default: str = "int8", runtime_list: bool = Fal
         click.option("--max-concurrency", type=int, default=1, show_default=True),
         click.option("--prefill-chunk", type=int, default=2048, show_default=True,
                      help="Prompt tokens per prefill forward."),
-        click.option("--prefill-weights", type=click.Choice(["auto", "dense", "packed"]), default="auto",
-                     show_default=True,
-                     help="Prefill projections of packed (quantized) weights on CUDA: dense keeps a dense copy of each "
-                   "(2 bytes a weight more, refused when the GPU cannot hold them; no dequantization per chunk), "
-                   "packed dequantizes every chunk, auto keeps copies up to 4 GiB of packed weights."),
+        prefill_weights_option,
         runtime,
         click.option("--synthetic", is_flag=True, help="Seeded random weights for a preset (e.g. qwen3.8-27b)."),
         click.option("--quant", type=click.Choice(["fp32", "bf16", "q8", "q5", "q4", "mixed"]), default="mixed",

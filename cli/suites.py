@@ -24,6 +24,7 @@ from .common import (
     err_console,
     int_list,
     output_options,
+    prefill_weights_option,
     run_label,
     save_result,
     say,
@@ -364,10 +365,7 @@ class SloOption(click.Option):
 @click.option("--prefill-chunk", type=int, default=2048, show_default=True)
 @click.option("--interleave-chunk", type=int, default=512, show_default=True,
               help="Prompt tokens prefilled per iteration while other requests decode (at most --prefill-chunk).")
-@click.option("--prefill-weights", type=click.Choice(["auto", "dense", "packed"]), default="auto", show_default=True,
-              help="Prefill projections of packed (quantized) weights on CUDA: dense keeps a dense copy of each "
-                   "(2 bytes a weight more, refused when the GPU cannot hold them; no dequantization per chunk), "
-                   "packed dequantizes every chunk, auto keeps copies up to 4 GiB of packed weights.")
+@prefill_weights_option
 @click.option("--label", default=None, callback=run_label)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write the result document.")
 @output_options
@@ -379,8 +377,8 @@ def concurrency(levels, url, served_model, model, synthetic, quant, spec, draft_
 
     With --url the engine is the server's: --model, --synthetic, --quant, --spec, -k, --device, --kv-dtype,
     --runtime, --max-context, --prefill-chunk, --interleave-chunk and --prefill-weights are refused (give them to
-    `serve`), and the
-    result records the settings the server reports about itself, null for those it does not report.
+    `serve`), and the result records the settings the server reports about itself, null for those it does not
+    report.
 
     With --url and --request-rate the load is open-loop, as vllm bench serve sends it: requests at seeded arrival
     times (--burstiness, --num-prompts, --seed, --max-concurrency), prompts from --dataset, goodput under --goodput

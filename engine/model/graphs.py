@@ -130,7 +130,7 @@ class GraphRunner:
         self.graphs: dict[tuple, Captured] = {}
         self._chain: Chain | None = None
         opts = engine.options
-        self.prefill_sizes = prefill_buckets(min(opts.prefill_chunk, engine.capacity)) if opts.prefill_graphs else []
+        self.prefill_sizes = prefill_buckets(min(opts.prefill_chunk, engine.capacity))
         self.prefill_off: str | None = None if opts.prefill_graphs else "--prefill-graphs off"
 
     def bucket(self, b: int) -> int:
