@@ -157,48 +157,49 @@ def _new_buffer(shape, dtype, device) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def _check(q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, kv_len_max, gate=None) -> int:
+def _check(q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, kv_len_max, gate=None,
+           who: str = "decode_attention") -> int:
     """Validate shapes and dtypes; returns the key range the grid covers."""
     if q.dim() != 4:
-        raise ValueError(f"decode_attention: q must be [B, T, H, hd], got shape {tuple(q.shape)}")
+        raise ValueError(f"{who}: q must be [B, T, H, hd], got shape {tuple(q.shape)}")
     b, t, h, hd = q.shape
     if q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise ValueError(f"decode_attention: q must be bf16, fp16 or fp32, got {q.dtype}")
+        raise ValueError(f"{who}: q must be bf16, fp16 or fp32, got {q.dtype}")
     if k_cache.dim() != 4 or v_cache.shape != k_cache.shape or k_cache.shape[3] != hd:
-        raise ValueError(f"decode_attention: k_cache and v_cache must both be [S, Hkv, cap, hd={hd}], "
+        raise ValueError(f"{who}: k_cache and v_cache must both be [S, Hkv, cap, hd={hd}], "
                          f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
     if v_cache.dtype != k_cache.dtype or k_cache.dtype not in (torch.bfloat16, torch.float16, torch.int8):
-        raise ValueError(f"decode_attention: caches must be bf16, fp16 or int8 (both the same), "
+        raise ValueError(f"{who}: caches must be bf16, fp16 or int8 (both the same), "
                          f"got {k_cache.dtype} and {v_cache.dtype}")
     hkv, cap = k_cache.shape[1], k_cache.shape[2]
     if h % hkv:
-        raise ValueError(f"decode_attention: H={h} query heads is not a multiple of Hkv={hkv} kv heads")
+        raise ValueError(f"{who}: H={h} query heads is not a multiple of Hkv={hkv} kv heads")
     if hd > MAX_HEAD_DIM:
-        raise ValueError(f"decode_attention: head_dim {hd} is over the supported {MAX_HEAD_DIM}")
+        raise ValueError(f"{who}: head_dim {hd} is over the supported {MAX_HEAD_DIM}")
     if k_cache.dtype == torch.int8:
         sshape = (*k_cache.shape[:3], -(-hd // KV_GROUP))
         for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
             if s is None or tuple(s.shape) != sshape or s.dtype != torch.float16:
                 got = "None" if s is None else f"{tuple(s.shape)} {s.dtype}"
-                raise ValueError(f"decode_attention: int8 cache needs {name} {sshape} fp16, got {got}")
+                raise ValueError(f"{who}: int8 cache needs {name} {sshape} fp16, got {got}")
     elif k_scale is not None or v_scale is not None:
-        raise ValueError(f"decode_attention: scales are only for an int8 cache, the cache is {k_cache.dtype}")
+        raise ValueError(f"{who}: scales are only for an int8 cache, the cache is {k_cache.dtype}")
     if slots.shape != (b,) or q_pos.shape != (b, t):
-        raise ValueError(f"decode_attention: slots must be [B={b}] and q_pos [B={b}, T={t}], "
+        raise ValueError(f"{who}: slots must be [B={b}] and q_pos [B={b}, T={t}], "
                          f"got {tuple(slots.shape)} and {tuple(q_pos.shape)}")
     if gate is not None and (gate.shape != (b, t, h * hd) or gate.stride(-1) != 1):
-        raise ValueError(f"decode_attention: gate must be [B, T, H * hd] = {[b, t, h * hd]}, contiguous along its "
+        raise ValueError(f"{who}: gate must be [B, T, H * hd] = {[b, t, h * hd]}, contiguous along its "
                          f"last dimension, got {tuple(gate.shape)} with strides {gate.stride()}")
     named = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "k_scale": k_scale, "v_scale": v_scale,
              "slots": slots, "q_pos": q_pos, "gate": gate}
     for name, x in named.items():
         if x is not None and x.device != q.device:
-            raise ValueError(f"decode_attention: {name} is on {x.device}, q on {q.device}")
+            raise ValueError(f"{who}: {name} is on {x.device}, q on {q.device}")
         if x is not None and x.dim() == 4 and x.stride(-1) != 1:
-            raise ValueError(f"decode_attention: {name} must be contiguous along its last dimension")
+            raise ValueError(f"{who}: {name} must be contiguous along its last dimension")
     kv_len = cap if kv_len_max is None else int(kv_len_max)
     if not 0 < kv_len <= cap:
-        raise ValueError(f"decode_attention: kv_len_max must be in 1..cap={cap}, got {kv_len_max}")
+        raise ValueError(f"{who}: kv_len_max must be in 1..cap={cap}, got {kv_len_max}")
     return kv_len
 
 

@@ -1,7 +1,8 @@
 """The Triton kernels of :mod:`kernels.attention_triton` (the device side; planning, checks, launches and the
 fp32 reference live there): ``_attn_split`` (one key range of one slot's query rows, online softmax over int8 or
 float K/V tiles read from the cache in place) and ``_attn_combine`` (the ranges merged by their log-sum-exp, the
-output gate applied).
+output gate applied); ``_attn_prefill`` (kernels/attention_prefill.py: a block of a prompt's tokens of one query
+head against all their keys, flash style, from the same cache tiles).
 """
 
 from __future__ import annotations
@@ -168,10 +169,87 @@ def _attn_combine(OP, LSE, QPOS, O, GATE, stride_pb, stride_pt, stride_ob, strid
     tl.store(O + b * stride_ob + t * stride_ot + h * stride_oh + offs_d, val, mask=d_ok)
 
 
+def _attn_prefill(Q, K, V, KS, VS, SLOTS, QPOS, O, GATE, stride_gb, stride_gt,
+                  stride_qb, stride_qt, stride_qh, stride_ks, stride_kh, stride_kn, stride_vs, stride_vh, stride_vn,
+                  stride_kss, stride_ksh, stride_ksn, stride_vss, stride_vsh, stride_vsn,
+                  stride_pb, stride_pt, stride_ob, stride_ot, stride_oh,
+                  qk_scale, T, H, KV_LEN,
+                  G: tl.constexpr, HD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_D: tl.constexpr, NG: tl.constexpr, GW: tl.constexpr, IS_INT8: tl.constexpr,
+                  HAS_GATE: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Program (b * H + h, query block): tokens [m * BLOCK_M, + BLOCK_M) of head h against keys 0 .. their q_pos.
+
+    Axis 0 walks the heads, so the G heads of one kv head run side by side and read its K/V tiles from L2; axis 1
+    is taken last block first (the longest key ranges start first). The key loop runs in two parts: the keys every
+    row of the block sees (below the block's smallest q_pos, in whole tiles) without a mask, then the rest with the
+    causal mask. A padded row (past T) has q_pos -1 and stores nothing."""
+    pid_bh = tl.program_id(0)
+    pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    hkv = h // G
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < T
+    qpos = tl.load(QPOS + b * stride_pb + offs_m * stride_pt, mask=row_ok, other=-1).to(tl.int32)
+    hi = tl.minimum(tl.max(qpos, 0) + 1, KV_LEN)
+    lo_pos = tl.min(tl.where(row_ok, qpos, KV_LEN), 0)
+    full = tl.minimum(lo_pos + 1, hi) // BLOCK_N * BLOCK_N  # keys 0 .. full - 1, whole tiles: seen by every row
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HD
+    q = tl.load(Q + b * stride_qb + offs_m[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(DOT_DTYPE)  # [BLOCK_M, BLOCK_D]
+    slot = tl.load(SLOTS + b).to(tl.int64)
+    k_base = K + slot * stride_ks + hkv * stride_kh
+    v_base = V + slot * stride_vs + hkv * stride_vh
+    ks_base = KS + slot * stride_kss + hkv * stride_ksh
+    vs_base = VS + slot * stride_vss + hkv * stride_vsh
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for start in range(0, full, BLOCK_N):  # no mask: every key here is at or before every row's position
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < full
+        k = _load_tile(k_base, ks_base, stride_kn, stride_ksn, offs_n, n_ok, DOT_DTYPE, HD, BLOCK_N, BLOCK_D,
+                       NG, GW, IS_INT8)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = _load_tile(v_base, vs_base, stride_vn, stride_vsn, offs_n, n_ok, DOT_DTYPE, HD, BLOCK_N, BLOCK_D,
+                       NG, GW, IS_INT8)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PREC)
+        m_i = m_new
+    for start in range(full, hi, BLOCK_N):  # the diagonal: each row up to its own position
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < hi
+        k = _load_tile(k_base, ks_base, stride_kn, stride_ksn, offs_n, n_ok, DOT_DTYPE, HD, BLOCK_N, BLOCK_D,
+                       NG, GW, IS_INT8)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+        live = (offs_n[None, :] <= qpos[:, None]) & n_ok[None, :]
+        qk = tl.where(live, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no live key yet: avoid inf - inf
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(qk - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = _load_tile(v_base, vs_base, stride_vn, stride_vsn, offs_n, n_ok, DOT_DTYPE, HD, BLOCK_N, BLOCK_D,
+                       NG, GW, IS_INT8)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PREC)
+        m_i = m_new
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    mask = row_ok[:, None] & d_ok[None, :]
+    val = _gated(o.to(O.dtype.element_ty), GATE + b * stride_gb + offs_m[:, None] * stride_gt + h * HD + offs_d[None, :],
+                 mask, HAS_GATE)
+    tl.store(O + b * stride_ob + offs_m[:, None] * stride_ot + h * stride_oh + offs_d[None, :], val, mask=mask)
+
+
 @functools.lru_cache(maxsize=1)
 def jit_kernels() -> dict:
     """Jit the kernels (first call only). `_attn_split` finds `_load_tile` and `tl` as module globals."""
     out = _triton.jit_module(globals(), ("_load_tile", "_row_chunk", "_gated"),
-                             {"split": "_attn_split", "combine": "_attn_combine"})
+                             {"split": "_attn_split", "combine": "_attn_combine",
+                              "prefill": "_attn_prefill"})
     out["dtypes"] = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
     return out

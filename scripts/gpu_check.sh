@@ -34,6 +34,10 @@
 #            model's plain / MTP3 / DFlash2 K=7 on its held-out prompts (SPEC_N tokens, default 128)
 #   convert27 a 27B-shaped FP8 checkpoint (transformers, random weights) converted, verified, inspected and decoded
 #            beside the synthetic 27B, with each step's wall time and peak RSS (about 8 minutes)
+#   pattn    prefill attention: its CUDA tests, then scripts/bench_prefill_attention.py (--sweep; PATTN_ARGS)
+#   ptests   the engine's prefill paths on CUDA: test_fastpath, test_prefill_graphs, test_sampler, test_cuda_engine
+#   pprof    scripts/profile_step.py --prefill at PPROF_LEN (65000) tokens on the 27B synthetic, per PPROF_MODES
+#            (flash sdpa; also dense: --prefill-weights dense): every kernel of one long prefill
 #   llamabuild llama-cpp-python built with CUDA (sm_90) from the carried trimmed source (.peer/llama-src.tgz, made
 #            by scripts/pack_llama_src.sh) into /tmp/llsite, in the background (setsid: it outlives the call while the
 #            machine stays warm; /tmp/llbuild.log, /tmp/llbuild.rc); LLBUILD_WAIT=1 waits for it
@@ -258,6 +262,33 @@ PY
     ctx262)  # the model's whole native context: a 262,016-token prompt and 128 tokens (262,144 positions), int8 K/V,
              # one repeat without a warm-up (a warm-up would prefill it twice)
              nb decode $M27 -p ${CTX_P:-262016} -n 128 --repeats 1 --warmup 0 --json "$OUT/ctx262.json" 2>&1 | tail -12 ;;
+    pattn)   # prefill attention (kernels/attention_prefill.py): its CUDA tests, then the kernel beside the SDPA path it
+             # replaces and torch's flash kernel at the 27B shape, a 2,048-token chunk at several starts (PATTN_ARGS)
+             timeout ${TESTS_S:-200} python3 -m pytest -q -p no:cacheprovider tests/test_kernels_attention_prefill.py \
+               2>&1 | tail -3
+             timeout ${STAGE_S:-240} python3 scripts/bench_prefill_attention.py ${PATTN_ARGS:---sweep} \
+               --json "$OUT/pattn.jsonl" 2>&1 | tee "$OUT/pattn.log" | tail -70 ;;
+    ptests)  # the engine's prefill paths on CUDA: flash prefill, prefill graphs, the fused path, sampling
+             for f in test_fastpath test_prefill_graphs test_sampler test_cuda_engine; do
+               timeout ${TESTS_S:-200} python3 -m pytest -q -p no:cacheprovider tests/$f.py > "$OUT/$f.log" 2>&1 &
+             done
+             wait
+             for f in "$OUT"/test_*.log; do
+               echo "--- $(basename $f .log): $(tail -1 $f)"; grep -E "^(FAILED|ERROR)" "$f" | head -8
+             done ;;
+    pprof)   # where a long prefill's time goes: scripts/profile_step.py --prefill at PPROF_LEN tokens on the 27B
+             # synthetic, once per PPROF_MODES entry (flash: the default; sdpa: --no-flash-prefill; dense:
+             # --prefill-weights dense)
+             for mode in ${PPROF_MODES:-flash sdpa}; do
+               case $mode in
+                 flash) flags="" ;;
+                 sdpa)  flags="--no-flash-prefill" ;;
+                 dense) flags="--prefill-weights dense" ;;
+               esac
+               timeout ${STAGE_S:-300} python3 scripts/profile_step.py $M27 --prefill --prompt-len ${PPROF_LEN:-65000} \
+                 --top ${PPROF_TOP:-25} $flags --json "$OUT/pprof-$mode.json" 2>&1 | tee "$OUT/pprof-$mode.log" \
+                 | grep -v "^loaded" | cut -c1-150
+             done ;;
     llwait)  llwait ;;
     drift)   nb_py() { timeout "${STAGE_S:-86400}" python3 "$@"; }
              nb_py scripts/probe_prefill_drift.py --device cuda --runs ${DRIFT_RUNS:-40} --repeats 5 -n 128 \

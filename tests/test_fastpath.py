@@ -53,3 +53,20 @@ def test_interleaved_gate_up_decodes_like_eager(eager, spec):
     eng, tokens = run(n, kernels="triton", silu_epilogue=True, spec=spec, draft_tokens=3 if spec != "none" else None)
     assert any(name.endswith("mlp.gate_up_proj.weight") for name in eng.weights.interleaved)
     assert tokens == eager[:n]
+
+
+def test_flash_prefill_chunks_equal_eager(eager, monkeypatch):
+    """Prompt chunks' full attention through kernels/attention_prefill (four chunks: the later ones read the earlier
+    ones' int8 K/V from the cache in place) decodes the eager path's tokens; --flash-prefill off launches none."""
+    from ninfer_bench.engine.model import hybrid
+
+    calls = []
+    real = hybrid.prefill_attention
+    monkeypatch.setattr(hybrid, "prefill_attention", lambda *a, **k: calls.append(tuple(a[6][0, [0, -1]].tolist()))
+                        or real(*a, **k))
+    _, tokens = run(kernels="triton", prefill_chunk=16)
+    assert tokens == eager
+    assert {c for c in calls} >= {(0, 15), (16, 31), (48, 56)}, calls  # the chunks' first and last positions
+    calls.clear()
+    _, tokens = run(kernels="triton", prefill_chunk=16, flash_prefill=False)
+    assert tokens == eager and not calls

@@ -4,8 +4,10 @@ Per GDN layer one ``gdn_decode`` (conv, norms, gates, recurrence, gated RMSNorm)
 loop; per attention layer ``attn_prologue`` (q/k norms, partial RoPE, the K/V cache write, int8 quantization)
 + ``decode_attention`` (which applies the output gate as it stores the output); between layers ``add_rms_norm``
 folds each residual add into the next norm, and ``silu_mul`` (or qmv's epilogue) the MLP gate. Used on CUDA
-(runtime v3) for decode and verify steps; prefill keeps the eager path (its matmuls are compute-bound and fla
-runs its recurrence). Under ``TRITON_INTERPRET=1`` the same code runs on CPU tensors, which is how the tests
+(runtime v3) for decode and verify steps. Prefill keeps the eager path (its matmuls are compute-bound and fla
+runs its recurrence) except full attention, which with ``flash_prefill`` (the default) runs ``attn_prologue`` +
+``prefill_attention`` (kernels/attention_prefill.py: flash style, the int8 K/V read in place) through
+:meth:`FastPath.attention` too. Under ``TRITON_INTERPRET=1`` the same code runs on CPU tensors, which is how the tests
 check it against the eager path.
 
 Inside a CUDA-graph capture (``side_stream``, on by default) a GDN layer's b / a and z projections run on two side
@@ -120,7 +122,9 @@ class FastPath:
             o = gdn_decode(qkv, z, bb, aa, *args, before_z=join_z)
         return self.w.linear(f"{p}.linear_attn.out_proj.weight")(o)
 
-    def attention(self, p: str, key, x, step, cache: HybridCache):
+    def attention(self, p: str, key, x, step, cache: HybridCache, kernel=decode_attention):
+        """Full attention from the layer's normed input: the prologue (norms, RoPE, the cache write), then
+        ``kernel`` (decode_attention for decode / verify, prefill_attention for a prompt chunk) with the gate."""
         cfg, m, w = self.cfg, self.m, self.w
         b, t, _ = x.shape
         h, hd = cfg.num_attention_heads, cfg.head_dim
@@ -129,8 +133,8 @@ class FastPath:
         q, gate = fused.attn_prologue(qg, kv, w.vector(f"{p}.self_attn.q_norm.weight"),
                                       w.vector(f"{p}.self_attn.k_norm.weight"), m.cos, m.sin, c.k, c.v,
                                       c.k_scale, c.v_scale, step.slots, step.pos, cfg.rms_norm_eps)
-        o = decode_attention(q, c.k, c.v, c.k_scale, c.v_scale, step.slots, step.pos, m.scale,
-                             kv_len_max=cache.capacity, gate=gate)  # the output gate applied as o is stored
+        o = kernel(q, c.k, c.v, c.k_scale, c.v_scale, step.slots, step.pos, m.scale,
+                   kv_len_max=cache.capacity, gate=gate)  # the output gate applied as o is stored
         return w.project(f"{p}.self_attn.o_proj", o.reshape(b, t, h * hd))
 
     def mlp(self, p: str, x):

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ...kernels import attention as attn_k
+from ...kernels.attention_prefill import prefill_attention
 from ...kernels.conv import causal_conv1d, causal_conv1d_state_at
 from ...kernels.gdn import gated_delta_rule, gated_delta_rule_step, l2norm
 from ...kernels.norm import gated_rms_norm, rms_norm
@@ -55,7 +56,7 @@ class HybridModel:
     """Forward of a Qwen3.5 / Qwen3-Next text decoder with weights from a :class:`WeightStore`."""
 
     def __init__(self, cfg: ModelConfig, weights: WeightStore, *, max_positions: int, gdn_impl: str = "auto",
-                 fused_kernels: bool = False, side_stream: bool = True):
+                 fused_kernels: bool = False, side_stream: bool = True, flash_prefill: bool = True):
         self.cfg, self.w, self.gdn_impl = cfg, weights, gdn_impl
         self.device, self.dtype = weights.device, weights.dtype
         self.cos, self.sin = rope_tables(cfg.rotary_dim, cfg.rope_theta, max_positions, self.device)
@@ -66,6 +67,8 @@ class HybridModel:
             from .fused_forward import FastPath
 
             self.fast = FastPath(self, side_stream=side_stream)
+        # prompt chunks' full attention through the fused prologue and the flash-style kernel (with the fused kernels)
+        self.flash_prefill = flash_prefill and self.fast is not None
         self.mrope_axes = None  # [rd] stream per rotary column, set by the engine for models with vision
 
     # ---- pieces ----------------------------------------------------------------------------------
@@ -178,6 +181,8 @@ class HybridModel:
             # a drafter's attention layer (MTP) in decode: each row's keys up to its own position, as the target's
             # layers read them, instead of a masked SDPA over step.kv_len (the whole capacity in captured drafting)
             h = h + self.fast.attention(p, i, x, step, cache)
+        elif self.flash_prefill and step.mode == PREFILL and step.rope_pos is None:
+            h = h + self.fast.attention(p, i, x, step, cache, kernel=prefill_attention)
         else:
             h = h + self.attention(p, i, x, step, cache)
         x = rms_norm(h, self.w.vector(f"{p}.post_attention_layernorm.weight"), eps)

@@ -89,6 +89,12 @@ class EngineOptions:
         "for its length bucket (16-128 by powers of two, then multiples of 128 up to --prefill-chunk), padded past "
         "its real tokens (inert: nothing written to the recurrent state, never attended): no per-op host launches "
         "(v3 on CUDA; off: eager).")
+    flash_prefill: bool = _switch(
+        "--flash-prefill", "-sdpaprefill", "v3",
+        "A prompt chunk's full attention through the fused prologue and a flash-style Triton kernel "
+        "(kernels/attention_prefill.py): K/V read from the cache in place (int8 dequantized in registers), no mask "
+        "tensor, no repeated K/V heads, the output gate applied as it is stored (v3 on CUDA; off: torch SDPA over a "
+        "dequantized copy of the slot's K/V with an explicit mask).")
     silu_epilogue: bool = _switch(
         "--silu-epilogue", "-nosilu", "v3",
         "The MLP's gate / up weight interleaved in runs of 8 rows so that the projection kernel stores "

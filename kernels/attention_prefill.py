@@ -1,0 +1,108 @@
+"""Prefill attention in Triton: a prompt chunk's queries against every key up to their positions, flash style, read
+from the engine's KV cache in place.
+
+Same semantics and argument order as :func:`kernels.attention_triton.decode_attention` (its fp32 reference,
+``decode_attention_ref``, is this kernel's too): ``q [B, T, H, hd]``; the caches ``[S, Hkv, cap, hd]`` bf16 / fp16, or
+int8 codes with fp16 scales ``[S, Hkv, cap, ceil(hd / 64)]`` applied in registers (the tile loader is the decode
+kernel's); row ``b`` reads slot ``slots[b]`` and its query ``t`` sees keys ``0 .. q_pos[b, t]``, the chunk's own keys
+already written. The decode kernel gives each token a program of its own (token invariance, a few query rows against
+many keys); a prompt chunk has many query rows, so here one program takes ``BLOCK_M`` tokens of one query head:
+
+* no mask tensor and no repeated K/V heads: the causal bound comes from ``q_pos`` in registers and the query head's
+  kv head is ``h // G``; the G heads of a kv head are neighbours on the grid's first axis, so they run side by side
+  and share its tiles through L2;
+* keys below the block's smallest position (whole tiles) are read without a mask, the diagonal tiles with one;
+* the last query block (the longest key range) starts first;
+* full attention's output gate can be applied as the output is stored (``gate``), one launch less.
+
+The grid depends on B, T and H only and nothing is read back to the host, so a call can be captured in a CUDA
+graph (engine/model/graphs.py captures prefill chunks). Triton is imported on first use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import _triton
+from .attention_triton import LOG2E, _block_d, _check, _new_buffer
+from .attention_triton_kernels import jit_kernels as _kernels
+from .kv_quant import KV_GROUP
+
+__all__ = ["PrefillConfig", "prefill_plan", "prefill_attention", "triton_available"]
+
+triton_available = _triton.available
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillConfig:
+    """Launch shape of :func:`prefill_attention`: query tokens and keys a tile, warps, pipeline stages."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"PrefillConfig.{name} must be a power of two >= 16, got {v}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"PrefillConfig.num_warps must be a power of two <= 16, got {self.num_warps}")
+        if self.num_stages < 1:
+            raise ValueError(f"PrefillConfig.num_stages must be >= 1, got {self.num_stages}")
+
+
+def prefill_plan(head_dim: int, int8: bool, q_dtype: torch.dtype = torch.bfloat16, *, block_m: int | None = None,
+                 block_n: int | None = None, num_warps: int | None = None,
+                 num_stages: int | None = None) -> PrefillConfig:
+    """The default launch shape for a head size and cache format; keyword overrides are for sweeps and tests."""
+    block_d = _block_d(head_dim)
+    if q_dtype == torch.float32:  # the reference-precision path (tests, the interpreter): small fp32 tiles
+        cfg = dict(block_m=32, block_n=16, num_warps=4, num_stages=1)
+    elif block_d >= 256:
+        cfg = dict(block_m=128, block_n=64, num_warps=8, num_stages=2)
+    else:
+        cfg = dict(block_m=128, block_n=64, num_warps=8 if block_d >= 128 else 4, num_stages=3)
+    given = dict(block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+    cfg.update({k: v for k, v in given.items() if v is not None})
+    return PrefillConfig(**cfg)
+
+
+def prefill_attention(q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, scale, *, kv_len_max=None, gate=None,
+                      config: PrefillConfig | None = None):
+    """Attention of ``q [B, T, H, hd]`` over cache slots ``slots [B]``; query t of row b sees keys 0..q_pos[b, t]
+    (every ``q_pos`` below ``kv_len_max``, default the capacity). Returns ``[B, T, H, hd]`` in ``q.dtype``, fp32
+    accumulation; ``gate [B, T, H * hd]`` applied as the output is stored (``o * sigmoid(gate)``, the bits of
+    kernels/fused.sigmoid_mul). ``config`` overrides :func:`prefill_plan`."""
+    kv_len = _check(q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, kv_len_max, gate, "prefill_attention")
+    err = _triton.import_error()
+    if err is not None:
+        raise RuntimeError(f"prefill_attention needs triton, which does not import here ({err})")
+    kern = _kernels()
+    if q.device.type != "cuda" and not kern["interpreted"]:
+        raise ValueError(f"prefill_attention: the kernels run on CUDA tensors (or with TRITON_INTERPRET=1 set before "
+                         f"their first use), got q on {q.device}")
+    b, t, h, hd = q.shape
+    hkv = k_cache.shape[1]
+    int8 = k_cache.dtype == torch.int8
+    cfg = config or prefill_plan(hd, int8, q.dtype)
+    block_d = _block_d(hd)
+    gw = min(KV_GROUP, block_d)
+    out = _new_buffer((b, t, h, hd), q.dtype, q.device)
+    ks = k_scale if int8 else k_cache  # placeholders keep one signature; never read without IS_INT8
+    vs = v_scale if int8 else v_cache
+    gt = gate if gate is not None else out
+    kern["prefill"][(b * h, -(-t // cfg.block_m))](
+        q, k_cache, v_cache, ks, vs, slots, q_pos, out, gt, gt.stride(0), gt.stride(1),
+        *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3], *ks.stride()[:3], *vs.stride()[:3],
+        *q_pos.stride(), *out.stride()[:3],
+        scale * LOG2E, t, h, kv_len,
+        G=h // hkv, HD=hd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, NG=block_d // gw, GW=gw,
+        IS_INT8=int8, HAS_GATE=gate is not None, DOT_DTYPE=kern["dtypes"][q.dtype],
+        DOT_PREC="tf32x3" if q.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out

@@ -1,0 +1,135 @@
+"""Prefill attention at the 27B shape (H=24, Hkv=4, hd=256) on one CUDA GPU: one prompt chunk of T tokens after
+``start`` earlier tokens, against every key up to its position, int8 K/V in the cache.
+
+Per start position, in one process:
+  sdpa-copy     what runtime v3 ran before kernels/attention_prefill.py: the slot's K/V gathered and dequantized to
+                bf16 (cache.read_kv), then torch SDPA with an explicit [T x L] mask, K/V heads repeated to H
+  flash-int8    prefill_attention reading the int8 cache in place (the default plan, then --sweep's shapes)
+  flash-bf16    prefill_attention over a bf16 copy of the cache (its dequantization timed apart as dequant)
+  torch-flash   (start 0 only) torch SDPA's flash kernel, is_causal, native GQA, on bf16 K/V: the transformers
+                peer's attention kernel, as a yardstick
+Each line: median ms (triton.testing.do_bench), TFLOP/s (4 hd H x the causal query-key pairs) and the relative RMS
+against sdpa-copy's output. JSON lines to --json.
+
+    python3 scripts/bench_prefill_attention.py [--chunk 2048] [--starts 0,8192,32768,63488] [--sweep] [--json F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _bootstrap  # noqa: E402
+
+_bootstrap.ensure_package()
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from ninfer_bench.kernels import attention_prefill as ap  # noqa: E402
+from ninfer_bench.kernels.attention import attention as sdpa_attention  # noqa: E402
+from ninfer_bench.kernels.kv_quant import dequantize_kv, quantize_kv  # noqa: E402
+
+DEVICE = "cuda"
+H, HKV, HD = 24, 4, 256
+SWEEP = [dict(block_m=128, block_n=64, num_warps=8, num_stages=2), dict(block_m=128, block_n=32, num_warps=8,
+         num_stages=2), dict(block_m=128, block_n=64, num_warps=8, num_stages=1),
+         dict(block_m=128, block_n=32, num_warps=4, num_stages=2), dict(block_m=64, block_n=64, num_warps=4,
+         num_stages=2), dict(block_m=64, block_n=64, num_warps=8, num_stages=2),
+         dict(block_m=64, block_n=32, num_warps=4, num_stages=3), dict(block_m=128, block_n=128, num_warps=8,
+         num_stages=1), dict(block_m=64, block_n=128, num_warps=8, num_stages=1)]
+
+
+def rel(a, b) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def timed(fn) -> float:
+    from triton.testing import do_bench
+
+    fn()
+    return do_bench(fn, warmup=5, rep=50, return_mode="median")
+
+
+def main() -> int:
+    ap_ = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap_.add_argument("--chunk", type=int, default=2048)
+    ap_.add_argument("--starts", default="0,8192,32768,63488")
+    ap_.add_argument("--sweep", action="store_true", help="also the launch shapes of SWEEP")
+    ap_.add_argument("--json", default=None)
+    args = ap_.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_prefill_attention: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  H={H} Hkv={HKV} hd={HD} T={args.chunk}")
+    lines = []
+    t = args.chunk
+    scale = HD ** -0.5
+    for start in (int(s) for s in args.starts.split(",")):
+        cap = start + t
+        g = torch.Generator(device=DEVICE).manual_seed(start)
+        k = torch.randn(1, HKV, cap, HD, generator=g, device=DEVICE, dtype=torch.bfloat16)
+        v = torch.randn(1, HKV, cap, HD, generator=g, device=DEVICE, dtype=torch.bfloat16)
+        (kc, ks), (vc, vs) = quantize_kv(k), quantize_kv(v)
+        del k, v
+        q = torch.randn(1, t, H, HD, generator=g, device=DEVICE, dtype=torch.bfloat16)
+        q_pos = (start + torch.arange(t, device=DEVICE))[None]
+        slots = torch.zeros(1, dtype=torch.long, device=DEVICE)
+        flops = 4 * HD * H * (t * start + t * (t + 1) // 2)
+
+        def copy_path():
+            kk = dequantize_kv(kc[slots, :, :cap], ks[slots, :, :cap], torch.bfloat16)
+            vv = dequantize_kv(vc[slots, :, :cap], vs[slots, :, :cap], torch.bfloat16)
+            return sdpa_attention(q, kk, vv, q_pos, scale)
+
+        base = copy_path()
+        rows = [("sdpa-copy", None, copy_path)]
+        kb, vb = dequantize_kv(kc, ks, torch.bfloat16), dequantize_kv(vc, vs, torch.bfloat16)
+        rows.append(("dequant", None, lambda: (dequantize_kv(kc, ks, torch.bfloat16),
+                                               dequantize_kv(vc, vs, torch.bfloat16))))
+        cfgs = [None] + ([ap.PrefillConfig(**c) for c in SWEEP] if args.sweep else [])
+        for cfg in cfgs:
+            rows.append(("flash-int8", cfg, lambda cfg=cfg: ap.prefill_attention(q, kc, vc, ks, vs, slots, q_pos,
+                                                                                 scale, config=cfg)))
+        rows.append(("flash-bf16", None, lambda: ap.prefill_attention(q, kb, vb, None, None, slots, q_pos, scale)))
+        if start == 0:
+            def torch_flash():
+                from torch.nn.attention import SDPBackend, sdpa_kernel
+
+                with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+                    return F.scaled_dot_product_attention(q.transpose(1, 2), kb, vb, is_causal=True, scale=scale,
+                                                          enable_gqa=True).transpose(1, 2)
+            rows.append(("torch-flash", None, torch_flash))
+        for name, cfg, fn in rows:
+            try:
+                out = fn()
+                torch.cuda.synchronize()
+                err = rel(out, base) if isinstance(out, torch.Tensor) else None
+                ms = timed(fn)
+            except Exception as exc:  # a launch shape past the shared memory, a backend refusing the call
+                print(f"start {start:6d} {name:12s} {cfg}: {type(exc).__name__}: {str(exc)[:160]}")
+                continue
+            tf = flops / (ms * 1e-3) / 1e12 if err is not None else None
+            rec = {"start": start, "chunk": t, "method": name,
+                   "config": None if cfg is None else dataclasses.asdict(cfg),
+                   "ms": round(ms, 4), "tflops": tf and round(tf, 1), "rel_vs_sdpa_copy": err and round(err, 5)}
+            lines.append(rec)
+            cfg_s = "" if cfg is None else f" m{cfg.block_m} n{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}"
+            tf_s = "" if tf is None else f" {tf:7.1f} TFLOP/s"
+            err_s = "" if err is None else f"  rel {err:.2e}"
+            print(f"start {start:6d} {name:12s}{cfg_s:20s} {ms:9.3f} ms{tf_s}{err_s}", flush=True)
+        base = None
+        torch.cuda.empty_cache()
+    if args.json:
+        Path(args.json).write_text("".join(json.dumps(r) + "\n" for r in lines))
+    print(f"done at {time.strftime('%H:%M:%S')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,146 @@
+"""prefill_attention (Triton, a prompt chunk against the KV cache in place) against decode_attention_ref.
+
+Without CUDA the kernel runs under Triton's interpreter (TRITON_INTERPRET=1, set by triton_interp before triton is
+imported); on CUDA the same cases run compiled, bf16 queries and the default launch shapes included.
+"""
+
+import os
+
+import pytest
+import torch
+
+import triton_interp  # noqa: F401  (sets TRITON_INTERPRET=1 without CUDA, fixes the interpreter)
+
+from ninfer_bench.kernels import attention_prefill as ap
+from ninfer_bench.kernels import attention_triton as at
+from ninfer_bench.kernels.kv_quant import quantize_kv
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+RTOL = 2e-3  # fp32 queries against the fp32 reference
+RTOL_BF16 = 1e-2  # bf16 queries: q, the dequantized K/V and p rounded to bf16 before the dots
+
+pytestmark = pytest.mark.skipif(not at.triton_available(),
+                                reason=f"triton does not import: {at._triton_import_error()}")
+
+
+@pytest.fixture(autouse=True)
+def nan_buffers(monkeypatch):
+    """The output starts as NaN, so a row the kernel never writes fails the comparison."""
+    monkeypatch.setattr(ap, "_new_buffer", lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype,
+                                                                                 device=device))
+
+
+def make_case(kv, h, hkv, hd, starts, t, cap, slots=3, q_dtype=torch.float32, seed=0):
+    """Random q of T tokens a row and a cache of ``slots`` slots; row i reads slot perm[i] and its tokens sit at
+    starts[i] .. starts[i] + T - 1 (a chunk after starts[i] earlier prompt tokens)."""
+    g = torch.Generator().manual_seed(seed)
+    k = 2 * torch.randn(slots, hkv, cap, hd, generator=g)
+    v = torch.randn(slots, hkv, cap, hd, generator=g)
+    b = len(starts)
+    slot_ids = torch.randperm(slots, generator=g)[:b]
+    q_pos = torch.tensor(starts)[:, None] + torch.arange(t)[None, :]
+    q = torch.randn(b, t, h, hd, generator=g).to(q_dtype)
+    if kv == "int8":
+        (kc, ks), (vc, vs) = quantize_kv(k), quantize_kv(v)
+    else:
+        dt = {"bf16": torch.bfloat16, "fp16": torch.float16}[kv]
+        kc, vc, ks, vs = k.to(dt), v.to(dt), None, None
+    to = lambda x: None if x is None else x.to(DEVICE)  # noqa: E731
+    return dict(q=to(q), k_cache=to(kc), v_cache=to(vc), k_scale=to(ks), v_scale=to(vs), slots=to(slot_ids),
+                q_pos=to(q_pos), scale=hd ** -0.5)
+
+
+def rel_rms(out, ref):
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+SMALL = ap.PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)  # several blocks each way at test sizes
+
+# (H, Hkv, hd, starts, T, cap): a first chunk (start 0), later chunks whose start is not a multiple of any tile,
+# T not a multiple of BLOCK_M, groups 1 / 3 / 6, head dims 8 - 256
+SHAPES = {
+    "first-g3-hd64": (6, 2, 64, [0], 37, 48),
+    "later-g6-hd128": (12, 2, 128, [21, 50], 19, 80),
+    "later-g1-hd32": (2, 2, 32, [0, 77], 33, 112),
+    "later-g3-hd256": (3, 1, 256, [40], 24, 64),
+    "first-g2-hd8": (4, 2, 8, [0, 5], 20, 32),  # head dim under tl.dot's 16: padded tiles
+}
+
+
+@pytest.mark.parametrize("kv", ["bf16", "fp16", "int8"])
+@pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
+@pytest.mark.parametrize("config", ["plan", "small"])
+def test_matches_reference(kv, shape, config):
+    c = make_case(kv, *SHAPES[shape])
+    ref = at.decode_attention_ref(**c)
+    out = ap.prefill_attention(**c, config=SMALL if config == "small" else None)
+    assert out.shape == ref.shape and out.dtype == c["q"].dtype
+    assert torch.isfinite(out).all(), "unwritten or non-finite output"
+    err = rel_rms(out, ref)
+    assert err <= RTOL, f"{kv} {shape}: relative RMS {err:.2e} > {RTOL}"
+
+
+@pytest.mark.parametrize("kv", ["bf16", "int8"])
+def test_bf16_queries_default_plan(kv):
+    """The engine's case: bf16 queries, the default launch shape (compiled on a GPU)."""
+    if INTERPRET:
+        pytest.skip("the Triton interpreter's tl.dot multiplies raw bf16 bit patterns (GPU only)")
+    c = make_case(kv, 12, 2, 256, [0, 300], 200, 512, q_dtype=torch.bfloat16)
+    ref = at.decode_attention_ref(**{**c, "q": c["q"].float()})
+    out = ap.prefill_attention(**c)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    assert rel_rms(out, ref) <= RTOL_BF16
+
+
+def test_padding_rows_and_poison_past_positions():
+    """Rows of a padded chunk (positions past the real ones, as a captured prefill pads) do not change the real
+    rows, and cache entries past each row's position (NaN, huge) never reach the output."""
+    c = make_case("int8", 6, 2, 64, [10], 30, 64, seed=1)
+    clean = ap.prefill_attention(**c, config=SMALL)
+    dead = torch.arange(64, device=DEVICE) > int(c["q_pos"].max())
+    p = dict(c)
+    for name in ("k_cache", "v_cache"):
+        p[name] = c[name].masked_fill(dead[None, None, :, None], 127)
+    for name, val in (("k_scale", float("nan")), ("v_scale", 6e4)):
+        p[name] = c[name].masked_fill(dead[None, None, :, None], val)
+    dirty = ap.prefill_attention(**p, config=SMALL)
+    assert torch.equal(clean, dirty)
+    real = 17  # the first 17 tokens alone: the same rows, bit for bit (each row's tiles do not depend on T)
+    one = {**c, "q": c["q"][:, :real], "q_pos": c["q_pos"][:, :real]}
+    assert torch.equal(ap.prefill_attention(**one, config=SMALL), clean[:, :real])
+
+
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gate_on_store_gives_sigmoid_mul_bits(q_dtype):
+    from ninfer_bench.kernels import fused
+
+    if q_dtype == torch.bfloat16 and INTERPRET:
+        pytest.skip("the Triton interpreter's tl.dot multiplies raw bf16 bit patterns (GPU only)")
+    c = make_case("int8", *SHAPES["later-g6-hd128"], q_dtype=q_dtype)
+    b, t, h, hd = c["q"].shape
+    gate = (2 * torch.randn(b, t, h * hd, generator=torch.Generator().manual_seed(5))).to(q_dtype).to(DEVICE)
+    plain = ap.prefill_attention(**c)
+    gated = ap.prefill_attention(**c, gate=gate)
+    assert torch.equal(gated.view(b, t, h * hd), fused.sigmoid_mul(plain.view(b, t, h * hd), gate))
+
+
+def test_bad_inputs_name_the_function():
+    c = make_case("int8", *SHAPES["first-g3-hd64"])
+    with pytest.raises(ValueError, match="prefill_attention: .*k_scale"):
+        ap.prefill_attention(**{**c, "k_scale": None})
+    with pytest.raises(ValueError, match="kv_len_max"):
+        ap.prefill_attention(**c, kv_len_max=c["k_cache"].shape[2] + 1)
+    with pytest.raises(ValueError, match="power of two"):
+        ap.PrefillConfig(block_m=24, block_n=16, num_warps=4, num_stages=1)
+
+
+def test_plan_overrides():
+    cfg = ap.prefill_plan(256, True)
+    assert cfg.block_m >= 64 and cfg.block_n >= 32
+    assert ap.prefill_plan(256, True, block_n=32).block_n == 32
+    assert ap.prefill_plan(64, False, torch.float32).block_m <= 32  # the interpreter's small fp32 tiles
+
+
+def test_module_imports_without_triton():
+    triton_interp.assert_imports_without_triton("attention_prefill")
