@@ -168,8 +168,9 @@ def _check(q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, kv_len_max, gate
     if k_cache.dim() != 4 or v_cache.shape != k_cache.shape or k_cache.shape[3] != hd:
         raise ValueError(f"{who}: k_cache and v_cache must both be [S, Hkv, cap, hd={hd}], "
                          f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
-    if v_cache.dtype != k_cache.dtype or k_cache.dtype not in (torch.bfloat16, torch.float16, torch.int8):
-        raise ValueError(f"{who}: caches must be bf16, fp16 or int8 (both the same), "
+    if v_cache.dtype != k_cache.dtype or k_cache.dtype not in (torch.bfloat16, torch.float16, torch.float32,
+                                                              torch.int8):
+        raise ValueError(f"{who}: caches must be bf16, fp16, fp32 or int8 (both the same), "
                          f"got {k_cache.dtype} and {v_cache.dtype}")
     hkv, cap = k_cache.shape[1], k_cache.shape[2]
     if h % hkv:

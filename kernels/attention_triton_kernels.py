@@ -2,7 +2,8 @@
 fp32 reference live there): ``_attn_split`` (one key range of one slot's query rows, online softmax over int8 or
 float K/V tiles read from the cache in place) and ``_attn_combine`` (the ranges merged by their log-sum-exp, the
 output gate applied); ``_attn_prefill`` (kernels/attention_prefill.py: a block of a prompt's tokens of one query
-head against all their keys, flash style, from the same cache tiles).
+head against all their keys, flash style, from the same cache tiles) and ``_kv_dequant`` (a slot's int8 K or V
+dequantized to a contiguous copy, for it).
 """
 
 from __future__ import annotations
@@ -245,11 +246,33 @@ def _attn_prefill(Q, K, V, KS, VS, SLOTS, QPOS, O, GATE, stride_gb, stride_gt,
     tl.store(O + b * stride_ob + offs_m[:, None] * stride_ot + h * stride_oh + offs_d[None, :], val, mask=mask)
 
 
+def _kv_dequant(K, KS, SLOTS, OUT, stride_ks, stride_kh, stride_kn, stride_sss, stride_ssh, stride_ssn,
+                stride_ob, stride_oh, stride_on, HKV, LENGTH,
+                HD: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, NG: tl.constexpr, GW: tl.constexpr):
+    """Program (b * Hkv + hkv, key block): int8 codes x fp16 scales of keys [l * BLOCK_L, + BLOCK_L) of slot
+    slots[b], kv head hkv, as one fp32 product rounded once to OUT's dtype."""
+    pid_bh = tl.program_id(0)
+    b = pid_bh // HKV
+    hkv = pid_bh % HKV
+    offs_n = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)
+    n_ok = offs_n < LENGTH
+    slot = tl.load(SLOTS + b).to(tl.int64)
+    offs_g = tl.arange(0, NG)
+    d3 = offs_g[None, :, None] * GW + tl.arange(0, GW)[None, None, :]
+    ok = n_ok[:, None, None] & (d3 < HD)
+    codes = tl.load(K + slot * stride_ks + hkv * stride_kh + offs_n[:, None, None] * stride_kn + d3, mask=ok, other=0)
+    sc = tl.load(KS + slot * stride_sss + hkv * stride_ssh + offs_n[:, None] * stride_ssn + offs_g[None, :],
+                 mask=n_ok[:, None] & (offs_g[None, :] * GW < HD), other=0.0)
+    x = codes.to(tl.float32) * sc.to(tl.float32)[:, :, None]
+    tl.store(OUT + b.to(tl.int64) * stride_ob + hkv * stride_oh + offs_n[:, None, None] * stride_on + d3,
+             x.to(OUT.dtype.element_ty), mask=ok)
+
+
 @functools.lru_cache(maxsize=1)
 def jit_kernels() -> dict:
     """Jit the kernels (first call only). `_attn_split` finds `_load_tile` and `tl` as module globals."""
     out = _triton.jit_module(globals(), ("_load_tile", "_row_chunk", "_gated"),
                              {"split": "_attn_split", "combine": "_attn_combine",
-                              "prefill": "_attn_prefill"})
+                              "prefill": "_attn_prefill", "kv_dequant": "_kv_dequant"})
     out["dtypes"] = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
     return out

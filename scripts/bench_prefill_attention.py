@@ -5,13 +5,16 @@ Per start position, in one process:
   sdpa-copy     what runtime v3 ran before kernels/attention_prefill.py: the slot's K/V gathered and dequantized to
                 bf16 (cache.read_kv), then torch SDPA with an explicit [T x L] mask, K/V heads repeated to H
   flash-int8    prefill_attention reading the int8 cache in place (the default plan, then --sweep's shapes)
-  flash-bf16    prefill_attention over a bf16 copy of the cache (its dequantization timed apart as dequant)
+  dequant       kv_quant.dequantize_kv of the whole cache to bf16 (torch)
+  flash-bf16    prefill_attention over a bf16 copy of the cache (--sweep bf16: more launch shapes)
+  copy          dequantize_slots of the slot's K and V (the Triton copy prefill_attention_cached makes)
+  flash-copy    prefill_attention_cached on the int8 cache: that copy, then the kernel over it (what the engine runs)
   torch-flash   (start 0 only) torch SDPA's flash kernel, is_causal, native GQA, on bf16 K/V: the transformers
                 peer's attention kernel, as a yardstick
 Each line: median ms (triton.testing.do_bench), TFLOP/s (4 hd H x the causal query-key pairs) and the relative RMS
 against sdpa-copy's output. JSON lines to --json.
 
-    python3 scripts/bench_prefill_attention.py [--chunk 2048] [--starts 0,8192,32768,63488] [--sweep] [--json F]
+    python3 scripts/bench_prefill_attention.py [--chunk 2048] [--starts 0,8192,32768,63488] [--sweep int8,bf16] [--json F]
 """
 
 from __future__ import annotations
@@ -44,6 +47,11 @@ SWEEP = [dict(block_m=128, block_n=64, num_warps=8, num_stages=2), dict(block_m=
          dict(block_m=64, block_n=32, num_warps=4, num_stages=3), dict(block_m=128, block_n=128, num_warps=8,
          num_stages=1), dict(block_m=64, block_n=128, num_warps=8, num_stages=1)]
 
+SWEEP_BF16 = [dict(block_m=128, block_n=64, num_warps=8, num_stages=3), dict(block_m=128, block_n=128, num_warps=8,
+              num_stages=1), dict(block_m=128, block_n=128, num_warps=8, num_stages=2),
+              dict(block_m=128, block_n=32, num_warps=8, num_stages=3), dict(block_m=64, block_n=64, num_warps=4,
+              num_stages=3), dict(block_m=128, block_n=64, num_warps=4, num_stages=2)]
+
 
 def rel(a, b) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
@@ -60,7 +68,8 @@ def main() -> int:
     ap_ = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap_.add_argument("--chunk", type=int, default=2048)
     ap_.add_argument("--starts", default="0,8192,32768,63488")
-    ap_.add_argument("--sweep", action="store_true", help="also the launch shapes of SWEEP")
+    ap_.add_argument("--sweep", default="", help="int8, bf16 or both (comma-separated): also the launch shapes of "
+                     "SWEEP (int8 in place) or SWEEP_BF16 (over the copy)")
     ap_.add_argument("--json", default=None)
     args = ap_.parse_args()
     if not torch.cuda.is_available():
@@ -92,11 +101,18 @@ def main() -> int:
         kb, vb = dequantize_kv(kc, ks, torch.bfloat16), dequantize_kv(vc, vs, torch.bfloat16)
         rows.append(("dequant", None, lambda: (dequantize_kv(kc, ks, torch.bfloat16),
                                                dequantize_kv(vc, vs, torch.bfloat16))))
-        cfgs = [None] + ([ap.PrefillConfig(**c) for c in SWEEP] if args.sweep else [])
+        sweep = args.sweep.split(",")
+        cfgs = [None] + ([ap.PrefillConfig(**c) for c in SWEEP] if "int8" in sweep else [])
         for cfg in cfgs:
             rows.append(("flash-int8", cfg, lambda cfg=cfg: ap.prefill_attention(q, kc, vc, ks, vs, slots, q_pos,
                                                                                  scale, config=cfg)))
-        rows.append(("flash-bf16", None, lambda: ap.prefill_attention(q, kb, vb, None, None, slots, q_pos, scale)))
+        for cfg in [None] + ([ap.PrefillConfig(**c) for c in SWEEP_BF16] if "bf16" in sweep else []):
+            rows.append(("flash-bf16", cfg, lambda cfg=cfg: ap.prefill_attention(q, kb, vb, None, None, slots, q_pos,
+                                                                                 scale, config=cfg)))
+        rows.append(("copy", None, lambda: (ap.dequantize_slots(kc, ks, slots, cap, torch.bfloat16),
+                                            ap.dequantize_slots(vc, vs, slots, cap, torch.bfloat16))))
+        rows.append(("flash-copy", None, lambda: ap.prefill_attention_cached(q, kc, vc, ks, vs, slots, q_pos, scale,
+                                                                             kv_len=cap)))
         if start == 0:
             def torch_flash():
                 from torch.nn.attention import SDPBackend, sdpa_kernel

@@ -34,7 +34,7 @@
 #            model's plain / MTP3 / DFlash2 K=7 on its held-out prompts (SPEC_N tokens, default 128)
 #   convert27 a 27B-shaped FP8 checkpoint (transformers, random weights) converted, verified, inspected and decoded
 #            beside the synthetic 27B, with each step's wall time and peak RSS (about 8 minutes)
-#   pattn    prefill attention: its CUDA tests, then scripts/bench_prefill_attention.py (--sweep; PATTN_ARGS)
+#   pattn    prefill attention: its CUDA tests, then scripts/bench_prefill_attention.py (--sweep int8; PATTN_ARGS)
 #   ptests   the engine's prefill paths on CUDA: test_fastpath, test_prefill_graphs, test_sampler, test_cuda_engine
 #   pprof    scripts/profile_step.py --prefill at PPROF_LEN (65000) tokens on the 27B synthetic, per PPROF_MODES
 #            (flash sdpa; also dense: --prefill-weights dense): every kernel of one long prefill
@@ -266,7 +266,7 @@ PY
              # replaces and torch's flash kernel at the 27B shape, a 2,048-token chunk at several starts (PATTN_ARGS)
              timeout ${TESTS_S:-200} python3 -m pytest -q -p no:cacheprovider tests/test_kernels_attention_prefill.py \
                2>&1 | tail -3
-             timeout ${STAGE_S:-240} python3 scripts/bench_prefill_attention.py ${PATTN_ARGS:---sweep} \
+             timeout ${STAGE_S:-240} python3 scripts/bench_prefill_attention.py ${PATTN_ARGS:---sweep int8} \
                --json "$OUT/pattn.jsonl" 2>&1 | tee "$OUT/pattn.log" | tail -70 ;;
     ptests)  # the engine's prefill paths on CUDA: flash prefill, prefill graphs, the fused path, sampling
              for f in test_fastpath test_prefill_graphs test_sampler test_cuda_engine; do

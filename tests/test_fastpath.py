@@ -57,16 +57,17 @@ def test_interleaved_gate_up_decodes_like_eager(eager, spec):
 
 def test_flash_prefill_chunks_equal_eager(eager, monkeypatch):
     """Prompt chunks' full attention through kernels/attention_prefill (four chunks: the later ones read the earlier
-    ones' int8 K/V from the cache in place) decodes the eager path's tokens; --flash-prefill off launches none."""
-    from ninfer_bench.engine.model import hybrid
+    ones' int8 K/V, dequantized from the cache) decodes the eager path's tokens; --flash-prefill off launches none."""
+    from ninfer_bench.engine.model import fused_forward
 
     calls = []
-    real = hybrid.prefill_attention
-    monkeypatch.setattr(hybrid, "prefill_attention", lambda *a, **k: calls.append(tuple(a[6][0, [0, -1]].tolist()))
-                        or real(*a, **k))
-    _, tokens = run(kernels="triton", prefill_chunk=16)
+    real = fused_forward.prefill_attention_cached
+    monkeypatch.setattr(fused_forward, "prefill_attention_cached",
+                        lambda *a, **k: calls.append((*a[6][0, [0, -1]].tolist(), k["kv_len"])) or real(*a, **k))
+    _, tokens = run(kernels="triton", prefill_chunk=16, prefill_graphs=False)  # eager: the wrapper reads q_pos
     assert tokens == eager
-    assert {c for c in calls} >= {(0, 15), (16, 31), (48, 56)}, calls  # the chunks' first and last positions
+    # each chunk's first and last position, and the keys it reads (through its last position)
+    assert {(0, 15, 16), (16, 31, 32), (48, 56, 57)} <= set(calls), calls
     calls.clear()
-    _, tokens = run(kernels="triton", prefill_chunk=16, flash_prefill=False)
+    _, tokens = run(kernels="triton", prefill_chunk=16, prefill_graphs=False, flash_prefill=False)
     assert tokens == eager and not calls

@@ -13,7 +13,7 @@ import triton_interp  # noqa: F401  (sets TRITON_INTERPRET=1 without CUDA, fixes
 
 from ninfer_bench.kernels import attention_prefill as ap
 from ninfer_bench.kernels import attention_triton as at
-from ninfer_bench.kernels.kv_quant import quantize_kv
+from ninfer_bench.kernels.kv_quant import dequantize_kv, quantize_kv
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -123,6 +123,31 @@ def test_gate_on_store_gives_sigmoid_mul_bits(q_dtype):
     plain = ap.prefill_attention(**c)
     gated = ap.prefill_attention(**c, gate=gate)
     assert torch.equal(gated.view(b, t, h * hd), fused.sigmoid_mul(plain.view(b, t, h * hd), gate))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+def test_dequantize_slots_rounds_once(dtype):
+    """The copy holds each value as the fp32 product of code and scale rounded once to the dtype, for the slots in
+    the order asked, keys 0 .. length - 1 (a length that is no multiple of the program's key block)."""
+    if dtype == torch.bfloat16 and INTERPRET:
+        pytest.skip("the Triton interpreter truncates to bf16 instead of rounding to nearest (GPU only)")
+    c = make_case("int8", 6, 2, 96, [0, 0], 4, 150)
+    length = 141
+    out = ap.dequantize_slots(c["k_cache"], c["k_scale"], c["slots"], length, dtype)
+    want = dequantize_kv(c["k_cache"][c["slots"], :, :length], c["k_scale"][c["slots"], :, :length], torch.float32)
+    assert out.shape == (2, 2, length, 96) and out.dtype == dtype
+    assert torch.equal(out, want.to(dtype))
+    with pytest.raises(ValueError, match="length"):
+        ap.dequantize_slots(c["k_cache"], c["k_scale"], c["slots"], 151, dtype)
+
+
+@pytest.mark.parametrize("kv", ["int8", "bf16"])
+def test_cached_path_matches_reference(kv):
+    """What the engine calls: an int8 cache through a dequantized copy of the slots' key range, a bf16 one in place."""
+    c = make_case(kv, *SHAPES["later-g6-hd128"])
+    kv_len = int(c["q_pos"].max()) + 5
+    out = ap.prefill_attention_cached(**c, kv_len=kv_len, config=SMALL)
+    assert rel_rms(out, at.decode_attention_ref(**c)) <= RTOL
 
 
 def test_bad_inputs_name_the_function():

@@ -6,8 +6,8 @@ loop; per attention layer ``attn_prologue`` (q/k norms, partial RoPE, the K/V ca
 folds each residual add into the next norm, and ``silu_mul`` (or qmv's epilogue) the MLP gate. Used on CUDA
 (runtime v3) for decode and verify steps. Prefill keeps the eager path (its matmuls are compute-bound and fla
 runs its recurrence) except full attention, which with ``flash_prefill`` (the default) runs ``attn_prologue`` +
-``prefill_attention`` (kernels/attention_prefill.py: flash style, the int8 K/V read in place) through
-:meth:`FastPath.attention` too. Under ``TRITON_INTERPRET=1`` the same code runs on CPU tensors, which is how the tests
+``prefill_attention_cached`` (kernels/attention_prefill.py: flash style over the chunk's keys, an int8 cache
+dequantized to a bf16 copy first) through :meth:`FastPath.attention` too. Under ``TRITON_INTERPRET=1`` the same code runs on CPU tensors, which is how the tests
 check it against the eager path.
 
 Inside a CUDA-graph capture (``side_stream``, on by default) a GDN layer's b / a and z projections run on two side
@@ -31,6 +31,7 @@ import torch
 
 from ...kernels import fused
 from ...kernels._triton import single_pass
+from ...kernels.attention_prefill import prefill_attention_cached
 from ...kernels.attention_triton import decode_attention
 from ...kernels.gdn_triton import gdn_decode
 from .cache import HybridCache, PendingGDN
@@ -122,9 +123,10 @@ class FastPath:
             o = gdn_decode(qkv, z, bb, aa, *args, before_z=join_z)
         return self.w.linear(f"{p}.linear_attn.out_proj.weight")(o)
 
-    def attention(self, p: str, key, x, step, cache: HybridCache, kernel=decode_attention):
+    def attention(self, p: str, key, x, step, cache: HybridCache, prefill: bool = False):
         """Full attention from the layer's normed input: the prologue (norms, RoPE, the cache write), then
-        ``kernel`` (decode_attention for decode / verify, prefill_attention for a prompt chunk) with the gate."""
+        decode_attention (decode / verify) or, for a prompt chunk (``prefill``), prefill_attention_cached over the
+        chunk's key range, the output gate applied as the output is stored."""
         cfg, m, w = self.cfg, self.m, self.w
         b, t, _ = x.shape
         h, hd = cfg.num_attention_heads, cfg.head_dim
@@ -133,8 +135,12 @@ class FastPath:
         q, gate = fused.attn_prologue(qg, kv, w.vector(f"{p}.self_attn.q_norm.weight"),
                                       w.vector(f"{p}.self_attn.k_norm.weight"), m.cos, m.sin, c.k, c.v,
                                       c.k_scale, c.v_scale, step.slots, step.pos, cfg.rms_norm_eps)
-        o = kernel(q, c.k, c.v, c.k_scale, c.v_scale, step.slots, step.pos, m.scale,
-                   kv_len_max=cache.capacity, gate=gate)  # the output gate applied as o is stored
+        if prefill:
+            o = prefill_attention_cached(q, c.k, c.v, c.k_scale, c.v_scale, step.slots, step.pos, m.scale,
+                                         kv_len=min(step.kv_len, cache.capacity), gate=gate)
+        else:
+            o = decode_attention(q, c.k, c.v, c.k_scale, c.v_scale, step.slots, step.pos, m.scale,
+                                 kv_len_max=cache.capacity, gate=gate)
         return w.project(f"{p}.self_attn.o_proj", o.reshape(b, t, h * hd))
 
     def mlp(self, p: str, x):

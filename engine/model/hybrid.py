@@ -13,7 +13,6 @@ import torch
 import torch.nn.functional as F
 
 from ...kernels import attention as attn_k
-from ...kernels.attention_prefill import prefill_attention
 from ...kernels.conv import causal_conv1d, causal_conv1d_state_at
 from ...kernels.gdn import gated_delta_rule, gated_delta_rule_step, l2norm
 from ...kernels.norm import gated_rms_norm, rms_norm
@@ -182,7 +181,7 @@ class HybridModel:
             # layers read them, instead of a masked SDPA over step.kv_len (the whole capacity in captured drafting)
             h = h + self.fast.attention(p, i, x, step, cache)
         elif self.flash_prefill and step.mode == PREFILL and step.rope_pos is None:
-            h = h + self.fast.attention(p, i, x, step, cache, kernel=prefill_attention)
+            h = h + self.fast.attention(p, i, x, step, cache, prefill=True)
         else:
             h = h + self.attention(p, i, x, step, cache)
         x = rms_norm(h, self.w.vector(f"{p}.post_attention_layernorm.weight"), eps)
