@@ -126,8 +126,8 @@ def decode(model, engines, specs, draft_tokens, rollbacks, lm_head_draft, prompt
     Comma-separated --engine, --runtime, --spec, --rollback and --lm-head-draft run every combination in one
     process, the weights loaded once (as llama-bench runs its grid), and end with a side-by-side table.
 
-    The on / off switches (--lookahead, --draft-graphs, --pdl, --side-stream, --prefill-graphs, --silu-epilogue)
-    change only runs on CUDA: off is refused on a CPU."""
+    The on / off switches (--lookahead, --draft-graphs, --pdl, --side-stream, --prefill-graphs, --flash-prefill,
+    --silu-epilogue) change only runs on CUDA: off is refused on a CPU."""
     url, served_model = options.pop("url"), options.pop("served_model")
     lengths = tuple(int_list(prompt_lengths, "-p")) if prompt_lengths is not None else ()
     if lengths and (prompt_file or n_prompts or images):

@@ -92,9 +92,9 @@ class EngineOptions:
     flash_prefill: bool = _switch(
         "--flash-prefill", "-sdpaprefill", "v3",
         "A prompt chunk's full attention through the fused prologue and a flash-style Triton kernel "
-        "(kernels/attention_prefill.py): K/V read from the cache in place (int8 dequantized in registers), no mask "
-        "tensor, no repeated K/V heads, the output gate applied as it is stored (v3 on CUDA; off: torch SDPA over a "
-        "dequantized copy of the slot's K/V with an explicit mask).")
+        "(kernels/attention_prefill.py) over one bf16 copy of the chunk's keys (int8 dequantized in one pass): no "
+        "mask tensor, no repeated K/V heads, the output gate applied as it is stored (v3 on CUDA; off: torch SDPA "
+        "over a gathered, dequantized, head-repeated copy with an explicit mask).")
     silu_epilogue: bool = _switch(
         "--silu-epilogue", "-nosilu", "v3",
         "The MLP's gate / up weight interleaved in runs of 8 rows so that the projection kernel stores "
