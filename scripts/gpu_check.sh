@@ -35,9 +35,11 @@
 #   convert27 a 27B-shaped FP8 checkpoint (transformers, random weights) converted, verified, inspected and decoded
 #            beside the synthetic 27B, with each step's wall time and peak RSS (about 8 minutes)
 #   pattn    prefill attention: its CUDA tests, then scripts/bench_prefill_attention.py (--sweep int8; PATTN_ARGS)
-#   ptests   the engine's prefill paths on CUDA: test_fastpath, test_prefill_graphs, test_sampler, test_cuda_engine
+#   ptests   the engine's prefill paths on CUDA: test_fastpath, test_prefill_graphs, test_sampler, test_cuda_engine,
+#            the GDN prefill glue and prefill attention kernels
 #   pprof    scripts/profile_step.py --prefill at PPROF_LEN (65000) tokens on the 27B synthetic, per PPROF_MODES
-#            (flash sdpa; also dense: --prefill-weights dense): every kernel of one long prefill
+#            (flash sdpa; also dense: --prefill-weights dense, fused: --fused-prefill, fdense: both): every kernel of
+#            one long prefill (about 75 s a mode)
 #   llamabuild llama-cpp-python built with CUDA (sm_90) from the carried trimmed source (.peer/llama-src.tgz, made
 #            by scripts/pack_llama_src.sh) into /tmp/llsite, in the background (setsid: it outlives the call while the
 #            machine stays warm; /tmp/llbuild.log, /tmp/llbuild.rc); LLBUILD_WAIT=1 waits for it
@@ -50,7 +52,8 @@
 #   pgraphs  prefill CUDA graphs: tests/test_prefill_graphs.py, test_sampler.py, test_cuda_engine.py, then the 27B
 #            synthetic decode with --prefill-graphs on,off (prefill tok/s, TTFT and tokens of each)
 #   plen27   decode -p PLEN (2991,65000) on the 27B synthetic, ours and the transformers peer (PLEN_ENGINES), PLEN_N
-#            (128) tokens: each length's prefill tok/s, TTFT and the decode after it (issue 32's targets)
+#            (128) tokens: each length's prefill tok/s, TTFT and the decode after it (issue 32's targets); about
+#            6 minutes with the peer at 65K (its bf16 load and three 65K prefills): give it STAGE_S >= 420
 #   pweights the 27B synthetic decode with --prefill-weights auto (packed there) and dense, then C1 / C8 with dense
 #   ctx262   decode -p 262016 -n 128 on the 27B synthetic: the native context's prefill and decode on one GPU
 #   drift    scripts/probe_prefill_drift.py: the bundled model's prefill time between runs (fresh / shared Engine,
@@ -269,7 +272,8 @@ PY
              timeout ${STAGE_S:-240} python3 scripts/bench_prefill_attention.py ${PATTN_ARGS:---sweep int8} \
                --json "$OUT/pattn.jsonl" 2>&1 | tee "$OUT/pattn.log" | tail -70 ;;
     ptests)  # the engine's prefill paths on CUDA: flash prefill, prefill graphs, the fused path, sampling
-             for f in test_fastpath test_prefill_graphs test_sampler test_cuda_engine; do
+             for f in test_fastpath test_prefill_graphs test_sampler test_cuda_engine test_kernels_gdn_prefill \
+                      test_kernels_attention_prefill; do
                timeout ${TESTS_S:-200} python3 -m pytest -q -p no:cacheprovider tests/$f.py > "$OUT/$f.log" 2>&1 &
              done
              wait
@@ -284,6 +288,8 @@ PY
                  flash) flags="" ;;
                  sdpa)  flags="--no-flash-prefill" ;;
                  dense) flags="--prefill-weights dense" ;;
+                 fused) flags="--fused-prefill" ;;
+                 fdense) flags="--fused-prefill --prefill-weights dense" ;;
                esac
                timeout ${STAGE_S:-300} python3 scripts/profile_step.py $M27 --prefill --prompt-len ${PPROF_LEN:-65000} \
                  --top ${PPROF_TOP:-25} $flags --json "$OUT/pprof-$mode.json" 2>&1 | tee "$OUT/pprof-$mode.log" \

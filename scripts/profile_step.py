@@ -6,7 +6,8 @@ step's idle gaps: graph launch, the token read-back, host work).
     python3 scripts/profile_step.py --model qwen3.8-27b --synthetic [--steps 32] [--spec none,mtp:3,dflash2:7] [--sync]
         [--no-pdl] [--no-side-stream] [--no-silu-epilogue] [--cublas-dense] [--qmv-layout L]
         [--eager-draft] [--attn-fixed-split]
-        [--prefill] [--prompt-len N] [--no-flash-prefill] [--prefill-weights dense] [--prefill-chunk N]
+        [--prefill] [--prompt-len N] [--no-flash-prefill] [--fused-prefill] [--prefill-weights dense]
+        [--prefill-chunk N]
                          # switches against the engine's defaults, compared by step time
         [--host]         # where the host's time goes instead (cProfile of the same steps: Python, launches, syncs)
         [--drop norm,silu,ba,gdn,attn]   # headroom: the step without those kernels (wrong values, true timing)
@@ -156,6 +157,8 @@ def main() -> int:
     ap.add_argument("--prefill-weights", default="auto", choices=("auto", "dense", "packed"))
     ap.add_argument("--flash-prefill", action=argparse.BooleanOptionalAction, default=True,
                     help="prompt chunks' attention by the flash-style kernel (EngineOptions.flash_prefill)")
+    ap.add_argument("--fused-prefill", action="store_true",
+                    help="prompt chunks' GDN glue and norms through Triton kernels (EngineOptions.fused_prefill)")
     ap.add_argument("--attn-fixed-split", action="store_true",
                     help="decode attention splits the key range as for the full cache (no per-row chunk)")
     ap.add_argument("--drop", default="", help="comma list of " + ", ".join(DROPPABLE) + ": the step without "
@@ -202,6 +205,7 @@ def main() -> int:
                              qmv_dense=not args.cublas_dense, qmv_layout=args.qmv_layout,
                              draft_graphs=not args.eager_draft, prefill_chunk=args.prefill_chunk,
                              prefill_weights=args.prefill_weights, flash_prefill=args.flash_prefill,
+                             fused_prefill=args.fused_prefill,
                              max_context=args.max_context or max(8192, args.prompt_len + 256))
         print(f"=== {spec}{f':{k}' if k else ''}", flush=True)
         out[item] = profile_one(Engine(loaded, opts), args, drop)
@@ -305,7 +309,8 @@ def profile_one(eng, args, drop):
             "cublas_dense": args.cublas_dense, "qmv_layout": args.qmv_layout, "draft_graphs": not args.eager_draft,
             "attn_fixed_split": args.attn_fixed_split, "prefill": args.prefill, "prompt_len": args.prompt_len,
             "prefill_chunk": args.prefill_chunk, "prefill_weights": args.prefill_weights,
-            "flash_prefill": args.flash_prefill, "dropped": drop, "runtime": args.runtime, "steps": args.steps,
+            "flash_prefill": args.flash_prefill, "fused_prefill": args.fused_prefill, "dropped": drop,
+            "runtime": args.runtime, "steps": args.steps,
             "step_wall_us": step_us, "gpu_busy_us": busy, "kernels_summed_us": total,
             "kernels": [{"name": k, "us_per_step": v[0] / args.steps, "calls_per_step": v[1] / args.steps}
                         for k, v in rows]}

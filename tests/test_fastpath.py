@@ -71,3 +71,13 @@ def test_flash_prefill_chunks_equal_eager(eager, monkeypatch):
     calls.clear()
     _, tokens = run(kernels="triton", prefill_chunk=16, prefill_graphs=False, flash_prefill=False)
     assert tokens == eager and not calls
+
+
+def test_fused_prefill_equals_eager(eager):
+    """--fused-prefill: prompt chunks' GDN glue (kernels/gdn_prefill) and the norms between layers through the Triton
+    kernels, over several chunks (each later chunk's conv reads the state the one before left), decode the eager
+    path's tokens; with media or a runtime without the fused kernels it is refused or not taken."""
+    eng, tokens = run(kernels="triton", prefill_chunk=16, prefill_graphs=False, fused_prefill=True)
+    assert eng.model.fused_prefill and tokens == eager
+    with pytest.raises(ValueError, match="fused-prefill"):
+        Engine.load("tiny", device="cpu", runtime="v2", fused_prefill=True)

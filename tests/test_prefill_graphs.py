@@ -62,7 +62,8 @@ def test_padded_prefill_equals_the_unpadded_one(start, t, pad):
     want, got = run(0, 0), run(1, pad)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     for i in cache.conv:
-        torch.testing.assert_close(cache.conv[i][1], cache.conv[i][0], rtol=1e-5, atol=1e-6)  # (M-dependent GEMMs)
+        # the conv state holds projection outputs: fp32 GEMMs of 70 and 128 rows differ by an ulp or so
+        torch.testing.assert_close(cache.conv[i][1], cache.conv[i][0], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(cache.ssm[i][1], cache.ssm[i][0], rtol=1e-5, atol=1e-6)
     for layer in cache.kv.values():
         torch.testing.assert_close(layer.k[1, :, :start + t], layer.k[0, :, :start + t], rtol=1e-5, atol=1e-5)

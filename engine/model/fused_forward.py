@@ -155,20 +155,27 @@ class FastPath:
             act = torch.nn.functional.silu(gate) * up
         return self.w.linear(f"{p}.mlp.down_proj.weight")(act)
 
-    def forward(self, step, cache: HybridCache):
-        """Final-normed hidden ``[B, T, H]`` and tap outputs, with each residual add fused into the next norm."""
-        cfg, w = self.cfg, self.w
+    def forward(self, step, cache: HybridCache, prefill: bool = False):
+        """Final-normed hidden ``[B, T, H]`` and tap outputs, with each residual add fused into the next norm.
+        ``prefill`` (a prompt chunk, ``EngineOptions.fused_prefill``): the GDN layers and the MLPs through the eager
+        forward's prefill path (fla's recurrence, kernels/gdn_prefill's glue), full attention through
+        prefill_attention_cached (or the eager attention with flash_prefill off), the norms as here."""
+        cfg, w, m = self.cfg, self.w, self.m
         eps = cfg.rms_norm_eps
         names = [f"model.layers.{i}" for i in range(cfg.num_hidden_layers)]
         h = w.embed(step.ids)
         x = fused.rms_norm(h, w.vector(f"{names[0]}.input_layernorm.weight"), eps)
         taps = []
         for i, (p, kind) in enumerate(zip(names, cfg.layer_types)):
-            y = self.gated_deltanet(p, i, x, step, cache) if kind == "linear_attention" \
-                else self.attention(p, i, x, step, cache)
+            if kind == "linear_attention":
+                y = m.gated_deltanet(p, i, x, step, cache) if prefill else self.gated_deltanet(p, i, x, step, cache)
+            elif prefill and not m.flash_prefill:
+                y = m.attention(p, i, x, step, cache)
+            else:
+                y = self.attention(p, i, x, step, cache, prefill=prefill)
             x, h = fused.add_rms_norm(y, h, w.vector(f"{p}.post_attention_layernorm.weight"), eps)
             nxt = f"{names[i + 1]}.input_layernorm.weight" if i + 1 < len(names) else "model.norm.weight"
-            x, h = fused.add_rms_norm(self.mlp(p, x), h, w.vector(nxt), eps)
+            x, h = fused.add_rms_norm(m.mlp(p, x) if prefill else self.mlp(p, x), h, w.vector(nxt), eps)
             if i in step.taps:
                 taps.append(h)
         return x, taps

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ...kernels import attention as attn_k
+from ...kernels import gdn_prefill
 from ...kernels.conv import causal_conv1d, causal_conv1d_state_at
 from ...kernels.gdn import gated_delta_rule, gated_delta_rule_step, l2norm
 from ...kernels.norm import gated_rms_norm, rms_norm
@@ -55,7 +56,8 @@ class HybridModel:
     """Forward of a Qwen3.5 / Qwen3-Next text decoder with weights from a :class:`WeightStore`."""
 
     def __init__(self, cfg: ModelConfig, weights: WeightStore, *, max_positions: int, gdn_impl: str = "auto",
-                 fused_kernels: bool = False, side_stream: bool = True, flash_prefill: bool = True):
+                 fused_kernels: bool = False, side_stream: bool = True, flash_prefill: bool = True,
+                 fused_prefill: bool = False):
         self.cfg, self.w, self.gdn_impl = cfg, weights, gdn_impl
         self.device, self.dtype = weights.device, weights.dtype
         self.cos, self.sin = rope_tables(cfg.rotary_dim, cfg.rope_theta, max_positions, self.device)
@@ -68,6 +70,8 @@ class HybridModel:
             self.fast = FastPath(self, side_stream=side_stream)
         # prompt chunks' full attention through the fused prologue and the flash-style kernel (with the fused kernels)
         self.flash_prefill = flash_prefill and self.fast is not None
+        # prompt chunks' GDN glue (kernels/gdn_prefill) and the norms between layers through Triton kernels
+        self.fused_prefill = fused_prefill and self.fast is not None
         self.mrope_axes = None  # [rd] stream per rotary column, set by the engine for models with vision
 
     # ---- pieces ----------------------------------------------------------------------------------
@@ -139,13 +143,21 @@ class HybridModel:
         bb, aa = self._proj(p, "linear_attn.in_proj_ba", ("linear_attn.in_proj_b", "linear_attn.in_proj_a"),
                             [hv, hv], x)
         conv_old = cache.conv[i][step.slots]  # [B, C, W-1]
-        y, conv_new = causal_conv1d(qkv, w.vector(f"{a_}.conv1d.weight").squeeze(1), conv_old)
+        conv_w = w.vector(f"{a_}.conv1d.weight").squeeze(1)
+        glue = self.fused_prefill and step.mode == PREFILL  # conv, SiLU, L2 norms, gated norm in Triton
+        if glue:
+            q, k, v = gdn_prefill.conv_qkv(qkv, conv_w, cache.conv[i], step.slots, hk, dk, hv, dv)
+            keep = conv_old.shape[-1]  # the new state: the last W-1 inputs (the old state's, when T < W-1)
+            conv_new = torch.cat([conv_old, qkv[:, max(0, t - keep):].transpose(1, 2).to(conv_old.dtype)],
+                                 dim=-1)[..., -keep:]
+        else:
+            y, conv_new = causal_conv1d(qkv, conv_w, conv_old)
+            q, k, v = torch.split(y, [cfg.key_dim, cfg.key_dim, cfg.value_dim], dim=-1)
+            q = l2norm(q.reshape(b, t, hk, dk))
+            k = l2norm(k.reshape(b, t, hk, dk))
+            v = v.reshape(b, t, hv, dv)
         if step.valid is not None:  # the state after the real tokens, not after the padding
             conv_new = causal_conv1d_state_at(qkv, conv_old, step.valid)
-        q, k, v = torch.split(y, [cfg.key_dim, cfg.key_dim, cfg.value_dim], dim=-1)
-        q = l2norm(q.reshape(b, t, hk, dk))
-        k = l2norm(k.reshape(b, t, hk, dk))
-        v = v.reshape(b, t, hv, dv)
         beta = torch.sigmoid(bb.float())
         g = -torch.exp(w.vector(f"{a_}.A_log")) * F.softplus(aa.float() + w.vector(f"{a_}.dt_bias"))
         if step.valid is not None:  # padding writes nothing (beta = 0) and does not decay the state (g = 0)
@@ -167,7 +179,11 @@ class HybridModel:
                 cache.record(i, rec)
         cache.conv[i][step.slots] = conv_new.to(cache.conv[i].dtype)
         cache.ssm[i][step.slots] = state
-        o = gated_rms_norm(o.to(x.dtype), z.view(b, t, hv, dv), w.vector(f"{a_}.norm.weight"), cfg.rms_norm_eps)
+        if glue:
+            o = gdn_prefill.gated_rms_norm(o.to(x.dtype).contiguous(), z, w.vector(f"{a_}.norm.weight"),
+                                           cfg.rms_norm_eps)
+        else:
+            o = gated_rms_norm(o.to(x.dtype), z.view(b, t, hv, dv), w.vector(f"{a_}.norm.weight"), cfg.rms_norm_eps)
         return w.linear(f"{a_}.out_proj.weight")(o.reshape(b, t, hv * dv))
 
     def layer(self, p: str, i, kind: str, h: torch.Tensor, step: Step, cache: HybridCache) -> torch.Tensor:
@@ -199,6 +215,8 @@ class HybridModel:
             cache.begin_verify(step.slots)
         if self._fused(step):
             return self.fast.forward(step, cache)
+        if self.fused_prefill and step.mode == PREFILL and step.embeds is None and step.rope_pos is None:
+            return self.fast.forward(step, cache, prefill=True)
         h = self.w.embed(step.ids)
         if step.embeds is not None:  # merged vision tokens take their placeholders' rows
             h = h.masked_scatter(step.embed_mask[..., None], step.embeds.to(h.dtype))

@@ -1,0 +1,164 @@
+"""A Gated DeltaNet layer's prefill glue in two Triton kernels (the recurrence itself stays fla's chunked kernel):
+
+* :func:`conv_qkv` - the depthwise causal conv over a chunk's ``qkv`` projection (the slot's conv state supplying the
+  W-1 inputs before the chunk), SiLU, and the per-head L2 norm of q and k, in fp32 with one rounding at the store:
+  ``q [B, T, Hk, dk]``, ``k [B, T, Hk, dk]``, ``v [B, T, Hv, dv]`` contiguous in qkv's dtype. Eagerly this is a
+  concatenation with the state, an fp32 cast, ``F.conv1d``, SiLU, a cast back, splits, two fp32 L2 norms and casts.
+* :func:`gated_rms_norm` - ``w * rmsnorm(o) * silu(z)`` per GDN head, reading the strided ``z`` view in place.
+
+References (fp32 torch, the eager path's math): :func:`conv_qkv_ref`, :func:`gated_rms_norm_ref`. Triton is imported
+on first use; under ``TRITON_INTERPRET=1`` the kernels run on CPU tensors (how the tests check them).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from . import _triton
+
+__all__ = ["conv_qkv", "conv_qkv_ref", "gated_rms_norm", "gated_rms_norm_ref", "triton_available"]
+
+triton_available = _triton.available
+L2_EPS = 1e-6  # kernels/gdn.l2norm's
+BLOCK_T = 16  # tokens a conv program takes
+
+tl = None  # triton.language, bound by _kernels()
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def conv_qkv_ref(qkv, conv_w, state, hk: int, dk: int, hv: int, dv: int):
+    """fp32 reference: ``qkv [B, T, C]`` (C = 2 hk dk + hv dv), ``conv_w [C, W]``, ``state [B, C, W-1]`` (the inputs
+    before the chunk) -> (q, k, v) as :func:`conv_qkv` returns them."""
+    b, t, c = qkv.shape
+    w = conv_w.shape[1]
+    xx = torch.cat([state.float().transpose(1, 2), qkv.float()], dim=1)  # [B, W-1+T, C]
+    y = sum(xx[:, j:j + t] * conv_w[:, j].float() for j in range(w))
+    y = F.silu(y)
+    q, k, v = torch.split(y, [hk * dk, hk * dk, hv * dv], dim=-1)
+
+    def l2(x, h, d):
+        x = x.reshape(b, t, h, d)
+        return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2_EPS)
+
+    return (l2(q, hk, dk).to(qkv.dtype), l2(k, hk, dk).to(qkv.dtype), v.reshape(b, t, hv, dv).to(qkv.dtype))
+
+
+def gated_rms_norm_ref(o, z, weight, eps: float):
+    """fp32 reference: ``o [B, T, Hv, dv]``, ``z [B, T, Hv * dv]`` (any row stride), ``weight [dv]`` -> o's dtype."""
+    b, t, h, d = o.shape
+    x = o.float()
+    y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+    return (y * F.silu(z.float().reshape(b, t, h, d))).to(o.dtype)
+
+
+def _conv_kernel(X, CW, ST, SLOTS, OUT, stride_xb, stride_xt, stride_sb, stride_sc, T, CH_OFF, OUT_W, eps,
+                 W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr, NORM: tl.constexpr):
+    """Program (b * token blocks + token block, head): the D channels from CH_OFF + head * D (one head of q, k or v)
+    of BLOCK_T tokens, conv + SiLU, L2-normed over the D channels when NORM, stored at OUT [B * T, OUT_W]."""
+    pid = tl.program_id(0)
+    head = tl.program_id(1)
+    n_tb = tl.cdiv(T, BLOCK_T)
+    b = pid // n_tb
+    offs_t = (pid % n_tb) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    ch = CH_OFF + head * D + offs_d  # channels of qkv
+    t_ok = offs_t < T
+    slot = tl.load(SLOTS + b).to(tl.int64)
+    acc = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
+    for j in tl.static_range(W):
+        src = offs_t - (W - 1) + j  # the input feeding tap j; negative: from the conv state
+        wj = tl.load(CW + ch * W + j, mask=d_ok, other=0.0).to(tl.float32)
+        xv = tl.load(X + b.to(tl.int64) * stride_xb + src[:, None] * stride_xt + ch[None, :],
+                     mask=(t_ok & (src >= 0))[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        sv = tl.load(ST + slot * stride_sb + ch[None, :] * stride_sc + (W - 1 + src)[:, None],
+                     mask=(t_ok & (src < 0))[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        acc += (xv + sv) * wj[None, :]
+    y = acc / (1.0 + tl.exp(-acc))  # silu
+    if NORM:
+        y = y * tl.rsqrt(tl.sum(y * y, 1) + eps)[:, None]
+    row = (b * T + offs_t).to(tl.int64) * OUT_W + head * D
+    tl.store(OUT + row[:, None] + offs_d[None, :], y.to(OUT.dtype.element_ty), mask=t_ok[:, None] & d_ok[None, :])
+
+
+def _gnorm_kernel(O, Z, Wt, Y, stride_ob, stride_zb, N_HEADS, eps, D: tl.constexpr, BLOCK_H: tl.constexpr,
+                  BLOCK_D: tl.constexpr):
+    """Program (token row, head block): BLOCK_H heads of one token, each normed over its D values."""
+    r = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_h < N_HEADS)[:, None] & (offs_d < D)[None, :]
+    col = offs_h[:, None] * D + offs_d[None, :]
+    x = tl.load(O + r * stride_ob + col, mask=mask, other=0.0).to(tl.float32)
+    z = tl.load(Z + r * stride_zb + col, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(Wt + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
+    y = x * tl.rsqrt(tl.sum(x * x, 1) / D + eps)[:, None] * w[None, :]
+    y = y * (z / (1.0 + tl.exp(-z)))
+    tl.store(Y + r * (N_HEADS * D) + col, y.to(Y.dtype.element_ty), mask=mask)
+
+
+@functools.lru_cache(maxsize=1)
+def _kernels() -> dict:
+    return _triton.jit_module(globals(), (), {"conv": "_conv_kernel", "gnorm": "_gnorm_kernel"})
+
+
+def _ready(op: str, x: torch.Tensor) -> dict:
+    err = _triton.import_error()
+    if err is not None:
+        raise RuntimeError(f"{op} needs triton, which does not import here ({err})")
+    kern = _kernels()
+    if x.device.type != "cuda" and not kern["interpreted"]:
+        raise ValueError(f"{op}: the kernels run on CUDA tensors (or with TRITON_INTERPRET=1 set before their first "
+                         f"use), got {x.device}")
+    return kern
+
+
+def conv_qkv(qkv, conv_w, state, slots, hk: int, dk: int, hv: int, dv: int):
+    """(q ``[B, T, hk, dk]``, k ``[B, T, hk, dk]``, v ``[B, T, hv, dv]``), contiguous in qkv's dtype, from ``qkv
+    [B, T, C]`` (last dimension contiguous, any row stride), ``conv_w [C, W]`` (fp32) and the conv state ``state
+    [S, C, W-1]`` read at ``slots [B]``: silu(causal conv), q and k L2-normed per head, fp32 math. The state is only
+    read (the caller writes the new one)."""
+    b, t, c = qkv.shape
+    w = conv_w.shape[1]
+    if c != 2 * hk * dk + hv * dv:
+        raise ValueError(f"conv_qkv: qkv has {c} channels; want 2 * {hk} * {dk} + {hv} * {dv}")
+    if qkv.stride(2) != 1 or tuple(conv_w.shape) != (c, w) or state.shape[1:] != (c, w - 1) \
+            or state.stride(2) != 1 or slots.shape != (b,):
+        raise ValueError(f"conv_qkv: qkv [B, T, C] contiguous along C, conv_w [C, W], state [S, C, W-1], slots [B]; "
+                         f"got {tuple(qkv.shape)} (strides {qkv.stride()}), {tuple(conv_w.shape)}, "
+                         f"{tuple(state.shape)}, {tuple(slots.shape)}")
+    kern = _ready("conv_qkv", qkv)
+    q = torch.empty(b, t, hk, dk, dtype=qkv.dtype, device=qkv.device)
+    k = torch.empty_like(q)
+    v = torch.empty(b, t, hv, dv, dtype=qkv.dtype, device=qkv.device)
+    cw = conv_w.contiguous()
+    grid_t = b * -(-t // BLOCK_T)
+    for out, off, heads, d, norm in ((q, 0, hk, dk, True), (k, hk * dk, hk, dk, True), (v, 2 * hk * dk, hv, dv, False)):
+        kern["conv"][(grid_t, heads)](qkv, cw, state, slots, out, qkv.stride(0), qkv.stride(1), state.stride(0),
+                                      state.stride(1), t, off, heads * d, L2_EPS, W=w, BLOCK_T=BLOCK_T,
+                                      BLOCK_D=_pow2(d), D=d, NORM=norm, num_warps=4)
+    return q, k, v
+
+
+def gated_rms_norm(o, z, weight, eps: float):
+    """``weight * rmsnorm(o) * silu(z)`` per head: ``o [B, T, Hv, dv]`` (contiguous), ``z [B, T, Hv * dv]`` (last
+    dimension contiguous, any token stride: a split view of the qkvz projection), ``weight [dv]`` ->
+    ``[B, T, Hv * dv]`` in o's dtype, fp32 math."""
+    b, t, h, d = o.shape
+    if tuple(z.shape) != (b, t, h * d) or z.stride(2) != 1 or not o.is_contiguous() or tuple(weight.shape) != (d,):
+        raise ValueError(f"gated_rms_norm: o [B, T, Hv, dv] contiguous, z [B, T, Hv * dv], weight [dv]; got "
+                         f"{tuple(o.shape)}, {tuple(z.shape)} (strides {z.stride()}), {tuple(weight.shape)}")
+    if b > 1 and z.stride(0) != t * z.stride(1):
+        z = z.contiguous()  # rows of z are addressed as one [B * T] run below
+    kern = _ready("gated_rms_norm", o)
+    y = torch.empty(b, t, h * d, dtype=o.dtype, device=o.device)
+    block_h = max(1, min(_pow2(h), 8192 // _pow2(d)))
+    kern["gnorm"][(b * t, -(-h // block_h))](o, z, weight, y, h * d, z.stride(1), h, eps, D=d, BLOCK_H=block_h,
+                                             BLOCK_D=_pow2(d), num_warps=4)
+    return y
