@@ -25,6 +25,19 @@ def available(module: str = "triton") -> bool:
     return import_error(module) is None
 
 
+def ready(op: str, kernels, x: torch.Tensor) -> dict:
+    """``kernels()`` (a module's jitted kernels) for a launch of ``op`` on ``x``'s device: a RuntimeError when triton
+    does not import, a ValueError for CPU tensors unless the kernels run in the interpreter."""
+    err = import_error()
+    if err is not None:
+        raise RuntimeError(f"{op} needs triton, which does not import here ({err})")
+    kern = kernels()
+    if x.device.type != "cuda" and not kern["interpreted"]:
+        raise ValueError(f"{op}: the kernels run on CUDA tensors (or with TRITON_INTERPRET=1 set before their first "
+                         f"use), got {x.device}")
+    return kern
+
+
 def jit_module(namespace: dict, helpers: tuple[str, ...], kernels: dict[str, str]) -> dict:
     """Jit a kernel module's functions in place: bind ``tl``, ``pdl_enter(PDL)`` (see :func:`pdl_args`) and each
     ``@triton.jit`` helper in ``namespace`` (the module's globals, where kernels look their helpers up when they

@@ -86,13 +86,7 @@ def prefill_attention(q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, scale
     accumulation; ``gate [B, T, H * hd]`` applied as the output is stored (``o * sigmoid(gate)``, the bits of
     kernels/fused.sigmoid_mul). ``config`` overrides :func:`prefill_plan`."""
     kv_len = _check(q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, kv_len_max, gate, "prefill_attention")
-    err = _triton.import_error()
-    if err is not None:
-        raise RuntimeError(f"prefill_attention needs triton, which does not import here ({err})")
-    kern = _kernels()
-    if q.device.type != "cuda" and not kern["interpreted"]:
-        raise ValueError(f"prefill_attention: the kernels run on CUDA tensors (or with TRITON_INTERPRET=1 set before "
-                         f"their first use), got q on {q.device}")
+    kern = _triton.ready("prefill_attention", _kernels, q)
     b, t, h, hd = q.shape
     hkv = k_cache.shape[1]
     int8 = k_cache.dtype == torch.int8
@@ -128,10 +122,7 @@ def dequantize_slots(codes, scales, slots, length: int, dtype) -> torch.Tensor:
                          f"{tuple(codes.shape)} and {scales.dtype}")
     if not 0 < length <= codes.shape[2]:
         raise ValueError(f"dequantize_slots: length must be in 1..{codes.shape[2]}, got {length}")
-    err = _triton.import_error()
-    if err is not None:
-        raise RuntimeError(f"dequantize_slots needs triton, which does not import here ({err})")
-    kern = _kernels()
+    kern = _triton.ready("dequantize_slots", _kernels, codes)
     b, hkv, hd = slots.shape[0], codes.shape[1], codes.shape[3]
     block_d = _block_d(hd)
     gw = min(KV_GROUP, block_d)

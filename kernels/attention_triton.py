@@ -234,13 +234,7 @@ def decode_attention(q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, scale,
     No host synchronisation: safe inside a CUDA graph. ``config`` overrides :func:`plan` (tuning, tests).
     """
     kv_len = _check(q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, kv_len_max, gate)
-    err = _triton_import_error()
-    if err is not None:
-        raise RuntimeError(f"decode_attention needs triton, which does not import here ({err})")
-    kern = _kernels()
-    if q.device.type != "cuda" and not kern["interpreted"]:
-        raise ValueError(f"decode_attention: the kernels run on CUDA tensors (or with TRITON_INTERPRET=1 set before "
-                         f"their first use), got q on {q.device}")
+    kern = _triton.ready("decode_attention", _kernels, q)
     b, t, h, hd = q.shape
     hkv = k_cache.shape[1]
     int8 = k_cache.dtype == torch.int8

@@ -170,6 +170,31 @@ def _attn_combine(OP, LSE, QPOS, O, GATE, stride_pb, stride_pt, stride_ob, strid
     tl.store(O + b * stride_ob + t * stride_ot + h * stride_oh + offs_d, val, mask=d_ok)
 
 
+def _prefill_tile(q, qpos, start, end, m_i, l_i, acc, k_base, v_base, ks_base, vs_base, stride_kn, stride_vn,
+                  stride_ksn, stride_vsn, qk_scale, MASKED: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                  DOT_PREC: tl.constexpr, HD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                  NG: tl.constexpr, GW: tl.constexpr, IS_INT8: tl.constexpr):
+    """One key tile [start, + BLOCK_N) of ``_attn_prefill``'s online softmax (keys from ``end`` on are not read);
+    MASKED: each row only up to its q_pos (rows with no live key yet keep m = -inf without an inf - inf)."""
+    offs_n = start + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < end
+    k = _load_tile(k_base, ks_base, stride_kn, stride_ksn, offs_n, n_ok, DOT_DTYPE, HD, BLOCK_N, BLOCK_D, NG, GW,
+                   IS_INT8)
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+    if MASKED:
+        qk = tl.where((offs_n[None, :] <= qpos[:, None]) & n_ok[None, :], qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    m_safe = m_new
+    if MASKED:
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(qk - m_safe[:, None])
+    v = _load_tile(v_base, vs_base, stride_vn, stride_vsn, offs_n, n_ok, DOT_DTYPE, HD, BLOCK_N, BLOCK_D, NG, GW,
+                   IS_INT8)
+    acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PREC)
+    return m_new, l_i * alpha + tl.sum(p, 1), acc
+
+
 def _attn_prefill(Q, K, V, KS, VS, SLOTS, QPOS, O, GATE, stride_gb, stride_gt,
                   stride_qb, stride_qt, stride_qh, stride_ks, stride_kh, stride_kn, stride_vs, stride_vh, stride_vn,
                   stride_kss, stride_ksh, stride_ksn, stride_vss, stride_vsh, stride_vsn,
@@ -208,36 +233,13 @@ def _attn_prefill(Q, K, V, KS, VS, SLOTS, QPOS, O, GATE, stride_gb, stride_gt,
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for start in range(0, full, BLOCK_N):  # no mask: every key here is at or before every row's position
-        offs_n = start + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < full
-        k = _load_tile(k_base, ks_base, stride_kn, stride_ksn, offs_n, n_ok, DOT_DTYPE, HD, BLOCK_N, BLOCK_D,
-                       NG, GW, IS_INT8)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load_tile(v_base, vs_base, stride_vn, stride_vsn, offs_n, n_ok, DOT_DTYPE, HD, BLOCK_N, BLOCK_D,
-                       NG, GW, IS_INT8)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PREC)
-        m_i = m_new
+        m_i, l_i, acc = _prefill_tile(q, qpos, start, full, m_i, l_i, acc, k_base, v_base, ks_base, vs_base,
+                                      stride_kn, stride_vn, stride_ksn, stride_vsn, qk_scale, False, DOT_DTYPE,
+                                      DOT_PREC, HD, BLOCK_N, BLOCK_D, NG, GW, IS_INT8)
     for start in range(full, hi, BLOCK_N):  # the diagonal: each row up to its own position
-        offs_n = start + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < hi
-        k = _load_tile(k_base, ks_base, stride_kn, stride_ksn, offs_n, n_ok, DOT_DTYPE, HD, BLOCK_N, BLOCK_D,
-                       NG, GW, IS_INT8)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
-        live = (offs_n[None, :] <= qpos[:, None]) & n_ok[None, :]
-        qk = tl.where(live, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no live key yet: avoid inf - inf
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(qk - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load_tile(v_base, vs_base, stride_vn, stride_vsn, offs_n, n_ok, DOT_DTYPE, HD, BLOCK_N, BLOCK_D,
-                       NG, GW, IS_INT8)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PREC)
-        m_i = m_new
+        m_i, l_i, acc = _prefill_tile(q, qpos, start, hi, m_i, l_i, acc, k_base, v_base, ks_base, vs_base,
+                                      stride_kn, stride_vn, stride_ksn, stride_vsn, qk_scale, True, DOT_DTYPE,
+                                      DOT_PREC, HD, BLOCK_N, BLOCK_D, NG, GW, IS_INT8)
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]
     mask = row_ok[:, None] & d_ok[None, :]
@@ -271,7 +273,7 @@ def _kv_dequant(K, KS, SLOTS, OUT, stride_ks, stride_kh, stride_kn, stride_sss, 
 @functools.lru_cache(maxsize=1)
 def jit_kernels() -> dict:
     """Jit the kernels (first call only). `_attn_split` finds `_load_tile` and `tl` as module globals."""
-    out = _triton.jit_module(globals(), ("_load_tile", "_row_chunk", "_gated"),
+    out = _triton.jit_module(globals(), ("_load_tile", "_row_chunk", "_gated", "_prefill_tile"),
                              {"split": "_attn_split", "combine": "_attn_combine",
                               "prefill": "_attn_prefill", "kv_dequant": "_kv_dequant"})
     out["dtypes"] = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}

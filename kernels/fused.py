@@ -48,14 +48,7 @@ def _new_buffer(shape, dtype, device) -> torch.Tensor:
 
 
 def _ready(op: str, x: torch.Tensor) -> dict:
-    err = _triton_import_error()
-    if err is not None:
-        raise RuntimeError(f"{op} needs triton, which does not import here ({err})")
-    kern = _kernels()
-    if x.device.type != "cuda" and not kern["interpreted"]:
-        raise ValueError(f"{op}: the kernels run on CUDA tensors (or with TRITON_INTERPRET=1 set before their "
-                         f"first use), got {x.device}")
-    return kern
+    return _triton.ready(op, _kernels, x)
 
 
 def _rows(op: str, name: str, x: torch.Tensor, n: int) -> torch.Tensor:

@@ -108,17 +108,6 @@ def _kernels() -> dict:
     return _triton.jit_module(globals(), (), {"conv": "_conv_kernel", "gnorm": "_gnorm_kernel"})
 
 
-def _ready(op: str, x: torch.Tensor) -> dict:
-    err = _triton.import_error()
-    if err is not None:
-        raise RuntimeError(f"{op} needs triton, which does not import here ({err})")
-    kern = _kernels()
-    if x.device.type != "cuda" and not kern["interpreted"]:
-        raise ValueError(f"{op}: the kernels run on CUDA tensors (or with TRITON_INTERPRET=1 set before their first "
-                         f"use), got {x.device}")
-    return kern
-
-
 def conv_qkv(qkv, conv_w, state, slots, hk: int, dk: int, hv: int, dv: int):
     """(q ``[B, T, hk, dk]``, k ``[B, T, hk, dk]``, v ``[B, T, hv, dv]``), contiguous in qkv's dtype, from ``qkv
     [B, T, C]`` (last dimension contiguous, any row stride), ``conv_w [C, W]`` (fp32) and the conv state ``state
@@ -133,7 +122,7 @@ def conv_qkv(qkv, conv_w, state, slots, hk: int, dk: int, hv: int, dv: int):
         raise ValueError(f"conv_qkv: qkv [B, T, C] contiguous along C, conv_w [C, W], state [S, C, W-1], slots [B]; "
                          f"got {tuple(qkv.shape)} (strides {qkv.stride()}), {tuple(conv_w.shape)}, "
                          f"{tuple(state.shape)}, {tuple(slots.shape)}")
-    kern = _ready("conv_qkv", qkv)
+    kern = _triton.ready("conv_qkv", _kernels, qkv)
     q = torch.empty(b, t, hk, dk, dtype=qkv.dtype, device=qkv.device)
     k = torch.empty_like(q)
     v = torch.empty(b, t, hv, dv, dtype=qkv.dtype, device=qkv.device)
@@ -156,7 +145,7 @@ def gated_rms_norm(o, z, weight, eps: float):
                          f"{tuple(o.shape)}, {tuple(z.shape)} (strides {z.stride()}), {tuple(weight.shape)}")
     if b > 1 and z.stride(0) != t * z.stride(1):
         z = z.contiguous()  # rows of z are addressed as one [B * T] run below
-    kern = _ready("gated_rms_norm", o)
+    kern = _triton.ready("gated_rms_norm", _kernels, o)
     y = torch.empty(b, t, h * d, dtype=o.dtype, device=o.device)
     block_h = max(1, min(_pow2(h), 8192 // _pow2(d)))
     kern["gnorm"][(b * t, -(-h // block_h))](o, z, weight, y, h * d, z.stride(1), h, eps, D=d, BLOCK_H=block_h,

@@ -233,13 +233,7 @@ def gdn_decode(qkv, z, b, a, conv_state, conv_w, ssm, slots, A_log, dt_bias, nor
     """
     bsz, t, c, hk, hv, dk, dv, w = _check(qkv, z, b, a, conv_state, conv_w, ssm, slots, A_log, dt_bias, norm_w,
                                           keep, conv_init, ssm_init, states_out)
-    err = _triton_import_error()
-    if err is not None:
-        raise RuntimeError(f"gdn_decode needs triton, which does not import here ({err})")
-    kern = _kernels()
-    if qkv.device.type != "cuda" and not kern["interpreted"]:
-        raise ValueError(f"gdn_decode: the kernels run on CUDA tensors (or with TRITON_INTERPRET=1 set before "
-                         f"their first use), got qkv on {qkv.device}")
+    kern = _triton.ready("gdn_decode", _kernels, qkv)
     cfg = config or plan(dk, dv)
     dev, bt = qkv.device, _pow2(t)
     conv_src = conv_init if conv_init is not None else conv_state
