@@ -243,8 +243,8 @@ def _attn_prefill(Q, K, V, KS, VS, SLOTS, QPOS, O, GATE, stride_gb, stride_gt,
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]
     mask = row_ok[:, None] & d_ok[None, :]
-    val = _gated(o.to(O.dtype.element_ty), GATE + b * stride_gb + offs_m[:, None] * stride_gt + h * HD + offs_d[None, :],
-                 mask, HAS_GATE)
+    gate_ptr = GATE + b * stride_gb + offs_m[:, None] * stride_gt + h * HD + offs_d[None, :]
+    val = _gated(o.to(O.dtype.element_ty), gate_ptr, mask, HAS_GATE)
     tl.store(O + b * stride_ob + offs_m[:, None] * stride_ot + h * stride_oh + offs_d[None, :], val, mask=mask)
 
 

@@ -14,7 +14,8 @@ Per start position, in one process:
 Each line: median ms (triton.testing.do_bench), TFLOP/s (4 hd H x the causal query-key pairs) and the relative RMS
 against sdpa-copy's output. JSON lines to --json.
 
-    python3 scripts/bench_prefill_attention.py [--chunk 2048] [--starts 0,8192,32768,63488] [--sweep int8,bf16] [--json F]
+    python3 scripts/bench_prefill_attention.py [--chunk 2048] [--starts 0,8192,32768,63488] [--sweep int8,bf16]
+        [--json F]
 """
 
 from __future__ import annotations

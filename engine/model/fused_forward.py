@@ -7,8 +7,9 @@ folds each residual add into the next norm, and ``silu_mul`` (or qmv's epilogue)
 (runtime v3) for decode and verify steps. Prefill keeps the eager path (its matmuls are compute-bound and fla
 runs its recurrence) except full attention, which with ``flash_prefill`` (the default) runs ``attn_prologue`` +
 ``prefill_attention_cached`` (kernels/attention_prefill.py: flash style over the chunk's keys, an int8 cache
-dequantized to a bf16 copy first) through :meth:`FastPath.attention` too. Under ``TRITON_INTERPRET=1`` the same code runs on CPU tensors, which is how the tests
-check it against the eager path.
+dequantized to a bf16 copy first) through :meth:`FastPath.attention` too; with ``fused_prefill`` a whole chunk runs
+:meth:`FastPath.forward` (``prefill=True``). Under ``TRITON_INTERPRET=1`` the same code runs on CPU tensors, which is
+how the tests check it against the eager path.
 
 Inside a CUDA-graph capture (``side_stream``, on by default) a GDN layer's b / a and z projections run on two side
 streams, forked after the layer's norm: graph branches beside the main chain. b / a (a few row tiles) runs beside
