@@ -274,7 +274,8 @@ PY
     ptests)  # the engine's prefill paths on CUDA: flash prefill, prefill graphs, the fused path, sampling
              for f in test_fastpath test_prefill_graphs test_sampler test_cuda_engine test_kernels_gdn_prefill \
                       test_kernels_attention_prefill; do
-               timeout ${TESTS_S:-200} python3 -m pytest -q -p no:cacheprovider tests/$f.py > "$OUT/$f.log" 2>&1 &
+               ( timeout ${TESTS_S:-200} python3 -m pytest -q -p no:cacheprovider tests/$f.py > "$OUT/$f.log" 2>&1
+                 echo "pytest rc $?" >> "$OUT/$f.log" ) &   # the device's pytest prints no count line: its rc
              done
              wait
              for f in "$OUT"/test_*.log; do
