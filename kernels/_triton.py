@@ -25,6 +25,11 @@ def available(module: str = "triton") -> bool:
     return import_error(module) is None
 
 
+def pow2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1): a tile dimension (Triton's aranges need powers of two)."""
+    return 1 << max(0, (n - 1).bit_length())
+
+
 def ready(op: str, kernels, x: torch.Tensor) -> dict:
     """``kernels()`` (a module's jitted kernels) for a launch of ``op`` on ``x``'s device: a RuntimeError when triton
     does not import, a ValueError for CPU tensors unless the kernels run in the interpreter."""

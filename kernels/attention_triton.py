@@ -45,6 +45,7 @@ from dataclasses import dataclass
 import torch
 
 from . import _triton
+from ._triton import pow2 as _pow2
 from .attention import attention_ref
 from .attention_triton_kernels import jit_kernels as _kernels
 from .kv_quant import KV_GROUP, dequantize_kv
@@ -99,10 +100,6 @@ def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 8  # the interpreter runs programs one by one; only the split logic matters there
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def _block_d(head_dim: int) -> int:

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from . import _triton
+from ._triton import pow2 as _pow2
 from .kv_quant import KV_GROUP, quantize_kv
 from .norm import rms_norm_ref as _rms_norm_ref
 from .rope import apply_rope_ref
@@ -36,10 +37,6 @@ ELEM_BLOCK = 1024  # columns per program of the elementwise kernels
 
 _triton_import_error = _triton.import_error
 triton_available = _triton.available
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def _new_buffer(shape, dtype, device) -> torch.Tensor:

@@ -15,46 +15,37 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
 
 from . import _triton
+from ._triton import pow2 as _pow2
+from .conv import causal_conv1d_ref
+from .gdn import l2norm
+from .norm import gated_rms_norm_ref as norm_ref
 
 __all__ = ["conv_qkv", "conv_qkv_ref", "gated_rms_norm", "gated_rms_norm_ref", "triton_available"]
 
 triton_available = _triton.available
-L2_EPS = 1e-6  # kernels/gdn.l2norm's
+L2_EPS = 1e-6  # kernels/gdn.l2norm's default
 BLOCK_T = 16  # tokens a conv program takes
 
 tl = None  # triton.language, bound by _kernels()
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def conv_qkv_ref(qkv, conv_w, state, hk: int, dk: int, hv: int, dv: int):
     """fp32 reference: ``qkv [B, T, C]`` (C = 2 hk dk + hv dv), ``conv_w [C, W]``, ``state [B, C, W-1]`` (the inputs
-    before the chunk) -> (q, k, v) as :func:`conv_qkv` returns them."""
-    b, t, c = qkv.shape
-    w = conv_w.shape[1]
-    xx = torch.cat([state.float().transpose(1, 2), qkv.float()], dim=1)  # [B, W-1+T, C]
-    y = sum(xx[:, j:j + t] * conv_w[:, j].float() for j in range(w))
-    y = F.silu(y)
+    before the chunk) -> (q, k, v) as :func:`conv_qkv` returns them: conv.causal_conv1d_ref and gdn.l2norm in fp32,
+    rounded once at the end."""
+    b, t, _ = qkv.shape
+    y, _ = causal_conv1d_ref(qkv.float(), conv_w, state.float())
     q, k, v = torch.split(y, [hk * dk, hk * dk, hv * dv], dim=-1)
-
-    def l2(x, h, d):
-        x = x.reshape(b, t, h, d)
-        return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2_EPS)
-
-    return (l2(q, hk, dk).to(qkv.dtype), l2(k, hk, dk).to(qkv.dtype), v.reshape(b, t, hv, dv).to(qkv.dtype))
+    q, k = (l2norm(x.reshape(b, t, hk, dk), L2_EPS) for x in (q, k))
+    return q.to(qkv.dtype), k.to(qkv.dtype), v.reshape(b, t, hv, dv).to(qkv.dtype)
 
 
 def gated_rms_norm_ref(o, z, weight, eps: float):
-    """fp32 reference: ``o [B, T, Hv, dv]``, ``z [B, T, Hv * dv]`` (any row stride), ``weight [dv]`` -> o's dtype."""
-    b, t, h, d = o.shape
-    x = o.float()
-    y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
-    return (y * F.silu(z.float().reshape(b, t, h, d))).to(o.dtype)
+    """fp32 reference: ``o [B, T, Hv, dv]``, ``z [B, T, Hv * dv]`` (any row stride), ``weight [dv]`` -> o's dtype,
+    ``[B, T, Hv, dv]`` (norm.gated_rms_norm_ref per head)."""
+    return norm_ref(o, z.reshape(o.shape), weight, eps)
 
 
 def _conv_kernel(X, CW, ST, SLOTS, OUT, stride_xb, stride_xt, stride_sb, stride_sc, T, CH_OFF, OUT_W, eps,

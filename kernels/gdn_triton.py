@@ -55,6 +55,7 @@ import torch
 import torch.nn.functional as F
 
 from . import _triton
+from ._triton import pow2 as _pow2
 from .conv import causal_conv1d_ref
 from .gdn import STEP_MAX_T, gated_delta_rule_ref, l2norm
 from .gdn_triton_kernels import jit_kernels as _kernels
@@ -82,10 +83,6 @@ class GDNConfig:
             raise ValueError(f"GDNConfig.block_v must be a power of two >= 8, got {self.block_v}")
         if self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"GDNConfig.num_warps must be a power of two <= 16, got {self.num_warps}")
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def plan(dk: int, dv: int, *, block_v: int | None = None, num_warps: int | None = None) -> GDNConfig:
