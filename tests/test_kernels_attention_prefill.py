@@ -10,12 +10,13 @@ import pytest
 import torch
 
 import triton_interp  # noqa: F401  (sets TRITON_INTERPRET=1 without CUDA, fixes the interpreter)
+from attention_cases import DEVICE, rel_rms
+from attention_cases import make_case as attention_case
 
 from ninfer_bench.kernels import attention_prefill as ap
 from ninfer_bench.kernels import attention_triton as at
-from ninfer_bench.kernels.kv_quant import dequantize_kv, quantize_kv
+from ninfer_bench.kernels.kv_quant import dequantize_kv
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 RTOL = 2e-3  # fp32 queries against the fp32 reference
 RTOL_BF16 = 1e-2  # bf16 queries: q, the dequantized K/V and p rounded to bf16 before the dots
@@ -34,25 +35,7 @@ def nan_buffers(monkeypatch):
 def make_case(kv, h, hkv, hd, starts, t, cap, slots=3, q_dtype=torch.float32, seed=0):
     """Random q of T tokens a row and a cache of ``slots`` slots; row i reads slot perm[i] and its tokens sit at
     starts[i] .. starts[i] + T - 1 (a chunk after starts[i] earlier prompt tokens)."""
-    g = torch.Generator().manual_seed(seed)
-    k = 2 * torch.randn(slots, hkv, cap, hd, generator=g)
-    v = torch.randn(slots, hkv, cap, hd, generator=g)
-    b = len(starts)
-    slot_ids = torch.randperm(slots, generator=g)[:b]
-    q_pos = torch.tensor(starts)[:, None] + torch.arange(t)[None, :]
-    q = torch.randn(b, t, h, hd, generator=g).to(q_dtype)
-    if kv == "int8":
-        (kc, ks), (vc, vs) = quantize_kv(k), quantize_kv(v)
-    else:
-        dt = {"bf16": torch.bfloat16, "fp16": torch.float16}[kv]
-        kc, vc, ks, vs = k.to(dt), v.to(dt), None, None
-    to = lambda x: None if x is None else x.to(DEVICE)  # noqa: E731
-    return dict(q=to(q), k_cache=to(kc), v_cache=to(vc), k_scale=to(ks), v_scale=to(vs), slots=to(slot_ids),
-                q_pos=to(q_pos), scale=hd ** -0.5)
-
-
-def rel_rms(out, ref):
-    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+    return attention_case(kv, len(starts), t, h, hkv, hd, [s + t for s in starts], slots, cap, q_dtype, seed)
 
 
 SMALL = ap.PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)  # several blocks each way at test sizes
