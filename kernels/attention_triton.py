@@ -8,10 +8,11 @@ sits at ``q_pos[b, t]`` and sees keys ``0 .. q_pos[b, t]`` (the new tokens' keys
 
 Flash-decoding in two launches:
 
-1. ``_attn_split``: grid ``(T * m tiles, splits, B * Hkv)``. One program takes one token's G = H / Hkv query rows
-   of one kv head (so each K/V tile is loaded once for the whole group), tile ``m`` of them, and one ``chunk`` of
-   the key range; exp2-based online softmax in fp32; writes a normalised partial output and its log2-sum-exp.
-   With a single split it writes the final output and the second launch is skipped.
+1. ``_attn_split``: grid ``(tiles, splits, B * Hkv)``. One program takes the G = H / Hkv query rows of ``pack``
+   tokens of one kv head (a T = 8 verify's 8 x G rows in one tile by default, so each K/V tile is loaded once for
+   all of them; with ``pack = 1``, one token's rows, ``m`` tiles of them when G is over the tile) and one split
+   of the key range; exp2-based online softmax in fp32; writes a normalised partial output and its
+   log2-sum-exp. With a single split it writes the final output and the second launch is skipped.
 2. ``_attn_combine``: one program per ``(b, t, h)`` (and block of hd columns when those rows are few) merges the
    splits that row actually used.
 
@@ -21,8 +22,10 @@ the cache still spreads over all the splits (the 27B shape at 8K capacity: 64 sp
 sequence takes 28 splits of one block rather than 7 of four).
 
 Token invariance: a query token's output is the same bits whatever else is in the call - the other tokens of a
-speculative block (T > 1) or other batch rows. Its tile holds only its own rows, the launch shape depends on G,
-hd, the key range and the dtypes (never on B or T), and its key range is split from its own position. So a
+speculative block (T > 1) or other batch rows. The launch shape (tile rows, warps, key block) depends on G, hd, the
+key range and the dtypes, never on B or T, so a T = 1 step runs the very tile a verify pass runs; a row's result
+depends only on its own q row (a row of the MMA), its key range is split from its own position, and the blocks a
+packed tile walks for its other rows leave it unchanged to the bit (a fully masked block: alpha = 1, p = 0). So a
 verify pass over T drafted tokens computes, row by row, exactly what T single-token decode steps compute, and
 greedy speculative decoding keeps plain decoding's tokens even where two logits almost tie.
 
@@ -55,6 +58,7 @@ __all__ = ["AttnConfig", "plan", "decode_attention", "decode_attention_ref", "tr
 LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 256  # one [BLOCK_M, hd] fp32 accumulator per program must stay in registers
 MAX_BLOCK_M = 64  # query rows (T * G) per program; more rows take more m tiles, which re-read K/V from L2
+PACK_TOKENS = 8  # tokens a tile is sized for by default: a DFlash2 K=7 verify (T = 8) reads K/V once
 PROGRAMS_PER_SM = 4  # split the key range until the grid has about this many programs per multiprocessor
 MIN_BLOCKS_PER_SPLIT = 4  # shorter chunks spend more on partial writes and the combine than they gain
 SHORT_MIN_BLOCKS = 1  # a sequence shorter than the grid's key range: the chunk shrinks on the GPU to this floor
@@ -69,7 +73,7 @@ triton_available = _triton.available
 class AttnConfig:
     """Launch shape of :func:`decode_attention` (a function of static sizes only; see :func:`plan`)."""
 
-    block_m: int  # query rows (one token's heads g) per program, a power of two >= 16
+    block_m: int  # query rows (pack tokens' heads g) per program, a power of two >= 16
     block_n: int  # keys per inner step, a power of two >= 16
     chunk: int  # keys per split at the full key range, a multiple of block_n
     num_warps: int
@@ -77,6 +81,9 @@ class AttnConfig:
     combine_cols: int = 64  # head_dim columns per combine program (power of two; capped at the padded hd)
     # the floor of the chunk a row's own length sets on the GPU (a multiple of block_n; None: chunk, a fixed split)
     min_chunk: int | None = None
+    # tokens a tile holds (G rows each, pack * G <= block_m): one program reads each K/V tile once for all of them;
+    # 1: a tile holds one token's rows (or block_m of them, G > block_m)
+    pack: int = 1
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "combine_cols"):
@@ -93,6 +100,8 @@ class AttnConfig:
             raise ValueError(f"AttnConfig.num_warps must be a power of two <= 16, got {self.num_warps}")
         if self.num_stages < 1:
             raise ValueError(f"AttnConfig.num_stages must be >= 1, got {self.num_stages}")
+        if self.pack < 1 or self.pack > self.block_m:
+            raise ValueError(f"AttnConfig.pack must be in 1..block_m={self.block_m}, got {self.pack}")
 
 
 @functools.lru_cache(maxsize=16)
@@ -110,14 +119,21 @@ def _block_d(head_dim: int) -> int:
 def plan(batch: int, tokens: int, heads: int, kv_heads: int, head_dim: int, kv_len: int, int8: bool,
          device: torch.device | str = "cuda", *, q_dtype: torch.dtype = torch.bfloat16, block_n: int | None = None,
          num_warps: int | None = None, num_stages: int | None = None, chunk: int | None = None,
-         combine_cols: int | None = None, min_chunk: int | None = None) -> AttnConfig:
+         combine_cols: int | None = None, min_chunk: int | None = None, block_m: int | None = None,
+         pack: int | None = None) -> AttnConfig:
     """The default launch shape for these static sizes; keyword overrides are for tuning sweeps and tests.
 
+    A tile is sized for ``PACK_TOKENS`` tokens' rows (at most ``MAX_BLOCK_M``) and holds as many whole tokens as
+    fit (``pack``), whatever T the call has: a T = 1 step runs the same tile, so each row's sums are the same bits
+    in a single step and in a verify pass. ``pack=1`` with ``block_m`` the padded G is the one-token tile.
     Register and shared-memory notes come from sm_90 ptxas reports of these kernels (Triton 3.6).
     """
     rows = heads // kv_heads  # one token's rows: nothing below depends on batch or tokens (token invariance)
     block_d = _block_d(head_dim)
-    block_m = max(16, min(MAX_BLOCK_M, _pow2(rows)))
+    if block_m is None:
+        block_m = max(16, min(MAX_BLOCK_M, _pow2(rows * (PACK_TOKENS if pack is None else pack))))
+    if pack is None:
+        pack = max(1, block_m // rows)
     fp32 = q_dtype == torch.float32  # the reference-precision path (tests): fp32 tiles, twice the shared memory
     if block_n is None:
         # hd=256: 64 keys push the int8 path to 255 registers with spills at BLOCK_M=64, and bf16 to 64 KB of
@@ -146,7 +162,7 @@ def plan(batch: int, tokens: int, heads: int, kv_heads: int, head_dim: int, kv_l
     if min_chunk is None:
         min_chunk = min(chunk, SHORT_MIN_BLOCKS * block_n)
     return AttnConfig(block_m=block_m, block_n=block_n, chunk=chunk, num_warps=num_warps, num_stages=num_stages,
-                      combine_cols=combine_cols, min_chunk=min_chunk)
+                      combine_cols=combine_cols, min_chunk=min_chunk, pack=pack)
 
 
 def _new_buffer(shape, dtype, device) -> torch.Tensor:
@@ -251,7 +267,10 @@ def _launch(kern, q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, scale, kv
     block_d = _block_d(hd)
     gw = min(KV_GROUP, block_d)  # columns per scale group in the int8 tile [BLOCK_N, NG, GW]
     splits = -(-kv_len // cfg.chunk)
-    m_tiles = -(-g // cfg.block_m)  # a token's tiles
+    if cfg.pack > 1 and cfg.pack * g > cfg.block_m:
+        raise ValueError(f"decode_attention: pack={cfg.pack} tokens of G={g} rows do not fit block_m={cfg.block_m}")
+    m_tiles = -(-g // cfg.block_m)  # a token's tiles (pack = 1)
+    tiles = -(-t // cfg.pack) if cfg.pack > 1 else t * m_tiles
     out = _new_buffer((b, t, h, hd), q.dtype, q.device)
     if splits > 1:
         o_part = _new_buffer((b, t, h, splits, hd), torch.float32, q.device)
@@ -261,14 +280,14 @@ def _launch(kern, q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, scale, kv
     ks = k_scale if int8 else k_cache  # placeholders keep one signature; never read without IS_INT8
     vs = v_scale if int8 else v_cache
     gt = gate if gate is not None else out  # a placeholder likewise (HAS_GATE)
-    kern["split"][(t * m_tiles, splits, b * hkv)](
+    kern["split"][(tiles, splits, b * hkv)](
         q, k_cache, v_cache, ks, vs, slots, q_pos, out, o_part, lse_part, gt, gt.stride(0), gt.stride(1),
         *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3], *ks.stride()[:3], *vs.stride()[:3],
         *q_pos.stride(), *out.stride()[:3],
         scale * LOG2E, t, h, hkv, kv_len, cfg.chunk, cfg.min_chunk or cfg.chunk, splits, m_tiles,
         G=g, HD=hd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, NG=block_d // gw, GW=gw,
         IS_INT8=int8, SPLIT=splits > 1, HAS_GATE=gate is not None, DOT_DTYPE=kern["dtypes"][q.dtype],
-        DOT_PREC="tf32x3" if q.dtype == torch.float32 else "tf32",
+        DOT_PREC="tf32x3" if q.dtype == torch.float32 else "tf32", PACK=cfg.pack,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_triton.pdl_args(q.device),
     )
     if splits > 1:

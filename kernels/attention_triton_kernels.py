@@ -64,27 +64,40 @@ def _attn_split(Q, K, V, KS, VS, SLOTS, QPOS, O, OP, LSE, GATE, stride_gb, strid
                 G: tl.constexpr, HD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_D: tl.constexpr, NG: tl.constexpr, GW: tl.constexpr, IS_INT8: tl.constexpr,
                 SPLIT: tl.constexpr, HAS_GATE: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
-                PDL: tl.constexpr):
-    """Program (t * M_TILES + m tile, split, b * Hkv + hkv): token t's rows g of the tile against keys
-    [split * chunk, + chunk), chunk the token's own (_row_chunk)."""
+                PACK: tl.constexpr, PDL: tl.constexpr):
+    """Program (tile, split, b * Hkv + hkv). PACK == 1: tile = t * M_TILES + m, token t's rows g of m tile.
+    PACK > 1: tile i holds tokens i * PACK .. + PACK - 1, G rows each, so one program reads each K/V tile once for
+    all of them. Every row keeps its own key range [split * chunk, + chunk), chunk from its own position
+    (_row_chunk); the program walks the union of its rows' ranges in BLOCK_N steps (all ranges start on a multiple
+    of BLOCK_N, so a row meets exactly the blocks it meets alone), and a block outside a row's range leaves its
+    running max, sum and accumulator unchanged to the bit (alpha = 1, p = 0)."""
     pdl_enter(PDL)  # PDL launches: wait for the kernel before, let the next one launch
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_bh = tl.program_id(2)
     b = pid_bh // HKV
     hkv = pid_bh % HKV
-    t = pid_m // M_TILES  # one token a tile
-    g = (pid_m % M_TILES) * BLOCK_M + tl.arange(0, BLOCK_M)
+    r = tl.arange(0, BLOCK_M)
+    if PACK > 1:
+        t = pid_m * PACK + r // G  # [BLOCK_M]
+        g = r % G
+        row_ok = (r < PACK * G) & (t < T)
+    else:
+        t = pid_m // M_TILES + 0 * r  # one token a tile
+        g = (pid_m % M_TILES) * BLOCK_M + r
+        row_ok = g < G
     h = hkv * G + g
-    row_ok = g < G
-    pos = tl.load(QPOS + b * stride_pb + t * stride_pt).to(tl.int32)
-    qpos = tl.where(row_ok, pos, -1)  # [BLOCK_M]
-    chunk = _row_chunk(pos, CHUNK, MIN_CHUNK, NUM_SPLITS, BLOCK_N)
-    lo = pid_s * chunk
-    hi = tl.minimum(tl.minimum(lo + chunk, KV_LEN), pos + 1)  # hi <= lo: the chunk is past the token
+    pos = tl.load(QPOS + b * stride_pb + t * stride_pt, mask=row_ok, other=-1).to(tl.int32)
+    qpos = tl.where(row_ok, pos, -1)  # [BLOCK_M]; -1: no key
+    chunk = _row_chunk(qpos, CHUNK, MIN_CHUNK, NUM_SPLITS, BLOCK_N)
+    lo_r = pid_s * chunk
+    hi_r = tl.minimum(tl.minimum(lo_r + chunk, KV_LEN), qpos + 1)  # hi_r <= lo_r: the chunk is past the row
+    has_keys = hi_r > lo_r
+    lo = tl.min(tl.where(has_keys, lo_r, KV_LEN), 0)
+    hi = tl.max(tl.where(has_keys, hi_r, 0), 0)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HD
-    q = tl.load(Q + b * stride_qb + t * stride_qt + h[:, None] * stride_qh + offs_d[None, :],
+    q = tl.load(Q + b * stride_qb + t[:, None] * stride_qt + h[:, None] * stride_qh + offs_d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(DOT_DTYPE)  # [BLOCK_M, BLOCK_D]
     slot = tl.load(SLOTS + b).to(tl.int64)  # slot * stride overflows int32 on large caches
     k_base = K + slot * stride_ks + hkv * stride_kh
@@ -100,7 +113,7 @@ def _attn_split(Q, K, V, KS, VS, SLOTS, QPOS, O, OP, LSE, GATE, stride_gb, strid
         k = _load_tile(k_base, ks_base, stride_kn, stride_ksn, offs_n, n_ok, DOT_DTYPE, HD, BLOCK_N, BLOCK_D,
                        NG, GW, IS_INT8)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
-        live = (offs_n[None, :] <= qpos[:, None]) & n_ok[None, :]
+        live = (offs_n[None, :] >= lo_r[:, None]) & (offs_n[None, :] < hi_r[:, None])
         qk = tl.where(live, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no live key yet: avoid inf - inf
@@ -116,15 +129,16 @@ def _attn_split(Q, K, V, KS, VS, SLOTS, QPOS, O, OP, LSE, GATE, stride_gb, strid
     o = acc / l_safe[:, None]
     if SPLIT:
         # partials [B, T, H, NUM_SPLITS, (hd)]; rows whose q_pos lies before this chunk are never read: skip them
-        r = ((b * T + t) * H + h).to(tl.int64) * NUM_SPLITS + pid_s
-        used = row_ok & (qpos >= lo)
-        tl.store(OP + r[:, None] * HD + offs_d[None, :], o, mask=used[:, None] & d_ok[None, :])
-        tl.store(LSE + r, tl.where(has, m_i + tl.log2(l_safe), float("-inf")), mask=used)
+        ri = ((b * T + t) * H + h).to(tl.int64) * NUM_SPLITS + pid_s
+        used = row_ok & has_keys
+        tl.store(OP + ri[:, None] * HD + offs_d[None, :], o, mask=used[:, None] & d_ok[None, :])
+        tl.store(LSE + ri, tl.where(has, m_i + tl.log2(l_safe), float("-inf")), mask=used)
     else:
         mask = row_ok[:, None] & d_ok[None, :]
-        val = _gated(o.to(O.dtype.element_ty), GATE + b * stride_gb + t * stride_gt + h[:, None] * HD + offs_d[None, :],
-                     mask, HAS_GATE)
-        tl.store(O + b * stride_ob + t * stride_ot + h[:, None] * stride_oh + offs_d[None, :], val, mask=mask)
+        val = _gated(o.to(O.dtype.element_ty),
+                     GATE + b * stride_gb + t[:, None] * stride_gt + h[:, None] * HD + offs_d[None, :], mask, HAS_GATE)
+        tl.store(O + b * stride_ob + t[:, None] * stride_ot + h[:, None] * stride_oh + offs_d[None, :], val,
+                 mask=mask)
 
 
 def _gated(o, gate_ptr, mask, HAS_GATE: tl.constexpr):

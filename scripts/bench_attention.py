@@ -1,11 +1,12 @@
 """Decode / verify attention at the 27B shape (H=24, Hkv=4, hd=256) on one CUDA GPU.
 
 Triton ``decode_attention`` reading the cache in place (int8 codes + fp16 scales, or bf16) against torch SDPA on a
-dequantized bf16 copy (the peer), for contexts 8192 / 65536, T = 1 / 8 new tokens, B = 1 / 8 rows, every row at
-the full context. Per case: correctness vs the fp32 reference first (printed loudly on failure), then median us by
-``triton.testing.do_bench`` (L2 flushed before each call) and by CUDA-graph replay (one graph rotating over slot
-sets bigger than L2), bytes read (K+V codes + scales + q + out), GB/s and % of the device copy bandwidth measured
-in the same run. Then, while time is left, a few launch shapes around the default plan (``--no-sweep`` skips).
+dequantized bf16 copy (the peer), and the same kernel with one token a tile (``pack=1``), for contexts 8192 /
+65536, T = 1 / 8 new tokens, B = 1 / 8 rows, every row at the full context. Per case: correctness vs the fp32
+reference first (printed loudly on failure), then median us by ``triton.testing.do_bench`` (L2 flushed before each
+call) and by CUDA-graph replay (one graph rotating over slot sets bigger than L2), bytes read (K+V codes + scales +
+q + out), GB/s and % of the device copy bandwidth measured in the same run. Then, while time is left, launch shapes
+around the default plan and around the one-token tile (``--no-sweep`` skips; ``--budget-s``).
 
     python scripts/bench_attention.py            # from a plain checkout; JSON lines to $OUT/attention.jsonl
 """
@@ -125,21 +126,29 @@ def measure_peer(case: Case, t: int, bw: float) -> dict:
     us = do_bench(lambda: sdpa_attention(x["q"], k, v, x["q_pos"], x["scale"]), warmup=10, rep=100,
                   return_mode="median") * 1e3
     nbytes = k.numel() * 2 * 2 + 2 * x["q"].numel() * 2
-    del k, v
     return {"us_median": round(us, 2), "bytes": nbytes, "gbps": round(nbytes / (us * 1e-6) / 1e9, 1),
             "copy_bw_frac": round(nbytes / (us * 1e-6) / bw, 3)}
 
 
 def sweep_configs(case: Case, t: int) -> list:
-    """The default plan, then launch shapes one change away from it: block_n, warps, stages, split length."""
-    base = at.plan(case.b, t, H, HKV, HD, case.ctx, case.kv == "int8", DEVICE)
-    out = [base]
-    for change in ({"block_n": 32}, {"block_n": 64}, {"num_warps": 4}, {"num_warps": 8}, {"num_stages": 2},
-                   {"num_stages": 4}, {"chunk": base.chunk // 2}, {"chunk": base.chunk * 2}):
-        cfg = dataclasses.replace(base, **change)
-        cfg = dataclasses.replace(cfg, chunk=max(cfg.block_n, cfg.chunk // cfg.block_n * cfg.block_n))
-        if cfg not in out:
-            out.append(cfg)
+    """The default plan (tokens packed in one tile), then launch shapes one change away from it (block_n, warps,
+    stages, split length); then the same around the one-token tile (pack=1, G rows padded to 16)."""
+    out = []
+    for tile in ({}, {"pack": 1}):
+        base = at.plan(case.b, t, H, HKV, HD, case.ctx, case.kv == "int8", DEVICE, **tile)
+        if base not in out:
+            out.append(base)
+        for change in ({"block_n": 32}, {"block_n": 64}, {"num_warps": 4}, {"num_warps": 8}, {"num_stages": 1},
+                       {"num_stages": 2},
+                       {"num_stages": 4}, {"chunk": base.chunk // 2}, {"chunk": base.chunk * 2},
+                       {"chunk": base.chunk * 4}):
+            fields = {**dataclasses.asdict(base), **change}
+            bn = fields["block_n"]
+            fields["chunk"] = chunk = max(bn, fields["chunk"] // bn * bn)
+            fields["min_chunk"] = max(bn, min(fields["min_chunk"] or chunk, chunk) // bn * bn)
+            cfg = at.AttnConfig(**fields)
+            if cfg not in out:
+                out.append(cfg)
     return out
 
 
@@ -150,6 +159,8 @@ def kernel_resources() -> list:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-sweep", action="store_true", help="time the default launch plan only")
+    parser.add_argument("--budget-s", type=float, default=TIME_BUDGET_S,
+                        help=f"no new sweep case starts past this many seconds (default {TIME_BUDGET_S})")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_attention: needs a CUDA GPU", file=sys.stderr)
@@ -193,6 +204,14 @@ def main() -> int:
                         rec.update(ok=False, error=repr(exc)[:400])
                         print(f"!!!!! FAILED {shape}: {exc!r}")
                         traceback.print_exc()
+                    one = {"op": "decode_attention_pack1", **shape}  # one token a tile, the same run
+                    try:
+                        cfg1 = at.plan(b, t, H, HKV, HD, ctx, kv == "int8", DEVICE, pack=1)
+                        one.update(config=str(cfg1), **measure(case, t, bw, cfg1))
+                    except Exception as exc:
+                        one["error"] = repr(exc)[:400]
+                    emit(one)
+                    rec["pack1_us"] = min(one.get("us_median", math.inf), one.get("us_graph", math.inf))
                     peer = {"op": "sdpa_bf16_copy", **shape}
                     try:
                         peer.update(measure_peer(case, t, bw))
@@ -204,13 +223,14 @@ def main() -> int:
                 del case
                 torch.cuda.empty_cache()
     sweep = []
+    sweep_todo.sort(key=lambda c: (c[0] != "int8", c[2], c[3]))  # int8 B=1 first: a decode step's case
     for kv, ctx, b, t in [] if args.no_sweep else sweep_todo:
-        if time.time() - t0 > TIME_BUDGET_S:
-            print(f"sweep stopped at {time.time() - t0:.0f} s (budget {TIME_BUDGET_S} s)")
+        if time.time() - t0 > args.budget_s:
+            print(f"sweep stopped at {time.time() - t0:.0f} s (budget {args.budget_s:.0f} s)")
             break
         case = Case(kv, ctx, b)
         for cfg in sweep_configs(case, t):
-            if time.time() - t0 > TIME_BUDGET_S:
+            if time.time() - t0 > args.budget_s:
                 break
             rec = {"op": "decode_attention_sweep", "kv": kv, "ctx": ctx, "B": b, "T": t, "config": str(cfg),
                    "splits": -(-ctx // cfg.chunk)}
@@ -233,12 +253,13 @@ def main() -> int:
 
 def print_tables(table, sweep):
     print(f"\n{'kv':5} {'ctx':>6} {'B':>2} {'T':>2} {'rel_rms':>8} {'us':>8} {'us_graph':>8} {'GB/s':>7} "
-          f"{'%copy':>6} | {'sdpa us':>8} {'%copy':>6}")
+          f"{'%copy':>6} {'pack1 us':>8} | {'sdpa us':>8} {'%copy':>6}")
     for rec, peer in table:
         fmt = lambda x, f: format(x, f) if isinstance(x, (int, float)) else "-"  # noqa: E731
         print(f"{rec['kv']:5} {rec['ctx']:>6} {rec['B']:>2} {rec['T']:>2} {fmt(rec.get('rel_rms'), '8.1e')} "
               f"{fmt(rec.get('us_median'), '8.1f')} {fmt(rec.get('us_graph'), '8.1f')} {fmt(rec.get('gbps'), '7.0f')} "
-              f"{fmt(100 * rec['copy_bw_frac'] if 'copy_bw_frac' in rec else None, '6.1f')} | "
+              f"{fmt(100 * rec['copy_bw_frac'] if 'copy_bw_frac' in rec else None, '6.1f')} "
+              f"{fmt(rec.get('pack1_us'), '8.1f')} | "
               f"{fmt(peer.get('us_median'), '8.1f')} "
               f"{fmt(100 * peer['copy_bw_frac'] if 'copy_bw_frac' in peer else None, '6.1f')}"
               + (f"  ERROR {rec['error'][:60]}" if "error" in rec else ""))

@@ -34,6 +34,8 @@
 #            model's plain / MTP3 / DFlash2 K=7 on its held-out prompts (SPEC_N tokens, default 128)
 #   convert27 a 27B-shaped FP8 checkpoint (transformers, random weights) converted, verified, inspected and decoded
 #            beside the synthetic 27B, with each step's wall time and peak RSS (about 8 minutes)
+#   dattn    scripts/bench_attention.py with its launch sweep (DATTN_BUDGET_S, default 150 s): decode / verify attention
+#            at the 27B shape, tokens packed in one tile and one token a tile, beside SDPA on a bf16 copy
 #   pattn    prefill attention: its CUDA tests, then scripts/bench_prefill_attention.py (--sweep int8; PATTN_ARGS)
 #   ptests   the engine's prefill paths on CUDA: test_fastpath, test_prefill_graphs, test_sampler, test_cuda_engine,
 #            the GDN prefill glue and prefill attention kernels
@@ -88,6 +90,19 @@ llwait() {  # wait for the llamabuild stage's background build (LLWAIT_S seconds
   [ "$rc" = 0 ] || { grep -E "error|Error" /tmp/llbuild.log | head -20; tail -c 1500 /tmp/llbuild.log; cp /tmp/llbuild.log "$OUT/"; }
   [ "$rc" = 0 ]
 }
+run_tests() {  # the named test files on CUDA, one process each, all at once; each log ends with pytest's rc (the
+  # device's pytest prints no count line)
+  local f
+  for f in "$@"; do
+    ( timeout ${TESTS_S:-200} python3 -m pytest -q -p no:cacheprovider --durations=3 tests/$f.py > "$OUT/$f.log" 2>&1
+      echo "pytest rc $?" >> "$OUT/$f.log" ) &
+  done
+  wait
+  for f in "$@"; do
+    echo "--- $f: $(tail -1 "$OUT/$f.log")"; grep -E "^(FAILED|ERROR)" "$OUT/$f.log" | head -8
+  done
+  echo "tests done $(date +%T)"
+}
 git log -1 --format='commit %H' 2>/dev/null || true
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 M27="--model qwen3.8-27b --synthetic"
@@ -96,14 +111,8 @@ for stage in "$@"; do
   case $stage in
     tests)   # one process per file, all at once (correctness only, no timing): a kernel fault poisons its own
              # CUDA context, not the other files
-             for f in ${TEST_FILES:-test_kernels_qmv_cuda test_kernels_qlinear test_kernels_fused test_kernels_attention \
-                      test_kernels_gdn_triton test_kernels_gdn test_fastpath test_cuda_engine test_suite_kernels test_sampler}; do
-               timeout ${TESTS_S:-200} python3 -m pytest -p no:cacheprovider --durations=3 tests/$f.py > "$OUT/$f.log" 2>&1 &
-             done
-             wait
-             for f in "$OUT"/test_*.log; do
-               echo "--- $(basename $f .log): $(tail -1 $f)"; grep -E "^(FAILED|ERROR)" "$f" | head -8
-             done ;;
+             run_tests ${TEST_FILES:-test_kernels_qmv_cuda test_kernels_qlinear test_kernels_fused test_kernels_attention \
+                      test_kernels_gdn_triton test_kernels_gdn test_fastpath test_cuda_engine test_suite_kernels test_sampler} ;;
     qtests)  timeout ${TESTS_S:-150} python3 -m pytest -q -p no:cacheprovider tests/test_kernels_qmv_cuda.py \
                tests/test_kernels_qlinear.py 2>&1 | tee "$OUT/qtests.log" | grep -E "^(FAILED|ERROR)|passed|failed" | head -20 ;;
     probe)   timeout ${PROBE_S:-240} python3 scripts/probe_attention.py 2>&1 | tee "$OUT/probe_attention.log" | tail -40 ;;
@@ -272,15 +281,12 @@ PY
              timeout ${STAGE_S:-240} python3 scripts/bench_prefill_attention.py ${PATTN_ARGS:---sweep int8} \
                --json "$OUT/pattn.jsonl" 2>&1 | tee "$OUT/pattn.log" | tail -70 ;;
     ptests)  # the engine's prefill paths on CUDA: flash prefill, prefill graphs, the fused path, sampling
-             for f in test_fastpath test_prefill_graphs test_sampler test_cuda_engine test_kernels_gdn_prefill \
-                      test_kernels_attention_prefill; do
-               ( timeout ${TESTS_S:-200} python3 -m pytest -q -p no:cacheprovider tests/$f.py > "$OUT/$f.log" 2>&1
-                 echo "pytest rc $?" >> "$OUT/$f.log" ) &   # the device's pytest prints no count line: its rc
-             done
-             wait
-             for f in "$OUT"/test_*.log; do
-               echo "--- $(basename $f .log): $(tail -1 $f)"; grep -E "^(FAILED|ERROR)" "$f" | head -8
-             done ;;
+             run_tests test_fastpath test_prefill_graphs test_sampler test_cuda_engine test_kernels_gdn_prefill \
+               test_kernels_attention_prefill ${PTESTS_MORE:-} ;;
+    dattn)   # decode / verify attention (kernels/attention_triton.py) at the 27B shape: the default plan (tokens packed
+             # in one tile) and one token a tile beside SDPA on a bf16 copy, then the launch sweep (DATTN_BUDGET_S)
+             timeout ${STAGE_S:-400} python3 scripts/bench_attention.py --budget-s ${DATTN_BUDGET_S:-150} 2>&1 \
+               | tee "$OUT/dattn.log" | grep -v "^resources" | tail -60 ;;
     pprof)   # where a long prefill's time goes: scripts/profile_step.py --prefill at PPROF_LEN tokens on the 27B
              # synthetic, once per PPROF_MODES entry (flash: the default; sdpa: --no-flash-prefill; dense:
              # --prefill-weights dense)

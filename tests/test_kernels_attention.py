@@ -51,11 +51,16 @@ SHAPES = {
 
 @pytest.mark.parametrize("kv", ["bf16", "fp16", "int8"])
 @pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
-@pytest.mark.parametrize("split", [False, True], ids=["plan", "split"])
+@pytest.mark.parametrize("split", ["plan", "split", "token-tiles"])
 def test_matches_reference(kv, shape, split):
+    """The default plan (tokens packed into one tile), a split one, and one-token tiles (pack=1)."""
     c = make_case(kv, *SHAPES[shape])
     ref = at.decode_attention_ref(**c)
-    out = at.decode_attention(**c, config=split_config(c) if split else None)
+    b, t, h, hd = c["q"].shape
+    hkv, cap = c["k_cache"].shape[1], c["k_cache"].shape[2]
+    cfg = (None if split == "plan" else split_config(c) if split == "split" else
+           at.plan(b, t, h, hkv, hd, cap, kv == "int8", DEVICE, q_dtype=c["q"].dtype, block_n=16, chunk=48, pack=1))
+    out = at.decode_attention(**c, config=cfg)
     assert out.shape == ref.shape and out.dtype == c["q"].dtype
     assert torch.isfinite(out).all(), "unwritten or non-finite output"
     err = rel_rms(out, ref)
@@ -130,8 +135,13 @@ def test_tokens_give_the_bits_single_steps_give(kv, q_dtype):
     (positions 60..67 cross 64 keys over 4 splits); also batched with a longer row."""
     c = make_case(kv, 2, 8, 12, 2, 64, [68, 150], 3, 256, q_dtype=q_dtype, seed=5)
     b, t, h, hd = c["q"].shape
-    cfgs = [None, at.plan(b, t, h, 2, hd, 256, kv == "int8", DEVICE, q_dtype=q_dtype, block_n=16, chunk=64,
-                          min_chunk=16)]
+    dyn = at.plan(b, t, h, 2, hd, 256, kv == "int8", DEVICE, q_dtype=q_dtype, block_n=16, chunk=64, min_chunk=16)
+    assert dyn.pack * 6 <= dyn.block_m and dyn.pack >= t  # the default: all 8 tokens in one tile
+    # also 3 tokens a tile (tiles of 3, 3, 2) and one token a tile
+    cfgs = [None, dyn, at.plan(b, t, h, 2, hd, 256, kv == "int8", DEVICE, q_dtype=q_dtype, block_n=16, chunk=64,
+                               min_chunk=16, pack=3),
+            at.plan(b, t, h, 2, hd, 256, kv == "int8", DEVICE, q_dtype=q_dtype, block_n=16, chunk=64,
+                    min_chunk=16, pack=1)]
     for cfg in cfgs:
         block = at.decode_attention(**c, config=cfg)
         for i in range(b):
@@ -201,7 +211,7 @@ def test_plan_depends_on_static_sizes_only():
     cfg = at.plan(1, 1, 24, 4, 256, 65536, True, DEVICE)
     assert cfg == at.plan(1, 1, 24, 4, 256, 65536, True, DEVICE)
     assert -(-65536 // cfg.chunk) > 1, "a long context at B=1 must be split over several programs"
-    assert cfg.chunk % cfg.block_n == 0 and cfg.block_m == 16
+    assert cfg.chunk % cfg.block_n == 0 and (cfg.block_m, cfg.pack) == (64, 10)  # G = 6: 10 tokens a tile
 
 
 def test_module_imports_without_triton():
