@@ -142,8 +142,11 @@ def plan(batch: int, tokens: int, heads: int, kv_heads: int, head_dim: int, kv_l
         if fp32:
             block_n //= 2
     if num_warps is None:
-        # the [BLOCK_M, hd] accumulator and q: 4 warps reach 238-255 registers from 64 x 128 up
-        num_warps = 8 if block_m * block_d >= 64 * 128 else 4
+        # the [BLOCK_M, hd] accumulator and q: 4 warps reach 238-255 registers from 64 x 128 up (with spills at 64 x
+        # 256), and yet on the H200 at 65,536 keys 4 warps beat 8 at 64 x 256 in every case measured (int8 26 vs
+        # 17 % of the copy bandwidth at T = 1, bf16 58 vs 50 %; docs/perf/2026-12-02c-packed-decode-attention-h200.md);
+        # fp32 tiles (the tests' reference precision) keep 8 there
+        num_warps = 8 if fp32 and block_m * block_d >= 64 * 128 else 4
     if num_stages is None:
         num_stages = 2 if fp32 else 3  # fp32 at 64 x 256 needs 256 KB of shared memory with 3 stages
     sms = _num_sms(torch.device(device))
@@ -277,6 +280,10 @@ def _launch(kern, q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, scale, kv
         lse_part = _new_buffer((b, t, h, splits), torch.float32, q.device)
     else:
         o_part = lse_part = out  # unused: the split kernel writes the output directly
+    # the dots' operand type: q's, except that int8 codes meet 16-bit queries in fp16: codes times scales are made
+    # in fp16 (one rounding, finer than bf16's), and no fp16 -> bf16 conversion (through fp32, at a quarter of the
+    # FMA rate on Hopper) runs per cached value; q (RMS-normed) and p (in [0, 1]) fit fp16's range
+    dot_dtype = torch.float16 if int8 and q.dtype == torch.bfloat16 else q.dtype
     ks = k_scale if int8 else k_cache  # placeholders keep one signature; never read without IS_INT8
     vs = v_scale if int8 else v_cache
     gt = gate if gate is not None else out  # a placeholder likewise (HAS_GATE)
@@ -286,7 +293,7 @@ def _launch(kern, q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, scale, kv
         *q_pos.stride(), *out.stride()[:3],
         scale * LOG2E, t, h, hkv, kv_len, cfg.chunk, cfg.min_chunk or cfg.chunk, splits, m_tiles,
         G=g, HD=hd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, NG=block_d // gw, GW=gw,
-        IS_INT8=int8, SPLIT=splits > 1, HAS_GATE=gate is not None, DOT_DTYPE=kern["dtypes"][q.dtype],
+        IS_INT8=int8, SPLIT=splits > 1, HAS_GATE=gate is not None, DOT_DTYPE=kern["dtypes"][dot_dtype],
         DOT_PREC="tf32x3" if q.dtype == torch.float32 else "tf32", PACK=cfg.pack,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_triton.pdl_args(q.device),
     )

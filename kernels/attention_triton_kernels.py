@@ -28,9 +28,9 @@ def _load_tile(base, s_base, stride_n, stride_sn, offs_n, n_ok, DOT_DTYPE: tl.co
     if IS_INT8:
         # codes as [BLOCK_N, NG, GW], so that each 64-wide group meets its scale by broadcasting; the product in
         # fp16 (exact codes, one rounding) holds the tile in half the registers of fp32, and overflows only for
-        # cached values past fp16's 65504
+        # cached values past fp16's 65504; decode attention dots it in fp16 (DOT_DTYPE), so no conversion follows
         # TODO(perf): for BLOCK_M=16 (mma.sync) sm_90 SASS reads the int8 V tile from shared memory one byte per
-        # LDS (the dot-operand layout walks keys, which are strided); first suspect if int8 lags bf16 in % copy bw
+        # LDS (the dot-operand layout walks keys, which are strided); a suspect while int8 lags bf16 in % copy bw
         offs_g = tl.arange(0, NG)
         d3 = offs_g[None, :, None] * GW + tl.arange(0, GW)[None, None, :]
         codes = tl.load(base + offs_n[:, None, None] * stride_n + d3, mask=n_ok[:, None, None] & (d3 < HD), other=0)

@@ -132,9 +132,10 @@ def measure_peer(case: Case, t: int, bw: float) -> dict:
 
 def sweep_configs(case: Case, t: int) -> list:
     """The default plan (tokens packed in one tile), then launch shapes one change away from it (block_n, warps,
-    stages, split length); then the same around the one-token tile (pack=1, G rows padded to 16)."""
+    stages, split length); then the same around 5 tokens a tile (32 rows) and the one-token tile (pack=1, G rows
+    padded to 16)."""
     out = []
-    for tile in ({}, {"pack": 1}):
+    for tile in ({}, {"pack": 5}, {"pack": 1}):  # pack 5: 30 of 32 rows, a T = 8 verify in two tiles
         base = at.plan(case.b, t, H, HKV, HD, case.ctx, case.kv == "int8", DEVICE, **tile)
         if base not in out:
             out.append(base)
