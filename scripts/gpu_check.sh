@@ -54,7 +54,7 @@
 #   pgraphs  prefill CUDA graphs: tests/test_prefill_graphs.py, test_sampler.py, test_cuda_engine.py, then the 27B
 #            synthetic decode with --prefill-graphs on,off (prefill tok/s, TTFT and tokens of each)
 #   plen27   decode -p PLEN (2991,65000) on the 27B synthetic, ours and the transformers peer (PLEN_ENGINES), PLEN_N
-#            (128) tokens: each length's prefill tok/s, TTFT and the decode after it (issue 32's targets); about
+#            (128) tokens (PLEN_ARGS adds flags): each length's prefill tok/s, TTFT and the decode after it; about
 #            6 minutes with the peer at 65K (its bf16 load and three 65K prefills): give it STAGE_S >= 420
 #   pweights the 27B synthetic decode with --prefill-weights auto (packed there) and dense, then C1 / C8 with dense
 #   ctx262   decode -p 262016 -n 128 on the 27B synthetic: the native context's prefill and decode on one GPU
@@ -265,7 +265,7 @@ PY
              ;;
     plen27)  # issue 32's prompt-length grid: the 27B synthetic beside the transformers peer on exact-length prompts
              nb decode $M27 --engine ${PLEN_ENGINES:-ours,hf} -p ${PLEN:-2991,65000} -n ${PLEN_N:-128} --repeats 2 \
-               --json "$OUT/plen27" 2>&1 | tail -12 ;;
+               ${PLEN_ARGS:-} --json "$OUT/plen27" 2>&1 | tail -12 ;;
     pweights) # --prefill-weights dense against the default (packed at the 27B shape): TTFT and memory, same tokens
              for w in auto dense; do
                nb decode $M27 --prefill-weights $w -n 32 --repeats 3 --json "$OUT/pweights-$w.json" 2>&1 | tail -3
