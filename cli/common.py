@@ -117,9 +117,6 @@ def engine_options(f=None, *, kv_default: str = "int8", runtime_list: bool = Fal
         click.option("--prefill-chunk", type=int, default=2048, show_default=True,
                      help="Prompt tokens per prefill forward."),
         prefill_weights_option,
-        click.option("--fused-prefill", is_flag=True,
-                     help="Prompt chunks' GDN glue (conv, SiLU, L2 norms, gated norm) and the norms between layers "
-                          "through Triton kernels (v3 on CUDA; off by default until measured on a GPU)."),
         runtime,
         click.option("--synthetic", is_flag=True, help="Seeded random weights for a preset (e.g. qwen3.8-27b)."),
         click.option("--quant", type=click.Choice(["fp32", "bf16", "q8", "q5", "q4", "mixed"]), default="mixed",

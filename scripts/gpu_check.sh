@@ -40,8 +40,8 @@
 #   ptests   the engine's prefill paths on CUDA: test_fastpath, test_prefill_graphs, test_sampler, test_cuda_engine,
 #            the GDN prefill glue and prefill attention kernels
 #   pprof    scripts/profile_step.py --prefill at PPROF_LEN (65000) tokens on the 27B synthetic, per PPROF_MODES
-#            (flash sdpa; also dense: --prefill-weights dense, fused: --fused-prefill, fdense: both): every kernel of
-#            one long prefill (about 75 s a mode)
+#            (flash sdpa; flash: the defaults, fused prefill on; also unfused: --no-fused-prefill, dense:
+#            --prefill-weights dense): every kernel of one long prefill (about 75 s a mode)
 #   llamabuild llama-cpp-python built with CUDA (sm_90) from the carried trimmed source (.peer/llama-src.tgz, made
 #            by scripts/pack_llama_src.sh) into /tmp/llsite, in the background (setsid: it outlives the call while the
 #            machine stays warm; /tmp/llbuild.log, /tmp/llbuild.rc); LLBUILD_WAIT=1 waits for it
@@ -288,15 +288,14 @@ PY
              timeout ${STAGE_S:-400} python3 scripts/bench_attention.py --budget-s ${DATTN_BUDGET_S:-150} 2>&1 \
                | tee "$OUT/dattn.log" | grep -v "^resources" | tail -60 ;;
     pprof)   # where a long prefill's time goes: scripts/profile_step.py --prefill at PPROF_LEN tokens on the 27B
-             # synthetic, once per PPROF_MODES entry (flash: the default; sdpa: --no-flash-prefill; dense:
-             # --prefill-weights dense)
+             # synthetic, once per PPROF_MODES entry (flash: the defaults; sdpa: --no-flash-prefill; unfused:
+             # --no-fused-prefill; dense: --prefill-weights dense)
              for mode in ${PPROF_MODES:-flash sdpa}; do
                case $mode in
                  flash) flags="" ;;
                  sdpa)  flags="--no-flash-prefill" ;;
+                 unfused) flags="--no-fused-prefill" ;;
                  dense) flags="--prefill-weights dense" ;;
-                 fused) flags="--fused-prefill" ;;
-                 fdense) flags="--fused-prefill --prefill-weights dense" ;;
                esac
                timeout ${STAGE_S:-300} python3 scripts/profile_step.py $M27 --prefill --prompt-len ${PPROF_LEN:-65000} \
                  --top ${PPROF_TOP:-25} $flags --json "$OUT/pprof-$mode.json" 2>&1 | tee "$OUT/pprof-$mode.log" \

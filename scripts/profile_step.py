@@ -6,7 +6,7 @@ step's idle gaps: graph launch, the token read-back, host work).
     python3 scripts/profile_step.py --model qwen3.8-27b --synthetic [--steps 32] [--spec none,mtp:3,dflash2:7] [--sync]
         [--no-pdl] [--no-side-stream] [--no-silu-epilogue] [--cublas-dense] [--qmv-layout L]
         [--eager-draft] [--attn-fixed-split]
-        [--prefill] [--prompt-len N] [--no-flash-prefill] [--fused-prefill] [--prefill-weights dense]
+        [--prefill] [--prompt-len N] [--no-flash-prefill] [--no-fused-prefill] [--prefill-weights dense]
         [--prefill-chunk N]
                          # switches against the engine's defaults, compared by step time
         [--host]         # where the host's time goes instead (cProfile of the same steps: Python, launches, syncs)
@@ -157,7 +157,7 @@ def main() -> int:
     ap.add_argument("--prefill-weights", default="auto", choices=("auto", "dense", "packed"))
     ap.add_argument("--flash-prefill", action=argparse.BooleanOptionalAction, default=True,
                     help="prompt chunks' attention by the flash-style kernel (EngineOptions.flash_prefill)")
-    ap.add_argument("--fused-prefill", action="store_true",
+    ap.add_argument("--fused-prefill", action=argparse.BooleanOptionalAction, default=True,
                     help="prompt chunks' GDN glue and norms through Triton kernels (EngineOptions.fused_prefill)")
     ap.add_argument("--attn-fixed-split", action="store_true",
                     help="decode attention splits the key range as for the full cache (no per-row chunk)")

@@ -422,7 +422,7 @@ def with_baselines(runs: list[DecodeOptions], base: dict) -> list[DecodeOptions]
         out.append(DecodeOptions.make(**base, engine="ours", runtime=eo.runtime, pdl=eo.pdl,
                                       side_stream=eo.side_stream, silu_epilogue=eo.silu_epilogue,
                                       prefill_graphs=eo.prefill_graphs, flash_prefill=eo.flash_prefill,
-                                      baseline=True))
+                                      fused_prefill=eo.fused_prefill, baseline=True))
     runtimes = list(dict.fromkeys(r.engine_options.runtime for r in out))
     # stable: the grid's order otherwise (runtime by runtime, the peer last)
     return sorted(out, key=lambda r: (r.engine != "ours", runtimes.index(r.engine_options.runtime), not _plain(r)))

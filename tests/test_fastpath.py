@@ -75,9 +75,10 @@ def test_flash_prefill_chunks_equal_eager(eager, monkeypatch):
 
 def test_fused_prefill_equals_eager(eager):
     """--fused-prefill: prompt chunks' GDN glue (kernels/gdn_prefill) and the norms between layers through the Triton
-    kernels, over several chunks (each later chunk's conv reads the state the one before left), decode the eager
-    path's tokens; with media or a runtime without the fused kernels it is refused or not taken."""
+    kernels (on by default), over several chunks (each later chunk's conv reads the state the one before left),
+    decode the eager path's tokens, as with it off; a runtime without the fused kernels does not take it."""
     eng, tokens = run(kernels="triton", prefill_chunk=16, prefill_graphs=False, fused_prefill=True)
     assert eng.model.fused_prefill and tokens == eager
-    with pytest.raises(ValueError, match="fused-prefill"):
-        Engine.load("tiny", device="cpu", runtime="v2", fused_prefill=True)
+    eng, tokens = run(kernels="triton", prefill_chunk=16, prefill_graphs=False, fused_prefill=False)
+    assert not eng.model.fused_prefill and tokens == eager
+    assert not Engine.load("tiny", device="cpu", runtime="v2").model.fused_prefill  # on by default, inert off v3

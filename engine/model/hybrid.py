@@ -57,7 +57,7 @@ class HybridModel:
 
     def __init__(self, cfg: ModelConfig, weights: WeightStore, *, max_positions: int, gdn_impl: str = "auto",
                  fused_kernels: bool = False, side_stream: bool = True, flash_prefill: bool = True,
-                 fused_prefill: bool = False):
+                 fused_prefill: bool = True):
         self.cfg, self.w, self.gdn_impl = cfg, weights, gdn_impl
         self.device, self.dtype = weights.device, weights.dtype
         self.cos, self.sin = rope_tables(cfg.rotary_dim, cfg.rope_theta, max_positions, self.device)

@@ -99,9 +99,11 @@ class EngineOptions:
         "--silu-epilogue", "-nosilu", "v3",
         "The MLP's gate / up weight interleaved in runs of 8 rows so that the projection kernel stores "
         "silu(gate) * up itself (CUDA, cupy).")
-    fused_prefill: bool = False  # prompt chunks' GDN glue (conv, SiLU, L2 norms, gated norm: kernels/gdn_prefill)
-    #                               and the norms between layers through Triton kernels (v3 on CUDA); off by
-    #                               default until measured on a GPU
+    fused_prefill: bool = _switch(
+        "--fused-prefill", "-unfusedprefill", "v3",
+        "A prompt chunk (no media, no rope positions of its own) through the fused path: the GDN layers' glue "
+        "(causal conv from the slot's window, SiLU, q/k L2 norms, gated norm: kernels/gdn_prefill.py) and the norms "
+        "between layers in Triton kernels instead of eager torch ops (v3 on CUDA; off: eager glue).")
     qmv_dense: bool = True  # small dense bf16/fp16 projections (<= 1024 rows, <= 64 x rows) through qmv's dense
     #                         path instead of cuBLAS (process-wide: kernels/qmv_cuda.set_dense)
     prefill_weights: str = "auto"  # prefill-width projections of packed weights (v3 on CUDA): "dense" keeps a dense
@@ -174,10 +176,6 @@ class EngineOptions:
             raise ValueError(f"--prefill-weights {self.prefill_weights} chooses how runtime v3 on CUDA keeps packed "
                              f"weights; here every weight is a dense copy already (the same run under another "
                              f"setting)")
-        if self.fused_prefill and (self.runtime != "v3" or (self.torch_device.type != "cuda"
-                                                            and self.kernels != "triton")):
-            raise ValueError("--fused-prefill runs prompt chunks through the fused Triton kernels: runtime v3 on CUDA "
-                             "(or --kernels triton under TRITON_INTERPRET)")
         if self.qmv_layout not in ("tiled", "lanes", "rows"):
             raise ValueError(f"qmv layout must be tiled, lanes or rows, got {self.qmv_layout!r}")
         if self.kernels not in ("auto", "torch", "triton"):
