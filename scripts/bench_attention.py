@@ -162,7 +162,19 @@ def main() -> int:
     parser.add_argument("--no-sweep", action="store_true", help="time the default launch plan only")
     parser.add_argument("--budget-s", type=float, default=TIME_BUDGET_S,
                         help=f"no new sweep case starts past this many seconds (default {TIME_BUDGET_S})")
+    parser.add_argument("--cases", default=None,
+                        help="only these cases, a comma list of KV:CTX:B:T (e.g. int8:65536:1:1,bf16:65536:1:1), "
+                             "as under a profiler (ncu): fewer launches to find")
+    parser.add_argument("--no-peer", action="store_true", help="skip SDPA on the bf16 copy and the pack1 row")
     args = parser.parse_args()
+    only = None
+    if args.cases:
+        try:
+            only = {(kv, int(ctx), int(b), int(t)) for kv, ctx, b, t in (c.split(":") for c in args.cases.split(","))}
+        except ValueError:
+            parser.error(f"--cases: expected KV:CTX:B:T[,...], got {args.cases!r}")
+        if any(c[0] not in KV_DTYPES for c in only):
+            parser.error(f"--cases: kv must be one of {', '.join(KV_DTYPES)}")
     if not torch.cuda.is_available():
         print("bench_attention: needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -185,10 +197,10 @@ def main() -> int:
     print(f"{torch.cuda.get_device_name()}  copy bandwidth {bw / 1e12:.2f} TB/s  triton {triton.__version__}")
     table, failures, sweep_todo = [], 0, []
     for kv in KV_DTYPES:
-        for ctx in CONTEXTS:
-            for b in BATCHES:
+        for ctx in sorted({c[1] for c in only if c[0] == kv}) if only else CONTEXTS:
+            for b in sorted({c[2] for c in only if c[:2] == (kv, ctx)}) if only else BATCHES:
                 case = Case(kv, ctx, b)
-                for t in TOKENS:
+                for t in sorted({c[3] for c in only if c[:3] == (kv, ctx, b)}) if only else TOKENS:
                     shape = {"kv": kv, "ctx": ctx, "B": b, "T": t}
                     cfg = at.plan(b, t, H, HKV, HD, ctx, kv == "int8", DEVICE)
                     rec = {"op": "decode_attention", **shape, "config": str(cfg), "splits": -(-ctx // cfg.chunk)}
@@ -205,7 +217,13 @@ def main() -> int:
                         rec.update(ok=False, error=repr(exc)[:400])
                         print(f"!!!!! FAILED {shape}: {exc!r}")
                         traceback.print_exc()
+                    if ctx == max(CONTEXTS) and rec.get("ok"):
+                        sweep_todo.append((kv, ctx, b, t))
                     one = {"op": "decode_attention_pack1", **shape}  # one token a tile, the same run
+                    peer = {"op": "sdpa_bf16_copy", **shape}
+                    if args.no_peer:
+                        table.append((emit(rec), peer))
+                        continue
                     try:
                         cfg1 = at.plan(b, t, H, HKV, HD, ctx, kv == "int8", DEVICE, pack=1)
                         one.update(config=str(cfg1), **measure(case, t, bw, cfg1))
@@ -213,14 +231,11 @@ def main() -> int:
                         one["error"] = repr(exc)[:400]
                     emit(one)
                     rec["pack1_us"] = min(one.get("us_median", math.inf), one.get("us_graph", math.inf))
-                    peer = {"op": "sdpa_bf16_copy", **shape}
                     try:
                         peer.update(measure_peer(case, t, bw))
                     except Exception as exc:
                         peer["error"] = repr(exc)[:400]
                     table.append((emit(rec), emit(peer)))
-                    if ctx == max(CONTEXTS) and rec.get("ok"):
-                        sweep_todo.append((kv, ctx, b, t))
                 del case
                 torch.cuda.empty_cache()
     sweep = []

@@ -36,6 +36,8 @@
 #            beside the synthetic 27B, with each step's wall time and peak RSS (about 8 minutes)
 #   dattn    scripts/bench_attention.py with its launch sweep (DATTN_BUDGET_S, default 150 s): decode / verify attention
 #            at the 27B shape, tokens packed in one tile and one token a tile, beside SDPA on a bf16 copy
+#   ncuattn  Nsight Compute (full sections) on decode attention's split kernel, int8 beside bf16 at 65,536 keys
+#            (NCU_CASES, NCU_COUNT): where the int8 path loses to bf16; the report comes back as ncu_attn.ncu-rep
 #   pattn    prefill attention: its CUDA tests, then scripts/bench_prefill_attention.py (--sweep int8; PATTN_ARGS)
 #   ptests   the engine's prefill paths on CUDA: test_fastpath, test_prefill_graphs, test_sampler, test_cuda_engine,
 #            the GDN prefill glue and prefill attention kernels
@@ -274,6 +276,18 @@ PY
     ctx262)  # the model's whole native context: a 262,016-token prompt and 128 tokens (262,144 positions), int8 K/V,
              # one repeat without a warm-up (a warm-up would prefill it twice)
              nb decode $M27 -p ${CTX_P:-262016} -n 128 --repeats 1 --warmup 0 --json "$OUT/ctx262.json" 2>&1 | tail -12 ;;
+    ncuattn) # Nsight Compute on decode attention's split kernel, int8 beside bf16 (65,536 keys, B = 1, T = 1 by
+             # default: NCU_CASES), the default plan only, one report a case; full sections, clocks left alone
+             if ! command -v ncu >/dev/null; then echo "ncu: not on the PATH"; else
+               for c in $(echo ${NCU_CASES:-int8:65536:1:1,bf16:65536:1:1} | tr , ' '); do
+                 rep="$OUT/ncu_attn_$(echo $c | tr : _)"
+                 timeout ${STAGE_S:-300} ncu --clock-control none --kernel-name regex:_attn_split --launch-skip 2 \
+                   --launch-count ${NCU_COUNT:-1} --set full -o "$rep" -f python3 scripts/bench_attention.py --no-sweep \
+                   --no-peer --cases $c > "$rep.log" 2>&1
+                 echo "--- $c: ncu rc $?"; grep -E "^==PROF==|Error|error" "$rep.log" | head -5
+                 ncu --import "$rep.ncu-rep" --page details --print-units base 2>&1 | grep -E "Duration|Memory Throughput|DRAM Throughput|Compute \(SM\) Throughput|Registers Per|Achieved Occupancy|Theoretical Occupancy|Warp Cycles Per Issued|Executed Ipc A|Shared Memory Configuration Size|L1/TEX Hit|L2 Hit|Block Limit" | head -30
+               done
+             fi ;;
     pattn)   # prefill attention (kernels/attention_prefill.py): its CUDA tests, then the kernel beside the SDPA path it
              # replaces and torch's flash kernel at the 27B shape, a 2,048-token chunk at several starts (PATTN_ARGS)
              timeout ${TESTS_S:-200} python3 -m pytest -q -p no:cacheprovider tests/test_kernels_attention_prefill.py \
