@@ -64,13 +64,18 @@ def _attn_split(Q, K, V, KS, VS, SLOTS, QPOS, O, OP, LSE, GATE, stride_gb, strid
                 G: tl.constexpr, HD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_D: tl.constexpr, NG: tl.constexpr, GW: tl.constexpr, IS_INT8: tl.constexpr,
                 SPLIT: tl.constexpr, HAS_GATE: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
-                PACK: tl.constexpr, PDL: tl.constexpr):
+                PACK: tl.constexpr, GROUPED: tl.constexpr, PDL: tl.constexpr):
     """Program (tile, split, b * Hkv + hkv). PACK == 1: tile = t * M_TILES + m, token t's rows g of m tile.
     PACK > 1: tile i holds tokens i * PACK .. + PACK - 1, G rows each, so one program reads each K/V tile once for
     all of them. Every row keeps its own key range [split * chunk, + chunk), chunk from its own position
     (_row_chunk); the program walks the union of its rows' ranges in BLOCK_N steps (all ranges start on a multiple
     of BLOCK_N, so a row meets exactly the blocks it meets alone), and a block outside a row's range leaves its
-    running max, sum and accumulator unchanged to the bit (alpha = 1, p = 0)."""
+    running max, sum and accumulator unchanged to the bit (alpha = 1, p = 0).
+
+    GROUPED (int8 caches): K and V as NG two-dimensional [BLOCK_N, GW] tiles, one per scale group, instead of one
+    [BLOCK_N, NG, GW] tile reshaped: q.k is the sum over groups of (q_g . codes_g) times the keys' group scales,
+    applied to the fp32 products (no scale per cached key value), and each group's values meet their scales by a
+    [BLOCK_N, 1] broadcast into their own [BLOCK_M, GW] accumulator."""
     pdl_enter(PDL)  # PDL launches: wait for the kernel before, let the next one launch
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -97,8 +102,21 @@ def _attn_split(Q, K, V, KS, VS, SLOTS, QPOS, O, OP, LSE, GATE, stride_gb, strid
     hi = tl.max(tl.where(has_keys, hi_r, 0), 0)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HD
-    q = tl.load(Q + b * stride_qb + t[:, None] * stride_qt + h[:, None] * stride_qh + offs_d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(DOT_DTYPE)  # [BLOCK_M, BLOCK_D]
+    q_rows = Q + b * stride_qb + t[:, None] * stride_qt + h[:, None] * stride_qh
+    if GROUPED:
+        q0 = _group_q(q_rows, row_ok, 0, DOT_DTYPE, HD, GW)
+        acc0 = tl.zeros([BLOCK_M, GW], tl.float32)
+        if NG > 1:
+            q1 = _group_q(q_rows, row_ok, 1, DOT_DTYPE, HD, GW)
+            acc1 = tl.zeros([BLOCK_M, GW], tl.float32)
+        if NG > 2:
+            q2 = _group_q(q_rows, row_ok, 2, DOT_DTYPE, HD, GW)
+            q3 = _group_q(q_rows, row_ok, 3, DOT_DTYPE, HD, GW)
+            acc2 = tl.zeros([BLOCK_M, GW], tl.float32)
+            acc3 = tl.zeros([BLOCK_M, GW], tl.float32)
+    else:
+        q = tl.load(q_rows + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(DOT_DTYPE)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     slot = tl.load(SLOTS + b).to(tl.int64)  # slot * stride overflows int32 on large caches
     k_base = K + slot * stride_ks + hkv * stride_kh
     v_base = V + slot * stride_vs + hkv * stride_vh
@@ -106,13 +124,24 @@ def _attn_split(Q, K, V, KS, VS, SLOTS, QPOS, O, OP, LSE, GATE, stride_gb, strid
     vs_base = VS + slot * stride_vss + hkv * stride_vsh
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_ok = offs_n < hi  # masked loads give 0, so NaN or garbage past the last position never reaches p @ v
-        k = _load_tile(k_base, ks_base, stride_kn, stride_ksn, offs_n, n_ok, DOT_DTYPE, HD, BLOCK_N, BLOCK_D,
-                       NG, GW, IS_INT8)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+        if GROUPED:
+            qk = _group_qk(q0, k_base, ks_base, stride_kn, stride_ksn, offs_n, n_ok, 0, DOT_DTYPE, DOT_PREC, HD, GW)
+            if NG > 1:
+                qk += _group_qk(q1, k_base, ks_base, stride_kn, stride_ksn, offs_n, n_ok, 1, DOT_DTYPE, DOT_PREC,
+                                HD, GW)
+            if NG > 2:
+                qk += _group_qk(q2, k_base, ks_base, stride_kn, stride_ksn, offs_n, n_ok, 2, DOT_DTYPE, DOT_PREC,
+                                HD, GW)
+                qk += _group_qk(q3, k_base, ks_base, stride_kn, stride_ksn, offs_n, n_ok, 3, DOT_DTYPE, DOT_PREC,
+                                HD, GW)
+            qk = qk * qk_scale
+        else:
+            k = _load_tile(k_base, ks_base, stride_kn, stride_ksn, offs_n, n_ok, DOT_DTYPE, HD, BLOCK_N, BLOCK_D,
+                           NG, GW, IS_INT8)
+            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
         live = (offs_n[None, :] >= lo_r[:, None]) & (offs_n[None, :] < hi_r[:, None])
         qk = tl.where(live, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -120,25 +149,90 @@ def _attn_split(Q, K, V, KS, VS, SLOTS, QPOS, O, OP, LSE, GATE, stride_gb, strid
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(qk - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load_tile(v_base, vs_base, stride_vn, stride_vsn, offs_n, n_ok, DOT_DTYPE, HD, BLOCK_N, BLOCK_D,
-                       NG, GW, IS_INT8)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PREC)
+        p16 = p.to(DOT_DTYPE)
+        if GROUPED:
+            acc0 = acc0 * alpha[:, None] + _group_pv(p16, v_base, vs_base, stride_vn, stride_vsn, offs_n, n_ok, 0,
+                                                     DOT_DTYPE, DOT_PREC, HD, GW)
+            if NG > 1:
+                acc1 = acc1 * alpha[:, None] + _group_pv(p16, v_base, vs_base, stride_vn, stride_vsn, offs_n, n_ok, 1,
+                                                         DOT_DTYPE, DOT_PREC, HD, GW)
+            if NG > 2:
+                acc2 = acc2 * alpha[:, None] + _group_pv(p16, v_base, vs_base, stride_vn, stride_vsn, offs_n, n_ok, 2,
+                                                         DOT_DTYPE, DOT_PREC, HD, GW)
+                acc3 = acc3 * alpha[:, None] + _group_pv(p16, v_base, vs_base, stride_vn, stride_vsn, offs_n, n_ok, 3,
+                                                         DOT_DTYPE, DOT_PREC, HD, GW)
+        else:
+            v = _load_tile(v_base, vs_base, stride_vn, stride_vsn, offs_n, n_ok, DOT_DTYPE, HD, BLOCK_N, BLOCK_D,
+                           NG, GW, IS_INT8)
+            acc = acc * alpha[:, None] + tl.dot(p16, v, input_precision=DOT_PREC)
         m_i = m_new
     has = l_i > 0.0
     l_safe = tl.where(has, l_i, 1.0)
-    o = acc / l_safe[:, None]
-    if SPLIT:
-        # partials [B, T, H, NUM_SPLITS, (hd)]; rows whose q_pos lies before this chunk are never read: skip them
-        ri = ((b * T + t) * H + h).to(tl.int64) * NUM_SPLITS + pid_s
-        used = row_ok & has_keys
-        tl.store(OP + ri[:, None] * HD + offs_d[None, :], o, mask=used[:, None] & d_ok[None, :])
-        tl.store(LSE + ri, tl.where(has, m_i + tl.log2(l_safe), float("-inf")), mask=used)
+    # partials [B, T, H, NUM_SPLITS, (hd)]; rows whose q_pos lies before this chunk are never read: skip them
+    ri = ((b * T + t) * H + h).to(tl.int64) * NUM_SPLITS + pid_s
+    used = row_ok & has_keys
+    o_rows = O + b * stride_ob + t[:, None] * stride_ot + h[:, None] * stride_oh
+    g_rows = GATE + b * stride_gb + t[:, None] * stride_gt + h[:, None] * HD
+    if GROUPED:
+        _store_cols(acc0 / l_safe[:, None], 0, OP, ri, used, o_rows, g_rows, row_ok, HD, GW, SPLIT, HAS_GATE)
+        if NG > 1:
+            _store_cols(acc1 / l_safe[:, None], GW, OP, ri, used, o_rows, g_rows, row_ok, HD, GW, SPLIT, HAS_GATE)
+        if NG > 2:
+            _store_cols(acc2 / l_safe[:, None], 2 * GW, OP, ri, used, o_rows, g_rows, row_ok, HD, GW, SPLIT, HAS_GATE)
+            _store_cols(acc3 / l_safe[:, None], 3 * GW, OP, ri, used, o_rows, g_rows, row_ok, HD, GW, SPLIT, HAS_GATE)
     else:
-        mask = row_ok[:, None] & d_ok[None, :]
-        val = _gated(o.to(O.dtype.element_ty),
-                     GATE + b * stride_gb + t[:, None] * stride_gt + h[:, None] * HD + offs_d[None, :], mask, HAS_GATE)
-        tl.store(O + b * stride_ob + t[:, None] * stride_ot + h[:, None] * stride_oh + offs_d[None, :], val,
-                 mask=mask)
+        _store_cols(acc / l_safe[:, None], 0, OP, ri, used, o_rows, g_rows, row_ok, HD, BLOCK_D, SPLIT, HAS_GATE)
+    if SPLIT:
+        tl.store(LSE + ri, tl.where(has, m_i + tl.log2(l_safe), float("-inf")), mask=used)
+
+
+def _store_cols(o, c0, OP, ri, used, o_rows, g_rows, row_ok, HD: tl.constexpr, W: tl.constexpr,
+                SPLIT: tl.constexpr, HAS_GATE: tl.constexpr):
+    """Columns [c0, c0 + W) of a tile's normalised output ``o`` [BLOCK_M, W]: SPLIT, the fp32 partials of the rows
+    that used this split; otherwise the output itself, gated as it is stored."""
+    offs = c0 + tl.arange(0, W)
+    ok = offs < HD
+    if SPLIT:
+        tl.store(OP + ri[:, None] * HD + offs[None, :], o, mask=used[:, None] & ok[None, :])
+    else:
+        mask = row_ok[:, None] & ok[None, :]
+        val = _gated(o.to(o_rows.dtype.element_ty), g_rows + offs[None, :], mask, HAS_GATE)
+        tl.store(o_rows + offs[None, :], val, mask=mask)
+
+
+def _codes16(base, stride_n, offs_n, n_ok, g: tl.constexpr, HD: tl.constexpr, GW: tl.constexpr):
+    """Scale group g's int8 codes of keys offs_n [BLOCK_N, GW] as exact fp16 (0 past HD and where n_ok is false):
+    c + 1152 from bits (0x6400 = 1024.0 holds 0..255 in its mantissa), then - 1152, as in _load_tile."""
+    offs = g * GW + tl.arange(0, GW)
+    c = tl.load(base + offs_n[:, None] * stride_n + offs[None, :], mask=n_ok[:, None] & (offs[None, :] < HD), other=0)
+    return (c.to(tl.int32) + 0x6480).to(tl.int16).to(tl.float16, bitcast=True) - 1152.0
+
+
+def _group_scale(s_base, stride_sn, offs_n, n_ok, g: tl.constexpr):
+    """The keys' fp16 scales of group g [BLOCK_N] (0 where n_ok is false)."""
+    return tl.load(s_base + offs_n * stride_sn + g, mask=n_ok, other=0.0)
+
+
+def _group_q(q_rows, row_ok, g: tl.constexpr, DOT_DTYPE: tl.constexpr, HD: tl.constexpr, GW: tl.constexpr):
+    """Columns of scale group g of the tile's query rows [BLOCK_M, GW] in DOT_DTYPE (0 past HD)."""
+    offs = g * GW + tl.arange(0, GW)
+    return tl.load(q_rows + offs[None, :], mask=row_ok[:, None] & (offs[None, :] < HD), other=0.0).to(DOT_DTYPE)
+
+
+def _group_qk(q_g, k_base, ks_base, stride_kn, stride_ksn, offs_n, n_ok, g: tl.constexpr, DOT_DTYPE: tl.constexpr,
+              DOT_PREC: tl.constexpr, HD: tl.constexpr, GW: tl.constexpr):
+    """Group g's share of q.k [BLOCK_M, BLOCK_N] in fp32: (q_g . codes_g) times the keys' scales."""
+    c = _codes16(k_base, stride_kn, offs_n, n_ok, g, HD, GW).to(DOT_DTYPE)
+    sc = _group_scale(ks_base, stride_ksn, offs_n, n_ok, g).to(tl.float32)
+    return tl.dot(q_g, tl.trans(c), input_precision=DOT_PREC) * sc[None, :]
+
+
+def _group_pv(p16, v_base, vs_base, stride_vn, stride_vsn, offs_n, n_ok, g: tl.constexpr, DOT_DTYPE: tl.constexpr,
+              DOT_PREC: tl.constexpr, HD: tl.constexpr, GW: tl.constexpr):
+    """p [BLOCK_M, BLOCK_N] times group g's values [BLOCK_N, GW] (codes times their scales in fp16, one rounding)."""
+    sc = _group_scale(vs_base, stride_vsn, offs_n, n_ok, g)
+    v = (_codes16(v_base, stride_vn, offs_n, n_ok, g, HD, GW) * sc[:, None]).to(DOT_DTYPE)
+    return tl.dot(p16, v, input_precision=DOT_PREC)
 
 
 def _gated(o, gate_ptr, mask, HAS_GATE: tl.constexpr):
@@ -287,7 +381,8 @@ def _kv_dequant(K, KS, SLOTS, OUT, stride_ks, stride_kh, stride_kn, stride_sss, 
 @functools.lru_cache(maxsize=1)
 def jit_kernels() -> dict:
     """Jit the kernels (first call only). `_attn_split` finds `_load_tile` and `tl` as module globals."""
-    out = _triton.jit_module(globals(), ("_load_tile", "_row_chunk", "_gated", "_prefill_tile"),
+    out = _triton.jit_module(globals(), ("_load_tile", "_row_chunk", "_gated", "_prefill_tile", "_store_cols",
+                                         "_codes16", "_group_scale", "_group_q", "_group_qk", "_group_pv"),
                              {"split": "_attn_split", "combine": "_attn_combine",
                               "prefill": "_attn_prefill", "kv_dequant": "_kv_dequant"})
     out["dtypes"] = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
