@@ -286,8 +286,8 @@ def _launch(kern, q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, scale, kv
     else:
         o_part = lse_part = out  # unused: the split kernel writes the output directly
     # the dots' operand type: q's, except that int8 codes meet 16-bit queries in fp16: codes times scales are made
-    # in fp16 (one rounding, finer than bf16's), and no fp16 -> bf16 conversion (through fp32, at a quarter of the
-    # FMA rate on Hopper) runs per cached value; q (RMS-normed) and p (in [0, 1]) fit fp16's range
+    # in fp16 (one rounding, finer than bf16's) and need no fp16 -> bf16 conversion per cached value (on the H200
+    # that was within two calls' spread at 65K keys); q (RMS-normed) and p (in [0, 1]) fit fp16's range
     dot_dtype = torch.float16 if int8 and q.dtype == torch.bfloat16 else q.dtype
     ks = k_scale if int8 else k_cache  # placeholders keep one signature; never read without IS_INT8
     vs = v_scale if int8 else v_cache
