@@ -37,7 +37,7 @@
 #   dattn    scripts/bench_attention.py with its launch sweep (DATTN_BUDGET_S, default 150 s): decode / verify attention
 #            at the 27B shape, tokens packed in one tile and one token a tile, beside SDPA on a bf16 copy
 #   ncuattn  Nsight Compute (full sections) on decode attention's split kernel, int8 beside bf16 at 65,536 keys
-#            (NCU_CASES, NCU_COUNT): where the int8 path loses to bf16; the report comes back as ncu_attn.ncu-rep
+#            (NCU_CASES, NCU_COUNT): where the int8 path loses to bf16; the reports come back in ncu.tar
 #   pattn    prefill attention: its CUDA tests, then scripts/bench_prefill_attention.py (--sweep int8; PATTN_ARGS)
 #   ptests   the engine's prefill paths on CUDA: test_fastpath, test_prefill_graphs, test_sampler, test_cuda_engine,
 #            the GDN prefill glue and prefill attention kernels
@@ -96,7 +96,7 @@ run_tests() {  # the named test files on CUDA, one process each, all at once; ea
   # device's pytest prints no count line)
   local f
   for f in "$@"; do
-    ( timeout ${TESTS_S:-200} python3 -m pytest -q -p no:cacheprovider --durations=3 tests/$f.py > "$OUT/$f.log" 2>&1
+    ( timeout ${TESTS_S:-300} python3 -m pytest -q -p no:cacheprovider --durations=3 tests/$f.py > "$OUT/$f.log" 2>&1
       echo "pytest rc $?" >> "$OUT/$f.log" ) &
   done
   wait
@@ -279,8 +279,9 @@ PY
     ncuattn) # Nsight Compute on decode attention's split kernel, int8 beside bf16 (65,536 keys, B = 1, T = 1 by
              # default: NCU_CASES), the default plan only, one report a case; full sections, clocks left alone
              if ! command -v ncu >/dev/null; then echo "ncu: not on the PATH"; else
+               mkdir -p "$OUT/ncu"   # one folder: it comes back as one archive
                for c in $(echo ${NCU_CASES:-int8:65536:1:1,bf16:65536:1:1} | tr , ' '); do
-                 rep="$OUT/ncu_attn_$(echo $c | tr : _)"
+                 rep="$OUT/ncu/attn_$(echo $c | tr : _)"
                  timeout ${STAGE_S:-300} ncu --clock-control none --kernel-name regex:_attn_split --launch-skip 2 \
                    --launch-count ${NCU_COUNT:-1} --set full -o "$rep" -f python3 scripts/bench_attention.py --no-sweep \
                    --no-peer --cases $c > "$rep.log" 2>&1
