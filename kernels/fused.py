@@ -73,9 +73,15 @@ def rms_norm_ref(x, weight, eps):
     return _rms_norm_ref(x, weight, eps)
 
 
-def silu_mul_ref(gu, inter):
-    """fp32 reference: ``silu(gu[..., :inter]) * gu[..., inter:]`` in gu.dtype."""
-    g, u = gu.float().split([inter, gu.shape[-1] - inter], dim=-1)
+def silu_mul_ref(gu, inter, run=None):
+    """fp32 reference: ``silu(gate) * up`` in gu.dtype; gate ``gu[..., :inter]`` and up ``gu[..., inter:]``, or (``run``)
+    runs of ``run`` gate columns, then as many up columns, alternating (engine/model/weights.py's interleaved
+    gate_up)."""
+    if run is None:
+        g, u = gu.float().split([inter, gu.shape[-1] - inter], dim=-1)
+    else:
+        runs = gu.float().unflatten(-1, (-1, 2, run))
+        g, u = runs[..., 0, :].flatten(-2), runs[..., 1, :].flatten(-2)
     return (F.silu(g) * u).to(gu.dtype)
 
 
@@ -148,15 +154,20 @@ def rms_norm(x, weight, eps):
     return y
 
 
-def silu_mul(gu, inter):
-    """``silu(gu[..., :inter]) * gu[..., inter:]`` for the fused gate+up output ``gu [..., 2 * inter]``."""
+def silu_mul(gu, inter, run=None):
+    """``silu(gu[..., :inter]) * gu[..., inter:]`` for the fused gate+up output ``gu [..., 2 * inter]``; with ``run``,
+    of an interleaved one (``run`` gate columns, then as many up columns, alternating), so that a prompt chunk's
+    MLP takes its product in one pass instead of copying gate and up out first. fp32 math, one rounding."""
     if gu.shape[-1] != 2 * inter:
         raise ValueError(f"silu_mul: gu must end in 2 * inter = {2 * inter}, got shape {tuple(gu.shape)}")
+    if run is not None and (run < 1 or inter % run):
+        raise ValueError(f"silu_mul: run must divide inter = {inter}, got {run}")
     kern = _ready("silu_mul", gu)
     g2 = _rows("silu_mul", "gu", gu, 2 * inter)
     y = _new_buffer((*gu.shape[:-1], inter), gu.dtype, gu.device)
     kern["silu_mul"][(g2.shape[0], -(-inter // ELEM_BLOCK))](g2, y, g2.stride(0), inter, inter, BLOCK=ELEM_BLOCK,
-                                                             num_warps=4, **_triton.pdl_args(gu.device))
+                                                             RUN=inter if run is None else run, num_warps=4,
+                                                             **_triton.pdl_args(gu.device))
     return y
 
 
@@ -269,14 +280,16 @@ def _norm_kernel(X, RES, W, Y, RO, stride_x, stride_r, stride_y, stride_ro, N, e
     tl.store(Y + row * stride_y + offs, (x * inv * (1.0 + w)).to(Y.dtype.element_ty), mask=ok)
 
 
-def _silu_mul_kernel(GU, Y, stride_g, stride_y, I, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """Program (row, column block): y = silu(g) * u."""
+def _silu_mul_kernel(GU, Y, stride_g, stride_y, I, BLOCK: tl.constexpr, RUN: tl.constexpr, PDL: tl.constexpr):
+    """Program (row, column block): y = silu(g) * u, gate column j at (j // RUN) * 2 RUN + j % RUN and its up
+    RUN further (RUN = I: the two halves)."""
     pdl_enter(PDL)  # PDL launches: wait for the kernel before, let the next one launch
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < I
-    g = tl.load(GU + row * stride_g + offs, mask=ok, other=0.0).to(tl.float32)
-    u = tl.load(GU + row * stride_g + I + offs, mask=ok, other=0.0).to(tl.float32)
+    gi = (offs // RUN) * (2 * RUN) + offs % RUN
+    g = tl.load(GU + row * stride_g + gi, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(GU + row * stride_g + RUN + gi, mask=ok, other=0.0).to(tl.float32)
     tl.store(Y + row * stride_y + offs, (g * tl.sigmoid(g) * u).to(Y.dtype.element_ty), mask=ok)
 
 

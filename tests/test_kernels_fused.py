@@ -88,6 +88,21 @@ def test_silu_mul(lead, inter, dtype):
     assert rel_rms(y, fu.silu_mul_ref(gu, inter)) <= TOL[dtype]
 
 
+@pytest.mark.parametrize("run", [8, 16])
+def test_silu_mul_interleaved(run):
+    """Gate / up in alternating runs (an interleaved gate_up's output): the reference's product, and the bits of the
+    two-halves layout holding the same columns."""
+    inter = 1024
+    gu = randn(3, 5, 2 * inter, dtype=torch.bfloat16, seed=11, scale=2.0)
+    y = fu.silu_mul(gu, inter, run=run)
+    assert y.shape == (3, 5, inter) and rel_rms(y, fu.silu_mul_ref(gu, inter, run=run)) <= TOL[torch.bfloat16]
+    runs = gu.unflatten(-1, (-1, 2, run))
+    halves = torch.cat([runs[..., 0, :].flatten(-2), runs[..., 1, :].flatten(-2)], -1)
+    assert torch.equal(y, fu.silu_mul(halves, inter))
+    with pytest.raises(ValueError, match="run must divide"):
+        fu.silu_mul(gu, inter, run=24)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
 def test_sigmoid_mul(dtype):
     o, gate = randn(2, 3, 1100, dtype=dtype, seed=9), randn(2, 3, 1100, dtype=dtype, seed=10, scale=3.0)

@@ -36,6 +36,7 @@ from ...kernels.attention_prefill import prefill_attention_cached
 from ...kernels.attention_triton import decode_attention
 from ...kernels.gdn_triton import gdn_decode
 from .cache import HybridCache, PendingGDN
+from .weights import GATE_UP_RUN
 
 
 @dataclass(slots=True)
@@ -149,6 +150,8 @@ class FastPath:
         act = None
         if name in self.w.interleaved:  # silu(g) * u in the projection's epilogue where its kernel runs
             act = getattr(self.w.linear(name), "silu_mul", lambda _: None)(x)
+            if act is None:  # rows past the epilogue kernel's (a prompt chunk): one pass over the interleaved output
+                act = fused.silu_mul(self.w.linear(name)(x), self.cfg.intermediate_size, run=GATE_UP_RUN)
         elif name in self.w.linears:
             act = fused.silu_mul(self.w.linear(name)(x), self.cfg.intermediate_size)
         if act is None:  # separate gate / up weights, or an interleaved one the epilogue kernel cannot take
@@ -158,9 +161,10 @@ class FastPath:
 
     def forward(self, step, cache: HybridCache, prefill: bool = False):
         """Final-normed hidden ``[B, T, H]`` and tap outputs, with each residual add fused into the next norm.
-        ``prefill`` (a prompt chunk, ``EngineOptions.fused_prefill``): the GDN layers and the MLPs through the eager
-        forward's prefill path (fla's recurrence, kernels/gdn_prefill's glue), full attention through
-        prefill_attention_cached (or the eager attention with flash_prefill off), the norms as here."""
+        ``prefill`` (a prompt chunk, ``EngineOptions.fused_prefill``): the GDN layers through the eager forward's
+        prefill path (fla's recurrence, kernels/gdn_prefill's glue), full attention through prefill_attention_cached
+        (or the eager attention with flash_prefill off), the MLP's silu(gate) * up by fused.silu_mul in one pass
+        over the gate_up output (interleaved or not), the norms as here."""
         cfg, w, m = self.cfg, self.w, self.m
         eps = cfg.rms_norm_eps
         names = [f"model.layers.{i}" for i in range(cfg.num_hidden_layers)]
@@ -176,7 +180,7 @@ class FastPath:
                 y = self.attention(p, i, x, step, cache, prefill=prefill)
             x, h = fused.add_rms_norm(y, h, w.vector(f"{p}.post_attention_layernorm.weight"), eps)
             nxt = f"{names[i + 1]}.input_layernorm.weight" if i + 1 < len(names) else "model.norm.weight"
-            x, h = fused.add_rms_norm(m.mlp(p, x) if prefill else self.mlp(p, x), h, w.vector(nxt), eps)
+            x, h = fused.add_rms_norm(self.mlp(p, x), h, w.vector(nxt), eps)
             if i in step.taps:
                 taps.append(h)
         return x, taps
