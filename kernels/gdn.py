@@ -18,6 +18,7 @@ Implementations, all with the same argument order:
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import warnings
@@ -273,12 +274,20 @@ def _chunked_block(q, k, v, g, beta, S, scale, C, out):
     return states[N].view(B, Hv, dk, dv)
 
 
+@functools.lru_cache(maxsize=None)
+def _fla_gva(fn) -> bool:
+    """Whether fla's ``fn`` takes fewer q/k heads than v heads itself (grouped value attention, v head j reading q/k
+    head j // (Hv / Hk): what repeat_interleave gives it), so that q and k need not be repeated to Hv (two copies of
+    a chunk's q and k a layer). Its docstring names GVA where it does (fla 0.6's chunk_gated_delta_rule)."""
+    return "GVA" in (fn.__doc__ or "")
+
+
 def gated_delta_rule_fla(q, k, v, g, beta, *, scale=None, initial_state=None):
     """flash-linear-attention's kernels (CUDA only); same arguments and outputs as the reference.
 
     bf16 / fp16 inputs go to fla's `chunk_gated_delta_rule`. That kernel refuses fp32 inputs, so fp32
     goes to fla's `fused_recurrent_gated_delta_rule` (the same recurrence, fp32 throughout).
-    q/k heads are repeated to Hv here, so this works on fla versions without grouped-value support.
+    q/k heads are repeated to Hv here where the fla kernel has no grouped-value support (:func:`_fla_gva`).
     """
     err = _fla_import_error()
     if err is not None:
@@ -294,15 +303,15 @@ def gated_delta_rule_fla(q, k, v, g, beta, *, scale=None, initial_state=None):
     scale = dk ** -0.5 if scale is None else scale
     r = Hv // Hk
     dtype = v.dtype
+    fn = fused_recurrent_gated_delta_rule if dtype == torch.float32 else chunk_gated_delta_rule
     qx, kx = (x.to(dtype) for x in (q, k))
-    if r > 1:
+    if r > 1 and not _fla_gva(fn):
         qx, kx = qx.repeat_interleave(r, dim=2), kx.repeat_interleave(r, dim=2)
     args = dict(
         q=qx.contiguous(), k=kx.contiguous(), v=v.contiguous(), g=g.to(torch.float32).contiguous(),
         beta=beta.to(dtype).contiguous(), scale=scale, output_final_state=True,
         initial_state=None if initial_state is None else initial_state.to(torch.float32).contiguous(),
     )
-    fn = fused_recurrent_gated_delta_rule if dtype == torch.float32 else chunk_gated_delta_rule
     if "head_first" in inspect.signature(fn).parameters:
         args["head_first"] = False  # some fla releases default to [B, H, T, d]
     with warnings.catch_warnings():

@@ -271,6 +271,21 @@ def test_fla_matches_ref(dtype, tol, T, ratio, dk, dv):
 
 @pytest.mark.cuda
 @needs_fla
+def test_fla_grouped_values_equal_repeated_heads(monkeypatch):
+    """Where fla takes grouped values itself (v head j reads q/k head j // ratio), its output is what q and k
+    repeated to the v heads give."""
+    (q, k, v, g, beta), S0 = make_inputs(2, 130, 2, 6, 128, 128, seed=3, dtype=torch.bfloat16, device="cuda")
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    if not gdn._fla_gva(chunk_gated_delta_rule):
+        pytest.skip("this fla has no grouped-value support: q and k are repeated")
+    o, S = gated_delta_rule_fla(q, k, v, g, beta, initial_state=S0)
+    monkeypatch.setattr(gdn, "_fla_gva", lambda fn: False)
+    o_rep, S_rep = gated_delta_rule_fla(q, k, v, g, beta, initial_state=S0)
+    check({"o": o, "state": S}, {"o": o_rep, "state": S_rep}, FLA_BF16_VS_REF, "fla grouped values")
+
+
+@pytest.mark.cuda
+@needs_fla
 def test_fla_split_equals_single_call():
     (q, k, v, g, beta), S0 = make_inputs(2, 150, 2, 6, 64, 64, seed=1, device="cuda")
     def run(sl, S):
