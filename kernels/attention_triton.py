@@ -59,7 +59,12 @@ LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 256  # one [BLOCK_M, hd] fp32 accumulator per program must stay in registers
 MAX_BLOCK_M = 64  # query rows (T * G) per program; more rows take more m tiles, which re-read K/V from L2
 PACK_TOKENS = 8  # tokens a tile is sized for by default: a DFlash2 K=7 verify (T = 8) reads K/V once
-PROGRAMS_PER_SM = 4  # split the key range until the grid has about this many programs per multiprocessor
+# split the key range until the grid has about this many programs per multiprocessor: on the H200 at 65,536 keys,
+# 2 (64 splits of 1,024 keys) beat 4 (128 of 512) in all six cases measured for the packed tile, int8 27.6 ->
+# 31.9 % of the copy bandwidth at B = 1, T = 1 and bf16 58.4 -> 70.6 % (call 2's sweep in
+# docs/perf/2026-12-02c-packed-decode-attention-h200.md); short key ranges are bound by MIN_BLOCKS_PER_SPLIT either
+# way (8K: 64 splits)
+PROGRAMS_PER_SM = 2
 MIN_BLOCKS_PER_SPLIT = 4  # shorter chunks spend more on partial writes and the combine than they gain
 SHORT_MIN_BLOCKS = 1  # a sequence shorter than the grid's key range: the chunk shrinks on the GPU to this floor
 COMBINE_COLS, COMBINE_SPLITS = 64, 32  # combine tile [splits, columns] when the rows alone are too few programs
