@@ -36,10 +36,7 @@ def _load_tile(base, s_base, stride_n, stride_sn, offs_n, n_ok, DOT_DTYPE: tl.co
         codes = tl.load(base + offs_n[:, None, None] * stride_n + d3, mask=n_ok[:, None, None] & (d3 < HD), other=0)
         sc = tl.load(s_base + offs_n[:, None] * stride_sn + offs_g[None, :],
                      mask=n_ok[:, None] & (offs_g[None, :] * GW < HD), other=0.0)
-        # c + 1152 from bits (0x6400 = 1024.0 holds 0..255 exactly in its mantissa), then - 1152: no int->float
-        # conversion, which runs at a quarter of the FMA rate on Hopper
-        c16 = (codes.to(tl.int32) + 0x6480).to(tl.int16).to(tl.float16, bitcast=True) - 1152.0
-        x = c16 * sc[:, :, None]
+        x = _int8_f16(codes) * sc[:, :, None]
         return tl.reshape(x, (BLOCK_N, BLOCK_D)).to(DOT_DTYPE)
     else:
         offs_d = tl.arange(0, BLOCK_D)
@@ -200,12 +197,17 @@ def _store_cols(o, c0, OP, ri, used, o_rows, g_rows, row_ok, HD: tl.constexpr, W
         tl.store(o_rows + offs[None, :], val, mask=mask)
 
 
+def _int8_f16(codes):
+    """int8 codes as exact fp16: c + 1152 from bits (0x6400 = 1024.0 holds 0..255 exactly in its mantissa), then
+    - 1152: no int->float conversion, which runs at a quarter of the FMA rate on Hopper."""
+    return (codes.to(tl.int32) + 0x6480).to(tl.int16).to(tl.float16, bitcast=True) - 1152.0
+
+
 def _codes16(base, stride_n, offs_n, n_ok, g: tl.constexpr, HD: tl.constexpr, GW: tl.constexpr):
-    """Scale group g's int8 codes of keys offs_n [BLOCK_N, GW] as exact fp16 (0 past HD and where n_ok is false):
-    c + 1152 from bits (0x6400 = 1024.0 holds 0..255 in its mantissa), then - 1152, as in _load_tile."""
+    """Scale group g's int8 codes of keys offs_n [BLOCK_N, GW] as exact fp16 (0 past HD and where n_ok is false)."""
     offs = g * GW + tl.arange(0, GW)
     c = tl.load(base + offs_n[:, None] * stride_n + offs[None, :], mask=n_ok[:, None] & (offs[None, :] < HD), other=0)
-    return (c.to(tl.int32) + 0x6480).to(tl.int16).to(tl.float16, bitcast=True) - 1152.0
+    return _int8_f16(c)
 
 
 def _group_scale(s_base, stride_sn, offs_n, n_ok, g: tl.constexpr):
@@ -381,8 +383,8 @@ def _kv_dequant(K, KS, SLOTS, OUT, stride_ks, stride_kh, stride_kn, stride_sss, 
 @functools.lru_cache(maxsize=1)
 def jit_kernels() -> dict:
     """Jit the kernels (first call only). `_attn_split` finds `_load_tile` and `tl` as module globals."""
-    out = _triton.jit_module(globals(), ("_load_tile", "_row_chunk", "_gated", "_prefill_tile", "_store_cols",
-                                         "_codes16", "_group_scale", "_group_q", "_group_qk", "_group_pv"),
+    out = _triton.jit_module(globals(), ("_int8_f16", "_load_tile", "_row_chunk", "_gated", "_prefill_tile",
+                                         "_store_cols", "_codes16", "_group_scale", "_group_q", "_group_qk", "_group_pv"),
                              {"split": "_attn_split", "combine": "_attn_combine",
                               "prefill": "_attn_prefill", "kv_dequant": "_kv_dequant"})
     out["dtypes"] = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}

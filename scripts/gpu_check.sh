@@ -297,7 +297,7 @@ PY
                --json "$OUT/pattn.jsonl" 2>&1 | tee "$OUT/pattn.log" | tail -70 ;;
     ptests)  # the engine's prefill paths on CUDA: flash prefill, prefill graphs, the fused path, sampling
              run_tests test_fastpath test_prefill_graphs test_sampler test_cuda_engine test_kernels_gdn_prefill \
-               test_kernels_attention_prefill ${PTESTS_MORE:-} ;;
+               test_kernels_attention_prefill ;;
     dattn)   # decode / verify attention (kernels/attention_triton.py) at the 27B shape: the default plan (tokens packed
              # in one tile) and one token a tile beside SDPA on a bf16 copy, then the launch sweep (DATTN_BUDGET_S)
              timeout ${STAGE_S:-400} python3 scripts/bench_attention.py --budget-s ${DATTN_BUDGET_S:-150} 2>&1 \

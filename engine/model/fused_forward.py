@@ -154,7 +154,7 @@ class FastPath:
                 act = fused.silu_mul(self.w.linear(name)(x), self.cfg.intermediate_size, run=GATE_UP_RUN)
         elif name in self.w.linears:
             act = fused.silu_mul(self.w.linear(name)(x), self.cfg.intermediate_size)
-        if act is None:  # separate gate / up weights, or an interleaved one the epilogue kernel cannot take
+        if act is None:  # separate gate / up weights
             gate, up = self.m.gate_up(p, x)
             act = torch.nn.functional.silu(gate) * up
         return self.w.linear(f"{p}.mlp.down_proj.weight")(act)
