@@ -92,7 +92,8 @@ prefill_weights_option = click.option(
     "--prefill-weights", type=click.Choice(["auto", "dense", "packed"]), default="auto", show_default=True,
     help="Prefill projections of packed (quantized) weights on CUDA: dense keeps a dense copy of each (2 bytes a "
          "weight more, refused when the GPU cannot hold them; no dequantization per chunk), packed dequantizes every "
-         "chunk, auto keeps copies up to 4 GiB of packed weights.")
+         "chunk, auto keeps the copies when the packed weights and the copies take at most 60% of the GPU's free "
+         "memory (or the packed weights are at most 4 GiB).")
 
 
 def engine_options(f=None, *, kv_default: str = "int8", runtime_list: bool = False):

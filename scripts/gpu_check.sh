@@ -42,8 +42,8 @@
 #   ptests   the engine's prefill paths on CUDA: test_fastpath, test_prefill_graphs, test_sampler, test_cuda_engine,
 #            the GDN prefill glue and prefill attention kernels
 #   pprof    scripts/profile_step.py --prefill at PPROF_LEN (65000) tokens on the 27B synthetic, per PPROF_MODES
-#            (flash sdpa; flash: the defaults, fused prefill on; also unfused: --no-fused-prefill, dense:
-#            --prefill-weights dense): every kernel of one long prefill (about 75 s a mode)
+#            (flash sdpa; flash: the defaults, fused prefill on; also unfused: --no-fused-prefill, dense / packed:
+#            --prefill-weights dense / packed): every kernel of one long prefill (about 75 s a mode)
 #   llamabuild llama-cpp-python built with CUDA (sm_90) from the carried trimmed source (.peer/llama-src.tgz, made
 #            by scripts/pack_llama_src.sh) into /tmp/llsite, in the background (setsid: it outlives the call while the
 #            machine stays warm; /tmp/llbuild.log, /tmp/llbuild.rc); LLBUILD_WAIT=1 waits for it
@@ -58,7 +58,8 @@
 #   plen27   decode -p PLEN (2991,65000) on the 27B synthetic, ours and the transformers peer (PLEN_ENGINES), PLEN_N
 #            (128) tokens (PLEN_ARGS adds flags): each length's prefill tok/s, TTFT and the decode after it; about
 #            6 minutes with the peer at 65K (its bf16 load and three 65K prefills): give it STAGE_S >= 420
-#   pweights the 27B synthetic decode with --prefill-weights auto (packed there) and dense, then C1 / C8 with dense
+#   pweights the 27B synthetic decode with --prefill-weights auto (dense copies on an H200) and packed, then C1 / C8
+#            with dense
 #   ctx262   decode -p 262016 -n 128 on the 27B synthetic: the native context's prefill and decode on one GPU
 #   drift    scripts/probe_prefill_drift.py: the bundled model's prefill time between runs (fresh / shared Engine,
 #            GC off), DRIFT_RUNS (40) runs of 5 repeats a condition
@@ -270,8 +271,9 @@ PY
     plen27)  # issue 32's prompt-length grid: the 27B synthetic beside the transformers peer on exact-length prompts
              nb decode $M27 --engine ${PLEN_ENGINES:-ours,hf} -p ${PLEN:-2991,65000} -n ${PLEN_N:-128} --repeats 2 \
                ${PLEN_ARGS:-} --json "$OUT/plen27" 2>&1 | tail -12 ;;
-    pweights) # --prefill-weights dense against the default (packed at the 27B shape): TTFT and memory, same tokens
-             for w in auto dense; do
+    pweights) # --prefill-weights packed against the default (dense copies at the 27B shape on an H200): TTFT and
+             # memory, same tokens
+             for w in auto packed; do
                nb decode $M27 --prefill-weights $w -n 32 --repeats 3 --json "$OUT/pweights-$w.json" 2>&1 | tail -3
              done
              nb concurrency $M27 -c 1,8 -n 128 --prefill-weights dense --json "$OUT/conc27-dense.json" 2>&1 | tail -8 ;;
@@ -306,13 +308,14 @@ PY
                | tee "$OUT/dattn.log" | grep -v "^resources" | tail -60 ;;
     pprof)   # where a long prefill's time goes: scripts/profile_step.py --prefill at PPROF_LEN tokens on the 27B
              # synthetic, once per PPROF_MODES entry (flash: the defaults; sdpa: --no-flash-prefill; unfused:
-             # --no-fused-prefill; dense: --prefill-weights dense)
+             # --no-fused-prefill; dense / packed: --prefill-weights dense / packed)
              for mode in ${PPROF_MODES:-flash sdpa}; do
                case $mode in
                  flash) flags="" ;;
                  sdpa)  flags="--no-flash-prefill" ;;
                  unfused) flags="--no-fused-prefill" ;;
                  dense) flags="--prefill-weights dense" ;;
+                 packed) flags="--prefill-weights packed" ;;
                esac
                timeout ${STAGE_S:-300} python3 scripts/profile_step.py $M27 --prefill --prompt-len ${PPROF_LEN:-65000} \
                  --top ${PPROF_TOP:-25} $flags --json "$OUT/pprof-$mode.json" 2>&1 | tee "$OUT/pprof-$mode.log" \

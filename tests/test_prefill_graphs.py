@@ -122,6 +122,16 @@ def test_prefill_weights_choose_whether_dense_copies_are_kept():
         EngineOptions(device="cpu", prefill_weights="dense")
 
 
+def test_auto_keeps_dense_copies_by_the_free_memory():
+    from ninfer_bench.engine.model.weights import DENSE_CACHE_LIMIT, keep_dense_copies
+
+    gib = 1 << 30
+    assert keep_dense_copies(DENSE_CACHE_LIMIT, 4 * DENSE_CACHE_LIMIT, None)  # small: kept wherever it runs
+    assert keep_dense_copies(15 * gib, 50 * gib, 130 * gib)  # the 27B shape on a 141 GB GPU
+    assert not keep_dense_copies(15 * gib, 50 * gib, 78 * gib)  # ... on an 80 GB one
+    assert not keep_dense_copies(15 * gib, 50 * gib, None)  # free memory unknown: no copies past the limit
+
+
 @cuda
 @pytest.mark.parametrize("choice", ["dense", "packed"])
 def test_prefill_weights_decode_the_same_tokens(choice):

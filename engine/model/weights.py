@@ -110,10 +110,22 @@ class Embedding:
         return out.reshape(*ids.shape, self.shape[-1])
 
 
-# Prefill-width calls (T > the kernel's rows) multiply a dense copy of a packed weight. Below this many packed
-# bytes in all the copies are kept (2 bytes per weight more); above it (the 27B shape: 15 GB packed, 54 GB dense)
-# each prefill call dequantizes on the fly instead, so quantization keeps saving memory.
+# Prefill-width calls (T > the kernel's rows) multiply a dense copy of a packed weight. `auto` keeps the copies
+# (2 bytes per weight more) up to this many packed bytes whatever the device, and beyond it while the packed
+# weights and their copies take at most DENSE_AUTO_SHARE of the memory the device has free when the store is
+# built (the rest is for the K/V cache, activations and CUDA graphs); otherwise each prefill call dequantizes on
+# the fly, so quantization keeps saving memory. The 27B shape (15 GB packed, 54 GB dense) keeps them on a 141 GB
+# H200 and dequantizes on an 80 GB card.
 DENSE_CACHE_LIMIT = 4 << 30
+DENSE_AUTO_SHARE = 0.6
+
+
+def keep_dense_copies(packed_bytes: int, dense_bytes: int, available: int | None) -> bool:
+    """`--prefill-weights auto`: whether to keep a dense copy of each packed weight for prefill-width calls
+    (``available``: free device bytes, None when unknown)."""
+    if packed_bytes <= DENSE_CACHE_LIMIT:
+        return True
+    return available is not None and packed_bytes + dense_bytes <= DENSE_AUTO_SHARE * available
 
 
 def _packed_linear(raw: RawWeight, device, cache_dense: bool, layout: str):
@@ -151,13 +163,18 @@ class WeightStore:
         self.embeddings: dict[str, Embedding] = {}
         self.weight_bytes = sum(r.nbytes for r in raws.values())
         # prefill-width calls of packed weights: a dense copy of each kept, or dequantized on every call
-        self.cache_dense = {"auto": self.weight_bytes <= DENSE_CACHE_LIMIT, "dense": True,
-                            "packed": False}[prefill_weights]
+        dense = sum(math.prod(r.shape) for r in raws.values()
+                    if len(r.shape) == 2 and r.fmt in quant.QUANT_FORMATS) * dtype.itemsize
+        if prefill_weights == "auto":
+            from .memory import available_bytes
+
+            free = available_bytes(self.device) if self.packed and self.weight_bytes > DENSE_CACHE_LIMIT else None
+            self.cache_dense = keep_dense_copies(self.weight_bytes, dense, free)
+        else:
+            self.cache_dense = prefill_weights == "dense"
         if self.packed and prefill_weights == "dense":
             from .memory import check_fits_memory
 
-            dense = sum(math.prod(r.shape) for r in raws.values()
-                        if len(r.shape) == 2 and r.fmt in quant.QUANT_FORMATS) * dtype.itemsize
             check_fits_memory(self.weight_bytes + dense, self.device,
                               "the packed weights and dense copies of them for prefill",
                               "use --prefill-weights packed (dequantized every prefill chunk) or auto")

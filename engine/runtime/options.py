@@ -108,7 +108,8 @@ class EngineOptions:
     #                         path instead of cuBLAS (process-wide: kernels/qmv_cuda.set_dense)
     prefill_weights: str = "auto"  # prefill-width projections of packed weights (v3 on CUDA): "dense" keeps a dense
     #                                copy of each (2 bytes a weight more; refused when the GPU cannot hold them),
-    #                                "packed" dequantizes it on every chunk, "auto" keeps copies up to 4 GiB packed
+    #                                "packed" dequantizes it on every chunk, "auto" keeps copies while they and the
+    #                                packed weights take <= 60% of the free GPU memory (weights.keep_dense_copies)
     qmv_layout: str = "lanes"  # packed weights of bf16/fp16 models on CUDA: "lanes" (qmv's tile-contiguous layout
     #                            with one load a lane and no x shuffles), "tiled" (tile-contiguous) or "rows" (the
     #                            row-major buffers)
