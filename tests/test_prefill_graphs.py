@@ -126,10 +126,11 @@ def test_auto_keeps_dense_copies_by_the_free_memory():
     from ninfer_bench.engine.model.weights import DENSE_CACHE_LIMIT, keep_dense_copies
 
     gib = 1 << 30
-    assert keep_dense_copies(DENSE_CACHE_LIMIT, 4 * DENSE_CACHE_LIMIT, None)  # small: kept wherever it runs
-    assert keep_dense_copies(15 * gib, 50 * gib, 130 * gib)  # the 27B shape on a 141 GB GPU
-    assert not keep_dense_copies(15 * gib, 50 * gib, 78 * gib)  # ... on an 80 GB one
-    assert not keep_dense_copies(15 * gib, 50 * gib, None)  # free memory unknown: no copies past the limit
+    assert keep_dense_copies(DENSE_CACHE_LIMIT, 5 * DENSE_CACHE_LIMIT, None)  # small: kept wherever it runs
+    assert keep_dense_copies(15 * gib, 65 * gib, 130 * gib)  # the 27B shape on a 141 GB GPU
+    assert not keep_dense_copies(15 * gib, 65 * gib, 78 * gib)  # ... on an 80 GB one
+    assert not keep_dense_copies(15 * gib, 50 * gib, 60 * gib)  # ... or beside a K/V cache that left 60 GB free
+    assert not keep_dense_copies(15 * gib, 65 * gib, None)  # free memory unknown: no copies past the limit
 
 
 @cuda

@@ -120,12 +120,12 @@ DENSE_CACHE_LIMIT = 4 << 30
 DENSE_AUTO_SHARE = 0.6
 
 
-def keep_dense_copies(packed_bytes: int, dense_bytes: int, available: int | None) -> bool:
-    """`--prefill-weights auto`: whether to keep a dense copy of each packed weight for prefill-width calls
-    (``available``: free device bytes, None when unknown)."""
+def keep_dense_copies(packed_bytes: int, need: int, available: int | None) -> bool:
+    """`--prefill-weights auto`: whether to keep a dense copy of each packed weight for prefill-width calls, when
+    ``need`` bytes more must fit (``available``: free device bytes, None when unknown)."""
     if packed_bytes <= DENSE_CACHE_LIMIT:
         return True
-    return available is not None and packed_bytes + dense_bytes <= DENSE_AUTO_SHARE * available
+    return available is not None and need <= DENSE_AUTO_SHARE * available
 
 
 def _packed_linear(raw: RawWeight, device, cache_dense: bool, layout: str):
@@ -169,9 +169,10 @@ class WeightStore:
             from .memory import available_bytes
 
             free = available_bytes(self.device) if self.packed and self.weight_bytes > DENSE_CACHE_LIMIT else None
-            self.cache_dense = keep_dense_copies(self.weight_bytes, dense, free)
+            self.cache_dense = keep_dense_copies(self.weight_bytes, self.weight_bytes + dense, free)
         else:
             self.cache_dense = prefill_weights == "dense"
+        self.dense_bytes, self.auto_dense = dense, prefill_weights == "auto"
         if self.packed and prefill_weights == "dense":
             from .memory import check_fits_memory
 
@@ -199,6 +200,22 @@ class WeightStore:
                 self.vectors[name] = raw.dense(torch.float32, self.device)
         if tied_embeddings and "lm_head.weight" not in self.linears:
             self.linears["lm_head.weight"] = self.linear_of(raws["model.embed_tokens.weight"])
+
+    def settle_dense_copies(self) -> None:
+        """`auto`, once the rest of the engine (its K/V cache) is allocated: the dense copies (made at the first
+        prefill) are kept only if they still fit in DENSE_AUTO_SHARE of the free memory; else every prefill
+        call dequantizes."""
+        if not (self.auto_dense and self.cache_dense and self.packed and self.weight_bytes > DENSE_CACHE_LIMIT):
+            return
+        from .memory import available_bytes
+
+        made = sum(w.numel() * w.element_size() for lin in self.linears.values()
+                   for w in getattr(lin, "_dense", {}).values())
+        self.cache_dense = keep_dense_copies(self.weight_bytes, self.dense_bytes - made,
+                                             available_bytes(self.device))
+        for lin in self.linears.values():
+            if hasattr(lin, "dense_fallback"):
+                lin.dense_fallback = self.cache_dense
 
     def linear_of(self, raw: RawWeight):
         """A projection of ``raw`` held as this store holds its own: packed where the store keeps weights packed

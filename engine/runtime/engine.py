@@ -107,6 +107,7 @@ class Engine:
                                  kv_dtype=opts.kv_dtype, dtype=self.dtype, device=self.device,
                                  mtp_layers=self.config.mtp_num_hidden_layers if opts.spec == "mtp" else 0,
                                  rollback=opts.rollback)
+        self.weights.settle_dense_copies()  # auto: dense prefill copies only if they fit beside the cache
         self.scratch_slot = opts.max_concurrency
         self.vision, self.preprocess = None, None  # the vision tower, when the artifact has a vision component
         if loaded.vision is not None:
