@@ -92,6 +92,8 @@ class AttnConfig:
     # int8 caches: K / V as one 2-D tile per 64-value scale group, K's scales applied to the fp32 q.k products
     # (_attn_split's GROUPED); False: one [block_n, groups, 64] tile dequantized as a whole
     grouped: bool = False
+    # int8 caches (one tile per K / V): each key block's scales loaded one block ahead (_attn_split's AHEAD)
+    ahead: bool = False
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "combine_cols"):
@@ -110,6 +112,8 @@ class AttnConfig:
             raise ValueError(f"AttnConfig.num_stages must be >= 1, got {self.num_stages}")
         if self.pack < 1 or self.pack > self.block_m:
             raise ValueError(f"AttnConfig.pack must be in 1..block_m={self.block_m}, got {self.pack}")
+        if self.ahead and self.grouped:
+            raise ValueError("AttnConfig: ahead is for one K / V tile a block, not grouped tiles")
 
 
 @functools.lru_cache(maxsize=16)
@@ -128,7 +132,7 @@ def plan(batch: int, tokens: int, heads: int, kv_heads: int, head_dim: int, kv_l
          device: torch.device | str = "cuda", *, q_dtype: torch.dtype = torch.bfloat16, block_n: int | None = None,
          num_warps: int | None = None, num_stages: int | None = None, chunk: int | None = None,
          combine_cols: int | None = None, min_chunk: int | None = None, block_m: int | None = None,
-         pack: int | None = None, grouped: bool = False) -> AttnConfig:
+         pack: int | None = None, grouped: bool = False, ahead: bool = False) -> AttnConfig:
     """The default launch shape for these static sizes; keyword overrides are for tuning sweeps and tests.
 
     A tile is sized for ``PACK_TOKENS`` tokens' rows (at most ``MAX_BLOCK_M``) and holds as many whole tokens as
@@ -173,7 +177,8 @@ def plan(batch: int, tokens: int, heads: int, kv_heads: int, head_dim: int, kv_l
     if min_chunk is None:
         min_chunk = min(chunk, SHORT_MIN_BLOCKS * block_n)
     return AttnConfig(block_m=block_m, block_n=block_n, chunk=chunk, num_warps=num_warps, num_stages=num_stages,
-                      combine_cols=combine_cols, min_chunk=min_chunk, pack=pack, grouped=grouped and int8)
+                      combine_cols=combine_cols, min_chunk=min_chunk, pack=pack, grouped=grouped and int8,
+                      ahead=ahead and int8)
 
 
 def _new_buffer(shape, dtype, device) -> torch.Tensor:
@@ -278,8 +283,9 @@ def _launch(kern, q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, scale, kv
     block_d = _block_d(hd)
     gw = min(KV_GROUP, block_d)  # columns per scale group in the int8 tile [BLOCK_N, NG, GW]
     splits = -(-kv_len // cfg.chunk)
-    if cfg.grouped and not int8:
-        raise ValueError(f"decode_attention: grouped tiles are for an int8 cache, the cache is {k_cache.dtype}")
+    if (cfg.grouped or cfg.ahead) and not int8:
+        raise ValueError(f"decode_attention: grouped tiles and scales ahead are for an int8 cache, the cache is "
+                         f"{k_cache.dtype}")
     if cfg.pack > 1 and cfg.pack * g > cfg.block_m:
         raise ValueError(f"decode_attention: pack={cfg.pack} tokens of G={g} rows do not fit block_m={cfg.block_m}")
     m_tiles = -(-g // cfg.block_m)  # a token's tiles (pack = 1)
@@ -304,7 +310,7 @@ def _launch(kern, q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, scale, kv
         scale * LOG2E, t, h, hkv, kv_len, cfg.chunk, cfg.min_chunk or cfg.chunk, splits, m_tiles,
         G=g, HD=hd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, NG=block_d // gw, GW=gw,
         IS_INT8=int8, SPLIT=splits > 1, HAS_GATE=gate is not None, DOT_DTYPE=kern["dtypes"][dot_dtype],
-        DOT_PREC="tf32x3" if q.dtype == torch.float32 else "tf32", PACK=cfg.pack, GROUPED=cfg.grouped,
+        DOT_PREC="tf32x3" if q.dtype == torch.float32 else "tf32", PACK=cfg.pack, GROUPED=cfg.grouped, AHEAD=cfg.ahead,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_triton.pdl_args(q.device),
     )
     if splits > 1:

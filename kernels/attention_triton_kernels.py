@@ -26,23 +26,37 @@ def _load_tile(base, s_base, stride_n, stride_sn, offs_n, n_ok, DOT_DTYPE: tl.co
                IS_INT8: tl.constexpr):
     """Keys or values [BLOCK_N, BLOCK_D] of one slot and kv head in DOT_DTYPE, 0 past HD and where n_ok is false."""
     if IS_INT8:
-        # codes as [BLOCK_N, NG, GW], so that each 64-wide group meets its scale by broadcasting; the product in
-        # fp16 (exact codes, one rounding) holds the tile in half the registers of fp32, and overflows only for
-        # cached values past fp16's 65504; decode attention dots it in fp16 (DOT_DTYPE), so no conversion follows
         # TODO(perf): for BLOCK_M=16 (mma.sync) sm_90 SASS reads the int8 V tile from shared memory one byte per
         # LDS (the dot-operand layout walks keys, which are strided); a suspect while int8 lags bf16 in % copy bw
-        offs_g = tl.arange(0, NG)
-        d3 = offs_g[None, :, None] * GW + tl.arange(0, GW)[None, None, :]
-        codes = tl.load(base + offs_n[:, None, None] * stride_n + d3, mask=n_ok[:, None, None] & (d3 < HD), other=0)
-        sc = tl.load(s_base + offs_n[:, None] * stride_sn + offs_g[None, :],
-                     mask=n_ok[:, None] & (offs_g[None, :] * GW < HD), other=0.0)
-        x = _int8_f16(codes) * sc[:, :, None]
-        return tl.reshape(x, (BLOCK_N, BLOCK_D)).to(DOT_DTYPE)
+        return _dequant(_codes_tile(base, stride_n, offs_n, n_ok, HD, NG, GW),
+                        _scales_tile(s_base, stride_sn, offs_n, n_ok, HD, NG, GW), DOT_DTYPE, BLOCK_N, BLOCK_D)
     else:
         offs_d = tl.arange(0, BLOCK_D)
         x = tl.load(base + offs_n[:, None] * stride_n + offs_d[None, :],
                     mask=n_ok[:, None] & (offs_d[None, :] < HD), other=0.0)
         return x.to(DOT_DTYPE)
+
+
+def _codes_tile(base, stride_n, offs_n, n_ok, HD: tl.constexpr, NG: tl.constexpr, GW: tl.constexpr):
+    """int8 codes of keys offs_n as [BLOCK_N, NG, GW], so that each 64-wide group meets its scale by broadcasting
+    (0 past HD and where n_ok is false)."""
+    d3 = tl.arange(0, NG)[None, :, None] * GW + tl.arange(0, GW)[None, None, :]
+    return tl.load(base + offs_n[:, None, None] * stride_n + d3, mask=n_ok[:, None, None] & (d3 < HD), other=0)
+
+
+def _scales_tile(s_base, stride_sn, offs_n, n_ok, HD: tl.constexpr, NG: tl.constexpr, GW: tl.constexpr):
+    """The fp16 scales of keys offs_n [BLOCK_N, NG] (0 where n_ok is false)."""
+    offs_g = tl.arange(0, NG)
+    return tl.load(s_base + offs_n[:, None] * stride_sn + offs_g[None, :],
+                   mask=n_ok[:, None] & (offs_g[None, :] * GW < HD), other=0.0)
+
+
+def _dequant(codes, sc, DOT_DTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """codes [BLOCK_N, NG, GW] times their scales [BLOCK_N, NG] as [BLOCK_N, BLOCK_D] in DOT_DTYPE: the product in
+    fp16 (exact codes, one rounding) holds the tile in half the registers of fp32, and overflows only for cached
+    values past fp16's 65504; decode attention dots it in fp16 (DOT_DTYPE), so no conversion follows."""
+    x = _int8_f16(codes) * sc[:, :, None]
+    return tl.reshape(x, (BLOCK_N, BLOCK_D)).to(DOT_DTYPE)
 
 
 def _row_chunk(pos, CHUNK, MIN_CHUNK, NUM_SPLITS, BLOCK_N: tl.constexpr):
@@ -55,13 +69,13 @@ def _row_chunk(pos, CHUNK, MIN_CHUNK, NUM_SPLITS, BLOCK_N: tl.constexpr):
 
 def _attn_split(Q, K, V, KS, VS, SLOTS, QPOS, O, OP, LSE, GATE, stride_gb, stride_gt,
                 stride_qb, stride_qt, stride_qh, stride_ks, stride_kh, stride_kn, stride_vs, stride_vh, stride_vn,
-                stride_kss, stride_ksh, stride_ksn, stride_vss, stride_vsh, stride_vsn,
+                stride_kss, stride_ksh, stride_ksn: tl.constexpr, stride_vss, stride_vsh, stride_vsn: tl.constexpr,
                 stride_pb, stride_pt, stride_ob, stride_ot, stride_oh,
                 qk_scale, T, H, HKV, KV_LEN, CHUNK, MIN_CHUNK, NUM_SPLITS, M_TILES,
                 G: tl.constexpr, HD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_D: tl.constexpr, NG: tl.constexpr, GW: tl.constexpr, IS_INT8: tl.constexpr,
                 SPLIT: tl.constexpr, HAS_GATE: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
-                PACK: tl.constexpr, GROUPED: tl.constexpr, PDL: tl.constexpr):
+                PACK: tl.constexpr, GROUPED: tl.constexpr, AHEAD: tl.constexpr, PDL: tl.constexpr):
     """Program (tile, split, b * Hkv + hkv). PACK == 1: tile = t * M_TILES + m, token t's rows g of m tile.
     PACK > 1: tile i holds tokens i * PACK .. + PACK - 1, G rows each, so one program reads each K/V tile once for
     all of them. Every row keeps its own key range [split * chunk, + chunk), chunk from its own position
@@ -72,7 +86,12 @@ def _attn_split(Q, K, V, KS, VS, SLOTS, QPOS, O, OP, LSE, GATE, stride_gb, strid
     GROUPED (int8 caches): K and V as NG two-dimensional [BLOCK_N, GW] tiles, one per scale group, instead of one
     [BLOCK_N, NG, GW] tile reshaped: q.k is the sum over groups of (q_g . codes_g) times the keys' group scales,
     applied to the fp32 products (no scale per cached key value), and each group's values meet their scales by a
-    [BLOCK_N, 1] broadcast into their own [BLOCK_M, GW] accumulator."""
+    [BLOCK_N, 1] broadcast into their own [BLOCK_M, GW] accumulator.
+
+    AHEAD (int8 caches, one tile per K / V): each key block's scales are loaded one block ahead, so their load is
+    in flight while the block before is dotted (a tile of 2-byte scales is too narrow for the asynchronous copies
+    the loop's pipelining gives the codes). The strides of the scales along keys are compile-time constants (the
+    cache's group count), so a key's scales load as one vector. Neither changes a value."""
     pdl_enter(PDL)  # PDL launches: wait for the kernel before, let the next one launch
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -121,9 +140,17 @@ def _attn_split(Q, K, V, KS, VS, SLOTS, QPOS, O, OP, LSE, GATE, stride_gb, strid
     vs_base = VS + slot * stride_vss + hkv * stride_vsh
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
+    if AHEAD:  # the first block's scales; each block then loads the next one's
+        offs0 = lo + tl.arange(0, BLOCK_N)
+        sk = _scales_tile(ks_base, stride_ksn, offs0, offs0 < hi, HD, NG, GW)
+        sv = _scales_tile(vs_base, stride_vsn, offs0, offs0 < hi, HD, NG, GW)
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_ok = offs_n < hi  # masked loads give 0, so NaN or garbage past the last position never reaches p @ v
+        if AHEAD:
+            nxt = offs_n + BLOCK_N
+            sk_next = _scales_tile(ks_base, stride_ksn, nxt, nxt < hi, HD, NG, GW)
+            sv_next = _scales_tile(vs_base, stride_vsn, nxt, nxt < hi, HD, NG, GW)
         if GROUPED:
             qk = _group_qk(q0, k_base, ks_base, stride_kn, stride_ksn, offs_n, n_ok, 0, DOT_DTYPE, DOT_PREC, HD, GW)
             if NG > 1:
@@ -135,6 +162,9 @@ def _attn_split(Q, K, V, KS, VS, SLOTS, QPOS, O, OP, LSE, GATE, stride_gb, strid
                 qk += _group_qk(q3, k_base, ks_base, stride_kn, stride_ksn, offs_n, n_ok, 3, DOT_DTYPE, DOT_PREC,
                                 HD, GW)
             qk = qk * qk_scale
+        elif AHEAD:
+            k = _dequant(_codes_tile(k_base, stride_kn, offs_n, n_ok, HD, NG, GW), sk, DOT_DTYPE, BLOCK_N, BLOCK_D)
+            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
         else:
             k = _load_tile(k_base, ks_base, stride_kn, stride_ksn, offs_n, n_ok, DOT_DTYPE, HD, BLOCK_N, BLOCK_D,
                            NG, GW, IS_INT8)
@@ -159,8 +189,14 @@ def _attn_split(Q, K, V, KS, VS, SLOTS, QPOS, O, OP, LSE, GATE, stride_gb, strid
                 acc3 = acc3 * alpha[:, None] + _group_pv(p16, v_base, vs_base, stride_vn, stride_vsn, offs_n, n_ok, 3,
                                                          DOT_DTYPE, DOT_PREC, HD, GW)
         else:
-            v = _load_tile(v_base, vs_base, stride_vn, stride_vsn, offs_n, n_ok, DOT_DTYPE, HD, BLOCK_N, BLOCK_D,
-                           NG, GW, IS_INT8)
+            if AHEAD:
+                v = _dequant(_codes_tile(v_base, stride_vn, offs_n, n_ok, HD, NG, GW), sv, DOT_DTYPE, BLOCK_N,
+                             BLOCK_D)
+                sk = sk_next
+                sv = sv_next
+            else:
+                v = _load_tile(v_base, vs_base, stride_vn, stride_vsn, offs_n, n_ok, DOT_DTYPE, HD, BLOCK_N, BLOCK_D,
+                               NG, GW, IS_INT8)
             acc = acc * alpha[:, None] + tl.dot(p16, v, input_precision=DOT_PREC)
         m_i = m_new
     has = l_i > 0.0
@@ -383,7 +419,8 @@ def _kv_dequant(K, KS, SLOTS, OUT, stride_ks, stride_kh, stride_kn, stride_sss, 
 @functools.lru_cache(maxsize=1)
 def jit_kernels() -> dict:
     """Jit the kernels (first call only). `_attn_split` finds `_load_tile` and `tl` as module globals."""
-    out = _triton.jit_module(globals(), ("_int8_f16", "_load_tile", "_row_chunk", "_gated", "_prefill_tile",
+    out = _triton.jit_module(globals(), ("_int8_f16", "_load_tile", "_codes_tile", "_scales_tile", "_dequant",
+                                         "_row_chunk", "_gated", "_prefill_tile",
                                          "_store_cols", "_codes16", "_group_scale", "_group_q", "_group_qk", "_group_pv"),
                              {"split": "_attn_split", "combine": "_attn_combine",
                               "prefill": "_attn_prefill", "kv_dequant": "_kv_dequant"})

@@ -132,7 +132,8 @@ def measure_peer(case: Case, t: int, bw: float) -> dict:
 
 def sweep_configs(case: Case, t: int) -> list:
     """The default plan (tokens packed in one tile), then launch shapes one change away from it (block_n, warps,
-    stages, split length, for int8 one tile per scale group); then the same around 5 tokens a tile (32 rows) and
+    stages, split length, for int8 one tile per scale group or the scales loaded a block ahead); then the same
+    around 5 tokens a tile (32 rows) and
     the one-token tile (pack=1, G rows padded to 16)."""
     out = []
     for tile in ({}, {"pack": 5}, {"pack": 1}):  # pack 5: 30 of 32 rows, a T = 8 verify in two tiles
@@ -142,7 +143,9 @@ def sweep_configs(case: Case, t: int) -> list:
         for change in ({"block_n": 32}, {"block_n": 64}, {"num_warps": 4}, {"num_warps": 8}, {"num_stages": 1},
                        {"num_stages": 2},
                        {"num_stages": 4}, {"chunk": base.chunk // 2}, {"chunk": base.chunk * 2},
-                       {"chunk": base.chunk * 4}, *([{"grouped": True}] if case.kv == "int8" else [])):
+                       {"chunk": base.chunk * 4},
+                       *([{"grouped": True}, {"ahead": True}, {"ahead": True, "num_stages": 2},
+                          {"ahead": True, "block_n": 64}] if case.kv == "int8" else [])):
             fields = {**dataclasses.asdict(base), **change}
             bn = fields["block_n"]
             fields["chunk"] = chunk = max(bn, fields["chunk"] // bn * bn)

@@ -51,19 +51,19 @@ SHAPES = {
 
 @pytest.mark.parametrize("kv", ["bf16", "fp16", "int8"])
 @pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
-@pytest.mark.parametrize("split", ["plan", "split", "token-tiles", "grouped"])
+@pytest.mark.parametrize("split", ["plan", "split", "token-tiles", "grouped", "ahead"])
 def test_matches_reference(kv, shape, split):
     """The default plan (tokens packed into one tile), a split one, one-token tiles (pack=1), and (int8) the
-    cache read as one tile per scale group."""
-    if split == "grouped" and kv != "int8":
-        pytest.skip("grouped tiles are for int8 caches")
+    cache read as one tile per scale group, or with each block's scales loaded a block ahead."""
+    if split in ("grouped", "ahead") and kv != "int8":
+        pytest.skip(f"{split} tiles are for int8 caches")
     c = make_case(kv, *SHAPES[shape])
     ref = at.decode_attention_ref(**c)
     b, t, h, hd = c["q"].shape
     hkv, cap = c["k_cache"].shape[1], c["k_cache"].shape[2]
     cfg = (None if split == "plan" else split_config(c) if split == "split" else
            at.plan(b, t, h, hkv, hd, cap, kv == "int8", DEVICE, q_dtype=c["q"].dtype, block_n=16, chunk=48, pack=1)
-           if split == "token-tiles" else dataclasses.replace(split_config(c), grouped=True))
+           if split == "token-tiles" else dataclasses.replace(split_config(c), **{split: True}))
     out = at.decode_attention(**c, config=cfg)
     assert out.shape == ref.shape and out.dtype == c["q"].dtype
     assert torch.isfinite(out).all(), "unwritten or non-finite output"
@@ -106,7 +106,7 @@ def test_no_leak_past_q_pos(kv):
     c = make_case(kv, 3, 3, 4, 2, 64, [3, 150, 61], 4, 160, seed=1)
     cfgs = [split_config(c, block_n=32, blocks=2)]
     if kv == "int8":
-        cfgs.append(dataclasses.replace(cfgs[0], grouped=True))
+        cfgs += [dataclasses.replace(cfgs[0], grouped=True), dataclasses.replace(cfgs[0], ahead=True)]
     for cfg in cfgs:
         clean = at.decode_attention(**c, config=cfg)
         for value in (float("nan"), 6e4):
@@ -149,8 +149,9 @@ def test_tokens_give_the_bits_single_steps_give(kv, q_dtype):
                                min_chunk=16, pack=3),
             at.plan(b, t, h, 2, hd, 256, kv == "int8", DEVICE, q_dtype=q_dtype, block_n=16, chunk=64,
                     min_chunk=16, pack=1)]
-    if kv == "int8":  # and a tile per scale group
-        cfgs.append(dataclasses.replace(dyn, grouped=True))
+    if kv == "int8":  # and a tile per scale group, and scales loaded a block ahead (the same values as dyn's)
+        cfgs += [dataclasses.replace(dyn, grouped=True), dataclasses.replace(dyn, ahead=True)]
+        assert torch.equal(at.decode_attention(**c, config=cfgs[-1]), at.decode_attention(**c, config=dyn))
     for cfg in cfgs:
         block = at.decode_attention(**c, config=cfg)
         for i in range(b):
@@ -195,8 +196,12 @@ def test_bad_inputs_name_the_problem():
         at.decode_attention(**f, gate=torch.zeros(b, t, h * hd + 1, device=DEVICE))
     grouped = at.plan(b, t, h, 2, hd, 160, False, DEVICE, q_dtype=f["q"].dtype, grouped=True)
     assert not grouped.grouped  # the planner asks for groups only of an int8 cache
-    with pytest.raises(ValueError, match="grouped tiles are for an int8 cache"):
+    with pytest.raises(ValueError, match="grouped tiles and scales ahead are for an int8 cache"):
         at.decode_attention(**f, config=dataclasses.replace(grouped, grouped=True))
+    with pytest.raises(ValueError, match="grouped tiles and scales ahead are for an int8 cache"):
+        at.decode_attention(**f, config=dataclasses.replace(grouped, ahead=True))
+    with pytest.raises(ValueError, match="ahead is for one K / V tile"):
+        dataclasses.replace(grouped, ahead=True, grouped=True)
 
 
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
