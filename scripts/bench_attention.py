@@ -89,13 +89,13 @@ class Case:
         return self.k[slots].contiguous(), self.v[slots].contiguous()
 
 
-def check(case: Case, t: int) -> float:
+def check(case: Case, t: int, config=None) -> float:
     """Relative RMS of decode_attention vs the fp32 reference, on NaN-filled outputs."""
     x = case.inputs(t, case.slot_sets[0])
     new_buffer = at._new_buffer
     at._new_buffer = lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype, device=device)
     try:
-        out = at.decode_attention(**x, kv_len_max=case.ctx).float()
+        out = at.decode_attention(**x, kv_len_max=case.ctx, config=config).float()
     finally:
         at._new_buffer = new_buffer
     ref = at.decode_attention_ref(**{**x, "q": x["q"].float()}, kv_len_max=case.ctx)
@@ -169,7 +169,18 @@ def main() -> int:
                         help="only these cases, a comma list of KV:CTX:B:T (e.g. int8:65536:1:1,bf16:65536:1:1), "
                              "as under a profiler (ncu): fewer launches to find")
     parser.add_argument("--no-peer", action="store_true", help="skip SDPA on the bf16 copy and the pack1 row")
+    parser.add_argument("--plan", default="",
+                        help="the first row's plan with these overrides of kernels.attention_triton.plan, a comma "
+                             "list of NAME=INT (e.g. ahead=1,block_n=64), as under a profiler (ncu): a candidate's "
+                             "kernel alone")
     args = parser.parse_args()
+    overrides = {}
+    for item in filter(None, args.plan.split(",")):
+        name, _, value = item.partition("=")
+        if name not in ("block_n", "num_warps", "num_stages", "chunk", "min_chunk", "block_m", "pack", "grouped",
+                        "ahead") or not value.lstrip("-").isdigit():
+            parser.error(f"--plan: expected NAME=INT with NAME a keyword of plan(), got {item!r}")
+        overrides[name] = bool(int(value)) if name in ("grouped", "ahead") else int(value)
     only = None
     if args.cases:
         try:
@@ -205,16 +216,16 @@ def main() -> int:
                 case = Case(kv, ctx, b)
                 for t in sorted({c[3] for c in only if c[:3] == (kv, ctx, b)}) if only else TOKENS:
                     shape = {"kv": kv, "ctx": ctx, "B": b, "T": t}
-                    cfg = at.plan(b, t, H, HKV, HD, ctx, kv == "int8", DEVICE)
+                    cfg = at.plan(b, t, H, HKV, HD, ctx, kv == "int8", DEVICE, **overrides)
                     rec = {"op": "decode_attention", **shape, "config": str(cfg), "splits": -(-ctx // cfg.chunk)}
                     try:
-                        rec["rel_rms"] = check(case, t)
+                        rec["rel_rms"] = check(case, t, cfg)
                         rec["ok"] = rec["rel_rms"] <= RTOL_BF16
                         if not rec["ok"]:
                             failures += 1
                             print(f"!!!!! WRONG RESULT {shape}: relative RMS {rec['rel_rms']:.3e} > {RTOL_BF16} "
                                   f"vs the fp32 reference !!!!!")
-                        rec.update(measure(case, t, bw))
+                        rec.update(measure(case, t, bw, cfg))
                     except Exception as exc:
                         failures += 1
                         rec.update(ok=False, error=repr(exc)[:400])

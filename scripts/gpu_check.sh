@@ -281,14 +281,15 @@ PY
              # one repeat without a warm-up (a warm-up would prefill it twice)
              nb decode $M27 -p ${CTX_P:-262016} -n 128 --repeats 1 --warmup 0 --json "$OUT/ctx262.json" 2>&1 | tail -12 ;;
     ncuattn) # Nsight Compute on decode attention's split kernel, int8 beside bf16 (65,536 keys, B = 1, T = 1 by
-             # default: NCU_CASES), the default plan only, one report a case; full sections, clocks left alone
+             # default: NCU_CASES), the default plan (NCU_PLAN: its overrides, bench_attention.py --plan), one report
+             # a case; full sections, clocks left alone
              if ! command -v ncu >/dev/null; then echo "ncu: not on the PATH"; else
                mkdir -p "$OUT/ncu"   # one folder: it comes back as one archive
                for c in $(echo ${NCU_CASES:-int8:65536:1:1,bf16:65536:1:1} | tr , ' '); do
                  rep="$OUT/ncu/attn_$(echo $c | tr : _)"
                  timeout ${STAGE_S:-300} ncu --clock-control none --kernel-name regex:_attn_split --launch-skip 2 \
                    --launch-count ${NCU_COUNT:-1} --set full -o "$rep" -f python3 scripts/bench_attention.py --no-sweep \
-                   --no-peer --cases $c > "$rep.log" 2>&1
+                   --no-peer --cases $c ${NCU_PLAN:+--plan $NCU_PLAN} > "$rep.log" 2>&1
                  echo "--- $c: ncu rc $?"; grep -E "^==PROF==|Error|error" "$rep.log" | head -5
                  ncu --import "$rep.ncu-rep" --page details --print-units base 2>&1 | grep -E "Duration|Memory Throughput|DRAM Throughput|Compute \(SM\) Throughput|Registers Per|Achieved Occupancy|Theoretical Occupancy|Warp Cycles Per Issued|Executed Ipc A|Shared Memory Configuration Size|L1/TEX Hit|L2 Hit|Block Limit" | head -30
                done
