@@ -92,7 +92,8 @@ class AttnConfig:
     # int8 caches: K / V as one 2-D tile per 64-value scale group, K's scales applied to the fp32 q.k products
     # (_attn_split's GROUPED); False: one [block_n, groups, 64] tile dequantized as a whole
     grouped: bool = False
-    # int8 caches (one tile per K / V): each key block's scales loaded one block ahead (_attn_split's AHEAD)
+    # int8 caches (one tile per K / V): each key block's scales loaded one block ahead (_attn_split's AHEAD); the
+    # planner's default for int8
     ahead: bool = False
 
     def __post_init__(self):
@@ -132,7 +133,7 @@ def plan(batch: int, tokens: int, heads: int, kv_heads: int, head_dim: int, kv_l
          device: torch.device | str = "cuda", *, q_dtype: torch.dtype = torch.bfloat16, block_n: int | None = None,
          num_warps: int | None = None, num_stages: int | None = None, chunk: int | None = None,
          combine_cols: int | None = None, min_chunk: int | None = None, block_m: int | None = None,
-         pack: int | None = None, grouped: bool = False, ahead: bool = False) -> AttnConfig:
+         pack: int | None = None, grouped: bool = False, ahead: bool | None = None) -> AttnConfig:
     """The default launch shape for these static sizes; keyword overrides are for tuning sweeps and tests.
 
     A tile is sized for ``PACK_TOKENS`` tokens' rows (at most ``MAX_BLOCK_M``) and holds as many whole tokens as
@@ -176,6 +177,11 @@ def plan(batch: int, tokens: int, heads: int, kv_heads: int, head_dim: int, kv_l
         combine_cols = min(block_d, COMBINE_COLS)
     if min_chunk is None:
         min_chunk = min(chunk, SHORT_MIN_BLOCKS * block_n)
+    if ahead is None:
+        # int8 scales a block ahead (same values): on the H200 at 65,536 keys, B = 1, the packed tile went from 30.8
+        # to 35.7 % of the copy bandwidth at T = 1 and 29.6 to 33.7 % at T = 8 (Nsight Compute: 99.5 -> 88.3 us;
+        # docs/perf/2026-12-02d-prefill-weights-scales-ahead-h200.md); grouped tiles never take it
+        ahead = not grouped
     return AttnConfig(block_m=block_m, block_n=block_n, chunk=chunk, num_warps=num_warps, num_stages=num_stages,
                       combine_cols=combine_cols, min_chunk=min_chunk, pack=pack, grouped=grouped and int8,
                       ahead=ahead and int8)

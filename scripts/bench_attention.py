@@ -132,7 +132,7 @@ def measure_peer(case: Case, t: int, bw: float) -> dict:
 
 def sweep_configs(case: Case, t: int) -> list:
     """The default plan (tokens packed in one tile), then launch shapes one change away from it (block_n, warps,
-    stages, split length, for int8 one tile per scale group or the scales loaded a block ahead); then the same
+    stages, split length, for int8 one tile per scale group or the scales loaded with their block); then the same
     around 5 tokens a tile (32 rows) and
     the one-token tile (pack=1, G rows padded to 16)."""
     out = []
@@ -144,8 +144,8 @@ def sweep_configs(case: Case, t: int) -> list:
                        {"num_stages": 2},
                        {"num_stages": 4}, {"chunk": base.chunk // 2}, {"chunk": base.chunk * 2},
                        {"chunk": base.chunk * 4},
-                       *([{"grouped": True}, {"ahead": True}, {"ahead": True, "num_stages": 2},
-                          {"ahead": True, "block_n": 64}] if case.kv == "int8" else [])):
+                       *([{"grouped": True, "ahead": False}, {"ahead": False}, {"num_stages": 4, "ahead": True}]
+                         if case.kv == "int8" else [])):
             fields = {**dataclasses.asdict(base), **change}
             bn = fields["block_n"]
             fields["chunk"] = chunk = max(bn, fields["chunk"] // bn * bn)
