@@ -65,7 +65,8 @@
 #            GC off), DRIFT_RUNS (40) runs of 5 repeats a condition
 #   peersmall (waits for llamabuild) the bundled model beside llama.cpp (CUDA) on the 64 held-out prompts, 64 tokens
 #   gtrust   scripts/gate_trust.py on the bundled model (issue 34): GT_PAIRS (100) A/A pairs of 5 repeats, GT_INJ (40)
-#            pairs against a 5% injected slowdown with --repeats auto, no pair started past GT_LIMIT_S (200) seconds
+#            pairs against a 5% injected slowdown with --repeats auto, no pair started past GT_LIMIT_S (300) seconds
+#            (100 + 40 pairs take about 280 s on an H200)
 #   hashes   the token hashes a refactor must keep: the README's main command (timed), the bundled model's plain and
 #            MTP3 runs, and the 27B synthetic plain / MTP3 / DFlash2 K=7 runs (64 tokens, the default prompt)
 set -u
@@ -324,7 +325,7 @@ PY
              done ;;
     gtrust)  timeout ${STAGE_S:-400} python3 scripts/gate_trust.py --device cuda --pairs ${GT_PAIRS:-100} --repeats 5 \
                --injected-pairs ${GT_INJ:-40} --injected-repeats auto --repeats-budget-s 5 -n 128 --slowdown 0.05 \
-               --time-limit-s ${GT_LIMIT_S:-200} --out "$OUT/gate-trust-h200.json" 2>&1 | tee "$OUT/gate_trust.log" | tail -30 ;;
+               --time-limit-s ${GT_LIMIT_S:-300} --out "$OUT/gate-trust-h200.json" 2>&1 | tee "$OUT/gate_trust.log" | tail -30 ;;
     llwait)  llwait ;;
     drift)   nb_py() { timeout "${STAGE_S:-86400}" python3 "$@"; }
              nb_py scripts/probe_prefill_drift.py --device cuda --runs ${DRIFT_RUNS:-40} --repeats 5 -n 128 \
