@@ -15,6 +15,7 @@ from ..reports.tables import (
     decode_runs_grid,
     kernels_grid,
     open_loop_grid,
+    timeline_grid,
 )
 from .common import (
     UserError,
@@ -457,8 +458,12 @@ def concurrency(levels, url, served_model, model, synthetic, quant, spec, draft_
 @click.option("--label", default=None, callback=run_label,
               help="Label of this run in reports [default: kernels-SHAPE-DEVICE].")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write the result document.")
+@click.option("--timeline", is_flag=True, help="Also profile the engine's own decode step on the model and show each "
+              "kernel's share of it (CUDA: the captured step's kernels; a CPU: torch ops by self time).")
+@click.option("--timeline-steps", type=int, default=32, show_default=True, help="Decode steps the timeline profiles.")
 @output_options
-def kernels(shape, model, ts, variants, ops, quant, contexts, repeats, warmup, device, seed, label, json_path):
+def kernels(shape, model, ts, variants, ops, quant, contexts, repeats, warmup, device, seed, label, json_path, timeline,
+            timeline_steps):
     """Per-op microseconds, GB/s and % of copy bandwidth of the model's hot decode ops, each checked against its
     fp32 reference in the same run; exit 1 when any check fails."""
     from ..suites.kernels import KernelOptions, run_kernels
@@ -473,7 +478,8 @@ def kernels(shape, model, ts, variants, ops, quant, contexts, repeats, warmup, d
     opts = KernelOptions(shape=shape, model=model, ts=numbers(ts, "--t"), variants=names(variants),
                          ops=names(ops or ""), quant=quant,
                          contexts=numbers(contexts, "--contexts") if contexts else None,
-                         repeats=repeats, warmup=warmup, device=device, label=label, seed=seed)
+                         repeats=repeats, warmup=warmup, device=device, label=label, seed=seed, timeline=timeline,
+                         timeline_steps=timeline_steps)
     import torch
 
     if opts.device == "cpu" or (opts.device == "auto" and not torch.cuda.is_available()):
@@ -486,6 +492,8 @@ def kernels(shape, model, ts, variants, ops, quant, contexts, repeats, warmup, d
     say(f"copy bandwidth (read + write) measured in this run: {s['copy_bandwidth_gbps']:.1f} GB/s")
     for note in sorted({f"{r['variant']}: {r['note']}" for r in doc["records"] if r["ok"] and r["note"]}):
         say(f"[dim]  {note}[/]", highlight=False)
+    if s.get("timeline"):
+        show(timeline_grid(doc))
     save_result(doc, json_path)
     if s["failures"]:
         for line in s["failures"]:

@@ -402,6 +402,20 @@ def kernels_grid(doc: dict) -> Grid:
                            f"({(doc.get('config') or {}).get('dtype')}, timer {s.get('timer')})", cols, rows)
 
 
+def timeline_grid(doc: dict, top: int = 25) -> Grid:
+    """A kernels result's decode-step timeline (``summary.timeline``), a row per kernel (CUDA) or torch op (CPU),
+    largest first (the first ``top``): microseconds and calls a step, and its share of the step's wall time."""
+    tl, base = doc["summary"]["timeline"], run_context(doc)
+    rows = [{**base, **k} for k in tl["kernels"][:top]]
+    R = "right"
+    cols = [Column("kernel" if tl["device"].startswith("cuda") else "op", lambda r: r["name"][:90]),
+            _col("us/step", "us_per_step", ".1f", R), _col("calls/step", "calls_per_step", ".1f", R),
+            Column("% of step", lambda r: fmt(100 * r["share_of_step"], ".1f"), R)]
+    return Grid("timeline", f"decode step timeline: {doc['label']} ({tl['source']}; {tl['steps']} steps after a "
+                            f"{tl['prompt_len']}-token prompt, {tl['step_wall_us']:.1f} us a step, busy "
+                            f"{100 * tl['busy_us'] / tl['step_wall_us']:.1f} %)", cols, rows)
+
+
 def niah_grid(doc: dict) -> Grid:
     """One niah result, a row per case: its prompt length, its TTFT and prefill speed, whether the needle was
     retrieved, the oracle's verdict and where the tokens first diverged from it."""

@@ -21,7 +21,7 @@
 #   conc27   27B synthetic concurrency C1-C8
 #   sdpa     scripts/probe_sdpa.py: torch SDPA's first call at each new key length, per backend (seconds)
 #   profile  scripts/profile_step.py at the 27B shape: every kernel of 32 decode steps (PROFILE_ARGS adds flags)
-#   ksuite   the kernels suite alone at the 27B shape, T = 1 and 8
+#   ksuite   the kernels suite alone at the 27B shape, T = 1 and 8, with the captured decode step's timeline
 #   bundled  the bundled model: decode grid (none / MTP3 / DFlash2 K=7 x v3 / v2, and the peer), C1-C8, kernels
 #   vision   the vision tower at the real shape next to transformers'
 #   smoke    minutes-long first look: the training pipeline --tiny on CUDA, a 27B synthetic DFlash2 K=7 decode
@@ -158,7 +158,7 @@ for stage in "$@"; do
                  --json "$OUT/profile27_$mode.json" 2>&1 | tee "$OUT/profile27_$mode.log" | tail -${PROFILE_LINES:-30}
              done ;;
     sdpa)    timeout ${STAGE_S:-120} python3 scripts/probe_sdpa.py 2>&1 | tee "$OUT/probe_sdpa.log" | tail -12 ;;
-    ksuite)  nb kernels --shape qwen3.8-27b --t 1,8 --repeats 30 --json "$OUT/kernels_27b.json" 2>&1 \
+    ksuite)  nb kernels --shape qwen3.8-27b --t 1,8 --repeats 30 --timeline --json "$OUT/kernels_27b.json" 2>&1 \
                | tee "$OUT/kernels_27b.log" | tail -60 ;;
     bundled) # the bundled model's full GPU set for the report: decode grid with the peer (BUNDLED_ENGINES), concurrency,
              # kernels (BUNDLED_KERNELS=0 skips them)

@@ -13,7 +13,8 @@ step's idle gaps: graph launch, the token read-back, host work).
         [--drop norm,silu,ba,gdn,attn]   # headroom: the step without those kernels (wrong values, true timing)
 
 Needs CUDA. Timings are the profiler's (CUPTI) kernel durations; the step wall time is measured without the
-profiler in the same process first, so the profiler's own overhead does not enter it.
+profiler in the same process first, so the profiler's own overhead does not enter it. The kernels suite's
+``--timeline`` is the default step of this, in a result document (suites/step_timeline.py, whose helpers this uses).
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import argparse
 import json
 import sys
 import time
-from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -41,19 +41,6 @@ def host_profile(run, steps: int, top: int) -> int:
     for key in ("tottime", "cumulative"):
         pstats.Stats(prof).sort_stats(key).print_stats(top)
     return 0
-
-
-def busy_us(intervals: list[tuple[float, float]]) -> float:
-    """Length of the union of [start, end) intervals."""
-    total, end = 0.0, None
-    for s, e in sorted(intervals):
-        if end is None or s > end:
-            total += e - s
-            end = e
-        elif e > end:
-            total += e - end
-            end = e
-    return total
 
 
 DROPPABLE = {
@@ -222,6 +209,7 @@ def profile_one(eng, args, drop):
 
     from ninfer_bench.engine.runtime.chain import chainable, decode_chained
     from ninfer_bench.engine.sampling import SamplingParams
+    from ninfer_bench.suites.step_timeline import busy_us, cuda_kernels
 
     if drop:
         drop_launches(eng, drop)
@@ -282,16 +270,7 @@ def profile_one(eng, args, drop):
     prof = profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU])
     pwall, _ = run(args.steps, prof)
 
-    per = defaultdict(lambda: [0.0, 0])
-    intervals = []
-    for evt in prof.events():
-        if str(getattr(evt, "device_type", "")).endswith("CUDA") and evt.time_range.elapsed_us() > 0:
-            name = evt.name
-            if name.startswith(("Memcpy", "Memset")):
-                name = name.split()[0]
-            per[name][0] += evt.time_range.elapsed_us()
-            per[name][1] += 1
-            intervals.append((evt.time_range.start, evt.time_range.end))
+    per, intervals = cuda_kernels(prof)
     if not intervals:
         raise SystemExit("the profiler recorded no GPU kernels (CUPTI unavailable?)")
     busy = busy_us(intervals) / args.steps

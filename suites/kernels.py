@@ -76,6 +76,9 @@ class KernelOptions:
     device: str = "auto"
     label: str | None = None
     seed: int = 0
+    # the engine's own decode step profiled after the ops (suites/step_timeline.py): each kernel's share of it
+    timeline: bool = False
+    timeline_steps: int = 32
 
     def __post_init__(self) -> None:
         if self.shape is not None and self.model is not None:
@@ -95,6 +98,8 @@ class KernelOptions:
                 raise ValueError(f"--{name} must be >= {1 if name == 'repeats' else 0}, got {v}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"--device must be auto, cpu or cuda, got {self.device!r}")
+        if self.timeline_steps < 1:
+            raise ValueError(f"--timeline-steps must be >= 1, got {self.timeline_steps}")
 
 
 def time_cuda(fn, repeats: int, warmup: int, flush: torch.Tensor) -> list[float]:
@@ -221,6 +226,25 @@ def failure_text(rec: dict) -> str:
     return f"{what}: max_rel_err {rec['max_rel_err']:.2e} > tolerance {rec['tolerance']:.1e}"
 
 
+def step_timeline(opts: KernelOptions, model: dict, device: torch.device) -> dict:
+    """The plain decode step of an engine on the suite's model (the artifact as it stores its weights, or the
+    preset's seeded synthetic weights in the suite's quant policy), profiled kernel by kernel."""
+    from ..engine.runtime.engine import Engine
+    from .step_timeline import decode_timeline
+
+    source = opts.model or model["preset"]
+    engine = Engine.load(source, synthetic=opts.model is None, quant=opts.quant or "mixed", seed=opts.seed,
+                         device=str(device), max_context=4096)
+    try:
+        out = decode_timeline(engine, steps=opts.timeline_steps, seed=opts.seed)
+    finally:
+        del engine
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    out["weights"] = "artifact" if opts.model else f"synthetic {opts.quant or 'mixed'}"
+    return out
+
+
 def run_kernels(opts: KernelOptions, progress=None) -> dict:
     """Run the kernels suite; returns the result document. ``progress(done, total, what)`` reports each record."""
     device = resolve_device(opts.device)
@@ -263,8 +287,14 @@ def run_kernels(opts: KernelOptions, progress=None) -> dict:
                     progress(done, total, f"{entry.op} t={t} {variant}")
             del case, ref
         ctx.clear()  # weights and caches of this op (and param) are not needed again
+    timeline = None
+    if opts.timeline:
+        if progress:
+            progress(done, total, "the decode step's timeline")
+        timeline = step_timeline(opts, model, device)
     failures = [failure_text(r) for r in records if not r["ok"]]
-    summary = {"ops": len({r["op"] for r in records}), "checks": len(records), "copy_bandwidth_gbps": copy_gbps,
+    summary = {"timeline": timeline,
+               "ops": len({r["op"] for r in records}), "checks": len(records), "copy_bandwidth_gbps": copy_gbps,
                "timer": "cuda-events" if cuda else "torch-cpu", "device": str(device),
                "gpu": torch.cuda.get_device_name(device) if cuda else None, "failures": failures,
                "families": sorted({r["family"] for r in records})}

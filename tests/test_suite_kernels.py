@@ -209,3 +209,38 @@ def test_cuda_run_times_v3_as_graph_replays(tmp_path):
     assert ("tensor-core qmv" if qmv else "Triton qlinear") in one(doc, op="mlp.down", t=7, variant="v3")["note"]
     silu = one(doc, op="mlp.gate_up_silu", t=1, variant="v3")
     assert silu["ok"] and ("qmv storing silu(gate) * up" in silu["note"]) == qmv
+
+
+def test_timeline_profiles_the_engines_own_decode_step(tmp_path):
+    """--timeline: the engine's plain decode step on the suite's model, profiled (a CPU: torch ops by self time),
+    a row per op with its share of the step's wall time, in the result and in a table."""
+    out = tmp_path / "timeline.json"
+    code, text = run("kernels", "--shape", "tiny", "--t", "1", "--repeats", "2", "--device", "cpu", "--ops", "attn.o",
+                     "--timeline", "--timeline-steps", "6", "--json", out)
+    assert code == 0, text
+    tl = read_result(out)["summary"]["timeline"]
+    assert tl["device"] == "cpu" and tl["steps"] == 6 and tl["source"].startswith("torch ops")
+    assert tl["step_wall_us"] > 0 and 0 < tl["busy_us"] and tl["weights"] == "synthetic mixed"
+    rows = tl["kernels"]
+    assert rows and all(r["us_per_step"] > 0 and r["calls_per_step"] > 0 for r in rows)
+    assert [r["us_per_step"] for r in rows] == sorted((r["us_per_step"] for r in rows), reverse=True)
+    assert any(r["name"].startswith("aten::") for r in rows)
+    assert all(r["share_of_step"] == pytest.approx(r["us_per_step"] / tl["step_wall_us"]) for r in rows)
+    assert "decode step timeline" in text and rows[0]["name"][:20] in text
+    # without the flag no engine is built and the summary says so
+    code, _ = run("kernels", "--shape", "tiny", "--t", "1", "--repeats", "2", "--device", "cpu", "--ops", "attn.o",
+                  "--json", tmp_path / "plain.json")
+    assert code == 0 and read_result(tmp_path / "plain.json")["summary"]["timeline"] is None
+
+
+def test_timeline_helpers():
+    from ninfer_bench.engine.runtime.engine import Engine
+    from ninfer_bench.suites.step_timeline import busy_us, decode_timeline
+
+    assert busy_us([(0, 2), (1, 3), (5, 6), (5.5, 5.7)]) == 4
+    assert busy_us([]) == 0
+    eng = Engine.load("tiny", device="cpu", spec="mtp", draft_tokens=2)
+    with pytest.raises(ValueError, match="without a drafter"):
+        decode_timeline(eng)
+    with pytest.raises(ValueError, match="--timeline-steps"):
+        ks.KernelOptions(timeline=True, timeline_steps=0)
