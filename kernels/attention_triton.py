@@ -95,6 +95,9 @@ class AttnConfig:
     # int8 caches (one tile per K / V): each key block's scales loaded one block ahead (_attn_split's AHEAD); the
     # planner's default for int8
     ahead: bool = False
+    # with ahead: the int8 codes as one 2-D tile, the scales broadcast to its columns (_attn_split's FLAT; the same
+    # values); a launch-sweep candidate
+    flat: bool = False
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "combine_cols"):
@@ -115,6 +118,8 @@ class AttnConfig:
             raise ValueError(f"AttnConfig.pack must be in 1..block_m={self.block_m}, got {self.pack}")
         if self.ahead and self.grouped:
             raise ValueError("AttnConfig: ahead is for one K / V tile a block, not grouped tiles")
+        if self.flat and not self.ahead:
+            raise ValueError("AttnConfig: flat tiles take their scales a block ahead (ahead=True)")
 
 
 @functools.lru_cache(maxsize=16)
@@ -133,7 +138,8 @@ def plan(batch: int, tokens: int, heads: int, kv_heads: int, head_dim: int, kv_l
          device: torch.device | str = "cuda", *, q_dtype: torch.dtype = torch.bfloat16, block_n: int | None = None,
          num_warps: int | None = None, num_stages: int | None = None, chunk: int | None = None,
          combine_cols: int | None = None, min_chunk: int | None = None, block_m: int | None = None,
-         pack: int | None = None, grouped: bool = False, ahead: bool | None = None) -> AttnConfig:
+         pack: int | None = None, grouped: bool = False, ahead: bool | None = None,
+         flat: bool = False) -> AttnConfig:
     """The default launch shape for these static sizes; keyword overrides are for tuning sweeps and tests.
 
     A tile is sized for ``PACK_TOKENS`` tokens' rows (at most ``MAX_BLOCK_M``) and holds as many whole tokens as
@@ -184,7 +190,7 @@ def plan(batch: int, tokens: int, heads: int, kv_heads: int, head_dim: int, kv_l
         ahead = not grouped
     return AttnConfig(block_m=block_m, block_n=block_n, chunk=chunk, num_warps=num_warps, num_stages=num_stages,
                       combine_cols=combine_cols, min_chunk=min_chunk, pack=pack, grouped=grouped and int8,
-                      ahead=ahead and int8)
+                      ahead=ahead and int8, flat=flat and ahead and int8)
 
 
 def _new_buffer(shape, dtype, device) -> torch.Tensor:
@@ -317,6 +323,7 @@ def _launch(kern, q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, scale, kv
         G=g, HD=hd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, NG=block_d // gw, GW=gw,
         IS_INT8=int8, SPLIT=splits > 1, HAS_GATE=gate is not None, DOT_DTYPE=kern["dtypes"][dot_dtype],
         DOT_PREC="tf32x3" if q.dtype == torch.float32 else "tf32", PACK=cfg.pack, GROUPED=cfg.grouped, AHEAD=cfg.ahead,
+        FLAT=cfg.flat,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_triton.pdl_args(q.device),
     )
     if splits > 1:

@@ -59,6 +59,21 @@ def _dequant(codes, sc, DOT_DTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D:
     return tl.reshape(x, (BLOCK_N, BLOCK_D)).to(DOT_DTYPE)
 
 
+def _codes_flat(base, stride_n, offs_n, n_ok, HD: tl.constexpr, BLOCK_D: tl.constexpr):
+    """int8 codes of keys offs_n as one [BLOCK_N, BLOCK_D] tile (0 past HD and where n_ok is false)."""
+    offs_d = tl.arange(0, BLOCK_D)
+    return tl.load(base + offs_n[:, None] * stride_n + offs_d[None, :], mask=n_ok[:, None] & (offs_d[None, :] < HD),
+                   other=0)
+
+
+def _dequant_flat(codes, sc, DOT_DTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                  NG: tl.constexpr, GW: tl.constexpr):
+    """_dequant of a 2-D codes tile: the scales [BLOCK_N, NG] broadcast to the tile's columns instead of the codes
+    reshaped, so the codes stay 2-D from the load to the dot (the same fp16 products, the same bits)."""
+    s2 = tl.reshape(tl.broadcast_to(sc[:, :, None], (BLOCK_N, NG, GW)), (BLOCK_N, BLOCK_D))
+    return (_int8_f16(codes) * s2).to(DOT_DTYPE)
+
+
 def _row_chunk(pos, CHUNK, MIN_CHUNK, NUM_SPLITS, BLOCK_N: tl.constexpr):
     """Keys per split for a query token at ``pos``: its key range over the grid's NUM_SPLITS, in whole blocks,
     within [MIN_CHUNK, CHUNK] - so a short sequence spreads over the splits instead of filling a few (the grid is
@@ -75,7 +90,8 @@ def _attn_split(Q, K, V, KS, VS, SLOTS, QPOS, O, OP, LSE, GATE, stride_gb, strid
                 G: tl.constexpr, HD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_D: tl.constexpr, NG: tl.constexpr, GW: tl.constexpr, IS_INT8: tl.constexpr,
                 SPLIT: tl.constexpr, HAS_GATE: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
-                PACK: tl.constexpr, GROUPED: tl.constexpr, AHEAD: tl.constexpr, PDL: tl.constexpr):
+                PACK: tl.constexpr, GROUPED: tl.constexpr, AHEAD: tl.constexpr, FLAT: tl.constexpr,
+                PDL: tl.constexpr):
     """Program (tile, split, b * Hkv + hkv). PACK == 1: tile = t * M_TILES + m, token t's rows g of m tile.
     PACK > 1: tile i holds tokens i * PACK .. + PACK - 1, G rows each, so one program reads each K/V tile once for
     all of them. Every row keeps its own key range [split * chunk, + chunk), chunk from its own position
@@ -91,7 +107,8 @@ def _attn_split(Q, K, V, KS, VS, SLOTS, QPOS, O, OP, LSE, GATE, stride_gb, strid
     AHEAD (int8 caches, one tile per K / V): each key block's scales are loaded one block ahead, so their load is
     in flight while the block before is dotted (a tile of 2-byte scales is too narrow for the asynchronous copies
     the loop's pipelining gives the codes). The strides of the scales along keys are compile-time constants (the
-    cache's group count), so a key's scales load as one vector. Neither changes a value."""
+    cache's group count), so a key's scales load as one vector. FLAT (with AHEAD): the codes loaded as one 2-D tile
+    and the scales broadcast to its columns (_dequant_flat). None of these changes a value."""
     pdl_enter(PDL)  # PDL launches: wait for the kernel before, let the next one launch
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -163,7 +180,12 @@ def _attn_split(Q, K, V, KS, VS, SLOTS, QPOS, O, OP, LSE, GATE, stride_gb, strid
                                 HD, GW)
             qk = qk * qk_scale
         elif AHEAD:
-            k = _dequant(_codes_tile(k_base, stride_kn, offs_n, n_ok, HD, NG, GW), sk, DOT_DTYPE, BLOCK_N, BLOCK_D)
+            if FLAT:
+                k = _dequant_flat(_codes_flat(k_base, stride_kn, offs_n, n_ok, HD, BLOCK_D), sk, DOT_DTYPE, BLOCK_N,
+                                  BLOCK_D, NG, GW)
+            else:
+                k = _dequant(_codes_tile(k_base, stride_kn, offs_n, n_ok, HD, NG, GW), sk, DOT_DTYPE, BLOCK_N,
+                             BLOCK_D)
             qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
         else:
             k = _load_tile(k_base, ks_base, stride_kn, stride_ksn, offs_n, n_ok, DOT_DTYPE, HD, BLOCK_N, BLOCK_D,
@@ -190,8 +212,12 @@ def _attn_split(Q, K, V, KS, VS, SLOTS, QPOS, O, OP, LSE, GATE, stride_gb, strid
                                                          DOT_DTYPE, DOT_PREC, HD, GW)
         else:
             if AHEAD:
-                v = _dequant(_codes_tile(v_base, stride_vn, offs_n, n_ok, HD, NG, GW), sv, DOT_DTYPE, BLOCK_N,
-                             BLOCK_D)
+                if FLAT:
+                    v = _dequant_flat(_codes_flat(v_base, stride_vn, offs_n, n_ok, HD, BLOCK_D), sv, DOT_DTYPE,
+                                      BLOCK_N, BLOCK_D, NG, GW)
+                else:
+                    v = _dequant(_codes_tile(v_base, stride_vn, offs_n, n_ok, HD, NG, GW), sv, DOT_DTYPE, BLOCK_N,
+                                 BLOCK_D)
                 sk = sk_next
                 sv = sv_next
             else:
@@ -420,7 +446,7 @@ def _kv_dequant(K, KS, SLOTS, OUT, stride_ks, stride_kh, stride_kn, stride_sss, 
 def jit_kernels() -> dict:
     """Jit the kernels (first call only). `_attn_split` finds `_load_tile` and `tl` as module globals."""
     out = _triton.jit_module(globals(), ("_int8_f16", "_load_tile", "_codes_tile", "_scales_tile", "_dequant",
-                                         "_row_chunk", "_gated", "_prefill_tile", "_store_cols", "_codes16",
+                                         "_codes_flat", "_dequant_flat", "_row_chunk", "_gated", "_prefill_tile", "_store_cols", "_codes16",
                                          "_group_scale", "_group_q", "_group_qk", "_group_pv"),
                              {"split": "_attn_split", "combine": "_attn_combine",
                               "prefill": "_attn_prefill", "kv_dequant": "_kv_dequant"})

@@ -132,9 +132,8 @@ def measure_peer(case: Case, t: int, bw: float) -> dict:
 
 def sweep_configs(case: Case, t: int) -> list:
     """The default plan (tokens packed in one tile), then launch shapes one change away from it (block_n, warps,
-    stages, split length, for int8 one tile per scale group or the scales loaded with their block); then the same
-    around 5 tokens a tile (32 rows) and
-    the one-token tile (pack=1, G rows padded to 16)."""
+    stages, split length; for int8 one tile per scale group, the scales loaded with their block, or 2-D code
+    tiles); then the same around 5 tokens a tile (32 rows) and the one-token tile (pack=1, G rows padded to 16)."""
     out = []
     for tile in ({}, {"pack": 5}, {"pack": 1}):  # pack 5: 30 of 32 rows, a T = 8 verify in two tiles
         base = at.plan(case.b, t, H, HKV, HD, case.ctx, case.kv == "int8", DEVICE, **tile)
@@ -144,7 +143,8 @@ def sweep_configs(case: Case, t: int) -> list:
                        {"num_stages": 2},
                        {"num_stages": 4}, {"chunk": base.chunk // 2}, {"chunk": base.chunk * 2},
                        {"chunk": base.chunk * 4},
-                       *([{"grouped": True, "ahead": False}, {"ahead": False}, {"num_stages": 4, "ahead": True}]
+                       *([{"grouped": True, "ahead": False}, {"ahead": False}, {"flat": True},
+                          {"flat": True, "num_stages": 4}]
                          if case.kv == "int8" else [])):
             fields = {**dataclasses.asdict(base), **change}
             bn = fields["block_n"]
@@ -178,9 +178,9 @@ def main() -> int:
     for item in filter(None, args.plan.split(",")):
         name, _, value = item.partition("=")
         if name not in ("block_n", "num_warps", "num_stages", "chunk", "min_chunk", "block_m", "pack", "grouped",
-                        "ahead") or not value.lstrip("-").isdigit():
+                        "ahead", "flat") or not value.lstrip("-").isdigit():
             parser.error(f"--plan: expected NAME=INT with NAME a keyword of plan(), got {item!r}")
-        overrides[name] = bool(int(value)) if name in ("grouped", "ahead") else int(value)
+        overrides[name] = bool(int(value)) if name in ("grouped", "ahead", "flat") else int(value)
     only = None
     if args.cases:
         try:

@@ -51,11 +51,12 @@ SHAPES = {
 
 @pytest.mark.parametrize("kv", ["bf16", "fp16", "int8"])
 @pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
-@pytest.mark.parametrize("split", ["plan", "split", "token-tiles", "grouped", "inline"])
+@pytest.mark.parametrize("split", ["plan", "split", "token-tiles", "grouped", "inline", "flat"])
 def test_matches_reference(kv, shape, split):
     """The default plan (tokens packed into one tile), a split one, one-token tiles (pack=1), and (int8) the
-    cache read as one tile per scale group, or with each block's scales loaded with it (not a block ahead)."""
-    if split in ("grouped", "inline") and kv != "int8":
+    cache read as one tile per scale group, with each block's scales loaded with it (not a block ahead), or as
+    2-D code tiles with the scales broadcast to their columns."""
+    if split in ("grouped", "inline", "flat") and kv != "int8":
         pytest.skip(f"{split} tiles are for int8 caches")
     c = make_case(kv, *SHAPES[shape])
     ref = at.decode_attention_ref(**c)
@@ -63,7 +64,8 @@ def test_matches_reference(kv, shape, split):
     hkv, cap = c["k_cache"].shape[1], c["k_cache"].shape[2]
     cfg = (None if split == "plan" else split_config(c) if split == "split" else
            at.plan(b, t, h, hkv, hd, cap, kv == "int8", DEVICE, q_dtype=c["q"].dtype, block_n=16, chunk=48, pack=1)
-           if split == "token-tiles" else dataclasses.replace(split_config(c), grouped=split == "grouped", ahead=False))
+           if split == "token-tiles" else dataclasses.replace(split_config(c), flat=True) if split == "flat"
+           else dataclasses.replace(split_config(c), grouped=split == "grouped", ahead=False))
     out = at.decode_attention(**c, config=cfg)
     assert out.shape == ref.shape and out.dtype == c["q"].dtype
     assert torch.isfinite(out).all(), "unwritten or non-finite output"
@@ -107,7 +109,8 @@ def test_no_leak_past_q_pos(kv):
     cfgs = [split_config(c, block_n=32, blocks=2)]
     if kv == "int8":
         assert cfgs[0].ahead  # the planner's int8 default
-        cfgs += [dataclasses.replace(cfgs[0], grouped=True, ahead=False), dataclasses.replace(cfgs[0], ahead=False)]
+        cfgs += [dataclasses.replace(cfgs[0], grouped=True, ahead=False), dataclasses.replace(cfgs[0], ahead=False),
+                 dataclasses.replace(cfgs[0], flat=True)]
     for cfg in cfgs:
         clean = at.decode_attention(**c, config=cfg)
         for value in (float("nan"), 6e4):
@@ -151,8 +154,10 @@ def test_tokens_give_the_bits_single_steps_give(kv, q_dtype):
             at.plan(b, t, h, 2, hd, 256, kv == "int8", DEVICE, q_dtype=q_dtype, block_n=16, chunk=64,
                     min_chunk=16, pack=1)]
     if kv == "int8":  # and a tile per scale group, and scales loaded with their block (the same values as dyn's)
-        cfgs += [dataclasses.replace(dyn, grouped=True, ahead=False), dataclasses.replace(dyn, ahead=False)]
-        assert torch.equal(at.decode_attention(**c, config=cfgs[-1]), at.decode_attention(**c, config=dyn))
+        cfgs += [dataclasses.replace(dyn, grouped=True, ahead=False), dataclasses.replace(dyn, ahead=False),
+                 dataclasses.replace(dyn, flat=True)]
+        for same in cfgs[-2:]:
+            assert torch.equal(at.decode_attention(**c, config=same), at.decode_attention(**c, config=dyn))
     for cfg in cfgs:
         block = at.decode_attention(**c, config=cfg)
         for i in range(b):
@@ -203,6 +208,8 @@ def test_bad_inputs_name_the_problem():
         at.decode_attention(**f, config=dataclasses.replace(grouped, ahead=True))
     with pytest.raises(ValueError, match="ahead is for one K / V tile"):
         dataclasses.replace(grouped, ahead=True, grouped=True)
+    with pytest.raises(ValueError, match="flat tiles take their scales a block ahead"):
+        dataclasses.replace(grouped, flat=True)
 
 
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
