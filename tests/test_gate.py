@@ -128,8 +128,9 @@ def test_noisy_a_a_pairs_with_few_repeats_never_fail(n):
 
 
 def test_a_a_pairs_of_five_repeats_rarely_fail_and_a_real_slowdown_does():
-    """100 A/A pairs of 5 repeats each (noise 2%, heavy-tailed): at most one fails any row; a 10% slowdown with the
-    same noise fails in almost every pair."""
+    """100 A/A pairs of 5 repeats each (noise 2%, heavy-tailed): at most one fails any row. A 10% slowdown with the
+    same noise never passes: at 5 repeats it fails in most pairs (the rest are ambiguous: their 99% interval does
+    not yet put it past 3/4 of the threshold), at 10 repeats in almost every pair."""
     rng = np.random.default_rng(7)
 
     def run(n, factor=1.0):
@@ -138,8 +139,10 @@ def test_a_a_pairs_of_five_repeats_rarely_fail_and_a_real_slowdown_does():
 
     failed = sum(exit_code(gate(run(5), run(5))) == 1 for _ in range(100))
     assert failed <= 1, failed
-    caught = sum(by_metric(gate(run(5), run(5, 0.9)))["decode_tok_s"].status == "fail" for _ in range(40))
-    assert caught >= 36, caught
+    five = [by_metric(gate(run(5), run(5, 0.9)))["decode_tok_s"].status for _ in range(40)]
+    assert "pass" not in five and five.count("fail") >= 20, five
+    ten = [by_metric(gate(run(10), run(10, 0.9)))["decode_tok_s"].status for _ in range(40)]
+    assert "pass" not in ten and ten.count("fail") >= 36, ten
 
 
 def test_repeats_needed_is_about_what_decides():
