@@ -75,7 +75,8 @@ def gate(baseline, candidate, rules, thresholds, alpha, as_json, allow_config_ch
          about how many repeats a side would), a config change was allowed, or the load differed
 
     A timing passes when the 99% interval (--alpha) of its change stays within the threshold, and fails when the
-    interval reaches past the threshold and puts the slowdown at 3/4 of it or more (its near end);
+    interval reaches past the threshold, the estimated slowdown is at least 3/4 of it and the interval excludes
+    every slowdown under half of it;
     anything else is ambiguous, and so is every timing with fewer than 5 samples a side (at the default
     --alpha). A timing without samples passes within its threshold and is ambiguous beyond it; peak memory (kind
     threshold) is judged on its threshold alone.

@@ -12,11 +12,12 @@ two-sided ``1 - alpha`` interval [lo, hi] (Moses: order statistics of those diff
 load spike moves it by one order statistic, not by its size). With ``t`` the rule's threshold:
 
 - pass: hi <= t (the change is at most the threshold, or an improvement);
-- fail: lo >= 3/4 t (:data:`FAIL_FRACTION`), and hi > t: the interval itself puts the slowdown at three quarters
-  of the threshold or more. An interval over one run's repeats cannot see drift between two runs (on a shared CPU
-  a whole run moves by several percent), so a slowdown that is significant but could still be small is left to
-  more repeats: "ambiguous" (a 2-core CPU's A/A pairs failed 5 in 40 under the earlier rule, lo > 0 and s >= 3/4 t;
-  docs/perf/2026-12-02d-prefill-weights-scales-ahead-h200.md);
+- fail: hi > t, s >= 3/4 t (:data:`FAIL_FRACTION`) and lo >= t / 2 (:data:`FAIL_LOW`): the slowdown is estimated
+  at three quarters of the threshold or more, and the interval excludes every slowdown under half of it. An
+  interval over one run's repeats cannot see drift between two runs (on a shared CPU a whole run moves by several
+  percent), so a slowdown that is significant but could still be that small is left to more repeats:
+  "ambiguous" (a 2-core CPU's A/A pairs failed 5 in 40 under the earlier rule, lo > 0 and s >= 3/4 t;
+  docs/perf/2026-12-02d-prefill-weights-scales-ahead-h200.md, scripts/simulate_gate.py);
 - ambiguous otherwise, or when the samples are too few for any interval (below 5 a side at the default alpha
   0.01: 2 or 3 repeats never fail and never pass), with ``repeats_needed``: the samples a side at which the
   interval would be narrow enough to decide, estimated from the samples' spread (a robust standard deviation).
@@ -58,7 +59,8 @@ from .stats import (mann_whitney_u, min_interval_samples, robust_sd, samples_for
 
 KINDS = ("exact", "timing", "threshold")
 GATE_ALPHA = 0.01  # the gate's default: two-sided 99% intervals
-FAIL_FRACTION = 0.75  # a slowdown fails only when its interval lies at >= 3/4 of the threshold (module docstring)
+FAIL_FRACTION = 0.75  # a slowdown fails only when estimated at >= 3/4 of the threshold (module docstring)
+FAIL_LOW = 0.5  # ... and when its interval excludes every slowdown under half of the threshold
 MAX_REPEATS_NEEDED = 10_000
 DECIDE_Z = NormalDist().inv_cdf(0.9)  # repeats_needed aims to decide 9 times in 10 (repeats_to_decide)
 EXIT_PASS, EXIT_FAIL, EXIT_AMBIGUOUS = 0, 1, 3  # 2 is click's usage error
@@ -508,8 +510,9 @@ def _level(alpha: float) -> str:
 
 def repeats_to_decide(b_samples, c_samples, scale: float, worse: float, threshold: float, alpha: float) -> int:
     """Samples a side (as many on each) at which the interval would decide a timing row 9 times in 10 if the shift is
-    what it looks like: half-width below ``threshold - worse`` (to pass) or below ``worse - FAIL_FRACTION *
-    threshold`` (to fail), whichever is wider, less the estimate's own wobble; from the
+    what it looks like: half-width below ``threshold - worse`` (to pass) or below ``worse - FAIL_LOW * threshold``
+    (to fail, where the estimate is at least FAIL_FRACTION of the threshold), whichever is wider, less the
+    estimate's own wobble; from the
     samples' pooled robust spread; at least the fewest samples that give an interval at all, and more than either
     side has."""
     have = min(sum(v is not None for v in b_samples), sum(v is not None for v in c_samples))
@@ -518,7 +521,7 @@ def repeats_to_decide(b_samples, c_samples, scale: float, worse: float, threshol
     if not sds or scale <= 0:
         return floor
     sd = math.sqrt(sum(x * x for x in sds) / len(sds)) / scale
-    room = max(threshold - worse, worse - FAIL_FRACTION * threshold)
+    room = max([threshold - worse] + ([worse - FAIL_LOW * threshold] if worse >= FAIL_FRACTION * threshold else []))
     # the estimate moves as samples come (its sd is about half-width / z): leave it room to, so that a shift that is
     # what it looks like now is decided 9 times in 10
     z = NormalDist().inv_cdf(1 - alpha / 2)
@@ -593,13 +596,13 @@ def _judge_timing(rule: Rule, baseline: dict, candidate: dict, b, c, alpha: floa
         if hi < 0:
             return verdict("pass", f"improved by {-estimate:.1%} ({interval})", change, p, None, ci)
         return verdict("pass", f"within ±{limit} ({interval})", change, p, None, ci)
-    floor = FAIL_FRACTION * rule.threshold
-    if lo >= floor:
-        return verdict("fail", f"{_pct(change)}: a significant slowdown (p={p:.2g}) of at least {floor:.2%} and "
-                               f"past the {limit} threshold ({interval})", change, p, None, ci)
+    floor = FAIL_LOW * rule.threshold
+    if lo >= floor and estimate >= FAIL_FRACTION * rule.threshold:
+        return verdict("fail", f"{_pct(change)}: a significant slowdown (p={p:.2g}) at or past the {limit} threshold, "
+                               f"of at least {floor:.2%} ({interval})", change, p, None, ci)
     needed = repeats_to_decide(b_vals, c_vals, scale, estimate, rule.threshold, alpha)
-    what = f"a significant slowdown (p={p:.2g}), but the interval does not put it at {floor:.2%} or more and reaches " \
-           f"past the {limit} threshold" if lo > 0 else \
+    what = f"a significant slowdown (p={p:.2g}), but the interval reaches both past the {limit} threshold and " \
+           f"under {floor:.2%} (or the estimate is short of {FAIL_FRACTION * rule.threshold:.2%})" if lo > 0 else \
         f"undecided: the interval spans no change and a slowdown past the {limit} threshold (p={p:.2g})"
     return verdict("ambiguous", f"{_pct(change)}: {what} ({interval}); needs about {needed} repeats a side", change,
                    p, needed, ci)

@@ -129,8 +129,8 @@ def test_noisy_a_a_pairs_with_few_repeats_never_fail(n):
 
 def test_a_a_pairs_of_five_repeats_rarely_fail_and_a_real_slowdown_does():
     """100 A/A pairs of 5 repeats each (noise 2%, heavy-tailed): at most one fails any row. A 10% slowdown with the
-    same noise never passes: at 5 repeats it fails in most pairs (the rest are ambiguous: their 99% interval does
-    not yet put it past 3/4 of the threshold), at 10 repeats in almost every pair."""
+    same noise never passes: at 5 repeats it fails in most pairs (the rest are ambiguous: their 99% interval still
+    reaches under half of the threshold), at 10 repeats in almost every pair."""
     rng = np.random.default_rng(7)
 
     def run(n, factor=1.0):
@@ -140,7 +140,7 @@ def test_a_a_pairs_of_five_repeats_rarely_fail_and_a_real_slowdown_does():
     failed = sum(exit_code(gate(run(5), run(5))) == 1 for _ in range(100))
     assert failed <= 1, failed
     five = [by_metric(gate(run(5), run(5, 0.9)))["decode_tok_s"].status for _ in range(40)]
-    assert "pass" not in five and five.count("fail") >= 20, five
+    assert "pass" not in five and five.count("fail") >= 26, five
     ten = [by_metric(gate(run(10), run(10, 0.9)))["decode_tok_s"].status for _ in range(40)]
     assert "pass" not in ten and ten.count("fail") >= 36, ten
 
@@ -926,3 +926,17 @@ def test_fail_fraction_is_documented():
     from ninfer_bench.reports import gate as module
 
     assert FAIL_FRACTION == 0.75 and "3/4" in module.__doc__
+    assert module.FAIL_LOW == 0.5 and "half of it" in module.__doc__
+
+
+def test_a_slowdown_past_the_threshold_whose_interval_reaches_under_half_of_it_is_not_failed():
+    """About 5% slower and significant (every candidate sample below every baseline one), but the interval reaches
+    under t / 2 = 2.5% (a shared CPU's drift between two runs could be that much): ambiguous, not failed; the same
+    shift with tight samples fails."""
+    base = decode_doc([100.0, 100.5, 101.0, 101.5, 102.0])
+    cand = decode_doc([98.0, 96.5, 96.0, 95.5, 90.0])
+    v = by_metric(gate(base, cand))["decode_tok_s"]
+    lo, hi = sorted(-x for x in v.ci)
+    assert v.p < 0.01 and lo < 0.025 < 0.0375 <= -v.change and v.status == "ambiguous", v
+    tight = by_metric(gate(decode_doc(100 + np.linspace(-0.2, 0.2, 5)), decode_doc(94 + np.linspace(-0.2, 0.2, 5))))
+    assert tight["decode_tok_s"].status == "fail"
