@@ -74,6 +74,16 @@ def _dequant_flat(codes, sc, DOT_DTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLO
     return (_int8_f16(codes) * s2).to(DOT_DTYPE)
 
 
+def _ahead_tile(base, sc, stride_n, offs_n, n_ok, DOT_DTYPE: tl.constexpr, HD: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_D: tl.constexpr, NG: tl.constexpr, GW: tl.constexpr, FLAT: tl.constexpr):
+    """An int8 K or V tile [BLOCK_N, BLOCK_D] in DOT_DTYPE from its codes and its scales ``sc`` loaded a block
+    ahead: codes as [BLOCK_N, NG, GW] (_dequant), or FLAT as one 2-D tile (_dequant_flat); the same values."""
+    if FLAT:
+        return _dequant_flat(_codes_flat(base, stride_n, offs_n, n_ok, HD, BLOCK_D), sc, DOT_DTYPE, BLOCK_N,
+                             BLOCK_D, NG, GW)
+    return _dequant(_codes_tile(base, stride_n, offs_n, n_ok, HD, NG, GW), sc, DOT_DTYPE, BLOCK_N, BLOCK_D)
+
+
 def _row_chunk(pos, CHUNK, MIN_CHUNK, NUM_SPLITS, BLOCK_N: tl.constexpr):
     """Keys per split for a query token at ``pos``: its key range over the grid's NUM_SPLITS, in whole blocks,
     within [MIN_CHUNK, CHUNK] - so a short sequence spreads over the splits instead of filling a few (the grid is
@@ -180,12 +190,7 @@ def _attn_split(Q, K, V, KS, VS, SLOTS, QPOS, O, OP, LSE, GATE, stride_gb, strid
                                 HD, GW)
             qk = qk * qk_scale
         elif AHEAD:
-            if FLAT:
-                k = _dequant_flat(_codes_flat(k_base, stride_kn, offs_n, n_ok, HD, BLOCK_D), sk, DOT_DTYPE, BLOCK_N,
-                                  BLOCK_D, NG, GW)
-            else:
-                k = _dequant(_codes_tile(k_base, stride_kn, offs_n, n_ok, HD, NG, GW), sk, DOT_DTYPE, BLOCK_N,
-                             BLOCK_D)
+            k = _ahead_tile(k_base, sk, stride_kn, offs_n, n_ok, DOT_DTYPE, HD, BLOCK_N, BLOCK_D, NG, GW, FLAT)
             qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
         else:
             k = _load_tile(k_base, ks_base, stride_kn, stride_ksn, offs_n, n_ok, DOT_DTYPE, HD, BLOCK_N, BLOCK_D,
@@ -212,12 +217,7 @@ def _attn_split(Q, K, V, KS, VS, SLOTS, QPOS, O, OP, LSE, GATE, stride_gb, strid
                                                          DOT_DTYPE, DOT_PREC, HD, GW)
         else:
             if AHEAD:
-                if FLAT:
-                    v = _dequant_flat(_codes_flat(v_base, stride_vn, offs_n, n_ok, HD, BLOCK_D), sv, DOT_DTYPE,
-                                      BLOCK_N, BLOCK_D, NG, GW)
-                else:
-                    v = _dequant(_codes_tile(v_base, stride_vn, offs_n, n_ok, HD, NG, GW), sv, DOT_DTYPE, BLOCK_N,
-                                 BLOCK_D)
+                v = _ahead_tile(v_base, sv, stride_vn, offs_n, n_ok, DOT_DTYPE, HD, BLOCK_N, BLOCK_D, NG, GW, FLAT)
                 sk = sk_next
                 sv = sv_next
             else:
@@ -446,8 +446,9 @@ def _kv_dequant(K, KS, SLOTS, OUT, stride_ks, stride_kh, stride_kn, stride_sss, 
 def jit_kernels() -> dict:
     """Jit the kernels (first call only). `_attn_split` finds `_load_tile` and `tl` as module globals."""
     out = _triton.jit_module(globals(), ("_int8_f16", "_load_tile", "_codes_tile", "_scales_tile", "_dequant",
-                                         "_codes_flat", "_dequant_flat", "_row_chunk", "_gated", "_prefill_tile", "_store_cols", "_codes16",
-                                         "_group_scale", "_group_q", "_group_qk", "_group_pv"),
+                                         "_codes_flat", "_dequant_flat", "_ahead_tile", "_row_chunk", "_gated",
+                                         "_prefill_tile", "_store_cols", "_codes16", "_group_scale", "_group_q",
+                                         "_group_qk", "_group_pv"),
                              {"split": "_attn_split", "combine": "_attn_combine",
                               "prefill": "_attn_prefill", "kv_dequant": "_kv_dequant"})
     out["dtypes"] = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}

@@ -74,9 +74,9 @@ def rms_norm_ref(x, weight, eps):
 
 
 def silu_mul_ref(gu, inter, run=None):
-    """fp32 reference: ``silu(gate) * up`` in gu.dtype; gate ``gu[..., :inter]`` and up ``gu[..., inter:]``, or (``run``)
-    runs of ``run`` gate columns, then as many up columns, alternating (engine/model/weights.py's interleaved
-    gate_up)."""
+    """fp32 reference: ``silu(gate) * up`` in gu.dtype; gate ``gu[..., :inter]`` and up ``gu[..., inter:]``, or
+    (``run``) runs of ``run`` gate columns, then as many up columns, alternating (engine/model/weights.py's
+    interleaved gate_up)."""
     if run is None:
         g, u = gu.float().split([inter, gu.shape[-1] - inter], dim=-1)
     else:

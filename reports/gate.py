@@ -512,9 +512,8 @@ def repeats_to_decide(b_samples, c_samples, scale: float, worse: float, threshol
     """Samples a side (as many on each) at which the interval would decide a timing row 9 times in 10 if the shift is
     what it looks like: half-width below ``threshold - worse`` (to pass) or below ``worse - FAIL_LOW * threshold``
     (to fail, where the estimate is at least FAIL_FRACTION of the threshold), whichever is wider, less the
-    estimate's own wobble; from the
-    samples' pooled robust spread; at least the fewest samples that give an interval at all, and more than either
-    side has."""
+    estimate's own wobble; from the samples' pooled robust spread; at least the fewest samples that give an
+    interval at all, and more than either side has."""
     have = min(sum(v is not None for v in b_samples), sum(v is not None for v in c_samples))
     floor = max(min_interval_samples(alpha), have + 1)
     sds = [sd for sd in (robust_sd(b_samples), robust_sd(c_samples)) if sd is not None]

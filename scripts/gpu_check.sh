@@ -325,7 +325,8 @@ PY
              done ;;
     gtrust)  timeout ${STAGE_S:-400} python3 scripts/gate_trust.py --device cuda --pairs ${GT_PAIRS:-100} --repeats 5 \
                --injected-pairs ${GT_INJ:-40} --injected-repeats auto --repeats-budget-s 5 -n 128 --slowdown 0.05 \
-               --time-limit-s ${GT_LIMIT_S:-300} --out "$OUT/gate-trust-h200.json" 2>&1 | tee "$OUT/gate_trust.log" | tail -30 ;;
+               --time-limit-s ${GT_LIMIT_S:-300} --out "$OUT/gate-trust-h200.json" 2>&1 | tee "$OUT/gate_trust.log" \
+               | tail -30 ;;
     llwait)  llwait ;;
     drift)   nb_py() { timeout "${STAGE_S:-86400}" python3 "$@"; }
              nb_py scripts/probe_prefill_drift.py --device cuda --runs ${DRIFT_RUNS:-40} --repeats 5 -n 128 \

@@ -230,6 +230,7 @@ def step_timeline(opts: KernelOptions, model: dict, device: torch.device) -> dic
     """The plain decode step of an engine on the suite's model (the artifact as it stores its weights, or the
     preset's seeded synthetic weights in the suite's quant policy), profiled kernel by kernel."""
     from ..engine.runtime.engine import Engine
+    from .decode import free_device_memory
     from .step_timeline import decode_timeline
 
     source = opts.model or model["preset"]
@@ -239,8 +240,7 @@ def step_timeline(opts: KernelOptions, model: dict, device: torch.device) -> dic
         out = decode_timeline(engine, steps=opts.timeline_steps, seed=opts.seed)
     finally:
         del engine
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        free_device_memory()
     out["weights"] = "artifact" if opts.model else f"synthetic {opts.quant or 'mixed'}"
     return out
 

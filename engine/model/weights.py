@@ -202,17 +202,14 @@ class WeightStore:
             self.linears["lm_head.weight"] = self.linear_of(raws["model.embed_tokens.weight"])
 
     def settle_dense_copies(self) -> None:
-        """`auto`, once the rest of the engine (its K/V cache) is allocated: the dense copies (made at the first
-        prefill) are kept only if they still fit in DENSE_AUTO_SHARE of the free memory; else every prefill
-        call dequantizes."""
+        """`auto`, once the rest of the engine (its K/V cache) is allocated and before its first prefill: the dense
+        copies (made at that prefill) are kept only if they still fit in DENSE_AUTO_SHARE of the free memory; else
+        every prefill call dequantizes."""
         if not (self.auto_dense and self.cache_dense and self.packed and self.weight_bytes > DENSE_CACHE_LIMIT):
             return
         from .memory import available_bytes
 
-        made = sum(w.numel() * w.element_size() for lin in self.linears.values()
-                   for w in getattr(lin, "_dense", {}).values())
-        self.cache_dense = keep_dense_copies(self.weight_bytes, self.dense_bytes - made,
-                                             available_bytes(self.device))
+        self.cache_dense = keep_dense_copies(self.weight_bytes, self.dense_bytes, available_bytes(self.device))
         for lin in self.linears.values():
             if hasattr(lin, "dense_fallback"):
                 lin.dense_fallback = self.cache_dense
