@@ -9,8 +9,16 @@ Each run is an independent measurement: a fresh Engine, its own warm-up and repe
 the weights are loaded once. The delay is chosen from a plain calibration so that decode tok/s drops by ``--slowdown``
 (delay = step x s / (1 - s); on a GPU the step is the wall time a token of the calibration run's fastest repeat, on
 a CPU the thread's CPU time a step, the clock the CPU delay's busy-wait counts), unless ``--delay-us`` gives it; the
-slowdown each injected pair actually saw is reported too. Pairs alternate which run goes first (drift of a warming or loaded machine favours neither),
-and A/A and injected pairs interleave, so a ``--time-limit-s`` cut leaves both counted.
+slowdown each injected pair actually saw is reported too. Pairs alternate which run goes first (drift of a warming or
+loaded machine favours neither), and A/A and injected pairs interleave, so a ``--time-limit-s`` cut leaves both
+counted.
+
+Builds are compared in separate processes, so nothing of one run reaches the next; here the runs share a process, and
+a delayed run left the run after it slower (H200, bundled model, -n 128: a baseline measured right after its delayed
+candidate ran 2-3% below the baselines measured first in 5 of 10 such pairs, and those pairs saw a 3.2-3.9% slowdown
+instead of 5.4-6.5%: 5 of the 20 injected pairs went undetected). ``--settle-runs`` (1) plain unmeasured runs follow every delayed run, so each measured run
+follows a plain one, as in an A/A pair. Every pair records both runs' per-repeat decode tok/s and SM clock (where
+nvidia-smi reads it), and the summary splits the injected slowdown by which run went first, so a carry-over shows.
 
 Usage: python3 scripts/gate_trust.py --pairs 40 --injected-pairs 20 --repeats 5 -n 64 --device cpu --out trust.json
        python3 scripts/gate_trust.py --pairs 100 --repeats 5 --injected-pairs 40 --injected-repeats auto
@@ -73,6 +81,10 @@ def tally(pairs: list[dict], kind: str) -> dict:
         out[f"{status}_ci95"] = wilson(counts[status], n)
     slow = [p["slowdown"] for p in mine if p.get("slowdown") is not None]
     out["slowdown_median"] = statistics.median(slow) if slow else None
+    for first in ("baseline", "candidate"):  # a run carrying over into the next one shows as a split by order
+        part = [p["slowdown"] for p in mine if p.get("slowdown") is not None
+                and bool(p.get("candidate_first")) == (first == "candidate")]
+        out[f"slowdown_median_{first}_first"] = statistics.median(part) if part else None
     return out
 
 
@@ -109,6 +121,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--repeats-budget-s", type=float, default=None, help="auto: seconds of repeats a run [60]")
     ap.add_argument("-n", "--max-new-tokens", type=int, default=128, help="tokens a repeat decodes")
     ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--settle-runs", type=int, default=1, help="plain unmeasured runs after each delayed run")
     ap.add_argument("--slowdown", type=float, default=0.05, help="the drop of decode tok/s to inject (0.05 = 5%%)")
     ap.add_argument("--delay-us", type=float, default=None, help="the delay a step, instead of --slowdown's")
     ap.add_argument("--rules", default=None, help="a rules file: the gate's whole rule list [default: its decode "
@@ -119,6 +132,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.pairs < 0 or (args.injected_pairs is not None and args.injected_pairs < 0):
         ap.error("--pairs and --injected-pairs count pairs (>= 0)")
+    if args.settle_runs < 0:
+        ap.error("--settle-runs counts runs (>= 0)")
     if not 0 < args.slowdown < 1:
         ap.error("--slowdown is a fraction in (0, 1)")
     args.injected_pairs = args.pairs if args.injected_pairs is None else args.injected_pairs
@@ -187,6 +202,10 @@ def run_trust(args: argparse.Namespace, log=print) -> dict:
     def measure(repeats, delay_us=0.0) -> dict:
         doc = run_decode(DecodeOptions.make(**kw(repeats, delay_us)), loaded=loaded, copy_bw=bw)
         free_device_memory()  # the run's engine goes, as its process would
+        if delay_us:
+            for _ in range(args.settle_runs):  # the next measured run follows a plain one (module docstring)
+                run_decode(DecodeOptions.make(**{**kw(1), "warmup": 0}), loaded=loaded, copy_bw=bw)
+                free_device_memory()
         return doc
 
     # a plain calibration run: the step time the delay is chosen from, and the process warmed before any pair (the
@@ -239,6 +258,8 @@ def run_trust(args: argparse.Namespace, log=print) -> dict:
                       "repeats_run": [base["summary"]["repeats_run"], cand["summary"]["repeats_run"]],
                       "repeats_stopped_by": [base["summary"]["repeats_stopped_by"],
                                              cand["summary"]["repeats_stopped_by"]],
+                      "samples": [d["summary"]["samples"]["decode_tok_s"] for d in (base, cand)],
+                      "sm_mhz": [(d["env"].get("gpu_clocks") or {}).get("sm_mhz") for d in (base, cand)],
                       "seconds": time.perf_counter() - t0})
         pair_s.append(pairs[-1]["seconds"])
         s = summarize(pairs)
@@ -256,7 +277,8 @@ def run_trust(args: argparse.Namespace, log=print) -> dict:
         "artifact_id": info["model"].get("artifact_id"),
         "max_new_tokens": args.max_new_tokens, "warmup": args.warmup, "repeats": args.repeats,
         "injected_repeats": args.injected_repeats, "repeats_target": args.repeats_target,
-        "repeats_budget_s": args.repeats_budget_s, "slowdown_asked": args.slowdown if args.delay_us is None else None,
+        "repeats_budget_s": args.repeats_budget_s, "settle_runs": args.settle_runs,
+        "slowdown_asked": args.slowdown if args.delay_us is None else None,
         "plain_step_us": step_us, "plain_step_clock": "thread CPU time" if on_cpu else "wall",
         "plain_step_wall_us": wall_us, "inject_delay_us": delay_us, "rules": args.rules or "default",
         "gate_sources_sha256": sources,  # the decision rule counted, as the run started
@@ -284,6 +306,9 @@ def main(argv=None) -> int:
     print(f"injected pairs {inj['pairs']} (delay {r['inject_delay_us']:.1f} us a step, median tok/s drop "
           f"{'-' if inj['slowdown_median'] is None else format(inj['slowdown_median'], '.1%')}): pass "
           f"{inj['counts']['pass']}, ambiguous {inj['counts']['ambiguous']}, fail {inj['counts']['fail']}")
+    split = [(w, inj[f"slowdown_median_{w}_first"]) for w in ("baseline", "candidate")]
+    if all(v is not None for _, v in split):
+        print("  median drop by order: " + ", ".join(f"{w} first {v:.1%}" for w, v in split))
     print(f"  detection rate {rate(r['detection_rate'], r['detection_ci95'])}; "
           f"ambiguous {rate(r['injected_ambiguous_rate'], r['injected_ambiguous_ci95'])}")
     for kind, t in (("A/A", aa), ("injected", inj)):

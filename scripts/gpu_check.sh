@@ -65,8 +65,8 @@
 #            GC off), DRIFT_RUNS (40) runs of 5 repeats a condition
 #   peersmall (waits for llamabuild) the bundled model beside llama.cpp (CUDA) on the 64 held-out prompts, 64 tokens
 #   gtrust   scripts/gate_trust.py on the bundled model (issue 34): GT_PAIRS (100) A/A pairs of 5 repeats, GT_INJ (40)
-#            pairs against a 5% injected slowdown with --repeats auto, no pair started past GT_LIMIT_S (300) seconds
-#            (100 + 40 pairs take about 280 s on an H200)
+#            pairs against a 5% injected slowdown with --repeats auto (a plain settle run after each delayed run), no
+#            pair started past GT_LIMIT_S (300) seconds (93 pairs took 169 s with the start on an H200)
 #   hashes   the token hashes a refactor must keep: the README's main command (timed), the bundled model's plain and
 #            MTP3 runs, and the 27B synthetic plain / MTP3 / DFlash2 K=7 runs (64 tokens, the default prompt)
 set -u

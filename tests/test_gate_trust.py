@@ -196,12 +196,24 @@ def test_trust_script_runs_and_gates_pairs(tmp_path, monkeypatch):
     args = gate_trust.parse_args(["--model", "tiny", "--device", "cpu", "--pairs", "1", "--injected-pairs", "1",
                                   "-n", "4", "--repeats", "5", "--warmup", "0", "--delay-us", "30000",
                                   "--out", str(out)])
-    lines = []
+    lines, runs, real = [], [], gate_trust.run_decode
+
+    def counted(opts, **kw):
+        runs.append((opts.repeats, opts.engine_options.inject_delay_us))
+        return real(opts, **kw)
+
+    monkeypatch.setattr(gate_trust, "run_decode", counted)
     r = gate_trust.run_trust(args, log=lines.append)
+    # the calibration, the A/A pair, the injected pair's baseline and delayed candidate, then one plain settle run
+    assert runs == [(5, 0.0), (5, 0.0), (5, 0.0), (5, 0.0), (5, 30000), (1, 0.0)]
+    assert r["settle_runs"] == 1
     assert json.loads(out.read_text())["pairs"] == r["pairs"]
     assert [p["kind"] for p in r["pairs"]] == ["aa", "injected"]
     assert r["aa"]["pairs"] == r["injected"]["pairs"] == 1 and sum(r["aa"]["counts"].values()) == 1
     inj = r["pairs"][1]
     assert inj["rows"]["decode_tok_s"] != "pass" and inj["slowdown"] > 0.5 and inj["repeats_run"] == [5, 5]
+    assert [len(x) for x in inj["samples"]] == [5, 5] and inj["sm_mhz"] == [None, None]  # no GPU: no clock
+    assert r["injected"]["slowdown_median_baseline_first"] == inj["slowdown"]
+    assert r["injected"]["slowdown_median_candidate_first"] is None
     assert r["inject_delay_us"] == 30000 and r["plain_step_us"] > 0 and r["device"] == "cpu"
     assert "config" not in inj["rows"] and len(lines) == 3
