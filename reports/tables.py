@@ -404,12 +404,14 @@ def kernels_grid(doc: dict) -> Grid:
 
 def timeline_grid(doc: dict, top: int = 25) -> Grid:
     """A kernels result's decode-step timeline (``summary.timeline``), a row per kernel (CUDA) or torch op (CPU),
-    largest first (the first ``top``): microseconds and calls a step, and its share of the step's wall time."""
+    largest own time first (the first ``top``): own and recorded microseconds and calls a step, and the own time's
+    share of the step's wall time (suites/step_timeline.py: spans overlap under programmatic dependent launch)."""
     tl, base = doc["summary"]["timeline"], run_context(doc)
     rows = [{**base, **k} for k in tl["kernels"][:top]]
     R = "right"
     cols = [Column("kernel" if tl["device"].startswith("cuda") else "op", lambda r: r["name"][:90]),
-            _col("us/step", "us_per_step", ".1f", R), _col("calls/step", "calls_per_step", ".1f", R),
+            Column("own us/step", lambda r: fmt(r.get("own_us_per_step", r["us_per_step"]), ".1f"), R),
+            _col("span us/step", "us_per_step", ".1f", R), _col("calls/step", "calls_per_step", ".1f", R),
             Column("% of step", lambda r: fmt(100 * r["share_of_step"], ".1f"), R)]
     return Grid("timeline", f"decode step timeline: {doc['label']} ({tl['source']}; {tl['steps']} steps after a "
                             f"{tl['prompt_len']}-token prompt, {tl['step_wall_us']:.1f} us a step, busy "

@@ -278,11 +278,12 @@ def profile_one(eng, args, drop):
     step_us = 1e6 * wall / args.steps
     print(f"GPU busy {busy / 1e3:.3f} ms a step (kernels summed {total / 1e3:.3f} ms) of {step_us / 1e3:.3f} ms "
           f"wall ({100 * busy / step_us:.1f} % busy); with the profiler {1e3 * pwall / args.steps:.3f} ms a step")
-    rows = sorted(per.items(), key=lambda kv: -kv[1][0])
-    print(f"{'kernel':90s} {'us/step':>9s} {'calls/step':>10s} {'us/call':>8s} {'share':>6s}")
-    for name, (us, n) in rows[:args.top]:
-        print(f"{name[:90]:90s} {us / args.steps:9.1f} {n / args.steps:10.1f} {us / n:8.2f} "
-              f"{100 * us / args.steps / total:5.1f}%")
+    rows = sorted(per.items(), key=lambda kv: (-kv[1][2], -kv[1][0]))
+    # own: the span past every earlier-started kernel's end (step_timeline.own_times: PDL overlaps the spans)
+    print(f"{'kernel':90s} {'own us':>8s} {'us/step':>9s} {'calls/step':>10s} {'us/call':>8s} {'own %':>6s}")
+    for name, (us, n, own) in rows[:args.top]:
+        print(f"{name[:90]:90s} {own / args.steps:8.1f} {us / args.steps:9.1f} {n / args.steps:10.1f} {us / n:8.2f} "
+              f"{100 * own / args.steps / busy:5.1f}%")
     return {"model": args.model, "spec": eng.options.spec, "draft_tokens": eng.options.draft_tokens,
             "sync": args.sync, "pdl": args.pdl, "side_stream": args.side_stream, "silu_epilogue": args.silu_epilogue,
             "cublas_dense": args.cublas_dense, "qmv_layout": args.qmv_layout, "draft_graphs": not args.eager_draft,
@@ -291,8 +292,8 @@ def profile_one(eng, args, drop):
             "flash_prefill": args.flash_prefill, "fused_prefill": args.fused_prefill, "dropped": drop,
             "runtime": args.runtime, "steps": args.steps,
             "step_wall_us": step_us, "gpu_busy_us": busy, "kernels_summed_us": total,
-            "kernels": [{"name": k, "us_per_step": v[0] / args.steps, "calls_per_step": v[1] / args.steps}
-                        for k, v in rows]}
+            "kernels": [{"name": k, "us_per_step": v[0] / args.steps, "own_us_per_step": v[2] / args.steps,
+                         "calls_per_step": v[1] / args.steps} for k, v in rows]}
 
 
 class _null:

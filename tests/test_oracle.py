@@ -305,8 +305,19 @@ def test_agreement_rule():
     assert not large_gap["pass"] and large_gap["first_divergence"] == 3
     assert large_gap["gap_at_divergence"] == pytest.approx(2.0)
 
-    not_top2 = agreement([10, 11, 212], rec)  # near tie, but the candidate picked the top-3
+    not_top2 = agreement([10, 11, 212], rec)  # near tie, but the candidate picked the top-3, 4.5 nats down
     assert not not_top2["pass"] and not_top2["first_divergence"] == 2 and not_top2["compared_steps"] == 3
+    assert not_top2["gap_at_divergence"] == pytest.approx(4.5)
+    outside = agreement([10, 11, 999], rec)  # not in the oracle's top-k: at least the gap to its last entry
+    assert not outside["pass"] and outside["gap_at_divergence"] == pytest.approx(5.5)
+
+    # a three-way tie (as the bundled model's 8K NIAH case at 20% depth met it): any token inside the band agrees
+    three = oracle_case([10, 11, 12], [1.0, 0.028, 1.0])
+    three["topk_logprobs"][1][2] = -0.5 - 0.048
+    assert agreement([10, 211], three)["pass"] and agreement([10, 211], three)["gap_at_divergence"] == pytest.approx(0.048)
+    assert not agreement([10, 211], three, near_tie=0.04)["pass"]
+    three["topk_logprobs"][1][2] = -0.5 - 0.06
+    assert not agreement([10, 211], three)["pass"]
 
     first_step = agreement([110, 11], rec)
     assert first_step["first_divergence"] == 0 and not first_step["pass"] and first_step["top1_agreement"] == 0.0

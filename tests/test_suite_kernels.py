@@ -224,6 +224,7 @@ def test_timeline_profiles_the_engines_own_decode_step(tmp_path):
     rows = tl["kernels"]
     assert rows and all(r["us_per_step"] > 0 and r["calls_per_step"] > 0 for r in rows)
     assert [r["us_per_step"] for r in rows] == sorted((r["us_per_step"] for r in rows), reverse=True)
+    assert all(r["own_us_per_step"] == r["us_per_step"] for r in rows)  # CPU self times do not overlap
     assert any(r["name"].startswith("aten::") for r in rows)
     assert all(r["share_of_step"] == pytest.approx(r["us_per_step"] / tl["step_wall_us"]) for r in rows)
     assert "decode step timeline" in text and rows[0]["name"][:20] in text
@@ -235,9 +236,14 @@ def test_timeline_profiles_the_engines_own_decode_step(tmp_path):
 
 def test_timeline_helpers():
     from ninfer_bench.engine.runtime.engine import Engine
-    from ninfer_bench.suites.step_timeline import busy_us, decode_timeline
+    from ninfer_bench.suites.step_timeline import busy_us, decode_timeline, own_times
 
     assert busy_us([(0, 2), (1, 3), (5, 6), (5.5, 5.7)]) == 4
+    # programmatic dependent launch: b starts inside a and waits for it; c inside b; d alone, e nested in d
+    spans = [(0, 10, "a"), (8, 14, "b"), (13, 15, "c"), (20, 30, "d"), (22, 25, "e"), (40, 41, "a")]
+    own = own_times(spans)
+    assert own == {"a": 11, "b": 4, "c": 1, "d": 10, "e": 0}
+    assert sum(own.values()) == busy_us([(s, e) for s, e, _ in spans])
     assert busy_us([]) == 0
     eng = Engine.load("tiny", device="cpu", spec="mtp", draft_tokens=2)
     with pytest.raises(ValueError, match="without a drafter"):
