@@ -16,9 +16,10 @@ counted.
 Builds are compared in separate processes, so nothing of one run reaches the next; here the runs share a process, and
 a delayed run left the run after it slower (H200, bundled model, -n 128: a baseline measured right after its delayed
 candidate ran 2-3% below the baselines measured first in 5 of 10 such pairs, and those pairs saw a 3.2-3.9% slowdown
-instead of 5.4-6.5%: 5 of the 20 injected pairs went undetected). ``--settle-runs`` (1) plain unmeasured runs follow every delayed run, so each measured run
-follows a plain one, as in an A/A pair. Every pair records both runs' per-repeat decode and prefill tok/s and SM
-clock (where nvidia-smi reads it), and the summary splits the injected slowdown by which run went first, so a carry-over shows.
+instead of 5.4-6.5%: 5 of the 20 injected pairs went undetected). ``--settle-runs`` (1) plain unmeasured runs follow
+every delayed run, so each measured run follows a plain one, as in an A/A pair. Every pair records both runs'
+per-repeat decode and prefill tok/s and SM clock (where nvidia-smi reads it), and the summary splits the injected
+slowdown by which run went first, so a carry-over shows.
 
 Usage: python3 scripts/gate_trust.py --pairs 40 --injected-pairs 20 --repeats 5 -n 64 --device cpu --out trust.json
        python3 scripts/gate_trust.py --pairs 100 --repeats 5 --injected-pairs 40 --injected-repeats auto

@@ -172,7 +172,7 @@ class DecodeOptions:
         eo = self.engine_options
         return (self.load(), eo.runtime, eo.dtype, eo.kv_dtype, eo.max_context, eo.kv_capacity, eo.prefill_chunk,
                 eo.pdl, eo.side_stream, eo.silu_epilogue, eo.prefill_graphs, eo.flash_prefill,
-                eo.fused_prefill)
+                eo.fused_prefill, eo.one_token_tile)
 
 
 def _spec_summary(rec: dict) -> dict:
