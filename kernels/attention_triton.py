@@ -27,7 +27,11 @@ key range and the dtypes, never on B or T, so a T = 1 step runs the very tile a 
 depends only on its own q row (a row of the MMA), its key range is split from its own position, and the blocks a
 packed tile walks for its other rows leave it unchanged to the bit (a fully masked block: alpha = 1, p = 0). So a
 verify pass over T drafted tokens computes, row by row, exactly what T single-token decode steps compute, and
-greedy speculative decoding keeps plain decoding's tokens even where two logits almost tie.
+greedy speculative decoding keeps plain decoding's tokens even where two logits almost tie. A T = 1 step in a tile
+of its own would be faster (16 rows, 46.4% of the copy bandwidth against 35.0% at 65,536 int8 keys on the H200),
+but it is another MMA (the warp-level one; 64 rows take Hopper's warpgroup MMA) and on the H200 its rows differ from
+the packed tile's in 175 of 192 cases (up to 0.0039; ``scripts/probe_tile_bits.py``), so the step keeps the packed
+tile.
 
 The grid depends only on static sizes (B, T, H, hd and ``kv_len_max``), never on ``q_pos``, so a call can be
 captured in a CUDA graph; programs whose chunk starts past the rows' last position do no loads and store nothing.
@@ -53,8 +57,7 @@ from .attention import attention_ref
 from .attention_triton_kernels import jit_kernels as _kernels
 from .kv_quant import KV_GROUP, dequantize_kv
 
-__all__ = ["AttnConfig", "plan", "decode_attention", "decode_attention_ref", "set_one_token_tile",
-           "triton_available"]
+__all__ = ["AttnConfig", "plan", "decode_attention", "decode_attention_ref", "triton_available"]
 
 LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 256  # one [BLOCK_M, hd] fp32 accumulator per program must stay in registers
@@ -145,14 +148,10 @@ def plan(batch: int, tokens: int, heads: int, kv_heads: int, head_dim: int, kv_l
 
     A tile is sized for ``PACK_TOKENS`` tokens' rows (at most ``MAX_BLOCK_M``) and holds as many whole tokens as
     fit (``pack``), whatever T the call has: a T = 1 step runs the same tile, so each row's sums are the same bits
-    in a single step and in a verify pass. ``pack=1`` with ``block_m`` the padded G is the one-token tile; a T = 1
-    call takes it (flat int8 codes) where :func:`set_one_token_tile` found its rows to be the packed tile's bits
-    on this device. Register and shared-memory notes come from sm_90 ptxas reports of these kernels (Triton 3.6).
+    in a single step and in a verify pass. ``pack=1`` with ``block_m`` the padded G is the one-token tile.
+    Register and shared-memory notes come from sm_90 ptxas reports of these kernels (Triton 3.6).
     """
     rows = heads // kv_heads  # one token's rows: nothing below depends on batch or tokens (token invariance)
-    if (int8 and tokens == 1 and block_m is None and pack is None and not grouped
-            and _one_token_key(heads, kv_heads, head_dim, q_dtype, device) in _ONE_TOKEN):
-        pack, ahead, flat = 1, True if ahead is None else ahead, True
     block_d = _block_d(head_dim)
     if block_m is None:
         block_m = max(16, min(MAX_BLOCK_M, _pow2(rows * (PACK_TOKENS if pack is None else pack))))
@@ -196,68 +195,6 @@ def plan(batch: int, tokens: int, heads: int, kv_heads: int, head_dim: int, kv_l
     return AttnConfig(block_m=block_m, block_n=block_n, chunk=chunk, num_warps=num_warps, num_stages=num_stages,
                       combine_cols=combine_cols, min_chunk=min_chunk, pack=pack, grouped=grouped and int8,
                       ahead=ahead and int8, flat=flat and ahead and int8)
-
-
-# (heads, kv_heads, head_dim, q dtype, device) whose int8-cache T = 1 calls take the one-token tile: verified to give
-# the packed tile's bits on that device by set_one_token_tile (process-wide, as kernels/_triton.set_pdl)
-_ONE_TOKEN: set[tuple] = set()
-_TILE_CHECKS: dict[tuple, bool] = {}
-
-
-def _one_token_key(heads, kv_heads, head_dim, q_dtype, device) -> tuple:
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return heads, kv_heads, head_dim, q_dtype, str(device)
-
-
-def set_one_token_tile(on: bool, heads: int, kv_heads: int, head_dim: int, q_dtype: torch.dtype,
-                       device: torch.device | str) -> bool:
-    """Process-wide: whether a T = 1 call of this attention shape on an int8 cache takes the one-token tile
-    (``pack=1``, 16 rows for G <= 16, flat int8 codes) instead of the tile sized for ``PACK_TOKENS`` tokens. A
-    single decode step uses 6 of that tile's 64 rows at the 27B shape; on the H200 the one-token tile read 65,536
-    int8 keys at 46.4% of the copy bandwidth against 35.0% (bench_attention's sweep,
-    docs/perf/2026-12-02f-gate-trust-niah-tile-h200.md).
-
-    Token invariance rests on a T = 1 row being the bits of the same row in a verify pass; with two tiles that
-    holds only if the GPU's MMA for a 16-row tile (warp-level) rounds as the one for a 64-row tile (Hopper's
-    warpgroup MMA) does, which nothing promises. So turning it on first checks it here, once per shape and device:
-    a T = ``PACK_TOKENS`` call against its tokens one at a time on random keys, to the bit; where any row differs
-    the packed tile stays. Off (or unchecked) clears every shape. Returns whether the shape takes the tile. Call it
-    outside CUDA graph capture (the check launches and compares)."""
-    if not on:
-        _ONE_TOKEN.clear()
-        return False
-    key = _one_token_key(heads, kv_heads, head_dim, q_dtype, device)
-    if key not in _TILE_CHECKS:
-        _TILE_CHECKS[key] = _one_token_bits_match(heads, kv_heads, head_dim, q_dtype, torch.device(key[-1]))
-    if _TILE_CHECKS[key]:
-        _ONE_TOKEN.add(key)
-    else:
-        _ONE_TOKEN.discard(key)
-    return _TILE_CHECKS[key]
-
-
-def _one_token_bits_match(heads, kv_heads, head_dim, q_dtype, device, cap: int = 2048) -> bool:
-    """Whether T = 1 calls in the one-token tile give, to the bit, the rows of a T = ``PACK_TOKENS`` call in the
-    default tile on an int8 cache: two rows of random keys (one of ``cap``, one shorter), random queries."""
-    from .kv_quant import quantize_kv
-
-    t = PACK_TOKENS
-    g = torch.Generator(device=device).manual_seed(0)
-    (k, ks), (v, vs) = (quantize_kv(torch.randn(2, kv_heads, cap, head_dim, generator=g, device=device,
-                                                dtype=torch.bfloat16)) for _ in range(2))
-    q = torch.randn(2, t, heads, head_dim, generator=g, device=device, dtype=q_dtype)
-    ends = torch.tensor([cap, cap * 3 // 8 + 5], device=device)
-    q_pos = (ends[:, None] - t + torch.arange(t, device=device)[None]).contiguous()
-    common = dict(k_cache=k, v_cache=v, k_scale=ks, v_scale=vs, slots=torch.arange(2, device=device),
-                  scale=head_dim ** -0.5, kv_len_max=cap)
-    full = decode_attention(q, q_pos=q_pos, **common)
-    rows = heads // kv_heads
-    cfg = plan(2, 1, heads, kv_heads, head_dim, cap, True, device, q_dtype=q_dtype, pack=1,
-               block_m=max(16, min(MAX_BLOCK_M, _pow2(rows))), ahead=True, flat=True)
-    return all(torch.equal(decode_attention(q[:, i:i + 1].contiguous(), q_pos=q_pos[:, i:i + 1].contiguous(),
-                                            config=cfg, **common)[:, 0], full[:, i]) for i in range(t))
 
 
 def _new_buffer(shape, dtype, device) -> torch.Tensor:

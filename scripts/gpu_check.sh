@@ -23,9 +23,8 @@
 #   profile  scripts/profile_step.py at the 27B shape: every kernel of 32 decode steps (PROFILE_ARGS adds flags)
 #   ksuite   the kernels suite alone at the 27B shape, T = 1 and 8, with the captured decode step's timeline
 #            (KSUITE_OPS: only these ops)
-#   tilecheck scripts/probe_tile_bits.py, then test_cuda_engine's one-token tile, verify-row, speculative, block-draft
-#            and dflash2 PDL tests with tracebacks
-#   d27tile  27B synthetic decode -p PLEN (2991,65000), --one-token-tile on,off
+#   tilecheck scripts/probe_tile_bits.py, then test_cuda_engine's verify-row, speculative, block-draft and dflash2 PDL
+#            tests with tracebacks
 #   main     the README's main command (bundled model, DFlash2 K=7 beside plain)
 #   bundled  the bundled model: decode grid (none / MTP3 / DFlash2 K=7 x v3 / v2, and the peer), C1-C8, kernels
 #   vision   the vision tower at the real shape next to transformers'
@@ -165,15 +164,12 @@ for stage in "$@"; do
     sdpa)    timeout ${STAGE_S:-120} python3 scripts/probe_sdpa.py 2>&1 | tee "$OUT/probe_sdpa.log" | tail -12 ;;
     ksuite)  nb kernels --shape qwen3.8-27b --t 1,8 --repeats 30 --timeline ${KSUITE_OPS:+--ops $KSUITE_OPS} \
                --json "$OUT/kernels_27b.json" 2>&1 | tee "$OUT/kernels_27b.log" | tail -60 ;;
-    tilecheck) # the one-token attention tile (issue 32): its bits against the packed tile's on this GPU, then the CUDA
-             # tests that hold the engine to it (and the speculative ones), with their tracebacks
+    tilecheck) # does a one-token attention tile give the packed tile's bits on this GPU (scripts/probe_tile_bits.py),
+             # then the CUDA tests that compare two DFlash2 runs' acceptance and the verify-row bit tests, with tracebacks
              timeout ${STAGE_S:-300} python3 scripts/probe_tile_bits.py 2>&1 | tee "$OUT/tile_bits.log"
              timeout ${TESTS_S:-300} python3 -m pytest -q -p no:cacheprovider --tb=short -rf tests/test_cuda_engine.py \
-               -k "one_token or verify_rows or spec_on_cuda or block_draft or pdl_decode_equals_plain_launches and dflash2" \
+               -k "verify_rows or spec_on_cuda or block_draft or pdl_decode_equals_plain_launches and dflash2" \
                2>&1 | tee "$OUT/tilecheck_tests.log" | tail -40 ;;
-    d27tile) # decode after 2,991 and 65,000 prompt tokens on the 27B synthetic, the one-token tile on and off
-             nb decode $M27 -p ${PLEN:-2991,65000} -n ${PLEN_N:-64} --repeats 2 --one-token-tile on,off \
-               --json "$OUT/d27tile" 2>&1 | tail -12 ;;
     main)    # the README's main command on this GPU (the bundled model, DFlash2 K=7 beside plain)
              nb decode --spec dflash2 -k 7 2>&1 | tail -8 ;;
     bundled) # the bundled model's full GPU set for the report: decode grid with the peer (BUNDLED_ENGINES), concurrency,

@@ -12,6 +12,10 @@ T = 8 call with the default plan against eight T = 1 calls per token (the one-to
 default tile), comparing the outputs bit for bit. Prints the count of equal and unequal token rows per variant and
 the largest difference; exit code 0 either way (it is a measurement).
 
+Measured on the H200 (session 36, lengths 37-65,536, batches 1 and 4, 3 seeds): the default tile's T = 1 rows equal
+the T = 8 rows in 192 of 192 cases; the one-token tile's in 17 of 192 (int8, up to 0.0039 apart; flat or not) and
+63 of 192 (bf16, up to 0.002). So decode steps keep the packed tile (kernels/attention_triton.py).
+
 Usage: python3 scripts/probe_tile_bits.py [--lengths 37,1000,8192,65536] [--seeds 3] [--batches 1,4]
 """
 

@@ -172,7 +172,7 @@ class DecodeOptions:
         eo = self.engine_options
         return (self.load(), eo.runtime, eo.dtype, eo.kv_dtype, eo.max_context, eo.kv_capacity, eo.prefill_chunk,
                 eo.pdl, eo.side_stream, eo.silu_epilogue, eo.prefill_graphs, eo.flash_prefill,
-                eo.fused_prefill, eo.one_token_tile)
+                eo.fused_prefill)
 
 
 def _spec_summary(rec: dict) -> dict:
@@ -549,8 +549,6 @@ def run_decode(opts: DecodeOptions, progress=None, loaded=None, references=None,
     config["device"] = str(runner.device)
     config["dtype"] = str(runner.dtype).replace("torch.", "")
     config.update(getattr(runner, "recorded", {}))  # what a peer ran with where our engine's options do not apply
-    if hasattr(runner, "one_token_tile"):  # --one-token-tile asked, and whether this GPU's bit check let it in
-        config["one_token_tile_used"] = runner.one_token_tile
     if getattr(runner, "replay", None) is not None:
         config["replay_profile"] = runner.replay.probs  # the per-position conditional acceptance replayed
     return make_result("decode", label=config["label"], config=config, records=records, summary=summary,

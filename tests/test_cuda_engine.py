@@ -195,24 +195,6 @@ def test_pdl_decode_equals_plain_launches(dtype, spec, k):
     assert b.spec.get("accepted_tokens") == a.spec.get("accepted_tokens")
 
 
-@pytest.mark.parametrize("spec,k", [("none", 0), ("dflash2", 7)])
-def test_one_token_tile_keeps_the_tokens(spec, k):
-    """EngineOptions.one_token_tile: where the bit check passes on this GPU, single decode steps take the one-token
-    tile and decode, plain and speculative, the tokens (and acceptance) of the packed tile; where it fails the
-    engine says so and keeps the packed tile. Off clears the process-wide switch."""
-    from ninfer_bench.kernels import attention_triton as at
-
-    kw = dict(runtime="v3", kv_dtype="int8", dtype="bf16", spec=spec, draft_tokens=k or None)
-    off, a = gen(**kw, one_token_tile=False)
-    assert off.one_token_tile is False and not at._ONE_TOKEN
-    on, b = gen(**kw, one_token_tile=True)
-    c = on.config
-    key = at._one_token_key(c.num_attention_heads, c.num_key_value_heads, c.head_dim, torch.bfloat16, on.device)
-    assert on.one_token_tile == at._TILE_CHECKS[key] == (key in at._ONE_TOKEN)
-    assert b.tokens == a.tokens
-    assert b.spec.get("accepted_tokens") == a.spec.get("accepted_tokens")
-
-
 @pytest.mark.parametrize("spec,k", [("none", 0), ("mtp", 3), ("dflash2", 7)])
 def test_side_stream_branches_decode_like_the_eager_launches(spec, k):
     """EngineOptions.side_stream: a GDN layer's b / a and z projections on two branches of the captured graph (PDL

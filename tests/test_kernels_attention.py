@@ -240,59 +240,6 @@ def test_plan_depends_on_static_sizes_only():
     assert cfg.chunk % cfg.block_n == 0 and (cfg.block_m, cfg.pack) == (64, 10)  # G = 6: 10 tokens a tile
 
 
-def test_one_token_tile_only_where_checked(monkeypatch):
-    """set_one_token_tile: a T = 1 call of an int8-cache shape takes the one-token tile (pack 1, flat codes, the
-    packed tile's key splits) only after the bit check passed for that shape and device; T > 1, bf16 caches, other
-    shapes and a failed check keep the packed tile, and off clears every shape."""
-    monkeypatch.setattr(at, "_ONE_TOKEN", set())
-    monkeypatch.setattr(at, "_TILE_CHECKS", {})
-    packed = at.plan(1, 1, 24, 4, 256, 65536, True, DEVICE)
-    calls = []
-
-    def check(*a, **kw):
-        calls.append(a)
-        return a[0] == 24  # the 27B shape "passes", any other fails
-
-    monkeypatch.setattr(at, "_one_token_bits_match", check)
-    assert at.set_one_token_tile(True, 24, 4, 256, torch.bfloat16, DEVICE)
-    assert at.set_one_token_tile(True, 24, 4, 256, torch.bfloat16, DEVICE) and len(calls) == 1  # checked once
-    one = at.plan(1, 1, 24, 4, 256, 65536, True, DEVICE)
-    assert (one.block_m, one.pack, one.flat, one.ahead) == (16, 1, True, True)
-    assert (one.chunk, one.block_n, one.min_chunk) == (packed.chunk, packed.block_n, packed.min_chunk)
-    assert at.plan(1, 8, 24, 4, 256, 65536, True, DEVICE) == packed  # a verify pass: the packed tile
-    assert at.plan(1, 1, 24, 4, 256, 65536, False, DEVICE) == at.plan(1, 8, 24, 4, 256, 65536, False, DEVICE)
-    assert at.plan(1, 1, 24, 4, 256, 65536, True, DEVICE, q_dtype=torch.float16).pack == 10  # another q dtype
-    assert not at.set_one_token_tile(True, 12, 2, 64, torch.bfloat16, DEVICE)  # its check fails: packed
-    assert at.plan(1, 1, 12, 2, 64, 4096, True, DEVICE).pack > 1
-    assert not at.set_one_token_tile(False, 0, 0, 0, torch.bfloat16, DEVICE)
-    assert at.plan(1, 1, 24, 4, 256, 65536, True, DEVICE) == packed
-
-
-@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
-def test_one_token_bits_check_says_what_the_rows_say(q_dtype, monkeypatch):
-    """The check itself, at a small shape, against the same comparison made here: it answers True exactly when
-    every T = 1 row in the one-token tile equals its row of the packed T = 8 call. (Under the interpreter the 16-
-    and 64-row dots go through numpy's matmul with different blocking and differ by about 5e-7: the check says
-    False there, which is the point of having it.)"""
-    if INTERPRET and q_dtype == torch.bfloat16:
-        pytest.skip("the Triton interpreter's tl.dot multiplies raw bf16 bit patterns (GPU only)")
-    seen = []
-    real = at.decode_attention
-
-    def spy(q, **kw):
-        out = real(q, **kw)
-        seen.append((q.shape[1], out))
-        return out
-
-    monkeypatch.setattr(at, "decode_attention", spy)
-    ok = at._one_token_bits_match(12, 2, 64, q_dtype, torch.device(DEVICE), cap=96)
-    full = seen[0][1]
-    rows = [out for t, out in seen[1:]]
-    assert seen[0][0] == at.PACK_TOKENS and len(rows) == (at.PACK_TOKENS if ok else len(rows))
-    same = all(torch.equal(r[:, 0], full[:, i]) for i, r in enumerate(rows))
-    assert ok == same and (len(rows) == at.PACK_TOKENS or not same)
-
-
 def test_module_imports_without_triton():
     triton_interp.assert_imports_without_triton("attention_triton")
 

@@ -127,7 +127,6 @@ class Engine:
             self.replay = Replay(profile(str(opts.replay_acceptance), opts.spec, opts.draft_tokens),
                                  self.config.vocab_size, self.device)
         self.graphs = None
-        self.one_token_tile = False  # decode attention's one-token tile in use (_one_token_tile; CUDA only)
         self.chain_used = False  # whether the last run() decoded through the graph chain (chain.py)
         self.spec_times = None  # the last speculative round's timing events, read one round late (spec/loop.py)
         if self.device.type == "cuda":
@@ -137,25 +136,10 @@ class Engine:
             # it (docs/perf/2026-12-01i-session29-h200.md)
             _triton.set_pdl(opts.pdl and opts.spec == "none")
             qmv_cuda.set_dense(opts.qmv_dense)
-            self.one_token_tile = self._one_token_tile(opts)
         if self.device.type == "cuda" and opts.runtime == "v3" and opts.cuda_graphs:
             from ..model.graphs import GraphRunner
 
             self.graphs = GraphRunner(self)
-
-    def _one_token_tile(self, opts) -> bool:
-        """Decode attention's one-token tile for T = 1 steps (EngineOptions.one_token_tile): on where the fused
-        Triton path reads an int8 cache and the check of kernels/attention_triton.set_one_token_tile passes on
-        this GPU; process-wide, set (or cleared) before any graph is captured. Whether it is in use."""
-        from ...kernels import attention_triton
-
-        c = self.config
-        wanted = (opts.one_token_tile and opts.runtime == "v3" and opts.kv_dtype == "int8" and opts.fused_kernels()
-                  and "full_attention" in c.layer_types and attention_triton.triton_available())
-        if not wanted:
-            return attention_triton.set_one_token_tile(False, 0, 0, 0, self.dtype, self.device)
-        return attention_triton.set_one_token_tile(True, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
-                                                   self.dtype, self.device)
 
     def _make_drafter(self, spec: str):
         if spec == "none":

@@ -104,11 +104,6 @@ class EngineOptions:
         "A prompt chunk (no media, no rope positions of its own) through the fused path: the GDN layers' glue "
         "(causal conv from the slot's window, SiLU, q/k L2 norms, gated norm: kernels/gdn_prefill.py) and the norms "
         "between layers in Triton kernels instead of eager torch ops (v3 on CUDA; off: eager glue).")
-    one_token_tile: bool = _switch(
-        "--one-token-tile", "-packedtile", "v3",
-        "A single decode step's attention over an int8 cache in a one-token tile (16 query rows) rather than the tile "
-        "sized for a verify pass's 8 tokens, where a check as the engine starts finds its rows to be that tile's "
-        "bits on this GPU (token invariance; kernels/attention_triton.set_one_token_tile, process-wide; CUDA).")
     qmv_dense: bool = True  # small dense bf16/fp16 projections (<= 1024 rows, <= 64 x rows) through qmv's dense
     #                         path instead of cuBLAS (process-wide: kernels/qmv_cuda.set_dense)
     prefill_weights: str = "auto"  # prefill-width projections of packed weights (v3 on CUDA): "dense" keeps a dense
