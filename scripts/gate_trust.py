@@ -89,6 +89,23 @@ def tally(pairs: list[dict], kind: str) -> dict:
     return out
 
 
+def run_spread(pairs: list[dict], key: str) -> dict | None:
+    """How far two runs' medians of one metric sit apart in the A/A pairs (|candidate / baseline - 1|, from the
+    per-repeat samples under ``key``): its median, 95th percentile and largest. The repeats within a run do not
+    sample this (the gate's interval comes from them), so it is the noise a threshold has to clear."""
+    gaps = []
+    for p in pairs:
+        runs = p.get(key) if p["kind"] == "aa" else None
+        if runs and all(runs):
+            a, b = (statistics.median(v for v in r if v) for r in runs)
+            gaps.append(abs(b / a - 1))
+    if not gaps:
+        return None
+    gaps.sort()
+    p95 = gaps[min(len(gaps) - 1, int(0.95 * len(gaps)))]
+    return {"pairs": len(gaps), "median": statistics.median(gaps), "p95": p95, "max": gaps[-1]}
+
+
 def summarize(pairs: list[dict]) -> dict:
     """The headline numbers: false alarms are A/A pairs failed, detections injected pairs failed."""
     aa, inj = tally(pairs, "aa"), tally(pairs, "injected")
@@ -96,7 +113,9 @@ def summarize(pairs: list[dict]) -> dict:
             "false_alarm_rate": aa["fail_rate"], "false_alarm_ci95": aa["fail_ci95"],
             "aa_ambiguous_rate": aa["ambiguous_rate"], "aa_ambiguous_ci95": aa["ambiguous_ci95"],
             "detection_rate": inj["fail_rate"], "detection_ci95": inj["fail_ci95"],
-            "injected_ambiguous_rate": inj["ambiguous_rate"], "injected_ambiguous_ci95": inj["ambiguous_ci95"]}
+            "injected_ambiguous_rate": inj["ambiguous_rate"], "injected_ambiguous_ci95": inj["ambiguous_ci95"],
+            "aa_run_spread": {"decode_tok_s": run_spread(pairs, "samples"),
+                              "prefill_tok_s": run_spread(pairs, "prefill_samples")}}
 
 
 def repeats_arg(text: str) -> int | str:
@@ -313,6 +332,10 @@ def main(argv=None) -> int:
         print("  median drop by order: " + ", ".join(f"{w} first {v:.1%}" for w, v in split))
     print(f"  detection rate {rate(r['detection_rate'], r['detection_ci95'])}; "
           f"ambiguous {rate(r['injected_ambiguous_rate'], r['injected_ambiguous_ci95'])}")
+    for metric, spread in r["aa_run_spread"].items():
+        if spread:
+            print(f"A/A run medians apart, {metric}: median {spread['median']:.1%}, p95 {spread['p95']:.1%}, "
+                  f"max {spread['max']:.1%} ({spread['pairs']} pairs)")
     for kind, t in (("A/A", aa), ("injected", inj)):
         rows = {m: c for m, c in t["by_metric"].items() if c.get("fail") or c.get("ambiguous") or c.get("missing")}
         if rows:

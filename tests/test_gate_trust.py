@@ -186,6 +186,11 @@ def test_trust_counting():
     assert s["injected"]["by_metric"] == {"x": {"fail": 1, "ambiguous": 1}}
     assert s["injected"]["slowdown_median"] == pytest.approx(0.04)
     assert s["false_alarm_ci95"] == gate_trust.wilson(1, 4)
+    assert s["aa_run_spread"] == {"decode_tok_s": None, "prefill_tok_s": None}  # no samples kept
+    spread = gate_trust.run_spread([{"kind": "aa", "samples": [[100, 101, 99], [110, 90, 104]]},
+                                    {"kind": "aa", "samples": [[100, 100, 100], [98, 98, 98]]},
+                                    {"kind": "injected", "samples": [[100, 100, 100], [50, 50, 50]]}], "samples")
+    assert spread["pairs"] == 2 and spread["max"] == pytest.approx(0.04) and spread["median"] == pytest.approx(0.03)
 
 
 def test_trust_script_runs_and_gates_pairs(tmp_path, monkeypatch):
@@ -206,7 +211,8 @@ def test_trust_script_runs_and_gates_pairs(tmp_path, monkeypatch):
     r = gate_trust.run_trust(args, log=lines.append)
     # the calibration, the A/A pair, the injected pair's baseline and delayed candidate, then one plain settle run
     assert runs == [(5, 0.0), (5, 0.0), (5, 0.0), (5, 0.0), (5, 30000), (1, 0.0)]
-    assert r["settle_runs"] == 1
+    assert r["settle_runs"] == 1 and r["aa_run_spread"]["decode_tok_s"]["pairs"] == 1
+    assert r["aa_run_spread"]["prefill_tok_s"]["pairs"] == 1
     assert json.loads(out.read_text())["pairs"] == r["pairs"]
     assert [p["kind"] for p in r["pairs"]] == ["aa", "injected"]
     assert r["aa"]["pairs"] == r["injected"]["pairs"] == 1 and sum(r["aa"]["counts"].values()) == 1
