@@ -165,18 +165,17 @@ def gated_delta_rule_step(q, k, v, g, beta, state, *, scale=None, return_states=
         bufs = prev.new_empty(T, BH, dk, dv)
     else:
         bufs = [prev.new_empty(BH, dk, dv) for _ in range(min(T, 2))]
-    outs = []
-    for t in range(T):
-        S = bufs[t] if return_states else bufs[t % 2]
-        torch.mul(prev, decay[t], out=S)
-        # [BH, 2, dv] = decayed k^T S, q^T S
-        read = torch.bmm(kq[t], S)
-        u = bf[t] * (vf[t] - read[:, 0])  # [BH, dv]
-        S.baddbmm_(kq[t][:, 0].unsqueeze(-1), u.unsqueeze(1))  # S += k u^T
+    if T == 1 and not return_states:  # decode: the one step's operands indexed directly, no buffers to set up
+        S = bufs[0]
+        torch.mul(prev, decay[0], out=S)
+        read = torch.bmm(kq[0], S)  # [BH, 2, dv] = decayed k^T S, q^T S
+        u = bf[0] * (vf[0] - read[:, 0])  # [BH, dv]
+        S.baddbmm_(kq[0][:, 0].unsqueeze(-1), u.unsqueeze(1))  # S += k u^T
         # S_new^T q = S_decayed^T q + (k . q) u, without a fourth pass over the state
-        outs.append(read[:, 1] + k_dot_q[t] * u)
-        prev = S
-    o = (torch.stack(outs, 0) if T else vf.new_empty(0, BH, dv)).view(T, B, Hv, dv).transpose(0, 1)
+        o, prev = (read[:, 1] + k_dot_q[0] * u).view(T, B, Hv, dv).transpose(0, 1), S
+    else:
+        o, prev = _steps(kq, k_dot_q, vf, decay, bf, prev, bufs, return_states)
+        o = o.view(T, B, Hv, dv).transpose(0, 1)
     o = o.to(v.dtype).contiguous()
     new_state = prev.view(B, Hv, dk, dv)
     if T == 0 or return_states:
@@ -185,6 +184,28 @@ def gated_delta_rule_step(q, k, v, g, beta, state, *, scale=None, return_states=
         # [T, B, ...] -> [B, T, ...] as a view: no copy, non-contiguous when B > 1
         return o, new_state, bufs.view(T, B, Hv, dk, dv).transpose(0, 1)
     return o, new_state
+
+
+def _steps(kq, k_dot_q, vf, decay, bf, prev, bufs, return_states: bool):
+    """`gated_delta_rule_step`'s loop over T steps (the same ops as its one-step form, step by step): each step's
+    operands are views made up front (one unbind each) and its results land in buffers for all T steps, so a step
+    runs five tensor ops and the output is formed once after the loop - a verify pass runs this loop T times per GDN
+    layer, and on a CPU every op costs dispatch time however small it is. Returns (o [T, BH, dv], last state)."""
+    T, BH, dv = kq.shape[0], kq.shape[1], vf.shape[-1]
+    reads = prev.new_empty(T, BH, 2, dv)  # [k q]^T S of each step's decayed state
+    us = prev.new_empty(T, BH, 1, dv)  # each step's update u = beta (v - k^T S)
+    kq_t, kcol_t = kq.unbind(0), kq[:, :, 0].unsqueeze(-1).unbind(0)  # [BH, 2, dk]; k as a column [BH, dk, 1]
+    reads_t, read_k_t, us_t = reads.unbind(0), reads[:, :, 0:1].unbind(0), us.unbind(0)  # [BH, 1, dv] for k, u
+    decay_t, bf_t, vf_t = decay.unbind(0), bf[..., None].unbind(0), vf[:, :, None].unbind(0)
+    for t in range(T):
+        S = bufs[t] if return_states else bufs[t % 2]
+        torch.mul(prev, decay_t[t], out=S)
+        torch.bmm(kq_t[t], S, out=reads_t[t])  # [BH, 2, dv] = decayed k^T S, q^T S
+        torch.sub(vf_t[t], read_k_t[t], out=us_t[t]).mul_(bf_t[t])  # u = beta (v - k^T S)
+        S.baddbmm_(kcol_t[t], us_t[t])  # S += k u^T
+        prev = S
+    # S_new^T q = S_decayed^T q + (k . q) u, without a fourth pass over the state
+    return reads[:, :, 1] + k_dot_q * us[:, :, 0], prev
 
 
 def gated_delta_rule_chunked(q, k, v, g, beta, *, scale=None, initial_state=None, chunk_size=64):

@@ -121,7 +121,8 @@ def test_block_drafter_in_artifact_matches_training_module(built, kind, k):
     with drafters.block_size(net, k + 1):
         h = forward_train(net, torch.cat(taps, -1), model.model.embed_tokens(blk), torch.tensor([[len(ids)]]))
     logits = model.lm_head(h[:, 1:]).float()
-    assert rel_rms(seen[0][1], logits) <= RTOL
+    # the drafted positions' rows (a CPU runner scores the whole block, the anchor row too: BlockDraftRunner.block)
+    assert rel_rms(seen[0][1][:, -k:], logits) <= RTOL
     if net.selector is not None:
         want, _, _ = net.selector.walk(h[:, 1:], logits, torch.tensor([anchor]))
         assert toks.tolist() == want.tolist()

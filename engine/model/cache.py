@@ -205,23 +205,38 @@ class HybridCache:
         if pend is None:
             raise RuntimeError("commit() without a verify pass")
         slots = pend.slots
+        # on a CPU the host reads ``keep`` for free: a layer whose every row keeps the whole pass is left as the pass
+        # wrote it, and the recompute re-runs only the positions some row keeps (the masked ones change nothing)
+        kept = keep.tolist() if keep.device.type == "cpu" else None
         for i, rec in pend.layers.items():
             if rec.kernel is not None:  # the fused path's own rollback (it knows its kernel's arguments)
                 rec.kernel(self, i, slots, rec, keep)
                 continue
             b, t, c = rec.conv_in.shape
+            if kept is not None and min(kept) >= t:
+                continue  # the pass's own conv window and state (the same ops on the same inputs as a recompute)
+            n = t if kept is None else max(kept)
+            same = kept is not None and min(kept) == n  # every row keeps n: slices instead of gathers and masks
             w1 = rec.conv_old.shape[-1]
             # conv window after keep[b] tokens: the W-1 inputs ending at keep[b] in cat(old, new)
             seq = torch.cat([rec.conv_old, rec.conv_in.transpose(1, 2).to(rec.conv_old.dtype)], dim=-1)
-            idx = keep.view(b, 1, 1) + torch.arange(w1, device=seq.device).view(1, 1, w1)
-            self.conv[i][slots] = torch.gather(seq, 2, idx.expand(b, c, w1))
-            if rec.states is not None:
-                sel = (keep - 1).view(b, 1, 1, 1, 1).expand(b, 1, *rec.states.shape[2:])
-                self.ssm[i][slots] = torch.gather(rec.states, 1, sel).squeeze(1)
+            if same:
+                self.conv[i][slots] = seq[..., n:n + w1]
             else:
-                q, k, v, g, beta = rec.inputs
-                live = (torch.arange(t, device=g.device).view(1, t) < keep.view(b, 1)).to(g.dtype)[..., None]
-                _, state = gated_delta_rule_step(q, k, v, g * live, beta * live, rec.ssm_old)
+                idx = keep.view(b, 1, 1) + torch.arange(w1, device=seq.device).view(1, 1, w1)
+                self.conv[i][slots] = torch.gather(seq, 2, idx.expand(b, c, w1))
+            if rec.states is not None:
+                if same:
+                    self.ssm[i][slots] = rec.states[:, n - 1]
+                else:
+                    sel = (keep - 1).view(b, 1, 1, 1, 1).expand(b, 1, *rec.states.shape[2:])
+                    self.ssm[i][slots] = torch.gather(rec.states, 1, sel).squeeze(1)
+            else:
+                q, k, v, g, beta = (x[:, :n] for x in rec.inputs)
+                if not same:  # rows keeping fewer positions: theirs past keep masked (beta = 0, g = 0: no change)
+                    live = (torch.arange(n, device=g.device).view(1, n) < keep.view(b, 1)).to(g.dtype)[..., None]
+                    g, beta = g * live, beta * live
+                _, state = gated_delta_rule_step(q, k, v, g, beta, rec.ssm_old)
                 self.ssm[i][slots] = state
 
     def discard_verify(self) -> None:

@@ -94,7 +94,9 @@ def ordered_topk(x: torch.Tensor, k: int):
     """
     f = x.float()
     bits = f.view(torch.int32)
-    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)
+    # negative floats with their magnitude bits flipped (bits >> 31 is all ones for them, 0 otherwise): the same keys
+    # as where(bits < 0, bits ^ 0x7FFFFFFF, bits) in three cheap elementwise ops instead of a where over a mask
+    ordered = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(torch.int64)
     n = f.shape[-1]
     cols = torch.arange(n - 1, -1, -1, device=f.device, dtype=torch.int64)
     _, top = torch.topk((ordered << 32) | cols, k, dim=-1)

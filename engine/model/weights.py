@@ -7,12 +7,14 @@ The model never looks at formats: it calls ``store.linear(name)(x)``, ``store.em
   (``kernels.qlinear``); sibling projections that read the same input are concatenated row-wise into one
   launch (MLP gate+up, GDN qkv+z, GDN b+a, attention k+v), with bytes unchanged.
 - ``v2`` (and every CPU run): each weight is dequantized once to the compute dtype and multiplied with
-  ``F.linear``.
+  ``F.linear``; a CPU speculative engine also packs the larger ones for its rounds' k + 1 rows (MKL's packed GEMM,
+  ``WeightStore.pack_rows``).
 """
 
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +57,31 @@ class RawWeight:
 DENSE_QMV_MAX_ROWS = 1024
 
 
+# On a CPU, a speculative engine's round multiplies its k + 1 rows a sequence (the verify pass, the drafters' passes
+# over as many rows) by each projection of at least PACK_MIN_OUT rows through MKL's packed GEMM, the weight packed
+# once for that row count (WeightStore.pack_rows): MKL's few-row product of the row-major weight ran 5-45% slower in
+# the engine (22% for the MLP's 1024-row gate and up, 45% for the 8192-row head; docs/perf/2026-12-02e-cpu-dflash2-
+# round.md); projections of fewer rows ran slower packed. The packed copies take about the weights' size again, made
+# only while they fit in PACK_MEMORY_SHARE of the available memory.
+PACK_MIN_OUT = 256
+PACK_MEMORY_SHARE = 0.5
+
+
+def mkl_packing() -> bool:
+    """Whether torch has MKL's packed GEMM (``torch.ops.mkl._mkl_linear``: x86 builds with MKL)."""
+    return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight")
+
+
+@dataclass(slots=True)
+class RoundPacking:
+    """A store's packed products (WeightStore.pack_rows): the row count they were packed for, and whether they are
+    in use - only inside a speculative round (WeightStore.round_products), so a prompt chunk or a scoring pass that
+    happens to have as many rows keeps ``F.linear``'s products, as the plain engine computes them."""
+
+    rows: int = 0
+    on: bool = False
+
+
 class DenseLinear:
     """``y = x @ W^T`` with W held dense in the compute dtype."""
 
@@ -62,13 +89,31 @@ class DenseLinear:
         self.weight = weight
         self.out_features, self.in_features = weight.shape
         self._qmv = None  # kernels.qmv_cuda.DenseWeight, made at the first CUDA call that can use it
+        self._packed: tuple[RoundPacking, torch.Tensor] | None = None  # pack_rows
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and self.out_features <= DENSE_QMV_MAX_ROWS:
             y = self._small_rows(x)
             if y is not None:
                 return y
+        packed = self._packed
+        if packed is not None and packed[0].on and x.numel() == packed[0].rows * self.in_features \
+                and not x.is_cuda and x.dtype == torch.float32:
+            rows = packed[0].rows
+            y = torch.ops.mkl._mkl_linear(x.reshape(rows, self.in_features).contiguous(), packed[1], self.weight,
+                                          None, rows)
+            return y.view(*x.shape[:-1], self.out_features)
         return F.linear(x, self.weight)
+
+    def pack_rows(self, packing: RoundPacking) -> bool:
+        """Run products of exactly ``packing.rows`` input rows (fp32, on a CPU) through MKL's packed GEMM while
+        ``packing.on``, the weight packed for that row count now (a copy of about its size); other products keep
+        ``F.linear``. Another summation order than ``F.linear``'s: not its bits (as ``F.linear``'s few-row products
+        are not its one-row bits either). Returns whether it packed (fp32 CPU weights, MKL there)."""
+        if self.weight.is_cuda or self.weight.dtype != torch.float32 or not mkl_packing():
+            return False
+        self._packed = (packing, torch.ops.mkl._mkl_reorder_linear_weight(self.weight, packing.rows))
+        return True
 
     def _small_rows(self, x: torch.Tensor) -> torch.Tensor | None:
         """Up to 64 rows of x through qmv's dense path, 8 a launch (rows independent of the batch), when it is on."""
@@ -159,6 +204,7 @@ class WeightStore:
         fuse = self.packed if fuse is None else fuse
         self.raws = raws
         self.linears: dict[str, object] = {}
+        self.packing = RoundPacking()  # the packed products of a speculative round on a CPU (pack_rows)
         self.vectors: dict[str, torch.Tensor] = {}
         self.embeddings: dict[str, Embedding] = {}
         self.weight_bytes = sum(r.nbytes for r in raws.values())
@@ -213,6 +259,33 @@ class WeightStore:
         for lin in self.linears.values():
             if hasattr(lin, "dense_fallback"):
                 lin.dense_fallback = self.cache_dense
+
+    def pack_rows(self, rows: int, prefixes: tuple[str, ...]) -> int:
+        """Pack the dense projections named under ``prefixes`` with at least PACK_MIN_OUT rows for products of
+        ``rows`` input rows, used inside :meth:`round_products` (DenseLinear.pack_rows: a CPU speculative engine's
+        k + 1 rows a round), when MKL's packed GEMM is there and the copies fit in PACK_MEMORY_SHARE of the memory
+        available. Returns how many were packed."""
+        if self.device.type != "cpu" or self.dtype != torch.float32 or not mkl_packing():
+            return 0
+        todo = [lin for name, lin in self.linears.items() if name.startswith(prefixes)
+                and isinstance(lin, DenseLinear) and lin.out_features >= PACK_MIN_OUT]
+        from .memory import available_bytes
+
+        have = available_bytes(self.device)
+        if have is not None and sum(lin.weight.nbytes for lin in todo) > PACK_MEMORY_SHARE * have:
+            return 0
+        self.packing.rows = rows
+        return sum(lin.pack_rows(self.packing) for lin in todo)
+
+    @contextmanager
+    def round_products(self):
+        """Inside: products of the packed row count through the packed weights (:meth:`pack_rows`; a speculative
+        round, engine/spec/loop.py); outside, every product is ``F.linear``'s."""
+        was, self.packing.on = self.packing.on, True
+        try:
+            yield
+        finally:
+            self.packing.on = was
 
     def linear_of(self, raw: RawWeight):
         """A projection of ``raw`` held as this store holds its own: packed where the store keeps weights packed

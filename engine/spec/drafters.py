@@ -126,6 +126,7 @@ class MTPDrafter:
             raise ValueError(why)
         self.e = engine
         self.head = DraftHead(engine, draft_head_ids(engine))
+        pack_verify_rows(engine, ("model.", "lm_head.", "mtp."))  # the head's pass over a verified block: k + 1 rows
         self.pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.carry: dict[int, tuple[int, torch.Tensor]] = {}  # slot -> (next chunk's start, last hidden row [H])
         # greedy drafting and the head's pass over each verified block (commit) replayed from CUDA graphs
@@ -287,6 +288,14 @@ def packed_projections(net: BlockDrafter, raws: dict[str, RawWeight], store) -> 
     return swapped
 
 
+def pack_verify_rows(engine, prefixes: tuple[str, ...]) -> None:
+    """On a CPU, the engine's projections named under ``prefixes`` packed for a round's k + 1 rows a sequence
+    (WeightStore.pack_rows): a sequence's verify pass, and the drafter's passes over as many rows, through MKL's
+    packed GEMM."""
+    if engine.device.type == "cpu":
+        engine.weights.pack_rows(engine.options.draft_tokens + 1, prefixes)
+
+
 class BlockDraftRunner:
     """A DFlash / DFlash2 drafter bound to an Engine: context K/V per slot and layer, block drafting."""
 
@@ -312,6 +321,7 @@ class BlockDraftRunner:
             self.net.reserve_rope(engine.capacity + cfg.block_size + 1, engine.device)
         self.head = DraftHead(engine, draft_head_ids(engine), cfg.extra.get("logit_scale", 1.0),
                               cfg.extra.get("logit_softcap", 0.0))
+        pack_verify_rows(engine, ("model.", "lm_head."))  # the target's verify pass and the drafter's block head
         ring = cfg.kind == "dflash2" and cfg.window > 0
         self.window = cfg.window if ring else 0
         self.cap = cfg.window if ring else engine.capacity
@@ -386,16 +396,20 @@ class BlockDraftRunner:
         ids = torch.full((b, k + 1), c.mask_token_id, dtype=torch.long, device=e.device)
         ids[:, 0] = last
         pos = length[:, None] + torch.arange(k + 1, device=e.device)[None]
-        cpos = self.pos[slots][:, : self.cap]  # [B, cap]
+        cpos = self.pos.index_select(0, slots)[:, : self.cap]  # [B, cap] (index_select: a plain copy per row)
         vis = (cpos >= 0) & (cpos < length[:, None])
         if self.window:
             vis &= cpos >= (length[:, None] - self.window)
         mask = torch.cat([vis[:, None, :].expand(b, k + 1, -1),
                           torch.ones(b, k + 1, k + 1, dtype=torch.bool, device=e.device)], dim=-1)[:, None]
-        ks = [kk[slots][:, : self.cap] for kk in self.k]
-        vs = [vv[slots][:, : self.cap] for vv in self.v]
-        h = self.net.blocks(e.weights.embed(ids), pos, ks, vs, mask)[:, 1:]
-        return h, self.head.logits(h)
+        ks = [kk.index_select(0, slots)[:, : self.cap] for kk in self.k]
+        vs = [vv.index_select(0, slots)[:, : self.cap] for vv in self.v]
+        h = self.net.blocks(e.weights.embed(ids), pos, ks, vs, mask)
+        if h.is_cuda:
+            return h[:, 1:], self.head.logits(h[:, 1:])
+        # CPU: the head over the whole block, anchor row too - k + 1 rows a sequence as a verify pass has, so both
+        # go through the same products of the head (DenseLinear.pack_rows)
+        return h[:, 1:], self.head.logits(h)[:, 1:]
 
     def greedy(self, h, logits, anchor) -> torch.Tensor:
         """Greedy drafts ``[B, k]`` (vocabulary ids) of a block: each position's argmax, or DFlash2's candidate walk

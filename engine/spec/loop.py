@@ -36,6 +36,11 @@ def _ms(device, a, b) -> float:
 def speculative_round(e, seqs) -> None:
     """Draft K tokens per sequence, verify them in one target forward, accept, roll back the rest, and add the
     accepted tokens (plus the target's bonus token) to each sequence; updates each sequence's spec stats."""
+    with e.weights.round_products():  # on a CPU, the k + 1 rows' products packed (WeightStore.pack_rows)
+        _round(e, seqs)
+
+
+def _round(e, seqs) -> None:
     k, dev = e.options.draft_tokens, e.device
     t0 = _timer(dev)
     drafts, q = e.drafter.draft(seqs, k)  # [B, K]
