@@ -170,8 +170,7 @@ def agreement(candidate_tokens: Sequence[int], oracle_record: dict, near_tie: fl
     earlier or later is not by itself a disagreement). Identical -> pass. At the first differing step
     d the case passes only if the candidate's token is among the oracle's top-k there with a log-prob
     at most ``near_tie`` below the top-1's (a near tie, :data:`NEAR_TIE_NATS`). Later steps are never
-    compared: after d the two runs
-    continue from different prefixes.
+    compared: after d the two runs continue from different prefixes.
 
     Returns {"pass", "first_divergence" (step index or None), "top1_agreement" (fraction of compared
     steps whose candidate token is the oracle's top-1 on the oracle's own path, i.e. before the first

@@ -290,10 +290,9 @@ def packed_projections(net: BlockDrafter, raws: dict[str, RawWeight], store) -> 
 
 def pack_verify_rows(engine, prefixes: tuple[str, ...]) -> None:
     """On a CPU, the engine's projections named under ``prefixes`` packed for a round's k + 1 rows a sequence
-    (WeightStore.pack_rows): a sequence's verify pass, and the drafter's passes over as many rows, through MKL's
-    packed GEMM."""
-    if engine.device.type == "cpu":
-        engine.weights.pack_rows(engine.options.draft_tokens + 1, prefixes)
+    (WeightStore.pack_rows, which does nothing on other devices): a sequence's verify pass, and the drafter's passes
+    over as many rows, through MKL's packed GEMM."""
+    engine.weights.pack_rows(engine.options.draft_tokens + 1, prefixes)
 
 
 class BlockDraftRunner:
