@@ -33,6 +33,9 @@
 #   redraft  scripts/retrain_drafters.py: the bundled drafters trained REDRAFT_MIN (5.5) more minutes on the shipped
 #            target, before / after acceptance, the new artifact in parts (back here: retrain_drafters.py join $OUT)
 #   specprobe scripts/probe_spec_paths.py on the bundled model: MTP3 and DFlash2 K=7, drafting captured / eager x PDL
+#   chain    chained speculative rounds (spec/chain.py) against the synchronous rounds: their CUDA tests, the bundled
+#            model's held-out prompts and the 27B replay grid with --lookahead on,off, the README's main command, and
+#            scripts/profile_step.py on the bundled model's rounds (chained and --sync)
 #   spec     speculative decoding as measured for the release: the 27B synthetic plain / MTP3 / DFlash2 K=7 grid at
 #            replayed acceptance (seed: the release's tokens per round), the README's main command, and the bundled
 #            model's plain / MTP3 / DFlash2 K=7 on its held-out prompts (SPEC_N tokens, default 128)
@@ -197,6 +200,18 @@ for stage in "$@"; do
                timeout ${STAGE_S:-300} python3 scripts/probe_spec_paths.py --spec $sp -k $k -n 256 \
                  --generates ${SPECPROBE_N:-3} 2>&1 | tee -a "$OUT/specprobe.log" | grep -v Warn | tail -16
              done ;;
+    chain)   timeout ${TESTS_S:-240} python3 -m pytest -q -p no:cacheprovider --tb=short -rf tests/test_cuda_engine.py \
+               -k "spec or chain or draft or lookahead or verify_rows or pdl" 2>&1 | tee "$OUT/chain_tests.log" | tail -25
+             nb decode --spec none,mtp:3,dflash2:7 --lookahead on,off --prompt-file suites/data/heldout_prompts.jsonl \
+               -n 256 --repeats 2 --json "$OUT/chainb" 2>&1 | tee "$OUT/chainb.log" | tail -14
+             /usr/bin/time -f "main command: %e s wall, %M KiB peak RSS" python3 scripts/nb.py decode --spec dflash2 -k 7 \
+               --json "$OUT/main.json" 2>&1 | tee "$OUT/main.log" | tail -8
+             for sync in "" --sync; do
+               timeout ${STAGE_S:-150} python3 scripts/profile_step.py --spec none,mtp:3,dflash2:7 --steps 64 --top 12 $sync \
+                 --json "$OUT/chain_prof${sync:+_sync}.json" 2>&1 | tee -a "$OUT/chain_prof.log" | grep -E "^(===|[0-9]+ steps|a round|GPU busy)"
+             done
+             nb decode $M27 --spec none,mtp:3,dflash2:7 --replay-acceptance seed --lookahead on,off -n ${SPEC_N:-128} \
+               --repeats 2 --json "$OUT/chain27" 2>&1 | tee "$OUT/chain27.log" | tail -14 ;;
     spec)    nb decode $M27 --spec none,mtp:3,dflash2:7 --replay-acceptance seed -n ${SPEC_N:-128} --repeats 2 \
                --json "$OUT/spec27" 2>&1 | tee "$OUT/spec27.log" | tail -12
              /usr/bin/time -f "main command: %e s wall, %M KiB peak RSS" python3 scripts/nb.py decode --spec dflash2 -k 7 \

@@ -35,9 +35,9 @@ def host_profile(run, steps: int, top: int) -> int:
 
     prof = cProfile.Profile()
     prof.enable()
-    wall, toks = run(steps)
+    wall, ran = run(steps)
     prof.disable()
-    print(f"with cProfile: {1e3 * wall / steps:.3f} ms a step, {toks} tokens")
+    print(f"with cProfile: {1e3 * wall / ran:.3f} ms a step ({ran} steps or rounds)")
     for key in ("tottime", "cumulative"):
         pstats.Stats(prof).sort_stats(key).print_stats(top)
     return 0
@@ -208,6 +208,7 @@ def profile_one(eng, args, drop):
     from torch.profiler import ProfilerActivity, profile
 
     from ninfer_bench.engine.runtime.chain import chainable, decode_chained
+    from ninfer_bench.engine.spec import chain as spec_chain
     from ninfer_bench.engine.sampling import SamplingParams
     from ninfer_bench.suites.step_timeline import busy_us, cuda_kernels
 
@@ -220,7 +221,9 @@ def profile_one(eng, args, drop):
     last_stats: dict = {}
 
     def run(steps: int, prof=None) -> tuple[float, int]:
-        chained = not args.sync and eng.drafter is None
+        """(wall seconds, steps or rounds run): chained, the sequence ends after ``steps`` tokens (a round adds at
+        least one: with drafts accepted, fewer rounds run); synchronous, ``steps`` calls of advance()."""
+        chained = not args.sync
         limit = steps + 1 if chained else steps * 16 + 16  # the first token comes from the prefill
         seq = eng.acquire(prompt, SamplingParams(max_new_tokens=limit, ignore_eos=True))
         try:
@@ -231,6 +234,8 @@ def profile_one(eng, args, drop):
             with prof if prof is not None else _null():
                 if chained and chainable(eng, seq):
                     decode_chained(eng, seq)  # the host one step behind the GPU (generate()'s greedy path)
+                elif chained and spec_chain.chainable(eng, seq):
+                    spec_chain.decode_spec_chained(eng, seq)  # rounds captured, the host one round behind
                 else:
                     for _ in range(steps):
                         eng.advance([seq])
@@ -238,7 +243,7 @@ def profile_one(eng, args, drop):
             wall = time.perf_counter() - t
             last_stats.clear()
             last_stats.update(seq.stats)
-            return wall, len(seq.tokens) - n0
+            return wall, seq.stats.get("rounds", len(seq.tokens) - n0)
         finally:
             eng.release(seq)
 
@@ -257,9 +262,8 @@ def profile_one(eng, args, drop):
     if args.prefill:  # one "step" is one whole prefill
         run, args.steps = run_prefill, 1
     run(4)  # capture the graphs, compile the kernels
-    wall, toks = run(args.steps)
-    print(f"{args.steps} steps without the profiler: {1e3 * wall / args.steps:.3f} ms a step, "
-          f"{toks} tokens", flush=True)
+    wall, steps = run(args.steps)
+    print(f"{steps} steps (rounds) without the profiler: {1e3 * wall / steps:.3f} ms a step", flush=True)
     rounds = last_stats.get("rounds")
     if rounds:  # the engine's own events: drafting (and its commit) and the verify forward (and the rollback)
         print(f"a round: draft {last_stats['draft_ms'] / rounds:.3f} ms, verify {last_stats['verify_ms'] / rounds:.3f} "
@@ -268,32 +272,32 @@ def profile_one(eng, args, drop):
         host_profile(run, args.steps, args.top)
         return {}
     prof = profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU])
-    pwall, _ = run(args.steps, prof)
+    pwall, psteps = run(args.steps, prof)
 
     per, intervals = cuda_kernels(prof)
     if not intervals:
         raise SystemExit("the profiler recorded no GPU kernels (CUPTI unavailable?)")
-    busy = busy_us(intervals) / args.steps
-    total = sum(v[0] for v in per.values()) / args.steps
-    step_us = 1e6 * wall / args.steps
+    busy = busy_us(intervals) / psteps
+    total = sum(v[0] for v in per.values()) / psteps
+    step_us = 1e6 * wall / steps
     print(f"GPU busy {busy / 1e3:.3f} ms a step (kernels summed {total / 1e3:.3f} ms) of {step_us / 1e3:.3f} ms "
-          f"wall ({100 * busy / step_us:.1f} % busy); with the profiler {1e3 * pwall / args.steps:.3f} ms a step")
+          f"wall ({100 * busy / step_us:.1f} % busy); with the profiler {1e3 * pwall / psteps:.3f} ms a step")
     rows = sorted(per.items(), key=lambda kv: (-kv[1][2], -kv[1][0]))
     # own: the span past every earlier-started kernel's end (step_timeline.own_times: PDL overlaps the spans)
     print(f"{'kernel':90s} {'own us':>8s} {'us/step':>9s} {'calls/step':>10s} {'us/call':>8s} {'own %':>6s}")
     for name, (us, n, own) in rows[:args.top]:
-        print(f"{name[:90]:90s} {own / args.steps:8.1f} {us / args.steps:9.1f} {n / args.steps:10.1f} {us / n:8.2f} "
-              f"{100 * own / args.steps / busy:5.1f}%")
+        print(f"{name[:90]:90s} {own / psteps:8.1f} {us / psteps:9.1f} {n / psteps:10.1f} {us / n:8.2f} "
+              f"{100 * own / psteps / busy:5.1f}%")
     return {"model": args.model, "spec": eng.options.spec, "draft_tokens": eng.options.draft_tokens,
             "sync": args.sync, "pdl": args.pdl, "side_stream": args.side_stream, "silu_epilogue": args.silu_epilogue,
             "cublas_dense": args.cublas_dense, "qmv_layout": args.qmv_layout, "draft_graphs": not args.eager_draft,
             "attn_fixed_split": args.attn_fixed_split, "prefill": args.prefill, "prompt_len": args.prompt_len,
             "prefill_chunk": args.prefill_chunk, "prefill_weights": args.prefill_weights,
             "flash_prefill": args.flash_prefill, "fused_prefill": args.fused_prefill, "dropped": drop,
-            "runtime": args.runtime, "steps": args.steps,
+            "runtime": args.runtime, "steps": steps, "profiled_steps": psteps,
             "step_wall_us": step_us, "gpu_busy_us": busy, "kernels_summed_us": total,
-            "kernels": [{"name": k, "us_per_step": v[0] / args.steps, "own_us_per_step": v[2] / args.steps,
-                         "calls_per_step": v[1] / args.steps} for k, v in rows]}
+            "kernels": [{"name": k, "us_per_step": v[0] / psteps, "own_us_per_step": v[2] / psteps,
+                         "calls_per_step": v[1] / psteps} for k, v in rows]}
 
 
 class _null:

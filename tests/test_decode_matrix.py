@@ -52,7 +52,7 @@ def test_grid_and_labels():
                                                             ("v3-dflash2-k7-lmh256", 256)]
     ahead = decode_runs(BASE, specs=("none", "mtp:2"), switches={"lookahead": (True, False)})
     assert [(r.label, r.engine_options.lookahead) for r in ahead] == [("v3-none", True), ("v3-none-sync", False),
-                                                      ("v3-mtp-k2", True)]
+                                                      ("v3-mtp-k2", True), ("v3-mtp-k2-sync", False)]
     graphs = decode_runs(BASE, specs=("none", "mtp:3", "dflash2:7"), switches={"draft_graphs": (True, False)})
     assert [(r.label, r.engine_options.draft_graphs) for r in graphs] == [("v3-none", True), ("v3-mtp-k3", True),
                                                           ("v3-mtp-k3-eagerdraft", False), ("v3-dflash2-k7", True),

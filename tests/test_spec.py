@@ -247,8 +247,8 @@ def test_round_times_are_settled_by_the_end_of_a_generation(monkeypatch):
     from ninfer_bench.engine.spec import loop
 
     times = iter(range(10_000))
-    monkeypatch.setattr(loop, "_timer", lambda dev: float(next(times)))  # 1 ms between consecutive stamps
-    monkeypatch.setattr(loop, "_ms", lambda dev, a, b: b - a)
+    monkeypatch.setattr(loop, "timer", lambda dev: float(next(times)))  # 1 ms between consecutive stamps
+    monkeypatch.setattr(loop, "ms", lambda dev, a, b: b - a)
     eng = engine(spec="dflash2", draft_tokens=3)
     res = eng.generate(PROMPTS[0], max_new_tokens=40, ignore_eos=True)
     rounds = res.spec["rounds"]
@@ -336,3 +336,67 @@ def test_a_stop_id_inside_a_round_is_cut_on_the_device_as_on_the_host(plain, whe
     state = eng.export_state(seq)
     eng.release(seq)
     assert len(state["ids"]) == state["cache"]["length"]
+
+
+def _chained(eng, prompt, **params):
+    """A greedy generation through the chained rounds (spec/chain.py) - on a CPU its stages run eagerly, replayed as
+    graphs are (results into the first run's tensors) - and the sequence."""
+    from ninfer_bench.engine.spec.chain import decode_spec_chained
+
+    reference = params.pop("reference", None)
+    seq = eng.acquire(prompt, SamplingParams(**params))
+    if reference is not None:
+        seq.reference = eng.replay.reference(reference, eng.device)
+    try:
+        eng.start(seq)
+        decode_spec_chained(eng, seq)
+        return seq
+    finally:
+        eng.release(seq)
+
+
+@pytest.mark.parametrize("spec,k", [("mtp", 3), ("dflash", 5), ("dflash2", 7)])
+def test_chained_rounds_equal_the_unchained_loop(plain, spec, k):
+    """Rounds with acceptance, the kept count, the rollback and the next round's input worked out on the device,
+    read one round late: plain decoding's tokens, the unchained loop's acceptance per position, the cache as long
+    as its tokens; the engine's one chain serves the next sequence."""
+    ref = engine(spec=spec, draft_tokens=k).generate(PROMPTS[1], max_new_tokens=NEW, ignore_eos=True)
+    eng = engine(spec=spec, draft_tokens=k)
+    for prompt, want in ((PROMPTS[1], plain[1]), (PROMPTS[0], plain[0])):
+        seq = _chained(eng, prompt, max_new_tokens=NEW, ignore_eos=True)
+        assert seq.tokens == want and seq.finish_reason == "length"
+        assert seq.length == len(prompt) + len(seq.tokens) - 1
+        st = seq.stats
+        assert 1 + st["rounds"] + st["accepted_tokens"] == NEW
+        assert st["verify_ms"] > 0 and st["draft_ms"] > 0
+        if prompt is PROMPTS[1]:
+            assert st["accepted_per_position"] == ref.spec["accepted_per_position"]
+            assert st["rounds"] == ref.spec["rounds"]
+    assert eng.spec_chain is not None
+
+
+@pytest.mark.parametrize("new", [1, 2, 9, 40])
+def test_chained_rounds_stop_on_the_device_where_the_host_does(plain, new):
+    """A stop id inside an accepted block, and the length limit, end a chained sequence at the unchained loop's
+    token; the rounds queued behind the end write the scratch slot, so the sequence's cache holds its tokens only."""
+    eng = engine(spec="dflash2", draft_tokens=7)
+    stop = plain[0][6]
+    seq = _chained(eng, PROMPTS[0], max_new_tokens=new, ignore_eos=True, stop_token_ids=(stop,))
+    cut = min(plain[0].index(stop) + 1, new)
+    assert seq.tokens == plain[0][:cut]
+    assert seq.finish_reason == ("stop" if cut < new or plain[0][cut - 1] == stop else "length")
+    assert seq.length == len(PROMPTS[0]) + cut - 1
+    again = _chained(eng, PROMPTS[0], max_new_tokens=NEW, ignore_eos=True)  # a stop does not stick to the chain
+    assert again.tokens == plain[0]
+
+
+@pytest.mark.parametrize("spec,k", [("mtp", 3), ("dflash2", 7)])
+def test_chained_rounds_replay_acceptance_as_the_unchained_loop(plain, spec, k):
+    """Replayed acceptance's draws are made beside the captured round, one call a round, as the unchained loop
+    makes them: the same acceptance, plain decoding's tokens."""
+    kw = {"spec": spec, "draft_tokens": k, "replay_acceptance": "0.7"}
+    ref = engine(**kw).generate(PROMPTS[1], max_new_tokens=NEW, ignore_eos=True, reference=plain[1])
+    seq = _chained(engine(**kw), PROMPTS[1], max_new_tokens=NEW, ignore_eos=True, reference=plain[1])
+    assert seq.tokens == plain[1] == ref.tokens
+    assert seq.stats["accepted_per_position"] == ref.spec["accepted_per_position"]
+    assert seq.stats["accepted_tokens"] > NEW // 4

@@ -21,6 +21,7 @@ from ..model.rotary import column_axes
 from ..model.vision import encode_items
 from ..model.weights import WeightStore
 from ..sampling import RowSampling, SamplingParams, make_generator, sample_rows
+from ..spec import chain as spec_chain
 from ..spec.loop import speculative_round
 from .chain import chainable, decode_chained
 from .delay import step_delay
@@ -127,8 +128,9 @@ class Engine:
             self.replay = Replay(profile(str(opts.replay_acceptance), opts.spec, opts.draft_tokens),
                                  self.config.vocab_size, self.device)
         self.graphs = None
-        self.chain_used = False  # whether the last run() decoded through the graph chain (chain.py)
+        self.chain_used = False  # whether the last run() decoded through a graph chain (chain.py, spec/chain.py)
         self.spec_times = None  # the last speculative round's timing events, read one round late (spec/loop.py)
+        self.spec_chain = None  # the captured speculative round of chained greedy decoding (spec/chain.py)
         if self.device.type == "cuda":
             from ...kernels import _triton, qmv_cuda
 
@@ -565,9 +567,9 @@ class Engine:
             if dev.type == "cuda" else (None, None)
         if ev0:
             ev0.record()
-        self.chain_used = chainable(self, seq)
+        self.chain_used = chainable(self, seq) or spec_chain.chainable(self, seq)
         if self.chain_used:
-            decode_chained(self, seq)
+            (spec_chain.decode_spec_chained if self.drafter is not None else decode_chained)(self, seq)
         while seq.finish_reason is None:
             self.advance([seq])
         if ev1:

@@ -23,8 +23,8 @@ def apply_cpu_threads(hidden_size: int, requested: int | None = None) -> None:
 @dataclass(frozen=True, slots=True)
 class Switch:
     """An on / off engine switch that changes only runs on CUDA (graphs, fused kernels) and that a decode grid can
-    compare: its flag, the label suffix of a run with it off, and the runs it applies to (``plain``: no drafter;
-    ``spec``: a drafter; ``v3``: the v3 runtime; ``v3-plain``: both)."""
+    compare: its flag, the label suffix of a run with it off, and the runs it applies to (``spec``: a drafter; ``v3``:
+    the v3 runtime; ``v3-plain``: the v3 runtime without a drafter)."""
 
     flag: str
     off_label: str
@@ -32,7 +32,7 @@ class Switch:
     help: str
 
     def applies_to(self, runtime: str, spec: str) -> bool:
-        return {"plain": spec == "none", "spec": spec != "none", "v3": runtime == "v3",
+        return {"spec": spec != "none", "v3": runtime == "v3",
                 "v3-plain": runtime == "v3" and spec == "none"}[self.applies]
 
 
@@ -71,9 +71,10 @@ class EngineOptions:
         "Greedy drafting (MTP, DFlash, DFlash2) and each drafter's pass over the verified block replayed from CUDA "
         "graphs (v3 on CUDA; off: eager drafting).")
     lookahead: bool = _switch(
-        "--lookahead", "-sync", "plain",
-        "Plain greedy decode on CUDA graphs: queue step n + 1 before reading token n (a finished sequence's extra "
-        "step writes the scratch slot; off: read each token first).")
+        "--lookahead", "-sync", "v3",
+        "Greedy decode of one sequence on CUDA graphs, plain or speculative: queue step (round) n + 1 before reading "
+        "token(s) n; a speculative round is then three captured graphs with acceptance and rollback on the device "
+        "(a finished sequence's extra step or round writes the scratch slot; off: read each token or round first).")
     pdl: bool = _switch(
         "--pdl", "-nopdl", "v3-plain",
         "Plain decoding's kernels (qmv and the fused Triton glue) launch with programmatic dependent launch in CUDA "

@@ -24,6 +24,23 @@ def accept_greedy(drafts: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Ten
     return n_acc, bonus
 
 
+def keep_counts(drafts: torch.Tensor, n_acc: torch.Tensor, bonus: torch.Tensor, stops: torch.Tensor,
+                left: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """How many tokens each row of a greedy round keeps, worked out on the device: ``stops [B, S]`` (a row's stop
+    ids, padded with -1), ``left [B]`` (the tokens it may still add). Returns (``keep [B]``: the accepted drafts and
+    the bonus, cut after the first stop id and at ``left``; ``tokens [B, K+1]``: the round's tokens in order, the bonus
+    at position ``n_acc`` and after; ``stopped [B]``: a stop id is among the first ``n_acc + 1``)."""
+    k = drafts.shape[1]
+    i = torch.arange(k + 1, device=drafts.device)[None]
+    block = torch.cat([drafts, bonus[:, None]], dim=1)
+    tokens = torch.where(i < n_acc[:, None], block, bonus[:, None])
+    count = n_acc + 1
+    hit = (tokens[:, :, None] == stops[:, None, :]).any(-1) & (i < count[:, None])
+    stopped = hit.any(1)
+    first = torch.where(stopped, hit.to(torch.int64).argmax(1) + 1, count)
+    return torch.minimum(torch.minimum(count, first), left), tokens, stopped
+
+
 def accept_sampling(drafts: torch.Tensor, p: torch.Tensor, q: torch.Tensor,
                     generators: list[torch.Generator | None]) -> tuple[torch.Tensor, torch.Tensor]:
     """Rejection sampling: accept draft i with probability min(1, p_i(d_i) / q_i(d_i)); resample at the first

@@ -17,10 +17,10 @@ import torch
 
 from ..model.hybrid import VERIFY
 from ..sampling import probs
-from .accept import accept_greedy, accept_sampling
+from .accept import accept_greedy, accept_sampling, keep_counts
 
 
-def _timer(device):
+def timer(device):
     if device.type == "cuda":
         ev = torch.cuda.Event(enable_timing=True)
         ev.record()
@@ -28,7 +28,7 @@ def _timer(device):
     return time.perf_counter()
 
 
-def _ms(device, a, b) -> float:
+def ms(device, a, b) -> float:
     return a.elapsed_time(b) if device.type == "cuda" else (b - a) * 1e3
 
 
@@ -42,11 +42,11 @@ def speculative_round(e, seqs) -> None:
 
 def _round(e, seqs) -> None:
     k, dev = e.options.draft_tokens, e.device
-    t0 = _timer(dev)
+    t0 = timer(dev)
     drafts, q = e.drafter.draft(seqs, k)  # [B, K]
     if e.replay is not None:  # replayed acceptance: proposals replaced on the device (spec/replay.py)
         drafts = e.replay.substitute(e, seqs, drafts)
-    t1 = _timer(dev)
+    t1 = timer(dev)
     old_len = e.device_ids([s.length for s in seqs])
     block = torch.cat([e.device_ids([[s.last] for s in seqs]), drafts], dim=1)  # [B, K+1]
     hidden, logits, taps = e.forward_rows(seqs, block, VERIFY, e.drafter.taps)  # logits [B, K+1, V]
@@ -60,31 +60,31 @@ def _round(e, seqs) -> None:
     if sampling or any(s.params.stop for s in seqs):  # stop strings end a sequence only in the host's text
         n_list, d_list, b_list = n_acc.tolist(), drafts.tolist(), bonus.tolist()
         settle_times(e)  # the read waited for everything queued before it: the last round's events are complete
-        keep = [_append(e, s, d_list[r][: n_list[r]] + [b_list[r]]) for r, s in enumerate(seqs)]
+        keep = [append(e, s, d_list[r][: n_list[r]] + [b_list[r]]) for r, s in enumerate(seqs)]
         e.commit(e.device_ids(keep))  # the cache keeps block positions 0 .. keep-1; the newest is not in it yet
-        t2 = _timer(dev)
+        t2 = timer(dev)
         e.drafter.commit(seqs, old_len, block, hidden, taps_cat, n_acc, bonus)
     else:  # greedy, stop ids only: how many tokens each row keeps is known on the device; both rollbacks are
         # queued before the host reads the round, and its bookkeeping runs while they do
         keep_dev = device_keep(e, seqs, drafts, n_acc, bonus)
         read, ready = _read_later(dev, n_acc, bonus, keep_dev, drafts)
         e.commit(keep_dev)
-        t2 = _timer(dev)
+        t2 = timer(dev)
         e.drafter.commit(seqs, old_len, block, hidden, taps_cat, n_acc, bonus)
         if ready is not None:
             ready.synchronize()  # the accept and its copy, not the rollbacks queued after them
         settle_times(e)
         rows = read.tolist()
-        keep = [_append(e, s, row[3:3 + row[0]] + [row[1]]) for row, s in zip(rows, seqs)]
+        keep = [append(e, s, row[3:3 + row[0]] + [row[1]]) for row, s in zip(rows, seqs)]
         if keep != [row[2] for row in rows]:
             raise RuntimeError(f"speculative round: the device kept {[row[2] for row in rows]} tokens, the host "
                                f"{keep}")
-    t3 = _timer(dev)
+    t3 = timer(dev)
     for s, added in zip(seqs, keep):
         # the drafts this round put into the output: all n accepted ones when the round ends in its bonus token,
         # fewer when the length limit, a stop string or EOS cut it (the last token added then counts as the round's
         # own), so completion = first token + rounds + accepted drafts holds for every sequence
-        _record(s.stats, k, added - 1)
+        record(s.stats, k, added - 1)
     e.spec_times = (seqs, (t0, t1, t2, t3))
     if any(s.finish_reason is not None for s in seqs):
         settle_times(e)
@@ -93,19 +93,12 @@ def _round(e, seqs) -> None:
 def device_keep(e, seqs, drafts: torch.Tensor, n_acc: torch.Tensor, bonus: torch.Tensor) -> torch.Tensor:
     """Tokens each row keeps of this round, on the device ``[B]``: the accepted drafts and the bonus, cut after the
     first of the row's stop ids (EOS unless ignored, ``stop_token_ids``) and at its ``max_new_tokens`` - what
-    :func:`_append` keeps on the host for requests without stop strings."""
-    b, k = drafts.shape
-    i = torch.arange(k + 1, device=drafts.device)[None]
-    block = torch.cat([drafts, bonus[:, None]], dim=1)
-    out = torch.where(i < n_acc[:, None], block, bonus[:, None])  # the tokens in order; position n_acc: the bonus
-    count = n_acc + 1
+    :func:`append` keeps on the host for requests without stop strings."""
     stop_lists = [sorted(e.stops.stop_ids(s.params)) or [-1] for s in seqs]
     width = max(map(len, stop_lists))
     stops = e.device_ids([ids + [-1] * (width - len(ids)) for ids in stop_lists])  # [B, S], -1 matches no token
-    hit = (out[:, :, None] == stops[:, None, :]).any(-1) & (i < count[:, None])
-    first = torch.where(hit.any(1), hit.to(torch.int64).argmax(1) + 1, count)
     left = e.device_ids([s.params.max_new_tokens - len(s.tokens) for s in seqs])
-    return torch.minimum(torch.minimum(count, first), left)
+    return keep_counts(drafts, n_acc, bonus, stops, left)[0]
 
 
 def _read_later(dev, n_acc, bonus, keep, drafts):
@@ -130,13 +123,13 @@ def settle_times(e) -> None:
     seqs, (t0, t1, t2, t3) = pending
     if e.device.type == "cuda":
         t3.synchronize()
-    verify_ms, draft_ms = _ms(e.device, t1, t2), _ms(e.device, t0, t1) + _ms(e.device, t2, t3)
+    verify_ms, draft_ms = ms(e.device, t1, t2), ms(e.device, t0, t1) + ms(e.device, t2, t3)
     for s in seqs:
         s.stats["verify_ms"] += verify_ms
         s.stats["draft_ms"] += draft_ms
 
 
-def _append(e, seq, tokens: list[int]) -> int:
+def append(e, seq, tokens: list[int]) -> int:
     """Add ``tokens`` to ``seq`` until it finishes; returns how many were added (its length grows by as many)."""
     added = 0
     for tok in tokens:
@@ -148,7 +141,7 @@ def _append(e, seq, tokens: list[int]) -> int:
     return added
 
 
-def _record(st: dict, k: int, accepted: int) -> None:
+def record(st: dict, k: int, accepted: int) -> None:
     st["rounds"] = st.get("rounds", 0) + 1
     st["target_forwards"] = st.get("target_forwards", 0) + 1
     st["drafted_tokens"] = st.get("drafted_tokens", 0) + k

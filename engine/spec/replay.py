@@ -107,5 +107,15 @@ class Replay:
         done = e.device_ids([len(s.tokens) for s in seqs])  # the next token is the continuation's token `done`
         idx = done[:, None] + torch.arange(k, device=drafts.device)[None]  # [B, K]
         want = torch.stack([r.gather(0, i.clamp(max=r.numel() - 1)) for r, i in zip(refs, idx)])
-        take = torch.rand(b, k, generator=self.gen, device=drafts.device) < self.p[:k]
+        return self.replace(want, self.draws(b, k, drafts.device))
+
+    def draws(self, b: int, k: int, device) -> torch.Tensor:
+        """A round's uniform draws ``[B, K]`` from the engine's generator (one call a round: the same acceptance
+        pattern whether the round is captured (spec/chain.py, drawn beside the graph) or not)."""
+        return torch.rand(b, k, generator=self.gen, device=device)
+
+    def replace(self, want: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """Proposals ``[B, K]``: the continuation's token ``want`` where ``u < p_i``, else one certain to be
+        rejected. Device tensors only: capturable."""
+        take = u < self.p[: want.shape[1]]
         return torch.where(take, want, (want + 1) % self.vocab)
