@@ -69,17 +69,26 @@ def sdpa(q, k, v, mask, scale: float, group: str = "auto") -> torch.Tensor:
 _NO_CUDNN = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
 
 
+def rows_bias(mask: torch.Tensor, rep: int) -> torch.Tensor:
+    """:func:`sdpa_rows`' additive form of a boolean ``mask [B, 1, T, L]`` (True = visible) for ``rep`` query heads a
+    key head: fp32 ``[B, 1, rep * T, L]``, 0 where visible and -inf where not, row ``r * T + i`` query row i's. Made
+    once, it serves every layer of a drafter's block."""
+    b, _, t, length = mask.shape
+    return torch.where(mask.expand(b, 1, t, length).repeat(1, 1, rep, 1), 0.0, float("-inf"))
+
+
 def sdpa_rows(q, k, v, mask, scale: float) -> torch.Tensor:
     """:func:`sdpa` for a few query rows against many keys (a drafter's block against its context): two batched
     matmuls and a softmax in fp32, the group folded into the query rows. torch's fused kernels give such a call one
     program per head (a 27B drafter layer, 8 queries x 4 groups against 2,056 keys: 10 programs, about 90 us on an
-    H200). Same shapes as :func:`sdpa`; every query row must see at least one key."""
+    H200). Same shapes as :func:`sdpa`, or ``mask`` already in :func:`rows_bias`' form; every query row must see at
+    least one key."""
     b, h, t, hd = q.shape
-    hkv, length = k.shape[1], k.shape[2]
+    hkv = k.shape[1]
     rep = h // hkv
-    s = torch.matmul(q.reshape(b, hkv, rep * t, hd), k.transpose(-1, -2)).float() * scale  # [B, Hkv, rep*T, L]
-    m = mask.expand(mask.shape[0], 1, t, length).repeat(1, 1, rep, 1)  # row r * T + i is query row i's mask
-    p = torch.softmax(s.masked_fill(~m, float("-inf")), dim=-1).to(v.dtype)
+    bias = mask if mask.is_floating_point() else rows_bias(mask, rep)
+    s = torch.matmul(q.reshape(b, hkv, rep * t, hd), k.transpose(-1, -2))  # [B, Hkv, rep*T, L]
+    p = torch.softmax(torch.add(bias, s, alpha=scale), dim=-1).to(v.dtype)  # fp32: the bias + scale * s
     return torch.matmul(p, v).reshape(b, h, t, hd)
 
 

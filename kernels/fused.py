@@ -7,6 +7,7 @@ math in fp32 and has a plain fp32 torch reference beside it (``*_ref``, same sig
   rms_norm       zero-centred RMSNorm alone (first layer, final norm)
   silu_mul       ``silu(gu[..., :I]) * gu[..., I:]`` of the fused gate+up projection
   sigmoid_mul    ``o * sigmoid(gate)`` (the output gating of full attention)
+  norm_rope      zero-centred RMSNorm then NeoX RoPE at given positions, per head (a drafter's q / k)
   attn_prologue  full attention between the projections and the attention kernel: q / k RMSNorm, partial NeoX
                  RoPE, the gate split, and the K/V cache write (bf16 / fp16 as is, int8 quantized in registers)
 
@@ -28,8 +29,22 @@ from .kv_quant import KV_GROUP, quantize_kv
 from .norm import rms_norm_ref as _rms_norm_ref
 from .rope import apply_rope_ref
 
-__all__ = ["add_rms_norm", "add_rms_norm_ref", "rms_norm", "rms_norm_ref", "silu_mul", "silu_mul_ref",
-           "sigmoid_mul", "sigmoid_mul_ref", "attn_prologue", "attn_prologue_ref", "triton_available", "MAX_ROW"]
+__all__ = [
+    "MAX_ROW",
+    "add_rms_norm",
+    "add_rms_norm_ref",
+    "attn_prologue",
+    "attn_prologue_ref",
+    "norm_rope",
+    "norm_rope_ref",
+    "rms_norm",
+    "rms_norm_ref",
+    "sigmoid_mul",
+    "sigmoid_mul_ref",
+    "silu_mul",
+    "silu_mul_ref",
+    "triton_available",
+]
 
 MAX_ROW = 16384  # longest row the norm kernels hold in registers
 ELEM_BLOCK = 1024  # columns per program of the elementwise kernels
@@ -88,6 +103,12 @@ def silu_mul_ref(gu, inter, run=None):
 def sigmoid_mul_ref(o, gate):
     """fp32 reference: ``o * sigmoid(gate)`` in o.dtype."""
     return (o.float() * torch.sigmoid(gate.float())).to(o.dtype)
+
+
+def norm_rope_ref(x, weight, cos, sin, pos, eps):
+    """fp32 reference of :func:`norm_rope`: the norm and the rotation in fp32, one rounding to x.dtype."""
+    _check_norm_rope(x, weight, cos, sin, pos)
+    return apply_rope_ref(_rms_norm_ref(x.float(), weight, eps), cos[pos], sin[pos]).to(x.dtype)
 
 
 def attn_prologue_ref(qg, kv, q_norm_w, k_norm_w, cos, sin, k_cache, v_cache, k_scale, v_scale, slots, pos, eps):
@@ -182,6 +203,37 @@ def sigmoid_mul(o, gate):
     kern["sigmoid_mul"][(o2.shape[0], -(-n // ELEM_BLOCK))](o2, g2, y, o2.stride(0), g2.stride(0), n, n,
                                                             BLOCK=ELEM_BLOCK, num_warps=4,
                                                             **_triton.pdl_args(o.device))
+    return y
+
+
+def _check_norm_rope(x, weight, cos, sin, pos):
+    if x.dim() != 4 or pos.shape != x.shape[:2]:
+        raise ValueError(f"norm_rope: x must be [B, T, H, hd] and pos [B, T], got {tuple(x.shape)} and "
+                         f"{tuple(pos.shape)}")
+    hd = x.shape[-1]
+    if weight.shape != (hd,):
+        raise ValueError(f"norm_rope: weight must be [{hd}], got {tuple(weight.shape)}")
+    rd = cos.shape[-1]
+    if cos.dim() != 2 or sin.shape != cos.shape or sin.stride() != cos.stride() or rd % 2 or rd > hd:
+        raise ValueError(f"norm_rope: cos and sin must both be [max_pos, rd] with an even rd <= {hd}, "
+                         f"got {tuple(cos.shape)} and {tuple(sin.shape)}")
+    if x.stride(-1) != 1 or cos.stride(-1) != 1:
+        raise ValueError("norm_rope: x, cos and sin must be contiguous along their last dimension")
+
+
+def norm_rope(x, weight, cos, sin, pos, eps):
+    """Per head of ``x [B, T, H, hd]``: zero-centred RMSNorm with ``weight [hd]``, then NeoX rotate-half on the first
+    rd dims at position ``pos[b, t]`` of the fp32 tables ``cos / sin [max_pos, rd]`` (kernels/rope.rope_tables). One
+    launch, fp32 math, one rounding to x.dtype (the q / k of a drafter's block, instead of a norm and a rotation of
+    a dozen eager launches). Returns a new contiguous ``[B, T, H, hd]``."""
+    _check_norm_rope(x, weight, cos, sin, pos)
+    kern = _ready("norm_rope", x)
+    b, t, h, hd = x.shape
+    y = _new_buffer((b, t, h, hd), x.dtype, x.device)
+    block_d = max(16, _pow2(hd))
+    kern["norm_rope"][(b * t, h)](x, weight, cos, sin, pos, y, *x.stride()[:3], cos.stride(0), *pos.stride(),
+                                  *y.stride()[:3], t, eps, HD=hd, RD=cos.shape[-1], BLOCK_D=block_d,
+                                  num_warps=1 if block_d <= 128 else 2, **_triton.pdl_args(x.device))
     return y
 
 
@@ -313,14 +365,30 @@ def _norm_rope(base, W, cos_row, sin_row, eps, HD: tl.constexpr, RD: tl.constexp
     ok = offs < HD
     x = tl.load(base + offs, mask=ok, other=0.0).to(tl.float32)
     inv = tl.rsqrt(tl.sum(x * x, 0) / HD + eps)
-    x = x * inv * (1.0 + tl.load(W + offs, mask=ok, other=0.0))
+    x = x * inv * (1.0 + tl.load(W + offs, mask=ok, other=0.0).to(tl.float32))
     rot = offs < RD
     partner = tl.where(offs < RD // 2, offs + RD // 2, offs - RD // 2)
     xp = tl.load(base + partner, mask=rot, other=0.0).to(tl.float32)
-    xp = xp * inv * (1.0 + tl.load(W + partner, mask=rot, other=0.0))
+    xp = xp * inv * (1.0 + tl.load(W + partner, mask=rot, other=0.0).to(tl.float32))
     c = tl.load(cos_row + offs, mask=rot, other=1.0)
     s = tl.load(sin_row + offs, mask=rot, other=0.0)
     return tl.where(rot, x * c + tl.where(offs < RD // 2, -xp, xp) * s, x)
+
+
+def _norm_rope_kernel(X, W, COS, SIN, POS, Y, stride_xb, stride_xt, stride_xh, stride_cos, stride_pb, stride_pt,
+                      stride_yb, stride_yt, stride_yh, T, eps,
+                      HD: tl.constexpr, RD: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    """Program (b * T + t, head): the head's norm and rotation at its row's position."""
+    pdl_enter(PDL)  # PDL launches: wait for the kernel before, let the next one launch
+    row = tl.program_id(0)
+    j = tl.program_id(1)
+    b = (row // T).to(tl.int64)
+    t = row % T
+    p = tl.load(POS + b * stride_pb + t * stride_pt).to(tl.int64)
+    x = _norm_rope(X + b * stride_xb + t * stride_xt + j * stride_xh, W, COS + p * stride_cos, SIN + p * stride_cos,
+                   eps, HD, RD, BLOCK_D)
+    offs = tl.arange(0, BLOCK_D)
+    tl.store(Y + b * stride_yb + t * stride_yt + j * stride_yh + offs, x.to(Y.dtype.element_ty), mask=offs < HD)
 
 
 def _round_half_even(y):
@@ -394,4 +462,5 @@ def _kernels() -> dict:
     """Jit the kernels (first call only); the prologue finds its helpers and `tl` as module globals."""
     return _triton.jit_module(globals(), ("_norm_rope", "_round_half_even", "_store_kv"),
                               {"norm": "_norm_kernel", "silu_mul": "_silu_mul_kernel",
-                               "sigmoid_mul": "_sigmoid_mul_kernel", "prologue": "_prologue_kernel"})
+                               "sigmoid_mul": "_sigmoid_mul_kernel", "prologue": "_prologue_kernel",
+                               "norm_rope": "_norm_rope_kernel"})

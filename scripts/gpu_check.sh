@@ -36,6 +36,10 @@
 #   chain    chained speculative rounds (spec/chain.py) against the synchronous rounds: their CUDA tests, the bundled
 #            model's held-out prompts and the 27B replay grid with --lookahead on,off, the README's main command, and
 #            scripts/profile_step.py on the bundled model's rounds (chained and --sync)
+#   glue     the drafters' fused glue (norms, q / k norm + rotation, fused q | k | v and gate | up, one attention mask a
+#            block, kernels/select.py's top-k and walk) and the round's integer kernels (kernels/spec_round.py): their CUDA tests, the bundled held-out prompts with this
+#            tree and with a copy of the tree before in .old (`git archive REV | tar -x -C .old`, carried), the
+#            rounds' kernel profile, the 27B replay grid, the README's main command
 #   spec     speculative decoding as measured for the release: the 27B synthetic plain / MTP3 / DFlash2 K=7 grid at
 #            replayed acceptance (seed: the release's tokens per round), the README's main command, and the bundled
 #            model's plain / MTP3 / DFlash2 K=7 on its held-out prompts (SPEC_N tokens, default 128)
@@ -212,6 +216,24 @@ for stage in "$@"; do
              done
              nb decode $M27 --spec none,mtp:3,dflash2:7 --replay-acceptance seed --lookahead on,off -n ${SPEC_N:-128} \
                --repeats 2 --json "$OUT/chain27" 2>&1 | tee "$OUT/chain27.log" | tail -14 ;;
+    glue)    # the drafters' fused glue and the round's integer kernels: their CUDA tests, the bundled model's held-out
+             # prompts with this tree and (when .old holds a copy of the tree before: GLUE_OLD) with that one in the
+             # same call, the rounds' kernel profile, the 27B replay grid and the README's main command
+             timeout ${TESTS_S:-300} python3 -m pytest -q -p no:cacheprovider --tb=short -rf tests/test_kernels_fused.py \
+               tests/test_kernels_spec_round.py tests/test_kernels_select.py tests/test_kernels_attention.py \
+               tests/test_fastpath.py tests/test_cuda_engine.py -k "fused or spec_round or select or sdpa_rows or fastpath \
+               or spec or chain or draft or lookahead or verify_rows or pdl" 2>&1 | tee "$OUT/glue_tests.log" | tail -25
+             HELD="--prompt-file suites/data/heldout_prompts.jsonl -n 256 --repeats 2"
+             nb decode --spec none,mtp:3,dflash2:7 $HELD --json "$OUT/glueb" 2>&1 | tee "$OUT/glueb.log" | tail -8
+             if [ -d .old ]; then ln -sf "$PWD/models/ninfer-code-small.ninfer" .old/models/ 2>/dev/null
+               ( cd .old && timeout ${STAGE_S:-300} python3 scripts/nb.py decode --spec none,mtp:3,dflash2:7 $HELD \
+                   --json "$OUT/glueb_old" 2>&1 | tee "$OUT/glueb_old.log" | tail -8 ); fi
+             timeout ${STAGE_S:-150} python3 scripts/profile_step.py --spec none,mtp:3,dflash2:7 --steps 64 --top 40 \
+               --json "$OUT/glue_prof.json" 2>&1 | tee "$OUT/glue_prof.log" | grep -E "^(===|[0-9]+ steps|a round|GPU busy)"
+             nb decode $M27 --spec none,mtp:3,dflash2:7 --replay-acceptance seed -n ${SPEC_N:-128} --repeats 2 \
+               --json "$OUT/glue27" 2>&1 | tee "$OUT/glue27.log" | tail -8
+             /usr/bin/time -f "main command: %e s wall, %M KiB peak RSS" python3 scripts/nb.py decode --spec dflash2 -k 7 \
+               --json "$OUT/main.json" 2>&1 | tee "$OUT/main.log" | tail -8 ;;
     spec)    nb decode $M27 --spec none,mtp:3,dflash2:7 --replay-acceptance seed -n ${SPEC_N:-128} --repeats 2 \
                --json "$OUT/spec27" 2>&1 | tee "$OUT/spec27.log" | tail -12
              /usr/bin/time -f "main command: %e s wall, %M KiB peak RSS" python3 scripts/nb.py decode --spec dflash2 -k 7 \

@@ -12,6 +12,7 @@ import torch
 import triton_interp  # noqa: F401  (sets TRITON_INTERPRET=1 without CUDA, fixes the interpreter)
 from ninfer_bench.engine.model.fused_forward import available
 from ninfer_bench.engine.runtime.engine import Engine
+from ninfer_bench.engine.sampling import SamplingParams
 
 pytestmark = pytest.mark.skipif(not available(), reason="triton does not import")
 
@@ -82,3 +83,58 @@ def test_fused_prefill_equals_eager(eager):
     eng, tokens = run(kernels="triton", prefill_chunk=16, prefill_graphs=False, fused_prefill=False)
     assert not eng.model.fused_prefill and tokens == eager
     assert not Engine.load("tiny", device="cpu", runtime="v2").model.fused_prefill  # on by default, inert off v3
+
+
+def test_drafter_fused_glue_equals_eager(eager, monkeypatch):
+    """A block drafter's norms and q / k norm + rotation through kernels/fused.py (dflash.fused_glue: inference on a
+    GPU; forced here, the kernels interpreted): the block's hidden states and head logits match the eager glue's,
+    and DFlash2 with it decodes the eager path's tokens."""
+    from ninfer_bench.engine.model import dflash
+
+    eng = Engine.load("tiny", device=DEVICE, kv_dtype="int8", dtype="fp32", max_context=256, kernels="triton",
+                      spec="dflash2", draft_tokens=3)
+    d = eng.drafter
+    d.net.reserve_rope(eng.capacity + d.cfg.block_size + 1, DEVICE)  # the fused rotation reads the reserved tables
+    seq = eng.acquire(PROMPT, SamplingParams(max_new_tokens=4, ignore_eos=True))
+    eng.start(seq)
+    ins = [eng.device_ids([v]) for v in (seq.last, seq.length, seq.slot)]
+    with torch.inference_mode():
+        h0, l0 = d.block(*ins, 3)
+        calls = []
+        monkeypatch.setattr(dflash, "fused_glue", lambda x: calls.append(1) or True)
+        h1, l1 = d.block(*ins, 3)
+    eng.release(seq)
+    assert calls, "the fused glue did not run"
+    for a, b in ((h1, h0), (l1, l0)):
+        assert ((a - b).norm() / b.norm()).item() < 1e-5
+    tokens = eng.generate(PROMPT, max_new_tokens=SPEC_TOKENS, ignore_eos=True).tokens
+    assert tokens == eager[:SPEC_TOKENS]
+
+
+def test_drafter_fused_projections_equal_the_members(monkeypatch):
+    """drafters.fused_projections (q | k | v and gate | up as one packed linear each, where the engine keeps weights
+    packed: a stand-in store here) and the fused silu * up give a DFlash2 block the values of the member
+    projections, with the fused glue on (forced, the kernels interpreted)."""
+    import types
+
+    from ninfer_bench.engine.model import dflash
+    from ninfer_bench.engine.model.weights import DenseLinear
+    from ninfer_bench.engine.spec.drafters import fused_projections
+
+    eng = Engine.load("tiny", device="cpu", spec="dflash2", draft_tokens=3)
+    cfg, raws = eng.loaded.drafters["dflash2"]
+    net = dflash.BlockDrafter.from_raws(cfg, raws, eng.config.hidden_size, eng.config.vocab_size).eval()
+    net.reserve_rope(512, "cpu")
+    g = torch.Generator().manual_seed(0)
+    taps = torch.randn(1, 20, len(cfg.target_layer_ids) * eng.config.hidden_size, generator=g)
+    x = torch.randn(1, 4, eng.config.hidden_size, generator=g)
+    monkeypatch.setattr(dflash, "fused_glue", lambda t: True)
+    with torch.inference_mode():
+        ks, vs = net.context_kv(net.context(taps), torch.arange(20)[None])
+        pos = torch.arange(20, 24)[None]
+        mask = torch.ones(1, 1, 4, 24, dtype=torch.bool)
+        want = net.blocks(x, pos, ks, vs, mask)
+        store = types.SimpleNamespace(packed=True, linear_of=lambda raw: DenseLinear(raw.dense(torch.float32)))
+        assert fused_projections(net, raws, store) == 2 * len(net.layers)
+        got = net.blocks(x, pos, ks, vs, mask)
+    assert ((got - want).norm() / want.norm()).item() < 1e-5

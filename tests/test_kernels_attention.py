@@ -270,7 +270,7 @@ def test_sdpa_group_strategies_equal_reference(group, b, t, h, hkv, length):
 def test_sdpa_rows_equals_reference(b, t, h, hkv, length):
     """kernels.attention.sdpa_rows (a drafter's few query rows against its context, as matmuls): the grouped
     attention of the fp32 reference, a random visibility mask per row included, on whatever device this runs."""
-    from ninfer_bench.kernels.attention import sdpa, sdpa_rows
+    from ninfer_bench.kernels.attention import rows_bias, sdpa, sdpa_rows
 
     g = torch.Generator().manual_seed(b * 100 + t)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -283,3 +283,5 @@ def test_sdpa_rows_equals_reference(b, t, h, hkv, length):
     out = sdpa_rows(q, k, v, mask.to(dev), 0.25)
     assert out.shape == ref.shape
     assert (out - ref).abs().max().item() < 1e-4
+    # the additive form made once for a drafter's layers gives the same bits
+    assert torch.equal(sdpa_rows(q, k, v, rows_bias(mask.to(dev), h // hkv), 0.25), out)

@@ -191,6 +191,40 @@ def test_attn_prologue_half_inputs(dtype):
     assert torch.equal(gate, gr)
 
 
+# (B, T, H, hd, rd, weight dtype): full and partial rotary, head dims not a power of two, bf16 weights (a drafter's)
+NORM_ROPE = {"full-hd64": (2, 8, 3, 64, 64, torch.float32), "part-hd96": (1, 5, 2, 96, 24, torch.float32),
+             "bf16w-hd128": (1, 16, 4, 128, 128, torch.bfloat16), "hd256": (3, 1, 1, 256, 64, torch.float32)}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+@pytest.mark.parametrize("case", list(NORM_ROPE), ids=list(NORM_ROPE))
+def test_norm_rope(case, dtype):
+    b, t, h, hd, rd, wdt = NORM_ROPE[case]
+    g = torch.Generator().manual_seed(7)
+    cos, sin = rope_tables(rd, 1e6, 600, DEVICE)
+    pos = torch.randint(0, 600, (b, t), generator=g).to(DEVICE)
+    x = randn(b, t, h, hd, dtype=dtype, seed=11, scale=2.0)
+    w = randn(hd, seed=12, scale=0.1).to(wdt)
+    y = fu.norm_rope(x, w, cos, sin, pos, 1e-6)
+    assert y.dtype == dtype and y.shape == x.shape
+    assert rel_rms(y, fu.norm_rope_ref(x, w, cos, sin, pos, 1e-6)) <= TOL[dtype]
+
+
+def test_norm_rope_reads_strided_heads_and_names_bad_inputs():
+    cos, sin = rope_tables(32, 1e4, 64, DEVICE)
+    pos = torch.arange(6, device=DEVICE).view(2, 3)
+    wide = randn(2, 3, 4, 64, seed=13)
+    x = wide[..., :32]  # heads 64 apart in memory
+    w = randn(32, seed=14, scale=0.1)
+    assert rel_rms(fu.norm_rope(x, w, cos, sin, pos, 1e-6), fu.norm_rope_ref(x, w, cos, sin, pos, 1e-6)) <= 1e-5
+    with pytest.raises(ValueError, match="pos"):
+        fu.norm_rope(x, w, cos, sin, pos[:, :2], 1e-6)
+    with pytest.raises(ValueError, match="weight"):
+        fu.norm_rope(x, w[:16], cos, sin, pos, 1e-6)
+    with pytest.raises(ValueError, match="rd"):
+        fu.norm_rope(x[..., :16], w[:16], cos, sin, pos, 1e-6)
+
+
 def test_bad_inputs_name_the_problem():
     c = make_prologue("int8", 1, 2, 4, 2, 64, 16)
     with pytest.raises(ValueError, match="k_scale"):

@@ -400,3 +400,27 @@ def test_chained_rounds_replay_acceptance_as_the_unchained_loop(plain, spec, k):
     assert seq.tokens == plain[1] == ref.tokens
     assert seq.stats["accepted_per_position"] == ref.spec["accepted_per_position"]
     assert seq.stats["accepted_tokens"] > NEW // 4
+
+
+@pytest.mark.parametrize("b,k,c", [(1, 7, 16), (3, 4, 5), (2, 1, 3)])
+def test_greedy_walk_equals_the_walk_one_position_at_a_time(b, k, c):
+    """DFlash2's greedy walk, all pair scores at once (CandidateSelector.greedy_walk), picks what the left-to-right
+    walk picks: each position's argmax of unary + pair score after the token chosen before it (the anchor first)."""
+    from ninfer_bench.engine.model.dflash import CandidateSelector
+
+    torch.manual_seed(b * 10 + k)
+    sel = CandidateSelector(vocab=50, hidden=12, rank=4, candidates=c)
+    for p in sel.parameters():
+        p.data.normal_(0, 1.0)
+    hidden, logits = torch.randn(b, k, 12), torch.randn(b, k, 50) * 3
+    anchor = torch.randint(0, 50, (b,))
+    with torch.no_grad():
+        toks, cand, q = sel.walk(hidden, logits, anchor)
+        unary, want_cand = ordered_topk(logits, c)
+        prev, want = anchor, []
+        for i in range(k):
+            idx = (unary[:, i] + sel.pair_scores(hidden[:, i], prev, want_cand[:, i]).float()).argmax(-1)
+            prev = want_cand[:, i].gather(1, idx[:, None])[:, 0]
+            want.append(prev)
+    assert q is None and torch.equal(cand, want_cand)
+    assert toks.tolist() == torch.stack(want, 1).tolist()

@@ -19,13 +19,48 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...kernels.attention import sdpa, sdpa_rows
+from ...kernels import fused, select
+from ...kernels.attention import rows_bias, sdpa, sdpa_rows
 from ...kernels.norm import rms_norm
 from ...kernels.rope import apply_rope, rope_tables
 from .config import DraftConfig
 
-
 ROWS_MATMUL = 128  # query rows (block x group) up to which drafting attention runs as matmuls on a GPU
+
+
+def fused_glue(x: torch.Tensor) -> bool:
+    """Whether a drafter's glue (norms, q / k rotation) runs as kernels/fused.py's single launches: inference on a
+    GPU with Triton. Training (autograd) and CPUs keep the eager ops."""
+    return x.is_cuda and not torch.is_grad_enabled() and fused.triton_available()
+
+
+def draft_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """A drafter's zero-centred RMSNorm: one fused launch at inference on a GPU, the eager norm elsewhere (the same
+    function, fp32 math; the two may differ in the last bit)."""
+    if fused_glue(x) and x.shape[-1] <= fused.MAX_ROW:
+        return fused.rms_norm(x, weight, eps)
+    return rms_norm(x, weight, eps)
+
+
+class Rotary:
+    """The rotary positions ``pos [B, L]`` of one drafter pass, shared by its layers: ``rot(x, norm)`` is
+    ``rope(norm(x))`` for q / k heads ``x [B, L, H, hd]``. At inference on a GPU one fused.norm_rope launch over the
+    drafter's reserved tables; else cos / sin gathered once and the eager norm and rotation."""
+
+    def __init__(self, drafter: BlockDrafter, pos: torch.Tensor):
+        self.pos = pos
+        tables = drafter._rope
+        self.fused = (fused_glue(pos) and drafter._rope_covers > 0 and tables[0].device == pos.device
+                      and tables[0].shape[-1] <= drafter.c.head_dim)
+        if self.fused:
+            self.cos, self.sin = tables
+        else:
+            self.cos, self.sin = drafter.rope(pos)
+
+    def __call__(self, x: torch.Tensor, norm: ZeroCentredRMSNorm) -> torch.Tensor:
+        if self.fused:
+            return fused.norm_rope(x, norm.weight, self.cos, self.sin, self.pos, norm.eps)
+        return apply_rope(norm(x), self.cos, self.sin)
 
 
 class ZeroCentredRMSNorm(nn.Module):
@@ -37,7 +72,7 @@ class ZeroCentredRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        return rms_norm(x, self.weight, self.eps)
+        return draft_norm(x, self.weight, self.eps)
 
 
 class DraftLayer(nn.Module):
@@ -58,49 +93,57 @@ class DraftLayer(nn.Module):
         self.gate_proj = nn.Linear(h, c.intermediate_size, bias=False)
         self.up_proj = nn.Linear(h, c.intermediate_size, bias=False)
         self.down_proj = nn.Linear(c.intermediate_size, h, bias=False)
+        # q | k | v and gate | up as one packed projection each, set by the engine where it keeps weights packed
+        # (engine/spec/drafters.fused_projections); inference only
+        self.qkv = self.gate_up = None
 
-    def kv(self, x, cos, sin):
+    def kv(self, x, rot: Rotary):
         """Keys and values ``[B, L, Hkv, hd]`` of inputs ``x [B, L, H]`` (k-normed, rotated)."""
         b, n, _ = x.shape
-        k = self.k_norm(self.k_proj(x).view(b, n, -1, self.c.head_dim))
+        k = rot(self.k_proj(x).view(b, n, -1, self.c.head_dim), self.k_norm)
         v = self.v_proj(x).view(b, n, -1, self.c.head_dim)
-        return apply_rope(k, cos, sin), v
+        return k, v
 
-    def forward(self, x, cos, sin, ctx_k, ctx_v, mask):
-        """x ``[B, S, H]`` block states; ctx_k/v ``[B, Lc, Hkv, hd]``; mask ``[B, 1, S, Lc + S]`` (True = visible)."""
+    def rows(self, x: torch.Tensor) -> bool:
+        """Whether the block ``x [B, S, H]`` attends as matmuls (:func:`sdpa_rows`): drafting on a GPU, a block of a
+        few rows against the context, where two matmuls beat the fused kernels' one program a head. Training and
+        CPU runs keep sdpa."""
+        return (x.is_cuda and not self.training
+                and x.shape[1] * self.c.num_attention_heads // self.c.num_key_value_heads <= ROWS_MATMUL)
+
+    def forward(self, x, rot: Rotary, ctx_k, ctx_v, mask):
+        """x ``[B, S, H]`` block states; ctx_k/v ``[B, Lc, Hkv, hd]``; mask ``[B, 1, S, Lc + S]`` (True = visible),
+        or with :meth:`rows` its :func:`rows_bias`."""
         b, s, _ = x.shape
         hd = self.c.head_dim
         y = self.input_layernorm(x)
-        q = apply_rope(self.q_norm(self.q_proj(y).view(b, s, -1, hd)), cos, sin)
-        k_blk, v_blk = self.kv(y, cos, sin)
+        fuse = not self.training and not torch.is_grad_enabled()
+        if fuse and self.qkv is not None:
+            nq, nkv = self.c.num_attention_heads * hd, self.c.num_key_value_heads * hd
+            q, k_blk, v_blk = torch.split(self.qkv(y), [nq, nkv, nkv], dim=-1)
+            q = rot(q.view(b, s, -1, hd), self.q_norm)
+            k_blk, v_blk = rot(k_blk.view(b, s, -1, hd), self.k_norm), v_blk.view(b, s, -1, hd)
+        else:
+            q = rot(self.q_proj(y).view(b, s, -1, hd), self.q_norm)
+            k_blk, v_blk = self.kv(y, rot)
         k = torch.cat([ctx_k, k_blk], dim=1).transpose(1, 2)  # [B, Hkv, Lc + S, hd]
         v = torch.cat([ctx_v, v_blk], dim=1).transpose(1, 2)
-        # drafting on a GPU (a block of a few rows against the context): two matmuls beat the fused kernels' one
-        # program a head; training and CPU runs keep sdpa
-        attend = sdpa_rows if q.is_cuda and not self.training and s * self.c.num_attention_heads \
-            // self.c.num_key_value_heads <= ROWS_MATMUL else sdpa
+        attend = sdpa_rows if self.rows(x) else sdpa
         o = attend(q.transpose(1, 2), k.to(q.dtype), v.to(q.dtype), mask, hd ** -0.5)
         x = x + self.o_proj(o.transpose(1, 2).reshape(b, s, -1))
         y = self.post_attention_layernorm(x)
+        if fuse and self.gate_up is not None and fused_glue(y):
+            return x + self.down_proj(fused.silu_mul(self.gate_up(y), self.c.intermediate_size))
         return x + self.down_proj(F.silu(self.gate_proj(y)) * self.up_proj(y))
 
 
 def ordered_topk(x: torch.Tensor, k: int):
-    """``torch.topk(x.float(), k)`` along the last dim with ties in one order: equal values by ascending column.
-
-    topk's order among equal values is not specified and, on CUDA, not always the same run to run; bf16 logits tie
-    often. Each float is mapped to an int32 of the same order, shifted up 32 bits and joined with its reversed
-    column, so every key is distinct and topk's choice is a function of the values alone. Returns (values, columns).
-    """
-    f = x.float()
-    bits = f.view(torch.int32)
-    # negative floats with their magnitude bits flipped (bits >> 31 is all ones for them, 0 otherwise): the same keys
-    # as where(bits < 0, bits ^ 0x7FFFFFFF, bits) in three cheap elementwise ops instead of a where over a mask
-    ordered = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(torch.int64)
-    n = f.shape[-1]
-    cols = torch.arange(n - 1, -1, -1, device=f.device, dtype=torch.int64)
-    _, top = torch.topk((ordered << 32) | cols, k, dim=-1)
-    return f.gather(-1, top), top
+    """``torch.topk(x.float(), k)`` along the last dim with ties in one order (equal values by ascending column):
+    (values, columns). kernels/select.py's two launches at inference on a GPU, its torch reference elsewhere (the
+    same bits)."""
+    if fused_glue(x) and k <= 64:
+        return select.ordered_topk(x, k)
+    return select.ordered_topk_ref(x, k)
 
 
 class CandidateSelector(nn.Module):
@@ -129,18 +172,30 @@ class CandidateSelector(nn.Module):
         unary, cand = ordered_topk(logits, self.candidates)
         if ids_map is not None:
             cand = ids_map[cand]
+        if temperature <= 0:
+            return self.greedy_walk(hidden, unary, cand, anchor), cand, None
         prev, toks, qs = anchor, [], []
-        for i in range(hidden.shape[1]):
+        for i in range(hidden.shape[1]):  # sampling: each draw conditions the next position's scores
             scores = unary[:, i] + self.pair_scores(hidden[:, i], prev, cand[:, i]).float()
-            if temperature > 0:
-                q = torch.softmax(scores / temperature, dim=-1)
-                idx = torch.multinomial(q, 1, generator=generator).squeeze(-1)
-                qs.append(q)
-            else:
-                idx = scores.argmax(-1)
+            q = torch.softmax(scores / temperature, dim=-1)
+            idx = torch.multinomial(q, 1, generator=generator).squeeze(-1)
+            qs.append(q)
             prev = cand[:, i].gather(1, idx[:, None]).squeeze(1)
             toks.append(prev)
-        return torch.stack(toks, 1), cand, (torch.stack(qs, 1) if qs else None)
+        return torch.stack(toks, 1), cand, torch.stack(qs, 1)
+
+    def greedy_walk(self, hidden, unary, cand, anchor) -> torch.Tensor:
+        """The greedy walk's tokens ``[B, K]``: every pair score at once - position i's candidates after each of
+        position i - 1's (after the anchor at i = 0), ``[B, K, C, C]`` - then K argmaxes, each over the row the
+        previous choice picks. Position i's choice is the sampling loop's at temperature 0 (the same unary + pair
+        score, argmax); launches: a handful, then the walk (one on a GPU), against ten a position one at a time."""
+        b, k, c = cand.shape
+        prev = torch.cat([anchor[:, None, None].expand(b, 1, c), cand[:, :-1]], dim=1)  # [B, K, C]
+        a = self.pred(prev) * self.proj(hidden)[:, :, None]  # [B, K, C, r]
+        scores = unary[:, :, None] + torch.matmul(a, self.succ(cand).transpose(-1, -2)).float()  # [B, K, Cp, C]
+        if fused_glue(scores):  # the K argmaxes in one launch (the same picks)
+            return select.greedy_walk(scores.contiguous(), cand.contiguous())
+        return select.greedy_walk_ref(scores, cand)
 
 
 class BlockDrafter(nn.Module):
@@ -163,7 +218,7 @@ class BlockDrafter(nn.Module):
         self._rope_covers = 0  # reserve_rope(n): every position below n is in the table, no size check needed
 
     @classmethod
-    def from_raws(cls, c: DraftConfig, raws: dict, target_hidden: int, vocab: int) -> "BlockDrafter":
+    def from_raws(cls, c: DraftConfig, raws: dict, target_hidden: int, vocab: int) -> BlockDrafter:
         """The drafter (fp32, on the CPU) holding an artifact component's weights, ``raws``: ``{kind}.<name>`` ->
         RawWeight, dequantized."""
         net = cls(c, target_hidden, vocab)
@@ -192,17 +247,20 @@ class BlockDrafter(nn.Module):
 
     def blocks(self, x, pos, ctx_k: list, ctx_v: list, mask) -> torch.Tensor:
         """Final-normed hidden states of the block tokens ``x [B, S, H]`` at positions ``pos [B, S]``."""
-        cos, sin = self.rope(pos)
+        rot = Rotary(self, pos)
+        if self.layers and self.layers[0].rows(x):  # the same for every layer: one additive mask for all of them
+            c = self.c
+            mask = rows_bias(mask, c.num_attention_heads // c.num_key_value_heads)
         for layer, k, v in zip(self.layers, ctx_k, ctx_v):
-            x = layer(x, cos, sin, k, v, mask)
+            x = layer(x, rot, k, v, mask)
         return self.norm(x)
 
     def context_kv(self, ctx: torch.Tensor, pos: torch.Tensor):
         """Per-layer context keys and values for features ``ctx [B, L, H]`` at ``pos [B, L]``."""
-        cos, sin = self.rope(pos)
+        rot = Rotary(self, pos)
         ks, vs = [], []
         for layer in self.layers:
-            k, v = layer.kv(ctx, cos, sin)  # context features are already normed (hidden_norm)
+            k, v = layer.kv(ctx, rot)  # context features are already normed (hidden_norm)
             ks.append(k)
             vs.append(v)
         return ks, vs

@@ -159,6 +159,15 @@ class FastPath:
             act = torch.nn.functional.silu(gate) * up
         return self.w.linear(f"{p}.mlp.down_proj.weight")(act)
 
+    def layer(self, p: str, key, h, step, cache: HybridCache):
+        """One full-attention block outside the target's stack (the MTP head's layer, decode / verify): the norms
+        fused (the residual add into the second), the attention and the MLP as the target's layers run them."""
+        eps, w = self.cfg.rms_norm_eps, self.w
+        x = fused.rms_norm(h, w.vector(f"{p}.input_layernorm.weight"), eps)
+        x, h = fused.add_rms_norm(self.attention(p, key, x, step, cache), h,
+                                  w.vector(f"{p}.post_attention_layernorm.weight"), eps)
+        return h + self.mlp(p, x)
+
     def forward(self, step, cache: HybridCache, prefill: bool = False):
         """Final-normed hidden ``[B, T, H]`` and tap outputs, with each residual add fused into the next norm.
         ``prefill`` (a prompt chunk, ``EngineOptions.fused_prefill``): the GDN layers through the eager forward's

@@ -188,14 +188,15 @@ class HybridModel:
 
     def layer(self, p: str, i, kind: str, h: torch.Tensor, step: Step, cache: HybridCache) -> torch.Tensor:
         """One pre-norm residual block (``i`` indexes the cache: a layer number, or ``"mtp0"``...)."""
+        if kind != "linear_attention" and self._fused(step):
+            # a drafter's attention layer (MTP) in decode: each row's keys up to its own position, as the target's
+            # layers read them, instead of a masked SDPA over step.kv_len (the whole capacity in captured drafting),
+            # with the fused path's norms and MLP
+            return self.fast.layer(p, i, h, step, cache)
         eps = self.cfg.rms_norm_eps
         x = rms_norm(h, self.w.vector(f"{p}.input_layernorm.weight"), eps)
         if kind == "linear_attention":
             h = h + self.gated_deltanet(p, i, x, step, cache)
-        elif self._fused(step):
-            # a drafter's attention layer (MTP) in decode: each row's keys up to its own position, as the target's
-            # layers read them, instead of a masked SDPA over step.kv_len (the whole capacity in captured drafting)
-            h = h + self.fast.attention(p, i, x, step, cache)
         elif self.flash_prefill and step.mode == PREFILL and step.rope_pos is None:
             h = h + self.fast.attention(p, i, x, step, cache, prefill=True)
         else:

@@ -14,31 +14,26 @@ from __future__ import annotations
 
 import torch
 
+from ...kernels import spec_round
+from ...kernels.spec_round import greedy_accept_ref
+from ...kernels.spec_round import keep_counts_ref as keep_counts
+
+__all__ = ["accept_greedy", "accept_keep", "accept_sampling", "keep_counts"]
+
 
 def accept_greedy(drafts: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Longest prefix of ``drafts`` equal to the target's argmax, and the target's next token after it."""
-    target = logits.argmax(-1)  # [B, K+1]
-    match = (drafts == target[:, :-1]).to(torch.int64)
-    n_acc = match.cumprod(dim=1).sum(dim=1)  # [B]
-    bonus = target.gather(1, n_acc[:, None]).squeeze(1)
-    return n_acc, bonus
+    return greedy_accept_ref(drafts, logits.argmax(-1))
 
 
-def keep_counts(drafts: torch.Tensor, n_acc: torch.Tensor, bonus: torch.Tensor, stops: torch.Tensor,
-                left: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """How many tokens each row of a greedy round keeps, worked out on the device: ``stops [B, S]`` (a row's stop
-    ids, padded with -1), ``left [B]`` (the tokens it may still add). Returns (``keep [B]``: the accepted drafts and
-    the bonus, cut after the first stop id and at ``left``; ``tokens [B, K+1]``: the round's tokens in order, the bonus
-    at position ``n_acc`` and after; ``stopped [B]``: a stop id is among the first ``n_acc + 1``)."""
-    k = drafts.shape[1]
-    i = torch.arange(k + 1, device=drafts.device)[None]
-    block = torch.cat([drafts, bonus[:, None]], dim=1)
-    tokens = torch.where(i < n_acc[:, None], block, bonus[:, None])
-    count = n_acc + 1
-    hit = (tokens[:, :, None] == stops[:, None, :]).any(-1) & (i < count[:, None])
-    stopped = hit.any(1)
-    first = torch.where(stopped, hit.to(torch.int64).argmax(1) + 1, count)
-    return torch.minimum(torch.minimum(count, first), left), tokens, stopped
+def accept_keep(drafts: torch.Tensor, logits: torch.Tensor, stops: torch.Tensor, left: torch.Tensor):
+    """A greedy round's acceptance and the tokens it keeps, worked out on the device (:func:`accept_greedy`, then
+    :func:`keep_counts`): (n_acc, bonus, keep, tokens, stopped). One Triton launch on CUDA
+    (kernels/spec_round.accept_keep), the torch reference elsewhere: the same integers."""
+    target = logits.argmax(-1)
+    if drafts.is_cuda and spec_round.triton_available():
+        return spec_round.accept_keep(drafts, target, stops, left)
+    return spec_round.accept_keep_ref(drafts, target, stops, left)
 
 
 def accept_sampling(drafts: torch.Tensor, p: torch.Tensor, q: torch.Tensor,

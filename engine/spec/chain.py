@@ -6,9 +6,11 @@ and still allowed, a finished flag, the slot written):
 
 1. drafting (and replayed acceptance's substitution, its draws made beside the graph);
 2. the verify forward over the newest token and the drafts, greedy acceptance, the tokens kept (stop ids and the
-   length limit applied on the device: :func:`.accept.keep_counts`) and the cache's rollback;
+   length limit applied on the device: :func:`.accept.accept_keep`) and the cache's rollback;
 3. the drafter's pass over the verified block, then the state's update and the round's result row
    (n_acc | bonus | keep | drafts), copied to the host without waiting.
+
+Acceptance and the state update are one Triton launch each on CUDA (kernels/spec_round.py).
 
 Nothing in a round reads the device: the host queues round n + 1 before it reads round n, so its launches and
 bookkeeping hide behind the GPU's work (an unchained round, spec/loop.py, waits for its result before the next round
@@ -22,9 +24,10 @@ from __future__ import annotations
 
 import torch
 
+from ...kernels import spec_round
 from ..model.graphs import MAX_STOP_IDS, capture
 from ..model.hybrid import VERIFY, Step
-from .accept import accept_greedy, keep_counts
+from .accept import accept_keep
 from .drafters import MTPDrafter
 from .loop import append, ms, record, settle_times, timer
 
@@ -121,8 +124,7 @@ class SpecChain:
         pos = self.length[:, None] + self.steps[None]
         step = Step(block, pos, self.slot, kv_len=self._keys(self.k + 1), mode=VERIFY, taps=e.drafter.taps)
         hidden, taps = e.model.forward(step, e.cache)
-        n_acc, bonus = accept_greedy(drafts, e.model.logits(hidden))
-        keep, tokens, stopped = keep_counts(drafts, n_acc, bonus, self.stops, self.left)
+        n_acc, bonus, keep, tokens, stopped = accept_keep(drafts, e.model.logits(hidden), self.stops, self.left)
         e.cache.commit(keep.clamp_min(1))  # a finished chain's rounds (keep 0) roll the scratch slot back to 1
         taps = torch.cat(taps, dim=-1) if taps else hidden  # (MTP reads the hidden rows, DFlash the taps)
         return block, hidden, taps, n_acc, bonus, keep, tokens, stopped
@@ -130,22 +132,17 @@ class SpecChain:
     def _link(self) -> None:
         d, k = self.e.drafter, self.k
         block, hidden, taps, n_acc, bonus, keep, tokens, stopped = self.verified
-        live = ~self.done
         if self.mtp:  # the head over the verified block: the next round's first draft
+            live = ~self.done
             h0, l0 = d.verified(hidden, block, bonus, n_acc, self.length, self.slot, self._keys(k + 1))
             self.h.copy_(torch.where(live[:, None], h0, self.h))
             self.logits.copy_(torch.where(live[:, None], l0, self.logits))
         else:  # context K/V of the kept positions
             d.verified(taps, self.length, n_acc, self.slot, k + 1)
-        taken = torch.where(live, keep, torch.zeros_like(keep))
-        newest = tokens.gather(1, (keep - 1).clamp_min(0)[:, None])[:, 0]
-        self.last.copy_(torch.where(live, newest, self.last))
-        self.length.add_(taken)
-        self.ntok.add_(taken)
-        self.left.sub_(taken)
-        self.done.logical_or_(stopped | (self.left <= 0))
-        self.slot.copy_(torch.where(self.done, self.scratch, self.own))
-        self.out.copy_(torch.cat([n_acc[:, None], bonus[:, None], keep[:, None], self.drafts], dim=1))
+        update = spec_round.chain_update if self.cuda and spec_round.triton_available() \
+            else spec_round.chain_update_ref  # one launch on CUDA
+        update(keep, tokens, stopped, self.done, self.last, self.length, self.ntok, self.left, self.slot, self.own,
+               self.scratch, self.out, n_acc, bonus, self.drafts)
 
     # ---- host side ---------------------------------------------------------------------------------------
     def prime(self, seq) -> None:

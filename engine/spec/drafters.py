@@ -17,8 +17,7 @@ import torch
 from torch import nn
 
 from ...kernels import quant
-from ...kernels.norm import rms_norm
-from ..model.dflash import BlockDrafter
+from ..model.dflash import BlockDrafter, draft_norm
 from ..model.hybrid import DECODE, PREFILL, Step
 from ..model.weights import RawWeight
 from ..sampling import probs
@@ -155,13 +154,13 @@ class MTPDrafter:
     def forward(self, hidden, next_ids, pos, slots, kv_len, mode=DECODE, rope_pos=None):
         e, w = self.e, self.e.weights
         eps = e.config.rms_norm_eps
-        x = torch.cat([rms_norm(w.embed(next_ids), w.vector("mtp.pre_fc_norm_embedding.weight"), eps),
-                       rms_norm(hidden, w.vector("mtp.pre_fc_norm_hidden.weight"), eps)], dim=-1)
+        x = torch.cat([draft_norm(w.embed(next_ids), w.vector("mtp.pre_fc_norm_embedding.weight"), eps),
+                       draft_norm(hidden, w.vector("mtp.pre_fc_norm_hidden.weight"), eps)], dim=-1)
         x = w.linear("mtp.fc.weight")(x)
         step = Step(next_ids, pos, slots, kv_len=kv_len, mode=mode, rope_pos=rope_pos)  # rope_pos: media requests
         for i in range(e.config.mtp_num_hidden_layers):
             x = e.model.layer(f"mtp.layers.{i}", f"mtp{i}", "full_attention", x, step, e.cache)
-        h = rms_norm(x, w.vector("mtp.norm.weight"), eps)
+        h = draft_norm(x, w.vector("mtp.norm.weight"), eps)
         return h, self.head.logits(h)
 
     def begin(self, seq, start, hidden, taps) -> None:
@@ -288,6 +287,31 @@ def packed_projections(net: BlockDrafter, raws: dict[str, RawWeight], store) -> 
     return swapped
 
 
+DRAFT_FUSIONS = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj")}
+
+
+def fused_projections(net: BlockDrafter, raws: dict[str, RawWeight], store) -> int:
+    """Give each drafter layer its sibling projections as one packed linear where the store keeps weights packed
+    (v3 on CUDA): ``qkv`` (q | k | v rows) and ``gate_up`` (gate | up), which a block's pass runs in one launch each
+    instead of three and two (DraftLayer.forward). The members stay for the context keys and values (k and v alone)
+    and for training. Returns how many fused linears were made."""
+    if not store.packed:
+        return 0
+    made = 0
+    kind = next(iter(raws)).split(".", 1)[0]
+    for i, layer in enumerate(net.layers):
+        for attr, members in DRAFT_FUSIONS.items():
+            parts = [raws.get(f"{kind}.layers.{i}.{m}.weight") for m in members]
+            if any(p is None or p.fmt not in quant.QUANT_FORMATS for p in parts) or len({p.fmt for p in parts}) != 1:
+                continue
+            shapes = [tuple(p.shape) for p in parts]
+            buf = quant.concat_rows([p.buf.reshape(-1) for p in parts], parts[0].fmt, shapes)
+            fused = RawWeight(parts[0].fmt, (sum(sh[0] for sh in shapes), shapes[0][1]), buf)
+            setattr(layer, attr, Projection(store.linear_of(fused)))
+            made += 1
+    return made
+
+
 def pack_verify_rows(engine, prefixes: tuple[str, ...]) -> None:
     """On a CPU, the engine's projections named under ``prefixes`` packed for a round's k + 1 rows a sequence
     (WeightStore.pack_rows, which does nothing on other devices): a sequence's verify pass, and the drafter's passes
@@ -315,6 +339,7 @@ class BlockDraftRunner:
         self.taps = tuple(cfg.target_layer_ids)
         self.net = BlockDrafter.from_raws(cfg, raws, engine.config.hidden_size, engine.config.vocab_size)
         self.packed = packed_projections(self.net, raws, engine.weights)
+        self.fused = fused_projections(self.net, raws, engine.weights)
         self.net.to(device=engine.device, dtype=engine.dtype).eval()
         if engine.device.type == "cuda":  # every position < context + block: no pos.max() read (a stall) per call
             self.net.reserve_rope(engine.capacity + cfg.block_size + 1, engine.device)
