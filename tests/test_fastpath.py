@@ -121,20 +121,21 @@ def test_drafter_fused_projections_equal_the_members(monkeypatch):
     from ninfer_bench.engine.model.weights import DenseLinear
     from ninfer_bench.engine.spec.drafters import fused_projections
 
-    eng = Engine.load("tiny", device="cpu", spec="dflash2", draft_tokens=3)
+    eng = Engine.load("tiny", device="cpu", spec="dflash2", draft_tokens=3)  # the drafter's weights and config
     cfg, raws = eng.loaded.drafters["dflash2"]
-    net = dflash.BlockDrafter.from_raws(cfg, raws, eng.config.hidden_size, eng.config.vocab_size).eval()
-    net.reserve_rope(512, "cpu")
+    net = dflash.BlockDrafter.from_raws(cfg, raws, eng.config.hidden_size, eng.config.vocab_size).to(DEVICE).eval()
+    net.reserve_rope(512, DEVICE)
     g = torch.Generator().manual_seed(0)
-    taps = torch.randn(1, 20, len(cfg.target_layer_ids) * eng.config.hidden_size, generator=g)
-    x = torch.randn(1, 4, eng.config.hidden_size, generator=g)
+    taps = torch.randn(1, 20, len(cfg.target_layer_ids) * eng.config.hidden_size, generator=g).to(DEVICE)
+    x = torch.randn(1, 4, eng.config.hidden_size, generator=g).to(DEVICE)
     monkeypatch.setattr(dflash, "fused_glue", lambda t: True)
     with torch.inference_mode():
-        ks, vs = net.context_kv(net.context(taps), torch.arange(20)[None])
-        pos = torch.arange(20, 24)[None]
-        mask = torch.ones(1, 1, 4, 24, dtype=torch.bool)
+        ks, vs = net.context_kv(net.context(taps), torch.arange(20, device=DEVICE)[None])
+        pos = torch.arange(20, 24, device=DEVICE)[None]
+        mask = torch.ones(1, 1, 4, 24, dtype=torch.bool, device=DEVICE)
         want = net.blocks(x, pos, ks, vs, mask)
-        store = types.SimpleNamespace(packed=True, linear_of=lambda raw: DenseLinear(raw.dense(torch.float32)))
+        store = types.SimpleNamespace(packed=True,
+                                      linear_of=lambda raw: DenseLinear(raw.dense(torch.float32, DEVICE)))
         assert fused_projections(net, raws, store) == 2 * len(net.layers)
         got = net.blocks(x, pos, ks, vs, mask)
     assert ((got - want).norm() / want.norm()).item() < 1e-5
