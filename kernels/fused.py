@@ -206,6 +206,14 @@ def sigmoid_mul(o, gate):
     return y
 
 
+def _check_tables(op, cos, sin, hd):
+    """The rotary tables: cos and sin ``[max_pos, rd]``, one layout, an even rd <= hd."""
+    rd = cos.shape[-1]
+    if cos.dim() != 2 or sin.shape != cos.shape or sin.stride() != cos.stride() or rd % 2 or rd > hd:
+        raise ValueError(f"{op}: cos and sin must both be [max_pos, rd] with an even rd <= {hd}, "
+                         f"got {tuple(cos.shape)} and {tuple(sin.shape)}")
+
+
 def _check_norm_rope(x, weight, cos, sin, pos):
     if x.dim() != 4 or pos.shape != x.shape[:2]:
         raise ValueError(f"norm_rope: x must be [B, T, H, hd] and pos [B, T], got {tuple(x.shape)} and "
@@ -213,10 +221,7 @@ def _check_norm_rope(x, weight, cos, sin, pos):
     hd = x.shape[-1]
     if weight.shape != (hd,):
         raise ValueError(f"norm_rope: weight must be [{hd}], got {tuple(weight.shape)}")
-    rd = cos.shape[-1]
-    if cos.dim() != 2 or sin.shape != cos.shape or sin.stride() != cos.stride() or rd % 2 or rd > hd:
-        raise ValueError(f"norm_rope: cos and sin must both be [max_pos, rd] with an even rd <= {hd}, "
-                         f"got {tuple(cos.shape)} and {tuple(sin.shape)}")
+    _check_tables("norm_rope", cos, sin, hd)
     if x.stride(-1) != 1 or cos.stride(-1) != 1:
         raise ValueError("norm_rope: x, cos and sin must be contiguous along their last dimension")
 
@@ -253,10 +258,7 @@ def _check_prologue(qg, kv, q_norm_w, k_norm_w, cos, sin, k_cache, v_cache, k_sc
     for name, w in (("q_norm_w", q_norm_w), ("k_norm_w", k_norm_w)):
         if w.shape != (hd,):
             raise ValueError(f"attn_prologue: {name} must be [{hd}], got {tuple(w.shape)}")
-    rd = cos.shape[-1]
-    if cos.dim() != 2 or sin.shape != cos.shape or sin.stride() != cos.stride() or rd % 2 or rd > hd:
-        raise ValueError(f"attn_prologue: cos and sin must both be [max_pos, rd] with an even rd <= {hd}, "
-                         f"got {tuple(cos.shape)} and {tuple(sin.shape)}")
+    _check_tables("attn_prologue", cos, sin, hd)
     if k_cache.dtype == torch.int8:
         sshape = (*k_cache.shape[:3], -(-hd // KV_GROUP))
         for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
