@@ -37,9 +37,10 @@
 #            model's held-out prompts and the 27B replay grid with --lookahead on,off, the README's main command, and
 #            scripts/profile_step.py on the bundled model's rounds (chained and --sync)
 #   glue     the drafters' fused glue (norms, q / k norm + rotation, fused q | k | v and gate | up, one attention mask a
-#            block, kernels/select.py's top-k and walk) and the round's integer kernels (kernels/spec_round.py): their CUDA tests, the bundled held-out prompts with this
-#            tree and with a copy of the tree before in .old (`git archive REV | tar -x -C .old`, carried), the
-#            rounds' kernel profile, the 27B replay grid, the README's main command
+#            block, kernels/select.py's top-k and walk) and the round's integer kernels (kernels/spec_round.py): their
+#            CUDA tests, the bundled held-out prompts with this tree and with a copy of the tree before in .old
+#            (`git archive REV | tar -x -C .old`, carried), the rounds' kernel profile, the 27B replay grid, the
+#            README's main command
 #   spec     speculative decoding as measured for the release: the 27B synthetic plain / MTP3 / DFlash2 K=7 grid at
 #            replayed acceptance (seed: the release's tokens per round), the README's main command, and the bundled
 #            model's plain / MTP3 / DFlash2 K=7 on its held-out prompts (SPEC_N tokens, default 128)
@@ -217,8 +218,8 @@ for stage in "$@"; do
              nb decode $M27 --spec none,mtp:3,dflash2:7 --replay-acceptance seed --lookahead on,off -n ${SPEC_N:-128} \
                --repeats 2 --json "$OUT/chain27" 2>&1 | tee "$OUT/chain27.log" | tail -14 ;;
     glue)    # the drafters' fused glue and the round's integer kernels: their CUDA tests, the bundled model's held-out
-             # prompts with this tree and (when .old holds a copy of the tree before: GLUE_OLD) with that one in the
-             # same call, the rounds' kernel profile, the 27B replay grid and the README's main command
+             # prompts with this tree and (when .old holds a copy of the tree before) with that one in the same call,
+             # the rounds' kernel profile, the 27B replay grid and the README's main command
              timeout ${TESTS_S:-300} python3 -m pytest -q -p no:cacheprovider --tb=short -rf tests/test_kernels_fused.py \
                tests/test_kernels_spec_round.py tests/test_kernels_select.py tests/test_kernels_attention.py \
                tests/test_fastpath.py tests/test_cuda_engine.py -k "fused or spec_round or select or sdpa_rows or fastpath \

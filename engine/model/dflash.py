@@ -49,11 +49,9 @@ class Rotary:
 
     def __init__(self, drafter: BlockDrafter, pos: torch.Tensor):
         self.pos = pos
-        tables = drafter._rope
-        self.fused = (fused_glue(pos) and drafter._rope_covers > 0 and tables[0].device == pos.device
-                      and tables[0].shape[-1] <= drafter.c.head_dim)
+        self.fused = fused_glue(pos) and drafter._rope_covers > 0 and drafter._rope[0].device == pos.device
         if self.fused:
-            self.cos, self.sin = tables
+            self.cos, self.sin = drafter._rope
         else:
             self.cos, self.sin = drafter.rope(pos)
 
