@@ -61,7 +61,8 @@ from .gdn import STEP_MAX_T, gated_delta_rule_ref, l2norm
 from .gdn_triton_kernels import jit_kernels as _kernels
 from .norm import gated_rms_norm_ref
 
-__all__ = ["GDNConfig", "GDNWorkspace", "plan", "gdn_decode", "gdn_decode_ref", "triton_available", "MAX_T"]
+__all__ = ["GDNConfig", "GDNWorkspace", "plan", "gdn_decode", "gdn_decode_ref", "gdn_commit", "gdn_commit_ref",
+           "new_stack", "layer_of", "triton_available", "MAX_T"]
 
 MAX_T = STEP_MAX_T  # tokens per call: every token's q/k/v tiles stay in registers for the whole loop
 L2_EPS = 1e-6  # l2norm's eps (kernels/gdn.py)
@@ -199,12 +200,13 @@ class GDNWorkspace:
 
     work: torch.Tensor
     gates: torch.Tensor
+    inputs: torch.Tensor | None = None  # [B, T, C] the raw conv inputs (qkv), compute dtype: for gdn_commit
 
 
 def gdn_decode(qkv, z, b, a, conv_state, conv_w, ssm, slots, A_log, dt_bias, norm_w, eps, *,
                keep=None, conv_init=None, ssm_init=None, states_out=None, write_state=True,
                config: GDNConfig | None = None, before_z=None, workspace: GDNWorkspace | None = None,
-               return_workspace: bool = False):
+               return_workspace: bool = False, workspace_out: GDNWorkspace | None = None):
     """One GDN layer's token mixing for T (1..16) new tokens of B slots: two launches (three when block_v < dv).
 
     qkv [B, T, C] (C = 2*Hk*dk + Hv*dv: the in_proj_qkv output before the conv, q | k | v), z [B, T, Hv*dv],
@@ -227,6 +229,8 @@ def gdn_decode(qkv, z, b, a, conv_state, conv_w, ssm, slots, A_log, dt_bias, nor
     launch that reads z (z may still be in the making on another stream until then). ``return_workspace``: return
     (out, :class:`GDNWorkspace`); ``workspace``: that of an earlier call on the same qkv, conv state and gates (b, a
     are then not read), whose prep launch this call skips - a verify pass's rollback is one launch.
+    ``workspace_out``: buffers the prep launch writes its workspace to (layer l's slices of the stacks
+    :func:`gdn_commit` reads; with ``inputs`` the prep also copies qkv there) instead of new ones.
     """
     bsz, t, c, hk, hv, dk, dv, w = _check(qkv, z, b, a, conv_state, conv_w, ssm, slots, A_log, dt_bias, norm_w,
                                           keep, conv_init, ssm_init, states_out)
@@ -237,13 +241,20 @@ def gdn_decode(qkv, z, b, a, conv_state, conv_w, ssm, slots, A_log, dt_bias, nor
     if workspace is None:
         if b is None or a is None:
             raise ValueError("gdn_decode: b and a are needed without a workspace")
-        work = _new_buffer((bsz, t, c), torch.float32, dev)  # q (normalised, scaled) | k (normalised) | v
-        gates = _new_buffer((bsz, t, 2 * hv + hk), torch.float32, dev)  # e^g | beta | q.k
+        xin = None
+        if workspace_out is None:
+            work = _new_buffer((bsz, t, c), torch.float32, dev)  # q (normalised, scaled) | k (normalised) | v
+            gates = _new_buffer((bsz, t, 2 * hv + hk), torch.float32, dev)  # e^g | beta | q.k
+        else:
+            work, gates, xin = workspace_out.work, workspace_out.gates, workspace_out.inputs
+            _check_workspace(workspace_out, bsz, t, c, hv, hk, qkv.dtype, dev)
         kern["prep"][(bsz, hk + hv, t)](  # one token a program: each token's sums as a single step's
             qkv, conv_src, conv_w.contiguous(), slots, b, a, A_log, dt_bias, work, gates,
+            xin if xin is not None else work,  # a placeholder when not stored: never written with STORE_X off
             qkv.stride(0), qkv.stride(1), *conv_src.stride(), b.stride(0), b.stride(1), a.stride(0), a.stride(1),
             t, dk ** -0.5,
             HK=hk, HV=hv, DK=dk, DV=dv, W=w, BD=max(16, _pow2(max(dk, dv))), CONV_INIT=conv_init is not None,
+            STORE_X=xin is not None,
             num_warps=4 if max(dk, dv) >= 512 else 2, **_triton.pdl_args(dev),  # not from T: the sums' layout
         )
     else:
@@ -266,10 +277,11 @@ def gdn_decode(qkv, z, b, a, conv_state, conv_w, ssm, slots, A_log, dt_bias, nor
         work, gates, ssm_src, ssm, slots, kp, so, zz, norm_w, y, qkv, conv_src, conv_state,
         *ssm_src.stride()[:3], *ssm.stride()[:3], *so.stride()[:4], zz.stride(0), zz.stride(1), y.stride(0),
         y.stride(1), qkv.stride(0), qkv.stride(1), *conv_src.stride(), *conv_state.stride(), t, eps,
+        0, 0, 0, 0, 0,  # layer strides: one layer
         HK=hk, R=hv // hk, DK=dk, DV=dv, BT=bt, BK=_pow2(dk), BV=bv, W=w, BW=_pow2(w - 1), BDK=max(16, _pow2(dk)),
         BDV=max(16, _pow2(dv)), SSM_INIT=ssm_init is not None, CONV_INIT=conv_init is not None,
         HAS_KEEP=keep is not None, WRITE_STATE=write_state, STORE_STATES=states_out is not None,
-        HAS_OUT=has_out, FUSED_NORM=fused_norm,
+        HAS_OUT=has_out, FUSED_NORM=fused_norm, LAYERED=False,
         num_warps=cfg.num_warps, **_triton.pdl_args(dev),
     )
     if has_out and not fused_norm:
@@ -281,3 +293,107 @@ def gdn_decode(qkv, z, b, a, conv_state, conv_w, ssm, slots, A_log, dt_bias, nor
             out.stride(1), t, hv, eps, DV=dv, BD=max(16, _pow2(dv)), HB=hb, num_warps=4, **_triton.pdl_args(dev),
         )
     return (out, GDNWorkspace(work, gates)) if return_workspace else out
+
+
+def _check_workspace(ws: GDNWorkspace, bsz, t, c, hv, hk, dtype, dev) -> None:
+    want = {"work": (ws.work, (bsz, t, c), torch.float32), "gates": (ws.gates, (bsz, t, 2 * hv + hk), torch.float32),
+            "inputs": (ws.inputs, (bsz, t, c), dtype)}
+    for name, (x, shape, dt) in want.items():
+        if x is None:
+            continue
+        if tuple(x.shape) != shape or x.dtype != dt or x.device != dev or not x.is_contiguous():
+            raise ValueError(f"gdn_decode: workspace_out.{name} must be a contiguous {dt} {list(shape)} on {dev}, "
+                             f"got {x.dtype} {list(x.shape)} on {x.device}")
+
+
+def new_stack(layers: int, bsz: int, t: int, c: int, hv: int, hk: int, dtype, device) -> GDNWorkspace:
+    """Workspace stacks for a verify pass over ``layers`` GDN layers: ``work`` [L, B, T, C] and ``gates``
+    [L, B, T, 2 Hv + Hk] fp32, ``inputs`` [L, B, T, C] in the compute dtype; layer l's slices go to
+    :func:`gdn_decode` as ``workspace_out`` and the whole to :func:`gdn_commit`."""
+    return GDNWorkspace(_new_buffer((layers, bsz, t, c), torch.float32, device),
+                        _new_buffer((layers, bsz, t, 2 * hv + hk), torch.float32, device),
+                        _new_buffer((layers, bsz, t, c), dtype, device))
+
+
+def layer_of(stack: GDNWorkspace, layer: int) -> GDNWorkspace:
+    return GDNWorkspace(stack.work[layer], stack.gates[layer], stack.inputs[layer])
+
+
+def _commit_dims(stack: GDNWorkspace, conv_all, ssm_all, slots, keep):
+    if stack.inputs is None:
+        raise ValueError("gdn_commit: the stack has no conv inputs (make it with new_stack)")
+    if ssm_all.dim() != 5 or conv_all.dim() != 4:
+        raise ValueError(f"gdn_commit: ssm_all must be [L, S, Hv, dk, dv] and conv_all [L, S, C, W-1], got "
+                         f"{list(ssm_all.shape)} and {list(conv_all.shape)}")
+    n, s, hv, dk, dv = ssm_all.shape
+    ln, bsz, t, c = stack.work.shape
+    ng = stack.gates.shape[-1]
+    hk = ng - 2 * hv
+    if hk <= 0 or hv % hk or c != 2 * hk * dk + hv * dv:
+        raise ValueError(f"gdn_commit: a stack of {c} channels and {ng} gates does not fit Hv={hv}, dk={dk}, dv={dv}")
+    shapes = {"work": (stack.work, (n, bsz, t, c)), "gates": (stack.gates, (n, bsz, t, ng)),
+              "inputs": (stack.inputs, (n, bsz, t, c)), "conv_all": (conv_all, (n, s, c, conv_all.shape[-1])),
+              "slots": (slots, (bsz,)), "keep": (keep, (bsz,))}
+    for name, (x, shape) in shapes.items():
+        if tuple(x.shape) != shape:
+            raise ValueError(f"gdn_commit: {name} must be {list(shape)}, got {list(x.shape)}")
+        if x.device != ssm_all.device:
+            raise ValueError(f"gdn_commit: {name} is on {x.device}, the caches on {ssm_all.device}")
+    for name, x in (("work", stack.work), ("gates", stack.gates), ("inputs", stack.inputs), ("ssm_all", ssm_all),
+                    ("conv_all", conv_all)):
+        if not x.is_contiguous():
+            raise ValueError(f"gdn_commit: {name} must be contiguous")
+    if ssm_all.dtype != torch.float32 or stack.work.dtype != torch.float32 or stack.gates.dtype != torch.float32:
+        raise ValueError("gdn_commit: ssm_all, work and gates must be fp32")
+    if not 1 <= t <= MAX_T:
+        raise ValueError(f"gdn_commit: T={t} verified tokens, must be 1..{MAX_T}")
+    return n, bsz, t, c, hk, hv, dk, dv, conv_all.shape[-1] + 1
+
+
+def gdn_commit(stack: GDNWorkspace, conv_all, ssm_all, slots, keep, *, config: GDNConfig | None = None) -> None:
+    """The ``recompute`` rollback of every GDN layer of a verify pass in one launch: for each layer l the recurrence
+    of the verified block rerun from the pre-verify state (still in ``ssm_all[l]``) over the pass's own workspace
+    ``stack`` (:func:`new_stack`, filled through ``workspace_out``), applying only the first ``keep[b]`` positions,
+    and the state and the conv window ending at keep[b] written to ``ssm_all[l][slots]`` / ``conv_all[l][slots]``.
+    The same bits as one ``gdn_decode(..., keep=keep, workspace=...)`` call a layer (the same kernel, the layer as a
+    grid axis). ``conv_all`` [L, S, C, W-1] and ``ssm_all`` [L, S, Hv, dk, dv] are the caches' stacks."""
+    n, bsz, t, c, hk, hv, dk, dv, w = _commit_dims(stack, conv_all, ssm_all, slots, keep)
+    if n == 0:
+        return
+    kern = _triton.ready("gdn_decode", _kernels, stack.work)
+    cfg = config or plan(dk, dv)
+    bv = min(cfg.block_v, max(8, _pow2(dv)))
+    dev = stack.work.device
+    work, gates, xin = stack.work, stack.gates, stack.inputs
+    kern["recur"][(bsz * hv, -(-dv // bv), n)](
+        work, gates, ssm_all, ssm_all, slots, keep, ssm_all, xin, work, work, xin, conv_all, conv_all,
+        *ssm_all.stride()[1:4], *ssm_all.stride()[1:4], 0, 0, 0, 0, 0, 0, 0, 0, xin.stride(1), xin.stride(2),
+        *conv_all.stride()[1:], *conv_all.stride()[1:], t, 0.0,
+        work.stride(0), gates.stride(0), ssm_all.stride(0), xin.stride(0), conv_all.stride(0),
+        HK=hk, R=hv // hk, DK=dk, DV=dv, BT=_pow2(t), BK=_pow2(dk), BV=bv, W=w, BW=_pow2(w - 1), BDK=max(16, _pow2(dk)),
+        BDV=max(16, _pow2(dv)), SSM_INIT=False, CONV_INIT=False, HAS_KEEP=True, WRITE_STATE=True, STORE_STATES=False,
+        HAS_OUT=False, FUSED_NORM=bv >= dv, LAYERED=True,
+        num_warps=cfg.num_warps, **_triton.pdl_args(dev),
+    )
+
+
+def gdn_commit_ref(stack: GDNWorkspace, conv_all, ssm_all, slots, keep) -> None:
+    """fp32 torch reference of :func:`gdn_commit` (same arguments, same effects on the caches)."""
+    n, bsz, t, c, hk, hv, dk, dv, w = _commit_dims(stack, conv_all, ssm_all, slots, keep)
+    r = hv // hk
+    live = torch.arange(t, device=keep.device)[None, :] < keep[:, None]  # [B, T]
+    for layer in range(n):
+        work, gates = stack.work[layer].float(), stack.gates[layer].float()
+        k = work[..., hk * dk:2 * hk * dk].reshape(bsz, t, hk, dk).repeat_interleave(r, dim=2)
+        v = work[..., 2 * hk * dk:].reshape(bsz, t, hv, dv)
+        eg = torch.where(live[..., None], gates[..., :hv], torch.ones_like(gates[..., :hv]))
+        beta = torch.where(live[..., None], gates[..., hv:2 * hv], torch.zeros_like(gates[..., :hv]))
+        state = ssm_all[layer][slots].clone()  # [B, Hv, dk, dv]
+        for i in range(t):
+            state = state * eg[:, i, :, None, None]
+            u = beta[:, i, :, None] * (v[:, i] - torch.einsum("bhk,bhkv->bhv", k[:, i], state))
+            state = state + k[:, i, :, :, None] * u[:, :, None, :]
+        seq = torch.cat([conv_all[layer][slots], stack.inputs[layer].transpose(1, 2).to(conv_all.dtype)], dim=-1)
+        idx = keep.view(bsz, 1, 1) + torch.arange(w - 1, device=seq.device).view(1, 1, w - 1)
+        conv_all[layer][slots] = torch.gather(seq, 2, idx.expand(bsz, c, w - 1))
+        ssm_all[layer][slots] = state

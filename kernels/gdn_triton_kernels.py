@@ -58,14 +58,16 @@ def _write_window(x_base, stride_xt, src_base, stride_sc, stride_sw, dst_base, s
     tl.store(dst_base + chan[None, :] * stride_vc + jj * stride_vw, win.to(ty), mask=(jj < W - 1) & c_ok[None, :])
 
 
-def _prep_kernel(QKV, CSRC, CW, SLOTS, BB, AA, ALOG, DTB, WORK, GATES,
+def _prep_kernel(QKV, CSRC, CW, SLOTS, BB, AA, ALOG, DTB, WORK, GATES, XOUT,
                  stride_xb, stride_xt, stride_cb, stride_cc, stride_cw, stride_bb, stride_bt, stride_ab, stride_at,
                  T, scale,
                  HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, W: tl.constexpr,
-                 BD: tl.constexpr, CONV_INIT: tl.constexpr, PDL: tl.constexpr):
+                 BD: tl.constexpr, CONV_INIT: tl.constexpr, STORE_X: tl.constexpr, PDL: tl.constexpr):
     """Program (b, j, t), one token each: j < Hk the q and k channels of k head j (conv, SiLU, L2 norms, q.k), else
     the v channels of v head j - Hk (conv, SiLU) and its gates. Writes them to WORK / GATES [B, T, .] fp32 and
-    nothing else: the cache's conv windows are the recurrence's to write, so tokens can run side by side."""
+    nothing else: the cache's conv windows are the recurrence's to write, so tokens can run side by side. With
+    STORE_X it also copies its channels' raw inputs of token t to XOUT [B, T, C] (the conv inputs a layered
+    rollback, ``_recur_kernel`` with LAYERED, rebuilds the conv windows from)."""
     pdl_enter(PDL)  # PDL launches: wait for the kernel before, let the next one launch
     b = tl.program_id(0)
     j = tl.program_id(1)
@@ -88,6 +90,10 @@ def _prep_kernel(QKV, CSRC, CW, SLOTS, BB, AA, ALOG, DTB, WORK, GATES,
         k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
         tl.store(w_row + q_chan, q, mask=ok)
         tl.store(w_row + k_chan, k, mask=ok)
+        if STORE_X:
+            x_row = XOUT + (b * T + t) * C
+            tl.store(x_row + q_chan, tl.load(x_base + t * stride_xt + q_chan, mask=ok), mask=ok)
+            tl.store(x_row + k_chan, tl.load(x_base + t * stride_xt + k_chan, mask=ok), mask=ok)
         tl.store(g_row + 2 * HV + j, tl.sum(q * k, 0))  # q . k, for o = e^g S^T q + (q.k) u
     else:
         h = j - HK
@@ -95,6 +101,8 @@ def _prep_kernel(QKV, CSRC, CW, SLOTS, BB, AA, ALOG, DTB, WORK, GATES,
         v_chan = 2 * HK * DK + h * DV + offs_d
         v = _conv_tok(x_base, stride_xt, src_base, stride_cc, stride_cw, CW, v_chan, ok, t, W, BD)
         tl.store(w_row + v_chan, v, mask=ok)
+        if STORE_X:
+            tl.store(XOUT + (b * T + t) * C + v_chan, tl.load(x_base + t * stride_xt + v_chan, mask=ok), mask=ok)
         # beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias); the recurrence masks tokens past keep
         bt = tl.load(BB + b * stride_bb + t * stride_bt + h).to(tl.float32)
         x = tl.load(AA + b * stride_ab + t * stride_at + h).to(tl.float32) + tl.load(DTB + h)
@@ -107,19 +115,32 @@ def _recur_kernel(WORK, GATES, SSRC, SSM, SLOTS, KEEP, STATES, Z, NW, Y, QKV, CS
                   stride_sb, stride_sh, stride_sk, stride_mb, stride_mh, stride_mk,
                   stride_ob, stride_ot, stride_oh, stride_ok, stride_zb, stride_zt, stride_yb, stride_yt,
                   stride_xb, stride_xt, stride_cb, stride_cc, stride_cw, stride_vs, stride_vc, stride_vw, T, eps,
+                  stride_lw, stride_lg, stride_ls, stride_lx, stride_lc,
                   HK: tl.constexpr, R: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr,
                   BK: tl.constexpr, BV: tl.constexpr, W: tl.constexpr, BW: tl.constexpr, BDK: tl.constexpr,
                   BDV: tl.constexpr, SSM_INIT: tl.constexpr, CONV_INIT: tl.constexpr, HAS_KEEP: tl.constexpr,
                   WRITE_STATE: tl.constexpr, STORE_STATES: tl.constexpr, HAS_OUT: tl.constexpr,
-                  FUSED_NORM: tl.constexpr, PDL: tl.constexpr):
+                  FUSED_NORM: tl.constexpr, LAYERED: tl.constexpr, PDL: tl.constexpr):
     """Program (b * Hv + h, v block): the recurrence over the T tokens with the state tile [BK, BV] in registers;
     per token o (or, with the whole head in the tile, the gated RMSNorm output) and optionally the state. Tokens
     from ``keep[b]`` on (HAS_KEEP) get e^g = 1 and beta = 0, which leaves the state exactly unchanged. With
     WRITE_STATE the state after the first keep[b] tokens goes to the cache, and the programs of v block 0 write
     the conv windows ending at keep[b] (head h's v channels; with h % R == 0 also k head h // R's q and k channels):
-    each channel by one program, which reads its old window before it writes the new one."""
+    each channel by one program, which reads its old window before it writes the new one.
+
+    LAYERED (a rollback of every GDN layer in one launch): grid axis 2 is the layer; WORK, GATES, QKV (the raw conv
+    inputs) and the caches SSM (= SSRC) and CONV (= CSRC) are stacks over layers, layer l at l * stride_l."""
     pid = tl.program_id(0)
     pid_v = tl.program_id(1)
+    if LAYERED:
+        lid = tl.program_id(2).to(tl.int64)
+        WORK += lid * stride_lw
+        GATES += lid * stride_lg
+        SSRC += lid * stride_ls
+        SSM += lid * stride_ls
+        QKV += lid * stride_lx
+        CSRC += lid * stride_lc
+        CONV += lid * stride_lc
     b = pid // (HK * R)
     h = pid % (HK * R)
     hk = h // R

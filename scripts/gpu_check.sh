@@ -41,6 +41,9 @@
 #            CUDA tests, the bundled held-out prompts with this tree and with a copy of the tree before in .old
 #            (`git archive REV | tar -x -C .old`, carried), the rounds' kernel profile, the 27B replay grid, the
 #            README's main command
+#   commit   every GDN layer's rollback in one launch (gdn_commit) and the drafters' head over --lm-head-draft
+#            tokens: their CUDA tests, the 27B replay grid (head 0 / 32768 x recompute / snapshot) with this tree and
+#            the tree before in .old (carried, as for glue), the 27B rounds' profile (head PROF_HEAD, 32768)
 #   spec     speculative decoding as measured for the release: the 27B synthetic plain / MTP3 / DFlash2 K=7 grid at
 #            replayed acceptance (seed: the release's tokens per round), the README's main command, and the bundled
 #            model's plain / MTP3 / DFlash2 K=7 on its held-out prompts (SPEC_N tokens, default 128)
@@ -235,6 +238,21 @@ for stage in "$@"; do
                --json "$OUT/glue27" 2>&1 | tee "$OUT/glue27.log" | tail -8
              /usr/bin/time -f "main command: %e s wall, %M KiB peak RSS" python3 scripts/nb.py decode --spec dflash2 -k 7 \
                --json "$OUT/main.json" 2>&1 | tee "$OUT/main.log" | tail -8 ;;
+    commit)  # one launch for every GDN layer's rollback (kernels/gdn_triton.gdn_commit) and the drafters' head over
+             # --lm-head-draft tokens at 27B: their CUDA tests, the 27B replay grid (full head / 32K head x both
+             # rollbacks) with this tree and with the tree before (.old) in the same call, and the 27B rounds' profile
+             timeout ${TESTS_S:-240} python3 -m pytest -q -p no:cacheprovider --tb=short -rf \
+               tests/test_kernels_gdn_triton.py tests/test_fastpath.py tests/test_drafter_import.py \
+               tests/test_cuda_engine.py -k "gdn or rollback or commit or fused_verify or random_weights or spec \
+               or chain or verify_rows or pdl" 2>&1 | tee "$OUT/commit_tests.log" | tail -25
+             R27="$M27 --replay-acceptance seed -n ${SPEC_N:-128} --repeats 2"
+             nb decode $R27 --spec none,mtp:3,dflash2:7 --lm-head-draft 0,32768 --rollback recompute,snapshot \
+               --json "$OUT/commit27" 2>&1 | tee "$OUT/commit27.log" | tail -14
+             if [ -d .old ]; then ( cd .old && timeout ${STAGE_S:-300} python3 scripts/nb.py decode $R27 \
+                 --spec none,mtp:3,dflash2:7 --json "$OUT/commit27_old" 2>&1 | tee "$OUT/commit27_old.log" | tail -8 ); fi
+             timeout ${STAGE_S:-200} python3 scripts/profile_step.py $M27 --steps 32 --spec none,mtp:3,dflash2:7 \
+               --lm-head-draft ${PROF_HEAD:-32768} --top 30 --json "$OUT/commit_prof.json" 2>&1 \
+               | tee "$OUT/commit_prof.log" | grep -E "^(===|[0-9]+ steps|a round|GPU busy|_recur|qmv)" ;;
     spec)    nb decode $M27 --spec none,mtp:3,dflash2:7 --replay-acceptance seed -n ${SPEC_N:-128} --repeats 2 \
                --json "$OUT/spec27" 2>&1 | tee "$OUT/spec27.log" | tail -12
              /usr/bin/time -f "main command: %e s wall, %M KiB peak RSS" python3 scripts/nb.py decode --spec dflash2 -k 7 \

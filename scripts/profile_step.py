@@ -154,6 +154,9 @@ def main() -> int:
     ap.add_argument("--gdn-block-v", type=int, default=None,
                     help="GDN recurrence state tile width (kernels/gdn_triton.plan's block_v; >= dv fuses the gated "
                          "norm into the recurrence: one launch fewer a layer)")
+    ap.add_argument("--lm-head-draft", type=int, default=0,
+                    help="drafters score the first / most frequent N tokens only (EngineOptions.lm_head_draft)")
+    ap.add_argument("--rollback", default="recompute", choices=("recompute", "snapshot"))
     ap.add_argument("--host", action="store_true",
                     help="profile the host instead (cProfile of the same steps): where a host-bound step's time goes")
     ap.add_argument("--json", default=None)
@@ -192,7 +195,8 @@ def main() -> int:
                              qmv_dense=not args.cublas_dense, qmv_layout=args.qmv_layout,
                              draft_graphs=not args.eager_draft, prefill_chunk=args.prefill_chunk,
                              prefill_weights=args.prefill_weights, flash_prefill=args.flash_prefill,
-                             fused_prefill=args.fused_prefill,
+                             fused_prefill=args.fused_prefill, rollback=args.rollback,
+                             lm_head_draft=args.lm_head_draft if spec != "none" else 0,
                              max_context=args.max_context or max(8192, args.prompt_len + 256))
         print(f"=== {spec}{f':{k}' if k else ''}", flush=True)
         out[item] = profile_one(Engine(loaded, opts), args, drop)

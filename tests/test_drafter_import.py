@@ -223,3 +223,17 @@ def test_a_proposal_head_narrower_than_the_candidates_is_refused():
 
     with pytest.raises(ValueError, match="--lm-head-draft 4 is fewer tokens than the dflash2 drafter's 16 candidates"):
         Engine.load(default_model(), device="cpu", spec="dflash2", lm_head_draft=4)
+
+
+@pytest.mark.parametrize("spec", ["mtp", "dflash2"])
+def test_lm_head_draft_on_random_weights(spec):
+    """A preset's random weights have no token frequencies: --lm-head-draft N drafts over the first N ids (what
+    --replay-acceptance runs at the 27B shape cost), greedy tokens stay plain decoding's; N past the vocabulary is
+    refused."""
+    plain = Engine.load("tiny", device="cpu", kv_dtype="fp32").generate(PROMPT, max_new_tokens=24, ignore_eos=True)
+    eng = Engine.load("tiny", device="cpu", kv_dtype="fp32", spec=spec, draft_tokens=3, lm_head_draft=32)
+    assert eng.drafter.head.ids.tolist() == list(range(32))
+    assert eng.generate(PROMPT, max_new_tokens=24, ignore_eos=True).tokens == plain.tokens
+    vocab = eng.config.vocab_size
+    with pytest.raises(ValueError, match=f"only {vocab} tokens"):
+        Engine.load("tiny", device="cpu", spec=spec, lm_head_draft=vocab + 1)

@@ -192,6 +192,42 @@ def test_state_only_call():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_layered_commit_equals_one_rollback_a_layer(dtype):
+    """gdn_commit (every layer's rollback in one launch, over stacks of the caches and of the verify workspaces)
+    writes bit for bit what one rollback a layer writes, and its fp32 reference agrees; verify calls writing into
+    the stack give a plain verify's outputs and copy the raw conv inputs."""
+    L, B, T, Hk, Hv, dk, dv = 3, 3, 6, 2, 4, 16, 24
+    cases = [make_case(B, T, Hk, Hv, dk, dv, dtype=dtype, seed=20 + i) for i in range(L)]
+    slots = cases[0]["slots"]
+    keep = torch.tensor([T, 1, 4], device=DEVICE)
+    direct = []
+    for c in cases:
+        c["slots"] = slots
+        d = clone(c)
+        gt.gdn_decode(**{**d, "z": None}, keep=keep)
+        direct.append(d)
+    conv_all = torch.stack([c["conv_state"] for c in cases])
+    ssm_all = torch.stack([c["ssm"] for c in cases])
+    C = cases[0]["qkv"].shape[-1]
+    stack = gt.new_stack(L, B, T, C, Hv, Hk, dtype, DEVICE)
+    for i, c in enumerate(cases):
+        own = {**c, "conv_state": conv_all[i], "ssm": ssm_all[i]}
+        out = gt.gdn_decode(**own, write_state=False, workspace_out=gt.layer_of(stack, i))
+        assert torch.equal(out, gt.gdn_decode(**clone(c), write_state=False))
+        assert torch.equal(stack.inputs[i], c["qkv"])
+    ref_conv, ref_ssm = conv_all.clone(), ssm_all.clone()
+    gt.gdn_commit_ref(stack, ref_conv, ref_ssm, slots, keep)
+    gt.gdn_commit(stack, conv_all, ssm_all, slots, keep)
+    for i, d in enumerate(direct):
+        assert torch.equal(conv_all[i], d["conv_state"]), f"layer {i} conv"
+        assert torch.equal(ssm_all[i], d["ssm"]), f"layer {i} state"
+    assert torch.equal(conv_all, ref_conv)
+    assert rel_rms(ssm_all, ref_ssm) <= TOL[torch.float32]["ssm"]
+    with pytest.raises(ValueError, match="keep"):
+        gt.gdn_commit(stack, conv_all, ssm_all, slots, keep[:2])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_rollback_from_the_verify_workspace(dtype):
     """The fused 'recompute' rollback: a verify call that leaves the caches alone and keeps its workspace, then the
     recurrence alone from that workspace with keep, writes bit for bit what one call with keep writes (and the

@@ -48,15 +48,15 @@ class PendingGDN:
     ssm_old: torch.Tensor | None = None  # [B, Hv, dk, dv] (recompute)
     inputs: tuple | None = None  # (q, k, v, g, beta) of the pass (recompute)
     states: torch.Tensor | None = None  # [B, T, Hv, dk, dv] state after each position (snapshot)
-    kernel: Callable | None = None  # recompute with the fused kernel: (cache, layer, slots, rec, keep), with
-    #                                  the pass's b / a and layer params bound (model/fused_forward.py)
-    args: tuple | None = None  # what ``kernel`` reads of the pass: (b, a, layer params)
 
 
 @dataclass(slots=True)
 class Pending:
     slots: torch.Tensor  # [B] slot indices of the verify pass
     layers: dict[int, PendingGDN] = field(default_factory=dict)
+    stack: object = None  # the fused path's workspace stacks over every GDN layer (kernels.gdn_triton.GDNWorkspace)
+    stacked: set = field(default_factory=set)  # the layers that wrote into ``stack``
+    commit_stack: Callable | None = None  # (cache, slots, stack, keep): every stacked layer's rollback in one launch
 
 
 class HybridCache:
@@ -77,11 +77,15 @@ class HybridCache:
         for key in list(cfg.full_layers) + [f"mtp{i}" for i in range(mtp_layers)]:
             self.kv[key] = self._kv_layer(slots, hkv, capacity, hd)
         w = cfg.linear_conv_kernel_dim
-        self.conv = {i: torch.zeros(slots, cfg.conv_dim, w - 1, dtype=dtype, device=device)
-                     for i in cfg.linear_layers}
-        self.ssm = {i: torch.zeros(slots, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+        lin = list(cfg.linear_layers)
+        # one stack per kind over the GDN layers (``conv[i]`` / ``ssm[i]`` are views of it): a rollback of every
+        # layer is then one launch (kernels/gdn_triton.gdn_commit)
+        self.gdn_index = {i: j for j, i in enumerate(lin)}
+        self.conv_all = torch.zeros(len(lin), slots, cfg.conv_dim, w - 1, dtype=dtype, device=device)
+        self.ssm_all = torch.zeros(len(lin), slots, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                                    cfg.linear_value_head_dim, dtype=torch.float32, device=device)
-                    for i in cfg.linear_layers}
+        self.conv = {i: self.conv_all[j] for j, i in enumerate(lin)}
+        self.ssm = {i: self.ssm_all[j] for j, i in enumerate(lin)}
         self.pending: Pending | None = None
 
     def _kv_layer(self, slots, hkv, cap, hd) -> KVLayer:
@@ -205,13 +209,15 @@ class HybridCache:
         if pend is None:
             raise RuntimeError("commit() without a verify pass")
         slots = pend.slots
+        if pend.stack is not None:
+            if pend.stacked != set(self.gdn_index):
+                raise RuntimeError(f"commit(): the verify pass stacked GDN layers {sorted(pend.stacked)}, not all "
+                                   f"{len(self.gdn_index)}")
+            pend.commit_stack(self, slots, pend.stack, keep)
         # on a CPU the host reads ``keep`` for free: a layer whose every row keeps the whole pass is left as the pass
         # wrote it, and the recompute re-runs only the positions some row keeps (the masked ones change nothing)
         kept = keep.tolist() if keep.device.type == "cpu" else None
         for i, rec in pend.layers.items():
-            if rec.kernel is not None:  # the fused path's own rollback (it knows its kernel's arguments)
-                rec.kernel(self, i, slots, rec, keep)
-                continue
             b, t, c = rec.conv_in.shape
             if kept is not None and min(kept) >= t:
                 continue  # the pass's own conv window and state (the same ops on the same inputs as a recompute)

@@ -19,8 +19,9 @@ Those projections take K in one pass, branch or not (:func:`kernels._triton.sing
 branch would share the device's split-K scratch with the main chain's launches running at the same time.
 
 Speculative rollback with these kernels: ``recompute`` verifies with ``write_state=False`` (the cache keeps the
-pre-verify state) and commits by re-running the block's recurrence with ``keep`` over the verify pass's prep outputs
-(one launch a layer: no conv, norms or gates again); ``snapshot`` verifies writing the state after every position
+pre-verify state), each layer's prep outputs and conv inputs going to its slice of one stack over the GDN layers, and
+commits by re-running the block's recurrence with ``keep`` over that stack (``gdn_commit``: one launch for all the
+layers, no conv, norms or gates again); ``snapshot`` verifies writing the state after every position
 into a buffer and commits by gathering from it.
 """
 
@@ -34,7 +35,7 @@ from ...kernels import fused
 from ...kernels._triton import single_pass
 from ...kernels.attention_prefill import prefill_attention_cached
 from ...kernels.attention_triton import decode_attention
-from ...kernels.gdn_triton import gdn_decode
+from ...kernels.gdn_triton import gdn_commit, gdn_decode, layer_of, new_stack
 from .cache import HybridCache, PendingGDN
 from .weights import GATE_UP_RUN
 
@@ -110,17 +111,25 @@ class FastPath:
         prm = self.params(p)
         args = (cache.conv[i], prm.conv_w, cache.ssm[i], step.slots, prm.A_log, prm.dt_bias, prm.norm_w,
                 cfg.rms_norm_eps)
-        if step.mode == "verify":
+        if step.mode == "verify" and cache.rollback == "snapshot":
             b, t, _ = qkv.shape
-            rec = PendingGDN(conv_in=qkv, conv_old=None)
-            if cache.rollback == "snapshot":
-                rec.conv_old = cache.conv[i][step.slots]
-                rec.states = torch.empty(b, t, hv, dk, dv, dtype=torch.float32, device=x.device)
-                o = gdn_decode(qkv, z, bb, aa, *args, states_out=rec.states, before_z=join_z)
-            else:  # the cache keeps the pre-verify state; the rollback reruns the recurrence from the kept workspace
-                o, ws = gdn_decode(qkv, z, bb, aa, *args, write_state=False, before_z=join_z, return_workspace=True)
-                rec.kernel, rec.args = commit_kernel, (ws, prm)
+            rec = PendingGDN(conv_in=qkv, conv_old=cache.conv[i][step.slots],
+                             states=torch.empty(b, t, hv, dk, dv, dtype=torch.float32, device=x.device))
+            o = gdn_decode(qkv, z, bb, aa, *args, states_out=rec.states, before_z=join_z)
             cache.record(i, rec)
+        elif step.mode == "verify":  # recompute: the cache keeps the pre-verify state; the rollback reruns the
+            # recurrence of every layer at once (gdn_commit) from the workspaces the pass leaves in one stack
+            pend = cache.pending
+            ws = None
+            if pend is not None:
+                if pend.stack is None:
+                    b, t, c = qkv.shape
+                    pend.stack = new_stack(len(cache.gdn_index), b, t, c, hv, cfg.linear_num_key_heads, qkv.dtype,
+                                           x.device)
+                    pend.commit_stack = commit_stack
+                ws = layer_of(pend.stack, cache.gdn_index[i])
+                pend.stacked.add(i)
+            o = gdn_decode(qkv, z, bb, aa, *args, write_state=False, before_z=join_z, workspace_out=ws)
         else:
             o = gdn_decode(qkv, z, bb, aa, *args, before_z=join_z)
         return self.w.linear(f"{p}.linear_attn.out_proj.weight")(o)
@@ -199,10 +208,8 @@ def _no_join() -> None:
     pass
 
 
-def commit_kernel(cache: HybridCache, i: int, slots: torch.Tensor, rec: PendingGDN, keep: torch.Tensor) -> None:
-    """``recompute`` rollback of one layer: the recurrence of the verified block rerun from the pre-verify state
-    (still in the cache) over the verify pass's own prep outputs, applying only the first ``keep[b]`` positions, and
-    the conv and recurrent state written: one launch."""
-    ws, prm = rec.args
-    gdn_decode(rec.conv_in, None, None, None, cache.conv[i], prm.conv_w, cache.ssm[i], slots, prm.A_log,
-               prm.dt_bias, prm.norm_w, cache.cfg.rms_norm_eps, keep=keep, workspace=ws)
+def commit_stack(cache: HybridCache, slots: torch.Tensor, stack, keep: torch.Tensor) -> None:
+    """``recompute`` rollback of every GDN layer in one launch: each layer's recurrence of the verified block rerun
+    from the pre-verify state (still in the cache) over the verify pass's own prep outputs, applying only the first
+    ``keep[b]`` positions, and the conv and recurrent states written."""
+    gdn_commit(stack, cache.conv_all, cache.ssm_all, slots, keep)

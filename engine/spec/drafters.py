@@ -29,6 +29,13 @@ def draft_head_ids(e) -> torch.Tensor | None:
     n = e.options.lm_head_draft
     if not n:
         return None
+    if e.loaded.info.get("synthetic"):
+        # random weights have no token frequencies: the head is the first n ids. What the drafts propose then means
+        # nothing (nor does it with the full head); --replay-acceptance sets the acceptance, this sets the cost
+        vocab = e.config.vocab_size
+        if n > vocab:
+            raise ValueError(f"--lm-head-draft {n}: the vocabulary has only {vocab} tokens")
+        return torch.arange(n, device=e.device)
     art = e.loaded.artifact
     if art is None or not art.has("draft_head.token_ids"):
         raise ValueError("--lm-head-draft needs token frequencies in the artifact (draft_head.token_ids); "
