@@ -326,7 +326,7 @@ def _commit_dims(stack: GDNWorkspace, conv_all, ssm_all, slots, keep):
         raise ValueError(f"gdn_commit: ssm_all must be [L, S, Hv, dk, dv] and conv_all [L, S, C, W-1], got "
                          f"{list(ssm_all.shape)} and {list(conv_all.shape)}")
     n, s, hv, dk, dv = ssm_all.shape
-    ln, bsz, t, c = stack.work.shape
+    _, bsz, t, c = stack.work.shape
     ng = stack.gates.shape[-1]
     hk = ng - 2 * hv
     if hk <= 0 or hv % hk or c != 2 * hk * dk + hv * dv:
@@ -357,7 +357,7 @@ def gdn_commit(stack: GDNWorkspace, conv_all, ssm_all, slots, keep, *, config: G
     and the state and the conv window ending at keep[b] written to ``ssm_all[l][slots]`` / ``conv_all[l][slots]``.
     The same bits as one ``gdn_decode(..., keep=keep, workspace=...)`` call a layer (the same kernel, the layer as a
     grid axis). ``conv_all`` [L, S, C, W-1] and ``ssm_all`` [L, S, Hv, dk, dv] are the caches' stacks."""
-    n, bsz, t, c, hk, hv, dk, dv, w = _commit_dims(stack, conv_all, ssm_all, slots, keep)
+    n, bsz, t, _, hk, hv, dk, dv, w = _commit_dims(stack, conv_all, ssm_all, slots, keep)
     if n == 0:
         return
     kern = _triton.ready("gdn_decode", _kernels, stack.work)

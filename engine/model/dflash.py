@@ -109,9 +109,10 @@ class DraftLayer(nn.Module):
         return (x.is_cuda and not self.training
                 and x.shape[1] * self.c.num_attention_heads // self.c.num_key_value_heads <= ROWS_MATMUL)
 
-    def forward(self, x, rot: Rotary, ctx_k, ctx_v, mask):
+    def forward(self, x, rot: Rotary, ctx_k, ctx_v, mask, room: int | None = None):
         """x ``[B, S, H]`` block states; ctx_k/v ``[B, Lc, Hkv, hd]``; mask ``[B, 1, S, Lc + S]`` (True = visible),
-        or with :meth:`rows` its :func:`rows_bias`."""
+        or with :meth:`rows` its :func:`rows_bias`. With ``room`` = Lc, ctx_k/v have rows past Lc and the block's
+        keys and values go there in place (the same tensors as concatenating them)."""
         b, s, _ = x.shape
         hd = self.c.head_dim
         y = self.input_layernorm(x)
@@ -124,8 +125,13 @@ class DraftLayer(nn.Module):
         else:
             q = rot(self.q_proj(y).view(b, s, -1, hd), self.q_norm)
             k_blk, v_blk = self.kv(y, rot)
-        k = torch.cat([ctx_k, k_blk], dim=1).transpose(1, 2)  # [B, Hkv, Lc + S, hd]
-        v = torch.cat([ctx_v, v_blk], dim=1).transpose(1, 2)
+        if room is None:
+            k = torch.cat([ctx_k, k_blk], dim=1).transpose(1, 2)  # [B, Hkv, Lc + S, hd]
+            v = torch.cat([ctx_v, v_blk], dim=1).transpose(1, 2)
+        else:
+            ctx_k[:, room:room + s] = k_blk
+            ctx_v[:, room:room + s] = v_blk
+            k, v = ctx_k[:, :room + s].transpose(1, 2), ctx_v[:, :room + s].transpose(1, 2)
         attend = sdpa_rows if self.rows(x) else sdpa
         o = attend(q.transpose(1, 2), k.to(q.dtype), v.to(q.dtype), mask, hd ** -0.5)
         x = x + self.o_proj(o.transpose(1, 2).reshape(b, s, -1))
@@ -243,14 +249,16 @@ class BlockDrafter(nn.Module):
         """Context features ``[B, L, H]`` from concatenated tap outputs ``[B, L, n_taps * H_target]``."""
         return self.hidden_norm(self.fc(taps))
 
-    def blocks(self, x, pos, ctx_k: list, ctx_v: list, mask) -> torch.Tensor:
-        """Final-normed hidden states of the block tokens ``x [B, S, H]`` at positions ``pos [B, S]``."""
+    def blocks(self, x, pos, ctx_k: list, ctx_v: list, mask, room: int | None = None) -> torch.Tensor:
+        """Final-normed hidden states of the block tokens ``x [B, S, H]`` at positions ``pos [B, S]``. ``room``: the
+        context is ``ctx_k[:, :room]`` and each layer writes the block's keys and values right after it, in place
+        (ctx_k / ctx_v then have at least room + S rows and are the caller's to overwrite)."""
         rot = Rotary(self, pos)
         if self.layers and self.layers[0].rows(x):  # the same for every layer: one additive mask for all of them
             c = self.c
             mask = rows_bias(mask, c.num_attention_heads // c.num_key_value_heads)
         for layer, k, v in zip(self.layers, ctx_k, ctx_v):
-            x = layer(x, rot, k, v, mask)
+            x = layer(x, rot, k, v, mask, room)
         return self.norm(x)
 
     def context_kv(self, ctx: torch.Tensor, pos: torch.Tensor):

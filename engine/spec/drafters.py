@@ -357,10 +357,15 @@ class BlockDraftRunner:
         self.window = cfg.window if ring else 0
         self.cap = cfg.window if ring else engine.capacity
         slots, dev, dt = engine.cache.slots, engine.device, engine.dtype
-        shape = (slots, self.cap + 1, cfg.num_key_value_heads, cfg.head_dim)  # the last entry takes discarded writes
-        self.k = [torch.zeros(shape, dtype=dt, device=dev) for _ in range(cfg.num_layers)]
-        self.v = [torch.zeros(shape, dtype=dt, device=dev) for _ in range(cfg.num_layers)]
-        self.pos = torch.full((slots, self.cap + 1), -1, dtype=torch.long, device=dev)
+        # a slot's rows: ``cap`` context entries, room for a drafted block (its keys and values are written there, so
+        # attention reads [context | block] in place), and last the entry that takes discarded writes. Keys and values
+        # of every layer are one tensor: a block's drafting gathers its rows' in one copy
+        rows = self.cap + cfg.block_size + 1
+        self.discard = rows - 1
+        self.kv = torch.zeros(2, cfg.num_layers, slots, rows, cfg.num_key_value_heads, cfg.head_dim, dtype=dt,
+                              device=dev)
+        self.k, self.v = list(self.kv[0]), list(self.kv[1])
+        self.pos = torch.full((slots, rows), -1, dtype=torch.long, device=dev)
         # greedy block drafting replayed from CUDA graphs (``draft_graphs``, on by default), made on first use once
         # the engine's target graphs exist
         self.graphs: DraftGraphs | None = None
@@ -369,7 +374,7 @@ class BlockDraftRunner:
     def _write(self, slots, taps, pos, live) -> None:
         """Context K/V of ``taps [B, T, n*H]`` at ``pos [B, T]``; rows where ``live`` is False are discarded."""
         ks, vs = self.net.context_kv(self.net.context(taps.to(self.e.dtype)), pos)
-        idx = torch.where(live, pos % self.cap if self.window else pos, torch.full_like(pos, self.cap))
+        idx = torch.where(live, pos % self.cap if self.window else pos, torch.full_like(pos, self.discard))
         sl = slots[:, None].expand_as(pos)
         for layer in range(len(self.k)):
             self.k[layer][sl, idx] = ks[layer]
@@ -433,9 +438,8 @@ class BlockDraftRunner:
             vis &= cpos >= (length[:, None] - self.window)
         mask = torch.cat([vis[:, None, :].expand(b, k + 1, -1),
                           torch.ones(b, k + 1, k + 1, dtype=torch.bool, device=e.device)], dim=-1)[:, None]
-        ks = [kk.index_select(0, slots)[:, : self.cap] for kk in self.k]
-        vs = [vv.index_select(0, slots)[:, : self.cap] for vv in self.v]
-        h = self.net.blocks(e.weights.embed(ids), pos, ks, vs, mask)
+        kv = self.kv.index_select(2, slots)  # [2, layers, B, rows, Hkv, hd]: every layer's rows in one copy
+        h = self.net.blocks(e.weights.embed(ids), pos, list(kv[0]), list(kv[1]), mask, room=self.cap)
         if h.is_cuda:
             return h[:, 1:], self.head.logits(h[:, 1:])
         # CPU: the head over the whole block, anchor row too - k + 1 rows a sequence as a verify pass has, so both
@@ -470,18 +474,24 @@ class BlockDraftRunner:
     def release(self, seq) -> None:
         self.pos[seq.slot] = -1
 
+    def _kept(self, t: torch.Tensor) -> torch.Tensor:
+        """A slot's rows a session keeps: the ``cap`` context entries and the discard entry (not the block's room)."""
+        return torch.cat([t[: self.cap], t[self.discard:]])
+
     def export_slot(self, slot: int) -> dict:
         """A CPU copy of the slot's context K/V (sessions)."""
-        return {"k": [k[slot].cpu().clone() for k in self.k], "v": [v[slot].cpu().clone() for v in self.v],
-                "pos": self.pos[slot].cpu().clone()}
+        return {"k": [self._kept(k[slot]).cpu() for k in self.k], "v": [self._kept(v[slot]).cpu() for v in self.v],
+                "pos": self._kept(self.pos[slot]).cpu()}
 
     def slot_shapes(self) -> dict:
         """What :meth:`export_slot` gives, as (dtype, shape) pairs."""
-        return {"k": [(k.dtype, tuple(k.shape[1:])) for k in self.k],
-                "v": [(v.dtype, tuple(v.shape[1:])) for v in self.v],
-                "pos": (self.pos.dtype, tuple(self.pos.shape[1:]))}
+        rows = self.cap + 1
+        return {"k": [(k.dtype, (rows, *k.shape[2:])) for k in self.k],
+                "v": [(v.dtype, (rows, *v.shape[2:])) for v in self.v],
+                "pos": (self.pos.dtype, (rows,))}
 
     def import_slot(self, slot: int, state: dict) -> None:
-        for dst, src in zip(self.k + self.v, state["k"] + state["v"]):
-            dst[slot] = src.to(dst.device, dst.dtype)
-        self.pos[slot] = state["pos"].to(self.pos.device)
+        for dst, src in zip([*self.k, *self.v, self.pos], [*state["k"], *state["v"], state["pos"]]):
+            src = src.to(dst.device, dst.dtype)
+            dst[slot, : self.cap] = src[: self.cap]
+            dst[slot, self.discard:] = src[self.cap:]
