@@ -44,6 +44,8 @@
 #   commit   every GDN layer's rollback in one launch (gdn_commit) and the drafters' head over --lm-head-draft
 #            tokens: their CUDA tests, the 27B replay grid (head 0 / 32768 x recompute / snapshot) with this tree and
 #            the tree before in .old (carried, as for glue), the 27B rounds' profile (head PROF_HEAD, 32768)
+#   commitb  the same on the bundled model (rest of the CUDA tests, held-out prompts new / .old, the rounds'
+#            profile), a short 27B DFlash2 grid (head 0 / 32768) and the README's main command
 #   spec     speculative decoding as measured for the release: the 27B synthetic plain / MTP3 / DFlash2 K=7 grid at
 #            replayed acceptance (seed: the release's tokens per round), the README's main command, and the bundled
 #            model's plain / MTP3 / DFlash2 K=7 on its held-out prompts (SPEC_N tokens, default 128)
@@ -243,7 +245,7 @@ for stage in "$@"; do
              # rollbacks) with this tree and with the tree before (.old) in the same call, and the 27B rounds' profile
              timeout ${TESTS_S:-240} python3 -m pytest -q -p no:cacheprovider --tb=short -rf \
                tests/test_kernels_gdn_triton.py tests/test_fastpath.py tests/test_drafter_import.py \
-               tests/test_cuda_engine.py -k "gdn or rollback or commit or fused_verify or random_weights or spec \
+               tests/test_cuda_engine.py -k "gdn or rollback or commit or fused_verify or random_weights or spec or draft \
                or chain or verify_rows or pdl" 2>&1 | tee "$OUT/commit_tests.log" | tail -25
              R27="$M27 --replay-acceptance seed -n ${SPEC_N:-128} --repeats 2"
              nb decode $R27 --spec none,mtp:3,dflash2:7 --lm-head-draft 0,32768 --rollback recompute,snapshot \
@@ -253,6 +255,23 @@ for stage in "$@"; do
              timeout ${STAGE_S:-200} python3 scripts/profile_step.py $M27 --steps 32 --spec none,mtp:3,dflash2:7 \
                --lm-head-draft ${PROF_HEAD:-32768} --top 30 --json "$OUT/commit_prof.json" 2>&1 \
                | tee "$OUT/commit_prof.log" | grep -E "^(===|[0-9]+ steps|a round|GPU busy|_recur|qmv)" ;;
+    commitb) # the same on the bundled model: the rest of the CUDA tests, the held-out prompts with this tree and the
+             # tree before (.old), the rounds' profile, a short 27B DFlash2 grid, the README's main command
+             timeout ${TESTS_S:-200} python3 -m pytest -q -p no:cacheprovider --tb=short -rf tests/test_cuda_engine.py \
+               tests/test_spec.py -k "gdn or rollback or commit or fused_verify or spec or draft or chain or verify_rows \
+               or pdl or ring_gather" 2>&1 | tee "$OUT/commitb_tests.log" | tail -12
+             HELD="--prompt-file suites/data/heldout_prompts.jsonl -n 256 --repeats 2"
+             nb decode --spec none,mtp:3,dflash2:7 $HELD --json "$OUT/commitb" 2>&1 | tee "$OUT/commitb.log" | tail -8
+             if [ -d .old ]; then ln -sf "$PWD/models/ninfer-code-small.ninfer" .old/models/ 2>/dev/null
+               ( cd .old && timeout ${STAGE_S:-300} python3 scripts/nb.py decode --spec none,mtp:3,dflash2:7 $HELD \
+                   --json "$OUT/commitb_old" 2>&1 | tee "$OUT/commitb_old.log" | tail -8 ); fi
+             timeout ${STAGE_S:-150} python3 scripts/profile_step.py --spec none,mtp:3,dflash2:7 --steps 64 --top 40 \
+               --json "$OUT/commitb_prof.json" 2>&1 | tee "$OUT/commitb_prof.log" \
+               | grep -E "^(===|[0-9]+ steps|a round|GPU busy|_recur|qmv|void at::native::\(anonymous namespace\)::index)"
+             nb decode $M27 --replay-acceptance seed -n ${SPEC_N:-128} --repeats 2 --spec none,dflash2:7 \
+               --lm-head-draft 0,32768 --json "$OUT/commitb27" 2>&1 | tee "$OUT/commitb27.log" | tail -7
+             /usr/bin/time -f "main command: %e s wall, %M KiB peak RSS" python3 scripts/nb.py decode --spec dflash2 -k 7 \
+               --json "$OUT/main.json" 2>&1 | tee "$OUT/main.log" | tail -8 ;;
     spec)    nb decode $M27 --spec none,mtp:3,dflash2:7 --replay-acceptance seed -n ${SPEC_N:-128} --repeats 2 \
                --json "$OUT/spec27" 2>&1 | tee "$OUT/spec27.log" | tail -12
              /usr/bin/time -f "main command: %e s wall, %M KiB peak RSS" python3 scripts/nb.py decode --spec dflash2 -k 7 \

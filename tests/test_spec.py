@@ -424,3 +424,17 @@ def test_greedy_walk_equals_the_walk_one_position_at_a_time(b, k, c):
             want.append(prev)
     assert q is None and torch.equal(cand, want_cand)
     assert toks.tolist() == torch.stack(want, 1).tolist()
+
+
+@pytest.mark.parametrize("dtype,width", [(torch.bfloat16, 8), (torch.float32, 6), (torch.bfloat16, 3)])
+def test_drafter_ring_gather_is_index_select(dtype, width):
+    """The DFlash ring's gather (8-byte words where the row width allows, else per element) copies exactly what
+    index_select does, NaN and signed-zero bit patterns included."""
+    from ninfer_bench.engine.spec.drafters import _gather_rows
+
+    x = torch.randn(2, 3, 5, 4, width).to(dtype)
+    x[0, 1, 2, 0, 0], x[1, 2, 4, 3, -1] = float("nan"), -0.0
+    idx = torch.tensor([4, 0, 2])
+    got, want = _gather_rows(x, 2, idx), x.index_select(2, idx)
+    bits = {torch.bfloat16: torch.int16, torch.float32: torch.int32}[dtype]
+    assert got.dtype == dtype and torch.equal(got.view(bits), want.view(bits))

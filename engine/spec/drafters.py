@@ -59,6 +59,15 @@ def draft_head_linear(e, ids: torch.Tensor):
     return e.weights.linear_of(sub)
 
 
+def _gather_rows(x: torch.Tensor, dim: int, idx: torch.Tensor) -> torch.Tensor:
+    """``x.index_select(dim, idx)``, copied as 8-byte words where the last dimension allows it: torch's small-index
+    kernel moves one element a thread, so 2-byte elements copy at a quarter of the speed (the same bits either
+    way)."""
+    if x.is_contiguous() and (x.shape[-1] * x.element_size()) % 8 == 0 and x.element_size() < 8:
+        return x.view(torch.int64).index_select(dim, idx).view(x.dtype)
+    return x.index_select(dim, idx)
+
+
 class DraftHead:
     """The head drafters score: the full ``lm_head`` or, with ``--lm-head-draft N``, its rows for the N most
     frequent tokens (ids remapped back after selection). ``scale`` / ``softcap`` reshape a drafter's logits when
@@ -376,9 +385,9 @@ class BlockDraftRunner:
         ks, vs = self.net.context_kv(self.net.context(taps.to(self.e.dtype)), pos)
         idx = torch.where(live, pos % self.cap if self.window else pos, torch.full_like(pos, self.discard))
         sl = slots[:, None].expand_as(pos)
-        for layer in range(len(self.k)):
-            self.k[layer][sl, idx] = ks[layer]
-            self.v[layer][sl, idx] = vs[layer]
+        n, (b, t) = len(ks), pos.shape
+        # every layer's keys and values in one stack, written with one scatter: [2, layers, B, T, Hkv, hd]
+        self.kv[:, :, sl, idx] = torch.stack([*ks, *vs]).view(2, n, b, t, *ks[0].shape[2:])
         self.pos[sl, idx] = torch.where(live, pos, torch.full_like(pos, -1))
 
     def begin(self, seq, start, hidden, taps) -> None:
@@ -438,7 +447,7 @@ class BlockDraftRunner:
             vis &= cpos >= (length[:, None] - self.window)
         mask = torch.cat([vis[:, None, :].expand(b, k + 1, -1),
                           torch.ones(b, k + 1, k + 1, dtype=torch.bool, device=e.device)], dim=-1)[:, None]
-        kv = self.kv.index_select(2, slots)  # [2, layers, B, rows, Hkv, hd]: every layer's rows in one copy
+        kv = _gather_rows(self.kv, 2, slots)  # [2, layers, B, rows, Hkv, hd]: every layer's rows in one copy
         h = self.net.blocks(e.weights.embed(ids), pos, list(kv[0]), list(kv[1]), mask, room=self.cap)
         if h.is_cuda:
             return h[:, 1:], self.head.logits(h[:, 1:])
