@@ -29,7 +29,10 @@ Two launches (three with block_v < dv):
 3. ``_gated_norm_kernel`` normalises it.
 
 A verify pass can keep the workspace (``return_workspace``); its rollback is then the recurrence alone
-(``workspace`` with ``keep``): one launch a layer.
+(``workspace`` with ``keep``): one launch a layer. The engine's verify passes write each layer's workspace, and the
+raw conv inputs, into one stack over the GDN layers instead (``workspace_out``, :func:`new_stack`), and
+:func:`gdn_commit` rolls every layer back in one launch: the recurrence kernel with the layer as a third grid axis
+(``LAYERED``), over the caches' own stacks.
 
 (An earlier single-launch version, with every program of a k head recomputing its q/k conv and holding all T
 tokens' q/k/v in registers, used 255 registers per thread with spills at T = 8 and ran 4-8x over the floor there.)
