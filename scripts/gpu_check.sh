@@ -96,6 +96,15 @@ fi
 # STAGE_S bounds each stage's main command (use it rather than an outer `timeout`: that kills this script before it
 # folds its outputs, and can leave the command running on)
 nb() { timeout "${STAGE_S:-86400}" python3 scripts/nb.py "$@"; }
+# the bundled model's held-out prompts (plain, MTP3, DFlash2 K=7) with this tree, then, when .old holds a copy of the
+# tree before (carried), with that one in the same call: $OUT/$1 and $OUT/$1_old
+held_pair() {
+  local HELD="--prompt-file suites/data/heldout_prompts.jsonl -n 256 --repeats 2"
+  nb decode --spec none,mtp:3,dflash2:7 $HELD --json "$OUT/$1" 2>&1 | tee "$OUT/$1.log" | tail -8
+  if [ -d .old ]; then ln -sf "$PWD/models/ninfer-code-small.ninfer" .old/models/ 2>/dev/null
+    ( cd .old && timeout "${STAGE_S:-300}" python3 scripts/nb.py decode --spec none,mtp:3,dflash2:7 $HELD \
+        --json "$OUT/$1_old" 2>&1 | tee "$OUT/$1_old.log" | tail -8 ); fi
+}
 pack() {  # the device tool returns only a handful of files a call: one archive per folder, one log for the tests
   ( cd "$OUT" || exit 0
     for d in */; do [ -d "$d" ] && tar -cf "${d%/}.tar" "$d" && rm -rf "$d"; done
@@ -229,11 +238,7 @@ for stage in "$@"; do
                tests/test_kernels_spec_round.py tests/test_kernels_select.py tests/test_kernels_attention.py \
                tests/test_fastpath.py tests/test_cuda_engine.py -k "fused or spec_round or select or sdpa_rows or fastpath \
                or spec or chain or draft or lookahead or verify_rows or pdl" 2>&1 | tee "$OUT/glue_tests.log" | tail -25
-             HELD="--prompt-file suites/data/heldout_prompts.jsonl -n 256 --repeats 2"
-             nb decode --spec none,mtp:3,dflash2:7 $HELD --json "$OUT/glueb" 2>&1 | tee "$OUT/glueb.log" | tail -8
-             if [ -d .old ]; then ln -sf "$PWD/models/ninfer-code-small.ninfer" .old/models/ 2>/dev/null
-               ( cd .old && timeout ${STAGE_S:-300} python3 scripts/nb.py decode --spec none,mtp:3,dflash2:7 $HELD \
-                   --json "$OUT/glueb_old" 2>&1 | tee "$OUT/glueb_old.log" | tail -8 ); fi
+             held_pair glueb
              timeout ${STAGE_S:-150} python3 scripts/profile_step.py --spec none,mtp:3,dflash2:7 --steps 64 --top 40 \
                --json "$OUT/glue_prof.json" 2>&1 | tee "$OUT/glue_prof.log" | grep -E "^(===|[0-9]+ steps|a round|GPU busy)"
              nb decode $M27 --spec none,mtp:3,dflash2:7 --replay-acceptance seed -n ${SPEC_N:-128} --repeats 2 \
@@ -260,11 +265,7 @@ for stage in "$@"; do
              timeout ${TESTS_S:-200} python3 -m pytest -q -p no:cacheprovider --tb=short -rf tests/test_cuda_engine.py \
                tests/test_spec.py -k "gdn or rollback or commit or fused_verify or spec or draft or chain or verify_rows \
                or pdl or ring_gather" 2>&1 | tee "$OUT/commitb_tests.log" | tail -12
-             HELD="--prompt-file suites/data/heldout_prompts.jsonl -n 256 --repeats 2"
-             nb decode --spec none,mtp:3,dflash2:7 $HELD --json "$OUT/commitb" 2>&1 | tee "$OUT/commitb.log" | tail -8
-             if [ -d .old ]; then ln -sf "$PWD/models/ninfer-code-small.ninfer" .old/models/ 2>/dev/null
-               ( cd .old && timeout ${STAGE_S:-300} python3 scripts/nb.py decode --spec none,mtp:3,dflash2:7 $HELD \
-                   --json "$OUT/commitb_old" 2>&1 | tee "$OUT/commitb_old.log" | tail -8 ); fi
+             held_pair commitb
              timeout ${STAGE_S:-150} python3 scripts/profile_step.py --spec none,mtp:3,dflash2:7 --steps 64 --top 40 \
                --json "$OUT/commitb_prof.json" 2>&1 | tee "$OUT/commitb_prof.log" \
                | grep -E "^(===|[0-9]+ steps|a round|GPU busy|_recur|qmv|void at::native::\(anonymous namespace\)::index)"
