@@ -53,6 +53,8 @@ def _byte_lines(description: str, every_s: float = 10.0):
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def inspect(artifact, as_json):
     """Show an artifact's components, objects, formats, bytes and which checks pass."""
+    import torch
+
     from ..engine.artifact.reader import Artifact
 
     with Artifact.open(artifact, check_header=False) as art:  # a header mismatch is one of the failures listed
@@ -72,6 +74,9 @@ def inspect(artifact, as_json):
             return
         console.print(f"[bold]{artifact}[/]  v{art.version}  id {art.artifact_id}  "
                       f"model {art.model_id or '-'}  policy {(art.metadata or {}).get('quant_policy', '-')}")
+        ranked = art.tensor("draft_head.token_ids", torch.float32).numel() if art.has("draft_head.token_ids") else 0
+        console.print(f"draft vocabulary (--lm-head-draft): {f'{ranked:,} ranked token ids' if ranked else 'none'}"
+                      + ("" if ranked else " (convert with --draft-vocab-corpus to add one)"), highlight=False)
         table = Table(title="components")
         for col in ("component", "tensors", "bytes", "config"):
             table.add_column(col)
@@ -170,7 +175,10 @@ def verify(artifact):
               help="A z-lab style DFlash / DFlash2 drafter folder to add as a component (repeatable).")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
               help="Where to quantize (auto: the GPU when there is one); the bytes written are the same either way.")
-def convert(hf_dir, out, quant, format_version, drafters, device):
+@click.option("--draft-vocab-corpus", "corpus", multiple=True, type=click.Path(exists=True),
+              help="Text / JSON-lines files or folders (repeatable): rank the vocabulary by this corpus's token counts "
+                   "for --lm-head-draft (stored as draft_head.token_ids). Use text like what the model will write.")
+def convert(hf_dir, out, quant, format_version, drafters, device, corpus):
     """Convert a Hugging Face Qwen3.5 / Qwen3-Next folder (bf16, fp16, fp32 or FP8) and drafter folders into an
     artifact. The checkpoint is streamed a row block at a time: memory stays near one tensor, whatever its size."""
     from ..engine.artifact.convert import convert as do_convert
@@ -178,11 +186,14 @@ def convert(hf_dir, out, quant, format_version, drafters, device):
 
     where = resolve_device(device)
     existed = check_output(out)
+    counting, count_update = byte_progress("counting tokens")
     prog, update = byte_progress("writing")
-    with prog:
-        do_convert(hf_dir, out, policy=quant, version=int(format_version), progress=update, drafters=drafters,
-                   device=where)
+    with counting, prog:
+        stats = do_convert(hf_dir, out, policy=quant, version=int(format_version), progress=update,
+                           drafters=drafters, device=where, draft_vocab_corpus=corpus, corpus_progress=count_update)
     console.print(f"[green]wrote[/] {out} ({Path(out).stat().st_size:,} bytes, quant {quant}, v{format_version})")
+    if stats is not None:
+        console.print(stats.describe(), highlight=False)
     overwritten(out, existed)
 
 

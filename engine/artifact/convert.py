@@ -127,11 +127,15 @@ def drafter_components(folders, policy: str) -> tuple[dict, dict, dict]:
 
 
 def convert(hf_dir: str | Path, out: str | Path, *, policy: str = "mixed", version: int = 3, progress=None,
-            drafters=(), device="cpu", block_bytes: int = BLOCK_BYTES) -> None:
+            drafters=(), device="cpu", block_bytes: int = BLOCK_BYTES, draft_vocab_corpus=(),
+            corpus_progress=None):
     """Convert a Hugging Face folder (Qwen3.5 / Qwen3-Next) into an artifact, with optional z-lab style drafter
     folders (DFlash / DFlash2) added as components. The checkpoint is streamed: each tensor is read, quantized (on
     ``device``), hashed and written one row block of at most ``block_bytes`` (as fp32) at a time, so memory holds
-    a block (and the drafters, which are small), never the model."""
+    a block (and the drafters, which are small), never the model. ``draft_vocab_corpus`` (files / folders): rank the
+    vocabulary by that corpus's token counts into ``draft_head.token_ids`` (what ``--lm-head-draft`` reads;
+    :mod:`.draft_vocab`), before anything is written. Returns that ranking's :class:`.draft_vocab.CorpusStats`, or
+    None."""
     from ..model.dflash import check_drafter
     from .hf_checkpoint import HFCheckpoint
 
@@ -152,10 +156,21 @@ def convert(hf_dir: str | Path, out: str | Path, *, policy: str = "mixed", versi
                       str(sources[kind]))
     comps.update(dcomps)
     extra.update(dtensors)
-    write_model(out, ckpt.config, tensors, policy=policy, blobs=ckpt.blobs(), version=version,
+    blobs = ckpt.blobs()
+    stats = None
+    if draft_vocab_corpus:
+        from . import draft_vocab
+
+        if "tokenizer.json" not in blobs:
+            raise ValueError(f"--draft-vocab-corpus tokenizes with the checkpoint's tokenizer.json; {hf_dir} has none")
+        order, stats = draft_vocab.corpus_order(blobs["tokenizer.json"], ckpt.config.vocab_size, draft_vocab_corpus,
+                                                progress=corpus_progress)
+        extra[draft_vocab.TENSOR] = ("fp32", torch.as_tensor(order, dtype=torch.float32))
+    write_model(out, ckpt.config, tensors, policy=policy, blobs=blobs, version=version,
                 model_id=ckpt.hf_config.get("_name_or_path") or Path(hf_dir).name,
                 source=str(Path(hf_dir).resolve()), extra_components=comps, extra_tensors=extra, progress=progress,
                 device=device, block_bytes=block_bytes)
+    return stats
 
 
 def check_outside(out: str | Path, folders) -> None:

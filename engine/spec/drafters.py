@@ -39,7 +39,8 @@ def draft_head_ids(e) -> torch.Tensor | None:
     art = e.loaded.artifact
     if art is None or not art.has("draft_head.token_ids"):
         raise ValueError("--lm-head-draft needs token frequencies in the artifact (draft_head.token_ids); "
-                         "this model has none")
+                         "this model has none: convert it with --draft-vocab-corpus FILES (text like what it will "
+                         "write)")
     ids = art.tensor("draft_head.token_ids", torch.float32).to(torch.long)
     if n > ids.numel():
         raise ValueError(f"--lm-head-draft {n}: the artifact ranks only {ids.numel()} tokens")

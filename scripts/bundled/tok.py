@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from ninfer_bench.engine.artifact import draft_vocab
 from ninfer_bench.engine.artifact.tokenizer import DEFAULT_CHAT_TEMPLATE, SPECIALS
 
 EOT = "<|endoftext|>"
@@ -83,9 +84,9 @@ def stream(docs: list[np.ndarray], eot: int) -> np.ndarray:
 
 
 def frequency_order(train_stream: np.ndarray, vocab_size: int) -> np.ndarray:
-    """Token ids sorted by count in the training stream, most frequent first (ties: lower id first)."""
-    counts = np.bincount(train_stream, minlength=vocab_size)
-    return np.lexsort((np.arange(vocab_size), -counts)).astype(np.int64)
+    """Token ids sorted by count in the training stream, most frequent first (ties: lower id first), as
+    ``convert --draft-vocab-corpus`` ranks a corpus."""
+    return draft_vocab.frequency_order(np.bincount(train_stream, minlength=vocab_size))
 
 
 def newline_mask(tok, vocab_size: int) -> np.ndarray:
