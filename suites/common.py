@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import resource
 import statistics
 import time
@@ -12,6 +11,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from ..engine.jsonl import json_lines
 
 DATA = Path(__file__).resolve().parent / "data"
 DEFAULT_PROMPT = DATA / "short_code.py.txt"
@@ -113,13 +114,7 @@ def read_prompt_set(path: str | Path, tokenizer) -> list[dict]:
     if p.suffix != ".jsonl":
         return [{"id": p.stem, "prompt_ids": tokenizer.encode(read_text(p))}]
     out = []
-    for n, line in enumerate(read_text(p).splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{n}: not JSON ({e.msg})") from None
+    for n, rec in json_lines(read_text(p), str(path)):
         out.append({"id": str(rec.get("id", n)) if isinstance(rec, dict) else None,
                     "prompt_ids": _record_ids(rec, tokenizer, f"{path}:{n}")})
     if not out:

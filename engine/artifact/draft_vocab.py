@@ -10,12 +10,13 @@ training stream the same way (:func:`frequency_order`).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
+from ..jsonl import json_lines
 
 TENSOR = "draft_head.token_ids"
 MAX_VOCAB = 1 << 24  # fp32 holds every id below this exactly
@@ -76,13 +77,7 @@ def corpus_texts(files: list[Path], stats: CorpusStats, progress: Callable | Non
         stats.files += 1
         stats.bytes += len(data)
         if f.suffix == ".jsonl":
-            for n, line in enumerate(text.splitlines(), 1):
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{f}:{n}: not JSON ({e.msg})") from None
+            for n, obj in json_lines(text, str(f)):
                 item = obj.get("text") if isinstance(obj, dict) else obj
                 if not isinstance(item, str):
                     raise ValueError(f"{f}:{n}: a JSON-lines corpus line must be a string or an object with a "
