@@ -367,19 +367,23 @@ class SloOption(click.Option):
 @click.option("--interleave-chunk", type=int, default=512, show_default=True,
               help="Prompt tokens prefilled per iteration while other requests decode (at most --prefill-chunk).")
 @prefill_weights_option
+@click.option("--replay-acceptance", default=None, metavar="seed|P|FILE",
+              help="For weights that cannot draft (--synthetic), in-process: each draft becomes the sequential "
+                   "reference's token with probability P a position (seed: the release's tokens per round), else a "
+                   "rejected one; labelled -replay (as decode's).")
 @click.option("--label", default=None, callback=run_label)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write the result document.")
 @output_options
 def concurrency(levels, url, served_model, model, synthetic, quant, spec, draft_tokens, max_new_tokens, prompt_tokens,
                 rounds, request_rate, burstiness, num_prompts, seed, client_max_concurrency, dataset, goodput,
                 percentiles, device, kv_dtype, runtime, max_context, prefill_chunk, interleave_chunk, prefill_weights,
-                label, json_path):
+                replay_acceptance, label, json_path):
     """C1/C2/C4/C8 throughput and latency, in-process (continuous batching) or against a server.
 
     With --url the engine is the server's: --model, --synthetic, --quant, --spec, -k, --device, --kv-dtype,
-    --runtime, --max-context, --prefill-chunk, --interleave-chunk and --prefill-weights are refused (give them to
-    `serve`), and the result records the settings the server reports about itself, null for those it does not
-    report.
+    --runtime, --max-context, --prefill-chunk, --interleave-chunk, --prefill-weights and --replay-acceptance are
+    refused (give them to `serve`), and the result records the settings the server reports about itself, null for
+    those it does not report.
 
     With --url and --request-rate the load is open-loop, as vllm bench serve sends it: requests at seeded arrival
     times (--burstiness, --num-prompts, --seed, --max-concurrency), prompts from --dataset, goodput under --goodput
@@ -418,7 +422,8 @@ def concurrency(levels, url, served_model, model, synthetic, quant, spec, draft_
                                                           runtime=runtime, max_context=max_context,
                                                           prefill_chunk=prefill_chunk,
                                                           interleave_chunk=interleave_chunk,
-                                                          prefill_weights=prefill_weights)))
+                                                          prefill_weights=prefill_weights,
+                                                          replay_acceptance=replay_acceptance)))
     prog, update = suite_progress("concurrency")
     with prog:
         doc = run_concurrency(opts, progress=update)

@@ -156,7 +156,8 @@ class ConcurrencyOptions:
             return f"server-{self.url.split('//')[-1]}"
         eo = self.engine_options
         k = f"-k{eo.draft_tokens}" if eo.spec != "none" and eo.draft_tokens else ""
-        return f"{eo.runtime}-{eo.spec}{k}-conc"
+        replay = "-replay" if eo.spec != "none" and eo.replay_acceptance is not None else ""
+        return f"{eo.runtime}-{eo.spec}{k}{replay}-conc"
 
 
 def prompt_texts(n: int) -> list[str]:
@@ -235,24 +236,30 @@ def run_in_process(opts: ConcurrencyOptions, progress=None):
     prompts = [exact_length(eng.tokenizer.encode(t), opts.prompt_tokens) for t in prompt_texts(top)]
     params = SamplingParams(max_new_tokens=opts.max_new_tokens, ignore_eos=True)
     sched = Scheduler(eng)
-    warm = SamplingParams(max_new_tokens=min(8, opts.max_new_tokens), ignore_eos=True)
-    for c in opts.levels:  # warm-up at every level: each batch bucket's graphs captured and kernels compiled
-        for i in range(c):   # before the timed rounds
-            sched.submit(prompts[i], warm)
-        sched.run_until_idle()
-    records, baseline = [], {}
+    records, baseline, refs = [], {}, [None] * top
     total = top + sum(opts.rounds for _ in opts.levels)
     done = 0
-    for i, p in enumerate(prompts):  # the sequential reference: each prompt alone
+    # the sequential reference first: each prompt alone, greedy. With replayed acceptance its tokens are also the
+    # continuations the drafts are replaced by, so it runs with the drafter's own proposals (greedy speculative
+    # tokens are plain decoding's whatever was drafted)
+    replay, eng.replay = eng.replay, None
+    for i, p in enumerate(prompts):
         req = sched.submit(p, params)
         sched.run_until_idle()
         baseline[f"p{i}"] = tokens_sha256(req.tokens)
+        refs[i] = req.tokens if replay is not None else None
         done += 1
         if progress:
             progress(done, total, f"sequential p{i}")
+    eng.replay = replay
+    warm = SamplingParams(max_new_tokens=min(8, opts.max_new_tokens), ignore_eos=True)
+    for c in opts.levels:  # warm-up at every level: each batch bucket's graphs captured and kernels compiled
+        for i in range(c):   # before the timed rounds
+            sched.submit(prompts[i], warm, reference=refs[i])
+        sched.run_until_idle()
     for c in opts.levels:
         for rnd in range(opts.rounds):
-            reqs = [sched.submit(prompts[i], params) for i in range(c)]
+            reqs = [sched.submit(prompts[i], params, reference=refs[i]) for i in range(c)]
             sched.run_until_idle()
             for i, r in enumerate(reqs):
                 if r.error:
@@ -265,7 +272,10 @@ def run_in_process(opts: ConcurrencyOptions, progress=None):
             done += 1
             if progress:
                 progress(done, total, f"C{c} round {rnd + 1}")
-    return records, baseline, dict(eng.model_info), {"device": str(eng.device), "max_concurrency": top}
+    settings = {"device": str(eng.device), "max_concurrency": top}
+    if replay is not None:
+        settings["replay_profile"] = replay.probs  # the per-position conditional acceptance replayed
+    return records, baseline, dict(eng.model_info), settings
 
 
 def exact_length(ids: list[int], n: int) -> list[int]:

@@ -89,6 +89,26 @@ def test_concurrency_suite_in_process():
     assert_wall_throughput(doc)
 
 
+@pytest.mark.parametrize("p,spec", [("1.0", "mtp"), ("0.0", "dflash2")])
+def test_concurrency_suite_replays_acceptance(p, spec):
+    """--replay-acceptance in-process: the sequential reference's tokens are the continuation drafts are replaced by
+    (p = 1: every draft accepted; p = 0: none), outputs stay the sequential ones, and the run says it replayed."""
+    doc = run_concurrency(ConcurrencyOptions.make(levels=(1, 2), model="tiny", device="cpu", kv_dtype="fp32",
+                                                  max_new_tokens=13, prompt_tokens=40, rounds=1, spec=spec,
+                                                  draft_tokens=3, replay_acceptance=p))
+    validate(doc)
+    levels = doc["summary"]["levels"]
+    assert all(lv["matches_sequential"] for lv in levels)
+    assert [lv["acceptance_rate"] for lv in levels] == [float(p)] * 2
+    assert doc["config"]["replay_profile"] == [float(p)] * 3 and doc["label"].endswith("-replay-conc")
+
+
+def test_a_replayed_engine_refuses_a_request_without_its_reference():
+    eng = Engine.load("tiny", device="cpu", kv_dtype="fp32", spec="mtp", draft_tokens=3, replay_acceptance="seed")
+    with pytest.raises(ValueError, match="plain run's tokens"):
+        Scheduler(eng).submit([1, 2, 3], SamplingParams(max_new_tokens=4, ignore_eos=True))
+
+
 def assert_wall_throughput(doc):
     """Every level's aggregate_tok_s is its output tokens / (first request sent .. last one finished) (one round)."""
     for lv in doc["summary"]["levels"]:

@@ -52,6 +52,7 @@ class Request:
     prefix: Callable | None = None  # (engine, seq) -> cached prompt tokens loaded into the slot
     admitted_at: float | None = None  # when the request got a slot (queue time = admitted_at - submitted)
     media: object = None  # the prompt's images / videos (engine.media.prompt.MediaPrompt), encoded at its first prefill
+    reference: list[int] | None = None  # replayed acceptance: the plain run's tokens on this prompt (spec/replay.py)
 
     @property
     def tokens(self) -> list[int]:
@@ -74,14 +75,17 @@ class Scheduler:
 
     # ---- any thread ------------------------------------------------------------------------------
     def submit(self, prompt: list[int], params: SamplingParams, *, on_tokens=None, on_done=None,
-               prefix=None, state_hook=None, media=None) -> Request:
+               prefix=None, state_hook=None, media=None, reference: list[int] | None = None) -> Request:
         """Queue a request. Capacity is checked now (CapacityError); a full queue raises QueueFull.
 
         ``prefix``: a callable ``(engine, seq) -> int`` run when the request gets its slot, which may load a
-        saved state into the slot and returns how many prompt tokens it already covers (sessions)."""
+        saved state into the slot and returns how many prompt tokens it already covers (sessions). ``reference``:
+        with replayed acceptance (which then needs it), the plain run's tokens on this prompt."""
         self.e.check_fits(len(prompt), params.max_new_tokens)
+        if self.e.replay is not None and not reference:
+            raise ValueError("replayed acceptance needs the plain run's tokens on this prompt (reference=...)")
         req = Request(next(self._ids), list(prompt), params, on_tokens, on_done, state_hook=state_hook, prefix=prefix,
-                      media=media)
+                      media=media, reference=reference)
         with self._lock:
             # requests that will find a free slot do not wait: only the excess counts against the bound
             if len(self.waiting) >= self.max_queue + len(self.e.free_slots):
@@ -123,6 +127,8 @@ class Scheduler:
             req.admitted_at = time.perf_counter()
             try:
                 req.seq = self.e.acquire(req.prompt, req.params, req.media)
+                if req.reference is not None and self.e.replay is not None:
+                    req.seq.reference = self.e.replay.reference(req.reference, self.e.device)
                 if req.prefix is not None:
                     req.seq.length = req.prefill_from = req.prefix(self.e, req.seq)
             except Exception as err:  # noqa: BLE001 - refused or failed: the request ends, its slot (if any) is freed
