@@ -19,6 +19,7 @@
 #            rollback strategies, and the transformers peer on the same weights (bf16, with fla if carried)
 #   niah     the bundled model's NIAH grid, 8K-64K x 0-100 % depth
 #   conc27   27B synthetic concurrency C1-C8
+#   conc33   issue 33's targets: 27B C1-C8 at 128 new tokens, plain and DFlash2 K=7 --replay-acceptance seed (CONC_ARGS)
 #   sdpa     scripts/probe_sdpa.py: torch SDPA's first call at each new key length, per backend (seconds)
 #   profile  scripts/profile_step.py at the 27B shape: every kernel of 32 decode steps (PROFILE_ARGS adds flags)
 #   ksuite   the kernels suite alone at the 27B shape, T = 1 and 8, with the captured decode step's timeline
@@ -204,6 +205,12 @@ for stage in "$@"; do
     niah)    nb niah --ctx 8192,16384,32768,65536 --json "$OUT/niah_bundled.json" --heatmap "$OUT/niah_bundled.png" \
                2>&1 | tail -25 ;;
     conc27)  nb concurrency $M27 -c 1,2,4,8 -n 64 --rounds 2 --json "$OUT/conc27.json" 2>&1 | tee "$OUT/conc27.log" | tail -25 ;;
+    conc33)  # issue 33's workload at 27B: C1-C8, 256-token prompts, 128 new tokens, plain and DFlash2 K=7 at replayed
+             # acceptance (seed); CONC_ARGS adds flags to both (e.g. --interleave-chunk 128)
+             mkdir -p "$OUT/conc33"
+             for S in none dflash2; do X=""; [ "$S" = dflash2 ] && X="-k 7 --replay-acceptance seed"
+               nb concurrency $M27 -c 1,2,4,8 -n 128 --rounds 2 --spec $S $X ${CONC_ARGS:-} \
+                 --json "$OUT/conc33/$S.json" 2>&1 | tee "$OUT/conc33/$S.log" | tail -12; done ;;
     vision)  python3 scripts/bench_vision.py 2>&1 | tee "$OUT/vision.log" | tail -20 ;;
     smoke)   timeout 150 python3 scripts/train_bundled.py --tiny --device cuda --out /tmp/tinytrain --ship /tmp/tinyship \
                2>&1 | tee "$OUT/smoke_train.log" | tail -25
