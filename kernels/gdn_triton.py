@@ -28,11 +28,9 @@ Two launches (three with block_v < dv):
    o goes to an fp32 buffer and
 3. ``_gated_norm_kernel`` normalises it.
 
-A verify pass can keep the workspace (``return_workspace``); its rollback is then the recurrence alone
-(``workspace`` with ``keep``): one launch a layer. The engine's verify passes write each layer's workspace, and the
-raw conv inputs, into one stack over the GDN layers instead (``workspace_out``, :func:`new_stack`), and
-:func:`gdn_commit` rolls every layer back in one launch: the recurrence kernel with the layer as a third grid axis
-(``LAYERED``), over the caches' own stacks.
+A verify pass can write its workspace, and the raw conv inputs, into one stack over the GDN layers
+(``workspace_out``, :func:`new_stack`); :func:`gdn_commit` then rolls every layer back in one launch: the recurrence
+alone (no conv, norms or gates again), the layer as a third grid axis (``LAYERED``), over the caches' own stacks.
 
 (An earlier single-launch version, with every program of a k head recomputing its q/k conv and holding all T
 tokens' q/k/v in registers, used 255 registers per thread with spills at T = 8 and ran 4-8x over the floor there.)
@@ -197,9 +195,9 @@ def gdn_decode_ref(qkv, z, b, a, conv_state, conv_w, ssm, slots, A_log, dt_bias,
 @dataclass(frozen=True, slots=True)
 class GDNWorkspace:
     """What the prep launch of :func:`gdn_decode` leaves for the recurrence: the conv + SiLU outputs (q normalised
-    and scaled, k normalised, v) ``work [B, T, C]`` and ``gates [B, T, 2 Hv + Hk]`` (e^g | beta | q.k), fp32. A
-    verify pass keeps it (``return_workspace``), so its rollback (``workspace`` and ``keep``) runs the recurrence
-    alone."""
+    and scaled, k normalised, v) ``work [B, T, C]`` and ``gates [B, T, 2 Hv + Hk]`` (e^g | beta | q.k), fp32, and
+    with ``inputs`` the raw conv inputs. A verify pass writes it (``workspace_out``), so its rollback
+    (:func:`gdn_commit`) runs the recurrence alone."""
 
     work: torch.Tensor
     gates: torch.Tensor
@@ -208,8 +206,7 @@ class GDNWorkspace:
 
 def gdn_decode(qkv, z, b, a, conv_state, conv_w, ssm, slots, A_log, dt_bias, norm_w, eps, *,
                keep=None, conv_init=None, ssm_init=None, states_out=None, write_state=True,
-               config: GDNConfig | None = None, before_z=None, workspace: GDNWorkspace | None = None,
-               return_workspace: bool = False, workspace_out: GDNWorkspace | None = None):
+               config: GDNConfig | None = None, before_z=None, workspace_out: GDNWorkspace | None = None):
     """One GDN layer's token mixing for T (1..16) new tokens of B slots: two launches (three when block_v < dv).
 
     qkv [B, T, C] (C = 2*Hk*dk + Hv*dv: the in_proj_qkv output before the conv, q | k | v), z [B, T, Hv*dv],
@@ -222,18 +219,16 @@ def gdn_decode(qkv, z, b, a, conv_state, conv_w, ssm, slots, A_log, dt_bias, nor
     q, k L2-normalised per k head, q scaled by dk^-0.5, beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias),
     per v head h (k head h // (Hv/Hk)): S = S e^g; S += k (beta (v - S^T k))^T; o = S^T q; then
     out = norm_w * rmsnorm(o) * silu(z) per head. Returns out [B, T, Hv*dv] in qkv's dtype (None when z is None:
-    a state-only call, e.g. a speculative rollback).
+    a state-only call).
 
     State: starts from conv_init [B, C, W-1] / ssm_init [B, Hv, dk, dv] when given, else from conv_state[slots] /
     ssm[slots]; tokens t >= keep[b] (keep [B] in 1..T, default T) leave it unchanged. With write_state the state
     after keep[b] tokens is written to conv_state[slots] / ssm[slots]. states_out [B, T, Hv, dk, dv] fp32, when
     given, receives the state after every token. No host synchronisation, static grid: CUDA-graph safe.
     ``config`` overrides :func:`plan` (tuning, tests). ``before_z``, when given, is called right before the first
-    launch that reads z (z may still be in the making on another stream until then). ``return_workspace``: return
-    (out, :class:`GDNWorkspace`); ``workspace``: that of an earlier call on the same qkv, conv state and gates (b, a
-    are then not read), whose prep launch this call skips - a verify pass's rollback is one launch.
-    ``workspace_out``: buffers the prep launch writes its workspace to (layer l's slices of the stacks
-    :func:`gdn_commit` reads; with ``inputs`` the prep also copies qkv there) instead of new ones.
+    launch that reads z (z may still be in the making on another stream until then). ``workspace_out``: buffers the
+    prep launch writes its workspace to (layer l's slices of the stacks :func:`gdn_commit` reads; with ``inputs`` the
+    prep also copies qkv there) instead of new ones.
     """
     bsz, t, c, hk, hv, dk, dv, w = _check(qkv, z, b, a, conv_state, conv_w, ssm, slots, A_log, dt_bias, norm_w,
                                           keep, conv_init, ssm_init, states_out)
@@ -241,29 +236,24 @@ def gdn_decode(qkv, z, b, a, conv_state, conv_w, ssm, slots, A_log, dt_bias, nor
     cfg = config or plan(dk, dv)
     dev, bt = qkv.device, _pow2(t)
     conv_src = conv_init if conv_init is not None else conv_state
-    if workspace is None:
-        if b is None or a is None:
-            raise ValueError("gdn_decode: b and a are needed without a workspace")
-        xin = None
-        if workspace_out is None:
-            work = _new_buffer((bsz, t, c), torch.float32, dev)  # q (normalised, scaled) | k (normalised) | v
-            gates = _new_buffer((bsz, t, 2 * hv + hk), torch.float32, dev)  # e^g | beta | q.k
-        else:
-            work, gates, xin = workspace_out.work, workspace_out.gates, workspace_out.inputs
-            _check_workspace(workspace_out, bsz, t, c, hv, hk, qkv.dtype, dev)
-        kern["prep"][(bsz, hk + hv, t)](  # one token a program: each token's sums as a single step's
-            qkv, conv_src, conv_w.contiguous(), slots, b, a, A_log, dt_bias, work, gates,
-            xin if xin is not None else work,  # a placeholder when not stored: never written with STORE_X off
-            qkv.stride(0), qkv.stride(1), *conv_src.stride(), b.stride(0), b.stride(1), a.stride(0), a.stride(1),
-            t, dk ** -0.5,
-            HK=hk, HV=hv, DK=dk, DV=dv, W=w, BD=max(16, _pow2(max(dk, dv))), CONV_INIT=conv_init is not None,
-            STORE_X=xin is not None,
-            num_warps=4 if max(dk, dv) >= 512 else 2, **_triton.pdl_args(dev),  # not from T: the sums' layout
-        )
+    if b is None or a is None:
+        raise ValueError("gdn_decode: b and a are needed")
+    xin = None
+    if workspace_out is None:
+        work = _new_buffer((bsz, t, c), torch.float32, dev)  # q (normalised, scaled) | k (normalised) | v
+        gates = _new_buffer((bsz, t, 2 * hv + hk), torch.float32, dev)  # e^g | beta | q.k
     else:
-        work, gates = workspace.work, workspace.gates
-        if tuple(work.shape) != (bsz, t, c) or tuple(gates.shape) != (bsz, t, 2 * hv + hk):
-            raise ValueError(f"gdn_decode: the workspace is for {list(work.shape)}, not this call's {[bsz, t, c]}")
+        work, gates, xin = workspace_out.work, workspace_out.gates, workspace_out.inputs
+        _check_workspace(workspace_out, bsz, t, c, hv, hk, qkv.dtype, dev)
+    kern["prep"][(bsz, hk + hv, t)](  # one token a program: each token's sums as a single step's
+        qkv, conv_src, conv_w.contiguous(), slots, b, a, A_log, dt_bias, work, gates,
+        xin if xin is not None else work,  # a placeholder when not stored: never written with STORE_X off
+        qkv.stride(0), qkv.stride(1), *conv_src.stride(), b.stride(0), b.stride(1), a.stride(0), a.stride(1),
+        t, dk ** -0.5,
+        HK=hk, HV=hv, DK=dk, DV=dv, W=w, BD=max(16, _pow2(max(dk, dv))), CONV_INIT=conv_init is not None,
+        STORE_X=xin is not None,
+        num_warps=4 if max(dk, dv) >= 512 else 2, **_triton.pdl_args(dev),  # not from T: the sums' layout
+    )
     bv = min(cfg.block_v, max(8, _pow2(dv)))
     fused_norm = bv >= dv
     has_out = z is not None
@@ -295,7 +285,7 @@ def gdn_decode(qkv, z, b, a, conv_state, conv_w, ssm, slots, A_log, dt_bias, nor
             obuf, z, norm_w, out, obuf.stride(0), obuf.stride(1), z.stride(0), z.stride(1), out.stride(0),
             out.stride(1), t, hv, eps, DV=dv, BD=max(16, _pow2(dv)), HB=hb, num_warps=4, **_triton.pdl_args(dev),
         )
-    return (out, GDNWorkspace(work, gates)) if return_workspace else out
+    return out
 
 
 def _check_workspace(ws: GDNWorkspace, bsz, t, c, hv, hk, dtype, dev) -> None:
@@ -358,8 +348,8 @@ def gdn_commit(stack: GDNWorkspace, conv_all, ssm_all, slots, keep, *, config: G
     of the verified block rerun from the pre-verify state (still in ``ssm_all[l]``) over the pass's own workspace
     ``stack`` (:func:`new_stack`, filled through ``workspace_out``), applying only the first ``keep[b]`` positions,
     and the state and the conv window ending at keep[b] written to ``ssm_all[l][slots]`` / ``conv_all[l][slots]``.
-    The same bits as one ``gdn_decode(..., keep=keep, workspace=...)`` call a layer (the same kernel, the layer as a
-    grid axis). ``conv_all`` [L, S, C, W-1] and ``ssm_all`` [L, S, Hv, dk, dv] are the caches' stacks."""
+    The same bits as one ``gdn_decode(..., z=None, keep=keep)`` call a layer from the same state (the same
+    recurrence kernel, the layer as a grid axis). ``conv_all`` [L, S, C, W-1] and ``ssm_all`` [L, S, Hv, dk, dv] are the caches' stacks."""
     n, bsz, t, _, hk, hv, dk, dv, w = _commit_dims(stack, conv_all, ssm_all, slots, keep)
     if n == 0:
         return

@@ -229,23 +229,26 @@ def test_layered_commit_equals_one_rollback_a_layer(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_rollback_from_the_verify_workspace(dtype):
-    """The fused 'recompute' rollback: a verify call that leaves the caches alone and keeps its workspace, then the
-    recurrence alone from that workspace with keep, writes bit for bit what one call with keep writes (and the
-    verify's outputs are a plain call's); a workspace of another shape is refused."""
+    """The fused 'recompute' rollback: a verify call that leaves the caches alone and writes its workspace
+    (``workspace_out``), then the recurrence alone from that workspace with keep (``gdn_commit``), writes bit for bit
+    what one call with keep writes (and the verify's outputs are a plain call's); a workspace of another shape is
+    refused."""
     B, T, Hk, Hv, dk, dv = 3, 8, 2, 4, 16, 24
     c = make_case(B, T, Hk, Hv, dk, dv, dtype=dtype, seed=8)
     keep = torch.tensor([T, 1, 5], device=DEVICE)
     direct = clone(c)
     gt.gdn_decode(**{**direct, "z": None}, keep=keep)
-    two = clone(c)
-    out, ws = gt.gdn_decode(**two, write_state=False, return_workspace=True)
-    assert torch.equal(two["ssm"], c["ssm"]) and torch.equal(two["conv_state"], c["conv_state"])
+    two = {**clone(c), "conv_state": c["conv_state"].clone()[None], "ssm": c["ssm"].clone()[None]}
+    stack = gt.new_stack(1, B, T, c["qkv"].shape[-1], Hv, Hk, dtype, DEVICE)
+    out = gt.gdn_decode(**{**two, "conv_state": two["conv_state"][0], "ssm": two["ssm"][0]}, write_state=False,
+                        workspace_out=gt.layer_of(stack, 0))
+    assert torch.equal(two["ssm"][0], c["ssm"]) and torch.equal(two["conv_state"][0], c["conv_state"])
     assert torch.equal(out, gt.gdn_decode(**clone(c), write_state=False))
-    assert gt.gdn_decode(**{**two, "z": None, "b": None, "a": None}, keep=keep, workspace=ws) is None
-    assert torch.equal(two["ssm"], direct["ssm"]) and torch.equal(two["conv_state"], direct["conv_state"])
+    gt.gdn_commit(stack, two["conv_state"], two["ssm"], c["slots"], keep)
+    assert torch.equal(two["ssm"][0], direct["ssm"]) and torch.equal(two["conv_state"][0], direct["conv_state"])
     short = {**clone(c), **{n: c[n][:, :4] for n in ("qkv", "z", "b", "a")}}
     with pytest.raises(ValueError, match="workspace"):
-        gt.gdn_decode(**{**short, "z": None}, keep=keep.clamp(max=4), workspace=ws)
+        gt.gdn_decode(**short, write_state=False, workspace_out=gt.layer_of(stack, 0))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -20,11 +20,11 @@ host synchronisation, so they can sit inside a captured CUDA graph.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
 from ...kernels.gdn import gated_delta_rule_step
+from ...kernels.gdn_triton import GDNWorkspace, gdn_commit
 from ...kernels.kv_quant import KV_GROUP, dequantize_kv, quantize_kv
 from .config import ModelConfig
 
@@ -54,9 +54,8 @@ class PendingGDN:
 class Pending:
     slots: torch.Tensor  # [B] slot indices of the verify pass
     layers: dict[int, PendingGDN] = field(default_factory=dict)
-    stack: object = None  # the fused path's workspace stacks over every GDN layer (kernels.gdn_triton.GDNWorkspace)
+    stack: GDNWorkspace | None = None  # the fused path's workspace stacks over every GDN layer (gdn_triton.new_stack)
     stacked: set = field(default_factory=set)  # the layers that wrote into ``stack``
-    commit_stack: Callable | None = None  # (cache, slots, stack, keep): every stacked layer's rollback in one launch
 
 
 class HybridCache:
@@ -213,7 +212,8 @@ class HybridCache:
             if pend.stacked != set(self.gdn_index):
                 raise RuntimeError(f"commit(): the verify pass stacked GDN layers {sorted(pend.stacked)}, not all "
                                    f"{len(self.gdn_index)}")
-            pend.commit_stack(self, slots, pend.stack, keep)
+            # every layer's recurrence rerun from the pre-verify state over the pass's workspaces: one launch
+            gdn_commit(pend.stack, self.conv_all, self.ssm_all, slots, keep)
         # on a CPU the host reads ``keep`` for free: a layer whose every row keeps the whole pass is left as the pass
         # wrote it, and the recompute re-runs only the positions some row keeps (the masked ones change nothing)
         kept = keep.tolist() if keep.device.type == "cpu" else None

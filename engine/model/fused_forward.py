@@ -35,7 +35,7 @@ from ...kernels import fused
 from ...kernels._triton import single_pass
 from ...kernels.attention_prefill import prefill_attention_cached
 from ...kernels.attention_triton import decode_attention
-from ...kernels.gdn_triton import gdn_commit, gdn_decode, layer_of, new_stack
+from ...kernels.gdn_triton import gdn_decode, layer_of, new_stack
 from .cache import HybridCache, PendingGDN
 from .weights import GATE_UP_RUN
 
@@ -126,7 +126,6 @@ class FastPath:
                     b, t, c = qkv.shape
                     pend.stack = new_stack(len(cache.gdn_index), b, t, c, hv, cfg.linear_num_key_heads, qkv.dtype,
                                            x.device)
-                    pend.commit_stack = commit_stack
                 ws = layer_of(pend.stack, cache.gdn_index[i])
                 pend.stacked.add(i)
             o = gdn_decode(qkv, z, bb, aa, *args, write_state=False, before_z=join_z, workspace_out=ws)
@@ -206,10 +205,3 @@ class FastPath:
 
 def _no_join() -> None:
     pass
-
-
-def commit_stack(cache: HybridCache, slots: torch.Tensor, stack, keep: torch.Tensor) -> None:
-    """``recompute`` rollback of every GDN layer in one launch: each layer's recurrence of the verified block rerun
-    from the pre-verify state (still in the cache) over the verify pass's own prep outputs, applying only the first
-    ``keep[b]`` positions, and the conv and recurrent states written."""
-    gdn_commit(stack, cache.conv_all, cache.ssm_all, slots, keep)
