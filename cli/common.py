@@ -96,6 +96,15 @@ prefill_weights_option = click.option(
          "memory (or the packed weights are at most 4 GiB).")
 
 
+# serve's and concurrency's: how a scheduler iteration runs the prompt chunks of several admitting requests
+pack_prefill_option = click.option(
+    "--pack-prefill", type=click.Choice(["on", "off"]), default="on", show_default=True,
+    callback=lambda ctx, param, value: value == "on",
+    help="The prompt chunks one scheduler iteration prefills (several admitting requests', within its token budget: "
+         "--prefill-chunk, or --interleave-chunk while others decode) in one forward, padded to the longest chunk, "
+         "so each weight is read once for all of them (off: one forward a request).")
+
+
 def engine_options(f=None, *, kv_default: str = "int8", runtime_list: bool = False):
     """The options every command that binds an Engine takes (``runtime_list``: --runtime takes v3,v2)."""
     if f is None:

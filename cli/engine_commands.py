@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import click
 
-from .common import UserError, build_engine, check_output, console, engine_options, err_console, int_list
+from .common import (UserError, build_engine, check_output, console, engine_options, err_console, int_list,
+                     pack_prefill_option)
 
 
 @click.command()
@@ -101,8 +102,10 @@ def generate(artifact, prompt, prompt_file, chat, max_new_tokens, temperature, t
               help="Let requests name image / video files (a path or file:// URL) inside this folder; "
                    "without it media must be sent as data URIs and no local file is read.")
 @click.option("--interleave-chunk", type=int, default=512, show_default=True,
-              help="Prompt tokens prefilled per scheduler iteration while other requests decode (at most "
-                   "--prefill-chunk): smaller lowers their inter-token latency, raises the newcomer's TTFT.")
+              help="Prompt tokens (of all admitting requests) prefilled per scheduler iteration while other "
+                   "requests decode (at most --prefill-chunk): smaller lowers their inter-token latency, raises the "
+                   "newcomers' TTFT.")
+@pack_prefill_option
 @click.option("--generation-config", type=click.Choice(["auto", "none"]), default="auto", show_default=True,
               help="auto: the model's generation_config.json sampling defaults (temperature, top_p, top_k) fill what "
                    "a request leaves out, as vLLM does; none: the APIs' own (temperature 1, top_p 1, no top-k).")

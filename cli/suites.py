@@ -25,6 +25,7 @@ from .common import (
     err_console,
     int_list,
     output_options,
+    pack_prefill_option,
     prefill_weights_option,
     run_label,
     save_result,
@@ -358,6 +359,13 @@ class SloOption(click.Option):
                    "tpot:50; reports goodput, good requests a second.")
 @click.option("--percentiles", default=None,
               help="Open loop: latency percentiles to show (vLLM's --metric-percentiles) [default: 50,90,99].")
+@click.option("--temperature", type=float, default=0.0, show_default=True,
+              help="In-process: sample every request at this temperature (0: greedy), request i from seed "
+                   "--sample-seed + i, so that its tokens do not depend on its batch (= sequential still holds).")
+@click.option("--top-p", type=float, default=1.0, show_default=True, help="In-process sampling: nucleus mass.")
+@click.option("--top-k", type=int, default=0, show_default=True, help="In-process sampling: top-k (0: off).")
+@click.option("--sample-seed", type=int, default=None, help="In-process sampling: request i's seed is this + i "
+                                                             "[default: 0].")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
 @click.option("--kv-dtype", type=click.Choice(["fp32", "bf16", "fp16", "int8"]), default="int8", show_default=True)
 @click.option("--runtime", type=click.Choice(["v2", "v3"]), default="v3", show_default=True)
@@ -365,7 +373,9 @@ class SloOption(click.Option):
               help="Longest prompt + completion a request may have [default: 8192, or the model's limit].")
 @click.option("--prefill-chunk", type=int, default=2048, show_default=True)
 @click.option("--interleave-chunk", type=int, default=512, show_default=True,
-              help="Prompt tokens prefilled per iteration while other requests decode (at most --prefill-chunk).")
+              help="Prompt tokens (of all admitting requests) prefilled per iteration while other requests decode "
+                   "(at most --prefill-chunk).")
+@pack_prefill_option
 @prefill_weights_option
 @click.option("--replay-acceptance", default=None, metavar="seed|P|FILE",
               help="For weights that cannot draft (--synthetic), in-process: each draft becomes the sequential "
@@ -376,8 +386,8 @@ class SloOption(click.Option):
 @output_options
 def concurrency(levels, url, served_model, model, synthetic, quant, spec, draft_tokens, max_new_tokens, prompt_tokens,
                 rounds, request_rate, burstiness, num_prompts, seed, client_max_concurrency, dataset, goodput,
-                percentiles, device, kv_dtype, runtime, max_context, prefill_chunk, interleave_chunk, prefill_weights,
-                replay_acceptance, label, json_path):
+                percentiles, temperature, top_p, top_k, sample_seed, device, kv_dtype, runtime, max_context,
+                prefill_chunk, interleave_chunk, pack_prefill, prefill_weights, replay_acceptance, label, json_path):
     """C1/C2/C4/C8 throughput and latency, in-process (continuous batching) or against a server.
 
     With --url the engine is the server's: --model, --synthetic, --quant, --spec, -k, --device, --kv-dtype,
@@ -417,11 +427,13 @@ def concurrency(levels, url, served_model, model, synthetic, quant, spec, draft_
     rounds = rounds if rounds is not None else 1 if request_rate is not None else 2
     opts = ConcurrencyOptions.make(levels=lv, url=url, served_model=served_model, max_new_tokens=max_new_tokens,
                                    prompt_tokens=prompt_tokens, rounds=rounds, label=label, **open_loop,
+                                   temperature=temperature, top_p=top_p, top_k=top_k, sample_seed=sample_seed,
                                    **({} if url else dict(model=model, synthetic=synthetic, quant=quant, spec=spec,
                                                           draft_tokens=draft_tokens, device=device, kv_dtype=kv_dtype,
                                                           runtime=runtime, max_context=max_context,
                                                           prefill_chunk=prefill_chunk,
                                                           interleave_chunk=interleave_chunk,
+                                                          pack_prefill=pack_prefill,
                                                           prefill_weights=prefill_weights,
                                                           replay_acceptance=replay_acceptance)))
     prog, update = suite_progress("concurrency")

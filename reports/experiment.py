@@ -34,7 +34,8 @@ SETTING_KEYS = (
     "lookahead", "draft_graphs", "pdl", "side_stream", "silu_epilogue", "prefill_graphs",  # the CUDA-graph switches
     "flash_prefill", "fused_prefill",
     "prefill_chunk", "interleave_chunk", "prefill_weights", "max_context", "kv_capacity", "max_concurrency",
-    "synthetic", "ignore_eos",
+    "synthetic", "ignore_eos", "pack_prefill",
+    "top_p", "top_k", "sample_seed",  # concurrency's sampling (with temperature, a workload key); recorded since it could
 )
 # compared by file name: where a checkout lies is no part of the experiment
 PATH_KEYS = ("prompt_file", "images", "dataset")
@@ -61,6 +62,8 @@ def config_value(config: dict, key: str):
         return None
     if key == "draft_tokens" and config.get("spec") in (None, "none"):
         return 0  # plain decoding drafts nothing (the peer's documents recorded None before its options were nested)
+    if key == "temperature" and value is None:
+        return 0.0  # greedy: a document made before its suite could sample does not record a temperature
     if isinstance(value, (list, tuple)):
         return [_portable(key, v) for v in value]
     return _portable(key, value)

@@ -393,9 +393,10 @@ class Verdict:
 
 
 def _seeded(doc: dict) -> bool:
-    """Whether a run's settings make it deterministic: greedy, or sampling with a fixed seed."""
+    """Whether a run's settings make it deterministic: greedy, or sampling with a fixed seed (a concurrency run's
+    ``sample_seed``: request i draws from seed sample_seed + i)."""
     temperature = doc["config"].get("temperature") or 0
-    return temperature <= 0 or doc["config"].get("seed") is not None
+    return temperature <= 0 or doc["config"].get("seed") is not None or doc["config"].get("sample_seed") is not None
 
 
 def _deterministic(doc: dict) -> bool:

@@ -28,6 +28,8 @@
 #            tests with tracebacks
 #   main     the README's main command (bundled model, DFlash2 K=7 beside plain)
 #   bundled  the bundled model: decode grid (none / MTP3 / DFlash2 K=7 x v3 / v2, and the peer), C1-C8, kernels
+#   pack     issue 33's packed admissions: their tests, then the 27B C1-C8 workload with --pack-prefill on (plain, and
+#            DFlash2 K=7 replayed), at C1 / C8 off, sampled (t 0.7, top-p 0.95, top-k 20), and .old's (carried) plain
 #   vision   the vision tower at the real shape next to transformers'
 #   smoke    minutes-long first look: the training pipeline --tiny on CUDA, a 27B synthetic DFlash2 K=7 decode
 #   train    scripts/train_bundled.py --stage all --ship $OUT
@@ -211,6 +213,20 @@ for stage in "$@"; do
              for S in none dflash2; do X=""; [ "$S" = dflash2 ] && X="-k 7 --replay-acceptance seed"
                nb concurrency $M27 -c 1,2,4,8 -n 128 --rounds 2 --spec $S $X ${CONC_ARGS:-} \
                  --json "$OUT/conc33/$S.json" 2>&1 | tee "$OUT/conc33/$S.log" | tail -12; done ;;
+    pack)    # issue 33's packed admissions: their tests (CUDA: the fused prefill path, plain and DFlash2), then conc33's
+             # workload (27B, C1-C8, 256-token prompts, 128 tokens) with --pack-prefill on: plain, DFlash2 K=7 replayed;
+             # at C1 / C8: --pack-prefill off, sampled (temperature 0.7, top-p 0.95, top-k 20), and the tree before
+             # (.old, when carried) plain
+             timeout ${TESTS_S:-150} python3 -m pytest -p no:cacheprovider -rf tests/test_fastpath.py -k packed \
+               tests/test_concurrency.py 2>&1 | tee "$OUT/pack_tests.log" | tail -4
+             mkdir -p "$OUT/pack"
+             C27="$M27 -n 128 --rounds 2"
+             for V in "on|-c 1,2,4,8" "dflash2|-c 1,2,4,8 --spec dflash2 -k 7 --replay-acceptance seed" \
+                      "off|-c 1,8 --pack-prefill off" "sampled|-c 1,8 --temperature 0.7 --top-p 0.95 --top-k 20"; do
+               N=${V%%|*}; echo "--- $N"
+               nb concurrency $C27 ${V#*|} --json "$OUT/pack/$N.json" 2>&1 | tee "$OUT/pack/$N.log" | tail -7; done
+             if [ -d .old ]; then echo "--- old"; ( cd .old && timeout "${STAGE_S:-300}" python3 scripts/nb.py \
+               concurrency $C27 -c 1,8 --json "$OUT/pack/old.json" 2>&1 | tee "$OUT/pack/old.log" | tail -7 ); fi ;;
     vision)  python3 scripts/bench_vision.py 2>&1 | tee "$OUT/vision.log" | tail -20 ;;
     smoke)   timeout 150 python3 scripts/train_bundled.py --tiny --device cuda --out /tmp/tinytrain --ship /tmp/tinyship \
                2>&1 | tee "$OUT/smoke_train.log" | tail -25

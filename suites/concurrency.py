@@ -36,6 +36,7 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 
 from ..engine.runtime.options import EngineOptions
+from ..engine.sampling import SamplingParams
 from ..reports.schema import make_result
 from .common import DATA, DEFAULT_PROMPT, percentile, recorded_config, split_options, tokens_sha256
 from .remote import httpx_module, itl_samples, server_errors, server_prompt_ids, server_settings, stream_completion
@@ -71,6 +72,12 @@ class ConcurrencyOptions:
     prompt_tokens: int = 256
     label: str | None = None
     timeout_s: float = 600.0
+    # in-process sampling (greedy when temperature is 0): request i of a level draws from seed sample_seed + i, so
+    # its tokens do not depend on what it is batched with and equal the sequential reference's
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    sample_seed: int | None = None  # None: 0 when sampling, None when greedy (nothing drawn)
     # open loop (suites/open_loop.py; --url only): None for a closed-loop run, which records them so
     request_rate: float | str | None = None  # requests a second, or "inf"
     burstiness: float | None = None  # gamma shape of the gaps (default 1: Poisson)
@@ -92,6 +99,16 @@ class ConcurrencyOptions:
         if eo.interleave_chunk is not None and eo.interleave_chunk > eo.prefill_chunk:
             raise ValueError(f"--interleave-chunk ({eo.interleave_chunk}) must be at most --prefill-chunk "
                              f"({eo.prefill_chunk})")
+        if self.sampling:
+            SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)  # raises when invalid
+            if self.url is not None:
+                raise ValueError("--temperature / --top-p / --top-k sample in the in-process engine; against --url "
+                                 "the requests are greedy")
+            if self.engine_options.replay_acceptance is not None:
+                raise ValueError("--replay-acceptance replays greedy acceptance: it cannot sample (--temperature 0)")
+            self.sample_seed = 0 if self.sample_seed is None else int(self.sample_seed)
+        elif self.top_p != 1.0 or self.top_k != 0 or self.sample_seed is not None:
+            raise ValueError("--top-p, --top-k and --sample-seed shape sampling: give --temperature > 0 with them")
         if self.url is not None and not self.url.startswith(("http://", "https://")):
             raise ValueError(f"--url {self.url}: expected http://HOST:PORT or https://...")
         if self.url is not None:  # (the CLI also refuses these given explicitly at their default values)
@@ -140,6 +157,16 @@ class ConcurrencyOptions:
             self.prompt_tokens = None  # the dataset's prompts go as they are
 
     @property
+    def sampling(self) -> bool:
+        return self.temperature > 0
+
+    def params(self, i: int, max_new_tokens: int):
+        """Request ``i``'s sampling parameters (greedy, or seeded sampling)."""
+        extra = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                     seed=self.sample_seed + i) if self.sampling else {}
+        return SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True, **extra)
+
+    @property
     def open_loop(self) -> bool:
         return self.request_rate is not None
 
@@ -157,7 +184,8 @@ class ConcurrencyOptions:
         eo = self.engine_options
         k = f"-k{eo.draft_tokens}" if eo.spec != "none" and eo.draft_tokens else ""
         replay = "-replay" if eo.spec != "none" and eo.replay_acceptance is not None else ""
-        return f"{eo.runtime}-{eo.spec}{k}{replay}-conc"
+        sample = f"-t{self.temperature:g}" if self.sampling else ""
+        return f"{eo.runtime}-{eo.spec}{k}{replay}{sample}-conc"
 
 
 def prompt_texts(n: int) -> list[str]:
@@ -227,14 +255,12 @@ def run_in_process(opts: ConcurrencyOptions, progress=None):
     from ..engine.artifact.loader import load_source
     from ..engine.runtime.engine import Engine
     from ..engine.runtime.scheduler import Scheduler
-    from ..engine.sampling import SamplingParams
 
     top = max(opts.levels)
     eo = dataclasses.replace(opts.engine_options, max_concurrency=top)
     eng = Engine(load_source(opts.model, synthetic=opts.synthetic, quant=opts.quant, device=eo.torch_device), eo)
     opts.engine_options.max_context = eng.options.max_context  # recorded as resolved (the model's limit, or 8192)
     prompts = [exact_length(eng.tokenizer.encode(t), opts.prompt_tokens) for t in prompt_texts(top)]
-    params = SamplingParams(max_new_tokens=opts.max_new_tokens, ignore_eos=True)
     sched = Scheduler(eng)
     records, baseline, refs = [], {}, [None] * top
     total = top + sum(opts.rounds for _ in opts.levels)
@@ -244,7 +270,7 @@ def run_in_process(opts: ConcurrencyOptions, progress=None):
     # tokens are plain decoding's whatever was drafted)
     replay, eng.replay = eng.replay, None
     for i, p in enumerate(prompts):
-        req = sched.submit(p, params)
+        req = sched.submit(p, opts.params(i, opts.max_new_tokens))
         sched.run_until_idle()
         baseline[f"p{i}"] = tokens_sha256(req.tokens)
         refs[i] = req.tokens if replay is not None else None
@@ -252,14 +278,14 @@ def run_in_process(opts: ConcurrencyOptions, progress=None):
         if progress:
             progress(done, total, f"sequential p{i}")
     eng.replay = replay
-    warm = SamplingParams(max_new_tokens=min(8, opts.max_new_tokens), ignore_eos=True)
     for c in opts.levels:  # warm-up at every level: each batch bucket's graphs captured and kernels compiled
         for i in range(c):   # before the timed rounds
-            sched.submit(prompts[i], warm, reference=refs[i])
+            sched.submit(prompts[i], opts.params(i, min(8, opts.max_new_tokens)), reference=refs[i])
         sched.run_until_idle()
     for c in opts.levels:
         for rnd in range(opts.rounds):
-            reqs = [sched.submit(prompts[i], params, reference=refs[i]) for i in range(c)]
+            reqs = [sched.submit(prompts[i], opts.params(i, opts.max_new_tokens), reference=refs[i])
+                    for i in range(c)]
             sched.run_until_idle()
             for i, r in enumerate(reqs):
                 if r.error:

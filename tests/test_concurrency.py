@@ -50,6 +50,63 @@ def test_interleaved_prefill_keeps_the_others_decoding():
         Engine.load("tiny", device="cpu", interleave_chunk=0)
 
 
+def _prefill_shapes(eng, monkeypatch) -> list:
+    """The [B, T] of every prefill forward the engine runs from now on."""
+    from ninfer_bench.engine.model.hybrid import PREFILL
+
+    shapes, real = [], eng.model.forward
+
+    def spy(step, cache):
+        if step.mode == PREFILL:
+            shapes.append(tuple(step.ids.shape))
+        return real(step, cache)
+
+    monkeypatch.setattr(eng.model, "forward", spy)
+    return shapes
+
+
+@pytest.mark.parametrize("spec", ["none", "mtp", "dflash2"])
+def test_admissions_prefill_packed_in_one_forward(spec, monkeypatch):
+    """Requests admitted together share their prompt chunks' forwards within the iteration's token budget
+    (--prefill-chunk, nobody decoding): rows of different lengths padded to the longest; a prompt that does not fit
+    continues in the next iteration. Each request's tokens (greedy, and sampled with a seed) are its tokens alone."""
+    eng = Engine.load("tiny", device="cpu", kv_dtype="fp32", max_concurrency=4, spec=spec, prefill_chunk=64)
+    prompts = [list(range(2 + i, 2 + i + n)) for i, n in enumerate((5, 37, 64, 90))]
+    params = [SamplingParams(max_new_tokens=12, ignore_eos=True),
+              SamplingParams(max_new_tokens=12, ignore_eos=True, temperature=0.8, top_k=20, seed=7),
+              SamplingParams(max_new_tokens=12, ignore_eos=True),
+              SamplingParams(max_new_tokens=12, ignore_eos=True, temperature=0.7, seed=3)]
+    sched = Scheduler(eng)
+    alone = []
+    for p, sp in zip(prompts, params):
+        r = sched.submit(p, sp)
+        sched.run_until_idle()
+        alone.append(r.tokens)
+    shapes = _prefill_shapes(eng, monkeypatch)
+    reqs = [sched.submit(p, sp) for p, sp in zip(prompts, params)]
+    sched.step()
+    # 64 tokens: 5 + 37 of the first two, 22 of the third, packed at the longest (37)
+    assert shapes == [(3, 37)]
+    assert [len(r.tokens) > 0 for r in reqs] == [True, True, False, False]  # (and the first two decoded a round)
+    sched.run_until_idle()
+    assert [r.tokens for r in reqs] == alone
+    assert all(b == 1 or t <= 64 for b, t in shapes) and sum(b > 1 for b, _ in shapes) >= 1
+    assert sorted(eng.free_slots) == [0, 1, 2, 3]
+
+
+def test_pack_prefill_off_runs_a_forward_a_chunk(monkeypatch):
+    eng = Engine.load("tiny", device="cpu", kv_dtype="fp32", max_concurrency=3, pack_prefill=False)
+    shapes = _prefill_shapes(eng, monkeypatch)
+    sched = Scheduler(eng)
+    reqs = [sched.submit(list(range(3, 3 + n)), SamplingParams(max_new_tokens=4, ignore_eos=True))
+            for n in (9, 20, 31)]
+    sched.step()
+    assert shapes == [(1, 9), (1, 20), (1, 31)]  # all three in the budget, one forward each
+    assert all(len(r.tokens) == 2 for r in reqs)  # the first token, then one decode round
+    with pytest.raises(ValueError, match="pack-prefill"):
+        Engine.load("tiny", device="cpu", pack_prefill="yes")
+
+
 def test_cancel_frees_the_slot_and_queue_bound():
     eng = Engine.load("tiny", device="cpu", kv_dtype="fp32", max_concurrency=1)
     sched = Scheduler(eng, max_queue=2)
@@ -216,3 +273,20 @@ def test_every_client_prompt_has_the_asked_length():
     assert exact_length([1, 2, 3], 2) == [1, 2]
     with pytest.raises(ValueError, match="interleave"):
         ConcurrencyOptions.make(prefill_chunk=256, interleave_chunk=512)
+
+
+def test_concurrency_samples_seeded_per_request():
+    """--temperature: every request samples from its own seed (sample_seed + its index), so a batched run equals
+    the sequential reference and the gate may hold it exact; the draws differ from greedy decoding's."""
+    kw = dict(levels=(1, 3), model="tiny", device="cpu", kv_dtype="fp32", max_new_tokens=10, prompt_tokens=24,
+              rounds=1)
+    sampled = run_concurrency(ConcurrencyOptions.make(**kw, temperature=0.9, top_k=50, top_p=0.95))
+    greedy = run_concurrency(ConcurrencyOptions.make(**kw))
+    validate(sampled)
+    assert sampled["label"] == "v3-none-t0.9-conc" and sampled["config"]["sample_seed"] == 0
+    assert all(lv["matches_sequential"] for lv in sampled["summary"]["levels"])
+    assert {r["tokens_sha256"] for r in sampled["records"]} != {r["tokens_sha256"] for r in greedy["records"]}
+    with pytest.raises(ValueError, match="temperature > 0"):
+        ConcurrencyOptions.make(top_k=5)
+    with pytest.raises(ValueError, match="greedy"):
+        ConcurrencyOptions.make(temperature=0.5, spec="dflash2", replay_acceptance="seed")

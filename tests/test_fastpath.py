@@ -139,3 +139,28 @@ def test_drafter_fused_projections_equal_the_members(monkeypatch):
         assert fused_projections(net, raws, store) == 2 * len(net.layers)
         got = net.blocks(x, pos, ks, vs, mask)
     assert ((got - want).norm() / want.norm()).item() < 1e-5
+
+
+@pytest.mark.parametrize("spec", ["none", pytest.param("dflash2", marks=pytest.mark.skipif(
+    DEVICE != "cuda", reason="interpreted, minutes; the eager path's packed drafting: tests/test_concurrency.py"))])
+def test_packed_prefill_equals_each_alone(spec, monkeypatch):
+    """Three admissions prefilled in one forward through the fused prefill path (EngineOptions.pack_prefill: rows
+    padded to the longest, the padding inert in the GDN state and the int8 cache's later positions), the third
+    prompt split by the iteration's budget: each request decodes its tokens alone (and the padded forward ran)."""
+    from ninfer_bench.engine.model.hybrid import PREFILL
+    from ninfer_bench.engine.runtime.scheduler import Scheduler
+
+    eng = Engine.load("tiny", device=DEVICE, kv_dtype="int8", dtype="fp32", max_context=256, kernels="triton",
+                      spec=spec, draft_tokens=3 if spec != "none" else None, max_concurrency=3, prefill_chunk=32)
+    prompts = [PROMPT[:20], PROMPT[5:14], list(range(7, 37))]
+    params = SamplingParams(max_new_tokens=SPEC_TOKENS, ignore_eos=True)
+    alone = [eng.generate(p, max_new_tokens=SPEC_TOKENS, ignore_eos=True).tokens for p in prompts]
+    shapes, real = [], eng.model.forward
+    monkeypatch.setattr(eng.model, "forward",
+                        lambda step, cache: (shapes.append(tuple(step.ids.shape)) if step.mode == PREFILL else None)
+                        or real(step, cache))
+    sched = Scheduler(eng)
+    reqs = [sched.submit(p, params) for p in prompts]
+    sched.run_until_idle()
+    assert shapes[0] == (3, 20)  # 20 + 9 + 3 of the third's 30 tokens (the budget: 32), then the rest
+    assert [r.tokens for r in reqs] == alone

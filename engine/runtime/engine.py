@@ -469,6 +469,70 @@ class Engine:
             self.stops.finish(seq)
         return final
 
+    def packable(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s next prompt chunk may share one forward with other requests' (:meth:`prefill_steps`):
+        text only, no prompt scores, something to generate."""
+        return seq.media is None and seq.prompt_scores is None and seq.params.max_new_tokens > 0
+
+    @torch.inference_mode()
+    def prefill_steps(self, work: list[tuple[Sequence, int]], on_final=None) -> list[bool]:
+        """Prefill the next ``n`` prompt tokens of each ``(seq, n)`` of ``work`` (the scheduler's prompt chunks of
+        one iteration); returns, per item, whether its prompt is done (:meth:`prefill_step`'s result). With
+        ``pack_prefill`` and two or more chunks that :meth:`packable` allows, they run as one forward: rows padded to
+        the longest chunk (``Step.valid``: the padding is inert in the recurrent state and never attended by a real
+        token), so every weight is read once for all of them; the others (or all, with it off) one forward each.
+        ``on_final(i)`` is called as soon as item ``i``'s prompt is done (its first token can go out)."""
+        packed = [i for i, (seq, _) in enumerate(work) if self.packable(seq)] if self.options.pack_prefill else []
+        if len(packed) > 1:
+            t = max(work[i][1] for i in packed)
+            packed = [i for i in packed if work[i][0].length + t <= self.capacity]  # padding stays inside the slot
+        done = [False] * len(work)
+        if len(packed) > 1:
+            for i, final in zip(packed, self._prefill_packed([work[i] for i in packed])):
+                done[i] = final
+                if final and on_final:
+                    on_final(i)
+        else:
+            packed = []
+        for i, (seq, n) in enumerate(work):
+            if i not in packed:
+                done[i] = self.prefill_step(seq, n)
+                if done[i] and on_final:
+                    on_final(i)
+        return done
+
+    def _prefill_packed(self, work: list[tuple[Sequence, int]]) -> list[bool]:
+        """One forward over several sequences' next prompt chunks (see :meth:`prefill_steps`); then, per sequence,
+        what :meth:`prefill_step` does after its forward: the drafter primed, the first token of a finished prompt
+        (every finished row picked in one batched call, each from its own sample stream)."""
+        t = max(n for _, n in work)
+        rows = [seq.prompt[seq.length:seq.length + n] + [0] * (t - n) for seq, n in work]
+        starts = [seq.length for seq, _ in work]
+        taps = self.drafter.taps if self.drafter else ()
+        pos = self.device_ids(starts)[:, None] + torch.arange(t, device=self.device)[None]
+        step = Step(self.device_ids(rows), pos, self.device_ids([seq.slot for seq, _ in work]),
+                    kv_len=max(starts) + t, mode=PREFILL, taps=taps, valid=self.device_ids([n for _, n in work]))
+        hidden, tap_out = self.model.forward(step, self.cache)
+        finals = []
+        for r, (seq, n) in enumerate(work):
+            seq.length += n
+            if seq.length == len(seq.prompt):
+                finals.append(r)
+        if finals:
+            last = self.model.logits(torch.stack([hidden[r, work[r][1] - 1] for r in finals]))
+            fin = [work[r][0] for r in finals]
+            for seq, row in zip(fin, last):
+                keep_logprobs(seq, row)
+            for seq, tok in zip(fin, self.pick(fin, last).tolist()):
+                seq.tokens.append(tok)
+        for r, (seq, n) in enumerate(work):
+            if self.drafter:
+                self.drafter.begin(seq, starts[r], hidden[r, :n],
+                                   torch.cat([x[r, :n] for x in tap_out], dim=-1) if taps else None)
+            if r in finals:
+                self.stops.finish(seq)
+        return [r in finals for r in range(len(work))]
+
     def start(self, seq: Sequence, on_prefill=None) -> None:
         """Prefill ``seq``'s prompt (past any cached prefix), pick its first token, and prime the drafter.
         ``on_prefill(done, total)`` is called after each chunk with the prompt tokens prefilled so far."""

@@ -55,9 +55,12 @@ class EngineOptions:
     max_context: int | None = None  # None: DEFAULT_CONTEXT, or the model's limit when smaller
     kv_capacity: int | None = None
     max_concurrency: int = 1
-    prefill_chunk: int = 2048  # prompt tokens a forward (on CUDA each chunk dequantizes every packed weight once)
-    interleave_chunk: int | None = 512  # prompt tokens a scheduler iteration prefills while others decode (None:
-    #                                     prefill_chunk): smaller trades a newcomer's TTFT for the others' ITL
+    prefill_chunk: int = 2048  # prompt tokens a forward, and a scheduler iteration's prefill budget across requests
+    interleave_chunk: int | None = 512  # the budget (prompt tokens of all admitting requests) of an iteration while
+    #                                     others decode (None: prefill_chunk): smaller trades newcomers' TTFT for the
+    #                                     others' ITL
+    pack_prefill: bool = True  # the prompt chunks a scheduler iteration prefills (several admitting requests') in
+    #                            one forward, padded to the longest (Engine.prefill_steps); off: one forward each
     runtime: str = "v3"
     spec: str = "none"
     draft_tokens: int | None = None
@@ -167,6 +170,8 @@ class EngineOptions:
         if self.interleave_chunk is not None and (not isinstance(self.interleave_chunk, int)
                                                   or self.interleave_chunk < 1):
             raise ValueError(f"interleave-chunk must be a positive integer, got {self.interleave_chunk!r}")
+        if not isinstance(self.pack_prefill, bool):
+            raise ValueError(f"pack-prefill must be true or false, got {self.pack_prefill!r}")
         if self.cpu_threads is not None and (not isinstance(self.cpu_threads, int) or self.cpu_threads < 1):
             raise ValueError(f"cpu-threads must be a positive integer, got {self.cpu_threads!r}")
         if isinstance(self.inject_delay_us, bool) or not isinstance(self.inject_delay_us, (int, float)) \

@@ -1,9 +1,10 @@
 """Continuous batching over one Engine.
 
-Requests wait in a bounded queue. Every iteration admits waiting requests into free slots, runs one prefill
-chunk of one admitting request (so a long prompt does not stall the others' decoding; ``--interleave-chunk`` makes
-that chunk smaller while others are decoding), then one decode round
-(plain, or draft + verify) over every running sequence together. Tokens are reported through callbacks as
+Requests wait in a bounded queue. Every iteration admits waiting requests into free slots, prefills the admitting
+requests' next prompt chunks within a token budget (``--prefill-chunk`` tokens, or ``--interleave-chunk`` while
+others are decoding, so a long prompt or a burst of arrivals stalls their decoding by one budget at most), packed
+into one forward where the engine can (``EngineOptions.pack_prefill``), then one decode round (plain, or draft +
+verify) over every running sequence together. Tokens are reported through callbacks as
 they are committed; a cancelled request frees its slot at the next iteration.
 
 The engine is not thread-safe: all engine work happens in the thread that calls :meth:`step` (the server
@@ -60,7 +61,7 @@ class Request:
 
 
 class Scheduler:
-    """Continuous batching: admit, prefill a chunk, decode a round; repeat."""
+    """Continuous batching: admit, prefill chunks within the token budget, decode a round; repeat."""
 
     def __init__(self, engine: Engine, max_queue: int = 256):
         self.e = engine
@@ -171,6 +172,22 @@ class Scheduler:
                 keep.append(req)
         return keep
 
+    def _prefill_work(self) -> list[tuple[Request, int]]:
+        """This iteration's prompt chunks: admitting requests in order, each its next min(prompt left, budget left,
+        --prefill-chunk) tokens, until the token budget is spent. The budget is --prefill-chunk when nothing else
+        decodes; while others do, --interleave-chunk (so an admission stalls them by one budget's prefill, however
+        many requests arrive). The engine packs the chunks into one forward (EngineOptions.pack_prefill)."""
+        opts = self.e.options
+        budget = (opts.interleave_chunk or opts.prefill_chunk) if self.running else opts.prefill_chunk
+        work = []
+        for req in self.prefilling:
+            n = min(len(req.seq.prompt) - req.seq.length, budget, opts.prefill_chunk)
+            if n <= 0:
+                break
+            work.append((req, n))
+            budget -= n
+        return work
+
     def step(self) -> bool:
         """One iteration; returns False when there was nothing to do."""
         self.prefilling = self._sweep(self.prefilling)
@@ -179,14 +196,15 @@ class Scheduler:
         if not self.prefilling and not self.running:
             return False
         if self.prefilling:
-            req = self.prefilling[0]
-            # while others decode, a smaller piece of the prompt per iteration (--interleave-chunk) keeps their
-            # inter-token latency down; alone, the whole --prefill-chunk
-            chunk = self.e.options.interleave_chunk if self.running else None
-            if self.e.prefill_step(req.seq, chunk):
-                self.prefilling.pop(0)
+            work = self._prefill_work()
+
+            def first_token(i: int) -> None:  # out as soon as its prompt is done, not after the others' chunks
+                req = work[i][0]
+                self.prefilling.remove(req)
                 self._report(req)
                 self.running.append(req)
+
+            self.e.prefill_steps([(r.seq, n) for r, n in work], on_final=first_token)
         live = [r for r in self.running if r.seq.finish_reason is None]
         if live:
             self.e.advance([r.seq for r in live])
