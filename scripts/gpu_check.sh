@@ -441,7 +441,7 @@ PY
     llwait)  llwait ;;
     drift)   nb_py() { timeout "${STAGE_S:-86400}" python3 "$@"; }
              nb_py scripts/probe_prefill_drift.py --device cuda --runs ${DRIFT_RUNS:-40} --repeats 5 -n 128 \
-               --out "$OUT/drift.json" 2>&1 | tail -8 ;;
+               --conditions ${DRIFT_CONDITIONS:-fresh,shared,fresh-nogc} --out "$OUT/drift.json" 2>&1 | tail -9 ;;
     peersmall) llwait || continue
              export PYTHONPATH=/tmp/llsite:${PYTHONPATH:-}
              nb decode --engine ours,llamacpp --prompt-file suites/data/heldout_prompts.jsonl -n 64 --repeats 2 \

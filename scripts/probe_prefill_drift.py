@@ -9,12 +9,17 @@ interleaved run by run so that a drift of the machine in time reaches each alike
 * ``shared``: one Engine for every run: what is left between its runs is time alone
 * ``fresh-nogc``: as ``fresh``, with Python's garbage collector off during the timed repeats
 
+Three clocks: ``wall`` (the decode result's prefill time), on CUDA ``device`` (events around the whole prefill, host
+gaps included) and ``replay`` (events around the captured prefill graph alone: its device time). Where wall drifts
+between runs and replay does not, the drift is host work on the prefill's path, not the GPU.
+
 For each: the median prefill, the within-run spread (median of the runs' coefficients of variation), the spread of
 the runs' medians, the share of variance between runs (intraclass correlation), and the share of consecutive run
 pairs whose repeats do not overlap at all and differ by more than 5% (what the gate's 5-vs-5 rank test calls
 significant: the A/A false alarms of that condition).
 
-Usage: python3 scripts/probe_prefill_drift.py --runs 40 --repeats 5 -n 128 --device cuda --out drift.json"""
+Usage: python3 scripts/probe_prefill_drift.py --runs 40 --repeats 5 -n 128 --device cuda --out drift.json
+       [--conditions fresh,shared]"""
 
 from __future__ import annotations
 
@@ -55,11 +60,34 @@ def timed_start(engine: Engine, spans: list):
     engine.start = start
 
 
+def timed_replay(engine: Engine, spans: list) -> None:
+    """Wrap the engine's captured prefill (``GraphRunner.prefill``) so each call appends CUDA events around it: the
+    graph's own device time (the copies into its inputs and the replay, no host work between kernels)."""
+    runner = getattr(engine, "graphs", None)
+    if runner is None or engine.device.type != "cuda":
+        return
+    inner = runner.prefill
+
+    def prefill(*args, **kw):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        out = inner(*args, **kw)
+        b.record()
+        if out is not None:
+            spans.append((a, b))
+        return out
+
+    runner.prefill = prefill
+
+
 def one_run(engine: Engine, ids, n: int, repeats: int, nogc: bool) -> dict:
     spans: list = []
+    replays: list = []
     timed_start(engine, spans)
+    timed_replay(engine, replays)
     engine.generate(ids, max_new_tokens=n, ignore_eos=True)  # the run's warm-up
     spans.clear()
+    replays.clear()
     wall = []
     if nogc:
         gc.collect()
@@ -70,7 +98,8 @@ def one_run(engine: Engine, ids, n: int, repeats: int, nogc: bool) -> dict:
     finally:
         gc.enable()
     device = [a.elapsed_time(b) for a, b in spans] if spans else None
-    return {"wall_ms": wall, "device_ms": device}
+    replay = [a.elapsed_time(b) for a, b in replays] if replays else None
+    return {"wall_ms": wall, "device_ms": device, "replay_ms": replay}
 
 
 def spread(runs: list[list[float]], threshold: float = 0.05) -> dict:
@@ -100,16 +129,20 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", type=int, default=40, help="runs a condition")
     ap.add_argument("--repeats", type=int, default=5, help="timed repeats a run")
     ap.add_argument("-n", "--max-new-tokens", type=int, default=128)
+    ap.add_argument("--conditions", default=",".join(CONDITIONS), help="comma-separated, of " + ", ".join(CONDITIONS))
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    conditions = [c for c in args.conditions.split(",") if c]
+    if not conditions or set(conditions) - set(CONDITIONS):
+        ap.error(f"--conditions: of {', '.join(CONDITIONS)}")
     opts = DecodeOptions.make(model=args.model, device=args.device, max_new_tokens=args.max_new_tokens, repeats=1)
     loaded = load_model(opts)
     shared = Engine(loaded, opts.engine_options)
     ids = load_prompts(opts.prompt_file, shared.tokenizer, opts.prompts)[0]
-    data = {c: {"wall_ms": [], "device_ms": []} for c in CONDITIONS}
+    data = {c: {"wall_ms": [], "device_ms": [], "replay_ms": []} for c in conditions}
     t0 = time.perf_counter()
     for i in range(args.runs):
-        for c in CONDITIONS:
+        for c in conditions:
             if c == "shared":
                 engine = shared
             else:
@@ -117,8 +150,9 @@ def main(argv=None) -> int:
                 engine = Engine(loaded, opts.engine_options)
             r = one_run(engine, ids, args.max_new_tokens, args.repeats, nogc=c.endswith("nogc"))
             data[c]["wall_ms"].append(r["wall_ms"])
-            if r["device_ms"]:
-                data[c]["device_ms"].append(r["device_ms"])
+            for clock in ("device_ms", "replay_ms"):
+                if r[clock]:
+                    data[c][clock].append(r[clock])
             if engine is not shared:
                 del engine
         if (i + 1) % 10 == 0:
@@ -126,10 +160,11 @@ def main(argv=None) -> int:
     result = {"command": "python3 scripts/probe_prefill_drift.py " + " ".join(sys.argv[1:]),
               "device": str(opts.engine_options.torch_device), "prompt_tokens": len(ids),
               "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "conditions": {}}
-    for c in CONDITIONS:
+    for c in conditions:
         row = {"wall": spread(data[c]["wall_ms"])}
-        if data[c]["device_ms"]:
-            row["device"] = spread(data[c]["device_ms"])
+        for clock in ("device", "replay"):
+            if data[c][f"{clock}_ms"]:
+                row[clock] = spread(data[c][f"{clock}_ms"])
         result["conditions"][c] = row
         for clock, s in row.items():
             print(f"{c:11s} {clock:6s} median {s['median_ms']:.3f} ms  within-run cv {s['within_run_cv']:.3f}  "
