@@ -70,7 +70,8 @@ def test_admissions_prefill_packed_in_one_forward(spec, monkeypatch):
     """Requests admitted together share their prompt chunks' forwards within the iteration's token budget
     (--prefill-chunk, nobody decoding): rows of different lengths padded to the longest; a prompt that does not fit
     continues in the next iteration. Each request's tokens (greedy, and sampled with a seed) are its tokens alone."""
-    eng = Engine.load("tiny", device="cpu", kv_dtype="fp32", max_concurrency=4, spec=spec, prefill_chunk=64)
+    eng = Engine.load("tiny", device="cpu", kv_dtype="fp32", max_concurrency=4, spec=spec, prefill_chunk=64,
+                      pack_prefill=True)
     prompts = [list(range(2 + i, 2 + i + n)) for i, n in enumerate((5, 37, 64, 90))]
     params = [SamplingParams(max_new_tokens=12, ignore_eos=True),
               SamplingParams(max_new_tokens=12, ignore_eos=True, temperature=0.8, top_k=20, seed=7),
@@ -94,7 +95,9 @@ def test_admissions_prefill_packed_in_one_forward(spec, monkeypatch):
     assert sorted(eng.free_slots) == [0, 1, 2, 3]
 
 
-def test_pack_prefill_off_runs_a_forward_a_chunk(monkeypatch):
+def test_admissions_prefill_in_one_iteration_a_forward_each(monkeypatch):
+    """--pack-prefill off (the default): every admitting request's chunk within the budget in the same iteration
+    (before the decode round), one forward each; each first token goes out as its prompt is done."""
     eng = Engine.load("tiny", device="cpu", kv_dtype="fp32", max_concurrency=3, pack_prefill=False)
     shapes = _prefill_shapes(eng, monkeypatch)
     sched = Scheduler(eng)

@@ -151,7 +151,8 @@ def test_packed_prefill_equals_each_alone(spec, monkeypatch):
     from ninfer_bench.engine.runtime.scheduler import Scheduler
 
     eng = Engine.load("tiny", device=DEVICE, kv_dtype="int8", dtype="fp32", max_context=256, kernels="triton",
-                      spec=spec, draft_tokens=3 if spec != "none" else None, max_concurrency=3, prefill_chunk=32)
+                      spec=spec, draft_tokens=3 if spec != "none" else None, max_concurrency=3, prefill_chunk=32,
+                      pack_prefill=True)
     prompts = [PROMPT[:20], PROMPT[5:14], list(range(7, 37))]
     params = SamplingParams(max_new_tokens=SPEC_TOKENS, ignore_eos=True)
     alone = [eng.generate(p, max_new_tokens=SPEC_TOKENS, ignore_eos=True).tokens for p in prompts]

@@ -59,8 +59,11 @@ class EngineOptions:
     interleave_chunk: int | None = 512  # the budget (prompt tokens of all admitting requests) of an iteration while
     #                                     others decode (None: prefill_chunk): smaller trades newcomers' TTFT for the
     #                                     others' ITL
-    pack_prefill: bool = True  # the prompt chunks a scheduler iteration prefills (several admitting requests') in
-    #                            one forward, padded to the longest (Engine.prefill_steps); off: one forward each
+    pack_prefill: bool = False  # the prompt chunks a scheduler iteration prefills (several admitting requests') in
+    #                             one eager forward, padded to the longest (Engine.prefill_steps); off: one forward
+    #                             each, a lone first chunk from its captured graph. Off by default: on the H200 the
+    #                             27B's packed rows decoded other tokens than each request alone from 4 rows up, and an
+    #                             eager 27B prefill costs more than two captured ones (docs/perf/README.md)
     runtime: str = "v3"
     spec: str = "none"
     draft_tokens: int | None = None

@@ -3,7 +3,7 @@
 Requests wait in a bounded queue. Every iteration admits waiting requests into free slots, prefills the admitting
 requests' next prompt chunks within a token budget (``--prefill-chunk`` tokens, or ``--interleave-chunk`` while
 others are decoding, so a long prompt or a burst of arrivals stalls their decoding by one budget at most), packed
-into one forward where the engine can (``EngineOptions.pack_prefill``), then one decode round (plain, or draft +
+into one forward when asked (``EngineOptions.pack_prefill``, off by default), then one decode round (plain, or draft +
 verify) over every running sequence together. Tokens are reported through callbacks as
 they are committed; a cancelled request frees its slot at the next iteration.
 
@@ -176,7 +176,7 @@ class Scheduler:
         """This iteration's prompt chunks: admitting requests in order, each its next min(prompt left, budget left,
         --prefill-chunk) tokens, until the token budget is spent. The budget is --prefill-chunk when nothing else
         decodes; while others do, --interleave-chunk (so an admission stalls them by one budget's prefill, however
-        many requests arrive). The engine packs the chunks into one forward (EngineOptions.pack_prefill)."""
+        many requests arrive). With EngineOptions.pack_prefill the engine packs the chunks into one forward."""
         opts = self.e.options
         budget = (opts.interleave_chunk or opts.prefill_chunk) if self.running else opts.prefill_chunk
         work = []
