@@ -30,6 +30,8 @@
 #   bundled  the bundled model: decode grid (none / MTP3 / DFlash2 K=7 x v3 / v2, and the peer), C1-C8, kernels
 #   pack     issue 33's packed admissions: their tests, then the 27B C1-C8 workload with --pack-prefill on (plain, and
 #            DFlash2 K=7 replayed), at C1 / C8 off, sampled (t 0.7, top-p 0.95, top-k 20), and .old's (carried) plain
+#   conc33s  issue 33's targets with the defaults: sampler / packed-prefill CUDA tests, the 27B C1-C8 plain and DFlash2
+#            K=7 replayed, sampled C1 / C8, the bundled model's C8 with --pack-prefill on
 #   vision   the vision tower at the real shape next to transformers'
 #   smoke    minutes-long first look: the training pipeline --tiny on CUDA, a 27B synthetic DFlash2 K=7 decode
 #   train    scripts/train_bundled.py --stage all --ship $OUT
@@ -227,6 +229,20 @@ for stage in "$@"; do
                nb concurrency $C27 ${V#*|} --json "$OUT/pack/$N.json" 2>&1 | tee "$OUT/pack/$N.log" | tail -7; done
              if [ -d .old ]; then echo "--- old"; ( cd .old && timeout "${STAGE_S:-300}" python3 scripts/nb.py \
                concurrency $C27 -c 1,8 --json "$OUT/pack/old.json" 2>&1 | tee "$OUT/pack/old.log" | tail -7 ); fi ;;
+    conc33s) # issue 33's targets with the defaults: the sampler's CUDA tests and the packed prefill's, conc33's workload
+             # (27B, 256-token prompts, 128 tokens) plain C1-C8, DFlash2 K=7 replayed C1-C8, sampled (t 0.7, top-p 0.95,
+             # top-k 20) C1 / C8, and the bundled model's C8 with --pack-prefill on (its tokens against each alone)
+             timeout ${TESTS_S:-150} python3 -m pytest -p no:cacheprovider -rf tests/test_sampler.py \
+               tests/test_fastpath.py -k "packed or cuda" 2>&1 | tee "$OUT/conc33s_tests.log" | tail -4
+             mkdir -p "$OUT/conc33s"
+             C27="$M27 -n 128 --rounds 2"
+             for V in "plain|-c 1,2,4,8" "dflash2|-c 1,2,4,8 --spec dflash2 -k 7 --replay-acceptance seed" \
+                      "sampled|-c 1,8 --temperature 0.7 --top-p 0.95 --top-k 20"; do
+               N=${V%%|*}; echo "--- $N"
+               nb concurrency $C27 ${V#*|} --json "$OUT/conc33s/$N.json" 2>&1 | tee "$OUT/conc33s/$N.log" | tail -7; done
+             echo "--- bundled C8 packed"
+             nb concurrency -c 8 -n 64 --pack-prefill on --json "$OUT/conc33s/bundled_packed.json" 2>&1 \
+               | tee "$OUT/conc33s/bundled_packed.log" | tail -5 ;;
     vision)  python3 scripts/bench_vision.py 2>&1 | tee "$OUT/vision.log" | tail -20 ;;
     smoke)   timeout 150 python3 scripts/train_bundled.py --tiny --device cuda --out /tmp/tinytrain --ship /tmp/tinyship \
                2>&1 | tee "$OUT/smoke_train.log" | tail -25
