@@ -31,7 +31,8 @@
 #   pack     issue 33's packed admissions: their tests, then the 27B C1-C8 workload with --pack-prefill on (plain, and
 #            DFlash2 K=7 replayed), at C1 / C8 off, sampled (t 0.7, top-p 0.95, top-k 20), and .old's (carried) plain
 #   conc33s  issue 33's targets with the defaults: sampler / packed-prefill CUDA tests, the 27B C1-C8 plain and DFlash2
-#            K=7 replayed, sampled C1 / C8, the bundled model's C8 with --pack-prefill on
+#            K=7 replayed, sampled C1 / C8, the bundled model's C8 with --pack-prefill on, the 27B step's kernels at
+#            1 and 8 sequences (profile_step --batch 1,8 --sync)
 #   vision   the vision tower at the real shape next to transformers'
 #   smoke    minutes-long first look: the training pipeline --tiny on CUDA, a 27B synthetic DFlash2 K=7 decode
 #   train    scripts/train_bundled.py --stage all --ship $OUT
@@ -242,7 +243,11 @@ for stage in "$@"; do
                nb concurrency $C27 ${V#*|} --json "$OUT/conc33s/$N.json" 2>&1 | tee "$OUT/conc33s/$N.log" | tail -7; done
              echo "--- bundled C8 packed"
              nb concurrency -c 8 -n 64 --pack-prefill on --json "$OUT/conc33s/bundled_packed.json" 2>&1 \
-               | tee "$OUT/conc33s/bundled_packed.log" | tail -5 ;;
+               | tee "$OUT/conc33s/bundled_packed.log" | tail -5
+             echo "--- 27B decode step, 1 and 8 sequences (the scheduler's synchronous steps)"
+             timeout ${STAGE_S:-200} python3 scripts/profile_step.py $M27 --batch 1,8 --sync --steps 32 --top 22 \
+               --json "$OUT/conc33s/prof_batch.json" 2>&1 | tee "$OUT/conc33s/prof_batch.log" \
+               | grep -E "^(===|[0-9]+ steps|GPU busy)" ;;
     vision)  python3 scripts/bench_vision.py 2>&1 | tee "$OUT/vision.log" | tail -20 ;;
     smoke)   timeout 150 python3 scripts/train_bundled.py --tiny --device cuda --out /tmp/tinytrain --ship /tmp/tinyship \
                2>&1 | tee "$OUT/smoke_train.log" | tail -25

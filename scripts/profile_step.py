@@ -7,7 +7,7 @@ step's idle gaps: graph launch, the token read-back, host work).
         [--no-pdl] [--no-side-stream] [--no-silu-epilogue] [--cublas-dense] [--qmv-layout L]
         [--eager-draft] [--attn-fixed-split]
         [--prefill] [--prompt-len N] [--no-flash-prefill] [--no-fused-prefill] [--prefill-weights dense]
-        [--prefill-chunk N]
+        [--prefill-chunk N] [--batch 1,8 --sync]   # B sequences a step, as the scheduler steps them
                          # switches against the engine's defaults, compared by step time
         [--host]         # where the host's time goes instead (cProfile of the same steps: Python, launches, syncs)
         [--drop norm,silu,ba,gdn,attn]   # headroom: the step without those kernels (wrong values, true timing)
@@ -122,6 +122,8 @@ def main() -> int:
     ap.add_argument("--spec", default="none", help="none, mtp, dflash2 (NAME or NAME:K), comma-separated: each profiled "
                     "in turn on one weight load")
     ap.add_argument("-k", "--draft-tokens", type=int, default=None)
+    ap.add_argument("--batch", default="1", help="sequences decoded together, comma-separated (each profiled): B > 1 "
+                                                 "steps B sequences with advance(), as the scheduler does (--sync)")
     ap.add_argument("--runtime", default="v3")
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=True,
@@ -162,6 +164,9 @@ def main() -> int:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     drop = [d for d in args.drop.split(",") if d]
+    batches = [int(b) for b in args.batch.split(",") if b]
+    if not batches or min(batches) < 1 or (max(batches) > 1 and (not args.sync or args.prefill)):
+        ap.error("--batch: positive sizes; B > 1 steps the sequences synchronously (give --sync; not --prefill)")
     if set(drop) - set(DROPPABLE):
         ap.error(f"--drop: unknown {sorted(set(drop) - set(DROPPABLE))} (known: {', '.join(DROPPABLE)})")
     if "silu" in drop and args.silu_epilogue:
@@ -188,7 +193,7 @@ def main() -> int:
     loaded = load_source(args.model, synthetic=args.synthetic, device=torch.device("cuda"))
     print(f"loaded in {time.time() - t0:.0f} s: {args.model}", flush=True)
     out = {}
-    for item in args.spec.split(","):
+    for item, batch in [(i, b) for i in args.spec.split(",") for b in batches]:
         spec, k = parse_spec(item, args.draft_tokens)
         opts = EngineOptions(device="cuda", runtime=args.runtime, spec=spec, draft_tokens=k, pdl=args.pdl,
                              side_stream=args.side_stream, silu_epilogue=args.silu_epilogue,
@@ -197,16 +202,17 @@ def main() -> int:
                              prefill_weights=args.prefill_weights, flash_prefill=args.flash_prefill,
                              fused_prefill=args.fused_prefill, rollback=args.rollback,
                              lm_head_draft=args.lm_head_draft if spec != "none" else 0,
-                             max_context=args.max_context or max(8192, args.prompt_len + 256))
-        print(f"=== {spec}{f':{k}' if k else ''}", flush=True)
-        out[item] = profile_one(Engine(loaded, opts), args, drop)
+                             max_context=args.max_context or max(8192, args.prompt_len + 256),
+                             max_concurrency=batch)
+        print(f"=== {spec}{f':{k}' if k else ''}{f' batch {batch}' if len(batches) > 1 else ''}", flush=True)
+        out[item if len(batches) == 1 else f"{item}@B{batch}"] = profile_one(Engine(loaded, opts), args, drop, batch)
         torch.cuda.empty_cache()
     if args.json:
         Path(args.json).write_text(json.dumps(out if len(out) > 1 else next(iter(out.values())), indent=1))
     return 0
 
 
-def profile_one(eng, args, drop):
+def profile_one(eng, args, drop, batch: int = 1):
     """Profile ``args.steps`` decode steps (rounds) of ``eng``; the record the --json file keeps."""
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -223,6 +229,24 @@ def profile_one(eng, args, drop):
     prompt = torch.randint(10, eng.config.vocab_size - 10, (args.prompt_len,), generator=g).tolist()
 
     last_stats: dict = {}
+
+    def run_batch(steps: int, prof=None) -> tuple[float, int]:
+        """``batch`` sequences (the prompt each) prefilled, then ``steps`` calls of advance() over all of them."""
+        seqs = [eng.acquire(prompt, SamplingParams(max_new_tokens=steps * 16 + 16, ignore_eos=True))
+                for _ in range(batch)]
+        try:
+            for seq in seqs:
+                eng.start(seq)
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            with prof if prof is not None else _null():
+                for _ in range(steps):
+                    eng.advance(seqs)
+                torch.cuda.synchronize()
+            return time.perf_counter() - t, steps
+        finally:
+            for seq in seqs:
+                eng.release(seq)
 
     def run(steps: int, prof=None) -> tuple[float, int]:
         """(wall seconds, steps or rounds run): chained, the sequence ends after ``steps`` tokens (a round adds at
@@ -265,6 +289,8 @@ def profile_one(eng, args, drop):
 
     if args.prefill:  # one "step" is one whole prefill
         run, args.steps = run_prefill, 1
+    elif batch > 1:
+        run = run_batch
     run(4)  # capture the graphs, compile the kernels
     wall, steps = run(args.steps)
     print(f"{steps} steps (rounds) without the profiler: {1e3 * wall / steps:.3f} ms a step", flush=True)
@@ -292,7 +318,7 @@ def profile_one(eng, args, drop):
     for name, (us, n, own) in rows[:args.top]:
         print(f"{name[:90]:90s} {own / psteps:8.1f} {us / psteps:9.1f} {n / psteps:10.1f} {us / n:8.2f} "
               f"{100 * own / psteps / busy:5.1f}%")
-    return {"model": args.model, "spec": eng.options.spec, "draft_tokens": eng.options.draft_tokens,
+    return {"model": args.model, "batch": batch, "spec": eng.options.spec, "draft_tokens": eng.options.draft_tokens,
             "sync": args.sync, "pdl": args.pdl, "side_stream": args.side_stream, "silu_epilogue": args.silu_epilogue,
             "cublas_dense": args.cublas_dense, "qmv_layout": args.qmv_layout, "draft_graphs": not args.eager_draft,
             "attn_fixed_split": args.attn_fixed_split, "prefill": args.prefill, "prompt_len": args.prompt_len,
