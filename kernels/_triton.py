@@ -78,7 +78,7 @@ def _jit_pdl_enter():
 # programmatic edges. Only launches into a CUDA-graph capture use it (and the warm-up runs before one, inside
 # :func:`graph_scope`, so the PDL variants compile outside the capture): an eager launch is host-bound, PDL cannot
 # overlap anything there, and qmv's PDL launch goes through ctypes.
-_PDL = {"on": False, "scope": 0}
+_PDL = {"on": False, "scope": 0, "held": 0}
 
 
 def set_pdl(on: bool) -> None:
@@ -88,6 +88,17 @@ def set_pdl(on: bool) -> None:
 
 def pdl_enabled() -> bool:
     return _PDL["on"]
+
+
+@contextlib.contextmanager
+def pdl_held():
+    """Launches inside go without PDL whatever the switch says (the engine captures its batched decode steps so:
+    engine/model/graphs.py, PDL_MAX_ROWS)."""
+    _PDL["held"] += 1
+    try:
+        yield
+    finally:
+        _PDL["held"] -= 1
 
 
 @functools.lru_cache(maxsize=None)
@@ -136,7 +147,7 @@ def in_graph_scope() -> bool:
 def pdl_now(device) -> bool:
     """Whether a launch on ``device`` now uses PDL: the switch is on, the device is an sm_90+ GPU (never under the
     interpreter: its tensors are on the CPU) and the launch is for a CUDA graph (:func:`in_graph_scope`)."""
-    if not _PDL["on"] or device.type != "cuda":
+    if not _PDL["on"] or _PDL["held"] or device.type != "cuda":
         return False
     return _sm90(device.index if device.index is not None else 0) and in_graph_scope()
 

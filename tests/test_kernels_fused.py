@@ -261,6 +261,25 @@ def test_pdl_switch_applies_to_graph_captures_only():
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
                     reason="programmatic dependent launch needs an sm_90+ GPU")
+def test_pdl_held_launches_a_capture_plainly():
+    """pdl_held (the engine's batched decode graphs): launches into a capture go without PDL while it is held, with
+    it again after."""
+    from ninfer_bench.kernels import _triton
+
+    dev = torch.device("cuda")
+    _triton.set_pdl(True)
+    try:
+        with _triton.graph_scope():
+            assert _triton.pdl_now(dev)
+            with _triton.pdl_held():
+                assert not _triton.pdl_now(dev) and _triton.pdl_args(dev) == {"PDL": False}
+            assert _triton.pdl_now(dev)
+    finally:
+        _triton.set_pdl(False)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+                    reason="programmatic dependent launch needs an sm_90+ GPU")
 def test_pdl_graph_replay_changes_no_bits():
     """A chain of the kernels captured into a CUDA graph with PDL (each may launch while the one before finishes)
     replays to the eager chain's bits."""

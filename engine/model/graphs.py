@@ -18,12 +18,13 @@ graphs off for the engine, with a warning: prefill runs eagerly.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from dataclasses import dataclass
 
 import torch
 
-from ...kernels._triton import graph_scope
+from ...kernels._triton import graph_scope, pdl_held
 from .hybrid import DECODE, PREFILL, VERIFY, Step
 
 
@@ -104,6 +105,9 @@ def capture(fn, pool, device, *, warmups: int = 2, warm=None):
     return graph, out
 
 
+# PDL (EngineOptions.pdl) in the step graphs of at most this many rows: the 27B's decode step of 8 sequences ran its
+# projections 1.7x as long as one sequence's with PDL (H200, docs/perf/README.md); more rows capture without it
+PDL_MAX_ROWS = 1
 MAX_STOP_IDS = 64  # token ids a chained decode can stop on inside the graph (EOS + the request's stop ids)
 
 
@@ -154,7 +158,8 @@ class GraphRunner:
             if mode == VERIFY:
                 e.cache.commit(keep)
 
-        graph, (hidden, logits, tp) = capture(forward, self.pool, dev, warm=warm)
+        with pdl_held() if b * t > PDL_MAX_ROWS else contextlib.nullcontext():
+            graph, (hidden, logits, tp) = capture(forward, self.pool, dev, warm=warm)
         cap = Captured(graph, ids, pos, slots, hidden, logits, tp)
         if mode == VERIFY:
             cap.pending, cap.keep = e.cache.pending, keep
