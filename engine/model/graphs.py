@@ -105,8 +105,9 @@ def capture(fn, pool, device, *, warmups: int = 2, warm=None):
     return graph, out
 
 
-# PDL (EngineOptions.pdl) in the step graphs of at most this many rows: the 27B's decode step of 8 sequences ran its
-# projections 1.7x as long as one sequence's with PDL (H200, docs/perf/README.md); more rows capture without it
+# PDL (EngineOptions.pdl) in the step graphs of at most this many rows; more rows capture without it. The 27B's decode
+# step of 8 sequences took 10.56 ms with PDL (qmv 7.5 ms of it) and 8.72 ms without (qmv 5.0 ms); one sequence's
+# 5.67 ms either way (H200, docs/perf/2026-12-03d-scheduler-budget-h200.md)
 PDL_MAX_ROWS = 1
 MAX_STOP_IDS = 64  # token ids a chained decode can stop on inside the graph (EOS + the request's stop ids)
 

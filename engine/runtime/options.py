@@ -84,7 +84,8 @@ class EngineOptions:
     pdl: bool = _switch(
         "--pdl", "-nopdl", "v3-plain",
         "Plain decoding's kernels (qmv and the fused Triton glue) launch with programmatic dependent launch in CUDA "
-        "graphs (sm_90+, ignored on older GPUs; process-wide: kernels/_triton.set_pdl). Speculative engines launch "
+        "graphs of one row (sm_90+, ignored on older GPUs; process-wide: kernels/_triton.set_pdl; batched steps "
+        "measured faster without it). Speculative engines launch "
         "without it: their rounds measured faster so.")
     side_stream: bool = _switch(
         "--side-stream", "-noside", "v3",
