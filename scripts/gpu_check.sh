@@ -224,8 +224,10 @@ for stage in "$@"; do
                tests/test_concurrency.py 2>&1 | tee "$OUT/pack_tests.log" | tail -4
              mkdir -p "$OUT/pack"
              C27="$M27 -n 128 --rounds 2"
-             for V in "on|-c 1,2,4,8" "dflash2|-c 1,2,4,8 --spec dflash2 -k 7 --replay-acceptance seed" \
-                      "off|-c 1,8 --pack-prefill off" "sampled|-c 1,8 --temperature 0.7 --top-p 0.95 --top-k 20"; do
+             for V in "on|-c 1,2,4,8 --pack-prefill on" \
+                      "dflash2|-c 1,2,4,8 --pack-prefill on --spec dflash2 -k 7 --replay-acceptance seed" \
+                      "off|-c 1,8 --pack-prefill off" \
+                      "sampled|-c 1,8 --pack-prefill on --temperature 0.7 --top-p 0.95 --top-k 20"; do
                N=${V%%|*}; echo "--- $N"
                nb concurrency $C27 ${V#*|} --json "$OUT/pack/$N.json" 2>&1 | tee "$OUT/pack/$N.log" | tail -7; done
              if [ -d .old ]; then echo "--- old"; ( cd .old && timeout "${STAGE_S:-300}" python3 scripts/nb.py \
