@@ -173,12 +173,9 @@ class RowSampling:
     """Per-row parameters of a step for :func:`sample_rows`, device tensors ``[B]``: ``temperature`` (fp32, 0:
     greedy), ``top_k`` (int64, 0: off), ``top_p`` (fp32, 1: off), ``min_p`` (fp32, 0: off), ``key`` (int64, the
     row's stream: :func:`stream_key` of its seed) and ``step`` (int64, which draw of that stream: the request's token
-    index). Host-known switches fix the work (and so a captured graph's kernels): ``sort``, whether a row may filter
-    by top-k or top-p (the rows' largest values, in order, find their thresholds); ``top``, when every sampling row
-    filters by top-k, the largest k among them (their thresholds lie among that many largest values: a top-k of the
-    rows instead of a sort of the whole vocabulary; 0: the sort); ``greedy``, every row greedy (an argmax and nothing
-    else). A graph captures with static instances and :meth:`copy_` fills them before each replay (rows whose top-k
-    the static instance's ``top`` covers)."""
+    index). Two host-known switches fix the work (and so a captured graph's kernels): ``sort``, whether a row may
+    filter by top-k or top-p (a sort of the rows finds their thresholds), and ``greedy``, every row greedy (an argmax
+    and nothing else). A graph captures with static instances and :meth:`copy_` fills them before each replay."""
 
     temperature: torch.Tensor
     top_k: torch.Tensor
@@ -188,7 +185,6 @@ class RowSampling:
     step: torch.Tensor
     sort: bool = True
     greedy: bool = False
-    top: int = 0
 
     @classmethod
     def make(cls, params: list[SamplingParams], seeds: list[int], steps: list[int], device) -> RowSampling:
@@ -197,17 +193,12 @@ class RowSampling:
                                           [p.min_p for p in params]], dtype=torch.float32), device)
         ints = _to_device(torch.tensor([[p.top_k for p in params], [stream_key(s) for s in seeds], list(steps)],
                                        dtype=torch.long), device)
-        drawn = [p for p in params if not p.greedy]
         return cls(floats[0], ints[0], floats[1], floats[2], ints[1], ints[2],
-                   sort=any(p.top_k > 0 or p.top_p < 1.0 for p in drawn), greedy=not drawn,
-                   top=max(p.top_k for p in drawn) if drawn and all(p.top_k > 0 for p in drawn) else 0)
+                   sort=any(not p.greedy and (p.top_k > 0 or p.top_p < 1.0) for p in params),
+                   greedy=all(p.greedy for p in params))
 
     def copy_(self, other: RowSampling) -> None:
-        """Fill these (static) tensors with ``other``'s values; the switches stay this instance's. Refused where this
-        instance takes only the ``top`` largest values and ``other``'s rows need more (or a sort)."""
-        if self.top and (other.top == 0 or other.top > self.top) and not other.greedy:
-            raise ValueError(f"these rows need {'a sort' if other.top == 0 else f'the {other.top} largest values'}; "
-                             f"this static instance takes the {self.top} largest")
+        """Fill these (static) tensors with ``other``'s values; the switches stay this instance's."""
         for name in ("temperature", "top_k", "top_p", "min_p", "key", "step"):
             getattr(self, name).copy_(getattr(other, name), non_blocking=True)
 
@@ -238,23 +229,14 @@ def _filtered(logits: torch.Tensor, rows: RowSampling):
     e = torch.exp(x - x.amax(-1, keepdim=True))
     keep = e >= rows.min_p[:, None]
     if rows.sort:
-        # the row's values in descending order: all of them, or (``top``) only the largest, among which every
-        # sampling row's k-th value and top-p boundary lie. A tie with the k-th value may reach past them: the mass
-        # of those tied values is added to the row's total (each one is exp(kth - max)); nothing else past them is
-        # kept, nor could be the top-p boundary (the k-th value itself comes first and is as small)
-        n = rows.top if 0 < rows.top < v else v
-        s = torch.topk(x, n, dim=-1).values if n < v else torch.sort(x, dim=-1, descending=True).values
-        k = torch.where(rows.top_k > 0, rows.top_k.clamp(max=n), n)
+        s = torch.sort(x, dim=-1, descending=True).values
+        k = torch.where(rows.top_k > 0, rows.top_k.clamp(max=v), v)
         kth = s.gather(-1, (k - 1)[:, None])  # [B, 1]
         es = torch.exp(s - s[:, :1]).double() * (s >= kth)
         cum = es.cumsum(-1)
-        total = cum[:, -1:]
-        if n < v:
-            past = (x >= kth).sum(-1, keepdim=True) - (s >= kth).sum(-1, keepdim=True)
-            total = total + past * torch.exp(kth - s[:, :1]).double()
         before = torch.nn.functional.pad(cum[:, :-1], (1, 0))  # the mass strictly before each sorted token
         top_p = rows.top_p[:, None]
-        inside = (before < top_p.double() * total) | (top_p >= 1.0)
+        inside = (before < top_p.double() * cum[:, -1:]) | (top_p >= 1.0)
         last = torch.where(inside, s, float("inf")).amin(-1, keepdim=True)  # the smallest value top-p keeps
         keep &= x >= torch.maximum(kth, last)
     return x, e, keep

@@ -159,30 +159,6 @@ def test_filtered_distributions_equal_the_reference():
     assert torch.equal(batch_probs(tied, one)[0] > 0, torch.tensor([True, True, True, True, False, False]))
 
 
-def test_top_k_rows_need_only_their_largest_values():
-    """When every sampling row filters by top-k, the thresholds come from a top-k of the rows (``RowSampling.top``)
-    instead of a sort of the whole vocabulary: the same distributions, ties with the k-th value reaching past the
-    values taken included (their mass counts toward top-p's total), greedy rows in the batch untouched."""
-    g = torch.Generator().manual_seed(11)
-    params = [SamplingParams(temperature=[0.5, 1.0, 1.7][i % 3], top_k=[1, 3, 20, 64][i % 4],
-                             top_p=[1.0, 0.3, 0.8, 0.95][i // 3 % 4], min_p=[0.0, 0.05][i // 12 % 2]) for i in range(48)]
-    params += [SamplingParams(top_k=0), SamplingParams(temperature=0.0, top_p=0.5)]  # greedy rows
-    logits = torch.randn(len(params), 500, generator=g) * 2
-    logits[::5] = (logits[::5] * 1.5).round() / 1.5  # ties, some of them with a row's k-th value
-    logits[1, :40] = logits[1].max() + 1.0  # 40 values tied at the top: top-k 3 keeps all 40
-    rows = RowSampling.make(params, list(range(len(params))), [0] * len(params), "cpu")
-    assert rows.sort and rows.top == 64
-    full = RowSampling.make(params, list(range(len(params))), [0] * len(params), "cpu")
-    full.top = 0  # the whole sort
-    got, want = batch_probs(logits, rows), batch_probs(logits, full)
-    assert torch.equal(got > 0, want > 0)
-    assert torch.allclose(got, want, rtol=1e-12, atol=1e-15)
-    assert (got[1] > 0).sum() == 40
-    assert torch.equal(sample_rows(logits, rows).tokens, sample_rows(logits, full).tokens)
-    assert RowSampling.make([SamplingParams(temperature=1.0, top_k=5), SamplingParams(temperature=1.0, top_p=0.9)],
-                            [0, 1], [0, 0], "cpu").top == 0  # a row without top-k: the sort
-
-
 def test_a_tie_at_the_top_p_boundary_is_kept_whole():
     """Where the reference keeps the part of a tie its sort puts first, the batched sampler keeps all of it (it
     works on a threshold value): the kept set is the reference's plus the rest of that tie."""
@@ -294,10 +270,7 @@ def test_switches_and_parameters():
     assert not RowSampling.make([SamplingParams(top_k=3)], [0], [0], "cpu").sort
     assert RowSampling.make([SamplingParams(temperature=0.5, top_p=0.9)], [0], [0], "cpu").sort
     assert rows.key.tolist() == [stream_key(1), stream_key(2)] and rows.step.tolist() == [3, 4]
-    with pytest.raises(ValueError, match="sort"):  # a static instance that takes only the 4 largest values
-        RowSampling.make([SamplingParams(temperature=0.5, top_k=4)] * 2, [0, 0], [0, 0], "cpu").copy_(rows)
-    static = RowSampling.make([SamplingParams(temperature=0.5, top_k=4), SamplingParams(temperature=0.5, top_p=0.9)],
-                              [0, 0], [0, 0], "cpu")
+    static = RowSampling.make([SamplingParams(temperature=0.5, top_k=4)] * 2, [0, 0], [0, 0], "cpu")
     static.copy_(rows)
     assert static.sort and static.top_k.tolist() == [0, 0] and static.min_p.tolist() == pytest.approx([0.1, 0.0])
     with pytest.raises(ValueError, match="min_p"):
