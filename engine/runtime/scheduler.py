@@ -181,10 +181,10 @@ class Scheduler:
         budget = (opts.interleave_chunk or opts.prefill_chunk) if self.running else opts.prefill_chunk
         work = []
         for req in self.prefilling:
-            n = min(len(req.seq.prompt) - req.seq.length, budget, opts.prefill_chunk)
-            if n <= 0:
+            if budget <= 0:
                 break
-            work.append((req, n))
+            n = min(len(req.seq.prompt) - req.seq.length, budget, opts.prefill_chunk)
+            work.append((req, n))  # (admission leaves every request at least one prompt token: Engine.reusable)
             budget -= n
         return work
 
