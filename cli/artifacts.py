@@ -53,7 +53,7 @@ def _byte_lines(description: str, every_s: float = 10.0):
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def inspect(artifact, as_json):
     """Show an artifact's components, objects, formats, bytes and which checks pass."""
-    import torch
+    import math
 
     from ..engine.artifact.reader import Artifact
 
@@ -74,7 +74,7 @@ def inspect(artifact, as_json):
             return
         console.print(f"[bold]{artifact}[/]  v{art.version}  id {art.artifact_id}  "
                       f"model {art.model_id or '-'}  policy {(art.metadata or {}).get('quant_policy', '-')}")
-        ranked = art.tensor("draft_head.token_ids", torch.float32).numel() if art.has("draft_head.token_ids") else 0
+        ranked = math.prod(art.shape("draft_head.token_ids")) if art.has("draft_head.token_ids") else 0
         console.print(f"draft vocabulary (--lm-head-draft): {f'{ranked:,} ranked token ids' if ranked else 'none'}"
                       + ("" if ranked else " (convert with --draft-vocab-corpus to add one)"), highlight=False)
         table = Table(title="components")

@@ -35,7 +35,7 @@ SETTING_KEYS = (
     "flash_prefill", "fused_prefill",
     "prefill_chunk", "interleave_chunk", "prefill_weights", "max_context", "kv_capacity", "max_concurrency",
     "synthetic", "ignore_eos", "pack_prefill",
-    "top_p", "top_k", "sample_seed",  # concurrency's sampling (with temperature, a workload key); recorded since it could
+    "top_p", "top_k", "sample_seed",  # concurrency's sampling (beside temperature, a workload key): newer documents
 )
 # compared by file name: where a checkout lies is no part of the experiment
 PATH_KEYS = ("prompt_file", "images", "dataset")

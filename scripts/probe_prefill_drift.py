@@ -43,48 +43,29 @@ from ninfer_bench.suites.decode import DecodeOptions, free_device_memory, load_m
 CONDITIONS = ("fresh", "shared", "fresh-nogc")
 
 
-def timed_start(engine: Engine, spans: list):
-    """Wrap ``engine.start`` so each call appends its device milliseconds (CUDA events) to ``spans``."""
-    inner = engine.start
+def timed(owner, name: str, spans: list) -> None:
+    """Wrap ``owner.name`` so each call that returns something appends CUDA events around it to ``spans``."""
+    inner = getattr(owner, name)
 
-    def start(seq, on_prefill=None):
-        if engine.device.type != "cuda":
-            return inner(seq, on_prefill)
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        out = inner(seq, on_prefill)
-        b.record()
-        spans.append((a, b))
-        return out
-
-    engine.start = start
-
-
-def timed_replay(engine: Engine, spans: list) -> None:
-    """Wrap the engine's captured prefill (``GraphRunner.prefill``) so each call appends CUDA events around it: the
-    graph's own device time (the copies into its inputs and the replay, no host work between kernels)."""
-    runner = getattr(engine, "graphs", None)
-    if runner is None or engine.device.type != "cuda":
-        return
-    inner = runner.prefill
-
-    def prefill(*args, **kw):
+    def call(*args, **kw):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         out = inner(*args, **kw)
         b.record()
-        if out is not None:
+        if out is not None or name == "start":  # (GraphRunner.prefill's None: no graph ran)
             spans.append((a, b))
         return out
 
-    runner.prefill = prefill
+    setattr(owner, name, call)
 
 
 def one_run(engine: Engine, ids, n: int, repeats: int, nogc: bool) -> dict:
     spans: list = []
     replays: list = []
-    timed_start(engine, spans)
-    timed_replay(engine, replays)
+    if engine.device.type == "cuda":
+        timed(engine, "start", spans)  # the whole prefill, host gaps included
+        if engine.graphs is not None:
+            timed(engine.graphs, "prefill", replays)  # the captured prefill alone: its device time
     engine.generate(ids, max_new_tokens=n, ignore_eos=True)  # the run's warm-up
     spans.clear()
     replays.clear()

@@ -73,19 +73,20 @@ def corpus_texts(files: list[Path], stats: CorpusStats, progress: Callable | Non
             text = data.decode("utf-8")
         except UnicodeDecodeError:
             stats.skipped.append(str(f))
-            continue
-        stats.files += 1
-        stats.bytes += len(data)
-        if f.suffix == ".jsonl":
-            for n, obj in json_lines(text, str(f)):
-                item = obj.get("text") if isinstance(obj, dict) else obj
-                if not isinstance(item, str):
-                    raise ValueError(f"{f}:{n}: a JSON-lines corpus line must be a string or an object with a "
-                                     f"'text' string")
-                yield item
-        else:
-            yield text
-        if progress is not None:
+            text = None
+        if text is not None:
+            stats.files += 1
+            stats.bytes += len(data)
+            if f.suffix == ".jsonl":
+                for n, obj in json_lines(text, str(f)):
+                    item = obj.get("text") if isinstance(obj, dict) else obj
+                    if not isinstance(item, str):
+                        raise ValueError(f"{f}:{n}: a JSON-lines corpus line must be a string or an object with a "
+                                         f"'text' string")
+                    yield item
+            else:
+                yield text
+        if progress is not None:  # skipped files count toward the bytes done too
             progress(done, total, f.name)
 
 

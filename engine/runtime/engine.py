@@ -486,20 +486,20 @@ class Engine:
         if len(packed) > 1:
             t = max(work[i][1] for i in packed)
             packed = [i for i in packed if work[i][0].length + t <= self.capacity]  # padding stays inside the slot
-        done = [False] * len(work)
+        done: dict[int, bool] = {}
+
+        def finished(i: int, final: bool) -> None:
+            done[i] = final
+            if final and on_final:
+                on_final(i)
+
         if len(packed) > 1:
             for i, final in zip(packed, self._prefill_packed([work[i] for i in packed])):
-                done[i] = final
-                if final and on_final:
-                    on_final(i)
-        else:
-            packed = []
+                finished(i, final)
         for i, (seq, n) in enumerate(work):
-            if i not in packed:
-                done[i] = self.prefill_step(seq, n)
-                if done[i] and on_final:
-                    on_final(i)
-        return done
+            if i not in done:
+                finished(i, self.prefill_step(seq, n))
+        return [done[i] for i in range(len(work))]
 
     def _prefill_packed(self, work: list[tuple[Sequence, int]]) -> list[bool]:
         """One forward over several sequences' next prompt chunks (see :meth:`prefill_steps`); then, per sequence,
