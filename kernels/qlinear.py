@@ -30,9 +30,9 @@ The launch configuration is a pure function of (fmt, N, K, T) (``choose_config``
 first call only compiles, nothing is timed or synchronised, and later calls are safe to capture in a
 CUDA graph. Triton is imported on first use, so this module imports (and the CPU fallback runs) without it.
 
-On CUDA with bf16 / fp16 x the engine runs ``kernels/qmv_cuda.cu`` instead (tensor cores, 8 rows a launch,
-deterministic, T = 8 at the cost of T = 1) whenever cupy imports: these Triton kernels serve fp32 x and machines
-without cupy. Their dot kernel (T >= 2) has returned wrong sums now and then on the GPU (see ``_dot_kernel``). How
+On CUDA with bf16 / fp16 x the engine runs ``kernels/qmv_cuda.cu`` instead (tensor cores, up to 64 rows a
+launch, deterministic, T = 8 at the cost of T = 1) whenever cupy imports: these Triton kernels serve fp32 x and
+machines without cupy. Their dot kernel (T >= 2) has returned wrong sums now and then on the GPU (see ``_dot_kernel``). How
 fast each is at the 27B shapes: ``docs/perf/README.md``.
 """
 
@@ -243,7 +243,7 @@ class PackedLinear:
     copy from :meth:`row_major`.
 
     ``lin(x)`` with x [..., K]: on CUDA with at most MAX_KERNEL_ROWS rows, bf16/fp16 x goes to the tensor-core
-    kernel of ``kernels/qmv_cuda.cu`` (``qmv_cuda.MAX_T`` rows a launch) when cupy imports, fp32 x (or no cupy) to
+    kernel of ``kernels/qmv_cuda.cu`` (``qmv_cuda.rows_per_launch()`` rows a launch) when cupy imports, fp32 x (or no cupy) to
     the Triton kernels here. Otherwise
     (prefill widths, or a CPU) a dense weight and F.linear: with ``dense_fallback=True`` (default) the
     dense weight is made once per dtype and cached, which costs 2 bytes per weight on top of the packed
@@ -285,7 +285,7 @@ class PackedLinear:
         if self.device.type == "cuda":
             _workspace(self.device, scratch_rows(fmt, self.n, self.k), self.n, 1)
             if qmv_cuda.available():
-                qmv_cuda.workspace(self.device, qmv_cuda.MAX_SPLITS * qmv_cuda.MAX_T * self.n)
+                qmv_cuda.reserve(self.device, self.n, self.ng)
                 if layout != "rows":
                     self.qmv_weight = qmv_cuda.TiledWeight(self, lanes=layout == "lanes")
                     self.buf = self.codes = self.words = self.high = self.scales = None
@@ -319,8 +319,9 @@ class PackedLinear:
             x2 = x2.contiguous()
             qw = self.qmv_weight or self
             if qmv_cuda.supports(x2[:qmv_cuda.MAX_T], qw):
-                # 8 rows a launch, for every width: results that do not depend on the batch (and are deterministic);
-                # the Triton dot kernel (T >= 2) also returned wrong sums now and then on an H200
+                # up to 64 rows a launch, each row's sums those of a one-row launch: results that do not depend on
+                # the batch (and are deterministic); the Triton dot kernel (T >= 2) also returned wrong sums now and
+                # then on an H200
                 y = qmv_cuda.qmv_rows(x2, qw)
             else:
                 y = qlinear_triton(x2, self.row_major())

@@ -22,6 +22,10 @@
 // both exact in bf16/fp16, in the two halves of the fragment.
 // Column n of the MMA is token t = n: lane (g, c) loads x[t = g] (zero for t >= T) and holds out[t = 2c, 2c + 1]
 // of rows g and g + 8.
+// NCOL > 1 (up to 64 rows of x in one launch): the tile's A fragments of a step are made once and multiplied by
+// NCOL column groups of 8 tokens (group j: tokens 8 j .. 8 j + 7), each group's MMAs, scale step and warp / split
+// sums exactly those of a launch of its 8 tokens alone - so every row keeps its one-token bits while the weight is
+// read once for all of them.
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -71,6 +75,12 @@ typedef unsigned char u8;
 #define ACT 0     // 1: the weight is a gate / up pair whose rows alternate in runs of 8 (engine/model/weights.py's
 #endif            // interleaved gate_up): tile j's rows g and g + 8 are gate and up of output column 8 j + g, and the
                   // kernel stores silu(gate) * up, [T, N / 2] (no split-K)
+#ifndef NCOL
+#define NCOL 1    // column groups of 8 tokens a launch (T <= 8 NCOL); x read per step from L1 / L2 when > 1
+#endif
+#if NCOL > 1 && (XLATE || PIPE || TAIL)
+#error "NCOL > 1 loads x inside each step: XLATE, PIPE and TAIL are for NCOL 1"
+#endif
 #ifndef MIN_BLOCKS
 #define MIN_BLOCKS 2  // blocks per SM to fit: lets ptxas keep all of a step batch's loads in flight
 #endif                // (it interleaves them with the arithmetic, one step at a time, when it aims at more blocks)
@@ -220,6 +230,7 @@ struct Lane {
   const u16 *sp0, *sp1;   // the two rows' scales
   const u8 *hp0, *hp1;    // q5: the high-bit bytes of the lane's two words
   const u16* xp;          // x[t, k] where the lane's codes start
+  int xo[NCOL];           // column group n's row of x: elements past xp's (0 for n = 0)
 };
 
 // one x element (the element-wise path); with PDL through L2, as above
@@ -278,10 +289,11 @@ __device__ __forceinline__ void load_step(const Lane& L, int u, CodeT& w0, CodeT
 }
 
 // x[t, k] for step u (group gi + u NW) as XPL / 2 packed pairs (0 past K on the element-wise path)
+// (`off`: elements from row min(g, T - 1) of x to the row this column group's lane reads)
 __device__ __forceinline__ void load_x(const Lane& L, const u16* __restrict__ xrow, int gi, int u, int K, int c,
-                                       u32* xv) {
+                                       u32* xv, int off = 0) {
 #if EVEN
-  const uint4* p = reinterpret_cast<const uint4*>(L.xp + GROUP * NW * u);
+  const uint4* p = reinterpret_cast<const uint4*>(L.xp + off + GROUP * NW * u);
 #pragma unroll
   for (int i = 0; i < XPL / 8; ++i) {
 #if PDL
@@ -295,24 +307,77 @@ __device__ __forceinline__ void load_x(const Lane& L, const u16* __restrict__ xr
   const int k0 = (gi + u * NW) * GROUP + XPL * c;
 #pragma unroll
   for (int i = 0; i < XPL / 2; ++i) {
-    const u32 lo = k0 + 2 * i < K ? ldx(xrow + k0 + 2 * i) : 0;
-    const u32 hi = k0 + 2 * i + 1 < K ? ldx(xrow + k0 + 2 * i + 1) : 0;
+    const u32 lo = k0 + 2 * i < K ? ldx(xrow + off + k0 + 2 * i) : 0;
+    const u32 hi = k0 + 2 * i + 1 < K ? ldx(xrow + off + k0 + 2 * i + 1) : 0;
     xv[i] = lo | (hi << 16);
   }
 #endif
 }
 
+// One step's arithmetic: step_math turns the two rows' code words (w0, w1), high-bit bytes and scales into the MMA's
+// A fragments and multiplies them by x's pairs (one column group of 8 tokens) into acc's 4 sums. With NCOL > 1
+// make_frags makes the fragments once a step and col_math does one column group's part: the same operations in the
+// same order for each column group.
 #if FMT == 3
 // FMT 3, dense 16-bit weights: the lane's 16 consecutive weights of each row are 8 pairs (k, k + 1), x's 8 pairs
 // the same k: MMA j takes pairs 2j and 2j + 1 of both rows and of x, no conversion and no scale
-__device__ __forceinline__ void step_math(CodeT w0, CodeT w1, u32, u32, const u32* xv, u32, u32, u32, float* acc) {
-  const u32 r0[8] = {w0.a.x, w0.a.y, w0.a.z, w0.a.w, w0.b.x, w0.b.y, w0.b.z, w0.b.w};
-  const u32 r1[8] = {w1.a.x, w1.a.y, w1.a.z, w1.a.w, w1.b.x, w1.b.y, w1.b.z, w1.b.w};
+struct Frags {
+  u32 r0[8], r1[8];
+};
+__device__ __forceinline__ Frags make_frags(CodeT w0, CodeT w1, u32, u32, u32, u32, u32) {
+  return {{w0.a.x, w0.a.y, w0.a.z, w0.a.w, w0.b.x, w0.b.y, w0.b.z, w0.b.w},
+          {w1.a.x, w1.a.y, w1.a.z, w1.a.w, w1.b.x, w1.b.y, w1.b.z, w1.b.w}};
+}
+__device__ __forceinline__ void col_math(const Frags& F, const u32* xv, float* acc) {
 #pragma unroll
-  for (int j = 0; j < 4; ++j) mma(acc, r0[2 * j], r1[2 * j], r0[2 * j + 1], r1[2 * j + 1], xv[2 * j], xv[2 * j + 1]);
+  for (int j = 0; j < 4; ++j)
+    mma(acc, F.r0[2 * j], F.r1[2 * j], F.r0[2 * j + 1], F.r1[2 * j + 1], xv[2 * j], xv[2 * j + 1]);
+}
+__device__ __forceinline__ void step_math(CodeT w0, CodeT w1, u32, u32, const u32* xv, u32, u32, u32, float* acc) {
+  col_math(make_frags(w0, w1, 0, 0, 0, 0, 0), xv, acc);
 }
 #else
-// One step's arithmetic: the two rows' code words (w0, w1), high-bit bytes, x pairs and scales -> acc.
+// word wd's two MMAs: its A pairs of row g (pa) and row g + 8 (pb) times x's pairs of the same k -> d
+__device__ __forceinline__ void word_math(const u32* pa, const u32* pb, const u32* xv, int wd, float* d) {
+#if FMT == 0
+  // word wd holds k = 4 wd .. 4 wd + 3 of the lane's 8: x pairs (x0, x2) and (x1, x3)
+  const u32 xa = xv[2 * wd], xb = xv[2 * wd + 1];
+#if TILED == 2  // the word's codes are stored k0, k2, k1, k3: x's own pairs
+  const u32 x02 = xa, x13 = xb;
+#else
+  const u32 x02 = prmt(xa, xb, 0x5410), x13 = prmt(xa, xb, 0x7632);
+#endif
+  mma(d, pa[0], pb[0], pa[1], pb[1], x02, x02);
+  mma(d, pa[2], pb[2], pa[3], pb[3], x13, x13);
+#else
+  // word wd holds k = 8 wd .. 8 wd + 7 of the lane's 16: x pairs (x0, x4), (x1, x5), (x2, x6), (x3, x7)
+  const u32* xw = xv + 4 * wd;
+#if TILED == 2  // the word's nibbles are stored k0, k2, k4, k6 | k1, k3, k5, k7: pair i is x's own pair i
+  const u32 b0 = xw[0], b1 = xw[1], b2 = xw[2], b3 = xw[3];
+#else
+  const u32 b0 = prmt(xw[0], xw[2], 0x5410), b1 = prmt(xw[0], xw[2], 0x7632);
+  const u32 b2 = prmt(xw[1], xw[3], 0x5410), b3 = prmt(xw[1], xw[3], 0x7632);
+#endif
+  mma(d, pa[0], pb[0], pa[1], pb[1], b0, b1);
+  mma(d, pa[2], pb[2], pa[3], pb[3], b2, b3);
+#if FOLD
+  // the codes went in as BASE + u: every row takes (BASE + zero) * sum(x) back off, BASE + zero (136 / 144,
+  // 1032 / 1040 in fp16) being exact, in the same fp32 sums
+  mma(d, ZSUB, ZSUB, ZSUB, ZSUB, b0, b1);
+  mma(d, ZSUB, ZSUB, ZSUB, ZSUB, b2, b3);
+#endif
+#endif
+}
+
+// the step's sums d times the two rows' group scales, into acc
+__device__ __forceinline__ void scale_add(const float* d, float sa, float sb, float* acc) {
+  acc[0] += sa * d[0];
+  acc[1] += sa * d[1];
+  acc[2] += sb * d[2];
+  acc[3] += sb * d[3];
+}
+
+// One step, one column group: each word's pairs made just before its MMAs
 __device__ __forceinline__ void step_math(uint2 w0, uint2 w1, u32 h0, u32 h1, const u32* xv, u32 s0, u32 s1,
                                           u32 magic, float* acc) {
   float d[4] = {0.f, 0.f, 0.f, 0.f};
@@ -321,40 +386,32 @@ __device__ __forceinline__ void step_math(uint2 w0, uint2 w1, u32 h0, u32 h1, co
     u32 pa[4], pb[4];
     word_pairs(wd ? w0.y : w0.x, (h0 >> (8 * wd)) & 0xFFu, magic, pa);
     word_pairs(wd ? w1.y : w1.x, (h1 >> (8 * wd)) & 0xFFu, magic, pb);
-#if FMT == 0
-    // word wd holds k = 4 wd .. 4 wd + 3 of the lane's 8: x pairs (x0, x2) and (x1, x3)
-    const u32 xa = xv[2 * wd], xb = xv[2 * wd + 1];
-#if TILED == 2  // the word's codes are stored k0, k2, k1, k3: x's own pairs
-    const u32 x02 = xa, x13 = xb;
-#else
-    const u32 x02 = prmt(xa, xb, 0x5410), x13 = prmt(xa, xb, 0x7632);
-#endif
-    mma(d, pa[0], pb[0], pa[1], pb[1], x02, x02);
-    mma(d, pa[2], pb[2], pa[3], pb[3], x13, x13);
-#else
-    // word wd holds k = 8 wd .. 8 wd + 7 of the lane's 16: x pairs (x0, x4), (x1, x5), (x2, x6), (x3, x7)
-    const u32* xw = xv + 4 * wd;
-#if TILED == 2  // the word's nibbles are stored k0, k2, k4, k6 | k1, k3, k5, k7: pair i is x's own pair i
-    const u32 b0 = xw[0], b1 = xw[1], b2 = xw[2], b3 = xw[3];
-#else
-    const u32 b0 = prmt(xw[0], xw[2], 0x5410), b1 = prmt(xw[0], xw[2], 0x7632);
-    const u32 b2 = prmt(xw[1], xw[3], 0x5410), b3 = prmt(xw[1], xw[3], 0x7632);
-#endif
-    mma(d, pa[0], pb[0], pa[1], pb[1], b0, b1);
-    mma(d, pa[2], pb[2], pa[3], pb[3], b2, b3);
-#if FOLD
-    // the codes went in as BASE + u: every row takes (BASE + zero) * sum(x) back off, BASE + zero (136 / 144,
-    // 1032 / 1040 in fp16) being exact, in the same fp32 sums
-    mma(d, ZSUB, ZSUB, ZSUB, ZSUB, b0, b1);
-    mma(d, ZSUB, ZSUB, ZSUB, ZSUB, b2, b3);
-#endif
-#endif
+    word_math(pa, pb, xv, wd, d);
   }
-  const float sa = half_to_float((u16)s0), sb = half_to_float((u16)s1);
-  acc[0] += sa * d[0];
-  acc[1] += sa * d[1];
-  acc[2] += sb * d[2];
-  acc[3] += sb * d[3];
+  scale_add(d, half_to_float((u16)s0), half_to_float((u16)s1), acc);
+}
+
+// NCOL > 1: one step's A fragments, made once for all column groups, and one column group's part of the step
+struct Frags {
+  u32 pa[2][4], pb[2][4];  // word wd's four A pairs of row g (pa) and row g + 8 (pb)
+  float sa, sb;            // the two rows' group scales
+};
+__device__ __forceinline__ Frags make_frags(uint2 w0, uint2 w1, u32 h0, u32 h1, u32 s0, u32 s1, u32 magic) {
+  Frags F;
+#pragma unroll
+  for (int wd = 0; wd < 2; ++wd) {
+    word_pairs(wd ? w0.y : w0.x, (h0 >> (8 * wd)) & 0xFFu, magic, F.pa[wd]);
+    word_pairs(wd ? w1.y : w1.x, (h1 >> (8 * wd)) & 0xFFu, magic, F.pb[wd]);
+  }
+  F.sa = half_to_float((u16)s0);
+  F.sb = half_to_float((u16)s1);
+  return F;
+}
+__device__ __forceinline__ void col_math(const Frags& F, const u32* xv, float* acc) {
+  float d[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+  for (int wd = 0; wd < 2; ++wd) word_math(F.pa[wd], F.pb[wd], xv, wd, d);
+  scale_add(d, F.sa, F.sb, acc);
 }
 #endif
 
@@ -371,7 +428,19 @@ __device__ __forceinline__ void steps(const Lane& L, const u16* __restrict__ xro
     load_step(L, u, w0[u], w1[u], s0[u], s1[u], h0[u], h1[u]);
   }
   if (WAIT) grid_wait();  // the code loads above are in flight; x comes from the kernel before
-#if XLATE
+#if NCOL > 1
+  // every column group's x for one step at a time (U steps of all groups would not fit in registers)
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const Frags F = make_frags(w0[u], w1[u], h0[u], h1[u], s0[u], s1[u], magic);
+#pragma unroll
+    for (int n = 0; n < NCOL; ++n) {
+      u32 xv[XPL / 2];
+      load_x(L, xrow, gi, u, K, c, xv, L.xo[n]);
+      col_math(F, xv, acc + 4 * n);
+    }
+  }
+#elif XLATE
   u32 xv[2][XPL / 2];
   load_x(L, xrow, gi, 0, K, c, xv[0]);
 #pragma unroll
@@ -465,6 +534,8 @@ __device__ __forceinline__ void tile_sums(const u16* __restrict__ x, const u8* _
 #endif
 #endif
   L.xp = xrow + GROUP * gi + XPL * c;
+#pragma unroll
+  for (int n = 0; n < NCOL; ++n) L.xo[n] = (min(8 * n + g, T - 1) - min(g, T - 1)) * (int)stride_x;
   u32 magic;
   asm volatile("mov.b32 %0, %1;" : "=r"(magic) : "n"(MAGIC));  // kept in a register (see and_or)
 #if PIPE
@@ -527,40 +598,52 @@ __device__ __forceinline__ void tile_store(float* acc, int tile, int piece, int 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, c = lane & 3;
   grid_wait();  // a warp without groups still writes the output below: only after the kernel before is done
-  __shared__ float4 red[NW][32];
+  __shared__ float4 red[NW][NCOL][32];
   __shared__ int last;
-  red[warp][lane] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+#pragma unroll
+  for (int m = 0; m < NCOL; ++m)
+    red[warp][m][lane] = make_float4(acc[4 * m], acc[4 * m + 1], acc[4 * m + 2], acc[4 * m + 3]);
   __syncthreads();
   if (warp == 0) {
 #pragma unroll
     for (int w = 1; w < NW; ++w) {
-      const float4 v = red[w][lane];
-      acc[0] += v.x; acc[1] += v.y; acc[2] += v.z; acc[3] += v.w;
+#pragma unroll
+      for (int m = 0; m < NCOL; ++m) {
+        const float4 v = red[w][m][lane];
+        acc[4 * m] += v.x; acc[4 * m + 1] += v.y; acc[4 * m + 2] += v.z; acc[4 * m + 3] += v.w;
+      }
     }
     const int row[2] = {tile * 16 + g, tile * 16 + g + 8};
-    const int tt[2] = {2 * c, 2 * c + 1};
     if (pieces == 1) {
-#if ACT
-      // gate and up rounded as the projection would store them, then silu(g) * u in fp32 as fused.silu_mul takes
-      // it (not to the bit: expf here, Triton's exp there)
 #pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        const float gate = out_to_float(float_to_out(acc[i])), up = out_to_float(float_to_out(acc[2 + i]));
-        if (row[1] < N && tt[i] < T)
-          out[tt[i] * stride_o + tile * 8 + g] = float_to_out(gate / (1.f + expf(-gate)) * up);
-      }
+      for (int m = 0; m < NCOL; ++m) {  // column group m: tokens 8 m + 2 c and 8 m + 2 c + 1
+        const float* a = acc + 4 * m;
+        const int tt[2] = {8 * m + 2 * c, 8 * m + 2 * c + 1};
+#if ACT
+        // gate and up rounded as the projection would store them, then silu(g) * u in fp32 as fused.silu_mul takes
+        // it (not to the bit: expf here, Triton's exp there)
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const float gate = out_to_float(float_to_out(a[i])), up = out_to_float(float_to_out(a[2 + i]));
+          if (row[1] < N && tt[i] < T)
+            out[tt[i] * stride_o + tile * 8 + g] = float_to_out(gate / (1.f + expf(-gate)) * up);
+        }
 #else
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int n = row[i >> 1], t = tt[i & 1];
-        if (n < N && t < T) out[t * stride_o + n] = float_to_out(acc[i]);
-      }
+        for (int i = 0; i < 4; ++i) {
+          const int n = row[i >> 1], t = tt[i & 1];
+          if (n < N && t < T) out[t * stride_o + n] = float_to_out(a[i]);
+        }
 #endif
+      }
     } else {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int n = row[i >> 1], t = tt[i & 1];
-        if (n < N && t < T) ws[((long long)piece * T + t) * N + n] = acc[i];
+      for (int m = 0; m < NCOL; ++m) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int n = row[i >> 1], t = 8 * m + 2 * c + (i & 1);
+          if (n < N && t < T) ws[((long long)piece * T + t) * N + n] = acc[4 * m + i];
+        }
       }
       __threadfence();
       __syncwarp();
@@ -569,12 +652,15 @@ __device__ __forceinline__ void tile_store(float* acc, int tile, int piece, int 
       if (last) {
         __threadfence();
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int n = row[i >> 1], t = tt[i & 1];
-          if (n < N && t < T) {
-            float sum = 0.f;
-            for (int y = 0; y < pieces; ++y) sum += __ldcg(ws + ((long long)y * T + t) * N + n);
-            out[t * stride_o + n] = float_to_out(sum);
+        for (int m = 0; m < NCOL; ++m) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int n = row[i >> 1], t = 8 * m + 2 * c + (i & 1);
+            if (n < N && t < T) {
+              float sum = 0.f;
+              for (int y = 0; y < pieces; ++y) sum += __ldcg(ws + ((long long)y * T + t) * N + n);
+              out[t * stride_o + n] = float_to_out(sum);
+            }
           }
         }
         if (lane == 0) counters[tile] = 0;
@@ -591,14 +677,16 @@ __device__ __forceinline__ void let_next_launch() {
 #endif
 }
 
-// Block (tile, split): one 16-row tile, split y's groups (split-K over grid y).
+// Block (tile, split): one 16-row tile, split y's groups (split-K over grid y), for all NCOL column groups.
 extern "C" __global__ void __launch_bounds__(NW * 32, MIN_BLOCKS)
 qmv(const u16* __restrict__ x, const u8* __restrict__ codes, const u8* __restrict__ high,
     const u16* __restrict__ scales, u16* __restrict__ out, float* __restrict__ ws, int* __restrict__ counters,
     int T, int N, int K, int NG, int groups_per_split, long long stride_x, long long stride_o,
     long long stride_c, long long stride_h, long long stride_s) {
   let_next_launch();
-  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  float acc[4 * NCOL];
+#pragma unroll
+  for (int i = 0; i < 4 * NCOL; ++i) acc[i] = 0.f;
   const int g_lo = blockIdx.y * groups_per_split, g_hi = min(NG, g_lo + groups_per_split);
   tile_sums(x, codes, high, scales, T, N, K, NG, stride_x, stride_c, stride_h, stride_s, blockIdx.x, g_lo, g_hi,
             acc);

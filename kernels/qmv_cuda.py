@@ -1,10 +1,14 @@
-"""Quantized projections for the decode and verify widths (T <= 8) on the tensor cores: ``kernels/qmv_cuda.cu``.
+"""Quantized projections for the decode, verify and batch widths (T <= 64) on the tensor cores: ``kernels/qmv_cuda.cu``.
 
 ``qmv(x, lin)`` computes ``x [T, K] @ W.T`` for a :class:`kernels.qlinear.PackedLinear` in q8 / q5 / q4, reading the
 packed bytes in place, with x (and the output) in bf16 or fp16. The source's header says how: each code word
 becomes four exact bf16/fp16 pairs with one mask-and-or and one packed subtraction, an ``mma.m16n8k16`` sums them
 against x in fp32, and the group scale multiplies the sums; T = 1 and T = 8 cost nearly the same (the MMA's 8
-columns are the tokens). Compiled at first use for each (format, dtype, whole-groups) by CuPy's NVRTC, so it needs
+columns are the tokens). Wider x (9-64 rows, a batch's verify) takes ``ceil(T / 8)`` column groups of 8 tokens in
+one launch (rounded up to 2, 4 or 8): the weight is read and its fragments made once, and each group's sums are
+those of a launch of its 8 rows alone, so a row's bits do not depend on the launch width
+(:func:`qmv_rows` splits wider x into launches of :func:`rows_per_launch` rows).
+Compiled at first use for each (format, dtype, whole-groups, column groups) by CuPy's NVRTC, so it needs
 ``cupy`` (the ``[gpu]`` extra) and an sm_80+ GPU; :func:`supports` says whether a call can take this path, and
 ``PackedLinear`` falls back to the Triton kernels of ``kernels/qlinear.py`` otherwise. The reference is
 :func:`kernels.qlinear.qlinear_ref`.
@@ -32,10 +36,12 @@ from . import _triton
 from .qmv_layout import DENSE_FMT, WORD_ORDER, TiledWeight
 
 __all__ = ["qmv", "supports", "available", "import_error", "choose_splits", "choose_warps", "workspace", "set_dense",
-           "dense_enabled", "DenseWeight", "TiledWeight", "DENSE_FMT", "WORD_ORDER", "qmv_rows", "MAX_T", "MAX_SPLITS"]
+           "dense_enabled", "DenseWeight", "TiledWeight", "DENSE_FMT", "WORD_ORDER", "qmv_rows", "MAX_T", "MAX_ROWS",
+           "MAX_SPLITS", "reserve", "shape_splits", "rows_per_launch", "set_rows_per_launch", "column_groups"]
 
-MAX_T = 8  # tokens per launch: the MMA's n = 8 columns
-MAX_SPLITS = 8  # split-K slices: the workspace holds MAX_SPLITS x MAX_T x N floats
+MAX_T = 8  # tokens per column group: the MMA's n = 8 columns
+MAX_ROWS = 64  # rows of x per launch: up to 8 column groups
+MAX_SPLITS = 8  # split-K slices: the workspace holds splits x T x N floats
 NW = 8  # warps per block (NW in the source)
 _FMT_ID = {"q8_g32_fp16": 0, "q5_g64_fp16": 1, "q4_g64_fp16": 2, DENSE_FMT: 3}
 _SOURCE = Path(__file__).with_name("qmv_cuda.cu")
@@ -63,10 +69,10 @@ def available() -> bool:
 
 
 def supports(x: torch.Tensor, lin) -> bool:
-    """Whether ``qmv(x, lin)`` runs for this input: CUDA, bf16/fp16, 1..8 rows, contiguous, a q format (or a
+    """Whether ``qmv(x, lin)`` runs for this input: CUDA, bf16/fp16, 1..64 rows, contiguous, a q format (or a
     :class:`DenseWeight` in x's dtype), the packed buffer 16-byte aligned."""
     lin = getattr(lin, "qmv_weight", None) or lin
-    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.dim() == 2 and 1 <= x.shape[0] <= MAX_T
+    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS
             and x.shape[1] == lin.k and x.is_contiguous() and lin.fmt in _FMT_ID
             and lin.codes.data_ptr() % 16 == 0  # 8 / 16-byte code loads; a view into a bigger buffer may sit anywhere
             and (lin.fmt != DENSE_FMT or lin.weight.dtype == x.dtype)
@@ -92,12 +98,12 @@ class DenseWeight:
         self.codes = weight.view(torch.uint8)  # [N, 2K] bytes
         self.high = self.codes[:1, :1]  # unused by FMT 3
         self.scales = weight[:1, :1]  # unused by FMT 3
-        workspace(weight.device, MAX_SPLITS * MAX_T * self.n, -(-self.n // 16))  # outside any graph capture
+        reserve(weight.device, self.n, self.ng)  # outside any graph capture
 
 
 @functools.cache
 def _kernel(fmt_id: int, half: bool, even: bool, unroll: int, min_blocks: int, xlate: bool, pipe: bool,
-            fold: bool, pdl: bool, tiled: int, act: bool, warps: int, tail: bool, device_index: int):
+            fold: bool, pdl: bool, tiled: int, act: bool, warps: int, tail: bool, ncol: int, device_index: int):
     import cupy
 
     with cupy.cuda.Device(device_index):
@@ -106,7 +112,7 @@ def _kernel(fmt_id: int, half: bool, even: bool, unroll: int, min_blocks: int, x
                                          f"-DUNROLL={unroll}", f"-DMIN_BLOCKS={min_blocks}", f"-DXLATE={int(xlate)}",
                                          f"-DPIPE={int(pipe)}", f"-DFOLD={int(fold)}", f"-DPDL={int(pdl)}",
                                          f"-DTILED={int(tiled)}", f"-DACT={int(act)}", f"-DNW={warps}",
-                                         f"-DTAIL={int(tail)}"))
+                                         f"-DTAIL={int(tail)}", f"-DNCOL={ncol}"))
         return module.get_function("qmv")
 
 
@@ -117,8 +123,26 @@ _WORKSPACES: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
 def workspace(device, floats: int, tiles: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """The device's split-K scratch, grown to at least ``floats`` floats; never grown inside a CUDA-graph capture
-    (``PackedLinear`` reserves ``MAX_SPLITS * MAX_T * N`` when it is built)."""
+    (``PackedLinear`` and ``DenseWeight`` :func:`reserve` what their widest launch needs when they are built)."""
     return _triton.split_k_scratch(_WORKSPACES, device, floats, tiles, "qmv")
+
+
+def reserve(device, n: int, ng: int) -> None:
+    """Grow the device's split-K scratch for an ``[n, K]`` weight of ``ng`` groups: its split count (a function of
+    the shape, :func:`shape_splits`) times ``MAX_ROWS`` rows times ``n`` - nothing when it takes one pass."""
+    device = torch.device(device)
+    dev = device.index if device.index is not None else torch.cuda.current_device()
+    s = shape_splits(n, ng, _sms(dev))
+    workspace(device, s * MAX_ROWS * n if s > 1 else 1, -(-n // 16))
+
+
+def shape_splits(n: int, ng: int, sms: int, warps: int | None = None) -> int:
+    """The split count every launch for this weight uses (unless a caller passes ``splits``): :func:`choose_splits`
+    at the default unroll and blocks an SM for ``warps`` (default :func:`choose_warps`), so that it is the same at
+    every width - the order of the sums, and so each row's bits, do not depend on how many rows a launch takes."""
+    warps = warps or choose_warps(n, sms)
+    groups = -(-ng // min(choose_splits(n, ng, sms, 4, max(1, _WARPS_PER_SM // warps), warps), MAX_SPLITS))
+    return -(-ng // groups)
 
 
 # ---- switches, process-wide (as DeepGEMM's set_pdl); off here, the engine sets them from EngineOptions ---------
@@ -130,7 +154,7 @@ def workspace(device, floats: int, tiles: int = 1) -> tuple[torch.Tensor, torch.
 # did not let it start early); with the Triton glue PDL-aware too the 27B step is 4 % faster (EngineOptions.pdl,
 # on by default). dense: small dense 16-bit projections (engine/weights.DenseLinear) through
 # FMT 3 (measured faster: on by default in EngineOptions.qmv_dense).
-_SWITCHES = {"dense": False}
+_SWITCHES = {"dense": False, "rows": MAX_ROWS}
 
 
 def set_dense(on: bool) -> None:
@@ -141,6 +165,29 @@ def set_dense(on: bool) -> None:
 
 def dense_enabled() -> bool:
     return _SWITCHES["dense"]
+
+
+def set_rows_per_launch(rows: int) -> None:
+    """Rows of x one launch takes from now on (8, 16, 32 or 64; :func:`qmv_rows` splits wider x): 8 is one column
+    group a launch, the weight read once per 8 rows."""
+    if rows not in (8, 16, 32, 64):
+        raise ValueError(f"qmv: rows per launch must be 8, 16, 32 or 64, got {rows}")
+    _SWITCHES["rows"] = rows
+
+
+def rows_per_launch() -> int:
+    return _SWITCHES["rows"]
+
+
+def column_groups(t: int) -> int:
+    """Column groups of 8 tokens a launch of ``t`` rows is compiled for: ceil(t / 8) rounded up to 1, 2, 4 or 8 (the
+    rows past t repeat row t - 1 and are not stored)."""
+    return 1 << ((t + MAX_T - 1) // MAX_T - 1).bit_length()
+
+
+# warps an SM whose registers a launch of this many column groups is built for (NVRTC's ptxas for sm_90: 2 groups
+# fit 128 registers a thread without spills, 4 and 8 want about 210-255)
+_NCOL_WARPS_PER_SM = {1: 24, 2: 16, 4: 8, 8: 8}
 
 
 class _LaunchAttr(ctypes.Structure):  # CUlaunchAttribute: id, 4 bytes of padding, a 64-byte value union
@@ -246,7 +293,7 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
         unroll: int = 4, min_blocks: int | None = None, xlate: bool = False, pipe: bool = False,
         fold: bool = False, pdl: bool | None = None, act: bool = False, warps: int | None = None,
         tail: bool = False) -> torch.Tensor:
-    """``x [T, K] @ W.T`` -> ``[T, N]`` in x.dtype, for T <= 8 (see :func:`supports`). ``out`` (contiguous [T, N],
+    """``x [T, K] @ W.T`` -> ``[T, N]`` in x.dtype, for T <= 64 (see :func:`supports`). ``out`` (contiguous [T, N],
     x.dtype) is written instead of a fresh tensor. ``splits`` (default :func:`choose_splits`), ``unroll`` (steps
     whose loads are in flight together), ``min_blocks`` (blocks per SM the registers must allow), ``xlate`` (x
     loaded one step ahead instead of with the codes), ``pipe`` (the step batches double-buffered: the next batch's
@@ -259,10 +306,11 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
     no split-K; N a multiple of 16). ``warps``: warps per 16-row tile (default :func:`choose_warps`; they take its
     groups in turn, so this fixes the order of the sums), ``min_blocks`` defaulting to 24 warps an SM; ``tail``: a
     warp's last groups (fewer than ``unroll``) loaded as one predicated batch instead of one step at a time (the
-    same sums in the same order)."""
+    same sums in the same order). Over 8 rows (:func:`column_groups` > 1) ``xlate``, ``pipe`` and ``tail`` are
+    refused and ``min_blocks`` defaults to the column groups' register need."""
     lin = getattr(lin, "qmv_weight", None) or lin  # a tiled PackedLinear: its tiles
     if not supports(x, lin):
-        raise ValueError(f"qmv: needs CUDA bf16/fp16 x [1..{MAX_T}, K={lin.k}] contiguous and a q8/q5/q4 weight "
+        raise ValueError(f"qmv: needs CUDA bf16/fp16 x [1..{MAX_ROWS}, K={lin.k}] contiguous and a q8/q5/q4 weight "
                          f"(or a DenseWeight in x's dtype) "
                          f"({import_error() or 'cupy ready'}); got {tuple(x.shape)} {x.dtype} on {x.device}, "
                          f"{lin.fmt}")
@@ -275,16 +323,21 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
     elif out.shape != (t, width) or out.dtype != x.dtype or not out.is_contiguous() or out.device != x.device:
         raise ValueError(f"qmv: out must be contiguous [{t}, {width}] {x.dtype} on {x.device}, got {tuple(out.shape)} "
                          f"{out.dtype} on {out.device}")
+    ncol = column_groups(t)
+    if ncol > 1 and (xlate or pipe or tail):
+        raise ValueError(f"qmv: xlate, pipe and tail are for launches of at most {MAX_T} rows, got {t}")
+    if t * x.stride(0) >= 2 ** 31:  # the column groups' row offsets are int32
+        raise ValueError(f"qmv: x too large for one launch ({t} rows of stride {x.stride(0)})")
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
     warps = warps or choose_warps(n, _sms(dev))
-    min_blocks = min_blocks or max(1, _WARPS_PER_SM // warps)
+    min_blocks = min_blocks or max(1, _NCOL_WARPS_PER_SM[ncol] // warps)
     even = lin.k == lin.kp and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
     pdl = _triton.pdl_now(x.device) if pdl is None else pdl and _capability(dev) >= (9, 0)
     kern = _kernel(_FMT_ID[lin.fmt], x.dtype == torch.float16, even, unroll, min_blocks, xlate, pipe, fold, pdl,
-                   getattr(lin, "layout", 0), act, warps, tail, dev)
+                   getattr(lin, "layout", 0), act, warps, tail, ncol, dev)
     tiles = -(-n // 16)
     whole = act or not _triton.split_k_allowed()  # (the epilogue, or a launch beside others: _triton.single_pass)
-    s = 1 if whole else min(splits or choose_splits(n, lin.ng, _sms(dev), unroll, min_blocks, warps), MAX_SPLITS)
+    s = 1 if whole else min(splits, MAX_SPLITS) if splits else shape_splits(n, lin.ng, _sms(dev), warps)
     groups_per_split = -(-lin.ng // s)
     s = -(-lin.ng // groups_per_split)
     ws, counters = workspace(x.device, s * t * n, tiles) if s > 1 else (out, out)
@@ -307,9 +360,10 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
     return out
 
 
-def qmv_rows(x: torch.Tensor, lin, act: bool = False) -> torch.Tensor:
-    """:func:`qmv` for any number of rows, ``MAX_T`` a launch: each row's result does not depend on the others
-    (the caller checks :func:`supports` on the first ``MAX_T`` rows)."""
-    if x.shape[0] <= MAX_T:
+def qmv_rows(x: torch.Tensor, lin, act: bool = False, rows: int | None = None) -> torch.Tensor:
+    """:func:`qmv` for any number of rows, ``rows`` (default :func:`rows_per_launch`) a launch: each row's result
+    does not depend on the others or on the launch width (the caller checks :func:`supports` on the first rows)."""
+    step = min(rows or _SWITCHES["rows"], MAX_ROWS)
+    if x.shape[0] <= step:
         return qmv(x, lin, act=act)
-    return torch.cat([qmv(x[i:i + MAX_T], lin, act=act) for i in range(0, x.shape[0], MAX_T)])
+    return torch.cat([qmv(x[i:i + step], lin, act=act) for i in range(0, x.shape[0], step)])

@@ -5,11 +5,13 @@
 
 For each projection (K -> N), packed format and T rows of x (bf16): checks the kernel against the fp32
 reference on a sample of rows (rel. RMS), then times
-  ours          what the engine calls (a tiled PackedLinear: qmv, 8 rows a launch, when cupy imports, else Triton)
+  ours          what the engine calls (a tiled PackedLinear: qmv, up to 64 rows a launch, when cupy imports, else Triton)
                 replayed from a CUDA graph, do_bench median with L2 flushed (graph replay keeps host launch
                 time out of the number)
   triton        qlinear_triton with its default launch config
   qmv           kernels/qmv_cuda.cu (tensor cores, T <= 8) with its default split
+  ours-r<R>     (T > 8, --rows) what the engine calls with R rows a launch (8: one column group a launch, the weight
+                read once per 8 rows); every row's bits must equal ours-r8's
   X@graph20     20 calls of X replayed from one CUDA graph, cycling over weight copies so L2 cannot hold them
   bf16      cuBLAS F.linear on a dense bf16 weight
   int4      torch's _weight_int4pack_mm (tinygemm, g128), as the reference-GPU kernel anchors time it
@@ -231,6 +233,9 @@ def main() -> int:
                     help="comma list of qmv launch builds on the lanes layout, each letters + numbers: u<steps in "
                          "flight> b<blocks per SM> w<warps a tile> t (predicated tail batch) x (x one step ahead), "
                          "e.g. u4b3,u4b3t,u5b2t,w4u4b6t; timed as qmv-lanes-<spec>")
+    ap.add_argument("--rows", default="",
+                    help="comma list of rows a launch (8, 16, 32, 64) timed for T > 8 as ours-r<R>, e.g. 8,16,32,64; "
+                         "--qmv-knobs then also run at T > 8 (without t / x)")
     ap.add_argument("--only", default="",
                     help="comma list: time only these candidates (e.g. qmv-lanes,qmv-lanes-r8; default all)")
     ap.add_argument("--only-variants", default="", help="comma list: restrict --variants to these names")
@@ -251,6 +256,9 @@ def main() -> int:
     ts = [int(v) for v in args.ts.split(",")] if args.ts else ([1, 8] if args.quick else [1, 2, 4, 8, 16])
     fmts = [FMT_ALIASES[f] for f in args.fmts.split(",")]
     split_sweep = sorted({int(v) for v in args.qmv_splits.split(",") if v})
+    rows_sweep = sorted({int(v) for v in args.rows.split(",") if v} | ({8} if args.rows else set()))
+    if any(r not in (8, 16, 32, 64) for r in rows_sweep):
+        ap.error(f"--rows: each must be 8, 16, 32 or 64, got {args.rows}")
     if any(not 1 <= sp <= qmv_cuda.MAX_SPLITS for sp in split_sweep):
         ap.error(f"--qmv-splits: each count must be 1..{qmv_cuda.MAX_SPLITS}, got {args.qmv_splits}")
     try:
@@ -336,14 +344,23 @@ def main() -> int:
                         cands[f"qmv-lanes-u{un}-b{mb}"] = (lambda x, li, out=None, un=un, mb=mb:
                                                            qmv_cuda.qmv(x, lanes[id(li)], out, unroll=un,
                                                                         min_blocks=mb))
-                if knobs and t <= qmv_cuda.MAX_T and qmv_cuda.available():
+                if rows_sweep and t > qmv_cuda.MAX_T and qmv_cuda.available():
+                    for r in rows_sweep:  # r8 first: the bits every other width must give
+                        cands[f"ours-r{r}"] = (lambda x, li, out=None, r=r:
+                                               qmv_cuda.qmv_rows(x, held[id(li)], rows=r) if out is None
+                                               else out.copy_(qmv_cuda.qmv_rows(x, held[id(li)], rows=r)))
+                        cands[f"ours-r{r}"].config = f"{-(-t // r)} launches of {qmv_cuda.column_groups(min(t, r))} " \
+                                                     "column groups"
+                if knobs and qmv_cuda.available() and (t <= qmv_cuda.MAX_T or rows_sweep):
                     lanes = lanes or {id(li): qmv_cuda.TiledWeight(li, lanes=True) for li in lins}
                     for spec, kw in knobs.items():
+                        if t > qmv_cuda.MAX_T and (kw["tail"] or kw["xlate"]):
+                            continue
                         cands[f"qmv-lanes-{spec}"] = (lambda x, li, out=None, kw=kw:
                                                       qmv_cuda.qmv(x, lanes[id(li)], out, **kw))
                 if args.only:
                     cands = {name: fn for name, fn in cands.items() if name in args.only.split(",")}
-                best = None
+                best, bits = None, None
                 for label, fn in cands.items():
                     try:
                         y = fn(x, lin)
@@ -353,6 +370,13 @@ def main() -> int:
                         failures.append((op, fmt, t, label, "error"))
                         emit({"kind": "error", "op": op, "fmt": fmt, "T": t, "impl": label, "error": repr(e)[:2000]})
                         continue
+                    if t > qmv_cuda.MAX_T and rows_sweep and (label.startswith("ours") or
+                                                              label.startswith("qmv-lanes-")):
+                        if bits is None:
+                            bits = y
+                        elif not torch.equal(y, bits):
+                            print(f"!!! BITS DIFFER {op} {fmt} T={t} {label} from ours-r8")
+                            failures.append((op, fmt, t, label, "bits"))
                     err = rel_rms(y[:, rows], ref)
                     if not err <= TOL_BF16:
                         print(f"!!! FAILED CORRECTNESS {op} {fmt} T={t} {label}: rel RMS {err:.3e} > {TOL_BF16}")

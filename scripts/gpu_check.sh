@@ -90,6 +90,9 @@
 #   gtrust   scripts/gate_trust.py on the bundled model (issue 34): GT_PAIRS (100) A/A pairs of 5 repeats, GT_INJ (40)
 #            pairs against a 5% injected slowdown with --repeats auto (a plain settle run after each delayed run), no
 #            pair started past GT_LIMIT_S (300) seconds (93 pairs took 169 s with the start on an H200)
+#   rows     qmv over 9-64 rows in one launch (issues 33 / 38): its CUDA tests, scripts/bench_qlinear.py at T = ROWS_TS
+#            (16,64) with 8 / 16 / 32 / 64 rows a launch and the knobs ROWS_KNOBS (every width's bits against 8 a
+#            launch), then the 27B C1 / C8 DFlash2 K=7 replayed and plain C8, and .old's (carried) DFlash2 C8
 #   hashes   the token hashes a refactor must keep: the README's main command (timed), the bundled model's plain and
 #            MTP3 runs, and the 27B synthetic plain / MTP3 / DFlash2 K=7 runs (64 tokens, the default prompt)
 set -u
@@ -325,6 +328,22 @@ for stage in "$@"; do
                --json "$OUT/main.json" 2>&1 | tee "$OUT/main.log" | tail -30
              nb decode --spec none,mtp:3,dflash2:7 --prompt-file suites/data/heldout_prompts.jsonl -n 256 --repeats 2 \
                --json "$OUT/specb" 2>&1 | tee "$OUT/specb.log" | tail -10 ;;
+    rows)    timeout ${TESTS_S:-200} python3 -m pytest -q -p no:cacheprovider tests/test_kernels_qmv_cuda.py -k \
+               "wide or column or packed_linear_runs or silu_epilogue_matches or rows_do_not or graph_replay" 2>&1 \
+               | tee "$OUT/rows_tests.log" | grep -E "^(FAILED|ERROR)|passed|failed" | head -20
+             K=${ROWS_KNOBS:-b1,b2,u2b2}; ONLY="ours-r8,ours-r16,ours-r32,ours-r64,qmv-lanes-${K//,/,qmv-lanes-}"
+             for FO in "q4|mlp.gate_up,mlp.down,gdn.qkv,gdn.out" "q5|attn.q_gate,attn.o" "q8|lm_head"; do
+               OUT=$OUT timeout ${QBENCH_S:-150} python3 scripts/bench_qlinear.py --no-baselines --ts ${ROWS_TS:-16,64} \
+                 --rows 8,16,32,64 --qmv-knobs "$K" --only "$ONLY" --fmts ${FO%%|*} --ops ${FO#*|} 2>&1 \
+                 | tee -a "$OUT/rows_bench.log" | grep -v "@graph20" | grep -E "ours|qmv|FAIL|DIFFER|copy bandwidth"; done
+             mkdir -p "$OUT/rows"
+             C27="$M27 -n 128 --rounds 2"
+             nb concurrency $C27 -c 1,8 --spec dflash2 -k 7 --replay-acceptance seed --json "$OUT/rows/dflash2.json" 2>&1 \
+               | tee "$OUT/rows/dflash2.log" | tail -6
+             nb concurrency $C27 -c 8 --json "$OUT/rows/plain.json" 2>&1 | tee "$OUT/rows/plain.log" | tail -4
+             if [ -d .old ]; then ( cd .old && timeout "${STAGE_S:-300}" python3 scripts/nb.py concurrency $C27 -c 8 \
+                 --spec dflash2 -k 7 --replay-acceptance seed --json "$OUT/rows/dflash2_old.json" 2>&1 \
+                 | tee "$OUT/rows/dflash2_old.log" | tail -4 ); fi ;;
     hashes)  /usr/bin/time -f "main command: %e s wall, %M KiB peak RSS" python3 scripts/nb.py decode --spec dflash2 -k 7 \
                --json "$OUT/main.json" 2>&1 | tee "$OUT/main.log" | tail -6
              nb decode --spec none,mtp:3 --repeats 1 --json "$OUT/hb" 2>&1 | tail -8

@@ -150,14 +150,82 @@ def test_cuda_graph_replay():
 
 
 @needs_qmv
-def test_packed_linear_runs_wider_inputs_eight_rows_a_launch():
+def test_packed_linear_runs_wider_inputs_in_one_launch():
     lin, x, ref = _case("q4_g64_fp16", 64, 256, 8, torch.bfloat16, seed=5)
-    assert qmv_cuda.supports(x, lin) and not qmv_cuda.supports(torch.cat([x, x]), lin)
+    assert qmv_cuda.supports(torch.cat([x] * 8), lin) and not qmv_cuda.supports(torch.cat([x] * 8 + [x[:1]]), lin)
     assert not qmv_cuda.supports(x.float(), lin)
-    big = torch.cat([x, x.flip(0), x[:3]])  # 19 rows: launches of 8, 8 and 3
+    big = torch.cat([x, x.flip(0), x[:3]])  # 19 rows: one launch of 3 column groups (compiled for 4)
     y = lin(big)
     assert torch.equal(y[:8], qmv_cuda.qmv(x, lin)) and torch.equal(y[8:16], qmv_cuda.qmv(x.flip(0), lin))
     assert rel_rms(y[16:], ref[:3]) <= TOL[torch.bfloat16]
+
+
+# (N, K, splits): split-K over a narrow weight, one pass, K ending in a partial group (the element-wise x path)
+WIDE_CASES = [(200, 2048, None), (1000, 5120, 1), (96, 700, None), (37, 1152, 3)]
+
+
+@needs_qmv
+@pytest.mark.parametrize("fmt", quant.QUANT_FORMATS + ("dense",))
+@pytest.mark.parametrize("n,k,splits", WIDE_CASES, ids=[f"{n}x{k}-s{s}" for n, k, s in WIDE_CASES])
+def test_wide_launch_rows_are_one_row_launches(fmt, n, k, splits):
+    """9-64 rows in one launch (2, 4 or 8 column groups): every row is the bits of that row launched alone, and of
+    launches of 8 rows - the weight's fragments are shared, each column group's sums are its own - with split-K,
+    PDL and a graph replay; the launch matches the reference."""
+    if fmt == "dense":
+        if k % 64:
+            pytest.skip("DenseWeight needs K a multiple of 64")
+        g = torch.Generator().manual_seed(41)
+        w = (torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16)
+        lin, ref_w = qmv_cuda.DenseWeight(w.cuda()), w.float()
+        x = (torch.randn(64, k, generator=g) * 3).to(torch.bfloat16).cuda()
+        ref = x.float().cpu() @ ref_w.T
+    else:
+        lin, x, ref = _case(fmt, n, k, 64, torch.bfloat16, seed=41)
+    for t in (9, 16, 23, 33, 64):
+        xt = x[:t].contiguous()
+        y = qmv_cuda.qmv(xt, lin, splits=splits)
+        assert rel_rms(y, ref[:t]) <= TOL[torch.bfloat16]
+        assert torch.equal(y, qmv_cuda.qmv_rows(xt, lin, rows=8) if splits is None else
+                           torch.cat([qmv_cuda.qmv(xt[i:i + 8], lin, splits=splits) for i in range(0, t, 8)]))
+        for r in sorted({0, 7, 8, t - 1}):
+            assert torch.equal(y[r], qmv_cuda.qmv(xt[r:r + 1], lin, splits=splits)[0]), f"T={t} row {r}"
+    if torch.cuda.get_device_capability() >= (9, 0):
+        assert torch.equal(qmv_cuda.qmv(x, lin, splits=splits, pdl=True), qmv_cuda.qmv(x, lin, splits=splits))
+    torch.cuda.synchronize()
+    assert int(qmv_cuda._WORKSPACES[x.device][1].abs().sum()) == 0  # split-K counters left at zero
+    out = torch.empty(64, n, dtype=x.dtype, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # the weight reserved its widest launch's scratch when it was built
+        qmv_cuda.qmv(x, lin, out, splits=splits)
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, qmv_cuda.qmv(x, lin, splits=splits))
+
+
+@needs_qmv
+@pytest.mark.parametrize("fmt", quant.QUANT_FORMATS)
+def test_wide_launch_variants_keep_the_bits(fmt):
+    """Other registers a thread (min_blocks) and step batches (unroll) for a 32-row launch: the same sums in the
+    same order; the one-column-group tuning knobs are refused over 8 rows."""
+    lin, x, ref = _case(fmt, 300, 5120, 32, torch.bfloat16, seed=43)
+    y = qmv_cuda.qmv(x, lin)
+    assert rel_rms(y, ref) <= TOL[torch.bfloat16]
+    for kw in ({"min_blocks": 1}, {"min_blocks": 3, "unroll": 2}, {"unroll": 1}):
+        assert torch.equal(qmv_cuda.qmv(x, lin, **kw), y), kw
+    for kw in ({"xlate": True}, {"pipe": True}, {"tail": True}):
+        with pytest.raises(ValueError, match="at most 8 rows"):
+            qmv_cuda.qmv(x, lin, **kw)
+
+
+def test_column_groups_and_rows_per_launch():
+    assert [qmv_cuda.column_groups(t) for t in (1, 8, 9, 16, 17, 24, 25, 32, 33, 64)] == [1, 1, 2, 2, 4, 4, 4, 4, 8, 8]
+    assert qmv_cuda.rows_per_launch() == qmv_cuda.MAX_ROWS == 64
+    with pytest.raises(ValueError, match="8, 16, 32 or 64"):
+        qmv_cuda.set_rows_per_launch(12)
+    # the split count is the shape's alone: the same whatever the launch's width
+    for n, ng in [(1024, 80), (200, 32), (34816, 80)]:
+        assert qmv_cuda.shape_splits(n, ng, 132) == qmv_cuda.shape_splits(n, ng, 132, qmv_cuda.choose_warps(n, 132))
 
 
 def test_split_choice_fills_the_gpu_only_when_needed():
@@ -381,14 +449,14 @@ def test_dense_weight_path(dtype, n, k, t):
 
 @needs_qmv
 def test_dense_linear_takes_qmv_when_enabled():
-    """engine.model.weights.DenseLinear: small projections through qmv (8 rows a launch, up to 64 rows) only when the
+    """engine.model.weights.DenseLinear: small projections through qmv (up to 64 rows) only when the
     experimental switch is on; more rows, or the switch off, take F.linear."""
     from ninfer_bench.engine.model.weights import DenseLinear
 
     g = torch.Generator().manual_seed(14)
     w = (torch.randn(96, 512, generator=g) * 0.05).to(torch.bfloat16).cuda()
     lin = DenseLinear(w)
-    x = (torch.randn(3, 7, 512, generator=g)).to(torch.bfloat16).cuda()  # 21 rows: three launches
+    x = (torch.randn(3, 7, 512, generator=g)).to(torch.bfloat16).cuda()  # 21 rows: one launch of 3 column groups
     want = (x.float() @ w.float().T)
     try:
         qmv_cuda.set_dense(True)
@@ -419,7 +487,7 @@ def _interleaved_gate_up(fmt, inter, k, t, dtype, seed):
 @needs_qmv
 @pytest.mark.parametrize("fmt", quant.QUANT_FORMATS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("inter,k,t", [(64, 256, 1), (136, 1152, 3), (1024, 5120, 8)])
+@pytest.mark.parametrize("inter,k,t", [(64, 256, 1), (136, 1152, 3), (1024, 5120, 8), (136, 1152, 40)])
 def test_silu_epilogue_matches_the_unfused_product(fmt, dtype, inter, k, t):
     """act=True on an interleaved gate / up weight: silu(g) * u [T, N / 2] within the output rounding of the
     unfused projection + product; each row's bits independent of the other rows (T = 1 gives row 0's)."""
@@ -427,7 +495,8 @@ def test_silu_epilogue_matches_the_unfused_product(fmt, dtype, inter, k, t):
     y = qmv_cuda.qmv(x, mixed, act=True)
     assert y.shape == (t, inter) and y.dtype == dtype
     assert rel_rms(y, ref.cpu()) <= TOL[dtype], f"rel RMS {rel_rms(y, ref.cpu()):.2e}"
-    assert torch.equal(qmv_cuda.qmv(x[:1].contiguous(), mixed, act=True)[0], y[0])
+    for r in sorted({0, t // 2, t - 1}):
+        assert torch.equal(qmv_cuda.qmv(x[r:r + 1].contiguous(), mixed, act=True)[0], y[r])
     with pytest.raises(ValueError, match="multiple of 16"):
         qmv_cuda.qmv(x, qmv_cuda.TiledWeight(_case(fmt, 40, k, t, dtype)[0], lanes=True), act=True)
 

@@ -116,7 +116,7 @@ class DenseLinear:
         return True
 
     def _small_rows(self, x: torch.Tensor) -> torch.Tensor | None:
-        """Up to 64 rows of x through qmv's dense path, 8 a launch (rows independent of the batch), when it is on."""
+        """Up to 64 rows of x through qmv's dense path (rows independent of the batch), when it is on."""
         from ...kernels import qmv_cuda
         from ...kernels.qlinear import MAX_KERNEL_ROWS
 
