@@ -103,7 +103,8 @@ class DenseWeight:
 
 @functools.cache
 def _kernel(fmt_id: int, half: bool, even: bool, unroll: int, min_blocks: int, xlate: bool, pipe: bool,
-            fold: bool, pdl: bool, tiled: int, act: bool, warps: int, tail: bool, ncol: int, device_index: int):
+            fold: bool, pdl: bool, tiled: int, act: bool, warps: int, tail: bool, ncol: int, tpb: int,
+            device_index: int):
     import cupy
 
     with cupy.cuda.Device(device_index):
@@ -112,7 +113,7 @@ def _kernel(fmt_id: int, half: bool, even: bool, unroll: int, min_blocks: int, x
                                          f"-DUNROLL={unroll}", f"-DMIN_BLOCKS={min_blocks}", f"-DXLATE={int(xlate)}",
                                          f"-DPIPE={int(pipe)}", f"-DFOLD={int(fold)}", f"-DPDL={int(pdl)}",
                                          f"-DTILED={int(tiled)}", f"-DACT={int(act)}", f"-DNW={warps}",
-                                         f"-DTAIL={int(tail)}", f"-DNCOL={ncol}"))
+                                         f"-DTAIL={int(tail)}", f"-DNCOL={ncol}", f"-DTPB={tpb}"))
         return module.get_function("qmv")
 
 
@@ -188,6 +189,7 @@ def column_groups(t: int) -> int:
 # warps an SM whose registers a launch of this many column groups is built for (NVRTC's ptxas for sm_90: 2 groups
 # fit 128 registers a thread without spills, 4 and 8 want about 210-255)
 _NCOL_WARPS_PER_SM = {1: 24, 2: 16, 4: 8, 8: 8}
+_NCOL_TPB = {2: 1, 4: 1, 8: 1}  # tiles a block by column groups
 
 
 class _LaunchAttr(ctypes.Structure):  # CUlaunchAttribute: id, 4 bytes of padding, a 64-byte value union
@@ -292,7 +294,7 @@ def _wide(n: int, sms: int) -> bool:
 def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | None = None,
         unroll: int = 4, min_blocks: int | None = None, xlate: bool = False, pipe: bool = False,
         fold: bool = False, pdl: bool | None = None, act: bool = False, warps: int | None = None,
-        tail: bool = False) -> torch.Tensor:
+        tail: bool = False, tpb: int | None = None) -> torch.Tensor:
     """``x [T, K] @ W.T`` -> ``[T, N]`` in x.dtype, for T <= 64 (see :func:`supports`). ``out`` (contiguous [T, N],
     x.dtype) is written instead of a fresh tensor. ``splits`` (default :func:`choose_splits`), ``unroll`` (steps
     whose loads are in flight together), ``min_blocks`` (blocks per SM the registers must allow), ``xlate`` (x
@@ -307,7 +309,8 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
     groups in turn, so this fixes the order of the sums), ``min_blocks`` defaulting to 24 warps an SM; ``tail``: a
     warp's last groups (fewer than ``unroll``) loaded as one predicated batch instead of one step at a time (the
     same sums in the same order). Over 8 rows (:func:`column_groups` > 1) ``xlate``, ``pipe`` and ``tail`` are
-    refused and ``min_blocks`` defaults to the column groups' register need."""
+    refused, ``min_blocks`` defaults to the column groups' register need, and ``tpb`` (1, 2 or 4; default
+    :data:`_NCOL_TPB`) puts that many tiles in a block, their warps reading the same x at once (the same sums)."""
     lin = getattr(lin, "qmv_weight", None) or lin  # a tiled PackedLinear: its tiles
     if not supports(x, lin):
         raise ValueError(f"qmv: needs CUDA bf16/fp16 x [1..{MAX_ROWS}, K={lin.k}] contiguous and a q8/q5/q4 weight "
@@ -330,11 +333,14 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
         raise ValueError(f"qmv: x too large for one launch ({t} rows of stride {x.stride(0)})")
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
     warps = warps or choose_warps(n, _sms(dev))
-    min_blocks = min_blocks or max(1, _NCOL_WARPS_PER_SM[ncol] // warps)
+    tpb = 1 if ncol == 1 else tpb or _NCOL_TPB[ncol]
+    if tpb not in (1, 2, 4):
+        raise ValueError(f"qmv: tiles a block must be 1, 2 or 4, got {tpb}")
+    min_blocks = min_blocks or max(1, _NCOL_WARPS_PER_SM[ncol] // (warps * tpb))
     even = lin.k == lin.kp and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
     pdl = _triton.pdl_now(x.device) if pdl is None else pdl and _capability(dev) >= (9, 0)
     kern = _kernel(_FMT_ID[lin.fmt], x.dtype == torch.float16, even, unroll, min_blocks, xlate, pipe, fold, pdl,
-                   getattr(lin, "layout", 0), act, warps, tail, ncol, dev)
+                   getattr(lin, "layout", 0), act, warps, tail, ncol, tpb, dev)
     tiles = -(-n // 16)
     whole = act or not _triton.split_k_allowed()  # (the epilogue, or a launch beside others: _triton.single_pass)
     s = 1 if whole else min(splits, MAX_SPLITS) if splits else shape_splits(n, lin.ng, _sms(dev), warps)
@@ -350,20 +356,21 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
     if pdl:
         cargs = (*map(ctypes.c_uint64, ptrs), *map(ctypes.c_int32, ints), *map(ctypes.c_int64, longs))
         with torch.cuda.device(dev):  # the module was loaded in this device's context
-            _launch_pdl(kern, (tiles, s), warps * 32, cargs, stream.cuda_stream)
+            _launch_pdl(kern, (-(-tiles // tpb), s), warps * 32 * tpb, cargs, stream.cuda_stream)
         return out
     import cupy
 
     args = (*map(np.uint64, ptrs), *map(np.int32, ints), *map(np.int64, longs))
     with cupy.cuda.Device(dev):
-        kern((tiles, s), (warps * 32,), args, stream=_stream(stream, dev))
+        kern((-(-tiles // tpb), s), (warps * 32 * tpb,), args, stream=_stream(stream, dev))
     return out
 
 
-def qmv_rows(x: torch.Tensor, lin, act: bool = False, rows: int | None = None) -> torch.Tensor:
-    """:func:`qmv` for any number of rows, ``rows`` (default :func:`rows_per_launch`) a launch: each row's result
-    does not depend on the others or on the launch width (the caller checks :func:`supports` on the first rows)."""
+def qmv_rows(x: torch.Tensor, lin, act: bool = False, rows: int | None = None, **launch) -> torch.Tensor:
+    """:func:`qmv` for any number of rows, ``rows`` (default :func:`rows_per_launch`) a launch (``launch``: more
+    :func:`qmv` keywords): each row's result does not depend on the others or on the launch width (the caller checks
+    :func:`supports` on the first rows)."""
     step = min(rows or _SWITCHES["rows"], MAX_ROWS)
     if x.shape[0] <= step:
-        return qmv(x, lin, act=act)
-    return torch.cat([qmv(x[i:i + step], lin, act=act) for i in range(0, x.shape[0], step)])
+        return qmv(x, lin, act=act, **launch)
+    return torch.cat([qmv(x[i:i + step], lin, act=act, **launch) for i in range(0, x.shape[0], step)])

@@ -211,12 +211,12 @@ def bench_dense(ts, row, failures) -> None:
 
 def qmv_knobs(spec: str) -> dict:
     """qmv keyword arguments from a --qmv-knobs spec such as ``u5b2t`` or ``w4u4b6tx``."""
-    names = {"u": "unroll", "b": "min_blocks", "w": "warps"}
-    kw = {names[key]: int(num) for key, num in re.findall(r"([ubw])(\d+)", spec)}
-    rest = re.sub(r"[ubw]\d+", "", spec)
+    names = {"u": "unroll", "b": "min_blocks", "w": "warps", "p": "tpb", "r": "rows"}
+    kw = {names[key]: int(num) for key, num in re.findall(r"([ubwpr])(\d+)", spec)}
+    rest = re.sub(r"[ubwpr]\d+", "", spec)
     for flag in rest:
         if flag not in "tx":
-            raise ValueError(f"--qmv-knobs: {spec!r}: unknown letter {flag!r} (u<n> b<n> w<n> t x)")
+            raise ValueError(f"--qmv-knobs: {spec!r}: unknown letter {flag!r} (u<n> b<n> w<n> p<n> r<n> t x)")
     kw.update(tail="t" in rest, xlate="x" in rest)
     return kw
 
@@ -231,7 +231,8 @@ def main() -> int:
                     help="comma list: split-K slice counts --qmv-variants times on the lanes layout")
     ap.add_argument("--qmv-knobs", default="",
                     help="comma list of qmv launch builds on the lanes layout, each letters + numbers: u<steps in "
-                         "flight> b<blocks per SM> w<warps a tile> t (predicated tail batch) x (x one step ahead), "
+                         "flight> b<blocks per SM> w<warps a tile> p<tiles a block, over 8 rows> r<rows a launch> t (predicated tail batch) x (x "
+                         "one step ahead), "
                          "e.g. u4b3,u4b3t,u5b2t,w4u4b6t; timed as qmv-lanes-<spec>")
     ap.add_argument("--rows", default="",
                     help="comma list of rows a launch (8, 16, 32, 64) timed for T > 8 as ours-r<R>, e.g. 8,16,32,64; "
@@ -356,8 +357,13 @@ def main() -> int:
                     for spec, kw in knobs.items():
                         if t > qmv_cuda.MAX_T and (kw["tail"] or kw["xlate"]):
                             continue
-                        cands[f"qmv-lanes-{spec}"] = (lambda x, li, out=None, kw=kw:
-                                                      qmv_cuda.qmv(x, lanes[id(li)], out, **kw))
+                        if "rows" in kw:  # launches of that many rows (a copy into out)
+                            cands[f"qmv-lanes-{spec}"] = (
+                                lambda x, li, out=None, kw=kw: qmv_cuda.qmv_rows(x, lanes[id(li)], **kw)
+                                if out is None else out.copy_(qmv_cuda.qmv_rows(x, lanes[id(li)], **kw)))
+                        else:
+                            cands[f"qmv-lanes-{spec}"] = (lambda x, li, out=None, kw=kw:
+                                                          qmv_cuda.qmv(x, lanes[id(li)], out, **kw))
                 if args.only:
                     cands = {name: fn for name, fn in cands.items() if name in args.only.split(",")}
                 best, bits = None, None

@@ -92,7 +92,8 @@
 #            pair started past GT_LIMIT_S (300) seconds (93 pairs took 169 s with the start on an H200)
 #   rows     qmv over 9-64 rows in one launch (issues 33 / 38): its CUDA tests, scripts/bench_qlinear.py at T = ROWS_TS
 #            (16,64) with 8 / 16 / 32 / 64 rows a launch and the knobs ROWS_KNOBS (every width's bits against 8 a
-#            launch), then the 27B C1 / C8 DFlash2 K=7 replayed and plain C8, and .old's (carried) DFlash2 C8
+#            launch), then (unless ROWS_CONC=0) the 27B C1 / C8 DFlash2 K=7 replayed and plain C8, and .old's
+#            (carried) DFlash2 C8
 #   hashes   the token hashes a refactor must keep: the README's main command (timed), the bundled model's plain and
 #            MTP3 runs, and the 27B synthetic plain / MTP3 / DFlash2 K=7 runs (64 tokens, the default prompt)
 set -u
@@ -336,6 +337,7 @@ for stage in "$@"; do
                OUT=$OUT timeout ${QBENCH_S:-150} python3 scripts/bench_qlinear.py --no-baselines --ts ${ROWS_TS:-16,64} \
                  --rows 8,16,32,64 --qmv-knobs "$K" --only "$ONLY" --fmts ${FO%%|*} --ops ${FO#*|} 2>&1 \
                  | tee -a "$OUT/rows_bench.log" | grep -v "@graph20" | grep -E "ours|qmv|FAIL|DIFFER|copy bandwidth"; done
+             [ "${ROWS_CONC:-1}" = 1 ] || continue
              mkdir -p "$OUT/rows"
              C27="$M27 -n 128 --rounds 2"
              nb concurrency $C27 -c 1,8 --spec dflash2 -k 7 --replay-acceptance seed --json "$OUT/rows/dflash2.json" 2>&1 \
