@@ -185,22 +185,42 @@ class RowSampling:
     step: torch.Tensor
     sort: bool = True
     greedy: bool = False
+    packed: tuple[torch.Tensor, torch.Tensor] | None = None  # (floats [3, B], ints [3, B]) the fields are rows of
+
+    @staticmethod
+    def _host(params: list[SamplingParams], seeds: list[int], steps: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        return (torch.tensor([[p.temperature for p in params], [p.top_p for p in params], [p.min_p for p in params]],
+                             dtype=torch.float32),
+                torch.tensor([[p.top_k for p in params], [stream_key(s) for s in seeds], list(steps)],
+                             dtype=torch.long))
 
     @classmethod
     def make(cls, params: list[SamplingParams], seeds: list[int], steps: list[int], device) -> RowSampling:
         """The rows of ``params`` with their seeds and token indices (two host-to-device copies, no sync)."""
-        floats = _to_device(torch.tensor([[p.temperature for p in params], [p.top_p for p in params],
-                                          [p.min_p for p in params]], dtype=torch.float32), device)
-        ints = _to_device(torch.tensor([[p.top_k for p in params], [stream_key(s) for s in seeds], list(steps)],
-                                       dtype=torch.long), device)
-        return cls(floats[0], ints[0], floats[1], floats[2], ints[1], ints[2],
-                   sort=any(not p.greedy and (p.top_k > 0 or p.top_p < 1.0) for p in params),
-                   greedy=all(p.greedy for p in params))
+        floats, ints = (_to_device(t, device) for t in cls._host(params, seeds, steps))
+        sort, greedy = cls.switches(params)
+        return cls(floats[0], ints[0], floats[1], floats[2], ints[1], ints[2], sort=sort, greedy=greedy,
+                   packed=(floats, ints))
 
     def copy_(self, other: RowSampling) -> None:
         """Fill these (static) tensors with ``other``'s values; the switches stay this instance's."""
         for name in ("temperature", "top_k", "top_p", "min_p", "key", "step"):
             getattr(self, name).copy_(getattr(other, name), non_blocking=True)
+
+    def fill_(self, params: list[SamplingParams], seeds: list[int], steps: list[int]) -> None:
+        """Write new rows into these tensors in place (an instance from :meth:`make`, as many rows): the two
+        host-to-device copies of :meth:`make` and nothing else - what a captured sampler's replay reads. The
+        switches stay this instance's: the caller keys its graphs by them (:meth:`switches`)."""
+        for dst, src in zip(self.packed, self._host(params, seeds, steps)):
+            if dst.is_cuda:  # straight from pinned memory, without blocking (torch keeps the buffer until it lands)
+                dst.copy_(src.pin_memory(), non_blocking=True)
+            else:
+                dst.copy_(src)
+
+    @staticmethod
+    def switches(params: list[SamplingParams]) -> tuple[bool, bool]:
+        """(sort, greedy) of :meth:`make` for these rows."""
+        return (any(not p.greedy and (p.top_k > 0 or p.top_p < 1.0) for p in params), all(p.greedy for p in params))
 
 
 @dataclass(slots=True)

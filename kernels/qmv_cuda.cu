@@ -78,12 +78,6 @@ typedef unsigned char u8;
 #ifndef NCOL
 #define NCOL 1    // column groups of 8 tokens a launch (T <= 8 NCOL); x read per step from L1 / L2 when > 1
 #endif
-#ifndef TPB
-#define TPB 1     // tiles a block (NCOL > 1): TPB x NW warps, warp w of each tile taking the tile's groups w, w + NW,
-#endif            // ... as a block of one tile does - the same sums - while the tiles' warps read the same x together
-#if TPB > 1 && NCOL == 1
-#error "TPB > 1 is for NCOL > 1"
-#endif
 #if NCOL > 1 && (XLATE || PIPE || TAIL)
 #error "NCOL > 1 loads x inside each step: XLATE, PIPE and TAIL are for NCOL 1"
 #endif
@@ -505,11 +499,7 @@ __device__ __forceinline__ void tile_sums(const u16* __restrict__ x, const u8* _
                                           const u8* __restrict__ high, const u16* __restrict__ scales, int T, int N,
                                           int K, int NG, long long stride_x, long long stride_c, long long stride_h,
                                           long long stride_s, int tile, int g_lo, int g_hi, float* acc) {
-#if TPB > 1
-  const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) % NW;
-#else
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-#endif
   const int g = lane >> 2, c = lane & 3;
   const int r0 = min(tile * 16 + g, N - 1), r1 = min(tile * 16 + g + 8, N - 1);  // clamped: loads stay in bounds
   int gi = g_lo + warp;  // this warp's first group; then every NW-th
@@ -605,31 +595,9 @@ __device__ __forceinline__ void tile_sums(const u16* __restrict__ x, const u8* _
 __device__ __forceinline__ void tile_store(float* acc, int tile, int piece, int pieces, u16* __restrict__ out,
                                            float* __restrict__ ws, int* __restrict__ counters, int T, int N,
                                            long long stride_o) {
-  const int lane = threadIdx.x & 31;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, c = lane & 3;
   grid_wait();  // a warp without groups still writes the output below: only after the kernel before is done
-#if TPB > 1
-  // TPB tiles: warp w of tile `sub` adds into warp 0 of its tile, one column group at a time (shared memory for one)
-  const int warp = (threadIdx.x >> 5) % NW, sub = (threadIdx.x >> 5) / NW;
-  __shared__ float4 red[TPB][NW][32];
-  __shared__ int last_of[TPB];
-  int& last = last_of[sub];
-#pragma unroll
-  for (int m = 0; m < NCOL; ++m) {
-    red[sub][warp][lane] = make_float4(acc[4 * m], acc[4 * m + 1], acc[4 * m + 2], acc[4 * m + 3]);
-    __syncthreads();
-    if (warp == 0) {
-#pragma unroll
-      for (int w = 1; w < NW; ++w) {
-        const float4 v = red[sub][w][lane];
-        acc[4 * m] += v.x; acc[4 * m + 1] += v.y; acc[4 * m + 2] += v.z; acc[4 * m + 3] += v.w;
-      }
-    }
-    __syncthreads();
-  }
-  if (warp == 0 && tile * 16 < N) {
-#else
-  const int warp = threadIdx.x >> 5;
   __shared__ float4 red[NW][NCOL][32];
   __shared__ int last;
 #pragma unroll
@@ -645,7 +613,6 @@ __device__ __forceinline__ void tile_store(float* acc, int tile, int piece, int 
         acc[4 * m] += v.x; acc[4 * m + 1] += v.y; acc[4 * m + 2] += v.z; acc[4 * m + 3] += v.w;
       }
     }
-#endif
     const int row[2] = {tile * 16 + g, tile * 16 + g + 8};
     if (pieces == 1) {
 #pragma unroll
@@ -710,9 +677,8 @@ __device__ __forceinline__ void let_next_launch() {
 #endif
 }
 
-// Block (tile, split): one 16-row tile (TPB of them), split y's groups (split-K over grid y), for all NCOL column
-// groups.
-extern "C" __global__ void __launch_bounds__(NW * 32 * TPB, MIN_BLOCKS)
+// Block (tile, split): one 16-row tile, split y's groups (split-K over grid y), for all NCOL column groups.
+extern "C" __global__ void __launch_bounds__(NW * 32, MIN_BLOCKS)
 qmv(const u16* __restrict__ x, const u8* __restrict__ codes, const u8* __restrict__ high,
     const u16* __restrict__ scales, u16* __restrict__ out, float* __restrict__ ws, int* __restrict__ counters,
     int T, int N, int K, int NG, int groups_per_split, long long stride_x, long long stride_o,
@@ -722,14 +688,7 @@ qmv(const u16* __restrict__ x, const u8* __restrict__ codes, const u8* __restric
 #pragma unroll
   for (int i = 0; i < 4 * NCOL; ++i) acc[i] = 0.f;
   const int g_lo = blockIdx.y * groups_per_split, g_hi = min(NG, g_lo + groups_per_split);
-#if TPB > 1
-  const int tile = blockIdx.x * TPB + (threadIdx.x >> 5) / NW;
-  if (tile * 16 < N)  // (the last block's tiles past N sum nothing and store nothing, but take part in its syncs)
-    tile_sums(x, codes, high, scales, T, N, K, NG, stride_x, stride_c, stride_h, stride_s, tile, g_lo, g_hi, acc);
-  tile_store(acc, tile, blockIdx.y, gridDim.y, out, ws, counters, T, N, stride_o);
-#else
   tile_sums(x, codes, high, scales, T, N, K, NG, stride_x, stride_c, stride_h, stride_s, blockIdx.x, g_lo, g_hi,
             acc);
   tile_store(acc, blockIdx.x, blockIdx.y, gridDim.y, out, ws, counters, T, N, stride_o);
-#endif
 }

@@ -103,8 +103,7 @@ class DenseWeight:
 
 @functools.cache
 def _kernel(fmt_id: int, half: bool, even: bool, unroll: int, min_blocks: int, xlate: bool, pipe: bool,
-            fold: bool, pdl: bool, tiled: int, act: bool, warps: int, tail: bool, ncol: int, tpb: int,
-            device_index: int):
+            fold: bool, pdl: bool, tiled: int, act: bool, warps: int, tail: bool, ncol: int, device_index: int):
     import cupy
 
     with cupy.cuda.Device(device_index):
@@ -113,7 +112,7 @@ def _kernel(fmt_id: int, half: bool, even: bool, unroll: int, min_blocks: int, x
                                          f"-DUNROLL={unroll}", f"-DMIN_BLOCKS={min_blocks}", f"-DXLATE={int(xlate)}",
                                          f"-DPIPE={int(pipe)}", f"-DFOLD={int(fold)}", f"-DPDL={int(pdl)}",
                                          f"-DTILED={int(tiled)}", f"-DACT={int(act)}", f"-DNW={warps}",
-                                         f"-DTAIL={int(tail)}", f"-DNCOL={ncol}", f"-DTPB={tpb}"))
+                                         f"-DTAIL={int(tail)}", f"-DNCOL={ncol}"))
         return module.get_function("qmv")
 
 
@@ -186,10 +185,11 @@ def column_groups(t: int) -> int:
     return 1 << ((t + MAX_T - 1) // MAX_T - 1).bit_length()
 
 
-# warps an SM whose registers a launch of this many column groups is built for (NVRTC's ptxas for sm_90: 2 groups
-# fit 128 registers a thread without spills, 4 and 8 want about 210-255)
-_NCOL_WARPS_PER_SM = {1: 24, 2: 16, 4: 8, 8: 8}
-_NCOL_TPB = {2: 1, 4: 1, 8: 1}  # tiles a block by column groups
+# blocks an SM whose registers a launch of (column groups, warps a tile) is built for: ptxas (sm_90) fits 2 groups in
+# 128 registers a thread without spills, 4 and 8 take 210-255; the H200 at the 27B shapes (16 and 64 rows) measured
+# one block of 4 warps best for 2 groups, two of 8 warps, and one block for 8 groups
+# (docs/perf/2026-12-03e-qmv-rows-sampler-graph-h200.md); 4 groups by the register count alone
+_NCOL_MIN_BLOCKS = {(2, 4): 1, (2, 8): 2, (4, 4): 2, (4, 8): 1, (8, 4): 1, (8, 8): 1}
 
 
 class _LaunchAttr(ctypes.Structure):  # CUlaunchAttribute: id, 4 bytes of padding, a 64-byte value union
@@ -294,7 +294,7 @@ def _wide(n: int, sms: int) -> bool:
 def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | None = None,
         unroll: int = 4, min_blocks: int | None = None, xlate: bool = False, pipe: bool = False,
         fold: bool = False, pdl: bool | None = None, act: bool = False, warps: int | None = None,
-        tail: bool = False, tpb: int | None = None) -> torch.Tensor:
+        tail: bool = False) -> torch.Tensor:
     """``x [T, K] @ W.T`` -> ``[T, N]`` in x.dtype, for T <= 64 (see :func:`supports`). ``out`` (contiguous [T, N],
     x.dtype) is written instead of a fresh tensor. ``splits`` (default :func:`choose_splits`), ``unroll`` (steps
     whose loads are in flight together), ``min_blocks`` (blocks per SM the registers must allow), ``xlate`` (x
@@ -309,8 +309,7 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
     groups in turn, so this fixes the order of the sums), ``min_blocks`` defaulting to 24 warps an SM; ``tail``: a
     warp's last groups (fewer than ``unroll``) loaded as one predicated batch instead of one step at a time (the
     same sums in the same order). Over 8 rows (:func:`column_groups` > 1) ``xlate``, ``pipe`` and ``tail`` are
-    refused, ``min_blocks`` defaults to the column groups' register need, and ``tpb`` (1, 2 or 4; default
-    :data:`_NCOL_TPB`) puts that many tiles in a block, their warps reading the same x at once (the same sums)."""
+    refused and ``min_blocks`` defaults to the measured best for the column groups (:data:`_NCOL_MIN_BLOCKS`)."""
     lin = getattr(lin, "qmv_weight", None) or lin  # a tiled PackedLinear: its tiles
     if not supports(x, lin):
         raise ValueError(f"qmv: needs CUDA bf16/fp16 x [1..{MAX_ROWS}, K={lin.k}] contiguous and a q8/q5/q4 weight "
@@ -333,14 +332,12 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
         raise ValueError(f"qmv: x too large for one launch ({t} rows of stride {x.stride(0)})")
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
     warps = warps or choose_warps(n, _sms(dev))
-    tpb = 1 if ncol == 1 else tpb or _NCOL_TPB[ncol]
-    if tpb not in (1, 2, 4):
-        raise ValueError(f"qmv: tiles a block must be 1, 2 or 4, got {tpb}")
-    min_blocks = min_blocks or max(1, _NCOL_WARPS_PER_SM[ncol] // (warps * tpb))
+    min_blocks = min_blocks or (max(1, _WARPS_PER_SM // warps) if ncol == 1 else
+                                _NCOL_MIN_BLOCKS.get((ncol, warps), max(1, 8 // warps)))
     even = lin.k == lin.kp and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
     pdl = _triton.pdl_now(x.device) if pdl is None else pdl and _capability(dev) >= (9, 0)
     kern = _kernel(_FMT_ID[lin.fmt], x.dtype == torch.float16, even, unroll, min_blocks, xlate, pipe, fold, pdl,
-                   getattr(lin, "layout", 0), act, warps, tail, ncol, tpb, dev)
+                   getattr(lin, "layout", 0), act, warps, tail, ncol, dev)
     tiles = -(-n // 16)
     whole = act or not _triton.split_k_allowed()  # (the epilogue, or a launch beside others: _triton.single_pass)
     s = 1 if whole else min(splits, MAX_SPLITS) if splits else shape_splits(n, lin.ng, _sms(dev), warps)
@@ -356,13 +353,13 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
     if pdl:
         cargs = (*map(ctypes.c_uint64, ptrs), *map(ctypes.c_int32, ints), *map(ctypes.c_int64, longs))
         with torch.cuda.device(dev):  # the module was loaded in this device's context
-            _launch_pdl(kern, (-(-tiles // tpb), s), warps * 32 * tpb, cargs, stream.cuda_stream)
+            _launch_pdl(kern, (tiles, s), warps * 32, cargs, stream.cuda_stream)
         return out
     import cupy
 
     args = (*map(np.uint64, ptrs), *map(np.int32, ints), *map(np.int64, longs))
     with cupy.cuda.Device(dev):
-        kern((-(-tiles // tpb), s), (warps * 32 * tpb,), args, stream=_stream(stream, dev))
+        kern((tiles, s), (warps * 32,), args, stream=_stream(stream, dev))
     return out
 
 

@@ -211,12 +211,12 @@ def bench_dense(ts, row, failures) -> None:
 
 def qmv_knobs(spec: str) -> dict:
     """qmv keyword arguments from a --qmv-knobs spec such as ``u5b2t`` or ``w4u4b6tx``."""
-    names = {"u": "unroll", "b": "min_blocks", "w": "warps", "p": "tpb", "r": "rows"}
-    kw = {names[key]: int(num) for key, num in re.findall(r"([ubwpr])(\d+)", spec)}
-    rest = re.sub(r"[ubwpr]\d+", "", spec)
+    names = {"u": "unroll", "b": "min_blocks", "w": "warps", "r": "rows"}
+    kw = {names[key]: int(num) for key, num in re.findall(r"([ubwr])(\d+)", spec)}
+    rest = re.sub(r"[ubwr]\d+", "", spec)
     for flag in rest:
         if flag not in "tx":
-            raise ValueError(f"--qmv-knobs: {spec!r}: unknown letter {flag!r} (u<n> b<n> w<n> p<n> r<n> t x)")
+            raise ValueError(f"--qmv-knobs: {spec!r}: unknown letter {flag!r} (u<n> b<n> w<n> r<n> t x)")
     kw.update(tail="t" in rest, xlate="x" in rest)
     return kw
 
@@ -231,7 +231,7 @@ def main() -> int:
                     help="comma list: split-K slice counts --qmv-variants times on the lanes layout")
     ap.add_argument("--qmv-knobs", default="",
                     help="comma list of qmv launch builds on the lanes layout, each letters + numbers: u<steps in "
-                         "flight> b<blocks per SM> w<warps a tile> p<tiles a block, over 8 rows> r<rows a launch> t (predicated tail batch) x (x "
+                         "flight> b<blocks per SM> w<warps a tile> r<rows a launch> t (predicated tail batch) x (x "
                          "one step ahead), "
                          "e.g. u4b3,u4b3t,u5b2t,w4u4b6t; timed as qmv-lanes-<spec>")
     ap.add_argument("--rows", default="",

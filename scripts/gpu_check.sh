@@ -94,6 +94,8 @@
 #            (16,64) with 8 / 16 / 32 / 64 rows a launch and the knobs ROWS_KNOBS (every width's bits against 8 a
 #            launch), then (unless ROWS_CONC=0) the 27B C1 / C8 DFlash2 K=7 replayed and plain C8, and .old's
 #            (carried) DFlash2 C8
+#   rowsconc the wide qmv launches and the captured sampler end to end: their CUDA tests, then the 27B (256-token
+#            prompts, 128 tokens) plain C1 / C8, DFlash2 K=7 replayed C1-C8, sampled (t 0.7, top-p 0.95, top-k 20) C1 / C8
 #   hashes   the token hashes a refactor must keep: the README's main command (timed), the bundled model's plain and
 #            MTP3 runs, and the 27B synthetic plain / MTP3 / DFlash2 K=7 runs (64 tokens, the default prompt)
 set -u
@@ -346,6 +348,15 @@ for stage in "$@"; do
              if [ -d .old ]; then ( cd .old && timeout "${STAGE_S:-300}" python3 scripts/nb.py concurrency $C27 -c 8 \
                  --spec dflash2 -k 7 --replay-acceptance seed --json "$OUT/rows/dflash2_old.json" 2>&1 \
                  | tee "$OUT/rows/dflash2_old.log" | tail -4 ); fi ;;
+    rowsconc) timeout ${TESTS_S:-200} python3 -m pytest -q -p no:cacheprovider tests/test_kernels_qmv_cuda.py \
+               tests/test_sampler.py -k "wide or column or packed_linear_runs or silu_epilogue_matches or rows_do_not \
+               or cuda" 2>&1 | tee "$OUT/rowsconc_tests.log" | grep -E "^(FAILED|ERROR)|passed|failed" | head -20
+             mkdir -p "$OUT/rowsconc"
+             for V in "plain|-c 1,8" "dflash2|-c 1,2,4,8 --spec dflash2 -k 7 --replay-acceptance seed" \
+                      "sampled|-c 1,8 --temperature 0.7 --top-p 0.95 --top-k 20"; do
+               N=${V%%|*}; echo "--- $N"
+               nb concurrency $M27 -n 128 --rounds 2 ${V#*|} --json "$OUT/rowsconc/$N.json" 2>&1 \
+                 | tee "$OUT/rowsconc/$N.log" | grep -E "^│|error|Error" | head -6; done ;;
     hashes)  /usr/bin/time -f "main command: %e s wall, %M KiB peak RSS" python3 scripts/nb.py decode --spec dflash2 -k 7 \
                --json "$OUT/main.json" 2>&1 | tee "$OUT/main.log" | tail -6
              nb decode --spec none,mtp:3 --repeats 1 --json "$OUT/hb" 2>&1 | tail -8

@@ -409,3 +409,28 @@ def test_cuda_engine_seeded_sampling_repeats_itself():
     a = eng.generate(list(range(3, 60)), seed=3, **kw).tokens
     assert a == eng.generate(list(range(3, 60)), seed=3, **kw).tokens
     assert a != eng.generate(list(range(3, 60)), seed=4, **kw).tokens
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_engine_samples_from_a_captured_graph():
+    """The engine's step sampler on CUDA graphs (GraphRunner.sample, what Engine.pick calls for sampling rows without
+    log-probabilities): one graph per (rows, vocabulary, dtype, switches), new rows' parameters and logits each call,
+    the eager sampler's tokens every time; the greedy-only and log-probability picks stay eager."""
+    from ninfer_bench.engine.runtime.engine import Engine
+
+    eng = Engine.load("tiny", device="cuda", max_context=256, max_concurrency=4)
+    assert eng.graphs is not None
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(3)
+    v = eng.config.vocab_size
+    for trial in range(6):
+        b = 1 + trial % 3
+        kinds = (GRAPH_KINDS[trial:] + GRAPH_KINDS[:trial])[:b]
+        seeds, steps = [trial * 7 + r for r in range(b)], [trial + r for r in range(b)]
+        logits = (torch.randn(b, v, generator=gen, device=dev) * 3).to(torch.bfloat16)
+        got = eng.graphs.sample(logits, kinds, seeds, steps).clone()
+        want = sample_rows(logits, RowSampling.make(kinds, seeds, steps, dev)).tokens
+        assert torch.equal(got, want), trial
+    sort_greedy = {k[3:] for k in eng.graphs.samplers}
+    assert len(eng.graphs.samplers) >= 4 and (True, False) in sort_greedy

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from ...kernels._triton import graph_scope, pdl_held
+from ..sampling import RowSampling, SamplingParams, sample_rows
 from .hybrid import DECODE, PREFILL, VERIFY, Step
 
 
@@ -137,6 +138,8 @@ class GraphRunner:
         opts = engine.options
         self.prefill_sizes = prefill_buckets(min(opts.prefill_chunk, engine.capacity))
         self.prefill_off: str | None = None if opts.prefill_graphs else "--prefill-graphs off"
+        # captured samplers: (rows, vocabulary, dtype, sort, greedy) -> (graph, static logits, static rows, tokens)
+        self.samplers: dict[tuple, tuple] = {}
 
     def bucket(self, b: int) -> int:
         return next(x for x in self.buckets if x >= b)
@@ -287,6 +290,27 @@ class GraphRunner:
         if mode == VERIFY:
             self.e.cache.pending = cap
         return cap.hidden[:b], cap.logits[:b], [x[:b] for x in cap.taps]
+
+    def sample(self, logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
+               steps: list[int]) -> torch.Tensor:
+        """``sample_rows(logits, RowSampling.make(params, seeds, steps)).tokens`` from a graph captured per (rows,
+        vocabulary, dtype, the rows' switches): per call two host-to-device copies of the rows' parameters, one
+        copy of the logits and one replay, where the eager sampler launches some fifty kernels. The same kernels on
+        the same inputs: the same tokens. The result is the graph's own buffer: read it before the next call."""
+        sort, greedy = RowSampling.switches(params)
+        key = (logits.shape[0], logits.shape[-1], logits.dtype, sort, greedy)
+        entry = self.samplers.get(key)
+        if entry is None:
+            dev = self.e.device
+            static_logits = logits.contiguous().clone()
+            rows = RowSampling.make(params, seeds, steps, dev)
+            graph, tokens = capture(lambda: sample_rows(static_logits, rows).tokens, self.pool, dev, warmups=1)
+            entry = self.samplers[key] = (graph, static_logits, rows, tokens)
+        graph, static_logits, rows, tokens = entry
+        static_logits.copy_(logits)
+        rows.fill_(params, seeds, steps)
+        graph.replay()
+        return tokens
 
     def commit(self, cap: Captured, keep: torch.Tensor) -> None:
         """Replay the captured rollback with ``keep [B]`` (padding rows keep everything)."""

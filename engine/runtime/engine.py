@@ -578,6 +578,9 @@ class Engine:
         n = max((t for t in tops if t is not None), default=None)
         if n is None and all(s.params.greedy for s in seqs):
             return logits.argmax(-1)
+        if n is None and self.graphs is not None:  # captured: a replay instead of the sampler's fifty launches
+            return self.graphs.sample(logits, [s.params for s in seqs], [s.sample_seed for s in seqs],
+                                      [len(s.tokens) for s in seqs])
         rows = RowSampling.make([s.params for s in seqs], [s.sample_seed for s in seqs], [len(s.tokens) for s in seqs],
                                 self.device)
         if n is None:
