@@ -96,6 +96,7 @@
 #            (carried) DFlash2 C8
 #   rowsconc the wide qmv launches and the captured sampler end to end: their CUDA tests, then the 27B (256-token
 #            prompts, 128 tokens) plain C1 / C8, DFlash2 K=7 replayed C1-C8, sampled (t 0.7, top-p 0.95, top-k 20) C1 / C8
+#   sampler  scripts/probe_sampler.py: the step sampler eager against its captured graph, 1 and 8 rows of 248K logits
 #   hashes   the token hashes a refactor must keep: the README's main command (timed), the bundled model's plain and
 #            MTP3 runs, and the 27B synthetic plain / MTP3 / DFlash2 K=7 runs (64 tokens, the default prompt)
 set -u
@@ -357,6 +358,7 @@ for stage in "$@"; do
                N=${V%%|*}; echo "--- $N"
                nb concurrency $M27 -n 128 --rounds 2 ${V#*|} --json "$OUT/rowsconc/$N.json" 2>&1 \
                  | tee "$OUT/rowsconc/$N.log" | grep -E "^│|error|Error" | head -6; done ;;
+    sampler) timeout ${STAGE_S:-120} python3 scripts/probe_sampler.py --json "$OUT/sampler.json" 2>&1 | tee "$OUT/sampler.log" ;;
     hashes)  /usr/bin/time -f "main command: %e s wall, %M KiB peak RSS" python3 scripts/nb.py decode --spec dflash2 -k 7 \
                --json "$OUT/main.json" 2>&1 | tee "$OUT/main.log" | tail -6
              nb decode --spec none,mtp:3 --repeats 1 --json "$OUT/hb" 2>&1 | tail -8
