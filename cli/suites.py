@@ -118,11 +118,14 @@ def repeats_count(ctx, param, value) -> int | str:
               help="For weights that cannot draft (--synthetic): each draft becomes the plain run's token with "
                    "probability P a position (seed: the release's tokens per round, 5.16 for DFlash2 K=7, 3.37 for "
                    "MTP3; FILE: a JSON list, one probability a position), else a rejected one; labelled -replay.")
+@click.option("--tensor-parallel", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Split our engine over N ranks, one process each (gloo on CPUs, NCCL with N GPUs): heads, MLP rows "
+                   "and the vocabulary; plain decoding on the eager path (CPU, or --runtime v2 on CUDA) so far.")
 @output_options
 @engine_options(runtime_list=True)
 def decode(model, engines, specs, draft_tokens, rollbacks, lm_head_draft, prompt_file, n_prompts, prompt_lengths, images,
            max_new_tokens, stop_at_eos, repeats, repeats_target, repeats_budget_s, inject_delay_us, warmup, label,
-           json_path, seed, no_baseline, replay_acceptance, runtime, **options):
+           json_path, seed, no_baseline, replay_acceptance, runtime, tensor_parallel, **options):
     """The short-code decode test: prefill a code prompt, greedy-decode N tokens, measure speed and acceptance.
 
     Comma-separated --engine, --runtime, --spec, --rollback and --lm-head-draft run every combination in one
@@ -137,6 +140,9 @@ def decode(model, engines, specs, draft_tokens, rollbacks, lm_head_draft, prompt
                         "or --image")
     if lengths and (url is not None or served_model is not None):
         raise UserError("-p runs in-process (its prompts are token ids): give it without --url")
+    if tensor_parallel > 1 and (url is not None or served_model is not None or set(engines) != {"ours"}):
+        raise UserError("--tensor-parallel splits our engine over ranks in this process's children: give it with "
+                        "--engine ours and without --url")
     if url is not None or served_model is not None:  # against a server (cli/remote.py, suites/remote.py)
         from .remote import decode_url
 
@@ -156,7 +162,8 @@ def decode(model, engines, specs, draft_tokens, rollbacks, lm_head_draft, prompt
     base = dict(model=model, prompt_file=prompt_file or str(DEFAULT_PROMPT), prompts=n_prompts, images=images,
                 max_new_tokens=max_new_tokens, ignore_eos=not stop_at_eos, repeats=repeats, warmup=warmup, seed=seed,
                 repeats_target=None if repeats_target is None else repeats_target / 100,
-                repeats_budget_s=repeats_budget_s, inject_delay_us=inject_delay_us, **options)
+                repeats_budget_s=repeats_budget_s, inject_delay_us=inject_delay_us, tensor_parallel=tensor_parallel,
+                **options)
     runs = decode_runs(base, engines=engines, specs=tuple(specs.split(",")), runtimes=runtime, rollbacks=rollbacks,
                        lm_heads=tuple(int_list(lm_head_draft, "--lm-head-draft")), switches=switches,
                        draft_tokens=draft_tokens, label=label, baseline=not no_baseline,
@@ -177,9 +184,14 @@ def decode(model, engines, specs, draft_tokens, rollbacks, lm_head_draft, prompt
             show(decode_grid(doc, decode_table(doc)))
             save_result(doc, json_path)
 
-    prog, update = suite_progress("decode")
-    with prog:
-        docs = run_matrix(runs, progress=update, done=done)
+    if tensor_parallel > 1:
+        docs = _decode_ranks(runs, tensor_parallel)
+        for d in docs:
+            done(d)
+    else:
+        prog, update = suite_progress("decode")
+        with prog:
+            docs = run_matrix(runs, progress=update, done=done)
     if many:
         same = plain_agreement(docs)
         show(decode_runs_grid(docs, same, compare_table(docs, same)))
@@ -190,6 +202,34 @@ def decode(model, engines, specs, draft_tokens, rollbacks, lm_head_draft, prompt
         if differ:
             err_console.print(f"[bold red]tokens differ from the plain run on the same runtime: {', '.join(differ)}[/] "
                               "(greedy speculative decoding should reproduce them)")
+
+
+def _decode_rank(rank: int, runs) -> list[dict] | str:
+    """One rank's share of a tensor-parallel decode grid (engine/runtime/parallel.launch): every run, as one rank;
+    a refusal (a model the size does not divide, an option not split yet) comes back as its message."""
+    from ..suites.decode import run_matrix
+
+    try:
+        return run_matrix(runs)
+    except ValueError as e:
+        return str(e)
+
+
+def _decode_ranks(runs, size: int) -> list[dict]:
+    """The grid run by ``size`` ranks; rank 0's documents, once every rank's tokens are found equal (each holds the
+    gathered logits and picks alike: a rank that does not is a broken split, not a measurement)."""
+    from ..engine.runtime.parallel import default_backend, launch
+
+    say(f"tensor parallel: {size} ranks over {default_backend(size)}")
+    results = launch(size, _decode_rank, runs)
+    refused = next((r for r in results if isinstance(r, str)), None)
+    if refused is not None:
+        raise UserError(refused)
+    for rank, docs in enumerate(results[1:], 1):
+        for mine, theirs in zip(results[0], docs):
+            if mine["summary"].get("tokens_sha256") != theirs["summary"].get("tokens_sha256"):
+                raise UserError(f"tensor parallel: rank {rank}'s tokens differ from rank 0's in {mine['label']}")
+    return results[0]
 
 
 def timed(summary: dict, key: str, spec: str = ".1f") -> str:

@@ -36,6 +36,7 @@ SETTING_KEYS = (
     "prefill_chunk", "interleave_chunk", "prefill_weights", "max_context", "kv_capacity", "max_concurrency",
     "synthetic", "ignore_eos", "pack_prefill",
     "top_p", "top_k", "sample_seed",  # concurrency's sampling (beside temperature, a workload key): newer documents
+    "tensor_parallel",  # ranks the model is split over (newer documents)
 )
 # compared by file name: where a checkout lies is no part of the experiment
 PATH_KEYS = ("prompt_file", "images", "dataset")

@@ -158,7 +158,8 @@ class DecodeOptions:
         off = "".join(s.off_label for name, s in SWITCHES.items()
                       if s.applies_to(eo.runtime, eo.spec) and not getattr(eo, name))
         replay = "-replay" if spec and eo.replay_acceptance is not None else ""
-        return f"{eo.runtime}-{eo.spec}{k}{head}{off}{replay}"
+        tp = f"-tp{eo.tensor_parallel}" if eo.tensor_parallel > 1 else ""
+        return f"{eo.runtime}-{eo.spec}{k}{head}{off}{replay}{tp}"
 
     def load(self) -> tuple:
         """The weights, prompts and lengths a run decodes (whatever engine, runtime and switches decode them): what

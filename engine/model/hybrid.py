@@ -57,8 +57,11 @@ class HybridModel:
 
     def __init__(self, cfg: ModelConfig, weights: WeightStore, *, max_positions: int, gdn_impl: str = "auto",
                  fused_kernels: bool = False, side_stream: bool = True, flash_prefill: bool = True,
-                 fused_prefill: bool = True):
+                 fused_prefill: bool = True, tp=None):
         self.cfg, self.w, self.gdn_impl = cfg, weights, gdn_impl
+        # tensor parallel (engine/model/tensor_parallel.TPGroup): cfg and weights are this rank's share; the
+        # row-parallel products are summed over the ranks (_sum) and the vocabulary-parallel logits gathered
+        self.tp = tp
         self.device, self.dtype = weights.device, weights.dtype
         self.cos, self.sin = rope_tables(cfg.rotary_dim, cfg.rope_theta, max_positions, self.device)
         self.scale = cfg.head_dim ** -0.5
@@ -104,9 +107,13 @@ class HybridModel:
         i = self.cfg.intermediate_size
         return tuple(self._proj(p, "mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj"), [i, i], x))
 
+    def _sum(self, y: torch.Tensor) -> torch.Tensor:
+        """A row-parallel projection's output: this rank's partial product summed over the ranks (tensor parallel)."""
+        return y if self.tp is None else self.tp.reduce(y)
+
     def mlp(self, p: str, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(p, x)
-        return self.w.linear(f"{p}.mlp.down_proj.weight")(F.silu(gate) * up)
+        return self._sum(self.w.linear(f"{p}.mlp.down_proj.weight")(F.silu(gate) * up))
 
     def attention(self, p: str, key, x: torch.Tensor, step: Step, cache: HybridCache) -> torch.Tensor:
         cfg, w = self.cfg, self.w
@@ -122,7 +129,7 @@ class HybridModel:
         cache.write_kv(key, step.slots, step.pos, k, v.view(b, t, hkv, hd))
         kk, vv = cache.read_kv(key, step.slots, step.kv_len, x.dtype)
         o = attn_k.attention(q, kk, vv, step.pos, self.scale).reshape(b, t, h * hd)
-        return w.project(f"{p}.self_attn.o_proj", o * torch.sigmoid(gate))
+        return self._sum(w.project(f"{p}.self_attn.o_proj", o * torch.sigmoid(gate)))
 
     def rope(self, step: Step) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin ``[B, T, rd]`` at the step's rotary positions."""
@@ -184,7 +191,7 @@ class HybridModel:
                                            cfg.rms_norm_eps)
         else:
             o = gated_rms_norm(o.to(x.dtype), z.view(b, t, hv, dv), w.vector(f"{a_}.norm.weight"), cfg.rms_norm_eps)
-        return w.linear(f"{a_}.out_proj.weight")(o.reshape(b, t, hv * dv))
+        return self._sum(w.linear(f"{a_}.out_proj.weight")(o.reshape(b, t, hv * dv)))
 
     def layer(self, p: str, i, kind: str, h: torch.Tensor, step: Step, cache: HybridCache) -> torch.Tensor:
         """One pre-norm residual block (``i`` indexes the cache: a layer number, or ``"mtp0"``...)."""
@@ -229,5 +236,6 @@ class HybridModel:
         return rms_norm(h, self.w.vector("model.norm.weight"), self.cfg.rms_norm_eps), taps
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """lm_head over final-normed hidden states, in fp32."""
-        return self.w.linear("lm_head.weight")(hidden).float()
+        """lm_head over final-normed hidden states, in fp32 (tensor parallel: every rank's vocabulary rows, gathered)."""
+        y = self.w.linear("lm_head.weight")(hidden).float()
+        return y if self.tp is None else self.tp.gather_last(y)

@@ -91,7 +91,17 @@ class Engine:
         # captured on side streams, the GDN z projection runs beside the layer's token mixing: a weight of its own
         side = opts.side_stream and self.device.type == "cuda" and opts.fused_kernels()
         interleave = opts.silu_epilogue and opts.fused_kernels()  # the gate_up fusion, interleaved (any device)
-        self.weights = WeightStore(loaded.raws, device=self.device, dtype=self.dtype, runtime=opts.runtime,
+        # tensor parallel: this rank's slices of the weights, and a config of its share of the heads
+        self.tp, self.model_config, raws = None, self.config, loaded.raws
+        if opts.tensor_parallel > 1:
+            from ..model import tensor_parallel as tpm
+
+            tpm.check_divisible(self.config, opts.tensor_parallel)
+            self.tp = tpm.TPGroup.current(opts.tensor_parallel)
+            self.model_config = tpm.local_config(self.config, opts.tensor_parallel)
+            raws = tpm.shard_raws({n: r for n, r in loaded.raws.items() if not n.startswith("mtp.")}, self.config,
+                                  self.tp.rank, self.tp.size)
+        self.weights = WeightStore(raws, device=self.device, dtype=self.dtype, runtime=opts.runtime,
                                    apart=("linear_attn.in_proj_qkvz",) if side else (),
                                    interleave=interleave, fuse=True if interleave else None,
                                    tied_embeddings=self.config.tie_word_embeddings, qmv_layout=opts.qmv_layout,
@@ -99,12 +109,12 @@ class Engine:
         # spec verification writes up to K + 1 positions past a sequence's length: room for them per slot
         self.slack = opts.draft_tokens + 1
         self.capacity = opts.slot_capacity + self.slack
-        self.model = HybridModel(self.config, self.weights, max_positions=self.capacity,
+        self.model = HybridModel(self.model_config, self.weights, max_positions=self.capacity,
                                  gdn_impl=opts.gdn_impl if opts.runtime == "v3" else "chunked",
-                                 fused_kernels=opts.fused_kernels(), side_stream=side,
-                                 flash_prefill=opts.flash_prefill, fused_prefill=opts.fused_prefill)
+                                 fused_kernels=opts.fused_kernels() and self.tp is None, side_stream=side,
+                                 flash_prefill=opts.flash_prefill, fused_prefill=opts.fused_prefill, tp=self.tp)
         # one extra slot serves logits() and other scratch work without touching requests
-        self.cache = HybridCache(self.config, slots=opts.max_concurrency + 1, capacity=self.capacity,
+        self.cache = HybridCache(self.model_config, slots=opts.max_concurrency + 1, capacity=self.capacity,
                                  kv_dtype=opts.kv_dtype, dtype=self.dtype, device=self.device,
                                  mtp_layers=self.config.mtp_num_hidden_layers if opts.spec == "mtp" else 0,
                                  rollback=opts.rollback)

@@ -126,12 +126,22 @@ class EngineOptions:
     cpu_threads: int | None = None  # torch intra-op threads on a CPU; None: 1 for small models, else torch's
     inject_delay_us: float = 0.0  # testing only: every decode step (a speculative round) made this much longer - a
     #                               known slowdown (runtime/delay.py: CPU time spun; on CUDA a sleep kernel + host spin)
+    tensor_parallel: int = 1  # ranks the model is split over (engine/model/tensor_parallel.py); > 1: this process is
+    #                           one rank of an initialised torch.distributed group (engine/runtime/parallel.py)
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device {self.device!r} asked for, but CUDA is not available on this machine")
+        if not isinstance(self.tensor_parallel, int) or self.tensor_parallel < 1:
+            raise ValueError(f"tensor parallel size must be a positive integer, got {self.tensor_parallel!r}")
+        if self.tensor_parallel > 1 and self.spec != "none":
+            raise ValueError(f"--tensor-parallel {self.tensor_parallel}: speculative decoding (--spec {self.spec}) "
+                             "is not split over ranks yet")
+        if self.tensor_parallel > 1 and self.runtime == "v3" and self.torch_device.type == "cuda":
+            raise ValueError(f"--tensor-parallel {self.tensor_parallel} on CUDA runs the eager path only so far: "
+                             "use --runtime v2 (the fused kernels and CUDA graphs are not split over ranks yet)")
         if self.dtype not in ("auto", *DTYPES):
             raise ValueError(f"dtype must be auto, fp32, bf16 or fp16, got {self.dtype!r}")
         if self.kv_dtype not in ("fp32", "bf16", "fp16", "int8"):

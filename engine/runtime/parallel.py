@@ -1,0 +1,84 @@
+"""Start the ranks of a tensor-parallel run: one process each, a torch.distributed group between them (gloo on
+CPUs, NCCL on GPUs, one GPU a rank), as ``torchrun`` would, from inside Python.
+
+``launch(size, fn, *args)`` runs ``fn(rank, *args)`` in ``size`` fresh (spawned) processes and returns their results
+in rank order; ``fn`` and its arguments must pickle (a module-level function). A rank that raises ends the run with
+that rank's traceback. NVLink multicast stays off (``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``),
+as the machines this project measures on need.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import traceback
+
+import torch
+
+__all__ = ["default_backend", "launch"]
+
+
+def default_backend(size: int) -> str:
+    """NCCL when this machine has ``size`` GPUs, else gloo (CPU ranks)."""
+    return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= size else "gloo"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank(rank: int, size: int, port: int, backend: str, fn, args, results) -> None:
+    import torch.distributed as dist
+
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
+    try:
+        results.put((rank, fn(rank, *args), None))
+    except BaseException:  # reported to the parent with its traceback, then re-raised
+        results.put((rank, None, traceback.format_exc()))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def launch(size: int, fn, *args, backend: str | None = None, timeout_s: float = 600.0) -> list:
+    """``[fn(0, *args), ..., fn(size - 1, *args)]``, each in a process of its own that is a rank of a
+    ``size``-rank group (``backend``: gloo or nccl, default :func:`default_backend`)."""
+    import torch.multiprocessing as mp
+
+    if size < 1:
+        raise ValueError(f"tensor parallel size must be at least 1, got {size}")
+    backend = backend or default_backend(size)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = mp.start_processes(_rank, args=(size, _free_port(), backend, fn, args, results), nprocs=size,
+                               join=False, start_method="spawn")
+    got: dict[int, object] = {}
+    try:
+        while len(got) < size:
+            try:
+                rank, value, err = results.get(timeout=timeout_s)
+            except queue.Empty:
+                raise RuntimeError(f"tensor parallel: no result from ranks {sorted(set(range(size)) - set(got))} "
+                                   f"in {timeout_s:.0f} s") from None
+            if err is not None:
+                raise RuntimeError(f"tensor parallel rank {rank} failed:\n{err}")
+            got[rank] = value
+    finally:
+        done = len(got) == size
+        for p in procs.processes:
+            if p.is_alive() and not done:
+                p.terminate()
+        try:
+            while not procs.join():
+                pass
+        except Exception:  # a rank that failed (or was stopped): its error is the one raised above
+            if done:
+                raise
+    return [got[r] for r in range(size)]

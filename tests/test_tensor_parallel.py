@@ -1,0 +1,161 @@
+"""Tensor parallelism (engine/model/tensor_parallel.py, engine/runtime/parallel.py) on CPUs: each rank's weight
+slices put back together are the model's weights; a model whose heads a size does not divide is refused by name; two
+gloo ranks give one rank's greedy tokens and its logits to fp32 rounding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from ninfer_bench.engine.artifact.loader import load_source
+from ninfer_bench.engine.model import tensor_parallel as tpm
+from ninfer_bench.engine.model.config import preset
+from ninfer_bench.engine.model.weights import RawWeight
+from ninfer_bench.kernels import quant
+
+PROMPT = [5, 17, 3, 99, 42, 7, 256, 300, 11, 64, 12, 500]
+
+
+def _dense(raw):
+    return raw.dense(torch.float32)
+
+
+@pytest.mark.parametrize("fmt", quant.QUANT_FORMATS + ("fp32", "bf16"))
+@pytest.mark.parametrize("k,k0,k1", [(256, 64, 192), (256, 128, 256), (160, 64, 160), (160, 80, 160), (96, 32, 64)])
+def test_column_slices_are_the_weights_columns(fmt, k, k0, k1):
+    """A column slice on group boundaries keeps the packed bytes (the same values); off them it is the dequantized
+    columns in fp32."""
+    w = torch.randn(24, k, generator=torch.Generator().manual_seed(k0))
+    buf = quant.pack(w, fmt) if fmt in quant.QUANT_FORMATS else w.to(quant_dtype(fmt)).view(torch.uint8).reshape(-1)
+    raw = RawWeight(fmt, (24, k), buf)
+    part = tpm.take_cols(raw, k0, k1)
+    assert part.shape == (24, k1 - k0)
+    assert torch.equal(_dense(part), _dense(raw)[:, k0:k1])
+    group = quant.QSPEC[fmt][0] if fmt in quant.QUANT_FORMATS else 1
+    assert part.fmt == (fmt if k0 % group == 0 and (k1 % group == 0 or k1 == k) else "fp32")
+
+
+def quant_dtype(fmt):
+    return torch.float32 if fmt == "fp32" else torch.bfloat16
+
+
+def test_rank_slices_put_together_are_the_model():
+    """Every split weight of the tiny preset: the ranks' rows (column-parallel, by head and section) or columns
+    (row-parallel) in rank order give the whole weight back; whole weights are left as they are."""
+    loaded = load_source("tiny")
+    cfg, raws = loaded.config, {n: r for n, r in loaded.raws.items() if not n.startswith("mtp.")}
+    parts = [tpm.shard_raws(raws, cfg, r, 2) for r in range(2)]
+    local = tpm.local_config(cfg, 2)
+    assert (local.num_attention_heads, local.num_key_value_heads, local.linear_num_key_heads,
+            local.linear_num_value_heads, local.intermediate_size) == (2, 1, 1, 2, 80)
+    kd, vd = cfg.key_dim, cfg.value_dim
+    for name, raw in raws.items():
+        whole = _dense(raw)
+        got = [_dense(p[name]) for p in parts]
+        if name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight")):
+            assert torch.equal(torch.cat(got, dim=1), whole), name
+        elif name.endswith(("in_proj_qkv.weight", "conv1d.weight")):
+            # a rank's rows: its half of q, then of k, then of v
+            at = [(0, kd // 2), (kd // 2, kd), (kd, kd + vd // 2)]
+            back = torch.cat([torch.cat([g[a:b] for g in got]) for a, b in at])
+            assert torch.equal(back, whole), name
+        elif name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "in_proj_z.weight", "in_proj_b.weight",
+                            "in_proj_a.weight", "gate_proj.weight", "up_proj.weight", "A_log", "dt_bias")) \
+                or name == "lm_head.weight":
+            assert torch.equal(torch.cat(got), whole), name
+            assert got[0].shape[0] * 2 == whole.shape[0]
+        else:
+            assert parts[0][name] is raw and parts[1][name] is raw, name
+
+
+def test_sizes_that_do_not_divide_the_heads_are_refused():
+    """The bundled model (one key / value head, one GDN key head, three value heads) cannot be split 2 ways; the
+    message names each count; the tiny preset splits 2 ways, not 3."""
+    from ninfer_bench.engine.model.config import ModelConfig
+
+    bundled = ModelConfig(vocab_size=1000, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                          num_attention_heads=4, num_key_value_heads=1, head_dim=64, linear_num_key_heads=1,
+                          linear_num_value_heads=3, linear_key_head_dim=64, linear_value_head_dim=64)
+    with pytest.raises(ValueError, match=r"key / value heads .*1.*GDN key heads .*1.*GDN value heads .*3") as e:
+        tpm.check_divisible(bundled, 2)
+    assert "attention heads (num_attention_heads)" not in str(e.value)  # 4 heads divide
+    tpm.check_divisible(preset("tiny"), 2)
+    with pytest.raises(ValueError, match="not a multiple of 3"):
+        tpm.local_config(preset("tiny"), 3)
+
+
+def test_engine_options_refuse_what_is_not_split_yet():
+    from ninfer_bench.engine.runtime.options import EngineOptions
+
+    with pytest.raises(ValueError, match="speculative decoding"):
+        EngineOptions(tensor_parallel=2, spec="mtp", draft_tokens=3)
+    with pytest.raises(ValueError, match="positive integer"):
+        EngineOptions(tensor_parallel=0)
+    with pytest.raises(ValueError, match="not initialised"):  # no process group in this process
+        from ninfer_bench.engine.runtime.engine import Engine
+
+        Engine.load("tiny", device="cpu", kv_dtype="fp32", tensor_parallel=2)
+
+
+def _rank_run(rank: int, tp: int) -> dict:
+    """One rank's engine on the tiny preset: the prompt's logits and 16 greedy tokens."""
+    from ninfer_bench.engine.runtime.engine import Engine
+
+    eng = Engine.load("tiny", device="cpu", kv_dtype="fp32", max_context=128, tensor_parallel=tp)
+    logits = eng.logits(PROMPT)
+    tokens = eng.generate(PROMPT, max_new_tokens=16, ignore_eos=True).tokens
+    return {"logits": logits, "tokens": tokens, "heads": eng.model_config.num_attention_heads,
+            "head_rows": eng.weights.linears["lm_head.weight"].out_features}
+
+
+def test_two_gloo_ranks_give_one_ranks_tokens_and_logits():
+    """--tensor-parallel 2 over gloo (two CPU processes): both ranks hold the whole logits (gathered) and pick the
+    same tokens, which are one rank's greedy tokens; the logits are one rank's to fp32 rounding (the partial sums of
+    the row-parallel projections are added in another order)."""
+    from ninfer_bench.engine.runtime.parallel import launch
+
+    one = _rank_run(0, 1)
+    ranks = launch(2, _rank_run, 2, backend="gloo")
+    assert [(r["heads"], r["head_rows"]) for r in ranks] == [(2, 256)] * 2  # each holds half (tiny: 4 heads, 512)
+    for r in ranks:
+        assert r["tokens"] == one["tokens"]
+        assert r["logits"].shape == one["logits"].shape
+        torch.testing.assert_close(r["logits"], one["logits"], rtol=1e-4, atol=1e-4)
+    assert torch.equal(ranks[0]["logits"], ranks[1]["logits"])
+
+
+def test_a_failing_rank_reports_its_error():
+    from ninfer_bench.engine.runtime.parallel import launch
+
+    with pytest.raises(RuntimeError, match="rank 1 failed"):
+        launch(2, _fail_on_one, backend="gloo")
+
+
+def _fail_on_one(rank: int) -> int:
+    if rank == 1:
+        raise ValueError("rank one breaks")
+    return rank
+
+
+def test_decode_command_splits_over_ranks(tmp_path):
+    """``ninfer-bench decode --tensor-parallel 2``: two gloo ranks, rank 0's document, labelled ``-tp2`` and
+    recording the size, with the tokens of the same decode on one rank; a size the model's heads do not divide is
+    refused in one line, naming the counts."""
+    import json
+
+    from click.testing import CliRunner
+    from ninfer_bench.cli import main
+
+    runner = CliRunner()
+    args = ["decode", "--model", "tiny", "-n", "12", "--repeats", "1", "--kv-dtype", "fp32", "--device", "cpu"]
+    one, two = tmp_path / "tp1.json", tmp_path / "tp2.json"
+    r1 = runner.invoke(main, [*args, "--json", str(one)])
+    r2 = runner.invoke(main, [*args, "--tensor-parallel", "2", "--json", str(two)])
+    assert r1.exit_code == 0, r1.output
+    assert r2.exit_code == 0, r2.output
+    d1, d2 = json.loads(one.read_text()), json.loads(two.read_text())
+    assert d2["label"] == d1["label"] + "-tp2" and d2["config"]["tensor_parallel"] == 2
+    assert d2["summary"]["tokens_sha256"] == d1["summary"]["tokens_sha256"]
+    r3 = runner.invoke(main, [*args, "--tensor-parallel", "3"])
+    assert r3.exit_code != 0 and "cannot be split 3 ways" in r3.output and "attention heads" in r3.output
+    r4 = runner.invoke(main, [*args, "--tensor-parallel", "2", "--engine", "hf"])
+    assert r4.exit_code != 0 and "--engine ours" in r4.output
