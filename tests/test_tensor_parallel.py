@@ -60,7 +60,7 @@ def test_rank_slices_put_together_are_the_model():
             assert torch.equal(back, whole), name
         elif name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "in_proj_z.weight", "in_proj_b.weight",
                             "in_proj_a.weight", "gate_proj.weight", "up_proj.weight", "A_log", "dt_bias")) \
-                or name == "lm_head.weight":
+                or name in ("lm_head.weight", "model.embed_tokens.weight"):
             assert torch.equal(torch.cat(got), whole), name
             assert got[0].shape[0] * 2 == whole.shape[0]
         else:
@@ -86,8 +86,8 @@ def test_sizes_that_do_not_divide_the_heads_are_refused():
 def test_engine_options_refuse_what_is_not_split_yet():
     from ninfer_bench.engine.runtime.options import EngineOptions
 
-    with pytest.raises(ValueError, match="speculative decoding"):
-        EngineOptions(tensor_parallel=2, spec="mtp", draft_tokens=3)
+    with pytest.raises(ValueError, match="--lm-head-draft"):
+        EngineOptions(tensor_parallel=2, spec="mtp", draft_tokens=3, lm_head_draft=64)
     with pytest.raises(ValueError, match="positive integer"):
         EngineOptions(tensor_parallel=0)
     with pytest.raises(ValueError, match="not initialised"):  # no process group in this process
@@ -104,7 +104,8 @@ def _rank_run(rank: int, tp: int) -> dict:
     logits = eng.logits(PROMPT)
     tokens = eng.generate(PROMPT, max_new_tokens=16, ignore_eos=True).tokens
     return {"logits": logits, "tokens": tokens, "heads": eng.model_config.num_attention_heads,
-            "head_rows": eng.weights.linears["lm_head.weight"].out_features}
+            "head_rows": eng.weights.linears["lm_head.weight"].out_features,
+            "embed_rows": eng.weights.embeddings["model.embed_tokens.weight"].shape[0]}
 
 
 def test_two_gloo_ranks_give_one_ranks_tokens_and_logits():
@@ -115,7 +116,8 @@ def test_two_gloo_ranks_give_one_ranks_tokens_and_logits():
 
     one = _rank_run(0, 1)
     ranks = launch(2, _rank_run, 2, backend="gloo")
-    assert [(r["heads"], r["head_rows"]) for r in ranks] == [(2, 256)] * 2  # each holds half (tiny: 4 heads, 512)
+    assert [(r["heads"], r["head_rows"], r["embed_rows"]) for r in ranks] == [(2, 256, 256)] * 2  # each holds half
+    #                                                                      (tiny: 4 heads, a 512-token vocabulary)
     for r in ranks:
         assert r["tokens"] == one["tokens"]
         assert r["logits"].shape == one["logits"].shape
@@ -159,3 +161,33 @@ def test_decode_command_splits_over_ranks(tmp_path):
     assert r3.exit_code != 0 and "cannot be split 3 ways" in r3.output and "attention heads" in r3.output
     r4 = runner.invoke(main, [*args, "--tensor-parallel", "2", "--engine", "hf"])
     assert r4.exit_code != 0 and "--engine ours" in r4.output
+
+
+def _spec_run(rank: int, tp: int) -> dict:
+    """One rank's greedy tokens on the tiny preset, plain and with each drafter (MTP split like the model, the DFlash
+    drafters whole on every rank, every head's logits gathered)."""
+    from ninfer_bench.engine.runtime.engine import Engine
+
+    out = {}
+    for spec, k in (("none", 0), ("mtp", 3), ("dflash2", 7)):
+        eng = Engine.load("tiny", device="cpu", kv_dtype="fp32", max_context=128, tensor_parallel=tp, spec=spec,
+                          draft_tokens=k)
+        res = eng.generate(PROMPT, max_new_tokens=20, ignore_eos=True)
+        out[spec] = (res.tokens, res.spec.get("rounds"))
+    return out
+
+
+def test_speculative_decoding_over_two_ranks_keeps_the_plain_tokens():
+    """MTP3 and DFlash2 K=7 over two gloo ranks give one rank's plain greedy tokens (token invariance holds across
+    the split), as the same runs on one rank do, in as many rounds."""
+    from ninfer_bench.engine.runtime.parallel import launch
+
+    one = _spec_run(0, 1)
+    ranks = launch(2, _spec_run, 2, backend="gloo")
+    plain = one["none"][0]
+    assert one["mtp"][0] == plain and one["dflash2"][0] == plain
+    for r in ranks:
+        for spec, (tokens, rounds) in r.items():
+            assert tokens == plain, spec
+            assert rounds == one[spec][1], spec  # the same drafts accepted: as many rounds as on one rank
+    assert one["mtp"][1] < 20 and one["dflash2"][1] < 20  # (drafts were accepted at all)

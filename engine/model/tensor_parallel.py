@@ -6,10 +6,11 @@ Each of ``size`` ranks (one process each, ``torch.distributed`` initialised: glo
 - column-parallel (rows of the weight, by head): attention q (query | gate per head), k, v and their norms' heads
   whole; GDN q / k / v sections of ``in_proj_qkv`` and the conv channels with them, ``in_proj_z``, ``in_proj_b`` /
   ``in_proj_a``, ``A_log`` and ``dt_bias`` by value head (and key head); the MLP's gate and up by intermediate rows;
-  ``lm_head`` by vocabulary rows (the logits are gathered whole on every rank);
+  ``lm_head`` and the token embedding by vocabulary rows (the logits are gathered whole on every rank; a token's
+  embedding comes from the rank that holds its row, the others adding zeros: ``WeightStore.embed``);
 - row-parallel (columns of the weight: its share of the input): attention ``o_proj``, GDN ``out_proj``, the MLP's
   ``down_proj`` - each rank's product is a partial sum, all-reduced once per block half (:meth:`TPGroup.reduce`);
-- everything else whole: embeddings, norms, the GDN gated norm's weight (per head, shared).
+- everything else whole: norms, the GDN gated norm's weight (per head, shared).
 
 Heads are split in contiguous blocks, which keeps the grouped heads together (attention query head i reads key head
 ``i // (H / Hkv)``, GDN value head i key head ``i // (Hv / Hk)``). :func:`check_divisible` refuses a model whose head
@@ -133,7 +134,8 @@ def _blocks(starts_sizes: list[tuple[int, int]], rank: int, size: int) -> torch.
 _COLUMN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "linear_attn.in_proj_qkv",
            "linear_attn.in_proj_z", "linear_attn.in_proj_b", "linear_attn.in_proj_a", "mlp.gate_proj", "mlp.up_proj")
 _ROW = ("self_attn.o_proj", "linear_attn.out_proj", "mlp.down_proj")
-_LAYER = re.compile(r"^(model\.layers\.\d+)\.(.+)\.(weight|bias)$|^(model\.layers\.\d+)\.(linear_attn\.(A_log|dt_bias))$")
+_LAYER = re.compile(r"^((?:model|mtp)\.layers\.\d+)\.(.+)\.(weight|bias)$"
+                    r"|^(model\.layers\.\d+)\.(linear_attn\.(A_log|dt_bias))$")
 
 
 def _row_sections(name: str, cfg: ModelConfig) -> list[tuple[int, int]]:
@@ -151,7 +153,8 @@ def _row_sections(name: str, cfg: ModelConfig) -> list[tuple[int, int]]:
 
 def shard_raws(raws: dict, cfg: ModelConfig, rank: int, size: int) -> dict:
     """Rank ``rank``'s share of the text model's stored weights (``{name: RawWeight}``), as the module docstring
-    lays out; a drafter's weights (``mtp.*``) are not split (refused by the engine)."""
+    lays out; the MTP head's layers (``mtp.layers.*``) split as the model's, its ``fc`` and norms whole (a DFlash
+    drafter's weights are held apart, whole on every rank)."""
     from .weights import RawWeight
 
     check_divisible(cfg, size)
@@ -163,8 +166,8 @@ def shard_raws(raws: dict, cfg: ModelConfig, rank: int, size: int) -> dict:
     out = {}
     for name, raw in raws.items():
         m = _LAYER.match(name)
-        if name == "lm_head.weight":
-            rows = _blocks([(0, cfg.vocab_size)], rank, size)
+        if name in ("lm_head.weight", "model.embed_tokens.weight"):  # vocabulary rows (WeightStore.embed looks up
+            rows = _blocks([(0, cfg.vocab_size)], rank, size)  # its share and sums the ranks' rows)
             out[name] = RawWeight(raw.fmt, (len(rows), raw.shape[1]), quant.take_rows(raw.buf, raw.fmt,
                                                                                         tuple(raw.shape), rows))
         elif m and m.group(5):  # A_log, dt_bias [Hv]

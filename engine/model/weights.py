@@ -195,8 +195,10 @@ class WeightStore:
 
     def __init__(self, raws: dict[str, RawWeight], *, device="cpu", dtype=torch.float32, runtime="v3",
                  fuse: bool | None = None, apart: tuple[str, ...] = (), interleave: bool = False,
-                 tied_embeddings: bool = False, qmv_layout: str = "lanes", prefill_weights: str = "auto"):
+                 tied_embeddings: bool = False, qmv_layout: str = "lanes", prefill_weights: str = "auto",
+                 tp=None):
         self.device, self.dtype, self.runtime = torch.device(device), dtype, runtime
+        self.tp = tp  # tensor parallel (model/tensor_parallel.TPGroup): the embedding holds this rank's vocabulary rows
         # packed weights in a qmv layout only (no row-major copy): for 16-bit activations, which qmv takes; fp32
         # ones go through the Triton kernels, which read rows
         self.qmv_layout = qmv_layout if dtype in (torch.bfloat16, torch.float16) else "rows"
@@ -352,7 +354,13 @@ class WeightStore:
         return y if bias is None else y + bias.to(y.dtype)
 
     def embed(self, ids: torch.Tensor, name: str = "model.embed_tokens.weight") -> torch.Tensor:
-        return self.embeddings[name](ids)
+        emb = self.embeddings[name]
+        if self.tp is None:
+            return emb(ids)
+        rows = emb.shape[0]  # tensor parallel: this rank's vocabulary rows; a token held elsewhere adds zeros here
+        local = ids - self.tp.rank * rows
+        inside = (local >= 0) & (local < rows)
+        return self.tp.reduce(emb(local.clamp(0, rows - 1)) * inside[..., None].to(self.dtype))
 
 
 def split_fused(y: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:

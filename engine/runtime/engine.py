@@ -99,13 +99,12 @@ class Engine:
             tpm.check_divisible(self.config, opts.tensor_parallel)
             self.tp = tpm.TPGroup.current(opts.tensor_parallel)
             self.model_config = tpm.local_config(self.config, opts.tensor_parallel)
-            raws = tpm.shard_raws({n: r for n, r in loaded.raws.items() if not n.startswith("mtp.")}, self.config,
-                                  self.tp.rank, self.tp.size)
+            raws = tpm.shard_raws(loaded.raws, self.config, self.tp.rank, self.tp.size)
         self.weights = WeightStore(raws, device=self.device, dtype=self.dtype, runtime=opts.runtime,
                                    apart=("linear_attn.in_proj_qkvz",) if side else (),
                                    interleave=interleave, fuse=True if interleave else None,
                                    tied_embeddings=self.config.tie_word_embeddings, qmv_layout=opts.qmv_layout,
-                                   prefill_weights=opts.prefill_weights)
+                                   prefill_weights=opts.prefill_weights, tp=self.tp)
         # spec verification writes up to K + 1 positions past a sequence's length: room for them per slot
         self.slack = opts.draft_tokens + 1
         self.capacity = opts.slot_capacity + self.slack

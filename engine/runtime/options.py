@@ -136,9 +136,9 @@ class EngineOptions:
             raise ValueError(f"device {self.device!r} asked for, but CUDA is not available on this machine")
         if not isinstance(self.tensor_parallel, int) or self.tensor_parallel < 1:
             raise ValueError(f"tensor parallel size must be a positive integer, got {self.tensor_parallel!r}")
-        if self.tensor_parallel > 1 and self.spec != "none":
-            raise ValueError(f"--tensor-parallel {self.tensor_parallel}: speculative decoding (--spec {self.spec}) "
-                             "is not split over ranks yet")
+        if self.tensor_parallel > 1 and self.lm_head_draft:
+            raise ValueError(f"--tensor-parallel {self.tensor_parallel}: --lm-head-draft (a drafter head over some "
+                             "vocabulary rows) is not split over ranks yet")
         if self.tensor_parallel > 1 and self.runtime == "v3" and self.torch_device.type == "cuda":
             raise ValueError(f"--tensor-parallel {self.tensor_parallel} on CUDA runs the eager path only so far: "
                              "use --runtime v2 (the fused kernels and CUDA graphs are not split over ranks yet)")

@@ -82,6 +82,8 @@ class DraftHead:
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         x = self.linear(h).float()
+        if self.e.tp is not None:  # tensor parallel: this rank's vocabulary rows; every rank's, gathered
+            x = self.e.tp.gather_last(x)
         if self.scale != 1.0:
             x = x * self.scale
         if self.softcap > 0:
