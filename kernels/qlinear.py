@@ -32,8 +32,8 @@ CUDA graph. Triton is imported on first use, so this module imports (and the CPU
 
 On CUDA with bf16 / fp16 x the engine runs ``kernels/qmv_cuda.cu`` instead (tensor cores, up to 64 rows a
 launch, deterministic, T = 8 at the cost of T = 1) whenever cupy imports: these Triton kernels serve fp32 x and
-machines without cupy. Their dot kernel (T >= 2) has returned wrong sums now and then on the GPU (see ``_dot_kernel``). How
-fast each is at the 27B shapes: ``docs/perf/README.md``.
+machines without cupy. Their dot kernel (T >= 2) has returned wrong sums now and then on the GPU (see
+``_dot_kernel``). How fast each is at the 27B shapes: ``docs/perf/README.md``.
 """
 
 from __future__ import annotations
@@ -243,8 +243,8 @@ class PackedLinear:
     copy from :meth:`row_major`.
 
     ``lin(x)`` with x [..., K]: on CUDA with at most MAX_KERNEL_ROWS rows, bf16/fp16 x goes to the tensor-core
-    kernel of ``kernels/qmv_cuda.cu`` (``qmv_cuda.rows_per_launch()`` rows a launch) when cupy imports, fp32 x (or no cupy) to
-    the Triton kernels here. Otherwise
+    kernel of ``kernels/qmv_cuda.cu`` (up to ``qmv_cuda.MAX_ROWS`` rows a launch) when cupy imports, fp32 x (or no
+    cupy) to the Triton kernels here. Otherwise
     (prefill widths, or a CPU) a dense weight and F.linear: with ``dense_fallback=True`` (default) the
     dense weight is made once per dtype and cached, which costs 2 bytes per weight on top of the packed
     ~0.6 (q4) - the quantization's memory saving is gone for any layer that ever takes that path; with

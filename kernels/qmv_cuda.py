@@ -7,7 +7,7 @@ against x in fp32, and the group scale multiplies the sums; T = 1 and T = 8 cost
 columns are the tokens). Wider x (9-64 rows, a batch's verify) takes ``ceil(T / 8)`` column groups of 8 tokens in
 one launch (rounded up to 2, 4 or 8): the weight is read and its fragments made once, and each group's sums are
 those of a launch of its 8 rows alone, so a row's bits do not depend on the launch width
-(:func:`qmv_rows` splits wider x into launches of :func:`rows_per_launch` rows).
+(:func:`qmv_rows` splits wider x into launches of ``MAX_ROWS``).
 Compiled at first use for each (format, dtype, whole-groups, column groups) by CuPy's NVRTC, so it needs
 ``cupy`` (the ``[gpu]`` extra) and an sm_80+ GPU; :func:`supports` says whether a call can take this path, and
 ``PackedLinear`` falls back to the Triton kernels of ``kernels/qlinear.py`` otherwise. The reference is
@@ -37,7 +37,7 @@ from .qmv_layout import DENSE_FMT, WORD_ORDER, TiledWeight
 
 __all__ = ["qmv", "supports", "available", "import_error", "choose_splits", "choose_warps", "workspace", "set_dense",
            "dense_enabled", "DenseWeight", "TiledWeight", "DENSE_FMT", "WORD_ORDER", "qmv_rows", "MAX_T", "MAX_ROWS",
-           "MAX_SPLITS", "reserve", "shape_splits", "rows_per_launch", "set_rows_per_launch", "column_groups"]
+           "MAX_SPLITS", "reserve", "shape_splits", "column_groups"]
 
 MAX_T = 8  # tokens per column group: the MMA's n = 8 columns
 MAX_ROWS = 64  # rows of x per launch: up to 8 column groups
@@ -154,7 +154,7 @@ def shape_splits(n: int, ng: int, sms: int, warps: int | None = None) -> int:
 # did not let it start early); with the Triton glue PDL-aware too the 27B step is 4 % faster (EngineOptions.pdl,
 # on by default). dense: small dense 16-bit projections (engine/weights.DenseLinear) through
 # FMT 3 (measured faster: on by default in EngineOptions.qmv_dense).
-_SWITCHES = {"dense": False, "rows": MAX_ROWS}
+_SWITCHES = {"dense": False}
 
 
 def set_dense(on: bool) -> None:
@@ -167,18 +167,6 @@ def dense_enabled() -> bool:
     return _SWITCHES["dense"]
 
 
-def set_rows_per_launch(rows: int) -> None:
-    """Rows of x one launch takes from now on (8, 16, 32 or 64; :func:`qmv_rows` splits wider x): 8 is one column
-    group a launch, the weight read once per 8 rows."""
-    if rows not in (8, 16, 32, 64):
-        raise ValueError(f"qmv: rows per launch must be 8, 16, 32 or 64, got {rows}")
-    _SWITCHES["rows"] = rows
-
-
-def rows_per_launch() -> int:
-    return _SWITCHES["rows"]
-
-
 def column_groups(t: int) -> int:
     """Column groups of 8 tokens a launch of ``t`` rows is compiled for: ceil(t / 8) rounded up to 1, 2, 4 or 8 (the
     rows past t repeat row t - 1 and are not stored)."""
@@ -188,7 +176,7 @@ def column_groups(t: int) -> int:
 # blocks an SM whose registers a launch of (column groups, warps a tile) is built for: ptxas (sm_90) fits 2 groups in
 # 128 registers a thread without spills, 4 and 8 take 210-255; the H200 at the 27B shapes (16 and 64 rows) measured
 # one block of 4 warps best for 2 groups, two of 8 warps, and one block for 8 groups
-# (docs/perf/2026-12-03e-qmv-rows-sampler-graph-h200.md); 4 groups by the register count alone
+# (docs/perf/2026-12-03e-qmv-rows-sampler-h200.md); 4 groups by the register count alone
 _NCOL_MIN_BLOCKS = {(2, 4): 1, (2, 8): 2, (4, 4): 2, (4, 8): 1, (8, 4): 1, (8, 8): 1}
 
 
@@ -364,10 +352,10 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
 
 
 def qmv_rows(x: torch.Tensor, lin, act: bool = False, rows: int | None = None, **launch) -> torch.Tensor:
-    """:func:`qmv` for any number of rows, ``rows`` (default :func:`rows_per_launch`) a launch (``launch``: more
-    :func:`qmv` keywords): each row's result does not depend on the others or on the launch width (the caller checks
-    :func:`supports` on the first rows)."""
-    step = min(rows or _SWITCHES["rows"], MAX_ROWS)
+    """:func:`qmv` for any number of rows, ``rows`` (default ``MAX_ROWS``; 8 is a launch a column group, the weight
+    read once per 8 rows) a launch (``launch``: more :func:`qmv` keywords): each row's result does not depend on the
+    others or on the launch width (the caller checks :func:`supports` on the first rows)."""
+    step = min(rows or MAX_ROWS, MAX_ROWS)
     if x.shape[0] <= step:
         return qmv(x, lin, act=act, **launch)
     return torch.cat([qmv(x[i:i + step], lin, act=act, **launch) for i in range(0, x.shape[0], step)])

@@ -5,7 +5,8 @@
 
 For each projection (K -> N), packed format and T rows of x (bf16): checks the kernel against the fp32
 reference on a sample of rows (rel. RMS), then times
-  ours          what the engine calls (a tiled PackedLinear: qmv, up to 64 rows a launch, when cupy imports, else Triton)
+  ours          what the engine calls (a tiled PackedLinear: qmv, up to 64 rows a launch, when cupy imports, else
+                Triton)
                 replayed from a CUDA graph, do_bench median with L2 flushed (graph replay keeps host launch
                 time out of the number)
   triton        qlinear_triton with its default launch config

@@ -222,11 +222,9 @@ def test_wide_launch_variants_keep_the_bits(fmt):
             qmv_cuda.qmv(x, lin, **kw)
 
 
-def test_column_groups_and_rows_per_launch():
+def test_column_groups_and_the_shape_split():
     assert [qmv_cuda.column_groups(t) for t in (1, 8, 9, 16, 17, 24, 25, 32, 33, 64)] == [1, 1, 2, 2, 4, 4, 4, 4, 8, 8]
-    assert qmv_cuda.rows_per_launch() == qmv_cuda.MAX_ROWS == 64
-    with pytest.raises(ValueError, match="8, 16, 32 or 64"):
-        qmv_cuda.set_rows_per_launch(12)
+    assert qmv_cuda.MAX_ROWS == 64
     # the split count is the shape's alone: the same whatever the launch's width
     for n, ng in [(1024, 80), (200, 32), (34816, 80)]:
         assert qmv_cuda.shape_splits(n, ng, 132) == qmv_cuda.shape_splits(n, ng, 132, qmv_cuda.choose_warps(n, 132))

@@ -236,6 +236,7 @@ class HybridModel:
         return rms_norm(h, self.w.vector("model.norm.weight"), self.cfg.rms_norm_eps), taps
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """lm_head over final-normed hidden states, in fp32 (tensor parallel: every rank's vocabulary rows, gathered)."""
+        """lm_head over final-normed hidden states, in fp32 (tensor parallel: every rank's vocabulary rows,
+        gathered)."""
         y = self.w.linear("lm_head.weight")(hidden).float()
         return y if self.tp is None else self.tp.gather_last(y)
