@@ -187,6 +187,31 @@ def _niah_options(model, ctx, depths, cases, answer_tokens, seed, **kw):
                             **kw)
 
 
+def _niah_rank(rank: int, opts) -> dict | str:
+    """One rank's NIAH run (engine/runtime/parallel.launch); a refusal comes back as its message."""
+    from ..suites.niah import run_niah
+
+    try:
+        return run_niah(opts)
+    except ValueError as e:
+        return str(e)
+
+
+def _niah_ranks(opts, size: int) -> dict:
+    """The NIAH cases run by ``size`` ranks: rank 0's document, once every rank's answers are found equal."""
+    from ..engine.runtime.parallel import default_backend, launch
+
+    say(f"tensor parallel: {size} ranks over {default_backend(size)}")
+    docs = launch(size, _niah_rank, opts)
+    refused = next((d for d in docs if isinstance(d, str)), None)
+    if refused is not None:
+        raise UserError(refused)
+    answers = [[r.get("tokens") for r in d["records"]] for d in docs]
+    if any(a != answers[0] for a in answers[1:]):
+        raise UserError("tensor parallel: the ranks' answers differ")
+    return docs[0]
+
+
 def niah_case_options(f):
     for o in reversed([
         click.option("--model", default=None, help="Artifact path or preset [default: the bundled model]."),
@@ -219,15 +244,19 @@ def niah_case_options(f):
               help="Run the cases against an OpenAI-compatible server: engine flags are refused; --model names the "
                    "tokenizer that builds the cases (the server's) and whose oracles judge them.")
 @click.option("--served-model", default=None, help="Model name to send to --url [default: its first model].")
+@click.option("--tensor-parallel", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Split our engine over N ranks, one process each (as decode --tensor-parallel).")
 @output_options
 def niah(model, ctx, depths, cases, answer_tokens, seed, prefill_chunk, device, kv_dtype, runtime, oracle_file,
-         require_oracle, heatmap, label, json_path, rescore, url, served_model):
+         require_oracle, heatmap, label, json_path, rescore, url, served_model, tensor_parallel):
     """Needle in a haystack: retrieval, and agreement with stored float64 oracle outputs."""
     from ..reports.tables import niah_grid
     from ..suites.niah import rescore_niah, run_niah
 
     check_output(json_path, parents=True)
     check_output(heatmap, parents=True)
+    if tensor_parallel > 1 and (url is not None or served_model is not None or rescore):
+        raise UserError("--tensor-parallel splits our engine over ranks: give it without --url and --rescore")
     if url is not None or served_model is not None:  # against a server (cli/remote.py, suites/remote.py)
         from .remote import NIAH_URL_FLAGS, niah_url, refuse_engine_flags
 
@@ -243,10 +272,14 @@ def niah(model, ctx, depths, cases, answer_tokens, seed, prefill_chunk, device, 
         doc = rescore_niah(read_result(rescore), oracle_file)
     else:
         opts = _niah_options(model, ctx, depths, cases, answer_tokens, seed, prefill_chunk=prefill_chunk,
-                             device=device, kv_dtype=kv_dtype, runtime=runtime, oracle=oracle_file, label=label)
-        prog, update = suite_progress("niah")
-        with prog:
-            doc = run_niah(opts, progress=update)
+                             device=device, kv_dtype=kv_dtype, runtime=runtime, oracle=oracle_file, label=label,
+                             tensor_parallel=tensor_parallel)
+        if tensor_parallel > 1:
+            doc = _niah_ranks(opts, tensor_parallel)
+        else:
+            prog, update = suite_progress("niah")
+            with prog:
+                doc = run_niah(opts, progress=update)
     s = doc["summary"]
     show(niah_grid(doc))
     agree = (s.get("oracle_unavailable") or "no oracle") if s["oracle_agreement"] is None else f"{s['oracle_agreement']:.0%} of {s['oracle_cases']}"

@@ -284,7 +284,8 @@ def run_niah(opts: NiahOptions, progress=None) -> dict:
         records.append(judge(rec, case, oracle, opts.near_tie, res.logprobs))
     summary = summarize(records, opts.ctxs, time.perf_counter() - t0)
     config = flat_config(opts)
-    config["label"] = opts.label or f"{opts.engine_options.runtime}-niah"
+    tp = opts.engine_options.tensor_parallel
+    config["label"] = opts.label or f"{opts.engine_options.runtime}-niah" + (f"-tp{tp}" if tp > 1 else "")
     config["device"] = str(eng.device)
     config["needle_placement"] = NEEDLE_PLACEMENT
     return make_result("niah", label=config["label"], config=config, records=records, summary=summary,

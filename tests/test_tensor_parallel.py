@@ -191,3 +191,42 @@ def test_speculative_decoding_over_two_ranks_keeps_the_plain_tokens():
             assert tokens == plain, spec
             assert rounds == one[spec][1], spec  # the same drafts accepted: as many rounds as on one rank
     assert one["mtp"][1] < 20 and one["dflash2"][1] < 20  # (drafts were accepted at all)
+
+
+def test_niah_command_splits_over_ranks(tmp_path):
+    """``ninfer-bench niah --tensor-parallel 2``: the same answers as one rank, labelled ``-tp2``, the size recorded."""
+    import json
+
+    from click.testing import CliRunner
+    from ninfer_bench.cli import main
+
+    args = ["niah", "--model", "tiny", "--ctx", "256", "--depths", "0,50", "--kv-dtype", "fp32", "--device", "cpu"]
+    one, two = tmp_path / "n1.json", tmp_path / "n2.json"
+    runner = CliRunner()
+    for extra, path in (([], one), (["--tensor-parallel", "2"], two)):
+        res = runner.invoke(main, [*args, *extra, "--json", str(path)])
+        assert res.exit_code == 0, res.output
+    d1, d2 = json.loads(one.read_text()), json.loads(two.read_text())
+    assert [r["tokens"] for r in d2["records"]] == [r["tokens"] for r in d1["records"]]
+    assert d2["label"] == "v3-niah-tp2" and d2["config"]["tensor_parallel"] == 2
+
+
+def test_a_rank_that_dies_is_reported_at_once():
+    """A rank that ends without a result (killed, out of memory) is named with its exit code, without waiting out
+    the launch's timeout."""
+    import time
+
+    from ninfer_bench.engine.runtime.parallel import launch
+
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"rank\(s\) \[1\] ended with exit code\(s\) \[3\]"):
+        launch(2, _die_on_one, backend="gloo", timeout_s=300)
+    assert time.monotonic() - t0 < 120
+
+
+def _die_on_one(rank: int) -> int:
+    import os
+
+    if rank == 1:
+        os._exit(3)
+    return rank

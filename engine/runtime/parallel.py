@@ -10,8 +10,10 @@ as the machines this project measures on need.
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import socket
+import time
 import traceback
 
 import torch
@@ -39,12 +41,16 @@ def _rank(rank: int, size: int, port: int, backend: str, fn, args, results) -> N
         torch.cuda.set_device(rank)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
     try:
-        results.put((rank, fn(rank, *args), None))
-    except BaseException:  # reported to the parent with its traceback, then re-raised
-        results.put((rank, None, traceback.format_exc()))
-        raise
-    finally:
+        out = (rank, fn(rank, *args), None)
+    except BaseException:  # noqa: BLE001 - the parent raises it, with this traceback
+        out = (rank, None, traceback.format_exc())
+    try:
         dist.destroy_process_group()
+    finally:
+        # by value (plain pickle): torch's queue would share tensors through this process's memory, which ends here
+        results.put(pickle.dumps(out))
+        results.close()
+        results.join_thread()  # the message is in the pipe before the process ends
 
 
 def launch(size: int, fn, *args, backend: str | None = None, timeout_s: float = 600.0) -> list:
@@ -60,13 +66,26 @@ def launch(size: int, fn, *args, backend: str | None = None, timeout_s: float = 
     procs = mp.start_processes(_rank, args=(size, _free_port(), backend, fn, args, results), nprocs=size,
                                join=False, start_method="spawn")
     got: dict[int, object] = {}
+    deadline = time.monotonic() + timeout_s
     try:
         while len(got) < size:
             try:
-                rank, value, err = results.get(timeout=timeout_s)
+                rank, value, err = pickle.loads(results.get(timeout=1.0))
             except queue.Empty:
-                raise RuntimeError(f"tensor parallel: no result from ranks {sorted(set(range(size)) - set(got))} "
-                                   f"in {timeout_s:.0f} s") from None
+                missing = sorted(set(range(size)) - set(got))
+                dead = [r for r in missing if not procs.processes[r].is_alive()]
+                if dead:  # a rank that ended: its message may still be on its way, else it ended without a word
+                    try:
+                        rank, value, err = pickle.loads(results.get(timeout=5.0))
+                    except queue.Empty:
+                        codes = [procs.processes[r].exitcode for r in dead]
+                        raise RuntimeError(f"tensor parallel: rank(s) {dead} ended with exit code(s) {codes} and "
+                                           "no result") from None
+                elif time.monotonic() > deadline:
+                    raise RuntimeError(f"tensor parallel: no result from ranks {missing} in {timeout_s:.0f} s") \
+                        from None
+                else:
+                    continue
             if err is not None:
                 raise RuntimeError(f"tensor parallel rank {rank} failed:\n{err}")
             got[rank] = value
