@@ -13,8 +13,22 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def unshadow() -> None:
+    """Drop the repository root from ``sys.path`` (``python -m pytest`` and ``python -c`` put the working directory
+    there): its top-level folders are this package's modules, and as top-level names they shadow installed
+    distributions of the same name - transformers >= 5.25 imports Hugging Face's ``kernels`` when it is installed (a
+    dependency of theirs now) and got this repository's ``kernels/`` instead."""
+    root = str(ROOT)
+    sys.path[:] = [p for p in sys.path if str(Path(p or ".").resolve()) != root]
+    mod = sys.modules.get("kernels")
+    if mod is not None and str(Path(getattr(mod, "__file__", "") or ".").resolve().parent) == str(ROOT / "kernels"):
+        del sys.modules["kernels"]  # imported from the root before this ran
+
+
 def ensure_package(name: str = "ninfer_bench") -> None:
-    """Import ``name`` if installed; otherwise load the repository root as that package."""
+    """Import ``name`` if installed; otherwise load the repository root as that package. Either way the root itself
+    leaves ``sys.path`` first (:func:`unshadow`)."""
+    unshadow()
     try:
         __import__(name)
         return
