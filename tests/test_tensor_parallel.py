@@ -11,8 +11,7 @@ from ninfer_bench.engine.model import tensor_parallel as tpm
 from ninfer_bench.engine.model.config import preset
 from ninfer_bench.engine.model.weights import RawWeight
 from ninfer_bench.kernels import quant
-
-PROMPT = [5, 17, 3, 99, 42, 7, 256, 300, 11, 64, 12, 500]
+from tp_ranks import _die_on_one, _fail_on_one, _rank_run, _spec_run
 
 
 def _dense(raw):
@@ -96,16 +95,6 @@ def test_engine_options_refuse_what_is_not_split_yet():
         Engine.load("tiny", device="cpu", kv_dtype="fp32", tensor_parallel=2)
 
 
-def _rank_run(rank: int, tp: int) -> dict:
-    """One rank's engine on the tiny preset: the prompt's logits and 16 greedy tokens."""
-    from ninfer_bench.engine.runtime.engine import Engine
-
-    eng = Engine.load("tiny", device="cpu", kv_dtype="fp32", max_context=128, tensor_parallel=tp)
-    logits = eng.logits(PROMPT)
-    tokens = eng.generate(PROMPT, max_new_tokens=16, ignore_eos=True).tokens
-    return {"logits": logits, "tokens": tokens, "heads": eng.model_config.num_attention_heads,
-            "head_rows": eng.weights.linears["lm_head.weight"].out_features,
-            "embed_rows": eng.weights.embeddings["model.embed_tokens.weight"].shape[0]}
 
 
 def test_two_gloo_ranks_give_one_ranks_tokens_and_logits():
@@ -132,10 +121,6 @@ def test_a_failing_rank_reports_its_error():
         launch(2, _fail_on_one, backend="gloo")
 
 
-def _fail_on_one(rank: int) -> int:
-    if rank == 1:
-        raise ValueError("rank one breaks")
-    return rank
 
 
 def test_decode_command_splits_over_ranks(tmp_path):
@@ -163,18 +148,6 @@ def test_decode_command_splits_over_ranks(tmp_path):
     assert r4.exit_code != 0 and "--engine ours" in r4.output
 
 
-def _spec_run(rank: int, tp: int) -> dict:
-    """One rank's greedy tokens on the tiny preset, plain and with each drafter (MTP split like the model, the DFlash
-    drafters whole on every rank, every head's logits gathered)."""
-    from ninfer_bench.engine.runtime.engine import Engine
-
-    out = {}
-    for spec, k in (("none", 0), ("mtp", 3), ("dflash2", 7)):
-        eng = Engine.load("tiny", device="cpu", kv_dtype="fp32", max_context=128, tensor_parallel=tp, spec=spec,
-                          draft_tokens=k)
-        res = eng.generate(PROMPT, max_new_tokens=20, ignore_eos=True)
-        out[spec] = (res.tokens, res.spec.get("rounds"))
-    return out
 
 
 def test_speculative_decoding_over_two_ranks_keeps_the_plain_tokens():
@@ -223,10 +196,3 @@ def test_a_rank_that_dies_is_reported_at_once():
         launch(2, _die_on_one, backend="gloo", timeout_s=300)
     assert time.monotonic() - t0 < 120
 
-
-def _die_on_one(rank: int) -> int:
-    import os
-
-    if rank == 1:
-        os._exit(3)
-    return rank

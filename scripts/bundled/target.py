@@ -19,9 +19,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
-
 from ninfer_bench.engine.model.config import ModelConfig
+from safetensors.torch import load_file, save_file
 
 from .mtp import MTPHead, mtp_loss
 from .schedule import Schedule
@@ -96,10 +95,20 @@ CALLS: dict[str, int] = {}
 FLA_SHIM = "fla.ops.gated_delta_rule.chunk_gated_delta_rule (installed here)"
 
 
+def _hub_func(fn):
+    """The function inside a hub-kernel ``Func`` module (transformers >= 5.25 with Hugging Face's ``kernels``
+    installed wraps each kernel function in one: ``forward`` calls its closure's ``func``); ``fn`` itself otherwise."""
+    forward = getattr(type(fn), "forward", None)
+    if hasattr(fn, "__code__") or forward is None or not getattr(forward, "__closure__", None):
+        return fn
+    return dict(zip(forward.__code__.co_freevars, (c.cell_contents for c in forward.__closure__))).get("func", fn)
+
+
 def _implementation(fn) -> str:
     """The function transformers' hub-kernel wrapper resolved to (its closure's ``implementation``)."""
+    fn = _hub_func(fn)
     while getattr(fn, "counted", False):
-        fn = fn.__wrapped__
+        fn = _hub_func(fn.__wrapped__)
     if getattr(fn, "fla_shim", False):
         return FLA_SHIM
     env = dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__ or ())))
