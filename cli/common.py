@@ -144,6 +144,33 @@ def build_engine(model, *, synthetic=False, quant="mixed", seed=0, **options):
     return Engine.load(model, synthetic=synthetic, quant=quant, seed=seed, **options)
 
 
+def _refusing(rank: int, fn, arg):
+    """``fn(arg)`` on one rank of :func:`on_ranks`; a refusal (ValueError: a model the size does not divide, an
+    option not split yet) comes back as its message."""
+    try:
+        return fn(arg)
+    except ValueError as e:
+        return str(e)
+
+
+def on_ranks(size: int, fn, arg, tokens):
+    """``fn(arg)`` on each of ``size`` tensor-parallel ranks (engine/runtime/parallel.launch; ``fn`` a module-level
+    function, so that a rank can import it): rank 0's result, once every rank's ``tokens(result)`` is found equal
+    (each rank holds the gathered logits and picks alike: a rank that does not is a broken split, not a
+    measurement). A rank's refusal is a one-line error."""
+    from ..engine.runtime.parallel import default_backend, launch
+
+    say(f"tensor parallel: {size} ranks over {default_backend(size)}")
+    results = launch(size, _refusing, fn, arg)
+    refused = next((r for r in results if isinstance(r, str)), None)
+    if refused is not None:
+        raise UserError(refused)
+    for rank, result in enumerate(results[1:], 1):
+        if tokens(result) != tokens(results[0]):
+            raise UserError(f"tensor parallel: rank {rank}'s tokens differ from rank 0's")
+    return results[0]
+
+
 def int_list(text: str, flag: str) -> list[int]:
     """Comma-separated integers of a flag (``1,2,3``; repeats kept), or a one-line error naming the flag."""
     items = [v.strip() for v in text.split(",")]

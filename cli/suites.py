@@ -24,6 +24,7 @@ from .common import (
     engine_options,
     err_console,
     int_list,
+    on_ranks,
     output_options,
     pack_prefill_option,
     prefill_weights_option,
@@ -185,7 +186,8 @@ def decode(model, engines, specs, draft_tokens, rollbacks, lm_head_draft, prompt
             save_result(doc, json_path)
 
     if tensor_parallel > 1:
-        docs = _decode_ranks(runs, tensor_parallel)
+        docs = on_ranks(tensor_parallel, run_matrix, runs,
+                        lambda ds: [d["summary"].get("tokens_sha256") for d in ds])
         for d in docs:
             done(d)
     else:
@@ -202,34 +204,6 @@ def decode(model, engines, specs, draft_tokens, rollbacks, lm_head_draft, prompt
         if differ:
             err_console.print(f"[bold red]tokens differ from the plain run on the same runtime: {', '.join(differ)}[/] "
                               "(greedy speculative decoding should reproduce them)")
-
-
-def _decode_rank(rank: int, runs) -> list[dict] | str:
-    """One rank's share of a tensor-parallel decode grid (engine/runtime/parallel.launch): every run, as one rank;
-    a refusal (a model the size does not divide, an option not split yet) comes back as its message."""
-    from ..suites.decode import run_matrix
-
-    try:
-        return run_matrix(runs)
-    except ValueError as e:
-        return str(e)
-
-
-def _decode_ranks(runs, size: int) -> list[dict]:
-    """The grid run by ``size`` ranks; rank 0's documents, once every rank's tokens are found equal (each holds the
-    gathered logits and picks alike: a rank that does not is a broken split, not a measurement)."""
-    from ..engine.runtime.parallel import default_backend, launch
-
-    say(f"tensor parallel: {size} ranks over {default_backend(size)}")
-    results = launch(size, _decode_rank, runs)
-    refused = next((r for r in results if isinstance(r, str)), None)
-    if refused is not None:
-        raise UserError(refused)
-    for rank, docs in enumerate(results[1:], 1):
-        for mine, theirs in zip(results[0], docs):
-            if mine["summary"].get("tokens_sha256") != theirs["summary"].get("tokens_sha256"):
-                raise UserError(f"tensor parallel: rank {rank}'s tokens differ from rank 0's in {mine['label']}")
-    return results[0]
 
 
 def timed(summary: dict, key: str, spec: str = ".1f") -> str:

@@ -15,6 +15,7 @@ from .common import (
     console,
     err_console,
     int_list,
+    on_ranks,
     output_options,
     run_label,
     save_result,
@@ -187,31 +188,6 @@ def _niah_options(model, ctx, depths, cases, answer_tokens, seed, **kw):
                             **kw)
 
 
-def _niah_rank(rank: int, opts) -> dict | str:
-    """One rank's NIAH run (engine/runtime/parallel.launch); a refusal comes back as its message."""
-    from ..suites.niah import run_niah
-
-    try:
-        return run_niah(opts)
-    except ValueError as e:
-        return str(e)
-
-
-def _niah_ranks(opts, size: int) -> dict:
-    """The NIAH cases run by ``size`` ranks: rank 0's document, once every rank's answers are found equal."""
-    from ..engine.runtime.parallel import default_backend, launch
-
-    say(f"tensor parallel: {size} ranks over {default_backend(size)}")
-    docs = launch(size, _niah_rank, opts)
-    refused = next((d for d in docs if isinstance(d, str)), None)
-    if refused is not None:
-        raise UserError(refused)
-    answers = [[r.get("tokens") for r in d["records"]] for d in docs]
-    if any(a != answers[0] for a in answers[1:]):
-        raise UserError("tensor parallel: the ranks' answers differ")
-    return docs[0]
-
-
 def niah_case_options(f):
     for o in reversed([
         click.option("--model", default=None, help="Artifact path or preset [default: the bundled model]."),
@@ -275,7 +251,7 @@ def niah(model, ctx, depths, cases, answer_tokens, seed, prefill_chunk, device, 
                              device=device, kv_dtype=kv_dtype, runtime=runtime, oracle=oracle_file, label=label,
                              tensor_parallel=tensor_parallel)
         if tensor_parallel > 1:
-            doc = _niah_ranks(opts, tensor_parallel)
+            doc = on_ranks(tensor_parallel, run_niah, opts, lambda d: [r.get("tokens") for r in d["records"]])
         else:
             prog, update = suite_progress("niah")
             with prog:

@@ -377,7 +377,8 @@ __device__ __forceinline__ void scale_add(const float* d, float sa, float sb, fl
   acc[3] += sb * d[3];
 }
 
-// One step, one column group: each word's pairs made just before its MMAs
+// One step, one column group: each word's pairs made just before its MMAs (not make_frags + col_math, which makes
+// all pairs first: that reorders the one-group kernel's instructions, which keeps the PTX it had before NCOL)
 __device__ __forceinline__ void step_math(uint2 w0, uint2 w1, u32 h0, u32 h1, const u32* xv, u32 s0, u32 s1,
                                           u32 magic, float* acc) {
   float d[4] = {0.f, 0.f, 0.f, 0.f};

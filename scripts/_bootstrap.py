@@ -20,9 +20,6 @@ def unshadow() -> None:
     dependency of theirs now) and got this repository's ``kernels/`` instead."""
     root = str(ROOT)
     sys.path[:] = [p for p in sys.path if str(Path(p or ".").resolve()) != root]
-    mod = sys.modules.get("kernels")
-    if mod is not None and str(Path(getattr(mod, "__file__", "") or ".").resolve().parent) == str(ROOT / "kernels"):
-        del sys.modules["kernels"]  # imported from the root before this ran
 
 
 def ensure_package(name: str = "ninfer_bench") -> None:

@@ -210,6 +210,12 @@ def bench_dense(ts, row, failures) -> None:
                 row(op, "bf16", t, label + "@graph20", us_rot, nbytes)
 
 
+def rows_into(x, w, out=None, **kw):
+    """``qmv_cuda.qmv_rows(x, w, **kw)``, copied into ``out`` when given (the candidates' calling shape)."""
+    y = qmv_cuda.qmv_rows(x, w, **kw)
+    return y if out is None else out.copy_(y)
+
+
 def qmv_knobs(spec: str) -> dict:
     """qmv keyword arguments from a --qmv-knobs spec such as ``u5b2t`` or ``w4u4b6tx``."""
     names = {"u": "unroll", "b": "min_blocks", "w": "warps", "r": "rows"}
@@ -347,10 +353,8 @@ def main() -> int:
                                                            qmv_cuda.qmv(x, lanes[id(li)], out, unroll=un,
                                                                         min_blocks=mb))
                 if rows_sweep and t > qmv_cuda.MAX_T and qmv_cuda.available():
-                    for r in rows_sweep:  # r8 first: the bits every other width must give
-                        cands[f"ours-r{r}"] = (lambda x, li, out=None, r=r:
-                                               qmv_cuda.qmv_rows(x, held[id(li)], rows=r) if out is None
-                                               else out.copy_(qmv_cuda.qmv_rows(x, held[id(li)], rows=r)))
+                    for r in rows_sweep:  # (ours-r8: the bits every other width must give)
+                        cands[f"ours-r{r}"] = (lambda x, li, out=None, r=r: rows_into(x, held[id(li)], out, rows=r))
                         cands[f"ours-r{r}"].config = f"{-(-t // r)} launches of {qmv_cuda.column_groups(min(t, r))} " \
                                                      "column groups"
                 if knobs and qmv_cuda.available() and (t <= qmv_cuda.MAX_T or rows_sweep):
@@ -358,16 +362,15 @@ def main() -> int:
                     for spec, kw in knobs.items():
                         if t > qmv_cuda.MAX_T and (kw["tail"] or kw["xlate"]):
                             continue
-                        if "rows" in kw:  # launches of that many rows (a copy into out)
-                            cands[f"qmv-lanes-{spec}"] = (
-                                lambda x, li, out=None, kw=kw: qmv_cuda.qmv_rows(x, lanes[id(li)], **kw)
-                                if out is None else out.copy_(qmv_cuda.qmv_rows(x, lanes[id(li)], **kw)))
+                        if "rows" in kw:  # launches of that many rows
+                            cands[f"qmv-lanes-{spec}"] = (lambda x, li, out=None, kw=kw:
+                                                          rows_into(x, lanes[id(li)], out, **kw))
                         else:
                             cands[f"qmv-lanes-{spec}"] = (lambda x, li, out=None, kw=kw:
                                                           qmv_cuda.qmv(x, lanes[id(li)], out, **kw))
                 if args.only:
                     cands = {name: fn for name, fn in cands.items() if name in args.only.split(",")}
-                best, bits = None, None
+                best, wide = None, {}  # T > 8: each width's output, against ours-r8's bits below
                 for label, fn in cands.items():
                     try:
                         y = fn(x, lin)
@@ -377,13 +380,8 @@ def main() -> int:
                         failures.append((op, fmt, t, label, "error"))
                         emit({"kind": "error", "op": op, "fmt": fmt, "T": t, "impl": label, "error": repr(e)[:2000]})
                         continue
-                    if t > qmv_cuda.MAX_T and rows_sweep and (label.startswith("ours") or
-                                                              label.startswith("qmv-lanes-")):
-                        if bits is None:
-                            bits = y
-                        elif not torch.equal(y, bits):
-                            print(f"!!! BITS DIFFER {op} {fmt} T={t} {label} from ours-r8")
-                            failures.append((op, fmt, t, label, "bits"))
+                    if t > qmv_cuda.MAX_T and rows_sweep and label.startswith(("ours", "qmv-lanes-")):
+                        wide[label] = y
                     err = rel_rms(y[:, rows], ref)
                     if not err <= TOL_BF16:
                         print(f"!!! FAILED CORRECTNESS {op} {fmt} T={t} {label}: rel RMS {err:.3e} > {TOL_BF16}")
@@ -397,6 +395,10 @@ def main() -> int:
                     row(op, fmt, t, label + "@graph20", us_rot, nbytes)
                     if best is None or us_rot < best[1]:
                         best = (label, us_rot)
+                for label, y in wide.items():
+                    if "ours-r8" in wide and not torch.equal(y, wide["ours-r8"]):
+                        print(f"!!! BITS DIFFER {op} {fmt} T={t} {label} from ours-r8")
+                        failures.append((op, fmt, t, label, "bits"))
                 if (variants or args.qmv_variants) and best:
                     print(f"{'':12s} {'':12s} {'':3s} best: {best[0]} {best[1]:.2f} us")
             del lins, lin, buf, held, tiled, lanes

@@ -96,9 +96,8 @@ class Engine:
         if opts.tensor_parallel > 1:
             from ..model import tensor_parallel as tpm
 
-            tpm.check_divisible(self.config, opts.tensor_parallel)
+            self.model_config = tpm.local_config(self.config, opts.tensor_parallel)  # (refuses what does not divide)
             self.tp = tpm.TPGroup.current(opts.tensor_parallel)
-            self.model_config = tpm.local_config(self.config, opts.tensor_parallel)
             raws = tpm.shard_raws(loaded.raws, self.config, self.tp.rank, self.tp.size)
         self.weights = WeightStore(raws, device=self.device, dtype=self.dtype, runtime=opts.runtime,
                                    apart=("linear_attn.in_proj_qkvz",) if side else (),
@@ -587,11 +586,10 @@ class Engine:
         n = max((t for t in tops if t is not None), default=None)
         if n is None and all(s.params.greedy for s in seqs):
             return logits.argmax(-1)
+        params, seeds, steps = [s.params for s in seqs], [s.sample_seed for s in seqs], [len(s.tokens) for s in seqs]
         if n is None and self.graphs is not None:  # captured: a replay instead of the sampler's fifty launches
-            return self.graphs.sample(logits, [s.params for s in seqs], [s.sample_seed for s in seqs],
-                                      [len(s.tokens) for s in seqs])
-        rows = RowSampling.make([s.params for s in seqs], [s.sample_seed for s in seqs], [len(s.tokens) for s in seqs],
-                                self.device)
+            return self.graphs.sample(logits, params, seeds, steps)
+        rows = RowSampling.make(params, seeds, steps, self.device)
         if n is None:
             return sample_rows(logits, rows).tokens
         out = sample_rows(logits, rows, logprobs=min(n, logits.shape[-1]))

@@ -19,8 +19,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from ninfer_bench.engine.model.config import ModelConfig
 from safetensors.torch import load_file, save_file
+
+from ninfer_bench.engine.model.config import ModelConfig
 
 from .mtp import MTPHead, mtp_loss
 from .schedule import Schedule
