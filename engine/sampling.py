@@ -116,6 +116,7 @@ def make_generator(seed: int | None, device) -> torch.Generator:
 # seeded request's tokens do not depend on the rows it is batched with, and a step costs one scan and one binary
 # search a row instead of a random number per vocabulary entry.
 
+TOPK_CAP = 128  # a row with 0 < top_k <= this is filtered from its TOPK_CAP largest values (RowSampling.full)
 _M64 = (1 << 64) - 1
 _GOLDEN, _MIX1, _MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 
@@ -173,9 +174,11 @@ class RowSampling:
     """Per-row parameters of a step for :func:`sample_rows`, device tensors ``[B]``: ``temperature`` (fp32, 0:
     greedy), ``top_k`` (int64, 0: off), ``top_p`` (fp32, 1: off), ``min_p`` (fp32, 0: off), ``key`` (int64, the
     row's stream: :func:`stream_key` of its seed) and ``step`` (int64, which draw of that stream: the request's token
-    index). Two host-known switches fix the work (and so a captured graph's kernels): ``sort``, whether a row may
-    filter by top-k or top-p (a sort of the rows finds their thresholds), and ``greedy``, every row greedy (an argmax
-    and nothing else). A graph captures with static instances and :meth:`copy_` fills them before each replay."""
+    index). Three host-known switches fix the work (and so a captured graph's kernels): ``sort``, whether a row may
+    filter by top-k or top-p (sorted values find their thresholds); ``full``, whether a row's filter may need the
+    whole sorted row (top-p without a top-k of at most ``cap``, or a top-k over ``cap``) - without it only each row's
+    ``cap`` largest values are sorted (``torch.topk``); and ``greedy``, every row greedy (an argmax and nothing
+    else). A graph captures with static instances and :meth:`copy_` fills them before each replay."""
 
     temperature: torch.Tensor
     top_k: torch.Tensor
@@ -185,6 +188,8 @@ class RowSampling:
     step: torch.Tensor
     sort: bool = True
     greedy: bool = False
+    full: bool = True
+    cap: int = 0  # the sorted prefix a row with 0 < top_k <= cap is filtered from (TOPK_CAP; 0: that constant)
     packed: tuple[torch.Tensor, torch.Tensor] | None = None  # (floats [3, B], ints [3, B]) the fields are rows of
 
     @staticmethod
@@ -195,12 +200,14 @@ class RowSampling:
                              dtype=torch.long))
 
     @classmethod
-    def make(cls, params: list[SamplingParams], seeds: list[int], steps: list[int], device) -> RowSampling:
+    def make(cls, params: list[SamplingParams], seeds: list[int], steps: list[int], device,
+             cap: int | None = None) -> RowSampling:
         """The rows of ``params`` with their seeds and token indices (two host-to-device copies, no sync)."""
         floats, ints = (_to_device(t, device) for t in cls._host(params, seeds, steps))
-        sort, greedy = cls.switches(params)
-        return cls(floats[0], ints[0], floats[1], floats[2], ints[1], ints[2], sort=sort, greedy=greedy,
-                   packed=(floats, ints))
+        cap = TOPK_CAP if cap is None else cap
+        sort, full, greedy = cls.switches(params, cap)
+        return cls(floats[0], ints[0], floats[1], floats[2], ints[1], ints[2], sort=sort, greedy=greedy, full=full,
+                   cap=cap, packed=(floats, ints))
 
     def copy_(self, other: RowSampling) -> None:
         """Fill these (static) tensors with ``other``'s values; the switches stay this instance's."""
@@ -218,9 +225,13 @@ class RowSampling:
                 dst.copy_(src)
 
     @staticmethod
-    def switches(params: list[SamplingParams]) -> tuple[bool, bool]:
-        """(sort, greedy) of :meth:`make` for these rows."""
-        return (any(not p.greedy and (p.top_k > 0 or p.top_p < 1.0) for p in params), all(p.greedy for p in params))
+    def switches(params: list[SamplingParams], cap: int | None = None) -> tuple[bool, bool, bool]:
+        """(sort, full, greedy) of :meth:`make` for these rows."""
+        cap = TOPK_CAP if cap is None else cap
+        sampled = [p for p in params if not p.greedy]
+        return (any(p.top_k > 0 or p.top_p < 1.0 for p in sampled),
+                any(p.top_k > cap or (p.top_k == 0 and p.top_p < 1.0) for p in sampled),
+                not sampled)
 
 
 @dataclass(slots=True)
@@ -234,6 +245,35 @@ class Sampled:
     top_logprobs: torch.Tensor | None = None
 
 
+def _sorted_rows(x: torch.Tensor) -> torch.Tensor:
+    """Each row of ``x [B, V]`` sorted descending (the values; the same as ``torch.sort``'s). On CUDA with several
+    long rows as two whole-tensor sorts - every value, then stably by row - where torch's segmented sort of long
+    rows runs a device-wide sort per row."""
+    b, v = x.shape
+    if not x.is_cuda or b == 1 or v <= 4096:
+        return torch.sort(x, dim=-1, descending=True).values
+    vals, idx = torch.sort(x.flatten(), descending=True)
+    order = torch.sort(torch.div(idx, v, rounding_mode="floor"), stable=True).indices
+    return vals[order].view(b, v)
+
+
+CDF_CHUNK = 1024  # the inclusive scan runs in chunks of this many tokens, then over the chunks' totals (_cdf)
+
+
+def _cdf(w: torch.Tensor) -> torch.Tensor:
+    """The inclusive cumulative sum of each row of ``w [B, V]`` (fp64), ``[B, n * CDF_CHUNK]`` with ``n >= 2`` chunks
+    (zero weight past ``V``): a scan within each chunk, then the chunks' offsets from a scan of their totals. Every
+    scan has more than one row, so on CUDA each row takes the same kernel and the same order of additions whatever
+    the batch (torch scans a single row with another algorithm), and a long row's scan is spread over many rows
+    instead of one thread block walking the whole vocabulary."""
+    b, v = w.shape
+    n = max(2, -(-v // CDF_CHUNK))
+    chunks = torch.nn.functional.pad(w, (0, n * CDF_CHUNK - v)).view(b, n, CDF_CHUNK).cumsum(-1)
+    totals = torch.nn.functional.pad(chunks[:, :-1, -1], (1, 0, 0, 1))  # and a zero row: never a single-row scan
+    offsets = totals.cumsum(-1)[:b]
+    return (chunks + offsets[:, :, None]).view(b, n * CDF_CHUNK)
+
+
 def _filtered(logits: torch.Tensor, rows: RowSampling):
     """(tempered logits ``x`` [B, V] fp32, unnormalised probabilities ``e = exp(x - max)``, ``keep`` [B, V]): what
     temperature, top-k, top-p and min-p leave of each row, as :func:`probs` defines them. The three filters are one
@@ -241,25 +281,47 @@ def _filtered(logits: torch.Tensor, rows: RowSampling):
     the tokens whose mass strictly before them (in descending order, after top-k) is below ``top_p``, which is
     ``x >= `` the smallest such token's (a tie at that boundary is kept whole, where :func:`probs` keeps the part its
     sort puts first); min-p keeps ``e >= min_p`` (relative to the maximum, so its place in the order does not matter
-    to its own set). Sums run in fp64."""
+    to its own set). Sums run in fp64.
+
+    A row with ``0 < top_k <= cap`` finds its threshold in its ``cap`` largest values alone (with its top-k mass summed
+    over the whole row): every token top-p could keep is among them, and the threshold is at least the k-th value
+    otherwise. So such a row's threshold is the same bits whether the batch sorts whole rows (``full``) or takes
+    ``torch.topk`` of ``cap`` (its rows' need), and a seeded row draws the same token in any batch."""
     x = logits.float()
     v = x.shape[-1]
     greedy = rows.temperature <= 0
     x = x / torch.where(greedy, 1.0, rows.temperature.clamp(min=1e-6))[:, None]
-    e = torch.exp(x - x.amax(-1, keepdim=True))
+    xmax = x.amax(-1, keepdim=True)
+    e = torch.exp(x - xmax)
     keep = e >= rows.min_p[:, None]
-    if rows.sort:
-        s = torch.sort(x, dim=-1, descending=True).values
-        k = torch.where(rows.top_k > 0, rows.top_k.clamp(max=v), v)
-        kth = s.gather(-1, (k - 1)[:, None])  # [B, 1]
-        es = torch.exp(s - s[:, :1]).double() * (s >= kth)
-        cum = es.cumsum(-1)
-        before = torch.nn.functional.pad(cum[:, :-1], (1, 0))  # the mass strictly before each sorted token
-        top_p = rows.top_p[:, None]
-        inside = (before < top_p.double() * cum[:, -1:]) | (top_p >= 1.0)
-        last = torch.where(inside, s, float("inf")).amin(-1, keepdim=True)  # the smallest value top-p keeps
-        keep &= x >= torch.maximum(kth, last)
-    return x, e, keep
+    if not rows.sort:
+        return x, e, keep
+    width = min(rows.cap or TOPK_CAP, v)
+    s = _sorted_rows(x) if rows.full else torch.topk(x, width, dim=-1).values
+    top_p = rows.top_p[:, None]
+    no_top_p = top_p >= 1.0
+    # the prefix rule: the k-th value and the top-p boundary among each row's `width` largest values
+    k = rows.top_k.clamp(max=v)
+    prefix = s[:, :width].contiguous()
+    kth = torch.where((k > 0) & (k <= width), prefix.gather(-1, (k.clamp(1, width) - 1)[:, None])[:, 0],
+                      float("-inf"))[:, None]
+    total = (e.double() * (x >= kth)).sum(-1, keepdim=True)
+    cum = (torch.exp(prefix - xmax).double() * (prefix >= kth)).cumsum(-1)
+    before = torch.nn.functional.pad(cum[:, :-1], (1, 0))  # the mass strictly before each sorted token
+    inside = before < top_p.double() * total
+    last = torch.where(no_top_p, float("-inf"), torch.where(inside, prefix, float("inf")).amin(-1, keepdim=True))
+    threshold = torch.maximum(kth, last)
+    if rows.full and width < v:  # the rows the prefix cannot settle: top-p alone, or a top-k past the prefix
+        kf = torch.where(k > 0, k, v)
+        kth_f = s.gather(-1, (kf - 1)[:, None])
+        es = torch.exp(s - xmax).double() * (s >= kth_f)
+        cum_f = es.cumsum(-1)
+        before_f = torch.nn.functional.pad(cum_f[:, :-1], (1, 0))
+        inside_f = (before_f < top_p.double() * cum_f[:, -1:]) | no_top_p
+        last_f = torch.where(inside_f, s, float("inf")).amin(-1, keepdim=True)
+        whole = ((k > width) | ((k == 0) & ~no_top_p[:, 0]))[:, None]
+        threshold = torch.where(whole, torch.maximum(kth_f, last_f), threshold)
+    return x, e, keep & (x >= threshold)
 
 
 def batch_probs(logits: torch.Tensor, rows: RowSampling) -> torch.Tensor:
@@ -290,10 +352,10 @@ def sample_rows(logits: torch.Tensor, rows: RowSampling, logprobs: int | None = 
     else:
         x, e, keep = _filtered(logits, rows)
         w = (e * keep).double()
-        cdf = w.cumsum(-1)
+        cdf = _cdf(w)
         target = (stream_uniform(rows.key, rows.step) * cdf[:, -1])[:, None]
-        # clamped: the product may round up to the total; and should a scan's rounding ever step onto a zero weight,
-        # the row's maximum (which every filter keeps) is taken instead
+        # clamped: the product may round up to the total; and should a scan's rounding ever step onto a zero weight
+        # (or past the vocabulary, into the scan's padding), the row's maximum (which every filter keeps) is taken
         idx = torch.searchsorted(cdf, target, right=True).clamp_(max=logits.shape[-1] - 1)
         idx = torch.where(w.gather(-1, idx) > 0, idx, x.argmax(-1, keepdim=True))[:, 0]
         tokens = torch.where(greedy, argmax, idx)

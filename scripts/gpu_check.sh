@@ -26,6 +26,8 @@
 #            (KSUITE_OPS: only these ops)
 #   tilecheck scripts/probe_tile_bits.py, then test_cuda_engine's verify-row, speculative, block-draft and dflash2 PDL
 #            tests with tracebacks
+#   sampled  the step sampler: its CUDA tests, scripts/probe_sampler.py (and .old's, carried), the 27B plain / sampled
+#            concurrency at C1 and C8 (and .old's sampled C8)
 #   main     the README's main command (bundled model, DFlash2 K=7 beside plain)
 #   bundled  the bundled model: decode grid (none / MTP3 / DFlash2 K=7 x v3 / v2, and the peer), C1-C8, kernels
 #   pack     issue 33's packed admissions: their tests, then the 27B C1-C8 workload with --pack-prefill on (plain, and
@@ -359,6 +361,23 @@ for stage in "$@"; do
                nb concurrency $M27 -n 128 --rounds 2 ${V#*|} --json "$OUT/rowsconc/$N.json" 2>&1 \
                  | tee "$OUT/rowsconc/$N.log" | grep -E "^│|error|Error" | head -6; done ;;
     sampler) timeout ${STAGE_S:-120} python3 scripts/probe_sampler.py --json "$OUT/sampler.json" 2>&1 | tee "$OUT/sampler.log" ;;
+    sampled) # the step sampler (issue 33): its CUDA tests, probe_sampler.py with this tree (and the tree before in .old,
+             # carried, when there), then the 27B plain / sampled concurrency at C1 and C8 (and .old's sampled C8)
+             mkdir -p "$OUT/sampled"
+             timeout ${TESTS_S:-200} python3 -m pytest -q -p no:cacheprovider -rf tests/test_sampler.py -k cuda 2>&1 \
+               | tee "$OUT/sampled/tests.log" | grep -E "^(FAILED|ERROR)|passed|failed" | head -20
+             timeout ${STAGE_S:-120} python3 scripts/probe_sampler.py --json "$OUT/sampled/probe.json" 2>&1 \
+               | tee "$OUT/sampled/probe.log"
+             if [ -d .old ]; then ( cd .old && timeout ${STAGE_S:-120} python3 scripts/probe_sampler.py 2>&1 ) \
+               | tee "$OUT/sampled/probe_old.log"; fi
+             for V in "plain|-c 1,8" "sampled|-c 1,8 --temperature 0.7 --top-p 0.95 --top-k 20"; do
+               N=${V%%|*}; echo "--- $N"
+               nb concurrency $M27 -n 128 --rounds 2 ${V#*|} --json "$OUT/sampled/$N.json" 2>&1 \
+                 | tee "$OUT/sampled/$N.log" | grep -E "^│|error|Error" | head -6; done
+             if [ -d .old ]; then echo "--- sampled, .old"; ( cd .old && timeout "${STAGE_S:-300}" python3 scripts/nb.py \
+               concurrency $M27 -n 128 --rounds 2 -c 8 --temperature 0.7 --top-p 0.95 --top-k 20 \
+               --json "$OUT/sampled/sampled_old.json" 2>&1 ) | tee "$OUT/sampled/sampled_old.log" | grep -E "^│|error|Error" \
+               | head -6; fi ;;
     hashes)  /usr/bin/time -f "main command: %e s wall, %M KiB peak RSS" python3 scripts/nb.py decode --spec dflash2 -k 7 \
                --json "$OUT/main.json" 2>&1 | tee "$OUT/main.log" | tail -6
              nb decode --spec none,mtp:3 --repeats 1 --json "$OUT/hb" 2>&1 | tail -8

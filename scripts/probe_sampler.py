@@ -1,7 +1,9 @@
 """The step sampler's cost on the GPU, eager against the captured graph (issue 33's sampled-decoding target).
 
-For each batch size B, ``--iters`` picks of B rows of ``--vocab`` bf16 logits with the issue's parameters
-(temperature 0.7, top-p 0.95, top-k 20, a seed per row), each pick read back to the host as the engine's step does:
+For each batch size B and each of ``--configs`` (``issue``: temperature 0.7, top-p 0.95, top-k 20 - a top-k within
+the cap, so ``torch.topk`` of the cap; ``top_p``: temperature 0.8, top-p 0.95 - the whole-row sort), ``--iters``
+picks of B rows of ``--vocab`` bf16 logits, a seed per row, each pick read back to the host as the engine's step
+does:
 
 * ``eager``: ``RowSampling.make`` + ``sample_rows`` (what ``Engine.pick`` ran before the sampler was captured)
 * ``graph``: ``GraphRunner.sample`` (one replay per pick after the rows' and logits' copies)
@@ -9,7 +11,8 @@ For each batch size B, ``--iters`` picks of B rows of ``--vocab`` bf16 logits wi
 and prints the median wall time a pick (host launches, device work and the read) and the median device time of the
 pick's span (CUDA events around it: the GPU's share), and whether both gave the same tokens.
 
-Usage: python3 scripts/probe_sampler.py [--batches 1,8] [--iters 200] [--vocab 248320] [--json FILE]"""
+Usage: python3 scripts/probe_sampler.py [--batches 1,8] [--configs issue,top_p] [--iters 200] [--vocab 248320]
+       [--json FILE]"""
 
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ from ninfer_bench.engine.sampling import RowSampling, SamplingParams, sample_row
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--configs", default="issue,top_p")
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--vocab", type=int, default=248_320)
     ap.add_argument("--json", default="")
@@ -42,14 +46,16 @@ def main() -> int:
         print("probe_sampler: needs a CUDA GPU", file=sys.stderr)
         return 2
     dev = torch.device("cuda")
-    params = SamplingParams(temperature=0.7, top_p=0.95, top_k=20)
+    configs = {"issue": SamplingParams(temperature=0.7, top_p=0.95, top_k=20),
+               "top_p": SamplingParams(temperature=0.8, top_p=0.95)}
     # GraphRunner needs only these of an engine for its sampler
     fake = SimpleNamespace(device=dev, capacity=4096, scratch_slot=0, options=SimpleNamespace(
         max_concurrency=8, prefill_chunk=2048, prefill_graphs=False))
     runner = GraphRunner(fake)
     gen = torch.Generator(device=dev).manual_seed(0)
     results = []
-    for b in (int(v) for v in args.batches.split(",")):
+    for b, config in [(int(v), c) for v in args.batches.split(",") for c in args.configs.split(",")]:
+        params = configs[config]
         ps, seeds = [params] * b, list(range(b))
         logits = [(torch.randn(b, args.vocab, generator=gen, device=dev) * 4).to(torch.bfloat16) for _ in range(8)]
 
@@ -76,12 +82,14 @@ def main() -> int:
                 walls.append((time.perf_counter() - t0) * 1e3)
                 devs.append(e0.elapsed_time(e1))
             tokens[name] = toks
-            rec = {"batch": b, "impl": name, "wall_ms": statistics.median(walls), "span_ms": statistics.median(devs)}
+            rec = {"batch": b, "config": config, "impl": name, "wall_ms": statistics.median(walls),
+                   "span_ms": statistics.median(devs)}
             results.append(rec)
-            print(f"B={b:2d} {name:6s} wall {rec['wall_ms']:.3f} ms a pick, device span {rec['span_ms']:.3f} ms")
+            print(f"B={b:2d} {config:6s} {name:6s} wall {rec['wall_ms']:.3f} ms a pick, "
+                  f"device span {rec['span_ms']:.3f} ms")
         same = tokens["eager"] == tokens["graph"]
-        results.append({"batch": b, "same_tokens": same})
-        print(f"B={b:2d} same tokens eager / graph: {same}")
+        results.append({"batch": b, "config": config, "same_tokens": same})
+        print(f"B={b:2d} {config:6s} same tokens eager / graph: {same}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return 0

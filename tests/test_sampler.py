@@ -137,23 +137,58 @@ def test_negative_controls_are_rejected(draws, monkeypatch):
     assert not fits(torch.bincount(biased.tokens, minlength=V), probs(config_logits(0), CONFIGS[0]))
 
 
-def test_filtered_distributions_equal_the_reference():
+@pytest.mark.parametrize("cap", [sampling.TOPK_CAP, 5, 40])
+@pytest.mark.parametrize("prefix_only", [False, True])
+def test_filtered_distributions_equal_the_reference(cap, prefix_only):
     """``batch_probs`` (what the rows are drawn from) is ``probs`` for random parameters on random rows, the rows of
-    every kind in one batch; top-k keeps ties with its k-th value as the reference does."""
+    every kind in one batch; top-k keeps ties with its k-th value as the reference does. With ``cap`` at or below
+    some rows' top-k, those rows filter from their ``cap`` largest values (``prefix_only``: a batch of such rows
+    alone, which takes ``torch.topk`` instead of a whole sort)."""
     g = torch.Generator().manual_seed(3)
     params = []
     for i in range(96):
         params.append(SamplingParams(temperature=[0.3, 0.7, 1.0, 1.9][i % 4], top_k=[0, 1, 5, 40, 500][i % 5],
                                      top_p=[1.0, 0.5, 0.9, 0.99][i // 4 % 4], min_p=[0.0, 0.01, 0.2][i // 16 % 3]))
+    if prefix_only:
+        params = [p for p in params if 0 < p.top_k <= cap or (p.top_k == 0 and p.top_p == 1.0)]
     logits = torch.randn(len(params), 300, generator=g) * 3
     logits[::7] = (logits[::7] * 2).round() / 2  # ties
-    got = batch_probs(logits, RowSampling.make(params, [0] * len(params), [0] * len(params), "cpu"))
+    rows = RowSampling.make(params, [0] * len(params), [0] * len(params), "cpu", cap=cap)
+    assert rows.full != prefix_only
+    got = batch_probs(logits, rows)
     for r, p in enumerate(params):
         if r % 7 == 0 and p.top_p < 1.0:
             continue  # a tie at the top-p boundary: see the next test
         want = probs(logits[r], p)
         assert torch.equal(got[r] > 0, want > 0), (r, p)
         assert torch.allclose(got[r], want.double(), atol=1e-6), (r, p)
+
+
+def test_a_top_k_row_draws_the_same_from_its_prefix_as_from_the_whole_sort():
+    """A row with a top-k within the cap gets the same threshold bits, and so the same token, from ``torch.topk`` of
+    the cap (a batch of such rows) as from a whole-row sort (batched with a top-p-only row), ties at its k-th value
+    reaching past the cap included; and the same distribution as the reference."""
+    g = torch.Generator().manual_seed(13)
+    cap = 6
+    for trial in range(40):
+        row = (torch.randn(1, 400, generator=g) * 2).round() / 2 if trial % 2 else torch.randn(1, 400, generator=g) * 3
+        p = SamplingParams(temperature=[0.6, 1.0, 1.7][trial % 3], top_k=1 + trial % cap,
+                           top_p=[1.0, 0.9, 0.6, 0.3][trial % 4], min_p=[0.0, 0.05][trial % 2])
+        whole = SamplingParams(temperature=1.0, top_p=0.8)
+        alone = RowSampling.make([p], [trial], [trial], "cpu", cap=cap)
+        mixed = RowSampling.make([whole, p], [1, trial], [1, trial], "cpu", cap=cap)
+        assert not alone.full and mixed.full
+        a, m = batch_probs(row, alone)[0], batch_probs(torch.cat([row * 0.5, row]), mixed)[1]
+        assert torch.equal(a, m), trial
+        want = probs(row[0], p)
+        assert set(torch.nonzero(want).flatten().tolist()) <= set(torch.nonzero(a).flatten().tolist()), trial
+        if trial % 2 == 0:  # no ties: the same set and the same probabilities as the reference
+            assert torch.allclose(a, want.double(), atol=1e-6), trial
+        for step in range(5):
+            alone.step.fill_(step)
+            mixed.step.fill_(step)
+            assert int(sample_rows(row, alone).tokens[0]) == int(sample_rows(torch.cat([row * 0.5, row]),
+                                                                               mixed).tokens[1]), (trial, step)
     tied = torch.tensor([[3.0, 2.0, 2.0, 2.0, 1.0, 0.0]])
     one = RowSampling.make([SamplingParams(temperature=1.0, top_k=2)], [0], [0], "cpu")
     assert torch.equal(batch_probs(tied, one)[0] > 0, torch.tensor([True, True, True, True, False, False]))
@@ -265,10 +300,17 @@ def test_log_probabilities():
 def test_switches_and_parameters():
     ps = [SamplingParams(temperature=1.0, min_p=0.1), SamplingParams()]
     rows = RowSampling.make(ps, [1, 2], [3, 4], "cpu")
-    assert not rows.sort and not rows.greedy
+    assert not rows.sort and not rows.greedy and not rows.full
     assert RowSampling.make([SamplingParams(top_k=3)], [0], [0], "cpu").greedy  # greedy rows sort nothing
     assert not RowSampling.make([SamplingParams(top_k=3)], [0], [0], "cpu").sort
-    assert RowSampling.make([SamplingParams(temperature=0.5, top_p=0.9)], [0], [0], "cpu").sort
+    top_p = RowSampling.make([SamplingParams(temperature=0.5, top_p=0.9)], [0], [0], "cpu")
+    assert top_p.sort and top_p.full  # top-p alone: the whole row's order
+    cap = sampling.TOPK_CAP
+    assert RowSampling.switches([SamplingParams(temperature=0.7, top_k=20, top_p=0.95)]) == (True, False, False)
+    assert RowSampling.switches([SamplingParams(temperature=0.7, top_k=cap)]) == (True, False, False)
+    assert RowSampling.switches([SamplingParams(temperature=0.7, top_k=cap + 1)]) == (True, True, False)
+    assert RowSampling.switches([SamplingParams(top_p=0.5), SamplingParams(temperature=1.0, top_k=5)]) == \
+        (True, False, False)  # a greedy row's filters do not count
     assert rows.key.tolist() == [stream_key(1), stream_key(2)] and rows.step.tolist() == [3, 4]
     static = RowSampling.make([SamplingParams(temperature=0.5, top_k=4)] * 2, [0, 0], [0, 0], "cpu")
     static.copy_(rows)
@@ -308,6 +350,21 @@ def test_the_engine_draws_a_steps_rows_in_one_call(monkeypatch):
     assert max(calls) == 4  # decode steps of 4 (3 sampling + 1 greedy) rows: one call each
 
 
+def test_the_chunked_scan_is_the_rows_cumulative_sum(monkeypatch):
+    """``_cdf``: each row's inclusive cumulative sum (to fp64 rounding), non-decreasing across chunk boundaries,
+    zero-padded to whole chunks (at least two), and a row's bits do not depend on the rows beside it."""
+    monkeypatch.setattr(sampling, "CDF_CHUNK", 16)
+    g = torch.Generator().manual_seed(4)
+    for v in (5, 16, 17, 100):
+        w = torch.rand(3, v, generator=g, dtype=torch.float64) * (torch.rand(3, v, generator=g) > 0.3)
+        got = sampling._cdf(w)
+        assert got.shape == (3, max(2, -(-v // 16)) * 16)
+        assert torch.allclose(got[:, :v], w.cumsum(-1), rtol=1e-12)
+        assert torch.equal(got[:, v:], got[:, v - 1:v].expand(-1, got.shape[1] - v))
+        assert bool((got.diff(dim=-1) >= 0).all())
+        assert torch.equal(sampling._cdf(w[1:2]), got[1:2])
+
+
 # ---- CUDA (skipped without a GPU) ----------------------------------------------------------------------------------
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 GRAPH_KINDS = [SamplingParams(), SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=50),
@@ -319,7 +376,7 @@ GRAPH_KINDS = [SamplingParams(), SamplingParams(temperature=1.0), SamplingParams
 def _graph_rows(trial: int, step: int, device) -> RowSampling:
     kinds = GRAPH_KINDS[trial:] + GRAPH_KINDS[:trial]
     rows = RowSampling.make(kinds, [trial * 100 + r for r in range(len(kinds))], [step] * len(kinds), device)
-    rows.sort = True  # the captured graph's switches
+    rows.sort = rows.full = True  # the captured graph's switches
     rows.greedy = False
     return rows
 
@@ -432,5 +489,30 @@ def test_cuda_engine_samples_from_a_captured_graph():
         got = eng.graphs.sample(logits, kinds, seeds, steps).clone()
         want = sample_rows(logits, RowSampling.make(kinds, seeds, steps, dev)).tokens
         assert torch.equal(got, want), trial
-    sort_greedy = {k[3:] for k in eng.graphs.samplers}
-    assert len(eng.graphs.samplers) >= 4 and (True, False) in sort_greedy
+    sort_full_greedy = {k[3:] for k in eng.graphs.samplers}
+    assert len(eng.graphs.samplers) >= 4 and {(True, False, False), (True, True, False)} <= sort_full_greedy
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_a_row_draws_the_same_alone_and_in_a_batch_of_eight():
+    """On the device (248K vocabulary, bf16): a seeded row's token is the same drawn alone and at any place of a
+    batch of eight - with top-k rows only (``torch.topk`` of the cap) and beside top-p-only rows (the whole-row
+    sort, two whole-tensor sorts at eight rows) - and the whole-row sort is ``torch.sort``'s."""
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(9)
+    v = 248_320
+    x = torch.randn(8, v, generator=gen, device=dev) * 3
+    assert torch.equal(sampling._sorted_rows(x), torch.sort(x, dim=-1, descending=True).values)
+    issue = SamplingParams(temperature=0.7, top_k=20, top_p=0.95)
+    for others in ([issue] * 7, [SamplingParams(temperature=0.8, top_p=0.9)] * 7):
+        for step in range(4):
+            logits = (torch.randn(8, v, generator=gen, device=dev) * 3).to(torch.bfloat16)
+            for at in (0, 3, 7):
+                ps = others[:at] + [issue] + others[at:]
+                seeds, steps = [100 + r for r in range(8)], [step] * 8
+                seeds[at] = 5
+                rows = torch.cat([logits[1:at + 1], logits[:1], logits[at + 1:]])
+                batch = sample_rows(rows, RowSampling.make(ps, seeds, steps, dev)).tokens
+                alone = sample_rows(logits[:1], RowSampling.make([issue], [5], [step], dev)).tokens
+                assert int(batch[at]) == int(alone[0]), (others[0], step, at)

@@ -138,7 +138,7 @@ class GraphRunner:
         opts = engine.options
         self.prefill_sizes = prefill_buckets(min(opts.prefill_chunk, engine.capacity))
         self.prefill_off: str | None = None if opts.prefill_graphs else "--prefill-graphs off"
-        # captured samplers: (rows, vocabulary, dtype, sort, greedy) -> (graph, static logits, static rows, tokens)
+        # captured samplers: (rows, vocabulary, dtype, sort, full, greedy) -> (graph, static logits, static rows, tokens)
         self.samplers: dict[tuple, tuple] = {}
 
     def bucket(self, b: int) -> int:
@@ -297,8 +297,7 @@ class GraphRunner:
         vocabulary, dtype, the rows' switches): per call two host-to-device copies of the rows' parameters, one
         copy of the logits and one replay, where the eager sampler launches some fifty kernels. The same kernels on
         the same inputs: the same tokens. The result is the graph's own buffer: read it before the next call."""
-        sort, greedy = RowSampling.switches(params)
-        key = (logits.shape[0], logits.shape[-1], logits.dtype, sort, greedy)
+        key = (logits.shape[0], logits.shape[-1], logits.dtype, *RowSampling.switches(params))
         entry = self.samplers.get(key)
         if entry is None:
             dev = self.e.device
