@@ -153,15 +153,16 @@ def _refusing(rank: int, fn, arg):
         return str(e)
 
 
-def on_ranks(size: int, fn, arg, tokens):
+def on_ranks(size: int, fn, arg, tokens, collective_timeout_s: float | None = None):
     """``fn(arg)`` on each of ``size`` tensor-parallel ranks (engine/runtime/parallel.launch; ``fn`` a module-level
     function, so that a rank can import it): rank 0's result, once every rank's ``tokens(result)`` is found equal
     (each rank holds the gathered logits and picks alike: a rank that does not is a broken split, not a
-    measurement). A rank's refusal is a one-line error."""
+    measurement). A rank's refusal is a one-line error. ``collective_timeout_s``: how long a rank may wait in a
+    collective (torch's default when None; a server's ranks wait for requests)."""
     from ..engine.runtime.parallel import default_backend, launch
 
     say(f"tensor parallel: {size} ranks over {default_backend(size)}")
-    results = launch(size, _refusing, fn, arg)
+    results = launch(size, _refusing, fn, arg, collective_timeout_s=collective_timeout_s)
     refused = next((r for r in results if isinstance(r, str)), None)
     if refused is not None:
         raise UserError(refused)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
+
 import click
 
-from .common import (UserError, build_engine, check_output, console, engine_options, err_console, int_list,
+from .common import (UserError, build_engine, check_output, console, engine_options, err_console, int_list, on_ranks,
                      pack_prefill_option)
 
 
@@ -117,9 +119,12 @@ def generate(artifact, prompt, prompt_file, chat, max_new_tokens, temperature, t
                                                    "bind refuses other names: DNS rebinding).")
 @click.option("--allowed-origins", default="", help="Comma-separated browser origins (https://app.example:3000, or "
                                                      "*) whose cross-origin requests are served; others are refused.")
+@click.option("--tensor-parallel", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Split the engine over N ranks, one process each (as decode --tensor-parallel): rank 0 serves and "
+                   "its scheduler drives the others; no sessions or image / video prompts under it yet.")
 @engine_options
 def serve(artifact, host, port, spec, draft_tokens, lm_head_draft, max_queue, session_capacity, session_dir,
-          media_dir, generation_config, api_key, insecure, allowed_hosts, allowed_origins, **options):
+          media_dir, generation_config, api_key, insecure, allowed_hosts, allowed_origins, tensor_parallel, **options):
     """Serve OpenAI- and Anthropic-style HTTP APIs (default: the bundled model on 127.0.0.1:8080)."""
     import importlib.util
 
@@ -127,41 +132,79 @@ def serve(artifact, host, port, spec, draft_tokens, lm_head_draft, max_queue, se
     missing = [m for m in ("fastapi", "uvicorn") if importlib.util.find_spec(m) is None]
     if missing:
         raise UserError(f"serve needs {' and '.join(missing)} (the [serve] extra): pip install -e '.[serve]'")
-    from ..engine.serve.anthropic_api import MAX_TEMPERATURE
     from ..engine.serve.app import ServerOptions
     from ..engine.serve.app import serve as run_server
 
     def names(text):
         return tuple(v.strip() for v in text.split(",") if v.strip())
 
-    server_opts = ServerOptions(host=host, port=port, max_queue=max_queue, session_capacity=session_capacity,
+    if tensor_parallel > 1 and (session_dir is not None or media_dir is not None):
+        raise UserError(f"--tensor-parallel {tensor_parallel}: session states and image / video prompts are not "
+                        "split over ranks yet: serve without --session-dir and --media-dir")
+    server_opts = ServerOptions(host=host, port=port, max_queue=max_queue,
+                                session_capacity=session_capacity if tensor_parallel == 1 else 0,
                                 session_dir=session_dir, media_dir=media_dir, generation_config=generation_config,
                                 api_key=api_key, insecure=insecure, allowed_hosts=names(allowed_hosts),
                                 allowed_origins=names(allowed_origins))
-    eng = build_engine(artifact, spec=spec, draft_tokens=draft_tokens, lm_head_draft=lm_head_draft, **options)
-
-    def ready(url, backend, restored, problems):
-        for line in problems:
-            err_console.print(f"[yellow]session file[/] {line}", highlight=False)
-        o = eng.options
-        spec_txt = f"spec {o.spec}" + (f" k={o.draft_tokens}" if o.spec != "none" else "")
-        sessions = f", {restored} sessions restored" if session_dir else ""
-        defaults = ", ".join(f"{k} {v}" for k, v in backend.sampling_defaults.items())
-        if backend.sampling_defaults.get("temperature", 0) > MAX_TEMPERATURE:
-            defaults += f" ({MAX_TEMPERATURE:g} on /v1/messages, whose requests may ask 0-{MAX_TEMPERATURE:g})"
-        access = ", API key required" if api_key else ""
-        console.print(f"[green]ready:[/] {url} (model {backend.model_id}, {o.max_concurrency} slots, {spec_txt}, "
-                      f"kv {o.kv_dtype}, context {backend.context_limit}, {eng.device.type}{sessions}{access}"
-                      f"{f'; sampling defaults from generation_config.json: {defaults}' if defaults else ''})",
-                      highlight=False, soft_wrap=True)
-        for line in backend.ignored_defaults:
-            err_console.print(f"[yellow]generation_config.json[/] {line}: ignored", highlight=False)
-
+    engine_args = dict(spec=spec, draft_tokens=draft_tokens, lm_head_draft=lm_head_draft,
+                       tensor_parallel=tensor_parallel, **options)
     try:
-        run_server(eng, server_opts, on_ready=ready)
+        if tensor_parallel > 1:  # rank 0 serves; the others replay its scheduler's engine calls (mirror.py)
+            on_ranks(tensor_parallel, _serve_ranked, (artifact, engine_args, server_opts), lambda r: r,
+                     collective_timeout_s=SERVE_COLLECTIVE_TIMEOUT_S)
+        else:
+            eng = build_engine(artifact, **engine_args)
+            run_server(eng, server_opts, on_ready=functools.partial(_ready, eng, session_dir, bool(api_key)))
     except KeyboardInterrupt:
         pass
     err_console.print("[dim]server stopped[/]")
+
+
+SERVE_COLLECTIVE_TIMEOUT_S = 30 * 24 * 3600  # a rank waits this long for rank 0's next call (an idle server)
+
+
+def _ready(eng, session_dir, keyed, url, backend, restored, problems) -> None:
+    """The server's first line, once its socket listens."""
+    from ..engine.serve.anthropic_api import MAX_TEMPERATURE
+
+    for line in problems:
+        err_console.print(f"[yellow]session file[/] {line}", highlight=False)
+    o = eng.options
+    spec_txt = f"spec {o.spec}" + (f" k={o.draft_tokens}" if o.spec != "none" else "")
+    sessions = f", {restored} sessions restored" if session_dir else ""
+    tp = f", tensor parallel {o.tensor_parallel} (no sessions)" if o.tensor_parallel > 1 else ""
+    defaults = ", ".join(f"{k} {v}" for k, v in backend.sampling_defaults.items())
+    if backend.sampling_defaults.get("temperature", 0) > MAX_TEMPERATURE:
+        defaults += f" ({MAX_TEMPERATURE:g} on /v1/messages, whose requests may ask 0-{MAX_TEMPERATURE:g})"
+    access = ", API key required" if keyed else ""
+    console.print(f"[green]ready:[/] {url} (model {backend.model_id}, {o.max_concurrency} slots, {spec_txt}, "
+                  f"kv {o.kv_dtype}, context {backend.context_limit}, {eng.device.type}{tp}{sessions}{access}"
+                  f"{f'; sampling defaults from generation_config.json: {defaults}' if defaults else ''})",
+                  highlight=False, soft_wrap=True)
+    for line in backend.ignored_defaults:
+        err_console.print(f"[yellow]generation_config.json[/] {line}: ignored", highlight=False)
+
+
+def _serve_ranked(payload) -> list[list[int]]:
+    """One rank of ``serve --tensor-parallel N``: rank 0 runs the server on a MirroredEngine, the others follow
+    it; each returns the tokens of the sequences it released (compared across ranks when the server stops)."""
+    import torch.distributed as dist
+
+    from ..engine.runtime.mirror import MirroredEngine, follow
+    from ..engine.serve.app import serve as run_server
+
+    artifact, engine_args, server_opts = payload
+    eng = build_engine(artifact, **engine_args)
+    if dist.get_rank() != 0:
+        return follow(eng)
+    mirror = MirroredEngine(eng)
+    try:
+        run_server(mirror, server_opts, on_ready=functools.partial(_ready, eng, None, server_opts.api_key is not None))
+    except KeyboardInterrupt:
+        pass
+    finally:
+        mirror.stop()
+    return mirror.released
 
 
 COMMANDS = (logits, generate, serve)

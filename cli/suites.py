@@ -395,13 +395,17 @@ class SloOption(click.Option):
               help="For weights that cannot draft (--synthetic), in-process: each draft becomes the sequential "
                    "reference's token with probability P a position (seed: the release's tokens per round), else a "
                    "rejected one; labelled -replay (as decode's).")
+@click.option("--tensor-parallel", type=click.IntRange(min=1), default=1, show_default=True,
+              help="In-process: split the engine over N ranks, one process each (as decode --tensor-parallel); rank "
+                   "0's scheduler drives the others (engine/runtime/mirror.py).")
 @click.option("--label", default=None, callback=run_label)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write the result document.")
 @output_options
 def concurrency(levels, url, served_model, model, synthetic, quant, spec, draft_tokens, max_new_tokens, prompt_tokens,
                 rounds, request_rate, burstiness, num_prompts, seed, client_max_concurrency, dataset, goodput,
                 percentiles, temperature, top_p, top_k, sample_seed, device, kv_dtype, runtime, max_context,
-                prefill_chunk, interleave_chunk, pack_prefill, prefill_weights, replay_acceptance, label, json_path):
+                prefill_chunk, interleave_chunk, pack_prefill, prefill_weights, replay_acceptance, tensor_parallel, label,
+                json_path):
     """C1/C2/C4/C8 throughput and latency, in-process (continuous batching) or against a server.
 
     With --url the engine is the server's: --model, --synthetic, --quant, --spec, -k, --device, --kv-dtype,
@@ -415,7 +419,8 @@ def concurrency(levels, url, served_model, model, synthetic, quant, spec, draft_
     --percentiles) in vllm bench serve's summary table."""
     from click.core import ParameterSource
 
-    from ..suites.concurrency import ENGINE_FIELDS, OPEN_LOOP_NEEDS_URL, ConcurrencyOptions, run_concurrency
+    from ..suites.concurrency import (ENGINE_FIELDS, OPEN_LOOP_NEEDS_URL, ConcurrencyOptions, run_concurrency,
+                                      run_tensor_parallel)
 
     ctx = click.get_current_context()
     given = [p for p in ctx.command.params if ctx.get_parameter_source(p.name) is not ParameterSource.DEFAULT]
@@ -449,10 +454,14 @@ def concurrency(levels, url, served_model, model, synthetic, quant, spec, draft_
                                                           interleave_chunk=interleave_chunk,
                                                           pack_prefill=pack_prefill,
                                                           prefill_weights=prefill_weights,
-                                                          replay_acceptance=replay_acceptance)))
-    prog, update = suite_progress("concurrency")
-    with prog:
-        doc = run_concurrency(opts, progress=update)
+                                                          replay_acceptance=replay_acceptance,
+                                                          tensor_parallel=tensor_parallel)))
+    if tensor_parallel > 1:  # every rank's released sequences' tokens must agree (mirror.py)
+        doc = on_ranks(tensor_parallel, run_tensor_parallel, opts, lambda r: r[1])[0]
+    else:
+        prog, update = suite_progress("concurrency")
+        with prog:
+            doc = run_concurrency(opts, progress=update)
     if opts.open_loop:
         show(open_loop_grid(doc))
         lv_ = doc["summary"]["levels"][0]

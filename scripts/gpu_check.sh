@@ -26,6 +26,9 @@
 #            (KSUITE_OPS: only these ops)
 #   tilecheck scripts/probe_tile_bits.py, then test_cuda_engine's verify-row, speculative, block-draft and dflash2 PDL
 #            tests with tracebacks
+#   tp1gpu   tensor parallelism's CUDA path on one GPU (two gloo ranks sharing it) against one rank: 27B decode (v2,
+#            plain and MTP3) and the tiny preset's concurrency, tokens compared
+#   prof8    profile_step --batch 1,8 --sync at the 27B shape, plain and DFlash2 K=7: where a C8 round goes
 #   sampled  the step sampler: its CUDA tests, scripts/probe_sampler.py (and .old's, carried), the 27B plain / sampled
 #            concurrency at C1 and C8 (and .old's sampled C8)
 #   main     the README's main command (bundled model, DFlash2 K=7 beside plain)
@@ -361,6 +364,31 @@ for stage in "$@"; do
                nb concurrency $M27 -n 128 --rounds 2 ${V#*|} --json "$OUT/rowsconc/$N.json" 2>&1 \
                  | tee "$OUT/rowsconc/$N.log" | grep -E "^│|error|Error" | head -6; done ;;
     sampler) timeout ${STAGE_S:-120} python3 scripts/probe_sampler.py --json "$OUT/sampler.json" 2>&1 | tee "$OUT/sampler.log" ;;
+    tp1gpu)  # tensor parallelism's CUDA path on one GPU: two ranks over gloo sharing it (collectives staged through
+             # host memory: a check of the split, not a speed) against one rank - the 27B synthetic decode (eager v2,
+             # plain and MTP3) and the tiny preset's in-process concurrency (rank 0's scheduler mirrored)
+             mkdir -p "$OUT/tp1gpu"
+             for TP in 1 2; do
+               nb decode $M27 --runtime v2 --spec none,mtp:3 -n ${TP_N:-24} --repeats 1 --tensor-parallel $TP \
+                 --json "$OUT/tp1gpu/d27-tp$TP" 2>&1 | tee "$OUT/tp1gpu/d27-tp$TP.log" | grep -v Warn | tail -8
+               nb concurrency --model tiny --runtime v2 -c 1,2 -n 16 --rounds 1 --tensor-parallel $TP \
+                 --json "$OUT/tp1gpu/conc-tp$TP.json" 2>&1 | tee "$OUT/tp1gpu/conc-tp$TP.log" | grep -E "^│|rror" | head -4
+             done
+             python3 - "$OUT/tp1gpu" <<'PY'
+import json, pathlib, sys
+root = pathlib.Path(sys.argv[1])
+for tp in (1, 2):
+    for p in sorted((root / f"d27-tp{tp}").glob("*.json")):
+        s = json.loads(p.read_text())["summary"]
+        print(f"d27 tp{tp} {p.stem}: tokens {s['tokens_sha256'][:12]} {s['decode_tok_s']:.1f} tok/s")
+    d = json.loads((root / f"conc-tp{tp}.json").read_text())
+    print(f"conc tp{tp}: " + " ".join(r["tokens_sha256"][:8] for r in d["records"]))
+PY
+             ;;
+    prof8)   # where a C8 speculative round goes at the 27B shape: profile_step --batch 8 --sync, plain and DFlash2 K=7
+             # (synthetic weights: the rounds' cost, not their acceptance)
+             timeout ${STAGE_S:-240} python3 scripts/profile_step.py $M27 --spec none,dflash2:7 --batch 1,8 --sync \
+               --steps ${PROF8_STEPS:-16} --top 25 --json "$OUT/prof8.json" 2>&1 | tee "$OUT/prof8.log" | grep -v Warn ;;
     sampled) # the step sampler (issue 33): its CUDA tests, probe_sampler.py with this tree (and the tree before in .old,
              # carried, when there), then the 27B plain / sampled concurrency at C1 and C8 (and .old's sampled C8)
              mkdir -p "$OUT/sampled"

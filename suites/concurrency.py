@@ -120,6 +120,9 @@ class ConcurrencyOptions:
                                  "server's own settings apply (give them to its `serve`)")
         elif self.served_model is not None:
             raise ValueError("served-model names the model sent to a server: it needs --url")
+        if eo.tensor_parallel > 1 and eo.replay_acceptance is not None:
+            raise ValueError(f"--tensor-parallel {eo.tensor_parallel}: --replay-acceptance is not mirrored to the "
+                             "other ranks yet (engine/runtime/mirror.py); run it on one rank")
 
     def _open_loop(self) -> None:
         """Resolve and check the open-loop options; a closed-loop run has none of them."""
@@ -185,7 +188,8 @@ class ConcurrencyOptions:
         k = f"-k{eo.draft_tokens}" if eo.spec != "none" and eo.draft_tokens else ""
         replay = "-replay" if eo.spec != "none" and eo.replay_acceptance is not None else ""
         sample = f"-t{self.temperature:g}" if self.sampling else ""
-        return f"{eo.runtime}-{eo.spec}{k}{replay}{sample}-conc"
+        tp = f"-tp{eo.tensor_parallel}" if eo.tensor_parallel > 1 else ""
+        return f"{eo.runtime}-{eo.spec}{k}{replay}{sample}{tp}-conc"
 
 
 def prompt_texts(n: int) -> list[str]:
@@ -251,14 +255,23 @@ def _record(c, rnd, pid, submitted, times, tokens_or_n, finished, extra=None) ->
 
 
 # ---- in-process ---------------------------------------------------------------------------------------
-def run_in_process(opts: ConcurrencyOptions, progress=None):
+def make_engine(opts: ConcurrencyOptions):
+    """The in-process run's engine: ``opts``' model and engine options with a slot for every client of the top
+    level (under tensor parallelism: this rank's share)."""
     from ..engine.artifact.loader import load_source
     from ..engine.runtime.engine import Engine
+
+    eo = dataclasses.replace(opts.engine_options, max_concurrency=max(opts.levels))
+    return Engine(load_source(opts.model, synthetic=opts.synthetic, quant=opts.quant, device=eo.torch_device), eo)
+
+
+def run_in_process(opts: ConcurrencyOptions, progress=None, engine=None):
+    """``engine``: the one to run on (under tensor parallelism rank 0's :class:`~..engine.runtime.mirror.
+    MirroredEngine`); default :func:`make_engine`'s."""
     from ..engine.runtime.scheduler import Scheduler
 
     top = max(opts.levels)
-    eo = dataclasses.replace(opts.engine_options, max_concurrency=top)
-    eng = Engine(load_source(opts.model, synthetic=opts.synthetic, quant=opts.quant, device=eo.torch_device), eo)
+    eng = engine if engine is not None else make_engine(opts)
     opts.engine_options.max_context = eng.options.max_context  # recorded as resolved (the model's limit, or 8192)
     prompts = [exact_length(eng.tokenizer.encode(t), opts.prompt_tokens) for t in prompt_texts(top)]
     sched = Scheduler(eng)
@@ -388,8 +401,9 @@ def _run_open_loop(opts: ConcurrencyOptions, httpx, progress=None):
     return records, level, {"url": url, "served_model": model}, settings
 
 
-def run_concurrency(opts: ConcurrencyOptions, progress=None) -> dict:
-    """Run every level (an open-loop run: its schedule, as one level); returns the result document."""
+def run_concurrency(opts: ConcurrencyOptions, progress=None, engine=None) -> dict:
+    """Run every level (an open-loop run: its schedule, as one level); returns the result document. ``engine``: an
+    in-process run's engine (:func:`run_in_process`)."""
     if opts.open_loop:
         httpx = httpx_module()
         with server_errors(opts.url):
@@ -409,7 +423,7 @@ def run_concurrency(opts: ConcurrencyOptions, progress=None) -> dict:
         settings = {**dict.fromkeys(ENGINE_FIELDS), **settings, "device": "server"}  # never this client's defaults
         settings.pop("served_model")
     else:  # the device the engine ran on, not "auto"
-        records, baseline, model, settings = run_in_process(opts, progress)
+        records, baseline, model, settings = run_in_process(opts, progress, engine)
     levels = [level_summary(c, [r for r in records if r["concurrency"] == c], baseline) for c in opts.levels]
     for r in records:  # raw times are bulky; the summary keeps the samples
         r.pop("times_abs")
@@ -420,3 +434,22 @@ def run_concurrency(opts: ConcurrencyOptions, progress=None) -> dict:
                              "finished); steady_tok_s: while every client decodes at once"}
     return make_result("concurrency", label=config["label"], config=config, records=records, summary=summary,
                        model=dict(model))
+
+
+def run_tensor_parallel(opts: ConcurrencyOptions) -> tuple[dict | None, list[list[int]]]:
+    """One rank of an in-process run under tensor parallelism (engine/runtime/parallel.launch, through the CLI's
+    ``on_ranks``): (rank 0's result document or None, the tokens of every sequence this rank released, in order).
+    Rank 0 runs the suite on a :class:`~..engine.runtime.mirror.MirroredEngine`; the others replay its calls."""
+    import torch.distributed as dist
+
+    from ..engine.runtime.mirror import MirroredEngine, follow
+
+    eng = make_engine(opts)
+    if dist.get_rank() != 0:
+        return None, follow(eng)
+    mirror = MirroredEngine(eng)
+    try:
+        doc = run_concurrency(opts, engine=mirror)
+    finally:
+        mirror.stop()
+    return doc, mirror.released

@@ -11,7 +11,7 @@ from ninfer_bench.engine.model import tensor_parallel as tpm
 from ninfer_bench.engine.model.config import preset
 from ninfer_bench.engine.model.weights import RawWeight
 from ninfer_bench.kernels import quant
-from tp_ranks import _die_on_one, _fail_on_one, _rank_run, _spec_run
+from tp_ranks import _die_on_one, _fail_on_one, _mirrored_scheduler, _rank_run, _spec_run
 
 
 def _dense(raw):
@@ -196,3 +196,49 @@ def test_a_rank_that_dies_is_reported_at_once():
         launch(2, _die_on_one, backend="gloo", timeout_s=300)
     assert time.monotonic() - t0 < 120
 
+
+
+def test_a_scheduler_drives_every_rank_through_the_mirror():
+    """Continuous batching over two gloo ranks (engine/runtime/mirror.py): rank 0's scheduler admits, prefills in
+    chunks, batches and releases; the other rank replays those calls. Greedy and seeded requests give one rank's
+    tokens, an unseeded sampling request the same tokens on both ranks (its stream travels with it), and both ranks
+    release the same sequences with the same tokens, in the same order."""
+    from ninfer_bench.engine.runtime.parallel import launch
+
+    one, _ = _mirrored_scheduler(0, 1)
+    (out, released0), (none, released1) = launch(2, _mirrored_scheduler, 2, backend="gloo")
+    assert none is None and released0 == released1 and len(released0) == 4  # the cancelled one was never admitted
+    assert out[0] == one[0] and out[1] == one[1] and out[2] == one[2]
+    assert [len(t) for t in out] == [10, 9, 3, 8, 0]
+    assert sorted(map(tuple, released0)) == sorted(tuple(t) for t in out[:4])
+
+
+def test_concurrency_command_splits_over_ranks(tmp_path):
+    """``ninfer-bench concurrency --tensor-parallel 2``: the same tokens as on one rank (the sequential baseline's
+    hashes and every request's), labelled ``-tp2``, the size recorded; replayed acceptance is refused under it."""
+    import json
+
+    from click.testing import CliRunner
+    from ninfer_bench.cli import main
+
+    args = ["concurrency", "--model", "tiny", "-c", "1,2", "-n", "6", "--rounds", "1", "--prompt-tokens", "24",
+            "--kv-dtype", "fp32", "--device", "cpu"]
+    one, two = tmp_path / "c1.json", tmp_path / "c2.json"
+    runner = CliRunner()
+    for extra, path in (([], one), (["--tensor-parallel", "2"], two)):
+        res = runner.invoke(main, [*args, *extra, "--json", str(path)])
+        assert res.exit_code == 0, res.output
+    d1, d2 = json.loads(one.read_text()), json.loads(two.read_text())
+    assert [r["tokens_sha256"] for r in d2["records"]] == [r["tokens_sha256"] for r in d1["records"]]
+    assert all(lv["matches_sequential"] for lv in d2["summary"]["levels"])
+    assert d2["label"] == d1["label"].replace("-conc", "-tp2-conc") and d2["config"]["tensor_parallel"] == 2
+    res = runner.invoke(main, [*args, "--tensor-parallel", "2", "--spec", "mtp", "--replay-acceptance", "seed"])
+    assert res.exit_code != 0 and "--replay-acceptance is not mirrored" in res.output
+
+
+def test_serve_refuses_what_is_not_split():
+    from click.testing import CliRunner
+    from ninfer_bench.cli import main
+
+    res = CliRunner().invoke(main, ["serve", "tiny", "--tensor-parallel", "2", "--session-dir", "x", "--port", "0"])
+    assert res.exit_code != 0 and "--session-dir" in res.output

@@ -44,3 +44,36 @@ def _die_on_one(rank: int) -> int:
     if rank == 1:
         os._exit(3)
     return rank
+
+
+def _mirrored_scheduler(rank: int, tp: int) -> list:
+    """Rank 0: a Scheduler on a MirroredEngine (the others follow it): requests of several kinds - greedy, seeded and
+    unseeded sampling, one that finishes early, one cancelled while it waits - over two slots; returns each request's
+    tokens (rank 0) or the followers' released tokens, and the released tokens on every rank."""
+    import torch.distributed as dist
+
+    from ninfer_bench.engine.runtime.engine import Engine
+    from ninfer_bench.engine.runtime.mirror import MirroredEngine, follow
+    from ninfer_bench.engine.runtime.scheduler import Scheduler
+    from ninfer_bench.engine.sampling import SamplingParams
+
+    eng = Engine.load("tiny", device="cpu", kv_dtype="fp32", max_context=128, max_concurrency=2,
+                      tensor_parallel=tp, prefill_chunk=8, interleave_chunk=4)
+    if tp > 1 and dist.get_rank() != 0:
+        return [None, follow(eng)]
+    mirror = MirroredEngine(eng) if tp > 1 else eng
+    try:
+        sched = Scheduler(mirror)
+        kinds = [SamplingParams(max_new_tokens=10, ignore_eos=True),
+                 SamplingParams(max_new_tokens=9, ignore_eos=True, temperature=0.9, top_k=40, seed=5),
+                 SamplingParams(max_new_tokens=3, ignore_eos=True),
+                 SamplingParams(max_new_tokens=8, ignore_eos=True, temperature=1.1, top_p=0.9),
+                 SamplingParams(max_new_tokens=6, ignore_eos=True)]
+        reqs = [sched.submit(PROMPT[: 5 + 2 * i], p) for i, p in enumerate(kinds)]
+        sched.cancel(reqs[4])  # still waiting: it never reaches a slot
+        sched.run_until_idle()
+        out = [r.tokens for r in reqs]
+    finally:
+        if tp > 1:
+            mirror.stop()
+    return [out, mirror.released if tp > 1 else None]

@@ -56,10 +56,22 @@ class TPGroup:
             raise ValueError(f"--tensor-parallel {size}: the process group has {dist.get_world_size()} ranks")
         return cls(dist.get_rank(), size)
 
+    def _staged(self, x: torch.Tensor) -> bool:
+        """Whether ``x`` goes through host memory: a CUDA tensor over gloo (ranks sharing fewer GPUs than there are
+        ranks, engine/runtime/parallel.default_backend: a check of the split on one GPU, not a speed), since gloo's
+        collectives are CPU ones."""
+        import torch.distributed as dist
+
+        return x.is_cuda and dist.get_backend(self.group) == "gloo"
+
     def reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's ``x`` (a row-parallel projection's partial products), in place."""
         import torch.distributed as dist
 
+        if self._staged(x):
+            host = x.cpu()
+            dist.all_reduce(host, group=self.group)
+            return x.copy_(host)
         dist.all_reduce(x, group=self.group)
         return x
 
@@ -67,9 +79,12 @@ class TPGroup:
         """Every rank's ``x`` side by side along the last dimension (vocabulary-parallel logits), rank order."""
         import torch.distributed as dist
 
-        parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x.contiguous(), group=self.group)
-        return torch.cat(parts, dim=-1)
+        staged = self._staged(x)
+        mine = x.cpu() if staged else x.contiguous()
+        parts = [torch.empty_like(mine) for _ in range(self.size)]
+        dist.all_gather(parts, mine, group=self.group)
+        out = torch.cat(parts, dim=-1)
+        return out.to(x.device) if staged else out
 
 
 def check_divisible(cfg: ModelConfig, size: int) -> None:

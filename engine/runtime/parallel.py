@@ -22,7 +22,9 @@ __all__ = ["default_backend", "launch"]
 
 
 def default_backend(size: int) -> str:
-    """NCCL when this machine has ``size`` GPUs, else gloo (CPU ranks)."""
+    """NCCL when this machine has ``size`` GPUs, else gloo: CPU ranks, or ranks that share this machine's GPUs (the
+    collectives staged through host memory, engine/model/tensor_parallel.TPGroup: a check of the split, not a
+    speed)."""
     return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= size else "gloo"
 
 
@@ -32,14 +34,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank(rank: int, size: int, port: int, backend: str, fn, args, results) -> None:
+def _rank(rank: int, size: int, port: int, backend: str, fn, args, results, collective_timeout_s) -> None:
+    import datetime
+
     import torch.distributed as dist
 
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
+    timeout = None if collective_timeout_s is None else datetime.timedelta(seconds=collective_timeout_s)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
+                            timeout=timeout)
     try:
         out = (rank, fn(rank, *args), None)
     except BaseException:  # noqa: BLE001 - the parent raises it, with this traceback
@@ -53,9 +59,12 @@ def _rank(rank: int, size: int, port: int, backend: str, fn, args, results) -> N
         results.join_thread()  # the message is in the pipe before the process ends
 
 
-def launch(size: int, fn, *args, backend: str | None = None, timeout_s: float = 600.0) -> list:
+def launch(size: int, fn, *args, backend: str | None = None, timeout_s: float | None = None,
+           collective_timeout_s: float | None = None) -> list:
     """``[fn(0, *args), ..., fn(size - 1, *args)]``, each in a process of its own that is a rank of a
-    ``size``-rank group (``backend``: gloo or nccl, default :func:`default_backend`)."""
+    ``size``-rank group (``backend``: gloo or nccl, default :func:`default_backend`). ``timeout_s``: give up on
+    ranks still running after that long (None: wait while they live; a rank that ends without a result is reported
+    at once either way); ``collective_timeout_s``: how long a collective may wait (None: torch's default)."""
     import torch.multiprocessing as mp
 
     if size < 1:
@@ -63,10 +72,10 @@ def launch(size: int, fn, *args, backend: str | None = None, timeout_s: float = 
     backend = backend or default_backend(size)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = mp.start_processes(_rank, args=(size, _free_port(), backend, fn, args, results), nprocs=size,
-                               join=False, start_method="spawn")
+    procs = mp.start_processes(_rank, args=(size, _free_port(), backend, fn, args, results, collective_timeout_s),
+                               nprocs=size, join=False, start_method="spawn")
     got: dict[int, object] = {}
-    deadline = time.monotonic() + timeout_s
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     try:
         while len(got) < size:
             try:
@@ -81,7 +90,7 @@ def launch(size: int, fn, *args, backend: str | None = None, timeout_s: float = 
                         codes = [procs.processes[r].exitcode for r in dead]
                         raise RuntimeError(f"tensor parallel: rank(s) {dead} ended with exit code(s) {codes} and "
                                            "no result") from None
-                elif time.monotonic() > deadline:
+                elif deadline is not None and time.monotonic() > deadline:
                     raise RuntimeError(f"tensor parallel: no result from ranks {missing} in {timeout_s:.0f} s") \
                         from None
                 else:
