@@ -26,6 +26,9 @@
 // NCOL column groups of 8 tokens (group j: tokens 8 j .. 8 j + 7), each group's MMAs, scale step and warp / split
 // sums exactly those of a launch of its 8 tokens alone - so every row keeps its one-token bits while the weight is
 // read once for all of them.
+// TPW > 1 (with NCOL > 1): a block takes TPW consecutive tiles and each warp its groups of all of them, so one load
+// of x feeds TPW tiles' fragments (x crosses L2 once per 16 TPW weight rows instead of once per 16); each tile's
+// MMAs, scale steps, warp order and split-K sums are those of a block of that tile alone (the same bits).
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -80,6 +83,12 @@ typedef unsigned char u8;
 #endif
 #if NCOL > 1 && (XLATE || PIPE || TAIL)
 #error "NCOL > 1 loads x inside each step: XLATE, PIPE and TAIL are for NCOL 1"
+#endif
+#ifndef TPW
+#define TPW 1     // tiles a block takes, each warp its groups of every one (x loaded once for all; NCOL > 1 only)
+#endif
+#if TPW > 1 && NCOL == 1
+#error "TPW > 1 shares x between the tiles of column groups: NCOL > 1"
 #endif
 #ifndef MIN_BLOCKS
 #define MIN_BLOCKS 2  // blocks per SM to fit: lets ptxas keep all of a step batch's loads in flight
@@ -458,6 +467,36 @@ __device__ __forceinline__ void steps(const Lane& L, const u16* __restrict__ xro
 #endif
 }
 
+#if TPW > 1
+// U steps of TPW tiles (lane pointers Ls[i], x through Ls[0]): every tile's code loads issued first, then per step
+// each tile's fragments and, per column group, one load of x for all of them; tile i's sums go to acc + 4 NCOL i
+template <int U, bool WAIT = false>
+__device__ __forceinline__ void steps_tiles(const Lane* Ls, const u16* __restrict__ xrow, int gi, int K, int c,
+                                            u32 magic, float* acc) {
+  CodeT w0[TPW][U], w1[TPW][U];
+  u32 s0[TPW][U], s1[TPW][U], h0[TPW][U], h1[TPW][U];
+#pragma unroll
+  for (int i = 0; i < TPW; ++i) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) load_step(Ls[i], u, w0[i][u], w1[i][u], s0[i][u], s1[i][u], h0[i][u], h1[i][u]);
+  }
+  if (WAIT) grid_wait();
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    Frags F[TPW];
+#pragma unroll
+    for (int i = 0; i < TPW; ++i) F[i] = make_frags(w0[i][u], w1[i][u], h0[i][u], h1[i][u], s0[i][u], s1[i][u], magic);
+#pragma unroll
+    for (int n = 0; n < NCOL; ++n) {
+      u32 xv[XPL / 2];
+      load_x(Ls[0], xrow, gi, u, K, c, xv, Ls[0].xo[n]);
+#pragma unroll
+      for (int i = 0; i < TPW; ++i) col_math(F[i], xv, acc + 4 * (NCOL * i + n));
+    }
+  }
+}
+#endif
+
 // PIPE: one batch of U steps in registers; steps past the warp's last group (g_hi) are neither loaded nor summed
 // (the conditions are the same for the whole warp)
 template <int U>
@@ -495,15 +534,12 @@ __device__ __forceinline__ void advance(Lane& L, int groups) {
   L.xp += GROUP * groups;
 }
 
-// The warp's share of tile `tile`'s groups g_lo .. g_hi - 1 (groups g_lo + warp, + NW, ...): acc += its sums.
-__device__ __forceinline__ void tile_sums(const u16* __restrict__ x, const u8* __restrict__ codes,
+// Lane (g, c)'s pointers at tile `tile`, group gi (its first), and x's rows
+__device__ __forceinline__ Lane make_lane(const u16* __restrict__ x, const u8* __restrict__ codes,
                                           const u8* __restrict__ high, const u16* __restrict__ scales, int T, int N,
-                                          int K, int NG, long long stride_x, long long stride_c, long long stride_h,
-                                          long long stride_s, int tile, int g_lo, int g_hi, float* acc) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int g = lane >> 2, c = lane & 3;
+                                          int NG, long long stride_x, long long stride_c, long long stride_h,
+                                          long long stride_s, int tile, int gi, int g, int c) {
   const int r0 = min(tile * 16 + g, N - 1), r1 = min(tile * 16 + g + 8, N - 1);  // clamped: loads stay in bounds
-  int gi = g_lo + warp;  // this warp's first group; then every NW-th
   // lanes of tokens t >= T read row T - 1 of x: their MMA columns are never stored, and no zeroing is needed
   const u16* xrow = x + min(g, T - 1) * stride_x;
   Lane L;
@@ -537,6 +573,19 @@ __device__ __forceinline__ void tile_sums(const u16* __restrict__ x, const u8* _
   L.xp = xrow + GROUP * gi + XPL * c;
 #pragma unroll
   for (int n = 0; n < NCOL; ++n) L.xo[n] = (min(8 * n + g, T - 1) - min(g, T - 1)) * (int)stride_x;
+  return L;
+}
+
+// The warp's share of tile `tile`'s groups g_lo .. g_hi - 1 (groups g_lo + warp, + NW, ...): acc += its sums.
+__device__ __forceinline__ void tile_sums(const u16* __restrict__ x, const u8* __restrict__ codes,
+                                          const u8* __restrict__ high, const u16* __restrict__ scales, int T, int N,
+                                          int K, int NG, long long stride_x, long long stride_c, long long stride_h,
+                                          long long stride_s, int tile, int g_lo, int g_hi, float* acc) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, c = lane & 3;
+  int gi = g_lo + warp;  // this warp's first group; then every NW-th
+  const u16* xrow = x + min(g, T - 1) * stride_x;
+  Lane L = make_lane(x, codes, high, scales, T, N, NG, stride_x, stride_c, stride_h, stride_s, tile, gi, g, c);
   u32 magic;
   asm volatile("mov.b32 %0, %1;" : "=r"(magic) : "n"(MAGIC));  // kept in a register (see and_or)
 #if PIPE
@@ -587,6 +636,50 @@ __device__ __forceinline__ void tile_sums(const u16* __restrict__ x, const u8* _
 #endif
 #endif
 }
+
+#if TPW > 1
+// tile_sums for the block's TPW tiles tile0 .. tile0 + TPW - 1 (past the last tile: the last one's bytes, never
+// stored): the same groups in the same order for each, x loaded once a step and column group for all
+__device__ __forceinline__ void tiles_sums(const u16* __restrict__ x, const u8* __restrict__ codes,
+                                           const u8* __restrict__ high, const u16* __restrict__ scales, int T, int N,
+                                           int K, int NG, long long stride_x, long long stride_c, long long stride_h,
+                                           long long stride_s, int tile0, int tiles, int g_lo, int g_hi, float* acc) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, c = lane & 3;
+  int gi = g_lo + warp;
+  const u16* xrow = x + min(g, T - 1) * stride_x;
+  Lane Ls[TPW];
+#pragma unroll
+  for (int i = 0; i < TPW; ++i)
+    Ls[i] = make_lane(x, codes, high, scales, T, N, NG, stride_x, stride_c, stride_h, stride_s,
+                      min(tile0 + i, tiles - 1), gi, g, c);
+  u32 magic;
+  asm volatile("mov.b32 %0, %1;" : "=r"(magic) : "n"(MAGIC));
+#if PDL
+  if (gi + (UNROLL - 1) * NW < g_hi) {
+    steps_tiles<UNROLL, true>(Ls, xrow, gi, K, c, magic, acc);
+#pragma unroll
+    for (int i = 0; i < TPW; ++i) advance(Ls[i], NW * UNROLL);
+    gi += NW * UNROLL;
+  } else if (gi < g_hi) {
+    steps_tiles<1, true>(Ls, xrow, gi, K, c, magic, acc);
+#pragma unroll
+    for (int i = 0; i < TPW; ++i) advance(Ls[i], NW);
+    gi += NW;
+  }
+#endif
+  for (; gi + (UNROLL - 1) * NW < g_hi; gi += NW * UNROLL) {
+    steps_tiles<UNROLL>(Ls, xrow, gi, K, c, magic, acc);
+#pragma unroll
+    for (int i = 0; i < TPW; ++i) advance(Ls[i], NW * UNROLL);
+  }
+  for (; gi < g_hi; gi += NW) {
+    steps_tiles<1>(Ls, xrow, gi, K, c, magic, acc);
+#pragma unroll
+    for (int i = 0; i < TPW; ++i) advance(Ls[i], NW);
+  }
+}
+#endif
 
 // The block's sums of tile `tile` (acc, one share a warp) to the output: added up over the warps in shared memory;
 // a tile whose groups `pieces` blocks share (split-K) goes through the workspace,
@@ -678,18 +771,31 @@ __device__ __forceinline__ void let_next_launch() {
 #endif
 }
 
-// Block (tile, split): one 16-row tile, split y's groups (split-K over grid y), for all NCOL column groups.
+// Block (tile, split): one 16-row tile (TPW > 1: tiles TPW x .. TPW x + TPW - 1), split y's groups (split-K over
+// grid y), for all NCOL column groups.
 extern "C" __global__ void __launch_bounds__(NW * 32, MIN_BLOCKS)
 qmv(const u16* __restrict__ x, const u8* __restrict__ codes, const u8* __restrict__ high,
     const u16* __restrict__ scales, u16* __restrict__ out, float* __restrict__ ws, int* __restrict__ counters,
     int T, int N, int K, int NG, int groups_per_split, long long stride_x, long long stride_o,
     long long stride_c, long long stride_h, long long stride_s) {
   let_next_launch();
-  float acc[4 * NCOL];
+  float acc[4 * NCOL * TPW];
 #pragma unroll
-  for (int i = 0; i < 4 * NCOL; ++i) acc[i] = 0.f;
+  for (int i = 0; i < 4 * NCOL * TPW; ++i) acc[i] = 0.f;
   const int g_lo = blockIdx.y * groups_per_split, g_hi = min(NG, g_lo + groups_per_split);
+#if TPW > 1
+  const int tiles = (N + 15) / 16, tile0 = blockIdx.x * TPW;
+  tiles_sums(x, codes, high, scales, T, N, K, NG, stride_x, stride_c, stride_h, stride_s, tile0, tiles, g_lo, g_hi,
+             acc);
+#pragma unroll
+  for (int i = 0; i < TPW; ++i) {
+    if (tile0 + i < tiles)  // (the same for the whole block)
+      tile_store(acc + 4 * NCOL * i, tile0 + i, blockIdx.y, gridDim.y, out, ws, counters, T, N, stride_o);
+    __syncthreads();  // tile_store's shared sums are read before the next tile's are written
+  }
+#else
   tile_sums(x, codes, high, scales, T, N, K, NG, stride_x, stride_c, stride_h, stride_s, blockIdx.x, g_lo, g_hi,
             acc);
   tile_store(acc, blockIdx.x, blockIdx.y, gridDim.y, out, ws, counters, T, N, stride_o);
+#endif
 }

@@ -103,7 +103,8 @@ class DenseWeight:
 
 @functools.cache
 def _kernel(fmt_id: int, half: bool, even: bool, unroll: int, min_blocks: int, xlate: bool, pipe: bool,
-            fold: bool, pdl: bool, tiled: int, act: bool, warps: int, tail: bool, ncol: int, device_index: int):
+            fold: bool, pdl: bool, tiled: int, act: bool, warps: int, tail: bool, ncol: int, tiles: int,
+            device_index: int):
     import cupy
 
     with cupy.cuda.Device(device_index):
@@ -112,7 +113,7 @@ def _kernel(fmt_id: int, half: bool, even: bool, unroll: int, min_blocks: int, x
                                          f"-DUNROLL={unroll}", f"-DMIN_BLOCKS={min_blocks}", f"-DXLATE={int(xlate)}",
                                          f"-DPIPE={int(pipe)}", f"-DFOLD={int(fold)}", f"-DPDL={int(pdl)}",
                                          f"-DTILED={int(tiled)}", f"-DACT={int(act)}", f"-DNW={warps}",
-                                         f"-DTAIL={int(tail)}", f"-DNCOL={ncol}"))
+                                         f"-DTAIL={int(tail)}", f"-DNCOL={ncol}", f"-DTPW={tiles}"))
         return module.get_function("qmv")
 
 
@@ -178,6 +179,38 @@ def column_groups(t: int) -> int:
 # one block of 4 warps best for 2 groups, two of 8 warps, and one block for 8 groups
 # (docs/perf/2026-12-03e-qmv-rows-sampler-h200.md); 4 groups by the register count alone
 _NCOL_MIN_BLOCKS = {(2, 4): 1, (2, 8): 2, (4, 4): 2, (4, 8): 1, (8, 4): 1, (8, 8): 1}
+
+# a wide launch's build by its column groups: {ncol: {"tiles": tiles a block (TPW), "unroll": steps in flight,
+# "min_blocks": blocks an SM}}, what qmv takes for the keywords a caller leaves out. Empty: one tile a block, the
+# defaults above. NINFER_BENCH_QMV_WIDE overrides it for tuning runs, e.g. "8:p2u1b1,4:p2u2b1"
+# (scripts/bench_qlinear.py's knob letters: p tiles, u unroll, b blocks an SM).
+_WIDE: dict[int, dict[str, int]] = {}
+
+
+def _wide_builds(text: str) -> dict[int, dict[str, int]]:
+    """``NCOL:KNOBS,...`` (``8:p2u1b1``) -> {ncol: {"tiles", "unroll", "min_blocks" given}}; ValueError when malformed."""
+    import re
+
+    names = {"p": "tiles", "u": "unroll", "b": "min_blocks"}
+    out = {}
+    for item in (v.strip() for v in text.split(",") if v.strip()):
+        m = re.fullmatch(r"(\d+):((?:[pub]\d+)+)", item)
+        if not m or int(m.group(1)) not in (2, 4, 8):
+            raise ValueError(f"NINFER_BENCH_QMV_WIDE: {item!r}: expected NCOL:KNOBS with NCOL 2, 4 or 8 and knobs "
+                             "p<tiles> u<unroll> b<blocks an SM>, e.g. 8:p2u1b1")
+        out[int(m.group(1))] = {names[k]: int(v) for k, v in re.findall(r"([pub])(\d+)", m.group(2))}
+    return out
+
+
+def _load_wide_env() -> None:
+    import os
+
+    text = os.environ.get("NINFER_BENCH_QMV_WIDE", "")
+    if text:
+        _WIDE.update(_wide_builds(text))
+
+
+_load_wide_env()
 
 
 class _LaunchAttr(ctypes.Structure):  # CUlaunchAttribute: id, 4 bytes of padding, a 64-byte value union
@@ -280,9 +313,9 @@ def _wide(n: int, sms: int) -> bool:
 
 
 def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | None = None,
-        unroll: int = 4, min_blocks: int | None = None, xlate: bool = False, pipe: bool = False,
+        unroll: int | None = None, min_blocks: int | None = None, xlate: bool = False, pipe: bool = False,
         fold: bool = False, pdl: bool | None = None, act: bool = False, warps: int | None = None,
-        tail: bool = False) -> torch.Tensor:
+        tail: bool = False, tiles: int | None = None) -> torch.Tensor:
     """``x [T, K] @ W.T`` -> ``[T, N]`` in x.dtype, for T <= 64 (see :func:`supports`). ``out`` (contiguous [T, N],
     x.dtype) is written instead of a fresh tensor. ``splits`` (default :func:`choose_splits`), ``unroll`` (steps
     whose loads are in flight together), ``min_blocks`` (blocks per SM the registers must allow), ``xlate`` (x
@@ -297,7 +330,9 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
     groups in turn, so this fixes the order of the sums), ``min_blocks`` defaulting to 24 warps an SM; ``tail``: a
     warp's last groups (fewer than ``unroll``) loaded as one predicated batch instead of one step at a time (the
     same sums in the same order). Over 8 rows (:func:`column_groups` > 1) ``xlate``, ``pipe`` and ``tail`` are
-    refused and ``min_blocks`` defaults to the measured best for the column groups (:data:`_NCOL_MIN_BLOCKS`)."""
+    refused and ``min_blocks`` defaults to the measured best for the column groups (:data:`_NCOL_MIN_BLOCKS`);
+    ``tiles`` (over 8 rows): row tiles a block takes, each warp its groups of all of them, so that one
+    load of x serves them all - the same sums as one tile a block (defaults for these three: :data:`_WIDE`)."""
     lin = getattr(lin, "qmv_weight", None) or lin  # a tiled PackedLinear: its tiles
     if not supports(x, lin):
         raise ValueError(f"qmv: needs CUDA bf16/fp16 x [1..{MAX_ROWS}, K={lin.k}] contiguous and a q8/q5/q4 weight "
@@ -316,6 +351,13 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
     ncol = column_groups(t)
     if ncol > 1 and (xlate or pipe or tail):
         raise ValueError(f"qmv: xlate, pipe and tail are for launches of at most {MAX_T} rows, got {t}")
+    wide = _WIDE.get(ncol, {}) if ncol > 1 else {}
+    tiles = tiles or wide.get("tiles", 1)
+    unroll = unroll or wide.get("unroll", 4)
+    min_blocks = min_blocks or wide.get("min_blocks")
+    if tiles > 1 and ncol == 1:
+        raise ValueError(f"qmv: tiles a block > 1 shares x between the tiles of a launch of more than {MAX_T} rows, "
+                         f"got {t}")
     if t * x.stride(0) >= 2 ** 31:  # the column groups' row offsets are int32
         raise ValueError(f"qmv: x too large for one launch ({t} rows of stride {x.stride(0)})")
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
@@ -325,8 +367,8 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
     even = lin.k == lin.kp and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
     pdl = _triton.pdl_now(x.device) if pdl is None else pdl and _capability(dev) >= (9, 0)
     kern = _kernel(_FMT_ID[lin.fmt], x.dtype == torch.float16, even, unroll, min_blocks, xlate, pipe, fold, pdl,
-                   getattr(lin, "layout", 0), act, warps, tail, ncol, dev)
-    tiles = -(-n // 16)
+                   getattr(lin, "layout", 0), act, warps, tail, ncol, tiles, dev)
+    per_block, tiles = tiles, -(-n // 16)
     whole = act or not _triton.split_k_allowed()  # (the epilogue, or a launch beside others: _triton.single_pass)
     s = 1 if whole else min(splits, MAX_SPLITS) if splits else shape_splits(n, lin.ng, _sms(dev), warps)
     groups_per_split = -(-lin.ng // s)
@@ -341,13 +383,13 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
     if pdl:
         cargs = (*map(ctypes.c_uint64, ptrs), *map(ctypes.c_int32, ints), *map(ctypes.c_int64, longs))
         with torch.cuda.device(dev):  # the module was loaded in this device's context
-            _launch_pdl(kern, (tiles, s), warps * 32, cargs, stream.cuda_stream)
+            _launch_pdl(kern, (-(-tiles // per_block), s), warps * 32, cargs, stream.cuda_stream)
         return out
     import cupy
 
     args = (*map(np.uint64, ptrs), *map(np.int32, ints), *map(np.int64, longs))
     with cupy.cuda.Device(dev):
-        kern((tiles, s), (warps * 32,), args, stream=_stream(stream, dev))
+        kern((-(-tiles // per_block), s), (warps * 32,), args, stream=_stream(stream, dev))
     return out
 
 

@@ -222,6 +222,39 @@ def test_wide_launch_variants_keep_the_bits(fmt):
             qmv_cuda.qmv(x, lin, **kw)
 
 
+@needs_qmv
+@pytest.mark.parametrize("fmt", quant.QUANT_FORMATS)
+@pytest.mark.parametrize("n,k,splits", [(300, 5120, None), (200, 2048, 3), (37, 1152, None)],
+                         ids=["300x5120", "200x2048-s3", "37x1152"])
+def test_tiles_a_block_keep_the_bits(fmt, n, k, splits):
+    """2 and 3 row tiles a block (x loaded once for all of them) give one tile a block's bits at 4 and 8 column
+    groups, with split-K, tile counts they do not divide (the last block's extra tiles never stored), PDL, and the
+    silu epilogue (an interleaved gate / up weight); one column group refuses them."""
+    lin, x, _ = _case(fmt, n, k, 64, torch.bfloat16, seed=47)
+    for t in (20, 64):
+        xt = x[:t].contiguous()
+        want = qmv_cuda.qmv(xt, lin, splits=splits, tiles=1)
+        for kw in ({"tiles": 2, "unroll": 1}, {"tiles": 3, "unroll": 1}):
+            assert torch.equal(qmv_cuda.qmv(xt, lin, splits=splits, **kw), want), (t, kw)
+    if torch.cuda.get_device_capability() >= (9, 0):
+        assert torch.equal(qmv_cuda.qmv(x, lin, splits=splits, tiles=2, pdl=True), qmv_cuda.qmv(x, lin, splits=splits))
+    torch.cuda.synchronize()
+    assert int(qmv_cuda._WORKSPACES[x.device][1].abs().sum()) == 0  # split-K counters left at zero
+    if n % 16 == 0:
+        assert torch.equal(qmv_cuda.qmv(x, lin, act=True, tiles=2, unroll=1), qmv_cuda.qmv(x, lin, act=True))
+    with pytest.raises(ValueError, match="more than 8 rows"):
+        qmv_cuda.qmv(x[:8].contiguous(), lin, tiles=2)
+
+
+def test_wide_builds_parse():
+    assert qmv_cuda._wide_builds("8:p2u1b1, 4:p2u2") == {8: {"tiles": 2, "unroll": 1, "min_blocks": 1},
+                                                          4: {"tiles": 2, "unroll": 2}}
+    assert qmv_cuda._wide_builds("") == {}
+    for bad in ("8:q2", "3:p2", "p2", "8:"):
+        with pytest.raises(ValueError, match="NINFER_BENCH_QMV_WIDE"):
+            qmv_cuda._wide_builds(bad)
+
+
 def test_column_groups_and_the_shape_split():
     assert [qmv_cuda.column_groups(t) for t in (1, 8, 9, 16, 17, 24, 25, 32, 33, 64)] == [1, 1, 2, 2, 4, 4, 4, 4, 8, 8]
     assert qmv_cuda.MAX_ROWS == 64
