@@ -291,8 +291,13 @@ def run_in_process(opts: ConcurrencyOptions, progress=None, engine=None):
         if progress:
             progress(done, total, f"sequential p{i}")
     eng.replay = replay
-    for c in opts.levels:  # warm-up at every level: each batch bucket's graphs captured and kernels compiled
-        for i in range(c):   # before the timed rounds
+    # warm-up at every batch size up to the top level, not only the levels: requests of a level finish unevenly
+    # (a speculative round's acceptance differs between them), so a timed round also steps the smaller batches its
+    # stragglers leave, and each size's graphs and kernels (a verify of 8 b rows takes another qmv build for each
+    # column-group count) must be captured and compiled before it (a -c 8 run stalled 4 s on two stragglers' first
+    # 2-sequence round: docs/perf/2026-12-03f-sampler-prefix-h200.md)
+    for c in range(1, top + 1):
+        for i in range(c):
             sched.submit(prompts[i], opts.params(i, min(8, opts.max_new_tokens)), reference=refs[i])
         sched.run_until_idle()
     for c in opts.levels:
