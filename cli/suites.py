@@ -121,7 +121,7 @@ def repeats_count(ctx, param, value) -> int | str:
                    "MTP3; FILE: a JSON list, one probability a position), else a rejected one; labelled -replay.")
 @click.option("--tensor-parallel", type=click.IntRange(min=1), default=1, show_default=True,
               help="Split our engine over N ranks, one process each (gloo on CPUs, NCCL with N GPUs): heads, MLP rows "
-                   "and the vocabulary; the eager path (CPU, or --runtime v2 on CUDA) so far.")
+                   "and the vocabulary; on CUDA without CUDA graphs so far (the fused kernels run eagerly).")
 @output_options
 @engine_options(runtime_list=True)
 def decode(model, engines, specs, draft_tokens, rollbacks, lm_head_draft, prompt_file, n_prompts, prompt_lengths, images,

@@ -383,13 +383,14 @@ for stage in "$@"; do
              echo "--- plain C8"; nb concurrency $C27 -c 8 --json "$OUT/tpw/plain.json" 2>&1 | tee "$OUT/tpw/plain.log" \
                | grep -E "^│|rror" | head -4 ;;
     tp1gpu)  # tensor parallelism's CUDA path on one GPU: two ranks over gloo sharing it (collectives staged through
-             # host memory: a check of the split, not a speed) against one rank - the 27B synthetic decode (eager v2,
-             # plain and MTP3) and the tiny preset's in-process concurrency (rank 0's scheduler mirrored)
+             # host memory: a check of the split, not a speed) against one rank - the 27B synthetic decode (TP_RUNTIME,
+             # default v3: the fused kernels without graphs under TP; plain and MTP3) and the tiny preset's in-process
+             # concurrency (rank 0's scheduler mirrored); TP_MODEL replaces the 27B (e.g. "--model tiny")
              mkdir -p "$OUT/tp1gpu"
              for TP in 1 2; do
-               nb decode $M27 --runtime v2 --spec none,mtp:3 -n ${TP_N:-24} --repeats 1 --tensor-parallel $TP \
+               nb decode ${TP_MODEL:-$M27} --runtime ${TP_RUNTIME:-v3} --spec none,mtp:3 -n ${TP_N:-24} --repeats 1 --tensor-parallel $TP \
                  --json "$OUT/tp1gpu/d27-tp$TP" 2>&1 | tee "$OUT/tp1gpu/d27-tp$TP.log" | grep -v Warn | tail -8
-               nb concurrency --model tiny --runtime v2 -c 1,2 -n 16 --rounds 1 --tensor-parallel $TP \
+               nb concurrency --model tiny --runtime ${TP_RUNTIME:-v3} -c 1,2 -n 16 --rounds 1 --tensor-parallel $TP \
                  --json "$OUT/tp1gpu/conc-tp$TP.json" 2>&1 | tee "$OUT/tp1gpu/conc-tp$TP.log" | grep -E "^│|rror" | head -4
              done
              python3 - "$OUT/tp1gpu" <<'PY'

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+import triton_interp  # noqa: F401  (sets TRITON_INTERPRET=1 without CUDA: the fused kernels' test)
 from ninfer_bench.engine.artifact.loader import load_source
 from ninfer_bench.engine.model import tensor_parallel as tpm
 from ninfer_bench.engine.model.config import preset
 from ninfer_bench.engine.model.weights import RawWeight
 from ninfer_bench.kernels import quant
-from tp_ranks import _die_on_one, _fail_on_one, _mirrored_scheduler, _rank_run, _spec_run
+from tp_ranks import _die_on_one, _fail_on_one, _fused_run, _mirrored_scheduler, _rank_run, _spec_run
 
 
 def _dense(raw):
@@ -242,3 +244,17 @@ def test_serve_refuses_what_is_not_split():
 
     res = CliRunner().invoke(main, ["serve", "tiny", "--tensor-parallel", "2", "--session-dir", "x", "--port", "0"])
     assert res.exit_code != 0 and "--session-dir" in res.output
+
+
+def test_the_fused_kernels_split_over_ranks():
+    """v3's fused decode / verify kernels over two gloo ranks (each row-parallel output all-reduced before the fused
+    residual norm): one rank's tokens (its eager path's, which tests/test_fastpath.py holds equal to its fused one),
+    and speculative rounds (MTP3, its layer split as the model's) give the plain tokens."""
+    from ninfer_bench.engine.runtime.parallel import launch
+
+    pytest.importorskip("triton")
+    one = _fused_run(0, 1, "torch")
+    ranks = launch(2, _fused_run, 2, backend="gloo")
+    for r in ranks:
+        assert r == one
+    assert one["mtp"] == one["none"][:3]

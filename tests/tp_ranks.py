@@ -77,3 +77,19 @@ def _mirrored_scheduler(rank: int, tp: int) -> list:
         if tp > 1:
             mirror.stop()
     return [out, mirror.released if tp > 1 else None]
+
+
+def _fused_run(rank: int, tp: int, kernels: str = "triton") -> dict:
+    """One rank's greedy tokens on the tiny preset through the fused kernels (v3's decode / verify path; Triton's
+    interpreter without CUDA; ``kernels`` torch: the eager path instead), plain and with MTP3, int8 K/V."""
+    import triton_interp  # noqa: F401  (before triton is imported: the interpreter without CUDA)
+    from ninfer_bench.engine.runtime.engine import Engine
+
+    out = {}
+    for spec, k, n in (("none", 0, 4), ("mtp", 3, 3)):  # (the interpreter: about 1.5 s a step, 7 s a round)
+        eng = Engine.load("tiny", device="cpu", kv_dtype="int8", dtype="fp32", kernels=kernels, max_context=128,
+                          tensor_parallel=tp, spec=spec, draft_tokens=k or None)
+        assert (eng.model.fast is not None) == (kernels == "triton")
+        res = eng.generate(PROMPT, max_new_tokens=n, ignore_eos=True)
+        out[spec] = res.tokens
+    return out

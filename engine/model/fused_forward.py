@@ -131,7 +131,7 @@ class FastPath:
             o = gdn_decode(qkv, z, bb, aa, *args, write_state=False, before_z=join_z, workspace_out=ws)
         else:
             o = gdn_decode(qkv, z, bb, aa, *args, before_z=join_z)
-        return self.w.linear(f"{p}.linear_attn.out_proj.weight")(o)
+        return self.m._sum(self.w.linear(f"{p}.linear_attn.out_proj.weight")(o))
 
     def attention(self, p: str, key, x, step, cache: HybridCache, prefill: bool = False):
         """Full attention from the layer's normed input: the prologue (norms, RoPE, the cache write), then
@@ -151,7 +151,7 @@ class FastPath:
         else:
             o = decode_attention(q, c.k, c.v, c.k_scale, c.v_scale, step.slots, step.pos, m.scale,
                                  kv_len_max=cache.capacity, gate=gate)
-        return w.project(f"{p}.self_attn.o_proj", o.reshape(b, t, h * hd))
+        return m._sum(w.project(f"{p}.self_attn.o_proj", o.reshape(b, t, h * hd)))
 
     def mlp(self, p: str, x):
         name = f"{p}.mlp.gate_up_proj.weight"
@@ -165,7 +165,7 @@ class FastPath:
         if act is None:  # separate gate / up weights
             gate, up = self.m.gate_up(p, x)
             act = torch.nn.functional.silu(gate) * up
-        return self.w.linear(f"{p}.mlp.down_proj.weight")(act)
+        return self.m._sum(self.w.linear(f"{p}.mlp.down_proj.weight")(act))
 
     def layer(self, p: str, key, h, step, cache: HybridCache):
         """One full-attention block outside the target's stack (the MTP head's layer, decode / verify): the norms

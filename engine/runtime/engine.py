@@ -109,7 +109,7 @@ class Engine:
         self.capacity = opts.slot_capacity + self.slack
         self.model = HybridModel(self.model_config, self.weights, max_positions=self.capacity,
                                  gdn_impl=opts.gdn_impl if opts.runtime == "v3" else "chunked",
-                                 fused_kernels=opts.fused_kernels() and self.tp is None, side_stream=side,
+                                 fused_kernels=opts.fused_kernels(), side_stream=side,
                                  flash_prefill=opts.flash_prefill, fused_prefill=opts.fused_prefill, tp=self.tp)
         # one extra slot serves logits() and other scratch work without touching requests
         self.cache = HybridCache(self.model_config, slots=opts.max_concurrency + 1, capacity=self.capacity,
