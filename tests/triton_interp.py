@@ -40,8 +40,37 @@ def fix_loop_bounds() -> None:
     interp._patch_lang_tensor = fixed
 
 
+def fix_dot_rows() -> None:
+    """The interpreter's ``tl.dot`` is numpy's float32 matmul, and OpenBLAS (DYNAMIC_ARCH) runs the rows of a block
+    through microkernel paths that add the products in other orders: on an AVX2 AMD EPYC the odd rows of a tile came
+    out in other bits than the same values at an even row, so a kernel whose rows must not depend on their place in
+    a tile (token invariance) failed there and passed on an AVX-512 Intel CPU. The product is taken in float64 (each
+    float32 product exact, the sums' order moving only the float64 rounding) and rounded to the accumulator's type:
+    an element's value then depends on its row's values alone, wherever the row sits. Integer dots are left as they
+    are (exact). Idempotent."""
+    try:
+        import triton.runtime.interpreter as interp
+    except ImportError:
+        return
+    builder = interp.InterpreterBuilder
+    original = builder.create_dot
+    if getattr(original, "_ninfer_fixed", False):
+        return
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        acc = d.data.dtype
+        if not np.issubdtype(acc, np.floating) or a.dtype.primitive_bitwidth == 8 or b.dtype.primitive_bitwidth == 8:
+            return original(self, a, b, d, input_precision, max_num_imprecise_acc)
+        prod = np.matmul(a.data.astype(np.float64), b.data.astype(np.float64)).astype(acc)
+        return interp.TensorHandle(prod + d.data, d.dtype.scalar)
+
+    create_dot._ninfer_fixed = True
+    builder.create_dot = create_dot
+
+
 if INTERPRET:
     fix_loop_bounds()
+    fix_dot_rows()
 
 
 def assert_imports_without_triton(module: str) -> None:
