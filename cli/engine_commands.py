@@ -188,23 +188,20 @@ def _ready(eng, session_dir, keyed, url, backend, restored, problems) -> None:
 def _serve_ranked(payload) -> list[list[int]]:
     """One rank of ``serve --tensor-parallel N``: rank 0 runs the server on a MirroredEngine, the others follow
     it; each returns the tokens of the sequences it released (compared across ranks when the server stops)."""
-    import torch.distributed as dist
-
-    from ..engine.runtime.mirror import MirroredEngine, follow
+    from ..engine.runtime.mirror import lead_or_follow
     from ..engine.serve.app import serve as run_server
 
     artifact, engine_args, server_opts = payload
     eng = build_engine(artifact, **engine_args)
-    if dist.get_rank() != 0:
-        return follow(eng)
-    mirror = MirroredEngine(eng)
-    try:
-        run_server(mirror, server_opts, on_ready=functools.partial(_ready, eng, None, server_opts.api_key is not None))
-    except KeyboardInterrupt:
-        pass
-    finally:
-        mirror.stop()
-    return mirror.released
+
+    def lead(mirror):
+        try:
+            run_server(mirror, server_opts, on_ready=functools.partial(_ready, eng, None,
+                                                                       server_opts.api_key is not None))
+        except KeyboardInterrupt:
+            pass
+
+    return lead_or_follow(eng, lead)[1]
 
 
 COMMANDS = (logits, generate, serve)

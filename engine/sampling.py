@@ -189,7 +189,7 @@ class RowSampling:
     sort: bool = True
     greedy: bool = False
     full: bool = True
-    cap: int = 0  # the sorted prefix a row with 0 < top_k <= cap is filtered from (TOPK_CAP; 0: that constant)
+    cap: int = TOPK_CAP  # the sorted prefix a row with 0 < top_k <= cap is filtered from
     packed: tuple[torch.Tensor, torch.Tensor] | None = None  # (floats [3, B], ints [3, B]) the fields are rows of
 
     @staticmethod
@@ -201,10 +201,9 @@ class RowSampling:
 
     @classmethod
     def make(cls, params: list[SamplingParams], seeds: list[int], steps: list[int], device,
-             cap: int | None = None) -> RowSampling:
+             cap: int = TOPK_CAP) -> RowSampling:
         """The rows of ``params`` with their seeds and token indices (two host-to-device copies, no sync)."""
         floats, ints = (_to_device(t, device) for t in cls._host(params, seeds, steps))
-        cap = TOPK_CAP if cap is None else cap
         sort, full, greedy = cls.switches(params, cap)
         return cls(floats[0], ints[0], floats[1], floats[2], ints[1], ints[2], sort=sort, greedy=greedy, full=full,
                    cap=cap, packed=(floats, ints))
@@ -225,9 +224,8 @@ class RowSampling:
                 dst.copy_(src)
 
     @staticmethod
-    def switches(params: list[SamplingParams], cap: int | None = None) -> tuple[bool, bool, bool]:
+    def switches(params: list[SamplingParams], cap: int = TOPK_CAP) -> tuple[bool, bool, bool]:
         """(sort, full, greedy) of :meth:`make` for these rows."""
-        cap = TOPK_CAP if cap is None else cap
         sampled = [p for p in params if not p.greedy]
         return (any(p.top_k > 0 or p.top_p < 1.0 for p in sampled),
                 any(p.top_k > cap or (p.top_k == 0 and p.top_p < 1.0) for p in sampled),
@@ -245,18 +243,6 @@ class Sampled:
     top_logprobs: torch.Tensor | None = None
 
 
-def _sorted_rows(x: torch.Tensor) -> torch.Tensor:
-    """Each row of ``x [B, V]`` sorted descending (the values; the same as ``torch.sort``'s). On CUDA with several
-    long rows as two whole-tensor sorts - every value, then stably by row - where torch's segmented sort of long
-    rows runs a device-wide sort per row."""
-    b, v = x.shape
-    if not x.is_cuda or b == 1 or v <= 4096:
-        return torch.sort(x, dim=-1, descending=True).values
-    vals, idx = torch.sort(x.flatten(), descending=True)
-    order = torch.sort(torch.div(idx, v, rounding_mode="floor"), stable=True).indices
-    return vals[order].view(b, v)
-
-
 CDF_CHUNK = 1024  # the inclusive scan runs in chunks of this many tokens, then over the chunks' totals (_cdf)
 
 
@@ -272,6 +258,17 @@ def _cdf(w: torch.Tensor) -> torch.Tensor:
     totals = torch.nn.functional.pad(chunks[:, :-1, -1], (1, 0, 0, 1))  # and a zero row: never a single-row scan
     offsets = totals.cumsum(-1)[:b]
     return (chunks + offsets[:, :, None]).view(b, n * CDF_CHUNK)
+
+
+def _top_p_floor(s: torch.Tensor, kth: torch.Tensor, xmax: torch.Tensor, top_p: torch.Tensor,
+                 total: torch.Tensor | None = None) -> torch.Tensor:
+    """The smallest of the descending values ``s [B, W]`` that top-p keeps (``-inf`` where ``top_p >= 1``): a token
+    stays while the mass strictly before it, over the tokens at or above ``kth`` (fp64), is below ``top_p`` times
+    ``total`` (default: the mass of ``s`` itself)."""
+    cum = (torch.exp(s - xmax).double() * (s >= kth)).cumsum(-1)
+    before = torch.nn.functional.pad(cum[:, :-1], (1, 0))  # the mass strictly before each sorted token
+    inside = before < top_p.double() * (cum[:, -1:] if total is None else total)
+    return torch.where(top_p >= 1.0, float("-inf"), torch.where(inside, s, float("inf")).amin(-1, keepdim=True))
 
 
 def _filtered(logits: torch.Tensor, rows: RowSampling):
@@ -296,31 +293,21 @@ def _filtered(logits: torch.Tensor, rows: RowSampling):
     keep = e >= rows.min_p[:, None]
     if not rows.sort:
         return x, e, keep
-    width = min(rows.cap or TOPK_CAP, v)
-    s = _sorted_rows(x) if rows.full else torch.topk(x, width, dim=-1).values
+    width = min(rows.cap, v)
+    s = torch.sort(x, dim=-1, descending=True).values if rows.full else torch.topk(x, width, dim=-1).values
     top_p = rows.top_p[:, None]
-    no_top_p = top_p >= 1.0
-    # the prefix rule: the k-th value and the top-p boundary among each row's `width` largest values
+    # the prefix rule: the k-th value and the top-p boundary among each row's `width` largest values, the top-k
+    # mass summed over the whole row
     k = rows.top_k.clamp(max=v)
     prefix = s[:, :width].contiguous()
     kth = torch.where((k > 0) & (k <= width), prefix.gather(-1, (k.clamp(1, width) - 1)[:, None])[:, 0],
                       float("-inf"))[:, None]
     total = (e.double() * (x >= kth)).sum(-1, keepdim=True)
-    cum = (torch.exp(prefix - xmax).double() * (prefix >= kth)).cumsum(-1)
-    before = torch.nn.functional.pad(cum[:, :-1], (1, 0))  # the mass strictly before each sorted token
-    inside = before < top_p.double() * total
-    last = torch.where(no_top_p, float("-inf"), torch.where(inside, prefix, float("inf")).amin(-1, keepdim=True))
-    threshold = torch.maximum(kth, last)
+    threshold = torch.maximum(kth, _top_p_floor(prefix, kth, xmax, top_p, total))
     if rows.full and width < v:  # the rows the prefix cannot settle: top-p alone, or a top-k past the prefix
-        kf = torch.where(k > 0, k, v)
-        kth_f = s.gather(-1, (kf - 1)[:, None])
-        es = torch.exp(s - xmax).double() * (s >= kth_f)
-        cum_f = es.cumsum(-1)
-        before_f = torch.nn.functional.pad(cum_f[:, :-1], (1, 0))
-        inside_f = (before_f < top_p.double() * cum_f[:, -1:]) | no_top_p
-        last_f = torch.where(inside_f, s, float("inf")).amin(-1, keepdim=True)
-        whole = ((k > width) | ((k == 0) & ~no_top_p[:, 0]))[:, None]
-        threshold = torch.where(whole, torch.maximum(kth_f, last_f), threshold)
+        kth_f = s.gather(-1, (torch.where(k > 0, k, v) - 1)[:, None])
+        whole = ((k > width) | ((k == 0) & (top_p[:, 0] < 1.0)))[:, None]
+        threshold = torch.where(whole, torch.maximum(kth_f, _top_p_floor(s, kth_f, xmax, top_p)), threshold)
     return x, e, keep & (x >= threshold)
 
 

@@ -445,16 +445,6 @@ def run_tensor_parallel(opts: ConcurrencyOptions) -> tuple[dict | None, list[lis
     """One rank of an in-process run under tensor parallelism (engine/runtime/parallel.launch, through the CLI's
     ``on_ranks``): (rank 0's result document or None, the tokens of every sequence this rank released, in order).
     Rank 0 runs the suite on a :class:`~..engine.runtime.mirror.MirroredEngine`; the others replay its calls."""
-    import torch.distributed as dist
+    from ..engine.runtime.mirror import lead_or_follow
 
-    from ..engine.runtime.mirror import MirroredEngine, follow
-
-    eng = make_engine(opts)
-    if dist.get_rank() != 0:
-        return None, follow(eng)
-    mirror = MirroredEngine(eng)
-    try:
-        doc = run_concurrency(opts, engine=mirror)
-    finally:
-        mirror.stop()
-    return doc, mirror.released
+    return lead_or_follow(make_engine(opts), lambda mirror: run_concurrency(opts, engine=mirror))

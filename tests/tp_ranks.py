@@ -47,23 +47,17 @@ def _die_on_one(rank: int) -> int:
 
 
 def _mirrored_scheduler(rank: int, tp: int) -> list:
-    """Rank 0: a Scheduler on a MirroredEngine (the others follow it): requests of several kinds - greedy, seeded and
-    unseeded sampling, one that finishes early, one cancelled while it waits - over two slots; returns each request's
-    tokens (rank 0) or the followers' released tokens, and the released tokens on every rank."""
-    import torch.distributed as dist
-
+    """Rank 0: a Scheduler on a MirroredEngine (the others follow it, engine/runtime/mirror.lead_or_follow): requests
+    of several kinds - greedy, seeded and unseeded sampling, one that finishes early, one cancelled while it waits -
+    over two slots; returns [each request's tokens (rank 0; None elsewhere), the tokens this rank released (None on
+    one rank)]."""
     from ninfer_bench.engine.runtime.engine import Engine
-    from ninfer_bench.engine.runtime.mirror import MirroredEngine, follow
+    from ninfer_bench.engine.runtime.mirror import lead_or_follow
     from ninfer_bench.engine.runtime.scheduler import Scheduler
     from ninfer_bench.engine.sampling import SamplingParams
 
-    eng = Engine.load("tiny", device="cpu", kv_dtype="fp32", max_context=128, max_concurrency=2,
-                      tensor_parallel=tp, prefill_chunk=8, interleave_chunk=4)
-    if tp > 1 and dist.get_rank() != 0:
-        return [None, follow(eng)]
-    mirror = MirroredEngine(eng) if tp > 1 else eng
-    try:
-        sched = Scheduler(mirror)
+    def run(engine) -> list:
+        sched = Scheduler(engine)
         kinds = [SamplingParams(max_new_tokens=10, ignore_eos=True),
                  SamplingParams(max_new_tokens=9, ignore_eos=True, temperature=0.9, top_k=40, seed=5),
                  SamplingParams(max_new_tokens=3, ignore_eos=True),
@@ -72,11 +66,11 @@ def _mirrored_scheduler(rank: int, tp: int) -> list:
         reqs = [sched.submit(PROMPT[: 5 + 2 * i], p) for i, p in enumerate(kinds)]
         sched.cancel(reqs[4])  # still waiting: it never reaches a slot
         sched.run_until_idle()
-        out = [r.tokens for r in reqs]
-    finally:
-        if tp > 1:
-            mirror.stop()
-    return [out, mirror.released if tp > 1 else None]
+        return [r.tokens for r in reqs]
+
+    eng = Engine.load("tiny", device="cpu", kv_dtype="fp32", max_context=128, max_concurrency=2,
+                      tensor_parallel=tp, prefill_chunk=8, interleave_chunk=4)
+    return [run(eng), None] if tp == 1 else list(lead_or_follow(eng, run))
 
 
 def _fused_run(rank: int, tp: int, kernels: str = "triton") -> dict:

@@ -21,7 +21,7 @@ from __future__ import annotations
 from ..sampling import make_generator
 from .engine import Engine
 
-__all__ = ["MirroredEngine", "follow"]
+__all__ = ["MirroredEngine", "follow", "lead_or_follow"]
 
 
 def _send(op: tuple) -> None:
@@ -109,3 +109,19 @@ def follow(engine: Engine) -> list[list[int]]:
             engine.advance([seqs[slot] for slot in op[1]])
         else:
             raise RuntimeError(f"tensor parallel: rank 0 sent an unknown call {kind!r}")
+
+
+def lead_or_follow(engine: Engine, lead) -> tuple[object, list[list[int]]]:
+    """This rank's part of a mirrored run: on rank 0 ``lead(MirroredEngine(engine))`` (the other ranks stopped when
+    it returns or raises), elsewhere :func:`follow`. Returns (``lead``'s result, None on the other ranks; the tokens
+    of the sequences this rank released, in order: equal on every rank)."""
+    import torch.distributed as dist
+
+    if dist.get_rank() != 0:
+        return None, follow(engine)
+    mirror = MirroredEngine(engine)
+    try:
+        result = lead(mirror)
+    finally:
+        mirror.stop()
+    return result, mirror.released
