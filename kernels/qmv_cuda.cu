@@ -29,13 +29,6 @@
 // TPW > 1 (with NCOL > 1): a block takes TPW consecutive tiles and each warp its groups of all of them, so one load
 // of x feeds TPW tiles' fragments (x crosses L2 once per 16 TPW weight rows instead of once per 16); each tile's
 // MMAs, scale steps, warp order and split-K sums are those of a block of that tile alone (the same bits).
-// XS > 0 (with NCOL > 1): a block of XS warps takes XS consecutive tiles, one a warp, and walks the groups in the
-// order of the NW warps of a one-tile block: logical warp 0's groups (g_lo, g_lo + NW, ...), then warp 1's, ...; a
-// warp sums each logical warp's share from zero and adds it to its running total in that order, which is the
-// shared-memory sum of tile_store (warp 0's share, + warp 1's, ...) - the same bits. Every warp of the block
-// needs the same x at the same time: a batch of UNROLL groups of x's rows is copied once into shared memory
-// (cp.async, double-buffered: the next batch's copy is in flight while this one is multiplied), so x crosses L2
-// once per 16 XS weight rows, and the accumulators stay at two sets (share and total) instead of TPW sets.
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -96,12 +89,6 @@ typedef unsigned char u8;
 #endif
 #if TPW > 1 && NCOL == 1
 #error "TPW > 1 shares x between the tiles of column groups: NCOL > 1"
-#endif
-#ifndef XS
-#define XS 0      // > 0 (NCOL > 1, whole groups): x through shared memory, XS warps a block, one row tile each (below)
-#endif
-#if XS && (NCOL == 1 || TPW > 1)
-#error "XS is a wide launch's layout (NCOL > 1) of one tile a warp (TPW 1)"
 #endif
 #ifndef MIN_BLOCKS
 #define MIN_BLOCKS 2  // blocks per SM to fit: lets ptxas keep all of a step batch's loads in flight
@@ -694,79 +681,19 @@ __device__ __forceinline__ void tiles_sums(const u16* __restrict__ x, const u8* 
 }
 #endif
 
-// One warp's finished sums of tile `tile` (acc) to the output: a tile whose groups `pieces` blocks share (split-K)
-// goes through the workspace, piece `piece` in slice `piece`, and the last of its blocks to arrive adds the slices
-// up in piece order (a fixed order: the result does not depend on which block finishes first) and leaves the
-// counter at zero for the next launch (no memset in a CUDA graph).
-__device__ __forceinline__ void tile_out(float* acc, int tile, int piece, int pieces, u16* __restrict__ out,
-                                         float* __restrict__ ws, int* __restrict__ counters, int T, int N,
-                                         long long stride_o) {
-  const int lane = threadIdx.x & 31;
-  const int g = lane >> 2, c = lane & 3;
-  const int row[2] = {tile * 16 + g, tile * 16 + g + 8};
-  if (pieces == 1) {
-#pragma unroll
-    for (int m = 0; m < NCOL; ++m) {  // column group m: tokens 8 m + 2 c and 8 m + 2 c + 1
-      const float* a = acc + 4 * m;
-      const int tt[2] = {8 * m + 2 * c, 8 * m + 2 * c + 1};
-#if ACT
-      // gate and up rounded as the projection would store them, then silu(g) * u in fp32 as fused.silu_mul takes
-      // it (not to the bit: expf here, Triton's exp there)
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        const float gate = out_to_float(float_to_out(a[i])), up = out_to_float(float_to_out(a[2 + i]));
-        if (row[1] < N && tt[i] < T)
-          out[tt[i] * stride_o + tile * 8 + g] = float_to_out(gate / (1.f + expf(-gate)) * up);
-      }
-#else
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int n = row[i >> 1], t = tt[i & 1];
-        if (n < N && t < T) out[t * stride_o + n] = float_to_out(a[i]);
-      }
-#endif
-    }
-    return;
-  }
-#pragma unroll
-  for (int m = 0; m < NCOL; ++m) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int n = row[i >> 1], t = 8 * m + 2 * c + (i & 1);
-      if (n < N && t < T) ws[((long long)piece * T + t) * N + n] = acc[4 * m + i];
-    }
-  }
-  __threadfence();
-  __syncwarp();
-  int last = 0;
-  if (lane == 0) last = atomicAdd(counters + tile, 1) == pieces - 1;
-  last = __shfl_sync(0xFFFFFFFFu, last, 0);
-  if (last) {
-    __threadfence();
-#pragma unroll
-    for (int m = 0; m < NCOL; ++m) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int n = row[i >> 1], t = 8 * m + 2 * c + (i & 1);
-        if (n < N && t < T) {
-          float sum = 0.f;
-          for (int y = 0; y < pieces; ++y) sum += __ldcg(ws + ((long long)y * T + t) * N + n);
-          out[t * stride_o + n] = float_to_out(sum);
-        }
-      }
-    }
-    if (lane == 0) counters[tile] = 0;
-  }
-}
-
-// The block's sums of tile `tile` (acc, one share a warp) to the output: added up over the warps in shared memory
-// (warp 0's share, + warp 1's, ... in warp order), then tile_out. Every thread of the block calls it, once.
+// The block's sums of tile `tile` (acc, one share a warp) to the output: added up over the warps in shared memory;
+// a tile whose groups `pieces` blocks share (split-K) goes through the workspace,
+// piece `piece` in slice `piece`, and the last of its blocks to arrive adds the slices up in piece order (a fixed
+// order: the result does not depend on which block finishes first) and leaves the counter at zero for the next
+// launch (no memset in a CUDA graph). Every thread of the block calls it, once: the block ends after it.
 __device__ __forceinline__ void tile_store(float* acc, int tile, int piece, int pieces, u16* __restrict__ out,
                                            float* __restrict__ ws, int* __restrict__ counters, int T, int N,
                                            long long stride_o) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, c = lane & 3;
   grid_wait();  // a warp without groups still writes the output below: only after the kernel before is done
   __shared__ float4 red[NW][NCOL][32];
+  __shared__ int last;
 #pragma unroll
   for (int m = 0; m < NCOL; ++m)
     red[warp][m][lane] = make_float4(acc[4 * m], acc[4 * m + 1], acc[4 * m + 2], acc[4 * m + 3]);
@@ -780,120 +707,61 @@ __device__ __forceinline__ void tile_store(float* acc, int tile, int piece, int 
         acc[4 * m] += v.x; acc[4 * m + 1] += v.y; acc[4 * m + 2] += v.z; acc[4 * m + 3] += v.w;
       }
     }
-    tile_out(acc, tile, piece, pieces, out, ws, counters, T, N, stride_o);
-  }
-}
-
-#if XS
-#if !EVEN
-#error "XS copies x in 16-byte pieces: whole groups and 16-byte aligned rows (EVEN)"
-#endif
-#define XR (8 * NCOL)                               // x's rows in shared memory (past T: row T - 1 again)
-#define ROWB (GROUP * 2 + (GROUP == 64 ? 16 : 0))   // bytes of one row and group: a lane's two 16-byte loads of rows
-                                                    // g and g + 1 fall in different banks (q8's 64 bytes already do)
-#define XBUF (UNROLL * XR * ROWB)                   // one batch's x
-#if 2 * XBUF > 48 * 1024
-#error "XS: two batches of x must fit 48 KB of static shared memory (fewer UNROLL steps)"
-#endif
-
-__device__ __forceinline__ void cp_async16(u8* smem, const void* gmem) {
-  const u32 s = (u32)__cvta_generic_to_shared(smem);
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
-}
-
-// A batch: logical warp w's groups gi, gi + NW, ... (count of them, <= UNROLL); count 0 past the last
-struct XBatch {
-  int w, gi, count;
-};
-
-// the first batch at or after logical warp w's group gi (logical warps with no groups left are skipped)
-__device__ __forceinline__ XBatch xbatch(int w, int gi, int g_lo, int g_hi) {
-  while (w < NW && gi >= g_hi) {
-    ++w;
-    gi = g_lo + w;
-  }
-  XBatch b;
-  b.w = w;
-  b.gi = gi;
-  b.count = w < NW ? min(UNROLL, (g_hi - gi + NW - 1) / NW) : 0;
-  return b;
-}
-
-// the block copies batch b's x (rows 0 .. XR - 1, row r from x's row min(r, T - 1)) into buf: one cp.async group
-__device__ __forceinline__ void xstage(u8* buf, const u16* __restrict__ x, int T, long long stride_x, XBatch b) {
-  constexpr int CH = GROUP * 2 / 16;  // 16-byte pieces of a row and group
-  const int total = b.count * XR * CH;
-  for (int i = threadIdx.x; i < total; i += XS * 32) {
-    const int ch = i % CH, r = (i / CH) % XR, u = i / (CH * XR);
-    cp_async16(buf + (u * XR + r) * ROWB + ch * 16,
-               x + min(r, T - 1) * stride_x + (long long)(b.gi + u * NW) * GROUP + ch * 8);
-  }
-  asm volatile("cp.async.commit_group;" ::: "memory");
-}
-
-// two batches' code registers (double-buffered as x is): set B holds batch B's
-struct XCodes {
-  CodeT w0[2][UNROLL], w1[2][UNROLL];
-  u32 s0[2][UNROLL], s1[2][UNROLL], h0[2][UNROLL], h1[2][UNROLL];
-};
-
-// the warp's code loads of batch b (tile `tile`) into set B
-__device__ __forceinline__ void xcodes(XBatch b, const u16* __restrict__ x, const u8* __restrict__ codes,
-                                       const u8* __restrict__ high, const u16* __restrict__ scales, int T, int N,
-                                       int NG, long long stride_x, long long stride_c, long long stride_h,
-                                       long long stride_s, int tile, int g, int c, XCodes& C, int B) {
-  const Lane L = make_lane(x, codes, high, scales, T, N, NG, stride_x, stride_c, stride_h, stride_s, tile, b.gi, g,
-                           c);
+    const int row[2] = {tile * 16 + g, tile * 16 + g + 8};
+    if (pieces == 1) {
 #pragma unroll
-  for (int u = 0; u < UNROLL; ++u)
-    if (u < b.count) load_step(L, u, C.w0[B][u], C.w1[B][u], C.s0[B][u], C.s1[B][u], C.h0[B][u], C.h1[B][u]);
-}
-
-// logical warp w's share (part) into the running total, in warp order, and part back to zero
-__device__ __forceinline__ void xcombine(int w, float* part, float* tot) {
+      for (int m = 0; m < NCOL; ++m) {  // column group m: tokens 8 m + 2 c and 8 m + 2 c + 1
+        const float* a = acc + 4 * m;
+        const int tt[2] = {8 * m + 2 * c, 8 * m + 2 * c + 1};
+#if ACT
+        // gate and up rounded as the projection would store them, then silu(g) * u in fp32 as fused.silu_mul takes
+        // it (not to the bit: expf here, Triton's exp there)
 #pragma unroll
-  for (int i = 0; i < 4 * NCOL; ++i) {
-    tot[i] = w == 0 ? part[i] : tot[i] + part[i];
-    part[i] = 0.f;
-  }
-}
-
-// Batch `cur` from buffer B (x in xs[B], codes in set B), the next batch's copy and code loads going out first (B is
-// a compile-time index: a run-time one would put the code registers in local memory); returns the next batch.
-template <int B>
-__device__ __forceinline__ XBatch xrun(XBatch cur, u8 (*xs)[XBUF], XCodes& C, float* part, float* tot, int& wc,
-                                       u32 magic, const u16* __restrict__ x, const u8* __restrict__ codes,
-                                       const u8* __restrict__ high, const u16* __restrict__ scales, int T, int N,
-                                       int NG, long long stride_x, long long stride_c, long long stride_h,
-                                       long long stride_s, int tile, int g_lo, int g_hi, int g, int c) {
-  const XBatch nxt = xbatch(cur.w, cur.gi + NW * UNROLL, g_lo, g_hi);
-  asm volatile("cp.async.wait_group 0;" ::: "memory");  // this thread's copies of cur's x have landed
-  __syncthreads();  // everyone's have; and every warp is done with the other buffer (the batch before)
-  if (nxt.count) {
-    xstage(xs[B ^ 1], x, T, stride_x, nxt);
-    xcodes(nxt, x, codes, high, scales, T, N, NG, stride_x, stride_c, stride_h, stride_s, tile, g, c, C, B ^ 1);
-  }
-  for (; wc < cur.w; ++wc) xcombine(wc, part, tot);
-#pragma unroll
-  for (int u = 0; u < UNROLL; ++u) {
-    if (u < cur.count) {
-      const Frags F = make_frags(C.w0[B][u], C.w1[B][u], C.h0[B][u], C.h1[B][u], C.s0[B][u], C.s1[B][u], magic);
-#pragma unroll
-      for (int n = 0; n < NCOL; ++n) {
-        const uint4* p = reinterpret_cast<const uint4*>(xs[B] + (u * XR + 8 * n + g) * ROWB + c * XPL * 2);
-        u32 xv[XPL / 2];
-#pragma unroll
-        for (int i = 0; i < XPL / 8; ++i) {
-          const uint4 v = p[i];
-          xv[4 * i] = v.x; xv[4 * i + 1] = v.y; xv[4 * i + 2] = v.z; xv[4 * i + 3] = v.w;
+        for (int i = 0; i < 2; ++i) {
+          const float gate = out_to_float(float_to_out(a[i])), up = out_to_float(float_to_out(a[2 + i]));
+          if (row[1] < N && tt[i] < T)
+            out[tt[i] * stride_o + tile * 8 + g] = float_to_out(gate / (1.f + expf(-gate)) * up);
         }
-        col_math(F, xv, part + 4 * n);
+#else
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int n = row[i >> 1], t = tt[i & 1];
+          if (n < N && t < T) out[t * stride_o + n] = float_to_out(a[i]);
+        }
+#endif
+      }
+    } else {
+#pragma unroll
+      for (int m = 0; m < NCOL; ++m) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int n = row[i >> 1], t = 8 * m + 2 * c + (i & 1);
+          if (n < N && t < T) ws[((long long)piece * T + t) * N + n] = acc[4 * m + i];
+        }
+      }
+      __threadfence();
+      __syncwarp();
+      if (lane == 0) last = atomicAdd(counters + tile, 1) == pieces - 1;
+      __syncwarp();
+      if (last) {
+        __threadfence();
+#pragma unroll
+        for (int m = 0; m < NCOL; ++m) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int n = row[i >> 1], t = 8 * m + 2 * c + (i & 1);
+            if (n < N && t < T) {
+              float sum = 0.f;
+              for (int y = 0; y < pieces; ++y) sum += __ldcg(ws + ((long long)y * T + t) * N + n);
+              out[t * stride_o + n] = float_to_out(sum);
+            }
+          }
+        }
+        if (lane == 0) counters[tile] = 0;
       }
     }
   }
-  return nxt;
 }
-#endif
 
 // the next kernel may launch once every block of this one is running: it waits for this one to finish before it
 // reads our output (the Triton kernels' first act, and qmv's grid_wait), so its launch overlaps our loads
@@ -905,44 +773,12 @@ __device__ __forceinline__ void let_next_launch() {
 
 // Block (tile, split): one 16-row tile (TPW > 1: tiles TPW x .. TPW x + TPW - 1), split y's groups (split-K over
 // grid y), for all NCOL column groups.
-#if XS
-#define BLOCK_THREADS (XS * 32)
-#else
-#define BLOCK_THREADS (NW * 32)
-#endif
-extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS)
+extern "C" __global__ void __launch_bounds__(NW * 32, MIN_BLOCKS)
 qmv(const u16* __restrict__ x, const u8* __restrict__ codes, const u8* __restrict__ high,
     const u16* __restrict__ scales, u16* __restrict__ out, float* __restrict__ ws, int* __restrict__ counters,
     int T, int N, int K, int NG, int groups_per_split, long long stride_x, long long stride_o,
     long long stride_c, long long stride_h, long long stride_s) {
   let_next_launch();
-#if XS
-  __shared__ __align__(16) u8 xs[2][XBUF];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int g = lane >> 2, c = lane & 3;
-  const int tiles = (N + 15) / 16, tile = blockIdx.x * XS + warp, tl = min(tile, tiles - 1);
-  const int g_lo = blockIdx.y * groups_per_split, g_hi = min(NG, g_lo + groups_per_split);
-  float part[4 * NCOL], tot[4 * NCOL];
-#pragma unroll
-  for (int i = 0; i < 4 * NCOL; ++i) part[i] = tot[i] = 0.f;
-  u32 magic;
-  asm volatile("mov.b32 %0, %1;" : "=r"(magic) : "n"(MAGIC));
-  XBatch cur = xbatch(0, g_lo, g_lo, g_hi);
-  int wc = 0;  // the logical warp whose share `part` holds
-  XCodes C;
-  xcodes(cur, x, codes, high, scales, T, N, NG, stride_x, stride_c, stride_h, stride_s, tl, g, c, C, 0);
-  grid_wait();  // the code loads above are in flight; x comes from the kernel before
-  xstage(xs[0], x, T, stride_x, cur);
-  while (cur.count) {
-    cur = xrun<0>(cur, xs, C, part, tot, wc, magic, x, codes, high, scales, T, N, NG, stride_x, stride_c, stride_h,
-                  stride_s, tl, g_lo, g_hi, g, c);
-    if (!cur.count) break;
-    cur = xrun<1>(cur, xs, C, part, tot, wc, magic, x, codes, high, scales, T, N, NG, stride_x, stride_c, stride_h,
-                  stride_s, tl, g_lo, g_hi, g, c);
-  }
-  for (; wc < NW; ++wc) xcombine(wc, part, tot);
-  if (tile < tiles) tile_out(tot, tile, blockIdx.y, gridDim.y, out, ws, counters, T, N, stride_o);
-#else
   float acc[4 * NCOL * TPW];
 #pragma unroll
   for (int i = 0; i < 4 * NCOL * TPW; ++i) acc[i] = 0.f;
@@ -961,6 +797,5 @@ qmv(const u16* __restrict__ x, const u8* __restrict__ codes, const u8* __restric
   tile_sums(x, codes, high, scales, T, N, K, NG, stride_x, stride_c, stride_h, stride_s, blockIdx.x, g_lo, g_hi,
             acc);
   tile_store(acc, blockIdx.x, blockIdx.y, gridDim.y, out, ws, counters, T, N, stride_o);
-#endif
 #endif
 }

@@ -104,7 +104,7 @@ class DenseWeight:
 @functools.cache
 def _kernel(fmt_id: int, half: bool, even: bool, unroll: int, min_blocks: int, xlate: bool, pipe: bool,
             fold: bool, pdl: bool, tiled: int, act: bool, warps: int, tail: bool, ncol: int, tiles: int,
-            device_index: int, xs: int = 0):
+            device_index: int):
     import cupy
 
     with cupy.cuda.Device(device_index):
@@ -113,7 +113,7 @@ def _kernel(fmt_id: int, half: bool, even: bool, unroll: int, min_blocks: int, x
                                          f"-DUNROLL={unroll}", f"-DMIN_BLOCKS={min_blocks}", f"-DXLATE={int(xlate)}",
                                          f"-DPIPE={int(pipe)}", f"-DFOLD={int(fold)}", f"-DPDL={int(pdl)}",
                                          f"-DTILED={int(tiled)}", f"-DACT={int(act)}", f"-DNW={warps}",
-                                         f"-DTAIL={int(tail)}", f"-DNCOL={ncol}", f"-DTPW={tiles}", f"-DXS={xs}"))
+                                         f"-DTAIL={int(tail)}", f"-DNCOL={ncol}", f"-DTPW={tiles}"))
         return module.get_function("qmv")
 
 
@@ -180,27 +180,42 @@ def column_groups(t: int) -> int:
 # (docs/perf/2026-12-03e-qmv-rows-sampler-h200.md); 4 groups by the register count alone
 _NCOL_MIN_BLOCKS = {(2, 4): 1, (2, 8): 2, (4, 4): 2, (4, 8): 1, (8, 4): 1, (8, 8): 1}
 
-# a wide launch's build by its column groups: {ncol: {"tiles": tiles a block (TPW), "xs": warps a block with x in
-# shared memory (XS), "unroll": steps in flight, "min_blocks": blocks an SM}}, what qmv takes for the keywords a
-# caller leaves out. Empty: one tile a block, the defaults above. NINFER_BENCH_QMV_WIDE overrides it for tuning runs,
-# e.g. "8:p2u1b1,4:s8u2b2" (scripts/bench_qlinear.py's knob letters: p tiles, s warps a block with x in shared
-# memory, u unroll, b blocks an SM).
+# a wide launch's build by its column groups: {ncol: {"tiles": tiles a block (TPW), "unroll": steps in flight,
+# "min_blocks": blocks an SM}}, what qmv takes for the keywords a caller leaves out, for tuning runs: set from
+# NINFER_BENCH_QMV_WIDE, e.g. "8:p2u1b1,4:p2u2b1" (scripts/bench_qlinear.py's knob letters: p tiles, u unroll, b
+# blocks an SM). Column groups it has no entry for take _WIDE_DEFAULT's build for their format, else one tile a block
+# and the defaults above.
 _WIDE: dict[int, dict[str, int]] = {}
+# the measured default builds by (column groups, format): at 8 column groups (a C8 speculative verify) the q4
+# projections take 3 row tiles a block with one step in flight, 1.24x to 1.30x faster at the 27B shapes (gate_up
+# 151.3 -> 121.8 us, down 91.5 -> 70.1, GDN qkv 55.9 -> 45.2, out 40.5 -> 31.3); q5 (attention q | gate 58.4 ->
+# 70.4) and q8 (lm_head 1,342 -> 1,722) are slower with row tiles and keep one
+# (docs/perf/2026-12-03g-qmv-xs-tpw-h200.md)
+_WIDE_DEFAULT: dict[tuple[int, str], dict[str, int]] = {(8, "q4_g64_fp16"): {"tiles": 3, "unroll": 1, "min_blocks": 1}}
 
 
 def _wide_builds(text: str) -> dict[int, dict[str, int]]:
-    """``NCOL:KNOBS,...`` (``8:p2u1b1``) -> {ncol: {"tiles", "xs", "unroll", "min_blocks" given}}; ValueError when malformed."""
+    """``NCOL:KNOBS,...`` (``8:p2u1b1``) -> {ncol: {"tiles", "unroll", "min_blocks" given}}; ValueError when malformed."""
     import re
 
-    names = {"p": "tiles", "s": "xs", "u": "unroll", "b": "min_blocks"}
+    names = {"p": "tiles", "u": "unroll", "b": "min_blocks"}
     out = {}
     for item in (v.strip() for v in text.split(",") if v.strip()):
-        m = re.fullmatch(r"(\d+):((?:[psub]\d+)+)", item)
+        m = re.fullmatch(r"(\d+):((?:[pub]\d+)+)", item)
         if not m or int(m.group(1)) not in (2, 4, 8):
             raise ValueError(f"NINFER_BENCH_QMV_WIDE: {item!r}: expected NCOL:KNOBS with NCOL 2, 4 or 8 and knobs "
-                             "p<tiles> s<warps a block, x in shared memory> u<unroll> b<blocks an SM>, e.g. 8:p2u1b1")
-        out[int(m.group(1))] = {names[k]: int(v) for k, v in re.findall(r"([psub])(\d+)", m.group(2))}
+                             "p<tiles> u<unroll> b<blocks an SM>, e.g. 8:p2u1b1")
+        out[int(m.group(1))] = {names[k]: int(v) for k, v in re.findall(r"([pub])(\d+)", m.group(2))}
     return out
+
+
+def wide_build(ncol: int, fmt: str) -> dict[str, int]:
+    """The build keywords a launch of ``ncol`` column groups of a ``fmt`` weight takes where its caller leaves them
+    out: :data:`_WIDE`'s entry for ``ncol`` (NINFER_BENCH_QMV_WIDE), else :data:`_WIDE_DEFAULT`'s for (ncol, fmt),
+    else none (one tile a block); none for one column group."""
+    if ncol == 1:
+        return {}
+    return dict(_WIDE[ncol] if ncol in _WIDE else _WIDE_DEFAULT.get((ncol, fmt), {}))
 
 
 def _load_wide_env() -> None:
@@ -316,7 +331,7 @@ def _wide(n: int, sms: int) -> bool:
 def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | None = None,
         unroll: int | None = None, min_blocks: int | None = None, xlate: bool = False, pipe: bool = False,
         fold: bool = False, pdl: bool | None = None, act: bool = False, warps: int | None = None,
-        tail: bool = False, tiles: int | None = None, xs: int | None = None) -> torch.Tensor:
+        tail: bool = False, tiles: int | None = None) -> torch.Tensor:
     """``x [T, K] @ W.T`` -> ``[T, N]`` in x.dtype, for T <= 64 (see :func:`supports`). ``out`` (contiguous [T, N],
     x.dtype) is written instead of a fresh tensor. ``splits`` (default :func:`choose_splits`), ``unroll`` (steps
     whose loads are in flight together), ``min_blocks`` (blocks per SM the registers must allow), ``xlate`` (x
@@ -333,11 +348,8 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
     same sums in the same order). Over 8 rows (:func:`column_groups` > 1) ``xlate``, ``pipe`` and ``tail`` are
     refused and ``min_blocks`` defaults to the measured best for the column groups (:data:`_NCOL_MIN_BLOCKS`);
     ``tiles`` (over 8 rows): row tiles a block takes, each warp its groups of all of them, so that one
-    load of x serves them all - the same sums as one tile a block; ``xs`` (over 8 rows, whole groups): a block of
-    ``xs`` warps takes ``xs`` row tiles, one a warp, each walking the groups in the order of ``warps`` warps of a
-    one-tile block, with x copied once a batch into shared memory for all of them - the same sums again (0: off;
-    rows with a partial last group or unaligned x take the one-tile build) (defaults for these four:
-    :data:`_WIDE`)."""
+    load of x serves them all - the same sums as one tile a block (defaults for these three: :data:`_WIDE`, else
+    :data:`_WIDE_DEFAULT`)."""
     lin = getattr(lin, "qmv_weight", None) or lin  # a tiled PackedLinear: its tiles
     if not supports(x, lin):
         raise ValueError(f"qmv: needs CUDA bf16/fp16 x [1..{MAX_ROWS}, K={lin.k}] contiguous and a q8/q5/q4 weight "
@@ -356,35 +368,24 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
     ncol = column_groups(t)
     if ncol > 1 and (xlate or pipe or tail):
         raise ValueError(f"qmv: xlate, pipe and tail are for launches of at most {MAX_T} rows, got {t}")
-    wide = _WIDE.get(ncol, {}) if ncol > 1 else {}
+    wide = wide_build(ncol, lin.fmt)
     tiles = tiles or wide.get("tiles", 1)
-    xs = wide.get("xs", 0) if xs is None else xs
+    unroll = unroll or wide.get("unroll", 4)
+    min_blocks = min_blocks or wide.get("min_blocks")
     if tiles > 1 and ncol == 1:
         raise ValueError(f"qmv: tiles a block > 1 shares x between the tiles of a launch of more than {MAX_T} rows, "
                          f"got {t}")
-    if xs and (ncol == 1 or tiles > 1 or not 1 <= xs <= 32):
-        raise ValueError(f"qmv: xs (1..32 warps a block, x in shared memory) is for launches of more than {MAX_T} "
-                         f"rows and one tile a warp, got {t} rows, xs={xs}, tiles={tiles}")
-    even = lin.k == lin.kp and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
-    xs = xs if even else 0  # (the one-tile build reads x element by element there: the same sums)
-    # x in shared memory: two batches must fit 48 KB (fewer steps a batch where they would not)
-    unroll = unroll or (wide.get("unroll", 2) if xs else wide.get("unroll", 4))
-    if xs:
-        row_bytes = lin.group * 2 + (16 if lin.group == 64 else 0)
-        unroll = max(1, min(unroll, 48 * 1024 // (2 * 8 * ncol * row_bytes)))
-    min_blocks = min_blocks or wide.get("min_blocks")
     if t * x.stride(0) >= 2 ** 31:  # the column groups' row offsets are int32
         raise ValueError(f"qmv: x too large for one launch ({t} rows of stride {x.stride(0)})")
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
     warps = warps or choose_warps(n, _sms(dev))
     min_blocks = min_blocks or (max(1, _WARPS_PER_SM // warps) if ncol == 1 else
-                                max(1, min(3, 16 // xs)) if xs else
                                 _NCOL_MIN_BLOCKS.get((ncol, warps), max(1, 8 // warps)))
+    even = lin.k == lin.kp and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
     pdl = _triton.pdl_now(x.device) if pdl is None else pdl and _capability(dev) >= (9, 0)
     kern = _kernel(_FMT_ID[lin.fmt], x.dtype == torch.float16, even, unroll, min_blocks, xlate, pipe, fold, pdl,
-                   getattr(lin, "layout", 0), act, warps, tail, ncol, tiles, dev, xs)
-    per_block, tiles = xs or tiles, -(-n // 16)
-    threads = 32 * (xs or warps)
+                   getattr(lin, "layout", 0), act, warps, tail, ncol, tiles, dev)
+    per_block, tiles = tiles, -(-n // 16)
     whole = act or not _triton.split_k_allowed()  # (the epilogue, or a launch beside others: _triton.single_pass)
     s = 1 if whole else min(splits, MAX_SPLITS) if splits else shape_splits(n, lin.ng, _sms(dev), warps)
     groups_per_split = -(-lin.ng // s)
@@ -399,13 +400,13 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
     if pdl:
         cargs = (*map(ctypes.c_uint64, ptrs), *map(ctypes.c_int32, ints), *map(ctypes.c_int64, longs))
         with torch.cuda.device(dev):  # the module was loaded in this device's context
-            _launch_pdl(kern, (-(-tiles // per_block), s), threads, cargs, stream.cuda_stream)
+            _launch_pdl(kern, (-(-tiles // per_block), s), warps * 32, cargs, stream.cuda_stream)
         return out
     import cupy
 
     args = (*map(np.uint64, ptrs), *map(np.int32, ints), *map(np.int64, longs))
     with cupy.cuda.Device(dev):
-        kern((-(-tiles // per_block), s), (threads,), args, stream=_stream(stream, dev))
+        kern((-(-tiles // per_block), s), (warps * 32,), args, stream=_stream(stream, dev))
     return out
 
 

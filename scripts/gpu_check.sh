@@ -27,8 +27,6 @@
 #   tilecheck scripts/probe_tile_bits.py, then test_cuda_engine's verify-row, speculative, block-draft and dflash2 PDL
 #            tests with tracebacks
 #   tpw      wide qmv launches with TPW row tiles a block: CUDA tests, 27B shapes at 64 rows, DFlash2 C8 with / without
-#   xs       wide qmv launches with x in shared memory: CUDA tests, 27B shapes at 64 rows (XS_KNOBS), DFlash2 C8 with
-#            each XS_WIDE build and the default, plain C8
 #   tp1gpu   tensor parallelism's CUDA path on one GPU (two gloo ranks sharing it) against one rank: 27B decode (v2,
 #            plain and MTP3) and the tiny preset's concurrency, tokens compared
 #   prof8    profile_step --batch 1,8 --sync at the 27B shape, plain and DFlash2 K=7: where a C8 round goes
@@ -368,42 +366,25 @@ for stage in "$@"; do
                  | tee "$OUT/rowsconc/$N.log" | grep -E "^│|error|Error" | head -6; done ;;
     sampler) timeout ${STAGE_S:-120} python3 scripts/probe_sampler.py --json "$OUT/sampler.json" 2>&1 | tee "$OUT/sampler.log" ;;
     tpw)     # wide qmv launches with several row tiles a block (x loaded once for them): their CUDA tests, the 27B q4 /
-             # q5 shapes at 64 rows (TPW_KNOBS against the default and 8-row launches, bits checked), then the 27B
-             # DFlash2 K=7 replayed C8 with TPW_WIDE (NINFER_BENCH_QMV_WIDE) and with the default build, plain C8 last
+             # q5 shapes at 64 rows (TPW_KNOBS against the default and 8-row launches, bits checked; TPW_BENCH=0 skips
+             # it), then the 27B DFlash2 K=7 replayed C8 with each TPW_WIDE build (label|NINFER_BENCH_QMV_WIDE; default:
+             # one tile a block at 8 column groups, then the build as committed), plain C8 last
              mkdir -p "$OUT/tpw"
              timeout ${TESTS_S:-120} python3 -m pytest -q -p no:cacheprovider -rf tests/test_kernels_qmv_cuda.py \
-               -k "tiles_a_block or wide_builds" 2>&1 | tee "$OUT/tpw/tests.log" | grep -E "^(FAILED|ERROR)|passed|failed" | head
+               -k "tiles_a_block or wide_builds or wide_launch" 2>&1 | tee "$OUT/tpw/tests.log" \
+               | grep -E "^(FAILED|ERROR)|passed|failed" | head
              K=${TPW_KNOBS:-p2u1,p3u1}; ONLY="ours-r8,ours-r64,qmv-lanes-${K//,/,qmv-lanes-}"
-             for FO in "q4|mlp.gate_up,mlp.down,gdn.qkv,gdn.out" "q5|attn.q_gate,attn.o"; do
+             [ "${TPW_BENCH:-1}" = 0 ] || for FO in "q4|mlp.gate_up,mlp.down,gdn.qkv,gdn.out" "q5|attn.q_gate,attn.o"; do
                OUT=$OUT/tpw timeout ${QBENCH_S:-100} python3 scripts/bench_qlinear.py --no-baselines --ts 64 --rows 64 \
                  --qmv-knobs "$K" --only "$ONLY" --fmts ${FO%%|*} --ops ${FO#*|} 2>&1 | tee -a "$OUT/tpw/bench.log" \
                  | grep -v "@graph20" | grep -E "ours|qmv|FAIL|DIFFER|copy bandwidth"; done
              C27="$M27 -n 128 --rounds 2"
-             for V in "wide|${TPW_WIDE:-8:p2u1b1,4:p2u1b1}" "default|"; do N=${V%%|*}; echo "--- dflash2 C8 $N"
-               NINFER_BENCH_QMV_WIDE="${V#*|}" nb concurrency $C27 -c 8 --spec dflash2 -k 7 --replay-acceptance seed \
-                 --json "$OUT/tpw/dflash2-$N.json" 2>&1 | tee "$OUT/tpw/dflash2-$N.log" | grep -E "^│|rror" | head -4; done
-             echo "--- plain C8"; nb concurrency $C27 -c 8 --json "$OUT/tpw/plain.json" 2>&1 | tee "$OUT/tpw/plain.log" \
-               | grep -E "^│|rror" | head -4 ;;
-    xs)      # wide qmv launches with x in shared memory (XS warps a block, a row tile each): their CUDA tests, the 27B
-             # q4 / q5 / q8 shapes at 64 rows (XS_KNOBS beside the default build, row tiles and 8-row launches, bits
-             # checked), then the 27B DFlash2 K=7 replayed C8 with each of XS_WIDE (NINFER_BENCH_QMV_WIDE; "default"
-             # is the build as committed), and plain C8 last
-             mkdir -p "$OUT/xs"
-             timeout ${TESTS_S:-150} python3 -m pytest -q -p no:cacheprovider -rf tests/test_kernels_qmv_cuda.py \
-               -k "shared_memory or wide_builds or tiles_a_block or wide_launch" 2>&1 | tee "$OUT/xs/tests.log" \
-               | grep -E "^(FAILED|ERROR)|passed|failed|Error" | head -20
-             K=${XS_KNOBS:-s8u2b2,s8u1b2,s4u2b3,s8u2b1,p3u1}; ONLY="ours-r8,ours-r64,qmv-lanes-${K//,/,qmv-lanes-}"
-             for FO in "q4|mlp.gate_up,mlp.down,gdn.qkv,gdn.out" "q5|attn.q_gate,attn.o" "q8|lm_head"; do
-               OUT=$OUT/xs timeout ${QBENCH_S:-100} python3 scripts/bench_qlinear.py --no-baselines --ts ${XS_TS:-64} \
-                 --rows 64 --qmv-knobs "$K" --only "$ONLY" --fmts ${FO%%|*} --ops ${FO#*|} 2>&1 \
-                 | tee -a "$OUT/xs/bench.log" | grep -v "@graph20" | grep -E "ours|qmv|FAIL|DIFFER|copy bandwidth"; done
-             C27="$M27 -n 128 --rounds 2"
-             for V in ${XS_WIDE:-"xs8|8:s8u2b2,4:s8u2b2,2:s8u2b2" "default|"}; do N=${V%%|*}; echo "--- dflash2 C8 $N"
-               NINFER_BENCH_QMV_WIDE="${V#*|}" timeout ${E2E_S:-150} python3 scripts/nb.py concurrency $C27 -c 8 \
-                 --spec dflash2 -k 7 --replay-acceptance seed --json "$OUT/xs/dflash2-$N.json" 2>&1 \
-                 | tee "$OUT/xs/dflash2-$N.log" | grep -E "^│|rror|sequential p0" | head -6; done
-             echo "--- plain C8"; timeout ${E2E_S:-150} python3 scripts/nb.py concurrency $C27 -c 8 \
-               --json "$OUT/xs/plain.json" 2>&1 | tee "$OUT/xs/plain.log" | grep -E "^│|rror" | head -4 ;;
+             for V in ${TPW_WIDE:-"onetile|8:p1" "default|"}; do N=${V%%|*}; echo "--- dflash2 C8 $N"
+               NINFER_BENCH_QMV_WIDE="${V#*|}" timeout ${E2E_S:-200} python3 scripts/nb.py concurrency $C27 -c 8 \
+                 --spec dflash2 -k 7 --replay-acceptance seed --json "$OUT/tpw/dflash2-$N.json" 2>&1 \
+                 | tee "$OUT/tpw/dflash2-$N.log" | grep -E "^│|rror|sequential p0" | head -6; done
+             echo "--- plain C8"; timeout ${E2E_S:-200} python3 scripts/nb.py concurrency $C27 -c 8 \
+               --json "$OUT/tpw/plain.json" 2>&1 | tee "$OUT/tpw/plain.log" | grep -E "^│|rror" | head -4 ;;
     tp1gpu)  # tensor parallelism's CUDA path on one GPU: two ranks over gloo sharing it (collectives staged through
              # host memory: a check of the split, not a speed) against one rank - the 27B synthetic decode (TP_RUNTIME,
              # default v3: the fused kernels without graphs under TP; plain and MTP3) and the tiny preset's in-process

@@ -246,66 +246,25 @@ def test_tiles_a_block_keep_the_bits(fmt, n, k, splits):
         qmv_cuda.qmv(x[:8].contiguous(), lin, tiles=2)
 
 
-@needs_qmv
-@pytest.mark.parametrize("fmt", quant.QUANT_FORMATS)
-@pytest.mark.parametrize("n,k,splits", [(300, 5120, None), (200, 2048, 3), (37, 1152, None), (1040, 1024, 2)],
-                         ids=["300x5120", "200x2048-s3", "37x1152", "1040x1024-s2"])
-def test_x_in_shared_memory_keeps_the_bits(fmt, n, k, splits):
-    """Blocks of 4 or 8 warps, a row tile each, x copied into shared memory a batch at a time (xs), give one tile a
-    block's bits at 2, 4 and 8 column groups: with split-K (logical warps past a split's groups add zeros, as empty
-    warps do), tile counts the block does not divide (the last block's extra warps store nothing), one and two steps a
-    batch, other blocks an SM, PDL, the silu epilogue and a CUDA graph; K not a whole number of groups falls back
-    to the one-tile build (the same bits); one column group and several tiles a block refuse it."""
-    lin, x, ref = _case(fmt, n, k, 64, torch.bfloat16, seed=53)
-    for t in (9, 20, 33, 64):
-        xt = x[:t].contiguous()
-        want = qmv_cuda.qmv(xt, lin, splits=splits, xs=0)
-        assert rel_rms(want, ref[:t]) <= TOL[torch.bfloat16]
-        for kw in ({"xs": 8}, {"xs": 4}, {"xs": 8, "unroll": 1}, {"xs": 4, "min_blocks": 1}, {"xs": 2, "unroll": 3}):
-            assert torch.equal(qmv_cuda.qmv(xt, lin, splits=splits, **kw), want), (t, kw)
-    if torch.cuda.get_device_capability() >= (9, 0):
-        assert torch.equal(qmv_cuda.qmv(x, lin, splits=splits, xs=8, pdl=True), qmv_cuda.qmv(x, lin, splits=splits))
-    torch.cuda.synchronize()
-    assert int(qmv_cuda._WORKSPACES[x.device][1].abs().sum()) == 0  # split-K counters left at zero
-    if n % 16 == 0:
-        assert torch.equal(qmv_cuda.qmv(x, lin, act=True, xs=8), qmv_cuda.qmv(x, lin, act=True, xs=0))
-    out = torch.empty(64, n, dtype=x.dtype, device="cuda")
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        qmv_cuda.qmv(x, lin, out, splits=splits, xs=8)
-    out.zero_()
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, qmv_cuda.qmv(x, lin, splits=splits, xs=0))
-    with pytest.raises(ValueError, match="more than 8 rows"):
-        qmv_cuda.qmv(x[:8].contiguous(), lin, xs=8)
-    with pytest.raises(ValueError, match="one tile a warp"):
-        qmv_cuda.qmv(x, lin, xs=8, tiles=2)
-
-
-@needs_qmv
-def test_x_in_shared_memory_other_weights():
-    """xs with a dense 16-bit weight (FMT 3), and with K not a whole number of groups (the element-wise x path of
-    the one-tile build, taken instead): the one-tile build's bits."""
-    g = torch.Generator().manual_seed(59)
-    w = (torch.randn(272, 1024, generator=g) * 0.05).to(torch.bfloat16).cuda()
-    dense = qmv_cuda.DenseWeight(w)
-    x = (torch.randn(40, 1024, generator=g) * 3).to(torch.bfloat16).cuda()
-    want = qmv_cuda.qmv(x, dense, xs=0)
-    assert rel_rms(want, x.float().cpu() @ w.float().cpu().T) <= TOL[torch.bfloat16]
-    assert torch.equal(qmv_cuda.qmv(x, dense, xs=8), want)
-    lin, x, _ = _case("q4_g64_fp16", 64, 100, 40, torch.bfloat16, seed=61)
-    assert torch.equal(qmv_cuda.qmv(x, lin, xs=8), qmv_cuda.qmv(x, lin, xs=0))
-
-
 def test_wide_builds_parse():
     assert qmv_cuda._wide_builds("8:p2u1b1, 4:p2u2") == {8: {"tiles": 2, "unroll": 1, "min_blocks": 1},
                                                           4: {"tiles": 2, "unroll": 2}}
-    assert qmv_cuda._wide_builds("8:s8u2b2") == {8: {"xs": 8, "unroll": 2, "min_blocks": 2}}
     assert qmv_cuda._wide_builds("") == {}
     for bad in ("8:q2", "3:p2", "p2", "8:"):
         with pytest.raises(ValueError, match="NINFER_BENCH_QMV_WIDE"):
             qmv_cuda._wide_builds(bad)
+
+
+def test_wide_build_defaults(monkeypatch):
+    """q4 at 8 column groups takes 3 row tiles a block by default (measured faster on the H200); q5 / q8, other
+    widths and one column group take none; a NINFER_BENCH_QMV_WIDE entry for the width replaces the default."""
+    monkeypatch.setattr(qmv_cuda, "_WIDE", {})
+    assert qmv_cuda.wide_build(8, "q4_g64_fp16") == {"tiles": 3, "unroll": 1, "min_blocks": 1}
+    for ncol, fmt in ((8, "q5_g64_fp16"), (8, "q8_g32_fp16"), (4, "q4_g64_fp16"), (1, "q4_g64_fp16")):
+        assert qmv_cuda.wide_build(ncol, fmt) == {}, (ncol, fmt)
+    monkeypatch.setattr(qmv_cuda, "_WIDE", qmv_cuda._wide_builds("8:p1"))
+    assert qmv_cuda.wide_build(8, "q4_g64_fp16") == {"tiles": 1}
+    assert qmv_cuda.wide_build(1, "q4_g64_fp16") == {}
 
 
 def test_column_groups_and_the_shape_split():
