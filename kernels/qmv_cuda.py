@@ -191,7 +191,8 @@ _WIDE: dict[int, dict[str, int]] = {}
 # 151.3 -> 121.8 us, down 91.5 -> 70.1, GDN qkv 55.9 -> 45.2, out 40.5 -> 31.3); q5 (attention q | gate 58.4 ->
 # 70.4) and q8 (lm_head 1,342 -> 1,722) are slower with row tiles and keep one
 # (docs/perf/2026-12-03g-qmv-xs-tpw-h200.md)
-_WIDE_DEFAULT: dict[tuple[int, str], dict[str, int]] = {(8, "q4_g64_fp16"): {"tiles": 3, "unroll": 1, "min_blocks": 1}}
+_WIDE_DEFAULT: dict[tuple[int, str], dict[str, int]] = {
+    (8, "q4_g64_fp16"): {"tiles": 3, "unroll": 1, "min_blocks": 1}}
 
 
 def _wide_builds(text: str) -> dict[int, dict[str, int]]:
