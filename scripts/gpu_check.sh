@@ -27,6 +27,8 @@
 #   tilecheck scripts/probe_tile_bits.py, then test_cuda_engine's verify-row, speculative, block-draft and dflash2 PDL
 #            tests with tracebacks
 #   tpw      wide qmv launches with TPW row tiles a block: CUDA tests, 27B shapes at 64 rows, DFlash2 C8 with / without
+#   ncuqmv   Nsight Compute on wide qmv launches (NCU_QMV op:fmt:rows cases, NCU_QMV_KNOBS builds): why 64 rows cost
+#            4-5x what 8 rows do
 #   tp1gpu   tensor parallelism's CUDA path on one GPU (two gloo ranks sharing it) against one rank: 27B decode (v2,
 #            plain and MTP3) and the tiny preset's concurrency, tokens compared
 #   prof8    profile_step --batch 1,8 --sync at the 27B shape, plain and DFlash2 K=7: where a C8 round goes
@@ -385,6 +387,20 @@ for stage in "$@"; do
                  | tee "$OUT/tpw/dflash2-$N.log" | grep -E "^│|rror|sequential p0" | head -6; done
              echo "--- plain C8"; timeout ${E2E_S:-200} python3 scripts/nb.py concurrency $C27 -c 8 \
                --json "$OUT/tpw/plain.json" 2>&1 | tee "$OUT/tpw/plain.log" | grep -E "^│|rror" | head -4 ;;
+    ncuqmv)  # Nsight Compute on wide qmv launches (issue 33): each NCU_QMV case op:fmt:rows, every build of
+             # NCU_QMV_KNOBS (scripts/probe_qmv_wide.py; empty = the default build) after its compiling launch, full
+             # sections, clocks left alone; one report a case
+             if ! command -v ncu >/dev/null; then echo "ncu: not on the PATH"; else
+               mkdir -p "$OUT/ncuqmv"
+               for c in $(echo ${NCU_QMV:-mlp.down:q4:64,mlp.gate_up:q4:64,mlp.down:q4:8} | tr , ' '); do
+                 IFS=: read -r op fmt rows <<< "$c"; rep="$OUT/ncuqmv/${op}_${fmt}_${rows}"
+                 timeout ${STAGE_S:-240} ncu --clock-control none --kernel-name qmv --launch-count 1000 --set full \
+                   -o "$rep" -f python3 scripts/probe_qmv_wide.py --op $op --fmt $fmt --rows $rows \
+                   --knobs "${NCU_QMV_KNOBS:-p1,p3u1}" --launches 1 > "$rep.log" 2>&1
+                 echo "--- $c: ncu rc $?"; grep -E "build=|^==PROF==.*(rror|arning)|Error" "$rep.log" | head -6
+                 ncu --import "$rep.ncu-rep" --page details --print-units base 2>&1 | grep -E "^  qmv|Duration|Memory Throughput|DRAM Throughput|Compute \(SM\) Throughput|Registers Per|Achieved Occupancy|Theoretical Occupancy|Warp Cycles Per Issued|Executed Ipc A|L1/TEX Hit|L2 Hit|Block Limit|Stall" | head -60
+               done
+             fi ;;
     tp1gpu)  # tensor parallelism's CUDA path on one GPU: two ranks over gloo sharing it (collectives staged through
              # host memory: a check of the split, not a speed) against one rank - the 27B synthetic decode (TP_RUNTIME,
              # default v3: the fused kernels without graphs under TP; plain and MTP3) and the tiny preset's in-process
