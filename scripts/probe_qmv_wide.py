@@ -17,15 +17,14 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _bootstrap  # noqa: E402
+import _bootstrap
 
 _bootstrap.ensure_package()
-import torch  # noqa: E402
-from bench_qlinear import FMT_ALIASES, SHAPES, qmv_knobs, random_packed  # noqa: E402
-
-from ninfer_bench.engine.runtime.options import EngineOptions  # noqa: E402
-from ninfer_bench.kernels import qlinear as ql  # noqa: E402
-from ninfer_bench.kernels import qmv_cuda  # noqa: E402
+import torch
+from bench_qlinear import FMT_ALIASES, SHAPES, qmv_knobs, random_packed
+from ninfer_bench.engine.runtime.options import EngineOptions
+from ninfer_bench.kernels import qlinear as ql
+from ninfer_bench.kernels import qmv_cuda
 
 
 def main(argv=None) -> int:
