@@ -387,9 +387,9 @@ for stage in "$@"; do
                  | tee "$OUT/tpw/dflash2-$N.log" | grep -E "^│|rror|sequential p0" | head -6; done
              echo "--- plain C8"; timeout ${E2E_S:-200} python3 scripts/nb.py concurrency $C27 -c 8 \
                --json "$OUT/tpw/plain.json" 2>&1 | tee "$OUT/tpw/plain.log" | grep -E "^│|rror" | head -4 ;;
-    ncuqmv)  # Nsight Compute on wide qmv launches (issue 33): each NCU_QMV case op:fmt:rows, every build of
-             # NCU_QMV_KNOBS (scripts/probe_qmv_wide.py; empty = the default build) after its compiling launch, full
-             # sections, clocks left alone; one report a case
+    ncuqmv)  # Nsight Compute on wide qmv launches (issue 33): each NCU_QMV case op:fmt:rows, every launch of every
+             # NCU_QMV_KNOBS build (scripts/probe_qmv_wide.py; empty = the default build), full sections, clocks left
+             # alone; one report a case
              if ! command -v ncu >/dev/null; then echo "ncu: not on the PATH"; else
                mkdir -p "$OUT/ncuqmv"
                for c in $(echo ${NCU_QMV:-mlp.down:q4:64,mlp.gate_up:q4:64,mlp.down:q4:8} | tr , ' '); do

@@ -4,9 +4,9 @@ rows do although they read the same weight).
 Builds a random packed weight of ``--op`` (bench_qlinear.py's SHAPES) in ``--fmt``, held in the engine's layout,
 then launches ``qmv`` on ``--rows`` rows ``--launches`` times with each ``--knobs`` build (bench_qlinear.py's knob
 letters: ``p3u1`` three tiles a block with one step in flight, ``p1`` one tile a block, empty for the default). A
-build's first launch compiles it; Nsight Compute skips those (``--launch-skip``, see scripts/gpu_check.sh
-``ncuqmv``). Prints each build's mean device time from CUDA events, and checks that every build gives the first
-one's bits (the builds keep the one-tile sums).
+build's first launch (after NVRTC compiled it on the host) is a launch like the others; scripts/gpu_check.sh
+``ncuqmv`` profiles them all. Prints each build's mean device time from CUDA events, and checks that every build
+gives the first run build's bits (the builds keep the one-tile sums); a build the width refuses is skipped.
 
 Usage: python3 scripts/probe_qmv_wide.py --op mlp.down --fmt q4 --rows 64 --knobs ,p1,p3u1 --launches 5"""
 
@@ -45,20 +45,17 @@ def main(argv=None) -> int:
     gen = torch.Generator(device="cuda").manual_seed(0)
     lin = ql.PackedLinear(random_packed(fmt, n, k, gen), fmt, (n, k), "cuda", layout=EngineOptions().qmv_layout)
     x = torch.randn(args.rows, k, device="cuda", dtype=torch.bfloat16, generator=gen)
-    specs = args.knobs.split(",")
-    first = None
-    for spec in specs:
-        kw = qmv_knobs(spec) if spec else {}
-        kw = {key: v for key, v in kw.items() if key not in ("tail", "xlate") or v}
+    first = None  # (label, output) of the first build that ran
+    for spec in args.knobs.split(","):
+        label, kw = spec or "default", qmv_knobs(spec) if spec else {}
         try:
             y = qmv_cuda.qmv(x, lin, **kw)  # compiles the build
         except ValueError as e:  # a build this width refuses (row tiles at <= 8 rows)
-            print(f"{args.op} {args.fmt} rows={args.rows} build={spec or 'default'}: skipped ({e})")
+            print(f"{args.op} {args.fmt} rows={args.rows} build={label}: skipped ({e})")
             continue
         torch.cuda.synchronize()
-        if first is None:
-            first = y
-        same = torch.equal(y, first)
+        first = first or (label, y)
+        same = torch.equal(y, first[1])
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(args.launches):
@@ -66,9 +63,8 @@ def main(argv=None) -> int:
         end.record()
         torch.cuda.synchronize()
         us = start.elapsed_time(end) * 1e3 / max(1, args.launches)
-        label = spec or "default"
         print(f"{args.op} {args.fmt} rows={args.rows} build={label}: {us:.1f} us a launch (events), "
-              f"{'same bits as ' + (specs[0] or 'default') if same else 'BITS DIFFER from ' + (specs[0] or 'default')}")
+              f"{'same bits as' if same else 'BITS DIFFER from'} {first[0]}")
     return 0
 
 
