@@ -80,9 +80,10 @@ def gate(baseline, candidate, rules, thresholds, alpha, as_json, allow_config_ch
     every slowdown under half of it;
     anything else is ambiguous, and so is every timing with fewer than 5 samples a side (at the default
     --alpha). A timing without samples passes within its threshold and is ambiguous beyond it; peak memory (kind
-    threshold) is judged on its threshold alone.
+    threshold) is judged on its threshold alone. Default thresholds: decode tok/s and device ms a round 5%, 4% when
+    both runs ran on a GPU; prefill tok/s and TTFT 10%; concurrency and kernels timings 5% (TTFT, ITL 10%).
 
-    Rules: --rules FILE and --threshold merge into each suite's default rules. An entry whose metric (and suite) is a
+    Rules: --rules FILE and --threshold merge into each suite's default rules (of the pair's device). An entry whose metric (and suite) is a
     default rule's replaces the keys it gives; one naming an instance of a wildcard rule overrides that instance;
     any other adds a rule; remove = true drops one. Dropping an exact rule (or changing its kind) prints a warning
     and is listed in the JSON's "removed": exact checks are never switched off silently.
@@ -113,8 +114,9 @@ def gate(baseline, candidate, rules, thresholds, alpha, as_json, allow_config_ch
       {"rules": [{"metric": "decode_tok_s", "threshold": 0.10},
                  {"metric": "levels[concurrency=*].ttft_ms_p50", "suite": "concurrency", "threshold": 0.2}]}
     """
-    from ..reports.gate import (EXIT_CODES, STATUSES, Pair, env_line, env_summary, load_rule_changes, merge_rules,
-                                pair_results, parse_threshold, read_folder, render_table, status_of, worst)
+    from ..reports.gate import (EXIT_CODES, STATUSES, Pair, doc_device, env_line, env_summary, load_rule_changes,
+                                merge_rules, pair_results, parse_threshold, read_folder, render_table, status_of,
+                                worst)
     from ..reports.gate import gate as run_gate
     from ..reports.schema import read_result
 
@@ -132,16 +134,19 @@ def gate(baseline, candidate, rules, thresholds, alpha, as_json, allow_config_ch
     else:
         b, c = read_result(baseline), read_result(candidate)
         pairs, unpaired = [Pair(b["suite"], c["label"], baseline, candidate, b, c)], []
-    merged = {s: merge_rules(s, changes) for s in dict.fromkeys(p.suite for p in pairs)}
+    # a suite's rules per device its pairs ran on (decode's step timings have a GPU threshold, default_rules)
+    keys = {id(p): (p.suite, doc_device(p.baseline, p.candidate)) for p in pairs}
+    merged = {k: merge_rules(k[0], changes, device=k[1]) for k in dict.fromkeys(keys.values())}
+    suites = list(dict.fromkeys(k[0] for k in merged))
     used = [id(ch) for m in merged.values() for ch in m.used]
     for ch in changes:
         if id(ch) not in used and ch.adjust_only:
-            raise UserError(f"{ch.source}: no rule of the gated {', '.join(merged) or 'results'} has metric "
+            raise UserError(f"{ch.source}: no rule of the gated {', '.join(suites) or 'results'} has metric "
                             f"{ch.metric!r}")
-        if id(ch) not in used and (ch.suite is None or ch.suite in merged):
+        if id(ch) not in used and (ch.suite is None or ch.suite in suites):
             err_console.print(f"[yellow]warning:[/] {ch.source} ({ch.metric}) applies to none of the gated results",
                               highlight=False)
-    removed = [r for m in merged.values() for r in m.removed]
+    removed = list({(r["suite"], r["metric"], r["source"], r["what"]): r for m in merged.values() for r in m.removed}.values())
     for r in removed:
         tag = "[yellow]warning:[/]" if r["kind"] == "exact" else "note:"
         checked = "; it is no longer checked" if r["what"] == "removed" else "; it is no longer checked exactly"
@@ -149,7 +154,7 @@ def gate(baseline, candidate, rules, thresholds, alpha, as_json, allow_config_ch
                           + (checked if r["kind"] == "exact" else ""), highlight=False)
     results = []
     for p in pairs:
-        verdicts = run_gate(p.baseline, p.candidate, merged[p.suite].rules, alpha=alpha,
+        verdicts = run_gate(p.baseline, p.candidate, merged[keys[id(p)]].rules, alpha=alpha,
                             allow_config_change=allow_config_change)
         results.append((p, verdicts, status_of(verdicts), env_summary(p.baseline, p.candidate)))
     status = worst([s for *_, s, _ in results] + ["fail" for u in unpaired if u["side"] == "baseline"])

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from .experiment import config_differences
 from .frames import model_id
 from . import gate as gate_module
-from .gate import Rule, Verdict, default_rules, expand, gate
+from .gate import Rule, Verdict, default_rules, doc_device, expand, gate
 from .render import num
 from .stats import ALPHA, rank_test
 
@@ -111,7 +111,7 @@ class Judged:
 
 def judge(base: dict, doc: dict) -> Judged:
     """The gate on ``doc`` against ``base`` with the suite's default rules."""
-    rules = {r.metric: r for r in expand(default_rules(doc["suite"]), base, doc)}
+    rules = {r.metric: r for r in expand(default_rules(doc["suite"], doc_device(base, doc)), base, doc)}
     try:
         return Judged(gate(base, doc), rules)
     except ValueError as e:

@@ -191,9 +191,13 @@ def _gate_cell(p: Pairing, j: Judged | None) -> tuple[str, str]:
 
 def _rules_text() -> str:
     def threshold(suite):
-        rule = next(r for r in default_rules(suite) if r.kind == "timing" and
-                    parse_path(r.metric)[-1][0] == MAIN_TIMING[suite])
-        return f"{rule.threshold:.0%}"
+        def of(device):
+            rule = next(r for r in default_rules(suite, device) if r.kind == "timing" and
+                        parse_path(r.metric)[-1][0] == MAIN_TIMING[suite])
+            return f"{rule.threshold:.0%}"
+
+        cpu, gpu = of("cpu"), of("cuda")
+        return cpu if cpu == gpu else f"{cpu}, {gpu} on a GPU"
 
     return ("How to read it - correct: every exact row of the gate against the run's baseline passes (decode: "
             "tokens_sha256, token, round and draft counts, acceptance per position, deterministic; NIAH: cases, oracle "

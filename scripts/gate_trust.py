@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _bootstrap  # noqa: E402
 
 _bootstrap.ensure_package()
-from ninfer_bench.reports.gate import gate, load_rules, status_of  # noqa: E402
+from ninfer_bench.reports.gate import default_rules, gate, load_rules, status_of  # noqa: E402
 from ninfer_bench.engine.runtime.engine import Engine  # noqa: E402
 from ninfer_bench.suites.common import copy_bandwidth  # noqa: E402
 from ninfer_bench.suites.decode import (DecodeOptions, free_device_memory, load_model, load_prompts,  # noqa: E402
@@ -302,6 +302,8 @@ def run_trust(args: argparse.Namespace, log=print) -> dict:
         "slowdown_asked": args.slowdown if args.delay_us is None else None,
         "plain_step_us": step_us, "plain_step_clock": "thread CPU time" if on_cpu else "wall",
         "plain_step_wall_us": wall_us, "inject_delay_us": delay_us, "rules": args.rules or "default",
+        "thresholds": {r.metric: r.threshold for r in (rules or default_rules("decode", info["config"]["device"]))
+                       if r.kind != "exact"},
         "gate_sources_sha256": sources,  # the decision rule counted, as the run started
         "stopped_early": stopped_early, "seconds": time.perf_counter() - start,
         **summarize(pairs), "pairs": pairs,
@@ -320,6 +322,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     r = run_trust(args, log=lambda line: print(line, file=sys.stderr, flush=True))
     aa, inj = r["aa"], r["injected"]
+    print("thresholds: " + ", ".join(f"{m} {t:.0%}" for m, t in r["thresholds"].items()))
     print(f"A/A pairs {aa['pairs']}: pass {aa['counts']['pass']}, ambiguous {aa['counts']['ambiguous']}, "
           f"fail {aa['counts']['fail']}")
     print(f"  false-alarm rate {rate(r['false_alarm_rate'], r['false_alarm_ci95'])}; "

@@ -92,6 +92,8 @@
 #   pweights the 27B synthetic decode with --prefill-weights auto (dense copies on an H200) and packed, then C1 / C8
 #            with dense
 #   ctx262   decode -p 262016 -n 128 on the 27B synthetic: the native context's prefill and decode on one GPU
+#   phead    the final prefill chunk's in-graph first token: test_prefill_graphs and test_cuda_engine, then
+#            probe_prefill_drift (DRIFT_RUNS 12 fresh-Engine runs) with this tree and with .old's (carried)
 #   drift    scripts/probe_prefill_drift.py: the bundled model's prefill time between runs (fresh / shared Engine,
 #            GC off), DRIFT_RUNS (40) runs of 5 repeats a condition
 #   peersmall (waits for llamabuild) the bundled model beside llama.cpp (CUDA) on the 64 held-out prompts, 64 tokens
@@ -581,6 +583,17 @@ PY
                --time-limit-s ${GT_LIMIT_S:-300} --out "$OUT/gate-trust-h200.json" 2>&1 | tee "$OUT/gate_trust.log" \
                | tail -30 ;;
     llwait)  llwait ;;
+    phead)   # a prompt's final prefill chunk picks its first token in the graph (issue 34): the prefill graphs' and
+             # the engine's CUDA tests, then the bundled model's prefill drift with this tree and .old's (carried)
+             run_tests test_prefill_graphs test_cuda_engine
+             for tree in . .old; do
+               [ -d "$tree/scripts" ] || continue
+               [ "$tree" = . ] || ln -sf "$PWD/models/ninfer-code-small.ninfer" .old/models/ 2>/dev/null
+               name=$([ "$tree" = . ] && echo drift || echo drift_old)
+               ( cd "$tree" && timeout "${STAGE_S:-200}" python3 scripts/probe_prefill_drift.py --device cuda \
+                   --runs ${DRIFT_RUNS:-12} --repeats 5 -n 128 --conditions ${DRIFT_CONDITIONS:-fresh} \
+                   --out "$OUT/$name.json" 2>&1 | tail -4 | sed "s|^|$name: |" )
+             done ;;
     drift)   nb_py() { timeout "${STAGE_S:-86400}" python3 "$@"; }
              nb_py scripts/probe_prefill_drift.py --device cuda --runs ${DRIFT_RUNS:-40} --repeats 5 -n 128 \
                --conditions ${DRIFT_CONDITIONS:-fresh,shared,fresh-nogc} --out "$OUT/drift.json" 2>&1 | tail -9 ;;

@@ -68,6 +68,28 @@ def test_clearly_slower_with_tight_samples_fails():
     assert exit_code(gate(base, cand)) == 1
 
 
+@pytest.mark.parametrize("device, status", [("cuda:0", "fail"), ("cuda", "fail"), ("cpu", "pass")])
+def test_a_gpu_decode_run_is_held_to_its_tighter_step_threshold(device, status):
+    """A 4.5% slower decode with tight samples: past a GPU's 4% (fail), within a CPU's 5% (pass); the threshold
+    follows the runs' device, through the default rules and through merged ones (``ninfer-bench gate``'s)."""
+    cfg = {"device": device}
+    base, cand = decode_doc(config=cfg), decode_doc(np.linspace(95.0, 96.0, 10), config=cfg)
+    assert by_metric(gate(base, cand))["decode_tok_s"].status == status
+    merged = merge_rules("decode", [], device=device).rules
+    assert by_metric(gate(base, cand, merged))["decode_tok_s"].status == status
+    rules = {r.metric: r.threshold for r in default_rules("decode", device)}
+    step = 0.04 if device.startswith("cuda") else 0.05
+    assert rules["decode_tok_s"] == rules["device_ms_per_round"] == step and rules["prefill_tok_s"] == 0.10
+    loose = merge_rules("decode", [parse_threshold("decode_tok_s=5")], device=device).rules  # a user's own word wins
+    assert by_metric(gate(base, cand, loose))["decode_tok_s"].status == "pass"
+
+
+def test_runs_on_different_devices_take_the_default_threshold_and_fail_as_different_experiments():
+    base, cand = decode_doc(config={"device": "cuda"}), decode_doc(config={"device": "cpu"})
+    rows = by_metric(gate(base, cand))
+    assert rows["config"].status == "fail" and rows["decode_tok_s"].status == "pass"
+
+
 @pytest.mark.parametrize("factor, status", [(0.95, "fail"), (0.94, "fail"), (0.98, "pass"), (1.0, "pass"),
                                             (1.2, "pass")])
 def test_tight_samples_decide_around_the_threshold(factor, status):
@@ -759,6 +781,27 @@ def test_cli_merges_rules_and_thresholds_and_reports_removals(tmp_path):
     assert r.exit_code == 1 and "no rule of the gated decode has metric 'nope'" in r.output, r.output
     r = _cli("--baseline", a, "--candidate", b, "--threshold", "decode_tok_s")
     assert r.exit_code == 2 and "METRIC=PCT" in r.output, r.output
+
+
+def test_cli_gates_a_grid_of_cpu_and_gpu_runs_each_at_its_own_threshold(tmp_path):
+    """Two folders, each holding a CPU run and a GPU run 4.5% slower with tight samples: the GPU pair fails (4%), the
+    CPU pair passes (5%); a rules file reaches both; a removal is reported once."""
+    from ninfer_bench.reports.schema import write_result
+
+    for side, lo in (("base", 99.5), ("cand", 95.0)):
+        (tmp_path / side).mkdir()
+        for device in ("cpu", "cuda"):
+            write_result(decode_doc(np.linspace(lo, lo + 1, 10), label=f"on-{device}", config={"device": device}),
+                         tmp_path / side / f"{device}.json")
+    r = _cli("--baseline", tmp_path / "base", "--candidate", tmp_path / "cand", "--json")
+    assert r.exit_code == 1, r.output
+    status = {p["label"]: {v["metric"]: v["status"] for v in p["verdicts"]} for p in json.loads(r.stdout)["pairs"]}
+    assert status["on-cuda"]["decode_tok_s"] == "fail" and status["on-cpu"]["decode_tok_s"] == "pass"
+    (tmp_path / "r.toml").write_text('[[rules]]\nmetric = "decode_tok_s"\nthreshold = 0.06\n\n'
+                                     '[[rules]]\nmetric = "rounds"\nremove = true\n')
+    r = _cli("--baseline", tmp_path / "base", "--candidate", tmp_path / "cand", "--rules", tmp_path / "r.toml", "--json")
+    assert r.exit_code == 0, r.output
+    assert [x["metric"] for x in json.loads(r.stdout)["rules"]["removed"]] == ["rounds"]
 
 
 def test_cli_exits_3_when_only_ambiguous(tmp_path):

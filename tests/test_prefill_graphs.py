@@ -97,6 +97,26 @@ def test_captured_prefill_decodes_like_the_eager_one(dtype, spec, k):
 
 
 @cuda
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_the_final_chunks_graph_picks_from_the_eager_logits(dtype):
+    """A prompt's final chunk replays a graph that ends in its last row's logits and argmax (its first token, one
+    replay and one read-back): the same logits bits as the eager lm_head row, so the same greedy token, the same kept
+    log-softmax row and the same seeded sampled token; a long prompt's earlier chunks replay graphs without it."""
+    kw = dict(device="cuda", dtype=dtype, kv_dtype="int8", max_context=1024, prefill_chunk=256)
+    on, off = Engine.load("tiny", **kw), Engine.load("tiny", prefill_graphs=False, **kw)
+    for t in (5, 137, 256, 300, 700):
+        prompt = [3 + (i * 104729) % 500 for i in range(t)]
+        a = off.generate(prompt, max_new_tokens=1, ignore_eos=True, logprobs=True)
+        b = on.generate(prompt, max_new_tokens=1, ignore_eos=True, logprobs=True)
+        assert a.tokens == b.tokens and torch.equal(a.logprobs[0], b.logprobs[0]), f"{t}-token prompt"
+        sampled = dict(max_new_tokens=4, ignore_eos=True, temperature=0.9, top_k=50, seed=t)
+        assert off.generate(prompt, **sampled).tokens == on.generate(prompt, **sampled).tokens, f"{t}: sampled"
+    heads = {key[1:3]: key[4] for key in on.graphs.graphs if key[0] == PREFILL}
+    assert heads[(16, 16)] and heads[(64, 512)] and heads[(256, 1024)]  # finals: 5; 300's 44 later; 700's 188 later
+    assert any(key[0] == PREFILL and not key[4] and key[1:3] == (256, 512) for key in on.graphs.graphs)  # 700's 2nd
+
+
+@cuda
 def test_prefill_graph_after_a_prompt_with_scores_and_a_cached_prefix():
     """Scored prompts and prompts past position 0 stay eager; the next plain prompt still replays its graph."""
     eng = Engine.load("tiny", device="cuda", dtype="fp32", max_context=512)

@@ -193,7 +193,7 @@ def test_report_verdicts_against_the_baseline(report):
     v2 = rows[("decode", "cand-v2-none")]
     assert v2["baseline"] == "base-v2-none" and v2["speed"].startswith("faster, p=") and v2["gate"] == "pass"
     assert v2["main"] == "70.0 → 77.0 tok/s (+10.0%)" and v2["correct"].startswith("yes: 8 exact rows = the baseline's")
-    assert rows[("decode", "cand-v3-mtp-k3")]["speed"] == "same (within ±5%)"
+    assert rows[("decode", "cand-v3-mtp-k3")]["speed"] == "same (within ±4%)"
     assert rows[("decode", "base-v2-none")]["baseline"] == "(is the baseline)"
     peer = rows[("decode", "hf-peer")]
     assert peer["baseline"] == "no baseline" and peer["speed"].startswith("no baseline: no base run of this experiment")
@@ -568,7 +568,7 @@ def test_two_repeats_against_two_read_undecided_with_the_repeats_that_would_deci
     docs = [decode_doc("base-v3-none", [100.0, 101.0]), decode_doc("cand-v3-none", [80.0, 81.0])]
     md = write_report(docs, tmp_path / "plain", baseline_label="base")[1].read_text()
     row = _verdict_rows(md)[("decode", "cand-v3-none")]
-    assert row["speed"].startswith("undecided: -19.9%, slower beyond ±5% (")
+    assert row["speed"].startswith("undecided: -19.9%, slower beyond ±4% (")
     _with_repeats_needed(monkeypatch, 9)
     md = write_report(docs, tmp_path / "counted", baseline_label="base")[1].read_text()
     row = _verdict_rows(md)[("decode", "cand-v3-none")]

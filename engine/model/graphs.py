@@ -8,7 +8,9 @@ A greedy single-sequence decode can also be chained (:meth:`GraphRunner.chain`):
 step's picked token to the next, so the host launches step n + 1 before it reads token n.
 A prompt's first chunk (from position 0) replays a graph captured for its length bucket (:func:`prefill_buckets`):
 the tokens past the real ones are padding (``Step.valid``), inert in the recurrent state and attended by no real
-token; their K/V land past the prompt, where decoding writes before anything reads. A later chunk (a long prompt's,
+token; their K/V land past the prompt, where decoding writes before anything reads. A prefill replay is one copy of
+its input (ids, start, slot, real length) and the replay; a prompt's final chunk has a graph of its own that ends in
+the last real row's logits and argmax, so its first token needs no launch outside the graph. A later chunk (a long prompt's,
 or the scheduler's interleaved pieces) replays one too when it is short (a bucket of at most ``LATER_MAX_T`` tokens,
 where the host's launches would otherwise bound it) and the keys it attends fit ``LATER_MAX_KV``: its graph reads
 the keys up to a power-of-two bucket of its end (the positions past a token's own are masked). Longer chunks are
@@ -74,6 +76,8 @@ class Captured:
     keep: torch.Tensor | None = None
     commit_graph: torch.cuda.CUDAGraph | None = None
     valid: torch.Tensor | None = None  # [B] a prefill graph's real tokens
+    inp: torch.Tensor | None = None  # a prefill graph's one input: ids, start, slot, real length
+    token: torch.Tensor | None = None  # [1] a prefill graph's argmax of its last real row (with its head)
 
 
 _WARM_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
@@ -193,47 +197,54 @@ class GraphRunner:
             return None
         return size, keys
 
-    def _capture_prefill(self, t: int, keys: int, taps: tuple[int, ...]) -> Captured:
+    def _capture_prefill(self, t: int, keys: int, taps: tuple[int, ...], head: bool) -> Captured:
+        """A prefill graph of ``t`` tokens reading ``keys`` keys. Its one input is ``inp [t + 3]``: the ids (padded),
+        then the chunk's start position, its slot and its real length, so a replay needs one host-to-device copy;
+        the positions are ``start + 0 .. t - 1``, made in the graph. ``head``: the graph also ends in the last real
+        row's logits and their argmax (a prompt's final chunk: its first token)."""
         e = self.e
         dev = e.device
-        ids = torch.zeros(1, t, dtype=torch.long, device=dev)
-        pos = torch.arange(keys - t, keys, device=dev)[None]  # (a replay sets the chunk's own positions)
-        slots = torch.full((1,), e.scratch_slot, dtype=torch.long, device=dev)  # warm-ups write the scratch slot
-        valid = torch.full((1,), t, dtype=torch.long, device=dev)
-        step = Step(ids, pos, slots, kv_len=keys, mode=PREFILL, taps=taps, valid=valid)
-        graph, (hidden, tp) = capture(lambda: e.model.forward(step, e.cache), self.pool, dev)
-        return Captured(graph, ids, pos, slots, hidden, None, tp, valid=valid)
+        inp = torch.zeros(t + 3, dtype=torch.long, device=dev)
+        inp[t], inp[t + 1], inp[t + 2] = keys - t, e.scratch_slot, t  # warm-ups write the scratch slot
+        steps = torch.arange(t, device=dev)[None]
+        ids, slots, valid = inp[:t][None], inp[t + 1:t + 2], inp[t + 2:t + 3]
 
-    def prefill(self, ids: torch.Tensor, slot: int, taps: tuple[int, ...] = (), start: int = 0):
-        """(hidden ``[1, T, H]``, taps) of a prompt chunk ``ids [1, T]`` at position ``start`` into ``slot`` via its
-        bucket's graph, or None when it has none (:meth:`prefill_plan`). The outputs are views of the graph's
-        buffers: read them before the next prefill replay."""
-        t = ids.shape[1]
+        def forward():
+            step = Step(ids, steps + inp[t], slots, kv_len=keys, mode=PREFILL, taps=taps, valid=valid)
+            hidden, tp = e.model.forward(step, e.cache)
+            if not head:
+                return hidden, tp, None, None
+            logits = e.model.logits(hidden[0].index_select(0, valid - 1))  # [1, V]: the last real row's
+            return hidden, tp, logits, logits.argmax(-1)  # the same pick as Engine.pick's greedy rows
+
+        graph, (hidden, tp, logits, token) = capture(forward, self.pool, dev)
+        return Captured(graph, ids, None, slots, hidden, logits, tp, valid=valid, inp=inp, token=token)
+
+    def prefill(self, piece: list[int], slot: int, taps: tuple[int, ...] = (), start: int = 0, head: bool = False):
+        """(hidden ``[1, T, H]``, taps, head) of a prompt chunk ``piece`` (T host ids) at position ``start`` into
+        ``slot`` via its bucket's graph, or None when it has none (:meth:`prefill_plan`). ``head``: (logits ``[1, V]``
+        of the chunk's last token, their argmax ``[1]``) from the same replay, else None. One host-to-device copy and
+        one replay. The outputs are views of the graph's buffers: read them before the next prefill replay."""
+        t = len(piece)
         plan = self.prefill_plan(t, start)
         if plan is None:
             return None
         size, keys = plan
-        key = (PREFILL, size, keys, taps)
+        key = (PREFILL, size, keys, taps, head)
         cap = self.graphs.get(key)
         if cap is None:
             try:
-                cap = self.graphs[key] = self._capture_prefill(size, keys, taps)
+                cap = self.graphs[key] = self._capture_prefill(size, keys, taps, head)
             except RuntimeError as err:  # an operation the capture refused: prefill stays eager from now on
                 self.prefill_off = f"capture failed: {str(err).splitlines()[0][:200]}"
                 warnings.warn(f"prefill CUDA graphs off ({self.prefill_off}); prefill runs eagerly", stacklevel=2)
                 torch.cuda.synchronize(self.e.device)
                 return None
-        cap.ids[:, :t].copy_(ids)
-        cap.ids[:, t:].zero_()
-        cap.pos.copy_(self._positions(size, start))
-        cap.slots.fill_(slot)
-        cap.valid.fill_(t)
+        # pinned (torch's caching host allocator keeps it until the copy is done), copied without blocking
+        staged = torch.tensor([*piece, *[0] * (size - t), start, slot, t], dtype=torch.long, pin_memory=True)
+        cap.inp.copy_(staged, non_blocking=True)
         cap.graph.replay()
-        return cap.hidden[:, :t], [x[:, :t] for x in cap.taps]
-
-    def _positions(self, size: int, start: int) -> torch.Tensor:
-        """``start .. start + size - 1`` as a [1, size] device tensor (one small arange, no host copy)."""
-        return torch.arange(start, start + size, device=self.e.device)[None]
+        return cap.hidden[:, :t], [x[:, :t] for x in cap.taps], (cap.logits, cap.token) if head else None
 
     def chain(self, last: int, pos: int, slot: int, stop_ids) -> Chain:
         """The greedy decode chain of one sequence, primed with its newest token ``last`` at position ``pos``:

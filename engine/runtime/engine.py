@@ -446,19 +446,21 @@ class Engine:
         start = seq.length
         piece = seq.prompt[start:start + chunk]
         prefill_only = seq.params.max_new_tokens == 0
+        final = start + len(piece) == len(seq.prompt)
         taps = self.drafter.taps if self.drafter and not prefill_only else ()
-        ids = self.device_ids([piece])
-        out = None
+        out = head = None
         if self.graphs is not None and seq.media is None and seq.prompt_scores is None:
-            out = self.graphs.prefill(ids, seq.slot, taps, start)  # None: no graph for it (GraphRunner.prefill_plan)
+            # None: no graph for it (GraphRunner.prefill_plan); a final chunk's graph also picks the first token
+            out = self.graphs.prefill(piece, seq.slot, taps, start, head=final and not prefill_only)
         if out is None:
+            ids = self.device_ids([piece])
             pos = torch.arange(start, start + len(piece), device=self.device)[None]
             step = Step(ids, pos, self.device_ids([seq.slot]), kv_len=start + len(piece), mode=PREFILL, taps=taps,
                         **self._media_rows(seq.media, start, start + len(piece)))
-            out = self.model.forward(step, self.cache)
-        hidden, tap_out = out
+            hidden, tap_out = self.model.forward(step, self.cache)
+        else:
+            hidden, tap_out, head = out
         seq.length += len(piece)
-        final = seq.length == len(seq.prompt)
         if seq.prompt_scores is not None:  # each position scores the prompt token after it
             following = self.device_ids(seq.prompt[start + 1:seq.length + 1])
             seq.prompt_scores.add(self.model.logits, hidden[0], start, following)
@@ -468,9 +470,10 @@ class Engine:
             seq.finish_reason = "length" if final else None
             return final
         if final:
-            row = self.model.logits(hidden[0, -1:])[0]
+            row = head[0][0] if head is not None else self.model.logits(hidden[0, -1:])[0]
             keep_logprobs(seq, row)
-            seq.tokens.append(int(self.pick([seq], row[None])[0]))
+            greedy = head is not None and self.plain_argmax([seq])  # the graph's argmax is pick's
+            seq.tokens.append(int(head[1][0] if greedy else self.pick([seq], row[None])[0]))
         if self.drafter:
             self.drafter.begin(seq, start, hidden[0], torch.cat([t[0] for t in tap_out], dim=-1) if taps else None)
         if final:
@@ -576,16 +579,21 @@ class Engine:
             s.tokens.append(tok)
             self.stops.finish(s)
 
+    @staticmethod
+    def plain_argmax(seqs: list[Sequence]) -> bool:
+        """Whether :meth:`pick` takes the rows' argmax: every sequence greedy, none keeping top log-probabilities."""
+        return all(s.params.greedy and s.params.top_logprobs is None for s in seqs)
+
     def pick(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
         """The next token of each of ``seqs`` from its row of ``logits [B, V]``, every row in one batched call
         (``sampling.sample_rows``): the argmax for a greedy row; for a sampling row draw ``len(seq.tokens)`` of its
         request's stream (``seq.sample_seed``): a seeded request's tokens do not depend on what it is batched with.
         A row whose request keeps ``top_logprobs`` N gets the token's log-probability (under the model's own
         distribution) and its N most likely appended to ``seq.logprobs``, from the same call."""
+        if self.plain_argmax(seqs):
+            return logits.argmax(-1)
         tops = [s.params.top_logprobs for s in seqs]
         n = max((t for t in tops if t is not None), default=None)
-        if n is None and all(s.params.greedy for s in seqs):
-            return logits.argmax(-1)
         params, seeds, steps = [s.params for s in seqs], [s.sample_seed for s in seqs], [len(s.tokens) for s in seqs]
         if n is None and self.graphs is not None:  # captured: a replay instead of the sampler's fifty launches
             return self.graphs.sample(logits, params, seeds, steps)
