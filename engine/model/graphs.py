@@ -67,7 +67,7 @@ def key_bucket(end: int) -> int:
 class Captured:
     graph: torch.cuda.CUDAGraph
     ids: torch.Tensor
-    pos: torch.Tensor
+    pos: torch.Tensor  # (a prefill graph's: 0 .. T - 1, the positions past its start)
     slots: torch.Tensor
     hidden: torch.Tensor
     logits: torch.Tensor
@@ -218,7 +218,8 @@ class GraphRunner:
             return hidden, tp, logits, logits.argmax(-1)  # the same pick as Engine.pick's greedy rows
 
         graph, (hidden, tp, logits, token) = capture(forward, self.pool, dev)
-        return Captured(graph, ids, None, slots, hidden, logits, tp, valid=valid, inp=inp, token=token)
+        # the graph reads ``steps`` too: held here (freed, its memory would be reused under the graph)
+        return Captured(graph, ids, steps, slots, hidden, logits, tp, valid=valid, inp=inp, token=token)
 
     def prefill(self, piece: list[int], slot: int, taps: tuple[int, ...] = (), start: int = 0, head: bool = False):
         """(hidden ``[1, T, H]``, taps, head) of a prompt chunk ``piece`` (T host ids) at position ``start`` into
