@@ -83,10 +83,10 @@ def gate(baseline, candidate, rules, thresholds, alpha, as_json, allow_config_ch
     threshold) is judged on its threshold alone. Default thresholds: decode tok/s and device ms a round 5%, 4% when
     both runs ran on a GPU; prefill tok/s and TTFT 10%; concurrency and kernels timings 5% (TTFT, ITL 10%).
 
-    Rules: --rules FILE and --threshold merge into each suite's default rules (of the pair's device). An entry whose metric (and suite) is a
-    default rule's replaces the keys it gives; one naming an instance of a wildcard rule overrides that instance;
-    any other adds a rule; remove = true drops one. Dropping an exact rule (or changing its kind) prints a warning
-    and is listed in the JSON's "removed": exact checks are never switched off silently.
+    Rules: --rules FILE and --threshold merge into each suite's default rules (those of the pair's device). An entry
+    whose metric (and suite) is a default rule's replaces the keys it gives; one naming an instance of a wildcard rule
+    overrides that instance; any other adds a rule; remove = true drops one. Dropping an exact rule (or changing its
+    kind) prints a warning and is listed in the JSON's "removed": exact checks are never switched off silently.
 
     \b
     Rule keys:
@@ -146,7 +146,8 @@ def gate(baseline, candidate, rules, thresholds, alpha, as_json, allow_config_ch
         if id(ch) not in used and (ch.suite is None or ch.suite in suites):
             err_console.print(f"[yellow]warning:[/] {ch.source} ({ch.metric}) applies to none of the gated results",
                               highlight=False)
-    removed = list({(r["suite"], r["metric"], r["source"], r["what"]): r for m in merged.values() for r in m.removed}.values())
+    removed = list({(r["suite"], r["metric"], r["source"], r["what"]): r  # once, though merged for several devices
+                    for m in merged.values() for r in m.removed}.values())
     for r in removed:
         tag = "[yellow]warning:[/]" if r["kind"] == "exact" else "note:"
         checked = "; it is no longer checked" if r["what"] == "removed" else "; it is no longer checked exactly"

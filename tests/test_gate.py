@@ -799,7 +799,8 @@ def test_cli_gates_a_grid_of_cpu_and_gpu_runs_each_at_its_own_threshold(tmp_path
     assert status["on-cuda"]["decode_tok_s"] == "fail" and status["on-cpu"]["decode_tok_s"] == "pass"
     (tmp_path / "r.toml").write_text('[[rules]]\nmetric = "decode_tok_s"\nthreshold = 0.06\n\n'
                                      '[[rules]]\nmetric = "rounds"\nremove = true\n')
-    r = _cli("--baseline", tmp_path / "base", "--candidate", tmp_path / "cand", "--rules", tmp_path / "r.toml", "--json")
+    r = _cli("--baseline", tmp_path / "base", "--candidate", tmp_path / "cand", "--rules", tmp_path / "r.toml",
+             "--json")
     assert r.exit_code == 0, r.output
     assert [x["metric"] for x in json.loads(r.stdout)["rules"]["removed"]] == ["rounds"]
 

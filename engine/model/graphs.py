@@ -6,16 +6,16 @@ reads and writes the engine's scratch slot. Speculative verification also captur
 of its bucket, so a whole round replays with no host synchronisation other than reading the accepted tokens.
 A greedy single-sequence decode can also be chained (:meth:`GraphRunner.chain`): a small captured link feeds each
 step's picked token to the next, so the host launches step n + 1 before it reads token n.
-A prompt's first chunk (from position 0) replays a graph captured for its length bucket (:func:`prefill_buckets`):
-the tokens past the real ones are padding (``Step.valid``), inert in the recurrent state and attended by no real
-token; their K/V land past the prompt, where decoding writes before anything reads. A prefill replay is one copy of
-its input (ids, start, slot, real length) and the replay; a prompt's final chunk has a graph of its own that ends in
-the last real row's logits and argmax, so its first token needs no launch outside the graph. A later chunk (a long prompt's,
-or the scheduler's interleaved pieces) replays one too when it is short (a bucket of at most ``LATER_MAX_T`` tokens,
-where the host's launches would otherwise bound it) and the keys it attends fit ``LATER_MAX_KV``: its graph reads
-the keys up to a power-of-two bucket of its end (the positions past a token's own are masked). Longer chunks are
-bound by the device and run eagerly. A capture that fails (an operation that cannot be captured) turns prefill
-graphs off for the engine, with a warning: prefill runs eagerly.
+A prompt's first chunk (from position 0) replays a graph captured for its length bucket (:func:`prefill_buckets`): the
+tokens past the real ones are padding (``Step.valid``), inert in the recurrent state and attended by no real token;
+their K/V land past the prompt, where decoding writes before anything reads. A prefill replay is one copy of its input
+(ids, start, slot, real length) and the replay; a prompt's final chunk has a graph of its own that ends in the last real
+row's logits and argmax, so its first token needs no launch outside the graph. A later chunk (a long prompt's, or the
+scheduler's interleaved pieces) replays one too when it is short (a bucket of at most ``LATER_MAX_T`` tokens, where the
+host's launches would otherwise bound it) and the keys it attends fit ``LATER_MAX_KV``: its graph reads the keys up to a
+power-of-two bucket of its end (the positions past a token's own are masked). Longer chunks are bound by the device and
+run eagerly. A capture that fails (an operation that cannot be captured) turns prefill graphs off for the engine, with a
+warning: prefill runs eagerly.
 """
 
 from __future__ import annotations
