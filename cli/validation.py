@@ -134,9 +134,10 @@ def gate(baseline, candidate, rules, thresholds, alpha, as_json, allow_config_ch
     else:
         b, c = read_result(baseline), read_result(candidate)
         pairs, unpaired = [Pair(b["suite"], c["label"], baseline, candidate, b, c)], []
-    # a suite's rules per device its pairs ran on (decode's step timings have a GPU threshold, default_rules)
-    keys = {id(p): (p.suite, doc_device(p.baseline, p.candidate)) for p in pairs}
-    merged = {k: merge_rules(k[0], changes, device=k[1]) for k in dict.fromkeys(keys.values())}
+    def rules_of(p):  # a suite's rules per device its pairs ran on (decode's step timings: default_rules)
+        return p.suite, doc_device(p.baseline, p.candidate)
+
+    merged = {k: merge_rules(k[0], changes, device=k[1]) for k in dict.fromkeys(map(rules_of, pairs))}
     suites = list(dict.fromkeys(k[0] for k in merged))
     used = [id(ch) for m in merged.values() for ch in m.used]
     for ch in changes:
@@ -155,7 +156,7 @@ def gate(baseline, candidate, rules, thresholds, alpha, as_json, allow_config_ch
                           + (checked if r["kind"] == "exact" else ""), highlight=False)
     results = []
     for p in pairs:
-        verdicts = run_gate(p.baseline, p.candidate, merged[keys[id(p)]].rules, alpha=alpha,
+        verdicts = run_gate(p.baseline, p.candidate, merged[rules_of(p)].rules, alpha=alpha,
                             allow_config_change=allow_config_change)
         results.append((p, verdicts, status_of(verdicts), env_summary(p.baseline, p.candidate)))
     status = worst([s for *_, s, _ in results] + ["fail" for u in unpaired if u["side"] == "baseline"])
