@@ -51,7 +51,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import _triton
+from . import _triton, attn_cuda
 from ._triton import pow2 as _pow2
 from .attention import attention_ref
 from .attention_triton_kernels import jit_kernels as _kernels
@@ -268,7 +268,7 @@ def decode_attention_ref(q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, sc
 
 
 def decode_attention(q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, scale, *, kv_len_max=None, gate=None,
-                     config: AttnConfig | None = None):
+                     config: AttnConfig | attn_cuda.CudaPlan | None = None):
     """Attention of ``q [B, T, H, hd]`` over cache slots ``slots [B]``; query t of row b sees keys 0..q_pos[b, t].
 
     ``k_cache``/``v_cache`` ``[S, Hkv, cap, hd]`` bf16 / fp16, or int8 with ``k_scale``/``v_scale``
@@ -276,19 +276,54 @@ def decode_attention(q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, scale,
     grid covers: every ``q_pos`` must be below it. Returns ``[B, T, H, hd]`` in ``q.dtype``; fp32 accumulation.
     ``gate`` ``[B, T, H * hd]`` (full attention's output gate), when given, is applied as the output is stored:
     ``o * sigmoid(gate)``, the same bits as ``kernels/fused.sigmoid_mul`` of the ungated output, one launch less.
-    No host synchronisation: safe inside a CUDA graph. ``config`` overrides :func:`plan` (tuning, tests).
+    No host synchronisation: safe inside a CUDA graph. An int8 cache with 16-bit queries takes the tensor-core split
+    kernel of ``kernels/attn_cuda.cu`` where it runs (:func:`kernels.attn_cuda.wanted`; a property of dtypes and
+    shapes, never of B or T), else the Triton kernels. ``config`` overrides the plan (tuning, tests): an
+    :class:`AttnConfig` runs the Triton kernels, a :class:`kernels.attn_cuda.CudaPlan` the CUDA one.
     """
     kv_len = _check(q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, kv_len_max, gate)
     kern = _triton.ready("decode_attention", _kernels, q)
     b, t, h, hd = q.shape
     hkv = k_cache.shape[1]
     int8 = k_cache.dtype == torch.int8
+    cuda_args = (q, k_cache, v_cache, k_scale, v_scale, slots, q_pos)
+    if isinstance(config, attn_cuda.CudaPlan) or (config is None and attn_cuda.wanted(*cuda_args)):
+        if not attn_cuda.supports(*cuda_args):
+            raise ValueError(f"decode_attention: the CUDA split kernel does not run these inputs "
+                             f"({attn_cuda.import_error() or 'see kernels.attn_cuda.supports'})")
+        return _launch_cuda(kern, q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, scale, kv_len,
+                            config or attn_cuda.plan(kv_len, hkv, q.device), gate)
     cfg = config or plan(b, t, h, hkv, hd, kv_len, int8, q.device, q_dtype=q.dtype)
     if q.is_cuda and q.dtype == torch.float32 and cfg.block_n < 32 and cfg.num_warps > 4:
         # triton 3.6 on sm_90: fp32 (tf32x3) tiles of 16 keys with 8 warps fault with an illegal address, split or
         # not, pipelined or not; 4 warps, or 32-key tiles, run correctly (scripts/probe_attention.py on an H200)
         cfg = dataclasses.replace(cfg, num_warps=4)
     return _launch(kern, q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, scale, kv_len, cfg, gate)
+
+
+def _launch_cuda(kern, q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, scale, kv_len, cfg, gate=None):
+    """kernels/attn_cuda.cu's split pass, always into partials, then _attn_combine (which rounds and gates)."""
+    b, t, h, hd = q.shape
+    splits = cfg.splits(kv_len)
+    out = _new_buffer((b, t, h, hd), q.dtype, q.device)
+    o_part = _new_buffer((b, t, h, splits, hd), torch.float32, q.device)
+    lse_part = _new_buffer((b, t, h, splits), torch.float32, q.device)
+    attn_cuda.split(q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, scale * LOG2E, kv_len, cfg, o_part,
+                    lse_part)
+    _combine(kern, o_part, lse_part, q_pos, out, gate, cfg.chunk, cfg.min_chunk, splits, attn_cuda.STEP,
+             min(_block_d(hd), cfg.combine_cols), cfg.combine_splits)
+    return out
+
+
+def _combine(kern, o_part, lse_part, q_pos, out, gate, chunk, min_chunk, splits, block_n, block_dc, block_s):
+    """_attn_combine over the splits each row used: the output in q's dtype, gated as it is stored."""
+    b, t, h, hd = out.shape
+    gt = gate if gate is not None else out  # a placeholder (HAS_GATE)
+    kern["combine"][(b * t * h, _block_d(hd) // block_dc)](
+        o_part, lse_part, q_pos, out, gt, *q_pos.stride(), *out.stride()[:3], gt.stride(0), gt.stride(1), t, h,
+        chunk, min_chunk, splits, BLOCK_N=block_n, HAS_GATE=gate is not None, HD=hd, BLOCK_S=block_s,
+        BLOCK_DC=block_dc, num_warps=4, **_triton.pdl_args(out.device),
+    )
 
 
 def _launch(kern, q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, scale, kv_len, cfg: AttnConfig, gate=None):
@@ -331,10 +366,6 @@ def _launch(kern, q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, scale, kv
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_triton.pdl_args(q.device),
     )
     if splits > 1:
-        block_dc = min(block_d, cfg.combine_cols)
-        kern["combine"][(b * t * h, block_d // block_dc)](
-            o_part, lse_part, q_pos, out, gt, *q_pos.stride(), *out.stride()[:3], gt.stride(0), gt.stride(1), t, h,
-            cfg.chunk, cfg.min_chunk or cfg.chunk, splits, BLOCK_N=cfg.block_n, HAS_GATE=gate is not None,
-            HD=hd, BLOCK_S=COMBINE_SPLITS, BLOCK_DC=block_dc, num_warps=4, **_triton.pdl_args(q.device),
-        )
+        _combine(kern, o_part, lse_part, q_pos, out, gate, cfg.chunk, cfg.min_chunk or cfg.chunk, splits,
+                 cfg.block_n, min(block_d, cfg.combine_cols), COMBINE_SPLITS)
     return out

@@ -1,7 +1,8 @@
 """Decode / verify attention at the 27B shape (H=24, Hkv=4, hd=256) on one CUDA GPU.
 
-Triton ``decode_attention`` reading the cache in place (int8 codes + fp16 scales, or bf16) against torch SDPA on a
-dequantized bf16 copy (the peer), and the same kernel with one token a tile (``pack=1``), for contexts 8192 /
+Triton ``decode_attention`` reading the cache in place (int8 codes + fp16 scales, or bf16), for int8 the tensor-core
+CUDA split kernel (``kernels/attn_cuda.cu``, the default where it runs) beside it, against torch SDPA on a
+dequantized bf16 copy (the peer), and the Triton kernel with one token a tile (``pack=1``), for contexts 8192 /
 65536, T = 1 / 8 new tokens, B = 1 / 8 rows, every row at the full context. Per case: correctness vs the fp32
 reference first (printed loudly on failure), then median us by ``triton.testing.do_bench`` (L2 flushed before each
 call) and by CUDA-graph replay (one graph rotating over slot sets bigger than L2), bytes read (K+V codes + scales +
@@ -28,13 +29,12 @@ import _bootstrap  # noqa: E402
 
 _bootstrap.ensure_package()
 
-from _benchlib import copy_bandwidth, graph_us, resource_report  # noqa: E402
-
 import torch  # noqa: E402
-
-from ninfer_bench.kernels.kv_quant import dequantize_kv, quantize_kv  # noqa: E402
+from _benchlib import copy_bandwidth, graph_us, resource_report  # noqa: E402
 from ninfer_bench.kernels import attention_triton as at  # noqa: E402
+from ninfer_bench.kernels import attn_cuda  # noqa: E402
 from ninfer_bench.kernels.attention import attention as sdpa_attention  # noqa: E402
+from ninfer_bench.kernels.kv_quant import dequantize_kv, quantize_kv  # noqa: E402
 
 DEVICE = "cuda"
 H, HKV, HD = 24, 4, 256
@@ -131,10 +131,17 @@ def measure_peer(case: Case, t: int, bw: float) -> dict:
 
 
 def sweep_configs(case: Case, t: int) -> list:
-    """The default plan (tokens packed in one tile), then launch shapes one change away from it (block_n, warps,
+    """For int8, first the CUDA kernel's plans (warps an SM the split aims at, the combine's tile); then the Triton
+    kernel's default plan (tokens packed in one tile), then launch shapes one change away from it (block_n, warps,
     stages, split length; for int8 one tile per scale group, the scales loaded with their block, or 2-D code
     tiles); then the same around 5 tokens a tile (32 rows) and the one-token tile (pack=1, G rows padded to 16)."""
     out = []
+    if case.kv == "int8" and attn_cuda.available():  # first the CUDA kernel (warps an SM, combine tiles)
+        for wps in (4, 8, 12, 16):
+            for comb in ({}, {"combine_cols": 32}, {"combine_splits": 64}, {"combine_cols": 32, "combine_splits": 64}):
+                cfg = attn_cuda.plan(case.ctx, HKV, DEVICE, warps_per_sm=wps, **comb)
+                if cfg not in out:
+                    out.append(cfg)
     for tile in ({}, {"pack": 5}, {"pack": 1}):  # pack 5: 30 of 32 rows, a T = 8 verify in two tiles
         base = at.plan(case.b, t, H, HKV, HD, case.ctx, case.kv == "int8", DEVICE, **tile)
         if base not in out:
@@ -233,6 +240,24 @@ def main() -> int:
                         traceback.print_exc()
                     if ctx == max(CONTEXTS) and rec.get("ok"):
                         sweep_todo.append((kv, ctx, b, t))
+                    cu = {"op": "decode_attention_cuda", **shape}
+                    if kv == "int8" and attn_cuda.available():
+                        cfg_cu = attn_cuda.plan(ctx, HKV, DEVICE)
+                        cu.update(config=str(cfg_cu), splits=cfg_cu.splits(ctx))
+                        try:
+                            cu["rel_rms"] = check(case, t, cfg_cu)
+                            cu["ok"] = cu["rel_rms"] <= RTOL_BF16
+                            if not cu["ok"]:
+                                failures += 1
+                                print(f"!!!!! WRONG RESULT (CUDA) {shape}: relative RMS {cu['rel_rms']:.3e} !!!!!")
+                            cu.update(measure(case, t, bw, cfg_cu))
+                        except Exception as exc:
+                            failures += 1
+                            cu.update(ok=False, error=repr(exc)[:400])
+                            print(f"!!!!! FAILED (CUDA) {shape}: {exc!r}")
+                            traceback.print_exc()
+                        emit(cu)
+                    rec["cuda"] = cu
                     one = {"op": "decode_attention_pack1", **shape}  # one token a tile, the same run
                     peer = {"op": "sdpa_bf16_copy", **shape}
                     if args.no_peer:
@@ -264,6 +289,11 @@ def main() -> int:
                 break
             rec = {"op": "decode_attention_sweep", "kv": kv, "ctx": ctx, "B": b, "T": t, "config": str(cfg),
                    "splits": -(-ctx // cfg.chunk)}
+            if isinstance(cfg, attn_cuda.CudaPlan):
+                try:
+                    rec["rel_rms"] = check(case, t, cfg)
+                except Exception as exc:
+                    rec["error"] = repr(exc)[:400]
             try:
                 rec.update(measure(case, t, bw, cfg))
             except Exception as exc:
@@ -281,15 +311,22 @@ def main() -> int:
     return 1 if failures else 0
 
 
+def _best(rec: dict):
+    times = [rec[k] for k in ("us_median", "us_graph") if k in rec]
+    return min(times) if times else None
+
+
 def print_tables(table, sweep):
     print(f"\n{'kv':5} {'ctx':>6} {'B':>2} {'T':>2} {'rel_rms':>8} {'us':>8} {'us_graph':>8} {'GB/s':>7} "
-          f"{'%copy':>6} {'pack1 us':>8} | {'sdpa us':>8} {'%copy':>6}")
+          f"{'%copy':>6} {'pack1 us':>8} | {'cuda us':>8} {'%copy':>6} | {'sdpa us':>8} {'%copy':>6}")
     for rec, peer in table:
         fmt = lambda x, f: format(x, f) if isinstance(x, (int, float)) else "-"  # noqa: E731
         print(f"{rec['kv']:5} {rec['ctx']:>6} {rec['B']:>2} {rec['T']:>2} {fmt(rec.get('rel_rms'), '8.1e')} "
               f"{fmt(rec.get('us_median'), '8.1f')} {fmt(rec.get('us_graph'), '8.1f')} {fmt(rec.get('gbps'), '7.0f')} "
               f"{fmt(100 * rec['copy_bw_frac'] if 'copy_bw_frac' in rec else None, '6.1f')} "
               f"{fmt(rec.get('pack1_us'), '8.1f')} | "
+              f"{fmt(_best(rec.get('cuda', {})), '8.1f')} "
+              f"{fmt(100 * rec['cuda']['copy_bw_frac'] if 'copy_bw_frac' in rec.get('cuda', {}) else None, '6.1f')} | "
               f"{fmt(peer.get('us_median'), '8.1f')} "
               f"{fmt(100 * peer['copy_bw_frac'] if 'copy_bw_frac' in peer else None, '6.1f')}"
               + (f"  ERROR {rec['error'][:60]}" if "error" in rec else ""))

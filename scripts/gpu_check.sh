@@ -107,6 +107,11 @@
 #   rowsconc the wide qmv launches and the captured sampler end to end: their CUDA tests, then the 27B (256-token
 #            prompts, 128 tokens) plain C1 / C8, DFlash2 K=7 replayed C1-C8, sampled (t 0.7, top-p 0.95, top-k 20) C1 / C8
 #   sampler  scripts/probe_sampler.py: the step sampler eager against its captured graph, 1 and 8 rows of 248K logits
+#   cattn    the tensor-core int8 decode attention (kernels/attn_cuda.cu): its CUDA tests, the Triton attention tests
+#            and the engine's (in parallel), then scripts/bench_attention.py with its sweep (CATTN_BUDGET_S, 100 s):
+#            the CUDA kernel beside the Triton one at 8K / 65K keys, T = 1 / 8, B = 1 / 8
+#   cattn27  decode -p CATTN_P (2991,65000) -n 128 on the 27B synthetic with the CUDA attention (the default) and with
+#            NINFER_BENCH_ATTN=triton, ours only: decode after a long prompt against a short one, either kernel
 #   hashes   the token hashes a refactor must keep: the README's main command (timed), the bundled model's plain and
 #            MTP3 runs, and the 27B synthetic plain / MTP3 / DFlash2 K=7 runs (64 tokens, the default prompt)
 set -u
@@ -583,6 +588,13 @@ PY
                --time-limit-s ${GT_LIMIT_S:-300} --out "$OUT/gate-trust-h200.json" 2>&1 | tee "$OUT/gate_trust.log" \
                | tail -30 ;;
     llwait)  llwait ;;
+    cattn)   run_tests ${TEST_FILES:-test_kernels_attn_cuda test_kernels_attention test_cuda_engine}
+             timeout ${STAGE_S:-300} python3 scripts/bench_attention.py --budget-s ${CATTN_BUDGET_S:-100} 2>&1 \
+               | tee "$OUT/cattn.log" | grep -v "^resources" | tail -70 ;;
+    cattn27) for attn in cuda triton; do
+               NINFER_BENCH_ATTN=$attn nb decode $M27 -p ${CATTN_P:-2991,65000} -n ${PLEN_N:-128} --repeats 2 \
+                 --json "$OUT/cattn27-$attn" 2>&1 | tail -8 | sed "s|^|$attn: |"
+             done ;;
     phead)   # a prompt's final prefill chunk picks its first token in the graph (issue 34): the prefill graphs' and
              # the engine's CUDA tests, then the bundled model's prefill drift with this tree and .old's (carried)
              run_tests test_prefill_graphs test_cuda_engine

@@ -1,0 +1,320 @@
+// Decode / verify attention over an int8 KV cache on the tensor cores: the split pass of flash-decoding
+// (kernels/attention_triton.py's decode_attention for int8 caches and 16-bit queries; its _attn_combine merges
+// the splits). Compiled at run time (CuPy / NVRTC), no headers:
+//   HD     head dim, a multiple of 64 up to 256 (NG = HD / 64 scale groups a key)
+//   HALF   0: q is bf16 (converted to fp16 as it is loaded), 1: fp16
+//   WARPS  warps a block, one query token each (a block = one key range of one (row b, kv head))
+//   POS64 / SLOT64   q_pos / slots are int64 (1) or int32 (0)
+//
+// One warp = one query token's G <= 8 heads of one kv head over one key range [lo, hi), 16 keys a step, online
+// softmax in fp32. The MMAs are transposed so that the query heads are the MMA's 8 columns (a decode step has G = 6
+// rows, not the 16 an m tile wants) and the keys / head dims its 16 rows:
+//   S^T [16 keys x 8 heads] = K [16 keys x HD] . Q^T, one m16n8k16 per 16 head dims;
+//   O^T [HD x 8 heads]    += V^T [HD x 16 keys] . P^T, one m16n8k16 per 16 head dims.
+// A dot product does not depend on the order of its terms, so each MMA's 16 "k" values are a permutation of the
+// head dims chosen for the loads: lane (g = lane / 4, c = lane % 4) holds keys g and g + 8 and, of scale group G,
+// the 16 contiguous head dims 64 G + 16 c .. + 15 (one 16-byte load a key and group), and the query's B fragments
+// take the same permutation. K's A fragments hold the exact codes (c + 128 placed in the mantissa of 1024.0 by one
+// byte permute, then one packed subtraction of 1152), the MMA sums them against q in fp32, and each group's sums
+// are multiplied by the key's group scale: no rounding besides fp32 summation and q's conversion to fp16.
+// For V^T the 16 rows of an m tile are head dims and the 16 "k" values keys; m tile (G, i) row r < 8 is head dim
+// 64 G + 8 r + 2 i and row r + 8 is the next one, so lane (g, c) reads 8 contiguous bytes (64 G + 8 g ..) of each of
+// its four keys 2c, 2c + 1, 2c + 8, 2c + 9, pairs two keys' codes by byte permutes, and multiplies the exact codes by
+// their keys' scales in fp16 (one rounding, as the Triton kernel's dequantized tile). P^T's B fragments come from
+// S^T's accumulators through movmatrix (an 8 x 8 transpose in registers).
+//
+// Token invariance: a warp's work is a function of its own token (its q rows, its position, its key range); the
+// other tokens of the block and the other rows of the batch never enter it, so a T = 8 verify computes, token by
+// token, the bits eight T = 1 steps compute. Each step's K and V loads for the next step are issued as soon as the
+// current ones are used (a register double buffer): a T = 1 step reads K / V once at full width, the tokens of a
+// verify read the same lines through L1.
+// Writes the normalised fp32 partial output [B, T, H, splits, HD] and its log2-sum-exp of every row whose key range
+// reaches this split, also for a single split: the combine merges exactly those rows' splits, rounds the output to
+// q's dtype and applies the gate, so the output's bits are the Triton path's rounding of its sums.
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned long long u64;
+
+#ifndef HD
+#define HD 256
+#endif
+#ifndef HALF
+#define HALF 0
+#endif
+#ifndef WARPS
+#define WARPS 1
+#endif
+#ifndef POS64
+#define POS64 1
+#endif
+#ifndef SLOT64
+#define SLOT64 1
+#endif
+#ifndef MINB
+#define MINB (8 / WARPS)  // blocks an SM the registers must allow: 8 warps an SM
+#endif
+#define NG (HD / 64)
+#define STEP 16
+#if HD % 64 || HD > 256
+#error "HD must be a multiple of 64 up to 256"
+#endif
+
+#define NEG_INF __int_as_float(0xff800000)
+
+struct __align__(16) U4 { u32 x, y, z, w; };
+struct __align__(8) U2 { u32 x, y; };
+
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
+  u32 d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+}
+
+__device__ __forceinline__ u32 hsub2(u32 a, u32 b) {
+  u32 d;
+  asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+__device__ __forceinline__ u32 hmul2(u32 a, u32 b) {
+  u32 d;
+  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+__device__ __forceinline__ u32 pack_f16(float lo, float hi) {  // {lo, hi} rounded to fp16, lo in the low half
+  u32 d;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+  return d;
+}
+
+__device__ __forceinline__ float f16_to_f32(u16 h) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+}
+
+__device__ __forceinline__ float bf16_to_f32(u16 h) { return __uint_as_float(((u32)h) << 16); }
+
+__device__ __forceinline__ float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ float lg2(float x) {
+  float y;
+  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ u32 movtrans(u32 x) {  // the 8 x 8 b16 fragment transposed
+  u32 d;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(d) : "r"(x));
+  return d;
+}
+
+__device__ __forceinline__ void mma(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+               "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// codes c (int8) of a word's bytes lo, lo + 1 as the fp16 pair 1152 + c: c ^ 0x80 = c + 128 in the mantissa of 1024.0
+#define FLIP 0x80808080u
+#define MAGIC_BYTES 0x64646464u
+#define C1152 0x64806480u  // 1152.0, 1152.0
+
+__device__ __forceinline__ u32 codes01(u32 flipped) { return hsub2(prmt(flipped, MAGIC_BYTES, 0x4140u), C1152); }
+__device__ __forceinline__ u32 codes23(u32 flipped) { return hsub2(prmt(flipped, MAGIC_BYTES, 0x4342u), C1152); }
+
+__device__ __forceinline__ long long load_index(const void* p, long long i, bool wide) {
+  return wide ? ((const long long*)p)[i] : (long long)((const int*)p)[i];
+}
+
+__device__ __forceinline__ int row_chunk(int pos, int chunk, int min_chunk, int splits) {
+  // keys a split for a token at pos: _row_chunk of kernels/attention_triton_kernels.py with BLOCK_N = STEP
+  int want = ((pos + splits) / splits + STEP - 1) / STEP * STEP;  // cdiv(cdiv(pos + 1, splits), STEP) * STEP
+  return min(max(want, min_chunk), chunk);
+}
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB)
+attn_split(const u16* __restrict__ Q, const signed char* __restrict__ K, const signed char* __restrict__ V,
+           const u16* __restrict__ KS, const u16* __restrict__ VS, const void* __restrict__ SLOTS,
+           const void* __restrict__ QPOS, float* __restrict__ OP, float* __restrict__ LSE,
+           long long sqb, long long sqt, long long sqh, long long sks, long long skh, long long svs, long long svh,
+           long long ssks, long long sskh, long long ssvs, long long ssvh, long long spb, long long spt, long long ssl,
+           float qk_scale, int T, int H, int HKV, int G, int KV_LEN, int CHUNK, int MIN_CHUNK, int NUM_SPLITS) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, c = lane & 3;
+  const int t = blockIdx.z * WARPS + warp;
+  if (t >= T) return;
+  const int s = blockIdx.x;
+  const int b = blockIdx.y / HKV, hkv = blockIdx.y % HKV;
+  const int pos = (int)load_index(QPOS, b * spb + t * spt, POS64);
+  const int chunk = row_chunk(pos, CHUNK, MIN_CHUNK, NUM_SPLITS);
+  const int lo = s * chunk;
+  const int hi = min(min(lo + chunk, KV_LEN), pos + 1);
+  if (hi <= lo) return;  // this split is past the token: the combine does not read it
+  const long long slot = load_index(SLOTS, b * ssl, SLOT64);
+  const signed char* kb = K + slot * sks + hkv * skh;
+  const signed char* vb = V + slot * svs + hkv * svh;
+  const u16* ksb = KS + slot * ssks + hkv * sskh;
+  const u16* vsb = VS + slot * ssvs + hkv * ssvh;
+
+  // q row g (head hkv * G + g; zero past G) as fp16, dims 64 G + 16 c .. + 15 of each group: the B fragments
+  u32 qf[NG][8];
+  {
+    const u16* qrow = Q + b * sqb + t * sqt + (long long)(hkv * G + g) * sqh;
+#pragma unroll
+    for (int gr = 0; gr < NG; ++gr) {
+      U4 h0 = {0, 0, 0, 0}, h1 = {0, 0, 0, 0};
+      if (g < G) {
+        h0 = *(const U4*)(qrow + 64 * gr + 16 * c);
+        h1 = *(const U4*)(qrow + 64 * gr + 16 * c + 8);
+      }
+      u32 w[8] = {h0.x, h0.y, h0.z, h0.w, h1.x, h1.y, h1.z, h1.w};
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+#if HALF
+        qf[gr][i] = w[i];
+#else
+        qf[gr][i] = pack_f16(bf16_to_f32((u16)(w[i] & 0xffffu)), bf16_to_f32((u16)(w[i] >> 16)));
+#endif
+      }
+    }
+  }
+
+  // the register double buffer: K codes of keys g, g + 8 (16 bytes a group), their scales; V codes of keys
+  // 2c, 2c + 1, 2c + 8, 2c + 9 (8 bytes a group), their scales
+  U4 kc[2][NG];
+  u16 ksc[2][NG];
+  U2 vc[4][NG];
+  u16 vsc[4][NG];
+  auto load_k = [&](int start) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int key = start + g + 8 * r;
+      const bool ok = key < hi;
+#pragma unroll
+      for (int gr = 0; gr < NG; ++gr) {
+        kc[r][gr] = ok ? *(const U4*)(kb + (long long)key * HD + 64 * gr + 16 * c) : U4{0, 0, 0, 0};
+        ksc[r][gr] = ok ? ksb[(long long)key * NG + gr] : (u16)0;
+      }
+    }
+  };
+  auto load_v = [&](int start) {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int key = start + 2 * c + (r & 1) + 8 * (r >> 1);
+      const bool ok = key < hi;
+#pragma unroll
+      for (int gr = 0; gr < NG; ++gr) {
+        vc[r][gr] = ok ? *(const U2*)(vb + (long long)key * HD + 64 * gr + 8 * g) : U2{0, 0};
+        vsc[r][gr] = ok ? vsb[(long long)key * NG + gr] : (u16)0;
+      }
+    }
+  };
+
+  float o[NG][4][4];
+#pragma unroll
+  for (int gr = 0; gr < NG; ++gr)
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[gr][i][e] = 0.f;
+  float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;  // rows 2c, 2c + 1: running max, this lane's share of the sum
+
+  load_k(lo);
+  load_v(lo);
+  for (int start = lo; start < hi; start += STEP) {
+    // S^T: lane holds (key g, head 2c), (key g, 2c + 1), (key g + 8, 2c), (key g + 8, 2c + 1)
+    float sv[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int gr = 0; gr < NG; ++gr) {
+      float acc[4] = {0.f, 0.f, 0.f, 0.f};
+      const u32 w0[4] = {kc[0][gr].x ^ FLIP, kc[0][gr].y ^ FLIP, kc[0][gr].z ^ FLIP, kc[0][gr].w ^ FLIP};
+      const u32 w1[4] = {kc[1][gr].x ^ FLIP, kc[1][gr].y ^ FLIP, kc[1][gr].z ^ FLIP, kc[1][gr].w ^ FLIP};
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        mma(acc, codes01(w0[j]), codes01(w1[j]), codes23(w0[j]), codes23(w1[j]), qf[gr][2 * j], qf[gr][2 * j + 1]);
+      const float s0 = f16_to_f32(ksc[0][gr]), s1 = f16_to_f32(ksc[1][gr]);
+      sv[0] = fmaf(acc[0], s0, sv[0]);
+      sv[1] = fmaf(acc[1], s0, sv[1]);
+      sv[2] = fmaf(acc[2], s1, sv[2]);
+      sv[3] = fmaf(acc[3], s1, sv[3]);
+    }
+    const int next = start + STEP;
+    if (next < hi) load_k(next);
+    const bool ok0 = start + g < hi, ok1 = start + g + 8 < hi;
+    sv[0] = ok0 ? sv[0] * qk_scale : NEG_INF;
+    sv[1] = ok0 ? sv[1] * qk_scale : NEG_INF;
+    sv[2] = ok1 ? sv[2] * qk_scale : NEG_INF;
+    sv[3] = ok1 ? sv[3] * qk_scale : NEG_INF;
+    float x0 = fmaxf(sv[0], sv[2]), x1 = fmaxf(sv[1], sv[3]);
+#pragma unroll
+    for (int d = 4; d < 32; d <<= 1) {
+      x0 = fmaxf(x0, __shfl_xor_sync(0xffffffffu, x0, d));
+      x1 = fmaxf(x1, __shfl_xor_sync(0xffffffffu, x1, d));
+    }
+    const float n0 = fmaxf(m0, x0), n1 = fmaxf(m1, x1);  // finite: key `start` is live for every row
+    const float a0 = ex2(m0 - n0), a1 = ex2(m1 - n1);
+    const float p0 = ex2(sv[0] - n0), p1 = ex2(sv[1] - n1), p2 = ex2(sv[2] - n0), p3 = ex2(sv[3] - n1);
+    l0 = fmaf(l0, a0, p0 + p2);
+    l1 = fmaf(l1, a1, p1 + p3);
+    m0 = n0;
+    m1 = n1;
+    // P^T's B fragments: keys 2c, 2c + 1 (and + 8) of head g
+    const u32 pb0 = movtrans(pack_f16(p0, p1)), pb1 = movtrans(pack_f16(p2, p3));
+#pragma unroll
+    for (int gr = 0; gr < NG; ++gr) {
+      const u32 s01 = (u32)vsc[0][gr] | ((u32)vsc[1][gr] << 16), s89 = (u32)vsc[2][gr] | ((u32)vsc[3][gr] << 16);
+      const u32 xa[2] = {vc[0][gr].x ^ FLIP, vc[0][gr].y ^ FLIP}, ya[2] = {vc[1][gr].x ^ FLIP, vc[1][gr].y ^ FLIP};
+      const u32 xb[2] = {vc[2][gr].x ^ FLIP, vc[2][gr].y ^ FLIP}, yb[2] = {vc[3][gr].x ^ FLIP, vc[3][gr].y ^ FLIP};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const u32 sel = (i & 1) ? 0x7362u : 0x5140u;  // head dims 2i, 2i + 1 of the word: keys interleaved
+        const u32 za = prmt(xa[i >> 1], ya[i >> 1], sel), zb = prmt(xb[i >> 1], yb[i >> 1], sel);
+        float* acc = o[gr][i];
+        acc[0] *= a0;
+        acc[1] *= a1;
+        acc[2] *= a0;
+        acc[3] *= a1;
+        mma(acc, hmul2(codes01(za), s01), hmul2(codes23(za), s01), hmul2(codes01(zb), s89), hmul2(codes23(zb), s89),
+            pb0, pb1);
+      }
+    }
+    if (next < hi) load_v(next);
+  }
+#pragma unroll
+  for (int d = 4; d < 32; d <<= 1) {
+    l0 += __shfl_xor_sync(0xffffffffu, l0, d);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, d);
+  }
+  // lane holds, of heads 2c and 2c + 1, head dims 64 G + 8 g + (0 .. 7): o[G][i][0 / 2] and o[G][i][1 / 3]
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int n = 2 * c + r;
+    if (n >= G) continue;
+    const int h = hkv * G + n;
+    const float l = r ? l1 : l0, m = r ? m1 : m0;
+    const long long ri = ((long long)(b * T + t) * H + h) * NUM_SPLITS + s;
+    float* dst = OP + ri * HD;
+#pragma unroll
+    for (int gr = 0; gr < NG; ++gr) {
+      float v[8];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        v[2 * i] = o[gr][i][r] / l;
+        v[2 * i + 1] = o[gr][i][2 + r] / l;
+      }
+      *(U4*)(dst + 64 * gr + 8 * g) = U4{__float_as_uint(v[0]), __float_as_uint(v[1]), __float_as_uint(v[2]),
+                                        __float_as_uint(v[3])};
+      *(U4*)(dst + 64 * gr + 8 * g + 4) = U4{__float_as_uint(v[4]), __float_as_uint(v[5]), __float_as_uint(v[6]),
+                                            __float_as_uint(v[7])};
+    }
+    if (g == 0) LSE[ri] = m + lg2(l);
+  }
+}

@@ -1,0 +1,202 @@
+"""Decode / verify attention over an int8 KV cache on the tensor cores: ``kernels/attn_cuda.cu``.
+
+The split pass of :func:`kernels.attention_triton.decode_attention` for int8 caches and bf16 / fp16 queries (its
+``_attn_combine`` merges the splits, rounds and gates the output). One warp takes one query token's G <= 8 heads of
+one kv head over one key range, 16 keys a step, with the heads as the MMA's 8 columns and keys / head dims as its 16
+rows (a decode step's G = 6 rows fill 6 of 8 columns instead of 6 of a 64-row tile), the cache's codes turned into
+exact fp16 in registers by byte permutes, scales applied to the fp32 sums (K) or the codes (V). The source's header
+says how. A warp's work depends on its own token only, so a T = 8 verify gives each token the bits a T = 1 step
+gives (token invariance), at any batch.
+
+Compiled at first use for each (head dim, query dtype, warps a block, index dtypes) by CuPy's NVRTC, so it needs
+``cupy`` (the ``[gpu]`` extra) and an sm_80+ GPU (``mma.m16n8k16``, ``movmatrix``). :func:`wanted` says whether a
+call takes this path; the reference is :func:`kernels.attention_triton.decode_attention_ref`. Launches are
+asynchronous on the current torch stream and allocate nothing: safe to capture in a CUDA graph once compiled.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+__all__ = ["CudaPlan", "plan", "split", "wanted", "supports", "available", "import_error", "set_enabled",
+           "enabled", "STEP"]
+
+STEP = 16  # keys a warp step (the kernel's STEP; the combine's BLOCK_N)
+MAX_WARPS = 8  # tokens a block (one warp each)
+MAX_G = 8  # query heads a kv head: the MMA's 8 columns
+# grid size at B = 1, T = 1: about this many warps (one a (split, kv head)) an SM; 239 registers a thread at hd 256
+# hold 8 warps an SM
+WARPS_PER_SM = 8
+MIN_STEPS = 8  # a split holds at least this many steps at the full key range (shorter: partial writes cost more)
+SHORT_MIN_STEPS = 1  # a token far before the key range's end: its chunk shrinks on the GPU down to this
+COMBINE_COLS, COMBINE_SPLITS = 64, 32  # the combine's tile [splits, columns]
+_SOURCE = Path(__file__).with_name("attn_cuda.cu")
+
+# the switch (on by default where the kernel runs): NINFER_BENCH_ATTN=triton turns it off for the process
+_SWITCH = {"on": os.environ.get("NINFER_BENCH_ATTN", "").strip().lower() != "triton"}
+
+
+def set_enabled(on: bool) -> None:
+    """int8 decode attention through this kernel (True, the default where it runs) or the Triton split kernel."""
+    _SWITCH["on"] = bool(on)
+
+
+def enabled() -> bool:
+    return _SWITCH["on"]
+
+
+@functools.cache
+def import_error() -> str | None:
+    """Why the kernel cannot run here (None when it can): no CUDA device, an old GPU, or no cupy."""
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    if torch.cuda.get_device_capability() < (8, 0):
+        major, minor = torch.cuda.get_device_capability()
+        return f"needs an sm_80+ GPU (mma.m16n8k16 f16, movmatrix), found sm_{major}{minor}"
+    try:
+        import cupy  # noqa: F401
+    except Exception as e:  # ImportError, or a cupy built for another CUDA
+        return f"cupy does not import ({type(e).__name__}: {e})"
+    return None
+
+
+def available() -> bool:
+    return import_error() is None
+
+
+def supports(q, k_cache, v_cache, k_scale, v_scale, slots, q_pos) -> bool:
+    """Whether the kernel runs these inputs: CUDA, q bf16 / fp16 [B, T, H, hd] with hd a multiple of 64 up to 256 and
+    H / Hkv <= 8, an int8 cache [S, Hkv, cap, hd] with contiguous rows, fp16 scales [S, Hkv, cap, hd / 64] with
+    contiguous rows, 16-byte aligned query rows and cache rows, int32 / int64 slots and positions. A function of
+    dtypes, shapes and layouts only, never of B or T (so one model's steps and verify passes take one path)."""
+    if not (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.dim() == 4 and k_cache.dtype == torch.int8
+            and k_scale is not None and v_scale is not None):
+        return False
+    hd = q.shape[3]
+    hkv = k_cache.shape[1]
+    if hd % 64 or hd > 256 or q.shape[2] % hkv or q.shape[2] // hkv > MAX_G:
+        return False
+    ng = hd // 64
+    for c in (k_cache, v_cache):
+        if c.stride(3) != 1 or c.stride(2) != hd or c.data_ptr() % 16 or c.stride(0) % 16 or c.stride(1) % 16:
+            return False
+    for s in (k_scale, v_scale):
+        if s.dtype != torch.float16 or s.stride(3) != 1 or s.stride(2) != ng:
+            return False
+    if q.stride(3) != 1 or q.data_ptr() % 16 or any(st % 8 for st in q.stride()[:3]):
+        return False
+    return slots.dtype in (torch.int32, torch.int64) and q_pos.dtype in (torch.int32, torch.int64) and available()
+
+
+def wanted(q, k_cache, v_cache, k_scale, v_scale, slots, q_pos) -> bool:
+    """The switch is on and :func:`supports` holds."""
+    return enabled() and supports(q, k_cache, v_cache, k_scale, v_scale, slots, q_pos)
+
+
+@dataclass(frozen=True, slots=True)
+class CudaPlan:
+    """Launch shape of the kernel: keys a split at the full key range (``chunk``), the floor a token's own position
+    may shrink it to (``min_chunk``), both multiples of :data:`STEP`; the combine's tile. A function of static sizes
+    only (the key range, Hkv, the GPU), never of B, T or the positions."""
+
+    chunk: int
+    min_chunk: int
+    combine_cols: int = COMBINE_COLS
+    combine_splits: int = COMBINE_SPLITS
+
+    def __post_init__(self):
+        if self.chunk <= 0 or self.chunk % STEP or self.min_chunk <= 0 or self.min_chunk % STEP \
+                or self.min_chunk > self.chunk:
+            raise ValueError(f"CudaPlan: chunk and min_chunk must be positive multiples of {STEP} with "
+                             f"min_chunk <= chunk, got {self.chunk} and {self.min_chunk}")
+        for name in ("combine_cols", "combine_splits"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"CudaPlan.{name} must be a power of two >= 16, got {v}")
+
+    def splits(self, kv_len: int) -> int:
+        return -(-kv_len // self.chunk)
+
+
+@functools.lru_cache(maxsize=16)
+def _sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def plan(kv_len: int, kv_heads: int, device: torch.device | str = "cuda", *, warps_per_sm: int = WARPS_PER_SM,
+         min_steps: int = MIN_STEPS, **combine) -> CudaPlan:
+    """The default plan for a key range of ``kv_len`` and ``kv_heads``: split until a B = 1, T = 1 call has about
+    ``warps_per_sm`` warps an SM, each split at least ``min_steps`` steps; ``combine``: ``combine_cols`` /
+    ``combine_splits`` (tuning)."""
+    device = torch.device(device)
+    sms = _sms(device.index if device.index is not None else torch.cuda.current_device()) if device.type == "cuda" \
+        else 8
+    steps = -(-kv_len // STEP)
+    want = -(-warps_per_sm * sms // kv_heads)
+    splits = max(1, min(want, steps // max(1, min_steps)))
+    chunk = -(-steps // splits) * STEP
+    return CudaPlan(chunk=chunk, min_chunk=min(chunk, SHORT_MIN_STEPS * STEP), **combine)
+
+
+@functools.cache
+def _kernel(hd: int, half: bool, warps: int, pos64: bool, slot64: bool, device_index: int):
+    import cupy
+
+    with cupy.cuda.Device(device_index):
+        module = cupy.RawModule(code=_SOURCE.read_text(), backend="nvrtc",
+                                options=("-std=c++17", "--fmad=false", f"-DHD={hd}", f"-DHALF={int(half)}",
+                                         f"-DWARPS={warps}", f"-DPOS64={int(pos64)}", f"-DSLOT64={int(slot64)}"))
+        return module.get_function("attn_split")
+
+
+_STREAMS: dict[int, object] = {}
+
+
+def _stream(torch_stream, device_index: int):
+    """The cupy view of a torch stream (made once per stream: the launch path stays cheap)."""
+    key = torch_stream.cuda_stream
+    s = _STREAMS.get(key)
+    if s is None:
+        import warnings
+
+        import cupy
+
+        with warnings.catch_warnings():  # cupy 14 deprecates ExternalStream; 13 has no replacement for raw handles
+            warnings.simplefilter("ignore", DeprecationWarning)
+            s = _STREAMS[key] = cupy.cuda.ExternalStream(key, device_index)
+    return s
+
+
+def warps_for(t: int) -> int:
+    """Warps a block for T tokens: one a token, a power of two up to :data:`MAX_WARPS` (no effect on any bits)."""
+    return min(MAX_WARPS, 1 << (t - 1).bit_length())
+
+
+def split(q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, qk_scale: float, kv_len: int, cfg: CudaPlan,
+          o_part: torch.Tensor, lse_part: torch.Tensor) -> None:
+    """The split pass into ``o_part [B, T, H, splits, hd]`` fp32 and ``lse_part [B, T, H, splits]`` (log2 units),
+    written for each row's splits up to its position; ``qk_scale`` = softmax scale * log2(e). Inputs as
+    :func:`supports` accepts them (the caller checks)."""
+    import cupy
+
+    b, t, h, hd = q.shape
+    hkv = k_cache.shape[1]
+    splits = cfg.splits(kv_len)
+    dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    warps = warps_for(t)
+    kern = _kernel(hd, q.dtype == torch.float16, warps, q_pos.dtype == torch.int64, slots.dtype == torch.int64, dev)
+    ptrs = (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_scale.data_ptr(), v_scale.data_ptr(),
+            slots.data_ptr(), q_pos.data_ptr(), o_part.data_ptr(), lse_part.data_ptr())
+    longs = (*q.stride()[:3], *k_cache.stride()[:2], *v_cache.stride()[:2], *k_scale.stride()[:2],
+             *v_scale.stride()[:2], *q_pos.stride(), slots.stride(0))
+    ints = (t, h, hkv, h // hkv, kv_len, cfg.chunk, cfg.min_chunk, splits)
+    args = (*map(np.uint64, ptrs), *map(np.int64, longs), np.float32(qk_scale), *map(np.int32, ints))
+    stream = torch.cuda.current_stream(q.device)
+    with cupy.cuda.Device(dev):
+        kern((splits, b * hkv, -(-t // warps)), (warps * 32,), args, stream=_stream(stream, dev))

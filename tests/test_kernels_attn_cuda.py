@@ -1,0 +1,175 @@
+"""The tensor-core int8 decode attention (kernels/attn_cuda.cu) against decode_attention_ref and the Triton path.
+
+The kernel runs on CUDA with cupy only; those tests skip elsewhere. The plan, the path choice and the module's
+import are checked on every machine.
+"""
+
+import pytest
+import torch
+from attention_cases import DEVICE, make_case, rel_rms
+from ninfer_bench.kernels import attention_triton as at
+from ninfer_bench.kernels import attn_cuda
+
+RTOL_BF16 = 1e-2  # relative RMS vs the fp32 reference with bf16 q (q and p rounded to fp16, V codes x scales in fp16)
+RTOL_FP16 = 3e-3
+
+gpu = pytest.mark.skipif(not attn_cuda.available() or not at.triton_available(),
+                         reason=f"needs CUDA, cupy and triton: {attn_cuda.import_error()}")
+
+
+@pytest.fixture(autouse=True)
+def nan_buffers(monkeypatch):
+    """Outputs and split workspaces start as NaN, so an element the kernels never write fails the comparison."""
+    monkeypatch.setattr(at, "_new_buffer", lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype,
+                                                                                 device=device))
+
+
+# (B, T, H, Hkv, hd, lengths, slots, cap): G = 1 / 2 / 6 / 8, hd 64 - 256, T = 1 / 3 / 8 / 9 / 16, rows at
+# position 0, lengths that are not multiples of 16, a batch of rows of different lengths
+SHAPES = {
+    "T1-g6-hd256": (2, 1, 24, 4, 256, [1, 300], 3, 320),
+    "T8-g6-hd256": (1, 8, 24, 4, 256, [200], 2, 256),
+    "T3-g8-hd128": (3, 3, 16, 2, 128, [3, 77, 130], 4, 160),
+    "T9-g2-hd192": (2, 9, 4, 2, 192, [9, 100], 3, 112),
+    "T16-g1-hd64": (1, 16, 4, 4, 64, [90], 2, 96),
+    "T2-g6-hd64": (3, 2, 6, 1, 64, [2, 17, 33], 4, 48),
+}
+
+
+def half_case(shape, q_dtype=torch.bfloat16, seed=0):
+    return make_case("int8", *SHAPES[shape], q_dtype=q_dtype, seed=seed)
+
+
+def many_splits(c):
+    """A plan that splits the keys into 32-key chunks (a row's chunk shrinking to 16 keys near the start)."""
+    return attn_cuda.CudaPlan(chunk=32, min_chunk=16)
+
+
+@gpu
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
+@pytest.mark.parametrize("split", ["plan", "many"])
+def test_matches_reference(shape, q_dtype, split):
+    c = half_case(shape, q_dtype)
+    assert attn_cuda.wanted(c["q"], c["k_cache"], c["v_cache"], c["k_scale"], c["v_scale"], c["slots"], c["q_pos"])
+    out = at.decode_attention(**c, config=many_splits(c) if split == "many" else None)
+    ref = at.decode_attention_ref(**{**c, "q": c["q"].float()})
+    assert out.dtype == q_dtype and torch.isfinite(out).all()
+    assert rel_rms(out, ref) <= (RTOL_BF16 if q_dtype == torch.bfloat16 else RTOL_FP16)
+
+
+@gpu
+def test_matches_the_triton_kernel():
+    """The same sums, another order: the CUDA and Triton paths agree as closely as either agrees with fp32."""
+    c = half_case("T8-g6-hd256", torch.float16, seed=4)
+    cuda = at.decode_attention(**c)
+    cfg = at.plan(1, 8, 24, 4, 256, 256, True, DEVICE, q_dtype=torch.float16)
+    triton = at.decode_attention(**c, config=cfg)
+    assert rel_rms(cuda, triton) <= RTOL_FP16
+
+
+@gpu
+@pytest.mark.parametrize("shape", ["T8-g6-hd256", "T9-g2-hd192", "T3-g8-hd128"])
+@pytest.mark.parametrize("split", ["plan", "many"])
+def test_tokens_and_rows_give_the_bits_single_steps_give(shape, split):
+    """Token invariance: each token of a T-token call, each row of a batch, gives the bits a B = 1, T = 1 call at its
+    position gives (the block's warp count changes with T; a row's sums do not)."""
+    c = half_case(shape, seed=7)
+    cfg = many_splits(c) if split == "many" else None
+    block = at.decode_attention(**c, config=cfg)
+    b, t = c["q"].shape[:2]
+    for i in range(b):
+        for j in range(t):
+            one = {**c, "q": c["q"][i:i + 1, j:j + 1].contiguous(), "slots": c["slots"][i:i + 1],
+                   "q_pos": c["q_pos"][i:i + 1, j:j + 1].contiguous()}
+            assert torch.equal(at.decode_attention(**one, config=cfg)[0, 0], block[i, j]), (i, j)
+
+
+@gpu
+def test_gate_gives_sigmoid_mul_bits():
+    from ninfer_bench.kernels import fused
+
+    c = half_case("T3-g8-hd128", seed=2)
+    b, t, h, hd = c["q"].shape
+    gate = (2 * torch.randn(b, t, h * hd, generator=torch.Generator().manual_seed(5))).to(torch.bfloat16).to(DEVICE)
+    plain = at.decode_attention(**c)
+    gated = at.decode_attention(**c, gate=gate)
+    assert torch.equal(gated.view(b, t, h * hd), fused.sigmoid_mul(plain.view(b, t, h * hd), gate))
+    assert rel_rms(gated, at.decode_attention_ref(**{**c, "q": c["q"].float()}, gate=gate)) <= RTOL_BF16
+
+
+@gpu
+def test_no_leak_past_the_position():
+    """Cache entries past each row's position (NaN or huge scales, codes 127) change nothing."""
+    c = half_case("T2-g6-hd64", seed=3)
+    clean = at.decode_attention(**c)
+    live = torch.zeros(c["k_cache"].shape[0], c["k_cache"].shape[2], dtype=torch.bool, device=DEVICE)
+    live[c["slots"]] = torch.arange(live.shape[1], device=DEVICE)[None, :] <= c["q_pos"].max(1).values[:, None]
+    dead = ~live[:, None, :, None]
+    for value in (float("nan"), 6e4):
+        p = {**c, "k_cache": c["k_cache"].masked_fill(dead, 127), "v_cache": c["v_cache"].masked_fill(dead, 127),
+             "k_scale": c["k_scale"].masked_fill(dead, value), "v_scale": c["v_scale"].masked_fill(dead, value)}
+        assert torch.equal(at.decode_attention(**p), clean), value
+
+
+@gpu
+def test_int32_indices_and_strided_slots():
+    c = half_case("T3-g8-hd128", seed=6)
+    out = at.decode_attention(**c)
+    slots = torch.stack([c["slots"], c["slots"]], 1)[:, 0]  # a strided view
+    assert slots.stride(0) == 2
+    same = at.decode_attention(**{**c, "slots": slots.int(), "q_pos": c["q_pos"].int()})
+    assert torch.equal(same, out)
+    assert torch.equal(at.decode_attention(**{**c, "slots": slots}), out)
+
+
+@gpu
+def test_unsupported_inputs_take_the_triton_path_or_are_refused():
+    c = make_case("int8", 1, 2, 18, 2, 64, [40], 2, 64, q_dtype=torch.bfloat16)  # G = 9: over the MMA's 8 columns
+    args = (c["q"], c["k_cache"], c["v_cache"], c["k_scale"], c["v_scale"], c["slots"], c["q_pos"])
+    assert not attn_cuda.supports(*args)
+    assert rel_rms(at.decode_attention(**c), at.decode_attention_ref(**{**c, "q": c["q"].float()})) <= RTOL_BF16
+    with pytest.raises(ValueError, match="CUDA split kernel"):
+        at.decode_attention(**c, config=attn_cuda.CudaPlan(chunk=32, min_chunk=16))
+    f32 = half_case("T2-g6-hd64", torch.float32)  # fp32 queries: the Triton reference-precision path
+    assert not attn_cuda.supports(f32["q"], f32["k_cache"], f32["v_cache"], f32["k_scale"], f32["v_scale"],
+                                  f32["slots"], f32["q_pos"])
+
+
+@gpu
+def test_switch_off_runs_the_triton_kernel():
+    c = half_case("T1-g6-hd256", seed=1)
+    args = (c["q"], c["k_cache"], c["v_cache"], c["k_scale"], c["v_scale"], c["slots"], c["q_pos"])
+    try:
+        attn_cuda.set_enabled(False)
+        assert not attn_cuda.wanted(*args)
+        off = at.decode_attention(**c)
+    finally:
+        attn_cuda.set_enabled(True)
+    assert attn_cuda.wanted(*args)
+    assert rel_rms(off, at.decode_attention(**c)) <= RTOL_BF16
+
+
+def test_plan_is_a_function_of_static_sizes():
+    """Same key range and kv heads, same grid (CUDA-graph capture); a long range splits, a short one keeps at least
+    MIN_STEPS steps a split; chunks are whole steps."""
+    dev = DEVICE if torch.cuda.is_available() else "cpu"
+    p = attn_cuda.plan(65536, 4, dev)
+    assert p == attn_cuda.plan(65536, 4, dev) and p.splits(65536) > 1
+    assert p.chunk % attn_cuda.STEP == 0 and p.min_chunk % attn_cuda.STEP == 0 and p.min_chunk <= p.chunk
+    short = attn_cuda.plan(200, 4, dev)
+    assert short.chunk >= min(200, attn_cuda.MIN_STEPS * attn_cuda.STEP) or short.splits(200) == 1
+    for bad in ({"chunk": 24, "min_chunk": 16}, {"chunk": 32, "min_chunk": 48},
+                {"chunk": 32, "min_chunk": 16, "combine_cols": 24}):
+        with pytest.raises(ValueError):
+            attn_cuda.CudaPlan(**bad)
+
+
+def test_warps_a_block_follow_the_tokens():
+    assert [attn_cuda.warps_for(t) for t in (1, 2, 3, 5, 8, 9, 64)] == [1, 2, 4, 8, 8, 8, 8]
+
+
+def test_cpu_tensors_never_take_the_kernel():
+    c = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in half_case("T2-g6-hd64").items()}
+    assert not attn_cuda.supports(c["q"], c["k_cache"], c["v_cache"], c["k_scale"], c["v_scale"], c["slots"],
+                                  c["q_pos"])
