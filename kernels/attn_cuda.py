@@ -145,14 +145,21 @@ def plan(kv_len: int, kv_heads: int, device: torch.device | str = "cuda", *, war
 
 
 @functools.cache
-def _kernel(hd: int, half: bool, warps: int, pos64: bool, slot64: bool, device_index: int):
+def _kernels(hd: int, half: bool, pos64: bool, slot64: bool, device_index: int) -> dict[int, object]:
+    """The kernel built for every warps-a-block count at once, {warps: function}: a T = 8 verify's first launch may
+    come inside a CUDA-graph capture, after only T = 1 steps ran eagerly, and must not compile or load a module."""
     import cupy
 
+    out = {}
     with cupy.cuda.Device(device_index):
-        module = cupy.RawModule(code=_SOURCE.read_text(), backend="nvrtc",
-                                options=("-std=c++17", "--fmad=false", f"-DHD={hd}", f"-DHALF={int(half)}",
-                                         f"-DWARPS={warps}", f"-DPOS64={int(pos64)}", f"-DSLOT64={int(slot64)}"))
-        return module.get_function("attn_split")
+        for warps in (1 << i for i in range(MAX_WARPS.bit_length())):
+            module = cupy.RawModule(code=_SOURCE.read_text(), backend="nvrtc",
+                                    options=("-std=c++17", "--fmad=false", f"-DHD={hd}", f"-DHALF={int(half)}",
+                                             f"-DWARPS={warps}", f"-DPOS64={int(pos64)}", f"-DSLOT64={int(slot64)}"))
+            fn = module.get_function("attn_split")
+            assert fn.kernel.ptr  # compiled and loaded now (cupy would on the first launch)
+            out[warps] = fn
+    return out
 
 
 _STREAMS: dict[int, object] = {}
@@ -190,7 +197,7 @@ def split(q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, qk_scale: float, 
     splits = cfg.splits(kv_len)
     dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
     warps = warps_for(t)
-    kern = _kernel(hd, q.dtype == torch.float16, warps, q_pos.dtype == torch.int64, slots.dtype == torch.int64, dev)
+    kern = _kernels(hd, q.dtype == torch.float16, q_pos.dtype == torch.int64, slots.dtype == torch.int64, dev)[warps]
     ptrs = (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_scale.data_ptr(), v_scale.data_ptr(),
             slots.data_ptr(), q_pos.data_ptr(), o_part.data_ptr(), lse_part.data_ptr())
     longs = (*q.stride()[:3], *k_cache.stride()[:2], *v_cache.stride()[:2], *k_scale.stride()[:2],
