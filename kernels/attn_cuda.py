@@ -157,7 +157,8 @@ def _kernels(hd: int, half: bool, pos64: bool, slot64: bool, device_index: int) 
                                     options=("-std=c++17", "--fmad=false", f"-DHD={hd}", f"-DHALF={int(half)}",
                                              f"-DWARPS={warps}", f"-DPOS64={int(pos64)}", f"-DSLOT64={int(slot64)}"))
             fn = module.get_function("attn_split")
-            assert fn.kernel.ptr  # compiled and loaded now (cupy would on the first launch)
+            if not fn.kernel.ptr:  # compiled and loaded now (cupy would on the first launch)
+                raise RuntimeError(f"attn_cuda: the {warps}-warp build did not load")
             out[warps] = fn
     return out
 
