@@ -23,11 +23,17 @@
 // their keys' scales in fp16 (one rounding, as the Triton kernel's dequantized tile). P^T's B fragments come from
 // S^T's accumulators through movmatrix (an 8 x 8 transpose in registers).
 //
-// Token invariance: a warp's work is a function of its own token (its q rows, its position, its key range); the
-// other tokens of the block and the other rows of the batch never enter it, so a T = 8 verify computes, token by
-// token, the bits eight T = 1 steps compute. Each step's K and V loads for the next step are issued as soon as the
-// current ones are used (a register double buffer): a T = 1 step reads K / V once at full width, the tokens of a
-// verify read the same lines through L1.
+// One token a block (WARPS 1: decode steps, batched or not): the warp loads its K / V into a register double buffer,
+// each step's loads for the next step issued as soon as the current registers are used, and makes its fragments
+// there. Several tokens a block (WARPS > 1: a verify pass): the block walks the union of its tokens' key ranges; each
+// step, warp w turns units w, w + WARPS, .. (unit u < NG: K's scale group u, else V's group u - NG) into the
+// fragments every lane needs, into shared memory (double buffered, one barrier a step), and each warp reads its
+// token's fragments from there, skipping the steps outside its own range: the cache is read and converted once for
+// all the tokens.
+// Token invariance: a token's MMAs, softmax and stores are a function of its own q rows, position and key range, and
+// its fragments hold the same values whichever path made them (the same instructions on the same bytes; keys past
+// the token's end are masked to -inf, so p = 0 there whatever the union walk loaded). A T = 8 verify computes,
+// token by token, the bits eight T = 1 steps compute, and a batched row those of the row alone.
 // Writes the normalised fp32 partial output [B, T, H, splits, HD] and its log2-sum-exp of every row whose key range
 // reaches this split, also for a single split: the combine merges exactly those rows' splits, rounds the output to
 // q's dtype and applies the gate, so the output's bits are the Triton path's rounding of its sums.
@@ -140,24 +146,132 @@ __device__ __forceinline__ int row_chunk(int pos, int chunk, int min_chunk, int 
   return min(max(want, min_chunk), chunk);
 }
 
+// The fragments of one 16-key step. K: chunk j of scale group gr, from word j of keys g and g + 8 (raw codes).
+__device__ __forceinline__ void k_frag(u32 w0, u32 w1, u32* a) {
+  w0 ^= FLIP;
+  w1 ^= FLIP;
+  a[0] = codes01(w0);
+  a[1] = codes01(w1);
+  a[2] = codes23(w0);
+  a[3] = codes23(w1);
+}
+
+// V: m tile (gr, i) from the 8 bytes of keys 2c, 2c + 1 (x, y) and 2c + 8, 2c + 9 (xb, yb) at 64 gr + 8 g, times
+// their scales (s01: keys 2c, 2c + 1; s89: keys 2c + 8, 2c + 9)
+__device__ __forceinline__ void v_frag(const U2& x, const U2& y, const U2& xb, const U2& yb, u32 s01, u32 s89, int i,
+                                       u32* a) {
+  const u32 sel = (i & 1) ? 0x7362u : 0x5140u;  // head dims 2i, 2i + 1 of the word: the two keys interleaved
+  const u32 za = prmt((i >> 1 ? x.y : x.x) ^ FLIP, (i >> 1 ? y.y : y.x) ^ FLIP, sel);
+  const u32 zb = prmt((i >> 1 ? xb.y : xb.x) ^ FLIP, (i >> 1 ? yb.y : yb.x) ^ FLIP, sel);
+  a[0] = hmul2(codes01(za), s01);
+  a[1] = hmul2(codes23(za), s01);
+  a[2] = hmul2(codes01(zb), s89);
+  a[3] = hmul2(codes23(zb), s89);
+}
+
+__device__ __forceinline__ u32 pair16(u16 lo, u16 hi) { return (u32)lo | ((u32)hi << 16); }
+
+// One token's 16-key step from [start, start + 16), keys from `hi` on masked: S^T, the online softmax, O^T.
+// kfrag(gr, j, a) / vfrag(gr, i, a) give the step's A fragments, kscale(gr, r) key g + 8 r's group scale (fp16 bits);
+// the same values from registers (one token a block) or from shared memory (several), so the same bits. k_done()
+// runs once K's fragments and scales are used (the register path reloads them there).
+template <class KF, class VF, class KSC, class KD>
+__device__ __forceinline__ void token_step(KF kfrag, VF vfrag, KSC kscale, KD k_done, const u32 (&qf)[NG][8],
+                                           float (&o)[NG][4][4], float& m0, float& m1, float& l0, float& l1,
+                                           int start, int hi, float qk_scale, int g) {
+  float sv[4] = {0.f, 0.f, 0.f, 0.f};  // (key g, head 2c), (key g, 2c + 1), (key g + 8, 2c), (key g + 8, 2c + 1)
+#pragma unroll
+  for (int gr = 0; gr < NG; ++gr) {
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      u32 a[4];
+      kfrag(gr, j, a);
+      mma(acc, a[0], a[1], a[2], a[3], qf[gr][2 * j], qf[gr][2 * j + 1]);
+    }
+    const float s0 = f16_to_f32(kscale(gr, 0)), s1 = f16_to_f32(kscale(gr, 1));
+    sv[0] = fmaf(acc[0], s0, sv[0]);
+    sv[1] = fmaf(acc[1], s0, sv[1]);
+    sv[2] = fmaf(acc[2], s1, sv[2]);
+    sv[3] = fmaf(acc[3], s1, sv[3]);
+  }
+  k_done();
+  const bool ok0 = start + g < hi, ok1 = start + g + 8 < hi;
+  sv[0] = ok0 ? sv[0] * qk_scale : NEG_INF;
+  sv[1] = ok0 ? sv[1] * qk_scale : NEG_INF;
+  sv[2] = ok1 ? sv[2] * qk_scale : NEG_INF;
+  sv[3] = ok1 ? sv[3] * qk_scale : NEG_INF;
+  float x0 = fmaxf(sv[0], sv[2]), x1 = fmaxf(sv[1], sv[3]);
+#pragma unroll
+  for (int d = 4; d < 32; d <<= 1) {
+    x0 = fmaxf(x0, __shfl_xor_sync(0xffffffffu, x0, d));
+    x1 = fmaxf(x1, __shfl_xor_sync(0xffffffffu, x1, d));
+  }
+  const float n0 = fmaxf(m0, x0), n1 = fmaxf(m1, x1);  // finite: key `start` is live for every row
+  const float a0 = ex2(m0 - n0), a1 = ex2(m1 - n1);
+  const float p0 = ex2(sv[0] - n0), p1 = ex2(sv[1] - n1), p2 = ex2(sv[2] - n0), p3 = ex2(sv[3] - n1);
+  l0 = fmaf(l0, a0, p0 + p2);
+  l1 = fmaf(l1, a1, p1 + p3);
+  m0 = n0;
+  m1 = n1;
+  // P^T's B fragments: keys 2c, 2c + 1 (and + 8) of head g
+  const u32 pb0 = movtrans(pack_f16(p0, p1)), pb1 = movtrans(pack_f16(p2, p3));
+#pragma unroll
+  for (int gr = 0; gr < NG; ++gr) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      u32 a[4];
+      vfrag(gr, i, a);
+      float* acc = o[gr][i];
+      acc[0] *= a0;
+      acc[1] *= a1;
+      acc[2] *= a0;
+      acc[3] *= a1;
+      mma(acc, a[0], a[1], a[2], a[3], pb0, pb1);
+    }
+  }
+}
+
 extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB)
 attn_split(const u16* __restrict__ Q, const signed char* __restrict__ K, const signed char* __restrict__ V,
            const u16* __restrict__ KS, const u16* __restrict__ VS, const void* __restrict__ SLOTS,
            const void* __restrict__ QPOS, float* __restrict__ OP, float* __restrict__ LSE,
            long long sqb, long long sqt, long long sqh, long long sks, long long skh, long long svs, long long svh,
-           long long ssks, long long sskh, long long ssvs, long long ssvh, long long spb, long long spt, long long ssl,
-           float qk_scale, int T, int H, int HKV, int G, int KV_LEN, int CHUNK, int MIN_CHUNK, int NUM_SPLITS) {
+           long long ssks, long long sskh, long long ssvs, long long ssvh, long long spb, long long spt,
+           long long ssl, float qk_scale, int T, int H, int HKV, int G, int KV_LEN, int CHUNK, int MIN_CHUNK,
+           int NUM_SPLITS) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, c = lane & 3;
   const int t = blockIdx.z * WARPS + warp;
-  if (t >= T) return;
   const int s = blockIdx.x;
   const int b = blockIdx.y / HKV, hkv = blockIdx.y % HKV;
-  const int pos = (int)load_index(QPOS, b * spb + t * spt, POS64);
-  const int chunk = row_chunk(pos, CHUNK, MIN_CHUNK, NUM_SPLITS);
-  const int lo = s * chunk;
-  const int hi = min(min(lo + chunk, KV_LEN), pos + 1);
+  // this warp's token's key range of split s (empty past the token, or for a warp past T)
+  int lo = 0, hi = 0;
+  if (t < T) {
+    const int pos = (int)load_index(QPOS, b * spb + t * spt, POS64);
+    lo = s * row_chunk(pos, CHUNK, MIN_CHUNK, NUM_SPLITS);
+    hi = min(min(lo + row_chunk(pos, CHUNK, MIN_CHUNK, NUM_SPLITS), KV_LEN), pos + 1);
+  }
+#if WARPS == 1
   if (hi <= lo) return;  // this split is past the token: the combine does not read it
+  const int ulo = lo, uhi = hi;
+#else
+  // the block walks the union of its tokens' ranges (all start on a multiple of STEP, so each token meets the steps
+  // it meets alone); a token skips the steps outside its own range
+  int ulo = KV_LEN, uhi = 0;
+  for (int w = 0; w < WARPS; ++w) {
+    const int tw = blockIdx.z * WARPS + w;
+    if (tw >= T) break;
+    const int pw = (int)load_index(QPOS, b * spb + tw * spt, POS64);
+    const int cw = row_chunk(pw, CHUNK, MIN_CHUNK, NUM_SPLITS);
+    const int lw = s * cw, hw = min(min(lw + cw, KV_LEN), pw + 1);
+    if (hw > lw) {
+      ulo = min(ulo, lw);
+      uhi = max(uhi, hw);
+    }
+  }
+  if (uhi <= ulo) return;  // uniform over the block
+#endif
   const long long slot = load_index(SLOTS, b * ssl, SLOT64);
   const signed char* kb = K + slot * sks + hkv * skh;
   const signed char* vb = V + slot * svs + hkv * svh;
@@ -167,11 +281,12 @@ attn_split(const u16* __restrict__ Q, const signed char* __restrict__ K, const s
   // q row g (head hkv * G + g; zero past G) as fp16, dims 64 G + 16 c .. + 15 of each group: the B fragments
   u32 qf[NG][8];
   {
-    const u16* qrow = Q + b * sqb + t * sqt + (long long)(hkv * G + g) * sqh;
+    const bool qok = g < G && t < T;
+    const u16* qrow = Q + b * sqb + (long long)min(t, T - 1) * sqt + (long long)(hkv * G + min(g, G - 1)) * sqh;
 #pragma unroll
     for (int gr = 0; gr < NG; ++gr) {
       U4 h0 = {0, 0, 0, 0}, h1 = {0, 0, 0, 0};
-      if (g < G) {
+      if (qok) {
         h0 = *(const U4*)(qrow + 64 * gr + 16 * c);
         h1 = *(const U4*)(qrow + 64 * gr + 16 * c + 8);
       }
@@ -186,9 +301,19 @@ attn_split(const u16* __restrict__ Q, const signed char* __restrict__ K, const s
       }
     }
   }
+  float o[NG][4][4];
+#pragma unroll
+  for (int gr = 0; gr < NG; ++gr)
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[gr][i][e] = 0.f;
+  float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;  // rows 2c, 2c + 1: running max, this lane's share of the sum
 
-  // the register double buffer: K codes of keys g, g + 8 (16 bytes a group), their scales; V codes of keys
-  // 2c, 2c + 1, 2c + 8, 2c + 9 (8 bytes a group), their scales
+#if WARPS == 1
+  // one token: its K and V in a register double buffer, each step's loads issued as soon as the step before has
+  // used the registers. K codes of keys g, g + 8 (16 bytes a group) and their scales; V codes of keys 2c, 2c + 1,
+  // 2c + 8, 2c + 9 (8 bytes a group) and their scales
   U4 kc[2][NG];
   u16 ksc[2][NG];
   U2 vc[4][NG];
@@ -197,7 +322,7 @@ attn_split(const u16* __restrict__ Q, const signed char* __restrict__ K, const s
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int key = start + g + 8 * r;
-      const bool ok = key < hi;
+      const bool ok = key < uhi;
 #pragma unroll
       for (int gr = 0; gr < NG; ++gr) {
         kc[r][gr] = ok ? *(const U4*)(kb + (long long)key * HD + 64 * gr + 16 * c) : U4{0, 0, 0, 0};
@@ -209,7 +334,7 @@ attn_split(const u16* __restrict__ Q, const signed char* __restrict__ K, const s
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
       const int key = start + 2 * c + (r & 1) + 8 * (r >> 1);
-      const bool ok = key < hi;
+      const bool ok = key < uhi;
 #pragma unroll
       for (int gr = 0; gr < NG; ++gr) {
         vc[r][gr] = ok ? *(const U2*)(vb + (long long)key * HD + 64 * gr + 8 * g) : U2{0, 0};
@@ -217,77 +342,116 @@ attn_split(const u16* __restrict__ Q, const signed char* __restrict__ K, const s
       }
     }
   };
-
-  float o[NG][4][4];
-#pragma unroll
-  for (int gr = 0; gr < NG; ++gr)
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) o[gr][i][e] = 0.f;
-  float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;  // rows 2c, 2c + 1: running max, this lane's share of the sum
-
-  load_k(lo);
-  load_v(lo);
-  for (int start = lo; start < hi; start += STEP) {
-    // S^T: lane holds (key g, head 2c), (key g, 2c + 1), (key g + 8, 2c), (key g + 8, 2c + 1)
-    float sv[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-    for (int gr = 0; gr < NG; ++gr) {
-      float acc[4] = {0.f, 0.f, 0.f, 0.f};
-      const u32 w0[4] = {kc[0][gr].x ^ FLIP, kc[0][gr].y ^ FLIP, kc[0][gr].z ^ FLIP, kc[0][gr].w ^ FLIP};
-      const u32 w1[4] = {kc[1][gr].x ^ FLIP, kc[1][gr].y ^ FLIP, kc[1][gr].z ^ FLIP, kc[1][gr].w ^ FLIP};
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
-        mma(acc, codes01(w0[j]), codes01(w1[j]), codes23(w0[j]), codes23(w1[j]), qf[gr][2 * j], qf[gr][2 * j + 1]);
-      const float s0 = f16_to_f32(ksc[0][gr]), s1 = f16_to_f32(ksc[1][gr]);
-      sv[0] = fmaf(acc[0], s0, sv[0]);
-      sv[1] = fmaf(acc[1], s0, sv[1]);
-      sv[2] = fmaf(acc[2], s1, sv[2]);
-      sv[3] = fmaf(acc[3], s1, sv[3]);
-    }
+  load_k(ulo);
+  load_v(ulo);
+  for (int start = ulo; start < uhi; start += STEP) {
     const int next = start + STEP;
-    if (next < hi) load_k(next);
-    const bool ok0 = start + g < hi, ok1 = start + g + 8 < hi;
-    sv[0] = ok0 ? sv[0] * qk_scale : NEG_INF;
-    sv[1] = ok0 ? sv[1] * qk_scale : NEG_INF;
-    sv[2] = ok1 ? sv[2] * qk_scale : NEG_INF;
-    sv[3] = ok1 ? sv[3] * qk_scale : NEG_INF;
-    float x0 = fmaxf(sv[0], sv[2]), x1 = fmaxf(sv[1], sv[3]);
+    auto kfrag = [&](int gr, int j, u32* a) {
+      const U4& k0 = kc[0][gr];
+      const U4& k1 = kc[1][gr];
+      k_frag(j == 0 ? k0.x : j == 1 ? k0.y : j == 2 ? k0.z : k0.w, j == 0 ? k1.x : j == 1 ? k1.y : j == 2 ? k1.z : k1.w,
+             a);
+    };
+    auto kscale = [&](int gr, int r) { return ksc[r][gr]; };
+    auto k_done = [&]() {
+      if (next < uhi) load_k(next);
+    };
+    auto vfrag = [&](int gr, int i, u32* a) {
+      v_frag(vc[0][gr], vc[1][gr], vc[2][gr], vc[3][gr], pair16(vsc[0][gr], vsc[1][gr]),
+             pair16(vsc[2][gr], vsc[3][gr]), i, a);
+    };
+    token_step(kfrag, vfrag, kscale, k_done, qf, o, m0, m1, l0, l1, start, hi, qk_scale, g);
+    if (next < uhi) load_v(next);
+  }
+#else
+  // several tokens: the block's warps turn each step's K / V into fragments once, in shared memory (double
+  // buffered, one barrier a step); unit u < NG is K's scale group u, NG + u V's, warp w makes units w, w + WARPS, ..
+  // for every lane (the very fragments a one-token block makes in registers), then each warp reads its token's
+  // fragments from there
+  constexpr int UNITS = 2 * NG, UPW = (UNITS + WARPS - 1) / WARPS;
+  __shared__ U4 kfs[2][NG][4][32];  // [buffer][group][chunk j][lane]: a0..a3
+  __shared__ U4 vfs[2][NG][4][32];  // [buffer][group][m tile i][lane]
+  __shared__ u32 kss[2][NG][32];    // [buffer][group][lane]: the scales of keys g, g + 8
+  U4 ku[UPW][2];
+  u16 kus[UPW][2];
+  U2 vu[UPW][4];
+  u16 vus[UPW][4];
+  auto load_units = [&](int start) {
 #pragma unroll
-    for (int d = 4; d < 32; d <<= 1) {
-      x0 = fmaxf(x0, __shfl_xor_sync(0xffffffffu, x0, d));
-      x1 = fmaxf(x1, __shfl_xor_sync(0xffffffffu, x1, d));
-    }
-    const float n0 = fmaxf(m0, x0), n1 = fmaxf(m1, x1);  // finite: key `start` is live for every row
-    const float a0 = ex2(m0 - n0), a1 = ex2(m1 - n1);
-    const float p0 = ex2(sv[0] - n0), p1 = ex2(sv[1] - n1), p2 = ex2(sv[2] - n0), p3 = ex2(sv[3] - n1);
-    l0 = fmaf(l0, a0, p0 + p2);
-    l1 = fmaf(l1, a1, p1 + p3);
-    m0 = n0;
-    m1 = n1;
-    // P^T's B fragments: keys 2c, 2c + 1 (and + 8) of head g
-    const u32 pb0 = movtrans(pack_f16(p0, p1)), pb1 = movtrans(pack_f16(p2, p3));
+    for (int k = 0; k < UPW; ++k) {
+      const int u = warp + k * WARPS;
+      if (u < NG) {
 #pragma unroll
-    for (int gr = 0; gr < NG; ++gr) {
-      const u32 s01 = (u32)vsc[0][gr] | ((u32)vsc[1][gr] << 16), s89 = (u32)vsc[2][gr] | ((u32)vsc[3][gr] << 16);
-      const u32 xa[2] = {vc[0][gr].x ^ FLIP, vc[0][gr].y ^ FLIP}, ya[2] = {vc[1][gr].x ^ FLIP, vc[1][gr].y ^ FLIP};
-      const u32 xb[2] = {vc[2][gr].x ^ FLIP, vc[2][gr].y ^ FLIP}, yb[2] = {vc[3][gr].x ^ FLIP, vc[3][gr].y ^ FLIP};
+        for (int r = 0; r < 2; ++r) {
+          const int key = start + g + 8 * r;
+          const bool ok = key < uhi;
+          ku[k][r] = ok ? *(const U4*)(kb + (long long)key * HD + 64 * u + 16 * c) : U4{0, 0, 0, 0};
+          kus[k][r] = ok ? ksb[(long long)key * NG + u] : (u16)0;
+        }
+      } else if (u < UNITS) {
+        const int gr = u - NG;
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const u32 sel = (i & 1) ? 0x7362u : 0x5140u;  // head dims 2i, 2i + 1 of the word: keys interleaved
-        const u32 za = prmt(xa[i >> 1], ya[i >> 1], sel), zb = prmt(xb[i >> 1], yb[i >> 1], sel);
-        float* acc = o[gr][i];
-        acc[0] *= a0;
-        acc[1] *= a1;
-        acc[2] *= a0;
-        acc[3] *= a1;
-        mma(acc, hmul2(codes01(za), s01), hmul2(codes23(za), s01), hmul2(codes01(zb), s89), hmul2(codes23(zb), s89),
-            pb0, pb1);
+        for (int r = 0; r < 4; ++r) {
+          const int key = start + 2 * c + (r & 1) + 8 * (r >> 1);
+          const bool ok = key < uhi;
+          vu[k][r] = ok ? *(const U2*)(vb + (long long)key * HD + 64 * gr + 8 * g) : U2{0, 0};
+          vus[k][r] = ok ? vsb[(long long)key * NG + gr] : (u16)0;
+        }
       }
     }
-    if (next < hi) load_v(next);
+  };
+  load_units(ulo);
+  int buf = 0;
+  for (int start = ulo; start < uhi; start += STEP) {
+#pragma unroll
+    for (int k = 0; k < UPW; ++k) {
+      const int u = warp + k * WARPS;
+      if (u < NG) {
+        const U4& k0 = ku[k][0];
+        const U4& k1 = ku[k][1];
+        const u32 w0[4] = {k0.x, k0.y, k0.z, k0.w}, w1[4] = {k1.x, k1.y, k1.z, k1.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          u32 a[4];
+          k_frag(w0[j], w1[j], a);
+          kfs[buf][u][j][lane] = U4{a[0], a[1], a[2], a[3]};
+        }
+        kss[buf][u][lane] = pair16(kus[k][0], kus[k][1]);
+      } else if (u < UNITS) {
+        const int gr = u - NG;
+        const u32 s01 = pair16(vus[k][0], vus[k][1]), s89 = pair16(vus[k][2], vus[k][3]);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          u32 a[4];
+          v_frag(vu[k][0], vu[k][1], vu[k][2], vu[k][3], s01, s89, i, a);
+          vfs[buf][gr][i][lane] = U4{a[0], a[1], a[2], a[3]};
+        }
+      }
+    }
+    if (start + STEP < uhi) load_units(start + STEP);
+    __syncthreads();
+    if (start + STEP > lo && start < hi) {  // a step of this token's own range (uniform over the warp)
+      auto kfrag = [&](int gr, int j, u32* a) {
+        const U4 f = kfs[buf][gr][j][lane];
+        a[0] = f.x;
+        a[1] = f.y;
+        a[2] = f.z;
+        a[3] = f.w;
+      };
+      auto kscale = [&](int gr, int r) { return (u16)(kss[buf][gr][lane] >> (16 * r)); };
+      auto vfrag = [&](int gr, int i, u32* a) {
+        const U4 f = vfs[buf][gr][i][lane];
+        a[0] = f.x;
+        a[1] = f.y;
+        a[2] = f.z;
+        a[3] = f.w;
+      };
+      token_step(kfrag, vfrag, kscale, [] {}, qf, o, m0, m1, l0, l1, start, hi, qk_scale, g);
+    }
+    buf ^= 1;
   }
+  if (hi <= lo) return;  // no keys of this token here: nothing to write
+#endif
 #pragma unroll
   for (int d = 4; d < 32; d <<= 1) {
     l0 += __shfl_xor_sync(0xffffffffu, l0, d);
