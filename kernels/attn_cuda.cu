@@ -5,6 +5,8 @@
 //   HALF   0: q is bf16 (converted to fp16 as it is loaded), 1: fp16
 //   WARPS  warps a block, one query token each (a block = one key range of one (row b, kv head))
 //   POS64 / SLOT64   q_pos / slots are int64 (1) or int32 (0)
+//   DEPTH  several tokens a block: steps of K / V loads in flight (0: 4 / units a warp; one block an SM hides no
+//          latency but its own)
 //
 // One warp = one query token's G <= 8 heads of one kv head over one key range [lo, hi), 16 keys a step, online
 // softmax in fp32. The MMAs are transposed so that the query heads are the MMA's 8 columns (a decode step has G = 6
@@ -59,6 +61,9 @@ typedef unsigned long long u64;
 #endif
 #ifndef MINB
 #define MINB (8 / WARPS)  // blocks an SM the registers must allow: 8 warps an SM
+#endif
+#ifndef DEPTH
+#define DEPTH 0  // several tokens a block: steps whose loads are in flight together (0: 4 / units a warp, at least 1)
 #endif
 #define NG (HD / 64)
 #define STEP 16
@@ -369,14 +374,15 @@ attn_split(const u16* __restrict__ Q, const signed char* __restrict__ K, const s
   // for every lane (the very fragments a one-token block makes in registers), then each warp reads its token's
   // fragments from there
   constexpr int UNITS = 2 * NG, UPW = (UNITS + WARPS - 1) / WARPS;
+  constexpr int D = DEPTH > 0 ? DEPTH : (4 / UPW > 1 ? 4 / UPW : 1);  // 8 warps at hd 256: 4 steps
   __shared__ U4 kfs[2][NG][4][32];  // [buffer][group][chunk j][lane]: a0..a3
   __shared__ U4 vfs[2][NG][4][32];  // [buffer][group][m tile i][lane]
   __shared__ u32 kss[2][NG][32];    // [buffer][group][lane]: the scales of keys g, g + 8
-  U4 ku[UPW][2];
-  u16 kus[UPW][2];
-  U2 vu[UPW][4];
-  u16 vus[UPW][4];
-  auto load_units = [&](int start) {
+  // a unit's loads for one step, K or V alike: 8 code words and 4 scales (K: words of keys g, g + 8, scales of both;
+  // V: 2 words of each of keys 2c, 2c + 1, 2c + 8, 2c + 9, their scales), D steps in flight
+  u32 ud[D][UPW][8];
+  u16 us[D][UPW][4];
+  auto load_units = [&](u32 (&d)[UPW][8], u16 (&sc)[UPW][4], int start) {
 #pragma unroll
     for (int k = 0; k < UPW; ++k) {
       const int u = warp + k * WARPS;
@@ -385,8 +391,12 @@ attn_split(const u16* __restrict__ Q, const signed char* __restrict__ K, const s
         for (int r = 0; r < 2; ++r) {
           const int key = start + g + 8 * r;
           const bool ok = key < uhi;
-          ku[k][r] = ok ? *(const U4*)(kb + (long long)key * HD + 64 * u + 16 * c) : U4{0, 0, 0, 0};
-          kus[k][r] = ok ? ksb[(long long)key * NG + u] : (u16)0;
+          const U4 w = ok ? *(const U4*)(kb + (long long)key * HD + 64 * u + 16 * c) : U4{0, 0, 0, 0};
+          d[k][4 * r] = w.x;
+          d[k][4 * r + 1] = w.y;
+          d[k][4 * r + 2] = w.z;
+          d[k][4 * r + 3] = w.w;
+          sc[k][r] = ok ? ksb[(long long)key * NG + u] : (u16)0;
         }
       } else if (u < UNITS) {
         const int gr = u - NG;
@@ -394,61 +404,70 @@ attn_split(const u16* __restrict__ Q, const signed char* __restrict__ K, const s
         for (int r = 0; r < 4; ++r) {
           const int key = start + 2 * c + (r & 1) + 8 * (r >> 1);
           const bool ok = key < uhi;
-          vu[k][r] = ok ? *(const U2*)(vb + (long long)key * HD + 64 * gr + 8 * g) : U2{0, 0};
-          vus[k][r] = ok ? vsb[(long long)key * NG + gr] : (u16)0;
+          const U2 w = ok ? *(const U2*)(vb + (long long)key * HD + 64 * gr + 8 * g) : U2{0, 0};
+          d[k][2 * r] = w.x;
+          d[k][2 * r + 1] = w.y;
+          sc[k][r] = ok ? vsb[(long long)key * NG + gr] : (u16)0;
         }
       }
     }
   };
-  load_units(ulo);
-  int buf = 0;
-  for (int start = ulo; start < uhi; start += STEP) {
+  auto make_units = [&](const u32 (&d)[UPW][8], const u16 (&sc)[UPW][4], int buf) {
 #pragma unroll
     for (int k = 0; k < UPW; ++k) {
       const int u = warp + k * WARPS;
       if (u < NG) {
-        const U4& k0 = ku[k][0];
-        const U4& k1 = ku[k][1];
-        const u32 w0[4] = {k0.x, k0.y, k0.z, k0.w}, w1[4] = {k1.x, k1.y, k1.z, k1.w};
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
           u32 a[4];
-          k_frag(w0[j], w1[j], a);
+          k_frag(d[k][j], d[k][4 + j], a);
           kfs[buf][u][j][lane] = U4{a[0], a[1], a[2], a[3]};
         }
-        kss[buf][u][lane] = pair16(kus[k][0], kus[k][1]);
+        kss[buf][u][lane] = pair16(sc[k][0], sc[k][1]);
       } else if (u < UNITS) {
         const int gr = u - NG;
-        const u32 s01 = pair16(vus[k][0], vus[k][1]), s89 = pair16(vus[k][2], vus[k][3]);
+        const U2 x{d[k][0], d[k][1]}, y{d[k][2], d[k][3]}, xb{d[k][4], d[k][5]}, yb{d[k][6], d[k][7]};
+        const u32 s01 = pair16(sc[k][0], sc[k][1]), s89 = pair16(sc[k][2], sc[k][3]);
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           u32 a[4];
-          v_frag(vu[k][0], vu[k][1], vu[k][2], vu[k][3], s01, s89, i, a);
+          v_frag(x, y, xb, yb, s01, s89, i, a);
           vfs[buf][gr][i][lane] = U4{a[0], a[1], a[2], a[3]};
         }
       }
     }
-    if (start + STEP < uhi) load_units(start + STEP);
-    __syncthreads();
-    if (start + STEP > lo && start < hi) {  // a step of this token's own range (uniform over the warp)
-      auto kfrag = [&](int gr, int j, u32* a) {
-        const U4 f = kfs[buf][gr][j][lane];
-        a[0] = f.x;
-        a[1] = f.y;
-        a[2] = f.z;
-        a[3] = f.w;
-      };
-      auto kscale = [&](int gr, int r) { return (u16)(kss[buf][gr][lane] >> (16 * r)); };
-      auto vfrag = [&](int gr, int i, u32* a) {
-        const U4 f = vfs[buf][gr][i][lane];
-        a[0] = f.x;
-        a[1] = f.y;
-        a[2] = f.z;
-        a[3] = f.w;
-      };
-      token_step(kfrag, vfrag, kscale, [] {}, qf, o, m0, m1, l0, l1, start, hi, qk_scale, g);
+  };
+#pragma unroll
+  for (int e = 0; e < D; ++e) load_units(ud[e], us[e], ulo + e * STEP);
+  int buf = 0;
+  for (int base = ulo; base < uhi; base += D * STEP) {
+#pragma unroll
+    for (int e = 0; e < D; ++e) {  // e: the register set of step `start` (a compile-time index)
+      const int start = base + e * STEP;
+      if (start >= uhi) break;  // uniform over the block
+      make_units(ud[e], us[e], buf);
+      if (start + D * STEP < uhi) load_units(ud[e], us[e], start + D * STEP);
+      __syncthreads();
+      if (start + STEP > lo && start < hi) {  // a step of this token's own range (uniform over the warp)
+        auto kfrag = [&](int gr, int j, u32* a) {
+          const U4 f = kfs[buf][gr][j][lane];
+          a[0] = f.x;
+          a[1] = f.y;
+          a[2] = f.z;
+          a[3] = f.w;
+        };
+        auto kscale = [&](int gr, int r) { return (u16)(kss[buf][gr][lane] >> (16 * r)); };
+        auto vfrag = [&](int gr, int i, u32* a) {
+          const U4 f = vfs[buf][gr][i][lane];
+          a[0] = f.x;
+          a[1] = f.y;
+          a[2] = f.z;
+          a[3] = f.w;
+        };
+        token_step(kfrag, vfrag, kscale, [] {}, qf, o, m0, m1, l0, l1, start, hi, qk_scale, g);
+      }
+      buf ^= 1;
     }
-    buf ^= 1;
   }
   if (hi <= lo) return;  // no keys of this token here: nothing to write
 #endif
