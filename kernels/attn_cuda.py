@@ -113,12 +113,17 @@ class CudaPlan:
     min_chunk: int
     combine_cols: int = COMBINE_COLS
     combine_splits: int = COMBINE_SPLITS
+    # tokens a block at most (one warp each; a power of two <= MAX_WARPS): a verify's tokens share one conversion of
+    # each K / V step per block; fewer a block, more blocks an SM. No effect on any bits
+    block_tokens: int = MAX_WARPS
 
     def __post_init__(self):
         if self.chunk <= 0 or self.chunk % STEP or self.min_chunk <= 0 or self.min_chunk % STEP \
                 or self.min_chunk > self.chunk:
             raise ValueError(f"CudaPlan: chunk and min_chunk must be positive multiples of {STEP} with "
                              f"min_chunk <= chunk, got {self.chunk} and {self.min_chunk}")
+        if self.block_tokens not in (1, 2, 4, 8):
+            raise ValueError(f"CudaPlan.block_tokens must be 1, 2, 4 or 8, got {self.block_tokens}")
         for name in ("combine_cols", "combine_splits"):
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
@@ -185,9 +190,9 @@ def _stream(torch_stream, device_index: int):
     return s
 
 
-def warps_for(t: int) -> int:
-    """Warps a block for T tokens: one a token, a power of two up to :data:`MAX_WARPS` (no effect on any bits)."""
-    return min(MAX_WARPS, 1 << (t - 1).bit_length())
+def warps_for(t: int, block_tokens: int = MAX_WARPS) -> int:
+    """Warps a block for T tokens: one a token, a power of two up to ``block_tokens`` (no effect on any bits)."""
+    return min(block_tokens, 1 << (t - 1).bit_length())
 
 
 def split(q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, qk_scale: float, kv_len: int, cfg: CudaPlan,
@@ -201,7 +206,7 @@ def split(q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, qk_scale: float, 
     hkv = k_cache.shape[1]
     splits = cfg.splits(kv_len)
     dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    warps = warps_for(t)
+    warps = warps_for(t, cfg.block_tokens)
     kern = _kernels(hd, q.dtype == torch.float16, q_pos.dtype == torch.int64, slots.dtype == torch.int64, dev)[warps]
     ptrs = (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_scale.data_ptr(), v_scale.data_ptr(),
             slots.data_ptr(), q_pos.data_ptr(), o_part.data_ptr(), lse_part.data_ptr())

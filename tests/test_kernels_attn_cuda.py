@@ -86,6 +86,16 @@ def test_tokens_and_rows_give_the_bits_single_steps_give(shape, split):
 
 
 @gpu
+def test_tokens_a_block_change_no_bits():
+    """A verify's tokens in blocks of 1, 2, 4 or 8 (one conversion of each step a block): the same bits."""
+    c = half_case("T8-g6-hd256", seed=8)
+    outs = [at.decode_attention(**c, config=attn_cuda.CudaPlan(chunk=64, min_chunk=16, block_tokens=bt))
+            for bt in (8, 4, 2, 1)]
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
+
+
+@gpu
 def test_gate_gives_sigmoid_mul_bits():
     from ninfer_bench.kernels import fused
 
@@ -167,6 +177,9 @@ def test_plan_is_a_function_of_static_sizes():
 
 def test_warps_a_block_follow_the_tokens():
     assert [attn_cuda.warps_for(t) for t in (1, 2, 3, 5, 8, 9, 64)] == [1, 2, 4, 8, 8, 8, 8]
+    assert [attn_cuda.warps_for(t, 4) for t in (1, 3, 8)] == [1, 4, 4]
+    with pytest.raises(ValueError, match="block_tokens"):
+        attn_cuda.CudaPlan(chunk=32, min_chunk=16, block_tokens=3)
 
 
 def test_cpu_tensors_never_take_the_kernel():
