@@ -138,10 +138,16 @@ def load_average() -> float | None:
         return None
 
 
+# environment variables that switch kernels (recorded in a result's env; never secrets such as the server's API key)
+KERNEL_KNOBS = ("NINFER_BENCH_ATTN", "NINFER_BENCH_QMV_WIDE")
+
+
 def environment() -> dict:
     """Where a run happened: software versions, GPU and CPU, and the conditions of the measurement: torch's CPU
     threads, the CPUs the process may use (``cpu_affinity``), the 1-minute load average when the document was made,
-    and the GPU's clocks where nvidia-smi reads them (``gpu_clocks``, MHz, or None). The gate treats a change of
+    and the GPU's clocks where nvidia-smi reads them (``gpu_clocks``, MHz, or None); ``knobs``: the kernel switches
+    set in the process's environment (:data:`KERNEL_KNOBS`, e.g. ``NINFER_BENCH_ATTN=triton``), which change a run's
+    kernels without changing its config. The gate treats a change of
     threads, affinity or configured clocks as another experiment, and a change of load as a reason to doubt timings
     (reports/experiment.py)."""
     import torch
@@ -150,7 +156,8 @@ def environment() -> dict:
            "platform": platform.platform(), "cpu": platform.processor() or platform.machine(),
            "cpu_model": cpu_model(), "cpu_count": os.cpu_count(), "cpu_affinity": cpu_affinity(),
            "threads": torch.get_num_threads(), "load_avg_1m": load_average(), "cuda": torch.version.cuda,
-           "gpu": None, "driver": None, "gpu_clocks": None}
+           "gpu": None, "driver": None, "gpu_clocks": None,
+           "knobs": {k: os.environ[k] for k in KERNEL_KNOBS if k in os.environ}}
     try:
         import transformers
 

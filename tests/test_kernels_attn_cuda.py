@@ -186,3 +186,13 @@ def test_cpu_tensors_never_take_the_kernel():
     c = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in half_case("T2-g6-hd64").items()}
     assert not attn_cuda.supports(c["q"], c["k_cache"], c["v_cache"], c["k_scale"], c["v_scale"], c["slots"],
                                   c["q_pos"])
+
+
+def test_the_attention_switch_is_recorded_in_a_result(monkeypatch):
+    """A run with NINFER_BENCH_ATTN set says so in its env (its config does not change); secrets are not copied."""
+    from ninfer_bench.reports.schema import environment
+
+    monkeypatch.setenv("NINFER_BENCH_ATTN", "triton")
+    monkeypatch.setenv("NINFER_BENCH_API_KEY", "secret")
+    knobs = environment()["knobs"]
+    assert knobs == {"NINFER_BENCH_ATTN": "triton"}
