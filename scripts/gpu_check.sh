@@ -68,7 +68,8 @@
 #   dattn    scripts/bench_attention.py with its launch sweep (DATTN_BUDGET_S, default 150 s): decode / verify attention
 #            at the 27B shape, tokens packed in one tile and one token a tile, beside SDPA on a bf16 copy
 #   ncuattn  Nsight Compute (full sections) on decode attention's split kernel, int8 beside bf16 at 65,536 keys
-#            (NCU_CASES, NCU_COUNT): where the int8 path loses to bf16; the reports come back in ncu.tar
+#            (NCU_CASES, NCU_COUNT, NCU_KERNEL): where the int8 path loses to bf16, or (NCU_KERNEL='^attn_split$')
+#            where the CUDA kernel's verify block spends its steps; the reports come back in ncu.tar
 #   pattn    prefill attention: its CUDA tests, then scripts/bench_prefill_attention.py (--sweep int8; PATTN_ARGS)
 #   ptests   the engine's prefill paths on CUDA: test_fastpath, test_prefill_graphs, test_sampler, test_cuda_engine,
 #            the GDN prefill glue and prefill attention kernels
@@ -543,12 +544,13 @@ PY
              nb decode $M27 -p ${CTX_P:-262016} -n 128 --repeats 1 --warmup 0 --json "$OUT/ctx262.json" 2>&1 | tail -12 ;;
     ncuattn) # Nsight Compute on decode attention's split kernel, int8 beside bf16 (65,536 keys, B = 1, T = 1 by
              # default: NCU_CASES), the default plan (NCU_PLAN: its overrides, bench_attention.py --plan), one report
-             # a case; full sections, clocks left alone
+             # a case; full sections, clocks left alone. NCU_KERNEL: the kernel-name regex (default the Triton split
+             # kernel; NCU_KERNEL='^attn_split$' NCU_CASES=int8:65536:1:8 profiles kernels/attn_cuda.cu's verify block)
              if ! command -v ncu >/dev/null; then echo "ncu: not on the PATH"; else
                mkdir -p "$OUT/ncu"   # one folder: it comes back as one archive
                for c in $(echo ${NCU_CASES:-int8:65536:1:1,bf16:65536:1:1} | tr , ' '); do
                  rep="$OUT/ncu/attn_$(echo $c | tr : _)"
-                 timeout ${STAGE_S:-300} ncu --clock-control none --kernel-name regex:_attn_split --launch-skip 2 \
+                 timeout ${STAGE_S:-300} ncu --clock-control none --kernel-name regex:${NCU_KERNEL:-_attn_split} --launch-skip 2 \
                    --launch-count ${NCU_COUNT:-1} --set full -o "$rep" -f python3 scripts/bench_attention.py --no-sweep \
                    --no-peer --cases $c ${NCU_PLAN:+--plan $NCU_PLAN} > "$rep.log" 2>&1
                  echo "--- $c: ncu rc $?"; grep -E "^==PROF==|Error|error" "$rep.log" | head -5
