@@ -176,6 +176,30 @@ __device__ __forceinline__ void v_frag(const U2& x, const U2& y, const U2& xb, c
 
 __device__ __forceinline__ u32 pair16(u16 lo, u16 hi) { return (u32)lo | ((u32)hi << 16); }
 
+// A lane's loads of one step (zero for keys from `end` on): K's 16 bytes of key start + g + 8 r in scale group gr,
+// V's 8 bytes of key start + 2c + (r & 1) + 8 (r >> 1), and a key's group scale
+__device__ __forceinline__ int k_key(int start, int g, int r) { return start + g + 8 * r; }
+__device__ __forceinline__ int v_key(int start, int c, int r) { return start + 2 * c + (r & 1) + 8 * (r >> 1); }
+
+__device__ __forceinline__ U4 load_k(const signed char* kb, int key, int end, int gr, int c) {
+  return key < end ? *(const U4*)(kb + (long long)key * HD + 64 * gr + 16 * c) : U4{0, 0, 0, 0};
+}
+
+__device__ __forceinline__ U2 load_v(const signed char* vb, int key, int end, int gr, int g) {
+  return key < end ? *(const U2*)(vb + (long long)key * HD + 64 * gr + 8 * g) : U2{0, 0};
+}
+
+__device__ __forceinline__ u16 load_scale(const u16* sb, int key, int end, int gr) {
+  return key < end ? sb[(long long)key * NG + gr] : (u16)0;
+}
+
+__device__ __forceinline__ void unpack4(const U4& f, u32* a) {
+  a[0] = f.x;
+  a[1] = f.y;
+  a[2] = f.z;
+  a[3] = f.w;
+}
+
 // One token's 16-key step from [start, start + 16), keys from `hi` on masked: S^T, the online softmax, O^T.
 // kfrag(gr, j, a) / vfrag(gr, i, a) give the step's A fragments, kscale(gr, r) key g + 8 r's group scale (fp16 bits);
 // the same values from registers (one token a block) or from shared memory (several), so the same bits. k_done()
@@ -323,32 +347,26 @@ attn_split(const u16* __restrict__ Q, const signed char* __restrict__ K, const s
   u16 ksc[2][NG];
   U2 vc[4][NG];
   u16 vsc[4][NG];
-  auto load_k = [&](int start) {
+  auto load_k_step = [&](int start) {
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int key = start + g + 8 * r;
-      const bool ok = key < uhi;
+    for (int r = 0; r < 2; ++r)
 #pragma unroll
       for (int gr = 0; gr < NG; ++gr) {
-        kc[r][gr] = ok ? *(const U4*)(kb + (long long)key * HD + 64 * gr + 16 * c) : U4{0, 0, 0, 0};
-        ksc[r][gr] = ok ? ksb[(long long)key * NG + gr] : (u16)0;
+        kc[r][gr] = load_k(kb, k_key(start, g, r), uhi, gr, c);
+        ksc[r][gr] = load_scale(ksb, k_key(start, g, r), uhi, gr);
       }
-    }
   };
-  auto load_v = [&](int start) {
+  auto load_v_step = [&](int start) {
 #pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const int key = start + 2 * c + (r & 1) + 8 * (r >> 1);
-      const bool ok = key < uhi;
+    for (int r = 0; r < 4; ++r)
 #pragma unroll
       for (int gr = 0; gr < NG; ++gr) {
-        vc[r][gr] = ok ? *(const U2*)(vb + (long long)key * HD + 64 * gr + 8 * g) : U2{0, 0};
-        vsc[r][gr] = ok ? vsb[(long long)key * NG + gr] : (u16)0;
+        vc[r][gr] = load_v(vb, v_key(start, c, r), uhi, gr, g);
+        vsc[r][gr] = load_scale(vsb, v_key(start, c, r), uhi, gr);
       }
-    }
   };
-  load_k(ulo);
-  load_v(ulo);
+  load_k_step(ulo);
+  load_v_step(ulo);
   for (int start = ulo; start < uhi; start += STEP) {
     const int next = start + STEP;
     auto kfrag = [&](int gr, int j, u32* a) {
@@ -359,14 +377,14 @@ attn_split(const u16* __restrict__ Q, const signed char* __restrict__ K, const s
     };
     auto kscale = [&](int gr, int r) { return ksc[r][gr]; };
     auto k_done = [&]() {
-      if (next < uhi) load_k(next);
+      if (next < uhi) load_k_step(next);
     };
     auto vfrag = [&](int gr, int i, u32* a) {
       v_frag(vc[0][gr], vc[1][gr], vc[2][gr], vc[3][gr], pair16(vsc[0][gr], vsc[1][gr]),
              pair16(vsc[2][gr], vsc[3][gr]), i, a);
     };
     token_step(kfrag, vfrag, kscale, k_done, qf, o, m0, m1, l0, l1, start, hi, qk_scale, g);
-    if (next < uhi) load_v(next);
+    if (next < uhi) load_v_step(next);
   }
 #else
   // several tokens: the block's warps turn each step's K / V into fragments once, in shared memory (double
@@ -389,25 +407,20 @@ attn_split(const u16* __restrict__ Q, const signed char* __restrict__ K, const s
       if (u < NG) {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          const int key = start + g + 8 * r;
-          const bool ok = key < uhi;
-          const U4 w = ok ? *(const U4*)(kb + (long long)key * HD + 64 * u + 16 * c) : U4{0, 0, 0, 0};
+          const U4 w = load_k(kb, k_key(start, g, r), uhi, u, c);
           d[k][4 * r] = w.x;
           d[k][4 * r + 1] = w.y;
           d[k][4 * r + 2] = w.z;
           d[k][4 * r + 3] = w.w;
-          sc[k][r] = ok ? ksb[(long long)key * NG + u] : (u16)0;
+          sc[k][r] = load_scale(ksb, k_key(start, g, r), uhi, u);
         }
       } else if (u < UNITS) {
-        const int gr = u - NG;
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
-          const int key = start + 2 * c + (r & 1) + 8 * (r >> 1);
-          const bool ok = key < uhi;
-          const U2 w = ok ? *(const U2*)(vb + (long long)key * HD + 64 * gr + 8 * g) : U2{0, 0};
+          const U2 w = load_v(vb, v_key(start, c, r), uhi, u - NG, g);
           d[k][2 * r] = w.x;
           d[k][2 * r + 1] = w.y;
-          sc[k][r] = ok ? vsb[(long long)key * NG + gr] : (u16)0;
+          sc[k][r] = load_scale(vsb, v_key(start, c, r), uhi, u - NG);
         }
       }
     }
@@ -449,21 +462,9 @@ attn_split(const u16* __restrict__ Q, const signed char* __restrict__ K, const s
       if (start + D * STEP < uhi) load_units(ud[e], us[e], start + D * STEP);
       __syncthreads();
       if (start + STEP > lo && start < hi) {  // a step of this token's own range (uniform over the warp)
-        auto kfrag = [&](int gr, int j, u32* a) {
-          const U4 f = kfs[buf][gr][j][lane];
-          a[0] = f.x;
-          a[1] = f.y;
-          a[2] = f.z;
-          a[3] = f.w;
-        };
+        auto kfrag = [&](int gr, int j, u32* a) { unpack4(kfs[buf][gr][j][lane], a); };
         auto kscale = [&](int gr, int r) { return (u16)(kss[buf][gr][lane] >> (16 * r)); };
-        auto vfrag = [&](int gr, int i, u32* a) {
-          const U4 f = vfs[buf][gr][i][lane];
-          a[0] = f.x;
-          a[1] = f.y;
-          a[2] = f.z;
-          a[3] = f.w;
-        };
+        auto vfrag = [&](int gr, int i, u32* a) { unpack4(vfs[buf][gr][i][lane], a); };
         token_step(kfrag, vfrag, kscale, [] {}, qf, o, m0, m1, l0, l1, start, hi, qk_scale, g);
       }
       buf ^= 1;

@@ -25,6 +25,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from . import _cupy
+
 __all__ = ["CudaPlan", "plan", "split", "wanted", "supports", "available", "import_error", "set_enabled",
            "enabled", "STEP"]
 
@@ -58,16 +60,7 @@ def enabled() -> bool:
 @functools.cache
 def import_error() -> str | None:
     """Why the kernel cannot run here (None when it can): no CUDA device, an old GPU, or no cupy."""
-    if not torch.cuda.is_available():
-        return "no CUDA device"
-    if torch.cuda.get_device_capability() < (8, 0):
-        major, minor = torch.cuda.get_device_capability()
-        return f"needs an sm_80+ GPU (mma.m16n8k16 f16, movmatrix), found sm_{major}{minor}"
-    try:
-        import cupy  # noqa: F401
-    except Exception as e:  # ImportError, or a cupy built for another CUDA
-        return f"cupy does not import ({type(e).__name__}: {e})"
-    return None
+    return _cupy.import_error("mma.m16n8k16 f16, movmatrix")
 
 
 def available() -> bool:
@@ -172,24 +165,6 @@ def _kernels(hd: int, half: bool, pos64: bool, slot64: bool, device_index: int) 
     return out
 
 
-_STREAMS: dict[int, object] = {}
-
-
-def _stream(torch_stream, device_index: int):
-    """The cupy view of a torch stream (made once per stream: the launch path stays cheap)."""
-    key = torch_stream.cuda_stream
-    s = _STREAMS.get(key)
-    if s is None:
-        import warnings
-
-        import cupy
-
-        with warnings.catch_warnings():  # cupy 14 deprecates ExternalStream; 13 has no replacement for raw handles
-            warnings.simplefilter("ignore", DeprecationWarning)
-            s = _STREAMS[key] = cupy.cuda.ExternalStream(key, device_index)
-    return s
-
-
 def warps_for(t: int, block_tokens: int = MAX_WARPS) -> int:
     """Warps a block for T tokens: one a token, a power of two up to ``block_tokens`` (no effect on any bits)."""
     return min(block_tokens, 1 << (t - 1).bit_length())
@@ -216,4 +191,4 @@ def split(q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, qk_scale: float, 
     args = (*map(np.uint64, ptrs), *map(np.int64, longs), np.float32(qk_scale), *map(np.int32, ints))
     stream = torch.cuda.current_stream(q.device)
     with cupy.cuda.Device(dev):
-        kern((splits, b * hkv, -(-t // warps)), (warps * 32,), args, stream=_stream(stream, dev))
+        kern((splits, b * hkv, -(-t // warps)), (warps * 32,), args, stream=_cupy.stream(stream, dev))

@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import _triton
+from . import _cupy, _triton
 from .qmv_layout import DENSE_FMT, WORD_ORDER, TiledWeight
 
 __all__ = ["qmv", "supports", "available", "import_error", "choose_splits", "choose_warps", "workspace", "set_dense",
@@ -52,16 +52,7 @@ _WARPS_PER_SM = NW * _BLOCKS_PER_SM  # the register cap a launch is built for: 2
 @functools.cache
 def import_error() -> str | None:
     """Why the kernel cannot run here (None when it can): no CUDA device, an old GPU, or no cupy."""
-    if not torch.cuda.is_available():
-        return "no CUDA device"
-    if torch.cuda.get_device_capability() < (8, 0):
-        major, minor = torch.cuda.get_device_capability()
-        return f"needs an sm_80+ GPU (mma.m16n8k16 bf16), found sm_{major}{minor}"
-    try:
-        import cupy  # noqa: F401
-    except Exception as e:  # ImportError, or a cupy built for another CUDA
-        return f"cupy does not import ({type(e).__name__}: {e})"
-    return None
+    return _cupy.import_error("mma.m16n8k16 bf16")
 
 
 def available() -> bool:
@@ -265,24 +256,6 @@ def _launch_pdl(func, grid: tuple[int, int], block: int, args: tuple, stream_han
         raise RuntimeError(f"qmv: cuLaunchKernelEx with programmatic stream serialization failed (CUresult {rc})")
 
 
-_STREAMS: dict[int, object] = {}
-
-
-def _stream(torch_stream: torch.cuda.Stream, device_index: int):
-    """The cupy view of a torch stream (made once per stream: the launch path stays cheap)."""
-    key = torch_stream.cuda_stream
-    s = _STREAMS.get(key)
-    if s is None:
-        import warnings
-
-        import cupy
-
-        with warnings.catch_warnings():  # cupy 14 deprecates ExternalStream; 13 has no replacement for raw handles
-            warnings.simplefilter("ignore", DeprecationWarning)
-            s = _STREAMS[key] = cupy.cuda.ExternalStream(key, device_index)
-    return s
-
-
 @functools.cache
 def _capability(device_index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device_index)
@@ -407,7 +380,7 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
 
     args = (*map(np.uint64, ptrs), *map(np.int32, ints), *map(np.int64, longs))
     with cupy.cuda.Device(dev):
-        kern((-(-tiles // per_block), s), (warps * 32,), args, stream=_stream(stream, dev))
+        kern((-(-tiles // per_block), s), (warps * 32,), args, stream=_cupy.stream(stream, dev))
     return out
 
 

@@ -130,6 +130,24 @@ def measure_peer(case: Case, t: int, bw: float) -> dict:
             "copy_bw_frac": round(nbytes / (us * 1e-6) / bw, 3)}
 
 
+def timed(rec: dict, case: Case, t: int, bw: float, config) -> dict:
+    """``rec`` with the check against the fp32 reference (``rel_rms``, ``ok``; printed loudly when wrong) and, when it
+    ran, the timings of :func:`measure`."""
+    shape = {k: rec[k] for k in ("kv", "ctx", "B", "T")}
+    try:
+        rec["rel_rms"] = check(case, t, config)
+        rec["ok"] = rec["rel_rms"] <= RTOL_BF16
+        if not rec["ok"]:
+            print(f"!!!!! WRONG RESULT {shape} {config}: relative RMS {rec['rel_rms']:.3e} > {RTOL_BF16} "
+                  f"vs the fp32 reference !!!!!")
+        rec.update(measure(case, t, bw, config))
+    except Exception as exc:
+        rec.update(ok=False, error=repr(exc)[:400])
+        print(f"!!!!! FAILED {shape} {config}: {exc!r}")
+        traceback.print_exc()
+    return rec
+
+
 def sweep_configs(case: Case, t: int) -> list:
     """For int8, first the CUDA kernel's plans (warps an SM the split aims at, the combine's tile); then the Triton
     kernel's default plan (tokens packed in one tile), then launch shapes one change away from it (block_n, warps,
@@ -227,49 +245,24 @@ def main() -> int:
                 for t in sorted({c[3] for c in only if c[:3] == (kv, ctx, b)}) if only else TOKENS:
                     shape = {"kv": kv, "ctx": ctx, "B": b, "T": t}
                     cfg = at.plan(b, t, H, HKV, HD, ctx, kv == "int8", DEVICE, **overrides)
-                    rec = {"op": "decode_attention", **shape, "config": str(cfg), "splits": -(-ctx // cfg.chunk)}
-                    try:
-                        rec["rel_rms"] = check(case, t, cfg)
-                        rec["ok"] = rec["rel_rms"] <= RTOL_BF16
-                        if not rec["ok"]:
-                            failures += 1
-                            print(f"!!!!! WRONG RESULT {shape}: relative RMS {rec['rel_rms']:.3e} > {RTOL_BF16} "
-                                  f"vs the fp32 reference !!!!!")
-                        rec.update(measure(case, t, bw, cfg))
-                    except Exception as exc:
-                        failures += 1
-                        rec.update(ok=False, error=repr(exc)[:400])
-                        print(f"!!!!! FAILED {shape}: {exc!r}")
-                        traceback.print_exc()
+                    rec = timed({"op": "decode_attention", **shape, "config": str(cfg),
+                                 "splits": -(-ctx // cfg.chunk)}, case, t, bw, cfg)
+                    failures += not rec["ok"]
                     if ctx == max(CONTEXTS) and rec.get("ok"):
                         sweep_todo.append((kv, ctx, b, t))
                     cu = {"op": "decode_attention_cuda", **shape}
                     if kv == "int8" and attn_cuda.available():
                         cfg_cu = attn_cuda.plan(ctx, HKV, DEVICE)
-                        cu.update(config=str(cfg_cu), splits=cfg_cu.splits(ctx))
-                        try:
-                            cu["rel_rms"] = check(case, t, cfg_cu)
-                            cu["ok"] = cu["rel_rms"] <= RTOL_BF16
-                            if not cu["ok"]:
-                                failures += 1
-                                print(f"!!!!! WRONG RESULT (CUDA) {shape}: relative RMS {cu['rel_rms']:.3e} !!!!!")
-                            cu.update(measure(case, t, bw, cfg_cu))
-                        except Exception as exc:
-                            failures += 1
-                            cu.update(ok=False, error=repr(exc)[:400])
-                            print(f"!!!!! FAILED (CUDA) {shape}: {exc!r}")
-                            traceback.print_exc()
+                        cu = timed({**cu, "config": str(cfg_cu), "splits": cfg_cu.splits(ctx)}, case, t, bw, cfg_cu)
+                        failures += not cu["ok"]
                         emit(cu)
                         for bt in filter(None, args.cuda_block_tokens.split(",")):
                             if t == 1 or "error" in cu:
                                 break
                             cfg_bt = dataclasses.replace(cfg_cu, block_tokens=int(bt))
-                            row = {"op": "decode_attention_cuda", **shape, "config": str(cfg_bt)}
-                            try:
-                                row["rel_rms"] = check(case, t, cfg_bt)
-                                row.update(measure(case, t, bw, cfg_bt))
-                            except Exception as exc:
-                                row["error"] = repr(exc)[:400]
+                            row = timed({"op": "decode_attention_cuda", **shape, "config": str(cfg_bt)}, case, t,
+                                        bw, cfg_bt)
+                            failures += not row["ok"]
                             emit(row)
                             print(f"cuda {shape} block_tokens={bt}: {_best(row)} us, rel_rms {row.get('rel_rms')}")
                     rec["cuda"] = cu
