@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ..engine.sampling import RowSampling, SamplingParams, batch_probs, sample_rows
+from ..kernels import attn_cuda
 from ..kernels.attention import attention
 from ..kernels.attention_triton import decode_attention, decode_attention_ref
 from ..kernels.attention_triton import triton_available as attention_triton_available
@@ -66,11 +67,13 @@ def _attention(ctx: KernelContext, t: int, length: int) -> Case:
     def fast():  # runtime v3: the gate applied as the kernel stores the output (engine/model/fused_forward.py)
         return decode_attention(q, kc, vc, ks, vs, slots, q_pos, scale, kv_len_max=length, gate=gate)
 
+    cuda_split = attn_cuda.wanted(q, kc, vc, ks, vs, slots, q_pos)  # the kernel decode_attention takes here
+    what = ("tensor-core split (kernels/attn_cuda.cu) + Triton combine" if cuda_split else "Triton decode attention")
     cache_bytes = 2 * (kc.numel() + 2 * ks.numel())  # codes + fp16 scales of K and V for the valid length
     return Case([1, hkv, length, hd], cache_bytes + 3 * q.numel() * ctx.elt,
                 lambda: decode_attention_ref(q.float(), kc, vc, ks, vs, slots, q_pos, scale, gate=gate.float()),
                 {"v2": Impl(eager, "dequantized K/V copy + SDPA + o * sigmoid(gate)"),
-                 "v3": v3_impl(ctx, Impl(fast, "Triton decode attention on the int8 cache, gated as it stores"),
+                 "v3": v3_impl(ctx, Impl(fast, f"{what} on the int8 cache, gated as it stores"),
                            Impl(eager, "dequantized K/V copy + SDPA + o * sigmoid(gate)"),
                            attention_triton_available())},
                 {"context": length, "kv_dtype": "int8"})
