@@ -40,7 +40,8 @@ Triton is imported on first use, so this module imports on machines without it.
 Implementations, same argument order:
   decode_attention_ref  plain fp32 torch on a gathered, dequantized copy (the reference)
   decode_attention      the Triton kernels of kernels/attention_triton_kernels.py (CUDA, or ``TRITON_INTERPRET=1``
-                        on the CPU)
+                        on the CPU); for an int8 cache with 16-bit queries on CUDA, the tensor-core split pass of
+                        kernels/attn_cuda.cu and this module's combine (same arguments, same combine)
 """
 
 from __future__ import annotations
