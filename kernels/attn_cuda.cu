@@ -16,9 +16,10 @@
 // A dot product does not depend on the order of its terms, so each MMA's 16 "k" values are a permutation of the
 // head dims chosen for the loads: lane (g = lane / 4, c = lane % 4) holds keys g and g + 8 and, of scale group G,
 // the 16 contiguous head dims 64 G + 16 c .. + 15 (one 16-byte load a key and group), and the query's B fragments
-// take the same permutation. K's A fragments hold the exact codes (c + 128 placed in the mantissa of 1024.0 by one
-// byte permute, then one packed subtraction of 1152), the MMA sums them against q in fp32, and each group's sums
-// are multiplied by the key's group scale: no rounding besides fp32 summation and q's conversion to fp16.
+// take the same permutation. K's A fragments hold the exact codes (c XOR 0x80 = c + 128 put in the mantissa of
+// 1024.0 by a byte permute, then one packed subtraction of 1152), the MMA sums them against q in fp32, and each
+// group's sums are multiplied by the key's group scale: no rounding besides fp32 summation and q's conversion to
+// fp16.
 // For V^T the 16 rows of an m tile are head dims and the 16 "k" values keys; m tile (G, i) row r < 8 is head dim
 // 64 G + 8 r + 2 i and row r + 8 is the next one, so lane (g, c) reads 8 contiguous bytes (64 G + 8 g ..) of each of
 // its four keys 2c, 2c + 1, 2c + 8, 2c + 9, pairs two keys' codes by byte permutes, and multiplies the exact codes by
