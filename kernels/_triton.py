@@ -30,6 +30,22 @@ def pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def num_sms(device: torch.device | str | int) -> int:
+    """Multiprocessors of a CUDA device (a device, its name or its index; ``cuda`` is the current one); 8 for any
+    other device, where the Triton interpreter runs programs one by one and only a plan's split logic matters."""
+    if isinstance(device, int):
+        return _cuda_sms(device)
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 8
+    return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=16)
+def _cuda_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def ready(op: str, kernels, x: torch.Tensor) -> dict:
     """``kernels()`` (a module's jitted kernels) for a launch of ``op`` on ``x``'s device: a RuntimeError when triton
     does not import, a ValueError for CPU tensors unless the kernels run in the interpreter."""

@@ -47,7 +47,6 @@ Implementations, same argument order:
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -127,13 +126,6 @@ class AttnConfig:
             raise ValueError("AttnConfig: flat tiles take their scales a block ahead (ahead=True)")
 
 
-@functools.lru_cache(maxsize=16)
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 8  # the interpreter runs programs one by one; only the split logic matters there
-
-
 def _block_d(head_dim: int) -> int:
     """Head-dim columns of a tile: a power of two, at least 16 (tl.dot's smallest K; columns past hd are masked)."""
     return max(16, _pow2(head_dim))
@@ -173,7 +165,7 @@ def plan(batch: int, tokens: int, heads: int, kv_heads: int, head_dim: int, kv_l
         num_warps = 8 if fp32 and block_m * block_d >= 64 * 128 else 4
     if num_stages is None:
         num_stages = 2 if fp32 else 3  # fp32 at 64 x 256 needs 256 KB of shared memory with 3 stages
-    sms = _num_sms(torch.device(device))
+    sms = _triton.num_sms(device)
     if chunk is None:
         # from one token's sizes, not the call's: a row's key range is split (and summed) the same way whatever
         # it is batched with, so concurrent decoding and verify passes give the bits single decode steps give

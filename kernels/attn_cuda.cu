@@ -152,6 +152,14 @@ __device__ __forceinline__ int row_chunk(int pos, int chunk, int min_chunk, int 
   return min(max(want, min_chunk), chunk);
 }
 
+// the key range [lo, hi) split s covers of a token at pos (empty when hi <= lo: the split is past the token)
+__device__ __forceinline__ void key_range(int pos, int s, int chunk, int min_chunk, int splits, int kv_len, int& lo,
+                                          int& hi) {
+  const int c = row_chunk(pos, chunk, min_chunk, splits);
+  lo = s * c;
+  hi = min(min(lo + c, kv_len), pos + 1);
+}
+
 // The fragments of one 16-key step. K: chunk j of scale group gr, from word j of keys g and g + 8 (raw codes).
 __device__ __forceinline__ void k_frag(u32 w0, u32 w1, u32* a) {
   w0 ^= FLIP;
@@ -279,8 +287,7 @@ attn_split(const u16* __restrict__ Q, const signed char* __restrict__ K, const s
   int lo = 0, hi = 0;
   if (t < T) {
     const int pos = (int)load_index(QPOS, b * spb + t * spt, POS64);
-    lo = s * row_chunk(pos, CHUNK, MIN_CHUNK, NUM_SPLITS);
-    hi = min(min(lo + row_chunk(pos, CHUNK, MIN_CHUNK, NUM_SPLITS), KV_LEN), pos + 1);
+    key_range(pos, s, CHUNK, MIN_CHUNK, NUM_SPLITS, KV_LEN, lo, hi);
   }
 #if WARPS == 1
   if (hi <= lo) return;  // this split is past the token: the combine does not read it
@@ -292,9 +299,8 @@ attn_split(const u16* __restrict__ Q, const signed char* __restrict__ K, const s
   for (int w = 0; w < WARPS; ++w) {
     const int tw = blockIdx.z * WARPS + w;
     if (tw >= T) break;
-    const int pw = (int)load_index(QPOS, b * spb + tw * spt, POS64);
-    const int cw = row_chunk(pw, CHUNK, MIN_CHUNK, NUM_SPLITS);
-    const int lw = s * cw, hw = min(min(lw + cw, KV_LEN), pw + 1);
+    int lw, hw;
+    key_range((int)load_index(QPOS, b * spb + tw * spt, POS64), s, CHUNK, MIN_CHUNK, NUM_SPLITS, KV_LEN, lw, hw);
     if (hw > lw) {
       ulo = min(ulo, lw);
       uhi = max(uhi, hw);

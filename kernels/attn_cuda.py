@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import _cupy
+from . import _cupy, _triton
 
 __all__ = ["CudaPlan", "plan", "split", "wanted", "supports", "available", "import_error", "set_enabled",
            "enabled", "STEP"]
@@ -126,19 +126,12 @@ class CudaPlan:
         return -(-kv_len // self.chunk)
 
 
-@functools.lru_cache(maxsize=16)
-def _sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def plan(kv_len: int, kv_heads: int, device: torch.device | str = "cuda", *, warps_per_sm: int = WARPS_PER_SM,
          min_steps: int = MIN_STEPS, **combine) -> CudaPlan:
     """The default plan for a key range of ``kv_len`` and ``kv_heads``: split until a B = 1, T = 1 call has about
     ``warps_per_sm`` warps an SM, each split at least ``min_steps`` steps; ``combine``: ``combine_cols`` /
     ``combine_splits`` (tuning)."""
-    device = torch.device(device)
-    sms = _sms(device.index if device.index is not None else torch.cuda.current_device()) if device.type == "cuda" \
-        else 8
+    sms = _triton.num_sms(device)
     steps = -(-kv_len // STEP)
     want = -(-warps_per_sm * sms // kv_heads)
     splits = max(1, min(want, steps // max(1, min_steps)))

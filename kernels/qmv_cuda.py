@@ -124,7 +124,7 @@ def reserve(device, n: int, ng: int) -> None:
     the shape, :func:`shape_splits`) times ``MAX_ROWS`` rows times ``n`` - nothing when it takes one pass."""
     device = torch.device(device)
     dev = device.index if device.index is not None else torch.cuda.current_device()
-    s = shape_splits(n, ng, _sms(dev))
+    s = shape_splits(n, ng, _triton.num_sms(dev))
     workspace(device, s * MAX_ROWS * n if s > 1 else 1, -(-n // 16))
 
 
@@ -261,11 +261,6 @@ def _capability(device_index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device_index)
 
 
-@functools.cache
-def _sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def choose_splits(n: int, ng: int, sms: int, unroll: int = 4, min_blocks: int = _BLOCKS_PER_SM,
                   warps: int = NW) -> int:
     """Blocks per 16-row tile along K (split-K): a pure function of the shape, so the launch never changes.
@@ -352,7 +347,7 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
     if t * x.stride(0) >= 2 ** 31:  # the column groups' row offsets are int32
         raise ValueError(f"qmv: x too large for one launch ({t} rows of stride {x.stride(0)})")
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    warps = warps or choose_warps(n, _sms(dev))
+    warps = warps or choose_warps(n, _triton.num_sms(dev))
     min_blocks = min_blocks or (max(1, _WARPS_PER_SM // warps) if ncol == 1 else
                                 _NCOL_MIN_BLOCKS.get((ncol, warps), max(1, 8 // warps)))
     even = lin.k == lin.kp and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
@@ -361,7 +356,7 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
                    getattr(lin, "layout", 0), act, warps, tail, ncol, tiles, dev)
     per_block, tiles = tiles, -(-n // 16)
     whole = act or not _triton.split_k_allowed()  # (the epilogue, or a launch beside others: _triton.single_pass)
-    s = 1 if whole else min(splits, MAX_SPLITS) if splits else shape_splits(n, lin.ng, _sms(dev), warps)
+    s = 1 if whole else min(splits, MAX_SPLITS) if splits else shape_splits(n, lin.ng, _triton.num_sms(dev), warps)
     groups_per_split = -(-lin.ng // s)
     s = -(-lin.ng // groups_per_split)
     ws, counters = workspace(x.device, s * t * n, tiles) if s > 1 else (out, out)
