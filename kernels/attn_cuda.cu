@@ -3,14 +3,16 @@
 // the splits). Compiled at run time (CuPy / NVRTC), no headers:
 //   HD     head dim, a multiple of 64 up to 256 (NG = HD / 64 scale groups a key)
 //   HALF   0: q is bf16 (converted to fp16 as it is loaded), 1: fp16
-//   WARPS  warps a block, one query token each (a block = one key range of one (row b, kv head))
 //   POS64 / SLOT64   q_pos / slots are int64 (1) or int32 (0)
-//   DEPTH  several tokens a block: steps of K / V loads in flight (0: 4 / units a warp; one block an SM hides no
-//          latency but its own)
+//   VDEPTH attn_verify: steps of K / V in flight (cp.async stages in shared memory)
+// Two kernels, one arithmetic:
+//   attn_split   one warp a block = one query token's G <= 8 heads of one kv head over one key range (decode steps,
+//                batched or not);
+//   attn_verify  a block = all T x G query rows of one (row b, kv head) over one key range, one warp a 16-row m tile
+//                (a verify: the cache is read once for the T tokens).
 //
-// One warp = one query token's G <= 8 heads of one kv head over one key range [lo, hi), 16 keys a step, online
-// softmax in fp32. The MMAs are transposed so that the query heads are the MMA's 8 columns (a decode step has G = 6
-// rows, not the 16 an m tile wants) and the keys / head dims its 16 rows:
+// attn_split: 16 keys a step, online softmax in fp32. The MMAs are transposed so that the query heads are the MMA's
+// 8 columns (a decode step has G = 6 rows, not the 16 an m tile wants) and the keys / head dims its 16 rows:
 //   S^T [16 keys x 8 heads] = K [16 keys x HD] . Q^T, one m16n8k16 per 16 head dims;
 //   O^T [HD x 8 heads]    += V^T [HD x 16 keys] . P^T, one m16n8k16 per 16 head dims.
 // A dot product does not depend on the order of its terms, so each MMA's 16 "k" values are a permutation of the
@@ -24,22 +26,28 @@
 // 64 G + 8 r + 2 i and row r + 8 is the next one, so lane (g, c) reads 8 contiguous bytes (64 G + 8 g ..) of each of
 // its four keys 2c, 2c + 1, 2c + 8, 2c + 9, pairs two keys' codes by byte permutes, and multiplies the exact codes by
 // their keys' scales in fp16 (one rounding, as the Triton kernel's dequantized tile). P^T's B fragments come from
-// S^T's accumulators through movmatrix (an 8 x 8 transpose in registers).
+// S^T's accumulators through movmatrix (an 8 x 8 transpose in registers). The warp loads its K / V into a register
+// double buffer, each step's loads for the next step issued as soon as the current registers are used.
 //
-// One token a block (WARPS 1: decode steps, batched or not): the warp loads its K / V into a register double buffer,
-// each step's loads for the next step issued as soon as the current registers are used, and makes its fragments
-// there. Several tokens a block (WARPS > 1: a verify pass): the block walks the union of its tokens' key ranges; each
-// step, warp w turns units w, w + WARPS, .. (unit u < NG: K's scale group u, else V's group u - NG) into the
-// fragments every lane needs, into shared memory (double buffered, one barrier a step), and each warp reads its
-// token's fragments from there, skipping the steps outside its own range: the cache is read and converted once for
-// all the tokens.
-// Token invariance: a token's MMAs, softmax and stores are a function of its own q rows, position and key range, and
-// its fragments hold the same values whichever path made them (the same instructions on the same bytes; keys past
-// the token's end are masked to -inf, so p = 0 there whatever the union walk loaded). A T = 8 verify computes,
-// token by token, the bits eight T = 1 steps compute, and a batched row those of the row alone.
-// Writes the normalised fp32 partial output [B, T, H, splits, HD] and its log2-sum-exp of every row whose key range
-// reaches this split, also for a single split: the combine merges exactly those rows' splits, rounds the output to
-// q's dtype and applies the gate, so the output's bits are the Triton path's rounding of its sums.
+// attn_verify: the same products in the other orientation, with the T x G query rows (row r = token r / G, head
+// r % G) as the MMA's 16 rows:
+//   S [16 rows x 8 keys] = Q . K^T, two n tiles a step (keys 0-7, 8-15), one m16n8k16 per 16 head dims each;
+//   O [16 rows x 8 head dims] += P . V, two n tiles per (scale group G, i): head dims 64 G + 8 n + 2 i (+ 1).
+// A lane's K fragment of attn_split (rows = keys g, g + 8) is, register for register, its B fragments of the two S
+// n tiles here (column = key g, g + 8), and its V^T fragment of m tile (G, i) its B fragments of the two O n tiles;
+// q's fragments are attn_split's B fragments of rows g and g + 8 interleaved, and P's A fragments come straight from
+// S's accumulators. Each S and O element so gets the same 16 products at the same k positions, into the same
+// accumulator, in the same order as in attn_split, and the softmax follows it element for element: the same fmas,
+// masks and ex2, and the running sums kept as attn_split's lanes keep them (a lane here holds, per row, the partial
+// sums of key pairs (2c, 2c + 8) and (2c + 1, 2c + 9), which attn_split's lanes g = 2c and 2c + 1 hold) and reduced
+// in its tree. A row meets the union of the block's rows' key ranges: steps outside its own range leave its
+// running max, sums and output as they are (scale 1, p = 0), so a T = 8 verify gives each row the bits a T = 1
+// step gives (token invariance; the GPU tests check it bit for bit). The block streams each step's raw codes and
+// scales into shared memory with cp.async (VDEPTH steps in flight, rows padded against bank conflicts), and every
+// warp makes its fragments from there.
+// Both write the normalised fp32 partial output [B, T, H, splits, HD] and its log2-sum-exp of every row whose key
+// range reaches this split, also for a single split: the combine merges exactly those rows' splits, rounds the
+// output to q's dtype and applies the gate, so the output's bits are the Triton path's rounding of its sums.
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -51,20 +59,14 @@ typedef unsigned long long u64;
 #ifndef HALF
 #define HALF 0
 #endif
-#ifndef WARPS
-#define WARPS 1
-#endif
 #ifndef POS64
 #define POS64 1
 #endif
 #ifndef SLOT64
 #define SLOT64 1
 #endif
-#ifndef MINB
-#define MINB (8 / WARPS)  // blocks an SM the registers must allow: 8 warps an SM
-#endif
-#ifndef DEPTH
-#define DEPTH 0  // several tokens a block: steps whose loads are in flight together (0: 4 / units a warp, at least 1)
+#ifndef VDEPTH
+#define VDEPTH 4  // attn_verify: cp.async stages (steps of K / V in flight)
 #endif
 #define NG (HD / 64)
 #define STEP 16
@@ -202,17 +204,27 @@ __device__ __forceinline__ u16 load_scale(const u16* sb, int key, int end, int g
   return key < end ? sb[(long long)key * NG + gr] : (u16)0;
 }
 
-__device__ __forceinline__ void unpack4(const U4& f, u32* a) {
-  a[0] = f.x;
-  a[1] = f.y;
-  a[2] = f.z;
-  a[3] = f.w;
+// a q row's head dims 64 gr + 16 c .. + 15 as 8 fp16 pairs (zero when !ok): a lane's B fragments of attn_split
+__device__ __forceinline__ void q_words(const u16* qrow, bool ok, int gr, int c, u32 (&w)[8]) {
+  U4 h0 = {0, 0, 0, 0}, h1 = {0, 0, 0, 0};
+  if (ok) {
+    h0 = *(const U4*)(qrow + 64 * gr + 16 * c);
+    h1 = *(const U4*)(qrow + 64 * gr + 16 * c + 8);
+  }
+  const u32 raw[8] = {h0.x, h0.y, h0.z, h0.w, h1.x, h1.y, h1.z, h1.w};
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+#if HALF
+    w[i] = raw[i];
+#else
+    w[i] = pack_f16(bf16_to_f32((u16)(raw[i] & 0xffffu)), bf16_to_f32((u16)(raw[i] >> 16)));
+#endif
+  }
 }
 
 // One token's 16-key step from [start, start + 16), keys from `hi` on masked: S^T, the online softmax, O^T.
-// kfrag(gr, j, a) / vfrag(gr, i, a) give the step's A fragments, kscale(gr, r) key g + 8 r's group scale (fp16 bits);
-// the same values from registers (one token a block) or from shared memory (several), so the same bits. k_done()
-// runs once K's fragments and scales are used (the register path reloads them there).
+// kfrag(gr, j, a) / vfrag(gr, i, a) give the step's A fragments, kscale(gr, r) key g + 8 r's group scale (fp16 bits)
+// from the register double buffer; k_done() runs once K's fragments and scales are used (it reloads them there).
 template <class KF, class VF, class KSC, class KD>
 __device__ __forceinline__ void token_step(KF kfrag, VF vfrag, KSC kscale, KD k_done, const u32 (&qf)[NG][8],
                                            float (&o)[NG][4][4], float& m0, float& m1, float& l0, float& l1,
@@ -270,7 +282,7 @@ __device__ __forceinline__ void token_step(KF kfrag, VF vfrag, KSC kscale, KD k_
   }
 }
 
-extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB)
+extern "C" __global__ void __launch_bounds__(32, 8)  // 8 warps an SM
 attn_split(const u16* __restrict__ Q, const signed char* __restrict__ K, const signed char* __restrict__ V,
            const u16* __restrict__ KS, const u16* __restrict__ VS, const void* __restrict__ SLOTS,
            const void* __restrict__ QPOS, float* __restrict__ OP, float* __restrict__ LSE,
@@ -278,36 +290,16 @@ attn_split(const u16* __restrict__ Q, const signed char* __restrict__ K, const s
            long long ssks, long long sskh, long long ssvs, long long ssvh, long long spb, long long spt,
            long long ssl, float qk_scale, int T, int H, int HKV, int G, int KV_LEN, int CHUNK, int MIN_CHUNK,
            int NUM_SPLITS) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int lane = threadIdx.x & 31;
   const int g = lane >> 2, c = lane & 3;
-  const int t = blockIdx.z * WARPS + warp;
+  const int t = blockIdx.z;
   const int s = blockIdx.x;
   const int b = blockIdx.y / HKV, hkv = blockIdx.y % HKV;
-  // this warp's token's key range of split s (empty past the token, or for a warp past T)
-  int lo = 0, hi = 0;
-  if (t < T) {
-    const int pos = (int)load_index(QPOS, b * spb + t * spt, POS64);
-    key_range(pos, s, CHUNK, MIN_CHUNK, NUM_SPLITS, KV_LEN, lo, hi);
-  }
-#if WARPS == 1
+  // this token's key range of split s (empty past the token)
+  int lo, hi;
+  key_range((int)load_index(QPOS, b * spb + t * spt, POS64), s, CHUNK, MIN_CHUNK, NUM_SPLITS, KV_LEN, lo, hi);
   if (hi <= lo) return;  // this split is past the token: the combine does not read it
   const int ulo = lo, uhi = hi;
-#else
-  // the block walks the union of its tokens' ranges (all start on a multiple of STEP, so each token meets the steps
-  // it meets alone); a token skips the steps outside its own range
-  int ulo = KV_LEN, uhi = 0;
-  for (int w = 0; w < WARPS; ++w) {
-    const int tw = blockIdx.z * WARPS + w;
-    if (tw >= T) break;
-    int lw, hw;
-    key_range((int)load_index(QPOS, b * spb + tw * spt, POS64), s, CHUNK, MIN_CHUNK, NUM_SPLITS, KV_LEN, lw, hw);
-    if (hw > lw) {
-      ulo = min(ulo, lw);
-      uhi = max(uhi, hw);
-    }
-  }
-  if (uhi <= ulo) return;  // uniform over the block
-#endif
   const long long slot = load_index(SLOTS, b * ssl, SLOT64);
   const signed char* kb = K + slot * sks + hkv * skh;
   const signed char* vb = V + slot * svs + hkv * svh;
@@ -317,25 +309,9 @@ attn_split(const u16* __restrict__ Q, const signed char* __restrict__ K, const s
   // q row g (head hkv * G + g; zero past G) as fp16, dims 64 G + 16 c .. + 15 of each group: the B fragments
   u32 qf[NG][8];
   {
-    const bool qok = g < G && t < T;
-    const u16* qrow = Q + b * sqb + (long long)min(t, T - 1) * sqt + (long long)(hkv * G + min(g, G - 1)) * sqh;
+    const u16* qrow = Q + b * sqb + (long long)t * sqt + (long long)(hkv * G + min(g, G - 1)) * sqh;
 #pragma unroll
-    for (int gr = 0; gr < NG; ++gr) {
-      U4 h0 = {0, 0, 0, 0}, h1 = {0, 0, 0, 0};
-      if (qok) {
-        h0 = *(const U4*)(qrow + 64 * gr + 16 * c);
-        h1 = *(const U4*)(qrow + 64 * gr + 16 * c + 8);
-      }
-      u32 w[8] = {h0.x, h0.y, h0.z, h0.w, h1.x, h1.y, h1.z, h1.w};
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-#if HALF
-        qf[gr][i] = w[i];
-#else
-        qf[gr][i] = pack_f16(bf16_to_f32((u16)(w[i] & 0xffffu)), bf16_to_f32((u16)(w[i] >> 16)));
-#endif
-      }
-    }
+    for (int gr = 0; gr < NG; ++gr) q_words(qrow, g < G, gr, c, qf[gr]);
   }
   float o[NG][4][4];
 #pragma unroll
@@ -346,8 +322,7 @@ attn_split(const u16* __restrict__ Q, const signed char* __restrict__ K, const s
       for (int e = 0; e < 4; ++e) o[gr][i][e] = 0.f;
   float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;  // rows 2c, 2c + 1: running max, this lane's share of the sum
 
-#if WARPS == 1
-  // one token: its K and V in a register double buffer, each step's loads issued as soon as the step before has
+  // its K and V in a register double buffer, each step's loads issued as soon as the step before has
   // used the registers. K codes of keys g, g + 8 (16 bytes a group) and their scales; V codes of keys 2c, 2c + 1,
   // 2c + 8, 2c + 9 (8 bytes a group) and their scales
   U4 kc[2][NG];
@@ -393,92 +368,6 @@ attn_split(const u16* __restrict__ Q, const signed char* __restrict__ K, const s
     token_step(kfrag, vfrag, kscale, k_done, qf, o, m0, m1, l0, l1, start, hi, qk_scale, g);
     if (next < uhi) load_v_step(next);
   }
-#else
-  // several tokens: the block's warps turn each step's K / V into fragments once, in shared memory (double
-  // buffered, one barrier a step); unit u < NG is K's scale group u, NG + u V's, warp w makes units w, w + WARPS, ..
-  // for every lane (the very fragments a one-token block makes in registers), then each warp reads its token's
-  // fragments from there
-  constexpr int UNITS = 2 * NG, UPW = (UNITS + WARPS - 1) / WARPS;
-  constexpr int D = DEPTH > 0 ? DEPTH : (4 / UPW > 1 ? 4 / UPW : 1);  // 8 warps at hd 256: 4 steps
-  __shared__ U4 kfs[2][NG][4][32];  // [buffer][group][chunk j][lane]: a0..a3
-  __shared__ U4 vfs[2][NG][4][32];  // [buffer][group][m tile i][lane]
-  __shared__ u32 kss[2][NG][32];    // [buffer][group][lane]: the scales of keys g, g + 8
-  // a unit's loads for one step, K or V alike: 8 code words and 4 scales (K: words of keys g, g + 8, scales of both;
-  // V: 2 words of each of keys 2c, 2c + 1, 2c + 8, 2c + 9, their scales), D steps in flight
-  u32 ud[D][UPW][8];
-  u16 us[D][UPW][4];
-  auto load_units = [&](u32 (&d)[UPW][8], u16 (&sc)[UPW][4], int start) {
-#pragma unroll
-    for (int k = 0; k < UPW; ++k) {
-      const int u = warp + k * WARPS;
-      if (u < NG) {
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const U4 w = load_k(kb, k_key(start, g, r), uhi, u, c);
-          d[k][4 * r] = w.x;
-          d[k][4 * r + 1] = w.y;
-          d[k][4 * r + 2] = w.z;
-          d[k][4 * r + 3] = w.w;
-          sc[k][r] = load_scale(ksb, k_key(start, g, r), uhi, u);
-        }
-      } else if (u < UNITS) {
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-          const U2 w = load_v(vb, v_key(start, c, r), uhi, u - NG, g);
-          d[k][2 * r] = w.x;
-          d[k][2 * r + 1] = w.y;
-          sc[k][r] = load_scale(vsb, v_key(start, c, r), uhi, u - NG);
-        }
-      }
-    }
-  };
-  auto make_units = [&](const u32 (&d)[UPW][8], const u16 (&sc)[UPW][4], int buf) {
-#pragma unroll
-    for (int k = 0; k < UPW; ++k) {
-      const int u = warp + k * WARPS;
-      if (u < NG) {
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          u32 a[4];
-          k_frag(d[k][j], d[k][4 + j], a);
-          kfs[buf][u][j][lane] = U4{a[0], a[1], a[2], a[3]};
-        }
-        kss[buf][u][lane] = pair16(sc[k][0], sc[k][1]);
-      } else if (u < UNITS) {
-        const int gr = u - NG;
-        const U2 x{d[k][0], d[k][1]}, y{d[k][2], d[k][3]}, xb{d[k][4], d[k][5]}, yb{d[k][6], d[k][7]};
-        const u32 s01 = pair16(sc[k][0], sc[k][1]), s89 = pair16(sc[k][2], sc[k][3]);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          u32 a[4];
-          v_frag(x, y, xb, yb, s01, s89, i, a);
-          vfs[buf][gr][i][lane] = U4{a[0], a[1], a[2], a[3]};
-        }
-      }
-    }
-  };
-#pragma unroll
-  for (int e = 0; e < D; ++e) load_units(ud[e], us[e], ulo + e * STEP);
-  int buf = 0;
-  for (int base = ulo; base < uhi; base += D * STEP) {
-#pragma unroll
-    for (int e = 0; e < D; ++e) {  // e: the register set of step `start` (a compile-time index)
-      const int start = base + e * STEP;
-      if (start >= uhi) break;  // uniform over the block
-      make_units(ud[e], us[e], buf);
-      if (start + D * STEP < uhi) load_units(ud[e], us[e], start + D * STEP);
-      __syncthreads();
-      if (start + STEP > lo && start < hi) {  // a step of this token's own range (uniform over the warp)
-        auto kfrag = [&](int gr, int j, u32* a) { unpack4(kfs[buf][gr][j][lane], a); };
-        auto kscale = [&](int gr, int r) { return (u16)(kss[buf][gr][lane] >> (16 * r)); };
-        auto vfrag = [&](int gr, int i, u32* a) { unpack4(vfs[buf][gr][i][lane], a); };
-        token_step(kfrag, vfrag, kscale, [] {}, qf, o, m0, m1, l0, l1, start, hi, qk_scale, g);
-      }
-      buf ^= 1;
-    }
-  }
-  if (hi <= lo) return;  // no keys of this token here: nothing to write
-#endif
 #pragma unroll
   for (int d = 4; d < 32; d <<= 1) {
     l0 += __shfl_xor_sync(0xffffffffu, l0, d);
@@ -507,5 +396,262 @@ attn_split(const u16* __restrict__ Q, const signed char* __restrict__ K, const s
                                             __float_as_uint(v[7])};
     }
     if (g == 0) LSE[ri] = m + lg2(l);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// attn_verify: all T x G query rows of one (row b, kv head) over one key range, one warp a 16-row m tile
+#define KSTR (HD % 128 ? HD : HD + 64)  // bytes a key in a K stage: keys g, g + 1 of a load phase on other banks
+#define VSTR (HD + 16)                   // in a V stage: keys 2c (c = 0 .. 3) of a load phase on four bank groups
+
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+  u32 a;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+  return a;
+}
+
+// a 16-byte / 4-byte asynchronous copy, `bytes` of it read (the rest zero-filled)
+__device__ __forceinline__ void cp16(void* dst, const void* src, int bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(dst)), "l"(src), "r"(bytes));
+}
+
+__device__ __forceinline__ void cp4(void* dst, const void* src, int bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(smem_addr(dst)), "l"(src), "r"(bytes));
+}
+
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(VDEPTH - 2) : "memory"); }
+
+__device__ __forceinline__ u32 word4(const U4& v, int j) { return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w; }
+
+extern "C" __global__ void __launch_bounds__(256, 1)
+attn_verify(const u16* __restrict__ Q, const signed char* __restrict__ K, const signed char* __restrict__ V,
+            const u16* __restrict__ KS, const u16* __restrict__ VS, const void* __restrict__ SLOTS,
+            const void* __restrict__ QPOS, float* __restrict__ OP, float* __restrict__ LSE,
+            long long sqb, long long sqt, long long sqh, long long sks, long long skh, long long svs, long long svh,
+            long long ssks, long long sskh, long long ssvs, long long ssvh, long long spb, long long spt,
+            long long ssl, float qk_scale, int T, int H, int HKV, int G, int KV_LEN, int CHUNK, int MIN_CHUNK,
+            int NUM_SPLITS) {
+  __shared__ __align__(16) signed char ksm[VDEPTH][STEP * KSTR];
+  __shared__ __align__(16) signed char vsm[VDEPTH][STEP * VSTR];
+  __shared__ __align__(16) u16 kssm[VDEPTH][STEP * NG];
+  __shared__ __align__(16) u16 vssm[VDEPTH][STEP * NG];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+  const int g = lane >> 2, c = lane & 3;
+  const int s = blockIdx.x;
+  const int b = blockIdx.y / HKV, hkv = blockIdx.y % HKV;
+  const int rows = T * G, r0 = blockIdx.z * 16 * nw;
+  // this lane's rows rb + g (h = 0) and rb + g + 8 (h = 1): token, head, key range of split s
+  int rlo[2], rhi[2];
+  u32 qa[NG][4][4];  // A fragments: [group][mma j][a0 .. a3] = rows g, g + 8's words 2j, 2j + 1
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = r0 + 16 * warp + g + 8 * h;
+    const bool ok = r < rows;
+    const int t = ok ? r / G : 0, n = ok ? r % G : 0;
+    rlo[h] = rhi[h] = 0;
+    if (ok)
+      key_range((int)load_index(QPOS, b * spb + t * spt, POS64), s, CHUNK, MIN_CHUNK, NUM_SPLITS, KV_LEN, rlo[h],
+                rhi[h]);
+    const u16* qrow = Q + b * sqb + (long long)t * sqt + (long long)(hkv * G + n) * sqh;
+#pragma unroll
+    for (int gr = 0; gr < NG; ++gr) {
+      u32 w[8];
+      q_words(qrow, ok, gr, c, w);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        qa[gr][j][h] = w[2 * j];
+        qa[gr][j][2 + h] = w[2 * j + 1];
+      }
+    }
+  }
+  // the block walks the union of its rows' key ranges (each starts on a multiple of STEP, so a row meets whole steps
+  // of its own range and whole steps outside it)
+  int ulo = KV_LEN, uhi = 0;
+  {
+    const int t_end = (min(rows, r0 + 16 * nw) - 1) / G;
+    for (int t = r0 / G; t <= t_end; ++t) {
+      int lw, hw;
+      key_range((int)load_index(QPOS, b * spb + t * spt, POS64), s, CHUNK, MIN_CHUNK, NUM_SPLITS, KV_LEN, lw, hw);
+      if (hw > lw) {
+        ulo = min(ulo, lw);
+        uhi = max(uhi, hw);
+      }
+    }
+  }
+  if (uhi <= ulo) return;  // uniform over the block
+  const long long slot = load_index(SLOTS, b * ssl, SLOT64);
+  const signed char* kb = K + slot * sks + hkv * skh;
+  const signed char* vb = V + slot * svs + hkv * svh;
+  const u16* ksb = KS + slot * ssks + hkv * sskh;
+  const u16* vsb = VS + slot * ssvs + hkv * ssvh;
+  const int nsteps = (uhi - ulo + STEP - 1) / STEP;
+
+  // step `step`'s codes and scales into stage step % VDEPTH, keys from uhi on zero (as attn_split loads them)
+  auto issue = [&](int step) {
+    if (step < nsteps) {
+      const int start = ulo + step * STEP, buf = step % VDEPTH, live = uhi - start;
+      constexpr int KC = HD / 16;  // 16-byte chunks a key
+      for (int i = threadIdx.x; i < 2 * STEP * KC; i += blockDim.x) {
+        const bool isv = i >= STEP * KC;
+        const int j = isv ? i - STEP * KC : i, key = j / KC, q = j % KC;
+        const long long off = (long long)(start + min(key, live - 1)) * HD + 16 * q;
+        if (isv)
+          cp16(&vsm[buf][key * VSTR + 16 * q], vb + off, key < live ? 16 : 0);
+        else
+          cp16(&ksm[buf][key * KSTR + 16 * q], kb + off, key < live ? 16 : 0);
+      }
+      constexpr int SW = STEP * NG / 2;  // 4-byte words of a step's scales
+      for (int i = threadIdx.x; i < 2 * SW; i += blockDim.x) {
+        const bool isv = i >= SW;
+        const int j = isv ? i - SW : i;
+        // the word's two halves are keys 2j / NG and (2j + 1) / NG: copy the live ones (a prefix)
+        const int bytes = ((2 * j) / NG < live ? 2 : 0) + ((2 * j + 1) / NG < live ? 2 : 0);
+        const u16* src = (isv ? vsb : ksb) + (long long)start * NG + (bytes ? 2 * j : 0);
+        cp4(isv ? (void*)&vssm[buf][2 * j] : (void*)&kssm[buf][2 * j], src, bytes);
+      }
+    }
+    cp_commit();
+  };
+
+  float o[NG][4][2][4];  // O n tiles (group, i, head dim + 0 / 1): rows g, g + 8 x head dims 64 gr + 16 c + 2 i (+ 8)
+#pragma unroll
+  for (int gr = 0; gr < NG; ++gr)
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) o[gr][i][e >> 2][e & 3] = 0.f;
+  float m[2] = {NEG_INF, NEG_INF};
+  float lp[2][2] = {{0.f, 0.f}, {0.f, 0.f}};  // row h's sums of key pairs (2c, 2c + 8) and (2c + 1, 2c + 9)
+
+#pragma unroll 1
+  for (int e = 0; e < VDEPTH - 1; ++e) issue(e);
+#pragma unroll 1
+  for (int step = 0; step < nsteps; ++step) {
+    cp_wait();
+    __syncthreads();  // step's stage is in; every warp is done with the stage the next issue overwrites
+    issue(step + VDEPTH - 1);
+    const int buf = step % VDEPTH, start = ulo + step * STEP;
+    const signed char* ks = ksm[buf];
+    const signed char* vs = vsm[buf];
+    const u16* kss = kssm[buf];
+    const u16* vss = vssm[buf];
+    // S: n tile 0 = keys 2c, 2c + 1 (rows g, g + 8), n tile 1 = keys 2c + 8, 2c + 9
+    float sv[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+    for (int gr = 0; gr < NG; ++gr) {
+      const U4 k0 = *(const U4*)(ks + g * KSTR + 64 * gr + 16 * c);
+      const U4 k1 = *(const U4*)(ks + (g + 8) * KSTR + 64 * gr + 16 * c);
+      float acc0[4] = {0.f, 0.f, 0.f, 0.f}, acc1[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        u32 a[4];
+        k_frag(word4(k0, j), word4(k1, j), a);
+        mma(acc0, qa[gr][j][0], qa[gr][j][1], qa[gr][j][2], qa[gr][j][3], a[0], a[2]);
+        mma(acc1, qa[gr][j][0], qa[gr][j][1], qa[gr][j][2], qa[gr][j][3], a[1], a[3]);
+      }
+      const float s0 = f16_to_f32(kss[2 * c * NG + gr]), s1 = f16_to_f32(kss[(2 * c + 1) * NG + gr]);
+      const float s8 = f16_to_f32(kss[(2 * c + 8) * NG + gr]), s9 = f16_to_f32(kss[(2 * c + 9) * NG + gr]);
+      sv[0][0] = fmaf(acc0[0], s0, sv[0][0]);
+      sv[0][1] = fmaf(acc0[1], s1, sv[0][1]);
+      sv[0][2] = fmaf(acc0[2], s0, sv[0][2]);
+      sv[0][3] = fmaf(acc0[3], s1, sv[0][3]);
+      sv[1][0] = fmaf(acc1[0], s8, sv[1][0]);
+      sv[1][1] = fmaf(acc1[1], s9, sv[1][1]);
+      sv[1][2] = fmaf(acc1[2], s8, sv[1][2]);
+      sv[1][3] = fmaf(acc1[3], s9, sv[1][3]);
+    }
+    // masks: a row's keys outside [lo, hi) are -inf; a step outside its range leaves the row as it is (scale 1,
+    // p = 0: the steps attn_split does not take)
+    float al[2], pr[2][4];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const bool live = start >= rlo[h] && start < rhi[h];  // key `start` is the row's: the max is finite
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int key = start + 8 * nt + 2 * c + e;
+          float& x = sv[nt][2 * h + e];
+          x = key < rhi[h] ? x * qk_scale : NEG_INF;
+        }
+      float x = fmaxf(fmaxf(sv[0][2 * h], sv[0][2 * h + 1]), fmaxf(sv[1][2 * h], sv[1][2 * h + 1]));
+      x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+      x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+      const float n = live ? fmaxf(m[h], x) : m[h];
+      al[h] = live ? ex2(m[h] - n) : 1.f;
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) pr[nt][2 * h + e] = live ? ex2(sv[nt][2 * h + e] - n) : 0.f;
+      if (live) {
+        lp[h][0] = fmaf(lp[h][0], al[h], pr[0][2 * h] + pr[1][2 * h]);
+        lp[h][1] = fmaf(lp[h][1], al[h], pr[0][2 * h + 1] + pr[1][2 * h + 1]);
+      }
+      m[h] = n;
+    }
+    const u32 pa0 = pack_f16(pr[0][0], pr[0][1]), pa1 = pack_f16(pr[0][2], pr[0][3]);
+    const u32 pa2 = pack_f16(pr[1][0], pr[1][1]), pa3 = pack_f16(pr[1][2], pr[1][3]);
+    if (__any_sync(0xffffffffu, al[0] != 1.f || al[1] != 1.f)) {  // x * 1 = x: skipping it changes no bits
+#pragma unroll
+      for (int gr = 0; gr < NG; ++gr)
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh) {
+            float* acc = o[gr][i][hh];
+            acc[0] *= al[0];
+            acc[1] *= al[0];
+            acc[2] *= al[1];
+            acc[3] *= al[1];
+          }
+    }
+#pragma unroll
+    for (int gr = 0; gr < NG; ++gr) {
+      const U2 x = *(const U2*)(vs + 2 * c * VSTR + 64 * gr + 8 * g);
+      const U2 y = *(const U2*)(vs + (2 * c + 1) * VSTR + 64 * gr + 8 * g);
+      const U2 xb = *(const U2*)(vs + (2 * c + 8) * VSTR + 64 * gr + 8 * g);
+      const U2 yb = *(const U2*)(vs + (2 * c + 9) * VSTR + 64 * gr + 8 * g);
+      const u32 s01 = pair16(vss[2 * c * NG + gr], vss[(2 * c + 1) * NG + gr]);
+      const u32 s89 = pair16(vss[(2 * c + 8) * NG + gr], vss[(2 * c + 9) * NG + gr]);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        u32 a[4];
+        v_frag(x, y, xb, yb, s01, s89, i, a);
+        mma(o[gr][i][0], pa0, pa1, pa2, pa3, a[0], a[2]);
+        mma(o[gr][i][1], pa0, pa1, pa2, pa3, a[1], a[3]);
+      }
+    }
+  }
+  // the sums in attn_split's tree: key pairs g' and g' ^ 1 (in the lane), then g' ^ 2 (lane c ^ 1), g' ^ 4 (c ^ 2)
+  float l[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    l[h] = lp[h][0] + lp[h][1];
+    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
+    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = r0 + 16 * warp + g + 8 * h;
+    if (r >= rows || rhi[h] <= rlo[h]) continue;  // no row, or no keys of it here: nothing to write
+    const long long ri = ((long long)(b * T + r / G) * H + hkv * G + r % G) * NUM_SPLITS + s;
+    float* dst = OP + ri * HD;
+#pragma unroll
+    for (int gr = 0; gr < NG; ++gr) {
+      float v[16];  // head dims 64 gr + 16 c + (0 .. 15)
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          v[2 * i + hh] = o[gr][i][hh][2 * h] / l[h];
+          v[8 + 2 * i + hh] = o[gr][i][hh][2 * h + 1] / l[h];
+        }
+#pragma unroll
+      for (int q = 0; q < 4; ++q)
+        *(U4*)(dst + 64 * gr + 16 * c + 4 * q) = U4{__float_as_uint(v[4 * q]), __float_as_uint(v[4 * q + 1]),
+                                                    __float_as_uint(v[4 * q + 2]), __float_as_uint(v[4 * q + 3])};
+    }
+    if (c == 0) LSE[ri] = m[h] + lg2(l[h]);
   }
 }

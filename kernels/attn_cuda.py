@@ -1,15 +1,21 @@
 """Decode / verify attention over an int8 KV cache on the tensor cores: ``kernels/attn_cuda.cu``.
 
 The split pass of :func:`kernels.attention_triton.decode_attention` for int8 caches and bf16 / fp16 queries (its
-``_attn_combine`` merges the splits, rounds and gates the output). One warp takes one query token's G <= 8 heads of
-one kv head over one key range, 16 keys a step, with the heads as the MMA's 8 columns and keys / head dims as its 16
-rows (a decode step's G = 6 rows fill 6 of 8 columns instead of 6 of a 64-row tile), the cache's codes turned into
-exact fp16 by byte permutes, scales applied to the fp32 sums (K) or the codes (V). A one-token block makes its
-fragments in registers; a block of several tokens (a verify) makes each step's fragments once in shared memory for
-all of them. The source's header says how. Either way a token's MMAs see the same values in the same order, so a
-T = 8 verify gives each token the bits a T = 1 step gives (token invariance), at any batch.
+``_attn_combine`` merges the splits, rounds and gates the output), 16 keys a step, the cache's codes turned into
+exact fp16 by byte permutes, scales applied to the fp32 sums (K) or the codes (V). Two kernels:
 
-Compiled at first use for each (head dim, query dtype, warps a block, index dtypes) by CuPy's NVRTC, so it needs
+- ``attn_split`` (T = 1, any batch): one warp takes one query token's G <= 8 heads of one kv head over one key
+  range, with the heads as the MMA's 8 columns and keys / head dims as its 16 rows (a decode step's G = 6 rows fill
+  6 of 8 columns instead of 6 of a 64-row tile), its K / V in a register double buffer;
+- ``attn_verify`` (T > 1): a block takes all T x G query rows of one (row, kv head) over one key range, one warp a
+  16-row m tile, the rows as the MMA's rows; the block streams the raw codes into shared memory (cp.async) once for
+  all of them.
+
+The second computes the first's products in the other orientation, from the very fragments, in the same order, and
+follows its softmax element for element (the source's header says how), so a T = 8 verify gives each token the bits
+a T = 1 step gives (token invariance), at any batch.
+
+Compiled at first use for each (head dim, query dtype, index dtypes) by CuPy's NVRTC, so it needs
 ``cupy`` (the ``[gpu]`` extra) and an sm_80+ GPU (``mma.m16n8k16``, ``movmatrix``). :func:`wanted` says whether a
 call takes this path; the reference is :func:`kernels.attention_triton.decode_attention_ref`. Launches are
 asynchronous on the current torch stream and allocate nothing: safe to capture in a CUDA graph once compiled.
@@ -27,13 +33,13 @@ import torch
 
 from . import _cupy, _triton
 
-__all__ = ["CudaPlan", "plan", "split", "wanted", "supports", "available", "import_error", "set_enabled",
-           "enabled", "STEP"]
+__all__ = ["CudaPlan", "plan", "split", "verify_grid", "wanted", "supports", "available", "import_error",
+           "set_enabled", "enabled", "STEP"]
 
 STEP = 16  # keys a warp step (the kernel's STEP; the combine's BLOCK_N)
-MAX_WARPS = 8  # tokens a block (one warp each)
+MAX_VERIFY_WARPS = 8  # m tiles of 16 query rows a verify block (one warp each)
 MAX_G = 8  # query heads a kv head: the MMA's 8 columns
-# grid size at B = 1, T = 1: about this many warps (one a (split, kv head)) an SM; 239 registers a thread at hd 256
+# grid size at B = 1, T = 1: about this many warps (one a (split, kv head)) an SM; 241 registers a thread at hd 256
 # hold 8 warps an SM. At 65,536 keys on the H200: 4 -> 48-50 %, 8 -> 58-62 %, 12 -> 45-50 %, 16 -> 43-52 % of the copy
 # bandwidth (the combine's four tiles each)
 WARPS_PER_SM = 8
@@ -70,8 +76,9 @@ def available() -> bool:
 def supports(q, k_cache, v_cache, k_scale, v_scale, slots, q_pos) -> bool:
     """Whether the kernel runs these inputs: CUDA, q bf16 / fp16 [B, T, H, hd] with hd a multiple of 64 up to 256 and
     H / Hkv <= 8, an int8 cache [S, Hkv, cap, hd] with contiguous rows, fp16 scales [S, Hkv, cap, hd / 64] with
-    contiguous rows, 16-byte aligned query rows and cache rows, int32 / int64 slots and positions. A function of
-    dtypes, shapes and layouts only, never of B or T (so one model's steps and verify passes take one path)."""
+    contiguous rows (4-byte aligned, even strides), 16-byte aligned query rows and cache rows, int32 / int64 slots and
+    positions. A function of dtypes, shapes and layouts only, never of B or T (so one model's steps and verify passes
+    take one path)."""
     if not (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.dim() == 4 and k_cache.dtype == torch.int8
             and k_scale is not None and v_scale is not None):
         return False
@@ -84,7 +91,8 @@ def supports(q, k_cache, v_cache, k_scale, v_scale, slots, q_pos) -> bool:
         if c.stride(3) != 1 or c.stride(2) != hd or c.data_ptr() % 16 or c.stride(0) % 16 or c.stride(1) % 16:
             return False
     for s in (k_scale, v_scale):
-        if s.dtype != torch.float16 or s.stride(3) != 1 or s.stride(2) != ng:
+        if s.dtype != torch.float16 or s.stride(3) != 1 or s.stride(2) != ng or s.data_ptr() % 4 \
+                or s.stride(0) % 2 or s.stride(1) % 2:
             return False
     if q.stride(3) != 1 or q.data_ptr() % 16 or any(st % 8 for st in q.stride()[:3]):
         return False
@@ -106,17 +114,17 @@ class CudaPlan:
     min_chunk: int
     combine_cols: int = COMBINE_COLS
     combine_splits: int = COMBINE_SPLITS
-    # tokens a block at most (one warp each; a power of two <= MAX_WARPS): a verify's tokens share one conversion of
-    # each K / V step per block; fewer a block, more blocks an SM. No effect on any bits
-    block_tokens: int = MAX_WARPS
+    # a verify block's m tiles of 16 query rows at most (one warp each, 1 .. MAX_VERIFY_WARPS): T x G rows take
+    # cdiv(T x G, 16 x verify_warps) blocks a (split, kv head), each reading the keys. No effect on any bits
+    verify_warps: int = MAX_VERIFY_WARPS
 
     def __post_init__(self):
         if self.chunk <= 0 or self.chunk % STEP or self.min_chunk <= 0 or self.min_chunk % STEP \
                 or self.min_chunk > self.chunk:
             raise ValueError(f"CudaPlan: chunk and min_chunk must be positive multiples of {STEP} with "
                              f"min_chunk <= chunk, got {self.chunk} and {self.min_chunk}")
-        if self.block_tokens not in (1, 2, 4, 8):
-            raise ValueError(f"CudaPlan.block_tokens must be 1, 2, 4 or 8, got {self.block_tokens}")
+        if not 1 <= self.verify_warps <= MAX_VERIFY_WARPS:
+            raise ValueError(f"CudaPlan.verify_warps must be 1 .. {MAX_VERIFY_WARPS}, got {self.verify_warps}")
         for name in ("combine_cols", "combine_splits"):
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
@@ -140,27 +148,28 @@ def plan(kv_len: int, kv_heads: int, device: torch.device | str = "cuda", *, war
 
 
 @functools.cache
-def _kernels(hd: int, half: bool, pos64: bool, slot64: bool, device_index: int) -> dict[int, object]:
-    """The kernel built for every warps-a-block count at once, {warps: function}: a T = 8 verify's first launch may
-    come inside a CUDA-graph capture, after only T = 1 steps ran eagerly, and must not compile or load a module."""
+def _kernels(hd: int, half: bool, pos64: bool, slot64: bool, device_index: int) -> tuple[object, object]:
+    """(attn_split, attn_verify) built and loaded at once: a T = 8 verify's first launch may come inside a CUDA-graph
+    capture, after only T = 1 steps ran eagerly, and must not compile or load a module."""
     import cupy
 
-    out = {}
     with cupy.cuda.Device(device_index):
-        for warps in (1 << i for i in range(MAX_WARPS.bit_length())):
-            module = cupy.RawModule(code=_SOURCE.read_text(), backend="nvrtc",
-                                    options=("-std=c++17", "--fmad=false", f"-DHD={hd}", f"-DHALF={int(half)}",
-                                             f"-DWARPS={warps}", f"-DPOS64={int(pos64)}", f"-DSLOT64={int(slot64)}"))
-            fn = module.get_function("attn_split")
+        module = cupy.RawModule(code=_SOURCE.read_text(), backend="nvrtc",
+                                options=("-std=c++17", "--fmad=false", f"-DHD={hd}", f"-DHALF={int(half)}",
+                                         f"-DPOS64={int(pos64)}", f"-DSLOT64={int(slot64)}"))
+        out = tuple(module.get_function(name) for name in ("attn_split", "attn_verify"))
+        for fn in out:
             if not fn.kernel.ptr:  # compiled and loaded now (cupy would on the first launch)
-                raise RuntimeError(f"attn_cuda: the {warps}-warp build did not load")
-            out[warps] = fn
+                raise RuntimeError("attn_cuda: a kernel did not load")
     return out
 
 
-def warps_for(t: int, block_tokens: int = MAX_WARPS) -> int:
-    """Warps a block for T tokens: one a token, a power of two up to ``block_tokens`` (no effect on any bits)."""
-    return min(block_tokens, 1 << (t - 1).bit_length())
+def verify_grid(t: int, g: int, verify_warps: int = MAX_VERIFY_WARPS) -> tuple[int, int]:
+    """(warps a block, blocks a (split, kv head)) of a T-token verify with G query heads a kv head: one warp a 16-row
+    m tile of the T x G rows, at most ``verify_warps`` a block (no effect on any bits)."""
+    tiles = -(-(t * g) // 16)
+    warps = min(verify_warps, tiles)
+    return warps, -(-tiles // warps)
 
 
 def split(q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, qk_scale: float, kv_len: int, cfg: CudaPlan,
@@ -174,8 +183,12 @@ def split(q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, qk_scale: float, 
     hkv = k_cache.shape[1]
     splits = cfg.splits(kv_len)
     dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    warps = warps_for(t, cfg.block_tokens)
-    kern = _kernels(hd, q.dtype == torch.float16, q_pos.dtype == torch.int64, slots.dtype == torch.int64, dev)[warps]
+    one, verify = _kernels(hd, q.dtype == torch.float16, q_pos.dtype == torch.int64, slots.dtype == torch.int64, dev)
+    if t == 1:
+        kern, grid, block = one, (splits, b * hkv, 1), (32,)
+    else:
+        warps, blocks = verify_grid(t, h // hkv, cfg.verify_warps)
+        kern, grid, block = verify, (splits, b * hkv, blocks), (32 * warps,)
     ptrs = (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_scale.data_ptr(), v_scale.data_ptr(),
             slots.data_ptr(), q_pos.data_ptr(), o_part.data_ptr(), lse_part.data_ptr())
     longs = (*q.stride()[:3], *k_cache.stride()[:2], *v_cache.stride()[:2], *k_scale.stride()[:2],
@@ -184,4 +197,4 @@ def split(q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, qk_scale: float, 
     args = (*map(np.uint64, ptrs), *map(np.int64, longs), np.float32(qk_scale), *map(np.int32, ints))
     stream = torch.cuda.current_stream(q.device)
     with cupy.cuda.Device(dev):
-        kern((splits, b * hkv, -(-t // warps)), (warps * 32,), args, stream=_cupy.stream(stream, dev))
+        kern(grid, block, args, stream=_cupy.stream(stream, dev))

@@ -194,9 +194,9 @@ def main() -> int:
                         help="only these cases, a comma list of KV:CTX:B:T (e.g. int8:65536:1:1,bf16:65536:1:1), "
                              "as under a profiler (ncu): fewer launches to find")
     parser.add_argument("--no-peer", action="store_true", help="skip SDPA on the bf16 copy and the pack1 row")
-    parser.add_argument("--cuda-block-tokens", default="",
-                        help="also time the CUDA kernel at T > 1 with these tokens a block (a comma list of 1, 2, 4, "
-                             "8; the default plan's is in the table)")
+    parser.add_argument("--cuda-verify-warps", default="",
+                        help="also time the CUDA kernel at T > 1 with at most these m tiles of 16 query rows a verify "
+                             "block (a comma list of 1 .. 8; the default plan's is in the table)")
     parser.add_argument("--plan", default="",
                         help="the first row's plan with these overrides of kernels.attention_triton.plan, a comma "
                              "list of NAME=INT (e.g. ahead=1,block_n=64), as under a profiler (ncu): a candidate's "
@@ -256,15 +256,15 @@ def main() -> int:
                         cu = timed({**cu, "config": str(cfg_cu), "splits": cfg_cu.splits(ctx)}, case, t, bw, cfg_cu)
                         failures += not cu["ok"]
                         emit(cu)
-                        for bt in filter(None, args.cuda_block_tokens.split(",")):
+                        for bt in filter(None, args.cuda_verify_warps.split(",")):
                             if t == 1 or "error" in cu:
                                 break
-                            cfg_bt = dataclasses.replace(cfg_cu, block_tokens=int(bt))
+                            cfg_bt = dataclasses.replace(cfg_cu, verify_warps=int(bt))
                             row = timed({"op": "decode_attention_cuda", **shape, "config": str(cfg_bt)}, case, t,
                                         bw, cfg_bt)
                             failures += not row["ok"]
                             emit(row)
-                            print(f"cuda {shape} block_tokens={bt}: {_best(row)} us, rel_rms {row.get('rel_rms')}")
+                            print(f"cuda {shape} verify_warps={bt}: {_best(row)} us, rel_rms {row.get('rel_rms')}")
                     rec["cuda"] = cu
                     one = {"op": "decode_attention_pack1", **shape}  # one token a tile, the same run
                     peer = {"op": "sdpa_bf16_copy", **shape}

@@ -33,6 +33,7 @@ SHAPES = {
     "T9-g2-hd192": (2, 9, 4, 2, 192, [9, 100], 3, 112),
     "T16-g1-hd64": (1, 16, 4, 4, 64, [90], 2, 96),
     "T2-g6-hd64": (3, 2, 6, 1, 64, [2, 17, 33], 4, 48),
+    "T4-g6-hd256": (2, 4, 24, 4, 256, [4, 161], 2, 176),  # MTP3's verify: 24 rows, a second m tile half full
 }
 
 
@@ -69,11 +70,13 @@ def test_matches_the_triton_kernel():
 
 
 @gpu
-@pytest.mark.parametrize("shape", ["T8-g6-hd256", "T9-g2-hd192", "T3-g8-hd128"])
+@pytest.mark.parametrize("shape", ["T8-g6-hd256", "T9-g2-hd192", "T3-g8-hd128", "T4-g6-hd256", "T16-g1-hd64",
+                                   "T2-g6-hd64"])
 @pytest.mark.parametrize("split", ["plan", "many"])
 def test_tokens_and_rows_give_the_bits_single_steps_give(shape, split):
-    """Token invariance: each token of a T-token call, each row of a batch, gives the bits a B = 1, T = 1 call at its
-    position gives (the block's warp count changes with T; a row's sums do not)."""
+    """Token invariance: each token of a T-token call (attn_verify: the rows as the MMA's rows), each row of a batch,
+    gives the bits a B = 1, T = 1 call (attn_split: the heads as its columns) at its position gives. "many" splits
+    give a verify's tokens different chunks, so a block's rows meet steps outside their own ranges."""
     c = half_case(shape, seed=7)
     cfg = many_splits(c) if split == "many" else None
     block = at.decode_attention(**c, config=cfg)
@@ -86,11 +89,12 @@ def test_tokens_and_rows_give_the_bits_single_steps_give(shape, split):
 
 
 @gpu
-def test_tokens_a_block_change_no_bits():
-    """A verify's tokens in blocks of 1, 2, 4 or 8 (one conversion of each step a block): the same bits."""
-    c = half_case("T8-g6-hd256", seed=8)
-    outs = [at.decode_attention(**c, config=attn_cuda.CudaPlan(chunk=64, min_chunk=16, block_tokens=bt))
-            for bt in (8, 4, 2, 1)]
+@pytest.mark.parametrize("shape", ["T8-g6-hd256", "T16-g1-hd64"])
+def test_rows_a_verify_block_change_no_bits(shape):
+    """A verify's query rows in blocks of 1 .. 8 m tiles (each block reading the keys once): the same bits."""
+    c = half_case(shape, seed=8)
+    outs = [at.decode_attention(**c, config=attn_cuda.CudaPlan(chunk=64, min_chunk=16, verify_warps=w))
+            for w in (8, 3, 2, 1)]
     for out in outs[1:]:
         assert torch.equal(out, outs[0])
 
@@ -144,6 +148,14 @@ def test_unsupported_inputs_take_the_triton_path_or_are_refused():
     f32 = half_case("T2-g6-hd64", torch.float32)  # fp32 queries: the Triton reference-precision path
     assert not attn_cuda.supports(f32["q"], f32["k_cache"], f32["v_cache"], f32["k_scale"], f32["v_scale"],
                                   f32["slots"], f32["q_pos"])
+    # scales with an odd stride (hd 64: one a key, in a cache one key longer): not 4-byte aligned, the Triton path
+    c = half_case("T2-g6-hd64", seed=9)
+    odd = {k: torch.cat([c[k], c[k][:, :, :1]], 2)[:, :, :-1] for k in ("k_scale", "v_scale")}
+    assert odd["k_scale"].stride(1) % 2 and torch.equal(odd["k_scale"], c["k_scale"])
+    args = (c["q"], c["k_cache"], c["v_cache"], odd["k_scale"], odd["v_scale"], c["slots"], c["q_pos"])
+    assert not attn_cuda.supports(*args)
+    assert torch.equal(at.decode_attention(**{**c, **odd}), at.decode_attention(**c, config=at.plan(
+        3, 2, 6, 1, 64, 48, True, DEVICE, q_dtype=torch.bfloat16)))
 
 
 @gpu
@@ -175,11 +187,14 @@ def test_plan_is_a_function_of_static_sizes():
             attn_cuda.CudaPlan(**bad)
 
 
-def test_warps_a_block_follow_the_tokens():
-    assert [attn_cuda.warps_for(t) for t in (1, 2, 3, 5, 8, 9, 64)] == [1, 2, 4, 8, 8, 8, 8]
-    assert [attn_cuda.warps_for(t, 4) for t in (1, 3, 8)] == [1, 4, 4]
-    with pytest.raises(ValueError, match="block_tokens"):
-        attn_cuda.CudaPlan(chunk=32, min_chunk=16, block_tokens=3)
+def test_a_verify_block_takes_m_tiles_of_its_rows():
+    """One warp a 16-row m tile of the T x G query rows, at most verify_warps a block."""
+    assert [attn_cuda.verify_grid(t, 6) for t in (2, 3, 4, 8, 16, 32)] == [(1, 1), (2, 1), (2, 1), (3, 1), (6, 1),
+                                                                             (8, 2)]
+    assert attn_cuda.verify_grid(8, 6, 2) == (2, 2) and attn_cuda.verify_grid(9, 8, 1) == (1, 5)
+    for bad in (0, 9):
+        with pytest.raises(ValueError, match="verify_warps"):
+            attn_cuda.CudaPlan(chunk=32, min_chunk=16, verify_warps=bad)
 
 
 def test_cpu_tensors_never_take_the_kernel():
