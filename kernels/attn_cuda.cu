@@ -68,6 +68,9 @@ typedef unsigned long long u64;
 #ifndef VDEPTH
 #define VDEPTH 4  // attn_verify: cp.async stages (steps of K / V in flight)
 #endif
+#ifndef QSMEM
+#define QSMEM 0  // attn_verify: q's A fragments in registers (0) or in dynamic shared memory (1: fewer registers)
+#endif
 #define NG (HD / 64)
 #define STEP 16
 #if HD % 64 || HD > 256
@@ -424,7 +427,12 @@ __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0
 
 __device__ __forceinline__ u32 word4(const U4& v, int j) { return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w; }
 
-extern "C" __global__ void __launch_bounds__(256, 1)
+#ifdef VMAXREG
+#define VERIFY_BOUNDS __maxnreg__(VMAXREG)
+#else
+#define VERIFY_BOUNDS __launch_bounds__(256, 1)
+#endif
+extern "C" __global__ void VERIFY_BOUNDS
 attn_verify(const u16* __restrict__ Q, const signed char* __restrict__ K, const signed char* __restrict__ V,
             const u16* __restrict__ KS, const u16* __restrict__ VS, const void* __restrict__ SLOTS,
             const void* __restrict__ QPOS, float* __restrict__ OP, float* __restrict__ LSE,
@@ -436,6 +444,9 @@ attn_verify(const u16* __restrict__ Q, const signed char* __restrict__ K, const 
   __shared__ __align__(16) signed char vsm[VDEPTH][STEP * VSTR];
   __shared__ __align__(16) u16 kssm[VDEPTH][STEP * NG];
   __shared__ __align__(16) u16 vssm[VDEPTH][STEP * NG];
+#if QSMEM
+  extern __shared__ U4 qsm[];  // [warp][group][mma j][lane]
+#endif
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
   const int g = lane >> 2, c = lane & 3;
   const int s = blockIdx.x;
@@ -465,6 +476,13 @@ attn_verify(const u16* __restrict__ Q, const signed char* __restrict__ K, const 
       }
     }
   }
+#if QSMEM
+#pragma unroll
+  for (int gr = 0; gr < NG; ++gr)
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      qsm[((warp * NG + gr) * 4 + j) * 32 + lane] = U4{qa[gr][j][0], qa[gr][j][1], qa[gr][j][2], qa[gr][j][3]};
+#endif
   // the block walks the union of its rows' key ranges (each starts on a multiple of STEP, so a row meets whole steps
   // of its own range and whole steps outside it)
   int ulo = KV_LEN, uhi = 0;
@@ -547,8 +565,14 @@ attn_verify(const u16* __restrict__ Q, const signed char* __restrict__ K, const 
       for (int j = 0; j < 4; ++j) {
         u32 a[4];
         k_frag(word4(k0, j), word4(k1, j), a);
+#if QSMEM
+        const U4 qv = qsm[((warp * NG + gr) * 4 + j) * 32 + lane];
+        mma(acc0, qv.x, qv.y, qv.z, qv.w, a[0], a[2]);
+        mma(acc1, qv.x, qv.y, qv.z, qv.w, a[1], a[3]);
+#else
         mma(acc0, qa[gr][j][0], qa[gr][j][1], qa[gr][j][2], qa[gr][j][3], a[0], a[2]);
         mma(acc1, qa[gr][j][0], qa[gr][j][1], qa[gr][j][2], qa[gr][j][3], a[1], a[3]);
+#endif
       }
       const float s0 = f16_to_f32(kss[2 * c * NG + gr]), s1 = f16_to_f32(kss[(2 * c + 1) * NG + gr]);
       const float s8 = f16_to_f32(kss[(2 * c + 8) * NG + gr]), s9 = f16_to_f32(kss[(2 * c + 9) * NG + gr]);

@@ -50,6 +50,15 @@ SHORT_MIN_STEPS = 1  # a token far before the key range's end: its chunk shrinks
 COMBINE_COLS, COMBINE_SPLITS = 32, 64
 _SOURCE = Path(__file__).with_name("attn_cuda.cu")
 
+# extra -D defines of the build (tuning: scripts/bench_attention.py --cuda-builds), e.g. (("VDEPTH", 3),)
+_BUILD = {"defines": ()}
+
+
+def set_build_defines(defines: dict[str, int] | None = None) -> None:
+    """Compile later launches with these extra ``-D`` defines of ``attn_cuda.cu`` (tuning; None: the defaults)."""
+    _BUILD["defines"] = tuple(sorted((defines or {}).items()))
+
+
 # the switch (on by default where the kernel runs): NINFER_BENCH_ATTN=triton turns it off for the process
 _SWITCH = {"on": os.environ.get("NINFER_BENCH_ATTN", "").strip().lower() != "triton"}
 
@@ -148,7 +157,8 @@ def plan(kv_len: int, kv_heads: int, device: torch.device | str = "cuda", *, war
 
 
 @functools.cache
-def _kernels(hd: int, half: bool, pos64: bool, slot64: bool, device_index: int) -> tuple[object, object]:
+def _kernels(hd: int, half: bool, pos64: bool, slot64: bool, device_index: int,
+             defines: tuple = ()) -> tuple[object, object]:
     """(attn_split, attn_verify) built and loaded at once: a T = 8 verify's first launch may come inside a CUDA-graph
     capture, after only T = 1 steps ran eagerly, and must not compile or load a module."""
     import cupy
@@ -156,12 +166,20 @@ def _kernels(hd: int, half: bool, pos64: bool, slot64: bool, device_index: int) 
     with cupy.cuda.Device(device_index):
         module = cupy.RawModule(code=_SOURCE.read_text(), backend="nvrtc",
                                 options=("-std=c++17", "--fmad=false", f"-DHD={hd}", f"-DHALF={int(half)}",
-                                         f"-DPOS64={int(pos64)}", f"-DSLOT64={int(slot64)}"))
+                                         f"-DPOS64={int(pos64)}", f"-DSLOT64={int(slot64)}",
+                                         *(f"-D{k}={v}" for k, v in defines)))
         out = tuple(module.get_function(name) for name in ("attn_split", "attn_verify"))
+        if dict(defines).get("QSMEM"):
+            out[1].max_dynamic_shared_size_bytes = _verify_dynamic_smem(hd, MAX_VERIFY_WARPS, defines)
         for fn in out:
             if not fn.kernel.ptr:  # compiled and loaded now (cupy would on the first launch)
                 raise RuntimeError("attn_cuda: a kernel did not load")
     return out
+
+
+def _verify_dynamic_smem(hd: int, warps: int, defines: tuple) -> int:
+    """Bytes of dynamic shared memory a verify block takes (QSMEM: q's fragments, 2 KB a warp and scale group)."""
+    return warps * (hd // 64) * 2048 if dict(defines).get("QSMEM") else 0
 
 
 def verify_grid(t: int, g: int, verify_warps: int = MAX_VERIFY_WARPS) -> tuple[int, int]:
@@ -183,12 +201,15 @@ def split(q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, qk_scale: float, 
     hkv = k_cache.shape[1]
     splits = cfg.splits(kv_len)
     dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    one, verify = _kernels(hd, q.dtype == torch.float16, q_pos.dtype == torch.int64, slots.dtype == torch.int64, dev)
+    defines = _BUILD["defines"]
+    one, verify = _kernels(hd, q.dtype == torch.float16, q_pos.dtype == torch.int64, slots.dtype == torch.int64, dev,
+                           defines)
     if t == 1:
-        kern, grid, block = one, (splits, b * hkv, 1), (32,)
+        kern, grid, block, smem = one, (splits, b * hkv, 1), (32,), 0
     else:
         warps, blocks = verify_grid(t, h // hkv, cfg.verify_warps)
         kern, grid, block = verify, (splits, b * hkv, blocks), (32 * warps,)
+        smem = _verify_dynamic_smem(hd, warps, defines)
     ptrs = (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_scale.data_ptr(), v_scale.data_ptr(),
             slots.data_ptr(), q_pos.data_ptr(), o_part.data_ptr(), lse_part.data_ptr())
     longs = (*q.stride()[:3], *k_cache.stride()[:2], *v_cache.stride()[:2], *k_scale.stride()[:2],
@@ -197,4 +218,4 @@ def split(q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, qk_scale: float, 
     args = (*map(np.uint64, ptrs), *map(np.int64, longs), np.float32(qk_scale), *map(np.int32, ints))
     stream = torch.cuda.current_stream(q.device)
     with cupy.cuda.Device(dev):
-        kern(grid, block, args, stream=_cupy.stream(stream, dev))
+        kern(grid, block, args, stream=_cupy.stream(stream, dev), shared_mem=smem)

@@ -197,6 +197,9 @@ def main() -> int:
     parser.add_argument("--cuda-verify-warps", default="",
                         help="also time the CUDA kernel at T > 1 with at most these m tiles of 16 query rows a verify "
                              "block (a comma list of 1 .. 8; the default plan's is in the table)")
+    parser.add_argument("--cuda-builds", default="",
+                        help="also time the CUDA kernel at T > 1 built with these extra defines of attn_cuda.cu: "
+                             "builds separated by ';', each a ':' list of NAME=VALUE (e.g. 'VDEPTH=3;QSMEM=1:VMAXREG=168')")
     parser.add_argument("--plan", default="",
                         help="the first row's plan with these overrides of kernels.attention_triton.plan, a comma "
                              "list of NAME=INT (e.g. ahead=1,block_n=64), as under a profiler (ncu): a candidate's "
@@ -256,6 +259,19 @@ def main() -> int:
                         cu = timed({**cu, "config": str(cfg_cu), "splits": cfg_cu.splits(ctx)}, case, t, bw, cfg_cu)
                         failures += not cu["ok"]
                         emit(cu)
+                        for build in filter(None, args.cuda_builds.split(";")):
+                            if t == 1 or "error" in cu:
+                                break
+                            defines = dict(kv.split("=") for kv in build.split(":"))
+                            attn_cuda.set_build_defines({k: int(v) for k, v in defines.items()})
+                            try:
+                                row = timed({"op": "decode_attention_cuda", **shape, "config": str(cfg_cu),
+                                             "build": build}, case, t, bw, cfg_cu)
+                            finally:
+                                attn_cuda.set_build_defines(None)
+                            failures += not row["ok"]
+                            emit(row)
+                            print(f"cuda {shape} build {build}: {_best(row)} us, rel_rms {row.get('rel_rms')}")
                         for bt in filter(None, args.cuda_verify_warps.split(",")):
                             if t == 1 or "error" in cu:
                                 break
