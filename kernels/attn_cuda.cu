@@ -69,7 +69,10 @@ typedef unsigned long long u64;
 #define VDEPTH 4  // attn_verify: cp.async stages (steps of K / V in flight)
 #endif
 #ifndef QSMEM
-#define QSMEM 0  // attn_verify: q's A fragments in registers (0) or in dynamic shared memory (1: fewer registers)
+#define QSMEM 0  // attn_verify: q's A fragments in registers (0) or in shared memory (1: fewer registers)
+#endif
+#ifndef VCONV
+#define VCONV 0  // attn_verify: each warp turns every code it uses into fp16 (0), or the block once, into shared memory
 #endif
 #define NG (HD / 64)
 #define STEP 16
@@ -225,6 +228,13 @@ __device__ __forceinline__ void q_words(const u16* qrow, bool ok, int gr, int c,
   }
 }
 
+// The online softmax's running max moves only when a step's max passes it by more than RESCALE_LAG (log2 units): then
+// p = 2^(s - max) <= 2^RESCALE_LAG (fp16 holds it exactly as well as any p <= 1), and O and the sums are rescaled on
+// few steps rather than on most
+#define RESCALE_LAG 8.0f
+__device__ __forceinline__ float run_max(float m, float x) { return x > m + RESCALE_LAG ? x : m; }
+__device__ __forceinline__ float rescale(float m, float n) { return n == m ? 1.f : ex2(m - n); }
+
 // One token's 16-key step from [start, start + 16), keys from `hi` on masked: S^T, the online softmax, O^T.
 // kfrag(gr, j, a) / vfrag(gr, i, a) give the step's A fragments, kscale(gr, r) key g + 8 r's group scale (fp16 bits)
 // from the register double buffer; k_done() runs once K's fragments and scales are used (it reloads them there).
@@ -260,8 +270,8 @@ __device__ __forceinline__ void token_step(KF kfrag, VF vfrag, KSC kscale, KD k_
     x0 = fmaxf(x0, __shfl_xor_sync(0xffffffffu, x0, d));
     x1 = fmaxf(x1, __shfl_xor_sync(0xffffffffu, x1, d));
   }
-  const float n0 = fmaxf(m0, x0), n1 = fmaxf(m1, x1);  // finite: key `start` is live for every row
-  const float a0 = ex2(m0 - n0), a1 = ex2(m1 - n1);
+  const float n0 = run_max(m0, x0), n1 = run_max(m1, x1);  // finite: key `start` is live for every row
+  const float a0 = rescale(m0, n0), a1 = rescale(m1, n1);
   const float p0 = ex2(sv[0] - n0), p1 = ex2(sv[1] - n1), p2 = ex2(sv[2] - n0), p3 = ex2(sv[3] - n1);
   l0 = fmaf(l0, a0, p0 + p2);
   l1 = fmaf(l1, a1, p1 + p3);
@@ -269,18 +279,25 @@ __device__ __forceinline__ void token_step(KF kfrag, VF vfrag, KSC kscale, KD k_
   m1 = n1;
   // P^T's B fragments: keys 2c, 2c + 1 (and + 8) of head g
   const u32 pb0 = movtrans(pack_f16(p0, p1)), pb1 = movtrans(pack_f16(p2, p3));
+  if (__any_sync(0xffffffffu, a0 != 1.f || a1 != 1.f)) {  // x * 1 = x: skipping it changes no bits
+#pragma unroll
+    for (int gr = 0; gr < NG; ++gr)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        float* acc = o[gr][i];
+        acc[0] *= a0;
+        acc[1] *= a1;
+        acc[2] *= a0;
+        acc[3] *= a1;
+      }
+  }
 #pragma unroll
   for (int gr = 0; gr < NG; ++gr) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       u32 a[4];
       vfrag(gr, i, a);
-      float* acc = o[gr][i];
-      acc[0] *= a0;
-      acc[1] *= a1;
-      acc[2] *= a0;
-      acc[3] *= a1;
-      mma(acc, a[0], a[1], a[2], a[3], pb0, pb1);
+      mma(o[gr][i], a[0], a[1], a[2], a[3], pb0, pb1);
     }
   }
 }
@@ -406,6 +423,13 @@ attn_split(const u16* __restrict__ Q, const signed char* __restrict__ K, const s
 // attn_verify: all T x G query rows of one (row b, kv head) over one key range, one warp a 16-row m tile
 #define KSTR (HD % 128 ? HD : HD + 64)  // bytes a key in a K stage: keys g, g + 1 of a load phase on other banks
 #define VSTR (HD + 16)                   // in a V stage: keys 2c (c = 0 .. 3) of a load phase on four bank groups
+// the dynamic shared memory of a block of `nw` warps: VDEPTH stages (K codes, V codes, K scales, V scales), then
+// (VCONV) one step's fragments (K [group][j][lane], V [group][i][lane]), then (QSMEM) q's [warp][group][j][lane]
+#define STAGE_BYTES (STEP * KSTR + STEP * VSTR + 4 * STEP * NG)
+#define FRAG_BYTES (VCONV ? 2 * NG * 4 * 32 * 16 : 0)
+#define QFRAG_BYTES(nw) (QSMEM ? (nw) * NG * 4 * 32 * 16 : 0)
+#define VERIFY_SMEM(nw) (VDEPTH * STAGE_BYTES + FRAG_BYTES + QFRAG_BYTES(nw))
+// (kernels/attn_cuda.py's verify_smem mirrors it; a launch with less traps)
 
 __device__ __forceinline__ u32 smem_addr(const void* p) {
   u32 a;
@@ -413,13 +437,13 @@ __device__ __forceinline__ u32 smem_addr(const void* p) {
   return a;
 }
 
-// a 16-byte / 4-byte asynchronous copy, `bytes` of it read (the rest zero-filled)
-__device__ __forceinline__ void cp16(void* dst, const void* src, int bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(dst)), "l"(src), "r"(bytes));
+// a 16-byte / 4-byte asynchronous copy to shared address `dst`, `bytes` of it read (the rest zero-filled)
+__device__ __forceinline__ void cp16(u32 dst, const void* src, int bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes));
 }
 
-__device__ __forceinline__ void cp4(void* dst, const void* src, int bytes) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(smem_addr(dst)), "l"(src), "r"(bytes));
+__device__ __forceinline__ void cp4(u32 dst, const void* src, int bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(bytes));
 }
 
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
@@ -440,14 +464,25 @@ attn_verify(const u16* __restrict__ Q, const signed char* __restrict__ K, const 
             long long ssks, long long sskh, long long ssvs, long long ssvh, long long spb, long long spt,
             long long ssl, float qk_scale, int T, int H, int HKV, int G, int KV_LEN, int CHUNK, int MIN_CHUNK,
             int NUM_SPLITS) {
-  __shared__ __align__(16) signed char ksm[VDEPTH][STEP * KSTR];
-  __shared__ __align__(16) signed char vsm[VDEPTH][STEP * VSTR];
-  __shared__ __align__(16) u16 kssm[VDEPTH][STEP * NG];
-  __shared__ __align__(16) u16 vssm[VDEPTH][STEP * NG];
-#if QSMEM
-  extern __shared__ U4 qsm[];  // [warp][group][mma j][lane]
-#endif
+  extern __shared__ __align__(16) unsigned char dsm[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+  {
+    u32 dyn;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
+    if (dyn < (u32)VERIFY_SMEM(nw)) __trap();
+  }
+  // stage b: K codes at dsm + b * STAGE_BYTES, then V codes, K scales, V scales
+#define KSM(b) ((const signed char*)dsm + (b) * STAGE_BYTES)
+#define VSM(b) (KSM(b) + STEP * KSTR)
+#define KSSM(b) ((const u16*)(VSM(b) + STEP * VSTR))
+#define VSSM(b) (KSSM(b) + STEP * NG)
+#if VCONV
+  U4* fbk = (U4*)(dsm + VDEPTH * STAGE_BYTES);  // [group][j][lane]
+  U4* fbv = fbk + NG * 4 * 32;                   // [group][i][lane]
+#endif
+#if QSMEM
+  U4* qsm = (U4*)(dsm + VDEPTH * STAGE_BYTES + FRAG_BYTES);  // [warp][group][j][lane]
+#endif
   const int g = lane >> 2, c = lane & 3;
   const int s = blockIdx.x;
   const int b = blockIdx.y / HKV, hkv = blockIdx.y % HKV;
@@ -506,27 +541,28 @@ attn_verify(const u16* __restrict__ Q, const signed char* __restrict__ K, const 
   const int nsteps = (uhi - ulo + STEP - 1) / STEP;
 
   // step `step`'s codes and scales into stage step % VDEPTH, keys from uhi on zero (as attn_split loads them)
+  const u32 sm0 = smem_addr(dsm);
   auto issue = [&](int step) {
     if (step < nsteps) {
-      const int start = ulo + step * STEP, buf = step % VDEPTH, live = uhi - start;
-      constexpr int KC = HD / 16;  // 16-byte chunks a key
-      for (int i = threadIdx.x; i < 2 * STEP * KC; i += blockDim.x) {
-        const bool isv = i >= STEP * KC;
-        const int j = isv ? i - STEP * KC : i, key = j / KC, q = j % KC;
-        const long long off = (long long)(start + min(key, live - 1)) * HD + 16 * q;
-        if (isv)
-          cp16(&vsm[buf][key * VSTR + 16 * q], vb + off, key < live ? 16 : 0);
-        else
-          cp16(&ksm[buf][key * KSTR + 16 * q], kb + off, key < live ? 16 : 0);
+      const int start = ulo + step * STEP, live = uhi - start;
+      const u32 st = sm0 + (step % VDEPTH) * STAGE_BYTES;
+      constexpr int KC = HD / 16;  // 16-byte chunks a key: chunk j = key j / KC, bytes 16 (j % KC) ..
+      const int live_chunks = live * KC;
+      const signed char* ksrc = kb + (long long)start * HD;
+      const signed char* vsrc = vb + (long long)start * HD;
+      for (int j = threadIdx.x; j < STEP * KC; j += blockDim.x) {
+        const bool ok = j < live_chunks;  // else nothing read (from an address in bounds), zeros written
+        cp16(st + 16 * j + (j / KC) * (KSTR - HD), ok ? ksrc + 16 * j : kb, ok ? 16 : 0);
+        cp16(st + STEP * KSTR + 16 * j + (j / KC) * (VSTR - HD), ok ? vsrc + 16 * j : vb, ok ? 16 : 0);
       }
-      constexpr int SW = STEP * NG / 2;  // 4-byte words of a step's scales
-      for (int i = threadIdx.x; i < 2 * SW; i += blockDim.x) {
-        const bool isv = i >= SW;
-        const int j = isv ? i - SW : i;
+      constexpr int SW = STEP * NG / 2;  // 4-byte words of a step's scales (<= 32)
+      if (threadIdx.x < SW) {
+        const int j = threadIdx.x;
         // the word's two halves are keys 2j / NG and (2j + 1) / NG: copy the live ones (a prefix)
         const int bytes = ((2 * j) / NG < live ? 2 : 0) + ((2 * j + 1) / NG < live ? 2 : 0);
-        const u16* src = (isv ? vsb : ksb) + (long long)start * NG + (bytes ? 2 * j : 0);
-        cp4(isv ? (void*)&vssm[buf][2 * j] : (void*)&kssm[buf][2 * j], src, bytes);
+        const long long src = (long long)start * NG + (bytes ? 2 * j : 0);
+        cp4(st + STEP * (KSTR + VSTR) + 4 * j, ksb + src, bytes);
+        cp4(st + STEP * (KSTR + VSTR) + 2 * STEP * NG + 4 * j, vsb + src, bytes);
       }
     }
     cp_commit();
@@ -550,21 +586,58 @@ attn_verify(const u16* __restrict__ Q, const signed char* __restrict__ K, const 
     __syncthreads();  // step's stage is in; every warp is done with the stage the next issue overwrites
     issue(step + VDEPTH - 1);
     const int buf = step % VDEPTH, start = ulo + step * STEP;
-    const signed char* ks = ksm[buf];
-    const signed char* vs = vsm[buf];
-    const u16* kss = kssm[buf];
-    const u16* vss = vssm[buf];
+    const signed char* ks = KSM(buf);
+    const signed char* vs = VSM(buf);
+    const u16* kss = KSSM(buf);
+    const u16* vss = VSSM(buf);
+#if VCONV
+    // the step's fragments, once for the block: unit u < NG is K's scale group u, else V's group u - NG
+    for (int u = warp; u < 2 * NG; u += nw) {
+      if (u < NG) {
+        const U4 k0 = *(const U4*)(ks + g * KSTR + 64 * u + 16 * c);
+        const U4 k1 = *(const U4*)(ks + (g + 8) * KSTR + 64 * u + 16 * c);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          u32 a[4];
+          k_frag(word4(k0, j), word4(k1, j), a);
+          fbk[(u * 4 + j) * 32 + lane] = U4{a[0], a[2], a[1], a[3]};  // the two n tiles' B pairs
+        }
+      } else {
+        const int gr = u - NG;
+        const U2 x = *(const U2*)(vs + 2 * c * VSTR + 64 * gr + 8 * g);
+        const U2 y = *(const U2*)(vs + (2 * c + 1) * VSTR + 64 * gr + 8 * g);
+        const U2 xb = *(const U2*)(vs + (2 * c + 8) * VSTR + 64 * gr + 8 * g);
+        const U2 yb = *(const U2*)(vs + (2 * c + 9) * VSTR + 64 * gr + 8 * g);
+        const u32 s01 = pair16(vss[2 * c * NG + gr], vss[(2 * c + 1) * NG + gr]);
+        const u32 s89 = pair16(vss[(2 * c + 8) * NG + gr], vss[(2 * c + 9) * NG + gr]);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          u32 a[4];
+          v_frag(x, y, xb, yb, s01, s89, i, a);
+          fbv[(gr * 4 + i) * 32 + lane] = U4{a[0], a[2], a[1], a[3]};
+        }
+      }
+    }
+    __syncthreads();  // the fragments are in (the next step's barrier orders their reuse)
+#endif
     // S: n tile 0 = keys 2c, 2c + 1 (rows g, g + 8), n tile 1 = keys 2c + 8, 2c + 9
     float sv[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
     for (int gr = 0; gr < NG; ++gr) {
+#if !VCONV
       const U4 k0 = *(const U4*)(ks + g * KSTR + 64 * gr + 16 * c);
       const U4 k1 = *(const U4*)(ks + (g + 8) * KSTR + 64 * gr + 16 * c);
+#endif
       float acc0[4] = {0.f, 0.f, 0.f, 0.f}, acc1[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
+#if VCONV
+        const U4 f = fbk[(gr * 4 + j) * 32 + lane];
+        const u32 a[4] = {f.x, f.z, f.y, f.w};
+#else
         u32 a[4];
         k_frag(word4(k0, j), word4(k1, j), a);
+#endif
 #if QSMEM
         const U4 qv = qsm[((warp * NG + gr) * 4 + j) * 32 + lane];
         mma(acc0, qv.x, qv.y, qv.z, qv.w, a[0], a[2]);
@@ -602,8 +675,8 @@ attn_verify(const u16* __restrict__ Q, const signed char* __restrict__ K, const 
       float x = fmaxf(fmaxf(sv[0][2 * h], sv[0][2 * h + 1]), fmaxf(sv[1][2 * h], sv[1][2 * h + 1]));
       x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
       x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
-      const float n = live ? fmaxf(m[h], x) : m[h];
-      al[h] = live ? ex2(m[h] - n) : 1.f;
+      const float n = live ? run_max(m[h], x) : m[h];
+      al[h] = rescale(m[h], n);
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
@@ -632,16 +705,23 @@ attn_verify(const u16* __restrict__ Q, const signed char* __restrict__ K, const 
     }
 #pragma unroll
     for (int gr = 0; gr < NG; ++gr) {
+#if !VCONV
       const U2 x = *(const U2*)(vs + 2 * c * VSTR + 64 * gr + 8 * g);
       const U2 y = *(const U2*)(vs + (2 * c + 1) * VSTR + 64 * gr + 8 * g);
       const U2 xb = *(const U2*)(vs + (2 * c + 8) * VSTR + 64 * gr + 8 * g);
       const U2 yb = *(const U2*)(vs + (2 * c + 9) * VSTR + 64 * gr + 8 * g);
       const u32 s01 = pair16(vss[2 * c * NG + gr], vss[(2 * c + 1) * NG + gr]);
       const u32 s89 = pair16(vss[(2 * c + 8) * NG + gr], vss[(2 * c + 9) * NG + gr]);
+#endif
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
+#if VCONV
+        const U4 f = fbv[(gr * 4 + i) * 32 + lane];
+        const u32 a[4] = {f.x, f.z, f.y, f.w};
+#else
         u32 a[4];
         v_frag(x, y, xb, yb, s01, s89, i, a);
+#endif
         mma(o[gr][i][0], pa0, pa1, pa2, pa3, a[0], a[2]);
         mma(o[gr][i][1], pa0, pa1, pa2, pa3, a[1], a[3]);
       }

@@ -50,8 +50,22 @@ SHORT_MIN_STEPS = 1  # a token far before the key range's end: its chunk shrinks
 COMBINE_COLS, COMBINE_SPLITS = 32, 64
 _SOURCE = Path(__file__).with_name("attn_cuda.cu")
 
-# extra -D defines of the build (tuning: scripts/bench_attention.py --cuda-builds), e.g. (("VDEPTH", 3),)
-_BUILD = {"defines": ()}
+
+
+def parse_build(text: str) -> dict[str, int]:
+    """``"NAME=VALUE:NAME=VALUE"`` (defines of attn_cuda.cu's build, e.g. ``VDEPTH=3:QSMEM=1``) as a dict."""
+    out = {}
+    for item in filter(None, (t.strip() for t in text.split(":"))):
+        name, sep, value = item.partition("=")
+        if not sep or not name.isidentifier() or not value.strip().lstrip("-").isdigit():
+            raise ValueError(f"attn_cuda: a build define is NAME=INTEGER, got {item!r}")
+        out[name] = int(value)
+    return out
+
+
+# extra -D defines of the build (tuning: scripts/bench_attention.py --cuda-builds, or NINFER_BENCH_ATTN_BUILD for a
+# process, recorded in a result's env.knobs), e.g. (("VDEPTH", 3),)
+_BUILD = {"defines": tuple(sorted(parse_build(os.environ.get("NINFER_BENCH_ATTN_BUILD", "")).items()))}
 
 
 def set_build_defines(defines: dict[str, int] | None = None) -> None:
@@ -169,17 +183,22 @@ def _kernels(hd: int, half: bool, pos64: bool, slot64: bool, device_index: int,
                                          f"-DPOS64={int(pos64)}", f"-DSLOT64={int(slot64)}",
                                          *(f"-D{k}={v}" for k, v in defines)))
         out = tuple(module.get_function(name) for name in ("attn_split", "attn_verify"))
-        if dict(defines).get("QSMEM"):
-            out[1].max_dynamic_shared_size_bytes = _verify_dynamic_smem(hd, MAX_VERIFY_WARPS, defines)
+        out[1].max_dynamic_shared_size_bytes = verify_smem(hd, MAX_VERIFY_WARPS, defines)
         for fn in out:
             if not fn.kernel.ptr:  # compiled and loaded now (cupy would on the first launch)
                 raise RuntimeError("attn_cuda: a kernel did not load")
     return out
 
 
-def _verify_dynamic_smem(hd: int, warps: int, defines: tuple) -> int:
-    """Bytes of dynamic shared memory a verify block takes (QSMEM: q's fragments, 2 KB a warp and scale group)."""
-    return warps * (hd // 64) * 2048 if dict(defines).get("QSMEM") else 0
+def verify_smem(hd: int, warps: int, defines: tuple = ()) -> int:
+    """Bytes of dynamic shared memory an attn_verify block of ``warps`` warps takes: the source's VERIFY_SMEM (its
+    stages of raw codes and scales, then the step's fragments (VCONV), then q's fragments (QSMEM); the kernel traps
+    when launched with less)."""
+    d = {"VDEPTH": 4, "VCONV": 0, "QSMEM": 0, **dict(defines)}
+    ng, kstr, vstr = hd // 64, hd if hd % 128 else hd + 64, hd + 16
+    stage = STEP * kstr + STEP * vstr + 4 * STEP * ng
+    return d["VDEPTH"] * stage + (2 * ng * 4 * 32 * 16 if d["VCONV"] else 0) + (
+        warps * ng * 4 * 32 * 16 if d["QSMEM"] else 0)
 
 
 def verify_grid(t: int, g: int, verify_warps: int = MAX_VERIFY_WARPS) -> tuple[int, int]:
@@ -209,7 +228,7 @@ def split(q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, qk_scale: float, 
     else:
         warps, blocks = verify_grid(t, h // hkv, cfg.verify_warps)
         kern, grid, block = verify, (splits, b * hkv, blocks), (32 * warps,)
-        smem = _verify_dynamic_smem(hd, warps, defines)
+        smem = verify_smem(hd, warps, defines)
     ptrs = (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_scale.data_ptr(), v_scale.data_ptr(),
             slots.data_ptr(), q_pos.data_ptr(), o_part.data_ptr(), lse_part.data_ptr())
     longs = (*q.stride()[:3], *k_cache.stride()[:2], *v_cache.stride()[:2], *k_scale.stride()[:2],

@@ -262,8 +262,7 @@ def main() -> int:
                         for build in filter(None, args.cuda_builds.split(";")):
                             if t == 1 or "error" in cu:
                                 break
-                            defines = dict(kv.split("=") for kv in build.split(":"))
-                            attn_cuda.set_build_defines({k: int(v) for k, v in defines.items()})
+                            attn_cuda.set_build_defines(attn_cuda.parse_build(build))
                             try:
                                 row = timed({"op": "decode_attention_cuda", **shape, "config": str(cfg_cu),
                                              "build": build}, case, t, bw, cfg_cu)

@@ -208,6 +208,15 @@ def test_the_attention_switch_is_recorded_in_a_result(monkeypatch):
     from ninfer_bench.reports.schema import environment
 
     monkeypatch.setenv("NINFER_BENCH_ATTN", "triton")
+    monkeypatch.setenv("NINFER_BENCH_ATTN_BUILD", "VDEPTH=3")
     monkeypatch.setenv("NINFER_BENCH_API_KEY", "secret")
     knobs = environment()["knobs"]
-    assert knobs == {"NINFER_BENCH_ATTN": "triton"}
+    assert knobs == {"NINFER_BENCH_ATTN": "triton", "NINFER_BENCH_ATTN_BUILD": "VDEPTH=3"}
+
+
+def test_build_defines_parse_or_are_refused():
+    assert attn_cuda.parse_build("") == {}
+    assert attn_cuda.parse_build("VDEPTH=3:QSMEM=1") == {"VDEPTH": 3, "QSMEM": 1}
+    for bad in ("VDEPTH", "VDEPTH=x", "1A=2", "VDEPTH=3;QSMEM=1"):
+        with pytest.raises(ValueError, match="NAME=INTEGER"):
+            attn_cuda.parse_build(bad)
