@@ -4,7 +4,9 @@
 //   HD     head dim, a multiple of 64 up to 256 (NG = HD / 64 scale groups a key)
 //   HALF   0: q is bf16 (converted to fp16 as it is loaded), 1: fp16
 //   POS64 / SLOT64   q_pos / slots are int64 (1) or int32 (0)
-//   VDEPTH attn_verify: steps of K / V in flight (cp.async stages in shared memory)
+//   VDEPTH attn_verify: steps of K / V in flight (cp.async stages in shared memory, >= 2)
+//   QSMEM  attn_verify: q's A fragments in registers (0) or in shared memory (1), VMAXREG its register cap (unset:
+//          255); the same bits either way (kernels/attn_cuda.py builds one of each and picks by the block's rows)
 // Two kernels, one arithmetic:
 //   attn_split   one warp a block = one query token's G <= 8 heads of one kv head over one key range (decode steps,
 //                batched or not);
@@ -40,7 +42,8 @@
 // accumulator, in the same order as in attn_split, and the softmax follows it element for element: the same fmas,
 // masks and ex2, and the running sums kept as attn_split's lanes keep them (a lane here holds, per row, the partial
 // sums of key pairs (2c, 2c + 8) and (2c + 1, 2c + 9), which attn_split's lanes g = 2c and 2c + 1 hold) and reduced
-// in its tree. A row meets the union of the block's rows' key ranges: steps outside its own range leave its
+// in its tree. Both move a row's running max only when a step's max passes it by more than 2^8 (RESCALE_LAG), so
+// most steps skip the rescale of O. A row meets the union of the block's rows' key ranges: steps outside its own range leave its
 // running max, sums and output as they are (scale 1, p = 0), so a T = 8 verify gives each row the bits a T = 1
 // step gives (token invariance; the GPU tests check it bit for bit). The block streams each step's raw codes and
 // scales into shared memory with cp.async (VDEPTH steps in flight, rows padded against bank conflicts), and every
@@ -71,8 +74,8 @@ typedef unsigned long long u64;
 #ifndef QSMEM
 #define QSMEM 0  // attn_verify: q's A fragments in registers (0) or in shared memory (1: fewer registers)
 #endif
-#ifndef VCONV
-#define VCONV 0  // attn_verify: each warp turns every code it uses into fp16 (0), or the block once, into shared memory
+#if VDEPTH < 2
+#error "VDEPTH must be at least 2"
 #endif
 #define NG (HD / 64)
 #define STEP 16
@@ -424,11 +427,10 @@ attn_split(const u16* __restrict__ Q, const signed char* __restrict__ K, const s
 #define KSTR (HD % 128 ? HD : HD + 64)  // bytes a key in a K stage: keys g, g + 1 of a load phase on other banks
 #define VSTR (HD + 16)                   // in a V stage: keys 2c (c = 0 .. 3) of a load phase on four bank groups
 // the dynamic shared memory of a block of `nw` warps: VDEPTH stages (K codes, V codes, K scales, V scales), then
-// (VCONV) one step's fragments (K [group][j][lane], V [group][i][lane]), then (QSMEM) q's [warp][group][j][lane]
+// (QSMEM) q's fragments [warp][group][j][lane]
 #define STAGE_BYTES (STEP * KSTR + STEP * VSTR + 4 * STEP * NG)
-#define FRAG_BYTES (VCONV ? 2 * NG * 4 * 32 * 16 : 0)
 #define QFRAG_BYTES(nw) (QSMEM ? (nw) * NG * 4 * 32 * 16 : 0)
-#define VERIFY_SMEM(nw) (VDEPTH * STAGE_BYTES + FRAG_BYTES + QFRAG_BYTES(nw))
+#define VERIFY_SMEM(nw) (VDEPTH * STAGE_BYTES + QFRAG_BYTES(nw))
 // (kernels/attn_cuda.py's verify_smem mirrors it; a launch with less traps)
 
 __device__ __forceinline__ u32 smem_addr(const void* p) {
@@ -476,12 +478,8 @@ attn_verify(const u16* __restrict__ Q, const signed char* __restrict__ K, const 
 #define VSM(b) (KSM(b) + STEP * KSTR)
 #define KSSM(b) ((const u16*)(VSM(b) + STEP * VSTR))
 #define VSSM(b) (KSSM(b) + STEP * NG)
-#if VCONV
-  U4* fbk = (U4*)(dsm + VDEPTH * STAGE_BYTES);  // [group][j][lane]
-  U4* fbv = fbk + NG * 4 * 32;                   // [group][i][lane]
-#endif
 #if QSMEM
-  U4* qsm = (U4*)(dsm + VDEPTH * STAGE_BYTES + FRAG_BYTES);  // [warp][group][j][lane]
+  U4* qsm = (U4*)(dsm + VDEPTH * STAGE_BYTES);  // [warp][group][j][lane]: each lane's own
 #endif
   const int g = lane >> 2, c = lane & 3;
   const int s = blockIdx.x;
@@ -590,54 +588,17 @@ attn_verify(const u16* __restrict__ Q, const signed char* __restrict__ K, const 
     const signed char* vs = VSM(buf);
     const u16* kss = KSSM(buf);
     const u16* vss = VSSM(buf);
-#if VCONV
-    // the step's fragments, once for the block: unit u < NG is K's scale group u, else V's group u - NG
-    for (int u = warp; u < 2 * NG; u += nw) {
-      if (u < NG) {
-        const U4 k0 = *(const U4*)(ks + g * KSTR + 64 * u + 16 * c);
-        const U4 k1 = *(const U4*)(ks + (g + 8) * KSTR + 64 * u + 16 * c);
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          u32 a[4];
-          k_frag(word4(k0, j), word4(k1, j), a);
-          fbk[(u * 4 + j) * 32 + lane] = U4{a[0], a[2], a[1], a[3]};  // the two n tiles' B pairs
-        }
-      } else {
-        const int gr = u - NG;
-        const U2 x = *(const U2*)(vs + 2 * c * VSTR + 64 * gr + 8 * g);
-        const U2 y = *(const U2*)(vs + (2 * c + 1) * VSTR + 64 * gr + 8 * g);
-        const U2 xb = *(const U2*)(vs + (2 * c + 8) * VSTR + 64 * gr + 8 * g);
-        const U2 yb = *(const U2*)(vs + (2 * c + 9) * VSTR + 64 * gr + 8 * g);
-        const u32 s01 = pair16(vss[2 * c * NG + gr], vss[(2 * c + 1) * NG + gr]);
-        const u32 s89 = pair16(vss[(2 * c + 8) * NG + gr], vss[(2 * c + 9) * NG + gr]);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          u32 a[4];
-          v_frag(x, y, xb, yb, s01, s89, i, a);
-          fbv[(gr * 4 + i) * 32 + lane] = U4{a[0], a[2], a[1], a[3]};
-        }
-      }
-    }
-    __syncthreads();  // the fragments are in (the next step's barrier orders their reuse)
-#endif
     // S: n tile 0 = keys 2c, 2c + 1 (rows g, g + 8), n tile 1 = keys 2c + 8, 2c + 9
     float sv[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
     for (int gr = 0; gr < NG; ++gr) {
-#if !VCONV
       const U4 k0 = *(const U4*)(ks + g * KSTR + 64 * gr + 16 * c);
       const U4 k1 = *(const U4*)(ks + (g + 8) * KSTR + 64 * gr + 16 * c);
-#endif
       float acc0[4] = {0.f, 0.f, 0.f, 0.f}, acc1[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-#if VCONV
-        const U4 f = fbk[(gr * 4 + j) * 32 + lane];
-        const u32 a[4] = {f.x, f.z, f.y, f.w};
-#else
         u32 a[4];
         k_frag(word4(k0, j), word4(k1, j), a);
-#endif
 #if QSMEM
         const U4 qv = qsm[((warp * NG + gr) * 4 + j) * 32 + lane];
         mma(acc0, qv.x, qv.y, qv.z, qv.w, a[0], a[2]);
@@ -705,23 +666,16 @@ attn_verify(const u16* __restrict__ Q, const signed char* __restrict__ K, const 
     }
 #pragma unroll
     for (int gr = 0; gr < NG; ++gr) {
-#if !VCONV
       const U2 x = *(const U2*)(vs + 2 * c * VSTR + 64 * gr + 8 * g);
       const U2 y = *(const U2*)(vs + (2 * c + 1) * VSTR + 64 * gr + 8 * g);
       const U2 xb = *(const U2*)(vs + (2 * c + 8) * VSTR + 64 * gr + 8 * g);
       const U2 yb = *(const U2*)(vs + (2 * c + 9) * VSTR + 64 * gr + 8 * g);
       const u32 s01 = pair16(vss[2 * c * NG + gr], vss[(2 * c + 1) * NG + gr]);
       const u32 s89 = pair16(vss[(2 * c + 8) * NG + gr], vss[(2 * c + 9) * NG + gr]);
-#endif
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-#if VCONV
-        const U4 f = fbv[(gr * 4 + i) * 32 + lane];
-        const u32 a[4] = {f.x, f.z, f.y, f.w};
-#else
         u32 a[4];
         v_frag(x, y, xb, yb, s01, s89, i, a);
-#endif
         mma(o[gr][i][0], pa0, pa1, pa2, pa3, a[0], a[2]);
         mma(o[gr][i][1], pa0, pa1, pa2, pa3, a[1], a[3]);
       }

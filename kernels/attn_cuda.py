@@ -38,6 +38,12 @@ __all__ = ["CudaPlan", "plan", "split", "verify_grid", "wanted", "supports", "av
 
 STEP = 16  # keys a warp step (the kernel's STEP; the combine's BLOCK_N)
 MAX_VERIFY_WARPS = 8  # m tiles of 16 query rows a verify block (one warp each)
+# attn_verify's two builds (the same bits): blocks of up to NARROW_WARPS warps keep q's fragments in registers (254
+# registers a thread at hd 256, no spills); wider blocks (a K = 7 verify's 48 rows: 3 warps) keep them in shared
+# memory under a 168-register cap, 3 stages in flight, so that an SM holds 4 such blocks rather than 2. H200, 65,536
+# int8 keys, one run: 24 rows 90.4 us narrow / 117.1 wide; 48 rows 169.3 / 145.3; B = 8 x 48 rows 1202 / 1027
+NARROW_WARPS = 2
+WIDE_BUILD = {"QSMEM": 1, "VDEPTH": 3, "VMAXREG": 168}
 MAX_G = 8  # query heads a kv head: the MMA's 8 columns
 # grid size at B = 1, T = 1: about this many warps (one a (split, kv head)) an SM; 241 registers a thread at hd 256
 # hold 8 warps an SM. At 65,536 keys on the H200: 4 -> 48-50 %, 8 -> 58-62 %, 12 -> 45-50 %, 16 -> 43-52 % of the copy
@@ -171,34 +177,43 @@ def plan(kv_len: int, kv_heads: int, device: torch.device | str = "cuda", *, war
 
 
 @functools.cache
+def _builds(defines: tuple) -> tuple[tuple, tuple]:
+    """(narrow, wide) attn_verify defines: the process's extra ``defines`` (tuning) over each build's own."""
+    return tuple(sorted(dict(defines).items())), tuple(sorted({**WIDE_BUILD, **dict(defines)}.items()))
+
+
+@functools.cache
 def _kernels(hd: int, half: bool, pos64: bool, slot64: bool, device_index: int,
-             defines: tuple = ()) -> tuple[object, object]:
-    """(attn_split, attn_verify) built and loaded at once: a T = 8 verify's first launch may come inside a CUDA-graph
-    capture, after only T = 1 steps ran eagerly, and must not compile or load a module."""
+             defines: tuple = ()) -> tuple[object, object, object]:
+    """(attn_split, narrow attn_verify, wide attn_verify) built and loaded at once: a T = 8 verify's first launch may
+    come inside a CUDA-graph capture, after only T = 1 steps ran eagerly, and must not compile or load a module."""
     import cupy
 
+    out = []
     with cupy.cuda.Device(device_index):
-        module = cupy.RawModule(code=_SOURCE.read_text(), backend="nvrtc",
-                                options=("-std=c++17", "--fmad=false", f"-DHD={hd}", f"-DHALF={int(half)}",
-                                         f"-DPOS64={int(pos64)}", f"-DSLOT64={int(slot64)}",
-                                         *(f"-D{k}={v}" for k, v in defines)))
-        out = tuple(module.get_function(name) for name in ("attn_split", "attn_verify"))
-        out[1].max_dynamic_shared_size_bytes = verify_smem(hd, MAX_VERIFY_WARPS, defines)
+        for i, build in enumerate(_builds(defines)):
+            module = cupy.RawModule(code=_SOURCE.read_text(), backend="nvrtc",
+                                    options=("-std=c++17", "--fmad=false", f"-DHD={hd}", f"-DHALF={int(half)}",
+                                             f"-DPOS64={int(pos64)}", f"-DSLOT64={int(slot64)}",
+                                             *(f"-D{k}={v}" for k, v in build)))
+            if i == 0:
+                out.append(module.get_function("attn_split"))
+            verify = module.get_function("attn_verify")
+            verify.max_dynamic_shared_size_bytes = verify_smem(hd, MAX_VERIFY_WARPS, build)
+            out.append(verify)
         for fn in out:
             if not fn.kernel.ptr:  # compiled and loaded now (cupy would on the first launch)
                 raise RuntimeError("attn_cuda: a kernel did not load")
-    return out
+    return tuple(out)
 
 
 def verify_smem(hd: int, warps: int, defines: tuple = ()) -> int:
     """Bytes of dynamic shared memory an attn_verify block of ``warps`` warps takes: the source's VERIFY_SMEM (its
-    stages of raw codes and scales, then the step's fragments (VCONV), then q's fragments (QSMEM); the kernel traps
-    when launched with less)."""
-    d = {"VDEPTH": 4, "VCONV": 0, "QSMEM": 0, **dict(defines)}
+    stages of raw codes and scales, then q's fragments under QSMEM; the kernel traps when launched with less)."""
+    d = {"VDEPTH": 4, "QSMEM": 0, **dict(defines)}
     ng, kstr, vstr = hd // 64, hd if hd % 128 else hd + 64, hd + 16
     stage = STEP * kstr + STEP * vstr + 4 * STEP * ng
-    return d["VDEPTH"] * stage + (2 * ng * 4 * 32 * 16 if d["VCONV"] else 0) + (
-        warps * ng * 4 * 32 * 16 if d["QSMEM"] else 0)
+    return d["VDEPTH"] * stage + (warps * ng * 4 * 32 * 16 if d["QSMEM"] else 0)
 
 
 def verify_grid(t: int, g: int, verify_warps: int = MAX_VERIFY_WARPS) -> tuple[int, int]:
@@ -221,14 +236,15 @@ def split(q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, qk_scale: float, 
     splits = cfg.splits(kv_len)
     dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
     defines = _BUILD["defines"]
-    one, verify = _kernels(hd, q.dtype == torch.float16, q_pos.dtype == torch.int64, slots.dtype == torch.int64, dev,
-                           defines)
+    one, narrow, wide = _kernels(hd, q.dtype == torch.float16, q_pos.dtype == torch.int64,
+                                 slots.dtype == torch.int64, dev, defines)
     if t == 1:
         kern, grid, block, smem = one, (splits, b * hkv, 1), (32,), 0
     else:
         warps, blocks = verify_grid(t, h // hkv, cfg.verify_warps)
-        kern, grid, block = verify, (splits, b * hkv, blocks), (32 * warps,)
-        smem = verify_smem(hd, warps, defines)
+        w = warps > NARROW_WARPS
+        kern, grid, block = (wide if w else narrow), (splits, b * hkv, blocks), (32 * warps,)
+        smem = verify_smem(hd, warps, _builds(defines)[w])
     ptrs = (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_scale.data_ptr(), v_scale.data_ptr(),
             slots.data_ptr(), q_pos.data_ptr(), o_part.data_ptr(), lse_part.data_ptr())
     longs = (*q.stride()[:3], *k_cache.stride()[:2], *v_cache.stride()[:2], *k_scale.stride()[:2],

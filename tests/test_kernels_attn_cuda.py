@@ -91,7 +91,8 @@ def test_tokens_and_rows_give_the_bits_single_steps_give(shape, split):
 @gpu
 @pytest.mark.parametrize("shape", ["T8-g6-hd256", "T16-g1-hd64"])
 def test_rows_a_verify_block_change_no_bits(shape):
-    """A verify's query rows in blocks of 1 .. 8 m tiles (each block reading the keys once): the same bits."""
+    """A verify's query rows in blocks of 1 .. 8 m tiles (each block reading the keys once; blocks of 1 - 2 warps
+    take the narrow build, q in registers, wider ones the wide build, q in shared memory): the same bits."""
     c = half_case(shape, seed=8)
     outs = [at.decode_attention(**c, config=attn_cuda.CudaPlan(chunk=64, min_chunk=16, verify_warps=w))
             for w in (8, 3, 2, 1)]
