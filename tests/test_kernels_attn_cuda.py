@@ -34,6 +34,12 @@ SHAPES = {
     "T16-g1-hd64": (1, 16, 4, 4, 64, [90], 2, 96),
     "T2-g6-hd64": (3, 2, 6, 1, 64, [2, 17, 33], 4, 48),
     "T4-g6-hd256": (2, 4, 24, 4, 256, [4, 161], 2, 176),  # MTP3's verify: 24 rows, a second m tile half full
+    # a verify's tokens on both sides of a position where a row's chunk grows (the cache far longer than the rows:
+    # the engine's kv_len is the cache's capacity), so they split the keys differently: the bundled model's shape
+    # (hd 64, G = 6, one kv head) and the 27B's
+    "T8-g6-hd64-edge": (1, 8, 6, 1, 64, [516], 2, 4096),
+    "T4-g6-hd64-edge": (2, 4, 6, 1, 64, [514, 1500], 3, 4096),
+    "T8-g6-hd256-edge": (1, 8, 24, 4, 256, [1028], 2, 8192),
 }
 
 
@@ -71,7 +77,7 @@ def test_matches_the_triton_kernel():
 
 @gpu
 @pytest.mark.parametrize("shape", ["T8-g6-hd256", "T9-g2-hd192", "T3-g8-hd128", "T4-g6-hd256", "T16-g1-hd64",
-                                   "T2-g6-hd64"])
+                                   "T2-g6-hd64", "T8-g6-hd64-edge", "T4-g6-hd64-edge", "T8-g6-hd256-edge"])
 @pytest.mark.parametrize("split", ["plan", "many"])
 def test_tokens_and_rows_give_the_bits_single_steps_give(shape, split):
     """Token invariance: each token of a T-token call (attn_verify: the rows as the MMA's rows), each row of a batch,
