@@ -388,3 +388,18 @@ def test_weights_that_cannot_fit_are_refused_before_they_are_made(monkeypatch):
         Engine(loaded, EngineOptions(device="cpu"))
     monkeypatch.setattr(memory, "available_bytes", lambda device: None)  # unknown: no check
     Engine(loaded, EngineOptions(device="cpu"))
+
+
+def test_every_spec_mode_gets_one_cache_capacity():
+    """Decode attention's split plan on the GPU is a function of the cache's capacity (kernels/attn_cuda.plan), and
+    another plan rounds differently: engines of one max_context get one capacity whatever their spec and -k, so a
+    speculative engine's greedy tokens are a plain one's (on an H200 a capacity of length + K + 1 gave MTP3 and
+    DFlash2 K=7 other tokens than plain on the held-out prompts)."""
+    from ninfer_bench.engine.artifact.loader import load_source
+    from ninfer_bench.engine.runtime.options import MAX_DRAFT_TOKENS, EngineOptions
+
+    loaded = load_source("tiny")
+    modes = [("none", None), ("mtp", 1), ("mtp", MAX_DRAFT_TOKENS), ("dflash2", 7), ("dflash2", 15)]
+    caps = {Engine(loaded, EngineOptions(device="cpu", spec=spec, draft_tokens=k, max_context=300)).capacity
+            for spec, k in modes}
+    assert len(caps) == 1 and caps.pop() >= 300 + MAX_DRAFT_TOKENS + 1

@@ -25,7 +25,7 @@ from ..spec import chain as spec_chain
 from ..spec.loop import speculative_round
 from .chain import chainable, decode_chained
 from .delay import step_delay
-from .options import EngineOptions, apply_cpu_threads
+from .options import MAX_DRAFT_TOKENS, EngineOptions, apply_cpu_threads
 from .scoring import PromptScores
 from .sequence import GenerationResult, Sequence, keep_logprobs
 from .stops import StopRule
@@ -104,8 +104,11 @@ class Engine:
                                    interleave=interleave, fuse=True if interleave else None,
                                    tied_embeddings=self.config.tie_word_embeddings, qmv_layout=opts.qmv_layout,
                                    prefill_weights=opts.prefill_weights, tp=self.tp)
-        # spec verification writes up to K + 1 positions past a sequence's length: room for them per slot
-        self.slack = opts.draft_tokens + 1
+        # spec verification writes up to K + 1 positions past a sequence's length: room per slot for the most any
+        # mode writes, in every mode, so that engines of one slot capacity have one cache capacity whatever their
+        # spec: decode attention's split plan is a function of it (kernels/attn_cuda.plan), and another plan rounds
+        # differently, so a speculative engine's greedy tokens would not be a plain one's
+        self.slack = MAX_DRAFT_TOKENS + 1
         self.capacity = opts.slot_capacity + self.slack
         self.model = HybridModel(self.model_config, self.weights, max_positions=self.capacity,
                                  gdn_impl=opts.gdn_impl if opts.runtime == "v3" else "chunked",

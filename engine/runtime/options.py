@@ -8,6 +8,7 @@ import torch
 
 SPECS = ("none", "mtp", "dflash", "dflash2")
 DEFAULT_DRAFT = {"none": 0, "mtp": 3, "dflash": 7, "dflash2": 7}
+MAX_DRAFT_TOKENS = 32  # -k at most (a round verifies K + 1 positions past a sequence's length)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -166,8 +167,8 @@ class EngineOptions:
             self.draft_tokens = 0
         elif self.draft_tokens is None:
             self.draft_tokens = DEFAULT_DRAFT[self.spec]
-        elif not isinstance(self.draft_tokens, int) or not 1 <= self.draft_tokens <= 32:
-            raise ValueError(f"draft-tokens must be an integer in 1..32 with --spec {self.spec}, "
+        elif not isinstance(self.draft_tokens, int) or not 1 <= self.draft_tokens <= MAX_DRAFT_TOKENS:
+            raise ValueError(f"draft-tokens must be an integer in 1..{MAX_DRAFT_TOKENS} with --spec {self.spec}, "
                              f"got {self.draft_tokens!r}")
         if self.rollback not in ("recompute", "snapshot"):
             raise ValueError(f"rollback must be recompute or snapshot, got {self.rollback!r}")
