@@ -305,14 +305,17 @@ __device__ __forceinline__ void token_step(KF kfrag, VF vfrag, KSC kscale, KD k_
   }
 }
 
+// both kernels' arguments (kernels/attn_cuda.py's split passes them)
+#define ATTN_ARGS                                                                                                   \
+  const u16 *__restrict__ Q, const signed char *__restrict__ K, const signed char *__restrict__ V,                  \
+      const u16 *__restrict__ KS, const u16 *__restrict__ VS, const void *__restrict__ SLOTS,                      \
+      const void *__restrict__ QPOS, float *__restrict__ OP, float *__restrict__ LSE, long long sqb, long long sqt, \
+      long long sqh, long long sks, long long skh, long long svs, long long svh, long long ssks, long long sskh,   \
+      long long ssvs, long long ssvh, long long spb, long long spt, long long ssl, float qk_scale, int T, int H,    \
+      int HKV, int G, int KV_LEN, int CHUNK, int MIN_CHUNK, int NUM_SPLITS
+
 extern "C" __global__ void __launch_bounds__(32, 8)  // 8 warps an SM
-attn_split(const u16* __restrict__ Q, const signed char* __restrict__ K, const signed char* __restrict__ V,
-           const u16* __restrict__ KS, const u16* __restrict__ VS, const void* __restrict__ SLOTS,
-           const void* __restrict__ QPOS, float* __restrict__ OP, float* __restrict__ LSE,
-           long long sqb, long long sqt, long long sqh, long long sks, long long skh, long long svs, long long svh,
-           long long ssks, long long sskh, long long ssvs, long long ssvh, long long spb, long long spt,
-           long long ssl, float qk_scale, int T, int H, int HKV, int G, int KV_LEN, int CHUNK, int MIN_CHUNK,
-           int NUM_SPLITS) {
+attn_split(ATTN_ARGS) {
   const int lane = threadIdx.x & 31;
   const int g = lane >> 2, c = lane & 3;
   const int t = blockIdx.z;
@@ -459,13 +462,7 @@ __device__ __forceinline__ u32 word4(const U4& v, int j) { return j == 0 ? v.x :
 #define VERIFY_BOUNDS __launch_bounds__(256, 1)
 #endif
 extern "C" __global__ void VERIFY_BOUNDS
-attn_verify(const u16* __restrict__ Q, const signed char* __restrict__ K, const signed char* __restrict__ V,
-            const u16* __restrict__ KS, const u16* __restrict__ VS, const void* __restrict__ SLOTS,
-            const void* __restrict__ QPOS, float* __restrict__ OP, float* __restrict__ LSE,
-            long long sqb, long long sqt, long long sqh, long long sks, long long skh, long long svs, long long svh,
-            long long ssks, long long sskh, long long ssvs, long long ssvh, long long spb, long long spt,
-            long long ssl, float qk_scale, int T, int H, int HKV, int G, int KV_LEN, int CHUNK, int MIN_CHUNK,
-            int NUM_SPLITS) {
+attn_verify(ATTN_ARGS) {
   extern __shared__ __align__(16) unsigned char dsm[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
   {

@@ -68,8 +68,8 @@
 #   dattn    scripts/bench_attention.py with its launch sweep (DATTN_BUDGET_S, default 150 s): decode / verify attention
 #            at the 27B shape, tokens packed in one tile and one token a tile, beside SDPA on a bf16 copy
 #   ncuattn  Nsight Compute (full sections) on decode attention's split kernel, int8 beside bf16 at 65,536 keys
-#            (NCU_CASES, NCU_COUNT, NCU_KERNEL): where the int8 path loses to bf16, or (NCU_KERNEL='^attn_split$')
-#            where the CUDA kernel's verify block spends its steps; the reports come back in ncu.tar
+#            (NCU_CASES, NCU_COUNT, NCU_KERNEL): where the int8 path loses to bf16, or (NCU_KERNEL='^attn_verify$')
+#            where the CUDA kernel's verify blocks spend their steps; the reports come back in ncu.tar
 #   pattn    prefill attention: its CUDA tests, then scripts/bench_prefill_attention.py (--sweep int8; PATTN_ARGS)
 #   ptests   the engine's prefill paths on CUDA: test_fastpath, test_prefill_graphs, test_sampler, test_cuda_engine,
 #            the GDN prefill glue and prefill attention kernels
@@ -110,7 +110,8 @@
 #   sampler  scripts/probe_sampler.py: the step sampler eager against its captured graph, 1 and 8 rows of 248K logits
 #   cattn    the tensor-core int8 decode attention (kernels/attn_cuda.cu): its CUDA tests, the Triton attention tests
 #            and the engine's (in parallel), then scripts/bench_attention.py with its sweep (CATTN_BUDGET_S, 100 s):
-#            the CUDA kernel beside the Triton one at 8K / 65K keys, T = 1 / 8, B = 1 / 8
+#            the CUDA kernel (attn_split at T = 1, attn_verify above) beside the Triton one at 8K / 65K keys,
+#            T = 1 / 8, B = 1 / 8
 #   cattn27  decode -p CATTN_P (2991,65000) -n 128 on the 27B synthetic with the CUDA attention (the default) and with
 #            NINFER_BENCH_ATTN=triton, ours only: decode after a long prompt against a short one, either kernel
 #   hashes   the token hashes a refactor must keep: the README's main command (timed), the bundled model's plain and
@@ -545,7 +546,7 @@ PY
     ncuattn) # Nsight Compute on decode attention's split kernel, int8 beside bf16 (65,536 keys, B = 1, T = 1 by
              # default: NCU_CASES), the default plan (NCU_PLAN: its overrides, bench_attention.py --plan), one report
              # a case; full sections, clocks left alone. NCU_KERNEL: the kernel-name regex (default the Triton split
-             # kernel; NCU_KERNEL='^attn_split$' NCU_CASES=int8:65536:1:8 profiles kernels/attn_cuda.cu's verify block)
+             # kernel; NCU_KERNEL='^attn_verify$' NCU_CASES=int8:65536:1:8 profiles kernels/attn_cuda.cu's verify)
              if ! command -v ncu >/dev/null; then echo "ncu: not on the PATH"; else
                mkdir -p "$OUT/ncu"   # one folder: it comes back as one archive
                for c in $(echo ${NCU_CASES:-int8:65536:1:1,bf16:65536:1:1} | tr , ' '); do
