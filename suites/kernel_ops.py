@@ -68,7 +68,8 @@ def _attention(ctx: KernelContext, t: int, length: int) -> Case:
         return decode_attention(q, kc, vc, ks, vs, slots, q_pos, scale, kv_len_max=length, gate=gate)
 
     cuda_split = attn_cuda.wanted(q, kc, vc, ks, vs, slots, q_pos)  # the kernel decode_attention takes here
-    what = ("tensor-core split (kernels/attn_cuda.cu) + Triton combine" if cuda_split else "Triton decode attention")
+    what = (f"tensor-core {'attn_split' if t == 1 else 'attn_verify'} (kernels/attn_cuda.cu) + Triton combine"
+            if cuda_split else "Triton decode attention")
     cache_bytes = 2 * (kc.numel() + 2 * ks.numel())  # codes + fp16 scales of K and V for the valid length
     return Case([1, hkv, length, hd], cache_bytes + 3 * q.numel() * ctx.elt,
                 lambda: decode_attention_ref(q.float(), kc, vc, ks, vs, slots, q_pos, scale, gate=gate.float()),
