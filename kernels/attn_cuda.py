@@ -45,7 +45,7 @@ MAX_VERIFY_WARPS = 8  # m tiles of 16 query rows a verify block (one warp each)
 NARROW_WARPS = 2
 WIDE_BUILD = {"QSMEM": 1, "VDEPTH": 3, "VMAXREG": 168}
 MAX_G = 8  # query heads a kv head: the MMA's 8 columns
-# grid size at B = 1, T = 1: about this many warps (one a (split, kv head)) an SM; 241 registers a thread at hd 256
+# grid size at B = 1, T = 1: about this many warps (one a (split, kv head)) an SM; 243 registers a thread at hd 256
 # hold 8 warps an SM. At 65,536 keys on the H200: 4 -> 48-50 %, 8 -> 58-62 %, 12 -> 45-50 %, 16 -> 43-52 % of the copy
 # bandwidth (the combine's four tiles each)
 WARPS_PER_SM = 8
@@ -55,7 +55,6 @@ SHORT_MIN_STEPS = 1  # a token far before the key range's end: its chunk shrinks
 # 61.4-61.8 % of the copy bandwidth for the whole call against 57.8-58.4 % at 32, columns 32 or 64 alike
 COMBINE_COLS, COMBINE_SPLITS = 32, 64
 _SOURCE = Path(__file__).with_name("attn_cuda.cu")
-
 
 
 def parse_build(text: str) -> dict[str, int]:
