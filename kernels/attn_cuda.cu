@@ -6,7 +6,7 @@
 //   POS64 / SLOT64   q_pos / slots are int64 (1) or int32 (0)
 //   VDEPTH attn_verify: steps of K / V in flight (cp.async stages in shared memory, >= 2)
 //   QSMEM  attn_verify: q's A fragments in registers (0) or in shared memory (1), VMAXREG its register cap (unset:
-//          255); the same bits either way (kernels/attn_cuda.py builds one of each and picks by the block's rows)
+//          255); the same bits either way (kernels/attn_cuda.py builds one of each and picks by the block's warps)
 // Two kernels, one arithmetic:
 //   attn_split   one warp a block = one query token's G <= 8 heads of one kv head over one key range (decode steps,
 //                batched or not);
@@ -43,9 +43,11 @@
 // masks and ex2, and the running sums kept as attn_split's lanes keep them (a lane here holds, per row, the partial
 // sums of key pairs (2c, 2c + 8) and (2c + 1, 2c + 9), which attn_split's lanes g = 2c and 2c + 1 hold) and reduced
 // in its tree. Both move a row's running max only when a step's max passes it by more than 2^8 (RESCALE_LAG), so
-// most steps skip the rescale of O. A row meets the union of the block's rows' key ranges: steps outside its own range leave its
-// running max, sums and output as they are (scale 1, p = 0), so a T = 8 verify gives each row the bits a T = 1
-// step gives (token invariance; the GPU tests check it bit for bit). The block streams each step's raw codes and
+// most steps skip the rescale of O. A row meets the union of the block's rows' key ranges: steps outside its own
+// range leave its running max, sums and output as they are (scale 1, p = 0), so a T = 8 verify gives each row the
+// bits a T = 1 step gives (token invariance). That an MMA element's bits do not depend on which operand holds which
+// vector is the tensor cores' behaviour (on the H200), not a documented guarantee: the GPU tests check it bit for
+// bit. The block streams each step's raw codes and
 // scales into shared memory with cp.async (VDEPTH steps in flight, rows padded against bank conflicts), and every
 // warp makes its fragments from there.
 // Both write the normalised fp32 partial output [B, T, H, splits, HD] and its log2-sum-exp of every row whose key
