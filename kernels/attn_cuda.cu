@@ -196,6 +196,8 @@ __device__ __forceinline__ void v_frag(const U2& x, const U2& y, const U2& xb, c
   a[3] = hmul2(codes23(zb), s89);
 }
 
+__device__ __forceinline__ u32 word4(const U4& v, int j) { return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w; }
+
 __device__ __forceinline__ u32 pair16(u16 lo, u16 hi) { return (u32)lo | ((u32)hi << 16); }
 
 // A lane's loads of one step (zero for keys from `end` on): K's 16 bytes of key start + g + 8 r in scale group gr,
@@ -327,7 +329,6 @@ attn_split(ATTN_ARGS) {
   int lo, hi;
   key_range((int)load_index(QPOS, b * spb + t * spt, POS64), s, CHUNK, MIN_CHUNK, NUM_SPLITS, KV_LEN, lo, hi);
   if (hi <= lo) return;  // this split is past the token: the combine does not read it
-  const int ulo = lo, uhi = hi;
   const long long slot = load_index(SLOTS, b * ssl, SLOT64);
   const signed char* kb = K + slot * sks + hkv * skh;
   const signed char* vb = V + slot * svs + hkv * svh;
@@ -362,8 +363,8 @@ attn_split(ATTN_ARGS) {
     for (int r = 0; r < 2; ++r)
 #pragma unroll
       for (int gr = 0; gr < NG; ++gr) {
-        kc[r][gr] = load_k(kb, k_key(start, g, r), uhi, gr, c);
-        ksc[r][gr] = load_scale(ksb, k_key(start, g, r), uhi, gr);
+        kc[r][gr] = load_k(kb, k_key(start, g, r), hi, gr, c);
+        ksc[r][gr] = load_scale(ksb, k_key(start, g, r), hi, gr);
       }
   };
   auto load_v_step = [&](int start) {
@@ -371,30 +372,25 @@ attn_split(ATTN_ARGS) {
     for (int r = 0; r < 4; ++r)
 #pragma unroll
       for (int gr = 0; gr < NG; ++gr) {
-        vc[r][gr] = load_v(vb, v_key(start, c, r), uhi, gr, g);
-        vsc[r][gr] = load_scale(vsb, v_key(start, c, r), uhi, gr);
+        vc[r][gr] = load_v(vb, v_key(start, c, r), hi, gr, g);
+        vsc[r][gr] = load_scale(vsb, v_key(start, c, r), hi, gr);
       }
   };
-  load_k_step(ulo);
-  load_v_step(ulo);
-  for (int start = ulo; start < uhi; start += STEP) {
+  load_k_step(lo);
+  load_v_step(lo);
+  for (int start = lo; start < hi; start += STEP) {
     const int next = start + STEP;
-    auto kfrag = [&](int gr, int j, u32* a) {
-      const U4& k0 = kc[0][gr];
-      const U4& k1 = kc[1][gr];
-      k_frag(j == 0 ? k0.x : j == 1 ? k0.y : j == 2 ? k0.z : k0.w, j == 0 ? k1.x : j == 1 ? k1.y : j == 2 ? k1.z : k1.w,
-             a);
-    };
+    auto kfrag = [&](int gr, int j, u32* a) { k_frag(word4(kc[0][gr], j), word4(kc[1][gr], j), a); };
     auto kscale = [&](int gr, int r) { return ksc[r][gr]; };
     auto k_done = [&]() {
-      if (next < uhi) load_k_step(next);
+      if (next < hi) load_k_step(next);
     };
     auto vfrag = [&](int gr, int i, u32* a) {
       v_frag(vc[0][gr], vc[1][gr], vc[2][gr], vc[3][gr], pair16(vsc[0][gr], vsc[1][gr]),
              pair16(vsc[2][gr], vsc[3][gr]), i, a);
     };
     token_step(kfrag, vfrag, kscale, k_done, qf, o, m0, m1, l0, l1, start, hi, qk_scale, g);
-    if (next < uhi) load_v_step(next);
+    if (next < hi) load_v_step(next);
   }
 #pragma unroll
   for (int d = 4; d < 32; d <<= 1) {
@@ -456,7 +452,6 @@ __device__ __forceinline__ void cp4(u32 dst, const void* src, int bytes) {
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(VDEPTH - 2) : "memory"); }
 
-__device__ __forceinline__ u32 word4(const U4& v, int j) { return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w; }
 
 #ifdef VMAXREG
 #define VERIFY_BOUNDS __maxnreg__(VMAXREG)
