@@ -233,3 +233,38 @@ def test_retrained_drafters_replace_only_the_drafters(built, tmp_path):
     assert cf["drafters"]["steps"] == 2 and [r["warm_start"] for r in cf["drafters"]["retrained"]] == [False]
     log = [json.loads(ln) for ln in (models / "train_log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log if r["phase"] == "drafters"] == [2]
+
+
+def test_retrained_on_rollouts_changes_only_the_named_drafter(built, tmp_path):
+    """--data rollouts: the target's greedy continuations are made first and the named drafter alone trains on
+    blocks anchored in them; the other drafter's bytes stay; join records the run's data and keeps both drafters'
+    parameter counts."""
+    import retrain_drafters
+
+    from ninfer_bench.engine.artifact.reader import Artifact
+
+    out = tmp_path / "ro"
+    retrain_drafters.main(["--artifact", str(built["art"]), "--out", str(out), "--tiny", "--device", "cpu",
+                           "--steps", "3", "--data", "rollouts", "--rollout-batches", "2", "--kinds", "dflash2",
+                           "--blocks", "4,8", "--minutes-eval", "0.01"])
+    new = out / "export" / BUNDLED_NAME
+    with Artifact.open(built["art"]) as a, Artifact.open(new) as b:
+        before, after = ({n: x.info(n).sha256 for n in x.bindings} for x in (a, b))
+    changed = {n for n in before if before[n] != after[n]}
+    assert changed and all(n.startswith("dflash2.") for n in changed)
+    facts = json.loads((out / "ship" / "retrain_facts.json").read_text())
+    ro = facts["rollouts"]
+    assert ro["batches"] == 2 and ro["rows"] == 2 * ro["rows_per_batch"] and ro["generated_tokens"] == ro["rows"] * 16
+    d = facts["drafters"]
+    assert d["data"] == "rollouts" and d["kinds"] == ["dflash2"] and d["block_sizes"] == [4, 8]
+    assert set(d["train_agreement"]) == {"dflash2_s4", "dflash2_s8"}
+
+    models = tmp_path / "models"
+    export.join(built["out"] / "ship", models, tmp_path / "data")
+    retrain_drafters.join(out / "ship", models)
+    cf = json.loads((models / "card_facts.json").read_text())
+    assert set(cf["drafters"]["params"]) == {"dflash", "dflash2"}
+    assert cf["drafters"]["retrained"][-1]["data"] == "rollouts"
+    assert "greedy continuations" in (models / "MODEL_CARD.md").read_text()
+    log = [json.loads(ln) for ln in (models / "train_log.jsonl").read_text().splitlines()]
+    assert not [r for r in log if r.get("phase") == "rollouts"]

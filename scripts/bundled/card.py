@@ -168,7 +168,7 @@ def _drafters(d: dict) -> list[str]:
     if not runs:
         return [f"{head}{d['steps']:,} steps of {shape}, MTP fine-tuned at depths 1..{d['mtp_depths']}, "
                 f"{d['seconds']} s."]
-    each = "; ".join(f"{r['steps']:,} steps in {r['seconds']} s on {r['device']}" for r in runs)
+    each = "; ".join(f"{r['steps']:,} steps in {r['seconds']} s on {r['device']}{_run_data(r)}" for r in runs)
     if runs[0]["warm_start"]:
         first = (f"{head}{runs[0]['after_steps']:,} steps of {shape} in the build, MTP fine-tuned at depths "
                  f"1..{d['mtp_depths']}, {round(d['seconds'] - sum(r['seconds'] for r in runs), 1)} s; then "
@@ -177,6 +177,17 @@ def _drafters(d: dict) -> list[str]:
         first = f"{head}the block drafters were trained anew on the shipped (quantized) target"
     return [f"{first} by `scripts/retrain_drafters.py` ({each}; last: `{runs[-1]['command']}`), {d['steps']:,} steps "
             f"and {d['seconds']} s in all. The target, MTP head and tokenizer bytes are the build's."]
+
+
+def _run_data(r: dict) -> str:
+    """How a retraining run's rows were made, when not from corpus windows."""
+    ro = r.get("rollouts")
+    if r.get("data") != "rollouts" or not ro:
+        return ""
+    kinds = " and ".join(r.get("kinds") or [])
+    return (f" ({kinds} only, on {ro['rows']:,} rows of the target's own greedy continuations: {ro['new_tokens']} "
+            f"tokens after corpus prefixes of {ro['prefix'][0]}-{ro['prefix'][1]}, made in {ro['seconds']} s, blocks "
+            f"anchored in the generated part)")
 
 
 def _results(f: dict, met) -> list[str]:

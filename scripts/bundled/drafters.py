@@ -10,7 +10,12 @@ predicts the target's greedy token at ``a + i``, weighted ``exp(-(i-1)/gamma)``.
 
 The engine drafts ``K`` tokens with a block of ``K + 1`` (``BlockDraftRunner.draft``) and the block has no
 causal mask, so a block's length changes what each position sees; steps cycle through the block lengths of
-the K the card reports (4, 8, 12, 16), so every evaluated K runs the drafter as it was trained.
+the K the card reports (4, 8, 12, 16), so every evaluated K runs the drafter as it was trained
+(``DrafterOptions.block_sizes`` may repeat a length to weight the main job's K).
+
+A batch source may say where its rows' blocks can start (``first_anchor``): rollout rows
+(``bundled/rollouts.py``) anchor blocks only in the target's generated continuation, where every label is the
+greedy token after the target's own greedy tokens, as a round's drafts must be.
 
 DFlash2's selector is trained on the walk it runs (``CandidateSelector.walk``): at each block position the
 candidates are the top-``candidates`` tokens of the drafter's logits, scored ``logit + pair_scores(h_i, prev,
@@ -73,10 +78,13 @@ class DrafterOptions:
     selector_weight: float = 0.5
     labels: str = "greedy"
     log_every: int = 10
+    block_sizes: tuple[int, ...] = BLOCK_SIZES  # the steps' block lengths, in turn
 
     def __post_init__(self) -> None:
         if self.labels not in ("greedy", "corpus"):
             raise ValueError(f"drafter labels must be greedy or corpus, got {self.labels!r}")
+        if not self.block_sizes or any(not 2 <= s <= 16 for s in self.block_sizes):
+            raise ValueError(f"drafter block lengths must be 2 .. 16 (the drafters' block), got {self.block_sizes}")
 
 
 @contextlib.contextmanager
@@ -90,15 +98,26 @@ def block_size(drafter: BlockDrafter, s: int):
         drafter.c.block_size = saved
 
 
-def anchors(b: int, length: int, s: int, nb: int, gen: torch.Generator, device) -> torch.Tensor:
-    """``[B, nb]`` distinct anchors per row in ``1 .. length - s + 1`` (context non-empty, labels in range)."""
-    return torch.rand(b, length - s + 1, generator=gen, device=device).argsort(dim=1)[:, :nb] + 1
+def anchors(b: int, length: int, s: int, nb: int, gen: torch.Generator, device, first: int = 1) -> torch.Tensor:
+    """``[B, nb]`` distinct anchors per row in ``first .. length - s + 1`` (context non-empty, labels in range)."""
+    return torch.rand(b, length - s + 2 - first, generator=gen, device=device).argsort(dim=1)[:, :nb] + first
 
 
-def block_loss(drafter: BlockDrafter, taps, ids, labels, embed, lm_head, s: int, nb: int, opts, gen):
-    """(loss, top-1 agreement per block position) of one drafter on one batch with blocks of ``s``."""
+def anchor_room(length: int, s: int, first: int) -> int:
+    """How many anchors a row of ``length`` tokens has for blocks of ``s`` starting at ``first`` or later."""
+    if first < 1:
+        raise ValueError(f"the first anchor must be >= 1 (a block needs context), got {first}")
+    room = length - s + 2 - first
+    if room < 1:
+        raise ValueError(f"rows of {length} tokens have no anchor at or after {first} for blocks of {s}")
+    return room
+
+
+def block_loss(drafter: BlockDrafter, taps, ids, labels, embed, lm_head, s: int, nb: int, opts, gen, first: int = 1):
+    """(loss, top-1 agreement per block position) of one drafter on one batch with blocks of ``s`` anchored at
+    ``first`` or later."""
     b, length = ids.shape
-    a = anchors(b, length, s, nb, gen, ids.device)
+    a = anchors(b, length, s, nb, gen, ids.device, first)
     blk = torch.full((b, nb, s), drafter.c.mask_token_id, dtype=torch.long, device=ids.device)
     blk[..., 0] = ids.gather(1, a)
     with block_size(drafter, s):
@@ -127,10 +146,10 @@ def selector_loss(selector, h, logits, anchor_tok, lab, w) -> torch.Tensor:
     return (ce * present).sum() / present.sum().clamp_min(1.0)
 
 
-def step_losses(model, mtp, drafters: dict, x: torch.Tensor, s: int, opts: DrafterOptions, gen):
+def step_losses(model, mtp, drafters: dict, x: torch.Tensor, s: int, opts: DrafterOptions, gen, first: int = 1):
     """One step's (total loss, per-part detached losses, MTP per-depth losses, drafters' per-position agreement):
     the frozen target reads ``x[:, :-1]`` once; the MTP head (unless ``mtp`` is None) and each drafter learn from
-    its outputs."""
+    its outputs, the drafters' blocks anchored at ``first`` or later."""
     embed, lm_head = model.model.embed_tokens, model.lm_head
     ids, length = x[:, :-1], x.shape[1] - 1
     taps = sorted({i for d in drafters.values() for i in d.c.target_layer_ids})
@@ -150,8 +169,8 @@ def step_losses(model, mtp, drafters: dict, x: torch.Tensor, s: int, opts: Draft
     agree = {}
     for kind, d in drafters.items():
         ctx = torch.cat([tap[i] for i in d.c.target_layer_ids], dim=-1)
-        nb = max(1, min(opts.block_tokens // s, length - s + 1))
-        dl, agree[kind] = block_loss(d, ctx, ids, labels, embed, lm_head, s, nb, opts, gen)
+        nb = max(1, min(opts.block_tokens // s, anchor_room(length, s, first)))
+        dl, agree[kind] = block_loss(d, ctx, ids, labels, embed, lm_head, s, nb, opts, gen, first)
         each[kind] = dl.detach()
         loss = loss + dl
     return loss, each, depth_losses, agree
@@ -159,7 +178,8 @@ def step_losses(model, mtp, drafters: dict, x: torch.Tensor, s: int, opts: Draft
 
 def train(model, mtp, drafters: dict, batches, opts: DrafterOptions, device, seed: int, log) -> dict:
     """Train the drafters (and fine-tune the MTP head, unless ``mtp`` is None) on the frozen target; returns the
-    phase's facts."""
+    phase's facts. ``batches.next()`` gives the rows; a source with ``first_anchor`` (rollouts) says where each
+    batch's blocks may start."""
     model.to(device).eval().requires_grad_(False)
     groups = [{"params": list(d.to(device).train().parameters()), "lr": opts.lr} for d in drafters.values()]
     if mtp is not None:
@@ -169,19 +189,20 @@ def train(model, mtp, drafters: dict, batches, opts: DrafterOptions, device, see
     sched = Schedule(1.0, opts.warmup, opts.budget_s, opts.max_steps)  # a multiplier of each group's peak
     gen = torch.Generator(device=device).manual_seed(seed)
     amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
-    step, stats, rows = 0, {}, 0
+    step, stats, rows, tokens = 0, {}, 0, 0
     while True:
         x = torch.from_numpy(batches.next()).to(device)
-        s = BLOCK_SIZES[step % len(BLOCK_SIZES)]
+        first = getattr(batches, "first_anchor", 1)
+        s = opts.block_sizes[step % len(opts.block_sizes)]
         with amp:
-            loss, each, depth_losses, agree = step_losses(model, mtp, drafters, x, s, opts, gen)
+            loss, each, depth_losses, agree = step_losses(model, mtp, drafters, x, s, opts, gen, first)
         for g, lr in zip(opt.param_groups, peak):
             g["lr"] = lr * sched.lr(step)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_([p for g in groups for p in g["params"]], 1.0)
         opt.step()
-        step, rows = step + 1, rows + x.shape[0]
+        step, rows, tokens = step + 1, rows + x.shape[0], tokens + x[:, :-1].numel()
         stop = sched.done(step)
         for kind, a in agree.items():  # running top-1 agreement per block position, per block length
             key = f"{kind}_s{s}"
@@ -190,11 +211,12 @@ def train(model, mtp, drafters: dict, batches, opts: DrafterOptions, device, see
             log({"phase": "drafters", "step": step, "loss": float(loss.detach()), "block": s,
                  **{f"{k}_loss": round(float(v), 4) for k, v in each.items()},
                  "mtp_depth_loss": [round(float(v), 4) for v in depth_losses], "lr": opts.lr * sched.lr(step - 1),
-                 "elapsed": round(sched.elapsed, 2), "tokens": rows * opts.seq_len})
+                 "elapsed": round(sched.elapsed, 2), "tokens": tokens})
         if stop:
             break
-    return {"steps": step, "seconds": round(sched.elapsed, 1), "context_tokens": rows * opts.seq_len,
-            "batch": opts.batch, "seq_len": opts.seq_len, "labels": opts.labels, "block_sizes": list(BLOCK_SIZES),
+    return {"steps": step, "seconds": round(sched.elapsed, 1), "context_tokens": tokens,
+            "batch": opts.batch, "seq_len": round(tokens / max(1, rows)), "labels": opts.labels,
+            "block_sizes": list(opts.block_sizes),
             "mtp_depths": opts.mtp_depths if mtp is not None else 0,
             "final_mtp_depth_loss": [round(float(v), 4) for v in depth_losses],
             "train_agreement": {k: [round(float(v), 3) for v in a] for k, a in stats.items()}}
