@@ -45,7 +45,8 @@
 #   smoke    minutes-long first look: the training pipeline --tiny on CUDA, a 27B synthetic DFlash2 K=7 decode
 #   train    scripts/train_bundled.py --stage all --ship $OUT
 #   redraft  scripts/retrain_drafters.py: the bundled drafters trained REDRAFT_MIN (5.5) more minutes on the shipped
-#            target, before / after acceptance, the new artifact in parts (back here: retrain_drafters.py join $OUT)
+#            target, before / after acceptance, the new artifact in parts (back here: retrain_drafters.py join $OUT);
+#            REDRAFT_ARGS adds flags (e.g. "--data rollouts --kinds dflash2": the target's own greedy text)
 #   specprobe scripts/probe_spec_paths.py on the bundled model: MTP3 and DFlash2 K=7, drafting captured / eager x PDL
 #   chain    chained speculative rounds (spec/chain.py) against the synchronous rounds: their CUDA tests, the bundled
 #            model's held-out prompts and the 27B replay grid with --lookahead on,off, the README's main command, and
@@ -281,7 +282,8 @@ for stage in "$@"; do
                2>&1 | tail -25 ;;
     train)   python3 scripts/train_bundled.py --out /tmp/bundled --ship "$OUT" --stage all --seed 0 2>&1 \
                | tee "$OUT/train.log" | tail -40 ;;
-    redraft) python3 scripts/retrain_drafters.py --out /tmp/redraft --ship "$OUT" --minutes "${REDRAFT_MIN:-5.5}" 2>&1 \
+    redraft) python3 scripts/retrain_drafters.py --out /tmp/redraft --ship "$OUT" --minutes "${REDRAFT_MIN:-5.5}" \
+               ${REDRAFT_ARGS:-} 2>&1 \
                | grep -v "falling back" | tee "$OUT/retrain.log" | grep -v "drafters\] step=[0-9]*[1-9]0 " | tail -30 ;;
     specprobe) # speculative paths (captured / eager drafting, PDL on / off) against plain decoding on the bundled
              # model, SPECPROBE_N generates an engine: every line should show plain's tokens and one acceptance
