@@ -3,18 +3,15 @@
 a copy of the artifact whose target, MTP head and tokenizer bytes are unchanged (so greedy decoding is too).
 
     python3 scripts/retrain_drafters.py --out /tmp/redraft --ship $OUT --minutes 5.5      # on the GPU
-    python3 scripts/retrain_drafters.py --out /tmp/redraft --ship $OUT --data rollouts --minutes-rollout 2 \
-        --minutes 5 --kinds dflash2 --blocks 4,8,12,8,16,8                                # the target's own text
+    python3 scripts/retrain_drafters.py --out /tmp/redraft --ship $OUT --labels path --kinds dflash2 \
+        --blocks 4,8,12,8,16,8 --minutes 5.5                                              # labels on the greedy path
     python3 scripts/retrain_drafters.py join SHIPDIR                                     # back here
 
 The run: the corpus and its token streams as ``train_bundled.py`` makes them, with the artifact's own tokenizer;
 the target from the artifact's weights (dequantized into transformers' ``Qwen3_5ForCausalLM``: the weights the
 engine serves, so the labels are its greedy tokens); the drafters from the artifact (``--fresh``: newly
-initialised); with ``--data rollouts``, rows of the target's own greedy continuations of corpus prefixes
-(``bundled/rollouts.py``, made for ``--minutes-rollout`` first, blocks anchored in the generated part only);
-``bundled/drafters.py``'s training of the ``--kinds`` drafters for ``--minutes`` with the MTP head (and any drafter
-not named) left alone; the new artifact
-(``bundled/graft.py``); then the acceptance of the old and the new drafters on the same held-out prompts, in the
+initialised); ``bundled/drafters.py``'s training of the ``--kinds`` drafters for ``--minutes`` (``--labels``: see
+``DrafterOptions``) with the MTP head (and any drafter not named) left alone; the new artifact (``bundled/graft.py``); then the acceptance of the old and the new drafters on the same held-out prompts, in the
 same run, within ``--minutes-eval``. The new artifact ships in parts with ``retrain_facts.json`` and the training
 log. ``join`` checks and installs the artifact into ``models/`` and records the run in ``card_facts.json`` and
 ``train_log.jsonl``; ``scripts/bundled/card_eval.py`` then re-measures the card.
@@ -41,7 +38,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import train_bundled as tb  # noqa: E402
-from bundled import card, drafters, evaluate, export, graft, rollouts, target, tok  # noqa: E402
+from bundled import card, drafters, evaluate, export, graft, target, tok  # noqa: E402
 from bundled.batches import Batches  # noqa: E402
 from ninfer_bench.engine.artifact.reader import Artifact  # noqa: E402
 from ninfer_bench.engine.artifact.loader import BUNDLED_NAME, load_artifact  # noqa: E402
@@ -95,28 +92,15 @@ def run(args) -> None:
     facts["gdn"] = target.gdn_kernels(device)
     nets = {k: n for k, n in starting_drafters(loaded, p, args.fresh, args.seed).items() if k in args.kinds}
     tk = tok.load(w.tokenizer)
-    stream = np.load(w.tokens / "train.npy")
     log = tb.log_to(args.out / LOG, "drafters")  # its own log file: every row is this run's
-    if args.data == "rollouts":
-        ro = rollouts.RolloutOptions(rows=args.rollout_rows or p.rollout_rows, new_tokens=args.rollout_tokens
-                                     or p.rollout_tokens, prefix=p.prompt_tokens, budget_s=args.minutes_rollout * 60,
-                                     max_batches=args.rollout_batches)
-        made = rollouts.generate(model, stream, ro, device, args.seed + 11, log)
-        facts["rollouts"] = made["facts"]
-        print(f"rollouts: {made['facts']['rows']} rows of {ro.new_tokens} greedy tokens in "
-              f"{made['facts']['seconds']} s ({made['facts']['tok_s']:.0f} tok/s)", flush=True)
-        batches = rollouts.RolloutBatches(made["chunks"], p.d_batch, args.seed + 7)
-    else:
-        batches = Batches(stream, p.d_seq_len, p.d_batch, args.seed + 7, 0.0,
-                          lambda s: tk.encode(s, add_special_tokens=False).ids, tok.newline_mask(tk, cfg.vocab_size))
+    batches = Batches(np.load(w.tokens / "train.npy"), p.d_seq_len, p.d_batch, args.seed + 7, 0.0,
+                      lambda s: tk.encode(s, add_special_tokens=False).ids, tok.newline_mask(tk, cfg.vocab_size))
     opts = drafters.DrafterOptions(seq_len=p.d_seq_len, batch=p.d_batch, lr=p.d_lr, mtp_lr=p.d_mtp_lr,
                                    warmup=p.d_warmup, budget_s=args.minutes * 60, max_steps=args.steps or p.d_steps,
-                                   block_tokens=p.block_tokens, block_sizes=args.blocks)
+                                   block_tokens=p.block_tokens, block_sizes=args.blocks, labels=args.labels)
     facts["drafters"] = drafters.train(model, None, nets, batches, opts, device, args.seed, log)
     facts["drafters"].update(warm_start=not args.fresh, params={k: drafters.param_count(n) for k, n in nets.items()},
-                             data=args.data, kinds=sorted(nets))
-    if args.data == "rollouts":
-        facts["drafters"]["rollout_epochs"] = round(batches.epochs, 2)
+                             kinds=sorted(nets))
     del model
 
     new = w.export / BUNDLED_NAME
@@ -181,8 +165,7 @@ def join(ship: Path, models: Path) -> Path:
                       "retrained": [*(old.get("retrained", []) if new["warm_start"] else []), {
                           "steps": new["steps"], "seconds": new["seconds"], "warm_start": new["warm_start"],
                           "after_steps": prior["steps"], "command": facts["command"], "device": facts["device"],
-                          "data": new.get("data", "corpus"), "kinds": new.get("kinds", list(KINDS)),
-                          "rollouts": facts.get("rollouts"),
+                          "labels": new.get("labels", "greedy"), "kinds": new.get("kinds", list(KINDS)),
                           "from_artifact": art["from_artifact"], "acceptance": facts["acceptance"]}]}
     cf["export"].update(bytes=art["bytes"], sha256=art["sha256"], parts=art["parts"])
     rows = [json.loads(ln) for ln in log_path.read_text().splitlines() if ln.strip()]
@@ -192,8 +175,6 @@ def join(ship: Path, models: Path) -> Path:
         rows = [r for r in rows if r.get("phase") != "drafters"]
     for ln in (ship / LOG).read_text().splitlines():
         r = json.loads(ln)
-        if r.get("phase") != "drafters":  # the rollout batches' rows: their totals are in the facts
-            continue
         rows.append({**r, "retrain": True, "step": r["step"] + step0, "elapsed": round(r["elapsed"] + t0, 2)})
     tmp.replace(models / BUNDLED_NAME)
     log_path.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -212,14 +193,10 @@ def parse(argv=None):
     ap.add_argument("--minutes-eval", type=float, default=1.5, help="the before / after acceptance budget")
     ap.add_argument("--steps", type=int, default=None, help="fixed number of training steps (tests)")
     ap.add_argument("--fresh", action="store_true", help="start from newly initialised drafters")
-    ap.add_argument("--data", choices=["corpus", "rollouts"], default="corpus",
-                    help="train on corpus windows (labels: the target's greedy token at each corpus position) or on "
-                         "the target's own greedy continuations of corpus prefixes (labels along its greedy path)")
-    ap.add_argument("--minutes-rollout", type=float, default=2.0, help="--data rollouts: generation time budget")
-    ap.add_argument("--rollout-rows", type=int, default=None, help="rows generated together (default: the preset's)")
-    ap.add_argument("--rollout-tokens", type=int, default=None,
-                    help="greedy tokens generated after each prefix (default: the preset's)")
-    ap.add_argument("--rollout-batches", type=int, default=None, help="at most this many generation batches (tests)")
+    ap.add_argument("--labels", choices=["greedy", "path"], default="greedy",
+                    help="greedy: the target's greedy token at every corpus position; path: the same, each block "
+                         "position counted only where the corpus tokens before it in the block are the target's "
+                         "greedy tokens (so every label is the greedy continuation a round's drafts must equal)")
     ap.add_argument("--kinds", type=lambda v: tuple(sorted(set(v.split(",")))), default=KINDS,
                     help="comma-separated drafters to train (the others are kept as they are)")
     ap.add_argument("--blocks", type=lambda v: tuple(int(x) for x in v.split(",")), default=drafters.BLOCK_SIZES,
@@ -236,8 +213,7 @@ def parse(argv=None):
     if any(not 2 <= b <= 16 for b in args.blocks):
         ap.error("--blocks: block lengths are 2 .. 16 (K + 1 for K up to 15)")
     args.artifact = args.artifact.resolve()
-    return tb.finish_args(ap, args, ("minutes", "minutes_eval", "steps", "minutes_rollout", "rollout_rows",
-                                     "rollout_tokens", "rollout_batches"))
+    return tb.finish_args(ap, args, ("minutes", "minutes_eval", "steps"))
 
 
 def main(argv=None) -> None:

@@ -79,8 +79,6 @@ class Preset:
     prompt_tokens: tuple[int, int]
     eval_prompts: int
     eval_new: int
-    rollout_rows: int  # scripts/retrain_drafters.py --data rollouts: rows generated together
-    rollout_tokens: int  # ... and greedy tokens after each prefix (prefixes: prompt_tokens)
     needle_lengths: tuple[int, ...]
     needle_depths: tuple[float, ...]
     heldout_windows: int
@@ -93,15 +91,13 @@ PRESETS = {
                    long_seq_len=8192, long_frac=0.1,
                    d_seq_len=2048, d_batch=32, d_lr=1e-3, d_mtp_lr=3e-4, d_warmup=30, d_steps=None, block_tokens=1024,
                    prompts=64, prompt_tokens=(200, 1500), eval_prompts=8, eval_new=128,
-                   rollout_rows=512, rollout_tokens=512,
                    needle_lengths=(1024, 4096, 16384, 65536), needle_depths=(0.1, 0.5, 0.9), heldout_windows=64,
                    policies=export.POLICIES),
     "tiny": Preset(shape="tiny", vocab=512, max_files=200, stdlib_only=True, holdout_mod=10, tok_train_mb=2,
                    seq_len=128, batch=4, lr=3e-3, warmup=2, target_steps=6, retrieval_frac=0.25,
                    long_seq_len=256, long_frac=0.34,
                    d_seq_len=96, d_batch=2, d_lr=1e-3, d_mtp_lr=1e-3, d_warmup=1, d_steps=4, block_tokens=32,
-                   prompts=4, prompt_tokens=(48, 160), eval_prompts=2, eval_new=12, rollout_rows=2,
-                   rollout_tokens=16,
+                   prompts=4, prompt_tokens=(48, 160), eval_prompts=2, eval_new=12,
                    needle_lengths=(256, 512), needle_depths=(0.5,), heldout_windows=4, policies=("fp32",)),
 }
 

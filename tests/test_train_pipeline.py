@@ -235,28 +235,24 @@ def test_retrained_drafters_replace_only_the_drafters(built, tmp_path):
     assert [r["step"] for r in log if r["phase"] == "drafters"] == [2]
 
 
-def test_retrained_on_rollouts_changes_only_the_named_drafter(built, tmp_path):
-    """--data rollouts: the target's greedy continuations are made first and the named drafter alone trains on
-    blocks anchored in them; the other drafter's bytes stay; join records the run's data and keeps both drafters'
-    parameter counts."""
+def test_retrained_on_the_greedy_path_changes_only_the_named_drafter(built, tmp_path):
+    """--labels path --kinds dflash2 --blocks 4,8: only DFlash2's tensors change; the facts and the card say what
+    trained on what; join keeps both drafters' parameter counts and agreement rows."""
     import retrain_drafters
 
     from ninfer_bench.engine.artifact.reader import Artifact
 
-    out = tmp_path / "ro"
+    out = tmp_path / "path"
     retrain_drafters.main(["--artifact", str(built["art"]), "--out", str(out), "--tiny", "--device", "cpu",
-                           "--steps", "3", "--data", "rollouts", "--rollout-batches", "2", "--kinds", "dflash2",
-                           "--blocks", "4,8", "--minutes-eval", "0.01"])
+                           "--steps", "3", "--labels", "path", "--kinds", "dflash2", "--blocks", "4,8",
+                           "--minutes-eval", "0.01"])
     new = out / "export" / BUNDLED_NAME
     with Artifact.open(built["art"]) as a, Artifact.open(new) as b:
         before, after = ({n: x.info(n).sha256 for n in x.bindings} for x in (a, b))
     changed = {n for n in before if before[n] != after[n]}
     assert changed and all(n.startswith("dflash2.") for n in changed)
-    facts = json.loads((out / "ship" / "retrain_facts.json").read_text())
-    ro = facts["rollouts"]
-    assert ro["batches"] == 2 and ro["rows"] == 2 * ro["rows_per_batch"] and ro["generated_tokens"] == ro["rows"] * 16
-    d = facts["drafters"]
-    assert d["data"] == "rollouts" and d["kinds"] == ["dflash2"] and d["block_sizes"] == [4, 8]
+    d = json.loads((out / "ship" / "retrain_facts.json").read_text())["drafters"]
+    assert d["labels"] == "path" and d["kinds"] == ["dflash2"] and d["block_sizes"] == [4, 8]
     assert set(d["train_agreement"]) == {"dflash2_s4", "dflash2_s8"}
 
     models = tmp_path / "models"
@@ -264,7 +260,18 @@ def test_retrained_on_rollouts_changes_only_the_named_drafter(built, tmp_path):
     retrain_drafters.join(out / "ship", models)
     cf = json.loads((models / "card_facts.json").read_text())
     assert set(cf["drafters"]["params"]) == {"dflash", "dflash2"}
-    assert cf["drafters"]["retrained"][-1]["data"] == "rollouts"
-    assert "greedy continuations" in (models / "MODEL_CARD.md").read_text()
-    log = [json.loads(ln) for ln in (models / "train_log.jsonl").read_text().splitlines()]
-    assert not [r for r in log if r.get("phase") == "rollouts"]
+    assert {k.split("_")[0] for k in cf["drafters"]["train_agreement"]} == {"dflash", "dflash2"}
+    assert cf["drafters"]["retrained"][-1]["labels"] == "path"
+    assert "greedy path" in (models / "MODEL_CARD.md").read_text()
+
+
+def test_path_labels_count_a_block_position_only_after_greedy_corpus_tokens():
+    # corpus ids and the target's greedy labels: greedy[p] predicts ids[p + 1]
+    ids = torch.tensor([[5, 1, 2, 3, 4, 6, 7, 8, 9]])
+    greedy = torch.tensor([[1, 2, 0, 4, 6, 0, 8, 9, 0]])  # wrong at 2 (ids[3] = 3) and at 5 (ids[6] = 7)
+    a = torch.tensor([[1, 3, 4]])  # anchors
+    s = 5
+    lab = greedy.gather(1, (a[..., None] + torch.arange(s - 1)).view(1, -1)).view(1, 3, s - 1)
+    got = drafters.on_path(ids, a, lab)
+    # anchor 1: labels 2 (ok: ids[2] = 2), 0 (ids[3] = 3: off), ...; anchor 3: 4 ok, 6 ok, 0 off; anchor 4: 6 ok, 0 off
+    assert got.tolist() == [[[1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 0, 0]]]

@@ -163,7 +163,8 @@ def _drafters(d: dict) -> list[str]:
     ``d``'s steps and seconds are the totals over the build (when the first retraining continued its drafters) and
     the retrainings."""
     runs = d.get("retrained") or []
-    head = f"Drafters (target frozen, labels = the target's {d['labels']} tokens): "
+    labels = {"path": "greedy tokens along its greedy path"}.get(d["labels"], f"{d['labels']} tokens")
+    head = f"Drafters (target frozen, labels = the target's {labels}): "
     shape = f"{d['batch']} x {d['seq_len']} tokens, block lengths {d['block_sizes']}"
     if not runs:
         return [f"{head}{d['steps']:,} steps of {shape}, MTP fine-tuned at depths 1..{d['mtp_depths']}, "
@@ -180,14 +181,14 @@ def _drafters(d: dict) -> list[str]:
 
 
 def _run_data(r: dict) -> str:
-    """How a retraining run's rows were made, when not from corpus windows."""
-    ro = r.get("rollouts")
-    if r.get("data") != "rollouts" or not ro:
-        return ""
-    kinds = " and ".join(r.get("kinds") or [])
-    return (f" ({kinds} only, on {ro['rows']:,} rows of the target's own greedy continuations: {ro['new_tokens']} "
-            f"tokens after corpus prefixes of {ro['prefix'][0]}-{ro['prefix'][1]}, made in {ro['seconds']} s, blocks "
-            f"anchored in the generated part)")
+    """What a retraining run trained, when not both drafters on every corpus label."""
+    out = []
+    if r.get("kinds") and len(r["kinds"]) < 2:
+        out.append(f"{' and '.join(r['kinds'])} only")
+    if r.get("labels") == "path":
+        out.append("labels on the target's greedy path: a block position counted only where the corpus tokens "
+                   "before it in the block are the target's greedy tokens")
+    return f" ({'; '.join(out)})" if out else ""
 
 
 def _results(f: dict, met) -> list[str]:

@@ -13,9 +13,12 @@ causal mask, so a block's length changes what each position sees; steps cycle th
 the K the card reports (4, 8, 12, 16), so every evaluated K runs the drafter as it was trained
 (``DrafterOptions.block_sizes`` may repeat a length to weight the main job's K).
 
-A batch source may say where its rows' blocks can start (``first_anchor``): rollout rows
-(``bundled/rollouts.py``) anchor blocks only in the target's generated continuation, where every label is the
-greedy token after the target's own greedy tokens, as a round's drafts must be.
+Labels (``DrafterOptions.labels``): ``greedy`` takes the target's greedy token at every corpus position. A draft
+``i`` of a round is accepted only after drafts ``1 .. i - 1`` were, so the token it must equal is the target's
+greedy token after the target's own greedy tokens; a corpus label past the block's first position is that only
+where the corpus tokens before it in the block are the target's greedy tokens. ``path`` counts a block position
+only there (each position's loss is its mean over those blocks, and so is its training agreement); ``corpus``
+takes the corpus tokens themselves.
 
 DFlash2's selector is trained on the walk it runs (``CandidateSelector.walk``): at each block position the
 candidates are the top-``candidates`` tokens of the drafter's logits, scored ``logit + pair_scores(h_i, prev,
@@ -81,8 +84,8 @@ class DrafterOptions:
     block_sizes: tuple[int, ...] = BLOCK_SIZES  # the steps' block lengths, in turn
 
     def __post_init__(self) -> None:
-        if self.labels not in ("greedy", "corpus"):
-            raise ValueError(f"drafter labels must be greedy or corpus, got {self.labels!r}")
+        if self.labels not in ("greedy", "path", "corpus"):
+            raise ValueError(f"drafter labels must be greedy, path or corpus, got {self.labels!r}")
         if not self.block_sizes or any(not 2 <= s <= 16 for s in self.block_sizes):
             raise ValueError(f"drafter block lengths must be 2 .. 16 (the drafters' block), got {self.block_sizes}")
 
@@ -98,26 +101,26 @@ def block_size(drafter: BlockDrafter, s: int):
         drafter.c.block_size = saved
 
 
-def anchors(b: int, length: int, s: int, nb: int, gen: torch.Generator, device, first: int = 1) -> torch.Tensor:
-    """``[B, nb]`` distinct anchors per row in ``first .. length - s + 1`` (context non-empty, labels in range)."""
-    return torch.rand(b, length - s + 2 - first, generator=gen, device=device).argsort(dim=1)[:, :nb] + first
+def anchors(b: int, length: int, s: int, nb: int, gen: torch.Generator, device) -> torch.Tensor:
+    """``[B, nb]`` distinct anchors per row in ``1 .. length - s + 1`` (context non-empty, labels in range)."""
+    return torch.rand(b, length - s + 1, generator=gen, device=device).argsort(dim=1)[:, :nb] + 1
 
 
-def anchor_room(length: int, s: int, first: int) -> int:
-    """How many anchors a row of ``length`` tokens has for blocks of ``s`` starting at ``first`` or later."""
-    if first < 1:
-        raise ValueError(f"the first anchor must be >= 1 (a block needs context), got {first}")
-    room = length - s + 2 - first
-    if room < 1:
-        raise ValueError(f"rows of {length} tokens have no anchor at or after {first} for blocks of {s}")
-    return room
+def on_path(ids: torch.Tensor, a: torch.Tensor, lab: torch.Tensor) -> torch.Tensor:
+    """``[B, nb, s - 1]`` 1.0 where every corpus token between a block's anchor and that position is the target's
+    greedy token (``lab``: the greedy labels of block positions 1 .. s - 1, anchored at ``a``); position 1 always."""
+    b, nb, n = lab.shape
+    nxt = ids.gather(1, (a[..., None] + 1 + torch.arange(n - 1, device=ids.device)).view(b, -1)).view(b, nb, n - 1)
+    same = (lab[..., :-1] == nxt).float()
+    return torch.cat([torch.ones_like(same[..., :1]), same.cumprod(-1)], dim=-1)
 
 
-def block_loss(drafter: BlockDrafter, taps, ids, labels, embed, lm_head, s: int, nb: int, opts, gen, first: int = 1):
-    """(loss, top-1 agreement per block position) of one drafter on one batch with blocks of ``s`` anchored at
-    ``first`` or later."""
+def block_loss(drafter: BlockDrafter, taps, ids, labels, embed, lm_head, s: int, nb: int, opts, gen):
+    """(loss, top-1 agreement per block position) of one drafter on one batch with blocks of ``s``: each position's
+    mean cross-entropy over the blocks that count for it (all, or those on the greedy path), weighted
+    ``exp(-(i-1)/gamma)``."""
     b, length = ids.shape
-    a = anchors(b, length, s, nb, gen, ids.device, first)
+    a = anchors(b, length, s, nb, gen, ids.device)
     blk = torch.full((b, nb, s), drafter.c.mask_token_id, dtype=torch.long, device=ids.device)
     blk[..., 0] = ids.gather(1, a)
     with block_size(drafter, s):
@@ -125,12 +128,14 @@ def block_loss(drafter: BlockDrafter, taps, ids, labels, embed, lm_head, s: int,
     h = out.view(b, nb, s, -1)[:, :, 1:]  # [B, nb, s-1, H]: block positions 1..s-1
     logits = lm_head(h).float()
     lab = labels.gather(1, (a[..., None] + torch.arange(s - 1, device=ids.device)).view(b, -1)).view(b, nb, s - 1)
+    valid = on_path(ids, a, lab) if opts.labels == "path" else torch.ones_like(lab, dtype=torch.float32)
+    count = valid.sum((0, 1)).clamp_min(1.0)  # [s-1]
     w = torch.exp(-torch.arange(s - 1, device=ids.device, dtype=torch.float32) / opts.gamma)
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), lab.reshape(-1), reduction="none").view_as(lab)
-    loss = (ce * w).sum(-1).mean() / w.sum()
+    loss = (w * (ce * valid).sum((0, 1)) / count).sum() / w.sum()
     if drafter.selector is not None:
-        loss = loss + opts.selector_weight * selector_loss(drafter.selector, h, logits, blk[..., 0], lab, w)
-    agree = (logits.argmax(-1) == lab).float().mean((0, 1)).detach()
+        loss = loss + opts.selector_weight * selector_loss(drafter.selector, h, logits, blk[..., 0], lab, w * valid)
+    agree = (((logits.argmax(-1) == lab).float() * valid).sum((0, 1)) / count).detach()
     return loss, agree
 
 
@@ -146,17 +151,17 @@ def selector_loss(selector, h, logits, anchor_tok, lab, w) -> torch.Tensor:
     return (ce * present).sum() / present.sum().clamp_min(1.0)
 
 
-def step_losses(model, mtp, drafters: dict, x: torch.Tensor, s: int, opts: DrafterOptions, gen, first: int = 1):
+def step_losses(model, mtp, drafters: dict, x: torch.Tensor, s: int, opts: DrafterOptions, gen):
     """One step's (total loss, per-part detached losses, MTP per-depth losses, drafters' per-position agreement):
     the frozen target reads ``x[:, :-1]`` once; the MTP head (unless ``mtp`` is None) and each drafter learn from
-    its outputs, the drafters' blocks anchored at ``first`` or later."""
+    its outputs."""
     embed, lm_head = model.model.embed_tokens, model.lm_head
     ids, length = x[:, :-1], x.shape[1] - 1
     taps = sorted({i for d in drafters.values() for i in d.c.target_layer_ids})
     with torch.no_grad():
         hidden, outs = run(model, ids, taps)
         greedy = lm_head(hidden).argmax(-1)  # [B, T]: the target's prediction of token p+1
-        labels = greedy if opts.labels == "greedy" else x[:, 1:]
+        labels = x[:, 1:] if opts.labels == "corpus" else greedy
         tap = dict(zip(taps, outs))
         emb_next = embed(x[:, 1:])
         cos, sin = rotary(model, hidden)
@@ -169,8 +174,8 @@ def step_losses(model, mtp, drafters: dict, x: torch.Tensor, s: int, opts: Draft
     agree = {}
     for kind, d in drafters.items():
         ctx = torch.cat([tap[i] for i in d.c.target_layer_ids], dim=-1)
-        nb = max(1, min(opts.block_tokens // s, anchor_room(length, s, first)))
-        dl, agree[kind] = block_loss(d, ctx, ids, labels, embed, lm_head, s, nb, opts, gen, first)
+        nb = max(1, min(opts.block_tokens // s, length - s + 1))
+        dl, agree[kind] = block_loss(d, ctx, ids, labels, embed, lm_head, s, nb, opts, gen)
         each[kind] = dl.detach()
         loss = loss + dl
     return loss, each, depth_losses, agree
@@ -178,8 +183,7 @@ def step_losses(model, mtp, drafters: dict, x: torch.Tensor, s: int, opts: Draft
 
 def train(model, mtp, drafters: dict, batches, opts: DrafterOptions, device, seed: int, log) -> dict:
     """Train the drafters (and fine-tune the MTP head, unless ``mtp`` is None) on the frozen target; returns the
-    phase's facts. ``batches.next()`` gives the rows; a source with ``first_anchor`` (rollouts) says where each
-    batch's blocks may start."""
+    phase's facts."""
     model.to(device).eval().requires_grad_(False)
     groups = [{"params": list(d.to(device).train().parameters()), "lr": opts.lr} for d in drafters.values()]
     if mtp is not None:
@@ -189,20 +193,19 @@ def train(model, mtp, drafters: dict, batches, opts: DrafterOptions, device, see
     sched = Schedule(1.0, opts.warmup, opts.budget_s, opts.max_steps)  # a multiplier of each group's peak
     gen = torch.Generator(device=device).manual_seed(seed)
     amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
-    step, stats, rows, tokens = 0, {}, 0, 0
+    step, stats, rows = 0, {}, 0
     while True:
         x = torch.from_numpy(batches.next()).to(device)
-        first = getattr(batches, "first_anchor", 1)
         s = opts.block_sizes[step % len(opts.block_sizes)]
         with amp:
-            loss, each, depth_losses, agree = step_losses(model, mtp, drafters, x, s, opts, gen, first)
+            loss, each, depth_losses, agree = step_losses(model, mtp, drafters, x, s, opts, gen)
         for g, lr in zip(opt.param_groups, peak):
             g["lr"] = lr * sched.lr(step)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_([p for g in groups for p in g["params"]], 1.0)
         opt.step()
-        step, rows, tokens = step + 1, rows + x.shape[0], tokens + x[:, :-1].numel()
+        step, rows = step + 1, rows + x.shape[0]
         stop = sched.done(step)
         for kind, a in agree.items():  # running top-1 agreement per block position, per block length
             key = f"{kind}_s{s}"
@@ -211,12 +214,11 @@ def train(model, mtp, drafters: dict, batches, opts: DrafterOptions, device, see
             log({"phase": "drafters", "step": step, "loss": float(loss.detach()), "block": s,
                  **{f"{k}_loss": round(float(v), 4) for k, v in each.items()},
                  "mtp_depth_loss": [round(float(v), 4) for v in depth_losses], "lr": opts.lr * sched.lr(step - 1),
-                 "elapsed": round(sched.elapsed, 2), "tokens": tokens})
+                 "elapsed": round(sched.elapsed, 2), "tokens": rows * opts.seq_len})
         if stop:
             break
-    return {"steps": step, "seconds": round(sched.elapsed, 1), "context_tokens": tokens,
-            "batch": opts.batch, "seq_len": round(tokens / max(1, rows)), "labels": opts.labels,
-            "block_sizes": list(opts.block_sizes),
+    return {"steps": step, "seconds": round(sched.elapsed, 1), "context_tokens": rows * opts.seq_len,
+            "batch": opts.batch, "seq_len": opts.seq_len, "labels": opts.labels, "block_sizes": list(opts.block_sizes),
             "mtp_depths": opts.mtp_depths if mtp is not None else 0,
             "final_mtp_depth_loss": [round(float(v), 4) for v in depth_losses],
             "train_agreement": {k: [round(float(v), 3) for v in a] for k, a in stats.items()}}
