@@ -159,6 +159,8 @@ def join(ship: Path, models: Path) -> Path:
     keep = ("steps", "seconds", "context_tokens")
     prior = {k: old.get(k, 0) for k in keep} if new["warm_start"] else dict.fromkeys(keep, 0)
     merged = {k: {**old.get(k, {}), **new.get(k, {})} for k in ("params", "train_agreement")}  # kinds not trained
+    if new["warm_start"]:  # the top level describes the build's stage; each run's own settings go in `retrained`
+        merged.update({k: old[k] for k in ("labels", "block_sizes", "batch", "seq_len") if k in old})
     cf["drafters"] = {**old, **new, **merged, **{k: round(prior[k] + new[k], 1) if k == "seconds" else prior[k] + new[k]
                                                  for k in keep},
                       "mtp_depths": old.get("mtp_depths", 0), "final_mtp_depth_loss": old.get("final_mtp_depth_loss"),
@@ -166,6 +168,7 @@ def join(ship: Path, models: Path) -> Path:
                           "steps": new["steps"], "seconds": new["seconds"], "warm_start": new["warm_start"],
                           "after_steps": prior["steps"], "command": facts["command"], "device": facts["device"],
                           "labels": new.get("labels", "greedy"), "kinds": new.get("kinds", list(KINDS)),
+                          "block_sizes": new.get("block_sizes"),
                           "from_artifact": art["from_artifact"], "acceptance": facts["acceptance"]}]}
     cf["export"].update(bytes=art["bytes"], sha256=art["sha256"], parts=art["parts"])
     rows = [json.loads(ln) for ln in log_path.read_text().splitlines() if ln.strip()]

@@ -261,7 +261,9 @@ def test_retrained_on_the_greedy_path_changes_only_the_named_drafter(built, tmp_
     cf = json.loads((models / "card_facts.json").read_text())
     assert set(cf["drafters"]["params"]) == {"dflash", "dflash2"}
     assert {k.split("_")[0] for k in cf["drafters"]["train_agreement"]} == {"dflash", "dflash2"}
-    assert cf["drafters"]["retrained"][-1]["labels"] == "path"
+    assert cf["drafters"]["retrained"][-1]["labels"] == "path" and cf["drafters"]["labels"] == "greedy"
+    assert cf["drafters"]["retrained"][-1]["block_sizes"] == [4, 8]
+    assert cf["drafters"]["block_sizes"] == list(drafters.BLOCK_SIZES)  # the build's, as the card says
     assert "greedy path" in (models / "MODEL_CARD.md").read_text()
 
 

@@ -106,7 +106,8 @@ def limits(facts: dict, met: list) -> list[str]:
                    + " of the time, and each later position less: the block drafters trained "
                      f"{d.get('seconds', '?')} s in all, while the MTP head trained with the target for the whole "
                      "run. Their training time (`--minutes-drafters` in a build, `scripts/retrain_drafters.py "
-                     "--minutes` on the shipped target) is the lever.")
+                     "--minutes` on the shipped target) and their labels (`scripts/retrain_drafters.py --labels path`:"
+                     " only block positions on the target's greedy path) are the levers.")
     return out
 
 
@@ -169,7 +170,7 @@ def _drafters(d: dict) -> list[str]:
     if not runs:
         return [f"{head}{d['steps']:,} steps of {shape}, MTP fine-tuned at depths 1..{d['mtp_depths']}, "
                 f"{d['seconds']} s."]
-    each = "; ".join(f"{r['steps']:,} steps in {r['seconds']} s on {r['device']}{_run_data(r)}" for r in runs)
+    each = "; ".join(f"{r['steps']:,} steps in {r['seconds']} s on {r['device']}{_run_data(r, d['block_sizes'])}" for r in runs)
     if runs[0]["warm_start"]:
         first = (f"{head}{runs[0]['after_steps']:,} steps of {shape} in the build, MTP fine-tuned at depths "
                  f"1..{d['mtp_depths']}, {round(d['seconds'] - sum(r['seconds'] for r in runs), 1)} s; then "
@@ -180,7 +181,7 @@ def _drafters(d: dict) -> list[str]:
             f"and {d['seconds']} s in all. The target, MTP head and tokenizer bytes are the build's."]
 
 
-def _run_data(r: dict) -> str:
+def _run_data(r: dict, build_blocks: list) -> str:
     """What a retraining run trained, when not both drafters on every corpus label."""
     out = []
     if r.get("kinds") and len(r["kinds"]) < 2:
@@ -188,6 +189,8 @@ def _run_data(r: dict) -> str:
     if r.get("labels") == "path":
         out.append("labels on the target's greedy path: a block position counted only where the corpus tokens "
                    "before it in the block are the target's greedy tokens")
+    if r.get("block_sizes") and r["block_sizes"] != build_blocks:
+        out.append(f"block lengths {r['block_sizes']}")
     return f" ({'; '.join(out)})" if out else ""
 
 
