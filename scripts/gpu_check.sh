@@ -46,7 +46,7 @@
 #   train    scripts/train_bundled.py --stage all --ship $OUT
 #   redraft  scripts/retrain_drafters.py: the bundled drafters trained REDRAFT_MIN (5.5) more minutes on the shipped
 #            target, before / after acceptance, the new artifact in parts (back here: retrain_drafters.py join $OUT);
-#            REDRAFT_ARGS adds flags (e.g. "--data rollouts --kinds dflash2": the target's own greedy text)
+#            REDRAFT_ARGS adds flags (e.g. "--labels path --kinds dflash2 --blocks 4,8,12,8,16,8")
 #   specprobe scripts/probe_spec_paths.py on the bundled model: MTP3 and DFlash2 K=7, drafting captured / eager x PDL
 #   chain    chained speculative rounds (spec/chain.py) against the synchronous rounds: their CUDA tests, the bundled
 #            model's held-out prompts and the 27B replay grid with --lookahead on,off, the README's main command, and

@@ -11,7 +11,8 @@ The run: the corpus and its token streams as ``train_bundled.py`` makes them, wi
 the target from the artifact's weights (dequantized into transformers' ``Qwen3_5ForCausalLM``: the weights the
 engine serves, so the labels are its greedy tokens); the drafters from the artifact (``--fresh``: newly
 initialised); ``bundled/drafters.py``'s training of the ``--kinds`` drafters for ``--minutes`` (``--labels``: see
-``DrafterOptions``) with the MTP head (and any drafter not named) left alone; the new artifact (``bundled/graft.py``); then the acceptance of the old and the new drafters on the same held-out prompts, in the
+``DrafterOptions``) with the MTP head (and any drafter not named) left alone; the new artifact
+(``bundled/graft.py``); then the acceptance of the old and the new drafters on the same held-out prompts, in the
 same run, within ``--minutes-eval``. The new artifact ships in parts with ``retrain_facts.json`` and the training
 log. ``join`` checks and installs the artifact into ``models/`` and records the run in ``card_facts.json`` and
 ``train_log.jsonl``; ``scripts/bundled/card_eval.py`` then re-measures the card.

@@ -170,7 +170,8 @@ def _drafters(d: dict) -> list[str]:
     if not runs:
         return [f"{head}{d['steps']:,} steps of {shape}, MTP fine-tuned at depths 1..{d['mtp_depths']}, "
                 f"{d['seconds']} s."]
-    each = "; ".join(f"{r['steps']:,} steps in {r['seconds']} s on {r['device']}{_run_data(r, d['block_sizes'])}" for r in runs)
+    each = "; ".join(f"{r['steps']:,} steps in {r['seconds']} s on {r['device']}{_run_data(r, d['block_sizes'])}"
+                     for r in runs)
     if runs[0]["warm_start"]:
         first = (f"{head}{runs[0]['after_steps']:,} steps of {shape} in the build, MTP fine-tuned at depths "
                  f"1..{d['mtp_depths']}, {round(d['seconds'] - sum(r['seconds'] for r in runs), 1)} s; then "
