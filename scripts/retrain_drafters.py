@@ -214,8 +214,10 @@ def parse(argv=None):
         ap.error(f"--artifact {args.artifact}: no such file")
     if not args.kinds or set(args.kinds) - set(KINDS):
         ap.error(f"--kinds: choose from {', '.join(KINDS)}")
-    if any(not 2 <= b <= 16 for b in args.blocks):
-        ap.error("--blocks: block lengths are 2 .. 16 (K + 1 for K up to 15)")
+    try:  # refused here, before the corpus is read, with DrafterOptions' own check
+        drafters.check_block_sizes(args.blocks)
+    except ValueError as e:
+        ap.error(f"--blocks: {e}")
     args.artifact = args.artifact.resolve()
     return tb.finish_args(ap, args, ("minutes", "minutes_eval", "steps"))
 

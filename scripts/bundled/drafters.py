@@ -86,8 +86,13 @@ class DrafterOptions:
     def __post_init__(self) -> None:
         if self.labels not in ("greedy", "path", "corpus"):
             raise ValueError(f"drafter labels must be greedy, path or corpus, got {self.labels!r}")
-        if not self.block_sizes or any(not 2 <= s <= 16 for s in self.block_sizes):
-            raise ValueError(f"drafter block lengths must be 2 .. 16 (the drafters' block), got {self.block_sizes}")
+        check_block_sizes(self.block_sizes)
+
+
+def check_block_sizes(sizes) -> None:
+    """Training block lengths are K + 1 for K 1 .. 15: 2 .. 16 (the drafters' block), at least one."""
+    if not sizes or any(not 2 <= s <= 16 for s in sizes):
+        raise ValueError(f"drafter block lengths must be 2 .. 16 (K + 1 for K up to 15), got {list(sizes)}")
 
 
 @contextlib.contextmanager
