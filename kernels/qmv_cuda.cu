@@ -67,6 +67,10 @@ typedef unsigned char u8;
 #endif                // loads are issued before griddepcontrol.wait, i.e. while the kernel before is finishing;
                       // x (the previous kernel's output) is read after it, through L2 (no read-only cache path);
                       // the kernel after may launch as soon as all blocks run (griddepcontrol.launch_dependents)
+#ifndef XL1
+#define XL1 1         // with PDL: x (read after griddepcontrol.wait, which makes the kernel before's writes visible to
+#endif                // this grid) through L1 (ld.global.ca), so the warps of an SM share its lines; 0: through L2
+                      // only (ld.global.cg), which at 4-64 rows costs every warp its own L2 reads of all T rows
 #ifndef TILED
 #define TILED 0       // 1: the weight sections are tiled (qmv_cuda.TiledWeight): codes [N/16][NG][16][CB], scales
 #endif                // [N/16][NG][16], q5 high bits [N/16][NG][16][8] - a warp's loads are contiguous;
@@ -244,7 +248,9 @@ struct Lane {
 
 // one x element (the element-wise path); with PDL through L2, as above
 __device__ __forceinline__ u32 ldx(const u16* p) {
-#if PDL
+#if PDL && XL1
+  return __ldca(p);
+#elif PDL
   return __ldcg(p);
 #else
   return __ldg(p);
@@ -305,8 +311,10 @@ __device__ __forceinline__ void load_x(const Lane& L, const u16* __restrict__ xr
   const uint4* p = reinterpret_cast<const uint4*>(L.xp + off + GROUP * NW * u);
 #pragma unroll
   for (int i = 0; i < XPL / 8; ++i) {
-#if PDL
-    const uint4 v = __ldcg(p + i);  // written by the kernel before, which may still have been running at launch
+#if PDL && XL1
+    const uint4 v = __ldca(p + i);  // written by the kernel before, which may still have been running at launch
+#elif PDL
+    const uint4 v = __ldcg(p + i);
 #else
     const uint4 v = __ldg(p + i);
 #endif

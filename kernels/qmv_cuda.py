@@ -95,7 +95,7 @@ class DenseWeight:
 @functools.cache
 def _kernel(fmt_id: int, half: bool, even: bool, unroll: int, min_blocks: int, xlate: bool, pipe: bool,
             fold: bool, pdl: bool, tiled: int, act: bool, warps: int, tail: bool, ncol: int, tiles: int,
-            device_index: int):
+            device_index: int, xl1: bool = True):
     import cupy
 
     with cupy.cuda.Device(device_index):
@@ -104,7 +104,8 @@ def _kernel(fmt_id: int, half: bool, even: bool, unroll: int, min_blocks: int, x
                                          f"-DUNROLL={unroll}", f"-DMIN_BLOCKS={min_blocks}", f"-DXLATE={int(xlate)}",
                                          f"-DPIPE={int(pipe)}", f"-DFOLD={int(fold)}", f"-DPDL={int(pdl)}",
                                          f"-DTILED={int(tiled)}", f"-DACT={int(act)}", f"-DNW={warps}",
-                                         f"-DTAIL={int(tail)}", f"-DNCOL={ncol}", f"-DTPW={tiles}"))
+                                         f"-DTAIL={int(tail)}", f"-DNCOL={ncol}", f"-DTPW={tiles}",
+                                         f"-DXL1={int(xl1)}"))
         return module.get_function("qmv")
 
 
@@ -146,7 +147,10 @@ def shape_splits(n: int, ng: int, sms: int, warps: int | None = None) -> int:
 # did not let it start early); with the Triton glue PDL-aware too the 27B step is 4 % faster (EngineOptions.pdl,
 # on by default). dense: small dense 16-bit projections (engine/weights.DenseLinear) through
 # FMT 3 (measured faster: on by default in EngineOptions.qmv_dense).
-_SWITCHES = {"dense": False}
+# pdl_x_l1: under PDL, x is read through L1 (ld.global.ca) once griddepcontrol.wait has made the kernel before's
+# writes visible; off (NINFER_BENCH_QMV_PDL_X=l2): through L2 only (ld.global.cg), every warp its own L2 reads of all
+# T rows.
+_SWITCHES = {"dense": False, "pdl_x_l1": True}
 
 
 def set_dense(on: bool) -> None:
@@ -216,6 +220,10 @@ def _load_wide_env() -> None:
     text = os.environ.get("NINFER_BENCH_QMV_WIDE", "")
     if text:
         _WIDE.update(_wide_builds(text))
+    x_path = os.environ.get("NINFER_BENCH_QMV_PDL_X", "l1").strip().lower()
+    if x_path not in ("l1", "l2"):
+        raise ValueError(f"NINFER_BENCH_QMV_PDL_X: {x_path!r}: expected l1 (the default) or l2")
+    _SWITCHES["pdl_x_l1"] = x_path == "l1"
 
 
 _load_wide_env()
@@ -353,7 +361,7 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
     even = lin.k == lin.kp and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
     pdl = _triton.pdl_now(x.device) if pdl is None else pdl and _capability(dev) >= (9, 0)
     kern = _kernel(_FMT_ID[lin.fmt], x.dtype == torch.float16, even, unroll, min_blocks, xlate, pipe, fold, pdl,
-                   getattr(lin, "layout", 0), act, warps, tail, ncol, tiles, dev)
+                   getattr(lin, "layout", 0), act, warps, tail, ncol, tiles, dev, _SWITCHES["pdl_x_l1"])
     per_block, tiles = tiles, -(-n // 16)
     whole = act or not _triton.split_k_allowed()  # (the epilogue, or a launch beside others: _triton.single_pass)
     s = 1 if whole else min(splits, MAX_SPLITS) if splits else shape_splits(n, lin.ng, _triton.num_sms(dev), warps)

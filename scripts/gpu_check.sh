@@ -441,7 +441,7 @@ PY
     profspec) # where a C1 speculative round goes at the 27B shape (issue 31): plain, MTP3 and DFlash2 K=7 chained,
              # one process, the draft head over 32,768 tokens (synthetic weights: no drafts accepted)
              timeout ${STAGE_S:-300} python3 scripts/profile_step.py $M27 --spec none,mtp:3,dflash2:7 \
-               --lm-head-draft 32768 --steps ${PROFSPEC_STEPS:-64} --top ${PROFILE_LINES:-40} \
+               --lm-head-draft 32768 --steps ${PROFSPEC_STEPS:-64} --top ${PROFILE_LINES:-40} ${PROFSPEC_ARGS:-} \
                --json "$OUT/profspec.json" 2>&1 | tee "$OUT/profspec.log" | grep -v Warn ;;
     sampled) # the step sampler (issue 33): its CUDA tests, probe_sampler.py with this tree (and the tree before in .old,
              # carried, when there), then the 27B plain / sampled concurrency at C1 and C8 (and .old's sampled C8)

@@ -161,6 +161,10 @@ def main() -> int:
     ap.add_argument("--rollback", default="recompute", choices=("recompute", "snapshot"))
     ap.add_argument("--host", action="store_true",
                     help="profile the host instead (cProfile of the same steps): where a host-bound step's time goes")
+    ap.add_argument("--pdl-variants", default="",
+                    help="comma list, each profiled for every --spec item in place of the engine's PDL defaults: "
+                         "nopdl (no PDL), l1 / l2 (PDL in every graph of up to 64 rows, speculative rounds "
+                         "included; qmv reads x after its wait through L1 / through L2 only)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     drop = [d for d in args.drop.split(",") if d]
@@ -192,8 +196,11 @@ def main() -> int:
     t0 = time.time()
     loaded = load_source(args.model, synthetic=args.synthetic, device=torch.device("cuda"))
     print(f"loaded in {time.time() - t0:.0f} s: {args.model}", flush=True)
+    variants = [v for v in args.pdl_variants.split(",") if v] or [None]
+    if set(variants) - {None, "nopdl", "l1", "l2"}:
+        ap.error(f"--pdl-variants: unknown {sorted(set(variants) - {None, 'nopdl', 'l1', 'l2'})}")
     out = {}
-    for item, batch in [(i, b) for i in args.spec.split(",") for b in batches]:
+    for item, batch, variant in [(i, b, v) for i in args.spec.split(",") for b in batches for v in variants]:
         spec, k = parse_spec(item, args.draft_tokens)
         opts = EngineOptions(device="cuda", runtime=args.runtime, spec=spec, draft_tokens=k, pdl=args.pdl,
                              side_stream=args.side_stream, silu_epilogue=args.silu_epilogue,
@@ -204,8 +211,18 @@ def main() -> int:
                              lm_head_draft=args.lm_head_draft if spec != "none" else 0,
                              max_context=args.max_context or max(8192, args.prompt_len + 256),
                              max_concurrency=batch)
-        print(f"=== {spec}{f':{k}' if k else ''}{f' batch {batch}' if len(batches) > 1 else ''}", flush=True)
-        out[item if len(batches) == 1 else f"{item}@B{batch}"] = profile_one(Engine(loaded, opts), args, drop, batch)
+        print(f"=== {spec}{f':{k}' if k else ''}{f' batch {batch}' if len(batches) > 1 else ''}"
+              f"{f' pdl {variant}' if variant else ''}", flush=True)
+        eng = Engine(loaded, opts)
+        if variant:  # after the engine's own set_pdl; its graphs are captured at the first run
+            from ninfer_bench.engine.model import graphs
+            from ninfer_bench.kernels import _triton, qmv_cuda
+
+            _triton.set_pdl(variant != "nopdl")
+            graphs.PDL_MAX_ROWS = 64
+            qmv_cuda._SWITCHES["pdl_x_l1"] = variant != "l2"
+        key = item if len(batches) == 1 else f"{item}@B{batch}"
+        out[key if not variant else f"{key}/{variant}"] = profile_one(eng, args, drop, batch)
         torch.cuda.empty_cache()
     if args.json:
         Path(args.json).write_text(json.dumps(out if len(out) > 1 else next(iter(out.values())), indent=1))
