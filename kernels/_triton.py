@@ -109,7 +109,7 @@ def pdl_enabled() -> bool:
 @contextlib.contextmanager
 def pdl_held():
     """Launches inside go without PDL whatever the switch says (the engine captures its batched decode steps so:
-    engine/model/graphs.py, PDL_MAX_ROWS)."""
+    engine/model/graphs.py, PDL_MAX_SEQS; and spec/draft_graphs.py)."""
     _PDL["held"] += 1
     try:
         yield

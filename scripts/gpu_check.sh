@@ -346,11 +346,12 @@ for stage in "$@"; do
              /usr/bin/time -f "main command: %e s wall, %M KiB peak RSS" python3 scripts/nb.py decode --spec dflash2 -k 7 \
                --json "$OUT/main.json" 2>&1 | tee "$OUT/main.log" | tail -8 ;;
     spec)    nb decode $M27 --spec none,mtp:3,dflash2:7 --replay-acceptance seed -n ${SPEC_N:-128} --repeats 2 \
-               --json "$OUT/spec27" 2>&1 | tee "$OUT/spec27.log" | tail -12
+               ${SPEC_ARGS:-} --json "$OUT/spec27" 2>&1 | tee "$OUT/spec27.log" | tail -${SPEC_LINES:-12}
+             [ "${SPEC_ONLY27:-0}" = 1 ] && continue
              /usr/bin/time -f "main command: %e s wall, %M KiB peak RSS" python3 scripts/nb.py decode --spec dflash2 -k 7 \
                --json "$OUT/main.json" 2>&1 | tee "$OUT/main.log" | tail -30
              nb decode --spec none,mtp:3,dflash2:7 --prompt-file suites/data/heldout_prompts.jsonl -n 256 --repeats 2 \
-               --json "$OUT/specb" 2>&1 | tee "$OUT/specb.log" | tail -10 ;;
+               ${SPECB_ARGS:-} --json "$OUT/specb" 2>&1 | tee "$OUT/specb.log" | tail -${SPEC_LINES:-10} ;;
     rows)    timeout ${TESTS_S:-200} python3 -m pytest -q -p no:cacheprovider tests/test_kernels_qmv_cuda.py -k \
                "wide or column or packed_linear_runs or silu_epilogue_matches or rows_do_not or graph_replay" 2>&1 \
                | tee "$OUT/rows_tests.log" | grep -E "^(FAILED|ERROR)|passed|failed" | head -20

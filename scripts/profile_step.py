@@ -163,7 +163,7 @@ def main() -> int:
                     help="profile the host instead (cProfile of the same steps): where a host-bound step's time goes")
     ap.add_argument("--pdl-variants", default="",
                     help="comma list, each profiled for every --spec item in place of the engine's PDL defaults: "
-                         "nopdl (no PDL), l1 / l2 (PDL in every graph of up to 64 rows, speculative rounds "
+                         "nopdl (no PDL), l1 / l2 (PDL in every graph, batched and speculative "
                          "included; qmv reads x after its wait through L1 / through L2 only)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -219,7 +219,7 @@ def main() -> int:
             from ninfer_bench.kernels import _triton, qmv_cuda
 
             _triton.set_pdl(variant != "nopdl")
-            graphs.PDL_MAX_ROWS = 64
+            graphs.PDL_MAX_SEQS = 64
             qmv_cuda._SWITCHES["pdl_x_l1"] = variant != "l2"
         key = item if len(batches) == 1 else f"{item}@B{batch}"
         out[key if not variant else f"{key}/{variant}"] = profile_one(eng, args, drop, batch)

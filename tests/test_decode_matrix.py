@@ -57,8 +57,9 @@ def test_grid_and_labels():
     assert [(r.label, r.engine_options.draft_graphs) for r in graphs] == [("v3-none", True), ("v3-mtp-k3", True),
                                                           ("v3-mtp-k3-eagerdraft", False), ("v3-dflash2-k7", True),
                                                               ("v3-dflash2-k7-eagerdraft", False)]
-    pdl = decode_runs(BASE, specs=("none",), switches={"pdl": (True, False)})
-    assert [(r.label, r.engine_options.pdl) for r in pdl] == [("v3-none", True), ("v3-none-nopdl", False)]
+    pdl = decode_runs(BASE, specs=("none", "dflash2:7"), switches={"pdl": (True, False)})
+    assert [(r.label, r.engine_options.pdl) for r in pdl] == [("v3-none", True), ("v3-none-nopdl", False),
+                                                              ("v3-dflash2-k7", True), ("v3-dflash2-k7-nopdl", False)]
     build = decode_runs(BASE, specs=("none",),
                         switches={"side_stream": (True, False), "silu_epilogue": (True, False)})
     assert [(r.label, r.engine_options.side_stream, r.engine_options.silu_epilogue) for r in build] == [

@@ -477,6 +477,42 @@ def test_pdl_dependent_chain_in_a_cuda_graph():
 
 
 @needs_qmv
+@needs_sm90
+@pytest.mark.parametrize("t", [1, 8, 24])
+def test_pdl_reads_a_rewritten_buffer_fresh(t):
+    """Under PDL qmv reads x through L1 after its wait. A captured ping-pong over two buffers - a -> b, b -> a (a
+    rewritten after an earlier launch read it, maybe on the same SM), a -> c, six rounds - gives the eager chain's
+    bits on every replay: no launch reads a line of x cached before the kernel that wrote it finished."""
+    g = torch.Generator().manual_seed(13)
+    fmts = ("q4_g64_fp16", "q5_g64_fp16", "q8_g32_fp16")
+    lins = [ql.PackedLinear(quant.pack(torch.randn(2048, 2048, generator=g) * 0.03, f), f, (2048, 2048), "cuda")
+            for f in fmts]
+    a, b = (torch.zeros(t, 2048, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    x = torch.zeros_like(a)
+
+    def chain(pdl):
+        a.copy_(x)
+        outs = []
+        for r in range(6):
+            qmv_cuda.qmv(a, lins[r % 3], b, pdl=pdl)
+            qmv_cuda.qmv(b, lins[(r + 1) % 3], a, pdl=pdl)
+            outs.append(qmv_cuda.qmv(a, lins[(r + 2) % 3], pdl=pdl))
+        return torch.stack(outs)
+
+    chain(True)  # compile and load outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain(True)
+    for seed in range(3):
+        x.copy_(torch.randn(t, 2048, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16))
+        graph.replay()
+        torch.cuda.synchronize()
+        got = out.clone()
+        assert torch.equal(got, chain(False)), f"input {seed}"
+
+
+@needs_qmv
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("n,k,t", [(96, 5120, 1), (96, 5120, 8), (1000, 640, 3), (17, 64, 2)])
 def test_dense_weight_path(dtype, n, k, t):

@@ -110,10 +110,12 @@ def capture(fn, pool, device, *, warmups: int = 2, warm=None):
     return graph, out
 
 
-# PDL (EngineOptions.pdl) in the step graphs of at most this many rows; more rows capture without it. The 27B's decode
-# step of 8 sequences took 10.56 ms with PDL (qmv 7.5 ms of it) and 8.72 ms without (qmv 5.0 ms); one sequence's
-# 5.67 ms either way (H200, docs/perf/2026-12-03d-scheduler-budget-h200.md)
-PDL_MAX_ROWS = 1
+# PDL (EngineOptions.pdl) in the graphs of at most this many sequences: one sequence's decode step and speculative
+# verify (up to MAX_DRAFT_TOKENS + 1 rows) and drafting; batched graphs capture without it. The 27B's decode step of 8
+# sequences took 10.56 ms with PDL (qmv 7.5 ms of it) and 8.72 ms without (qmv 5.0 ms), with qmv then reading x
+# through L2 only under PDL (docs/perf/2026-12-03d-scheduler-budget-h200.md); with x through L1 one sequence's
+# DFlash2 K=7 round went from 7.30 ms without PDL to 6.80 ms with it (docs/perf/2026-12-04e-spec-round-pdl-h200.md)
+PDL_MAX_SEQS = 1
 MAX_STOP_IDS = 64  # token ids a chained decode can stop on inside the graph (EOS + the request's stop ids)
 
 
@@ -166,7 +168,7 @@ class GraphRunner:
             if mode == VERIFY:
                 e.cache.commit(keep)
 
-        with pdl_held() if b * t > PDL_MAX_ROWS else contextlib.nullcontext():
+        with pdl_held() if b > PDL_MAX_SEQS else contextlib.nullcontext():
             graph, (hidden, logits, tp) = capture(forward, self.pool, dev, warm=warm)
         cap = Captured(graph, ids, pos, slots, hidden, logits, tp)
         if mode == VERIFY:

@@ -145,9 +145,9 @@ class Engine:
         if self.device.type == "cuda":
             from ...kernels import _triton, qmv_cuda
 
-            # qmv's and the Triton glue kernels' one switch; off for speculative rounds, which measured faster without
-            # it (docs/perf/2026-12-01i-session29-h200.md)
-            _triton.set_pdl(opts.pdl and opts.spec == "none")
+            # qmv's and the Triton glue kernels' one switch, plain and speculative (the graphs of one sequence:
+            # model/graphs.PDL_MAX_SEQS)
+            _triton.set_pdl(opts.pdl)
             qmv_cuda.set_dense(opts.qmv_dense)
         if self.device.type == "cuda" and opts.runtime == "v3" and opts.cuda_graphs:
             from ..model.graphs import GraphRunner

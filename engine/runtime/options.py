@@ -25,7 +25,7 @@ def apply_cpu_threads(hidden_size: int, requested: int | None = None) -> None:
 class Switch:
     """An on / off engine switch that changes only runs on CUDA (graphs, fused kernels) and that a decode grid can
     compare: its flag, the label suffix of a run with it off, and the runs it applies to (``spec``: a drafter; ``v3``:
-    the v3 runtime; ``v3-plain``: the v3 runtime without a drafter)."""
+    the v3 runtime)."""
 
     flag: str
     off_label: str
@@ -33,8 +33,7 @@ class Switch:
     help: str
 
     def applies_to(self, runtime: str, spec: str) -> bool:
-        return {"spec": spec != "none", "v3": runtime == "v3",
-                "v3-plain": runtime == "v3" and spec == "none"}[self.applies]
+        return {"spec": spec != "none", "v3": runtime == "v3"}[self.applies]
 
 
 def _switch(flag: str, off_label: str, applies: str, help: str):
@@ -83,11 +82,10 @@ class EngineOptions:
         "token(s) n; a speculative round is then three captured graphs with acceptance and rollback on the device "
         "(a finished sequence's extra step or round writes the scratch slot; off: read each token or round first).")
     pdl: bool = _switch(
-        "--pdl", "-nopdl", "v3-plain",
-        "Plain decoding's kernels (qmv and the fused Triton glue) launch with programmatic dependent launch in CUDA "
-        "graphs of one row (sm_90+, ignored on older GPUs; process-wide: kernels/_triton.set_pdl; batched steps "
-        "measured faster without it). Speculative engines launch "
-        "without it: their rounds measured faster so.")
+        "--pdl", "-nopdl", "v3",
+        "Decoding's kernels (qmv and the fused Triton glue) launch with programmatic dependent launch in the CUDA "
+        "graphs of one sequence: its decode step, and its speculative drafting and verify (sm_90+, ignored on older "
+        "GPUs; process-wide: kernels/_triton.set_pdl; batched steps measured faster without it).")
     side_stream: bool = _switch(
         "--side-stream", "-noside", "v3",
         "Captured decode steps run a GDN layer's b / a and z projections on CUDA-graph branches beside the main "
