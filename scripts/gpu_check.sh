@@ -345,8 +345,10 @@ for stage in "$@"; do
                --lm-head-draft 0,32768 --json "$OUT/commitb27" 2>&1 | tee "$OUT/commitb27.log" | tail -7
              /usr/bin/time -f "main command: %e s wall, %M KiB peak RSS" python3 scripts/nb.py decode --spec dflash2 -k 7 \
                --json "$OUT/main.json" 2>&1 | tee "$OUT/main.log" | tail -8 ;;
-    spec)    nb decode $M27 --spec none,mtp:3,dflash2:7 --replay-acceptance seed -n ${SPEC_N:-128} --repeats 2 \
-               ${SPEC_ARGS:-} --json "$OUT/spec27" 2>&1 | tee "$OUT/spec27.log" | tail -${SPEC_LINES:-12}
+    spec)    # SPEC_ONLY27=1: the 27B replay grid alone; SPEC_SKIP27=1: the bundled model's runs alone
+             [ "${SPEC_SKIP27:-0}" = 1 ] || nb decode $M27 --spec none,mtp:3,dflash2:7 --replay-acceptance seed \
+               -n ${SPEC_N:-128} --repeats 2 ${SPEC_ARGS:-} --json "$OUT/spec27" 2>&1 | tee "$OUT/spec27.log" \
+               | tail -${SPEC_LINES:-12}
              [ "${SPEC_ONLY27:-0}" = 1 ] && continue
              /usr/bin/time -f "main command: %e s wall, %M KiB peak RSS" python3 scripts/nb.py decode --spec dflash2 -k 7 \
                --json "$OUT/main.json" 2>&1 | tee "$OUT/main.log" | tail -30
@@ -439,6 +441,10 @@ PY
              # (synthetic weights: the rounds' cost, not their acceptance)
              timeout ${STAGE_S:-240} python3 scripts/profile_step.py $M27 --spec none,dflash2:7 --batch 1,8 --sync \
                --steps ${PROF8_STEPS:-16} --top 25 --json "$OUT/prof8.json" 2>&1 | tee "$OUT/prof8.log" | grep -v Warn ;;
+    pytestk) # chosen CUDA tests in one process: PYTEST_K ("-k" expression) over PYTEST_FILES
+             timeout ${TESTS_S:-200} python3 -m pytest -q -p no:cacheprovider --durations=5 ${PYTEST_FILES:-tests} \
+               -k "${PYTEST_K:-cuda}" > "$OUT/pytestk.log" 2>&1; echo "pytest rc $?"
+             grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytestk.log" | tail -12 ;;
     profspec) # where a C1 speculative round goes at the 27B shape (issue 31): plain, MTP3 and DFlash2 K=7 chained,
              # one process, the draft head over 32,768 tokens (synthetic weights: no drafts accepted)
              timeout ${STAGE_S:-300} python3 scripts/profile_step.py $M27 --spec none,mtp:3,dflash2:7 \
