@@ -464,13 +464,19 @@ def test_pdl_dependent_chain_in_a_cuda_graph():
             y = qmv_cuda.qmv(y, lin, pdl=pdl)
         return y
 
+    replays_equal_eager(chain, x, seeds=4)
+
+
+def replays_equal_eager(chain, x, seeds: int) -> None:
+    """``chain(pdl)`` captured with PDL, replayed on ``seeds`` random fillings of its input ``x``: each replay's
+    output has the bits of the eager chain without PDL."""
     chain(True)  # compile and load outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = chain(True)
-    for seed in range(4):
-        x.copy_(torch.randn(4, 1024, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16))
+    for seed in range(seeds):
+        x.copy_(torch.randn(*x.shape, generator=torch.Generator().manual_seed(seed)).to(x.dtype))
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, chain(False)), f"input {seed}"
@@ -499,17 +505,7 @@ def test_pdl_reads_a_rewritten_buffer_fresh(t):
             outs.append(qmv_cuda.qmv(a, lins[(r + 2) % 3], pdl=pdl))
         return torch.stack(outs)
 
-    chain(True)  # compile and load outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = chain(True)
-    for seed in range(3):
-        x.copy_(torch.randn(t, 2048, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16))
-        graph.replay()
-        torch.cuda.synchronize()
-        got = out.clone()
-        assert torch.equal(got, chain(False)), f"input {seed}"
+    replays_equal_eager(chain, x, seeds=3)
 
 
 @needs_qmv
