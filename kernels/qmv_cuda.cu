@@ -65,7 +65,7 @@ typedef unsigned char u8;
 #ifndef PDL
 #define PDL 0         // 1 (sm_90+, launched with programmatic stream serialization): the first step batch's code
 #endif                // loads are issued before griddepcontrol.wait, i.e. while the kernel before is finishing;
-                      // x (the previous kernel's output) is read after it, through L2 (no read-only cache path);
+                      // x (the previous kernel's output) is read after it, not through the read-only path (XL1);
                       // the kernel after may launch as soon as all blocks run (griddepcontrol.launch_dependents)
 #ifndef XL1
 #define XL1 1         // with PDL: x (read after griddepcontrol.wait, which makes the kernel before's writes visible to
@@ -246,7 +246,7 @@ struct Lane {
   int xo[NCOL];           // column group n's row of x: elements past xp's (0 for n = 0)
 };
 
-// one x element (the element-wise path); with PDL through L2, as above
+// one x element (the element-wise path); with PDL as XL1 says
 __device__ __forceinline__ u32 ldx(const u16* p) {
 #if PDL && XL1
   return __ldca(p);
