@@ -214,7 +214,7 @@ def wide_build(ncol: int, fmt: str) -> dict[str, int]:
     return dict(_WIDE[ncol] if ncol in _WIDE else _WIDE_DEFAULT.get((ncol, fmt), {}))
 
 
-def _load_wide_env() -> None:
+def _load_env_knobs() -> None:
     import os
 
     text = os.environ.get("NINFER_BENCH_QMV_WIDE", "")
@@ -226,7 +226,7 @@ def _load_wide_env() -> None:
     _SWITCHES["pdl_x_l1"] = x_path == "l1"
 
 
-_load_wide_env()
+_load_env_knobs()
 
 
 class _LaunchAttr(ctypes.Structure):  # CUlaunchAttribute: id, 4 bytes of padding, a 64-byte value union

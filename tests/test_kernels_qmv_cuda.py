@@ -255,6 +255,24 @@ def test_wide_builds_parse():
             qmv_cuda._wide_builds(bad)
 
 
+def test_pdl_x_path_knob(monkeypatch):
+    """NINFER_BENCH_QMV_PDL_X picks how qmv reads x under PDL: l1 (the default), l2 (the old path); anything else is
+    refused by name."""
+    monkeypatch.setattr(qmv_cuda, "_SWITCHES", dict(qmv_cuda._SWITCHES))
+    monkeypatch.delenv("NINFER_BENCH_QMV_WIDE", raising=False)
+    for value, l1 in (("l2", False), (" L1 ", True)):
+        monkeypatch.setenv("NINFER_BENCH_QMV_PDL_X", value)
+        qmv_cuda._load_env_knobs()
+        assert qmv_cuda._SWITCHES["pdl_x_l1"] is l1
+    monkeypatch.delenv("NINFER_BENCH_QMV_PDL_X")
+    qmv_cuda._SWITCHES["pdl_x_l1"] = False
+    qmv_cuda._load_env_knobs()
+    assert qmv_cuda._SWITCHES["pdl_x_l1"] is True
+    monkeypatch.setenv("NINFER_BENCH_QMV_PDL_X", "l3")
+    with pytest.raises(ValueError, match="NINFER_BENCH_QMV_PDL_X"):
+        qmv_cuda._load_env_knobs()
+
+
 def test_wide_build_defaults(monkeypatch):
     """q4 at 8 column groups takes 3 row tiles a block by default (measured faster on the H200); q5 / q8, other
     widths and one column group take none; a NINFER_BENCH_QMV_WIDE entry for the width replaces the default."""
