@@ -159,6 +159,11 @@ def set_dense(on: bool) -> None:
     _SWITCHES["dense"] = bool(on)
 
 
+def set_pdl_x_l1(on: bool) -> None:
+    """Under PDL, read x through L1 (on, the default) or through L2 only (off) in kernels built from now on."""
+    _SWITCHES["pdl_x_l1"] = bool(on)
+
+
 def dense_enabled() -> bool:
     return _SWITCHES["dense"]
 
@@ -223,7 +228,7 @@ def _load_env_knobs() -> None:
     x_path = os.environ.get("NINFER_BENCH_QMV_PDL_X", "l1").strip().lower()
     if x_path not in ("l1", "l2"):
         raise ValueError(f"NINFER_BENCH_QMV_PDL_X: {x_path!r}: expected l1 (the default) or l2")
-    _SWITCHES["pdl_x_l1"] = x_path == "l1"
+    set_pdl_x_l1(x_path == "l1")
 
 
 _load_env_knobs()

@@ -220,7 +220,7 @@ def main() -> int:
 
             _triton.set_pdl(variant != "nopdl")
             graphs.PDL_MAX_SEQS = 64
-            qmv_cuda._SWITCHES["pdl_x_l1"] = variant != "l2"
+            qmv_cuda.set_pdl_x_l1(variant != "l2")
         key = item if len(batches) == 1 else f"{item}@B{batch}"
         out[key if not variant else f"{key}/{variant}"] = profile_one(eng, args, drop, batch)
         torch.cuda.empty_cache()

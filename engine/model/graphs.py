@@ -116,6 +116,11 @@ def capture(fn, pool, device, *, warmups: int = 2, warm=None):
 # through L2 only under PDL (docs/perf/2026-12-03d-scheduler-budget-h200.md); with x through L1 one sequence's
 # DFlash2 K=7 round went from 7.30 ms without PDL to 6.80 ms with it (docs/perf/2026-12-04e-spec-round-pdl-h200.md)
 PDL_MAX_SEQS = 1
+
+
+def pdl_scope(seqs: int):
+    """The context a graph of ``seqs`` sequences is captured in: PDL held off above :data:`PDL_MAX_SEQS`."""
+    return pdl_held() if seqs > PDL_MAX_SEQS else contextlib.nullcontext()
 MAX_STOP_IDS = 64  # token ids a chained decode can stop on inside the graph (EOS + the request's stop ids)
 
 
@@ -168,7 +173,7 @@ class GraphRunner:
             if mode == VERIFY:
                 e.cache.commit(keep)
 
-        with pdl_held() if b > PDL_MAX_SEQS else contextlib.nullcontext():
+        with pdl_scope(b):
             graph, (hidden, logits, tp) = capture(forward, self.pool, dev, warm=warm)
         cap = Captured(graph, ids, pos, slots, hidden, logits, tp)
         if mode == VERIFY:

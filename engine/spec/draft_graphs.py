@@ -9,13 +9,9 @@ out (the static buffers are overwritten by the next replay, maybe of another bat
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
-from ...kernels._triton import pdl_held
-from ..model import graphs as _graphs
-from ..model.graphs import capture
+from ..model.graphs import capture, pdl_scope
 
 
 class DraftGraphs:
@@ -51,7 +47,7 @@ class DraftGraphs:
     def _capture(self, bucket: int, values, fn):
         ins = tuple(v.new_zeros((bucket, *v.shape[1:])) for v in values[:-1]) + (
             torch.full((bucket,), self.e.scratch_slot, dtype=torch.long, device=self.e.device),)
-        with pdl_held() if bucket > _graphs.PDL_MAX_SEQS else contextlib.nullcontext():  # as the target's graphs
+        with pdl_scope(bucket):  # as the target's graphs
             graph, outs = capture(lambda: fn(*ins), self.runner.pool, self.e.device)
         return graph, ins, outs
 
