@@ -21,6 +21,8 @@
 #   conc27   27B synthetic concurrency C1-C8
 #   conc33   issue 33's targets: 27B C1-C8 at 128 new tokens, plain and DFlash2 K=7 --replay-acceptance seed (CONC_ARGS)
 #   sdpa     scripts/probe_sdpa.py: torch SDPA's first call at each new key length, per backend (seconds)
+#   dattn    a block drafter's attention read in place: its CUDA tests, the 27B DFlash2 round's profile at replayed
+#            acceptance and the 27B replay grid, each with --draft-attention on / off
 #   profile  scripts/profile_step.py at the 27B shape: every kernel of 32 decode steps (PROFILE_ARGS adds flags)
 #   ksuite   the kernels suite alone at the 27B shape, T = 1 and 8, with the captured decode step's timeline
 #            (KSUITE_OPS: only these ops)
@@ -445,6 +447,19 @@ PY
              timeout ${TESTS_S:-200} python3 -m pytest -q -p no:cacheprovider --durations=5 ${PYTEST_FILES:-tests} \
                -k "${PYTEST_K:-cuda}" > "$OUT/pytestk.log" 2>&1; echo "pytest rc $?"
              grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytestk.log" | tail -12 ;;
+    dattn)   # a block drafter's attention read in place (kernels/draft_attention.py, issue 31): its CUDA tests and the
+             # drafting / engine tests around it, the 27B C1 rounds' profile with it on / off at replayed acceptance,
+             # the 27B replay grid with it on / off
+             timeout ${TESTS_S:-200} python3 -m pytest -q -p no:cacheprovider --durations=5 \
+               tests/test_kernels_draft_attention.py tests/test_fastpath.py tests/test_cuda_engine.py \
+               -k "${PYTEST_K:-draft or in_place or dflash or pdl}" > "$OUT/dattn_tests.log" 2>&1; echo "pytest rc $?"
+             grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/dattn_tests.log" | tail -12
+             timeout ${STAGE_S:-300} python3 scripts/profile_step.py $M27 --spec none,dflash2:7 --lm-head-draft 32768 \
+               --steps ${PROFSPEC_STEPS:-32} --top ${PROFILE_LINES:-30} --draft-attention on,off \
+               --replay-acceptance seed --json "$OUT/dattn_prof.json" 2>&1 | tee "$OUT/dattn_prof.log" | grep -v Warn
+             nb decode $M27 --spec none,dflash2:7 --replay-acceptance seed --lm-head-draft 32768 -n 128 --repeats 2 \
+               --draft-attention on,off ${SPEC_ARGS:-} --json "$OUT/dattn27" 2>&1 | tee "$OUT/dattn27.log" \
+               | tail -${SPEC_LINES:-10} ;;
     profspec) # where a C1 speculative round goes at the 27B shape (issue 31): plain, MTP3 and DFlash2 K=7 chained,
              # one process, the draft head over 32,768 tokens (synthetic weights: no drafts accepted)
              timeout ${STAGE_S:-300} python3 scripts/profile_step.py $M27 --spec none,mtp:3,dflash2:7 \

@@ -165,6 +165,14 @@ def main() -> int:
                     help="comma list, each profiled for every --spec item in place of the engine's PDL defaults: "
                          "nopdl (no PDL), l1 / l2 (PDL in every graph, batched and speculative "
                          "included; qmv reads x after its wait through L1 / through L2 only)")
+    ap.add_argument("--draft-attention", default="on",
+                    help="on, off or on,off (each profiled for every --spec item): a DFlash / DFlash2 block's "
+                         "attention through kernels/draft_attention.py, or the gathered rows and matmuls "
+                         "(EngineOptions.draft_attention)")
+    ap.add_argument("--replay-acceptance", default=None,
+                    help="speculative items' drafts replaced at this acceptance (seed, P or FILE: "
+                         "EngineOptions.replay_acceptance) by the continuation of the plain item, which must come "
+                         "first in --spec: rounds with accepted drafts on weights that cannot draft")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     drop = [d for d in args.drop.split(",") if d]
@@ -175,6 +183,10 @@ def main() -> int:
         ap.error(f"--drop: unknown {sorted(set(drop) - set(DROPPABLE))} (known: {', '.join(DROPPABLE)})")
     if "silu" in drop and args.silu_epilogue:
         ap.error("--drop silu: the silu epilogue launches no silu_mul; add --no-silu-epilogue")
+    if args.replay_acceptance is not None and (args.spec.split(",")[0].split(":")[0] != "none" or batches != [1]
+                                               or args.prefill):
+        ap.error("--replay-acceptance: give the plain item first in --spec (its tokens are the continuation), one "
+                 "sequence, decode steps")
     if not torch.cuda.is_available():
         print("profile_step: needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -199,9 +211,16 @@ def main() -> int:
     variants = [v for v in args.pdl_variants.split(",") if v] or [None]
     if set(variants) - {None, "nopdl", "l1", "l2"}:
         ap.error(f"--pdl-variants: unknown {sorted(set(variants) - {None, 'nopdl', 'l1', 'l2'})}")
+    attns = [a == "on" for a in args.draft_attention.split(",") if a]
+    if not attns or set(args.draft_attention.split(",")) - {"on", "off"}:
+        ap.error("--draft-attention: on, off or on,off")
     out = {}
-    for item, batch, variant in [(i, b, v) for i in args.spec.split(",") for b in batches for v in variants]:
+    plain_tokens: list[int] = []  # the plain item's continuation (--replay-acceptance)
+    for item, batch, variant, attn in [(i, b, v, a) for i in args.spec.split(",") for b in batches for v in variants
+                                       for a in attns]:
         spec, k = parse_spec(item, args.draft_tokens)
+        if not attn and spec not in ("dflash", "dflash2"):
+            continue  # the switch changes block drafters only
         opts = EngineOptions(device="cuda", runtime=args.runtime, spec=spec, draft_tokens=k, pdl=args.pdl,
                              side_stream=args.side_stream, silu_epilogue=args.silu_epilogue,
                              qmv_dense=not args.cublas_dense, qmv_layout=args.qmv_layout,
@@ -210,9 +229,10 @@ def main() -> int:
                              fused_prefill=args.fused_prefill, rollback=args.rollback,
                              lm_head_draft=args.lm_head_draft if spec != "none" else 0,
                              max_context=args.max_context or max(8192, args.prompt_len + 256),
-                             max_concurrency=batch)
+                             max_concurrency=batch, draft_attention=attn,
+                             replay_acceptance=args.replay_acceptance if spec != "none" else None)
         print(f"=== {spec}{f':{k}' if k else ''}{f' batch {batch}' if len(batches) > 1 else ''}"
-              f"{f' pdl {variant}' if variant else ''}", flush=True)
+              f"{f' pdl {variant}' if variant else ''}{'' if attn else ' sdpa draft'}", flush=True)
         eng = Engine(loaded, opts)
         if variant:  # after the engine's own set_pdl; its graphs are captured at the first run
             from ninfer_bench.engine.model import graphs
@@ -222,15 +242,17 @@ def main() -> int:
             graphs.PDL_MAX_SEQS = 64
             qmv_cuda.set_pdl_x_l1(variant != "l2")
         key = item if len(batches) == 1 else f"{item}@B{batch}"
-        out[key if not variant else f"{key}/{variant}"] = profile_one(eng, args, drop, batch)
+        key = key if not variant else f"{key}/{variant}"
+        out[key if attn else f"{key}/sdpadraft"] = profile_one(eng, args, drop, batch, plain_tokens)
         torch.cuda.empty_cache()
     if args.json:
         Path(args.json).write_text(json.dumps(out if len(out) > 1 else next(iter(out.values())), indent=1))
     return 0
 
 
-def profile_one(eng, args, drop, batch: int = 1):
-    """Profile ``args.steps`` decode steps (rounds) of ``eng``; the record the --json file keeps."""
+def profile_one(eng, args, drop, batch: int = 1, plain_tokens: list | None = None):
+    """Profile ``args.steps`` decode steps (rounds) of ``eng``; the record the --json file keeps. A plain engine's
+    greedy tokens go into ``plain_tokens``; an engine with replayed acceptance reads them as its continuation."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -271,6 +293,8 @@ def profile_one(eng, args, drop, batch: int = 1):
         chained = not args.sync
         limit = steps + 1 if chained else steps * 16 + 16  # the first token comes from the prefill
         seq = eng.acquire(prompt, SamplingParams(max_new_tokens=limit, ignore_eos=True))
+        if eng.replay is not None:
+            seq.reference = eng.replay.reference(plain_tokens, eng.device)
         try:
             eng.start(seq)
             torch.cuda.synchronize()
@@ -286,6 +310,8 @@ def profile_one(eng, args, drop, batch: int = 1):
                         eng.advance([seq])
                 torch.cuda.synchronize()
             wall = time.perf_counter() - t
+            if eng.drafter is None and plain_tokens is not None and len(seq.tokens) > len(plain_tokens):
+                plain_tokens[:] = seq.tokens
             last_stats.clear()
             last_stats.update(seq.stats)
             return wall, seq.stats.get("rounds", len(seq.tokens) - n0)
@@ -341,6 +367,7 @@ def profile_one(eng, args, drop, batch: int = 1):
             "attn_fixed_split": args.attn_fixed_split, "prefill": args.prefill, "prompt_len": args.prompt_len,
             "prefill_chunk": args.prefill_chunk, "prefill_weights": args.prefill_weights,
             "flash_prefill": args.flash_prefill, "fused_prefill": args.fused_prefill, "dropped": drop,
+            "draft_attention": eng.options.draft_attention, "replay_acceptance": eng.options.replay_acceptance,
             "runtime": args.runtime, "steps": steps, "profiled_steps": psteps,
             "step_wall_us": step_us, "gpu_busy_us": busy, "kernels_summed_us": total,
             "kernels": [{"name": k, "us_per_step": v[0] / psteps, "own_us_per_step": v[2] / psteps,

@@ -111,6 +111,35 @@ def test_drafter_fused_glue_equals_eager(eager, monkeypatch):
     assert tokens == eager[:SPEC_TOKENS]
 
 
+@pytest.mark.parametrize("spec", ["dflash2", "dflash"])
+def test_drafter_attention_in_place_equals_gathered(spec):
+    """BlockDraftRunner.in_place (kernels/draft_attention.py: each layer's context read from the drafter's cache where
+    it lies, the mask from the rows' positions; on by default on CUDA, forced here with the kernels interpreted): the
+    block's hidden states and head logits match the gathered torch path's after a prompt longer than the tiny
+    DFlash2 window (its ring wrapped), and greedy decoding with it keeps plain decoding's tokens."""
+    prompt = list(range(3, 103))  # 100 tokens: past the tiny DFlash2 drafter's 64-position window
+    # the target through torch (its fused kernels are other tests' subject, and slow to interpret)
+    eng = Engine.load("tiny", device=DEVICE, kv_dtype="int8", dtype="fp32", max_context=256, kernels="torch",
+                      spec=spec, draft_tokens=3)
+    d = eng.drafter
+    assert d.in_place == (DEVICE == "cuda")
+    assert (d.window > 0) == (spec == "dflash2") and d.window < len(prompt)
+    seq = eng.acquire(prompt, SamplingParams(max_new_tokens=4, ignore_eos=True))
+    eng.start(seq)
+    ins = [eng.device_ids([v]) for v in (seq.last, seq.length, seq.slot)]
+    with torch.inference_mode():
+        d.in_place = False
+        h0, l0 = d.block(*ins, 3)
+        d.in_place = True
+        h1, l1 = d.block(*ins, 3)
+    eng.release(seq)
+    for a, b in ((h1, h0), (l1, l0)):
+        assert ((a - b).norm() / b.norm()).item() < 1e-5
+    tokens = eng.generate(prompt, max_new_tokens=SPEC_TOKENS, ignore_eos=True).tokens
+    plain = Engine.load("tiny", device=DEVICE, kv_dtype="int8", dtype="fp32", max_context=256, kernels="torch")
+    assert tokens == plain.generate(prompt, max_new_tokens=SPEC_TOKENS, ignore_eos=True).tokens
+
+
 def test_drafter_fused_projections_equal_the_members(monkeypatch):
     """drafters.fused_projections (q | k | v and gate | up as one packed linear each, where the engine keeps weights
     packed: a stand-in store here) and the fused silu * up give a DFlash2 block the values of the member

@@ -15,12 +15,15 @@ each position's logits are re-scored left to right with a low-rank previous-toke
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ...kernels import fused, select
 from ...kernels.attention import rows_bias, sdpa, sdpa_rows
+from ...kernels.draft_attention import draft_attention
 from ...kernels.norm import rms_norm
 from ...kernels.rope import apply_rope, rope_tables
 from .config import DraftConfig
@@ -73,6 +76,22 @@ class ZeroCentredRMSNorm(nn.Module):
         return draft_norm(x, self.weight, self.eps)
 
 
+@dataclass(frozen=True, slots=True)
+class RingContext:
+    """A block's context read in place by :func:`kernels.draft_attention.draft_attention` (inference on a GPU): layer
+    i's cache rows ``keys[i]`` / ``values[i]`` ``[slots, rows, Hkv, hd]``, the first ``cap`` of them context at the
+    positions ``pos [slots, rows]`` (-1: empty); the drafting rows' slots ``slots [B]`` and lengths ``length [B]`` (the
+    block's first position); ``window`` (0: every earlier position is visible)."""
+
+    keys: list
+    values: list
+    pos: torch.Tensor
+    slots: torch.Tensor
+    length: torch.Tensor
+    cap: int
+    window: int
+
+
 class DraftLayer(nn.Module):
     """Pre-norm block: attention of block queries over [context ; block] keys, then a SwiGLU MLP."""
 
@@ -109,10 +128,12 @@ class DraftLayer(nn.Module):
         return (x.is_cuda and not self.training
                 and x.shape[1] * self.c.num_attention_heads // self.c.num_key_value_heads <= ROWS_MATMUL)
 
-    def forward(self, x, rot: Rotary, ctx_k, ctx_v, mask, room: int | None = None):
+    def forward(self, x, rot: Rotary, ctx_k, ctx_v, mask, room: int | None = None, ring: RingContext | None = None):
         """x ``[B, S, H]`` block states; ctx_k/v ``[B, Lc, Hkv, hd]``; mask ``[B, 1, S, Lc + S]`` (True = visible),
         or with :meth:`rows` its :func:`rows_bias`. With ``room`` = Lc, ctx_k/v have rows past Lc and the block's
-        keys and values go there in place (the same tensors as concatenating them)."""
+        keys and values go there in place (the same tensors as concatenating them). With ``ring``, ctx_k/v are this
+        layer's cache rows of every slot ``[slots, rows, Hkv, hd]`` and ``mask`` is unused: the context is read in
+        place and the block's keys and values are not written anywhere."""
         b, s, _ = x.shape
         hd = self.c.head_dim
         y = self.input_layernorm(x)
@@ -125,6 +146,10 @@ class DraftLayer(nn.Module):
         else:
             q = rot(self.q_proj(y).view(b, s, -1, hd), self.q_norm)
             k_blk, v_blk = self.kv(y, rot)
+        if ring is not None:
+            o = draft_attention(q, k_blk, v_blk, ctx_k, ctx_v, ring.slots, ring.pos, ring.length, ring.cap,
+                                ring.window, hd ** -0.5)
+            return self._mlp(x + self.o_proj(o.reshape(b, s, -1)), fuse)
         if room is None:
             k = torch.cat([ctx_k, k_blk], dim=1).transpose(1, 2)  # [B, Hkv, Lc + S, hd]
             v = torch.cat([ctx_v, v_blk], dim=1).transpose(1, 2)
@@ -134,7 +159,10 @@ class DraftLayer(nn.Module):
             k, v = ctx_k[:, :room + s].transpose(1, 2), ctx_v[:, :room + s].transpose(1, 2)
         attend = sdpa_rows if self.rows(x) else sdpa
         o = attend(q.transpose(1, 2), k.to(q.dtype), v.to(q.dtype), mask, hd ** -0.5)
-        x = x + self.o_proj(o.transpose(1, 2).reshape(b, s, -1))
+        return self._mlp(x + self.o_proj(o.transpose(1, 2).reshape(b, s, -1)), fuse)
+
+    def _mlp(self, x, fuse: bool):
+        """``x`` plus the SwiGLU MLP of its post-attention norm."""
         y = self.post_attention_layernorm(x)
         if fuse and self.gate_up is not None and fused_glue(y):
             return x + self.down_proj(fused.silu_mul(self.gate_up(y), self.c.intermediate_size))
@@ -259,6 +287,14 @@ class BlockDrafter(nn.Module):
             mask = rows_bias(mask, c.num_attention_heads // c.num_key_value_heads)
         for layer, k, v in zip(self.layers, ctx_k, ctx_v):
             x = layer(x, rot, k, v, mask, room)
+        return self.norm(x)
+
+    def blocks_in_place(self, x, pos, ring: RingContext) -> torch.Tensor:
+        """:meth:`blocks` with each layer's context read from the drafter's cache in place (:class:`RingContext`):
+        no gathered copy, no mask tensor, nothing written. Inference on a GPU with Triton."""
+        rot = Rotary(self, pos)
+        for layer, k, v in zip(self.layers, ring.keys, ring.values):
+            x = layer(x, rot, k, v, None, ring=ring)
         return self.norm(x)
 
     def context_kv(self, ctx: torch.Tensor, pos: torch.Tensor):

@@ -24,8 +24,8 @@ def apply_cpu_threads(hidden_size: int, requested: int | None = None) -> None:
 @dataclass(frozen=True, slots=True)
 class Switch:
     """An on / off engine switch that changes only runs on CUDA (graphs, fused kernels) and that a decode grid can
-    compare: its flag, the label suffix of a run with it off, and the runs it applies to (``spec``: a drafter; ``v3``:
-    the v3 runtime)."""
+    compare: its flag, the label suffix of a run with it off, and the runs it applies to (``spec``: a drafter;
+    ``block``: a DFlash / DFlash2 drafter; ``v3``: the v3 runtime)."""
 
     flag: str
     off_label: str
@@ -33,7 +33,7 @@ class Switch:
     help: str
 
     def applies_to(self, runtime: str, spec: str) -> bool:
-        return {"spec": spec != "none", "v3": runtime == "v3"}[self.applies]
+        return {"spec": spec != "none", "block": spec in ("dflash", "dflash2"), "v3": runtime == "v3"}[self.applies]
 
 
 def _switch(flag: str, off_label: str, applies: str, help: str):
@@ -76,6 +76,11 @@ class EngineOptions:
         "--draft-graphs", "-eagerdraft", "spec",
         "Greedy drafting (MTP, DFlash, DFlash2) and each drafter's pass over the verified block replayed from CUDA "
         "graphs (v3 on CUDA; off: eager drafting).")
+    draft_attention: bool = _switch(
+        "--draft-attention", "-sdpadraft", "block",
+        "A DFlash / DFlash2 block's attention through kernels/draft_attention.py (CUDA, Triton): the drafter's cached "
+        "context read in place, the mask from the rows' positions in registers, two launches a layer (off: the rows "
+        "gathered into a copy, a mask tensor, matmuls and a softmax).")
     lookahead: bool = _switch(
         "--lookahead", "-sync", "v3",
         "Greedy decode of one sequence on CUDA graphs, plain or speculative: queue step (round) n + 1 before reading "

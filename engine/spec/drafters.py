@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from ...kernels import quant
-from ..model.dflash import BlockDrafter, draft_norm
+from ...kernels.draft_attention import triton_available as draft_attention_available
+from ..model.dflash import BlockDrafter, RingContext, draft_norm
 from ..model.hybrid import DECODE, PREFILL, Step
 from ..model.weights import RawWeight
 from ..sampling import probs
@@ -382,6 +383,8 @@ class BlockDraftRunner:
         # the engine's target graphs exist
         self.graphs: DraftGraphs | None = None
         self._want_graphs = engine.options.draft_graphs
+        # a block's attention reads the cache rows in place (kernels/draft_attention.py): CUDA with Triton
+        self.in_place = dev.type == "cuda" and engine.options.draft_attention and draft_attention_available()
 
     def _write(self, slots, taps, pos, live) -> None:
         """Context K/V of ``taps [B, T, n*H]`` at ``pos [B, T]``; rows where ``live`` is False are discarded."""
@@ -444,6 +447,10 @@ class BlockDraftRunner:
         ids = torch.full((b, k + 1), c.mask_token_id, dtype=torch.long, device=e.device)
         ids[:, 0] = last
         pos = length[:, None] + torch.arange(k + 1, device=e.device)[None]
+        if self.in_place:  # each layer's context read from self.kv where it lies, the mask from self.pos
+            ring = RingContext(self.k, self.v, self.pos, slots, length, self.cap, self.window)
+            h = self.net.blocks_in_place(e.weights.embed(ids), pos, ring)
+            return h[:, 1:], self.head.logits(h[:, 1:])
         cpos = self.pos.index_select(0, slots)[:, : self.cap]  # [B, cap] (index_select: a plain copy per row)
         vis = (cpos >= 0) & (cpos < length[:, None])
         if self.window:
