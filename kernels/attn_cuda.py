@@ -50,7 +50,23 @@ MAX_G = 8  # query heads a kv head: the MMA's 8 columns
 # bandwidth (the combine's four tiles each)
 WARPS_PER_SM = 8
 MIN_STEPS = 8  # a split holds at least this many steps at the full key range (shorter: partial writes cost more)
-SHORT_MIN_STEPS = 1  # a token far before the key range's end: its chunk shrinks on the GPU down to this
+# a token far before the key range's end: its chunk shrinks on the GPU down to this many steps (a process may set it
+# with NINFER_BENCH_ATTN_MIN_STEPS, recorded in a result's env.knobs). T = 1 steps and T > 1 verifies share it, so
+# the two keep each other's bits
+DEFAULT_SHORT_MIN_STEPS = 1
+
+
+def env_min_steps() -> int:
+    """NINFER_BENCH_ATTN_MIN_STEPS (a positive integer), else :data:`DEFAULT_SHORT_MIN_STEPS`."""
+    raw = os.environ.get("NINFER_BENCH_ATTN_MIN_STEPS", "").strip()
+    if not raw:
+        return DEFAULT_SHORT_MIN_STEPS
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"NINFER_BENCH_ATTN_MIN_STEPS must be a positive integer (16-key steps), got {raw!r}")
+    return int(raw)
+
+
+SHORT_MIN_STEPS = env_min_steps()
 # the combine's tile [splits, columns]: at 65,536 keys, B = 1, T = 1 on the H200 (256 splits) 64 splits a step read
 # 61.4-61.8 % of the copy bandwidth for the whole call against 57.8-58.4 % at 32, columns 32 or 64 alike
 COMBINE_COLS, COMBINE_SPLITS = 32, 64

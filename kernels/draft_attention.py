@@ -15,8 +15,8 @@ layer is two launches:
   the cache). A context row ``j`` is visible to the block when its position ``p = pos[slot, j]`` satisfies
   ``0 <= p < length`` and, with a window, ``p >= length - window``. Without a window a row's index is its position,
   so the program stops at ``min(range end, length)`` (no work for rows not yet written).
-* ``_draft_combine``, grid ``(B * Hkv,)``: the ranges' partial sums merged by their running maxima (base 2), divided
-  by the summed weights and stored as ``[B, S, H, hd]`` in q's dtype. With one range the split kernel stores the
+* ``_draft_combine``, grid ``(B * Hkv, S x G)``: one query row's partial sums of every range at once, merged by
+  their running maxima (base 2), divided by the summed weights and stored as ``[B, S, H, hd]`` in q's dtype. With one range the split kernel stores the
   output itself and there is no second launch.
 
 Nothing is read back to the host and the grid depends on shapes only, so a call can be captured in a CUDA graph
@@ -39,6 +39,7 @@ triton_available = _triton.available
 
 LOG2E = 1.4426950408889634
 BLOCK_N = 64  # context keys a tile
+MAX_SPLITS = 64  # context ranges a call at most (the combine loads all of a row's at once)
 
 
 def _check(q, k_blk, v_blk, ring_k, ring_v, slots, ring_pos, length, cap: int, window: int,
@@ -107,7 +108,7 @@ def _new_buffer(shape, dtype, device) -> torch.Tensor:
 def draft_splits(batch: int, kv_heads: int, cap: int, device) -> int:
     """Context ranges a call splits the rows into: about two programs an SM over the grid, whole tiles each."""
     tiles = -(-cap // BLOCK_N)
-    want = -(-2 * _triton.num_sms(device) // max(1, batch * kv_heads))
+    want = min(MAX_SPLITS, -(-2 * _triton.num_sms(device) // max(1, batch * kv_heads)))
     per = -(-tiles // max(1, min(tiles, want)))  # tiles a range
     return -(-tiles // per)
 
@@ -127,7 +128,7 @@ def draft_attention(q, k_blk, v_blk, ring_k, ring_v, slots, ring_pos, length, ca
     hkv = k_blk.shape[2]
     g = h // hkv
     tiles = -(-cap // BLOCK_N)
-    n = max(1, min(tiles, splits or draft_splits(b, hkv, cap, q.device)))
+    n = max(1, min(tiles, MAX_SPLITS, splits or draft_splits(b, hkv, cap, q.device)))
     keys = -(-tiles // n) * BLOCK_N  # context rows a range
     n = -(-cap // keys)
     block_r = max(16, _triton.pow2(s * g))
@@ -149,8 +150,9 @@ def draft_attention(q, k_blk, v_blk, ring_k, ring_v, slots, ring_pos, length, ca
         HKV=hkv, G=g, HD=hd, BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_S=block_s, BLOCK_N=BLOCK_N,
         DOT_DTYPE=dt, DOT_PREC="tf32x3" if q.dtype == torch.float32 else "tf32", FINAL=n == 1, num_warps=4, num_stages=2, **pdl)
     if n > 1:
-        kern["combine"][(b * hkv,)](part, stats, out, *out.stride()[:3], s, n, HKV=hkv, G=g, HD=hd,
-                                    BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4, **pdl)
+        kern["combine"][(b * hkv, s * g)](part, stats, out, *out.stride()[:3], s, n, HKV=hkv, G=g, HD=hd,
+                                          BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_SP=max(2, _triton.pow2(n)),
+                                          num_warps=4, **pdl)
     return out
 
 
@@ -238,33 +240,25 @@ def _draft_split(Q, KB, VB, RK, RV, SLOTS, RPOS, LEN, PART, STATS, OUT,
 
 def _draft_combine(PART, STATS, OUT, so_b, so_s, so_h, S, NSPLIT,
                    HKV: tl.constexpr, G: tl.constexpr, HD: tl.constexpr, BLOCK_R: tl.constexpr,
-                   BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+                   BLOCK_D: tl.constexpr, BLOCK_SP: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
+    r = tl.program_id(1)  # one query row, every range's partial at once
     b = pid // HKV
     kvh = pid % HKV
     pdl_enter(PDL)
-    r = tl.arange(0, BLOCK_R)
+    j = tl.arange(0, BLOCK_SP)
+    j_ok = j < NSPLIT
     d = tl.arange(0, BLOCK_D)
-    m_i = tl.full((BLOCK_R,), -1.0e30, tl.float32)  # finite: a range with no visible key keeps weight 0
-    l_i = tl.zeros((BLOCK_R,), tl.float32)
-    acc = tl.zeros((BLOCK_R, BLOCK_D), tl.float32)
-    for sp in range(0, NSPLIT):
-        base = pid.to(tl.int64) * NSPLIT + sp
-        m_j = tl.load(STATS + base * 2 * BLOCK_R + r)
-        l_j = tl.load(STATS + base * 2 * BLOCK_R + BLOCK_R + r)
-        o_j = tl.load(PART + base * BLOCK_R * BLOCK_D + r[:, None] * BLOCK_D + d[None, :])
-        m_new = tl.maximum(m_i, m_j)
-        a = tl.exp2(m_i - m_new)
-        w = tl.exp2(m_j - m_new)
-        acc = acc * a[:, None] + o_j * w[:, None]
-        l_i = l_i * a + l_j * w
-        m_i = m_new
-    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    r_ok = r < S * G
+    base = pid.to(tl.int64) * NSPLIT + j
+    m_j = tl.load(STATS + base * 2 * BLOCK_R + r, mask=j_ok, other=-1.0e30)
+    l_j = tl.load(STATS + base * 2 * BLOCK_R + BLOCK_R + r, mask=j_ok, other=0.0)
+    o_j = tl.load(PART + base[:, None] * BLOCK_R * BLOCK_D + r * BLOCK_D + d[None, :], mask=j_ok[:, None], other=0.0)
+    w = tl.exp2(m_j - tl.max(m_j, 0))
+    w = tl.where(j_ok, w, 0.0)
+    o = tl.sum(o_j * w[:, None], 0) / tl.sum(l_j * w, 0)
     tok = r // G
     head = kvh * G + r % G
-    tl.store(OUT + b.to(tl.int64) * so_b + tok[:, None] * so_s + head[:, None] * so_h + d[None, :],
-             o.to(OUT.dtype.element_ty), mask=r_ok[:, None] & (d < HD)[None, :])
+    tl.store(OUT + b.to(tl.int64) * so_b + tok * so_s + head * so_h + d, o.to(OUT.dtype.element_ty), mask=d < HD)
 
 
 @functools.lru_cache(maxsize=1)

@@ -23,6 +23,8 @@
 #   sdpa     scripts/probe_sdpa.py: torch SDPA's first call at each new key length, per backend (seconds)
 #   dattn    a block drafter's attention read in place: its CUDA tests, the 27B DFlash2 round's profile at replayed
 #            acceptance and the 27B replay grid, each with --draft-attention on / off
+#   dattn2   the draft attention's ranges against the torch path, its tests, token invariance at NINFER_BENCH_ATTN_MIN_STEPS
+#            = ATTN_MS, the 27B step / DFlash2 round profile for each MIN_STEPS_LIST value
 #   profile  scripts/profile_step.py at the 27B shape: every kernel of 32 decode steps (PROFILE_ARGS adds flags)
 #   ksuite   the kernels suite alone at the 27B shape, T = 1 and 8, with the captured decode step's timeline
 #            (KSUITE_OPS: only these ops)
@@ -460,6 +462,21 @@ PY
              nb decode $M27 --spec none,dflash2:7 --replay-acceptance seed --lm-head-draft 32768 -n 128 --repeats 2 \
                --draft-attention on,off ${SPEC_ARGS:-} --json "$OUT/dattn27" 2>&1 | tee "$OUT/dattn27.log" \
                | tail -${SPEC_LINES:-10} ;;
+    dattn2)  # the draft attention's ranges (scripts/bench_draft_attention.py beside the torch path it replaced), its
+             # CUDA tests, token invariance with short key ranges split in chunks of ATTN_MS steps at least
+             # (NINFER_BENCH_ATTN_MIN_STEPS), and the 27B plain step / DFlash2 round profile at replayed acceptance for
+             # each MIN_STEPS_LIST value (kernels/attn_cuda.SHORT_MIN_STEPS)
+             timeout 120 python3 scripts/bench_draft_attention.py --json "$OUT/bench_dattn.json" 2>&1 | tail -20
+             timeout ${TESTS_S:-150} python3 -m pytest -q -p no:cacheprovider tests/test_kernels_draft_attention.py \
+               > "$OUT/dattn2_tests.log" 2>&1; echo "pytest rc $?"
+             NINFER_BENCH_ATTN_MIN_STEPS=${ATTN_MS:-4} timeout ${TESTS_S:-150} python3 -m pytest -q -p no:cacheprovider \
+               tests/test_kernels_attn_cuda.py tests/test_cuda_engine.py -k "bits or rows_a_verify or verify_rows or chained" \
+               >> "$OUT/dattn2_tests.log" 2>&1; echo "pytest (min steps ${ATTN_MS:-4}) rc $?"
+             grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/dattn2_tests.log" | tail -12
+             timeout ${STAGE_S:-300} python3 scripts/profile_step.py $M27 --spec none,dflash2:7 --lm-head-draft 32768 \
+               --steps ${PROFSPEC_STEPS:-64} --top ${PROFILE_LINES:-14} --attn-min-steps ${MIN_STEPS_LIST:-1,4,8} \
+               --replay-acceptance seed --json "$OUT/dattn2_prof.json" 2>&1 | tee "$OUT/dattn2_prof.log" \
+               | grep -v Warn | grep -E "^===|steps|round|busy|qmv|attn|_recur|draft" ;;
     profspec) # where a C1 speculative round goes at the 27B shape (issue 31): plain, MTP3 and DFlash2 K=7 chained,
              # one process, the draft head over 32,768 tokens (synthetic weights: no drafts accepted)
              timeout ${STAGE_S:-300} python3 scripts/profile_step.py $M27 --spec none,mtp:3,dflash2:7 \

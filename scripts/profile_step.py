@@ -165,6 +165,9 @@ def main() -> int:
                     help="comma list, each profiled for every --spec item in place of the engine's PDL defaults: "
                          "nopdl (no PDL), l1 / l2 (PDL in every graph, batched and speculative "
                          "included; qmv reads x after its wait through L1 / through L2 only)")
+    ap.add_argument("--attn-min-steps", default="",
+                    help="comma list of kernels/attn_cuda.SHORT_MIN_STEPS values (16-key steps a split keeps at least "
+                         "when a token's key range is short), each profiled for every --spec item in this order")
     ap.add_argument("--draft-attention", default="on",
                     help="on, off or on,off (each profiled for every --spec item): a DFlash / DFlash2 block's "
                          "attention through kernels/draft_attention.py, or the gathered rows and matmuls "
@@ -216,9 +219,14 @@ def main() -> int:
         ap.error("--draft-attention: on, off or on,off")
     out = {}
     plain_tokens: list[int] = []  # the plain item's continuation (--replay-acceptance)
-    for item, batch, variant, attn in [(i, b, v, a) for i in args.spec.split(",") for b in batches for v in variants
-                                       for a in attns]:
+    min_steps = [int(m) for m in args.attn_min_steps.split(",") if m] or [None]
+    for ms, item, batch, variant, attn in [(m, i, b, v, a) for m in min_steps for i in args.spec.split(",")
+                                           for b in batches for v in variants for a in attns]:
         spec, k = parse_spec(item, args.draft_tokens)
+        if ms is not None:  # read by attn_cuda.plan as the engine's graphs are captured
+            from ninfer_bench.kernels import attn_cuda
+
+            attn_cuda.SHORT_MIN_STEPS = ms
         if not attn and spec not in ("dflash", "dflash2"):
             continue  # the switch changes block drafters only
         opts = EngineOptions(device="cuda", runtime=args.runtime, spec=spec, draft_tokens=k, pdl=args.pdl,
@@ -232,7 +240,8 @@ def main() -> int:
                              max_concurrency=batch, draft_attention=attn,
                              replay_acceptance=args.replay_acceptance if spec != "none" else None)
         print(f"=== {spec}{f':{k}' if k else ''}{f' batch {batch}' if len(batches) > 1 else ''}"
-              f"{f' pdl {variant}' if variant else ''}{'' if attn else ' sdpa draft'}", flush=True)
+              f"{f' pdl {variant}' if variant else ''}{'' if attn else ' sdpa draft'}"
+              f"{f' attn min steps {ms}' if ms is not None else ''}", flush=True)
         eng = Engine(loaded, opts)
         if variant:  # after the engine's own set_pdl; its graphs are captured at the first run
             from ninfer_bench.engine.model import graphs
@@ -243,6 +252,7 @@ def main() -> int:
             qmv_cuda.set_pdl_x_l1(variant != "l2")
         key = item if len(batches) == 1 else f"{item}@B{batch}"
         key = key if not variant else f"{key}/{variant}"
+        key = key if ms is None else f"{key}/minsteps{ms}"
         out[key if attn else f"{key}/sdpadraft"] = profile_one(eng, args, drop, batch, plain_tokens)
         torch.cuda.empty_cache()
     if args.json:
@@ -310,7 +320,7 @@ def profile_one(eng, args, drop, batch: int = 1, plain_tokens: list | None = Non
                         eng.advance([seq])
                 torch.cuda.synchronize()
             wall = time.perf_counter() - t
-            if eng.drafter is None and plain_tokens is not None and len(seq.tokens) > len(plain_tokens):
+            if eng.drafter is None and plain_tokens is not None:
                 plain_tokens[:] = seq.tokens
             last_stats.clear()
             last_stats.update(seq.stats)

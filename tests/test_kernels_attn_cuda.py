@@ -227,3 +227,18 @@ def test_build_defines_parse_or_are_refused():
     for bad in ("VDEPTH", "VDEPTH=x", "1A=2", "VDEPTH=3;QSMEM=1"):
         with pytest.raises(ValueError, match="NAME=INTEGER"):
             attn_cuda.parse_build(bad)
+
+
+def test_short_min_steps_knob(monkeypatch):
+    """NINFER_BENCH_ATTN_MIN_STEPS sets the floor a short key range's chunk shrinks to (16-key steps), a positive
+    integer; unset gives the default; anything else is refused by name. The plan takes the module's value."""
+    monkeypatch.delenv("NINFER_BENCH_ATTN_MIN_STEPS", raising=False)
+    assert attn_cuda.env_min_steps() == attn_cuda.DEFAULT_SHORT_MIN_STEPS
+    monkeypatch.setenv("NINFER_BENCH_ATTN_MIN_STEPS", " 4 ")
+    assert attn_cuda.env_min_steps() == 4
+    for bad in ("0", "-2", "four", "1.5"):
+        monkeypatch.setenv("NINFER_BENCH_ATTN_MIN_STEPS", bad)
+        with pytest.raises(ValueError, match="NINFER_BENCH_ATTN_MIN_STEPS"):
+            attn_cuda.env_min_steps()
+    monkeypatch.setattr(attn_cuda, "SHORT_MIN_STEPS", 4)
+    assert attn_cuda.plan(65536, 4, "cpu").min_chunk == 4 * attn_cuda.STEP
