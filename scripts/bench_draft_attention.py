@@ -42,7 +42,8 @@ def case(b: int, cap: int, s: int = 8, h: int = 40, hkv: int = 10, hd: int = 128
 
 
 def torch_path(c):
-    """The drafter's torch path for one layer (engine/model/dflash.py with ``room``): gather, write, mask, matmuls."""
+    """The drafter's torch path for one layer (engine/model/dflash.py with ``room``): gather, write, mask, matmuls. The
+    drafter builds the mask once a block for its layers; here each call builds it, about 5 small launches."""
     q, kb, vb, slots, cap = c["q"], c["k_blk"], c["v_blk"], c["slots"], c["cap"]
     b, s, h, hd = q.shape
     length = c["length"]
@@ -50,8 +51,8 @@ def torch_path(c):
     vis = (cpos >= 0) & (cpos < length[:, None]) & (cpos >= (length[:, None] - cap))
     mask = torch.cat([vis[:, None, :].expand(b, s, -1), torch.ones(b, s, s, dtype=torch.bool, device=q.device)],
                      dim=-1)[:, None]
-    kv = c["kv"].index_select(2, slots)
-    k, v = kv[0, 0], kv[1, 0]
+    kv = c["kv"][:, 0].index_select(1, slots)  # this layer's rows (the drafter gathers every layer's in one copy)
+    k, v = kv[0], kv[1]
     k[:, cap:cap + s], v[:, cap:cap + s] = kb, vb
     bias = rows_bias(mask, h // kb.shape[2])
     return sdpa_rows(q.transpose(1, 2), k[:, :cap + s].transpose(1, 2), v[:, :cap + s].transpose(1, 2), bias,

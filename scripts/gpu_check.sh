@@ -25,6 +25,8 @@
 #            acceptance and the 27B replay grid, each with --draft-attention on / off
 #   dattn2   the draft attention's ranges against the torch path, its tests, token invariance at NINFER_BENCH_ATTN_MIN_STEPS
 #            = ATTN_MS, the 27B step / DFlash2 round profile for each MIN_STEPS_LIST value
+#   dattn3   the 27B replay grid and the bundled model's held-out prompts with --draft-attention on / off, the draft
+#            attention's bench, the README's main command
 #   profile  scripts/profile_step.py at the 27B shape: every kernel of 32 decode steps (PROFILE_ARGS adds flags)
 #   ksuite   the kernels suite alone at the 27B shape, T = 1 and 8, with the captured decode step's timeline
 #            (KSUITE_OPS: only these ops)
@@ -477,6 +479,16 @@ PY
                --steps ${PROFSPEC_STEPS:-64} --top ${PROFILE_LINES:-14} --attn-min-steps ${MIN_STEPS_LIST:-1,4,8} \
                --replay-acceptance seed --json "$OUT/dattn2_prof.json" 2>&1 | tee "$OUT/dattn2_prof.log" \
                | grep -v Warn | grep -E "^===|steps|round|busy|qmv|attn|_recur|draft" ;;
+    dattn3)  # issue 31's grid with the draft attention on / off: the 27B replay grid (32K draft head), the bench of the
+             # draft attention, the README's main command, the bundled model's held-out prompts
+             nb decode $M27 --spec none,mtp:3,dflash2:7 --replay-acceptance seed --lm-head-draft 32768 -n 128 \
+               --repeats 2 --draft-attention on,off --json "$OUT/spec27" 2>&1 | tee "$OUT/spec27.log" | tail -12
+             timeout 120 python3 scripts/bench_draft_attention.py --splits 4,8,16 --json "$OUT/bench_dattn.json" 2>&1 \
+               | tail -8
+             /usr/bin/time -f "main command: %e s wall, %M KiB peak RSS" python3 scripts/nb.py decode --spec dflash2 -k 7 \
+               --json "$OUT/main.json" 2>&1 | tee "$OUT/main.log" | tail -12
+             nb decode --spec none,mtp:3,dflash2:7 --prompt-file suites/data/heldout_prompts.jsonl -n 256 --repeats 2 \
+               --draft-attention on,off --json "$OUT/specb" 2>&1 | tee "$OUT/specb.log" | tail -10 ;;
     profspec) # where a C1 speculative round goes at the 27B shape (issue 31): plain, MTP3 and DFlash2 K=7 chained,
              # one process, the draft head over 32,768 tokens (synthetic weights: no drafts accepted)
              timeout ${STAGE_S:-300} python3 scripts/profile_step.py $M27 --spec none,mtp:3,dflash2:7 \
