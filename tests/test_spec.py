@@ -368,6 +368,7 @@ def test_chained_rounds_equal_the_unchained_loop(plain, spec, k):
         assert seq.length == len(prompt) + len(seq.tokens) - 1
         st = seq.stats
         assert 1 + st["rounds"] + st["accepted_tokens"] == NEW
+        assert st["discarded_rounds"] == 0  # the host reads before queuing a round the limit may make useless
         assert st["verify_ms"] > 0 and st["draft_ms"] > 0
         if prompt is PROMPTS[1]:
             assert st["accepted_per_position"] == ref.spec["accepted_per_position"]
@@ -393,13 +394,15 @@ def test_chained_rounds_stop_on_the_device_where_the_host_does(plain, new):
 @pytest.mark.parametrize("spec,k", [("mtp", 3), ("dflash2", 7)])
 def test_chained_rounds_replay_acceptance_as_the_unchained_loop(plain, spec, k):
     """Replayed acceptance's draws are made beside the captured round, one call a round, as the unchained loop
-    makes them: the same acceptance, plain decoding's tokens."""
+    makes them: the same acceptance, plain decoding's tokens; no round queued past the length limit."""
     kw = {"spec": spec, "draft_tokens": k, "replay_acceptance": "0.7"}
     ref = engine(**kw).generate(PROMPTS[1], max_new_tokens=NEW, ignore_eos=True, reference=plain[1])
     seq = _chained(engine(**kw), PROMPTS[1], max_new_tokens=NEW, ignore_eos=True, reference=plain[1])
     assert seq.tokens == plain[1] == ref.tokens
     assert seq.stats["accepted_per_position"] == ref.spec["accepted_per_position"]
     assert seq.stats["accepted_tokens"] > NEW // 4
+    # rounds keep several tokens here: none is queued that the length limit makes useless (the host reads first)
+    assert seq.stats["discarded_rounds"] == 0
 
 
 @pytest.mark.parametrize("b,k,c", [(1, 7, 16), (3, 4, 5), (2, 1, 3)])

@@ -14,9 +14,11 @@ Acceptance and the state update are one Triton launch each on CUDA (kernels/spec
 
 Nothing in a round reads the device: the host queues round n + 1 before it reads round n, so its launches and
 bookkeeping hide behind the GPU's work (an unchained round, spec/loop.py, waits for its result before the next round
-can be queued, and launches its glue op by op). Once a stop id or the length limit ends the sequence on the device,
-the rounds still queued write the scratch slot and keep nothing. The functions, shapes and key ranges are the
-unchained round's on CUDA graphs (keys bound by the capacity): the same tokens and the same acceptance. On a CPU
+can be queued, and launches its glue op by op). Near the length limit - once the unread round could reach it - the
+host reads before it queues, so no round is queued past the limit. Once a stop id ends the sequence on the device,
+the rounds still queued write the scratch slot and keep nothing (``stats["discarded_rounds"]``). The functions,
+shapes and key ranges are the unchained round's on CUDA graphs (keys bound by the capacity): the same tokens and the
+same acceptance. On a CPU
 (tests only: the engine chains on CUDA graphs) the stages run eagerly over the key ranges the lengths give.
 """
 
@@ -208,9 +210,14 @@ def decode_spec_chained(e, seq) -> None:
         host = torch.empty(left, 3 + k, dtype=torch.long, pin_memory=ch.cuda)
         marks = []
         read = 0
+        cap = seq.params.max_new_tokens
         while seq.finish_reason is None:
             unread = len(marks) - read
-            if len(marks) < left and unread < 2 and len(seq.tokens) + unread < seq.params.max_new_tokens:
+            # a round is queued ahead only while the unread ones cannot reach the length limit (each keeps at most
+            # k + 1 tokens); near the end the host reads first, a short idle gap instead of a whole round that
+            # would write the scratch slot
+            if (len(marks) < left and unread < 2 and len(seq.tokens) + unread < cap
+                    and (unread == 0 or len(seq.tokens) + unread * (k + 1) < cap)):
                 marks.append(ch.round(host[len(marks)]))
                 continue
             t0, t1, t2, t3 = marks[read]
@@ -224,4 +231,5 @@ def decode_spec_chained(e, seq) -> None:
             record(seq.stats, k, added - 1)
             seq.stats["verify_ms"] += ms(e.device, t1, t2)
             seq.stats["draft_ms"] += ms(e.device, t0, t1) + ms(e.device, t2, t3)
+        seq.stats["discarded_rounds"] = seq.stats.get("discarded_rounds", 0) + len(marks) - read  # after a stop id
         ch.finish(seq)
