@@ -27,6 +27,7 @@
 #            = ATTN_MS, the 27B step / DFlash2 round profile for each MIN_STEPS_LIST value
 #   dattn3   the 27B replay grid and the bundled model's held-out prompts with --draft-attention on / off, the draft
 #            attention's bench, the README's main command
+#   dattn4   the 27B replay grid (32K draft head) and the chained rounds' CUDA tests
 #   profile  scripts/profile_step.py at the 27B shape: every kernel of 32 decode steps (PROFILE_ARGS adds flags)
 #   ksuite   the kernels suite alone at the 27B shape, T = 1 and 8, with the captured decode step's timeline
 #            (KSUITE_OPS: only these ops)
@@ -489,6 +490,12 @@ PY
                --json "$OUT/main.json" 2>&1 | tee "$OUT/main.log" | tail -12
              nb decode --spec none,mtp:3,dflash2:7 --prompt-file suites/data/heldout_prompts.jsonl -n 256 --repeats 2 \
                --draft-attention on,off --json "$OUT/specb" 2>&1 | tee "$OUT/specb.log" | tail -10 ;;
+    dattn4)  # the 27B replay grid after the chained rounds stopped queuing past the length limit, then the chained
+             # rounds' CUDA tests
+             nb decode $M27 --spec none,mtp:3,dflash2:7 --replay-acceptance seed --lm-head-draft 32768 -n 128 \
+               --repeats 2 --json "$OUT/spec27" 2>&1 | tee "$OUT/spec27.log" | tail -9
+             timeout ${TESTS_S:-60} python3 -m pytest -q -p no:cacheprovider tests/test_cuda_engine.py -k chained \
+               > "$OUT/chained_tests.log" 2>&1; echo "pytest rc $?"; tail -3 "$OUT/chained_tests.log" ;;
     profspec) # where a C1 speculative round goes at the 27B shape (issue 31): plain, MTP3 and DFlash2 K=7 chained,
              # one process, the draft head over 32,768 tokens (synthetic weights: no drafts accepted)
              timeout ${STAGE_S:-300} python3 scripts/profile_step.py $M27 --spec none,mtp:3,dflash2:7 \
