@@ -161,6 +161,19 @@ def draft_attention(q, k_blk, v_blk, ring_k, ring_v, slots, ring_pos, length, ca
 tl = pdl_enter = None  # triton.language and the PDL helper, bound by _kernels()
 
 
+def _softmax_tile(q, k, v, visible, m_i, l_i, acc, SCALE2, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr):
+    """One tile of keys ``k`` / values ``v`` (``visible`` [BLOCK_N]) into the running max, sum and output of the
+    query rows ``q`` (base 2: SCALE2 = scale * log2 e)."""
+    sc = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * SCALE2
+    sc = tl.where(visible[None, :], sc, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(sc, 1))
+    alpha = tl.exp2(m_i - m_new)
+    pr = tl.exp2(sc - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(pr, 1)
+    acc = acc * alpha[:, None] + tl.dot(pr.to(DOT_DTYPE), v, input_precision=DOT_PREC)
+    return m_new, l_i, acc
+
+
 def _draft_split(Q, KB, VB, RK, RV, SLOTS, RPOS, LEN, PART, STATS, OUT,
                  sq_b, sq_s, sq_h, skb_b, skb_s, skb_h, svb_b, svb_s, svb_h, srk_s, srk_n, srk_h, srv_s, srv_n, srv_h,
                  sp_s, so_b, so_s, so_h,
@@ -203,14 +216,7 @@ def _draft_split(Q, KB, VB, RK, RV, SLOTS, RPOS, LEN, PART, STATS, OUT,
         kd = j_ok[:, None] & d_ok[None, :]
         k = tl.load(rk + j[:, None].to(tl.int64) * srk_n + d[None, :], mask=kd, other=0.0).to(DOT_DTYPE)
         v = tl.load(rv + j[:, None].to(tl.int64) * srv_n + d[None, :], mask=kd, other=0.0).to(DOT_DTYPE)
-        sc = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * SCALE2
-        sc = tl.where(vis[None, :], sc, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(sc, 1))
-        alpha = tl.exp2(m_i - m_new)
-        pr = tl.exp2(sc - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(pr, 1)
-        acc = acc * alpha[:, None] + tl.dot(pr.to(DOT_DTYPE), v, input_precision=DOT_PREC)
-        m_i = m_new
+        m_i, l_i, acc = _softmax_tile(q, k, v, vis, m_i, l_i, acc, SCALE2, DOT_DTYPE, DOT_PREC)
     if sp == NSPLIT - 1:  # the block's own keys and values, every one visible
         t = tl.arange(0, BLOCK_S)
         t_ok = t < S
@@ -219,14 +225,7 @@ def _draft_split(Q, KB, VB, RK, RV, SLOTS, RPOS, LEN, PART, STATS, OUT,
                     other=0.0).to(DOT_DTYPE)
         v = tl.load(VB + b.to(tl.int64) * svb_b + t[:, None] * svb_s + kvh * svb_h + d[None, :], mask=kd,
                     other=0.0).to(DOT_DTYPE)
-        sc = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * SCALE2
-        sc = tl.where(t_ok[None, :], sc, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(sc, 1))
-        alpha = tl.exp2(m_i - m_new)
-        pr = tl.exp2(sc - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(pr, 1)
-        acc = acc * alpha[:, None] + tl.dot(pr.to(DOT_DTYPE), v, input_precision=DOT_PREC)
-        m_i = m_new
+        m_i, l_i, acc = _softmax_tile(q, k, v, t_ok, m_i, l_i, acc, SCALE2, DOT_DTYPE, DOT_PREC)
     if FINAL:
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(OUT + b.to(tl.int64) * so_b + tok[:, None] * so_s + head[:, None] * so_h + d[None, :],
@@ -263,6 +262,6 @@ def _draft_combine(PART, STATS, OUT, so_b, so_s, so_h, S, NSPLIT,
 
 @functools.lru_cache(maxsize=1)
 def _kernels() -> dict:
-    out = _triton.jit_module(globals(), (), {"split": "_draft_split", "combine": "_draft_combine"})
+    out = _triton.jit_module(globals(), ("_softmax_tile",), {"split": "_draft_split", "combine": "_draft_combine"})
     out["dtypes"] = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
     return out
