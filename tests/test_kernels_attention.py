@@ -156,10 +156,11 @@ def test_tokens_give_the_bits_single_steps_give(kv, q_dtype):
     if kv == "int8":  # and a tile per scale group, and scales loaded with their block (the same values as dyn's)
         cfgs += [dataclasses.replace(dyn, grouped=True, ahead=False), dataclasses.replace(dyn, ahead=False),
                  dataclasses.replace(dyn, flat=True)]
-        for same in cfgs[-2:]:
-            assert torch.equal(at.decode_attention(**c, config=same), at.decode_attention(**c, config=dyn))
-    for cfg in cfgs:
-        block = at.decode_attention(**c, config=cfg)
+    blocks = [at.decode_attention(**c, config=cfg) for cfg in cfgs]  # each T = 8 call once (interpreted: seconds)
+    if kv == "int8":
+        for same in blocks[-2:]:
+            assert torch.equal(same, blocks[1])  # dyn's
+    for cfg, block in zip(cfgs, blocks):
         for i in range(b):
             for j in range(t):
                 one = {**c, "q": c["q"][i:i + 1, j:j + 1], "slots": c["slots"][i:i + 1],
