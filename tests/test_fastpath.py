@@ -16,7 +16,9 @@ from ninfer_bench.engine.sampling import SamplingParams
 
 pytestmark = pytest.mark.skipif(not available(), reason="triton does not import")
 
-PROMPT = list(range(3, 60))
+# 36 tokens: every fused prefill kernel's grid grows with the prompt (interpreted: seconds a run), and 36 still makes
+# three 16-token chunks (the later ones reading the earlier ones' cache) in the chunked-prefill tests
+PROMPT = list(range(3, 39))
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the kernels run natively there, interpreted here
 
 
@@ -57,7 +59,7 @@ def test_interleaved_gate_up_decodes_like_eager(eager, spec):
 
 
 def test_flash_prefill_chunks_equal_eager(eager, monkeypatch):
-    """Prompt chunks' full attention through kernels/attention_prefill (four chunks: the later ones read the earlier
+    """Prompt chunks' full attention through kernels/attention_prefill (three chunks: the later ones read the earlier
     ones' int8 K/V, dequantized from the cache) decodes the eager path's tokens; --flash-prefill off launches none."""
     from ninfer_bench.engine.model import fused_forward
 
@@ -68,7 +70,7 @@ def test_flash_prefill_chunks_equal_eager(eager, monkeypatch):
     _, tokens = run(kernels="triton", prefill_chunk=16, prefill_graphs=False)  # eager: the wrapper reads q_pos
     assert tokens == eager
     # each chunk's first and last position, and the keys it reads (through its last position)
-    assert {(0, 15, 16), (16, 31, 32), (48, 56, 57)} <= set(calls), calls
+    assert {(0, 15, 16), (16, 31, 32), (32, 35, 36)} <= set(calls), calls
     calls.clear()
     _, tokens = run(kernels="triton", prefill_chunk=16, prefill_graphs=False, flash_prefill=False)
     assert tokens == eager and not calls
