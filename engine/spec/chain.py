@@ -18,8 +18,8 @@ can be queued, and launches its glue op by op). Near the length limit - once the
 host reads before it queues, so no round is queued past the limit. Once a stop id ends the sequence on the device,
 the rounds still queued write the scratch slot and keep nothing (``stats["discarded_rounds"]``). The functions,
 shapes and key ranges are the unchained round's on CUDA graphs (keys bound by the capacity): the same tokens and the
-same acceptance. On a CPU
-(tests only: the engine chains on CUDA graphs) the stages run eagerly over the key ranges the lengths give.
+same acceptance. On a CPU (tests only: the engine chains on CUDA graphs) the stages run eagerly over the key ranges
+the lengths give.
 """
 
 from __future__ import annotations
