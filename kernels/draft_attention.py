@@ -33,7 +33,7 @@ import torch
 
 from . import _triton
 
-__all__ = ["draft_attention", "draft_attention_ref", "draft_splits", "triton_available"]
+__all__ = ["block_mask", "draft_attention", "draft_attention_ref", "draft_splits", "triton_available"]
 
 triton_available = _triton.available
 
@@ -78,6 +78,20 @@ def _check(q, k_blk, v_blk, ring_k, ring_v, slots, ring_pos, length, cap: int, w
             raise ValueError(f"{who}: {name} must be contiguous along its last dimension")
 
 
+def block_mask(ring_pos, slots, length, cap: int, window: int, s: int) -> torch.Tensor:
+    """The boolean mask ``[B, 1, S, cap + S]`` (True = visible) of a block of ``s`` rows over its slots' first ``cap``
+    context rows and then itself: context row j of row b is visible when its position ``p = ring_pos[slots[b], j]``
+    is in ``[length[b] - window, length[b])`` (no lower bound for ``window`` 0), every block key is. What
+    :func:`draft_attention` works out in registers; the drafter's torch path and the reference build it here."""
+    cpos = ring_pos.index_select(0, slots)[:, :cap]  # [B, cap] (index_select: a plain copy per row)
+    vis = (cpos >= 0) & (cpos < length[:, None])
+    if window:
+        vis &= cpos >= (length[:, None] - window)
+    b = slots.shape[0]
+    block = torch.ones(b, s, s, dtype=torch.bool, device=vis.device)
+    return torch.cat([vis[:, None, :].expand(b, s, -1), block], dim=-1)[:, None]
+
+
 def draft_attention_ref(q, k_blk, v_blk, ring_k, ring_v, slots, ring_pos, length, cap: int, window: int,
                         scale: float) -> torch.Tensor:
     """fp32 reference of :func:`draft_attention`: the context rows gathered, the mask built, softmax in fp32, one
@@ -85,17 +99,13 @@ def draft_attention_ref(q, k_blk, v_blk, ring_k, ring_v, slots, ring_pos, length
     _check(q, k_blk, v_blk, ring_k, ring_v, slots, ring_pos, length, cap, window)
     b, s, h, hd = q.shape
     hkv = k_blk.shape[2]
-    p = ring_pos[slots, :cap]  # [B, cap]
-    vis = (p >= 0) & (p < length[:, None])
-    if window:
-        vis &= p >= (length[:, None] - window)
-    vis = torch.cat([vis, torch.ones(b, s, dtype=torch.bool, device=q.device)], dim=1)  # [B, cap + S]
+    mask = block_mask(ring_pos, slots, length, cap, window, s)  # [B, 1, S, cap + S]
     k = torch.cat([ring_k[slots, :cap], k_blk], dim=1).float()  # [B, cap + S, Hkv, hd]
     v = torch.cat([ring_v[slots, :cap], v_blk], dim=1).float()
     rep = h // hkv
     k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
     sc = torch.einsum("bshd,bnhd->bhsn", q.float(), k) * scale
-    sc = sc.masked_fill(~vis[:, None, None, :], float("-inf"))
+    sc = sc.masked_fill(~mask, float("-inf"))
     o = torch.einsum("bhsn,bnhd->bshd", torch.softmax(sc, dim=-1), v)
     return o.to(q.dtype)
 

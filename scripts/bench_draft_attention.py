@@ -46,11 +46,7 @@ def torch_path(c):
     drafter builds the mask once a block for its layers; here each call builds it, about 5 small launches."""
     q, kb, vb, slots, cap = c["q"], c["k_blk"], c["v_blk"], c["slots"], c["cap"]
     b, s, h, hd = q.shape
-    length = c["length"]
-    cpos = c["pos"].index_select(0, slots)[:, :cap]
-    vis = (cpos >= 0) & (cpos < length[:, None]) & (cpos >= (length[:, None] - cap))
-    mask = torch.cat([vis[:, None, :].expand(b, s, -1), torch.ones(b, s, s, dtype=torch.bool, device=q.device)],
-                     dim=-1)[:, None]
+    mask = da.block_mask(c["pos"], slots, c["length"], cap, cap, s)
     kv = c["kv"][:, 0].index_select(1, slots)  # this layer's rows (the drafter gathers every layer's in one copy)
     k, v = kv[0], kv[1]
     k[:, cap:cap + s], v[:, cap:cap + s] = kb, vb

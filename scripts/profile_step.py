@@ -190,6 +190,16 @@ def main() -> int:
                                                or args.prefill):
         ap.error("--replay-acceptance: give the plain item first in --spec (its tokens are the continuation), one "
                  "sequence, decode steps")
+    variants = [v for v in args.pdl_variants.split(",") if v] or [None]
+    if set(variants) - {None, "nopdl", "l1", "l2"}:
+        ap.error(f"--pdl-variants: unknown {sorted(set(variants) - {None, 'nopdl', 'l1', 'l2'})}")
+    attns = [a == "on" for a in args.draft_attention.split(",") if a]
+    if not attns or set(args.draft_attention.split(",")) - {"on", "off"}:
+        ap.error("--draft-attention: on, off or on,off")
+    steps_given = [m.strip() for m in args.attn_min_steps.split(",") if m.strip()]
+    if not all(m.isdigit() and int(m) > 0 for m in steps_given):
+        ap.error(f"--attn-min-steps: positive integers, got {args.attn_min_steps!r}")
+    min_steps = [int(m) for m in steps_given] or [None]
     if not torch.cuda.is_available():
         print("profile_step: needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -211,15 +221,8 @@ def main() -> int:
     t0 = time.time()
     loaded = load_source(args.model, synthetic=args.synthetic, device=torch.device("cuda"))
     print(f"loaded in {time.time() - t0:.0f} s: {args.model}", flush=True)
-    variants = [v for v in args.pdl_variants.split(",") if v] or [None]
-    if set(variants) - {None, "nopdl", "l1", "l2"}:
-        ap.error(f"--pdl-variants: unknown {sorted(set(variants) - {None, 'nopdl', 'l1', 'l2'})}")
-    attns = [a == "on" for a in args.draft_attention.split(",") if a]
-    if not attns or set(args.draft_attention.split(",")) - {"on", "off"}:
-        ap.error("--draft-attention: on, off or on,off")
     out = {}
     plain_tokens: list[int] = []  # the plain item's continuation (--replay-acceptance)
-    min_steps = [int(m) for m in args.attn_min_steps.split(",") if m] or [None]
     for ms, item, batch, variant, attn in [(m, i, b, v, a) for m in min_steps for i in args.spec.split(",")
                                            for b in batches for v in variants for a in attns]:
         spec, k = parse_spec(item, args.draft_tokens)

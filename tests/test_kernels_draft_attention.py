@@ -79,12 +79,8 @@ def test_reference_is_the_drafters_torch_path():
     """The reference equals what engine/model/dflash.py's torch path computes: the slot's rows gathered, the block's
     keys after them, sdpa under the mask BlockDraftRunner.block builds."""
     c = make_case(*CASES["ring-wrapped-g4"])
-    b, s, h, hd = c["q"].shape
-    cap, window, length = c["cap"], c["window"], c["length"]
-    cpos = c["ring_pos"][c["slots"], :cap]
-    vis = (cpos >= 0) & (cpos < length[:, None]) & (cpos >= length[:, None] - window)
-    mask = torch.cat([vis[:, None, :].expand(b, s, -1), torch.ones(b, s, s, dtype=torch.bool, device=DEVICE)],
-                     dim=-1)[:, None]
+    s, cap = c["q"].shape[1], c["cap"]
+    mask = da.block_mask(c["ring_pos"], c["slots"], c["length"], cap, c["window"], s)
     k = torch.cat([c["ring_k"][c["slots"], :cap], c["k_blk"]], dim=1).transpose(1, 2)
     v = torch.cat([c["ring_v"][c["slots"], :cap], c["v_blk"]], dim=1).transpose(1, 2)
     want = sdpa(c["q"].transpose(1, 2), k, v, mask, c["scale"]).transpose(1, 2)

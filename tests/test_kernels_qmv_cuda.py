@@ -265,7 +265,7 @@ def test_pdl_x_path_knob(monkeypatch):
         qmv_cuda._load_env_knobs()
         assert qmv_cuda._SWITCHES["pdl_x_l1"] is l1
     monkeypatch.delenv("NINFER_BENCH_QMV_PDL_X")
-    qmv_cuda._SWITCHES["pdl_x_l1"] = False
+    qmv_cuda.set_pdl_x_l1(False)
     qmv_cuda._load_env_knobs()
     assert qmv_cuda._SWITCHES["pdl_x_l1"] is True
     monkeypatch.setenv("NINFER_BENCH_QMV_PDL_X", "l3")

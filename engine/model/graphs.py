@@ -121,6 +121,8 @@ PDL_MAX_SEQS = 1
 def pdl_scope(seqs: int):
     """The context a graph of ``seqs`` sequences is captured in: PDL held off above :data:`PDL_MAX_SEQS`."""
     return pdl_held() if seqs > PDL_MAX_SEQS else contextlib.nullcontext()
+
+
 MAX_STOP_IDS = 64  # token ids a chained decode can stop on inside the graph (EOS + the request's stop ids)
 
 

@@ -216,8 +216,7 @@ def decode_spec_chained(e, seq) -> None:
             # a round is queued ahead only while the unread ones cannot reach the length limit (each keeps at most
             # k + 1 tokens); near the end the host reads first, a short idle gap instead of a whole round that
             # would write the scratch slot
-            if (len(marks) < left and unread < 2 and len(seq.tokens) + unread < cap
-                    and (unread == 0 or len(seq.tokens) + unread * (k + 1) < cap)):
+            if len(marks) < left and unread < 2 and len(seq.tokens) + unread * (k + 1) < cap:
                 marks.append(ch.round(host[len(marks)]))
                 continue
             t0, t1, t2, t3 = marks[read]

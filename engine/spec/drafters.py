@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ...kernels import quant
+from ...kernels.draft_attention import block_mask
 from ...kernels.draft_attention import triton_available as draft_attention_available
 from ..model.dflash import BlockDrafter, RingContext, draft_norm
 from ..model.hybrid import DECODE, PREFILL, Step
@@ -451,12 +452,7 @@ class BlockDraftRunner:
             ring = RingContext(self.k, self.v, self.pos, slots, length, self.cap, self.window)
             h = self.net.blocks_in_place(e.weights.embed(ids), pos, ring)
             return h[:, 1:], self.head.logits(h[:, 1:])
-        cpos = self.pos.index_select(0, slots)[:, : self.cap]  # [B, cap] (index_select: a plain copy per row)
-        vis = (cpos >= 0) & (cpos < length[:, None])
-        if self.window:
-            vis &= cpos >= (length[:, None] - self.window)
-        mask = torch.cat([vis[:, None, :].expand(b, k + 1, -1),
-                          torch.ones(b, k + 1, k + 1, dtype=torch.bool, device=e.device)], dim=-1)[:, None]
+        mask = block_mask(self.pos, slots, length, self.cap, self.window, k + 1)
         kv = _gather_rows(self.kv, 2, slots)  # [2, layers, B, rows, Hkv, hd]: every layer's rows in one copy
         h = self.net.blocks(e.weights.embed(ids), pos, list(kv[0]), list(kv[1]), mask, room=self.cap)
         if h.is_cuda:
