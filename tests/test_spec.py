@@ -277,6 +277,41 @@ def test_mtp_prompt_entries_do_not_depend_on_the_prefill_chunk():
         torch.testing.assert_close(logits, caches[0][2], rtol=1e-4, atol=1e-4)
 
 
+def test_window_ring_writes_each_entry_once_when_a_prompt_chunk_is_longer_than_the_window(monkeypatch):
+    """DFlash2's window ring keeps a position at entry ``pos % window``: a prompt chunk longer than the window must
+    not write two positions to one entry in one scatter (CUDA keeps either write, so a row's K/V and its recorded
+    position could come from different tokens - drafts go wrong, tokens stay right, acceptance drops). Each write
+    lands on distinct entries, the ring then holds exactly the newest window positions, and their K/V equal those
+    of a prefill in chunks no longer than the window."""
+    prompt = [(i * 37) % 500 + 5 for i in range(300)]
+    rings = []
+    for chunk in (2048, 64, 29):
+        eng = Engine.load("tiny", device="cpu", kv_dtype="fp32", max_context=1024, prefill_chunk=chunk,
+                          spec="dflash2", draft_tokens=7)
+        d = eng.drafter
+        assert d.window == d.cap == 64
+        writes = []
+        real = d._write
+
+        def spy(slots, taps, pos, live, real=real):
+            idx = torch.where(live, pos % d.cap, torch.full_like(pos, -1))
+            for row in idx:
+                kept = row[row >= 0]
+                writes.append(kept.numel() == kept.unique().numel())
+            return real(slots, taps, pos, live)
+
+        monkeypatch.setattr(d, "_write", spy)
+        seq = eng.acquire(prompt, SamplingParams(max_new_tokens=4))
+        eng.start(seq)
+        assert writes and all(writes)
+        order = d.pos[seq.slot, :d.cap].argsort()
+        assert d.pos[seq.slot, :d.cap][order].tolist() == list(range(len(prompt) - 64, len(prompt)))
+        rings.append((d.kv[:, :, seq.slot, :d.cap][:, :, order].clone()))
+        eng.release(seq)
+    for ring in rings[1:]:
+        torch.testing.assert_close(ring, rings[0], rtol=1e-3, atol=1e-4)
+
+
 def test_packed_projections_run_the_drafters_stored_formats():
     """A drafter whose projections are stored packed (the synthetic drafters: the target's policy) runs them through
     the store's linears where the store keeps weights packed (v3 on CUDA; here a stand-in store), with the same

@@ -398,9 +398,15 @@ class BlockDraftRunner:
         self.pos[sl, idx] = torch.where(live, pos, torch.full_like(pos, -1))
 
     def begin(self, seq, start, hidden, taps) -> None:
-        """Context K/V for prompt positions ``start ..`` from their tap outputs ``[n, n_taps*H]``."""
+        """Context K/V for prompt positions ``start ..`` from their tap outputs ``[n, n_taps*H]``. A window ring
+        takes only the newest ``cap`` of them: older positions would share ring entries with newer ones in one
+        scatter, and a CUDA scatter with two writes to one entry keeps either (a K/V row and its position from
+        different tokens); the window never reads them anyway."""
         if start == 0:
             self.pos[seq.slot] = -1
+        n = taps.shape[0]
+        if self.window and n > self.cap:
+            taps, start = taps[n - self.cap:], start + n - self.cap
         pos = torch.arange(start, start + taps.shape[0], device=self.e.device)[None]
         self._write(self.e.device_ids([seq.slot]), taps[None], pos, torch.ones_like(pos, dtype=torch.bool))
 
