@@ -39,7 +39,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import train_bundled as tb  # noqa: E402
-from bundled import card, drafters, evaluate, export, graft, target, tok  # noqa: E402
+from bundled import card, drafters, evaluate, export, graft, selfgen, target, tok  # noqa: E402
 from bundled.batches import Batches  # noqa: E402
 from ninfer_bench.engine.artifact.reader import Artifact  # noqa: E402
 from ninfer_bench.engine.artifact.loader import BUNDLED_NAME, load_artifact  # noqa: E402
@@ -94,14 +94,23 @@ def run(args) -> None:
     nets = {k: n for k, n in starting_drafters(loaded, p, args.fresh, args.seed).items() if k in args.kinds}
     tk = tok.load(w.tokenizer)
     log = tb.log_to(args.out / LOG, "drafters")  # its own log file: every row is this run's
-    batches = Batches(np.load(w.tokens / "train.npy"), p.d_seq_len, p.d_batch, args.seed + 7, 0.0,
-                      lambda s: tk.encode(s, add_special_tokens=False).ids, tok.newline_mask(tk, cfg.vocab_size))
-    opts = drafters.DrafterOptions(seq_len=p.d_seq_len, batch=p.d_batch, lr=p.d_lr, mtp_lr=p.d_mtp_lr,
+    stream, newline = np.load(w.tokens / "train.npy"), tok.newline_mask(tk, cfg.vocab_size)
+    corpus_rows = Batches(stream, p.d_seq_len, p.d_batch, args.seed + 7, 0.0,
+                          lambda s: tk.encode(s, add_special_tokens=False).ids, newline)
+    if args.data == "corpus":
+        batches = corpus_rows
+    else:
+        gen = self_generated(args, p, stream, newline, tk, device)
+        facts["selfgen"] = {k: v for k, v in gen.items() if k not in ("groups", "prompt_lengths")}
+        own = selfgen.SelfBatches(gen, args.batch or p.d_batch, args.seed + 11)
+        batches = own if args.data == "self" else selfgen.Mixed(own, corpus_rows, args.self_fraction, args.seed + 13)
+    opts = drafters.DrafterOptions(seq_len=p.d_seq_len, batch=args.batch or p.d_batch, lr=args.lr or p.d_lr,
+                                   mtp_lr=p.d_mtp_lr,
                                    warmup=p.d_warmup, budget_s=args.minutes * 60, max_steps=args.steps or p.d_steps,
                                    block_tokens=p.block_tokens, block_sizes=args.blocks, labels=args.labels)
     facts["drafters"] = drafters.train(model, None, nets, batches, opts, device, args.seed, log)
     facts["drafters"].update(warm_start=not args.fresh, params={k: drafters.param_count(n) for k, n in nets.items()},
-                             kinds=sorted(nets))
+                             kinds=sorted(nets), data=args.data)
     del model
 
     new = w.export / BUNDLED_NAME
@@ -121,16 +130,38 @@ def run(args) -> None:
     print(f"shipped {facts['artifact']['parts']} + {FACTS}, {LOG}; total {facts['seconds']} s", flush=True)
 
 
+def self_generated(args, p: tb.Preset, stream, newline, tk, device) -> dict:
+    """The target's greedy continuations (``bundled/selfgen.py``), read back from ``OUT/selfgen.npz`` when an
+    earlier run with the same settings left them there."""
+    eot = tk.token_to_id(tok.EOT)
+    opts = selfgen.GenOptions(sequences=args.gen_sequences, new_tokens=args.gen_tokens, batch=args.gen_batch,
+                              prompt_tokens=args.gen_prompt_tokens or p.prompt_tokens, budget_s=args.gen_minutes * 60,
+                              seed=args.seed)
+    path, meta = args.out / "selfgen.npz", args.out / "selfgen.json"
+    key = {"sequences": opts.sequences, "new_tokens": opts.new_tokens, "prompt_tokens": list(opts.prompt_tokens),
+           "seed": opts.seed, "artifact": export.sha256(args.artifact), "train_tokens": int(len(stream))}
+    if path.is_file() and meta.is_file() and json.loads(meta.read_text()).get("key") == key:
+        got = selfgen.load(path)
+        print(f"self-generated data read back: {got['sequences']} sequences from {path}", flush=True)
+        return {**got, **json.loads(meta.read_text())["facts"], "reused": True}
+    got = selfgen.generate(args.artifact, stream, eot, newline, opts, device)
+    selfgen.save(path, got)
+    facts = {k: v for k, v in got.items() if k not in ("groups", "prompt_lengths")}
+    meta.write_text(json.dumps({"key": key, "facts": facts}, indent=1))
+    return got
+
+
 def compare(args, p: tb.Preset, w: tb.Work, tk, new: Path) -> dict:
     """Acceptance of the artifact's drafters and of the retrained ones on the same held-out prompts (greedy)."""
     prompts = [tk.encode(json.loads(ln)["text"], add_special_tokens=False).ids
-               for ln in w.prompts.read_text().splitlines()][: p.eval_prompts]
-    ctx = max(len(x) for x in prompts) + p.eval_new + 16
+               for ln in w.prompts.read_text().splitlines()][: args.eval_prompts or p.eval_prompts]
+    new_tokens = args.eval_new or p.eval_new
+    ctx = max(len(x) for x in prompts) + new_tokens + 16
     t0 = time.perf_counter()
     out = {}
     for i, (label, path) in enumerate((("before", args.artifact), ("after", new))):
         deadline = t0 + args.minutes_eval * 60 * (i + 1) / 2
-        out[label] = tb.with_fallback(evaluate.acceptance, path, prompts, PLAN, p.eval_new, args.device, deadline,
+        out[label] = tb.with_fallback(evaluate.acceptance, path, prompts, PLAN, new_tokens, args.device, deadline,
                                       ctx)
         for r in out[label].get("rows", []):
             print(f"  {label} {r['spec']} k={r['k']}: " + (f"tokens/round {r['tokens_per_round']:.2f}, matches "
@@ -205,6 +236,21 @@ def parse(argv=None):
                     help="comma-separated drafters to train (the others are kept as they are)")
     ap.add_argument("--blocks", type=lambda v: tuple(int(x) for x in v.split(",")), default=drafters.BLOCK_SIZES,
                     help="the training steps' block lengths in turn (K + 1; repeat one to weight it)")
+    ap.add_argument("--data", choices=["corpus", "self", "mix"], default="corpus",
+                    help="corpus: training-corpus rows (--labels decides which positions count); self: the target's "
+                         "own greedy continuations of training-corpus prefixes, blocks anchored after the prompt (a "
+                         "round's context exactly); mix: both, --self-fraction of the steps on self-generated rows")
+    ap.add_argument("--self-fraction", type=float, default=0.5, help="--data mix: the share of self-generated steps")
+    ap.add_argument("--gen-sequences", type=int, default=4096, help="prompts to continue (--data self / mix)")
+    ap.add_argument("--gen-tokens", type=int, default=256, help="greedy tokens generated after each prompt")
+    ap.add_argument("--gen-batch", type=int, default=64, help="prompts generated together")
+    ap.add_argument("--gen-minutes", type=float, default=1.0, help="generation stops after this (between batches)")
+    ap.add_argument("--gen-prompt-tokens", type=lambda v: tuple(int(x) for x in v.split(",")), default=None,
+                    help="LO,HI prompt lengths (default: the held-out prompts' range)")
+    ap.add_argument("--batch", type=int, default=None, help="training rows a step (default: the preset's)")
+    ap.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the preset's)")
+    ap.add_argument("--eval-prompts", type=int, default=None, help="held-out prompts for before / after")
+    ap.add_argument("--eval-new", type=int, default=None, help="new tokens a held-out prompt for before / after")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tiny", action="store_true", help="the tiny preset's sizes (a tiny artifact, tests)")
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
@@ -219,7 +265,13 @@ def parse(argv=None):
     except ValueError as e:
         ap.error(f"--blocks: {e}")
     args.artifact = args.artifact.resolve()
-    return tb.finish_args(ap, args, ("minutes", "minutes_eval", "steps"))
+    if not 0 < args.self_fraction <= 1:
+        ap.error("--self-fraction must be in (0, 1]")
+    if args.gen_prompt_tokens is not None and (len(args.gen_prompt_tokens) != 2 or
+                                               not 1 <= args.gen_prompt_tokens[0] <= args.gen_prompt_tokens[1]):
+        ap.error("--gen-prompt-tokens: LO,HI with 1 <= LO <= HI")
+    return tb.finish_args(ap, args, ("minutes", "minutes_eval", "steps", "gen_sequences", "gen_tokens", "gen_batch",
+                                     "gen_minutes", "batch", "lr", "eval_prompts", "eval_new"))
 
 
 def main(argv=None) -> None:

@@ -267,6 +267,70 @@ def test_retrained_on_the_greedy_path_changes_only_the_named_drafter(built, tmp_
     assert "greedy path" in (models / "MODEL_CARD.md").read_text()
 
 
+def test_retrained_on_self_generated_rows(built, tmp_path):
+    """--data self: the target's greedy continuations of training-code prefixes (prompts of one length a group, each
+    ending at a line end); every generated token is the target's greedy one; the run trains on them, records them,
+    and a second run with the same settings reads them back instead of generating."""
+    import retrain_drafters
+
+    from bundled import selfgen
+
+    out = tmp_path / "self"
+    argv = ["--artifact", str(built["art"]), "--out", str(out), "--tiny", "--device", "cpu", "--steps", "3",
+            "--data", "self", "--gen-sequences", "5", "--gen-tokens", "12", "--gen-batch", "2",
+            "--gen-prompt-tokens", "30,60", "--batch", "2", "--kinds", "dflash2", "--minutes-eval", "0.01"]
+    retrain_drafters.main(argv)
+    facts = json.loads((out / "ship" / "retrain_facts.json").read_text())
+    assert facts["drafters"]["data"] == "self" and facts["drafters"]["steps"] == 3
+    assert facts["selfgen"]["sequences"] == 5 and facts["selfgen"]["generated_tokens"] == 60
+    data = selfgen.load(out / "selfgen.npz")
+    assert [len(g) for g in data["groups"]] and sum(len(g) for g in data["groups"]) == 5
+    nl = tok.newline_mask(built["tok"], built["cfg"].vocab_size)
+    eng = engine(built)
+    for g, plen in zip(data["groups"], data["prompt_lengths"]):
+        assert g.shape[1] == plen + 12 and 30 - 2 <= plen <= 60 and all(nl[g[:, plen - 1]])
+        row = g[0].tolist()
+        assert eng.generate(row[:plen], max_new_tokens=12, ignore_eos=True).tokens == row[plen:]
+    retrain_drafters.main(argv)
+    again = json.loads((out / "ship" / "retrain_facts.json").read_text())["selfgen"]
+    assert again["reused"] and again["sequences"] == 5
+
+
+def test_self_batches_anchor_after_the_prompt():
+    """SelfBatches serves each group (in parts of ``batch`` rows) with its prompt length as the first anchor, and
+    ``anchors`` draws only from there to the last block that fits."""
+    from bundled import selfgen
+
+    data = {"groups": [np.arange(3 * 20).reshape(3, 20), np.arange(2 * 30).reshape(2, 30)],
+            "prompt_lengths": [8, 18], "new_tokens": 12}
+    b = selfgen.SelfBatches(data, batch=2, seed=0)
+    seen = [b.next() for _ in range(6)]
+    assert sorted((x.shape, lo) for x, lo in seen[:3]) == [((1, 20), 8), ((2, 20), 8), ((2, 30), 18)]
+    gen = torch.Generator().manual_seed(0)
+    a = drafters.anchors(4, 29, 8, 100, gen, "cpu", lo=18)
+    assert a.min() >= 18 and a.max() <= 29 - 8 + 1 and a.shape == (4, 29 - 8 + 2 - 18)
+    assert all(len(set(r.tolist())) == r.numel() for r in a)
+
+
+def test_self_generation_prompts_are_document_prefixes_cut_at_line_ends():
+    """prefixes: the start of a document, never past its end, cut back to a line end; groups: equal lengths, each
+    prompt cut from the front (so it still ends where it ended)."""
+    from bundled import selfgen
+
+    nl = np.zeros(16, bool)
+    nl[5] = True  # token 5 is a newline; 0 ends a document
+    rng = np.random.default_rng(0)
+    docs = [np.where(np.arange(n) % 4 == 3, 5, rng.integers(6, 16, n)) for n in (10, 14, 20, 25, 30, 41)]
+    stream = np.concatenate([np.concatenate([d, [0]]) for d in docs]).astype(np.uint16)
+    opts = selfgen.GenOptions(sequences=10, new_tokens=4, batch=2, prompt_tokens=(8, 40), budget_s=60)
+    got = selfgen.prefixes(stream, 0, nl, opts)
+    assert len(got) >= 3 and all(p[-1] == 5 and 0 not in p and len(p) >= 8 for p in got)
+    starts = {tuple(d[:len(p)]) for d in docs for p in got if len(p) <= len(d)}
+    assert all(tuple(p) in starts for p in got)
+    for g, part in zip(selfgen.groups(got, 2), [sorted(got, key=len)[i:i + 2] for i in range(0, len(got), 2)]):
+        assert all(list(row) == list(p[len(p) - g.shape[1]:]) for row, p in zip(g, part))
+
+
 def test_path_labels_count_a_block_position_only_after_greedy_corpus_tokens():
     # corpus ids and the target's greedy labels: greedy[p] predicts ids[p + 1]
     ids = torch.tensor([[5, 1, 2, 3, 4, 6, 7, 8, 9]])

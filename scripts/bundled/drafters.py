@@ -106,9 +106,10 @@ def block_size(drafter: BlockDrafter, s: int):
         drafter.c.block_size = saved
 
 
-def anchors(b: int, length: int, s: int, nb: int, gen: torch.Generator, device) -> torch.Tensor:
-    """``[B, nb]`` distinct anchors per row in ``1 .. length - s + 1`` (context non-empty, labels in range)."""
-    return torch.rand(b, length - s + 1, generator=gen, device=device).argsort(dim=1)[:, :nb] + 1
+def anchors(b: int, length: int, s: int, nb: int, gen: torch.Generator, device, lo: int = 1) -> torch.Tensor:
+    """``[B, nb]`` distinct anchors per row in ``lo .. length - s + 1`` (context non-empty, labels in range; ``lo``:
+    the first position a round can anchor at, the prompt's end for self-generated rows)."""
+    return torch.rand(b, length - s + 2 - lo, generator=gen, device=device).argsort(dim=1)[:, :nb] + lo
 
 
 def on_path(ids: torch.Tensor, a: torch.Tensor, lab: torch.Tensor) -> torch.Tensor:
@@ -120,12 +121,12 @@ def on_path(ids: torch.Tensor, a: torch.Tensor, lab: torch.Tensor) -> torch.Tens
     return torch.cat([torch.ones_like(same[..., :1]), same.cumprod(-1)], dim=-1)
 
 
-def block_loss(drafter: BlockDrafter, taps, ids, labels, embed, lm_head, s: int, nb: int, opts, gen):
+def block_loss(drafter: BlockDrafter, taps, ids, labels, embed, lm_head, s: int, nb: int, opts, gen, lo: int = 1):
     """(loss, top-1 agreement per block position) of one drafter on one batch with blocks of ``s``: each position's
     mean cross-entropy over the blocks that count for it (all, or those on the greedy path), weighted
     ``exp(-(i-1)/gamma)``."""
     b, length = ids.shape
-    a = anchors(b, length, s, nb, gen, ids.device)
+    a = anchors(b, length, s, nb, gen, ids.device, lo)
     blk = torch.full((b, nb, s), drafter.c.mask_token_id, dtype=torch.long, device=ids.device)
     blk[..., 0] = ids.gather(1, a)
     with block_size(drafter, s):
@@ -156,10 +157,10 @@ def selector_loss(selector, h, logits, anchor_tok, lab, w) -> torch.Tensor:
     return (ce * present).sum() / present.sum().clamp_min(1.0)
 
 
-def step_losses(model, mtp, drafters: dict, x: torch.Tensor, s: int, opts: DrafterOptions, gen):
+def step_losses(model, mtp, drafters: dict, x: torch.Tensor, s: int, opts: DrafterOptions, gen, lo: int = 1):
     """One step's (total loss, per-part detached losses, MTP per-depth losses, drafters' per-position agreement):
     the frozen target reads ``x[:, :-1]`` once; the MTP head (unless ``mtp`` is None) and each drafter learn from
-    its outputs."""
+    its outputs; block anchors start at ``lo``."""
     embed, lm_head = model.model.embed_tokens, model.lm_head
     ids, length = x[:, :-1], x.shape[1] - 1
     taps = sorted({i for d in drafters.values() for i in d.c.target_layer_ids})
@@ -179,8 +180,11 @@ def step_losses(model, mtp, drafters: dict, x: torch.Tensor, s: int, opts: Draft
     agree = {}
     for kind, d in drafters.items():
         ctx = torch.cat([tap[i] for i in d.c.target_layer_ids], dim=-1)
-        nb = max(1, min(opts.block_tokens // s, length - s + 1))
-        dl, agree[kind] = block_loss(d, ctx, ids, labels, embed, lm_head, s, nb, opts, gen)
+        room = length - s + 2 - lo
+        if room < 1:
+            raise ValueError(f"rows of {length} tokens anchored from {lo} leave no room for blocks of {s}")
+        nb = max(1, min(opts.block_tokens // s, room))
+        dl, agree[kind] = block_loss(d, ctx, ids, labels, embed, lm_head, s, nb, opts, gen, lo)
         each[kind] = dl.detach()
         loss = loss + dl
     return loss, each, depth_losses, agree
@@ -198,19 +202,21 @@ def train(model, mtp, drafters: dict, batches, opts: DrafterOptions, device, see
     sched = Schedule(1.0, opts.warmup, opts.budget_s, opts.max_steps)  # a multiplier of each group's peak
     gen = torch.Generator(device=device).manual_seed(seed)
     amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
-    step, stats, rows = 0, {}, 0
+    step, stats, tokens = 0, {}, 0
     while True:
-        x = torch.from_numpy(batches.next()).to(device)
+        got = batches.next()  # corpus rows, or (self-generated rows, their first anchor)
+        x, lo = got if isinstance(got, tuple) else (got, 1)
+        x = torch.from_numpy(x).to(device)
         s = opts.block_sizes[step % len(opts.block_sizes)]
         with amp:
-            loss, each, depth_losses, agree = step_losses(model, mtp, drafters, x, s, opts, gen)
+            loss, each, depth_losses, agree = step_losses(model, mtp, drafters, x, s, opts, gen, lo)
         for g, lr in zip(opt.param_groups, peak):
             g["lr"] = lr * sched.lr(step)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_([p for g in groups for p in g["params"]], 1.0)
         opt.step()
-        step, rows = step + 1, rows + x.shape[0]
+        step, tokens = step + 1, tokens + x.shape[0] * (x.shape[1] - 1)
         stop = sched.done(step)
         for kind, a in agree.items():  # running top-1 agreement per block position, per block length
             key = f"{kind}_s{s}"
@@ -219,10 +225,10 @@ def train(model, mtp, drafters: dict, batches, opts: DrafterOptions, device, see
             log({"phase": "drafters", "step": step, "loss": float(loss.detach()), "block": s,
                  **{f"{k}_loss": round(float(v), 4) for k, v in each.items()},
                  "mtp_depth_loss": [round(float(v), 4) for v in depth_losses], "lr": opts.lr * sched.lr(step - 1),
-                 "elapsed": round(sched.elapsed, 2), "tokens": rows * opts.seq_len})
+                 "elapsed": round(sched.elapsed, 2), "tokens": tokens})
         if stop:
             break
-    return {"steps": step, "seconds": round(sched.elapsed, 1), "context_tokens": rows * opts.seq_len,
+    return {"steps": step, "seconds": round(sched.elapsed, 1), "context_tokens": tokens,
             "batch": opts.batch, "seq_len": opts.seq_len, "labels": opts.labels, "block_sizes": list(opts.block_sizes),
             "mtp_depths": opts.mtp_depths if mtp is not None else 0,
             "final_mtp_depth_loss": [round(float(v), 4) for v in depth_losses],
