@@ -200,6 +200,8 @@ def join(ship: Path, models: Path) -> Path:
                           "steps": new["steps"], "seconds": new["seconds"], "warm_start": new["warm_start"],
                           "after_steps": prior["steps"], "command": facts["command"], "device": facts["device"],
                           "labels": new.get("labels", "greedy"), "kinds": new.get("kinds", list(KINDS)),
+                          "data": new.get("data", "corpus"), **({"selfgen": facts["selfgen"]} if "selfgen" in facts
+                                                                 else {}),
                           "block_sizes": new.get("block_sizes"),
                           "from_artifact": art["from_artifact"], "acceptance": facts["acceptance"]}]}
     cf["export"].update(bytes=art["bytes"], sha256=art["sha256"], parts=art["parts"])

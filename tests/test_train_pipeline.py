@@ -295,6 +295,14 @@ def test_retrained_on_self_generated_rows(built, tmp_path):
     again = json.loads((out / "ship" / "retrain_facts.json").read_text())["selfgen"]
     assert again["reused"] and again["sequences"] == 5
 
+    models = tmp_path / "models"
+    export.join(built["out"] / "ship", models, tmp_path / "data")
+    retrain_drafters.join(out / "ship", models)
+    run = json.loads((models / "card_facts.json").read_text())["drafters"]["retrained"][-1]
+    assert run["data"] == "self" and run["selfgen"]["sequences"] == 5
+    assert "own greedy continuations of training-code prefixes (5 sequences x 12 tokens)" in \
+        (models / "MODEL_CARD.md").read_text()
+
 
 def test_self_batches_anchor_after_the_prompt():
     """SelfBatches serves each group (in parts of ``batch`` rows) with its prompt length as the first anchor, and

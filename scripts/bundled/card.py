@@ -190,6 +190,11 @@ def _run_data(r: dict, build_blocks: list) -> str:
     if r.get("labels") == "path":
         out.append("labels on the target's greedy path: a block position counted only where the corpus tokens "
                    "before it in the block are the target's greedy tokens")
+    if r.get("data") in ("self", "mix"):
+        g = r.get("selfgen") or {}
+        size = f" ({g['sequences']:,} sequences x {g['new_tokens']} tokens)" if "sequences" in g else ""
+        out.append(f"{'partly ' if r['data'] == 'mix' else ''}on the target's own greedy continuations of "
+                   f"training-code prefixes{size}")
     if r.get("block_sizes") and r["block_sizes"] != build_blocks:
         out.append(f"block lengths {r['block_sizes']}")
     return f" ({'; '.join(out)})" if out else ""
