@@ -28,6 +28,9 @@
 #   dattn3   the 27B replay grid and the bundled model's held-out prompts with --draft-attention on / off, the draft
 #            attention's bench, the README's main command
 #   dattn4   the 27B replay grid (32K draft head) and the chained rounds' CUDA tests
+#   ring31   issue 31 after the DFlash2 ring fix: the bundled held-out grid, the README's main command, dattn4's runs
+#   selfdraft the DFlash2 drafter retrained on mixed self-generated rows (retrain_drafters.py --data mix; SELF_SEQS,
+#            SELF_GEN_MIN, REDRAFT_MIN, REDRAFT_ARGS), before / after on the held-out prompts, the artifact in parts
 #   profile  scripts/profile_step.py at the 27B shape: every kernel of 32 decode steps (PROFILE_ARGS adds flags)
 #   ksuite   the kernels suite alone at the 27B shape, T = 1 and 8, with the captured decode step's timeline
 #            (KSUITE_OPS: only these ops)
@@ -496,6 +499,24 @@ PY
                --repeats 2 --json "$OUT/spec27" 2>&1 | tee "$OUT/spec27.log" | tail -9
              timeout ${TESTS_S:-60} python3 -m pytest -q -p no:cacheprovider tests/test_cuda_engine.py -k chained \
                > "$OUT/chained_tests.log" 2>&1; echo "pytest rc $?"; tail -3 "$OUT/chained_tests.log" ;;
+    ring31)  # issue 31 after DFlash2's window ring stopped writing two prompt positions to one entry (CUDA kept either):
+             # the bundled model's held-out grid, the README's main command, the 27B replay grid (32K draft head,
+             # after the chained rounds' length rule) and the chained rounds' CUDA tests
+             nb decode --spec none,mtp:3,dflash2:7 --prompt-file suites/data/heldout_prompts.jsonl -n 256 --repeats 2 \
+               --json "$OUT/specb" 2>&1 | tee "$OUT/specb.log" | tail -7
+             nb decode --spec dflash2 -k 7 --json "$OUT/main.json" 2>&1 | tee "$OUT/main.log" | tail -6
+             nb decode $M27 --spec none,mtp:3,dflash2:7 --replay-acceptance seed --lm-head-draft 32768 -n 128 \
+               --repeats 2 --json "$OUT/spec27" 2>&1 | tee "$OUT/spec27.log" | tail -9
+             timeout ${TESTS_S:-60} python3 -m pytest -q -p no:cacheprovider tests/test_cuda_engine.py -k chained \
+               > "$OUT/chained_tests.log" 2>&1; echo "pytest rc $?"; tail -3 "$OUT/chained_tests.log" ;;
+    selfdraft) # issue 31: the DFlash2 drafter trained on the target's own greedy continuations mixed with corpus rows
+             # (retrain_drafters.py --data mix), before / after on the 64 held-out prompts x 256 tokens, the new
+             # artifact in parts (back here: retrain_drafters.py join $OUT)
+             python3 scripts/retrain_drafters.py --out /tmp/redraft --ship "$OUT" --data mix --kinds dflash2 \
+               --labels path --blocks 4,8,12,8,16,8 --gen-sequences "${SELF_SEQS:-16384}" --gen-batch 128 \
+               --gen-minutes "${SELF_GEN_MIN:-1.5}" --minutes "${REDRAFT_MIN:-4.5}" --eval-prompts 64 --eval-new 256 \
+               --minutes-eval 1.5 ${REDRAFT_ARGS:-} 2>&1 | grep -v "falling back" | tee "$OUT/retrain.log" \
+               | grep -v "drafters\] step=[0-9]*[1-9]0 " | grep -v "\[selfgen\]" | tail -40 ;;
     profspec) # where a C1 speculative round goes at the 27B shape (issue 31): plain, MTP3 and DFlash2 K=7 chained,
              # one process, the draft head over 32,768 tokens (synthetic weights: no drafts accepted)
              timeout ${STAGE_S:-300} python3 scripts/profile_step.py $M27 --spec none,mtp:3,dflash2:7 \

@@ -145,6 +145,8 @@ def self_generated(args, p: tb.Preset, stream, newline, tk, device) -> dict:
         print(f"self-generated data read back: {got['sequences']} sequences from {path}", flush=True)
         return {**got, **json.loads(meta.read_text())["facts"], "reused": True}
     got = selfgen.generate(args.artifact, stream, eot, newline, opts, device)
+    print(f"self-generated {got['sequences']} sequences x {got['new_tokens']} tokens in {got['seconds']} s "
+          f"({got['tok_s']:,} tokens/s)", flush=True)
     selfgen.save(path, got)
     facts = {k: v for k, v in got.items() if k not in ("groups", "prompt_lengths")}
     meta.write_text(json.dumps({"key": key, "facts": facts}, indent=1))
