@@ -514,7 +514,7 @@ PY
              # artifact in parts (back here: retrain_drafters.py join $OUT)
              python3 scripts/retrain_drafters.py --out /tmp/redraft --ship "$OUT" --data mix --kinds dflash2 \
                --labels path --blocks 4,8,12,8,16,8 --gen-sequences "${SELF_SEQS:-16384}" --gen-batch 128 \
-               --gen-minutes "${SELF_GEN_MIN:-1.5}" --minutes "${REDRAFT_MIN:-4.5}" --eval-prompts 64 --eval-new 256 \
+               --gen-minutes "${SELF_GEN_MIN:-1.5}" --minutes "${REDRAFT_MIN:-4}" --eval-prompts 64 --eval-new 256 \
                --minutes-eval 1.5 ${REDRAFT_ARGS:-} 2>&1 | grep -v "falling back" | tee "$OUT/retrain.log" \
                | grep -v "drafters\] step=[0-9]*[1-9]0 " | grep -v "\[selfgen\]" | tail -40 ;;
     profspec) # where a C1 speculative round goes at the 27B shape (issue 31): plain, MTP3 and DFlash2 K=7 chained,

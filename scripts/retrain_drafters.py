@@ -95,8 +95,9 @@ def run(args) -> None:
     tk = tok.load(w.tokenizer)
     log = tb.log_to(args.out / LOG, "drafters")  # its own log file: every row is this run's
     stream, newline = np.load(w.tokens / "train.npy"), tok.newline_mask(tk, cfg.vocab_size)
-    corpus_rows = Batches(stream, p.d_seq_len, p.d_batch, args.seed + 7, 0.0,
+    corpus_rows = Batches(stream, p.d_seq_len, args.batch or p.d_batch, args.seed + 7, 0.0,
                           lambda s: tk.encode(s, add_special_tokens=False).ids, newline)
+    own = None
     if args.data == "corpus":
         batches = corpus_rows
     else:
@@ -109,6 +110,9 @@ def run(args) -> None:
                                    warmup=p.d_warmup, budget_s=args.minutes * 60, max_steps=args.steps or p.d_steps,
                                    block_tokens=p.block_tokens, block_sizes=args.blocks, labels=args.labels)
     facts["drafters"] = drafters.train(model, None, nets, batches, opts, device, args.seed, log)
+    if args.data != "corpus":  # how often each self-generated row was seen (a set seen many times is memorised)
+        facts["selfgen"]["epochs"] = round(own.rows / max(1, gen["sequences"]), 2)
+        print(f"self-generated rows seen {facts['selfgen']['epochs']} times each on average", flush=True)
     facts["drafters"].update(warm_start=not args.fresh, params={k: drafters.param_count(n) for k, n in nets.items()},
                              kinds=sorted(nets), data=args.data)
     del model

@@ -283,6 +283,7 @@ def test_retrained_on_self_generated_rows(built, tmp_path):
     facts = json.loads((out / "ship" / "retrain_facts.json").read_text())
     assert facts["drafters"]["data"] == "self" and facts["drafters"]["steps"] == 3
     assert facts["selfgen"]["sequences"] == 5 and facts["selfgen"]["generated_tokens"] == 60
+    assert facts["selfgen"]["epochs"] == 1.0  # 3 steps over the three parts (groups of 2, 2 and 1 rows)
     data = selfgen.load(out / "selfgen.npz")
     assert [len(g) for g in data["groups"]] and sum(len(g) for g in data["groups"]) == 5
     nl = tok.newline_mask(built["tok"], built["cfg"].vocab_size)
