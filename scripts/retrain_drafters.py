@@ -5,15 +5,18 @@ a copy of the artifact whose target, MTP head and tokenizer bytes are unchanged 
     python3 scripts/retrain_drafters.py --out /tmp/redraft --ship $OUT --minutes 5.5      # on the GPU
     python3 scripts/retrain_drafters.py --out /tmp/redraft --ship $OUT --labels path --kinds dflash2 \
         --blocks 4,8,12,8,16,8 --minutes 5.5                                              # labels on the greedy path
+    python3 scripts/retrain_drafters.py --out /tmp/redraft --ship $OUT --data mix --labels path --kinds dflash2 \
+        --gen-sequences 16384 --gen-batch 128 --gen-minutes 1.5 --minutes 4                # + the target's own text
     python3 scripts/retrain_drafters.py join SHIPDIR                                     # back here
 
 The run: the corpus and its token streams as ``train_bundled.py`` makes them, with the artifact's own tokenizer;
 the target from the artifact's weights (dequantized into transformers' ``Qwen3_5ForCausalLM``: the weights the
 engine serves, so the labels are its greedy tokens); the drafters from the artifact (``--fresh``: newly
 initialised); ``bundled/drafters.py``'s training of the ``--kinds`` drafters for ``--minutes`` (``--labels``: see
-``DrafterOptions``) with the MTP head (and any drafter not named) left alone; the new artifact
-(``bundled/graft.py``); then the acceptance of the old and the new drafters on the same held-out prompts, in the
-same run, within ``--minutes-eval``. The new artifact ships in parts with ``retrain_facts.json`` and the training
+``DrafterOptions``; ``--data self|mix``: on the target's own greedy continuations of training-code prefixes,
+``bundled/selfgen.py``, alone or mixed with corpus rows) with the MTP head (and any drafter not named) left alone;
+the new artifact (``bundled/graft.py``); then the acceptance of the old and the new drafters on the same held-out
+prompts, in the same run, within ``--minutes-eval``. The new artifact ships in parts with ``retrain_facts.json`` and the training
 log. ``join`` checks and installs the artifact into ``models/`` and records the run in ``card_facts.json`` and
 ``train_log.jsonl``; ``scripts/bundled/card_eval.py`` then re-measures the card.
 """
