@@ -306,8 +306,9 @@ def test_retrained_on_self_generated_rows(built, tmp_path):
 
 
 def test_self_batches_anchor_after_the_prompt():
-    """SelfBatches serves each group (in parts of ``batch`` rows) with its prompt length as the first anchor, and
-    ``anchors`` draws only from there to the last block that fits."""
+    """SelfBatches serves each group (in parts of ``batch`` rows) with its prompt length as the first anchor; Mixed
+    serves them for its fraction of the steps and corpus rows for the rest; ``anchors`` draws only from the first
+    anchor to the last block that fits."""
     from bundled import selfgen
 
     data = {"groups": [np.arange(3 * 20).reshape(3, 20), np.arange(2 * 30).reshape(2, 30)],
@@ -315,6 +316,11 @@ def test_self_batches_anchor_after_the_prompt():
     b = selfgen.SelfBatches(data, batch=2, seed=0)
     seen = [b.next() for _ in range(6)]
     assert sorted((x.shape, lo) for x, lo in seen[:3]) == [((1, 20), 8), ((2, 20), 8), ((2, 30), 18)]
+    corpus_rows = batches.Batches(np.arange(500) % 97, 16, 2, 0, 0.0, None, np.zeros(97, bool))
+    mixed = selfgen.Mixed(selfgen.SelfBatches(data, batch=2, seed=1), corpus_rows, 0.75, seed=0)
+    got = [mixed.next() for _ in range(400)]
+    own = sum(isinstance(g, tuple) for g in got)
+    assert 0.68 < own / 400 < 0.82 and all(g.shape == (2, 17) for g in got if not isinstance(g, tuple))
     gen = torch.Generator().manual_seed(0)
     a = drafters.anchors(4, 29, 8, 100, gen, "cpu", lo=18)
     assert a.min() >= 18 and a.max() <= 29 - 8 + 1 and a.shape == (4, 29 - 8 + 2 - 18)
