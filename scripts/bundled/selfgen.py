@@ -46,8 +46,8 @@ class GenOptions:
 
 def document_starts(stream: np.ndarray, eot: int) -> np.ndarray:
     """Offsets in the token stream where a document begins (the stream's start and after each end of text)."""
-    ends = np.flatnonzero(stream == eot)
-    return np.concatenate([[0], ends + 1])[:-1] if len(ends) else np.array([0])
+    starts = np.concatenate([[0], np.flatnonzero(stream == eot) + 1])
+    return starts[starts < len(stream)]
 
 
 def prefixes(stream: np.ndarray, eot: int, newline: np.ndarray, opts: GenOptions) -> list[np.ndarray]:
