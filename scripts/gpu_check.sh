@@ -30,7 +30,8 @@
 #   dattn4   the 27B replay grid (32K draft head) and the chained rounds' CUDA tests
 #   ring31   issue 31 after the DFlash2 ring fix: the bundled held-out grid, the README's main command, dattn4's runs
 #   selfdraft the DFlash2 drafter retrained on mixed self-generated rows (retrain_drafters.py --data mix; SELF_SEQS,
-#            SELF_GEN_MIN, REDRAFT_MIN, REDRAFT_ARGS), before / after on the held-out prompts, the artifact in parts
+#            SELF_BATCH, SELF_GEN_MIN, REDRAFT_MIN, REDRAFT_ARGS), before / after on the held-out prompts, the
+#            artifact in parts
 #   profile  scripts/profile_step.py at the 27B shape: every kernel of 32 decode steps (PROFILE_ARGS adds flags)
 #   ksuite   the kernels suite alone at the 27B shape, T = 1 and 8, with the captured decode step's timeline
 #            (KSUITE_OPS: only these ops)
@@ -513,7 +514,7 @@ PY
              # (retrain_drafters.py --data mix), before / after on the 64 held-out prompts x 256 tokens, the new
              # artifact in parts (back here: retrain_drafters.py join $OUT)
              python3 scripts/retrain_drafters.py --out /tmp/redraft --ship "$OUT" --data mix --kinds dflash2 \
-               --labels path --blocks 4,8,12,8,16,8 --gen-sequences "${SELF_SEQS:-16384}" --gen-batch 128 \
+               --labels path --blocks 4,8,12,8,16,8 --gen-sequences "${SELF_SEQS:-16384}" --gen-batch "${SELF_BATCH:-64}" \
                --gen-minutes "${SELF_GEN_MIN:-1.5}" --minutes "${REDRAFT_MIN:-4}" --eval-prompts 64 --eval-new 256 \
                --minutes-eval 1.5 ${REDRAFT_ARGS:-} 2>&1 | grep -v "falling back" | tee "$OUT/retrain.log" \
                | grep -v "drafters\] step=[0-9]*[1-9]0 " | grep -v "\[selfgen\]" | tail -40 ;;

@@ -6,7 +6,7 @@ a copy of the artifact whose target, MTP head and tokenizer bytes are unchanged 
     python3 scripts/retrain_drafters.py --out /tmp/redraft --ship $OUT --labels path --kinds dflash2 \
         --blocks 4,8,12,8,16,8 --minutes 5.5                                              # labels on the greedy path
     python3 scripts/retrain_drafters.py --out /tmp/redraft --ship $OUT --data mix --labels path --kinds dflash2 \
-        --gen-sequences 16384 --gen-batch 128 --gen-minutes 1.5 --minutes 4                # + the target's own text
+        --gen-sequences 16384 --gen-batch 64 --gen-minutes 1.5 --minutes 4                 # + the target's own text
     python3 scripts/retrain_drafters.py join SHIPDIR                                     # back here
 
 The run: the corpus and its token streams as ``train_bundled.py`` makes them, with the artifact's own tokenizer;
