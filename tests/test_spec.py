@@ -282,7 +282,8 @@ def test_window_ring_writes_each_entry_once_when_a_prompt_chunk_is_longer_than_t
     not write two positions to one entry in one scatter (CUDA keeps either write, so a row's K/V and its recorded
     position could come from different tokens - drafts go wrong, tokens stay right, acceptance drops). Each write
     lands on distinct entries, the ring then holds exactly the newest window positions, and their K/V equal those
-    of a prefill in chunks no longer than the window."""
+    of a prefill in chunks no longer than the window; a committed block longer than the window keeps its newest
+    window of accepted positions."""
     prompt = [(i * 37) % 500 + 5 for i in range(300)]
     rings = []
     for chunk in (2048, 64, 29):
@@ -291,16 +292,15 @@ def test_window_ring_writes_each_entry_once_when_a_prompt_chunk_is_longer_than_t
         d = eng.drafter
         assert d.window == d.cap == 64
         writes = []
-        real = d._write
+        real = d._entries
 
-        def spy(slots, taps, pos, live, real=real):
-            idx = torch.where(live, pos % d.cap, torch.full_like(pos, -1))
-            for row in idx:
-                kept = row[row >= 0]
-                writes.append(kept.numel() == kept.unique().numel())
-            return real(slots, taps, pos, live)
+        def spy(pos, live, real=real):
+            idx, kept = real(pos, live)
+            for row, k in zip(idx, kept):
+                writes.append(row[k].numel() == row[k].unique().numel())
+            return idx, kept
 
-        monkeypatch.setattr(d, "_write", spy)
+        monkeypatch.setattr(d, "_entries", spy)
         seq = eng.acquire(prompt, SamplingParams(max_new_tokens=4))
         eng.start(seq)
         assert writes and all(writes)
@@ -310,6 +310,14 @@ def test_window_ring_writes_each_entry_once_when_a_prompt_chunk_is_longer_than_t
         eng.release(seq)
     for ring in rings[1:]:
         torch.testing.assert_close(ring, rings[0], rtol=1e-3, atol=1e-4)
+    # a committed block longer than the window (possible for a drafter whose window is shorter than its block): of
+    # the accepted positions only the newest window's are kept, the rejected ones and the older go to the discard
+    pos = torch.arange(500, 600)[None].repeat(2, 1)
+    live = torch.arange(100)[None] <= torch.tensor([[79], [99]])
+    idx, kept = d._entries(pos, live)
+    assert kept.sum(1).tolist() == [64, 64] and (idx[~kept] == d.discard).all()
+    assert pos[0][kept[0]].tolist() == list(range(516, 580)) and pos[1][kept[1]].tolist() == list(range(536, 600))
+    assert all(row[k].unique().numel() == 64 for row, k in zip(idx, kept))
 
 
 def test_packed_projections_run_the_drafters_stored_formats():

@@ -387,10 +387,23 @@ class BlockDraftRunner:
         # a block's attention reads the cache rows in place (kernels/draft_attention.py): CUDA with Triton
         self.in_place = dev.type == "cuda" and engine.options.draft_attention and draft_attention_available()
 
-    def _write(self, slots, taps, pos, live) -> None:
-        """Context K/V of ``taps [B, T, n*H]`` at ``pos [B, T]``; rows where ``live`` is False are discarded."""
-        ks, vs = self.net.context_kv(self.net.context(taps.to(self.e.dtype)), pos)
+    def _entries(self, pos, live) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the entry each of ``pos [B, T]`` is written to, whether it is kept): discarded ones go to the discard
+        entry. A ring of ``cap`` entries written more than ``cap`` positions at once (a long prompt chunk, or a block
+        longer than the window) keeps only each row's positions within ``cap`` of its newest kept one: older ones
+        share entries with them, and a CUDA scatter with two writes to one entry keeps either (a K/V row and its
+        position from different tokens). The window never reads them."""
+        if self.window and pos.shape[1] > self.cap:
+            newest = torch.where(live, pos, torch.full_like(pos, -1)).amax(1, keepdim=True)
+            live = live & (pos > newest - self.cap)
         idx = torch.where(live, pos % self.cap if self.window else pos, torch.full_like(pos, self.discard))
+        return idx, live
+
+    def _write(self, slots, taps, pos, live) -> None:
+        """Context K/V of ``taps [B, T, n*H]`` at ``pos [B, T]``; rows where ``live`` is False are discarded
+        (:meth:`_entries`)."""
+        ks, vs = self.net.context_kv(self.net.context(taps.to(self.e.dtype)), pos)
+        idx, live = self._entries(pos, live)
         sl = slots[:, None].expand_as(pos)
         n, (b, t) = len(ks), pos.shape
         # every layer's keys and values in one stack, written with one scatter: [2, layers, B, T, Hkv, hd]
@@ -398,15 +411,10 @@ class BlockDraftRunner:
         self.pos[sl, idx] = torch.where(live, pos, torch.full_like(pos, -1))
 
     def begin(self, seq, start, hidden, taps) -> None:
-        """Context K/V for prompt positions ``start ..`` from their tap outputs ``[n, n_taps*H]``. A window ring
-        takes only the newest ``cap`` of them: older positions would share ring entries with newer ones in one
-        scatter, and a CUDA scatter with two writes to one entry keeps either (a K/V row and its position from
-        different tokens); the window never reads them anyway."""
+        """Context K/V for prompt positions ``start ..`` from their tap outputs ``[n, n_taps*H]`` (a window ring
+        keeps the newest ``cap``: :meth:`_entries`)."""
         if start == 0:
             self.pos[seq.slot] = -1
-        n = taps.shape[0]
-        if self.window and n > self.cap:
-            taps, start = taps[n - self.cap:], start + n - self.cap
         pos = torch.arange(start, start + taps.shape[0], device=self.e.device)[None]
         self._write(self.e.device_ids([seq.slot]), taps[None], pos, torch.ones_like(pos, dtype=torch.bool))
 
