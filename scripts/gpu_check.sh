@@ -31,7 +31,8 @@
 #   ring31   issue 31 after the DFlash2 ring fix: the bundled held-out grid, the README's main command, dattn4's runs
 #   selfdraft the DFlash2 drafter retrained on mixed self-generated rows (retrain_drafters.py --data mix; SELF_SEQS,
 #            SELF_BATCH, SELF_GEN_MIN, REDRAFT_MIN, REDRAFT_ARGS), before / after on the held-out prompts, the
-#            artifact in parts
+#            artifact in parts; SELF_GRID=1 then runs the new artifact's held-out grid (plain / MTP3 / DFlash2 K=7,
+#            256 tokens, two repeats) and the README's main command on it
 #   profile  scripts/profile_step.py at the 27B shape: every kernel of 32 decode steps (PROFILE_ARGS adds flags)
 #   ksuite   the kernels suite alone at the 27B shape, T = 1 and 8, with the captured decode step's timeline
 #            (KSUITE_OPS: only these ops)
@@ -517,7 +518,12 @@ PY
                --labels path --blocks 4,8,12,8,16,8 --gen-sequences "${SELF_SEQS:-16384}" --gen-batch "${SELF_BATCH:-64}" \
                --gen-minutes "${SELF_GEN_MIN:-1.5}" --minutes "${REDRAFT_MIN:-4}" --eval-prompts 64 --eval-new 256 \
                --minutes-eval 1.5 ${REDRAFT_ARGS:-} 2>&1 | grep -v "falling back" | tee "$OUT/retrain.log" \
-               | grep -v "drafters\] step=[0-9]*[1-9]0 " | grep -v "\[selfgen\]" | tail -40 ;;
+               | grep -v "drafters\] step=[0-9]*[1-9]0 " | grep -v "\[selfgen\]" | tail -40
+             if [ "${SELF_GRID:-0}" = 1 ]; then NEW=/tmp/redraft/export/ninfer-code-small.ninfer
+               nb decode --model "$NEW" --spec none,mtp:3,dflash2:7 --prompt-file suites/data/heldout_prompts.jsonl \
+                 -n 256 --repeats 2 --json "$OUT/specb_new" 2>&1 | tee "$OUT/specb_new.log" | tail -7
+               nb decode --model "$NEW" --spec dflash2 -k 7 --json "$OUT/main_new.json" 2>&1 \
+                 | tee "$OUT/main_new.log" | tail -6; fi ;;
     profspec) # where a C1 speculative round goes at the 27B shape (issue 31): plain, MTP3 and DFlash2 K=7 chained,
              # one process, the draft head over 32,768 tokens (synthetic weights: no drafts accepted)
              timeout ${STAGE_S:-300} python3 scripts/profile_step.py $M27 --spec none,mtp:3,dflash2:7 \

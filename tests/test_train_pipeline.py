@@ -356,3 +356,24 @@ def test_path_labels_count_a_block_position_only_after_greedy_corpus_tokens():
     got = drafters.on_path(ids, a, lab)
     # anchor 1: labels 2 (ok: ids[2] = 2), 0 (ids[3] = 3: off), ...; anchor 3: 4 ok, 6 ok, 0 off; anchor 4: 6 ok, 0 off
     assert got.tolist() == [[[1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 0, 0]]]
+
+
+def test_schedule_budget_survives_slow_steps_after_calibration(monkeypatch):
+    """Rows of many lengths compile kernels well past the first steps: a few slow steps after the first two must not
+    shrink the phase's total to a fraction of what its budget holds (the median step time sets it)."""
+    from bundled import schedule
+
+    now = [0.0]
+    monkeypatch.setattr(schedule.time, "perf_counter", lambda: now[0])
+    s = schedule.Schedule(1e-3, warmup=5, budget_s=100.0, start=0.0)
+    step, slow = 0, {1: 5.0, 2: 5.0, 7: 4.0, 12: 6.0, 25: 3.0, 33: 5.0}  # compile steps, seconds
+    while True:
+        now[0] += slow.get(step + 1, 0.1)
+        step += 1
+        if s.done(step):
+            break
+    assert s.total is not None and 500 < s.total < 900, s.total  # ~72 s left at 0.1 s a step after the slow ones
+    assert step == s.total and s.elapsed <= 100.0
+    assert s.lr(step - 1) < 0.2e-3  # the cosine reached its end with the budget
+    fixed = schedule.Schedule(1e-3, warmup=5, budget_s=100.0, max_steps=30, start=now[0])
+    assert all(not fixed.done(i) for i in range(1, 30)) and fixed.done(30) and fixed.total == 30

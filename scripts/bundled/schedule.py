@@ -1,9 +1,11 @@
 """Learning-rate schedule and step budget of a wall-clock-limited training phase.
 
 Linear warm-up, then cosine decay to ``min_frac`` of the peak. The number of steps is fixed when
-``max_steps`` is given; otherwise it is measured: after ``calibrate`` steps (the first two, which include
-kernel compilation and autotuning, are left out of the timing) the total becomes the steps that fit the
-remaining budget. The phase also stops when the budget runs out, whatever the total.
+``max_steps`` is given; otherwise it is measured: after ``calibrate`` steps the total becomes the steps that fit
+the remaining budget at the median step time so far, and it is measured again (median of the steps since) each
+time the step count doubles. A median, not a mean: steps that compile or autotune kernels for a new shape (rows of
+many lengths do that well past the first steps) would otherwise cut the phase to a fraction of its budget. The
+first two steps never enter the timing. The phase also stops when the budget runs out, whatever the total.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ class Schedule:
     calibrate: int = 20
     min_frac: float = 0.1
     total: int | None = None
+    measured_at: int = 0  # the step count of the last measurement (0: the total is not measured yet)
     start: float = field(default_factory=time.perf_counter)
     marks: list = field(default_factory=list)
 
@@ -46,9 +49,11 @@ class Schedule:
     def done(self, steps_done: int) -> bool:
         """Record that ``steps_done`` steps have finished; whether the phase should stop now."""
         self.marks.append(time.perf_counter())
-        if self.total is None and steps_done == self.calibrate:
-            skip = min(2, steps_done - 1)  # steps whose time includes compilation and autotuning
-            t0 = self.marks[skip - 1] if skip else self.start
-            per = (self.marks[-1] - t0) / (steps_done - skip)
+        due = self.calibrate if not self.measured_at else 2 * self.measured_at
+        if self.max_steps is None and steps_done == due:
+            first = max(min(2, steps_done - 1), self.measured_at)  # the first two steps compile and autotune
+            times = sorted(b - a for a, b in zip(([self.start] + self.marks)[first:], self.marks[first:]))
+            per = times[len(times) // 2]
             self.total = steps_done + max(1, int((self.budget_s - self.elapsed) / per))
+            self.measured_at = steps_done
         return (self.total is not None and steps_done >= self.total) or self.elapsed >= self.budget_s
