@@ -106,8 +106,9 @@ def limits(facts: dict, met: list) -> list[str]:
                    + " of the time, and each later position less: the block drafters trained "
                      f"{d.get('seconds', '?')} s in all, while the MTP head trained with the target for the whole "
                      "run. Their training time (`--minutes-drafters` in a build, `scripts/retrain_drafters.py "
-                     "--minutes` on the shipped target) and their labels (`scripts/retrain_drafters.py --labels path`:"
-                     " only block positions on the target's greedy path) are the levers.")
+                     "--minutes` on the shipped target), their labels (`scripts/retrain_drafters.py --labels path`:"
+                     " only block positions on the target's greedy path) and their data (`--data mix`: the target's "
+                     "own greedy continuations beside corpus rows) are the levers.")
     return out
 
 
