@@ -143,8 +143,8 @@ fi
 nb() { timeout "${STAGE_S:-86400}" python3 scripts/nb.py "$@"; }
 # the bundled model's held-out prompts (plain, MTP3, DFlash2 K=7) with this tree, then, when .old holds a copy of the
 # tree before (carried), with that one in the same call: $OUT/$1 and $OUT/$1_old
+HELD="--prompt-file suites/data/heldout_prompts.jsonl -n 256 --repeats 2"
 held_pair() {
-  local HELD="--prompt-file suites/data/heldout_prompts.jsonl -n 256 --repeats 2"
   nb decode --spec none,mtp:3,dflash2:7 $HELD --json "$OUT/$1" 2>&1 | tee "$OUT/$1.log" | tail -8
   if [ -d .old ]; then ln -sf "$PWD/models/ninfer-code-small.ninfer" .old/models/ 2>/dev/null
     ( cd .old && timeout "${STAGE_S:-300}" python3 scripts/nb.py decode --spec none,mtp:3,dflash2:7 $HELD \
@@ -156,6 +156,17 @@ pack() {  # the device tool returns only a handful of files a call: one archive 
     if ls test_*.log >/dev/null 2>&1; then
       for f in test_*.log; do echo "=== $f"; cat "$f"; done > tests_all.log && rm -f test_*.log
     fi )
+}
+# the bundled model's held-out grid (plain, MTP3, DFlash2 K=7) and the README's main command on the artifact $2
+# (default: the installed one): $OUT/specb$1, $OUT/main$1.json
+held_main() {
+  local M=${2:+--model $2}
+  nb decode $M --spec none,mtp:3,dflash2:7 $HELD --json "$OUT/specb$1" 2>&1 | tee "$OUT/specb$1.log" | tail -7
+  nb decode $M --spec dflash2 -k 7 --json "$OUT/main$1.json" 2>&1 | tee "$OUT/main$1.log" | tail -6
+}
+chained_tests() {  # the chained speculative rounds' CUDA tests (seven; three took 60-90 s)
+  timeout "${TESTS_S:-300}" python3 -m pytest -q -p no:cacheprovider tests/test_cuda_engine.py -k chained \
+    > "$OUT/chained_tests.log" 2>&1; echo "pytest rc $?"; tail -3 "$OUT/chained_tests.log"
 }
 trap pack EXIT
 llwait() {  # wait for the llamabuild stage's background build (LLWAIT_S seconds at most); 0 when it succeeded
@@ -506,20 +517,13 @@ PY
     ring31)  # issue 31 after DFlash2's window ring stopped writing two prompt positions to one entry (CUDA kept either):
              # the bundled model's held-out grid, the README's main command, the 27B replay grid (32K draft head,
              # after the chained rounds' length rule) and the chained rounds' CUDA tests
-             nb decode --spec none,mtp:3,dflash2:7 --prompt-file suites/data/heldout_prompts.jsonl -n 256 --repeats 2 \
-               --json "$OUT/specb" 2>&1 | tee "$OUT/specb.log" | tail -7
-             nb decode --spec dflash2 -k 7 --json "$OUT/main.json" 2>&1 | tee "$OUT/main.log" | tail -6
+             held_main
              nb decode $M27 --spec none,mtp:3,dflash2:7 --replay-acceptance seed --lm-head-draft 32768 -n 128 \
                --repeats 2 --json "$OUT/spec27" 2>&1 | tee "$OUT/spec27.log" | tail -9
-             timeout ${TESTS_S:-300} python3 -m pytest -q -p no:cacheprovider tests/test_cuda_engine.py -k chained \
-               > "$OUT/chained_tests.log" 2>&1; echo "pytest rc $?"; tail -3 "$OUT/chained_tests.log" ;;
+             chained_tests ;;
     grid31)  # issue 31 on the installed artifact: the bundled held-out grid, the README's main command, the chained
              # rounds' CUDA tests
-             nb decode --spec none,mtp:3,dflash2:7 --prompt-file suites/data/heldout_prompts.jsonl -n 256 --repeats 2 \
-               --json "$OUT/specb" 2>&1 | tee "$OUT/specb.log" | tail -7
-             nb decode --spec dflash2 -k 7 --json "$OUT/main.json" 2>&1 | tee "$OUT/main.log" | tail -6
-             timeout ${TESTS_S:-300} python3 -m pytest -q -p no:cacheprovider tests/test_cuda_engine.py -k chained \
-               > "$OUT/chained_tests.log" 2>&1; echo "pytest rc $?"; tail -3 "$OUT/chained_tests.log" ;;
+             held_main; chained_tests ;;
     selfdraft) # issue 31: the DFlash2 drafter trained on the target's own greedy continuations mixed with corpus rows
              # (retrain_drafters.py --data mix), before / after on the 64 held-out prompts x 256 tokens, the new
              # artifact in parts (back here: retrain_drafters.py join $OUT)
@@ -528,11 +532,7 @@ PY
                --gen-minutes "${SELF_GEN_MIN:-1.5}" --minutes "${REDRAFT_MIN:-4}" --eval-prompts 64 --eval-new 256 \
                --minutes-eval 1.5 ${REDRAFT_ARGS:-} 2>&1 | grep -v "falling back" | tee "$OUT/retrain.log" \
                | grep -v "drafters\] step=[0-9]*[1-9]0 " | grep -v "\[selfgen\]" | tail -40
-             if [ "${SELF_GRID:-0}" = 1 ]; then NEW=/tmp/redraft/export/ninfer-code-small.ninfer
-               nb decode --model "$NEW" --spec none,mtp:3,dflash2:7 --prompt-file suites/data/heldout_prompts.jsonl \
-                 -n 256 --repeats 2 --json "$OUT/specb_new" 2>&1 | tee "$OUT/specb_new.log" | tail -7
-               nb decode --model "$NEW" --spec dflash2 -k 7 --json "$OUT/main_new.json" 2>&1 \
-                 | tee "$OUT/main_new.log" | tail -6; fi ;;
+             if [ "${SELF_GRID:-0}" = 1 ]; then held_main _new /tmp/redraft/export/ninfer-code-small.ninfer; fi ;;
     profspec) # where a C1 speculative round goes at the 27B shape (issue 31): plain, MTP3 and DFlash2 K=7 chained,
              # one process, the draft head over 32,768 tokens (synthetic weights: no drafts accepted)
              timeout ${STAGE_S:-300} python3 scripts/profile_step.py $M27 --spec none,mtp:3,dflash2:7 \
