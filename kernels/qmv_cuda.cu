@@ -29,6 +29,11 @@
 // TPW > 1 (with NCOL > 1): a block takes TPW consecutive tiles and each warp its groups of all of them, so one load
 // of x feeds TPW tiles' fragments (x crosses L2 once per 16 TPW weight rows instead of once per 16); each tile's
 // MMAs, scale steps, warp order and split-K sums are those of a block of that tile alone (the same bits).
+// ASYNC = S > 0 (TILED 2): each warp streams its steps' code words, scales and q5 high bits into a ring of S steps in
+// shared memory with cp.async, S - 1 steps ahead of its arithmetic, instead of loading them into registers; each lane
+// copies and reads back only its own pieces, so no barrier is needed. A wide launch (8 column groups) holds about
+// 100 accumulators and one step of loads in registers; from registers it keeps one step (6 KB an SM) in flight and
+// runs at the bandwidth that latency allows. The arithmetic, its order and so the bits are those of ASYNC 0.
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -93,6 +98,15 @@ typedef unsigned char u8;
 #endif
 #if TPW > 1 && NCOL == 1
 #error "TPW > 1 shares x between the tiles of column groups: NCOL > 1"
+#endif
+#ifndef ASYNC
+#define ASYNC 0   // steps of a warp's cp.async ring in shared memory (0: loads into registers, UNROLL steps at once)
+#endif
+#if ASYNC && TILED != 2
+#error "ASYNC streams the lanes layout (TILED 2): one 16-byte code piece, one scale pair, one high-bit pair a lane"
+#endif
+#if ASYNC && (XLATE || PIPE || TAIL)
+#error "ASYNC has its own pipeline: XLATE, PIPE and TAIL are for register loads"
 #endif
 #ifndef MIN_BLOCKS
 #define MIN_BLOCKS 2  // blocks per SM to fit: lets ptxas keep all of a step batch's loads in flight
@@ -689,6 +703,101 @@ __device__ __forceinline__ void tiles_sums(const u16* __restrict__ x, const u8* 
 }
 #endif
 
+#if ASYNC
+__device__ __forceinline__ u32 smem_addr(const void* p) {  // a shared-memory address as cp.async takes it
+  u32 a;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+  return a;
+}
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async4(u32 dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+// The ring in dynamic shared memory (qmv_cuda.async_shared_bytes): code pieces uint4 [NW][ASYNC][TPW][32], then
+// scale pairs u32 [NW][ASYNC][TPW][32], then (q5) high-bit pairs u32 alike
+extern __shared__ uint4 qmv_ring[];
+#define RING_SLOTS (NW * ASYNC * TPW * 32)
+
+// Step j of the warp (group gi0 + NW j) of tile i: its pieces into stage j % ASYNC (one commit group a step, empty
+// past the warp's last step, so that a wait for "all but ASYNC - 1 groups" always means step j's)
+__device__ __forceinline__ void ring_issue(const Lane* Ls, int j, int steps, int warp, int lane) {
+  if (j < steps) {
+    const int s = j % ASYNC;
+#pragma unroll
+    for (int i = 0; i < TPW; ++i) {
+      const int slot = ((warp * ASYNC + s) * TPW + i) * 32 + lane;
+      cp_async16(smem_addr(qmv_ring + slot), Ls[i].cp0 + CSTEP * NW * j);
+      cp_async4(smem_addr(reinterpret_cast<u32*>(qmv_ring + RING_SLOTS) + slot), Ls[i].sp0 + SSTEP * NW * j);
+#if FMT == 1
+      cp_async4(smem_addr(reinterpret_cast<u32*>(qmv_ring + RING_SLOTS) + RING_SLOTS + slot),
+                Ls[i].hp0 + HSTEP * NW * j);
+#endif
+    }
+  }
+  cp_commit();
+}
+
+// tiles_sums with the ring: the warp's steps j = 0, 1, ... (groups gi0 + NW j < g_hi) of tiles tile0 .. tile0 + TPW - 1
+// (TPW 1: one tile), the copies ASYNC - 1 steps ahead; per step the same fragments, x loads, MMAs and sums in the same
+// order as steps / steps_tiles
+__device__ __forceinline__ void ring_sums(const u16* __restrict__ x, const u8* __restrict__ codes,
+                                          const u8* __restrict__ high, const u16* __restrict__ scales, int T, int N,
+                                          int K, int NG, long long stride_x, long long stride_c, long long stride_h,
+                                          long long stride_s, int tile0, int tiles, int g_lo, int g_hi, float* acc) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, c = lane & 3;
+  const int gi0 = g_lo + warp;
+  const int steps = gi0 < g_hi ? (g_hi - gi0 + NW - 1) / NW : 0;
+  const u16* xrow = x + min(g, T - 1) * stride_x;
+  Lane Ls[TPW];
+#pragma unroll
+  for (int i = 0; i < TPW; ++i)
+    Ls[i] = make_lane(x, codes, high, scales, T, N, NG, stride_x, stride_c, stride_h, stride_s,
+                      min(tile0 + i, tiles - 1), gi0, g, c);
+  u32 magic;
+  asm volatile("mov.b32 %0, %1;" : "=r"(magic) : "n"(MAGIC));
+#pragma unroll
+  for (int j = 0; j < ASYNC - 1; ++j) ring_issue(Ls, j, steps, warp, lane);
+  grid_wait();  // the first steps' weights are in flight; x comes from the kernel before
+  const u32* ring_s = reinterpret_cast<const u32*>(qmv_ring + RING_SLOTS);
+  for (int j = 0; j < steps; ++j) {
+    ring_issue(Ls, j + ASYNC - 1, steps, warp, lane);  // into the stage step j - 1 used (read into registers)
+    cp_wait<ASYNC - 1>();                                // this lane's copies of step j have landed
+    const int s = j % ASYNC;
+    Frags F[TPW];
+#pragma unroll
+    for (int i = 0; i < TPW; ++i) {
+      const int slot = ((warp * ASYNC + s) * TPW + i) * 32 + lane;
+      const uint4 v = qmv_ring[slot];
+      const u32 sc = ring_s[slot];
+#if FMT == 1
+      const u32 h = ring_s[RING_SLOTS + slot];
+#else
+      const u32 h = 0;
+#endif
+      F[i] = make_frags(make_uint2(v.x, v.y), make_uint2(v.z, v.w), h & 0xFFFFu, h >> 16, sc & 0xFFFFu, sc >> 16,
+                        magic);
+    }
+#pragma unroll
+    for (int n = 0; n < NCOL; ++n) {
+      u32 xv[XPL / 2];
+      load_x(Ls[0], xrow, gi0, j, K, c, xv, Ls[0].xo[n]);
+#pragma unroll
+      for (int i = 0; i < TPW; ++i) col_math(F[i], xv, acc + 4 * (NCOL * i + n));
+    }
+  }
+  cp_wait<0>();  // (only empty groups remain: nothing still writes to the ring when the block moves on)
+}
+#endif
+
 // The block's sums of tile `tile` (acc, one share a warp) to the output: added up over the warps in shared memory;
 // a tile whose groups `pieces` blocks share (split-K) goes through the workspace,
 // piece `piece` in slice `piece`, and the last of its blocks to arrive adds the slices up in piece order (a fixed
@@ -791,10 +900,15 @@ qmv(const u16* __restrict__ x, const u8* __restrict__ codes, const u8* __restric
 #pragma unroll
   for (int i = 0; i < 4 * NCOL * TPW; ++i) acc[i] = 0.f;
   const int g_lo = blockIdx.y * groups_per_split, g_hi = min(NG, g_lo + groups_per_split);
-#if TPW > 1
+#if TPW > 1 || ASYNC
   const int tiles = (N + 15) / 16, tile0 = blockIdx.x * TPW;
+#if ASYNC
+  ring_sums(x, codes, high, scales, T, N, K, NG, stride_x, stride_c, stride_h, stride_s, tile0, tiles, g_lo, g_hi,
+            acc);
+#else
   tiles_sums(x, codes, high, scales, T, N, K, NG, stride_x, stride_c, stride_h, stride_s, tile0, tiles, g_lo, g_hi,
              acc);
+#endif
 #pragma unroll
   for (int i = 0; i < TPW; ++i) {
     if (tile0 + i < tiles)  // (the same for the whole block)

@@ -92,10 +92,17 @@ class DenseWeight:
         reserve(weight.device, self.n, self.ng)  # outside any graph capture
 
 
+def async_shared_bytes(fmt: str, warps: int, stages: int, tiles: int = 1) -> int:
+    """Dynamic shared memory of a launch with a ``stages``-step cp.async ring (``ASYNC`` in the source): per warp,
+    stage, row tile and lane a 16-byte code piece and a 4-byte scale pair, and for q5 a 4-byte high-bit pair."""
+    per_lane = 16 + 4 + (4 if fmt == "q5_g64_fp16" else 0)
+    return warps * stages * tiles * 32 * per_lane if stages else 0
+
+
 @functools.cache
 def _kernel(fmt_id: int, half: bool, even: bool, unroll: int, min_blocks: int, xlate: bool, pipe: bool,
             fold: bool, pdl: bool, tiled: int, act: bool, warps: int, tail: bool, ncol: int, tiles: int,
-            device_index: int, xl1: bool = True):
+            device_index: int, xl1: bool = True, stages: int = 0, shared: int = 0):
     import cupy
 
     with cupy.cuda.Device(device_index):
@@ -105,8 +112,11 @@ def _kernel(fmt_id: int, half: bool, even: bool, unroll: int, min_blocks: int, x
                                          f"-DPIPE={int(pipe)}", f"-DFOLD={int(fold)}", f"-DPDL={int(pdl)}",
                                          f"-DTILED={int(tiled)}", f"-DACT={int(act)}", f"-DNW={warps}",
                                          f"-DTAIL={int(tail)}", f"-DNCOL={ncol}", f"-DTPW={tiles}",
-                                         f"-DXL1={int(xl1)}"))
-        return module.get_function("qmv")
+                                         f"-DXL1={int(xl1)}", f"-DASYNC={stages}"))
+        func = module.get_function("qmv")
+        if shared:  # the default cap is 48 KB less the kernel's static shared memory (tile_store's sums)
+            func.max_dynamic_shared_size_bytes = shared
+        return func
 
 
 # Split-K scratch, one per device: fp32 partial tiles [splits, T, N] (overwritten by every launch) and per-tile
@@ -199,14 +209,14 @@ def _wide_builds(text: str) -> dict[int, dict[str, int]]:
     """``NCOL:KNOBS,...`` (``8:p2u1b1``) -> {ncol: {"tiles", "unroll", "min_blocks" given}}; ValueError when malformed."""
     import re
 
-    names = {"p": "tiles", "u": "unroll", "b": "min_blocks"}
+    names = {"p": "tiles", "u": "unroll", "b": "min_blocks", "s": "stages"}
     out = {}
     for item in (v.strip() for v in text.split(",") if v.strip()):
-        m = re.fullmatch(r"(\d+):((?:[pub]\d+)+)", item)
+        m = re.fullmatch(r"(\d+):((?:[pubs]\d+)+)", item)
         if not m or int(m.group(1)) not in (2, 4, 8):
             raise ValueError(f"NINFER_BENCH_QMV_WIDE: {item!r}: expected NCOL:KNOBS with NCOL 2, 4 or 8 and knobs "
-                             "p<tiles> u<unroll> b<blocks an SM>, e.g. 8:p2u1b1")
-        out[int(m.group(1))] = {names[k]: int(v) for k, v in re.findall(r"([pub])(\d+)", m.group(2))}
+                             "p<tiles> u<unroll> b<blocks an SM> s<cp.async stages, 0 off>, e.g. 8:p2u1b1 or 8:p2s4b1")
+        out[int(m.group(1))] = {names[k]: int(v) for k, v in re.findall(r"([pubs])(\d+)", m.group(2))}
     return out
 
 
@@ -255,13 +265,14 @@ def _driver():
     return lib
 
 
-def _launch_pdl(func, grid: tuple[int, int], block: int, args: tuple, stream_handle: int) -> None:
-    """``func<<<grid, block, 0, stream>>>(args)`` with programmatic stream serialization allowed; ``func`` is a cupy
-    RawKernel (its ``kernel`` is the CUfunction on the current device), ``args`` ctypes scalars in parameter order."""
+def _launch_pdl(func, grid: tuple[int, int], block: int, args: tuple, stream_handle: int, shared: int = 0) -> None:
+    """``func<<<grid, block, shared, stream>>>(args)`` with programmatic stream serialization allowed; ``func`` is a
+    cupy RawKernel (its ``kernel`` is the CUfunction on the current device), ``args`` ctypes scalars in parameter
+    order, ``shared`` bytes of dynamic shared memory."""
     attr = _LaunchAttr()
     attr.id = _ATTR_PROGRAMMATIC_STREAM_SERIALIZATION
     attr.value[0] = 1  # programmaticStreamSerializationAllowed (an int, little-endian)
-    cfg = _LaunchConfig((ctypes.c_uint * 3)(grid[0], grid[1], 1), (ctypes.c_uint * 3)(block, 1, 1), 0,
+    cfg = _LaunchConfig((ctypes.c_uint * 3)(grid[0], grid[1], 1), (ctypes.c_uint * 3)(block, 1, 1), shared,
                         ctypes.c_void_p(stream_handle), ctypes.pointer(attr), 1)
     params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
     rc = _driver().cuLaunchKernelEx(ctypes.byref(cfg), ctypes.c_void_p(func.kernel.ptr), params, None)
@@ -313,7 +324,7 @@ def _wide(n: int, sms: int) -> bool:
 def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | None = None,
         unroll: int | None = None, min_blocks: int | None = None, xlate: bool = False, pipe: bool = False,
         fold: bool = False, pdl: bool | None = None, act: bool = False, warps: int | None = None,
-        tail: bool = False, tiles: int | None = None) -> torch.Tensor:
+        tail: bool = False, tiles: int | None = None, stages: int | None = None) -> torch.Tensor:
     """``x [T, K] @ W.T`` -> ``[T, N]`` in x.dtype, for T <= 64 (see :func:`supports`). ``out`` (contiguous [T, N],
     x.dtype) is written instead of a fresh tensor. ``splits`` (default :func:`choose_splits`), ``unroll`` (steps
     whose loads are in flight together), ``min_blocks`` (blocks per SM the registers must allow), ``xlate`` (x
@@ -330,8 +341,10 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
     same sums in the same order). Over 8 rows (:func:`column_groups` > 1) ``xlate``, ``pipe`` and ``tail`` are
     refused and ``min_blocks`` defaults to the measured best for the column groups (:data:`_NCOL_MIN_BLOCKS`);
     ``tiles`` (over 8 rows): row tiles a block takes, each warp its groups of all of them, so that one
-    load of x serves them all - the same sums as one tile a block (defaults for these three: :data:`_WIDE`, else
-    :data:`_WIDE_DEFAULT`)."""
+    load of x serves them all - the same sums as one tile a block; ``stages`` (the lanes layout, any width; 0: off):
+    each warp streams its weight pieces through a ring of that many steps in shared memory with cp.async, that many
+    minus one steps ahead of its arithmetic, instead of ``unroll`` steps into registers - the same sums (defaults for
+    these four over 8 rows: :data:`_WIDE`, else :data:`_WIDE_DEFAULT`)."""
     lin = getattr(lin, "qmv_weight", None) or lin  # a tiled PackedLinear: its tiles
     if not supports(x, lin):
         raise ValueError(f"qmv: needs CUDA bf16/fp16 x [1..{MAX_ROWS}, K={lin.k}] contiguous and a q8/q5/q4 weight "
@@ -354,6 +367,13 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
     tiles = tiles or wide.get("tiles", 1)
     unroll = unroll or wide.get("unroll", 4)
     min_blocks = min_blocks or wide.get("min_blocks")
+    if stages is None:  # the ring streams the lanes layout's pieces: other layouts load into registers
+        stages = wide.get("stages", 0) if getattr(lin, "layout", 0) == 2 else 0
+    elif stages and getattr(lin, "layout", 0) != 2:
+        raise ValueError(f"qmv: stages > 0 streams the lanes layout (a TiledWeight with lanes=True), got "
+                         f"{type(lin).__name__} layout {getattr(lin, 'layout', 0)}")
+    if stages < 0 or stages and (xlate or pipe or tail):
+        raise ValueError(f"qmv: stages must be >= 0 and comes without xlate, pipe and tail, got {stages}")
     if tiles > 1 and ncol == 1:
         raise ValueError(f"qmv: tiles a block > 1 shares x between the tiles of a launch of more than {MAX_T} rows, "
                          f"got {t}")
@@ -365,8 +385,10 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
                                 _NCOL_MIN_BLOCKS.get((ncol, warps), max(1, 8 // warps)))
     even = lin.k == lin.kp and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
     pdl = _triton.pdl_now(x.device) if pdl is None else pdl and _capability(dev) >= (9, 0)
+    shared = async_shared_bytes(lin.fmt, warps, stages, tiles)
     kern = _kernel(_FMT_ID[lin.fmt], x.dtype == torch.float16, even, unroll, min_blocks, xlate, pipe, fold, pdl,
-                   getattr(lin, "layout", 0), act, warps, tail, ncol, tiles, dev, _SWITCHES["pdl_x_l1"])
+                   getattr(lin, "layout", 0), act, warps, tail, ncol, tiles, dev, _SWITCHES["pdl_x_l1"], stages,
+                   shared)
     per_block, tiles = tiles, -(-n // 16)
     whole = act or not _triton.split_k_allowed()  # (the epilogue, or a launch beside others: _triton.single_pass)
     s = 1 if whole else min(splits, MAX_SPLITS) if splits else shape_splits(n, lin.ng, _triton.num_sms(dev), warps)
@@ -382,13 +404,13 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
     if pdl:
         cargs = (*map(ctypes.c_uint64, ptrs), *map(ctypes.c_int32, ints), *map(ctypes.c_int64, longs))
         with torch.cuda.device(dev):  # the module was loaded in this device's context
-            _launch_pdl(kern, (-(-tiles // per_block), s), warps * 32, cargs, stream.cuda_stream)
+            _launch_pdl(kern, (-(-tiles // per_block), s), warps * 32, cargs, stream.cuda_stream, shared)
         return out
     import cupy
 
     args = (*map(np.uint64, ptrs), *map(np.int32, ints), *map(np.int64, longs))
     with cupy.cuda.Device(dev):
-        kern((-(-tiles // per_block), s), (warps * 32,), args, stream=_cupy.stream(stream, dev))
+        kern((-(-tiles // per_block), s), (warps * 32,), args, stream=_cupy.stream(stream, dev), shared_mem=shared)
     return out
 
 

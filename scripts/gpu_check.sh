@@ -41,6 +41,9 @@
 #   tilecheck scripts/probe_tile_bits.py, then test_cuda_engine's verify-row, speculative, block-draft and dflash2 PDL
 #            tests with tracebacks
 #   tpw      wide qmv launches with TPW row tiles a block: CUDA tests, 27B shapes at 64 rows, DFlash2 C8 with / without
+#   ring     qmv with the weights streamed through a cp.async ring (stages): its CUDA tests, the 27B shapes at 64 rows
+#            (RING_KNOBS) and, with RING_T=1, at 1 and 8 rows (RING_KNOBS1); RING_C8=1 adds the 27B DFlash2 K=7 replayed
+#            C8 with each RING_WIDE build (label|NINFER_BENCH_QMV_WIDE) and plain C8
 #   ncuqmv   Nsight Compute on wide qmv launches (NCU_QMV op:fmt:rows cases, NCU_QMV_KNOBS builds): why 64 rows cost
 #            4-5x what 8 rows do
 #   tp1gpu   tensor parallelism's CUDA path on one GPU (two gloo ranks sharing it) against one rank: 27B decode (v2,
@@ -406,6 +409,33 @@ for stage in "$@"; do
                nb concurrency $M27 -n 128 --rounds 2 ${V#*|} --json "$OUT/rowsconc/$N.json" 2>&1 \
                  | tee "$OUT/rowsconc/$N.log" | grep -E "^│|error|Error" | head -6; done ;;
     sampler) timeout ${STAGE_S:-120} python3 scripts/probe_sampler.py --json "$OUT/sampler.json" 2>&1 | tee "$OUT/sampler.log" ;;
+    ring)    # issue 33: qmv's weights through a per-warp cp.async ring in shared memory (stages), against the register
+             # builds: CUDA tests, the 27B shapes at 64 rows (bits checked against 8-row launches), at 1 / 8 rows with
+             # RING_T=1, then with RING_C8=1 the 27B DFlash2 K=7 replayed C8 per RING_WIDE build and plain C8
+             mkdir -p "$OUT/ring"
+             [ "${RING_TESTS:-1}" = 0 ] || timeout ${TESTS_S:-200} python3 -m pytest -q -p no:cacheprovider -rf \
+               tests/test_kernels_qmv_cuda.py -k "async_ring or tiles_a_block or wide_launch_rows" 2>&1 \
+               | tee "$OUT/ring/tests.log" | grep -E "^(FAILED|ERROR)|passed|failed" | head
+             K=${RING_KNOBS:-p3u1,s4,s6,s4b2,p2s4b1,p2s4b2,p3s4b1}; ONLY="ours-r8,ours-r64,qmv-lanes-${K//,/,qmv-lanes-}"
+             [ "${RING_BENCH:-1}" = 0 ] || for FO in "q4|mlp.gate_up,mlp.down,gdn.qkv,gdn.out" "q5|attn.q_gate,attn.o" \
+                 "q8|lm_head"; do
+               OUT=$OUT/ring timeout ${QBENCH_S:-150} python3 scripts/bench_qlinear.py --no-baselines --ts 64 --rows 64 \
+                 --qmv-knobs "$K" --only "$ONLY" --fmts ${FO%%|*} --ops ${FO#*|} 2>&1 | tee -a "$OUT/ring/bench64.log" \
+                 | grep -v "@graph20" | grep -E "ours|qmv|FAIL|DIFFER|copy bandwidth"; done
+             K1=${RING_KNOBS1:-s4,s6,s4b4,s8b4}; ONLY1="ours,qmv-lanes-${K1//,/,qmv-lanes-}"
+             [ "${RING_T:-0}" = 0 ] || for FO in "q4|mlp.gate_up,mlp.down,gdn.qkv,gdn.out" "q5|attn.q_gate,attn.o" \
+                 "q8|lm_head"; do
+               OUT=$OUT/ring timeout ${QBENCH_S:-150} python3 scripts/bench_qlinear.py --no-baselines --ts 1,8 \
+                 --qmv-knobs "$K1" --only "$ONLY1" --fmts ${FO%%|*} --ops ${FO#*|} 2>&1 | tee -a "$OUT/ring/bench1.log" \
+                 | grep -v "@graph20" | grep -E "ours|qmv|FAIL|copy bandwidth"; done
+             if [ "${RING_C8:-0}" = 1 ]; then C27="$M27 -n 128 --rounds 2"
+               for V in ${RING_WIDE:-"registers|8:p3u1" "default|"}; do N=${V%%|*}; echo "--- dflash2 C8 $N"
+                 NINFER_BENCH_QMV_WIDE="${V#*|}" timeout ${E2E_S:-200} python3 scripts/nb.py concurrency $C27 -c 8 \
+                   --spec dflash2 -k 7 --replay-acceptance seed --json "$OUT/ring/dflash2-$N.json" 2>&1 \
+                   | tee "$OUT/ring/dflash2-$N.log" | grep -E "^│|rror|sequential p0" | head -6; done
+               echo "--- plain C8"; timeout ${E2E_S:-200} python3 scripts/nb.py concurrency $C27 -c 8 \
+                 --json "$OUT/ring/plain.json" 2>&1 | tee "$OUT/ring/plain.log" | grep -E "^│|rror" | head -4
+             fi ;;
     tpw)     # wide qmv launches with several row tiles a block (x loaded once for them): their CUDA tests, the 27B q4 /
              # q5 shapes at 64 rows (TPW_KNOBS against the default and 8-row launches, bits checked; TPW_BENCH=0 skips
              # it), then the 27B DFlash2 K=7 replayed C8 with each TPW_WIDE build (label|NINFER_BENCH_QMV_WIDE; default:

@@ -246,9 +246,61 @@ def test_tiles_a_block_keep_the_bits(fmt, n, k, splits):
         qmv_cuda.qmv(x[:8].contiguous(), lin, tiles=2)
 
 
+# (N, K, splits): warps that get no step (K of 4 q4 groups), split-K, tiles the row tiles a block do not divide
+RING_CASES = [(64, 256, None), (200, 2048, 3), (37, 1152, None), (1000, 5120, 1)]
+
+
+@needs_qmv
+@pytest.mark.parametrize("fmt", quant.QUANT_FORMATS)
+@pytest.mark.parametrize("n,k,splits", RING_CASES, ids=[f"{n}x{k}-s{s}" for n, k, s in RING_CASES])
+def test_async_ring_keeps_the_bits(fmt, n, k, splits):
+    """Weights streamed through a cp.async ring in shared memory (1-6 stages) give the register build's bits at 1,
+    8, 20 and 64 rows, with 1-3 row tiles a block, split-K, warps that get no step, PDL, a CUDA graph and the silu
+    epilogue, past 48 KB of shared memory too; a layout other than lanes refuses an explicit ring."""
+    base, x, ref = _case(fmt, n, k, 64, torch.bfloat16, seed=53)
+    lin = qmv_cuda.TiledWeight(base, lanes=True)
+    for t in (1, 8, 20, 64):
+        xt = x[:t].contiguous()
+        want = qmv_cuda.qmv(xt, lin, splits=splits, stages=0)
+        assert rel_rms(want, ref[:t]) <= TOL[torch.bfloat16]
+        builds = [{"stages": s} for s in (1, 2, 4, 6)]
+        if t > 8:
+            builds += [{"stages": 3, "tiles": 2}, {"stages": 6, "tiles": 3, "min_blocks": 1}]
+        for kw in builds:
+            assert torch.equal(qmv_cuda.qmv(xt, lin, splits=splits, **kw), want), (t, kw)
+    if torch.cuda.get_device_capability() >= (9, 0):
+        assert torch.equal(qmv_cuda.qmv(x, lin, splits=splits, stages=4, pdl=True),
+                           qmv_cuda.qmv(x, lin, splits=splits, stages=0))
+    torch.cuda.synchronize()
+    assert int(qmv_cuda._WORKSPACES[x.device][1].abs().sum()) == 0  # split-K counters left at zero
+    out = torch.empty(64, n, dtype=x.dtype, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        qmv_cuda.qmv(x, lin, out, splits=splits, stages=4)
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, qmv_cuda.qmv(x, lin, splits=splits, stages=0))
+    if n % 16 == 0:
+        assert torch.equal(qmv_cuda.qmv(x, lin, act=True, stages=4, tiles=2),
+                           qmv_cuda.qmv(x, lin, act=True, stages=0))
+    with pytest.raises(ValueError, match="lanes layout"):
+        qmv_cuda.qmv(x, base, stages=4)
+    with pytest.raises(ValueError, match="stages"):
+        qmv_cuda.qmv(x[:4].contiguous(), lin, stages=2, tail=True)
+
+
+def test_async_ring_shared_bytes():
+    """A ring's shared memory: 20 bytes a lane, stage, tile and warp (q5: 24, its high bits); none without one."""
+    assert qmv_cuda.async_shared_bytes("q4_g64_fp16", 4, 4, 3) == 4 * 4 * 3 * 32 * 20
+    assert qmv_cuda.async_shared_bytes("q5_g64_fp16", 8, 2) == 8 * 2 * 32 * 24
+    assert qmv_cuda.async_shared_bytes("q8_g32_fp16", 8, 0, 3) == 0
+
+
 def test_wide_builds_parse():
     assert qmv_cuda._wide_builds("8:p2u1b1, 4:p2u2") == {8: {"tiles": 2, "unroll": 1, "min_blocks": 1},
                                                           4: {"tiles": 2, "unroll": 2}}
+    assert qmv_cuda._wide_builds("8:p2s4b1") == {8: {"tiles": 2, "stages": 4, "min_blocks": 1}}
     assert qmv_cuda._wide_builds("") == {}
     for bad in ("8:q2", "3:p2", "p2", "8:"):
         with pytest.raises(ValueError, match="NINFER_BENCH_QMV_WIDE"):
