@@ -414,7 +414,7 @@ for stage in "$@"; do
              # RING_T=1, then with RING_C8=1 the 27B DFlash2 K=7 replayed C8 per RING_WIDE build and plain C8
              mkdir -p "$OUT/ring"
              [ "${RING_TESTS:-1}" = 0 ] || timeout ${TESTS_S:-200} python3 -m pytest -q -p no:cacheprovider -rf \
-               tests/test_kernels_qmv_cuda.py -k "async_ring or tiles_a_block or wide_launch_rows" 2>&1 \
+               tests/test_kernels_qmv_cuda.py -k "${RING_K:-async_ring or tiles_a_block or wide_launch_rows}" 2>&1 \
                | tee "$OUT/ring/tests.log" | grep -E "^(FAILED|ERROR)|passed|failed" | head
              K=${RING_KNOBS:-p3u1,s4,s6,s4b2,p2s4b1,p2s4b2,p3s4b1}; ONLY="ours-r8,ours-r64,qmv-lanes-${K//,/,qmv-lanes-}"
              [ "${RING_BENCH:-1}" = 0 ] || for FO in "q4|mlp.gate_up,mlp.down,gdn.qkv,gdn.out" "q5|attn.q_gate,attn.o" \
@@ -467,7 +467,7 @@ for stage in "$@"; do
                    -o "$rep" -f python3 scripts/probe_qmv_wide.py --op $op --fmt $fmt --rows $rows \
                    --knobs "${NCU_QMV_KNOBS:-p1,p3u1}" --launches 1 > "$rep.log" 2>&1
                  echo "--- $c: ncu rc $?"; grep -E "build=|^==PROF==.*(rror|arning)|Error" "$rep.log" | head -6
-                 ncu --import "$rep.ncu-rep" --page details --print-units base 2>&1 | grep -E "^  qmv|Duration|Memory Throughput|DRAM Throughput|Compute \(SM\) Throughput|Registers Per|Achieved Occupancy|Theoretical Occupancy|Warp Cycles Per Issued|Executed Ipc A|L1/TEX Hit|L2 Hit|Block Limit|Stall" | head -60
+                 ncu --import "$rep.ncu-rep" --page raw --csv 2>/dev/null | python3 scripts/ncu_table.py
                done
              fi ;;
     tp1gpu)  # tensor parallelism's CUDA path on one GPU: two ranks over gloo sharing it (collectives staged through
