@@ -190,12 +190,14 @@ def column_groups(t: int) -> int:
 # (docs/perf/2026-12-03e-qmv-rows-sampler-h200.md); 4 groups by the register count alone
 _NCOL_MIN_BLOCKS = {(2, 4): 1, (2, 8): 2, (4, 4): 2, (4, 8): 1, (8, 4): 1, (8, 8): 1}
 
-# a wide launch's build by its column groups: {ncol: {"tiles": tiles a block (TPW), "unroll": steps in flight,
-# "min_blocks": blocks an SM}}, what qmv takes for the keywords a caller leaves out, for tuning runs: set from
-# NINFER_BENCH_QMV_WIDE, e.g. "8:p2u1b1,4:p2u2b1" (scripts/bench_qlinear.py's knob letters: p tiles, u unroll, b
-# blocks an SM). Column groups it has no entry for take _WIDE_DEFAULT's build for their format, else one tile a block
-# and the defaults above.
-_WIDE: dict[int, dict[str, int]] = {}
+# a wide launch's build by its column groups (and format): {(ncol, fmt or None): {"tiles": tiles a block (TPW),
+# "unroll": steps in flight, "min_blocks": blocks an SM, "stages": cp.async ring stages}}, what qmv takes for the
+# keywords a caller leaves out, for tuning runs: set from NINFER_BENCH_QMV_WIDE, e.g. "8:p2u1b1,4:p2u2b1" (every
+# format) or "8q4:p3u1b1,8q5:p1" (one format; scripts/bench_qlinear.py's knob letters: p tiles, u unroll, b blocks an
+# SM, s stages). A launch with no entry takes _WIDE_DEFAULT's build for its format, else one tile a block and the
+# defaults above.
+_WIDE: dict[tuple[int, str | None], dict[str, int]] = {}
+_FMT_TAGS = {"q4": "q4_g64_fp16", "q5": "q5_g64_fp16", "q8": "q8_g32_fp16"}
 # the measured default builds by (column groups, format): at 8 column groups (a C8 speculative verify) the q4
 # projections take 3 row tiles a block with one step in flight, 1.24x to 1.30x faster at the 27B shapes (gate_up
 # 151.3 -> 121.8 us, down 91.5 -> 70.1, GDN qkv 55.9 -> 45.2, out 40.5 -> 31.3); q5 (attention q | gate 58.4 ->
@@ -205,28 +207,34 @@ _WIDE_DEFAULT: dict[tuple[int, str], dict[str, int]] = {
     (8, "q4_g64_fp16"): {"tiles": 3, "unroll": 1, "min_blocks": 1}}
 
 
-def _wide_builds(text: str) -> dict[int, dict[str, int]]:
-    """``NCOL:KNOBS,...`` (``8:p2u1b1``) -> {ncol: {"tiles", "unroll", "min_blocks" given}}; ValueError when malformed."""
+def _wide_builds(text: str) -> dict[tuple[int, str | None], dict[str, int]]:
+    """``NCOL[FMT]:KNOBS,...`` (``8:p2u1b1``, ``8q5:p1``) -> {(ncol, format or None): {"tiles", "unroll",
+    "min_blocks", "stages" given}}; ValueError when malformed."""
     import re
 
     names = {"p": "tiles", "u": "unroll", "b": "min_blocks", "s": "stages"}
     out = {}
     for item in (v.strip() for v in text.split(",") if v.strip()):
-        m = re.fullmatch(r"(\d+):((?:[pubs]\d+)+)", item)
+        m = re.fullmatch(r"(\d+)(q4|q5|q8)?:((?:[pubs]\d+)+)", item)
         if not m or int(m.group(1)) not in (2, 4, 8):
-            raise ValueError(f"NINFER_BENCH_QMV_WIDE: {item!r}: expected NCOL:KNOBS with NCOL 2, 4 or 8 and knobs "
-                             "p<tiles> u<unroll> b<blocks an SM> s<cp.async stages, 0 off>, e.g. 8:p2u1b1 or 8:p2s4b1")
-        out[int(m.group(1))] = {names[k]: int(v) for k, v in re.findall(r"([pubs])(\d+)", m.group(2))}
+            raise ValueError(f"NINFER_BENCH_QMV_WIDE: {item!r}: expected NCOL[FMT]:KNOBS with NCOL 2, 4 or 8, FMT q4, "
+                             "q5 or q8 (none: every format) and knobs p<tiles> u<unroll> b<blocks an SM> s<cp.async "
+                             "stages, 0 off>, e.g. 8:p2u1b1 or 8q4:p3s4b1")
+        key = (int(m.group(1)), _FMT_TAGS.get(m.group(2)))
+        out[key] = {names[k]: int(v) for k, v in re.findall(r"([pubs])(\d+)", m.group(3))}
     return out
 
 
 def wide_build(ncol: int, fmt: str) -> dict[str, int]:
     """The build keywords a launch of ``ncol`` column groups of a ``fmt`` weight takes where its caller leaves them
-    out: :data:`_WIDE`'s entry for ``ncol`` (NINFER_BENCH_QMV_WIDE), else :data:`_WIDE_DEFAULT`'s for (ncol, fmt),
-    else none (one tile a block); none for one column group."""
+    out: :data:`_WIDE`'s entry for (``ncol``, ``fmt``), else for ``ncol`` and every format (NINFER_BENCH_QMV_WIDE),
+    else :data:`_WIDE_DEFAULT`'s for (ncol, fmt), else none (one tile a block); none for one column group."""
     if ncol == 1:
         return {}
-    return dict(_WIDE[ncol] if ncol in _WIDE else _WIDE_DEFAULT.get((ncol, fmt), {}))
+    for table, key in ((_WIDE, (ncol, fmt)), (_WIDE, (ncol, None)), (_WIDE_DEFAULT, (ncol, fmt))):
+        if key in table:
+            return dict(table[key])
+    return {}
 
 
 def _load_env_knobs() -> None:

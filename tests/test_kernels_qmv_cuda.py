@@ -298,11 +298,12 @@ def test_async_ring_shared_bytes():
 
 
 def test_wide_builds_parse():
-    assert qmv_cuda._wide_builds("8:p2u1b1, 4:p2u2") == {8: {"tiles": 2, "unroll": 1, "min_blocks": 1},
-                                                          4: {"tiles": 2, "unroll": 2}}
-    assert qmv_cuda._wide_builds("8:p2s4b1") == {8: {"tiles": 2, "stages": 4, "min_blocks": 1}}
+    assert qmv_cuda._wide_builds("8:p2u1b1, 4:p2u2") == {(8, None): {"tiles": 2, "unroll": 1, "min_blocks": 1},
+                                                          (4, None): {"tiles": 2, "unroll": 2}}
+    assert qmv_cuda._wide_builds("8q4:p2s4b1,8q8:p1") == {(8, "q4_g64_fp16"): {"tiles": 2, "stages": 4, "min_blocks": 1},
+                                                          (8, "q8_g32_fp16"): {"tiles": 1}}
     assert qmv_cuda._wide_builds("") == {}
-    for bad in ("8:q2", "3:p2", "p2", "8:"):
+    for bad in ("8:q2", "3:p2", "p2", "8:", "8q6:p1"):
         with pytest.raises(ValueError, match="NINFER_BENCH_QMV_WIDE"):
             qmv_cuda._wide_builds(bad)
 
@@ -332,8 +333,9 @@ def test_wide_build_defaults(monkeypatch):
     assert qmv_cuda.wide_build(8, "q4_g64_fp16") == {"tiles": 3, "unroll": 1, "min_blocks": 1}
     for ncol, fmt in ((8, "q5_g64_fp16"), (8, "q8_g32_fp16"), (4, "q4_g64_fp16"), (1, "q4_g64_fp16")):
         assert qmv_cuda.wide_build(ncol, fmt) == {}, (ncol, fmt)
-    monkeypatch.setattr(qmv_cuda, "_WIDE", qmv_cuda._wide_builds("8:p1"))
+    monkeypatch.setattr(qmv_cuda, "_WIDE", qmv_cuda._wide_builds("8:p1,8q5:p2s4"))
     assert qmv_cuda.wide_build(8, "q4_g64_fp16") == {"tiles": 1}
+    assert qmv_cuda.wide_build(8, "q5_g64_fp16") == {"tiles": 2, "stages": 4}  # its format's entry first
     assert qmv_cuda.wide_build(1, "q4_g64_fp16") == {}
 
 
