@@ -198,13 +198,16 @@ _NCOL_MIN_BLOCKS = {(2, 4): 1, (2, 8): 2, (4, 4): 2, (4, 8): 1, (8, 4): 1, (8, 8
 # defaults above.
 _WIDE: dict[tuple[int, str | None], dict[str, int]] = {}
 _FMT_TAGS = {"q4": "q4_g64_fp16", "q5": "q5_g64_fp16", "q8": "q8_g32_fp16"}
-# the measured default builds by (column groups, format): at 8 column groups (a C8 speculative verify) the q4
-# projections take 3 row tiles a block with one step in flight, 1.24x to 1.30x faster at the 27B shapes (gate_up
-# 151.3 -> 121.8 us, down 91.5 -> 70.1, GDN qkv 55.9 -> 45.2, out 40.5 -> 31.3); q5 (attention q | gate 58.4 ->
-# 70.4) and q8 (lm_head 1,342 -> 1,722) are slower with row tiles and keep one
-# (docs/perf/2026-12-03g-qmv-xs-tpw-h200.md)
+# the measured default builds by (column groups, format): at 8 column groups (a C8 speculative verify) the q4 and q5
+# projections take 3 row tiles a block with their weights through a 4-stage cp.async ring, one block an SM
+# (docs/perf/2026-12-05b-qmv-ring-h200.md; H100, 64 rows, us: gate_up 122.4 -> 112.1 against 3 tiles from
+# registers, down 71.9 -> 66.0, GDN qkv 46.2 -> 42.0, out 31.5 -> 31.2; attention q | gate 59.6 -> 48.1 and o 41.9
+# -> 35.4 against one tile from registers); q8 (lm_head) keeps one tile from registers (1,363 against 1,370 with a
+# ring and 1,849 with 3 tiles and a ring). Before the ring, q4 took 3 tiles with one step in registers (1.24x to
+# 1.30x over one tile, docs/perf/2026-12-03g-qmv-xs-tpw-h200.md)
 _WIDE_DEFAULT: dict[tuple[int, str], dict[str, int]] = {
-    (8, "q4_g64_fp16"): {"tiles": 3, "unroll": 1, "min_blocks": 1}}
+    (8, "q4_g64_fp16"): {"tiles": 3, "stages": 4, "min_blocks": 1},
+    (8, "q5_g64_fp16"): {"tiles": 3, "stages": 4, "min_blocks": 1}}
 
 
 def _wide_builds(text: str) -> dict[tuple[int, str | None], dict[str, int]]:

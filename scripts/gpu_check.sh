@@ -417,8 +417,9 @@ for stage in "$@"; do
                tests/test_kernels_qmv_cuda.py -k "${RING_K:-async_ring or tiles_a_block or wide_launch_rows}" 2>&1 \
                | tee "$OUT/ring/tests.log" | grep -E "^(FAILED|ERROR)|passed|failed" | head
              K=${RING_KNOBS:-p3u1,s4,s6,s4b2,p2s4b1,p2s4b2,p3s4b1}; ONLY="ours-r8,ours-r64,qmv-lanes-${K//,/,qmv-lanes-}"
+             Q8="q8|lm_head"; [ "${RING_Q8:-1}" = 0 ] && Q8=
              [ "${RING_BENCH:-1}" = 0 ] || for FO in "q4|mlp.gate_up,mlp.down,gdn.qkv,gdn.out" "q5|attn.q_gate,attn.o" \
-                 "q8|lm_head"; do
+                 $Q8; do
                OUT=$OUT/ring timeout ${QBENCH_S:-150} python3 scripts/bench_qlinear.py --no-baselines --ts 64 --rows 64 \
                  --qmv-knobs "$K" --only "$ONLY" --fmts ${FO%%|*} --ops ${FO#*|} 2>&1 | tee -a "$OUT/ring/bench64.log" \
                  | grep -v "@graph20" | grep -E "ours|qmv|FAIL|DIFFER|copy bandwidth"; done
