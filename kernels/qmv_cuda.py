@@ -198,15 +198,15 @@ _NCOL_MIN_BLOCKS = {(2, 4): 1, (2, 8): 2, (4, 4): 2, (4, 8): 1, (8, 4): 1, (8, 8
 # defaults above.
 _WIDE: dict[tuple[int, str | None], dict[str, int]] = {}
 _FMT_TAGS = {"q4": "q4_g64_fp16", "q5": "q5_g64_fp16", "q8": "q8_g32_fp16"}
-# the measured default builds by (column groups, format): at 8 column groups (a C8 speculative verify) the q4 and q5
-# projections take 3 row tiles a block with their weights through a 4-stage cp.async ring, one block an SM
-# (docs/perf/2026-12-05b-qmv-ring-h200.md; H100, 64 rows, us: gate_up 122.4 -> 112.1 against 3 tiles from
-# registers, down 71.9 -> 66.0, GDN qkv 46.2 -> 42.0, out 31.5 -> 31.2; attention q | gate 59.6 -> 48.1 and o 41.9
-# -> 35.4 against one tile from registers); q8 (lm_head) keeps one tile from registers (1,363 against 1,370 with a
-# ring and 1,849 with 3 tiles and a ring). Before the ring, q4 took 3 tiles with one step in registers (1.24x to
-# 1.30x over one tile, docs/perf/2026-12-03g-qmv-xs-tpw-h200.md)
+# the measured default builds by (column groups, format), docs/perf/2026-12-05b-qmv-ring-h200.md (64 rows, us, one
+# process a device): at 8 column groups (a C8 speculative verify) q4 takes 3 row tiles a block with one step in
+# registers (H200: gate_up 110.2, down 65.5, GDN qkv 41.3, out 30.9; through a 4-stage cp.async ring 113.6, 67.2, 43.2,
+# 33.0 - on the H100 the ring was the faster, 112.1 against 122.4 for gate_up); q5 takes 3 row tiles through the ring
+# (H200: attention q | gate 48.1 and o 36.4 against 57.3 and 46.6 with one tile from registers; 3 tiles from registers
+# were 46.1 and 34.5 on the H200 but 73.3 and 48.1 on the H100, the ring 48.1 and 35.4 there); q8 (lm_head) keeps one
+# tile from registers (H100: 1,363 against 1,370 with a ring and 1,849 with 3 tiles and a ring)
 _WIDE_DEFAULT: dict[tuple[int, str], dict[str, int]] = {
-    (8, "q4_g64_fp16"): {"tiles": 3, "stages": 4, "min_blocks": 1},
+    (8, "q4_g64_fp16"): {"tiles": 3, "unroll": 1, "min_blocks": 1},
     (8, "q5_g64_fp16"): {"tiles": 3, "stages": 4, "min_blocks": 1}}
 
 
