@@ -198,15 +198,16 @@ _NCOL_MIN_BLOCKS = {(2, 4): 1, (2, 8): 2, (4, 4): 2, (4, 8): 1, (8, 4): 1, (8, 8
 # defaults above.
 _WIDE: dict[tuple[int, str | None], dict[str, int]] = {}
 _FMT_TAGS = {"q4": "q4_g64_fp16", "q5": "q5_g64_fp16", "q8": "q8_g32_fp16"}
-# the measured default builds by (column groups, format), docs/perf/2026-12-05b-qmv-ring-h200.md (64 rows, us, one
-# process a device): at 8 column groups (a C8 speculative verify) q4 takes 3 row tiles a block with one step in
-# registers (H200: gate_up 110.2, down 65.5, GDN qkv 41.3, out 30.9; through a 4-stage cp.async ring 113.6, 67.2, 43.2,
-# 33.0 - on the H100 the ring was the faster, 112.1 against 122.4 for gate_up); q5 takes 3 row tiles through the ring
-# (H200: attention q | gate 48.1 and o 36.4 against 57.3 and 46.6 with one tile from registers; 3 tiles from registers
-# were 46.1 and 34.5 on the H200 but 73.3 and 48.1 on the H100, the ring 48.1 and 35.4 there); q8 (lm_head) keeps one
-# tile from registers (H100: 1,363 against 1,370 with a ring and 1,849 with 3 tiles and a ring)
+# the measured default builds by (column groups, format), docs/perf/2026-12-05b-qmv-ring-h200.md: at 8 column groups
+# (a C8 speculative verify) q4 and q5 take 3 row tiles a block with their weights through a 4-stage cp.async ring, one
+# block an SM. The 27B DFlash2 K=7 replayed C8 on the H200 ran 1,049.9 tok/s aggregate (1,497.0 steady) with it against
+# 1,023.9 (1,431.2) with the builds before (q4: 3 tiles, one step in registers; q5: one tile), same tokens. Alone, at
+# 64 rows without PDL (us): H100 gate_up 112.1 against 122.4 for 3 tiles from registers, attention q | gate 48.1
+# against 59.6 for one tile; H200 gate_up 113.6 against 110.2 (3 tiles from registers: within the bench's spread),
+# q | gate 48.1 against 57.3. q8 (lm_head) keeps one tile from registers (H100: 1,363 against 1,370 with a ring and
+# 1,849 with 3 tiles and a ring)
 _WIDE_DEFAULT: dict[tuple[int, str], dict[str, int]] = {
-    (8, "q4_g64_fp16"): {"tiles": 3, "unroll": 1, "min_blocks": 1},
+    (8, "q4_g64_fp16"): {"tiles": 3, "stages": 4, "min_blocks": 1},
     (8, "q5_g64_fp16"): {"tiles": 3, "stages": 4, "min_blocks": 1}}
 
 

@@ -411,7 +411,8 @@ for stage in "$@"; do
     sampler) timeout ${STAGE_S:-120} python3 scripts/probe_sampler.py --json "$OUT/sampler.json" 2>&1 | tee "$OUT/sampler.log" ;;
     ring)    # issue 33: qmv's weights through a per-warp cp.async ring in shared memory (stages), against the register
              # builds: CUDA tests, the 27B shapes at 64 rows (bits checked against 8-row launches), at 1 / 8 rows with
-             # RING_T=1, then with RING_C8=1 the 27B DFlash2 K=7 replayed C8 per RING_WIDE build and plain C8
+             # RING_T=1, then with RING_C8=1 the 27B DFlash2 K=7 replayed C8 per RING_WIDE build and plain C8 (E2E_S each:
+             # a fresh machine's first DFlash2 run spent 129 s compiling before its first request finished)
              mkdir -p "$OUT/ring"
              [ "${RING_TESTS:-1}" = 0 ] || timeout ${TESTS_S:-200} python3 -m pytest -q -p no:cacheprovider -rf \
                tests/test_kernels_qmv_cuda.py -k "${RING_K:-async_ring or tiles_a_block or wide_launch_rows}" 2>&1 \
@@ -431,10 +432,10 @@ for stage in "$@"; do
                  | grep -v "@graph20" | grep -E "ours|qmv|FAIL|copy bandwidth"; done
              if [ "${RING_C8:-0}" = 1 ]; then C27="$M27 -n 128 --rounds 2"
                for V in ${RING_WIDE:-"registers|8:p3u1" "default|"}; do N=${V%%|*}; echo "--- dflash2 C8 $N"
-                 NINFER_BENCH_QMV_WIDE="${V#*|}" timeout ${E2E_S:-200} python3 scripts/nb.py concurrency $C27 -c 8 \
+                 NINFER_BENCH_QMV_WIDE="${V#*|}" timeout ${E2E_S:-280} python3 scripts/nb.py concurrency $C27 -c 8 \
                    --spec dflash2 -k 7 --replay-acceptance seed --json "$OUT/ring/dflash2-$N.json" 2>&1 \
                    | tee "$OUT/ring/dflash2-$N.log" | grep -E "^│|rror|sequential p0" | head -6; done
-               echo "--- plain C8"; timeout ${E2E_S:-200} python3 scripts/nb.py concurrency $C27 -c 8 \
+               echo "--- plain C8"; timeout ${E2E_S:-280} python3 scripts/nb.py concurrency $C27 -c 8 \
                  --json "$OUT/ring/plain.json" 2>&1 | tee "$OUT/ring/plain.log" | grep -E "^│|rror" | head -4
              fi ;;
     tpw)     # wide qmv launches with several row tiles a block (x loaded once for them): their CUDA tests, the 27B q4 /

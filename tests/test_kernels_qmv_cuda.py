@@ -327,12 +327,12 @@ def test_pdl_x_path_knob(monkeypatch):
 
 
 def test_wide_build_defaults(monkeypatch):
-    """At 8 column groups q4 takes 3 row tiles a block with one step in registers and q5 3 row tiles through a
-    4-stage cp.async ring by default (measured faster); q8, other widths and one column group take none; a
-    NINFER_BENCH_QMV_WIDE entry for the width (or for the width and format) replaces the default."""
+    """At 8 column groups q4 and q5 take 3 row tiles a block through a 4-stage cp.async ring by default (measured
+    faster); q8, other widths and one column group take none; a NINFER_BENCH_QMV_WIDE entry for the width (or for the
+    width and format) replaces the default."""
     monkeypatch.setattr(qmv_cuda, "_WIDE", {})
-    assert qmv_cuda.wide_build(8, "q4_g64_fp16") == {"tiles": 3, "unroll": 1, "min_blocks": 1}
-    assert qmv_cuda.wide_build(8, "q5_g64_fp16") == {"tiles": 3, "stages": 4, "min_blocks": 1}
+    for fmt in ("q4_g64_fp16", "q5_g64_fp16"):
+        assert qmv_cuda.wide_build(8, fmt) == {"tiles": 3, "stages": 4, "min_blocks": 1}
     for ncol, fmt in ((8, "q8_g32_fp16"), (4, "q4_g64_fp16"), (1, "q4_g64_fp16")):
         assert qmv_cuda.wide_build(ncol, fmt) == {}, (ncol, fmt)
     monkeypatch.setattr(qmv_cuda, "_WIDE", qmv_cuda._wide_builds("8:p1,8q5:p2s4"))
