@@ -659,6 +659,23 @@ __device__ __forceinline__ void tile_sums(const u16* __restrict__ x, const u8* _
 #endif
 }
 
+#if TPW > 1 || ASYNC
+// Lane (g, c)'s pointers for each of the block's TPW tiles tile0 .. tile0 + TPW - 1 (past the last tile: the last
+// one's bytes, never stored) at group gi; returns MAGIC held in a register (see and_or)
+__device__ __forceinline__ u32 tile_lanes(Lane* Ls, const u16* __restrict__ x, const u8* __restrict__ codes,
+                                          const u8* __restrict__ high, const u16* __restrict__ scales, int T, int N,
+                                          int NG, long long stride_x, long long stride_c, long long stride_h,
+                                          long long stride_s, int tile0, int tiles, int gi, int g, int c) {
+#pragma unroll
+  for (int i = 0; i < TPW; ++i)
+    Ls[i] = make_lane(x, codes, high, scales, T, N, NG, stride_x, stride_c, stride_h, stride_s,
+                      min(tile0 + i, tiles - 1), gi, g, c);
+  u32 magic;
+  asm volatile("mov.b32 %0, %1;" : "=r"(magic) : "n"(MAGIC));
+  return magic;
+}
+#endif
+
 #if TPW > 1
 // tile_sums for the block's TPW tiles tile0 .. tile0 + TPW - 1 (past the last tile: the last one's bytes, never
 // stored): the same groups in the same order for each, x loaded once a step and column group for all
@@ -671,12 +688,8 @@ __device__ __forceinline__ void tiles_sums(const u16* __restrict__ x, const u8* 
   int gi = g_lo + warp;
   const u16* xrow = x + min(g, T - 1) * stride_x;
   Lane Ls[TPW];
-#pragma unroll
-  for (int i = 0; i < TPW; ++i)
-    Ls[i] = make_lane(x, codes, high, scales, T, N, NG, stride_x, stride_c, stride_h, stride_s,
-                      min(tile0 + i, tiles - 1), gi, g, c);
-  u32 magic;
-  asm volatile("mov.b32 %0, %1;" : "=r"(magic) : "n"(MAGIC));
+  const u32 magic = tile_lanes(Ls, x, codes, high, scales, T, N, NG, stride_x, stride_c, stride_h, stride_s, tile0,
+                               tiles, gi, g, c);
 #if PDL
   if (gi + (UNROLL - 1) * NW < g_hi) {
     steps_tiles<UNROLL, true>(Ls, xrow, gi, K, c, magic, acc);
@@ -758,12 +771,8 @@ __device__ __forceinline__ void ring_sums(const u16* __restrict__ x, const u8* _
   const int steps = gi0 < g_hi ? (g_hi - gi0 + NW - 1) / NW : 0;
   const u16* xrow = x + min(g, T - 1) * stride_x;
   Lane Ls[TPW];
-#pragma unroll
-  for (int i = 0; i < TPW; ++i)
-    Ls[i] = make_lane(x, codes, high, scales, T, N, NG, stride_x, stride_c, stride_h, stride_s,
-                      min(tile0 + i, tiles - 1), gi0, g, c);
-  u32 magic;
-  asm volatile("mov.b32 %0, %1;" : "=r"(magic) : "n"(MAGIC));
+  const u32 magic = tile_lanes(Ls, x, codes, high, scales, T, N, NG, stride_x, stride_c, stride_h, stride_s, tile0,
+                               tiles, gi0, g, c);
 #pragma unroll
   for (int j = 0; j < ASYNC - 1; ++j) ring_issue(Ls, j, steps, warp, lane);
   grid_wait();  // the first steps' weights are in flight; x comes from the kernel before
