@@ -205,10 +205,11 @@ _FMT_TAGS = {"q4": "q4_g64_fp16", "q5": "q5_g64_fp16", "q8": "q8_g32_fp16"}
 # 64 rows without PDL (us): H100 gate_up 112.1 against 122.4 for 3 tiles from registers, attention q | gate 48.1
 # against 59.6 for one tile; H200 gate_up 113.6 against 110.2 (3 tiles from registers: within the bench's spread),
 # q | gate 48.1 against 57.3. q8 (lm_head) keeps one tile from registers (H100: 1,363 against 1,370 with a ring and
-# 1,849 with 3 tiles and a ring)
+# 1,849 with 3 tiles and a ring). The ring needs the lanes layout: on another layout these builds load one step into
+# registers (unroll 1), as q4's build before the ring did
 _WIDE_DEFAULT: dict[tuple[int, str], dict[str, int]] = {
-    (8, "q4_g64_fp16"): {"tiles": 3, "stages": 4, "min_blocks": 1},
-    (8, "q5_g64_fp16"): {"tiles": 3, "stages": 4, "min_blocks": 1}}
+    (8, "q4_g64_fp16"): {"tiles": 3, "stages": 4, "unroll": 1, "min_blocks": 1},
+    (8, "q5_g64_fp16"): {"tiles": 3, "stages": 4, "unroll": 1, "min_blocks": 1}}
 
 
 def _wide_builds(text: str) -> dict[tuple[int, str | None], dict[str, int]]:

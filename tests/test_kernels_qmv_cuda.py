@@ -332,7 +332,7 @@ def test_wide_build_defaults(monkeypatch):
     width and format) replaces the default."""
     monkeypatch.setattr(qmv_cuda, "_WIDE", {})
     for fmt in ("q4_g64_fp16", "q5_g64_fp16"):
-        assert qmv_cuda.wide_build(8, fmt) == {"tiles": 3, "stages": 4, "min_blocks": 1}
+        assert qmv_cuda.wide_build(8, fmt) == {"tiles": 3, "stages": 4, "unroll": 1, "min_blocks": 1}
     for ncol, fmt in ((8, "q8_g32_fp16"), (4, "q4_g64_fp16"), (1, "q4_g64_fp16")):
         assert qmv_cuda.wide_build(ncol, fmt) == {}, (ncol, fmt)
     monkeypatch.setattr(qmv_cuda, "_WIDE", qmv_cuda._wide_builds("8:p1,8q5:p2s4"))
