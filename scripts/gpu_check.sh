@@ -460,16 +460,18 @@ for stage in "$@"; do
                --json "$OUT/tpw/plain.json" 2>&1 | tee "$OUT/tpw/plain.log" | grep -E "^│|rror" | head -4 ;;
     ncuqmv)  # Nsight Compute on wide qmv launches (issue 33): each NCU_QMV case op:fmt:rows, every launch of every
              # NCU_QMV_KNOBS build (scripts/probe_qmv_wide.py; empty = the default build), full sections, clocks left
-             # alone; one report a case
+             # alone; one report a case, kept on the machine (session 52's reports were too big to come back): $OUT
+             # gets each case's log, its raw page gzipped and the table scripts/ncu_table.py prints from it
              if ! command -v ncu >/dev/null; then echo "ncu: not on the PATH"; else
-               mkdir -p "$OUT/ncuqmv"
+               mkdir -p "$OUT/ncuqmv" /tmp/ncuqmv
                for c in $(echo ${NCU_QMV:-mlp.down:q4:64,mlp.gate_up:q4:64,mlp.down:q4:8} | tr , ' '); do
-                 IFS=: read -r op fmt rows <<< "$c"; rep="$OUT/ncuqmv/${op}_${fmt}_${rows}"
+                 IFS=: read -r op fmt rows <<< "$c"; name="${op}_${fmt}_${rows}"; rep="/tmp/ncuqmv/$name"
                  timeout ${STAGE_S:-240} ncu --clock-control none --kernel-name qmv --launch-count 1000 --set full \
                    -o "$rep" -f python3 scripts/probe_qmv_wide.py --op $op --fmt $fmt --rows $rows \
-                   --knobs "${NCU_QMV_KNOBS:-p1,p3u1}" --launches 1 > "$rep.log" 2>&1
-                 echo "--- $c: ncu rc $?"; grep -E "build=|^==PROF==.*(rror|arning)|Error" "$rep.log" | head -6
-                 ncu --import "$rep.ncu-rep" --page raw --csv 2>/dev/null | python3 scripts/ncu_table.py
+                   --knobs "${NCU_QMV_KNOBS:-p1,p3u1}" --launches 1 > "$OUT/ncuqmv/$name.log" 2>&1
+                 echo "--- $c: ncu rc $?"; grep -E "build=|^==PROF==.*(rror|arning)|Error" "$OUT/ncuqmv/$name.log" | head -6
+                 ncu --import "$rep.ncu-rep" --page raw --csv 2>/dev/null > "$rep.csv"
+                 python3 scripts/ncu_table.py < "$rep.csv" | tee "$OUT/ncuqmv/$name.table"; gzip -c "$rep.csv" > "$OUT/ncuqmv/$name.csv.gz"
                done
              fi ;;
     tp1gpu)  # tensor parallelism's CUDA path on one GPU: two ranks over gloo sharing it (collectives staged through
