@@ -31,6 +31,7 @@ def main(argv: list[str]) -> int:
     names, units = rows[0], rows[1]
     cols = [i for i, n in enumerate(names) if any(p.search(n) for p in pats)]
     kcol = names.index("Kernel Name") if "Kernel Name" in names else None
+    icol = names.index("ID") if "ID" in names else None
     for r in rows[2:]:
         parts = []
         for i in cols:
@@ -45,7 +46,8 @@ def main(argv: list[str]) -> int:
                      .replace("smsp__average_warps_issue_stalled_", "stall/issue:")
                      .replace("_per_issue_active.ratio", ""))
             parts.append(f"{short}={f:.4g}{units[i] if units[i] and 'stall' not in short else ''}")
-        print(f"[{r[kcol][:20] if kcol is not None else '?'}] " + " ".join(parts))
+        launch = r[icol] if icol is not None else "?"
+        print(f"[{launch} {r[kcol][:20] if kcol is not None else '?'}] " + " ".join(parts))
     return 0
 
 
