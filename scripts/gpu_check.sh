@@ -41,6 +41,8 @@
 #   tilecheck scripts/probe_tile_bits.py, then test_cuda_engine's verify-row, speculative, block-draft and dflash2 PDL
 #            tests with tracebacks
 #   tpw      wide qmv launches with TPW row tiles a block: CUDA tests, 27B shapes at 64 rows, DFlash2 C8 with / without
+#   wgmmabits scripts/probe_wgmma_bits.cu (nvcc, sm_90a): whether wgmma.m64n8k16 gives mma.sync.m16n8k16's bits element for
+#            element (a 64-row projection on wgmma keeping one-row launches' bits), each checked against fp64
 #   ring     qmv with the weights streamed through a cp.async ring (stages): its CUDA tests, the 27B shapes at 64 rows
 #            (RING_KNOBS) and, with RING_T=1, at 1 and 8 rows (RING_KNOBS1); RING_C8=1 adds the 27B DFlash2 K=7 replayed
 #            C8 with each RING_WIDE build (label|NINFER_BENCH_QMV_WIDE) and plain C8
@@ -409,6 +411,9 @@ for stage in "$@"; do
                nb concurrency $M27 -n 128 --rounds 2 ${V#*|} --json "$OUT/rowsconc/$N.json" 2>&1 \
                  | tee "$OUT/rowsconc/$N.log" | grep -E "^│|error|Error" | head -6; done ;;
     sampler) timeout ${STAGE_S:-120} python3 scripts/probe_sampler.py --json "$OUT/sampler.json" 2>&1 | tee "$OUT/sampler.log" ;;
+    wgmmabits) # issue 33's next step: does wgmma (A from registers, B in shared memory) give mma.sync's bits?
+             nvcc -gencode arch=compute_90a,code=sm_90a -O2 -o /tmp/probe_wgmma_bits scripts/probe_wgmma_bits.cu \
+               && /tmp/probe_wgmma_bits ${WGMMA_TRIALS:-4096} 2>&1 | tee "$OUT/wgmmabits.log" ;;
     ring)    # issue 33: qmv's weights through a per-warp cp.async ring in shared memory (stages), against the register
              # builds: CUDA tests, the 27B shapes at 64 rows (bits checked against 8-row launches), at 1 / 8 rows with
              # RING_T=1, then with RING_C8=1 the 27B DFlash2 K=7 replayed C8 per RING_WIDE build and plain C8 (E2E_S each:
