@@ -436,7 +436,7 @@ for stage in "$@"; do
                  --qmv-knobs "$K1" --only "$ONLY1" --fmts ${FO%%|*} --ops ${FO#*|} 2>&1 | tee -a "$OUT/ring/bench1.log" \
                  | grep -v "@graph20" | grep -E "ours|qmv|FAIL|copy bandwidth"; done
              if [ "${RING_C8:-0}" = 1 ]; then C27="$M27 -n 128 --rounds 2"
-               for V in ${RING_WIDE:-"registers|8:p3u1" "default|"}; do N=${V%%|*}; echo "--- dflash2 C8 $N"
+               for V in ${RING_WIDE:-"before|8q4:p3u1b1,8q5:p1" "default|"}; do N=${V%%|*}; echo "--- dflash2 C8 $N"
                  NINFER_BENCH_QMV_WIDE="${V#*|}" timeout ${E2E_S:-280} python3 scripts/nb.py concurrency $C27 -c 8 \
                    --spec dflash2 -k 7 --replay-acceptance seed --json "$OUT/ring/dflash2-$N.json" 2>&1 \
                    | tee "$OUT/ring/dflash2-$N.log" | grep -E "^│|rror|sequential p0" | head -6; done
