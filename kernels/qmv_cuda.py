@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import _cupy, _triton
+from . import _cupy, _triton, quant
 from .qmv_layout import DENSE_FMT, WORD_ORDER, TiledWeight
 
 __all__ = ["qmv", "supports", "available", "import_error", "choose_splits", "choose_warps", "workspace", "set_dense",
@@ -197,7 +197,6 @@ _NCOL_MIN_BLOCKS = {(2, 4): 1, (2, 8): 2, (4, 4): 2, (4, 8): 1, (8, 4): 1, (8, 8
 # SM, s stages). A launch with no entry takes _WIDE_DEFAULT's build for its format, else one tile a block and the
 # defaults above.
 _WIDE: dict[tuple[int, str | None], dict[str, int]] = {}
-_FMT_TAGS = {"q4": "q4_g64_fp16", "q5": "q5_g64_fp16", "q8": "q8_g32_fp16"}
 # the measured default builds by (column groups, format), docs/perf/2026-12-05b-qmv-ring-h200.md: at 8 column groups
 # (a C8 speculative verify) q4 and q5 take 3 row tiles a block with their weights through a 4-stage cp.async ring, one
 # block an SM. The 27B DFlash2 K=7 replayed C8 on the H200 ran 1,049.9 tok/s aggregate (1,497.0 steady) with it against
@@ -225,7 +224,7 @@ def _wide_builds(text: str) -> dict[tuple[int, str | None], dict[str, int]]:
             raise ValueError(f"NINFER_BENCH_QMV_WIDE: {item!r}: expected NCOL[FMT]:KNOBS with NCOL 2, 4 or 8, FMT q4, "
                              "q5 or q8 (none: every format) and knobs p<tiles> u<unroll> b<blocks an SM> s<cp.async "
                              "stages, 0 off>, e.g. 8:p2u1b1 or 8q4:p3s4b1")
-        key = (int(m.group(1)), _FMT_TAGS.get(m.group(2)))
+        key = (int(m.group(1)), quant.QUANT_SHORT.get(m.group(2)))
         out[key] = {names[k]: int(v) for k, v in re.findall(r"([pubs])(\d+)", m.group(3))}
     return out
 
@@ -380,11 +379,12 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
     tiles = tiles or wide.get("tiles", 1)
     unroll = unroll or wide.get("unroll", 4)
     min_blocks = min_blocks or wide.get("min_blocks")
+    layout = getattr(lin, "layout", 0)  # 0: a PackedLinear's row-major sections
     if stages is None:  # the ring streams the lanes layout's pieces: other layouts load into registers
-        stages = wide.get("stages", 0) if getattr(lin, "layout", 0) == 2 else 0
-    elif stages and getattr(lin, "layout", 0) != 2:
+        stages = wide.get("stages", 0) if layout == 2 else 0
+    elif stages and layout != 2:
         raise ValueError(f"qmv: stages > 0 streams the lanes layout (a TiledWeight with lanes=True), got "
-                         f"{type(lin).__name__} layout {getattr(lin, 'layout', 0)}")
+                         f"{type(lin).__name__} layout {layout}")
     if stages < 0 or stages and (xlate or pipe or tail):
         raise ValueError(f"qmv: stages must be >= 0 and comes without xlate, pipe and tail, got {stages}")
     if tiles > 1 and ncol == 1:
@@ -400,7 +400,7 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
     pdl = _triton.pdl_now(x.device) if pdl is None else pdl and _capability(dev) >= (9, 0)
     shared = async_shared_bytes(lin.fmt, warps, stages, tiles)
     kern = _kernel(_FMT_ID[lin.fmt], x.dtype == torch.float16, even, unroll, min_blocks, xlate, pipe, fold, pdl,
-                   getattr(lin, "layout", 0), act, warps, tail, ncol, tiles, dev, _SWITCHES["pdl_x_l1"], stages,
+                   layout, act, warps, tail, ncol, tiles, dev, _SWITCHES["pdl_x_l1"], stages,
                    shared)
     per_block, tiles = tiles, -(-n // 16)
     whole = act or not _triton.split_k_allowed()  # (the epilogue, or a launch beside others: _triton.single_pass)

@@ -30,6 +30,7 @@ import torch
 
 FLOAT_FORMATS = ("fp32", "bf16")
 QUANT_FORMATS = ("q8_g32_fp16", "q5_g64_fp16", "q4_g64_fp16")
+QUANT_SHORT = {"q8": "q8_g32_fp16", "q5": "q5_g64_fp16", "q4": "q4_g64_fp16"}  # short name -> format (tools, knobs)
 FORMATS = FLOAT_FORMATS + QUANT_FORMATS
 # format -> (group size, qmax, code minimum)
 QSPEC = {"q8_g32_fp16": (32, 127, -127), "q5_g64_fp16": (64, 15, -16), "q4_g64_fp16": (64, 7, -8)}

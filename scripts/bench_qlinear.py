@@ -62,7 +62,7 @@ SHAPES = {
     "lm_head": (5120, 248320),
 }
 QUICK_OPS = ("attn.q_gate", "attn.o", "mlp.down")
-FMT_ALIASES = {"q4": "q4_g64_fp16", "q5": "q5_g64_fp16", "q8": "q8_g32_fp16"}
+FMT_ALIASES = quant.QUANT_SHORT
 LM_HEAD_FMTS = ("q4_g64_fp16", "q8_g32_fp16")
 # Relative RMS error allowed against the fp32 reference with bf16 x: the output's own bf16 rounding is
 # ~1.6e-3, and the dot variant rounds q * scale to bf16 (~1e-3 more).
