@@ -169,6 +169,14 @@ held_main() {
   nb decode $M --spec none,mtp:3,dflash2:7 $HELD --json "$OUT/specb$1" 2>&1 | tee "$OUT/specb$1.log" | tail -7
   nb decode $M --spec dflash2 -k 7 --json "$OUT/main$1.json" 2>&1 | tee "$OUT/main$1.log" | tail -6
 }
+ring_bench() {  # the ring stage's bench: bench_qlinear at the 27B q4 and q5 shapes and "$2" ("q8|lm_head" or empty),
+  # one process a format, the rest of the arguments its flags; each line to $OUT/ring/$1, ours / qmv rows printed
+  local log=$1 extra=$2 FO; shift 2
+  for FO in "q4|mlp.gate_up,mlp.down,gdn.qkv,gdn.out" "q5|attn.q_gate,attn.o" $extra; do
+    OUT=$OUT/ring timeout ${QBENCH_S:-150} python3 scripts/bench_qlinear.py --no-baselines "$@" --fmts ${FO%%|*} \
+      --ops ${FO#*|} 2>&1 | tee -a "$OUT/ring/$log" | grep -v "@graph20" | grep -E "ours|qmv|FAIL|DIFFER|copy bandwidth"
+  done
+}
 chained_tests() {  # the chained speculative rounds' CUDA tests (seven; three took 60-90 s)
   timeout "${TESTS_S:-300}" python3 -m pytest -q -p no:cacheprovider tests/test_cuda_engine.py -k chained \
     > "$OUT/chained_tests.log" 2>&1; echo "pytest rc $?"; tail -3 "$OUT/chained_tests.log"
@@ -422,19 +430,12 @@ for stage in "$@"; do
              [ "${RING_TESTS:-1}" = 0 ] || timeout ${TESTS_S:-200} python3 -m pytest -q -p no:cacheprovider -rf \
                tests/test_kernels_qmv_cuda.py -k "${RING_K:-async_ring or tiles_a_block or wide_launch_rows}" 2>&1 \
                | tee "$OUT/ring/tests.log" | grep -E "^(FAILED|ERROR)|passed|failed" | head
-             K=${RING_KNOBS:-p3u1,s4,s6,s4b2,p2s4b1,p2s4b2,p3s4b1}; ONLY="ours-r8,ours-r64,qmv-lanes-${K//,/,qmv-lanes-}"
-             Q8="q8|lm_head"; [ "${RING_Q8:-1}" = 0 ] && Q8=
-             [ "${RING_BENCH:-1}" = 0 ] || for FO in "q4|mlp.gate_up,mlp.down,gdn.qkv,gdn.out" "q5|attn.q_gate,attn.o" \
-                 $Q8; do
-               OUT=$OUT/ring timeout ${QBENCH_S:-150} python3 scripts/bench_qlinear.py --no-baselines --ts 64 --rows 64 \
-                 --qmv-knobs "$K" --only "$ONLY" --fmts ${FO%%|*} --ops ${FO#*|} 2>&1 | tee -a "$OUT/ring/bench64.log" \
-                 | grep -v "@graph20" | grep -E "ours|qmv|FAIL|DIFFER|copy bandwidth"; done
-             K1=${RING_KNOBS1:-s4,s6,s4b4,s8b4}; ONLY1="ours,qmv-lanes-${K1//,/,qmv-lanes-}"
-             [ "${RING_T:-0}" = 0 ] || for FO in "q4|mlp.gate_up,mlp.down,gdn.qkv,gdn.out" "q5|attn.q_gate,attn.o" \
-                 "q8|lm_head"; do
-               OUT=$OUT/ring timeout ${QBENCH_S:-150} python3 scripts/bench_qlinear.py --no-baselines --ts 1,8 \
-                 --qmv-knobs "$K1" --only "$ONLY1" --fmts ${FO%%|*} --ops ${FO#*|} 2>&1 | tee -a "$OUT/ring/bench1.log" \
-                 | grep -v "@graph20" | grep -E "ours|qmv|FAIL|copy bandwidth"; done
+             K=${RING_KNOBS:-p3u1,s4,s6,s4b2,p2s4b1,p2s4b2,p3s4b1}; Q8="q8|lm_head"; [ "${RING_Q8:-1}" = 0 ] && Q8=
+             [ "${RING_BENCH:-1}" = 0 ] || ring_bench bench64.log "$Q8" --ts 64 --rows 64 --qmv-knobs "$K" \
+               --only "ours-r8,ours-r64,qmv-lanes-${K//,/,qmv-lanes-}"
+             K1=${RING_KNOBS1:-s4,s6,s4b4,s8b4}
+             [ "${RING_T:-0}" = 0 ] || ring_bench bench1.log "q8|lm_head" --ts 1,8 --qmv-knobs "$K1" \
+               --only "ours,qmv-lanes-${K1//,/,qmv-lanes-}"
              if [ "${RING_C8:-0}" = 1 ]; then C27="$M27 -n 128 --rounds 2"
                for V in ${RING_WIDE:-"before|8q4:p3u1b1,8q5:p1" "default|"}; do N=${V%%|*}; echo "--- dflash2 C8 $N"
                  NINFER_BENCH_QMV_WIDE="${V#*|}" timeout ${E2E_S:-280} python3 scripts/nb.py concurrency $C27 -c 8 \
