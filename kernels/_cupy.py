@@ -37,3 +37,57 @@ def stream(torch_stream: torch.cuda.Stream, device_index: int):
             warnings.simplefilter("ignore", DeprecationWarning)
             s = _STREAMS[key] = cupy.cuda.ExternalStream(key, device_index)
     return s
+
+
+class ArchKernel:
+    """A kernel compiled for an arch-specific target (``sm_90a``: wgmma, setmaxnreg), which CuPy's own compile path
+    cannot name: it passes ``-arch=sm_<cc>`` itself. Called as a ``cupy.RawKernel`` is (``kernel(grid, block, args,
+    stream=, shared_mem=)``); ``.kernel.ptr`` is the CUfunction (for cuLaunchKernelEx)."""
+
+    def __init__(self, function):
+        self.kernel = function  # cupy.cuda.function.Function (holds its module)
+
+    def __call__(self, grid, block, args, stream=None, shared_mem=0):
+        self.kernel(tuple(grid), tuple(block), args, shared_mem=shared_mem, stream=stream)
+
+    @property
+    def max_dynamic_shared_size_bytes(self) -> int:
+        from cupy_backends.cuda.api import driver
+
+        return driver.funcGetAttribute(_MAX_DYNAMIC_SHARED, self.kernel.ptr)
+
+    @max_dynamic_shared_size_bytes.setter
+    def max_dynamic_shared_size_bytes(self, value: int) -> None:
+        from cupy_backends.cuda.api import driver
+
+        driver.funcSetAttribute(self.kernel.ptr, _MAX_DYNAMIC_SHARED, int(value))
+
+
+_MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+
+
+def arch_options(options, arch: str) -> tuple[str, ...]:
+    """NVRTC's options for an ``arch``-specific build (``"90a"``): the caller's, the target, and what CuPy's compile
+    path adds (``-ftz=true``), so that the float arithmetic the two builds share rounds alike."""
+    return (*options, f"-arch=compute_{arch}", "-ftz=true")
+
+
+def arch_kernel(source: str, options, arch: str, name: str, device_index: int) -> ArchKernel:
+    """``name`` from ``source`` compiled by NVRTC for ``compute_<arch>`` (PTX the driver turns into machine code for
+    this GPU) and loaded on device ``device_index``. RuntimeError with NVRTC's log when the source does not build."""
+    import cupy
+    from cupy_backends.cuda.libs import nvrtc
+
+    prog = nvrtc.createProgram(source, f"{name}.cu", (), ())
+    try:
+        try:
+            nvrtc.compileProgram(prog, arch_options(options, arch))
+        except nvrtc.NVRTCError as e:
+            raise RuntimeError(f"NVRTC ({name}, compute_{arch}): {e}\n{nvrtc.getProgramLog(prog)}") from e
+        ptx = nvrtc.getPTX(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+    with cupy.cuda.Device(device_index):
+        module = cupy.cuda.function.Module()
+        module.load((ptx + "\0").encode())  # PTX goes to the driver as a C string
+        return ArchKernel(module.get_function(name))

@@ -108,6 +108,9 @@ typedef unsigned char u8;
 #if ASYNC && (XLATE || PIPE || TAIL)
 #error "ASYNC has its own pipeline: XLATE, PIPE and TAIL are for register loads"
 #endif
+#ifndef WGMMA
+#define WGMMA 0   // 1 or 2 (sm_90a): warpgroups a block of the wgmma build (see "The wgmma build" below): a warp's
+#endif            // tile is one quarter of wgmma.m64nNk16's A, x is its B in shared memory, the sums those of ASYNC
 #ifndef MIN_BLOCKS
 #define MIN_BLOCKS 2  // blocks per SM to fit: lets ptxas keep all of a step batch's loads in flight
 #endif                // (it interleaves them with the arithmetic, one step at a time, when it aims at more blocks)
@@ -807,19 +810,81 @@ __device__ __forceinline__ void ring_sums(const u16* __restrict__ x, const u8* _
 }
 #endif
 
-// The block's sums of tile `tile` (acc, one share a warp) to the output: added up over the warps in shared memory;
-// a tile whose groups `pieces` blocks share (split-K) goes through the workspace,
-// piece `piece` in slice `piece`, and the last of its blocks to arrive adds the slices up in piece order (a fixed
-// order: the result does not depend on which block finishes first) and leaves the counter at zero for the next
-// launch (no memset in a CUDA graph). Every thread of the block calls it, once: the block ends after it.
+// One warp's finished sums of tile `tile` (acc: its NCOL column groups, rows g and g + 8) to the output; a tile whose
+// groups `pieces` blocks share (split-K) goes through the workspace, piece `piece` in slice `piece`, and the last of
+// its blocks to arrive adds the slices up in piece order (a fixed order: the result does not depend on which block
+// finishes first) and leaves the counter at zero for the next launch (no memset in a CUDA graph).
+__device__ __forceinline__ void tile_out(float* acc, int tile, int piece, int pieces, u16* __restrict__ out,
+                                         float* __restrict__ ws, int* __restrict__ counters, int T, int N,
+                                         long long stride_o) {
+  const int lane = threadIdx.x & 31;
+  const int g = lane >> 2, c = lane & 3;
+  const int row[2] = {tile * 16 + g, tile * 16 + g + 8};
+  if (pieces == 1) {
+#pragma unroll
+    for (int m = 0; m < NCOL; ++m) {  // column group m: tokens 8 m + 2 c and 8 m + 2 c + 1
+      const float* a = acc + 4 * m;
+      const int tt[2] = {8 * m + 2 * c, 8 * m + 2 * c + 1};
+#if ACT
+      // gate and up rounded as the projection would store them, then silu(g) * u in fp32 as fused.silu_mul takes
+      // it (not to the bit: expf here, Triton's exp there)
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const float gate = out_to_float(float_to_out(a[i])), up = out_to_float(float_to_out(a[2 + i]));
+        if (row[1] < N && tt[i] < T)
+          out[tt[i] * stride_o + tile * 8 + g] = float_to_out(gate / (1.f + expf(-gate)) * up);
+      }
+#else
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int n = row[i >> 1], t = tt[i & 1];
+        if (n < N && t < T) out[t * stride_o + n] = float_to_out(a[i]);
+      }
+#endif
+    }
+  } else {
+#pragma unroll
+    for (int m = 0; m < NCOL; ++m) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int n = row[i >> 1], t = 8 * m + 2 * c + (i & 1);
+        if (n < N && t < T) ws[((long long)piece * T + t) * N + n] = acc[4 * m + i];
+      }
+    }
+    __threadfence();
+    __syncwarp();
+    int last = 0;
+    if (lane == 0) last = atomicAdd(counters + tile, 1) == pieces - 1;
+    last = __shfl_sync(0xFFFFFFFFu, last, 0);
+    if (last) {
+      __threadfence();
+#pragma unroll
+      for (int m = 0; m < NCOL; ++m) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int n = row[i >> 1], t = 8 * m + 2 * c + (i & 1);
+          if (n < N && t < T) {
+            float sum = 0.f;
+            for (int y = 0; y < pieces; ++y) sum += __ldcg(ws + ((long long)y * T + t) * N + n);
+            out[t * stride_o + n] = float_to_out(sum);
+          }
+        }
+      }
+      if (lane == 0) counters[tile] = 0;
+    }
+  }
+}
+
+#if !WGMMA
+// The block's sums of tile `tile` (acc, one share a warp) to the output: added up over the warps in shared memory
+// (warp 0's share, then warp 1's, ...), then tile_out. Every thread of the block calls it, once: the block ends after
+// it.
 __device__ __forceinline__ void tile_store(float* acc, int tile, int piece, int pieces, u16* __restrict__ out,
                                            float* __restrict__ ws, int* __restrict__ counters, int T, int N,
                                            long long stride_o) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int g = lane >> 2, c = lane & 3;
   grid_wait();  // a warp without groups still writes the output below: only after the kernel before is done
   __shared__ float4 red[NW][NCOL][32];
-  __shared__ int last;
 #pragma unroll
   for (int m = 0; m < NCOL; ++m)
     red[warp][m][lane] = make_float4(acc[4 * m], acc[4 * m + 1], acc[4 * m + 2], acc[4 * m + 3]);
@@ -833,61 +898,10 @@ __device__ __forceinline__ void tile_store(float* acc, int tile, int piece, int 
         acc[4 * m] += v.x; acc[4 * m + 1] += v.y; acc[4 * m + 2] += v.z; acc[4 * m + 3] += v.w;
       }
     }
-    const int row[2] = {tile * 16 + g, tile * 16 + g + 8};
-    if (pieces == 1) {
-#pragma unroll
-      for (int m = 0; m < NCOL; ++m) {  // column group m: tokens 8 m + 2 c and 8 m + 2 c + 1
-        const float* a = acc + 4 * m;
-        const int tt[2] = {8 * m + 2 * c, 8 * m + 2 * c + 1};
-#if ACT
-        // gate and up rounded as the projection would store them, then silu(g) * u in fp32 as fused.silu_mul takes
-        // it (not to the bit: expf here, Triton's exp there)
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-          const float gate = out_to_float(float_to_out(a[i])), up = out_to_float(float_to_out(a[2 + i]));
-          if (row[1] < N && tt[i] < T)
-            out[tt[i] * stride_o + tile * 8 + g] = float_to_out(gate / (1.f + expf(-gate)) * up);
-        }
-#else
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int n = row[i >> 1], t = tt[i & 1];
-          if (n < N && t < T) out[t * stride_o + n] = float_to_out(a[i]);
-        }
-#endif
-      }
-    } else {
-#pragma unroll
-      for (int m = 0; m < NCOL; ++m) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int n = row[i >> 1], t = 8 * m + 2 * c + (i & 1);
-          if (n < N && t < T) ws[((long long)piece * T + t) * N + n] = acc[4 * m + i];
-        }
-      }
-      __threadfence();
-      __syncwarp();
-      if (lane == 0) last = atomicAdd(counters + tile, 1) == pieces - 1;
-      __syncwarp();
-      if (last) {
-        __threadfence();
-#pragma unroll
-        for (int m = 0; m < NCOL; ++m) {
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const int n = row[i >> 1], t = 8 * m + 2 * c + (i & 1);
-            if (n < N && t < T) {
-              float sum = 0.f;
-              for (int y = 0; y < pieces; ++y) sum += __ldcg(ws + ((long long)y * T + t) * N + n);
-              out[t * stride_o + n] = float_to_out(sum);
-            }
-          }
-        }
-        if (lane == 0) counters[tile] = 0;
-      }
-    }
+    tile_out(acc, tile, piece, pieces, out, ws, counters, T, N, stride_o);
   }
 }
+#endif
 
 // the next kernel may launch once every block of this one is running: it waits for this one to finish before it
 // reads our output (the Triton kernels' first act, and qmv's grid_wait), so its launch overlaps our loads
@@ -897,6 +911,264 @@ __device__ __forceinline__ void let_next_launch() {
 #endif
 }
 
+#if WGMMA
+// ---- The wgmma build (sm_90a): WGMMA warpgroups a block (1 or 2) ------------------------------------------------
+// Warp w of block x holds row tile 4 WGMMA x + w, and the block walks its tiles' groups as the mma.sync build's NW
+// warps would, one slot after another: slot 0's groups (g_lo, g_lo + NW, ...), then slot 1's, ... (WgSteps).
+// - A: each warp makes its tile's fragments as make_frags does. wgmma.m64nNk16's A registers are, warp by warp,
+//   mma.m16n8k16's A fragment, so a warpgroup's four tiles are one 64-row A.
+// - B: x, staged by the block in shared memory, K-major without swizzle. A group is 4 k16 steps; in step s token n's
+//   row holds the 16 values of x that mma.sync's B fragments pair with A in its MMA s (wg_stage_x).
+// - A step is one wgmma.m64n<8 NCOL>k16 over every token, the four chained from zero as the four mma.sync MMAs are;
+//   then the group's scale step, the slots' sums in slot order and split-K exactly as the mma.sync build has them.
+//   So a row's sums are a one-row launch's wherever wgmma gives an element mma.sync's bits
+//   (scripts/probe_wgmma_bits.cu measures that).
+// - The weights come through each lane's cp.async ring (ASYNC stages), and so does x: each lane copies its own 16-byte
+//   pieces of x (the ones load_x would read) and rewrites them into B once they have landed.
+// - Two B buffers: every warpgroup waits for its MMAs before it starts the next step, so the buffer a step writes was
+//   last read two steps before, by MMAs that all finished before the block's barrier one step before.
+#if TILED != 2 || !EVEN || ASYNC < 2 || TPW != 1 || FMT == 3 || WGMMA > 2
+#error "WGMMA (1 or 2 warpgroups) streams a q format's lanes layout (TILED 2) with whole groups (EVEN) through a ring (ASYNC >= 2)"
+#endif
+#define WG_WARPS (4 * WGMMA)
+#define WG_XCOLS ((NCOL + WG_WARPS - 1) / WG_WARPS)  // column groups of x a warp stages (group j: warp j % WG_WARPS)
+#define WG_XP (XPL / 8)                             // 16-byte pieces of x a lane and column group (q8 1, q4 / q5 2)
+#define WG_STEP_B (NCOL * 256)                      // bytes of one k16 step of B: 8 NCOL tokens x 16 values x 2
+#define WG_GROUP_B (4 * WG_STEP_B)                  // one group's B
+#ifndef WG_LBO
+#define WG_LBO 128  // the descriptor's leading byte offset: B's two 8 x 8 core matrices along K are 128 bytes apart
+#endif              // (K-major without swizzle as CUTLASS reads it); WG_LBO 256 / WG_SBO 128 swap the two fields
+#ifndef WG_SBO
+#define WG_SBO 256  // stride byte offset: 8-token core matrices along N, 256 bytes apart
+#endif
+// Dynamic shared memory (qmv_cuda.wgmma_shared_bytes), byte offsets: B [2][WG_GROUP_B], then the ring: code pieces
+// uint4 [WG_WARPS][ASYNC][32], x pieces uint4 [WG_WARPS][ASYNC][WG_XCOLS][WG_XP][32], scale pairs u32
+// [WG_WARPS][ASYNC][32], q5 high-bit pairs u32 alike
+#define WG_RING_C (2 * WG_GROUP_B)
+#define WG_RING_X (WG_RING_C + WG_WARPS * ASYNC * 32 * 16)
+#define WG_RING_S (WG_RING_X + WG_WARPS * ASYNC * WG_XCOLS * WG_XP * 32 * 16)
+#define WG_RING_H (WG_RING_S + WG_WARPS * ASYNC * 32 * 4)
+
+// wgmma.m64n<8 NCOL>k16 with A from registers: its accumulator operands, A and descriptor, scale-d predicate
+#if NCOL == 1
+#define WG_SHAPE "m64n8k16"
+#define WG_D "{%0, %1, %2, %3}"
+#define WG_A "{%4, %5, %6, %7}, %8"
+#define WG_SCALE "%9"
+#define WG_DOUT "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+#elif NCOL == 2
+#define WG_SHAPE "m64n16k16"
+#define WG_D "{%0, %1, %2, %3, %4, %5, %6, %7}"
+#define WG_A "{%8, %9, %10, %11}, %12"
+#define WG_SCALE "%13"
+#define WG_DOUT "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+#elif NCOL == 4
+#define WG_SHAPE "m64n32k16"
+#define WG_D "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
+#define WG_A "{%16, %17, %18, %19}, %20"
+#define WG_SCALE "%21"
+#define WG_DOUT "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+                "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+#elif NCOL == 8
+#define WG_SHAPE "m64n64k16"
+#define WG_D "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+             "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define WG_A "{%32, %33, %34, %35}, %36"
+#define WG_SCALE "%37"
+#define WG_DOUT "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+                "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+                "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+                "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+#else
+#error "WGMMA takes 1, 2, 4 or 8 column groups"
+#endif
+
+// d = A B (acc 0) or A B + d (acc 1): one k16 step of the warpgroup's 64 rows over all 8 NCOL tokens
+__device__ __forceinline__ void wg_mma(float* d, u32 a0, u32 a1, u32 a2, u32 a3, unsigned long long desc, int acc) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " WG_SCALE ", 0;\n"
+               "wgmma.mma_async.sync.aligned." WG_SHAPE ".f32." MMA_TYPE "." MMA_TYPE " " WG_D ", " WG_A
+               ", p, 1, 1, 0;\n}\n"
+               : WG_DOUT
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(acc));
+}
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wg_wait() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+// the accumulators are read only after wg_wait (the compiler sees them written here)
+__device__ __forceinline__ void wg_hold(float* d) {
+#pragma unroll
+  for (int i = 0; i < 4 * NCOL; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+// this thread's writes to shared memory, seen by the MMAs (the async proxy) after the next barrier
+__device__ __forceinline__ void wg_publish() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+// B's descriptor at shared address `addr` (no swizzle)
+__device__ __forceinline__ unsigned long long wg_desc(u32 addr) {
+  return (unsigned long long)((addr & 0x3FFFF) >> 4) | ((unsigned long long)(WG_LBO >> 4) << 16) |
+         ((unsigned long long)(WG_SBO >> 4) << 32);
+}
+
+// Lane (g, c)'s x pairs of column group j for one group (xv: what load_x gives it, x[8 j + g][16 c .. 16 c + 15] of
+// the group, q8 [8 c .. 8 c + 7]) into B at `bb`. Step s takes from the lane what mma.sync's MMA s takes as its B
+// fragment: (b0, b1) = xv[2 s], xv[2 s + 1] (q8: xv[s] twice). b0 holds k = 2 c, 2 c + 1 of the step (core matrix
+// 0) and b1 k = 2 c + 8, 2 c + 9 (core matrix 1), so each goes to column c of token 8 j + g's 16-byte row. A store
+// of the warp covers one core matrix: 8 tokens x 4 columns, 32 banks.
+__device__ __forceinline__ void wg_stage_x(unsigned char* bb, int j, const u32* xv, int g, int c) {
+#pragma unroll
+  for (int s = 0; s < 4; ++s) {
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {
+#if FMT == 0
+      const u32 v = xv[s];
+#else
+      const u32 v = xv[2 * s + q];
+#endif
+      *reinterpret_cast<u32*>(bb + s * WG_STEP_B + j * 256 + q * 128 + g * 16 + 4 * c) = v;
+    }
+  }
+}
+
+// A block's steps: warp slot w's groups g_lo + w, + NW, ..., then slot w + 1's (mma.sync's warp w takes slot w)
+struct WgSteps {
+  int gi;
+  __device__ __forceinline__ void next(int g_lo, int g_hi) {
+    gi += NW;
+    if (gi >= g_hi) gi = g_lo + (gi - g_lo) % NW + 1;  // the next slot's first group
+  }
+};
+
+// Step j (group gi) of this warp's tile into ring stage j % ASYNC: its code piece, scale pair (q5: high-bit pair),
+// and (wg_issue_x) its x pieces
+__device__ __forceinline__ void wg_issue_w(const Lane& L, int gi, int j, int wi, int lane, u32 sbase) {
+  const int slot = (wi * ASYNC + j % ASYNC) * 32 + lane;
+  cp_async16(sbase + WG_RING_C + 16 * slot, L.cp0 + CSTEP * gi);
+  cp_async4(sbase + WG_RING_S + 4 * slot, L.sp0 + SSTEP * gi);
+#if FMT == 1
+  cp_async4(sbase + WG_RING_H + 4 * slot, L.hp0 + HSTEP * gi);
+#endif
+}
+// (xs[m]: the lane's x at group 0 for its column group wi + WG_WARPS m, null past the last one)
+__device__ __forceinline__ void wg_issue_x(const u16* const* xs, int gi, int j, int wi, int lane, u32 sbase) {
+#pragma unroll
+  for (int m = 0; m < WG_XCOLS; ++m) {
+    if (xs[m]) {
+#pragma unroll
+      for (int p = 0; p < WG_XP; ++p)
+        cp_async16(sbase + WG_RING_X + 16 * ((((wi * ASYNC + j % ASYNC) * WG_XCOLS + m) * WG_XP + p) * 32 + lane),
+                   xs[m] + GROUP * gi + 8 * p);
+    }
+  }
+}
+
+// Block (x, split y): row tiles 4 WGMMA x .. 4 WGMMA x + 4 WGMMA - 1, split y's groups, all 8 NCOL tokens.
+extern "C" __global__ void __launch_bounds__(128 * WGMMA, MIN_BLOCKS)
+qmv(const u16* __restrict__ x, const u8* __restrict__ codes, const u8* __restrict__ high,
+    const u16* __restrict__ scales, u16* __restrict__ out, float* __restrict__ ws, int* __restrict__ counters,
+    int T, int N, int K, int NG, int groups_per_split, long long stride_x, long long stride_o,
+    long long stride_c, long long stride_h, long long stride_s) {
+  let_next_launch();
+  const int lane = threadIdx.x & 31, wi = threadIdx.x >> 5;
+  const int g = lane >> 2, c = lane & 3;
+  const int tiles = (N + 15) / 16, tile = blockIdx.x * WG_WARPS + wi;
+  const int g_lo = blockIdx.y * groups_per_split, g_hi = min(NG, g_lo + groups_per_split);
+  const int steps = max(0, g_hi - g_lo);  // every group of the split is one slot's
+  // the lane's pointers at group 0 of its tile (past the last tile: the last one's bytes, never stored)
+  const Lane L = make_lane(x, codes, high, scales, T, N, NG, stride_x, stride_c, stride_h, stride_s,
+                           min(tile, tiles - 1), 0, g, c);
+  const u16* xs[WG_XCOLS];  // the lane's x for the column groups it stages: row min(8 j + g, T - 1), as load_x reads
+#pragma unroll
+  for (int m = 0; m < WG_XCOLS; ++m) {
+    const int jc = wi + WG_WARPS * m;
+    xs[m] = jc < NCOL ? x + min(8 * jc + g, T - 1) * stride_x + XPL * c : nullptr;
+  }
+  u32 magic;
+  asm volatile("mov.b32 %0, %1;" : "=r"(magic) : "n"(MAGIC));
+  unsigned char* sm = reinterpret_cast<unsigned char*>(qmv_ring);
+  const u32 sbase = smem_addr(sm);
+  // the first ASYNC - 1 steps: weights before griddepcontrol.wait, x (the kernel before's output) after it; step 0's
+  // commit group holds all of their weights
+  WgSteps is = {g_lo};
+  {
+    WgSteps w = is;
+#pragma unroll
+    for (int j = 0; j < ASYNC - 1; ++j) {
+      if (j < steps) wg_issue_w(L, w.gi, j, wi, lane, sbase);
+      w.next(g_lo, g_hi);
+    }
+  }
+  grid_wait();
+#pragma unroll
+  for (int j = 0; j < ASYNC - 1; ++j) {
+    if (j < steps) wg_issue_x(xs, is.gi, j, wi, lane, sbase);
+    is.next(g_lo, g_hi);
+    cp_commit();
+  }
+  float acc[4 * NCOL], sum[4 * NCOL], d[4 * NCOL];
+#pragma unroll
+  for (int i = 0; i < 4 * NCOL; ++i) acc[i] = sum[i] = d[i] = 0.f;
+  WgSteps cs = {g_lo};
+  const uint4* ring_c = reinterpret_cast<const uint4*>(sm + WG_RING_C);
+  const uint4* ring_x = reinterpret_cast<const uint4*>(sm + WG_RING_X);
+  const u32* ring_s = reinterpret_cast<const u32*>(sm + WG_RING_S);
+  for (int j = 0; j < steps; ++j) {
+    if (j + ASYNC - 1 < steps) {  // into the stage step j - 1 used (read into registers)
+      wg_issue_w(L, is.gi, j + ASYNC - 1, wi, lane, sbase);
+      wg_issue_x(xs, is.gi, j + ASYNC - 1, wi, lane, sbase);
+    }
+    is.next(g_lo, g_hi);
+    cp_commit();
+    cp_wait<ASYNC - 1>();  // this lane's copies of step j have landed
+    const int st = j % ASYNC;
+    unsigned char* bb = sm + (j & 1) * WG_GROUP_B;
+#pragma unroll
+    for (int m = 0; m < WG_XCOLS; ++m) {
+      if (xs[m]) {
+        u32 xv[XPL / 2];
+#pragma unroll
+        for (int p = 0; p < WG_XP; ++p) {
+          const uint4 v = ring_x[(((wi * ASYNC + st) * WG_XCOLS + m) * WG_XP + p) * 32 + lane];
+          xv[4 * p] = v.x; xv[4 * p + 1] = v.y; xv[4 * p + 2] = v.z; xv[4 * p + 3] = v.w;
+        }
+        wg_stage_x(bb, wi + WG_WARPS * m, xv, g, c);
+      }
+    }
+    wg_publish();
+    const int slot = (wi * ASYNC + st) * 32 + lane;
+    const uint4 v = ring_c[slot];
+    const u32 sc = ring_s[slot];
+#if FMT == 1
+    const u32 h = reinterpret_cast<const u32*>(sm + WG_RING_H)[slot];
+#else
+    const u32 h = 0;
+#endif
+    const Frags F = make_frags(make_uint2(v.x, v.y), make_uint2(v.z, v.w), h & 0xFFFFu, h >> 16, sc & 0xFFFFu,
+                               sc >> 16, magic);
+    __syncthreads();  // every warp's part of B is in place
+    const u32 b = sbase + (j & 1) * WG_GROUP_B;
+    wg_fence();
+    wg_mma(d, F.pa[0][0], F.pb[0][0], F.pa[0][1], F.pb[0][1], wg_desc(b), 0);
+    wg_mma(d, F.pa[0][2], F.pb[0][2], F.pa[0][3], F.pb[0][3], wg_desc(b + WG_STEP_B), 1);
+    wg_mma(d, F.pa[1][0], F.pb[1][0], F.pa[1][1], F.pb[1][1], wg_desc(b + 2 * WG_STEP_B), 1);
+    wg_mma(d, F.pa[1][2], F.pb[1][2], F.pa[1][3], F.pb[1][3], wg_desc(b + 3 * WG_STEP_B), 1);
+    wg_commit();
+    wg_wait();
+    wg_hold(d);
+#pragma unroll
+    for (int n = 0; n < NCOL; ++n) scale_add(d + 4 * n, F.sa, F.sb, acc + 4 * n);
+    if (cs.gi + NW >= g_hi) {  // the slot's last group: its sums join the slots before it, as tile_store adds them
+#pragma unroll
+      for (int i = 0; i < 4 * NCOL; ++i) {
+        sum[i] += acc[i];
+        acc[i] = 0.f;
+      }
+    }
+    cs.next(g_lo, g_hi);
+  }
+  cp_wait<0>();
+  grid_wait();
+  if (tile < tiles) tile_out(sum, tile, blockIdx.y, gridDim.y, out, ws, counters, T, N, stride_o);
+}
+#else
 // Block (tile, split): one 16-row tile (TPW > 1: tiles TPW x .. TPW x + TPW - 1), split y's groups (split-K over
 // grid y), for all NCOL column groups.
 extern "C" __global__ void __launch_bounds__(NW * 32, MIN_BLOCKS)
@@ -930,3 +1202,4 @@ qmv(const u16* __restrict__ x, const u8* __restrict__ codes, const u8* __restric
   tile_store(acc, blockIdx.x, blockIdx.y, gridDim.y, out, ws, counters, T, N, stride_o);
 #endif
 }
+#endif

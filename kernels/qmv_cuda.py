@@ -99,24 +99,42 @@ def async_shared_bytes(fmt: str, warps: int, stages: int, tiles: int = 1) -> int
     return warps * stages * tiles * 32 * per_lane if stages else 0
 
 
+def wgmma_shared_bytes(fmt: str, ncol: int, warpgroups: int, stages: int) -> int:
+    """Dynamic shared memory of a wgmma launch (``WGMMA`` in the source): two groups of B (x, 8 ncol tokens x 64
+    values x 2 bytes each), then per warp, stage and lane a 16-byte code piece, the x pieces of the column groups the
+    warp stages (16 bytes per 8 values: q4 / q5 32 bytes a column group, q8 16), a 4-byte scale pair and for q5 a
+    4-byte high-bit pair."""
+    warps = 4 * warpgroups
+    xcols = -(-ncol // warps)
+    x_piece = 16 if fmt == "q8_g32_fp16" else 32
+    per_lane = 16 + xcols * x_piece + 4 + (4 if fmt == "q5_g64_fp16" else 0)
+    return 2 * 4 * ncol * 256 + warps * stages * 32 * per_lane
+
+
 @functools.cache
 def _kernel(fmt_id: int, half: bool, even: bool, unroll: int, min_blocks: int, xlate: bool, pipe: bool,
             fold: bool, pdl: bool, tiled: int, act: bool, warps: int, tail: bool, ncol: int, tiles: int,
-            device_index: int, xl1: bool = True, stages: int = 0, shared: int = 0):
+            device_index: int, xl1: bool = True, stages: int = 0, shared: int = 0, wgmma: int = 0,
+            wg_swap: bool = False):
     import cupy
 
-    with cupy.cuda.Device(device_index):
-        module = cupy.RawModule(code=_SOURCE.read_text(), backend="nvrtc",
-                                options=("-std=c++17", f"-DFMT={fmt_id}", f"-DHALF={int(half)}", f"-DEVEN={int(even)}",
-                                         f"-DUNROLL={unroll}", f"-DMIN_BLOCKS={min_blocks}", f"-DXLATE={int(xlate)}",
-                                         f"-DPIPE={int(pipe)}", f"-DFOLD={int(fold)}", f"-DPDL={int(pdl)}",
-                                         f"-DTILED={int(tiled)}", f"-DACT={int(act)}", f"-DNW={warps}",
-                                         f"-DTAIL={int(tail)}", f"-DNCOL={ncol}", f"-DTPW={tiles}",
-                                         f"-DXL1={int(xl1)}", f"-DASYNC={stages}"))
-        func = module.get_function("qmv")
-        if shared:  # the default cap is 48 KB less the kernel's static shared memory (tile_store's sums)
+    options = ("-std=c++17", f"-DFMT={fmt_id}", f"-DHALF={int(half)}", f"-DEVEN={int(even)}",
+               f"-DUNROLL={unroll}", f"-DMIN_BLOCKS={min_blocks}", f"-DXLATE={int(xlate)}",
+               f"-DPIPE={int(pipe)}", f"-DFOLD={int(fold)}", f"-DPDL={int(pdl)}",
+               f"-DTILED={int(tiled)}", f"-DACT={int(act)}", f"-DNW={warps}",
+               f"-DTAIL={int(tail)}", f"-DNCOL={ncol}", f"-DTPW={tiles}",
+               f"-DXL1={int(xl1)}", f"-DASYNC={stages}", f"-DWGMMA={wgmma}")
+    if wg_swap:  # the descriptor's two byte offsets the other way round (NINFER_BENCH_QMV_WG_SWAP=1)
+        options += ("-DWG_LBO=256", "-DWG_SBO=128")
+    if wgmma:  # wgmma is sm_90a's: NVRTC through _cupy.arch_kernel (CuPy's path names sm_90 itself)
+        func = _cupy.arch_kernel(_SOURCE.read_text(), options, "90a", "qmv", device_index)
+    else:
+        with cupy.cuda.Device(device_index):
+            func = cupy.RawModule(code=_SOURCE.read_text(), backend="nvrtc", options=options).get_function("qmv")
+    if shared:  # the default cap is 48 KB less the kernel's static shared memory (tile_store's sums)
+        with cupy.cuda.Device(device_index):
             func.max_dynamic_shared_size_bytes = shared
-        return func
+    return func
 
 
 # Split-K scratch, one per device: fp32 partial tiles [splits, T, N] (overwritten by every launch) and per-tile
@@ -160,7 +178,7 @@ def shape_splits(n: int, ng: int, sms: int, warps: int | None = None) -> int:
 # pdl_x_l1: under PDL, x is read through L1 (ld.global.ca) once griddepcontrol.wait has made the kernel before's
 # writes visible; off (NINFER_BENCH_QMV_PDL_X=l2): through L2 only (ld.global.cg), every warp its own L2 reads of all
 # T rows.
-_SWITCHES = {"dense": False, "pdl_x_l1": True}
+_SWITCHES = {"dense": False, "pdl_x_l1": True, "wg_swap": False}
 
 
 def set_dense(on: bool) -> None:
@@ -191,11 +209,11 @@ def column_groups(t: int) -> int:
 _NCOL_MIN_BLOCKS = {(2, 4): 1, (2, 8): 2, (4, 4): 2, (4, 8): 1, (8, 4): 1, (8, 8): 1}
 
 # a wide launch's build by its column groups (and format): {(ncol, fmt or None): {"tiles": tiles a block (TPW),
-# "unroll": steps in flight, "min_blocks": blocks an SM, "stages": cp.async ring stages}}, what qmv takes for the
-# keywords a caller leaves out, for tuning runs: set from NINFER_BENCH_QMV_WIDE, e.g. "8:p2u1b1,4:p2u2b1" (every
-# format) or "8q4:p3u1b1,8q5:p1" (one format; scripts/bench_qlinear.py's knob letters: p tiles, u unroll, b blocks an
-# SM, s stages). A launch with no entry takes _WIDE_DEFAULT's build for its format, else one tile a block and the
-# defaults above.
+# "unroll": steps in flight, "min_blocks": blocks an SM, "stages": cp.async ring stages, "wgmma": warpgroups a block of
+# the wgmma build}}, what qmv takes for the keywords a caller leaves out, for tuning runs: set from
+# NINFER_BENCH_QMV_WIDE, e.g. "8:p2u1b1,4:p2u2b1" (every format), "8q4:p3u1b1,8q5:p1" or "8q4:g1s4" (one format;
+# scripts/bench_qlinear.py's knob letters: p tiles, u unroll, b blocks an SM, s stages, g wgmma warpgroups). A launch
+# with no entry takes _WIDE_DEFAULT's build for its format, else one tile a block and the defaults above.
 _WIDE: dict[tuple[int, str | None], dict[str, int]] = {}
 # the measured default builds by (column groups, format), docs/perf/2026-12-05b-qmv-ring-h200.md: at 8 column groups
 # (a C8 speculative verify) q4 and q5 take 3 row tiles a block with their weights through a 4-stage cp.async ring, one
@@ -212,20 +230,20 @@ _WIDE_DEFAULT: dict[tuple[int, str], dict[str, int]] = {
 
 
 def _wide_builds(text: str) -> dict[tuple[int, str | None], dict[str, int]]:
-    """``NCOL[FMT]:KNOBS,...`` (``8:p2u1b1``, ``8q5:p1``) -> {(ncol, format or None): {"tiles", "unroll",
-    "min_blocks", "stages" given}}; ValueError when malformed."""
+    """``NCOL[FMT]:KNOBS,...`` (``8:p2u1b1``, ``8q5:p1``, ``8q4:g1s4``) -> {(ncol, format or None): {"tiles",
+    "unroll", "min_blocks", "stages", "wgmma" given}}; ValueError when malformed."""
     import re
 
-    names = {"p": "tiles", "u": "unroll", "b": "min_blocks", "s": "stages"}
+    names = {"p": "tiles", "u": "unroll", "b": "min_blocks", "s": "stages", "g": "wgmma"}
     out = {}
     for item in (v.strip() for v in text.split(",") if v.strip()):
-        m = re.fullmatch(r"(\d+)(q4|q5|q8)?:((?:[pubs]\d+)+)", item)
+        m = re.fullmatch(r"(\d+)(q4|q5|q8)?:((?:[pubsg]\d+)+)", item)
         if not m or int(m.group(1)) not in (2, 4, 8):
             raise ValueError(f"NINFER_BENCH_QMV_WIDE: {item!r}: expected NCOL[FMT]:KNOBS with NCOL 2, 4 or 8, FMT q4, "
                              "q5 or q8 (none: every format) and knobs p<tiles> u<unroll> b<blocks an SM> s<cp.async "
-                             "stages, 0 off>, e.g. 8:p2u1b1 or 8q4:p3s4b1")
+                             "stages, 0 off> g<wgmma warpgroups a block, 0 off>, e.g. 8:p2u1b1, 8q4:p3s4b1 or 8q4:g1s4")
         key = (int(m.group(1)), quant.QUANT_SHORT.get(m.group(2)))
-        out[key] = {names[k]: int(v) for k, v in re.findall(r"([pubs])(\d+)", m.group(3))}
+        out[key] = {names[k]: int(v) for k, v in re.findall(r"([pubsg])(\d+)", m.group(3))}
     return out
 
 
@@ -251,6 +269,10 @@ def _load_env_knobs() -> None:
     if x_path not in ("l1", "l2"):
         raise ValueError(f"NINFER_BENCH_QMV_PDL_X: {x_path!r}: expected l1 (the default) or l2")
     set_pdl_x_l1(x_path == "l1")
+    # the wgmma build's B descriptor: 1 puts B's K-direction core-matrix offset (128 bytes) in the stride field and the
+    # N-direction one (256) in the leading field, should the device read them that way (scripts/probe_wgmma_bits.cu's
+    # last lines say which is right)
+    _SWITCHES["wg_swap"] = os.environ.get("NINFER_BENCH_QMV_WG_SWAP", "0").strip() == "1"
 
 
 _load_env_knobs()
@@ -328,6 +350,25 @@ def choose_warps(n: int, sms: int) -> int:
     return 4 if _wide(n, sms) else NW
 
 
+# blocks an SM a wgmma build is made for: 384 threads (3 blocks of one warpgroup; ptxas, sm_90a, CUDA 13.0: 138-148
+# registers at 8 column groups, no spills), so one block of two warpgroups
+_WGMMA_THREADS_PER_SM = 384
+
+
+def _wgmma_refusal(lin, layout: int, dev: int, even: bool, knobs: bool) -> str | None:
+    """Why a wgmma build cannot take this call (None when it can)."""
+    if _capability(dev) != (9, 0):
+        major, minor = _capability(dev)
+        return f"needs an sm_90 GPU (wgmma is sm_90a's), found sm_{major}{minor}"
+    if layout != 2 or lin.fmt == DENSE_FMT:
+        return "needs a q format's lanes layout (a TiledWeight with lanes=True)"
+    if not even:
+        return "needs whole groups (K == Kp) and x rows 16-byte aligned"
+    if knobs:
+        return "comes without xlate, pipe, tail, fold and tiles > 1"
+    return None
+
+
 def _wide(n: int, sms: int) -> bool:
     """At least 4 row tiles an SM: 4 warps a tile (:func:`choose_warps`) and one pass (:func:`choose_splits`)."""
     return -(-n // 16) >= 4 * sms
@@ -336,7 +377,8 @@ def _wide(n: int, sms: int) -> bool:
 def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | None = None,
         unroll: int | None = None, min_blocks: int | None = None, xlate: bool = False, pipe: bool = False,
         fold: bool = False, pdl: bool | None = None, act: bool = False, warps: int | None = None,
-        tail: bool = False, tiles: int | None = None, stages: int | None = None) -> torch.Tensor:
+        tail: bool = False, tiles: int | None = None, stages: int | None = None,
+        wgmma: int | None = None) -> torch.Tensor:
     """``x [T, K] @ W.T`` -> ``[T, N]`` in x.dtype, for T <= 64 (see :func:`supports`). ``out`` (contiguous [T, N],
     x.dtype) is written instead of a fresh tensor. ``splits`` (default :func:`choose_splits`), ``unroll`` (steps
     whose loads are in flight together), ``min_blocks`` (blocks per SM the registers must allow), ``xlate`` (x
@@ -356,7 +398,13 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
     load of x serves them all - the same sums as one tile a block; ``stages`` (the lanes layout, any width; 0: off):
     each warp streams its weight pieces through a ring of that many steps in shared memory with cp.async, that many
     minus one steps ahead of its arithmetic, instead of ``unroll`` steps into registers - the same sums (defaults for
-    these four over 8 rows: :data:`_WIDE`, else :data:`_WIDE_DEFAULT`)."""
+    these four over 8 rows: :data:`_WIDE`, else :data:`_WIDE_DEFAULT`); ``wgmma`` (1 or 2, sm_90 and the lanes
+    layout; 0: off): a block of that many warpgroups, each warp one row tile, multiplies by Hopper's wgmma with x
+    staged in shared memory, its weights and x through a ``stages`` ring (default 4) - the same sums in the same
+    order as the mma.sync builds, so the same bits wherever wgmma gives mma.sync's (``gpu_check.sh wgmma``).
+    A default (:data:`_WIDE`) wgmma build that cannot take a call (another GPU, another layout or format, a partial
+    last group or x rows not 16-byte aligned, or ``xlate``, ``pipe``, ``tail``, ``fold`` or ``tiles`` > 1 asked
+    for) leaves it to the mma.sync builds; an explicit one is refused."""
     lin = getattr(lin, "qmv_weight", None) or lin  # a tiled PackedLinear: its tiles
     if not supports(x, lin):
         raise ValueError(f"qmv: needs CUDA bf16/fp16 x [1..{MAX_ROWS}, K={lin.k}] contiguous and a q8/q5/q4 weight "
@@ -376,10 +424,23 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
     if ncol > 1 and (xlate or pipe or tail):
         raise ValueError(f"qmv: xlate, pipe and tail are for launches of at most {MAX_T} rows, got {t}")
     wide = wide_build(ncol, lin.fmt)
+    layout = getattr(lin, "layout", 0)  # 0: a PackedLinear's row-major sections
+    dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    even = lin.k == lin.kp and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
+    why_not = _wgmma_refusal(lin, layout, dev, even, xlate or pipe or tail or fold or (tiles or 1) > 1)
+    if wgmma is None:
+        wgmma = 0 if why_not else wide.get("wgmma", 0)
+        if wgmma:
+            stages, tiles = stages or wide.get("stages") or 4, 1
+    elif wgmma:
+        if why_not or wgmma not in (1, 2):
+            raise ValueError(f"qmv: wgmma={wgmma}: {why_not or 'one or two warpgroups a block'}")
+        stages = stages or 4
+        if stages < 2:
+            raise ValueError(f"qmv: wgmma streams its weights and x through a ring of at least 2 stages, got {stages}")
     tiles = tiles or wide.get("tiles", 1)
     unroll = unroll or wide.get("unroll", 4)
     min_blocks = min_blocks or wide.get("min_blocks")
-    layout = getattr(lin, "layout", 0)  # 0: a PackedLinear's row-major sections
     if stages is None:  # the ring streams the lanes layout's pieces: other layouts load into registers
         stages = wide.get("stages", 0) if layout == 2 else 0
     elif stages and layout != 2:
@@ -392,23 +453,24 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
                          f"got {t}")
     if t * x.stride(0) >= 2 ** 31:  # the column groups' row offsets are int32
         raise ValueError(f"qmv: x too large for one launch ({t} rows of stride {x.stride(0)})")
-    dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    warps = warps or choose_warps(n, _triton.num_sms(dev))
-    min_blocks = min_blocks or (max(1, _WARPS_PER_SM // warps) if ncol == 1 else
+    warps = warps or choose_warps(n, _triton.num_sms(dev))  # (wgmma: the slots a tile's groups are dealt to)
+    min_blocks = min_blocks or (max(1, _WGMMA_THREADS_PER_SM // (128 * wgmma)) if wgmma else
+                                max(1, _WARPS_PER_SM // warps) if ncol == 1 else
                                 _NCOL_MIN_BLOCKS.get((ncol, warps), max(1, 8 // warps)))
-    even = lin.k == lin.kp and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
     pdl = _triton.pdl_now(x.device) if pdl is None else pdl and _capability(dev) >= (9, 0)
-    shared = async_shared_bytes(lin.fmt, warps, stages, tiles)
+    shared = (wgmma_shared_bytes(lin.fmt, ncol, wgmma, stages) if wgmma else
+              async_shared_bytes(lin.fmt, warps, stages, tiles))
     kern = _kernel(_FMT_ID[lin.fmt], x.dtype == torch.float16, even, unroll, min_blocks, xlate, pipe, fold, pdl,
                    layout, act, warps, tail, ncol, tiles, dev, _SWITCHES["pdl_x_l1"], stages,
-                   shared)
-    per_block, tiles = tiles, -(-n // 16)
+                   shared, wgmma, bool(wgmma) and _SWITCHES["wg_swap"])
+    per_block, tiles = 4 * wgmma if wgmma else tiles, -(-n // 16)
     whole = act or not _triton.split_k_allowed()  # (the epilogue, or a launch beside others: _triton.single_pass)
     s = 1 if whole else min(splits, MAX_SPLITS) if splits else shape_splits(n, lin.ng, _triton.num_sms(dev), warps)
     groups_per_split = -(-lin.ng // s)
     s = -(-lin.ng // groups_per_split)
     ws, counters = workspace(x.device, s * t * n, tiles) if s > 1 else (out, out)
     stream = torch.cuda.current_stream(x.device)
+    threads = 128 * wgmma if wgmma else warps * 32
     # the kernel's parameters in order: 7 pointers, 5 int32, 5 int64
     ptrs = (x.data_ptr(), lin.codes.data_ptr(), lin.high.data_ptr(), lin.scales.data_ptr(), out.data_ptr(),
             ws.data_ptr(), counters.data_ptr())
@@ -417,13 +479,13 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
     if pdl:
         cargs = (*map(ctypes.c_uint64, ptrs), *map(ctypes.c_int32, ints), *map(ctypes.c_int64, longs))
         with torch.cuda.device(dev):  # the module was loaded in this device's context
-            _launch_pdl(kern, (-(-tiles // per_block), s), warps * 32, cargs, stream.cuda_stream, shared)
+            _launch_pdl(kern, (-(-tiles // per_block), s), threads, cargs, stream.cuda_stream, shared)
         return out
     import cupy
 
     args = (*map(np.uint64, ptrs), *map(np.int32, ints), *map(np.int64, longs))
     with cupy.cuda.Device(dev):
-        kern((-(-tiles // per_block), s), (warps * 32,), args, stream=_cupy.stream(stream, dev), shared_mem=shared)
+        kern((-(-tiles // per_block), s), (threads,), args, stream=_cupy.stream(stream, dev), shared_mem=shared)
     return out
 
 

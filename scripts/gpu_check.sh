@@ -41,8 +41,9 @@
 #   tilecheck scripts/probe_tile_bits.py, then test_cuda_engine's verify-row, speculative, block-draft and dflash2 PDL
 #            tests with tracebacks
 #   tpw      wide qmv launches with TPW row tiles a block: CUDA tests, 27B shapes at 64 rows, DFlash2 C8 with / without
-#   wgmmabits scripts/probe_wgmma_bits.cu (nvcc, sm_90a): whether wgmma.m64n8k16 gives mma.sync.m16n8k16's bits element for
-#            element (a 64-row projection on wgmma keeping one-row launches' bits), each checked against fp64
+#   wgmma    wide qmv launches on wgmma: scripts/probe_wgmma_bits.cu (nvcc, sm_90a: does wgmma.m64n8k16 give
+#            mma.sync.m16n8k16's bits, each checked against fp64; which descriptor offset runs along K), the wgmma
+#            build's CUDA tests, the 27B shapes at 64 rows (WG_KNOBS), with WG_C8=1 the DFlash2 K=7 replayed C8 pair
 #   ring     qmv with the weights streamed through a cp.async ring (stages): its CUDA tests, the 27B shapes at 64 rows
 #            (RING_KNOBS) and, with RING_T=1, at 1 and 8 rows (RING_KNOBS1); RING_C8=1 adds the 27B DFlash2 K=7 replayed
 #            C8 with each RING_WIDE build (label|NINFER_BENCH_QMV_WIDE) and plain C8
@@ -169,13 +170,25 @@ held_main() {
   nb decode $M --spec none,mtp:3,dflash2:7 $HELD --json "$OUT/specb$1" 2>&1 | tee "$OUT/specb$1.log" | tail -7
   nb decode $M --spec dflash2 -k 7 --json "$OUT/main$1.json" 2>&1 | tee "$OUT/main$1.log" | tail -6
 }
-ring_bench() {  # the ring stage's bench: bench_qlinear at the 27B q4 and q5 shapes and "$2" ("q8|lm_head" or empty),
-  # one process a format, the rest of the arguments its flags; each line to $OUT/ring/$1, ours / qmv rows printed
-  local log=$1 extra=$2 FO; shift 2
+ring_bench() {  # the ring / wgmma stages' bench: bench_qlinear at the 27B q4 and q5 shapes and "$3" ("q8|lm_head" or
+  # empty), one process a format, the rest of the arguments its flags; each line to $OUT/$1/$2, ours / qmv rows printed
+  local dir=$1 log=$2 extra=$3 FO; shift 3
   for FO in "q4|mlp.gate_up,mlp.down,gdn.qkv,gdn.out" "q5|attn.q_gate,attn.o" $extra; do
-    OUT=$OUT/ring timeout ${QBENCH_S:-150} python3 scripts/bench_qlinear.py --no-baselines "$@" --fmts ${FO%%|*} \
-      --ops ${FO#*|} 2>&1 | tee -a "$OUT/ring/$log" | grep -v "@graph20" | grep -E "ours|qmv|FAIL|DIFFER|copy bandwidth"
+    OUT=$OUT/$dir timeout ${QBENCH_S:-150} python3 scripts/bench_qlinear.py --no-baselines "$@" --fmts ${FO%%|*} \
+      --ops ${FO#*|} 2>&1 | tee -a "$OUT/$dir/$log" | grep -v "@graph20" | grep -E "ours|qmv|FAIL|DIFFER|copy bandwidth"
   done
+}
+c8_builds() {  # the 27B DFlash2 K=7 replayed C8 with each build "label|NINFER_BENCH_QMV_WIDE" (the arguments after the
+  # folder $1), then plain C8 (C8_PLAIN=0 skips it); logs and JSON into $OUT/$1, E2E_S seconds each (a fresh
+  # machine's first DFlash2 run spent 129 s compiling before its first request finished)
+  local dir=$1 V N C27="$M27 -n 128 --rounds 2"; shift
+  for V in "$@"; do N=${V%%|*}; echo "--- dflash2 C8 $N"
+    NINFER_BENCH_QMV_WIDE="${V#*|}" timeout ${E2E_S:-280} python3 scripts/nb.py concurrency $C27 -c 8 \
+      --spec dflash2 -k 7 --replay-acceptance seed --json "$OUT/$dir/dflash2-$N.json" 2>&1 \
+      | tee "$OUT/$dir/dflash2-$N.log" | grep -E "^│|rror|sequential p0" | head -6; done
+  [ "${C8_PLAIN:-1}" = 0 ] && return
+  echo "--- plain C8"; timeout ${E2E_S:-280} python3 scripts/nb.py concurrency $C27 -c 8 \
+    --json "$OUT/$dir/plain.json" 2>&1 | tee "$OUT/$dir/plain.log" | grep -E "^│|rror" | head -4
 }
 chained_tests() {  # the chained speculative rounds' CUDA tests (seven; three took 60-90 s)
   timeout "${TESTS_S:-300}" python3 -m pytest -q -p no:cacheprovider tests/test_cuda_engine.py -k chained \
@@ -419,9 +432,26 @@ for stage in "$@"; do
                nb concurrency $M27 -n 128 --rounds 2 ${V#*|} --json "$OUT/rowsconc/$N.json" 2>&1 \
                  | tee "$OUT/rowsconc/$N.log" | grep -E "^│|error|Error" | head -6; done ;;
     sampler) timeout ${STAGE_S:-120} python3 scripts/probe_sampler.py --json "$OUT/sampler.json" 2>&1 | tee "$OUT/sampler.log" ;;
-    wgmmabits) # issue 33's next step: does wgmma (A from registers, B in shared memory) give mma.sync's bits?
-             nvcc -gencode arch=compute_90a,code=sm_90a -O2 -o /tmp/probe_wgmma_bits scripts/probe_wgmma_bits.cu \
-               && /tmp/probe_wgmma_bits ${WGMMA_TRIALS:-4096} 2>&1 | tee "$OUT/wgmmabits.log" ;;
+    wgmma)   # issue 33: wide qmv launches on Hopper's wgmma (kernels/qmv_cuda.cu WGMMA, sm_90a). First the probe: does
+             # wgmma give mma.sync's bits, and which descriptor offset runs along K (if the swapped one, the rest of
+             # the stage runs with NINFER_BENCH_QMV_WG_SWAP=1). Then the wgmma CUDA tests (bits against the mma.sync
+             # builds), the 27B shapes at 64 rows (WG_KNOBS against the default, bits checked against 8-row
+             # launches; WG_BENCH=0 skips it) and with WG_C8=1 the 27B DFlash2 K=7 replayed C8 with each WG_WIDE
+             # build (label|NINFER_BENCH_QMV_WIDE), plain C8 last (C8_PLAIN=0 skips it)
+             mkdir -p "$OUT/wgmma"
+             if [ "${WG_PROBE:-1}" = 1 ]; then
+               nvcc -gencode arch=compute_90a,code=sm_90a -O2 -o /tmp/probe_wgmma_bits scripts/probe_wgmma_bits.cu \
+                 && /tmp/probe_wgmma_bits ${WGMMA_TRIALS:-4096} 2>&1 | tee "$OUT/wgmma/probe.log"
+               grep -q "leading offset 256 (N), stride offset 128 (K): right" "$OUT/wgmma/probe.log" \
+                 && export NINFER_BENCH_QMV_WG_SWAP=1 && echo "descriptor offsets swapped for this stage"
+             fi
+             [ "${WG_TESTS:-1}" = 0 ] || timeout ${TESTS_S:-240} python3 -m pytest -q -p no:cacheprovider -rf \
+               --tb=line tests/test_kernels_qmv_cuda.py -k "${WG_K:-wgmma or knob}" 2>&1 | tee "$OUT/wgmma/tests.log" \
+               | grep -E "^(FAILED|ERROR)|passed|failed|Error" | head -20
+             K=${WG_KNOBS:-g1s4,g2s4,g1s6,g1s3}
+             [ "${WG_BENCH:-1}" = 0 ] || ring_bench wgmma bench64.log "${WG_Q8-q8|lm_head}" --ts 64 --rows 64 \
+               --qmv-knobs "$K" --only "ours-r8,ours-r64,qmv-lanes-${K//,/,qmv-lanes-}"
+             [ "${WG_C8:-0}" = 1 ] && c8_builds wgmma ${WG_WIDE:-"ring|" "wgmma|8q4:g1s4,8q5:g1s4,8q8:g1s4"} ;;
     ring)    # issue 33: qmv's weights through a per-warp cp.async ring in shared memory (stages), against the register
              # builds: CUDA tests, the 27B shapes at 64 rows (bits checked against 8-row launches), at 1 / 8 rows with
              # RING_T=1, then with RING_C8=1 the 27B DFlash2 K=7 replayed C8 per RING_WIDE build and plain C8 (E2E_S each:
@@ -431,19 +461,12 @@ for stage in "$@"; do
                tests/test_kernels_qmv_cuda.py -k "${RING_K:-async_ring or tiles_a_block or wide_launch_rows}" 2>&1 \
                | tee "$OUT/ring/tests.log" | grep -E "^(FAILED|ERROR)|passed|failed" | head
              K=${RING_KNOBS:-p3u1,s4,s6,s4b2,p2s4b1,p2s4b2,p3s4b1}; Q8="q8|lm_head"; [ "${RING_Q8:-1}" = 0 ] && Q8=
-             [ "${RING_BENCH:-1}" = 0 ] || ring_bench bench64.log "$Q8" --ts 64 --rows 64 --qmv-knobs "$K" \
+             [ "${RING_BENCH:-1}" = 0 ] || ring_bench ring bench64.log "$Q8" --ts 64 --rows 64 --qmv-knobs "$K" \
                --only "ours-r8,ours-r64,qmv-lanes-${K//,/,qmv-lanes-}"
              K1=${RING_KNOBS1:-s4,s6,s4b4,s8b4}
-             [ "${RING_T:-0}" = 0 ] || ring_bench bench1.log "q8|lm_head" --ts 1,8 --qmv-knobs "$K1" \
+             [ "${RING_T:-0}" = 0 ] || ring_bench ring bench1.log "q8|lm_head" --ts 1,8 --qmv-knobs "$K1" \
                --only "ours,qmv-lanes-${K1//,/,qmv-lanes-}"
-             if [ "${RING_C8:-0}" = 1 ]; then C27="$M27 -n 128 --rounds 2"
-               for V in ${RING_WIDE:-"before|8q4:p3u1b1,8q5:p1" "default|"}; do N=${V%%|*}; echo "--- dflash2 C8 $N"
-                 NINFER_BENCH_QMV_WIDE="${V#*|}" timeout ${E2E_S:-280} python3 scripts/nb.py concurrency $C27 -c 8 \
-                   --spec dflash2 -k 7 --replay-acceptance seed --json "$OUT/ring/dflash2-$N.json" 2>&1 \
-                   | tee "$OUT/ring/dflash2-$N.log" | grep -E "^│|rror|sequential p0" | head -6; done
-               echo "--- plain C8"; timeout ${E2E_S:-280} python3 scripts/nb.py concurrency $C27 -c 8 \
-                 --json "$OUT/ring/plain.json" 2>&1 | tee "$OUT/ring/plain.log" | grep -E "^│|rror" | head -4
-             fi ;;
+             [ "${RING_C8:-0}" = 1 ] && c8_builds ring ${RING_WIDE:-"before|8q4:p3u1b1,8q5:p1" "default|"} ;;
     tpw)     # wide qmv launches with several row tiles a block (x loaded once for them): their CUDA tests, the 27B q4 /
              # q5 shapes at 64 rows (TPW_KNOBS against the default and 8-row launches, bits checked; TPW_BENCH=0 skips
              # it), then the 27B DFlash2 K=7 replayed C8 with each TPW_WIDE build (label|NINFER_BENCH_QMV_WIDE; default:
@@ -457,13 +480,7 @@ for stage in "$@"; do
                OUT=$OUT/tpw timeout ${QBENCH_S:-100} python3 scripts/bench_qlinear.py --no-baselines --ts 64 --rows 64 \
                  --qmv-knobs "$K" --only "$ONLY" --fmts ${FO%%|*} --ops ${FO#*|} 2>&1 | tee -a "$OUT/tpw/bench.log" \
                  | grep -v "@graph20" | grep -E "ours|qmv|FAIL|DIFFER|copy bandwidth"; done
-             C27="$M27 -n 128 --rounds 2"
-             for V in ${TPW_WIDE:-"onetile|8:p1" "default|"}; do N=${V%%|*}; echo "--- dflash2 C8 $N"
-               NINFER_BENCH_QMV_WIDE="${V#*|}" timeout ${E2E_S:-200} python3 scripts/nb.py concurrency $C27 -c 8 \
-                 --spec dflash2 -k 7 --replay-acceptance seed --json "$OUT/tpw/dflash2-$N.json" 2>&1 \
-                 | tee "$OUT/tpw/dflash2-$N.log" | grep -E "^│|rror|sequential p0" | head -6; done
-             echo "--- plain C8"; timeout ${E2E_S:-200} python3 scripts/nb.py concurrency $C27 -c 8 \
-               --json "$OUT/tpw/plain.json" 2>&1 | tee "$OUT/tpw/plain.log" | grep -E "^│|rror" | head -4 ;;
+             E2E_S=${E2E_S:-200} c8_builds tpw ${TPW_WIDE:-"onetile|8:p1" "default|"} ;;
     ncuqmv)  # Nsight Compute on wide qmv launches (issue 33): each NCU_QMV case op:fmt:rows, every launch of every
              # NCU_QMV_KNOBS build (scripts/probe_qmv_wide.py; empty = the default build), full sections, clocks left
              # alone; one report a case, kept on the machine (session 52's reports were too big to come back): $OUT

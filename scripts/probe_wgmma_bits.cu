@@ -11,7 +11,10 @@
 // The host compares the two bit for bit, and each against an fp64 product (so a wrong fragment or descriptor layout
 // reads as "layout WRONG", not as differing bits).
 //
-// Build and run on an sm_90 GPU (gpu_check.sh wgmmabits):
+// Last, an m64n16k16 step says which of the descriptor's two byte offsets is the one along K when B has two core
+// matrices along N (qmv's wgmma build assumes the leading one: WG_LBO / WG_SBO in kernels/qmv_cuda.cu).
+//
+// Build and run on an sm_90 GPU (gpu_check.sh wgmma):
 //   nvcc -arch=sm_90a -O2 -o /tmp/probe_wgmma_bits scripts/probe_wgmma_bits.cu && /tmp/probe_wgmma_bits [trials]
 
 #include <cuda_runtime.h>
@@ -101,6 +104,48 @@ __global__ void __launch_bounds__(128) probe(const u16* __restrict__ A, const u1
   for (int i = 0; i < 4; ++i) {
     ow[idx[i]] = dw[i];
     om[idx[i]] = dm[i];
+  }
+}
+
+// The descriptor's two byte offsets with more than one core matrix along N (qmv's wgmma build, 8 NCOL tokens): B for
+// 16 tokens [token group j][core matrix q along K][8 tokens][8 values], j 256 bytes apart and q 128. "swap" 0 puts
+// 128 in the leading-offset field and 256 in the stride field (CUTLASS's reading of K-major without swizzle), 1 the
+// other way round. One k16 step, from zero; out [trial][64][16].
+__global__ void __launch_bounds__(128) probe_n16(const u16* __restrict__ A, const u16* __restrict__ B,
+                                                 float* __restrict__ out, int swap) {
+  const int trial = blockIdx.x, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, c = lane & 3;
+  const u16* a = A + (size_t)trial * 64 * 16;
+  const u16* b = B + (size_t)trial * 16 * 16;
+  __shared__ __align__(128) u16 bs[2][2][8][8];  // j, q, token, value
+  for (int i = tid; i < 256; i += 128) {
+    const int j = i / 128, q = (i / 64) % 2, n = (i / 8) % 8, k = i % 8;
+    bs[j][q][n][k] = b[(8 * j + n) * 16 + 8 * q + k];
+  }
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  __syncthreads();
+  const int r0 = 16 * warp + g, r1 = r0 + 8;
+  auto pair = [](u16 lo, u16 hi) { return (u32)lo | ((u32)hi << 16); };
+  const u32 a0 = pair(a[r0 * 16 + 2 * c], a[r0 * 16 + 2 * c + 1]), a1 = pair(a[r1 * 16 + 2 * c], a[r1 * 16 + 2 * c + 1]);
+  const u32 a2 = pair(a[r0 * 16 + 2 * c + 8], a[r0 * 16 + 2 * c + 9]);
+  const u32 a3 = pair(a[r1 * 16 + 2 * c + 8], a[r1 * 16 + 2 * c + 9]);
+  const unsigned long long lo = swap ? 256 : 128, st = swap ? 128 : 256;
+  const unsigned long long desc = ((smem_addr(&bs[0][0][0][0]) & 0x3FFFF) >> 4) | ((lo >> 4) << 16) | ((st >> 4) << 32);
+  float d[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, "
+      "%12, 0, 1, 1, 0;\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc));
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+  asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+  float* o = out + (size_t)trial * 64 * 16;
+  for (int j = 0; j < 2; ++j) {  // accumulator layout: per 8 columns j, rows g / g + 8, columns 8 j + 2 c, + 1
+    o[r0 * 16 + 8 * j + 2 * c] = d[4 * j];
+    o[r0 * 16 + 8 * j + 2 * c + 1] = d[4 * j + 1];
+    o[r1 * 16 + 8 * j + 2 * c] = d[4 * j + 2];
+    o[r1 * 16 + 8 * j + 2 * c + 1] = d[4 * j + 3];
   }
 }
 
@@ -199,6 +244,44 @@ int main(int argc, char** argv) {
     cudaFree(dc);
     cudaFree(dw);
     cudaFree(dm);
+  }
+  {  // which way the descriptor's offsets go with two core matrices along N (and the accumulator layout at n16)
+    std::vector<u16> a((size_t)trials * 64 * 16), b((size_t)trials * 16 * 16);
+    for (auto& v : a) v = to_bf16(normal(rng));
+    for (auto& v : b) v = to_bf16(normal(rng));
+    u16 *da, *db;
+    float* dout;
+    CHECK(cudaMalloc(&da, a.size() * 2));
+    CHECK(cudaMalloc(&db, b.size() * 2));
+    CHECK(cudaMalloc(&dout, (size_t)trials * 64 * 16 * 4));
+    CHECK(cudaMemcpy(da, a.data(), a.size() * 2, cudaMemcpyHostToDevice));
+    CHECK(cudaMemcpy(db, b.data(), b.size() * 2, cudaMemcpyHostToDevice));
+    for (int swap = 0; swap < 2; ++swap) {
+      probe_n16<<<trials, 128>>>(da, db, dout, swap);
+      CHECK(cudaGetLastError());
+      CHECK(cudaDeviceSynchronize());
+      std::vector<float> o((size_t)trials * 64 * 16);
+      CHECK(cudaMemcpy(o.data(), dout, o.size() * 4, cudaMemcpyDeviceToHost));
+      size_t bad = 0;
+      for (int t = 0; t < trials; ++t)
+        for (int r = 0; r < 64; ++r)
+          for (int n = 0; n < 16; ++n) {
+            double ref = 0, mag = 0;
+            for (int k = 0; k < 16; ++k) {
+              const double p = (double)from_bf16(a[((size_t)t * 64 + r) * 16 + k]) *
+                               (double)from_bf16(b[((size_t)t * 16 + n) * 16 + k]);
+              ref += p;
+              mag += std::fabs(p);
+            }
+            bad += std::fabs(o[((size_t)t * 64 + r) * 16 + n] - ref) > 1e-5 * mag + 1e-30;
+          }
+      std::printf("n16 descriptor, leading offset %s, stride offset %s: %s (%zu of %zu elements off the fp64 product)"
+                  "\n", swap ? "256 (N)" : "128 (K)", swap ? "128 (K)" : "256 (N)", bad ? "WRONG" : "right", bad,
+                  (size_t)trials * 64 * 16);
+    }
+    cudaFree(da);
+    cudaFree(db);
+    cudaFree(dout);
   }
   return 0;
 }

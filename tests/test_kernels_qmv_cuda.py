@@ -290,6 +290,87 @@ def test_async_ring_keeps_the_bits(fmt, n, k, splits):
         qmv_cuda.qmv(x[:4].contiguous(), lin, stages=2, tail=True)
 
 
+needs_wgmma = pytest.mark.skipif(
+    not (READY and torch.cuda.get_device_capability() == (9, 0)),
+    reason=f"the wgmma build needs an sm_90 GPU and cupy ({qmv_cuda.import_error() or 'not sm_90'})")
+WGMMA_CASES = [(64, 256, None), (200, 2048, 3), (37, 1152, None), (1000, 5120, 1)]
+
+
+def _misaligned(x):
+    """x's values in a contiguous tensor that starts 8 bytes past a 16-byte boundary."""
+    flat = torch.empty(x.numel() + 8, dtype=x.dtype, device=x.device)[4:4 + x.numel()]
+    return flat.view(x.shape).copy_(x)
+
+
+def _bits_report(y, want, ref) -> str:
+    """What differs: how many elements, and whether the result is still the product (bits) or not (layout)."""
+    diff = (y != want).float().mean().item()
+    return f"{100 * diff:.3f} % of elements differ; rel RMS to the fp32 reference {rel_rms(y, ref):.2e}"
+
+
+@needs_wgmma
+@pytest.mark.parametrize("fmt", quant.QUANT_FORMATS)
+@pytest.mark.parametrize("n,k,splits", WGMMA_CASES, ids=[f"{n}x{k}-s{s}" for n, k, s in WGMMA_CASES])
+def test_wgmma_keeps_the_bits(fmt, n, k, splits):
+    """The wgmma build (one or two warpgroups a block, 2 or 4 ring stages) gives the mma.sync register build's bits
+    at 1, 8, 9, 20, 33 and 64 rows (n 8 to n 64), with split-K, tiles past the weight's last, PDL, a CUDA graph, the
+    silu epilogue and fp16; a layout it cannot take is refused when asked for and left to mma.sync by default."""
+    base, x, ref = _case(fmt, n, k, 64, torch.bfloat16, seed=71)
+    lin = qmv_cuda.TiledWeight(base, lanes=True)
+    for t in (1, 8, 9, 20, 33, 64):
+        xt = x[:t].contiguous()
+        want = qmv_cuda.qmv(xt, lin, splits=splits, stages=0)
+        for wg, stages in ((1, 4), (2, 2), (1, 2)):
+            y = qmv_cuda.qmv(xt, lin, splits=splits, wgmma=wg, stages=stages)
+            assert torch.equal(y, want), (t, wg, stages, _bits_report(y, want, ref[:t]))
+    torch.cuda.synchronize()
+    assert int(qmv_cuda._WORKSPACES[x.device][1].abs().sum()) == 0  # split-K counters left at zero
+    assert torch.equal(qmv_cuda.qmv(x, lin, splits=splits, wgmma=1, pdl=True), qmv_cuda.qmv(x, lin, splits=splits,
+                                                                                             stages=0))
+    out = torch.empty(64, n, dtype=x.dtype, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        qmv_cuda.qmv(x, lin, out, splits=splits, wgmma=1)
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, qmv_cuda.qmv(x, lin, splits=splits, stages=0))
+    if n % 16 == 0:
+        assert torch.equal(qmv_cuda.qmv(x, lin, act=True, wgmma=1), qmv_cuda.qmv(x, lin, act=True, stages=0))
+    x16 = x.half()
+    assert torch.equal(qmv_cuda.qmv(x16, lin, splits=splits, wgmma=1), qmv_cuda.qmv(x16, lin, splits=splits,
+                                                                                     stages=0))
+    with pytest.raises(ValueError, match="lanes layout"):
+        qmv_cuda.qmv(x, base, wgmma=1)
+    with pytest.raises(ValueError, match="tiles"):
+        qmv_cuda.qmv(x, lin, wgmma=1, tiles=2)
+    with pytest.raises(ValueError, match="16-byte"):
+        qmv_cuda.qmv(_misaligned(x), lin, wgmma=1)
+
+
+@needs_wgmma
+def test_wgmma_default_build_and_fallback(monkeypatch):
+    """NINFER_BENCH_QMV_WIDE's g knob makes the wgmma build a wide launch's default; a call it cannot take (a
+    row-major weight, x rows 8-byte aligned only) runs an mma.sync build, with the same bits."""
+    base, x, ref = _case("q4_g64_fp16", 300, 1024, 64, torch.bfloat16, seed=5)
+    lin = qmv_cuda.TiledWeight(base, lanes=True)
+    want = qmv_cuda.qmv(x, lin, stages=0)
+    monkeypatch.setattr(qmv_cuda, "_WIDE", qmv_cuda._wide_builds("8q4:g1s3"))
+    assert torch.equal(qmv_cuda.qmv(x, lin), want)
+    assert torch.equal(qmv_cuda.qmv(x, base), want)
+    assert torch.equal(qmv_cuda.qmv(_misaligned(x), lin), want)
+
+
+def test_wgmma_shared_bytes():
+    """A wgmma launch's shared memory: two groups of B (8 ncol tokens x 64 values x 2 bytes), and a ring of code
+    pieces, the warp's x pieces, scale pairs (and q5 high bits) per warp, stage and lane."""
+    # q4, 8 column groups, one warpgroup (4 warps, 2 column groups each: 64 bytes of x a lane), 4 stages
+    assert qmv_cuda.wgmma_shared_bytes("q4_g64_fp16", 8, 1, 4) == 2 * 4 * 8 * 256 + 4 * 4 * 32 * (16 + 64 + 4)
+    # q5 two warpgroups (one column group a warp), q8 (16 bytes of x a column group)
+    assert qmv_cuda.wgmma_shared_bytes("q5_g64_fp16", 8, 2, 2) == 2 * 4 * 8 * 256 + 8 * 2 * 32 * (16 + 32 + 4 + 4)
+    assert qmv_cuda.wgmma_shared_bytes("q8_g32_fp16", 2, 1, 3) == 2 * 4 * 2 * 256 + 4 * 3 * 32 * (16 + 16 + 4)
+
+
 def test_async_ring_shared_bytes():
     """A ring's shared memory: 20 bytes a lane, stage, tile and warp (q5: 24, its high bits); none without one."""
     assert qmv_cuda.async_shared_bytes("q4_g64_fp16", 4, 4, 3) == 4 * 4 * 3 * 32 * 20
@@ -302,6 +383,8 @@ def test_wide_builds_parse():
                                                           (4, None): {"tiles": 2, "unroll": 2}}
     assert qmv_cuda._wide_builds("8q4:p2s4b1,8q8:p1") == {(8, "q4_g64_fp16"): {"tiles": 2, "stages": 4, "min_blocks": 1},
                                                           (8, "q8_g32_fp16"): {"tiles": 1}}
+    assert qmv_cuda._wide_builds("8q4:g1s4,4:g2") == {(8, "q4_g64_fp16"): {"wgmma": 1, "stages": 4},
+                                                      (4, None): {"wgmma": 2}}
     assert qmv_cuda._wide_builds("") == {}
     for bad in ("8:q2", "3:p2", "p2", "8:", "8q6:p1"):
         with pytest.raises(ValueError, match="NINFER_BENCH_QMV_WIDE"):
@@ -321,6 +404,12 @@ def test_pdl_x_path_knob(monkeypatch):
     qmv_cuda.set_pdl_x_l1(False)
     qmv_cuda._load_env_knobs()
     assert qmv_cuda._SWITCHES["pdl_x_l1"] is True
+    monkeypatch.setenv("NINFER_BENCH_QMV_WG_SWAP", "1")  # the wgmma descriptor's offsets the other way round
+    qmv_cuda._load_env_knobs()
+    assert qmv_cuda._SWITCHES["wg_swap"] is True
+    monkeypatch.delenv("NINFER_BENCH_QMV_WG_SWAP")
+    qmv_cuda._load_env_knobs()
+    assert qmv_cuda._SWITCHES["wg_swap"] is False
     monkeypatch.setenv("NINFER_BENCH_QMV_PDL_X", "l3")
     with pytest.raises(ValueError, match="NINFER_BENCH_QMV_PDL_X"):
         qmv_cuda._load_env_knobs()
@@ -668,3 +757,13 @@ def test_silu_epilogue_in_a_pdl_graph_and_through_packed_linear():
     torch.cuda.synchronize()
     assert torch.equal(out, qmv_cuda.qmv(x, mixed, act=True, pdl=False))
     assert rel_rms(out, ref.cpu()) <= TOL[torch.bfloat16]
+
+
+def test_bench_knob_letters():
+    """scripts/bench_qlinear.py's --qmv-knobs: g is wgmma's warpgroups a block; an unknown letter is refused."""
+    import bench_qlinear  # scripts/ (conftest puts it on sys.path)
+
+    assert bench_qlinear.qmv_knobs("g1s4b2") == {"wgmma": 1, "stages": 4, "min_blocks": 2, "tail": False,
+                                                 "xlate": False}
+    with pytest.raises(ValueError, match="unknown letter"):
+        bench_qlinear.qmv_knobs("g1q2")
