@@ -21,6 +21,18 @@ def import_error(needs: str) -> str | None:
     return None
 
 
+def parse_build(text: str, where: str = "a kernel build") -> dict[str, int]:
+    """``"NAME=VALUE:NAME=VALUE"`` (extra ``-D`` defines of a CUDA source's build, e.g. ``VDEPTH=3:QSMEM=1``) as a
+    dict; ValueError naming ``where`` the text came from when an item is not NAME=INTEGER."""
+    out = {}
+    for item in filter(None, (t.strip() for t in text.split(":"))):
+        name, sep, value = item.partition("=")
+        if not sep or not name.isidentifier() or not value.strip().lstrip("-").isdigit():
+            raise ValueError(f"{where}: a build define is NAME=INTEGER, got {item!r}")
+        out[name] = int(value)
+    return out
+
+
 _STREAMS: dict[int, object] = {}
 
 

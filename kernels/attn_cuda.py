@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from . import _cupy, _triton
+from ._cupy import parse_build
 
 __all__ = ["CudaPlan", "plan", "split", "verify_grid", "wanted", "supports", "available", "import_error",
            "set_enabled", "enabled", "STEP"]
@@ -73,20 +74,10 @@ COMBINE_COLS, COMBINE_SPLITS = 32, 64
 _SOURCE = Path(__file__).with_name("attn_cuda.cu")
 
 
-def parse_build(text: str) -> dict[str, int]:
-    """``"NAME=VALUE:NAME=VALUE"`` (defines of attn_cuda.cu's build, e.g. ``VDEPTH=3:QSMEM=1``) as a dict."""
-    out = {}
-    for item in filter(None, (t.strip() for t in text.split(":"))):
-        name, sep, value = item.partition("=")
-        if not sep or not name.isidentifier() or not value.strip().lstrip("-").isdigit():
-            raise ValueError(f"attn_cuda: a build define is NAME=INTEGER, got {item!r}")
-        out[name] = int(value)
-    return out
-
-
 # extra -D defines of the build (tuning: scripts/bench_attention.py --cuda-builds, or NINFER_BENCH_ATTN_BUILD for a
 # process, recorded in a result's env.knobs), e.g. (("VDEPTH", 3),)
-_BUILD = {"defines": tuple(sorted(parse_build(os.environ.get("NINFER_BENCH_ATTN_BUILD", "")).items()))}
+_BUILD = {"defines": tuple(sorted(parse_build(os.environ.get("NINFER_BENCH_ATTN_BUILD", ""),
+                                              "NINFER_BENCH_ATTN_BUILD").items()))}
 
 
 def set_build_defines(defines: dict[str, int] | None = None) -> None:

@@ -925,8 +925,8 @@ __device__ __forceinline__ void let_next_launch() {
 //   (scripts/probe_wgmma_bits.cu measures that).
 // - The weights come through each lane's cp.async ring (ASYNC stages), and so does x: each lane copies its own 16-byte
 //   pieces of x (the ones load_x would read) and rewrites them into B once they have landed.
-// - Two B buffers: every warpgroup waits for its MMAs before it starts the next step, so the buffer a step writes was
-//   last read two steps before, by MMAs that all finished before the block's barrier one step before.
+// - Two B buffers (WG_DEFER 0): every warpgroup waits for its MMAs before it starts the next step, so the buffer a
+//   step writes was last read two steps before, by MMAs that all finished before the block's barrier one step before.
 #if TILED != 2 || !EVEN || ASYNC < 2 || TPW != 1 || FMT == 3 || WGMMA > 2
 #error "WGMMA (1 or 2 warpgroups) streams a q format's lanes layout (TILED 2) with whole groups (EVEN) through a ring (ASYNC >= 2)"
 #endif
@@ -941,10 +941,23 @@ __device__ __forceinline__ void let_next_launch() {
 #ifndef WG_SBO
 #define WG_SBO 256  // stride byte offset: 8-token core matrices along N, 256 bytes apart
 #endif
-// Dynamic shared memory (qmv_cuda.wgmma_shared_bytes), byte offsets: B [2][WG_GROUP_B], then the ring: code pieces
+#ifndef WG_DEFER
+#define WG_DEFER 0  // 1: step j + 1's copies, B and fragments are made while step j's MMAs run (three B buffers: the one
+#endif              // a step writes was last read three steps before, by MMAs every warpgroup waited for before the
+                    // barrier two steps before); 0: each step waits for its MMAs before the next begins (two buffers)
+#ifndef WG_BUFS
+#define WG_BUFS (WG_DEFER ? 3 : 2)  // B buffers (qmv_cuda.wgmma_shared_bytes passes its count)
+#endif
+#if WG_BUFS < 2 + WG_DEFER
+#error "WG_DEFER needs three B buffers, the build without it two"
+#endif
+#ifndef WG_FENCE
+#define WG_FENCE 1  // 0 is for timing only: without the proxy fence the MMAs may read B before it is written (the cost
+#endif              // of fence.proxy.async, which is MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S in SASS)
+// Dynamic shared memory (qmv_cuda.wgmma_shared_bytes), byte offsets: B [WG_BUFS][WG_GROUP_B], then the ring: code pieces
 // uint4 [WG_WARPS][ASYNC][32], x pieces uint4 [WG_WARPS][ASYNC][WG_XCOLS][WG_XP][32], scale pairs u32
 // [WG_WARPS][ASYNC][32], q5 high-bit pairs u32 alike
-#define WG_RING_C (2 * WG_GROUP_B)
+#define WG_RING_C (WG_BUFS * WG_GROUP_B)
 #define WG_RING_X (WG_RING_C + WG_WARPS * ASYNC * 32 * 16)
 #define WG_RING_S (WG_RING_X + WG_WARPS * ASYNC * WG_XCOLS * WG_XP * 32 * 16)
 #define WG_RING_H (WG_RING_S + WG_WARPS * ASYNC * 32 * 4)
@@ -998,6 +1011,14 @@ __device__ __forceinline__ void wg_wait() { asm volatile("wgmma.wait_group.sync.
 __device__ __forceinline__ void wg_hold(float* d) {
 #pragma unroll
   for (int i = 0; i < 4 * NCOL; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+// A's registers are read by the MMAs until wg_wait: kept as they are until then
+__device__ __forceinline__ void wg_hold_frags(Frags& F) {
+#pragma unroll
+  for (int w = 0; w < 2; ++w) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(F.pa[w][i]), "+r"(F.pb[w][i])::"memory");
+  }
 }
 // this thread's writes to shared memory, seen by the MMAs (the async proxy) after the next barrier
 __device__ __forceinline__ void wg_publish() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
@@ -1110,7 +1131,8 @@ qmv(const u16* __restrict__ x, const u8* __restrict__ codes, const u8* __restric
   const uint4* ring_c = reinterpret_cast<const uint4*>(sm + WG_RING_C);
   const uint4* ring_x = reinterpret_cast<const uint4*>(sm + WG_RING_X);
   const u32* ring_s = reinterpret_cast<const u32*>(sm + WG_RING_S);
-  for (int j = 0; j < steps; ++j) {
+  // step j's copies out, its x into B (buffer j % WG_BUFS), its A fragments made; then the block's barrier
+  auto prepare = [&](int j) -> Frags {
     if (j + ASYNC - 1 < steps) {  // into the stage step j - 1 used (read into registers)
       wg_issue_w(L, is.gi, j + ASYNC - 1, wi, lane, sbase);
       wg_issue_x(xs, is.gi, j + ASYNC - 1, wi, lane, sbase);
@@ -1119,7 +1141,7 @@ qmv(const u16* __restrict__ x, const u8* __restrict__ codes, const u8* __restric
     cp_commit();
     cp_wait<ASYNC - 1>();  // this lane's copies of step j have landed
     const int st = j % ASYNC;
-    unsigned char* bb = sm + (j & 1) * WG_GROUP_B;
+    unsigned char* bb = sm + (j % WG_BUFS) * WG_GROUP_B;
 #pragma unroll
     for (int m = 0; m < WG_XCOLS; ++m) {
       if (xs[m]) {
@@ -1132,7 +1154,9 @@ qmv(const u16* __restrict__ x, const u8* __restrict__ codes, const u8* __restric
         wg_stage_x(bb, wi + WG_WARPS * m, xv, g, c);
       }
     }
+#if WG_FENCE
     wg_publish();
+#endif
     const int slot = (wi * ASYNC + st) * 32 + lane;
     const uint4 v = ring_c[slot];
     const u32 sc = ring_s[slot];
@@ -1144,18 +1168,27 @@ qmv(const u16* __restrict__ x, const u8* __restrict__ codes, const u8* __restric
     const Frags F = make_frags(make_uint2(v.x, v.y), make_uint2(v.z, v.w), h & 0xFFFFu, h >> 16, sc & 0xFFFFu,
                                sc >> 16, magic);
     __syncthreads();  // every warp's part of B is in place
-    const u32 b = sbase + (j & 1) * WG_GROUP_B;
+    return F;
+  };
+  // step j's four k16 MMAs, chained from zero into d
+  auto multiply = [&](int j, const Frags& F) {
+    const u32 b = sbase + (j % WG_BUFS) * WG_GROUP_B;
     wg_fence();
     wg_mma(d, F.pa[0][0], F.pb[0][0], F.pa[0][1], F.pb[0][1], wg_desc(b), 0);
     wg_mma(d, F.pa[0][2], F.pb[0][2], F.pa[0][3], F.pb[0][3], wg_desc(b + WG_STEP_B), 1);
     wg_mma(d, F.pa[1][0], F.pb[1][0], F.pa[1][1], F.pb[1][1], wg_desc(b + 2 * WG_STEP_B), 1);
     wg_mma(d, F.pa[1][2], F.pb[1][2], F.pa[1][3], F.pb[1][3], wg_desc(b + 3 * WG_STEP_B), 1);
     wg_commit();
+  };
+  // wait for them; the group's scale step; at a slot's last group its sums join the slots before it (tile_store's
+  // order)
+  auto finish = [&](Frags& F) {
     wg_wait();
     wg_hold(d);
+    wg_hold_frags(F);
 #pragma unroll
     for (int n = 0; n < NCOL; ++n) scale_add(d + 4 * n, F.sa, F.sb, acc + 4 * n);
-    if (cs.gi + NW >= g_hi) {  // the slot's last group: its sums join the slots before it, as tile_store adds them
+    if (cs.gi + NW >= g_hi) {
 #pragma unroll
       for (int i = 0; i < 4 * NCOL; ++i) {
         sum[i] += acc[i];
@@ -1163,7 +1196,23 @@ qmv(const u16* __restrict__ x, const u8* __restrict__ codes, const u8* __restric
       }
     }
     cs.next(g_lo, g_hi);
+  };
+#if WG_DEFER
+  // step j + 1's copies, B and fragments while step j's MMAs run
+  Frags F = steps > 0 ? prepare(0) : Frags{};
+  for (int j = 0; j < steps; ++j) {
+    multiply(j, F);
+    Frags next = j + 1 < steps ? prepare(j + 1) : F;
+    finish(F);
+    F = next;
   }
+#else
+  for (int j = 0; j < steps; ++j) {
+    Frags F = prepare(j);
+    multiply(j, F);
+    finish(F);
+  }
+#endif
   cp_wait<0>();
   grid_wait();
   if (tile < tiles) tile_out(sum, tile, blockIdx.y, gridDim.y, out, ws, counters, T, N, stride_o);

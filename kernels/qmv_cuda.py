@@ -99,8 +99,8 @@ def async_shared_bytes(fmt: str, warps: int, stages: int, tiles: int = 1) -> int
     return warps * stages * tiles * 32 * per_lane if stages else 0
 
 
-def wgmma_shared_bytes(fmt: str, ncol: int, warpgroups: int, stages: int) -> int:
-    """Dynamic shared memory of a wgmma launch (``WGMMA`` in the source): two groups of B (x, 8 ncol tokens x 64
+def wgmma_shared_bytes(fmt: str, ncol: int, warpgroups: int, stages: int, bufs: int = 2) -> int:
+    """Dynamic shared memory of a wgmma launch (``WGMMA`` in the source): ``bufs`` groups of B (x, 8 ncol tokens x 64
     values x 2 bytes each), then per warp, stage and lane a 16-byte code piece, the x pieces of the column groups the
     warp stages (16 bytes per 8 values: q4 / q5 32 bytes a column group, q8 16), a 4-byte scale pair and for q5 a
     4-byte high-bit pair."""
@@ -108,14 +108,19 @@ def wgmma_shared_bytes(fmt: str, ncol: int, warpgroups: int, stages: int) -> int
     xcols = -(-ncol // warps)
     x_piece = 16 if fmt == "q8_g32_fp16" else 32
     per_lane = 16 + xcols * x_piece + 4 + (4 if fmt == "q5_g64_fp16" else 0)
-    return 2 * 4 * ncol * 256 + warps * stages * 32 * per_lane
+    return bufs * 4 * ncol * 256 + warps * stages * 32 * per_lane
+
+
+def _wg_bufs(defines) -> int:
+    """B buffers of a wgmma build: three when its MMAs overlap the next step's staging (WG_DEFER), else two."""
+    return 3 if dict(defines).get("WG_DEFER") else 2
 
 
 @functools.cache
 def _kernel(fmt_id: int, half: bool, even: bool, unroll: int, min_blocks: int, xlate: bool, pipe: bool,
             fold: bool, pdl: bool, tiled: int, act: bool, warps: int, tail: bool, ncol: int, tiles: int,
             device_index: int, xl1: bool = True, stages: int = 0, shared: int = 0, wgmma: int = 0,
-            wg_swap: bool = False):
+            defines: tuple[tuple[str, int], ...] = ()):
     import cupy
 
     options = ("-std=c++17", f"-DFMT={fmt_id}", f"-DHALF={int(half)}", f"-DEVEN={int(even)}",
@@ -124,8 +129,9 @@ def _kernel(fmt_id: int, half: bool, even: bool, unroll: int, min_blocks: int, x
                f"-DTILED={int(tiled)}", f"-DACT={int(act)}", f"-DNW={warps}",
                f"-DTAIL={int(tail)}", f"-DNCOL={ncol}", f"-DTPW={tiles}",
                f"-DXL1={int(xl1)}", f"-DASYNC={stages}", f"-DWGMMA={wgmma}")
-    if wg_swap:  # the descriptor's two byte offsets the other way round (NINFER_BENCH_QMV_WG_SWAP=1)
-        options += ("-DWG_LBO=256", "-DWG_SBO=128")
+    options += tuple(f"-D{name}={value}" for name, value in defines)  # a tuning run's (NINFER_BENCH_QMV_WG_BUILD)
+    if wgmma:
+        options += (f"-DWG_BUFS={_wg_bufs(defines)}",)
     if wgmma:  # wgmma is sm_90a's: NVRTC through _cupy.arch_kernel (CuPy's path names sm_90 itself)
         func = _cupy.arch_kernel(_SOURCE.read_text(), options, "90a", "qmv", device_index)
     else:
@@ -178,7 +184,7 @@ def shape_splits(n: int, ng: int, sms: int, warps: int | None = None) -> int:
 # pdl_x_l1: under PDL, x is read through L1 (ld.global.ca) once griddepcontrol.wait has made the kernel before's
 # writes visible; off (NINFER_BENCH_QMV_PDL_X=l2): through L2 only (ld.global.cg), every warp its own L2 reads of all
 # T rows.
-_SWITCHES = {"dense": False, "pdl_x_l1": True, "wg_swap": False}
+_SWITCHES = {"dense": False, "pdl_x_l1": True, "wg_build": ()}
 
 
 def set_dense(on: bool) -> None:
@@ -269,10 +275,10 @@ def _load_env_knobs() -> None:
     if x_path not in ("l1", "l2"):
         raise ValueError(f"NINFER_BENCH_QMV_PDL_X: {x_path!r}: expected l1 (the default) or l2")
     set_pdl_x_l1(x_path == "l1")
-    # the wgmma build's B descriptor: 1 puts B's K-direction core-matrix offset (128 bytes) in the stride field and the
-    # N-direction one (256) in the leading field, should the device read them that way (scripts/probe_wgmma_bits.cu's
-    # last lines say which is right)
-    _SWITCHES["wg_swap"] = os.environ.get("NINFER_BENCH_QMV_WG_SWAP", "0").strip() == "1"
+    # extra defines of the wgmma builds, e.g. WG_LBO=256:WG_SBO=128 (B's descriptor offsets the other way round, should
+    # scripts/probe_wgmma_bits.cu's last lines say the device reads them so)
+    _SWITCHES["wg_build"] = tuple(sorted(_cupy.parse_build(os.environ.get("NINFER_BENCH_QMV_WG_BUILD", ""),
+                                                           "NINFER_BENCH_QMV_WG_BUILD").items()))
 
 
 _load_env_knobs()
@@ -458,11 +464,11 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
                                 max(1, _WARPS_PER_SM // warps) if ncol == 1 else
                                 _NCOL_MIN_BLOCKS.get((ncol, warps), max(1, 8 // warps)))
     pdl = _triton.pdl_now(x.device) if pdl is None else pdl and _capability(dev) >= (9, 0)
-    shared = (wgmma_shared_bytes(lin.fmt, ncol, wgmma, stages) if wgmma else
+    shared = (wgmma_shared_bytes(lin.fmt, ncol, wgmma, stages, _wg_bufs(_SWITCHES["wg_build"])) if wgmma else
               async_shared_bytes(lin.fmt, warps, stages, tiles))
     kern = _kernel(_FMT_ID[lin.fmt], x.dtype == torch.float16, even, unroll, min_blocks, xlate, pipe, fold, pdl,
                    layout, act, warps, tail, ncol, tiles, dev, _SWITCHES["pdl_x_l1"], stages,
-                   shared, wgmma, bool(wgmma) and _SWITCHES["wg_swap"])
+                   shared, wgmma, _SWITCHES["wg_build"] if wgmma else ())
     per_block, tiles = 4 * wgmma if wgmma else tiles, -(-n // 16)
     whole = act or not _triton.split_k_allowed()  # (the epilogue, or a launch beside others: _triton.single_pass)
     s = 1 if whole else min(splits, MAX_SPLITS) if splits else shape_splits(n, lin.ng, _triton.num_sms(dev), warps)

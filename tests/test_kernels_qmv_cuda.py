@@ -311,18 +311,26 @@ def _bits_report(y, want, ref) -> str:
 @needs_wgmma
 @pytest.mark.parametrize("fmt", quant.QUANT_FORMATS)
 @pytest.mark.parametrize("n,k,splits", WGMMA_CASES, ids=[f"{n}x{k}-s{s}" for n, k, s in WGMMA_CASES])
-def test_wgmma_keeps_the_bits(fmt, n, k, splits):
-    """The wgmma build (one or two warpgroups a block, 2 or 4 ring stages) gives the mma.sync register build's bits
-    at 1, 8, 9, 20, 33 and 64 rows (n 8 to n 64), with split-K, tiles past the weight's last, PDL, a CUDA graph, the
-    silu epilogue and fp16; a layout it cannot take is refused when asked for and left to mma.sync by default."""
+def test_wgmma_keeps_the_bits(fmt, n, k, splits, monkeypatch):
+    """The wgmma build (one or two warpgroups a block, 2 or 4 ring stages, with and without its MMAs overlapping the
+    next step: WG_DEFER) gives the mma.sync register build's bits at 1, 8, 9, 20, 33 and 64 rows (n 8 to n 64), with
+    split-K, tiles past the weight's last, PDL, a CUDA graph, the silu epilogue and fp16; a layout it cannot take is
+    refused when asked for and left to mma.sync by default."""
     base, x, ref = _case(fmt, n, k, 64, torch.bfloat16, seed=71)
     lin = qmv_cuda.TiledWeight(base, lanes=True)
+    base_build = qmv_cuda._SWITCHES["wg_build"]  # (the device's descriptor setting, when gpu_check gives one)
     for t in (1, 8, 9, 20, 33, 64):
         xt = x[:t].contiguous()
         want = qmv_cuda.qmv(xt, lin, splits=splits, stages=0)
         for wg, stages in ((1, 4), (2, 2), (1, 2)):
             y = qmv_cuda.qmv(xt, lin, splits=splits, wgmma=wg, stages=stages)
             assert torch.equal(y, want), (t, wg, stages, _bits_report(y, want, ref[:t]))
+        if t in (9, 64):
+            monkeypatch.setitem(qmv_cuda._SWITCHES, "wg_build", base_build + (("WG_DEFER", 1),))
+            for wg in (1, 2):
+                y = qmv_cuda.qmv(xt, lin, splits=splits, wgmma=wg, stages=3)
+                assert torch.equal(y, want), (t, wg, "WG_DEFER", _bits_report(y, want, ref[:t]))
+            monkeypatch.setitem(qmv_cuda._SWITCHES, "wg_build", base_build)
     torch.cuda.synchronize()
     assert int(qmv_cuda._WORKSPACES[x.device][1].abs().sum()) == 0  # split-K counters left at zero
     assert torch.equal(qmv_cuda.qmv(x, lin, splits=splits, wgmma=1, pdl=True), qmv_cuda.qmv(x, lin, splits=splits,
@@ -366,9 +374,11 @@ def test_wgmma_shared_bytes():
     pieces, the warp's x pieces, scale pairs (and q5 high bits) per warp, stage and lane."""
     # q4, 8 column groups, one warpgroup (4 warps, 2 column groups each: 64 bytes of x a lane), 4 stages
     assert qmv_cuda.wgmma_shared_bytes("q4_g64_fp16", 8, 1, 4) == 2 * 4 * 8 * 256 + 4 * 4 * 32 * (16 + 64 + 4)
-    # q5 two warpgroups (one column group a warp), q8 (16 bytes of x a column group)
+    # q5 two warpgroups (one column group a warp), q8 (16 bytes of x a column group), three B buffers (WG_DEFER)
     assert qmv_cuda.wgmma_shared_bytes("q5_g64_fp16", 8, 2, 2) == 2 * 4 * 8 * 256 + 8 * 2 * 32 * (16 + 32 + 4 + 4)
     assert qmv_cuda.wgmma_shared_bytes("q8_g32_fp16", 2, 1, 3) == 2 * 4 * 2 * 256 + 4 * 3 * 32 * (16 + 16 + 4)
+    assert qmv_cuda.wgmma_shared_bytes("q4_g64_fp16", 8, 1, 4, 3) == 3 * 4 * 8 * 256 + 4 * 4 * 32 * (16 + 64 + 4)
+    assert qmv_cuda._wg_bufs((("WG_DEFER", 1), ("WG_LBO", 256))) == 3 and qmv_cuda._wg_bufs(()) == 2
 
 
 def test_async_ring_shared_bytes():
@@ -404,12 +414,15 @@ def test_pdl_x_path_knob(monkeypatch):
     qmv_cuda.set_pdl_x_l1(False)
     qmv_cuda._load_env_knobs()
     assert qmv_cuda._SWITCHES["pdl_x_l1"] is True
-    monkeypatch.setenv("NINFER_BENCH_QMV_WG_SWAP", "1")  # the wgmma descriptor's offsets the other way round
+    monkeypatch.setenv("NINFER_BENCH_QMV_WG_BUILD", "WG_SBO=128:WG_LBO=256")  # the wgmma builds' extra defines
     qmv_cuda._load_env_knobs()
-    assert qmv_cuda._SWITCHES["wg_swap"] is True
-    monkeypatch.delenv("NINFER_BENCH_QMV_WG_SWAP")
+    assert qmv_cuda._SWITCHES["wg_build"] == (("WG_LBO", 256), ("WG_SBO", 128))
+    monkeypatch.setenv("NINFER_BENCH_QMV_WG_BUILD", "WG_LBO")
+    with pytest.raises(ValueError, match="NINFER_BENCH_QMV_WG_BUILD"):
+        qmv_cuda._load_env_knobs()
+    monkeypatch.delenv("NINFER_BENCH_QMV_WG_BUILD")
     qmv_cuda._load_env_knobs()
-    assert qmv_cuda._SWITCHES["wg_swap"] is False
+    assert qmv_cuda._SWITCHES["wg_build"] == ()
     monkeypatch.setenv("NINFER_BENCH_QMV_PDL_X", "l3")
     with pytest.raises(ValueError, match="NINFER_BENCH_QMV_PDL_X"):
         qmv_cuda._load_env_knobs()
