@@ -86,20 +86,48 @@ def arch_options(options, arch: str) -> tuple[str, ...]:
 
 def arch_kernel(source: str, options, arch: str, name: str, device_index: int) -> ArchKernel:
     """``name`` from ``source`` compiled by NVRTC for ``compute_<arch>`` (PTX the driver turns into machine code for
-    this GPU) and loaded on device ``device_index``. RuntimeError with NVRTC's log when the source does not build."""
+    this GPU, keeping it in its own cache) and loaded on device ``device_index``. The PTX is kept in CuPy's kernel
+    cache folder (``CUPY_CACHE_DIR``, default ``~/.cupy/kernel_cache``) under a hash of the source, the options and
+    NVRTC's version, so a later process skips NVRTC. RuntimeError with NVRTC's log when the source does not build."""
     import cupy
-    from cupy_backends.cuda.libs import nvrtc
 
-    prog = nvrtc.createProgram(source, f"{name}.cu", (), ())
-    try:
-        try:
-            nvrtc.compileProgram(prog, arch_options(options, arch))
-        except nvrtc.NVRTCError as e:
-            raise RuntimeError(f"NVRTC ({name}, compute_{arch}): {e}\n{nvrtc.getProgramLog(prog)}") from e
-        ptx = nvrtc.getPTX(prog)
-    finally:
-        nvrtc.destroyProgram(prog)
+    ptx = _arch_ptx(source, arch_options(options, arch), name)
     with cupy.cuda.Device(device_index):
         module = cupy.cuda.function.Module()
         module.load((ptx + "\0").encode())  # PTX goes to the driver as a C string
         return ArchKernel(module.get_function(name))
+
+
+def _arch_ptx(source: str, options: tuple[str, ...], name: str) -> str:
+    import hashlib
+    import os
+    import tempfile
+
+    from cupy_backends.cuda.libs import nvrtc
+
+    key = hashlib.sha256("\0".join((source, *options, repr(nvrtc.getVersion()))).encode()).hexdigest()[:32]
+    folder = os.environ.get("CUPY_CACHE_DIR") or os.path.expanduser("~/.cupy/kernel_cache")
+    path = os.path.join(folder, f"ninfer_{name}_{key}.ptx")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError:
+        pass
+    prog = nvrtc.createProgram(source, f"{name}.cu", (), ())
+    try:
+        try:
+            nvrtc.compileProgram(prog, options)
+        except nvrtc.NVRTCError as e:
+            raise RuntimeError(f"NVRTC ({name}, {' '.join(options)}): {e}\n{nvrtc.getProgramLog(prog)}") from e
+        ptx = nvrtc.getPTX(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+    try:  # a cache that cannot be written (read-only home) only costs the next process a compile
+        os.makedirs(folder, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(ptx)
+        os.replace(tmp, path)
+    except OSError:
+        pass
+    return ptx

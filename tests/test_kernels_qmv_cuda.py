@@ -780,3 +780,44 @@ def test_bench_knob_letters():
                                                  "xlate": False}
     with pytest.raises(ValueError, match="unknown letter"):
         bench_qlinear.qmv_knobs("g1q2")
+
+
+def test_arch_ptx_compiles_once_and_reports_errors(monkeypatch, tmp_path):
+    """_cupy's sm_90a path (NVRTC itself, CuPy's names the plain target): the options carry the target and CuPy's
+    -ftz=true; the PTX is cached by source, options and NVRTC version, so a second process skips NVRTC; a source that
+    does not build raises with NVRTC's log. (A stand-in NVRTC: no GPU or cupy needed.)"""
+    import sys
+    import types
+
+    from ninfer_bench.kernels import _cupy
+
+    calls = []
+
+    class NVRTCError(Exception):
+        pass
+
+    def compile_program(prog, options):
+        calls.append(tuple(options))
+        if "-DBAD=1" in options:
+            raise NVRTCError("NVRTC_ERROR_COMPILATION (6)")
+
+    fake = types.SimpleNamespace(NVRTCError=NVRTCError, getVersion=lambda: (13, 0), destroyProgram=lambda prog: None,
+                                 createProgram=lambda src, name, headers, names: 1, compileProgram=compile_program,
+                                 getPTX=lambda prog: ".version 9.0\n.target sm_90a\n",
+                                 getProgramLog=lambda prog: "kern.cu(3): error: wgmma needs sm_90a")
+    libs = types.ModuleType("cupy_backends.cuda.libs")
+    libs.nvrtc = fake
+    monkeypatch.setitem(sys.modules, "cupy_backends", types.ModuleType("cupy_backends"))
+    monkeypatch.setitem(sys.modules, "cupy_backends.cuda", types.ModuleType("cupy_backends.cuda"))
+    monkeypatch.setitem(sys.modules, "cupy_backends.cuda.libs", libs)
+    monkeypatch.setitem(sys.modules, "cupy_backends.cuda.libs.nvrtc", fake)
+    monkeypatch.setenv("CUPY_CACHE_DIR", str(tmp_path))
+    options = _cupy.arch_options(("-DX=1",), "90a")
+    assert options == ("-DX=1", "-arch=compute_90a", "-ftz=true")
+    assert _cupy._arch_ptx("src", options, "qmv").startswith(".version")
+    assert _cupy._arch_ptx("src", options, "qmv").startswith(".version")  # from the cache
+    assert len(calls) == 1 and len(list(tmp_path.glob("ninfer_qmv_*.ptx"))) == 1
+    _cupy._arch_ptx("src", _cupy.arch_options(("-DX=2",), "90a"), "qmv")  # other options: another entry
+    assert len(calls) == 2
+    with pytest.raises(RuntimeError, match="wgmma needs sm_90a"):
+        _cupy._arch_ptx("src", _cupy.arch_options(("-DBAD=1",), "90a"), "qmv")
