@@ -90,10 +90,11 @@ def arch_kernel(source: str, options, arch: str, name: str, device_index: int) -
     cache folder (``CUPY_CACHE_DIR``, default ``~/.cupy/kernel_cache``) under a hash of the source, the options and
     NVRTC's version, so a later process skips NVRTC. RuntimeError with NVRTC's log when the source does not build."""
     import cupy
+    from cupy.cuda import function
 
     ptx = _arch_ptx(source, arch_options(options, arch), name)
     with cupy.cuda.Device(device_index):
-        module = cupy.cuda.function.Module()
+        module = function.Module()
         module.load((ptx + "\0").encode())  # PTX goes to the driver as a C string
         return ArchKernel(module.get_function(name))
 

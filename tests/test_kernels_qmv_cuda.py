@@ -250,6 +250,26 @@ def test_tiles_a_block_keep_the_bits(fmt, n, k, splits):
 RING_CASES = [(64, 256, None), (200, 2048, 3), (37, 1152, None), (1000, 5120, 1)]
 
 
+def _pdl_graph_act_keep_the_bits(x, lin, splits, build: dict, act_build: dict) -> None:
+    """qmv with the keywords ``build`` gives the register build's bits under PDL (sm_90+) and replayed from a CUDA
+    graph, leaves the split-K counters at zero, and with ``act_build`` gives its silu epilogue's bits."""
+    want = qmv_cuda.qmv(x, lin, splits=splits, stages=0)
+    if torch.cuda.get_device_capability() >= (9, 0):
+        assert torch.equal(qmv_cuda.qmv(x, lin, splits=splits, pdl=True, **build), want)
+    torch.cuda.synchronize()
+    assert int(qmv_cuda._WORKSPACES[x.device][1].abs().sum()) == 0  # split-K counters left at zero
+    out = torch.empty_like(want)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        qmv_cuda.qmv(x, lin, out, splits=splits, **build)
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want)
+    if lin.n % 16 == 0:
+        assert torch.equal(qmv_cuda.qmv(x, lin, act=True, **act_build), qmv_cuda.qmv(x, lin, act=True, stages=0))
+
+
 @needs_qmv
 @pytest.mark.parametrize("fmt", quant.QUANT_FORMATS)
 @pytest.mark.parametrize("n,k,splits", RING_CASES, ids=[f"{n}x{k}-s{s}" for n, k, s in RING_CASES])
@@ -268,22 +288,7 @@ def test_async_ring_keeps_the_bits(fmt, n, k, splits):
             builds += [{"stages": 3, "tiles": 2}, {"stages": 6, "tiles": 3, "min_blocks": 1}]
         for kw in builds:
             assert torch.equal(qmv_cuda.qmv(xt, lin, splits=splits, **kw), want), (t, kw)
-    if torch.cuda.get_device_capability() >= (9, 0):
-        assert torch.equal(qmv_cuda.qmv(x, lin, splits=splits, stages=4, pdl=True),
-                           qmv_cuda.qmv(x, lin, splits=splits, stages=0))
-    torch.cuda.synchronize()
-    assert int(qmv_cuda._WORKSPACES[x.device][1].abs().sum()) == 0  # split-K counters left at zero
-    out = torch.empty(64, n, dtype=x.dtype, device="cuda")
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        qmv_cuda.qmv(x, lin, out, splits=splits, stages=4)
-    out.zero_()
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, qmv_cuda.qmv(x, lin, splits=splits, stages=0))
-    if n % 16 == 0:
-        assert torch.equal(qmv_cuda.qmv(x, lin, act=True, stages=4, tiles=2),
-                           qmv_cuda.qmv(x, lin, act=True, stages=0))
+    _pdl_graph_act_keep_the_bits(x, lin, splits, {"stages": 4}, {"stages": 4, "tiles": 2})
     with pytest.raises(ValueError, match="lanes layout"):
         qmv_cuda.qmv(x, base, stages=4)
     with pytest.raises(ValueError, match="stages"):
@@ -331,20 +336,7 @@ def test_wgmma_keeps_the_bits(fmt, n, k, splits, monkeypatch):
                 y = qmv_cuda.qmv(xt, lin, splits=splits, wgmma=wg, stages=3)
                 assert torch.equal(y, want), (t, wg, "WG_DEFER", _bits_report(y, want, ref[:t]))
             monkeypatch.setitem(qmv_cuda._SWITCHES, "wg_build", base_build)
-    torch.cuda.synchronize()
-    assert int(qmv_cuda._WORKSPACES[x.device][1].abs().sum()) == 0  # split-K counters left at zero
-    assert torch.equal(qmv_cuda.qmv(x, lin, splits=splits, wgmma=1, pdl=True), qmv_cuda.qmv(x, lin, splits=splits,
-                                                                                             stages=0))
-    out = torch.empty(64, n, dtype=x.dtype, device="cuda")
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        qmv_cuda.qmv(x, lin, out, splits=splits, wgmma=1)
-    out.zero_()
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, qmv_cuda.qmv(x, lin, splits=splits, stages=0))
-    if n % 16 == 0:
-        assert torch.equal(qmv_cuda.qmv(x, lin, act=True, wgmma=1), qmv_cuda.qmv(x, lin, act=True, stages=0))
+    _pdl_graph_act_keep_the_bits(x, lin, splits, {"wgmma": 1}, {"wgmma": 1})
     x16 = x.half()
     assert torch.equal(qmv_cuda.qmv(x16, lin, splits=splits, wgmma=1), qmv_cuda.qmv(x16, lin, splits=splits,
                                                                                      stages=0))
