@@ -120,9 +120,12 @@ def _arch_ptx(source: str, options: tuple[str, ...], name: str) -> str:
             nvrtc.compileProgram(prog, options)
         except nvrtc.NVRTCError as e:
             raise RuntimeError(f"NVRTC ({name}, {' '.join(options)}): {e}\n{nvrtc.getProgramLog(prog)}") from e
-        ptx = nvrtc.getPTX(prog)
+        ptx = nvrtc.getPTX(prog)  # bytes in CuPy 14, str before
     finally:
         nvrtc.destroyProgram(prog)
+    if isinstance(ptx, bytes):
+        ptx = ptx.decode()
+    ptx = ptx.rstrip("\0")
     try:  # a cache that cannot be written (read-only home) only costs the next process a compile
         os.makedirs(folder, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
