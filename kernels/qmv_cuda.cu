@@ -951,6 +951,9 @@ __device__ __forceinline__ void let_next_launch() {
 #if WG_BUFS < 2 + WG_DEFER
 #error "WG_DEFER needs three B buffers, the build without it two"
 #endif
+#ifndef WG_TMA
+#define WG_TMA 0    // 1: a producer warp brings each step's bytes with bulk copies (see "The bulk-copy build" below)
+#endif
 #ifndef WG_FENCE
 #define WG_FENCE 1  // 0 is for timing only: without the proxy fence the MMAs may read B before it is written (the cost
 #endif              // of fence.proxy.async, which is MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S in SASS)
@@ -1081,8 +1084,91 @@ __device__ __forceinline__ void wg_issue_x(const u16* const* xs, int gi, int j, 
   }
 }
 
+#if WG_TMA
+// The bulk-copy build (WG_TMA 1): one more warp, the producer, brings each step's bytes into a stage with
+// cp.async.bulk (the copy engine: the async proxy, completion counted in bytes on the stage's "full" mbarrier), and
+// the consumer warps give the stage back on its "empty" mbarrier once they have read it into registers. The consumers
+// then issue no copies of their own, so the proxy fence before the MMAs waits on nothing but their stores of B.
+// A stage: the tiles' code chunks (16 rows x 32 bytes, the lanes layout's (tile, group) chunk), scale chunks (16 x 2
+// bytes) and q5 high-bit chunks (16 x 8), then the 8 NCOL rows of x's group, each padded to WG_XROW bytes.
+#define WG_XROW (2 * GROUP + 16)
+#define WG_TC (WG_WARPS * 16 * CB)
+#define WG_TS (WG_WARPS * 32)
+#define WG_TH (FMT == 1 ? WG_WARPS * 128 : 0)
+#define WG_TSTAGE (WG_TC + WG_TS + WG_TH + 8 * NCOL * WG_XROW)
+#define WG_TX_BYTES (WG_TC + WG_TS + WG_TH + 8 * NCOL * 2 * GROUP)  // what a stage's copies bring
+#define WG_T0 (WG_BUFS * WG_GROUP_B)                              // the stages, after B
+#define WG_MBAR (WG_T0 + ASYNC * WG_TSTAGE)                       // full[ASYNC], then empty[ASYNC], 8 bytes each
+#define WG_THREADS (128 * WGMMA + 32)
+
+__device__ __forceinline__ void mbar_init(u32 a, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(a), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect(u32 a, int bytes) {  // the phase's one arrival, with its bytes to come
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(a), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u32 a) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(a) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(u32 a, int parity) {  // until the phase of this parity has completed
+  asm volatile(
+      "{\n.reg .pred done;\nWG_WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WG_WAIT;\n}\n" ::"r"(a),
+      "r"(parity)
+      : "memory");
+}
+__device__ __forceinline__ void bulk_copy(u32 dst, const void* src, int bytes, u32 mbar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
+               "l"(src), "r"(bytes), "r"(mbar)
+               : "memory");
+}
+__device__ __forceinline__ void wg_sync() {  // the consumer warps only (the producer runs ahead)
+  asm volatile("bar.sync 1, %0;" ::"n"(128 * WGMMA) : "memory");
+}
+#else
+#define WG_THREADS (128 * WGMMA)
+__device__ __forceinline__ void wg_sync() { __syncthreads(); }
+#endif
+
+// step j's four k16 MMAs (fragments F, B at shared address b), chained from zero into d
+__device__ __forceinline__ void wg_multiply(float* d, const Frags& F, u32 b) {
+  wg_fence();
+  wg_mma(d, F.pa[0][0], F.pb[0][0], F.pa[0][1], F.pb[0][1], wg_desc(b), 0);
+  wg_mma(d, F.pa[0][2], F.pb[0][2], F.pa[0][3], F.pb[0][3], wg_desc(b + WG_STEP_B), 1);
+  wg_mma(d, F.pa[1][0], F.pb[1][0], F.pa[1][1], F.pb[1][1], wg_desc(b + 2 * WG_STEP_B), 1);
+  wg_mma(d, F.pa[1][2], F.pb[1][2], F.pa[1][3], F.pb[1][3], wg_desc(b + 3 * WG_STEP_B), 1);
+  wg_commit();
+}
+// wait for them; the group's scale step; at a slot's last group (slot_end) its sums join the slots before it
+// (tile_store's order)
+__device__ __forceinline__ void wg_finish(float* d, Frags& F, float* acc, float* sum, bool slot_end) {
+  wg_wait();
+  wg_hold(d);
+  wg_hold_frags(F);
+#pragma unroll
+  for (int n = 0; n < NCOL; ++n) scale_add(d + 4 * n, F.sa, F.sb, acc + 4 * n);
+  if (slot_end) {
+#pragma unroll
+    for (int i = 0; i < 4 * NCOL; ++i) {
+      sum[i] += acc[i];
+      acc[i] = 0.f;
+    }
+  }
+}
+// the lane's x pieces of column group j (xp: its first, XPL values) into B buffer bb
+__device__ __forceinline__ void wg_stage_pieces(unsigned char* bb, int j, const uint4* xp, int pstride, int g, int c) {
+  u32 xv[XPL / 2];
+#pragma unroll
+  for (int p = 0; p < WG_XP; ++p) {
+    const uint4 v = xp[p * pstride];
+    xv[4 * p] = v.x; xv[4 * p + 1] = v.y; xv[4 * p + 2] = v.z; xv[4 * p + 3] = v.w;
+  }
+  wg_stage_x(bb, j, xv, g, c);
+}
+
 // Block (x, split y): row tiles 4 WGMMA x .. 4 WGMMA x + 4 WGMMA - 1, split y's groups, all 8 NCOL tokens.
-extern "C" __global__ void __launch_bounds__(128 * WGMMA, MIN_BLOCKS)
+extern "C" __global__ void __launch_bounds__(WG_THREADS, MIN_BLOCKS)
 qmv(const u16* __restrict__ x, const u8* __restrict__ codes, const u8* __restrict__ high,
     const u16* __restrict__ scales, u16* __restrict__ out, float* __restrict__ ws, int* __restrict__ counters,
     int T, int N, int K, int NG, int groups_per_split, long long stride_x, long long stride_o,
@@ -1093,6 +1179,98 @@ qmv(const u16* __restrict__ x, const u8* __restrict__ codes, const u8* __restric
   const int tiles = (N + 15) / 16, tile = blockIdx.x * WG_WARPS + wi;
   const int g_lo = blockIdx.y * groups_per_split, g_hi = min(NG, g_lo + groups_per_split);
   const int steps = max(0, g_hi - g_lo);  // every group of the split is one slot's
+  u32 magic;
+  asm volatile("mov.b32 %0, %1;" : "=r"(magic) : "n"(MAGIC));
+  unsigned char* sm = reinterpret_cast<unsigned char*>(qmv_ring);
+  const u32 sbase = smem_addr(sm);
+#if WG_TMA
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < ASYNC; ++i) {
+      mbar_init(sbase + WG_MBAR + 8 * i, 1);                      // full: the producer's arrival and its bytes
+      mbar_init(sbase + WG_MBAR + 8 * (ASYNC + i), WG_WARPS);    // empty: one arrival a consumer warp
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  if (wi == WG_WARPS) {  // the producer warp
+    // step j's copies into stage j % ASYNC: the weights of the block's tiles (past the last tile: the last one's),
+    // and x's rows of the group (row min(r, T - 1), as load_x reads)
+    auto issue = [&](int j, int gi, bool weights, bool xrows) {
+      const u32 stage = sbase + WG_T0 + (j % ASYNC) * WG_TSTAGE, full = sbase + WG_MBAR + 8 * (j % ASYNC);
+      if (weights) {
+        for (int t = lane; t < WG_WARPS * (FMT == 1 ? 3 : 2); t += 32) {
+          const int w = t % WG_WARPS, kind = t / WG_WARPS;
+          const long long chunk = (long long)min((int)blockIdx.x * WG_WARPS + w, tiles - 1) * NG + gi;
+          if (kind == 0)
+            bulk_copy(stage + w * 16 * CB, codes + chunk * 16 * CB, 16 * CB, full);
+          else if (kind == 1)
+            bulk_copy(stage + WG_TC + w * 32, scales + chunk * 16, 32, full);
+          else
+            bulk_copy(stage + WG_TC + WG_TS + w * 128, high + chunk * 128, 128, full);
+        }
+      }
+      if (xrows) {
+        for (int r = lane; r < 8 * NCOL; r += 32)
+          bulk_copy(stage + WG_TC + WG_TS + WG_TH + r * WG_XROW, x + min(r, T - 1) * stride_x + GROUP * gi,
+                    2 * GROUP, full);
+      }
+    };
+    // the first stages' weights before griddepcontrol.wait, their x (the kernel before's output) after it
+    WgSteps ps = {g_lo}, pw = {g_lo};
+    const int first = min(steps, ASYNC);
+    for (int j = 0; j < first; ++j) {
+      if (lane == 0) mbar_expect(sbase + WG_MBAR + 8 * j, WG_TX_BYTES);
+      __syncwarp();
+      issue(j, pw.gi, true, false);
+      pw.next(g_lo, g_hi);
+    }
+    grid_wait();
+    for (int j = 0; j < first; ++j) {
+      issue(j, ps.gi, false, true);
+      ps.next(g_lo, g_hi);
+    }
+    for (int j = ASYNC; j < steps; ++j) {
+      mbar_wait(sbase + WG_MBAR + 8 * (ASYNC + j % ASYNC), (j / ASYNC - 1) & 1);  // its consumers are done with it
+      if (lane == 0) mbar_expect(sbase + WG_MBAR + 8 * (j % ASYNC), WG_TX_BYTES);
+      __syncwarp();
+      issue(j, ps.gi, true, true);
+      ps.next(g_lo, g_hi);
+    }
+    return;  // (the consumers wait for every copy on its stage's full barrier)
+  }
+  // a consumer's step j: its pieces from stage j % ASYNC into registers, the stage given back, x into B
+  auto prepare = [&](int j) -> Frags {
+    const int st = j % ASYNC;
+    mbar_wait(sbase + WG_MBAR + 8 * st, (j / ASYNC) & 1);
+    const unsigned char* stage = sm + WG_T0 + st * WG_TSTAGE;
+    const uint4 v = *reinterpret_cast<const uint4*>(stage + wi * 16 * CB + (g * 4 + c) * 16);
+    const u32 sc = *reinterpret_cast<const u32*>(stage + WG_TC + wi * 32 + 4 * g);
+#if FMT == 1
+    const u32 h = *reinterpret_cast<const u32*>(stage + WG_TC + WG_TS + wi * 128 + (g * 4 + c) * 4);
+#else
+    const u32 h = 0;
+#endif
+    unsigned char* bb = sm + (j % WG_BUFS) * WG_GROUP_B;
+#pragma unroll
+    for (int m = 0; m < WG_XCOLS; ++m) {
+      const int jc = wi + WG_WARPS * m;
+      if (jc < NCOL)
+        wg_stage_pieces(bb, jc,
+                        reinterpret_cast<const uint4*>(stage + WG_TC + WG_TS + WG_TH + (8 * jc + g) * WG_XROW +
+                                                       2 * XPL * c),
+                        1, g, c);
+    }
+    __syncwarp();
+    if (lane == 0) mbar_arrive(sbase + WG_MBAR + 8 * (ASYNC + st));  // the warp's reads of the stage are done
+#if WG_FENCE
+    wg_publish();
+#endif
+    const Frags F = make_frags(make_uint2(v.x, v.y), make_uint2(v.z, v.w), h & 0xFFFFu, h >> 16, sc & 0xFFFFu,
+                               sc >> 16, magic);
+    wg_sync();  // every warp's part of B is in place
+    return F;
+  };
+#else
   // the lane's pointers at group 0 of its tile (past the last tile: the last one's bytes, never stored)
   const Lane L = make_lane(x, codes, high, scales, T, N, NG, stride_x, stride_c, stride_h, stride_s,
                            min(tile, tiles - 1), 0, g, c);
@@ -1102,10 +1280,6 @@ qmv(const u16* __restrict__ x, const u8* __restrict__ codes, const u8* __restric
     const int jc = wi + WG_WARPS * m;
     xs[m] = jc < NCOL ? x + min(8 * jc + g, T - 1) * stride_x + XPL * c : nullptr;
   }
-  u32 magic;
-  asm volatile("mov.b32 %0, %1;" : "=r"(magic) : "n"(MAGIC));
-  unsigned char* sm = reinterpret_cast<unsigned char*>(qmv_ring);
-  const u32 sbase = smem_addr(sm);
   // the first ASYNC - 1 steps: weights before griddepcontrol.wait, x (the kernel before's output) after it; step 0's
   // commit group holds all of their weights
   WgSteps is = {g_lo};
@@ -1124,10 +1298,6 @@ qmv(const u16* __restrict__ x, const u8* __restrict__ codes, const u8* __restric
     is.next(g_lo, g_hi);
     cp_commit();
   }
-  float acc[4 * NCOL], sum[4 * NCOL], d[4 * NCOL];
-#pragma unroll
-  for (int i = 0; i < 4 * NCOL; ++i) acc[i] = sum[i] = d[i] = 0.f;
-  WgSteps cs = {g_lo};
   const uint4* ring_c = reinterpret_cast<const uint4*>(sm + WG_RING_C);
   const uint4* ring_x = reinterpret_cast<const uint4*>(sm + WG_RING_X);
   const u32* ring_s = reinterpret_cast<const u32*>(sm + WG_RING_S);
@@ -1144,15 +1314,8 @@ qmv(const u16* __restrict__ x, const u8* __restrict__ codes, const u8* __restric
     unsigned char* bb = sm + (j % WG_BUFS) * WG_GROUP_B;
 #pragma unroll
     for (int m = 0; m < WG_XCOLS; ++m) {
-      if (xs[m]) {
-        u32 xv[XPL / 2];
-#pragma unroll
-        for (int p = 0; p < WG_XP; ++p) {
-          const uint4 v = ring_x[(((wi * ASYNC + st) * WG_XCOLS + m) * WG_XP + p) * 32 + lane];
-          xv[4 * p] = v.x; xv[4 * p + 1] = v.y; xv[4 * p + 2] = v.z; xv[4 * p + 3] = v.w;
-        }
-        wg_stage_x(bb, wi + WG_WARPS * m, xv, g, c);
-      }
+      if (xs[m]) wg_stage_pieces(bb, wi + WG_WARPS * m, ring_x + (((wi * ASYNC + st) * WG_XCOLS + m) * WG_XP) * 32 + lane,
+                                 32, g, c);
     }
 #if WG_FENCE
     wg_publish();
@@ -1167,41 +1330,23 @@ qmv(const u16* __restrict__ x, const u8* __restrict__ codes, const u8* __restric
 #endif
     const Frags F = make_frags(make_uint2(v.x, v.y), make_uint2(v.z, v.w), h & 0xFFFFu, h >> 16, sc & 0xFFFFu,
                                sc >> 16, magic);
-    __syncthreads();  // every warp's part of B is in place
+    wg_sync();  // every warp's part of B is in place
     return F;
   };
-  // step j's four k16 MMAs, chained from zero into d
-  auto multiply = [&](int j, const Frags& F) {
-    const u32 b = sbase + (j % WG_BUFS) * WG_GROUP_B;
-    wg_fence();
-    wg_mma(d, F.pa[0][0], F.pb[0][0], F.pa[0][1], F.pb[0][1], wg_desc(b), 0);
-    wg_mma(d, F.pa[0][2], F.pb[0][2], F.pa[0][3], F.pb[0][3], wg_desc(b + WG_STEP_B), 1);
-    wg_mma(d, F.pa[1][0], F.pb[1][0], F.pa[1][1], F.pb[1][1], wg_desc(b + 2 * WG_STEP_B), 1);
-    wg_mma(d, F.pa[1][2], F.pb[1][2], F.pa[1][3], F.pb[1][3], wg_desc(b + 3 * WG_STEP_B), 1);
-    wg_commit();
-  };
-  // wait for them; the group's scale step; at a slot's last group its sums join the slots before it (tile_store's
-  // order)
+#endif
+  float acc[4 * NCOL], sum[4 * NCOL], d[4 * NCOL];
+#pragma unroll
+  for (int i = 0; i < 4 * NCOL; ++i) acc[i] = sum[i] = d[i] = 0.f;
+  WgSteps cs = {g_lo};
   auto finish = [&](Frags& F) {
-    wg_wait();
-    wg_hold(d);
-    wg_hold_frags(F);
-#pragma unroll
-    for (int n = 0; n < NCOL; ++n) scale_add(d + 4 * n, F.sa, F.sb, acc + 4 * n);
-    if (cs.gi + NW >= g_hi) {
-#pragma unroll
-      for (int i = 0; i < 4 * NCOL; ++i) {
-        sum[i] += acc[i];
-        acc[i] = 0.f;
-      }
-    }
+    wg_finish(d, F, acc, sum, cs.gi + NW >= g_hi);
     cs.next(g_lo, g_hi);
   };
 #if WG_DEFER
   // step j + 1's copies, B and fragments while step j's MMAs run
   Frags F = steps > 0 ? prepare(0) : Frags{};
   for (int j = 0; j < steps; ++j) {
-    multiply(j, F);
+    wg_multiply(d, F, sbase + (j % WG_BUFS) * WG_GROUP_B);
     Frags next = j + 1 < steps ? prepare(j + 1) : F;
     finish(F);
     F = next;
@@ -1209,11 +1354,13 @@ qmv(const u16* __restrict__ x, const u8* __restrict__ codes, const u8* __restric
 #else
   for (int j = 0; j < steps; ++j) {
     Frags F = prepare(j);
-    multiply(j, F);
+    wg_multiply(d, F, sbase + (j % WG_BUFS) * WG_GROUP_B);
     finish(F);
   }
 #endif
+#if !WG_TMA
   cp_wait<0>();
+#endif
   grid_wait();
   if (tile < tiles) tile_out(sum, tile, blockIdx.y, gridDim.y, out, ws, counters, T, N, stride_o);
 }

@@ -99,21 +99,29 @@ def async_shared_bytes(fmt: str, warps: int, stages: int, tiles: int = 1) -> int
     return warps * stages * tiles * 32 * per_lane if stages else 0
 
 
-def wgmma_shared_bytes(fmt: str, ncol: int, warpgroups: int, stages: int, bufs: int = 2) -> int:
+def wgmma_shared_bytes(fmt: str, ncol: int, warpgroups: int, stages: int, bufs: int = 2, tma: bool = False) -> int:
     """Dynamic shared memory of a wgmma launch (``WGMMA`` in the source): ``bufs`` groups of B (x, 8 ncol tokens x 64
-    values x 2 bytes each), then per warp, stage and lane a 16-byte code piece, the x pieces of the column groups the
-    warp stages (16 bytes per 8 values: q4 / q5 32 bytes a column group, q8 16), a 4-byte scale pair and for q5 a
-    4-byte high-bit pair."""
+    values x 2 bytes each), then the stages. Without ``tma`` (each lane's cp.async ring): per warp, stage and lane a
+    16-byte code piece, the x pieces of the column groups the warp stages (16 bytes per 8 values: q4 / q5 32 bytes a
+    column group, q8 16), a 4-byte scale pair and for q5 a 4-byte high-bit pair. With ``tma`` (WG_TMA, a producer
+    warp's bulk copies): per stage each row tile's 512 code bytes, 32 scale bytes and for q5 128 high-bit bytes, and
+    8 ncol rows of x's group padded by 16 bytes; then the stages' two mbarriers."""
     warps = 4 * warpgroups
+    q8, q5 = fmt == "q8_g32_fp16", fmt == "q5_g64_fp16"
+    b = bufs * 4 * ncol * 256
+    if tma:
+        stage = warps * (512 + 32 + (128 if q5 else 0)) + 8 * ncol * ((64 if q8 else 128) + 16)
+        return b + stages * stage + 16 * stages
     xcols = -(-ncol // warps)
-    x_piece = 16 if fmt == "q8_g32_fp16" else 32
-    per_lane = 16 + xcols * x_piece + 4 + (4 if fmt == "q5_g64_fp16" else 0)
-    return bufs * 4 * ncol * 256 + warps * stages * 32 * per_lane
+    per_lane = 16 + xcols * (16 if q8 else 32) + 4 + (4 if q5 else 0)
+    return b + warps * stages * 32 * per_lane
 
 
-def _wg_bufs(defines) -> int:
-    """B buffers of a wgmma build: three when its MMAs overlap the next step's staging (WG_DEFER), else two."""
-    return 3 if dict(defines).get("WG_DEFER") else 2
+def _wg_build(defines) -> tuple[int, bool]:
+    """A wgmma build's B buffers (three when its MMAs overlap the next step's staging, WG_DEFER, else two) and
+    whether a producer warp brings its bytes (WG_TMA), from its extra defines."""
+    d = dict(defines)
+    return (3 if d.get("WG_DEFER") else 2), bool(d.get("WG_TMA"))
 
 
 @functools.cache
@@ -131,7 +139,7 @@ def _kernel(fmt_id: int, half: bool, even: bool, unroll: int, min_blocks: int, x
                f"-DXL1={int(xl1)}", f"-DASYNC={stages}", f"-DWGMMA={wgmma}")
     options += tuple(f"-D{name}={value}" for name, value in defines)  # a tuning run's (NINFER_BENCH_QMV_WG_BUILD)
     if wgmma:
-        options += (f"-DWG_BUFS={_wg_bufs(defines)}",)
+        options += (f"-DWG_BUFS={_wg_build(defines)[0]}",)
     if wgmma:  # wgmma is sm_90a's: NVRTC through _cupy.arch_kernel (CuPy's path names sm_90 itself)
         func = _cupy.arch_kernel(_SOURCE.read_text(), options, "90a", "qmv", device_index)
     else:
@@ -357,12 +365,14 @@ def choose_warps(n: int, sms: int) -> int:
 
 
 # blocks an SM a wgmma build is made for: 384 threads (3 blocks of one warpgroup; ptxas, sm_90a, CUDA 13.0: 138-148
-# registers at 8 column groups, no spills), so one block of two warpgroups
+# registers at 8 column groups, no spills), so one block of two warpgroups, and two of one warpgroup and a producer
+# warp (WG_TMA)
 _WGMMA_THREADS_PER_SM = 384
 
 
 def _wgmma_refusal(lin, layout: int, dev: int, even: bool, knobs: bool) -> str | None:
-    """Why a wgmma build cannot take this call (None when it can)."""
+    """Why a wgmma build cannot take this call (None when it can). The producer warp's build (WG_TMA) also needs
+    each section 16-byte aligned (its bulk copies)."""
     if _capability(dev) != (9, 0):
         major, minor = _capability(dev)
         return f"needs an sm_90 GPU (wgmma is sm_90a's), found sm_{major}{minor}"
@@ -372,6 +382,8 @@ def _wgmma_refusal(lin, layout: int, dev: int, even: bool, knobs: bool) -> str |
         return "needs whole groups (K == Kp) and x rows 16-byte aligned"
     if knobs:
         return "comes without xlate, pipe, tail, fold and tiles > 1"
+    if _wg_build(_SWITCHES["wg_build"])[1] and (lin.scales.data_ptr() % 16 or lin.high.data_ptr() % 16):
+        return "WG_TMA's bulk copies need the scale and high-bit sections 16-byte aligned"
     return None
 
 
@@ -460,11 +472,13 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
     if t * x.stride(0) >= 2 ** 31:  # the column groups' row offsets are int32
         raise ValueError(f"qmv: x too large for one launch ({t} rows of stride {x.stride(0)})")
     warps = warps or choose_warps(n, _triton.num_sms(dev))  # (wgmma: the slots a tile's groups are dealt to)
-    min_blocks = min_blocks or (max(1, _WGMMA_THREADS_PER_SM // (128 * wgmma)) if wgmma else
+    bufs, tma = _wg_build(_SWITCHES["wg_build"])
+    threads = 128 * wgmma + (32 if tma else 0) if wgmma else warps * 32
+    min_blocks = min_blocks or (max(1, _WGMMA_THREADS_PER_SM // threads) if wgmma else
                                 max(1, _WARPS_PER_SM // warps) if ncol == 1 else
                                 _NCOL_MIN_BLOCKS.get((ncol, warps), max(1, 8 // warps)))
     pdl = _triton.pdl_now(x.device) if pdl is None else pdl and _capability(dev) >= (9, 0)
-    shared = (wgmma_shared_bytes(lin.fmt, ncol, wgmma, stages, _wg_bufs(_SWITCHES["wg_build"])) if wgmma else
+    shared = (wgmma_shared_bytes(lin.fmt, ncol, wgmma, stages, bufs, tma) if wgmma else
               async_shared_bytes(lin.fmt, warps, stages, tiles))
     kern = _kernel(_FMT_ID[lin.fmt], x.dtype == torch.float16, even, unroll, min_blocks, xlate, pipe, fold, pdl,
                    layout, act, warps, tail, ncol, tiles, dev, _SWITCHES["pdl_x_l1"], stages,
@@ -476,7 +490,6 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
     s = -(-lin.ng // groups_per_split)
     ws, counters = workspace(x.device, s * t * n, tiles) if s > 1 else (out, out)
     stream = torch.cuda.current_stream(x.device)
-    threads = 128 * wgmma if wgmma else warps * 32
     # the kernel's parameters in order: 7 pointers, 5 int32, 5 int64
     ptrs = (x.data_ptr(), lin.codes.data_ptr(), lin.high.data_ptr(), lin.scales.data_ptr(), out.data_ptr(),
             ws.data_ptr(), counters.data_ptr())

@@ -318,7 +318,7 @@ def _bits_report(y, want, ref) -> str:
 @pytest.mark.parametrize("n,k,splits", WGMMA_CASES, ids=[f"{n}x{k}-s{s}" for n, k, s in WGMMA_CASES])
 def test_wgmma_keeps_the_bits(fmt, n, k, splits, monkeypatch):
     """The wgmma build (one or two warpgroups a block, 2 or 4 ring stages, with and without its MMAs overlapping the
-    next step: WG_DEFER) gives the mma.sync register build's bits at 1, 8, 9, 20, 33 and 64 rows (n 8 to n 64), with
+    next step, WG_DEFER, and with a producer warp's bulk copies, WG_TMA) gives the mma.sync register build's bits at 1, 8, 9, 20, 33 and 64 rows (n 8 to n 64), with
     split-K, tiles past the weight's last, PDL, a CUDA graph, the silu epilogue and fp16; a layout it cannot take is
     refused when asked for and left to mma.sync by default."""
     base, x, ref = _case(fmt, n, k, 64, torch.bfloat16, seed=71)
@@ -330,11 +330,12 @@ def test_wgmma_keeps_the_bits(fmt, n, k, splits, monkeypatch):
         for wg, stages in ((1, 4), (2, 2), (1, 2)):
             y = qmv_cuda.qmv(xt, lin, splits=splits, wgmma=wg, stages=stages)
             assert torch.equal(y, want), (t, wg, stages, _bits_report(y, want, ref[:t]))
-        if t in (9, 64):
-            monkeypatch.setitem(qmv_cuda._SWITCHES, "wg_build", base_build + (("WG_DEFER", 1),))
-            for wg in (1, 2):
-                y = qmv_cuda.qmv(xt, lin, splits=splits, wgmma=wg, stages=3)
-                assert torch.equal(y, want), (t, wg, "WG_DEFER", _bits_report(y, want, ref[:t]))
+        if t in (9, 64):  # the overlapped build, the producer warp's and both
+            for extra in ((("WG_DEFER", 1),), (("WG_TMA", 1),), (("WG_DEFER", 1), ("WG_TMA", 1))):
+                monkeypatch.setitem(qmv_cuda._SWITCHES, "wg_build", base_build + extra)
+                for wg in (1, 2):
+                    y = qmv_cuda.qmv(xt, lin, splits=splits, wgmma=wg, stages=3)
+                    assert torch.equal(y, want), (t, wg, extra, _bits_report(y, want, ref[:t]))
             monkeypatch.setitem(qmv_cuda._SWITCHES, "wg_build", base_build)
     _pdl_graph_act_keep_the_bits(x, lin, splits, {"wgmma": 1}, {"wgmma": 1})
     x16 = x.half()
@@ -370,7 +371,13 @@ def test_wgmma_shared_bytes():
     assert qmv_cuda.wgmma_shared_bytes("q5_g64_fp16", 8, 2, 2) == 2 * 4 * 8 * 256 + 8 * 2 * 32 * (16 + 32 + 4 + 4)
     assert qmv_cuda.wgmma_shared_bytes("q8_g32_fp16", 2, 1, 3) == 2 * 4 * 2 * 256 + 4 * 3 * 32 * (16 + 16 + 4)
     assert qmv_cuda.wgmma_shared_bytes("q4_g64_fp16", 8, 1, 4, 3) == 3 * 4 * 8 * 256 + 4 * 4 * 32 * (16 + 64 + 4)
-    assert qmv_cuda._wg_bufs((("WG_DEFER", 1), ("WG_LBO", 256))) == 3 and qmv_cuda._wg_bufs(()) == 2
+    # a producer warp's stages (WG_TMA): per tile 512 code, 32 scale (q5: 128 high-bit) bytes, 8 ncol padded x rows
+    assert qmv_cuda.wgmma_shared_bytes("q5_g64_fp16", 8, 1, 4, 2, tma=True) == \
+        2 * 4 * 8 * 256 + 4 * (4 * (512 + 32 + 128) + 64 * 144) + 16 * 4
+    assert qmv_cuda.wgmma_shared_bytes("q8_g32_fp16", 2, 2, 3, 3, tma=True) == \
+        3 * 4 * 2 * 256 + 3 * (8 * (512 + 32) + 16 * 80) + 16 * 3
+    assert qmv_cuda._wg_build((("WG_DEFER", 1), ("WG_LBO", 256))) == (3, False)
+    assert qmv_cuda._wg_build((("WG_TMA", 1),)) == (2, True) and qmv_cuda._wg_build(()) == (2, False)
 
 
 def test_async_ring_shared_bytes():
