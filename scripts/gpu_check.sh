@@ -439,8 +439,9 @@ for stage in "$@"; do
              # wgmma give mma.sync's bits, and which descriptor offset runs along K (if the swapped one, every build
              # below gets WG_LBO=256:WG_SBO=128: WGB). Then the wgmma CUDA tests (bits against the mma.sync builds),
              # the 27B shapes at 64 rows (WG_KNOBS against the default, bits checked against 8-row
-             # launches), once per WG_BUILDS entry (label|NINFER_BENCH_QMV_WG_BUILD: by default the build, WG_DEFER=1
-             # and the timing-only WG_FENCE=0; WG_BENCH=0 skips them), and with WG_C8=1 the 27B DFlash2 K=7
+             # launches; WG_Q8="q8|lm_head" adds lm_head), once per WG_BUILDS entry (label|NINFER_BENCH_QMV_WG_BUILD:
+             # by default the build, WG_DEFER=1, WG_TMA=1, both, and the timing-only WG_FENCE=0; WG_BENCH=0 skips
+             # them), and with WG_C8=1 the 27B DFlash2 K=7
              # replayed C8 with each WG_WIDE build (label|NINFER_BENCH_QMV_WIDE[|..._WG_BUILD]), plain C8 last
              mkdir -p "$OUT/wgmma"
              if [ "${WG_PROBE:-1}" = 1 ]; then
@@ -453,11 +454,12 @@ for stage in "$@"; do
                python3 -m pytest -q -p no:cacheprovider -rf --tb=line tests/test_kernels_qmv_cuda.py \
                -k "${WG_K:-wgmma or knob}" 2>&1 | tee "$OUT/wgmma/tests.log" \
                | grep -E "^(FAILED|ERROR)|passed|failed|Error" | head -20
-             K=${WG_KNOBS:-g1s4,g2s4,g1s6,g1s3}
-             [ "${WG_BENCH:-1}" = 0 ] || for B in ${WG_BUILDS-"base|" "defer|WG_DEFER=1" "nofence|WG_FENCE=0"}; do
+             K=${WG_KNOBS:-g1s4,g2s4}
+             [ "${WG_BENCH:-1}" = 0 ] || for B in ${WG_BUILDS-"base|" "defer|WG_DEFER=1" "tma|WG_TMA=1" \
+                                                 "tmadefer|WG_TMA=1:WG_DEFER=1" "nofence|WG_FENCE=0"}; do
                echo "--- 64 rows, wgmma build ${B%%|*} (${B#*|})"
                NINFER_BENCH_QMV_WG_BUILD="${WGB:-}:${B#*|}" ring_bench wgmma "bench64-${B%%|*}.log" \
-                 "${WG_Q8-q8|lm_head}" \
+                 "${WG_Q8-}" \
                  --ts 64 --rows 64 --qmv-knobs "$K" --only "ours-r8,ours-r64,qmv-lanes-${K//,/,qmv-lanes-}"; done
              [ "${WG_C8:-0}" = 1 ] && c8_builds wgmma ${WG_WIDE:-"ring|" "wgmma|8q4:g1s4,8q5:g1s4,8q8:g1s4"} ;;
     ring)    # issue 33: qmv's weights through a per-warp cp.async ring in shared memory (stages), against the register
