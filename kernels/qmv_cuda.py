@@ -252,9 +252,9 @@ def _wide_builds(text: str) -> dict[tuple[int, str | None], dict[str, int]]:
     out = {}
     for item in (v.strip() for v in text.split(",") if v.strip()):
         m = re.fullmatch(r"(\d+)(q4|q5|q8)?:((?:[pubsg]\d+)+)", item)
-        if not m or int(m.group(1)) not in (2, 4, 8):
-            raise ValueError(f"NINFER_BENCH_QMV_WIDE: {item!r}: expected NCOL[FMT]:KNOBS with NCOL 2, 4 or 8, FMT q4, "
-                             "q5 or q8 (none: every format) and knobs p<tiles> u<unroll> b<blocks an SM> s<cp.async "
+        if not m or int(m.group(1)) not in (1, 2, 4, 8):
+            raise ValueError(f"NINFER_BENCH_QMV_WIDE: {item!r}: expected NCOL[FMT]:KNOBS with NCOL 1, 2, 4 or 8, "
+                             "FMT q4, q5 or q8 (none: every format) and knobs p<tiles> u<unroll> b<blocks an SM> s<cp.async "
                              "stages, 0 off> g<wgmma warpgroups a block, 0 off>, e.g. 8:p2u1b1, 8q4:p3s4b1 or 8q4:g1s4")
         key = (int(m.group(1)), quant.QUANT_SHORT.get(m.group(2)))
         out[key] = {names[k]: int(v) for k, v in re.findall(r"([pubsg])(\d+)", m.group(3))}
@@ -264,9 +264,8 @@ def _wide_builds(text: str) -> dict[tuple[int, str | None], dict[str, int]]:
 def wide_build(ncol: int, fmt: str) -> dict[str, int]:
     """The build keywords a launch of ``ncol`` column groups of a ``fmt`` weight takes where its caller leaves them
     out: :data:`_WIDE`'s entry for (``ncol``, ``fmt``), else for ``ncol`` and every format (NINFER_BENCH_QMV_WIDE),
-    else :data:`_WIDE_DEFAULT`'s for (ncol, fmt), else none (one tile a block); none for one column group."""
-    if ncol == 1:
-        return {}
+    else :data:`_WIDE_DEFAULT`'s for (ncol, fmt), else none (one tile a block). One column group (up to 8 rows) has
+    no default entry: an NINFER_BENCH_QMV_WIDE entry for it (``1q4:g1s4``) is a tuning run's."""
     for table, key in ((_WIDE, (ncol, fmt)), (_WIDE, (ncol, None)), (_WIDE_DEFAULT, (ncol, fmt))):
         if key in table:
             return dict(table[key])

@@ -395,6 +395,7 @@ def test_wide_builds_parse():
     assert qmv_cuda._wide_builds("8q4:g1s4,4:g2") == {(8, "q4_g64_fp16"): {"wgmma": 1, "stages": 4},
                                                       (4, None): {"wgmma": 2}}
     assert qmv_cuda._wide_builds("") == {}
+    assert qmv_cuda._wide_builds("1q5:g1s4") == {(1, "q5_g64_fp16"): {"wgmma": 1, "stages": 4}}
     for bad in ("8:q2", "3:p2", "p2", "8:", "8q6:p1"):
         with pytest.raises(ValueError, match="NINFER_BENCH_QMV_WIDE"):
             qmv_cuda._wide_builds(bad)
