@@ -928,7 +928,7 @@ __device__ __forceinline__ void let_next_launch() {
 // - Two B buffers (WG_DEFER 0): every warpgroup waits for its MMAs before it starts the next step, so the buffer a
 //   step writes was last read two steps before, by MMAs that all finished before the block's barrier one step before.
 #if TILED != 2 || !EVEN || ASYNC < 2 || TPW != 1 || FMT == 3 || WGMMA > 2
-#error "WGMMA (1 or 2 warpgroups) streams a q format's lanes layout (TILED 2) with whole groups (EVEN) through a ring (ASYNC >= 2)"
+#error "WGMMA (1 or 2 warpgroups): a q format's lanes layout (TILED 2), whole groups (EVEN), a ring (ASYNC >= 2)"
 #endif
 #define WG_WARPS (4 * WGMMA)
 #define WG_XCOLS ((NCOL + WG_WARPS - 1) / WG_WARPS)  // column groups of x a warp stages (group j: warp j % WG_WARPS)
@@ -942,9 +942,9 @@ __device__ __forceinline__ void let_next_launch() {
 #define WG_SBO 256  // stride byte offset: 8-token core matrices along N, 256 bytes apart
 #endif
 #ifndef WG_DEFER
-#define WG_DEFER 0  // 1: step j + 1's copies, B and fragments are made while step j's MMAs run (three B buffers: the one
-#endif              // a step writes was last read three steps before, by MMAs every warpgroup waited for before the
-                    // barrier two steps before); 0: each step waits for its MMAs before the next begins (two buffers)
+#define WG_DEFER 0  // 1: step j + 1's copies, B and fragments are made while step j's MMAs run (three B buffers:
+#endif              // the one a step writes was last read three steps before, by MMAs every warpgroup waited for
+                    // before the barrier two steps before); 0: each step waits for its MMAs first (two buffers)
 #ifndef WG_BUFS
 #define WG_BUFS (WG_DEFER ? 3 : 2)  // B buffers (qmv_cuda.wgmma_shared_bytes passes its count)
 #endif
@@ -957,8 +957,8 @@ __device__ __forceinline__ void let_next_launch() {
 #ifndef WG_FENCE
 #define WG_FENCE 1  // 0 is for timing only: without the proxy fence the MMAs may read B before it is written (the cost
 #endif              // of fence.proxy.async, which is MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S in SASS)
-// Dynamic shared memory (qmv_cuda.wgmma_shared_bytes), byte offsets: B [WG_BUFS][WG_GROUP_B], then the ring: code pieces
-// uint4 [WG_WARPS][ASYNC][32], x pieces uint4 [WG_WARPS][ASYNC][WG_XCOLS][WG_XP][32], scale pairs u32
+// Dynamic shared memory (qmv_cuda.wgmma_shared_bytes), byte offsets: B [WG_BUFS][WG_GROUP_B], then the ring: code
+// pieces uint4 [WG_WARPS][ASYNC][32], x pieces uint4 [WG_WARPS][ASYNC][WG_XCOLS][WG_XP][32], scale pairs u32
 // [WG_WARPS][ASYNC][32], q5 high-bit pairs u32 alike
 #define WG_RING_C (WG_BUFS * WG_GROUP_B)
 #define WG_RING_X (WG_RING_C + WG_WARPS * ASYNC * 32 * 16)
@@ -983,18 +983,20 @@ __device__ __forceinline__ void let_next_launch() {
 #define WG_D "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
 #define WG_A "{%16, %17, %18, %19}, %20"
 #define WG_SCALE "%21"
-#define WG_DOUT "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
-                "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+#define WG_DOUT                                                                                                 \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),  \
+      "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
 #elif NCOL == 8
 #define WG_SHAPE "m64n64k16"
 #define WG_D "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
              "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
 #define WG_A "{%32, %33, %34, %35}, %36"
 #define WG_SCALE "%37"
-#define WG_DOUT "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
-                "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
-                "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
-                "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+#define WG_DOUT                                                                                                 \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),  \
+      "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),   \
+      "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),  \
+      "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
 #else
 #error "WGMMA takes 1, 2, 4 or 8 column groups"
 #endif
@@ -1314,8 +1316,9 @@ qmv(const u16* __restrict__ x, const u8* __restrict__ codes, const u8* __restric
     unsigned char* bb = sm + (j % WG_BUFS) * WG_GROUP_B;
 #pragma unroll
     for (int m = 0; m < WG_XCOLS; ++m) {
-      if (xs[m]) wg_stage_pieces(bb, wi + WG_WARPS * m, ring_x + (((wi * ASYNC + st) * WG_XCOLS + m) * WG_XP) * 32 + lane,
-                                 32, g, c);
+      if (xs[m])
+        wg_stage_pieces(bb, wi + WG_WARPS * m, ring_x + (((wi * ASYNC + st) * WG_XCOLS + m) * WG_XP) * 32 + lane, 32,
+                        g, c);
     }
 #if WG_FENCE
     wg_publish();

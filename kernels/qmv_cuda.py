@@ -254,8 +254,9 @@ def _wide_builds(text: str) -> dict[tuple[int, str | None], dict[str, int]]:
         m = re.fullmatch(r"(\d+)(q4|q5|q8)?:((?:[pubsg]\d+)+)", item)
         if not m or int(m.group(1)) not in (1, 2, 4, 8):
             raise ValueError(f"NINFER_BENCH_QMV_WIDE: {item!r}: expected NCOL[FMT]:KNOBS with NCOL 1, 2, 4 or 8, "
-                             "FMT q4, q5 or q8 (none: every format) and knobs p<tiles> u<unroll> b<blocks an SM> s<cp.async "
-                             "stages, 0 off> g<wgmma warpgroups a block, 0 off>, e.g. 8:p2u1b1, 8q4:p3s4b1 or 8q4:g1s4")
+                             "FMT q4, q5 or q8 (none: every format) and knobs p<tiles> u<unroll> b<blocks an SM> "
+                             "s<cp.async stages, 0 off> g<wgmma warpgroups a block, 0 off>, e.g. 8:p2u1b1, "
+                             "8q4:p3s4b1 or 8q4:g1s4")
         key = (int(m.group(1)), quant.QUANT_SHORT.get(m.group(2)))
         out[key] = {names[k]: int(v) for k, v in re.findall(r"([pubsg])(\d+)", m.group(3))}
     return out

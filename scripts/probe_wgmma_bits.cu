@@ -126,7 +126,8 @@ __global__ void __launch_bounds__(128) probe_n16(const u16* __restrict__ A, cons
   __syncthreads();
   const int r0 = 16 * warp + g, r1 = r0 + 8;
   auto pair = [](u16 lo, u16 hi) { return (u32)lo | ((u32)hi << 16); };
-  const u32 a0 = pair(a[r0 * 16 + 2 * c], a[r0 * 16 + 2 * c + 1]), a1 = pair(a[r1 * 16 + 2 * c], a[r1 * 16 + 2 * c + 1]);
+  const u32 a0 = pair(a[r0 * 16 + 2 * c], a[r0 * 16 + 2 * c + 1]);
+  const u32 a1 = pair(a[r1 * 16 + 2 * c], a[r1 * 16 + 2 * c + 1]);
   const u32 a2 = pair(a[r0 * 16 + 2 * c + 8], a[r0 * 16 + 2 * c + 9]);
   const u32 a3 = pair(a[r1 * 16 + 2 * c + 8], a[r1 * 16 + 2 * c + 9]);
   const unsigned long long lo = swap ? 256 : 128, st = swap ? 128 : 256;

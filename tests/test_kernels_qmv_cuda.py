@@ -318,9 +318,9 @@ def _bits_report(y, want, ref) -> str:
 @pytest.mark.parametrize("n,k,splits", WGMMA_CASES, ids=[f"{n}x{k}-s{s}" for n, k, s in WGMMA_CASES])
 def test_wgmma_keeps_the_bits(fmt, n, k, splits, monkeypatch):
     """The wgmma build (one or two warpgroups a block, 2 or 4 ring stages, with and without its MMAs overlapping the
-    next step, WG_DEFER, and with a producer warp's bulk copies, WG_TMA) gives the mma.sync register build's bits at 1, 8, 9, 20, 33 and 64 rows (n 8 to n 64), with
-    split-K, tiles past the weight's last, PDL, a CUDA graph, the silu epilogue and fp16; a layout it cannot take is
-    refused when asked for and left to mma.sync by default."""
+    next step, WG_DEFER, and with a producer warp's bulk copies, WG_TMA) gives the mma.sync register build's bits at
+    1, 8, 9, 20, 33 and 64 rows (n 8 to n 64), with split-K, tiles past the weight's last, PDL, a CUDA graph, the
+    silu epilogue and fp16; a layout it cannot take is refused when asked for and left to mma.sync by default."""
     base, x, ref = _case(fmt, n, k, 64, torch.bfloat16, seed=71)
     lin = qmv_cuda.TiledWeight(base, lanes=True)
     base_build = qmv_cuda._SWITCHES["wg_build"]  # (the device's descriptor setting, when gpu_check gives one)
@@ -390,8 +390,8 @@ def test_async_ring_shared_bytes():
 def test_wide_builds_parse():
     assert qmv_cuda._wide_builds("8:p2u1b1, 4:p2u2") == {(8, None): {"tiles": 2, "unroll": 1, "min_blocks": 1},
                                                           (4, None): {"tiles": 2, "unroll": 2}}
-    assert qmv_cuda._wide_builds("8q4:p2s4b1,8q8:p1") == {(8, "q4_g64_fp16"): {"tiles": 2, "stages": 4, "min_blocks": 1},
-                                                          (8, "q8_g32_fp16"): {"tiles": 1}}
+    assert qmv_cuda._wide_builds("8q4:p2s4b1,8q8:p1") == {
+        (8, "q4_g64_fp16"): {"tiles": 2, "stages": 4, "min_blocks": 1}, (8, "q8_g32_fp16"): {"tiles": 1}}
     assert qmv_cuda._wide_builds("8q4:g1s4,4:g2") == {(8, "q4_g64_fp16"): {"wgmma": 1, "stages": 4},
                                                       (4, None): {"wgmma": 2}}
     assert qmv_cuda._wide_builds("") == {}
