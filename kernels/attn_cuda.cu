@@ -453,6 +453,147 @@ __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_grou
 __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(VDEPTH - 2) : "memory"); }
 
 
+// The verify kernels' shared parts (attn_verify, and on sm_90a attn_verify_wg).
+// The arguments that place a block's query rows: batch row b, kv head hkv, split s, T x G rows from r0
+#define VERIFY_ROW_ARGS Q, QPOS, sqb, sqt, sqh, spb, spt, b, hkv, s, G, rows, r0, CHUNK, MIN_CHUNK, NUM_SPLITS, KV_LEN
+#define VERIFY_ROW_PARAMS                                                                                        \
+  const u16 *__restrict__ Q, const void *__restrict__ QPOS, long long sqb, long long sqt, long long sqh,         \
+      long long spb, long long spt, int b, int hkv, int s, int G, int rows, int r0, int CHUNK, int MIN_CHUNK,    \
+      int NUM_SPLITS, int KV_LEN
+
+// This lane's rows rb + g (h = 0) and rb + g + 8 (h = 1): token, head, key range of split s, and q's A fragments
+// [group][mma j][a0 .. a3] (rows g, g + 8's words 2j, 2j + 1)
+__device__ __forceinline__ void verify_rows(VERIFY_ROW_PARAMS, int rb, int g, int c, int (&rlo)[2], int (&rhi)[2],
+                                            u32 (&qa)[NG][4][4]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = rb + g + 8 * h;
+    const bool ok = r < rows;
+    const int t = ok ? r / G : 0, n = ok ? r % G : 0;
+    rlo[h] = rhi[h] = 0;
+    if (ok)
+      key_range((int)load_index(QPOS, b * spb + t * spt, POS64), s, CHUNK, MIN_CHUNK, NUM_SPLITS, KV_LEN, rlo[h],
+                rhi[h]);
+    const u16* qrow = Q + b * sqb + (long long)t * sqt + (long long)(hkv * G + n) * sqh;
+#pragma unroll
+    for (int gr = 0; gr < NG; ++gr) {
+      u32 w[8];
+      q_words(qrow, ok, gr, c, w);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        qa[gr][j][h] = w[2 * j];
+        qa[gr][j][2 + h] = w[2 * j + 1];
+      }
+    }
+  }
+}
+
+// The union of the key ranges of rows r0 .. r_end - 1, which the block walks (each starts on a multiple of STEP, so
+// a row meets whole steps of its own range and whole steps outside it); false when it is empty
+__device__ __forceinline__ bool verify_union(VERIFY_ROW_PARAMS, int r_end, int& ulo, int& uhi) {
+  ulo = KV_LEN;
+  uhi = 0;
+  const int t_end = (min(rows, r_end) - 1) / G;
+  for (int t = r0 / G; t <= t_end; ++t) {
+    int lw, hw;
+    key_range((int)load_index(QPOS, b * spb + t * spt, POS64), s, CHUNK, MIN_CHUNK, NUM_SPLITS, KV_LEN, lw, hw);
+    if (hw > lw) {
+      ulo = min(ulo, lw);
+      uhi = max(uhi, hw);
+    }
+  }
+  return uhi > ulo;
+}
+
+// Step `step`'s codes and scales into stage step % VDEPTH at shared address sm0, keys from uhi on zero (as
+// attn_split loads them); one commit group a call (empty past the last step)
+__device__ __forceinline__ void verify_issue(int step, int nsteps, int ulo, int uhi, const signed char* kb,
+                                             const signed char* vb, const u16* ksb, const u16* vsb, u32 sm0) {
+  if (step < nsteps) {
+    const int start = ulo + step * STEP, live = uhi - start;
+    const u32 st = sm0 + (step % VDEPTH) * STAGE_BYTES;
+    constexpr int KC = HD / 16;  // 16-byte chunks a key: chunk j = key j / KC, bytes 16 (j % KC) ..
+    const int live_chunks = live * KC;
+    const signed char* ksrc = kb + (long long)start * HD;
+    const signed char* vsrc = vb + (long long)start * HD;
+    for (int j = threadIdx.x; j < STEP * KC; j += blockDim.x) {
+      const bool ok = j < live_chunks;  // else nothing read (from an address in bounds), zeros written
+      cp16(st + 16 * j + (j / KC) * (KSTR - HD), ok ? ksrc + 16 * j : kb, ok ? 16 : 0);
+      cp16(st + STEP * KSTR + 16 * j + (j / KC) * (VSTR - HD), ok ? vsrc + 16 * j : vb, ok ? 16 : 0);
+    }
+    constexpr int SW = STEP * NG / 2;  // 4-byte words of a step's scales (<= 32)
+    if (threadIdx.x < SW) {
+      const int j = threadIdx.x;
+      // the word's two halves are keys 2j / NG and (2j + 1) / NG: copy the live ones (a prefix)
+      const int bytes = ((2 * j) / NG < live ? 2 : 0) + ((2 * j + 1) / NG < live ? 2 : 0);
+      const long long src = (long long)start * NG + (bytes ? 2 * j : 0);
+      cp4(st + STEP * (KSTR + VSTR) + 4 * j, ksb + src, bytes);
+      cp4(st + STEP * (KSTR + VSTR) + 2 * STEP * NG + 4 * j, vsb + src, bytes);
+    }
+  }
+  cp_commit();
+}
+
+// Scale group gr's sums (acc0: keys 2c, 2c + 1 of rows g, g + 8; acc1: keys 2c + 8, 2c + 9) times their keys'
+// scales (kss: the stage's K scales [key][group]) into the step's scores sv
+__device__ __forceinline__ void verify_scale(float (&sv)[2][4], const float* acc0, const float* acc1, const u16* kss,
+                                             int gr, int c) {
+  const float s0 = f16_to_f32(kss[2 * c * NG + gr]), s1 = f16_to_f32(kss[(2 * c + 1) * NG + gr]);
+  const float s8 = f16_to_f32(kss[(2 * c + 8) * NG + gr]), s9 = f16_to_f32(kss[(2 * c + 9) * NG + gr]);
+  sv[0][0] = fmaf(acc0[0], s0, sv[0][0]);
+  sv[0][1] = fmaf(acc0[1], s1, sv[0][1]);
+  sv[0][2] = fmaf(acc0[2], s0, sv[0][2]);
+  sv[0][3] = fmaf(acc0[3], s1, sv[0][3]);
+  sv[1][0] = fmaf(acc1[0], s8, sv[1][0]);
+  sv[1][1] = fmaf(acc1[1], s9, sv[1][1]);
+  sv[1][2] = fmaf(acc1[2], s8, sv[1][2]);
+  sv[1][3] = fmaf(acc1[3], s9, sv[1][3]);
+}
+
+// The step's online softmax for the lane's two rows: masks (a row's keys outside [lo, hi) are -inf; a step outside
+// its range leaves the row as it is: scale 1, p = 0, the steps attn_split does not take), the running max m, the
+// key-pair sums lp; al: each row's rescale of O, pr: p as the scores sv are laid out
+__device__ __forceinline__ void verify_softmax(float (&sv)[2][4], int start, const int (&rlo)[2], const int (&rhi)[2],
+                                               float qk_scale, int c, float (&m)[2], float (&lp)[2][2], float (&al)[2],
+                                               float (&pr)[2][4]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const bool live = start >= rlo[h] && start < rhi[h];  // key `start` is the row's: the max is finite
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int key = start + 8 * nt + 2 * c + e;
+        float& x = sv[nt][2 * h + e];
+        x = key < rhi[h] ? x * qk_scale : NEG_INF;
+      }
+    float x = fmaxf(fmaxf(sv[0][2 * h], sv[0][2 * h + 1]), fmaxf(sv[1][2 * h], sv[1][2 * h + 1]));
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+    const float n = live ? run_max(m[h], x) : m[h];
+    al[h] = rescale(m[h], n);
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) pr[nt][2 * h + e] = live ? ex2(sv[nt][2 * h + e] - n) : 0.f;
+    if (live) {
+      lp[h][0] = fmaf(lp[h][0], al[h], pr[0][2 * h] + pr[1][2 * h]);
+      lp[h][1] = fmaf(lp[h][1], al[h], pr[0][2 * h + 1] + pr[1][2 * h + 1]);
+    }
+    m[h] = n;
+  }
+}
+
+// The rows' sums in attn_split's tree: key pairs g' and g' ^ 1 (in the lane), then g' ^ 2 (lane c ^ 1), g' ^ 4 (c ^ 2)
+__device__ __forceinline__ void verify_sums(const float (&lp)[2][2], float (&l)[2]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    l[h] = lp[h][0] + lp[h][1];
+    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
+    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+  }
+}
+
 #ifdef VMAXREG
 #define VERIFY_BOUNDS __maxnreg__(VMAXREG)
 #else
@@ -479,30 +620,9 @@ attn_verify(ATTN_ARGS) {
   const int s = blockIdx.x;
   const int b = blockIdx.y / HKV, hkv = blockIdx.y % HKV;
   const int rows = T * G, r0 = blockIdx.z * 16 * nw;
-  // this lane's rows rb + g (h = 0) and rb + g + 8 (h = 1): token, head, key range of split s
   int rlo[2], rhi[2];
   u32 qa[NG][4][4];  // A fragments: [group][mma j][a0 .. a3] = rows g, g + 8's words 2j, 2j + 1
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int r = r0 + 16 * warp + g + 8 * h;
-    const bool ok = r < rows;
-    const int t = ok ? r / G : 0, n = ok ? r % G : 0;
-    rlo[h] = rhi[h] = 0;
-    if (ok)
-      key_range((int)load_index(QPOS, b * spb + t * spt, POS64), s, CHUNK, MIN_CHUNK, NUM_SPLITS, KV_LEN, rlo[h],
-                rhi[h]);
-    const u16* qrow = Q + b * sqb + (long long)t * sqt + (long long)(hkv * G + n) * sqh;
-#pragma unroll
-    for (int gr = 0; gr < NG; ++gr) {
-      u32 w[8];
-      q_words(qrow, ok, gr, c, w);
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        qa[gr][j][h] = w[2 * j];
-        qa[gr][j][2 + h] = w[2 * j + 1];
-      }
-    }
-  }
+  verify_rows(VERIFY_ROW_ARGS, r0 + 16 * warp, g, c, rlo, rhi, qa);
 #if QSMEM
 #pragma unroll
   for (int gr = 0; gr < NG; ++gr)
@@ -510,21 +630,8 @@ attn_verify(ATTN_ARGS) {
     for (int j = 0; j < 4; ++j)
       qsm[((warp * NG + gr) * 4 + j) * 32 + lane] = U4{qa[gr][j][0], qa[gr][j][1], qa[gr][j][2], qa[gr][j][3]};
 #endif
-  // the block walks the union of its rows' key ranges (each starts on a multiple of STEP, so a row meets whole steps
-  // of its own range and whole steps outside it)
-  int ulo = KV_LEN, uhi = 0;
-  {
-    const int t_end = (min(rows, r0 + 16 * nw) - 1) / G;
-    for (int t = r0 / G; t <= t_end; ++t) {
-      int lw, hw;
-      key_range((int)load_index(QPOS, b * spb + t * spt, POS64), s, CHUNK, MIN_CHUNK, NUM_SPLITS, KV_LEN, lw, hw);
-      if (hw > lw) {
-        ulo = min(ulo, lw);
-        uhi = max(uhi, hw);
-      }
-    }
-  }
-  if (uhi <= ulo) return;  // uniform over the block
+  int ulo, uhi;
+  if (!verify_union(VERIFY_ROW_ARGS, r0 + 16 * nw, ulo, uhi)) return;  // uniform over the block
   const long long slot = load_index(SLOTS, b * ssl, SLOT64);
   const signed char* kb = K + slot * sks + hkv * skh;
   const signed char* vb = V + slot * svs + hkv * svh;
@@ -532,33 +639,8 @@ attn_verify(ATTN_ARGS) {
   const u16* vsb = VS + slot * ssvs + hkv * ssvh;
   const int nsteps = (uhi - ulo + STEP - 1) / STEP;
 
-  // step `step`'s codes and scales into stage step % VDEPTH, keys from uhi on zero (as attn_split loads them)
   const u32 sm0 = smem_addr(dsm);
-  auto issue = [&](int step) {
-    if (step < nsteps) {
-      const int start = ulo + step * STEP, live = uhi - start;
-      const u32 st = sm0 + (step % VDEPTH) * STAGE_BYTES;
-      constexpr int KC = HD / 16;  // 16-byte chunks a key: chunk j = key j / KC, bytes 16 (j % KC) ..
-      const int live_chunks = live * KC;
-      const signed char* ksrc = kb + (long long)start * HD;
-      const signed char* vsrc = vb + (long long)start * HD;
-      for (int j = threadIdx.x; j < STEP * KC; j += blockDim.x) {
-        const bool ok = j < live_chunks;  // else nothing read (from an address in bounds), zeros written
-        cp16(st + 16 * j + (j / KC) * (KSTR - HD), ok ? ksrc + 16 * j : kb, ok ? 16 : 0);
-        cp16(st + STEP * KSTR + 16 * j + (j / KC) * (VSTR - HD), ok ? vsrc + 16 * j : vb, ok ? 16 : 0);
-      }
-      constexpr int SW = STEP * NG / 2;  // 4-byte words of a step's scales (<= 32)
-      if (threadIdx.x < SW) {
-        const int j = threadIdx.x;
-        // the word's two halves are keys 2j / NG and (2j + 1) / NG: copy the live ones (a prefix)
-        const int bytes = ((2 * j) / NG < live ? 2 : 0) + ((2 * j + 1) / NG < live ? 2 : 0);
-        const long long src = (long long)start * NG + (bytes ? 2 * j : 0);
-        cp4(st + STEP * (KSTR + VSTR) + 4 * j, ksb + src, bytes);
-        cp4(st + STEP * (KSTR + VSTR) + 2 * STEP * NG + 4 * j, vsb + src, bytes);
-      }
-    }
-    cp_commit();
-  };
+  auto issue = [&](int step) { verify_issue(step, nsteps, ulo, uhi, kb, vb, ksb, vsb, sm0); };
 
   float o[NG][4][2][4];  // O n tiles (group, i, head dim + 0 / 1): rows g, g + 8 x head dims 64 gr + 16 c + 2 i (+ 8)
 #pragma unroll
@@ -602,46 +684,10 @@ attn_verify(ATTN_ARGS) {
         mma(acc1, qa[gr][j][0], qa[gr][j][1], qa[gr][j][2], qa[gr][j][3], a[1], a[3]);
 #endif
       }
-      const float s0 = f16_to_f32(kss[2 * c * NG + gr]), s1 = f16_to_f32(kss[(2 * c + 1) * NG + gr]);
-      const float s8 = f16_to_f32(kss[(2 * c + 8) * NG + gr]), s9 = f16_to_f32(kss[(2 * c + 9) * NG + gr]);
-      sv[0][0] = fmaf(acc0[0], s0, sv[0][0]);
-      sv[0][1] = fmaf(acc0[1], s1, sv[0][1]);
-      sv[0][2] = fmaf(acc0[2], s0, sv[0][2]);
-      sv[0][3] = fmaf(acc0[3], s1, sv[0][3]);
-      sv[1][0] = fmaf(acc1[0], s8, sv[1][0]);
-      sv[1][1] = fmaf(acc1[1], s9, sv[1][1]);
-      sv[1][2] = fmaf(acc1[2], s8, sv[1][2]);
-      sv[1][3] = fmaf(acc1[3], s9, sv[1][3]);
+      verify_scale(sv, acc0, acc1, kss, gr, c);
     }
-    // masks: a row's keys outside [lo, hi) are -inf; a step outside its range leaves the row as it is (scale 1,
-    // p = 0: the steps attn_split does not take)
     float al[2], pr[2][4];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const bool live = start >= rlo[h] && start < rhi[h];  // key `start` is the row's: the max is finite
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int key = start + 8 * nt + 2 * c + e;
-          float& x = sv[nt][2 * h + e];
-          x = key < rhi[h] ? x * qk_scale : NEG_INF;
-        }
-      float x = fmaxf(fmaxf(sv[0][2 * h], sv[0][2 * h + 1]), fmaxf(sv[1][2 * h], sv[1][2 * h + 1]));
-      x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-      x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
-      const float n = live ? run_max(m[h], x) : m[h];
-      al[h] = rescale(m[h], n);
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) pr[nt][2 * h + e] = live ? ex2(sv[nt][2 * h + e] - n) : 0.f;
-      if (live) {
-        lp[h][0] = fmaf(lp[h][0], al[h], pr[0][2 * h] + pr[1][2 * h]);
-        lp[h][1] = fmaf(lp[h][1], al[h], pr[0][2 * h + 1] + pr[1][2 * h + 1]);
-      }
-      m[h] = n;
-    }
+    verify_softmax(sv, start, rlo, rhi, qk_scale, c, m, lp, al, pr);
     const u32 pa0 = pack_f16(pr[0][0], pr[0][1]), pa1 = pack_f16(pr[0][2], pr[0][3]);
     const u32 pa2 = pack_f16(pr[1][0], pr[1][1]), pa3 = pack_f16(pr[1][2], pr[1][3]);
     if (__any_sync(0xffffffffu, al[0] != 1.f || al[1] != 1.f)) {  // x * 1 = x: skipping it changes no bits
@@ -675,14 +721,8 @@ attn_verify(ATTN_ARGS) {
       }
     }
   }
-  // the sums in attn_split's tree: key pairs g' and g' ^ 1 (in the lane), then g' ^ 2 (lane c ^ 1), g' ^ 4 (c ^ 2)
   float l[2];
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    l[h] = lp[h][0] + lp[h][1];
-    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
-    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
-  }
+  verify_sums(lp, l);
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int r = r0 + 16 * warp + g + 8 * h;
@@ -707,3 +747,188 @@ attn_verify(ATTN_ARGS) {
     if (c == 0) LSE[ri] = m[h] + lg2(l[h]);
   }
 }
+
+#if WGV
+// ---------------------------------------------------------------------------------------------------------------
+// attn_verify_wg (sm_90a: kernels/attn_cuda.py builds it through NVRTC with WGV=1): attn_verify's products and softmax
+// on Hopper's wgmma. A block is one warpgroup, 64 query rows (warp w: rows 16 w .., attn_verify's m tiles), and each
+// step's K and V are made into fp16 once for the block in shared memory, not once a warp, in the layouts wgmma reads
+// its B operand from (K-major, no swizzle: 8 x 8 core matrices, the two along k 128 bytes apart, 8-column groups 256):
+//  - K' for S = Q K^T, a k16 block per (scale group gr, chunk j): key n's core-matrix row q holds the head dims that
+//    attn_verify's MMA (gr, j) pairs with k = 2c', 2c' + 1 (q = 0) and 2c' + 8, 2c' + 9 (q = 1) for c' = 0 .. 3, i.e.
+//    64 gr + 16 c' + 4 j + 2 q + (0, 1): the exact codes, as k_frag makes them.
+//  - V' for O += P V: head dim d's row q holds keys 8 q .. 8 q + 7, their codes times their scales in fp16 (v_frag's
+//    values).
+// S per (gr, j) is wgmma.m64n16k16 with q's A fragments in registers (attn_verify's qa), the four of a group chained
+// from zero; the group's sums then take their keys' scales (verify_scale) in group order. The softmax is
+// verify_softmax; O per 64 head dims is wgmma.m64n64k16 with P's A fragments (attn_verify's pa), onto O. Every element
+// so gets attn_verify's products, sums and order: its bits wherever wgmma gives mma.sync's.
+#define WGV_KB (NG * 4 * 512)  // K': (gr, j) blocks of [key half][q][8 keys][16 bytes]
+#define WGV_VB (HD * 32)       // V': [head dim / 8][q][8 dims][8 keys x 2 bytes]
+#define WGV_SMEM (VDEPTH * STAGE_BYTES + WGV_KB + WGV_VB)  // (kernels/attn_cuda.py's wgv_smem mirrors it)
+
+__device__ __forceinline__ unsigned long long wgv_desc(u32 addr) {  // B at addr: LBO 128 (along k), SBO 256 (along n)
+  return (unsigned long long)((addr & 0x3FFFF) >> 4) | (8ull << 16) | (16ull << 32);
+}
+// d = A B (acc 0) or A B + d (acc 1), A from registers: 64 rows x 16 keys (S) ...
+__device__ __forceinline__ void wgv_mma16(float* d, u32 a0, u32 a1, u32 a2, u32 a3, unsigned long long desc, int acc) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7}, "
+               "{%8, %9, %10, %11}, %12, p, 1, 1, 0;\n}\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(acc));
+}
+// ... and 64 rows x 64 head dims (O), always onto d
+__device__ __forceinline__ void wgv_mma64(float* d, u32 a0, u32 a1, u32 a2, u32 a3, unsigned long long desc) {
+  asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+               "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+               "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+               "{%32, %33, %34, %35}, %36, 1, 1, 1, 0;\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+                 "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]),
+                 "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]),
+                 "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]),
+                 "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc));
+}
+__device__ __forceinline__ void wgv_wait() {
+  asm volatile("wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void wgv_hold(float* d) {  // d is read only after wgv_wait (the compiler sees it written)
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// The step's K' and V' from the raw stage (ks, vs: codes; vss: V scales) at kp / vp, shared by the block's threads
+__device__ __forceinline__ void wgv_convert(const signed char* ks, const signed char* vs, const u16* vss,
+                                            unsigned char* kp, unsigned char* vp) {
+  // K': item (key n, group gr, 16-byte chunk c') reads the chunk once and writes its pairs of the four (gr, j) blocks
+  for (int t = threadIdx.x; t < STEP * NG * 4; t += 128) {
+    const int cc = t & 3, gr = (t >> 2) % NG, n = t / (4 * NG);
+    const U4 v = *(const U4*)(ks + n * KSTR + 64 * gr + 16 * cc);
+    unsigned char* row = kp + (gr * 4) * 512 + (n >> 3) * 256 + (n & 7) * 16 + 4 * cc;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const u32 w = word4(v, j) ^ FLIP;
+      *(u32*)(row + j * 512) = codes01(w);
+      *(u32*)(row + j * 512 + 128) = codes23(w);
+    }
+  }
+  // V': item (4-byte word dw of head dims, key half kh) reads the word of its 8 keys and writes 4 rows of 8 keys
+  for (int t = threadIdx.x; t < HD / 2; t += 128) {
+    const int dw = t % (HD / 4), kh = t / (HD / 4), gr = (4 * dw) / 64;
+    u32 w[8], sp[4];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) w[k] = *(const u32*)(vs + (8 * kh + k) * VSTR + 4 * dw) ^ FLIP;
+#pragma unroll
+    for (int p = 0; p < 4; ++p) sp[p] = pair16(vss[(8 * kh + 2 * p) * NG + gr], vss[(8 * kh + 2 * p + 1) * NG + gr]);
+#pragma unroll
+    for (int ee = 0; ee < 4; ++ee) {
+      const int e = (ee + (dw >> 1)) & 3, d = 4 * dw + e;  // (rotated: a warp's stores on eight bank groups)
+      const u32 sel = (u32)e | ((u32)(4 + e) << 4);       // byte e of keys 2p, 2p + 1 -> bytes 0, 1
+      U4 r;
+      r.x = hmul2(codes01(prmt(w[0], w[1], sel)), sp[0]);
+      r.y = hmul2(codes01(prmt(w[2], w[3], sel)), sp[1]);
+      r.z = hmul2(codes01(prmt(w[4], w[5], sel)), sp[2]);
+      r.w = hmul2(codes01(prmt(w[6], w[7], sel)), sp[3]);
+      *(U4*)(vp + (d >> 3) * 256 + kh * 128 + (d & 7) * 16) = r;
+    }
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(128, 1)
+attn_verify_wg(ATTN_ARGS) {
+  extern __shared__ __align__(16) unsigned char dsm[];
+  {
+    u32 dyn;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
+    if (dyn < (u32)WGV_SMEM) __trap();
+  }
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, c = lane & 3;
+  const int s = blockIdx.x;
+  const int b = blockIdx.y / HKV, hkv = blockIdx.y % HKV;
+  const int rows = T * G, r0 = blockIdx.z * 64;
+  int rlo[2], rhi[2];
+  u32 qa[NG][4][4];
+  verify_rows(VERIFY_ROW_ARGS, r0 + 16 * warp, g, c, rlo, rhi, qa);
+  int ulo, uhi;
+  if (!verify_union(VERIFY_ROW_ARGS, r0 + 64, ulo, uhi)) return;  // uniform over the block
+  const long long slot = load_index(SLOTS, b * ssl, SLOT64);
+  const signed char* kb = K + slot * sks + hkv * skh;
+  const signed char* vb = V + slot * svs + hkv * svh;
+  const u16* ksb = KS + slot * ssks + hkv * sskh;
+  const u16* vsb = VS + slot * ssvs + hkv * ssvh;
+  const int nsteps = (uhi - ulo + STEP - 1) / STEP;
+  const u32 sm0 = smem_addr(dsm);
+  unsigned char* kp = dsm + VDEPTH * STAGE_BYTES;
+  unsigned char* vp = kp + WGV_KB;
+  const u32 kp_addr = sm0 + VDEPTH * STAGE_BYTES, vp_addr = kp_addr + WGV_KB;
+  float o[NG][32];  // O per 64 head dims cc: [4 j + i] = rows g (i < 2) / g + 8, head dims 64 cc + 8 j + 2 c + (i & 1)
+#pragma unroll
+  for (int cc = 0; cc < NG; ++cc)
+#pragma unroll
+    for (int i = 0; i < 32; ++i) o[cc][i] = 0.f;
+  float m[2] = {NEG_INF, NEG_INF};
+  float lp[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
+#pragma unroll 1
+  for (int e = 0; e < VDEPTH - 1; ++e) verify_issue(e, nsteps, ulo, uhi, kb, vb, ksb, vsb, sm0);
+#pragma unroll 1
+  for (int step = 0; step < nsteps; ++step) {
+    cp_wait();
+    __syncthreads();  // the step's stage is in; every warp's MMAs of the step before (K', V') are done
+    verify_issue(step + VDEPTH - 1, nsteps, ulo, uhi, kb, vb, ksb, vsb, sm0);
+    const int buf = step % VDEPTH, start = ulo + step * STEP;
+    wgv_convert(KSM(buf), VSM(buf), VSSM(buf), kp, vp);
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the stores, seen by the MMAs
+    __syncthreads();
+    const u16* kss = KSSM(buf);
+    float sv[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+    for (int gr = 0; gr < NG; ++gr) {
+      float acc[8];
+      asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        wgv_mma16(acc, qa[gr][j][0], qa[gr][j][1], qa[gr][j][2], qa[gr][j][3],
+                  wgv_desc(kp_addr + (gr * 4 + j) * 512), j > 0);
+      wgv_wait();
+      wgv_hold<8>(acc);
+      verify_scale(sv, acc, acc + 4, kss, gr, c);
+    }
+    float al[2], pr[2][4];
+    verify_softmax(sv, start, rlo, rhi, qk_scale, c, m, lp, al, pr);
+    const u32 pa0 = pack_f16(pr[0][0], pr[0][1]), pa1 = pack_f16(pr[0][2], pr[0][3]);
+    const u32 pa2 = pack_f16(pr[1][0], pr[1][1]), pa3 = pack_f16(pr[1][2], pr[1][3]);
+    if (__any_sync(0xffffffffu, al[0] != 1.f || al[1] != 1.f)) {  // x * 1 = x: skipping it changes no bits
+#pragma unroll
+      for (int cc = 0; cc < NG; ++cc)
+#pragma unroll
+        for (int i = 0; i < 32; ++i) o[cc][i] *= al[(i >> 1) & 1];
+    }
+    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+    for (int cc = 0; cc < NG; ++cc) wgv_mma64(o[cc], pa0, pa1, pa2, pa3, wgv_desc(vp_addr + cc * 2048));
+    wgv_wait();
+#pragma unroll
+    for (int cc = 0; cc < NG; ++cc) wgv_hold<32>(o[cc]);
+  }
+  float l[2];
+  verify_sums(lp, l);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = r0 + 16 * warp + g + 8 * h;
+    if (r >= rows || rhi[h] <= rlo[h]) continue;  // no row, or no keys of it here: nothing to write
+    const long long ri = ((long long)(b * T + r / G) * H + hkv * G + r % G) * NUM_SPLITS + s;
+    float* dst = OP + ri * HD;
+#pragma unroll
+    for (int cc = 0; cc < NG; ++cc)
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+        *(float2*)(dst + 64 * cc + 8 * j + 2 * c) =
+            make_float2(o[cc][4 * j + 2 * h] / l[h], o[cc][4 * j + 2 * h + 1] / l[h]);
+    if (c == 0) LSE[ri] = m[h] + lg2(l[h]);
+  }
+}
+#endif

@@ -35,7 +35,7 @@ from . import _cupy, _triton
 from ._cupy import parse_build
 
 __all__ = ["CudaPlan", "plan", "split", "verify_grid", "wanted", "supports", "available", "import_error",
-           "set_enabled", "enabled", "STEP"]
+           "set_enabled", "enabled", "set_verify_kernel", "STEP"]
 
 STEP = 16  # keys a warp step (the kernel's STEP; the combine's BLOCK_N)
 MAX_VERIFY_WARPS = 8  # m tiles of 16 query rows a verify block (one warp each)
@@ -87,6 +87,26 @@ def set_build_defines(defines: dict[str, int] | None = None) -> None:
 
 # the switch (on by default where the kernel runs): NINFER_BENCH_ATTN=triton turns it off for the process
 _SWITCH = {"on": os.environ.get("NINFER_BENCH_ATTN", "").strip().lower() != "triton"}
+
+
+def env_verify_kernel() -> str:
+    """NINFER_BENCH_ATTN_VERIFY: which kernel takes T > 1 calls, ``mma`` (attn_verify, the default) or ``wgmma``
+    (attn_verify_wg on an sm_90 GPU: the same products, sums and order, with K and V made into fp16 once a block)."""
+    raw = os.environ.get("NINFER_BENCH_ATTN_VERIFY", "mma").strip().lower()
+    if raw not in ("mma", "wgmma"):
+        raise ValueError(f"NINFER_BENCH_ATTN_VERIFY: expected mma (the default) or wgmma, got {raw!r}")
+    return raw
+
+
+_VERIFY = {"kernel": env_verify_kernel()}
+
+
+def set_verify_kernel(kernel: str) -> None:
+    """T > 1 calls from now on through ``mma`` (attn_verify) or ``wgmma`` (attn_verify_wg, sm_90 only; elsewhere
+    attn_verify)."""
+    if kernel not in ("mma", "wgmma"):
+        raise ValueError(f"attn_cuda: the verify kernel is mma or wgmma, got {kernel!r}")
+    _VERIFY["kernel"] = kernel
 
 
 def set_enabled(on: bool) -> None:
@@ -190,18 +210,17 @@ def _builds(defines: tuple) -> tuple[tuple, tuple]:
 
 @functools.cache
 def _kernels(hd: int, half: bool, pos64: bool, slot64: bool, device_index: int,
-             defines: tuple = ()) -> tuple[object, object, object]:
-    """(attn_split, narrow attn_verify, wide attn_verify) built and loaded at once: a T = 8 verify's first launch may
-    come inside a CUDA-graph capture, after only T = 1 steps ran eagerly, and must not compile or load a module."""
+             defines: tuple = (), wgv: bool = False) -> tuple[object, ...]:
+    """(attn_split, narrow attn_verify, wide attn_verify[, attn_verify_wg]) built and loaded at once: a T = 8 verify's
+    first launch may come inside a CUDA-graph capture, after only T = 1 steps ran eagerly, and must not compile or
+    load a module. ``wgv``: also attn_verify_wg (sm_90a, through NVRTC: _cupy.arch_kernel)."""
     import cupy
 
     out = []
     with cupy.cuda.Device(device_index):
         for i, build in enumerate(_builds(defines)):
             module = cupy.RawModule(code=_SOURCE.read_text(), backend="nvrtc",
-                                    options=("-std=c++17", "--fmad=false", f"-DHD={hd}", f"-DHALF={int(half)}",
-                                             f"-DPOS64={int(pos64)}", f"-DSLOT64={int(slot64)}",
-                                             *(f"-D{k}={v}" for k, v in build)))
+                                    options=_options(hd, half, pos64, slot64, build))
             if i == 0:
                 out.append(module.get_function("attn_split"))
             verify = module.get_function("attn_verify")
@@ -210,7 +229,29 @@ def _kernels(hd: int, half: bool, pos64: bool, slot64: bool, device_index: int,
         for fn in out:
             if not fn.kernel.ptr:  # compiled and loaded now (cupy would on the first launch)
                 raise RuntimeError("attn_cuda: a kernel did not load")
+        if wgv:
+            build = _builds(defines)[0]
+            wg = _cupy.arch_kernel(_SOURCE.read_text(), (*_options(hd, half, pos64, slot64, build), "-DWGV=1"),
+                                   "90a", "attn_verify_wg", device_index)
+            wg.max_dynamic_shared_size_bytes = wgv_smem(hd, build)
+            out.append(wg)
     return tuple(out)
+
+
+def _options(hd: int, half: bool, pos64: bool, slot64: bool, build: tuple) -> tuple[str, ...]:
+    return ("-std=c++17", "--fmad=false", f"-DHD={hd}", f"-DHALF={int(half)}", f"-DPOS64={int(pos64)}",
+            f"-DSLOT64={int(slot64)}", *(f"-D{k}={v}" for k, v in build))
+
+
+def wgv_smem(hd: int, defines: tuple = ()) -> int:
+    """Bytes of dynamic shared memory an attn_verify_wg block takes: the source's WGV_SMEM (VDEPTH stages of raw codes
+    and scales, then K' and V', the step's fp16 operands)."""
+    return verify_smem(hd, 1, tuple(sorted({**dict(defines), "QSMEM": 0}.items()))) + (hd // 64) * 4 * 512 + hd * 32
+
+
+def _wgv_wanted(device_index: int) -> bool:
+    """attn_verify_wg takes this process's T > 1 calls: asked for (NINFER_BENCH_ATTN_VERIFY=wgmma) on an sm_90 GPU."""
+    return _VERIFY["kernel"] == "wgmma" and torch.cuda.get_device_capability(device_index) == (9, 0)
 
 
 def verify_smem(hd: int, warps: int, defines: tuple = ()) -> int:
@@ -242,10 +283,14 @@ def split(q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, qk_scale: float, 
     splits = cfg.splits(kv_len)
     dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
     defines = _BUILD["defines"]
-    one, narrow, wide = _kernels(hd, q.dtype == torch.float16, q_pos.dtype == torch.int64,
-                                 slots.dtype == torch.int64, dev, defines)
+    wgv = _wgv_wanted(dev)
+    one, narrow, wide, *wg = _kernels(hd, q.dtype == torch.float16, q_pos.dtype == torch.int64,
+                                      slots.dtype == torch.int64, dev, defines, wgv)
     if t == 1:
         kern, grid, block, smem = one, (splits, b * hkv, 1), (32,), 0
+    elif wgv:  # one warpgroup a block: 64 of the T x G rows
+        kern, grid, block = wg[0], (splits, b * hkv, -(-(t * (h // hkv)) // 64)), (128,)
+        smem = wgv_smem(hd, _builds(defines)[0])
     else:
         warps, blocks = verify_grid(t, h // hkv, cfg.verify_warps)
         w = warps > NARROW_WARPS

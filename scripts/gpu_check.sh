@@ -133,6 +133,7 @@
 #            and the engine's (in parallel), then scripts/bench_attention.py with its sweep (CATTN_BUDGET_S, 100 s):
 #            the CUDA kernel (attn_split at T = 1, attn_verify above) beside the Triton one at 8K / 65K keys,
 #            T = 1 / 8, B = 1 / 8
+#   wgv      the verify attention on wgmma (attn_verify_wg): its CUDA tests, the int8 cases with each verify kernel
 #   cattn27  decode -p CATTN_P (2991,65000) -n 128 on the 27B synthetic with the CUDA attention (the default) and with
 #            NINFER_BENCH_ATTN=triton, ours only: decode after a long prompt against a short one, either kernel
 #   hashes   the token hashes a refactor must keep: the README's main command (timed), the bundled model's plain and
@@ -763,6 +764,23 @@ PY
     cattn)   run_tests ${TEST_FILES:-test_kernels_attn_cuda test_kernels_attention test_cuda_engine}
              timeout ${STAGE_S:-300} python3 scripts/bench_attention.py --budget-s ${CATTN_BUDGET_S:-100} 2>&1 \
                | tee "$OUT/cattn.log" | grep -v "^resources" | tail -70 ;;
+    wgv)     # issue 32 item 3: the verify attention on wgmma (kernels/attn_cuda.cu attn_verify_wg, sm_90a, K and V made
+             # into fp16 once a block): its CUDA tests (bits against attn_verify's), then the 27B shape's int8 cases
+             # (WGV_CASES) with each verify kernel (NINFER_BENCH_ATTN_VERIFY=mma / wgmma); with WGV_E2E=1 the 27B
+             # decode after a 65,000-token prompt and DFlash2 K=7 replayed with the wgmma verify, tokens compared
+             mkdir -p "$OUT/wgv"
+             [ "${WGV_TESTS:-1}" = 0 ] || timeout ${TESTS_S:-200} python3 -m pytest -q -p no:cacheprovider -rf \
+               --tb=line tests/test_kernels_attn_cuda.py -k "wgmma_verify or verify_kernel or tokens_and_rows" 2>&1 \
+               | tee "$OUT/wgv/tests.log" | grep -E "^(FAILED|ERROR)|passed|failed|Error" | head -20
+             C=int8:8192:1:1,int8:8192:1:8,int8:65536:1:1,int8:65536:1:4,int8:65536:1:8,int8:65536:8:8
+             for K in mma wgmma; do echo "--- verify kernel $K"
+               NINFER_BENCH_ATTN_VERIFY=$K timeout ${STAGE_S:-150} python3 scripts/bench_attention.py --no-sweep \
+                 --no-peer --cases ${WGV_CASES:-$C} 2>&1 | tee "$OUT/wgv/bench-$K.log" | grep -v "^resources" \
+                 | tail -14; done
+             if [ "${WGV_E2E:-0}" = 1 ]; then
+               NINFER_BENCH_ATTN_VERIFY=wgmma nb decode $M27 --spec none,dflash2:7 --replay-acceptance seed -n 64 \
+                 --json "$OUT/wgv/d27-wgmma" 2>&1 | tail -8
+             fi ;;
     cattn27) for attn in cuda triton; do
                NINFER_BENCH_ATTN=$attn nb decode $M27 -p ${CATTN_P:-2991,65000} -n ${PLEN_N:-128} --repeats 2 \
                  --json "$OUT/cattn27-$attn" 2>&1 | tail -8 | sed "s|^|$attn: |"

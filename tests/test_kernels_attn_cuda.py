@@ -106,6 +106,32 @@ def test_rows_a_verify_block_change_no_bits(shape):
         assert torch.equal(out, outs[0])
 
 
+needs_wgv = pytest.mark.skipif(not (attn_cuda.available() and at.triton_available()
+                                     and torch.cuda.get_device_capability() == (9, 0)),
+                               reason="attn_verify_wg needs an sm_90 GPU, cupy and triton")
+
+
+@needs_wgv
+@pytest.mark.parametrize("shape", ["T8-g6-hd256", "T9-g2-hd192", "T3-g8-hd128", "T4-g6-hd256", "T16-g1-hd64",
+                                   "T2-g6-hd64", "T8-g6-hd64-edge", "T4-g6-hd64-edge", "T8-g6-hd256-edge"])
+@pytest.mark.parametrize("split", ["plan", "many"])
+def test_wgmma_verify_gives_the_verify_bits(shape, split, monkeypatch):
+    """attn_verify_wg (NINFER_BENCH_ATTN_VERIFY=wgmma: one warpgroup a block, K and V made into fp16 once a step for
+    all its rows, wgmma) gives attn_verify's bits - which are the T = 1 steps' (the test above) - for every shape,
+    split plan and row of a batch, in bf16 and fp16."""
+    for q_dtype in (torch.bfloat16, torch.float16):
+        c = half_case(shape, q_dtype, seed=9)
+        cfg = many_splits(c) if split == "many" else None
+        monkeypatch.setitem(attn_cuda._VERIFY, "kernel", "mma")
+        want = at.decode_attention(**c, config=cfg)
+        monkeypatch.setitem(attn_cuda._VERIFY, "kernel", "wgmma")
+        got = at.decode_attention(**c, config=cfg)
+        ref = at.decode_attention_ref(**{**c, "q": c["q"].float()})
+        differ = 100 * (got != want).float().mean().item()
+        assert torch.equal(got, want), (q_dtype, f"{differ:.3f} % differ; rel RMS to fp32 {rel_rms(got, ref):.2e}, "
+                                                 f"attn_verify's {rel_rms(want, ref):.2e}")
+
+
 @gpu
 def test_gate_gives_sigmoid_mul_bits():
     from ninfer_bench.kernels import fused
@@ -242,3 +268,24 @@ def test_short_min_steps_knob(monkeypatch):
             attn_cuda.env_min_steps()
     monkeypatch.setattr(attn_cuda, "SHORT_MIN_STEPS", 4)
     assert attn_cuda.plan(65536, 4, "cpu").min_chunk == 4 * attn_cuda.STEP
+
+
+def test_verify_kernel_knob(monkeypatch):
+    """NINFER_BENCH_ATTN_VERIFY picks the T > 1 kernel: mma (the default) or wgmma; anything else is refused by name,
+    and a run records it. attn_verify_wg's shared memory: attn_verify's stages, then K' (512 bytes a scale group and
+    16-dim chunk) and V' (32 bytes a head dim)."""
+    monkeypatch.delenv("NINFER_BENCH_ATTN_VERIFY", raising=False)
+    assert attn_cuda.env_verify_kernel() == "mma"
+    monkeypatch.setenv("NINFER_BENCH_ATTN_VERIFY", " WGMMA ")
+    assert attn_cuda.env_verify_kernel() == "wgmma"
+    monkeypatch.setenv("NINFER_BENCH_ATTN_VERIFY", "tma")
+    with pytest.raises(ValueError, match="NINFER_BENCH_ATTN_VERIFY"):
+        attn_cuda.env_verify_kernel()
+    with pytest.raises(ValueError, match="mma or wgmma"):
+        attn_cuda.set_verify_kernel("fast")
+    assert attn_cuda.wgv_smem(256) == attn_cuda.verify_smem(256, 1) + 4 * 4 * 512 + 256 * 32
+    assert attn_cuda.wgv_smem(64, (("VDEPTH", 3),)) == attn_cuda.verify_smem(64, 1, (("VDEPTH", 3),)) + 2048 + 2048
+    from ninfer_bench.reports.schema import environment
+
+    monkeypatch.setenv("NINFER_BENCH_ATTN_VERIFY", "wgmma")
+    assert environment()["knobs"]["NINFER_BENCH_ATTN_VERIFY"] == "wgmma"
