@@ -887,7 +887,7 @@ attn_verify_wg(ATTN_ARGS) {
     float sv[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
     for (int gr = 0; gr < NG; ++gr) {
-      float acc[8];
+      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};  // (overwritten: the first MMA does not add)
       asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 #pragma unroll
       for (int j = 0; j < 4; ++j)
