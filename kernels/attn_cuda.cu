@@ -506,7 +506,9 @@ __device__ __forceinline__ bool verify_union(VERIFY_ROW_PARAMS, int r_end, int& 
 }
 
 // Step `step`'s codes and scales into stage step % VDEPTH at shared address sm0, keys from uhi on zero (as
-// attn_split loads them); one commit group a call (empty past the last step)
+// attn_split loads them); one commit group a call (empty past the last step). NT: the block's threads when the
+// caller knows them (the copies' loop unrolled), 0: blockDim.x
+template <int NT = 0>
 __device__ __forceinline__ void verify_issue(int step, int nsteps, int ulo, int uhi, const signed char* kb,
                                              const signed char* vb, const u16* ksb, const u16* vsb, u32 sm0) {
   if (step < nsteps) {
@@ -516,10 +518,19 @@ __device__ __forceinline__ void verify_issue(int step, int nsteps, int ulo, int 
     const int live_chunks = live * KC;
     const signed char* ksrc = kb + (long long)start * HD;
     const signed char* vsrc = vb + (long long)start * HD;
-    for (int j = threadIdx.x; j < STEP * KC; j += blockDim.x) {
+    auto chunk = [&](int j) {
       const bool ok = j < live_chunks;  // else nothing read (from an address in bounds), zeros written
       cp16(st + 16 * j + (j / KC) * (KSTR - HD), ok ? ksrc + 16 * j : kb, ok ? 16 : 0);
       cp16(st + STEP * KSTR + 16 * j + (j / KC) * (VSTR - HD), ok ? vsrc + 16 * j : vb, ok ? 16 : 0);
+    };
+    if (NT) {
+#pragma unroll
+      for (int i = 0; i < (STEP * KC + (NT ? NT : 1) - 1) / (NT ? NT : 1); ++i) {
+        const int j = threadIdx.x + i * NT;
+        if (STEP * KC % (NT ? NT : 1) == 0 || j < STEP * KC) chunk(j);
+      }
+    } else {
+      for (int j = threadIdx.x; j < STEP * KC; j += blockDim.x) chunk(j);
     }
     constexpr int SW = STEP * NG / 2;  // 4-byte words of a step's scales (<= 32)
     if (threadIdx.x < SW) {
@@ -804,7 +815,10 @@ __device__ __forceinline__ void wgv_hold(float* d) {  // d is read only after wg
 __device__ __forceinline__ void wgv_convert(const signed char* ks, const signed char* vs, const u16* vss,
                                             unsigned char* kp, unsigned char* vp) {
   // K': item (key n, group gr, 16-byte chunk c') reads the chunk once and writes its pairs of the four (gr, j) blocks
-  for (int t = threadIdx.x; t < STEP * NG * 4; t += 128) {
+#pragma unroll
+  for (int i = 0; i < (STEP * NG * 4 + 127) / 128; ++i) {
+    const int t = threadIdx.x + 128 * i;
+    if (STEP * NG * 4 % 128 && t >= STEP * NG * 4) break;
     const int cc = t & 3, gr = (t >> 2) % NG, n = t / (4 * NG);
     const U4 v = *(const U4*)(ks + n * KSTR + 64 * gr + 16 * cc);
     unsigned char* row = kp + (gr * 4) * 512 + (n >> 3) * 256 + (n & 7) * 16 + 4 * cc;
@@ -816,7 +830,10 @@ __device__ __forceinline__ void wgv_convert(const signed char* ks, const signed 
     }
   }
   // V': item (4-byte word dw of head dims, key half kh) reads the word of its 8 keys and writes 4 rows of 8 keys
-  for (int t = threadIdx.x; t < HD / 2; t += 128) {
+#pragma unroll
+  for (int i = 0; i < (HD / 2 + 127) / 128; ++i) {
+    const int t = threadIdx.x + 128 * i;
+    if (HD / 2 % 128 && t >= HD / 2) break;
     const int dw = t % (HD / 4), kh = t / (HD / 4), gr = (4 * dw) / 64;
     u32 w[8], sp[4];
 #pragma unroll
@@ -873,12 +890,12 @@ attn_verify_wg(ATTN_ARGS) {
   float m[2] = {NEG_INF, NEG_INF};
   float lp[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
 #pragma unroll 1
-  for (int e = 0; e < VDEPTH - 1; ++e) verify_issue(e, nsteps, ulo, uhi, kb, vb, ksb, vsb, sm0);
+  for (int e = 0; e < VDEPTH - 1; ++e) verify_issue<128>(e, nsteps, ulo, uhi, kb, vb, ksb, vsb, sm0);
 #pragma unroll 1
   for (int step = 0; step < nsteps; ++step) {
     cp_wait();
     __syncthreads();  // the step's stage is in; every warp's MMAs of the step before (K', V') are done
-    verify_issue(step + VDEPTH - 1, nsteps, ulo, uhi, kb, vb, ksb, vsb, sm0);
+    verify_issue<128>(step + VDEPTH - 1, nsteps, ulo, uhi, kb, vb, ksb, vsb, sm0);
     const int buf = step % VDEPTH, start = ulo + step * STEP;
     wgv_convert(KSM(buf), VSM(buf), VSSM(buf), kp, vp);
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the stores, seen by the MMAs
