@@ -461,6 +461,20 @@ __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0
       long long spb, long long spt, int b, int hkv, int s, int G, int rows, int r0, int CHUNK, int MIN_CHUNK,    \
       int NUM_SPLITS, int KV_LEN
 
+// Row b's cache slot, kv head hkv: its K and V codes and scales
+#define VERIFY_CACHE_ARGS K, V, KS, VS, SLOTS, b, ssl, hkv, sks, skh, svs, svh, ssks, sskh, ssvs, ssvh
+__device__ __forceinline__ void verify_cache(const signed char* K, const signed char* V, const u16* KS, const u16* VS,
+                                             const void* SLOTS, int b, long long ssl, int hkv, long long sks,
+                                             long long skh, long long svs, long long svh, long long ssks,
+                                             long long sskh, long long ssvs, long long ssvh, const signed char*& kb,
+                                             const signed char*& vb, const u16*& ksb, const u16*& vsb) {
+  const long long slot = load_index(SLOTS, b * ssl, SLOT64);
+  kb = K + slot * sks + hkv * skh;
+  vb = V + slot * svs + hkv * svh;
+  ksb = KS + slot * ssks + hkv * sskh;
+  vsb = VS + slot * ssvs + hkv * ssvh;
+}
+
 // This lane's rows rb + g (h = 0) and rb + g + 8 (h = 1): token, head, key range of split s, and q's A fragments
 // [group][mma j][a0 .. a3] (rows g, g + 8's words 2j, 2j + 1)
 __device__ __forceinline__ void verify_rows(VERIFY_ROW_PARAMS, int rb, int g, int c, int (&rlo)[2], int (&rhi)[2],
@@ -563,10 +577,13 @@ __device__ __forceinline__ void verify_scale(float (&sv)[2][4], const float* acc
 
 // The step's online softmax for the lane's two rows: masks (a row's keys outside [lo, hi) are -inf; a step outside
 // its range leaves the row as it is: scale 1, p = 0, the steps attn_split does not take), the running max m, the
-// key-pair sums lp; al: each row's rescale of O, pr: p as the scores sv are laid out
-__device__ __forceinline__ void verify_softmax(float (&sv)[2][4], int start, const int (&rlo)[2], const int (&rhi)[2],
+// key-pair sums lp; al: each row's rescale of O, pa: P's A fragments (rows g, g + 8 x keys 2c, 2c + 1 and 2c + 8,
+// 2c + 9 in fp16). True when a row of the warp moved its max: O needs its rescale (x * 1 = x: skipping it changes no
+// bits)
+__device__ __forceinline__ bool verify_softmax(float (&sv)[2][4], int start, const int (&rlo)[2], const int (&rhi)[2],
                                                float qk_scale, int c, float (&m)[2], float (&lp)[2][2], float (&al)[2],
-                                               float (&pr)[2][4]) {
+                                               u32 (&pa)[4]) {
+  float pr[2][4];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const bool live = start >= rlo[h] && start < rhi[h];  // key `start` is the row's: the max is finite
@@ -593,6 +610,11 @@ __device__ __forceinline__ void verify_softmax(float (&sv)[2][4], int start, con
     }
     m[h] = n;
   }
+  pa[0] = pack_f16(pr[0][0], pr[0][1]);
+  pa[1] = pack_f16(pr[0][2], pr[0][3]);
+  pa[2] = pack_f16(pr[1][0], pr[1][1]);
+  pa[3] = pack_f16(pr[1][2], pr[1][3]);
+  return __any_sync(0xffffffffu, al[0] != 1.f || al[1] != 1.f);
 }
 
 // The rows' sums in attn_split's tree: key pairs g' and g' ^ 1 (in the lane), then g' ^ 2 (lane c ^ 1), g' ^ 4 (c ^ 2)
@@ -602,6 +624,25 @@ __device__ __forceinline__ void verify_sums(const float (&lp)[2][2], float (&l)[
     l[h] = lp[h][0] + lp[h][1];
     l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
     l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+  }
+}
+
+// The end of a verify block: the lane's rows rb + g + 8 h (h = 0, 1) summed (verify_sums: l), each one's
+// log2-sum-exp written and its partial output row returned in out[h] (null: no row, or no keys of it in split s:
+// nothing to write, the combine skips it)
+__device__ __forceinline__ void verify_finish(const float (&lp)[2][2], const float (&m)[2], int rb, int c, int rows,
+                                              const int (&rlo)[2], const int (&rhi)[2], int b, int T, int H, int hkv,
+                                              int G, int NUM_SPLITS, int s, float* OP, float* LSE, float (&l)[2],
+                                              float* (&out)[2]) {
+  verify_sums(lp, l);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = rb + 8 * h;
+    out[h] = nullptr;
+    if (r >= rows || rhi[h] <= rlo[h]) continue;
+    const long long ri = ((long long)(b * T + r / G) * H + hkv * G + r % G) * NUM_SPLITS + s;
+    out[h] = OP + ri * HD;
+    if (c == 0) LSE[ri] = m[h] + lg2(l[h]);
   }
 }
 
@@ -643,11 +684,9 @@ attn_verify(ATTN_ARGS) {
 #endif
   int ulo, uhi;
   if (!verify_union(VERIFY_ROW_ARGS, r0 + 16 * nw, ulo, uhi)) return;  // uniform over the block
-  const long long slot = load_index(SLOTS, b * ssl, SLOT64);
-  const signed char* kb = K + slot * sks + hkv * skh;
-  const signed char* vb = V + slot * svs + hkv * svh;
-  const u16* ksb = KS + slot * ssks + hkv * sskh;
-  const u16* vsb = VS + slot * ssvs + hkv * ssvh;
+  const signed char *kb, *vb;
+  const u16 *ksb, *vsb;
+  verify_cache(VERIFY_CACHE_ARGS, kb, vb, ksb, vsb);
   const int nsteps = (uhi - ulo + STEP - 1) / STEP;
 
   const u32 sm0 = smem_addr(dsm);
@@ -697,11 +736,9 @@ attn_verify(ATTN_ARGS) {
       }
       verify_scale(sv, acc0, acc1, kss, gr, c);
     }
-    float al[2], pr[2][4];
-    verify_softmax(sv, start, rlo, rhi, qk_scale, c, m, lp, al, pr);
-    const u32 pa0 = pack_f16(pr[0][0], pr[0][1]), pa1 = pack_f16(pr[0][2], pr[0][3]);
-    const u32 pa2 = pack_f16(pr[1][0], pr[1][1]), pa3 = pack_f16(pr[1][2], pr[1][3]);
-    if (__any_sync(0xffffffffu, al[0] != 1.f || al[1] != 1.f)) {  // x * 1 = x: skipping it changes no bits
+    float al[2];
+    u32 pa[4];
+    if (verify_softmax(sv, start, rlo, rhi, qk_scale, c, m, lp, al, pa)) {
 #pragma unroll
       for (int gr = 0; gr < NG; ++gr)
 #pragma unroll
@@ -727,19 +764,18 @@ attn_verify(ATTN_ARGS) {
       for (int i = 0; i < 4; ++i) {
         u32 a[4];
         v_frag(x, y, xb, yb, s01, s89, i, a);
-        mma(o[gr][i][0], pa0, pa1, pa2, pa3, a[0], a[2]);
-        mma(o[gr][i][1], pa0, pa1, pa2, pa3, a[1], a[3]);
+        mma(o[gr][i][0], pa[0], pa[1], pa[2], pa[3], a[0], a[2]);
+        mma(o[gr][i][1], pa[0], pa[1], pa[2], pa[3], a[1], a[3]);
       }
     }
   }
   float l[2];
-  verify_sums(lp, l);
+  float* out[2];
+  verify_finish(lp, m, r0 + 16 * warp + g, c, rows, rlo, rhi, b, T, H, hkv, G, NUM_SPLITS, s, OP, LSE, l, out);
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const int r = r0 + 16 * warp + g + 8 * h;
-    if (r >= rows || rhi[h] <= rlo[h]) continue;  // no row, or no keys of it here: nothing to write
-    const long long ri = ((long long)(b * T + r / G) * H + hkv * G + r % G) * NUM_SPLITS + s;
-    float* dst = OP + ri * HD;
+    float* dst = out[h];
+    if (!dst) continue;
 #pragma unroll
     for (int gr = 0; gr < NG; ++gr) {
       float v[16];  // head dims 64 gr + 16 c + (0 .. 15)
@@ -755,7 +791,6 @@ attn_verify(ATTN_ARGS) {
         *(U4*)(dst + 64 * gr + 16 * c + 4 * q) = U4{__float_as_uint(v[4 * q]), __float_as_uint(v[4 * q + 1]),
                                                     __float_as_uint(v[4 * q + 2]), __float_as_uint(v[4 * q + 3])};
     }
-    if (c == 0) LSE[ri] = m[h] + lg2(l[h]);
   }
 }
 
@@ -872,11 +907,9 @@ attn_verify_wg(ATTN_ARGS) {
   verify_rows(VERIFY_ROW_ARGS, r0 + 16 * warp, g, c, rlo, rhi, qa);
   int ulo, uhi;
   if (!verify_union(VERIFY_ROW_ARGS, r0 + 64, ulo, uhi)) return;  // uniform over the block
-  const long long slot = load_index(SLOTS, b * ssl, SLOT64);
-  const signed char* kb = K + slot * sks + hkv * skh;
-  const signed char* vb = V + slot * svs + hkv * svh;
-  const u16* ksb = KS + slot * ssks + hkv * sskh;
-  const u16* vsb = VS + slot * ssvs + hkv * ssvh;
+  const signed char *kb, *vb;
+  const u16 *ksb, *vsb;
+  verify_cache(VERIFY_CACHE_ARGS, kb, vb, ksb, vsb);
   const int nsteps = (uhi - ulo + STEP - 1) / STEP;
   const u32 sm0 = smem_addr(dsm);
   unsigned char* kp = dsm + VDEPTH * STAGE_BYTES;
@@ -914,38 +947,28 @@ attn_verify_wg(ATTN_ARGS) {
       wgv_hold<8>(acc);
       verify_scale(sv, acc, acc + 4, kss, gr, c);
     }
-    float al[2], pr[2][4];
-    verify_softmax(sv, start, rlo, rhi, qk_scale, c, m, lp, al, pr);
-    const u32 pa0 = pack_f16(pr[0][0], pr[0][1]), pa1 = pack_f16(pr[0][2], pr[0][3]);
-    const u32 pa2 = pack_f16(pr[1][0], pr[1][1]), pa3 = pack_f16(pr[1][2], pr[1][3]);
-    if (__any_sync(0xffffffffu, al[0] != 1.f || al[1] != 1.f)) {  // x * 1 = x: skipping it changes no bits
+    float al[2];  // the rows' rescales, P's A fragments; O rescaled when a row of the warp moved its max
+    u32 pa[4];
+    if (verify_softmax(sv, start, rlo, rhi, qk_scale, c, m, lp, al, pa)) {
 #pragma unroll
-      for (int cc = 0; cc < NG; ++cc)
-#pragma unroll
-        for (int i = 0; i < 32; ++i) o[cc][i] *= al[(i >> 1) & 1];
+      for (int i = 0; i < 32 * NG; ++i) o[i / 32][i % 32] *= al[(i >> 1) & 1];
     }
     asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 #pragma unroll
-    for (int cc = 0; cc < NG; ++cc) wgv_mma64(o[cc], pa0, pa1, pa2, pa3, wgv_desc(vp_addr + cc * 2048));
+    for (int cc = 0; cc < NG; ++cc) wgv_mma64(o[cc], pa[0], pa[1], pa[2], pa[3], wgv_desc(vp_addr + cc * 2048));
     wgv_wait();
 #pragma unroll
     for (int cc = 0; cc < NG; ++cc) wgv_hold<32>(o[cc]);
   }
-  float l[2];
-  verify_sums(lp, l);
+  float l[2], *out[2];  // the rows' sums, their partial output rows (written when not null)
+  verify_finish(lp, m, r0 + 16 * warp + g, c, rows, rlo, rhi, b, T, H, hkv, G, NUM_SPLITS, s, OP, LSE, l, out);
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int r = r0 + 16 * warp + g + 8 * h;
-    if (r >= rows || rhi[h] <= rlo[h]) continue;  // no row, or no keys of it here: nothing to write
-    const long long ri = ((long long)(b * T + r / G) * H + hkv * G + r % G) * NUM_SPLITS + s;
-    float* dst = OP + ri * HD;
+  for (int h = 0; h < 2; ++h)
 #pragma unroll
-    for (int cc = 0; cc < NG; ++cc)
+    for (int cc = 0; cc < NG && out[h]; ++cc)
 #pragma unroll
-      for (int j = 0; j < 8; ++j)
-        *(float2*)(dst + 64 * cc + 8 * j + 2 * c) =
+      for (int j = 0; j < 8; ++j)  // head dims 64 cc + 8 j + 2 c, + 1 of row g + 8 h
+        *(float2*)(out[h] + 64 * cc + 8 * j + 2 * c) =
             make_float2(o[cc][4 * j + 2 * h] / l[h], o[cc][4 * j + 2 * h + 1] / l[h]);
-    if (c == 0) LSE[ri] = m[h] + lg2(l[h]);
-  }
 }
 #endif

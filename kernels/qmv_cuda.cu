@@ -1169,6 +1169,19 @@ __device__ __forceinline__ void wg_stage_pieces(unsigned char* bb, int j, const 
   wg_stage_x(bb, j, xv, g, c);
 }
 
+// The end of a step's preparation: this thread's stores of B published to the MMAs (WG_FENCE), the A fragments made
+// from the lane's code piece v, scale pair sc and (q5) high-bit pair h, then the consumers' barrier (every warp's
+// part of B in place)
+__device__ __forceinline__ Frags wg_frags(uint4 v, u32 sc, u32 h, u32 magic) {
+#if WG_FENCE
+  wg_publish();
+#endif
+  const Frags F = make_frags(make_uint2(v.x, v.y), make_uint2(v.z, v.w), h & 0xFFFFu, h >> 16, sc & 0xFFFFu, sc >> 16,
+                             magic);
+  wg_sync();
+  return F;
+}
+
 // Block (x, split y): row tiles 4 WGMMA x .. 4 WGMMA x + 4 WGMMA - 1, split y's groups, all 8 NCOL tokens.
 extern "C" __global__ void __launch_bounds__(WG_THREADS, MIN_BLOCKS)
 qmv(const u16* __restrict__ x, const u8* __restrict__ codes, const u8* __restrict__ high,
@@ -1264,13 +1277,7 @@ qmv(const u16* __restrict__ x, const u8* __restrict__ codes, const u8* __restric
     }
     __syncwarp();
     if (lane == 0) mbar_arrive(sbase + WG_MBAR + 8 * (ASYNC + st));  // the warp's reads of the stage are done
-#if WG_FENCE
-    wg_publish();
-#endif
-    const Frags F = make_frags(make_uint2(v.x, v.y), make_uint2(v.z, v.w), h & 0xFFFFu, h >> 16, sc & 0xFFFFu,
-                               sc >> 16, magic);
-    wg_sync();  // every warp's part of B is in place
-    return F;
+    return wg_frags(v, sc, h, magic);
   };
 #else
   // the lane's pointers at group 0 of its tile (past the last tile: the last one's bytes, never stored)
@@ -1320,21 +1327,13 @@ qmv(const u16* __restrict__ x, const u8* __restrict__ codes, const u8* __restric
         wg_stage_pieces(bb, wi + WG_WARPS * m, ring_x + (((wi * ASYNC + st) * WG_XCOLS + m) * WG_XP) * 32 + lane, 32,
                         g, c);
     }
-#if WG_FENCE
-    wg_publish();
-#endif
     const int slot = (wi * ASYNC + st) * 32 + lane;
-    const uint4 v = ring_c[slot];
-    const u32 sc = ring_s[slot];
 #if FMT == 1
     const u32 h = reinterpret_cast<const u32*>(sm + WG_RING_H)[slot];
 #else
     const u32 h = 0;
 #endif
-    const Frags F = make_frags(make_uint2(v.x, v.y), make_uint2(v.z, v.w), h & 0xFFFFu, h >> 16, sc & 0xFFFFu,
-                               sc >> 16, magic);
-    wg_sync();  // every warp's part of B is in place
-    return F;
+    return wg_frags(ring_c[slot], ring_s[slot], h, magic);
   };
 #endif
   float acc[4 * NCOL], sum[4 * NCOL], d[4 * NCOL];
