@@ -3,7 +3,8 @@
 // invariance needs a 64-row verify row to keep a one-row launch's bits, so either the answer is yes, or the one-row
 // kernel has to move to wgmma as well.
 //
-// Each block is one warpgroup (4 warps) and one trial: A [64 x 16 STEPS] bf16, B [16 STEPS x 8] bf16, an fp32 start C.
+// Each block is one warpgroup (4 warps) and one trial: A [64 x 16 STEPS], B [16 STEPS x 8], bf16 (qmv's type) and
+// fp16 (the attention kernels'), an fp32 start C.
 // wgmma: warp w holds rows 16 w .. 16 w + 15 of A in mma.sync's A-fragment registers; B's K x 8 slice of a step sits in
 // shared memory K-major without swizzle (two 8 x 8 core matrices, 128 bytes apart); D accumulates over the steps.
 // mma.sync: each warp multiplies its own 16 rows, step by step, into its C-fragment registers. Both start from C
@@ -17,6 +18,7 @@
 // Build and run on an sm_90 GPU (gpu_check.sh wgmma):
 //   nvcc -arch=sm_90a -O2 -o /tmp/probe_wgmma_bits scripts/probe_wgmma_bits.cu && /tmp/probe_wgmma_bits [trials]
 
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -32,12 +34,21 @@ typedef unsigned short u16;
 
 #define STEPS 4  // k16 steps chained in one accumulator (a q4 / q5 group of 64 is four)
 
+// F16: the inputs are fp16 (the attention kernels' type), else bf16 (qmv's)
+template <bool F16>
 __device__ __forceinline__ void mma16816(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  if (F16)
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  else
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
 __device__ __forceinline__ u32 smem_addr(const void* p) {
@@ -55,17 +66,26 @@ __device__ __forceinline__ unsigned long long desc_of(const void* p) {
   return a | (off << 16) | (off << 32);
 }
 
+template <bool F16>
 __device__ __forceinline__ void wgmma_m64n8k16(float* d, u32 a0, u32 a1, u32 a2, u32 a3, unsigned long long desc,
                                                int scale_d) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(scale_d));
+  if (F16)
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(scale_d));
+  else
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(scale_d));
 }
 
 // A [trial][64][16 STEPS], B [trial][8][16 STEPS] (column n's K values in a row: the .col operand), C / outputs
 // [trial][64][8]
+template <bool F16>
 __global__ void __launch_bounds__(128) probe(const u16* __restrict__ A, const u16* __restrict__ B,
                                              const float* __restrict__ C, float* __restrict__ out_w,
                                              float* __restrict__ out_m, int from_zero) {
@@ -92,9 +112,9 @@ __global__ void __launch_bounds__(128) probe(const u16* __restrict__ A, const u1
     const u32 a0 = pair(a[r0 * K + k0], a[r0 * K + k0 + 1]), a1 = pair(a[r1 * K + k0], a[r1 * K + k0 + 1]);
     const u32 a2 = pair(a[r0 * K + k0 + 8], a[r0 * K + k0 + 9]), a3 = pair(a[r1 * K + k0 + 8], a[r1 * K + k0 + 9]);
     const u32 b0 = pair(b[g * K + k0], b[g * K + k0 + 1]), b1 = pair(b[g * K + k0 + 8], b[g * K + k0 + 9]);
-    mma16816(dm, a0, a1, a2, a3, b0, b1);
+    mma16816<F16>(dm, a0, a1, a2, a3, b0, b1);
     asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-    wgmma_m64n8k16(dw, a0, a1, a2, a3, desc_of(&bs[s][0][0][0]), !(from_zero && s == 0));
+    wgmma_m64n8k16<F16>(dw, a0, a1, a2, a3, desc_of(&bs[s][0][0][0]), !(from_zero && s == 0));
     asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
     asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
   }
@@ -157,6 +177,9 @@ static u16 to_bf16(float f) {  // round to nearest even
   return (u16)(u >> 16);
 }
 
+static u16 to_f16(float f) { return __half_as_ushort(__float2half_rn(f)); }  // (host functions of cuda_fp16.h)
+static float from_f16(u16 h) { return __half2float(__ushort_as_half(h)); }
+
 static float from_bf16(u16 h) {
   const u32 u = (u32)h << 16;
   float f;
@@ -185,11 +208,16 @@ int main(int argc, char** argv) {
   std::uniform_int_distribution<int> expo(-12, 12), code(-8, 7);
   // data: "mixed" has entries of widely spread magnitude (the sums round at many points); "codes" is qmv's case, A
   // holding exact small integers (weight codes) and B activations
-  for (int kind = 0; kind < 2; ++kind) {
+  // (fp16 inputs for the attention kernels, bf16 for qmv)
+  for (int run = 0; run < 4; ++run) {
+    const int kind = run & 1;
+    const bool f16 = run >= 2;
+    auto to_h = [f16](float x) { return f16 ? to_f16(x) : to_bf16(x); };
+    auto from_h = [f16](u16 h) { return f16 ? from_f16(h) : from_bf16(h); };
     std::vector<u16> a((size_t)trials * 64 * K), b((size_t)trials * 8 * K);
     std::vector<float> c((size_t)trials * 64 * 8);
-    for (auto& v : a) v = to_bf16(kind ? (float)code(rng) : std::ldexp(normal(rng), expo(rng)));
-    for (auto& v : b) v = to_bf16(std::ldexp(normal(rng), kind ? 0 : expo(rng)));
+    for (auto& v : a) v = to_h(kind ? (float)code(rng) : std::ldexp(normal(rng), expo(rng)));
+    for (auto& v : b) v = to_h(std::ldexp(normal(rng), kind ? 0 : expo(rng)));
     for (auto& v : c) v = std::ldexp(normal(rng), expo(rng));
     u16 *da, *db;
     float *dc, *dw, *dm;
@@ -202,7 +230,10 @@ int main(int argc, char** argv) {
     CHECK(cudaMemcpy(db, b.data(), b.size() * 2, cudaMemcpyHostToDevice));
     CHECK(cudaMemcpy(dc, c.data(), c.size() * 4, cudaMemcpyHostToDevice));
     for (int from_zero = 1; from_zero >= 0; --from_zero) {
-      probe<<<trials, 128>>>(da, db, dc, dw, dm, from_zero);
+      if (f16)
+        probe<true><<<trials, 128>>>(da, db, dc, dw, dm, from_zero);
+      else
+        probe<false><<<trials, 128>>>(da, db, dc, dw, dm, from_zero);
       CHECK(cudaGetLastError());
       CHECK(cudaDeviceSynchronize());
       std::vector<float> w(c.size()), m(c.size());
@@ -216,8 +247,8 @@ int main(int argc, char** argv) {
             const size_t o = ((size_t)t * 64 + r) * 8 + n;
             double ref = from_zero ? 0.0 : c[o], mag = from_zero ? 0.0 : std::fabs(c[o]);
             for (int k = 0; k < K; ++k) {
-              const double p = (double)from_bf16(a[((size_t)t * 64 + r) * K + k]) *
-                               (double)from_bf16(b[((size_t)t * 8 + n) * K + k]);
+              const double p = (double)from_h(a[((size_t)t * 64 + r) * K + k]) *
+                               (double)from_h(b[((size_t)t * 8 + n) * K + k]);
               ref += p;
               mag += std::fabs(p);
             }
@@ -235,9 +266,10 @@ int main(int argc, char** argv) {
             same += bw == bm;
           }
       const size_t total = (size_t)trials * 64 * 8;
-      std::printf("%-6s %-5s: wgmma == mma.sync bits in %zu of %zu elements (%.4f %%); vs fp64: wgmma %s (worst "
-                  "%.2e of the magnitudes, %zu past 1e-5), mma.sync %s (worst %.2e, %zu past)\n",
-                  kind ? "codes" : "mixed", from_zero ? "zero" : "acc", same, total, 100.0 * same / total,
+      std::printf("%-4s %-6s %-5s: wgmma == mma.sync bits in %zu of %zu elements (%.4f %%); vs fp64: wgmma %s "
+                  "(worst %.2e of the magnitudes, %zu past 1e-5), mma.sync %s (worst %.2e, %zu past)\n",
+                  f16 ? "f16" : "bf16", kind ? "codes" : "mixed", from_zero ? "zero" : "acc", same, total,
+                  100.0 * same / total,
                   w_bad ? "layout WRONG?" : "ok", worst_w, w_bad, m_bad ? "WRONG?" : "ok", worst_m, m_bad);
     }
     cudaFree(da);

@@ -350,6 +350,20 @@ def test_wgmma_keeps_the_bits(fmt, n, k, splits, monkeypatch):
 
 
 @needs_wgmma
+@pytest.mark.parametrize("fmt", quant.QUANT_FORMATS)
+def test_wgmma_rows_keep_their_bits_across_widths(fmt):
+    """Among wgmma launches alone (n 8 to n 64, whatever their bits against mma.sync's): row t of a 64-row launch is
+    row t of launches of 1, 8, 9, 20 and 33 rows - what a verify needs of plain steps if every width ran on wgmma
+    (NINFER_BENCH_QMV_WIDE=1q4:g1s4,...)."""
+    base, x, _ = _case(fmt, 1000, 2048, 64, torch.bfloat16, seed=77)
+    lin = qmv_cuda.TiledWeight(base, lanes=True)
+    full = qmv_cuda.qmv(x, lin, wgmma=1)
+    for t in (1, 8, 9, 20, 33):
+        for wg in (1, 2):
+            assert torch.equal(qmv_cuda.qmv(x[:t].contiguous(), lin, wgmma=wg), full[:t]), (t, wg)
+
+
+@needs_wgmma
 def test_wgmma_default_build_and_fallback(monkeypatch):
     """NINFER_BENCH_QMV_WIDE's g knob makes the wgmma build a wide launch's default; a call it cannot take (a
     row-major weight, x rows 8-byte aligned only) runs an mma.sync build, with the same bits."""
