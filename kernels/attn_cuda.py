@@ -251,7 +251,12 @@ def wgv_smem(hd: int, defines: tuple = ()) -> int:
 
 def _wgv_wanted(device_index: int) -> bool:
     """attn_verify_wg takes this process's T > 1 calls: asked for (NINFER_BENCH_ATTN_VERIFY=wgmma) on an sm_90 GPU."""
-    return _VERIFY["kernel"] == "wgmma" and torch.cuda.get_device_capability(device_index) == (9, 0)
+    return _VERIFY["kernel"] == "wgmma" and _sm90(device_index)
+
+
+@functools.cache
+def _sm90(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) == (9, 0)
 
 
 def verify_smem(hd: int, warps: int, defines: tuple = ()) -> int:
