@@ -914,7 +914,9 @@ attn_verify_wg(ATTN_ARGS) {
   const u32 sm0 = smem_addr(dsm);
   unsigned char* kp = dsm + VDEPTH * STAGE_BYTES;
   unsigned char* vp = kp + WGV_KB;
-  const u32 kp_addr = sm0 + VDEPTH * STAGE_BYTES, vp_addr = kp_addr + WGV_KB;
+  // K' and V' descriptors: a block's start address field (16-byte units) moved on from these
+  const unsigned long long kdesc = wgv_desc(sm0 + VDEPTH * STAGE_BYTES);
+  const unsigned long long vdesc = wgv_desc(sm0 + VDEPTH * STAGE_BYTES + WGV_KB);
   float o[NG][32];  // O per 64 head dims cc: [4 j + i] = rows g (i < 2) / g + 8, head dims 64 cc + 8 j + 2 c + (i & 1)
 #pragma unroll
   for (int cc = 0; cc < NG; ++cc)
@@ -942,7 +944,7 @@ attn_verify_wg(ATTN_ARGS) {
 #pragma unroll
       for (int j = 0; j < 4; ++j)
         wgv_mma16(acc, qa[gr][j][0], qa[gr][j][1], qa[gr][j][2], qa[gr][j][3],
-                  wgv_desc(kp_addr + (gr * 4 + j) * 512), j > 0);
+                  kdesc + (gr * 4 + j) * (512 >> 4), j > 0);
       wgv_wait();
       wgv_hold<8>(acc);
       verify_scale(sv, acc, acc + 4, kss, gr, c);
@@ -955,7 +957,7 @@ attn_verify_wg(ATTN_ARGS) {
     }
     asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 #pragma unroll
-    for (int cc = 0; cc < NG; ++cc) wgv_mma64(o[cc], pa[0], pa[1], pa[2], pa[3], wgv_desc(vp_addr + cc * 2048));
+    for (int cc = 0; cc < NG; ++cc) wgv_mma64(o[cc], pa[0], pa[1], pa[2], pa[3], vdesc + cc * (2048 >> 4));
     wgv_wait();
 #pragma unroll
     for (int cc = 0; cc < NG; ++cc) wgv_hold<32>(o[cc]);

@@ -1136,10 +1136,11 @@ __device__ __forceinline__ void wg_sync() { __syncthreads(); }
 // step j's four k16 MMAs (fragments F, B at shared address b), chained from zero into d
 __device__ __forceinline__ void wg_multiply(float* d, const Frags& F, u32 b) {
   wg_fence();
-  wg_mma(d, F.pa[0][0], F.pb[0][0], F.pa[0][1], F.pb[0][1], wg_desc(b), 0);
-  wg_mma(d, F.pa[0][2], F.pb[0][2], F.pa[0][3], F.pb[0][3], wg_desc(b + WG_STEP_B), 1);
-  wg_mma(d, F.pa[1][0], F.pb[1][0], F.pa[1][1], F.pb[1][1], wg_desc(b + 2 * WG_STEP_B), 1);
-  wg_mma(d, F.pa[1][2], F.pb[1][2], F.pa[1][3], F.pb[1][3], wg_desc(b + 3 * WG_STEP_B), 1);
+  const unsigned long long desc = wg_desc(b);  // step s: its start address field (16-byte units) moved on
+  wg_mma(d, F.pa[0][0], F.pb[0][0], F.pa[0][1], F.pb[0][1], desc, 0);
+  wg_mma(d, F.pa[0][2], F.pb[0][2], F.pa[0][3], F.pb[0][3], desc + (WG_STEP_B >> 4), 1);
+  wg_mma(d, F.pa[1][0], F.pb[1][0], F.pa[1][1], F.pb[1][1], desc + 2 * (WG_STEP_B >> 4), 1);
+  wg_mma(d, F.pa[1][2], F.pb[1][2], F.pa[1][3], F.pb[1][3], desc + 3 * (WG_STEP_B >> 4), 1);
   wg_commit();
 }
 // wait for them; the group's scale step; at a slot's last group (slot_end) its sums join the slots before it
