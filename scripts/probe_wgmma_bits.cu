@@ -34,21 +34,18 @@ typedef unsigned short u16;
 
 #define STEPS 4  // k16 steps chained in one accumulator (a q4 / q5 group of 64 is four)
 
-// F16: the inputs are fp16 (the attention kernels' type), else bf16 (qmv's)
+// F16: the inputs are fp16 (the attention kernels' type), else bf16 (qmv's); TY is the PTX type name
+#define MMA16816(TY)                                                                                       \
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." TY "." TY ".f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, " \
+               "{%8, %9}, {%0, %1, %2, %3};"                                                               \
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])                                            \
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1))
 template <bool F16>
 __device__ __forceinline__ void mma16816(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
   if (F16)
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+    MMA16816("f16");
   else
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+    MMA16816("bf16");
 }
 
 __device__ __forceinline__ u32 smem_addr(const void* p) {
@@ -66,21 +63,19 @@ __device__ __forceinline__ unsigned long long desc_of(const void* p) {
   return a | (off << 16) | (off << 32);
 }
 
+#define WGMMA_M64N8K16(TY)                                                                                 \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"                                                 \
+               "wgmma.mma_async.sync.aligned.m64n8k16.f32." TY "." TY                                      \
+               " {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1, 0;\n}\n"                                 \
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])                                            \
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(scale_d))
 template <bool F16>
 __device__ __forceinline__ void wgmma_m64n8k16(float* d, u32 a0, u32 a1, u32 a2, u32 a3, unsigned long long desc,
                                                int scale_d) {
   if (F16)
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(scale_d));
+    WGMMA_M64N8K16("f16");
   else
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(scale_d));
+    WGMMA_M64N8K16("bf16");
 }
 
 // A [trial][64][16 STEPS], B [trial][8][16 STEPS] (column n's K values in a row: the .col operand), C / outputs
