@@ -78,39 +78,44 @@ class ArchKernel:
 _MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 
 
-def arch_options(options, arch: str) -> tuple[str, ...]:
-    """NVRTC's options for an ``arch``-specific build (``"90a"``): the caller's, the target, and what CuPy's compile
-    path adds (``-ftz=true``), so that the float arithmetic the two builds share rounds alike."""
-    return (*options, f"-arch=compute_{arch}", "-ftz=true")
+def arch_options(options, arch: str, cubin: bool = True) -> tuple[str, ...]:
+    """NVRTC's options for an ``arch``-specific build (``"90a"``): the caller's, the target (machine code for
+    ``sm_<arch>``, or with ``cubin`` false PTX for ``compute_<arch>``), and what CuPy's compile path adds
+    (``-ftz=true``), so that the float arithmetic the two builds share rounds alike."""
+    return (*options, f"-arch={'sm' if cubin else 'compute'}_{arch}", "-ftz=true")
 
 
 def arch_kernel(source: str, options, arch: str, name: str, device_index: int) -> ArchKernel:
-    """``name`` from ``source`` compiled by NVRTC for ``compute_<arch>`` (PTX the driver turns into machine code for
-    this GPU, keeping it in its own cache) and loaded on device ``device_index``. The PTX is kept in CuPy's kernel
-    cache folder (``CUPY_CACHE_DIR``, default ``~/.cupy/kernel_cache``) under a hash of the source, the options and
-    NVRTC's version, so a later process skips NVRTC. RuntimeError with NVRTC's log when the source does not build."""
+    """``name`` from ``source`` compiled by NVRTC for ``sm_<arch>`` and loaded on device ``device_index``: machine
+    code (an NVRTC without ``getCUBIN`` gives PTX for ``compute_<arch>``, which the driver compiles). The image is kept
+    in CuPy's kernel cache folder (``CUPY_CACHE_DIR``, default ``~/.cupy/kernel_cache``) under a hash of the source,
+    the options and NVRTC's version, so a later process skips NVRTC. RuntimeError with NVRTC's log when the source
+    does not build."""
     import cupy
     from cupy.cuda import function
 
-    ptx = _arch_ptx(source, arch_options(options, arch), name)
+    image = _arch_image(source, tuple(options), arch, name)
     with cupy.cuda.Device(device_index):
         module = function.Module()
-        module.load((ptx + "\0").encode())  # PTX goes to the driver as a C string
+        module.load(image)
         return ArchKernel(module.get_function(name))
 
 
-def _arch_ptx(source: str, options: tuple[str, ...], name: str) -> str:
+def _arch_image(source: str, options: tuple[str, ...], arch: str, name: str) -> bytes:
+    """The cubin (or NUL-terminated PTX) of ``source`` for ``arch``, from the disk cache or NVRTC."""
     import hashlib
     import os
     import tempfile
 
     from cupy_backends.cuda.libs import nvrtc
 
+    cubin = hasattr(nvrtc, "getCUBIN")
+    options = arch_options(options, arch, cubin)
     key = hashlib.sha256("\0".join((source, *options, repr(nvrtc.getVersion()))).encode()).hexdigest()[:32]
     folder = os.environ.get("CUPY_CACHE_DIR") or os.path.expanduser("~/.cupy/kernel_cache")
-    path = os.path.join(folder, f"ninfer_{name}_{key}.ptx")
+    path = os.path.join(folder, f"ninfer_{name}_{key}.{'cubin' if cubin else 'ptx'}")
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, "rb") as f:
             return f.read()
     except OSError:
         pass
@@ -120,18 +125,31 @@ def _arch_ptx(source: str, options: tuple[str, ...], name: str) -> str:
             nvrtc.compileProgram(prog, options)
         except nvrtc.NVRTCError as e:
             raise RuntimeError(f"NVRTC ({name}, {' '.join(options)}): {e}\n{nvrtc.getProgramLog(prog)}") from e
-        ptx = nvrtc.getPTX(prog)  # bytes in CuPy 14, str before
+        image = nvrtc.getCUBIN(prog) if cubin else nvrtc.getPTX(prog)  # bytes in CuPy 14 (PTX a str before)
     finally:
         nvrtc.destroyProgram(prog)
-    if isinstance(ptx, bytes):
-        ptx = ptx.decode()
-    ptx = ptx.rstrip("\0")
+    if isinstance(image, str):
+        image = image.encode()
+    image = _elf_whole(image) if cubin else image.rstrip(b"\0") + b"\0"  # PTX goes to the driver as a C string
     try:  # a cache that cannot be written (read-only home) only costs the next process a compile
         os.makedirs(folder, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(ptx)
+        with os.fdopen(fd, "wb") as f:
+            f.write(image)
         os.replace(tmp, path)
     except OSError:
         pass
-    return ptx
+    return image
+
+
+def _elf_whole(image: bytes) -> bytes:
+    """A cubin (ELF64) as long as its headers say: CuPy's ``getCUBIN`` drops the last byte as if it were a string's
+    NUL, and that byte belongs to the program headers at the file's end (tools such as cuobjdump then refuse it)."""
+    import struct
+
+    if len(image) < 64 or image[:4] != b"\x7fELF":
+        return image
+    phoff, shoff = struct.unpack_from("<QQ", image, 32)
+    phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", image, 54)
+    end = max(phoff + phentsize * phnum, shoff + shentsize * shnum)
+    return image + b"\0" * (end - len(image)) if end > len(image) else image

@@ -796,10 +796,11 @@ def test_bench_knob_letters():
         bench_qlinear.qmv_knobs("g1q2")
 
 
-def test_arch_ptx_compiles_once_and_reports_errors(monkeypatch, tmp_path):
-    """_cupy's sm_90a path (NVRTC itself, CuPy's names the plain target): the options carry the target and CuPy's
-    -ftz=true; the PTX is cached by source, options and NVRTC version, so a second process skips NVRTC; a source that
-    does not build raises with NVRTC's log. (A stand-in NVRTC: no GPU or cupy needed.)"""
+def test_arch_image_compiles_once_and_reports_errors(monkeypatch, tmp_path):
+    """_cupy's sm_90a path (NVRTC itself: CuPy's names the plain target): machine code for sm_90a where NVRTC gives
+    a cubin, else PTX for compute_90a (NUL-terminated for the driver), both with CuPy's -ftz=true; the image is cached
+    by source, options and NVRTC version, so a second process skips NVRTC; a source that does not build raises with
+    NVRTC's log. (A stand-in NVRTC: no GPU or cupy needed.)"""
     import sys
     import types
 
@@ -817,7 +818,7 @@ def test_arch_ptx_compiles_once_and_reports_errors(monkeypatch, tmp_path):
 
     fake = types.SimpleNamespace(NVRTCError=NVRTCError, getVersion=lambda: (13, 0), destroyProgram=lambda prog: None,
                                  createProgram=lambda src, name, headers, names: 1, compileProgram=compile_program,
-                                 getPTX=lambda prog: b".version 9.0\n.target sm_90a\n\0",  # CuPy 14: bytes
+                                 getCUBIN=lambda prog: b"\x7fELF cubin",
                                  getProgramLog=lambda prog: "kern.cu(3): error: wgmma needs sm_90a")
     libs = types.ModuleType("cupy_backends.cuda.libs")
     libs.nvrtc = fake
@@ -826,12 +827,23 @@ def test_arch_ptx_compiles_once_and_reports_errors(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "cupy_backends.cuda.libs", libs)
     monkeypatch.setitem(sys.modules, "cupy_backends.cuda.libs.nvrtc", fake)
     monkeypatch.setenv("CUPY_CACHE_DIR", str(tmp_path))
-    options = _cupy.arch_options(("-DX=1",), "90a")
-    assert options == ("-DX=1", "-arch=compute_90a", "-ftz=true")
-    assert _cupy._arch_ptx("src", options, "qmv") == ".version 9.0\n.target sm_90a\n"
-    assert _cupy._arch_ptx("src", options, "qmv") == ".version 9.0\n.target sm_90a\n"  # from the cache
-    assert len(calls) == 1 and len(list(tmp_path.glob("ninfer_qmv_*.ptx"))) == 1
-    _cupy._arch_ptx("src", _cupy.arch_options(("-DX=2",), "90a"), "qmv")  # other options: another entry
+    assert _cupy._arch_image("src", ("-DX=1",), "90a", "qmv") == b"\x7fELF cubin"
+    assert calls == [("-DX=1", "-arch=sm_90a", "-ftz=true")]
+    assert _cupy._arch_image("src", ("-DX=1",), "90a", "qmv") == b"\x7fELF cubin"  # from the cache
+    assert len(calls) == 1 and len(list(tmp_path.glob("ninfer_qmv_*.cubin"))) == 1
+    # an ELF whose program headers end one byte past what the binding returned (CuPy's getCUBIN drops the last
+    # byte as a string's NUL) is given that byte back; one of the right length is left as it is
+    import struct
+
+    elf = bytearray(b"\x7fELF" + bytes(124))
+    struct.pack_into("<QQ", elf, 32, 72, 64)  # program headers at 72, section headers at 64 (none)
+    struct.pack_into("<HHHH", elf, 54, 56, 1, 64, 0)  # one 56-byte program header: the file is 128 bytes
+    assert _cupy._elf_whole(bytes(elf[:127])) == bytes(elf) and _cupy._elf_whole(bytes(elf)) == bytes(elf)
+    _cupy._arch_image("src", ("-DX=2",), "90a", "qmv")  # other options: another entry
     assert len(calls) == 2
     with pytest.raises(RuntimeError, match="wgmma needs sm_90a"):
-        _cupy._arch_ptx("src", _cupy.arch_options(("-DBAD=1",), "90a"), "qmv")
+        _cupy._arch_image("src", ("-DBAD=1",), "90a", "qmv")
+    del fake.getCUBIN  # an older NVRTC binding without it: PTX for compute_90a (a str there)
+    fake.getPTX = lambda prog: ".version 9.0\n.target sm_90a\n"
+    assert _cupy._arch_image("src", ("-DX=1",), "90a", "qmv") == b".version 9.0\n.target sm_90a\n\0"
+    assert calls[-1] == ("-DX=1", "-arch=compute_90a", "-ftz=true")
