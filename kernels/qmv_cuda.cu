@@ -492,6 +492,21 @@ __device__ __forceinline__ void steps(const Lane& L, const u16* __restrict__ xro
 #endif
 }
 
+#if TPW > 1 || ASYNC
+// Step u's column groups for the block's TPW tiles: each group's x (L: the first tile's lane, one load for all tiles)
+// times every tile's fragments F, into tile i's sums at acc + 4 NCOL i
+__device__ __forceinline__ void tiles_cols(const Lane& L, const u16* __restrict__ xrow, int gi, int u, int K, int c,
+                                           const Frags* F, float* acc) {
+#pragma unroll
+  for (int n = 0; n < NCOL; ++n) {
+    u32 xv[XPL / 2];
+    load_x(L, xrow, gi, u, K, c, xv, L.xo[n]);
+#pragma unroll
+    for (int i = 0; i < TPW; ++i) col_math(F[i], xv, acc + 4 * (NCOL * i + n));
+  }
+}
+#endif
+
 #if TPW > 1
 // U steps of TPW tiles (lane pointers Ls[i], x through Ls[0]): every tile's code loads issued first, then per step
 // each tile's fragments and, per column group, one load of x for all of them; tile i's sums go to acc + 4 NCOL i
@@ -511,13 +526,7 @@ __device__ __forceinline__ void steps_tiles(const Lane* Ls, const u16* __restric
     Frags F[TPW];
 #pragma unroll
     for (int i = 0; i < TPW; ++i) F[i] = make_frags(w0[i][u], w1[i][u], h0[i][u], h1[i][u], s0[i][u], s1[i][u], magic);
-#pragma unroll
-    for (int n = 0; n < NCOL; ++n) {
-      u32 xv[XPL / 2];
-      load_x(Ls[0], xrow, gi, u, K, c, xv, Ls[0].xo[n]);
-#pragma unroll
-      for (int i = 0; i < TPW; ++i) col_math(F[i], xv, acc + 4 * (NCOL * i + n));
-    }
+    tiles_cols(Ls[0], xrow, gi, u, K, c, F, acc);
   }
 }
 #endif
@@ -663,6 +672,11 @@ __device__ __forceinline__ void tile_sums(const u16* __restrict__ x, const u8* _
 }
 
 #if TPW > 1 || ASYNC
+// The parameters of a block's sums over its TPW tiles tile0 .. (tiles_sums, and ring_sums through a cp.async ring)
+#define TILES_SUMS_PARAMS                                                                                           \
+  const u16 *__restrict__ x, const u8 *__restrict__ codes, const u8 *__restrict__ high,                            \
+      const u16 *__restrict__ scales, int T, int N, int K, int NG, long long stride_x, long long stride_c,         \
+      long long stride_h, long long stride_s, int tile0, int tiles, int g_lo, int g_hi, float *acc
 // Lane (g, c)'s pointers for each of the block's TPW tiles tile0 .. tile0 + TPW - 1 (past the last tile: the last
 // one's bytes, never stored) at group gi; returns MAGIC held in a register (see and_or)
 __device__ __forceinline__ u32 tile_lanes(Lane* Ls, const u16* __restrict__ x, const u8* __restrict__ codes,
@@ -682,10 +696,7 @@ __device__ __forceinline__ u32 tile_lanes(Lane* Ls, const u16* __restrict__ x, c
 #if TPW > 1
 // tile_sums for the block's TPW tiles tile0 .. tile0 + TPW - 1 (past the last tile: the last one's bytes, never
 // stored): the same groups in the same order for each, x loaded once a step and column group for all
-__device__ __forceinline__ void tiles_sums(const u16* __restrict__ x, const u8* __restrict__ codes,
-                                           const u8* __restrict__ high, const u16* __restrict__ scales, int T, int N,
-                                           int K, int NG, long long stride_x, long long stride_c, long long stride_h,
-                                           long long stride_s, int tile0, int tiles, int g_lo, int g_hi, float* acc) {
+__device__ __forceinline__ void tiles_sums(TILES_SUMS_PARAMS) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, c = lane & 3;
   int gi = g_lo + warp;
@@ -764,10 +775,7 @@ __device__ __forceinline__ void ring_issue(const Lane* Ls, int j, int steps, int
 // tiles_sums with the ring: the warp's steps j = 0, 1, ... (groups gi0 + NW j < g_hi) of tiles tile0 .. tile0 + TPW - 1
 // (TPW 1: one tile), the copies ASYNC - 1 steps ahead; per step the same fragments, x loads, MMAs and sums in the same
 // order as steps / steps_tiles
-__device__ __forceinline__ void ring_sums(const u16* __restrict__ x, const u8* __restrict__ codes,
-                                          const u8* __restrict__ high, const u16* __restrict__ scales, int T, int N,
-                                          int K, int NG, long long stride_x, long long stride_c, long long stride_h,
-                                          long long stride_s, int tile0, int tiles, int g_lo, int g_hi, float* acc) {
+__device__ __forceinline__ void ring_sums(TILES_SUMS_PARAMS) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, c = lane & 3;
   const int gi0 = g_lo + warp;
@@ -798,13 +806,7 @@ __device__ __forceinline__ void ring_sums(const u16* __restrict__ x, const u8* _
       F[i] = make_frags(make_uint2(v.x, v.y), make_uint2(v.z, v.w), h & 0xFFFFu, h >> 16, sc & 0xFFFFu, sc >> 16,
                         magic);
     }
-#pragma unroll
-    for (int n = 0; n < NCOL; ++n) {
-      u32 xv[XPL / 2];
-      load_x(Ls[0], xrow, gi0, j, K, c, xv, Ls[0].xo[n]);
-#pragma unroll
-      for (int i = 0; i < TPW; ++i) col_math(F[i], xv, acc + 4 * (NCOL * i + n));
-    }
+    tiles_cols(Ls[0], xrow, gi0, j, K, c, F, acc);
   }
   cp_wait<0>();  // (only empty groups remain: nothing still writes to the ring when the block moves on)
 }
