@@ -89,11 +89,14 @@ def set_build_defines(defines: dict[str, int] | None = None) -> None:
 _SWITCH = {"on": os.environ.get("NINFER_BENCH_ATTN", "").strip().lower() != "triton"}
 
 
+VERIFY_KERNELS = ("mma", "wgmma")  # what may take T > 1 calls: attn_verify (the default), attn_verify_wg
+
+
 def env_verify_kernel() -> str:
     """NINFER_BENCH_ATTN_VERIFY: which kernel takes T > 1 calls, ``mma`` (attn_verify, the default) or ``wgmma``
     (attn_verify_wg on an sm_90 GPU: the same products, sums and order, with K and V made into fp16 once a block)."""
     raw = os.environ.get("NINFER_BENCH_ATTN_VERIFY", "mma").strip().lower()
-    if raw not in ("mma", "wgmma"):
+    if raw not in VERIFY_KERNELS:
         raise ValueError(f"NINFER_BENCH_ATTN_VERIFY: expected mma (the default) or wgmma, got {raw!r}")
     return raw
 
@@ -104,7 +107,7 @@ _VERIFY = {"kernel": env_verify_kernel()}
 def set_verify_kernel(kernel: str) -> None:
     """T > 1 calls from now on through ``mma`` (attn_verify) or ``wgmma`` (attn_verify_wg, sm_90 only; elsewhere
     attn_verify)."""
-    if kernel not in ("mma", "wgmma"):
+    if kernel not in VERIFY_KERNELS:
         raise ValueError(f"attn_cuda: the verify kernel is mma or wgmma, got {kernel!r}")
     _VERIFY["kernel"] = kernel
 
@@ -216,10 +219,10 @@ def _kernels(hd: int, half: bool, pos64: bool, slot64: bool, device_index: int,
     load a module. ``wgv``: also attn_verify_wg (sm_90a, through NVRTC: _cupy.arch_kernel)."""
     import cupy
 
-    out = []
+    out, source = [], _SOURCE.read_text()
     with cupy.cuda.Device(device_index):
         for i, build in enumerate(_builds(defines)):
-            module = cupy.RawModule(code=_SOURCE.read_text(), backend="nvrtc",
+            module = cupy.RawModule(code=source, backend="nvrtc",
                                     options=_options(hd, half, pos64, slot64, build))
             if i == 0:
                 out.append(module.get_function("attn_split"))
@@ -231,7 +234,7 @@ def _kernels(hd: int, half: bool, pos64: bool, slot64: bool, device_index: int,
                 raise RuntimeError("attn_cuda: a kernel did not load")
         if wgv:
             build = _builds(defines)[0]
-            wg = _cupy.arch_kernel(_SOURCE.read_text(), (*_options(hd, half, pos64, slot64, build), "-DWGV=1"),
+            wg = _cupy.arch_kernel(source, (*_options(hd, half, pos64, slot64, build), "-DWGV=1"),
                                    "90a", "attn_verify_wg", device_index)
             wg.max_dynamic_shared_size_bytes = wgv_smem(hd, build)
             out.append(wg)

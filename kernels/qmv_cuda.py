@@ -445,17 +445,21 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
     layout = getattr(lin, "layout", 0)  # 0: a PackedLinear's row-major sections
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
     even = lin.k == lin.kp and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
-    why_not = _wgmma_refusal(lin, layout, dev, even, xlate or pipe or tail or fold or (tiles or 1) > 1)
-    if wgmma is None:
-        wgmma = 0 if why_not else wide.get("wgmma", 0)
-        if wgmma:
+    explicit = wgmma is not None
+    wgmma = wgmma if explicit else wide.get("wgmma", 0)
+    if wgmma:  # (why a launch cannot take the wgmma build is worked out only for one that would)
+        why_not = _wgmma_refusal(lin, layout, dev, even, xlate or pipe or tail or fold or (tiles or 1) > 1)
+        if explicit:
+            if why_not or wgmma not in (1, 2):
+                raise ValueError(f"qmv: wgmma={wgmma}: {why_not or 'one or two warpgroups a block'}")
+            stages = stages or 4
+            if stages < 2:
+                raise ValueError(f"qmv: wgmma streams its weights and x through a ring of at least 2 stages, got "
+                                 f"{stages}")
+        elif why_not:
+            wgmma = 0
+        else:
             stages, tiles = stages or wide.get("stages") or 4, 1
-    elif wgmma:
-        if why_not or wgmma not in (1, 2):
-            raise ValueError(f"qmv: wgmma={wgmma}: {why_not or 'one or two warpgroups a block'}")
-        stages = stages or 4
-        if stages < 2:
-            raise ValueError(f"qmv: wgmma streams its weights and x through a ring of at least 2 stages, got {stages}")
     tiles = tiles or wide.get("tiles", 1)
     unroll = unroll or wide.get("unroll", 4)
     min_blocks = min_blocks or wide.get("min_blocks")
@@ -472,7 +476,7 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
     if t * x.stride(0) >= 2 ** 31:  # the column groups' row offsets are int32
         raise ValueError(f"qmv: x too large for one launch ({t} rows of stride {x.stride(0)})")
     warps = warps or choose_warps(n, _triton.num_sms(dev))  # (wgmma: the slots a tile's groups are dealt to)
-    bufs, tma = _wg_build(_SWITCHES["wg_build"])
+    bufs, tma = _wg_build(_SWITCHES["wg_build"]) if wgmma else (2, False)
     threads = 128 * wgmma + (32 if tma else 0) if wgmma else warps * 32
     min_blocks = min_blocks or (max(1, _WGMMA_THREADS_PER_SM // threads) if wgmma else
                                 max(1, _WARPS_PER_SM // warps) if ncol == 1 else
