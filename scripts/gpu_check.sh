@@ -767,7 +767,7 @@ PY
     wgv)     # issue 32 item 3: the verify attention on wgmma (kernels/attn_cuda.cu attn_verify_wg, sm_90a, K and V made
              # into fp16 once a block): its CUDA tests (bits against attn_verify's), then the 27B shape's int8 cases
              # (WGV_CASES) with each verify kernel (NINFER_BENCH_ATTN_VERIFY=mma / wgmma); with WGV_E2E=1 the 27B
-             # decode after a 65,000-token prompt and DFlash2 K=7 replayed with the wgmma verify, tokens compared
+             # plain and DFlash2 K=7 replayed decode with the wgmma verify (its "= plain" column: the tokens agree)
              mkdir -p "$OUT/wgv"
              [ "${WGV_TESTS:-1}" = 0 ] || timeout ${TESTS_S:-200} python3 -m pytest -q -p no:cacheprovider -rf \
                --tb=line tests/test_kernels_attn_cuda.py -k "wgmma_verify or verify_kernel or tokens_and_rows" 2>&1 \
