@@ -456,10 +456,13 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
             if stages < 2:
                 raise ValueError(f"qmv: wgmma streams its weights and x through a ring of at least 2 stages, got "
                                  f"{stages}")
+            wide = {}  # (the default build's tiles and blocks an SM are the mma.sync build's, not this one's)
         elif why_not:
             wgmma = 0
         else:
-            stages, tiles = stages or wide.get("stages") or 4, 1
+            stages = stages or wide.get("stages") or 4
+        if wgmma:
+            tiles = 1  # a warp one row tile (TPW 1)
     tiles = tiles or wide.get("tiles", 1)
     unroll = unroll or wide.get("unroll", 4)
     min_blocks = min_blocks or wide.get("min_blocks")
