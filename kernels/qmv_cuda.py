@@ -447,8 +447,11 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
     even = lin.k == lin.kp and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
     explicit = wgmma is not None
     wgmma = wgmma if explicit else wide.get("wgmma", 0)
-    if wgmma:  # (why a launch cannot take the wgmma build is worked out only for one that would)
-        why_not = _wgmma_refusal(lin, layout, dev, even, xlate or pipe or tail or fold or (tiles or 1) > 1)
+    # (why a launch cannot take the wgmma build is worked out only for one that would)
+    why_not = wgmma and _wgmma_refusal(lin, layout, dev, even, xlate or pipe or tail or fold or (tiles or 1) > 1)
+    if why_not and not explicit:
+        wgmma = 0  # a default wgmma build leaves what it cannot take to the mma.sync builds
+    elif wgmma:
         if explicit:
             if why_not or wgmma not in (1, 2):
                 raise ValueError(f"qmv: wgmma={wgmma}: {why_not or 'one or two warpgroups a block'}")
@@ -457,12 +460,9 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
                 raise ValueError(f"qmv: wgmma streams its weights and x through a ring of at least 2 stages, got "
                                  f"{stages}")
             wide = {}  # (the default build's tiles and blocks an SM are the mma.sync build's, not this one's)
-        elif why_not:
-            wgmma = 0
         else:
             stages = stages or wide.get("stages") or 4
-        if wgmma:
-            tiles = 1  # a warp one row tile (TPW 1)
+        tiles = 1  # a warp one row tile (TPW 1)
     tiles = tiles or wide.get("tiles", 1)
     unroll = unroll or wide.get("unroll", 4)
     min_blocks = min_blocks or wide.get("min_blocks")
