@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -124,13 +125,12 @@ def _wg_build(defines) -> tuple[int, bool]:
     return (3 if d.get("WG_DEFER") else 2), bool(d.get("WG_TMA"))
 
 
-@functools.cache
-def _kernel(fmt_id: int, half: bool, even: bool, unroll: int, min_blocks: int, xlate: bool, pipe: bool,
-            fold: bool, pdl: bool, tiled: int, act: bool, warps: int, tail: bool, ncol: int, tiles: int,
-            device_index: int, xl1: bool = True, stages: int = 0, shared: int = 0, wgmma: int = 0,
-            defines: tuple[tuple[str, int], ...] = ()):
-    import cupy
-
+def kernel_options(fmt_id: int, half: bool, even: bool, unroll: int, min_blocks: int, xlate: bool, pipe: bool,
+                   fold: bool, pdl: bool, tiled: int, act: bool, warps: int, tail: bool, ncol: int, tiles: int,
+                   xl1: bool = True, stages: int = 0, wgmma: int = 0,
+                   defines: tuple[tuple[str, int], ...] = ()) -> tuple[str, ...]:
+    """The source's compile options for one build (NVRTC's; a C preprocessor given them evaluates the source's
+    static checks, its ``#error`` lines, as NVRTC does: tests/test_qmv_builds.py)."""
     options = ("-std=c++17", f"-DFMT={fmt_id}", f"-DHALF={int(half)}", f"-DEVEN={int(even)}",
                f"-DUNROLL={unroll}", f"-DMIN_BLOCKS={min_blocks}", f"-DXLATE={int(xlate)}",
                f"-DPIPE={int(pipe)}", f"-DFOLD={int(fold)}", f"-DPDL={int(pdl)}",
@@ -140,6 +140,18 @@ def _kernel(fmt_id: int, half: bool, even: bool, unroll: int, min_blocks: int, x
     options += tuple(f"-D{name}={value}" for name, value in defines)  # a tuning run's (NINFER_BENCH_QMV_WG_BUILD)
     if wgmma:
         options += (f"-DWG_BUFS={_wg_build(defines)[0]}",)
+    return options
+
+
+@functools.cache
+def _kernel(fmt_id: int, half: bool, even: bool, unroll: int, min_blocks: int, xlate: bool, pipe: bool,
+            fold: bool, pdl: bool, tiled: int, act: bool, warps: int, tail: bool, ncol: int, tiles: int,
+            device_index: int, xl1: bool = True, stages: int = 0, shared: int = 0, wgmma: int = 0,
+            defines: tuple[tuple[str, int], ...] = ()):
+    import cupy
+
+    options = kernel_options(fmt_id, half, even, unroll, min_blocks, xlate, pipe, fold, pdl, tiled, act, warps, tail,
+                             ncol, tiles, xl1, stages, wgmma, defines)
     if wgmma:  # wgmma is sm_90a's: NVRTC through _cupy.arch_kernel (CuPy's path names sm_90 itself)
         func = _cupy.arch_kernel(_SOURCE.read_text(), options, "90a", "qmv", device_index)
     else:
@@ -370,21 +382,103 @@ def choose_warps(n: int, sms: int) -> int:
 _WGMMA_THREADS_PER_SM = 384
 
 
-def _wgmma_refusal(lin, layout: int, dev: int, even: bool, knobs: bool) -> str | None:
-    """Why a wgmma build cannot take this call (None when it can). The producer warp's build (WG_TMA) also needs
-    each section 16-byte aligned (its bulk copies)."""
-    if _capability(dev) != (9, 0):
-        major, minor = _capability(dev)
-        return f"needs an sm_90 GPU (wgmma is sm_90a's), found sm_{major}{minor}"
-    if layout != 2 or lin.fmt == DENSE_FMT:
+def _wgmma_refusal(fmt: str, layout: int, capability: tuple[int, int], even: bool, knobs: bool, tma: bool,
+                   sections_aligned: bool) -> str | None:
+    """Why a wgmma build cannot take a launch (None when it can). The producer warp's build (``tma``, WG_TMA) also
+    needs the scale and high-bit sections 16-byte aligned (its bulk copies)."""
+    if tuple(capability) != (9, 0):
+        return f"needs an sm_90 GPU (wgmma is sm_90a's), found sm_{capability[0]}{capability[1]}"
+    if layout != 2 or fmt == DENSE_FMT:
         return "needs a q format's lanes layout (a TiledWeight with lanes=True)"
     if not even:
         return "needs whole groups (K == Kp) and x rows 16-byte aligned"
     if knobs:
         return "comes without xlate, pipe, tail, fold and tiles > 1"
-    if _wg_build(_SWITCHES["wg_build"])[1] and (lin.scales.data_ptr() % 16 or lin.high.data_ptr() % 16):
+    if tma and not sections_aligned:
         return "WG_TMA's bulk copies need the scale and high-bit sections 16-byte aligned"
     return None
+
+
+@dataclass(frozen=True, slots=True)
+class QmvBuild:
+    """How one qmv launch is built and shaped (:func:`launch_build`): the source's defines it compiles with (its
+    column groups ``ncol``, row tiles a block ``tiles`` (TPW), steps in flight ``unroll``, blocks an SM ``min_blocks``,
+    warps a tile ``warps`` (NW), cp.async ring ``stages`` (ASYNC), warpgroups a block ``wgmma`` (WGMMA) and that
+    build's extra ``defines``), its block's ``threads``, dynamic ``shared`` bytes and row tiles a block
+    ``per_block``."""
+
+    ncol: int
+    tiles: int
+    unroll: int
+    min_blocks: int
+    warps: int
+    stages: int
+    wgmma: int
+    defines: tuple[tuple[str, int], ...]
+    threads: int
+    shared: int
+    per_block: int
+
+
+def launch_build(fmt: str, n: int, t: int, layout: int, capability: tuple[int, int], sms: int, *, even: bool,
+                 sections_aligned: bool = True, wg_defines: tuple[tuple[str, int], ...] = (),
+                 unroll: int | None = None, min_blocks: int | None = None, xlate: bool = False, pipe: bool = False,
+                 fold: bool = False, warps: int | None = None, tail: bool = False, tiles: int | None = None,
+                 stages: int | None = None, wgmma: int | None = None) -> QmvBuild:
+    """The build a :func:`qmv` launch of ``t`` rows of an ``[n, K]`` ``fmt`` weight in ``layout`` (0 a
+    PackedLinear's row-major sections, 1 tiles, 2 the lanes layout) takes on a GPU of ``capability`` with ``sms``
+    SMs, from the keywords its caller gave (None: the default) and the process's tables (:func:`wide_build`,
+    ``wg_defines``: NINFER_BENCH_QMV_WG_BUILD's). ``even``: whole groups and x rows 16-byte aligned;
+    ``sections_aligned``: the scale and high-bit sections 16-byte aligned. A pure function of its arguments (no GPU):
+    ValueError where :func:`qmv` refuses the keywords."""
+    ncol = column_groups(t)
+    if ncol > 1 and (xlate or pipe or tail):
+        raise ValueError(f"qmv: xlate, pipe and tail are for launches of at most {MAX_T} rows, got {t}")
+    wide = wide_build(ncol, fmt)
+    explicit = wgmma is not None
+    wgmma = wgmma if explicit else wide.get("wgmma", 0)
+    # (why a launch cannot take the wgmma build is worked out only for one that would)
+    why_not = wgmma and _wgmma_refusal(fmt, layout, capability, even, xlate or pipe or tail or fold or (tiles or 1) > 1,
+                                       _wg_build(wg_defines)[1], sections_aligned)
+    if why_not and not explicit:
+        wgmma = 0  # a default wgmma build leaves what it cannot take to the mma.sync builds
+    elif wgmma:
+        if explicit:
+            if why_not or wgmma not in (1, 2):
+                raise ValueError(f"qmv: wgmma={wgmma}: {why_not or 'one or two warpgroups a block'}")
+            stages = stages or 4
+            if stages < 2:
+                raise ValueError(f"qmv: wgmma streams its weights and x through a ring of at least 2 stages, got "
+                                 f"{stages}")
+            wide = {}  # (the default build's tiles and blocks an SM are the mma.sync build's, not this one's)
+        else:
+            stages = stages or wide.get("stages") or 4
+        tiles = 1  # a warp one row tile (TPW 1)
+    tiles = tiles or wide.get("tiles", 1)
+    unroll = unroll or wide.get("unroll", 4)
+    min_blocks = min_blocks or wide.get("min_blocks")
+    if stages is None:  # the ring streams the lanes layout's pieces: other layouts load into registers
+        stages = wide.get("stages", 0) if layout == 2 else 0
+    elif stages and layout != 2:
+        raise ValueError(f"qmv: stages > 0 streams the lanes layout (a TiledWeight with lanes=True), got layout "
+                         f"{layout} (0: a PackedLinear's row-major sections, 1: a TiledWeight without lanes)")
+    if stages < 0 or stages and (xlate or pipe or tail):
+        raise ValueError(f"qmv: stages must be >= 0 and comes without xlate, pipe and tail, got {stages}")
+    if tiles > 1 and ncol == 1:
+        raise ValueError(f"qmv: tiles a block > 1 shares x between the tiles of a launch of more than {MAX_T} rows, "
+                         f"got {t}")
+    warps = warps or choose_warps(n, sms)  # (wgmma: the slots a tile's groups are dealt to)
+    defines = tuple(wg_defines) if wgmma else ()
+    bufs, tma = _wg_build(defines) if wgmma else (2, False)
+    threads = 128 * wgmma + (32 if tma else 0) if wgmma else warps * 32
+    min_blocks = min_blocks or (max(1, _WGMMA_THREADS_PER_SM // threads) if wgmma else
+                                max(1, _WARPS_PER_SM // warps) if ncol == 1 else
+                                _NCOL_MIN_BLOCKS.get((ncol, warps), max(1, 8 // warps)))
+    shared = (wgmma_shared_bytes(fmt, ncol, wgmma, stages, bufs, tma) if wgmma else
+              async_shared_bytes(fmt, warps, stages, tiles))
+    return QmvBuild(ncol=ncol, tiles=tiles, unroll=unroll, min_blocks=min_blocks, warps=warps, stages=stages,
+                    wgmma=wgmma, defines=defines, threads=threads, shared=shared,
+                    per_block=4 * wgmma if wgmma else tiles)
 
 
 def _wide(n: int, sms: int) -> bool:
@@ -438,59 +532,20 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
     elif out.shape != (t, width) or out.dtype != x.dtype or not out.is_contiguous() or out.device != x.device:
         raise ValueError(f"qmv: out must be contiguous [{t}, {width}] {x.dtype} on {x.device}, got {tuple(out.shape)} "
                          f"{out.dtype} on {out.device}")
-    ncol = column_groups(t)
-    if ncol > 1 and (xlate or pipe or tail):
-        raise ValueError(f"qmv: xlate, pipe and tail are for launches of at most {MAX_T} rows, got {t}")
-    wide = wide_build(ncol, lin.fmt)
     layout = getattr(lin, "layout", 0)  # 0: a PackedLinear's row-major sections
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
     even = lin.k == lin.kp and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
-    explicit = wgmma is not None
-    wgmma = wgmma if explicit else wide.get("wgmma", 0)
-    # (why a launch cannot take the wgmma build is worked out only for one that would)
-    why_not = wgmma and _wgmma_refusal(lin, layout, dev, even, xlate or pipe or tail or fold or (tiles or 1) > 1)
-    if why_not and not explicit:
-        wgmma = 0  # a default wgmma build leaves what it cannot take to the mma.sync builds
-    elif wgmma:
-        if explicit:
-            if why_not or wgmma not in (1, 2):
-                raise ValueError(f"qmv: wgmma={wgmma}: {why_not or 'one or two warpgroups a block'}")
-            stages = stages or 4
-            if stages < 2:
-                raise ValueError(f"qmv: wgmma streams its weights and x through a ring of at least 2 stages, got "
-                                 f"{stages}")
-            wide = {}  # (the default build's tiles and blocks an SM are the mma.sync build's, not this one's)
-        else:
-            stages = stages or wide.get("stages") or 4
-        tiles = 1  # a warp one row tile (TPW 1)
-    tiles = tiles or wide.get("tiles", 1)
-    unroll = unroll or wide.get("unroll", 4)
-    min_blocks = min_blocks or wide.get("min_blocks")
-    if stages is None:  # the ring streams the lanes layout's pieces: other layouts load into registers
-        stages = wide.get("stages", 0) if layout == 2 else 0
-    elif stages and layout != 2:
-        raise ValueError(f"qmv: stages > 0 streams the lanes layout (a TiledWeight with lanes=True), got "
-                         f"{type(lin).__name__} layout {layout}")
-    if stages < 0 or stages and (xlate or pipe or tail):
-        raise ValueError(f"qmv: stages must be >= 0 and comes without xlate, pipe and tail, got {stages}")
-    if tiles > 1 and ncol == 1:
-        raise ValueError(f"qmv: tiles a block > 1 shares x between the tiles of a launch of more than {MAX_T} rows, "
-                         f"got {t}")
     if t * x.stride(0) >= 2 ** 31:  # the column groups' row offsets are int32
         raise ValueError(f"qmv: x too large for one launch ({t} rows of stride {x.stride(0)})")
-    warps = warps or choose_warps(n, _triton.num_sms(dev))  # (wgmma: the slots a tile's groups are dealt to)
-    bufs, tma = _wg_build(_SWITCHES["wg_build"]) if wgmma else (2, False)
-    threads = 128 * wgmma + (32 if tma else 0) if wgmma else warps * 32
-    min_blocks = min_blocks or (max(1, _WGMMA_THREADS_PER_SM // threads) if wgmma else
-                                max(1, _WARPS_PER_SM // warps) if ncol == 1 else
-                                _NCOL_MIN_BLOCKS.get((ncol, warps), max(1, 8 // warps)))
+    build = launch_build(lin.fmt, n, t, layout, _capability(dev), _triton.num_sms(dev), even=even,
+                         sections_aligned=lin.scales.data_ptr() % 16 == 0 and lin.high.data_ptr() % 16 == 0,
+                         wg_defines=_SWITCHES["wg_build"], unroll=unroll, min_blocks=min_blocks, xlate=xlate,
+                         pipe=pipe, fold=fold, warps=warps, tail=tail, tiles=tiles, stages=stages, wgmma=wgmma)
     pdl = _triton.pdl_now(x.device) if pdl is None else pdl and _capability(dev) >= (9, 0)
-    shared = (wgmma_shared_bytes(lin.fmt, ncol, wgmma, stages, bufs, tma) if wgmma else
-              async_shared_bytes(lin.fmt, warps, stages, tiles))
-    kern = _kernel(_FMT_ID[lin.fmt], x.dtype == torch.float16, even, unroll, min_blocks, xlate, pipe, fold, pdl,
-                   layout, act, warps, tail, ncol, tiles, dev, _SWITCHES["pdl_x_l1"], stages,
-                   shared, wgmma, _SWITCHES["wg_build"] if wgmma else ())
-    per_block, tiles = 4 * wgmma if wgmma else tiles, -(-n // 16)
+    kern = _kernel(_FMT_ID[lin.fmt], x.dtype == torch.float16, even, build.unroll, build.min_blocks, xlate, pipe,
+                   fold, pdl, layout, act, build.warps, tail, build.ncol, build.tiles, dev, _SWITCHES["pdl_x_l1"],
+                   build.stages, build.shared, build.wgmma, build.defines)
+    warps, threads, shared, per_block, tiles = build.warps, build.threads, build.shared, build.per_block, -(-n // 16)
     whole = act or not _triton.split_k_allowed()  # (the epilogue, or a launch beside others: _triton.single_pass)
     s = 1 if whole else min(splits, MAX_SPLITS) if splits else shape_splits(n, lin.ng, _triton.num_sms(dev), warps)
     groups_per_split = -(-lin.ng // s)
