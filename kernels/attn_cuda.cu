@@ -813,6 +813,9 @@ attn_verify(ATTN_ARGS) {
 #ifndef GS_MT
 #define GS_MT 3  // m tiles a block at most: a K = 7 verify's 48 rows at G = 6
 #endif
+#if GS_MT < 1 || GS_MT > 4
+#error "GS_MT: 1 to 4 m tiles a block (the flags take 16 bytes)"
+#endif
 #ifndef GS_MINB
 #define GS_MINB 2  // blocks an SM the registers are capped for
 #endif
