@@ -462,6 +462,16 @@ __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0
       long long spb, long long spt, int b, int hkv, int s, int G, int rows, int r0, int CHUNK, int MIN_CHUNK,    \
       int NUM_SPLITS, int KV_LEN
 
+// A verify block's walk over the union of its rows' key ranges (rows r0 .. r_end - 1): the kernel returns when it
+// is empty (uniform over the block), else ulo, uhi, row b's cache pointers kb, vb, ksb, vsb and the step count
+#define VERIFY_WALK(r_end)                                                       \
+  int ulo, uhi;                                                                  \
+  if (!verify_union(VERIFY_ROW_ARGS, r_end, ulo, uhi)) return;                   \
+  const signed char *kb, *vb;                                                    \
+  const u16 *ksb, *vsb;                                                          \
+  verify_cache(VERIFY_CACHE_ARGS, kb, vb, ksb, vsb);                             \
+  const int nsteps = (uhi - ulo + STEP - 1) / STEP
+
 // Row b's cache slot, kv head hkv: its K and V codes and scales
 #define VERIFY_CACHE_ARGS K, V, KS, VS, SLOTS, b, ssl, hkv, sks, skh, svs, svh, ssks, sskh, ssvs, ssvh
 __device__ __forceinline__ void verify_cache(const signed char* K, const signed char* V, const u16* KS, const u16* VS,
@@ -476,10 +486,11 @@ __device__ __forceinline__ void verify_cache(const signed char* K, const signed 
   vsb = VS + slot * ssvs + hkv * ssvh;
 }
 
-// This lane's rows rb + g (h = 0) and rb + g + 8 (h = 1): token, head, key range of split s, and q's A fragments
-// [group][mma j][a0 .. a3] (rows g, g + 8's words 2j, 2j + 1)
-__device__ __forceinline__ void verify_rows(VERIFY_ROW_PARAMS, int rb, int g, int c, int (&rlo)[2], int (&rhi)[2],
-                                            u32 (&qa)[NG][4][4]) {
+// This lane's rows rb + g (h = 0) and rb + g + 8 (h = 1): token, head, key range of split s, and q's A fragments of
+// scale groups gr0 .. gr0 + NQ - 1: qa [group - gr0][mma j][a0 .. a3] (rows g, g + 8's words 2j, 2j + 1)
+template <int NQ>
+__device__ __forceinline__ void verify_rows(VERIFY_ROW_PARAMS, int rb, int g, int c, int gr0, int (&rlo)[2],
+                                            int (&rhi)[2], u32 (&qa)[NQ][4][4]) {
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int r = rb + g + 8 * h;
@@ -491,13 +502,13 @@ __device__ __forceinline__ void verify_rows(VERIFY_ROW_PARAMS, int rb, int g, in
                 rhi[h]);
     const u16* qrow = Q + b * sqb + (long long)t * sqt + (long long)(hkv * G + n) * sqh;
 #pragma unroll
-    for (int gr = 0; gr < NG; ++gr) {
+    for (int i = 0; i < NQ; ++i) {
       u32 w[8];
-      q_words(qrow, ok, gr, c, w);
+      q_words(qrow, ok, gr0 + i, c, w);
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        qa[gr][j][h] = w[2 * j];
-        qa[gr][j][2 + h] = w[2 * j + 1];
+        qa[i][j][h] = w[2 * j];
+        qa[i][j][2 + h] = w[2 * j + 1];
       }
     }
   }
@@ -675,7 +686,7 @@ attn_verify(ATTN_ARGS) {
   const int rows = T * G, r0 = blockIdx.z * 16 * nw;
   int rlo[2], rhi[2];
   u32 qa[NG][4][4];  // A fragments: [group][mma j][a0 .. a3] = rows g, g + 8's words 2j, 2j + 1
-  verify_rows(VERIFY_ROW_ARGS, r0 + 16 * warp, g, c, rlo, rhi, qa);
+  verify_rows<NG>(VERIFY_ROW_ARGS, r0 + 16 * warp, g, c, 0, rlo, rhi, qa);
 #if QSMEM
 #pragma unroll
   for (int gr = 0; gr < NG; ++gr)
@@ -683,12 +694,7 @@ attn_verify(ATTN_ARGS) {
     for (int j = 0; j < 4; ++j)
       qsm[((warp * NG + gr) * 4 + j) * 32 + lane] = U4{qa[gr][j][0], qa[gr][j][1], qa[gr][j][2], qa[gr][j][3]};
 #endif
-  int ulo, uhi;
-  if (!verify_union(VERIFY_ROW_ARGS, r0 + 16 * nw, ulo, uhi)) return;  // uniform over the block
-  const signed char *kb, *vb;
-  const u16 *ksb, *vsb;
-  verify_cache(VERIFY_CACHE_ARGS, kb, vb, ksb, vsb);
-  const int nsteps = (uhi - ulo + STEP - 1) / STEP;
+  VERIFY_WALK(r0 + 16 * nw);
 
   const u32 sm0 = smem_addr(dsm);
   auto issue = [&](int step) { verify_issue(step, nsteps, ulo, uhi, kb, vb, ksb, vsb, sm0); };
@@ -829,28 +835,6 @@ attn_verify(ATTN_ARGS) {
 #define GS_AL (GS_MT * 32 * 8)                          // rescales (then the rows' sums l): [m tile][lane][2 floats]
 #define GS_SMEM (VDEPTH * STAGE_BYTES + GS_SPART + GS_PA + 2 * GS_AL + 16 + GS_QB)  // (attn_cuda.py's gsv_smem)
 
-// verify_rows for one scale group: the key ranges of rows rb + g, rb + g + 8 and q's A fragments of group gr
-__device__ __forceinline__ void gs_rows(VERIFY_ROW_PARAMS, int rb, int g, int c, int gr, int (&rlo)[2], int (&rhi)[2],
-                                        u32 (&qa)[4][4]) {
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int r = rb + g + 8 * h;
-    const bool ok = r < rows;
-    const int t = ok ? r / G : 0, n = ok ? r % G : 0;
-    rlo[h] = rhi[h] = 0;
-    if (ok)
-      key_range((int)load_index(QPOS, b * spb + t * spt, POS64), s, CHUNK, MIN_CHUNK, NUM_SPLITS, KV_LEN, rlo[h],
-                rhi[h]);
-    u32 w[8];
-    q_words(Q + b * sqb + (long long)t * sqt + (long long)(hkv * G + n) * sqh, ok, gr, c, w);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      qa[j][h] = w[2 * j];
-      qa[j][2 + h] = w[2 * j + 1];
-    }
-  }
-}
-
 extern "C" __global__ void __launch_bounds__(32 * NG, GS_MINB)
 attn_verify_gs(ATTN_ARGS) {
   extern __shared__ __align__(16) unsigned char dsm[];
@@ -884,7 +868,8 @@ attn_verify_gs(ATTN_ARGS) {
 #pragma unroll
   for (int mt = 0; mt < GS_MT; ++mt) {
     int lo2[2], hi2[2];
-    gs_rows(VERIFY_ROW_ARGS, r0 + 16 * mt, g, c, warp, lo2, hi2, GS_Q(mt));
+    verify_rows<1>(VERIFY_ROW_ARGS, r0 + 16 * mt, g, c, warp, lo2, hi2,
+                   reinterpret_cast<u32(&)[1][4][4]>(GS_Q(mt)));
 #if GS_QSMEM
 #pragma unroll
     for (int j = 0; j < 4; ++j)
@@ -899,12 +884,7 @@ attn_verify_gs(ATTN_ARGS) {
           rhi[k][h] = hi2[h];
         }
   }
-  int ulo, uhi;
-  if (!verify_union(VERIFY_ROW_ARGS, r0 + 16 * GS_MT, ulo, uhi)) return;  // uniform over the block
-  const signed char *kb, *vb;
-  const u16 *ksb, *vsb;
-  verify_cache(VERIFY_CACHE_ARGS, kb, vb, ksb, vsb);
-  const int nsteps = (uhi - ulo + STEP - 1) / STEP;
+  VERIFY_WALK(r0 + 16 * GS_MT);
   const u32 sm0 = smem_addr(dsm);
   auto issue = [&](int step) { verify_issue<32 * NG>(step, nsteps, ulo, uhi, kb, vb, ksb, vsb, sm0); };
 
@@ -1185,13 +1165,8 @@ attn_verify_wg(ATTN_ARGS) {
   const int rows = T * G, r0 = blockIdx.z * 64;
   int rlo[2], rhi[2];
   u32 qa[NG][4][4];
-  verify_rows(VERIFY_ROW_ARGS, r0 + 16 * warp, g, c, rlo, rhi, qa);
-  int ulo, uhi;
-  if (!verify_union(VERIFY_ROW_ARGS, r0 + 64, ulo, uhi)) return;  // uniform over the block
-  const signed char *kb, *vb;
-  const u16 *ksb, *vsb;
-  verify_cache(VERIFY_CACHE_ARGS, kb, vb, ksb, vsb);
-  const int nsteps = (uhi - ulo + STEP - 1) / STEP;
+  verify_rows<NG>(VERIFY_ROW_ARGS, r0 + 16 * warp, g, c, 0, rlo, rhi, qa);
+  VERIFY_WALK(r0 + 64);
   const u32 sm0 = smem_addr(dsm);
   unsigned char* kp = dsm + VDEPTH * STAGE_BYTES;
   unsigned char* vp = kp + WGV_KB;
