@@ -100,6 +100,9 @@ def repeats_count(ctx, param, value) -> int | str:
                    "meanwhile - a known slowdown for checking the gate (recorded as config.inject_delay_us, no part "
                    "of the experiment).")
 @click.option("--warmup", type=int, default=1, show_default=True)
+@click.option("--warmup-prompt", type=int, default=None, metavar="N",
+              help="Warm up on a prompt of N tokens cut from the shipped code text instead of the timed prompt: a "
+                   "long-context run (-p 262016) warms its kernels and graphs without prefilling twice.")
 @click.option("--label", default=None, callback=run_label,
               help="Label of this run in reports [default: runtime-spec-k; with several runs, a prefix of each "
                    "run's label].")
@@ -125,8 +128,8 @@ def repeats_count(ctx, param, value) -> int | str:
 @output_options
 @engine_options(runtime_list=True)
 def decode(model, engines, specs, draft_tokens, rollbacks, lm_head_draft, prompt_file, n_prompts, prompt_lengths, images,
-           max_new_tokens, stop_at_eos, repeats, repeats_target, repeats_budget_s, inject_delay_us, warmup, label,
-           json_path, seed, no_baseline, replay_acceptance, runtime, tensor_parallel, **options):
+           max_new_tokens, stop_at_eos, repeats, repeats_target, repeats_budget_s, inject_delay_us, warmup,
+           warmup_prompt, label, json_path, seed, no_baseline, replay_acceptance, runtime, tensor_parallel, **options):
     """The short-code decode test: prefill a code prompt, greedy-decode N tokens, measure speed and acceptance.
 
     Comma-separated --engine, --runtime, --spec, --rollback and --lm-head-draft run every combination in one
@@ -147,6 +150,9 @@ def decode(model, engines, specs, draft_tokens, rollbacks, lm_head_draft, prompt
     if url is not None or served_model is not None:  # against a server (cli/remote.py, suites/remote.py)
         from .remote import decode_url
 
+        if warmup_prompt is not None:
+            raise UserError("--warmup-prompt cuts token ids in-process: give it without --url")
+
         doc = decode_url(url, served_model, model=model, prompt_file=prompt_file, n_prompts=n_prompts,
                          max_new_tokens=max_new_tokens, stop_at_eos=stop_at_eos, repeats=repeats,
                          repeats_target=repeats_target, repeats_budget_s=repeats_budget_s, warmup=warmup,
@@ -161,7 +167,8 @@ def decode(model, engines, specs, draft_tokens, rollbacks, lm_head_draft, prompt
     switches = {name: tuple(v == "on" for v in options.pop(name)) for name in SWITCHES}
     refuse_cuda_switches(options["device"], switches)
     base = dict(model=model, prompt_file=prompt_file or str(DEFAULT_PROMPT), prompts=n_prompts, images=images,
-                max_new_tokens=max_new_tokens, ignore_eos=not stop_at_eos, repeats=repeats, warmup=warmup, seed=seed,
+                max_new_tokens=max_new_tokens, ignore_eos=not stop_at_eos, repeats=repeats, warmup=warmup,
+                warmup_prompt=warmup_prompt, seed=seed,
                 repeats_target=None if repeats_target is None else repeats_target / 100,
                 repeats_budget_s=repeats_budget_s, inject_delay_us=inject_delay_us, tensor_parallel=tensor_parallel,
                 **options)

@@ -713,8 +713,10 @@ PY
              done
              nb concurrency $M27 -c 1,8 -n 128 --prefill-weights dense --json "$OUT/conc27-dense.json" 2>&1 | tail -8 ;;
     ctx262)  # the model's whole native context: a 262,016-token prompt and 128 tokens (262,144 positions), int8 K/V,
-             # one repeat without a warm-up (a warm-up would prefill it twice)
-             nb decode $M27 -p ${CTX_P:-262016} -n 128 --repeats 1 --warmup 0 --json "$OUT/ctx262.json" 2>&1 | tail -12 ;;
+             # one repeat after a warm-up on a CTX_WARM-token prompt (default 4,096: the kernels, graphs and buffers at
+             # the engine's capacity, without prefilling the long prompt twice; CTX_WARM=0: no warm-up)
+             W="--warmup 1 --warmup-prompt ${CTX_WARM:-4096}"; [ "${CTX_WARM:-4096}" = 0 ] && W="--warmup 0"
+             nb decode $M27 -p ${CTX_P:-262016} -n 128 --repeats 1 $W --json "$OUT/ctx262.json" 2>&1 | tail -12 ;;
     ncuattn) # Nsight Compute on decode attention's split kernel, int8 beside bf16 (65,536 keys, B = 1, T = 1 by
              # default: NCU_CASES), the default plan (NCU_PLAN: its overrides, bench_attention.py --plan), one report
              # a case; full sections, clocks left alone. NCU_KERNEL: the kernel-name regex (default the Triton split

@@ -92,6 +92,9 @@ class DecodeOptions:
     repeats_target: float | None = None  # "auto": the relative 95% CI half-width to reach (default 2%)
     repeats_budget_s: float | None = None  # "auto": seconds of timed repeats at most (default 60)
     warmup: int = 1
+    warmup_prompt: int | None = None  # the warm-ups' prompt: this many tokens cut from the shipped code text (None:
+    #                                   the timed runs' first prompt). A long prompt's run warms its kernels, graphs and
+    #                                   buffers at the engine's capacity without prefilling the long prompt twice
     label: str | None = None
     seed: int = 0
     llamacpp_gguf: str | None = None  # --engine llamacpp: this GGUF export of the weights (checked) instead of a new one
@@ -116,6 +119,18 @@ class DecodeOptions:
             raise ValueError("--inject-delay-us delays our engine's steps: use --engine ours")
         if self.warmup < 0:
             raise ValueError(f"warmup must be >= 0, got {self.warmup}")
+        if self.warmup_prompt is not None:
+            if isinstance(self.warmup_prompt, bool) or not isinstance(self.warmup_prompt, int) \
+                    or self.warmup_prompt < 1:
+                raise ValueError(f"--warmup-prompt takes a positive prompt length in tokens, got "
+                                 f"{self.warmup_prompt!r}")
+            if self.warmup == 0:
+                raise ValueError("--warmup-prompt sets the warm-ups' prompt: give it with --warmup 1 or more")
+            if self.engine_options.replay_acceptance is not None:
+                raise ValueError("--warmup-prompt with --replay-acceptance: a warm-up on another prompt has no plain "
+                                 "tokens to replay; warm up on the timed prompt (leave --warmup-prompt out)")
+            if self.images:
+                raise ValueError("--warmup-prompt cuts a text prompt: give it without --image")
         if self.max_new_tokens < 2:
             raise ValueError(f"max-new-tokens must be >= 2 to measure decode speed, got {self.max_new_tokens}")
         if not Path(self.prompt_file).is_file():
@@ -528,10 +543,12 @@ def run_decode(opts: DecodeOptions, progress=None, loaded=None, references=None,
     # the warm-up covers every length the timed runs reach on a GPU (kernels compiled and buffers grown for the
     # longest keys first: a 64-token warm-up left MTP's first 256-token repeat 11x slower on the H200); on a CPU,
     # with nothing compiled at first use, 64 tokens
+    # (--warmup-prompt: a prompt of that many tokens instead of the first, e.g. a short one before a 262K-token run)
     cuda = torch.device(runner.device).type == "cuda"
     warm = dataclasses.replace(opts, max_new_tokens=opts.max_new_tokens if cuda else min(opts.max_new_tokens, 64))
+    warm_prompts = [code_prompt(runner.tokenizer, opts.warmup_prompt)] if opts.warmup_prompt else prompts[:1]
     for i in range(opts.warmup):
-        run_once(runner, prompts[:1], warm, references[:1] if references is not None else None)
+        run_once(runner, warm_prompts, warm, references[:1] if references is not None else None)
         if progress:
             progress(i + 1, total, "warm-up")
     reset_peak_memory(runner.device)

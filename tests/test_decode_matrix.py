@@ -305,3 +305,34 @@ def test_prompt_lengths_size_the_context_and_refuse_other_prompts(tmp_path):
         assert r.exit_code == 1 and "-p" in r.output, r.output
     r = CliRunner().invoke(main, ["decode", "--model", "tiny", "-p", "64,x"])
     assert r.exit_code == 1 and "comma-separated integers" in r.output
+
+
+def test_warmup_prompt_warms_up_on_a_short_prompt_and_times_the_long_one(monkeypatch, tmp_path):
+    """--warmup-prompt N: each warm-up runs a prompt of N tokens cut from the code text (a 262K-token run warms its
+    kernels and graphs without prefilling twice); the timed repeats run the -p prompt; the result records N."""
+    seen = []
+    real = dec.run_once
+
+    def spy(engine, prompts, opts, references=None, tokens_out=None):
+        seen.append([len(p) for p in prompts])
+        return real(engine, prompts, opts, references, tokens_out)
+
+    monkeypatch.setattr(dec, "run_once", spy)
+    out = tmp_path / "w.json"
+    r = CliRunner().invoke(main, ["decode", "--model", "tiny", "--device", "cpu", "-p", "60", "-n", "4", "--repeats",
+                                  "1", "--warmup", "2", "--warmup-prompt", "12", "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    assert seen == [[12], [12], [60]]
+    doc = json.loads(out.read_text())
+    assert doc["config"]["warmup_prompt"] == 12 and doc["summary"]["prompt_tokens"] == 60
+    seen.clear()
+    run_decode(DecodeOptions.make(**dict(BASE, warmup=1), prompt_length=30))  # without it: the timed prompt
+    assert seen == [[30], [30]]
+    for kw, match in ((dict(warmup=0, warmup_prompt=8), "--warmup 1 or more"),
+                      (dict(warmup=1, warmup_prompt=0), "positive prompt length"),
+                      (dict(warmup=1, warmup_prompt=True), "positive prompt length"),
+                      (dict(warmup=1, warmup_prompt=8, replay_acceptance=0.5), "replay")):
+        with pytest.raises(ValueError, match=match):
+            DecodeOptions.make(**{**BASE, **kw})
+    r = CliRunner().invoke(main, ["decode", "--url", "http://127.0.0.1:9", "--model", "tiny", "--warmup-prompt", "8"])
+    assert r.exit_code != 0 and "--warmup-prompt" in r.output
