@@ -89,7 +89,6 @@ typedef unsigned long long u64;
 
 struct __align__(16) U4 { u32 x, y, z, w; };
 struct __align__(8) U2 { u32 x, y; };
-struct __align__(8) F2 { float x, y; };
 
 __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
   u32 d;
@@ -462,16 +461,6 @@ __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0
       long long spb, long long spt, int b, int hkv, int s, int G, int rows, int r0, int CHUNK, int MIN_CHUNK,    \
       int NUM_SPLITS, int KV_LEN
 
-// A verify block's walk over the union of its rows' key ranges (rows r0 .. r_end - 1): the kernel returns when it
-// is empty (uniform over the block), else ulo, uhi, row b's cache pointers kb, vb, ksb, vsb and the step count
-#define VERIFY_WALK(r_end)                                                       \
-  int ulo, uhi;                                                                  \
-  if (!verify_union(VERIFY_ROW_ARGS, r_end, ulo, uhi)) return;                   \
-  const signed char *kb, *vb;                                                    \
-  const u16 *ksb, *vsb;                                                          \
-  verify_cache(VERIFY_CACHE_ARGS, kb, vb, ksb, vsb);                             \
-  const int nsteps = (uhi - ulo + STEP - 1) / STEP
-
 // Row b's cache slot, kv head hkv: its K and V codes and scales
 #define VERIFY_CACHE_ARGS K, V, KS, VS, SLOTS, b, ssl, hkv, sks, skh, svs, svh, ssks, sskh, ssvs, ssvh
 __device__ __forceinline__ void verify_cache(const signed char* K, const signed char* V, const u16* KS, const u16* VS,
@@ -486,11 +475,10 @@ __device__ __forceinline__ void verify_cache(const signed char* K, const signed 
   vsb = VS + slot * ssvs + hkv * ssvh;
 }
 
-// This lane's rows rb + g (h = 0) and rb + g + 8 (h = 1): token, head, key range of split s, and q's A fragments of
-// scale groups gr0 .. gr0 + NQ - 1: qa [group - gr0][mma j][a0 .. a3] (rows g, g + 8's words 2j, 2j + 1)
-template <int NQ>
-__device__ __forceinline__ void verify_rows(VERIFY_ROW_PARAMS, int rb, int g, int c, int gr0, int (&rlo)[2],
-                                            int (&rhi)[2], u32 (&qa)[NQ][4][4]) {
+// This lane's rows rb + g (h = 0) and rb + g + 8 (h = 1): token, head, key range of split s, and q's A fragments
+// [group][mma j][a0 .. a3] (rows g, g + 8's words 2j, 2j + 1)
+__device__ __forceinline__ void verify_rows(VERIFY_ROW_PARAMS, int rb, int g, int c, int (&rlo)[2], int (&rhi)[2],
+                                            u32 (&qa)[NG][4][4]) {
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int r = rb + g + 8 * h;
@@ -502,13 +490,13 @@ __device__ __forceinline__ void verify_rows(VERIFY_ROW_PARAMS, int rb, int g, in
                 rhi[h]);
     const u16* qrow = Q + b * sqb + (long long)t * sqt + (long long)(hkv * G + n) * sqh;
 #pragma unroll
-    for (int i = 0; i < NQ; ++i) {
+    for (int gr = 0; gr < NG; ++gr) {
       u32 w[8];
-      q_words(qrow, ok, gr0 + i, c, w);
+      q_words(qrow, ok, gr, c, w);
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        qa[i][j][h] = w[2 * j];
-        qa[i][j][2 + h] = w[2 * j + 1];
+        qa[gr][j][h] = w[2 * j];
+        qa[gr][j][2 + h] = w[2 * j + 1];
       }
     }
   }
@@ -686,7 +674,7 @@ attn_verify(ATTN_ARGS) {
   const int rows = T * G, r0 = blockIdx.z * 16 * nw;
   int rlo[2], rhi[2];
   u32 qa[NG][4][4];  // A fragments: [group][mma j][a0 .. a3] = rows g, g + 8's words 2j, 2j + 1
-  verify_rows<NG>(VERIFY_ROW_ARGS, r0 + 16 * warp, g, c, 0, rlo, rhi, qa);
+  verify_rows(VERIFY_ROW_ARGS, r0 + 16 * warp, g, c, rlo, rhi, qa);
 #if QSMEM
 #pragma unroll
   for (int gr = 0; gr < NG; ++gr)
@@ -694,7 +682,12 @@ attn_verify(ATTN_ARGS) {
     for (int j = 0; j < 4; ++j)
       qsm[((warp * NG + gr) * 4 + j) * 32 + lane] = U4{qa[gr][j][0], qa[gr][j][1], qa[gr][j][2], qa[gr][j][3]};
 #endif
-  VERIFY_WALK(r0 + 16 * nw);
+  int ulo, uhi;
+  if (!verify_union(VERIFY_ROW_ARGS, r0 + 16 * nw, ulo, uhi)) return;  // uniform over the block
+  const signed char *kb, *vb;
+  const u16 *ksb, *vsb;
+  verify_cache(VERIFY_CACHE_ARGS, kb, vb, ksb, vsb);
+  const int nsteps = (uhi - ulo + STEP - 1) / STEP;
 
   const u32 sm0 = smem_addr(dsm);
   auto issue = [&](int step) { verify_issue(step, nsteps, ulo, uhi, kb, vb, ksb, vsb, sm0); };
@@ -800,260 +793,6 @@ attn_verify(ATTN_ARGS) {
     }
   }
 }
-
-#if GSV
-// ---------------------------------------------------------------------------------------------------------------
-// attn_verify_gs (kernels/attn_cuda.py builds it with GSV=1: NINFER_BENCH_ATTN_VERIFY=groups): attn_verify's products,
-// sums and softmax with the work of a step split by scale group instead of by m tile. A block is NG warps and up to
-// GS_MT m tiles (16 query rows each) of one (row b, kv head, split); warp w takes head dims 64 w .. 64 w + 63 of every
-// m tile, so each code of a step is made into fp16 once for the block (attn_verify: once per m tile).
-//  A. warp w: group w's sums of S for every m tile (attn_verify's acc0 / acc1: the four MMAs of the group chained from
-//     zero, its K fragments made once and used for every m tile), raw into shared memory;
-//  B. warp w takes m tiles w, w + NG, ..: the groups' sums times their keys' scales in group order (verify_scale),
-//     then verify_softmax (its running max, sums and key range kept in the warp's registers from step to step); P's
-//     A fragments, each row's rescale and whether any row of the tile moved its max into shared memory (a lane's
-//     fragment is the same lane's in every warp);
-//  C. warp w: group w's O tiles of every m tile, rescaled where a row moved, += P V with its V fragments made once.
-// So every S and O element gets attn_verify's 16 products in the same accumulators and order, and its softmax: the
-// bits attn_verify gives, which are the T = 1 steps' (the GPU tests check both). Three barriers a step.
-#ifndef GS_MT
-#define GS_MT 3  // m tiles a block at most: a K = 7 verify's 48 rows at G = 6
-#endif
-#if GS_MT < 1 || GS_MT > 4
-#error "GS_MT: 1 to 4 m tiles a block (the flags take 16 bytes)"
-#endif
-#ifndef GS_MINB
-#define GS_MINB 2  // blocks an SM the registers are capped for
-#endif
-#ifndef GS_QSMEM
-#define GS_QSMEM 0  // q's A fragments in registers (0) or in shared memory (1: about 50 registers fewer)
-#endif
-#define GS_MTW ((GS_MT + NG - 1) / NG)                  // m tiles a warp's softmax takes at most
-#define GS_QB (GS_QSMEM ? NG * GS_MT * 4 * 32 * 16 : 0)  // q's A fragments: [group][m tile][j][lane]
-#define GS_SPART (NG * GS_MT * 32 * 32)                 // A's sums: [group][m tile][lane][8 floats]
-#define GS_PA (GS_MT * 32 * 16)                         // P's A fragments: [m tile][lane][4 words]
-#define GS_AL (GS_MT * 32 * 8)                          // rescales (then the rows' sums l): [m tile][lane][2 floats]
-#define GS_SMEM (VDEPTH * STAGE_BYTES + GS_SPART + GS_PA + 2 * GS_AL + 16 + GS_QB)  // (attn_cuda.py's gsv_smem)
-
-extern "C" __global__ void __launch_bounds__(32 * NG, GS_MINB)
-attn_verify_gs(ATTN_ARGS) {
-  extern __shared__ __align__(16) unsigned char dsm[];
-  {
-    u32 dyn;
-    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
-    if (dyn < (u32)GS_SMEM) __trap();
-  }
-  U4* spart = (U4*)(dsm + VDEPTH * STAGE_BYTES);       // [group][m tile][lane][2]
-  U4* psm = (U4*)((unsigned char*)spart + GS_SPART);   // [m tile][lane]
-  F2* alsm = (F2*)((unsigned char*)psm + GS_PA);  // [m tile][lane]
-  F2* lsm = alsm + GS_MT * 32;                  // [m tile][lane]
-  int* moved = (int*)(lsm + GS_MT * 32);               // [m tile] (16 bytes)
-#if GS_QSMEM
-  U4* qsm = (U4*)((unsigned char*)moved + 16);  // [group][m tile][j][lane]
-#endif
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;  // warp = the scale group of A and C
-  const int g = lane >> 2, c = lane & 3;
-  const int s = blockIdx.x;
-  const int b = blockIdx.y / HKV, hkv = blockIdx.y % HKV;
-  const int rows = T * G, r0 = blockIdx.z * 16 * GS_MT;
-  const int mtn = min(GS_MT, (rows - r0 + 15) / 16);  // this block's m tiles
-#if GS_QSMEM
-  u32 qa[1][4][4];
-#define GS_Q(mt) qa[0]
-#else
-  u32 qa[GS_MT][4][4];  // group `warp`'s A fragments of each m tile
-#define GS_Q(mt) qa[mt]
-#endif
-  int rlo[GS_MTW][2] = {}, rhi[GS_MTW][2] = {};  // key ranges of the rows of the warp's softmax tiles
-#pragma unroll
-  for (int mt = 0; mt < GS_MT; ++mt) {
-    int lo2[2], hi2[2];
-    verify_rows<1>(VERIFY_ROW_ARGS, r0 + 16 * mt, g, c, warp, lo2, hi2,
-                   reinterpret_cast<u32(&)[1][4][4]>(GS_Q(mt)));
-#if GS_QSMEM
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-      qsm[((warp * GS_MT + mt) * 4 + j) * 32 + lane] = U4{qa[0][j][0], qa[0][j][1], qa[0][j][2], qa[0][j][3]};
-#endif
-#pragma unroll
-    for (int k = 0; k < GS_MTW; ++k)
-      if (mt == warp + k * NG)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          rlo[k][h] = lo2[h];
-          rhi[k][h] = hi2[h];
-        }
-  }
-  VERIFY_WALK(r0 + 16 * GS_MT);
-  const u32 sm0 = smem_addr(dsm);
-  auto issue = [&](int step) { verify_issue<32 * NG>(step, nsteps, ulo, uhi, kb, vb, ksb, vsb, sm0); };
-
-  float o[GS_MT][4][2][4];  // group `warp`'s O n tiles of each m tile (attn_verify's o[warp])
-#pragma unroll
-  for (int mt = 0; mt < GS_MT; ++mt)
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-#pragma unroll
-      for (int e = 0; e < 8; ++e) o[mt][i][e >> 2][e & 3] = 0.f;
-  float m[GS_MTW][2], lp[GS_MTW][2][2];
-#pragma unroll
-  for (int k = 0; k < GS_MTW; ++k)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      m[k][h] = NEG_INF;
-      lp[k][h][0] = lp[k][h][1] = 0.f;
-    }
-
-#pragma unroll 1
-  for (int e = 0; e < VDEPTH - 1; ++e) issue(e);
-#pragma unroll 1
-  for (int step = 0; step < nsteps; ++step) {
-    cp_wait();
-    __syncthreads();  // the step's stage is in; C of the step before is done with P, the rescales and the stage
-    issue(step + VDEPTH - 1);
-    const int buf = step % VDEPTH, start = ulo + step * STEP;
-    const signed char* ks = (const signed char*)dsm + buf * STAGE_BYTES;
-    const signed char* vs = ks + STEP * KSTR;
-    const u16* kss = (const u16*)(vs + STEP * VSTR);
-    const u16* vss = kss + STEP * NG;
-    {  // A
-      const U4 k0 = *(const U4*)(ks + g * KSTR + 64 * warp + 16 * c);
-      const U4 k1 = *(const U4*)(ks + (g + 8) * KSTR + 64 * warp + 16 * c);
-      float acc[GS_MT][2][4];
-#pragma unroll
-      for (int mt = 0; mt < GS_MT; ++mt)
-#pragma unroll
-        for (int e = 0; e < 8; ++e) acc[mt][e >> 2][e & 3] = 0.f;
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        u32 a[4];
-        k_frag(word4(k0, j), word4(k1, j), a);
-#pragma unroll
-        for (int mt = 0; mt < GS_MT; ++mt)
-          if (mt < mtn) {
-#if GS_QSMEM
-            const U4 q = qsm[((warp * GS_MT + mt) * 4 + j) * 32 + lane];
-#else
-            const U4 q = U4{qa[mt][j][0], qa[mt][j][1], qa[mt][j][2], qa[mt][j][3]};
-#endif
-            mma(acc[mt][0], q.x, q.y, q.z, q.w, a[0], a[2]);
-            mma(acc[mt][1], q.x, q.y, q.z, q.w, a[1], a[3]);
-          }
-      }
-#pragma unroll
-      for (int mt = 0; mt < GS_MT; ++mt)
-        if (mt < mtn) {
-          U4* dst = spart + ((warp * GS_MT + mt) * 32 + lane) * 2;
-          dst[0] = U4{__float_as_uint(acc[mt][0][0]), __float_as_uint(acc[mt][0][1]), __float_as_uint(acc[mt][0][2]),
-                      __float_as_uint(acc[mt][0][3])};
-          dst[1] = U4{__float_as_uint(acc[mt][1][0]), __float_as_uint(acc[mt][1][1]), __float_as_uint(acc[mt][1][2]),
-                      __float_as_uint(acc[mt][1][3])};
-        }
-    }
-    __syncthreads();  // every group's sums are in
-#pragma unroll
-    for (int k = 0; k < GS_MTW; ++k) {  // B
-      const int mt = warp + k * NG;
-      if (mt >= mtn) continue;
-      float sv[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-#pragma unroll
-      for (int gr = 0; gr < NG; ++gr) {
-        const U4* src = spart + ((gr * GS_MT + mt) * 32 + lane) * 2;
-        const U4 x = src[0], y = src[1];
-        const float acc0[4] = {__uint_as_float(x.x), __uint_as_float(x.y), __uint_as_float(x.z), __uint_as_float(x.w)};
-        const float acc1[4] = {__uint_as_float(y.x), __uint_as_float(y.y), __uint_as_float(y.z), __uint_as_float(y.w)};
-        verify_scale(sv, acc0, acc1, kss, gr, c);
-      }
-      float al[2];
-      u32 pa[4];
-      const bool any = verify_softmax(sv, start, rlo[k], rhi[k], qk_scale, c, m[k], lp[k], al, pa);
-      psm[mt * 32 + lane] = U4{pa[0], pa[1], pa[2], pa[3]};
-      alsm[mt * 32 + lane] = F2{al[0], al[1]};
-      if (lane == 0) moved[mt] = any;
-    }
-    __syncthreads();  // P, the rescales and the flags are in
-    {  // C
-      const U2 x = *(const U2*)(vs + 2 * c * VSTR + 64 * warp + 8 * g);
-      const U2 y = *(const U2*)(vs + (2 * c + 1) * VSTR + 64 * warp + 8 * g);
-      const U2 xb = *(const U2*)(vs + (2 * c + 8) * VSTR + 64 * warp + 8 * g);
-      const U2 yb = *(const U2*)(vs + (2 * c + 9) * VSTR + 64 * warp + 8 * g);
-      const u32 s01 = pair16(vss[2 * c * NG + warp], vss[(2 * c + 1) * NG + warp]);
-      const u32 s89 = pair16(vss[(2 * c + 8) * NG + warp], vss[(2 * c + 9) * NG + warp]);
-      U4 pa[GS_MT];
-#pragma unroll
-      for (int mt = 0; mt < GS_MT; ++mt)
-        if (mt < mtn) {
-          pa[mt] = psm[mt * 32 + lane];
-          if (moved[mt]) {
-            const F2 al = alsm[mt * 32 + lane];
-#pragma unroll
-            for (int i = 0; i < 4; ++i)
-#pragma unroll
-              for (int hh = 0; hh < 2; ++hh) {
-                float* acc = o[mt][i][hh];
-                acc[0] *= al.x;
-                acc[1] *= al.x;
-                acc[2] *= al.y;
-                acc[3] *= al.y;
-              }
-          }
-        }
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        u32 a[4];
-        v_frag(x, y, xb, yb, s01, s89, i, a);
-#pragma unroll
-        for (int mt = 0; mt < GS_MT; ++mt)
-          if (mt < mtn) {
-            mma(o[mt][i][0], pa[mt].x, pa[mt].y, pa[mt].z, pa[mt].w, a[0], a[2]);
-            mma(o[mt][i][1], pa[mt].x, pa[mt].y, pa[mt].z, pa[mt].w, a[1], a[3]);
-          }
-      }
-    }
-  }
-  // the rows' sums and log2-sum-exp by the softmax warps, then each warp's head dims of every row
-#pragma unroll
-  for (int k = 0; k < GS_MTW; ++k) {
-    const int mt = warp + k * NG;
-    if (mt >= mtn) continue;
-    float l[2];
-    float* unused[2];
-    verify_finish(lp[k], m[k], r0 + 16 * mt + g, c, rows, rlo[k], rhi[k], b, T, H, hkv, G, NUM_SPLITS, s, OP, LSE, l,
-                  unused);
-    lsm[mt * 32 + lane] = F2{l[0], l[1]};
-  }
-  __syncthreads();
-#pragma unroll
-  for (int mt = 0; mt < GS_MT; ++mt) {
-    if (mt >= mtn) continue;
-    const F2 l2 = lsm[mt * 32 + lane];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int r = r0 + 16 * mt + g + 8 * h;
-      if (r >= rows) continue;
-      int lo, hi;
-      key_range((int)load_index(QPOS, b * spb + (r / G) * spt, POS64), s, CHUNK, MIN_CHUNK, NUM_SPLITS, KV_LEN, lo,
-                hi);
-      if (hi <= lo) continue;  // no keys of the row in this split: the combine skips it
-      const float l = h ? l2.y : l2.x;
-      float* dst = OP + (((long long)(b * T + r / G) * H + hkv * G + r % G) * NUM_SPLITS + s) * HD;
-      float v[16];  // head dims 64 warp + 16 c + (0 .. 15)
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          v[2 * i + hh] = o[mt][i][hh][2 * h] / l;
-          v[8 + 2 * i + hh] = o[mt][i][hh][2 * h + 1] / l;
-        }
-#pragma unroll
-      for (int q = 0; q < 4; ++q)
-        *(U4*)(dst + 64 * warp + 16 * c + 4 * q) = U4{__float_as_uint(v[4 * q]), __float_as_uint(v[4 * q + 1]),
-                                                      __float_as_uint(v[4 * q + 2]), __float_as_uint(v[4 * q + 3])};
-    }
-  }
-}
-#undef GS_Q
-#endif  // GSV
 
 #if WGV
 // ---------------------------------------------------------------------------------------------------------------
@@ -1165,8 +904,13 @@ attn_verify_wg(ATTN_ARGS) {
   const int rows = T * G, r0 = blockIdx.z * 64;
   int rlo[2], rhi[2];
   u32 qa[NG][4][4];
-  verify_rows<NG>(VERIFY_ROW_ARGS, r0 + 16 * warp, g, c, 0, rlo, rhi, qa);
-  VERIFY_WALK(r0 + 64);
+  verify_rows(VERIFY_ROW_ARGS, r0 + 16 * warp, g, c, rlo, rhi, qa);
+  int ulo, uhi;
+  if (!verify_union(VERIFY_ROW_ARGS, r0 + 64, ulo, uhi)) return;  // uniform over the block
+  const signed char *kb, *vb;
+  const u16 *ksb, *vsb;
+  verify_cache(VERIFY_CACHE_ARGS, kb, vb, ksb, vsb);
+  const int nsteps = (uhi - ulo + STEP - 1) / STEP;
   const u32 sm0 = smem_addr(dsm);
   unsigned char* kp = dsm + VDEPTH * STAGE_BYTES;
   unsigned char* vp = kp + WGV_KB;

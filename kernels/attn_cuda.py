@@ -89,21 +89,15 @@ def set_build_defines(defines: dict[str, int] | None = None) -> None:
 _SWITCH = {"on": os.environ.get("NINFER_BENCH_ATTN", "").strip().lower() != "triton"}
 
 
-VERIFY_KERNELS = ("mma", "wgmma", "groups")  # what may take T > 1 calls: attn_verify (the default), attn_verify_wg,
-# attn_verify_gs
-# attn_verify_gs's build: q's fragments in shared memory, 3 stages, 3 blocks an SM (ptxas, sm_90, hd 256: 168
-# registers, 4 bytes spilled; with q in registers 230 at 2 blocks), up to GS_MT = 3 m tiles (48 rows) a block
-GS_BUILD = {"GS_QSMEM": 1, "VDEPTH": 3, "GS_MINB": 3, "GS_MT": 3}
+VERIFY_KERNELS = ("mma", "wgmma")  # what may take T > 1 calls: attn_verify (the default), attn_verify_wg
 
 
 def env_verify_kernel() -> str:
-    """NINFER_BENCH_ATTN_VERIFY: which kernel takes T > 1 calls, ``mma`` (attn_verify, the default), ``wgmma``
-    (attn_verify_wg on an sm_90 GPU: the same products, sums and order, with K and V made into fp16 once a block) or
-    ``groups`` (attn_verify_gs: the same, a step's work split among a block's warps by scale group, so each code is
-    made into fp16 once a block)."""
+    """NINFER_BENCH_ATTN_VERIFY: which kernel takes T > 1 calls, ``mma`` (attn_verify, the default) or ``wgmma``
+    (attn_verify_wg on an sm_90 GPU: the same products, sums and order, with K and V made into fp16 once a block)."""
     raw = os.environ.get("NINFER_BENCH_ATTN_VERIFY", "mma").strip().lower()
     if raw not in VERIFY_KERNELS:
-        raise ValueError(f"NINFER_BENCH_ATTN_VERIFY: expected mma (the default), wgmma or groups, got {raw!r}")
+        raise ValueError(f"NINFER_BENCH_ATTN_VERIFY: expected mma (the default) or wgmma, got {raw!r}")
     return raw
 
 
@@ -111,10 +105,10 @@ _VERIFY = {"kernel": env_verify_kernel()}
 
 
 def set_verify_kernel(kernel: str) -> None:
-    """T > 1 calls from now on through ``mma`` (attn_verify), ``wgmma`` (attn_verify_wg, sm_90 only; elsewhere
-    attn_verify) or ``groups`` (attn_verify_gs)."""
+    """T > 1 calls from now on through ``mma`` (attn_verify) or ``wgmma`` (attn_verify_wg, sm_90 only; elsewhere
+    attn_verify)."""
     if kernel not in VERIFY_KERNELS:
-        raise ValueError(f"attn_cuda: the verify kernel is mma, wgmma or groups, got {kernel!r}")
+        raise ValueError(f"attn_cuda: the verify kernel is mma or wgmma, got {kernel!r}")
     _VERIFY["kernel"] = kernel
 
 
@@ -219,11 +213,10 @@ def _builds(defines: tuple) -> tuple[tuple, tuple]:
 
 @functools.cache
 def _kernels(hd: int, half: bool, pos64: bool, slot64: bool, device_index: int,
-             defines: tuple = (), wgv: bool = False, gsv: bool = False) -> tuple[object, ...]:
-    """(attn_split, narrow attn_verify, wide attn_verify[, attn_verify_wg | attn_verify_gs]) built and loaded at once:
-    a T = 8 verify's first launch may come inside a CUDA-graph capture, after only T = 1 steps ran eagerly, and must
-    not compile or load a module. ``wgv``: also attn_verify_wg (sm_90a, through NVRTC: _cupy.arch_kernel); ``gsv``:
-    also attn_verify_gs (its own module: GSV=1 and :func:`gs_build`'s defines)."""
+             defines: tuple = (), wgv: bool = False) -> tuple[object, ...]:
+    """(attn_split, narrow attn_verify, wide attn_verify[, attn_verify_wg]) built and loaded at once: a T = 8 verify's
+    first launch may come inside a CUDA-graph capture, after only T = 1 steps ran eagerly, and must not compile or
+    load a module. ``wgv``: also attn_verify_wg (sm_90a, through NVRTC: _cupy.arch_kernel)."""
     import cupy
 
     out, source = [], _SOURCE.read_text()
@@ -245,14 +238,6 @@ def _kernels(hd: int, half: bool, pos64: bool, slot64: bool, device_index: int,
                                    "90a", "attn_verify_wg", device_index)
             wg.max_dynamic_shared_size_bytes = wgv_smem(hd, build)
             out.append(wg)
-        elif gsv:
-            module = cupy.RawModule(code=source, backend="nvrtc",
-                                    options=(*_options(hd, half, pos64, slot64, gs_build(defines)), "-DGSV=1"))
-            gs = module.get_function("attn_verify_gs")
-            gs.max_dynamic_shared_size_bytes = gsv_smem(hd, gs_build(defines))
-            if not gs.kernel.ptr:
-                raise RuntimeError("attn_cuda: attn_verify_gs did not load")
-            out.append(gs)
     return tuple(out)
 
 
@@ -265,20 +250,6 @@ def wgv_smem(hd: int, defines: tuple = ()) -> int:
     """Bytes of dynamic shared memory an attn_verify_wg block takes: the source's WGV_SMEM (VDEPTH stages of raw codes
     and scales, then K' and V', the step's fp16 operands)."""
     return verify_smem(hd, 1, tuple(sorted({**dict(defines), "QSMEM": 0}.items()))) + (hd // 64) * 4 * 512 + hd * 32
-
-
-def gs_build(defines: tuple = ()) -> tuple:
-    """attn_verify_gs's defines: :data:`GS_BUILD` under the process's extra ``defines`` (tuning)."""
-    return tuple(sorted({**GS_BUILD, **dict(defines)}.items()))
-
-
-def gsv_smem(hd: int, build: tuple) -> int:
-    """Bytes of dynamic shared memory an attn_verify_gs block takes: the source's GS_SMEM (VDEPTH stages, the groups'
-    sums, P's fragments, the rescales and sums, the flags, then q's fragments under GS_QSMEM)."""
-    d = dict(build)
-    ng, mt = hd // 64, d["GS_MT"]
-    return (verify_smem(hd, 1, tuple(sorted({**d, "QSMEM": 0}.items()))) + ng * mt * 32 * 32 + mt * 32 * 16
-            + 2 * mt * 32 * 8 + 16 + (ng * mt * 4 * 32 * 16 if d["GS_QSMEM"] else 0))
 
 
 def _wgv_wanted(device_index: int) -> bool:
@@ -321,18 +292,13 @@ def split(q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, qk_scale: float, 
     dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
     defines = _BUILD["defines"]
     wgv = _wgv_wanted(dev)
-    gsv = not wgv and _VERIFY["kernel"] == "groups"
     one, narrow, wide, *wg = _kernels(hd, q.dtype == torch.float16, q_pos.dtype == torch.int64,
-                                      slots.dtype == torch.int64, dev, defines, wgv, gsv)
+                                      slots.dtype == torch.int64, dev, defines, wgv)
     if t == 1:
         kern, grid, block, smem = one, (splits, b * hkv, 1), (32,), 0
     elif wgv:  # one warpgroup a block: 64 of the T x G rows
         kern, grid, block = wg[0], (splits, b * hkv, -(-(t * (h // hkv)) // 64)), (128,)
         smem = wgv_smem(hd, _builds(defines)[0])
-    elif gsv:  # a warp a scale group, up to GS_MT m tiles of the T x G rows a block
-        build = gs_build(defines)
-        kern, grid, block = wg[0], (splits, b * hkv, -(-(t * (h // hkv)) // (16 * dict(build)["GS_MT"]))), (hd // 2,)
-        smem = gsv_smem(hd, build)
     else:
         warps, blocks = verify_grid(t, h // hkv, cfg.verify_warps)
         w = warps > NARROW_WARPS

@@ -134,8 +134,6 @@
 #            the CUDA kernel (attn_split at T = 1, attn_verify above) beside the Triton one at 8K / 65K keys,
 #            T = 1 / 8, B = 1 / 8
 #   wgv      the verify attention on wgmma (attn_verify_wg): its CUDA tests, the int8 cases with each verify kernel
-#   gsv      the verify attention split by scale group (attn_verify_gs): its CUDA tests, the 27B int8 cases with
-#            attn_verify and each attn_verify_gs build (GSV_BUILDS)
 #   cattn27  decode -p CATTN_P (2991,65000) -n 128 on the 27B synthetic with the CUDA attention (the default) and with
 #            NINFER_BENCH_ATTN=triton, ours only: decode after a long prompt against a short one, either kernel
 #   hashes   the token hashes a refactor must keep: the README's main command (timed), the bundled model's plain and
@@ -774,7 +772,7 @@ PY
              # plain and DFlash2 K=7 replayed decode with the wgmma verify (its "= plain" column: the tokens agree)
              mkdir -p "$OUT/wgv"
              [ "${WGV_TESTS:-1}" = 0 ] || timeout ${TESTS_S:-200} python3 -m pytest -q -p no:cacheprovider -rf \
-               --tb=line tests/test_kernels_attn_cuda.py -k "wgmma or verify_kernel or tokens_and_rows" 2>&1 \
+               --tb=line tests/test_kernels_attn_cuda.py -k "wgmma_verify or verify_kernel or tokens_and_rows" 2>&1 \
                | tee "$OUT/wgv/tests.log" | grep -E "^(FAILED|ERROR)|passed|failed|Error" | head -20
              C=int8:8192:1:1,int8:8192:1:8,int8:65536:1:1,int8:65536:1:4,int8:65536:1:8,int8:65536:8:8
              for K in mma wgmma; do echo "--- verify kernel $K"
@@ -785,20 +783,6 @@ PY
                NINFER_BENCH_ATTN_VERIFY=wgmma nb decode $M27 --spec none,dflash2:7 --replay-acceptance seed -n 64 \
                  --json "$OUT/wgv/d27-wgmma" 2>&1 | tail -8
              fi ;;
-    gsv)     # issue 32 item 3: the verify attention split by scale group (kernels/attn_cuda.cu attn_verify_gs,
-             # NINFER_BENCH_ATTN_VERIFY=groups: a warp a group of 64 head dims, each code made into fp16 once a block):
-             # its CUDA tests (bits against attn_verify's, which are the T = 1 steps'), then the 27B shape's int8
-             # cases (GSV_CASES) with each GSV_BUILDS entry (label|verify kernel|NINFER_BENCH_ATTN_BUILD)
-             mkdir -p "$OUT/gsv"
-             [ "${GSV_TESTS:-1}" = 0 ] || timeout ${TESTS_S:-200} python3 -m pytest -q -p no:cacheprovider -rf \
-               --tb=short tests/test_kernels_attn_cuda.py -k "groups or verify_kernel or rows_a_verify" 2>&1 \
-               | tee "$OUT/gsv/tests.log" | grep -E "^(FAILED|ERROR)|passed|failed|rror" | head -20
-             C=int8:8192:1:1,int8:8192:1:8,int8:65536:1:1,int8:65536:1:4,int8:65536:1:8,int8:65536:8:8
-             for B in ${GSV_BUILDS-"mma|mma|" "groups|groups|" "qreg|groups|GS_QSMEM=0:GS_MINB=2:VDEPTH=4"}; do
-               L=${B%%|*}; R=${B#*|}; echo "--- verify kernel $L (${R%%|*}, build '${R#*|}')"
-               NINFER_BENCH_ATTN_VERIFY=${R%%|*} NINFER_BENCH_ATTN_BUILD=${R#*|} timeout ${STAGE_S:-150} \
-                 python3 scripts/bench_attention.py --no-sweep --no-peer --cases ${GSV_CASES:-$C} 2>&1 \
-                 | tee "$OUT/gsv/bench-$L.log" | grep -v "^resources" | tail -14; done ;;
     cattn27) for attn in cuda triton; do
                NINFER_BENCH_ATTN=$attn nb decode $M27 -p ${CATTN_P:-2991,65000} -n ${PLEN_N:-128} --repeats 2 \
                  --json "$OUT/cattn27-$attn" 2>&1 | tail -8 | sed "s|^|$attn: |"

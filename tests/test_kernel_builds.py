@@ -174,7 +174,4 @@ def test_every_attention_build_passes_the_source_checks():
             builds[attn_cuda._options(hd, half, pos64, slot64, build)] = (hd, half, pos64, slot64, build)
         wgv = (*attn_cuda._options(hd, half, pos64, slot64, attn_cuda._builds(())[0]), "-DWGV=1")
         builds[wgv] = (hd, half, pos64, slot64, "wgv")
-        for extra in ((), (("GS_QSMEM", 0), ("GS_MINB", 2), ("VDEPTH", 4)), (("GS_MT", 1),)):
-            gsv = (*attn_cuda._options(hd, half, pos64, slot64, attn_cuda.gs_build(extra)), "-DGSV=1")
-            builds[gsv] = (hd, half, pos64, slot64, "gsv", extra)
     assert _refused(KERNELS / "attn_cuda.cu", builds) == []

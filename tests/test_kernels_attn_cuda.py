@@ -40,8 +40,6 @@ SHAPES = {
     "T8-g6-hd64-edge": (1, 8, 6, 1, 64, [516], 2, 4096),
     "T4-g6-hd64-edge": (2, 4, 6, 1, 64, [514, 1500], 3, 4096),
     "T8-g6-hd256-edge": (1, 8, 24, 4, 256, [1028], 2, 8192),
-    # 54 rows: attn_verify_gs's second block of a (split, kv head) takes the last 6
-    "T9-g6-hd128": (1, 9, 12, 2, 128, [150], 2, 160),
 }
 
 
@@ -113,22 +111,20 @@ needs_wgv = pytest.mark.skipif(not (attn_cuda.available() and at.triton_availabl
                                reason="attn_verify_wg needs an sm_90 GPU, cupy and triton")
 
 
-@pytest.mark.parametrize("kernel", [pytest.param("wgmma", marks=needs_wgv), pytest.param("groups", marks=gpu)])
+@needs_wgv
 @pytest.mark.parametrize("shape", ["T8-g6-hd256", "T9-g2-hd192", "T3-g8-hd128", "T4-g6-hd256", "T16-g1-hd64",
-                                   "T2-g6-hd64", "T8-g6-hd64-edge", "T4-g6-hd64-edge", "T8-g6-hd256-edge",
-                                   "T9-g6-hd128"])
+                                   "T2-g6-hd64", "T8-g6-hd64-edge", "T4-g6-hd64-edge", "T8-g6-hd256-edge"])
 @pytest.mark.parametrize("split", ["plan", "many"])
-def test_other_verify_kernels_give_the_verify_bits(kernel, shape, split, monkeypatch):
+def test_wgmma_verify_gives_the_verify_bits(shape, split, monkeypatch):
     """attn_verify_wg (NINFER_BENCH_ATTN_VERIFY=wgmma: one warpgroup a block, K and V made into fp16 once a step for
-    all its rows, wgmma) and attn_verify_gs (groups: a warp a scale group, each code made into fp16 once a block)
-    give attn_verify's bits - which are the T = 1 steps' (the test above) - for every shape, split plan and row of a
-    batch, in bf16 and fp16."""
+    all its rows, wgmma) gives attn_verify's bits - which are the T = 1 steps' (the test above) - for every shape,
+    split plan and row of a batch, in bf16 and fp16."""
     for q_dtype in (torch.bfloat16, torch.float16):
         c = half_case(shape, q_dtype, seed=9)
         cfg = many_splits(c) if split == "many" else None
         monkeypatch.setitem(attn_cuda._VERIFY, "kernel", "mma")
         want = at.decode_attention(**c, config=cfg)
-        monkeypatch.setitem(attn_cuda._VERIFY, "kernel", kernel)
+        monkeypatch.setitem(attn_cuda._VERIFY, "kernel", "wgmma")
         got = at.decode_attention(**c, config=cfg)
         ref = at.decode_attention_ref(**{**c, "q": c["q"].float()})
         differ = 100 * (got != want).float().mean().item()
@@ -275,27 +271,18 @@ def test_short_min_steps_knob(monkeypatch):
 
 
 def test_verify_kernel_knob(monkeypatch):
-    """NINFER_BENCH_ATTN_VERIFY picks the T > 1 kernel: mma (the default), wgmma or groups; anything else is refused
-    by name, and a run records it. attn_verify_wg's shared memory: attn_verify's stages, then K' (512 bytes a scale
-    group and 16-dim chunk) and V' (32 bytes a head dim); attn_verify_gs's: its stages, then per m tile the groups'
-    sums (1 KB a group), P's fragments (512 bytes), rescales and sums (2 x 256 bytes), 16 bytes of flags and, under
-    GS_QSMEM, q's fragments (2 KB a group)."""
+    """NINFER_BENCH_ATTN_VERIFY picks the T > 1 kernel: mma (the default) or wgmma; anything else is refused by name,
+    and a run records it. attn_verify_wg's shared memory: attn_verify's stages, then K' (512 bytes a scale group and
+    16-dim chunk) and V' (32 bytes a head dim)."""
     monkeypatch.delenv("NINFER_BENCH_ATTN_VERIFY", raising=False)
     assert attn_cuda.env_verify_kernel() == "mma"
     monkeypatch.setenv("NINFER_BENCH_ATTN_VERIFY", " WGMMA ")
     assert attn_cuda.env_verify_kernel() == "wgmma"
-    monkeypatch.setenv("NINFER_BENCH_ATTN_VERIFY", "groups")
-    assert attn_cuda.env_verify_kernel() == "groups"
     monkeypatch.setenv("NINFER_BENCH_ATTN_VERIFY", "tma")
     with pytest.raises(ValueError, match="NINFER_BENCH_ATTN_VERIFY"):
         attn_cuda.env_verify_kernel()
-    with pytest.raises(ValueError, match="mma, wgmma or groups"):
+    with pytest.raises(ValueError, match="mma or wgmma"):
         attn_cuda.set_verify_kernel("fast")
-    gs = attn_cuda.gs_build()
-    assert dict(gs)["GS_MT"] == 3 and dict(attn_cuda.gs_build((("GS_MT", 2),)))["GS_MT"] == 2
-    stages = attn_cuda.verify_smem(256, 1, (("VDEPTH", dict(gs)["VDEPTH"]),))
-    assert attn_cuda.gsv_smem(256, gs) == stages + 3 * (4 * 1024 + 512 + 512) + 16 + (3 * 4 * 2048
-                                                                                      if dict(gs)["GS_QSMEM"] else 0)
     assert attn_cuda.wgv_smem(256) == attn_cuda.verify_smem(256, 1) + 4 * 4 * 512 + 256 * 32
     assert attn_cuda.wgv_smem(64, (("VDEPTH", 3),)) == attn_cuda.verify_smem(64, 1, (("VDEPTH", 3),)) + 2048 + 2048
     from ninfer_bench.reports.schema import environment
