@@ -256,6 +256,11 @@ def decode_table(doc: dict) -> Table:
                                                      else " ([bold red]ignore_eos not honoured[/])"))]
     if doc["config"].get("inject_delay_us"):
         rows.append(("injected delay / step (testing)", f"{doc['config']['inject_delay_us']:g} µs"))
+    c = doc["config"]
+    if c.get("warmup") == 0 and str(c.get("device", "")).startswith("cuda"):  # a cold run's times are not steady
+        rows.append(("warm-up", "[bold yellow]none: the times include first-use compiles and graph captures[/]"))
+    elif c.get("warmup_prompt"):
+        rows.append(("warm-up", f"{c['warmup']} on a {c['warmup_prompt']:,}-token prompt"))
     if s.get("plain"):  # a speculative run against plain decoding on the same load
         p = s["plain"]
         rows += [("plain decode tok/s (same load)", fmt(p["decode_tok_s"], ".1f")),

@@ -325,6 +325,18 @@ def test_warmup_prompt_warms_up_on_a_short_prompt_and_times_the_long_one(monkeyp
     assert seen == [[12], [12], [60]]
     doc = json.loads(out.read_text())
     assert doc["config"]["warmup_prompt"] == 12 and doc["summary"]["prompt_tokens"] == 60
+    assert "2 on a 12-token prompt" in r.output  # the table says how the run was warmed up
+    from ninfer_bench.cli.suites import decode_table
+    from rich.console import Console
+
+    def rendered(config):
+        console = Console(width=200, record=True)
+        console.print(decode_table({**doc, "config": {**doc["config"], **config}}))
+        return console.export_text()
+
+    assert "first-use compiles" in rendered({"warmup": 0, "warmup_prompt": None, "device": "cuda:0"})
+    assert "warm-up" not in rendered({"warmup": 0, "warmup_prompt": None, "device": "cpu"})  # nothing compiled at first use
+    assert "warm-up" not in rendered({"warmup": 1, "warmup_prompt": None, "device": "cuda:0"})
     seen.clear()
     run_decode(DecodeOptions.make(**dict(BASE, warmup=1), prompt_length=30))  # without it: the timed prompt
     assert seen == [[30], [30]]
