@@ -102,7 +102,8 @@ def repeats_count(ctx, param, value) -> int | str:
 @click.option("--warmup", type=int, default=1, show_default=True)
 @click.option("--warmup-prompt", type=int, default=None, metavar="N",
               help="Warm up on a prompt of N tokens cut from the shipped code text instead of the timed prompt: a "
-                   "long-context run (-p 262016) warms its kernels and graphs without prefilling twice.")
+                   "long-context run (-p 262016) warms what depends on the engine's capacity (decode graphs, "
+                   "kernels) without prefilling twice; what only the long prompt reaches stays cold.")
 @click.option("--label", default=None, callback=run_label,
               help="Label of this run in reports [default: runtime-spec-k; with several runs, a prefix of each "
                    "run's label].")

@@ -130,7 +130,7 @@ def kernel_options(fmt_id: int, half: bool, even: bool, unroll: int, min_blocks:
                    xl1: bool = True, stages: int = 0, wgmma: int = 0,
                    defines: tuple[tuple[str, int], ...] = ()) -> tuple[str, ...]:
     """The source's compile options for one build (NVRTC's; a C preprocessor given them evaluates the source's
-    static checks, its ``#error`` lines, as NVRTC does: tests/test_qmv_builds.py)."""
+    static checks, its ``#error`` lines, as NVRTC does: tests/test_kernel_builds.py)."""
     options = ("-std=c++17", f"-DFMT={fmt_id}", f"-DHALF={int(half)}", f"-DEVEN={int(even)}",
                f"-DUNROLL={unroll}", f"-DMIN_BLOCKS={min_blocks}", f"-DXLATE={int(xlate)}",
                f"-DPIPE={int(pipe)}", f"-DFOLD={int(fold)}", f"-DPDL={int(pdl)}",

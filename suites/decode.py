@@ -93,8 +93,9 @@ class DecodeOptions:
     repeats_budget_s: float | None = None  # "auto": seconds of timed repeats at most (default 60)
     warmup: int = 1
     warmup_prompt: int | None = None  # the warm-ups' prompt: this many tokens cut from the shipped code text (None:
-    #                                   the timed runs' first prompt). A long prompt's run warms its kernels, graphs and
-    #                                   buffers at the engine's capacity without prefilling the long prompt twice
+    #                                   the timed runs' first prompt). It warms what depends on the engine's capacity
+    #                                   (decode graphs, kernels built for it) without prefilling a long prompt twice;
+    #                                   what only the long prompt reaches (its later prefill chunks) stays cold
     label: str | None = None
     seed: int = 0
     llamacpp_gguf: str | None = None  # --engine llamacpp: this GGUF export of the weights (checked) instead of a new one
@@ -543,7 +544,8 @@ def run_decode(opts: DecodeOptions, progress=None, loaded=None, references=None,
     # the warm-up covers every length the timed runs reach on a GPU (kernels compiled and buffers grown for the
     # longest keys first: a 64-token warm-up left MTP's first 256-token repeat 11x slower on the H200); on a CPU,
     # with nothing compiled at first use, 64 tokens
-    # (--warmup-prompt: a prompt of that many tokens instead of the first, e.g. a short one before a 262K-token run)
+    # (--warmup-prompt: a prompt of that many tokens instead, e.g. a short one before a 262K-token run: what only the
+    # long prompt reaches stays cold, which that option trades for not prefilling it twice)
     cuda = torch.device(runner.device).type == "cuda"
     warm = dataclasses.replace(opts, max_new_tokens=opts.max_new_tokens if cuda else min(opts.max_new_tokens, 64))
     warm_prompts = [code_prompt(runner.tokenizer, opts.warmup_prompt)] if opts.warmup_prompt else prompts[:1]

@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,19 @@ KERNELS = Path(qmv_cuda.__file__).parent
 FMTS = ("q8_g32_fp16", "q5_g64_fp16", "q4_g64_fp16", qmv_cuda.DENSE_FMT)
 SM90, SM80 = (9, 0), (8, 0)
 SMS = 132
+
+
+@contextmanager
+def _wide_tables(tables: dict):
+    """qmv_cuda._WIDE (NINFER_BENCH_QMV_WIDE's entries) set to ``tables`` for the block, then restored."""
+    saved = dict(qmv_cuda._WIDE)
+    qmv_cuda._WIDE.clear()
+    qmv_cuda._WIDE.update(tables)
+    try:
+        yield
+    finally:
+        qmv_cuda._WIDE.clear()
+        qmv_cuda._WIDE.update(saved)
 
 
 def _preprocess(source: Path, options: tuple[str, ...]) -> subprocess.CompletedProcess:
@@ -50,10 +64,7 @@ def _refused(source: Path, builds: dict[tuple[str, ...], object]) -> list[str]:
 def _qmv_builds(tables: dict, wg_defines: tuple = ()) -> dict[tuple[str, ...], object]:
     """The distinct compile options of every launch qmv accepts over a grid of inputs and keywords, with the
     process tables ``tables`` (qmv_cuda._WIDE's entries, NINFER_BENCH_QMV_WIDE's) in force."""
-    saved = dict(qmv_cuda._WIDE)
-    qmv_cuda._WIDE.clear()
-    qmv_cuda._WIDE.update(tables)
-    try:
+    with _wide_tables(tables):
         out = {}
         keywords = [{}, {"wgmma": 1}, {"wgmma": 2}, {"wgmma": 1, "stages": 3}, {"stages": 0}, {"stages": 4},
                     {"tiles": 2}, {"tiles": 3, "stages": 4, "min_blocks": 1}, {"xlate": True}, {"pipe": True},
@@ -74,9 +85,6 @@ def _qmv_builds(tables: dict, wg_defines: tuple = ()) -> dict[tuple[str, ...], o
                     b.ncol, b.tiles, True, b.stages, b.wgmma, b.defines)
                 out.setdefault(options, (fmt, t, layout, cap, even, kw, act, pdl))
         return out
-    finally:
-        qmv_cuda._WIDE.clear()
-        qmv_cuda._WIDE.update(saved)
 
 
 # the default tables, and tuning tables of the kind NINFER_BENCH_QMV_WIDE sets (wgmma and ring entries for every
@@ -126,10 +134,7 @@ def test_an_explicit_wgmma_launch_takes_its_own_build():
 
 
 def test_a_default_wgmma_build_falls_back_and_an_explicit_one_is_refused():
-    table = qmv_cuda._wide_builds("8q4:g1s4")
-    saved = dict(qmv_cuda._WIDE)
-    qmv_cuda._WIDE.update(table)
-    try:
+    with _wide_tables(qmv_cuda._wide_builds("8q4:g1s4")):
         assert qmv_cuda.launch_build("q4_g64_fp16", 34816, 64, 2, SM90, SMS, even=True).wgmma == 1
         for cap, layout, even, kw in ((SM80, 2, True, {}), (SM90, 1, True, {}), (SM90, 2, False, {}),
                                       (SM90, 2, True, {"fold": True})):
@@ -141,12 +146,12 @@ def test_a_default_wgmma_build_falls_back_and_an_explicit_one_is_refused():
         b = qmv_cuda.launch_build("q5_g64_fp16", 34816, 64, 2, SM90, SMS, even=True, wg_defines=tma,
                                   sections_aligned=False)
         assert b.wgmma == 0  # (8q5 has no wgmma entry here: the mma.sync default)
+        b = qmv_cuda.launch_build("q4_g64_fp16", 34816, 64, 2, SM90, SMS, even=True, wg_defines=tma,
+                                  sections_aligned=False)
+        assert b.wgmma == 0 and b.defines == ()  # 8q4's default wgmma build leaves misaligned sections to mma.sync
         with pytest.raises(ValueError, match="16-byte aligned"):
             qmv_cuda.launch_build("q4_g64_fp16", 34816, 64, 2, SM90, SMS, even=True, wg_defines=tma,
                                   sections_aligned=False, wgmma=1)
-    finally:
-        qmv_cuda._WIDE.clear()
-        qmv_cuda._WIDE.update(saved)
 
 
 def test_launch_build_refuses_what_qmv_refuses():
