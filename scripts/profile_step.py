@@ -161,6 +161,9 @@ def main() -> int:
     ap.add_argument("--rollback", default="recompute", choices=("recompute", "snapshot"))
     ap.add_argument("--host", action="store_true",
                     help="profile the host instead (cProfile of the same steps): where a host-bound step's time goes")
+    ap.add_argument("--by-op", type=int, default=0, metavar="N",
+                    help="also the N torch ops with the most GPU time of their own, each with the first line of this "
+                         "package under it (the profiler records Python stacks: slower, the kernel table unchanged)")
     ap.add_argument("--pdl-variants", default="",
                     help="comma list, each profiled for every --spec item in place of the engine's PDL defaults: "
                          "nopdl (no PDL), l1 / l2 (PDL in every graph, batched and speculative "
@@ -357,7 +360,7 @@ def profile_one(eng, args, drop, batch: int = 1, plain_tokens: list | None = Non
     if args.host:
         host_profile(run, args.steps, args.top)
         return {}
-    prof = profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU])
+    prof = profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU], with_stack=args.by_op > 0)
     pwall, psteps = run(args.steps, prof)
 
     per, intervals = cuda_kernels(prof)
@@ -374,6 +377,7 @@ def profile_one(eng, args, drop, batch: int = 1, plain_tokens: list | None = Non
     for name, (us, n, own) in rows[:args.top]:
         print(f"{name[:90]:90s} {own / psteps:8.1f} {us / psteps:9.1f} {n / psteps:10.1f} {us / n:8.2f} "
               f"{100 * own / psteps / busy:5.1f}%")
+    ops = op_table(prof, psteps, args.by_op) if args.by_op > 0 else []
     return {"model": args.model, "batch": batch, "spec": eng.options.spec, "draft_tokens": eng.options.draft_tokens,
             "sync": args.sync, "pdl": args.pdl, "side_stream": args.side_stream, "silu_epilogue": args.silu_epilogue,
             "cublas_dense": args.cublas_dense, "qmv_layout": args.qmv_layout, "draft_graphs": not args.eager_draft,
@@ -384,7 +388,40 @@ def profile_one(eng, args, drop, batch: int = 1, plain_tokens: list | None = Non
             "runtime": args.runtime, "steps": steps, "profiled_steps": psteps,
             "step_wall_us": step_us, "gpu_busy_us": busy, "kernels_summed_us": total,
             "kernels": [{"name": k, "us_per_step": v[0] / psteps, "own_us_per_step": v[2] / psteps,
-                         "calls_per_step": v[1] / psteps} for k, v in rows]}
+                         "calls_per_step": v[1] / psteps} for k, v in rows],
+            "ops": ops}
+
+
+def op_frame(event) -> str:
+    """The innermost Python frame above a profiler op event that is not torch's own ("file.py(line): function"),
+    found through the event's CPU parents (the profiler records frames as events with with_stack), else "-"."""
+    parent = event.cpu_parent
+    while parent is not None:
+        name = parent.name
+        if "): " in name and not name.startswith(("torch/", "<built-in")) and "/torch/" not in name:
+            return name.split("ninfer_bench/")[-1]
+        parent = parent.cpu_parent
+    return "-"
+
+
+def op_table(prof, steps: int, top: int) -> list[dict]:
+    """The ``top`` (torch op, source line) pairs by GPU time of their own a step, printed and returned: which eager op
+    launched the step's anonymous elementwise / copy kernels."""
+    agg: dict = {}
+    for ev in prof.events():
+        own = getattr(ev, "self_device_time_total", 0.0)
+        if own <= 0 or not ev.name.startswith("aten::"):
+            continue
+        key = (ev.name, op_frame(ev))
+        us, n = agg.get(key, (0.0, 0))
+        agg[key] = (us + own, n + 1)
+    rows = sorted(agg.items(), key=lambda kv: -kv[1][0])[:top]
+    print(f"{'torch op':28s} {'us/step':>10s} {'calls/step':>10s}  source")
+    out = []
+    for (name, frame), (us, n) in rows:
+        print(f"{name[:28]:28s} {us / steps:10.1f} {n / steps:10.1f}  {frame[:110]}")
+        out.append({"op": name, "source": frame, "us_per_step": us / steps, "calls_per_step": n / steps})
+    return out
 
 
 class _null:
