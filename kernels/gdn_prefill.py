@@ -48,18 +48,23 @@ def gated_rms_norm_ref(o, z, weight, eps: float):
     return norm_ref(o, z.reshape(o.shape), weight, eps)
 
 
-def _conv_kernel(X, CW, ST, SLOTS, OUT, stride_xb, stride_xt, stride_sb, stride_sc, T, CH_OFF, OUT_W, eps,
-                 W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr, NORM: tl.constexpr):
-    """Program (b * token blocks + token block, head): the D channels from CH_OFF + head * D (one head of q, k or v)
-    of BLOCK_T tokens, conv + SiLU, L2-normed over the D channels when NORM, stored at OUT [B * T, OUT_W]."""
+def _conv_kernel(X, CW, ST, SLOTS, OUT, stride_xb, stride_xt, stride_sb, stride_sc, T, HK, DK, DV, N_OUT, eps,
+                 W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Program (b * token blocks + token block, head): one head of q (head < HK), k (< 2 HK) or v of BLOCK_T tokens,
+    conv + SiLU, q and k L2-normed over their DK channels, stored in OUT: q [B * T, HK * DK] from 0, k from N_OUT,
+    v [B * T, HV * DV] from 2 N_OUT (N_OUT = B * T * HK * DK)."""
     pid = tl.program_id(0)
     head = tl.program_id(1)
     n_tb = tl.cdiv(T, BLOCK_T)
     b = pid // n_tb
     offs_t = (pid % n_tb) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_d = tl.arange(0, BLOCK_D)
+    is_v = head >= 2 * HK
+    D = tl.where(is_v, DV, DK)
+    part = tl.minimum(head // HK, 2)  # 0 q, 1 k, 2 v
+    h = tl.where(is_v, head - 2 * HK, head - part * HK)  # the head within its part
     d_ok = offs_d < D
-    ch = CH_OFF + head * D + offs_d  # channels of qkv
+    ch = part * HK * DK + h * D + offs_d  # channels of qkv
     t_ok = offs_t < T
     slot = tl.load(SLOTS + b).to(tl.int64)
     acc = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
@@ -72,9 +77,9 @@ def _conv_kernel(X, CW, ST, SLOTS, OUT, stride_xb, stride_xt, stride_sb, stride_
                      mask=(t_ok & (src < 0))[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
         acc += (xv + sv) * wj[None, :]
     y = acc / (1.0 + tl.exp(-acc))  # silu
-    if NORM:
-        y = y * tl.rsqrt(tl.sum(y * y, 1) + eps)[:, None]
-    row = (b * T + offs_t).to(tl.int64) * OUT_W + head * D
+    y = tl.where(is_v, y, y * tl.rsqrt(tl.sum(y * y, 1) + eps)[:, None])
+    width = tl.where(is_v, (tl.num_programs(1) - 2 * HK) * DV, HK * DK)  # a token's channels in its part
+    row = part.to(tl.int64) * N_OUT + (b * T + offs_t).to(tl.int64) * width + h * D
     tl.store(OUT + row[:, None] + offs_d[None, :], y.to(OUT.dtype.element_ty), mask=t_ok[:, None] & d_ok[None, :])
 
 
@@ -114,16 +119,14 @@ def conv_qkv(qkv, conv_w, state, slots, hk: int, dk: int, hv: int, dv: int):
                          f"got {tuple(qkv.shape)} (strides {qkv.stride()}), {tuple(conv_w.shape)}, "
                          f"{tuple(state.shape)}, {tuple(slots.shape)}")
     kern = _triton.ready("conv_qkv", _kernels, qkv)
-    q = torch.empty(b, t, hk, dk, dtype=qkv.dtype, device=qkv.device)
-    k = torch.empty_like(q)
-    v = torch.empty(b, t, hv, dv, dtype=qkv.dtype, device=qkv.device)
-    cw = conv_w.contiguous()
-    grid_t = b * -(-t // BLOCK_T)
-    for out, off, heads, d, norm in ((q, 0, hk, dk, True), (k, hk * dk, hk, dk, True), (v, 2 * hk * dk, hv, dv, False)):
-        kern["conv"][(grid_t, heads)](qkv, cw, state, slots, out, qkv.stride(0), qkv.stride(1), state.stride(0),
-                                      state.stride(1), t, off, heads * d, L2_EPS, W=w, BLOCK_T=BLOCK_T,
-                                      BLOCK_D=_pow2(d), D=d, NORM=norm, num_warps=4)
-    return q, k, v
+    n_qk, n_v = b * t * hk * dk, b * t * hv * dv
+    out = torch.empty(2 * n_qk + n_v, dtype=qkv.dtype, device=qkv.device)  # q, k, v: each a contiguous run
+    # one launch: programs of q's, k's and v's heads side by side (the rows' math as three launches would do it)
+    kern["conv"][(b * -(-t // BLOCK_T), 2 * hk + hv)](
+        qkv, conv_w.contiguous(), state, slots, out, qkv.stride(0), qkv.stride(1), state.stride(0), state.stride(1),
+        t, hk, dk, dv, n_qk, L2_EPS, W=w, BLOCK_T=BLOCK_T, BLOCK_D=_pow2(max(dk, dv)), num_warps=4)
+    return (out[:n_qk].view(b, t, hk, dk), out[n_qk:2 * n_qk].view(b, t, hk, dk),
+            out[2 * n_qk:].view(b, t, hv, dv))
 
 
 def gated_rms_norm(o, z, weight, eps: float):

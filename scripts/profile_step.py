@@ -392,29 +392,42 @@ def profile_one(eng, args, drop, batch: int = 1, plain_tokens: list | None = Non
             "ops": ops}
 
 
+def _short(frame: str) -> str:
+    """A frame's file relative to the repository (the package's root)."""
+    root = str(Path(__file__).resolve().parents[1]) + "/"
+    return frame.split(root, 1)[-1].split("ninfer_bench/")[-1]
+
+
 def op_frame(event) -> str:
-    """The innermost Python frame above a profiler op event that is not torch's own ("file.py(line): function"),
-    found through the event's CPU parents (the profiler records frames as events with with_stack), else "-"."""
-    parent = event.cpu_parent
+    """Where a profiler op event came from: the innermost Python frame above it that is not torch's or a library's
+    ("file.py(line): function", through the event's CPU parents: the profiler records frames as events with
+    with_stack), else its Python stack, else its outermost torch op ("aten::linear"), else "-"."""
+    parent, outer = event.cpu_parent, None
     while parent is not None:
         name = parent.name
-        if "): " in name and not name.startswith(("torch/", "<built-in")) and "/torch/" not in name:
-            return name.split("ninfer_bench/")[-1]
+        if name.startswith("aten::"):
+            outer = name
+        elif "): " in name and not name.startswith(("torch/", "<")) and not any(
+                part in name for part in ("site-packages", "dist-packages", "/lib/python")):
+            return _short(name)
         parent = parent.cpu_parent
-    return "-"
+    for frame in getattr(event, "stack", None) or []:
+        if "site-packages" not in frame and not frame.startswith(("torch/", "<")):
+            return _short(frame)
+    return f"under {outer}" if outer else "-"
 
 
-def op_table(prof, steps: int, top: int) -> list[dict]:
+def op_table(prof, steps: int, top: int, own: str = "self_device_time_total") -> list[dict]:
     """The ``top`` (torch op, source line) pairs by GPU time of their own a step, printed and returned: which eager op
     launched the step's anonymous elementwise / copy kernels."""
     agg: dict = {}
     for ev in prof.events():
-        own = getattr(ev, "self_device_time_total", 0.0)
-        if own <= 0 or not ev.name.startswith("aten::"):
+        us_own = getattr(ev, own, 0.0)
+        if us_own <= 0 or not ev.name.startswith("aten::"):
             continue
         key = (ev.name, op_frame(ev))
         us, n = agg.get(key, (0.0, 0))
-        agg[key] = (us + own, n + 1)
+        agg[key] = (us + us_own, n + 1)
     rows = sorted(agg.items(), key=lambda kv: -kv[1][0])[:top]
     print(f"{'torch op':28s} {'us/step':>10s} {'calls/step':>10s}  source")
     out = []
