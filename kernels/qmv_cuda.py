@@ -100,63 +100,29 @@ def async_shared_bytes(fmt: str, warps: int, stages: int, tiles: int = 1) -> int
     return warps * stages * tiles * 32 * per_lane if stages else 0
 
 
-def wgmma_shared_bytes(fmt: str, ncol: int, warpgroups: int, stages: int, bufs: int = 2, tma: bool = False) -> int:
-    """Dynamic shared memory of a wgmma launch (``WGMMA`` in the source): ``bufs`` groups of B (x, 8 ncol tokens x 64
-    values x 2 bytes each), then the stages. Without ``tma`` (each lane's cp.async ring): per warp, stage and lane a
-    16-byte code piece, the x pieces of the column groups the warp stages (16 bytes per 8 values: q4 / q5 32 bytes a
-    column group, q8 16), a 4-byte scale pair and for q5 a 4-byte high-bit pair. With ``tma`` (WG_TMA, a producer
-    warp's bulk copies): per stage each row tile's 512 code bytes, 32 scale bytes and for q5 128 high-bit bytes, and
-    8 ncol rows of x's group padded by 16 bytes; then the stages' two mbarriers."""
-    warps = 4 * warpgroups
-    q8, q5 = fmt == "q8_g32_fp16", fmt == "q5_g64_fp16"
-    b = bufs * 4 * ncol * 256
-    if tma:
-        stage = warps * (512 + 32 + (128 if q5 else 0)) + 8 * ncol * ((64 if q8 else 128) + 16)
-        return b + stages * stage + 16 * stages
-    xcols = -(-ncol // warps)
-    per_lane = 16 + xcols * (16 if q8 else 32) + 4 + (4 if q5 else 0)
-    return b + warps * stages * 32 * per_lane
-
-
-def _wg_build(defines) -> tuple[int, bool]:
-    """A wgmma build's B buffers (three when its MMAs overlap the next step's staging, WG_DEFER, else two) and
-    whether a producer warp brings its bytes (WG_TMA), from its extra defines."""
-    d = dict(defines)
-    return (3 if d.get("WG_DEFER") else 2), bool(d.get("WG_TMA"))
-
-
 def kernel_options(fmt_id: int, half: bool, even: bool, unroll: int, min_blocks: int, xlate: bool, pipe: bool,
                    fold: bool, pdl: bool, tiled: int, act: bool, warps: int, tail: bool, ncol: int, tiles: int,
-                   xl1: bool = True, stages: int = 0, wgmma: int = 0,
-                   defines: tuple[tuple[str, int], ...] = ()) -> tuple[str, ...]:
+                   xl1: bool = True, stages: int = 0) -> tuple[str, ...]:
     """The source's compile options for one build (NVRTC's; a C preprocessor given them evaluates the source's
     static checks, its ``#error`` lines, as NVRTC does: tests/test_kernel_builds.py)."""
-    options = ("-std=c++17", f"-DFMT={fmt_id}", f"-DHALF={int(half)}", f"-DEVEN={int(even)}",
-               f"-DUNROLL={unroll}", f"-DMIN_BLOCKS={min_blocks}", f"-DXLATE={int(xlate)}",
-               f"-DPIPE={int(pipe)}", f"-DFOLD={int(fold)}", f"-DPDL={int(pdl)}",
-               f"-DTILED={int(tiled)}", f"-DACT={int(act)}", f"-DNW={warps}",
-               f"-DTAIL={int(tail)}", f"-DNCOL={ncol}", f"-DTPW={tiles}",
-               f"-DXL1={int(xl1)}", f"-DASYNC={stages}", f"-DWGMMA={wgmma}")
-    options += tuple(f"-D{name}={value}" for name, value in defines)  # a tuning run's (NINFER_BENCH_QMV_WG_BUILD)
-    if wgmma:
-        options += (f"-DWG_BUFS={_wg_build(defines)[0]}",)
-    return options
+    return ("-std=c++17", f"-DFMT={fmt_id}", f"-DHALF={int(half)}", f"-DEVEN={int(even)}",
+            f"-DUNROLL={unroll}", f"-DMIN_BLOCKS={min_blocks}", f"-DXLATE={int(xlate)}",
+            f"-DPIPE={int(pipe)}", f"-DFOLD={int(fold)}", f"-DPDL={int(pdl)}",
+            f"-DTILED={int(tiled)}", f"-DACT={int(act)}", f"-DNW={warps}",
+            f"-DTAIL={int(tail)}", f"-DNCOL={ncol}", f"-DTPW={tiles}",
+            f"-DXL1={int(xl1)}", f"-DASYNC={stages}")
 
 
 @functools.cache
 def _kernel(fmt_id: int, half: bool, even: bool, unroll: int, min_blocks: int, xlate: bool, pipe: bool,
             fold: bool, pdl: bool, tiled: int, act: bool, warps: int, tail: bool, ncol: int, tiles: int,
-            device_index: int, xl1: bool = True, stages: int = 0, shared: int = 0, wgmma: int = 0,
-            defines: tuple[tuple[str, int], ...] = ()):
+            device_index: int, xl1: bool = True, stages: int = 0, shared: int = 0):
     import cupy
 
     options = kernel_options(fmt_id, half, even, unroll, min_blocks, xlate, pipe, fold, pdl, tiled, act, warps, tail,
-                             ncol, tiles, xl1, stages, wgmma, defines)
-    if wgmma:  # wgmma is sm_90a's: NVRTC through _cupy.arch_kernel (CuPy's path names sm_90 itself)
-        func = _cupy.arch_kernel(_SOURCE.read_text(), options, "90a", "qmv", device_index)
-    else:
-        with cupy.cuda.Device(device_index):
-            func = cupy.RawModule(code=_SOURCE.read_text(), backend="nvrtc", options=options).get_function("qmv")
+                             ncol, tiles, xl1, stages)
+    with cupy.cuda.Device(device_index):
+        func = cupy.RawModule(code=_SOURCE.read_text(), backend="nvrtc", options=options).get_function("qmv")
     if shared:  # the default cap is 48 KB less the kernel's static shared memory (tile_store's sums)
         with cupy.cuda.Device(device_index):
             func.max_dynamic_shared_size_bytes = shared
@@ -204,7 +170,7 @@ def shape_splits(n: int, ng: int, sms: int, warps: int | None = None) -> int:
 # pdl_x_l1: under PDL, x is read through L1 (ld.global.ca) once griddepcontrol.wait has made the kernel before's
 # writes visible; off (NINFER_BENCH_QMV_PDL_X=l2): through L2 only (ld.global.cg), every warp its own L2 reads of all
 # T rows.
-_SWITCHES = {"dense": False, "pdl_x_l1": True, "wg_build": ()}
+_SWITCHES = {"dense": False, "pdl_x_l1": True}
 
 
 def set_dense(on: bool) -> None:
@@ -235,11 +201,11 @@ def column_groups(t: int) -> int:
 _NCOL_MIN_BLOCKS = {(2, 4): 1, (2, 8): 2, (4, 4): 2, (4, 8): 1, (8, 4): 1, (8, 8): 1}
 
 # a wide launch's build by its column groups (and format): {(ncol, fmt or None): {"tiles": tiles a block (TPW),
-# "unroll": steps in flight, "min_blocks": blocks an SM, "stages": cp.async ring stages, "wgmma": warpgroups a block of
-# the wgmma build}}, what qmv takes for the keywords a caller leaves out, for tuning runs: set from
-# NINFER_BENCH_QMV_WIDE, e.g. "8:p2u1b1,4:p2u2b1" (every format), "8q4:p3u1b1,8q5:p1" or "8q4:g1s4" (one format;
-# scripts/bench_qlinear.py's knob letters: p tiles, u unroll, b blocks an SM, s stages, g wgmma warpgroups). A launch
-# with no entry takes _WIDE_DEFAULT's build for its format, else one tile a block and the defaults above.
+# "unroll": steps in flight, "min_blocks": blocks an SM, "stages": cp.async ring stages}}, what qmv takes for the
+# keywords a caller leaves out, for tuning runs: set from NINFER_BENCH_QMV_WIDE, e.g. "8:p2u1b1,4:p2u2b1" (every
+# format) or "8q4:p3u1b1,8q5:p1" (one format; scripts/bench_qlinear.py's knob letters: p tiles, u unroll, b blocks an
+# SM, s stages). A launch with no entry takes _WIDE_DEFAULT's build for its format, else one tile a block and the
+# defaults above.
 _WIDE: dict[tuple[int, str | None], dict[str, int]] = {}
 # the measured default builds by (column groups, format), docs/perf/2026-12-05b-qmv-ring-h200.md: at 8 column groups
 # (a C8 speculative verify) q4 and q5 take 3 row tiles a block with their weights through a 4-stage cp.async ring, one
@@ -256,21 +222,20 @@ _WIDE_DEFAULT: dict[tuple[int, str], dict[str, int]] = {
 
 
 def _wide_builds(text: str) -> dict[tuple[int, str | None], dict[str, int]]:
-    """``NCOL[FMT]:KNOBS,...`` (``8:p2u1b1``, ``8q5:p1``, ``8q4:g1s4``) -> {(ncol, format or None): {"tiles",
-    "unroll", "min_blocks", "stages", "wgmma" given}}; ValueError when malformed."""
+    """``NCOL[FMT]:KNOBS,...`` (``8:p2u1b1``, ``8q5:p1``, ``8q4:p3s4b1``) -> {(ncol, format or None): {"tiles",
+    "unroll", "min_blocks", "stages" given}}; ValueError when malformed."""
     import re
 
-    names = {"p": "tiles", "u": "unroll", "b": "min_blocks", "s": "stages", "g": "wgmma"}
+    names = {"p": "tiles", "u": "unroll", "b": "min_blocks", "s": "stages"}
     out = {}
     for item in (v.strip() for v in text.split(",") if v.strip()):
-        m = re.fullmatch(r"(\d+)(q4|q5|q8)?:((?:[pubsg]\d+)+)", item)
+        m = re.fullmatch(r"(\d+)(q4|q5|q8)?:((?:[pubs]\d+)+)", item)
         if not m or int(m.group(1)) not in (1, 2, 4, 8):
             raise ValueError(f"NINFER_BENCH_QMV_WIDE: {item!r}: expected NCOL[FMT]:KNOBS with NCOL 1, 2, 4 or 8, "
                              "FMT q4, q5 or q8 (none: every format) and knobs p<tiles> u<unroll> b<blocks an SM> "
-                             "s<cp.async stages, 0 off> g<wgmma warpgroups a block, 0 off>, e.g. 8:p2u1b1, "
-                             "8q4:p3s4b1 or 8q4:g1s4")
+                             "s<cp.async stages, 0 off>, e.g. 8:p2u1b1 or 8q4:p3s4b1")
         key = (int(m.group(1)), quant.QUANT_SHORT.get(m.group(2)))
-        out[key] = {names[k]: int(v) for k, v in re.findall(r"([pubsg])(\d+)", m.group(3))}
+        out[key] = {names[k]: int(v) for k, v in re.findall(r"([pubs])(\d+)", m.group(3))}
     return out
 
 
@@ -278,7 +243,7 @@ def wide_build(ncol: int, fmt: str) -> dict[str, int]:
     """The build keywords a launch of ``ncol`` column groups of a ``fmt`` weight takes where its caller leaves them
     out: :data:`_WIDE`'s entry for (``ncol``, ``fmt``), else for ``ncol`` and every format (NINFER_BENCH_QMV_WIDE),
     else :data:`_WIDE_DEFAULT`'s for (ncol, fmt), else none (one tile a block). One column group (up to 8 rows) has
-    no default entry: an NINFER_BENCH_QMV_WIDE entry for it (``1q4:g1s4``) is a tuning run's."""
+    no default entry: an NINFER_BENCH_QMV_WIDE entry for it (``1q4:s4``) is a tuning run's."""
     for table, key in ((_WIDE, (ncol, fmt)), (_WIDE, (ncol, None)), (_WIDE_DEFAULT, (ncol, fmt))):
         if key in table:
             return dict(table[key])
@@ -295,10 +260,6 @@ def _load_env_knobs() -> None:
     if x_path not in ("l1", "l2"):
         raise ValueError(f"NINFER_BENCH_QMV_PDL_X: {x_path!r}: expected l1 (the default) or l2")
     set_pdl_x_l1(x_path == "l1")
-    # extra defines of the wgmma builds, e.g. WG_LBO=256:WG_SBO=128 (B's descriptor offsets the other way round, should
-    # scripts/probe_wgmma_bits.cu's last lines say the device reads them so)
-    _SWITCHES["wg_build"] = tuple(sorted(_cupy.parse_build(os.environ.get("NINFER_BENCH_QMV_WG_BUILD", ""),
-                                                           "NINFER_BENCH_QMV_WG_BUILD").items()))
 
 
 _load_env_knobs()
@@ -376,36 +337,12 @@ def choose_warps(n: int, sms: int) -> int:
     return 4 if _wide(n, sms) else NW
 
 
-# blocks an SM a wgmma build is made for: 384 threads (3 blocks of one warpgroup; ptxas, sm_90a, CUDA 13.0: 138-148
-# registers at 8 column groups, no spills), so one block of two warpgroups, and two of one warpgroup and a producer
-# warp (WG_TMA)
-_WGMMA_THREADS_PER_SM = 384
-
-
-def _wgmma_refusal(fmt: str, layout: int, capability: tuple[int, int], even: bool, knobs: bool, tma: bool,
-                   sections_aligned: bool) -> str | None:
-    """Why a wgmma build cannot take a launch (None when it can). The producer warp's build (``tma``, WG_TMA) also
-    needs the scale and high-bit sections 16-byte aligned (its bulk copies)."""
-    if tuple(capability) != (9, 0):
-        return f"needs an sm_90 GPU (wgmma is sm_90a's), found sm_{capability[0]}{capability[1]}"
-    if layout != 2 or fmt == DENSE_FMT:
-        return "needs a q format's lanes layout (a TiledWeight with lanes=True)"
-    if not even:
-        return "needs whole groups (K == Kp) and x rows 16-byte aligned"
-    if knobs:
-        return "comes without xlate, pipe, tail, fold and tiles > 1"
-    if tma and not sections_aligned:
-        return "WG_TMA's bulk copies need the scale and high-bit sections 16-byte aligned"
-    return None
-
-
 @dataclass(frozen=True, slots=True)
 class QmvBuild:
     """How one qmv launch is built and shaped (:func:`launch_build`): the source's defines it compiles with (its
     column groups ``ncol``, row tiles a block ``tiles`` (TPW), steps in flight ``unroll``, blocks an SM ``min_blocks``,
-    warps a tile ``warps`` (NW), cp.async ring ``stages`` (ASYNC), warpgroups a block ``wgmma`` (WGMMA) and that
-    build's extra ``defines``), its block's ``threads``, dynamic ``shared`` bytes and row tiles a block
-    ``per_block``."""
+    warps a tile ``warps`` (NW) and cp.async ring ``stages`` (ASYNC)), its block's ``threads`` and dynamic ``shared``
+    bytes."""
 
     ncol: int
     tiles: int
@@ -413,47 +350,21 @@ class QmvBuild:
     min_blocks: int
     warps: int
     stages: int
-    wgmma: int
-    defines: tuple[tuple[str, int], ...]
     threads: int
     shared: int
-    per_block: int
 
 
-def launch_build(fmt: str, n: int, t: int, layout: int, capability: tuple[int, int], sms: int, *, even: bool,
-                 sections_aligned: bool = True, wg_defines: tuple[tuple[str, int], ...] = (),
-                 unroll: int | None = None, min_blocks: int | None = None, xlate: bool = False, pipe: bool = False,
-                 fold: bool = False, warps: int | None = None, tail: bool = False, tiles: int | None = None,
-                 stages: int | None = None, wgmma: int | None = None) -> QmvBuild:
+def launch_build(fmt: str, n: int, t: int, layout: int, sms: int, *, unroll: int | None = None,
+                 min_blocks: int | None = None, xlate: bool = False, pipe: bool = False, warps: int | None = None,
+                 tail: bool = False, tiles: int | None = None, stages: int | None = None) -> QmvBuild:
     """The build a :func:`qmv` launch of ``t`` rows of an ``[n, K]`` ``fmt`` weight in ``layout`` (0 a
-    PackedLinear's row-major sections, 1 tiles, 2 the lanes layout) takes on a GPU of ``capability`` with ``sms``
-    SMs, from the keywords its caller gave (None: the default) and the process's tables (:func:`wide_build`,
-    ``wg_defines``: NINFER_BENCH_QMV_WG_BUILD's). ``even``: whole groups and x rows 16-byte aligned;
-    ``sections_aligned``: the scale and high-bit sections 16-byte aligned. A pure function of its arguments (no GPU):
-    ValueError where :func:`qmv` refuses the keywords."""
+    PackedLinear's row-major sections, 1 tiles, 2 the lanes layout) takes on a GPU with ``sms`` SMs, from the
+    keywords its caller gave (None: the default) and the process's tables (:func:`wide_build`). A pure function of
+    its arguments (no GPU): ValueError where :func:`qmv` refuses the keywords."""
     ncol = column_groups(t)
     if ncol > 1 and (xlate or pipe or tail):
         raise ValueError(f"qmv: xlate, pipe and tail are for launches of at most {MAX_T} rows, got {t}")
     wide = wide_build(ncol, fmt)
-    explicit = wgmma is not None
-    wgmma = wgmma if explicit else wide.get("wgmma", 0)
-    # (why a launch cannot take the wgmma build is worked out only for one that would)
-    why_not = wgmma and _wgmma_refusal(fmt, layout, capability, even, xlate or pipe or tail or fold or (tiles or 1) > 1,
-                                       _wg_build(wg_defines)[1], sections_aligned)
-    if why_not and not explicit:
-        wgmma = 0  # a default wgmma build leaves what it cannot take to the mma.sync builds
-    elif wgmma:
-        if explicit:
-            if why_not or wgmma not in (1, 2):
-                raise ValueError(f"qmv: wgmma={wgmma}: {why_not or 'one or two warpgroups a block'}")
-            stages = stages or 4
-            if stages < 2:
-                raise ValueError(f"qmv: wgmma streams its weights and x through a ring of at least 2 stages, got "
-                                 f"{stages}")
-            wide = {}  # (the default build's tiles and blocks an SM are the mma.sync build's, not this one's)
-        else:
-            stages = stages or wide.get("stages") or 4
-        tiles = 1  # a warp one row tile (TPW 1)
     tiles = tiles or wide.get("tiles", 1)
     unroll = unroll or wide.get("unroll", 4)
     min_blocks = min_blocks or wide.get("min_blocks")
@@ -467,18 +378,11 @@ def launch_build(fmt: str, n: int, t: int, layout: int, capability: tuple[int, i
     if tiles > 1 and ncol == 1:
         raise ValueError(f"qmv: tiles a block > 1 shares x between the tiles of a launch of more than {MAX_T} rows, "
                          f"got {t}")
-    warps = warps or choose_warps(n, sms)  # (wgmma: the slots a tile's groups are dealt to)
-    defines = tuple(wg_defines) if wgmma else ()
-    bufs, tma = _wg_build(defines) if wgmma else (2, False)
-    threads = 128 * wgmma + (32 if tma else 0) if wgmma else warps * 32
-    min_blocks = min_blocks or (max(1, _WGMMA_THREADS_PER_SM // threads) if wgmma else
-                                max(1, _WARPS_PER_SM // warps) if ncol == 1 else
+    warps = warps or choose_warps(n, sms)
+    min_blocks = min_blocks or (max(1, _WARPS_PER_SM // warps) if ncol == 1 else
                                 _NCOL_MIN_BLOCKS.get((ncol, warps), max(1, 8 // warps)))
-    shared = (wgmma_shared_bytes(fmt, ncol, wgmma, stages, bufs, tma) if wgmma else
-              async_shared_bytes(fmt, warps, stages, tiles))
     return QmvBuild(ncol=ncol, tiles=tiles, unroll=unroll, min_blocks=min_blocks, warps=warps, stages=stages,
-                    wgmma=wgmma, defines=defines, threads=threads, shared=shared,
-                    per_block=4 * wgmma if wgmma else tiles)
+                    threads=warps * 32, shared=async_shared_bytes(fmt, warps, stages, tiles))
 
 
 def _wide(n: int, sms: int) -> bool:
@@ -489,8 +393,7 @@ def _wide(n: int, sms: int) -> bool:
 def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | None = None,
         unroll: int | None = None, min_blocks: int | None = None, xlate: bool = False, pipe: bool = False,
         fold: bool = False, pdl: bool | None = None, act: bool = False, warps: int | None = None,
-        tail: bool = False, tiles: int | None = None, stages: int | None = None,
-        wgmma: int | None = None) -> torch.Tensor:
+        tail: bool = False, tiles: int | None = None, stages: int | None = None) -> torch.Tensor:
     """``x [T, K] @ W.T`` -> ``[T, N]`` in x.dtype, for T <= 64 (see :func:`supports`). ``out`` (contiguous [T, N],
     x.dtype) is written instead of a fresh tensor. ``splits`` (default :func:`choose_splits`), ``unroll`` (steps
     whose loads are in flight together), ``min_blocks`` (blocks per SM the registers must allow), ``xlate`` (x
@@ -510,13 +413,7 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
     load of x serves them all - the same sums as one tile a block; ``stages`` (the lanes layout, any width; 0: off):
     each warp streams its weight pieces through a ring of that many steps in shared memory with cp.async, that many
     minus one steps ahead of its arithmetic, instead of ``unroll`` steps into registers - the same sums (defaults for
-    these four over 8 rows: :data:`_WIDE`, else :data:`_WIDE_DEFAULT`); ``wgmma`` (1 or 2, sm_90 and the lanes
-    layout; 0: off): a block of that many warpgroups, each warp one row tile, multiplies by Hopper's wgmma with x
-    staged in shared memory, its weights and x through a ``stages`` ring (default 4) - the same sums in the same
-    order as the mma.sync builds, so the same bits wherever wgmma gives mma.sync's (``gpu_check.sh wgmma``).
-    A default (:data:`_WIDE`) wgmma build that cannot take a call (another GPU, another layout or format, a partial
-    last group or x rows not 16-byte aligned, or ``xlate``, ``pipe``, ``tail``, ``fold`` or ``tiles`` > 1 asked
-    for) leaves it to the mma.sync builds; an explicit one is refused."""
+    these four over 8 rows: :data:`_WIDE`, else :data:`_WIDE_DEFAULT`)."""
     lin = getattr(lin, "qmv_weight", None) or lin  # a tiled PackedLinear: its tiles
     if not supports(x, lin):
         raise ValueError(f"qmv: needs CUDA bf16/fp16 x [1..{MAX_ROWS}, K={lin.k}] contiguous and a q8/q5/q4 weight "
@@ -537,15 +434,13 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
     even = lin.k == lin.kp and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
     if t * x.stride(0) >= 2 ** 31:  # the column groups' row offsets are int32
         raise ValueError(f"qmv: x too large for one launch ({t} rows of stride {x.stride(0)})")
-    build = launch_build(lin.fmt, n, t, layout, _capability(dev), _triton.num_sms(dev), even=even,
-                         sections_aligned=lin.scales.data_ptr() % 16 == 0 and lin.high.data_ptr() % 16 == 0,
-                         wg_defines=_SWITCHES["wg_build"], unroll=unroll, min_blocks=min_blocks, xlate=xlate,
-                         pipe=pipe, fold=fold, warps=warps, tail=tail, tiles=tiles, stages=stages, wgmma=wgmma)
+    build = launch_build(lin.fmt, n, t, layout, _triton.num_sms(dev), unroll=unroll, min_blocks=min_blocks,
+                         xlate=xlate, pipe=pipe, warps=warps, tail=tail, tiles=tiles, stages=stages)
     pdl = _triton.pdl_now(x.device) if pdl is None else pdl and _capability(dev) >= (9, 0)
     kern = _kernel(_FMT_ID[lin.fmt], x.dtype == torch.float16, even, build.unroll, build.min_blocks, xlate, pipe,
                    fold, pdl, layout, act, build.warps, tail, build.ncol, build.tiles, dev, _SWITCHES["pdl_x_l1"],
-                   build.stages, build.shared, build.wgmma, build.defines)
-    warps, threads, shared, per_block, tiles = build.warps, build.threads, build.shared, build.per_block, -(-n // 16)
+                   build.stages, build.shared)
+    warps, threads, shared, per_block, tiles = build.warps, build.threads, build.shared, build.tiles, -(-n // 16)
     whole = act or not _triton.split_k_allowed()  # (the epilogue, or a launch beside others: _triton.single_pass)
     s = 1 if whole else min(splits, MAX_SPLITS) if splits else shape_splits(n, lin.ng, _triton.num_sms(dev), warps)
     groups_per_split = -(-lin.ng // s)

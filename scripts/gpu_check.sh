@@ -41,9 +41,6 @@
 #   tilecheck scripts/probe_tile_bits.py, then test_cuda_engine's verify-row, speculative, block-draft and dflash2 PDL
 #            tests with tracebacks
 #   tpw      wide qmv launches with TPW row tiles a block: CUDA tests, 27B shapes at 64 rows, DFlash2 C8 with / without
-#   wgmma    wide qmv launches on wgmma: scripts/probe_wgmma_bits.cu (nvcc, sm_90a: does wgmma.m64n8k16 give
-#            mma.sync.m16n8k16's bits, each checked against fp64; which descriptor offset runs along K), the wgmma
-#            build's CUDA tests, the 27B shapes at 64 rows (WG_KNOBS), with WG_C8=1 the DFlash2 K=7 replayed C8 pair
 #   ring     qmv with the weights streamed through a cp.async ring (stages): its CUDA tests, the 27B shapes at 64 rows
 #            (RING_KNOBS) and, with RING_T=1, at 1 and 8 rows (RING_KNOBS1); RING_C8=1 adds the 27B DFlash2 K=7 replayed
 #            C8 with each RING_WIDE build (label|NINFER_BENCH_QMV_WIDE) and plain C8
@@ -171,7 +168,7 @@ held_main() {
   nb decode $M --spec none,mtp:3,dflash2:7 $HELD --json "$OUT/specb$1" 2>&1 | tee "$OUT/specb$1.log" | tail -7
   nb decode $M --spec dflash2 -k 7 --json "$OUT/main$1.json" 2>&1 | tee "$OUT/main$1.log" | tail -6
 }
-ring_bench() {  # the ring / wgmma stages' bench: bench_qlinear at the 27B q4 and q5 shapes and "$3" ("q8|lm_head" or
+ring_bench() {  # the ring stage's bench: bench_qlinear at the 27B q4 and q5 shapes and "$3" ("q8|lm_head" or
   # empty), one process a format, the rest of the arguments its flags; each line to $OUT/$1/$2, ours / qmv rows printed
   local dir=$1 log=$2 extra=$3 FO; shift 3
   for FO in "q4|mlp.gate_up,mlp.down,gdn.qkv,gdn.out" "q5|attn.q_gate,attn.o" $extra; do
@@ -179,14 +176,12 @@ ring_bench() {  # the ring / wgmma stages' bench: bench_qlinear at the 27B q4 an
       --ops ${FO#*|} 2>&1 | tee -a "$OUT/$dir/$log" | grep -v "@graph20" | grep -E "ours|qmv|FAIL|DIFFER|copy bandwidth"
   done
 }
-c8_builds() {  # the 27B DFlash2 K=7 replayed C8 with each build "label|QMV_WIDE[|QMV_WG_BUILD]" (the values of
-  # NINFER_BENCH_QMV_WIDE and NINFER_BENCH_QMV_WG_BUILD; the arguments after the folder $1), then plain C8 (C8_PLAIN=0
-  # skips it); logs and JSON into $OUT/$1, E2E_S seconds each (a fresh machine's first DFlash2 run spent 129 s
-  # compiling before its first request finished)
+c8_builds() {  # the 27B DFlash2 K=7 replayed C8 with each build "label|QMV_WIDE" (the value of NINFER_BENCH_QMV_WIDE;
+  # the arguments after the folder $1), then plain C8 (C8_PLAIN=0 skips it); logs and JSON into $OUT/$1, E2E_S seconds
+  # each (a fresh machine's first DFlash2 run spent 129 s compiling before its first request finished)
   local dir=$1 V N R C27="$M27 -n 128 --rounds 2"; shift
   for V in "$@"; do N=${V%%|*}; R=${V#*|}; echo "--- dflash2 C8 $N"
-    [ "$R" = "${R#*|}" ] && R="$R|"
-    NINFER_BENCH_QMV_WIDE="${R%%|*}" NINFER_BENCH_QMV_WG_BUILD="${WGB:-}:${R#*|}" timeout ${E2E_S:-280} \
+    NINFER_BENCH_QMV_WIDE="$R" timeout ${E2E_S:-280} \
       python3 scripts/nb.py concurrency $C27 -c 8 --spec dflash2 -k 7 --replay-acceptance seed \
       --json "$OUT/$dir/dflash2-$N.json" 2>&1 \
       | tee "$OUT/$dir/dflash2-$N.log" | grep -E "^│|rror|sequential p0" | head -6; done
@@ -436,33 +431,6 @@ for stage in "$@"; do
                nb concurrency $M27 -n 128 --rounds 2 ${V#*|} --json "$OUT/rowsconc/$N.json" 2>&1 \
                  | tee "$OUT/rowsconc/$N.log" | grep -E "^│|error|Error" | head -6; done ;;
     sampler) timeout ${STAGE_S:-120} python3 scripts/probe_sampler.py --json "$OUT/sampler.json" 2>&1 | tee "$OUT/sampler.log" ;;
-    wgmma)   # issue 33: wide qmv launches on Hopper's wgmma (kernels/qmv_cuda.cu WGMMA, sm_90a). First the probe: does
-             # wgmma give mma.sync's bits, and which descriptor offset runs along K (if the swapped one, every build
-             # below gets WG_LBO=256:WG_SBO=128: WGB). Then the wgmma CUDA tests (bits against the mma.sync builds),
-             # the 27B shapes at 64 rows (WG_KNOBS against the default, bits checked against 8-row
-             # launches; WG_Q8="q8|lm_head" adds lm_head), once per WG_BUILDS entry (label|NINFER_BENCH_QMV_WG_BUILD:
-             # by default the build, WG_DEFER=1, WG_TMA=1, both, and the timing-only WG_FENCE=0; WG_BENCH=0 skips
-             # them), and with WG_C8=1 the 27B DFlash2 K=7
-             # replayed C8 with each WG_WIDE build (label|NINFER_BENCH_QMV_WIDE[|..._WG_BUILD]), plain C8 last
-             mkdir -p "$OUT/wgmma"
-             if [ "${WG_PROBE:-1}" = 1 ]; then
-               nvcc -gencode arch=compute_90a,code=sm_90a -O2 -o /tmp/probe_wgmma_bits scripts/probe_wgmma_bits.cu \
-                 && /tmp/probe_wgmma_bits ${WGMMA_TRIALS:-4096} 2>&1 | tee "$OUT/wgmma/probe.log"
-               grep -q "leading offset 256 (N), stride offset 128 (K): right" "$OUT/wgmma/probe.log" \
-                 && WGB=WG_LBO=256:WG_SBO=128 && echo "descriptor offsets swapped: $WGB"
-             fi
-             [ "${WG_TESTS:-1}" = 0 ] || NINFER_BENCH_QMV_WG_BUILD="${WGB:-}" timeout ${TESTS_S:-240} \
-               python3 -m pytest -q -p no:cacheprovider -rf --tb=line tests/test_kernels_qmv_cuda.py \
-               -k "${WG_K:-wgmma or knob}" 2>&1 | tee "$OUT/wgmma/tests.log" \
-               | grep -E "^(FAILED|ERROR)|passed|failed|Error" | head -20
-             K=${WG_KNOBS:-g1s4,g2s4}
-             [ "${WG_BENCH:-1}" = 0 ] || for B in ${WG_BUILDS-"base|" "defer|WG_DEFER=1" "tma|WG_TMA=1" \
-                                                 "tmadefer|WG_TMA=1:WG_DEFER=1" "nofence|WG_FENCE=0"}; do
-               echo "--- 64 rows, wgmma build ${B%%|*} (${B#*|})"
-               NINFER_BENCH_QMV_WG_BUILD="${WGB:-}:${B#*|}" ring_bench wgmma "bench64-${B%%|*}.log" \
-                 "${WG_Q8-}" \
-                 --ts 64 --rows 64 --qmv-knobs "$K" --only "ours-r8,ours-r64,qmv-lanes-${K//,/,qmv-lanes-}"; done
-             [ "${WG_C8:-0}" = 1 ] && c8_builds wgmma ${WG_WIDE:-"ring|" "wgmma|8q4:g1s4,8q5:g1s4,8q8:g1s4"} ;;
     ring)    # issue 33: qmv's weights through a per-warp cp.async ring in shared memory (stages), against the register
              # builds: CUDA tests, the 27B shapes at 64 rows (bits checked against 8-row launches), at 1 / 8 rows with
              # RING_T=1, then with RING_C8=1 the 27B DFlash2 K=7 replayed C8 per RING_WIDE build and plain C8 (E2E_S each:

@@ -2,10 +2,9 @@
 
 kernels/qmv_cuda.cu and kernels/attn_cuda.cu refuse impossible builds with ``#error`` lines that NVRTC evaluates
 only on the GPU, at a launch's first call. Those lines are plain preprocessor arithmetic on the launch's ``-D``
-options, so a C preprocessor evaluates them here: each (format, rows, layout, GPU, keywords, tuning table) a launch
-may come with is resolved by :func:`kernels.qmv_cuda.launch_build` (pure, no GPU), turned into the compile options
-by :func:`kernels.qmv_cuda.kernel_options`, and the source preprocessed with them. (An explicit wgmma launch once
-inherited the mma.sync default build's 3 row tiles a warp; the H200 refused it at compile time.)
+options, so a C preprocessor evaluates them here: each (format, rows, layout, keywords, tuning table) a launch may
+come with is resolved by :func:`kernels.qmv_cuda.launch_build` (pure, no GPU), turned into the compile options by
+:func:`kernels.qmv_cuda.kernel_options`, and the source preprocessed with them.
 """
 
 from __future__ import annotations
@@ -26,7 +25,6 @@ CPP = shutil.which("cpp")
 needs_cpp = pytest.mark.skipif(CPP is None, reason="no C preprocessor (cpp) on the PATH")
 KERNELS = Path(qmv_cuda.__file__).parent
 FMTS = ("q8_g32_fp16", "q5_g64_fp16", "q4_g64_fp16", qmv_cuda.DENSE_FMT)
-SM90, SM80 = (9, 0), (8, 0)
 SMS = 132
 
 
@@ -61,38 +59,38 @@ def _refused(source: Path, builds: dict[tuple[str, ...], object]) -> list[str]:
     return bad
 
 
-def _qmv_builds(tables: dict, wg_defines: tuple = ()) -> dict[tuple[str, ...], object]:
+def _qmv_builds(tables: dict) -> dict[tuple[str, ...], object]:
     """The distinct compile options of every launch qmv accepts over a grid of inputs and keywords, with the
     process tables ``tables`` (qmv_cuda._WIDE's entries, NINFER_BENCH_QMV_WIDE's) in force."""
     with _wide_tables(tables):
         out = {}
-        keywords = [{}, {"wgmma": 1}, {"wgmma": 2}, {"wgmma": 1, "stages": 3}, {"stages": 0}, {"stages": 4},
-                    {"tiles": 2}, {"tiles": 3, "stages": 4, "min_blocks": 1}, {"xlate": True}, {"pipe": True},
-                    {"tail": True}, {"fold": True}, {"warps": 4}, {"unroll": 1, "min_blocks": 2}]
-        for fmt, t, layout, cap, even, kw in itertools.product(FMTS, (1, 8, 16, 17, 64), (0, 1, 2),
-                                                              (SM90, SM80), (True, False), keywords):
+        keywords = [{}, {"stages": 0}, {"stages": 3}, {"stages": 4}, {"tiles": 2},
+                    {"tiles": 3, "stages": 4, "min_blocks": 1}, {"xlate": True}, {"pipe": True}, {"tail": True},
+                    {"fold": True}, {"warps": 4}, {"unroll": 1, "min_blocks": 2}]
+        for fmt, t, layout, even, kw in itertools.product(FMTS, (1, 8, 16, 17, 64), (0, 1, 2), (True, False),
+                                                          keywords):
             if fmt == qmv_cuda.DENSE_FMT and layout == 2:  # (TiledWeight's lanes layout is the q formats')
                 continue
+            build_kw = {k: v for k, v in kw.items() if k != "fold"}  # (fold is a compile option only)
             try:
-                b = qmv_cuda.launch_build(fmt, 17408 * 2, t, layout, cap, SMS, even=even, wg_defines=wg_defines,
-                                          **kw)
+                b = qmv_cuda.launch_build(fmt, 17408 * 2, t, layout, SMS, **build_kw)
             except ValueError:
                 continue
             for act, pdl in ((False, False), (True, True)):
                 options = qmv_cuda.kernel_options(
                     qmv_cuda._FMT_ID[fmt], False, even, b.unroll, b.min_blocks, kw.get("xlate", False),
                     kw.get("pipe", False), kw.get("fold", False), pdl, layout, act, b.warps, kw.get("tail", False),
-                    b.ncol, b.tiles, True, b.stages, b.wgmma, b.defines)
-                out.setdefault(options, (fmt, t, layout, cap, even, kw, act, pdl))
+                    b.ncol, b.tiles, True, b.stages)
+                out.setdefault(options, (fmt, t, layout, even, kw, act, pdl))
         return out
 
 
-# the default tables, and tuning tables of the kind NINFER_BENCH_QMV_WIDE sets (wgmma and ring entries for every
+# the default tables, and tuning tables of the kind NINFER_BENCH_QMV_WIDE sets (ring and row-tile entries for every
 # column-group count, one format or all)
 TABLES = {
     "defaults": {},
-    "wgmma": qmv_cuda._wide_builds("1q4:g1s4,2q5:g2s3,4:g1s4,8q4:g1s4,8q5:g2s4,8q8:g1s4"),
     "rings": qmv_cuda._wide_builds("2:p2u1b1,4q4:p2s3b1,8:p3s4b1,8q8:p1u2"),
+    "registers": qmv_cuda._wide_builds("1q4:u2b2,2q5:p2u2,4:p3u1b1,8:p1,8q5:p2u1b1"),
 }
 
 
@@ -101,73 +99,52 @@ TABLES = {
 def test_every_qmv_build_passes_the_source_checks(table):
     builds = _qmv_builds(TABLES[table])
     assert len(builds) > 50, "the grid should reach many distinct builds"
-    assert any("-DWGMMA=1" in o for o in builds) and any("-DWGMMA=0" in o for o in builds)
-    assert _refused(KERNELS / "qmv_cuda.cu", builds) == []
-
-
-@needs_cpp
-@pytest.mark.parametrize("wg_defines", [(("WG_DEFER", 1),), (("WG_TMA", 1),), (("WG_DEFER", 1), ("WG_TMA", 1))])
-def test_wgmma_tuning_builds_pass_the_source_checks(wg_defines):
-    builds = {o: w for o, w in _qmv_builds(TABLES["wgmma"], wg_defines).items() if "-DWGMMA=0" not in o}
-    assert builds
+    assert any("-DASYNC=0" in o for o in builds) and any("-DASYNC=4" in o for o in builds)
+    assert any("-DTPW=3" in o for o in builds) and any("-DNCOL=8" in o for o in builds)
     assert _refused(KERNELS / "qmv_cuda.cu", builds) == []
 
 
 @needs_cpp
 def test_the_checks_refuse_what_they_should():
-    """The probe itself can fail: the options of the slip this file guards against are refused."""
-    b = qmv_cuda.launch_build("q4_g64_fp16", 34816, 64, 2, SM90, SMS, even=True)
-    assert b.tiles == 3 and b.wgmma == 0  # the mma.sync default build at 8 column groups
-    slip = qmv_cuda.kernel_options(2, False, True, b.unroll, b.min_blocks, False, False, False, False, 2, False,
-                                   b.warps, False, b.ncol, b.tiles, True, b.stages, 1, ())
-    assert _refused(KERNELS / "qmv_cuda.cu", {slip: "wgmma with TPW 3"})
+    """The probe itself can fail: the options of slips the source's checks guard against are refused."""
+    b = qmv_cuda.launch_build("q4_g64_fp16", 34816, 8, 2, SMS)
+    assert b.ncol == 1 and b.tiles == 1
+    tpw = qmv_cuda.kernel_options(2, False, True, b.unroll, b.min_blocks, False, False, False, False, 2, False,
+                                  b.warps, False, b.ncol, 3, True, b.stages)
+    ring = qmv_cuda.kernel_options(2, False, True, b.unroll, b.min_blocks, False, False, False, False, 1, False,
+                                   b.warps, False, b.ncol, 1, True, 4)
+    assert _refused(KERNELS / "qmv_cuda.cu", {tpw: "TPW 3 at one column group"})
+    assert _refused(KERNELS / "qmv_cuda.cu", {ring: "a ring on the tiles layout"})
     assert _refused(KERNELS / "attn_cuda.cu", {("-DHD=320", "-DHALF=0", "-DPOS64=0", "-DSLOT64=0"): "hd 320"})
 
 
-def test_an_explicit_wgmma_launch_takes_its_own_build():
-    """Not the mma.sync default build's row tiles and blocks an SM (the H200's compile refusal, session 54)."""
-    for fmt, warpgroups in itertools.product(("q4_g64_fp16", "q5_g64_fp16", "q8_g32_fp16"), (1, 2)):
-        b = qmv_cuda.launch_build(fmt, 34816, 64, 2, SM90, SMS, even=True, wgmma=warpgroups)
-        assert (b.wgmma, b.tiles, b.stages, b.threads) == (warpgroups, 1, 4, 128 * warpgroups)
-        assert b.min_blocks == max(1, 384 // b.threads) and b.per_block == 4 * warpgroups
-        assert b.shared == qmv_cuda.wgmma_shared_bytes(fmt, 8, warpgroups, 4)
-
-
-def test_a_default_wgmma_build_falls_back_and_an_explicit_one_is_refused():
-    with _wide_tables(qmv_cuda._wide_builds("8q4:g1s4")):
-        assert qmv_cuda.launch_build("q4_g64_fp16", 34816, 64, 2, SM90, SMS, even=True).wgmma == 1
-        for cap, layout, even, kw in ((SM80, 2, True, {}), (SM90, 1, True, {}), (SM90, 2, False, {}),
-                                      (SM90, 2, True, {"fold": True})):
-            b = qmv_cuda.launch_build("q4_g64_fp16", 34816, 64, layout, cap, SMS, even=even, **kw)
-            assert b.wgmma == 0 and b.defines == (), (cap, layout, even, kw)
-            with pytest.raises(ValueError, match="wgmma=1"):
-                qmv_cuda.launch_build("q4_g64_fp16", 34816, 64, layout, cap, SMS, even=even, wgmma=1, **kw)
-        tma = (("WG_TMA", 1),)
-        b = qmv_cuda.launch_build("q5_g64_fp16", 34816, 64, 2, SM90, SMS, even=True, wg_defines=tma,
-                                  sections_aligned=False)
-        assert b.wgmma == 0  # (8q5 has no wgmma entry here: the mma.sync default)
-        b = qmv_cuda.launch_build("q4_g64_fp16", 34816, 64, 2, SM90, SMS, even=True, wg_defines=tma,
-                                  sections_aligned=False)
-        assert b.wgmma == 0 and b.defines == ()  # 8q4's default wgmma build leaves misaligned sections to mma.sync
-        with pytest.raises(ValueError, match="16-byte aligned"):
-            qmv_cuda.launch_build("q4_g64_fp16", 34816, 64, 2, SM90, SMS, even=True, wg_defines=tma,
-                                  sections_aligned=False, wgmma=1)
+def test_the_default_wide_builds():
+    """At 8 column groups q4 and q5 take 3 row tiles a block through a 4-stage ring, one block an SM, on the lanes
+    layout (unroll 1 from registers on another); q8 and narrower launches one tile a block from registers."""
+    for fmt in ("q4_g64_fp16", "q5_g64_fp16"):
+        b = qmv_cuda.launch_build(fmt, 34816, 64, 2, SMS)
+        assert (b.ncol, b.tiles, b.stages, b.unroll, b.min_blocks) == (8, 3, 4, 1, 1)
+        assert (b.threads, b.shared) == (b.warps * 32, qmv_cuda.async_shared_bytes(fmt, b.warps, 4, 3))
+        b = qmv_cuda.launch_build(fmt, 34816, 64, 1, SMS)
+        assert (b.tiles, b.stages, b.unroll, b.shared) == (3, 0, 1, 0)
+    b = qmv_cuda.launch_build("q8_g32_fp16", 34816, 64, 2, SMS)
+    assert (b.tiles, b.stages, b.unroll, b.shared) == (1, 0, 4, 0)
+    b = qmv_cuda.launch_build("q4_g64_fp16", 34816, 8, 2, SMS)
+    assert (b.ncol, b.tiles, b.stages) == (1, 1, 0)
 
 
 def test_launch_build_refuses_what_qmv_refuses():
     lb = qmv_cuda.launch_build
     with pytest.raises(ValueError, match="at most 8 rows"):
-        lb("q4_g64_fp16", 4096, 16, 2, SM90, SMS, even=True, xlate=True)
+        lb("q4_g64_fp16", 4096, 16, 2, SMS, xlate=True)
     with pytest.raises(ValueError, match="more than 8 rows"):
-        lb("q4_g64_fp16", 4096, 8, 2, SM90, SMS, even=True, tiles=2)
+        lb("q4_g64_fp16", 4096, 8, 2, SMS, tiles=2)
     with pytest.raises(ValueError, match="lanes layout"):
-        lb("q4_g64_fp16", 4096, 8, 1, SM90, SMS, even=True, stages=4)
+        lb("q4_g64_fp16", 4096, 8, 1, SMS, stages=4)
     with pytest.raises(ValueError, match="stages"):
-        lb("q4_g64_fp16", 4096, 4, 2, SM90, SMS, even=True, stages=2, tail=True)
-    with pytest.raises(ValueError, match="ring of at least 2"):
-        lb("q4_g64_fp16", 4096, 64, 2, SM90, SMS, even=True, wgmma=1, stages=1)
-    with pytest.raises(ValueError, match="one or two warpgroups"):
-        lb("q4_g64_fp16", 4096, 64, 2, SM90, SMS, even=True, wgmma=3)
+        lb("q4_g64_fp16", 4096, 4, 2, SMS, stages=2, tail=True)
+    with pytest.raises(ValueError, match="stages must be >= 0"):
+        lb("q4_g64_fp16", 4096, 64, 2, SMS, stages=-1)
 
 
 @needs_cpp

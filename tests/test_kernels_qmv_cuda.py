@@ -295,105 +295,6 @@ def test_async_ring_keeps_the_bits(fmt, n, k, splits):
         qmv_cuda.qmv(x[:4].contiguous(), lin, stages=2, tail=True)
 
 
-needs_wgmma = pytest.mark.skipif(
-    not (READY and torch.cuda.get_device_capability() == (9, 0)),
-    reason=f"the wgmma build needs an sm_90 GPU and cupy ({qmv_cuda.import_error() or 'not sm_90'})")
-WGMMA_CASES = [(64, 256, None), (200, 2048, 3), (37, 1152, None), (1000, 5120, 1)]
-
-
-def _misaligned(x):
-    """x's values in a contiguous tensor that starts 8 bytes past a 16-byte boundary."""
-    flat = torch.empty(x.numel() + 8, dtype=x.dtype, device=x.device)[4:4 + x.numel()]
-    return flat.view(x.shape).copy_(x)
-
-
-def _bits_report(y, want, ref) -> str:
-    """What differs: how many elements, and whether the result is still the product (bits) or not (layout)."""
-    diff = (y != want).float().mean().item()
-    return f"{100 * diff:.3f} % of elements differ; rel RMS to the fp32 reference {rel_rms(y, ref):.2e}"
-
-
-@needs_wgmma
-@pytest.mark.parametrize("fmt", quant.QUANT_FORMATS)
-@pytest.mark.parametrize("n,k,splits", WGMMA_CASES, ids=[f"{n}x{k}-s{s}" for n, k, s in WGMMA_CASES])
-def test_wgmma_keeps_the_bits(fmt, n, k, splits, monkeypatch):
-    """The wgmma build (one or two warpgroups a block, 2 or 4 ring stages, with and without its MMAs overlapping the
-    next step, WG_DEFER, and with a producer warp's bulk copies, WG_TMA) gives the mma.sync register build's bits at
-    1, 8, 9, 20, 33 and 64 rows (n 8 to n 64), with split-K, tiles past the weight's last, PDL, a CUDA graph, the
-    silu epilogue and fp16; a layout it cannot take is refused when asked for and left to mma.sync by default."""
-    base, x, ref = _case(fmt, n, k, 64, torch.bfloat16, seed=71)
-    lin = qmv_cuda.TiledWeight(base, lanes=True)
-    base_build = qmv_cuda._SWITCHES["wg_build"]  # (the device's descriptor setting, when gpu_check gives one)
-    for t in (1, 8, 9, 20, 33, 64):
-        xt = x[:t].contiguous()
-        want = qmv_cuda.qmv(xt, lin, splits=splits, stages=0)
-        for wg, stages in ((1, 4), (2, 2), (1, 2)):
-            y = qmv_cuda.qmv(xt, lin, splits=splits, wgmma=wg, stages=stages)
-            assert torch.equal(y, want), (t, wg, stages, _bits_report(y, want, ref[:t]))
-        if t in (9, 64):  # the overlapped build, the producer warp's and both
-            for extra in ((("WG_DEFER", 1),), (("WG_TMA", 1),), (("WG_DEFER", 1), ("WG_TMA", 1))):
-                monkeypatch.setitem(qmv_cuda._SWITCHES, "wg_build", base_build + extra)
-                for wg in (1, 2):
-                    y = qmv_cuda.qmv(xt, lin, splits=splits, wgmma=wg, stages=3)
-                    assert torch.equal(y, want), (t, wg, extra, _bits_report(y, want, ref[:t]))
-            monkeypatch.setitem(qmv_cuda._SWITCHES, "wg_build", base_build)
-    _pdl_graph_act_keep_the_bits(x, lin, splits, {"wgmma": 1}, {"wgmma": 1})
-    x16 = x.half()
-    assert torch.equal(qmv_cuda.qmv(x16, lin, splits=splits, wgmma=1), qmv_cuda.qmv(x16, lin, splits=splits,
-                                                                                     stages=0))
-    with pytest.raises(ValueError, match="lanes layout"):
-        qmv_cuda.qmv(x, base, wgmma=1)
-    with pytest.raises(ValueError, match="tiles"):
-        qmv_cuda.qmv(x, lin, wgmma=1, tiles=2)
-    with pytest.raises(ValueError, match="16-byte"):
-        qmv_cuda.qmv(_misaligned(x), lin, wgmma=1)
-
-
-@needs_wgmma
-@pytest.mark.parametrize("fmt", quant.QUANT_FORMATS)
-def test_wgmma_rows_keep_their_bits_across_widths(fmt):
-    """Among wgmma launches alone (n 8 to n 64, whatever their bits against mma.sync's): row t of a 64-row launch is
-    row t of launches of 1, 8, 9, 20 and 33 rows - what a verify needs of plain steps if every width ran on wgmma
-    (NINFER_BENCH_QMV_WIDE=1q4:g1s4,...)."""
-    base, x, _ = _case(fmt, 1000, 2048, 64, torch.bfloat16, seed=77)
-    lin = qmv_cuda.TiledWeight(base, lanes=True)
-    full = qmv_cuda.qmv(x, lin, wgmma=1)
-    for t in (1, 8, 9, 20, 33):
-        for wg in (1, 2):
-            assert torch.equal(qmv_cuda.qmv(x[:t].contiguous(), lin, wgmma=wg), full[:t]), (t, wg)
-
-
-@needs_wgmma
-def test_wgmma_default_build_and_fallback(monkeypatch):
-    """NINFER_BENCH_QMV_WIDE's g knob makes the wgmma build a wide launch's default; a call it cannot take (a
-    row-major weight, x rows 8-byte aligned only) runs an mma.sync build, with the same bits."""
-    base, x, ref = _case("q4_g64_fp16", 300, 1024, 64, torch.bfloat16, seed=5)
-    lin = qmv_cuda.TiledWeight(base, lanes=True)
-    want = qmv_cuda.qmv(x, lin, stages=0)
-    monkeypatch.setattr(qmv_cuda, "_WIDE", qmv_cuda._wide_builds("8q4:g1s3"))
-    assert torch.equal(qmv_cuda.qmv(x, lin), want)
-    assert torch.equal(qmv_cuda.qmv(x, base), want)
-    assert torch.equal(qmv_cuda.qmv(_misaligned(x), lin), want)
-
-
-def test_wgmma_shared_bytes():
-    """A wgmma launch's shared memory: two groups of B (8 ncol tokens x 64 values x 2 bytes), and a ring of code
-    pieces, the warp's x pieces, scale pairs (and q5 high bits) per warp, stage and lane."""
-    # q4, 8 column groups, one warpgroup (4 warps, 2 column groups each: 64 bytes of x a lane), 4 stages
-    assert qmv_cuda.wgmma_shared_bytes("q4_g64_fp16", 8, 1, 4) == 2 * 4 * 8 * 256 + 4 * 4 * 32 * (16 + 64 + 4)
-    # q5 two warpgroups (one column group a warp), q8 (16 bytes of x a column group), three B buffers (WG_DEFER)
-    assert qmv_cuda.wgmma_shared_bytes("q5_g64_fp16", 8, 2, 2) == 2 * 4 * 8 * 256 + 8 * 2 * 32 * (16 + 32 + 4 + 4)
-    assert qmv_cuda.wgmma_shared_bytes("q8_g32_fp16", 2, 1, 3) == 2 * 4 * 2 * 256 + 4 * 3 * 32 * (16 + 16 + 4)
-    assert qmv_cuda.wgmma_shared_bytes("q4_g64_fp16", 8, 1, 4, 3) == 3 * 4 * 8 * 256 + 4 * 4 * 32 * (16 + 64 + 4)
-    # a producer warp's stages (WG_TMA): per tile 512 code, 32 scale (q5: 128 high-bit) bytes, 8 ncol padded x rows
-    assert qmv_cuda.wgmma_shared_bytes("q5_g64_fp16", 8, 1, 4, 2, tma=True) == \
-        2 * 4 * 8 * 256 + 4 * (4 * (512 + 32 + 128) + 64 * 144) + 16 * 4
-    assert qmv_cuda.wgmma_shared_bytes("q8_g32_fp16", 2, 2, 3, 3, tma=True) == \
-        3 * 4 * 2 * 256 + 3 * (8 * (512 + 32) + 16 * 80) + 16 * 3
-    assert qmv_cuda._wg_build((("WG_DEFER", 1), ("WG_LBO", 256))) == (3, False)
-    assert qmv_cuda._wg_build((("WG_TMA", 1),)) == (2, True) and qmv_cuda._wg_build(()) == (2, False)
-
-
 def test_async_ring_shared_bytes():
     """A ring's shared memory: 20 bytes a lane, stage, tile and warp (q5: 24, its high bits); none without one."""
     assert qmv_cuda.async_shared_bytes("q4_g64_fp16", 4, 4, 3) == 4 * 4 * 3 * 32 * 20
@@ -406,11 +307,9 @@ def test_wide_builds_parse():
                                                           (4, None): {"tiles": 2, "unroll": 2}}
     assert qmv_cuda._wide_builds("8q4:p2s4b1,8q8:p1") == {
         (8, "q4_g64_fp16"): {"tiles": 2, "stages": 4, "min_blocks": 1}, (8, "q8_g32_fp16"): {"tiles": 1}}
-    assert qmv_cuda._wide_builds("8q4:g1s4,4:g2") == {(8, "q4_g64_fp16"): {"wgmma": 1, "stages": 4},
-                                                      (4, None): {"wgmma": 2}}
     assert qmv_cuda._wide_builds("") == {}
-    assert qmv_cuda._wide_builds("1q5:g1s4") == {(1, "q5_g64_fp16"): {"wgmma": 1, "stages": 4}}
-    for bad in ("8:q2", "3:p2", "p2", "8:", "8q6:p1"):
+    assert qmv_cuda._wide_builds("1q5:s4") == {(1, "q5_g64_fp16"): {"stages": 4}}
+    for bad in ("8:q2", "3:p2", "p2", "8:", "8q6:p1", "8q4:g1s4"):
         with pytest.raises(ValueError, match="NINFER_BENCH_QMV_WIDE"):
             qmv_cuda._wide_builds(bad)
 
@@ -428,15 +327,6 @@ def test_pdl_x_path_knob(monkeypatch):
     qmv_cuda.set_pdl_x_l1(False)
     qmv_cuda._load_env_knobs()
     assert qmv_cuda._SWITCHES["pdl_x_l1"] is True
-    monkeypatch.setenv("NINFER_BENCH_QMV_WG_BUILD", "WG_SBO=128:WG_LBO=256")  # the wgmma builds' extra defines
-    qmv_cuda._load_env_knobs()
-    assert qmv_cuda._SWITCHES["wg_build"] == (("WG_LBO", 256), ("WG_SBO", 128))
-    monkeypatch.setenv("NINFER_BENCH_QMV_WG_BUILD", "WG_LBO")
-    with pytest.raises(ValueError, match="NINFER_BENCH_QMV_WG_BUILD"):
-        qmv_cuda._load_env_knobs()
-    monkeypatch.delenv("NINFER_BENCH_QMV_WG_BUILD")
-    qmv_cuda._load_env_knobs()
-    assert qmv_cuda._SWITCHES["wg_build"] == ()
     monkeypatch.setenv("NINFER_BENCH_QMV_PDL_X", "l3")
     with pytest.raises(ValueError, match="NINFER_BENCH_QMV_PDL_X"):
         qmv_cuda._load_env_knobs()
@@ -787,13 +677,15 @@ def test_silu_epilogue_in_a_pdl_graph_and_through_packed_linear():
 
 
 def test_bench_knob_letters():
-    """scripts/bench_qlinear.py's --qmv-knobs: g is wgmma's warpgroups a block; an unknown letter is refused."""
+    """scripts/bench_qlinear.py's --qmv-knobs: p tiles, s stages, b blocks an SM, t / x flags; an unknown letter is
+    refused (g, the removed wgmma build's, among them)."""
     import bench_qlinear  # scripts/ (conftest puts it on sys.path)
 
-    assert bench_qlinear.qmv_knobs("g1s4b2") == {"wgmma": 1, "stages": 4, "min_blocks": 2, "tail": False,
-                                                 "xlate": False}
-    with pytest.raises(ValueError, match="unknown letter"):
-        bench_qlinear.qmv_knobs("g1q2")
+    assert bench_qlinear.qmv_knobs("p3s4b1t") == {"tiles": 3, "stages": 4, "min_blocks": 1, "tail": True,
+                                                  "xlate": False}
+    for bad in ("g1s4", "s4q2"):
+        with pytest.raises(ValueError, match="unknown letter"):
+            bench_qlinear.qmv_knobs(bad)
 
 
 def test_arch_image_compiles_once_and_reports_errors(monkeypatch, tmp_path):
