@@ -93,11 +93,16 @@ def causal_conv1d_state_at(x, state, n):
     """The conv state after the first ``n [B]`` positions of each row of ``x [B, T, C]`` (0 <= n <= T), from
     ``state [B, C, W-1]`` before them: [B, C, W-1] in the state's dtype, equal to `causal_conv1d`'s new state of
     ``x[:, :n]``. For a row padded past its real tokens (a captured prefill's fixed length)."""
-    B, _, C = x.shape
+    B, T, C = x.shape
     keep = state.shape[-1]
-    xx = torch.cat([state.transpose(1, 2), x.to(state.dtype)], dim=1)  # [B, W-1+T, C], exact copies of the inputs
-    idx = n.to(torch.long)[:, None] + torch.arange(keep, device=x.device)[None]  # the W-1 inputs before position n
-    return xx.gather(1, idx[:, :, None].expand(B, keep, C)).transpose(1, 2).contiguous()
+    # the W-1 inputs before position n are rows n .. n + W-2 of cat(state^T, x): gathered from each side (no copy of
+    # the whole chunk, which a captured prefill would pay on every layer), exact copies of the inputs
+    idx = n.to(torch.long)[:, None] + torch.arange(keep, device=x.device)[None]  # [B, W-1]
+    from_x = x.gather(1, (idx - keep).clamp(0, max(T - 1, 0))[:, :, None].expand(B, keep, C)) if T else None
+    from_state = state.gather(2, idx.clamp(max=keep - 1)[:, None, :].expand(B, C, keep))  # [B, C, W-1]
+    if from_x is None:
+        return from_state.contiguous()
+    return torch.where((idx >= keep)[:, None, :], from_x.to(state.dtype).transpose(1, 2), from_state).contiguous()
 
 
 def causal_conv1d(x, weight, state=None, *, activation="silu", return_states=False):

@@ -38,6 +38,24 @@ def test_conv_state_at_is_the_state_after_the_real_tokens(n):
         assert torch.equal(got[b:b + 1], want)
 
 
+@pytest.mark.parametrize("t,w", [(0, 4), (1, 4), (2, 4), (5, 2), (9, 5)])
+def test_conv_state_at_short_chunks_and_other_widths(t, w):
+    """Chunks shorter than the window (the state partly the old state's), width 2 and 5, an fp32 state beside bf16
+    inputs: every count 0 .. t against causal_conv1d's own new state, bit for bit."""
+    g = torch.Generator().manual_seed(10 * t + w)
+    x = torch.randn(3, t, 6, generator=g).to(torch.bfloat16)
+    conv_w = torch.randn(6, w, generator=g)
+    state = torch.randn(3, 6, w - 1, generator=g)
+    for n in range(t + 1):
+        counts = torch.tensor([n, t - n, min(n, 1)])
+        got = causal_conv1d_state_at(x, state, counts)
+        assert got.dtype == state.dtype and got.is_contiguous()
+        for b in range(3):
+            m = int(counts[b])
+            _, want = causal_conv1d(x[b:b + 1, :m], conv_w, state[b:b + 1])
+            assert torch.equal(got[b:b + 1], want.to(state.dtype)), (n, b)
+
+
 @pytest.mark.parametrize("start,t,pad", [(0, 5, 11), (0, 37, 27), (0, 70, 58), (40, 24, 40), (100, 9, 7)])
 def test_padded_prefill_equals_the_unpadded_one(start, t, pad):
     """The real rows' hidden states, the conv / GDN states and the real positions' K/V do not see the padding: a

@@ -154,9 +154,10 @@ class HybridModel:
         glue = self.fused_prefill and step.mode == PREFILL  # conv, SiLU, L2 norms, gated norm in Triton
         if glue:
             q, k, v = gdn_prefill.conv_qkv(qkv, conv_w, cache.conv[i], step.slots, hk, dk, hv, dv)
-            keep = conv_old.shape[-1]  # the new state: the last W-1 inputs (the old state's, when T < W-1)
-            conv_new = torch.cat([conv_old, qkv[:, max(0, t - keep):].transpose(1, 2).to(conv_old.dtype)],
-                                 dim=-1)[..., -keep:]
+            if step.valid is None:  # (a padded chunk's state comes from causal_conv1d_state_at below)
+                keep = conv_old.shape[-1]  # the new state: the last W-1 inputs (the old state's, when T < W-1)
+                conv_new = torch.cat([conv_old, qkv[:, max(0, t - keep):].transpose(1, 2).to(conv_old.dtype)],
+                                     dim=-1)[..., -keep:]
         else:
             y, conv_new = causal_conv1d(qkv, conv_w, conv_old)
             q, k, v = torch.split(y, [cfg.key_dim, cfg.key_dim, cfg.value_dim], dim=-1)
