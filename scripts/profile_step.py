@@ -162,8 +162,9 @@ def main() -> int:
     ap.add_argument("--host", action="store_true",
                     help="profile the host instead (cProfile of the same steps): where a host-bound step's time goes")
     ap.add_argument("--by-op", type=int, default=0, metavar="N",
-                    help="also the N torch ops with the most GPU time of their own, each with the first line of this "
-                         "package under it (the profiler records Python stacks: slower, the kernel table unchanged)")
+                    help="also the N torch ops with the most GPU time of their own, each with the line of this package "
+                         "that ran it and its input shapes (the profiler records Python stacks and shapes: slower, "
+                         "the kernel table unchanged)")
     ap.add_argument("--pdl-variants", default="",
                     help="comma list, each profiled for every --spec item in place of the engine's PDL defaults: "
                          "nopdl (no PDL), l1 / l2 (PDL in every graph, batched and speculative "
@@ -360,7 +361,8 @@ def profile_one(eng, args, drop, batch: int = 1, plain_tokens: list | None = Non
     if args.host:
         host_profile(run, args.steps, args.top)
         return {}
-    prof = profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU], with_stack=args.by_op > 0)
+    prof = profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU], with_stack=args.by_op > 0,
+                   record_shapes=args.by_op > 0)
     pwall, psteps = run(args.steps, prof)
 
     per, intervals = cuda_kernels(prof)
@@ -417,23 +419,31 @@ def op_frame(event) -> str:
     return f"under {outer}" if outer else "-"
 
 
+def op_shapes(event) -> str:
+    """A profiler op event's input shapes ("[1, 2048, 10240] [1, 10240, 3]"; tensors only), "" when not recorded."""
+    shapes = [s for s in (getattr(event, "input_shapes", None) or []) if s]
+    return " ".join("[" + ", ".join(str(d) for d in s) + "]" for s in shapes[:3])
+
+
 def op_table(prof, steps: int, top: int, own: str = "self_device_time_total") -> list[dict]:
-    """The ``top`` (torch op, source line) pairs by GPU time of their own a step, printed and returned: which eager op
-    launched the step's anonymous elementwise / copy kernels."""
+    """The ``top`` (torch op, source line, input shapes) triples by GPU time of their own a step, printed and
+    returned: which eager op launched the step's anonymous elementwise / copy kernels, and on what (the shapes tell
+    ops apart where the profiler links no Python frames)."""
     agg: dict = {}
     for ev in prof.events():
         us_own = getattr(ev, own, 0.0)
         if us_own <= 0 or not ev.name.startswith("aten::"):
             continue
-        key = (ev.name, op_frame(ev))
+        key = (ev.name, op_frame(ev), op_shapes(ev))
         us, n = agg.get(key, (0.0, 0))
         agg[key] = (us + us_own, n + 1)
     rows = sorted(agg.items(), key=lambda kv: -kv[1][0])[:top]
-    print(f"{'torch op':28s} {'us/step':>10s} {'calls/step':>10s}  source")
+    print(f"{'torch op':28s} {'us/step':>10s} {'calls/step':>10s}  source / input shapes")
     out = []
-    for (name, frame), (us, n) in rows:
-        print(f"{name[:28]:28s} {us / steps:10.1f} {n / steps:10.1f}  {frame[:110]}")
-        out.append({"op": name, "source": frame, "us_per_step": us / steps, "calls_per_step": n / steps})
+    for (name, frame, shapes), (us, n) in rows:
+        print(f"{name[:28]:28s} {us / steps:10.1f} {n / steps:10.1f}  {frame[:70]}  {shapes[:60]}")
+        out.append({"op": name, "source": frame, "shapes": shapes, "us_per_step": us / steps,
+                    "calls_per_step": n / steps})
     return out
 
 

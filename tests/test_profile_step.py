@@ -15,7 +15,7 @@ def _product(x):
 
 def test_op_table_names_the_line_that_ran_each_op(capsys):
     x = torch.randn(256, 256)
-    with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
+    with profile(activities=[ProfilerActivity.CPU], with_stack=True, record_shapes=True) as prof:
         for _ in range(4):
             _product(x)
             _scaled(x)
@@ -24,6 +24,7 @@ def test_op_table_names_the_line_that_ran_each_op(capsys):
     assert "_product" in by_op["aten::mm"]["source"] and "test_profile_step.py" in by_op["aten::mm"]["source"]
     assert "_scaled" in by_op["aten::mul"]["source"]
     assert by_op["aten::mm"]["calls_per_step"] == 1.0
+    assert by_op["aten::mm"]["shapes"] == "[256, 256] [256, 256]"
     assert rows == sorted(rows, key=lambda r: -r["us_per_step"])
     assert "aten::mm" in capsys.readouterr().out
 
