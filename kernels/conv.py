@@ -97,11 +97,11 @@ def causal_conv1d_state_at(x, state, n):
     keep = state.shape[-1]
     # the W-1 inputs before position n are rows n .. n + W-2 of cat(state^T, x): gathered from each side (no copy of
     # the whole chunk, which a captured prefill would pay on every layer), exact copies of the inputs
+    if T == 0:  # (n is 0: the state before them)
+        return state.clone(memory_format=torch.contiguous_format)
     idx = n.to(torch.long)[:, None] + torch.arange(keep, device=x.device)[None]  # [B, W-1]
-    from_x = x.gather(1, (idx - keep).clamp(0, max(T - 1, 0))[:, :, None].expand(B, keep, C)) if T else None
+    from_x = x.gather(1, (idx - keep).clamp(0, T - 1)[:, :, None].expand(B, keep, C))
     from_state = state.gather(2, idx.clamp(max=keep - 1)[:, None, :].expand(B, C, keep))  # [B, C, W-1]
-    if from_x is None:
-        return from_state.contiguous()
     return torch.where((idx >= keep)[:, None, :], from_x.to(state.dtype).transpose(1, 2), from_state).contiguous()
 
 

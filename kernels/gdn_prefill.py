@@ -62,7 +62,7 @@ def _conv_kernel(X, CW, ST, SLOTS, OUT, stride_xb, stride_xt, stride_sb, stride_
     is_v = head >= 2 * HK
     D = tl.where(is_v, DV, DK)
     part = tl.minimum(head // HK, 2)  # 0 q, 1 k, 2 v
-    h = tl.where(is_v, head - 2 * HK, head - part * HK)  # the head within its part
+    h = head - part * HK  # the head within its part
     d_ok = offs_d < D
     ch = part * HK * DK + h * D + offs_d  # channels of qkv
     t_ok = offs_t < T

@@ -440,12 +440,13 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
     kern = _kernel(_FMT_ID[lin.fmt], x.dtype == torch.float16, even, build.unroll, build.min_blocks, xlate, pipe,
                    fold, pdl, layout, act, build.warps, tail, build.ncol, build.tiles, dev, _SWITCHES["pdl_x_l1"],
                    build.stages, build.shared)
-    warps, threads, shared, per_block, tiles = build.warps, build.threads, build.shared, build.tiles, -(-n // 16)
+    row_tiles = -(-n // 16)
     whole = act or not _triton.split_k_allowed()  # (the epilogue, or a launch beside others: _triton.single_pass)
-    s = 1 if whole else min(splits, MAX_SPLITS) if splits else shape_splits(n, lin.ng, _triton.num_sms(dev), warps)
+    s = 1 if whole else min(splits, MAX_SPLITS) if splits else shape_splits(n, lin.ng, _triton.num_sms(dev), build.warps)
     groups_per_split = -(-lin.ng // s)
     s = -(-lin.ng // groups_per_split)
-    ws, counters = workspace(x.device, s * t * n, tiles) if s > 1 else (out, out)
+    ws, counters = workspace(x.device, s * t * n, row_tiles) if s > 1 else (out, out)
+    grid = (-(-row_tiles // build.tiles), s)  # a block takes build.tiles row tiles
     stream = torch.cuda.current_stream(x.device)
     # the kernel's parameters in order: 7 pointers, 5 int32, 5 int64
     ptrs = (x.data_ptr(), lin.codes.data_ptr(), lin.high.data_ptr(), lin.scales.data_ptr(), out.data_ptr(),
@@ -455,13 +456,13 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
     if pdl:
         cargs = (*map(ctypes.c_uint64, ptrs), *map(ctypes.c_int32, ints), *map(ctypes.c_int64, longs))
         with torch.cuda.device(dev):  # the module was loaded in this device's context
-            _launch_pdl(kern, (-(-tiles // per_block), s), threads, cargs, stream.cuda_stream, shared)
+            _launch_pdl(kern, grid, build.threads, cargs, stream.cuda_stream, build.shared)
         return out
     import cupy
 
     args = (*map(np.uint64, ptrs), *map(np.int32, ints), *map(np.int64, longs))
     with cupy.cuda.Device(dev):
-        kern((-(-tiles // per_block), s), (threads,), args, stream=_cupy.stream(stream, dev), shared_mem=shared)
+        kern(grid, (build.threads,), args, stream=_cupy.stream(stream, dev), shared_mem=build.shared)
     return out
 
 

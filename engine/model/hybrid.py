@@ -154,10 +154,6 @@ class HybridModel:
         glue = self.fused_prefill and step.mode == PREFILL  # conv, SiLU, L2 norms, gated norm in Triton
         if glue:
             q, k, v = gdn_prefill.conv_qkv(qkv, conv_w, cache.conv[i], step.slots, hk, dk, hv, dv)
-            if step.valid is None:  # (a padded chunk's state comes from causal_conv1d_state_at below)
-                keep = conv_old.shape[-1]  # the new state: the last W-1 inputs (the old state's, when T < W-1)
-                conv_new = torch.cat([conv_old, qkv[:, max(0, t - keep):].transpose(1, 2).to(conv_old.dtype)],
-                                     dim=-1)[..., -keep:]
         else:
             y, conv_new = causal_conv1d(qkv, conv_w, conv_old)
             q, k, v = torch.split(y, [cfg.key_dim, cfg.key_dim, cfg.value_dim], dim=-1)
@@ -166,6 +162,10 @@ class HybridModel:
             v = v.reshape(b, t, hv, dv)
         if step.valid is not None:  # the state after the real tokens, not after the padding
             conv_new = causal_conv1d_state_at(qkv, conv_old, step.valid)
+        elif glue:  # the new state: the last W-1 inputs (the old state's, when T < W-1)
+            keep = conv_old.shape[-1]
+            conv_new = torch.cat([conv_old, qkv[:, max(0, t - keep):].transpose(1, 2).to(conv_old.dtype)],
+                                 dim=-1)[..., -keep:]
         beta = torch.sigmoid(bb.float())
         g = -torch.exp(w.vector(f"{a_}.A_log")) * F.softplus(aa.float() + w.vector(f"{a_}.dt_bias"))
         if step.valid is not None:  # padding writes nothing (beta = 0) and does not decay the state (g = 0)
