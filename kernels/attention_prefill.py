@@ -38,19 +38,26 @@ from .attention_triton_kernels import jit_kernels as _kernels
 from .kv_quant import KV_GROUP
 
 __all__ = ["PrefillConfig", "prefill_plan", "prefill_attention", "prefill_attention_cached", "dequantize_slots",
-           "triton_available"]
+           "descriptor_ok", "triton_available"]
 
 triton_available = _triton.available
 
 
 @dataclass(frozen=True, slots=True)
 class PrefillConfig:
-    """Launch shape of :func:`prefill_attention`: query tokens and keys a tile, warps, pipeline stages."""
+    """Launch shape of :func:`prefill_attention`: query tokens and keys a tile, warps, pipeline stages; ``tma``: a
+    16-bit cache's K / V tiles through tensor descriptors (Hopper's bulk tensor copies, ``_attn_prefill_desc``: the
+    same sums) where the cache allows it (:func:`descriptor_ok`), ``warp_specialize`` its unmasked key loop split
+    into Triton's producer / consumer warps, ``acc_in_dot`` p.v accumulated into the rescaled output inside the dot
+    (one add of the output tile a key tile less; other roundings than the default's), both with ``tma``."""
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
+    tma: bool = False
+    warp_specialize: bool = False
+    acc_in_dot: bool = False
 
     def __post_init__(self):
         for name in ("block_m", "block_n"):
@@ -94,6 +101,8 @@ def prefill_attention(q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, scale
     block_d = _block_d(hd)
     gw = min(KV_GROUP, block_d)
     out = _new_buffer((b, t, h, hd), q.dtype, q.device)
+    if cfg.tma and descriptor_ok(k_cache, v_cache):
+        return _prefill_desc(kern, cfg, q, k_cache, v_cache, slots, q_pos, scale, kv_len, gate, out, block_d)
     ks = k_scale if int8 else k_cache  # placeholders keep one signature; never read without IS_INT8
     vs = v_scale if int8 else v_cache
     gt = gate if gate is not None else out
@@ -106,6 +115,37 @@ def prefill_attention(q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, scale
         IS_INT8=int8, HAS_GATE=gate is not None, DOT_DTYPE=kern["dtypes"][q.dtype],
         DOT_PREC="tf32x3" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
+
+
+def descriptor_ok(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether ``_attn_prefill_desc`` can read these caches: 16-bit, contiguous, 16-byte aligned, rows of a whole
+    number of 16 bytes, and row indices within int32 (the descriptors' coordinates)."""
+    for c in (k_cache, v_cache):
+        if c.dtype not in (torch.bfloat16, torch.float16) or not c.is_contiguous() or c.data_ptr() % 16 \
+                or (c.shape[-1] * c.element_size()) % 16 or c.numel() // c.shape[-1] >= 2 ** 31:
+            return False
+    return k_cache.shape == v_cache.shape
+
+
+def _prefill_desc(kern, cfg, q, k_cache, v_cache, slots, q_pos, scale, kv_len, gate, out, block_d):
+    """prefill_attention through ``_attn_prefill_desc``: K and V as [S * Hkv * cap, hd] tensor descriptors whose
+    boxes are one key tile (past hd, and past the last row, the copy engine fills zeros)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    b, t, h, hd = q.shape
+    s, hkv, cap, _ = k_cache.shape
+    box = [cfg.block_n, block_d]
+    desc_k = TensorDescriptor(k_cache, [s * hkv * cap, hd], [hd, 1], box)
+    desc_v = TensorDescriptor(v_cache, [s * hkv * cap, hd], [hd, 1], box)
+    gt = gate if gate is not None else out
+    kern["prefill_desc"][(b * h, -(-t // cfg.block_m))](
+        q, desc_k, desc_v, slots, q_pos, out, gt, gt.stride(0), gt.stride(1), *q.stride()[:3], *q_pos.stride(),
+        *out.stride()[:3], scale * LOG2E, t, h, hkv, cap, kv_len,
+        G=h // hkv, HD=hd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, HAS_GATE=gate is not None,
+        DOT_DTYPE=kern["dtypes"][q.dtype], DOT_PREC="tf32x3" if q.dtype == torch.float32 else "tf32",
+        WS=cfg.warp_specialize, ACC_IN_DOT=cfg.acc_in_dot, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
 

@@ -2,8 +2,9 @@
 fp32 reference live there): ``_attn_split`` (one key range of one slot's query rows, online softmax over int8 or
 float K/V tiles read from the cache in place) and ``_attn_combine`` (the ranges merged by their log-sum-exp, the
 output gate applied); ``_attn_prefill`` (kernels/attention_prefill.py: a block of a prompt's tokens of one query
-head against all their keys, flash style, from the same cache tiles) and ``_kv_dequant`` (a slot's int8 K or V
-dequantized to a contiguous copy, for it).
+head against all their keys, flash style, from the same cache tiles), ``_attn_prefill_desc`` (the same over a
+16-bit cache whose tiles arrive through tensor descriptors) and ``_kv_dequant`` (a slot's int8 K or V dequantized
+to a contiguous copy, for them).
 """
 
 from __future__ import annotations
@@ -420,6 +421,78 @@ def _attn_prefill(Q, K, V, KS, VS, SLOTS, QPOS, O, GATE, stride_gb, stride_gt,
     tl.store(O + b * stride_ob + offs_m[:, None] * stride_ot + h * stride_oh + offs_d[None, :], val, mask=mask)
 
 
+def _prefill_tile_desc(q, qpos, start, end, m_i, l_i, acc, desc_k, desc_v, kv_row, qk_scale, MASKED: tl.constexpr,
+                       DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_N: tl.constexpr,
+                       ACC_IN_DOT: tl.constexpr):
+    """``_prefill_tile`` over a 16-bit cache read through tensor descriptors (Hopper's bulk tensor copies): the tile's
+    rows from ``kv_row + start`` of the cache's [rows, hd] view. Rows past ``end`` may belong to the next kv head (or
+    be 0 past the view): the mask drops their keys, and their values are zeroed before the dot, so the tile enters
+    the sums exactly as ``_prefill_tile``'s masked load does. ACC_IN_DOT: p.v accumulates into the rescaled
+    accumulator inside the dot (no separate add of the [BLOCK_M, BLOCK_D] tile; other roundings, not those bits)."""
+    offs_n = start + tl.arange(0, BLOCK_N)
+    k = desc_k.load([kv_row + start, 0]).to(DOT_DTYPE)
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+    if MASKED:
+        qk = tl.where((offs_n[None, :] <= qpos[:, None]) & (offs_n[None, :] < end), qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    m_safe = m_new
+    if MASKED:
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(qk - m_safe[:, None])
+    v = desc_v.load([kv_row + start, 0]).to(DOT_DTYPE)
+    if MASKED:
+        v = tl.where((offs_n < end)[:, None], v, 0.0)
+    if ACC_IN_DOT:
+        acc = tl.dot(p.to(DOT_DTYPE), v, acc * alpha[:, None], input_precision=DOT_PREC)
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PREC)
+    return m_new, l_i * alpha + tl.sum(p, 1), acc
+
+
+def _attn_prefill_desc(Q, desc_k, desc_v, SLOTS, QPOS, O, GATE, stride_gb, stride_gt, stride_qb, stride_qt, stride_qh,
+                       stride_pb, stride_pt, stride_ob, stride_ot, stride_oh, qk_scale, T, H, HKV, CAP, KV_LEN,
+                       G: tl.constexpr, HD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_D: tl.constexpr, HAS_GATE: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                       DOT_PREC: tl.constexpr, WS: tl.constexpr, ACC_IN_DOT: tl.constexpr):
+    """``_attn_prefill`` for a bf16 / fp16 cache ``[S, Hkv, CAP, hd]`` (contiguous) whose K and V tiles arrive through
+    tensor descriptors over its [S * Hkv * CAP, hd] view (kernels/attention_prefill.py's ``tma`` plan): the same
+    programs, key order, tiles and arithmetic, so the same sums. WS: the unmasked key loop warp-specialized (Triton's
+    producer / consumer partitions)."""
+    pid_bh = tl.program_id(0)
+    pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    hkv = h // G
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < T
+    qpos = tl.load(QPOS + b * stride_pb + offs_m * stride_pt, mask=row_ok, other=-1).to(tl.int32)
+    hi = tl.minimum(tl.max(qpos, 0) + 1, KV_LEN)
+    lo_pos = tl.min(tl.where(row_ok, qpos, KV_LEN), 0)
+    full = tl.minimum(lo_pos + 1, hi) // BLOCK_N * BLOCK_N  # keys 0 .. full - 1, whole tiles: seen by every row
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HD
+    q = tl.load(Q + b * stride_qb + offs_m[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(DOT_DTYPE)  # [BLOCK_M, BLOCK_D]
+    slot = tl.load(SLOTS + b)
+    kv_row = ((slot * HKV + hkv) * CAP).to(tl.int32)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for start in tl.range(0, full, BLOCK_N, warp_specialize=WS):  # no mask: every key at or before every row
+        m_i, l_i, acc = _prefill_tile_desc(q, qpos, start, full, m_i, l_i, acc, desc_k, desc_v, kv_row, qk_scale,
+                                           False, DOT_DTYPE, DOT_PREC, BLOCK_N, ACC_IN_DOT)
+    for start in range(full, hi, BLOCK_N):  # the diagonal: each row up to its own position
+        m_i, l_i, acc = _prefill_tile_desc(q, qpos, start, hi, m_i, l_i, acc, desc_k, desc_v, kv_row, qk_scale,
+                                           True, DOT_DTYPE, DOT_PREC, BLOCK_N, ACC_IN_DOT)
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    mask = row_ok[:, None] & d_ok[None, :]
+    gate_ptr = GATE + b * stride_gb + offs_m[:, None] * stride_gt + h * HD + offs_d[None, :]
+    val = _gated(o.to(O.dtype.element_ty), gate_ptr, mask, HAS_GATE)
+    tl.store(O + b * stride_ob + offs_m[:, None] * stride_ot + h * stride_oh + offs_d[None, :], val, mask=mask)
+
+
 def _kv_dequant(K, KS, SLOTS, OUT, stride_ks, stride_kh, stride_kn, stride_sss, stride_ssh, stride_ssn,
                 stride_ob, stride_oh, stride_on, HKV, LENGTH,
                 HD: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, NG: tl.constexpr, GW: tl.constexpr):
@@ -447,9 +520,10 @@ def jit_kernels() -> dict:
     """Jit the kernels (first call only). `_attn_split` finds `_load_tile` and `tl` as module globals."""
     out = _triton.jit_module(globals(), ("_int8_f16", "_load_tile", "_codes_tile", "_scales_tile", "_dequant",
                                          "_codes_flat", "_dequant_flat", "_ahead_tile", "_row_chunk", "_gated",
-                                         "_prefill_tile", "_store_cols", "_codes16", "_group_scale", "_group_q",
+                                         "_prefill_tile", "_prefill_tile_desc", "_store_cols", "_codes16", "_group_scale", "_group_q",
                                          "_group_qk", "_group_pv"),
                              {"split": "_attn_split", "combine": "_attn_combine",
-                              "prefill": "_attn_prefill", "kv_dequant": "_kv_dequant"})
+                              "prefill": "_attn_prefill", "prefill_desc": "_attn_prefill_desc",
+                              "kv_dequant": "_kv_dequant"})
     out["dtypes"] = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
     return out

@@ -6,7 +6,8 @@ Per start position, in one process:
                 bf16 (cache.read_kv), then torch SDPA with an explicit [T x L] mask, K/V heads repeated to H
   flash-int8    prefill_attention reading the int8 cache in place (the default plan, then --sweep's shapes)
   dequant       kv_quant.dequantize_kv of the whole cache to bf16 (torch)
-  flash-bf16    prefill_attention over a bf16 copy of the cache (--sweep bf16: more launch shapes)
+  flash-bf16    prefill_attention over a bf16 copy of the cache (--sweep bf16: more launch shapes; --sweep tma: K / V
+                through tensor descriptors, some warp-specialized; each line says whether it gave the default's bits)
   copy          dequantize_slots of the slot's K and V (the Triton copy prefill_attention_cached makes)
   flash-copy    prefill_attention_cached on the int8 cache: that copy, then the kernel over it (what the engine runs)
   torch-flash   (start 0 only) torch SDPA's flash kernel, is_causal, native GQA, on bf16 K/V: the transformers
@@ -14,7 +15,7 @@ Per start position, in one process:
 Each line: median ms (triton.testing.do_bench), TFLOP/s (4 hd H x the causal query-key pairs) and the relative RMS
 against sdpa-copy's output. JSON lines to --json.
 
-    python3 scripts/bench_prefill_attention.py [--chunk 2048] [--starts 0,8192,32768,63488] [--sweep int8,bf16]
+    python3 scripts/bench_prefill_attention.py [--chunk 2048] [--starts 0,8192,32768,63488] [--sweep int8,bf16,tma]
         [--json F]
 """
 
@@ -48,6 +49,18 @@ SWEEP = [dict(block_m=128, block_n=64, num_warps=8, num_stages=2), dict(block_m=
          dict(block_m=64, block_n=32, num_warps=4, num_stages=3), dict(block_m=128, block_n=128, num_warps=8,
          num_stages=1), dict(block_m=64, block_n=128, num_warps=8, num_stages=1)]
 
+# --sweep tma: K / V tiles through tensor descriptors (PrefillConfig.tma), some warp-specialized, over the bf16 copy
+SWEEP_TMA = [dict(block_m=128, block_n=64, num_warps=8, num_stages=2, tma=True),
+             dict(block_m=128, block_n=64, num_warps=8, num_stages=3, tma=True),
+             dict(block_m=128, block_n=32, num_warps=8, num_stages=3, tma=True),
+             dict(block_m=128, block_n=128, num_warps=8, num_stages=2, tma=True),
+             dict(block_m=64, block_n=64, num_warps=4, num_stages=3, tma=True),
+             dict(block_m=128, block_n=64, num_warps=8, num_stages=2, tma=True, warp_specialize=True),
+             dict(block_m=128, block_n=64, num_warps=4, num_stages=2, tma=True, warp_specialize=True),
+             dict(block_m=128, block_n=32, num_warps=8, num_stages=3, tma=True, warp_specialize=True),
+             dict(block_m=128, block_n=64, num_warps=8, num_stages=2, tma=True, acc_in_dot=True),
+             dict(block_m=128, block_n=64, num_warps=8, num_stages=2, tma=True, warp_specialize=True, acc_in_dot=True)]
+
 SWEEP_BF16 = [dict(block_m=128, block_n=64, num_warps=8, num_stages=3), dict(block_m=128, block_n=128, num_warps=8,
               num_stages=1), dict(block_m=128, block_n=128, num_warps=8, num_stages=2),
               dict(block_m=128, block_n=32, num_warps=8, num_stages=3), dict(block_m=64, block_n=64, num_warps=4,
@@ -69,8 +82,9 @@ def main() -> int:
     ap_ = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap_.add_argument("--chunk", type=int, default=2048)
     ap_.add_argument("--starts", default="0,8192,32768,63488")
-    ap_.add_argument("--sweep", default="", help="int8, bf16 or both (comma-separated): also the launch shapes of "
-                     "SWEEP (int8 in place) or SWEEP_BF16 (over the copy)")
+    ap_.add_argument("--sweep", default="", help="int8, bf16, tma (comma-separated): also the launch shapes of "
+                     "SWEEP (int8 in place), SWEEP_BF16 (over the copy) or SWEEP_TMA (over the copy, K / V through "
+                     "tensor descriptors)")
     ap_.add_argument("--json", default=None)
     args = ap_.parse_args()
     if not torch.cuda.is_available():
@@ -107,7 +121,9 @@ def main() -> int:
         for cfg in cfgs:
             rows.append(("flash-int8", cfg, lambda cfg=cfg: ap.prefill_attention(q, kc, vc, ks, vs, slots, q_pos,
                                                                                  scale, config=cfg)))
-        for cfg in [None] + ([ap.PrefillConfig(**c) for c in SWEEP_BF16] if "bf16" in sweep else []):
+        bf16_cfgs = [None] + ([ap.PrefillConfig(**c) for c in SWEEP_BF16] if "bf16" in sweep else []) \
+            + ([ap.PrefillConfig(**c) for c in SWEEP_TMA] if "tma" in sweep else [])
+        for cfg in bf16_cfgs:
             rows.append(("flash-bf16", cfg, lambda cfg=cfg: ap.prefill_attention(q, kb, vb, None, None, slots, q_pos,
                                                                                  scale, config=cfg)))
         rows.append(("copy", None, lambda: (ap.dequantize_slots(kc, ks, slots, cap, torch.bfloat16),
@@ -122,11 +138,16 @@ def main() -> int:
                     return F.scaled_dot_product_attention(q.transpose(1, 2), kb, vb, is_causal=True, scale=scale,
                                                           enable_gqa=True).transpose(1, 2)
             rows.append(("torch-flash", None, torch_flash))
+        first = {}  # method -> its first (default-plan) output: do the other launch shapes give its bits?
         for name, cfg, fn in rows:
             try:
                 out = fn()
                 torch.cuda.synchronize()
                 err = rel(out, base) if isinstance(out, torch.Tensor) else None
+                same = None
+                if isinstance(out, torch.Tensor):
+                    same = torch.equal(out, first[name]) if name in first else None
+                    first.setdefault(name, out)
                 ms = timed(fn)
             except Exception as exc:  # a launch shape past the shared memory, a backend refusing the call
                 print(f"start {start:6d} {name:12s} {cfg}: {type(exc).__name__}: {str(exc)[:160]}")
@@ -134,12 +155,15 @@ def main() -> int:
             tf = flops / (ms * 1e-3) / 1e12 if err is not None else None
             rec = {"start": start, "chunk": t, "method": name,
                    "config": None if cfg is None else dataclasses.asdict(cfg),
-                   "ms": round(ms, 4), "tflops": tf and round(tf, 1), "rel_vs_sdpa_copy": err and round(err, 5)}
+                   "ms": round(ms, 4), "tflops": tf and round(tf, 1), "rel_vs_sdpa_copy": err and round(err, 5),
+                   "same_bits_as_default": same}
             lines.append(rec)
-            cfg_s = "" if cfg is None else f" m{cfg.block_m} n{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}"
+            cfg_s = "" if cfg is None else f" m{cfg.block_m} n{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}" \
+                + (" tma" if cfg.tma else "") + (" ws" if cfg.warp_specialize else "") + (" acc" if cfg.acc_in_dot else "")
             tf_s = "" if tf is None else f" {tf:7.1f} TFLOP/s"
             err_s = "" if err is None else f"  rel {err:.2e}"
-            print(f"start {start:6d} {name:12s}{cfg_s:20s} {ms:9.3f} ms{tf_s}{err_s}", flush=True)
+            same_s = "" if same is None else ("  same bits" if same else "  BITS DIFFER")
+            print(f"start {start:6d} {name:12s}{cfg_s:31s} {ms:9.3f} ms{tf_s}{err_s}{same_s}", flush=True)
         base = None
         torch.cuda.empty_cache()
     if args.json:

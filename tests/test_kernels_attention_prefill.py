@@ -4,6 +4,7 @@ Without CUDA the kernel runs under Triton's interpreter (TRITON_INTERPRET=1, set
 imported); on CUDA the same cases run compiled, bf16 queries and the default launch shapes included.
 """
 
+import dataclasses
 import os
 
 import pytest
@@ -92,6 +93,52 @@ def test_padding_rows_and_poison_past_positions():
     real = 17  # the first 17 tokens alone: the same rows, bit for bit (each row's tiles do not depend on T)
     one = {**c, "q": c["q"][:, :real], "q_pos": c["q_pos"][:, :real]}
     assert torch.equal(ap.prefill_attention(**one, config=SMALL), clean[:, :real])
+
+
+TMA = ap.PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=1, tma=True)
+
+
+@pytest.mark.parametrize("ws", [False, True], ids=["plain", "ws"])
+@pytest.mark.parametrize("kv", ["bf16", "fp16"])
+@pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
+def test_descriptor_path_gives_the_pointer_paths_bits(shape, kv, ws):
+    """K / V tiles through tensor descriptors (``tma``, optionally warp-specialized): the same sums, bit for bit,
+    with the cache past each row's position poisoned (NaN keys, huge values) - a tile's rows past its end belong to
+    the next kv head or lie past the view, and must not reach the output."""
+    c = make_case(kv, *SHAPES[shape])
+    assert ap.descriptor_ok(c["k_cache"], c["v_cache"])
+    want = ap.prefill_attention(**c, config=SMALL)
+    cfg = dataclasses.replace(TMA, warp_specialize=ws)
+    assert torch.equal(ap.prefill_attention(**c, config=cfg), want)
+    cap = c["k_cache"].shape[2]
+    live = c["q_pos"].max(dim=1).values  # per row; poison every slot past the largest position any row reads
+    dead = torch.arange(cap, device=DEVICE) > int(live.max())
+    p = {**c, "k_cache": c["k_cache"].masked_fill(dead[None, None, :, None], float("nan")),
+         "v_cache": c["v_cache"].masked_fill(dead[None, None, :, None], 6e4)}
+    assert torch.equal(ap.prefill_attention(**p, config=cfg), want)
+
+
+@pytest.mark.parametrize("kv", ["bf16", "fp16"])
+def test_descriptor_path_acc_in_dot_matches_reference(kv):
+    """acc_in_dot sums in another order (not the default's bits): held to the reference instead."""
+    for shape in SHAPES:
+        c = make_case(kv, *SHAPES[shape])
+        out = ap.prefill_attention(**c, config=dataclasses.replace(TMA, acc_in_dot=True))
+        assert rel_rms(out, at.decode_attention_ref(**c)) <= RTOL, shape
+
+
+def test_descriptor_ok_refuses_what_it_cannot_read():
+    c = make_case("bf16", *SHAPES["later-g6-hd128"])
+    k, v = c["k_cache"], c["v_cache"]
+    assert ap.descriptor_ok(k, v)
+    assert not ap.descriptor_ok(k.transpose(2, 3), v.transpose(2, 3))  # not contiguous
+    assert not ap.descriptor_ok(k.float(), v.float())  # 32-bit: the pointer kernel
+    q8 = make_case("int8", *SHAPES["later-g6-hd128"])
+    assert not ap.descriptor_ok(q8["k_cache"], q8["v_cache"])
+    odd = make_case("bf16", 2, 1, 4, [0], 4, 16)  # rows of 8 bytes: under the copy engine's 16
+    assert not ap.descriptor_ok(odd["k_cache"], odd["v_cache"])
+    # a tma plan on a cache it cannot read takes the pointer kernel: same result
+    assert torch.equal(ap.prefill_attention(**q8, config=TMA), ap.prefill_attention(**q8, config=SMALL))
 
 
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
