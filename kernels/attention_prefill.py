@@ -28,6 +28,8 @@ graph (engine/model/graphs.py captures prefill chunks). Triton is imported on fi
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from dataclasses import dataclass
 
 import torch
@@ -70,10 +72,29 @@ class PrefillConfig:
             raise ValueError(f"PrefillConfig.num_stages must be >= 1, got {self.num_stages}")
 
 
+def plan_overrides(text: str) -> dict:
+    """``PrefillConfig`` fields from ``"block_n=32,num_stages=3,tma=1"`` (NINFER_BENCH_PREFILL_PLAN: a tuning run's
+    launch shape for the 16-bit queries' plans, the engine's included); a ValueError names what is wrong."""
+    fields = {f.name: f.type for f in dataclasses.fields(PrefillConfig)}
+    out = {}
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        key, eq, val = item.partition("=")
+        key = key.strip()
+        if not eq or key not in fields:
+            raise ValueError(f"NINFER_BENCH_PREFILL_PLAN: {item!r}: expected FIELD=VALUE with FIELD one of "
+                             f"{', '.join(fields)}")
+        try:
+            out[key] = bool(int(val)) if fields[key] in (bool, "bool") else int(val)
+        except ValueError:
+            raise ValueError(f"NINFER_BENCH_PREFILL_PLAN: {item!r}: the value must be an integer") from None
+    return out
+
+
 def prefill_plan(head_dim: int, int8: bool, q_dtype: torch.dtype = torch.bfloat16, *, block_m: int | None = None,
                  block_n: int | None = None, num_warps: int | None = None,
                  num_stages: int | None = None) -> PrefillConfig:
-    """The default launch shape for a head size and cache format; keyword overrides are for sweeps and tests."""
+    """The default launch shape for a head size and cache format; keyword overrides are for sweeps and tests, and
+    NINFER_BENCH_PREFILL_PLAN (:func:`plan_overrides`) replaces fields of the 16-bit queries' plans under them."""
     block_d = _block_d(head_dim)
     if q_dtype == torch.float32:  # the reference-precision path (tests, the interpreter): small fp32 tiles
         cfg = dict(block_m=32, block_n=16, num_warps=4, num_stages=1)
@@ -81,6 +102,8 @@ def prefill_plan(head_dim: int, int8: bool, q_dtype: torch.dtype = torch.bfloat1
         cfg = dict(block_m=128, block_n=64, num_warps=8, num_stages=2)
     else:
         cfg = dict(block_m=128, block_n=64, num_warps=8 if block_d >= 128 else 4, num_stages=3)
+    if q_dtype != torch.float32:
+        cfg.update(plan_overrides(os.environ.get("NINFER_BENCH_PREFILL_PLAN", "")))
     given = dict(block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
     cfg.update({k: v for k, v in given.items() if v is not None})
     return PrefillConfig(**cfg)

@@ -118,6 +118,24 @@ def test_descriptor_path_gives_the_pointer_paths_bits(shape, kv, ws):
     assert torch.equal(ap.prefill_attention(**p, config=cfg), want)
 
 
+@pytest.mark.parametrize("ws", [False, True], ids=["plain", "ws"])
+def test_descriptor_path_default_shape_bf16(ws):
+    """The engine's shape (bf16 queries, hd 256, the default tiles) through descriptors: the pointer kernel's bits,
+    compiled (a warp-specialized loop that Triton cannot build for this GPU is skipped, not failed)."""
+    if INTERPRET:
+        pytest.skip("the Triton interpreter's tl.dot multiplies raw bf16 bit patterns (GPU only)")
+    c = make_case("bf16", 12, 2, 256, [0, 300], 200, 512, q_dtype=torch.bfloat16)
+    plan = ap.prefill_plan(256, False, torch.bfloat16)
+    want = ap.prefill_attention(**c, config=plan)
+    try:
+        out = ap.prefill_attention(**c, config=dataclasses.replace(plan, tma=True, warp_specialize=ws))
+    except Exception as exc:  # noqa: BLE001 - Triton's compile errors have no common type
+        if ws:
+            pytest.skip(f"warp-specialized loop does not build here: {type(exc).__name__}: {str(exc)[:200]}")
+        raise
+    assert torch.equal(out, want)
+
+
 @pytest.mark.parametrize("kv", ["bf16", "fp16"])
 def test_descriptor_path_acc_in_dot_matches_reference(kv):
     """acc_in_dot sums in another order (not the default's bits): held to the reference instead."""
@@ -195,6 +213,19 @@ def test_plan_overrides():
     assert cfg.block_m >= 64 and cfg.block_n >= 32
     assert ap.prefill_plan(256, True, block_n=32).block_n == 32
     assert ap.prefill_plan(64, False, torch.float32).block_m <= 32  # the interpreter's small fp32 tiles
+
+
+def test_plan_overrides_from_the_environment(monkeypatch):
+    assert ap.plan_overrides("block_n=32, tma=1,warp_specialize=0") == dict(block_n=32, tma=True,
+                                                                         warp_specialize=False)
+    monkeypatch.setenv("NINFER_BENCH_PREFILL_PLAN", "num_stages=3,tma=1")
+    cfg = ap.prefill_plan(256, False, torch.bfloat16)
+    assert (cfg.num_stages, cfg.tma, cfg.block_n) == (3, True, 64)
+    assert ap.prefill_plan(256, False, torch.bfloat16, num_stages=1).num_stages == 1  # the caller's keyword wins
+    assert not ap.prefill_plan(64, False, torch.float32).tma  # the reference-precision plan is left alone
+    for bad in ("tma", "colour=1", "block_n=x"):
+        with pytest.raises(ValueError, match="NINFER_BENCH_PREFILL_PLAN"):
+            ap.plan_overrides(bad)
 
 
 def test_module_imports_without_triton():
