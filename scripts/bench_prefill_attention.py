@@ -67,6 +67,24 @@ SWEEP_BF16 = [dict(block_m=128, block_n=64, num_warps=8, num_stages=3), dict(blo
               num_stages=3), dict(block_m=128, block_n=64, num_warps=4, num_stages=2)]
 
 
+def best_plan(lines: list[dict], margin: float = 0.97) -> str:
+    """The fastest flash-bf16 launch shape at the last start as ``field=value,...`` (NINFER_BENCH_PREFILL_PLAN), or
+    "" when the default plan's row is missing or no shape beats it by ``1 - margin``."""
+    rows = [r for r in lines if r["method"] == "flash-bf16"]
+    if not rows:
+        return ""
+    last = max(r["start"] for r in rows)
+    rows = [r for r in rows if r["start"] == last]
+    base = [r["ms"] for r in rows if r["config"] is None]
+    tried = [r for r in rows if r["config"] is not None]
+    if not base or not tried:
+        return ""
+    best = min(tried, key=lambda r: r["ms"])
+    if best["ms"] >= margin * base[0]:
+        return ""
+    return ",".join(f"{k}={int(v)}" for k, v in best["config"].items())
+
+
 def rel(a, b) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
@@ -86,6 +104,9 @@ def main() -> int:
                      "SWEEP (int8 in place), SWEEP_BF16 (over the copy) or SWEEP_TMA (over the copy, K / V through "
                      "tensor descriptors)")
     ap_.add_argument("--json", default=None)
+    ap_.add_argument("--best-plan", default=None, metavar="FILE",
+                     help="write the fastest flash-bf16 launch shape at the last start as an NINFER_BENCH_PREFILL_PLAN "
+                          "value (empty when none beats the default plan by 3%%)")
     args = ap_.parse_args()
     if not torch.cuda.is_available():
         print("bench_prefill_attention: needs a CUDA GPU", file=sys.stderr)
@@ -168,6 +189,8 @@ def main() -> int:
         torch.cuda.empty_cache()
     if args.json:
         Path(args.json).write_text("".join(json.dumps(r) + "\n" for r in lines))
+    if args.best_plan:
+        Path(args.best_plan).write_text(best_plan(lines) + "\n")
     print(f"done at {time.strftime('%H:%M:%S')}")
     return 0
 
