@@ -126,7 +126,8 @@ def test_descriptor_path_default_shape_bf16(ws):
         pytest.skip("the Triton interpreter's tl.dot multiplies raw bf16 bit patterns (GPU only)")
     c = make_case("bf16", 12, 2, 256, [0, 300], 200, 512, q_dtype=torch.bfloat16)
     plan = ap.prefill_plan(256, False, torch.bfloat16)
-    want = ap.prefill_attention(**c, config=plan)
+    assert plan.tma  # the default at this head size
+    want = ap.prefill_attention(**c, config=dataclasses.replace(plan, tma=False))
     try:
         out = ap.prefill_attention(**c, config=dataclasses.replace(plan, tma=True, warp_specialize=ws))
     except Exception as exc:  # noqa: BLE001 - Triton's compile errors have no common type
@@ -221,6 +222,8 @@ def test_plan_overrides_from_the_environment(monkeypatch):
     monkeypatch.setenv("NINFER_BENCH_PREFILL_PLAN", "num_stages=3,tma=1")
     cfg = ap.prefill_plan(256, False, torch.bfloat16)
     assert (cfg.num_stages, cfg.tma, cfg.block_n) == (3, True, 64)
+    monkeypatch.setenv("NINFER_BENCH_PREFILL_PLAN", "tma=0")
+    assert not ap.prefill_plan(256, False, torch.bfloat16).tma
     assert ap.prefill_plan(256, False, torch.bfloat16, num_stages=1).num_stages == 1  # the caller's keyword wins
     assert not ap.prefill_plan(64, False, torch.float32).tma  # the reference-precision plan is left alone
     for bad in ("tma", "colour=1", "block_n=x"):
