@@ -49,17 +49,13 @@ triton_available = _triton.available
 class PrefillConfig:
     """Launch shape of :func:`prefill_attention`: query tokens and keys a tile, warps, pipeline stages; ``tma``: a
     16-bit cache's K / V tiles through tensor descriptors (Hopper's bulk tensor copies, ``_attn_prefill_desc``: the
-    same sums) where the cache allows it (:func:`descriptor_ok`), ``warp_specialize`` its unmasked key loop split
-    into Triton's producer / consumer warps, ``acc_in_dot`` p.v accumulated into the rescaled output inside the dot
-    (one add of the output tile a key tile less; other roundings than the default's), both with ``tma``."""
+    same sums) where the cache allows it (:func:`descriptor_ok`)."""
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
     tma: bool = False
-    warp_specialize: bool = False
-    acc_in_dot: bool = False
 
     def __post_init__(self):
         for name in ("block_m", "block_n"):
@@ -169,7 +165,7 @@ def _prefill_desc(kern, cfg, q, k_cache, v_cache, slots, q_pos, scale, kv_len, g
         *out.stride()[:3], scale * LOG2E, t, h, hkv, cap, kv_len,
         G=h // hkv, HD=hd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, HAS_GATE=gate is not None,
         DOT_DTYPE=kern["dtypes"][q.dtype], DOT_PREC="tf32x3" if q.dtype == torch.float32 else "tf32",
-        WS=cfg.warp_specialize, ACC_IN_DOT=cfg.acc_in_dot, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
 

@@ -422,13 +422,11 @@ def _attn_prefill(Q, K, V, KS, VS, SLOTS, QPOS, O, GATE, stride_gb, stride_gt,
 
 
 def _prefill_tile_desc(q, qpos, start, end, m_i, l_i, acc, desc_k, desc_v, kv_row, qk_scale, MASKED: tl.constexpr,
-                       DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_N: tl.constexpr,
-                       ACC_IN_DOT: tl.constexpr):
+                       DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_N: tl.constexpr):
     """``_prefill_tile`` over a 16-bit cache read through tensor descriptors (Hopper's bulk tensor copies): the tile's
     rows from ``kv_row + start`` of the cache's [rows, hd] view. Rows past ``end`` may belong to the next kv head (or
     be 0 past the view): the mask drops their keys, and their values are zeroed before the dot, so the tile enters
-    the sums exactly as ``_prefill_tile``'s masked load does. ACC_IN_DOT: p.v accumulates into the rescaled
-    accumulator inside the dot (no separate add of the [BLOCK_M, BLOCK_D] tile; other roundings, not those bits)."""
+    the sums exactly as ``_prefill_tile``'s masked load does."""
     offs_n = start + tl.arange(0, BLOCK_N)
     k = desc_k.load([kv_row + start, 0]).to(DOT_DTYPE)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
@@ -443,10 +441,7 @@ def _prefill_tile_desc(q, qpos, start, end, m_i, l_i, acc, desc_k, desc_v, kv_ro
     v = desc_v.load([kv_row + start, 0]).to(DOT_DTYPE)
     if MASKED:
         v = tl.where((offs_n < end)[:, None], v, 0.0)
-    if ACC_IN_DOT:
-        acc = tl.dot(p.to(DOT_DTYPE), v, acc * alpha[:, None], input_precision=DOT_PREC)
-    else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PREC)
+    acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PREC)
     return m_new, l_i * alpha + tl.sum(p, 1), acc
 
 
@@ -454,11 +449,10 @@ def _attn_prefill_desc(Q, desc_k, desc_v, SLOTS, QPOS, O, GATE, stride_gb, strid
                        stride_pb, stride_pt, stride_ob, stride_ot, stride_oh, qk_scale, T, H, HKV, CAP, KV_LEN,
                        G: tl.constexpr, HD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_D: tl.constexpr, HAS_GATE: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                       DOT_PREC: tl.constexpr, WS: tl.constexpr, ACC_IN_DOT: tl.constexpr):
+                       DOT_PREC: tl.constexpr):
     """``_attn_prefill`` for a bf16 / fp16 cache ``[S, Hkv, CAP, hd]`` (contiguous) whose K and V tiles arrive through
     tensor descriptors over its [S * Hkv * CAP, hd] view (kernels/attention_prefill.py's ``tma`` plan): the same
-    programs, key order, tiles and arithmetic, so the same sums. WS: the unmasked key loop warp-specialized (Triton's
-    producer / consumer partitions)."""
+    programs, key order, tiles and arithmetic, so the same sums."""
     pid_bh = tl.program_id(0)
     pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
     b = pid_bh // H
@@ -479,12 +473,12 @@ def _attn_prefill_desc(Q, desc_k, desc_v, SLOTS, QPOS, O, GATE, stride_gb, strid
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for start in tl.range(0, full, BLOCK_N, warp_specialize=WS):  # no mask: every key at or before every row
+    for start in range(0, full, BLOCK_N):  # no mask: every key at or before every row
         m_i, l_i, acc = _prefill_tile_desc(q, qpos, start, full, m_i, l_i, acc, desc_k, desc_v, kv_row, qk_scale,
-                                           False, DOT_DTYPE, DOT_PREC, BLOCK_N, ACC_IN_DOT)
+                                           False, DOT_DTYPE, DOT_PREC, BLOCK_N)
     for start in range(full, hi, BLOCK_N):  # the diagonal: each row up to its own position
         m_i, l_i, acc = _prefill_tile_desc(q, qpos, start, hi, m_i, l_i, acc, desc_k, desc_v, kv_row, qk_scale,
-                                           True, DOT_DTYPE, DOT_PREC, BLOCK_N, ACC_IN_DOT)
+                                           True, DOT_DTYPE, DOT_PREC, BLOCK_N)
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]
     mask = row_ok[:, None] & d_ok[None, :]

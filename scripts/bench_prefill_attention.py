@@ -7,7 +7,7 @@ Per start position, in one process:
   flash-int8    prefill_attention reading the int8 cache in place (the default plan, then --sweep's shapes)
   dequant       kv_quant.dequantize_kv of the whole cache to bf16 (torch)
   flash-bf16    prefill_attention over a bf16 copy of the cache (--sweep bf16: more launch shapes; --sweep tma: K / V
-                through tensor descriptors, some warp-specialized; each line says whether it gave the default's bits)
+                through tensor descriptors or not; each line says whether it gave the default's bits)
   copy          dequantize_slots of the slot's K and V (the Triton copy prefill_attention_cached makes)
   flash-copy    prefill_attention_cached on the int8 cache: that copy, then the kernel over it (what the engine runs)
   torch-flash   (start 0 only) torch SDPA's flash kernel, is_causal, native GQA, on bf16 K/V: the transformers
@@ -49,17 +49,14 @@ SWEEP = [dict(block_m=128, block_n=64, num_warps=8, num_stages=2), dict(block_m=
          dict(block_m=64, block_n=32, num_warps=4, num_stages=3), dict(block_m=128, block_n=128, num_warps=8,
          num_stages=1), dict(block_m=64, block_n=128, num_warps=8, num_stages=1)]
 
-# --sweep tma: K / V tiles through tensor descriptors (PrefillConfig.tma), some warp-specialized, over the bf16 copy
+# --sweep tma: K / V tiles through tensor descriptors (PrefillConfig.tma) over the bf16 copy, and the default shape
+# without them. Session 57 also swept Triton's warp-specialized key loop (1.2% slower at 128 x 64, 8 warps; no
+# build at 4 warps) and p.v accumulated inside the dot (the same bits and time: the same code); both were removed
+# (docs/perf/2026-12-05f-prefill-attention-tma.md)
 SWEEP_TMA = [dict(block_m=128, block_n=64, num_warps=8, num_stages=2, tma=True),
-             dict(block_m=128, block_n=64, num_warps=8, num_stages=3, tma=True),
+             dict(block_m=128, block_n=64, num_warps=8, num_stages=2, tma=False),
              dict(block_m=128, block_n=32, num_warps=8, num_stages=3, tma=True),
-             dict(block_m=128, block_n=128, num_warps=8, num_stages=2, tma=True),
-             dict(block_m=64, block_n=64, num_warps=4, num_stages=3, tma=True),
-             dict(block_m=128, block_n=64, num_warps=8, num_stages=2, tma=True, warp_specialize=True),
-             dict(block_m=128, block_n=64, num_warps=4, num_stages=2, tma=True, warp_specialize=True),
-             dict(block_m=128, block_n=32, num_warps=8, num_stages=3, tma=True, warp_specialize=True),
-             dict(block_m=128, block_n=64, num_warps=8, num_stages=2, tma=True, acc_in_dot=True),
-             dict(block_m=128, block_n=64, num_warps=8, num_stages=2, tma=True, warp_specialize=True, acc_in_dot=True)]
+             dict(block_m=64, block_n=64, num_warps=4, num_stages=3, tma=True)]
 
 SWEEP_BF16 = [dict(block_m=128, block_n=64, num_warps=8, num_stages=3), dict(block_m=128, block_n=128, num_warps=8,
               num_stages=1), dict(block_m=128, block_n=128, num_warps=8, num_stages=2),
@@ -180,11 +177,11 @@ def main() -> int:
                    "same_bits_as_default": same}
             lines.append(rec)
             cfg_s = "" if cfg is None else f" m{cfg.block_m} n{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}" \
-                + (" tma" if cfg.tma else "") + (" ws" if cfg.warp_specialize else "") + (" acc" if cfg.acc_in_dot else "")
+                + (" tma" if cfg.tma else "")
             tf_s = "" if tf is None else f" {tf:7.1f} TFLOP/s"
             err_s = "" if err is None else f"  rel {err:.2e}"
             same_s = "" if same is None else ("  same bits" if same else "  BITS DIFFER")
-            print(f"start {start:6d} {name:12s}{cfg_s:31s} {ms:9.3f} ms{tf_s}{err_s}{same_s}", flush=True)
+            print(f"start {start:6d} {name:12s}{cfg_s:27s} {ms:9.3f} ms{tf_s}{err_s}{same_s}", flush=True)
         base = None
         torch.cuda.empty_cache()
     if args.json:
