@@ -20,6 +20,8 @@
 #   niah     the bundled model's NIAH grid, 8K-64K x 0-100 % depth
 #   conc27   27B synthetic concurrency C1-C8
 #   conc33   issue 33's targets: 27B C1-C8 at 128 new tokens, plain and DFlash2 K=7 --replay-acceptance seed (CONC_ARGS)
+#   ptma     the prefill attention through tensor descriptors: its CUDA tests, the kernel with / without them after
+#            PTMA_STARTS keys, the 27B prompt-length grid (PLEN, ours and the peer), ours again with pointer loads
 #   sdpa     scripts/probe_sdpa.py: torch SDPA's first call at each new key length, per backend (seconds)
 #   dattn    a block drafter's attention read in place: its CUDA tests, the 27B DFlash2 round's profile at replayed
 #            acceptance and the 27B replay grid, each with --draft-attention on / off
@@ -672,6 +674,18 @@ PY
     plen27)  # issue 32's prompt-length grid: the 27B synthetic beside the transformers peer on exact-length prompts
              nb decode $M27 --engine ${PLEN_ENGINES:-ours,hf} -p ${PLEN:-2991,65000} -n ${PLEN_N:-128} --repeats 2 \
                ${PLEN_ARGS:-} --json "$OUT/plen27" 2>&1 | tail -12 ;;
+    ptma)    # the prefill attention through tensor descriptors (session 57): its CUDA tests, the kernel at the 27B shape
+             # after PTMA_STARTS keys (bench_prefill_attention --sweep tma: with and without descriptors), the 27B
+             # prompt-length grid (PLEN) ours beside the peer with the default plan, then ours with pointer loads
+             # (NINFER_BENCH_PREFILL_PLAN=tma=0, recorded in the result's knobs)
+             TESTS_S=${TESTS_S:-90} run_tests test_kernels_attention_prefill
+             timeout ${PTMA_BENCH_S:-120} python3 scripts/bench_prefill_attention.py --sweep tma \
+               --starts ${PTMA_STARTS:-63488} --json "$OUT/ptma.jsonl" > "$OUT/ptma.log" 2>&1
+             grep "^start" "$OUT/ptma.log" | grep -v "sdpa-copy\|dequant " | cut -c1-130
+             nb decode $M27 --engine ours,hf -p ${PLEN:-2991,65000} -n ${PLEN_N:-32} --repeats 2 \
+               --json "$OUT/ptma-default" 2>&1 | tail -8
+             NINFER_BENCH_PREFILL_PLAN=tma=0 nb decode $M27 -p ${PLEN:-2991,65000} -n ${PLEN_N:-32} --repeats 2 \
+               --json "$OUT/ptma-pointer" 2>&1 | tail -6 ;;
     pweights) # --prefill-weights packed against the default (dense copies at the 27B shape on an H200): TTFT and
              # memory, same tokens
              for w in auto packed; do
