@@ -676,13 +676,13 @@ PY
                ${PLEN_ARGS:-} --json "$OUT/plen27" 2>&1 | tail -12 ;;
     ptma)    # the prefill attention through tensor descriptors (session 57): its CUDA tests, the kernel at the 27B shape
              # after PTMA_STARTS keys (bench_prefill_attention --sweep tma: with and without descriptors), the 27B
-             # prompt-length grid (PLEN) ours beside the peer with the default plan, then ours with pointer loads
+             # prompt-length grid (PLEN) ours beside the peer (PTMA_ENGINES) with the default plan, then ours with pointer loads
              # (NINFER_BENCH_PREFILL_PLAN=tma=0, recorded in the result's knobs)
              TESTS_S=${TESTS_S:-90} run_tests test_kernels_attention_prefill
              timeout ${PTMA_BENCH_S:-120} python3 scripts/bench_prefill_attention.py --sweep tma \
                --starts ${PTMA_STARTS:-63488} --json "$OUT/ptma.jsonl" > "$OUT/ptma.log" 2>&1
              grep "^start" "$OUT/ptma.log" | grep -v "sdpa-copy\|dequant " | cut -c1-130
-             nb decode $M27 --engine ours,hf -p ${PLEN:-2991,65000} -n ${PLEN_N:-32} --repeats 2 \
+             nb decode $M27 --engine ${PTMA_ENGINES:-ours,hf} -p ${PLEN:-2991,65000} -n ${PLEN_N:-32} --repeats 2 \
                --json "$OUT/ptma-default" 2>&1 | tail -8
              NINFER_BENCH_PREFILL_PLAN=tma=0 nb decode $M27 -p ${PLEN:-2991,65000} -n ${PLEN_N:-32} --repeats 2 \
                --json "$OUT/ptma-pointer" 2>&1 | tail -6 ;;
