@@ -676,8 +676,8 @@ PY
                ${PLEN_ARGS:-} --json "$OUT/plen27" 2>&1 | tail -12 ;;
     ptma)    # the prefill attention through tensor descriptors (session 57): its CUDA tests, the kernel at the 27B shape
              # after PTMA_STARTS keys (bench_prefill_attention --sweep tma: with and without descriptors), the 27B
-             # prompt-length grid (PLEN) ours beside the peer (PTMA_ENGINES) with the default plan, then ours with pointer loads
-             # (NINFER_BENCH_PREFILL_PLAN=tma=0, recorded in the result's knobs)
+             # prompt-length grid (PLEN) ours beside the peer (PTMA_ENGINES) with the default plan, then ours with
+             # pointer loads (NINFER_BENCH_PREFILL_PLAN=tma=0, recorded in the result's knobs)
              TESTS_S=${TESTS_S:-90} run_tests test_kernels_attention_prefill
              timeout ${PTMA_BENCH_S:-120} python3 scripts/bench_prefill_attention.py --sweep tma \
                --starts ${PTMA_STARTS:-63488} --json "$OUT/ptma.jsonl" > "$OUT/ptma.log" 2>&1
