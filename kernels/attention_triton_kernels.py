@@ -343,6 +343,50 @@ def _attn_combine(OP, LSE, QPOS, O, GATE, stride_pb, stride_pt, stride_ob, strid
     tl.store(O + b * stride_ob + t * stride_ot + h * stride_oh + offs_d, val, mask=d_ok)
 
 
+def _softmax_step(qk, m_i, MASKED: tl.constexpr):
+    """One key tile's online-softmax update of a prefill block: the new running max, the factor the sums so far
+    are scaled by and the tile's weights p (MASKED: a row with no live key yet keeps m = -inf without an inf - inf)."""
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    m_safe = m_new
+    if MASKED:
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    return m_new, tl.exp2(m_i - m_safe), tl.exp2(qk - m_safe[:, None])
+
+
+def _prefill_rows(Q, QPOS, stride_qb, stride_qt, stride_qh, stride_pb, stride_pt, T, H, KV_LEN, G: tl.constexpr,
+                  HD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                  DOT_DTYPE: tl.constexpr):
+    """A prefill program's rows (program (b * H + h, query block), the last block first): b, h, its kv head, the
+    block's token offsets and which are real, their positions (-1 past T), the key bound ``hi``, ``full`` (keys
+    0 .. full - 1, whole tiles, seen by every row), the head columns and the queries [BLOCK_M, BLOCK_D]."""
+    pid_bh = tl.program_id(0)
+    pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < T
+    qpos = tl.load(QPOS + b * stride_pb + offs_m * stride_pt, mask=row_ok, other=-1).to(tl.int32)
+    hi = tl.minimum(tl.max(qpos, 0) + 1, KV_LEN)
+    lo_pos = tl.min(tl.where(row_ok, qpos, KV_LEN), 0)
+    full = tl.minimum(lo_pos + 1, hi) // BLOCK_N * BLOCK_N
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HD
+    q = tl.load(Q + b * stride_qb + offs_m[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(DOT_DTYPE)
+    return b, h, h // G, offs_m, row_ok, qpos, hi, full, offs_d, d_ok, q
+
+
+def _prefill_store(acc, l_i, O, GATE, b, h, offs_m, row_ok, offs_d, d_ok, stride_gb, stride_gt, stride_ob, stride_ot,
+                   stride_oh, HD: tl.constexpr, HAS_GATE: tl.constexpr):
+    """A prefill block's output: the sums over their weights (0 for a row with none), gated on store, real rows."""
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    mask = row_ok[:, None] & d_ok[None, :]
+    gate_ptr = GATE + b * stride_gb + offs_m[:, None] * stride_gt + h * HD + offs_d[None, :]
+    val = _gated(o.to(O.dtype.element_ty), gate_ptr, mask, HAS_GATE)
+    tl.store(O + b * stride_ob + offs_m[:, None] * stride_ot + h * stride_oh + offs_d[None, :], val, mask=mask)
+
+
 def _prefill_tile(q, qpos, start, end, m_i, l_i, acc, k_base, v_base, ks_base, vs_base, stride_kn, stride_vn,
                   stride_ksn, stride_vsn, qk_scale, MASKED: tl.constexpr, DOT_DTYPE: tl.constexpr,
                   DOT_PREC: tl.constexpr, HD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -356,12 +400,7 @@ def _prefill_tile(q, qpos, start, end, m_i, l_i, acc, k_base, v_base, ks_base, v
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
     if MASKED:
         qk = tl.where((offs_n[None, :] <= qpos[:, None]) & n_ok[None, :], qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
-    m_safe = m_new
-    if MASKED:
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(qk - m_safe[:, None])
+    m_new, alpha, p = _softmax_step(qk, m_i, MASKED)
     v = _load_tile(v_base, vs_base, stride_vn, stride_vsn, offs_n, n_ok, DOT_DTYPE, HD, BLOCK_N, BLOCK_D, NG, GW,
                    IS_INT8)
     acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PREC)
@@ -382,21 +421,9 @@ def _attn_prefill(Q, K, V, KS, VS, SLOTS, QPOS, O, GATE, stride_gb, stride_gt,
     is taken last block first (the longest key ranges start first). The key loop runs in two parts: the keys every
     row of the block sees (below the block's smallest q_pos, in whole tiles) without a mask, then the rest with the
     causal mask. A padded row (past T) has q_pos -1 and stores nothing."""
-    pid_bh = tl.program_id(0)
-    pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
-    hkv = h // G
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = offs_m < T
-    qpos = tl.load(QPOS + b * stride_pb + offs_m * stride_pt, mask=row_ok, other=-1).to(tl.int32)
-    hi = tl.minimum(tl.max(qpos, 0) + 1, KV_LEN)
-    lo_pos = tl.min(tl.where(row_ok, qpos, KV_LEN), 0)
-    full = tl.minimum(lo_pos + 1, hi) // BLOCK_N * BLOCK_N  # keys 0 .. full - 1, whole tiles: seen by every row
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HD
-    q = tl.load(Q + b * stride_qb + offs_m[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(DOT_DTYPE)  # [BLOCK_M, BLOCK_D]
+    b, h, hkv, offs_m, row_ok, qpos, hi, full, offs_d, d_ok, q = _prefill_rows(
+        Q, QPOS, stride_qb, stride_qt, stride_qh, stride_pb, stride_pt, T, H, KV_LEN, G, HD, BLOCK_M, BLOCK_N,
+        BLOCK_D, DOT_DTYPE)
     slot = tl.load(SLOTS + b).to(tl.int64)
     k_base = K + slot * stride_ks + hkv * stride_kh
     v_base = V + slot * stride_vs + hkv * stride_vh
@@ -413,12 +440,8 @@ def _attn_prefill(Q, K, V, KS, VS, SLOTS, QPOS, O, GATE, stride_gb, stride_gt,
         m_i, l_i, acc = _prefill_tile(q, qpos, start, hi, m_i, l_i, acc, k_base, v_base, ks_base, vs_base,
                                       stride_kn, stride_vn, stride_ksn, stride_vsn, qk_scale, True, DOT_DTYPE,
                                       DOT_PREC, HD, BLOCK_N, BLOCK_D, NG, GW, IS_INT8)
-    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-    o = acc / l_safe[:, None]
-    mask = row_ok[:, None] & d_ok[None, :]
-    gate_ptr = GATE + b * stride_gb + offs_m[:, None] * stride_gt + h * HD + offs_d[None, :]
-    val = _gated(o.to(O.dtype.element_ty), gate_ptr, mask, HAS_GATE)
-    tl.store(O + b * stride_ob + offs_m[:, None] * stride_ot + h * stride_oh + offs_d[None, :], val, mask=mask)
+    _prefill_store(acc, l_i, O, GATE, b, h, offs_m, row_ok, offs_d, d_ok, stride_gb, stride_gt, stride_ob, stride_ot,
+                   stride_oh, HD, HAS_GATE)
 
 
 def _prefill_tile_desc(q, qpos, start, end, m_i, l_i, acc, desc_k, desc_v, kv_row, qk_scale, MASKED: tl.constexpr,
@@ -432,12 +455,7 @@ def _prefill_tile_desc(q, qpos, start, end, m_i, l_i, acc, desc_k, desc_v, kv_ro
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
     if MASKED:
         qk = tl.where((offs_n[None, :] <= qpos[:, None]) & (offs_n[None, :] < end), qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
-    m_safe = m_new
-    if MASKED:
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(qk - m_safe[:, None])
+    m_new, alpha, p = _softmax_step(qk, m_i, MASKED)
     v = desc_v.load([kv_row + start, 0]).to(DOT_DTYPE)
     if MASKED:
         v = tl.where((offs_n < end)[:, None], v, 0.0)
@@ -453,21 +471,9 @@ def _attn_prefill_desc(Q, desc_k, desc_v, SLOTS, QPOS, O, GATE, stride_gb, strid
     """``_attn_prefill`` for a bf16 / fp16 cache ``[S, Hkv, CAP, hd]`` (contiguous) whose K and V tiles arrive through
     tensor descriptors over its [S * Hkv * CAP, hd] view (kernels/attention_prefill.py's ``tma`` plan): the same
     programs, key order, tiles and arithmetic, so the same sums."""
-    pid_bh = tl.program_id(0)
-    pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
-    hkv = h // G
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = offs_m < T
-    qpos = tl.load(QPOS + b * stride_pb + offs_m * stride_pt, mask=row_ok, other=-1).to(tl.int32)
-    hi = tl.minimum(tl.max(qpos, 0) + 1, KV_LEN)
-    lo_pos = tl.min(tl.where(row_ok, qpos, KV_LEN), 0)
-    full = tl.minimum(lo_pos + 1, hi) // BLOCK_N * BLOCK_N  # keys 0 .. full - 1, whole tiles: seen by every row
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HD
-    q = tl.load(Q + b * stride_qb + offs_m[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(DOT_DTYPE)  # [BLOCK_M, BLOCK_D]
+    b, h, hkv, offs_m, row_ok, qpos, hi, full, offs_d, d_ok, q = _prefill_rows(
+        Q, QPOS, stride_qb, stride_qt, stride_qh, stride_pb, stride_pt, T, H, KV_LEN, G, HD, BLOCK_M, BLOCK_N,
+        BLOCK_D, DOT_DTYPE)
     slot = tl.load(SLOTS + b)
     kv_row = ((slot * HKV + hkv) * CAP).to(tl.int32)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -479,12 +485,8 @@ def _attn_prefill_desc(Q, desc_k, desc_v, SLOTS, QPOS, O, GATE, stride_gb, strid
     for start in range(full, hi, BLOCK_N):  # the diagonal: each row up to its own position
         m_i, l_i, acc = _prefill_tile_desc(q, qpos, start, hi, m_i, l_i, acc, desc_k, desc_v, kv_row, qk_scale,
                                            True, DOT_DTYPE, DOT_PREC, BLOCK_N)
-    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-    o = acc / l_safe[:, None]
-    mask = row_ok[:, None] & d_ok[None, :]
-    gate_ptr = GATE + b * stride_gb + offs_m[:, None] * stride_gt + h * HD + offs_d[None, :]
-    val = _gated(o.to(O.dtype.element_ty), gate_ptr, mask, HAS_GATE)
-    tl.store(O + b * stride_ob + offs_m[:, None] * stride_ot + h * stride_oh + offs_d[None, :], val, mask=mask)
+    _prefill_store(acc, l_i, O, GATE, b, h, offs_m, row_ok, offs_d, d_ok, stride_gb, stride_gt, stride_ob, stride_ot,
+                   stride_oh, HD, HAS_GATE)
 
 
 def _kv_dequant(K, KS, SLOTS, OUT, stride_ks, stride_kh, stride_kn, stride_sss, stride_ssh, stride_ssn,
@@ -514,7 +516,8 @@ def jit_kernels() -> dict:
     """Jit the kernels (first call only). `_attn_split` finds `_load_tile` and `tl` as module globals."""
     out = _triton.jit_module(globals(), ("_int8_f16", "_load_tile", "_codes_tile", "_scales_tile", "_dequant",
                                          "_codes_flat", "_dequant_flat", "_ahead_tile", "_row_chunk", "_gated",
-                                         "_prefill_tile", "_prefill_tile_desc", "_store_cols", "_codes16", "_group_scale", "_group_q",
+                                         "_softmax_step", "_prefill_rows", "_prefill_store", "_prefill_tile",
+                                         "_prefill_tile_desc", "_store_cols", "_codes16", "_group_scale", "_group_q",
                                          "_group_qk", "_group_pv"),
                              {"split": "_attn_split", "combine": "_attn_combine",
                               "prefill": "_attn_prefill", "prefill_desc": "_attn_prefill_desc",
