@@ -87,6 +87,69 @@ def test_fused_prefill_equals_eager(eager):
     assert not Engine.load("tiny", device="cpu", runtime="v2").model.fused_prefill  # on by default, inert off v3
 
 
+def test_layer_prefill_equals_chunk_prefill(eager, monkeypatch):
+    """--layer-prefill: a prompt's three chunks all through one layer before the next (taken where packed weights are
+    dequantized for prefill; forced here, where the weights are dense) decode the eager path's tokens and prime a
+    DFlash2 drafter from each chunk's taps as the chunk-by-chunk prefill does (its rounds then decode the same
+    tokens), reporting the layers' progress; off, with dense copies kept, or for one chunk, the chunks run one by
+    one."""
+    from ninfer_bench.engine.model.fused_forward import FastPath
+    from ninfer_bench.engine.model.weights import WeightStore
+
+    n, extra = SPEC_TOKENS, dict(spec="dflash2", draft_tokens=3)
+    calls = []
+    real = FastPath.forward_layers
+    monkeypatch.setattr(FastPath, "forward_layers", lambda self, steps, *a, **k: calls.append(
+        [int(st.pos[0, 0]) for st in steps]) or real(self, steps, *a, **k))
+    eng = Engine.load("tiny", device=DEVICE, kv_dtype="int8", dtype="fp32", max_context=256, kernels="triton",
+                      prefill_chunk=16, prefill_graphs=False, **extra)
+    seen = []
+    assert not eng.weights.dequantizes_prefill  # dense weights here: not taken ...
+    chunked = eng.generate(PROMPT, max_new_tokens=n, ignore_eos=True)
+    assert chunked.tokens == eager[:n] and not calls
+    monkeypatch.setattr(WeightStore, "dequantizes_prefill", property(lambda self: True))  # ... unless forced
+    got = eng.generate(PROMPT, max_new_tokens=n, ignore_eos=True, on_prefill=lambda d, t: seen.append((d, t)))
+    assert got.tokens == eager[:n]
+    counts = lambda r: {k: v for k, v in r.spec.items() if not k.endswith("_ms")}  # noqa: E731
+    assert counts(got) == counts(chunked) and counts(got)["rounds"]  # the drafter primed alike: the same drafts
+    assert calls == [[0, 16, 32]]  # one layer-major pass over the three chunks
+    assert seen[-1] == (36, 36) and len(seen) == eng.config.num_hidden_layers  # a report a layer, then the end
+    assert [d for d, _ in seen] == sorted(d for d, _ in seen) and seen[0][0] < 36
+    calls.clear()
+    off = Engine.load("tiny", device=DEVICE, kv_dtype="int8", dtype="fp32", max_context=256, kernels="triton",
+                      prefill_chunk=16, prefill_graphs=False, layer_prefill=False, **extra)
+    assert off.generate(PROMPT, max_new_tokens=n, ignore_eos=True).tokens == eager[:n] and not calls
+    short = eng.generate(PROMPT[:16], max_new_tokens=2, ignore_eos=True)  # one chunk: nothing to gain
+    assert not calls and len(short.tokens) == 2
+
+
+def test_dense_scope_keeps_a_layers_copies_for_its_calls():
+    """WeightStore.dense_scope: inside, the named layer's projections that dequantize every call keep their copy
+    (made once for all the chunks); on exit they drop it and dequantize every call again; others are untouched."""
+    from types import SimpleNamespace
+
+    from ninfer_bench.engine.model.weights import WeightStore
+
+    store = WeightStore.__new__(WeightStore)
+    lins = {name: SimpleNamespace(dense_fallback=False, _dense={}) for name in
+            ("model.layers.1.mlp.down_proj.weight", "model.layers.10.mlp.down_proj.weight")}
+    lins["model.layers.1.kept.weight"] = SimpleNamespace(dense_fallback=True, _dense={"bf16": "copy"})
+    lins["model.layers.1.dense.weight"] = object()  # a dense projection: no flag
+    store.linears = lins
+    assert store.dequantizes_prefill
+    with store.dense_scope("model.layers.1."):
+        assert lins["model.layers.1.mlp.down_proj.weight"].dense_fallback
+        assert not lins["model.layers.10.mlp.down_proj.weight"].dense_fallback  # layer 10 is not layer 1
+        lins["model.layers.1.mlp.down_proj.weight"]._dense["bf16"] = "made inside"
+    assert not lins["model.layers.1.mlp.down_proj.weight"].dense_fallback
+    assert lins["model.layers.1.mlp.down_proj.weight"]._dense == {}  # dropped
+    assert lins["model.layers.1.kept.weight"]._dense == {"bf16": "copy"}  # a kept copy stays
+    for lin in lins.values():
+        if hasattr(lin, "dense_fallback"):
+            lin.dense_fallback = True
+    assert not store.dequantizes_prefill
+
+
 def test_drafter_fused_glue_equals_eager(eager, monkeypatch):
     """A block drafter's norms and q / k norm + rotation through kernels/fused.py (dflash.fused_glue: inference on a
     GPU; forced here, the kernels interpreted): the block's hidden states and head logits match the eager glue's,

@@ -182,25 +182,52 @@ class FastPath:
         prefill path (fla's recurrence, kernels/gdn_prefill's glue), full attention through prefill_attention_cached
         (or the eager attention with flash_prefill off), the MLP's silu(gate) * up by fused.silu_mul in one pass
         over the gate_up output (interleaved or not), the norms as here."""
-        cfg, w, m = self.cfg, self.w, self.m
-        eps = cfg.rms_norm_eps
-        names = [f"model.layers.{i}" for i in range(cfg.num_hidden_layers)]
-        h = w.embed(step.ids)
-        x = fused.rms_norm(h, w.vector(f"{names[0]}.input_layernorm.weight"), eps)
+        x, h = self._embed(step)
         taps = []
-        for i, (p, kind) in enumerate(zip(names, cfg.layer_types)):
-            if kind == "linear_attention":
-                y = m.gated_deltanet(p, i, x, step, cache) if prefill else self.gated_deltanet(p, i, x, step, cache)
-            elif prefill and not m.flash_prefill:
-                y = m.attention(p, i, x, step, cache)
-            else:
-                y = self.attention(p, i, x, step, cache, prefill=prefill)
-            x, h = fused.add_rms_norm(y, h, w.vector(f"{p}.post_attention_layernorm.weight"), eps)
-            nxt = f"{names[i + 1]}.input_layernorm.weight" if i + 1 < len(names) else "model.norm.weight"
-            x, h = fused.add_rms_norm(self.mlp(p, x), h, w.vector(nxt), eps)
+        for i in range(self.cfg.num_hidden_layers):
+            x, h = self._layer(i, x, h, step, cache, prefill)
             if i in step.taps:
                 taps.append(h)
         return x, taps
+
+    def forward_layers(self, steps: list, cache: HybridCache, after_layer=None):
+        """:meth:`forward` with ``prefill`` over consecutive chunks of one prompt (``steps``, in order), layer by
+        layer: every chunk through layer i before layer i + 1. Each chunk meets the same operations as in its own
+        forward and each layer's cache sees the chunks in the same order, so the results are the same; a packed
+        weight that is dequantized for prefill is dequantized once for all the chunks of its layer
+        (WeightStore.dense_scope). Returns each chunk's (final-normed hidden, taps). ``after_layer(i)`` follows the
+        progress."""
+        xs, hs = map(list, zip(*(self._embed(step) for step in steps)))
+        taps: list[list] = [[] for _ in steps]
+        for i in range(self.cfg.num_hidden_layers):
+            with self.w.dense_scope(f"model.layers.{i}."):
+                for c, step in enumerate(steps):
+                    xs[c], hs[c] = self._layer(i, xs[c], hs[c], step, cache, True)
+                    if i in step.taps:
+                        taps[c].append(hs[c])
+            if after_layer is not None:
+                after_layer(i)
+        return list(zip(xs, taps))
+
+    def _embed(self, step):
+        """A forward's start: the embedded ids ``h`` and the first layer's normed input ``x``."""
+        h = self.w.embed(step.ids)
+        return fused.rms_norm(h, self.w.vector("model.layers.0.input_layernorm.weight"), self.cfg.rms_norm_eps), h
+
+    def _layer(self, i: int, x, h, step, cache: HybridCache, prefill: bool):
+        """Decoder layer ``i`` from its normed input ``x`` and the residual ``h``: the next layer's normed input (the
+        final norm after the last) and the new residual."""
+        cfg, w, m = self.cfg, self.w, self.m
+        p, kind, eps = f"model.layers.{i}", cfg.layer_types[i], cfg.rms_norm_eps
+        if kind == "linear_attention":
+            y = m.gated_deltanet(p, i, x, step, cache) if prefill else self.gated_deltanet(p, i, x, step, cache)
+        elif prefill and not m.flash_prefill:
+            y = m.attention(p, i, x, step, cache)
+        else:
+            y = self.attention(p, i, x, step, cache, prefill=prefill)
+        x, h = fused.add_rms_norm(y, h, w.vector(f"{p}.post_attention_layernorm.weight"), eps)
+        nxt = f"model.layers.{i + 1}.input_layernorm.weight" if i + 1 < cfg.num_hidden_layers else "model.norm.weight"
+        return fused.add_rms_norm(self.mlp(p, x), h, w.vector(nxt), eps)
 
 
 def _no_join() -> None:

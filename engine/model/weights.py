@@ -262,6 +262,27 @@ class WeightStore:
             if hasattr(lin, "dense_fallback"):
                 lin.dense_fallback = self.cache_dense
 
+    @property
+    def dequantizes_prefill(self) -> bool:
+        """Whether some packed projection dequantizes on every prefill-width call (no dense copy kept)."""
+        return any(getattr(lin, "dense_fallback", True) is False for lin in self.linears.values())
+
+    @contextmanager
+    def dense_scope(self, prefix: str):
+        """Inside: the packed projections named under ``prefix`` (e.g. ``model.layers.3.``) that dequantize on every
+        prefill-width call keep their dense copy, so that several prompt chunks through one layer (a layer-major
+        prefill, HybridModel.prefill_layers) dequantize each weight once; the copies are dropped on exit."""
+        held = [lin for name, lin in self.linears.items()
+                if name.startswith(prefix) and getattr(lin, "dense_fallback", True) is False]
+        for lin in held:
+            lin.dense_fallback = True
+        try:
+            yield
+        finally:
+            for lin in held:
+                lin.dense_fallback = False
+                lin._dense.clear()
+
     def pack_rows(self, rows: int, prefixes: tuple[str, ...]) -> int:
         """Pack the dense projections named under ``prefixes`` with at least PACK_MIN_OUT rows for products of
         ``rows`` input rows, used inside :meth:`round_products` (DenseLinear.pack_rows: a CPU speculative engine's

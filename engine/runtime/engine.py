@@ -456,14 +456,25 @@ class Engine:
             # None: no graph for it (GraphRunner.prefill_plan); a final chunk's graph also picks the first token
             out = self.graphs.prefill(piece, seq.slot, taps, start, head=final and not prefill_only)
         if out is None:
-            ids = self.device_ids([piece])
-            pos = torch.arange(start, start + len(piece), device=self.device)[None]
-            step = Step(ids, pos, self.device_ids([seq.slot]), kv_len=start + len(piece), mode=PREFILL, taps=taps,
-                        **self._media_rows(seq.media, start, start + len(piece)))
-            hidden, tap_out = self.model.forward(step, self.cache)
+            hidden, tap_out = self.model.forward(self._chunk_step(seq, start, len(piece), taps), self.cache)
         else:
             hidden, tap_out, head = out
-        seq.length += len(piece)
+        return self._chunk_done(seq, start, len(piece), hidden, tap_out, head)
+
+    def _chunk_step(self, seq: Sequence, start: int, n: int, taps: tuple[int, ...]) -> Step:
+        """The eager prefill Step of ``seq``'s prompt tokens ``start .. start + n - 1``."""
+        ids = self.device_ids([seq.prompt[start:start + n]])
+        pos = torch.arange(start, start + n, device=self.device)[None]
+        return Step(ids, pos, self.device_ids([seq.slot]), kv_len=start + n, mode=PREFILL, taps=taps,
+                    **self._media_rows(seq.media, start, start + n))
+
+    def _chunk_done(self, seq: Sequence, start: int, n: int, hidden, tap_out, head) -> bool:
+        """What follows the forward of ``seq``'s prompt chunk ``start .. start + n - 1`` (:meth:`prefill_step`): the
+        length advanced, prompt scores, and after the last chunk the first token picked (``head``: a prefill
+        graph's logits and argmax, or None); the drafter primed. Returns whether the prompt is done."""
+        final = start + n == len(seq.prompt)
+        prefill_only = seq.params.max_new_tokens == 0
+        seq.length += n
         if seq.prompt_scores is not None:  # each position scores the prompt token after it
             following = self.device_ids(seq.prompt[start + 1:seq.length + 1])
             seq.prompt_scores.add(self.model.logits, hidden[0], start, following)
@@ -478,10 +489,38 @@ class Engine:
             greedy = head is not None and self.plain_argmax([seq])  # the graph's argmax is pick's
             seq.tokens.append(int(head[1][0] if greedy else self.pick([seq], row[None])[0]))
         if self.drafter:
-            self.drafter.begin(seq, start, hidden[0], torch.cat([t[0] for t in tap_out], dim=-1) if taps else None)
+            self.drafter.begin(seq, start, hidden[0], torch.cat([t[0] for t in tap_out], dim=-1) if tap_out else None)
         if final:
             self.stops.finish(seq)
         return final
+
+    def layer_prefill(self, seq: Sequence) -> bool:
+        """Whether :meth:`start` prefills ``seq``'s prompt layer by layer (``--layer-prefill``): text, more than one
+        chunk left, the fused prefill path, and packed weights dequantized for prefill (no dense copies kept), so
+        that a weight is dequantized once instead of once a chunk."""
+        return (self.options.layer_prefill and self.model.fused_prefill and self.model.fast is not None
+                and self.tp is None and seq.media is None
+                and len(seq.prompt) - seq.length > self.options.prefill_chunk and self.weights.dequantizes_prefill)
+
+    @torch.inference_mode()
+    def prefill_layers(self, seq: Sequence, on_prefill=None) -> None:
+        """Prefill the rest of ``seq``'s prompt layer by layer (HybridModel's FastPath.forward_layers): its chunks of
+        ``--prefill-chunk`` tokens all through one layer before the next; then, chunk by chunk in order, what
+        :meth:`prefill_step` does after a forward. ``on_prefill(done, total)`` follows the layers."""
+        prefill_only = seq.params.max_new_tokens == 0
+        taps = self.drafter.taps if self.drafter and not prefill_only else ()
+        step = self.options.prefill_chunk
+        chunks = [(a, min(step, len(seq.prompt) - a)) for a in range(seq.length, len(seq.prompt), step)]
+        steps = [self._chunk_step(seq, a, n, taps) for a, n in chunks]
+        layers, left, base = self.model_config.num_hidden_layers, len(seq.prompt) - seq.length, seq.length
+
+        def after(i: int) -> None:  # the prompt tokens through all the layers so far; the caller reports the end
+            if on_prefill and i + 1 < layers:
+                on_prefill(base + left * (i + 1) // layers, len(seq.prompt))
+
+        outs = self.model.fast.forward_layers(steps, self.cache, after_layer=after)
+        for (a, n), (hidden, tap_out) in zip(chunks, outs):
+            self._chunk_done(seq, a, n, hidden, tap_out, None)
 
     def packable(self, seq: Sequence) -> bool:
         """Whether ``seq``'s next prompt chunk may share one forward with other requests' (:meth:`prefill_steps`):
@@ -552,6 +591,11 @@ class Engine:
         ``on_prefill(done, total)`` is called after each chunk with the prompt tokens prefilled so far."""
         if seq.length >= len(seq.prompt):
             raise ValueError("nothing to prefill: the cached prefix covers the whole prompt")
+        if self.layer_prefill(seq):
+            self.prefill_layers(seq, on_prefill)
+            if on_prefill:
+                on_prefill(seq.length, len(seq.prompt))
+            return
         done = False
         while not done:
             done = self.prefill_step(seq)

@@ -116,6 +116,12 @@ class EngineOptions:
         "A prompt chunk (no media, no rope positions of its own) through the fused path: the GDN layers' glue "
         "(causal conv from the slot's window, SiLU, q/k L2 norms, gated norm: kernels/gdn_prefill.py) and the norms "
         "between layers in Triton kernels instead of eager torch ops (v3 on CUDA; off: eager glue).")
+    layer_prefill: bool = _switch(
+        "--layer-prefill", "-chunkmajor", "v3",
+        "A lone request's prompt of several chunks, when its packed weights are dequantized for prefill rather than "
+        "kept as dense copies (a model that fills the GPU), prefilled layer by layer: every chunk through one layer "
+        "before the next, each weight dequantized once a prompt instead of once a chunk; the same operations per "
+        "chunk, the same tokens (v3 on CUDA with --fused-prefill; off: chunk by chunk).")
     qmv_dense: bool = True  # small dense bf16/fp16 projections (<= 1024 rows, <= 64 x rows) through qmv's dense
     #                         path instead of cuBLAS (process-wide: kernels/qmv_cuda.set_dense)
     prefill_weights: str = "auto"  # prefill-width projections of packed weights (v3 on CUDA): "dense" keeps a dense
