@@ -20,6 +20,7 @@
 #   niah     the bundled model's NIAH grid, 8K-64K x 0-100 % depth
 #   conc27   27B synthetic concurrency C1-C8
 #   conc33   issue 33's targets: 27B C1-C8 at 128 new tokens, plain and DFlash2 K=7 --replay-acceptance seed (CONC_ARGS)
+#   lprefill layer-major prefill on / off: its CUDA test, the 27B prompt grid (PLEN, --prefill-weights LP_WEIGHTS)
 #   ptma     the prefill attention through tensor descriptors: its CUDA tests, the kernel with / without them after
 #            PTMA_STARTS keys, the 27B prompt-length grid (PLEN, ours and the peer), ours again with pointer loads
 #   sdpa     scripts/probe_sdpa.py: torch SDPA's first call at each new key length, per backend (seconds)
@@ -686,6 +687,12 @@ PY
                --json "$OUT/ptma-default" 2>&1 | tail -8
              NINFER_BENCH_PREFILL_PLAN=tma=0 nb decode $M27 -p ${PLEN:-2991,65000} -n ${PLEN_N:-32} --repeats 2 \
                --json "$OUT/ptma-pointer" 2>&1 | tail -6 ;;
+    lprefill) # layer-major prefill (--layer-prefill, session 57) on and off: its CUDA test, then the 27B prompt grid
+             # (PLEN) with --prefill-weights LP_WEIGHTS (auto: taken only where the dense copies do not fit, e.g. an
+             # 80 GB card; packed: on any card), same tokens expected
+             TESTS_S=${TESTS_S:-150} run_tests test_fastpath
+             nb decode $M27 -p ${PLEN:-2991,65000} -n ${PLEN_N:-32} --repeats 2 --prefill-weights ${LP_WEIGHTS:-auto} \
+               --layer-prefill on,off --json "$OUT/lprefill" 2>&1 | tail -8 ;;
     pweights) # --prefill-weights packed against the default (dense copies at the 27B shape on an H200): TTFT and
              # memory, same tokens
              for w in auto packed; do

@@ -74,6 +74,11 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+# A layer-major prefill (Engine.layer_prefill) holds every chunk's activations across the layers: at most this share
+# of the free device memory (the 27B's 65K prompt: 1.3 GB, plain decoding).
+LAYER_PREFILL_SHARE = 0.25
+
+
 class Engine:
     """An inference engine bound to one model, one device and fixed capacities (docs/DESIGN.md, "Engine and
     runtime")."""
@@ -496,11 +501,20 @@ class Engine:
 
     def layer_prefill(self, seq: Sequence) -> bool:
         """Whether :meth:`start` prefills ``seq``'s prompt layer by layer (``--layer-prefill``): text, more than one
-        chunk left, the fused prefill path, and packed weights dequantized for prefill (no dense copies kept), so
-        that a weight is dequantized once instead of once a chunk."""
-        return (self.options.layer_prefill and self.model.fused_prefill and self.model.fast is not None
-                and self.tp is None and seq.media is None
-                and len(seq.prompt) - seq.length > self.options.prefill_chunk and self.weights.dequantizes_prefill)
+        chunk left, the fused prefill path, packed weights dequantized for prefill (no dense copies kept: a weight is
+        then dequantized once instead of once a chunk), and every chunk's activations held across the layers (its
+        normed input and residual, and the drafter's tap outputs) within LAYER_PREFILL_SHARE of the free memory."""
+        left = len(seq.prompt) - seq.length
+        if not (self.options.layer_prefill and self.model.fused_prefill and self.model.fast is not None
+                and self.tp is None and seq.media is None and left > self.options.prefill_chunk
+                and self.weights.dequantizes_prefill):
+            return False
+        from ..model.memory import available_bytes
+
+        taps = len(self.drafter.taps) if self.drafter and seq.params.max_new_tokens else 0
+        need = (2 + taps) * left * self.model_config.hidden_size * self.dtype.itemsize
+        have = available_bytes(self.device)
+        return have is None or need <= LAYER_PREFILL_SHARE * have
 
     @torch.inference_mode()
     def prefill_layers(self, seq: Sequence, on_prefill=None) -> None:
