@@ -94,9 +94,9 @@ def prefill_plan(head_dim: int, int8: bool, q_dtype: torch.dtype = torch.bfloat1
     block_d = _block_d(head_dim)
     if q_dtype == torch.float32:  # the reference-precision path (tests, the interpreter): small fp32 tiles
         cfg = dict(block_m=32, block_n=16, num_warps=4, num_stages=1)
-    elif block_d >= 256:  # K / V through descriptors: 6.06 against 6.32 ms a 2,048-token chunk after 63,488 keys,
-        # the same bits (H100, docs/perf/2026-12-05f-prefill-attention-tma.md)
-        cfg = dict(block_m=128, block_n=64, num_warps=8, num_stages=2, tma=True)
+    elif block_d >= 256:  # a 16-bit cache's K / V through descriptors: 6.06 against 6.32 ms a 2,048-token chunk
+        # after 63,488 keys, the same bits (H100, docs/perf/2026-12-05f-prefill-attention-tma.md); int8 reads in place
+        cfg = dict(block_m=128, block_n=64, num_warps=8, num_stages=2, tma=not int8)
     else:
         cfg = dict(block_m=128, block_n=64, num_warps=8 if block_d >= 128 else 4, num_stages=3)
     if q_dtype != torch.float32:

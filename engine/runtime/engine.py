@@ -523,8 +523,8 @@ class Engine:
         :meth:`prefill_step` does after a forward. ``on_prefill(done, total)`` follows the layers."""
         prefill_only = seq.params.max_new_tokens == 0
         taps = self.drafter.taps if self.drafter and not prefill_only else ()
-        step = self.options.prefill_chunk
-        chunks = [(a, min(step, len(seq.prompt) - a)) for a in range(seq.length, len(seq.prompt), step)]
+        size = self.options.prefill_chunk
+        chunks = [(a, min(size, len(seq.prompt) - a)) for a in range(seq.length, len(seq.prompt), size)]
         steps = [self._chunk_step(seq, a, n, taps) for a, n in chunks]
         layers, left, base = self.model_config.num_hidden_layers, len(seq.prompt) - seq.length, seq.length
 
