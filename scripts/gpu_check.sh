@@ -18,6 +18,7 @@
 #   d27      27B synthetic decode in one process (one weight build): none / MTP3 / DFlash2 K=7 x v3 / v2 x both
 #            rollback strategies, and the transformers peer on the same weights (bf16, with fla if carried)
 #   niah     the bundled model's NIAH grid, 8K-64K x 0-100 % depth
+#   niahctx  the bundled model's NIAH at its native context (NIAH_CTX, default 131,072) x NIAH_DEPTHS: TTFT a case
 #   conc27   27B synthetic concurrency C1-C8
 #   conc33   issue 33's targets: 27B C1-C8 at 128 new tokens, plain and DFlash2 K=7 --replay-acceptance seed (CONC_ARGS)
 #   lprefill layer-major prefill on / off: its CUDA test, the 27B prompt grid (PLEN, --prefill-weights LP_WEIGHTS)
@@ -287,6 +288,18 @@ for stage in "$@"; do
                --json "$OUT/bundled_kernels.json" 2>&1 | tail -5 ;;
     niah)    nb niah --ctx 8192,16384,32768,65536 --json "$OUT/niah_bundled.json" --heatmap "$OUT/niah_bundled.png" \
                2>&1 | tail -25 ;;
+    niahctx) # NIAH at the bundled model's native context (issue 32, item 5): NIAH_CTX (default 131,072, its
+             # max_position_embeddings) x NIAH_DEPTHS, int8 K/V; TTFT and prefill tok/s a case (no oracles stored past
+             # 65,536: those cases report retrieval only)
+             nb niah --ctx ${NIAH_CTX:-131072} --depths ${NIAH_DEPTHS:-0,50,100} --json "$OUT/niah_ctx.json" 2>&1 | tail -14
+             python3 - "$OUT/niah_ctx.json" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1]))
+for r in d["records"]:
+    print(f"{r['case']}: {r['prompt_tokens']} tokens, TTFT {r['ttft_ms']:.0f} ms, prefill {r['prefill_tok_s']:.0f} "
+          f"tok/s, retrieved {r['retrieved']}, oracle pass {r.get('pass')}")
+PY
+             ;;
     conc27)  nb concurrency $M27 -c 1,2,4,8 -n 64 --rounds 2 --json "$OUT/conc27.json" 2>&1 | tee "$OUT/conc27.log" | tail -25 ;;
     conc33)  # issue 33's workload at 27B: C1-C8, 256-token prompts, 128 new tokens, plain and DFlash2 K=7 at replayed
              # acceptance (seed); CONC_ARGS adds flags to both (e.g. --interleave-chunk 128)
