@@ -229,9 +229,13 @@ def niah_case_options(f):
 @click.option("--served-model", default=None, help="Model name to send to --url [default: its first model].")
 @click.option("--tensor-parallel", type=click.IntRange(min=1), default=1, show_default=True,
               help="Split our engine over N ranks, one process each (as decode --tensor-parallel).")
+@click.option("--warmup-prompt", type=click.IntRange(min=0), default=None, metavar="N",
+              help="Generate once on an N-token prompt before the cases, so the first case's TTFT holds no "
+                   "first-use compiles or graph captures; 0: no warm-up [default: --prefill-chunk + 1 on CUDA, "
+                   "none on the CPU].")
 @output_options
 def niah(model, ctx, depths, cases, answer_tokens, seed, prefill_chunk, device, kv_dtype, runtime, oracle_file,
-         require_oracle, heatmap, label, json_path, rescore, url, served_model, tensor_parallel):
+         require_oracle, heatmap, label, json_path, rescore, url, served_model, tensor_parallel, warmup_prompt):
     """Needle in a haystack: retrieval, and agreement with stored float64 oracle outputs."""
     from ..reports.tables import niah_grid
     from ..suites.niah import rescore_niah, run_niah
@@ -252,11 +256,14 @@ def niah(model, ctx, depths, cases, answer_tokens, seed, prefill_chunk, device, 
     elif rescore:
         from ..reports.schema import read_result
 
+        if warmup_prompt is not None:
+            raise UserError("--warmup-prompt warms up an engine: --rescore runs none")
+
         doc = rescore_niah(read_result(rescore), oracle_file)
     else:
         opts = _niah_options(model, ctx, depths, cases, answer_tokens, seed, prefill_chunk=prefill_chunk,
                              device=device, kv_dtype=kv_dtype, runtime=runtime, oracle=oracle_file, label=label,
-                             tensor_parallel=tensor_parallel)
+                             tensor_parallel=tensor_parallel, warmup_prompt=warmup_prompt)
         if tensor_parallel > 1:
             doc = on_ranks(tensor_parallel, run_niah, opts, lambda d: [r.get("tokens") for r in d["records"]])
         else:

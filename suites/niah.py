@@ -20,7 +20,7 @@ import numpy as np
 from ..engine.runtime.options import EngineOptions
 from ..oracles.store import NEAR_TIE_NATS, agreement, identity_mismatch, kl, load_oracle
 from ..reports.schema import make_result
-from .common import CODE_TEXT, flat_config, split_options
+from .common import CODE_TEXT, code_prompt, flat_config, split_options
 from .needle import make_needle, needle_text, question_text
 
 HAYSTACK = CODE_TEXT
@@ -43,6 +43,10 @@ class NiahOptions:
     oracle: str | None = None  # a file, or None: look in oracles/data for the model's file per context
     near_tie: float = NEAR_TIE_NATS
     label: str | None = None
+    # a generation on a prompt of this many tokens (cut from the shipped code text) before the cases, so the first
+    # case's TTFT holds no first-use compiles or graph captures; None: one prefill chunk and a token past it on CUDA
+    # (a graphed chunk and an eager one), none on the CPU (no first-use costs worth a prefill); 0: no warm-up
+    warmup_prompt: int | None = None
 
     @classmethod
     def make(cls, **kw) -> "NiahOptions":
@@ -58,6 +62,9 @@ class NiahOptions:
             raise ValueError(f"depths are percentages in 0..100, got {self.depths}")
         if self.cases < 1 or self.answer_tokens < 1:
             raise ValueError("cases and answer-tokens must be >= 1")
+        w = self.warmup_prompt
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 0):
+            raise ValueError(f"--warmup-prompt takes a prompt length in tokens (0: no warm-up), got {w!r}")
 
 
 _LINES: dict[int, tuple] = {}
@@ -247,6 +254,15 @@ def rescore_niah(doc: dict, oracle: str | None = None) -> dict:
     return out
 
 
+def warmup_length(opts: NiahOptions, device_type: str, max_context: int) -> int:
+    """The warm-up prompt's tokens for a run on ``device_type`` (:attr:`NiahOptions.warmup_prompt`), kept within the
+    engine's context with the answer's tokens after it."""
+    w = opts.warmup_prompt
+    if w is None:
+        w = opts.engine_options.prefill_chunk + 1 if device_type == "cuda" else 0
+    return max(0, min(w, max_context - opts.answer_tokens))
+
+
 def run_niah(opts: NiahOptions, progress=None) -> dict:
     """Run every case; returns the result document (heatmap drawing is left to reports).
 
@@ -262,6 +278,14 @@ def run_niah(opts: NiahOptions, progress=None) -> dict:
     eng = Engine(load_source(opts.model, device=eo.torch_device), eo)
     all_cases = cases(eng.tokenizer, opts)
     oracles = _load_oracles(opts, eng.model_info)
+    warm = warmup_length(opts, eng.device.type, top)
+    warm_s = 0.0
+    if warm:
+        if progress:
+            progress(0, None, f"warming up on a {warm:,}-token prompt")
+        w0 = time.perf_counter()
+        eng.generate(code_prompt(eng.tokenizer, warm), max_new_tokens=opts.answer_tokens, ignore_eos=True)
+        warm_s = time.perf_counter() - w0
     total = sum(len(c["prompt_ids"]) for c in all_cases)
     records, before, t0 = [], 0, time.perf_counter()
     for n, case in enumerate(all_cases, 1):
@@ -288,6 +312,8 @@ def run_niah(opts: NiahOptions, progress=None) -> dict:
     config["label"] = opts.label or f"{opts.engine_options.runtime}-niah" + (f"-tp{tp}" if tp > 1 else "")
     config["device"] = str(eng.device)
     config["needle_placement"] = NEEDLE_PLACEMENT
+    config["warmup_prompt"] = warm  # as run (the option's None resolved)
+    config["warmup_s"] = round(warm_s, 3)
     return make_result("niah", label=config["label"], config=config, records=records, summary=summary,
                        model=dict(eng.model_info))
 

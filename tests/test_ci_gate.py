@@ -135,3 +135,32 @@ def test_niah_progress_counts_prefill_chunks_within_a_case(tmp_path):
     timings = ("seconds", "ttft_ms", "prefill_tok_s")
     strip = [{k: v for k, v in r.items() if k not in timings} for r in doc["records"]]
     assert strip == [{k: v for k, v in r.items() if k not in timings} for r in quiet["records"]]
+
+
+def test_niah_warmup_runs_before_the_cases_and_changes_no_result(tmp_path):
+    """--warmup-prompt: one generation on a code prompt before the cases (so the first case's TTFT is a warm
+    engine's), recorded in the config as run; the cases' tokens are those of a run without it. The default resolves
+    to one prefill chunk and a token past it on CUDA and to none on the CPU, never past the engine's context."""
+    from click.testing import CliRunner
+
+    from ninfer_bench.cli import main
+    from ninfer_bench.suites.niah import warmup_length
+
+    opts = NiahOptions.make(model="tiny", ctxs=(512,), depths=(50,), answer_tokens=3, device="cpu",
+                            prefill_chunk=128, oracle=str(tmp_path / "none"), warmup_prompt=200)
+    calls = []
+    warm = run_niah(opts, progress=lambda done, total, what: calls.append(what))
+    assert "warming up on a 200-token prompt" in calls
+    assert calls.index("warming up on a 200-token prompt") < min(i for i, w in enumerate(calls) if "case 1/1" in w)
+    assert warm["config"]["warmup_prompt"] == 200 and warm["config"]["warmup_s"] > 0
+    cold = run_niah(NiahOptions.make(model="tiny", ctxs=(512,), depths=(50,), answer_tokens=3, device="cpu",
+                                     prefill_chunk=128, oracle=str(tmp_path / "none")))
+    assert cold["config"]["warmup_prompt"] == 0 and cold["config"]["warmup_s"] == 0  # the CPU default: none
+    assert [r["tokens"] for r in warm["records"]] == [r["tokens"] for r in cold["records"]]
+    auto = NiahOptions.make(ctxs=(512,), prefill_chunk=128, answer_tokens=3)
+    assert warmup_length(auto, "cuda", 512) == 129 and warmup_length(auto, "cpu", 512) == 0
+    assert warmup_length(NiahOptions.make(ctxs=(64,), prefill_chunk=128, answer_tokens=3), "cuda", 64) == 61
+    with pytest.raises(ValueError, match="warmup-prompt"):
+        NiahOptions.make(warmup_prompt=-1)
+    r = CliRunner().invoke(main, ["niah", "--rescore", __file__, "--warmup-prompt", "64"])
+    assert r.exit_code == 1 and "--rescore runs none" in r.output, r.output
