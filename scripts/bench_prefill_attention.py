@@ -12,11 +12,14 @@ Per start position, in one process:
   flash-copy    prefill_attention_cached on the int8 cache: that copy, then the kernel over it (what the engine runs)
   torch-flash   (start 0 only) torch SDPA's flash kernel, is_causal, native GQA, on bf16 K/V: the transformers
                 peer's attention kernel, as a yardstick
+  past-*        (--past, starts > 0) the chunk against keys 0 .. start - 1 alone, no mask: ours (past-ours), torch
+                SDPA's cuDNN and flash backends with native GQA (-gqa) and with K / V repeated to H heads (-rep); TFLOP/s
+                of 4 hd H T start, relative RMS against past-ours
 Each line: median ms (triton.testing.do_bench), TFLOP/s (4 hd H x the causal query-key pairs) and the relative RMS
 against sdpa-copy's output. JSON lines to --json.
 
     python3 scripts/bench_prefill_attention.py [--chunk 2048] [--starts 0,8192,32768,63488] [--sweep int8,bf16,tma]
-        [--json F]
+        [--past] [--json F]
 """
 
 from __future__ import annotations
@@ -93,6 +96,48 @@ def timed(fn) -> float:
     return do_bench(fn, warmup=5, rep=50, return_mode="median")
 
 
+def past_rows(q, kb, vb, slots, start: int, scale: float) -> list[dict]:
+    """--past: the chunk's queries against keys 0 .. start - 1 alone (the unmasked bulk of a long prompt's chunk),
+    ours beside torch SDPA's backends; each row's relative RMS against ours and its TFLOP/s (4 hd H T start)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    t = q.shape[1]
+    q_pos = torch.full((1, t), start - 1, device=DEVICE)
+    flops = 4 * HD * H * t * start
+    qh = q.transpose(1, 2)  # [1, H, T, hd] over [1, T, H, hd] memory: the layout cuDNN takes
+    kp = kb[:, :, :start].transpose(1, 2).contiguous().transpose(1, 2)  # [1, Hkv, start, hd] over BSHD memory
+    vp = vb[:, :, :start].transpose(1, 2).contiguous().transpose(1, 2)
+    kr = kp.repeat_interleave(H // HKV, dim=1).transpose(1, 2).contiguous().transpose(1, 2)  # [1, H, start, hd]
+    vr = vp.repeat_interleave(H // HKV, dim=1).transpose(1, 2).contiguous().transpose(1, 2)
+
+    def sdpa(backend, k, v, gqa):
+        def run():
+            with sdpa_kernel([backend]):
+                return F.scaled_dot_product_attention(qh, k, v, scale=scale, enable_gqa=gqa).transpose(1, 2)
+        return run
+
+    rows = [("past-ours", lambda: ap.prefill_attention(q, kb, vb, None, None, slots, q_pos, scale))]
+    for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
+        rows += [(f"past-{name}-gqa", sdpa(backend, kp, vp, True)), (f"past-{name}-rep", sdpa(backend, kr, vr, False))]
+    out, base = [], None
+    for name, fn in rows:
+        try:
+            o = fn()
+            torch.cuda.synchronize()
+            base = o if base is None else base
+            err = rel(o, base)
+            ms = timed(fn)
+        except Exception as exc:  # a backend refusing the shapes
+            print(f"start {start:6d} {name:16s}: {type(exc).__name__}: {str(exc)[:200]}")
+            continue
+        tf = flops / (ms * 1e-3) / 1e12
+        out.append({"start": start, "chunk": t, "method": name, "config": None, "ms": round(ms, 4),
+                    "tflops": round(tf, 1), "rel_vs_past_ours": round(err, 5)})
+        print(f"start {start:6d} {name:16s}{'':23s} {ms:9.3f} ms {tf:7.1f} TFLOP/s  rel {err:.2e} (vs past-ours)",
+              flush=True)
+    return out
+
+
 def main() -> int:
     ap_ = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap_.add_argument("--chunk", type=int, default=2048)
@@ -100,6 +145,11 @@ def main() -> int:
     ap_.add_argument("--sweep", default="", help="int8, bf16, tma (comma-separated): also the launch shapes of "
                      "SWEEP (int8 in place), SWEEP_BF16 (over the copy) or SWEEP_TMA (over the copy, K / V through "
                      "tensor descriptors)")
+    ap_.add_argument("--past", action="store_true",
+                     help="at each start > 0, also the past keys alone (every query row against keys 0 .. start - 1, "
+                          "no mask): ours (q_pos = start - 1) beside torch SDPA's cuDNN and flash backends on the bf16 "
+                          "copy, native GQA and K / V repeated to the query heads: can a library kernel take the bulk "
+                          "of a long prompt's chunk?")
     ap_.add_argument("--json", default=None)
     ap_.add_argument("--best-plan", default=None, metavar="FILE",
                      help="write the fastest flash-bf16 launch shape at the last start as an NINFER_BENCH_PREFILL_PLAN "
@@ -182,6 +232,8 @@ def main() -> int:
             err_s = "" if err is None else f"  rel {err:.2e}"
             same_s = "" if same is None else ("  same bits" if same else "  BITS DIFFER")
             print(f"start {start:6d} {name:12s}{cfg_s:27s} {ms:9.3f} ms{tf_s}{err_s}{same_s}", flush=True)
+        if args.past and start > 0:
+            lines += past_rows(q, kb, vb, slots, start, scale)
         base = None
         torch.cuda.empty_cache()
     if args.json:
