@@ -22,6 +22,7 @@
 #   conc27   27B synthetic concurrency C1-C8
 #   conc33   issue 33's targets: 27B C1-C8 at 128 new tokens, plain and DFlash2 K=7 --replay-acceptance seed (CONC_ARGS)
 #   lprefill layer-major prefill on / off: its CUDA test, the 27B prompt grid (PLEN, --prefill-weights LP_WEIGHTS)
+#   ppast    bench_prefill_attention --past: a chunk against its past keys alone, ours beside torch SDPA's cuDNN / flash
 #   ptma     the prefill attention through tensor descriptors: its CUDA tests, the kernel with / without them after
 #            PTMA_STARTS keys, the 27B prompt-length grid (PLEN, ours and the peer), ours again with pointer loads
 #   sdpa     scripts/probe_sdpa.py: torch SDPA's first call at each new key length, per backend (seconds)
@@ -700,6 +701,11 @@ PY
                --json "$OUT/ptma-default" 2>&1 | tail -8
              NINFER_BENCH_PREFILL_PLAN=tma=0 nb decode $M27 -p ${PLEN:-2991,65000} -n ${PLEN_N:-32} --repeats 2 \
                --json "$OUT/ptma-pointer" 2>&1 | tail -6 ;;
+    ppast)   # the bulk of a long prompt's chunk (its past keys, no mask): ours beside torch SDPA's cuDNN and flash
+             # backends (bench_prefill_attention --past) after PPAST_STARTS keys
+             timeout ${PPAST_S:-150} python3 scripts/bench_prefill_attention.py --past --starts ${PPAST_STARTS:-8192,63488} \
+               --json "$OUT/ppast.jsonl" > "$OUT/ppast.log" 2>&1; echo "bench rc $?"
+             grep "^start" "$OUT/ppast.log" | grep -v "sdpa-copy\|dequant \| copy " | cut -c1-170 ;;
     lprefill) # layer-major prefill (--layer-prefill, session 57) on and off: its CUDA test, then the 27B prompt grid
              # (PLEN) with --prefill-weights LP_WEIGHTS (auto: taken only where the dense copies do not fit, e.g. an
              # 80 GB card; packed: on any card), same tokens expected
