@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -107,11 +108,15 @@ def prefill_plan(head_dim: int, int8: bool, q_dtype: torch.dtype = torch.bfloat1
 
 
 def prefill_attention(q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, scale, *, kv_len_max=None, gate=None,
-                      config: PrefillConfig | None = None):
+                      config: PrefillConfig | None = None, key_lo: int = 0, past=None):
     """Attention of ``q [B, T, H, hd]`` over cache slots ``slots [B]``; query t of row b sees keys 0..q_pos[b, t]
     (every ``q_pos`` below ``kv_len_max``, default the capacity). Returns ``[B, T, H, hd]`` in ``q.dtype``, fp32
     accumulation; ``gate [B, T, H * hd]`` applied as the output is stored (``o * sigmoid(gate)``, the bits of
-    kernels/fused.sigmoid_mul). ``config`` overrides :func:`prefill_plan`."""
+    kernels/fused.sigmoid_mul). ``config`` overrides :func:`prefill_plan`.
+
+    ``key_lo`` (a multiple of the plan's ``block_n``, at most every real row's q_pos): keys below it are not read;
+    ``past = (o [B, T, H, hd], lse [B, H, T])``, another kernel's normalised output over keys ``0 .. key_lo - 1`` and
+    its rows' natural-log sum-exp (:func:`cudnn_past`), is folded into the online softmax before the store."""
     kv_len = _check(q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, kv_len_max, gate, "prefill_attention")
     kern = _triton.ready("prefill_attention", _kernels, q)
     b, t, h, hd = q.shape
@@ -120,9 +125,11 @@ def prefill_attention(q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, scale
     cfg = config or prefill_plan(hd, int8, q.dtype)
     block_d = _block_d(hd)
     gw = min(KV_GROUP, block_d)
+    past_args = _past_args(q, key_lo, past, cfg)
     out = _new_buffer((b, t, h, hd), q.dtype, q.device)
     if cfg.tma and descriptor_ok(k_cache, v_cache):
-        return _prefill_desc(kern, cfg, q, k_cache, v_cache, slots, q_pos, scale, kv_len, gate, out, block_d)
+        return _prefill_desc(kern, cfg, q, k_cache, v_cache, slots, q_pos, scale, kv_len, gate, out, block_d,
+                             past_args)
     ks = k_scale if int8 else k_cache  # placeholders keep one signature; never read without IS_INT8
     vs = v_scale if int8 else v_cache
     gt = gate if gate is not None else out
@@ -130,13 +137,33 @@ def prefill_attention(q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, scale
         q, k_cache, v_cache, ks, vs, slots, q_pos, out, gt, gt.stride(0), gt.stride(1),
         *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3], *ks.stride()[:3], *vs.stride()[:3],
         *q_pos.stride(), *out.stride()[:3],
-        scale * LOG2E, t, h, kv_len,
+        scale * LOG2E, t, h, kv_len, *past_args,
         G=h // hkv, HD=hd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, NG=block_d // gw, GW=gw,
         IS_INT8=int8, HAS_GATE=gate is not None, DOT_DTYPE=kern["dtypes"][q.dtype],
-        DOT_PREC="tf32x3" if q.dtype == torch.float32 else "tf32",
+        DOT_PREC="tf32x3" if q.dtype == torch.float32 else "tf32", HAS_PAST=past is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
+
+
+def _past_args(q, key_lo: int, past, cfg: PrefillConfig) -> tuple:
+    """The kernels' KEY_LO, PO, PLSE and their strides (placeholders without ``past``), ``past`` checked."""
+    if isinstance(key_lo, bool) or not isinstance(key_lo, int) or key_lo < 0 or key_lo % cfg.block_n:
+        raise ValueError(f"prefill_attention: key_lo must be a non-negative multiple of block_n {cfg.block_n}, "
+                         f"got {key_lo!r}")
+    if past is None:
+        return (key_lo, q, q, 0, 0, 0, 0, 0, 0)
+    if not key_lo:
+        raise ValueError("prefill_attention: past folds in keys below key_lo: give key_lo > 0 with it")
+    po, lse = past
+    b, t, h, hd = q.shape
+    if tuple(po.shape) != (b, t, h, hd) or po.stride(3) != 1 or po.device != q.device:
+        raise ValueError(f"prefill_attention: past output must be [B, T, H, hd] = {(b, t, h, hd)} with its last "
+                         f"dimension contiguous, got {tuple(po.shape)} (strides {po.stride()})")
+    if tuple(lse.shape) != (b, h, t) or lse.dtype != torch.float32 or lse.device != q.device:
+        raise ValueError(f"prefill_attention: past lse must be fp32 [B, H, T] = {(b, h, t)}, got {lse.dtype} "
+                         f"{tuple(lse.shape)}")
+    return (key_lo, po, lse, po.stride(0), po.stride(1), po.stride(2), *lse.stride())
 
 
 def descriptor_ok(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -149,7 +176,7 @@ def descriptor_ok(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     return k_cache.shape == v_cache.shape
 
 
-def _prefill_desc(kern, cfg, q, k_cache, v_cache, slots, q_pos, scale, kv_len, gate, out, block_d):
+def _prefill_desc(kern, cfg, q, k_cache, v_cache, slots, q_pos, scale, kv_len, gate, out, block_d, past_args):
     """prefill_attention through ``_attn_prefill_desc``: K and V as [S * Hkv * cap, hd] tensor descriptors whose
     boxes are one key tile (past hd, and past the last row, the copy engine fills zeros)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -162,10 +189,10 @@ def _prefill_desc(kern, cfg, q, k_cache, v_cache, slots, q_pos, scale, kv_len, g
     gt = gate if gate is not None else out
     kern["prefill_desc"][(b * h, -(-t // cfg.block_m))](
         q, desc_k, desc_v, slots, q_pos, out, gt, gt.stride(0), gt.stride(1), *q.stride()[:3], *q_pos.stride(),
-        *out.stride()[:3], scale * LOG2E, t, h, hkv, cap, kv_len,
+        *out.stride()[:3], scale * LOG2E, t, h, hkv, cap, kv_len, *past_args,
         G=h // hkv, HD=hd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, HAS_GATE=gate is not None,
         DOT_DTYPE=kern["dtypes"][q.dtype], DOT_PREC="tf32x3" if q.dtype == torch.float32 else "tf32",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        HAS_PAST=past_args[1] is not q, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
 
@@ -173,10 +200,13 @@ def _prefill_desc(kern, cfg, q, k_cache, v_cache, slots, q_pos, scale, kv_len, g
 DEQUANT_BLOCK = 64  # keys a dequantization program writes
 
 
-def dequantize_slots(codes, scales, slots, length: int, dtype) -> torch.Tensor:
+def dequantize_slots(codes, scales, slots, length: int, dtype, *, layout: str = "bhsd") -> torch.Tensor:
     """Keys (or values) ``0 .. length - 1`` of cache slots ``slots [B]`` from int8 ``codes [S, Hkv, cap, hd]`` and
-    fp16 ``scales [S, Hkv, cap, ceil(hd / 64)]`` as a contiguous ``[B, Hkv, length, hd]`` tensor in ``dtype``: each
-    value the fp32 product of its code and scale, rounded once (kv_quant.dequantize_kv in fp32, then ``.to``)."""
+    fp16 ``scales [S, Hkv, cap, ceil(hd / 64)]`` as a ``[B, Hkv, length, hd]`` tensor in ``dtype``: each value the
+    fp32 product of its code and scale, rounded once (kv_quant.dequantize_kv in fp32, then ``.to``). ``layout``:
+    "bhsd" contiguous, "bshd" a view of contiguous ``[B, length, Hkv, hd]`` memory (what cuDNN's attention reads)."""
+    if layout not in ("bhsd", "bshd"):
+        raise ValueError(f"dequantize_slots: layout must be 'bhsd' or 'bshd', got {layout!r}")
     if codes.dtype != torch.int8 or scales.dtype != torch.float16 or codes.dim() != 4:
         raise ValueError(f"dequantize_slots: int8 codes [S, Hkv, cap, hd] and fp16 scales, got {codes.dtype} "
                          f"{tuple(codes.shape)} and {scales.dtype}")
@@ -186,7 +216,10 @@ def dequantize_slots(codes, scales, slots, length: int, dtype) -> torch.Tensor:
     b, hkv, hd = slots.shape[0], codes.shape[1], codes.shape[3]
     block_d = _block_d(hd)
     gw = min(KV_GROUP, block_d)
-    out = _new_buffer((b, hkv, length, hd), dtype, codes.device)
+    if layout == "bshd":
+        out = _new_buffer((b, length, hkv, hd), dtype, codes.device).permute(0, 2, 1, 3)
+    else:
+        out = _new_buffer((b, hkv, length, hd), dtype, codes.device)
     kern["kv_dequant"][(b * hkv, -(-length // DEQUANT_BLOCK))](
         codes, scales, slots, out, *codes.stride()[:3], *scales.stride()[:3], *out.stride()[:3], hkv, length,
         HD=hd, BLOCK_L=DEQUANT_BLOCK, BLOCK_D=block_d, NG=block_d // gw, GW=gw, num_warps=4,
@@ -195,16 +228,72 @@ def dequantize_slots(codes, scales, slots, length: int, dtype) -> torch.Tensor:
 
 
 def prefill_attention_cached(q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, scale, *, kv_len: int, gate=None,
-                             config: PrefillConfig | None = None):
+                             config: PrefillConfig | None = None, past_start: int | None = None,
+                             cudnn: bool = False):
     """:func:`prefill_attention` the faster way for the cache's format: a bf16 / fp16 cache read in place; an int8
     cache's slots dequantized first (keys ``0 .. kv_len - 1``, :func:`dequantize_slots`, in q's dtype) and the kernel
-    run over that copy. ``kv_len`` (static: a CUDA graph's key bucket) must exceed every ``q_pos``."""
+    run over that copy. ``kv_len`` (static: a CUDA graph's key bucket) must exceed every ``q_pos``.
+
+    ``cudnn`` with ``past_start`` (the host's copy of the chunk's first position, every q_pos at or after it): where
+    :func:`cudnn_past_ok` allows, the keys below it (rounded down to the plan's key tile) go through cuDNN's fused
+    attention (:func:`cudnn_past`) and the kernel takes the rest, the two folded into one softmax (other sums than
+    the kernel's alone: the same values to rounding)."""
     if k_cache.dtype != torch.int8:
         return prefill_attention(q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, scale, kv_len_max=kv_len,
                                  gate=gate, config=config)
     if k_scale is None or v_scale is None:
         raise ValueError("prefill_attention_cached: an int8 cache needs k_scale and v_scale")
+    rows = torch.arange(slots.shape[0], device=slots.device)  # row b of the copy is slot slots[b]
+    if cudnn and past_start is not None and cudnn_past_ok(q, past_start):
+        cfg = config or prefill_plan(q.shape[-1], False, q.dtype)
+        key_lo = past_start // cfg.block_n * cfg.block_n
+        k = dequantize_slots(k_cache, k_scale, slots, kv_len, q.dtype, layout="bshd")
+        v = dequantize_slots(v_cache, v_scale, slots, kv_len, q.dtype, layout="bshd")
+        past = cudnn_past(q, k, v, key_lo, scale)
+        if past is not None:
+            return prefill_attention(q, k, v, None, None, rows, q_pos, scale, gate=gate, config=cfg, key_lo=key_lo,
+                                     past=past)
+        return prefill_attention(q, k, v, None, None, rows, q_pos, scale, gate=gate, config=config)
     k = dequantize_slots(k_cache, k_scale, slots, kv_len, q.dtype)
     v = dequantize_slots(v_cache, v_scale, slots, kv_len, q.dtype)
-    rows = torch.arange(slots.shape[0], device=slots.device)  # row b of the copy is slot slots[b]
     return prefill_attention(q, k, v, None, None, rows, q_pos, scale, gate=gate, config=config)
+
+
+# The first chunk start whose past keys take cuDNN (prefill_attention_cached's cudnn): after 8,192 and 63,488 keys
+# cuDNN's fused attention took the past of a 2,048-token chunk (27B shape, hd 256, native GQA) in 0.567 / 4.298 ms
+# against the Triton kernel's 0.803 / 6.044 ms (H100, docs/perf/2026-12-05g-layer-prefill-niah131k.md)
+CUDNN_PAST_MIN = 2048
+_CUDNN = {"refused": None}  # the reason cuDNN's attention failed in this process (then the kernel alone runs)
+
+
+def cudnn_past_ok(q, past_start: int) -> bool:
+    """Whether :func:`cudnn_past` takes this chunk's past: CUDA, 16-bit queries, one row (B = 1), at least
+    CUDNN_PAST_MIN keys before it, a head size cuDNN's fused attention has (a multiple of 8 up to 256), cuDNN built
+    in, not inside a CUDA graph capture, and no earlier refusal in this process."""
+    return (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.shape[0] == 1
+            and past_start >= CUDNN_PAST_MIN and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256
+            and _CUDNN["refused"] is None and torch.backends.cudnn.is_available()
+            and not torch.cuda.is_current_stream_capturing())
+
+
+def cudnn_past(q, k, v, key_lo: int, scale: float):
+    """cuDNN's fused attention (torch's ``aten._scaled_dot_product_cudnn_attention``, native GQA, no mask) of
+    ``q [1, T, H, hd]`` over keys ``0 .. key_lo - 1`` of ``k`` / ``v [1, Hkv, L, hd]`` in BSHD memory
+    (:func:`dequantize_slots` layout "bshd"). Returns (output ``[1, T, H, hd]``, its rows' natural-log sum-exp
+    ``[1, H, T]`` fp32), or None when cuDNN refuses (the reason warned once; this process then stays on the kernel)."""
+    _, t, h, hd = q.shape
+    hkv = k.shape[1]
+    qh = q.contiguous().transpose(1, 2)  # [1, H, T, hd] over [1, T, H, hd] memory
+    past = [x.as_strided((1, hkv, key_lo, hd), (key_lo * hkv * hd, hd, hkv * hd, 1), x.storage_offset())
+            for x in (k, v)]
+    try:
+        o, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(qh, *past, None, True, 0.0, False, False,
+                                                                   scale=scale)[:2]
+    except RuntimeError as exc:
+        _CUDNN["refused"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+        warnings.warn(f"prefill attention: cuDNN's fused attention refused ({_CUDNN['refused']}); prompt chunks' "
+                      f"attention stays on the Triton kernel", RuntimeWarning, stacklevel=2)
+        return None
+    if lse.dim() == 4:
+        lse = lse.squeeze(-1)
+    return o.transpose(1, 2), lse.float()

@@ -387,6 +387,22 @@ def _prefill_store(acc, l_i, O, GATE, b, h, offs_m, row_ok, offs_d, d_ok, stride
     tl.store(O + b * stride_ob + offs_m[:, None] * stride_ot + h * stride_oh + offs_d[None, :], val, mask=mask)
 
 
+def _fold_past(acc, m_i, l_i, PO, PLSE, b, h, offs_m, row_ok, offs_d, d_ok, stride_pob, stride_pot, stride_poh,
+               stride_plb, stride_plh, stride_plt):
+    """Keys below KEY_LO folded into a prefill block's online softmax from another kernel's result over them: its
+    normalised output rows ``PO`` and their natural-log sum-exp ``PLSE`` (cuDNN's); returns the block's sums and
+    weights over both key ranges, m_i's log2 units kept (a row with no key on one side takes the other's alone)."""
+    lse = tl.load(PLSE + b * stride_plb + h * stride_plh + offs_m * stride_plt, mask=row_ok,
+                  other=float("-inf")).to(tl.float32) * 1.4426950408889634  # to log2 units
+    po = tl.load(PO + b * stride_pob + offs_m[:, None] * stride_pot + h * stride_poh + offs_d[None, :],
+                 mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+    m_new = tl.maximum(m_i, lse)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    a = tl.exp2(m_i - m_safe)
+    w = tl.exp2(lse - m_safe)
+    return acc * a[:, None] + po * w[:, None], l_i * a + w
+
+
 def _prefill_tile(q, qpos, start, end, m_i, l_i, acc, k_base, v_base, ks_base, vs_base, stride_kn, stride_vn,
                   stride_ksn, stride_vsn, qk_scale, MASKED: tl.constexpr, DOT_DTYPE: tl.constexpr,
                   DOT_PREC: tl.constexpr, HD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -411,16 +427,18 @@ def _attn_prefill(Q, K, V, KS, VS, SLOTS, QPOS, O, GATE, stride_gb, stride_gt,
                   stride_qb, stride_qt, stride_qh, stride_ks, stride_kh, stride_kn, stride_vs, stride_vh, stride_vn,
                   stride_kss, stride_ksh, stride_ksn, stride_vss, stride_vsh, stride_vsn,
                   stride_pb, stride_pt, stride_ob, stride_ot, stride_oh,
-                  qk_scale, T, H, KV_LEN,
+                  qk_scale, T, H, KV_LEN, KEY_LO, PO, PLSE, stride_pob, stride_pot, stride_poh, stride_plb,
+                  stride_plh, stride_plt,
                   G: tl.constexpr, HD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_D: tl.constexpr, NG: tl.constexpr, GW: tl.constexpr, IS_INT8: tl.constexpr,
-                  HAS_GATE: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr):
+                  HAS_GATE: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, HAS_PAST: tl.constexpr):
     """Program (b * H + h, query block): tokens [m * BLOCK_M, + BLOCK_M) of head h against keys 0 .. their q_pos.
 
     Axis 0 walks the heads, so the G heads of one kv head run side by side and read its K/V tiles from L2; axis 1
     is taken last block first (the longest key ranges start first). The key loop runs in two parts: the keys every
     row of the block sees (below the block's smallest q_pos, in whole tiles) without a mask, then the rest with the
-    causal mask. A padded row (past T) has q_pos -1 and stores nothing."""
+    causal mask. A padded row (past T) has q_pos -1 and stores nothing. Keys below KEY_LO (a multiple of BLOCK_N,
+    at most every real row's q_pos) are not read; HAS_PAST folds them in from another kernel's result (_fold_past)."""
     b, h, hkv, offs_m, row_ok, qpos, hi, full, offs_d, d_ok, q = _prefill_rows(
         Q, QPOS, stride_qb, stride_qt, stride_qh, stride_pb, stride_pt, T, H, KV_LEN, G, HD, BLOCK_M, BLOCK_N,
         BLOCK_D, DOT_DTYPE)
@@ -432,7 +450,7 @@ def _attn_prefill(Q, K, V, KS, VS, SLOTS, QPOS, O, GATE, stride_gb, stride_gt,
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for start in range(0, full, BLOCK_N):  # no mask: every key here is at or before every row's position
+    for start in range(KEY_LO, full, BLOCK_N):  # no mask: every key here is at or before every row's position
         m_i, l_i, acc = _prefill_tile(q, qpos, start, full, m_i, l_i, acc, k_base, v_base, ks_base, vs_base,
                                       stride_kn, stride_vn, stride_ksn, stride_vsn, qk_scale, False, DOT_DTYPE,
                                       DOT_PREC, HD, BLOCK_N, BLOCK_D, NG, GW, IS_INT8)
@@ -440,6 +458,9 @@ def _attn_prefill(Q, K, V, KS, VS, SLOTS, QPOS, O, GATE, stride_gb, stride_gt,
         m_i, l_i, acc = _prefill_tile(q, qpos, start, hi, m_i, l_i, acc, k_base, v_base, ks_base, vs_base,
                                       stride_kn, stride_vn, stride_ksn, stride_vsn, qk_scale, True, DOT_DTYPE,
                                       DOT_PREC, HD, BLOCK_N, BLOCK_D, NG, GW, IS_INT8)
+    if HAS_PAST:
+        acc, l_i = _fold_past(acc, m_i, l_i, PO, PLSE, b, h, offs_m, row_ok, offs_d, d_ok, stride_pob, stride_pot,
+                              stride_poh, stride_plb, stride_plh, stride_plt)
     _prefill_store(acc, l_i, O, GATE, b, h, offs_m, row_ok, offs_d, d_ok, stride_gb, stride_gt, stride_ob, stride_ot,
                    stride_oh, HD, HAS_GATE)
 
@@ -465,9 +486,10 @@ def _prefill_tile_desc(q, qpos, start, end, m_i, l_i, acc, desc_k, desc_v, kv_ro
 
 def _attn_prefill_desc(Q, desc_k, desc_v, SLOTS, QPOS, O, GATE, stride_gb, stride_gt, stride_qb, stride_qt, stride_qh,
                        stride_pb, stride_pt, stride_ob, stride_ot, stride_oh, qk_scale, T, H, HKV, CAP, KV_LEN,
+                       KEY_LO, PO, PLSE, stride_pob, stride_pot, stride_poh, stride_plb, stride_plh, stride_plt,
                        G: tl.constexpr, HD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_D: tl.constexpr, HAS_GATE: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                       DOT_PREC: tl.constexpr):
+                       DOT_PREC: tl.constexpr, HAS_PAST: tl.constexpr):
     """``_attn_prefill`` for a bf16 / fp16 cache ``[S, Hkv, CAP, hd]`` (contiguous) whose K and V tiles arrive through
     tensor descriptors over its [S * Hkv * CAP, hd] view (kernels/attention_prefill.py's ``tma`` plan): the same
     programs, key order, tiles and arithmetic, so the same sums."""
@@ -479,12 +501,15 @@ def _attn_prefill_desc(Q, desc_k, desc_v, SLOTS, QPOS, O, GATE, stride_gb, strid
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for start in range(0, full, BLOCK_N):  # no mask: every key at or before every row
+    for start in range(KEY_LO, full, BLOCK_N):  # no mask: every key at or before every row
         m_i, l_i, acc = _prefill_tile_desc(q, qpos, start, full, m_i, l_i, acc, desc_k, desc_v, kv_row, qk_scale,
                                            False, DOT_DTYPE, DOT_PREC, BLOCK_N)
     for start in range(full, hi, BLOCK_N):  # the diagonal: each row up to its own position
         m_i, l_i, acc = _prefill_tile_desc(q, qpos, start, hi, m_i, l_i, acc, desc_k, desc_v, kv_row, qk_scale,
                                            True, DOT_DTYPE, DOT_PREC, BLOCK_N)
+    if HAS_PAST:
+        acc, l_i = _fold_past(acc, m_i, l_i, PO, PLSE, b, h, offs_m, row_ok, offs_d, d_ok, stride_pob, stride_pot,
+                              stride_poh, stride_plb, stride_plh, stride_plt)
     _prefill_store(acc, l_i, O, GATE, b, h, offs_m, row_ok, offs_d, d_ok, stride_gb, stride_gt, stride_ob, stride_ot,
                    stride_oh, HD, HAS_GATE)
 
@@ -516,9 +541,9 @@ def jit_kernels() -> dict:
     """Jit the kernels (first call only). `_attn_split` finds `_load_tile` and `tl` as module globals."""
     out = _triton.jit_module(globals(), ("_int8_f16", "_load_tile", "_codes_tile", "_scales_tile", "_dequant",
                                          "_codes_flat", "_dequant_flat", "_ahead_tile", "_row_chunk", "_gated",
-                                         "_softmax_step", "_prefill_rows", "_prefill_store", "_prefill_tile",
-                                         "_prefill_tile_desc", "_store_cols", "_codes16", "_group_scale", "_group_q",
-                                         "_group_qk", "_group_pv"),
+                                         "_softmax_step", "_prefill_rows", "_prefill_store", "_fold_past",
+                                         "_prefill_tile", "_prefill_tile_desc", "_store_cols", "_codes16",
+                                         "_group_scale", "_group_q", "_group_qk", "_group_pv"),
                              {"split": "_attn_split", "combine": "_attn_combine",
                               "prefill": "_attn_prefill", "prefill_desc": "_attn_prefill_desc",
                               "kv_dequant": "_kv_dequant"})

@@ -182,6 +182,112 @@ def test_cached_path_matches_reference(kv):
     assert rel_rms(out, at.decode_attention_ref(**c)) <= RTOL
 
 
+def past_ref(c, key_lo):
+    """fp32 attention of the case's queries over keys 0 .. key_lo - 1 alone: (output [B, T, H, hd] in q's dtype,
+    natural-log sum-exp [B, H, T]), what cudnn_past returns."""
+    q = c["q"].float()
+    h, hkv = q.shape[2], c["k_cache"].shape[1]
+    kv = []
+    for cache, sc in (("k_cache", "k_scale"), ("v_cache", "v_scale")):
+        x = c[cache][c["slots"], :, :key_lo]
+        x = dequantize_kv(x, c[sc][c["slots"], :, :key_lo], torch.float32) if x.dtype == torch.int8 else x.float()
+        kv.append(x.repeat_interleave(h // hkv, dim=1))
+    s = torch.einsum("bthd,bhkd->bhtk", q, kv[0]) * c["scale"]
+    o = torch.einsum("bhtk,bhkd->bthd", torch.softmax(s, -1), kv[1])
+    return o.to(c["q"].dtype), torch.logsumexp(s, -1)
+
+
+@pytest.mark.parametrize("kv,config", [("int8", "small"), ("bf16", "small"), ("bf16", "tma")])
+def test_keys_below_key_lo_folded_in_from_past(kv, config):
+    """``key_lo`` with ``past``: the kernel reads keys from key_lo on and folds in another kernel's normalised output
+    and natural-log sum-exp over the keys below (cuDNN's on a GPU, an fp32 reference here): the whole softmax's
+    result, gated on store as without it; without ``past`` the keys below key_lo are left out."""
+    cfg = SMALL if config == "small" else TMA
+    c = make_case(kv, 6, 2, 64, [40, 53], 21, 96, seed=3)
+    key_lo = 32
+    ref = at.decode_attention_ref(**c)
+    past = past_ref(c, key_lo)
+    out = ap.prefill_attention(**c, config=cfg, key_lo=key_lo, past=past)
+    assert torch.isfinite(out).all()
+    assert rel_rms(out, ref) <= RTOL, rel_rms(out, ref)
+    b, t, h, hd = c["q"].shape
+    gate = torch.randn(b, t, h * hd, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    from ninfer_bench.kernels import fused
+
+    gated = ap.prefill_attention(**c, config=cfg, key_lo=key_lo, past=past, gate=gate)
+    assert torch.equal(gated.view(b, t, h * hd), fused.sigmoid_mul(out.view(b, t, h * hd), gate))
+    # no past: attention over keys key_lo .. q_pos alone; the keys below are poisoned (NaN): never read
+    below = (torch.arange(c["k_cache"].shape[2], device=DEVICE) < key_lo)[None, None, :, None]
+    poisoned = {**c, "k_scale": c["k_scale"].masked_fill(below, float("nan"))} if kv == "int8" else \
+        {**c, "k_cache": c["k_cache"].masked_fill(below, float("nan"))}
+    alone = ap.prefill_attention(**poisoned, config=cfg, key_lo=key_lo)
+    keys = torch.arange(c["k_cache"].shape[2], device=DEVICE)
+    kk, vv = (past_ref_keys(c, name) for name in ("k", "v"))
+    sc = torch.einsum("bthd,bhkd->bhtk", c["q"].float(), kk) * c["scale"]
+    live = (keys[None, None, None, :] >= key_lo) & (keys[None, None, None, :] <= c["q_pos"][:, None, :, None])
+    want = torch.einsum("bhtk,bhkd->bthd", torch.softmax(sc.masked_fill(~live, float("-inf")), -1), vv)
+    assert rel_rms(alone, want) <= RTOL
+
+
+def past_ref_keys(c, which):
+    """The case's dequantized K or V for its rows' slots, repeated to the query heads: [B, H, cap, hd] fp32."""
+    x, sc = c[f"{which}_cache"][c["slots"]], c[f"{which}_scale"]
+    x = dequantize_kv(x, sc[c["slots"]], torch.float32) if x.dtype == torch.int8 else x.float()
+    return x.repeat_interleave(c["q"].shape[2] // x.shape[1], dim=1)
+
+
+def test_key_lo_and_past_are_checked():
+    c = make_case("int8", *SHAPES["later-g6-hd128"])
+    with pytest.raises(ValueError, match="multiple of block_n"):
+        ap.prefill_attention(**c, config=SMALL, key_lo=8)
+    past = past_ref(c, 16)
+    with pytest.raises(ValueError, match="key_lo > 0"):
+        ap.prefill_attention(**c, config=SMALL, past=past)
+    with pytest.raises(ValueError, match="lse"):
+        ap.prefill_attention(**c, config=SMALL, key_lo=16, past=(past[0], past[1].transpose(1, 2)))
+    with pytest.raises(ValueError, match="past output"):
+        ap.prefill_attention(**c, config=SMALL, key_lo=16, past=(past[0][:, :-1], past[1]))
+
+
+def test_dequantize_slots_bshd_layout():
+    """layout "bshd": the same [B, Hkv, L, hd] values over [B, L, Hkv, hd] memory (cuDNN's layout)."""
+    c = make_case("int8", 6, 2, 64, [0, 0], 4, 80)
+    want = ap.dequantize_slots(c["k_cache"], c["k_scale"], c["slots"], 70, torch.float32)
+    out = ap.dequantize_slots(c["k_cache"], c["k_scale"], c["slots"], 70, torch.float32, layout="bshd")
+    assert out.shape == want.shape and out.permute(0, 2, 1, 3).is_contiguous() and torch.equal(out, want)
+    with pytest.raises(ValueError, match="layout"):
+        ap.dequantize_slots(c["k_cache"], c["k_scale"], c["slots"], 70, torch.float32, layout="sbhd")
+
+
+def test_cudnn_split_only_where_it_can_run():
+    """The cuDNN split needs CUDA, 16-bit queries, one row and CUDNN_PAST_MIN keys before the chunk; elsewhere the
+    cached path with ``cudnn`` gives the kernel's own bits."""
+    c = make_case("int8", 6, 2, 64, [40], 21, 96)
+    assert not ap.cudnn_past_ok(c["q"], ap.CUDNN_PAST_MIN)  # fp32 queries (and on the CPU: no CUDA)
+    assert not ap.cudnn_past_ok(c["q"].to(torch.bfloat16), ap.CUDNN_PAST_MIN - 1)
+    kv_len = int(c["q_pos"].max()) + 1
+    want = ap.prefill_attention_cached(**c, kv_len=kv_len, config=SMALL)
+    got = ap.prefill_attention_cached(**c, kv_len=kv_len, config=SMALL, cudnn=True, past_start=40)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="cuDNN's fused attention needs CUDA")
+@pytest.mark.parametrize("start", [2048, 4160])
+def test_cudnn_past_split_matches_the_kernel(start):
+    """The engine's split on a GPU: an int8 cache, bf16 queries at hd 256, one row, a chunk after ``start`` keys
+    (4,160: not a multiple of the chunk): cuDNN's past folded into the kernel's diagonal agrees with the kernel alone
+    and with the fp32 reference, cuDNN accepted."""
+    c = attention_case("int8", 1, 256, 24, 4, 256, [start + 256], 2, start + 300, torch.bfloat16)
+    kv_len = start + 256
+    ref = at.decode_attention_ref(**{**c, "q": c["q"].float()})
+    alone = ap.prefill_attention_cached(**c, kv_len=kv_len)
+    assert ap.cudnn_past_ok(c["q"], start)
+    split = ap.prefill_attention_cached(**c, kv_len=kv_len, cudnn=True, past_start=start)
+    assert ap._CUDNN["refused"] is None, ap._CUDNN["refused"]
+    assert rel_rms(split, ref) <= RTOL_BF16 and rel_rms(split, alone) <= RTOL_BF16
+    assert rel_rms(split, ref) <= 1.5 * rel_rms(alone, ref) + 1e-4  # as close to fp32 as the kernel alone
+
+
 def test_bad_inputs_name_the_function():
     c = make_case("int8", *SHAPES["first-g3-hd64"])
     with pytest.raises(ValueError, match="prefill_attention: .*k_scale"):

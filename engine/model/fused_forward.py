@@ -147,7 +147,8 @@ class FastPath:
                                       c.k_scale, c.v_scale, step.slots, step.pos, cfg.rms_norm_eps)
         if prefill:
             o = prefill_attention_cached(q, c.k, c.v, c.k_scale, c.v_scale, step.slots, step.pos, m.scale,
-                                         kv_len=min(step.kv_len, cache.capacity), gate=gate)
+                                         kv_len=min(step.kv_len, cache.capacity), gate=gate, past_start=step.start,
+                                         cudnn=m.cudnn_prefill)
         else:
             o = decode_attention(q, c.k, c.v, c.k_scale, c.v_scale, step.slots, step.pos, m.scale,
                                  kv_len_max=cache.capacity, gate=gate)

@@ -118,7 +118,8 @@ class Engine:
         self.model = HybridModel(self.model_config, self.weights, max_positions=self.capacity,
                                  gdn_impl=opts.gdn_impl if opts.runtime == "v3" else "chunked",
                                  fused_kernels=opts.fused_kernels(), side_stream=side,
-                                 flash_prefill=opts.flash_prefill, fused_prefill=opts.fused_prefill, tp=self.tp)
+                                 flash_prefill=opts.flash_prefill, fused_prefill=opts.fused_prefill,
+                                 cudnn_prefill=opts.cudnn_prefill, tp=self.tp)
         # one extra slot serves logits() and other scratch work without touching requests
         self.cache = HybridCache(self.model_config, slots=opts.max_concurrency + 1, capacity=self.capacity,
                                  kv_dtype=opts.kv_dtype, dtype=self.dtype, device=self.device,
@@ -368,7 +369,7 @@ class Engine:
             pos = torch.arange(start + c0, start + c0 + len(piece), device=self.device)[None]
             rows = self._media_rows(media, c0, c0 + len(piece))
             step = Step(self.device_ids([piece]), pos, slots, kv_len=start + c0 + len(piece), mode=PREFILL, taps=taps,
-                        **rows)
+                        start=start + c0, **rows)
             hidden, tp = self.model.forward(step, self.cache)
             if all_logits:
                 logits.append(self.model.logits(hidden[0]))
@@ -470,7 +471,7 @@ class Engine:
         """The eager prefill Step of ``seq``'s prompt tokens ``start .. start + n - 1``."""
         ids = self.device_ids([seq.prompt[start:start + n]])
         pos = torch.arange(start, start + n, device=self.device)[None]
-        return Step(ids, pos, self.device_ids([seq.slot]), kv_len=start + n, mode=PREFILL, taps=taps,
+        return Step(ids, pos, self.device_ids([seq.slot]), kv_len=start + n, mode=PREFILL, taps=taps, start=start,
                     **self._media_rows(seq.media, start, start + n))
 
     def _chunk_done(self, seq: Sequence, start: int, n: int, hidden, tap_out, head) -> bool:
