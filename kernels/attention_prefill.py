@@ -266,6 +266,13 @@ CUDNN_PAST_MIN = 2048
 _CUDNN = {"refused": None}  # the reason cuDNN's attention failed in this process (then the kernel alone runs)
 
 
+def cudnn_prefill_enabled() -> bool:
+    """Whether the engine's prompt chunks take the cuDNN split: NINFER_BENCH_CUDNN_PREFILL=1 (recorded in a result's
+    knobs). Off by default until it has run on a GPU: its fold and cuDNN's sum-exp are CPU-tested against an fp32
+    reference only (docs/perf/2026-12-05g-layer-prefill-niah131k.md)."""
+    return os.environ.get("NINFER_BENCH_CUDNN_PREFILL", "0") == "1"
+
+
 def cudnn_past_ok(q, past_start: int) -> bool:
     """Whether :func:`cudnn_past` takes this chunk's past: CUDA, 16-bit queries, one row (B = 1), at least
     CUDNN_PAST_MIN keys before it, a head size cuDNN's fused attention has (a multiple of 8 up to 256), cuDNN built

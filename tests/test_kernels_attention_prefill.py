@@ -271,6 +271,18 @@ def test_cudnn_split_only_where_it_can_run():
     assert torch.equal(got, want)
 
 
+def test_cudnn_prefill_knob_is_off_by_default_and_recorded(monkeypatch):
+    """The engine takes the split only with NINFER_BENCH_CUDNN_PREFILL=1, which a result records among its knobs."""
+    from ninfer_bench.reports.schema import KERNEL_KNOBS, environment
+
+    monkeypatch.delenv("NINFER_BENCH_CUDNN_PREFILL", raising=False)
+    assert not ap.cudnn_prefill_enabled()
+    monkeypatch.setenv("NINFER_BENCH_CUDNN_PREFILL", "1")
+    assert ap.cudnn_prefill_enabled()
+    assert "NINFER_BENCH_CUDNN_PREFILL" in KERNEL_KNOBS
+    assert environment()["knobs"]["NINFER_BENCH_CUDNN_PREFILL"] == "1"
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="cuDNN's fused attention needs CUDA")
 @pytest.mark.parametrize("start", [2048, 4160])
 def test_cudnn_past_split_matches_the_kernel(start):

@@ -107,12 +107,6 @@ class EngineOptions:
         "(kernels/attention_prefill.py) over one bf16 copy of the chunk's keys (int8 dequantized in one pass): no "
         "mask tensor, no repeated K/V heads, the output gate applied as it is stored (v3 on CUDA; off: torch SDPA "
         "over a gathered, dequantized, head-repeated copy with an explicit mask).")
-    cudnn_prefill: bool = _switch(
-        "--cudnn-prefill", "-tritonpast", "v3",
-        "With --flash-prefill and an int8 cache, a lone prompt's chunk after at least 2,048 tokens takes its past keys "
-        "through cuDNN's fused attention (torch's, native GQA) and the diagonal through the Triton kernel, the two "
-        "folded into one softmax: the same values to rounding, not the same bits (v3 on CUDA; off: the Triton "
-        "kernel over every key).")
     silu_epilogue: bool = _switch(
         "--silu-epilogue", "-nosilu", "v3",
         "The MLP's gate / up weight interleaved in runs of 8 rows so that the projection kernel stores "
