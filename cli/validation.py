@@ -230,9 +230,9 @@ def niah_case_options(f):
 @click.option("--tensor-parallel", type=click.IntRange(min=1), default=1, show_default=True,
               help="Split our engine over N ranks, one process each (as decode --tensor-parallel).")
 @click.option("--warmup-prompt", type=click.IntRange(min=0), default=None, metavar="N",
-              help="Generate once on an N-token prompt before the cases, so the first case's TTFT holds no "
-                   "first-use compiles or graph captures; 0: no warm-up [default: --prefill-chunk + 1 on CUDA, "
-                   "none on the CPU].")
+              help="Generate once on an N-token code prompt before the cases, so the first case's TTFT holds no "
+                   "first-use costs (compiles, graph captures, a long prompt's first allocations); 0: no warm-up "
+                   "[default: the longest case's own prompt on CUDA, none on the CPU].")
 @output_options
 def niah(model, ctx, depths, cases, answer_tokens, seed, prefill_chunk, device, kv_dtype, runtime, oracle_file,
          require_oracle, heatmap, label, json_path, rescore, url, served_model, tensor_parallel, warmup_prompt):

@@ -43,9 +43,10 @@ class NiahOptions:
     oracle: str | None = None  # a file, or None: look in oracles/data for the model's file per context
     near_tie: float = NEAR_TIE_NATS
     label: str | None = None
-    # a generation on a prompt of this many tokens (cut from the shipped code text) before the cases, so the first
-    # case's TTFT holds no first-use compiles or graph captures; None: one prefill chunk and a token past it on CUDA
-    # (a graphed chunk and an eager one), none on the CPU (no first-use costs worth a prefill); 0: no warm-up
+    # a generation before the cases, so the first case's TTFT holds no first-use costs (compiles, graph captures,
+    # the long prompt's first allocations): N > 0, a prompt of N tokens cut from the shipped code text; None, on CUDA
+    # the longest case's own prompt (every key length the cases reach) and on the CPU none (no first-use costs worth
+    # a prefill); 0: no warm-up
     warmup_prompt: int | None = None
 
     @classmethod
@@ -254,13 +255,16 @@ def rescore_niah(doc: dict, oracle: str | None = None) -> dict:
     return out
 
 
-def warmup_length(opts: NiahOptions, device_type: str, max_context: int) -> int:
-    """The warm-up prompt's tokens for a run on ``device_type`` (:attr:`NiahOptions.warmup_prompt`), kept within the
-    engine's context with the answer's tokens after it."""
+def warmup_ids(opts: NiahOptions, device_type: str, max_context: int, all_cases: list[dict], tokenizer) -> list[int]:
+    """The warm-up's prompt ids for a run on ``device_type`` (:attr:`NiahOptions.warmup_prompt`; empty: none): a
+    code prompt kept within the engine's context with the answer's tokens after it, or the longest case's prompt."""
     w = opts.warmup_prompt
     if w is None:
-        w = opts.engine_options.prefill_chunk + 1 if device_type == "cuda" else 0
-    return max(0, min(w, max_context - opts.answer_tokens))
+        if device_type != "cuda" or not all_cases:
+            return []
+        return list(max(all_cases, key=lambda c: len(c["prompt_ids"]))["prompt_ids"])
+    w = max(0, min(w, max_context - opts.answer_tokens))
+    return code_prompt(tokenizer, w) if w else []
 
 
 def run_niah(opts: NiahOptions, progress=None) -> dict:
@@ -278,13 +282,13 @@ def run_niah(opts: NiahOptions, progress=None) -> dict:
     eng = Engine(load_source(opts.model, device=eo.torch_device), eo)
     all_cases = cases(eng.tokenizer, opts)
     oracles = _load_oracles(opts, eng.model_info)
-    warm = warmup_length(opts, eng.device.type, top)
-    warm_s = 0.0
+    warm_ids = warmup_ids(opts, eng.device.type, top, all_cases, eng.tokenizer)
+    warm, warm_s = len(warm_ids), 0.0
     if warm:
         if progress:
             progress(0, None, f"warming up on a {warm:,}-token prompt")
         w0 = time.perf_counter()
-        eng.generate(code_prompt(eng.tokenizer, warm), max_new_tokens=opts.answer_tokens, ignore_eos=True)
+        eng.generate(warm_ids, max_new_tokens=opts.answer_tokens, ignore_eos=True)
         warm_s = time.perf_counter() - w0
     total = sum(len(c["prompt_ids"]) for c in all_cases)
     records, before, t0 = [], 0, time.perf_counter()

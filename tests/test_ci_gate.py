@@ -138,13 +138,15 @@ def test_niah_progress_counts_prefill_chunks_within_a_case(tmp_path):
 
 
 def test_niah_warmup_runs_before_the_cases_and_changes_no_result(tmp_path):
-    """--warmup-prompt: one generation on a code prompt before the cases (so the first case's TTFT is a warm
-    engine's), recorded in the config as run; the cases' tokens are those of a run without it. The default resolves
-    to one prefill chunk and a token past it on CUDA and to none on the CPU, never past the engine's context."""
+    """--warmup-prompt: one generation before the cases (so the first case's TTFT is a warm engine's), recorded in the
+    config as run; the cases' tokens are those of a run without it. The default resolves to the longest case's own
+    prompt on CUDA and to none on the CPU; N tokens of code prompt stay within the engine's context."""
     from click.testing import CliRunner
 
     from ninfer_bench.cli import main
-    from ninfer_bench.suites.niah import warmup_length
+    from ninfer_bench.engine.artifact.loader import load_source
+    from ninfer_bench.suites.common import code_prompt
+    from ninfer_bench.suites.niah import cases, warmup_ids
 
     opts = NiahOptions.make(model="tiny", ctxs=(512,), depths=(50,), answer_tokens=3, device="cpu",
                             prefill_chunk=128, oracle=str(tmp_path / "none"), warmup_prompt=200)
@@ -157,9 +159,15 @@ def test_niah_warmup_runs_before_the_cases_and_changes_no_result(tmp_path):
                                      prefill_chunk=128, oracle=str(tmp_path / "none")))
     assert cold["config"]["warmup_prompt"] == 0 and cold["config"]["warmup_s"] == 0  # the CPU default: none
     assert [r["tokens"] for r in warm["records"]] == [r["tokens"] for r in cold["records"]]
-    auto = NiahOptions.make(ctxs=(512,), prefill_chunk=128, answer_tokens=3)
-    assert warmup_length(auto, "cuda", 512) == 129 and warmup_length(auto, "cpu", 512) == 0
-    assert warmup_length(NiahOptions.make(ctxs=(64,), prefill_chunk=128, answer_tokens=3), "cuda", 64) == 61
+    tok = load_source("tiny").tokenizer
+    auto = NiahOptions.make(ctxs=(256, 512), depths=(0, 100), answer_tokens=3)
+    grid = cases(tok, auto)
+    longest = max(grid, key=lambda c: len(c["prompt_ids"]))
+    assert longest["ctx"] == 512 and warmup_ids(auto, "cuda", 512, grid, tok) == list(longest["prompt_ids"])
+    assert warmup_ids(auto, "cpu", 512, grid, tok) == []
+    clamp = NiahOptions.make(ctxs=(64,), answer_tokens=3, warmup_prompt=500)
+    assert warmup_ids(clamp, "cuda", 64, grid, tok) == code_prompt(tok, 61)
+    assert warmup_ids(NiahOptions.make(warmup_prompt=0), "cuda", 512, grid, tok) == []
     with pytest.raises(ValueError, match="warmup-prompt"):
         NiahOptions.make(warmup_prompt=-1)
     r = CliRunner().invoke(main, ["niah", "--rescore", __file__, "--warmup-prompt", "64"])
