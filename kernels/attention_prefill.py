@@ -24,6 +24,11 @@ holds the cache's values to the query dtype's precision) and runs the kernel ove
 
 The grid depends on B, T and H only and nothing is read back to the host, so a call can be captured in a CUDA
 graph (engine/model/graphs.py captures prefill chunks). Triton is imported on first use.
+
+A long chunk's past keys can go through cuDNN's fused attention instead (``prefill_attention_cached(cudnn=True)``,
+the engine's NINFER_BENCH_CUDNN_PREFILL=1): :func:`cudnn_past` over the keys below the chunk, the kernel over the
+rest from ``key_lo``, cuDNN's output and sum-exp folded into the kernel's online softmax (``past``). Eager chunks of
+one row only (:func:`cudnn_past_ok`).
 """
 
 from __future__ import annotations
