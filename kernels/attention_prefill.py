@@ -134,7 +134,7 @@ def prefill_attention(q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, scale
     out = _new_buffer((b, t, h, hd), q.dtype, q.device)
     if cfg.tma and descriptor_ok(k_cache, v_cache):
         return _prefill_desc(kern, cfg, q, k_cache, v_cache, slots, q_pos, scale, kv_len, gate, out, block_d,
-                             past_args)
+                             past_args, past is not None)
     ks = k_scale if int8 else k_cache  # placeholders keep one signature; never read without IS_INT8
     vs = v_scale if int8 else v_cache
     gt = gate if gate is not None else out
@@ -181,7 +181,8 @@ def descriptor_ok(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     return k_cache.shape == v_cache.shape
 
 
-def _prefill_desc(kern, cfg, q, k_cache, v_cache, slots, q_pos, scale, kv_len, gate, out, block_d, past_args):
+def _prefill_desc(kern, cfg, q, k_cache, v_cache, slots, q_pos, scale, kv_len, gate, out, block_d, past_args,
+                  has_past: bool):
     """prefill_attention through ``_attn_prefill_desc``: K and V as [S * Hkv * cap, hd] tensor descriptors whose
     boxes are one key tile (past hd, and past the last row, the copy engine fills zeros)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -197,7 +198,7 @@ def _prefill_desc(kern, cfg, q, k_cache, v_cache, slots, q_pos, scale, kv_len, g
         *out.stride()[:3], scale * LOG2E, t, h, hkv, cap, kv_len, *past_args,
         G=h // hkv, HD=hd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, HAS_GATE=gate is not None,
         DOT_DTYPE=kern["dtypes"][q.dtype], DOT_PREC="tf32x3" if q.dtype == torch.float32 else "tf32",
-        HAS_PAST=past_args[1] is not q, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        HAS_PAST=has_past, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
 
