@@ -185,15 +185,9 @@ def test_cached_path_matches_reference(kv):
 def past_ref(c, key_lo):
     """fp32 attention of the case's queries over keys 0 .. key_lo - 1 alone: (output [B, T, H, hd] in q's dtype,
     natural-log sum-exp [B, H, T]), what cudnn_past returns."""
-    q = c["q"].float()
-    h, hkv = q.shape[2], c["k_cache"].shape[1]
-    kv = []
-    for cache, sc in (("k_cache", "k_scale"), ("v_cache", "v_scale")):
-        x = c[cache][c["slots"], :, :key_lo]
-        x = dequantize_kv(x, c[sc][c["slots"], :, :key_lo], torch.float32) if x.dtype == torch.int8 else x.float()
-        kv.append(x.repeat_interleave(h // hkv, dim=1))
-    s = torch.einsum("bthd,bhkd->bhtk", q, kv[0]) * c["scale"]
-    o = torch.einsum("bhtk,bhkd->bthd", torch.softmax(s, -1), kv[1])
+    k, v = (past_ref_keys(c, which)[:, :, :key_lo] for which in ("k", "v"))
+    s = torch.einsum("bthd,bhkd->bhtk", c["q"].float(), k) * c["scale"]
+    o = torch.einsum("bhtk,bhkd->bthd", torch.softmax(s, -1), v)
     return o.to(c["q"].dtype), torch.logsumexp(s, -1)
 
 
