@@ -26,7 +26,7 @@ The grid depends on B, T and H only and nothing is read back to the host, so a c
 graph (engine/model/graphs.py captures prefill chunks). Triton is imported on first use.
 
 A long chunk's past keys can go through cuDNN's fused attention instead (``prefill_attention_cached(cudnn=True)``,
-the engine's NINFER_BENCH_CUDNN_PREFILL=1): :func:`cudnn_past` over the keys below the chunk, the kernel over the
+the engine's ``--cudnn-prefill``): :func:`cudnn_past` over the keys below the chunk, the kernel over the
 rest from ``key_lo``, cuDNN's output and sum-exp folded into the kernel's online softmax (``past``). Eager chunks of
 one row only (:func:`cudnn_past_ok`).
 """
@@ -270,13 +270,6 @@ def prefill_attention_cached(q, k_cache, v_cache, k_scale, v_scale, slots, q_pos
 # against the Triton kernel's 0.803 / 6.044 ms (H100, docs/perf/2026-12-05g-layer-prefill-niah131k.md)
 CUDNN_PAST_MIN = 2048
 _CUDNN = {"refused": None}  # the reason cuDNN's attention failed in this process (then the kernel alone runs)
-
-
-def cudnn_prefill_enabled() -> bool:
-    """Whether the engine's prompt chunks take the cuDNN split: NINFER_BENCH_CUDNN_PREFILL=1 (recorded in a result's
-    knobs). Off by default until it has run on a GPU: its fold and cuDNN's sum-exp are CPU-tested against an fp32
-    reference only (docs/perf/2026-12-05g-layer-prefill-niah131k.md)."""
-    return os.environ.get("NINFER_BENCH_CUDNN_PREFILL", "0") == "1"
 
 
 def cudnn_past_ok(q, past_start: int) -> bool:

@@ -32,7 +32,7 @@ CONFIG_KEYS = (
 # in-process concurrency documents before session 27 recorded max_context null)
 SETTING_KEYS = (
     "lookahead", "draft_graphs", "pdl", "side_stream", "silu_epilogue", "prefill_graphs",  # the CUDA-graph switches
-    "flash_prefill", "fused_prefill", "draft_attention",
+    "flash_prefill", "fused_prefill", "draft_attention", "cudnn_prefill",
     "prefill_chunk", "interleave_chunk", "prefill_weights", "max_context", "kv_capacity", "max_concurrency",
     "synthetic", "ignore_eos", "pack_prefill",
     "top_p", "top_k", "sample_seed",  # concurrency's sampling (beside temperature, a workload key): newer documents

@@ -22,7 +22,7 @@
 #   conc27   27B synthetic concurrency C1-C8
 #   conc33   issue 33's targets: 27B C1-C8 at 128 new tokens, plain and DFlash2 K=7 --replay-acceptance seed (CONC_ARGS)
 #   lprefill layer-major prefill on / off: its CUDA test, the 27B prompt grid (PLEN, --prefill-weights LP_WEIGHTS)
-#   cudnnp   NINFER_BENCH_CUDNN_PREFILL=1 / unset: its tests, the attention bench (cudnn-split, --past), the 27B grid
+#   cudnnp   --cudnn-prefill on,off: its tests, the attention bench (cudnn-split, --past), the 27B prompt grid
 #   ppast    bench_prefill_attention --past: a chunk against its past keys alone, ours beside torch SDPA's cuDNN / flash
 #   ptma     the prefill attention through tensor descriptors: its CUDA tests, the kernel with / without them after
 #            PTMA_STARTS keys, the 27B prompt-length grid (PLEN, ours and the peer), ours again with pointer loads
@@ -707,17 +707,15 @@ PY
              timeout ${PPAST_S:-150} python3 scripts/bench_prefill_attention.py --past --starts ${PPAST_STARTS:-8192,63488} \
                --json "$OUT/ppast.jsonl" > "$OUT/ppast.log" 2>&1; echo "bench rc $?"
              grep "^start" "$OUT/ppast.log" | grep -v "sdpa-copy\|dequant \| copy " | cut -c1-170 ;;
-    cudnnp)  # the prefill chunks' past keys through cuDNN (NINFER_BENCH_CUDNN_PREFILL=1, session 58): its tests, the
-             # kernel bench (flash-copy against cudnn-split, and --past) after CUDNNP_STARTS keys, the 27B prompt grid
-             # (PLEN) with the knob (CUDNNP_ENGINES: add hf for the peer) and without
+    cudnnp)  # a long prompt chunk's past keys through cuDNN (--cudnn-prefill, session 58-59): its tests, the kernel
+             # bench (flash-copy against cudnn-split, and --past) after CUDNNP_STARTS keys, the 27B prompt grid (PLEN)
+             # with --cudnn-prefill on,off in one process (CUDNNP_ENGINES: add hf for the peer)
              TESTS_S=${TESTS_S:-120} run_tests test_kernels_attention_prefill test_fastpath
              timeout ${PPAST_S:-150} python3 scripts/bench_prefill_attention.py --past \
                --starts ${CUDNNP_STARTS:-2048,8192,32768,63488} --json "$OUT/cudnnp.jsonl" > "$OUT/cudnnp.log" 2>&1
              echo "bench rc $?"; grep "^start" "$OUT/cudnnp.log" | grep -v "sdpa-copy\|dequant \| copy \|flash-int8\|-rep " | cut -c1-150
-             NINFER_BENCH_CUDNN_PREFILL=1 nb decode $M27 --engine ${CUDNNP_ENGINES:-ours} -p ${PLEN:-2991,65000} \
-               -n ${PLEN_N:-32} --repeats 2 --label cudnn --json "$OUT/cudnnp-on" 2>&1 | tail -6
-             nb decode $M27 -p ${PLEN:-2991,65000} -n ${PLEN_N:-32} --repeats 2 --label triton \
-               --json "$OUT/cudnnp-off" 2>&1 | tail -6 ;;
+             nb decode $M27 --engine ${CUDNNP_ENGINES:-ours} -p ${PLEN:-2991,65000} -n ${PLEN_N:-32} --repeats 2 \
+               --cudnn-prefill on,off --json "$OUT/cudnnp-grid" 2>&1 | tail -10 ;;
     lprefill) # layer-major prefill (--layer-prefill, session 57) on and off: its CUDA test, then the 27B prompt grid
              # (PLEN) with --prefill-weights LP_WEIGHTS (auto: taken only where the dense copies do not fit, e.g. an
              # 80 GB card; packed: on any card), same tokens expected

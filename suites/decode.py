@@ -189,7 +189,7 @@ class DecodeOptions:
         eo = self.engine_options
         return (self.load(), eo.runtime, eo.dtype, eo.kv_dtype, eo.max_context, eo.kv_capacity, eo.prefill_chunk,
                 eo.pdl, eo.side_stream, eo.silu_epilogue, eo.prefill_graphs, eo.flash_prefill,
-                eo.fused_prefill)
+                eo.fused_prefill, eo.cudnn_prefill)
 
 
 def _spec_summary(rec: dict) -> dict:
@@ -439,7 +439,8 @@ def with_baselines(runs: list[DecodeOptions], base: dict) -> list[DecodeOptions]
         out.append(DecodeOptions.make(**base, engine="ours", runtime=eo.runtime, pdl=eo.pdl,
                                       side_stream=eo.side_stream, silu_epilogue=eo.silu_epilogue,
                                       prefill_graphs=eo.prefill_graphs, flash_prefill=eo.flash_prefill,
-                                      fused_prefill=eo.fused_prefill, baseline=True))
+                                      fused_prefill=eo.fused_prefill, cudnn_prefill=eo.cudnn_prefill,
+                                      baseline=True))
     runtimes = list(dict.fromkeys(r.engine_options.runtime for r in out))
     # stable: the grid's order otherwise (runtime by runtime, the peer last)
     return sorted(out, key=lambda r: (r.engine != "ours", runtimes.index(r.engine_options.runtime), not _plain(r)))

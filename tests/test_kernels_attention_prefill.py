@@ -265,16 +265,14 @@ def test_cudnn_split_only_where_it_can_run():
     assert torch.equal(got, want)
 
 
-def test_cudnn_prefill_knob_is_off_by_default_and_recorded(monkeypatch):
-    """The engine takes the split only with NINFER_BENCH_CUDNN_PREFILL=1, which a result records among its knobs."""
-    from ninfer_bench.reports.schema import KERNEL_KNOBS, environment
+def test_cudnn_prefill_is_an_engine_switch():
+    """The split is ``--cudnn-prefill`` (on by default, labelled ``-tritonpast`` off), recorded in a run's settings;
+    the model takes it only with the flash prefill path."""
+    from ninfer_bench.engine.runtime.options import SWITCHES, EngineOptions
+    from ninfer_bench.reports.experiment import SETTING_KEYS
 
-    monkeypatch.delenv("NINFER_BENCH_CUDNN_PREFILL", raising=False)
-    assert not ap.cudnn_prefill_enabled()
-    monkeypatch.setenv("NINFER_BENCH_CUDNN_PREFILL", "1")
-    assert ap.cudnn_prefill_enabled()
-    assert "NINFER_BENCH_CUDNN_PREFILL" in KERNEL_KNOBS
-    assert environment()["knobs"]["NINFER_BENCH_CUDNN_PREFILL"] == "1"
+    assert EngineOptions().cudnn_prefill and SWITCHES["cudnn_prefill"].flag == "--cudnn-prefill"
+    assert SWITCHES["cudnn_prefill"].off_label == "-tritonpast" and "cudnn_prefill" in SETTING_KEYS
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="cuDNN's fused attention needs CUDA")

@@ -33,7 +33,7 @@ import torch
 
 from ...kernels import fused
 from ...kernels._triton import single_pass
-from ...kernels.attention_prefill import cudnn_prefill_enabled, prefill_attention_cached
+from ...kernels.attention_prefill import prefill_attention_cached
 from ...kernels.attention_triton import decode_attention
 from ...kernels.gdn_triton import gdn_decode, layer_of, new_stack
 from .cache import HybridCache, PendingGDN
@@ -148,7 +148,7 @@ class FastPath:
         if prefill:
             o = prefill_attention_cached(q, c.k, c.v, c.k_scale, c.v_scale, step.slots, step.pos, m.scale,
                                          kv_len=min(step.kv_len, cache.capacity), gate=gate, past_start=step.start,
-                                         cudnn=cudnn_prefill_enabled())
+                                         cudnn=m.cudnn_prefill)
         else:
             o = decode_attention(q, c.k, c.v, c.k_scale, c.v_scale, step.slots, step.pos, m.scale,
                                  kv_len_max=cache.capacity, gate=gate)

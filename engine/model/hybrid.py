@@ -59,7 +59,7 @@ class HybridModel:
 
     def __init__(self, cfg: ModelConfig, weights: WeightStore, *, max_positions: int, gdn_impl: str = "auto",
                  fused_kernels: bool = False, side_stream: bool = True, flash_prefill: bool = True,
-                 fused_prefill: bool = True, tp=None):
+                 fused_prefill: bool = True, cudnn_prefill: bool = True, tp=None):
         self.cfg, self.w, self.gdn_impl = cfg, weights, gdn_impl
         # tensor parallel (engine/model/tensor_parallel.TPGroup): cfg and weights are this rank's share; the
         # row-parallel products are summed over the ranks (_sum) and the vocabulary-parallel logits gathered
@@ -75,6 +75,8 @@ class HybridModel:
             self.fast = FastPath(self, side_stream=side_stream)
         # prompt chunks' full attention through the fused prologue and the flash-style kernel (with the fused kernels)
         self.flash_prefill = flash_prefill and self.fast is not None
+        # with it, a long chunk's past keys through cuDNN's fused attention (kernels/attention_prefill.cudnn_past)
+        self.cudnn_prefill = cudnn_prefill and self.flash_prefill
         # prompt chunks' GDN glue (kernels/gdn_prefill) and the norms between layers through Triton kernels
         self.fused_prefill = fused_prefill and self.fast is not None
         self.mrope_axes = None  # [rd] stream per rotary column, set by the engine for models with vision

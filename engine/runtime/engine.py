@@ -118,7 +118,8 @@ class Engine:
         self.model = HybridModel(self.model_config, self.weights, max_positions=self.capacity,
                                  gdn_impl=opts.gdn_impl if opts.runtime == "v3" else "chunked",
                                  fused_kernels=opts.fused_kernels(), side_stream=side,
-                                 flash_prefill=opts.flash_prefill, fused_prefill=opts.fused_prefill, tp=self.tp)
+                                 flash_prefill=opts.flash_prefill, fused_prefill=opts.fused_prefill,
+                                 cudnn_prefill=opts.cudnn_prefill, tp=self.tp)
         # one extra slot serves logits() and other scratch work without touching requests
         self.cache = HybridCache(self.model_config, slots=opts.max_concurrency + 1, capacity=self.capacity,
                                  kv_dtype=opts.kv_dtype, dtype=self.dtype, device=self.device,

@@ -107,6 +107,12 @@ class EngineOptions:
         "(kernels/attention_prefill.py) over one bf16 copy of the chunk's keys (int8 dequantized in one pass): no "
         "mask tensor, no repeated K/V heads, the output gate applied as it is stored (v3 on CUDA; off: torch SDPA "
         "over a gathered, dequantized, head-repeated copy with an explicit mask).")
+    cudnn_prefill: bool = _switch(
+        "--cudnn-prefill", "-tritonpast", "v3",
+        "With --flash-prefill, a long prompt chunk's attention split in two: its past keys (at least 2,048 before "
+        "the chunk, dequantized once to bf16) through cuDNN's fused attention (torch's aten op, native GQA, no "
+        "mask), the chunk's own causal block through the Triton kernel, which folds cuDNN's rows in by their "
+        "log-sum-exp (CUDA, one row, 16-bit; off, or where cuDNN refuses: the Triton kernel over every key).")
     silu_epilogue: bool = _switch(
         "--silu-epilogue", "-nosilu", "v3",
         "The MLP's gate / up weight interleaved in runs of 8 rows so that the projection kernel stores "
