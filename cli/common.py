@@ -239,8 +239,9 @@ def switch_options(f):
     from ..engine.runtime.options import SWITCHES
 
     for name, sw in reversed(SWITCHES.items()):
-        f = click.option(sw.flag, name, default="on", show_default=True, callback=comma_list(("on", "off")),
-                         help=f"{sw.help} Off is labelled {sw.off_label}; on,off runs both.")(f)
+        moved = f"On is labelled {sw.on_label}" if not sw.default else f"Off is labelled {sw.off_label}"
+        f = click.option(sw.flag, name, default="on" if sw.default else "off", show_default=True,
+                         callback=comma_list(("on", "off")), help=f"{sw.help} {moved}; on,off runs both.")(f)
     return f
 
 

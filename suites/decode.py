@@ -171,8 +171,8 @@ class DecodeOptions:
         spec = eo.spec != "none"
         k = f"-k{eo.draft_tokens}" if spec and eo.draft_tokens else ""
         head = f"-lmh{eo.lm_head_draft}" if spec and eo.lm_head_draft else ""
-        off = "".join(s.off_label for name, s in SWITCHES.items()
-                      if s.applies_to(eo.runtime, eo.spec) and not getattr(eo, name))
+        off = "".join(s.label(getattr(eo, name)) for name, s in SWITCHES.items()
+                      if s.applies_to(eo.runtime, eo.spec))
         replay = "-replay" if spec and eo.replay_acceptance is not None else ""
         tp = f"-tp{eo.tensor_parallel}" if eo.tensor_parallel > 1 else ""
         return f"{eo.runtime}-{eo.spec}{k}{head}{off}{replay}{tp}"

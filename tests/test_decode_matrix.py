@@ -243,16 +243,18 @@ def test_decode_tables_show_the_spread_of_the_repeats(tmp_path):
 
 @pytest.mark.parametrize("flags, named", [(["--pdl", "off"], "--pdl off"),
                                           (["--lookahead", "on,off", "--silu-epilogue", "off"],
-                                           "--lookahead, --silu-epilogue off")])
+                                           "--lookahead off, --silu-epilogue off"),
+                                          (["--cudnn-prefill", "on"], "--cudnn-prefill on")])
 def test_cuda_only_switches_off_are_refused_on_a_cpu(monkeypatch, flags, named):
-    """On a CPU the engine takes no graphs and no fused kernels: an 'off' run would be the default run relabelled
-    (-nopdl, -sync, ...), so it is refused before the weights load; 'on' (the default) runs."""
+    """On a CPU the engine takes no graphs and no fused kernels: a run with a switch away from its default would be
+    the default run relabelled (-nopdl, -sync, -cudnnpast, ...), so it is refused before the weights load; the
+    default runs."""
     monkeypatch.setattr(dec, "load_model", lambda o: pytest.fail("the weights loaded"))
     r = CliRunner().invoke(main, ["decode", "--model", "tiny", "--device", "cpu", *flags])
     assert r.exit_code == 1 and f"error: {named}: " in r.output and "CUDA" in r.output, r.output
     with pytest.raises(ValueError, match="--side-stream off"):
         refuse_cuda_switches("cpu", {"pdl": (True,), "side_stream": (True, False)})
-    refuse_cuda_switches("cpu", {"pdl": (True,), "side_stream": (True,)})
+    refuse_cuda_switches("cpu", {"pdl": (True,), "side_stream": (True,), "cudnn_prefill": (False,)})
 
 
 def test_prompt_length_grid_cuts_exact_prompts_from_the_code_text(tmp_path):

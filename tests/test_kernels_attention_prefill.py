@@ -266,13 +266,18 @@ def test_cudnn_split_only_where_it_can_run():
 
 
 def test_cudnn_prefill_is_an_engine_switch():
-    """The split is ``--cudnn-prefill`` (on by default, labelled ``-tritonpast`` off), recorded in a run's settings;
-    the model takes it only with the flash prefill path."""
+    """The split is ``--cudnn-prefill`` (off by default; a run with it on is labelled ``-cudnnpast``), recorded in
+    a run's settings; the model takes it only with the flash prefill path."""
     from ninfer_bench.engine.runtime.options import SWITCHES, EngineOptions
     from ninfer_bench.reports.experiment import SETTING_KEYS
+    from ninfer_bench.suites.decode import DecodeOptions
 
-    assert EngineOptions().cudnn_prefill and SWITCHES["cudnn_prefill"].flag == "--cudnn-prefill"
-    assert SWITCHES["cudnn_prefill"].off_label == "-tritonpast" and "cudnn_prefill" in SETTING_KEYS
+    sw = SWITCHES["cudnn_prefill"]
+    assert not EngineOptions().cudnn_prefill and sw.flag == "--cudnn-prefill" and "cudnn_prefill" in SETTING_KEYS
+    assert (sw.label(False), sw.label(True)) == ("", "-cudnnpast")
+    assert SWITCHES["pdl"].label(True) == "" and SWITCHES["pdl"].label(False) == "-nopdl"
+    on, off = (DecodeOptions.make(model="tiny", cudnn_prefill=v).default_label() for v in (True, False))
+    assert on == off + "-cudnnpast"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="cuDNN's fused attention needs CUDA")

@@ -24,20 +24,29 @@ def apply_cpu_threads(hidden_size: int, requested: int | None = None) -> None:
 @dataclass(frozen=True, slots=True)
 class Switch:
     """An on / off engine switch that changes only runs on CUDA (graphs, fused kernels) and that a decode grid can
-    compare: its flag, the label suffix of a run with it off, and the runs it applies to (``spec``: a drafter;
-    ``block``: a DFlash / DFlash2 drafter; ``v3``: the v3 runtime)."""
+    compare: its flag, the label suffix of a run with it off (``on_label``: with it on, for a switch off by default),
+    the runs it applies to (``spec``: a drafter; ``block``: a DFlash / DFlash2 drafter; ``v3``: the v3 runtime) and
+    its default."""
 
     flag: str
     off_label: str
     applies: str
     help: str
+    default: bool = True
+    on_label: str = ""
 
     def applies_to(self, runtime: str, spec: str) -> bool:
         return {"spec": spec != "none", "block": spec in ("dflash", "dflash2"), "v3": runtime == "v3"}[self.applies]
 
+    def label(self, on: bool) -> str:
+        """The label suffix of a run with the switch ``on`` or off: empty at its default."""
+        return "" if on == self.default else (self.on_label if on else self.off_label)
 
-def _switch(flag: str, off_label: str, applies: str, help: str):
-    return field(default=True, metadata={"switch": Switch(flag, off_label, applies, help)})
+
+def _switch(flag: str, off_label: str, applies: str, help: str, *, default: bool = True, on_label: str = ""):
+    if not default and not on_label:
+        raise ValueError(f"{flag}: a switch off by default needs the label of a run with it on")
+    return field(default=default, metadata={"switch": Switch(flag, off_label, applies, help, default, on_label)})
 
 
 DEFAULT_CONTEXT = 8192  # --max-context when none is given (or the model's limit when smaller)
@@ -108,11 +117,12 @@ class EngineOptions:
         "mask tensor, no repeated K/V heads, the output gate applied as it is stored (v3 on CUDA; off: torch SDPA "
         "over a gathered, dequantized, head-repeated copy with an explicit mask).")
     cudnn_prefill: bool = _switch(
-        "--cudnn-prefill", "-tritonpast", "v3",
+        "--cudnn-prefill", "", "v3",
         "With --flash-prefill, a long prompt chunk's attention split in two: its past keys (at least 2,048 before "
         "the chunk, dequantized once to bf16) through cuDNN's fused attention (torch's aten op, native GQA, no "
         "mask), the chunk's own causal block through the Triton kernel, which folds cuDNN's rows in by their "
-        "log-sum-exp (CUDA, one row, 16-bit; off, or where cuDNN refuses: the Triton kernel over every key).")
+        "log-sum-exp (CUDA, one row, 16-bit; where cuDNN refuses, the Triton kernel over every key). Off by "
+        "default until measured on a GPU.", default=False, on_label="-cudnnpast")
     silu_epilogue: bool = _switch(
         "--silu-epilogue", "-nosilu", "v3",
         "The MLP's gate / up weight interleaved in runs of 8 rows so that the projection kernel stores "
@@ -279,12 +289,14 @@ def resolve_device(name: str) -> torch.device:
 
 
 def refuse_cuda_switches(device: str, switches: dict[str, tuple[bool, ...]]) -> None:
-    """Refuse, before any work, a switch of :data:`SWITCHES` asked off (``{name: values}``) for a run that is not on
-    CUDA: the same run would come out under another label, which a gate takes for another experiment."""
+    """Refuse, before any work, a switch of :data:`SWITCHES` asked away from its default (``{name: values}``) for a
+    run that is not on CUDA: the same run would come out under another label, which a gate takes for another
+    experiment."""
     if EngineOptions(device=device).torch_device.type == "cuda":
         return
-    off = [SWITCHES[name].flag for name, values in switches.items() if False in values]
-    if off:
-        raise ValueError(f"{', '.join(off)} off: {'these switches change' if len(off) > 1 else 'this switch changes'} "
+    moved = [f"{SWITCHES[name].flag} {'on' if not SWITCHES[name].default else 'off'}"
+             for name, values in switches.items() if (not SWITCHES[name].default) in values]
+    if moved:
+        raise ValueError(f"{', '.join(moved)}: {'these switches change' if len(moved) > 1 else 'this switch changes'} "
                          f"only a run on CUDA (its graphs and fused kernels); on a CPU every run would take the "
                          f"same path under another label")
