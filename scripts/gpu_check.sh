@@ -715,7 +715,7 @@ PY
                --starts ${CUDNNP_STARTS:-2048,8192,32768,63488} --json "$OUT/cudnnp.jsonl" > "$OUT/cudnnp.log" 2>&1
              echo "bench rc $?"; grep "^start" "$OUT/cudnnp.log" | grep -v "sdpa-copy\|dequant \| copy \|flash-int8\|-rep " | cut -c1-150
              nb decode $M27 --engine ${CUDNNP_ENGINES:-ours} -p ${PLEN:-2991,65000} -n ${PLEN_N:-32} --repeats 2 \
-               --cudnn-prefill on,off --json "$OUT/cudnnp-grid" 2>&1 | tail -10 ;;
+               --cudnn-prefill on,off --json "$OUT/cudnnp-grid" 2>&1 | tee "$OUT/cudnnp-grid.log" | tail -10 ;;
     lprefill) # layer-major prefill (--layer-prefill, session 57) on and off: its CUDA test, then the 27B prompt grid
              # (PLEN) with --prefill-weights LP_WEIGHTS (auto: taken only where the dense copies do not fit, e.g. an
              # 80 GB card; packed: on any card), same tokens expected
