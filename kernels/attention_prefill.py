@@ -250,18 +250,17 @@ def prefill_attention_cached(q, k_cache, v_cache, k_scale, v_scale, slots, q_pos
     if k_scale is None or v_scale is None:
         raise ValueError("prefill_attention_cached: an int8 cache needs k_scale and v_scale")
     rows = torch.arange(slots.shape[0], device=slots.device)  # row b of the copy is slot slots[b]
-    if cudnn and past_start is not None and cudnn_past_ok(q, past_start):
+    split = cudnn and past_start is not None and cudnn_past_ok(q, past_start)
+    layout = "bshd" if split else "bhsd"  # BSHD memory: what cuDNN's attention reads
+    k = dequantize_slots(k_cache, k_scale, slots, kv_len, q.dtype, layout=layout)
+    v = dequantize_slots(v_cache, v_scale, slots, kv_len, q.dtype, layout=layout)
+    if split:
         cfg = config or prefill_plan(q.shape[-1], False, q.dtype)
         key_lo = past_start // cfg.block_n * cfg.block_n
-        k = dequantize_slots(k_cache, k_scale, slots, kv_len, q.dtype, layout="bshd")
-        v = dequantize_slots(v_cache, v_scale, slots, kv_len, q.dtype, layout="bshd")
         past = cudnn_past(q, k, v, key_lo, scale)
         if past is not None:
             return prefill_attention(q, k, v, None, None, rows, q_pos, scale, gate=gate, config=cfg, key_lo=key_lo,
                                      past=past)
-        return prefill_attention(q, k, v, None, None, rows, q_pos, scale, gate=gate, config=config)
-    k = dequantize_slots(k_cache, k_scale, slots, kv_len, q.dtype)
-    v = dequantize_slots(v_cache, v_scale, slots, kv_len, q.dtype)
     return prefill_attention(q, k, v, None, None, rows, q_pos, scale, gate=gate, config=config)
 
 
