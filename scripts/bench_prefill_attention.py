@@ -9,9 +9,10 @@ Per start position, in one process:
   flash-bf16    prefill_attention over a bf16 copy of the cache (--sweep bf16: more launch shapes; --sweep tma: K / V
                 through tensor descriptors or not; each line says whether it gave the default's bits)
   copy          dequantize_slots of the slot's K and V (the Triton copy prefill_attention_cached makes)
-  flash-copy    prefill_attention_cached on the int8 cache: that copy, then the kernel over it (--cudnn-prefill off)
+  flash-copy    prefill_attention_cached on the int8 cache: that copy, then the kernel over it (what the engine runs by
+                default)
   cudnn-split   (starts >= CUDNN_PAST_MIN) the same with cudnn: the copy in BSHD memory, the past keys through cuDNN,
-                the diagonal through the kernel, folded (what the engine runs by default)
+                the diagonal through the kernel, folded (the engine's --cudnn-prefill on)
   torch-flash   (start 0 only) torch SDPA's flash kernel, is_causal, native GQA, on bf16 K/V: the transformers
                 peer's attention kernel, as a yardstick
   past-*        (--past, starts > 0) the chunk against keys 0 .. start - 1 alone, no mask: ours (past-ours), torch
