@@ -214,6 +214,9 @@ def niah_case_options(f):
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
 @click.option("--kv-dtype", type=click.Choice(["fp32", "bf16", "fp16", "int8"]), default="int8", show_default=True)
 @click.option("--runtime", type=click.Choice(["v2", "v3"]), default="v3", show_default=True)
+@click.option("--cudnn-prefill", type=click.Choice(["on", "off"]), default="off", show_default=True,
+              help="A long prompt chunk's past keys through cuDNN (the decode suite's --cudnn-prefill; CUDA only): "
+                   "checks that the split keeps oracle agreement. On is labelled -cudnnpast.")
 @click.option("--oracle", "oracle_file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Stored oracle outputs [default: oracles/data/niah-<model>-<ctx>.json.gz].")
 @click.option("--require-oracle", is_flag=True, help="Fail when a case has no stored oracle output.")
@@ -234,8 +237,8 @@ def niah_case_options(f):
                    "first-use costs (compiles, graph captures, a long prompt's first allocations); 0: no warm-up "
                    "[default: the longest case's own prompt on CUDA, none on the CPU].")
 @output_options
-def niah(model, ctx, depths, cases, answer_tokens, seed, prefill_chunk, device, kv_dtype, runtime, oracle_file,
-         require_oracle, heatmap, label, json_path, rescore, url, served_model, tensor_parallel, warmup_prompt):
+def niah(model, ctx, depths, cases, answer_tokens, seed, prefill_chunk, device, kv_dtype, runtime, cudnn_prefill,
+         oracle_file, require_oracle, heatmap, label, json_path, rescore, url, served_model, tensor_parallel, warmup_prompt):
     """Needle in a haystack: retrieval, and agreement with stored float64 oracle outputs."""
     from ..reports.tables import niah_grid
     from ..suites.niah import rescore_niah, run_niah
@@ -261,9 +264,16 @@ def niah(model, ctx, depths, cases, answer_tokens, seed, prefill_chunk, device, 
 
         doc = rescore_niah(read_result(rescore), oracle_file)
     else:
+        from ..engine.runtime.options import refuse_cuda_switches
+
+        try:
+            refuse_cuda_switches(device, {"cudnn_prefill": (cudnn_prefill == "on",)})
+        except ValueError as e:
+            raise UserError(str(e)) from None
         opts = _niah_options(model, ctx, depths, cases, answer_tokens, seed, prefill_chunk=prefill_chunk,
                              device=device, kv_dtype=kv_dtype, runtime=runtime, oracle=oracle_file, label=label,
-                             tensor_parallel=tensor_parallel, warmup_prompt=warmup_prompt)
+                             tensor_parallel=tensor_parallel, warmup_prompt=warmup_prompt,
+                             cudnn_prefill=cudnn_prefill == "on")
         if tensor_parallel > 1:
             doc = on_ranks(tensor_parallel, run_niah, opts, lambda d: [r.get("tokens") for r in d["records"]])
         else:

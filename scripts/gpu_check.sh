@@ -17,7 +17,7 @@
 #   tiny     decode on the tiny preset (v3, graphs) as a smoke test
 #   d27      27B synthetic decode in one process (one weight build): none / MTP3 / DFlash2 K=7 x v3 / v2 x both
 #            rollback strategies, and the transformers peer on the same weights (bf16, with fla if carried)
-#   niah     the bundled model's NIAH grid, 8K-64K x 0-100 % depth
+#   niah     the bundled model's NIAH grid, NIAH_GRID (8K-64K) x 0-100 % depth, --cudnn-prefill NIAH_CUDNN (off)
 #   niahctx  the bundled model's NIAH at its native context (NIAH_CTX, default 131,072) x NIAH_DEPTHS: TTFT a case
 #   conc27   27B synthetic concurrency C1-C8
 #   conc33   issue 33's targets: 27B C1-C8 at 128 new tokens, plain and DFlash2 K=7 --replay-acceptance seed (CONC_ARGS)
@@ -288,7 +288,8 @@ for stage in "$@"; do
              nb concurrency -c 1,2,4,8 -n 128 --rounds 2 --json "$OUT/bundled_conc.json" 2>&1 | tail -12
              [ "${BUNDLED_KERNELS:-1}" = 1 ] && nb kernels --model models/ninfer-code-small.ninfer --t 1,8 --repeats 30 \
                --json "$OUT/bundled_kernels.json" 2>&1 | tail -5 ;;
-    niah)    nb niah --ctx 8192,16384,32768,65536 --json "$OUT/niah_bundled.json" --heatmap "$OUT/niah_bundled.png" \
+    niah)    nb niah --ctx ${NIAH_GRID:-8192,16384,32768,65536} --cudnn-prefill ${NIAH_CUDNN:-off} \
+               --json "$OUT/niah_bundled.json" --heatmap "$OUT/niah_bundled.png" \
                2>&1 | tail -25 ;;
     niahctx) # NIAH at the bundled model's native context (issue 32, item 5): NIAH_CTX (default 131,072, its
              # max_position_embeddings) x NIAH_DEPTHS, int8 K/V; TTFT and prefill tok/s a case (no oracles stored past

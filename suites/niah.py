@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..engine.runtime.options import EngineOptions
+from ..engine.runtime.options import SWITCHES, EngineOptions
 from ..oracles.store import NEAR_TIE_NATS, agreement, identity_mismatch, kl, load_oracle
 from ..reports.schema import make_result
 from .common import CODE_TEXT, code_prompt, flat_config, split_options
@@ -267,6 +267,13 @@ def warmup_ids(opts: NiahOptions, device_type: str, max_context: int, all_cases:
     return code_prompt(tokenizer, w) if w else []
 
 
+def niah_label(opts: NiahOptions) -> str:
+    """A run's default label: the runtime, a switch away from its default (``-cudnnpast``), the ranks."""
+    eo = opts.engine_options
+    moved = "".join(s.label(getattr(eo, name)) for name, s in SWITCHES.items() if s.applies_to(eo.runtime, "none"))
+    return f"{eo.runtime}-niah{moved}" + (f"-tp{eo.tensor_parallel}" if eo.tensor_parallel > 1 else "")
+
+
 def run_niah(opts: NiahOptions, progress=None) -> dict:
     """Run every case; returns the result document (heatmap drawing is left to reports).
 
@@ -312,8 +319,7 @@ def run_niah(opts: NiahOptions, progress=None) -> dict:
         records.append(judge(rec, case, oracle, opts.near_tie, res.logprobs))
     summary = summarize(records, opts.ctxs, time.perf_counter() - t0)
     config = flat_config(opts)
-    tp = opts.engine_options.tensor_parallel
-    config["label"] = opts.label or f"{opts.engine_options.runtime}-niah" + (f"-tp{tp}" if tp > 1 else "")
+    config["label"] = opts.label or niah_label(opts)
     config["device"] = str(eng.device)
     config["needle_placement"] = NEEDLE_PLACEMENT
     config["warmup_prompt"] = warm  # as run (the option's None resolved)

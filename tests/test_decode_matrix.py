@@ -257,6 +257,29 @@ def test_cuda_only_switches_off_are_refused_on_a_cpu(monkeypatch, flags, named):
     refuse_cuda_switches("cpu", {"pdl": (True,), "side_stream": (True,), "cudnn_prefill": (False,)})
 
 
+def test_niah_takes_the_cudnn_split_on_cuda_only(monkeypatch, tmp_path):
+    """``niah --cudnn-prefill on`` (to check the split against the oracles before it becomes a default): refused on a
+    CPU before any work; on CUDA the engine gets the switch and the result is labelled ``-cudnnpast``."""
+    import ninfer_bench.suites.niah as niah_suite
+
+    r = CliRunner().invoke(main, ["niah", "--model", "tiny", "--ctx", "256", "--device", "cpu",
+                                  "--cudnn-prefill", "on"])
+    assert r.exit_code == 1 and "error: --cudnn-prefill on: " in r.output, r.output
+    seen = {}
+
+    def fake_run(opts, progress=None):
+        seen["eo"], seen["opts"] = opts.engine_options, opts
+        raise SystemExit(0)
+
+    monkeypatch.setattr(niah_suite, "run_niah", fake_run)
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)  # run_niah is faked: nothing touches a GPU
+    r = CliRunner().invoke(main, ["niah", "--model", "tiny", "--ctx", "256", "--device", "cuda",
+                                  "--cudnn-prefill", "on"])
+    assert r.exit_code == 0 and seen["eo"].cudnn_prefill is True, r.output
+    assert niah_suite.niah_label(seen["opts"]) == "v3-niah-cudnnpast"
+    assert niah_suite.niah_label(niah_suite.NiahOptions.make(tensor_parallel=2)) == "v3-niah-tp2"
+
+
 def test_prompt_length_grid_cuts_exact_prompts_from_the_code_text(tmp_path):
     """-p N,M: the grid once for each length, on a prompt of exactly that many tokens of the shipped code text, each
     run labelled -pN, its prefill beside its decode in the table, and different lengths different experiments."""
