@@ -294,7 +294,8 @@ for stage in "$@"; do
     niahctx) # NIAH at the bundled model's native context (issue 32, item 5): NIAH_CTX (default 131,072, its
              # max_position_embeddings) x NIAH_DEPTHS, int8 K/V; TTFT and prefill tok/s a case (no oracles stored past
              # 65,536: those cases report retrieval only)
-             nb niah --ctx ${NIAH_CTX:-131072} --depths ${NIAH_DEPTHS:-0,50,100} --json "$OUT/niah_ctx.json" 2>&1 | tail -14
+             nb niah --ctx ${NIAH_CTX:-131072} --depths ${NIAH_DEPTHS:-0,50,100} --cudnn-prefill ${NIAH_CUDNN:-off} \
+               --json "$OUT/niah_ctx.json" 2>&1 | tail -14
              python3 - "$OUT/niah_ctx.json" <<'PY'
 import json, sys
 d = json.load(open(sys.argv[1]))
