@@ -266,10 +266,7 @@ def niah(model, ctx, depths, cases, answer_tokens, seed, prefill_chunk, device, 
     else:
         from ..engine.runtime.options import refuse_cuda_switches
 
-        try:
-            refuse_cuda_switches(device, {"cudnn_prefill": (cudnn_prefill == "on",)})
-        except ValueError as e:
-            raise UserError(str(e)) from None
+        refuse_cuda_switches(device, {"cudnn_prefill": (cudnn_prefill == "on",)})
         opts = _niah_options(model, ctx, depths, cases, answer_tokens, seed, prefill_chunk=prefill_chunk,
                              device=device, kv_dtype=kv_dtype, runtime=runtime, oracle=oracle_file, label=label,
                              tensor_parallel=tensor_parallel, warmup_prompt=warmup_prompt,

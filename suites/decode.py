@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from ..engine.runtime.options import DEFAULT_CONTEXT, SWITCHES, EngineOptions
+from ..engine.runtime.options import DEFAULT_CONTEXT, SWITCHES, EngineOptions, switch_labels
 from ..reports.schema import make_result
 from ..reports.stats import median_ci
 from .common import (
@@ -171,8 +171,7 @@ class DecodeOptions:
         spec = eo.spec != "none"
         k = f"-k{eo.draft_tokens}" if spec and eo.draft_tokens else ""
         head = f"-lmh{eo.lm_head_draft}" if spec and eo.lm_head_draft else ""
-        off = "".join(s.label(getattr(eo, name)) for name, s in SWITCHES.items()
-                      if s.applies_to(eo.runtime, eo.spec))
+        off = switch_labels(eo)
         replay = "-replay" if spec and eo.replay_acceptance is not None else ""
         tp = f"-tp{eo.tensor_parallel}" if eo.tensor_parallel > 1 else ""
         return f"{eo.runtime}-{eo.spec}{k}{head}{off}{replay}{tp}"

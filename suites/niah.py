@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..engine.runtime.options import SWITCHES, EngineOptions
+from ..engine.runtime.options import EngineOptions, switch_labels
 from ..oracles.store import NEAR_TIE_NATS, agreement, identity_mismatch, kl, load_oracle
 from ..reports.schema import make_result
 from .common import CODE_TEXT, code_prompt, flat_config, split_options
@@ -270,8 +270,7 @@ def warmup_ids(opts: NiahOptions, device_type: str, max_context: int, all_cases:
 def niah_label(opts: NiahOptions) -> str:
     """A run's default label: the runtime, a switch away from its default (``-cudnnpast``), the ranks."""
     eo = opts.engine_options
-    moved = "".join(s.label(getattr(eo, name)) for name, s in SWITCHES.items() if s.applies_to(eo.runtime, "none"))
-    return f"{eo.runtime}-niah{moved}" + (f"-tp{eo.tensor_parallel}" if eo.tensor_parallel > 1 else "")
+    return f"{eo.runtime}-niah{switch_labels(eo)}" + (f"-tp{eo.tensor_parallel}" if eo.tensor_parallel > 1 else "")
 
 
 def run_niah(opts: NiahOptions, progress=None) -> dict:

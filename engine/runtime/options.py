@@ -290,6 +290,12 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def switch_labels(eo: EngineOptions) -> str:
+    """The label suffixes of ``eo``'s switches away from their defaults, of those that apply to its runtime and
+    drafter (e.g. ``-nopdl-cudnnpast``): what the suites' default labels carry."""
+    return "".join(s.label(getattr(eo, name)) for name, s in SWITCHES.items() if s.applies_to(eo.runtime, eo.spec))
+
+
 def refuse_cuda_switches(device: str, switches: dict[str, tuple[bool, ...]]) -> None:
     """Refuse, before any work, a switch of :data:`SWITCHES` asked away from its default (``{name: values}``) for a
     run that is not on CUDA: the same run would come out under another label, which a gate takes for another
