@@ -180,6 +180,10 @@ def main() -> int:
                     help="speculative items' drafts replaced at this acceptance (seed, P or FILE: "
                          "EngineOptions.replay_acceptance) by the continuation of the plain item, which must come "
                          "first in --spec: rounds with accepted drafts on weights that cannot draft")
+    ap.add_argument("--gaps", type=int, default=0, metavar="N",
+                    help="one more profiled run (kernels and torch ops, no stacks) and its N longest idle stretches "
+                         "of the GPU, the lead before the first kernel and the tail after the last included: where "
+                         "each falls, the kernels either side and the torch ops the host ran meanwhile")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     drop = [d for d in args.drop.split(",") if d]
@@ -380,6 +384,7 @@ def profile_one(eng, args, drop, batch: int = 1, plain_tokens: list | None = Non
         print(f"{name[:90]:90s} {own / psteps:8.1f} {us / psteps:9.1f} {n / psteps:10.1f} {us / n:8.2f} "
               f"{100 * own / psteps / busy:5.1f}%")
     ops = op_table(prof, psteps, args.by_op) if args.by_op > 0 else []
+    gaps = gap_table(run, args.steps, args.gaps) if args.gaps > 0 else []
     return {"model": args.model, "batch": batch, "spec": eng.options.spec, "draft_tokens": eng.options.draft_tokens,
             "sync": args.sync, "pdl": args.pdl, "side_stream": args.side_stream, "silu_epilogue": args.silu_epilogue,
             "cublas_dense": args.cublas_dense, "qmv_layout": args.qmv_layout, "draft_graphs": not args.eager_draft,
@@ -391,7 +396,7 @@ def profile_one(eng, args, drop, batch: int = 1, plain_tokens: list | None = Non
             "step_wall_us": step_us, "gpu_busy_us": busy, "kernels_summed_us": total,
             "kernels": [{"name": k, "us_per_step": v[0] / psteps, "own_us_per_step": v[2] / psteps,
                          "calls_per_step": v[1] / psteps} for k, v in rows],
-            "ops": ops}
+            "ops": ops, "gaps": gaps}
 
 
 def _short(frame: str) -> str:
@@ -444,6 +449,65 @@ def op_table(prof, steps: int, top: int, own: str = "self_device_time_total") ->
         print(f"{name[:28]:28s} {us / steps:10.1f} {n / steps:10.1f}  {frame[:70]}  {shapes[:60]}")
         out.append({"op": name, "source": frame, "shapes": shapes, "us_per_step": us / steps,
                     "calls_per_step": n / steps})
+    return out
+
+
+REGION = "profile_step.run"
+
+
+class _Region:
+    """The profiler ``prof`` entered with a torch op named REGION around the run, so the run's bounds are on the
+    trace's clock."""
+
+    def __init__(self, prof):
+        import torch
+
+        self.prof, self.mark = prof, torch.profiler.record_function(REGION)
+
+    def __enter__(self):
+        self.prof.__enter__()
+        self.mark.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.mark.__exit__(*exc)
+        return self.prof.__exit__(*exc)
+
+
+def gap_table(run, steps: int, top: int) -> list[dict]:
+    """The GPU's ``top`` longest idle stretches in one more profiled run of ``steps`` (suites/step_timeline.idle_gaps),
+    each with the three torch ops that overlapped it longest on the host, printed and returned."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from ninfer_bench.suites.step_timeline import busy_us, idle_gaps, kernel_spans
+
+    prof = profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU])
+    run(steps, _Region(prof))
+    events = list(prof.events())
+    region = next((e for e in events if e.name == REGION), None)
+    spans = kernel_spans(prof)
+    if region is None or not spans:
+        print("gaps: the profile recorded no run region or no kernels")
+        return []
+    begin, end = region.time_range.start, region.time_range.end
+    cpu = [e for e in events if e.name != REGION and not str(getattr(e, "device_type", "")).endswith("CUDA")]
+    idle = (end - begin) - busy_us([(a, b) for a, b, _ in spans])
+    print(f"idle {idle / 1e3:.3f} ms of the profiled run's {(end - begin) / 1e3:.3f} ms; the longest stretches:")
+    print(f"{'us':>9s} {'at ms':>9s}  after -> before  | host ops meanwhile (us of overlap)")
+    out = []
+    for gap in idle_gaps(spans, top, begin, end):
+        lo = begin + gap["at_us"]
+        hi = lo + gap["us"]
+        over: dict[str, float] = {}
+        for e in cpu:
+            o = min(hi, e.time_range.end) - max(lo, e.time_range.start)
+            if o > 0:
+                over[e.name] = over.get(e.name, 0.0) + o
+        host = sorted(over.items(), key=lambda kv: -kv[1])[:3]
+        gap["host"] = [{"op": k, "us": v} for k, v in host]
+        print(f"{gap['us']:9.1f} {gap['at_us'] / 1e3:9.3f}  {gap['after'][:40]} -> {gap['before'][:40]}  | "
+              + ", ".join(f"{k[:40]} ({v:.0f})" for k, v in host))
+        out.append(gap)
     return out
 
 

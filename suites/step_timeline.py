@@ -51,22 +51,53 @@ def own_times(spans: list[tuple[float, float, str]]) -> dict[str, float]:
     return dict(own)
 
 
+def idle_gaps(spans: list[tuple[float, float, str]], top: int, begin: float | None = None,
+              end: float | None = None) -> list[dict]:
+    """The ``top`` longest stretches in which no span of ``(start, end, name)`` runs, longest first: each gap's
+    length (``us``), where it starts (``at_us``, from ``begin`` or else the first span's start), and the kernel that
+    ended last before it and the one that starts after it. ``begin`` / ``end`` (the profiled region's own bounds,
+    the same clock) add the lead before the first kernel and the tail after the last as gaps named ``(start)`` /
+    ``(end)``."""
+    if not spans:
+        return []
+    order = sorted(spans)
+    origin = order[0][0] if begin is None else begin
+    gaps = []
+    if begin is not None and order[0][0] > begin:
+        gaps.append((order[0][0] - begin, begin, "(start)", order[0][2]))
+    reached, last = order[0][1], order[0][2]
+    for start, stop, name in order[1:]:
+        if start > reached:
+            gaps.append((start - reached, reached, last, name))
+        if stop >= reached:
+            reached, last = stop, name
+    if end is not None and end > reached:
+        gaps.append((end - reached, reached, last, "(end)"))
+    gaps.sort(key=lambda g: -g[0])
+    return [{"us": us, "at_us": at - origin, "after": before, "before": after}
+            for us, at, before, after in gaps[:top]]
+
+
 def cuda_kernels(prof) -> tuple[dict[str, list], list[tuple[float, float]]]:
     """The GPU kernels a profile recorded: {name: [span us, calls, own us]} (memcpy / memset by kind; own time as
     :func:`own_times` counts it) and their intervals."""
     per: dict[str, list] = defaultdict(lambda: [0.0, 0, 0.0])
     spans = []
-    for evt in prof.events():
-        if str(getattr(evt, "device_type", "")).endswith("CUDA") and evt.time_range.elapsed_us() > 0:
-            name = evt.name
-            if name.startswith(("Memcpy", "Memset")):
-                name = name.split()[0]
-            per[name][0] += evt.time_range.elapsed_us()
-            per[name][1] += 1
-            spans.append((evt.time_range.start, evt.time_range.end, name))
+    for start, end, name in kernel_spans(prof):
+        if name.startswith(("Memcpy", "Memset")):
+            name = name.split()[0]
+        per[name][0] += end - start
+        per[name][1] += 1
+        spans.append((start, end, name))
     for name, us in own_times(spans).items():
         per[name][2] = us
     return dict(per), [(s, e) for s, e, _ in spans]
+
+
+def kernel_spans(prof) -> list[tuple[float, float, str]]:
+    """Every GPU kernel / copy a profile recorded as ``(start us, end us, name)``."""
+    return [(evt.time_range.start, evt.time_range.end, evt.name) for evt in prof.events()
+            if str(getattr(evt, "device_type", "")).endswith("CUDA") and evt.time_range.elapsed_us() > 0]
 
 
 def cpu_ops(prof) -> dict[str, list]:

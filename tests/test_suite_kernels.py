@@ -236,7 +236,7 @@ def test_timeline_profiles_the_engines_own_decode_step(tmp_path):
 
 def test_timeline_helpers():
     from ninfer_bench.engine.runtime.engine import Engine
-    from ninfer_bench.suites.step_timeline import busy_us, decode_timeline, own_times
+    from ninfer_bench.suites.step_timeline import busy_us, decode_timeline, idle_gaps, own_times
 
     assert busy_us([(0, 2), (1, 3), (5, 6), (5.5, 5.7)]) == 4
     # programmatic dependent launch: b starts inside a and waits for it; c inside b; d alone, e nested in d
@@ -245,6 +245,16 @@ def test_timeline_helpers():
     assert own == {"a": 11, "b": 4, "c": 1, "d": 10, "e": 0}
     assert sum(own.values()) == busy_us([(s, e) for s, e, _ in spans])
     assert busy_us([]) == 0
+    # idle stretches: between d's end (30; e ends inside it) and a (40), b / c overlap (none), c -> d (15 -> 20)
+    gaps = idle_gaps(spans, 5)
+    assert [(g["us"], g["at_us"], g["after"], g["before"]) for g in gaps] == [(10, 30, "d", "a"), (5, 15, "c", "d")]
+    # with the run's bounds: the lead before the first kernel and the tail after the last, measured from begin
+    gaps = idle_gaps(spans, 2, begin=-3, end=47)
+    assert [(g["us"], g["at_us"], g["after"], g["before"]) for g in gaps] == [(10, 33, "d", "a"),
+                                                                            (6, 44, "a", "(end)")]
+    assert [g["before"] for g in idle_gaps(spans, 9, begin=-3)][-1] == "a" and len(idle_gaps(spans, 9, -3)) == 3
+    assert sum(g["us"] for g in idle_gaps(spans, 9, begin=-3, end=47)) == 50 - busy_us([(s, e) for s, e, _ in spans])
+    assert idle_gaps([], 3) == []
     eng = Engine.load("tiny", device="cpu", spec="mtp", draft_tokens=2)
     with pytest.raises(ValueError, match="without a drafter"):
         decode_timeline(eng)
