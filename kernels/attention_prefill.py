@@ -28,7 +28,10 @@ graph (engine/model/graphs.py captures prefill chunks). Triton is imported on fi
 A long chunk's past keys can go through cuDNN's fused attention instead (``prefill_attention_cached(cudnn=True)``,
 the engine's ``--cudnn-prefill``): :func:`cudnn_past` over the keys below the chunk, the kernel over the
 rest from ``key_lo``, cuDNN's output and sum-exp folded into the kernel's online softmax (``past``). Eager chunks of
-one row only (:func:`cudnn_past_ok`).
+one row only (:func:`cudnn_past_ok`). The split runs in fp16 where the queries and the cache's values fit its range
+(:func:`fp16_fits`, one read back to the host a chunk and layer): cuDNN rounds its output to 16 bits before the fold,
+and in bf16 that extra rounding moved a NIAH near-tie past the oracle's tolerance
+(docs/perf/2026-12-06-cudnn-split-h200.md).
 """
 
 from __future__ import annotations
@@ -113,10 +116,10 @@ def prefill_plan(head_dim: int, int8: bool, q_dtype: torch.dtype = torch.bfloat1
 
 
 def prefill_attention(q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, scale, *, kv_len_max=None, gate=None,
-                      config: PrefillConfig | None = None, key_lo: int = 0, past=None):
+                      config: PrefillConfig | None = None, key_lo: int = 0, past=None, out_dtype=None):
     """Attention of ``q [B, T, H, hd]`` over cache slots ``slots [B]``; query t of row b sees keys 0..q_pos[b, t]
-    (every ``q_pos`` below ``kv_len_max``, default the capacity). Returns ``[B, T, H, hd]`` in ``q.dtype``, fp32
-    accumulation; ``gate [B, T, H * hd]`` applied as the output is stored (``o * sigmoid(gate)``, the bits of
+    (every ``q_pos`` below ``kv_len_max``, default the capacity). Returns ``[B, T, H, hd]`` in ``out_dtype``
+    (default ``q.dtype``; the fp32 result rounded once to it before the gate), fp32 accumulation; ``gate [B, T, H * hd]`` applied as the output is stored (``o * sigmoid(gate)``, the bits of
     kernels/fused.sigmoid_mul). ``config`` overrides :func:`prefill_plan`.
 
     ``key_lo`` (a multiple of the plan's ``block_n``, at most every real row's q_pos): keys below it are not read;
@@ -131,7 +134,7 @@ def prefill_attention(q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, scale
     block_d = _block_d(hd)
     gw = min(KV_GROUP, block_d)
     past_args = _past_args(q, key_lo, past, cfg)
-    out = _new_buffer((b, t, h, hd), q.dtype, q.device)
+    out = _new_buffer((b, t, h, hd), out_dtype or q.dtype, q.device)
     if cfg.tma and descriptor_ok(k_cache, v_cache):
         return _prefill_desc(kern, cfg, q, k_cache, v_cache, slots, q_pos, scale, kv_len, gate, out, block_d,
                              past_args, past is not None)
@@ -243,25 +246,44 @@ def prefill_attention_cached(q, k_cache, v_cache, k_scale, v_scale, slots, q_pos
     ``cudnn`` with ``past_start`` (the host's copy of the chunk's first position, every q_pos at or after it): where
     :func:`cudnn_past_ok` allows, the keys below it (rounded down to the plan's key tile) go through cuDNN's fused
     attention (:func:`cudnn_past`) and the kernel takes the rest, the two folded into one softmax (other sums than
-    the kernel's alone: the same values to rounding)."""
+    the kernel's alone: the same values to rounding). The split computes in fp16 (q, the copy, cuDNN's output; the
+    result stored in q's dtype) where :func:`fp16_fits`, else in q's dtype; where cuDNN refuses, the kernel alone."""
     if k_cache.dtype != torch.int8:
         return prefill_attention(q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, scale, kv_len_max=kv_len,
                                  gate=gate, config=config)
     if k_scale is None or v_scale is None:
         raise ValueError("prefill_attention_cached: an int8 cache needs k_scale and v_scale")
     rows = torch.arange(slots.shape[0], device=slots.device)  # row b of the copy is slot slots[b]
-    split = cudnn and past_start is not None and cudnn_past_ok(q, past_start)
-    layout = "bshd" if split else "bhsd"  # BSHD memory: what cuDNN's attention reads
-    k = dequantize_slots(k_cache, k_scale, slots, kv_len, q.dtype, layout=layout)
-    v = dequantize_slots(v_cache, v_scale, slots, kv_len, q.dtype, layout=layout)
-    if split:
-        cfg = config or prefill_plan(q.shape[-1], False, q.dtype)
+    if cudnn and past_start is not None and cudnn_past_ok(q, past_start):
+        # the split in fp16 where q and the keys / values fit its range: cuDNN's output is rounded to 16 bits before
+        # the fold, and fp16's 10-bit mantissa keeps that rounding 8x under bf16's
+        dt = torch.float16 if fp16_fits(q, k_scale, v_scale, slots, kv_len) else q.dtype
+        qs = q.to(dt)
+        k = dequantize_slots(k_cache, k_scale, slots, kv_len, dt, layout="bshd")  # BSHD memory: what cuDNN reads
+        v = dequantize_slots(v_cache, v_scale, slots, kv_len, dt, layout="bshd")
+        cfg = config or prefill_plan(q.shape[-1], False, dt)
         key_lo = past_start // cfg.block_n * cfg.block_n
-        past = cudnn_past(q, k, v, key_lo, scale)
+        past = cudnn_past(qs, k, v, key_lo, scale)
         if past is not None:
-            return prefill_attention(q, k, v, None, None, rows, q_pos, scale, gate=gate, config=cfg, key_lo=key_lo,
-                                     past=past)
+            return prefill_attention(qs, k, v, None, None, rows, q_pos, scale, gate=gate, config=cfg, key_lo=key_lo,
+                                     past=past, out_dtype=q.dtype)
+    k = dequantize_slots(k_cache, k_scale, slots, kv_len, q.dtype)
+    v = dequantize_slots(v_cache, v_scale, slots, kv_len, q.dtype)
     return prefill_attention(q, k, v, None, None, rows, q_pos, scale, gate=gate, config=config)
+
+
+FP16_MAX = 65504.0  # the largest finite fp16
+
+
+def fp16_fits(q, k_scale, v_scale, slots, kv_len: int) -> bool:
+    """Whether ``q`` and the int8 cache's keys and values ``0 .. kv_len - 1`` of ``slots`` fit fp16's finite range:
+    every ``|q|`` and 127 times every scale (a code's largest magnitude) at most FP16_MAX; NaN anywhere fails. One
+    read back to the host (the split runs eagerly, never inside a CUDA graph)."""
+    tops = [q.abs().amax().float()]
+    for sc in (k_scale, v_scale):
+        tops.append(sc.index_select(0, slots)[:, :, :kv_len].amax().float() * 127.0)
+    top = torch.stack(tops).amax()
+    return bool((top <= FP16_MAX).item())
 
 
 # The first chunk start whose past keys take cuDNN (prefill_attention_cached's cudnn): after 8,192 and 63,488 keys

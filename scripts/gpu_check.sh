@@ -23,6 +23,8 @@
 #   conc33   issue 33's targets: 27B C1-C8 at 128 new tokens, plain and DFlash2 K=7 --replay-acceptance seed (CONC_ARGS)
 #   lprefill layer-major prefill on / off: its CUDA test, the 27B prompt grid (PLEN, --prefill-weights LP_WEIGHTS)
 #   cudnnp   --cudnn-prefill on,off: its tests, the attention bench (cudnn-split, --past), the 27B prompt grid
+#   cudnn16  the cuDNN split in fp16: the prefill attention's CUDA tests, the bundled NIAH grid with it on, the 27B
+#            prompt grid (PLEN) with it on / off (CUDNNP_ENGINES)
 #   ppast    bench_prefill_attention --past: a chunk against its past keys alone, ours beside torch SDPA's cuDNN / flash
 #   ptma     the prefill attention through tensor descriptors: its CUDA tests, the kernel with / without them after
 #            PTMA_STARTS keys, the 27B prompt-length grid (PLEN, ours and the peer), ours again with pointer loads
@@ -718,6 +720,14 @@ PY
              echo "bench rc $?"; grep "^start" "$OUT/cudnnp.log" | grep -v "sdpa-copy\|dequant \| copy \|flash-int8\|-rep " | cut -c1-150
              nb decode $M27 --engine ${CUDNNP_ENGINES:-ours} -p ${PLEN:-2991,65000} -n ${PLEN_N:-32} --repeats 2 \
                --cudnn-prefill on,off --json "$OUT/cudnnp-grid" 2>&1 | tee "$OUT/cudnnp-grid.log" | tail -10 ;;
+    cudnn16) # the cuDNN split in fp16 (session 61): the prefill attention's CUDA tests, the bundled model's NIAH grid
+             # with --cudnn-prefill on (NIAH_GRID), the 27B prompt grid (PLEN) with it on / off in one process
+             # (CUDNNP_ENGINES: add hf for the peer)
+             TESTS_S=${TESTS_S:-120} run_tests test_kernels_attention_prefill
+             nb niah --ctx ${NIAH_GRID:-8192,16384,32768,65536} --cudnn-prefill on --json "$OUT/niah_cudnn16.json" \
+               2>&1 | tail -12
+             nb decode $M27 --engine ${CUDNNP_ENGINES:-ours} -p ${PLEN:-2991,65000} -n ${PLEN_N:-32} --repeats 2 \
+               --cudnn-prefill on,off --json "$OUT/cudnn16-grid" 2>&1 | tee "$OUT/cudnn16-grid.log" | tail -10 ;;
     lprefill) # layer-major prefill (--layer-prefill, session 57) on and off: its CUDA test, then the 27B prompt grid
              # (PLEN) with --prefill-weights LP_WEIGHTS (auto: taken only where the dense copies do not fit, e.g. an
              # 80 GB card; packed: on any card), same tokens expected
