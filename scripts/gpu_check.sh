@@ -775,7 +775,8 @@ PY
                | tee "$OUT/dattn.log" | grep -v "^resources" | tail -60 ;;
     pprof)   # where a long prefill's time goes: scripts/profile_step.py --prefill at PPROF_LEN tokens on the 27B
              # synthetic, once per PPROF_MODES entry (flash: the defaults; sdpa: --no-flash-prefill; unfused:
-             # --no-fused-prefill; dense / packed: --prefill-weights dense / packed); PPROF_ARGS adds flags (e.g.
+             # --no-fused-prefill; dense / packed: --prefill-weights dense / packed; cudnn: --cudnn-prefill);
+             # PPROF_ARGS adds flags (e.g.
              # "--by-op 30": the torch ops behind the kernels, with their source lines)
              for mode in ${PPROF_MODES:-flash sdpa}; do
                case $mode in
@@ -784,6 +785,7 @@ PY
                  unfused) flags="--no-fused-prefill" ;;
                  dense) flags="--prefill-weights dense" ;;
                  packed) flags="--prefill-weights packed" ;;
+                 cudnn) flags="--cudnn-prefill" ;;
                esac
                timeout ${STAGE_S:-300} python3 scripts/profile_step.py $M27 --prefill --prompt-len ${PPROF_LEN:-65000} \
                  --top ${PPROF_TOP:-25} $flags ${PPROF_ARGS:-} --json "$OUT/pprof-$mode.json" 2>&1 | tee "$OUT/pprof-$mode.log" \

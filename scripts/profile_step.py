@@ -7,9 +7,10 @@ step's idle gaps: graph launch, the token read-back, host work).
         [--no-pdl] [--no-side-stream] [--no-silu-epilogue] [--cublas-dense] [--qmv-layout L]
         [--eager-draft] [--attn-fixed-split]
         [--prefill] [--prompt-len N] [--no-flash-prefill] [--no-fused-prefill] [--prefill-weights dense]
-        [--prefill-chunk N] [--batch 1,8 --sync]   # B sequences a step, as the scheduler steps them
+        [--prefill-chunk N] [--cudnn-prefill] [--batch 1,8 --sync]   # B sequences a step, as the scheduler steps them
                          # switches against the engine's defaults, compared by step time
         [--host]         # where the host's time goes instead (cProfile of the same steps: Python, launches, syncs)
+        [--gaps N]       # the GPU's N longest idle stretches in one more profiled run, with the host's ops meanwhile
         [--drop norm,silu,ba,gdn,attn]   # headroom: the step without those kernels (wrong values, true timing)
 
 Needs CUDA. Timings are the profiler's (CUPTI) kernel durations; the step wall time is measured without the
@@ -146,6 +147,8 @@ def main() -> int:
     ap.add_argument("--prefill-weights", default="auto", choices=("auto", "dense", "packed"))
     ap.add_argument("--flash-prefill", action=argparse.BooleanOptionalAction, default=True,
                     help="prompt chunks' attention by the flash-style kernel (EngineOptions.flash_prefill)")
+    ap.add_argument("--cudnn-prefill", action=argparse.BooleanOptionalAction, default=False,
+                    help="a long prompt chunk's past keys through cuDNN (EngineOptions.cudnn_prefill)")
     ap.add_argument("--fused-prefill", action=argparse.BooleanOptionalAction, default=True,
                     help="prompt chunks' GDN glue and norms through Triton kernels (EngineOptions.fused_prefill)")
     ap.add_argument("--attn-fixed-split", action="store_true",
@@ -245,7 +248,8 @@ def main() -> int:
                              qmv_dense=not args.cublas_dense, qmv_layout=args.qmv_layout,
                              draft_graphs=not args.eager_draft, prefill_chunk=args.prefill_chunk,
                              prefill_weights=args.prefill_weights, flash_prefill=args.flash_prefill,
-                             fused_prefill=args.fused_prefill, rollback=args.rollback,
+                             fused_prefill=args.fused_prefill, cudnn_prefill=args.cudnn_prefill,
+                             rollback=args.rollback,
                              lm_head_draft=args.lm_head_draft if spec != "none" else 0,
                              max_context=args.max_context or max(8192, args.prompt_len + 256),
                              max_concurrency=batch, draft_attention=attn,
@@ -390,7 +394,8 @@ def profile_one(eng, args, drop, batch: int = 1, plain_tokens: list | None = Non
             "cublas_dense": args.cublas_dense, "qmv_layout": args.qmv_layout, "draft_graphs": not args.eager_draft,
             "attn_fixed_split": args.attn_fixed_split, "prefill": args.prefill, "prompt_len": args.prompt_len,
             "prefill_chunk": args.prefill_chunk, "prefill_weights": args.prefill_weights,
-            "flash_prefill": args.flash_prefill, "fused_prefill": args.fused_prefill, "dropped": drop,
+            "flash_prefill": args.flash_prefill, "fused_prefill": args.fused_prefill,
+            "cudnn_prefill": args.cudnn_prefill, "dropped": drop,
             "draft_attention": eng.options.draft_attention, "replay_acceptance": eng.options.replay_acceptance,
             "runtime": args.runtime, "steps": steps, "profiled_steps": psteps,
             "step_wall_us": step_us, "gpu_busy_us": busy, "kernels_summed_us": total,
