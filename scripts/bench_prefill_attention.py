@@ -19,7 +19,8 @@ Per start position, in one process:
                 SDPA's cuDNN and flash backends with native GQA (-gqa) and with K / V repeated to H heads (-rep); TFLOP/s
                 of 4 hd H T start, relative RMS against past-ours
 Each line: median ms (triton.testing.do_bench), TFLOP/s (4 hd H x the causal query-key pairs) and the relative RMS
-against sdpa-copy's output. JSON lines to --json.
+against the fp32 reference (:func:`reference`: the cache's exact values, codes times scales in fp32, and fp32 math;
+``rel_vs_fp32``; the past-* rows against the same over keys 0 .. start - 1). JSON lines to --json.
 
     python3 scripts/bench_prefill_attention.py [--chunk 2048] [--starts 0,8192,32768,63488] [--sweep int8,bf16,tma]
         [--past] [--json F]
@@ -92,6 +93,27 @@ def rel(a, b) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
+def reference(q, kc, ks, vc, vs, q_pos, scale: float, keys: int) -> torch.Tensor:
+    """fp32 attention of ``q [1, T, H, hd]`` over keys ``0 .. keys - 1`` of the int8 cache ``kc`` / ``vc [1, Hkv, cap,
+    hd]`` at their exact values (kv_quant.dequantize_kv in fp32: each code times its scale), query t seeing the keys
+    up to ``q_pos[0, t]``; ``[1, T, H, hd]`` fp32, one query head at a time (TF32 off)."""
+    h, hkv = q.shape[2], kc.shape[1]
+    k = dequantize_kv(kc[:, :, :keys], ks[:, :, :keys], torch.float32)[0]  # [Hkv, keys, hd]
+    v = dequantize_kv(vc[:, :, :keys], vs[:, :, :keys], torch.float32)[0]
+    live = torch.arange(keys, device=q.device)[None, :] <= q_pos[0][:, None]  # [T, keys]
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        for j in range(h):
+            kv = j // (h // hkv)
+            s = (q[0, :, j].float() @ k[kv].T) * scale
+            out[0, :, j] = torch.softmax(s.masked_fill(~live, float("-inf")), -1) @ v[kv]
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    return out
+
+
 def timed(fn) -> float:
     from triton.testing import do_bench
 
@@ -99,9 +121,10 @@ def timed(fn) -> float:
     return do_bench(fn, warmup=5, rep=50, return_mode="median")
 
 
-def past_rows(q, kb, vb, slots, start: int, scale: float) -> list[dict]:
+def past_rows(q, kb, vb, slots, start: int, scale: float, ref) -> list[dict]:
     """--past: the chunk's queries against keys 0 .. start - 1 alone (the unmasked bulk of a long prompt's chunk),
-    ours beside torch SDPA's backends; each row's relative RMS against ours and its TFLOP/s (4 hd H T start)."""
+    ours beside torch SDPA's backends; each row's relative RMS against ``ref`` (the fp32 reference over those keys)
+    and against ours, and its TFLOP/s (4 hd H T start)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     t = q.shape[1]
@@ -128,16 +151,16 @@ def past_rows(q, kb, vb, slots, start: int, scale: float) -> list[dict]:
             o = fn()
             torch.cuda.synchronize()
             base = o if base is None else base
-            err = rel(o, base)
+            err, err32 = rel(o, base), rel(o, ref)
             ms = timed(fn)
         except Exception as exc:  # a backend refusing the shapes
             print(f"start {start:6d} {name:16s}: {type(exc).__name__}: {str(exc)[:200]}")
             continue
         tf = flops / (ms * 1e-3) / 1e12
         out.append({"start": start, "chunk": t, "method": name, "config": None, "ms": round(ms, 4),
-                    "tflops": round(tf, 1), "rel_vs_past_ours": round(err, 5)})
-        print(f"start {start:6d} {name:16s}{'':23s} {ms:9.3f} ms {tf:7.1f} TFLOP/s  rel {err:.2e} (vs past-ours)",
-              flush=True)
+                    "tflops": round(tf, 1), "rel_vs_fp32": round(err32, 6), "rel_vs_past_ours": round(err, 5)})
+        print(f"start {start:6d} {name:16s}{'':23s} {ms:9.3f} ms {tf:7.1f} TFLOP/s  rel {err32:.2e} "
+              f"({err:.2e} vs past-ours)", flush=True)
     return out
 
 
@@ -182,7 +205,7 @@ def main() -> int:
             vv = dequantize_kv(vc[slots, :, :cap], vs[slots, :, :cap], torch.bfloat16)
             return sdpa_attention(q, kk, vv, q_pos, scale)
 
-        base = copy_path()
+        base = reference(q, kc, ks, vc, vs, q_pos, scale, cap)
         rows = [("sdpa-copy", None, copy_path)]
         kb, vb = dequantize_kv(kc, ks, torch.bfloat16), dequantize_kv(vc, vs, torch.bfloat16)
         rows.append(("dequant", None, lambda: (dequantize_kv(kc, ks, torch.bfloat16),
@@ -229,7 +252,7 @@ def main() -> int:
             tf = flops / (ms * 1e-3) / 1e12 if err is not None else None
             rec = {"start": start, "chunk": t, "method": name,
                    "config": None if cfg is None else dataclasses.asdict(cfg),
-                   "ms": round(ms, 4), "tflops": tf and round(tf, 1), "rel_vs_sdpa_copy": err and round(err, 5),
+                   "ms": round(ms, 4), "tflops": tf and round(tf, 1), "rel_vs_fp32": err and round(err, 6),
                    "same_bits_as_default": same}
             lines.append(rec)
             cfg_s = "" if cfg is None else f" m{cfg.block_m} n{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}" \
@@ -239,7 +262,8 @@ def main() -> int:
             same_s = "" if same is None else ("  same bits" if same else "  BITS DIFFER")
             print(f"start {start:6d} {name:12s}{cfg_s:27s} {ms:9.3f} ms{tf_s}{err_s}{same_s}", flush=True)
         if args.past and start > 0:
-            lines += past_rows(q, kb, vb, slots, start, scale)
+            past_ref = reference(q, kc, ks, vc, vs, torch.full((1, t), start - 1, device=DEVICE), scale, start)
+            lines += past_rows(q, kb, vb, slots, start, scale, past_ref)
         base = None
         torch.cuda.empty_cache()
     if args.json:
