@@ -239,10 +239,24 @@ def switch_options(f):
     from ..engine.runtime.options import SWITCHES
 
     for name, sw in reversed(SWITCHES.items()):
-        moved = f"On is labelled {sw.on_label}" if not sw.default else f"Off is labelled {sw.off_label}"
         f = click.option(sw.flag, name, default="on" if sw.default else "off", show_default=True,
-                         callback=comma_list(("on", "off")), help=f"{sw.help} {moved}; on,off runs both.")(f)
+                         callback=comma_list(("on", "off")), help=f"{sw.help} {_moved(sw)}; on,off runs both.")(f)
     return f
+
+
+def one_switch_option(name: str, note: str = ""):
+    """``--NAME on|off`` for one engine switch (``SWITCHES[name]``: its flag, default, help and label), for a command
+    that runs one setting; ``note`` says what the command does with it."""
+    from ..engine.runtime.options import SWITCHES
+
+    sw = SWITCHES[name]
+    return click.option(sw.flag, name, type=click.Choice(["on", "off"]), default="on" if sw.default else "off",
+                        show_default=True, help=f"{sw.help} {note}{_moved(sw)}.")
+
+
+def _moved(sw) -> str:
+    """How a run with the switch away from its default is labelled."""
+    return f"On is labelled {sw.on_label}" if not sw.default else f"Off is labelled {sw.off_label}"
 
 
 # ---- output formats and history ------------------------------------------------------------------------------

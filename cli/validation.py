@@ -16,6 +16,7 @@ from .common import (
     err_console,
     int_list,
     on_ranks,
+    one_switch_option,
     output_options,
     run_label,
     save_result,
@@ -214,9 +215,7 @@ def niah_case_options(f):
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
 @click.option("--kv-dtype", type=click.Choice(["fp32", "bf16", "fp16", "int8"]), default="int8", show_default=True)
 @click.option("--runtime", type=click.Choice(["v2", "v3"]), default="v3", show_default=True)
-@click.option("--cudnn-prefill", type=click.Choice(["on", "off"]), default="off", show_default=True,
-              help="A long prompt chunk's past keys through cuDNN (the decode suite's --cudnn-prefill; CUDA only): "
-                   "checks that the split keeps oracle agreement. On is labelled -cudnnpast.")
+@one_switch_option("cudnn_prefill", "Here it checks that the split keeps oracle agreement (CUDA only). ")
 @click.option("--oracle", "oracle_file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Stored oracle outputs [default: oracles/data/niah-<model>-<ctx>.json.gz].")
 @click.option("--require-oracle", is_flag=True, help="Fail when a case has no stored oracle output.")

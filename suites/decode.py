@@ -70,6 +70,11 @@ def auto_stop(samples: list, elapsed_s: float, target: float, budget_s: float) -
     return None
 
 
+# the switches a plain run has as well as a speculative one (applies "v3"; the others change drafting only): a
+# speculative run's plain partner is the plain run with the same values (DecodeOptions.workload, with_baselines)
+SHARED_SWITCHES = tuple(name for name, sw in SWITCHES.items() if sw.applies == "v3")
+
+
 @dataclass(slots=True)
 class DecodeOptions:
     """Everything a decode run depends on (recorded flat as the result's ``config``: the suite's own fields and
@@ -184,11 +189,10 @@ class DecodeOptions:
 
     def workload(self) -> tuple:
         """What a speculative run and its plain partner share: :meth:`load`, the runtime and its numerics, and the
-        kernel switches of the step."""
+        switches plain runs have too (SHARED_SWITCHES)."""
         eo = self.engine_options
         return (self.load(), eo.runtime, eo.dtype, eo.kv_dtype, eo.max_context, eo.kv_capacity, eo.prefill_chunk,
-                eo.pdl, eo.side_stream, eo.silu_epilogue, eo.prefill_graphs, eo.flash_prefill,
-                eo.fused_prefill, eo.cudnn_prefill)
+                tuple(getattr(eo, name) for name in SHARED_SWITCHES))
 
 
 def _spec_summary(rec: dict) -> dict:
@@ -435,11 +439,8 @@ def with_baselines(runs: list[DecodeOptions], base: dict) -> list[DecodeOptions]
         if r.engine != "ours" or _plain(r) or _has_partner(r, out):
             continue
         eo = r.engine_options
-        out.append(DecodeOptions.make(**base, engine="ours", runtime=eo.runtime, pdl=eo.pdl,
-                                      side_stream=eo.side_stream, silu_epilogue=eo.silu_epilogue,
-                                      prefill_graphs=eo.prefill_graphs, flash_prefill=eo.flash_prefill,
-                                      fused_prefill=eo.fused_prefill, cudnn_prefill=eo.cudnn_prefill,
-                                      baseline=True))
+        out.append(DecodeOptions.make(**base, engine="ours", runtime=eo.runtime, baseline=True,
+                                      **{name: getattr(eo, name) for name in SHARED_SWITCHES}))
     runtimes = list(dict.fromkeys(r.engine_options.runtime for r in out))
     # stable: the grid's order otherwise (runtime by runtime, the peer last)
     return sorted(out, key=lambda r: (r.engine != "ours", runtimes.index(r.engine_options.runtime), not _plain(r)))

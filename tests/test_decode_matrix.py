@@ -76,6 +76,24 @@ def test_grid_and_labels():
         decode_runs(BASE, engines=("hf",), specs=("mtp",))
 
 
+def test_a_speculative_runs_plain_partner_shares_every_switch_plain_runs_have():
+    """The switches that apply to plain runs too (every "v3" one) are the workload a speculative run's plain partner
+    shares: the baseline a speculative run brings copies them, and a drafting-only switch splits no workload."""
+    from ninfer_bench.engine.runtime.options import SWITCHES
+
+    assert set(dec.SHARED_SWITCHES) == {n for n, sw in SWITCHES.items() if sw.applies == "v3"}
+    assert {"lookahead", "layer_prefill", "cudnn_prefill"} <= set(dec.SHARED_SWITCHES)
+    assert not {"draft_graphs", "draft_attention"} & set(dec.SHARED_SWITCHES)
+    plain, spec = decode_runs(BASE, specs=("dflash2:7",), switches={"layer_prefill": (False,), "lookahead": (False,)})
+    assert plain.baseline and not plain.engine_options.layer_prefill and not plain.engine_options.lookahead
+    assert plain.workload() == spec.workload()
+    g = decode_runs(BASE, specs=("none", "mtp:2"), switches={"draft_graphs": (True, False)})
+    assert len(g) == 3 and g[0].workload() == g[1].workload() == g[2].workload()
+    ahead = decode_runs(BASE, specs=("none", "mtp:2"), switches={"lookahead": (True, False)})
+    assert ahead[0].workload() != ahead[1].workload()
+    assert ahead[0].workload() == ahead[2].workload() and ahead[1].workload() == ahead[3].workload()
+
+
 def test_matrix_loads_once_and_equals_separate_runs(monkeypatch):
     runs = decode_runs(BASE, specs=("none", "mtp:2", "dflash2:3"), runtimes=("v3",))
     loads = []
