@@ -122,9 +122,10 @@ class EngineOptions:
         "the chunk, dequantized once) through cuDNN's fused attention (torch's aten op, native GQA, no mask), the "
         "chunk's own causal block through the Triton kernel, which folds cuDNN's rows in by their log-sum-exp "
         "(CUDA, one row; in fp16 where the queries and the cache's values fit its range, else in the model's "
-        "16-bit dtype; where cuDNN refuses, the Triton kernel over every key). Off by default: on the H200 the "
-        "split in bf16 took 3.9 % off a 27B 65K prefill, but its extra rounding moved one of 44 NIAH cases past "
-        "the oracle's near-tie tolerance, and it is slower at small head dims.", default=False,
+        "16-bit dtype; where cuDNN refuses, the Triton kernel over every key). Off by default: the split in bf16 "
+        "took 3.9 % off a 27B 65K prefill on the H200 but moved one of 44 NIAH cases past the oracle's near-tie "
+        "tolerance; in fp16 it kept all 44 and took 2.0 % off on an H100, not yet measured on the H200; it reads "
+        "back to the host once a chunk and layer and is slower at small head dims.", default=False,
         on_label="-cudnnpast")
     silu_epilogue: bool = _switch(
         "--silu-epilogue", "-nosilu", "v3",
