@@ -119,8 +119,9 @@ def prefill_attention(q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, scale
                       config: PrefillConfig | None = None, key_lo: int = 0, past=None, out_dtype=None):
     """Attention of ``q [B, T, H, hd]`` over cache slots ``slots [B]``; query t of row b sees keys 0..q_pos[b, t]
     (every ``q_pos`` below ``kv_len_max``, default the capacity). Returns ``[B, T, H, hd]`` in ``out_dtype``
-    (default ``q.dtype``; the fp32 result rounded once to it before the gate), fp32 accumulation; ``gate [B, T, H * hd]`` applied as the output is stored (``o * sigmoid(gate)``, the bits of
-    kernels/fused.sigmoid_mul). ``config`` overrides :func:`prefill_plan`.
+    (default ``q.dtype``; the fp32 result rounded once to it before the gate), fp32 accumulation; ``gate [B, T, H *
+    hd]`` applied as the output is stored (``o * sigmoid(gate)``, the bits of kernels/fused.sigmoid_mul). ``config``
+    overrides :func:`prefill_plan`.
 
     ``key_lo`` (a multiple of the plan's ``block_n``, at most every real row's q_pos): keys below it are not read;
     ``past = (o [B, T, H, hd], lse [B, H, T])``, another kernel's normalised output over keys ``0 .. key_lo - 1`` and

@@ -24,6 +24,7 @@ import argparse
 import json
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -460,23 +461,14 @@ def op_table(prof, steps: int, top: int, own: str = "self_device_time_total") ->
 REGION = "profile_step.run"
 
 
-class _Region:
+@contextmanager
+def _region(prof):
     """The profiler ``prof`` entered with a torch op named REGION around the run, so the run's bounds are on the
     trace's clock."""
+    import torch
 
-    def __init__(self, prof):
-        import torch
-
-        self.prof, self.mark = prof, torch.profiler.record_function(REGION)
-
-    def __enter__(self):
-        self.prof.__enter__()
-        self.mark.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self.mark.__exit__(*exc)
-        return self.prof.__exit__(*exc)
+    with prof, torch.profiler.record_function(REGION):
+        yield
 
 
 def gap_table(run, steps: int, top: int) -> list[dict]:
@@ -484,10 +476,10 @@ def gap_table(run, steps: int, top: int) -> list[dict]:
     each with the three torch ops that overlapped it longest on the host, printed and returned."""
     from torch.profiler import ProfilerActivity, profile
 
-    from ninfer_bench.suites.step_timeline import busy_us, idle_gaps, kernel_spans
+    from ninfer_bench.suites.step_timeline import busy_us, idle_gaps, kernel_spans, on_gpu
 
     prof = profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU])
-    run(steps, _Region(prof))
+    run(steps, _region(prof))
     events = list(prof.events())
     region = next((e for e in events if e.name == REGION), None)
     spans = kernel_spans(prof)
@@ -495,7 +487,7 @@ def gap_table(run, steps: int, top: int) -> list[dict]:
         print("gaps: the profile recorded no run region or no kernels")
         return []
     begin, end = region.time_range.start, region.time_range.end
-    cpu = [e for e in events if e.name != REGION and not str(getattr(e, "device_type", "")).endswith("CUDA")]
+    cpu = [e for e in events if e.name != REGION and not on_gpu(e)]
     idle = (end - begin) - busy_us([(a, b) for a, b, _ in spans])
     print(f"idle {idle / 1e3:.3f} ms of the profiled run's {(end - begin) / 1e3:.3f} ms; the longest stretches:")
     print(f"{'us':>9s} {'at ms':>9s}  after -> before  | host ops meanwhile (us of overlap)")

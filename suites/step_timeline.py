@@ -94,10 +94,15 @@ def cuda_kernels(prof) -> tuple[dict[str, list], list[tuple[float, float]]]:
     return dict(per), [(s, e) for s, e, _ in spans]
 
 
+def on_gpu(evt) -> bool:
+    """Whether a profiler event ran on the GPU (a kernel, copy or fill), not on the host."""
+    return str(getattr(evt, "device_type", "")).endswith("CUDA")
+
+
 def kernel_spans(prof) -> list[tuple[float, float, str]]:
     """Every GPU kernel / copy a profile recorded as ``(start us, end us, name)``."""
     return [(evt.time_range.start, evt.time_range.end, evt.name) for evt in prof.events()
-            if str(getattr(evt, "device_type", "")).endswith("CUDA") and evt.time_range.elapsed_us() > 0]
+            if on_gpu(evt) and evt.time_range.elapsed_us() > 0]
 
 
 def cpu_ops(prof) -> dict[str, list]:
