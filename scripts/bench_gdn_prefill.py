@@ -1,14 +1,17 @@
 """A Gated DeltaNet layer's prefill glue (kernels/gdn_prefill.py) at the 27B shape on one CUDA GPU.
 
 One prompt chunk (B = 1, T = 2,048 by default; Hk = 16, Hv = 48, dk = dv = 128, conv width 4, bf16): ``conv_qkv``
-(causal conv + SiLU + q / k L2 norms, one launch) and ``gated_rms_norm``, each first checked against its fp32
-reference (relative RMS), then timed by ``triton.testing.do_bench`` (median) beside the eager torch ops they replace
-(kernels/conv.causal_conv1d, kernels/gdn.l2norm; kernels/norm.gated_rms_norm), with bytes moved (each input read
-once, each output written once), GB/s and the share of the copy bandwidth measured in the same run.
+(causal conv + SiLU + q / k L2 norms, one launch), ``conv_state_update``, ``gates`` and ``gated_rms_norm``, each
+first checked against its fp32 reference (relative RMS; the state update for equality), then timed by
+``triton.testing.do_bench`` (median) beside the eager torch ops they replace (kernels/conv.causal_conv1d,
+kernels/gdn.l2norm; the gather, concatenation and scatter of the state; the gates' eight ops;
+kernels/norm.gated_rms_norm), with bytes moved (each input read once, each output written once), GB/s and the share
+of the copy bandwidth measured in the same run.
 
-    python scripts/bench_gdn_prefill.py [--t 2048] [--block-t 16,32,64] [--baseline .old/kernels/gdn_prefill.py]
+    python scripts/bench_gdn_prefill.py [--t 2048] [--block-t 16,32:8,64] [--baseline .old/kernels/gdn_prefill.py]
 
-``--block-t``: conv_qkv's tokens a program, each timed (the first is the module's default when not given).
+``--block-t``: conv_qkv's tokens a program, each timed, ``BT:WARPS`` with its warps too (the module's default when
+not given).
 ``--baseline``: another copy of kernels/gdn_prefill.py (e.g. the tree before, ``git archive REV | tar -x -C .old``)
 timed in the same process, its outputs compared with this tree's.
 """
@@ -61,7 +64,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--t", type=int, default=2048, help="tokens of the chunk")
     ap.add_argument("--b", type=int, default=1, help="sequences of the chunk")
-    ap.add_argument("--block-t", default="", help="conv_qkv's BLOCK_T values to time, comma-separated")
+    ap.add_argument("--block-t", default="", help="conv_qkv's BLOCK_T[:WARPS] values to time, comma-separated")
     ap.add_argument("--baseline", default="", help="another kernels/gdn_prefill.py to time beside this tree's")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -87,13 +90,15 @@ def main() -> int:
         us = median_us(fn)
         rows.append((name, us, nbytes / us / 1e3, 100 * nbytes / (us * 1e-6) / bw, err))
 
-    default_bt = gp.BLOCK_T
-    for bt in [int(x) for x in args.block_t.split(",") if x] or [default_bt]:
-        gp.BLOCK_T = bt
+    default = gp.BLOCK_T, gp.CONV_WARPS
+    for item in [x for x in args.block_t.split(",") if x] or [f"{default[0]}:{default[1]}"]:
+        bt, _, warps = item.partition(":")
+        gp.BLOCK_T, gp.CONV_WARPS = int(bt), int(warps or default[1])
         out = gp.conv_qkv(qkv, conv_w, state, slots, HK, DK, HV, DV)
         err = max(rel_rms(x, r) for x, r in zip(out, refs))
-        row(f"conv_qkv BLOCK_T {bt}", lambda: gp.conv_qkv(qkv, conv_w, state, slots, HK, DK, HV, DV), conv_bytes, err)
-    gp.BLOCK_T = default_bt
+        row(f"conv_qkv BLOCK_T {gp.BLOCK_T} warps {gp.CONV_WARPS}",
+            lambda: gp.conv_qkv(qkv, conv_w, state, slots, HK, DK, HV, DV), conv_bytes, err)
+    gp.BLOCK_T, gp.CONV_WARPS = default
     if args.baseline:
         base = load_baseline(args.baseline)
         out = base.conv_qkv(qkv, conv_w, state, slots, HK, DK, HV, DV)
@@ -110,6 +115,33 @@ def main() -> int:
 
     err = max(rel_rms(x, r) for x, r in zip(eager_conv(), refs))
     row("conv + l2norm eager", eager_conv, conv_bytes, err)
+
+    # the slot's new conv state: in place (state_b's slots hold the same values before every call: the window of a
+    # T >= W - 1 chunk does not depend on the old state) against the eager gather, concatenation and scatter
+    state_b, state_e = state.clone(), state.clone()
+    gp.conv_state_update(qkv, state_b, slots)
+    gp.conv_state_update_ref(qkv, state_e, slots)
+    same = torch.equal(state_b, state_e)
+    state_bytes = 2 * b * C * (W - 1) * state.element_size()
+
+    def eager_state():
+        old = state_e[slots]
+        state_e[slots] = torch.cat([old, qkv[:, -(W - 1):].transpose(1, 2)], dim=-1)[..., -(W - 1):]
+
+    row(f"conv_state_update ({'same' if same else 'OTHER'} values)", lambda: gp.conv_state_update(qkv, state_b, slots),
+        state_bytes, 0.0 if same else 1.0)
+    row("conv state eager (gather, cat, scatter)", eager_state, state_bytes, 0.0)
+
+    ba = torch.randn(b, t, 2 * HV, generator=g).to(dt).to(dev)
+    bb, aa = ba[..., :HV], ba[..., HV:]
+    a_log = torch.randn(HV, generator=g).to(dev)
+    dt_bias = torch.randn(HV, generator=g).to(dev)
+    gref = gp.gates_ref(bb, aa, a_log, dt_bias)
+    gout = gp.gates(bb, aa, a_log, dt_bias)
+    gates_bytes = b * t * HV * (2 * ba.element_size() + 8)
+    row("gates", lambda: gp.gates(bb, aa, a_log, dt_bias), gates_bytes,
+        max(rel_rms(x, r) for x, r in zip(gout, gref)))
+    row("gates eager (8 ops)", lambda: gp.gates_ref(bb, aa, a_log, dt_bias), gates_bytes, 0.0)
 
     nref = gp.gated_rms_norm_ref(o, z, norm_w, EPS)
     norm_bytes = 3 * b * t * HV * DV * o.element_size()

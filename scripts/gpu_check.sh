@@ -23,6 +23,9 @@
 #   conc33   issue 33's targets: 27B C1-C8 at 128 new tokens, plain and DFlash2 K=7 --replay-acceptance seed (CONC_ARGS)
 #   lprefill layer-major prefill on / off: its CUDA test, the 27B prompt grid (PLEN, --prefill-weights LP_WEIGHTS)
 #   cudnnp   --cudnn-prefill on,off: its tests, the attention bench (cudnn-split, --past), the 27B prompt grid
+#   gdnglue  a GDN prompt chunk's glue in fewer launches (conv_state_update, gates, the conv without layout
+#            conversions): its CUDA tests, bench_gdn_prefill (GLUE_BT conv builds, beside .old's module when carried),
+#            the 27B prompt grid (PLEN) with .old's tree (carried) and this one, ours only
 #   cudnn16  the cuDNN split in fp16: the prefill attention's CUDA tests, the bundled NIAH grid with it on, the 27B
 #            prompt grid (PLEN) with it on / off (CUDNNP_ENGINES)
 #   ppast    bench_prefill_attention --past: a chunk against its past keys alone, ours beside torch SDPA's cuDNN / flash
@@ -720,6 +723,18 @@ PY
              echo "bench rc $?"; grep "^start" "$OUT/cudnnp.log" | grep -v "sdpa-copy\|dequant \| copy \|flash-int8\|-rep " | cut -c1-150
              nb decode $M27 --engine ${CUDNNP_ENGINES:-ours} -p ${PLEN:-2991,65000} -n ${PLEN_N:-32} --repeats 2 \
                --cudnn-prefill on,off --json "$OUT/cudnnp-grid" 2>&1 | tee "$OUT/cudnnp-grid.log" | tail -10 ;;
+    gdnglue) # a GDN prompt chunk's glue in fewer launches (session 62): its CUDA tests, the glue bench (conv builds
+             # GLUE_BT, beside .old's module when carried), the 27B prompt grid (PLEN) with .old's tree (carried: the
+             # tree before) and then this one, ours only, one process each
+             TESTS_S=${TESTS_S:-150} run_tests test_kernels_gdn_prefill test_prefill_graphs
+             B=""; [ -f .old/kernels/gdn_prefill.py ] && B="--baseline .old/kernels/gdn_prefill.py"
+             timeout ${GLUE_BENCH_S:-120} python3 scripts/bench_gdn_prefill.py --block-t ${GLUE_BT:-16:8,16:4,32:8,64:8,8:4} \
+               $B 2>&1 | tee "$OUT/gdnglue-bench.log" | tail -16
+             if [ -f .old/scripts/nb.py ]; then
+               ( cd .old && timeout ${STAGE_S:-300} python3 scripts/nb.py decode $M27 -p ${PLEN:-2991,65000} -n ${PLEN_N:-32} \
+                   --repeats 2 --json "$OUT/gdnglue-old" 2>&1 | tee "$OUT/gdnglue-old.log" | tail -6 ); fi
+             nb decode $M27 -p ${PLEN:-2991,65000} -n ${PLEN_N:-32} --repeats 2 --json "$OUT/gdnglue-new" 2>&1 \
+               | tee "$OUT/gdnglue-new.log" | tail -6 ;;
     cudnn16) # the cuDNN split in fp16 (session 61): the prefill attention's CUDA tests, the bundled model's NIAH grid
              # with --cudnn-prefill on (NIAH_GRID), the 27B prompt grid (PLEN) with it on / off in one process
              # (CUDNNP_ENGINES: add hf for the peer)

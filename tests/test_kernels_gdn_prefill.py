@@ -57,6 +57,73 @@ def test_conv_qkv_matches_reference_and_the_eager_ops(shape):
     assert rel(v, ev.reshape(b, t, hv, dv)) < 1e-5
 
 
+def test_conv_qkv_state_reaches_past_the_first_block(monkeypatch):
+    """Blocks shorter than the conv window's reach: the second block's first taps still read the conv state (only a
+    block starting within the first W - 1 tokens reads it)."""
+    b, t, hk, hv, dk, dv, w = SHAPES["b1-t37"]
+    qkv, conv_w, state, slots = conv_case(b, t, hk, hv, dk, dv, w)
+    want = gp.conv_qkv(qkv, conv_w, state, slots, hk, dk, hv, dv)
+    monkeypatch.setattr(gp, "BLOCK_T", 2)  # blocks at 0 and 2 start within the 3 tokens the state supplies
+    got = gp.conv_qkv(qkv, conv_w, state, slots, hk, dk, hv, dv)
+    refs = gp.conv_qkv_ref(qkv, conv_w, state[slots], hk, dk, hv, dv)
+    for out, ref, other in zip(got, refs, want):
+        assert rel(out, ref) < 1e-5 and rel(out, other) < 1e-5
+
+
+# (B, T, C, W, n): a chunk longer than the window, one shorter (the old state shifts), padded rows (n < T, one row
+# with no real token and one with fewer than W - 1), a width of 2, channels past one program's block
+STATE_CASES = [(2, 9, 40, 4, None), (2, 2, 40, 4, None), (3, 7, 40, 4, [7, 0, 2]), (1, 5, 300, 2, [3]),
+               (2, 1, 600, 4, None)]
+
+
+@pytest.mark.parametrize("b,t,c,w,n", STATE_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_conv_state_update_matches_reference(b, t, c, w, n, dtype):
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(b, t, c + 24, generator=g)[..., 5:c + 5].to(dtype).to(DEVICE)  # a strided view
+    state = torch.randn(b + 3, c, w - 1, generator=g).to(dtype).to(DEVICE)
+    slots = torch.tensor([b + 2, 0, 3][:b]).to(DEVICE)  # out of order, not every slot
+    nn = None if n is None else torch.tensor(n).to(DEVICE)
+    got, want = state.clone(), state.clone()
+    gp.conv_state_update(qkv, got, slots, nn)
+    gp.conv_state_update_ref(qkv, want, slots, nn)
+    assert torch.equal(got, want)  # exact copies of the inputs; the other slots untouched
+    rows = list(range(b))
+    for r in rows:  # spelled out: the last W - 1 inputs of cat(old state, the row's real tokens)
+        k = t if n is None else n[r]
+        seq = torch.cat([state[slots[r]], qkv[r, :k].transpose(0, 1)], dim=1)
+        assert torch.equal(got[slots[r]], seq[:, -(w - 1):])
+
+
+def test_conv_state_update_bad_shapes():
+    qkv = torch.zeros(1, 4, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="conv_state_update"):
+        gp.conv_state_update(qkv, torch.zeros(2, 9, 3, device=DEVICE), torch.zeros(1, dtype=torch.long, device=DEVICE))
+    with pytest.raises(ValueError, match="conv_state_update"):
+        gp.conv_state_update(qkv, torch.zeros(2, 8, 3, device=DEVICE), torch.zeros(1, dtype=torch.long, device=DEVICE),
+                             torch.zeros(2, dtype=torch.long, device=DEVICE))
+
+
+@pytest.mark.parametrize("b,t,hv,n", [(1, 70, 48, None), (2, 5, 3, [5, 2]), (3, 33, 6, [0, 33, 17])])
+def test_gates_match_the_eager_ops(b, t, hv, n):
+    g = torch.Generator().manual_seed(4)
+    ba = (4 * torch.randn(b, t, 2 * hv + 3, generator=g)).to(torch.bfloat16).to(DEVICE)  # split views of b | a
+    ba[0, 0, hv] = 30.0  # past softplus's threshold
+    ba[0, -1, hv] = -60.0  # where 1 + e^x rounds to 1
+    bb, aa = ba[..., :hv], ba[..., hv:2 * hv]
+    A_log = torch.randn(hv, generator=g).to(DEVICE)
+    dt_bias = torch.randn(hv, generator=g).to(DEVICE)
+    nn = None if n is None else torch.tensor(n).to(DEVICE)
+    gg, beta = gp.gates(bb, aa, A_log, dt_bias, nn)
+    rg, rbeta = gp.gates_ref(bb, aa, A_log, dt_bias, nn)
+    assert gg.dtype == beta.dtype == torch.float32 and gg.is_contiguous() and beta.is_contiguous()
+    # fp32 to a few ulps (the GPU's exp / log are the fast approximations)
+    assert torch.allclose(gg, rg, rtol=1e-5, atol=1e-30) and torch.allclose(beta, rbeta, rtol=1e-5, atol=0)
+    if n is not None:  # padding: exactly zero
+        for r in range(b):
+            assert not gg[r, n[r]:].any() and not beta[r, n[r]:].any()
+
+
 def test_conv_qkv_bf16():
     if INTERPRET:
         pytest.skip("the Triton interpreter rounds to bf16 by truncation (GPU only)")

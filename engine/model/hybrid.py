@@ -153,28 +153,29 @@ class HybridModel:
                             [cfg.conv_dim, cfg.value_dim], x)
         bb, aa = self._proj(p, "linear_attn.in_proj_ba", ("linear_attn.in_proj_b", "linear_attn.in_proj_a"),
                             [hv, hv], x)
-        conv_old = cache.conv[i][step.slots]  # [B, C, W-1]
         conv_w = w.vector(f"{a_}.conv1d.weight").squeeze(1)
-        glue = self.fused_prefill and step.mode == PREFILL  # conv, SiLU, L2 norms, gated norm in Triton
+        A_log, dt_bias = w.vector(f"{a_}.A_log"), w.vector(f"{a_}.dt_bias")
+        glue = self.fused_prefill and step.mode == PREFILL  # conv, SiLU, L2 norms, gates, gated norm in Triton
         if glue:
             q, k, v = gdn_prefill.conv_qkv(qkv, conv_w, cache.conv[i], step.slots, hk, dk, hv, dv)
+            # the slot's new conv state written in place (after conv_qkv's read of the old one), the state after the
+            # real tokens of a padded chunk; the gates zero past them too (padding is inert)
+            gdn_prefill.conv_state_update(qkv, cache.conv[i], step.slots, step.valid)
+            g, beta = gdn_prefill.gates(bb, aa, A_log, dt_bias, step.valid)
         else:
+            conv_old = cache.conv[i][step.slots]  # [B, C, W-1]
             y, conv_new = causal_conv1d(qkv, conv_w, conv_old)
             q, k, v = torch.split(y, [cfg.key_dim, cfg.key_dim, cfg.value_dim], dim=-1)
             q = l2norm(q.reshape(b, t, hk, dk))
             k = l2norm(k.reshape(b, t, hk, dk))
             v = v.reshape(b, t, hv, dv)
-        if step.valid is not None:  # the state after the real tokens, not after the padding
-            conv_new = causal_conv1d_state_at(qkv, conv_old, step.valid)
-        elif glue:  # the new state: the last W-1 inputs (the old state's, when T < W-1)
-            keep = conv_old.shape[-1]
-            conv_new = torch.cat([conv_old, qkv[:, max(0, t - keep):].transpose(1, 2).to(conv_old.dtype)],
-                                 dim=-1)[..., -keep:]
-        beta = torch.sigmoid(bb.float())
-        g = -torch.exp(w.vector(f"{a_}.A_log")) * F.softplus(aa.float() + w.vector(f"{a_}.dt_bias"))
-        if step.valid is not None:  # padding writes nothing (beta = 0) and does not decay the state (g = 0)
-            real = (torch.arange(t, device=x.device)[None] < step.valid[:, None])[..., None]
-            beta, g = beta * real, g * real
+            if step.valid is not None:  # the state after the real tokens, not after the padding
+                conv_new = causal_conv1d_state_at(qkv, conv_old, step.valid)
+            beta = torch.sigmoid(bb.float())
+            g = -torch.exp(A_log) * F.softplus(aa.float() + dt_bias)
+            if step.valid is not None:  # padding writes nothing (beta = 0) and does not decay the state (g = 0)
+                real = (torch.arange(t, device=x.device)[None] < step.valid[:, None])[..., None]
+                beta, g = beta * real, g * real
         ssm_old = cache.ssm[i][step.slots]
         if step.mode == PREFILL:
             o, state = gated_delta_rule(q, k, v, g, beta, initial_state=ssm_old, impl=self.gdn_impl)
@@ -189,7 +190,8 @@ class HybridModel:
                 else:
                     rec.ssm_old, rec.inputs = ssm_old, (q, k, v, g, beta)
                 cache.record(i, rec)
-        cache.conv[i][step.slots] = conv_new.to(cache.conv[i].dtype)
+        if not glue:
+            cache.conv[i][step.slots] = conv_new.to(cache.conv[i].dtype)
         cache.ssm[i][step.slots] = state
         if glue:
             o = gdn_prefill.gated_rms_norm(o.to(x.dtype).contiguous(), z, w.vector(f"{a_}.norm.weight"),
