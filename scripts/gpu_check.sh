@@ -730,7 +730,7 @@ PY
              B=""; [ -f .old/kernels/gdn_prefill.py ] && B="--baseline .old/kernels/gdn_prefill.py"
              timeout ${GLUE_BENCH_S:-120} python3 scripts/bench_gdn_prefill.py --block-t ${GLUE_BT:-16:8,16:4,32:8,64:8,8:4} \
                $B 2>&1 | tee "$OUT/gdnglue-bench.log" | tail -16
-             if [ -f .old/scripts/nb.py ]; then
+             if [ -f .old/scripts/nb.py ]; then ln -sf "$PWD/models/ninfer-code-small.ninfer" .old/models/ 2>/dev/null
                ( cd .old && timeout ${STAGE_S:-300} python3 scripts/nb.py decode $M27 -p ${PLEN:-2991,65000} -n ${PLEN_N:-32} \
                    --repeats 2 --json "$OUT/gdnglue-old" 2>&1 | tee "$OUT/gdnglue-old.log" | tail -6 ); fi
              nb decode $M27 -p ${PLEN:-2991,65000} -n ${PLEN_N:-32} --repeats 2 --json "$OUT/gdnglue-new" 2>&1 \
