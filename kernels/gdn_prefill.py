@@ -34,9 +34,10 @@ __all__ = ["conv_qkv", "conv_qkv_ref", "conv_state_update", "conv_state_update_r
 triton_available = _triton.available
 L2_EPS = 1e-6  # kernels/gdn.l2norm's default
 BLOCK_T = 16  # tokens a conv program takes
-CONV_WARPS = 8  # warps a conv program takes (4 put the weights through shared memory: layout conversions)
+CONV_WARPS = 4  # warps a conv program takes (8: 3.2x slower on an H100)
 
 tl = None  # triton.language, bound by _kernels()
+libdevice = None  # triton.language.extra.libdevice, bound by _kernels()
 
 
 def conv_qkv_ref(qkv, conv_w, state, hk: int, dk: int, hv: int, dv: int):
@@ -124,10 +125,11 @@ def _state_kernel(X, ST, SLOTS, N, stride_xb, stride_xt, stride_sb, stride_sc, T
 
 
 def _gates_kernel(B_, A_, ALOG, DTB, N, G, BETA, stride_bb, stride_bt, stride_ab, stride_at, T, HV,
-                  HAS_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+                  HAS_N: tl.constexpr, PRECISE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
     """Program (row b, token block): beta = sigmoid(b) and g = -exp(A_log) * softplus(a + dt_bias) (torch's
     threshold 20) for BLOCK_T tokens x every head, fp32, into contiguous G / BETA [B, T, HV]; with N, tokens at or
-    past N[b] get 0 for both (padding: no write to the state, no decay)."""
+    past N[b] get 0 for both (padding: no write to the state, no decay). PRECISE (on a GPU): the functions torch's
+    CUDA kernels use (libdevice's expf and log1pf, a correctly rounded division), so the eager ops' bits."""
     b = tl.program_id(0)
     offs_t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_h = tl.arange(0, BLOCK_H)
@@ -137,12 +139,18 @@ def _gates_kernel(B_, A_, ALOG, DTB, N, G, BETA, stride_bb, stride_bt, stride_ab
     bv = tl.load(B_ + bt * stride_bb + offs_t[:, None] * stride_bt + offs_h[None, :], mask=ok, other=0.0)
     av = tl.load(A_ + bt * stride_ab + offs_t[:, None] * stride_at + offs_h[None, :], mask=ok, other=0.0)
     x = av.to(tl.float32) + tl.load(DTB + offs_h, mask=h_ok, other=0.0)[None, :]
-    e = tl.exp(tl.minimum(x, 20.0))
-    u = 1.0 + e
-    log1p = tl.where(u == 1.0, e, tl.log(u) * (e / tl.where(u == 1.0, 1.0, u - 1.0)))  # log1p(e), tiny e too
-    softplus = tl.where(x > 20.0, x, log1p)
-    g = -tl.exp(tl.load(ALOG + offs_h, mask=h_ok, other=0.0))[None, :] * softplus
-    beta = tl.sigmoid(bv.to(tl.float32))
+    alog = tl.load(ALOG + offs_h, mask=h_ok, other=0.0)
+    bf = bv.to(tl.float32)
+    if PRECISE:
+        softplus = tl.where(x > 20.0, x, libdevice.log1p(libdevice.exp(x)))
+        g = -libdevice.exp(alog)[None, :] * softplus
+        beta = tl.math.div_rn(tl.zeros_like(bf) + 1.0, 1.0 + libdevice.exp(-bf))
+    else:  # the interpreter (numpy's functions)
+        e = tl.exp(tl.minimum(x, 20.0))
+        u = 1.0 + e
+        log1p = tl.where(u == 1.0, e, tl.log(u) * (e / tl.where(u == 1.0, 1.0, u - 1.0)))  # log1p(e), tiny e too
+        g = -tl.exp(alog)[None, :] * tl.where(x > 20.0, x, log1p)
+        beta = tl.sigmoid(bf)
     if HAS_N:
         live = (offs_t < tl.load(N + b))[:, None]
         g = tl.where(live, g, 0.0)
@@ -170,6 +178,9 @@ def _gnorm_kernel(O, Z, Wt, Y, stride_ob, stride_zb, N_HEADS, eps, D: tl.constex
 
 @functools.lru_cache(maxsize=1)
 def _kernels() -> dict:
+    from triton.language.extra import libdevice
+
+    globals()["libdevice"] = libdevice  # the gates' precise functions (compiled kernels only)
     return _triton.jit_module(globals(), (), {"conv": "_conv_kernel", "gnorm": "_gnorm_kernel",
                                                "state": "_state_kernel", "gates": "_gates_kernel"})
 
@@ -247,7 +258,8 @@ def gates(b, a, A_log, dt_bias, n=None):
     block_t = max(1, min(64, 4096 // block_h))
     kern["gates"][(bsz, -(-t // block_t))](b, a, A_log.float().contiguous(), dt_bias.float().contiguous(),
                                            n if n is not None else b, g, beta, b.stride(0), b.stride(1), a.stride(0),
-                                           a.stride(1), t, hv, HAS_N=n is not None, BLOCK_T=block_t,
+                                           a.stride(1), t, hv, HAS_N=n is not None, PRECISE=not kern["interpreted"],
+                                           BLOCK_T=block_t,
                                            BLOCK_H=block_h, num_warps=4)
     return g, beta
 
