@@ -726,7 +726,12 @@ PY
     gdnglue) # a GDN prompt chunk's glue in fewer launches (session 62): its CUDA tests, the glue bench (conv builds
              # GLUE_BT, beside .old's module when carried), the 27B prompt grid (PLEN) with .old's tree (carried: the
              # tree before) and then this one, ours only, one process each
-             TESTS_S=${TESTS_S:-150} run_tests test_kernels_gdn_prefill test_prefill_graphs
+             ( timeout ${TESTS_S:-150} python3 -m pytest -q -p no:cacheprovider tests/test_prefill_graphs.py \
+                 -k "${GLUE_K:-captured or final or padded}" > "$OUT/test_prefill_graphs.log" 2>&1
+               echo "pytest rc $?" >> "$OUT/test_prefill_graphs.log" ) &
+             TESTS_S=${TESTS_S:-150} run_tests test_kernels_gdn_prefill; wait
+             echo "--- test_prefill_graphs (-k ${GLUE_K:-captured or final or padded}): $(tail -1 "$OUT/test_prefill_graphs.log")"
+             grep -E "^(FAILED|ERROR)" "$OUT/test_prefill_graphs.log" | head -8
              B=""; [ -f .old/kernels/gdn_prefill.py ] && B="--baseline .old/kernels/gdn_prefill.py"
              timeout ${GLUE_BENCH_S:-120} python3 scripts/bench_gdn_prefill.py --block-t ${GLUE_BT:-16:8,16:4,32:8,64:8,8:4} \
                $B 2>&1 | tee "$OUT/gdnglue-bench.log" | tail -16
