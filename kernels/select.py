@@ -7,7 +7,14 @@ int64 keys one block and about 76 us on an H200; the walk is two small launches 
   greedy_walk    tokens ``[B, K]`` from the pair-scored candidates ``scores [B, K, C, C]``: position i's argmax over
                  the row of its scores that position i - 1's choice picks (row 0 at i = 0), one program a row
 
-Both have torch references (``*_ref``) giving the same bits: every comparison is over exact keys or values.
+And the greedy decode chain's link (engine/model/graphs.GraphRunner.chain) in one launch:
+
+  chain_link     the step's argmax over the vocabulary (torch.argmax's choice), written as the picked token and as the
+                 next step's input, the position advanced, the stop ids checked and the slot switched to the scratch
+                 slot once one came out: about ten torch launches (an argmax reduction, copies, a comparison, an
+                 any-reduction, a where), each costing more than its work in a small model's step
+
+Each has a torch reference (``*_ref``) giving the same bits: every comparison is over exact keys or values.
 """
 
 from __future__ import annotations
@@ -19,10 +26,12 @@ import torch
 from . import _triton
 from ._triton import pow2 as _pow2
 
-__all__ = ["greedy_walk", "greedy_walk_ref", "ordered_topk", "ordered_topk_ref", "triton_available"]
+__all__ = ["chain_link", "chain_link_ref", "greedy_walk", "greedy_walk_ref", "ordered_topk", "ordered_topk_ref",
+           "triton_available"]
 
 triton_available = _triton.available
 CHUNK = 2048  # columns a first-pass program of ordered_topk ranks
+LINK_CHUNK = 16384  # columns a chain_link program takes (the last program to finish reduces the programs' maxima)
 
 
 # ---- references --------------------------------------------------------------------------------------------------
@@ -55,6 +64,18 @@ def greedy_walk_ref(scores: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
         idx = scores[:, i].gather(1, idx.view(b, 1, 1).expand(b, 1, c)).squeeze(1).argmax(-1)
         picks.append(idx)
     return cand.gather(2, torch.stack(picks, 1)[..., None]).squeeze(-1)
+
+
+def chain_link_ref(logits, stops, own, scratch: int, picked, ids, pos, done, slots) -> None:
+    """The greedy chain's link as torch ops: ``tok = logits.argmax(-1)`` (``logits [1, V]``) into ``picked [1]`` and
+    ``ids [1]``, ``pos [1]`` += 1, ``done [1]`` (bool) |= tok is one of ``stops [S]`` (-1 padded), ``slots [1]`` =
+    ``scratch`` where done, else ``own [1]``."""
+    tok = logits.argmax(-1)
+    picked.copy_(tok)
+    ids.copy_(tok)
+    pos.add_(1)
+    done.logical_or_((tok[:, None] == stops[None]).any(-1))
+    slots.copy_(torch.where(done, torch.full_like(own, scratch), own))
 
 
 # ---- fast versions -----------------------------------------------------------------------------------------------
@@ -101,6 +122,39 @@ def greedy_walk(scores: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
     out = torch.empty(b, k, dtype=cand.dtype, device=cand.device)
     kern["walk"][(b,)](scores, cand, out, K=k, C=c, BLOCK_C=_pow2(c), num_warps=1, **_triton.pdl_args(scores.device))
     return out
+
+
+class LinkScratch:
+    """:func:`chain_link`'s buffers for a vocabulary of ``n`` on ``device`` (made before a capture, reused by every
+    replay): each program's largest key and the programs' finish counter (back at 0 after every launch)."""
+
+    def __init__(self, n: int, device):
+        self.n = n
+        self.programs = -(-n // LINK_CHUNK)
+        self.part = torch.empty(self.programs, dtype=torch.int64, device=device)
+        self.count = torch.zeros(1, dtype=torch.int32, device=device)
+
+
+def chain_link(logits, stops, own, scratch: int, picked, ids, pos, done, slots, work: LinkScratch) -> None:
+    """:func:`chain_link_ref` in one launch (``logits [1, V]`` with the last dim contiguous; the int64 ``picked``,
+    ``ids``, ``pos``, ``own``, ``slots`` and the bool ``done`` one element each, contiguous; ``stops`` int64 [S]).
+    Programs of LINK_CHUNK columns each store their largest ordered key (:func:`ordered_topk_ref`'s keys: a value's
+    order above, its reversed column below, so the largest key is the first column of the largest value; a NaN
+    counts as the largest, -0.0 as 0.0, as torch's argmax takes them); the last program to finish takes the largest
+    of those and writes the link. No host synchronisation: CUDA-graph safe."""
+    n = logits.shape[-1]
+    if logits.dim() != 2 or logits.shape[0] != 1 or logits.stride(-1) != 1 or work.n != n:
+        raise ValueError(f"chain_link: logits must be [1, V] with V = {work.n} (the scratch's), last dim contiguous; "
+                         f"got {tuple(logits.shape)}")
+    for name, x in (("picked", picked), ("ids", ids), ("pos", pos), ("own", own), ("slots", slots), ("done", done)):
+        if x.numel() != 1 or not x.is_contiguous() or x.dtype != (torch.bool if name == "done" else torch.int64):
+            raise ValueError(f"chain_link: {name} must be one contiguous "
+                             f"{'bool' if name == 'done' else 'int64'} element, got {x.dtype} {tuple(x.shape)}")
+    kern = _ready("chain_link", logits)
+    block = min(2048, _pow2(n))
+    kern["link"][(work.programs,)](logits, work.part, work.count, stops, own, picked, ids, pos, done, slots, n,
+                                   stops.numel(), scratch, CHUNK=LINK_CHUNK, BLOCK=block,
+                                   BLOCK_S=_pow2(stops.numel()), BLOCK_P=_pow2(work.programs), num_warps=8)
 
 
 # ---- Triton kernels ------------------------------------------------------------------------------------------------
@@ -158,8 +212,40 @@ def _walk_kernel(S, CAND, OUT, K: tl.constexpr, C: tl.constexpr, BLOCK_C: tl.con
         tl.store(OUT + b * K + i, tl.load(CAND + (b * K + i) * C + j))
 
 
+def _link_kernel(X, PART, COUNT, STOPS, OWN, PICKED, IDS, POS, DONE, SLOTS, N, NS, scratch, CHUNK: tl.constexpr,
+                 BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_P: tl.constexpr):
+    """Program p: the largest ordered key of columns p * CHUNK ..; the last program to finish: the link."""
+    p = tl.program_id(0)
+    lowest = -9223372036854775807 - 1
+    best = tl.full([BLOCK], lowest, tl.int64)
+    for j in tl.static_range(CHUNK // BLOCK):
+        offs = p * CHUNK + j * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < N
+        x = tl.load(X + offs, mask=ok, other=0.0).to(tl.float32)
+        x = tl.where(x != x, float("nan"), tl.where(x == 0.0, 0.0, x))  # one NaN (above every number), one zero
+        bits = x.to(tl.int32, bitcast=True)
+        key = ((bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64) << 32) | (N - 1 - offs).to(tl.int64)
+        best = tl.maximum(best, tl.where(ok, key, lowest))
+    tl.store(PART + p, tl.max(best, 0))
+    ticket = tl.atomic_add(COUNT, 1, sem="acq_rel")  # after this program's maximum is stored
+    if ticket == tl.num_programs(0) - 1:  # every program's maximum is in PART
+        offs_p = tl.arange(0, BLOCK_P)
+        parts = tl.load(PART + offs_p, mask=offs_p < tl.num_programs(0), other=lowest, volatile=True)
+        tok = N - 1 - (tl.max(parts, 0) & 0xFFFFFFFF)
+        tl.store(PICKED, tok)
+        tl.store(IDS, tok)
+        tl.store(POS, tl.load(POS) + 1)
+        offs_s = tl.arange(0, BLOCK_S)
+        hit = tl.max((tl.load(STOPS + offs_s, mask=offs_s < NS, other=-1) == tok).to(tl.int32), 0)
+        done = (tl.load(DONE).to(tl.int32) | hit) != 0
+        tl.store(DONE, done)
+        tl.store(SLOTS, tl.where(done, scratch, tl.load(OWN)))
+        tl.store(COUNT, 0)  # ready for the next launch
+
+
 @functools.lru_cache(maxsize=1)
 def _kernels() -> dict:
     """Jit the kernels (first call only)."""
     return _triton.jit_module(globals(), ("_keys",), {"topk_chunks": "_topk_chunks_kernel",
-                                                      "topk_merge": "_topk_merge_kernel", "walk": "_walk_kernel"})
+                                                      "topk_merge": "_topk_merge_kernel", "walk": "_walk_kernel",
+                                                      "link": "_link_kernel"})

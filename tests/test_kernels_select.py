@@ -41,3 +41,80 @@ def test_greedy_walk_equals_reference(b, k, c):
     assert torch.equal(sel.greedy_walk(scores, cand), sel.greedy_walk_ref(scores, cand))
     with pytest.raises(ValueError, match="scores"):
         sel.greedy_walk(scores[:, :, :, :2], cand)
+
+
+def link_case(n, dtype, seed, *, stops=(), done=False, fill=None):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(1, n, generator=g).to(dtype)
+    if fill is not None:
+        fill(logits)
+    state = dict(picked=torch.zeros(1, dtype=torch.long), ids=torch.full((1,), 5, dtype=torch.long),
+                 pos=torch.full((1,), 41, dtype=torch.long), done=torch.tensor([done]),
+                 slots=torch.full((1,), 3, dtype=torch.long))
+    stop = torch.full((64,), -1, dtype=torch.long)
+    stop[:len(stops)] = torch.tensor(list(stops), dtype=torch.long)
+    return logits.to(DEVICE), stop.to(DEVICE), torch.full((1,), 3, dtype=torch.long, device=DEVICE), \
+        {k: v.to(DEVICE) for k, v in state.items()}
+
+
+def _ties(x):  # the largest value three times (bf16 logits tie often): the first of them is the argmax
+    x[0, [40_000 % x.shape[1], 9, 17_000 % x.shape[1]]] = 50.0
+
+
+def _zeros(x):  # -0.0 before +0.0 as the largest value: torch's argmax takes them as equal
+    x.clamp_(max=-1.0)
+    x[0, 7], x[0, 30] = -0.0, 0.0
+
+
+def _nan(x):  # a NaN counts as the largest value
+    x[0, 2] = 100.0
+    x[0, x.shape[1] - 3] = float("nan")
+
+
+def _neg_inf(x):  # every value -inf: the first column
+    x.fill_(float("-inf"))
+
+
+@pytest.mark.parametrize("n,dtype,fill", [(8192, torch.bfloat16, None), (8192, torch.bfloat16, _ties),
+                                          (50_000, torch.float32, _ties), (50_000, torch.bfloat16, None),
+                                          (300, torch.float32, _zeros), (20_000, torch.float32, _nan),
+                                          (1000, torch.float32, _neg_inf)],
+                         ids=["8k", "8k-ties", "50k-ties-programs", "50k-bf16", "zeros", "nan", "neg-inf"])
+def test_chain_link_equals_reference(n, dtype, fill):
+    """One launch writes what the torch link writes: the argmax (torch's choice on ties, zeros of either sign, NaN and
+    an all -inf row) as the picked token and the next input, the position advanced, the slot kept (no stop id)."""
+    logits, stop, own, got = link_case(n, dtype, 1, stops=(n + 5,), fill=fill)
+    _, _, _, want = link_case(n, dtype, 1, stops=(n + 5,), fill=fill)
+    work = sel.LinkScratch(n, logits.device)
+    for step in range(3):  # the counter is back at 0 after every launch: the same scratch serves the next one
+        sel.chain_link(logits, stop, own, 7, work=work, **got)
+        sel.chain_link_ref(logits, stop, own, 7, **want)
+        for key in want:
+            assert torch.equal(got[key], want[key]), (key, step)
+    assert int(got["picked"]) == int(logits.float().argmax()) and int(got["pos"]) == 44
+    assert int(work.count) == 0
+
+
+@pytest.mark.parametrize("stops,done", [((11, 12), False), ((), True), ((11,), True)])
+def test_chain_link_stops(stops, done):
+    """A picked stop id sets done and switches the slot to the scratch slot; once done it stays so."""
+    n = 4096
+
+    def fill(x):
+        x[0, 12] = 30.0
+
+    logits, stop, own, got = link_case(n, torch.float32, 2, stops=stops, done=done, fill=fill)
+    _, _, _, want = link_case(n, torch.float32, 2, stops=stops, done=done, fill=fill)
+    sel.chain_link(logits, stop, own, 7, work=sel.LinkScratch(n, logits.device), **got)
+    sel.chain_link_ref(logits, stop, own, 7, **want)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert bool(got["done"]) == (done or 12 in stops) and int(got["slots"]) == (7 if got["done"] else 3)
+
+
+def test_chain_link_names_bad_buffers():
+    logits, stop, own, got = link_case(100, torch.float32, 3)
+    with pytest.raises(ValueError, match="V = 99"):
+        sel.chain_link(logits, stop, own, 7, work=sel.LinkScratch(99, logits.device), **got)
+    got["pos"] = got["pos"].int()
+    with pytest.raises(ValueError, match="pos"):
+        sel.chain_link(logits, stop, own, 7, work=sel.LinkScratch(100, logits.device), **got)

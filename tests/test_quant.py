@@ -126,3 +126,18 @@ def test_take_rows_is_the_row_subset_of_the_pack(fmt):
     got = quant.take_rows(buf, fmt, (12, 100), rows)
     assert got.numel() == quant.nbytes(fmt, (5, 100))
     assert torch.equal(quant.dequantize(got, fmt, (5, 100)), quant.dequantize(buf, fmt, (12, 100))[rows])
+
+
+@pytest.mark.parametrize("fmt", quant.QUANT_FORMATS)
+def test_packed_and_dense_embeddings_look_up_the_same_rows(fmt):
+    """engine/model/weights.Embedding: a packed table's lookup (rows dequantized on the fly) and a dense copy's (kept
+    when it is small, weights.DENSE_EMBED_MAX) give the same bits."""
+    from ninfer_bench.engine.model.weights import Embedding, RawWeight
+
+    w = _weights((50, 70), seed=5)
+    raw = RawWeight(fmt, (50, 70), quant.pack(w, fmt))
+    ids = torch.tensor([[3, 49, 0], [3, 7, 7]])
+    for dtype in (torch.float32, torch.bfloat16):
+        dense, packed = Embedding(raw, dtype, "cpu", dense=True), Embedding(raw, dtype, "cpu", dense=False)
+        assert dense.table is not None and packed.table is None
+        assert torch.equal(dense(ids), packed(ids)) and dense(ids).shape == (2, 3, 70)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ...kernels import select
 from ...kernels._triton import graph_scope, pdl_held
 from ..sampling import RowSampling, SamplingParams, sample_rows
 from .hybrid import DECODE, PREFILL, VERIFY, Step
@@ -151,7 +152,8 @@ class GraphRunner:
         opts = engine.options
         self.prefill_sizes = prefill_buckets(min(opts.prefill_chunk, engine.capacity))
         self.prefill_off: str | None = None if opts.prefill_graphs else "--prefill-graphs off"
-        # captured samplers: (rows, vocabulary, dtype, sort, full, greedy) -> (graph, static logits, static rows, tokens)
+        # captured samplers: (rows, vocabulary, dtype, sort, full, greedy) -> (graph, static logits, static rows,
+        # tokens)
         self.samplers: dict[tuple, tuple] = {}
 
     def bucket(self, b: int) -> int:
@@ -270,13 +272,17 @@ class GraphRunner:
             own = torch.zeros(1, dtype=torch.long, device=dev)
             stops = torch.full((MAX_STOP_IDS,), -1, dtype=torch.long, device=dev)
 
-            def link():
-                tok = cap.logits[:, -1].argmax(-1)  # the same pick as Engine.advance's greedy rows
-                picked.copy_(tok)
-                cap.ids[:, 0].copy_(tok)
-                cap.pos.add_(1)
-                done.logical_or_((tok[:, None] == stops[None]).any(-1))
-                cap.slots.copy_(torch.where(done, torch.full_like(own, scratch), own))
+            # the same pick as Engine.advance's greedy rows (logits.argmax), in one launch (kernels/select.chain_link:
+            # the torch ops' bits); the torch ops themselves where Triton is missing
+            link_args = (cap.logits[:, -1], stops, own, scratch, picked, cap.ids[:, 0], cap.pos, done, cap.slots)
+            if select.triton_available():
+                work = select.LinkScratch(cap.logits.shape[-1], dev)
+
+                def link():
+                    select.chain_link(*link_args, work=work)
+            else:
+                def link():
+                    select.chain_link_ref(*link_args)
 
             # one warm-up run (it changes nothing that the priming below does not set again)
             graph, _ = capture(link, self.pool, dev, warmups=1)

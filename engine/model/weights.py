@@ -51,6 +51,13 @@ class RawWeight:
         return quant.dequantize(buf, self.fmt, self.shape, dtype)
 
 
+# A packed embedding table whose dense copy takes at most this many bytes is kept dense (the same values: the rows are
+# dequantized as a lookup dequantizes them): a lookup is then one gather, where the packed table's costs four launches
+# (the codes' and the scales' gathers, the product, the cast) - about 5 us of a small model's decode step. The bundled
+# model's table is 8 MB dense; the 27B's (2.5 GB) stays packed.
+DENSE_EMBED_MAX = 64 << 20
+
+
 # Dense projections of at most this many output rows may run through qmv's dense path on CUDA (when
 # kernels/qmv_cuda.set_dense is on, EngineOptions.qmv_dense): the 27B GDN b+a projection (96 rows) took two cuBLAS
 # kernels, 6.3 us a layer.
@@ -241,7 +248,8 @@ class WeightStore:
             raws, self.interleaved = self._interleaved(raws)
         for name, raw in raws.items():
             if name.endswith("embed_tokens.weight"):
-                self.embeddings[name] = Embedding(raw, dtype, self.device, dense=not self.packed)
+                small = math.prod(raw.shape) * dtype.itemsize <= DENSE_EMBED_MAX
+                self.embeddings[name] = Embedding(raw, dtype, self.device, dense=not self.packed or small)
             elif len(raw.shape) == 2 and not name.endswith("conv1d.weight"):
                 self.linears[name] = self.linear_of(raw)
             else:  # norms, A_log, dt_bias, conv weights: fp32, small
