@@ -23,6 +23,10 @@
 #   conc33   issue 33's targets: 27B C1-C8 at 128 new tokens, plain and DFlash2 K=7 --replay-acceptance seed (CONC_ARGS)
 #   lprefill layer-major prefill on / off: its CUDA test, the 27B prompt grid (PLEN, --prefill-weights LP_WEIGHTS)
 #   cudnnp   --cudnn-prefill on,off: its tests, the attention bench (cudnn-split, --past), the 27B prompt grid
+#   s62      session 62 in one call: the GDN prefill glue's, the chain link's and the chained decode's CUDA tests, the
+#            glue bench, the 27B prompt grid (PLEN) with .old's tree and this one, the bundled model's plain held-out
+#            decode with both trees, its decode step profiled (default and S62_GDN_BV state tiles), the README's main
+#            command, scripts/probe_cudnn_plans.py (S62_PROBE=0 skips it)
 #   gdnglue  a GDN prompt chunk's glue in fewer launches (conv_state_update, gates, the conv without layout
 #            conversions): its CUDA tests, bench_gdn_prefill (GLUE_BT conv builds, beside .old's module when carried),
 #            the 27B prompt grid (PLEN) with .old's tree (carried) and this one, ours only
@@ -723,6 +727,36 @@ PY
              echo "bench rc $?"; grep "^start" "$OUT/cudnnp.log" | grep -v "sdpa-copy\|dequant \| copy \|flash-int8\|-rep " | cut -c1-150
              nb decode $M27 --engine ${CUDNNP_ENGINES:-ours} -p ${PLEN:-2991,65000} -n ${PLEN_N:-32} --repeats 2 \
                --cudnn-prefill on,off --json "$OUT/cudnnp-grid" 2>&1 | tee "$OUT/cudnnp-grid.log" | tail -10 ;;
+    s62)     # session 62's call (see the header): each part's output under $OUT, the tests' logs in tests_all.log
+             ( timeout ${TESTS_S:-150} python3 -m pytest -q -p no:cacheprovider tests/test_prefill_graphs.py \
+                 -k "captured or final or padded" > "$OUT/test_prefill_graphs.log" 2>&1
+               echo "pytest rc $?" >> "$OUT/test_prefill_graphs.log" ) &
+             ( timeout ${TESTS_S:-150} python3 -m pytest -q -p no:cacheprovider tests/test_cuda_engine.py \
+                 -k "lookahead_decode" > "$OUT/test_cuda_engine.log" 2>&1
+               echo "pytest rc $?" >> "$OUT/test_cuda_engine.log" ) &
+             TESTS_S=${TESTS_S:-150} run_tests test_kernels_gdn_prefill test_kernels_select; wait
+             for f in test_prefill_graphs test_cuda_engine; do echo "--- $f: $(tail -1 "$OUT/$f.log")"
+               grep -E "^(FAILED|ERROR)" "$OUT/$f.log" | head -6; done
+             B=""; [ -f .old/kernels/gdn_prefill.py ] && B="--baseline .old/kernels/gdn_prefill.py"
+             timeout 120 python3 scripts/bench_gdn_prefill.py --block-t ${GLUE_BT:-16:4,16:2,32:4} $B 2>&1 \
+               | tee "$OUT/gdnglue-bench.log" | tail -12
+             if [ -f .old/scripts/nb.py ]; then ln -sf "$PWD/models/ninfer-code-small.ninfer" .old/models/ 2>/dev/null
+               ( cd .old && timeout 200 python3 scripts/nb.py decode $M27 -p ${PLEN:-2991,65000} -n 32 --repeats 2 \
+                   --json "$OUT/grid-old" 2>&1 | tee "$OUT/grid-old.log" | tail -5 )
+               ( cd .old && timeout 120 python3 scripts/nb.py decode --spec none $HELD --json "$OUT/held-old" 2>&1 \
+                   | tee "$OUT/held-old.log" | tail -4 ); fi
+             timeout 200 python3 scripts/nb.py decode $M27 -p ${PLEN:-2991,65000} -n 32 --repeats 2 --json "$OUT/grid-new" \
+               2>&1 | tee "$OUT/grid-new.log" | tail -5
+             timeout 120 python3 scripts/nb.py decode --spec none $HELD --json "$OUT/held-new" 2>&1 | tee "$OUT/held-new.log" \
+               | tail -4
+             for bv in default ${S62_GDN_BV:-128}; do a=""; [ $bv != default ] && a="--gdn-block-v $bv"
+               timeout 90 python3 scripts/profile_step.py --steps 64 --top 30 $a --json "$OUT/bprof-$bv.json" \
+                 > "$OUT/bprof-$bv.log" 2>&1; echo "--- bundled step, GDN block_v $bv: rc $?"
+               grep -E "a step|GPU busy" "$OUT/bprof-$bv.log" | head -2; done
+             timeout 120 python3 scripts/nb.py decode --spec dflash2 -k 7 --json "$OUT/main.json" 2>&1 | tee "$OUT/main.log" \
+               | tail -5
+             [ "${S62_PROBE:-1}" = 1 ] && timeout 120 python3 scripts/probe_cudnn_plans.py --varlen 2048:65536 2>&1 \
+               | tee "$OUT/probe_cudnn.log" ;;
     gdnglue) # a GDN prompt chunk's glue in fewer launches (session 62): its CUDA tests, the glue bench (conv builds
              # GLUE_BT, beside .old's module when carried), the 27B prompt grid (PLEN) with .old's tree (carried: the
              # tree before) and then this one, ours only, one process each
