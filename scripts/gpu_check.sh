@@ -26,7 +26,7 @@
 #   s62      session 62 in one call: the GDN prefill glue's, the chain link's and the chained decode's CUDA tests, the
 #            glue bench, the 27B prompt grid (PLEN) with .old's tree and this one, the bundled model's plain held-out
 #            decode with both trees, its decode step profiled (default and S62_GDN_BV state tiles), the README's main
-#            command, scripts/probe_cudnn_plans.py (S62_PROBE=0 skips it)
+#            command, scripts/probe_cudnn_plans.py (S62_PROBE=0 skips it), the bundled NIAH grid at S62_NIAH contexts
 #   gdnglue  a GDN prompt chunk's glue in fewer launches (conv_state_update, gates, the conv without layout
 #            conversions): its CUDA tests, bench_gdn_prefill (GLUE_BT conv builds, beside .old's module when carried),
 #            the 27B prompt grid (PLEN) with .old's tree (carried) and this one, ours only
@@ -755,8 +755,10 @@ PY
                grep -E "a step|GPU busy" "$OUT/bprof-$bv.log" | head -2; done
              timeout 120 python3 scripts/nb.py decode --spec dflash2 -k 7 --json "$OUT/main.json" 2>&1 | tee "$OUT/main.log" \
                | tail -5
-             [ "${S62_PROBE:-1}" = 1 ] && timeout 120 python3 scripts/probe_cudnn_plans.py --varlen 2048:65536 2>&1 \
-               | tee "$OUT/probe_cudnn.log" ;;
+             [ "${S62_PROBE:-1}" = 1 ] && timeout 90 python3 scripts/probe_cudnn_plans.py --varlen 2048:65536 2>&1 \
+               | tee "$OUT/probe_cudnn.log"
+             [ -n "${S62_NIAH:-}" ] && timeout ${S62_NIAH_S:-150} python3 scripts/nb.py niah --ctx $S62_NIAH \
+               --json "$OUT/niah.json" 2>&1 | tee "$OUT/niah.log" | tail -14 ;;
     gdnglue) # a GDN prompt chunk's glue in fewer launches (session 62): its CUDA tests, the glue bench (conv builds
              # GLUE_BT, beside .old's module when carried), the 27B prompt grid (PLEN) with .old's tree (carried: the
              # tree before) and then this one, ours only, one process each
