@@ -138,6 +138,7 @@ class Chain:
     done: torch.Tensor  # [1] bool: a stop id was picked
     slot: torch.Tensor  # [1] the sequence's own slot
     stop: torch.Tensor  # [MAX_STOP_IDS] stop ids, padded with -1
+    work: object = None  # the link's scratch (kernels/select.LinkScratch): the graph writes it, so it lives here
 
 
 class GraphRunner:
@@ -275,6 +276,7 @@ class GraphRunner:
             # the same pick as Engine.advance's greedy rows (logits.argmax), in one launch (kernels/select.chain_link:
             # the torch ops' bits); the torch ops themselves where Triton is missing
             link_args = (cap.logits[:, -1], stops, own, scratch, picked, cap.ids[:, 0], cap.pos, done, cap.slots)
+            work = None
             if select.triton_available():
                 work = select.LinkScratch(cap.logits.shape[-1], dev)
 
@@ -286,7 +288,7 @@ class GraphRunner:
 
             # one warm-up run (it changes nothing that the priming below does not set again)
             graph, _ = capture(link, self.pool, dev, warmups=1)
-            ch = self._chain = Chain(graph, cap, picked, done, own, stops)
+            ch = self._chain = Chain(graph, cap, picked, done, own, stops, work)
         cap.ids.fill_(last)
         cap.pos.fill_(pos)
         cap.slots.fill_(slot)
