@@ -53,8 +53,9 @@ class RawWeight:
 
 # A packed embedding table whose dense copy takes at most this many bytes is kept dense (the same values: the rows are
 # dequantized as a lookup dequantizes them): a lookup is then one gather, where the packed table's costs four launches
-# (the codes' and the scales' gathers, the product, the cast) - about 5 us of a small model's decode step. The bundled
-# model's table is 8 MB dense; the 27B's (2.5 GB) stays packed.
+# (the codes' and the scales' gathers, the product, the cast): about 8 against 1.5 us of the bundled model's 177 us
+# decode step on an H100 (docs/perf/2026-12-06c-gdn-glue-chain-link-h100.md). Its table is 8 MB dense; the 27B's
+# (2.5 GB) stays packed.
 DENSE_EMBED_MAX = 64 << 20
 
 
