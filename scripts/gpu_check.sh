@@ -26,7 +26,8 @@
 #   s62      session 62 in one call: the GDN prefill glue's, the chain link's and the chained decode's CUDA tests, the
 #            glue bench, the 27B prompt grid (PLEN) with .old's tree and this one, the bundled model's plain held-out
 #            decode with both trees, its decode step profiled (default and S62_GDN_BV state tiles), the README's main
-#            command, scripts/probe_cudnn_plans.py (S62_PROBE=0 skips it), the bundled NIAH grid at S62_NIAH contexts
+#            command, scripts/probe_cudnn_plans.py (S62_PROBE=0 skips it), the bundled NIAH grid at S62_NIAH contexts;
+#            S62_ENGINES=ours,hf adds the transformers peer to this tree's 27B grid (an H200: S62_GRID_S=400)
 #   gdnglue  a GDN prompt chunk's glue in fewer launches (conv_state_update, gates, the conv without layout
 #            conversions): its CUDA tests, bench_gdn_prefill (GLUE_BT conv builds, beside .old's module when carried),
 #            the 27B prompt grid (PLEN) with .old's tree (carried) and this one, ours only
@@ -745,8 +746,8 @@ PY
                    --json "$OUT/grid-old" 2>&1 | tee "$OUT/grid-old.log" | tail -5 )
                ( cd .old && timeout 120 python3 scripts/nb.py decode --spec none $HELD --json "$OUT/held-old" 2>&1 \
                    | tee "$OUT/held-old.log" | tail -4 ); fi
-             timeout 200 python3 scripts/nb.py decode $M27 -p ${PLEN:-2991,65000} -n 32 --repeats 2 --json "$OUT/grid-new" \
-               2>&1 | tee "$OUT/grid-new.log" | tail -5
+             timeout ${S62_GRID_S:-200} python3 scripts/nb.py decode $M27 --engine ${S62_ENGINES:-ours} -p ${PLEN:-2991,65000} \
+               -n 32 --repeats 2 --json "$OUT/grid-new" 2>&1 | tee "$OUT/grid-new.log" | tail -5
              timeout 120 python3 scripts/nb.py decode --spec none $HELD --json "$OUT/held-new" 2>&1 | tee "$OUT/held-new.log" \
                | tail -4
              for bv in default ${S62_GDN_BV:-128}; do a=""; [ $bv != default ] && a="--gdn-block-v $bv"
