@@ -22,7 +22,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from . import _triton
+from . import _triton, gdn_triton_kernels
 from ._triton import pow2 as _pow2
 from .conv import causal_conv1d_ref, causal_conv1d_state_at
 from .gdn import l2norm
@@ -99,31 +99,6 @@ def _conv_kernel(X, CW, ST, SLOTS, OUT, stride_xb, stride_xt, stride_sb, stride_
     tl.store(OUT + row[:, None] + offs_d[None, :], y.to(OUT.dtype.element_ty), mask=t_ok[:, None] & d_ok[None, :])
 
 
-def _state_kernel(X, ST, SLOTS, N, stride_xb, stride_xt, stride_sb, stride_sc, T, C, HAS_N: tl.constexpr,
-                  KEEP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Program (row b, channel block): the conv state after the row's first n tokens (n = N[b], or T), written over
-    the slot's state in place: position j of the window is input n + j of cat(state, x) - x[n + j - KEEP] where
-    that is in the chunk, else the old state's position n + j. Every value is read before any is written (one
-    program holds all KEEP positions of its channels)."""
-    b = tl.program_id(0)
-    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    offs_k = tl.arange(0, BLOCK_K)
-    n = T
-    if HAS_N:
-        n = tl.load(N + b).to(tl.int32)
-    slot = tl.load(SLOTS + b).to(tl.int64)
-    idx = n + offs_k  # [BLOCK_K] positions in cat(state, x)
-    ok = (offs_k < KEEP)[:, None] & (offs_c < C)[None, :]
-    from_x = (idx >= KEEP)[:, None]
-    xv = tl.load(X + b.to(tl.int64) * stride_xb + (idx - KEEP)[:, None].to(tl.int64) * stride_xt + offs_c[None, :],
-                 mask=ok & from_x, other=0.0)
-    base = ST + slot * stride_sb + offs_c[None, :].to(tl.int64) * stride_sc
-    sv = tl.load(base + idx[:, None], mask=ok & (idx < KEEP)[:, None], other=0.0)
-    val = tl.where(from_x, xv.to(ST.dtype.element_ty), sv)
-    tl.debug_barrier()  # every program's loads before its stores (the window shifts within one program's channels)
-    tl.store(base + offs_k[:, None], val, mask=ok)
-
-
 def _gates_kernel(B_, A_, ALOG, DTB, N, G, BETA, stride_bb, stride_bt, stride_ab, stride_at, T, HV,
                   HAS_N: tl.constexpr, PRECISE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
     """Program (row b, token block): beta = sigmoid(b) and g = -exp(A_log) * softplus(a + dt_bias) (torch's
@@ -182,7 +157,7 @@ def _kernels() -> dict:
 
     globals()["libdevice"] = libdevice  # the gates' precise functions (compiled kernels only)
     return _triton.jit_module(globals(), (), {"conv": "_conv_kernel", "gnorm": "_gnorm_kernel",
-                                               "state": "_state_kernel", "gates": "_gates_kernel"})
+                                               "gates": "_gates_kernel"})
 
 
 def conv_qkv(qkv, conv_w, state, slots, hk: int, dk: int, hv: int, dv: int):
@@ -224,12 +199,14 @@ def conv_state_update(qkv, state, slots, n=None) -> None:
                          f"{'' if n is None else ', ' + str(tuple(n.shape))}")
     if keep == 0 or b == 0:
         return
-    kern = _triton.ready("conv_state_update", _kernels, qkv)
+    # the decode recurrence's window write (gdn_triton_kernels._write_window: read whole, then written), a launch of
+    # its own
+    kern = _triton.ready("conv_state_update", gdn_triton_kernels.jit_kernels, qkv)
     block_c = 256
-    kern["state"][(b, -(-c // block_c))](qkv, state, slots, n if n is not None else slots, qkv.stride(0),
-                                         qkv.stride(1), state.stride(0), state.stride(1), t, c,
-                                         HAS_N=n is not None, KEEP=keep, BLOCK_K=_pow2(keep), BLOCK_C=block_c,
-                                         num_warps=4)
+    kern["window"][(b, -(-c // block_c))](qkv, state, slots, n if n is not None else slots, qkv.stride(0),
+                                          qkv.stride(1), state.stride(0), state.stride(1), state.stride(2), t, c,
+                                          HAS_N=n is not None, W=keep + 1, BW=_pow2(keep), BLOCK_C=block_c,
+                                          num_warps=4)
 
 
 def conv_state_update_ref(qkv, state, slots, n=None) -> None:
@@ -265,7 +242,7 @@ def gates(b, a, A_log, dt_bias, n=None):
 
 
 def gates_ref(b, a, A_log, dt_bias, n=None):
-    """The eager ops :func:`gates` replaces (engine/model/hybrid.py's GDN layer)."""
+    """The gates as eager torch ops (the eager GDN layer's, engine/model/hybrid.py): :func:`gates`' reference."""
     beta = torch.sigmoid(b.float())
     g = -torch.exp(A_log) * F.softplus(a.float() + dt_bias)
     if n is not None:

@@ -1,7 +1,8 @@
 """The Triton kernels of :mod:`kernels.gdn_triton` (the device side; planning, checks, launches and the
 fp32 reference live there): ``_prep_kernel`` (conv + SiLU, L2 norms, gates into a workspace, one token a program),
 ``_recur_kernel`` (the delta-rule recurrence on a state tile held in registers, optionally the gated norm, the
-state and the new conv windows) and ``_gated_norm_kernel``.
+state and the new conv windows), ``_gated_norm_kernel``, and ``_conv_window_kernel`` (a prompt chunk's new conv
+windows, for :mod:`kernels.gdn_prefill`).
 """
 
 from __future__ import annotations
@@ -210,6 +211,18 @@ def _recur_kernel(WORK, GATES, SSRC, SSM, SLOTS, KEEP, STATES, Z, NW, Y, QKV, CS
                               HK * DK + hk * DK + dk_, dk_ < DK, keep, ty, W, BW)
 
 
+def _conv_window_kernel(X, ST, SLOTS, N, stride_xb, stride_xt, stride_sb, stride_sc, stride_sw, T, C,
+                        HAS_N: tl.constexpr, W: tl.constexpr, BW: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Program (row b, channel block): the slot's conv window after the row's first N[b] (or T) inputs, written over
+    the old one (kernels/gdn_prefill.conv_state_update: a prompt chunk's new conv state)."""
+    b = tl.program_id(0)
+    chan = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    keep = tl.load(N + b).to(tl.int32) if HAS_N else T
+    base = ST + tl.load(SLOTS + b).to(tl.int64) * stride_sb
+    _write_window(X + b.to(tl.int64) * stride_xb, stride_xt, base, stride_sc, stride_sw, base, stride_sc, stride_sw,
+                  chan, chan < C, keep, ST.dtype.element_ty, W, BW)
+
+
 def _gated_norm_kernel(O, Z, NW, Y, stride_ob, stride_ot, stride_zb, stride_zt, stride_yb, stride_yt, T, HV, eps,
                        DV: tl.constexpr, BD: tl.constexpr, HB: tl.constexpr, PDL: tl.constexpr):
     """Program (b * T + t, head block): y = norm_w * rmsnorm(o) * silu(z) for HB heads of one token."""
@@ -233,4 +246,5 @@ def _gated_norm_kernel(O, Z, NW, Y, stride_ob, stride_ot, stride_zb, stride_zt, 
 def jit_kernels() -> dict:
     """Jit the kernels (first call only). The kernels find their helpers and `tl` as module globals."""
     return _triton.jit_module(globals(), ("_conv_tok", "_window", "_write_window"),
-                              {"prep": "_prep_kernel", "recur": "_recur_kernel", "norm": "_gated_norm_kernel"})
+                              {"prep": "_prep_kernel", "recur": "_recur_kernel", "norm": "_gated_norm_kernel",
+                               "window": "_conv_window_kernel"})

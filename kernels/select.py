@@ -163,13 +163,19 @@ def chain_link(logits, stops, own, scratch: int, picked, ids, pos, done, slots, 
 tl = pdl_enter = None  # triton.language and the PDL helper, bound by _kernels()
 
 
-def _keys(X, row, stride_x, offs, N):
-    """The ordered int64 keys of columns ``offs`` of row ``row`` (the reference's), the int64 minimum past N."""
-    ok = offs < N
-    bits = tl.load(X + row * stride_x + offs, mask=ok, other=0.0).to(tl.float32).to(tl.int32, bitcast=True)
+def _order_keys(x, offs, N):
+    """The ordered int64 keys of fp32 values ``x`` at columns ``offs`` (a value's order above, its reversed column
+    below), the int64 minimum past N."""
+    bits = x.to(tl.int32, bitcast=True)
     ordered = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64)
     key = (ordered << 32) | (N - 1 - offs).to(tl.int64)
-    return tl.where(ok, key, -9223372036854775807 - 1)
+    return tl.where(offs < N, key, -9223372036854775807 - 1)
+
+
+def _keys(X, row, stride_x, offs, N):
+    """The ordered int64 keys of columns ``offs`` of row ``row`` (the reference's), the int64 minimum past N."""
+    x = tl.load(X + row * stride_x + offs, mask=offs < N, other=0.0).to(tl.float32)
+    return _order_keys(x, offs, N)
 
 
 def _topk_chunks_kernel(X, PART, stride_x, stride_p, N, K: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
@@ -220,12 +226,9 @@ def _link_kernel(X, PART, COUNT, STOPS, OWN, PICKED, IDS, POS, DONE, SLOTS, N, N
     best = tl.full([BLOCK], lowest, tl.int64)
     for j in tl.static_range(CHUNK // BLOCK):
         offs = p * CHUNK + j * BLOCK + tl.arange(0, BLOCK)
-        ok = offs < N
-        x = tl.load(X + offs, mask=ok, other=0.0).to(tl.float32)
+        x = tl.load(X + offs, mask=offs < N, other=0.0).to(tl.float32)
         x = tl.where(x != x, float("nan"), tl.where(x == 0.0, 0.0, x))  # one NaN (above every number), one zero
-        bits = x.to(tl.int32, bitcast=True)
-        key = ((bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64) << 32) | (N - 1 - offs).to(tl.int64)
-        best = tl.maximum(best, tl.where(ok, key, lowest))
+        best = tl.maximum(best, _order_keys(x, offs, N))
     tl.store(PART + p, tl.max(best, 0))
     ticket = tl.atomic_add(COUNT, 1, sem="acq_rel")  # after this program's maximum is stored
     if ticket == tl.num_programs(0) - 1:  # every program's maximum is in PART
@@ -246,6 +249,6 @@ def _link_kernel(X, PART, COUNT, STOPS, OWN, PICKED, IDS, POS, DONE, SLOTS, N, N
 @functools.lru_cache(maxsize=1)
 def _kernels() -> dict:
     """Jit the kernels (first call only)."""
-    return _triton.jit_module(globals(), ("_keys",), {"topk_chunks": "_topk_chunks_kernel",
+    return _triton.jit_module(globals(), ("_order_keys", "_keys"), {"topk_chunks": "_topk_chunks_kernel",
                                                       "topk_merge": "_topk_merge_kernel", "walk": "_walk_kernel",
                                                       "link": "_link_kernel"})

@@ -171,11 +171,8 @@ class HybridModel:
             v = v.reshape(b, t, hv, dv)
             if step.valid is not None:  # the state after the real tokens, not after the padding
                 conv_new = causal_conv1d_state_at(qkv, conv_old, step.valid)
-            beta = torch.sigmoid(bb.float())
-            g = -torch.exp(A_log) * F.softplus(aa.float() + dt_bias)
-            if step.valid is not None:  # padding writes nothing (beta = 0) and does not decay the state (g = 0)
-                real = (torch.arange(t, device=x.device)[None] < step.valid[:, None])[..., None]
-                beta, g = beta * real, g * real
+            # padding writes nothing (beta = 0) and does not decay the state (g = 0): the eager ops of the gates
+            g, beta = gdn_prefill.gates_ref(bb, aa, A_log, dt_bias, step.valid)
         ssm_old = cache.ssm[i][step.slots]
         if step.mode == PREFILL:
             o, state = gated_delta_rule(q, k, v, g, beta, initial_state=ssm_old, impl=self.gdn_impl)
