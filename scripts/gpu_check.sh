@@ -28,6 +28,8 @@
 #            decode with both trees, its decode step profiled (default and S62_GDN_BV state tiles), the README's main
 #            command, scripts/probe_cudnn_plans.py (S62_PROBE=0 skips it), the bundled NIAH grid at S62_NIAH contexts;
 #            S62_ENGINES=ours,hf adds the transformers peer to this tree's 27B grid (an H200: S62_GRID_S=400)
+#   verify62 session 62's pieces not yet run on a GPU after its review (captured-prefill tests, conv_state_update's
+#            window kernel, the GDN decode and chained-decode CUDA tests), then the bundled decode step's profile
 #   gdnglue  a GDN prompt chunk's glue in fewer launches (conv_state_update, gates, the conv without layout
 #            conversions): its CUDA tests, bench_gdn_prefill (GLUE_BT conv builds, beside .old's module when carried),
 #            the 27B prompt grid (PLEN) with .old's tree (carried) and this one, ours only
@@ -728,6 +730,20 @@ PY
              echo "bench rc $?"; grep "^start" "$OUT/cudnnp.log" | grep -v "sdpa-copy\|dequant \| copy \|flash-int8\|-rep " | cut -c1-150
              nb decode $M27 --engine ${CUDNNP_ENGINES:-ours} -p ${PLEN:-2991,65000} -n ${PLEN_N:-32} --repeats 2 \
                --cudnn-prefill on,off --json "$OUT/cudnnp-grid" 2>&1 | tee "$OUT/cudnnp-grid.log" | tail -10 ;;
+    verify62) # session 62's pieces that had not run on a GPU after its review: the captured-prefill tests (the fused glue's
+             # padded path, plain decoding through the chain link), conv_state_update's window kernel, the GDN decode
+             # kernels' and the chained decode's CUDA tests; then the bundled decode step's profile
+             ( timeout ${TESTS_S:-200} python3 -m pytest -q -p no:cacheprovider tests/test_prefill_graphs.py \
+                 -k "captured or final or padded" > "$OUT/test_prefill_graphs.log" 2>&1
+               echo "pytest rc $?" >> "$OUT/test_prefill_graphs.log" ) &
+             ( timeout ${TESTS_S:-200} python3 -m pytest -q -p no:cacheprovider tests/test_cuda_engine.py \
+                 -k "lookahead_decode or chain" > "$OUT/test_cuda_engine.log" 2>&1
+               echo "pytest rc $?" >> "$OUT/test_cuda_engine.log" ) &
+             TESTS_S=${TESTS_S:-200} run_tests test_kernels_gdn_prefill test_kernels_gdn_triton; wait
+             for f in test_prefill_graphs test_cuda_engine; do echo "--- $f: $(tail -1 "$OUT/$f.log")"
+               grep -E "^(FAILED|ERROR)" "$OUT/$f.log" | head -6; done
+             timeout 90 python3 scripts/profile_step.py --steps 64 --top 30 --json "$OUT/bprof.json" > "$OUT/bprof.log" 2>&1
+             echo "--- bundled step: rc $?"; grep -E "a step|GPU busy" "$OUT/bprof.log" | head -2 ;;
     s62)     # session 62's call (see the header): each part's output under $OUT, the tests' logs in tests_all.log
              ( timeout ${TESTS_S:-150} python3 -m pytest -q -p no:cacheprovider tests/test_prefill_graphs.py \
                  -k "captured or final or padded" > "$OUT/test_prefill_graphs.log" 2>&1
