@@ -277,6 +277,72 @@ def test_tokens_at_once_equal_one_at_a_time():
     assert torch.equal(step["conv_state"], whole["conv_state"])
 
 
+@pytest.mark.parametrize("dtype,block_v", [(torch.float32, 8), (torch.bfloat16, 32)],
+                         ids=["fp32-4vblocks", "bf16-1vblock"])
+def test_fold_agrees_with_three_launches(dtype, block_v):
+    """The fold (prep and gated norm in the recurrence's launch, the shared q / k conv windows and the head's norm
+    behind tickets) against the prep + recurrence + norm launches, in every form a caller uses: decode with the
+    caches written, a verify with keep from a pre-verify state and snapshots, a verify writing the rollback's
+    workspace. The conv windows, the v channels and the gates are the same bits (elementwise the same operations),
+    the rest within fp32 reordering; every ticket is back at 0."""
+    B, T, Hk, Hv, dk, dv = 3, 5, 2, 4, 16, 32
+    c = make_case(B, T, Hk, Hv, dk, dv, dtype=dtype, seed=30)
+    g = torch.Generator().manual_seed(31)
+    keep = torch.tensor([T, 1, 4], device=DEVICE)
+    init = {"conv_init": torch.randn(B, *c["conv_state"].shape[1:], generator=g).to(dtype).to(DEVICE),
+            "ssm_init": (torch.randn(B, Hv, dk, dv, generator=g) * 0.5).to(DEVICE)}
+    forms = {"decode": {}, "verify": {"keep": keep, **init, "states_out": True},
+             "workspace": {"write_state": False, "workspace": True}}
+    for name, form in forms.items():
+        runs = {}
+        for fold in (True, False):
+            cc = clone(c)
+            kw = {k: v for k, v in form.items() if k not in ("states_out", "workspace")}
+            if form.get("states_out"):
+                kw["states_out"] = torch.full((B, T, Hv, dk, dv), float("nan"), device=DEVICE)
+            ws = gt.new_stack(1, B, T, c["qkv"].shape[-1], Hv, Hk, dtype, DEVICE) if form.get("workspace") else None
+            if ws is not None:
+                ws = gt.GDNWorkspace(*(torch.full_like(x, float("nan")) for x in (ws.work, ws.gates, ws.inputs)))
+                kw["workspace_out"] = gt.layer_of(ws, 0)
+            cfg = gt.plan(dk, dv, block_v=block_v, num_warps=1, fold=fold)
+            out = gt.gdn_decode(**cc, **kw, config=cfg)
+            runs[fold] = (cc, out, kw, ws)
+        (cf, of, kf, wf), (cu, ou, ku, wu) = runs[True], runs[False]
+        assert rel_rms(of, ou) <= TOL[dtype]["out"], f"{name}: out {rel_rms(of, ou):.2e}"
+        assert rel_rms(cf["ssm"], cu["ssm"]) <= 2e-5, name
+        assert torch.equal(cf["conv_state"], cu["conv_state"]), f"{name}: conv windows differ"
+        if "states_out" in kf:
+            assert rel_rms(kf["states_out"], ku["states_out"]) <= 2e-5, name
+        if wf is not None:
+            C = c["qkv"].shape[-1]
+            assert torch.equal(wf.inputs, wu.inputs), f"{name}: raw conv inputs"
+            assert torch.equal(wf.work[..., 2 * Hk * dk:C], wu.work[..., 2 * Hk * dk:C]), f"{name}: v channels"
+            assert torch.equal(wf.gates[..., :2 * Hv], wu.gates[..., :2 * Hv]), f"{name}: e^g / beta"
+            assert rel_rms(wf.work, wu.work) <= 2e-6 and rel_rms(wf.gates, wu.gates) <= 2e-6, name
+        assert not gt._TICKETS[torch.device(DEVICE)].any(), f"{name}: a ticket was left set"
+
+
+def test_fold_tokens_give_the_bits_single_steps_give():
+    """Token invariance through the fold with several v blocks a head (the ticketed norm): one call over T = 5
+    tokens gives, token by token, what five single-token calls give."""
+    c = make_case(2, 5, 1, 3, 16, 32, seed=32)
+    cfg = gt.plan(16, 32, block_v=8, num_warps=1, fold=True)
+    block = clone(c)
+    out = gt.gdn_decode(**block, config=cfg)
+    steps = clone(c)
+    for t in range(5):
+        one = {**steps, **{n: c[n][:, t:t + 1] for n in ("qkv", "z", "b", "a")}}
+        assert torch.equal(gt.gdn_decode(**one, config=cfg)[:, 0], out[:, t]), f"token {t}"
+    assert torch.equal(steps["ssm"], block["ssm"]) and torch.equal(steps["conv_state"], block["conv_state"])
+
+
+def test_fold_env_switch(monkeypatch):
+    monkeypatch.setenv("NINFER_BENCH_GDN_FOLD", "0")
+    assert not gt.plan(128, 128).fold
+    monkeypatch.delenv("NINFER_BENCH_GDN_FOLD")
+    assert gt.plan(128, 128).fold
+
+
 def test_plan_defaults():
     cfg = gt.plan(128, 128)
     assert cfg == gt.GDNConfig(block_v=32, num_warps=2)
