@@ -12,17 +12,7 @@ Shapes (C = 2 * Hk * dk + Hv * dv channels, q | k | v; W the conv width; S cache
   conv_state [S, C, W-1] compute dtype; conv_w [C, W] fp32; ssm [S, Hv, dk, dv] fp32; slots [B] int64
   A_log, dt_bias [Hv] fp32; norm_w [dv] fp32; out [B, T, Hv * dv] compute dtype
 
-One launch by default (the fold, ``GDNConfig.fold``): ``_recur_kernel`` with PREP over (B * Hv, dv / BV). Each
-program computes its own inputs token by token (``_prep_tok``: its k head's q and k channels' conv + SiLU and L2
-norms, its v columns' conv + SiLU, the gates, q . k; each token's sums in a vector layout that depends on the block
-sizes alone, so every token gets the same bits whatever T is), then runs the recurrence below. A k head's q / k
-channels are read by all R * (dv / BV) programs of its head group, so their new conv windows are written by the
-last of them to finish (a ticket: an acq_rel atomic counter per group, reset by that program); each program writes
-its own v columns' windows. With BV < dv each program writes o to an fp32 buffer and the last of the head's
-programs to finish (a ticket per head) applies the gated RMSNorm over the whole head. The tickets live in one zeroed
-int32 buffer per device (``_tickets``), made before any CUDA-graph capture; each launch leaves it at zero.
-
-Without the fold (``NINFER_BENCH_GDN_FOLD=0`` or ``GDNConfig(fold=False)``), two launches (three with block_v < dv):
+Two launches (three with block_v < dv):
 
 1. ``_prep_kernel`` over (B, Hk + Hv, T): one program per k head (its q and k channels) or v head (its v channels
    and gates) and token, each token computed as a single decode step computes it (so every sum is the same bits
