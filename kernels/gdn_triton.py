@@ -50,7 +50,6 @@ Implementations, same argument order:
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -80,7 +79,6 @@ class GDNConfig:
 
     block_v: int  # dv columns of the state per program (power of two); >= dv fuses the gated RMSNorm
     num_warps: int
-    fold: bool = True  # the prep (conv, norms, gates) and the gated norm in the recurrence's launch (see the module doc)
 
     def __post_init__(self):
         if self.block_v < 8 or self.block_v & (self.block_v - 1):
@@ -89,20 +87,16 @@ class GDNConfig:
             raise ValueError(f"GDNConfig.num_warps must be a power of two <= 16, got {self.num_warps}")
 
 
-def plan(dk: int, dv: int, *, block_v: int | None = None, num_warps: int | None = None,
-         fold: bool | None = None) -> GDNConfig:
+def plan(dk: int, dv: int, *, block_v: int | None = None, num_warps: int | None = None) -> GDNConfig:
     """Default launch shape of the recurrence. Narrow state tiles ([128, 32], 2 warps: ~32 state registers per
     thread) beat whole-head tiles with the norm fused at every batch and T timed on the H200: more programs stream
-    the state and each token's reductions stay short. ``fold`` (default on; NINFER_BENCH_GDN_FOLD=0 turns it off
-    for a process): one launch a layer instead of three. Keyword overrides are for tuning sweeps and tests."""
+    the state and each token's reductions stay short. Keyword overrides are for tuning sweeps and tests."""
     bk, bd = _pow2(dk), max(8, _pow2(dv))
     if block_v is None:
         block_v = min(32, bd)
     if num_warps is None:
         num_warps = min(8, max(1, bk * block_v // 2048))
-    if fold is None:
-        fold = os.environ.get("NINFER_BENCH_GDN_FOLD", "1") != "0"
-    return GDNConfig(block_v=block_v, num_warps=num_warps, fold=fold)
+    return GDNConfig(block_v=block_v, num_warps=num_warps)
 
 
 def _new_buffer(shape, dtype, device) -> torch.Tensor:
@@ -244,59 +238,46 @@ def gdn_decode(qkv, z, b, a, conv_state, conv_w, ssm, slots, A_log, dt_bias, nor
     conv_src = conv_init if conv_init is not None else conv_state
     if b is None or a is None:
         raise ValueError("gdn_decode: b and a are needed")
-    if workspace_out is not None:
+    xin = None
+    if workspace_out is None:
+        work = _new_buffer((bsz, t, c), torch.float32, dev)  # q (normalised, scaled) | k (normalised) | v
+        gates = _new_buffer((bsz, t, 2 * hv + hk), torch.float32, dev)  # e^g | beta | q.k
+    else:
+        work, gates, xin = workspace_out.work, workspace_out.gates, workspace_out.inputs
         _check_workspace(workspace_out, bsz, t, c, hv, hk, qkv.dtype, dev)
+    kern["prep"][(bsz, hk + hv, t)](  # one token a program: each token's sums as a single step's
+        qkv, conv_src, conv_w.contiguous(), slots, b, a, A_log, dt_bias, work, gates,
+        xin if xin is not None else work,  # a placeholder when not stored: never written with STORE_X off
+        qkv.stride(0), qkv.stride(1), *conv_src.stride(), b.stride(0), b.stride(1), a.stride(0), a.stride(1),
+        t, dk ** -0.5,
+        HK=hk, HV=hv, DK=dk, DV=dv, W=w, BD=max(16, _pow2(max(dk, dv))), CONV_INIT=conv_init is not None,
+        STORE_X=xin is not None,
+        num_warps=4 if max(dk, dv) >= 512 else 2, **_triton.pdl_args(dev),  # not from T: the sums' layout
+    )
     bv = min(cfg.block_v, max(8, _pow2(dv)))
     fused_norm = bv >= dv
     has_out = z is not None
     out = _new_buffer((bsz, t, hv * dv), qkv.dtype, dev) if has_out else None
     obuf = _new_buffer((bsz, t, hv * dv), torch.float32, dev) if has_out and not fused_norm else None
-    cw = conv_w.contiguous()
-    prep = cfg.fold
-    if prep:  # the recurrence computes its own inputs: no prep launch, the workspace only where a rollback reads it
-        work = workspace_out.work if workspace_out is not None else qkv  # placeholders: never read without a stack
-        gates = workspace_out.gates if workspace_out is not None else qkv
-        xin = workspace_out.inputs if workspace_out is not None else None
-        tickets = _tickets(dev, bsz * (hv + hk))
-    else:
-        xin, tickets = None, qkv  # the tickets' placeholder: never touched without PREP
-        if workspace_out is None:
-            work = _new_buffer((bsz, t, c), torch.float32, dev)  # q (normalised, scaled) | k (normalised) | v
-            gates = _new_buffer((bsz, t, 2 * hv + hk), torch.float32, dev)  # e^g | beta | q.k
-        else:
-            work, gates, xin = workspace_out.work, workspace_out.gates, workspace_out.inputs
-        kern["prep"][(bsz, hk + hv, t)](  # one token a program: each token's sums as a single step's
-            qkv, conv_src, cw, slots, b, a, A_log, dt_bias, work, gates,
-            xin if xin is not None else work,  # a placeholder when not stored: never written with STORE_X off
-            qkv.stride(0), qkv.stride(1), *conv_src.stride(), b.stride(0), b.stride(1), a.stride(0), a.stride(1),
-            t, dk ** -0.5,
-            HK=hk, HV=hv, DK=dk, DV=dv, W=w, BD=max(16, _pow2(max(dk, dv))), CONV_INIT=conv_init is not None,
-            STORE_X=xin is not None,
-            num_warps=4 if max(dk, dv) >= 512 else 2, **_triton.pdl_args(dev),  # not from T: the sums' layout
-        )
     ssm_src = ssm_init if ssm_init is not None else ssm
     y = (out if fused_norm else obuf) if has_out else work
     zz = z if has_out else qkv
     so = states_out if states_out is not None else ssm
-    fin = out if has_out else qkv  # PREP's gated norm output (placeholder without z)
-    if has_out and (fused_norm or prep) and before_z is not None:
-        before_z()  # the recurrence reads z
+    if has_out and fused_norm and before_z is not None:
+        before_z()  # the recurrence's epilogue reads z
     kp = keep if keep is not None else slots  # a placeholder keeps one signature; never read with HAS_KEEP off
     kern["recur"][(bsz * hv, -(-dv // bv))](
-        work, gates, ssm_src, ssm, slots, kp, so, zz, norm_w, y, qkv, conv_src, conv_state, cw, b, a, A_log, dt_bias,
-        xin if xin is not None else qkv, fin, tickets,
+        work, gates, ssm_src, ssm, slots, kp, so, zz, norm_w, y, qkv, conv_src, conv_state,
         *ssm_src.stride()[:3], *ssm.stride()[:3], *so.stride()[:4], zz.stride(0), zz.stride(1), y.stride(0),
-        y.stride(1), qkv.stride(0), qkv.stride(1), *conv_src.stride(), *conv_state.stride(),
-        b.stride(0), b.stride(1), a.stride(0), a.stride(1), fin.stride(0), fin.stride(1), t, eps, dk ** -0.5,
+        y.stride(1), qkv.stride(0), qkv.stride(1), *conv_src.stride(), *conv_state.stride(), t, eps,
         0, 0, 0, 0, 0,  # layer strides: one layer
         HK=hk, R=hv // hk, DK=dk, DV=dv, BT=bt, BK=_pow2(dk), BV=bv, W=w, BW=_pow2(w - 1), BDK=max(16, _pow2(dk)),
         BDV=max(16, _pow2(dv)), SSM_INIT=ssm_init is not None, CONV_INIT=conv_init is not None,
         HAS_KEEP=keep is not None, WRITE_STATE=write_state, STORE_STATES=states_out is not None,
-        HAS_OUT=has_out, FUSED_NORM=fused_norm, LAYERED=False, PREP=prep,
-        STORE_WORK=prep and workspace_out is not None, STORE_X=prep and xin is not None,
+        HAS_OUT=has_out, FUSED_NORM=fused_norm, LAYERED=False,
         num_warps=cfg.num_warps, **_triton.pdl_args(dev),
     )
-    if has_out and not fused_norm and not prep:
+    if has_out and not fused_norm:
         if before_z is not None:
             before_z()
         hb = 8  # heads per program of the norm epilogue
@@ -305,23 +286,6 @@ def gdn_decode(qkv, z, b, a, conv_state, conv_w, ssm, slots, A_log, dt_bias, nor
             out.stride(1), t, hv, eps, DV=dv, BD=max(16, _pow2(dv)), HB=hb, num_warps=4, **_triton.pdl_args(dev),
         )
     return out
-
-
-_TICKETS: dict = {}  # device -> int32 counters (kernels/gdn_triton_kernels._recur_kernel with PREP)
-TICKETS_MIN = 1 << 16
-
-
-def _tickets(dev, n: int) -> torch.Tensor:
-    """The fold's zeroed ticket counters on ``dev``, at least ``n`` (each launch leaves them at 0 again). Made once
-    a device, outside any CUDA-graph capture: a capture would record the zero fill in its graph, not run it."""
-    have = _TICKETS.get(dev)
-    if have is None or have.numel() < n:
-        if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"gdn_decode: the fold's {n} ticket counters must be made before a CUDA-graph capture "
-                               "(run one step eagerly first, as the engine's warm-up does)")
-        have = torch.zeros(max(n, TICKETS_MIN), dtype=torch.int32, device=dev)
-        _TICKETS[dev] = have
-    return have
 
 
 def _check_workspace(ws: GDNWorkspace, bsz, t, c, hv, hk, dtype, dev) -> None:
@@ -396,13 +360,12 @@ def gdn_commit(stack: GDNWorkspace, conv_all, ssm_all, slots, keep, *, config: G
     work, gates, xin = stack.work, stack.gates, stack.inputs
     kern["recur"][(bsz * hv, -(-dv // bv), n)](
         work, gates, ssm_all, ssm_all, slots, keep, ssm_all, xin, work, work, xin, conv_all, conv_all,
-        work, work, work, work, work, xin, xin, slots,  # CW .. TICKETS: PREP's, never read here
         *ssm_all.stride()[1:4], *ssm_all.stride()[1:4], 0, 0, 0, 0, 0, 0, 0, 0, xin.stride(1), xin.stride(2),
-        *conv_all.stride()[1:], *conv_all.stride()[1:], 0, 0, 0, 0, 0, 0, t, 0.0, 1.0,
+        *conv_all.stride()[1:], *conv_all.stride()[1:], t, 0.0,
         work.stride(0), gates.stride(0), ssm_all.stride(0), xin.stride(0), conv_all.stride(0),
         HK=hk, R=hv // hk, DK=dk, DV=dv, BT=_pow2(t), BK=_pow2(dk), BV=bv, W=w, BW=_pow2(w - 1), BDK=max(16, _pow2(dk)),
         BDV=max(16, _pow2(dv)), SSM_INIT=False, CONV_INIT=False, HAS_KEEP=True, WRITE_STATE=True, STORE_STATES=False,
-        HAS_OUT=False, FUSED_NORM=bv >= dv, LAYERED=True, PREP=False, STORE_WORK=False, STORE_X=False,
+        HAS_OUT=False, FUSED_NORM=bv >= dv, LAYERED=True,
         num_warps=cfg.num_warps, **_triton.pdl_args(dev),
     )
 

@@ -112,57 +112,22 @@ def _prep_kernel(QKV, CSRC, CW, SLOTS, BB, AA, ALOG, DTB, WORK, GATES, XOUT,
         tl.store(g_row + HV + h, tl.sigmoid(bt))
 
 
-def _prep_tok(x_base, stride_xt, src_base, stride_cc, stride_cw, CW, BB, AA, ALOG, DTB, stride_bb, stride_bt,
-              stride_ab, stride_at, b, h, t, q_chan, k_chan, v_chan, k_ok, v_ok, live, scale, W: tl.constexpr,
-              BK: tl.constexpr, BV: tl.constexpr):
-    """Token t's inputs to the recurrence of head h, v columns ``v_chan`` (``_recur_kernel`` with PREP): q (L2
-    normalised, scaled) and k of its k head [BK], v [BV], e^g, beta and q . k (the gates unmasked: the caller masks
-    tokens past keep). Each sum is over one token's vector, whose layout depends on BK / BV alone: the same bits
-    whatever T is. Tokens past T (``live`` false) read nothing and give zeros."""
-    q = _conv_tok(x_base, stride_xt, src_base, stride_cc, stride_cw, CW, q_chan, k_ok & live, t, W, BK)
-    k = _conv_tok(x_base, stride_xt, src_base, stride_cc, stride_cw, CW, k_chan, k_ok & live, t, W, BK)
-    q = q * (tl.rsqrt(tl.sum(q * q, 0) + 1e-6) * scale)
-    k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
-    v = _conv_tok(x_base, stride_xt, src_base, stride_cc, stride_cw, CW, v_chan, v_ok & live, t, W, BV)
-    bt = tl.load(BB + b * stride_bb + t * stride_bt + h, mask=live, other=0.0).to(tl.float32)
-    x = tl.load(AA + b * stride_ab + t * stride_at + h, mask=live, other=0.0).to(tl.float32) + tl.load(DTB + h)
-    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))  # torch's threshold 20
-    e = tl.exp(-tl.exp(tl.load(ALOG + h)) * softplus)
-    return q, k, v, e, tl.sigmoid(bt), tl.sum(q * k, 0)
-
-
-def _recur_kernel(WORK, GATES, SSRC, SSM, SLOTS, KEEP, STATES, Z, NW, Y, QKV, CSRC, CONV, CW, BB, AA, ALOG, DTB, XOUT,
-                  OUT, TICKETS,
+def _recur_kernel(WORK, GATES, SSRC, SSM, SLOTS, KEEP, STATES, Z, NW, Y, QKV, CSRC, CONV,
                   stride_sb, stride_sh, stride_sk, stride_mb, stride_mh, stride_mk,
                   stride_ob, stride_ot, stride_oh, stride_ok, stride_zb, stride_zt, stride_yb, stride_yt,
-                  stride_xb, stride_xt, stride_cb, stride_cc, stride_cw, stride_vs, stride_vc, stride_vw,
-                  stride_bb, stride_bt, stride_ab, stride_at, stride_ub, stride_ut, T, eps, scale,
+                  stride_xb, stride_xt, stride_cb, stride_cc, stride_cw, stride_vs, stride_vc, stride_vw, T, eps,
                   stride_lw, stride_lg, stride_ls, stride_lx, stride_lc,
                   HK: tl.constexpr, R: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr,
                   BK: tl.constexpr, BV: tl.constexpr, W: tl.constexpr, BW: tl.constexpr, BDK: tl.constexpr,
                   BDV: tl.constexpr, SSM_INIT: tl.constexpr, CONV_INIT: tl.constexpr, HAS_KEEP: tl.constexpr,
                   WRITE_STATE: tl.constexpr, STORE_STATES: tl.constexpr, HAS_OUT: tl.constexpr,
-                  FUSED_NORM: tl.constexpr, LAYERED: tl.constexpr, PREP: tl.constexpr, STORE_WORK: tl.constexpr,
-                  STORE_X: tl.constexpr, PDL: tl.constexpr):
+                  FUSED_NORM: tl.constexpr, LAYERED: tl.constexpr, PDL: tl.constexpr):
     """Program (b * Hv + h, v block): the recurrence over the T tokens with the state tile [BK, BV] in registers;
     per token o (or, with the whole head in the tile, the gated RMSNorm output) and optionally the state. Tokens
     from ``keep[b]`` on (HAS_KEEP) get e^g = 1 and beta = 0, which leaves the state exactly unchanged. With
-    WRITE_STATE the state after the first keep[b] tokens goes to the cache, and the new conv windows (the W-1
-    inputs ending at keep[b]) to the conv cache, each channel by one program, which reads its old window before it
-    writes the new one.
-
-    The recurrence's inputs come from WORK / GATES (``_prep_kernel``'s workspace) or, with PREP, from the program
-    itself (``_prep_tok``: the conv of its k head's q / k channels and of its own v columns, the norms and gates,
-    token by token), which saves the prep launch. With PREP, a k head's q / k channels are read by all R * (v blocks)
-    programs of the head group, so the last of them to finish reading (a ticket in TICKETS[B * Hv + b * Hk + hk])
-    writes their conv windows; each program writes its own v columns' windows. STORE_WORK / STORE_X: PREP also
-    writes the workspace (and the raw conv inputs, to XOUT) a layered rollback reads. With HAS_OUT and not
-    FUSED_NORM, PREP programs write o to Y (fp32) and the last program of head h to finish (a ticket in
-    TICKETS[b * Hv + h]) applies the gated RMSNorm over the whole head into OUT, which saves the norm launch.
-    Tickets go back to 0 with their last program, ready for the next launch.
-
-    Without PREP and not FUSED_NORM, o goes to Y (fp32) for ``_gated_norm_kernel``; the programs of v block 0
-    write the conv windows of head h's v channels and, with h % R == 0, of k head h // R's q and k channels.
+    WRITE_STATE the state after the first keep[b] tokens goes to the cache, and the programs of v block 0 write
+    the conv windows ending at keep[b] (head h's v channels; with h % R == 0 also k head h // R's q and k channels):
+    each channel by one program, which reads its old window before it writes the new one.
 
     LAYERED (a rollback of every GDN layer in one launch): grid axis 2 is the layer; WORK, GATES, QKV (the raw conv
     inputs) and the caches SSM (= SSRC) and CONV (= CSRC) are stacks over layers, layer l at l * stride_l."""
@@ -193,7 +158,7 @@ def _recur_kernel(WORK, GATES, SSRC, SSM, SLOTS, KEEP, STATES, Z, NW, Y, QKV, CS
         # is at least two launches back, and a launch starts only once the one before it has passed its own
         # wait, i.e. once everything before that one has finished
         S = tl.load(s_ptrs, mask=s_mask, other=0.0)  # [BK, BV] fp32
-    pdl_enter(PDL)  # PDL launches: wait for the kernel before (prep, or the projections with PREP), let the next launch
+    pdl_enter(PDL)  # PDL launches: wait for the kernel before (prep), let the next one launch
     if SSM_INIT:  # a caller's buffer, possibly written by the launch right before
         S = tl.load(s_ptrs, mask=s_mask, other=0.0)
     C = 2 * HK * DK + HK * R * DV  # WORK row: q | k | v channels
@@ -202,47 +167,17 @@ def _recur_kernel(WORK, GATES, SSRC, SSM, SLOTS, KEEP, STATES, Z, NW, Y, QKV, CS
         nw = tl.load(NW + offs_v, mask=v_ok, other=0.0)
     st_base = STATES + b.to(tl.int64) * stride_ob + h * stride_oh + offs_k[:, None] * stride_ok + offs_v[None, :]
     keep = tl.load(KEEP + b).to(tl.int32) if HAS_KEEP else T
-    x_base = QKV + b.to(tl.int64) * stride_xb
-    src_base = CSRC + (b.to(tl.int64) if CONV_INIT else slot) * stride_cb
-    q_chan = hk * DK + offs_k
-    k_chan = HK * DK + hk * DK + offs_k
-    v_chan = 2 * HK * DK + h * DV + offs_v
-    lead = (h % R == 0) & (pid_v == 0)  # PREP: the program that stores its k head's workspace pieces
     for t in tl.static_range(BT):  # unrolled: the loads of later tokens do not wait for the state
         live = t < T  # padding tokens read e^g = 1, beta = 0: no change
         kept = live & (t < keep)  # tokens past keep likewise
         w_row = WORK + (b * T + t) * C
         g_row = GATES + (b * T + t) * NG
-        if PREP:
-            q_t, k_t, v_t, e_t, b_t, qk_t = _prep_tok(
-                x_base, stride_xt, src_base, stride_cc, stride_cw, CW, BB, AA, ALOG, DTB, stride_bb, stride_bt,
-                stride_ab, stride_at, b, h, t, q_chan, k_chan, v_chan, k_ok, v_ok, live, scale, W, BK, BV)
-            if STORE_WORK:
-                tl.store(w_row + v_chan, v_t, mask=v_ok & live)
-                if pid_v == 0:
-                    tl.store(g_row + h, e_t, mask=live)
-                    tl.store(g_row + HK * R + h, b_t, mask=live)
-                if lead:
-                    tl.store(w_row + q_chan, q_t, mask=k_ok & live)
-                    tl.store(w_row + k_chan, k_t, mask=k_ok & live)
-                    tl.store(g_row + 2 * HK * R + hk, qk_t, mask=live)
-            if STORE_X:
-                x_row = XOUT + (b * T + t) * C
-                tl.store(x_row + v_chan, tl.load(x_base + t * stride_xt + v_chan, mask=v_ok & live), mask=v_ok & live)
-                if lead:
-                    tl.store(x_row + q_chan, tl.load(x_base + t * stride_xt + q_chan, mask=k_ok & live),
-                             mask=k_ok & live)
-                    tl.store(x_row + k_chan, tl.load(x_base + t * stride_xt + k_chan, mask=k_ok & live),
-                             mask=k_ok & live)
-            e_t = tl.where(kept, e_t, 1.0)
-            b_t = tl.where(kept, b_t, 0.0)
-        else:
-            q_t = tl.load(w_row + q_chan, mask=k_ok & live, other=0.0)  # [BK]
-            k_t = tl.load(w_row + k_chan, mask=k_ok & live, other=0.0)
-            v_t = tl.load(w_row + v_chan, mask=v_ok & live, other=0.0)  # [BV]
-            e_t = tl.load(g_row + h, mask=kept, other=1.0)
-            b_t = tl.load(g_row + HK * R + h, mask=kept, other=0.0)
-            qk_t = tl.load(g_row + 2 * HK * R + hk, mask=live, other=0.0)
+        q_t = tl.load(w_row + hk * DK + offs_k, mask=k_ok & live, other=0.0)  # [BK]
+        k_t = tl.load(w_row + HK * DK + hk * DK + offs_k, mask=k_ok & live, other=0.0)
+        v_t = tl.load(w_row + 2 * HK * DK + h * DV + offs_v, mask=v_ok & live, other=0.0)  # [BV]
+        e_t = tl.load(g_row + h, mask=kept, other=1.0)
+        b_t = tl.load(g_row + HK * R + h, mask=kept, other=0.0)
+        qk_t = tl.load(g_row + 2 * HK * R + hk, mask=live, other=0.0)
         kS = tl.sum(S * k_t[:, None], 0) * e_t  # (e^g S)^T k, [BV]
         qS = tl.sum(S * q_t[:, None], 0) * e_t
         u = b_t * (v_t - kS)
@@ -260,21 +195,11 @@ def _recur_kernel(WORK, GATES, SSRC, SSM, SLOTS, KEEP, STATES, Z, NW, Y, QKV, CS
     if WRITE_STATE:
         tl.store(SSM + slot * stride_mb + h * stride_mh + offs_k[:, None] * stride_mk + offs_v[None, :], S,
                  mask=s_mask)
-        dst_base = CONV + slot * stride_vs
-        ty = CONV.dtype.element_ty
-        if PREP:
-            _write_window(x_base, stride_xt, src_base, stride_cc, stride_cw, dst_base, stride_vc, stride_vw,
-                          v_chan, v_ok, keep, ty, W, BW)
-            tl.debug_barrier()  # every thread's reads of the q / k windows (in _prep_tok) before the ticket
-            group = TICKETS + (tl.num_programs(0) + b * HK + hk)
-            if tl.atomic_add(group, 1, sem="acq_rel") == R * tl.num_programs(1) - 1:
-                dk_ = tl.arange(0, BDK)
-                _write_window(x_base, stride_xt, src_base, stride_cc, stride_cw, dst_base, stride_vc, stride_vw,
-                              hk * DK + dk_, dk_ < DK, keep, ty, W, BW)
-                _write_window(x_base, stride_xt, src_base, stride_cc, stride_cw, dst_base, stride_vc, stride_vw,
-                              HK * DK + hk * DK + dk_, dk_ < DK, keep, ty, W, BW)
-                tl.store(group, 0)  # ready for the next launch
-        elif pid_v == 0:
+        if pid_v == 0:
+            x_base = QKV + b.to(tl.int64) * stride_xb
+            src_base = CSRC + (b.to(tl.int64) if CONV_INIT else slot) * stride_cb
+            dst_base = CONV + slot * stride_vs
+            ty = CONV.dtype.element_ty
             dv_ = tl.arange(0, BDV)
             _write_window(x_base, stride_xt, src_base, stride_cc, stride_cw, dst_base, stride_vc, stride_vw,
                           2 * HK * DK + h * DV + dv_, dv_ < DV, keep, ty, W, BW)
@@ -284,28 +209,6 @@ def _recur_kernel(WORK, GATES, SSRC, SSM, SLOTS, KEEP, STATES, Z, NW, Y, QKV, CS
                               hk * DK + dk_, dk_ < DK, keep, ty, W, BW)
                 _write_window(x_base, stride_xt, src_base, stride_cc, stride_cw, dst_base, stride_vc, stride_vw,
                               HK * DK + hk * DK + dk_, dk_ < DK, keep, ty, W, BW)
-    if PREP and HAS_OUT and not FUSED_NORM:
-        tl.debug_barrier()  # every thread's o stored before the ticket
-        head = TICKETS + pid
-        if tl.atomic_add(head, 1, sem="acq_rel") == tl.num_programs(1) - 1:  # every v block's o is in Y
-            _gated_norm_head(Y, Z, NW, OUT, b, h, T, stride_yb, stride_yt, stride_zb, stride_zt, stride_ub,
-                             stride_ut, eps, DV, BT, BDV)
-            tl.store(head, 0)  # ready for the next launch
-
-
-def _gated_norm_head(O, Z, NW, Y, b, h, T, stride_ob, stride_ot, stride_zb, stride_zt, stride_yb, stride_yt, eps,
-                     DV: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
-    """y = norm_w * rmsnorm(o) * silu(z) of head h, row b, for each of the T tokens (the recurrence's fused norm
-    over the whole head, o read back from the fp32 buffer O the head's programs wrote)."""
-    offs = tl.arange(0, BD)
-    ok = offs < DV
-    nw = tl.load(NW + offs, mask=ok, other=0.0)
-    for t in tl.static_range(BT):
-        live = t < T
-        o = tl.load(O + b * stride_ob + t * stride_ot + h * DV + offs, mask=ok & live, other=0.0, volatile=True)
-        z = tl.load(Z + b * stride_zb + t * stride_zt + h * DV + offs, mask=ok & live, other=0.0).to(tl.float32)
-        y = o * tl.rsqrt(tl.sum(o * o, 0) / DV + eps) * nw * (z * tl.sigmoid(z))
-        tl.store(Y + b * stride_yb + t * stride_yt + h * DV + offs, y.to(Y.dtype.element_ty), mask=ok & live)
 
 
 def _conv_window_kernel(X, ST, SLOTS, N, stride_xb, stride_xt, stride_sb, stride_sc, stride_sw, T, C,
@@ -342,7 +245,6 @@ def _gated_norm_kernel(O, Z, NW, Y, stride_ob, stride_ot, stride_zb, stride_zt, 
 @functools.lru_cache(maxsize=1)
 def jit_kernels() -> dict:
     """Jit the kernels (first call only). The kernels find their helpers and `tl` as module globals."""
-    return _triton.jit_module(globals(), ("_conv_tok", "_window", "_write_window", "_prep_tok",
-                                                "_gated_norm_head"),
+    return _triton.jit_module(globals(), ("_conv_tok", "_window", "_write_window"),
                               {"prep": "_prep_kernel", "recur": "_recur_kernel", "norm": "_gated_norm_kernel",
                                "window": "_conv_window_kernel"})

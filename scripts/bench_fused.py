@@ -1,7 +1,7 @@
 """Fused GDN decode / verify and the fused decode glue at the 27B shape, bf16, on one CUDA GPU.
 
-Gated DeltaNet (Hk=16, Hv=48, dk=dv=128, conv_dim 10240, W=4): ``gdn_decode`` (one launch with the fold, the
-default; without it prep + recurrence launches, plus the norm kernel when block_v < dv: both timed) for B = 1 / 8 slots and T = 1 / 8 new tokens, with and without per-token
+Gated DeltaNet (Hk=16, Hv=48, dk=dv=128, conv_dim 10240, W=4): ``gdn_decode`` (prep + recurrence launches, plus
+the norm kernel when block_v < dv) for B = 1 / 8 slots and T = 1 / 8 new tokens, with and without per-token
 snapshots (``states_out``), the state-only rollback form (keep + conv_init / ssm_init, z=None), and several
 (block_v, num_warps) launch shapes (128 = gated RMSNorm fused; ``--sweep`` for more), against the eager torch path of
 engine/model/hybrid.py (conv, l2norms, gates, gated_delta_rule_step, cache writes, gated RMSNorm). Then the fused glue
@@ -20,7 +20,6 @@ same run.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import os
@@ -160,12 +159,10 @@ def bench_gdn(bw: float, emit, sweep: bool) -> tuple[list, int]:
         case = GDNCase(b, t)
         base = {"B": b, "T": t, "snapshots": snap}
         default = gt.plan(DK, DV)
-        # the default plan both ways (the fold's one launch and the three launches), then each shape as planned
-        configs = [default, dataclasses.replace(default, fold=not default.fold)] + [
-            gt.GDNConfig(bv, nw, fold=default.fold) for bv, nw in CONFIGS + (SWEEP if sweep else ())]
+        configs = [default] + [gt.GDNConfig(bv, nw) for bv, nw in CONFIGS + (SWEEP if sweep else ())]
         for cfg in dict.fromkeys(configs):
             bv = cfg.block_v
-            rec = {"op": "gdn_decode", **base, "block_v": bv, "num_warps": cfg.num_warps, "fold": cfg.fold,
+            rec = {"op": "gdn_decode", **base, "block_v": bv, "num_warps": cfg.num_warps,
                    "default": cfg == default}
             try:
                 rec.update(check_gdn(case, snap, cfg))
@@ -377,13 +374,13 @@ def _fmt(x, f):
 
 
 def print_tables(gdn_rows, glue_rows):
-    print(f"\n{'op':16} {'B':>2} {'T':>2} {'snap':>4} {'BV':>4} {'wp':>2} {'fold':>4} {'us':>8} {'us_graph':>8} {'MB':>7} "
+    print(f"\n{'op':16} {'B':>2} {'T':>2} {'snap':>4} {'BV':>4} {'wp':>2} {'us':>8} {'us_graph':>8} {'MB':>7} "
           f"{'%copy':>6} {'rel_rms':>8}")
     for r in gdn_rows:
         frac = 100 * r["copy_bw_frac"] if "copy_bw_frac" in r else None
         err = max(r["rel_rms"].values()) if "rel_rms" in r else None
         print(f"{r['op']:16} {r['B']:>2} {r['T']:>2} {str(r['snapshots'])[0]:>4} {str(r.get('block_v', '-')):>4} "
-              f"{str(r.get('num_warps', '-')):>2} {str(r.get('fold', '-'))[0]:>4} {_fmt(r.get('us_median'), '8.1f')} {_fmt(r.get('us_graph'), '8.1f')} "
+              f"{str(r.get('num_warps', '-')):>2} {_fmt(r.get('us_median'), '8.1f')} {_fmt(r.get('us_graph'), '8.1f')} "
               f"{_fmt(r.get('bytes', 0) / 1e6, '7.2f')} {_fmt(frac, '6.1f')} {_fmt(err, '8.1e')}"
               f"{'  <- default' if r.get('default') else ''}"
               + (f"  ERROR {r['error'][:80]}" if "error" in r else ""))

@@ -28,9 +28,6 @@
 #            decode with both trees, its decode step profiled (default and S62_GDN_BV state tiles), the README's main
 #            command, scripts/probe_cudnn_plans.py (S62_PROBE=0 skips it), the bundled NIAH grid at S62_NIAH contexts;
 #            S62_ENGINES=ours,hf adds the transformers peer to this tree's 27B grid (an H200: S62_GRID_S=400)
-#   s63      the GDN fold (one launch a GDN layer instead of three; NINFER_BENCH_GDN_FOLD=0 the three): S63_PART=a its
-#            CUDA tests, the engine's and the captured-prefill tests, the bundled step and held-out decode fold off / on;
-#            S63_PART=b bench_fused --gdn-only, the held-out spec grid, the README's main command, 27B decode off / on
 #   verify62 session 62's pieces not yet run on a GPU after its review (captured-prefill tests, conv_state_update's
 #            window kernel, the GDN decode and chained-decode CUDA tests), then the bundled decode step's profile
 #   gdnglue  a GDN prompt chunk's glue in fewer launches (conv_state_update, gates, the conv without layout
@@ -733,36 +730,6 @@ PY
              echo "bench rc $?"; grep "^start" "$OUT/cudnnp.log" | grep -v "sdpa-copy\|dequant \| copy \|flash-int8\|-rep " | cut -c1-150
              nb decode $M27 --engine ${CUDNNP_ENGINES:-ours} -p ${PLEN:-2991,65000} -n ${PLEN_N:-32} --repeats 2 \
                --cudnn-prefill on,off --json "$OUT/cudnnp-grid" 2>&1 | tee "$OUT/cudnnp-grid.log" | tail -10 ;;
-    s63)     # session 63: the GDN fold (prep and gated norm in the recurrence's launch; NINFER_BENCH_GDN_FOLD=0 is the
-             # three launches before it). S63_PART=a: the GDN and engine CUDA tests and the captured-prefill tests
-             # (one process each, at once), then the bundled decode step profiled and the bundled held-out plain decode,
-             # fold off then on. S63_PART=b: bench_fused --gdn-only (27B GDN shape, fold beside three launches), the
-             # held-out grid (plain / MTP3 / DFlash2 K=7) with the fold, the README's main command, the 27B decode
-             # (S63_P-token prompt, 64 tokens) fold off then on, one process each
-             if [ "${S63_PART:-a}" = a ]; then
-               ( timeout ${TESTS_S:-300} python3 -m pytest -q -p no:cacheprovider --durations=5 tests/test_prefill_graphs.py \
-                   -k "captured or final" > "$OUT/test_prefill_graphs.log" 2>&1
-                 echo "pytest rc $?" >> "$OUT/test_prefill_graphs.log" ) &
-               TESTS_S=${TESTS_S:-300} run_tests test_kernels_gdn_triton test_cuda_engine; wait
-               echo "--- test_prefill_graphs: $(tail -1 "$OUT/test_prefill_graphs.log")"
-               grep -E "^(FAILED|ERROR)" "$OUT/test_prefill_graphs.log" | head -6
-               for f in 0 1; do
-                 NINFER_BENCH_GDN_FOLD=$f timeout 90 python3 scripts/profile_step.py --steps 64 --top 30 \
-                   --json "$OUT/bprof-fold$f.json" > "$OUT/bprof-fold$f.log" 2>&1; echo "--- bundled step, fold $f: rc $?"
-                 grep -E "a step|GPU busy|_recur|_prep|_gated" "$OUT/bprof-fold$f.log" | head -6; done
-               for f in 0 1; do echo "--- bundled held-out plain, fold $f"
-                 NINFER_BENCH_GDN_FOLD=$f timeout ${S63_HELD_S:-120} python3 scripts/nb.py decode --spec none $HELD \
-                   --json "$OUT/held-fold$f" 2>&1 | tee "$OUT/held-fold$f.log" | tail -4; done
-             else
-               timeout ${S63_BENCH_S:-150} python3 scripts/bench_fused.py --gdn-only 2>&1 | tee "$OUT/bench_fused.log" | tail -40
-               timeout ${S63_GRID_S:-200} python3 scripts/nb.py decode --spec none,mtp:3,dflash2:7 $HELD \
-                 --json "$OUT/held-grid" 2>&1 | tee "$OUT/held-grid.log" | tail -8
-               timeout 120 python3 scripts/nb.py decode --spec dflash2 -k 7 --json "$OUT/main.json" 2>&1 \
-                 | tee "$OUT/main.log" | tail -5
-               for f in 0 1; do echo "--- 27B decode, fold $f"
-                 NINFER_BENCH_GDN_FOLD=$f timeout ${S63_27_S:-150} python3 scripts/nb.py decode $M27 -p ${S63_P:-512} -n 64 \
-                   --repeats 2 --json "$OUT/d27-fold$f" 2>&1 | tee "$OUT/d27-fold$f.log" | tail -4; done
-             fi ;;
     verify62) # session 62's pieces that had not run on a GPU after its review: the captured-prefill tests (the fused glue's
              # padded path, plain decoding through the chain link), conv_state_update's window kernel, the GDN decode
              # kernels' and the chained decode's CUDA tests; then the bundled decode step's profile
