@@ -209,6 +209,15 @@ c8_builds() {  # the 27B DFlash2 K=7 replayed C8 with each build "label|QMV_WIDE
   echo "--- plain C8"; timeout ${E2E_S:-280} python3 scripts/nb.py concurrency $C27 -c 8 \
     --json "$OUT/$dir/plain.json" 2>&1 | tee "$OUT/$dir/plain.log" | grep -E "^│|rror" | head -4
 }
+bg_test() {  # tests/$1.py -k "$2" in the background (TESTS_S seconds, default 200), its log $OUT/$1.log ending in
+  # pytest's rc; bg_report names the logs to print once they are done (after `wait`)
+  ( timeout ${TESTS_S:-200} python3 -m pytest -q -p no:cacheprovider tests/$1.py -k "$2" > "$OUT/$1.log" 2>&1
+    echo "pytest rc $?" >> "$OUT/$1.log" ) &
+}
+bg_report() {
+  local f
+  for f in "$@"; do echo "--- $f: $(tail -1 "$OUT/$f.log")"; grep -E "^(FAILED|ERROR)" "$OUT/$f.log" | head -6; done
+}
 chained_tests() {  # the chained speculative rounds' CUDA tests (seven; three took 60-90 s)
   timeout "${TESTS_S:-300}" python3 -m pytest -q -p no:cacheprovider tests/test_cuda_engine.py -k chained \
     > "$OUT/chained_tests.log" 2>&1; echo "pytest rc $?"; tail -3 "$OUT/chained_tests.log"
@@ -482,13 +491,13 @@ PY
              [ "${RING_C8:-0}" = 1 ] && c8_builds ring ${RING_WIDE:-"before|8q4:p3u1b1,8q5:p1" "default|"} ;;
     xring)   # issue 33: qmv's x through the cp.async ring with the weights (XRING, knob v1) at 64 rows: the ring's CUDA
              # tests (bits against the register build, PDL, graphs, the epilogue), the 27B q4 / q5 shapes at 64 rows with
-             # the default ring build and its xring twin (bits checked against 8-row launches), then with XRING_C8=1 the
+             # the default ring build and xring builds (XRING_KNOBS; bits checked against 8-row launches), then with XRING_C8=1 the
              # 27B DFlash2 K=7 replayed C8 with each build and plain C8 (E2E_S each)
              mkdir -p "$OUT/xring"
              [ "${XRING_TESTS:-1}" = 0 ] || timeout ${TESTS_S:-200} python3 -m pytest -q -p no:cacheprovider -rf \
                tests/test_kernels_qmv_cuda.py -k "async_ring or wide_builds" 2>&1 | tee "$OUT/xring/tests.log" \
                | grep -E "^(FAILED|ERROR)|passed|failed" | head
-             K=${XRING_KNOBS:-p3s4b1,p3s4b1v1}
+             K=${XRING_KNOBS:-p3s4b1,p3s4b1v1,p3s3b1v1,p2s4b1v1}
              ring_bench xring bench64.log "" --ts 64 --rows 64 --qmv-knobs "$K" --only "ours-r8,ours-r64,qmv-lanes-${K//,/,qmv-lanes-}"
              [ "${XRING_C8:-0}" = 1 ] && c8_builds xring "default|" "xring|8q4:p3s4b1v1,8q5:p3s4b1v1" ;;
     tpw)     # wide qmv launches with several row tiles a block (x loaded once for them): their CUDA tests, the 27B q4 /
@@ -746,27 +755,17 @@ PY
     verify62) # session 62's pieces that had not run on a GPU after its review: the captured-prefill tests (the fused glue's
              # padded path, plain decoding through the chain link), conv_state_update's window kernel, the GDN decode
              # kernels' and the chained decode's CUDA tests; then the bundled decode step's profile
-             ( timeout ${TESTS_S:-200} python3 -m pytest -q -p no:cacheprovider tests/test_prefill_graphs.py \
-                 -k "captured or final or padded" > "$OUT/test_prefill_graphs.log" 2>&1
-               echo "pytest rc $?" >> "$OUT/test_prefill_graphs.log" ) &
-             ( timeout ${TESTS_S:-200} python3 -m pytest -q -p no:cacheprovider tests/test_cuda_engine.py \
-                 -k "lookahead_decode or chain" > "$OUT/test_cuda_engine.log" 2>&1
-               echo "pytest rc $?" >> "$OUT/test_cuda_engine.log" ) &
+             bg_test test_prefill_graphs "captured or final or padded"
+             bg_test test_cuda_engine "lookahead_decode or chain"
              TESTS_S=${TESTS_S:-200} run_tests test_kernels_gdn_prefill test_kernels_gdn_triton; wait
-             for f in test_prefill_graphs test_cuda_engine; do echo "--- $f: $(tail -1 "$OUT/$f.log")"
-               grep -E "^(FAILED|ERROR)" "$OUT/$f.log" | head -6; done
+             bg_report test_prefill_graphs test_cuda_engine
              timeout 90 python3 scripts/profile_step.py --steps 64 --top 30 --json "$OUT/bprof.json" > "$OUT/bprof.log" 2>&1
              echo "--- bundled step: rc $?"; grep -E "a step|GPU busy" "$OUT/bprof.log" | head -2 ;;
     s62)     # session 62's call (see the header): each part's output under $OUT, the tests' logs in tests_all.log
-             ( timeout ${TESTS_S:-150} python3 -m pytest -q -p no:cacheprovider tests/test_prefill_graphs.py \
-                 -k "captured or final or padded" > "$OUT/test_prefill_graphs.log" 2>&1
-               echo "pytest rc $?" >> "$OUT/test_prefill_graphs.log" ) &
-             ( timeout ${TESTS_S:-150} python3 -m pytest -q -p no:cacheprovider tests/test_cuda_engine.py \
-                 -k "lookahead_decode" > "$OUT/test_cuda_engine.log" 2>&1
-               echo "pytest rc $?" >> "$OUT/test_cuda_engine.log" ) &
+             TESTS_S=${TESTS_S:-150} bg_test test_prefill_graphs "captured or final or padded"
+             TESTS_S=${TESTS_S:-150} bg_test test_cuda_engine "lookahead_decode"
              TESTS_S=${TESTS_S:-150} run_tests test_kernels_gdn_prefill test_kernels_select; wait
-             for f in test_prefill_graphs test_cuda_engine; do echo "--- $f: $(tail -1 "$OUT/$f.log")"
-               grep -E "^(FAILED|ERROR)" "$OUT/$f.log" | head -6; done
+             bg_report test_prefill_graphs test_cuda_engine
              B=""; [ -f .old/kernels/gdn_prefill.py ] && B="--baseline .old/kernels/gdn_prefill.py"
              timeout 120 python3 scripts/bench_gdn_prefill.py --block-t ${GLUE_BT:-16:4,16:2,32:4} $B 2>&1 \
                | tee "$OUT/gdnglue-bench.log" | tail -12
@@ -792,12 +791,9 @@ PY
     gdnglue) # a GDN prompt chunk's glue in fewer launches (session 62): its CUDA tests, the glue bench (conv builds
              # GLUE_BT, beside .old's module when carried), the 27B prompt grid (PLEN) with .old's tree (carried: the
              # tree before) and then this one, ours only, one process each
-             ( timeout ${TESTS_S:-150} python3 -m pytest -q -p no:cacheprovider tests/test_prefill_graphs.py \
-                 -k "${GLUE_K:-captured or final or padded}" > "$OUT/test_prefill_graphs.log" 2>&1
-               echo "pytest rc $?" >> "$OUT/test_prefill_graphs.log" ) &
+             TESTS_S=${TESTS_S:-150} bg_test test_prefill_graphs "${GLUE_K:-captured or final or padded}"
              TESTS_S=${TESTS_S:-150} run_tests test_kernels_gdn_prefill; wait
-             echo "--- test_prefill_graphs (-k ${GLUE_K:-captured or final or padded}): $(tail -1 "$OUT/test_prefill_graphs.log")"
-             grep -E "^(FAILED|ERROR)" "$OUT/test_prefill_graphs.log" | head -8
+             bg_report test_prefill_graphs
              B=""; [ -f .old/kernels/gdn_prefill.py ] && B="--baseline .old/kernels/gdn_prefill.py"
              timeout ${GLUE_BENCH_S:-120} python3 scripts/bench_gdn_prefill.py --block-t ${GLUE_BT:-16:8,16:4,32:8,64:8,8:4} \
                $B 2>&1 | tee "$OUT/gdnglue-bench.log" | tail -16
