@@ -104,6 +104,20 @@ def async_shared_bytes(fmt: str, warps: int, stages: int, tiles: int = 1, xring:
     return warps * stages * 32 * (tiles * per_lane + x_lane)
 
 
+SHARED_BLOCK_MAX = 232448  # the shared memory a block may opt into on sm_90 (H100 / H200: 227 KB)
+
+
+def static_shared_bytes(warps: int, ncol: int) -> int:
+    """The kernel's static shared memory: tile_store's sums, a float4 per warp, column group and lane."""
+    return warps * ncol * 32 * 16
+
+
+@functools.cache
+def _shared_max(device_index: int) -> int:
+    props = torch.cuda.get_device_properties(device_index)
+    return int(getattr(props, "shared_memory_per_block_optin", 0) or SHARED_BLOCK_MAX)
+
+
 def kernel_options(fmt_id: int, half: bool, even: bool, unroll: int, min_blocks: int, xlate: bool, pipe: bool,
                    fold: bool, pdl: bool, tiled: int, act: bool, warps: int, tail: bool, ncol: int, tiles: int,
                    xl1: bool = True, stages: int = 0, xring: bool = False) -> tuple[str, ...]:
@@ -362,7 +376,7 @@ class QmvBuild:
 def launch_build(fmt: str, n: int, t: int, layout: int, sms: int, *, unroll: int | None = None,
                  min_blocks: int | None = None, xlate: bool = False, pipe: bool = False, warps: int | None = None,
                  tail: bool = False, tiles: int | None = None, stages: int | None = None,
-                 xring: bool | None = None, even: bool = True) -> QmvBuild:
+                 xring: bool | None = None, even: bool = True, shared_max: int = SHARED_BLOCK_MAX) -> QmvBuild:
     """The build a :func:`qmv` launch of ``t`` rows of an ``[n, K]`` ``fmt`` weight in ``layout`` (0 a
     PackedLinear's row-major sections, 1 tiles, 2 the lanes layout) takes on a GPU with ``sms`` SMs, from the
     keywords its caller gave (None: the default) and the process's tables (:func:`wide_build`). A pure function of
@@ -387,12 +401,20 @@ def launch_build(fmt: str, n: int, t: int, layout: int, sms: int, *, unroll: int
     warps = warps or choose_warps(n, sms)
     min_blocks = min_blocks or (max(1, _WARPS_PER_SM // warps) if ncol == 1 else
                                 _NCOL_MIN_BLOCKS.get((ncol, warps), max(1, 8 // warps)))
-    if xring is None:  # x through the ring where the build streams its weights through one
+    explicit = xring is not None
+    if not explicit:  # x through the ring where the table's build asks for it
         xring = bool(wide.get("xring", 0))
     elif xring and not (stages >= 2 and ncol > 1):
         raise ValueError(f"qmv: xring streams x through the cp.async ring of a launch over {MAX_T} rows: it needs "
                          f"stages >= 2, got {stages} stages for {t} rows")
     xring = xring and stages >= 2 and ncol > 1 and even  # (x read element by element otherwise: the same values)
+    if xring:  # x's pieces take 8 KB a warp and stage at 8 column groups: the block's shared memory must hold them
+        need = async_shared_bytes(fmt, warps, stages, tiles, True, ncol) + static_shared_bytes(warps, ncol)
+        if need > shared_max:
+            if explicit:
+                raise ValueError(f"qmv: xring needs {need} bytes of shared memory a block, over the {shared_max} a "
+                                 "block may take: fewer stages, row tiles or warps")
+            xring = False  # a table's build that does not fit this launch: x from L1 / L2 (the same bits)
     return QmvBuild(ncol=ncol, tiles=tiles, unroll=unroll, min_blocks=min_blocks, warps=warps, stages=stages,
                     threads=warps * 32, shared=async_shared_bytes(fmt, warps, stages, tiles, xring, ncol),
                     xring=xring)
@@ -452,7 +474,7 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
         raise ValueError(f"qmv: x too large for one launch ({t} rows of stride {x.stride(0)})")
     build = launch_build(lin.fmt, n, t, layout, _triton.num_sms(dev), unroll=unroll, min_blocks=min_blocks,
                          xlate=xlate, pipe=pipe, warps=warps, tail=tail, tiles=tiles, stages=stages, xring=xring,
-                         even=even)
+                         even=even, shared_max=_shared_max(dev))
     pdl = _triton.pdl_now(x.device) if pdl is None else pdl and _capability(dev) >= (9, 0)
     kern = _kernel(_FMT_ID[lin.fmt], x.dtype == torch.float16, even, build.unroll, build.min_blocks, xlate, pipe,
                    fold, pdl, layout, act, build.warps, tail, build.ncol, build.tiles, dev, _SWITCHES["pdl_x_l1"],

@@ -180,6 +180,19 @@ def test_x_through_the_ring():
         assert not lb("q5_g64_fp16", 34816, 64, 1, SMS).xring  # (no ring on the tiles layout: x from L1 / L2)
     with pytest.raises(ValueError, match="v<1"):
         qmv_cuda._wide_builds("8:p3s4x1")
+    # shared memory: x's pieces take 8 KB a warp and stage at 8 column groups; a build that does not fit is refused
+    # when asked for by keyword and left without xring when a table asks (8 warps a tile on a narrow weight)
+    narrow = lb("q5_g64_fp16", 4096, 64, 2, SMS, stages=2, tiles=2, xring=True)
+    assert narrow.warps == 8 and narrow.xring
+    assert narrow.shared + qmv_cuda.static_shared_bytes(8, 8) <= qmv_cuda.SHARED_BLOCK_MAX
+    with pytest.raises(ValueError, match="shared memory"):
+        lb("q5_g64_fp16", 4096, 64, 2, SMS, stages=4, tiles=3, xring=True)
+    with pytest.raises(ValueError, match="shared memory"):
+        lb("q4_g64_fp16", 34816, 64, 2, SMS, xring=True, shared_max=160 * 1024)  # e.g. an A100's 163 KB
+    with _wide_tables(qmv_cuda._wide_builds("8:p3s4b1v1")):
+        assert lb("q4_g64_fp16", 34816, 64, 2, SMS).xring  # 4 warps: 178,176 bytes
+        b = lb("q4_g64_fp16", 4096, 64, 2, SMS)  # 8 warps: would need 356,352
+        assert not b.xring and b.shared == qmv_cuda.async_shared_bytes("q4_g64_fp16", 8, 4, 3)
 
 
 @needs_cpp
