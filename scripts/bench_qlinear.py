@@ -365,6 +365,15 @@ def main() -> int:
                     for spec, kw in knobs.items():
                         if t > qmv_cuda.MAX_T and (kw["tail"] or kw["xlate"]) or t <= qmv_cuda.MAX_T and kw.get("xring"):
                             continue
+                        if kw.get("xring"):  # x's pieces may not fit a block's shared memory at this shape's warps
+                            try:
+                                dev = torch.cuda.current_device()
+                                qmv_cuda.launch_build(lin.fmt, lin.n, t, 2, torch.cuda.get_device_properties(
+                                    dev).multi_processor_count, shared_max=qmv_cuda._shared_max(dev),
+                                    **{k: v for k, v in kw.items() if k not in ("rows", "xlate", "tail")})
+                            except ValueError as e:
+                                print(f"{op:12s} {fmt:12s} {t:3d} qmv-lanes-{spec:12s} skipped: {e}")
+                                continue
                         if "rows" in kw:  # launches of that many rows
                             cands[f"qmv-lanes-{spec}"] = (lambda x, li, out=None, kw=kw:
                                                           rows_into(x, lanes[id(li)], out, **kw))
