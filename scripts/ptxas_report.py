@@ -1,0 +1,163 @@
+#!/usr/bin/env python3
+"""Registers, spills and shared memory of qmv builds for sm_90a, on a machine without a GPU.
+
+Each build is what :func:`kernels.qmv_cuda.launch_build` makes of (format, weight rows, x rows, knobs). Its source is
+compiled to PTX by NVRTC, from the ``nvidia-cuda-nvrtc`` wheel (the ``[offline]`` extra), and the PTX is assembled by
+the ptxas that Triton ships (``ptxas -v``). That ptxas may be older than NVRTC: the PTX's ``.version`` line is then
+lowered to the newest ptxas takes. This holds as long as the kernel uses no instruction newer than that, and ptxas
+says so when it does. The numbers are ptxas's own. Whether a build is faster is a question for a GPU.
+
+    pip install -e '.[offline]'
+    python scripts/ptxas_report.py --fmts q4,q5 --rows 64 --knobs p3s4b1,p3s4b1v1,p3s2b1v1
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import importlib.util
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _bootstrap  # noqa: E402
+
+_bootstrap.ensure_package()
+
+from ninfer_bench.kernels import qmv_cuda, quant  # noqa: E402
+
+KNOB_NAMES = {"p": "tiles", "u": "unroll", "b": "min_blocks", "s": "stages", "w": "warps", "v": "xring"}
+
+
+def knob_kwargs(spec: str) -> dict:
+    """``p3s4b1v1`` -> launch_build keywords (tiles 3, stages 4, min_blocks 1, xring True); '' -> the defaults."""
+    if spec in ("", "default"):
+        return {}
+    if not re.fullmatch(r"(?:[pubswv]\d+)+", spec):
+        raise ValueError(f"knobs {spec!r}: letters p<tiles> u<unroll> b<blocks an SM> s<stages> w<warps> v<0|1> "
+                         "with a number each, e.g. p3s4b1v1")
+    kw = {KNOB_NAMES[k]: int(v) for k, v in re.findall(r"([pubswv])(\d+)", spec)}
+    if "xring" in kw:
+        kw["xring"] = bool(kw["xring"])
+    return kw
+
+
+def _nvrtc():
+    """NVRTC from the nvidia-cuda-nvrtc wheel (its builtins library loaded first, so NVRTC finds it)."""
+    spec = importlib.util.find_spec("nvidia")
+    roots = [Path(p) for p in (spec.submodule_search_locations or [])] if spec else []
+    for lib in (d for r in roots for d in sorted(r.glob("cu*/lib")) + [r / "cuda_nvrtc" / "lib"]):
+        main = sorted(lib.glob("libnvrtc.so.*"))
+        builtins = sorted(lib.glob("libnvrtc-builtins.so.*"))
+        if main and builtins:
+            ctypes.CDLL(str(builtins[0]), mode=ctypes.RTLD_GLOBAL)
+            return ctypes.CDLL(str(main[0]))
+    raise RuntimeError("NVRTC not found: pip install -e '.[offline]' (the nvidia-cuda-nvrtc wheel)")
+
+
+def _ptxas() -> Path:
+    import triton
+
+    path = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    if not path.exists():
+        raise RuntimeError(f"no ptxas at {path} (Triton's NVIDIA backend ships it)")
+    return path
+
+
+def compile_ptx(nvrtc, source: bytes, options: tuple[str, ...], arch: str = "compute_90a") -> str:
+    prog = ctypes.c_void_p()
+    if nvrtc.nvrtcCreateProgram(ctypes.byref(prog), source, b"qmv_cuda.cu", 0, None, None):
+        raise RuntimeError("nvrtcCreateProgram failed")
+    try:
+        opts = [o.encode() for o in (*options, f"--gpu-architecture={arch}")]
+        rc = nvrtc.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
+        size = ctypes.c_size_t()
+        nvrtc.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value)
+        nvrtc.nvrtcGetProgramLog(prog, log)
+        if rc:
+            raise RuntimeError(f"NVRTC ({' '.join(options)}):\n{log.value.decode(errors='replace')}")
+        nvrtc.nvrtcGetPTXSize(prog, ctypes.byref(size))
+        ptx = ctypes.create_string_buffer(size.value)
+        nvrtc.nvrtcGetPTX(prog, ptx)
+        return ptx.value.decode()
+    finally:
+        nvrtc.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+# the PTX ISA each CUDA release's ptxas takes at most (NVIDIA's PTX ISA release notes)
+PTX_ISA = {(12, 0): "8.0", (12, 1): "8.1", (12, 2): "8.2", (12, 3): "8.3", (12, 4): "8.4", (12, 5): "8.5",
+           (12, 6): "8.5", (12, 8): "8.7", (12, 9): "8.8", (13, 0): "9.0", (13, 1): "9.1"}
+
+
+def ptxas_version(ptxas: Path) -> str | None:
+    """The newest PTX ISA this ptxas takes (None: a release not in PTX_ISA, the PTX left as NVRTC wrote it)."""
+    out = subprocess.run([str(ptxas), "--version"], capture_output=True, text=True).stdout
+    m = re.search(r"release (\d+)\.(\d+)", out)
+    return PTX_ISA.get((int(m.group(1)), int(m.group(2)))) if m else None
+
+
+def assemble(ptxas: Path, ptx: str, arch: str = "sm_90a") -> dict:
+    """ptxas -v of the PTX: registers, spill stores / loads (bytes), static shared memory (bytes)."""
+    isa = ptxas_version(ptxas)
+    m = re.search(r"^\.version (\d+)\.(\d+)", ptx, flags=re.M)
+    if isa and m and tuple(map(int, m.groups())) > tuple(map(int, isa.split("."))):
+        ptx = ptx[:m.start()] + f".version {isa}" + ptx[m.end():]
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "k.ptx"
+        src.write_text(ptx)
+        done = subprocess.run([str(ptxas), f"-arch={arch}", "-v", str(src), "-o", str(Path(tmp) / "k.cubin")],
+                              capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"ptxas: {done.stderr.strip()[:600]}")
+    text = done.stderr
+
+    def num(pattern):
+        m = re.search(pattern, text)
+        return int(m.group(1)) if m else 0
+    return {"registers": num(r"Used (\d+) registers"), "spill_stores": num(r"(\d+) bytes spill stores"),
+            "spill_loads": num(r"(\d+) bytes spill loads"), "static_smem": num(r"(\d+) bytes smem")}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--fmts", default="q4,q5", help="comma list of q4, q5, q8")
+    ap.add_argument("--n", type=int, default=34816, help="weight rows (34816: the 27B's gate_up)")
+    ap.add_argument("--rows", type=int, default=64, help="rows of x a launch (1..64)")
+    ap.add_argument("--knobs", default="default", help="comma list of builds, e.g. default,p3s4b1v1,p3s2b1v1")
+    ap.add_argument("--sms", type=int, default=132, help="the GPU's SMs (132: H100 / H200 SXM)")
+    ap.add_argument("--no-pdl", action="store_true", help="builds without programmatic dependent launch")
+    args = ap.parse_args()
+    try:
+        nvrtc, ptxas = _nvrtc(), _ptxas()
+    except RuntimeError as e:
+        print(f"ptxas_report: {e}", file=sys.stderr)
+        return 2
+    source = (Path(qmv_cuda.__file__).parent / "qmv_cuda.cu").read_bytes()
+    print(f"{'fmt':4} {'knobs':10} {'warps':>5} {'tiles':>5} {'stages':>6} {'xring':>5} {'regs':>4} {'spill st/ld':>11} "
+          f"{'smem dyn+static':>16}")
+    bad = 0
+    for short in (f.strip() for f in args.fmts.split(",") if f.strip()):
+        fmt = quant.QUANT_SHORT[short]
+        for spec in (k.strip() for k in args.knobs.split(",") if k.strip()):
+            try:
+                kw = knob_kwargs(spec)
+                b = qmv_cuda.launch_build(fmt, args.n, args.rows, 2, args.sms, **kw)
+                options = qmv_cuda.kernel_options(qmv_cuda._FMT_ID[fmt], False, True, b.unroll, b.min_blocks, False,
+                                                  False, False, not args.no_pdl, 2, False, b.warps, False, b.ncol,
+                                                  b.tiles, True, b.stages, b.xring)
+                r = assemble(ptxas, compile_ptx(nvrtc, source, options))
+            except (ValueError, RuntimeError) as e:
+                bad += 1
+                print(f"{short:4} {spec:10} FAILED: {str(e).splitlines()[0][:160]}")
+                continue
+            print(f"{short:4} {spec:10} {b.warps:5d} {b.tiles:5d} {b.stages:6d} {str(b.xring):>5} {r['registers']:4d} "
+                  f"{r['spill_stores']:5d}/{r['spill_loads']:<5d} {b.shared:8d}+{r['static_smem']:<7d}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

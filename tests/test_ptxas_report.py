@@ -1,0 +1,54 @@
+"""scripts/ptxas_report.py: its knob parsing on any machine; with the [offline] extra installed (NVRTC's wheel and
+Triton's ptxas), a qmv build compiled for sm_90a and ptxas's report read back."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "ptxas_report.py"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("ptxas_report", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_knobs_parse():
+    pr = _load()
+    assert pr.knob_kwargs("default") == {} and pr.knob_kwargs("") == {}
+    assert pr.knob_kwargs("p3s4b1v1") == {"tiles": 3, "stages": 4, "min_blocks": 1, "xring": True}
+    assert pr.knob_kwargs("w8u2") == {"warps": 8, "unroll": 2}
+    for bad in ("p3x", "q1", "p"):
+        with pytest.raises(ValueError, match="knobs"):
+            pr.knob_kwargs(bad)
+
+
+def _offline_ready(pr) -> bool:
+    try:
+        pr._nvrtc()
+        pr._ptxas()
+        return True
+    except (RuntimeError, ImportError, OSError):
+        return False
+
+
+def test_a_build_compiles_and_reports(monkeypatch, capsys):
+    pr = _load()
+    if not _offline_ready(pr):
+        pytest.skip("no NVRTC wheel / ptxas (pip install -e '.[offline]')")
+    monkeypatch.setattr(sys, "argv", ["ptxas_report.py", "--fmts", "q4", "--rows", "64",
+                                      "--knobs", "default,p3s4b1v1"])
+    assert pr.main() == 0
+    lines = [ln.split() for ln in capsys.readouterr().out.splitlines()[1:]]
+    assert [ln[1] for ln in lines] == ["default", "p3s4b1v1"]
+    for ln in lines:
+        assert 32 <= int(ln[6]) <= 255  # registers
+    assert lines[1][5] == "True" and lines[0][5] == "False"  # x through the ring, or not
+    # a build that does not fit a block's shared memory is reported as failed, and the exit code says so
+    monkeypatch.setattr(sys, "argv", ["ptxas_report.py", "--fmts", "q4", "--n", "5120", "--knobs", "p3s4b1v1"])
+    assert pr.main() == 1
+    assert "shared memory" in capsys.readouterr().out
