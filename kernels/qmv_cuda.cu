@@ -765,6 +765,11 @@ extern __shared__ uint4 qmv_ring[];
 #define XRING_BASE (RING_SLOTS + RING_SLOTS / 4 * (FMT == 1 ? 2 : 1))  // the x pieces' first uint4
 
 #if XRING
+// piece i of column group n of the lane's x in stage s of the warp's ring (the one index ring_x writes, ring_cols reads)
+__device__ __forceinline__ int x_slot(int warp, int s, int n, int i, int lane) {
+  return XRING_BASE + (((warp * ASYNC + s) * NCOL + n) * XPIECES + i) * 32 + lane;
+}
+
 // the x pieces of step j (group gi0 + NW j) for every column group, read by the lane from the global x as load_x's
 // vector path does (L: the block's first tile's lane), into stage j % ASYNC; no commit (the caller's)
 __device__ __forceinline__ void ring_x(const Lane& L, int j, int steps, int warp, int lane) {
@@ -774,8 +779,7 @@ __device__ __forceinline__ void ring_x(const Lane& L, int j, int steps, int warp
     for (int n = 0; n < NCOL; ++n) {
 #pragma unroll
       for (int i = 0; i < XPIECES; ++i)
-        cp_async16(smem_addr(qmv_ring + XRING_BASE + (((warp * ASYNC + s) * NCOL + n) * XPIECES + i) * 32 + lane),
-                   L.xp + L.xo[n] + GROUP * NW * j + 8 * i);
+        cp_async16(smem_addr(qmv_ring + x_slot(warp, s, n, i, lane)), L.xp + L.xo[n] + GROUP * NW * j + 8 * i);
     }
   }
 }
@@ -787,7 +791,7 @@ __device__ __forceinline__ void ring_cols(int warp, int s, int lane, const Frags
     u32 xv[XPL / 2];
 #pragma unroll
     for (int i = 0; i < XPIECES; ++i) {
-      const uint4 v = qmv_ring[XRING_BASE + (((warp * ASYNC + s) * NCOL + n) * XPIECES + i) * 32 + lane];
+      const uint4 v = qmv_ring[x_slot(warp, s, n, i, lane)];
       xv[4 * i] = v.x; xv[4 * i + 1] = v.y; xv[4 * i + 2] = v.z; xv[4 * i + 3] = v.w;
     }
 #pragma unroll

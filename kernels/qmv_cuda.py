@@ -239,12 +239,25 @@ _WIDE_DEFAULT: dict[tuple[int, str], dict[str, int]] = {
     (8, "q5_g64_fp16"): {"tiles": 3, "stages": 4, "unroll": 1, "min_blocks": 1}}
 
 
+# the letters of a build's knobs (NINFER_BENCH_QMV_WIDE's entries, bench_qlinear's --qmv-knobs, ptxas_report's
+# --knobs), each followed by its number: p row tiles a block, u steps in registers, b blocks an SM, s cp.async ring
+# stages, w warps a tile, v x through the ring (0 / 1)
+KNOB_LETTERS = {"p": "tiles", "u": "unroll", "b": "min_blocks", "s": "stages", "w": "warps", "v": "xring"}
+
+
+def knob_kwargs(knobs: str) -> dict[str, int]:
+    """{keyword: number} of every letter-number pair of ``knobs`` whose letter is in :data:`KNOB_LETTERS` (callers
+    check which letters they take, and what else the text may hold)."""
+    import re
+
+    return {KNOB_LETTERS[k]: int(v) for k, v in re.findall(rf"([{''.join(KNOB_LETTERS)}])(\d+)", knobs)}
+
+
 def _wide_builds(text: str) -> dict[tuple[int, str | None], dict[str, int]]:
     """``NCOL[FMT]:KNOBS,...`` (``8:p2u1b1``, ``8q5:p1``, ``8q4:p3s4b1v1``) -> {(ncol, format or None): {"tiles",
     "unroll", "min_blocks", "stages", "xring" given}}; ValueError when malformed."""
     import re
 
-    names = {"p": "tiles", "u": "unroll", "b": "min_blocks", "s": "stages", "v": "xring"}
     out = {}
     for item in (v.strip() for v in text.split(",") if v.strip()):
         m = re.fullmatch(r"(\d+)(q4|q5|q8)?:((?:[pubsv]\d+)+)", item)
@@ -253,7 +266,7 @@ def _wide_builds(text: str) -> dict[tuple[int, str | None], dict[str, int]]:
                              "FMT q4, q5 or q8 (none: every format) and knobs p<tiles> u<unroll> b<blocks an SM> "
                              "s<cp.async stages, 0 off> v<1: x through the ring>, e.g. 8:p2u1b1 or 8q4:p3s4b1v1")
         key = (int(m.group(1)), quant.QUANT_SHORT.get(m.group(2)))
-        out[key] = {names[k]: int(v) for k, v in re.findall(r"([pubsv])(\d+)", m.group(3))}
+        out[key] = knob_kwargs(m.group(3))
     return out
 
 

@@ -218,9 +218,8 @@ def rows_into(x, w, out=None, **kw):
 
 def qmv_knobs(spec: str) -> dict:
     """qmv keyword arguments from a --qmv-knobs spec such as ``u5b2t``, ``w4u4b6tx`` or ``p3s4b1``."""
-    names = {"u": "unroll", "b": "min_blocks", "w": "warps", "r": "rows", "p": "tiles", "s": "stages", "v": "xring"}
-    kw = {names[key]: int(num) for key, num in re.findall(r"([ubwrpsv])(\d+)", spec)}
-    rest = re.sub(r"[ubwrpsv]\d+", "", spec)
+    kw = {**qmv_cuda.knob_kwargs(spec), **{"rows": int(num) for num in re.findall(r"r(\d+)", spec)}}
+    rest = re.sub(rf"[r{''.join(qmv_cuda.KNOB_LETTERS)}]\d+", "", spec)
     for flag in rest:
         if flag not in "tx":
             raise ValueError(f"--qmv-knobs: {spec!r}: unknown letter {flag!r} (u<n> b<n> w<n> r<n> p<n> s<n> v<n> t x)")
@@ -367,10 +366,8 @@ def main() -> int:
                             continue
                         if kw.get("xring"):  # x's pieces may not fit a block's shared memory at this shape's warps
                             try:
-                                dev = torch.cuda.current_device()
-                                qmv_cuda.launch_build(lin.fmt, lin.n, t, 2, torch.cuda.get_device_properties(
-                                    dev).multi_processor_count, shared_max=qmv_cuda._shared_max(dev),
-                                    **{k: v for k, v in kw.items() if k not in ("rows", "xlate", "tail")})
+                                qmv_cuda.launch_build(lin.fmt, lin.n, t, 2, sms, shared_max=qmv_cuda._shared_max(0),
+                                                      **{k: v for k, v in kw.items() if k != "rows"})
                             except ValueError as e:
                                 print(f"{op:12s} {fmt:12s} {t:3d} qmv-lanes-{spec:12s} skipped: {e}")
                                 continue

@@ -29,17 +29,14 @@ _bootstrap.ensure_package()
 
 from ninfer_bench.kernels import qmv_cuda, quant  # noqa: E402
 
-KNOB_NAMES = {"p": "tiles", "u": "unroll", "b": "min_blocks", "s": "stages", "w": "warps", "v": "xring"}
-
-
 def knob_kwargs(spec: str) -> dict:
     """``p3s4b1v1`` -> launch_build keywords (tiles 3, stages 4, min_blocks 1, xring True); '' -> the defaults."""
     if spec in ("", "default"):
         return {}
-    if not re.fullmatch(r"(?:[pubswv]\d+)+", spec):
+    if not re.fullmatch(rf"(?:[{''.join(qmv_cuda.KNOB_LETTERS)}]\d+)+", spec):
         raise ValueError(f"knobs {spec!r}: letters p<tiles> u<unroll> b<blocks an SM> s<stages> w<warps> v<0|1> "
                          "with a number each, e.g. p3s4b1v1")
-    kw = {KNOB_NAMES[k]: int(v) for k, v in re.findall(r"([pubswv])(\d+)", spec)}
+    kw = qmv_cuda.knob_kwargs(spec)
     if "xring" in kw:
         kw["xring"] = bool(kw["xring"])
     return kw
