@@ -34,10 +34,6 @@
 // copies and reads back only its own pieces, so no barrier is needed. A wide launch (8 column groups) holds about
 // 100 accumulators and one step of loads in registers; from registers it keeps one step (6 KB an SM) in flight and
 // runs at the bandwidth that latency allows. The arithmetic, its order and so the bits are those of ASYNC 0.
-// XRING 1 (with ASYNC >= 2 and NCOL > 1): a step's x pieces (every column group's, 8 KB a warp at 8 groups) go through
-// the same ring, copied after griddepcontrol.wait, so the step's x reads are shared-memory reads instead of L1 / L2
-// loads the MMAs wait on (a 64-row launch reads about five times as many x bytes as weight bytes); the same x values
-// reach the same MMAs in the same order: the bits of XRING 0.
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -111,12 +107,6 @@ typedef unsigned char u8;
 #endif
 #if ASYNC && (XLATE || PIPE || TAIL)
 #error "ASYNC has its own pipeline: XLATE, PIPE and TAIL are for register loads"
-#endif
-#ifndef XRING
-#define XRING 0   // 1 (with ASYNC >= 2, NCOL > 1 and EVEN): each step's x pieces ride the warp's ring too (cp.async,
-#endif            // after griddepcontrol.wait), so the step reads x from shared memory instead of L1 / L2
-#if XRING && !(ASYNC >= 2 && NCOL > 1 && EVEN)
-#error "XRING streams x's pieces through the cp.async ring: ASYNC >= 2, NCOL > 1 and EVEN"
 #endif
 #ifndef MIN_BLOCKS
 #define MIN_BLOCKS 2  // blocks per SM to fit: lets ptxas keep all of a step batch's loads in flight
@@ -756,57 +746,13 @@ __device__ __forceinline__ void cp_wait() {
 }
 
 // The ring in dynamic shared memory (qmv_cuda.async_shared_bytes): code pieces uint4 [NW][ASYNC][TPW][32], then
-// scale pairs u32 [NW][ASYNC][TPW][32], then (q5) high-bit pairs u32 alike, then (XRING) x pieces uint4
-// [NW][ASYNC][NCOL][XPL / 8][32]: a lane's own pieces side by side with its neighbours', so its 16-byte reads of them
-// meet no bank conflict
+// scale pairs u32 [NW][ASYNC][TPW][32], then (q5) high-bit pairs u32 alike
 extern __shared__ uint4 qmv_ring[];
 #define RING_SLOTS (NW * ASYNC * TPW * 32)
-#define XPIECES (XPL / 8)                                           // 16-byte x pieces a lane, step and column group
-#define XRING_BASE (RING_SLOTS + RING_SLOTS / 4 * (FMT == 1 ? 2 : 1))  // the x pieces' first uint4
-
-#if XRING
-// piece i of column group n of the lane's x in stage s of the warp's ring (the one index ring_x writes, ring_cols reads)
-__device__ __forceinline__ int x_slot(int warp, int s, int n, int i, int lane) {
-  return XRING_BASE + (((warp * ASYNC + s) * NCOL + n) * XPIECES + i) * 32 + lane;
-}
-
-// the x pieces of step j (group gi0 + NW j) for every column group, read by the lane from the global x as load_x's
-// vector path does (L: the block's first tile's lane), into stage j % ASYNC; no commit (the caller's)
-__device__ __forceinline__ void ring_x(const Lane& L, int j, int steps, int warp, int lane) {
-  if (j < steps) {
-    const int s = j % ASYNC;
-#pragma unroll
-    for (int n = 0; n < NCOL; ++n) {
-#pragma unroll
-      for (int i = 0; i < XPIECES; ++i)
-        cp_async16(smem_addr(qmv_ring + x_slot(warp, s, n, i, lane)), L.xp + L.xo[n] + GROUP * NW * j + 8 * i);
-    }
-  }
-}
-
-// tiles_cols with x from the ring (stage s): the same x pairs, MMAs and sums in the same order
-__device__ __forceinline__ void ring_cols(int warp, int s, int lane, const Frags* F, float* acc) {
-#pragma unroll
-  for (int n = 0; n < NCOL; ++n) {
-    u32 xv[XPL / 2];
-#pragma unroll
-    for (int i = 0; i < XPIECES; ++i) {
-      const uint4 v = qmv_ring[x_slot(warp, s, n, i, lane)];
-      xv[4 * i] = v.x; xv[4 * i + 1] = v.y; xv[4 * i + 2] = v.z; xv[4 * i + 3] = v.w;
-    }
-#pragma unroll
-    for (int i = 0; i < TPW; ++i) col_math(F[i], xv, acc + 4 * (NCOL * i + n));
-  }
-}
-#endif
 
 // Step j of the warp (group gi0 + NW j) of tile i: its pieces into stage j % ASYNC (one commit group a step, empty
 // past the warp's last step, so that a wait for "all but ASYNC - 1 groups" always means step j's)
-template <bool X = false>
 __device__ __forceinline__ void ring_issue(const Lane* Ls, int j, int steps, int warp, int lane) {
-#if XRING
-  if (X) ring_x(Ls[0], j, steps, warp, lane);  // (after the PDL wait: x is the kernel before's output)
-#endif
   if (j < steps) {
     const int s = j % ASYNC;
 #pragma unroll
@@ -838,23 +784,10 @@ __device__ __forceinline__ void ring_sums(TILES_SUMS_PARAMS) {
 #pragma unroll
   for (int j = 0; j < ASYNC - 1; ++j) ring_issue(Ls, j, steps, warp, lane);
   grid_wait();  // the first steps' weights are in flight; x comes from the kernel before
-#if XRING
-  // the first ASYNC - 1 steps' x pieces, one commit group after their weights' groups
-#pragma unroll
-  for (int j = 0; j < ASYNC - 1; ++j) ring_x(Ls[0], j, steps, warp, lane);
-  cp_commit();
-#endif
   const u32* ring_s = reinterpret_cast<const u32*>(qmv_ring + RING_SLOTS);
   for (int j = 0; j < steps; ++j) {
-    ring_issue<true>(Ls, j + ASYNC - 1, steps, warp, lane);  // into the stage step j - 1 used (read into registers)
-#if XRING
-    // step 0 waits for the group of the first steps' x pieces too (everything but the one just issued); after it,
-    // step j's weights and x are in the groups older than the last ASYNC - 1
-    if (j == 0)
-      cp_wait<1>();
-    else
-#endif
-      cp_wait<ASYNC - 1>();                              // this lane's copies of step j have landed
+    ring_issue(Ls, j + ASYNC - 1, steps, warp, lane);  // into the stage step j - 1 used (read into registers)
+    cp_wait<ASYNC - 1>();                                // this lane's copies of step j have landed
     const int s = j % ASYNC;
     Frags F[TPW];
 #pragma unroll
@@ -870,11 +803,7 @@ __device__ __forceinline__ void ring_sums(TILES_SUMS_PARAMS) {
       F[i] = make_frags(make_uint2(v.x, v.y), make_uint2(v.z, v.w), h & 0xFFFFu, h >> 16, sc & 0xFFFFu, sc >> 16,
                         magic);
     }
-#if XRING
-    ring_cols(warp, s, lane, F, acc);
-#else
     tiles_cols(Ls[0], xrow, gi0, j, K, c, F, acc);
-#endif
   }
   cp_wait<0>();  // (only empty groups remain: nothing still writes to the ring when the block moves on)
 }

@@ -93,34 +93,16 @@ class DenseWeight:
         reserve(weight.device, self.n, self.ng)  # outside any graph capture
 
 
-def async_shared_bytes(fmt: str, warps: int, stages: int, tiles: int = 1, xring: bool = False, ncol: int = 1) -> int:
+def async_shared_bytes(fmt: str, warps: int, stages: int, tiles: int = 1) -> int:
     """Dynamic shared memory of a launch with a ``stages``-step cp.async ring (``ASYNC`` in the source): per warp,
-    stage, row tile and lane a 16-byte code piece and a 4-byte scale pair, and for q5 a 4-byte high-bit pair; with
-    ``xring`` (``XRING``) also per warp, stage, column group and lane x's pieces (two of 16 bytes, q8 one)."""
-    if not stages:
-        return 0
+    stage, row tile and lane a 16-byte code piece and a 4-byte scale pair, and for q5 a 4-byte high-bit pair."""
     per_lane = 16 + 4 + (4 if fmt == "q5_g64_fp16" else 0)
-    x_lane = (16 if fmt == "q8_g32_fp16" else 32) * ncol if xring else 0
-    return warps * stages * 32 * (tiles * per_lane + x_lane)
-
-
-SHARED_BLOCK_MAX = 232448  # the shared memory a block may opt into on sm_90 (H100 / H200: 227 KB)
-
-
-def static_shared_bytes(warps: int, ncol: int) -> int:
-    """The kernel's static shared memory: tile_store's sums, a float4 per warp, column group and lane."""
-    return warps * ncol * 32 * 16
-
-
-@functools.cache
-def _shared_max(device_index: int) -> int:
-    props = torch.cuda.get_device_properties(device_index)
-    return int(getattr(props, "shared_memory_per_block_optin", 0) or SHARED_BLOCK_MAX)
+    return warps * stages * tiles * 32 * per_lane if stages else 0
 
 
 def kernel_options(fmt_id: int, half: bool, even: bool, unroll: int, min_blocks: int, xlate: bool, pipe: bool,
                    fold: bool, pdl: bool, tiled: int, act: bool, warps: int, tail: bool, ncol: int, tiles: int,
-                   xl1: bool = True, stages: int = 0, xring: bool = False) -> tuple[str, ...]:
+                   xl1: bool = True, stages: int = 0) -> tuple[str, ...]:
     """The source's compile options for one build (NVRTC's; a C preprocessor given them evaluates the source's
     static checks, its ``#error`` lines, as NVRTC does: tests/test_kernel_builds.py)."""
     return ("-std=c++17", f"-DFMT={fmt_id}", f"-DHALF={int(half)}", f"-DEVEN={int(even)}",
@@ -128,17 +110,17 @@ def kernel_options(fmt_id: int, half: bool, even: bool, unroll: int, min_blocks:
             f"-DPIPE={int(pipe)}", f"-DFOLD={int(fold)}", f"-DPDL={int(pdl)}",
             f"-DTILED={int(tiled)}", f"-DACT={int(act)}", f"-DNW={warps}",
             f"-DTAIL={int(tail)}", f"-DNCOL={ncol}", f"-DTPW={tiles}",
-            f"-DXL1={int(xl1)}", f"-DASYNC={stages}", f"-DXRING={int(xring)}")
+            f"-DXL1={int(xl1)}", f"-DASYNC={stages}")
 
 
 @functools.cache
 def _kernel(fmt_id: int, half: bool, even: bool, unroll: int, min_blocks: int, xlate: bool, pipe: bool,
             fold: bool, pdl: bool, tiled: int, act: bool, warps: int, tail: bool, ncol: int, tiles: int,
-            device_index: int, xl1: bool = True, stages: int = 0, shared: int = 0, xring: bool = False):
+            device_index: int, xl1: bool = True, stages: int = 0, shared: int = 0):
     import cupy
 
     options = kernel_options(fmt_id, half, even, unroll, min_blocks, xlate, pipe, fold, pdl, tiled, act, warps, tail,
-                             ncol, tiles, xl1, stages, xring)
+                             ncol, tiles, xl1, stages)
     with cupy.cuda.Device(device_index):
         func = cupy.RawModule(code=_SOURCE.read_text(), backend="nvrtc", options=options).get_function("qmv")
     if shared:  # the default cap is 48 KB less the kernel's static shared memory (tile_store's sums)
@@ -241,8 +223,8 @@ _WIDE_DEFAULT: dict[tuple[int, str], dict[str, int]] = {
 
 # the letters of a build's knobs (NINFER_BENCH_QMV_WIDE's entries, bench_qlinear's --qmv-knobs, ptxas_report's
 # --knobs), each followed by its number: p row tiles a block, u steps in registers, b blocks an SM, s cp.async ring
-# stages, w warps a tile, v x through the ring (0 / 1)
-KNOB_LETTERS = {"p": "tiles", "u": "unroll", "b": "min_blocks", "s": "stages", "w": "warps", "v": "xring"}
+# stages, w warps a tile
+KNOB_LETTERS = {"p": "tiles", "u": "unroll", "b": "min_blocks", "s": "stages", "w": "warps"}
 
 
 def knob_kwargs(knobs: str) -> dict[str, int]:
@@ -254,17 +236,17 @@ def knob_kwargs(knobs: str) -> dict[str, int]:
 
 
 def _wide_builds(text: str) -> dict[tuple[int, str | None], dict[str, int]]:
-    """``NCOL[FMT]:KNOBS,...`` (``8:p2u1b1``, ``8q5:p1``, ``8q4:p3s4b1v1``) -> {(ncol, format or None): {"tiles",
-    "unroll", "min_blocks", "stages", "xring" given}}; ValueError when malformed."""
+    """``NCOL[FMT]:KNOBS,...`` (``8:p2u1b1``, ``8q5:p1``, ``8q4:p3s4b1``) -> {(ncol, format or None): {"tiles",
+    "unroll", "min_blocks", "stages" given}}; ValueError when malformed."""
     import re
 
     out = {}
     for item in (v.strip() for v in text.split(",") if v.strip()):
-        m = re.fullmatch(r"(\d+)(q4|q5|q8)?:((?:[pubsv]\d+)+)", item)
+        m = re.fullmatch(r"(\d+)(q4|q5|q8)?:((?:[pubs]\d+)+)", item)
         if not m or int(m.group(1)) not in (1, 2, 4, 8):
             raise ValueError(f"NINFER_BENCH_QMV_WIDE: {item!r}: expected NCOL[FMT]:KNOBS with NCOL 1, 2, 4 or 8, "
                              "FMT q4, q5 or q8 (none: every format) and knobs p<tiles> u<unroll> b<blocks an SM> "
-                             "s<cp.async stages, 0 off> v<1: x through the ring>, e.g. 8:p2u1b1 or 8q4:p3s4b1v1")
+                             "s<cp.async stages, 0 off>, e.g. 8:p2u1b1 or 8q4:p3s4b1")
         key = (int(m.group(1)), quant.QUANT_SHORT.get(m.group(2)))
         out[key] = knob_kwargs(m.group(3))
     return out
@@ -383,13 +365,11 @@ class QmvBuild:
     stages: int
     threads: int
     shared: int
-    xring: bool = False
 
 
 def launch_build(fmt: str, n: int, t: int, layout: int, sms: int, *, unroll: int | None = None,
                  min_blocks: int | None = None, xlate: bool = False, pipe: bool = False, warps: int | None = None,
-                 tail: bool = False, tiles: int | None = None, stages: int | None = None,
-                 xring: bool | None = None, even: bool = True, shared_max: int = SHARED_BLOCK_MAX) -> QmvBuild:
+                 tail: bool = False, tiles: int | None = None, stages: int | None = None) -> QmvBuild:
     """The build a :func:`qmv` launch of ``t`` rows of an ``[n, K]`` ``fmt`` weight in ``layout`` (0 a
     PackedLinear's row-major sections, 1 tiles, 2 the lanes layout) takes on a GPU with ``sms`` SMs, from the
     keywords its caller gave (None: the default) and the process's tables (:func:`wide_build`). A pure function of
@@ -414,23 +394,8 @@ def launch_build(fmt: str, n: int, t: int, layout: int, sms: int, *, unroll: int
     warps = warps or choose_warps(n, sms)
     min_blocks = min_blocks or (max(1, _WARPS_PER_SM // warps) if ncol == 1 else
                                 _NCOL_MIN_BLOCKS.get((ncol, warps), max(1, 8 // warps)))
-    explicit = xring is not None
-    if not explicit:  # x through the ring where the table's build asks for it
-        xring = bool(wide.get("xring", 0))
-    elif xring and not (stages >= 2 and ncol > 1):
-        raise ValueError(f"qmv: xring streams x through the cp.async ring of a launch over {MAX_T} rows: it needs "
-                         f"stages >= 2, got {stages} stages for {t} rows")
-    xring = xring and stages >= 2 and ncol > 1 and even  # (x read element by element otherwise: the same values)
-    if xring:  # x's pieces take 8 KB a warp and stage at 8 column groups: the block's shared memory must hold them
-        need = async_shared_bytes(fmt, warps, stages, tiles, True, ncol) + static_shared_bytes(warps, ncol)
-        if need > shared_max:
-            if explicit:
-                raise ValueError(f"qmv: xring needs {need} bytes of shared memory a block, over the {shared_max} a "
-                                 "block may take: fewer stages, row tiles or warps")
-            xring = False  # a table's build that does not fit this launch: x from L1 / L2 (the same bits)
     return QmvBuild(ncol=ncol, tiles=tiles, unroll=unroll, min_blocks=min_blocks, warps=warps, stages=stages,
-                    threads=warps * 32, shared=async_shared_bytes(fmt, warps, stages, tiles, xring, ncol),
-                    xring=xring)
+                    threads=warps * 32, shared=async_shared_bytes(fmt, warps, stages, tiles))
 
 
 def _wide(n: int, sms: int) -> bool:
@@ -441,8 +406,7 @@ def _wide(n: int, sms: int) -> bool:
 def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | None = None,
         unroll: int | None = None, min_blocks: int | None = None, xlate: bool = False, pipe: bool = False,
         fold: bool = False, pdl: bool | None = None, act: bool = False, warps: int | None = None,
-        tail: bool = False, tiles: int | None = None, stages: int | None = None,
-        xring: bool | None = None) -> torch.Tensor:
+        tail: bool = False, tiles: int | None = None, stages: int | None = None) -> torch.Tensor:
     """``x [T, K] @ W.T`` -> ``[T, N]`` in x.dtype, for T <= 64 (see :func:`supports`). ``out`` (contiguous [T, N],
     x.dtype) is written instead of a fresh tensor. ``splits`` (default :func:`choose_splits`), ``unroll`` (steps
     whose loads are in flight together), ``min_blocks`` (blocks per SM the registers must allow), ``xlate`` (x
@@ -461,10 +425,8 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
     ``tiles`` (over 8 rows): row tiles a block takes, each warp its groups of all of them, so that one
     load of x serves them all - the same sums as one tile a block; ``stages`` (the lanes layout, any width; 0: off):
     each warp streams its weight pieces through a ring of that many steps in shared memory with cp.async, that many
-    minus one steps ahead of its arithmetic, instead of ``unroll`` steps into registers - the same sums; ``xring``
-    (with ``stages`` >= 2, over 8 rows): x's pieces of each step go through the same ring, so the step reads them
-    from shared memory - the same sums again (defaults for these five over 8 rows: :data:`_WIDE`, else
-    :data:`_WIDE_DEFAULT`)."""
+    minus one steps ahead of its arithmetic, instead of ``unroll`` steps into registers - the same sums (defaults for
+    these four over 8 rows: :data:`_WIDE`, else :data:`_WIDE_DEFAULT`)."""
     lin = getattr(lin, "qmv_weight", None) or lin  # a tiled PackedLinear: its tiles
     if not supports(x, lin):
         raise ValueError(f"qmv: needs CUDA bf16/fp16 x [1..{MAX_ROWS}, K={lin.k}] contiguous and a q8/q5/q4 weight "
@@ -486,12 +448,11 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
     if t * x.stride(0) >= 2 ** 31:  # the column groups' row offsets are int32
         raise ValueError(f"qmv: x too large for one launch ({t} rows of stride {x.stride(0)})")
     build = launch_build(lin.fmt, n, t, layout, _triton.num_sms(dev), unroll=unroll, min_blocks=min_blocks,
-                         xlate=xlate, pipe=pipe, warps=warps, tail=tail, tiles=tiles, stages=stages, xring=xring,
-                         even=even, shared_max=_shared_max(dev))
+                         xlate=xlate, pipe=pipe, warps=warps, tail=tail, tiles=tiles, stages=stages)
     pdl = _triton.pdl_now(x.device) if pdl is None else pdl and _capability(dev) >= (9, 0)
     kern = _kernel(_FMT_ID[lin.fmt], x.dtype == torch.float16, even, build.unroll, build.min_blocks, xlate, pipe,
                    fold, pdl, layout, act, build.warps, tail, build.ncol, build.tiles, dev, _SWITCHES["pdl_x_l1"],
-                   build.stages, build.shared, build.xring)
+                   build.stages, build.shared)
     row_tiles = -(-n // 16)
     whole = act or not _triton.split_k_allowed()  # (the epilogue, or a launch beside others: _triton.single_pass)
     s = 1 if whole else min(splits, MAX_SPLITS) if splits else shape_splits(n, lin.ng, _triton.num_sms(dev), build.warps)

@@ -222,9 +222,7 @@ def qmv_knobs(spec: str) -> dict:
     rest = re.sub(rf"[r{''.join(qmv_cuda.KNOB_LETTERS)}]\d+", "", spec)
     for flag in rest:
         if flag not in "tx":
-            raise ValueError(f"--qmv-knobs: {spec!r}: unknown letter {flag!r} (u<n> b<n> w<n> r<n> p<n> s<n> v<n> t x)")
-    if "xring" in kw:
-        kw["xring"] = bool(kw["xring"])
+            raise ValueError(f"--qmv-knobs: {spec!r}: unknown letter {flag!r} (u<n> b<n> w<n> r<n> p<n> s<n> t x)")
     kw.update(tail="t" in rest, xlate="x" in rest)
     return kw
 
@@ -240,9 +238,8 @@ def main() -> int:
     ap.add_argument("--qmv-knobs", default="",
                     help="comma list of qmv launch builds on the lanes layout, each letters + numbers: u<steps in "
                          "flight> b<blocks per SM> w<warps a tile> r<rows a launch> p<row tiles a block, over 8 "
-                         "rows> s<cp.async ring stages, 0 off> v<1: x through the ring too, over 8 rows> t "
-                         "(predicated tail batch) x (x one step ahead), e.g. u4b3,u4b3t,u5b2t,w4u4b6t,p3s4b1,p3s4b1v1; "
-                         "timed as qmv-lanes-<spec>")
+                         "rows> s<cp.async ring stages, 0 off> t (predicated tail batch) x (x one step ahead), "
+                         "e.g. u4b3,u4b3t,u5b2t,w4u4b6t,p3s4b1; timed as qmv-lanes-<spec>")
     ap.add_argument("--rows", default="",
                     help="comma list of rows a launch (8, 16, 32, 64) timed for T > 8 as ours-r<R>, e.g. 8,16,32,64; "
                          "--qmv-knobs then also run at T > 8 (without t / x)")
@@ -362,15 +359,8 @@ def main() -> int:
                 if knobs and qmv_cuda.available() and (t <= qmv_cuda.MAX_T or rows_sweep):
                     lanes = lanes or {id(li): qmv_cuda.TiledWeight(li, lanes=True) for li in lins}
                     for spec, kw in knobs.items():
-                        if t > qmv_cuda.MAX_T and (kw["tail"] or kw["xlate"]) or t <= qmv_cuda.MAX_T and kw.get("xring"):
+                        if t > qmv_cuda.MAX_T and (kw["tail"] or kw["xlate"]):
                             continue
-                        if kw.get("xring"):  # x's pieces may not fit a block's shared memory at this shape's warps
-                            try:
-                                qmv_cuda.launch_build(lin.fmt, lin.n, t, 2, sms, shared_max=qmv_cuda._shared_max(0),
-                                                      **{k: v for k, v in kw.items() if k != "rows"})
-                            except ValueError as e:
-                                print(f"{op:12s} {fmt:12s} {t:3d} qmv-lanes-{spec:12s} skipped: {e}")
-                                continue
                         if "rows" in kw:  # launches of that many rows
                             cands[f"qmv-lanes-{spec}"] = (lambda x, li, out=None, kw=kw:
                                                           rows_into(x, lanes[id(li)], out, **kw))

@@ -59,8 +59,6 @@
 #   tilecheck scripts/probe_tile_bits.py, then test_cuda_engine's verify-row, speculative, block-draft and dflash2 PDL
 #            tests with tracebacks
 #   tpw      wide qmv launches with TPW row tiles a block: CUDA tests, 27B shapes at 64 rows, DFlash2 C8 with / without
-#   xring    qmv's x through the cp.async ring too (knob v1) at 64 rows: its CUDA tests, the 27B shapes beside the default
-#            ring build, with XRING_C8=1 the 27B DFlash2 K=7 replayed C8 with each and plain C8 (issue 33)
 #   ring     qmv with the weights streamed through a cp.async ring (stages): its CUDA tests, the 27B shapes at 64 rows
 #            (RING_KNOBS) and, with RING_T=1, at 1 and 8 rows (RING_KNOBS1); RING_C8=1 adds the 27B DFlash2 K=7 replayed
 #            C8 with each RING_WIDE build (label|NINFER_BENCH_QMV_WIDE) and plain C8
@@ -489,18 +487,6 @@ PY
              [ "${RING_T:-0}" = 0 ] || ring_bench ring bench1.log "q8|lm_head" --ts 1,8 --qmv-knobs "$K1" \
                --only "ours,qmv-lanes-${K1//,/,qmv-lanes-}"
              [ "${RING_C8:-0}" = 1 ] && c8_builds ring ${RING_WIDE:-"before|8q4:p3u1b1,8q5:p1" "default|"} ;;
-    xring)   # issue 33: qmv's x through the cp.async ring with the weights (XRING, knob v1) at 64 rows: the ring's CUDA
-             # tests (bits against the register build, PDL, graphs, the epilogue), the 27B q4 / q5 shapes at 64 rows with
-             # the default ring build and xring builds (XRING_KNOBS; bits checked against 8-row launches), then with XRING_C8=1 the
-             # 27B DFlash2 K=7 replayed C8 with each build and plain C8 (E2E_S each)
-             mkdir -p "$OUT/xring"
-             [ "${XRING_TESTS:-1}" = 0 ] || timeout ${TESTS_S:-200} python3 -m pytest -q -p no:cacheprovider -rf \
-               tests/test_kernels_qmv_cuda.py -k "async_ring or wide_builds" 2>&1 | tee "$OUT/xring/tests.log" \
-               | grep -E "^(FAILED|ERROR)|passed|failed" | head
-             K=${XRING_KNOBS:-p3s4b1,p3s4b1v1,p3s2b1v1}  # (4 stages fit the 4-warp shapes only; a build that does not
-             # fit a shape's block is skipped by the bench and left without xring by a table)
-             ring_bench xring bench64.log "" --ts 64 --rows 64 --qmv-knobs "$K" --only "ours-r8,ours-r64,qmv-lanes-${K//,/,qmv-lanes-}"
-             [ "${XRING_C8:-0}" = 1 ] && c8_builds xring ${XRING_WIDE:-"default|" "xring|8q4:p3s4b1v1,8q5:p3s4b1v1"} ;;
     tpw)     # wide qmv launches with several row tiles a block (x loaded once for them): their CUDA tests, the 27B q4 /
              # q5 shapes at 64 rows (TPW_KNOBS against the default and 8-row launches, bits checked; TPW_BENCH=0 skips
              # it), then the 27B DFlash2 K=7 replayed C8 with each TPW_WIDE build (label|NINFER_BENCH_QMV_WIDE; default:

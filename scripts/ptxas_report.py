@@ -8,7 +8,7 @@ lowered to the newest ptxas takes. This holds as long as the kernel uses no inst
 says so when it does. The numbers are ptxas's own. Whether a build is faster is a question for a GPU.
 
     pip install -e '.[offline]'
-    python scripts/ptxas_report.py --fmts q4,q5 --rows 64 --knobs p3s4b1,p3s4b1v1,p3s2b1v1
+    python scripts/ptxas_report.py --fmts q4,q5 --rows 64 --knobs default,p3s4b1,p2s4b1
 """
 
 from __future__ import annotations
@@ -30,16 +30,13 @@ _bootstrap.ensure_package()
 from ninfer_bench.kernels import qmv_cuda, quant  # noqa: E402
 
 def knob_kwargs(spec: str) -> dict:
-    """``p3s4b1v1`` -> launch_build keywords (tiles 3, stages 4, min_blocks 1, xring True); '' -> the defaults."""
+    """``p3s4b1`` -> launch_build keywords (tiles 3, stages 4, min_blocks 1); '' -> the defaults."""
     if spec in ("", "default"):
         return {}
     if not re.fullmatch(rf"(?:[{''.join(qmv_cuda.KNOB_LETTERS)}]\d+)+", spec):
-        raise ValueError(f"knobs {spec!r}: letters p<tiles> u<unroll> b<blocks an SM> s<stages> w<warps> v<0|1> "
-                         "with a number each, e.g. p3s4b1v1")
-    kw = qmv_cuda.knob_kwargs(spec)
-    if "xring" in kw:
-        kw["xring"] = bool(kw["xring"])
-    return kw
+        raise ValueError(f"knobs {spec!r}: letters p<tiles> u<unroll> b<blocks an SM> s<stages> w<warps> "
+                         "with a number each, e.g. p3s4b1")
+    return qmv_cuda.knob_kwargs(spec)
 
 
 def _nvrtc():
@@ -124,7 +121,7 @@ def main() -> int:
     ap.add_argument("--fmts", default="q4,q5", help="comma list of q4, q5, q8")
     ap.add_argument("--n", type=int, default=34816, help="weight rows (34816: the 27B's gate_up)")
     ap.add_argument("--rows", type=int, default=64, help="rows of x a launch (1..64)")
-    ap.add_argument("--knobs", default="default", help="comma list of builds, e.g. default,p3s4b1v1,p3s2b1v1")
+    ap.add_argument("--knobs", default="default", help="comma list of builds, e.g. default,p3s4b1,p2s4b1")
     ap.add_argument("--sms", type=int, default=132, help="the GPU's SMs (132: H100 / H200 SXM)")
     ap.add_argument("--no-pdl", action="store_true", help="builds without programmatic dependent launch")
     args = ap.parse_args()
@@ -134,7 +131,7 @@ def main() -> int:
         print(f"ptxas_report: {e}", file=sys.stderr)
         return 2
     source = (Path(qmv_cuda.__file__).parent / "qmv_cuda.cu").read_bytes()
-    print(f"{'fmt':4} {'knobs':10} {'warps':>5} {'tiles':>5} {'stages':>6} {'xring':>5} {'regs':>4} {'spill st/ld':>11} "
+    print(f"{'fmt':4} {'knobs':10} {'warps':>5} {'tiles':>5} {'stages':>6} {'regs':>4} {'spill st/ld':>11} "
           f"{'smem dyn+static':>16}")
     bad = 0
     for short in (f.strip() for f in args.fmts.split(",") if f.strip()):
@@ -145,13 +142,13 @@ def main() -> int:
                 b = qmv_cuda.launch_build(fmt, args.n, args.rows, 2, args.sms, **kw)
                 options = qmv_cuda.kernel_options(qmv_cuda._FMT_ID[fmt], False, True, b.unroll, b.min_blocks, False,
                                                   False, False, not args.no_pdl, 2, False, b.warps, False, b.ncol,
-                                                  b.tiles, True, b.stages, b.xring)
+                                                  b.tiles, True, b.stages)
                 r = assemble(ptxas, compile_ptx(nvrtc, source, options))
             except (ValueError, RuntimeError) as e:
                 bad += 1
                 print(f"{short:4} {spec:10} FAILED: {str(e).splitlines()[0][:160]}")
                 continue
-            print(f"{short:4} {spec:10} {b.warps:5d} {b.tiles:5d} {b.stages:6d} {str(b.xring):>5} {r['registers']:4d} "
+            print(f"{short:4} {spec:10} {b.warps:5d} {b.tiles:5d} {b.stages:6d} {r['registers']:4d} "
                   f"{r['spill_stores']:5d}/{r['spill_loads']:<5d} {b.shared:8d}+{r['static_smem']:<7d}")
     return 1 if bad else 0
 

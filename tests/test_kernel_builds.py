@@ -66,22 +66,21 @@ def _qmv_builds(tables: dict) -> dict[tuple[str, ...], object]:
         out = {}
         keywords = [{}, {"stages": 0}, {"stages": 3}, {"stages": 4}, {"tiles": 2},
                     {"tiles": 3, "stages": 4, "min_blocks": 1}, {"xlate": True}, {"pipe": True}, {"tail": True},
-                    {"fold": True}, {"warps": 4}, {"unroll": 1, "min_blocks": 2}, {"stages": 4, "xring": True},
-                    {"tiles": 3, "stages": 4, "min_blocks": 1, "xring": True}, {"stages": 2, "xring": True}]
+                    {"fold": True}, {"warps": 4}, {"unroll": 1, "min_blocks": 2}]
         for fmt, t, layout, even, kw in itertools.product(FMTS, (1, 8, 16, 17, 64), (0, 1, 2), (True, False),
                                                           keywords):
             if fmt == qmv_cuda.DENSE_FMT and layout == 2:  # (TiledWeight's lanes layout is the q formats')
                 continue
             build_kw = {k: v for k, v in kw.items() if k != "fold"}  # (fold is a compile option only)
             try:
-                b = qmv_cuda.launch_build(fmt, 17408 * 2, t, layout, SMS, even=even, **build_kw)
+                b = qmv_cuda.launch_build(fmt, 17408 * 2, t, layout, SMS, **build_kw)
             except ValueError:
                 continue
             for act, pdl in ((False, False), (True, True)):
                 options = qmv_cuda.kernel_options(
                     qmv_cuda._FMT_ID[fmt], False, even, b.unroll, b.min_blocks, kw.get("xlate", False),
                     kw.get("pipe", False), kw.get("fold", False), pdl, layout, act, b.warps, kw.get("tail", False),
-                    b.ncol, b.tiles, True, b.stages, b.xring)
+                    b.ncol, b.tiles, True, b.stages)
                 out.setdefault(options, (fmt, t, layout, even, kw, act, pdl))
         return out
 
@@ -91,7 +90,6 @@ def _qmv_builds(tables: dict) -> dict[tuple[str, ...], object]:
 TABLES = {
     "defaults": {},
     "rings": qmv_cuda._wide_builds("2:p2u1b1,4q4:p2s3b1,8:p3s4b1,8q8:p1u2"),
-    "xrings": qmv_cuda._wide_builds("2:p2s2b1v1,4:p2s3b1v1,8:p3s4b1v1,8q8:p1s4v1"),
     "registers": qmv_cuda._wide_builds("1q4:u2b2,2q5:p2u2,4:p3u1b1,8:p1,8q5:p2u1b1"),
 }
 
@@ -103,7 +101,6 @@ def test_every_qmv_build_passes_the_source_checks(table):
     assert len(builds) > 50, "the grid should reach many distinct builds"
     assert any("-DASYNC=0" in o for o in builds) and any("-DASYNC=4" in o for o in builds)
     assert any("-DTPW=3" in o for o in builds) and any("-DNCOL=8" in o for o in builds)
-    assert any("-DXRING=1" in o for o in builds) and any("-DXRING=0" in o for o in builds)
     assert _refused(KERNELS / "qmv_cuda.cu", builds) == []
 
 
@@ -118,14 +115,6 @@ def test_the_checks_refuse_what_they_should():
                                    b.warps, False, b.ncol, 1, True, 4)
     assert _refused(KERNELS / "qmv_cuda.cu", {tpw: "TPW 3 at one column group"})
     assert _refused(KERNELS / "qmv_cuda.cu", {ring: "a ring on the tiles layout"})
-    wide = qmv_cuda.launch_build("q4_g64_fp16", 34816, 64, 2, SMS)
-
-    def xring(stages, even):
-        return qmv_cuda.kernel_options(2, False, even, wide.unroll, wide.min_blocks, False, False, False, False, 2,
-                                       False, wide.warps, False, wide.ncol, wide.tiles, True, stages, True)
-    assert _refused(KERNELS / "qmv_cuda.cu", {xring(0, True): "x through a ring without one"})
-    assert _refused(KERNELS / "qmv_cuda.cu", {xring(4, False): "x through the ring, read element by element"})
-    assert not _refused(KERNELS / "qmv_cuda.cu", {xring(4, True): "x through the ring"})
     assert _refused(KERNELS / "attn_cuda.cu", {("-DHD=320", "-DHALF=0", "-DPOS64=0", "-DSLOT64=0"): "hd 320"})
 
 
@@ -156,43 +145,6 @@ def test_launch_build_refuses_what_qmv_refuses():
         lb("q4_g64_fp16", 4096, 4, 2, SMS, stages=2, tail=True)
     with pytest.raises(ValueError, match="stages must be >= 0"):
         lb("q4_g64_fp16", 4096, 64, 2, SMS, stages=-1)
-    with pytest.raises(ValueError, match="xring"):
-        lb("q4_g64_fp16", 4096, 64, 2, SMS, stages=0, xring=True)
-    with pytest.raises(ValueError, match="xring"):
-        lb("q4_g64_fp16", 4096, 8, 2, SMS, stages=4, xring=True)
-
-
-def test_x_through_the_ring():
-    """xring: from the keyword or a table's v1, only with a ring of >= 2 stages over 8 rows and x read by vectors
-    (EVEN); its shared memory holds each warp's and stage's x pieces besides the weights' (two 16-byte pieces a lane and
-    column group, q8 one)."""
-    lb = qmv_cuda.launch_build
-    b = lb("q4_g64_fp16", 34816, 64, 2, SMS, xring=True)
-    assert b.xring and b.stages == 4 and b.ncol == 8
-    assert b.shared == b.warps * 4 * 32 * (3 * 20 + 8 * 32) == qmv_cuda.async_shared_bytes(
-        "q4_g64_fp16", b.warps, 4, 3, True, 8)
-    assert not lb("q4_g64_fp16", 34816, 64, 2, SMS, xring=True, even=False).xring
-    assert not lb("q4_g64_fp16", 34816, 64, 2, SMS).xring  # the committed default: off
-    assert qmv_cuda.async_shared_bytes("q8_g32_fp16", 4, 2, 1, True, 2) == 4 * 2 * 32 * (20 + 2 * 16)
-    with _wide_tables(qmv_cuda._wide_builds("8q5:p3s4b1v1")):
-        assert lb("q5_g64_fp16", 34816, 64, 2, SMS).xring
-        assert not lb("q4_g64_fp16", 34816, 64, 2, SMS).xring
-        assert not lb("q5_g64_fp16", 34816, 64, 1, SMS).xring  # (no ring on the tiles layout: x from L1 / L2)
-    with pytest.raises(ValueError, match="v<1"):
-        qmv_cuda._wide_builds("8:p3s4x1")
-    # shared memory: x's pieces take 8 KB a warp and stage at 8 column groups; a build that does not fit is refused
-    # when asked for by keyword and left without xring when a table asks (8 warps a tile on a narrow weight)
-    narrow = lb("q5_g64_fp16", 4096, 64, 2, SMS, stages=2, tiles=2, xring=True)
-    assert narrow.warps == 8 and narrow.xring
-    assert narrow.shared + qmv_cuda.static_shared_bytes(8, 8) <= qmv_cuda.SHARED_BLOCK_MAX
-    with pytest.raises(ValueError, match="shared memory"):
-        lb("q5_g64_fp16", 4096, 64, 2, SMS, stages=4, tiles=3, xring=True)
-    with pytest.raises(ValueError, match="shared memory"):
-        lb("q4_g64_fp16", 34816, 64, 2, SMS, xring=True, shared_max=160 * 1024)  # e.g. an A100's 163 KB
-    with _wide_tables(qmv_cuda._wide_builds("8:p3s4b1v1")):
-        assert lb("q4_g64_fp16", 34816, 64, 2, SMS).xring  # 4 warps: 178,176 bytes
-        b = lb("q4_g64_fp16", 4096, 64, 2, SMS)  # 8 warps: would need 356,352
-        assert not b.xring and b.shared == qmv_cuda.async_shared_bytes("q4_g64_fp16", 8, 4, 3)
 
 
 @needs_cpp
