@@ -5,6 +5,8 @@ math in fp32 and has a plain fp32 torch reference beside it (``*_ref``, same sig
 
   add_rms_norm   residual add + zero-centred RMSNorm: ``r = x + residual``; ``r * rsqrt(mean(r^2) + eps) * (1 + w)``
   rms_norm       zero-centred RMSNorm alone (first layer, final norm)
+  embed_rms_norm a forward's start: the ids' rows of a dense embedding table gathered (stored as the residual) and
+                 the first layer's RMSNorm of them, in one launch: rms_norm's bits, without the lookup's kernel
   silu_mul       ``silu(gu[..., :I]) * gu[..., I:]`` of the fused gate+up projection
   sigmoid_mul    ``o * sigmoid(gate)`` (the output gating of full attention)
   norm_rope      zero-centred RMSNorm then NeoX RoPE at given positions, per head (a drafter's q / k)
@@ -35,6 +37,8 @@ __all__ = [
     "add_rms_norm_ref",
     "attn_prologue",
     "attn_prologue_ref",
+    "embed_rms_norm",
+    "embed_rms_norm_ref",
     "norm_rope",
     "norm_rope_ref",
     "rms_norm",
@@ -86,6 +90,12 @@ def add_rms_norm_ref(x, residual, weight, eps):
 def rms_norm_ref(x, weight, eps):
     """fp32 reference of the zero-centred RMSNorm (kernels/norm.py)."""
     return _rms_norm_ref(x, weight, eps)
+
+
+def embed_rms_norm_ref(table, ids, weight, eps):
+    """fp32 reference: ``(rms_norm(h), h)`` with ``h = F.embedding(ids, table)``."""
+    h = F.embedding(ids, table)
+    return _rms_norm_ref(h, weight, eps), h
 
 
 def silu_mul_ref(gu, inter, run=None):
@@ -155,8 +165,8 @@ def add_rms_norm(x, residual, weight, eps):
     y = _new_buffer(x.shape, x.dtype, x.device)
     ro = _new_buffer(x.shape, x.dtype, x.device)
     block = _pow2(n)
-    kern["norm"][(x2.shape[0],)](x2, r2, weight, y, ro, x2.stride(0), r2.stride(0), n, n, n, eps,
-                                 BLOCK=block, HAS_RES=True, num_warps=_row_warps(block),
+    kern["norm"][(x2.shape[0],)](x2, r2, weight, y, ro, x2, x2.stride(0), r2.stride(0), n, n, n, 0, eps,
+                                 BLOCK=block, HAS_RES=True, GATHER=False, num_warps=_row_warps(block),
                                  **_triton.pdl_args(x.device))
     return y, ro
 
@@ -169,10 +179,36 @@ def rms_norm(x, weight, eps):
     x2 = _rows("rms_norm", "x", x, n)
     y = _new_buffer(x.shape, x.dtype, x.device)
     block = _pow2(n)
-    kern["norm"][(x2.shape[0],)](x2, x2, weight, y, y, x2.stride(0), x2.stride(0), n, n, n, eps,
-                                 BLOCK=block, HAS_RES=False, num_warps=_row_warps(block),
+    kern["norm"][(x2.shape[0],)](x2, x2, weight, y, y, x2, x2.stride(0), x2.stride(0), n, n, n, 0, eps,
+                                 BLOCK=block, HAS_RES=False, GATHER=False, num_warps=_row_warps(block),
                                  **_triton.pdl_args(x.device))
     return y
+
+
+def embed_rms_norm(table, ids, weight, eps):
+    """``(rms_norm(h, weight, eps), h)`` with ``h = F.embedding(ids, table)``, in one launch: a program gathers its
+    id's row of the dense ``table [V, N]`` (stored as ``h``, the residual) and normalizes it as :func:`rms_norm`
+    does (the same arithmetic, so the same bits). ``ids`` (any shape, integer, on the table's device) must index
+    the table: the engine checks ids before they reach a forward; an id outside it reads zeros here, where
+    F.embedding would stop with a device-side assert."""
+    if table.dim() != 2:
+        raise ValueError(f"embed_rms_norm: table must be [V, N], got shape {tuple(table.shape)}")
+    if ids.dtype not in (torch.int32, torch.int64) or ids.device != table.device:
+        raise ValueError(f"embed_rms_norm: ids must be int32 / int64 on {table.device}, got {ids.dtype} on "
+                         f"{ids.device}")
+    v, n = table.shape
+    _check_row_weight("embed_rms_norm", weight, n)
+    kern = _ready("embed_rms_norm", table)
+    t2 = table if table.stride(-1) == 1 else table.contiguous()
+    flat = ids.reshape(-1).contiguous()
+    h = _new_buffer((*ids.shape, n), table.dtype, table.device)
+    y = _new_buffer((*ids.shape, n), table.dtype, table.device)
+    if flat.numel():
+        block = _pow2(n)
+        kern["norm"][(flat.numel(),)](t2, t2, weight, y, h, flat, t2.stride(0), t2.stride(0), n, n, n, v, eps,
+                                      BLOCK=block, HAS_RES=False, GATHER=True, num_warps=_row_warps(block),
+                                      **_triton.pdl_args(table.device))
+    return y, h
 
 
 def silu_mul(gu, inter, run=None):
@@ -316,14 +352,22 @@ def attn_prologue(qg, kv, q_norm_w, k_norm_w, cos, sin, k_cache, v_cache, k_scal
 tl = pdl_enter = None  # triton.language and the PDL helper, bound by _kernels()
 
 
-def _norm_kernel(X, RES, W, Y, RO, stride_x, stride_r, stride_y, stride_ro, N, eps,
-                 BLOCK: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr):
-    """Program = one row: (optionally r = x + res, stored) then y = r * rsqrt(mean(r^2) + eps) * (1 + w)."""
+def _norm_kernel(X, RES, W, Y, RO, IDS, stride_x, stride_r, stride_y, stride_ro, N, V, eps,
+                 BLOCK: tl.constexpr, HAS_RES: tl.constexpr, GATHER: tl.constexpr, PDL: tl.constexpr):
+    """Program = one row: (optionally r = x + res, stored) then y = r * rsqrt(mean(r^2) + eps) * (1 + w). GATHER:
+    x is row IDS[row] of X (V rows; an id outside them reads zeros), stored to RO as read."""
     pdl_enter(PDL)  # PDL launches: wait for the kernel before, let the next one launch
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     ok = offs < N
-    x = tl.load(X + row * stride_x + offs, mask=ok, other=0.0).to(tl.float32)
+    if GATHER:
+        src = tl.load(IDS + row).to(tl.int64)
+        inside = (src >= 0) & (src < V)
+        raw = tl.load(X + src * stride_x + offs, mask=ok & inside, other=0.0)
+        tl.store(RO + row * stride_ro + offs, raw, mask=ok)
+        x = raw.to(tl.float32)
+    else:
+        x = tl.load(X + row * stride_x + offs, mask=ok, other=0.0).to(tl.float32)
     if HAS_RES:
         r = x + tl.load(RES + row * stride_r + offs, mask=ok, other=0.0).to(tl.float32)
         r = r.to(RO.dtype.element_ty)  # the norm reads the stored (rounded) residual, as the eager path does

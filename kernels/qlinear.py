@@ -329,6 +329,16 @@ class PackedLinear:
             y = F.linear(x2, self.dense(x.dtype))
         return y.reshape(*lead, self.n)
 
+    def fp32(self, x: torch.Tensor) -> torch.Tensor:
+        """``self(x).float()``, the same values: where qmv runs, its fp32 store (each value rounded to x's dtype, then
+        widened) writes them, with no copy kernel after it (the logits of every decode step)."""
+        x2 = x.reshape(-1, self.k)
+        if x.shape[-1] == self.k and x2.is_cuda and x2.shape[0] <= MAX_KERNEL_ROWS:
+            qw = self.qmv_weight or self
+            if qmv_cuda.supports(x2[:qmv_cuda.MAX_T].contiguous(), qw):
+                return qmv_cuda.qmv_rows(x2.contiguous(), qw, out_f32=True).reshape(*x.shape[:-1], self.n)
+        return self(x).float()
+
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
         """``silu(gate) * up`` ``[..., N / 2]`` of a gate / up weight whose rows alternate in runs of 8
         (engine/model/weights.py's interleaved gate_up), through qmv's fused epilogue; None where that kernel does not

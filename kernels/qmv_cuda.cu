@@ -87,6 +87,12 @@ typedef unsigned char u8;
 #define ACT 0     // 1: the weight is a gate / up pair whose rows alternate in runs of 8 (engine/model/weights.py's
 #endif            // interleaved gate_up): tile j's rows g and g + 8 are gate and up of output column 8 j + g, and the
                   // kernel stores silu(gate) * up, [T, N / 2] (no split-K)
+#ifndef OUT_F32
+#define OUT_F32 0 // 1: out is fp32, each value rounded to x's dtype first (the 16-bit store's value, widened): a
+#endif            // caller that wants fp32 (the logits) gets the 16-bit result's values without a copy kernel
+#if OUT_F32 && ACT
+#error "OUT_F32 widens a projection's output: the gate / up epilogue (ACT) stores x's dtype"
+#endif
 #ifndef NCOL
 #define NCOL 1    // column groups of 8 tokens a launch (T <= 8 NCOL); x read per step from L1 / L2 when > 1
 #endif
@@ -176,6 +182,15 @@ __device__ __forceinline__ u16 float_to_out(float f) {
 #endif
   return h;
 }
+
+// an output element as stored: x's dtype, or (OUT_F32) that value widened to fp32
+#if OUT_F32
+typedef float out_t;
+__device__ __forceinline__ out_t store_value(float f) { return out_to_float(float_to_out(f)); }
+#else
+typedef u16 out_t;
+__device__ __forceinline__ out_t store_value(float f) { return float_to_out(f); }
+#endif
 
 // (a & MASK) op c in one LOP3 (c a register: with two immediates the compiler splits it into two instructions)
 template <u32 MASK>
@@ -813,7 +828,7 @@ __device__ __forceinline__ void ring_sums(TILES_SUMS_PARAMS) {
 // groups `pieces` blocks share (split-K) goes through the workspace, piece `piece` in slice `piece`, and the last of
 // its blocks to arrive adds the slices up in piece order (a fixed order: the result does not depend on which block
 // finishes first) and leaves the counter at zero for the next launch (no memset in a CUDA graph).
-__device__ __forceinline__ void tile_out(float* acc, int tile, int piece, int pieces, u16* __restrict__ out,
+__device__ __forceinline__ void tile_out(float* acc, int tile, int piece, int pieces, out_t* __restrict__ out,
                                          float* __restrict__ ws, int* __restrict__ counters, int T, int N,
                                          long long stride_o) {
   const int lane = threadIdx.x & 31;
@@ -837,7 +852,7 @@ __device__ __forceinline__ void tile_out(float* acc, int tile, int piece, int pi
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int n = row[i >> 1], t = tt[i & 1];
-        if (n < N && t < T) out[t * stride_o + n] = float_to_out(a[i]);
+        if (n < N && t < T) out[t * stride_o + n] = store_value(a[i]);
       }
 #endif
     }
@@ -865,7 +880,7 @@ __device__ __forceinline__ void tile_out(float* acc, int tile, int piece, int pi
           if (n < N && t < T) {
             float sum = 0.f;
             for (int y = 0; y < pieces; ++y) sum += __ldcg(ws + ((long long)y * T + t) * N + n);
-            out[t * stride_o + n] = float_to_out(sum);
+            out[t * stride_o + n] = store_value(sum);
           }
         }
       }
@@ -877,7 +892,7 @@ __device__ __forceinline__ void tile_out(float* acc, int tile, int piece, int pi
 // The block's sums of tile `tile` (acc, one share a warp) to the output: added up over the warps in shared memory
 // (warp 0's share, then warp 1's, ...), then tile_out. Every thread of the block calls it, once: the block ends after
 // it.
-__device__ __forceinline__ void tile_store(float* acc, int tile, int piece, int pieces, u16* __restrict__ out,
+__device__ __forceinline__ void tile_store(float* acc, int tile, int piece, int pieces, out_t* __restrict__ out,
                                            float* __restrict__ ws, int* __restrict__ counters, int T, int N,
                                            long long stride_o) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -912,7 +927,7 @@ __device__ __forceinline__ void let_next_launch() {
 // grid y), for all NCOL column groups.
 extern "C" __global__ void __launch_bounds__(NW * 32, MIN_BLOCKS)
 qmv(const u16* __restrict__ x, const u8* __restrict__ codes, const u8* __restrict__ high,
-    const u16* __restrict__ scales, u16* __restrict__ out, float* __restrict__ ws, int* __restrict__ counters,
+    const u16* __restrict__ scales, out_t* __restrict__ out, float* __restrict__ ws, int* __restrict__ counters,
     int T, int N, int K, int NG, int groups_per_split, long long stride_x, long long stride_o,
     long long stride_c, long long stride_h, long long stride_s) {
   let_next_launch();

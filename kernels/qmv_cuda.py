@@ -102,7 +102,7 @@ def async_shared_bytes(fmt: str, warps: int, stages: int, tiles: int = 1) -> int
 
 def kernel_options(fmt_id: int, half: bool, even: bool, unroll: int, min_blocks: int, xlate: bool, pipe: bool,
                    fold: bool, pdl: bool, tiled: int, act: bool, warps: int, tail: bool, ncol: int, tiles: int,
-                   xl1: bool = True, stages: int = 0) -> tuple[str, ...]:
+                   xl1: bool = True, stages: int = 0, out_f32: bool = False) -> tuple[str, ...]:
     """The source's compile options for one build (NVRTC's; a C preprocessor given them evaluates the source's
     static checks, its ``#error`` lines, as NVRTC does: tests/test_kernel_builds.py)."""
     return ("-std=c++17", f"-DFMT={fmt_id}", f"-DHALF={int(half)}", f"-DEVEN={int(even)}",
@@ -110,17 +110,17 @@ def kernel_options(fmt_id: int, half: bool, even: bool, unroll: int, min_blocks:
             f"-DPIPE={int(pipe)}", f"-DFOLD={int(fold)}", f"-DPDL={int(pdl)}",
             f"-DTILED={int(tiled)}", f"-DACT={int(act)}", f"-DNW={warps}",
             f"-DTAIL={int(tail)}", f"-DNCOL={ncol}", f"-DTPW={tiles}",
-            f"-DXL1={int(xl1)}", f"-DASYNC={stages}")
+            f"-DXL1={int(xl1)}", f"-DASYNC={stages}", f"-DOUT_F32={int(out_f32)}")
 
 
 @functools.cache
 def _kernel(fmt_id: int, half: bool, even: bool, unroll: int, min_blocks: int, xlate: bool, pipe: bool,
             fold: bool, pdl: bool, tiled: int, act: bool, warps: int, tail: bool, ncol: int, tiles: int,
-            device_index: int, xl1: bool = True, stages: int = 0, shared: int = 0):
+            device_index: int, xl1: bool = True, stages: int = 0, shared: int = 0, out_f32: bool = False):
     import cupy
 
     options = kernel_options(fmt_id, half, even, unroll, min_blocks, xlate, pipe, fold, pdl, tiled, act, warps, tail,
-                             ncol, tiles, xl1, stages)
+                             ncol, tiles, xl1, stages, out_f32)
     with cupy.cuda.Device(device_index):
         func = cupy.RawModule(code=_SOURCE.read_text(), backend="nvrtc", options=options).get_function("qmv")
     if shared:  # the default cap is 48 KB less the kernel's static shared memory (tile_store's sums)
@@ -406,9 +406,11 @@ def _wide(n: int, sms: int) -> bool:
 def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | None = None,
         unroll: int | None = None, min_blocks: int | None = None, xlate: bool = False, pipe: bool = False,
         fold: bool = False, pdl: bool | None = None, act: bool = False, warps: int | None = None,
-        tail: bool = False, tiles: int | None = None, stages: int | None = None) -> torch.Tensor:
-    """``x [T, K] @ W.T`` -> ``[T, N]`` in x.dtype, for T <= 64 (see :func:`supports`). ``out`` (contiguous [T, N],
-    x.dtype) is written instead of a fresh tensor. ``splits`` (default :func:`choose_splits`), ``unroll`` (steps
+        tail: bool = False, tiles: int | None = None, stages: int | None = None,
+        out_f32: bool = False) -> torch.Tensor:
+    """``x [T, K] @ W.T`` -> ``[T, N]`` in x.dtype, for T <= 64 (see :func:`supports`); with ``out_f32``, in fp32:
+    each value rounded to x.dtype first and then widened, the values of ``qmv(x, lin).float()`` without the copy
+    (not with ``act``). ``out`` (contiguous [T, N], the result's dtype) is written instead of a fresh tensor. ``splits`` (default :func:`choose_splits`), ``unroll`` (steps
     whose loads are in flight together), ``min_blocks`` (blocks per SM the registers must allow), ``xlate`` (x
     loaded one step ahead instead of with the codes), ``pipe`` (the step batches double-buffered: the next batch's
     loads in flight while one is multiplied) and ``fold`` (q4/q5: the zero point taken off the sums by one MMA per
@@ -436,11 +438,14 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
     t, n = x.shape[0], lin.n
     if act and n % 16:
         raise ValueError(f"qmv: act needs whole tiles of interleaved gate / up rows (N a multiple of 16), got N={n}")
+    if act and out_f32:
+        raise ValueError("qmv: out_f32 widens a projection's output; act's silu(gate) * up is stored in x's dtype")
     width = n // 2 if act else n
+    dtype = torch.float32 if out_f32 else x.dtype
     if out is None:
-        out = torch.empty(t, width, dtype=x.dtype, device=x.device)
-    elif out.shape != (t, width) or out.dtype != x.dtype or not out.is_contiguous() or out.device != x.device:
-        raise ValueError(f"qmv: out must be contiguous [{t}, {width}] {x.dtype} on {x.device}, got {tuple(out.shape)} "
+        out = torch.empty(t, width, dtype=dtype, device=x.device)
+    elif out.shape != (t, width) or out.dtype != dtype or not out.is_contiguous() or out.device != x.device:
+        raise ValueError(f"qmv: out must be contiguous [{t}, {width}] {dtype} on {x.device}, got {tuple(out.shape)} "
                          f"{out.dtype} on {out.device}")
     layout = getattr(lin, "layout", 0)  # 0: a PackedLinear's row-major sections
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
@@ -452,7 +457,7 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
     pdl = _triton.pdl_now(x.device) if pdl is None else pdl and _capability(dev) >= (9, 0)
     kern = _kernel(_FMT_ID[lin.fmt], x.dtype == torch.float16, even, build.unroll, build.min_blocks, xlate, pipe,
                    fold, pdl, layout, act, build.warps, tail, build.ncol, build.tiles, dev, _SWITCHES["pdl_x_l1"],
-                   build.stages, build.shared)
+                   build.stages, build.shared, out_f32)
     row_tiles = -(-n // 16)
     whole = act or not _triton.split_k_allowed()  # (the epilogue, or a launch beside others: _triton.single_pass)
     s = 1 if whole else min(splits, MAX_SPLITS) if splits else shape_splits(n, lin.ng, _triton.num_sms(dev), build.warps)

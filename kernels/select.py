@@ -154,7 +154,8 @@ def chain_link(logits, stops, own, scratch: int, picked, ids, pos, done, slots, 
     block = min(2048, _pow2(n))
     kern["link"][(work.programs,)](logits, work.part, work.count, stops, own, picked, ids, pos, done, slots, n,
                                    stops.numel(), scratch, CHUNK=LINK_CHUNK, BLOCK=block,
-                                   BLOCK_S=_pow2(stops.numel()), BLOCK_P=_pow2(work.programs), num_warps=8)
+                                   BLOCK_S=_pow2(stops.numel()), BLOCK_P=_pow2(work.programs), num_warps=8,
+                                   **_triton.pdl_args(logits.device))
 
 
 # ---- Triton kernels ------------------------------------------------------------------------------------------------
@@ -219,8 +220,9 @@ def _walk_kernel(S, CAND, OUT, K: tl.constexpr, C: tl.constexpr, BLOCK_C: tl.con
 
 
 def _link_kernel(X, PART, COUNT, STOPS, OWN, PICKED, IDS, POS, DONE, SLOTS, N, NS, scratch, CHUNK: tl.constexpr,
-                 BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_P: tl.constexpr):
+                 BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_P: tl.constexpr, PDL: tl.constexpr):
     """Program p: the largest ordered key of columns p * CHUNK ..; the last program to finish: the link."""
+    pdl_enter(PDL)  # PDL launches (a captured step): launched while the lm_head runs, reading its logits after it
     p = tl.program_id(0)
     lowest = -9223372036854775807 - 1
     best = tl.full([BLOCK], lowest, tl.int64)

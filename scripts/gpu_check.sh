@@ -59,6 +59,10 @@
 #   tilecheck scripts/probe_tile_bits.py, then test_cuda_engine's verify-row, speculative, block-draft and dflash2 PDL
 #            tests with tracebacks
 #   tpw      wide qmv launches with TPW row tiles a block: CUDA tests, 27B shapes at 64 rows, DFlash2 C8 with / without
+#   s64      qmv's fp32 store (the logits with no copy kernel after the lm_head), the first norm with the embedding
+#            lookup in one launch, the greedy chain's link launched under PDL: their CUDA tests, the bundled decode step's profile (PROF_SPECS: none,dflash2:7)
+#            and held-out prompts (S64_SPECS: none,dflash2:7, 256 tokens, two repeats) with this tree and .old's
+#            (carried: the tree before), the README's main command
 #   ring     qmv with the weights streamed through a cp.async ring (stages): its CUDA tests, the 27B shapes at 64 rows
 #            (RING_KNOBS) and, with RING_T=1, at 1 and 8 rows (RING_KNOBS1); RING_C8=1 adds the 27B DFlash2 K=7 replayed
 #            C8 with each RING_WIDE build (label|NINFER_BENCH_QMV_WIDE) and plain C8
@@ -487,6 +491,22 @@ PY
              [ "${RING_T:-0}" = 0 ] || ring_bench ring bench1.log "q8|lm_head" --ts 1,8 --qmv-knobs "$K1" \
                --only "ours,qmv-lanes-${K1//,/,qmv-lanes-}"
              [ "${RING_C8:-0}" = 1 ] && c8_builds ring ${RING_WIDE:-"before|8q4:p3u1b1,8q5:p1" "default|"} ;;
+    s64)     # session 64 in one call (see the list above)
+             bg_test test_kernels_qmv_cuda "fp32"
+             bg_test test_kernels_fused "embed or rms_norm"
+             bg_test test_kernels_select "link"
+             wait; bg_report test_kernels_qmv_cuda test_kernels_fused test_kernels_select
+             [ -d .old ] && ln -sf "$PWD/models/ninfer-code-small.ninfer" .old/models/ 2>/dev/null
+             for tree in . .old; do [ -d "$tree" ] || continue; tag=new; [ "$tree" = . ] || tag=old
+               ( cd "$tree" && timeout 150 python3 scripts/profile_step.py --spec ${PROF_SPECS:-none,dflash2:7} --steps 64 \
+                   --top 30 --json "$OUT/bprof-$tag.json" > "$OUT/bprof-$tag.log" 2>&1 )
+               echo "--- bundled step profile, $tag tree: rc $?"; grep -E "^=== |a step" "$OUT/bprof-$tag.log" | head -8; done
+             for tree in . .old; do [ -d "$tree" ] || continue; tag=new; [ "$tree" = . ] || tag=old
+               ( cd "$tree" && timeout ${STAGE_S:-200} python3 scripts/nb.py decode --spec ${S64_SPECS:-none,dflash2:7} $HELD \
+                   --json "$OUT/held-$tag" > "$OUT/held-$tag.log" 2>&1 )
+               echo "--- bundled held-out, $tag tree: rc $?"; grep -E "decode tok/s|tokens sha256|^ *decode: " "$OUT/held-$tag.log"
+             done
+             nb decode --spec dflash2 -k 7 --json "$OUT/main.json" 2>&1 | tee "$OUT/main.log" | tail -6 ;;
     tpw)     # wide qmv launches with several row tiles a block (x loaded once for them): their CUDA tests, the 27B q4 /
              # q5 shapes at 64 rows (TPW_KNOBS against the default and 8-row launches, bits checked; TPW_BENCH=0 skips
              # it), then the 27B DFlash2 K=7 replayed C8 with each TPW_WIDE build (label|NINFER_BENCH_QMV_WIDE; default:

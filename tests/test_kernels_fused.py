@@ -71,6 +71,41 @@ def test_rms_norm(lead, n, dtype):
     assert y.dtype == dtype and rel_rms(y, fu.rms_norm_ref(x, w, 1e-6)) <= TOL[dtype]
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+@pytest.mark.parametrize("shape,n", [((2, 3), 1000), ((1, 1), 5120), ((4,), 72)], ids=["n1000", "n5120", "n72"])
+def test_embed_rms_norm(shape, n, dtype):
+    """One launch: the ids' rows gathered (h, exact) and rms_norm of them, the bits of the lookup then rms_norm
+    (the same kernel arithmetic), within the reference's tolerance; ids in any order, repeated."""
+    table = randn(50, n, dtype=dtype, seed=8)
+    w = randn(n, seed=9, scale=0.1)
+    g = torch.Generator().manual_seed(10)
+    ids = torch.randint(0, 50, shape, generator=g).to(DEVICE)
+    ids.view(-1)[0] = 49
+    y, h = fu.embed_rms_norm(table, ids, w, 1e-6)
+    yr, hr = fu.embed_rms_norm_ref(table, ids, w, 1e-6)
+    assert y.shape == h.shape == (*shape, n) and y.dtype == h.dtype == dtype
+    assert torch.equal(h, hr), "the gathered rows as they are"
+    assert torch.equal(y, fu.rms_norm(hr, w, 1e-6)), "rms_norm's bits"
+    assert rel_rms(y, yr) <= TOL[dtype]
+    y32, _ = fu.embed_rms_norm(table, ids.int(), w, 1e-6)
+    assert torch.equal(y32, y)
+
+
+def test_embed_rms_norm_inputs():
+    table, w = randn(10, 64, seed=11), randn(64, seed=12, scale=0.1)
+    ids = torch.tensor([[3, 10, -1]], device=DEVICE)
+    y, h = fu.embed_rms_norm(table, ids, w, 1e-6)  # ids outside the table read zeros, never another row
+    assert torch.equal(h[0, 0], table[3]) and not h[0, 1:].any() and not y[0, 1:].any()
+    with pytest.raises(ValueError, match="int32 / int64"):
+        fu.embed_rms_norm(table, ids.float(), w, 1e-6)
+    with pytest.raises(ValueError, match="weight must be"):
+        fu.embed_rms_norm(table, ids, w[:32], 1e-6)
+    with pytest.raises(ValueError, match="table must be"):
+        fu.embed_rms_norm(table[0], ids, w, 1e-6)
+    y, h = fu.embed_rms_norm(table, ids[:, :0], w, 1e-6)
+    assert y.shape == h.shape == (1, 0, 64)
+
+
 def test_rms_norm_strided_rows():
     """A row-strided view (a slice of a wider buffer) is read in place."""
     wide = randn(4, 3, 1500, seed=6)

@@ -676,6 +676,60 @@ def test_silu_epilogue_in_a_pdl_graph_and_through_packed_linear():
     assert rel_rms(out, ref.cpu()) <= TOL[torch.bfloat16]
 
 
+@needs_qmv
+@pytest.mark.parametrize("fmt", [*quant.QUANT_FORMATS, "dense"])
+@pytest.mark.parametrize("dtype,t", [(torch.bfloat16, 1), (torch.bfloat16, 64), (torch.float16, 8)],
+                         ids=["bf16-1", "bf16-64", "fp16-8"])
+def test_fp32_store_widens_the_rounded_values(fmt, dtype, t):
+    """out_f32=True: the values of the 16-bit store widened, bit for bit (split-K or not, the lanes layout and a
+    wide launch's build, a PDL launch in a CUDA graph, a caller's buffer), with no copy after the kernel;
+    PackedLinear.fp32 the same as ``lin(x).float()``; refused with the gate / up epilogue."""
+    if fmt == "dense":
+        g = torch.Generator().manual_seed(17)
+        weights = [qmv_cuda.DenseWeight((torch.randn(300, 1024, generator=g) * 0.05).to(dtype).cuda())]
+        x = (torch.randn(t, 1024, generator=g) * 3).to(dtype).cuda()
+    else:
+        lin, x, _ = _case(fmt, 300, 5120, t, dtype, seed=18)
+        weights = [lin, qmv_cuda.TiledWeight(lin, lanes=True)]
+        assert torch.equal(lin.fp32(x), lin(x).float()) and lin.fp32(x).dtype == torch.float32
+    for w in weights:
+        for splits in (1, 3):
+            y = qmv_cuda.qmv(x, w, splits=splits, out_f32=True)
+            assert y.dtype == torch.float32 and y.shape == (t, w.n)
+            assert torch.equal(y, qmv_cuda.qmv(x, w, splits=splits).float())
+    if torch.cuda.get_device_capability() >= (9, 0):
+        w = weights[-1]
+        out = torch.empty(t, w.n, dtype=torch.float32, device="cuda")
+        qmv_cuda.qmv(x, w, out, pdl=True, out_f32=True)  # compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            qmv_cuda.qmv(x, w, out, pdl=True, out_f32=True)
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, qmv_cuda.qmv(x, w, pdl=False).float())
+    with pytest.raises(ValueError, match="out must be"):  # a 16-bit buffer for the fp32 store
+        qmv_cuda.qmv(x, weights[0], torch.empty(t, weights[0].n, dtype=dtype, device="cuda"), out_f32=True)
+    if fmt != "dense":
+        mixed, xm, _ = _interleaved_gate_up(fmt, 64, 256, 1, dtype, seed=19)
+        with pytest.raises(ValueError, match="out_f32"):
+            qmv_cuda.qmv(xm, mixed, act=True, out_f32=True)
+
+
+def test_fp32_product_off_the_kernel():
+    """Where qmv does not run (a CPU here), PackedLinear.fp32 and weights.product_fp32 are ``lin(x).float()``."""
+    from ninfer_bench.engine.model.weights import DenseLinear, product_fp32
+
+    g = torch.Generator().manual_seed(20)
+    w = torch.randn(48, 128, generator=g) * 0.05
+    x = torch.randn(2, 3, 128, generator=g)
+    packed = ql.PackedLinear(quant.pack(w, "q8_g32_fp16"), "q8_g32_fp16", (48, 128), "cpu")
+    for lin in (packed, DenseLinear(w.to(torch.bfloat16))):
+        xi = x.to(torch.bfloat16) if isinstance(lin, DenseLinear) else x
+        y = product_fp32(lin, xi)
+        assert y.dtype == torch.float32 and y.shape == (2, 3, 48) and torch.equal(y, lin(xi).float())
+
+
 def test_bench_knob_letters():
     """scripts/bench_qlinear.py's --qmv-knobs: p tiles, s stages, b blocks an SM, t / x flags; an unknown letter is
     refused (g, the removed wgmma build's, among them)."""

@@ -111,6 +111,47 @@ def test_chain_link_stops(stops, done):
     assert bool(got["done"]) == (done or 12 in stops) and int(got["slots"]) == (7 if got["done"] else 3)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+                    reason="programmatic dependent launch needs an sm_90+ GPU")
+def test_chain_link_under_pdl_in_a_graph():
+    """In a captured step the link launches under PDL while the lm_head's qmv (which lets its dependents launch as it
+    starts) still writes the logits: the link reads them only after it is done, every replay."""
+    from ninfer_bench.kernels import _triton, qmv_cuda, quant
+    from ninfer_bench.kernels.qlinear import PackedLinear
+
+    if not qmv_cuda.available():
+        pytest.skip(f"qmv_cuda cannot run here: {qmv_cuda.import_error()}")
+    n, k = 50_000, 256
+    g = torch.Generator().manual_seed(5)
+    lin = PackedLinear(quant.pack(torch.randn(n, k, generator=g) * 0.05, "q8_g32_fp16"), "q8_g32_fp16", (n, k),
+                       "cuda")
+    x = torch.randn(1, k, generator=g).to(torch.bfloat16).cuda()
+    logits = torch.empty(1, n, dtype=torch.float32, device="cuda")
+    _, stop, own, got = link_case(n, torch.float32, 4, stops=(n + 5,))
+    want = {key: v.clone() for key, v in got.items()}
+    work = sel.LinkScratch(n, logits.device)
+    _triton.set_pdl(True)
+    try:
+        qmv_cuda.qmv(x, lin, logits, pdl=True, out_f32=True)  # compile outside the capture
+        sel.chain_link(logits, stop, own, 7, work=work, **{key: v.clone() for key, v in got.items()})
+        graph = torch.cuda.CUDAGraph()
+        with _triton.graph_scope(), torch.cuda.graph(graph):
+            assert _triton.pdl_args(logits.device)["PDL"]
+            qmv_cuda.qmv(x, lin, logits, pdl=True, out_f32=True)
+            sel.chain_link(logits, stop, own, 7, work=work, **got)
+    finally:
+        _triton.set_pdl(False)
+    for step in range(4):
+        x.copy_(torch.randn(1, k, generator=g).to(torch.bfloat16))  # a new argmax each replay
+        logits.fill_(float("nan"))  # logits read before the qmv is done would give a NaN's column
+        graph.replay()
+        torch.cuda.synchronize()
+        sel.chain_link_ref(qmv_cuda.qmv(x, lin).float(), stop, own, 7, **want)
+        for key in want:
+            assert torch.equal(got[key], want[key]), (key, step)
+    assert int(work.count) == 0
+
+
 def test_chain_link_names_bad_buffers():
     logits, stop, own, got = link_case(100, torch.float32, 3)
     with pytest.raises(ValueError, match="V = 99"):

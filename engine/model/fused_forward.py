@@ -211,9 +211,14 @@ class FastPath:
         return list(zip(xs, taps))
 
     def _embed(self, step):
-        """A forward's start: the embedded ids ``h`` and the first layer's normed input ``x``."""
+        """A forward's start: the embedded ids ``h`` and the first layer's normed input ``x`` (one launch for both
+        where the table is dense and whole: fused.embed_rms_norm, the bits of the lookup and rms_norm)."""
+        norm_w, eps = self.w.vector("model.layers.0.input_layernorm.weight"), self.cfg.rms_norm_eps
+        table = self.w.dense_table()
+        if table is not None:
+            return fused.embed_rms_norm(table, step.ids, norm_w, eps)
         h = self.w.embed(step.ids)
-        return fused.rms_norm(h, self.w.vector("model.layers.0.input_layernorm.weight"), self.cfg.rms_norm_eps), h
+        return fused.rms_norm(h, norm_w, eps), h
 
     def _layer(self, i: int, x, h, step, cache: HybridCache, prefill: bool):
         """Decoder layer ``i`` from its normed input ``x`` and the residual ``h``: the next layer's normed input (the

@@ -21,7 +21,7 @@ from ...kernels.rope import apply_rope, rope_tables
 from .cache import HybridCache, PendingGDN
 from .config import ModelConfig
 from .rotary import mrope_cos_sin
-from .weights import GATE_UP_RUN, WeightStore
+from .weights import GATE_UP_RUN, WeightStore, product_fp32
 
 PREFILL, DECODE, VERIFY = "prefill", "decode", "verify"
 
@@ -242,5 +242,5 @@ class HybridModel:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """lm_head over final-normed hidden states, in fp32 (tensor parallel: every rank's vocabulary rows,
         gathered)."""
-        y = self.w.linear("lm_head.weight")(hidden).float()
+        y = product_fp32(self.w.linear("lm_head.weight"), hidden)
         return y if self.tp is None else self.tp.gather_last(y)

@@ -383,6 +383,11 @@ class WeightStore:
         bias = self.vectors.get(f"{name}.bias")
         return y if bias is None else y + bias.to(y.dtype)
 
+    def dense_table(self, name: str = "model.embed_tokens.weight") -> torch.Tensor | None:
+        """The embedding table ``[V, H]`` in the compute dtype when it is held dense and whole (no tensor
+        parallelism): :meth:`embed` is then a row lookup in it; else None."""
+        return self.embeddings[name].table if self.tp is None else None
+
     def embed(self, ids: torch.Tensor, name: str = "model.embed_tokens.weight") -> torch.Tensor:
         emb = self.embeddings[name]
         if self.tp is None:
@@ -391,6 +396,13 @@ class WeightStore:
         local = ids - self.tp.rank * rows
         inside = (local >= 0) & (local < rows)
         return self.tp.reduce(emb(local.clamp(0, rows - 1)) * inside[..., None].to(self.dtype))
+
+
+def product_fp32(lin, x: torch.Tensor) -> torch.Tensor:
+    """``lin(x).float()``, through the projection's own fp32 store where it has one (PackedLinear.fp32: qmv writes the
+    rounded values widened, with no copy kernel after it); the same values either way."""
+    wide = getattr(lin, "fp32", None)
+    return wide(x) if wide is not None else lin(x).float()
 
 
 def split_fused(y: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:

@@ -21,7 +21,7 @@ from ...kernels.draft_attention import block_mask
 from ...kernels.draft_attention import triton_available as draft_attention_available
 from ..model.dflash import BlockDrafter, RingContext, draft_norm
 from ..model.hybrid import DECODE, PREFILL, Step
-from ..model.weights import RawWeight
+from ..model.weights import RawWeight, product_fp32
 from ..sampling import probs
 from .draft_graphs import DraftGraphs, wanted
 
@@ -83,7 +83,7 @@ class DraftHead:
         self.linear = engine.weights.linear("lm_head.weight") if ids is None else draft_head_linear(engine, ids)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        x = self.linear(h).float()
+        x = product_fp32(self.linear, h)
         if self.e.tp is not None:  # tensor parallel: this rank's vocabulary rows; every rank's, gathered
             x = self.e.tp.gather_last(x)
         if self.scale != 1.0:
