@@ -32,6 +32,7 @@ __all__ = ["chain_link", "chain_link_ref", "greedy_walk", "greedy_walk_ref", "or
 triton_available = _triton.available
 CHUNK = 2048  # columns a first-pass program of ordered_topk ranks
 LINK_CHUNK = 16384  # columns a chain_link program takes (the last program to finish reduces the programs' maxima)
+LINK_BLOCK = 8192  # columns a chain_link program loads at once (a chunk of LINK_CHUNK in two loads)
 
 
 # ---- references --------------------------------------------------------------------------------------------------
@@ -130,7 +131,8 @@ class LinkScratch:
 
     def __init__(self, n: int, device):
         self.n = n
-        self.programs = -(-n // LINK_CHUNK)
+        self.chunk = min(LINK_CHUNK, _pow2(n))
+        self.programs = -(-n // self.chunk)
         self.part = torch.empty(self.programs, dtype=torch.int64, device=device)
         self.count = torch.zeros(1, dtype=torch.int32, device=device)
 
@@ -141,7 +143,8 @@ def chain_link(logits, stops, own, scratch: int, picked, ids, pos, done, slots, 
     Programs of LINK_CHUNK columns each store their largest ordered key (:func:`ordered_topk_ref`'s keys: a value's
     order above, its reversed column below, so the largest key is the first column of the largest value; a NaN
     counts as the largest, -0.0 as 0.0, as torch's argmax takes them); the last program to finish takes the largest
-    of those and writes the link. No host synchronisation: CUDA-graph safe."""
+    of those and writes the link. A vocabulary of at most LINK_CHUNK is one program, which writes the link from its
+    own maximum (no counter, no second read). No host synchronisation: CUDA-graph safe."""
     n = logits.shape[-1]
     if logits.dim() != 2 or logits.shape[0] != 1 or logits.stride(-1) != 1 or work.n != n:
         raise ValueError(f"chain_link: logits must be [1, V] with V = {work.n} (the scratch's), last dim contiguous; "
@@ -151,9 +154,9 @@ def chain_link(logits, stops, own, scratch: int, picked, ids, pos, done, slots, 
             raise ValueError(f"chain_link: {name} must be one contiguous "
                              f"{'bool' if name == 'done' else 'int64'} element, got {x.dtype} {tuple(x.shape)}")
     kern = _ready("chain_link", logits)
-    block = min(2048, _pow2(n))
     kern["link"][(work.programs,)](logits, work.part, work.count, stops, own, picked, ids, pos, done, slots, n,
-                                   stops.numel(), scratch, CHUNK=LINK_CHUNK, BLOCK=block,
+                                   stops.numel(), scratch, CHUNK=work.chunk, BLOCK=min(LINK_BLOCK, work.chunk),
+                                   ONE=work.programs == 1,
                                    BLOCK_S=_pow2(stops.numel()), BLOCK_P=_pow2(work.programs), num_warps=8,
                                    **_triton.pdl_args(logits.device))
 
@@ -220,8 +223,10 @@ def _walk_kernel(S, CAND, OUT, K: tl.constexpr, C: tl.constexpr, BLOCK_C: tl.con
 
 
 def _link_kernel(X, PART, COUNT, STOPS, OWN, PICKED, IDS, POS, DONE, SLOTS, N, NS, scratch, CHUNK: tl.constexpr,
-                 BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_P: tl.constexpr, PDL: tl.constexpr):
-    """Program p: the largest ordered key of columns p * CHUNK ..; the last program to finish: the link."""
+                 BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_P: tl.constexpr, ONE: tl.constexpr,
+                 PDL: tl.constexpr):
+    """Program p: the largest ordered key of columns p * CHUNK ..; the last program to finish (ONE: the only one,
+    from its own maximum): the link."""
     pdl_enter(PDL)  # PDL launches (a captured step): launched while the lm_head runs, reading its logits after it
     p = tl.program_id(0)
     lowest = -9223372036854775807 - 1
@@ -231,12 +236,17 @@ def _link_kernel(X, PART, COUNT, STOPS, OWN, PICKED, IDS, POS, DONE, SLOTS, N, N
         x = tl.load(X + offs, mask=offs < N, other=0.0).to(tl.float32)
         x = tl.where(x != x, float("nan"), tl.where(x == 0.0, 0.0, x))  # one NaN (above every number), one zero
         best = tl.maximum(best, _order_keys(x, offs, N))
-    tl.store(PART + p, tl.max(best, 0))
-    ticket = tl.atomic_add(COUNT, 1, sem="acq_rel")  # after this program's maximum is stored
-    if ticket == tl.num_programs(0) - 1:  # every program's maximum is in PART
+    if ONE:
+        last = True
+        top = tl.max(best, 0)
+    else:
+        tl.store(PART + p, tl.max(best, 0))
+        ticket = tl.atomic_add(COUNT, 1, sem="acq_rel")  # after this program's maximum is stored
+        last = ticket == tl.num_programs(0) - 1  # every program's maximum is in PART
         offs_p = tl.arange(0, BLOCK_P)
-        parts = tl.load(PART + offs_p, mask=offs_p < tl.num_programs(0), other=lowest, volatile=True)
-        tok = N - 1 - (tl.max(parts, 0) & 0xFFFFFFFF)
+        top = tl.max(tl.load(PART + offs_p, mask=(offs_p < tl.num_programs(0)) & last, other=lowest, volatile=True), 0)
+    if last:
+        tok = N - 1 - (top & 0xFFFFFFFF)
         tl.store(PICKED, tok)
         tl.store(IDS, tok)
         tl.store(POS, tl.load(POS) + 1)

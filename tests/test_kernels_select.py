@@ -86,6 +86,7 @@ def test_chain_link_equals_reference(n, dtype, fill):
     logits, stop, own, got = link_case(n, dtype, 1, stops=(n + 5,), fill=fill)
     _, _, _, want = link_case(n, dtype, 1, stops=(n + 5,), fill=fill)
     work = sel.LinkScratch(n, logits.device)
+    assert (work.programs == 1) == (n <= sel.LINK_CHUNK)  # one program writes the link from its own maximum
     for step in range(3):  # the counter is back at 0 after every launch: the same scratch serves the next one
         sel.chain_link(logits, stop, own, 7, work=work, **got)
         sel.chain_link_ref(logits, stop, own, 7, **want)
