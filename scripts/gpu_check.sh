@@ -60,7 +60,8 @@
 #            tests with tracebacks
 #   tpw      wide qmv launches with TPW row tiles a block: CUDA tests, 27B shapes at 64 rows, DFlash2 C8 with / without
 #   s64      qmv's fp32 store (the logits with no copy kernel after the lm_head), the first norm with the embedding
-#            lookup in one launch, the greedy chain's link launched under PDL: their CUDA tests, the bundled decode step's profile (PROF_SPECS: none,dflash2:7)
+#            lookup in one launch, the greedy chain's link launched under PDL: their CUDA tests (S64_TESTS=link:
+#            the link's and the chained decode's only), the bundled decode step's profile (PROF_SPECS: none,dflash2:7)
 #            and held-out prompts (S64_SPECS: none,dflash2:7, 256 tokens, two repeats) with this tree and .old's
 #            (carried: the tree before), the README's main command
 #   ring     qmv with the weights streamed through a cp.async ring (stages): its CUDA tests, the 27B shapes at 64 rows
@@ -492,10 +493,12 @@ PY
                --only "ours,qmv-lanes-${K1//,/,qmv-lanes-}"
              [ "${RING_C8:-0}" = 1 ] && c8_builds ring ${RING_WIDE:-"before|8q4:p3u1b1,8q5:p1" "default|"} ;;
     s64)     # session 64 in one call (see the list above)
-             bg_test test_kernels_qmv_cuda "fp32"
-             bg_test test_kernels_fused "embed or rms_norm"
+             if [ "${S64_TESTS:-all}" = all ]; then bg_test test_kernels_qmv_cuda "fp32"
+               bg_test test_kernels_fused "embed or rms_norm"; fi
              bg_test test_kernels_select "link"
-             wait; bg_report test_kernels_qmv_cuda test_kernels_fused test_kernels_select
+             bg_test test_cuda_engine "lookahead_decode"
+             wait; bg_report $([ "${S64_TESTS:-all}" = all ] && echo test_kernels_qmv_cuda test_kernels_fused) \
+               test_kernels_select test_cuda_engine
              [ -d .old ] && ln -sf "$PWD/models/ninfer-code-small.ninfer" .old/models/ 2>/dev/null
              for tree in . .old; do [ -d "$tree" ] || continue; tag=new; [ "$tree" = . ] || tag=old
                ( cd "$tree" && timeout 150 python3 scripts/profile_step.py --spec ${PROF_SPECS:-none,dflash2:7} --steps 64 \
