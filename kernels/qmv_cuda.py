@@ -170,7 +170,7 @@ def shape_splits(n: int, ng: int, sms: int, warps: int | None = None) -> int:
 # pdl_x_l1: under PDL, x is read through L1 (ld.global.ca) once griddepcontrol.wait has made the kernel before's
 # writes visible; off (NINFER_BENCH_QMV_PDL_X=l2): through L2 only (ld.global.cg), every warp its own L2 reads of all
 # T rows.
-_SWITCHES = {"dense": False, "pdl_x_l1": True}
+_SWITCHES = {"dense": False, "pdl_x_l1": True, "split_cap": 0}
 
 
 def set_dense(on: bool) -> None:
@@ -273,6 +273,12 @@ def _load_env_knobs() -> None:
     if x_path not in ("l1", "l2"):
         raise ValueError(f"NINFER_BENCH_QMV_PDL_X: {x_path!r}: expected l1 (the default) or l2")
     set_pdl_x_l1(x_path == "l1")
+    cap = os.environ.get("NINFER_BENCH_QMV_SPLIT_CAP", "").strip()
+    if cap and not (cap.isdigit() and int(cap) >= 1):
+        raise ValueError(f"NINFER_BENCH_QMV_SPLIT_CAP: {cap!r}: expected a split count >= 1")
+    # a tuning run's cap on the split-K count qmv picks (1: every launch in one pass over K), to measure what the
+    # split's second pass costs; it changes the order of the sums, so the bits and possibly the tokens
+    _SWITCHES["split_cap"] = int(cap) if cap else 0
 
 
 _load_env_knobs()
@@ -461,6 +467,8 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
     row_tiles = -(-n // 16)
     whole = act or not _triton.split_k_allowed()  # (the epilogue, or a launch beside others: _triton.single_pass)
     s = 1 if whole else min(splits, MAX_SPLITS) if splits else shape_splits(n, lin.ng, _triton.num_sms(dev), build.warps)
+    if _SWITCHES["split_cap"] and not splits:
+        s = min(s, _SWITCHES["split_cap"])
     groups_per_split = -(-lin.ng // s)
     s = -(-lin.ng // groups_per_split)
     ws, counters = workspace(x.device, s * t * n, row_tiles) if s > 1 else (out, out)

@@ -61,7 +61,8 @@
 #   tpw      wide qmv launches with TPW row tiles a block: CUDA tests, 27B shapes at 64 rows, DFlash2 C8 with / without
 #   s64      qmv's fp32 store (the logits with no copy kernel after the lm_head), the first norm with the embedding
 #            lookup in one launch, the greedy chain's link launched under PDL: their CUDA tests (S64_TESTS=link:
-#            the link's and the chained decode's only), the bundled decode step's profile (PROF_SPECS: none,dflash2:7)
+#            the link's and the chained decode's only), S64_REPEATS rounds of profiles (.old's, this tree's, and
+#            with S64_CAP=N this tree's with NINFER_BENCH_QMV_SPLIT_CAP=N, which also runs the held-out plain decode), the bundled decode step's profile (PROF_SPECS: none,dflash2:7)
 #            and held-out prompts (S64_SPECS: none,dflash2:7, 256 tokens, two repeats) with this tree and .old's
 #            (carried: the tree before), the README's main command
 #   ring     qmv with the weights streamed through a cp.async ring (stages): its CUDA tests, the 27B shapes at 64 rows
@@ -500,15 +501,23 @@ PY
              wait; bg_report $([ "${S64_TESTS:-all}" = all ] && echo test_kernels_qmv_cuda test_kernels_fused) \
                test_kernels_select test_cuda_engine
              [ -d .old ] && ln -sf "$PWD/models/ninfer-code-small.ninfer" .old/models/ 2>/dev/null
-             for tree in . .old; do [ -d "$tree" ] || continue; tag=new; [ "$tree" = . ] || tag=old
-               ( cd "$tree" && timeout 150 python3 scripts/profile_step.py --spec ${PROF_SPECS:-none,dflash2:7} --steps 64 \
-                   --top 30 --json "$OUT/bprof-$tag.json" > "$OUT/bprof-$tag.log" 2>&1 )
-               echo "--- bundled step profile, $tag tree: rc $?"; grep -E "^=== |a step" "$OUT/bprof-$tag.log" | head -8; done
+             for r in $(seq ${S64_REPEATS:-1}); do for tree in .old . ${S64_CAP:+cap}; do
+               tag=new; [ "$tree" = . ] || tag=old; [ "$tree" = cap ] && { tag=cap$S64_CAP; tree=.; }
+               [ -d "$tree" ] || continue
+               ( cd "$tree" && NINFER_BENCH_QMV_SPLIT_CAP=$([ "${tag#cap}" != "$tag" ] && echo "$S64_CAP") \
+                   timeout 150 python3 scripts/profile_step.py --spec ${PROF_SPECS:-none,dflash2:7} --steps 64 \
+                   --top 30 --json "$OUT/bprof-$tag-$r.json" > "$OUT/bprof-$tag-$r.log" 2>&1 )
+               echo "--- bundled step profile, $tag tree, run $r: rc $?"; grep -E "^=== |a step" "$OUT/bprof-$tag-$r.log" | head -8
+             done; done
              for tree in . .old; do [ -d "$tree" ] || continue; tag=new; [ "$tree" = . ] || tag=old
                ( cd "$tree" && timeout ${STAGE_S:-200} python3 scripts/nb.py decode --spec ${S64_SPECS:-none,dflash2:7} $HELD \
                    --json "$OUT/held-$tag" > "$OUT/held-$tag.log" 2>&1 )
-               echo "--- bundled held-out, $tag tree: rc $?"; grep -E "decode tok/s|tokens sha256|^ *decode: " "$OUT/held-$tag.log"
+               echo "--- bundled held-out, $tag tree: rc $?"; grep -E "│ v3-|decode tok/s|tokens sha256" "$OUT/held-$tag.log"
              done
+             [ -n "${S64_CAP:-}" ] && { NINFER_BENCH_QMV_SPLIT_CAP=$S64_CAP nb decode --spec none $HELD \
+                 --json "$OUT/held-cap$S64_CAP" > "$OUT/held-cap$S64_CAP.log" 2>&1
+               echo "--- bundled held-out, new tree, qmv splits capped at $S64_CAP: rc $?"
+               grep -E "decode tok/s|tokens sha256" "$OUT/held-cap$S64_CAP.log"; }
              nb decode --spec dflash2 -k 7 --json "$OUT/main.json" 2>&1 | tee "$OUT/main.log" | tail -6 ;;
     tpw)     # wide qmv launches with several row tiles a block (x loaded once for them): their CUDA tests, the 27B q4 /
              # q5 shapes at 64 rows (TPW_KNOBS against the default and 8-row launches, bits checked; TPW_BENCH=0 skips

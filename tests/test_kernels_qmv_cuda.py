@@ -332,6 +332,22 @@ def test_pdl_x_path_knob(monkeypatch):
         qmv_cuda._load_env_knobs()
 
 
+def test_split_cap_knob(monkeypatch):
+    """NINFER_BENCH_QMV_SPLIT_CAP (a tuning run's): a cap on the split-K count qmv picks; unset, no cap; anything
+    but a count >= 1 is refused by name."""
+    monkeypatch.setattr(qmv_cuda, "_SWITCHES", dict(qmv_cuda._SWITCHES))
+    monkeypatch.delenv("NINFER_BENCH_QMV_WIDE", raising=False)
+    monkeypatch.delenv("NINFER_BENCH_QMV_PDL_X", raising=False)
+    for value, cap in (("1", 1), (" 3 ", 3), ("", 0)):
+        monkeypatch.setenv("NINFER_BENCH_QMV_SPLIT_CAP", value)
+        qmv_cuda._load_env_knobs()
+        assert qmv_cuda._SWITCHES["split_cap"] == cap
+    for bad in ("0", "two", "-1"):
+        monkeypatch.setenv("NINFER_BENCH_QMV_SPLIT_CAP", bad)
+        with pytest.raises(ValueError, match="NINFER_BENCH_QMV_SPLIT_CAP"):
+            qmv_cuda._load_env_knobs()
+
+
 def test_wide_build_defaults(monkeypatch):
     """At 8 column groups q4 and q5 take 3 row tiles a block through a 4-stage cp.async ring by default (measured
     faster); q8, other widths and one column group take none; a NINFER_BENCH_QMV_WIDE entry for the width (or for the
