@@ -93,6 +93,13 @@ typedef unsigned char u8;
 #if OUT_F32 && ACT
 #error "OUT_F32 widens a projection's output: the gate / up epilogue (ACT) stores x's dtype"
 #endif
+#ifndef CLUSTER
+#define CLUSTER 0 // 1 (sm_90+, launched with cluster dims (1, splits, 1)): a split-K tile's blocks are one cluster, and
+#endif            // the first adds the others' sums from their shared memory (DSMEM) in piece order - the same sums
+                  // as the workspace's, without its global round trips, fence and counter
+#if CLUSTER && ACT
+#error "CLUSTER is split-K's reduction: the gate / up epilogue (ACT) takes K in one pass"
+#endif
 #ifndef NCOL
 #define NCOL 1    // column groups of 8 tokens a launch (T <= 8 NCOL); x read per step from L1 / L2 when > 1
 #endif
@@ -742,12 +749,14 @@ __device__ __forceinline__ void tiles_sums(TILES_SUMS_PARAMS) {
 }
 #endif
 
-#if ASYNC
-__device__ __forceinline__ u32 smem_addr(const void* p) {  // a shared-memory address as cp.async takes it
+// a shared-memory address as cp.async and mapa take it
+__device__ __forceinline__ u32 smem_addr(const void* p) {
   u32 a;
   asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
   return a;
 }
+
+#if ASYNC
 __device__ __forceinline__ void cp_async16(u32 dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
 }
@@ -889,9 +898,29 @@ __device__ __forceinline__ void tile_out(float* acc, int tile, int piece, int pi
   }
 }
 
+#if CLUSTER
+// every thread of every block of the cluster: arrive (the block's shared writes released), then wait (the others'
+// acquired)
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release;\n\tbarrier.cluster.wait.acquire;" ::: "memory");
+}
+
+// a float4 at this block's shared address `p` in the shared memory of the cluster's block `rank`
+__device__ __forceinline__ float4 cluster_load(const float4* p, u32 rank) {
+  u32 remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_addr(p)), "r"(rank));
+  float4 v;
+  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(remote) : "memory");
+  return v;
+}
+#endif
+
 // The block's sums of tile `tile` (acc, one share a warp) to the output: added up over the warps in shared memory
 // (warp 0's share, then warp 1's, ...), then tile_out. Every thread of the block calls it, once: the block ends after
-// it.
+// it. CLUSTER with pieces > 1: each block leaves its sums in its shared memory (red[0]), and the cluster's block 0
+// (piece 0; the cluster's blocks are the tile's pieces in order, rank = piece) adds them up from 0 in piece order, as
+// tile_out adds the workspace's slices, and stores them.
 __device__ __forceinline__ void tile_store(float* acc, int tile, int piece, int pieces, out_t* __restrict__ out,
                                            float* __restrict__ ws, int* __restrict__ counters, int T, int N,
                                            long long stride_o) {
@@ -911,8 +940,38 @@ __device__ __forceinline__ void tile_store(float* acc, int tile, int piece, int 
         acc[4 * m] += v.x; acc[4 * m + 1] += v.y; acc[4 * m + 2] += v.z; acc[4 * m + 3] += v.w;
       }
     }
+#if CLUSTER
+    if (pieces > 1) {
+#pragma unroll
+      for (int m = 0; m < NCOL; ++m)
+        red[0][m][lane] = make_float4(acc[4 * m], acc[4 * m + 1], acc[4 * m + 2], acc[4 * m + 3]);
+    } else
+#endif
     tile_out(acc, tile, piece, pieces, out, ws, counters, T, N, stride_o);
   }
+#if CLUSTER
+  if (pieces > 1) {
+    cluster_sync();  // every piece's sums are in its block's red[0]
+    if (piece == 0 && warp == 0) {
+      const int g = lane >> 2, c = lane & 3;
+      const int row[2] = {tile * 16 + g, tile * 16 + g + 8};
+#pragma unroll
+      for (int m = 0; m < NCOL; ++m) {
+        float sum[4] = {0.f, 0.f, 0.f, 0.f};
+        for (int y = 0; y < pieces; ++y) {
+          const float4 v = cluster_load(&red[0][m][lane], (u32)y);
+          sum[0] += v.x; sum[1] += v.y; sum[2] += v.z; sum[3] += v.w;
+        }
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int n = row[i >> 1], t = 8 * m + 2 * c + (i & 1);
+          if (n < N && t < T) out[t * stride_o + n] = store_value(sum[i]);
+        }
+      }
+    }
+    cluster_sync();  // no block leaves (or reuses red) before block 0 has read its sums
+  }
+#endif
 }
 
 // the next kernel may launch once every block of this one is running: it waits for this one to finish before it

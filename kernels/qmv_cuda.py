@@ -102,7 +102,8 @@ def async_shared_bytes(fmt: str, warps: int, stages: int, tiles: int = 1) -> int
 
 def kernel_options(fmt_id: int, half: bool, even: bool, unroll: int, min_blocks: int, xlate: bool, pipe: bool,
                    fold: bool, pdl: bool, tiled: int, act: bool, warps: int, tail: bool, ncol: int, tiles: int,
-                   xl1: bool = True, stages: int = 0, out_f32: bool = False) -> tuple[str, ...]:
+                   xl1: bool = True, stages: int = 0, out_f32: bool = False,
+                   cluster: bool = False) -> tuple[str, ...]:
     """The source's compile options for one build (NVRTC's; a C preprocessor given them evaluates the source's
     static checks, its ``#error`` lines, as NVRTC does: tests/test_kernel_builds.py)."""
     return ("-std=c++17", f"-DFMT={fmt_id}", f"-DHALF={int(half)}", f"-DEVEN={int(even)}",
@@ -110,17 +111,18 @@ def kernel_options(fmt_id: int, half: bool, even: bool, unroll: int, min_blocks:
             f"-DPIPE={int(pipe)}", f"-DFOLD={int(fold)}", f"-DPDL={int(pdl)}",
             f"-DTILED={int(tiled)}", f"-DACT={int(act)}", f"-DNW={warps}",
             f"-DTAIL={int(tail)}", f"-DNCOL={ncol}", f"-DTPW={tiles}",
-            f"-DXL1={int(xl1)}", f"-DASYNC={stages}", f"-DOUT_F32={int(out_f32)}")
+            f"-DXL1={int(xl1)}", f"-DASYNC={stages}", f"-DOUT_F32={int(out_f32)}", f"-DCLUSTER={int(cluster)}")
 
 
 @functools.cache
 def _kernel(fmt_id: int, half: bool, even: bool, unroll: int, min_blocks: int, xlate: bool, pipe: bool,
             fold: bool, pdl: bool, tiled: int, act: bool, warps: int, tail: bool, ncol: int, tiles: int,
-            device_index: int, xl1: bool = True, stages: int = 0, shared: int = 0, out_f32: bool = False):
+            device_index: int, xl1: bool = True, stages: int = 0, shared: int = 0, out_f32: bool = False,
+            cluster: bool = False):
     import cupy
 
     options = kernel_options(fmt_id, half, even, unroll, min_blocks, xlate, pipe, fold, pdl, tiled, act, warps, tail,
-                             ncol, tiles, xl1, stages, out_f32)
+                             ncol, tiles, xl1, stages, out_f32, cluster)
     with cupy.cuda.Device(device_index):
         func = cupy.RawModule(code=_SOURCE.read_text(), backend="nvrtc", options=options).get_function("qmv")
     if shared:  # the default cap is 48 KB less the kernel's static shared memory (tile_store's sums)
@@ -170,7 +172,10 @@ def shape_splits(n: int, ng: int, sms: int, warps: int | None = None) -> int:
 # pdl_x_l1: under PDL, x is read through L1 (ld.global.ca) once griddepcontrol.wait has made the kernel before's
 # writes visible; off (NINFER_BENCH_QMV_PDL_X=l2): through L2 only (ld.global.cg), every warp its own L2 reads of all
 # T rows.
-_SWITCHES = {"dense": False, "pdl_x_l1": True, "split_cap": 0}
+# cluster: a split-K launch on sm_90+ runs each tile's pieces as one thread-block cluster and adds their sums through
+# distributed shared memory (CLUSTER in the source; the same sums in the same order as the workspace's, so the same
+# bits): on by default, off (NINFER_BENCH_QMV_CLUSTER=0) through the global workspace and its counters.
+_SWITCHES = {"dense": False, "pdl_x_l1": True, "split_cap": 0, "cluster": True}
 
 
 def set_dense(on: bool) -> None:
@@ -182,6 +187,12 @@ def set_dense(on: bool) -> None:
 def set_pdl_x_l1(on: bool) -> None:
     """Under PDL, read x through L1 (on, the default) or through L2 only (off) in kernels built from now on."""
     _SWITCHES["pdl_x_l1"] = bool(on)
+
+
+def set_cluster(on: bool) -> None:
+    """Split-K launches (sm_90+) reduce within a thread-block cluster (on, the default) or through the global
+    workspace (off), from now on: the same bits either way."""
+    _SWITCHES["cluster"] = bool(on)
 
 
 def dense_enabled() -> bool:
@@ -279,6 +290,10 @@ def _load_env_knobs() -> None:
     # a tuning run's cap on the split-K count qmv picks (1: every launch in one pass over K), to measure what the
     # split's second pass costs; it changes the order of the sums, so the bits and possibly the tokens
     _SWITCHES["split_cap"] = int(cap) if cap else 0
+    cluster = os.environ.get("NINFER_BENCH_QMV_CLUSTER", "1").strip()
+    if cluster not in ("0", "1"):
+        raise ValueError(f"NINFER_BENCH_QMV_CLUSTER: {cluster!r}: expected 1 (the default) or 0")
+    set_cluster(cluster == "1")
 
 
 _load_env_knobs()
@@ -293,6 +308,7 @@ class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
                 ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttr)), ("num_attrs", ctypes.c_uint)]
 
 
+_ATTR_CLUSTER_DIMENSION = 4
 _ATTR_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 
 
@@ -305,19 +321,29 @@ def _driver():
     return lib
 
 
-def _launch_pdl(func, grid: tuple[int, int], block: int, args: tuple, stream_handle: int, shared: int = 0) -> None:
-    """``func<<<grid, block, shared, stream>>>(args)`` with programmatic stream serialization allowed; ``func`` is a
+def _launch_ex(func, grid: tuple[int, int], block: int, args: tuple, stream_handle: int, shared: int = 0, *,
+               pdl: bool = True, cluster_y: int = 0) -> None:
+    """``func<<<grid, block, shared, stream>>>(args)`` through cuLaunchKernelEx: with programmatic stream
+    serialization allowed (``pdl``) and / or thread-block clusters of ``(1, cluster_y, 1)`` blocks; ``func`` is a
     cupy RawKernel (its ``kernel`` is the CUfunction on the current device), ``args`` ctypes scalars in parameter
     order, ``shared`` bytes of dynamic shared memory."""
-    attr = _LaunchAttr()
-    attr.id = _ATTR_PROGRAMMATIC_STREAM_SERIALIZATION
-    attr.value[0] = 1  # programmaticStreamSerializationAllowed (an int, little-endian)
+    attrs = (_LaunchAttr * 2)()
+    count = 0
+    if pdl:
+        attrs[count].id = _ATTR_PROGRAMMATIC_STREAM_SERIALIZATION
+        attrs[count].value[0] = 1  # programmaticStreamSerializationAllowed (an int, little-endian)
+        count += 1
+    if cluster_y:
+        attrs[count].id = _ATTR_CLUSTER_DIMENSION
+        dims = (ctypes.c_uint * 3).from_buffer(attrs[count].value)  # CUlaunchAttributeValue.clusterDim
+        dims[0], dims[1], dims[2] = 1, cluster_y, 1
+        count += 1
     cfg = _LaunchConfig((ctypes.c_uint * 3)(grid[0], grid[1], 1), (ctypes.c_uint * 3)(block, 1, 1), shared,
-                        ctypes.c_void_p(stream_handle), ctypes.pointer(attr), 1)
+                        ctypes.c_void_p(stream_handle), attrs, count)
     params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
     rc = _driver().cuLaunchKernelEx(ctypes.byref(cfg), ctypes.c_void_p(func.kernel.ptr), params, None)
     if rc != 0:
-        raise RuntimeError(f"qmv: cuLaunchKernelEx with programmatic stream serialization failed (CUresult {rc})")
+        raise RuntimeError(f"qmv: cuLaunchKernelEx (PDL {pdl}, clusters of (1, {cluster_y}, 1)) failed (CUresult {rc})")
 
 
 @functools.cache
@@ -461,9 +487,6 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
     build = launch_build(lin.fmt, n, t, layout, _triton.num_sms(dev), unroll=unroll, min_blocks=min_blocks,
                          xlate=xlate, pipe=pipe, warps=warps, tail=tail, tiles=tiles, stages=stages)
     pdl = _triton.pdl_now(x.device) if pdl is None else pdl and _capability(dev) >= (9, 0)
-    kern = _kernel(_FMT_ID[lin.fmt], x.dtype == torch.float16, even, build.unroll, build.min_blocks, xlate, pipe,
-                   fold, pdl, layout, act, build.warps, tail, build.ncol, build.tiles, dev, _SWITCHES["pdl_x_l1"],
-                   build.stages, build.shared, out_f32)
     row_tiles = -(-n // 16)
     whole = act or not _triton.split_k_allowed()  # (the epilogue, or a launch beside others: _triton.single_pass)
     s = 1 if whole else min(splits, MAX_SPLITS) if splits else shape_splits(n, lin.ng, _triton.num_sms(dev), build.warps)
@@ -471,7 +494,13 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
         s = min(s, _SWITCHES["split_cap"])
     groups_per_split = -(-lin.ng // s)
     s = -(-lin.ng // groups_per_split)
-    ws, counters = workspace(x.device, s * t * n, row_tiles) if s > 1 else (out, out)
+    # a split-K tile's pieces as one cluster (sm_90+, at most the portable 8 blocks): their sums added through
+    # distributed shared memory, in the workspace's order (the same bits)
+    cluster = s > 1 and _SWITCHES["cluster"] and s <= 8 and _capability(dev) >= (9, 0)
+    kern = _kernel(_FMT_ID[lin.fmt], x.dtype == torch.float16, even, build.unroll, build.min_blocks, xlate, pipe,
+                   fold, pdl, layout, act, build.warps, tail, build.ncol, build.tiles, dev, _SWITCHES["pdl_x_l1"],
+                   build.stages, build.shared, out_f32, cluster)
+    ws, counters = workspace(x.device, s * t * n, row_tiles) if s > 1 and not cluster else (out, out)
     grid = (-(-row_tiles // build.tiles), s)  # a block takes build.tiles row tiles
     stream = torch.cuda.current_stream(x.device)
     # the kernel's parameters in order: 7 pointers, 5 int32, 5 int64
@@ -479,10 +508,11 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
             ws.data_ptr(), counters.data_ptr())
     ints = (t, n, lin.k, lin.ng, groups_per_split)
     longs = (x.stride(0), out.stride(0), lin.codes.stride(0), lin.high.stride(0), lin.scales.stride(0))
-    if pdl:
+    if pdl or cluster:
         cargs = (*map(ctypes.c_uint64, ptrs), *map(ctypes.c_int32, ints), *map(ctypes.c_int64, longs))
         with torch.cuda.device(dev):  # the module was loaded in this device's context
-            _launch_pdl(kern, grid, build.threads, cargs, stream.cuda_stream, build.shared)
+            _launch_ex(kern, grid, build.threads, cargs, stream.cuda_stream, build.shared, pdl=pdl,
+                       cluster_y=s if cluster else 0)
         return out
     import cupy
 

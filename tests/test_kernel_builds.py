@@ -76,12 +76,14 @@ def _qmv_builds(tables: dict) -> dict[tuple[str, ...], object]:
                 b = qmv_cuda.launch_build(fmt, 17408 * 2, t, layout, SMS, **build_kw)
             except ValueError:
                 continue
-            for act, pdl, f32 in ((False, False, False), (True, True, False), (False, True, True)):
+            for act, pdl, f32, cluster in ((False, False, False, False), (True, True, False, False),
+                                           (False, True, True, False), (False, True, False, True),
+                                           (False, False, True, True)):
                 options = qmv_cuda.kernel_options(
                     qmv_cuda._FMT_ID[fmt], False, even, b.unroll, b.min_blocks, kw.get("xlate", False),
                     kw.get("pipe", False), kw.get("fold", False), pdl, layout, act, b.warps, kw.get("tail", False),
-                    b.ncol, b.tiles, True, b.stages, f32)
-                out.setdefault(options, (fmt, t, layout, even, kw, act, pdl, f32))
+                    b.ncol, b.tiles, True, b.stages, f32, cluster)
+                out.setdefault(options, (fmt, t, layout, even, kw, act, pdl, f32, cluster))
         return out
 
 
@@ -101,7 +103,7 @@ def test_every_qmv_build_passes_the_source_checks(table):
     assert len(builds) > 50, "the grid should reach many distinct builds"
     assert any("-DASYNC=0" in o for o in builds) and any("-DASYNC=4" in o for o in builds)
     assert any("-DTPW=3" in o for o in builds) and any("-DNCOL=8" in o for o in builds)
-    assert any("-DOUT_F32=1" in o for o in builds)
+    assert any("-DOUT_F32=1" in o for o in builds) and any("-DCLUSTER=1" in o for o in builds)
     assert _refused(KERNELS / "qmv_cuda.cu", builds) == []
 
 
@@ -119,6 +121,9 @@ def test_the_checks_refuse_what_they_should():
     act_f32 = qmv_cuda.kernel_options(2, False, True, b.unroll, b.min_blocks, False, False, False, False, 2, True,
                                       b.warps, False, b.ncol, 1, True, b.stages, True)
     assert _refused(KERNELS / "qmv_cuda.cu", {act_f32: "fp32 out with the gate / up epilogue"})
+    act_cluster = qmv_cuda.kernel_options(2, False, True, b.unroll, b.min_blocks, False, False, False, False, 2, True,
+                                          b.warps, False, b.ncol, 1, True, b.stages, False, True)
+    assert _refused(KERNELS / "qmv_cuda.cu", {act_cluster: "a split-K cluster with the gate / up epilogue"})
     assert _refused(KERNELS / "attn_cuda.cu", {("-DHD=320", "-DHALF=0", "-DPOS64=0", "-DSLOT64=0"): "hd 320"})
 
 

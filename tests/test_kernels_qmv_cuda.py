@@ -332,6 +332,67 @@ def test_pdl_x_path_knob(monkeypatch):
         qmv_cuda._load_env_knobs()
 
 
+needs_clusters = pytest.mark.skipif(not (READY and torch.cuda.get_device_capability() >= (9, 0)),
+                                    reason="thread-block clusters need an sm_90+ GPU (and qmv_cuda)")
+
+
+@needs_clusters
+@pytest.mark.parametrize("fmt", [*quant.QUANT_FORMATS, "dense"])
+@pytest.mark.parametrize("t", [1, 8, 64])
+def test_cluster_split_k_keeps_the_bits(fmt, t):
+    """A split-K launch whose tile pieces reduce in a thread-block cluster (distributed shared memory) gives the
+    workspace path's bits at every split count (2-8 blocks a cluster), plainly, through the lanes layout, under PDL
+    in a CUDA graph and into an fp32 store; the workspace's counters are untouched."""
+    if fmt == "dense":
+        g = torch.Generator().manual_seed(21)
+        lins = [qmv_cuda.DenseWeight((torch.randn(200, 2048, generator=g) * 0.05).to(torch.bfloat16).cuda())]
+        x = (torch.randn(t, 2048, generator=g) * 3).to(torch.bfloat16).cuda()
+    else:
+        lin, x, _ = _case(fmt, 200, 2048, t, torch.bfloat16, seed=22)
+        lins = [lin, qmv_cuda.TiledWeight(lin, lanes=True)]
+    try:
+        for w in lins:
+            for splits in (2, 3, 5, 8):
+                qmv_cuda.set_cluster(False)
+                want = qmv_cuda.qmv(x, w, splits=splits)
+                want32 = qmv_cuda.qmv(x, w, splits=splits, out_f32=True)
+                qmv_cuda.set_cluster(True)
+                assert torch.equal(qmv_cuda.qmv(x, w, splits=splits), want), (type(w).__name__, splits)
+                assert torch.equal(qmv_cuda.qmv(x, w, splits=splits, out_f32=True), want32)
+        w = lins[-1]
+        out = torch.empty(t, w.n, dtype=x.dtype, device="cuda")
+        qmv_cuda.qmv(x, w, out, splits=3, pdl=True)  # compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            qmv_cuda.qmv(x, w, out, splits=3, pdl=True)
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        qmv_cuda.set_cluster(False)
+        assert torch.equal(out, qmv_cuda.qmv(x, w, splits=3, pdl=False))
+    finally:
+        qmv_cuda.set_cluster(True)
+    torch.cuda.synchronize()
+    assert int(qmv_cuda._WORKSPACES[x.device][1].abs().sum()) == 0
+
+
+def test_cluster_knob(monkeypatch):
+    """NINFER_BENCH_QMV_CLUSTER: 1 (the default) or 0; anything else is refused by name."""
+    monkeypatch.setattr(qmv_cuda, "_SWITCHES", dict(qmv_cuda._SWITCHES))
+    for var in ("NINFER_BENCH_QMV_WIDE", "NINFER_BENCH_QMV_PDL_X", "NINFER_BENCH_QMV_SPLIT_CAP"):
+        monkeypatch.delenv(var, raising=False)
+    for value, on in (("0", False), (" 1", True)):
+        monkeypatch.setenv("NINFER_BENCH_QMV_CLUSTER", value)
+        qmv_cuda._load_env_knobs()
+        assert qmv_cuda._SWITCHES["cluster"] is on
+    monkeypatch.delenv("NINFER_BENCH_QMV_CLUSTER")
+    qmv_cuda._load_env_knobs()
+    assert qmv_cuda._SWITCHES["cluster"] is True
+    monkeypatch.setenv("NINFER_BENCH_QMV_CLUSTER", "on")
+    with pytest.raises(ValueError, match="NINFER_BENCH_QMV_CLUSTER"):
+        qmv_cuda._load_env_knobs()
+
+
 def test_split_cap_knob(monkeypatch):
     """NINFER_BENCH_QMV_SPLIT_CAP (a tuning run's): a cap on the split-K count qmv picks; unset, no cap; anything
     but a count >= 1 is refused by name."""
