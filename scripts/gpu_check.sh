@@ -65,6 +65,10 @@
 #            with S64_CAP=N this tree's with NINFER_BENCH_QMV_SPLIT_CAP=N, which also runs the held-out plain decode), the bundled decode step's profile (PROF_SPECS: none,dflash2:7)
 #            and held-out prompts (S64_SPECS: none,dflash2:7, 256 tokens, two repeats) with this tree and .old's
 #            (carried: the tree before), the README's main command
+#   s64b     qmv's split-K reduced in a thread-block cluster: its CUDA tests and the chained decode's, then the bundled
+#            decode step's profile (S64B_REPEATS rounds) and held-out prompts (plain, DFlash2 K=7) for each of
+#            S64B_VARIANTS (default: "new" this tree, "ws" this tree with NINFER_BENCH_QMV_CLUSTER=0), the README's
+#            main command
 #   ring     qmv with the weights streamed through a cp.async ring (stages): its CUDA tests, the 27B shapes at 64 rows
 #            (RING_KNOBS) and, with RING_T=1, at 1 and 8 rows (RING_KNOBS1); RING_C8=1 adds the 27B DFlash2 K=7 replayed
 #            C8 with each RING_WIDE build (label|NINFER_BENCH_QMV_WIDE) and plain C8
@@ -518,6 +522,21 @@ PY
                  --json "$OUT/held-cap$S64_CAP" > "$OUT/held-cap$S64_CAP.log" 2>&1
                echo "--- bundled held-out, new tree, qmv splits capped at $S64_CAP: rc $?"
                grep -E "decode tok/s|tokens sha256" "$OUT/held-cap$S64_CAP.log"; }
+             nb decode --spec dflash2 -k 7 --json "$OUT/main.json" 2>&1 | tee "$OUT/main.log" | tail -6 ;;
+    s64b)    # session 64's second part (see the list above)
+             bg_test test_kernels_qmv_cuda "cluster"
+             bg_test test_cuda_engine "lookahead_decode"
+             wait; bg_report test_kernels_qmv_cuda test_cuda_engine
+             s64b_env() { case $1 in ws) echo NINFER_BENCH_QMV_CLUSTER=0;; cap*) echo NINFER_BENCH_QMV_SPLIT_CAP=${1#cap};;
+                          *) echo S64B=1;; esac; }
+             for r in $(seq ${S64B_REPEATS:-2}); do for v in ${S64B_VARIANTS:-new ws}; do
+               env $(s64b_env $v) timeout 150 python3 scripts/profile_step.py --spec none --steps 64 --top 30 \
+                 --json "$OUT/bprof-$v-$r.json" > "$OUT/bprof-$v-$r.log" 2>&1
+               echo "--- bundled step, $v, run $r: rc $? $(grep -E 'without the profiler' "$OUT/bprof-$v-$r.log")"; done; done
+             for v in ${S64B_VARIANTS:-new ws}; do
+               env $(s64b_env $v) timeout ${STAGE_S:-200} python3 scripts/nb.py decode --spec ${S64_SPECS:-none,dflash2:7} \
+                 $HELD --json "$OUT/held-$v" > "$OUT/held-$v.log" 2>&1
+               echo "--- bundled held-out, $v: rc $?"; grep -E "│ v3-|decode tok/s|tokens sha256" "$OUT/held-$v.log"; done
              nb decode --spec dflash2 -k 7 --json "$OUT/main.json" 2>&1 | tee "$OUT/main.log" | tail -6 ;;
     tpw)     # wide qmv launches with several row tiles a block (x loaded once for them): their CUDA tests, the 27B q4 /
              # q5 shapes at 64 rows (TPW_KNOBS against the default and 8-row launches, bits checked; TPW_BENCH=0 skips

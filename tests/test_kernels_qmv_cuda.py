@@ -355,10 +355,11 @@ def test_cluster_split_k_keeps_the_bits(fmt, t):
             for splits in (2, 3, 5, 8):
                 qmv_cuda.set_cluster(False)
                 want = qmv_cuda.qmv(x, w, splits=splits)
-                want32 = qmv_cuda.qmv(x, w, splits=splits, out_f32=True)
+                want32 = qmv_cuda.qmv(x, w, splits=splits, out_f32=True) if w is lins[0] else None
                 qmv_cuda.set_cluster(True)
                 assert torch.equal(qmv_cuda.qmv(x, w, splits=splits), want), (type(w).__name__, splits)
-                assert torch.equal(qmv_cuda.qmv(x, w, splits=splits, out_f32=True), want32)
+                if want32 is not None:
+                    assert torch.equal(qmv_cuda.qmv(x, w, splits=splits, out_f32=True), want32)
         w = lins[-1]
         out = torch.empty(t, w.n, dtype=x.dtype, device="cuda")
         qmv_cuda.qmv(x, w, out, splits=3, pdl=True)  # compile outside the capture
