@@ -35,6 +35,19 @@ def rel_rms(y, ref):
     return ((y.float().cpu() - ref).norm() / ref.norm()).item()
 
 
+def _graph_replay(out: torch.Tensor, launch) -> torch.Tensor:
+    """``launch()`` (which writes ``out``) run once outside a capture (its build compiled), captured into a CUDA
+    graph, then replayed into a zeroed ``out``; returns ``out``."""
+    launch()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch()
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    return out
+
+
 # (N, K): whole tiles; N not a multiple of 16 and K not of the group (the element-wise x path); a 27B-like K
 SHAPES = [(64, 256), (50, 100), (37, 1152), (300, 5120)]
 
@@ -362,13 +375,7 @@ def test_cluster_split_k_keeps_the_bits(fmt, t):
                     assert torch.equal(qmv_cuda.qmv(x, w, splits=splits, out_f32=True), want32)
         w = lins[-1]
         out = torch.empty(t, w.n, dtype=x.dtype, device="cuda")
-        qmv_cuda.qmv(x, w, out, splits=3, pdl=True)  # compile outside the capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            qmv_cuda.qmv(x, w, out, splits=3, pdl=True)
-        out.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
+        _graph_replay(out, lambda: qmv_cuda.qmv(x, w, out, splits=3, pdl=True))
         qmv_cuda.set_cluster(False)
         assert torch.equal(out, qmv_cuda.qmv(x, w, splits=3, pdl=False))
     finally:
@@ -743,13 +750,7 @@ def test_silu_epilogue_matches_the_unfused_product(fmt, dtype, inter, k, t):
 def test_silu_epilogue_in_a_pdl_graph_and_through_packed_linear():
     mixed, x, ref = _interleaved_gate_up("q4_g64_fp16", 512, 2048, 4, torch.bfloat16, seed=42)
     out = torch.empty(4, 512, dtype=x.dtype, device="cuda")
-    qmv_cuda.qmv(x, mixed, out, act=True, pdl=True)  # compile outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        qmv_cuda.qmv(x, mixed, out, act=True, pdl=True)
-    out.zero_()
-    graph.replay()
-    torch.cuda.synchronize()
+    _graph_replay(out, lambda: qmv_cuda.qmv(x, mixed, out, act=True, pdl=True))
     assert torch.equal(out, qmv_cuda.qmv(x, mixed, act=True, pdl=False))
     assert rel_rms(out, ref.cpu()) <= TOL[torch.bfloat16]
 
@@ -778,13 +779,7 @@ def test_fp32_store_widens_the_rounded_values(fmt, dtype, t):
     if torch.cuda.get_device_capability() >= (9, 0):
         w = weights[-1]
         out = torch.empty(t, w.n, dtype=torch.float32, device="cuda")
-        qmv_cuda.qmv(x, w, out, pdl=True, out_f32=True)  # compile outside the capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            qmv_cuda.qmv(x, w, out, pdl=True, out_f32=True)
-        out.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
+        _graph_replay(out, lambda: qmv_cuda.qmv(x, w, out, pdl=True, out_f32=True))
         assert torch.equal(out, qmv_cuda.qmv(x, w, pdl=False).float())
     with pytest.raises(ValueError, match="out must be"):  # a 16-bit buffer for the fp32 store
         qmv_cuda.qmv(x, weights[0], torch.empty(t, weights[0].n, dtype=dtype, device="cuda"), out_f32=True)
