@@ -329,24 +329,29 @@ class PackedLinear:
             y = F.linear(x2, self.dense(x.dtype))
         return y.reshape(*lead, self.n)
 
+    def _qmv_for(self, x2: torch.Tensor):
+        """The weight qmv reads for ``x2`` ``[T, K]`` (this one's tiles, or itself) where qmv runs for it: CUDA, at most
+        ``MAX_KERNEL_ROWS`` rows, :func:`qmv_cuda.supports`; else None."""
+        qw = self.qmv_weight or self
+        if x2.is_cuda and x2.shape[0] <= MAX_KERNEL_ROWS and qmv_cuda.supports(x2[:qmv_cuda.MAX_T].contiguous(), qw):
+            return qw
+        return None
+
     def fp32(self, x: torch.Tensor) -> torch.Tensor:
         """``self(x).float()``, the same values: where qmv runs, its fp32 store (each value rounded to x's dtype, then
         widened) writes them, with no copy kernel after it (the logits of every decode step)."""
         x2 = x.reshape(-1, self.k)
-        if x.shape[-1] == self.k and x2.is_cuda and x2.shape[0] <= MAX_KERNEL_ROWS:
-            qw = self.qmv_weight or self
-            if qmv_cuda.supports(x2[:qmv_cuda.MAX_T].contiguous(), qw):
-                return qmv_cuda.qmv_rows(x2.contiguous(), qw, out_f32=True).reshape(*x.shape[:-1], self.n)
-        return self(x).float()
+        qw = self._qmv_for(x2) if x.shape[-1] == self.k else None
+        if qw is None:
+            return self(x).float()
+        return qmv_cuda.qmv_rows(x2.contiguous(), qw, out_f32=True).reshape(*x.shape[:-1], self.n)
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
         """``silu(gate) * up`` ``[..., N / 2]`` of a gate / up weight whose rows alternate in runs of 8
         (engine/model/weights.py's interleaved gate_up), through qmv's fused epilogue; None where that kernel does not
-        run
-        for x (the caller takes the product itself)."""
+        run for x (the caller takes the product itself)."""
         x2 = x.reshape(-1, self.k)
-        qw = self.qmv_weight or self
-        if not (x2.is_cuda and x2.shape[0] <= MAX_KERNEL_ROWS and self.n % 16 == 0
-                and qmv_cuda.supports(x2[:qmv_cuda.MAX_T].contiguous(), qw)):
+        qw = self._qmv_for(x2) if self.n % 16 == 0 else None
+        if qw is None:
             return None
         return qmv_cuda.qmv_rows(x2.contiguous(), qw, act=True).reshape(*x.shape[:-1], self.n // 2)

@@ -9,7 +9,8 @@
 //
 // One block = NW warps = one tile of 16 weight rows; the warps take the tile's groups in turn (warp w: groups
 // w, w + NW, ...), a grid y > 1 splits the groups over blocks (split-K, summed in-kernel in a fixed order, see
-// tile_store: results are deterministic and do not depend on T or on the other rows of x).
+// tile_store: results are deterministic and do not depend on T or on the other rows of x); PIECES > 1 walks a split
+// launch's pieces in one block and gives its sums (pieces_store).
 // A warp step is one group of its 16 rows: lane (g = lane / 4, c = lane % 4) loads 8 code bytes (two 32-bit
 // words) of row g and of row g + 8, and turns each word into four register pairs for mma.m16n8k16:
 //   pair i of word w = the codes in nibble i of bytes 0 and 2 (q4/q5: k0+i' , k4+i'), placed in the mantissa of
@@ -124,6 +125,14 @@ typedef unsigned char u8;
 #ifndef MIN_BLOCKS
 #define MIN_BLOCKS 2  // blocks per SM to fit: lets ptxas keep all of a step batch's loads in flight
 #endif                // (it interleaves them with the arithmetic, one step at a time, when it aims at more blocks)
+#ifndef PIECES
+#define PIECES 1  // > 1: one block walks all PIECES pieces of a split-K tile (launched with grid y 1): each warp keeps
+#endif            // each piece's sums apart and the block adds them up as a split launch's blocks and reduction do
+                  // (warps in order within a piece, then the pieces from 0 in order): a split launch's bits at a
+                  // one-pass launch's cost, where the split buys no parallelism (groups_per_split a multiple of NW)
+#if PIECES > 1 && (NCOL > 1 || TPW > 1 || ASYNC || XLATE || PIPE || TAIL || ACT || CLUSTER)
+#error "PIECES walks one column group's steps from registers: no NCOL > 1, TPW, ASYNC, XLATE, PIPE, TAIL, ACT, CLUSTER"
+#endif
 
 #if HALF
 #define MAGIC 0x64006400u                    // 1024.0, 1024.0
@@ -469,12 +478,33 @@ __device__ __forceinline__ void col_math(const Frags& F, const u32* xv, float* a
 }
 #endif
 
+// PIECES > 1: where a warp's walk is - steps left in its current piece, the piece, steps a piece (groups_per_split /
+// NW); piece_turn, before each step's arithmetic, leaves a finished piece's sums in piece_sums and starts the next
+// from 0, as the next piece's block would
+struct PieceWalk {
+  int left, piece, per;
+};
+#if PIECES > 1
+__shared__ float4 piece_sums[PIECES][NW][32];
+#endif
+__device__ __forceinline__ void piece_turn(PieceWalk& P, float* acc) {
+#if PIECES > 1
+  if (P.left == 0) {
+    piece_sums[P.piece][threadIdx.x >> 5][threadIdx.x & 31] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+    acc[0] = acc[1] = acc[2] = acc[3] = 0.f;
+    ++P.piece;
+    P.left = P.per;
+  }
+  --P.left;
+#endif
+}
+
 // U steps (groups gi, gi + NW, ..., all < NG): every code load issued first, then the arithmetic; acc += the sums.
 // x is loaded with the codes (XLATE 0), or one step ahead of the arithmetic (XLATE 1: x comes from L1 / L2, and the
 // registers it would hold for U steps carry more code bytes in flight instead).
 template <int U, bool WAIT = false>
 __device__ __forceinline__ void steps(const Lane& L, const u16* __restrict__ xrow, int gi, int K, int c, u32 magic,
-                                      float* acc) {
+                                      float* acc, PieceWalk& P) {
   CodeT w0[U], w1[U];
   u32 s0[U], s1[U], h0[U], h1[U];
 #pragma unroll
@@ -507,7 +537,10 @@ __device__ __forceinline__ void steps(const Lane& L, const u16* __restrict__ xro
 #pragma unroll
   for (int u = 0; u < U; ++u) load_x(L, xrow, gi, u, K, c, xv[u]);
 #pragma unroll
-  for (int u = 0; u < U; ++u) step_math(w0[u], w1[u], h0[u], h1[u], xv[u], s0[u], s1[u], magic, acc);
+  for (int u = 0; u < U; ++u) {
+    piece_turn(P, acc);
+    step_math(w0[u], w1[u], h0[u], h1[u], xv[u], s0[u], s1[u], magic, acc);
+  }
 #endif
 }
 
@@ -633,7 +666,8 @@ __device__ __forceinline__ Lane make_lane(const u16* __restrict__ x, const u8* _
 __device__ __forceinline__ void tile_sums(const u16* __restrict__ x, const u8* __restrict__ codes,
                                           const u8* __restrict__ high, const u16* __restrict__ scales, int T, int N,
                                           int K, int NG, long long stride_x, long long stride_c, long long stride_h,
-                                          long long stride_s, int tile, int g_lo, int g_hi, float* acc) {
+                                          long long stride_s, int tile, int g_lo, int g_hi, float* acc,
+                                          PieceWalk& P) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, c = lane & 3;
   int gi = g_lo + warp;  // this warp's first group; then every NW-th
@@ -662,17 +696,17 @@ __device__ __forceinline__ void tile_sums(const u16* __restrict__ x, const u8* _
 #if PDL
   // the first batch's code loads go out before the wait (while the kernel before finishes), the rest after it
   if (gi + (UNROLL - 1) * NW < g_hi) {
-    steps<UNROLL, true>(L, xrow, gi, K, c, magic, acc);
+    steps<UNROLL, true>(L, xrow, gi, K, c, magic, acc, P);
     advance(L, NW * UNROLL);
     gi += NW * UNROLL;
   } else if (gi < g_hi) {
-    steps<1, true>(L, xrow, gi, K, c, magic, acc);
+    steps<1, true>(L, xrow, gi, K, c, magic, acc, P);
     advance(L, NW);
     gi += NW;
   }
 #endif
   for (; gi + (UNROLL - 1) * NW < g_hi; gi += NW * UNROLL) {
-    steps<UNROLL>(L, xrow, gi, K, c, magic, acc);
+    steps<UNROLL>(L, xrow, gi, K, c, magic, acc, P);
     advance(L, NW * UNROLL);
   }
 #if TAIL
@@ -683,7 +717,7 @@ __device__ __forceinline__ void tile_sums(const u16* __restrict__ x, const u8* _
   }
 #else
   for (; gi < g_hi; gi += NW) {
-    steps<1>(L, xrow, gi, K, c, magic, acc);
+    steps<1>(L, xrow, gi, K, c, magic, acc, P);
     advance(L, NW);
   }
 #endif
@@ -953,26 +987,53 @@ __device__ __forceinline__ void tile_store(float* acc, int tile, int piece, int 
   if (pieces > 1) {
     cluster_sync();  // every piece's sums are in its block's red[0]
     if (piece == 0 && warp == 0) {
-      const int g = lane >> 2, c = lane & 3;
-      const int row[2] = {tile * 16 + g, tile * 16 + g + 8};
 #pragma unroll
       for (int m = 0; m < NCOL; ++m) {
-        float sum[4] = {0.f, 0.f, 0.f, 0.f};
+        float* a = acc + 4 * m;
+        a[0] = a[1] = a[2] = a[3] = 0.f;
         for (int y = 0; y < pieces; ++y) {
           const float4 v = cluster_load(&red[0][m][lane], (u32)y);
-          sum[0] += v.x; sum[1] += v.y; sum[2] += v.z; sum[3] += v.w;
-        }
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int n = row[i >> 1], t = 8 * m + 2 * c + (i & 1);
-          if (n < N && t < T) out[t * stride_o + n] = store_value(sum[i]);
+          a[0] += v.x; a[1] += v.y; a[2] += v.z; a[3] += v.w;
         }
       }
+      tile_out(acc, tile, 0, 1, out, ws, counters, T, N, stride_o);  // the pieces' sum, stored as one pass's
     }
     cluster_sync();  // no block leaves (or reuses red) before block 0 has read its sums
   }
 #endif
 }
+
+#if PIECES > 1
+// The block's sums of tile `tile` walked in PIECES pieces (piece_turn) to the output: each warp leaves its last piece's
+// sums (and zeros for pieces past its last step, as a split block's warp without groups there has) in piece_sums;
+// then warp 0 adds each piece's warps in order (tile_store's order) and the pieces from 0 in order (the workspace's
+// and the cluster's), and stores the total as one pass's
+__device__ __forceinline__ void pieces_store(float* acc, const PieceWalk& P, int tile, out_t* __restrict__ out, int T,
+                                             int N, long long stride_o) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  grid_wait();  // (as tile_store: the output is written only after the kernel before is done)
+#pragma unroll
+  for (int p = 0; p < PIECES; ++p)
+    if (p >= P.piece)
+      piece_sums[p][warp][lane] = p == P.piece ? make_float4(acc[0], acc[1], acc[2], acc[3])
+                                               : make_float4(0.f, 0.f, 0.f, 0.f);
+  __syncthreads();
+  if (warp == 0) {
+    float sum[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int p = 0; p < PIECES; ++p) {
+      float4 v = piece_sums[p][0][lane];
+#pragma unroll
+      for (int w = 1; w < NW; ++w) {
+        const float4 u = piece_sums[p][w][lane];
+        v.x += u.x; v.y += u.y; v.z += u.z; v.w += u.w;
+      }
+      sum[0] += v.x; sum[1] += v.y; sum[2] += v.z; sum[3] += v.w;
+    }
+    tile_out(sum, tile, 0, 1, out, nullptr, nullptr, T, N, stride_o);
+  }
+}
+#endif
 
 // the next kernel may launch once every block of this one is running: it waits for this one to finish before it
 // reads our output (the Triton kernels' first act, and qmv's grid_wait), so its launch overlaps our loads
@@ -993,7 +1054,12 @@ qmv(const u16* __restrict__ x, const u8* __restrict__ codes, const u8* __restric
   float acc[4 * NCOL * TPW];
 #pragma unroll
   for (int i = 0; i < 4 * NCOL * TPW; ++i) acc[i] = 0.f;
+#if PIECES > 1
+  const int g_lo = 0, g_hi = NG;  // every piece, walked in turn
+#else
   const int g_lo = blockIdx.y * groups_per_split, g_hi = min(NG, g_lo + groups_per_split);
+#endif
+  PieceWalk P{groups_per_split / NW, 0, groups_per_split / NW};
 #if TPW > 1 || ASYNC
   const int tiles = (N + 15) / 16, tile0 = blockIdx.x * TPW;
 #if ASYNC
@@ -1011,7 +1077,11 @@ qmv(const u16* __restrict__ x, const u8* __restrict__ codes, const u8* __restric
   }
 #else
   tile_sums(x, codes, high, scales, T, N, K, NG, stride_x, stride_c, stride_h, stride_s, blockIdx.x, g_lo, g_hi,
-            acc);
+            acc, P);
+#if PIECES > 1
+  pieces_store(acc, P, blockIdx.x, out, T, N, stride_o);
+#else
   tile_store(acc, blockIdx.x, blockIdx.y, gridDim.y, out, ws, counters, T, N, stride_o);
+#endif
 #endif
 }

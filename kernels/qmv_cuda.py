@@ -16,7 +16,9 @@ Compiled at first use for each (format, dtype, whole-groups, column groups) by C
 Launches are asynchronous, allocate nothing but the output and use the current torch stream, so a call is safe
 to capture in a CUDA graph once a first call for its (format, dtype) has compiled and loaded the module. Results
 are deterministic and row t of the output does not depend on the other rows of x (split-K partials are added in
-a fixed order), which is what lets concurrent greedy decoding reproduce sequential decoding bit for bit.
+a fixed order), which is what lets concurrent greedy decoding reproduce sequential decoding bit for bit. A split
+launch reduces its pieces in a thread-block cluster on sm_90+ (else through a workspace), or, where the pieces buy
+no parallelism (:func:`pieces_pay`), one block walks them all and adds them up the same way: the same bits.
 
 Defaults: one split and 3 blocks per SM; wide weights take 4 warps a tile (:func:`choose_warps`); the engine keeps
 its weights in a :class:`TiledWeight` (``kernels/qmv_layout.py``). The measurements behind them, and what each
@@ -38,7 +40,7 @@ from .qmv_layout import DENSE_FMT, WORD_ORDER, TiledWeight
 
 __all__ = ["qmv", "supports", "available", "import_error", "choose_splits", "choose_warps", "workspace", "set_dense",
            "dense_enabled", "DenseWeight", "TiledWeight", "DENSE_FMT", "WORD_ORDER", "qmv_rows", "MAX_T", "MAX_ROWS",
-           "MAX_SPLITS", "reserve", "shape_splits", "column_groups"]
+           "MAX_SPLITS", "reserve", "shape_splits", "column_groups", "pieces_pay", "set_pieces", "MAX_CLUSTER"]
 
 MAX_T = 8  # tokens per column group: the MMA's n = 8 columns
 MAX_ROWS = 64  # rows of x per launch: up to 8 column groups
@@ -103,7 +105,7 @@ def async_shared_bytes(fmt: str, warps: int, stages: int, tiles: int = 1) -> int
 def kernel_options(fmt_id: int, half: bool, even: bool, unroll: int, min_blocks: int, xlate: bool, pipe: bool,
                    fold: bool, pdl: bool, tiled: int, act: bool, warps: int, tail: bool, ncol: int, tiles: int,
                    xl1: bool = True, stages: int = 0, out_f32: bool = False,
-                   cluster: bool = False) -> tuple[str, ...]:
+                   cluster: bool = False, pieces: int = 1) -> tuple[str, ...]:
     """The source's compile options for one build (NVRTC's; a C preprocessor given them evaluates the source's
     static checks, its ``#error`` lines, as NVRTC does: tests/test_kernel_builds.py)."""
     return ("-std=c++17", f"-DFMT={fmt_id}", f"-DHALF={int(half)}", f"-DEVEN={int(even)}",
@@ -111,18 +113,19 @@ def kernel_options(fmt_id: int, half: bool, even: bool, unroll: int, min_blocks:
             f"-DPIPE={int(pipe)}", f"-DFOLD={int(fold)}", f"-DPDL={int(pdl)}",
             f"-DTILED={int(tiled)}", f"-DACT={int(act)}", f"-DNW={warps}",
             f"-DTAIL={int(tail)}", f"-DNCOL={ncol}", f"-DTPW={tiles}",
-            f"-DXL1={int(xl1)}", f"-DASYNC={stages}", f"-DOUT_F32={int(out_f32)}", f"-DCLUSTER={int(cluster)}")
+            f"-DXL1={int(xl1)}", f"-DASYNC={stages}", f"-DOUT_F32={int(out_f32)}", f"-DCLUSTER={int(cluster)}",
+            f"-DPIECES={pieces}")
 
 
 @functools.cache
 def _kernel(fmt_id: int, half: bool, even: bool, unroll: int, min_blocks: int, xlate: bool, pipe: bool,
             fold: bool, pdl: bool, tiled: int, act: bool, warps: int, tail: bool, ncol: int, tiles: int,
             device_index: int, xl1: bool = True, stages: int = 0, shared: int = 0, out_f32: bool = False,
-            cluster: bool = False):
+            cluster: bool = False, pieces: int = 1):
     import cupy
 
     options = kernel_options(fmt_id, half, even, unroll, min_blocks, xlate, pipe, fold, pdl, tiled, act, warps, tail,
-                             ncol, tiles, xl1, stages, out_f32, cluster)
+                             ncol, tiles, xl1, stages, out_f32, cluster, pieces)
     with cupy.cuda.Device(device_index):
         func = cupy.RawModule(code=_SOURCE.read_text(), backend="nvrtc", options=options).get_function("qmv")
     if shared:  # the default cap is 48 KB less the kernel's static shared memory (tile_store's sums)
@@ -175,7 +178,11 @@ def shape_splits(n: int, ng: int, sms: int, warps: int | None = None) -> int:
 # cluster: a split-K launch on sm_90+ runs each tile's pieces as one thread-block cluster and adds their sums through
 # distributed shared memory (CLUSTER in the source; the same sums in the same order as the workspace's, so the same
 # bits): on by default, off (NINFER_BENCH_QMV_CLUSTER=0) through the global workspace and its counters.
-_SWITCHES = {"dense": False, "pdl_x_l1": True, "split_cap": 0, "cluster": True}
+# pieces: a split launch whose pieces buy no parallelism (pieces_pay) walks them in one block instead (PIECES in the
+# source: each piece's sums kept apart and added as the split's reduction adds them, so the same bits): on by default,
+# off (NINFER_BENCH_QMV_PIECES=0) every split launch spreads its pieces over blocks.
+_SWITCHES = {"dense": False, "pdl_x_l1": True, "split_cap": 0, "cluster": True, "pieces": True}
+MAX_CLUSTER = 8  # the portable thread-block cluster size: a split of at most this many pieces reduces in a cluster
 
 
 def set_dense(on: bool) -> None:
@@ -193,6 +200,12 @@ def set_cluster(on: bool) -> None:
     """Split-K launches (sm_90+) reduce within a thread-block cluster (on, the default) or through the global
     workspace (off), from now on: the same bits either way."""
     _SWITCHES["cluster"] = bool(on)
+
+
+def set_pieces(on: bool) -> None:
+    """Split launches that :func:`pieces_pay` picks walk their pieces in one block (on, the default) or spread them
+    over blocks (off), from now on: the same bits either way."""
+    _SWITCHES["pieces"] = bool(on)
 
 
 def dense_enabled() -> bool:
@@ -294,6 +307,10 @@ def _load_env_knobs() -> None:
     if cluster not in ("0", "1"):
         raise ValueError(f"NINFER_BENCH_QMV_CLUSTER: {cluster!r}: expected 1 (the default) or 0")
     set_cluster(cluster == "1")
+    pieces = os.environ.get("NINFER_BENCH_QMV_PIECES", "1").strip()
+    if pieces not in ("0", "1"):
+        raise ValueError(f"NINFER_BENCH_QMV_PIECES: {pieces!r}: expected 1 (the default) or 0")
+    set_pieces(pieces == "1")
 
 
 _load_env_knobs()
@@ -430,6 +447,25 @@ def launch_build(fmt: str, n: int, t: int, layout: int, sms: int, *, unroll: int
                     threads=warps * 32, shared=async_shared_bytes(fmt, warps, stages, tiles))
 
 
+# batches of steps a split launch's one-block walk may take beyond one piece's (pieces_pay)
+PIECES_SLACK = 0
+
+
+def pieces_pay(ng: int, groups_per_split: int, warps: int, unroll: int) -> bool:
+    """Whether a split-K launch of an ``ng``-group weight in pieces of ``groups_per_split`` groups should walk its
+    pieces in one block (``PIECES`` in the source) instead of spreading them over blocks: it can (a piece is a whole
+    number of warp strides, so the block's warps walk its groups as the piece's block would) and the walk of all the
+    groups takes at most :data:`PIECES_SLACK` more batches of ``unroll`` steps (a batch: one round trip to memory)
+    than one piece's, so the split's blocks buy little latency and its reduction costs more than it saves. A pure
+    function of the shape and the build; the bits are the split's either way."""
+    if groups_per_split >= ng or groups_per_split % warps:
+        return False
+
+    def batches(groups: int) -> int:
+        return -(-(-(-groups // warps)) // unroll)
+    return batches(ng) <= batches(groups_per_split) + PIECES_SLACK
+
+
 def _wide(n: int, sms: int) -> bool:
     """At least 4 row tiles an SM: 4 warps a tile (:func:`choose_warps`) and one pass (:func:`choose_splits`)."""
     return -(-n // 16) >= 4 * sms
@@ -439,7 +475,7 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
         unroll: int | None = None, min_blocks: int | None = None, xlate: bool = False, pipe: bool = False,
         fold: bool = False, pdl: bool | None = None, act: bool = False, warps: int | None = None,
         tail: bool = False, tiles: int | None = None, stages: int | None = None,
-        out_f32: bool = False) -> torch.Tensor:
+        out_f32: bool = False, pieces: bool | None = None) -> torch.Tensor:
     """``x [T, K] @ W.T`` -> ``[T, N]`` in x.dtype, for T <= 64 (see :func:`supports`); with ``out_f32``, in fp32:
     each value rounded to x.dtype first and then widened, the values of ``qmv(x, lin).float()`` without the copy
     (not with ``act``). ``out`` (contiguous [T, N], the result's dtype) is written instead of a fresh tensor. ``splits`` (default :func:`choose_splits`), ``unroll`` (steps
@@ -460,7 +496,9 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
     load of x serves them all - the same sums as one tile a block; ``stages`` (the lanes layout, any width; 0: off):
     each warp streams its weight pieces through a ring of that many steps in shared memory with cp.async, that many
     minus one steps ahead of its arithmetic, instead of ``unroll`` steps into registers - the same sums (defaults for
-    these four over 8 rows: :data:`_WIDE`, else :data:`_WIDE_DEFAULT`)."""
+    these four over 8 rows: :data:`_WIDE`, else :data:`_WIDE_DEFAULT`). ``pieces`` (default: :func:`pieces_pay`
+    with the switch on, :func:`set_pieces`): a split launch of at most 8 rows walks its pieces in one block, the
+    same bits (True where it cannot is refused; False spreads them over blocks)."""
     lin = getattr(lin, "qmv_weight", None) or lin  # a tiled PackedLinear: its tiles
     if not supports(x, lin):
         raise ValueError(f"qmv: needs CUDA bf16/fp16 x [1..{MAX_ROWS}, K={lin.k}] contiguous and a q8/q5/q4 weight "
@@ -494,14 +532,25 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
         s = min(s, _SWITCHES["split_cap"])
     groups_per_split = -(-lin.ng // s)
     s = -(-lin.ng // groups_per_split)
-    # a split-K tile's pieces as one cluster (sm_90+, at most the portable 8 blocks): their sums added through
+    # a split launch's pieces walked in one block (one column group from registers, a piece a whole number of warp
+    # strides): the split's sums without its blocks' reduction
+    can_walk = (s > 1 and build.ncol == 1 and build.tiles == 1 and not build.stages and not (xlate or pipe or tail)
+                and groups_per_split % build.warps == 0)
+    if pieces and not can_walk:
+        raise ValueError(f"qmv: pieces walks a split launch (splits {s}) of at most {MAX_T} rows from registers, "
+                         f"its pieces whole warp strides ({groups_per_split} groups a piece, {build.warps} warps), "
+                         f"without xlate, pipe, tail, tiles or stages")
+    walk = can_walk and (pieces if pieces is not None else
+                         _SWITCHES["pieces"] and pieces_pay(lin.ng, groups_per_split, build.warps, build.unroll))
+    # a split-K tile's pieces as one cluster (sm_90+, at most the portable size): their sums added through
     # distributed shared memory, in the workspace's order (the same bits)
-    cluster = s > 1 and _SWITCHES["cluster"] and s <= 8 and _capability(dev) >= (9, 0)
+    cluster = (s > 1 and not walk and _SWITCHES["cluster"] and s <= MAX_CLUSTER
+               and _capability(dev) >= (9, 0))
     kern = _kernel(_FMT_ID[lin.fmt], x.dtype == torch.float16, even, build.unroll, build.min_blocks, xlate, pipe,
                    fold, pdl, layout, act, build.warps, tail, build.ncol, build.tiles, dev, _SWITCHES["pdl_x_l1"],
-                   build.stages, build.shared, out_f32, cluster)
-    ws, counters = workspace(x.device, s * t * n, row_tiles) if s > 1 and not cluster else (out, out)
-    grid = (-(-row_tiles // build.tiles), s)  # a block takes build.tiles row tiles
+                   build.stages, build.shared, out_f32, cluster, s if walk else 1)
+    ws, counters = workspace(x.device, s * t * n, row_tiles) if s > 1 and not (cluster or walk) else (out, out)
+    grid = (-(-row_tiles // build.tiles), 1 if walk else s)  # a block takes build.tiles row tiles
     stream = torch.cuda.current_stream(x.device)
     # the kernel's parameters in order: 7 pointers, 5 int32, 5 int64
     ptrs = (x.data_ptr(), lin.codes.data_ptr(), lin.high.data_ptr(), lin.scales.data_ptr(), out.data_ptr(),

@@ -255,7 +255,8 @@ def _link_kernel(X, PART, COUNT, STOPS, OWN, PICKED, IDS, POS, DONE, SLOTS, N, N
         done = (tl.load(DONE).to(tl.int32) | hit) != 0
         tl.store(DONE, done)
         tl.store(SLOTS, tl.where(done, scratch, tl.load(OWN)))
-        tl.store(COUNT, 0)  # ready for the next launch
+        if not ONE:
+            tl.store(COUNT, 0)  # ready for the next launch (ONE never raised it)
 
 
 @functools.lru_cache(maxsize=1)

@@ -69,6 +69,13 @@
 #            decode step's profile (S64B_REPEATS rounds) and held-out prompts (plain, DFlash2 K=7) for each of
 #            S64B_VARIANTS (default: "new" this tree, "ws" this tree with NINFER_BENCH_QMV_CLUSTER=0), the README's
 #            main command
+#   s65      a split launch's pieces walked in one block (qmv pieces, the split's bits): its CUDA tests and those of
+#            the pieces session 64's review reshaped (the cluster store, the fp32 / silu dispatch, the one-program
+#            link), scripts/probe_qmv_pieces.py on the bundled shapes and (PIECES_GRID=1, the default) the
+#            calibration grid, then the bundled decode step's profile (S65_REPEATS rounds) for each S65_VARIANTS
+#            (default: "new" this tree, "nopieces" NINFER_BENCH_QMV_PIECES=0, "cap1" NINFER_BENCH_QMV_SPLIT_CAP=1)
+#   s65b     the bundled held-out prompts (plain, DFlash2 K=7) for each S65B_VARIANTS (default "new nopieces"), the
+#            README's main command, and with S65_27B=1 the 27B synthetic decode (64 tokens) for each variant
 #   ring     qmv with the weights streamed through a cp.async ring (stages): its CUDA tests, the 27B shapes at 64 rows
 #            (RING_KNOBS) and, with RING_T=1, at 1 and 8 rows (RING_KNOBS1); RING_C8=1 adds the 27B DFlash2 K=7 replayed
 #            C8 with each RING_WIDE build (label|NINFER_BENCH_QMV_WIDE) and plain C8
@@ -231,6 +238,10 @@ chained_tests() {  # the chained speculative rounds' CUDA tests (seven; three to
     > "$OUT/chained_tests.log" 2>&1; echo "pytest rc $?"; tail -3 "$OUT/chained_tests.log"
 }
 trap pack EXIT
+s65_env() {  # a variant's environment (s65, s65b): nopieces, cap1 (any capN), else none of qmv's switches
+  case $1 in nopieces) echo NINFER_BENCH_QMV_PIECES=0;; cap*) echo NINFER_BENCH_QMV_SPLIT_CAP=${1#cap};;
+             *) echo S65=1;; esac
+}
 llwait() {  # wait for the llamabuild stage's background build (LLWAIT_S seconds at most); 0 when it succeeded
   local t=0
   while [ ! -f /tmp/llbuild.rc ] && [ $t -lt "${LLWAIT_S:-560}" ]; do sleep 5; t=$((t + 5)); done
@@ -538,6 +549,29 @@ PY
                  $HELD --json "$OUT/held-$v" > "$OUT/held-$v.log" 2>&1
                echo "--- bundled held-out, $v: rc $?"; grep -E "│ v3-|decode tok/s|tokens sha256" "$OUT/held-$v.log"; done
              nb decode --spec dflash2 -k 7 --json "$OUT/main.json" 2>&1 | tee "$OUT/main.log" | tail -6 ;;
+    s65)     # session 65 (see the list above)
+             bg_test test_kernels_qmv_cuda "pieces or cluster or fp32 or silu"
+             bg_test test_kernels_select "link"
+             bg_test test_cuda_engine "lookahead_decode"
+             wait; bg_report test_kernels_qmv_cuda test_kernels_select test_cuda_engine
+             timeout 150 python3 scripts/probe_qmv_pieces.py --bundled --json "$OUT/pieces-bundled.json" 2>&1 \
+               | tee "$OUT/pieces-bundled.log"
+             [ "${PIECES_GRID:-1}" = 0 ] || timeout ${GRID_S:-200} python3 scripts/probe_qmv_pieces.py \
+               --json "$OUT/pieces-grid.json" > "$OUT/pieces-grid.log" 2>&1; echo "--- grid rc $?"; cat "$OUT/pieces-grid.log"
+             for r in $(seq ${S65_REPEATS:-2}); do for v in ${S65_VARIANTS:-new nopieces cap1}; do
+               env $(s65_env $v) timeout 150 python3 scripts/profile_step.py --spec none --steps 64 --top 30 \
+                 --json "$OUT/bprof-$v-$r.json" > "$OUT/bprof-$v-$r.log" 2>&1
+               echo "--- bundled step, $v, run $r: rc $? $(grep -E 'without the profiler' "$OUT/bprof-$v-$r.log")"; done; done ;;
+    s65b)    # session 65's end-to-end runs (see the list above)
+             for v in ${S65B_VARIANTS:-new nopieces}; do
+               env $(s65_env $v) timeout ${STAGE_S:-200} python3 scripts/nb.py decode --spec none,dflash2:7 $HELD \
+                 --json "$OUT/held-$v" > "$OUT/held-$v.log" 2>&1
+               echo "--- bundled held-out, $v: rc $?"; grep -E "│ v3-|decode tok/s|tokens sha256" "$OUT/held-$v.log"; done
+             nb decode --spec dflash2 -k 7 --json "$OUT/main.json" 2>&1 | tee "$OUT/main.log" | tail -6
+             [ "${S65_27B:-0}" = 1 ] && for v in ${S65B_VARIANTS:-new nopieces}; do
+               env $(s65_env $v) timeout ${STAGE_S:-200} python3 scripts/nb.py decode $M27 -n 64 --repeats 2 \
+                 --json "$OUT/d27-$v.json" > "$OUT/d27-$v.log" 2>&1
+               echo "--- 27B, $v: rc $?"; grep -E "decode tok/s|tokens sha256|roofline" "$OUT/d27-$v.log" | head -4; done ;;
     tpw)     # wide qmv launches with several row tiles a block (x loaded once for them): their CUDA tests, the 27B q4 /
              # q5 shapes at 64 rows (TPW_KNOBS against the default and 8-row launches, bits checked; TPW_BENCH=0 skips
              # it), then the 27B DFlash2 K=7 replayed C8 with each TPW_WIDE build (label|NINFER_BENCH_QMV_WIDE; default:

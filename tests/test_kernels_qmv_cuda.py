@@ -384,6 +384,81 @@ def test_cluster_split_k_keeps_the_bits(fmt, t):
     assert int(qmv_cuda._WORKSPACES[x.device][1].abs().sum()) == 0
 
 
+@needs_qmv
+@pytest.mark.parametrize("fmt", [*quant.QUANT_FORMATS, "dense"])
+@pytest.mark.parametrize("t", [1, 3, 8])
+def test_pieces_walked_in_one_block_keep_the_split_bits(fmt, t):
+    """A split launch whose pieces one block walks (PIECES) gives the split's bits - the cluster's and the
+    workspace's - at 2-4 pieces, a short last piece (some warps without groups there), 4 warps a tile, x read
+    element by element (K not whole groups), the lanes layout, an fp32 store and under PDL in a CUDA graph; where it
+    cannot walk (a piece not a whole number of warp strides, over 8 rows) pieces=True is refused by name."""
+    g = torch.Generator().manual_seed(31)
+    if fmt == "dense":
+        ks = (2048, 1472)
+        cases = [(qmv_cuda.DenseWeight((torch.randn(200, k, generator=g) * 0.05).to(torch.bfloat16).cuda()), k)
+                 for k in ks]
+    else:
+        group = quant.QSPEC[fmt][0]
+        ks = (64 * group, 23 * group, 23 * group - 6)  # 64 / 23 groups; the last one's K not a whole group
+        cases = []
+        for k in ks:
+            lin, _, _ = _case(fmt, 200, k, t, torch.bfloat16, seed=k)
+            cases += [(lin, k), (qmv_cuda.TiledWeight(lin, lanes=True), k)] if k % group == 0 else [(lin, k)]
+    try:
+        for w, k in cases:
+            x = (torch.randn(t, k, generator=g) * 3).to(torch.bfloat16).cuda()
+            for warps in (8, 4):
+                for splits in (2, 3, 4):
+                    gps = -(-w.ng // splits)
+                    if gps % warps or gps >= w.ng:
+                        continue
+                    label = (type(w).__name__, k, warps, splits)
+                    qmv_cuda.set_cluster(True)
+                    want = qmv_cuda.qmv(x, w, splits=splits, warps=warps, pieces=False)
+                    assert torch.equal(qmv_cuda.qmv(x, w, splits=splits, warps=warps, pieces=True), want), label
+                    qmv_cuda.set_cluster(False)
+                    assert torch.equal(qmv_cuda.qmv(x, w, splits=splits, warps=warps, pieces=False), want), label
+                    qmv_cuda.set_cluster(True)
+                    if not isinstance(w, qmv_cuda.TiledWeight):
+                        assert torch.equal(qmv_cuda.qmv(x, w, splits=splits, warps=warps, pieces=True, out_f32=True),
+                                           want.float()), label
+        w, k = cases[0]
+        x = (torch.randn(t, k, generator=g) * 3).to(torch.bfloat16).cuda()
+        out = torch.empty(t, w.n, dtype=x.dtype, device="cuda")
+        _graph_replay(out, lambda: qmv_cuda.qmv(x, w, out, splits=2, pieces=True, pdl=True))
+        assert torch.equal(out, qmv_cuda.qmv(x, w, splits=2, pieces=False, pdl=False))
+        with pytest.raises(ValueError, match="pieces"):
+            qmv_cuda.qmv(x, w, splits=3, pieces=True)  # 64 / 32 groups in 3: not whole strides of 8 warps
+        x9 = (torch.randn(9, k, generator=g) * 3).to(torch.bfloat16).cuda()
+        with pytest.raises(ValueError, match="pieces"):
+            qmv_cuda.qmv(x9, w, splits=2, pieces=True)
+    finally:
+        qmv_cuda.set_cluster(True)
+
+
+def test_pieces_rule_and_knob(monkeypatch):
+    """pieces_pay: a split whose pieces are whole warp strides is walked in one block when the whole walk takes no
+    more step batches than a piece (the bundled model's splits); a wider walk, or pieces that are not whole strides
+    (the 27B's attention k / v), keep the split's blocks. NINFER_BENCH_QMV_PIECES is 1 (the default) or 0."""
+    assert qmv_cuda.PIECES_SLACK >= 0
+    assert qmv_cuda.pieces_pay(16, 8, 8, 4) and qmv_cuda.pieces_pay(32, 8, 8, 4)  # q_gate / down at 512 / 1024 wide
+    assert not qmv_cuda.pieces_pay(80, 27, 8, 4)  # 27 groups a piece: not whole strides of 8 warps
+    assert not qmv_cuda.pieces_pay(16, 16, 8, 4)  # one piece: nothing to walk
+    slack = qmv_cuda.PIECES_SLACK
+    assert not qmv_cuda.pieces_pay(32 * (slack + 2) + 32, 32, 8, 4)  # slack + 2 more batches than a piece
+    monkeypatch.setattr(qmv_cuda, "_SWITCHES", dict(qmv_cuda._SWITCHES))
+    for var in ("NINFER_BENCH_QMV_WIDE", "NINFER_BENCH_QMV_PDL_X", "NINFER_BENCH_QMV_SPLIT_CAP",
+                "NINFER_BENCH_QMV_CLUSTER"):
+        monkeypatch.delenv(var, raising=False)
+    for value, on in (("0", False), ("1 ", True)):
+        monkeypatch.setenv("NINFER_BENCH_QMV_PIECES", value)
+        qmv_cuda._load_env_knobs()
+        assert qmv_cuda._SWITCHES["pieces"] is on
+    monkeypatch.setenv("NINFER_BENCH_QMV_PIECES", "yes")
+    with pytest.raises(ValueError, match="NINFER_BENCH_QMV_PIECES"):
+        qmv_cuda._load_env_knobs()
+
+
 def test_cluster_knob(monkeypatch):
     """NINFER_BENCH_QMV_CLUSTER: 1 (the default) or 0; anything else is refused by name."""
     monkeypatch.setattr(qmv_cuda, "_SWITCHES", dict(qmv_cuda._SWITCHES))
