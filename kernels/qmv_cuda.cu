@@ -479,18 +479,28 @@ __device__ __forceinline__ void col_math(const Frags& F, const u32* xv, float* a
 #endif
 
 // PIECES > 1: where a warp's walk is - steps left in its current piece, the piece, steps a piece (groups_per_split /
-// NW); piece_turn, before each step's arithmetic, leaves a finished piece's sums in piece_sums and starts the next
-// from 0, as the next piece's block would
+// NW) - and its finished pieces' sums, in registers (0 for pieces it has not reached); piece_turn, before each step's
+// arithmetic, keeps a finished piece's sums and starts the next from 0, as the next piece's block would
 struct PieceWalk {
   int left, piece, per;
-};
 #if PIECES > 1
-__shared__ float4 piece_sums[PIECES][NW][32];
+  float part[PIECES][4];
 #endif
+};
+__device__ __forceinline__ void piece_keep(PieceWalk& P, const float* acc) {
+#if PIECES > 1
+#pragma unroll
+  for (int q = 0; q < PIECES; ++q) {  // (a register array: the piece by selection, not by index)
+    if (q == P.piece) {
+      P.part[q][0] = acc[0]; P.part[q][1] = acc[1]; P.part[q][2] = acc[2]; P.part[q][3] = acc[3];
+    }
+  }
+#endif
+}
 __device__ __forceinline__ void piece_turn(PieceWalk& P, float* acc) {
 #if PIECES > 1
   if (P.left == 0) {
-    piece_sums[P.piece][threadIdx.x >> 5][threadIdx.x & 31] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+    piece_keep(P, acc);
     acc[0] = acc[1] = acc[2] = acc[3] = 0.f;
     ++P.piece;
     P.left = P.per;
@@ -1004,34 +1014,33 @@ __device__ __forceinline__ void tile_store(float* acc, int tile, int piece, int 
 }
 
 #if PIECES > 1
-// The block's sums of tile `tile` walked in PIECES pieces (piece_turn) to the output: each warp leaves its last piece's
-// sums (and zeros for pieces past its last step, as a split block's warp without groups there has) in piece_sums;
-// then warp 0 adds each piece's warps in order (tile_store's order) and the pieces from 0 in order (the workspace's
-// and the cluster's), and stores the total as one pass's
-__device__ __forceinline__ void pieces_store(float* acc, const PieceWalk& P, int tile, out_t* __restrict__ out, int T,
-                                             int N, long long stride_o) {
+// The block's sums of tile `tile` walked in PIECES pieces (piece_turn) to the output: each warp keeps its last piece's
+// sums; then, a piece at a time through 4 KB of shared memory (a one-pass launch's), warp 0 adds the piece's warps in
+// order (tile_store's order) and the pieces from 0 in order (the workspace's and the cluster's), and stores the total
+// as one pass's. A warp with no groups in a piece adds its 0, as a split block's warp without groups there does.
+__device__ __forceinline__ void pieces_store(float* acc, PieceWalk& P, int tile, out_t* __restrict__ out, int T, int N,
+                                             long long stride_o) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   grid_wait();  // (as tile_store: the output is written only after the kernel before is done)
+  piece_keep(P, acc);
+  __shared__ float4 red[NW][32];
+  float sum[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-  for (int p = 0; p < PIECES; ++p)
-    if (p >= P.piece)
-      piece_sums[p][warp][lane] = p == P.piece ? make_float4(acc[0], acc[1], acc[2], acc[3])
-                                               : make_float4(0.f, 0.f, 0.f, 0.f);
-  __syncthreads();
-  if (warp == 0) {
-    float sum[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-    for (int p = 0; p < PIECES; ++p) {
-      float4 v = piece_sums[p][0][lane];
+  for (int p = 0; p < PIECES; ++p) {
+    red[warp][lane] = make_float4(P.part[p][0], P.part[p][1], P.part[p][2], P.part[p][3]);
+    __syncthreads();
+    if (warp == 0) {
+      float v[4] = {P.part[p][0], P.part[p][1], P.part[p][2], P.part[p][3]};
 #pragma unroll
       for (int w = 1; w < NW; ++w) {
-        const float4 u = piece_sums[p][w][lane];
-        v.x += u.x; v.y += u.y; v.z += u.z; v.w += u.w;
+        const float4 u = red[w][lane];
+        v[0] += u.x; v[1] += u.y; v[2] += u.z; v[3] += u.w;
       }
-      sum[0] += v.x; sum[1] += v.y; sum[2] += v.z; sum[3] += v.w;
+      sum[0] += v[0]; sum[1] += v[1]; sum[2] += v[2]; sum[3] += v[3];
     }
-    tile_out(sum, tile, 0, 1, out, nullptr, nullptr, T, N, stride_o);
+    if (p + 1 < PIECES) __syncthreads();  // warp 0 has read this piece before the next is written
   }
+  if (warp == 0) tile_out(sum, tile, 0, 1, out, nullptr, nullptr, T, N, stride_o);
 }
 #endif
 
@@ -1059,7 +1068,7 @@ qmv(const u16* __restrict__ x, const u8* __restrict__ codes, const u8* __restric
 #else
   const int g_lo = blockIdx.y * groups_per_split, g_hi = min(NG, g_lo + groups_per_split);
 #endif
-  PieceWalk P{groups_per_split / NW, 0, groups_per_split / NW};
+  PieceWalk P{groups_per_split / NW, 0, groups_per_split / NW};  // (part: zeros)
 #if TPW > 1 || ASYNC
   const int tiles = (N + 15) / 16, tile0 = blockIdx.x * TPW;
 #if ASYNC

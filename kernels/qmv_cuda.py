@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -448,7 +448,10 @@ def launch_build(fmt: str, n: int, t: int, layout: int, sms: int, *, unroll: int
 
 
 # batches of steps a split launch's one-block walk may take beyond one piece's (pieces_pay)
-PIECES_SLACK = 0
+PIECES_SLACK = 1
+# the register cap a walk is built for (warps an SM): each warp holds up to 8 pieces' sums, which spill at the
+# default's 24 warps (80 registers a thread) and fit at 16 (128); a walk's grid is small, so the occupancy is moot
+_WALK_WARPS_PER_SM = 16
 
 
 def pieces_pay(ng: int, groups_per_split: int, warps: int, unroll: int) -> bool:
@@ -542,6 +545,8 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
                          f"without xlate, pipe, tail, tiles or stages")
     walk = can_walk and (pieces if pieces is not None else
                          _SWITCHES["pieces"] and pieces_pay(lin.ng, groups_per_split, build.warps, build.unroll))
+    if walk and min_blocks is None:  # registers for the pieces' sums: 128 a thread (8 pieces spill at 80)
+        build = replace(build, min_blocks=max(1, _WALK_WARPS_PER_SM // build.warps))
     # a split-K tile's pieces as one cluster (sm_90+, at most the portable size): their sums added through
     # distributed shared memory, in the workspace's order (the same bits)
     cluster = (s > 1 and not walk and _SWITCHES["cluster"] and s <= MAX_CLUSTER

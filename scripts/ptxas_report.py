@@ -20,6 +20,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -125,7 +126,8 @@ def main() -> int:
     ap.add_argument("--sms", type=int, default=132, help="the GPU's SMs (132: H100 / H200 SXM)")
     ap.add_argument("--no-pdl", action="store_true", help="builds without programmatic dependent launch")
     ap.add_argument("--pieces", type=int, default=1,
-                    help="split-K pieces one block walks (PIECES; > 1 needs --rows <= 8 and the default build)")
+                    help="split-K pieces one block walks (PIECES; > 1 needs --rows <= 8 and the default build; "
+                         "the walk's register cap unless a b knob sets it)")
     args = ap.parse_args()
     try:
         nvrtc, ptxas = _nvrtc(), _ptxas()
@@ -142,6 +144,8 @@ def main() -> int:
             try:
                 kw = knob_kwargs(spec)
                 b = qmv_cuda.launch_build(fmt, args.n, args.rows, 2, args.sms, **kw)
+                if args.pieces > 1 and "min_blocks" not in kw:  # a walk's register cap, as qmv builds it
+                    b = replace(b, min_blocks=max(1, qmv_cuda._WALK_WARPS_PER_SM // b.warps))
                 options = qmv_cuda.kernel_options(qmv_cuda._FMT_ID[fmt], False, True, b.unroll, b.min_blocks, False,
                                                   False, False, not args.no_pdl, 2, False, b.warps, False, b.ncol,
                                                   b.tiles, True, b.stages, pieces=args.pieces)

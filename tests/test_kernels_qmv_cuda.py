@@ -442,6 +442,7 @@ def test_pieces_rule_and_knob(monkeypatch):
     (the 27B's attention k / v), keep the split's blocks. NINFER_BENCH_QMV_PIECES is 1 (the default) or 0."""
     assert qmv_cuda.PIECES_SLACK >= 0
     assert qmv_cuda.pieces_pay(16, 8, 8, 4) and qmv_cuda.pieces_pay(32, 8, 8, 4)  # q_gate / down at 512 / 1024 wide
+    assert qmv_cuda.pieces_pay(64, 32, 8, 4)  # two batches against one: walked (faster at every N measured)
     assert not qmv_cuda.pieces_pay(80, 27, 8, 4)  # 27 groups a piece: not whole strides of 8 warps
     assert not qmv_cuda.pieces_pay(16, 16, 8, 4)  # one piece: nothing to walk
     slack = qmv_cuda.PIECES_SLACK
