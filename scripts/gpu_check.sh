@@ -73,7 +73,8 @@
 #            the pieces session 64's review reshaped (the cluster store, the fp32 / silu dispatch, the one-program
 #            link), scripts/probe_qmv_pieces.py on the bundled shapes and (PIECES_GRID=1, the default) the
 #            calibration grid, then the bundled decode step's profile (S65_REPEATS rounds) for each S65_VARIANTS
-#            (default: "new" this tree, "nopieces" NINFER_BENCH_QMV_PIECES=0, "cap1" NINFER_BENCH_QMV_SPLIT_CAP=1)
+#            (default: "new" this tree, "nopieces" NINFER_BENCH_QMV_PIECES=0, "cap1" NINFER_BENCH_QMV_SPLIT_CAP=1);
+#            S65_K: the qmv tests' -k, S65_ENGINE_TESTS=0 skips the link's and the chained decode's, PIECES_GRID_ARGS
 #   s65b     the bundled held-out prompts (plain, DFlash2 K=7) for each S65B_VARIANTS (default "new nopieces"), the
 #            README's main command, and with S65_27B=1 the 27B synthetic decode (64 tokens) for each variant
 #   ring     qmv with the weights streamed through a cp.async ring (stages): its CUDA tests, the 27B shapes at 64 rows
@@ -550,14 +551,14 @@ PY
                echo "--- bundled held-out, $v: rc $?"; grep -E "│ v3-|decode tok/s|tokens sha256" "$OUT/held-$v.log"; done
              nb decode --spec dflash2 -k 7 --json "$OUT/main.json" 2>&1 | tee "$OUT/main.log" | tail -6 ;;
     s65)     # session 65 (see the list above)
-             bg_test test_kernels_qmv_cuda "pieces or cluster or fp32 or silu"
-             bg_test test_kernels_select "link"
-             bg_test test_cuda_engine "lookahead_decode"
-             wait; bg_report test_kernels_qmv_cuda test_kernels_select test_cuda_engine
+             bg_test test_kernels_qmv_cuda "${S65_K:-pieces or cluster or fp32 or silu}"
+             [ "${S65_ENGINE_TESTS:-1}" = 0 ] || { bg_test test_kernels_select "link"
+               bg_test test_cuda_engine "lookahead_decode"; }
+             wait; bg_report test_kernels_qmv_cuda $([ "${S65_ENGINE_TESTS:-1}" = 0 ] || echo test_kernels_select test_cuda_engine)
              timeout 150 python3 scripts/probe_qmv_pieces.py --bundled --json "$OUT/pieces-bundled.json" 2>&1 \
                | tee "$OUT/pieces-bundled.log"
              [ "${PIECES_GRID:-1}" = 0 ] || timeout ${GRID_S:-200} python3 scripts/probe_qmv_pieces.py \
-               --json "$OUT/pieces-grid.json" > "$OUT/pieces-grid.log" 2>&1; echo "--- grid rc $?"; cat "$OUT/pieces-grid.log"
+               ${PIECES_GRID_ARGS:-} --json "$OUT/pieces-grid.json" > "$OUT/pieces-grid.log" 2>&1; echo "--- grid rc $?"; cat "$OUT/pieces-grid.log"
              for r in $(seq ${S65_REPEATS:-2}); do for v in ${S65_VARIANTS:-new nopieces cap1}; do
                env $(s65_env $v) timeout 150 python3 scripts/profile_step.py --spec none --steps 64 --top 30 \
                  --json "$OUT/bprof-$v-$r.json" > "$OUT/bprof-$v-$r.log" 2>&1
