@@ -447,8 +447,12 @@ def launch_build(fmt: str, n: int, t: int, layout: int, sms: int, *, unroll: int
                     threads=warps * 32, shared=async_shared_bytes(fmt, warps, stages, tiles))
 
 
-# batches of steps a split launch's one-block walk may take beyond one piece's (pieces_pay)
+# pieces_pay's bounds, from the H100 grid of scripts/probe_qmv_pieces.py (docs/perf/2026-12-06g-qmv-pieces-h100.md):
+# batches of steps a walk may take beyond one piece's (a walk of two batches against a piece's one ran 0.67-0.97x
+# the split, of four against one or two 0.93-1.37x), and pieces it may walk (each piece is one round of the block's
+# reduction: 8 pieces of 16 row tiles ran 1.09-1.17x the split, 2-4 pieces 0.67-0.97x)
 PIECES_SLACK = 1
+WALK_MAX_PIECES = 4
 # the register cap a walk is built for (warps an SM): each warp holds up to 8 pieces' sums, which spill at the
 # default's 24 warps (80 registers a thread) and fit at 16 (128); a walk's grid is small, so the occupancy is moot
 _WALK_WARPS_PER_SM = 16
@@ -457,11 +461,12 @@ _WALK_WARPS_PER_SM = 16
 def pieces_pay(ng: int, groups_per_split: int, warps: int, unroll: int) -> bool:
     """Whether a split-K launch of an ``ng``-group weight in pieces of ``groups_per_split`` groups should walk its
     pieces in one block (``PIECES`` in the source) instead of spreading them over blocks: it can (a piece is a whole
-    number of warp strides, so the block's warps walk its groups as the piece's block would) and the walk of all the
-    groups takes at most :data:`PIECES_SLACK` more batches of ``unroll`` steps (a batch: one round trip to memory)
-    than one piece's, so the split's blocks buy little latency and its reduction costs more than it saves. A pure
+    number of warp strides, so the block's warps walk its groups as the piece's block would), there are at most
+    :data:`WALK_MAX_PIECES` pieces, and the walk of all the groups takes at most :data:`PIECES_SLACK` more batches of
+    ``unroll`` steps (a batch: one round trip to memory) than one piece's, so the split's blocks buy little latency
+    and its reduction costs more than it saves. A pure
     function of the shape and the build; the bits are the split's either way."""
-    if groups_per_split >= ng or groups_per_split % warps:
+    if groups_per_split >= ng or groups_per_split % warps or -(-ng // groups_per_split) > WALK_MAX_PIECES:
         return False
 
     def batches(groups: int) -> int:

@@ -445,6 +445,7 @@ def test_pieces_rule_and_knob(monkeypatch):
     assert qmv_cuda.pieces_pay(64, 32, 8, 4)  # two batches against one: walked (faster at every N measured)
     assert not qmv_cuda.pieces_pay(80, 27, 8, 4)  # 27 groups a piece: not whole strides of 8 warps
     assert not qmv_cuda.pieces_pay(16, 16, 8, 4)  # one piece: nothing to walk
+    assert not qmv_cuda.pieces_pay(64, 8, 8, 4)  # 8 pieces: a reduction round each (slower at 16 row tiles)
     slack = qmv_cuda.PIECES_SLACK
     assert not qmv_cuda.pieces_pay(32 * (slack + 2) + 32, 32, 8, 4)  # slack + 2 more batches than a piece
     monkeypatch.setattr(qmv_cuda, "_SWITCHES", dict(qmv_cuda._SWITCHES))
