@@ -554,6 +554,35 @@ __device__ __forceinline__ void steps(const Lane& L, const u16* __restrict__ xro
 #endif
 }
 
+#if PDL && NCOL == 1 && !XLATE
+// All of a warp's steps when it has fewer than U (groups gi, gi + NW, ... < g_hi): every code load issued before the
+// wait, x after it, then the arithmetic in step order - steps<U, true>'s loads and sums, predicated, so that a short
+// walk keeps one round trip to memory after the wait instead of one a step
+template <int U>
+__device__ __forceinline__ void steps_few(const Lane& L, const u16* __restrict__ xrow, int gi, int g_hi, int K, int c,
+                                          u32 magic, float* acc, PieceWalk& P) {
+  CodeT w0[U], w1[U];
+  u32 s0[U], s1[U], h0[U], h1[U];
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    if (gi + u * NW < g_hi) load_step(L, u, w0[u], w1[u], s0[u], s1[u], h0[u], h1[u]);
+  }
+  grid_wait();
+  u32 xv[U][XPL / 2];
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    if (gi + u * NW < g_hi) load_x(L, xrow, gi, u, K, c, xv[u]);
+  }
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    if (gi + u * NW < g_hi) {
+      piece_turn(P, acc);
+      step_math(w0[u], w1[u], h0[u], h1[u], xv[u], s0[u], s1[u], magic, acc);
+    }
+  }
+}
+#endif
+
 #if TPW > 1 || ASYNC
 // Step u's column groups for the block's TPW tiles: each group's x (L: the first tile's lane, one load for all tiles)
 // times every tile's fragments F, into tile i's sums at acc + 4 NCOL i
@@ -710,9 +739,14 @@ __device__ __forceinline__ void tile_sums(const u16* __restrict__ x, const u8* _
     advance(L, NW * UNROLL);
     gi += NW * UNROLL;
   } else if (gi < g_hi) {
+#if NCOL == 1 && !XLATE
+    steps_few<UNROLL>(L, xrow, gi, g_hi, K, c, magic, acc, P);  // all of them: nothing is left
+    gi = g_hi;
+#else
     steps<1, true>(L, xrow, gi, K, c, magic, acc, P);
     advance(L, NW);
     gi += NW;
+#endif
   }
 #endif
   for (; gi + (UNROLL - 1) * NW < g_hi; gi += NW * UNROLL) {

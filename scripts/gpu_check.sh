@@ -77,6 +77,9 @@
 #            S65_K: the qmv tests' -k, S65_ENGINE_TESTS=0 skips the link's and the chained decode's, PIECES_GRID_ARGS
 #   s65b     the bundled held-out prompts (plain, DFlash2 K=7) for each S65B_VARIANTS (default "new nopieces"), the
 #            README's main command, and with S65_27B=1 the 27B synthetic decode (64 tokens) for each variant
+#   s65c     a PDL launch's warps of fewer steps than a batch load them all before the wait (qmv steps_few): the
+#            qmv tests that cover it, the bundled decode step's profile with .old's tree (carried) and this one,
+#            alternating S65C_REPEATS times, their held-out prompts (plain, DFlash2 K=7), the README's main command
 #   ring     qmv with the weights streamed through a cp.async ring (stages): its CUDA tests, the 27B shapes at 64 rows
 #            (RING_KNOBS) and, with RING_T=1, at 1 and 8 rows (RING_KNOBS1); RING_C8=1 adds the 27B DFlash2 K=7 replayed
 #            C8 with each RING_WIDE build (label|NINFER_BENCH_QMV_WIDE) and plain C8
@@ -573,6 +576,21 @@ PY
                env $(s65_env $v) timeout ${STAGE_S:-200} python3 scripts/nb.py decode $M27 -n 64 --repeats 2 \
                  --json "$OUT/d27-$v.json" > "$OUT/d27-$v.log" 2>&1
                echo "--- 27B, $v: rc $?"; grep -E "decode tok/s|tokens sha256|roofline" "$OUT/d27-$v.log" | head -4; done ;;
+    s65c)    # session 65's third part (see the list above)
+             bg_test test_kernels_qmv_cuda "${S65C_K:-pdl_launch_equals or pieces_walked or split_k_is or rows_do_not or pdl_dependent_chain}"
+             wait; bg_report test_kernels_qmv_cuda
+             [ -d .old ] && ln -sf "$PWD/models/ninfer-code-small.ninfer" .old/models/ 2>/dev/null
+             for r in $(seq ${S65C_REPEATS:-2}); do for tree in .old .; do [ -d "$tree" ] || continue
+               tag=new; [ "$tree" = . ] || tag=old
+               ( cd "$tree" && timeout 150 python3 scripts/profile_step.py --spec none --steps 64 --top 30 \
+                   --json "$OUT/bprof-$tag-$r.json" > "$OUT/bprof-$tag-$r.log" 2>&1 )
+               echo "--- bundled step, $tag tree, run $r: rc $? $(grep -E 'without the profiler' "$OUT/bprof-$tag-$r.log")"
+             done; done
+             for tree in . .old; do [ -d "$tree" ] || continue; tag=new; [ "$tree" = . ] || tag=old
+               ( cd "$tree" && timeout ${STAGE_S:-200} python3 scripts/nb.py decode --spec none,dflash2:7 $HELD \
+                   --json "$OUT/held-$tag" > "$OUT/held-$tag.log" 2>&1 )
+               echo "--- bundled held-out, $tag tree: rc $?"; grep -E "│ v3-|tokens sha256" "$OUT/held-$tag.log"; done
+             nb decode --spec dflash2 -k 7 --json "$OUT/main.json" 2>&1 | tee "$OUT/main.log" | tail -6 ;;
     tpw)     # wide qmv launches with several row tiles a block (x loaded once for them): their CUDA tests, the 27B q4 /
              # q5 shapes at 64 rows (TPW_KNOBS against the default and 8-row launches, bits checked; TPW_BENCH=0 skips
              # it), then the 27B DFlash2 K=7 replayed C8 with each TPW_WIDE build (label|NINFER_BENCH_QMV_WIDE; default:

@@ -563,10 +563,11 @@ def test_unaligned_packed_buffer_is_realigned_for_qmv():
 @needs_qmv
 @needs_sm90
 @pytest.mark.parametrize("fmt", quant.QUANT_FORMATS)
-@pytest.mark.parametrize("n,k,t", [(320, 5120, 3), (96, 700, 8), (5000, 1024, 1)])
+@pytest.mark.parametrize("n,k,t", [(320, 5120, 3), (96, 700, 8), (5000, 1024, 1), (200, 640, 8)])
 def test_pdl_launch_equals_plain(fmt, n, k, t):
     """The PDL launch (cuLaunchKernelEx, first code loads before griddepcontrol.wait) gives the plain launch's bits,
-    split-K (96 rows) and the element-wise x path (K = 700) included."""
+    split-K (96 rows) and the element-wise x path (K = 700) included, and warps of fewer steps than a batch (K = 640:
+    1-3 steps a warp, all loaded before the wait)."""
     lin, x, ref = _case(fmt, n, k, t, torch.bfloat16, seed=11)
     y = qmv_cuda.qmv(x, lin, pdl=True)
     assert torch.equal(y, qmv_cuda.qmv(x, lin, pdl=False))
