@@ -733,7 +733,8 @@ __device__ __forceinline__ void tile_sums(const u16* __restrict__ x, const u8* _
   }
 #else
 #if PDL
-  // the first batch's code loads go out before the wait (while the kernel before finishes), the rest after it
+  // the first batch's code loads go out before the wait (while the kernel before finishes), the rest after it; a
+  // warp of fewer steps than a batch issues all of them before it (steps_few)
   if (gi + (UNROLL - 1) * NW < g_hi) {
     steps<UNROLL, true>(L, xrow, gi, K, c, magic, acc, P);
     advance(L, NW * UNROLL);
