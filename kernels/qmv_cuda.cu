@@ -511,15 +511,18 @@ __device__ __forceinline__ void piece_turn(PieceWalk& P, float* acc) {
 
 // U steps (groups gi, gi + NW, ..., all < NG): every code load issued first, then the arithmetic; acc += the sums.
 // x is loaded with the codes (XLATE 0), or one step ahead of the arithmetic (XLATE 1: x comes from L1 / L2, and the
-// registers it would hold for U steps carry more code bytes in flight instead).
-template <int U, bool WAIT = false>
+// registers it would hold for U steps carry more code bytes in flight instead). FEW (NCOL 1, XLATE 0): only the
+// steps whose group is below g_hi, all of a warp that has fewer than U (with WAIT: every code load before the wait,
+// so a short walk keeps one round trip to memory after it instead of one a step).
+template <int U, bool WAIT = false, bool FEW = false>
 __device__ __forceinline__ void steps(const Lane& L, const u16* __restrict__ xrow, int gi, int K, int c, u32 magic,
-                                      float* acc, PieceWalk& P) {
+                                      float* acc, PieceWalk& P, int g_hi = 0) {
+  static_assert(!FEW || (NCOL == 1 && !XLATE), "FEW steps are one column group's, x loaded with the codes");
   CodeT w0[U], w1[U];
   u32 s0[U], s1[U], h0[U], h1[U];
 #pragma unroll
   for (int u = 0; u < U; ++u) {
-    load_step(L, u, w0[u], w1[u], s0[u], s1[u], h0[u], h1[u]);
+    if (!FEW || gi + u * NW < g_hi) load_step(L, u, w0[u], w1[u], s0[u], s1[u], h0[u], h1[u]);
   }
   if (WAIT) grid_wait();  // the code loads above are in flight; x comes from the kernel before
 #if NCOL > 1
@@ -545,43 +548,18 @@ __device__ __forceinline__ void steps(const Lane& L, const u16* __restrict__ xro
 #else
   u32 xv[U][XPL / 2];
 #pragma unroll
-  for (int u = 0; u < U; ++u) load_x(L, xrow, gi, u, K, c, xv[u]);
-#pragma unroll
   for (int u = 0; u < U; ++u) {
-    piece_turn(P, acc);
-    step_math(w0[u], w1[u], h0[u], h1[u], xv[u], s0[u], s1[u], magic, acc);
-  }
-#endif
-}
-
-#if PDL && NCOL == 1 && !XLATE
-// All of a warp's steps when it has fewer than U (groups gi, gi + NW, ... < g_hi): every code load issued before the
-// wait, x after it, then the arithmetic in step order - steps<U, true>'s loads and sums, predicated, so that a short
-// walk keeps one round trip to memory after the wait instead of one a step
-template <int U>
-__device__ __forceinline__ void steps_few(const Lane& L, const u16* __restrict__ xrow, int gi, int g_hi, int K, int c,
-                                          u32 magic, float* acc, PieceWalk& P) {
-  CodeT w0[U], w1[U];
-  u32 s0[U], s1[U], h0[U], h1[U];
-#pragma unroll
-  for (int u = 0; u < U; ++u) {
-    if (gi + u * NW < g_hi) load_step(L, u, w0[u], w1[u], s0[u], s1[u], h0[u], h1[u]);
-  }
-  grid_wait();
-  u32 xv[U][XPL / 2];
-#pragma unroll
-  for (int u = 0; u < U; ++u) {
-    if (gi + u * NW < g_hi) load_x(L, xrow, gi, u, K, c, xv[u]);
+    if (!FEW || gi + u * NW < g_hi) load_x(L, xrow, gi, u, K, c, xv[u]);
   }
 #pragma unroll
   for (int u = 0; u < U; ++u) {
-    if (gi + u * NW < g_hi) {
+    if (!FEW || gi + u * NW < g_hi) {
       piece_turn(P, acc);
       step_math(w0[u], w1[u], h0[u], h1[u], xv[u], s0[u], s1[u], magic, acc);
     }
   }
-}
 #endif
+}
 
 #if TPW > 1 || ASYNC
 // Step u's column groups for the block's TPW tiles: each group's x (L: the first tile's lane, one load for all tiles)
@@ -734,14 +712,14 @@ __device__ __forceinline__ void tile_sums(const u16* __restrict__ x, const u8* _
 #else
 #if PDL
   // the first batch's code loads go out before the wait (while the kernel before finishes), the rest after it; a
-  // warp of fewer steps than a batch issues all of them before it (steps_few)
+  // warp of fewer steps than a batch issues all of them before it (steps' FEW)
   if (gi + (UNROLL - 1) * NW < g_hi) {
     steps<UNROLL, true>(L, xrow, gi, K, c, magic, acc, P);
     advance(L, NW * UNROLL);
     gi += NW * UNROLL;
   } else if (gi < g_hi) {
 #if NCOL == 1 && !XLATE
-    steps_few<UNROLL>(L, xrow, gi, g_hi, K, c, magic, acc, P);  // all of them: nothing is left
+    steps<UNROLL, true, true>(L, xrow, gi, K, c, magic, acc, P, g_hi);  // all of them: nothing is left
     gi = g_hi;
 #else
     steps<1, true>(L, xrow, gi, K, c, magic, acc, P);

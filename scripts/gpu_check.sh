@@ -77,7 +77,7 @@
 #            S65_K: the qmv tests' -k, S65_ENGINE_TESTS=0 skips the link's and the chained decode's, PIECES_GRID_ARGS
 #   s65b     the bundled held-out prompts (plain, DFlash2 K=7) for each S65B_VARIANTS (default "new nopieces"), the
 #            README's main command, and with S65_27B=1 the 27B synthetic decode (64 tokens) for each variant
-#   s65c     a PDL launch's warps of fewer steps than a batch load them all before the wait (qmv steps_few): the
+#   s65c     a PDL launch's warps of fewer steps than a batch load them all before the wait (qmv steps FEW): the
 #            qmv tests that cover it, the bundled decode step's profile with .old's tree (carried) and this one,
 #            alternating S65C_REPEATS times, their held-out prompts (plain, DFlash2 K=7), the README's main command
 #   ring     qmv with the weights streamed through a cp.async ring (stages): its CUDA tests, the 27B shapes at 64 rows
