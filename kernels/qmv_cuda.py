@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -287,9 +288,15 @@ def wide_build(ncol: int, fmt: str) -> dict[str, int]:
     return {}
 
 
-def _load_env_knobs() -> None:
-    import os
+def _env_on(var: str) -> bool:
+    """An on / off switch from the environment: 1 (the default) or 0; anything else is refused by name."""
+    value = os.environ.get(var, "1").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"{var}: {value!r}: expected 1 (the default) or 0")
+    return value == "1"
 
+
+def _load_env_knobs() -> None:
     text = os.environ.get("NINFER_BENCH_QMV_WIDE", "")
     if text:
         _WIDE.update(_wide_builds(text))
@@ -303,14 +310,8 @@ def _load_env_knobs() -> None:
     # a tuning run's cap on the split-K count qmv picks (1: every launch in one pass over K), to measure what the
     # split's second pass costs; it changes the order of the sums, so the bits and possibly the tokens
     _SWITCHES["split_cap"] = int(cap) if cap else 0
-    cluster = os.environ.get("NINFER_BENCH_QMV_CLUSTER", "1").strip()
-    if cluster not in ("0", "1"):
-        raise ValueError(f"NINFER_BENCH_QMV_CLUSTER: {cluster!r}: expected 1 (the default) or 0")
-    set_cluster(cluster == "1")
-    pieces = os.environ.get("NINFER_BENCH_QMV_PIECES", "1").strip()
-    if pieces not in ("0", "1"):
-        raise ValueError(f"NINFER_BENCH_QMV_PIECES: {pieces!r}: expected 1 (the default) or 0")
-    set_pieces(pieces == "1")
+    set_cluster(_env_on("NINFER_BENCH_QMV_CLUSTER"))
+    set_pieces(_env_on("NINFER_BENCH_QMV_PIECES"))
 
 
 _load_env_knobs()
@@ -464,8 +465,8 @@ def pieces_pay(ng: int, groups_per_split: int, warps: int, unroll: int) -> bool:
     number of warp strides, so the block's warps walk its groups as the piece's block would), there are at most
     :data:`WALK_MAX_PIECES` pieces, and the walk of all the groups takes at most :data:`PIECES_SLACK` more batches of
     ``unroll`` steps (a batch: one round trip to memory) than one piece's, so the split's blocks buy little latency
-    and its reduction costs more than it saves. A pure
-    function of the shape and the build; the bits are the split's either way."""
+    and its reduction costs more than it saves. A pure function of the shape and the build; the bits are the
+    split's either way."""
     if groups_per_split >= ng or groups_per_split % warps or -(-ng // groups_per_split) > WALK_MAX_PIECES:
         return False
 
@@ -486,9 +487,10 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
         out_f32: bool = False, pieces: bool | None = None) -> torch.Tensor:
     """``x [T, K] @ W.T`` -> ``[T, N]`` in x.dtype, for T <= 64 (see :func:`supports`); with ``out_f32``, in fp32:
     each value rounded to x.dtype first and then widened, the values of ``qmv(x, lin).float()`` without the copy
-    (not with ``act``). ``out`` (contiguous [T, N], the result's dtype) is written instead of a fresh tensor. ``splits`` (default :func:`choose_splits`), ``unroll`` (steps
-    whose loads are in flight together), ``min_blocks`` (blocks per SM the registers must allow), ``xlate`` (x
-    loaded one step ahead instead of with the codes), ``pipe`` (the step batches double-buffered: the next batch's
+    (not with ``act``). ``out`` (contiguous [T, N], the result's dtype) is written instead of a fresh tensor.
+    ``splits`` (default :func:`choose_splits`), ``unroll`` (steps whose loads are in flight together),
+    ``min_blocks`` (blocks per SM the registers must allow), ``xlate`` (x loaded one step ahead instead of with the
+    codes), ``pipe`` (the step batches double-buffered: the next batch's
     loads in flight while one is multiplied) and ``fold`` (q4/q5: the zero point taken off the sums by one MMA per
     x fragment instead of a subtraction per code pair: 7 % fewer instructions, but it spills at 80 registers) are
     for tuning and tests - none of the last three was faster on the H200 (``fold`` 3-15 % slower). ``pdl``

@@ -327,22 +327,36 @@ def test_wide_builds_parse():
             qmv_cuda._wide_builds(bad)
 
 
+QMV_ENV = ("NINFER_BENCH_QMV_WIDE", "NINFER_BENCH_QMV_PDL_X", "NINFER_BENCH_QMV_SPLIT_CAP", "NINFER_BENCH_QMV_CLUSTER",
+           "NINFER_BENCH_QMV_PIECES")
+
+
+def _check_env_knob(monkeypatch, var, key, accepted, refused):
+    """qmv_cuda._load_env_knobs reads ``var`` into ``_SWITCHES[key]``: each (value, expected) of ``accepted`` (value
+    None: unset), the expected value and its type exactly; each value of ``refused`` is refused naming ``var``. The
+    other qmv variables are unset and the switches restored afterwards."""
+    monkeypatch.setattr(qmv_cuda, "_SWITCHES", dict(qmv_cuda._SWITCHES))
+    for other in QMV_ENV:
+        monkeypatch.delenv(other, raising=False)
+    for value, want in accepted:
+        if value is None:
+            monkeypatch.delenv(var, raising=False)
+        else:
+            monkeypatch.setenv(var, value)
+        qmv_cuda._load_env_knobs()
+        got = qmv_cuda._SWITCHES[key]
+        assert got == want and type(got) is type(want), (var, value, got)
+    for bad in refused:
+        monkeypatch.setenv(var, bad)
+        with pytest.raises(ValueError, match=var):
+            qmv_cuda._load_env_knobs()
+
+
 def test_pdl_x_path_knob(monkeypatch):
     """NINFER_BENCH_QMV_PDL_X picks how qmv reads x under PDL: l1 (the default), l2 (the old path); anything else is
     refused by name."""
-    monkeypatch.setattr(qmv_cuda, "_SWITCHES", dict(qmv_cuda._SWITCHES))
-    monkeypatch.delenv("NINFER_BENCH_QMV_WIDE", raising=False)
-    for value, l1 in (("l2", False), (" L1 ", True)):
-        monkeypatch.setenv("NINFER_BENCH_QMV_PDL_X", value)
-        qmv_cuda._load_env_knobs()
-        assert qmv_cuda._SWITCHES["pdl_x_l1"] is l1
-    monkeypatch.delenv("NINFER_BENCH_QMV_PDL_X")
-    qmv_cuda.set_pdl_x_l1(False)
-    qmv_cuda._load_env_knobs()
-    assert qmv_cuda._SWITCHES["pdl_x_l1"] is True
-    monkeypatch.setenv("NINFER_BENCH_QMV_PDL_X", "l3")
-    with pytest.raises(ValueError, match="NINFER_BENCH_QMV_PDL_X"):
-        qmv_cuda._load_env_knobs()
+    _check_env_knob(monkeypatch, "NINFER_BENCH_QMV_PDL_X", "pdl_x_l1",
+                    [("l2", False), (" L1 ", True), ("l2", False), (None, True)], ["l3"])
 
 
 needs_clusters = pytest.mark.skipif(not (READY and torch.cuda.get_device_capability() >= (9, 0)),
@@ -448,50 +462,20 @@ def test_pieces_rule_and_knob(monkeypatch):
     assert not qmv_cuda.pieces_pay(64, 8, 8, 4)  # 8 pieces: a reduction round each (slower at 16 row tiles)
     slack = qmv_cuda.PIECES_SLACK
     assert not qmv_cuda.pieces_pay(32 * (slack + 2) + 32, 32, 8, 4)  # slack + 2 more batches than a piece
-    monkeypatch.setattr(qmv_cuda, "_SWITCHES", dict(qmv_cuda._SWITCHES))
-    for var in ("NINFER_BENCH_QMV_WIDE", "NINFER_BENCH_QMV_PDL_X", "NINFER_BENCH_QMV_SPLIT_CAP",
-                "NINFER_BENCH_QMV_CLUSTER"):
-        monkeypatch.delenv(var, raising=False)
-    for value, on in (("0", False), ("1 ", True)):
-        monkeypatch.setenv("NINFER_BENCH_QMV_PIECES", value)
-        qmv_cuda._load_env_knobs()
-        assert qmv_cuda._SWITCHES["pieces"] is on
-    monkeypatch.setenv("NINFER_BENCH_QMV_PIECES", "yes")
-    with pytest.raises(ValueError, match="NINFER_BENCH_QMV_PIECES"):
-        qmv_cuda._load_env_knobs()
+    _check_env_knob(monkeypatch, "NINFER_BENCH_QMV_PIECES", "pieces", [("0", False), ("1 ", True)], ["yes"])
 
 
 def test_cluster_knob(monkeypatch):
     """NINFER_BENCH_QMV_CLUSTER: 1 (the default) or 0; anything else is refused by name."""
-    monkeypatch.setattr(qmv_cuda, "_SWITCHES", dict(qmv_cuda._SWITCHES))
-    for var in ("NINFER_BENCH_QMV_WIDE", "NINFER_BENCH_QMV_PDL_X", "NINFER_BENCH_QMV_SPLIT_CAP"):
-        monkeypatch.delenv(var, raising=False)
-    for value, on in (("0", False), (" 1", True)):
-        monkeypatch.setenv("NINFER_BENCH_QMV_CLUSTER", value)
-        qmv_cuda._load_env_knobs()
-        assert qmv_cuda._SWITCHES["cluster"] is on
-    monkeypatch.delenv("NINFER_BENCH_QMV_CLUSTER")
-    qmv_cuda._load_env_knobs()
-    assert qmv_cuda._SWITCHES["cluster"] is True
-    monkeypatch.setenv("NINFER_BENCH_QMV_CLUSTER", "on")
-    with pytest.raises(ValueError, match="NINFER_BENCH_QMV_CLUSTER"):
-        qmv_cuda._load_env_knobs()
+    _check_env_knob(monkeypatch, "NINFER_BENCH_QMV_CLUSTER", "cluster", [("0", False), (" 1", True), (None, True)],
+                    ["on"])
 
 
 def test_split_cap_knob(monkeypatch):
     """NINFER_BENCH_QMV_SPLIT_CAP (a tuning run's): a cap on the split-K count qmv picks; unset, no cap; anything
     but a count >= 1 is refused by name."""
-    monkeypatch.setattr(qmv_cuda, "_SWITCHES", dict(qmv_cuda._SWITCHES))
-    monkeypatch.delenv("NINFER_BENCH_QMV_WIDE", raising=False)
-    monkeypatch.delenv("NINFER_BENCH_QMV_PDL_X", raising=False)
-    for value, cap in (("1", 1), (" 3 ", 3), ("", 0)):
-        monkeypatch.setenv("NINFER_BENCH_QMV_SPLIT_CAP", value)
-        qmv_cuda._load_env_knobs()
-        assert qmv_cuda._SWITCHES["split_cap"] == cap
-    for bad in ("0", "two", "-1"):
-        monkeypatch.setenv("NINFER_BENCH_QMV_SPLIT_CAP", bad)
-        with pytest.raises(ValueError, match="NINFER_BENCH_QMV_SPLIT_CAP"):
-            qmv_cuda._load_env_knobs()
+    _check_env_knob(monkeypatch, "NINFER_BENCH_QMV_SPLIT_CAP", "split_cap", [("1", 1), (" 3 ", 3), ("", 0)],
+                    ["0", "two", "-1"])
 
 
 def test_wide_build_defaults(monkeypatch):
