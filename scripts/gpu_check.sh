@@ -242,9 +242,10 @@ chained_tests() {  # the chained speculative rounds' CUDA tests (seven; three to
     > "$OUT/chained_tests.log" 2>&1; echo "pytest rc $?"; tail -3 "$OUT/chained_tests.log"
 }
 trap pack EXIT
-s65_env() {  # a variant's environment (s65, s65b): nopieces, cap1 (any capN), else none of qmv's switches
-  case $1 in nopieces) echo NINFER_BENCH_QMV_PIECES=0;; cap*) echo NINFER_BENCH_QMV_SPLIT_CAP=${1#cap};;
-             *) echo S65=1;; esac
+qmv_env() {  # a qmv variant's environment (s64b, s65, s65b): ws (the split's workspace, no cluster), nopieces (split
+  # launches spread over blocks), capN (splits capped at N), else none of qmv's switches
+  case $1 in ws) echo NINFER_BENCH_QMV_CLUSTER=0;; nopieces) echo NINFER_BENCH_QMV_PIECES=0;;
+             cap*) echo NINFER_BENCH_QMV_SPLIT_CAP=${1#cap};; *) echo QMV_VARIANT=$1;; esac
 }
 llwait() {  # wait for the llamabuild stage's background build (LLWAIT_S seconds at most); 0 when it succeeded
   local t=0
@@ -542,14 +543,12 @@ PY
              bg_test test_kernels_qmv_cuda "cluster"
              bg_test test_cuda_engine "lookahead_decode"
              wait; bg_report test_kernels_qmv_cuda test_cuda_engine
-             s64b_env() { case $1 in ws) echo NINFER_BENCH_QMV_CLUSTER=0;; cap*) echo NINFER_BENCH_QMV_SPLIT_CAP=${1#cap};;
-                          *) echo S64B=1;; esac; }
              for r in $(seq ${S64B_REPEATS:-2}); do for v in ${S64B_VARIANTS:-new ws}; do
-               env $(s64b_env $v) timeout 150 python3 scripts/profile_step.py --spec none --steps 64 --top 30 \
+               env $(qmv_env $v) timeout 150 python3 scripts/profile_step.py --spec none --steps 64 --top 30 \
                  --json "$OUT/bprof-$v-$r.json" > "$OUT/bprof-$v-$r.log" 2>&1
                echo "--- bundled step, $v, run $r: rc $? $(grep -E 'without the profiler' "$OUT/bprof-$v-$r.log")"; done; done
              for v in ${S64B_VARIANTS:-new ws}; do
-               env $(s64b_env $v) timeout ${STAGE_S:-200} python3 scripts/nb.py decode --spec ${S64_SPECS:-none,dflash2:7} \
+               env $(qmv_env $v) timeout ${STAGE_S:-200} python3 scripts/nb.py decode --spec ${S64_SPECS:-none,dflash2:7} \
                  $HELD --json "$OUT/held-$v" > "$OUT/held-$v.log" 2>&1
                echo "--- bundled held-out, $v: rc $?"; grep -E "│ v3-|decode tok/s|tokens sha256" "$OUT/held-$v.log"; done
              nb decode --spec dflash2 -k 7 --json "$OUT/main.json" 2>&1 | tee "$OUT/main.log" | tail -6 ;;
@@ -563,17 +562,17 @@ PY
              [ "${PIECES_GRID:-1}" = 0 ] || timeout ${GRID_S:-200} python3 scripts/probe_qmv_pieces.py \
                ${PIECES_GRID_ARGS:-} --json "$OUT/pieces-grid.json" > "$OUT/pieces-grid.log" 2>&1; echo "--- grid rc $?"; cat "$OUT/pieces-grid.log"
              for r in $(seq ${S65_REPEATS:-2}); do for v in ${S65_VARIANTS:-new nopieces cap1}; do
-               env $(s65_env $v) timeout 150 python3 scripts/profile_step.py --spec none --steps 64 --top 30 \
+               env $(qmv_env $v) timeout 150 python3 scripts/profile_step.py --spec none --steps 64 --top 30 \
                  --json "$OUT/bprof-$v-$r.json" > "$OUT/bprof-$v-$r.log" 2>&1
                echo "--- bundled step, $v, run $r: rc $? $(grep -E 'without the profiler' "$OUT/bprof-$v-$r.log")"; done; done ;;
     s65b)    # session 65's end-to-end runs (see the list above)
              for v in ${S65B_VARIANTS:-new nopieces}; do
-               env $(s65_env $v) timeout ${STAGE_S:-200} python3 scripts/nb.py decode --spec none,dflash2:7 $HELD \
+               env $(qmv_env $v) timeout ${STAGE_S:-200} python3 scripts/nb.py decode --spec none,dflash2:7 $HELD \
                  --json "$OUT/held-$v" > "$OUT/held-$v.log" 2>&1
                echo "--- bundled held-out, $v: rc $?"; grep -E "│ v3-|decode tok/s|tokens sha256" "$OUT/held-$v.log"; done
              nb decode --spec dflash2 -k 7 --json "$OUT/main.json" 2>&1 | tee "$OUT/main.log" | tail -6
              [ "${S65_27B:-0}" = 1 ] && for v in ${S65B_VARIANTS:-new nopieces}; do
-               env $(s65_env $v) timeout ${STAGE_S:-200} python3 scripts/nb.py decode $M27 -n 64 --repeats 2 \
+               env $(qmv_env $v) timeout ${STAGE_S:-200} python3 scripts/nb.py decode $M27 -n 64 --repeats 2 \
                  --json "$OUT/d27-$v.json" > "$OUT/d27-$v.log" 2>&1
                echo "--- 27B, $v: rc $?"; grep -E "decode tok/s|tokens sha256|roofline" "$OUT/d27-$v.log" | head -4; done ;;
     s65c)    # session 65's third part (see the list above)

@@ -91,7 +91,7 @@ def main() -> int:
             same = torch.equal(qmv_cuda.qmv(x, lins[0], splits=s, pieces=True),
                                qmv_cuda.qmv(x, lins[0], splits=s, pieces=False))
             bad += not same
-            rule = qmv_cuda.pieces_pay(ng, gps, warps, 4)
+            rule = qmv_cuda.pieces_pay(ng, gps, warps, qmv_cuda.launch_build(fmt, n, t, 2, sms).unroll)
             row = {"fmt": fmt, "n": n, "k": k, "t": t, "splits": s, "groups_per_piece": gps, "ng": ng,
                    "warps": warps, "split_us": us["split"], "walk_us": us["walk"], "one_pass_us": us["one"],
                    "rule_walks": rule, "same_bits": same}
