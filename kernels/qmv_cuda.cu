@@ -130,6 +130,12 @@ typedef unsigned char u8;
 #endif            // each piece's sums apart and the block adds them up as a split launch's blocks and reduction do
                   // (warps in order within a piece, then the pieces from 0 in order): a split launch's bits at a
                   // one-pass launch's cost, where the split buys no parallelism (groups_per_split a multiple of NW)
+#ifndef NORM
+#define NORM 0    // 1: the launch ends a residual branch and its last block takes the RMSNorm after it (norm_tail):
+#endif            // r = residual + out (rounded as stored), and r * rsqrt(mean(r^2) + eps) * (1 + w), both stored
+#if NORM && (ACT || OUT_F32)
+#error "NORM takes the projection's own 16-bit output (not ACT's product or OUT_F32's widened store)"
+#endif
 #if PIECES > 1 && (NCOL > 1 || TPW > 1 || ASYNC || XLATE || PIPE || TAIL || ACT || CLUSTER)
 #error "PIECES walks one column group's steps from registers: no NCOL > 1, TPW, ASYNC, XLATE, PIPE, TAIL, ACT, CLUSTER"
 #endif
@@ -1057,6 +1063,91 @@ __device__ __forceinline__ void pieces_store(float* acc, PieceWalk& P, int tile,
 }
 #endif
 
+#if NORM
+// One row t of the norm after the projection, by one warp (the same arithmetic whatever the build or the launch's
+// rows, so a row's bits do not depend on them): r = residual + out rounded to x's dtype (the stored residual, as
+// fused.add_rms_norm keeps it), stored to ro; its sum of squares in fp32 (each lane its values in order, 8 at a
+// time at k = 8 lane + 256 j when VEC, else k = lane + 32 j; then the lanes in a butterfly, commutative additions,
+// so every lane holds the same total); xo = r * rsqrt(sum / N + eps) * (1 + w), rounded.
+template <bool VEC>
+__device__ __forceinline__ void norm_row(const u16* __restrict__ y, const u16* __restrict__ res,
+                                         const u16* __restrict__ nw, u16* __restrict__ xo, u16* __restrict__ ro,
+                                         int N, float eps) {
+  const int lane = threadIdx.x & 31;
+  float ss = 0.f;
+  if (VEC) {
+    for (int k = 8 * lane; k < N; k += 256) {
+      const uint4 a = __ldcg(reinterpret_cast<const uint4*>(y + k)), b = *reinterpret_cast<const uint4*>(res + k);
+      const u32 aw[4] = {a.x, a.y, a.z, a.w}, bw[4] = {b.x, b.y, b.z, b.w};
+      u32 rw[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const u16 lo = float_to_out(out_to_float((u16)(aw[j] & 0xFFFFu)) + out_to_float((u16)(bw[j] & 0xFFFFu)));
+        const u16 hi = float_to_out(out_to_float((u16)(aw[j] >> 16)) + out_to_float((u16)(bw[j] >> 16)));
+        const float fl = out_to_float(lo), fh = out_to_float(hi);
+        ss += fl * fl;
+        ss += fh * fh;
+        rw[j] = (u32)lo | ((u32)hi << 16);
+      }
+      *reinterpret_cast<uint4*>(ro + k) = make_uint4(rw[0], rw[1], rw[2], rw[3]);
+    }
+  } else {
+    for (int k = lane; k < N; k += 32) {
+      const float r = out_to_float(float_to_out(out_to_float(__ldcg(y + k)) + out_to_float(res[k])));
+      ro[k] = float_to_out(r);
+      ss += r * r;
+    }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xFFFFFFFFu, ss, o);
+  const float inv = rsqrtf(ss / (float)N + eps);
+  __syncwarp();  // the lane's own r stores are read back below (each lane reads only what it wrote)
+  if (VEC) {
+    for (int k = 8 * lane; k < N; k += 256) {
+      const uint4 a = *reinterpret_cast<const uint4*>(ro + k), b = *reinterpret_cast<const uint4*>(nw + k);
+      const u32 aw[4] = {a.x, a.y, a.z, a.w}, bw[4] = {b.x, b.y, b.z, b.w};
+      u32 xw[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const u16 lo = float_to_out(out_to_float((u16)(aw[j] & 0xFFFFu)) * inv *
+                                    (1.f + out_to_float((u16)(bw[j] & 0xFFFFu))));
+        const u16 hi = float_to_out(out_to_float((u16)(aw[j] >> 16)) * inv * (1.f + out_to_float((u16)(bw[j] >> 16))));
+        xw[j] = (u32)lo | ((u32)hi << 16);
+      }
+      *reinterpret_cast<uint4*>(xo + k) = make_uint4(xw[0], xw[1], xw[2], xw[3]);
+    }
+  } else {
+    for (int k = lane; k < N; k += 32) xo[k] = float_to_out(out_to_float(ro[k]) * inv * (1.f + out_to_float(nw[k])));
+  }
+}
+
+// After the block's stores: the block takes a ticket; the launch's last block (every other block's output stored and
+// made visible before its ticket) adds the residual and takes the norm of every row, warp w rows w, w + NW, ..., and
+// leaves the ticket at zero for the next launch (no memset in a CUDA graph). The kernel after (griddepcontrol.wait)
+// sees xo and ro once this grid is done, as it would see a norm kernel's.
+__device__ __forceinline__ void norm_tail(const out_t* __restrict__ out, const u16* __restrict__ res,
+                                          const u16* __restrict__ nw, u16* __restrict__ xo, u16* __restrict__ ro,
+                                          int* __restrict__ ticket, int T, int N, long long stride_o, float eps) {
+  __shared__ int last;
+  __threadfence();  // this thread's output stores, if any, visible on the device before the block's ticket
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(ticket, 1) == (int)(gridDim.x * gridDim.y) - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  const bool vec = (N & 7) == 0;  // rows of whole 16-byte pieces (qmv_cuda.qmv keeps the five rows 16-byte aligned):
+                                  // a function of the shape alone, so a row's order of sums is the same in every launch
+  for (int t = threadIdx.x >> 5; t < T; t += NW) {
+    const long long o = (long long)t * N;
+    if (vec)
+      norm_row<true>(out + t * stride_o, res + o, nw, xo + o, ro + o, N, eps);
+    else
+      norm_row<false>(out + t * stride_o, res + o, nw, xo + o, ro + o, N, eps);
+  }
+  if (threadIdx.x == 0) *ticket = 0;
+}
+#endif
+
 // the next kernel may launch once every block of this one is running: it waits for this one to finish before it
 // reads our output (the Triton kernels' first act, and qmv's grid_wait), so its launch overlaps our loads
 __device__ __forceinline__ void let_next_launch() {
@@ -1070,8 +1161,9 @@ __device__ __forceinline__ void let_next_launch() {
 extern "C" __global__ void __launch_bounds__(NW * 32, MIN_BLOCKS)
 qmv(const u16* __restrict__ x, const u8* __restrict__ codes, const u8* __restrict__ high,
     const u16* __restrict__ scales, out_t* __restrict__ out, float* __restrict__ ws, int* __restrict__ counters,
-    int T, int N, int K, int NG, int groups_per_split, long long stride_x, long long stride_o,
-    long long stride_c, long long stride_h, long long stride_s) {
+    const u16* __restrict__ res, const u16* __restrict__ nw, u16* __restrict__ xo, u16* __restrict__ ro,
+    int* __restrict__ ticket, int T, int N, int K, int NG, int groups_per_split, long long stride_x,
+    long long stride_o, long long stride_c, long long stride_h, long long stride_s, float eps) {
   let_next_launch();
   float acc[4 * NCOL * TPW];
 #pragma unroll
@@ -1105,5 +1197,8 @@ qmv(const u16* __restrict__ x, const u8* __restrict__ codes, const u8* __restric
 #else
   tile_store(acc, blockIdx.x, blockIdx.y, gridDim.y, out, ws, counters, T, N, stride_o);
 #endif
+#endif
+#if NORM
+  norm_tail(out, res, nw, xo, ro, ticket, T, N, stride_o, eps);
 #endif
 }

@@ -329,3 +329,47 @@ def test_prompt_scores_match_the_full_logits(spec):
     got = eng.generate(PROMPT, max_new_tokens=32, ignore_eos=True).tokens
     _, plain = gen(**kw)
     assert got == plain.tokens[:32]
+
+
+@pytest.mark.parametrize("spec,k", [("none", 0), ("dflash2", 7)])
+def test_norm_tail_takes_the_norms_between_layers(monkeypatch, spec, k):
+    """qmv's norm tail (the default at the tiny model's width): a decode step launches no add_rms_norm (out_proj,
+    o_proj and down take the norm after them), speculative decoding keeps plain decoding's tokens, and the logits
+    stay within a rounding of the norm launches' (NINFER_BENCH_QMV_NORM=off's path)."""
+    from ninfer_bench.kernels import fused, qmv_cuda
+
+    if not qmv_cuda.available():
+        pytest.skip(f"qmv_cuda cannot run here: {qmv_cuda.import_error()}")
+    kw = dict(runtime="v3", kv_dtype="int8", dtype="bf16")
+    plain_eng, plain = gen(**kw)
+    calls = []
+    real = fused.add_rms_norm
+    monkeypatch.setattr(fused, "add_rms_norm", lambda *a: calls.append(a[0].shape) or real(*a))
+    eng = Engine.load("tiny", device="cuda", max_context=1024, cuda_graphs=False, **kw)
+    seq = eng.generate(PROMPT, max_new_tokens=4, ignore_eos=True)
+    decode_calls = [s for s in calls if s[-2] == 1]  # (the 137-token prefill takes its own launches)
+    assert seq.tokens == plain.tokens[:4] and not decode_calls, decode_calls
+    monkeypatch.setattr(fused, "add_rms_norm", real)
+    if spec != "none":
+        _, res = gen(**kw, spec=spec, draft_tokens=k)
+        assert res.tokens == plain.tokens
+    try:
+        qmv_cuda.set_norm("off")
+        want = _step_logits(Engine.load("tiny", device="cuda", max_context=1024, **kw))
+    finally:
+        qmv_cuda.set_norm("on")
+    got = _step_logits(plain_eng)
+    assert float((got - want).norm() / want.norm()) < 2e-2
+
+
+def _step_logits(eng) -> torch.Tensor:
+    """The logits of one decode step after PROMPT (fp32, CPU)."""
+    from ninfer_bench.engine.sampling import SamplingParams
+
+    seq = eng.acquire(PROMPT, SamplingParams(max_new_tokens=4, ignore_eos=True))
+    try:
+        eng.start(seq)
+        _, logits = eng.decode_step([seq], eng.device_ids([[seq.last]]))
+        return logits[0, -1].float().cpu()
+    finally:
+        eng.release(seq)

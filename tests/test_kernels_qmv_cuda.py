@@ -328,7 +328,7 @@ def test_wide_builds_parse():
 
 
 QMV_ENV = ("NINFER_BENCH_QMV_WIDE", "NINFER_BENCH_QMV_PDL_X", "NINFER_BENCH_QMV_SPLIT_CAP", "NINFER_BENCH_QMV_CLUSTER",
-           "NINFER_BENCH_QMV_PIECES")
+           "NINFER_BENCH_QMV_PIECES", "NINFER_BENCH_QMV_NORM")
 
 
 def _check_env_knob(monkeypatch, var, key, accepted, refused):
@@ -928,3 +928,123 @@ def test_arch_image_compiles_once_and_reports_errors(monkeypatch, tmp_path):
     fake.getPTX = lambda prog: ".version 9.0\n.target sm_90a\n"
     assert _cupy._arch_image("src", ("-DX=1",), "90a", "qmv") == b".version 9.0\n.target sm_90a\n\0"
     assert calls[-1] == ("-DX=1", "-arch=compute_90a", "-ftz=true")
+
+def test_norm_rule_and_knob(monkeypatch):
+    """norm_pays: by default a projection of at most NORM_MAX_N outputs ends its residual branch with the norm in its
+    last block; ``all`` takes every width, ``off`` none. NINFER_BENCH_QMV_NORM is on (the default), all or off;
+    anything else is refused by name, as set_norm refuses it."""
+    monkeypatch.setattr(qmv_cuda, "_SWITCHES", dict(qmv_cuda._SWITCHES))
+    qmv_cuda.set_norm("on")
+    assert qmv_cuda.norm_pays(512) and qmv_cuda.norm_pays(qmv_cuda.NORM_MAX_N)
+    assert not qmv_cuda.norm_pays(qmv_cuda.NORM_MAX_N + 1) and not qmv_cuda.norm_pays(5120)
+    qmv_cuda.set_norm("all")
+    assert qmv_cuda.norm_pays(5120)
+    qmv_cuda.set_norm("off")
+    assert not qmv_cuda.norm_pays(512)
+    with pytest.raises(ValueError, match="norm mode"):
+        qmv_cuda.set_norm("yes")
+    _check_env_knob(monkeypatch, "NINFER_BENCH_QMV_NORM", "norm", [("off", "off"), (" ALL", "all"), (None, "on")],
+                    ["1", "none"])
+
+
+def _norm_case(fmt, n, k, t, seed):
+    """A weight, x, a residual and a norm weight (bf16, CUDA) for qmv(norm=...)."""
+    g = torch.Generator().manual_seed(seed)
+    if fmt == "dense":
+        lin = qmv_cuda.DenseWeight((torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16).cuda())
+        x = (torch.randn(t, k, generator=g) * 3).to(torch.bfloat16).cuda()
+    else:
+        lin, x, _ = _case(fmt, n, k, t, torch.bfloat16, seed=seed)
+    res = (torch.randn(t, n, generator=g) * 4).to(torch.bfloat16).cuda()
+    nw = (torch.randn(n, generator=g) * 0.3).to(torch.bfloat16).cuda()
+    return lin, x, res, nw
+
+
+def _check_norm(got, y, res, nw, eps):
+    """qmv(norm=...)'s (normed, r) against the launch's own product y: r is y + res rounded as stored (the bits), the
+    norm within one bf16 rounding of the fp32 reference of that r, and against fused.add_rms_norm's values."""
+    from ninfer_bench.kernels import fused
+
+    normed, r = got
+    assert torch.equal(r, (y.float() + res.float()).to(y.dtype))
+    want = fused.rms_norm_ref(r.float().cpu(), nw.float().cpu(), eps)
+    torch.testing.assert_close(normed.float().cpu(), want, rtol=2 ** -7, atol=1e-6)
+    other, other_r = fused.add_rms_norm(y, res, nw, eps)
+    assert torch.equal(other_r, r)
+    torch.testing.assert_close(normed.float(), other.float(), rtol=2 ** -7, atol=1e-6)
+
+
+@needs_qmv
+@pytest.mark.parametrize("fmt", [*quant.QUANT_FORMATS, "dense"])
+@pytest.mark.parametrize("n", [512, 200, 1000])
+def test_norm_tail_is_the_add_rms_norm_of_its_product(fmt, n):
+    """qmv(norm=(residual, weight, eps)): the launch's last block adds the residual and takes the norm. r is the
+    product plus the residual as stored, the norm add_rms_norm's within a rounding, at 1-64 rows (N a multiple of 8:
+    the vector path; 1000 = 8 x 125 odd pieces; 200 with K 1024 too), every row those of a one-row launch (the bits),
+    in one pass, split over blocks, in a cluster and walked in pieces (each the bits of its own product), and the
+    ticket left at zero."""
+    if fmt == "dense" and n == 1000:
+        pytest.skip("(one dense width is enough)")
+    eps = 1e-6
+    for t in (1, 3, 8, 17, 64):
+        lin, x, res, nw = _norm_case(fmt, n, 1024, t, seed=40 + t)
+        got = qmv_cuda.qmv(x, lin, norm=(res, nw, eps))
+        _check_norm(got, qmv_cuda.qmv(x, lin), res, nw, eps)
+        for i in sorted({0, t // 2, t - 1}):  # a row's bits do not depend on the launch's other rows
+            one = qmv_cuda.qmv(x[i:i + 1].contiguous(), lin, norm=(res[i:i + 1].contiguous(), nw, eps))
+            assert torch.equal(one[0][0], got[0][i]) and torch.equal(one[1][0], got[1][i]), (t, i)
+        assert int(qmv_cuda.ticket(x.device).item()) == 0
+    lin, x, res, nw = _norm_case(fmt, n, 1024, 3, seed=7)
+    try:
+        for splits in (2, 4):
+            y = qmv_cuda.qmv(x, lin, splits=splits)
+            variants = []
+            for cluster, pieces in ((False, False), (True, False), (False, None)):
+                qmv_cuda.set_cluster(cluster)
+                got = qmv_cuda.qmv(x, lin, splits=splits, pieces=pieces, norm=(res, nw, eps))
+                _check_norm(got, y, res, nw, eps)
+                variants.append(got)
+            assert all(torch.equal(v[0], variants[0][0]) for v in variants), splits
+    finally:
+        qmv_cuda.set_cluster(True)
+    assert int(qmv_cuda.ticket(x.device).item()) == 0
+
+
+@needs_qmv
+@pytest.mark.parametrize("t", [1, 8, 64])
+def test_norm_tail_in_a_graph(t):
+    """Captured in a CUDA graph (with PDL on sm_90+) and replayed twice, the norm tail gives the eager launch's bits:
+    the ticket goes back to zero after every launch, with no memset in the graph."""
+    lin, x, res, nw = _norm_case("q4_g64_fp16", 512, 2048, t, seed=3)
+    lin = qmv_cuda.TiledWeight(lin, lanes=True)
+    want = qmv_cuda.qmv(x, lin, norm=(res, nw, 1e-6))
+    pdl = torch.cuda.get_device_capability() >= (9, 0)
+    holder = {}
+    qmv_cuda.qmv(x, lin, norm=(res, nw, 1e-6), pdl=pdl)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        holder["out"] = qmv_cuda.qmv(x, lin, norm=(res, nw, 1e-6), pdl=pdl)
+    for _ in range(2):
+        holder["out"][0].zero_()
+        holder["out"][1].zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(holder["out"][0], want[0]) and torch.equal(holder["out"][1], want[1])
+        assert int(qmv_cuda.ticket(x.device).item()) == 0
+
+
+@needs_qmv
+def test_norm_tail_refuses_what_it_cannot_take():
+    """A residual or weight of another shape or dtype, a bad eps, or the norm with act / out_f32 is refused with the
+    reason; PackedLinear.add_norm returns None for what the kernel does not take (its caller normalizes itself)."""
+    lin, x, res, nw = _norm_case("q8_g32_fp16", 256, 1024, 2, seed=5)
+    for bad, match in (((res[:1], nw, 1e-6), "residual"), ((res, nw[:8], 1e-6), "weight"),
+                       ((res.float(), nw, 1e-6), "residual"), ((res, nw, -1.0), "eps"), ((res, nw), "norm must")):
+        with pytest.raises(ValueError, match=match):
+            qmv_cuda.qmv(x, lin, norm=bad)
+    with pytest.raises(ValueError, match="out_f32"):
+        qmv_cuda.qmv(x, lin, out_f32=True, norm=(res, nw, 1e-6))
+    assert lin.add_norm(x, res.float(), nw, 1e-6) is None
+    got = lin.add_norm(x.view(1, 2, -1), res.view(1, 2, -1), nw, 1e-6)
+    assert got is not None and got[0].shape == (1, 2, 256)
+    _check_norm((got[0].view(2, -1), got[1].view(2, -1)), qmv_cuda.qmv(x, lin), res, nw, 1e-6)
