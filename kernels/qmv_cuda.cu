@@ -1064,59 +1064,99 @@ __device__ __forceinline__ void pieces_store(float* acc, PieceWalk& P, int tile,
 #endif
 
 #if NORM
-// One row t of the norm after the projection, by one warp (the same arithmetic whatever the build or the launch's
-// rows, so a row's bits do not depend on them): r = residual + out rounded to x's dtype (the stored residual, as
-// fused.add_rms_norm keeps it), stored to ro; its sum of squares in fp32 (each lane its values in order, 8 at a
-// time at k = 8 lane + 256 j when VEC, else k = lane + 32 j; then the lanes in a butterfly, commutative additions,
-// so every lane holds the same total); xo = r * rsqrt(sum / N + eps) * (1 + w), rounded.
-template <bool VEC>
+// r = residual + out of one 16-byte piece (8 values, rounded to x's dtype as stored) into r, its squares added to ss
+// in order
+__device__ __forceinline__ void add_piece(uint4 a, uint4 b, uint4& r, float& ss) {
+  const u32 aw[4] = {a.x, a.y, a.z, a.w}, bw[4] = {b.x, b.y, b.z, b.w};
+  u32 rw[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const u16 lo = float_to_out(out_to_float((u16)(aw[j] & 0xFFFFu)) + out_to_float((u16)(bw[j] & 0xFFFFu)));
+    const u16 hi = float_to_out(out_to_float((u16)(aw[j] >> 16)) + out_to_float((u16)(bw[j] >> 16)));
+    const float fl = out_to_float(lo), fh = out_to_float(hi);
+    ss += fl * fl;
+    ss += fh * fh;
+    rw[j] = (u32)lo | ((u32)hi << 16);
+  }
+  r = make_uint4(rw[0], rw[1], rw[2], rw[3]);
+}
+
+// r * inv * (1 + w) of one 16-byte piece, rounded
+__device__ __forceinline__ uint4 norm_piece(uint4 r, uint4 w, float inv) {
+  const u32 rw[4] = {r.x, r.y, r.z, r.w}, ww[4] = {w.x, w.y, w.z, w.w};
+  u32 xw[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float rl = out_to_float((u16)(rw[j] & 0xFFFFu)), rh = out_to_float((u16)(rw[j] >> 16));
+    const u16 lo = float_to_out(rl * inv * (1.f + out_to_float((u16)(ww[j] & 0xFFFFu))));
+    const u16 hi = float_to_out(rh * inv * (1.f + out_to_float((u16)(ww[j] >> 16))));
+    xw[j] = (u32)lo | ((u32)hi << 16);
+  }
+  return make_uint4(xw[0], xw[1], xw[2], xw[3]);
+}
+
+// the lanes' sums added in a butterfly (commutative additions: every lane holds the same total), as 1 / rms
+__device__ __forceinline__ float inv_rms(float ss, int N, float eps) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xFFFFFFFFu, ss, o);
+  return rsqrtf(ss / (float)N + eps);
+}
+
+#define NORM_REGS 3  // 16-byte pieces a lane holds in registers (4 spill at 80 registers): rows of up to 768 values
+                     // take one round trip to memory
+
+// One row t of the norm after the projection, by one warp, with the same arithmetic whatever the build or the launch's
+// rows, so a row's bits do not depend on them: r = residual + out rounded to x's dtype (the stored residual, as
+// fused.add_rms_norm keeps it), stored to ro; its squares summed in fp32, each lane its values in order (N a multiple
+// of 8: 8 at a time at k = 8 lane + 256 j; else k = lane + 32 j), then the lanes (inv_rms);
+// xo = r * rsqrt(sum / N + eps) * (1 + w), rounded. Rows of at most 256 NORM_REGS values load every piece at once.
 __device__ __forceinline__ void norm_row(const u16* __restrict__ y, const u16* __restrict__ res,
                                          const u16* __restrict__ nw, u16* __restrict__ xo, u16* __restrict__ ro,
                                          int N, float eps) {
   const int lane = threadIdx.x & 31;
   float ss = 0.f;
-  if (VEC) {
-    for (int k = 8 * lane; k < N; k += 256) {
-      const uint4 a = __ldcg(reinterpret_cast<const uint4*>(y + k)), b = *reinterpret_cast<const uint4*>(res + k);
-      const u32 aw[4] = {a.x, a.y, a.z, a.w}, bw[4] = {b.x, b.y, b.z, b.w};
-      u32 rw[4];
+  if ((N & 7) == 0 && N <= 256 * NORM_REGS) {
+    uint4 a[NORM_REGS], b[NORM_REGS], w[NORM_REGS];
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const u16 lo = float_to_out(out_to_float((u16)(aw[j] & 0xFFFFu)) + out_to_float((u16)(bw[j] & 0xFFFFu)));
-        const u16 hi = float_to_out(out_to_float((u16)(aw[j] >> 16)) + out_to_float((u16)(bw[j] >> 16)));
-        const float fl = out_to_float(lo), fh = out_to_float(hi);
-        ss += fl * fl;
-        ss += fh * fh;
-        rw[j] = (u32)lo | ((u32)hi << 16);
+    for (int j = 0; j < NORM_REGS; ++j) {
+      const int k = 8 * lane + 256 * j;
+      if (k < N) {
+        a[j] = __ldcg(reinterpret_cast<const uint4*>(y + k));
+        b[j] = *reinterpret_cast<const uint4*>(res + k);
+        w[j] = *reinterpret_cast<const uint4*>(nw + k);
       }
-      *reinterpret_cast<uint4*>(ro + k) = make_uint4(rw[0], rw[1], rw[2], rw[3]);
     }
+#pragma unroll
+    for (int j = 0; j < NORM_REGS; ++j) {
+      const int k = 8 * lane + 256 * j;
+      if (k < N) {
+        add_piece(a[j], b[j], a[j], ss);
+        *reinterpret_cast<uint4*>(ro + k) = a[j];
+      }
+    }
+    const float inv = inv_rms(ss, N, eps);
+#pragma unroll
+    for (int j = 0; j < NORM_REGS; ++j) {
+      const int k = 8 * lane + 256 * j;
+      if (k < N) *reinterpret_cast<uint4*>(xo + k) = norm_piece(a[j], w[j], inv);
+    }
+  } else if ((N & 7) == 0) {  // the same order, a piece at a time
+    for (int k = 8 * lane; k < N; k += 256) {
+      uint4 r;
+      add_piece(__ldcg(reinterpret_cast<const uint4*>(y + k)), *reinterpret_cast<const uint4*>(res + k), r, ss);
+      *reinterpret_cast<uint4*>(ro + k) = r;
+    }
+    const float inv = inv_rms(ss, N, eps);
+    for (int k = 8 * lane; k < N; k += 256)  // (each lane reads back only its own r)
+      *reinterpret_cast<uint4*>(xo + k) = norm_piece(*reinterpret_cast<const uint4*>(ro + k),
+                                                     *reinterpret_cast<const uint4*>(nw + k), inv);
   } else {
     for (int k = lane; k < N; k += 32) {
       const float r = out_to_float(float_to_out(out_to_float(__ldcg(y + k)) + out_to_float(res[k])));
       ro[k] = float_to_out(r);
       ss += r * r;
     }
-  }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xFFFFFFFFu, ss, o);
-  const float inv = rsqrtf(ss / (float)N + eps);
-  __syncwarp();  // the lane's own r stores are read back below (each lane reads only what it wrote)
-  if (VEC) {
-    for (int k = 8 * lane; k < N; k += 256) {
-      const uint4 a = *reinterpret_cast<const uint4*>(ro + k), b = *reinterpret_cast<const uint4*>(nw + k);
-      const u32 aw[4] = {a.x, a.y, a.z, a.w}, bw[4] = {b.x, b.y, b.z, b.w};
-      u32 xw[4];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const u16 lo = float_to_out(out_to_float((u16)(aw[j] & 0xFFFFu)) * inv *
-                                    (1.f + out_to_float((u16)(bw[j] & 0xFFFFu))));
-        const u16 hi = float_to_out(out_to_float((u16)(aw[j] >> 16)) * inv * (1.f + out_to_float((u16)(bw[j] >> 16))));
-        xw[j] = (u32)lo | ((u32)hi << 16);
-      }
-      *reinterpret_cast<uint4*>(xo + k) = make_uint4(xw[0], xw[1], xw[2], xw[3]);
-    }
-  } else {
+    const float inv = inv_rms(ss, N, eps);
     for (int k = lane; k < N; k += 32) xo[k] = float_to_out(out_to_float(ro[k]) * inv * (1.f + out_to_float(nw[k])));
   }
 }
@@ -1135,14 +1175,11 @@ __device__ __forceinline__ void norm_tail(const out_t* __restrict__ out, const u
   __syncthreads();
   if (!last) return;
   __threadfence();
-  const bool vec = (N & 7) == 0;  // rows of whole 16-byte pieces (qmv_cuda.qmv keeps the five rows 16-byte aligned):
-                                  // a function of the shape alone, so a row's order of sums is the same in every launch
+  // (N a multiple of 8: qmv_cuda.qmv keeps the five rows 16-byte aligned for the 16-byte pieces; the path is a function
+  // of N alone, so a row's order of sums is the same in every launch)
   for (int t = threadIdx.x >> 5; t < T; t += NW) {
     const long long o = (long long)t * N;
-    if (vec)
-      norm_row<true>(out + t * stride_o, res + o, nw, xo + o, ro + o, N, eps);
-    else
-      norm_row<false>(out + t * stride_o, res + o, nw, xo + o, ro + o, N, eps);
+    norm_row(out + t * stride_o, res + o, nw, xo + o, ro + o, N, eps);
   }
   if (threadIdx.x == 0) *ticket = 0;
 }
