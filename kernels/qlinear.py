@@ -355,7 +355,8 @@ class PackedLinear:
         x2 = x.reshape(-1, self.k)
         qw = self._qmv_for(x2) if x.shape[-1] == self.k and qmv_cuda.norm_pays(self.n) else None
         if (qw is None or residual.shape != (*x.shape[:-1], self.n) or residual.dtype != x.dtype
-                or weight.shape != (self.n,) or weight.dtype != x.dtype or residual.device != x.device
+                or weight.shape != (self.n,) or weight.dtype not in (torch.float32, x.dtype)
+                or residual.device != x.device
                 or weight.device != x.device):
             return None
         normed, r = qmv_cuda.qmv_rows(x2.contiguous(), qw, norm=(residual.reshape(-1, self.n), weight, eps))

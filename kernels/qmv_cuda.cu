@@ -132,7 +132,7 @@ typedef unsigned char u8;
                   // one-pass launch's cost, where the split buys no parallelism (groups_per_split a multiple of NW)
 #ifndef NORM
 #define NORM 0    // 1: the launch ends a residual branch and its last block takes the RMSNorm after it (norm_tail):
-#endif            // r = residual + out (rounded as stored), and r * rsqrt(mean(r^2) + eps) * (1 + w), both stored
+#endif            // r = residual + out (rounded as stored), and r * rsqrt(mean(r^2) + eps) * (1 + w) (w fp32), stored
 #if NORM && (ACT || OUT_F32)
 #error "NORM takes the projection's own 16-bit output (not ACT's product or OUT_F32's widened store)"
 #endif
@@ -1081,15 +1081,16 @@ __device__ __forceinline__ void add_piece(uint4 a, uint4 b, uint4& r, float& ss)
   r = make_uint4(rw[0], rw[1], rw[2], rw[3]);
 }
 
-// r * inv * (1 + w) of one 16-byte piece, rounded
-__device__ __forceinline__ uint4 norm_piece(uint4 r, uint4 w, float inv) {
-  const u32 rw[4] = {r.x, r.y, r.z, r.w}, ww[4] = {w.x, w.y, w.z, w.w};
+// r * inv * (1 + w) of one 16-byte piece (w: its 8 fp32 weights), rounded
+__device__ __forceinline__ uint4 norm_piece(uint4 r, float4 w0, float4 w1, float inv) {
+  const u32 rw[4] = {r.x, r.y, r.z, r.w};
+  const float ww[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
   u32 xw[4];
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     const float rl = out_to_float((u16)(rw[j] & 0xFFFFu)), rh = out_to_float((u16)(rw[j] >> 16));
-    const u16 lo = float_to_out(rl * inv * (1.f + out_to_float((u16)(ww[j] & 0xFFFFu))));
-    const u16 hi = float_to_out(rh * inv * (1.f + out_to_float((u16)(ww[j] >> 16))));
+    const u16 lo = float_to_out(rl * inv * (1.f + ww[2 * j]));
+    const u16 hi = float_to_out(rh * inv * (1.f + ww[2 * j + 1]));
     xw[j] = (u32)lo | ((u32)hi << 16);
   }
   return make_uint4(xw[0], xw[1], xw[2], xw[3]);
@@ -1102,8 +1103,8 @@ __device__ __forceinline__ float inv_rms(float ss, int N, float eps) {
   return rsqrtf(ss / (float)N + eps);
 }
 
-#define NORM_REGS 3  // 16-byte pieces a lane holds in registers (4 spill at 80 registers): rows of up to 768 values
-                     // take one round trip to memory
+#define NORM_REGS 2  // 16-byte pieces a lane holds in registers (3 spill at 80 registers in a q8 build): rows of up
+                     // to 512 values take one round trip to memory
 
 // One row t of the norm after the projection, by one warp, with the same arithmetic whatever the build or the launch's
 // rows, so a row's bits do not depend on them: r = residual + out rounded to x's dtype (the stored residual, as
@@ -1111,19 +1112,21 @@ __device__ __forceinline__ float inv_rms(float ss, int N, float eps) {
 // of 8: 8 at a time at k = 8 lane + 256 j; else k = lane + 32 j), then the lanes (inv_rms);
 // xo = r * rsqrt(sum / N + eps) * (1 + w), rounded. Rows of at most 256 NORM_REGS values load every piece at once.
 __device__ __forceinline__ void norm_row(const u16* __restrict__ y, const u16* __restrict__ res,
-                                         const u16* __restrict__ nw, u16* __restrict__ xo, u16* __restrict__ ro,
+                                         const float* __restrict__ nw, u16* __restrict__ xo, u16* __restrict__ ro,
                                          int N, float eps) {
   const int lane = threadIdx.x & 31;
   float ss = 0.f;
   if ((N & 7) == 0 && N <= 256 * NORM_REGS) {
-    uint4 a[NORM_REGS], b[NORM_REGS], w[NORM_REGS];
+    uint4 a[NORM_REGS], b[NORM_REGS];
+    float4 w[2 * NORM_REGS];
 #pragma unroll
     for (int j = 0; j < NORM_REGS; ++j) {
       const int k = 8 * lane + 256 * j;
       if (k < N) {
         a[j] = __ldcg(reinterpret_cast<const uint4*>(y + k));
         b[j] = *reinterpret_cast<const uint4*>(res + k);
-        w[j] = *reinterpret_cast<const uint4*>(nw + k);
+        w[2 * j] = *reinterpret_cast<const float4*>(nw + k);
+        w[2 * j + 1] = *reinterpret_cast<const float4*>(nw + k + 4);
       }
     }
 #pragma unroll
@@ -1138,7 +1141,7 @@ __device__ __forceinline__ void norm_row(const u16* __restrict__ y, const u16* _
 #pragma unroll
     for (int j = 0; j < NORM_REGS; ++j) {
       const int k = 8 * lane + 256 * j;
-      if (k < N) *reinterpret_cast<uint4*>(xo + k) = norm_piece(a[j], w[j], inv);
+      if (k < N) *reinterpret_cast<uint4*>(xo + k) = norm_piece(a[j], w[2 * j], w[2 * j + 1], inv);
     }
   } else if ((N & 7) == 0) {  // the same order, a piece at a time
     for (int k = 8 * lane; k < N; k += 256) {
@@ -1149,7 +1152,8 @@ __device__ __forceinline__ void norm_row(const u16* __restrict__ y, const u16* _
     const float inv = inv_rms(ss, N, eps);
     for (int k = 8 * lane; k < N; k += 256)  // (each lane reads back only its own r)
       *reinterpret_cast<uint4*>(xo + k) = norm_piece(*reinterpret_cast<const uint4*>(ro + k),
-                                                     *reinterpret_cast<const uint4*>(nw + k), inv);
+                                                     *reinterpret_cast<const float4*>(nw + k),
+                                                     *reinterpret_cast<const float4*>(nw + k + 4), inv);
   } else {
     for (int k = lane; k < N; k += 32) {
       const float r = out_to_float(float_to_out(out_to_float(__ldcg(y + k)) + out_to_float(res[k])));
@@ -1157,7 +1161,7 @@ __device__ __forceinline__ void norm_row(const u16* __restrict__ y, const u16* _
       ss += r * r;
     }
     const float inv = inv_rms(ss, N, eps);
-    for (int k = lane; k < N; k += 32) xo[k] = float_to_out(out_to_float(ro[k]) * inv * (1.f + out_to_float(nw[k])));
+    for (int k = lane; k < N; k += 32) xo[k] = float_to_out(out_to_float(ro[k]) * inv * (1.f + nw[k]));
   }
 }
 
@@ -1166,7 +1170,7 @@ __device__ __forceinline__ void norm_row(const u16* __restrict__ y, const u16* _
 // leaves the ticket at zero for the next launch (no memset in a CUDA graph). The kernel after (griddepcontrol.wait)
 // sees xo and ro once this grid is done, as it would see a norm kernel's.
 __device__ __forceinline__ void norm_tail(const out_t* __restrict__ out, const u16* __restrict__ res,
-                                          const u16* __restrict__ nw, u16* __restrict__ xo, u16* __restrict__ ro,
+                                          const float* __restrict__ nw, u16* __restrict__ xo, u16* __restrict__ ro,
                                           int* __restrict__ ticket, int T, int N, long long stride_o, float eps) {
   __shared__ int last;
   __threadfence();  // this thread's output stores, if any, visible on the device before the block's ticket
@@ -1198,7 +1202,7 @@ __device__ __forceinline__ void let_next_launch() {
 extern "C" __global__ void __launch_bounds__(NW * 32, MIN_BLOCKS)
 qmv(const u16* __restrict__ x, const u8* __restrict__ codes, const u8* __restrict__ high,
     const u16* __restrict__ scales, out_t* __restrict__ out, float* __restrict__ ws, int* __restrict__ counters,
-    const u16* __restrict__ res, const u16* __restrict__ nw, u16* __restrict__ xo, u16* __restrict__ ro,
+    const u16* __restrict__ res, const float* __restrict__ nw, u16* __restrict__ xo, u16* __restrict__ ro,
     int* __restrict__ ticket, int T, int N, int K, int NG, int groups_per_split, long long stride_x,
     long long stride_o, long long stride_c, long long stride_h, long long stride_s, float eps) {
   let_next_launch();

@@ -562,7 +562,8 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
     these four over 8 rows: :data:`_WIDE`, else :data:`_WIDE_DEFAULT`). ``pieces`` (default: :func:`pieces_pay`
     with the switch on, :func:`set_pieces`): a split launch of at most 8 rows walks its pieces in one block, the
     same bits (True where it cannot is refused; False spreads them over blocks). ``norm`` ``(residual [T, N], weight
-    [N], eps)``, both in x's dtype: the projection ends a residual branch and the launch's last block takes the
+    [N], eps)``, the residual in x's dtype and the weight fp32 (or x's dtype, widened): the projection ends a residual
+    branch and the launch's last block takes the
     norm after it, returning ``(normed, r)`` instead of the product: ``r = residual + x @ W.T`` (the product rounded as
     stored, then the sum) and ``normed = r * rsqrt(mean(r^2) + eps) * (1 + weight)``, fused.add_rms_norm's values
     (fp32 math; the sum of squares in another order, so not always its bits), each row by the same arithmetic in
@@ -650,8 +651,9 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
 
 
 def _norm_args(norm, x: torch.Tensor, n: int, act: bool, out_f32: bool) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """``qmv(norm=(residual, weight, eps))``'s residual and weight as the kernel reads them (16-byte aligned where N
-    is a multiple of 8: the kernel's vector path), and eps; ValueError for anything it cannot take."""
+    """``qmv(norm=(residual, weight, eps))``'s residual and weight as the kernel reads them (the weight fp32; both
+    16-byte aligned where N is a multiple of 8: the kernel's vector path), and eps; ValueError for anything it cannot
+    take."""
     try:
         res, nw, eps = norm
     except (TypeError, ValueError):
@@ -659,18 +661,21 @@ def _norm_args(norm, x: torch.Tensor, n: int, act: bool, out_f32: bool) -> tuple
     if act or out_f32:
         raise ValueError("qmv: norm takes the projection's own output (not with act or out_f32)")
     t = x.shape[0]
-    for name, v, shape in (("residual", res, (t, n)), ("weight", nw, (n,))):
-        if not isinstance(v, torch.Tensor) or tuple(v.shape) != shape or v.dtype != x.dtype or v.device != x.device:
+    for name, v, shape, dtypes in (("residual", res, (t, n), (x.dtype,)),
+                                   ("weight", nw, (n,), (torch.float32, x.dtype))):
+        if (not isinstance(v, torch.Tensor) or tuple(v.shape) != shape or v.dtype not in dtypes
+                or v.device != x.device):
             got = (f"{tuple(v.shape)} {v.dtype} on {v.device}" if isinstance(v, torch.Tensor)
                    else type(v).__name__)
-            raise ValueError(f"qmv: norm's {name} must be {list(shape)} {x.dtype} on {x.device}, got {got}")
+            want = " or ".join(str(d) for d in dtypes)
+            raise ValueError(f"qmv: norm's {name} must be {list(shape)} {want} on {x.device}, got {got}")
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
         raise ValueError(f"qmv: norm's eps must be a number >= 0, got {eps!r}")
 
     def aligned(v: torch.Tensor) -> torch.Tensor:
         v = v.contiguous()
         return v.clone() if n % 8 == 0 and v.data_ptr() % 16 else v
-    return aligned(res), aligned(nw), float(eps)
+    return aligned(res), aligned(nw.float()), float(eps)
 
 
 def qmv_rows(x: torch.Tensor, lin, act: bool = False, rows: int | None = None, norm=None, **launch):

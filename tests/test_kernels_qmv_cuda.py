@@ -956,7 +956,7 @@ def _norm_case(fmt, n, k, t, seed):
     else:
         lin, x, _ = _case(fmt, n, k, t, torch.bfloat16, seed=seed)
     res = (torch.randn(t, n, generator=g) * 4).to(torch.bfloat16).cuda()
-    nw = (torch.randn(n, generator=g) * 0.3).to(torch.bfloat16).cuda()
+    nw = (torch.randn(n, generator=g) * 0.3).cuda()  # fp32, as the engine keeps norm weights
     return lin, x, res, nw
 
 
@@ -1039,12 +1039,15 @@ def test_norm_tail_refuses_what_it_cannot_take():
     reason; PackedLinear.add_norm returns None for what the kernel does not take (its caller normalizes itself)."""
     lin, x, res, nw = _norm_case("q8_g32_fp16", 256, 1024, 2, seed=5)
     for bad, match in (((res[:1], nw, 1e-6), "residual"), ((res, nw[:8], 1e-6), "weight"),
-                       ((res.float(), nw, 1e-6), "residual"), ((res, nw, -1.0), "eps"), ((res, nw), "norm must")):
+                       ((res.float(), nw, 1e-6), "residual"), ((res, nw.half(), 1e-6), "weight"),
+                       ((res, nw, -1.0), "eps"), ((res, nw), "norm must")):
         with pytest.raises(ValueError, match=match):
             qmv_cuda.qmv(x, lin, norm=bad)
     with pytest.raises(ValueError, match="out_f32"):
         qmv_cuda.qmv(x, lin, out_f32=True, norm=(res, nw, 1e-6))
     assert lin.add_norm(x, res.float(), nw, 1e-6) is None
+    half = qmv_cuda.qmv(x, lin, norm=(res, nw.to(x.dtype), 1e-6))  # a weight in x's dtype is widened
+    assert torch.equal(half[0], qmv_cuda.qmv(x, lin, norm=(res, nw.to(x.dtype).float(), 1e-6))[0])
     got = lin.add_norm(x.view(1, 2, -1), res.view(1, 2, -1), nw, 1e-6)
     assert got is not None and got[0].shape == (1, 2, 256)
     _check_norm((got[0].view(2, -1), got[1].view(2, -1)), qmv_cuda.qmv(x, lin), res, nw, 1e-6)
