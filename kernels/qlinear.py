@@ -346,22 +346,6 @@ class PackedLinear:
             return self(x).float()
         return qmv_cuda.qmv_rows(x2.contiguous(), qw, out_f32=True).reshape(*x.shape[:-1], self.n)
 
-    def add_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``fused.add_rms_norm(self(x), residual, weight, eps)``'s ``(normed, r)`` from this projection's own launch,
-        whose last block takes the norm (qmv's norm tail, where :func:`qmv_cuda.norm_pays` picks it: no norm launch
-        after the projection; the same values, the sum of squares in another order); None where that kernel does not
-        run for x or does not take this norm (the caller adds and normalizes itself)."""
-        x2 = x.reshape(-1, self.k)
-        qw = self._qmv_for(x2) if x.shape[-1] == self.k and qmv_cuda.norm_pays(self.n) else None
-        if (qw is None or residual.shape != (*x.shape[:-1], self.n) or residual.dtype != x.dtype
-                or weight.shape != (self.n,) or weight.dtype not in (torch.float32, x.dtype)
-                or residual.device != x.device
-                or weight.device != x.device):
-            return None
-        normed, r = qmv_cuda.qmv_rows(x2.contiguous(), qw, norm=(residual.reshape(-1, self.n), weight, eps))
-        return normed.reshape(residual.shape), r.reshape(residual.shape)
-
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
         """``silu(gate) * up`` ``[..., N / 2]`` of a gate / up weight whose rows alternate in runs of 8
         (engine/model/weights.py's interleaved gate_up), through qmv's fused epilogue; None where that kernel does not

@@ -130,12 +130,6 @@ typedef unsigned char u8;
 #endif            // each piece's sums apart and the block adds them up as a split launch's blocks and reduction do
                   // (warps in order within a piece, then the pieces from 0 in order): a split launch's bits at a
                   // one-pass launch's cost, where the split buys no parallelism (groups_per_split a multiple of NW)
-#ifndef NORM
-#define NORM 0    // 1: the launch ends a residual branch and its last block takes the RMSNorm after it (norm_tail):
-#endif            // r = residual + out (rounded as stored), and r * rsqrt(mean(r^2) + eps) * (1 + w) (w fp32), stored
-#if NORM && (ACT || OUT_F32)
-#error "NORM takes the projection's own 16-bit output (not ACT's product or OUT_F32's widened store)"
-#endif
 #if PIECES > 1 && (NCOL > 1 || TPW > 1 || ASYNC || XLATE || PIPE || TAIL || ACT || CLUSTER)
 #error "PIECES walks one column group's steps from registers: no NCOL > 1, TPW, ASYNC, XLATE, PIPE, TAIL, ACT, CLUSTER"
 #endif
@@ -1063,132 +1057,6 @@ __device__ __forceinline__ void pieces_store(float* acc, PieceWalk& P, int tile,
 }
 #endif
 
-#if NORM
-// r = residual + out of one 16-byte piece (8 values, rounded to x's dtype as stored) into r, its squares added to ss
-// in order
-__device__ __forceinline__ void add_piece(uint4 a, uint4 b, uint4& r, float& ss) {
-  const u32 aw[4] = {a.x, a.y, a.z, a.w}, bw[4] = {b.x, b.y, b.z, b.w};
-  u32 rw[4];
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const u16 lo = float_to_out(out_to_float((u16)(aw[j] & 0xFFFFu)) + out_to_float((u16)(bw[j] & 0xFFFFu)));
-    const u16 hi = float_to_out(out_to_float((u16)(aw[j] >> 16)) + out_to_float((u16)(bw[j] >> 16)));
-    const float fl = out_to_float(lo), fh = out_to_float(hi);
-    ss += fl * fl;
-    ss += fh * fh;
-    rw[j] = (u32)lo | ((u32)hi << 16);
-  }
-  r = make_uint4(rw[0], rw[1], rw[2], rw[3]);
-}
-
-// r * inv * (1 + w) of one 16-byte piece (w: its 8 fp32 weights), rounded
-__device__ __forceinline__ uint4 norm_piece(uint4 r, float4 w0, float4 w1, float inv) {
-  const u32 rw[4] = {r.x, r.y, r.z, r.w};
-  const float ww[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
-  u32 xw[4];
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const float rl = out_to_float((u16)(rw[j] & 0xFFFFu)), rh = out_to_float((u16)(rw[j] >> 16));
-    const u16 lo = float_to_out(rl * inv * (1.f + ww[2 * j]));
-    const u16 hi = float_to_out(rh * inv * (1.f + ww[2 * j + 1]));
-    xw[j] = (u32)lo | ((u32)hi << 16);
-  }
-  return make_uint4(xw[0], xw[1], xw[2], xw[3]);
-}
-
-// the lanes' sums added in a butterfly (commutative additions: every lane holds the same total), as 1 / rms
-__device__ __forceinline__ float inv_rms(float ss, int N, float eps) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xFFFFFFFFu, ss, o);
-  return rsqrtf(ss / (float)N + eps);
-}
-
-#define NORM_REGS 2  // 16-byte pieces a lane holds in registers (3 spill at 80 registers in a q8 build): rows of up
-                     // to 512 values take one round trip to memory
-
-// One row t of the norm after the projection, by one warp, with the same arithmetic whatever the build or the launch's
-// rows, so a row's bits do not depend on them: r = residual + out rounded to x's dtype (the stored residual, as
-// fused.add_rms_norm keeps it), stored to ro; its squares summed in fp32, each lane its values in order (N a multiple
-// of 8: 8 at a time at k = 8 lane + 256 j; else k = lane + 32 j), then the lanes (inv_rms);
-// xo = r * rsqrt(sum / N + eps) * (1 + w), rounded. Rows of at most 256 NORM_REGS values load every piece at once.
-__device__ __forceinline__ void norm_row(const u16* __restrict__ y, const u16* __restrict__ res,
-                                         const float* __restrict__ nw, u16* __restrict__ xo, u16* __restrict__ ro,
-                                         int N, float eps) {
-  const int lane = threadIdx.x & 31;
-  float ss = 0.f;
-  if ((N & 7) == 0 && N <= 256 * NORM_REGS) {
-    uint4 a[NORM_REGS], b[NORM_REGS];
-    float4 w[2 * NORM_REGS];
-#pragma unroll
-    for (int j = 0; j < NORM_REGS; ++j) {
-      const int k = 8 * lane + 256 * j;
-      if (k < N) {
-        a[j] = __ldcg(reinterpret_cast<const uint4*>(y + k));
-        b[j] = *reinterpret_cast<const uint4*>(res + k);
-        w[2 * j] = *reinterpret_cast<const float4*>(nw + k);
-        w[2 * j + 1] = *reinterpret_cast<const float4*>(nw + k + 4);
-      }
-    }
-#pragma unroll
-    for (int j = 0; j < NORM_REGS; ++j) {
-      const int k = 8 * lane + 256 * j;
-      if (k < N) {
-        add_piece(a[j], b[j], a[j], ss);
-        *reinterpret_cast<uint4*>(ro + k) = a[j];
-      }
-    }
-    const float inv = inv_rms(ss, N, eps);
-#pragma unroll
-    for (int j = 0; j < NORM_REGS; ++j) {
-      const int k = 8 * lane + 256 * j;
-      if (k < N) *reinterpret_cast<uint4*>(xo + k) = norm_piece(a[j], w[2 * j], w[2 * j + 1], inv);
-    }
-  } else if ((N & 7) == 0) {  // the same order, a piece at a time
-    for (int k = 8 * lane; k < N; k += 256) {
-      uint4 r;
-      add_piece(__ldcg(reinterpret_cast<const uint4*>(y + k)), *reinterpret_cast<const uint4*>(res + k), r, ss);
-      *reinterpret_cast<uint4*>(ro + k) = r;
-    }
-    const float inv = inv_rms(ss, N, eps);
-    for (int k = 8 * lane; k < N; k += 256)  // (each lane reads back only its own r)
-      *reinterpret_cast<uint4*>(xo + k) = norm_piece(*reinterpret_cast<const uint4*>(ro + k),
-                                                     *reinterpret_cast<const float4*>(nw + k),
-                                                     *reinterpret_cast<const float4*>(nw + k + 4), inv);
-  } else {
-    for (int k = lane; k < N; k += 32) {
-      const float r = out_to_float(float_to_out(out_to_float(__ldcg(y + k)) + out_to_float(res[k])));
-      ro[k] = float_to_out(r);
-      ss += r * r;
-    }
-    const float inv = inv_rms(ss, N, eps);
-    for (int k = lane; k < N; k += 32) xo[k] = float_to_out(out_to_float(ro[k]) * inv * (1.f + nw[k]));
-  }
-}
-
-// After the block's stores: the block takes a ticket; the launch's last block (every other block's output stored and
-// made visible before its ticket) adds the residual and takes the norm of every row, warp w rows w, w + NW, ..., and
-// leaves the ticket at zero for the next launch (no memset in a CUDA graph). The kernel after (griddepcontrol.wait)
-// sees xo and ro once this grid is done, as it would see a norm kernel's.
-__device__ __forceinline__ void norm_tail(const out_t* __restrict__ out, const u16* __restrict__ res,
-                                          const float* __restrict__ nw, u16* __restrict__ xo, u16* __restrict__ ro,
-                                          int* __restrict__ ticket, int T, int N, long long stride_o, float eps) {
-  __shared__ int last;
-  __threadfence();  // this thread's output stores, if any, visible on the device before the block's ticket
-  __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(ticket, 1) == (int)(gridDim.x * gridDim.y) - 1;
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
-  // (N a multiple of 8: qmv_cuda.qmv keeps the five rows 16-byte aligned for the 16-byte pieces; the path is a function
-  // of N alone, so a row's order of sums is the same in every launch)
-  for (int t = threadIdx.x >> 5; t < T; t += NW) {
-    const long long o = (long long)t * N;
-    norm_row(out + t * stride_o, res + o, nw, xo + o, ro + o, N, eps);
-  }
-  if (threadIdx.x == 0) *ticket = 0;
-}
-#endif
-
 // the next kernel may launch once every block of this one is running: it waits for this one to finish before it
 // reads our output (the Triton kernels' first act, and qmv's grid_wait), so its launch overlaps our loads
 __device__ __forceinline__ void let_next_launch() {
@@ -1202,9 +1070,8 @@ __device__ __forceinline__ void let_next_launch() {
 extern "C" __global__ void __launch_bounds__(NW * 32, MIN_BLOCKS)
 qmv(const u16* __restrict__ x, const u8* __restrict__ codes, const u8* __restrict__ high,
     const u16* __restrict__ scales, out_t* __restrict__ out, float* __restrict__ ws, int* __restrict__ counters,
-    const u16* __restrict__ res, const float* __restrict__ nw, u16* __restrict__ xo, u16* __restrict__ ro,
-    int* __restrict__ ticket, int T, int N, int K, int NG, int groups_per_split, long long stride_x,
-    long long stride_o, long long stride_c, long long stride_h, long long stride_s, float eps) {
+    int T, int N, int K, int NG, int groups_per_split, long long stride_x, long long stride_o,
+    long long stride_c, long long stride_h, long long stride_s) {
   let_next_launch();
   float acc[4 * NCOL * TPW];
 #pragma unroll
@@ -1238,8 +1105,5 @@ qmv(const u16* __restrict__ x, const u8* __restrict__ codes, const u8* __restric
 #else
   tile_store(acc, blockIdx.x, blockIdx.y, gridDim.y, out, ws, counters, T, N, stride_o);
 #endif
-#endif
-#if NORM
-  norm_tail(out, res, nw, xo, ro, ticket, T, N, stride_o, eps);
 #endif
 }

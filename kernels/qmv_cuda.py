@@ -19,9 +19,6 @@ are deterministic and row t of the output does not depend on the other rows of x
 a fixed order), which is what lets concurrent greedy decoding reproduce sequential decoding bit for bit. A split
 launch reduces its pieces in a thread-block cluster on sm_90+ (else through a workspace), or, where the pieces buy
 no parallelism (:func:`pieces_pay`), one block walks them all and adds them up the same way: the same bits.
-A projection that ends a residual branch can take the RMSNorm after it (``qmv(norm=...)``, :func:`norm_pays`): the
-launch's last block adds the residual and normalizes every row, so the step has no norm launch between it and the
-next projection.
 
 Defaults: one split and 3 blocks per SM; wide weights take 4 warps a tile (:func:`choose_warps`); the engine keeps
 its weights in a :class:`TiledWeight` (``kernels/qmv_layout.py``). The measurements behind them, and what each
@@ -44,8 +41,7 @@ from .qmv_layout import DENSE_FMT, WORD_ORDER, TiledWeight
 
 __all__ = ["qmv", "supports", "available", "import_error", "choose_splits", "choose_warps", "workspace", "set_dense",
            "dense_enabled", "DenseWeight", "TiledWeight", "DENSE_FMT", "WORD_ORDER", "qmv_rows", "MAX_T", "MAX_ROWS",
-           "MAX_SPLITS", "reserve", "shape_splits", "column_groups", "pieces_pay", "set_pieces", "MAX_CLUSTER",
-           "norm_pays", "set_norm", "NORM_MAX_N"]
+           "MAX_SPLITS", "reserve", "shape_splits", "column_groups", "pieces_pay", "set_pieces", "MAX_CLUSTER"]
 
 MAX_T = 8  # tokens per column group: the MMA's n = 8 columns
 MAX_ROWS = 64  # rows of x per launch: up to 8 column groups
@@ -110,7 +106,7 @@ def async_shared_bytes(fmt: str, warps: int, stages: int, tiles: int = 1) -> int
 def kernel_options(fmt_id: int, half: bool, even: bool, unroll: int, min_blocks: int, xlate: bool, pipe: bool,
                    fold: bool, pdl: bool, tiled: int, act: bool, warps: int, tail: bool, ncol: int, tiles: int,
                    xl1: bool = True, stages: int = 0, out_f32: bool = False,
-                   cluster: bool = False, pieces: int = 1, norm: bool = False) -> tuple[str, ...]:
+                   cluster: bool = False, pieces: int = 1) -> tuple[str, ...]:
     """The source's compile options for one build (NVRTC's; a C preprocessor given them evaluates the source's
     static checks, its ``#error`` lines, as NVRTC does: tests/test_kernel_builds.py)."""
     return ("-std=c++17", f"-DFMT={fmt_id}", f"-DHALF={int(half)}", f"-DEVEN={int(even)}",
@@ -119,18 +115,18 @@ def kernel_options(fmt_id: int, half: bool, even: bool, unroll: int, min_blocks:
             f"-DTILED={int(tiled)}", f"-DACT={int(act)}", f"-DNW={warps}",
             f"-DTAIL={int(tail)}", f"-DNCOL={ncol}", f"-DTPW={tiles}",
             f"-DXL1={int(xl1)}", f"-DASYNC={stages}", f"-DOUT_F32={int(out_f32)}", f"-DCLUSTER={int(cluster)}",
-            f"-DPIECES={pieces}", f"-DNORM={int(norm)}")
+            f"-DPIECES={pieces}")
 
 
 @functools.cache
 def _kernel(fmt_id: int, half: bool, even: bool, unroll: int, min_blocks: int, xlate: bool, pipe: bool,
             fold: bool, pdl: bool, tiled: int, act: bool, warps: int, tail: bool, ncol: int, tiles: int,
             device_index: int, xl1: bool = True, stages: int = 0, shared: int = 0, out_f32: bool = False,
-            cluster: bool = False, pieces: int = 1, norm: bool = False):
+            cluster: bool = False, pieces: int = 1):
     import cupy
 
     options = kernel_options(fmt_id, half, even, unroll, min_blocks, xlate, pipe, fold, pdl, tiled, act, warps, tail,
-                             ncol, tiles, xl1, stages, out_f32, cluster, pieces, norm)
+                             ncol, tiles, xl1, stages, out_f32, cluster, pieces)
     with cupy.cuda.Device(device_index):
         func = cupy.RawModule(code=_SOURCE.read_text(), backend="nvrtc", options=options).get_function("qmv")
     if shared:  # the default cap is 48 KB less the kernel's static shared memory (tile_store's sums)
@@ -152,34 +148,11 @@ def workspace(device, floats: int, tiles: int = 1) -> tuple[torch.Tensor, torch.
 
 def reserve(device, n: int, ng: int) -> None:
     """Grow the device's split-K scratch for an ``[n, K]`` weight of ``ng`` groups: its split count (a function of
-    the shape, :func:`shape_splits`) times ``MAX_ROWS`` rows times ``n`` - nothing when it takes one pass; and make
-    the device's norm ticket (:func:`ticket`)."""
+    the shape, :func:`shape_splits`) times ``MAX_ROWS`` rows times ``n`` - nothing when it takes one pass."""
     device = torch.device(device)
     dev = device.index if device.index is not None else torch.cuda.current_device()
     s = shape_splits(n, ng, _triton.num_sms(dev))
     workspace(device, s * MAX_ROWS * n if s > 1 else 1, -(-n // 16))
-    ticket(device)
-
-
-# The norm tail's arrival counter, one int32 a device: each block of a ``qmv(norm=...)`` launch takes a ticket, the
-# last one takes the norm and leaves it at zero. Launches on one stream never overlap in it (a PDL launch takes its
-# ticket after griddepcontrol.wait); projections on a graph's side branches end no residual branch.
-_TICKETS: dict[torch.device, torch.Tensor] = {}
-
-
-def ticket(device) -> torch.Tensor:
-    """The device's norm ticket, made zeroed outside any CUDA-graph capture (:func:`reserve` makes it when a weight
-    is built)."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    t = _TICKETS.get(device)
-    if t is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("qmv: the norm ticket must be made outside CUDA-graph capture (build the PackedLinear, "
-                               "or call once, before capturing)")
-        t = _TICKETS[device] = torch.zeros(1, dtype=torch.int32, device=device)
-    return t
 
 
 def shape_splits(n: int, ng: int, sms: int, warps: int | None = None) -> int:
@@ -209,7 +182,7 @@ def shape_splits(n: int, ng: int, sms: int, warps: int | None = None) -> int:
 # pieces: a split launch whose pieces buy no parallelism (pieces_pay) walks them in one block instead (PIECES in the
 # source: each piece's sums kept apart and added as the split's reduction adds them, so the same bits): on by default,
 # off (NINFER_BENCH_QMV_PIECES=0) every split launch spreads its pieces over blocks.
-_SWITCHES = {"dense": False, "pdl_x_l1": True, "split_cap": 0, "cluster": True, "pieces": True, "norm": "on"}
+_SWITCHES = {"dense": False, "pdl_x_l1": True, "split_cap": 0, "cluster": True, "pieces": True}
 MAX_CLUSTER = 8  # the portable thread-block cluster size: a split of at most this many pieces reduces in a cluster
 
 
@@ -234,27 +207,6 @@ def set_pieces(on: bool) -> None:
     """Split launches that :func:`pieces_pay` picks walk their pieces in one block (on, the default) or spread them
     over blocks (off), from now on: the same bits either way."""
     _SWITCHES["pieces"] = bool(on)
-
-
-def set_norm(mode: str) -> None:
-    """Where projections that end a residual branch take the norm after them in their last block (:func:`norm_pays`),
-    from now on: ``on`` (the default: outputs of at most :data:`NORM_MAX_N` values), ``all`` (every width) or
-    ``off`` (a norm launch after each)."""
-    if mode not in ("on", "all", "off"):
-        raise ValueError(f"qmv: norm mode {mode!r}: expected on, all or off")
-    _SWITCHES["norm"] = mode
-
-
-# the widest output whose norm qmv's last block takes by default: one warp a row walks N values, which at the
-# bundled model's 512 costs less than the norm launch it replaces (docs/perf/2026-12-06h-qmv-norm-tail-h100.md)
-NORM_MAX_N = 2048
-
-
-def norm_pays(n: int) -> bool:
-    """Whether a projection with ``n`` outputs that ends a residual branch takes the norm after it in its own launch
-    (``qmv(norm=...)``) under the current switch (:func:`set_norm`)."""
-    mode = _SWITCHES["norm"]
-    return mode == "all" or mode == "on" and n <= NORM_MAX_N
 
 
 def dense_enabled() -> bool:
@@ -360,10 +312,6 @@ def _load_env_knobs() -> None:
     _SWITCHES["split_cap"] = int(cap) if cap else 0
     set_cluster(_env_on("NINFER_BENCH_QMV_CLUSTER"))
     set_pieces(_env_on("NINFER_BENCH_QMV_PIECES"))
-    norm = os.environ.get("NINFER_BENCH_QMV_NORM", "on").strip().lower()
-    if norm not in ("on", "all", "off"):
-        raise ValueError(f"NINFER_BENCH_QMV_NORM: {norm!r}: expected on (the default), all or off")
-    set_norm(norm)
 
 
 _load_env_knobs()
@@ -536,8 +484,7 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
         unroll: int | None = None, min_blocks: int | None = None, xlate: bool = False, pipe: bool = False,
         fold: bool = False, pdl: bool | None = None, act: bool = False, warps: int | None = None,
         tail: bool = False, tiles: int | None = None, stages: int | None = None,
-        out_f32: bool = False, pieces: bool | None = None,
-        norm: tuple[torch.Tensor, torch.Tensor, float] | None = None):
+        out_f32: bool = False, pieces: bool | None = None) -> torch.Tensor:
     """``x [T, K] @ W.T`` -> ``[T, N]`` in x.dtype, for T <= 64 (see :func:`supports`); with ``out_f32``, in fp32:
     each value rounded to x.dtype first and then widened, the values of ``qmv(x, lin).float()`` without the copy
     (not with ``act``). ``out`` (contiguous [T, N], the result's dtype) is written instead of a fresh tensor.
@@ -561,13 +508,7 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
     minus one steps ahead of its arithmetic, instead of ``unroll`` steps into registers - the same sums (defaults for
     these four over 8 rows: :data:`_WIDE`, else :data:`_WIDE_DEFAULT`). ``pieces`` (default: :func:`pieces_pay`
     with the switch on, :func:`set_pieces`): a split launch of at most 8 rows walks its pieces in one block, the
-    same bits (True where it cannot is refused; False spreads them over blocks). ``norm`` ``(residual [T, N], weight
-    [N], eps)``, the residual in x's dtype and the weight fp32 (or x's dtype, widened): the projection ends a residual
-    branch and the launch's last block takes the
-    norm after it, returning ``(normed, r)`` instead of the product: ``r = residual + x @ W.T`` (the product rounded as
-    stored, then the sum) and ``normed = r * rsqrt(mean(r^2) + eps) * (1 + weight)``, fused.add_rms_norm's values
-    (fp32 math; the sum of squares in another order, so not always its bits), each row by the same arithmetic in
-    every launch (not with ``act`` or ``out_f32``)."""
+    same bits (True where it cannot is refused; False spreads them over blocks)."""
     lin = getattr(lin, "qmv_weight", None) or lin  # a tiled PackedLinear: its tiles
     if not supports(x, lin):
         raise ValueError(f"qmv: needs CUDA bf16/fp16 x [1..{MAX_ROWS}, K={lin.k}] contiguous and a q8/q5/q4 weight "
@@ -581,8 +522,6 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
         raise ValueError("qmv: out_f32 widens a projection's output; act's silu(gate) * up is stored in x's dtype")
     width = n // 2 if act else n
     dtype = torch.float32 if out_f32 else x.dtype
-    if norm is not None:
-        res, nw, eps = _norm_args(norm, x, n, act, out_f32)
     if out is None:
         out = torch.empty(t, width, dtype=dtype, device=x.device)
     elif out.shape != (t, width) or out.dtype != dtype or not out.is_contiguous() or out.device != x.device:
@@ -621,74 +560,34 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
                and _capability(dev) >= (9, 0))
     kern = _kernel(_FMT_ID[lin.fmt], x.dtype == torch.float16, even, build.unroll, build.min_blocks, xlate, pipe,
                    fold, pdl, layout, act, build.warps, tail, build.ncol, build.tiles, dev, _SWITCHES["pdl_x_l1"],
-                   build.stages, build.shared, out_f32, cluster, s if walk else 1, norm is not None)
+                   build.stages, build.shared, out_f32, cluster, s if walk else 1)
     ws, counters = workspace(x.device, s * t * n, row_tiles) if s > 1 and not (cluster or walk) else (out, out)
     grid = (-(-row_tiles // build.tiles), 1 if walk else s)  # a block takes build.tiles row tiles
     stream = torch.cuda.current_stream(x.device)
-    if norm is not None:  # the norm's rows (fresh, so 16-byte aligned) and the launch's ticket
-        xo, ro = torch.empty_like(res), torch.empty_like(res)
-        tail = (res.data_ptr(), nw.data_ptr(), xo.data_ptr(), ro.data_ptr(), ticket(x.device).data_ptr())
-    else:
-        tail, eps = (out.data_ptr(),) * 5, 0.0  # unused by a build without NORM
-    # the kernel's parameters in order: 12 pointers, 5 int32, 5 int64, 1 float
+    # the kernel's parameters in order: 7 pointers, 5 int32, 5 int64
     ptrs = (x.data_ptr(), lin.codes.data_ptr(), lin.high.data_ptr(), lin.scales.data_ptr(), out.data_ptr(),
-            ws.data_ptr(), counters.data_ptr(), *tail)
+            ws.data_ptr(), counters.data_ptr())
     ints = (t, n, lin.k, lin.ng, groups_per_split)
     longs = (x.stride(0), out.stride(0), lin.codes.stride(0), lin.high.stride(0), lin.scales.stride(0))
     if pdl or cluster:
-        cargs = (*map(ctypes.c_uint64, ptrs), *map(ctypes.c_int32, ints), *map(ctypes.c_int64, longs),
-                 ctypes.c_float(eps))
+        cargs = (*map(ctypes.c_uint64, ptrs), *map(ctypes.c_int32, ints), *map(ctypes.c_int64, longs))
         with torch.cuda.device(dev):  # the module was loaded in this device's context
             _launch_ex(kern, grid, build.threads, cargs, stream.cuda_stream, build.shared, pdl=pdl,
                        cluster_y=s if cluster else 0)
-    else:
-        import cupy
+        return out
+    import cupy
 
-        args = (*map(np.uint64, ptrs), *map(np.int32, ints), *map(np.int64, longs), np.float32(eps))
-        with cupy.cuda.Device(dev):
-            kern(grid, (build.threads,), args, stream=_cupy.stream(stream, dev), shared_mem=build.shared)
-    return (xo, ro) if norm is not None else out
-
-
-def _norm_args(norm, x: torch.Tensor, n: int, act: bool, out_f32: bool) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """``qmv(norm=(residual, weight, eps))``'s residual and weight as the kernel reads them (the weight fp32; both
-    16-byte aligned where N is a multiple of 8: the kernel's vector path), and eps; ValueError for anything it cannot
-    take."""
-    try:
-        res, nw, eps = norm
-    except (TypeError, ValueError):
-        raise ValueError(f"qmv: norm must be (residual, weight, eps), got {type(norm).__name__}") from None
-    if act or out_f32:
-        raise ValueError("qmv: norm takes the projection's own output (not with act or out_f32)")
-    t = x.shape[0]
-    for name, v, shape, dtypes in (("residual", res, (t, n), (x.dtype,)),
-                                   ("weight", nw, (n,), (torch.float32, x.dtype))):
-        if (not isinstance(v, torch.Tensor) or tuple(v.shape) != shape or v.dtype not in dtypes
-                or v.device != x.device):
-            got = (f"{tuple(v.shape)} {v.dtype} on {v.device}" if isinstance(v, torch.Tensor)
-                   else type(v).__name__)
-            want = " or ".join(str(d) for d in dtypes)
-            raise ValueError(f"qmv: norm's {name} must be {list(shape)} {want} on {x.device}, got {got}")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
-        raise ValueError(f"qmv: norm's eps must be a number >= 0, got {eps!r}")
-
-    def aligned(v: torch.Tensor) -> torch.Tensor:
-        v = v.contiguous()
-        return v.clone() if n % 8 == 0 and v.data_ptr() % 16 else v
-    return aligned(res), aligned(nw.float()), float(eps)
+    args = (*map(np.uint64, ptrs), *map(np.int32, ints), *map(np.int64, longs))
+    with cupy.cuda.Device(dev):
+        kern(grid, (build.threads,), args, stream=_cupy.stream(stream, dev), shared_mem=build.shared)
+    return out
 
 
-def qmv_rows(x: torch.Tensor, lin, act: bool = False, rows: int | None = None, norm=None, **launch):
+def qmv_rows(x: torch.Tensor, lin, act: bool = False, rows: int | None = None, **launch) -> torch.Tensor:
     """:func:`qmv` for any number of rows, ``rows`` (default ``MAX_ROWS``; 8 is a launch a column group, the weight
     read once per 8 rows) a launch (``launch``: more :func:`qmv` keywords): each row's result does not depend on the
-    others or on the launch width (the caller checks :func:`supports` on the first rows). ``norm`` ``(residual [T,
-    N], weight, eps)``: each launch takes its rows' norm, and the result is ``(normed, r)`` (:func:`qmv`)."""
+    others or on the launch width (the caller checks :func:`supports` on the first rows)."""
     step = min(rows or MAX_ROWS, MAX_ROWS)
     if x.shape[0] <= step:
-        return qmv(x, lin, act=act, norm=norm, **launch)
-    if norm is None:
-        return torch.cat([qmv(x[i:i + step], lin, act=act, **launch) for i in range(0, x.shape[0], step)])
-    res, nw, eps = norm
-    parts = [qmv(x[i:i + step], lin, act=act, norm=(res[i:i + step], nw, eps), **launch)
-             for i in range(0, x.shape[0], step)]
-    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+        return qmv(x, lin, act=act, **launch)
+    return torch.cat([qmv(x[i:i + step], lin, act=act, **launch) for i in range(0, x.shape[0], step)])

@@ -80,11 +80,6 @@
 #   s65c     a PDL launch's warps of fewer steps than a batch load them all before the wait (qmv steps FEW): the
 #            qmv tests that cover it, the bundled decode step's profile with .old's tree (carried) and this one,
 #            alternating S65C_REPEATS times, their held-out prompts (plain, DFlash2 K=7), the README's main command
-#   s66      the norm tail (a branch's last projection takes the residual add and the next norm in its last block):
-#            its qmv and engine CUDA tests (S66_K, S66_ENGINE_K), the bundled decode step's profile for each
-#            S66_VARIANTS (default "new normoff": NINFER_BENCH_QMV_NORM=off), alternating S66_REPEATS (1) times, the
-#            held-out prompts (plain, DFlash2 K=7) for each, the README's main command; S66_27B=1 adds the 27B
-#            synthetic decode (64 tokens) for each S66_27B_VARIANTS (default "normall normoff")
 #   ring     qmv with the weights streamed through a cp.async ring (stages): its CUDA tests, the 27B shapes at 64 rows
 #            (RING_KNOBS) and, with RING_T=1, at 1 and 8 rows (RING_KNOBS1); RING_C8=1 adds the 27B DFlash2 K=7 replayed
 #            C8 with each RING_WIDE build (label|NINFER_BENCH_QMV_WIDE) and plain C8
@@ -247,11 +242,9 @@ chained_tests() {  # the chained speculative rounds' CUDA tests (seven; three to
     > "$OUT/chained_tests.log" 2>&1; echo "pytest rc $?"; tail -3 "$OUT/chained_tests.log"
 }
 trap pack EXIT
-qmv_env() {  # a qmv variant's environment (s64b, s65, s65b, s66): ws (the split's workspace, no cluster), nopieces
-  # (split launches spread over blocks), capN (splits capped at N), normoff / normall (the norm tail off / at every
-  # width), else none of qmv's switches
+qmv_env() {  # a qmv variant's environment (s64b, s65, s65b): ws (the split's workspace, no cluster), nopieces (split
+  # launches spread over blocks), capN (splits capped at N), else none of qmv's switches
   case $1 in ws) echo NINFER_BENCH_QMV_CLUSTER=0;; nopieces) echo NINFER_BENCH_QMV_PIECES=0;;
-             normoff) echo NINFER_BENCH_QMV_NORM=off;; normall) echo NINFER_BENCH_QMV_NORM=all;;
              cap*) echo NINFER_BENCH_QMV_SPLIT_CAP=${1#cap};; *) echo QMV_VARIANT=$1;; esac
 }
 llwait() {  # wait for the llamabuild stage's background build (LLWAIT_S seconds at most); 0 when it succeeded
@@ -505,24 +498,6 @@ PY
                nb concurrency $M27 -n 128 --rounds 2 ${V#*|} --json "$OUT/rowsconc/$N.json" 2>&1 \
                  | tee "$OUT/rowsconc/$N.log" | grep -E "^│|error|Error" | head -6; done ;;
     sampler) timeout ${STAGE_S:-120} python3 scripts/probe_sampler.py --json "$OUT/sampler.json" 2>&1 | tee "$OUT/sampler.log" ;;
-    s66)     # session 66 (see the list above)
-             bg_test test_kernels_qmv_cuda "${S66_K:-norm}"
-             [ -n "${S66_ENGINE_K-norm_tail or verify_rows or bundled_model_v3}" ] && \
-               bg_test test_cuda_engine "${S66_ENGINE_K-norm_tail or verify_rows or bundled_model_v3}"
-             wait; bg_report test_kernels_qmv_cuda $([ -n "${S66_ENGINE_K-x}" ] && echo test_cuda_engine)
-             for r in $(seq ${S66_REPEATS:-1}); do for v in ${S66_VARIANTS:-new normoff}; do
-               env $(qmv_env $v) timeout 150 python3 scripts/profile_step.py --spec none --steps 64 --top 30 \
-                 --json "$OUT/bprof-$v-$r.json" > "$OUT/bprof-$v-$r.log" 2>&1
-               echo "--- bundled step, $v, run $r: rc $? $(grep -E 'without the profiler' "$OUT/bprof-$v-$r.log")"; done; done
-             for v in ${S66_VARIANTS:-new normoff}; do
-               env $(qmv_env $v) timeout ${STAGE_S:-200} python3 scripts/nb.py decode --spec none,dflash2:7 $HELD \
-                 --json "$OUT/held-$v" > "$OUT/held-$v.log" 2>&1
-               echo "--- bundled held-out, $v: rc $?"; grep -E "│ v3-|tokens sha256" "$OUT/held-$v.log"; done
-             [ "${S66_MAIN:-1}" = 0 ] || nb decode --spec dflash2 -k 7 --json "$OUT/main.json" 2>&1 | tee "$OUT/main.log" | tail -6
-             [ "${S66_27B:-0}" = 1 ] && for v in ${S66_27B_VARIANTS:-normall normoff}; do
-               env $(qmv_env $v) timeout ${STAGE_S:-200} python3 scripts/nb.py decode $M27 -n 64 --repeats 2 \
-                 --json "$OUT/d27-$v.json" > "$OUT/d27-$v.log" 2>&1
-               echo "--- 27B, $v: rc $?"; grep -E "decode tok/s|tokens sha256|roofline" "$OUT/d27-$v.log" | head -4; done ;;
     ring)    # issue 33: qmv's weights through a per-warp cp.async ring in shared memory (stages), against the register
              # builds: CUDA tests, the 27B shapes at 64 rows (bits checked against 8-row launches), at 1 / 8 rows with
              # RING_T=1, then with RING_C8=1 the 27B DFlash2 K=7 replayed C8 per RING_WIDE build and plain C8 (E2E_S each:

@@ -125,8 +125,6 @@ def main() -> int:
     ap.add_argument("--knobs", default="default", help="comma list of builds, e.g. default,p3s4b1,p2s4b1")
     ap.add_argument("--sms", type=int, default=132, help="the GPU's SMs (132: H100 / H200 SXM)")
     ap.add_argument("--no-pdl", action="store_true", help="builds without programmatic dependent launch")
-    ap.add_argument("--norm", action="store_true",
-                    help="builds whose last block takes the norm after the projection (NORM: qmv(norm=...))")
     ap.add_argument("--pieces", type=int, default=1,
                     help="split-K pieces one block walks (PIECES; > 1 needs --rows <= 8 and the default build; "
                          "the walk's register cap unless a b knob sets it)")
@@ -150,8 +148,7 @@ def main() -> int:
                     b = replace(b, min_blocks=max(1, qmv_cuda._WALK_WARPS_PER_SM // b.warps))
                 options = qmv_cuda.kernel_options(qmv_cuda._FMT_ID[fmt], False, True, b.unroll, b.min_blocks, False,
                                                   False, False, not args.no_pdl, 2, False, b.warps, False, b.ncol,
-                                                  b.tiles, True, b.stages, pieces=args.pieces,
-                                                  norm=args.norm)
+                                                  b.tiles, True, b.stages, pieces=args.pieces)
                 r = assemble(ptxas, compile_ptx(nvrtc, source, options))
             except (ValueError, RuntimeError) as e:
                 bad += 1

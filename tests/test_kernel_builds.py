@@ -84,20 +84,13 @@ def _qmv_builds(tables: dict) -> dict[tuple[str, ...], object]:
                     kw.get("pipe", False), kw.get("fold", False), pdl, layout, act, b.warps, kw.get("tail", False),
                     b.ncol, b.tiles, True, b.stages, f32, cluster)
                 out.setdefault(options, (fmt, t, layout, even, kw, act, pdl, f32, cluster))
-                if not (act or f32):  # the same launch ending a residual branch, its last block taking the norm
-                    options = qmv_cuda.kernel_options(
-                        qmv_cuda._FMT_ID[fmt], False, even, b.unroll, b.min_blocks, kw.get("xlate", False),
-                        kw.get("pipe", False), kw.get("fold", False), pdl, layout, False, b.warps,
-                        kw.get("tail", False), b.ncol, b.tiles, True, b.stages, False, cluster, norm=True)
-                    out.setdefault(options, (fmt, t, layout, even, kw, "norm", pdl, cluster))
             # a split launch's pieces walked in one block: where qmv lets it (one column group from registers, no
             # xlate, pipe or tail; never with act or a cluster)
             if b.ncol == 1 and b.tiles == 1 and not b.stages and not any(kw.get(k) for k in ("xlate", "pipe", "tail")):
                 for pieces, pdl, f32 in ((2, False, False), (8, True, True)):
                     options = qmv_cuda.kernel_options(
                         qmv_cuda._FMT_ID[fmt], False, even, b.unroll, b.min_blocks, False, False, kw.get("fold", False),
-                        pdl, layout, False, b.warps, False, b.ncol, b.tiles, True, b.stages, f32, False, pieces,
-                        norm=not f32)
+                        pdl, layout, False, b.warps, False, b.ncol, b.tiles, True, b.stages, f32, False, pieces)
                     out.setdefault(options, (fmt, t, layout, even, kw, "pieces", pieces, pdl, f32))
         return out
 
@@ -120,8 +113,6 @@ def test_every_qmv_build_passes_the_source_checks(table):
     assert any("-DTPW=3" in o for o in builds) and any("-DNCOL=8" in o for o in builds)
     assert any("-DOUT_F32=1" in o for o in builds) and any("-DCLUSTER=1" in o for o in builds)
     assert any("-DPIECES=8" in o for o in builds)
-    assert any("-DNORM=1" in o and "-DNCOL=8" in o for o in builds) and any("-DNORM=1" in o and "-DPIECES=2" in o
-                                                                          for o in builds)
     assert _refused(KERNELS / "qmv_cuda.cu", builds) == []
 
 
@@ -142,11 +133,6 @@ def test_the_checks_refuse_what_they_should():
     act_cluster = qmv_cuda.kernel_options(2, False, True, b.unroll, b.min_blocks, False, False, False, False, 2, True,
                                           b.warps, False, b.ncol, 1, True, b.stages, False, True)
     assert _refused(KERNELS / "qmv_cuda.cu", {act_cluster: "a split-K cluster with the gate / up epilogue"})
-    for what, act, f32 in (("the norm tail after the gate / up epilogue", True, False),
-                           ("the norm tail with an fp32 store", False, True)):
-        options = qmv_cuda.kernel_options(2, False, True, b.unroll, b.min_blocks, False, False, False, False, 2, act,
-                                          b.warps, False, b.ncol, 1, True, b.stages, f32, norm=True)
-        assert _refused(KERNELS / "qmv_cuda.cu", {options: what}), what
     for what, cluster, tiles, ncol in (("pieces in a cluster", True, 1, 1), ("pieces at 2 column groups", False, 1, 2),
                                        ("pieces with 2 tiles a block", False, 2, 2)):
         options = qmv_cuda.kernel_options(2, False, True, b.unroll, b.min_blocks, False, False, False, False, 2, False,

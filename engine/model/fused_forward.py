@@ -4,9 +4,7 @@ Per GDN layer one ``gdn_decode`` (conv, norms, gates, recurrence, gated RMSNorm)
 loop; per attention layer ``attn_prologue`` (q/k norms, partial RoPE, the K/V cache write, int8 quantization)
 + ``decode_attention`` (which applies the output gate as it stores the output); between layers ``add_rms_norm``
 folds each residual add into the next norm, and ``silu_mul`` (or qmv's epilogue) the MLP gate. Used on CUDA
-(runtime v3) for decode and verify steps. Where qmv runs a branch's last projection (out_proj, o_proj, down) and
-:func:`kernels.qmv_cuda.norm_pays` picks it, that launch's last block takes the residual add and the next norm itself
-(``PackedLinear.add_norm``), so no norm launch sits between it and the next projection. Prefill keeps the eager path (its matmuls are compute-bound and fla
+(runtime v3) for decode and verify steps. Prefill keeps the eager path (its matmuls are compute-bound and fla
 runs its recurrence) except full attention, which with ``flash_prefill`` (the default) runs ``attn_prologue`` +
 ``prefill_attention_cached`` (kernels/attention_prefill.py: flash style over the chunk's keys, an int8 cache
 dequantized to a bf16 copy first) through :meth:`FastPath.attention` too; with ``fused_prefill`` a whole chunk runs
@@ -106,21 +104,7 @@ class FastPath:
                                     v(f"{a}.norm.weight").float().contiguous())
         return self.gdn[p]
 
-    def _branch_out(self, name: str, o, norm):
-        """The projection ``name`` (a ``.weight``-less prefix) of ``o`` that ends a residual branch, summed over the
-        tensor-parallel ranks; with ``norm`` ``(h, weight, eps)``, ``fused.add_rms_norm``'s ``(normed, h + y)`` of it,
-        from the projection's own launch where qmv takes the norm (one rank, no bias), else by a norm launch."""
-        m, w = self.m, self.w
-        if norm is None:
-            return m._sum(w.project(name, o))
-        lin = w.linear(f"{name}.weight")
-        if m.tp is None and f"{name}.bias" not in w.vectors and hasattr(lin, "add_norm"):
-            got = lin.add_norm(o, *norm)
-            if got is not None:
-                return got
-        return fused.add_rms_norm(m._sum(w.project(name, o)), *norm)
-
-    def gated_deltanet(self, p: str, i: int, x, step, cache: HybridCache, norm=None):
+    def gated_deltanet(self, p: str, i: int, x, step, cache: HybridCache):
         cfg = self.cfg
         hv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
         qkv, z, bb, aa, join_z = self._gdn_inputs(p, x)
@@ -147,12 +131,12 @@ class FastPath:
             o = gdn_decode(qkv, z, bb, aa, *args, write_state=False, before_z=join_z, workspace_out=ws)
         else:
             o = gdn_decode(qkv, z, bb, aa, *args, before_z=join_z)
-        return self._branch_out(f"{p}.linear_attn.out_proj", o, norm)
+        return self.m._sum(self.w.linear(f"{p}.linear_attn.out_proj.weight")(o))
 
-    def attention(self, p: str, key, x, step, cache: HybridCache, prefill: bool = False, norm=None):
+    def attention(self, p: str, key, x, step, cache: HybridCache, prefill: bool = False):
         """Full attention from the layer's normed input: the prologue (norms, RoPE, the cache write), then
         decode_attention (decode / verify) or, for a prompt chunk (``prefill``), prefill_attention_cached over the
-        chunk's key range, the output gate applied as the output is stored. ``norm``: as :meth:`_branch_out`."""
+        chunk's key range, the output gate applied as the output is stored."""
         cfg, m, w = self.cfg, self.m, self.w
         b, t, _ = x.shape
         h, hd = cfg.num_attention_heads, cfg.head_dim
@@ -168,9 +152,9 @@ class FastPath:
         else:
             o = decode_attention(q, c.k, c.v, c.k_scale, c.v_scale, step.slots, step.pos, m.scale,
                                  kv_len_max=cache.capacity, gate=gate)
-        return self._branch_out(f"{p}.self_attn.o_proj", o.reshape(b, t, h * hd), norm)
+        return m._sum(w.project(f"{p}.self_attn.o_proj", o.reshape(b, t, h * hd)))
 
-    def mlp(self, p: str, x, norm=None):
+    def mlp(self, p: str, x):
         name = f"{p}.mlp.gate_up_proj.weight"
         act = None
         if name in self.w.interleaved:  # silu(g) * u in the projection's epilogue where its kernel runs
@@ -182,14 +166,15 @@ class FastPath:
         if act is None:  # separate gate / up weights
             gate, up = self.m.gate_up(p, x)
             act = torch.nn.functional.silu(gate) * up
-        return self._branch_out(f"{p}.mlp.down_proj", act, norm)
+        return self.m._sum(self.w.linear(f"{p}.mlp.down_proj.weight")(act))
 
     def layer(self, p: str, key, h, step, cache: HybridCache):
         """One full-attention block outside the target's stack (the MTP head's layer, decode / verify): the norms
         fused (the residual add into the second), the attention and the MLP as the target's layers run them."""
         eps, w = self.cfg.rms_norm_eps, self.w
         x = fused.rms_norm(h, w.vector(f"{p}.input_layernorm.weight"), eps)
-        x, h = self.attention(p, key, x, step, cache, norm=(h, w.vector(f"{p}.post_attention_layernorm.weight"), eps))
+        x, h = fused.add_rms_norm(self.attention(p, key, x, step, cache), h,
+                                  w.vector(f"{p}.post_attention_layernorm.weight"), eps)
         return h + self.mlp(p, x)
 
     def forward(self, step, cache: HybridCache, prefill: bool = False):
@@ -240,17 +225,15 @@ class FastPath:
         final norm after the last) and the new residual."""
         cfg, w, m = self.cfg, self.w, self.m
         p, kind, eps = f"model.layers.{i}", cfg.layer_types[i], cfg.rms_norm_eps
-        post = (h, w.vector(f"{p}.post_attention_layernorm.weight"), eps)
-        if kind == "linear_attention" and prefill:
-            x, h = fused.add_rms_norm(m.gated_deltanet(p, i, x, step, cache), *post)
-        elif kind == "linear_attention":
-            x, h = self.gated_deltanet(p, i, x, step, cache, norm=post)
+        if kind == "linear_attention":
+            y = m.gated_deltanet(p, i, x, step, cache) if prefill else self.gated_deltanet(p, i, x, step, cache)
         elif prefill and not m.flash_prefill:
-            x, h = fused.add_rms_norm(m.attention(p, i, x, step, cache), *post)
+            y = m.attention(p, i, x, step, cache)
         else:
-            x, h = self.attention(p, i, x, step, cache, prefill=prefill, norm=post)
+            y = self.attention(p, i, x, step, cache, prefill=prefill)
+        x, h = fused.add_rms_norm(y, h, w.vector(f"{p}.post_attention_layernorm.weight"), eps)
         nxt = f"model.layers.{i + 1}.input_layernorm.weight" if i + 1 < cfg.num_hidden_layers else "model.norm.weight"
-        return self.mlp(p, x, norm=(h, w.vector(nxt), eps))
+        return fused.add_rms_norm(self.mlp(p, x), h, w.vector(nxt), eps)
 
 
 def _no_join() -> None:
