@@ -459,6 +459,12 @@ WALK_MAX_PIECES = 4
 _WALK_WARPS_PER_SM = 16
 
 
+def walk_build(build: QmvBuild) -> QmvBuild:
+    """``build`` as a walk of split pieces takes it by default: registers for every piece's sums (the register cap of
+    :data:`_WALK_WARPS_PER_SM` warps an SM)."""
+    return replace(build, min_blocks=max(1, _WALK_WARPS_PER_SM // build.warps))
+
+
 def pieces_pay(ng: int, groups_per_split: int, warps: int, unroll: int) -> bool:
     """Whether a split-K launch of an ``ng``-group weight in pieces of ``groups_per_split`` groups should walk its
     pieces in one block (``PIECES`` in the source) instead of spreading them over blocks: it can (a piece is a whole
@@ -553,7 +559,7 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
     walk = can_walk and (pieces if pieces is not None else
                          _SWITCHES["pieces"] and pieces_pay(lin.ng, groups_per_split, build.warps, build.unroll))
     if walk and min_blocks is None:  # registers for the pieces' sums: 128 a thread (8 pieces spill at 80)
-        build = replace(build, min_blocks=max(1, _WALK_WARPS_PER_SM // build.warps))
+        build = walk_build(build)
     # a split-K tile's pieces as one cluster (sm_90+, at most the portable size): their sums added through
     # distributed shared memory, in the workspace's order (the same bits)
     cluster = (s > 1 and not walk and _SWITCHES["cluster"] and s <= MAX_CLUSTER

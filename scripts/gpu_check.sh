@@ -247,6 +247,13 @@ qmv_env() {  # a qmv variant's environment (s64b, s65, s65b): ws (the split's wo
   case $1 in ws) echo NINFER_BENCH_QMV_CLUSTER=0;; nopieces) echo NINFER_BENCH_QMV_PIECES=0;;
              cap*) echo NINFER_BENCH_QMV_SPLIT_CAP=${1#cap};; *) echo QMV_VARIANT=$1;; esac
 }
+held_variants() {  # the bundled held-out prompts with the specs $1 for each qmv variant named after it (qmv_env)
+  local specs=$1 v; shift
+  for v in "$@"; do
+    env $(qmv_env $v) timeout ${STAGE_S:-200} python3 scripts/nb.py decode --spec $specs $HELD \
+      --json "$OUT/held-$v" > "$OUT/held-$v.log" 2>&1
+    echo "--- bundled held-out, $v: rc $?"; grep -E "│ v3-|decode tok/s|tokens sha256" "$OUT/held-$v.log"; done
+}
 llwait() {  # wait for the llamabuild stage's background build (LLWAIT_S seconds at most); 0 when it succeeded
   local t=0
   while [ ! -f /tmp/llbuild.rc ] && [ $t -lt "${LLWAIT_S:-560}" ]; do sleep 5; t=$((t + 5)); done
@@ -547,10 +554,7 @@ PY
                env $(qmv_env $v) timeout 150 python3 scripts/profile_step.py --spec none --steps 64 --top 30 \
                  --json "$OUT/bprof-$v-$r.json" > "$OUT/bprof-$v-$r.log" 2>&1
                echo "--- bundled step, $v, run $r: rc $? $(grep -E 'without the profiler' "$OUT/bprof-$v-$r.log")"; done; done
-             for v in ${S64B_VARIANTS:-new ws}; do
-               env $(qmv_env $v) timeout ${STAGE_S:-200} python3 scripts/nb.py decode --spec ${S64_SPECS:-none,dflash2:7} \
-                 $HELD --json "$OUT/held-$v" > "$OUT/held-$v.log" 2>&1
-               echo "--- bundled held-out, $v: rc $?"; grep -E "│ v3-|decode tok/s|tokens sha256" "$OUT/held-$v.log"; done
+             held_variants ${S64_SPECS:-none,dflash2:7} ${S64B_VARIANTS:-new ws}
              nb decode --spec dflash2 -k 7 --json "$OUT/main.json" 2>&1 | tee "$OUT/main.log" | tail -6 ;;
     s65)     # session 65 (see the list above)
              bg_test test_kernels_qmv_cuda "${S65_K:-pieces or cluster or fp32 or silu}"
@@ -566,10 +570,7 @@ PY
                  --json "$OUT/bprof-$v-$r.json" > "$OUT/bprof-$v-$r.log" 2>&1
                echo "--- bundled step, $v, run $r: rc $? $(grep -E 'without the profiler' "$OUT/bprof-$v-$r.log")"; done; done ;;
     s65b)    # session 65's end-to-end runs (see the list above)
-             for v in ${S65B_VARIANTS:-new nopieces}; do
-               env $(qmv_env $v) timeout ${STAGE_S:-200} python3 scripts/nb.py decode --spec none,dflash2:7 $HELD \
-                 --json "$OUT/held-$v" > "$OUT/held-$v.log" 2>&1
-               echo "--- bundled held-out, $v: rc $?"; grep -E "│ v3-|decode tok/s|tokens sha256" "$OUT/held-$v.log"; done
+             held_variants none,dflash2:7 ${S65B_VARIANTS:-new nopieces}
              nb decode --spec dflash2 -k 7 --json "$OUT/main.json" 2>&1 | tee "$OUT/main.log" | tail -6
              [ "${S65_27B:-0}" = 1 ] && for v in ${S65B_VARIANTS:-new nopieces}; do
                env $(qmv_env $v) timeout ${STAGE_S:-200} python3 scripts/nb.py decode $M27 -n 64 --repeats 2 \

@@ -20,7 +20,6 @@ import re
 import subprocess
 import sys
 import tempfile
-from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -145,7 +144,7 @@ def main() -> int:
                 kw = knob_kwargs(spec)
                 b = qmv_cuda.launch_build(fmt, args.n, args.rows, 2, args.sms, **kw)
                 if args.pieces > 1 and "min_blocks" not in kw:  # a walk's register cap, as qmv builds it
-                    b = replace(b, min_blocks=max(1, qmv_cuda._WALK_WARPS_PER_SM // b.warps))
+                    b = qmv_cuda.walk_build(b)
                 options = qmv_cuda.kernel_options(qmv_cuda._FMT_ID[fmt], False, True, b.unroll, b.min_blocks, False,
                                                   False, False, not args.no_pdl, 2, False, b.warps, False, b.ncol,
                                                   b.tiles, True, b.stages, pieces=args.pieces)
