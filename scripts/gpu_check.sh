@@ -172,6 +172,10 @@
 #   wgv      the verify attention on wgmma (attn_verify_wg): its CUDA tests, the int8 cases with each verify kernel
 #   cattn27  decode -p CATTN_P (2991,65000) -n 128 on the 27B synthetic with the CUDA attention (the default) and with
 #            NINFER_BENCH_ATTN=triton, ours only: decode after a long prompt against a short one, either kernel
+#   b38      issue 38's measurements on this GPU in one call: the bundled held-out prompts (plain, DFlash2 K=7), the
+#            bundled decode step's profile with the defaults and with each B38_DROPS set (--drop, default norm)
+#            alternating B38_REPEATS (2) times, the 27B synthetic plain decode (64 tokens); name ksuite after it for
+#            the kernels suite with the captured step's timeline
 #   hashes   the token hashes a refactor must keep: the README's main command (timed), the bundled model's plain and
 #            MTP3 runs, and the 27B synthetic plain / MTP3 / DFlash2 K=7 runs (64 tokens, the default prompt)
 set -u
@@ -989,6 +993,14 @@ PY
                NINFER_BENCH_ATTN_VERIFY=wgmma nb decode $M27 --spec none,dflash2:7 --replay-acceptance seed -n 64 \
                  --json "$OUT/wgv/d27-wgmma" 2>&1 | tail -8
              fi ;;
+    b38)     held_variants none,dflash2:7 new
+             for r in $(seq ${B38_REPEATS:-2}); do for d in default ${B38_DROPS:-norm}; do
+               a=""; [ $d != default ] && a="--drop $d"
+               timeout 120 python3 scripts/profile_step.py --spec none --steps 64 --top 30 $a \
+                 --json "$OUT/bprof-$d-$r.json" > "$OUT/bprof-$d-$r.log" 2>&1
+               echo "--- bundled step $d, round $r: rc $? $(grep -E 'a step' "$OUT/bprof-$d-$r.log" | head -1)"; done; done
+             nb decode $M27 --spec none -n 64 --repeats 2 --json "$OUT/d27plain" 2>&1 | tee "$OUT/d27plain.log" | tail -6
+             ;;
     cattn27) for attn in cuda triton; do
                NINFER_BENCH_ATTN=$attn nb decode $M27 -p ${CATTN_P:-2991,65000} -n ${PLEN_N:-128} --repeats 2 \
                  --json "$OUT/cattn27-$attn" 2>&1 | tail -8 | sed "s|^|$attn: |"
