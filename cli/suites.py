@@ -514,9 +514,12 @@ def concurrency(levels, url, served_model, model, synthetic, quant, spec, draft_
 @click.option("--timeline", is_flag=True, help="Also profile the engine's own decode step on the model and show each "
               "kernel's share of it (CUDA: the captured step's kernels; a CPU: torch ops by self time).")
 @click.option("--timeline-steps", type=int, default=32, show_default=True, help="Decode steps the timeline profiles.")
+@click.option("--l2-flush", type=click.Choice(["read", "write"]), default="read", show_default=True,
+              help="CUDA: how each timed call's L2 is evicted first: read a 256 MB buffer (clean lines, as in a decode "
+                   "step), or write it (dirty lines the op then writes back: up to the L2's size of extra traffic).")
 @output_options
 def kernels(shape, model, ts, variants, ops, quant, contexts, repeats, warmup, device, seed, label, json_path, timeline,
-            timeline_steps):
+            timeline_steps, l2_flush):
     """Per-op microseconds, GB/s and % of copy bandwidth of the model's hot decode ops, each checked against its
     fp32 reference in the same run; exit 1 when any check fails."""
     from ..suites.kernels import KernelOptions, run_kernels
@@ -532,7 +535,7 @@ def kernels(shape, model, ts, variants, ops, quant, contexts, repeats, warmup, d
                          ops=names(ops or ""), quant=quant,
                          contexts=numbers(contexts, "--contexts") if contexts else None,
                          repeats=repeats, warmup=warmup, device=device, label=label, seed=seed, timeline=timeline,
-                         timeline_steps=timeline_steps)
+                         timeline_steps=timeline_steps, l2_flush=l2_flush)
     import torch
 
     if opts.device == "cpu" or (opts.device == "auto" and not torch.cuda.is_available()):

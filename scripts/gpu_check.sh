@@ -172,6 +172,10 @@
 #   wgv      the verify attention on wgmma (attn_verify_wg): its CUDA tests, the int8 cases with each verify kernel
 #   cattn27  decode -p CATTN_P (2991,65000) -n 128 on the 27B synthetic with the CUDA attention (the default) and with
 #            NINFER_BENCH_ATTN=triton, ours only: decode after a long prompt against a short one, either kernel
+#   l2flush  the kernels suite's L2 flush (read, the default, against write): scripts/probe_l2_flush.py's timings
+#            (L2F_OPS at L2F_ROWS rows), then under Nsight Compute (--cache-control none) each launch's DRAM bytes read
+#            and written after either flush, then the kernels suite at the 27B shape (v3, T = 1 and 8) with
+#            --l2-flush write and read (KSUITE_OPS: only these ops), the second with the step's timeline
 #   b38      issue 38's measurements on this GPU in one call: the bundled held-out prompts (plain, DFlash2 K=7), the
 #            bundled decode step's profile with the defaults and with each B38_DROPS set (--drop, default norm)
 #            alternating B38_REPEATS (2) times, the 27B synthetic plain decode (64 tokens); name ksuite after it for
@@ -993,6 +997,19 @@ PY
                NINFER_BENCH_ATTN_VERIFY=wgmma nb decode $M27 --spec none,dflash2:7 --replay-acceptance seed -n 64 \
                  --json "$OUT/wgv/d27-wgmma" 2>&1 | tail -8
              fi ;;
+    l2flush) timeout 120 python3 scripts/probe_l2_flush.py --ops ${L2F_OPS:-mlp.gate_up:q4,attn.q_gate:q5,attn.o:q5,gdn.out:q4,mlp.down:q4} \
+               --rows ${L2F_ROWS:-1} 2>&1 | tee "$OUT/probe_l2_flush.log"
+             if command -v ncu >/dev/null; then
+               timeout 150 ncu --cache-control none --clock-control none --kernel-name regex:qmv \
+                 --metrics dram__bytes_read.sum,dram__bytes_write.sum,gpu__time_duration.sum \
+                 python3 scripts/probe_l2_flush.py --ops ${L2F_OPS:-mlp.gate_up:q4,attn.q_gate:q5,attn.o:q5,gdn.out:q4,mlp.down:q4} \
+                 --rows ${L2F_ROWS:-1} --ncu-launches > "$OUT/ncu_l2_flush.log" 2>&1
+               echo "--- ncu rc $?"; grep -E "ncu launch|dram__bytes|gpu__time|qmv|==ERR" "$OUT/ncu_l2_flush.log" | head -80
+             else echo "ncu: not on the PATH"; fi
+             for mode in write read; do tl=""; [ $mode = read ] && tl="--timeline"
+               nb kernels --shape qwen3.8-27b --t 1,8 --repeats 30 --kernels v3 --l2-flush $mode $tl \
+                 ${KSUITE_OPS:+--ops $KSUITE_OPS} --json "$OUT/kernels_27b_$mode.json" 2>&1 \
+                 | tee "$OUT/kernels_27b_$mode.log" | tail -${KSUITE_LINES:-45}; done ;;
     b38)     held_variants none,dflash2:7 new
              for r in $(seq ${B38_REPEATS:-2}); do for d in default ${B38_DROPS:-norm}; do
                a=""; [ $d != default ] && a="--drop $d"

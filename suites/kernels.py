@@ -26,10 +26,15 @@ weights as q8); ``--quant`` overrides them with a policy's (``engine.artifact.co
 ``config.quant`` and default label say so. A preset (``--shape``) has no stored formats: its policy is ``--quant``,
 mixed by default.
 
-Timing. CUDA: warm-up calls, then each repeat preceded by an L2 flush (a 256 MB write) and timed with CUDA events
-around the op only (``summary.timer = "cuda-events"``); v2 runs eagerly, as that runtime does, and v3 as the replay
-of a CUDA graph of the op, as the v3 runtime runs decode (record ``timing``: "cuda-graph", or "eager" where capture
-fails). CPU: ``time.perf_counter`` around each call, fewer repeats, no flush (``summary.timer = "torch-cpu"``): CPU
+Timing. CUDA: warm-up calls, then each repeat preceded by an L2 flush and timed with CUDA events around the op only;
+v2 runs eagerly, as that runtime does, and v3 as the replay of a CUDA graph of the op, as the v3 runtime runs decode
+(record ``timing``: "cuda-graph", or "eager" where capture fails). The flush (``--l2-flush``) reads a 256 MB buffer by
+default (``summary.timer = "cuda-events-clean-l2"``): the op then starts with an L2 of clean lines that are not its
+own, as in a decode step, where the kernel before read weights. ``write`` (``summary.timer = "cuda-events"``, the
+suite's flush before session 67) zeroes the buffer instead, which leaves the L2 full of dirty lines: a
+memory-bound op then writes them back to HBM as its reads evict them, up to the L2's size of extra traffic (on the
+27B projections of 7-95 MB, about as many bytes again), so its time reads up to twice the op's own. Reports refuse to
+compare runs whose timers differ. CPU: ``time.perf_counter`` around each call, fewer repeats, no flush (``summary.timer = "torch-cpu"``): CPU
 timings are not GPU numbers.
 """
 
@@ -56,7 +61,8 @@ from .kernel_registry import entries
 VARIANTS = ("v2", "v3")
 CUDA_SHAPE, CPU_SHAPE = "qwen3.8-27b", "tiny"
 CUDA_CONTEXTS = (8192, 65536)
-FLUSH_BYTES = 256 << 20  # written before every timed CUDA repeat: several times the H200's 50 MB L2
+FLUSH_BYTES = 256 << 20  # read (or written) before every timed CUDA repeat: several times the H200's 50 MB L2
+L2_FLUSHES = {"read": "cuda-events-clean-l2", "write": "cuda-events"}  # --l2-flush -> summary.timer
 
 
 # ---- options and timing ------------------------------------------------------------------------------------
@@ -79,6 +85,7 @@ class KernelOptions:
     # the engine's own decode step profiled after the ops (suites/step_timeline.py): each kernel's share of it
     timeline: bool = False
     timeline_steps: int = 32
+    l2_flush: str = "read"  # CUDA: how each timed repeat evicts the L2 (L2_FLUSHES)
 
     def __post_init__(self) -> None:
         if self.shape is not None and self.model is not None:
@@ -96,19 +103,38 @@ class KernelOptions:
             v = getattr(self, name)
             if v is not None and v < (1 if name == "repeats" else 0):
                 raise ValueError(f"--{name} must be >= {1 if name == 'repeats' else 0}, got {v}")
+        if self.l2_flush not in L2_FLUSHES:
+            raise ValueError(f"--l2-flush must be one of {', '.join(L2_FLUSHES)}, got {self.l2_flush!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"--device must be auto, cpu or cuda, got {self.device!r}")
         if self.timeline_steps < 1:
             raise ValueError(f"--timeline-steps must be >= 1, got {self.timeline_steps}")
 
 
-def time_cuda(fn, repeats: int, warmup: int, flush: torch.Tensor) -> list[float]:
-    """Microseconds per call: CUDA events around the op only, each repeat after an L2 flush."""
+def l2_flusher(buf: torch.Tensor, mode: str):
+    """A callable that evicts the L2 by streaming ``buf`` (float32, several times the L2): ``read`` sums it into a
+    one-element sink (the L2 then holds clean lines), ``write`` zeroes it (dirty lines, written back to memory while
+    the next kernel evicts them). ``read`` first makes the buffer's own lines clean: two passes after a write."""
+    if mode == "write":
+        return buf.zero_
+    if mode != "read":
+        raise ValueError(f"l2 flush must be one of {', '.join(L2_FLUSHES)}, got {mode!r}")
+    sink = torch.empty((), dtype=buf.dtype, device=buf.device)
+
+    def read():
+        torch.sum(buf.view(-1), dim=0, out=sink)
+    for _ in range(2):
+        read()
+    return read
+
+
+def time_cuda(fn, repeats: int, warmup: int, flush) -> list[float]:
+    """Microseconds per call: CUDA events around the op only, each repeat after ``flush()`` (:func:`l2_flusher`)."""
     for _ in range(warmup):
         fn()
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
     for start, end in events:
-        flush.zero_()
+        flush()
         start.record()
         fn()
         end.record()
@@ -259,7 +285,7 @@ def run_kernels(opts: KernelOptions, progress=None) -> dict:
         raise ValueError(f"--ops {','.join(opts.ops)}: no registered op matches")
     copy_gbps = copy_bandwidth(device, None if cuda else 64 << 20, repeats=10 if cuda else 5) / 1e9
     if cuda:
-        flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=device)
+        flush = l2_flusher(torch.zeros(FLUSH_BYTES // 4, dtype=torch.float32, device=device), opts.l2_flush)
         timer = functools.partial(time_cuda, repeats=repeats, warmup=warmup, flush=flush)
     else:
         timer = functools.partial(time_cpu, repeats=repeats, warmup=warmup)
@@ -295,7 +321,7 @@ def run_kernels(opts: KernelOptions, progress=None) -> dict:
     failures = [failure_text(r) for r in records if not r["ok"]]
     summary = {"timeline": timeline,
                "ops": len({r["op"] for r in records}), "checks": len(records), "copy_bandwidth_gbps": copy_gbps,
-               "timer": "cuda-events" if cuda else "torch-cpu", "device": str(device),
+               "timer": L2_FLUSHES[opts.l2_flush] if cuda else "torch-cpu", "device": str(device),
                "gpu": torch.cuda.get_device_name(device) if cuda else None, "failures": failures,
                "families": sorted({r["family"] for r in records})}
     config = asdict(opts)

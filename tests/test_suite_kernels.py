@@ -193,6 +193,25 @@ def test_bad_requests_are_one_line_errors(args, message):
     assert code == 1 and message in text, text
 
 
+def test_l2_flushers_read_or_zero_the_buffer_and_refuse_other_modes():
+    """The read flush leaves its buffer as it was (clean lines: nothing for the timed op to write back); the write
+    flush zeroes it; the options refuse any other mode."""
+    from ninfer_bench.suites.kernels import L2_FLUSHES, KernelOptions, l2_flusher
+
+    buf = torch.arange(1, 4097, dtype=torch.float32)
+    before = buf.clone()
+    read = l2_flusher(buf, "read")
+    read()
+    assert torch.equal(buf, before)
+    l2_flusher(buf, "write")()
+    assert not buf.any()
+    with pytest.raises(ValueError, match="l2 flush"):
+        l2_flusher(buf, "evict")
+    with pytest.raises(ValueError, match="--l2-flush"):
+        KernelOptions(l2_flush="evict")
+    assert set(L2_FLUSHES) == {"read", "write"} and len(set(L2_FLUSHES.values())) == 2
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_run_times_v3_as_graph_replays(tmp_path):
     out = tmp_path / "cuda.json"
@@ -200,7 +219,8 @@ def test_cuda_run_times_v3_as_graph_replays(tmp_path):
                      "--ops", "attn.,mlp.down,mlp.gate_up_silu,lm_head,gdn.step,norm.rms", "--json", out)
     assert code == 0, text
     doc = read_result(out)
-    assert doc["summary"]["timer"] == "cuda-events" and doc["summary"]["failures"] == []
+    assert doc["summary"]["timer"] == "cuda-events-clean-l2" and doc["summary"]["failures"] == []
+    assert doc["config"]["l2_flush"] == "read"
     assert {r["timing"] for r in doc["records"] if r["variant"] == "v2"} == {"eager"}
     assert {r["timing"] for r in doc["records"] if r["variant"] == "v3"} == {"cuda-graph"}
     from ninfer_bench.kernels import qmv_cuda
