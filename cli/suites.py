@@ -517,9 +517,13 @@ def concurrency(levels, url, served_model, model, synthetic, quant, spec, draft_
 @click.option("--l2-flush", type=click.Choice(["read", "write"]), default="read", show_default=True,
               help="CUDA: how each timed call's L2 is evicted first: read a 256 MB buffer (clean lines, as in a decode "
                    "step), or write it (dirty lines the op then writes back: up to the L2's size of extra traffic).")
+@click.option("--chain", default="auto", show_default=True,
+              help="CUDA v3 projections: also time a graph of this many launches over as many weight copies, as a "
+                   "step launches them layer after layer (auto: copies of at least 512 MB, at most 32; off or 0: "
+                   "none).")
 @output_options
 def kernels(shape, model, ts, variants, ops, quant, contexts, repeats, warmup, device, seed, label, json_path, timeline,
-            timeline_steps, l2_flush):
+            timeline_steps, l2_flush, chain):
     """Per-op microseconds, GB/s and % of copy bandwidth of the model's hot decode ops, each checked against its
     fp32 reference in the same run; exit 1 when any check fails."""
     from ..suites.kernels import KernelOptions, run_kernels
@@ -530,12 +534,20 @@ def kernels(shape, model, ts, variants, ops, quant, contexts, repeats, warmup, d
     def numbers(text, flag):
         return tuple(dict.fromkeys(int_list(text, flag)))
 
+    def chain_option(text):
+        if text in ("auto", "off"):
+            return None if text == "auto" else 0
+        try:
+            return int(text)
+        except ValueError:
+            raise ValueError(f"--chain must be auto, off or a number of launches, got {text!r}") from None
+
     check_output(json_path, parents=True)
     opts = KernelOptions(shape=shape, model=model, ts=numbers(ts, "--t"), variants=names(variants),
                          ops=names(ops or ""), quant=quant,
                          contexts=numbers(contexts, "--contexts") if contexts else None,
                          repeats=repeats, warmup=warmup, device=device, label=label, seed=seed, timeline=timeline,
-                         timeline_steps=timeline_steps, l2_flush=l2_flush)
+                         timeline_steps=timeline_steps, l2_flush=l2_flush, chain=chain_option(chain))
     import torch
 
     if opts.device == "cpu" or (opts.device == "auto" and not torch.cuda.is_available()):

@@ -380,7 +380,8 @@ def open_loop_grid(doc: dict) -> Grid:
 
 def kernels_grid(doc: dict) -> Grid:
     """One kernels result, a row per record (op, shape, tokens, variant): microseconds (median [p10-p90]), GB/s,
-    percent of the copy bandwidth, the error against the fp32 reference and its check."""
+    percent of the copy bandwidth, a v3 projection's time a launch and share of the copy bandwidth in a chain of
+    launches (where measured), the error against the fp32 reference and its check."""
     s, base = doc["summary"], run_context(doc)
     rows = []
     for r in doc["records"]:  # a shape as a metric path's selector writes it: 1x5120
@@ -398,6 +399,11 @@ def kernels_grid(doc: dict) -> Grid:
                                                else 100 * r["roofline_fraction"], ".1f"), R),
             _col("max rel err", "max_rel_err", ".1e", R),
             Column("ok", lambda r: styled("ok", "green") if r.get("ok") else styled("FAIL", "red"), R)]
+    if any(r.get("chain_fraction") is not None for r in rows):  # v3 projections also timed in a chain of launches
+        cols[7:7] = [Column("chain us (n)", lambda r: "" if r.get("chain_us") is None else
+                            f"{r['chain_us']:.1f} ({r['chain_launches']})", R),
+                     Column("% chain", lambda r: fmt(None if r.get("chain_fraction") is None
+                                                     else 100 * r["chain_fraction"], ".1f"), R)]
     return Grid("kernels", f"kernels: {doc['label']} on {s.get('gpu') or s.get('device')} "
                            f"({(doc.get('config') or {}).get('dtype')}, timer {s.get('timer')})", cols, rows)
 

@@ -7,8 +7,9 @@ For each projection (K -> N), packed format and T rows of x (bf16): checks the k
 reference on a sample of rows (rel. RMS), then times
   ours          what the engine calls (a tiled PackedLinear: qmv, up to 64 rows a launch, when cupy imports, else
                 Triton)
-                replayed from a CUDA graph, do_bench median with L2 flushed (graph replay keeps host launch
-                time out of the number)
+                replayed from a CUDA graph, the median of 50 calls, each after the kernels suite's clean L2
+                flush (suites/kernels.l2_flusher: a 256 MB read, so no dirty lines are left for the call to write
+                back; graph replay keeps host launch time out of the number)
   triton        qlinear_triton with its default launch config
   qmv           kernels/qmv_cuda.cu (tensor cores, T <= 8) with its default split
   ours-r<R>     (T > 8, --rows) what the engine calls with R rows a launch (8: one column group a launch, the weight
@@ -137,10 +138,21 @@ def rel_rms(y: torch.Tensor, ref: torch.Tensor) -> float:
     return ((y - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
-def one_call_us(fn, do_bench) -> float:
-    """Median us of one call replayed from a CUDA graph, L2 flushed before each (do_bench): no host time."""
+_FLUSH = {}
+
+
+def one_call_us(fn) -> float:
+    """Median us of one call replayed from a CUDA graph, each after a clean L2 flush (the kernels suite's timer and
+    flush; Triton's do_bench zeroes its buffer, and the dirty lines cost a memory-bound call up to 1.27x): no host
+    time."""
+    import numpy as np
+
+    from ninfer_bench.suites.kernels import FLUSH_BYTES, l2_flusher, time_cuda
+
+    if "read" not in _FLUSH:
+        _FLUSH["read"] = l2_flusher(torch.zeros(FLUSH_BYTES // 4, device="cuda"), "read")
     g = capture([fn])
-    return do_bench(g.replay, warmup=10, rep=50, return_mode="median") * 1e3
+    return float(np.median(time_cuda(g.replay, repeats=50, warmup=10, flush=_FLUSH["read"])))
 
 
 def rotating_us(calls) -> float:
@@ -176,8 +188,6 @@ DENSE_SHAPES = {"gdn.ba": (5120, 96), "dense.1024": (5120, 1024), "dense.5120": 
 
 def bench_dense(ts, row, failures) -> None:
     """cuBLAS F.linear against qmv's dense path (FMT 3, with and without PDL), same weights, same run."""
-    from triton.testing import do_bench
-
     from ninfer_bench.kernels import qmv_cuda
 
     gen = torch.Generator(device="cuda").manual_seed(2)
@@ -203,7 +213,7 @@ def bench_dense(ts, row, failures) -> None:
                 if not err <= TOL_BF16:
                     print(f"!!! FAILED CORRECTNESS {op} T={t} {label}: rel RMS {err:.3e}")
                     failures.append((op, "bf16", t, label, err))
-                us = one_call_us(lambda fn=fn, out=out: fn(0, out), do_bench)
+                us = one_call_us(lambda fn=fn, out=out: fn(0, out))
                 calls = [(lambda i=i, fn=fn, out=out: fn(i % len(ws), out)) for i in range(GRAPH_CALLS)]
                 us_rot = rotating_us(calls)
                 row(op, "bf16", t, label, us, nbytes, {"rel_rms": err, "us_graph20": us_rot})
@@ -256,7 +266,6 @@ def main() -> int:
         print("bench_qlinear: needs a CUDA GPU (none visible)", file=sys.stderr)
         return 2
     import triton
-    from triton.testing import do_bench
 
     t_start = time.time()
     ops = args.ops.split(",") if args.ops else (QUICK_OPS if args.quick else tuple(SHAPES))
@@ -386,7 +395,7 @@ def main() -> int:
                         print(f"!!! FAILED CORRECTNESS {op} {fmt} T={t} {label}: rel RMS {err:.3e} > {TOL_BF16}")
                         failures.append((op, fmt, t, label, err))
                     out = torch.empty_like(y)
-                    us = one_call_us(lambda lin=lin: fn(x, lin, out), do_bench)
+                    us = one_call_us(lambda lin=lin: fn(x, lin, out))
                     calls = [(lambda li=li: fn(x, li, out)) for li in (lins * GRAPH_CALLS)[:GRAPH_CALLS]]
                     us_rot = rotating_us(calls)
                     row(op, fmt, t, label, us, nbytes, {"rel_rms": err, "config": getattr(fn, "config", ""),
@@ -406,11 +415,11 @@ def main() -> int:
             dense = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
             for t in ts:
                 x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16, generator=gen)
-                us = one_call_us(lambda: F.linear(x, dense), do_bench)
+                us = one_call_us(lambda: F.linear(x, dense))
                 row(op, "bf16", t, "cublas", us, dense.numel() * 2 + x.numel() * 2 + t * n * 2)
                 tg = int4_tinygemm(x, n, k)
                 if tg:
-                    us = one_call_us(tg[0], do_bench)
+                    us = one_call_us(tg[0])
                     row(op, "int4_g128", t, "torch_tinygemm", us, tg[1] + x.numel() * 2 + t * n * 2)
                     del tg
             del dense

@@ -41,6 +41,9 @@ class Case:
     reference: Callable[[], object]
     impls: dict[str, Impl]
     extra: dict = field(default_factory=dict)  # more record fields (weight format, context length, ...)
+    # v3 as a decode step launches it layer after layer: ``chain(n)`` returns a run of n launches of the op, each on
+    # its own copy of the weights (suites/kernels.py times it as one CUDA graph); None where no chain is measured
+    chain: Callable[[int], Callable[[], object]] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,16 +32,34 @@ class _Weight:
     ref: torch.Tensor  # [N, K] fp32, the stored weight dequantized exactly
     dense: torch.Tensor  # [N, K] in the compute dtype: what v2 (and every CPU run) multiplies with
     packed: PackedLinear | None  # v3 on CUDA, for the quantized formats
+    buf: torch.Tensor | None = None  # the packed bytes (row-major sections) the packed weight was made from
+
+
+def _layout(ctx: KernelContext) -> str:
+    """The engine's layout of a packed weight: qmv's when the compute dtype is 16-bit (EngineOptions.qmv_layout)."""
+    return EngineOptions().qmv_layout if ctx.dtype in (torch.bfloat16, torch.float16) else "rows"
 
 
 def _weight(ctx: KernelContext, name: str, fmt: str, n: int, k: int) -> _Weight:
     buf = quant.pack(ctx.randn(n, k, gen=ctx.generator(name, "w"), dtype=F32, scale=k ** -0.5), fmt)
     ref = quant.dequantize(buf, fmt, (n, k), F32)
-    # held as the engine holds it: qmv's layout when the compute dtype is 16-bit (EngineOptions.qmv_layout)
-    layout = EngineOptions().qmv_layout if ctx.dtype in (torch.bfloat16, torch.float16) else "rows"
-    packed = PackedLinear(buf, fmt, (n, k), ctx.device, layout=layout) \
-        if fmt in quant.QUANT_FORMATS else None
-    return _Weight(ref, ref.to(ctx.dtype), packed)
+    if fmt not in quant.QUANT_FORMATS:
+        return _Weight(ref, ref.to(ctx.dtype), None)
+    return _Weight(ref, ref.to(ctx.dtype), PackedLinear(buf, fmt, (n, k), ctx.device, layout=_layout(ctx)), buf)
+
+
+def _chain(ctx: KernelContext, key: str, first: PackedLinear, buf, fmt: str, shape: tuple[int, int], launch):
+    """Case.chain for a packed weight: ``first`` and n - 1 copies of its bytes (``buf()``: row-major sections, cloned
+    so that no two launches read the same memory), each launched by ``launch(lin)``. The copies are made once per n
+    and op (freed with the op's other weights)."""
+    def copies(n: int) -> list[PackedLinear]:
+        raw = buf()
+        return [first] + [PackedLinear(raw.clone(), fmt, shape, ctx.device, layout=_layout(ctx)) for _ in range(n - 1)]
+
+    def chain(n: int):
+        lins = ctx.memo((key, n), lambda: copies(n))
+        return lambda: [launch(lin) for lin in lins]
+    return chain
 
 
 def _hd(c):
@@ -89,8 +107,10 @@ def _projection(name: str, dims, ctx: KernelContext, t: int, _param) -> Case:
         v3 = v3_impl(ctx, Impl(lambda: w.packed(x), f"packed {fmt}, {path}"),
                  Impl(lambda: w.packed(x), f"dense {dt} F.linear on the dequantized {fmt} weight"),
                  qlinear_triton_available() and t <= MAX_KERNEL_ROWS)
+    chain = _chain(ctx, "chain", w.packed, lambda: w.buf, fmt, (n, k), lambda lin: lin(x)) \
+        if w.packed is not None and ctx.cuda and qmv_cuda.supports(x, w.packed) else None
     return Case([n, k], projection_bytes(fmt, n, k, t, ctx.elt), lambda: x.float() @ w.ref.T,
-                {"v2": v2, "v3": v3}, {"fmt": fmt})
+                {"v2": v2, "v3": v3}, {"fmt": fmt}, chain)
 
 
 for _op, (_name, _dims) in PROJECTIONS.items():
@@ -115,16 +135,19 @@ def _gate_up_silu(ctx: KernelContext, t: int, _param) -> Case:
     ref = lambda: act(x.float() @ w.ref.T)  # noqa: E731
     v2 = Impl(lambda: act(F.linear(x, w.dense)), "dense F.linear, then F.silu(gate) * up")
     mixed = ctx.memo("interleaved", lambda: _interleaved(ctx, w, fmt, inter, k))
+    chain = None
     if w.packed is None:
         v3 = Impl(v2.run, f"{fmt} weight: as v2")
     elif mixed is not None and mixed.silu_mul(x) is not None:
         v3 = Impl(lambda: mixed.silu_mul(x), f"packed {fmt}, rows interleaved: qmv storing silu(gate) * up")
+        chain = _chain(ctx, "chain-interleaved", mixed, lambda: mixed.row_major().buf, fmt, (2 * inter, k),
+                       lambda lin: lin.silu_mul(x))
     else:
         v3 = v3_impl(ctx, Impl(lambda: act(w.packed(x)), f"packed {fmt}, Triton qlinear, then F.silu(gate) * up"),
                      Impl(lambda: act(w.packed(x)), f"dense F.linear on the dequantized {fmt} weight, then the "
                           "activation"), qlinear_triton_available() and t <= MAX_KERNEL_ROWS)
     return Case([2 * inter, k], projection_bytes(fmt, 2 * inter, k, t, ctx.elt) - t * inter * ctx.elt, ref,
-                {"v2": v2, "v3": v3}, {"fmt": fmt})
+                {"v2": v2, "v3": v3}, {"fmt": fmt}, chain)
 
 
 def _interleaved(ctx: KernelContext, w: _Weight, fmt: str, inter: int, k: int) -> PackedLinear | None:
@@ -132,6 +155,5 @@ def _interleaved(ctx: KernelContext, w: _Weight, fmt: str, inter: int, k: int) -
     none (a dense format, an intermediate size that is no multiple of the run, or no qmv to read it)."""
     if w.packed is None or inter % GATE_UP_RUN or ctx.device.type != "cuda" or not qmv_cuda.available():
         return None
-    layout = EngineOptions().qmv_layout if ctx.dtype in (torch.bfloat16, torch.float16) else "rows"
     buf = quant.take_rows(w.packed.row_major().buf.cpu(), fmt, (2 * inter, k), interleave_order(2 * inter))
-    return PackedLinear(buf, fmt, (2 * inter, k), ctx.device, layout=layout)
+    return PackedLinear(buf, fmt, (2 * inter, k), ctx.device, layout=_layout(ctx))

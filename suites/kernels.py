@@ -21,6 +21,14 @@ how close the variant gets to the op's memory floor; ``max_rel_err``, the larges
 ``||out - ref|| / ||ref||`` over the op's outputs (e.g. a GDN step's o and new state), with the op's ``tolerance``
 and ``ok``; ``note``, what ran; ``fmt``, a projection's weight format.
 
+Chains (CUDA, v3 projections, ``--chain``). A single timed launch also pays a CUDA graph's launch, a few
+microseconds that a decode step pays once for its hundreds of kernels; at the 27B's smaller projections that is a
+third of the time. So each v3 projection is also timed as one graph of ``chain_launches`` launches, each on its own
+copy of the weights (no launch finds the one before's bytes in the L2), with programmatic dependent launch as the
+engine captures its step: ``chain_us`` is that graph's time over its launches and ``chain_fraction`` its share of
+the copy bandwidth - what the projection costs a layer inside a step. By default (auto) a chain's copies hold at
+least CHAIN_BYTES (at most MAX_CHAIN launches); a weight that large alone (the lm_head) gets no chain.
+
 Weight formats. With ``--model`` the projections are timed in the formats the artifact stores (a q8 artifact's
 weights as q8); ``--quant`` overrides them with a policy's (``engine.artifact.convert.weight_format``), and the run's
 ``config.quant`` and default label say so. A preset (``--shape``) has no stored formats: its policy is ``--quant``,
@@ -52,7 +60,7 @@ import torch
 
 from ..engine.artifact.convert import POLICIES
 from ..engine.model.config import ModelConfig, preset
-from ..engine.runtime.options import resolve_device
+from ..engine.runtime.options import EngineOptions, resolve_device
 from ..reports.schema import make_result
 from .common import copy_bandwidth
 from .kernel_cases import CPU_CONTEXTS, LAYER_PREFIX, Case, KernelContext, max_rel_err
@@ -63,6 +71,10 @@ CUDA_SHAPE, CPU_SHAPE = "qwen3.8-27b", "tiny"
 CUDA_CONTEXTS = (8192, 65536)
 FLUSH_BYTES = 256 << 20  # read (or written) before every timed CUDA repeat: several times the H200's 50 MB L2
 L2_FLUSHES = {"read": "cuda-events-clean-l2", "write": "cuda-events"}  # --l2-flush -> summary.timer
+# a v3 projection's chain (--chain auto): launches enough that their weight copies hold at least CHAIN_BYTES (the one
+# graph launch's fixed cost spread over them), at most MAX_CHAIN; a weight of CHAIN_BYTES or more is timed alone
+CHAIN_BYTES = 512 << 20
+MAX_CHAIN = 32
 
 
 # ---- options and timing ------------------------------------------------------------------------------------
@@ -86,6 +98,7 @@ class KernelOptions:
     timeline: bool = False
     timeline_steps: int = 32
     l2_flush: str = "read"  # CUDA: how each timed repeat evicts the L2 (L2_FLUSHES)
+    chain: int | None = None  # CUDA v3 projections: launches a chain (chain_launches; None: auto, 0: none)
 
     def __post_init__(self) -> None:
         if self.shape is not None and self.model is not None:
@@ -103,6 +116,8 @@ class KernelOptions:
             v = getattr(self, name)
             if v is not None and v < (1 if name == "repeats" else 0):
                 raise ValueError(f"--{name} must be >= {1 if name == 'repeats' else 0}, got {v}")
+        if self.chain is not None and (self.chain < 0 or self.chain == 1 or self.chain > MAX_CHAIN):
+            raise ValueError(f"--chain must be auto, 0 (off) or 2..{MAX_CHAIN} launches, got {self.chain}")
         if self.l2_flush not in L2_FLUSHES:
             raise ValueError(f"--l2-flush must be one of {', '.join(L2_FLUSHES)}, got {self.l2_flush!r}")
         if self.device not in ("auto", "cpu", "cuda"):
@@ -154,6 +169,30 @@ def cuda_graph(fn):
     with torch.cuda.graph(graph):
         fn()
     return graph.replay
+
+
+def chain_launches(op_bytes: int, chain: int | None) -> int:
+    """Launches in an op's chain: ``chain`` when given (0: none), else enough that their weights hold CHAIN_BYTES,
+    at most MAX_CHAIN; 0 where one launch alone moves that much (its graph launch's fixed cost is small beside it)."""
+    if chain is not None:
+        return chain
+    n = min(MAX_CHAIN, -(-CHAIN_BYTES // max(1, op_bytes)))
+    return n if n >= 2 else 0
+
+
+def chain_graph(fn, pdl: bool):
+    """``fn`` (a chain of launches) captured as the engine captures its decode step: with programmatic dependent
+    launch on when ``pdl`` (the engine's default, EngineOptions.pdl), so each launch may start while the one before
+    finishes, as one projection follows the kernel before it in the step."""
+    from ..kernels import _triton
+
+    was = _triton.pdl_enabled()
+    _triton.set_pdl(pdl)
+    try:
+        with _triton.graph_scope():
+            return cuda_graph(fn)
+    finally:
+        _triton.set_pdl(was)
 
 
 def time_cpu(fn, repeats: int, warmup: int) -> list[float]:
@@ -219,9 +258,11 @@ def _failed(rec: dict, err: Exception) -> dict:
 
 
 def measure(case: Case, ref, variant: str, base: dict, tolerance: float, timer, copy_gbps: float,
-            graph: bool = False) -> dict:
+            graph: bool = False, chain: int = 0) -> dict:
     """Check one implementation against the reference, then time it (``graph``: its CUDA-graph replay, as the
-    v3 runtime runs decode; eagerly when capture fails): one record."""
+    v3 runtime runs decode; eagerly when capture fails): one record. With ``chain`` >= 2 and a ``case.chain``, v3
+    is also timed as one graph of ``chain`` launches over as many weight copies (:func:`chain_graph`): the record's
+    ``chain_launches``, ``chain_us`` (a launch) and ``chain_fraction`` (of the copy bandwidth)."""
     impl = case.impls[variant]
     rec = {**base, "variant": variant, "bytes": case.bytes, "tolerance": tolerance, "note": impl.note,
            "timing": "eager"}
@@ -242,6 +283,15 @@ def measure(case: Case, ref, variant: str, base: dict, tolerance: float, timer, 
     rec.update(us_median=med, us_p10=float(np.percentile(samples, 10)), us_p90=float(np.percentile(samples, 90)),
                samples_us=samples, gbps=gbps, roofline_fraction=gbps / copy_gbps if gbps and copy_gbps else None,
                max_rel_err=err, ok=math.isfinite(err) and err <= tolerance)
+    if chain >= 2 and case.chain is not None and variant == "v3" and rec["timing"] == "cuda-graph":
+        try:
+            us = float(np.median(timer(chain_graph(case.chain(chain), EngineOptions().pdl)))) / chain
+        except Exception as e:  # the chain is an extra view: its failure is noted, the record stands
+            torch.cuda.synchronize()
+            rec["note"] += f"; chain of {chain} failed ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
+        else:
+            rec.update(chain_launches=chain, chain_us=us,
+                       chain_fraction=case.bytes / us / 1e3 / copy_gbps if us > 0 and copy_gbps else None)
     return rec
 
 
@@ -307,7 +357,9 @@ def run_kernels(opts: KernelOptions, progress=None) -> dict:
                     records.append(_failed({**base, "variant": variant, "bytes": None, "tolerance": tol,
                                             "timing": None}, built))
                 elif variant in case.impls:
-                    records.append(measure(case, ref, variant, base, tol, timer, copy_gbps, cuda and variant == "v3"))
+                    n = chain_launches(case.bytes, opts.chain) if cuda and case.chain is not None else 0
+                    records.append(measure(case, ref, variant, base, tol, timer, copy_gbps, cuda and variant == "v3",
+                                           n))
                 done += 1
                 if progress:
                     progress(done, total, f"{entry.op} t={t} {variant}")

@@ -121,6 +121,11 @@ def test_markdown_shows_the_console_cells():
     assert "| C | agg tok/s |" in md and "| 4 | 241.0 |" in md and "30.0 / 40.0" in md
     md = render(kernels_grid(kernels_doc()), "md")
     assert "us [p10-p90]" in md and "| attn.o | 1x48x128 | 1 | v3 |" in md
+    assert "% chain" not in md  # no record was timed in a chain
+    doc = kernels_doc()
+    doc["records"][-1].update(chain_launches=12, chain_us=3.25, chain_fraction=0.8125)
+    md = render(kernels_grid(doc), "md")
+    assert "| chain us (n) | % chain |" in md and "| 3.2 (12) | 81.2 |" in md
     assert FORMATS == ("table", "md", "csv", "json", "jsonl", "sql")
 
 

@@ -212,6 +212,34 @@ def test_l2_flushers_read_or_zero_the_buffer_and_refuse_other_modes():
     assert set(L2_FLUSHES) == {"read", "write"} and len(set(L2_FLUSHES.values())) == 2
 
 
+def test_chain_launches_spread_the_graph_launch_and_refuse_odd_counts():
+    """Auto: copies enough to hold CHAIN_BYTES, at most MAX_CHAIN, none for a weight that large alone; a count given
+    is taken as it is; one launch is no chain."""
+    from ninfer_bench.suites.kernels import CHAIN_BYTES, MAX_CHAIN, KernelOptions, chain_launches
+
+    assert chain_launches(95_000_000, None) == -(-CHAIN_BYTES // 95_000_000) == 6  # 27B mlp.gate_up q4
+    assert chain_launches(6_900_000, None) == MAX_CHAIN  # 27B attention k + v: 78 wanted
+    assert chain_launches(CHAIN_BYTES // 2, None) == 2
+    assert chain_launches(CHAIN_BYTES, None) == 0 and chain_launches(1_350_000_000, None) == 0  # the lm_head
+    assert chain_launches(6_900_000, 0) == 0 and chain_launches(6_900_000, 5) == 5
+    for bad in (-1, 1, MAX_CHAIN + 1):
+        with pytest.raises(ValueError, match="--chain"):
+            KernelOptions(chain=bad)
+
+
+def test_cpu_records_have_no_chain_and_a_bad_chain_is_one_line():
+    """A chain is a CUDA measurement (v3's graph): a CPU run's records carry none; --chain takes auto, off or a
+    count."""
+    from ninfer_bench.suites.kernels import KernelOptions, run_kernels
+
+    doc = run_kernels(KernelOptions(shape="tiny", device="cpu", ops=("mlp.down",), ts=(1,), repeats=1, warmup=0))
+    assert doc["records"] and not any("chain_us" in r for r in doc["records"])
+    code, text = run("kernels", "--device", "cpu", "--chain", "many")
+    assert code == 1 and "--chain must be auto, off or a number" in text, text
+    code, text = run("kernels", "--device", "cpu", "--chain", "1")
+    assert code == 1 and "--chain must be auto, 0 (off) or 2.." in text, text
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_run_times_v3_as_graph_replays(tmp_path):
     out = tmp_path / "cuda.json"
@@ -229,6 +257,12 @@ def test_cuda_run_times_v3_as_graph_replays(tmp_path):
     assert ("tensor-core qmv" if qmv else "Triton qlinear") in one(doc, op="mlp.down", t=7, variant="v3")["note"]
     silu = one(doc, op="mlp.gate_up_silu", t=1, variant="v3")
     assert silu["ok"] and ("qmv storing silu(gate) * up" in silu["note"]) == qmv
+    if qmv:  # each qmv projection also as a chain of launches over weight copies (the tiny shape's: MAX_CHAIN)
+        from ninfer_bench.suites.kernels import MAX_CHAIN
+
+        for rec in (one(doc, op="mlp.down", t=7, variant="v3"), silu):
+            assert rec["chain_launches"] == MAX_CHAIN and rec["chain_us"] > 0 and rec["chain_fraction"] > 0, rec
+        assert not any("chain_us" in r for r in doc["records"] if r["variant"] == "v2")
 
 
 def test_timeline_profiles_the_engines_own_decode_step(tmp_path):
