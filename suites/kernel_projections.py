@@ -1,8 +1,9 @@
 """The kernels suite's projection family: every weight projection of a decode step at a model config's shapes, in
 its stored format (an artifact's own with --model; else engine.artifact.convert.weight_format under the --quant policy;
 mixed, a preset's default: attention q5, MLP / GDN q4, GDN b / a bf16, lm_head q8): attention q+gate, k, v, o; GDN
-qkv, z, b, a, out; MLP gate, up, down; lm_head; the row-concatenations v3 launches as one (attention k+v, GDN qkv+z
-and b+a, MLP gate+up); and the MLP's gate / up through to ``silu(gate) * up``. The other families are in
+qkv, z, b, a, out; MLP gate, up, down; lm_head; the row-concatenations v3 launches as one (attention q+gate+k+v when
+their formats match, else k+v; GDN qkv+z and b+a, MLP gate+up); and the MLP's gate / up through to
+``silu(gate) * up``. The other families are in
 ``suites/kernel_ops.py``."""
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ PROJECTIONS = {
     "attn.k": (_A + "k_proj.weight", lambda c: (_kv(c), c.hidden_size)),
     "attn.v": (_A + "v_proj.weight", lambda c: (_kv(c), c.hidden_size)),
     "attn.kv": (_A + "k_proj.weight", lambda c: (2 * _kv(c), c.hidden_size)),
+    "attn.qkv": (_A + "q_proj.weight", lambda c: (2 * _hd(c) + 2 * _kv(c), c.hidden_size)),
     "attn.o": (_A + "o_proj.weight", lambda c: (c.hidden_size, _hd(c))),
     "gdn.qkv": (_G + "in_proj_qkv.weight", lambda c: (c.conv_dim, c.hidden_size)),
     "gdn.z": (_G + "in_proj_z.weight", lambda c: (c.value_dim, c.hidden_size)),
