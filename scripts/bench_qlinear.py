@@ -54,6 +54,7 @@ from ninfer_bench.kernels import qmv_cuda  # noqa: E402
 # op -> (K, N) at the 27B shape
 SHAPES = {
     "attn.q_gate": (5120, 12288),
+    "attn.qkv": (5120, 14336),  # q | gate | k | v: the step's attention input launch when the formats match
     "attn.o": (6144, 5120),
     "gdn.qkv": (5120, 10240),
     "gdn.z": (5120, 6144),
