@@ -28,6 +28,7 @@ Writes one JSON line per measurement to $OUT/qlinear.jsonl when OUT is set.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -139,7 +140,12 @@ def rel_rms(y: torch.Tensor, ref: torch.Tensor) -> float:
     return ((y - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
-_FLUSH = {}
+@functools.cache
+def _clean_flush():
+    """The kernels suite's read flush over its buffer, made once (suites/kernels.l2_flusher)."""
+    from ninfer_bench.suites.kernels import FLUSH_BYTES, l2_flusher
+
+    return l2_flusher(torch.zeros(FLUSH_BYTES // 4, device="cuda"), "read")
 
 
 def one_call_us(fn) -> float:
@@ -148,12 +154,10 @@ def one_call_us(fn) -> float:
     time."""
     import numpy as np
 
-    from ninfer_bench.suites.kernels import FLUSH_BYTES, l2_flusher, time_cuda
+    from ninfer_bench.suites.kernels import time_cuda
 
-    if "read" not in _FLUSH:
-        _FLUSH["read"] = l2_flusher(torch.zeros(FLUSH_BYTES // 4, device="cuda"), "read")
     g = capture([fn])
-    return float(np.median(time_cuda(g.replay, repeats=50, warmup=10, flush=_FLUSH["read"])))
+    return float(np.median(time_cuda(g.replay, repeats=50, warmup=10, flush=_clean_flush())))
 
 
 def rotating_us(calls) -> float:

@@ -997,13 +997,12 @@ PY
                NINFER_BENCH_ATTN_VERIFY=wgmma nb decode $M27 --spec none,dflash2:7 --replay-acceptance seed -n 64 \
                  --json "$OUT/wgv/d27-wgmma" 2>&1 | tail -8
              fi ;;
-    l2flush) timeout 120 python3 scripts/probe_l2_flush.py --ops ${L2F_OPS:-mlp.gate_up:q4,attn.q_gate:q5,attn.o:q5,gdn.out:q4,mlp.down:q4} \
-               --rows ${L2F_ROWS:-1} 2>&1 | tee "$OUT/probe_l2_flush.log"
+    l2flush) l2f="${L2F_OPS:+--ops $L2F_OPS} --rows ${L2F_ROWS:-1}"  # the probe's own ops by default
+             timeout 120 python3 scripts/probe_l2_flush.py $l2f 2>&1 | tee "$OUT/probe_l2_flush.log"
              if command -v ncu >/dev/null; then
                timeout 150 ncu --cache-control none --clock-control none --kernel-name regex:qmv \
                  --metrics dram__bytes_read.sum,dram__bytes_write.sum,gpu__time_duration.sum \
-                 python3 scripts/probe_l2_flush.py --ops ${L2F_OPS:-mlp.gate_up:q4,attn.q_gate:q5,attn.o:q5,gdn.out:q4,mlp.down:q4} \
-                 --rows ${L2F_ROWS:-1} --ncu-launches > "$OUT/ncu_l2_flush.log" 2>&1
+                 python3 scripts/probe_l2_flush.py $l2f --ncu-launches > "$OUT/ncu_l2_flush.log" 2>&1
                echo "--- ncu rc $?"; grep -E "ncu launch|dram__bytes|gpu__time|qmv|==ERR" "$OUT/ncu_l2_flush.log" | head -80
              else echo "ncu: not on the PATH"; fi
              for mode in write read; do tl=""; [ $mode = read ] && tl="--timeline"
