@@ -41,7 +41,8 @@ from .qmv_layout import DENSE_FMT, WORD_ORDER, TiledWeight
 
 __all__ = ["qmv", "supports", "available", "import_error", "choose_splits", "choose_warps", "workspace", "set_dense",
            "dense_enabled", "DenseWeight", "TiledWeight", "DENSE_FMT", "WORD_ORDER", "qmv_rows", "MAX_T", "MAX_ROWS",
-           "MAX_SPLITS", "reserve", "shape_splits", "column_groups", "pieces_pay", "set_pieces", "MAX_CLUSTER"]
+           "MAX_SPLITS", "reserve", "shape_splits", "column_groups", "pieces_pay", "set_pieces", "MAX_CLUSTER",
+           "set_shape_knobs", "shape_knobs", "parse_shapes"]
 
 MAX_T = 8  # tokens per column group: the MMA's n = 8 columns
 MAX_ROWS = 64  # rows of x per launch: up to 8 column groups
@@ -157,10 +158,12 @@ def reserve(device, n: int, ng: int) -> None:
 
 def shape_splits(n: int, ng: int, sms: int, warps: int | None = None) -> int:
     """The split count every launch for this weight uses (unless a caller passes ``splits``): :func:`choose_splits`
-    at the default unroll and blocks an SM for ``warps`` (default :func:`choose_warps`), so that it is the same at
-    every width - the order of the sums, and so each row's bits, do not depend on how many rows a launch takes."""
-    warps = warps or choose_warps(n, sms)
-    groups = -(-ng // min(choose_splits(n, ng, sms, 4, max(1, _WARPS_PER_SM // warps), warps), MAX_SPLITS))
+    at the default unroll and blocks an SM for ``warps`` (default :func:`choose_warps`), or the shape's override
+    (:func:`set_shape_knobs`), so that it is the same at every width - the order of the sums, and so each row's bits, do not depend on how many rows a launch takes."""
+    knobs = _SHAPES.get((n, ng), {})
+    warps = warps or knobs.get("warps") or choose_warps(n, sms)
+    splits = knobs.get("splits") or choose_splits(n, ng, sms, 4, max(1, _WARPS_PER_SM // warps), warps)
+    groups = -(-ng // min(splits, MAX_SPLITS))
     return -(-ng // groups)
 
 
@@ -260,6 +263,47 @@ def knob_kwargs(knobs: str) -> dict[str, int]:
     return {KNOB_LETTERS[k]: int(v) for k, v in re.findall(rf"([{''.join(KNOB_LETTERS)}])(\d+)", knobs)}
 
 
+# per-weight-shape launch overrides (tuning runs): {(rows N, groups of K): {"warps", "splits", "min_blocks"}}, set
+# from NINFER_BENCH_QMV_SHAPES (recorded in a result's env.knobs) or set_shape_knobs. Warps and splits fix the order
+# of a row's sums, so an entry holds at every launch width of that shape (a verify row keeps a step's bits); blocks
+# an SM only caps the registers of a launch of up to 8 rows (wider builds keep theirs)
+_SHAPES: dict[tuple[int, int], dict[str, int]] = {}
+SHAPE_LETTERS = {"w": "warps", "k": "splits", "b": "min_blocks"}
+
+
+def parse_shapes(text: str) -> dict[tuple[int, int], dict[str, int]]:
+    """``NxG:KNOBS,...`` (N weight rows, G groups of K; knobs w<warps a tile> k<split-K count> b<blocks an SM>, e.g.
+    ``5120x96:w4k2,14336x80:w8``) -> {(N, G): {keyword: number}}; ValueError when malformed."""
+    import re
+
+    out = {}
+    for item in (v.strip() for v in text.split(",") if v.strip()):
+        m = re.fullmatch(r"(\d+)x(\d+):((?:[wkb]\d+)+)", item)
+        if not m:
+            raise ValueError(f"NINFER_BENCH_QMV_SHAPES: {item!r}: expected NxG:KNOBS (N weight rows, G groups of K; "
+                             "knobs w<warps a tile> k<split-K count> b<blocks an SM>), e.g. 5120x96:w4k2")
+        kw = {SHAPE_LETTERS[k]: int(v) for k, v in re.findall(r"([wkb])(\d+)", m.group(3))}
+        if kw.get("warps", 4) not in (1, 2, 4, 8) or not 1 <= kw.get("splits", 1) <= MAX_SPLITS \
+                or not 1 <= kw.get("min_blocks", 1) <= 16:
+            raise ValueError(f"NINFER_BENCH_QMV_SHAPES: {item!r}: warps 1, 2, 4 or 8, splits 1..{MAX_SPLITS}, "
+                             "blocks an SM 1..16")
+        out[(int(m.group(1)), int(m.group(2)))] = kw
+    return out
+
+
+def set_shape_knobs(table: dict[tuple[int, int], dict[str, int]] | None) -> None:
+    """Launches of the weights named in ``table`` ({(N, groups): {"warps", "splits", "min_blocks"}}) take those
+    knobs from now on where their caller leaves them out (None or {}: none). For tuning: build the weights (their
+    split-K scratch is reserved then) after setting it."""
+    _SHAPES.clear()
+    _SHAPES.update(table or {})
+
+
+def shape_knobs(n: int, ng: int) -> dict[str, int]:
+    """The override :func:`set_shape_knobs` / NINFER_BENCH_QMV_SHAPES holds for an ``[n, ng groups]`` weight."""
+    return dict(_SHAPES.get((n, ng), {}))
+
+
 def _wide_builds(text: str) -> dict[tuple[int, str | None], dict[str, int]]:
     """``NCOL[FMT]:KNOBS,...`` (``8:p2u1b1``, ``8q5:p1``, ``8q4:p3s4b1``) -> {(ncol, format or None): {"tiles",
     "unroll", "min_blocks", "stages" given}}; ValueError when malformed."""
@@ -312,6 +356,7 @@ def _load_env_knobs() -> None:
     _SWITCHES["split_cap"] = int(cap) if cap else 0
     set_cluster(_env_on("NINFER_BENCH_QMV_CLUSTER"))
     set_pieces(_env_on("NINFER_BENCH_QMV_PIECES"))
+    set_shape_knobs(parse_shapes(os.environ.get("NINFER_BENCH_QMV_SHAPES", "")))
 
 
 _load_env_knobs()
@@ -419,11 +464,13 @@ class QmvBuild:
 
 def launch_build(fmt: str, n: int, t: int, layout: int, sms: int, *, unroll: int | None = None,
                  min_blocks: int | None = None, xlate: bool = False, pipe: bool = False, warps: int | None = None,
-                 tail: bool = False, tiles: int | None = None, stages: int | None = None) -> QmvBuild:
+                 tail: bool = False, tiles: int | None = None, stages: int | None = None,
+                 ng: int | None = None) -> QmvBuild:
     """The build a :func:`qmv` launch of ``t`` rows of an ``[n, K]`` ``fmt`` weight in ``layout`` (0 a
     PackedLinear's row-major sections, 1 tiles, 2 the lanes layout) takes on a GPU with ``sms`` SMs, from the
-    keywords its caller gave (None: the default) and the process's tables (:func:`wide_build`). A pure function of
-    its arguments (no GPU): ValueError where :func:`qmv` refuses the keywords."""
+    keywords its caller gave (None: the default) and the process's tables (:func:`wide_build`; with ``ng``, the
+    weight's groups, the shape's override of :func:`set_shape_knobs`). A pure function of its arguments and those
+    tables (no GPU): ValueError where :func:`qmv` refuses the keywords."""
     ncol = column_groups(t)
     if ncol > 1 and (xlate or pipe or tail):
         raise ValueError(f"qmv: xlate, pipe and tail are for launches of at most {MAX_T} rows, got {t}")
@@ -441,7 +488,10 @@ def launch_build(fmt: str, n: int, t: int, layout: int, sms: int, *, unroll: int
     if tiles > 1 and ncol == 1:
         raise ValueError(f"qmv: tiles a block > 1 shares x between the tiles of a launch of more than {MAX_T} rows, "
                          f"got {t}")
-    warps = warps or choose_warps(n, sms)
+    knobs = _SHAPES.get((n, ng), {}) if ng is not None else {}
+    warps = warps or knobs.get("warps") or choose_warps(n, sms)
+    if ncol == 1 and not min_blocks:
+        min_blocks = knobs.get("min_blocks")
     min_blocks = min_blocks or (max(1, _WARPS_PER_SM // warps) if ncol == 1 else
                                 _NCOL_MIN_BLOCKS.get((ncol, warps), max(1, 8 // warps)))
     return QmvBuild(ncol=ncol, tiles=tiles, unroll=unroll, min_blocks=min_blocks, warps=warps, stages=stages,
@@ -539,7 +589,7 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
     if t * x.stride(0) >= 2 ** 31:  # the column groups' row offsets are int32
         raise ValueError(f"qmv: x too large for one launch ({t} rows of stride {x.stride(0)})")
     build = launch_build(lin.fmt, n, t, layout, _triton.num_sms(dev), unroll=unroll, min_blocks=min_blocks,
-                         xlate=xlate, pipe=pipe, warps=warps, tail=tail, tiles=tiles, stages=stages)
+                         xlate=xlate, pipe=pipe, warps=warps, tail=tail, tiles=tiles, stages=stages, ng=lin.ng)
     pdl = _triton.pdl_now(x.device) if pdl is None else pdl and _capability(dev) >= (9, 0)
     row_tiles = -(-n // 16)
     whole = act or not _triton.split_k_allowed()  # (the epilogue, or a launch beside others: _triton.single_pass)

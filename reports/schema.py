@@ -141,7 +141,8 @@ def load_average() -> float | None:
 # environment variables that switch kernels (recorded in a result's env; never secrets such as the server's API key)
 KERNEL_KNOBS = ("NINFER_BENCH_ATTN", "NINFER_BENCH_ATTN_BUILD", "NINFER_BENCH_ATTN_MIN_STEPS",
                "NINFER_BENCH_ATTN_VERIFY", "NINFER_BENCH_QMV_WIDE", "NINFER_BENCH_QMV_PDL_X",
-               "NINFER_BENCH_PREFILL_PLAN")
+               "NINFER_BENCH_QMV_SHAPES", "NINFER_BENCH_QMV_SPLIT_CAP", "NINFER_BENCH_QMV_CLUSTER",
+               "NINFER_BENCH_QMV_PIECES", "NINFER_BENCH_PREFILL_PLAN")
 
 
 def environment() -> dict:

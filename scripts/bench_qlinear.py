@@ -160,10 +160,32 @@ def one_call_us(fn) -> float:
     return float(np.median(time_cuda(g.replay, repeats=50, warmup=10, flush=_clean_flush())))
 
 
-def rotating_us(calls) -> float:
+def rotating_us(calls, pdl: bool = False) -> float:
     """us per call of GRAPH_CALLS thunks replayed from one graph (different weight copies, so the weights
-    come from DRAM as in a model's forward), median of 15 replays."""
-    return graph_us(calls, replays=15)
+    come from DRAM as in a model's forward), median of 15 replays; with ``pdl``, captured with programmatic
+    dependent launch as the engine captures its decode step (each launch may start while the one before ends)."""
+    from ninfer_bench.kernels import _triton
+
+    was = _triton.pdl_enabled()
+    _triton.set_pdl(pdl)
+    try:
+        with _triton.graph_scope():
+            return graph_us(calls, replays=15)
+    finally:
+        _triton.set_pdl(was)
+
+
+def with_shape_knobs(fn, n: int, knobs: dict):
+    """``fn`` (a candidate: x, lin, out) called with ``knobs`` as its weight shape's qmv override
+    (qmv_cuda.set_shape_knobs: warps, splits, blocks an SM), as NINFER_BENCH_QMV_SHAPES would set it for the engine."""
+    def run(x, li, out=None):
+        saved = {key: dict(v) for key, v in qmv_cuda._SHAPES.items()}
+        qmv_cuda.set_shape_knobs({**saved, (n, li.ng): knobs})
+        try:
+            return fn(x, li, out)
+        finally:
+            qmv_cuda.set_shape_knobs(saved)
+    return run
 
 
 def int4_tinygemm(x: torch.Tensor, n: int, k: int, gs: int = 128):
@@ -255,6 +277,12 @@ def main() -> int:
                          "flight> b<blocks per SM> w<warps a tile> r<rows a launch> p<row tiles a block, over 8 "
                          "rows> s<cp.async ring stages, 0 off> t (predicated tail batch) x (x one step ahead), "
                          "e.g. u4b3,u4b3t,u5b2t,w4u4b6t,p3s4b1; timed as qmv-lanes-<spec>")
+    ap.add_argument("--shape-knobs", default="",
+                    help="comma list of per-shape overrides timed through the engine's call (ours), each letters + "
+                         "numbers: w<warps a tile> k<split-K count> b<blocks an SM, up to 8 rows>, e.g. w4k2,w8b3; "
+                         "timed as ours-<spec> at every T, as NINFER_BENCH_QMV_SHAPES sets them for the engine")
+    ap.add_argument("--pdl", action="store_true",
+                    help="capture the graph20 chains with programmatic dependent launch, as the engine's step is")
     ap.add_argument("--rows", default="",
                     help="comma list of rows a launch (8, 16, 32, 64) timed for T > 8 as ours-r<R>, e.g. 8,16,32,64; "
                          "--qmv-knobs then also run at T > 8 (without t / x)")
@@ -286,6 +314,11 @@ def main() -> int:
         knobs = {spec: qmv_knobs(spec) for spec in args.qmv_knobs.split(",") if spec}
     except ValueError as e:
         ap.error(str(e))
+    try:
+        shape_knobs = {spec: qmv_cuda.parse_shapes(f"1x1:{spec}")[(1, 1)]
+                       for spec in args.shape_knobs.split(",") if spec}
+    except ValueError as e:
+        ap.error(f"--shape-knobs: {e}")
     engine_layout = EngineOptions().qmv_layout
     variants = {}
     if args.variants:
@@ -365,6 +398,10 @@ def main() -> int:
                         cands[f"qmv-lanes-u{un}-b{mb}"] = (lambda x, li, out=None, un=un, mb=mb:
                                                            qmv_cuda.qmv(x, lanes[id(li)], out, unroll=un,
                                                                         min_blocks=mb))
+                if shape_knobs and qmv_cuda.available():
+                    for spec, kw in shape_knobs.items():
+                        cands[f"ours-{spec}"] = with_shape_knobs(cands["ours"], n, kw)
+                        cands[f"ours-{spec}"].config = f"shape override {kw}"
                 if rows_sweep and t > qmv_cuda.MAX_T and qmv_cuda.available():
                     for r in rows_sweep:  # (ours-r8: the bits every other width must give)
                         cands[f"ours-r{r}"] = (lambda x, li, out=None, r=r: rows_into(x, held[id(li)], out, rows=r))
@@ -393,7 +430,9 @@ def main() -> int:
                         failures.append((op, fmt, t, label, "error"))
                         emit({"kind": "error", "op": op, "fmt": fmt, "T": t, "impl": label, "error": repr(e)[:2000]})
                         continue
-                    if t > qmv_cuda.MAX_T and rows_sweep and label.startswith(("ours", "qmv-lanes-")):
+                    # (a shape override sums in another order: its rows are checked against the reference only)
+                    if t > qmv_cuda.MAX_T and rows_sweep and label.startswith(("ours", "qmv-lanes-")) \
+                            and label.removeprefix("ours-") not in shape_knobs:
                         wide[label] = y
                     err = rel_rms(y[:, rows], ref)
                     if not err <= TOL_BF16:
@@ -402,7 +441,7 @@ def main() -> int:
                     out = torch.empty_like(y)
                     us = one_call_us(lambda lin=lin: fn(x, lin, out))
                     calls = [(lambda li=li: fn(x, li, out)) for li in (lins * GRAPH_CALLS)[:GRAPH_CALLS]]
-                    us_rot = rotating_us(calls)
+                    us_rot = rotating_us(calls, args.pdl)
                     row(op, fmt, t, label, us, nbytes, {"rel_rms": err, "config": getattr(fn, "config", ""),
                                                         "us_graph20": us_rot})
                     row(op, fmt, t, label + "@graph20", us_rot, nbytes)

@@ -180,6 +180,10 @@
 #            bundled decode step's profile with the defaults and with each B38_DROPS set (--drop, default norm)
 #            alternating B38_REPEATS (2) times, the 27B synthetic plain decode (64 tokens); name ksuite after it for
 #            the kernels suite with the captured step's timeline
+#   qshape   per-shape qmv launch overrides (warps a tile, split-K count, blocks an SM: QSHAPE_SPECS) at the 27B step's
+#            projection shapes, T = 1 and 8, chained under PDL (bench_qlinear --shape-knobs --pdl); the wins
+#            scripts/pick_qmv_shapes.py keeps, then (QSHAPE_E2E=1, the default) the 27B synthetic plain decode with the
+#            defaults and with them (NINFER_BENCH_QMV_SHAPES), alternating QSHAPE_ROUNDS (1) times
 #   hashes   the token hashes a refactor must keep: the README's main command (timed), the bundled model's plain and
 #            MTP3 runs, and the 27B synthetic plain / MTP3 / DFlash2 K=7 runs (64 tokens, the default prompt)
 set -u
@@ -1009,6 +1013,25 @@ PY
                nb kernels --shape qwen3.8-27b --t 1,8 --repeats 30 --kernels v3 --l2-flush $mode $tl \
                  ${KSUITE_OPS:+--ops $KSUITE_OPS} --json "$OUT/kernels_27b_$mode.json" 2>&1 \
                  | tee "$OUT/kernels_27b_$mode.log" | tail -${KSUITE_LINES:-45}; done ;;
+    qshape)  specs=${QSHAPE_SPECS:-w4,w4k2,w4k3,w8,w8k2,w8k3,w4b7,w2b12}
+             only="ours,$(echo "$specs" | sed 's/\([^,][^,]*\)/ours-\1/g')"
+             rm -f "$OUT/qlinear.jsonl"
+             for grp in "q5 ${QSHAPE_Q5:-attn.qkv,attn.o}" "q4 ${QSHAPE_Q4:-gdn.out,mlp.down,gdn.z,gdn.qkv}"; do
+               set -- $grp
+               timeout ${QSHAPE_S:-200} python3 scripts/bench_qlinear.py --no-baselines --pdl --fmts $1 --ops $2 \
+                 --ts ${QSHAPE_TS:-1,8} --shape-knobs "$specs" --only "$only" 2>&1 | tee -a "$OUT/qshape.log" \
+                 | grep -E "@graph20|FAIL|DIFFER|copy bandwidth|all correct" | head -120
+             done
+             picked=$(python3 scripts/pick_qmv_shapes.py "$OUT/qlinear.jsonl" --table 2>"$OUT/qshape_pick.log")
+             cat "$OUT/qshape_pick.log"; echo "--- picked: NINFER_BENCH_QMV_SHAPES='$picked'"
+             if [ -n "$picked" ] && [ "${QSHAPE_E2E:-1}" = 1 ]; then
+               for r in $(seq ${QSHAPE_ROUNDS:-1}); do for v in default picked; do
+                 sh=""; [ $v = picked ] && sh="$picked"
+                 NINFER_BENCH_QMV_SHAPES="$sh" nb decode $M27 --spec none -n 64 --repeats 2 \
+                   --json "$OUT/d27-$v-$r" 2>&1 | tee "$OUT/d27-$v-$r.log" \
+                   | grep -E "decode tok/s  |roofline|tokens sha|ms / round" | head -8 | sed "s|^|$v $r: |"
+               done; done
+             fi ;;
     b38)     held_variants none,dflash2:7 new
              for r in $(seq ${B38_REPEATS:-2}); do for d in default ${B38_DROPS:-norm}; do
                a=""; [ $d != default ] && a="--drop $d"

@@ -328,7 +328,7 @@ def test_wide_builds_parse():
 
 
 QMV_ENV = ("NINFER_BENCH_QMV_WIDE", "NINFER_BENCH_QMV_PDL_X", "NINFER_BENCH_QMV_SPLIT_CAP", "NINFER_BENCH_QMV_CLUSTER",
-           "NINFER_BENCH_QMV_PIECES")
+           "NINFER_BENCH_QMV_PIECES", "NINFER_BENCH_QMV_SHAPES")
 
 
 def _check_env_knob(monkeypatch, var, key, accepted, refused):
@@ -476,6 +476,68 @@ def test_split_cap_knob(monkeypatch):
     but a count >= 1 is refused by name."""
     _check_env_knob(monkeypatch, "NINFER_BENCH_QMV_SPLIT_CAP", "split_cap", [("1", 1), (" 3 ", 3), ("", 0)],
                     ["0", "two", "-1"])
+
+
+def test_shape_knobs_parse_and_load(monkeypatch):
+    """NINFER_BENCH_QMV_SHAPES: ``NxG:KNOBS`` entries (rows, groups of K; w warps, k splits, b blocks an SM) into
+    the per-shape table; malformed or out-of-range entries are refused by name, and unset leaves it empty."""
+    assert qmv_cuda.parse_shapes("5120x96:w4k2, 14336x80:w8b3") == {
+        (5120, 96): {"warps": 4, "splits": 2}, (14336, 80): {"warps": 8, "min_blocks": 3}}
+    assert qmv_cuda.parse_shapes("") == {}
+    for bad in ("5120x96", "5120:w4", "5120x96:q4", "5120x96:w3", "5120x96:k9", "5120x96:k0", "5120x96:b0",
+                "x96:w4"):
+        with pytest.raises(ValueError, match="NINFER_BENCH_QMV_SHAPES"):
+            qmv_cuda.parse_shapes(bad)
+    monkeypatch.setattr(qmv_cuda, "_SHAPES", {})
+    for other in QMV_ENV:
+        monkeypatch.delenv(other, raising=False)
+    monkeypatch.setenv("NINFER_BENCH_QMV_SHAPES", "320x96:k3")
+    qmv_cuda._load_env_knobs()
+    assert qmv_cuda.shape_knobs(320, 96) == {"splits": 3} and qmv_cuda.shape_knobs(320, 80) == {}
+    monkeypatch.delenv("NINFER_BENCH_QMV_SHAPES")
+    qmv_cuda._load_env_knobs()
+    assert qmv_cuda._SHAPES == {}
+
+
+def test_shape_knobs_hold_at_every_width(monkeypatch):
+    """A shape's override sets its warps and split count at every launch width (the order of a row's sums, so a
+    verify row keeps a step's bits), its blocks an SM only up to 8 rows; other shapes and explicit keywords keep
+    theirs."""
+    monkeypatch.setattr(qmv_cuda, "_SHAPES", {})
+    sms, n, ng = 132, 5120, 96
+    default = qmv_cuda.shape_splits(n, ng, sms)
+    qmv_cuda.set_shape_knobs({(n, ng): {"warps": 4, "splits": 3, "min_blocks": 5}})
+    assert qmv_cuda.shape_splits(n, ng, sms) == 3 and qmv_cuda.shape_splits(n, 80, sms) == default
+    for t in (1, 8, 16, 64):
+        b = qmv_cuda.launch_build("q4_g64_fp16", n, t, 2, sms, ng=ng)
+        assert b.warps == 4, t
+        assert (b.min_blocks == 5) == (t <= 8), (t, b)
+    assert qmv_cuda.launch_build("q4_g64_fp16", n, 1, 2, sms).warps == qmv_cuda.choose_warps(n, sms)  # no ng
+    assert qmv_cuda.launch_build("q4_g64_fp16", n, 1, 2, sms, ng=ng, warps=8, min_blocks=2).warps == 8
+    # 7 groups cannot take 3 pieces of whole groups unevenly: the count is what whole pieces give
+    qmv_cuda.set_shape_knobs({(n, 7): {"splits": 3}})
+    assert qmv_cuda.shape_splits(n, 7, sms) == 3
+    qmv_cuda.set_shape_knobs({(n, 4): {"splits": 3}})
+    assert qmv_cuda.shape_splits(n, 4, sms) == 2  # 4 groups in pieces of 2
+    qmv_cuda.set_shape_knobs(None)
+    assert qmv_cuda.shape_splits(n, ng, sms) == default
+
+
+@needs_qmv
+@pytest.mark.parametrize("fmt", quant.QUANT_FORMATS)
+def test_shape_knobs_keep_rows_equal_across_widths(monkeypatch, fmt):
+    """With a shape's override (4 warps, 3 splits) a launch matches the reference, and each row of an 8-row and a
+    64-row launch is the bits of its 1-row launch, as without one."""
+    monkeypatch.setattr(qmv_cuda, "_SHAPES", {})
+    lin, x, ref = _case(fmt, 160, 3072, 64, torch.bfloat16, seed=11)
+    qmv_cuda.set_shape_knobs({(lin.n, lin.ng): {"warps": 4, "splits": 3}})
+    qmv_cuda.reserve(x.device, lin.n, lin.ng)
+    y64 = qmv_cuda.qmv(x, lin)
+    assert rel_rms(y64, ref) <= TOL[torch.bfloat16]
+    y8 = qmv_cuda.qmv(x[:8].contiguous(), lin)
+    for t in range(8):
+        row = qmv_cuda.qmv(x[t:t + 1].contiguous(), lin)[0]
+        assert torch.equal(row, y8[t]) and torch.equal(row, y64[t]), t
 
 
 def test_wide_build_defaults(monkeypatch):
@@ -875,6 +937,34 @@ def test_bench_knob_letters():
     for bad in ("g1s4", "s4q2"):
         with pytest.raises(ValueError, match="unknown letter"):
             bench_qlinear.qmv_knobs(bad)
+
+
+def test_pick_qmv_shapes_keeps_only_clear_wins():
+    """scripts/pick_qmv_shapes.py judges projections that share a weight shape together (chained times summed over
+    op, format and T): an override is picked only when the sum drops by more than the margin, no case of it is
+    slower than the default, and none of its cases failed its reference check."""
+    import pick_qmv_shapes  # scripts/
+
+    shapes = {"a.o": (6144, 5120), "g.out": (6144, 5120), "down": (17408, 5120), "qkv": (5120, 14336)}
+
+    def rec(op, fmt, t, impl, us, err=1e-3):
+        return [{"kind": "time", "op": op, "fmt": fmt, "T": t, "impl": impl, "us": us * 2, "rel_rms": err},
+                {"kind": "time", "op": op, "fmt": fmt, "T": t, "impl": impl + "@graph20", "us": us}]
+
+    q4, q5 = "q4_g64_fp16", "q5_g64_fp16"
+    rs = []
+    for t in (1, 8):  # 5120 x 96: w4k2 wins in both ops; w8k2 wins more in one and loses in the other
+        rs += rec("a.o", q5, t, "ours", 10.0) + rec("a.o", q5, t, "ours-w4k2", 9.0) + rec("a.o", q5, t, "ours-w8k2", 7.0)
+        rs += rec("g.out", q4, t, "ours", 8.0) + rec("g.out", q4, t, "ours-w4k2", 7.5) \
+            + rec("g.out", q4, t, "ours-w8k2", 8.2)
+        # 5120 x 272: 2 % better, under the margin
+        rs += rec("down", q4, t, "ours", 20.0) + rec("down", q4, t, "ours-w4", 19.6)
+        # 14336 x 80: the faster override failed its check at T = 8
+        rs += rec("qkv", q5, t, "ours", 20.0) + rec("qkv", q5, t, "ours-w8", 15.0, err=1e-3 if t == 1 else 1.0)
+    picked, lines = pick_qmv_shapes.pick(rs, shapes, 0.03)
+    assert picked == {(5120, 96): "w4k2"}, (picked, lines)
+    assert any("-> ours-w4k2" in line for line in lines)
+    assert pick_qmv_shapes.pick(rs, shapes, 0.2)[0] == {}
 
 
 def test_arch_image_compiles_once_and_reports_errors(monkeypatch, tmp_path):
