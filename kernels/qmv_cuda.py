@@ -52,6 +52,13 @@ _FMT_ID = {"q8_g32_fp16": 0, "q5_g64_fp16": 1, "q4_g64_fp16": 2, DENSE_FMT: 3}
 _SOURCE = Path(__file__).with_name("qmv_cuda.cu")
 _BLOCKS_PER_SM = 3  # MIN_BLOCKS in the source at NW warps (the H200 sweep: 3 beats 2 and 4 at the 27B shapes)
 _WARPS_PER_SM = NW * _BLOCKS_PER_SM  # the register cap a launch is built for: 24 warps an SM, whatever the block
+# a one-pass launch of at most 8 rows whose row tiles overfill one wave of the default's blocks but fit one wave of up
+# to this many warps an SM is built for that wave instead (ceil(tiles / SMs) blocks, :func:`wave_blocks`): one wave
+# and no tail of a few blocks an SM. ptxas (sm_90a): 4 warps x 7 blocks caps q4 / q5 / q8 at 72 registers (q4 spills
+# 4 bytes). H100, chained under PDL: the 27B attention q | gate | k | v (896 tiles, q5) 21.55 -> 18.53 us at T = 1,
+# 22.02 -> 19.12 at T = 8, and 4 warps x 7 blocks lost 7 % where the default's wave already held the tiles (GDN
+# qkv, 640); the 27B step 6.202 -> 6.167 ms, the same tokens (docs/perf/2026-12-06j-qmv-shape-knobs-h100.md)
+_WAVE_WARPS_PER_SM = 28
 
 
 @functools.cache
@@ -492,10 +499,24 @@ def launch_build(fmt: str, n: int, t: int, layout: int, sms: int, *, unroll: int
     warps = warps or knobs.get("warps") or choose_warps(n, sms)
     if ncol == 1 and not min_blocks:
         min_blocks = knobs.get("min_blocks")
+    if ncol == 1 and not min_blocks and not knobs.get("splits"):
+        min_blocks = wave_blocks(n, sms, warps)
     min_blocks = min_blocks or (max(1, _WARPS_PER_SM // warps) if ncol == 1 else
                                 _NCOL_MIN_BLOCKS.get((ncol, warps), max(1, 8 // warps)))
     return QmvBuild(ncol=ncol, tiles=tiles, unroll=unroll, min_blocks=min_blocks, warps=warps, stages=stages,
                     threads=warps * 32, shared=async_shared_bytes(fmt, warps, stages, tiles))
+
+
+def wave_blocks(n: int, sms: int, warps: int) -> int | None:
+    """Blocks an SM a one-pass launch of up to 8 rows of an ``n``-row weight is built for when its row tiles
+    overfill the default's one wave (:data:`_WARPS_PER_SM` warps an SM) but fit one wave of at most
+    :data:`_WAVE_WARPS_PER_SM`: ceil(tiles / ``sms``); else None (the default). Only wide weights (:func:`_wide`)
+    take one pass whatever their split table says; the registers a build gets change no sum, so no bits."""
+    tiles = -(-n // 16)
+    per_sm = -(-tiles // sms)
+    if not _wide(n, sms) or per_sm <= _WARPS_PER_SM // warps or per_sm > _WAVE_WARPS_PER_SM // warps:
+        return None
+    return per_sm
 
 
 # pieces_pay's bounds, from the H100 grid of scripts/probe_qmv_pieces.py (docs/perf/2026-12-06g-qmv-pieces-h100.md):

@@ -523,6 +523,25 @@ def test_shape_knobs_hold_at_every_width(monkeypatch):
     assert qmv_cuda.shape_splits(n, ng, sms) == default
 
 
+def test_wave_blocks_fit_an_overfull_wave(monkeypatch):
+    """A wide weight whose row tiles overfill the default's one wave (6 blocks of 4 warps an SM) but fit one of 7
+    is built for 7 blocks an SM up to 8 rows (the 27B attention q | gate | k | v: 896 tiles on 132 SMs); one that
+    fits the default's wave, or needs more than 7, keeps the default, as do wider launches, narrow weights, explicit
+    blocks and a shape override's split."""
+    monkeypatch.setattr(qmv_cuda, "_SHAPES", {})
+    sms, fmt = 132, "q5_g64_fp16"
+    assert qmv_cuda.wave_blocks(14336, sms, 4) == 7 and qmv_cuda.wave_blocks(16 * 6 * sms + 16, sms, 4) == 7
+    for n in (16 * 6 * sms, 16 * 7 * sms + 16, 10240, 34816, 5120):
+        assert qmv_cuda.wave_blocks(n, sms, qmv_cuda.choose_warps(n, sms)) is None, n
+    assert qmv_cuda.wave_blocks(14336, 100, 4) is None  # 144 SMs' worth of tiles on 100: 9 an SM
+    for t, want in ((1, 7), (8, 7), (16, 1)):
+        assert qmv_cuda.launch_build(fmt, 14336, t, 2, sms).min_blocks == want, t
+    assert qmv_cuda.launch_build(fmt, 14336, 1, 2, sms, min_blocks=6).min_blocks == 6
+    assert qmv_cuda.launch_build(fmt, 10240, 1, 2, sms).min_blocks == 6
+    qmv_cuda.set_shape_knobs({(14336, 80): {"splits": 2}})
+    assert qmv_cuda.launch_build(fmt, 14336, 1, 2, sms, ng=80).min_blocks == 6
+
+
 @needs_qmv
 @pytest.mark.parametrize("fmt", quant.QUANT_FORMATS)
 def test_shape_knobs_keep_rows_equal_across_widths(monkeypatch, fmt):
