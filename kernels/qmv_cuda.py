@@ -166,7 +166,8 @@ def reserve(device, n: int, ng: int) -> None:
 def shape_splits(n: int, ng: int, sms: int, warps: int | None = None) -> int:
     """The split count every launch for this weight uses (unless a caller passes ``splits``): :func:`choose_splits`
     at the default unroll and blocks an SM for ``warps`` (default :func:`choose_warps`), or the shape's override
-    (:func:`set_shape_knobs`), so that it is the same at every width - the order of the sums, and so each row's bits, do not depend on how many rows a launch takes."""
+    (:func:`set_shape_knobs`), so that it is the same at every width - the order of the sums, and so each row's
+    bits, do not depend on how many rows a launch takes."""
     knobs = _SHAPES.get((n, ng), {})
     warps = warps or knobs.get("warps") or choose_warps(n, sms)
     splits = knobs.get("splits") or choose_splits(n, ng, sms, 4, max(1, _WARPS_PER_SM // warps), warps)
@@ -510,8 +511,8 @@ def launch_build(fmt: str, n: int, t: int, layout: int, sms: int, *, unroll: int
 def wave_blocks(n: int, sms: int, warps: int) -> int | None:
     """Blocks an SM a one-pass launch of up to 8 rows of an ``n``-row weight is built for when its row tiles
     overfill the default's one wave (:data:`_WARPS_PER_SM` warps an SM) but fit one wave of at most
-    :data:`_WAVE_WARPS_PER_SM`: ceil(tiles / ``sms``); else None (the default). Only wide weights (:func:`_wide`)
-    take one pass whatever their split table says; the registers a build gets change no sum, so no bits."""
+    :data:`_WAVE_WARPS_PER_SM`: ceil(tiles / ``sms``); else None (the default). Only wide weights (:func:`_wide`),
+    which always take one pass over K, so their grid is their tiles. A build's registers change no sum, so no bits."""
     tiles = -(-n // 16)
     per_sm = -(-tiles // sms)
     if not _wide(n, sms) or per_sm <= _WARPS_PER_SM // warps or per_sm > _WAVE_WARPS_PER_SM // warps:

@@ -973,7 +973,8 @@ def test_pick_qmv_shapes_keeps_only_clear_wins():
     q4, q5 = "q4_g64_fp16", "q5_g64_fp16"
     rs = []
     for t in (1, 8):  # 5120 x 96: w4k2 wins in both ops; w8k2 wins more in one and loses in the other
-        rs += rec("a.o", q5, t, "ours", 10.0) + rec("a.o", q5, t, "ours-w4k2", 9.0) + rec("a.o", q5, t, "ours-w8k2", 7.0)
+        rs += rec("a.o", q5, t, "ours", 10.0) + rec("a.o", q5, t, "ours-w4k2", 9.0) \
+            + rec("a.o", q5, t, "ours-w8k2", 7.0)
         rs += rec("g.out", q4, t, "ours", 8.0) + rec("g.out", q4, t, "ours-w4k2", 7.5) \
             + rec("g.out", q4, t, "ours-w8k2", 8.2)
         # 5120 x 272: 2 % better, under the margin
