@@ -12,6 +12,9 @@ reference on a sample of rows (rel. RMS), then times
                 back; graph replay keeps host launch time out of the number)
   triton        qlinear_triton with its default launch config
   qmv           kernels/qmv_cuda.cu (tensor cores, T <= 8) with its default split
+  ours-<spec>   (--shape-knobs) what the engine calls with a per-shape qmv override (warps a tile, split-K
+                count, blocks an SM: NINFER_BENCH_QMV_SHAPES's letters); scripts/pick_qmv_shapes.py reads the
+                @graph20 rows (with --pdl: captured with programmatic dependent launch, as the step is)
   ours-r<R>     (T > 8, --rows) what the engine calls with R rows a launch (8: one column group a launch, the weight
                 read once per 8 rows); every row's bits must equal ours-r8's
   X@graph20     20 calls of X replayed from one CUDA graph, cycling over weight copies so L2 cannot hold them
