@@ -167,15 +167,10 @@ def rotating_us(calls, pdl: bool = False) -> float:
     """us per call of GRAPH_CALLS thunks replayed from one graph (different weight copies, so the weights
     come from DRAM as in a model's forward), median of 15 replays; with ``pdl``, captured with programmatic
     dependent launch as the engine captures its decode step (each launch may start while the one before ends)."""
-    from ninfer_bench.kernels import _triton
+    from ninfer_bench.suites.kernels import step_capture
 
-    was = _triton.pdl_enabled()
-    _triton.set_pdl(pdl)
-    try:
-        with _triton.graph_scope():
-            return graph_us(calls, replays=15)
-    finally:
-        _triton.set_pdl(was)
+    with step_capture(pdl):
+        return graph_us(calls, replays=15)
 
 
 def with_shape_knobs(fn, n: int, knobs: dict):

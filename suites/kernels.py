@@ -48,6 +48,7 @@ flush (``summary.timer = "torch-cpu"``): CPU timings are not GPU numbers.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import time
@@ -180,19 +181,27 @@ def chain_launches(op_bytes: int, chain: int | None) -> int:
     return n if n >= 2 else 0
 
 
-def chain_graph(fn, pdl: bool):
-    """``fn`` (a chain of launches) captured as the engine captures its decode step: with programmatic dependent
-    launch on when ``pdl`` (the engine's default, EngineOptions.pdl), so each launch may start while the one before
-    finishes, as one projection follows the kernel before it in the step."""
+@contextlib.contextmanager
+def step_capture(pdl: bool):
+    """Launches made inside are captured as the engine captures its decode step: with programmatic dependent launch
+    on when ``pdl`` (the engine's default, EngineOptions.pdl), so each launch may start while the one before
+    finishes; the PDL switch is restored after."""
     from ..kernels import _triton
 
     was = _triton.pdl_enabled()
     _triton.set_pdl(pdl)
     try:
         with _triton.graph_scope():
-            return cuda_graph(fn)
+            yield
     finally:
         _triton.set_pdl(was)
+
+
+def chain_graph(fn, pdl: bool):
+    """``fn`` (a chain of launches) captured under :func:`step_capture`, as one projection follows the kernel before
+    it in the step."""
+    with step_capture(pdl):
+        return cuda_graph(fn)
 
 
 def time_cpu(fn, repeats: int, warmup: int) -> list[float]:
