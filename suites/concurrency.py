@@ -273,6 +273,7 @@ def run_in_process(opts: ConcurrencyOptions, progress=None, engine=None):
     top = max(opts.levels)
     eng = engine if engine is not None else make_engine(opts)
     opts.engine_options.max_context = eng.options.max_context  # recorded as resolved (the model's limit, or 8192)
+    opts.engine_options.cuda_graphs = eng.options.cuda_graphs  # off where the ranks' collectives are not IPC
     prompts = [exact_length(eng.tokenizer.encode(t), opts.prompt_tokens) for t in prompt_texts(top)]
     sched = Scheduler(eng)
     records, baseline, refs = [], {}, [None] * top

@@ -535,6 +535,7 @@ def run_decode(opts: DecodeOptions, progress=None, loaded=None, references=None,
         # the engine binds a copy (its capacities resolved against the model); the run records max-context as bound
         runner = Engine(loaded if loaded is not None else load_model(opts), dataclasses.replace(opts.engine_options))
         opts.engine_options.max_context = runner.options.max_context
+        opts.engine_options.cuda_graphs = runner.options.cuda_graphs  # off where the ranks' collectives are not IPC
     prompts = ([code_prompt(runner.tokenizer, opts.prompt_length)] if opts.prompt_length
                else load_prompts(opts.prompt_file, runner.tokenizer, opts.prompts))
     if opts.images:

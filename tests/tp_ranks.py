@@ -87,3 +87,98 @@ def _fused_run(rank: int, tp: int, kernels: str = "triton") -> dict:
         res = eng.generate(PROMPT, max_new_tokens=n, ignore_eos=True)
         out[spec] = res.tokens
     return out
+
+
+def _ipc_part(case: int, rank: int, n: int, dtype, device):
+    """Rank ``rank``'s input of IPC case ``case``: n values drawn from a seed of (case, rank), any rank can make it."""
+    import torch
+
+    g = torch.Generator().manual_seed(1000 * case + rank)
+    return (torch.randn(n, generator=g) * 3).to(dtype).to(device)
+
+
+def _ipc_on_cpu(rank: int) -> str | None:
+    """create on CPU ranks: None and why not (the same on every rank)."""
+    import torch
+
+    from ninfer_bench.kernels import ipc_collectives as ic
+
+    coll, why = ic.create(rank, 2, torch.device("cpu"))
+    assert coll is None
+    return why
+
+
+def _ipc_collectives(rank: int, size: int) -> dict:
+    """One rank's checks of kernels/ipc_collectives.py against the sums and concatenations torch makes of every
+    rank's inputs: sizes on and off 16-byte vectors, an unaligned view, pieces of a message over the (small) buffer,
+    the gather, and a reduce captured in a CUDA graph and replayed with new inputs."""
+    import torch
+    import torch.distributed as dist
+
+    from ninfer_bench.kernels import ipc_collectives as ic
+
+    dev = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    coll, why = ic.create(rank, size, dev, max_bytes=64 << 10)
+    if coll is None:
+        return {"why": why}
+
+    def want_sum(case, n, dtype):
+        parts = [_ipc_part(case, r, n, dtype, dev).float() for r in range(size)]
+        acc = parts[0]
+        for p in parts[1:]:
+            acc = acc + p
+        return acc.to(dtype)
+
+    out = {"why": None, "reduce": [], "gather": [], "graph": []}
+    cases = [(torch.bfloat16, 5120), (torch.float16, 77), (torch.float32, 3001), (torch.bfloat16, 100_003),
+             (torch.float32, 40_000), (torch.bfloat16, 8 * 5120)]
+    for case, (dt, n) in enumerate(cases):
+        got = coll.reduce_(_ipc_part(case, rank, n, dt, dev))
+        out["reduce"].append(bool(torch.equal(got, want_sum(case, n, dt))))
+    whole = torch.zeros(4097, dtype=torch.bfloat16, device=dev)  # a view 2 bytes past a 16-byte boundary
+    whole[1:] = _ipc_part(90, rank, 4096, torch.bfloat16, dev)
+    coll.reduce_(whole[1:])
+    out["reduce"].append(bool(torch.equal(whole[1:], want_sum(90, 4096, torch.bfloat16))))
+    for case, (dt, shape) in enumerate(((torch.float32, (1, 1000)), (torch.bfloat16, (3, 77)),
+                                        (torch.float16, (2, 5, 40_000))), start=50):
+        n = 1
+        for d in shape:
+            n *= d
+        parts = [_ipc_part(case, r, n, dt, dev).view(shape) for r in range(size)]
+        out["gather"].append(bool(torch.equal(coll.gather_last(parts[rank]), torch.cat(parts, dim=-1))))
+    static = torch.zeros(6000, dtype=torch.bfloat16, device=dev)
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):
+        coll.reduce_(static)  # a warm-up outside the capture, as the engine's
+    torch.cuda.current_stream(dev).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        coll.reduce_(static)
+    for case in range(70, 73):
+        static.copy_(_ipc_part(case, rank, 6000, torch.bfloat16, dev))
+        graph.replay()
+        out["graph"].append(bool(torch.equal(static, want_sum(case, 6000, torch.bfloat16))))
+    torch.cuda.synchronize(dev)
+    dist.barrier()  # every rank done with the others' regions before any frees its own
+    coll.close()
+    return out
+
+
+def _ipc_engine(rank: int, tp: int, ipc: bool) -> dict:
+    """One rank's greedy tokens on the tiny preset on the GPU, plain and MTP3, with its collectives through CUDA IPC
+    (captured in the engine's graphs) or through torch.distributed (NINFER_BENCH_TP_IPC=0: eager)."""
+    import os
+
+    from ninfer_bench.engine.runtime.engine import Engine
+
+    os.environ["NINFER_BENCH_TP_IPC"] = "1" if ipc else "0"
+    out = {}
+    for spec, k in (("none", 0), ("mtp", 3)):
+        eng = Engine.load("tiny", device="cuda", kv_dtype="int8", max_context=128, tensor_parallel=tp, spec=spec,
+                          draft_tokens=k or None)
+        out[spec] = eng.generate(PROMPT, max_new_tokens=24, ignore_eos=True).tokens
+        out["graphs"] = eng.graphs is not None
+        out["why"] = eng.tp_ipc_off
+    return out

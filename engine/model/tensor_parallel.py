@@ -12,6 +12,11 @@ Each of ``size`` ranks (one process each, ``torch.distributed`` initialised: glo
   ``down_proj`` - each rank's product is a partial sum, all-reduced once per block half (:meth:`TPGroup.reduce`);
 - everything else whole: norms, the GDN gated norm's weight (per head, shared).
 
+On GPUs the collectives go through :mod:`kernels.ipc_collectives` where every rank can map the others' memory
+(:meth:`TPGroup.use_ipc`): one kernel a call that a CUDA graph can capture, the sum in rank order; elsewhere (CPUs,
+NINFER_BENCH_TP_IPC=0, or GPUs that cannot map each other) through torch.distributed, and an engine then runs its
+kernels eagerly.
+
 Heads are split in contiguous blocks, which keeps the grouped heads together (attention query head i reads key head
 ``i // (H / Hkv)``, GDN value head i key head ``i // (Hv / Hk)``). :func:`check_divisible` refuses a model whose head
 counts (or intermediate size, or vocabulary) a size does not divide, naming each. Packed (quantized) weights are
@@ -42,6 +47,7 @@ class TPGroup:
     rank: int
     size: int
     group: object = None
+    ipc: object = None  # kernels.ipc_collectives.IpcCollectives, once use_ipc set it up
 
     @classmethod
     def current(cls, size: int) -> TPGroup:
@@ -56,6 +62,22 @@ class TPGroup:
             raise ValueError(f"--tensor-parallel {size}: the process group has {dist.get_world_size()} ranks")
         return cls(dist.get_rank(), size)
 
+    def use_ipc(self, device: torch.device) -> str | None:
+        """Route this group's GPU collectives through CUDA IPC (kernels/ipc_collectives.py); None when they now do,
+        else why not (they stay torch.distributed's). NINFER_BENCH_TP_IPC=0 keeps torch.distributed's without
+        trying. Collective: every rank calls it."""
+        import os
+
+        switch = os.environ.get("NINFER_BENCH_TP_IPC", "1").strip()
+        if switch not in ("0", "1"):
+            raise ValueError(f"NINFER_BENCH_TP_IPC: {switch!r}: expected 1 (the default) or 0")
+        if switch == "0":
+            return "NINFER_BENCH_TP_IPC=0"
+        from ...kernels import ipc_collectives
+
+        self.ipc, why = ipc_collectives.create(self.rank, self.size, device, self.group)
+        return why
+
     def _staged(self, x: torch.Tensor) -> bool:
         """Whether ``x`` goes through host memory: a CUDA tensor over gloo (ranks sharing fewer GPUs than there are
         ranks, engine/runtime/parallel.default_backend: a check of the split on one GPU, not a speed), since gloo's
@@ -68,6 +90,8 @@ class TPGroup:
         """The sum of every rank's ``x`` (a row-parallel projection's partial products), in place."""
         import torch.distributed as dist
 
+        if self.ipc is not None and self.ipc.supports(xc := x.contiguous()):
+            return self.ipc.reduce_(xc) if xc is x else x.copy_(self.ipc.reduce_(xc))
         if self._staged(x):
             host = x.cpu()
             dist.all_reduce(host, group=self.group)
@@ -79,6 +103,8 @@ class TPGroup:
         """Every rank's ``x`` side by side along the last dimension (vocabulary-parallel logits), rank order."""
         import torch.distributed as dist
 
+        if self.ipc is not None and self.ipc.supports(xc := x.contiguous()):
+            return self.ipc.gather_last(xc)
         staged = self._staged(x)
         mine = x.cpu() if staged else x.contiguous()
         parts = [torch.empty_like(mine) for _ in range(self.size)]

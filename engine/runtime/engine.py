@@ -98,12 +98,21 @@ class Engine:
         interleave = opts.silu_epilogue and opts.fused_kernels()  # the gate_up fusion, interleaved (any device)
         # tensor parallel: this rank's slices of the weights, and a config of its share of the heads
         self.tp, self.model_config, raws = None, self.config, loaded.raws
+        self.tp_ipc_off = None  # why a tensor-parallel engine on GPUs keeps torch.distributed's collectives
         if opts.tensor_parallel > 1:
             from ..model import tensor_parallel as tpm
 
             self.model_config = tpm.local_config(self.config, opts.tensor_parallel)  # (refuses what does not divide)
             self.tp = tpm.TPGroup.current(opts.tensor_parallel)
             raws = tpm.shard_raws(loaded.raws, self.config, self.tp.rank, self.tp.size)
+            if self.device.type == "cuda":  # the collectives through CUDA IPC, which CUDA graphs capture
+                self.tp_ipc_off = self.tp.use_ipc(self.device)
+                if self.tp_ipc_off is not None and opts.cuda_graphs:
+                    import warnings
+
+                    warnings.warn(f"--tensor-parallel {opts.tensor_parallel}: the collectives stay torch.distributed's "
+                                  f"({self.tp_ipc_off}), which are not captured: CUDA graphs off", stacklevel=2)
+                    opts.cuda_graphs = False
         self.weights = WeightStore(raws, device=self.device, dtype=self.dtype, runtime=opts.runtime,
                                    apart=("linear_attn.in_proj_qkvz",) if side else (),
                                    interleave=interleave, fuse=True if interleave else None,

@@ -171,8 +171,6 @@ class EngineOptions:
         if self.tensor_parallel > 1 and self.lm_head_draft:
             raise ValueError(f"--tensor-parallel {self.tensor_parallel}: --lm-head-draft (a drafter head over some "
                              "vocabulary rows) is not split over ranks yet")
-        if self.tensor_parallel > 1 and self.torch_device.type == "cuda":
-            self.cuda_graphs = False  # the collectives are not captured in CUDA graphs yet: v3's kernels run eagerly
         if self.dtype not in ("auto", *DTYPES):
             raise ValueError(f"dtype must be auto, fp32, bf16 or fp16, got {self.dtype!r}")
         if self.kv_dtype not in ("fp32", "bf16", "fp16", "int8"):
