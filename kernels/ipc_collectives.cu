@@ -10,8 +10,8 @@
 //   2. it writes e into flags[b][rank] of every rank (release, system scope) and waits until each rank's flag for b
 //      reached e (acquire);
 //   3. it reads the NR buffers' elements (L2, not L1) and combines them: reduce - the sum in rank order 0 .. NR - 1 in
-//      fp32, rounded once to x's dtype (every rank the same bits); gather - rank r's [rows, cols] into columns
-//      r cols .. (r + 1) cols - 1 of out.
+//      fp32, rounded once to x's dtype (every rank the same bits); gather - rank r's [rows, cols] beside the others'
+//      in out's rows.
 // One barrier a call is enough: a rank writes buffer (e & 1) again only at epoch e + 2, after every rank's block b
 // reached epoch e + 1, that is after their epoch-e kernels ended (a stream's kernels run in order), reads included.
 //   DT  0 bf16, 1 fp16, 2 fp32 (the element type)
@@ -145,20 +145,22 @@ extern "C" __global__ void __launch_bounds__(512) ipc_reduce(T* x, long long n, 
   epoch_done(regions, rank, e);
 }
 
-// out [rows, NR cols] = every rank's x [rows, cols] side by side, rank order (each block reads back the elements it
-// wrote, from every rank: the elements its flags cover)
+// every rank's x [rows, cols] side by side: rank r's row i at out + i stride + r part (out's row stride and the
+// columns between two ranks' parts, in elements: a column block of a wider gather). Each block reads back the
+// elements it wrote, from every rank: the elements its flags cover
 extern "C" __global__ void __launch_bounds__(512) ipc_gather(const T* x, T* out, long long rows, long long cols,
-                                                            const u64* regions, int rank) {
+                                                            long long stride, long long part, const u64* regions,
+                                                            int rank) {
   const u32 e = epoch(regions, rank);
-  const long long stride = (long long)NBLK * blockDim.x, first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  const long long step = (long long)NBLK * blockDim.x, first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   const long long n = rows * cols;
   T* mine = (T*)buffer(regions, rank, e);
-  for (long long i = first; i < n; i += stride) mine[i] = x[i];
+  for (long long i = first; i < n; i += step) mine[i] = x[i];
   exchange(regions, rank, e);
-  for (long long i = first; i < n; i += stride) {
+  for (long long i = first; i < n; i += step) {
     const long long row = i / cols, c = i - row * cols;
 #pragma unroll
-    for (int r = 0; r < NR; ++r) out[(row * NR + r) * cols + c] = __ldcg((const T*)buffer(regions, r, e) + i);
+    for (int r = 0; r < NR; ++r) out[row * stride + r * part + c] = __ldcg((const T*)buffer(regions, r, e) + i);
   }
   epoch_done(regions, rank, e);
 }

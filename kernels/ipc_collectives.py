@@ -107,17 +107,21 @@ class IpcCollectives:
         cols = x.shape[-1]
         rows = x.numel() // max(cols, 1)
         out = torch.empty(*x.shape[:-1], cols * self.size, dtype=x.dtype, device=x.device)
-        per_rows = max(1, self.max_bytes // max(cols * x.element_size(), 1))
-        if cols * x.element_size() > self.max_bytes:
-            raise ValueError(f"ipc_collectives: a row of {cols * x.element_size()} bytes does not fit the "
-                             f"{self.max_bytes}-byte buffer")
         src, dst = x.reshape(rows, cols), out.view(rows, cols * self.size)
         regions = np.uint64(self.regions.data_ptr())
         kern = _kernels(self.size, _DT[x.dtype], False, self.max_bytes, self.device.index)[1]
-        for r0 in range(0, rows, per_rows):
-            a, b = src[r0:r0 + per_rows], dst[r0:r0 + per_rows]
-            self._launch(kern, (np.uint64(a.data_ptr()), np.uint64(b.data_ptr()), np.int64(a.shape[0]),
-                                np.int64(cols), regions, np.int32(self.rank)))
+        per = self.max_bytes // x.element_size()  # elements a piece: whole rows, else column blocks of rows
+        width = max(1, min(cols, per))
+        for c0 in range(0, cols, width):
+            block = src[:, c0:c0 + width]
+            w = block.shape[1]
+            block = block if w == cols else block.contiguous()
+            step = max(1, per // w)
+            for r0 in range(0, rows, step):
+                a = block[r0:r0 + step]
+                self._launch(kern, (np.uint64(a.data_ptr()), np.uint64(dst[r0:, c0:].data_ptr()),
+                                    np.int64(a.shape[0]), np.int64(w), np.int64(cols * self.size), np.int64(cols),
+                                    regions, np.int32(self.rank)))
         return out
 
     def close(self) -> None:

@@ -140,8 +140,9 @@ def _ipc_collectives(rank: int, size: int) -> dict:
     whole[1:] = _ipc_part(90, rank, 4096, torch.bfloat16, dev)
     coll.reduce_(whole[1:])
     out["reduce"].append(bool(torch.equal(whole[1:], want_sum(90, 4096, torch.bfloat16))))
+    # one row; a few rows; rows in pieces of whole rows; rows longer than the buffer, in column blocks
     for case, (dt, shape) in enumerate(((torch.float32, (1, 1000)), (torch.bfloat16, (3, 77)),
-                                        (torch.float16, (2, 5, 40_000))), start=50):
+                                        (torch.float32, (300, 1000)), (torch.float16, (2, 5, 40_000))), start=50):
         n = 1
         for d in shape:
             n *= d
