@@ -119,8 +119,9 @@ def test_two_gloo_ranks_give_one_ranks_tokens_and_logits():
 def test_a_failing_rank_reports_its_error():
     from ninfer_bench.engine.runtime.parallel import launch
 
-    with pytest.raises(RuntimeError, match="rank 1 failed"):
+    with pytest.raises(RuntimeError, match="rank 1 failed: ValueError: rank one breaks\n.*Traceback") as e:
         launch(2, _fail_on_one, backend="gloo")
+    assert str(e.value).splitlines()[0] == "tensor parallel rank 1 failed: ValueError: rank one breaks"
 
 
 

@@ -95,8 +95,9 @@ def launch(size: int, fn, *args, backend: str | None = None, timeout_s: float | 
                         from None
                 else:
                     continue
-            if err is not None:
-                raise RuntimeError(f"tensor parallel rank {rank} failed:\n{err}")
+            if err is not None:  # the exception's own line first (a one-line error shows that much)
+                last = next((ln for ln in reversed(err.strip().splitlines()) if ln.strip()), "")
+                raise RuntimeError(f"tensor parallel rank {rank} failed: {last.strip()}\n{err}")
             got[rank] = value
     finally:
         done = len(got) == size
