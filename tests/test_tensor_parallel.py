@@ -114,6 +114,11 @@ def test_two_gloo_ranks_give_one_ranks_tokens_and_logits():
         assert r["logits"].shape == one["logits"].shape
         torch.testing.assert_close(r["logits"], one["logits"], rtol=1e-4, atol=1e-4)
     assert torch.equal(ranks[0]["logits"], ranks[1]["logits"])
+    # a rank keeps its share only (the whole model's weights leave the loaded model), and its step reads that much
+    assert [r["shard"] for r in ranks] == [(0, 2), (1, 2)] and one["shard"] is None
+    assert all(2 * r["loaded_qkv_rows"] == one["loaded_qkv_rows"] for r in ranks)
+    # (tiny's row-parallel slices miss the q4 groups and are held dequantized: its step bytes do not halve)
+    assert all(r["step_bytes"] < one["step_bytes"] for r in ranks)
 
 
 def test_a_failing_rank_reports_its_error():

@@ -16,7 +16,9 @@ def _rank_run(rank: int, tp: int) -> dict:
     tokens = eng.generate(PROMPT, max_new_tokens=16, ignore_eos=True).tokens
     return {"logits": logits, "tokens": tokens, "heads": eng.model_config.num_attention_heads,
             "head_rows": eng.weights.linears["lm_head.weight"].out_features,
-            "embed_rows": eng.weights.embeddings["model.embed_tokens.weight"].shape[0]}
+            "embed_rows": eng.weights.embeddings["model.embed_tokens.weight"].shape[0],
+            "shard": eng.loaded.tp_shard, "step_bytes": eng.weight_bytes_per_step,
+            "loaded_qkv_rows": eng.loaded.raws["model.layers.0.linear_attn.in_proj_qkv.weight"].shape[0]}
 
 
 def _spec_run(rank: int, tp: int) -> dict:

@@ -42,6 +42,7 @@ class LoadedModel:
     drafters: dict[str, tuple[DraftConfig, dict[str, RawWeight]]] = field(default_factory=dict)
     artifact: Artifact | None = None
     vision: tuple | None = None  # (VisionConfig, PreprocessConfig, {vision.* name: RawWeight}) when the model sees
+    tp_shard: tuple[int, int] | None = None  # (rank, size): ``raws`` are that tensor-parallel rank's share only
 
 
 def file_sha256(path: Path, chunk: int = 1 << 24) -> str:

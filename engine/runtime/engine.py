@@ -104,7 +104,15 @@ class Engine:
 
             self.model_config = tpm.local_config(self.config, opts.tensor_parallel)  # (refuses what does not divide)
             self.tp = tpm.TPGroup.current(opts.tensor_parallel)
-            raws = tpm.shard_raws(loaded.raws, self.config, self.tp.rank, self.tp.size)
+            if loaded.tp_shard != (self.tp.rank, self.tp.size):
+                # the share replaces the whole model in ``loaded`` (which a grid's runs share): a rank holds its
+                # share only, and its step's bytes (weight_bytes_per_step) are its own
+                if loaded.tp_shard is not None:
+                    raise ValueError(f"--tensor-parallel {self.tp.size}: these weights are already rank "
+                                     f"{loaded.tp_shard[0]} of {loaded.tp_shard[1]}'s share")
+                loaded.raws = tpm.shard_raws(loaded.raws, self.config, self.tp.rank, self.tp.size)
+                loaded.tp_shard = (self.tp.rank, self.tp.size)
+            raws = loaded.raws
             if self.device.type == "cuda":  # the collectives through CUDA IPC, which CUDA graphs capture
                 self.tp_ipc_off = self.tp.use_ipc(self.device)
                 if self.tp_ipc_off is not None and opts.cuda_graphs:
@@ -195,7 +203,8 @@ class Engine:
 
     @property
     def weight_bytes_per_step(self) -> int:
-        """Bytes of weights one decode step reads: every text-layer weight plus lm_head and one embedding row."""
+        """Bytes of weights one decode step reads: every text-layer weight plus lm_head and one embedding row (under
+        tensor parallelism this rank's share: what its GPU reads)."""
         total = 0
         for name, raw in self.loaded.raws.items():
             if name.startswith("mtp."):
