@@ -128,6 +128,8 @@ class IpcCollectives:
         """Unmap the other ranks' regions and free this one (after every rank is done with them)."""
         _release(self.device, self.rank, self._base, self._opened)
         self._opened, self._base = [], 0
+        for key in [k for k, v in _MADE.items() if v is self]:
+            del _MADE[key]
 
 
 def _release(device: torch.device, rank: int, base: int, opened: list[int]) -> None:
@@ -141,14 +143,23 @@ def _release(device: torch.device, rank: int, base: int, opened: list[int]) -> N
             cupy.cuda.runtime.free(base)
 
 
+# the collectives this process made, by (rank, size, device index, buffer bytes, group): the engines of a grid's runs
+# share them (every rank makes the same engines in the same order, so every rank finds its own at once)
+_MADE: dict[tuple, IpcCollectives] = {}
+
+
 def create(rank: int, size: int, device: torch.device, group=None,
            max_bytes: int = DEFAULT_MAX_BYTES) -> tuple[IpcCollectives | None, str | None]:
     """(this rank's :class:`IpcCollectives`, None), or (None, why not). Collective: every rank of ``group`` (a
-    torch.distributed group, None the default) must call it, in the same order as its other collectives."""
+    torch.distributed group, None the default) must call it, in the same order as its other collectives. A second
+    call with the same arguments returns the first one's (until it is closed)."""
     import torch.distributed as dist
 
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
+    key = (rank, size, device.index, max_bytes, id(group))
+    if key in _MADE:
+        return _MADE[key], None
     why = None
     if device.type != "cuda":
         why = "not on a GPU"
@@ -194,5 +205,6 @@ def create(rank: int, size: int, device: torch.device, group=None,
         if base or any(opened):
             _release(device, rank, base, opened)
         return None, "; ".join(dict.fromkeys(bad))
-    return IpcCollectives(rank, size, device, base, opened, max_bytes), None
+    made = _MADE[key] = IpcCollectives(rank, size, device, base, opened, max_bytes)
+    return made, None
 
