@@ -77,8 +77,8 @@ __device__ __forceinline__ u32 load_acquire(const u32* p) {
   return v;
 }
 
-// steps 1-2 for block b: x's part of this block (n elements, or n16 16-byte vectors) written by the caller's loop,
-// then the flag exchange; returns nothing, the caller reads the buffers after it
+// step 2 for block b, after the caller's loop wrote the block's part of x into its buffer (step 1): the flag
+// exchange; the caller reads the buffers after it (step 3)
 __device__ __forceinline__ void exchange(const u64* regions, int rank, u32 e) {
   const int b = blockIdx.x;
   __syncthreads();  // the block's copies are done
@@ -92,12 +92,14 @@ __device__ __forceinline__ void exchange(const u64* regions, int rank, u32 e) {
   __syncthreads();
 }
 
-__device__ __forceinline__ u32 epoch(const u64* regions, int rank) {
-  return ((const volatile u32*)((const char*)regions[rank] + NBLK * NR * 4))[blockIdx.x] + 1;
+// this rank's block b's epoch counter (after the flags [NBLK][NR])
+__device__ __forceinline__ volatile u32* counter(const u64* regions, int rank) {
+  return (volatile u32*)((char*)regions[rank] + NBLK * NR * 4) + blockIdx.x;
 }
+__device__ __forceinline__ u32 epoch(const u64* regions, int rank) { return *counter(regions, rank) + 1; }
 __device__ __forceinline__ void epoch_done(const u64* regions, int rank, u32 e) {
   __syncthreads();
-  if (threadIdx.x == 0) ((volatile u32*)((char*)regions[rank] + NBLK * NR * 4))[blockIdx.x] = e;
+  if (threadIdx.x == 0) *counter(regions, rank) = e;
 }
 __device__ __forceinline__ char* buffer(const u64* regions, int r, u32 e) {
   return (char*)regions[r] + HEAD + (size_t)(e & 1u) * MAXB;

@@ -29,7 +29,7 @@ import torch
 
 from . import _cupy
 
-__all__ = ["IpcCollectives", "create", "kernel_options", "DEFAULT_MAX_BYTES", "NBLK", "THREADS"]
+__all__ = ["IpcCollectives", "alloc_region", "create", "kernel_options", "DEFAULT_MAX_BYTES", "NBLK", "THREADS"]
 
 _SOURCE = Path(__file__).with_name("ipc_collectives.cu")
 NBLK = 32  # blocks a call (every rank the same grid: block b takes the same elements on every rank)
@@ -78,6 +78,11 @@ class IpcCollectives:
         """Whether ``x`` can go through here: on this rank's GPU, a dtype the kernels take, contiguous."""
         return x.device == self.device and x.dtype in _DT and x.is_contiguous()
 
+    def _check(self, x: torch.Tensor) -> None:
+        if not self.supports(x):
+            raise ValueError(f"ipc_collectives: needs a contiguous bf16 / fp16 / fp32 tensor on {self.device}, got "
+                             f"{x.dtype} on {x.device}")
+
     def _launch(self, kernel, args) -> None:
         stream = torch.cuda.current_stream(self.device)
         kernel((NBLK,), (THREADS,), args, stream=_cupy.stream(stream, self.device.index))
@@ -85,9 +90,7 @@ class IpcCollectives:
     def reduce_(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` (in place) = the sum of every rank's ``x`` (the same shape on each), added in rank order in fp32 and
         rounded once to x's dtype; a message over ``max_bytes`` in pieces."""
-        if not self.supports(x):
-            raise ValueError(f"ipc_collectives: needs a contiguous bf16 / fp16 / fp32 tensor on {self.device}, got "
-                             f"{x.dtype} on {x.device}")
+        self._check(x)
         flat = x.view(-1)
         per = self.max_bytes // x.element_size()
         regions = np.uint64(self.regions.data_ptr())
@@ -101,9 +104,7 @@ class IpcCollectives:
     def gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's ``x`` ([..., cols], the same shape on each) side by side along the last dimension, rank order:
         a new tensor [..., size cols]."""
-        if not self.supports(x):
-            raise ValueError(f"ipc_collectives: needs a contiguous bf16 / fp16 / fp32 tensor on {self.device}, got "
-                             f"{x.dtype} on {x.device}")
+        self._check(x)
         cols = x.shape[-1]
         rows = x.numel() // max(cols, 1)
         out = torch.empty(*x.shape[:-1], cols * self.size, dtype=x.dtype, device=x.device)
@@ -130,6 +131,18 @@ class IpcCollectives:
         self._opened, self._base = [], 0
         for key in [k for k, v in _MADE.items() if v is self]:
             del _MADE[key]
+
+
+def alloc_region(device: torch.device, max_bytes: int) -> int:
+    """A rank's region (its flags and counters zeroed, two data buffers of ``max_bytes``), ready on return: its
+    device address (free it with :func:`_release`, or through the :class:`IpcCollectives` made over it)."""
+    import cupy
+
+    with cupy.cuda.Device(device.index):
+        base = cupy.cuda.runtime.malloc(HEAD + 2 * max_bytes)
+        cupy.cuda.runtime.memset(base, 0, HEAD + 2 * max_bytes)
+        cupy.cuda.runtime.deviceSynchronize()
+    return base
 
 
 def _release(device: torch.device, rank: int, base: int, opened: list[int]) -> None:
@@ -174,10 +187,8 @@ def create(rank: int, size: int, device: torch.device, group=None,
         try:
             import cupy
 
+            base = alloc_region(device, max_bytes)
             with cupy.cuda.Device(device.index):
-                base = cupy.cuda.runtime.malloc(HEAD + 2 * max_bytes)
-                cupy.cuda.runtime.memset(base, 0, HEAD + 2 * max_bytes)
-                cupy.cuda.runtime.deviceSynchronize()
                 handle = bytes(cupy.cuda.runtime.ipcGetMemHandle(base))
         except Exception as e:  # noqa: BLE001 - reported, and the caller keeps torch.distributed's collectives
             why = f"IPC handle: {type(e).__name__}: {e}"

@@ -27,16 +27,22 @@ from ninfer_bench.kernels import ipc_collectives as ic  # noqa: E402
 
 def pair(device: torch.device, max_bytes: int) -> list:
     """Two ranks' IpcCollectives over regions of this process (each rank's 'opened' region is the other's own)."""
-    import cupy
-
-    bases = []
-    with cupy.cuda.Device(device.index):
-        for _ in range(2):
-            b = cupy.cuda.runtime.malloc(ic.HEAD + 2 * max_bytes)
-            cupy.cuda.runtime.memset(b, 0, ic.HEAD + 2 * max_bytes)
-            bases.append(b)
-        cupy.cuda.runtime.deviceSynchronize()
+    bases = [ic.alloc_region(device, max_bytes) for _ in range(2)]
     return [ic.IpcCollectives(r, 2, device, bases[r], list(bases), max_bytes) for r in range(2)]
+
+
+def both(colls, call) -> list:
+    """``call(coll, r)`` for each rank at once, on a stream each (one rank alone would wait for the other forever):
+    their results, once both are done."""
+    dev = colls[0].device
+    streams = [torch.cuda.Stream(dev) for _ in colls]
+    out = []
+    for r, c in enumerate(colls):
+        streams[r].wait_stream(torch.cuda.current_stream(dev))  # the inputs made on it are ready
+        with torch.cuda.stream(streams[r]):
+            out.append(call(c, r))
+    torch.cuda.synchronize(dev)
+    return out
 
 
 def timed(colls, make, calls: int, repeats: int) -> float:
@@ -86,25 +92,13 @@ def main() -> int:
     for n in (int(v) for v in args.sizes.split(",") if v.strip()):
         xs = [torch.randn(n, device=dev).to(torch.bfloat16) for _ in colls]
         want = (xs[0].float() + xs[1].float()).to(torch.bfloat16)
-        got = [x.clone() for x in xs]
-        s = [torch.cuda.Stream(dev) for _ in colls]
-        for r, c in enumerate(colls):
-            with torch.cuda.stream(s[r]):
-                c.reduce_(got[r])
-        torch.cuda.synchronize(dev)
-        ok = all(torch.equal(g, want) for g in got)
+        ok = all(torch.equal(g, want) for g in both(colls, lambda c, r, xs=xs: c.reduce_(xs[r].clone())))
         us = timed(colls, lambda c, r, xs=xs: c.reduce_(xs[r]), args.calls, args.repeats)
         rows.append({"op": "all_reduce", "dtype": "bf16", "elements": n, "bytes": 2 * n, "us": us, "correct": ok})
     for n in (int(v) for v in args.gather.split(",") if v.strip()):
         xs = [torch.randn(1, n, device=dev) for _ in colls]
         want = torch.cat(xs, dim=-1)
-        s = [torch.cuda.Stream(dev) for _ in colls]
-        got = [None, None]
-        for r, c in enumerate(colls):
-            with torch.cuda.stream(s[r]):
-                got[r] = c.gather_last(xs[r])
-        torch.cuda.synchronize(dev)
-        ok = all(torch.equal(g, want) for g in got)
+        ok = all(torch.equal(g, want) for g in both(colls, lambda c, r, xs=xs: c.gather_last(xs[r])))
         us = timed(colls, lambda c, r, xs=xs: c.gather_last(xs[r]), args.calls, args.repeats)
         rows.append({"op": "all_gather", "dtype": "fp32", "elements": n, "bytes": 4 * n, "us": us, "correct": ok})
     print(f"{torch.cuda.get_device_name(dev)}: two ranks in one process, {args.calls} calls a graph, median of "
