@@ -54,6 +54,12 @@
 #            artifact in parts; SELF_GRID=1 then runs the new artifact's held-out grid (plain / MTP3 / DFlash2 K=7,
 #            256 tokens, two repeats) and the README's main command on it
 #   profile  scripts/profile_step.py at the 27B shape: every kernel of 32 decode steps (PROFILE_ARGS adds flags)
+#   vattn    where a verify's int8 decode attention goes (issue 32): scripts/probe_verify_attention.py at 65,536 keys,
+#            split pass / combine / whole call for T = 1 and 8 (mma, wgmma) at the default plan and VATTN_SPLITS
+#            (128,64,32) splits, then Nsight Compute (full set) on one launch of each kernel at the default plan
+#   ipc      the tensor-parallel IPC collectives on one GPU: scripts/bench_ipc_collectives.py (two ranks' regions in one
+#            process), then the 27B synthetic at TP = 2 (two ranks sharing the GPU: memory and tokens, not speed) with
+#            plain / DFlash2 K=7 (IPC_N tokens)
 #   ksuite   the kernels suite alone at the 27B shape, T = 1 and 8, with the captured decode step's timeline
 #            (KSUITE_OPS: only these ops)
 #   tilecheck scripts/probe_tile_bits.py, then test_cuda_engine's verify-row, speculative, block-draft and dflash2 PDL
@@ -337,6 +343,24 @@ for stage in "$@"; do
                  --json "$OUT/profile27_$mode.json" 2>&1 | tee "$OUT/profile27_$mode.log" | tail -${PROFILE_LINES:-30}
              done ;;
     sdpa)    timeout ${STAGE_S:-120} python3 scripts/probe_sdpa.py 2>&1 | tee "$OUT/probe_sdpa.log" | tail -12 ;;
+    vattn)   mkdir -p "$OUT/vattn"
+             timeout ${STAGE_S:-300} python3 scripts/probe_verify_attention.py --splits ${VATTN_SPLITS:-128,64,32} \
+               --json "$OUT/vattn/probe.json" 2>&1 | tee "$OUT/vattn/probe.log" | tail -30
+             if command -v ncu >/dev/null; then
+               timeout ${STAGE_S:-300} ncu --profile-from-start off --set full -k 'regex:attn_split|attn_verify|_attn_combine' \
+                 -o "$OUT/vattn/v" python3 scripts/probe_verify_attention.py --profile > "$OUT/vattn/ncu.log" 2>&1
+               echo "--- ncu rc $?"; grep -E "^==PROF==.*(rror|arning)|Error|profiled" "$OUT/vattn/ncu.log" | head -8
+               ncu --import "$OUT/vattn/v.ncu-rep" --page details --print-units base > "$OUT/vattn/details.txt" 2>&1
+               grep -E "^  [a-z_]+.*\(|Duration|DRAM Throughput|Achieved Occupancy|Registers Per|Issue Slots Busy|No Eligible|Executed Ipc A" \
+                 "$OUT/vattn/details.txt" | head -80
+               gzip -f "$OUT/vattn/details.txt"; rm -f "$OUT/vattn/v.ncu-rep"
+             fi ;;
+    ipc)     mkdir -p "$OUT/ipc"
+             timeout ${STAGE_S:-200} python3 scripts/bench_ipc_collectives.py --json "$OUT/ipc/bench.json" 2>&1 \
+               | tee "$OUT/ipc/bench.log" | tail -30
+             mkdir -p /tmp/pkg; ln -sfn "$PWD" /tmp/pkg/ninfer_bench; export PYTHONPATH=/tmp/pkg:${PYTHONPATH:-}
+             nb decode $M27 --tensor-parallel 2 --spec none,dflash2:7 --replay-acceptance seed -n ${IPC_N:-16} --repeats 1 \
+               --json "$OUT/ipc/d27-tp2" 2>&1 | tee "$OUT/ipc/d27-tp2.log" | grep -v Warn | tail -10 ;;
     ksuite)  nb kernels --shape qwen3.8-27b --t 1,8 --repeats 30 --timeline ${KSUITE_OPS:+--ops $KSUITE_OPS} \
                --json "$OUT/kernels_27b.json" 2>&1 | tee "$OUT/kernels_27b.log" | tail -60 ;;
     tilecheck) # does a one-token attention tile give the packed tile's bits on this GPU (scripts/probe_tile_bits.py),
