@@ -233,7 +233,7 @@ def _kernels(hd: int, half: bool, pos64: bool, slot64: bool, device_index: int,
             if not fn.kernel.ptr:  # compiled and loaded now (cupy would on the first launch)
                 raise RuntimeError("attn_cuda: a kernel did not load")
         if wgv:
-            build = _builds(defines)[0]
+            build = _wgv_build(defines)
             wg = _cupy.arch_kernel(source, (*_options(hd, half, pos64, slot64, build), "-DWGV=1"),
                                    "90a", "attn_verify_wg", device_index)
             wg.max_dynamic_shared_size_bytes = wgv_smem(hd, build)
@@ -246,10 +246,19 @@ def _options(hd: int, half: bool, pos64: bool, slot64: bool, build: tuple) -> tu
             f"-DSLOT64={int(slot64)}", *(f"-D{k}={v}" for k, v in build))
 
 
+def _wgv_build(defines: tuple) -> tuple:
+    """attn_verify_wg's defines: the narrow build's, with at least 4 raw stages (its pipeline keeps two in flight)."""
+    d = dict(_builds(defines)[0])
+    d["VDEPTH"] = max(4, d.get("VDEPTH", 4))
+    return tuple(sorted(d.items()))
+
+
 def wgv_smem(hd: int, defines: tuple = ()) -> int:
     """Bytes of dynamic shared memory an attn_verify_wg block takes: the source's WGV_SMEM (VDEPTH stages of raw codes
-    and scales, then K' and V', the step's fp16 operands)."""
-    return verify_smem(hd, 1, tuple(sorted({**dict(defines), "QSMEM": 0}.items()))) + (hd // 64) * 4 * 512 + hd * 32
+    and scales, then two K' and three V' buffers, the steps' fp16 operands, and Q', q's)."""
+    ng = hd // 64
+    return (verify_smem(hd, 1, tuple(sorted({**dict(defines), "QSMEM": 0}.items()))) + 2 * ng * 4 * 512
+            + 3 * hd * 32 + ng * 4 * 2048)
 
 
 def _wgv_wanted(device_index: int) -> bool:
@@ -298,7 +307,7 @@ def split(q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, qk_scale: float, 
         kern, grid, block, smem = one, (splits, b * hkv, 1), (32,), 0
     elif wgv:  # one warpgroup a block: 64 of the T x G rows
         kern, grid, block = wg[0], (splits, b * hkv, -(-(t * (h // hkv)) // 64)), (128,)
-        smem = wgv_smem(hd, _builds(defines)[0])
+        smem = wgv_smem(hd, _wgv_build(defines))
     else:
         warps, blocks = verify_grid(t, h // hkv, cfg.verify_warps)
         w = warps > NARROW_WARPS
