@@ -475,19 +475,28 @@ __device__ __forceinline__ void verify_cache(const signed char* K, const signed 
   vsb = VS + slot * ssvs + hkv * ssvh;
 }
 
+// The key ranges of split s of this lane's rows rb + g (h = 0) and rb + g + 8 (h = 1) (empty past the rows)
+__device__ __forceinline__ void verify_ranges(VERIFY_ROW_PARAMS, int rb, int g, int (&rlo)[2], int (&rhi)[2]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = rb + g + 8 * h;
+    rlo[h] = rhi[h] = 0;
+    if (r < rows)
+      key_range((int)load_index(QPOS, b * spb + (r / G) * spt, POS64), s, CHUNK, MIN_CHUNK, NUM_SPLITS, KV_LEN,
+                rlo[h], rhi[h]);
+  }
+}
+
 // This lane's rows rb + g (h = 0) and rb + g + 8 (h = 1): token, head, key range of split s, and q's A fragments
 // [group][mma j][a0 .. a3] (rows g, g + 8's words 2j, 2j + 1)
 __device__ __forceinline__ void verify_rows(VERIFY_ROW_PARAMS, int rb, int g, int c, int (&rlo)[2], int (&rhi)[2],
                                             u32 (&qa)[NG][4][4]) {
+  verify_ranges(VERIFY_ROW_ARGS, rb, g, rlo, rhi);
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int r = rb + g + 8 * h;
     const bool ok = r < rows;
     const int t = ok ? r / G : 0, n = ok ? r % G : 0;
-    rlo[h] = rhi[h] = 0;
-    if (ok)
-      key_range((int)load_index(QPOS, b * spb + t * spt, POS64), s, CHUNK, MIN_CHUNK, NUM_SPLITS, KV_LEN, rlo[h],
-                rhi[h]);
     const u16* qrow = Q + b * sqb + (long long)t * sqt + (long long)(hkv * G + n) * sqh;
 #pragma unroll
     for (int gr = 0; gr < NG; ++gr) {
@@ -519,15 +528,16 @@ __device__ __forceinline__ bool verify_union(VERIFY_ROW_PARAMS, int r_end, int& 
   return uhi > ulo;
 }
 
-// Step `step`'s codes and scales into stage step % VDEPTH at shared address sm0, keys from uhi on zero (as
-// attn_split loads them); one commit group a call (empty past the last step). NT: the block's threads when the
+// A step's codes and scales (keys start .. start + 15) into stage `slot` at shared address sm0, keys from uhi on zero
+// (as attn_split loads them); one commit group a call (empty when !any). verify_issue: step `step` of [ulo, uhi)
+// into stage step % VDEPTH (nothing past the last step). NT: the block's threads when the
 // caller knows them (the copies' loop unrolled), 0: blockDim.x
 template <int NT = 0>
-__device__ __forceinline__ void verify_issue(int step, int nsteps, int ulo, int uhi, const signed char* kb,
-                                             const signed char* vb, const u16* ksb, const u16* vsb, u32 sm0) {
-  if (step < nsteps) {
-    const int start = ulo + step * STEP, live = uhi - start;
-    const u32 st = sm0 + (step % VDEPTH) * STAGE_BYTES;
+__device__ __forceinline__ void verify_issue_at(bool any, int slot, int start, int uhi, const signed char* kb,
+                                                const signed char* vb, const u16* ksb, const u16* vsb, u32 sm0) {
+  if (any) {
+    const int live = uhi - start;
+    const u32 st = sm0 + slot * STAGE_BYTES;
     constexpr int KC = HD / 16;  // 16-byte chunks a key: chunk j = key j / KC, bytes 16 (j % KC) ..
     const int live_chunks = live * KC;
     const signed char* ksrc = kb + (long long)start * HD;
@@ -557,6 +567,12 @@ __device__ __forceinline__ void verify_issue(int step, int nsteps, int ulo, int 
     }
   }
   cp_commit();
+}
+
+template <int NT = 0>
+__device__ __forceinline__ void verify_issue(int step, int nsteps, int ulo, int uhi, const signed char* kb,
+                                             const signed char* vb, const u16* ksb, const u16* vsb, u32 sm0) {
+  verify_issue_at<NT>(step < nsteps, step % VDEPTH, ulo + step * STEP, uhi, kb, vb, ksb, vsb, sm0);
 }
 
 // Scale group gr's sums (acc0: keys 2c, 2c + 1 of rows g, g + 8; acc1: keys 2c + 8, 2c + 9) times their keys'
@@ -813,14 +829,18 @@ attn_verify(ATTN_ARGS) {
 // The step is pipelined, one barrier a step: a step's O products are issued with the next step's S products (one
 // commit group), and the step after's K' / V' are made while both run (K' double-, V' triple-buffered). Raw stages:
 // step n + 2 has landed by the end of step n (VDEPTH >= 4 keeps two more in flight). No wgmma is in flight across
-// the loop's back edge (ptxas serializes the MMAs otherwise).
+// the loop's back edge (ptxas serializes the MMAs otherwise). A block walks one or more consecutive splits (gridDim.x
+// blocks share NUM_SPLITS), each split's rows from a fresh state to their own partial output, as one stream of steps:
+// q is read once and the pipeline does not drain between splits. Which block takes a split changes no bits.
 #define WGV_KB (NG * 4 * 512)   // K': (gr, j) blocks of [key half][q][8 keys][16 bytes]
 #define WGV_VB (HD * 32)        // V': [head dim / 8][q][8 dims][8 keys x 2 bytes]
 #define WGV_QB (NG * 4 * 2048)  // Q': (gr, j) blocks of [row / 8][q][8 rows][16 bytes]
-#define WGV_SMEM (VDEPTH * STAGE_BYTES + 2 * WGV_KB + 3 * WGV_VB + WGV_QB)  // (kernels/attn_cuda.py's wgv_smem)
+#define WGV_ZB 2048             // a zero V' tile of 64 head dims: a split's first step's O products (P = 0)
+#define WGV_SMEM (VDEPTH * STAGE_BYTES + 2 * WGV_KB + 3 * WGV_VB + WGV_QB + WGV_ZB)  // (kernels/attn_cuda.py's wgv_smem)
 #if VDEPTH < 4
 #error "attn_verify_wg needs VDEPTH >= 4"
 #endif
+#define WGV_MAX_SPLITS 8  // splits a block walks at most (kernels/attn_cuda.py's WGV_MAX_SPLITS)
 
 __device__ __forceinline__ unsigned long long wgv_desc(u32 addr) {  // at addr: LBO 128 (along k), SBO 256 (along m / n)
   return (unsigned long long)((addr & 0x3FFFF) >> 4) | (8ull << 16) | (16ull << 32);
@@ -907,6 +927,7 @@ __device__ __forceinline__ void wgv_convert(const signed char* ks, const signed 
 extern "C" __global__ void __launch_bounds__(128, 1)
 attn_verify_wg(ATTN_ARGS) {
   extern __shared__ __align__(16) unsigned char dsm[];
+  __shared__ int su_lo[WGV_MAX_SPLITS], su_hi[WGV_MAX_SPLITS], su_pre[WGV_MAX_SPLITS + 1];
   {
     u32 dyn;
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
@@ -914,14 +935,18 @@ attn_verify_wg(ATTN_ARGS) {
   }
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, c = lane & 3;
-  const int s = blockIdx.x;
+  // this block's splits: s0 .. s0 + ns - 1 (gridDim.x blocks share the NUM_SPLITS)
+  const int per = (NUM_SPLITS + gridDim.x - 1) / gridDim.x;
+  if (per > WGV_MAX_SPLITS) __trap();
+  const int s0 = blockIdx.x * per, ns = min(per, NUM_SPLITS - s0);
   const int b = blockIdx.y / HKV, hkv = blockIdx.y % HKV;
   const int rows = T * G, r0 = blockIdx.z * 64;
-  unsigned char* kp = dsm + VDEPTH * STAGE_BYTES;  // K' [2], V' [3], Q'
+  unsigned char* kp = dsm + VDEPTH * STAGE_BYTES;  // K' [2], V' [3], Q', the zero tile
   unsigned char* vp = kp + 2 * WGV_KB;
   unsigned char* qp = vp + 3 * WGV_VB;
   int rlo[2], rhi[2];
   {
+    const int s = s0;  // (VERIFY_ROW_ARGS)
     u32 qa[NG][4][4];  // attn_verify's A fragments of rows g, g + 8, stored as Q' (row 16 w + g + 8 h, q = 0 / 1)
     verify_rows(VERIFY_ROW_ARGS, r0 + 16 * warp, g, c, rlo, rhi, qa);
 #pragma unroll
@@ -936,99 +961,128 @@ attn_verify_wg(ATTN_ARGS) {
           *(u32*)(row + 128) = qa[gr][j][2 + h];
         }
   }
-  int ulo, uhi;
-  if (!verify_union(VERIFY_ROW_ARGS, r0 + 64, ulo, uhi)) return;  // uniform over the block
+  if (threadIdx.x < ns) {  // each split's union of the rows' key ranges
+    const int s = s0 + threadIdx.x;
+    int lo, hi;
+    if (!verify_union(VERIFY_ROW_ARGS, r0 + 64, lo, hi)) lo = hi = 0;
+    su_lo[threadIdx.x] = lo;
+    su_hi[threadIdx.x] = hi;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {  // steps before each split's, in the block's walk
+    su_pre[0] = 0;
+    for (int k = 0; k < ns; ++k) su_pre[k + 1] = su_pre[k] + (su_hi[k] - su_lo[k] + STEP - 1) / STEP;
+  }
+  __syncthreads();
+  const int nall = su_pre[ns];
+  if (nall == 0) return;  // uniform over the block
   const signed char *kb, *vb;
   const u16 *ksb, *vsb;
   verify_cache(VERIFY_CACHE_ARGS, kb, vb, ksb, vsb);
-  const int nsteps = (uhi - ulo + STEP - 1) / STEP;
   const u32 sm0 = smem_addr(dsm);
+  auto issue = [&](int i) {  // the walk's step i into stage i % VDEPTH (one commit group; empty past the walk)
+    int k = 0;
+    if (i < nall)
+      while (su_pre[k + 1] <= i) ++k;
+    verify_issue_at<128>(i < nall, i % VDEPTH, su_lo[k] + (i - su_pre[k]) * STEP, su_hi[k], kb, vb, ksb, vsb, sm0);
+  };
   // descriptors: a block's start address field (16-byte units) moved on from these
   const unsigned long long kdesc = wgv_desc(sm0 + VDEPTH * STAGE_BYTES);
   const unsigned long long vdesc = wgv_desc(sm0 + VDEPTH * STAGE_BYTES + 2 * WGV_KB);
   const unsigned long long qdesc = wgv_desc(sm0 + VDEPTH * STAGE_BYTES + 2 * WGV_KB + 3 * WGV_VB);
-  float o[NG][32];  // O per 64 head dims cc: [4 j + i] = rows g (i < 2) / g + 8, head dims 64 cc + 8 j + 2 c + (i & 1)
-#pragma unroll
-  for (int cc = 0; cc < NG; ++cc)
-#pragma unroll
-    for (int i = 0; i < 32; ++i) o[cc][i] = 0.f;
-  float m[2] = {NEG_INF, NEG_INF};
-  float lp[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
+  const unsigned long long zdesc = wgv_desc(sm0 + VDEPTH * STAGE_BYTES + 2 * WGV_KB + 3 * WGV_VB + WGV_QB);
+  *(U4*)(qp + WGV_QB + 16 * threadIdx.x) = U4{0u, 0u, 0u, 0u};  // the zero tile (128 threads x 16 bytes)
 #pragma unroll 1
-  for (int e = 0; e < VDEPTH; ++e) verify_issue<128>(e, nsteps, ulo, uhi, kb, vb, ksb, vsb, sm0);
+  for (int e = 0; e < VDEPTH; ++e) issue(e);
   cp_wait_n<VDEPTH - 2>();  // steps 0 and 1 are in
-  __syncthreads();          // (and Q' is written)
+  __syncthreads();
   wgv_convert(KSM(0), VSM(0), VSSM(0), kp, vp);
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // Q', K' and V' stores, seen by the MMAs
   __syncthreads();
-  u32 pa[4] = {0u, 0u, 0u, 0u};  // the step before's P (A fragments), its O products issued with this step's S
+  int i = 0;  // the walk's step
 #pragma unroll 1
-  for (int step = 0; step < nsteps; ++step) {
-    // here: K' [step & 1] and V' [step % 3] hold this step; step + 1's raw stage is in and seen by every thread; O
-    // holds the steps before the last one, rescaled for it
-    const int buf = step % VDEPTH, start = ulo + step * STEP, kb2 = step & 1;
-    float acc[NG][8];  // S per scale group (each group's first MMA does not add)
+  for (int k = 0; k < ns; ++k) {
+    const int nk = su_pre[k + 1] - su_pre[k], s = s0 + k;
+    if (nk == 0) continue;  // past every row (uniform)
+    if (k > 0) verify_ranges(VERIFY_ROW_ARGS, r0 + 16 * warp, g, rlo, rhi);
+    float o[NG][32];  // O per 64 head dims cc: [4 j + i] = rows g (i < 2) / g + 8, head dims 64 cc + 8 j + 2 c + (i & 1)
 #pragma unroll
-    for (int gr = 0; gr < NG; ++gr)
+    for (int cc = 0; cc < NG; ++cc)
 #pragma unroll
-      for (int i = 0; i < 8; ++i) acc[gr][i] = 0.f;
-    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-    if (step > 0) {  // the step before's O products: V' [(step - 1) % 3]
-      const int vb3 = (step + 2) % 3;
+      for (int e = 0; e < 32; ++e) o[cc][e] = 0.f;
+    float m[2] = {NEG_INF, NEG_INF};
+    float lp[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
+    u32 pa[4] = {0u, 0u, 0u, 0u};  // the step before's P (A fragments), its O products issued with this step's S
+#pragma unroll 1
+    for (int step = 0; step < nk; ++step, ++i) {
+      // here: K' [i & 1] and V' [i % 3] hold walk step i; step i + 1's raw stage is in and seen by every thread; O
+      // holds this split's steps before the last one, rescaled for it
+      const int start = su_lo[k] + step * STEP, kb2 = i & 1;
+      float acc[NG][8];  // S per scale group (each group's first MMA does not add)
+#pragma unroll
+      for (int gr = 0; gr < NG; ++gr)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[gr][e] = 0.f;
+      asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+      {  // the step before's O products (V' [(i - 1) % 3]); at a split's first step P = 0 against the zero tile: O
+         // stays +0, as nothing was added (no branch around a wgmma: ptxas would serialize them)
+        const bool prev = step > 0;
+        const unsigned long long vd = prev ? vdesc + (((i + 2) % 3) * WGV_VB) / 16 : zdesc;
+#pragma unroll
+        for (int cc = 0; cc < NG; ++cc)
+          wgv_mma64(o[cc], pa[0], pa[1], pa[2], pa[3], vd + (prev ? cc * (2048 / 16) : 0));
+      }
+#pragma unroll
+      for (int gr = 0; gr < NG; ++gr)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+          wgv_mma16(acc[gr], qdesc + (gr * 4 + j) * (2048 >> 4),
+                    kdesc + (kb2 * WGV_KB + (gr * 4 + j) * 512) / 16, j > 0);
+      wgv_commit();
+      if (i + 1 < nall)  // the next step's operands while the products run (buffers last read two steps ago)
+        wgv_convert(KSM((i + 1) % VDEPTH), VSM((i + 1) % VDEPTH), VSSM((i + 1) % VDEPTH),
+                    kp + (kb2 ^ 1) * WGV_KB, vp + ((i + 1) % 3) * WGV_VB);
+      wgv_wait<0>();
+#pragma unroll
+      for (int cc = 0; cc < NG; ++cc) wgv_hold<32>(o[cc]);
+      const u16* kss = KSSM(i % VDEPTH);
+      float sv[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+      for (int gr = 0; gr < NG; ++gr) {
+        wgv_hold<8>(acc[gr]);
+        verify_scale(sv, acc[gr], acc[gr] + 4, kss, gr, c);
+      }
+      float al[2];  // the rows' rescales, P's A fragments; O rescaled when a row of the warp moved its max
+      if (verify_softmax(sv, start, rlo, rhi, qk_scale, c, m, lp, al, pa)) {
+#pragma unroll
+        for (int e = 0; e < 32 * NG; ++e) o[e / 32][e % 32] *= al[(e >> 1) & 1];
+      }
+      cp_wait_n<VDEPTH - 3>();  // step i + 2's raw stage is in (this thread's copies)
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the next step's K' / V', seen by the MMAs
+      __syncthreads();  // every thread's conversion done, this step's raw stage read, step i + 2's copies seen
+      issue(i + VDEPTH);  // into this step's stage
+    }
+    {  // the split's last O products
+      asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+      const int vb3 = (i + 2) % 3;
 #pragma unroll
       for (int cc = 0; cc < NG; ++cc)
         wgv_mma64(o[cc], pa[0], pa[1], pa[2], pa[3], vdesc + (vb3 * WGV_VB + cc * 2048) / 16);
+      wgv_commit();
+      wgv_wait<0>();
+#pragma unroll
+      for (int cc = 0; cc < NG; ++cc) wgv_hold<32>(o[cc]);
     }
+    float l[2], *out[2];  // the rows' sums, their partial output rows (written when not null)
+    verify_finish(lp, m, r0 + 16 * warp + g, c, rows, rlo, rhi, b, T, H, hkv, G, NUM_SPLITS, s, OP, LSE, l, out);
 #pragma unroll
-    for (int gr = 0; gr < NG; ++gr)
+    for (int h = 0; h < 2; ++h)
 #pragma unroll
-      for (int j = 0; j < 4; ++j)
-        wgv_mma16(acc[gr], qdesc + (gr * 4 + j) * (2048 >> 4),
-                  kdesc + (kb2 * WGV_KB + (gr * 4 + j) * 512) / 16, j > 0);
-    wgv_commit();
-    if (step + 1 < nsteps)  // the next step's operands while the products run (buffers last read two steps ago)
-      wgv_convert(KSM((step + 1) % VDEPTH), VSM((step + 1) % VDEPTH), VSSM((step + 1) % VDEPTH),
-                  kp + (kb2 ^ 1) * WGV_KB, vp + ((step + 1) % 3) * WGV_VB);
-    wgv_wait<0>();
+      for (int cc = 0; cc < NG && out[h]; ++cc)
 #pragma unroll
-    for (int cc = 0; cc < NG; ++cc) wgv_hold<32>(o[cc]);
-    const u16* kss = KSSM(buf);
-    float sv[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-#pragma unroll
-    for (int gr = 0; gr < NG; ++gr) {
-      wgv_hold<8>(acc[gr]);
-      verify_scale(sv, acc[gr], acc[gr] + 4, kss, gr, c);
-    }
-    float al[2];  // the rows' rescales, P's A fragments; O rescaled when a row of the warp moved its max
-    if (verify_softmax(sv, start, rlo, rhi, qk_scale, c, m, lp, al, pa)) {
-#pragma unroll
-      for (int i = 0; i < 32 * NG; ++i) o[i / 32][i % 32] *= al[(i >> 1) & 1];
-    }
-    cp_wait_n<VDEPTH - 3>();  // step + 2's raw stage is in (this thread's copies)
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the next step's K' / V', seen by the MMAs
-    __syncthreads();  // every thread's conversion done, this step's raw stage read, step + 2's copies seen
-    verify_issue<128>(step + VDEPTH, nsteps, ulo, uhi, kb, vb, ksb, vsb, sm0);  // into this step's stage
+        for (int j = 0; j < 8; ++j)  // head dims 64 cc + 8 j + 2 c, + 1 of row g + 8 h
+          *(float2*)(out[h] + 64 * cc + 8 * j + 2 * c) =
+              make_float2(o[cc][4 * j + 2 * h] / l[h], o[cc][4 * j + 2 * h + 1] / l[h]);
   }
-  {  // the last step's O products
-    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-    const int vb3 = (nsteps + 2) % 3;
-#pragma unroll
-    for (int cc = 0; cc < NG; ++cc)
-      wgv_mma64(o[cc], pa[0], pa[1], pa[2], pa[3], vdesc + (vb3 * WGV_VB + cc * 2048) / 16);
-    wgv_commit();
-    wgv_wait<0>();
-#pragma unroll
-    for (int cc = 0; cc < NG; ++cc) wgv_hold<32>(o[cc]);
-  }
-  float l[2], *out[2];  // the rows' sums, their partial output rows (written when not null)
-  verify_finish(lp, m, r0 + 16 * warp + g, c, rows, rlo, rhi, b, T, H, hkv, G, NUM_SPLITS, s, OP, LSE, l, out);
-#pragma unroll
-  for (int h = 0; h < 2; ++h)
-#pragma unroll
-    for (int cc = 0; cc < NG && out[h]; ++cc)
-#pragma unroll
-      for (int j = 0; j < 8; ++j)  // head dims 64 cc + 8 j + 2 c, + 1 of row g + 8 h
-        *(float2*)(out[h] + 64 * cc + 8 * j + 2 * c) =
-            make_float2(o[cc][4 * j + 2 * h] / l[h], o[cc][4 * j + 2 * h + 1] / l[h]);
 }
 #endif

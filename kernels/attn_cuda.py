@@ -246,6 +246,22 @@ def _options(hd: int, half: bool, pos64: bool, slot64: bool, build: tuple) -> tu
             f"-DSLOT64={int(slot64)}", *(f"-D{k}={v}" for k, v in build))
 
 
+WGV_MAX_SPLITS = 8  # splits an attn_verify_wg block walks at most (the source's WGV_MAX_SPLITS)
+WGV_BLOCKS_PER_SM = 2  # attn_verify_wg blocks an SM holds (its shared memory at hd 256)
+# splits an attn_verify_wg block walks: 0 picks (wgv_splits_a_block); 1 .. WGV_MAX_SPLITS fixes it (tests, tuning). No
+# effect on any bits
+_WGV = {"splits_a_block": 0}
+
+
+def wgv_splits_a_block(splits: int, others: int, sms: int) -> int:
+    """Consecutive splits one attn_verify_wg block walks, given the blocks of one split (``others``: rows x kv heads x
+    row blocks): enough that the grid is about one wave (q read once a block, no pipeline drained between splits),
+    at most WGV_MAX_SPLITS; ``_WGV['splits_a_block']`` fixes it when set."""
+    if _WGV["splits_a_block"]:
+        return max(1, min(WGV_MAX_SPLITS, splits, _WGV["splits_a_block"]))
+    return max(1, min(WGV_MAX_SPLITS, splits, -(-(splits * others) // (WGV_BLOCKS_PER_SM * sms))))
+
+
 def _wgv_build(defines: tuple) -> tuple:
     """attn_verify_wg's defines: the narrow build's, with at least 4 raw stages (its pipeline keeps two in flight)."""
     d = dict(_builds(defines)[0])
@@ -255,10 +271,10 @@ def _wgv_build(defines: tuple) -> tuple:
 
 def wgv_smem(hd: int, defines: tuple = ()) -> int:
     """Bytes of dynamic shared memory an attn_verify_wg block takes: the source's WGV_SMEM (VDEPTH stages of raw codes
-    and scales, then two K' and three V' buffers, the steps' fp16 operands, and Q', q's)."""
+    and scales, then two K' and three V' buffers, the steps' fp16 operands, Q', q's, and a zero tile of 2048 bytes)."""
     ng = hd // 64
     return (verify_smem(hd, 1, tuple(sorted({**dict(defines), "QSMEM": 0}.items()))) + 2 * ng * 4 * 512
-            + 3 * hd * 32 + ng * 4 * 2048)
+            + 3 * hd * 32 + ng * 4 * 2048 + 2048)
 
 
 def _wgv_wanted(device_index: int) -> bool:
@@ -305,8 +321,10 @@ def split(q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, qk_scale: float, 
                                       slots.dtype == torch.int64, dev, defines, wgv)
     if t == 1:
         kern, grid, block, smem = one, (splits, b * hkv, 1), (32,), 0
-    elif wgv:  # one warpgroup a block: 64 of the T x G rows
-        kern, grid, block = wg[0], (splits, b * hkv, -(-(t * (h // hkv)) // 64)), (128,)
+    elif wgv:  # one warpgroup a block: 64 of the T x G rows, over one or more consecutive splits
+        zb = -(-(t * (h // hkv)) // 64)
+        per = wgv_splits_a_block(splits, b * hkv * zb, _triton.num_sms(q.device))
+        kern, grid, block = wg[0], (-(-splits // per), b * hkv, zb), (128,)
         smem = wgv_smem(hd, _wgv_build(defines))
     else:
         warps, blocks = verify_grid(t, h // hkv, cfg.verify_warps)

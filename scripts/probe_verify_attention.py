@@ -33,8 +33,11 @@ LOG2E = 1.4426950408889634
 
 
 def parts(case: Case, t: int, cfg: attn_cuda.CudaPlan, kernel: str):
-    """(split-only calls, combine-only calls, whole calls) over every slot set of ``case``, and the partials' bytes."""
-    attn_cuda.set_verify_kernel(kernel)
+    """(split-only calls, combine-only calls, whole calls) over every slot set of ``case``, and the partials' bytes.
+    ``kernel``: mma, wgmma, or wgmmaN (attn_verify_wg walking N splits a block; wgmma: as many as it picks)."""
+    per = kernel[5:] if kernel.startswith("wgmma") else ""
+    attn_cuda._WGV["splits_a_block"] = int(per) if per else 0
+    attn_cuda.set_verify_kernel(kernel[:5] if per else kernel)
     kern = at._triton.ready("decode_attention", at._kernels, torch.empty(1, device="cuda"))
     sets = [case.inputs(t, s) for s in case.slot_sets]
     splits = cfg.splits(case.ctx)
@@ -71,7 +74,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ctx", type=int, default=65536)
     p.add_argument("--ts", default="1,8", help="query tokens a call, a comma list")
-    p.add_argument("--kernels", default="mma,wgmma", help="verify kernels for T > 1 (mma, wgmma)")
+    p.add_argument("--kernels", default="mma,wgmma", help="verify kernels for T > 1: mma, wgmma, wgmmaN (N splits an attn_verify_wg block)")
     p.add_argument("--splits", default="", help="also these split counts (a comma list; the default plan first)")
     p.add_argument("--profile", action="store_true",
                    help="one launch of each (split, combine) between cudaProfilerStart / Stop (for ncu), no timing")
@@ -117,7 +120,7 @@ def main() -> int:
                      "whole_us": graph_us(whole), "partial_bytes": per}
                 r["split_gbps"] = (kv_bytes + per) / (r["split_us"] * 1e-6) / 1e9
                 rows.append(r)
-                print(f"splits {r['splits']:4d} chunk {cfg.chunk:5d}  T {t}  {kernel:5s}  rel {rel:.1e}  split "
+                print(f"splits {r['splits']:4d} chunk {cfg.chunk:5d}  T {t}  {kernel:7s}  rel {rel:.1e}  split "
                       f"{r['split_us']:7.1f} us  combine {r['combine_us']:6.1f} us  whole {r['whole_us']:7.1f} us  "
                       f"partials {per / 1e6:6.1f} MB", flush=True)
     if rows:
@@ -128,7 +131,7 @@ def main() -> int:
                     r["x_t1"] = r["whole_us"] / one[0]["whole_us"]
         print("\nsplits  T kernel   whole us  x T=1 (same plan)")
         for r in rows:
-            print(f"{r['splits']:6d} {r['T']:2d} {r['kernel']:6s} {r['whole_us']:9.1f}  {r.get('x_t1', float('nan')):.2f}")
+            print(f"{r['splits']:6d} {r['T']:2d} {r['kernel']:7s} {r['whole_us']:9.1f}  {r.get('x_t1', float('nan')):.2f}")
     if a.json and rows:
         Path(a.json).write_text(json.dumps({"device": torch.cuda.get_device_name(), "copy_bw": bw,
                                             "kv_bytes": kv_bytes, "rows": rows}, indent=1))

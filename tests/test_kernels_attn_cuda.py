@@ -115,10 +115,13 @@ needs_wgv = pytest.mark.skipif(not (attn_cuda.available() and at.triton_availabl
 @pytest.mark.parametrize("shape", ["T8-g6-hd256", "T9-g2-hd192", "T3-g8-hd128", "T4-g6-hd256", "T16-g1-hd64",
                                    "T2-g6-hd64", "T8-g6-hd64-edge", "T4-g6-hd64-edge", "T8-g6-hd256-edge"])
 @pytest.mark.parametrize("split", ["plan", "many"])
-def test_wgmma_verify_gives_the_verify_bits(shape, split, monkeypatch):
+@pytest.mark.parametrize("per", [0, 1, 3])
+def test_wgmma_verify_gives_the_verify_bits(shape, split, per, monkeypatch):
     """attn_verify_wg (NINFER_BENCH_ATTN_VERIFY=wgmma: one warpgroup a block, K and V made into fp16 once a step for
     all its rows, wgmma) gives attn_verify's bits - which are the T = 1 steps' (the test above) - for every shape,
-    split plan and row of a batch, in bf16 and fp16."""
+    split plan and row of a batch, in bf16 and fp16, whether a block walks one split, three (a split count that 3 does
+    not divide leaves a shorter last block) or as many as the grid picks."""
+    monkeypatch.setitem(attn_cuda._WGV, "splits_a_block", per)
     for q_dtype in (torch.bfloat16, torch.float16):
         c = half_case(shape, q_dtype, seed=9)
         cfg = many_splits(c) if split == "many" else None
@@ -270,10 +273,23 @@ def test_short_min_steps_knob(monkeypatch):
     assert attn_cuda.plan(65536, 4, "cpu").min_chunk == 4 * attn_cuda.STEP
 
 
+def test_wgv_splits_a_block(monkeypatch):
+    """attn_verify_wg walks enough consecutive splits a block for about one wave of two blocks an SM, at most 8; a fixed
+    value is clipped to the splits there are."""
+    assert attn_cuda.wgv_splits_a_block(256, 4, 132) == 4  # 65,536 keys, T = 8: 1,024 blocks -> 256
+    assert attn_cuda.wgv_splits_a_block(64, 4, 132) == 1  # 8,192 keys: 256 blocks already fit
+    assert attn_cuda.wgv_splits_a_block(256, 32, 132) == 8  # B = 8
+    assert attn_cuda.wgv_splits_a_block(1, 4, 132) == 1
+    monkeypatch.setitem(attn_cuda._WGV, "splits_a_block", 3)
+    assert attn_cuda.wgv_splits_a_block(256, 4, 132) == 3
+    assert attn_cuda.wgv_splits_a_block(2, 4, 132) == 2
+
+
 def test_verify_kernel_knob(monkeypatch):
     """NINFER_BENCH_ATTN_VERIFY picks the T > 1 kernel: mma (the default) or wgmma; anything else is refused by name,
     and a run records it. attn_verify_wg's shared memory: attn_verify's stages (at least 4), then two K' buffers (512
-    bytes a scale group and 16-dim chunk), three V' (32 bytes a head dim) and Q' (2048 bytes a group and chunk)."""
+    bytes a scale group and 16-dim chunk), three V' (32 bytes a head dim), Q' (2048 bytes a group and chunk) and a
+    zero tile (2048 bytes)."""
     monkeypatch.delenv("NINFER_BENCH_ATTN_VERIFY", raising=False)
     assert attn_cuda.env_verify_kernel() == "mma"
     monkeypatch.setenv("NINFER_BENCH_ATTN_VERIFY", " WGMMA ")
@@ -283,9 +299,10 @@ def test_verify_kernel_knob(monkeypatch):
         attn_cuda.env_verify_kernel()
     with pytest.raises(ValueError, match="mma or wgmma"):
         attn_cuda.set_verify_kernel("fast")
-    assert attn_cuda.wgv_smem(256) == attn_cuda.verify_smem(256, 1) + 2 * 4 * 4 * 512 + 3 * 256 * 32 + 4 * 4 * 2048
-    assert attn_cuda.wgv_smem(256) == 112_640  # two blocks an SM
-    assert attn_cuda.wgv_smem(64) == attn_cuda.verify_smem(64, 1) + 2 * 2048 + 3 * 2048 + 8192
+    assert attn_cuda.wgv_smem(256) == (attn_cuda.verify_smem(256, 1) + 2 * 4 * 4 * 512 + 3 * 256 * 32 + 4 * 4 * 2048
+                                       + 2048)
+    assert 2 * (attn_cuda.wgv_smem(256) + 1024) <= 233_472  # two blocks on an sm_90 SM (1 KB reserved a block)
+    assert attn_cuda.wgv_smem(64) == attn_cuda.verify_smem(64, 1) + 2 * 2048 + 3 * 2048 + 8192 + 2048
     assert dict(attn_cuda._wgv_build((("VDEPTH", 3),)))["VDEPTH"] == 4
     assert dict(attn_cuda._wgv_build((("VDEPTH", 6),)))["VDEPTH"] == 6
     from ninfer_bench.reports.schema import environment
