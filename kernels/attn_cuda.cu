@@ -815,43 +815,34 @@ attn_verify(ATTN_ARGS) {
 // attn_verify_wg (sm_90a: kernels/attn_cuda.py builds it through NVRTC with WGV=1): attn_verify's products and softmax
 // on Hopper's wgmma. A block is one warpgroup, 64 query rows (warp w: rows 16 w .., attn_verify's m tiles), and each
 // step's K and V are made into fp16 once for the block in shared memory, not once a warp, in the layouts wgmma reads
-// its operands from (K-major, no swizzle: 8 x 8 core matrices, the two along k 128 bytes apart, 8-row groups 256):
+// its B operand from (K-major, no swizzle: 8 x 8 core matrices, the two along k 128 bytes apart, 8-column groups 256):
 //  - K' for S = Q K^T, a k16 block per (scale group gr, chunk j): key n's core-matrix row q holds the head dims that
 //    attn_verify's MMA (gr, j) pairs with k = 2c', 2c' + 1 (q = 0) and 2c' + 8, 2c' + 9 (q = 1) for c' = 0 .. 3, i.e.
 //    64 gr + 16 c' + 4 j + 2 q + (0, 1): the exact codes, as k_frag makes them.
-//  - Q', q's A operand in the same layout (row r for key n), written once a block from attn_verify's fragments.
 //  - V' for O += P V: head dim d's row q holds keys 8 q .. 8 q + 7, their codes times their scales in fp16 (v_frag's
 //    values).
-// S per (gr, j) is wgmma.m64n16k16 from Q' and K', the four of a group chained from zero into the group's own
-// accumulator; the group's sums then take their keys' scales (verify_scale) in group order. The softmax is
+// S per (gr, j) is wgmma.m64n16k16 with q's A fragments in registers (attn_verify's qa), the four of a group chained
+// from zero; the group's sums then take their keys' scales (verify_scale) in group order. The softmax is
 // verify_softmax; O per 64 head dims is wgmma.m64n64k16 with P's A fragments (attn_verify's pa), onto O. Every element
 // so gets attn_verify's products, sums and order: its bits wherever wgmma gives mma.sync's.
-// The step is pipelined, one barrier a step: a step's O products are issued with the next step's S products (one
-// commit group), and the step after's K' / V' are made while both run (K' double-, V' triple-buffered). Raw stages:
-// step n + 2 has landed by the end of step n (VDEPTH >= 4 keeps two more in flight). No wgmma is in flight across
-// the loop's back edge (ptxas serializes the MMAs otherwise). A block walks one or more consecutive splits (gridDim.x
-// blocks share NUM_SPLITS), each split's rows from a fresh state to their own partial output, as one stream of steps:
-// q is read once and the pipeline does not drain between splits. Which block takes a split changes no bits.
-#define WGV_KB (NG * 4 * 512)   // K': (gr, j) blocks of [key half][q][8 keys][16 bytes]
-#define WGV_VB (HD * 32)        // V': [head dim / 8][q][8 dims][8 keys x 2 bytes]
-#define WGV_QB (NG * 4 * 2048)  // Q': (gr, j) blocks of [row / 8][q][8 rows][16 bytes]
-#define WGV_ZB 2048             // a zero V' tile of 64 head dims: a split's first step's O products (P = 0)
-#define WGV_SMEM (VDEPTH * STAGE_BYTES + 2 * WGV_KB + 3 * WGV_VB + WGV_QB + WGV_ZB)  // (kernels/attn_cuda.py's wgv_smem)
-#if VDEPTH < 4
-#error "attn_verify_wg needs VDEPTH >= 4"
-#endif
+// A block walks one or more consecutive splits (gridDim.x blocks share NUM_SPLITS), each split's rows from a fresh
+// state to their own partial output, as one stream of steps: q is read once and the raw stages keep streaming across
+// split boundaries. Which block takes a split changes no bits.
+#define WGV_KB (NG * 4 * 512)  // K': (gr, j) blocks of [key half][q][8 keys][16 bytes]
+#define WGV_VB (HD * 32)       // V': [head dim / 8][q][8 dims][8 keys x 2 bytes]
+#define WGV_SMEM (VDEPTH * STAGE_BYTES + WGV_KB + WGV_VB)  // (kernels/attn_cuda.py's wgv_smem mirrors it)
 #define WGV_MAX_SPLITS 8  // splits a block walks at most (kernels/attn_cuda.py's WGV_MAX_SPLITS)
 
-__device__ __forceinline__ unsigned long long wgv_desc(u32 addr) {  // at addr: LBO 128 (along k), SBO 256 (along m / n)
+__device__ __forceinline__ unsigned long long wgv_desc(u32 addr) {  // B at addr: LBO 128 (along k), SBO 256 (along n)
   return (unsigned long long)((addr & 0x3FFFF) >> 4) | (8ull << 16) | (16ull << 32);
 }
-// d = A B (acc 0) or A B + d (acc 1), A and B from shared memory: 64 rows x 16 keys (S) ...
-__device__ __forceinline__ void wgv_mma16(float* d, unsigned long long adesc, unsigned long long bdesc, int acc) {
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
+// d = A B (acc 0) or A B + d (acc 1), A from registers: 64 rows x 16 keys (S) ...
+__device__ __forceinline__ void wgv_mma16(float* d, u32 a0, u32 a1, u32 a2, u32 a3, unsigned long long desc, int acc) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
                "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7}, "
-               "%8, %9, p, 1, 1, 0, 0;\n}\n"
+               "{%8, %9, %10, %11}, %12, p, 1, 1, 0;\n}\n"
                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-               : "l"(adesc), "l"(bdesc), "r"(acc));
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(acc));
 }
 // ... and 64 rows x 64 head dims (O), always onto d
 __device__ __forceinline__ void wgv_mma64(float* d, u32 a0, u32 a1, u32 a2, u32 a3, unsigned long long desc) {
@@ -866,14 +857,8 @@ __device__ __forceinline__ void wgv_mma64(float* d, u32 a0, u32 a1, u32 a2, u32 
                  "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
                : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc));
 }
-__device__ __forceinline__ void wgv_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wgv_wait() {  // at most N committed groups still in flight
-  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
-}
-template <int N>
-__device__ __forceinline__ void cp_wait_n() {  // at most N cp.async groups still in flight
-  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+__device__ __forceinline__ void wgv_wait() {
+  asm volatile("wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;" ::: "memory");
 }
 template <int N>
 __device__ __forceinline__ void wgv_hold(float* d) {  // d is read only after wgv_wait (the compiler sees it written)
@@ -941,25 +926,11 @@ attn_verify_wg(ATTN_ARGS) {
   const int s0 = blockIdx.x * per, ns = min(per, NUM_SPLITS - s0);
   const int b = blockIdx.y / HKV, hkv = blockIdx.y % HKV;
   const int rows = T * G, r0 = blockIdx.z * 64;
-  unsigned char* kp = dsm + VDEPTH * STAGE_BYTES;  // K' [2], V' [3], Q', the zero tile
-  unsigned char* vp = kp + 2 * WGV_KB;
-  unsigned char* qp = vp + 3 * WGV_VB;
   int rlo[2], rhi[2];
+  u32 qa[NG][4][4];
   {
     const int s = s0;  // (VERIFY_ROW_ARGS)
-    u32 qa[NG][4][4];  // attn_verify's A fragments of rows g, g + 8, stored as Q' (row 16 w + g + 8 h, q = 0 / 1)
     verify_rows(VERIFY_ROW_ARGS, r0 + 16 * warp, g, c, rlo, rhi, qa);
-#pragma unroll
-    for (int gr = 0; gr < NG; ++gr)
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int r = 16 * warp + g + 8 * h;
-          unsigned char* row = qp + (gr * 4 + j) * 2048 + (r >> 3) * 256 + (r & 7) * 16 + 4 * c;
-          *(u32*)row = qa[gr][j][h];
-          *(u32*)(row + 128) = qa[gr][j][2 + h];
-        }
   }
   if (threadIdx.x < ns) {  // each split's union of the rows' key ranges
     const int s = s0 + threadIdx.x;
@@ -986,90 +957,59 @@ attn_verify_wg(ATTN_ARGS) {
       while (su_pre[k + 1] <= i) ++k;
     verify_issue_at<128>(i < nall, i % VDEPTH, su_lo[k] + (i - su_pre[k]) * STEP, su_hi[k], kb, vb, ksb, vsb, sm0);
   };
-  // descriptors: a block's start address field (16-byte units) moved on from these
+  unsigned char* kp = dsm + VDEPTH * STAGE_BYTES;
+  unsigned char* vp = kp + WGV_KB;
+  // K' and V' descriptors: a block's start address field (16-byte units) moved on from these
   const unsigned long long kdesc = wgv_desc(sm0 + VDEPTH * STAGE_BYTES);
-  const unsigned long long vdesc = wgv_desc(sm0 + VDEPTH * STAGE_BYTES + 2 * WGV_KB);
-  const unsigned long long qdesc = wgv_desc(sm0 + VDEPTH * STAGE_BYTES + 2 * WGV_KB + 3 * WGV_VB);
-  const unsigned long long zdesc = wgv_desc(sm0 + VDEPTH * STAGE_BYTES + 2 * WGV_KB + 3 * WGV_VB + WGV_QB);
-  *(U4*)(qp + WGV_QB + 16 * threadIdx.x) = U4{0u, 0u, 0u, 0u};  // the zero tile (128 threads x 16 bytes)
+  const unsigned long long vdesc = wgv_desc(sm0 + VDEPTH * STAGE_BYTES + WGV_KB);
 #pragma unroll 1
-  for (int e = 0; e < VDEPTH; ++e) issue(e);
-  cp_wait_n<VDEPTH - 2>();  // steps 0 and 1 are in
-  __syncthreads();
-  wgv_convert(KSM(0), VSM(0), VSSM(0), kp, vp);
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // Q', K' and V' stores, seen by the MMAs
-  __syncthreads();
+  for (int e = 0; e < VDEPTH - 1; ++e) issue(e);
   int i = 0;  // the walk's step
 #pragma unroll 1
   for (int k = 0; k < ns; ++k) {
     const int nk = su_pre[k + 1] - su_pre[k], s = s0 + k;
     if (nk == 0) continue;  // past every row (uniform)
     if (k > 0) verify_ranges(VERIFY_ROW_ARGS, r0 + 16 * warp, g, rlo, rhi);
-    float o[NG][32];  // O per 64 head dims cc: [4 j + i] = rows g (i < 2) / g + 8, head dims 64 cc + 8 j + 2 c + (i & 1)
+    float o[NG][32];  // O per 64 head dims cc: [4 j + e] = rows g (e < 2) / g + 8, head dims 64 cc + 8 j + 2 c + (e & 1)
 #pragma unroll
     for (int cc = 0; cc < NG; ++cc)
 #pragma unroll
       for (int e = 0; e < 32; ++e) o[cc][e] = 0.f;
     float m[2] = {NEG_INF, NEG_INF};
     float lp[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
-    u32 pa[4] = {0u, 0u, 0u, 0u};  // the step before's P (A fragments), its O products issued with this step's S
 #pragma unroll 1
     for (int step = 0; step < nk; ++step, ++i) {
-      // here: K' [i & 1] and V' [i % 3] hold walk step i; step i + 1's raw stage is in and seen by every thread; O
-      // holds this split's steps before the last one, rescaled for it
-      const int start = su_lo[k] + step * STEP, kb2 = i & 1;
-      float acc[NG][8];  // S per scale group (each group's first MMA does not add)
-#pragma unroll
-      for (int gr = 0; gr < NG; ++gr)
-#pragma unroll
-        for (int e = 0; e < 8; ++e) acc[gr][e] = 0.f;
-      asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-      {  // the step before's O products (V' [(i - 1) % 3]); at a split's first step P = 0 against the zero tile: O
-         // stays +0, as nothing was added (no branch around a wgmma: ptxas would serialize them)
-        const bool prev = step > 0;
-        const unsigned long long vd = prev ? vdesc + (((i + 2) % 3) * WGV_VB) / 16 : zdesc;
-#pragma unroll
-        for (int cc = 0; cc < NG; ++cc)
-          wgv_mma64(o[cc], pa[0], pa[1], pa[2], pa[3], vd + (prev ? cc * (2048 / 16) : 0));
-      }
-#pragma unroll
-      for (int gr = 0; gr < NG; ++gr)
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-          wgv_mma16(acc[gr], qdesc + (gr * 4 + j) * (2048 >> 4),
-                    kdesc + (kb2 * WGV_KB + (gr * 4 + j) * 512) / 16, j > 0);
-      wgv_commit();
-      if (i + 1 < nall)  // the next step's operands while the products run (buffers last read two steps ago)
-        wgv_convert(KSM((i + 1) % VDEPTH), VSM((i + 1) % VDEPTH), VSSM((i + 1) % VDEPTH),
-                    kp + (kb2 ^ 1) * WGV_KB, vp + ((i + 1) % 3) * WGV_VB);
-      wgv_wait<0>();
-#pragma unroll
-      for (int cc = 0; cc < NG; ++cc) wgv_hold<32>(o[cc]);
-      const u16* kss = KSSM(i % VDEPTH);
+      cp_wait();
+      __syncthreads();  // the step's stage is in; every warp's MMAs of the step before (K', V') are done
+      issue(i + VDEPTH - 1);
+      const int buf = i % VDEPTH, start = su_lo[k] + step * STEP;
+      wgv_convert(KSM(buf), VSM(buf), VSSM(buf), kp, vp);
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the stores, seen by the MMAs
+      __syncthreads();
+      const u16* kss = KSSM(buf);
       float sv[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
       for (int gr = 0; gr < NG; ++gr) {
-        wgv_hold<8>(acc[gr]);
-        verify_scale(sv, acc[gr], acc[gr] + 4, kss, gr, c);
+        float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};  // (overwritten: the first MMA does not add)
+        asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+          wgv_mma16(acc, qa[gr][j][0], qa[gr][j][1], qa[gr][j][2], qa[gr][j][3],
+                    kdesc + (gr * 4 + j) * (512 >> 4), j > 0);
+        wgv_wait();
+        wgv_hold<8>(acc);
+        verify_scale(sv, acc, acc + 4, kss, gr, c);
       }
       float al[2];  // the rows' rescales, P's A fragments; O rescaled when a row of the warp moved its max
+      u32 pa[4];
       if (verify_softmax(sv, start, rlo, rhi, qk_scale, c, m, lp, al, pa)) {
 #pragma unroll
         for (int e = 0; e < 32 * NG; ++e) o[e / 32][e % 32] *= al[(e >> 1) & 1];
       }
-      cp_wait_n<VDEPTH - 3>();  // step i + 2's raw stage is in (this thread's copies)
-      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the next step's K' / V', seen by the MMAs
-      __syncthreads();  // every thread's conversion done, this step's raw stage read, step i + 2's copies seen
-      issue(i + VDEPTH);  // into this step's stage
-    }
-    {  // the split's last O products
       asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-      const int vb3 = (i + 2) % 3;
 #pragma unroll
-      for (int cc = 0; cc < NG; ++cc)
-        wgv_mma64(o[cc], pa[0], pa[1], pa[2], pa[3], vdesc + (vb3 * WGV_VB + cc * 2048) / 16);
-      wgv_commit();
-      wgv_wait<0>();
+      for (int cc = 0; cc < NG; ++cc) wgv_mma64(o[cc], pa[0], pa[1], pa[2], pa[3], vdesc + cc * (2048 >> 4));
+      wgv_wait();
 #pragma unroll
       for (int cc = 0; cc < NG; ++cc) wgv_hold<32>(o[cc]);
     }

@@ -233,7 +233,7 @@ def _kernels(hd: int, half: bool, pos64: bool, slot64: bool, device_index: int,
             if not fn.kernel.ptr:  # compiled and loaded now (cupy would on the first launch)
                 raise RuntimeError("attn_cuda: a kernel did not load")
         if wgv:
-            build = _wgv_build(defines)
+            build = _builds(defines)[0]
             wg = _cupy.arch_kernel(source, (*_options(hd, half, pos64, slot64, build), "-DWGV=1"),
                                    "90a", "attn_verify_wg", device_index)
             wg.max_dynamic_shared_size_bytes = wgv_smem(hd, build)
@@ -247,7 +247,7 @@ def _options(hd: int, half: bool, pos64: bool, slot64: bool, build: tuple) -> tu
 
 
 WGV_MAX_SPLITS = 8  # splits an attn_verify_wg block walks at most (the source's WGV_MAX_SPLITS)
-WGV_BLOCKS_PER_SM = 2  # attn_verify_wg blocks an SM holds (its shared memory at hd 256)
+WGV_BLOCKS_PER_SM = 2  # attn_verify_wg blocks an SM holds (255 registers a thread at hd 256)
 # splits an attn_verify_wg block walks: 0 picks (wgv_splits_a_block); 1 .. WGV_MAX_SPLITS fixes it (tests, tuning). No
 # effect on any bits
 _WGV = {"splits_a_block": 0}
@@ -262,19 +262,10 @@ def wgv_splits_a_block(splits: int, others: int, sms: int) -> int:
     return max(1, min(WGV_MAX_SPLITS, splits, -(-(splits * others) // (WGV_BLOCKS_PER_SM * sms))))
 
 
-def _wgv_build(defines: tuple) -> tuple:
-    """attn_verify_wg's defines: the narrow build's, with at least 4 raw stages (its pipeline keeps two in flight)."""
-    d = dict(_builds(defines)[0])
-    d["VDEPTH"] = max(4, d.get("VDEPTH", 4))
-    return tuple(sorted(d.items()))
-
-
 def wgv_smem(hd: int, defines: tuple = ()) -> int:
     """Bytes of dynamic shared memory an attn_verify_wg block takes: the source's WGV_SMEM (VDEPTH stages of raw codes
-    and scales, then two K' and three V' buffers, the steps' fp16 operands, Q', q's, and a zero tile of 2048 bytes)."""
-    ng = hd // 64
-    return (verify_smem(hd, 1, tuple(sorted({**dict(defines), "QSMEM": 0}.items()))) + 2 * ng * 4 * 512
-            + 3 * hd * 32 + ng * 4 * 2048 + 2048)
+    and scales, then K' and V', the step's fp16 operands)."""
+    return verify_smem(hd, 1, tuple(sorted({**dict(defines), "QSMEM": 0}.items()))) + (hd // 64) * 4 * 512 + hd * 32
 
 
 def _wgv_wanted(device_index: int) -> bool:
@@ -325,7 +316,7 @@ def split(q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, qk_scale: float, 
         zb = -(-(t * (h // hkv)) // 64)
         per = wgv_splits_a_block(splits, b * hkv * zb, _triton.num_sms(q.device))
         kern, grid, block = wg[0], (-(-splits // per), b * hkv, zb), (128,)
-        smem = wgv_smem(hd, _wgv_build(defines))
+        smem = wgv_smem(hd, _builds(defines)[0])
     else:
         warps, blocks = verify_grid(t, h // hkv, cfg.verify_warps)
         w = warps > NARROW_WARPS

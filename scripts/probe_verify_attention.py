@@ -14,6 +14,7 @@ T = 1 and T > 1 alike in the engine (their bits depend on it), so a plan is judg
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -76,6 +77,8 @@ def main() -> int:
     p.add_argument("--ts", default="1,8", help="query tokens a call, a comma list")
     p.add_argument("--kernels", default="mma,wgmma", help="verify kernels for T > 1: mma, wgmma, wgmmaN (N splits an attn_verify_wg block)")
     p.add_argument("--splits", default="", help="also these split counts (a comma list; the default plan first)")
+    p.add_argument("--combine-cols", default="",
+                   help="also time the combine alone with these column tiles (a comma list; no bit depends on them)")
     p.add_argument("--profile", action="store_true",
                    help="one launch of each (split, combine) between cudaProfilerStart / Stop (for ncu), no timing")
     p.add_argument("--json", default=None)
@@ -119,6 +122,10 @@ def main() -> int:
                      "rel_rms": rel, "split_us": graph_us(split_fns), "combine_us": graph_us(comb_fns),
                      "whole_us": graph_us(whole), "partial_bytes": per}
                 r["split_gbps"] = (kv_bytes + per) / (r["split_us"] * 1e-6) / 1e9
+                for cols in filter(None, a.combine_cols.split(",")):
+                    alt = dataclasses.replace(cfg, combine_cols=int(cols))
+                    r[f"combine_us_cols{cols}"] = graph_us(parts(case, t, alt, kernel if t > 1 else "mma")[1])
+                    print(f"  combine with {cols} columns a program: {r[f'combine_us_cols{cols}']:6.1f} us")
                 rows.append(r)
                 print(f"splits {r['splits']:4d} chunk {cfg.chunk:5d}  T {t}  {kernel:7s}  rel {rel:.1e}  split "
                       f"{r['split_us']:7.1f} us  combine {r['combine_us']:6.1f} us  whole {r['whole_us']:7.1f} us  "

@@ -177,6 +177,6 @@ def test_every_attention_build_passes_the_source_checks():
                                                      (False, True)):
         for build in attn_cuda._builds(()):
             builds[attn_cuda._options(hd, half, pos64, slot64, build)] = (hd, half, pos64, slot64, build)
-        wgv = (*attn_cuda._options(hd, half, pos64, slot64, attn_cuda._wgv_build(())), "-DWGV=1")
+        wgv = (*attn_cuda._options(hd, half, pos64, slot64, attn_cuda._builds(())[0]), "-DWGV=1")
         builds[wgv] = (hd, half, pos64, slot64, "wgv")
     assert _refused(KERNELS / "attn_cuda.cu", builds) == []
