@@ -475,28 +475,19 @@ __device__ __forceinline__ void verify_cache(const signed char* K, const signed 
   vsb = VS + slot * ssvs + hkv * ssvh;
 }
 
-// The key ranges of split s of this lane's rows rb + g (h = 0) and rb + g + 8 (h = 1) (empty past the rows)
-__device__ __forceinline__ void verify_ranges(VERIFY_ROW_PARAMS, int rb, int g, int (&rlo)[2], int (&rhi)[2]) {
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int r = rb + g + 8 * h;
-    rlo[h] = rhi[h] = 0;
-    if (r < rows)
-      key_range((int)load_index(QPOS, b * spb + (r / G) * spt, POS64), s, CHUNK, MIN_CHUNK, NUM_SPLITS, KV_LEN,
-                rlo[h], rhi[h]);
-  }
-}
-
 // This lane's rows rb + g (h = 0) and rb + g + 8 (h = 1): token, head, key range of split s, and q's A fragments
 // [group][mma j][a0 .. a3] (rows g, g + 8's words 2j, 2j + 1)
 __device__ __forceinline__ void verify_rows(VERIFY_ROW_PARAMS, int rb, int g, int c, int (&rlo)[2], int (&rhi)[2],
                                             u32 (&qa)[NG][4][4]) {
-  verify_ranges(VERIFY_ROW_ARGS, rb, g, rlo, rhi);
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int r = rb + g + 8 * h;
     const bool ok = r < rows;
     const int t = ok ? r / G : 0, n = ok ? r % G : 0;
+    rlo[h] = rhi[h] = 0;
+    if (ok)
+      key_range((int)load_index(QPOS, b * spb + t * spt, POS64), s, CHUNK, MIN_CHUNK, NUM_SPLITS, KV_LEN, rlo[h],
+                rhi[h]);
     const u16* qrow = Q + b * sqb + (long long)t * sqt + (long long)(hkv * G + n) * sqh;
 #pragma unroll
     for (int gr = 0; gr < NG; ++gr) {
@@ -528,16 +519,15 @@ __device__ __forceinline__ bool verify_union(VERIFY_ROW_PARAMS, int r_end, int& 
   return uhi > ulo;
 }
 
-// A step's codes and scales (keys start .. start + 15) into stage `slot` at shared address sm0, keys from uhi on zero
-// (as attn_split loads them); one commit group a call (empty when !any). verify_issue: step `step` of [ulo, uhi)
-// into stage step % VDEPTH (nothing past the last step). NT: the block's threads when the
+// Step `step`'s codes and scales into stage step % VDEPTH at shared address sm0, keys from uhi on zero (as
+// attn_split loads them); one commit group a call (empty past the last step). NT: the block's threads when the
 // caller knows them (the copies' loop unrolled), 0: blockDim.x
 template <int NT = 0>
-__device__ __forceinline__ void verify_issue_at(bool any, int slot, int start, int uhi, const signed char* kb,
-                                                const signed char* vb, const u16* ksb, const u16* vsb, u32 sm0) {
-  if (any) {
-    const int live = uhi - start;
-    const u32 st = sm0 + slot * STAGE_BYTES;
+__device__ __forceinline__ void verify_issue(int step, int nsteps, int ulo, int uhi, const signed char* kb,
+                                             const signed char* vb, const u16* ksb, const u16* vsb, u32 sm0) {
+  if (step < nsteps) {
+    const int start = ulo + step * STEP, live = uhi - start;
+    const u32 st = sm0 + (step % VDEPTH) * STAGE_BYTES;
     constexpr int KC = HD / 16;  // 16-byte chunks a key: chunk j = key j / KC, bytes 16 (j % KC) ..
     const int live_chunks = live * KC;
     const signed char* ksrc = kb + (long long)start * HD;
@@ -567,12 +557,6 @@ __device__ __forceinline__ void verify_issue_at(bool any, int slot, int start, i
     }
   }
   cp_commit();
-}
-
-template <int NT = 0>
-__device__ __forceinline__ void verify_issue(int step, int nsteps, int ulo, int uhi, const signed char* kb,
-                                             const signed char* vb, const u16* ksb, const u16* vsb, u32 sm0) {
-  verify_issue_at<NT>(step < nsteps, step % VDEPTH, ulo + step * STEP, uhi, kb, vb, ksb, vsb, sm0);
 }
 
 // Scale group gr's sums (acc0: keys 2c, 2c + 1 of rows g, g + 8; acc1: keys 2c + 8, 2c + 9) times their keys'
@@ -825,13 +809,9 @@ attn_verify(ATTN_ARGS) {
 // from zero; the group's sums then take their keys' scales (verify_scale) in group order. The softmax is
 // verify_softmax; O per 64 head dims is wgmma.m64n64k16 with P's A fragments (attn_verify's pa), onto O. Every element
 // so gets attn_verify's products, sums and order: its bits wherever wgmma gives mma.sync's.
-// A block walks one or more consecutive splits (gridDim.x blocks share NUM_SPLITS), each split's rows from a fresh
-// state to their own partial output, as one stream of steps: q is read once and the raw stages keep streaming across
-// split boundaries. Which block takes a split changes no bits.
 #define WGV_KB (NG * 4 * 512)  // K': (gr, j) blocks of [key half][q][8 keys][16 bytes]
 #define WGV_VB (HD * 32)       // V': [head dim / 8][q][8 dims][8 keys x 2 bytes]
 #define WGV_SMEM (VDEPTH * STAGE_BYTES + WGV_KB + WGV_VB)  // (kernels/attn_cuda.py's wgv_smem mirrors it)
-#define WGV_MAX_SPLITS 8  // splits a block walks at most (kernels/attn_cuda.py's WGV_MAX_SPLITS)
 
 __device__ __forceinline__ unsigned long long wgv_desc(u32 addr) {  // B at addr: LBO 128 (along k), SBO 256 (along n)
   return (unsigned long long)((addr & 0x3FFFF) >> 4) | (8ull << 16) | (16ull << 32);
@@ -912,7 +892,6 @@ __device__ __forceinline__ void wgv_convert(const signed char* ks, const signed 
 extern "C" __global__ void __launch_bounds__(128, 1)
 attn_verify_wg(ATTN_ARGS) {
   extern __shared__ __align__(16) unsigned char dsm[];
-  __shared__ int su_lo[WGV_MAX_SPLITS], su_hi[WGV_MAX_SPLITS], su_pre[WGV_MAX_SPLITS + 1];
   {
     u32 dyn;
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
@@ -920,109 +899,78 @@ attn_verify_wg(ATTN_ARGS) {
   }
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, c = lane & 3;
-  // this block's splits: s0 .. s0 + ns - 1 (gridDim.x blocks share the NUM_SPLITS)
-  const int per = (NUM_SPLITS + gridDim.x - 1) / gridDim.x;
-  if (per > WGV_MAX_SPLITS) __trap();
-  const int s0 = blockIdx.x * per, ns = min(per, NUM_SPLITS - s0);
+  const int s = blockIdx.x;
   const int b = blockIdx.y / HKV, hkv = blockIdx.y % HKV;
   const int rows = T * G, r0 = blockIdx.z * 64;
   int rlo[2], rhi[2];
   u32 qa[NG][4][4];
-  {
-    const int s = s0;  // (VERIFY_ROW_ARGS)
-    verify_rows(VERIFY_ROW_ARGS, r0 + 16 * warp, g, c, rlo, rhi, qa);
-  }
-  if (threadIdx.x < ns) {  // each split's union of the rows' key ranges
-    const int s = s0 + threadIdx.x;
-    int lo, hi;
-    if (!verify_union(VERIFY_ROW_ARGS, r0 + 64, lo, hi)) lo = hi = 0;
-    su_lo[threadIdx.x] = lo;
-    su_hi[threadIdx.x] = hi;
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {  // steps before each split's, in the block's walk
-    su_pre[0] = 0;
-    for (int k = 0; k < ns; ++k) su_pre[k + 1] = su_pre[k] + (su_hi[k] - su_lo[k] + STEP - 1) / STEP;
-  }
-  __syncthreads();
-  const int nall = su_pre[ns];
-  if (nall == 0) return;  // uniform over the block
+  verify_rows(VERIFY_ROW_ARGS, r0 + 16 * warp, g, c, rlo, rhi, qa);
+  int ulo, uhi;
+  if (!verify_union(VERIFY_ROW_ARGS, r0 + 64, ulo, uhi)) return;  // uniform over the block
   const signed char *kb, *vb;
   const u16 *ksb, *vsb;
   verify_cache(VERIFY_CACHE_ARGS, kb, vb, ksb, vsb);
+  const int nsteps = (uhi - ulo + STEP - 1) / STEP;
   const u32 sm0 = smem_addr(dsm);
-  auto issue = [&](int i) {  // the walk's step i into stage i % VDEPTH (one commit group; empty past the walk)
-    int k = 0;
-    if (i < nall)
-      while (su_pre[k + 1] <= i) ++k;
-    verify_issue_at<128>(i < nall, i % VDEPTH, su_lo[k] + (i - su_pre[k]) * STEP, su_hi[k], kb, vb, ksb, vsb, sm0);
-  };
   unsigned char* kp = dsm + VDEPTH * STAGE_BYTES;
   unsigned char* vp = kp + WGV_KB;
   // K' and V' descriptors: a block's start address field (16-byte units) moved on from these
   const unsigned long long kdesc = wgv_desc(sm0 + VDEPTH * STAGE_BYTES);
   const unsigned long long vdesc = wgv_desc(sm0 + VDEPTH * STAGE_BYTES + WGV_KB);
+  float o[NG][32];  // O per 64 head dims cc: [4 j + i] = rows g (i < 2) / g + 8, head dims 64 cc + 8 j + 2 c + (i & 1)
+#pragma unroll
+  for (int cc = 0; cc < NG; ++cc)
+#pragma unroll
+    for (int i = 0; i < 32; ++i) o[cc][i] = 0.f;
+  float m[2] = {NEG_INF, NEG_INF};
+  float lp[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
 #pragma unroll 1
-  for (int e = 0; e < VDEPTH - 1; ++e) issue(e);
-  int i = 0;  // the walk's step
+  for (int e = 0; e < VDEPTH - 1; ++e) verify_issue<128>(e, nsteps, ulo, uhi, kb, vb, ksb, vsb, sm0);
 #pragma unroll 1
-  for (int k = 0; k < ns; ++k) {
-    const int nk = su_pre[k + 1] - su_pre[k], s = s0 + k;
-    if (nk == 0) continue;  // past every row (uniform)
-    if (k > 0) verify_ranges(VERIFY_ROW_ARGS, r0 + 16 * warp, g, rlo, rhi);
-    float o[NG][32];  // O per 64 head dims cc: [4 j + e] = rows g (e < 2) / g + 8, head dims 64 cc + 8 j + 2 c + (e & 1)
+  for (int step = 0; step < nsteps; ++step) {
+    cp_wait();
+    __syncthreads();  // the step's stage is in; every warp's MMAs of the step before (K', V') are done
+    verify_issue<128>(step + VDEPTH - 1, nsteps, ulo, uhi, kb, vb, ksb, vsb, sm0);
+    const int buf = step % VDEPTH, start = ulo + step * STEP;
+    wgv_convert(KSM(buf), VSM(buf), VSSM(buf), kp, vp);
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the stores, seen by the MMAs
+    __syncthreads();
+    const u16* kss = KSSM(buf);
+    float sv[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
-    for (int cc = 0; cc < NG; ++cc)
-#pragma unroll
-      for (int e = 0; e < 32; ++e) o[cc][e] = 0.f;
-    float m[2] = {NEG_INF, NEG_INF};
-    float lp[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
-#pragma unroll 1
-    for (int step = 0; step < nk; ++step, ++i) {
-      cp_wait();
-      __syncthreads();  // the step's stage is in; every warp's MMAs of the step before (K', V') are done
-      issue(i + VDEPTH - 1);
-      const int buf = i % VDEPTH, start = su_lo[k] + step * STEP;
-      wgv_convert(KSM(buf), VSM(buf), VSSM(buf), kp, vp);
-      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the stores, seen by the MMAs
-      __syncthreads();
-      const u16* kss = KSSM(buf);
-      float sv[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-#pragma unroll
-      for (int gr = 0; gr < NG; ++gr) {
-        float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};  // (overwritten: the first MMA does not add)
-        asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-          wgv_mma16(acc, qa[gr][j][0], qa[gr][j][1], qa[gr][j][2], qa[gr][j][3],
-                    kdesc + (gr * 4 + j) * (512 >> 4), j > 0);
-        wgv_wait();
-        wgv_hold<8>(acc);
-        verify_scale(sv, acc, acc + 4, kss, gr, c);
-      }
-      float al[2];  // the rows' rescales, P's A fragments; O rescaled when a row of the warp moved its max
-      u32 pa[4];
-      if (verify_softmax(sv, start, rlo, rhi, qk_scale, c, m, lp, al, pa)) {
-#pragma unroll
-        for (int e = 0; e < 32 * NG; ++e) o[e / 32][e % 32] *= al[(e >> 1) & 1];
-      }
+    for (int gr = 0; gr < NG; ++gr) {
+      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};  // (overwritten: the first MMA does not add)
       asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 #pragma unroll
-      for (int cc = 0; cc < NG; ++cc) wgv_mma64(o[cc], pa[0], pa[1], pa[2], pa[3], vdesc + cc * (2048 >> 4));
+      for (int j = 0; j < 4; ++j)
+        wgv_mma16(acc, qa[gr][j][0], qa[gr][j][1], qa[gr][j][2], qa[gr][j][3],
+                  kdesc + (gr * 4 + j) * (512 >> 4), j > 0);
       wgv_wait();
-#pragma unroll
-      for (int cc = 0; cc < NG; ++cc) wgv_hold<32>(o[cc]);
+      wgv_hold<8>(acc);
+      verify_scale(sv, acc, acc + 4, kss, gr, c);
     }
-    float l[2], *out[2];  // the rows' sums, their partial output rows (written when not null)
-    verify_finish(lp, m, r0 + 16 * warp + g, c, rows, rlo, rhi, b, T, H, hkv, G, NUM_SPLITS, s, OP, LSE, l, out);
+    float al[2];  // the rows' rescales, P's A fragments; O rescaled when a row of the warp moved its max
+    u32 pa[4];
+    if (verify_softmax(sv, start, rlo, rhi, qk_scale, c, m, lp, al, pa)) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h)
+      for (int i = 0; i < 32 * NG; ++i) o[i / 32][i % 32] *= al[(i >> 1) & 1];
+    }
+    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 #pragma unroll
-      for (int cc = 0; cc < NG && out[h]; ++cc)
+    for (int cc = 0; cc < NG; ++cc) wgv_mma64(o[cc], pa[0], pa[1], pa[2], pa[3], vdesc + cc * (2048 >> 4));
+    wgv_wait();
 #pragma unroll
-        for (int j = 0; j < 8; ++j)  // head dims 64 cc + 8 j + 2 c, + 1 of row g + 8 h
-          *(float2*)(out[h] + 64 * cc + 8 * j + 2 * c) =
-              make_float2(o[cc][4 * j + 2 * h] / l[h], o[cc][4 * j + 2 * h + 1] / l[h]);
+    for (int cc = 0; cc < NG; ++cc) wgv_hold<32>(o[cc]);
   }
+  float l[2], *out[2];  // the rows' sums, their partial output rows (written when not null)
+  verify_finish(lp, m, r0 + 16 * warp + g, c, rows, rlo, rhi, b, T, H, hkv, G, NUM_SPLITS, s, OP, LSE, l, out);
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int cc = 0; cc < NG && out[h]; ++cc)
+#pragma unroll
+      for (int j = 0; j < 8; ++j)  // head dims 64 cc + 8 j + 2 c, + 1 of row g + 8 h
+        *(float2*)(out[h] + 64 * cc + 8 * j + 2 * c) =
+            make_float2(o[cc][4 * j + 2 * h] / l[h], o[cc][4 * j + 2 * h + 1] / l[h]);
 }
 #endif

@@ -246,22 +246,6 @@ def _options(hd: int, half: bool, pos64: bool, slot64: bool, build: tuple) -> tu
             f"-DSLOT64={int(slot64)}", *(f"-D{k}={v}" for k, v in build))
 
 
-WGV_MAX_SPLITS = 8  # splits an attn_verify_wg block walks at most (the source's WGV_MAX_SPLITS)
-WGV_BLOCKS_PER_SM = 2  # attn_verify_wg blocks an SM holds (255 registers a thread at hd 256)
-# splits an attn_verify_wg block walks: 0 picks (wgv_splits_a_block); 1 .. WGV_MAX_SPLITS fixes it (tests, tuning). No
-# effect on any bits
-_WGV = {"splits_a_block": 0}
-
-
-def wgv_splits_a_block(splits: int, others: int, sms: int) -> int:
-    """Consecutive splits one attn_verify_wg block walks, given the blocks of one split (``others``: rows x kv heads x
-    row blocks): enough that the grid is about one wave (q read once a block, no pipeline drained between splits),
-    at most WGV_MAX_SPLITS; ``_WGV['splits_a_block']`` fixes it when set."""
-    if _WGV["splits_a_block"]:
-        return max(1, min(WGV_MAX_SPLITS, splits, _WGV["splits_a_block"]))
-    return max(1, min(WGV_MAX_SPLITS, splits, -(-(splits * others) // (WGV_BLOCKS_PER_SM * sms))))
-
-
 def wgv_smem(hd: int, defines: tuple = ()) -> int:
     """Bytes of dynamic shared memory an attn_verify_wg block takes: the source's WGV_SMEM (VDEPTH stages of raw codes
     and scales, then K' and V', the step's fp16 operands)."""
@@ -312,10 +296,8 @@ def split(q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, qk_scale: float, 
                                       slots.dtype == torch.int64, dev, defines, wgv)
     if t == 1:
         kern, grid, block, smem = one, (splits, b * hkv, 1), (32,), 0
-    elif wgv:  # one warpgroup a block: 64 of the T x G rows, over one or more consecutive splits
-        zb = -(-(t * (h // hkv)) // 64)
-        per = wgv_splits_a_block(splits, b * hkv * zb, _triton.num_sms(q.device))
-        kern, grid, block = wg[0], (-(-splits // per), b * hkv, zb), (128,)
+    elif wgv:  # one warpgroup a block: 64 of the T x G rows
+        kern, grid, block = wg[0], (splits, b * hkv, -(-(t * (h // hkv)) // 64)), (128,)
         smem = wgv_smem(hd, _builds(defines)[0])
     else:
         warps, blocks = verify_grid(t, h // hkv, cfg.verify_warps)

@@ -34,11 +34,8 @@ LOG2E = 1.4426950408889634
 
 
 def parts(case: Case, t: int, cfg: attn_cuda.CudaPlan, kernel: str):
-    """(split-only calls, combine-only calls, whole calls) over every slot set of ``case``, and the partials' bytes.
-    ``kernel``: mma, wgmma, or wgmmaN (attn_verify_wg walking N splits a block; wgmma: as many as it picks)."""
-    per = kernel[5:] if kernel.startswith("wgmma") else ""
-    attn_cuda._WGV["splits_a_block"] = int(per) if per else 0
-    attn_cuda.set_verify_kernel(kernel[:5] if per else kernel)
+    """(split-only calls, combine-only calls, whole calls) over every slot set of ``case``, and the partials' bytes."""
+    attn_cuda.set_verify_kernel(kernel)
     kern = at._triton.ready("decode_attention", at._kernels, torch.empty(1, device="cuda"))
     sets = [case.inputs(t, s) for s in case.slot_sets]
     splits = cfg.splits(case.ctx)
@@ -75,7 +72,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ctx", type=int, default=65536)
     p.add_argument("--ts", default="1,8", help="query tokens a call, a comma list")
-    p.add_argument("--kernels", default="mma,wgmma", help="verify kernels for T > 1: mma, wgmma, wgmmaN (N splits an attn_verify_wg block)")
+    p.add_argument("--kernels", default="mma,wgmma", help="verify kernels for T > 1 (mma, wgmma)")
     p.add_argument("--splits", default="", help="also these split counts (a comma list; the default plan first)")
     p.add_argument("--combine-cols", default="",
                    help="also time the combine alone with these column tiles (a comma list; no bit depends on them)")

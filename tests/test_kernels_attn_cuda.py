@@ -115,13 +115,10 @@ needs_wgv = pytest.mark.skipif(not (attn_cuda.available() and at.triton_availabl
 @pytest.mark.parametrize("shape", ["T8-g6-hd256", "T9-g2-hd192", "T3-g8-hd128", "T4-g6-hd256", "T16-g1-hd64",
                                    "T2-g6-hd64", "T8-g6-hd64-edge", "T4-g6-hd64-edge", "T8-g6-hd256-edge"])
 @pytest.mark.parametrize("split", ["plan", "many"])
-@pytest.mark.parametrize("per", [0, 1, 3])
-def test_wgmma_verify_gives_the_verify_bits(shape, split, per, monkeypatch):
+def test_wgmma_verify_gives_the_verify_bits(shape, split, monkeypatch):
     """attn_verify_wg (NINFER_BENCH_ATTN_VERIFY=wgmma: one warpgroup a block, K and V made into fp16 once a step for
     all its rows, wgmma) gives attn_verify's bits - which are the T = 1 steps' (the test above) - for every shape,
-    split plan and row of a batch, in bf16 and fp16, whether a block walks one split, three (a split count that 3 does
-    not divide leaves a shorter last block) or as many as the grid picks."""
-    monkeypatch.setitem(attn_cuda._WGV, "splits_a_block", per)
+    split plan and row of a batch, in bf16 and fp16."""
     for q_dtype in (torch.bfloat16, torch.float16):
         c = half_case(shape, q_dtype, seed=9)
         cfg = many_splits(c) if split == "many" else None
@@ -271,18 +268,6 @@ def test_short_min_steps_knob(monkeypatch):
             attn_cuda.env_min_steps()
     monkeypatch.setattr(attn_cuda, "SHORT_MIN_STEPS", 4)
     assert attn_cuda.plan(65536, 4, "cpu").min_chunk == 4 * attn_cuda.STEP
-
-
-def test_wgv_splits_a_block(monkeypatch):
-    """attn_verify_wg walks enough consecutive splits a block for about one wave of two blocks an SM, at most 8; a fixed
-    value is clipped to the splits there are."""
-    assert attn_cuda.wgv_splits_a_block(256, 4, 132) == 4  # 65,536 keys, T = 8: 1,024 blocks -> 256
-    assert attn_cuda.wgv_splits_a_block(64, 4, 132) == 1  # 8,192 keys: 256 blocks already fit
-    assert attn_cuda.wgv_splits_a_block(256, 32, 132) == 8  # B = 8
-    assert attn_cuda.wgv_splits_a_block(1, 4, 132) == 1
-    monkeypatch.setitem(attn_cuda._WGV, "splits_a_block", 3)
-    assert attn_cuda.wgv_splits_a_block(256, 4, 132) == 3
-    assert attn_cuda.wgv_splits_a_block(2, 4, 132) == 2
 
 
 def test_verify_kernel_knob(monkeypatch):
