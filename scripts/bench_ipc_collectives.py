@@ -83,8 +83,9 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    if ic._cupy.import_error("IPC collectives"):
-        print(f"bench_ipc_collectives: {ic._cupy.import_error('IPC collectives')}", file=sys.stderr)
+    why = ic._cupy.import_error("IPC collectives")
+    if why:
+        print(f"bench_ipc_collectives: {why}", file=sys.stderr)
         return 2
     dev = torch.device("cuda", torch.cuda.current_device())
     colls = pair(dev, ic.DEFAULT_MAX_BYTES)

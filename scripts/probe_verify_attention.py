@@ -26,11 +26,9 @@ _bootstrap.ensure_package()
 
 import torch  # noqa: E402
 from _benchlib import copy_bandwidth, graph_us  # noqa: E402
-from bench_attention import HKV, Case  # noqa: E402
+from bench_attention import HKV, Case, check  # noqa: E402
 from ninfer_bench.kernels import attention_triton as at  # noqa: E402
 from ninfer_bench.kernels import attn_cuda  # noqa: E402
-
-LOG2E = 1.4426950408889634
 
 
 def parts(case: Case, t: int, cfg: attn_cuda.CudaPlan, kernel: str):
@@ -49,7 +47,7 @@ def parts(case: Case, t: int, cfg: attn_cuda.CudaPlan, kernel: str):
 
     def split(i, x):
         attn_cuda.split(x["q"], x["k_cache"], x["v_cache"], x["k_scale"], x["v_scale"], x["slots"], x["q_pos"],
-                        x["scale"] * LOG2E, case.ctx, cfg, o_parts[i % nbuf], lse_parts[i % nbuf])
+                        x["scale"] * at.LOG2E, case.ctx, cfg, o_parts[i % nbuf], lse_parts[i % nbuf])
 
     def combine(i, x):
         at._combine(kern, o_parts[i % nbuf], lse_parts[i % nbuf], x["q_pos"], outs[i % nbuf], None, cfg.chunk,
@@ -59,13 +57,6 @@ def parts(case: Case, t: int, cfg: attn_cuda.CudaPlan, kernel: str):
     combine_fns = [lambda i=i, x=x: combine(i, x) for i, x in enumerate(sets)]
     whole = [lambda x=x: at.decode_attention(**x, kv_len_max=case.ctx, config=cfg) for x in sets]
     return splits_fns, combine_fns, whole, per
-
-
-def check(case: Case, t: int, cfg) -> float:
-    x = case.inputs(t, case.slot_sets[0])
-    out = at.decode_attention(**x, kv_len_max=case.ctx, config=cfg).float()
-    ref = at.decode_attention_ref(**{**x, "q": x["q"].float()}, kv_len_max=case.ctx)
-    return ((out - ref).norm() / ref.norm()).item()
 
 
 def main() -> int:

@@ -35,17 +35,12 @@ def test_cpu_ranks_keep_torch_distributed():
 
 def test_every_build_compiles_for_sm90_without_spills():
     """With the [offline] extra (NVRTC's wheel, Triton's ptxas): each (ranks, dtype, vectors) build for sm_90a."""
-    import importlib.util
-    from pathlib import Path
+    from test_ptxas_report import _load, _offline_ready
 
-    script = Path(__file__).resolve().parents[1] / "scripts" / "ptxas_report.py"
-    spec = importlib.util.spec_from_file_location("ptxas_report", script)
-    pr = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(pr)
-    try:
-        nvrtc, ptxas = pr._nvrtc(), pr._ptxas()
-    except (RuntimeError, ImportError, OSError):
+    pr = _load()
+    if not _offline_ready(pr):
         pytest.skip("no NVRTC wheel / ptxas (pip install -e '.[offline]')")
+    nvrtc, ptxas = pr._nvrtc(), pr._ptxas()
     source = ic._SOURCE.read_bytes()
     for ranks in (2, 4, 8):
         for dt in (0, 1, 2):

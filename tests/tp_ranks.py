@@ -4,6 +4,8 @@ tests folder on ``sys.path`` (the pytest config's ``pythonpath``)."""
 
 from __future__ import annotations
 
+import math
+
 PROMPT = [5, 17, 3, 99, 42, 7, 256, 300, 11, 64, 12, 500]
 
 
@@ -145,10 +147,7 @@ def _ipc_collectives(rank: int, size: int) -> dict:
     # one row; a few rows; rows in pieces of whole rows; rows longer than the buffer, in column blocks
     for case, (dt, shape) in enumerate(((torch.float32, (1, 1000)), (torch.bfloat16, (3, 77)),
                                         (torch.float32, (300, 1000)), (torch.float16, (2, 5, 40_000))), start=50):
-        n = 1
-        for d in shape:
-            n *= d
-        parts = [_ipc_part(case, r, n, dt, dev).view(shape) for r in range(size)]
+        parts = [_ipc_part(case, r, math.prod(shape), dt, dev).view(shape) for r in range(size)]
         out["gather"].append(bool(torch.equal(coll.gather_last(parts[rank]), torch.cat(parts, dim=-1))))
     static = torch.zeros(6000, dtype=torch.bfloat16, device=dev)
     side = torch.cuda.Stream(dev)
