@@ -152,8 +152,12 @@ __device__ __forceinline__ void mma(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u3
 #define MAGIC_BYTES 0x64646464u
 #define C1152 0x64806480u  // 1152.0, 1152.0
 
-__device__ __forceinline__ u32 codes01(u32 flipped) { return hsub2(prmt(flipped, MAGIC_BYTES, 0x4140u), C1152); }
-__device__ __forceinline__ u32 codes23(u32 flipped) { return hsub2(prmt(flipped, MAGIC_BYTES, 0x4342u), C1152); }
+// mg: MAGIC_BYTES in a register (magic_reg): with the magic as prmt's immediate, ptxas takes the selector from a
+// register it rematerializes on every use under the kernels' register caps (about 150 moves a verify step)
+__device__ __forceinline__ u32 codes01(u32 flipped, u32 mg) { return hsub2(prmt(flipped, mg, 0x4140u), C1152); }
+__device__ __forceinline__ u32 codes23(u32 flipped, u32 mg) { return hsub2(prmt(flipped, mg, 0x4342u), C1152); }
+// MAGIC_BYTES from a kernel argument the compiler cannot fold (n < 2^30: a head count)
+__device__ __forceinline__ u32 magic_reg(int n) { return MAGIC_BYTES | ((u32)n >> 30); }
 
 __device__ __forceinline__ long long load_index(const void* p, long long i, bool wide) {
   return wide ? ((const long long*)p)[i] : (long long)((const int*)p)[i];
@@ -174,26 +178,26 @@ __device__ __forceinline__ void key_range(int pos, int s, int chunk, int min_chu
 }
 
 // The fragments of one 16-key step. K: chunk j of scale group gr, from word j of keys g and g + 8 (raw codes).
-__device__ __forceinline__ void k_frag(u32 w0, u32 w1, u32* a) {
+__device__ __forceinline__ void k_frag(u32 w0, u32 w1, u32* a, u32 mg) {
   w0 ^= FLIP;
   w1 ^= FLIP;
-  a[0] = codes01(w0);
-  a[1] = codes01(w1);
-  a[2] = codes23(w0);
-  a[3] = codes23(w1);
+  a[0] = codes01(w0, mg);
+  a[1] = codes01(w1, mg);
+  a[2] = codes23(w0, mg);
+  a[3] = codes23(w1, mg);
 }
 
 // V: m tile (gr, i) from the 8 bytes of keys 2c, 2c + 1 (x, y) and 2c + 8, 2c + 9 (xb, yb) at 64 gr + 8 g, times
 // their scales (s01: keys 2c, 2c + 1; s89: keys 2c + 8, 2c + 9)
 __device__ __forceinline__ void v_frag(const U2& x, const U2& y, const U2& xb, const U2& yb, u32 s01, u32 s89, int i,
-                                       u32* a) {
+                                       u32* a, u32 mg) {
   const u32 sel = (i & 1) ? 0x7362u : 0x5140u;  // head dims 2i, 2i + 1 of the word: the two keys interleaved
   const u32 za = prmt((i >> 1 ? x.y : x.x) ^ FLIP, (i >> 1 ? y.y : y.x) ^ FLIP, sel);
   const u32 zb = prmt((i >> 1 ? xb.y : xb.x) ^ FLIP, (i >> 1 ? yb.y : yb.x) ^ FLIP, sel);
-  a[0] = hmul2(codes01(za), s01);
-  a[1] = hmul2(codes23(za), s01);
-  a[2] = hmul2(codes01(zb), s89);
-  a[3] = hmul2(codes23(zb), s89);
+  a[0] = hmul2(codes01(za, mg), s01);
+  a[1] = hmul2(codes23(za, mg), s01);
+  a[2] = hmul2(codes01(zb, mg), s89);
+  a[3] = hmul2(codes23(zb, mg), s89);
 }
 
 __device__ __forceinline__ u32 word4(const U4& v, int j) { return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w; }
@@ -325,6 +329,7 @@ attn_split(ATTN_ARGS) {
   const int t = blockIdx.z;
   const int s = blockIdx.x;
   const int b = blockIdx.y / HKV, hkv = blockIdx.y % HKV;
+  const u32 mg = magic_reg(HKV);
   // this token's key range of split s (empty past the token)
   int lo, hi;
   key_range((int)load_index(QPOS, b * spb + t * spt, POS64), s, CHUNK, MIN_CHUNK, NUM_SPLITS, KV_LEN, lo, hi);
@@ -380,14 +385,14 @@ attn_split(ATTN_ARGS) {
   load_v_step(lo);
   for (int start = lo; start < hi; start += STEP) {
     const int next = start + STEP;
-    auto kfrag = [&](int gr, int j, u32* a) { k_frag(word4(kc[0][gr], j), word4(kc[1][gr], j), a); };
+    auto kfrag = [&](int gr, int j, u32* a) { k_frag(word4(kc[0][gr], j), word4(kc[1][gr], j), a, mg); };
     auto kscale = [&](int gr, int r) { return ksc[r][gr]; };
     auto k_done = [&]() {
       if (next < hi) load_k_step(next);
     };
     auto vfrag = [&](int gr, int i, u32* a) {
       v_frag(vc[0][gr], vc[1][gr], vc[2][gr], vc[3][gr], pair16(vsc[0][gr], vsc[1][gr]),
-             pair16(vsc[2][gr], vsc[3][gr]), i, a);
+             pair16(vsc[2][gr], vsc[3][gr]), i, a, mg);
     };
     token_step(kfrag, vfrag, kscale, k_done, qf, o, m0, m1, l0, l1, start, hi, qk_scale, g);
     if (next < hi) load_v_step(next);
@@ -672,6 +677,7 @@ attn_verify(ATTN_ARGS) {
   const int s = blockIdx.x;
   const int b = blockIdx.y / HKV, hkv = blockIdx.y % HKV;
   const int rows = T * G, r0 = blockIdx.z * 16 * nw;
+  const u32 mg = magic_reg(HKV);
   int rlo[2], rhi[2];
   u32 qa[NG][4][4];  // A fragments: [group][mma j][a0 .. a3] = rows g, g + 8's words 2j, 2j + 1
   verify_rows(VERIFY_ROW_ARGS, r0 + 16 * warp, g, c, rlo, rhi, qa);
@@ -724,7 +730,7 @@ attn_verify(ATTN_ARGS) {
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         u32 a[4];
-        k_frag(word4(k0, j), word4(k1, j), a);
+        k_frag(word4(k0, j), word4(k1, j), a, mg);
 #if QSMEM
         const U4 qv = qsm[((warp * NG + gr) * 4 + j) * 32 + lane];
         mma(acc0, qv.x, qv.y, qv.z, qv.w, a[0], a[2]);
@@ -763,7 +769,7 @@ attn_verify(ATTN_ARGS) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         u32 a[4];
-        v_frag(x, y, xb, yb, s01, s89, i, a);
+        v_frag(x, y, xb, yb, s01, s89, i, a, mg);
         mma(o[gr][i][0], pa[0], pa[1], pa[2], pa[3], a[0], a[2]);
         mma(o[gr][i][1], pa[0], pa[1], pa[2], pa[3], a[1], a[3]);
       }
@@ -860,8 +866,8 @@ __device__ __forceinline__ void wgv_convert(const signed char* ks, const signed 
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const u32 w = word4(v, j) ^ FLIP;
-      *(u32*)(row + j * 512) = codes01(w);
-      *(u32*)(row + j * 512 + 128) = codes23(w);
+      *(u32*)(row + j * 512) = codes01(w, MAGIC_BYTES);
+      *(u32*)(row + j * 512 + 128) = codes23(w, MAGIC_BYTES);
     }
   }
   // V': item (4-byte word dw of head dims, key half kh) reads the word of its 8 keys and writes 4 rows of 8 keys
@@ -880,10 +886,10 @@ __device__ __forceinline__ void wgv_convert(const signed char* ks, const signed 
       const int e = (ee + (dw >> 1)) & 3, d = 4 * dw + e;  // (rotated: a warp's stores on eight bank groups)
       const u32 sel = (u32)e | ((u32)(4 + e) << 4);       // byte e of keys 2p, 2p + 1 -> bytes 0, 1
       U4 r;
-      r.x = hmul2(codes01(prmt(w[0], w[1], sel)), sp[0]);
-      r.y = hmul2(codes01(prmt(w[2], w[3], sel)), sp[1]);
-      r.z = hmul2(codes01(prmt(w[4], w[5], sel)), sp[2]);
-      r.w = hmul2(codes01(prmt(w[6], w[7], sel)), sp[3]);
+      r.x = hmul2(codes01(prmt(w[0], w[1], sel), MAGIC_BYTES), sp[0]);
+      r.y = hmul2(codes01(prmt(w[2], w[3], sel), MAGIC_BYTES), sp[1]);
+      r.z = hmul2(codes01(prmt(w[4], w[5], sel), MAGIC_BYTES), sp[2]);
+      r.w = hmul2(codes01(prmt(w[6], w[7], sel), MAGIC_BYTES), sp[3]);
       *(U4*)(vp + (d >> 3) * 256 + kh * 128 + (d & 7) * 16) = r;
     }
   }
