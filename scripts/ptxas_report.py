@@ -94,8 +94,9 @@ def ptxas_version(ptxas: Path) -> str | None:
     return PTX_ISA.get((int(m.group(1)), int(m.group(2)))) if m else None
 
 
-def assemble(ptxas: Path, ptx: str, arch: str = "sm_90a") -> dict:
-    """ptxas -v of the PTX: registers, spill stores / loads (bytes), static shared memory (bytes)."""
+def assemble(ptxas: Path, ptx: str, arch: str = "sm_90a", cubin: Path | None = None) -> dict:
+    """ptxas -v of the PTX: registers, spill stores / loads (bytes), static shared memory (bytes); ``cubin``: also
+    keep the assembled module there (for nvdisasm: scripts/sass_loops.py)."""
     isa = ptxas_version(ptxas)
     m = re.search(r"^\.version (\d+)\.(\d+)", ptx, flags=re.M)
     if isa and m and tuple(map(int, m.groups())) > tuple(map(int, isa.split("."))):
@@ -103,7 +104,7 @@ def assemble(ptxas: Path, ptx: str, arch: str = "sm_90a") -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "k.ptx"
         src.write_text(ptx)
-        done = subprocess.run([str(ptxas), f"-arch={arch}", "-v", str(src), "-o", str(Path(tmp) / "k.cubin")],
+        done = subprocess.run([str(ptxas), f"-arch={arch}", "-v", str(src), "-o", str(cubin or Path(tmp) / "k.cubin")],
                               capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(f"ptxas: {done.stderr.strip()[:600]}")
