@@ -10,8 +10,9 @@ import pytest
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "ptxas_report.py"
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location("ptxas_report", SCRIPT)
+def _load(script: Path = SCRIPT):
+    """A script of scripts/ loaded as a module of its own name (scripts/ is no package)."""
+    spec = importlib.util.spec_from_file_location(script.stem, script)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

@@ -1,24 +1,18 @@
 """scripts/sass_loops.py: with the [offline] extra installed (NVRTC's wheel, Triton's ptxas and nvdisasm), the
 int8 decode attention compiled for sm_90a and its hot loops found and counted."""
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 
-from test_ptxas_report import _load as _load_ptxas_report
+from test_ptxas_report import _load as _load_script
 from test_ptxas_report import _offline_ready
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "sass_loops.py"
 
 
 def _load():
-    sys.path.insert(0, str(SCRIPT.parent))
-    spec = importlib.util.spec_from_file_location("sass_loops", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return _load_script(SCRIPT)
 
 
 def test_loops_are_backward_branches_with_mma():
@@ -44,7 +38,7 @@ def test_loops_are_backward_branches_with_mma():
 def test_the_attention_loops_keep_their_selectors_in_registers():
     """The int8 codes' magic word is a register (attn_cuda.cu's magic_reg), so ptxas does not refill prmt's selectors
     from uniform registers inside the loops (it did about 100 times a step, session 71)."""
-    if not _offline_ready(_load_ptxas_report()):
+    if not _offline_ready(_load_script()):
         pytest.skip("no NVRTC wheel / ptxas (pip install -e '.[offline]')")
     sl = _load()
     from ninfer_bench.kernels import attn_cuda
