@@ -153,7 +153,8 @@ __device__ __forceinline__ void mma(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u3
 #define C1152 0x64806480u  // 1152.0, 1152.0
 
 // mg: MAGIC_BYTES in a register (magic_reg): with the magic as prmt's immediate, ptxas takes the selector from a
-// register it rematerializes on every use under the kernels' register caps (about 150 moves a verify step)
+// register it refills from a uniform one at almost every use under the kernels' register caps (100-130 refills a
+// 16-key step at hd 256: scripts/sass_loops.py)
 __device__ __forceinline__ u32 codes01(u32 flipped, u32 mg) { return hsub2(prmt(flipped, mg, 0x4140u), C1152); }
 __device__ __forceinline__ u32 codes23(u32 flipped, u32 mg) { return hsub2(prmt(flipped, mg, 0x4342u), C1152); }
 // MAGIC_BYTES from a kernel argument the compiler cannot fold (n < 2^30: a head count)
