@@ -28,10 +28,11 @@ graph (engine/model/graphs.py captures prefill chunks). Triton is imported on fi
 A long chunk's past keys can go through cuDNN's fused attention instead (``prefill_attention_cached(cudnn=True)``,
 the engine's ``--cudnn-prefill``): :func:`cudnn_past` over the keys below the chunk, the kernel over the
 rest from ``key_lo``, cuDNN's output and sum-exp folded into the kernel's online softmax (``past``). Eager chunks of
-one row only (:func:`cudnn_past_ok`). The split runs in fp16 where the queries and the cache's values fit its range
-(:func:`fp16_fits`, one read back to the host a chunk and layer): cuDNN rounds its output to 16 bits before the fold,
-and in bf16 that extra rounding moved a NIAH near-tie past the oracle's tolerance
-(docs/perf/2026-12-06-cudnn-split-h200.md).
+one row only (:func:`cudnn_past_ok`). The split runs in fp16 where the queries and the cache's values fit its range:
+cuDNN rounds its output to 16 bits before the fold, and in bf16 that extra rounding moved a NIAH near-tie past the
+oracle's tolerance (docs/perf/2026-12-06-cudnn-split-h200.md). The caller may vouch for the range (``fp16_safe``: the
+engine bounds a layer's values by its weights once, engine/model/hybrid.attention_value_bound); otherwise
+:func:`fp16_fits` checks it, one read back to the host a chunk and layer.
 """
 
 from __future__ import annotations
@@ -239,7 +240,7 @@ def dequantize_slots(codes, scales, slots, length: int, dtype, *, layout: str = 
 
 def prefill_attention_cached(q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, scale, *, kv_len: int, gate=None,
                              config: PrefillConfig | None = None, past_start: int | None = None,
-                             cudnn: bool = False):
+                             cudnn: bool = False, fp16_safe: bool = False):
     """:func:`prefill_attention` the faster way for the cache's format: a bf16 / fp16 cache read in place; an int8
     cache's slots dequantized first (keys ``0 .. kv_len - 1``, :func:`dequantize_slots`, in q's dtype) and the kernel
     run over that copy. ``kv_len`` (static: a CUDA graph's key bucket) must exceed every ``q_pos``.
@@ -248,7 +249,9 @@ def prefill_attention_cached(q, k_cache, v_cache, k_scale, v_scale, slots, q_pos
     :func:`cudnn_past_ok` allows, the keys below it (rounded down to the plan's key tile) go through cuDNN's fused
     attention (:func:`cudnn_past`) and the kernel takes the rest, the two folded into one softmax (other sums than
     the kernel's alone: the same values to rounding). The split computes in fp16 (q, the copy, cuDNN's output; the
-    result stored in q's dtype) where :func:`fp16_fits`, else in q's dtype; where cuDNN refuses, the kernel alone."""
+    result stored in q's dtype) where ``fp16_safe`` (the caller's guarantee that every ``|q|`` and every cached key
+    and value of the slots is at most FP16_MAX: no host read) or else :func:`fp16_fits` (one host read) says so, else
+    in q's dtype; where cuDNN refuses, the kernel alone."""
     if k_cache.dtype != torch.int8:
         return prefill_attention(q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, scale, kv_len_max=kv_len,
                                  gate=gate, config=config)
@@ -258,7 +261,7 @@ def prefill_attention_cached(q, k_cache, v_cache, k_scale, v_scale, slots, q_pos
     if cudnn and past_start is not None and cudnn_past_ok(q, past_start):
         # the split in fp16 where q and the keys / values fit its range: cuDNN's output is rounded to 16 bits before
         # the fold, and fp16's 10-bit mantissa keeps that rounding 8x under bf16's
-        dt = torch.float16 if fp16_fits(q, k_scale, v_scale, slots, kv_len) else q.dtype
+        dt = torch.float16 if fp16_safe or fp16_fits(q, k_scale, v_scale, slots, kv_len) else q.dtype
         qs = q.to(dt)
         k = dequantize_slots(k_cache, k_scale, slots, kv_len, dt, layout="bshd")  # BSHD memory: what cuDNN reads
         v = dequantize_slots(v_cache, v_scale, slots, kv_len, dt, layout="bshd")

@@ -95,6 +95,8 @@
 #            C8 with each RING_WIDE build (label|NINFER_BENCH_QMV_WIDE) and plain C8
 #   ncuqmv   Nsight Compute on wide qmv launches (NCU_QMV op:fmt:rows cases, NCU_QMV_KNOBS builds): why 64 rows cost
 #            4-5x what 8 rows do
+#   fp16b    the cuDNN split in fp16 with the weights vouching for its range (no host read a chunk and layer): its
+#            CUDA tests, the 27B prompt grid (PLEN) --cudnn-prefill on,off with this tree, on with .old's (carried)
 #   tp1gpu   tensor parallelism's CUDA path on one GPU (two gloo ranks sharing it) against one rank: 27B decode (v2,
 #            plain and MTP3) and the tiny preset's concurrency, tokens compared
 #   prof8    profile_step --batch 1,8 --sync at the 27B shape, plain and DFlash2 K=7: where a C8 round goes
@@ -951,6 +953,18 @@ PY
                2>&1 | tail -12
              nb decode $M27 --engine ${CUDNNP_ENGINES:-ours} -p ${PLEN:-2991,65000} -n ${PLEN_N:-32} --repeats 2 \
                --cudnn-prefill on,off --json "$OUT/cudnn16-grid" 2>&1 | tee "$OUT/cudnn16-grid.log" | tail -10 ;;
+    fp16b)   # the cuDNN split in fp16 vouched for by the weights (session 72: no host read a chunk and layer): its
+             # CUDA tests, then the 27B prompt grid (PLEN) with --cudnn-prefill on,off in this tree and (carried) with
+             # it on in .old's (the host read a chunk and layer), in one call
+             mkdir -p "$OUT/fp16b"
+             timeout ${TESTS_S:-150} python3 -m pytest -q -p no:cacheprovider tests/test_kernels_attention_prefill.py \
+               tests/test_cuda_engine.py -k "cudnn" > "$OUT/fp16b/tests.log" 2>&1
+             echo "--- cudnn tests: rc $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/fp16b/tests.log" | head
+             nb decode $M27 -p ${PLEN:-2991,65000} -n ${PLEN_N:-32} --repeats 2 --cudnn-prefill on,off \
+               --json "$OUT/fp16b/new" 2>&1 | tee "$OUT/fp16b/new.log" | tail -6
+             [ -d .old/scripts ] && ( cd .old && timeout ${STAGE_S:-300} python3 scripts/nb.py decode $M27 -p ${PLEN:-2991,65000} \
+               -n ${PLEN_N:-32} --repeats 2 --cudnn-prefill on --json "$OUT/fp16b/old" 2>&1 | tee "$OUT/fp16b/old.log" \
+               | tail -5 ) ;;
     lprefill) # layer-major prefill (--layer-prefill, session 57) on and off: its CUDA test, then the 27B prompt grid
              # (PLEN) with --prefill-weights LP_WEIGHTS (auto: taken only where the dense copies do not fit, e.g. an
              # 80 GB card; packed: on any card), same tokens expected

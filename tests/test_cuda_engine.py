@@ -329,3 +329,29 @@ def test_prompt_scores_match_the_full_logits(spec):
     got = eng.generate(PROMPT, max_new_tokens=32, ignore_eos=True).tokens
     _, plain = gen(**kw)
     assert got == plain.tokens[:32]
+
+
+def test_cudnn_prefill_vouches_for_fp16_by_the_weights(monkeypatch):
+    """--cudnn-prefill in the engine: a prompt chunk after 2,048 keys splits its attention through cuDNN in fp16
+    with the layer's weights vouching for the range (attention_fp16_safe), so no chunk reads the cache's scales
+    back; the tokens stay close to the default path's (other sums: the same values to rounding)."""
+    from ninfer_bench.engine.model import fused_forward
+    from ninfer_bench.kernels import attention_prefill as ap
+
+    calls, checks = [], []
+    real_cached, real_fits = fused_forward.prefill_attention_cached, ap.fp16_fits
+    monkeypatch.setattr(fused_forward, "prefill_attention_cached",
+                        lambda *a, **k: calls.append((k["cudnn"], k["fp16_safe"])) or real_cached(*a, **k))
+    monkeypatch.setattr(ap, "fp16_fits", lambda *a: checks.append(1) or real_fits(*a))
+    prompt = [3 + (i * 7919) % 500 for i in range(2600)]
+    eng = Engine.load("tiny", device="cuda", max_context=4096, kv_dtype="int8", dtype="bf16", cudnn_prefill=True,
+                      prefill_chunk=1024)
+    res = eng.generate(prompt, max_new_tokens=8, ignore_eos=True)
+    assert (True, True) in calls and not checks, (calls, checks)
+    assert ap._CUDNN["refused"] is None, ap._CUDNN["refused"]
+    assert all(eng.model.attention_fp16_safe(f"model.layers.{i}") for i in eng.config.full_layers)
+    base = Engine.load("tiny", device="cuda", max_context=4096, kv_dtype="int8", dtype="bf16", prefill_chunk=1024)
+    want = base.logits(prompt[:2100])[-1]
+    got = eng.logits(prompt[:2100])[-1]
+    assert float((got - want).norm() / want.norm()) < 2e-2
+    assert len(res.tokens) == 8

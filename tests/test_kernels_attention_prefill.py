@@ -331,7 +331,7 @@ def test_cudnn_prefill_is_an_engine_switch():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="cuDNN's fused attention needs CUDA")
 @pytest.mark.parametrize("start", [2048, 4160])
-def test_cudnn_past_split_matches_the_kernel(start):
+def test_cudnn_past_split_matches_the_kernel(start, monkeypatch):
     """The engine's split on a GPU: an int8 cache, bf16 queries at hd 256, one row, a chunk after ``start`` keys
     (4,160: not a multiple of the chunk): cuDNN's past folded into the kernel's diagonal agrees with the kernel alone
     and with the fp32 reference, cuDNN accepted."""
@@ -345,6 +345,11 @@ def test_cudnn_past_split_matches_the_kernel(start):
     assert split.dtype == torch.bfloat16 and ap.fp16_fits(c["q"], c["k_scale"], c["v_scale"], c["slots"], kv_len)
     assert rel_rms(split, ref) <= RTOL_BF16 and rel_rms(split, alone) <= RTOL_BF16
     assert rel_rms(split, ref) <= 1.1 * rel_rms(alone, ref) + 1e-5  # in fp16: as close to fp32 as the kernel alone
+    # the caller vouching for fp16's range (fp16_safe): the same split, and no range check read back
+    with monkeypatch.context() as m:
+        m.setattr(ap, "fp16_fits", lambda *a: pytest.fail("fp16_safe still read the range back"))
+        assert torch.equal(ap.prefill_attention_cached(**c, kv_len=kv_len, cudnn=True, past_start=start,
+                                                       fp16_safe=True), split)
     # a scale past fp16's range: the split in bf16, as close as before the fp16 path
     wide = {**c, "v_scale": c["v_scale"].clone()}
     wide["v_scale"][int(c["slots"][0]), 0, 7, 0] = ap.FP16_MAX / 100

@@ -403,3 +403,52 @@ def test_every_spec_mode_gets_one_cache_capacity():
     caps = {Engine(loaded, EngineOptions(device="cpu", spec=spec, draft_tokens=k, max_context=300)).capacity
             for spec, k in modes}
     assert len(caps) == 1 and caps.pop() >= 300 + MAX_DRAFT_TOKENS + 1
+
+
+def test_attention_value_bound_is_the_weights_bound_and_no_input_passes_it():
+    """attention_value_bound (the cuDNN split's fp16 range, vouched for without a host read): through the fused store
+    (q | k | v rows stacked) it is the bound worked from the dense weights: sqrt(hd) max|1 + w| for the normed,
+    rotated queries / keys (reached by a one-hot head), sqrt(H) max|1 + w_in| max_j ||W_v[j]|| + |bias| for the
+    values; no hidden state gets a value past it, random or aimed at a value row's weights. A layer whose values
+    could pass fp16's range is not vouched for (attention_fp16_safe)."""
+    from ninfer_bench.engine.model.hybrid import FP16_MAX, HybridModel, attention_value_bound
+    from ninfer_bench.engine.model.weights import RawWeight, WeightStore
+    from ninfer_bench.kernels.norm import rms_norm
+
+    eng = engine(dtype="fp32")
+    raws, cfg = eng.weights.raws, eng.config
+    hd, hkv, hsz = cfg.head_dim, cfg.num_key_value_heads, cfg.hidden_size
+    model = HybridModel(cfg, WeightStore(raws, fuse=True), max_positions=64)
+    assert any(n.endswith("self_attn.qkv_proj.weight") for n in model.w.linears)
+    gen = torch.Generator().manual_seed(0)
+    for i in cfg.full_layers:
+        p = f"model.layers.{i}"
+        vec = {n: raws[f"{p}.{n}.weight"].dense() for n in ("self_attn.q_norm", "self_attn.k_norm", "input_layernorm")}
+        wv = raws[f"{p}.self_attn.v_proj.weight"].dense()
+        bias = raws[f"{p}.self_attn.v_proj.bias"].dense() if f"{p}.self_attn.v_proj.bias" in raws else torch.zeros(1)
+        bq, bk = (hd ** 0.5 * float((1 + vec[n]).abs().max()) for n in ("self_attn.q_norm", "self_attn.k_norm"))
+        bv = hsz ** 0.5 * float((1 + vec["input_layernorm"]).abs().max()) * float(wv.norm(dim=1).max()) \
+            + float(bias.abs().max())
+        got = attention_value_bound(model, p)
+        assert got == pytest.approx(max(bq, bk, bv), rel=1e-4), (p, got, bq, bk, bv)
+        # a one-hot head reaches the query / key bound at the weight's largest |1 + w|
+        for n, b in (("self_attn.q_norm", bq), ("self_attn.k_norm", bk)):
+            onehot = torch.zeros(hd)
+            onehot[int((1 + vec[n]).abs().argmax())] = 3.0
+            assert float(rms_norm(onehot, vec[n], cfg.rms_norm_eps).abs().max()) == pytest.approx(b, rel=1e-4)
+        # hidden states: random ones, and one per value row aimed at its weights through the input norm
+        w_in = 1 + vec["input_layernorm"]
+        aimed = wv / torch.where(w_in.abs() > 1e-3, w_in, torch.ones_like(w_in))
+        h = torch.cat([torch.randn(64, hsz, generator=gen) * 50, aimed])[None]
+        v = model.attn_proj(p, rms_norm(h, vec["input_layernorm"], cfg.rms_norm_eps))[1][..., hkv * hd:]
+        assert float(v.abs().max()) <= bv * (1 + 1e-5)
+    assert all(model.attention_fp16_safe(f"model.layers.{i}") for i in cfg.full_layers)
+    # one layer's value weight scaled until its bound passes fp16's range: that layer alone is not vouched for
+    i = cfg.full_layers[0]
+    name = f"model.layers.{i}.self_attn.v_proj.weight"
+    wv = raws[name].dense()
+    scaled = wv * (2 * FP16_MAX / float(wv.norm(dim=1).max()))  # a row of norm 2 x FP16_MAX
+    big = HybridModel(cfg, WeightStore({**raws, name: RawWeight("fp32", tuple(wv.shape), scaled.view(torch.uint8))},
+                                       fuse=True), max_positions=64)
+    assert not big.attention_fp16_safe(f"model.layers.{i}")
+    assert all(big.attention_fp16_safe(f"model.layers.{j}") for j in cfg.full_layers[1:])

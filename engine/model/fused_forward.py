@@ -33,7 +33,7 @@ import torch
 
 from ...kernels import fused
 from ...kernels._triton import single_pass
-from ...kernels.attention_prefill import prefill_attention_cached
+from ...kernels.attention_prefill import cudnn_past_ok, prefill_attention_cached
 from ...kernels.attention_triton import decode_attention
 from ...kernels.gdn_triton import gdn_decode, layer_of, new_stack
 from .cache import HybridCache, PendingGDN
@@ -146,9 +146,12 @@ class FastPath:
                                       w.vector(f"{p}.self_attn.k_norm.weight"), m.cos, m.sin, c.k, c.v,
                                       c.k_scale, c.v_scale, step.slots, step.pos, cfg.rms_norm_eps)
         if prefill:
+            # the cuDNN split where it applies, in fp16 without a host read a chunk where the layer's weights bound
+            # its values within fp16's range (worked out at the first such chunk)
+            split = m.cudnn_prefill and step.start is not None and cudnn_past_ok(q, step.start)
             o = prefill_attention_cached(q, c.k, c.v, c.k_scale, c.v_scale, step.slots, step.pos, m.scale,
                                          kv_len=min(step.kv_len, cache.capacity), gate=gate, past_start=step.start,
-                                         cudnn=m.cudnn_prefill)
+                                         cudnn=split, fp16_safe=split and m.attention_fp16_safe(p))
         else:
             o = decode_attention(q, c.k, c.v, c.k_scale, c.v_scale, step.slots, step.pos, m.scale,
                                  kv_len_max=cache.capacity, gate=gate)

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from ...kernels import attention as attn_k
 from ...kernels import gdn_prefill
+from ...kernels.attention_prefill import FP16_MAX
 from ...kernels.conv import causal_conv1d, causal_conv1d_state_at
 from ...kernels.gdn import gated_delta_rule, gated_delta_rule_step, l2norm
 from ...kernels.norm import gated_rms_norm, rms_norm
@@ -24,6 +25,45 @@ from .rotary import mrope_cos_sin
 from .weights import GATE_UP_RUN, WeightStore, product_fp32
 
 PREFILL, DECODE, VERIFY = "prefill", "decode", "verify"
+
+# attention_value_bound's bound times this must fit FP16_MAX: room for the 16-bit roundings between the bound's
+# exact arithmetic and the stored values (the normed input, the projection's output, the int8 cache's scale), each
+# at most 2^-8 relative
+FP16_MARGIN = 1.05
+IDENTITY_ROWS = 512  # attention_value_bound's identity rows a projection call
+
+
+@torch.inference_mode()
+def attention_value_bound(model: HybridModel, p: str) -> float:
+    """An upper bound on every ``|value|`` full-attention layer ``p`` can put in a query, a cached key or a cached
+    value, from its weights alone (before 16-bit rounding), for any finite input:
+
+    - queries and keys are zero-centred RMSNorms (weight ``w``) of a head, then rotated by RoPE: a normed head has
+      L2 norm at most sqrt(hd) * max|1 + w|, and a rotation of pairs keeps every component within it;
+    - a value row j is the projection of the layer's normed input (zero-centred RMSNorm of the hidden state, L2 norm
+      at most sqrt(H) * max|1 + w_in|): by Cauchy-Schwarz at most that times row j's L2 norm, plus its bias.
+
+    The value rows' norms come through the layer's own projection (``attn_proj``) of identity rows, so every weight
+    layout the store holds (fused q | k | v, packed, dense, this rank's heads) reads as it computes."""
+    cfg, w = model.cfg, model.w
+    hsz, hd, hkv = cfg.hidden_size, cfg.head_dim, cfg.num_key_value_heads
+
+    def gain(name: str) -> float:
+        return float((1.0 + w.vector(name).float()).abs().max())
+
+    bq = hd ** 0.5 * gain(f"{p}.self_attn.q_norm.weight")
+    bk = hd ** 0.5 * gain(f"{p}.self_attn.k_norm.weight")
+    dev, dt = model.device, model.dtype
+    bias = model.attn_proj(p, torch.zeros(1, 1, hsz, device=dev, dtype=dt))[1][0, 0, hkv * hd:].float()
+    sq = torch.zeros(hkv * hd, device=dev, dtype=torch.float32)
+    for r0 in range(0, hsz, IDENTITY_ROWS):
+        n = min(IDENTITY_ROWS, hsz - r0)
+        eye = torch.zeros(1, n, hsz, device=dev, dtype=dt)
+        eye[0, torch.arange(n, device=dev), torch.arange(r0, r0 + n, device=dev)] = 1.0
+        v = model.attn_proj(p, eye)[1][0, :, hkv * hd:].float() - bias  # rows r0 .. : W_v's columns
+        sq += (v * v).sum(0)
+    bv = hsz ** 0.5 * gain(f"{p}.input_layernorm.weight") * float(sq.sqrt().max()) + float(bias.abs().max())
+    return max(bq, bk, bv)
 
 
 @dataclass(slots=True)
@@ -77,6 +117,7 @@ class HybridModel:
         self.flash_prefill = flash_prefill and self.fast is not None
         # with it, a long chunk's past keys through cuDNN's fused attention (kernels/attention_prefill.cudnn_past)
         self.cudnn_prefill = cudnn_prefill and self.flash_prefill
+        self._fp16_safe: dict[str, bool] = {}  # attention_fp16_safe's answer a layer prefix
         # prompt chunks' GDN glue (kernels/gdn_prefill) and the norms between layers through Triton kernels
         self.fused_prefill = fused_prefill and self.fast is not None
         self.mrope_axes = None  # [rd] stream per rotary column, set by the engine for models with vision
@@ -101,6 +142,16 @@ class HybridModel:
             kv = torch.cat(self._proj(p, "self_attn.kv_proj", ("self_attn.k_proj", "self_attn.v_proj"),
                                       [hkv * hd, hkv * hd], x), dim=-1)
         return qg.view(b, t, h, 2 * hd), kv
+
+    def attention_fp16_safe(self, p: str) -> bool:
+        """Whether full-attention layer ``p``'s queries, keys and values stay within fp16's range whatever the
+        input, by its weights alone (:func:`attention_value_bound`, with FP16_MARGIN to spare): the cuDNN split
+        then runs in fp16 without reading the cache's scales back to the host each chunk. Worked out once a layer
+        (one host read then)."""
+        ok = self._fp16_safe.get(p)
+        if ok is None:
+            ok = self._fp16_safe[p] = attention_value_bound(self, p) * FP16_MARGIN <= FP16_MAX
+        return ok
 
     def gate_up(self, p: str, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The MLP's gate and up projections (from an interleaved fused weight too: WeightStore.interleaved)."""
