@@ -96,7 +96,8 @@
 #   ncuqmv   Nsight Compute on wide qmv launches (NCU_QMV op:fmt:rows cases, NCU_QMV_KNOBS builds): why 64 rows cost
 #            4-5x what 8 rows do
 #   fp16b    the cuDNN split in fp16 with the weights vouching for its range (no host read a chunk and layer): its
-#            CUDA tests, the 27B prompt grid (PLEN) --cudnn-prefill on,off with this tree, on with .old's (carried)
+#            CUDA tests, the 27B prompt grid (PLEN) --cudnn-prefill on,off with this tree, on with .old's (carried);
+#            FP16B_PROF=1 adds the split's 65K prefill profile with its idle gaps
 #   tp1gpu   tensor parallelism's CUDA path on one GPU (two gloo ranks sharing it) against one rank: 27B decode (v2,
 #            plain and MTP3) and the tiny preset's concurrency, tokens compared
 #   prof8    profile_step --batch 1,8 --sync at the 27B shape, plain and DFlash2 K=7: where a C8 round goes
@@ -970,7 +971,12 @@ PY
                --json "$OUT/fp16b/new" 2>&1 | tee "$OUT/fp16b/new.log" | tail -6
              [ -d .old/scripts ] && ( cd .old && timeout ${STAGE_S:-300} python3 scripts/nb.py decode $M27 -p ${PLEN:-2991,65000} \
                -n ${PLEN_N:-32} --repeats 2 --cudnn-prefill on --json "$OUT/fp16b/old" 2>&1 | tee "$OUT/fp16b/old.log" \
-               | tail -5 ) ;;
+               | tail -5 )
+             # FP16B_PROF=1: then the split's 65K prefill profiled with its largest idle gaps (where its saving goes)
+             [ "${FP16B_PROF:-0}" = 1 ] && timeout ${STAGE_S:-300} python3 scripts/profile_step.py $M27 --prefill \
+               --prompt-len ${PPROF_LEN:-65000} --top 25 --cudnn-prefill --by-op 20 --gaps 8 \
+               --json "$OUT/fp16b/prof.json" > "$OUT/fp16b/prof.log" 2>&1; tail -40 "$OUT/fp16b/prof.log" 2>/dev/null \
+               | cut -c1-150 ;;
     lprefill) # layer-major prefill (--layer-prefill, session 57) on and off: its CUDA test, then the 27B prompt grid
              # (PLEN) with --prefill-weights LP_WEIGHTS (auto: taken only where the dense copies do not fit, e.g. an
              # 80 GB card; packed: on any card), same tokens expected
