@@ -97,10 +97,10 @@
 #            4-5x what 8 rows do
 #   fp16b    the cuDNN split in fp16 with the weights vouching for its range (no host read a chunk and layer): its
 #            CUDA tests, the 27B prompt grid (PLEN) --cudnn-prefill on,off with this tree, on with .old's (carried);
-#            FP16B_PROF=1 adds the split's 65K prefill profile with its idle gaps
+#            the split's profile is pprof's: PPROF_MODES=cudnn PPROF_ARGS="--by-op 20 --gaps 8"
 #   chunks   the 27B prompt grid (PLEN) at each --prefill-chunk of CHUNKS (default 2048 4096 8192), one process each
-#            (CHUNK_ENGINES: add hf for the peer in the same process); CHUNK_PROF=1 then profiles the PLEN_PROF prompt
-#            (default 2991) at each chunk (--by-op 30 --gaps 12)
+#            (CHUNK_ENGINES: add hf for the peer in the same process); a profile at each is pprof's, e.g.
+#            PPROF_LEN=2991 PPROF_MODES="chunk2048 chunk4096" PPROF_ARGS="--by-op 30 --gaps 12"
 #   tp1gpu   tensor parallelism's CUDA path on one GPU (two gloo ranks sharing it) against one rank: 27B decode (v2,
 #            plain and MTP3) and the tiny preset's concurrency, tokens compared
 #   prof8    profile_step --batch 1,8 --sync at the 27B shape, plain and DFlash2 K=7: where a C8 round goes
@@ -974,26 +974,14 @@ PY
                --json "$OUT/fp16b/new" 2>&1 | tee "$OUT/fp16b/new.log" | tail -6
              [ -d .old/scripts ] && ( cd .old && timeout ${STAGE_S:-300} python3 scripts/nb.py decode $M27 -p ${PLEN:-2991,65000} \
                -n ${PLEN_N:-32} --repeats 2 --cudnn-prefill on --json "$OUT/fp16b/old" 2>&1 | tee "$OUT/fp16b/old.log" \
-               | tail -5 )
-             # FP16B_PROF=1: then the split's 65K prefill profiled with its largest idle gaps (where its saving goes)
-             [ "${FP16B_PROF:-0}" = 1 ] && timeout ${STAGE_S:-300} python3 scripts/profile_step.py $M27 --prefill \
-               --prompt-len ${PPROF_LEN:-65000} --top 25 --cudnn-prefill --by-op 20 --gaps 8 \
-               --json "$OUT/fp16b/prof.json" > "$OUT/fp16b/prof.log" 2>&1; tail -40 "$OUT/fp16b/prof.log" 2>/dev/null \
-               | cut -c1-150 ;;
+               | tail -5 ) ;;
     chunks)  # prompt tokens a prefill forward: one process per --prefill-chunk (CHUNKS), the 27B grid (PLEN)
              mkdir -p "$OUT/chunks"
              for c in ${CHUNKS:-2048 4096 8192}; do
                echo "--- prefill chunk $c"
                nb decode $M27 --engine ${CHUNK_ENGINES:-ours} -p ${PLEN:-2991,65000} -n ${PLEN_N:-32} --repeats 2 \
                  --prefill-chunk $c --json "$OUT/chunks/c$c" 2>&1 | tee "$OUT/chunks/c$c.log" | tail -4
-             done
-             if [ "${CHUNK_PROF:-0}" = 1 ]; then
-               for c in ${CHUNKS:-2048 4096 8192}; do
-                 timeout ${STAGE_S:-300} python3 scripts/profile_step.py $M27 --prefill --prompt-len ${PLEN_PROF:-2991} \
-                   --prefill-chunk $c --top 25 --by-op 30 --gaps 12 --json "$OUT/chunks/prof$c.json" \
-                   > "$OUT/chunks/prof$c.log" 2>&1; echo "--- profile, chunk $c: rc $?"; tail -30 "$OUT/chunks/prof$c.log" | cut -c1-150
-               done
-             fi ;;
+             done ;;
     lprefill) # layer-major prefill (--layer-prefill, session 57) on and off: its CUDA test, then the 27B prompt grid
              # (PLEN) with --prefill-weights LP_WEIGHTS (auto: taken only where the dense copies do not fit, e.g. an
              # 80 GB card; packed: on any card), same tokens expected
@@ -1041,7 +1029,8 @@ PY
                | tee "$OUT/dattn.log" | grep -v "^resources" | tail -60 ;;
     pprof)   # where a long prefill's time goes: scripts/profile_step.py --prefill at PPROF_LEN tokens on the 27B
              # synthetic, once per PPROF_MODES entry (flash: the defaults; sdpa: --no-flash-prefill; unfused:
-             # --no-fused-prefill; dense / packed: --prefill-weights dense / packed; cudnn: --cudnn-prefill);
+             # --no-fused-prefill; dense / packed: --prefill-weights dense / packed; cudnn: --cudnn-prefill;
+             # chunkN: --prefill-chunk N);
              # PPROF_ARGS adds flags (e.g.
              # "--by-op 30": the torch ops behind the kernels, with their source lines)
              for mode in ${PPROF_MODES:-flash sdpa}; do
@@ -1052,6 +1041,8 @@ PY
                  dense) flags="--prefill-weights dense" ;;
                  packed) flags="--prefill-weights packed" ;;
                  cudnn) flags="--cudnn-prefill" ;;
+                 chunk[0-9]*) flags="--prefill-chunk ${mode#chunk}" ;;
+                 *) echo "pprof: unknown mode $mode"; continue ;;
                esac
                timeout ${STAGE_S:-300} python3 scripts/profile_step.py $M27 --prefill --prompt-len ${PPROF_LEN:-65000} \
                  --top ${PPROF_TOP:-25} $flags ${PPROF_ARGS:-} --json "$OUT/pprof-$mode.json" 2>&1 | tee "$OUT/pprof-$mode.log" \
