@@ -233,7 +233,11 @@ def decode_table(doc: dict) -> Table:
     for col in ("metric", "value"):
         table.add_column(col)
     rows = [("prompt / completion tokens", f"{s['prompt_tokens']} / {s['completion_tokens']}"),
-            ("prefill tok/s", timed(s, "prefill_tok_s")), ("decode tok/s", timed(s, "decode_tok_s")),
+            ("prefill tok/s", timed(s, "prefill_tok_s")),
+            ("prefill TFLOP/s (model)", fmt(s.get("prefill_tflops"), ".3g")),
+            ("matmul TFLOP/s (measured)", fmt(s.get("matmul_tflops"), ".3g")),
+            ("prefill MFU (of matmul)", fmt(s.get("prefill_compute_fraction"), ".3f")),
+            ("decode tok/s", timed(s, "decode_tok_s")),
             ("TTFT ms", timed(s, "ttft_ms")), ("device ms / round", timed(s, "device_ms_per_round", ".3f")),
             ("rounds", str(s["rounds"])), ("tokens / round", fmt(s["tokens_per_round"])),
             ("acceptance rate", fmt(s["acceptance_rate"], ".3f")),
@@ -307,14 +311,14 @@ def compare_table(docs: list[dict], same: dict[str, bool | None]) -> Table:
     table = Table(title=f"decode: {len(docs)} runs on {docs[0]['config']['device']} "
                         f"({docs[0]['env'].get('gpu') or 'cpu'}), x = decode speed / {docs[0]['label']}'s")
     lengths = any(d["config"].get("prompt_length") for d in docs)  # a -p grid: each run's prefill beside its decode
-    cols = ("run", *(("prompt", "prefill tok/s", "TTFT ms") if lengths else ()), "tok/s", "± sd", "x", "ms/round",
+    cols = ("run", *(("prompt", "prefill tok/s", "MFU", "TTFT ms") if lengths else ()), "tok/s", "± sd", "x", "ms/round",
             "draft/verify", "tok/round", "accept", "roofline", "MiB", "sha256", "= plain")
     for c in cols:
         table.add_column(c, justify="left" if c in ("run", "sha256") else "right", no_wrap=True)
     for d in docs:
         s = d["summary"]
-        prefill = (fmt(s.get("prompt_tokens"), ","), fmt(s.get("prefill_tok_s"), ",.0f"), fmt(s.get("ttft_ms"), ",.1f")) \
-            if lengths else ()
+        prefill = (fmt(s.get("prompt_tokens"), ","), fmt(s.get("prefill_tok_s"), ",.0f"),
+                   fmt(s.get("prefill_compute_fraction"), ".3f"), fmt(s.get("ttft_ms"), ",.1f")) if lengths else ()
         split = (f"{fmt(s.get('draft_ms_per_round'), '.1f')}/{fmt(s.get('verify_ms_per_round'), '.1f')}"
                  if s.get("draft_ms_per_round") is not None else "-")
         ratio = s["decode_tok_s"] / first if first and s["decode_tok_s"] else None

@@ -360,20 +360,23 @@ def _decode(docs, pairings, judged, figures, several_models: bool) -> list:
                                            "baseline run first (hatched), a dashed line at its value; runs without "
                                            "a baseline after them, fastest first"))
     table = Table(["label", "engine", "runtime", "spec", "K", "decode tok/s", "± sd (repeats)", "over plain",
-                   "prefill tok/s", "TTFT ms", "device ms/round", "tokens/round", "acceptance", "roofline",
-                   "peak memory", "tokens"])
+                   "prefill tok/s", "prefill MFU", "TTFT ms", "device ms/round", "tokens/round", "acceptance",
+                   "roofline", "peak memory", "tokens"])
     for d in docs:
         c, s = d["config"], d["summary"]
         table.rows.append([d["label"], num(c.get("engine")), num(c.get("runtime")), num(c.get("spec")),
                            num(c.get("draft_tokens")), num(s.get("decode_tok_s")), _sd(s, "decode_tok_s"),
-                           _over_plain(s), num(s.get("prefill_tok_s"), 1), num(s.get("ttft_ms")),
+                           _over_plain(s), num(s.get("prefill_tok_s"), 1), pct(s.get("prefill_compute_fraction")),
+                           num(s.get("ttft_ms")),
                            num(s.get("device_ms_per_round"), 3), num(s.get("tokens_per_round")),
                            pct(s.get("acceptance_rate")), pct(s.get("roofline_fraction")),
                            size(s.get("peak_memory_bytes")), sha(s.get("tokens_sha256"))])
     blocks += [("p", "Timings are medians of each run's repeats (decode tok/s: completion tokens after the first / "
                      "decode seconds); ± sd is the sample standard deviation of its decode tok/s repeats, with their "
                      "count; over plain: a speculative run's speed-up over the plain run on the same load (its "
-                     "summary.plain)."), ("table", table)]
+                     "summary.plain); prefill MFU: the prompt's model FLOPs a second over the dense matmul "
+                     "throughput measured in the same run; roofline: decode's weight bytes a second over the "
+                     "copy bandwidth measured in the same run."), ("table", table)]
     if any(pairings[id(d)].role == "candidate" for d in docs):
         metrics = ["decode_tok_s", "prefill_tok_s", "ttft_ms", "device_ms_per_round", "peak_memory_bytes"]
         blocks += [("h3", "Against the baseline of each experiment"),
@@ -441,7 +444,8 @@ def _concurrency(docs, pairings, judged, figures) -> list:
 
 
 def _prefill(docs, pairings, judged) -> list:
-    table = Table(["label", "prefill tok/s", "prompt tokens", "against its baseline"])
+    table = Table(["label", "prefill tok/s", "prompt tokens", "model TFLOP/s", "MFU (of measured matmul)",
+                   "against its baseline"])
     for d in docs:
         p, j = pairings[id(d)], judged.get(id(d))
         cell = exact_cell(p, j)
@@ -449,7 +453,8 @@ def _prefill(docs, pairings, judged) -> list:
             v = j.main("prefill")[0]
             cell = ratio_cell(v, read_timing(v, j.rules.get(v.metric)))
         table.rows.append([d["label"], num(d["summary"].get("prefill_tok_s"), 1),
-                           num(d["summary"].get("prompt_tokens")), cell])
+                           num(d["summary"].get("prompt_tokens")), num(d["summary"].get("prefill_tflops"), 1),
+                           num(d["summary"].get("prefill_compute_fraction"), 3), cell])
     return [("h2", "Prefill"), ("table", table)]
 
 

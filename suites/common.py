@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import math
 import resource
 import statistics
 import time
@@ -48,6 +49,59 @@ def copy_bandwidth(device: torch.device, nbytes: int | None = None, repeats: int
         seconds = (time.perf_counter() - t) / repeats
     del x, y
     return 2 * nbytes / seconds
+
+
+def matmul_peak(device: torch.device, dtype: torch.dtype, n: int | None = None, repeats: int = 10) -> float:
+    """Dense matmul throughput in FLOP/s: an n x n x n product in ``dtype`` (n = 8,192 on CUDA, 1,024 on a CPU), the
+    best of ``repeats`` timings after warm-ups - what torch's GEMM reaches on this device in this run, the compute
+    roofline a prefill's model FLOP/s are set against (as :func:`copy_bandwidth` is a decode step's)."""
+    cuda = device.type == "cuda"
+    n = n or (8192 if cuda else 1024)
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    for _ in range(3):
+        c = a @ b
+    best = math.inf
+    for _ in range(repeats):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            c = a @ b
+            end.record()
+            torch.cuda.synchronize(device)
+            best = min(best, start.elapsed_time(end) / 1e3)
+        else:
+            t = time.perf_counter()
+            c = a @ b
+            best = min(best, time.perf_counter() - t)
+    del a, b, c
+    return 2 * n ** 3 / best
+
+
+def forward_flops(cfg, tokens: int, past: int = 0, logits_rows: int = 1) -> int:
+    """Model FLOPs of one forward of ``tokens`` new tokens after ``past`` cached ones (a prompt's prefill: past 0,
+    the last row's logits), counted as the field counts them (2 per multiply-add):
+    - every text layer's projections (its 2-D weights: q / k / v / o, GDN qkv / z / b / a / out, gate / up / down),
+      per token, and the lm_head for ``logits_rows`` rows;
+    - causal attention, Q K^T and P V over the keys each query sees (its own position and all before it);
+    - the GDN recurrence: per token and value head, S^T k, the rank-1 delta update and q^T S (3 dk x dv
+      multiply-adds; the chunked form's extra intra-chunk products are the kernel's choice, not the model's),
+      and the depthwise causal conv;
+    not norms, activations, gates or the embedding lookup (a few FLOPs a value: under 1 % at any 27B prompt)."""
+    from ..engine.model.weights import expected_shapes
+
+    if tokens < 0 or past < 0:
+        raise ValueError(f"forward_flops: tokens and past are counts >= 0, got {tokens} and {past}")
+    shapes = expected_shapes(cfg)
+    params = sum(math.prod(s) for name, s in shapes.items()
+                 if name.startswith("model.layers.") and len(s) == 2)
+    flops = 2 * params * tokens + 2 * cfg.vocab_size * cfg.hidden_size * min(logits_rows, tokens)
+    keys = tokens * past + tokens * (tokens + 1) // 2  # summed over the new queries: each sees past + its index + 1
+    flops += len(cfg.full_layers) * 4 * cfg.num_attention_heads * cfg.head_dim * keys
+    gdn = 3 * cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim \
+        + cfg.conv_dim * cfg.linear_conv_kernel_dim
+    flops += len(cfg.linear_layers) * 2 * gdn * tokens
+    return flops
 
 
 def reset_peak_memory(device: torch.device) -> None:

@@ -9,6 +9,7 @@ our engine), and writes one result document.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 import time
@@ -25,6 +26,8 @@ from .common import (
     DEFAULT_PROMPT,
     code_prompt,
     copy_bandwidth,
+    forward_flops,
+    matmul_peak,
     median,
     peak_memory_bytes,
     read_prompt_set,
@@ -212,7 +215,9 @@ def run_once(engine, prompts: list[list[int]], opts: DecodeOptions, references=N
     ``tokens_sha256`` hashes every prompt's tokens in order. ``references``: per prompt, the plain run's tokens
     (replayed acceptance); ``tokens_out``, a list, receives each prompt's tokens."""
     tot = dict(prompt_tokens=0, completion_tokens=0, prefill_s=0.0, decode_s=0.0, ttft_s=0.0, device_ms=0.0,
-               rounds=0, drafted_tokens=0, accepted_tokens=0, draft_ms=0.0, verify_ms=0.0, target_forwards=0)
+               rounds=0, drafted_tokens=0, accepted_tokens=0, draft_ms=0.0, verify_ms=0.0, target_forwards=0,
+               prefill_flops=0)
+    cfg = getattr(getattr(engine, "loaded", None), "config", None)  # (a server's runner: none, no FLOPs)
     per_pos, tokens, finish, vision = [], [], [], []
     if tokens_out is not None:
         tokens_out.clear()
@@ -232,7 +237,8 @@ def run_once(engine, prompts: list[list[int]], opts: DecodeOptions, references=N
                            ("drafted_tokens", spec.get("drafted_tokens", 0)),
                            ("accepted_tokens", spec.get("accepted_tokens", 0)), ("draft_ms", spec.get("draft_ms", 0.0)),
                            ("verify_ms", spec.get("verify_ms", 0.0)),
-                           ("target_forwards", spec.get("target_forwards", rounds))):
+                           ("target_forwards", spec.get("target_forwards", rounds)),
+                           ("prefill_flops", forward_flops(cfg, res.prompt_tokens) if cfg is not None else 0)):
             tot[key] += value
         counts = spec.get("accepted_per_position", [])
         per_pos = [a + b for a, b in zip(per_pos, counts)] if per_pos else list(counts)
@@ -246,6 +252,8 @@ def run_once(engine, prompts: list[list[int]], opts: DecodeOptions, references=N
             "vision_tokens": sum(v["tokens"] for v in vision)} if vision else {}),
         "prefill_s": tot["prefill_s"], "decode_s": tot["decode_s"], "ttft_ms": tot["ttft_s"] * 1e3 / len(prompts),
         "prefill_tok_s": tot["prompt_tokens"] / tot["prefill_s"] if tot["prefill_s"] else None,
+        "prefill_tflops": tot["prefill_flops"] / tot["prefill_s"] / 1e12 if tot["prefill_flops"] and tot["prefill_s"]
+        else None,
         "decode_tok_s": decoded / tot["decode_s"] if decoded > 0 and tot["decode_s"] else None,
         "device_ms_per_round": tot["device_ms"] / rounds if rounds else None,
         "rounds": rounds, "drafted_tokens": tot["drafted_tokens"], "accepted_tokens": tot["accepted_tokens"],
@@ -284,11 +292,12 @@ def load_prompts(path: str, tokenizer, limit: int | None = None) -> list[list[in
     return ids[:limit] if limit else ids
 
 
-def summarize(records: list[dict], *, weight_bytes: int | None, copy_bw: float | None, peak: int) -> dict:
+def summarize(records: list[dict], *, weight_bytes: int | None, copy_bw: float | None, peak: int,
+              matmul_flops: float | None = None) -> dict:
     last = records[-1]
-    timing = ("prefill_tok_s", "decode_tok_s", "ttft_ms", "device_ms_per_round", "draft_ms_per_round",
-              "verify_ms_per_round")
-    summary = {k: median([r[k] for r in records]) for k in timing}
+    timing = ("prefill_tok_s", "prefill_tflops", "decode_tok_s", "ttft_ms", "device_ms_per_round",
+              "draft_ms_per_round", "verify_ms_per_round")
+    summary = {k: median([r.get(k) for r in records]) for k in timing}  # (a server's records: no FLOPs)
     summary.update({k: last[k] for k in ("prompt_tokens", "completion_tokens", "tokens_sha256", "rounds",
                                          "drafted_tokens", "accepted_tokens")})
     summary["prompts"] = last.get("prompts", 1)
@@ -307,6 +316,10 @@ def summarize(records: list[dict], *, weight_bytes: int | None, copy_bw: float |
         summary["roofline_fraction"] = weight_bytes * forwards_per_s / copy_bw
     else:
         summary["achieved_gbps"] = summary["roofline_fraction"] = None
+    # the prefill against the compute roofline: model FLOP/s over the dense matmul throughput measured in this run
+    summary["matmul_tflops"] = matmul_flops / 1e12 if matmul_flops else None
+    summary["prefill_compute_fraction"] = summary["prefill_tflops"] * 1e12 / matmul_flops \
+        if summary["prefill_tflops"] and matmul_flops else None
     summary["samples"] = {k: [r[k] for r in records] for k in ("decode_tok_s", "prefill_tok_s", "ttft_ms",
                                                               "device_ms_per_round")}
     if "vision_encode_ms" in last:
@@ -560,7 +573,10 @@ def run_decode(opts: DecodeOptions, progress=None, loaded=None, references=None,
     # a peer in a process of its own (llama.cpp): this process's peak says nothing of its memory
     peak = None if getattr(runner, "worker", None) is not None else peak_memory_bytes(runner.device)
     bw = copy_bw or copy_bandwidth(runner.device)
-    summary = summarize(records, weight_bytes=runner.weight_bytes_per_step, copy_bw=bw, peak=peak)
+    dtype = getattr(runner, "dtype", None)
+    flops = _matmul_peak(str(runner.device), dtype) if isinstance(dtype, torch.dtype) else None
+    summary = summarize(records, weight_bytes=runner.weight_bytes_per_step, copy_bw=bw, peak=peak,
+                        matmul_flops=flops)
     if peer_out is not None:  # the caller sets the peer against our engine before it is closed
         peer_out.append((runner, prompts))
     elif hasattr(runner, "close"):
@@ -575,6 +591,13 @@ def run_decode(opts: DecodeOptions, progress=None, loaded=None, references=None,
         config["replay_profile"] = runner.replay.probs  # the per-position conditional acceptance replayed
     return make_result("decode", label=config["label"], config=config, records=records, summary=summary,
                        model=dict(runner.model_info))
+
+
+@functools.cache
+def _matmul_peak(device: str, dtype: torch.dtype) -> float:
+    """:func:`.common.matmul_peak` once a process per device and dtype (a machine's property, as the copy
+    bandwidth is; a grid's runs share it)."""
+    return matmul_peak(torch.device(device), dtype)
 
 
 def run_matrix(runs: list[DecodeOptions], progress=None, done=None) -> list[dict]:
