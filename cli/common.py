@@ -125,6 +125,9 @@ def engine_options(f=None, *, kv_default: str = "int8", runtime_list: bool = Fal
         click.option("--kv-capacity", type=int, default=None,
                      help="Total K/V tokens over all slots (default max-context x max-concurrency)."),
         click.option("--max-concurrency", type=int, default=1, show_default=True),
+        click.option("--prefill-chunk", default="2048", show_default=True, metavar="N[,N...]",
+                     help="Prompt tokens per prefill forward; comma-separated to run our engine's grid once for "
+                          "each (llama-bench's -ub), labelled -cN.") if runtime_list else
         click.option("--prefill-chunk", type=int, default=2048, show_default=True,
                      help="Prompt tokens per prefill forward."),
         prefill_weights_option,

@@ -140,6 +140,8 @@ def decode(model, engines, specs, draft_tokens, rollbacks, lm_head_draft, prompt
     --silu-epilogue) change only runs on CUDA: off is refused on a CPU."""
     url, served_model = options.pop("url"), options.pop("served_model")
     lengths = tuple(int_list(prompt_lengths, "-p")) if prompt_lengths is not None else ()
+    chunks = tuple(int_list(options.pop("prefill_chunk"), "--prefill-chunk"))
+    options["prefill_chunk"] = chunks[0]  # (several: decode_runs sets each run's)
     if lengths and (prompt_file or n_prompts or images):
         raise UserError("-p cuts its prompts from the shipped code text: give it without --prompt-file, --prompts "
                         "or --image")
@@ -176,7 +178,8 @@ def decode(model, engines, specs, draft_tokens, rollbacks, lm_head_draft, prompt
     runs = decode_runs(base, engines=engines, specs=tuple(specs.split(",")), runtimes=runtime, rollbacks=rollbacks,
                        lm_heads=tuple(int_list(lm_head_draft, "--lm-head-draft")), switches=switches,
                        draft_tokens=draft_tokens, label=label, baseline=not no_baseline,
-                       replay=replay_acceptance, prompt_lengths=lengths)
+                       replay=replay_acceptance, prompt_lengths=lengths,
+                       prefill_chunks=chunks if len(set(chunks)) > 1 else ())
     many = sum(not r.baseline for r in runs) > 1  # an added plain partner of one run is no grid
     if many and json_path and Path(json_path).is_file():
         raise UserError(f"--json {json_path}: several runs write a folder (one LABEL.json each), not a file")

@@ -98,7 +98,7 @@
 #   fp16b    the cuDNN split in fp16 with the weights vouching for its range (no host read a chunk and layer): its
 #            CUDA tests, the 27B prompt grid (PLEN) --cudnn-prefill on,off with this tree, on with .old's (carried);
 #            the split's profile is pprof's: PPROF_MODES=cudnn PPROF_ARGS="--by-op 20 --gaps 8"
-#   chunks   the 27B prompt grid (PLEN) at each --prefill-chunk of CHUNKS (default 2048 4096 8192), one process each
+#   chunks   the 27B prompt grid (PLEN) at each --prefill-chunk of CHUNKS (default 2048 4096 8192), one process
 #            (CHUNK_ENGINES: add hf for the peer in the same process); a profile at each is pprof's, e.g.
 #            PPROF_LEN=2991 PPROF_MODES="chunk2048 chunk4096" PPROF_ARGS="--by-op 30 --gaps 12"
 #   tp1gpu   tensor parallelism's CUDA path on one GPU (two gloo ranks sharing it) against one rank: 27B decode (v2,
@@ -975,13 +975,12 @@ PY
              [ -d .old/scripts ] && ( cd .old && timeout ${STAGE_S:-300} python3 scripts/nb.py decode $M27 -p ${PLEN:-2991,65000} \
                -n ${PLEN_N:-32} --repeats 2 --cudnn-prefill on --json "$OUT/fp16b/old" 2>&1 | tee "$OUT/fp16b/old.log" \
                | tail -5 ) ;;
-    chunks)  # prompt tokens a prefill forward: one process per --prefill-chunk (CHUNKS), the 27B grid (PLEN)
+    chunks)  # prompt tokens a prefill forward: the 27B grid (PLEN) at each --prefill-chunk of CHUNKS in one process
+             # (one weight build; the peer, CHUNK_ENGINES=ours,hf, once a prompt length)
              mkdir -p "$OUT/chunks"
-             for c in ${CHUNKS:-2048 4096 8192}; do
-               echo "--- prefill chunk $c"
-               nb decode $M27 --engine ${CHUNK_ENGINES:-ours} -p ${PLEN:-2991,65000} -n ${PLEN_N:-32} --repeats 2 \
-                 --prefill-chunk $c --json "$OUT/chunks/c$c" 2>&1 | tee "$OUT/chunks/c$c.log" | tail -4
-             done ;;
+             nb decode $M27 --engine ${CHUNK_ENGINES:-ours} -p ${PLEN:-2991,65000} -n ${PLEN_N:-32} --repeats 2 \
+               --prefill-chunk $(echo ${CHUNKS:-2048 4096 8192} | tr ' ' ,) --json "$OUT/chunks/grid" 2>&1 \
+               | tee "$OUT/chunks/grid.log" | tail -12 ;;
     lprefill) # layer-major prefill (--layer-prefill, session 57) on and off: its CUDA test, then the 27B prompt grid
              # (PLEN) with --prefill-weights LP_WEIGHTS (auto: taken only where the dense copies do not fit, e.g. an
              # 80 GB card; packed: on any card), same tokens expected

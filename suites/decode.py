@@ -358,7 +358,7 @@ def parse_spec(item: str, draft_tokens: int | None) -> tuple[str, int | None]:
 def decode_runs(base: dict, *, engines=("ours",), specs=("none",), runtimes=("v3",), rollbacks=("recompute",),
                 lm_heads=(0,), switches: dict[str, tuple[bool, ...]] | None = None, draft_tokens: int | None = None,
                 label: str | None = None, baseline: bool = True, replay: str | None = None,
-                prompt_lengths: tuple[int, ...] = ()) -> list[DecodeOptions]:
+                prompt_lengths: tuple[int, ...] = (), prefill_chunks: tuple[int, ...] = ()) -> list[DecodeOptions]:
     """The grid of decode runs a command line asks for: every runtime x spec x rollback x lm-head-draft size of
     our engine (the last two only where there is a drafter) x the values of each engine switch (``switches``,
     {name of :data:`SWITCHES`: values}; each only on the runs it applies to, the others keep its default), and the
@@ -368,6 +368,8 @@ def decode_runs(base: dict, *, engines=("ours",), specs=("none",), runtimes=("v3
     flagged ``baseline``); plain runs go first, so a speculative run can be set against its partner (and replay
     its tokens). ``prompt_lengths`` (``-p``): the whole grid once for each length, on a prompt of exactly that many
     tokens cut from the shipped code text, labelled ``-pN``, with a max-context that holds it when none is given.
+    ``prefill_chunks`` (``--prefill-chunk A,B``, llama-bench's ``-ub`` grid): our runs once for each prompt-chunk
+    size, labelled ``-cN`` when there are several; a peer (whose prefill does not chunk) once.
     Labels are unique: with several rollbacks each speculative label names its own, and ``label`` prefixes them all
     (an added baseline alone beside one run: ``LABEL-plain``)."""
     switches = switches or {}
@@ -381,12 +383,18 @@ def decode_runs(base: dict, *, engines=("ours",), specs=("none",), runtimes=("v3
     peers = set(engines) - {"ours"}
     if peers == set(engines) and any(parse_spec(x, None)[0] != "none" for x in specs):
         raise ValueError(f"--engine {','.join(engines)} runs plain greedy decoding: use --spec none (or add ours)")
+    chunks = tuple(dict.fromkeys(prefill_chunks))
+    if len(chunks) > 1 and "ours" not in engines:
+        raise ValueError(f"--prefill-chunk {','.join(map(str, chunks))} compares our engine's prompt chunks: add "
+                         "--engine ours (a peer's prefill does not chunk)")
     runs = []
     for one in [base] if not prompt_lengths else [_at_length(base, n) for n in dict.fromkeys(prompt_lengths)]:
         grid = []
-        for engine in dict.fromkeys(engines):
+        for engine, chunk in itertools.product(dict.fromkeys(engines), chunks or (None,)):
+            one_c = one if chunk is None else {**one, "prefill_chunk": chunk}
             if engine != "ours":
-                grid.append(DecodeOptions.make(**one, engine=engine))
+                if chunk is None or chunk == chunks[0]:
+                    grid.append(DecodeOptions.make(**one_c, engine=engine))
                 continue
             for runtime in dict.fromkeys(runtimes):
                 for item in dict.fromkeys(specs):
@@ -395,13 +403,13 @@ def decode_runs(base: dict, *, engines=("ours",), specs=("none",), runtimes=("v3
                     for rollback in dict.fromkeys(rollbacks if spec != "none" else rollbacks[:1]):
                         for head in dict.fromkeys(lm_heads if spec != "none" else (0,)):
                             for values in itertools.product(*(dict.fromkeys(switches[n]) for n in names)):
-                                grid.append(DecodeOptions.make(**one, engine=engine, runtime=runtime, spec=spec,
+                                grid.append(DecodeOptions.make(**one_c, engine=engine, runtime=runtime, spec=spec,
                                                                draft_tokens=k, rollback=rollback, lm_head_draft=head,
                                                                replay_acceptance=replay if spec != "none" else None,
                                                                **dict(zip(names, values))))
         if not grid:
             raise ValueError("no decode run: give at least one engine, runtime and spec")
-        runs += with_baselines(grid, one) if baseline else grid
+        runs += with_baselines(grid, one) if baseline else grid  # (a partner shares its run's chunk: workload)
     missing = [r.default_label() for r in runs if r.engine_options.replay_acceptance is not None
                and not _has_partner(r, runs)]
     if missing:
@@ -416,6 +424,7 @@ def decode_runs(base: dict, *, engines=("ours",), specs=("none",), runtimes=("v3
     for r in runs:
         spec_run = r.engine_options.spec != "none"
         name = r.default_label() + (f"-{r.engine_options.rollback}" if len(set(rollbacks)) > 1 and spec_run else "")
+        name += f"-c{r.engine_options.prefill_chunk}" if len(chunks) > 1 and r.engine == "ours" else ""
         r.label = f"{label}-{name}" if label else name
     seen = [r.label for r in runs]
     if len(set(seen)) != len(seen):
@@ -452,7 +461,8 @@ def with_baselines(runs: list[DecodeOptions], base: dict) -> list[DecodeOptions]
         if r.engine != "ours" or _plain(r) or _has_partner(r, out):
             continue
         eo = r.engine_options
-        out.append(DecodeOptions.make(**base, engine="ours", runtime=eo.runtime, baseline=True,
+        out.append(DecodeOptions.make(**{**base, "prefill_chunk": eo.prefill_chunk}, engine="ours",
+                                      runtime=eo.runtime, baseline=True,
                                       **{name: getattr(eo, name) for name in SHARED_SWITCHES}))
     runtimes = list(dict.fromkeys(r.engine_options.runtime for r in out))
     # stable: the grid's order otherwise (runtime by runtime, the peer last)

@@ -350,6 +350,31 @@ def test_prompt_lengths_size_the_context_and_refuse_other_prompts(tmp_path):
     assert r.exit_code == 1 and "comma-separated integers" in r.output
 
 
+def test_prefill_chunk_grid_runs_ours_once_a_chunk_and_the_peer_once(tmp_path):
+    """--prefill-chunk A,B (llama-bench's -ub grid): our runs once for each chunk size, labelled -cN, a speculative
+    run beside the plain run of its own chunk; the peer (its prefill does not chunk) once a prompt length; the
+    same tokens at every chunk (the chunk changes how the prompt is cut, not what it computes, on the CPU)."""
+    runs = decode_runs(BASE, engines=("ours", "hf"), specs=("mtp:2",), prompt_lengths=(40,), prefill_chunks=(16, 64))
+    assert [(r.label, r.engine_options.prefill_chunk, r.baseline) for r in runs] == [
+        ("v3-none-p40-c16", 16, True), ("v3-none-p40-c64", 64, True), ("v3-mtp-k2-p40-c16", 16, False),
+        ("v3-mtp-k2-p40-c64", 64, False), ("hf-peer-p40", 16, False)]
+    with pytest.raises(ValueError, match="add --engine ours"):
+        decode_runs(BASE, engines=("hf",), prefill_chunks=(16, 64))
+    one = decode_runs(BASE, prefill_chunks=(32,))  # one size: no -c in the label
+    assert [(r.label, r.engine_options.prefill_chunk) for r in one] == [(None, 32)]
+
+    out = tmp_path / "c"
+    r = CliRunner().invoke(main, ["decode", "--model", "tiny", "--device", "cpu", "-p", "40", "--prefill-chunk",
+                                  "16,64", "-n", "4", "--repeats", "1", "--warmup", "0", "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    docs = {p.stem: json.loads(p.read_text()) for p in out.iterdir()}
+    assert sorted(docs) == ["v3-none-p40-c16", "v3-none-p40-c64"]
+    assert {d["summary"]["tokens_sha256"] for d in docs.values()} == {docs["v3-none-p40-c16"]["summary"]["tokens_sha256"]}
+    assert docs["v3-none-p40-c16"]["config"]["prefill_chunk"] == 16
+    r = CliRunner().invoke(main, ["decode", "--model", "tiny", "--prefill-chunk", "16,x"])
+    assert r.exit_code == 1 and "comma-separated integers" in r.output
+
+
 def test_warmup_prompt_warms_up_on_a_short_prompt_and_times_the_long_one(monkeypatch, tmp_path):
     """--warmup-prompt N: each warm-up runs a prompt of N tokens cut from the code text (a 262K-token run warms its
     kernels and graphs without prefilling twice); the timed repeats run the -p prompt; the result records N."""
