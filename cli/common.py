@@ -13,7 +13,8 @@ from rich.progress import BarColumn, Progress, TextColumn
 from rich.text import Text
 
 # piped into a file or a CI log, rich would assume 80 columns and squeeze wide tables: give it room
-console = Console(stderr=False, width=None if sys.stdout.isatty() else 140)
+# a pipe or file gets 140 columns, or COLUMNS where the caller sets it (rich reads it): a wide grid table in a log
+console = Console(stderr=False, width=None if sys.stdout.isatty() or os.environ.get("COLUMNS", "").isdigit() else 140)
 err_console = Console(stderr=True, soft_wrap=True)
 
 
