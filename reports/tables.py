@@ -425,8 +425,8 @@ def timeline_grid(doc: dict, top: int = 25) -> Grid:
 
 
 def niah_grid(doc: dict) -> Grid:
-    """One niah result, a row per case: its prompt length, its TTFT and prefill speed, whether the needle was
-    retrieved, the oracle's verdict and where the tokens first diverged from it."""
+    """One niah result, a row per case: its prompt length, its TTFT, prefill speed and prefill MFU (model FLOP/s
+    over the run's measured matmul throughput), whether the needle was retrieved, the oracle's verdict and where the tokens first diverged from it."""
     s, base = doc["summary"], run_context(doc)
     rows = [{**base, **{k: v for k, v in r.items() if _scalar(v)}} for r in doc["records"]]
 
@@ -436,6 +436,8 @@ def niah_grid(doc: dict) -> Grid:
     cols = [Column("case", lambda r: r["case"]), Column("tokens", lambda r: str(r.get("prompt_tokens"))),
             Column("TTFT ms", lambda r: "-" if r.get("ttft_ms") is None else f"{r['ttft_ms']:,.0f}"),
             Column("prefill tok/s", lambda r: "-" if r.get("prefill_tok_s") is None else f"{r['prefill_tok_s']:,.0f}"),
+            Column("MFU", lambda r: "-" if r.get("prefill_tflops") is None or not s.get("matmul_tflops")
+                   else f"{r['prefill_tflops'] / s['matmul_tflops']:.3f}"),
             Column("retrieved", lambda r: "yes" if r.get("retrieved") else "no"), Column("oracle", verdict),
             Column("first divergence", lambda r: "-" if r.get("first_divergence") is None
                    else str(r["first_divergence"])),

@@ -20,7 +20,7 @@ import numpy as np
 from ..engine.runtime.options import EngineOptions, switch_labels
 from ..oracles.store import NEAR_TIE_NATS, agreement, identity_mismatch, kl, load_oracle
 from ..reports.schema import make_result
-from .common import CODE_TEXT, code_prompt, flat_config, split_options
+from .common import CODE_TEXT, code_prompt, flat_config, forward_flops, matmul_peak, split_options
 from .needle import make_needle, needle_text, question_text
 
 HAYSTACK = CODE_TEXT
@@ -314,9 +314,16 @@ def run_niah(opts: NiahOptions, progress=None) -> dict:
         rec.update(prompt_tokens=len(case["prompt_ids"]), answer=res.text, tokens=res.tokens,
                    retrieved=retrieved(res.text, case["value"]), seconds=res.prefill_s + res.decode_s,
                    ttft_ms=res.ttft_s * 1e3,
-                   prefill_tok_s=len(case["prompt_ids"]) / res.prefill_s if res.prefill_s else None)
+                   prefill_tok_s=len(case["prompt_ids"]) / res.prefill_s if res.prefill_s else None,
+                   prefill_tflops=forward_flops(eng.config, len(case["prompt_ids"])) / res.prefill_s / 1e12
+                   if res.prefill_s else None)
         records.append(judge(rec, case, oracle, opts.near_tie, res.logprobs))
     summary = summarize(records, opts.ctxs, time.perf_counter() - t0)
+    # the prefill against the compute roofline, as the decode suite sets it (suites/decode.py's summary)
+    summary["matmul_tflops"] = matmul_peak(eng.device, eng.dtype) / 1e12
+    summary["prefill_compute_fraction_by_ctx"] = {
+        c: (v / summary["matmul_tflops"] if v is not None else None)
+        for c, v in _median_by_ctx(records, opts.ctxs, "prefill_tflops").items()}
     config = flat_config(opts)
     config["label"] = opts.label or niah_label(opts)
     config["device"] = str(eng.device)

@@ -57,6 +57,8 @@ def test_niah_subset_agrees_with_committed_oracles():
     for c in ("2048", "8192"):
         ttfts = sorted(r["ttft_ms"] for r in doc["records"] if str(r["ctx"]) == c)
         assert s["ttft_ms_by_ctx"][c] == pytest.approx(ttfts[1]) and s["prefill_tok_s_by_ctx"][c] > 0
+        mfu = sorted(r["prefill_tflops"] / s["matmul_tflops"] for r in doc["records"] if str(r["ctx"]) == c)
+        assert s["prefill_compute_fraction_by_ctx"][c] == pytest.approx(mfu[1]) and mfu[0] > 0
     same = copy.deepcopy(doc)
     assert exit_code(gate(doc, same, EXACT_NIAH)) == 0
     same["summary"]["oracle_agreement"] = 0.5
@@ -132,7 +134,7 @@ def test_niah_progress_counts_prefill_chunks_within_a_case(tmp_path):
     assert done == sorted(done) and done[-1] == calls[-1][1] == sum(lengths)
     assert "case 2/2 ctx512-d100-0" in calls[-1][2]
     quiet = run_niah(opts)
-    timings = ("seconds", "ttft_ms", "prefill_tok_s")
+    timings = ("seconds", "ttft_ms", "prefill_tok_s", "prefill_tflops")
     strip = [{k: v for k, v in r.items() if k not in timings} for r in doc["records"]]
     assert strip == [{k: v for k, v in r.items() if k not in timings} for r in quiet["records"]]
 
