@@ -13,8 +13,11 @@ from rich.progress import BarColumn, Progress, TextColumn
 from rich.text import Text
 
 # piped into a file or a CI log, rich would assume 80 columns and squeeze wide tables: give it room
-# a pipe or file gets 140 columns, or COLUMNS where the caller sets it (rich reads it): a wide grid table in a log
-console = Console(stderr=False, width=None if sys.stdout.isatty() or os.environ.get("COLUMNS", "").isdigit() else 140)
+# a pipe or file gets 140 columns, or more where the caller's COLUMNS says so (a device log's wide grid table); never
+# fewer (pytest-xdist's workers, for one, set COLUMNS=80)
+_COLUMNS = os.environ.get("COLUMNS", "")
+console = Console(stderr=False, width=None if sys.stdout.isatty()
+                  else max(140, int(_COLUMNS) if _COLUMNS.isdigit() else 0))
 err_console = Console(stderr=True, soft_wrap=True)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import struct
 import subprocess
@@ -387,3 +388,13 @@ def test_serve_without_its_extra_names_it_before_loading(monkeypatch):
     monkeypatch.setattr(runtime, "load_source", lambda *a, **k: pytest.fail("the model loaded"))
     code, text = run("serve", "--port", "0")
     assert code == 1 and "'.[serve]'" in one_line_error(text) and "fastapi" in text
+
+
+@pytest.mark.parametrize("columns, width", [(None, 140), ("80", 140), ("250", 250), ("wide", 140)])
+def test_console_width_off_a_terminal(columns, width):
+    """Piped output is 140 columns wide, or wider where COLUMNS says so (a device log's grid table); never narrower
+    (pytest-xdist's workers set COLUMNS=80, and the tables' cells would be cut)."""
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"} | ({"COLUMNS": columns} if columns else {})
+    out = subprocess.run([sys.executable, "-c", "from ninfer_bench.cli.common import console; print(console.width)"],
+                         capture_output=True, text=True, env=env, check=True)
+    assert out.stdout.strip() == str(width)
