@@ -314,8 +314,8 @@ def compare_table(docs: list[dict], same: dict[str, bool | None]) -> Table:
     table = Table(title=f"decode: {len(docs)} runs on {docs[0]['config']['device']} "
                         f"({docs[0]['env'].get('gpu') or 'cpu'}), x = decode speed / {docs[0]['label']}'s")
     lengths = any(d["config"].get("prompt_length") for d in docs)  # a -p grid: each run's prefill beside its decode
-    cols = ("run", *(("prompt", "prefill tok/s", "MFU", "TTFT ms") if lengths else ()), "tok/s", "± sd", "x", "ms/round",
-            "draft/verify", "tok/round", "accept", "roofline", "MiB", "sha256", "= plain")
+    cols = ("run", *(("prompt", "prefill tok/s", "MFU", "TTFT ms") if lengths else ()), "tok/s", "± sd", "x",
+            "ms/round", "draft/verify", "tok/round", "accept", "roofline", "MiB", "sha256", "= plain")
     for c in cols:
         table.add_column(c, justify="left" if c in ("run", "sha256") else "right", no_wrap=True)
     for d in docs:

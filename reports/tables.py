@@ -426,7 +426,8 @@ def timeline_grid(doc: dict, top: int = 25) -> Grid:
 
 def niah_grid(doc: dict) -> Grid:
     """One niah result, a row per case: its prompt length, its TTFT, prefill speed and prefill MFU (model FLOP/s
-    over the run's measured matmul throughput), whether the needle was retrieved, the oracle's verdict and where the tokens first diverged from it."""
+    over the run's measured matmul throughput), whether the needle was retrieved, the oracle's verdict and where the
+    tokens first diverged from it."""
     s, base = doc["summary"], run_context(doc)
     rows = [{**base, **{k: v for k, v in r.items() if _scalar(v)}} for r in doc["records"]]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import resource
@@ -76,6 +77,13 @@ def matmul_peak(device: torch.device, dtype: torch.dtype, n: int | None = None, 
             best = min(best, time.perf_counter() - t)
     del a, b, c
     return 2 * n ** 3 / best
+
+
+@functools.cache
+def measured_matmul_peak(device: str, dtype: torch.dtype) -> float:
+    """:func:`matmul_peak` once a process per device and dtype (a machine's property, as the copy bandwidth is: a
+    decode grid's runs and a niah run share it)."""
+    return matmul_peak(torch.device(device), dtype)
 
 
 def forward_flops(cfg, tokens: int, past: int = 0, logits_rows: int = 1) -> int:

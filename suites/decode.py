@@ -9,7 +9,6 @@ our engine), and writes one result document.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import math
 import time
@@ -27,7 +26,7 @@ from .common import (
     code_prompt,
     copy_bandwidth,
     forward_flops,
-    matmul_peak,
+    measured_matmul_peak,
     median,
     peak_memory_bytes,
     read_prompt_set,
@@ -584,7 +583,7 @@ def run_decode(opts: DecodeOptions, progress=None, loaded=None, references=None,
     peak = None if getattr(runner, "worker", None) is not None else peak_memory_bytes(runner.device)
     bw = copy_bw or copy_bandwidth(runner.device)
     dtype = getattr(runner, "dtype", None)
-    flops = _matmul_peak(str(runner.device), dtype) if isinstance(dtype, torch.dtype) else None
+    flops = measured_matmul_peak(str(runner.device), dtype) if isinstance(dtype, torch.dtype) else None
     summary = summarize(records, weight_bytes=runner.weight_bytes_per_step, copy_bw=bw, peak=peak,
                         matmul_flops=flops)
     if peer_out is not None:  # the caller sets the peer against our engine before it is closed
@@ -601,13 +600,6 @@ def run_decode(opts: DecodeOptions, progress=None, loaded=None, references=None,
         config["replay_profile"] = runner.replay.probs  # the per-position conditional acceptance replayed
     return make_result("decode", label=config["label"], config=config, records=records, summary=summary,
                        model=dict(runner.model_info))
-
-
-@functools.cache
-def _matmul_peak(device: str, dtype: torch.dtype) -> float:
-    """:func:`.common.matmul_peak` once a process per device and dtype (a machine's property, as the copy
-    bandwidth is; a grid's runs share it)."""
-    return matmul_peak(torch.device(device), dtype)
 
 
 def run_matrix(runs: list[DecodeOptions], progress=None, done=None) -> list[dict]:

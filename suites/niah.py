@@ -20,7 +20,7 @@ import numpy as np
 from ..engine.runtime.options import EngineOptions, switch_labels
 from ..oracles.store import NEAR_TIE_NATS, agreement, identity_mismatch, kl, load_oracle
 from ..reports.schema import make_result
-from .common import CODE_TEXT, code_prompt, flat_config, forward_flops, matmul_peak, split_options
+from .common import CODE_TEXT, code_prompt, flat_config, forward_flops, measured_matmul_peak, split_options
 from .needle import make_needle, needle_text, question_text
 
 HAYSTACK = CODE_TEXT
@@ -320,7 +320,7 @@ def run_niah(opts: NiahOptions, progress=None) -> dict:
         records.append(judge(rec, case, oracle, opts.near_tie, res.logprobs))
     summary = summarize(records, opts.ctxs, time.perf_counter() - t0)
     # the prefill against the compute roofline, as the decode suite sets it (suites/decode.py's summary)
-    summary["matmul_tflops"] = matmul_peak(eng.device, eng.dtype) / 1e12
+    summary["matmul_tflops"] = measured_matmul_peak(str(eng.device), eng.dtype) / 1e12
     summary["prefill_compute_fraction_by_ctx"] = {
         c: (v / summary["matmul_tflops"] if v is not None else None)
         for c, v in _median_by_ctx(records, opts.ctxs, "prefill_tflops").items()}

@@ -354,7 +354,8 @@ def test_prefill_chunk_grid_runs_ours_once_a_chunk_and_the_peer_once(tmp_path):
     """--prefill-chunk A,B (llama-bench's -ub grid): our runs once for each chunk size, labelled -cN, a speculative
     run beside the plain run of its own chunk; the peer (its prefill does not chunk) once a prompt length; the
     same tokens at every chunk (the chunk changes how the prompt is cut, not what it computes, on the CPU)."""
-    runs = decode_runs(BASE, engines=("ours", "hf"), specs=("mtp:2",), prompt_lengths=(40,), prefill_chunks=(16, 64))
+    runs = decode_runs(BASE, engines=("ours", "hf"), specs=("mtp:2",), prompt_lengths=(40,),
+                       prefill_chunks=(16, 64))
     assert [(r.label, r.engine_options.prefill_chunk, r.baseline) for r in runs] == [
         ("v3-none-p40-c16", 16, True), ("v3-none-p40-c64", 64, True), ("v3-mtp-k2-p40-c16", 16, False),
         ("v3-mtp-k2-p40-c64", 64, False), ("hf-peer-p40", 16, False)]
@@ -369,7 +370,8 @@ def test_prefill_chunk_grid_runs_ours_once_a_chunk_and_the_peer_once(tmp_path):
     assert r.exit_code == 0, r.output
     docs = {p.stem: json.loads(p.read_text()) for p in out.iterdir()}
     assert sorted(docs) == ["v3-none-p40-c16", "v3-none-p40-c64"]
-    assert {d["summary"]["tokens_sha256"] for d in docs.values()} == {docs["v3-none-p40-c16"]["summary"]["tokens_sha256"]}
+    hashes = {d["summary"]["tokens_sha256"] for d in docs.values()}
+    assert hashes == {docs["v3-none-p40-c16"]["summary"]["tokens_sha256"]}
     assert docs["v3-none-p40-c16"]["config"]["prefill_chunk"] == 16
     r = CliRunner().invoke(main, ["decode", "--model", "tiny", "--prefill-chunk", "16,x"])
     assert r.exit_code == 1 and "comma-separated integers" in r.output
