@@ -100,15 +100,57 @@ def starts_at_zero(q_pos: torch.Tensor, length: int) -> bool:
     return t > 1 and t == length and bool((q_pos == torch.arange(t, device=q_pos.device)).all())
 
 
-def attention(q, k, v, q_pos, scale: float) -> torch.Tensor:
+def ends_at_length(q_pos: torch.Tensor, length: int) -> bool:
+    """Whether every row's queries are the last T positions of the ``length`` keys (``length - T .. length - 1``): a
+    chunk over its past, whose mask is causal from the bottom-right corner. A host comparison, as
+    :func:`starts_at_zero`."""
+    t = q_pos.shape[1]
+    return 1 < t <= length and bool((q_pos == torch.arange(length - t, length, device=q_pos.device)).all())
+
+
+_cpu_flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _past_and_own(q, k, v, scale: float) -> torch.Tensor | None:
+    """A CPU chunk's attention over its past keys and its own (``q [B, H, T, hd]`` are the last T of the ``L`` keys
+    in ``k / v [B, Hkv, L, hd]``) in two calls of torch's CPU flash kernel, merged by their log-sum-exps in fp32: the
+    past with no mask (the group folded into the query rows), the chunk's own block causal. None where the kernel is
+    missing or refuses the call (the caller then takes the masked call)."""
+    if _cpu_flash is None:
+        return None
+    b, h, t, hd = q.shape
+    hkv, length = k.shape[1], k.shape[2]
+    rep, past = h // hkv, length - t
+    try:
+        o1, l1 = _cpu_flash(q.reshape(b, hkv, rep * t, hd), k[:, :, :past], v[:, :, :past], scale=scale)[:2]
+        own_k, own_v = (x[:, :, past:].repeat_interleave(rep, dim=1) for x in (k, v))
+        o2, l2 = _cpu_flash(q, own_k, own_v, is_causal=True, scale=scale)[:2]
+    except (RuntimeError, NotImplementedError):
+        return None
+    l1, l2 = l1.reshape(b, h, t, 1).float(), l2.reshape(b, h, t, 1).float()
+    m = torch.maximum(l1, l2)
+    w1, w2 = torch.exp(l1 - m), torch.exp(l2 - m)
+    o = (o1.reshape(b, h, t, hd).float() * w1 + o2.float() * w2) / (w1 + w2)
+    return o.to(q.dtype)
+
+
+def attention(q, k, v, q_pos, scale: float, prefill: bool = False) -> torch.Tensor:
     """:func:`sdpa` with an explicit causal-offset mask (q ``[B, T, H, hd]`` -> ``[B, T, H, hd]``).
 
-    On a CPU, a chunk from position 0 that is all the keys (a prompt's first chunk) is plain causal: torch's
-    ``is_causal`` kernel skips the masked half of the products and builds no ``[T, L]`` mask (2,048 tokens of the
-    bundled model: 48 against 91 ms a layer, the same values)."""
-    if not q.is_cuda and starts_at_zero(q_pos, k.shape[2]):
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.to(q.dtype), v.to(q.dtype), is_causal=True,
-                                           scale=scale, enable_gqa=True)
-        return o.transpose(1, 2)
+    On a CPU, two kinds of chunk skip the mask. A chunk from position 0 that is all the keys (a prompt's first chunk)
+    is plain causal: torch's ``is_causal`` kernel skips the masked half of the products and builds no ``[T, L]``
+    mask (2,048 tokens of the bundled model: 48 against 91 ms a layer, the same values). A ``prefill`` chunk that is
+    the last T of the keys (a later chunk of a prompt) goes through :func:`_past_and_own`. Decode steps and verifies
+    keep the masked call, so a verify's rows give the single steps' bits."""
+    if not q.is_cuda:
+        length = k.shape[2]
+        if starts_at_zero(q_pos, length):
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), k.to(q.dtype), v.to(q.dtype), is_causal=True,
+                                               scale=scale, enable_gqa=True)
+            return o.transpose(1, 2)
+        if prefill and ends_at_length(q_pos, length):
+            o = _past_and_own(q.transpose(1, 2).contiguous(), k.to(q.dtype), v.to(q.dtype), scale)
+            if o is not None:
+                return o.transpose(1, 2)
     o = sdpa(q.transpose(1, 2), k.to(q.dtype), v.to(q.dtype), _mask(q_pos, k.shape[2]), scale)
     return o.transpose(1, 2)

@@ -309,3 +309,33 @@ def test_first_chunk_causal_path_equals_reference(b, t, h, hkv, length):
         assert not ak.starts_at_zero(q_pos, length)
         ref = ak.attention_ref(q, k, v, q_pos, 0.25)
         assert (ak.attention(q, k, v, q_pos, 0.25) - ref).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("b,t,h,hkv,length", [(1, 40, 6, 1, 100), (2, 33, 8, 2, 34), (2, 9, 4, 4, 20),
+                                              (1, 2, 6, 3, 300)])
+def test_later_chunk_past_and_own_equals_reference(monkeypatch, b, t, h, hkv, length):
+    """kernels.attention.attention on a CPU, a prefill chunk that is the last T of the keys: the past keys with no
+    mask and the chunk's own block causal, merged by log-sum-exp, give the fp32 reference; without ``prefill`` (a
+    verify) the same call keeps the masked SDPA's exact bits; a missing CPU flash kernel falls back to the mask."""
+    from ninfer_bench.kernels import attention as ak
+
+    g = torch.Generator().manual_seed(b * 100 + t)
+    q = torch.randn(b, t, h, 16, generator=g)
+    k = torch.randn(b, hkv, length, 16, generator=g)
+    v = torch.randn(b, hkv, length, 16, generator=g)
+    q_pos = (length - t + torch.arange(t)).expand(b, t).contiguous()
+    assert ak.ends_at_length(q_pos, length)
+    ref = ak.attention_ref(q, k, v, q_pos, 0.25)
+    split = ak.attention(q, k, v, q_pos, 0.25, prefill=True)
+    assert split.shape == ref.shape and split.dtype == q.dtype
+    assert (split - ref).abs().max().item() < 1e-5
+    masked = ak.sdpa(q.transpose(1, 2), k, v, ak._mask(q_pos, length), 0.25).transpose(1, 2)
+    assert torch.equal(ak.attention(q, k, v, q_pos, 0.25), masked)
+    monkeypatch.setattr(ak, "_cpu_flash", None)
+    assert torch.equal(ak.attention(q, k, v, q_pos, 0.25, prefill=True), masked)
+    # a row whose chunk does not end at the keys' end keeps the mask (and its own, shorter view)
+    q_pos[0] -= 1
+    assert not ak.ends_at_length(q_pos, length)
+    monkeypatch.undo()
+    ref = ak.attention_ref(q, k, v, q_pos, 0.25)
+    assert (ak.attention(q, k, v, q_pos, 0.25, prefill=True) - ref).abs().max().item() < 1e-5

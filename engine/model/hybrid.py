@@ -183,7 +183,7 @@ class HybridModel:
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         cache.write_kv(key, step.slots, step.pos, k, v.view(b, t, hkv, hd))
         kk, vv = cache.read_kv(key, step.slots, step.kv_len, x.dtype)
-        o = attn_k.attention(q, kk, vv, step.pos, self.scale).reshape(b, t, h * hd)
+        o = attn_k.attention(q, kk, vv, step.pos, self.scale, prefill=step.mode == PREFILL).reshape(b, t, h * hd)
         return self._sum(w.project(f"{p}.self_attn.o_proj", o * torch.sigmoid(gate)))
 
     def rope(self, step: Step) -> tuple[torch.Tensor, torch.Tensor]:
