@@ -137,18 +137,18 @@ def _past_and_own(q, k, v, scale: float) -> torch.Tensor | None:
 def attention(q, k, v, q_pos, scale: float, prefill: bool = False) -> torch.Tensor:
     """:func:`sdpa` with an explicit causal-offset mask (q ``[B, T, H, hd]`` -> ``[B, T, H, hd]``).
 
-    On a CPU, two kinds of chunk skip the mask. A chunk from position 0 that is all the keys (a prompt's first chunk)
-    is plain causal: torch's ``is_causal`` kernel skips the masked half of the products and builds no ``[T, L]``
-    mask (2,048 tokens of the bundled model: 48 against 91 ms a layer, the same values). A ``prefill`` chunk that is
+    On a CPU, two kinds of ``prefill`` chunk skip the mask. A chunk from position 0 that is all the keys (a prompt's
+    first chunk) is plain causal: torch's ``is_causal`` kernel skips the masked half of the products and builds no
+    ``[T, L]`` mask (2,048 tokens of the bundled model: 48 against 91 ms a layer, the same values). A chunk that is
     the last T of the keys (a later chunk of a prompt) goes through :func:`_past_and_own`. Decode steps and verifies
-    keep the masked call, so a verify's rows give the single steps' bits."""
-    if not q.is_cuda:
+    (``prefill`` False) keep the masked call, so a verify's rows give the single steps' bits."""
+    if prefill and not q.is_cuda:
         length = k.shape[2]
         if starts_at_zero(q_pos, length):
             o = F.scaled_dot_product_attention(q.transpose(1, 2), k.to(q.dtype), v.to(q.dtype), is_causal=True,
                                                scale=scale, enable_gqa=True)
             return o.transpose(1, 2)
-        if prefill and ends_at_length(q_pos, length):
+        if ends_at_length(q_pos, length):
             o = _past_and_own(q.transpose(1, 2).contiguous(), k.to(q.dtype), v.to(q.dtype), scale)
             if o is not None:
                 return o.transpose(1, 2)

@@ -291,9 +291,10 @@ def test_sdpa_rows_equals_reference(b, t, h, hkv, length):
 @pytest.mark.parametrize("b,t,h,hkv,length", [(1, 40, 6, 1, 40), (2, 33, 8, 2, 33), (2, 9, 4, 4, 20),
                                               (1, 1, 4, 2, 1)])
 def test_first_chunk_causal_path_equals_reference(b, t, h, hkv, length):
-    """kernels.attention.attention on a CPU: a chunk from position 0 that is all the keys takes torch's is_causal
-    kernel (no [T, L] mask), anything else the masked call, both the grouped attention of the fp32 reference; a row
-    whose positions are not 0 .. T - 1 keeps the mask."""
+    """kernels.attention.attention on a CPU: a prefill chunk from position 0 that is all the keys takes torch's
+    is_causal kernel (no [T, L] mask), anything else the masked call, both the grouped attention of the fp32
+    reference; without ``prefill`` the masked call's exact bits; a row whose positions are not 0 .. T - 1 keeps the
+    mask."""
     from ninfer_bench.kernels import attention as ak
 
     g = torch.Generator().manual_seed(b * 100 + t)
@@ -303,12 +304,14 @@ def test_first_chunk_causal_path_equals_reference(b, t, h, hkv, length):
     q_pos = (length - t + torch.arange(t)).expand(b, t).contiguous()
     assert ak.starts_at_zero(q_pos, length) == (t == length and t > 1)
     ref = ak.attention_ref(q, k, v, q_pos, 0.25)
-    assert (ak.attention(q, k, v, q_pos, 0.25) - ref).abs().max().item() < 1e-5
+    assert (ak.attention(q, k, v, q_pos, 0.25, prefill=True) - ref).abs().max().item() < 1e-5
+    masked = ak.sdpa(q.transpose(1, 2), k, v, ak._mask(q_pos, length), 0.25).transpose(1, 2)
+    assert torch.equal(ak.attention(q, k, v, q_pos, 0.25), masked)
     if t == length and t > 1:
         q_pos[-1, -1] -= 1  # one row's last query repeats a position: not a plain causal chunk
         assert not ak.starts_at_zero(q_pos, length)
         ref = ak.attention_ref(q, k, v, q_pos, 0.25)
-        assert (ak.attention(q, k, v, q_pos, 0.25) - ref).abs().max().item() < 1e-5
+        assert (ak.attention(q, k, v, q_pos, 0.25, prefill=True) - ref).abs().max().item() < 1e-5
 
 
 @pytest.mark.parametrize("b,t,h,hkv,length", [(1, 40, 6, 1, 100), (2, 33, 8, 2, 34), (2, 9, 4, 4, 20),
