@@ -8,6 +8,7 @@ import math
 import resource
 import statistics
 import time
+import warnings
 from dataclasses import asdict, fields, is_dataclass
 from pathlib import Path
 
@@ -52,35 +53,49 @@ def copy_bandwidth(device: torch.device, nbytes: int | None = None, repeats: int
     return 2 * nbytes / seconds
 
 
-def matmul_peak(device: torch.device, dtype: torch.dtype, n: int | None = None, repeats: int = 10) -> float:
+def matmul_peak(device: torch.device, dtype: torch.dtype, n: int | None = None, repeats: int = 10) -> float | None:
     """Dense matmul throughput in FLOP/s: an n x n x n product in ``dtype`` (n = 8,192 on CUDA, 1,024 on a CPU), the
     best of ``repeats`` timings after warm-ups - what torch's GEMM reaches on this device in this run, the compute
-    roofline a prefill's model FLOP/s are set against (as :func:`copy_bandwidth` is a decode step's)."""
+    roofline a prefill's model FLOP/s are set against (as :func:`copy_bandwidth` is a decode step's). It runs after
+    the engine is built: on CUDA the allocator's unused cached blocks are released first and its three operands
+    (3 n^2 values) after, and where they still do not fit the result is None (no MFU is reported, with a warning)
+    rather than a failed run or a smaller product's other roofline."""
     cuda = device.type == "cuda"
     n = n or (8192 if cuda else 1024)
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
-    for _ in range(3):
-        c = a @ b
-    best = math.inf
-    for _ in range(repeats):
+    if cuda:
+        torch.cuda.empty_cache()
+    a = b = c = None
+    try:
+        a = torch.randn(n, n, device=device, dtype=dtype)
+        b = torch.randn(n, n, device=device, dtype=dtype)
+        for _ in range(3):
+            c = a @ b
+        best = math.inf
+        for _ in range(repeats):
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                c = a @ b
+                end.record()
+                torch.cuda.synchronize(device)
+                best = min(best, start.elapsed_time(end) / 1e3)
+            else:
+                t = time.perf_counter()
+                c = a @ b
+                best = min(best, time.perf_counter() - t)
+    except torch.OutOfMemoryError:
+        warnings.warn(f"matmul peak: {n} x {n} operands in {dtype} do not fit beside the engine on {device}; "
+                      "no MFU is reported", stacklevel=2)
+        return None
+    finally:
+        a = b = c = None  # noqa: F841  (the operands freed before the cache is emptied)
         if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            c = a @ b
-            end.record()
-            torch.cuda.synchronize(device)
-            best = min(best, start.elapsed_time(end) / 1e3)
-        else:
-            t = time.perf_counter()
-            c = a @ b
-            best = min(best, time.perf_counter() - t)
-    del a, b, c
+            torch.cuda.empty_cache()
     return 2 * n ** 3 / best
 
 
 @functools.cache
-def measured_matmul_peak(device: str, dtype: torch.dtype) -> float:
+def measured_matmul_peak(device: str, dtype: torch.dtype) -> float | None:
     """:func:`matmul_peak` once a process per device and dtype (a machine's property, as the copy bandwidth is: a
     decode grid's runs and a niah run share it)."""
     return matmul_peak(torch.device(device), dtype)

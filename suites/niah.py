@@ -320,9 +320,10 @@ def run_niah(opts: NiahOptions, progress=None) -> dict:
         records.append(judge(rec, case, oracle, opts.near_tie, res.logprobs))
     summary = summarize(records, opts.ctxs, time.perf_counter() - t0)
     # the prefill against the compute roofline, as the decode suite sets it (suites/decode.py's summary)
-    summary["matmul_tflops"] = measured_matmul_peak(str(eng.device), eng.dtype) / 1e12
+    peak = measured_matmul_peak(str(eng.device), eng.dtype)
+    summary["matmul_tflops"] = peak / 1e12 if peak else None
     summary["prefill_compute_fraction_by_ctx"] = {
-        c: (v / summary["matmul_tflops"] if v is not None else None)
+        c: (v / summary["matmul_tflops"] if v is not None and peak else None)
         for c, v in _median_by_ctx(records, opts.ctxs, "prefill_tflops").items()}
     config = flat_config(opts)
     config["label"] = opts.label or niah_label(opts)

@@ -58,3 +58,23 @@ def test_decode_document_reports_prefill_flops_against_the_measured_matmul():
     assert rec["prefill_tflops"] == pytest.approx(forward_flops(cfg, rec["prompt_tokens"]) / rec["prefill_s"] / 1e12)
     assert s["matmul_tflops"] > 0
     assert s["prefill_compute_fraction"] == pytest.approx(s["prefill_tflops"] / s["matmul_tflops"])
+
+
+def test_matmul_peak_that_does_not_fit_reports_no_mfu(monkeypatch):
+    """Operands that do not fit beside the engine: matmul_peak warns and gives None, and a decode document then has
+    no matmul figure and no MFU, rather than a failed run."""
+    from ninfer_bench.suites import common, decode
+
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    real = torch.randn
+    monkeypatch.setattr(common.torch, "randn", oom)
+    with pytest.warns(UserWarning, match="do not fit"):
+        assert matmul_peak(torch.device("cpu"), torch.float32, n=64, repeats=1) is None
+    monkeypatch.setattr(common.torch, "randn", real)
+    monkeypatch.setattr(decode, "measured_matmul_peak", lambda device, dtype: None)
+    doc = run_decode(DecodeOptions.make(model="tiny", device="cpu", dtype="fp32", kv_dtype="fp32",
+                                        max_new_tokens=4, repeats=2, warmup=0))
+    s = doc["summary"]
+    assert s["matmul_tflops"] is None and s["prefill_compute_fraction"] is None and s["prefill_tflops"] > 0
