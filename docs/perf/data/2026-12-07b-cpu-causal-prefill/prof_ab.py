@@ -1,6 +1,6 @@
 """Profile one 2,048-token prefill of the bundled model on the CPU with the first-chunk causal path off (the mask,
 as before d43cd78) and on; then alternate both 5 times at 512 and 2,048 tokens in this one process."""
-import statistics, sys, time
+import statistics, time
 import torch
 from torch.profiler import profile, ProfilerActivity
 from ninfer_bench.engine.runtime.engine import Engine
