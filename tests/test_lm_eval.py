@@ -1,8 +1,8 @@
 """lm-evaluation-harness against ``serve``: a loglikelihood task through ``local-completions`` with the tokenizer of
 ``export-tokenizer`` and no network, each sample's log-likelihood and greediness equal to the engine's own scoring
-(``Engine.score``). lm_eval is the ``[eval]`` extra (heavy: not in ``[test]``), so that test skips without it; the
-contract it relies on - token-id prompts tokenized by the exported tokenizer, ``echo`` + ``logprobs: 1`` +
-``max_tokens: 1``, read as lm_eval reads the answer - is tested here in process either way."""
+(``Engine.score``). lm_eval is the ``[eval]`` extra and in ``[test]`` (CI runs the task); the test skips only where
+it is not installed. The contract it relies on - token-id prompts tokenized by the exported tokenizer, ``echo`` +
+``logprobs: 1`` + ``max_tokens: 1``, read as lm_eval reads the answer - is tested here in process either way."""
 
 from __future__ import annotations
 
