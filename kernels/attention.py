@@ -92,18 +92,10 @@ def sdpa_rows(q, k, v, mask, scale: float) -> torch.Tensor:
     return torch.matmul(p, v).reshape(b, h, t, hd)
 
 
-def starts_at_zero(q_pos: torch.Tensor, length: int) -> bool:
-    """Whether every row's queries are positions ``0 .. T - 1`` and they are all the keys there are (``T ==
-    length``): the mask is then plain causal. A host comparison: for CPU tensors only (on a GPU it would wait for
-    the device)."""
-    t = q_pos.shape[1]
-    return t > 1 and t == length and bool((q_pos == torch.arange(t, device=q_pos.device)).all())
-
-
 def ends_at_length(q_pos: torch.Tensor, length: int) -> bool:
-    """Whether every row's queries are the last T positions of the ``length`` keys (``length - T .. length - 1``): a
-    chunk over its past, whose mask is causal from the bottom-right corner. A host comparison, as
-    :func:`starts_at_zero`."""
+    """Whether every row's T > 1 queries are the last T positions of the ``length`` keys (``length - T .. length -
+    1``): a chunk whose mask is causal from the bottom-right corner (plain causal where T == length: a prompt's first
+    chunk). A host comparison: for CPU tensors only (on a GPU it would wait for the device)."""
     t = q_pos.shape[1]
     return 1 < t <= length and bool((q_pos == torch.arange(length - t, length, device=q_pos.device)).all())
 
@@ -142,15 +134,13 @@ def attention(q, k, v, q_pos, scale: float, prefill: bool = False) -> torch.Tens
     ``[T, L]`` mask (2,048 tokens of the bundled model: 48 against 91 ms a layer, the same values). A chunk that is
     the last T of the keys (a later chunk of a prompt) goes through :func:`_past_and_own`. Decode steps and verifies
     (``prefill`` False) keep the masked call, so a verify's rows give the single steps' bits."""
-    if prefill and not q.is_cuda:
-        length = k.shape[2]
-        if starts_at_zero(q_pos, length):
+    if prefill and not q.is_cuda and ends_at_length(q_pos, k.shape[2]):
+        if q.shape[1] == k.shape[2]:  # no past: one causal call
             o = F.scaled_dot_product_attention(q.transpose(1, 2), k.to(q.dtype), v.to(q.dtype), is_causal=True,
                                                scale=scale, enable_gqa=True)
             return o.transpose(1, 2)
-        if ends_at_length(q_pos, length):
-            o = _past_and_own(q.transpose(1, 2).contiguous(), k.to(q.dtype), v.to(q.dtype), scale)
-            if o is not None:
-                return o.transpose(1, 2)
+        o = _past_and_own(q.transpose(1, 2).contiguous(), k.to(q.dtype), v.to(q.dtype), scale)
+        if o is not None:
+            return o.transpose(1, 2)
     o = sdpa(q.transpose(1, 2), k.to(q.dtype), v.to(q.dtype), _mask(q_pos, k.shape[2]), scale)
     return o.transpose(1, 2)

@@ -302,14 +302,14 @@ def test_first_chunk_causal_path_equals_reference(b, t, h, hkv, length):
     k = torch.randn(b, hkv, length, 16, generator=g)
     v = torch.randn(b, hkv, length, 16, generator=g)
     q_pos = (length - t + torch.arange(t)).expand(b, t).contiguous()
-    assert ak.starts_at_zero(q_pos, length) == (t == length and t > 1)
+    assert ak.ends_at_length(q_pos, length) == (t > 1)  # the last T positions (T == L: from position 0)
     ref = ak.attention_ref(q, k, v, q_pos, 0.25)
     assert (ak.attention(q, k, v, q_pos, 0.25, prefill=True) - ref).abs().max().item() < 1e-5
     masked = ak.sdpa(q.transpose(1, 2), k, v, ak._mask(q_pos, length), 0.25).transpose(1, 2)
     assert torch.equal(ak.attention(q, k, v, q_pos, 0.25), masked)
     if t == length and t > 1:
         q_pos[-1, -1] -= 1  # one row's last query repeats a position: not a plain causal chunk
-        assert not ak.starts_at_zero(q_pos, length)
+        assert not ak.ends_at_length(q_pos, length)
         ref = ak.attention_ref(q, k, v, q_pos, 0.25)
         assert (ak.attention(q, k, v, q_pos, 0.25, prefill=True) - ref).abs().max().item() < 1e-5
 
