@@ -15,6 +15,7 @@ from rich.text import Text
 # piped into a file or a CI log, rich would assume 80 columns and squeeze wide tables: give it room
 # a pipe or file gets 140 columns, or more where the caller's COLUMNS says so (a device log's wide grid table); never
 # fewer (pytest-xdist's workers, for one, set COLUMNS=80)
+PREFILL_CHUNK_HELP = "Prompt tokens per prefill forward [default: 8192 on CUDA, 2048 on a CPU]."  # (engine/runtime/options.PREFILL_CHUNK)
 _COLUMNS = os.environ.get("COLUMNS", "")
 console = Console(stderr=False, width=None if sys.stdout.isatty()
                   else max(140, int(_COLUMNS) if _COLUMNS.isdigit() else 0))
@@ -129,11 +130,10 @@ def engine_options(f=None, *, kv_default: str = "int8", runtime_list: bool = Fal
         click.option("--kv-capacity", type=int, default=None,
                      help="Total K/V tokens over all slots (default max-context x max-concurrency)."),
         click.option("--max-concurrency", type=int, default=1, show_default=True),
-        click.option("--prefill-chunk", default="2048", show_default=True, metavar="N[,N...]",
+        click.option("--prefill-chunk", default=None, metavar="N[,N...]",
                      help="Prompt tokens per prefill forward; comma-separated to run our engine's grid once for "
-                          "each (llama-bench's -ub), labelled -cN.") if runtime_list else
-        click.option("--prefill-chunk", type=int, default=2048, show_default=True,
-                     help="Prompt tokens per prefill forward."),
+                          "each (llama-bench's -ub), labelled -cN [default: 8192 on CUDA, 2048 on a CPU].") if runtime_list else
+        click.option("--prefill-chunk", type=int, default=None, help=PREFILL_CHUNK_HELP),
         prefill_weights_option,
         runtime,
         click.option("--synthetic", is_flag=True, help="Seeded random weights for a preset (e.g. qwen3.8-27b)."),

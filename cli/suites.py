@@ -18,6 +18,7 @@ from ..reports.tables import (
     timeline_grid,
 )
 from .common import (
+    PREFILL_CHUNK_HELP,
     UserError,
     check_output,
     comma_list,
@@ -140,8 +141,9 @@ def decode(model, engines, specs, draft_tokens, rollbacks, lm_head_draft, prompt
     --silu-epilogue) change only runs on CUDA: off is refused on a CPU."""
     url, served_model = options.pop("url"), options.pop("served_model")
     lengths = tuple(int_list(prompt_lengths, "-p")) if prompt_lengths is not None else ()
-    chunks = tuple(int_list(options.pop("prefill_chunk"), "--prefill-chunk"))
-    options["prefill_chunk"] = chunks[0]  # (several: decode_runs sets each run's)
+    chunk_text = options.pop("prefill_chunk")
+    chunks = tuple(int_list(chunk_text, "--prefill-chunk")) if chunk_text is not None else (None,)
+    options["prefill_chunk"] = chunks[0]  # (several: decode_runs sets each run's; None: the device's default)
     if lengths and (prompt_file or n_prompts or images):
         raise UserError("-p cuts its prompts from the shipped code text: give it without --prompt-file, --prompts "
                         "or --image")
@@ -405,7 +407,7 @@ class SloOption(click.Option):
 @click.option("--runtime", type=click.Choice(["v2", "v3"]), default="v3", show_default=True)
 @click.option("--max-context", type=int, default=None,
               help="Longest prompt + completion a request may have [default: 8192, or the model's limit].")
-@click.option("--prefill-chunk", type=int, default=2048, show_default=True)
+@click.option("--prefill-chunk", type=int, default=None, help=PREFILL_CHUNK_HELP)
 @click.option("--interleave-chunk", type=int, default=512, show_default=True,
               help="Prompt tokens (of all admitting requests) prefilled per iteration while other requests decode "
                    "(at most --prefill-chunk).")

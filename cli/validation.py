@@ -10,6 +10,7 @@ import click
 from rich.progress import Progress
 
 from .common import (
+    PREFILL_CHUNK_HELP,
     UserError,
     check_output,
     console,
@@ -204,7 +205,7 @@ def niah_case_options(f):
         click.option("--cases", type=int, default=1, show_default=True, help="Cases per (ctx, depth)."),
         click.option("--answer-tokens", type=int, default=10, show_default=True),
         click.option("--seed", type=int, default=0, show_default=True),
-        click.option("--prefill-chunk", type=int, default=2048, show_default=True),
+        click.option("--prefill-chunk", type=int, default=None, help=PREFILL_CHUNK_HELP),
     ]):
         f = o(f)
     return f

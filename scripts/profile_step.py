@@ -144,7 +144,8 @@ def main() -> int:
                     help="profile one prefill of --prompt-len tokens (the time to first token) instead of decode steps")
     ap.add_argument("--max-context", type=int, default=None,
                     help="EngineOptions.max_context (default: the engine's, raised to fit --prompt-len)")
-    ap.add_argument("--prefill-chunk", type=int, default=2048)
+    ap.add_argument("--prefill-chunk", type=int, default=None,
+                    help="prompt tokens a prefill forward (default: the engine's for the device)")
     ap.add_argument("--prefill-weights", default="auto", choices=("auto", "dense", "packed"))
     ap.add_argument("--flash-prefill", action=argparse.BooleanOptionalAction, default=True,
                     help="prompt chunks' attention by the flash-style kernel (EngineOptions.flash_prefill)")
@@ -394,7 +395,7 @@ def profile_one(eng, args, drop, batch: int = 1, plain_tokens: list | None = Non
             "sync": args.sync, "pdl": args.pdl, "side_stream": args.side_stream, "silu_epilogue": args.silu_epilogue,
             "cublas_dense": args.cublas_dense, "qmv_layout": args.qmv_layout, "draft_graphs": not args.eager_draft,
             "attn_fixed_split": args.attn_fixed_split, "prefill": args.prefill, "prompt_len": args.prompt_len,
-            "prefill_chunk": args.prefill_chunk, "prefill_weights": args.prefill_weights,
+            "prefill_chunk": eng.options.prefill_chunk, "prefill_weights": args.prefill_weights,
             "flash_prefill": args.flash_prefill, "fused_prefill": args.fused_prefill,
             "cudnn_prefill": args.cudnn_prefill, "dropped": drop,
             "draft_attention": eng.options.draft_attention, "replay_acceptance": eng.options.replay_acceptance,
