@@ -452,3 +452,20 @@ def test_attention_value_bound_is_the_weights_bound_and_no_input_passes_it():
                                        fuse=True), max_positions=64)
     assert not big.attention_fp16_safe(f"model.layers.{i}")
     assert all(big.attention_fp16_safe(f"model.layers.{j}") for j in cfg.full_layers[1:])
+
+
+def test_prefill_chunk_defaults_by_device_and_the_help_says_so():
+    """--prefill-chunk left out takes the device's measured default (8,192 tokens on CUDA, 2,048 on a CPU); a given
+    value is kept; the CLI's help names the same two numbers."""
+    from click.testing import CliRunner
+
+    from ninfer_bench.cli import main
+    from ninfer_bench.engine.runtime.options import PREFILL_CHUNK, EngineOptions
+
+    assert EngineOptions(device="cpu").prefill_chunk == PREFILL_CHUNK["cpu"]
+    assert EngineOptions(device="cpu", prefill_chunk=96).prefill_chunk == 96
+    with pytest.raises(ValueError, match="prefill-chunk must be a positive integer"):
+        EngineOptions(device="cpu", prefill_chunk=0)
+    for command in ("decode", "niah", "concurrency"):
+        text = " ".join(CliRunner().invoke(main, [command, "--help"], terminal_width=400).output.split())
+        assert f"[default: {PREFILL_CHUNK['cuda']} on CUDA, {PREFILL_CHUNK['cpu']} on a CPU]" in text, command
