@@ -5,6 +5,7 @@ summed over the layer stack. It says whether a chunk length (a prefill graph's b
 a shape the GEMM library runs slowly, by the stack's model TFLOP/s at every M side by side in one process.
 
     python3 scripts/bench_prefill_gemm.py --model qwen3.8-27b --m 2048,2991,3072,3200,4096,8192 [--json out.json]
+        [--variants linear,swap]   # swap: the same product as (W x^T)^T, made contiguous (another cuBLAS problem)
 
 Shapes (per layer kind, from the preset's config): MLP gate|up and down; a GDN layer's qkv, z (kept apart for the
 captured decode's side stream), b|a and out; an attention layer's q|gate|k|v and o. The lm_head's one row and the
@@ -63,6 +64,8 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="qwen3.8-27b", help="a model preset")
     ap.add_argument("--m", default="2048,2560,2944,2991,3072,3200,3584,4096,8192", help="chunk lengths (rows)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--variants", default="linear", help="linear: F.linear(x, W); swap: (W @ x^T)^T made contiguous "
+                    "(the transposed problem, which cuBLAS may tile otherwise; the same values up to summation order)")
     ap.add_argument("--json", default=None, help="write the table here")
     args = ap.parse_args(argv)
     cfg = preset(args.model)
@@ -73,24 +76,29 @@ def main(argv=None) -> int:
     gen = torch.Generator(device="cpu").manual_seed(0)
     weights = {name: (torch.randn(n, k, generator=gen) * k ** -0.5).to(device, dtype) for name, n, k, _ in shapes}
     x_all = torch.randn(max(ms_list), max(k for _, _, k, _ in shapes), generator=gen).to(device, dtype)
+    variants = args.variants.split(",")
+    unknown = set(variants) - {"linear", "swap"}
+    if unknown:
+        ap.error(f"--variants: unknown {', '.join(sorted(unknown))} (known: linear, swap)")
+    products = {"linear": lambda x, w: F.linear(x, w), "swap": lambda x, w: torch.mm(w, x.t()).t().contiguous()}
     rows = []
     print(f"{args.model} on {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'} ({dtype}); "
           f"per shape: us a call (TFLOP/s)")
-    print(f"{'M':>6} " + " ".join(f"{name:>20}" for name, *_ in shapes) + f" {'stack ms':>9} {'us/token':>9} "
+    print(f"{'how':>6} {'M':>6} " + " ".join(f"{name:>20}" for name, *_ in shapes) + f" {'stack ms':>9} {'us/token':>9} "
           f"{'TFLOP/s':>8}")
-    for m in ms_list:
+    for variant, m in ((v, m) for v in variants for m in ms_list):
         per, total_ms, flops = {}, 0.0, 0
         for name, n, k, calls in shapes:
             x = x_all[:m, :k].contiguous()
             w = weights[name]
-            ms = time_ms(lambda x=x, w=w: F.linear(x, w), device)
+            ms = time_ms(lambda x=x, w=w: products[variant](x, w), device)
             per[name] = {"us": ms * 1e3, "tflops": 2 * m * n * k / (ms * 1e-3) / 1e12}
             total_ms += ms * calls
             flops += 2 * m * n * k * calls
         tflops = flops / (total_ms * 1e-3) / 1e12
-        rows.append({"m": m, "stack_ms": total_ms, "us_per_token": total_ms * 1e3 / m, "tflops": tflops,
-                     "shapes": per})
-        print(f"{m:>6} " + " ".join(f"{v['us']:>10.1f} ({v['tflops']:>6.1f})" for v in per.values())
+        rows.append({"variant": variant, "m": m, "stack_ms": total_ms, "us_per_token": total_ms * 1e3 / m,
+                     "tflops": tflops, "shapes": per})
+        print(f"{variant[:6]:>6} {m:>6} " + " ".join(f"{v['us']:>10.1f} ({v['tflops']:>6.1f})" for v in per.values())
               + f" {total_ms:>9.2f} {total_ms * 1e3 / m:>9.2f} {tflops:>8.1f}")
     if args.json:
         Path(args.json).write_text(json.dumps({"model": args.model, "device": str(device), "dtype": str(dtype),
