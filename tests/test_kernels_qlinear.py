@@ -261,3 +261,43 @@ def test_single_pass_scope_turns_split_k_off():
             assert not _triton.split_k_allowed()
         assert not _triton.split_k_allowed()
     assert _triton.split_k_allowed()
+
+
+@pytest.mark.parametrize("m, rows", [(7, 3), (6, 3), (5, 8), (9, 0)])
+def test_dense_linear_row_blocks_equal_one_product(m, rows):
+    """A long chunk's projection in row blocks (kernels/qlinear.dense_linear): every row of F.linear's product, the
+    remainder block included; a block size at or above the rows (or 0) is one F.linear."""
+    from ninfer_bench.kernels.qlinear import dense_linear
+
+    g = torch.Generator().manual_seed(m * 10 + rows)
+    x, w = torch.randn(m, 16, generator=g), torch.randn(24, 16, generator=g)
+    y = dense_linear(x, w, rows=rows)
+    assert y.shape == (m, 24) and y.dtype == torch.float32
+    torch.testing.assert_close(y, torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-5)
+    assert dense_linear(x, w) is not None  # on a CPU no blocks by default
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_dense_linear_row_blocks_on_cuda_and_in_a_graph():
+    """On CUDA a product of more than GEMM_ROWS rows goes in blocks by default: F.linear's values up to bf16
+    rounding (another cuBLAS problem a block), and the same values when replayed from a CUDA graph."""
+    from ninfer_bench.kernels.qlinear import GEMM_ROWS, dense_linear
+
+    g = torch.Generator().manual_seed(3)
+    m = 2 * GEMM_ROWS + 77 if GEMM_ROWS > 0 else 4173
+    x = torch.randn(m, 512, generator=g).cuda().bfloat16()
+    w = (torch.randn(384, 512, generator=g) / 512 ** 0.5).cuda().bfloat16()
+    y = dense_linear(x, w)
+    ref = torch.nn.functional.linear(x.float(), w.float())
+    torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=2e-2)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        dense_linear(x, w)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = dense_linear(x, w)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, y)
