@@ -99,8 +99,6 @@
 #            CUDA tests, the 27B prompt grid (PLEN) --cudnn-prefill on,off with this tree, on with .old's (carried);
 #            the split's profile is pprof's: PPROF_MODES=cudnn PPROF_ARGS="--by-op 20 --gaps 8"
 #   chunks   the 27B prompt grid (PLEN) at each --prefill-chunk of CHUNKS (default 2048 4096 8192), one process
-#   gemmrows the 27B prompt grid (PLEN, ours) once a process per NINFER_BENCH_GEMM_ROWS of GEMMROWS_LIST (0: a long
-#            chunk's projections in one GEMM; N: in row blocks of N), alternating
 #            (CHUNK_ENGINES: add hf for the peer in the same process); a profile at each is pprof's, e.g.
 #            PPROF_LEN=2991 PPROF_MODES="chunk2048 chunk4096" PPROF_ARGS="--by-op 30 --gaps 12"
 #   tp1gpu   tensor parallelism's CUDA path on one GPU (two gloo ranks sharing it) against one rank: 27B decode (v2,
@@ -711,14 +709,6 @@ PY
              # (synthetic weights: the rounds' cost, not their acceptance)
              timeout ${STAGE_S:-240} python3 scripts/profile_step.py $M27 --spec none,dflash2:7 --batch 1,8 --sync \
                --steps ${PROF8_STEPS:-16} --top 25 --json "$OUT/prof8.json" 2>&1 | tee "$OUT/prof8.log" | grep -v Warn ;;
-    gemmrows) # a long prefill chunk's projections in row blocks (kernels/qlinear.GEMM_ROWS) against one GEMM: the 27B
-             # prompt grid (PLEN, ours) once a process for each NINFER_BENCH_GEMM_ROWS of GEMMROWS_LIST, alternating
-             mkdir -p "$OUT/gemmrows"; i=0
-             for rows in ${GEMMROWS_LIST:-0 2048 0 2048}; do
-               i=$((i + 1))
-               NINFER_BENCH_GEMM_ROWS=$rows nb decode $M27 -p ${PLEN:-2991,65000} -n ${PLEN_N:-8} --repeats 2 \
-                 --json "$OUT/gemmrows/r${i}_rows$rows" 2>&1 | tail -4
-             done ;;
     pytestk) # chosen CUDA tests in one process: PYTEST_K ("-k" expression) over PYTEST_FILES
              timeout ${TESTS_S:-200} python3 -m pytest -q -p no:cacheprovider --durations=5 ${PYTEST_FILES:-tests} \
                -k "${PYTEST_K:-cuda}" > "$OUT/pytestk.log" 2>&1; echo "pytest rc $?"
