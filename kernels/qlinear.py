@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -50,32 +49,11 @@ from . import _triton, qmv_cuda, quant
 from .qlinear_triton import kernels as _kernels
 
 __all__ = ["qlinear_ref", "qlinear_triton", "qlinear_dequant", "PackedLinear", "QConfig", "choose_config",
-           "MAX_KERNEL_ROWS", "dense_linear", "GEMM_ROWS"]
+           "MAX_KERNEL_ROWS"]
 
 # Rows of x up to which PackedLinear uses the fused kernels; wider inputs (prefill) use a dense weight.
 MAX_KERNEL_ROWS = 64
 _FMT_ID = {"q8_g32_fp16": 0, "q5_g64_fp16": 1, "q4_g64_fp16": 2}
-# A CUDA product of more rows than this (a long prompt chunk's projection) runs as row blocks of this many, into one
-# output (0: one GEMM whatever the rows). On an H100, cuBLAS took the 27B layer stack's prefill projections at 66.6 us
-# a token in 2,048-row products, 69.9 at 3,072 rows and 71.7 at 8,192 (scripts/bench_prefill_gemm.py); a block's
-# weight read again costs less than that at these widths. NINFER_BENCH_GEMM_ROWS sets it for a process (A/B runs).
-GEMM_ROWS = int(os.environ.get("NINFER_BENCH_GEMM_ROWS", "2048"))
-
-
-def dense_linear(x2: torch.Tensor, w: torch.Tensor, rows: int | None = None) -> torch.Tensor:
-    """``F.linear(x2, w)`` for ``x2 [M, K]``, ``w [N, K]``; where ``M`` exceeds ``rows`` (default: :data:`GEMM_ROWS`
-    on CUDA, one product elsewhere) the rows go in blocks of ``rows``, each block's product written into its rows
-    of one ``[M, N]`` output (graph-capturable: no host work that depends on values)."""
-    m = x2.shape[0]
-    if rows is None:
-        rows = GEMM_ROWS if x2.is_cuda else 0
-    if rows <= 0 or m <= rows:
-        return F.linear(x2, w)
-    y = torch.empty(m, w.shape[0], dtype=torch.result_type(x2, w), device=x2.device)
-    wt = w.t()
-    for i in range(0, m, rows):
-        torch.matmul(x2[i:i + rows], wt, out=y[i:i + rows])
-    return y
 
 def qlinear_ref(x: torch.Tensor, buf: torch.Tensor, fmt: str, shape: tuple[int, int]) -> torch.Tensor:
     """fp32 reference: ``x [T, K]`` (any float dtype) @ ``dequantize(buf, fmt, shape).T`` -> ``[T, N]`` fp32."""
@@ -348,7 +326,7 @@ class PackedLinear:
             else:
                 y = qlinear_triton(x2, self.row_major())
         else:
-            y = dense_linear(x2, self.dense(x.dtype))
+            y = F.linear(x2, self.dense(x.dtype))
         return y.reshape(*lead, self.n)
 
     def _qmv_for(self, x2: torch.Tensor):

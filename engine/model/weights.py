@@ -111,12 +111,6 @@ class DenseLinear:
             y = torch.ops.mkl._mkl_linear(x.reshape(rows, self.in_features).contiguous(), packed[1], self.weight,
                                           None, rows)
             return y.view(*x.shape[:-1], self.out_features)
-        if x.is_cuda:
-            from ...kernels import qlinear
-
-            if x.numel() > qlinear.GEMM_ROWS * self.in_features > 0:  # a long prompt chunk: in row blocks
-                y = qlinear.dense_linear(x.reshape(-1, self.in_features), self.weight)
-                return y.view(*x.shape[:-1], self.out_features)
         return F.linear(x, self.weight)
 
     def pack_rows(self, packing: RoundPacking) -> bool:
