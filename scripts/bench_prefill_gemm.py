@@ -10,7 +10,12 @@ a shape the GEMM library runs slowly, by the stack's model TFLOP/s at every M si
 Shapes (per layer kind, from the preset's config): MLP gate|up and down; a GDN layer's qkv, z (kept apart for the
 captured decode's side stream), b|a and out; an attention layer's q|gate|k|v and o. The lm_head's one row and the
 attention / GDN products are not GEMMs of the chunk's rows and are left out. Times are medians (triton's do_bench,
-CUDA) or of a few repeats (CPU, where the absolute times mean nothing)."""
+CUDA, L2 flushed between repeats) or of a few repeats (CPU, where the absolute times mean nothing).
+
+What it does not say: how a product runs inside the forward. On an H100 it had the 27B stack 5-7 % cheaper a token in
+2,048-row products than at 3,072 or 8,192 rows, yet the engine's prefill with its projections cut into 2,048-row
+blocks measured 1.0-1.3 % slower end to end (docs/perf/2026-12-07c-prefill-chunk-default.md); decide with the decode
+suite's prompt grid, not with this table alone."""
 
 from __future__ import annotations
 

@@ -51,8 +51,9 @@ def _switch(flag: str, off_label: str, applies: str, help: str, *, default: bool
 
 DEFAULT_CONTEXT = 8192  # --max-context when none is given (or the model's limit when smaller)
 PREFILL_CHUNK = {"cuda": 8192, "cpu": 2048}  # --prefill-chunk when none is given, by device type: measured fastest
-#   (27B on an H100: 8,192-token chunks prefilled 2,991 tokens in 0.90x and 65,000 in 0.97x the time of 2,048-token
-#   ones; the bundled model on a 2-core CPU: 8,192 tokens in 1.10x; docs/perf/2026-12-07c-prefill-chunk-default.md)
+#   (27B on an H100, two calls: 8,192-token chunks prefilled 2,991 tokens in 0.90x / 0.98x and 65,000 in 0.97x the
+#   time of 2,048-token ones; the bundled model on a 2-core CPU: 8,192 tokens in 1.10x;
+#   docs/perf/2026-12-07c-prefill-chunk-default.md)
 
 
 @dataclass(slots=True)
