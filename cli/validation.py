@@ -205,7 +205,6 @@ def niah_case_options(f):
         click.option("--cases", type=int, default=1, show_default=True, help="Cases per (ctx, depth)."),
         click.option("--answer-tokens", type=int, default=10, show_default=True),
         click.option("--seed", type=int, default=0, show_default=True),
-        click.option("--prefill-chunk", type=int, default=None, help=PREFILL_CHUNK_HELP),
     ]):
         f = o(f)
     return f
@@ -213,6 +212,7 @@ def niah_case_options(f):
 
 @click.command()
 @niah_case_options
+@click.option("--prefill-chunk", type=int, default=None, help=PREFILL_CHUNK_HELP)
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
 @click.option("--kv-dtype", type=click.Choice(["fp32", "bf16", "fp16", "int8"]), default="int8", show_default=True)
 @click.option("--runtime", type=click.Choice(["v2", "v3"]), default="v3", show_default=True)
@@ -325,6 +325,8 @@ def oracle_prompts(artifact, prompts_path, max_new_tokens, top_k, dtype, out):
 
 @oracle.command("niah")
 @niah_case_options
+@click.option("--prefill-chunk", type=int, default=2048, show_default=True,
+              help="Prompt tokens per forward of the reference model (its memory bound at long contexts).")
 @click.option("--dtype", type=click.Choice(["fp64", "fp32"]), default="fp64", show_default=True)
 @click.option("--top-k", type=int, default=8, show_default=True)
 @click.option("--out", default=None, type=click.Path(dir_okay=False),
