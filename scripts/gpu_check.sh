@@ -101,6 +101,8 @@
 #   chunks   the 27B prompt grid (PLEN) at each --prefill-chunk of CHUNKS (default 2048 4096 8192), one process
 #            (CHUNK_ENGINES: add hf for the peer in the same process); a profile at each is pprof's, e.g.
 #            PPROF_LEN=2991 PPROF_MODES="chunk2048 chunk4096" PPROF_ARGS="--by-op 30 --gaps 12"
+#   pgemm    scripts/bench_prefill_gemm.py at the 27B shape: the stack's projection GEMMs alone at each row count (an
+#            isolated rate: 2,048-row blocks it favoured measured slower inside the engine, docs/perf 2026-12-07c)
 #   tp1gpu   tensor parallelism's CUDA path on one GPU (two gloo ranks sharing it) against one rank: 27B decode (v2,
 #            plain and MTP3) and the tiny preset's concurrency, tokens compared
 #   prof8    profile_step --batch 1,8 --sync at the 27B shape, plain and DFlash2 K=7: where a C8 round goes
@@ -709,6 +711,11 @@ PY
              # (synthetic weights: the rounds' cost, not their acceptance)
              timeout ${STAGE_S:-240} python3 scripts/profile_step.py $M27 --spec none,dflash2:7 --batch 1,8 --sync \
                --steps ${PROF8_STEPS:-16} --top 25 --json "$OUT/prof8.json" 2>&1 | tee "$OUT/prof8.log" | grep -v Warn ;;
+    pgemm)   # a prompt chunk's projection GEMMs alone at each row count (scripts/bench_prefill_gemm.py; PGEMM_ARGS adds
+             # flags, e.g. "--m 2048,3072,8192 --variants linear,swap")
+             mkdir -p "$OUT/pgemm"
+             timeout ${STAGE_S:-120} python3 scripts/bench_prefill_gemm.py --model qwen3.8-27b ${PGEMM_ARGS:-} \
+               --json "$OUT/pgemm/gemm.json" 2>&1 | tee "$OUT/pgemm/gemm.log" | cut -c1-250 | tail -24 ;;
     pytestk) # chosen CUDA tests in one process: PYTEST_K ("-k" expression) over PYTEST_FILES
              timeout ${TESTS_S:-200} python3 -m pytest -q -p no:cacheprovider --durations=5 ${PYTEST_FILES:-tests} \
                -k "${PYTEST_K:-cuda}" > "$OUT/pytestk.log" 2>&1; echo "pytest rc $?"
