@@ -12,10 +12,14 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn
 from rich.text import Text
 
+# --prefill-chunk's default as engine/runtime/options.PREFILL_CHUNK resolves it (kept a literal: importing the
+# engine here would load torch for every command's --help)
+PREFILL_CHUNK_DEFAULT = "[default: 8192 on CUDA, 2048 on a CPU]"
+PREFILL_CHUNK_HELP = f"Prompt tokens per prefill forward {PREFILL_CHUNK_DEFAULT}."
+
 # piped into a file or a CI log, rich would assume 80 columns and squeeze wide tables: give it room
 # a pipe or file gets 140 columns, or more where the caller's COLUMNS says so (a device log's wide grid table); never
 # fewer (pytest-xdist's workers, for one, set COLUMNS=80)
-PREFILL_CHUNK_HELP = "Prompt tokens per prefill forward [default: 8192 on CUDA, 2048 on a CPU]."  # (engine/runtime/options.PREFILL_CHUNK)
 _COLUMNS = os.environ.get("COLUMNS", "")
 console = Console(stderr=False, width=None if sys.stdout.isatty()
                   else max(140, int(_COLUMNS) if _COLUMNS.isdigit() else 0))
@@ -132,7 +136,7 @@ def engine_options(f=None, *, kv_default: str = "int8", runtime_list: bool = Fal
         click.option("--max-concurrency", type=int, default=1, show_default=True),
         click.option("--prefill-chunk", default=None, metavar="N[,N...]",
                      help="Prompt tokens per prefill forward; comma-separated to run our engine's grid once for "
-                          "each (llama-bench's -ub), labelled -cN [default: 8192 on CUDA, 2048 on a CPU].") if runtime_list else
+                          f"each (llama-bench's -ub), labelled -cN {PREFILL_CHUNK_DEFAULT}.") if runtime_list else
         click.option("--prefill-chunk", type=int, default=None, help=PREFILL_CHUNK_HELP),
         prefill_weights_option,
         runtime,

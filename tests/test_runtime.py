@@ -466,6 +466,6 @@ def test_prefill_chunk_defaults_by_device_and_the_help_says_so():
     assert EngineOptions(device="cpu", prefill_chunk=96).prefill_chunk == 96
     with pytest.raises(ValueError, match="prefill-chunk must be a positive integer"):
         EngineOptions(device="cpu", prefill_chunk=0)
-    for command in ("decode", "niah", "concurrency"):
+    for command in ("decode", "niah", "concurrency", "serve"):
         text = " ".join(CliRunner().invoke(main, [command, "--help"], terminal_width=400).output.split())
         assert f"[default: {PREFILL_CHUNK['cuda']} on CUDA, {PREFILL_CHUNK['cpu']} on a CPU]" in text, command
