@@ -134,13 +134,12 @@ def attention(q, k, v, q_pos, scale: float, prefill: bool = False) -> torch.Tens
     ``[T, L]`` mask (2,048 tokens of the bundled model: 48 against 91 ms a layer, the same values). A chunk that is
     the last T of the keys (a later chunk of a prompt) goes through :func:`_past_and_own`. Decode steps and verifies
     (``prefill`` False) keep the masked call, so a verify's rows give the single steps' bits."""
+    qh, k, v = q.transpose(1, 2), k.to(q.dtype), v.to(q.dtype)  # [B, H, T, hd]; the keys in the queries' dtype
     if prefill and not q.is_cuda and ends_at_length(q_pos, k.shape[2]):
         if q.shape[1] == k.shape[2]:  # no past: one causal call
-            o = F.scaled_dot_product_attention(q.transpose(1, 2), k.to(q.dtype), v.to(q.dtype), is_causal=True,
-                                               scale=scale, enable_gqa=True)
-            return o.transpose(1, 2)
-        o = _past_and_own(q.transpose(1, 2).contiguous(), k.to(q.dtype), v.to(q.dtype), scale)
+            return F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale,
+                                                  enable_gqa=True).transpose(1, 2)
+        o = _past_and_own(qh.contiguous(), k, v, scale)
         if o is not None:
             return o.transpose(1, 2)
-    o = sdpa(q.transpose(1, 2), k.to(q.dtype), v.to(q.dtype), _mask(q_pos, k.shape[2]), scale)
-    return o.transpose(1, 2)
+    return sdpa(qh, k, v, _mask(q_pos, k.shape[2]), scale).transpose(1, 2)
