@@ -67,8 +67,13 @@ def test_flash_prefill_chunks_equal_eager(eager, monkeypatch):
     real = fused_forward.prefill_attention_cached
     monkeypatch.setattr(fused_forward, "prefill_attention_cached",
                         lambda *a, **k: calls.append((*a[6][0, [0, -1]].tolist(), k["kv_len"])) or real(*a, **k))
-    _, tokens = run(kernels="triton", prefill_chunk=16, prefill_graphs=False)  # eager: the wrapper reads q_pos
+    eng, tokens = run(kernels="triton", prefill_chunk=16, prefill_graphs=False)  # eager: the wrapper reads q_pos
     assert tokens == eager
+    # generating reads the final hidden state of the prompt's last token alone (Step.rows), and the tiny model's one
+    # full-attention layer is its last: that layer's queries run for that row only (decode_attention), so no chunk
+    # takes the prefill kernel there
+    assert calls == []
+    eng.logits(PROMPT)  # every position's logits: every chunk's queries through the kernel
     # each chunk's first and last position, and the keys it reads (through its last position)
     assert {(0, 15, 16), (16, 31, 32), (32, 35, 36)} <= set(calls), calls
     calls.clear()

@@ -37,6 +37,7 @@ from ...kernels.attention_prefill import cudnn_past_ok, prefill_attention_cached
 from ...kernels.attention_triton import decode_attention
 from ...kernels.gdn_triton import gdn_decode, layer_of, new_stack
 from .cache import HybridCache, PendingGDN
+from .hybrid import gather_rows
 from .weights import GATE_UP_RUN
 
 
@@ -137,14 +138,27 @@ class FastPath:
         """Full attention from the layer's normed input: the prologue (norms, RoPE, the cache write), then
         decode_attention (decode / verify) or, for a prompt chunk (``prefill``), prefill_attention_cached over the
         chunk's key range, the output gate applied as the output is stored."""
+        q, gate = self._prologue(p, key, x, step, cache)
+        return self._attend(p, key, q, gate, step, cache, prefill)
+
+    def _prologue(self, p: str, key, x, step, cache: HybridCache):
+        """(q, gate) of full-attention layer ``p`` from its normed input, the rows' keys and values written to the
+        cache (fused.attn_prologue)."""
         cfg, m, w = self.cfg, self.m, self.w
-        b, t, _ = x.shape
-        h, hd = cfg.num_attention_heads, cfg.head_dim
         qg, kv = m.attn_proj(p, x)
         c = cache.kv[key]
-        q, gate = fused.attn_prologue(qg, kv, w.vector(f"{p}.self_attn.q_norm.weight"),
-                                      w.vector(f"{p}.self_attn.k_norm.weight"), m.cos, m.sin, c.k, c.v,
-                                      c.k_scale, c.v_scale, step.slots, step.pos, cfg.rms_norm_eps)
+        return fused.attn_prologue(qg, kv, w.vector(f"{p}.self_attn.q_norm.weight"),
+                                   w.vector(f"{p}.self_attn.k_norm.weight"), m.cos, m.sin, c.k, c.v,
+                                   c.k_scale, c.v_scale, step.slots, step.pos, cfg.rms_norm_eps)
+
+    def _attend(self, p: str, key, q, gate, step, cache: HybridCache, prefill: bool, pos=None):
+        """The attention of queries ``q [B, T, H, hd]`` (their output ``gate``) over the cache, then o_proj:
+        ``prefill`` (a prompt chunk's rows) prefill_attention_cached over the chunk's key range, else decode_attention,
+        each query over the keys up to its position (``pos [B, T]``, default the step's)."""
+        cfg, m, w = self.cfg, self.m, self.w
+        b, t = q.shape[:2]
+        h, hd = cfg.num_attention_heads, cfg.head_dim
+        c = cache.kv[key]
         if prefill:
             # the cuDNN split where it applies, in fp16 without a host read a chunk where the layer's weights bound
             # its values within fp16's range (worked out at the first such chunk)
@@ -153,8 +167,8 @@ class FastPath:
                                          kv_len=min(step.kv_len, cache.capacity), gate=gate, past_start=step.start,
                                          cudnn=split, fp16_safe=split and m.attention_fp16_safe(p))
         else:
-            o = decode_attention(q, c.k, c.v, c.k_scale, c.v_scale, step.slots, step.pos, m.scale,
-                                 kv_len_max=cache.capacity, gate=gate)
+            o = decode_attention(q, c.k, c.v, c.k_scale, c.v_scale, step.slots, step.pos if pos is None else pos,
+                                 m.scale, kv_len_max=cache.capacity, gate=gate)
         return m._sum(w.project(f"{p}.self_attn.o_proj", o.reshape(b, t, h * hd)))
 
     def mlp(self, p: str, x):
@@ -188,11 +202,45 @@ class FastPath:
         over the gate_up output (interleaved or not), the norms as here."""
         x, h = self._embed(step)
         taps = []
+        last = self.cfg.num_hidden_layers - 1
         for i in range(self.cfg.num_hidden_layers):
-            x, h = self._layer(i, x, h, step, cache, prefill)
+            if i == last and prefill and step.rows is not None:
+                x, h = self._last_rows(i, x, h, step, cache)
+            else:
+                x, h = self._layer(i, x, h, step, cache, prefill)
             if i in step.taps:
                 taps.append(h)
         return x, taps
+
+    def _last_rows(self, i: int, x, h, step, cache: HybridCache):
+        """The last decoder layer ``i`` of a prompt chunk whose caller reads only the final hidden state at
+        ``step.rows`` (Step.rows): the token mixing over every row (the cache and the recurrent state take them all),
+        then the rest of the layer (full attention's queries, o_proj, the norms, the MLP) for those rows alone into
+        ``step.head``. Where every row is read too (``step.all_rows``, or the layer's output tapped), the whole
+        layer also runs as :meth:`_layer` does, and that is what returns; otherwise ``(step.head, None)``. The rows'
+        own computation is the same either way, so a drafter that reads every row leaves the first token as it is
+        without one (greedy speculative tokens stay plain decoding's)."""
+        cfg, w, m = self.cfg, self.w, self.m
+        p, eps = f"model.layers.{i}", cfg.rms_norm_eps
+        rows, full = step.rows, step.all_rows or i in step.taps
+        post, final = w.vector(f"{p}.post_attention_layernorm.weight"), w.vector("model.norm.weight")
+        if cfg.layer_types[i] == "linear_attention":
+            y = m.gated_deltanet(p, i, x, step, cache)  # the recurrence needs every row; then pick
+            y_rows = gather_rows(y, rows)
+        else:
+            q, gate = self._prologue(p, i, x, step, cache)  # every row's keys and values written
+            y = self._attend(p, i, q, gate, step, cache, True) if full else None
+            y_rows = (self._attend(p, i, gather_rows(q, rows), gather_rows(gate, rows), step, cache, False,
+                                   pos=gather_rows(step.pos, rows)) if rows.shape[1] else None)
+        if rows.shape[1]:
+            xr, hr = fused.add_rms_norm(y_rows, gather_rows(h, rows), post, eps)
+            step.head = fused.add_rms_norm(self.mlp(p, xr), hr, final, eps)[0]
+        else:  # no row read: nothing after the mixing
+            step.head = x.new_empty(rows.shape[0], 0, x.shape[-1])
+        if not full:
+            return step.head, None
+        x, h = fused.add_rms_norm(y, h, post, eps)
+        return fused.add_rms_norm(self.mlp(p, x), h, final, eps)
 
     def forward_layers(self, steps: list, cache: HybridCache, after_layer=None):
         """:meth:`forward` with ``prefill`` over consecutive chunks of one prompt (``steps``, in order), layer by
@@ -203,10 +251,14 @@ class FastPath:
         progress."""
         xs, hs = map(list, zip(*(self._embed(step) for step in steps)))
         taps: list[list] = [[] for _ in steps]
+        last = self.cfg.num_hidden_layers - 1
         for i in range(self.cfg.num_hidden_layers):
             with self.w.dense_scope(f"model.layers.{i}."):
                 for c, step in enumerate(steps):
-                    xs[c], hs[c] = self._layer(i, xs[c], hs[c], step, cache, True)
+                    if i == last and step.rows is not None:
+                        xs[c], hs[c] = self._last_rows(i, xs[c], hs[c], step, cache)
+                    else:
+                        xs[c], hs[c] = self._layer(i, xs[c], hs[c], step, cache, True)
                     if i in step.taps:
                         taps[c].append(hs[c])
             if after_layer is not None:

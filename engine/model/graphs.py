@@ -209,11 +209,13 @@ class GraphRunner:
             return None
         return size, keys
 
-    def _capture_prefill(self, t: int, keys: int, taps: tuple[int, ...], head: bool) -> Captured:
+    def _capture_prefill(self, t: int, keys: int, taps: tuple[int, ...], head: bool, all_rows: bool) -> Captured:
         """A prefill graph of ``t`` tokens reading ``keys`` keys. Its one input is ``inp [t + 3]``: the ids (padded),
         then the chunk's start position, its slot and its real length, so a replay needs one host-to-device copy;
         the positions are ``start + 0 .. t - 1``, made in the graph. ``head``: the graph also ends in the last real
-        row's logits and their argmax (a prompt's final chunk: its first token)."""
+        row's logits and their argmax (a prompt's final chunk: its first token). With ``--last-rows`` its hidden
+        output holds every row where ``all_rows``, else the last real row's with ``head`` and none without
+        (Step.rows); without it, every row."""
         e = self.e
         dev = e.device
         inp = torch.zeros(t + 3, dtype=torch.long, device=dev)
@@ -222,32 +224,41 @@ class GraphRunner:
         ids, slots, valid = inp[:t][None], inp[t + 1:t + 2], inp[t + 2:t + 3]
 
         def forward():
-            step = Step(ids, steps + inp[t], slots, kv_len=keys, mode=PREFILL, taps=taps, valid=valid)
+            rows = None  # --last-rows: the row read, made in the graph from the replayed real length
+            if e.options.last_rows:
+                rows = (valid - 1)[None] if head else torch.empty(1, 0, dtype=torch.long, device=dev)
+            step = Step(ids, steps + inp[t], slots, kv_len=keys, mode=PREFILL, taps=taps, valid=valid, rows=rows,
+                        all_rows=all_rows)
             hidden, tp = e.model.forward(step, e.cache)
             if not head:
                 return hidden, tp, None, None
-            logits = e.model.logits(hidden[0].index_select(0, valid - 1))  # [1, V]: the last real row's
+            row = step.head[0] if rows is not None else hidden[0].index_select(0, valid - 1)
+            logits = e.model.logits(row)  # [1, V]: the last real row's
             return hidden, tp, logits, logits.argmax(-1)  # the same pick as Engine.pick's greedy rows
 
         graph, (hidden, tp, logits, token) = capture(forward, self.pool, dev)
         # the graph reads ``steps`` too: held here (freed, its memory would be reused under the graph)
         return Captured(graph, ids, steps, slots, hidden, logits, tp, valid=valid, inp=inp, token=token)
 
-    def prefill(self, piece: list[int], slot: int, taps: tuple[int, ...] = (), start: int = 0, head: bool = False):
-        """(hidden ``[1, T, H]``, taps, head) of a prompt chunk ``piece`` (T host ids) at position ``start`` into
-        ``slot`` via its bucket's graph, or None when it has none (:meth:`prefill_plan`). ``head``: (logits ``[1, V]``
-        of the chunk's last token, their argmax ``[1]``) from the same replay, else None. One host-to-device copy and
-        one replay. The outputs are views of the graph's buffers: read them before the next prefill replay."""
+    def prefill(self, piece: list[int], slot: int, taps: tuple[int, ...] = (), start: int = 0, head: bool = False,
+                all_rows: bool = True):
+        """(hidden, taps, head) of a prompt chunk ``piece`` (T host ids) at position ``start`` into ``slot`` via its
+        bucket's graph, or None when it has none (:meth:`prefill_plan`). ``head``: (logits ``[1, V]`` of the chunk's
+        last token, their argmax ``[1]``) from the same replay, else None. hidden: ``[1, T, H]``, or with
+        ``--last-rows`` and not ``all_rows`` the final hidden state of the rows read (none, or the last with
+        ``head``: Step.rows). One
+        host-to-device copy and one replay. The outputs are views of the graph's buffers: read them before the next
+        prefill replay."""
         t = len(piece)
         plan = self.prefill_plan(t, start)
         if plan is None:
             return None
         size, keys = plan
-        key = (PREFILL, size, keys, taps, head)
+        key = (PREFILL, size, keys, taps, head, all_rows)
         cap = self.graphs.get(key)
         if cap is None:
             try:
-                cap = self.graphs[key] = self._capture_prefill(size, keys, taps, head)
+                cap = self.graphs[key] = self._capture_prefill(size, keys, taps, head, all_rows)
             except RuntimeError as err:  # an operation the capture refused: prefill stays eager from now on
                 self.prefill_off = f"capture failed: {str(err).splitlines()[0][:200]}"
                 warnings.warn(f"prefill CUDA graphs off ({self.prefill_off}); prefill runs eagerly", stacklevel=2)

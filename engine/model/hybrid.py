@@ -66,6 +66,12 @@ def attention_value_bound(model: HybridModel, p: str) -> float:
     return max(bq, bk, bv)
 
 
+def gather_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``x [B, T, ...]`` at ``rows [B, R]`` (per batch row): ``[B, R, ...]``, contiguous (no host read)."""
+    idx = rows.reshape(*rows.shape, *([1] * (x.dim() - 2))).expand(*rows.shape, *x.shape[2:])
+    return torch.gather(x, 1, idx)
+
+
 @dataclass(slots=True)
 class Step:
     """Host-prepared metadata of one forward.
@@ -92,6 +98,14 @@ class Step:
     #                                    are padding: inert in the recurrent state, never attended by a real token
     start: int | None = None  # the host's copy of pos[0, 0] for one row whose pos is the run start .. start + T - 1
     #                           (an eager prompt chunk), else None
+    rows: torch.Tensor | None = None  # [B, R] (R = 0 or 1) a prompt chunk's rows whose final hidden state the caller
+    #                                   reads (its last real token's, for the first token's logits; none: R = 0);
+    #                                   None: every row. The forward sets ``head`` to them ([B, R, H]) and returns
+    #                                   them as its hidden states unless ``all_rows``; the fused prefill then runs
+    #                                   the last layer past its token mixing for those rows only
+    all_rows: bool = False  # with ``rows``: every row's final hidden state is read too (prompt scores, a drafter
+    #                         that reads them): the forward returns them all, and ``head`` is still computed alone
+    head: torch.Tensor | None = None  # set by the forward where ``rows`` is given
 
 
 class HybridModel:
@@ -288,7 +302,11 @@ class HybridModel:
             h = self.layer(f"model.layers.{i}", i, kind, h, step, cache)
             if i in step.taps:
                 taps.append(h)
-        return rms_norm(h, self.w.vector("model.norm.weight"), self.cfg.rms_norm_eps), taps
+        hidden = rms_norm(h, self.w.vector("model.norm.weight"), self.cfg.rms_norm_eps)
+        if step.rows is None:
+            return hidden, taps
+        step.head = gather_rows(hidden, step.rows)  # the eager path computes every row and picks
+        return (hidden if step.all_rows else step.head), taps
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """lm_head over final-normed hidden states, in fp32 (tensor parallel: every rank's vocabulary rows,

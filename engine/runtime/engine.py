@@ -475,27 +475,44 @@ class Engine:
         prefill_only = seq.params.max_new_tokens == 0
         final = start + len(piece) == len(seq.prompt)
         taps = self.drafter.taps if self.drafter and not prefill_only else ()
-        out = head = None
+        out = head = last = None
         if self.graphs is not None and seq.media is None and seq.prompt_scores is None:
             # None: no graph for it (GraphRunner.prefill_plan); a final chunk's graph also picks the first token
-            out = self.graphs.prefill(piece, seq.slot, taps, start, head=final and not prefill_only)
+            out = self.graphs.prefill(piece, seq.slot, taps, start, head=final and not prefill_only,
+                                      all_rows=self.all_rows(seq))
         if out is None:
-            hidden, tap_out = self.model.forward(self._chunk_step(seq, start, len(piece), taps), self.cache)
+            step = self._chunk_step(seq, start, len(piece), taps)
+            hidden, tap_out = self.model.forward(step, self.cache)
+            last = step.head
         else:
             hidden, tap_out, head = out
-        return self._chunk_done(seq, start, len(piece), hidden, tap_out, head)
+        return self._chunk_done(seq, start, len(piece), hidden, tap_out, head, last)
+
+    def all_rows(self, seq: Sequence) -> bool:
+        """Whether every prompt row's final hidden state is read after its chunk's forward (Step.all_rows): prompt
+        scores, or a drafter that reads them (MTP); otherwise only the last prompt token's, for the first token."""
+        return seq.prompt_scores is not None or bool(
+            self.drafter and seq.params.max_new_tokens and getattr(self.drafter, "reads_hidden", True))
 
     def _chunk_step(self, seq: Sequence, start: int, n: int, taps: tuple[int, ...]) -> Step:
-        """The eager prefill Step of ``seq``'s prompt tokens ``start .. start + n - 1``."""
+        """The eager prefill Step of ``seq``'s prompt tokens ``start .. start + n - 1``; with ``--last-rows`` the final
+        hidden state read at the prompt's last token (in its final chunk, where a token follows), every row's too
+        where :meth:`all_rows`."""
         ids = self.device_ids([seq.prompt[start:start + n]])
         pos = torch.arange(start, start + n, device=self.device)[None]
+        rows = None
+        if self.options.last_rows:
+            head = start + n == len(seq.prompt) and seq.params.max_new_tokens > 0
+            rows = self.device_ids([[n - 1]]) if head else torch.empty(1, 0, dtype=torch.long, device=self.device)
         return Step(ids, pos, self.device_ids([seq.slot]), kv_len=start + n, mode=PREFILL, taps=taps, start=start,
-                    **self._media_rows(seq.media, start, start + n))
+                    rows=rows, all_rows=self.all_rows(seq), **self._media_rows(seq.media, start, start + n))
 
-    def _chunk_done(self, seq: Sequence, start: int, n: int, hidden, tap_out, head) -> bool:
+    def _chunk_done(self, seq: Sequence, start: int, n: int, hidden, tap_out, head, last=None) -> bool:
         """What follows the forward of ``seq``'s prompt chunk ``start .. start + n - 1`` (:meth:`prefill_step`): the
         length advanced, prompt scores, and after the last chunk the first token picked (``head``: a prefill
-        graph's logits and argmax, or None); the drafter primed. Returns whether the prompt is done."""
+        graph's logits and argmax, or None; else from ``last``, the final hidden state of the prompt's last token
+        ``[1, 1, H]`` (Step.head), or ``hidden``'s last row); the drafter primed. Returns whether the prompt is
+        done."""
         final = start + n == len(seq.prompt)
         prefill_only = seq.params.max_new_tokens == 0
         seq.length += n
@@ -508,7 +525,8 @@ class Engine:
             seq.finish_reason = "length" if final else None
             return final
         if final:
-            row = head[0][0] if head is not None else self.model.logits(hidden[0, -1:])[0]
+            row = head[0][0] if head is not None else self.model.logits(
+                (hidden if last is None else last)[0, -1:])[0]
             keep_logprobs(seq, row)
             greedy = head is not None and self.plain_argmax([seq])  # the graph's argmax is pick's
             seq.tokens.append(int(head[1][0] if greedy else self.pick([seq], row[None])[0]))
@@ -552,8 +570,8 @@ class Engine:
                 on_prefill(base + left * (i + 1) // layers, len(seq.prompt))
 
         outs = self.model.fast.forward_layers(steps, self.cache, after_layer=after)
-        for (a, n), (hidden, tap_out) in zip(chunks, outs):
-            self._chunk_done(seq, a, n, hidden, tap_out, None)
+        for (a, n), step, (hidden, tap_out) in zip(chunks, steps, outs):
+            self._chunk_done(seq, a, n, hidden, tap_out, None, step.head)
 
     def packable(self, seq: Sequence) -> bool:
         """Whether ``seq``'s next prompt chunk may share one forward with other requests' (:meth:`prefill_steps`):
@@ -596,8 +614,12 @@ class Engine:
         starts = [seq.length for seq, _ in work]
         taps = self.drafter.taps if self.drafter else ()
         pos = self.device_ids(starts)[:, None] + torch.arange(t, device=self.device)[None]
+        # --last-rows: each row's final hidden state read at its last real token (Step.rows), every row's too for a
+        # drafter that reads them
         step = Step(self.device_ids(rows), pos, self.device_ids([seq.slot for seq, _ in work]),
-                    kv_len=max(starts) + t, mode=PREFILL, taps=taps, valid=self.device_ids([n for _, n in work]))
+                    kv_len=max(starts) + t, mode=PREFILL, taps=taps, valid=self.device_ids([n for _, n in work]),
+                    rows=self.device_ids([[n - 1] for _, n in work]) if self.options.last_rows else None,
+                    all_rows=self.all_rows(work[0][0]))
         hidden, tap_out = self.model.forward(step, self.cache)
         finals = []
         for r, (seq, n) in enumerate(work):
@@ -605,7 +627,8 @@ class Engine:
             if seq.length == len(seq.prompt):
                 finals.append(r)
         if finals:
-            last = self.model.logits(torch.stack([hidden[r, work[r][1] - 1] for r in finals]))
+            last = self.model.logits(step.head[finals, 0] if step.head is not None else
+                                     torch.stack([hidden[r, work[r][1] - 1] for r in finals]))
             fin = [work[r][0] for r in finals]
             for seq, row in zip(fin, last):
                 keep_logprobs(seq, row)

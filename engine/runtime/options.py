@@ -149,6 +149,13 @@ class EngineOptions:
         "kept as dense copies (a model that fills the GPU), prefilled layer by layer: every chunk through one layer "
         "before the next, each weight dequantized once a prompt instead of once a chunk; the same operations per "
         "chunk, the same tokens (v3 on CUDA with --fused-prefill; off: chunk by chunk).")
+    last_rows: bool = _switch(
+        "--last-rows", "-allrows", "v3",
+        "A prompt chunk whose final hidden states are read at its last token alone (no prompt scores, no drafter that "
+        "reads every row, as MTP does) runs its last decoder layer past the token mixing (which writes the cache) for "
+        "that row only, as llama.cpp does for the rows it outputs: a long prompt's earlier chunks skip the rest of "
+        "that layer. The first token's logits come from that row's own computation with or without a drafter, so "
+        "speculative tokens stay plain decoding's (v3 with --fused-prefill; off: every row, then the last picked).")
     qmv_dense: bool = True  # small dense bf16/fp16 projections (<= 1024 rows, <= 64 x rows) through qmv's dense
     #                         path instead of cuBLAS (process-wide: kernels/qmv_cuda.set_dense)
     prefill_weights: str = "auto"  # prefill-width projections of packed weights (v3 on CUDA): "dense" keeps a dense

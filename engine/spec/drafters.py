@@ -140,6 +140,7 @@ class MTPDrafter:
     """
 
     taps: tuple[int, ...] = ()
+    reads_hidden = True  # begin() reads every prompt row's final hidden state (Step.all_rows)
 
     def __init__(self, engine):
         if why := missing_drafter(engine.loaded, "mtp"):
@@ -342,6 +343,8 @@ def pack_verify_rows(engine, prefixes: tuple[str, ...]) -> None:
 
 class BlockDraftRunner:
     """A DFlash / DFlash2 drafter bound to an Engine: context K/V per slot and layer, block drafting."""
+
+    reads_hidden = False  # begin() reads the tapped layers' outputs only, not the final hidden states
 
     def __init__(self, engine, kind: str):
         if why := missing_drafter(engine.loaded, kind):

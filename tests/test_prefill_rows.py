@@ -1,0 +1,113 @@
+"""A prompt chunk whose caller reads the final hidden state of one row only (``Step.rows``: the prompt's last token,
+for the first token's logits) runs its last decoder layer past the token mixing for that row alone
+(engine/model/fused_forward.FastPath._last_rows). Held here, through the fused prefill (Triton's interpreter without
+CUDA, the kernels on a GPU):
+
+- the cache (K/V, conv and recurrent states) is what the whole layer leaves, bit for bit: the mixing takes every row;
+- the row's hidden state is the whole forward's, to rounding;
+- with ``all_rows`` (a drafter reading every row) the forward returns the whole forward's rows bit for bit, and the
+  row read is computed as without it, bit for bit, so the first token does not depend on the drafter;
+- no row read (a long prompt's earlier chunk): no hidden state, the same cache;
+- the engine's greedy tokens match the eager (torch) path's, plainly and speculatively, with the last layer a full
+  attention one (the preset) or a Gated DeltaNet one.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import triton_interp  # noqa: F401  (sets TRITON_INTERPRET=1 without CUDA, fixes the interpreter)
+from ninfer_bench.engine.model.config import PRESETS
+from ninfer_bench.engine.model.fused_forward import available
+from ninfer_bench.engine.model.hybrid import PREFILL, Step
+from ninfer_bench.engine.runtime.engine import Engine
+
+pytestmark = pytest.mark.skipif(not available(), reason="triton does not import")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+LIN, FULL = "linear_attention", "full_attention"
+LAYOUTS = {"attention-last": (LIN, LIN, LIN, FULL), "gdn-last": (LIN, FULL, LIN, LIN)}
+PROMPT = list(range(5, 41))  # 36 tokens: three chunks of 16 in the engine tests
+
+
+def load(monkeypatch, layout: str, **kw) -> Engine:
+    monkeypatch.setitem(PRESETS, "tiny", {**PRESETS["tiny"], "layer_types": LAYOUTS[layout]})
+    eng = Engine.load("tiny", device=DEVICE, kv_dtype="int8", dtype="fp32" if DEVICE == "cpu" else "bf16",
+                      max_context=256, **kw)
+    assert eng.config.layer_types == LAYOUTS[layout]
+    return eng
+
+
+def cache_of(eng: Engine, slot: int) -> list[torch.Tensor]:
+    c = eng.cache
+    out = [c.conv[i][slot].clone() for i in sorted(c.conv)] + [c.ssm[i][slot].clone() for i in sorted(c.ssm)]
+    for key in sorted(c.kv):
+        layer = c.kv[key]
+        out += [t[slot].clone() for t in (layer.k, layer.v, layer.k_scale, layer.v_scale) if t is not None]
+    return out
+
+
+def chunks(eng: Engine, rows_of, all_rows: bool = False):
+    """The prompt in two chunks (16 + 20 tokens) into a fresh slot 0, each forward's Step given ``rows_of(n)``;
+    returns (each chunk's (hidden, head), the slot's cache after)."""
+    eng.cache.reset(0)
+    out = []
+    for start, end in ((0, 16), (16, len(PROMPT))):
+        n = end - start
+        step = Step(torch.tensor([PROMPT[start:end]], device=eng.device),
+                    torch.arange(start, end, device=eng.device)[None], torch.tensor([0], device=eng.device),
+                    kv_len=end, mode=PREFILL, start=start, rows=rows_of(n), all_rows=all_rows)
+        hidden, _ = eng.model.forward(step, eng.cache)
+        out.append((hidden.clone(), None if step.head is None else step.head.clone()))
+    return out, cache_of(eng, 0)
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_the_last_row_alone_keeps_the_cache_and_the_row(monkeypatch, layout):
+    eng = load(monkeypatch, layout, kernels="triton")
+    assert eng.model.fused_prefill
+    last = lambda n: torch.tensor([[n - 1]], device=eng.device)  # noqa: E731
+    none = lambda n: torch.empty(1, 0, dtype=torch.long, device=eng.device)  # noqa: E731
+    (full1, full2), cache_full = chunks(eng, lambda n: None)
+    (one1, one2), cache_one = chunks(eng, last)
+    (both1, both2), cache_both = chunks(eng, last, all_rows=True)
+    (skip1, skip2), cache_skip = chunks(eng, none)
+    for cache in (cache_one, cache_both, cache_skip):
+        assert all(torch.equal(a, b) for a, b in zip(cache, cache_full, strict=True))
+    h = full2[0].shape[-1]
+    assert full1[1] is None and full2[0].shape == (1, 20, h)
+    # the row alone: returned as the hidden state, the whole forward's last row to rounding
+    assert one2[0].shape == one2[1].shape == (1, 1, h) and torch.equal(one2[0], one2[1])
+    tol = dict(atol=2e-3, rtol=2e-3) if DEVICE == "cpu" else dict(atol=5e-2, rtol=5e-2)
+    torch.testing.assert_close(one2[1], full2[0][:, -1:], **tol)
+    torch.testing.assert_close(one1[1], full1[0][:, -1:], **tol)
+    # every row too: the whole forward's rows, and the row read as without them (bit for bit)
+    assert torch.equal(both2[0], full2[0]) and torch.equal(both1[0], full1[0])
+    assert torch.equal(both2[1], one2[1]) and torch.equal(both1[1], one1[1])
+    # no row read: no hidden state at all
+    assert skip1[0].shape == skip1[1].shape == (1, 0, h)
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("spec", ["none", "mtp", "dflash2"])
+def test_engine_tokens_equal_the_eager_path(monkeypatch, layout, spec):
+    """Chunked prompts (16-token chunks), generated greedily through the fused path: the eager torch path's tokens,
+    plain and speculative (MTP reads every prompt row, DFlash2 the tapped layers only)."""
+    n = 12 if spec == "none" else 6
+    kw = {} if spec == "none" else dict(spec=spec, draft_tokens=3)
+    want = load(monkeypatch, layout, kernels="torch").generate(PROMPT, max_new_tokens=n, ignore_eos=True).tokens
+    eng = load(monkeypatch, layout, kernels="triton", prefill_chunk=16, **kw)
+    assert eng.generate(PROMPT, max_new_tokens=n, ignore_eos=True).tokens == want
+
+
+def test_last_rows_off_reads_every_row(monkeypatch):
+    """``--last-rows off``: the prompt's chunks run whole (no Step.rows), with the same greedy tokens."""
+    seen = []
+    eng = load(monkeypatch, "attention-last", kernels="triton", prefill_chunk=16, last_rows=False)
+    real = eng.model.forward
+    monkeypatch.setattr(eng.model, "forward", lambda step, cache: seen.append(step.rows) or real(step, cache))
+    tokens = eng.generate(PROMPT, max_new_tokens=8, ignore_eos=True).tokens
+    want = load(monkeypatch, "attention-last", kernels="torch").generate(PROMPT, max_new_tokens=8,
+                                                                         ignore_eos=True).tokens
+    assert tokens == want and len(seen) >= 3 and seen[:3] == [None] * 3
