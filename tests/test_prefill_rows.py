@@ -1,15 +1,16 @@
 """A prompt chunk whose caller reads the final hidden state of one row only (``Step.rows``: the prompt's last token,
 for the first token's logits) runs its last decoder layer past the token mixing for that row alone
-(engine/model/fused_forward.FastPath._last_rows). Held here, through the fused prefill (Triton's interpreter without
-CUDA, the kernels on a GPU):
+(engine/model/fused_forward.FastPath._last_rows, engine/model/hybrid.HybridModel._last_rows). Held here, through the
+fused prefill (Triton's interpreter without CUDA, the kernels on a GPU) and the eager forward:
 
 - the cache (K/V, conv and recurrent states) is what the whole layer leaves, bit for bit: the mixing takes every row;
 - the row's hidden state is the whole forward's, to rounding;
 - with ``all_rows`` (a drafter reading every row) the forward returns the whole forward's rows bit for bit, and the
   row read is computed as without it, bit for bit, so the first token does not depend on the drafter;
 - no row read (a long prompt's earlier chunk): no hidden state, the same cache;
-- the engine's greedy tokens match the eager (torch) path's, plainly and speculatively, with the last layer a full
-  attention one (the preset) or a Gated DeltaNet one.
+- the engine's greedy tokens through the fused path match the eager path's, plainly and speculatively, and the eager
+  path's with every row computed (``--last-rows off``), with the last layer a full attention one (the preset) or a
+  Gated DeltaNet one.
 """
 
 from __future__ import annotations
@@ -63,10 +64,13 @@ def chunks(eng: Engine, rows_of, all_rows: bool = False):
     return out, cache_of(eng, 0)
 
 
+@pytest.mark.parametrize("kernels", ["triton", "torch"])
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_the_last_row_alone_keeps_the_cache_and_the_row(monkeypatch, layout):
-    eng = load(monkeypatch, layout, kernels="triton")
-    assert eng.model.fused_prefill
+def test_the_last_row_alone_keeps_the_cache_and_the_row(monkeypatch, layout, kernels):
+    """Through the fused prefill (``triton``: FastPath._last_rows) and the eager forward (``torch``:
+    HybridModel._last_rows)."""
+    eng = load(monkeypatch, layout, kernels=kernels)
+    assert eng.model.fused_prefill == (kernels == "triton")
     last = lambda n: torch.tensor([[n - 1]], device=eng.device)  # noqa: E731
     none = lambda n: torch.empty(1, 0, dtype=torch.long, device=eng.device)  # noqa: E731
     (full1, full2), cache_full = chunks(eng, lambda n: None)
@@ -96,9 +100,11 @@ def test_engine_tokens_equal_the_eager_path(monkeypatch, layout, spec):
     plain and speculative (MTP reads every prompt row, DFlash2 the tapped layers only)."""
     n = 12 if spec == "none" else 6
     kw = {} if spec == "none" else dict(spec=spec, draft_tokens=3)
-    want = load(monkeypatch, layout, kernels="torch").generate(PROMPT, max_new_tokens=n, ignore_eos=True).tokens
-    eng = load(monkeypatch, layout, kernels="triton", prefill_chunk=16, **kw)
-    assert eng.generate(PROMPT, max_new_tokens=n, ignore_eos=True).tokens == want
+    want = load(monkeypatch, layout, kernels="torch", last_rows=False).generate(PROMPT, max_new_tokens=n,
+                                                                                ignore_eos=True).tokens
+    for kernels in ("torch", "triton"):
+        eng = load(monkeypatch, layout, kernels=kernels, prefill_chunk=16, **kw)
+        assert eng.generate(PROMPT, max_new_tokens=n, ignore_eos=True).tokens == want, kernels
 
 
 def test_last_rows_off_reads_every_row(monkeypatch):
@@ -111,3 +117,13 @@ def test_last_rows_off_reads_every_row(monkeypatch):
     want = load(monkeypatch, "attention-last", kernels="torch").generate(PROMPT, max_new_tokens=8,
                                                                          ignore_eos=True).tokens
     assert tokens == want and len(seen) >= 3 and seen[:3] == [None] * 3
+
+
+def test_last_rows_changes_a_cpu_run_too():
+    """Unlike the CUDA-only switches, ``--last-rows off`` is taken on a CPU (the eager forward trims too)."""
+    from ninfer_bench.engine.runtime.options import SWITCHES, refuse_cuda_switches
+
+    assert SWITCHES["last_rows"].cpu and not SWITCHES["cudnn_prefill"].cpu
+    refuse_cuda_switches("cpu", {"last_rows": (True, False)})
+    with pytest.raises(ValueError, match="--cudnn-prefill on: this switch changes only a run on CUDA"):
+        refuse_cuda_switches("cpu", {"cudnn_prefill": (True,), "last_rows": (False,)})

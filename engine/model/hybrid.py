@@ -185,6 +185,12 @@ class HybridModel:
         return self._sum(self.w.linear(f"{p}.mlp.down_proj.weight")(F.silu(gate) * up))
 
     def attention(self, p: str, key, x: torch.Tensor, step: Step, cache: HybridCache) -> torch.Tensor:
+        q, gate = self._attn_prologue(p, key, x, step, cache)
+        return self._attn_out(p, key, q, gate, step.pos, step, cache, step.mode == PREFILL)
+
+    def _attn_prologue(self, p: str, key, x: torch.Tensor, step: Step, cache: HybridCache):
+        """(q ``[B, T, H, hd]`` normed and rotated, gate ``[B, T, H * hd]``) of full-attention layer ``p``, every
+        row's keys and values written to the cache."""
         cfg, w = self.cfg, self.w
         b, t, _ = x.shape
         h, hkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -196,9 +202,14 @@ class HybridModel:
         cos, sin = self.rope(step)  # [B, T, rd]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         cache.write_kv(key, step.slots, step.pos, k, v.view(b, t, hkv, hd))
-        kk, vv = cache.read_kv(key, step.slots, step.kv_len, x.dtype)
-        o = attn_k.attention(q, kk, vv, step.pos, self.scale, prefill=step.mode == PREFILL).reshape(b, t, h * hd)
-        return self._sum(w.project(f"{p}.self_attn.o_proj", o * torch.sigmoid(gate)))
+        return q, gate
+
+    def _attn_out(self, p: str, key, q, gate, pos, step: Step, cache: HybridCache, prefill: bool):
+        """The attention of queries ``q [B, T, H, hd]`` at positions ``pos [B, T]`` over the cache, gated, o_proj."""
+        b, t = q.shape[:2]
+        kk, vv = cache.read_kv(key, step.slots, step.kv_len, q.dtype)
+        o = attn_k.attention(q, kk, vv, pos, self.scale, prefill=prefill).reshape(b, t, -1)
+        return self._sum(self.w.project(f"{p}.self_attn.o_proj", o * torch.sigmoid(gate)))
 
     def rope(self, step: Step) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin ``[B, T, rd]`` at the step's rotary positions."""
@@ -297,16 +308,52 @@ class HybridModel:
         h = self.w.embed(step.ids)
         if step.embeds is not None:  # merged vision tokens take their placeholders' rows
             h = h.masked_scatter(step.embed_mask[..., None], step.embeds.to(h.dtype))
-        taps = []
+        taps, last = [], self.cfg.num_hidden_layers - 1
+        # Step.rows: the last layer past its token mixing for the rows read only (as FastPath._last_rows does), here
+        # where its attention is the eager one
+        trim = step.rows is not None and step.mode == PREFILL and not (self.flash_prefill and step.rope_pos is None)
         for i, kind in enumerate(self.cfg.layer_types):
-            h = self.layer(f"model.layers.{i}", i, kind, h, step, cache)
+            if i == last and trim:
+                h = self._last_rows(f"model.layers.{i}", i, kind, h, step, cache)
+            else:
+                h = self.layer(f"model.layers.{i}", i, kind, h, step, cache)
             if i in step.taps:
                 taps.append(h)
+        if h is None:  # the rows read alone
+            return step.head, taps
         hidden = rms_norm(h, self.w.vector("model.norm.weight"), self.cfg.rms_norm_eps)
         if step.rows is None:
             return hidden, taps
-        step.head = gather_rows(hidden, step.rows)  # the eager path computes every row and picks
+        if not trim:
+            step.head = gather_rows(hidden, step.rows)
         return (hidden if step.all_rows else step.head), taps
+
+    def _last_rows(self, p: str, i: int, kind: str, h: torch.Tensor, step: Step, cache: HybridCache):
+        """The last decoder layer of a prompt chunk read at ``step.rows`` alone, eagerly (see Step.rows and
+        FastPath._last_rows): the token mixing over every row, the rest for those rows into ``step.head`` (final-
+        normed); also the whole layer's output where every row is read (``all_rows``, or the layer tapped), which is
+        what returns, else None."""
+        eps, w, rows = self.cfg.rms_norm_eps, self.w, step.rows
+        full = step.all_rows or i in step.taps
+        x = rms_norm(h, w.vector(f"{p}.input_layernorm.weight"), eps)
+        if kind == "linear_attention":
+            y = self.gated_deltanet(p, i, x, step, cache)
+            y_rows = gather_rows(y, rows)
+        else:
+            q, gate = self._attn_prologue(p, i, x, step, cache)
+            y = self._attn_out(p, i, q, gate, step.pos, step, cache, True) if full else None
+            y_rows = (self._attn_out(p, i, gather_rows(q, rows), gather_rows(gate, rows), gather_rows(step.pos, rows),
+                                     step, cache, False) if rows.shape[1] else None)
+
+        def rest(h, y):
+            h = h + y
+            return h + self.mlp(p, rms_norm(h, w.vector(f"{p}.post_attention_layernorm.weight"), eps))
+
+        if rows.shape[1]:
+            step.head = rms_norm(rest(gather_rows(h, rows), y_rows), w.vector("model.norm.weight"), eps)
+        else:  # no row read: nothing after the mixing
+            step.head = h.new_empty(rows.shape[0], 0, h.shape[-1])
+        return rest(h, y) if full else None
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """lm_head over final-normed hidden states, in fp32 (tensor parallel: every rank's vocabulary rows,

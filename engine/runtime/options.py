@@ -23,10 +23,10 @@ def apply_cpu_threads(hidden_size: int, requested: int | None = None) -> None:
 
 @dataclass(frozen=True, slots=True)
 class Switch:
-    """An on / off engine switch that changes only runs on CUDA (graphs, fused kernels) and that a decode grid can
-    compare: its flag, the label suffix of a run with it off (``on_label``: with it on, for a switch off by default),
-    the runs it applies to (``spec``: a drafter; ``block``: a DFlash / DFlash2 drafter; ``v3``: the v3 runtime) and
-    its default."""
+    """An on / off engine switch that changes only runs on CUDA (graphs, fused kernels; ``cpu``: on a CPU too) and that
+    a decode grid can compare: its flag, the label suffix of a run with it off (``on_label``: with it on, for a switch
+    off by default), the runs it applies to (``spec``: a drafter; ``block``: a DFlash / DFlash2 drafter; ``v3``: the v3
+    runtime) and its default."""
 
     flag: str
     off_label: str
@@ -34,6 +34,7 @@ class Switch:
     help: str
     default: bool = True
     on_label: str = ""
+    cpu: bool = False
 
     def applies_to(self, runtime: str, spec: str) -> bool:
         return {"spec": spec != "none", "block": spec in ("dflash", "dflash2"), "v3": runtime == "v3"}[self.applies]
@@ -43,10 +44,11 @@ class Switch:
         return "" if on == self.default else (self.on_label if on else self.off_label)
 
 
-def _switch(flag: str, off_label: str, applies: str, help: str, *, default: bool = True, on_label: str = ""):
+def _switch(flag: str, off_label: str, applies: str, help: str, *, default: bool = True, on_label: str = "",
+            cpu: bool = False):
     if not default and not on_label:
         raise ValueError(f"{flag}: a switch off by default needs the label of a run with it on")
-    return field(default=default, metadata={"switch": Switch(flag, off_label, applies, help, default, on_label)})
+    return field(default=default, metadata={"switch": Switch(flag, off_label, applies, help, default, on_label, cpu)})
 
 
 DEFAULT_CONTEXT = 8192  # --max-context when none is given (or the model's limit when smaller)
@@ -155,7 +157,8 @@ class EngineOptions:
         "reads every row, as MTP does) runs its last decoder layer past the token mixing (which writes the cache) for "
         "that row only, as llama.cpp does for the rows it outputs: a long prompt's earlier chunks skip the rest of "
         "that layer. The first token's logits come from that row's own computation with or without a drafter, so "
-        "speculative tokens stay plain decoding's (v3 with --fused-prefill; off: every row, then the last picked).")
+        "speculative tokens stay plain decoding's (v3, on CUDA and on a CPU; off: every row, then the last picked).",
+        cpu=True)
     qmv_dense: bool = True  # small dense bf16/fp16 projections (<= 1024 rows, <= 64 x rows) through qmv's dense
     #                         path instead of cuBLAS (process-wide: kernels/qmv_cuda.set_dense)
     prefill_weights: str = "auto"  # prefill-width projections of packed weights (v3 on CUDA): "dense" keeps a dense
@@ -319,7 +322,7 @@ def refuse_cuda_switches(device: str, switches: dict[str, tuple[bool, ...]]) -> 
     if EngineOptions(device=device).torch_device.type == "cuda":
         return
     moved = [f"{SWITCHES[name].flag} {'on' if not SWITCHES[name].default else 'off'}"
-             for name, values in switches.items() if (not SWITCHES[name].default) in values]
+             for name, values in switches.items() if (not SWITCHES[name].default) in values and not SWITCHES[name].cpu]
     if moved:
         raise ValueError(f"{', '.join(moved)}: {'these switches change' if len(moved) > 1 else 'this switch changes'} "
                          f"only a run on CUDA (its graphs and fused kernels); on a CPU every run would take the "
