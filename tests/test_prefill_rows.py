@@ -1,6 +1,6 @@
 """A prompt chunk whose caller reads the final hidden state of one row only (``Step.rows``: the prompt's last token,
 for the first token's logits) runs its last decoder layer past the token mixing for that row alone
-(engine/model/fused_forward.FastPath._last_rows, engine/model/hybrid.HybridModel._last_rows). Held here, through the
+(engine/model/hybrid.HybridModel.last_rows). Held here, through the
 fused prefill (Triton's interpreter without CUDA, the kernels on a GPU) and the eager forward:
 
 - the cache (K/V, conv and recurrent states) is what the whole layer leaves, bit for bit: the mixing takes every row;
@@ -64,13 +64,15 @@ def chunks(eng: Engine, rows_of, all_rows: bool = False):
     return out, cache_of(eng, 0)
 
 
-@pytest.mark.parametrize("kernels", ["triton", "torch"])
+@pytest.mark.parametrize("path", ["fused", "eager", "eager-flash"])
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_the_last_row_alone_keeps_the_cache_and_the_row(monkeypatch, layout, kernels):
-    """Through the fused prefill (``triton``: FastPath._last_rows) and the eager forward (``torch``:
-    HybridModel._last_rows)."""
-    eng = load(monkeypatch, layout, kernels=kernels)
-    assert eng.model.fused_prefill == (kernels == "triton")
+def test_the_last_row_alone_keeps_the_cache_and_the_row(monkeypatch, layout, path):
+    """Through the fused prefill (FastPath), the eager forward, and the eager forward with the flash prefill
+    attention (``--fused-prefill off``), all by HybridModel.last_rows."""
+    kw = {"fused": dict(kernels="triton"), "eager": dict(kernels="torch"),
+          "eager-flash": dict(kernels="triton", fused_prefill=False)}[path]
+    eng = load(monkeypatch, layout, **kw)
+    assert eng.model.fused_prefill == (path == "fused") and eng.model.flash_prefill == (path != "eager")
     last = lambda n: torch.tensor([[n - 1]], device=eng.device)  # noqa: E731
     none = lambda n: torch.empty(1, 0, dtype=torch.long, device=eng.device)  # noqa: E731
     (full1, full2), cache_full = chunks(eng, lambda n: None)

@@ -37,7 +37,6 @@ from ...kernels.attention_prefill import cudnn_past_ok, prefill_attention_cached
 from ...kernels.attention_triton import decode_attention
 from ...kernels.gdn_triton import gdn_decode, layer_of, new_stack
 from .cache import HybridCache, PendingGDN
-from .hybrid import gather_rows
 from .weights import GATE_UP_RUN
 
 
@@ -213,34 +212,11 @@ class FastPath:
         return x, taps
 
     def _last_rows(self, i: int, x, h, step, cache: HybridCache):
-        """The last decoder layer ``i`` of a prompt chunk whose caller reads only the final hidden state at
-        ``step.rows`` (Step.rows): the token mixing over every row (the cache and the recurrent state take them all),
-        then the rest of the layer (full attention's queries, o_proj, the norms, the MLP) for those rows alone into
-        ``step.head``. Where every row is read too (``step.all_rows``, or the layer's output tapped), the whole
-        layer also runs as :meth:`_layer` does, and that is what returns; otherwise ``(step.head, None)``. The rows'
-        own computation is the same either way, so a drafter that reads every row leaves the first token as it is
-        without one (greedy speculative tokens stay plain decoding's)."""
-        cfg, w, m = self.cfg, self.w, self.m
-        p, eps = f"model.layers.{i}", cfg.rms_norm_eps
-        rows, full = step.rows, step.all_rows or i in step.taps
-        post, final = w.vector(f"{p}.post_attention_layernorm.weight"), w.vector("model.norm.weight")
-        if cfg.layer_types[i] == "linear_attention":
-            y = m.gated_deltanet(p, i, x, step, cache)  # the recurrence needs every row; then pick
-            y_rows = gather_rows(y, rows)
-        else:
-            q, gate = self._prologue(p, i, x, step, cache)  # every row's keys and values written
-            y = self._attend(p, i, q, gate, step, cache, True) if full else None
-            y_rows = (self._attend(p, i, gather_rows(q, rows), gather_rows(gate, rows), step, cache, False,
-                                   pos=gather_rows(step.pos, rows)) if rows.shape[1] else None)
-        if rows.shape[1]:
-            xr, hr = fused.add_rms_norm(y_rows, gather_rows(h, rows), post, eps)
-            step.head = fused.add_rms_norm(self.mlp(p, xr), hr, final, eps)[0]
-        else:  # no row read: nothing after the mixing
-            step.head = x.new_empty(rows.shape[0], 0, x.shape[-1])
-        if not full:
-            return step.head, None
-        x, h = fused.add_rms_norm(y, h, post, eps)
-        return fused.add_rms_norm(self.mlp(p, x), h, final, eps)
+        """The last decoder layer for the rows read alone (HybridModel.last_rows) with this path's norms and MLP:
+        (final-normed hidden, residual) of every row where they are read too, else (``step.head``, None)."""
+        x, h = self.m.last_rows(f"model.layers.{i}", i, x, h, step, cache,
+                                lambda y, h, wt: fused.add_rms_norm(y, h, wt, self.cfg.rms_norm_eps), self.mlp)
+        return (step.head, None) if x is None else (x, h)
 
     def forward_layers(self, steps: list, cache: HybridCache, after_layer=None):
         """:meth:`forward` with ``prefill`` over consecutive chunks of one prompt (``steps``, in order), layer by

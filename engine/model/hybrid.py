@@ -308,52 +308,73 @@ class HybridModel:
         h = self.w.embed(step.ids)
         if step.embeds is not None:  # merged vision tokens take their placeholders' rows
             h = h.masked_scatter(step.embed_mask[..., None], step.embeds.to(h.dtype))
-        taps, last = [], self.cfg.num_hidden_layers - 1
-        # Step.rows: the last layer past its token mixing for the rows read only (as FastPath._last_rows does), here
-        # where its attention is the eager one
-        trim = step.rows is not None and step.mode == PREFILL and not (self.flash_prefill and step.rope_pos is None)
+        taps, last, eps = [], self.cfg.num_hidden_layers - 1, self.cfg.rms_norm_eps
+        hidden = None
         for i, kind in enumerate(self.cfg.layer_types):
-            if i == last and trim:
-                h = self._last_rows(f"model.layers.{i}", i, kind, h, step, cache)
+            p = f"model.layers.{i}"
+            if i == last and step.rows is not None and step.mode == PREFILL:  # the rows read alone (Step.rows)
+                hidden, h = self.last_rows(p, i, rms_norm(h, self.w.vector(f"{p}.input_layernorm.weight"), eps), h,
+                                           step, cache, self._add_norm, self.mlp)
             else:
-                h = self.layer(f"model.layers.{i}", i, kind, h, step, cache)
+                h = self.layer(p, i, kind, h, step, cache)
             if i in step.taps:
                 taps.append(h)
-        if h is None:  # the rows read alone
-            return step.head, taps
-        hidden = rms_norm(h, self.w.vector("model.norm.weight"), self.cfg.rms_norm_eps)
-        if step.rows is None:
-            return hidden, taps
-        if not trim:
+        if step.rows is None or step.mode != PREFILL:
+            hidden = rms_norm(h, self.w.vector("model.norm.weight"), eps)
+            if step.rows is None:
+                return hidden, taps
             step.head = gather_rows(hidden, step.rows)
         return (hidden if step.all_rows else step.head), taps
 
-    def _last_rows(self, p: str, i: int, kind: str, h: torch.Tensor, step: Step, cache: HybridCache):
-        """The last decoder layer of a prompt chunk read at ``step.rows`` alone, eagerly (see Step.rows and
-        FastPath._last_rows): the token mixing over every row, the rest for those rows into ``step.head`` (final-
-        normed); also the whole layer's output where every row is read (``all_rows``, or the layer tapped), which is
-        what returns, else None."""
-        eps, w, rows = self.cfg.rms_norm_eps, self.w, step.rows
+    def _add_norm(self, y: torch.Tensor, h: torch.Tensor, weight: torch.Tensor):
+        """(rms_norm(h + y), h + y): :meth:`layer`'s residual add and the norm after it."""
+        h = h + y
+        return rms_norm(h, weight, self.cfg.rms_norm_eps), h
+
+    def last_rows(self, p: str, i: int, x: torch.Tensor, h: torch.Tensor, step: Step, cache: HybridCache,
+                  add_norm, mlp):
+        """The last decoder layer ``i`` of a prompt chunk whose caller reads the final hidden state at ``step.rows``
+        alone (Step.rows), from its normed input ``x`` and the residual ``h``: the token mixing over every row (the
+        cache and the recurrent state take them all), then the rest of the layer (full attention's queries, o_proj,
+        the norms, the MLP) for those rows only, into ``step.head`` (final-normed). Where every row is read too
+        (``all_rows``, or the layer's output tapped) the whole layer also runs, and its (final-normed hidden,
+        residual) returns; otherwise (None, None). The rows' own computation is the same either way, so a drafter
+        that reads every row leaves the first token as it is without one (greedy speculative tokens stay plain
+        decoding's). ``add_norm(y, h, weight)`` -> (normed h + y, h + y) and ``mlp(p, x)``: the caller's (eager, or
+        the fused path's)."""
+        w, rows = self.w, step.rows
         full = step.all_rows or i in step.taps
-        x = rms_norm(h, w.vector(f"{p}.input_layernorm.weight"), eps)
-        if kind == "linear_attention":
-            y = self.gated_deltanet(p, i, x, step, cache)
+        if self.cfg.layer_types[i] == "linear_attention":
+            y = self.gated_deltanet(p, i, x, step, cache)  # the recurrence needs every row; then pick
             y_rows = gather_rows(y, rows)
         else:
-            q, gate = self._attn_prologue(p, i, x, step, cache)
-            y = self._attn_out(p, i, q, gate, step.pos, step, cache, True) if full else None
-            y_rows = (self._attn_out(p, i, gather_rows(q, rows), gather_rows(gate, rows), gather_rows(step.pos, rows),
-                                     step, cache, False) if rows.shape[1] else None)
+            q, gate, attend = self._attn_pieces(p, i, x, step, cache)  # every row's keys and values written
+            y = attend(q, gate, step.pos, True) if full else None
+            y_rows = (attend(gather_rows(q, rows), gather_rows(gate, rows), gather_rows(step.pos, rows), False)
+                      if rows.shape[1] else None)
+        post, final = w.vector(f"{p}.post_attention_layernorm.weight"), w.vector("model.norm.weight")
 
-        def rest(h, y):
-            h = h + y
-            return h + self.mlp(p, rms_norm(h, w.vector(f"{p}.post_attention_layernorm.weight"), eps))
+        def rest(y, h):
+            x, h = add_norm(y, h, post)
+            return add_norm(mlp(p, x), h, final)
 
         if rows.shape[1]:
-            step.head = rms_norm(rest(gather_rows(h, rows), y_rows), w.vector("model.norm.weight"), eps)
+            step.head = rest(y_rows, gather_rows(h, rows))[0]
         else:  # no row read: nothing after the mixing
             step.head = h.new_empty(rows.shape[0], 0, h.shape[-1])
-        return rest(h, y) if full else None
+        return rest(y, h) if full else (None, None)
+
+    def _attn_pieces(self, p: str, key, x: torch.Tensor, step: Step, cache: HybridCache):
+        """(q, gate, attend) of full-attention layer ``p`` for a prompt chunk, every row's keys and values written:
+        the fused prologue and kernels where ``flash_prefill`` applies (as :meth:`layer` takes them), else the eager
+        ones; ``attend(q, gate, pos, prefill)`` is the attention of those queries (a chunk's rows, or rows picked at
+        positions ``pos``) with o_proj."""
+        if self.flash_prefill and step.rope_pos is None:
+            f = self.fast
+            q, gate = f._prologue(p, key, x, step, cache)
+            return q, gate, lambda q, g, pos, pre: f._attend(p, key, q, g, step, cache, pre, pos=pos)
+        q, gate = self._attn_prologue(p, key, x, step, cache)
+        return q, gate, lambda q, g, pos, pre: self._attn_out(p, key, q, g, pos, step, cache, pre)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """lm_head over final-normed hidden states, in fp32 (tensor parallel: every rank's vocabulary rows,
