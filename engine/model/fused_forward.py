@@ -201,22 +201,11 @@ class FastPath:
         over the gate_up output (interleaved or not), the norms as here."""
         x, h = self._embed(step)
         taps = []
-        last = self.cfg.num_hidden_layers - 1
         for i in range(self.cfg.num_hidden_layers):
-            if i == last and prefill and step.rows is not None:
-                x, h = self._last_rows(i, x, h, step, cache)
-            else:
-                x, h = self._layer(i, x, h, step, cache, prefill)
+            x, h = self._layer(i, x, h, step, cache, prefill)
             if i in step.taps:
                 taps.append(h)
         return x, taps
-
-    def _last_rows(self, i: int, x, h, step, cache: HybridCache):
-        """The last decoder layer for the rows read alone (HybridModel.last_rows) with this path's norms and MLP:
-        (final-normed hidden, residual) of every row where they are read too, else (``step.head``, None)."""
-        x, h = self.m.last_rows(f"model.layers.{i}", i, x, h, step, cache,
-                                lambda y, h, wt: fused.add_rms_norm(y, h, wt, self.cfg.rms_norm_eps), self.mlp)
-        return (step.head, None) if x is None else (x, h)
 
     def forward_layers(self, steps: list, cache: HybridCache, after_layer=None):
         """:meth:`forward` with ``prefill`` over consecutive chunks of one prompt (``steps``, in order), layer by
@@ -227,14 +216,10 @@ class FastPath:
         progress."""
         xs, hs = map(list, zip(*(self._embed(step) for step in steps)))
         taps: list[list] = [[] for _ in steps]
-        last = self.cfg.num_hidden_layers - 1
         for i in range(self.cfg.num_hidden_layers):
             with self.w.dense_scope(f"model.layers.{i}."):
                 for c, step in enumerate(steps):
-                    if i == last and step.rows is not None:
-                        xs[c], hs[c] = self._last_rows(i, xs[c], hs[c], step, cache)
-                    else:
-                        xs[c], hs[c] = self._layer(i, xs[c], hs[c], step, cache, True)
+                    xs[c], hs[c] = self._layer(i, xs[c], hs[c], step, cache, True)
                     if i in step.taps:
                         taps[c].append(hs[c])
             if after_layer is not None:
@@ -253,9 +238,14 @@ class FastPath:
 
     def _layer(self, i: int, x, h, step, cache: HybridCache, prefill: bool):
         """Decoder layer ``i`` from its normed input ``x`` and the residual ``h``: the next layer's normed input (the
-        final norm after the last) and the new residual."""
+        final norm after the last) and the new residual. The last layer of a prompt chunk read at ``step.rows`` alone
+        goes through HybridModel.last_rows with this path's norms and MLP: (``step.head``, None) unless every row is
+        read too."""
         cfg, w, m = self.cfg, self.w, self.m
         p, kind, eps = f"model.layers.{i}", cfg.layer_types[i], cfg.rms_norm_eps
+        if prefill and step.rows is not None and i == cfg.num_hidden_layers - 1:
+            x, h = m.last_rows(p, i, x, h, step, cache, lambda y, h, wt: fused.add_rms_norm(y, h, wt, eps), self.mlp)
+            return (step.head, None) if x is None else (x, h)
         if kind == "linear_attention":
             y = m.gated_deltanet(p, i, x, step, cache) if prefill else self.gated_deltanet(p, i, x, step, cache)
         elif prefill and not m.flash_prefill:
