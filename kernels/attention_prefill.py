@@ -262,15 +262,17 @@ def prefill_attention_cached(q, k_cache, v_cache, k_scale, v_scale, slots, q_pos
         # the split in fp16 where q and the keys / values fit its range: cuDNN's output is rounded to 16 bits before
         # the fold, and fp16's 10-bit mantissa keeps that rounding 8x under bf16's
         dt = torch.float16 if fp16_safe or fp16_fits(q, k_scale, v_scale, slots, kv_len) else q.dtype
-        qs = q.to(dt)
+        qp = cudnn_queries(q, dt)  # rows padded to a bucket: one cuDNN plan serves every chunk length in it
+        qs = qp[:, :q.shape[1]]
         k = dequantize_slots(k_cache, k_scale, slots, kv_len, dt, layout="bshd")  # BSHD memory: what cuDNN reads
         v = dequantize_slots(v_cache, v_scale, slots, kv_len, dt, layout="bshd")
         cfg = config or prefill_plan(q.shape[-1], False, dt)
-        key_lo = past_start // cfg.block_n * cfg.block_n
-        past = cudnn_past(qs, k, v, key_lo, scale)
+        key_lo = cudnn_keys(past_start, cfg.block_n)
+        past = cudnn_past(qp, k, v, key_lo, scale)
         if past is not None:
+            t = q.shape[1]
             return prefill_attention(qs, k, v, None, None, rows, q_pos, scale, gate=gate, config=cfg, key_lo=key_lo,
-                                     past=past, out_dtype=q.dtype)
+                                     past=(past[0][:, :t], past[1][:, :, :t]), out_dtype=q.dtype)
     k = dequantize_slots(k_cache, k_scale, slots, kv_len, q.dtype)
     v = dequantize_slots(v_cache, v_scale, slots, kv_len, q.dtype)
     return prefill_attention(q, k, v, None, None, rows, q_pos, scale, gate=gate, config=config)
@@ -295,6 +297,35 @@ def fp16_fits(q, k_scale, v_scale, slots, kv_len: int) -> bool:
 # against the Triton kernel's 0.803 / 6.044 ms (H100, docs/perf/2026-12-05g-layer-prefill-niah131k.md)
 CUDNN_PAST_MIN = 2048
 _CUDNN = {"refused": None}  # the reason cuDNN's attention failed in this process (then the kernel alone runs)
+
+
+# cuDNN builds an execution plan for each new (query rows, past keys) shape it meets, 40-46 ms on an H100
+# (docs/perf/2026-12-06c-gdn-glue-chain-link-h100.md): a chunk's query rows are padded up to a multiple of CUDNN_ROWS
+# and its past keys cut down to a multiple of CUDNN_KEYS (the kernel takes the keys above), so one plan serves every
+# chunk length and start in a bucket (a prompt of a new length, a session's next turn) instead of one each
+CUDNN_ROWS = 512
+CUDNN_KEYS = 2048
+
+
+def cudnn_keys(past_start: int, block_n: int) -> int:
+    """The keys below a chunk starting at ``past_start`` that go through cuDNN: ``past_start`` rounded down to a
+    multiple of CUDNN_KEYS (itself a multiple of the kernel's key tile ``block_n``)."""
+    step = CUDNN_KEYS if CUDNN_KEYS % block_n == 0 else block_n
+    return past_start // step * step
+
+
+def cudnn_queries(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``q [B, T, H, hd]`` in ``dtype`` with zero rows appended up to a multiple of CUDNN_ROWS: the queries
+    :func:`cudnn_past` takes (its first T rows are the kernel's). Each row's attention is its own, so the padding
+    changes no real row."""
+    t = q.shape[1]
+    rows = -(-t // CUDNN_ROWS) * CUDNN_ROWS
+    if rows == t:
+        return q.to(dtype)
+    qp = q.new_empty((q.shape[0], rows, *q.shape[2:]), dtype=dtype)
+    qp[:, :t].copy_(q)
+    qp[:, t:].zero_()
+    return qp
 
 
 def cudnn_past_ok(q, past_start: int) -> bool:

@@ -265,6 +265,36 @@ def test_cudnn_split_only_where_it_can_run():
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("t", [21, 32])
+def test_cudnn_split_buckets_its_shapes(t, monkeypatch):
+    """cuDNN builds a plan per shape, so the split buckets its shapes: the queries cuDNN takes are the chunk's
+    rows padded with zero rows to a multiple of CUDNN_ROWS, the keys below the chunk cut down to a multiple of
+    CUDNN_KEYS (the kernel takes the rest); the result is still the whole attention's (an fp32 reference stands in
+    for cuDNN on the CPU, small buckets for the test's sizes)."""
+    monkeypatch.setattr(ap, "CUDNN_ROWS", 16)
+    monkeypatch.setattr(ap, "CUDNN_KEYS", 48)  # three of the kernel's 16-key tiles
+    monkeypatch.setattr(ap, "cudnn_past_ok", lambda q, start: True)
+    c = make_case("int8", 6, 2, 64, [70], t, 112, q_dtype=torch.float16, seed=5)
+    seen = []
+
+    def fake_cudnn(q, k, v, key_lo, scale):  # cudnn_past's contract in fp32: k / v [1, Hkv, L, hd] over BSHD memory
+        seen.append((q.shape[1], key_lo))
+        assert q.dtype == torch.float16 and torch.equal(q[:, :t], c["q"]) and not q[:, t:].any()
+        kk, vv = (x[:, :, :key_lo].float().repeat_interleave(q.shape[2] // x.shape[1], dim=1) for x in (k, v))
+        sc = torch.einsum("bthd,bhkd->bhtk", q.float(), kk) * scale
+        o = torch.einsum("bhtk,bhkd->bthd", torch.softmax(sc, -1), vv)
+        return o.to(q.dtype), torch.logsumexp(sc, -1)
+
+    monkeypatch.setattr(ap, "cudnn_past", fake_cudnn)
+    kv_len = 70 + t
+    got = ap.prefill_attention_cached(**c, kv_len=kv_len, config=SMALL, cudnn=True, past_start=70, fp16_safe=True)
+    assert seen == [(32, 48)]  # 21 or 32 rows -> 32; 70 keys below the chunk -> 48
+    ref = at.decode_attention_ref(**{**c, "q": c["q"].float()})
+    alone = ap.prefill_attention_cached(**c, kv_len=kv_len, config=SMALL)
+    assert got.dtype == torch.float16 and torch.isfinite(got).all()
+    assert rel_rms(got, ref) <= RTOL_BF16 and rel_rms(got, alone) <= RTOL_BF16, (rel_rms(got, ref), rel_rms(got, alone))
+
+
 def test_fp16_fits_reads_the_slots_keys_and_the_queries():
     """The fp16 split's range check: |q| and 127 x every scale of the given slots' keys 0 .. kv_len - 1 at most
     fp16's largest finite value; a scale past kv_len or in another slot does not count, NaN fails."""
