@@ -133,8 +133,9 @@ class EngineOptions:
         "took 3.9 % off a 27B 65K prefill on the H200 but moved one of 44 NIAH cases past the oracle's near-tie "
         "tolerance; in fp16 it kept all 44 (H100 and H200) and took 2.0 % off on an H100, 1.6 % on the H200; cuDNN "
         "builds a plan for each new shape, 40-46 ms on an H100 (the shapes bucketed: query rows padded to a multiple "
-        "of 512, past keys cut to a multiple of 2,048), so a process's first long prompt pays about one a chunk; where a layer's weights do not bound its values within fp16's range it reads "
-        "back to the host once a chunk and layer; slower at small head dims.", default=False,
+        "of 512, past keys cut to a multiple of 2,048), so a process's first long prompt pays about one a chunk; "
+        "where a layer's weights do not bound its values within fp16's range it reads back to the host once a chunk "
+        "and layer; slower at small head dims.", default=False,
         on_label="-cudnnpast")
     silu_epilogue: bool = _switch(
         "--silu-epilogue", "-nosilu", "v3",
