@@ -262,15 +262,15 @@ def prefill_attention_cached(q, k_cache, v_cache, k_scale, v_scale, slots, q_pos
         # the split in fp16 where q and the keys / values fit its range: cuDNN's output is rounded to 16 bits before
         # the fold, and fp16's 10-bit mantissa keeps that rounding 8x under bf16's
         dt = torch.float16 if fp16_safe or fp16_fits(q, k_scale, v_scale, slots, kv_len) else q.dtype
+        t = q.shape[1]
         qp = cudnn_queries(q, dt)  # rows padded to a bucket: one cuDNN plan serves every chunk length in it
-        qs = qp[:, :q.shape[1]]
+        qs = qp[:, :t]
         k = dequantize_slots(k_cache, k_scale, slots, kv_len, dt, layout="bshd")  # BSHD memory: what cuDNN reads
         v = dequantize_slots(v_cache, v_scale, slots, kv_len, dt, layout="bshd")
         cfg = config or prefill_plan(q.shape[-1], False, dt)
         key_lo = cudnn_keys(past_start, cfg.block_n)
         past = cudnn_past(qp, k, v, key_lo, scale)
         if past is not None:
-            t = q.shape[1]
             return prefill_attention(qs, k, v, None, None, rows, q_pos, scale, gate=gate, config=cfg, key_lo=key_lo,
                                      past=(past[0][:, :t], past[1][:, :, :t]), out_dtype=q.dtype)
     k = dequantize_slots(k_cache, k_scale, slots, kv_len, q.dtype)

@@ -186,9 +186,15 @@ def past_ref(c, key_lo):
     """fp32 attention of the case's queries over keys 0 .. key_lo - 1 alone: (output [B, T, H, hd] in q's dtype,
     natural-log sum-exp [B, H, T]), what cudnn_past returns."""
     k, v = (past_ref_keys(c, which)[:, :, :key_lo] for which in ("k", "v"))
-    s = torch.einsum("bthd,bhkd->bhtk", c["q"].float(), k) * c["scale"]
-    o = torch.einsum("bhtk,bhkd->bthd", torch.softmax(s, -1), v)
-    return o.to(c["q"].dtype), torch.logsumexp(s, -1)
+    return attention_ref(c["q"], k, v, c["scale"])
+
+
+def attention_ref(q, k, v, scale):
+    """fp32 attention of ``q [B, T, H, hd]`` over every key of ``k`` / ``v [B, H, L, hd]``: (output [B, T, H, hd] in
+    q's dtype, natural-log sum-exp [B, H, T])."""
+    s = torch.einsum("bthd,bhkd->bhtk", q.float(), k.float()) * scale
+    o = torch.einsum("bhtk,bhkd->bthd", torch.softmax(s, -1), v.float())
+    return o.to(q.dtype), torch.logsumexp(s, -1)
 
 
 @pytest.mark.parametrize("kv,config", [("int8", "small"), ("bf16", "small"), ("bf16", "tma")])
@@ -280,10 +286,8 @@ def test_cudnn_split_buckets_its_shapes(t, monkeypatch):
     def fake_cudnn(q, k, v, key_lo, scale):  # cudnn_past's contract in fp32: k / v [1, Hkv, L, hd] over BSHD memory
         seen.append((q.shape[1], key_lo))
         assert q.dtype == torch.float16 and torch.equal(q[:, :t], c["q"]) and not q[:, t:].any()
-        kk, vv = (x[:, :, :key_lo].float().repeat_interleave(q.shape[2] // x.shape[1], dim=1) for x in (k, v))
-        sc = torch.einsum("bthd,bhkd->bhtk", q.float(), kk) * scale
-        o = torch.einsum("bhtk,bhkd->bthd", torch.softmax(sc, -1), vv)
-        return o.to(q.dtype), torch.logsumexp(sc, -1)
+        kk, vv = (x[:, :, :key_lo].repeat_interleave(q.shape[2] // x.shape[1], dim=1) for x in (k, v))
+        return attention_ref(q, kk, vv, scale)
 
     monkeypatch.setattr(ap, "cudnn_past", fake_cudnn)
     kv_len = 70 + t
