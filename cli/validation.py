@@ -216,7 +216,7 @@ def niah_case_options(f):
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
 @click.option("--kv-dtype", type=click.Choice(["fp32", "bf16", "fp16", "int8"]), default="int8", show_default=True)
 @click.option("--runtime", type=click.Choice(["v2", "v3"]), default="v3", show_default=True)
-@one_switch_option("cudnn_prefill", "Here it checks that the split keeps oracle agreement (CUDA only). ")
+@one_switch_option("cudnn_prefill", "Here the cases check the split's oracle agreement where it applies (CUDA only). ")
 @click.option("--oracle", "oracle_file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Stored oracle outputs [default: oracles/data/niah-<model>-<ctx>.json.gz].")
 @click.option("--require-oracle", is_flag=True, help="Fail when a case has no stored oracle output.")

@@ -28,7 +28,7 @@ graph (engine/model/graphs.py captures prefill chunks). Triton is imported on fi
 A long chunk's past keys can go through cuDNN's fused attention instead (``prefill_attention_cached(cudnn=True)``,
 the engine's ``--cudnn-prefill``): :func:`cudnn_past` over the keys below the chunk, the kernel over the
 rest from ``key_lo``, cuDNN's output and sum-exp folded into the kernel's online softmax (``past``). Eager chunks of
-one row only (:func:`cudnn_past_ok`). The split runs in fp16 where the queries and the cache's values fit its range:
+one row only, at head sizes where it measured faster (256; :func:`cudnn_past_ok`). The split runs in fp16 where the queries and the cache's values fit its range:
 cuDNN rounds its output to 16 bits before the fold, and in bf16 that extra rounding moved a NIAH near-tie past the
 oracle's tolerance (docs/perf/2026-12-06-cudnn-split-h200.md). The caller may vouch for the range (``fp16_safe``: the
 engine bounds a layer's values by its weights once, engine/model/hybrid.attention_value_bound); otherwise
@@ -296,6 +296,11 @@ def fp16_fits(q, k_scale, v_scale, slots, kv_len: int) -> bool:
 # cuDNN's fused attention took the past of a 2,048-token chunk (27B shape, hd 256, native GQA) in 0.567 / 4.298 ms
 # against the Triton kernel's 0.803 / 6.044 ms (H100, docs/perf/2026-12-05g-layer-prefill-niah131k.md)
 CUDNN_PAST_MIN = 2048
+# The least head size the split takes (NINFER_BENCH_CUDNN_MIN_HEAD_DIM overrides it for a process, e.g. 8 to run the
+# split on the bundled model's hd-64 heads): at hd 256 (the Qwen3.5 / 3.8 family's) it took 2.0-3.9 % off a 27B
+# 65,000-token prefill in four runs (H100 and H200); at hd 64 it was slower (docs/perf/2026-12-06-cudnn-split-h200.md,
+# 2026-12-07f-cudnn-split-default-h100.md); head sizes between were not measured
+CUDNN_MIN_HEAD_DIM = 256
 _CUDNN = {"refused": None}  # the reason cuDNN's attention failed in this process (then the kernel alone runs)
 
 
@@ -328,12 +333,25 @@ def cudnn_queries(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return qp
 
 
+def cudnn_min_head_dim() -> int:
+    """CUDNN_MIN_HEAD_DIM, or NINFER_BENCH_CUDNN_MIN_HEAD_DIM where set (recorded in a result's ``env.knobs``)."""
+    raw = os.environ.get("NINFER_BENCH_CUDNN_MIN_HEAD_DIM", "").strip()
+    if not raw:
+        return CUDNN_MIN_HEAD_DIM
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"NINFER_BENCH_CUDNN_MIN_HEAD_DIM={raw!r}: expected a head size (an integer)") from None
+
+
 def cudnn_past_ok(q, past_start: int) -> bool:
     """Whether :func:`cudnn_past` takes this chunk's past: CUDA, 16-bit queries, one row (B = 1), at least
-    CUDNN_PAST_MIN keys before it, a head size cuDNN's fused attention has (a multiple of 8 up to 256), cuDNN built
-    in, not inside a CUDA graph capture, and no earlier refusal in this process."""
+    CUDNN_PAST_MIN keys before it, a head size where the split pays (:func:`cudnn_min_head_dim`) and cuDNN's fused
+    attention has (a multiple of 8 up to 256), cuDNN built in, not inside a CUDA graph capture, and no earlier
+    refusal in this process."""
+    hd = q.shape[-1]
     return (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.shape[0] == 1
-            and past_start >= CUDNN_PAST_MIN and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256
+            and past_start >= CUDNN_PAST_MIN and hd % 8 == 0 and cudnn_min_head_dim() <= hd <= 256
             and _CUDNN["refused"] is None and torch.backends.cudnn.is_available()
             and not torch.cuda.is_current_stream_capturing())
 

@@ -963,10 +963,11 @@ PY
              nb decode $M27 -p ${PLEN:-2991,65000} -n ${PLEN_N:-32} --repeats 2 --json "$OUT/gdnglue-new" 2>&1 \
                | tee "$OUT/gdnglue-new.log" | tail -6 ;;
     cudnn16) # the cuDNN split in fp16 (session 61): the prefill attention's CUDA tests, the bundled model's NIAH grid
-             # with --cudnn-prefill on (NIAH_GRID), the 27B prompt grid (PLEN) with it on / off in one process
-             # (CUDNNP_ENGINES: add hf for the peer)
+             # with --cudnn-prefill on (NIAH_GRID; its floor lowered to the bundled model's head size 64), the 27B
+             # prompt grid (PLEN) with it on / off in one process (CUDNNP_ENGINES: add hf for the peer)
              TESTS_S=${TESTS_S:-120} run_tests test_kernels_attention_prefill
-             nb niah --ctx ${NIAH_GRID:-8192,16384,32768,65536} --cudnn-prefill on --json "$OUT/niah_cudnn16.json" \
+             NINFER_BENCH_CUDNN_MIN_HEAD_DIM=8 nb niah --ctx ${NIAH_GRID:-8192,16384,32768,65536} --cudnn-prefill on \
+               --json "$OUT/niah_cudnn16.json" \
                2>&1 | tail -12
              nb decode $M27 --engine ${CUDNNP_ENGINES:-ours} -p ${PLEN:-2991,65000} -n ${PLEN_N:-32} --repeats 2 \
                --cudnn-prefill on,off --json "$OUT/cudnn16-grid" 2>&1 | tee "$OUT/cudnn16-grid.log" | tail -10 ;;

@@ -7,7 +7,7 @@ step's idle gaps: graph launch, the token read-back, host work).
         [--no-pdl] [--no-side-stream] [--no-silu-epilogue] [--cublas-dense] [--qmv-layout L]
         [--eager-draft] [--attn-fixed-split]
         [--prefill] [--prompt-len N] [--no-flash-prefill] [--no-fused-prefill] [--prefill-weights dense]
-        [--prefill-chunk N] [--cudnn-prefill] [--batch 1,8 --sync]   # B sequences a step, as the scheduler steps them
+        [--prefill-chunk N] [--no-cudnn-prefill] [--batch 1,8 --sync]   # B sequences a step, as the scheduler steps them
                          # switches against the engine's defaults, compared by step time
         [--host]         # where the host's time goes instead (cProfile of the same steps: Python, launches, syncs)
         [--gaps N]       # the GPU's N longest idle stretches in one more profiled run, with the host's ops meanwhile
@@ -149,8 +149,8 @@ def main() -> int:
     ap.add_argument("--prefill-weights", default="auto", choices=("auto", "dense", "packed"))
     ap.add_argument("--flash-prefill", action=argparse.BooleanOptionalAction, default=True,
                     help="prompt chunks' attention by the flash-style kernel (EngineOptions.flash_prefill)")
-    ap.add_argument("--cudnn-prefill", action=argparse.BooleanOptionalAction, default=False,
-                    help="a long prompt chunk's past keys through cuDNN (EngineOptions.cudnn_prefill)")
+    ap.add_argument("--cudnn-prefill", action=argparse.BooleanOptionalAction, default=True,
+                    help="a long prompt chunk's past keys through cuDNN where it applies (EngineOptions.cudnn_prefill)")
     ap.add_argument("--fused-prefill", action=argparse.BooleanOptionalAction, default=True,
                     help="prompt chunks' GDN glue and norms through Triton kernels (EngineOptions.fused_prefill)")
     ap.add_argument("--attn-fixed-split", action="store_true",

@@ -268,7 +268,7 @@ def warmup_ids(opts: NiahOptions, device_type: str, max_context: int, all_cases:
 
 
 def niah_label(opts: NiahOptions) -> str:
-    """A run's default label: the runtime, a switch away from its default (``-cudnnpast``), the ranks."""
+    """A run's default label: the runtime, a switch away from its default (``-nocudnnpast``), the ranks."""
     eo = opts.engine_options
     return f"{eo.runtime}-niah{switch_labels(eo)}" + (f"-tp{eo.tensor_parallel}" if eo.tensor_parallel > 1 else "")
 

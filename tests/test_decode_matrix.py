@@ -262,27 +262,28 @@ def test_decode_tables_show_the_spread_of_the_repeats(tmp_path):
 @pytest.mark.parametrize("flags, named", [(["--pdl", "off"], "--pdl off"),
                                           (["--lookahead", "on,off", "--silu-epilogue", "off"],
                                            "--lookahead off, --silu-epilogue off"),
-                                          (["--cudnn-prefill", "on"], "--cudnn-prefill on")])
+                                          (["--cudnn-prefill", "off"], "--cudnn-prefill off")])
 def test_cuda_only_switches_off_are_refused_on_a_cpu(monkeypatch, flags, named):
     """On a CPU the engine takes no graphs and no fused kernels: a run with a switch away from its default would be
-    the default run relabelled (-nopdl, -sync, -cudnnpast, ...), so it is refused before the weights load; the
+    the default run relabelled (-nopdl, -sync, -nocudnnpast, ...), so it is refused before the weights load; the
     default runs."""
     monkeypatch.setattr(dec, "load_model", lambda o: pytest.fail("the weights loaded"))
     r = CliRunner().invoke(main, ["decode", "--model", "tiny", "--device", "cpu", *flags])
     assert r.exit_code == 1 and f"error: {named}: " in r.output and "CUDA" in r.output, r.output
     with pytest.raises(ValueError, match="--side-stream off"):
         refuse_cuda_switches("cpu", {"pdl": (True,), "side_stream": (True, False)})
-    refuse_cuda_switches("cpu", {"pdl": (True,), "side_stream": (True,), "cudnn_prefill": (False,)})
+    refuse_cuda_switches("cpu", {"pdl": (True,), "side_stream": (True,), "cudnn_prefill": (True,)})
 
 
 def test_niah_takes_the_cudnn_split_on_cuda_only(monkeypatch, tmp_path):
-    """``niah --cudnn-prefill on`` (to check the split against the oracles before it becomes a default): refused on a
-    CPU before any work; on CUDA the engine gets the switch and the result is labelled ``-cudnnpast``."""
+    """``niah --cudnn-prefill on|off`` (the split on by default): off is refused on a CPU before any work (the CPU
+    never splits); on CUDA the engine gets the switch, the default run keeps the plain label and one with it off is
+    labelled ``-nocudnnpast``."""
     import ninfer_bench.suites.niah as niah_suite
 
     r = CliRunner().invoke(main, ["niah", "--model", "tiny", "--ctx", "256", "--device", "cpu",
-                                  "--cudnn-prefill", "on"])
-    assert r.exit_code == 1 and "error: --cudnn-prefill on: " in r.output, r.output
+                                  "--cudnn-prefill", "off"])
+    assert r.exit_code == 1 and "error: --cudnn-prefill off: " in r.output, r.output
     seen = {}
 
     def fake_run(opts, progress=None):
@@ -291,10 +292,11 @@ def test_niah_takes_the_cudnn_split_on_cuda_only(monkeypatch, tmp_path):
 
     monkeypatch.setattr(niah_suite, "run_niah", fake_run)
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)  # run_niah is faked: nothing touches a GPU
-    r = CliRunner().invoke(main, ["niah", "--model", "tiny", "--ctx", "256", "--device", "cuda",
-                                  "--cudnn-prefill", "on"])
-    assert r.exit_code == 0 and seen["eo"].cudnn_prefill is True, r.output
-    assert niah_suite.niah_label(seen["opts"]) == "v3-niah-cudnnpast"
+    for value, label in (("on", "v3-niah"), ("off", "v3-niah-nocudnnpast")):
+        r = CliRunner().invoke(main, ["niah", "--model", "tiny", "--ctx", "256", "--device", "cuda",
+                                      "--cudnn-prefill", value])
+        assert r.exit_code == 0 and seen["eo"].cudnn_prefill is (value == "on"), r.output
+        assert niah_suite.niah_label(seen["opts"]) == label
     assert niah_suite.niah_label(niah_suite.NiahOptions.make(tensor_parallel=2)) == "v3-niah-tp2"
 
 

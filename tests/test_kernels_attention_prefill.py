@@ -349,18 +349,47 @@ def test_output_in_another_dtype_than_the_queries(out_dtype):
 
 
 def test_cudnn_prefill_is_an_engine_switch():
-    """The split is ``--cudnn-prefill`` (off by default; a run with it on is labelled ``-cudnnpast``), recorded in
+    """The split is ``--cudnn-prefill`` (on by default; a run with it off is labelled ``-nocudnnpast``), recorded in
     a run's settings; the model takes it only with the flash prefill path."""
     from ninfer_bench.engine.runtime.options import SWITCHES, EngineOptions
     from ninfer_bench.reports.experiment import SETTING_KEYS
     from ninfer_bench.suites.decode import DecodeOptions
 
     sw = SWITCHES["cudnn_prefill"]
-    assert not EngineOptions().cudnn_prefill and sw.flag == "--cudnn-prefill" and "cudnn_prefill" in SETTING_KEYS
-    assert (sw.label(False), sw.label(True)) == ("", "-cudnnpast")
+    assert EngineOptions().cudnn_prefill and sw.flag == "--cudnn-prefill" and "cudnn_prefill" in SETTING_KEYS
+    assert (sw.label(True), sw.label(False)) == ("", "-nocudnnpast")
     assert SWITCHES["pdl"].label(True) == "" and SWITCHES["pdl"].label(False) == "-nopdl"
     on, off = (DecodeOptions.make(model="tiny", cudnn_prefill=v).default_label() for v in (True, False))
-    assert on == off + "-cudnnpast"
+    assert off == on + "-nocudnnpast"
+
+
+def test_cudnn_split_takes_the_head_sizes_where_it_pays(monkeypatch):
+    """The split's head-size floor: a chunk's past goes to cuDNN at head size 256 (where it measured faster), not at
+    64 (slower) nor past cuDNN's 256; NINFER_BENCH_CUDNN_MIN_HEAD_DIM moves the floor for a process and is recorded
+    as a kernel knob; a value that is not a number is refused by name. (On a CPU nothing qualifies: the
+    device is checked first, so the head sizes are checked through a stand-in for a CUDA tensor.)"""
+    from ninfer_bench.reports.schema import KERNEL_KNOBS
+
+    class Q:  # what cudnn_past_ok reads of q
+        is_cuda, dtype = True, torch.bfloat16
+
+        def __init__(self, hd):
+            self.shape = (1, 512, 24, hd)
+
+    monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setitem(ap._CUDNN, "refused", None)
+    monkeypatch.delenv("NINFER_BENCH_CUDNN_MIN_HEAD_DIM", raising=False)
+    assert ap.cudnn_min_head_dim() == ap.CUDNN_MIN_HEAD_DIM == 256
+    assert [ap.cudnn_past_ok(Q(hd), 4096) for hd in (64, 128, 256, 512)] == [False, False, True, False]
+    assert not ap.cudnn_past_ok(Q(256), ap.CUDNN_PAST_MIN - 1)
+    monkeypatch.setenv("NINFER_BENCH_CUDNN_MIN_HEAD_DIM", "8")
+    assert [ap.cudnn_past_ok(Q(hd), 4096) for hd in (32, 64, 256, 512)] == [True, True, True, False]
+    assert not ap.cudnn_past_ok(torch.zeros(1, 4, 2, 64, dtype=torch.bfloat16), 4096)  # a CPU tensor never
+    assert "NINFER_BENCH_CUDNN_MIN_HEAD_DIM" in KERNEL_KNOBS
+    monkeypatch.setenv("NINFER_BENCH_CUDNN_MIN_HEAD_DIM", "hd64")
+    with pytest.raises(ValueError, match="NINFER_BENCH_CUDNN_MIN_HEAD_DIM"):
+        ap.cudnn_past_ok(Q(256), 4096)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="cuDNN's fused attention needs CUDA")

@@ -143,5 +143,5 @@ def test_last_rows_changes_a_cpu_run_too():
 
     assert SWITCHES["last_rows"].cpu and not SWITCHES["cudnn_prefill"].cpu
     refuse_cuda_switches("cpu", {"last_rows": (True, False)})
-    with pytest.raises(ValueError, match="--cudnn-prefill on: this switch changes only a run on CUDA"):
-        refuse_cuda_switches("cpu", {"cudnn_prefill": (True,), "last_rows": (False,)})
+    with pytest.raises(ValueError, match="--cudnn-prefill off: this switch changes only a run on CUDA"):
+        refuse_cuda_switches("cpu", {"cudnn_prefill": (False,), "last_rows": (False,)})

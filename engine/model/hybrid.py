@@ -113,7 +113,7 @@ class HybridModel:
 
     def __init__(self, cfg: ModelConfig, weights: WeightStore, *, max_positions: int, gdn_impl: str = "auto",
                  fused_kernels: bool = False, side_stream: bool = True, flash_prefill: bool = True,
-                 fused_prefill: bool = True, cudnn_prefill: bool = False, tp=None):
+                 fused_prefill: bool = True, cudnn_prefill: bool = True, tp=None):
         self.cfg, self.w, self.gdn_impl = cfg, weights, gdn_impl
         # tensor parallel (engine/model/tensor_parallel.TPGroup): cfg and weights are this rank's share; the
         # row-parallel products are summed over the ranks (_sum) and the vocabulary-parallel logits gathered

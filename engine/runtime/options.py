@@ -124,19 +124,18 @@ class EngineOptions:
         "mask tensor, no repeated K/V heads, the output gate applied as it is stored (v3 on CUDA; off: torch SDPA "
         "over a gathered, dequantized, head-repeated copy with an explicit mask).")
     cudnn_prefill: bool = _switch(
-        "--cudnn-prefill", "", "v3",
+        "--cudnn-prefill", "-nocudnnpast", "v3",
         "With --flash-prefill, a long prompt chunk's attention split in two: its past keys (at least 2,048 before "
         "the chunk, dequantized once) through cuDNN's fused attention (torch's aten op, native GQA, no mask), the "
         "chunk's own causal block through the Triton kernel, which folds cuDNN's rows in by their log-sum-exp "
-        "(CUDA, one row; in fp16 where the queries and the cache's values fit its range, else in the model's "
-        "16-bit dtype; where cuDNN refuses, the Triton kernel over every key). Off by default: the split in bf16 "
-        "took 3.9 % off a 27B 65K prefill on the H200 but moved one of 44 NIAH cases past the oracle's near-tie "
-        "tolerance; in fp16 it kept all 44 (H100 and H200) and took 2.0 % off on an H100, 1.6 % on the H200; cuDNN "
-        "builds a plan for each new shape, 40-46 ms on an H100 (the shapes bucketed: query rows padded to a multiple "
-        "of 512, past keys cut to a multiple of 2,048), so a process's first long prompt pays about one a chunk; "
-        "where a layer's weights do not bound its values within fp16's range it reads back to the host once a chunk "
-        "and layer; slower at small head dims.", default=False,
-        on_label="-cudnnpast")
+        "(CUDA, one row, head size 256: the Qwen3.5 / 3.8 family's; in fp16 where the queries and the cache's values "
+        "fit its range, else in the model's 16-bit dtype; where cuDNN refuses, the Triton kernel over every key). "
+        "At the 27B shape it took 2.0-3.9 % off a 65,000-token prefill in four runs (H100 and H200) and kept all 44 "
+        "bundled NIAH oracle cases in fp16; at the bundled model's head size 64 it was slower, so it does not apply "
+        "there (NINFER_BENCH_CUDNN_MIN_HEAD_DIM=8 makes it). cuDNN builds a plan for each new shape, 40-46 ms on an "
+        "H100 (the shapes bucketed: query rows padded to a multiple of 512, past keys cut to a multiple of 2,048), so "
+        "a process's first long prompt pays about one a chunk; where a layer's weights do not bound its values within "
+        "fp16's range it reads back to the host once a chunk and layer.")
     silu_epilogue: bool = _switch(
         "--silu-epilogue", "-nosilu", "v3",
         "The MLP's gate / up weight interleaved in runs of 8 rows so that the projection kernel stores "
@@ -312,7 +311,7 @@ def resolve_device(name: str) -> torch.device:
 
 def switch_labels(eo: EngineOptions) -> str:
     """The label suffixes of ``eo``'s switches away from their defaults, of those that apply to its runtime and
-    drafter (e.g. ``-nopdl-cudnnpast``): what the suites' default labels carry."""
+    drafter (e.g. ``-nopdl-nocudnnpast``): what the suites' default labels carry."""
     return "".join(s.label(getattr(eo, name)) for name, s in SWITCHES.items() if s.applies_to(eo.runtime, eo.spec))
 
 
