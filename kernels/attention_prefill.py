@@ -28,7 +28,8 @@ graph (engine/model/graphs.py captures prefill chunks). Triton is imported on fi
 A long chunk's past keys can go through cuDNN's fused attention instead (``prefill_attention_cached(cudnn=True)``,
 the engine's ``--cudnn-prefill``): :func:`cudnn_past` over the keys below the chunk, the kernel over the
 rest from ``key_lo``, cuDNN's output and sum-exp folded into the kernel's online softmax (``past``). Eager chunks of
-one row only, at head sizes where it measured faster (256; :func:`cudnn_past_ok`). The split runs in fp16 where the queries and the cache's values fit its range:
+one row only, at head sizes where it measured faster (256; :func:`cudnn_past_ok`). The split runs in fp16 where the
+queries and the cache's values fit its range:
 cuDNN rounds its output to 16 bits before the fold, and in bf16 that extra rounding moved a NIAH near-tie past the
 oracle's tolerance (docs/perf/2026-12-06-cudnn-split-h200.md). The caller may vouch for the range (``fp16_safe``: the
 engine bounds a layer's values by its weights once, engine/model/hybrid.attention_value_bound); otherwise

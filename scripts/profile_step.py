@@ -7,7 +7,7 @@ step's idle gaps: graph launch, the token read-back, host work).
         [--no-pdl] [--no-side-stream] [--no-silu-epilogue] [--cublas-dense] [--qmv-layout L]
         [--eager-draft] [--attn-fixed-split]
         [--prefill] [--prompt-len N] [--no-flash-prefill] [--no-fused-prefill] [--prefill-weights dense]
-        [--prefill-chunk N] [--no-cudnn-prefill] [--batch 1,8 --sync]   # B sequences a step, as the scheduler steps them
+        [--prefill-chunk N] [--no-cudnn-prefill] [--batch 1,8 --sync]  # B sequences a step, as the scheduler steps them
                          # switches against the engine's defaults, compared by step time
         [--host]         # where the host's time goes instead (cProfile of the same steps: Python, launches, syncs)
         [--gaps N]       # the GPU's N longest idle stretches in one more profiled run, with the host's ops meanwhile

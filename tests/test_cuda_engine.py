@@ -334,9 +334,9 @@ def test_prompt_scores_match_the_full_logits(spec):
 def test_cudnn_prefill_vouches_for_fp16_by_the_weights(monkeypatch):
     """--cudnn-prefill in the engine: a prompt chunk after 2,048 keys splits its attention through cuDNN in fp16
     with the layer's weights vouching for the range (attention_fp16_safe), so no chunk reads the cache's scales
-    back; the tokens stay close to the kernel-only path's (other sums: the same values to rounding). The tiny preset's
-    head size (32) is below the split's floor, so the test lowers it (NINFER_BENCH_CUDNN_MIN_HEAD_DIM); its one
-    full-attention layer is moved off the end, where --last-rows attends a prompt's last row alone."""
+    back; the tokens stay close to the kernel-only path's (other sums: the same values to rounding). The tiny
+    preset's head size (32) is below the split's floor, so the test lowers it (NINFER_BENCH_CUDNN_MIN_HEAD_DIM); its
+    one full-attention layer is moved off the end, where --last-rows attends a prompt's last row alone."""
     from ninfer_bench.engine.model import fused_forward
     from ninfer_bench.engine.model.config import PRESETS
     from ninfer_bench.kernels import attention_prefill as ap
