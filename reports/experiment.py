@@ -38,6 +38,11 @@ SETTING_KEYS = (
     "top_p", "top_k", "sample_seed",  # concurrency's sampling (beside temperature, a workload key): newer documents
     "tensor_parallel",  # ranks the model is split over (newer documents)
 )
+# the engine switches of SETTING_KEYS that change only a run on CUDA (engine/runtime/options.SWITCHES without ``cpu``;
+# tests/test_gate.py holds the two together): two CPU runs are one experiment whatever they record for these, so a
+# default moved for CUDA (--cudnn-prefill's, session 79) does not part a CPU run from its baseline
+CUDA_ONLY_SETTINGS = ("lookahead", "draft_graphs", "pdl", "side_stream", "silu_epilogue", "prefill_graphs",
+                      "flash_prefill", "fused_prefill", "draft_attention", "cudnn_prefill")
 # compared by file name: where a checkout lies is no part of the experiment
 PATH_KEYS = ("prompt_file", "images", "dataset")
 MODEL_KEYS = ("artifact_id", "sha256", "model_id", "preset", "quant_policy", "config_sha256", "seed",
@@ -75,7 +80,8 @@ def _portable(key: str, value):
 
 
 def config_differences(baseline: dict, candidate: dict, timings: bool = True) -> list[str]:
-    """What makes the two runs different experiments: model identity, workload, engine settings, GPU; where timings
+    """What makes the two runs different experiments: model identity, workload, engine settings (on two CPU runs,
+    those that change only a CUDA run excepted: CUDA_ONLY_SETTINGS), GPU; where timings
     are compared (``timings``) and both documents record them, torch's threads, the CPU affinity, the GPU's configured
     clocks (GPU runs) and the CPU model and core count (CPU runs). Exact metrics are compared across machines (CI's
     own vary)."""
@@ -83,9 +89,10 @@ def config_differences(baseline: dict, candidate: dict, timings: bool = True) ->
     if all(b is None and c is None for _, b, c in pairs):  # no identity recorded: fall back to the config
         pairs = [("model", baseline["config"].get("model"), candidate["config"].get("model"))]
     pairs += [(k, config_value(baseline["config"], k), config_value(candidate["config"], k)) for k in CONFIG_KEYS]
-    pairs += [(k, config_value(baseline["config"], k), config_value(candidate["config"], k)) for k in SETTING_KEYS
-              if baseline["config"].get(k) is not None and candidate["config"].get(k) is not None]
     on_cpu = baseline["config"].get("device") == candidate["config"].get("device") == "cpu"
+    pairs += [(k, config_value(baseline["config"], k), config_value(candidate["config"], k)) for k in SETTING_KEYS
+              if baseline["config"].get(k) is not None and candidate["config"].get(k) is not None
+              and not (on_cpu and k in CUDA_ONLY_SETTINGS)]
     # two runs against servers (--url): this client's GPU, CPU, threads and clocks measured nothing
     remote = baseline["config"].get("device") == candidate["config"].get("device") == "server"
     if not on_cpu and not remote:  # the GPU a run had matters only where it ran on one
