@@ -39,7 +39,7 @@ SETTING_KEYS = (
     "tensor_parallel",  # ranks the model is split over (newer documents)
 )
 # the engine switches of SETTING_KEYS that change only a run on CUDA (engine/runtime/options.SWITCHES without ``cpu``;
-# tests/test_gate.py holds the two together): two CPU runs are one experiment whatever they record for these, so a
+# tests/test_gate_trust.py holds the two together): two CPU runs are one experiment whatever they record for these, so a
 # default moved for CUDA (--cudnn-prefill's, session 79) does not part a CPU run from its baseline
 CUDA_ONLY_SETTINGS = ("lookahead", "draft_graphs", "pdl", "side_stream", "silu_epilogue", "prefill_graphs",
                       "flash_prefill", "fused_prefill", "draft_attention", "cudnn_prefill")
