@@ -299,7 +299,7 @@ def _launch_cuda(kern, q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, scal
     b, t, h, hd = q.shape
     splits = cfg.splits(kv_len)
     out = _new_buffer((b, t, h, hd), q.dtype, q.device)
-    o_part = _new_buffer((b, t, h, splits, hd), torch.float32, q.device)
+    o_part = _new_buffer((b, t, h, splits, hd), attn_cuda.part_dtype(), q.device)
     lse_part = _new_buffer((b, t, h, splits), torch.float32, q.device)
     attn_cuda.split(q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, scale * LOG2E, kv_len, cfg, o_part,
                     lse_part)

@@ -331,7 +331,7 @@ def _attn_combine(OP, LSE, QPOS, O, GATE, stride_pb, stride_pt, stride_ob, strid
         s_ok = offs_s < n_used
         lse = tl.load(LSE + base + offs_s, mask=s_ok, other=float("-inf"))
         o = tl.load(OP + (base + offs_s)[:, None] * HD + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :],
-                    other=0.0)
+                    other=0.0).to(tl.float32)  # fp32, or the CUDA split pass's fp16 (read back exactly)
         m_new = tl.maximum(m, tl.max(lse, 0))  # finite: split 0 always holds key 0
         w = tl.exp2(lse - m_new)
         alpha = tl.exp2(m - m_new)

@@ -50,9 +50,11 @@
 // bit. The block streams each step's raw codes and
 // scales into shared memory with cp.async (VDEPTH steps in flight, rows padded against bank conflicts), and every
 // warp makes its fragments from there.
-// Both write the normalised fp32 partial output [B, T, H, splits, HD] and its log2-sum-exp of every row whose key
-// range reaches this split, also for a single split: the combine merges exactly those rows' splits, rounds the
-// output to q's dtype and applies the gate, so the output's bits are the Triton path's rounding of its sums.
+// Both write the normalised partial output [B, T, H, splits, HD] (fp16 under PART16, the default: each element
+// its sum times the row's reciprocal sum, rounded once; store_part8) and its log2-sum-exp in fp32 of every row whose
+// key range reaches this split, also for a single split: the combine merges exactly those rows' splits in fp32,
+// rounds the output to q's dtype and applies the gate. A T = 1 step and a verify write a row alike, so token
+// invariance holds; against the Triton path (fp32 partials) the output agrees to within the rounding of the sums.
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -76,6 +78,9 @@ typedef unsigned long long u64;
 #ifndef QSMEM
 #define QSMEM 0  // attn_verify: q's A fragments in registers (0) or in shared memory (1: fewer registers)
 #endif
+#ifndef PART16
+#define PART16 1  // the partial outputs in fp16 (0: fp32); kernels/attn_cuda.py sizes the buffer to match (part_dtype)
+#endif
 #if VDEPTH < 2
 #error "VDEPTH must be at least 2"
 #endif
@@ -89,6 +94,11 @@ typedef unsigned long long u64;
 
 struct __align__(16) U4 { u32 x, y, z, w; };
 struct __align__(8) U2 { u32 x, y; };
+#if PART16
+typedef u16 part_t;
+#else
+typedef float part_t;
+#endif
 
 __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
   u32 d;
@@ -112,6 +122,28 @@ __device__ __forceinline__ u32 pack_f16(float lo, float hi) {  // {lo, hi} round
   u32 d;
   asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
   return d;
+}
+
+// A partial output element is its row's sum times the row's reciprocal sum (one IEEE division a row, not one an
+// element), rounded to fp16 (PART16) as it is stored: every kernel stores its rows so, the combine reads them back
+// exactly. A row's normalised sums are a convex combination of its keys' values, which the cache holds as fp16
+// products (codes times fp16 scales), so they are within fp16's range.
+__device__ __forceinline__ void store_part8(part_t* dst, float v0, float v1, float v2, float v3, float v4, float v5,
+                                            float v6, float v7) {  // 8 contiguous elements, dst 16-byte aligned
+#if PART16
+  *(U4*)dst = U4{pack_f16(v0, v1), pack_f16(v2, v3), pack_f16(v4, v5), pack_f16(v6, v7)};
+#else
+  *(U4*)dst = U4{__float_as_uint(v0), __float_as_uint(v1), __float_as_uint(v2), __float_as_uint(v3)};
+  *(U4*)(dst + 4) = U4{__float_as_uint(v4), __float_as_uint(v5), __float_as_uint(v6), __float_as_uint(v7)};
+#endif
+}
+
+__device__ __forceinline__ void store_part2(part_t* dst, float v0, float v1) {  // 2 contiguous, dst 4-byte aligned
+#if PART16
+  *(u32*)dst = pack_f16(v0, v1);
+#else
+  *(float2*)dst = make_float2(v0, v1);
+#endif
 }
 
 __device__ __forceinline__ float f16_to_f32(u16 h) {
@@ -318,10 +350,10 @@ __device__ __forceinline__ void token_step(KF kfrag, VF vfrag, KSC kscale, KD k_
 #define ATTN_ARGS                                                                                                   \
   const u16 *__restrict__ Q, const signed char *__restrict__ K, const signed char *__restrict__ V,                  \
       const u16 *__restrict__ KS, const u16 *__restrict__ VS, const void *__restrict__ SLOTS,                      \
-      const void *__restrict__ QPOS, float *__restrict__ OP, float *__restrict__ LSE, long long sqb, long long sqt, \
-      long long sqh, long long sks, long long skh, long long svs, long long svh, long long ssks, long long sskh,   \
-      long long ssvs, long long ssvh, long long spb, long long spt, long long ssl, float qk_scale, int T, int H,    \
-      int HKV, int G, int KV_LEN, int CHUNK, int MIN_CHUNK, int NUM_SPLITS
+      const void *__restrict__ QPOS, part_t *__restrict__ OP, float *__restrict__ LSE, long long sqb,             \
+      long long sqt, long long sqh, long long sks, long long skh, long long svs, long long svh, long long ssks,     \
+      long long sskh, long long ssvs, long long ssvh, long long spb, long long spt, long long ssl, float qk_scale, \
+      int T, int H, int HKV, int G, int KV_LEN, int CHUNK, int MIN_CHUNK, int NUM_SPLITS
 
 extern "C" __global__ void __launch_bounds__(32, 8)  // 8 warps an SM
 attn_split(ATTN_ARGS) {
@@ -409,21 +441,18 @@ attn_split(ATTN_ARGS) {
     const int n = 2 * c + r;
     if (n >= G) continue;
     const int h = hkv * G + n;
-    const float l = r ? l1 : l0, m = r ? m1 : m0;
+    const float l = r ? l1 : l0, m = r ? m1 : m0, inv = 1.f / l;
     const long long ri = ((long long)(b * T + t) * H + h) * NUM_SPLITS + s;
-    float* dst = OP + ri * HD;
+    part_t* dst = OP + ri * HD;
 #pragma unroll
     for (int gr = 0; gr < NG; ++gr) {
       float v[8];
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        v[2 * i] = o[gr][i][r] / l;
-        v[2 * i + 1] = o[gr][i][2 + r] / l;
+        v[2 * i] = o[gr][i][r] * inv;
+        v[2 * i + 1] = o[gr][i][2 + r] * inv;
       }
-      *(U4*)(dst + 64 * gr + 8 * g) = U4{__float_as_uint(v[0]), __float_as_uint(v[1]), __float_as_uint(v[2]),
-                                        __float_as_uint(v[3])};
-      *(U4*)(dst + 64 * gr + 8 * g + 4) = U4{__float_as_uint(v[4]), __float_as_uint(v[5]), __float_as_uint(v[6]),
-                                            __float_as_uint(v[7])};
+      store_part8(dst + 64 * gr + 8 * g, v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7]);
     }
     if (g == 0) LSE[ri] = m + lg2(l);
   }
@@ -638,8 +667,8 @@ __device__ __forceinline__ void verify_sums(const float (&lp)[2][2], float (&l)[
 // nothing to write, the combine skips it)
 __device__ __forceinline__ void verify_finish(const float (&lp)[2][2], const float (&m)[2], int rb, int c, int rows,
                                               const int (&rlo)[2], const int (&rhi)[2], int b, int T, int H, int hkv,
-                                              int G, int NUM_SPLITS, int s, float* OP, float* LSE, float (&l)[2],
-                                              float* (&out)[2]) {
+                                              int G, int NUM_SPLITS, int s, part_t* OP, float* LSE, float (&l)[2],
+                                              part_t* (&out)[2]) {
   verify_sums(lp, l);
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -777,12 +806,13 @@ attn_verify(ATTN_ARGS) {
     }
   }
   float l[2];
-  float* out[2];
+  part_t* out[2];
   verify_finish(lp, m, r0 + 16 * warp + g, c, rows, rlo, rhi, b, T, H, hkv, G, NUM_SPLITS, s, OP, LSE, l, out);
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    float* dst = out[h];
+    part_t* dst = out[h];
     if (!dst) continue;
+    const float inv = 1.f / l[h];
 #pragma unroll
     for (int gr = 0; gr < NG; ++gr) {
       float v[16];  // head dims 64 gr + 16 c + (0 .. 15)
@@ -790,13 +820,11 @@ attn_verify(ATTN_ARGS) {
       for (int i = 0; i < 4; ++i)
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
-          v[2 * i + hh] = o[gr][i][hh][2 * h] / l[h];
-          v[8 + 2 * i + hh] = o[gr][i][hh][2 * h + 1] / l[h];
+          v[2 * i + hh] = o[gr][i][hh][2 * h] * inv;
+          v[8 + 2 * i + hh] = o[gr][i][hh][2 * h + 1] * inv;
         }
-#pragma unroll
-      for (int q = 0; q < 4; ++q)
-        *(U4*)(dst + 64 * gr + 16 * c + 4 * q) = U4{__float_as_uint(v[4 * q]), __float_as_uint(v[4 * q + 1]),
-                                                    __float_as_uint(v[4 * q + 2]), __float_as_uint(v[4 * q + 3])};
+      store_part8(dst + 64 * gr + 16 * c, v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7]);
+      store_part8(dst + 64 * gr + 16 * c + 8, v[8], v[9], v[10], v[11], v[12], v[13], v[14], v[15]);
     }
   }
 }
@@ -969,15 +997,17 @@ attn_verify_wg(ATTN_ARGS) {
 #pragma unroll
     for (int cc = 0; cc < NG; ++cc) wgv_hold<32>(o[cc]);
   }
-  float l[2], *out[2];  // the rows' sums, their partial output rows (written when not null)
+  float l[2];  // the rows' sums, their partial output rows (written when not null)
+  part_t* out[2];
   verify_finish(lp, m, r0 + 16 * warp + g, c, rows, rlo, rhi, b, T, H, hkv, G, NUM_SPLITS, s, OP, LSE, l, out);
 #pragma unroll
-  for (int h = 0; h < 2; ++h)
+  for (int h = 0; h < 2; ++h) {
+    const float inv = 1.f / l[h];
 #pragma unroll
     for (int cc = 0; cc < NG && out[h]; ++cc)
 #pragma unroll
       for (int j = 0; j < 8; ++j)  // head dims 64 cc + 8 j + 2 c, + 1 of row g + 8 h
-        *(float2*)(out[h] + 64 * cc + 8 * j + 2 * c) =
-            make_float2(o[cc][4 * j + 2 * h] / l[h], o[cc][4 * j + 2 * h + 1] / l[h]);
+        store_part2(out[h] + 64 * cc + 8 * j + 2 * c, o[cc][4 * j + 2 * h] * inv, o[cc][4 * j + 2 * h + 1] * inv);
+  }
 }
 #endif

@@ -35,7 +35,7 @@ from . import _cupy, _triton
 from ._cupy import parse_build
 
 __all__ = ["CudaPlan", "plan", "split", "verify_grid", "wanted", "supports", "available", "import_error",
-           "set_enabled", "enabled", "set_verify_kernel", "STEP"]
+           "set_enabled", "enabled", "set_verify_kernel", "part_dtype", "STEP"]
 
 STEP = 16  # keys a warp step (the kernel's STEP; the combine's BLOCK_N)
 MAX_VERIFY_WARPS = 8  # m tiles of 16 query rows a verify block (one warp each)
@@ -78,6 +78,12 @@ _SOURCE = Path(__file__).with_name("attn_cuda.cu")
 # process, recorded in a result's env.knobs), e.g. (("VDEPTH", 3),)
 _BUILD = {"defines": tuple(sorted(parse_build(os.environ.get("NINFER_BENCH_ATTN_BUILD", ""),
                                               "NINFER_BENCH_ATTN_BUILD").items()))}
+
+
+def part_dtype() -> torch.dtype:
+    """The dtype of the partial outputs the split pass writes: fp16 (the source's PART16 = 1, the default: half the
+    bytes of fp32 for the split pass to write and the combine to read), or fp32 with the build define PART16=0."""
+    return torch.float16 if dict(_BUILD["defines"]).get("PART16", 1) else torch.float32
 
 
 def set_build_defines(defines: dict[str, int] | None = None) -> None:
@@ -281,7 +287,8 @@ def verify_grid(t: int, g: int, verify_warps: int = MAX_VERIFY_WARPS) -> tuple[i
 
 def split(q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, qk_scale: float, kv_len: int, cfg: CudaPlan,
           o_part: torch.Tensor, lse_part: torch.Tensor) -> None:
-    """The split pass into ``o_part [B, T, H, splits, hd]`` fp32 and ``lse_part [B, T, H, splits]`` (log2 units),
+    """The split pass into ``o_part [B, T, H, splits, hd]`` (:func:`part_dtype`) and ``lse_part [B, T, H, splits]``
+    fp32 (log2 units),
     written for each row's splits up to its position; ``qk_scale`` = softmax scale * log2(e). Inputs as
     :func:`supports` accepts them (the caller checks)."""
     import cupy

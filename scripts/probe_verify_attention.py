@@ -2,9 +2,10 @@
 
 For each key-split plan (``--splits``: the default plan's, and fewer, longer splits) and each T, the CUDA split pass
 alone, the combine alone and the whole ``decode_attention`` call are timed by CUDA-graph replay over cache copies
-larger than L2 (bench_attention's ``Case``), beside the bytes each moves: K / V codes and scales, and the fp32 partial
-outputs the split writes and the combine reads back. T > 1 runs each verify kernel of ``--kernels``. One plan serves
-T = 1 and T > 1 alike in the engine (their bits depend on it), so a plan is judged by both columns.
+larger than L2 (bench_attention's ``Case``), beside the bytes each moves: K / V codes and scales, and the partial
+outputs (fp16 by default: attn_cuda.part_dtype) the split writes and the combine reads back. T > 1 runs each verify
+kernel of ``--kernels``. One plan serves T = 1 and T > 1 alike in the engine (their bits depend on it), so a plan is
+judged by both columns.
 
     python scripts/probe_verify_attention.py --json out.json
     ncu --profile-from-start off -k regex:"attn_split|attn_verify|_attn_combine" \\
@@ -39,9 +40,10 @@ def parts(case: Case, t: int, cfg: attn_cuda.CudaPlan, kernel: str):
     splits = cfg.splits(case.ctx)
     b, _, h, hd = sets[0]["q"].shape
     # partial buffers: as many as fit twice L2's size over them, so the combine reads from HBM like the engine's
-    per = b * t * h * splits * (hd + 1) * 4
+    part = attn_cuda.part_dtype()
+    per = b * t * h * splits * (hd * part.itemsize + 4)
     nbuf = max(2, min(len(sets), -(-(160 * 2**20) // per)))
-    o_parts = [torch.empty(b, t, h, splits, hd, dtype=torch.float32, device="cuda") for _ in range(nbuf)]
+    o_parts = [torch.empty(b, t, h, splits, hd, dtype=part, device="cuda") for _ in range(nbuf)]
     lse_parts = [torch.empty(b, t, h, splits, dtype=torch.float32, device="cuda") for _ in range(nbuf)]
     outs = [torch.empty(b, t, h, hd, dtype=torch.bfloat16, device="cuda") for _ in range(nbuf)]
 

@@ -289,3 +289,30 @@ def test_verify_kernel_knob(monkeypatch):
 
     monkeypatch.setenv("NINFER_BENCH_ATTN_VERIFY", "wgmma")
     assert environment()["knobs"]["NINFER_BENCH_ATTN_VERIFY"] == "wgmma"
+
+
+def test_partials_follow_the_build(monkeypatch):
+    """The split pass writes fp16 partial outputs by default (the source's PART16 = 1) and fp32 with PART16=0: the
+    buffer decode_attention sizes (part_dtype) follows the process's build defines."""
+    monkeypatch.setitem(attn_cuda._BUILD, "defines", ())
+    assert attn_cuda.part_dtype() == torch.float16
+    attn_cuda.set_build_defines({"VDEPTH": 3})
+    assert attn_cuda.part_dtype() == torch.float16
+    attn_cuda.set_build_defines({"PART16": 0})
+    assert attn_cuda.part_dtype() == torch.float32
+
+
+@gpu
+@pytest.mark.parametrize("shape", ["T1-g6-hd256", "T8-g6-hd256", "T3-g8-hd128"])
+def test_fp32_partials_build_agrees(shape, monkeypatch):
+    """PART16=0 (fp32 partials, the same reciprocal products unrounded) against the fp32 reference, and the default
+    fp16 partials within their rounding of it; token invariance holds in either build (one row, one T = 1 call)."""
+    c = half_case(shape, torch.float16, seed=3)
+    ref = at.decode_attention_ref(**{**c, "q": c["q"].float()})
+    fp16 = at.decode_attention(**c)
+    monkeypatch.setitem(attn_cuda._BUILD, "defines", (("PART16", 0),))
+    fp32 = at.decode_attention(**c)
+    assert rel_rms(fp32, ref) <= RTOL_FP16 and rel_rms(fp16, ref) <= RTOL_FP16
+    assert rel_rms(fp16, fp32) <= 1e-3
+    one = {**c, "q": c["q"][:1, -1:].contiguous(), "slots": c["slots"][:1], "q_pos": c["q_pos"][:1, -1:].contiguous()}
+    assert torch.equal(at.decode_attention(**one)[0, 0], fp32[0, -1])
