@@ -345,15 +345,20 @@ def cudnn_min_head_dim() -> int:
         raise ValueError(f"NINFER_BENCH_CUDNN_MIN_HEAD_DIM={raw!r}: expected a head size (an integer)") from None
 
 
+def cudnn_split_applies(head_dim: int, device) -> bool:
+    """Whether a model of ``head_dim`` on ``device`` can take the split at all (what a result records as its
+    ``cudnn_prefill``): CUDA, a head size where the split pays (:func:`cudnn_min_head_dim`) and cuDNN's fused attention
+    has (a multiple of 8 up to 256), cuDNN built in."""
+    return (torch.device(device).type == "cuda" and head_dim % 8 == 0 and cudnn_min_head_dim() <= head_dim <= 256
+            and torch.backends.cudnn.is_available())
+
+
 def cudnn_past_ok(q, past_start: int) -> bool:
-    """Whether :func:`cudnn_past` takes this chunk's past: CUDA, 16-bit queries, one row (B = 1), at least
-    CUDNN_PAST_MIN keys before it, a head size where the split pays (:func:`cudnn_min_head_dim`) and cuDNN's fused
-    attention has (a multiple of 8 up to 256), cuDNN built in, not inside a CUDA graph capture, and no earlier
-    refusal in this process."""
-    hd = q.shape[-1]
-    return (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.shape[0] == 1
-            and past_start >= CUDNN_PAST_MIN and hd % 8 == 0 and cudnn_min_head_dim() <= hd <= 256
-            and _CUDNN["refused"] is None and torch.backends.cudnn.is_available()
+    """Whether :func:`cudnn_past` takes this chunk's past: :func:`cudnn_split_applies` to q's head size and device,
+    16-bit queries, one row (B = 1), at least CUDNN_PAST_MIN keys before it, not inside a CUDA graph capture, and no
+    earlier refusal in this process."""
+    return (q.dtype in (torch.bfloat16, torch.float16) and q.shape[0] == 1 and past_start >= CUDNN_PAST_MIN
+            and cudnn_split_applies(q.shape[-1], q.device) and _CUDNN["refused"] is None
             and not torch.cuda.is_current_stream_capturing())
 
 

@@ -317,7 +317,7 @@ def run_in_process(opts: ConcurrencyOptions, progress=None, engine=None):
             done += 1
             if progress:
                 progress(done, total, f"C{c} round {rnd + 1}")
-    settings = {"device": str(eng.device), "max_concurrency": top}
+    settings = {"device": str(eng.device), "max_concurrency": top, **eng.recorded}  # settings as applied
     if replay is not None:
         settings["replay_profile"] = replay.probs  # the per-position conditional acceptance replayed
     return records, baseline, dict(eng.model_info), settings

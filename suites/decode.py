@@ -595,7 +595,8 @@ def run_decode(opts: DecodeOptions, progress=None, loaded=None, references=None,
     config["label"] = opts.label or opts.default_label()
     config["device"] = str(runner.device)
     config["dtype"] = str(runner.dtype).replace("torch.", "")
-    config.update(getattr(runner, "recorded", {}))  # what a peer ran with where our engine's options do not apply
+    # what a peer ran with where our engine's options do not apply; our engine's settings as applied (Engine.recorded)
+    config.update(getattr(runner, "recorded", {}))
     if getattr(runner, "replay", None) is not None:
         config["replay_profile"] = runner.replay.probs  # the per-position conditional acceptance replayed
     return make_result("decode", label=config["label"], config=config, records=records, summary=summary,

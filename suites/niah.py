@@ -328,6 +328,7 @@ def run_niah(opts: NiahOptions, progress=None) -> dict:
     config = flat_config(opts)
     config["label"] = opts.label or niah_label(opts)
     config["device"] = str(eng.device)
+    config.update(eng.recorded)  # the settings as the engine applies them
     config["needle_placement"] = NEEDLE_PLACEMENT
     config["warmup_prompt"] = warm  # as run (the option's None resolved)
     config["warmup_s"] = round(warm_s, 3)

@@ -226,18 +226,21 @@ def test_trust_script_runs_and_gates_pairs(tmp_path, monkeypatch):
 
 
 def test_a_cuda_only_default_moved_parts_no_cpu_run_from_its_baseline():
-    """--cudnn-prefill went on by default (session 79): a CPU run's document now records it on where its baseline
-    recorded it off, yet a CPU run never splits, so the two are one experiment; on CUDA they are two. The CUDA-only
-    settings the comparison skips on CPU runs are exactly the engine's switches that leave a CPU run alone."""
+    """--cudnn-prefill went on by default (session 79). A run records it as applied (Engine.recorded): off on a CPU,
+    and off where the model's head size never takes the split. A CPU baseline that recorded it either way (earlier
+    documents recorded the option asked for) is one experiment with a new CPU run, since a CPU run never splits; on
+    CUDA, on and off are two. The CUDA-only settings the comparison skips on CPU runs are exactly the engine's
+    switches that leave a CPU run alone."""
     from ninfer_bench.engine.runtime.options import SWITCHES
     from ninfer_bench.reports.experiment import CUDA_ONLY_SETTINGS, SETTING_KEYS
 
     assert set(CUDA_ONLY_SETTINGS) == {k for k in SETTING_KEYS if k in SWITCHES and not SWITCHES[k].cpu}
     new = run_decode(DecodeOptions.make(**TINY, repeats=1), copy_bw=BW)
-    assert new["config"]["device"] == "cpu" and new["config"]["cudnn_prefill"] is True
+    assert new["config"]["device"] == "cpu" and new["config"]["cudnn_prefill"] is False  # asked on, never applied
     old = json.loads(json.dumps(new))
-    old["config"]["cudnn_prefill"] = False
-    assert config_differences(old, new) == []
+    for recorded in (False, True):
+        old["config"]["cudnn_prefill"] = recorded
+        assert config_differences(old, new) == []
     for doc in (old, new):
         doc["config"]["device"] = "cuda:0"
-    assert config_differences(old, new, timings=False) == ["cudnn_prefill False vs True"]
+    assert config_differences(old, new, timings=False) == ["cudnn_prefill True vs False"]

@@ -371,7 +371,7 @@ def test_cudnn_split_takes_the_head_sizes_where_it_pays(monkeypatch):
     from ninfer_bench.reports.schema import KERNEL_KNOBS
 
     class Q:  # what cudnn_past_ok reads of q
-        is_cuda, dtype = True, torch.bfloat16
+        is_cuda, dtype, device = True, torch.bfloat16, torch.device("cuda")
 
         def __init__(self, hd):
             self.shape = (1, 512, 24, hd)
@@ -383,8 +383,12 @@ def test_cudnn_split_takes_the_head_sizes_where_it_pays(monkeypatch):
     assert ap.cudnn_min_head_dim() == ap.CUDNN_MIN_HEAD_DIM == 256
     assert [ap.cudnn_past_ok(Q(hd), 4096) for hd in (64, 128, 256, 512)] == [False, False, True, False]
     assert not ap.cudnn_past_ok(Q(256), ap.CUDNN_PAST_MIN - 1)
+    # what a result records as its cudnn_prefill (Engine.recorded): the model's head size on the device
+    assert [ap.cudnn_split_applies(hd, "cuda") for hd in (64, 256, 512)] == [False, True, False]
+    assert not ap.cudnn_split_applies(256, "cpu")
     monkeypatch.setenv("NINFER_BENCH_CUDNN_MIN_HEAD_DIM", "8")
     assert [ap.cudnn_past_ok(Q(hd), 4096) for hd in (32, 64, 256, 512)] == [True, True, True, False]
+    assert ap.cudnn_split_applies(64, torch.device("cuda", 0))
     assert not ap.cudnn_past_ok(torch.zeros(1, 4, 2, 64, dtype=torch.bfloat16), 4096)  # a CPU tensor never
     assert "NINFER_BENCH_CUDNN_MIN_HEAD_DIM" in KERNEL_KNOBS
     monkeypatch.setenv("NINFER_BENCH_CUDNN_MIN_HEAD_DIM", "hd64")
@@ -456,3 +460,22 @@ def test_plan_overrides_from_the_environment(monkeypatch):
 
 def test_module_imports_without_triton():
     triton_interp.assert_imports_without_triton("attention_prefill")
+
+
+def test_a_run_records_the_split_as_applied(monkeypatch):
+    """Engine.recorded (a result's cudnn_prefill): on only where the switch is on and the split can take this model's
+    head size on this device - never on a CPU, not below the head-size floor."""
+    from ninfer_bench.engine.runtime.engine import Engine
+
+    eng = Engine.load("tiny", device="cpu")
+    assert eng.options.cudnn_prefill and eng.recorded == {"cudnn_prefill": False}
+    hd = eng.model_config.head_dim
+    monkeypatch.setattr(eng.model, "cudnn_prefill", True)  # what a CUDA engine's model holds with the switch on
+    monkeypatch.setattr(eng, "device", torch.device("cuda"))
+    monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
+    monkeypatch.setenv("NINFER_BENCH_CUDNN_MIN_HEAD_DIM", str(hd + 8))
+    assert eng.recorded == {"cudnn_prefill": False}
+    monkeypatch.setenv("NINFER_BENCH_CUDNN_MIN_HEAD_DIM", str(hd))
+    assert eng.recorded == {"cudnn_prefill": hd % 8 == 0}
+    monkeypatch.setattr(eng.model, "cudnn_prefill", False)
+    assert eng.recorded == {"cudnn_prefill": False}

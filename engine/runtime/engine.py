@@ -202,6 +202,16 @@ class Engine:
                 "weight_bytes": self.weights.weight_bytes, "drafters": sorted(self.loaded.drafters)}
 
     @property
+    def recorded(self) -> dict:
+        """Settings as this engine applies them, which a result document records over the options asked for:
+        ``cudnn_prefill`` only where the split can apply to this model on this device (CUDA, its head size: the
+        bundled model's 64 never takes it), so a run records what it ran."""
+        from ...kernels.attention_prefill import cudnn_split_applies
+
+        return {"cudnn_prefill": bool(self.model.cudnn_prefill
+                                      and cudnn_split_applies(self.model_config.head_dim, self.device))}
+
+    @property
     def weight_bytes_per_step(self) -> int:
         """Bytes of weights one decode step reads: every text-layer weight plus lm_head and one embedding row (under
         tensor parallelism this rank's share: what its GPU reads)."""
