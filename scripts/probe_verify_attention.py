@@ -69,6 +69,10 @@ def main() -> int:
     p.add_argument("--splits", default="", help="also these split counts (a comma list; the default plan first)")
     p.add_argument("--combine-cols", default="",
                    help="also time the combine alone with these column tiles (a comma list; no bit depends on them)")
+    p.add_argument("--combine-tiles", default="",
+                   help="also time the combine alone and the whole call with these combine tiles, SPLITSxCOLS (a comma "
+                        "list, e.g. 128x32,256x32): splits a program step changes the combine's order of sums, so "
+                        "the bits (alike for every T), columns do not")
     p.add_argument("--profile", action="store_true",
                    help="one launch of each (split, combine) between cudaProfilerStart / Stop (for ncu), no timing")
     p.add_argument("--json", default=None)
@@ -116,6 +120,13 @@ def main() -> int:
                     alt = dataclasses.replace(cfg, combine_cols=int(cols))
                     r[f"combine_us_cols{cols}"] = graph_us(parts(case, t, alt, kernel if t > 1 else "mma")[1])
                     print(f"  combine with {cols} columns a program: {r[f'combine_us_cols{cols}']:6.1f} us")
+                for tile in filter(None, a.combine_tiles.split(",")):
+                    n, _, cols = tile.partition("x")
+                    alt = dataclasses.replace(cfg, combine_splits=int(n), combine_cols=int(cols or cfg.combine_cols))
+                    _, comb, whole_alt, _ = parts(case, t, alt, kernel if t > 1 else "mma")
+                    r[f"combine_us_{tile}"], r[f"whole_us_{tile}"] = graph_us(comb), graph_us(whole_alt)
+                    print(f"  combine tile {tile}: combine {r[f'combine_us_{tile}']:6.1f} us  whole "
+                          f"{r[f'whole_us_{tile}']:7.1f} us")
                 rows.append(r)
                 print(f"splits {r['splits']:4d} chunk {cfg.chunk:5d}  T {t}  {kernel:7s}  rel {rel:.1e}  split "
                       f"{r['split_us']:7.1f} us  combine {r['combine_us']:6.1f} us  whole {r['whole_us']:7.1f} us  "
