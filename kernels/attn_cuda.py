@@ -68,9 +68,12 @@ def env_min_steps() -> int:
 
 
 SHORT_MIN_STEPS = env_min_steps()
-# the combine's tile [splits, columns]: at 65,536 keys, B = 1, T = 1 on the H200 (256 splits) 64 splits a step read
-# 61.4-61.8 % of the copy bandwidth for the whole call against 57.8-58.4 % at 32, columns 32 or 64 alike
-COMBINE_COLS, COMBINE_SPLITS = 32, 64
+# the combine's tile [splits, columns]. With fp32 partials, at 65,536 keys, B = 1, T = 1 on the H200 (256 splits), 64
+# splits a step read 61.4-61.8 % of the copy bandwidth for the whole call against 57.8-58.4 % at 32, columns 32 or 64
+# alike. With fp16 partials (PART16), on an H100 in one run (docs/perf/2026-12-07g-fp16-partials-h100.md), 256 x 32
+# against 64 x 32: the combine 4.9 / 14.5 us against 7.2 / 20.9 at T = 1 / 8, the whole call 56.1 / 115.7 against
+# 59.2 / 125.3 us. The splits a step fix the combine's order of sums (alike for every T), the columns change no bits
+COMBINE_COLS, COMBINE_SPLITS = 32, 256
 _SOURCE = Path(__file__).with_name("attn_cuda.cu")
 
 
