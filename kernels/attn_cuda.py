@@ -291,9 +291,8 @@ def verify_grid(t: int, g: int, verify_warps: int = MAX_VERIFY_WARPS) -> tuple[i
 def split(q, k_cache, v_cache, k_scale, v_scale, slots, q_pos, qk_scale: float, kv_len: int, cfg: CudaPlan,
           o_part: torch.Tensor, lse_part: torch.Tensor) -> None:
     """The split pass into ``o_part [B, T, H, splits, hd]`` (:func:`part_dtype`) and ``lse_part [B, T, H, splits]``
-    fp32 (log2 units),
-    written for each row's splits up to its position; ``qk_scale`` = softmax scale * log2(e). Inputs as
-    :func:`supports` accepts them (the caller checks)."""
+    fp32 (log2 units), written for each row's splits up to its position; ``qk_scale`` = softmax scale * log2(e).
+    Inputs as :func:`supports` accepts them (the caller checks)."""
     import cupy
 
     b, t, h, hd = q.shape
