@@ -1,13 +1,26 @@
 """Launch helpers every kernel module shares: Triton loaded lazily (so ``kernels.*`` import, and their CPU references
 run, on machines without Triton, and ``TRITON_INTERPRET`` is read only when a kernel is first used), programmatic
-dependent launch, the CUDA-graph and split-K scopes, and each device's split-K scratch."""
+dependent launch, the CUDA-graph and split-K scopes, each device's split-K scratch, and the kernels' counted knobs
+from the environment (:func:`env_count`)."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import os
 
 import torch
+
+
+def env_count(var: str, default: int, what: str) -> int:
+    """A positive-integer knob from the environment (``what`` it counts, for the error): ``default`` when unset or
+    blank; anything else is refused by name."""
+    raw = os.environ.get(var, "").strip()
+    if not raw:
+        return default
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"{var}: {raw!r}: expected {what} (a positive integer)")
+    return int(raw)
 
 
 @functools.lru_cache(maxsize=None)

@@ -336,13 +336,7 @@ def cudnn_queries(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def cudnn_min_head_dim() -> int:
     """CUDNN_MIN_HEAD_DIM, or NINFER_BENCH_CUDNN_MIN_HEAD_DIM where set (recorded in a result's ``env.knobs``)."""
-    raw = os.environ.get("NINFER_BENCH_CUDNN_MIN_HEAD_DIM", "").strip()
-    if not raw:
-        return CUDNN_MIN_HEAD_DIM
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"NINFER_BENCH_CUDNN_MIN_HEAD_DIM={raw!r}: expected a head size (an integer)") from None
+    return _triton.env_count("NINFER_BENCH_CUDNN_MIN_HEAD_DIM", CUDNN_MIN_HEAD_DIM, "a head size")
 
 
 def cudnn_split_applies(head_dim: int, device) -> bool:

@@ -59,12 +59,7 @@ DEFAULT_SHORT_MIN_STEPS = 1
 
 def env_min_steps() -> int:
     """NINFER_BENCH_ATTN_MIN_STEPS (a positive integer), else :data:`DEFAULT_SHORT_MIN_STEPS`."""
-    raw = os.environ.get("NINFER_BENCH_ATTN_MIN_STEPS", "").strip()
-    if not raw:
-        return DEFAULT_SHORT_MIN_STEPS
-    if not raw.isdigit() or int(raw) < 1:
-        raise ValueError(f"NINFER_BENCH_ATTN_MIN_STEPS must be a positive integer (16-key steps), got {raw!r}")
-    return int(raw)
+    return _triton.env_count("NINFER_BENCH_ATTN_MIN_STEPS", DEFAULT_SHORT_MIN_STEPS, "16-key steps")
 
 
 SHORT_MIN_STEPS = env_min_steps()

@@ -356,12 +356,9 @@ def _load_env_knobs() -> None:
     if x_path not in ("l1", "l2"):
         raise ValueError(f"NINFER_BENCH_QMV_PDL_X: {x_path!r}: expected l1 (the default) or l2")
     set_pdl_x_l1(x_path == "l1")
-    cap = os.environ.get("NINFER_BENCH_QMV_SPLIT_CAP", "").strip()
-    if cap and not (cap.isdigit() and int(cap) >= 1):
-        raise ValueError(f"NINFER_BENCH_QMV_SPLIT_CAP: {cap!r}: expected a split count >= 1")
     # a tuning run's cap on the split-K count qmv picks (1: every launch in one pass over K), to measure what the
-    # split's second pass costs; it changes the order of the sums, so the bits and possibly the tokens
-    _SWITCHES["split_cap"] = int(cap) if cap else 0
+    # split's second pass costs; it changes the order of the sums, so the bits and possibly the tokens (0: none)
+    _SWITCHES["split_cap"] = _triton.env_count("NINFER_BENCH_QMV_SPLIT_CAP", 0, "a split count")
     set_cluster(_env_on("NINFER_BENCH_QMV_CLUSTER"))
     set_pieces(_env_on("NINFER_BENCH_QMV_PIECES"))
     set_shape_knobs(parse_shapes(os.environ.get("NINFER_BENCH_QMV_SHAPES", "")))
