@@ -366,12 +366,12 @@ def test_cudnn_prefill_is_an_engine_switch():
 def test_cudnn_split_takes_the_head_sizes_where_it_pays(monkeypatch):
     """The split's head-size floor: a chunk's past goes to cuDNN at head size 256 (where it measured faster), not at
     64 (slower) nor past cuDNN's 256; NINFER_BENCH_CUDNN_MIN_HEAD_DIM moves the floor for a process and is recorded
-    as a kernel knob; a value that is not a number is refused by name. (On a CPU nothing qualifies: the
+    as a kernel knob; a value that is not a positive integer is refused by name. (On a CPU nothing qualifies: the
     device is checked first, so the head sizes are checked through a stand-in for a CUDA tensor.)"""
     from ninfer_bench.reports.schema import KERNEL_KNOBS
 
     class Q:  # what cudnn_past_ok reads of q
-        is_cuda, dtype, device = True, torch.bfloat16, torch.device("cuda")
+        dtype, device = torch.bfloat16, torch.device("cuda")
 
         def __init__(self, hd):
             self.shape = (1, 512, 24, hd)
@@ -391,9 +391,10 @@ def test_cudnn_split_takes_the_head_sizes_where_it_pays(monkeypatch):
     assert ap.cudnn_split_applies(64, torch.device("cuda", 0))
     assert not ap.cudnn_past_ok(torch.zeros(1, 4, 2, 64, dtype=torch.bfloat16), 4096)  # a CPU tensor never
     assert "NINFER_BENCH_CUDNN_MIN_HEAD_DIM" in KERNEL_KNOBS
-    monkeypatch.setenv("NINFER_BENCH_CUDNN_MIN_HEAD_DIM", "hd64")
-    with pytest.raises(ValueError, match="NINFER_BENCH_CUDNN_MIN_HEAD_DIM"):
-        ap.cudnn_past_ok(Q(256), 4096)
+    for bad in ("hd64", "0", "-8"):
+        monkeypatch.setenv("NINFER_BENCH_CUDNN_MIN_HEAD_DIM", bad)
+        with pytest.raises(ValueError, match="NINFER_BENCH_CUDNN_MIN_HEAD_DIM"):
+            ap.cudnn_past_ok(Q(256), 4096)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="cuDNN's fused attention needs CUDA")

@@ -306,7 +306,8 @@ def test_partials_follow_the_build(monkeypatch):
 @pytest.mark.parametrize("shape", ["T1-g6-hd256", "T8-g6-hd256", "T3-g8-hd128"])
 def test_fp32_partials_build_agrees(shape, monkeypatch):
     """PART16=0 (fp32 partials, the same reciprocal products unrounded) against the fp32 reference, and the default
-    fp16 partials within their rounding of it; token invariance holds in either build (one row, one T = 1 call)."""
+    fp16 partials within their rounding of it; token invariance holds in the fp32 build too (one row, one T = 1 call;
+    the default build's: test_tokens_and_rows_give_the_bits_single_steps_give)."""
     c = half_case(shape, torch.float16, seed=3)
     ref = at.decode_attention_ref(**{**c, "q": c["q"].float()})
     fp16 = at.decode_attention(**c)
