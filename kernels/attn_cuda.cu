@@ -20,11 +20,12 @@
 // A dot product does not depend on the order of its terms, so each MMA's 16 "k" values are a permutation of the
 // head dims chosen for the loads: lane (g = lane / 4, c = lane % 4) holds keys g and g + 8 and, of scale group G,
 // the 16 contiguous head dims 64 G + 16 c .. + 15 (one 16-byte load a key and group), and the query's B fragments
-// take the same permutation. K's A fragments hold the codes biased by 1152, exactly (c XOR 0x80 = c + 128 put in
-// the mantissa of 1024.0 by one byte permute), the MMA sums them against q in fp32 starting from -1152 sum(q) of the
-// group's head dims (qbias_split: the same MMAs with 1152 for every code, once a call), and each group's sums are
-// multiplied by the key's group scale: no rounding besides fp32 summation (over terms about 1152 / |c| times larger
-// than unbiased ones: some 1e-6 of a score) and q's conversion to fp16.
+// take the same permutation. K's A fragments hold the exact codes (c XOR 0x80 = c + 128 put in the mantissa of
+// 1024.0 by a byte permute, then one packed subtraction of 1152), the MMA sums them against q in fp32, and each
+// group's sums are multiplied by the key's group scale: no rounding besides fp32 summation and q's conversion to
+// fp16. Under KBIAS = 1 (a tuning build, off by default) K's fragments keep the biased codes 1152 + c (no
+// subtraction) and each group's MMAs start from -1152 sum(q) of its head dims (qbias_split / qbias_verify: the same
+// MMAs with 1152 for every code, once a call): the fp32 sums then run over terms about 1152 / |c| times larger.
 // For V^T the 16 rows of an m tile are head dims and the 16 "k" values keys; m tile (G, i) row r < 8 is head dim
 // 64 G + 8 r + 2 i and row r + 8 is the next one, so lane (g, c) reads 8 contiguous bytes (64 G + 8 g ..) of each of
 // its four keys 2c, 2c + 1, 2c + 8, 2c + 9, pairs two keys' codes by byte permutes, and multiplies the exact codes by
@@ -75,6 +76,9 @@ typedef unsigned long long u64;
 #endif
 #ifndef VDEPTH
 #define VDEPTH 4  // attn_verify: cp.async stages (steps of K / V in flight)
+#endif
+#ifndef KBIAS
+#define KBIAS 0  // 1: K's biased codes and each group's sums from -1152 sum(q) (see above; every kernel alike)
 #endif
 #ifndef QSMEM
 #define QSMEM 0  // attn_verify: q's A fragments in registers (0) or in shared memory (1: fewer registers)
@@ -223,16 +227,22 @@ __device__ __forceinline__ void key_range(int pos, int s, int chunk, int min_chu
   hi = min(min(lo + c, kv_len), pos + 1);
 }
 
-// The fragments of one 16-key step. K: chunk j of scale group gr, from word j of keys g and g + 8 (raw codes), as
-// the exact fp16 values 1152 + c: a group's MMAs start from -1152 sum(q) of its head dims (qbias), which the same MMAs
-// computed once a call, so no packed subtraction a code pair is needed
+// The fragments of one 16-key step. K: chunk j of scale group gr, from word j of keys g and g + 8 (raw codes): the
+// exact codes, or (KBIAS) the exact 1152 + c
+#if KBIAS
+#define KCODES01 biased01
+#define KCODES23 biased23
+#else
+#define KCODES01 codes01
+#define KCODES23 codes23
+#endif
 __device__ __forceinline__ void k_frag(u32 w0, u32 w1, u32* a, u32 mg) {
   w0 ^= FLIP;
   w1 ^= FLIP;
-  a[0] = biased01(w0, mg);
-  a[1] = biased01(w1, mg);
-  a[2] = biased23(w0, mg);
-  a[3] = biased23(w1, mg);
+  a[0] = KCODES01(w0, mg);
+  a[1] = KCODES01(w1, mg);
+  a[2] = KCODES23(w0, mg);
+  a[3] = KCODES23(w1, mg);
 }
 
 // V: m tile (gr, i) from the 8 bytes of keys 2c, 2c + 1 (x, y) and 2c + 8, 2c + 9 (xb, yb) at 64 gr + 8 g, times
@@ -287,7 +297,7 @@ __device__ __forceinline__ void q_words(const u16* qrow, bool ok, int gr, int c,
   }
 }
 
-// -1152 sum(q) over scale group gr's head dims, for K's biased codes (k_frag): each group's MMAs start from it, so
+// KBIAS: -1152 sum(q) over scale group gr's head dims, for K's biased codes (k_frag): each group's MMAs start from it, so
 // an S element is sum(q (1152 + c)) - 1152 sum(q) = sum(q c) up to the fp32 sums' rounding. The MMAs that compute it
 // take 1152 for K's codes, so attn_split (q as B: columns 2c, 2c + 1 -> nq[0], nq[1]) and the verify kernels (q as A:
 // rows g, g + 8 -> nq[0], nq[1]) get each row's the same bits.
@@ -329,7 +339,7 @@ __device__ __forceinline__ void token_step(KF kfrag, VF vfrag, KSC kscale, KD k_
     for (int j = 0; j < 4; ++j) {
       u32 a[4];
       kfrag(gr, j, a);
-      if (j == 0)  // from the group's bias (qbias_split)
+      if (j == 0)  // from zero, or (KBIAS) from the group's bias (qbias_split)
         mma_c(acc, a[0], a[1], a[2], a[3], qf[gr][0], qf[gr][1], nq[gr][0], nq[gr][1], nq[gr][0], nq[gr][1]);
       else
         mma(acc, a[0], a[1], a[2], a[3], qf[gr][2 * j], qf[gr][2 * j + 1]);
@@ -418,9 +428,11 @@ attn_split(ATTN_ARGS) {
 #pragma unroll
     for (int gr = 0; gr < NG; ++gr) q_words(qrow, g < G, gr, c, qf[gr]);
   }
-  float nq[NG][2];  // heads 2c, 2c + 1: each group's bias for K's biased codes
+  float nq[NG][2] = {};  // heads 2c, 2c + 1: each group's start (KBIAS: its bias for K's biased codes)
+#if KBIAS
 #pragma unroll
   for (int gr = 0; gr < NG; ++gr) qbias_split(qf[gr], nq[gr]);
+#endif
   float o[NG][4][4];
 #pragma unroll
   for (int gr = 0; gr < NG; ++gr)
@@ -752,9 +764,11 @@ attn_verify(ATTN_ARGS) {
   int rlo[2], rhi[2];
   u32 qa[NG][4][4];  // A fragments: [group][mma j][a0 .. a3] = rows g, g + 8's words 2j, 2j + 1
   verify_rows(VERIFY_ROW_ARGS, r0 + 16 * warp, g, c, rlo, rhi, qa);
-  float nq[NG][2];  // rows g, g + 8: each group's bias for K's biased codes
+  float nq[NG][2] = {};  // rows g, g + 8: each group's start (KBIAS: its bias for K's biased codes)
+#if KBIAS
 #pragma unroll
   for (int gr = 0; gr < NG; ++gr) qbias_verify(qa[gr], nq[gr]);
+#endif
 #if QSMEM
 #pragma unroll
   for (int gr = 0; gr < NG; ++gr)
@@ -810,7 +824,7 @@ attn_verify(ATTN_ARGS) {
 #else
         const U4 qv = U4{qa[gr][j][0], qa[gr][j][1], qa[gr][j][2], qa[gr][j][3]};
 #endif
-        if (j == 0) {  // from the group's bias (qbias_verify)
+        if (j == 0) {  // from zero, or (KBIAS) from the group's bias (qbias_verify)
           const float b0 = nq[gr][0], b1 = nq[gr][1];
           mma_c(acc0, qv.x, qv.y, qv.z, qv.w, a[0], a[2], b0, b0, b1, b1);
           mma_c(acc1, qv.x, qv.y, qv.z, qv.w, a[1], a[3], b0, b0, b1, b1);
@@ -944,8 +958,8 @@ __device__ __forceinline__ void wgv_convert(const signed char* ks, const signed 
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const u32 w = word4(v, j) ^ FLIP;
-      *(u32*)(row + j * 512) = biased01(w, MAGIC_BYTES);
-      *(u32*)(row + j * 512 + 128) = biased23(w, MAGIC_BYTES);
+      *(u32*)(row + j * 512) = KCODES01(w, MAGIC_BYTES);
+      *(u32*)(row + j * 512 + 128) = KCODES23(w, MAGIC_BYTES);
     }
   }
   // V': item (4-byte word dw of head dims, key half kh) reads the word of its 8 keys and writes 4 rows of 8 keys
@@ -989,9 +1003,11 @@ attn_verify_wg(ATTN_ARGS) {
   int rlo[2], rhi[2];
   u32 qa[NG][4][4];
   verify_rows(VERIFY_ROW_ARGS, r0 + 16 * warp, g, c, rlo, rhi, qa);
-  float nq[NG][2];  // rows g, g + 8: each group's bias for K's biased codes (attn_verify's)
+  float nq[NG][2] = {};  // rows g, g + 8: each group's start (attn_verify's)
+#if KBIAS
 #pragma unroll
   for (int gr = 0; gr < NG; ++gr) qbias_verify(qa[gr], nq[gr]);
+#endif
   int ulo, uhi;
   if (!verify_union(VERIFY_ROW_ARGS, r0 + 64, ulo, uhi)) return;  // uniform over the block
   const signed char *kb, *vb;
@@ -1026,7 +1042,7 @@ attn_verify_wg(ATTN_ARGS) {
     float sv[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
     for (int gr = 0; gr < NG; ++gr) {
-      float acc[8];  // from the group's bias: rows g (elements 0, 1, 4, 5) and g + 8
+      float acc[8];  // from the group's start: rows g (elements 0, 1, 4, 5) and g + 8
 #pragma unroll
       for (int i = 0; i < 8; ++i) acc[i] = nq[gr][(i >> 1) & 1];
       asm volatile("wgmma.fence.sync.aligned;" ::: "memory");

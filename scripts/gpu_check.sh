@@ -61,6 +61,10 @@
 #            tar -x -C .old`): their token-invariance / reference CUDA tests, then probe_verify_attention.py (mma, the
 #            default plan) with this tree and .old's alternately VATTNAB_ROUNDS (2) times, then the bundled held-out
 #            prompts (plain, DFlash2 K=7; 256 tokens, one repeat) for the token hashes
+#   kbias    the decode attention's KBIAS=1 build (K's biased codes, no subtraction a code pair; off by default): its
+#            CUDA tests (-k biased, plus the default build's invariance tests), probe_verify_attention.py (mma, the
+#            default plan and KBIAS_SPLITS) with the default build and NINFER_BENCH_ATTN_BUILD=KBIAS=1 alternately
+#            KBIAS_ROUNDS (2) times, then the bundled held-out prompts (plain, DFlash2 K=7) with KBIAS=1
 #   ipc      the tensor-parallel IPC collectives on one GPU: scripts/bench_ipc_collectives.py (two ranks' regions in one
 #            process), then the 27B synthetic at TP = 2 (two ranks sharing the GPU: memory and tokens, not speed) with
 #            plain / DFlash2 K=7 (IPC_N tokens)
@@ -383,6 +387,17 @@ for stage in "$@"; do
                  --json "$OUT/vattnab/old$r.json" 2>&1 | tail -4 ); done
              nb decode --spec none,dflash2:7 --prompt-file suites/data/heldout_prompts.jsonl -n 256 --repeats 1 \
                --json "$OUT/vattnab/held" 2>&1 | tail -10 ;;
+    kbias)   mkdir -p "$OUT/kbias"
+             timeout ${TESTS_S:-200} python3 -m pytest -q -p no:cacheprovider --durations=5 tests/test_kernels_attn_cuda.py \
+               -k "biased or tokens_and_rows or matches_reference" > "$OUT/kbias/tests.log" 2>&1
+             echo "--- attention tests: rc $?"; tail -3 "$OUT/kbias/tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/kbias/tests.log" | head
+             for r in $(seq ${KBIAS_ROUNDS:-2}); do
+               for b in default KBIAS=1; do
+                 NINFER_BENCH_ATTN_BUILD=$([ $b = default ] || echo $b) timeout 150 python3 scripts/probe_verify_attention.py \
+                   --kernels mma ${KBIAS_SPLITS:+--splits $KBIAS_SPLITS} --json "$OUT/kbias/${b%%=*}$r.json" 2>&1 | tail -4
+               done; done
+             NINFER_BENCH_ATTN_BUILD=KBIAS=1 nb decode --spec none,dflash2:7 --prompt-file suites/data/heldout_prompts.jsonl \
+               -n 256 --repeats 1 --json "$OUT/kbias/held" 2>&1 | tail -10 ;;
     ipc)     mkdir -p "$OUT/ipc"
              timeout ${STAGE_S:-200} python3 scripts/bench_ipc_collectives.py --json "$OUT/ipc/bench.json" 2>&1 \
                | tee "$OUT/ipc/bench.log" | tail -30
