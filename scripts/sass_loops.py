@@ -11,6 +11,7 @@ compiler made of a source change, not its time, which only a GPU measures.
     pip install -e '.[offline]'
     python scripts/sass_loops.py --hd 256,64
     python scripts/sass_loops.py --source /path/to/older/attn_cuda.cu   # the same builds of another source
+    python scripts/sass_loops.py --build KBIAS=1     # extra defines over every build (NINFER_BENCH_ATTN_BUILD's form)
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ _bootstrap.ensure_package()
 import ptxas_report  # noqa: E402
 
 from ninfer_bench.kernels import attn_cuda  # noqa: E402
+from ninfer_bench.kernels._cupy import parse_build  # noqa: E402
 
 _INSTR = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)")
 _LABEL = re.compile(r"^(\.L_x_\d+):")
@@ -93,6 +95,8 @@ def main() -> int:
     ap.add_argument("--fp16", action="store_true", help="fp16 queries (default bf16)")
     ap.add_argument("--min-mma", type=int, default=8, help="loops with fewer HMMA are not reported")
     ap.add_argument("--top", type=int, default=10, help="opcodes listed a loop")
+    ap.add_argument("--build", default="", help="extra defines over every build, NAME=VALUE:NAME=VALUE "
+                                                "(as NINFER_BENCH_ATTN_BUILD takes them)")
     args = ap.parse_args()
     try:
         ptxas_report._nvrtc(), ptxas_report._ptxas()
@@ -100,9 +104,14 @@ def main() -> int:
         print(f"sass_loops: {e}", file=sys.stderr)
         return 2
     source = Path(args.source).read_bytes()
+    try:
+        extra = tuple(sorted(parse_build(args.build, "--build").items()))
+    except ValueError as e:
+        print(f"sass_loops: {e}", file=sys.stderr)
+        return 2
     print(f"{'hd':>3} {'build':6} {'kernel':12} {'loop':10} {'instr':>5} {'HMMA':>4} {'from UR':>7}  top opcodes")
     for hd in (int(x) for x in args.hd.split(",") if x.strip()):
-        for name, build in zip(("narrow", "wide"), attn_cuda._builds(())):
+        for name, build in zip(("narrow", "wide"), attn_cuda._builds(extra)):
             sass = attention_sass(source, hd, args.fp16, build)
             for kernel, lines in functions(sass).items():
                 if kernel == "attn_split" and name == "wide":
