@@ -88,7 +88,7 @@ def attention_sass(source: bytes, hd: int, half: bool, build: tuple) -> str:
     return done.stdout
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--source", default=str(attn_cuda._SOURCE), help="the kernels' source (default: this tree's)")
     ap.add_argument("--hd", default="256", help="head dims, a comma list (multiples of 64 up to 256)")
@@ -97,18 +97,14 @@ def main() -> int:
     ap.add_argument("--top", type=int, default=10, help="opcodes listed a loop")
     ap.add_argument("--build", default="", help="extra defines over every build, NAME=VALUE:NAME=VALUE "
                                                 "(as NINFER_BENCH_ATTN_BUILD takes them)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     try:
+        extra = tuple(sorted(parse_build(args.build, "--build").items()))
         ptxas_report._nvrtc(), ptxas_report._ptxas()
-    except RuntimeError as e:
+    except (ValueError, RuntimeError) as e:
         print(f"sass_loops: {e}", file=sys.stderr)
         return 2
     source = Path(args.source).read_bytes()
-    try:
-        extra = tuple(sorted(parse_build(args.build, "--build").items()))
-    except ValueError as e:
-        print(f"sass_loops: {e}", file=sys.stderr)
-        return 2
     print(f"{'hd':>3} {'build':6} {'kernel':12} {'loop':10} {'instr':>5} {'HMMA':>4} {'from UR':>7}  top opcodes")
     for hd in (int(x) for x in args.hd.split(",") if x.strip()):
         for name, build in zip(("narrow", "wide"), attn_cuda._builds(extra)):

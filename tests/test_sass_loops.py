@@ -78,3 +78,10 @@ def test_biased_k_build_drops_a_subtraction_a_k_code_pair():
     for key, ops in base.items():
         assert ops["HADD2"] - biased[key]["HADD2"] == 64, key
         assert biased[key]["HMMA"] == ops["HMMA"], key
+
+
+def test_a_malformed_build_is_refused_by_name(capsys):
+    """--build takes NINFER_BENCH_ATTN_BUILD's NAME=INTEGER items; anything else is refused before any compiling."""
+    sl = _load()
+    assert sl.main(["--build", "KBIAS"]) == 2
+    assert "--build: a build define is NAME=INTEGER, got 'KBIAS'" in capsys.readouterr().err
