@@ -148,7 +148,8 @@ def main() -> int:
                     b = qmv_cuda.walk_build(b)
                 options = qmv_cuda.kernel_options(qmv_cuda._FMT_ID[fmt], False, True, b.unroll, b.min_blocks, False,
                                                   False, False, not args.no_pdl, 2, False, b.warps, False, b.ncol,
-                                                  b.tiles, True, b.stages, pieces=args.pieces)
+                                                  b.tiles, True, b.stages, pieces=args.pieces, rmaj=b.rmaj,
+                                                  rwarps=b.rwarps)
                 r = assemble(ptxas, compile_ptx(nvrtc, source, options))
             except (ValueError, RuntimeError) as e:
                 bad += 1

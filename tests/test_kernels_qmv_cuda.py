@@ -308,6 +308,98 @@ def test_async_ring_keeps_the_bits(fmt, n, k, splits):
         qmv_cuda.qmv(x[:4].contiguous(), lin, stages=2, tail=True)
 
 
+# (N, K): a partial last tile and blocks with tiles past N; K of 4 groups (classes without groups at 8 warps a tile);
+# K of 18 / 36 groups (classes of unequal length); a 27B-like K
+RMAJ_CASES = [(200, 2048), (64, 256), (37, 1152), (1000, 5120)]
+
+
+@needs_qmv
+@pytest.mark.parametrize("fmt", quant.QUANT_FORMATS)
+@pytest.mark.parametrize("n,k", RMAJ_CASES, ids=[f"{n}x{k}" for n, k in RMAJ_CASES])
+def test_class_major_walk_keeps_the_bits(fmt, n, k):
+    """The class-major walk (rmaj: a block's warps take their own row tiles and every group, class by class, x staged
+    once a block) gives the bits of the launch whose classes it walks - 4 or 8 warps a tile - at 33, 57 and 64 rows,
+    with 1-3 tiles a warp, 4 or 8 warps a block and rings of 2-6 stages; a row alone gets them too; under PDL, from a
+    CUDA graph, with the silu epilogue and the fp32 store; a table's entry falls back where the walk cannot run, an
+    explicit request is refused there."""
+    base, x, ref = _case(fmt, n, k, 64, torch.bfloat16, seed=59)
+    lin = qmv_cuda.TiledWeight(base, lanes=True)
+    for t in (33, 57, 64):
+        xt = x[:t].contiguous()
+        for warps in (4, 8):
+            want = qmv_cuda.qmv(xt, lin, splits=1, warps=warps, stages=0, tiles=1)
+            assert rel_rms(want, ref[:t]) <= TOL[torch.bfloat16]
+            for kw in ({"rmaj": 1}, {"rmaj": 2, "rwarps": 4}, {"rmaj": 3, "stages": 2}, {"rmaj": 1, "rwarps": 4,
+                                                                                         "stages": 6}):
+                assert torch.equal(qmv_cuda.qmv(xt, lin, splits=1, warps=warps, **kw), want), (t, warps, kw)
+    y = qmv_cuda.qmv(x, lin, splits=1, rmaj=1)
+    for r in (0, 31, 63):
+        assert torch.equal(y[r], qmv_cuda.qmv(x[r:r + 1], lin, splits=1)[0]), r
+    if torch.cuda.get_device_capability() >= (9, 0):
+        assert torch.equal(qmv_cuda.qmv(x, lin, splits=1, rmaj=2, pdl=True), y)
+    out = torch.empty_like(y)
+    graph = torch.cuda.CUDAGraph()
+    qmv_cuda.qmv(x, lin, out, splits=1, rmaj=1)
+    with torch.cuda.graph(graph):
+        qmv_cuda.qmv(x, lin, out, splits=1, rmaj=1)
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, y)
+    assert torch.equal(qmv_cuda.qmv(x, lin, splits=1, rmaj=1, out_f32=True), qmv_cuda.qmv(x, lin, splits=1,
+                                                                                           out_f32=True))
+    if n % 16 == 0:
+        assert torch.equal(qmv_cuda.qmv(x, lin, act=True, rmaj=2), qmv_cuda.qmv(x, lin, act=True, stages=0, tiles=1))
+    with pytest.raises(ValueError, match="one pass over K"):
+        qmv_cuda.qmv(x, lin, splits=2, rmaj=1)
+    flat = torch.empty(64 * k + 1, dtype=x.dtype, device="cuda")
+    xu = flat[1:].view(64, k)  # contiguous rows 2 bytes off a 16-byte boundary: not staged by cp.async
+    xu.copy_(x)
+    with pytest.raises(ValueError, match="one pass over K"):
+        qmv_cuda.qmv(xu, lin, splits=1, rmaj=1)
+    key = (8, lin.fmt)
+    saved = dict(qmv_cuda._WIDE)
+    try:
+        qmv_cuda._WIDE[key] = {"rmaj": 1, "rwarps": 4}
+        assert torch.equal(qmv_cuda.qmv(x, lin, splits=1), y)
+        assert torch.equal(qmv_cuda.qmv(x, lin, splits=2), qmv_cuda.qmv(x, lin, splits=2, rmaj=0))  # falls back
+        assert torch.equal(qmv_cuda.qmv(xu, lin, splits=1), y)
+    finally:
+        qmv_cuda._WIDE.clear()
+        qmv_cuda._WIDE.update(saved)
+
+
+def test_class_major_walk_builds():
+    """launch_build's class-major walk: a 64-row launch of the lanes layout takes rmaj row tiles a warp and rwarps
+    warps a block (one tile a block, the ring's default stages), the table's letters m / a name it, and what it
+    cannot take is refused by name; its shared memory holds each warp's ring and each stage's 64 x rows."""
+    b = qmv_cuda.launch_build("q4_g64_fp16", 34816, 64, 2, 132, ng=80, rmaj=1)
+    assert (b.rmaj, b.rwarps, b.tiles, b.stages, b.threads, b.warps) == (1, 8, 1, qmv_cuda.RMAJ_STAGES, 256, 4)
+    assert b.shared == 8 * 4 * 1 * 32 * 20 + 4 * 64 * 144
+    b = qmv_cuda.launch_build("q8_g32_fp16", 5120, 40, 2, 132, rmaj=2, rwarps=4, stages=3)
+    assert (b.rmaj, b.rwarps, b.threads, b.warps, b.shared) == (2, 4, 128, 8, 4 * 3 * 2 * 32 * 20 + 3 * 64 * 64)
+    assert qmv_cuda.async_shared_bytes("q5_g64_fp16", 8, 2, 1, rmaj=True) == 8 * 2 * 32 * 24 + 2 * 64 * 144
+    assert qmv_cuda.launch_build("q4_g64_fp16", 34816, 64, 2, 132).rmaj == 0  # off by default
+    assert qmv_cuda._wide_builds("8q4:m1a4s3") == {(8, "q4_g64_fp16"): {"rmaj": 1, "rwarps": 4, "stages": 3}}
+    for kw in ({"t": 32}, {"layout": 1}, {"stages": 0}, {"stages": 1}, {"rmaj": 4}, {"rwarps": 2}, {"tiles": 2},
+               {"fmt": qmv_cuda.DENSE_FMT}, {"tail": True}):
+        args = {"fmt": "q4_g64_fp16", "t": 64, "layout": 2, "rmaj": 1, **kw}
+        with pytest.raises(ValueError, match="class-major walk|at most 8 rows"):
+            qmv_cuda.launch_build(args.pop("fmt"), 34816, args.pop("t"), args.pop("layout"), 132, **args)
+    saved = dict(qmv_cuda._WIDE)
+    try:  # a table's walk: the lanes layout takes it, another layout or explicit tiles leave it out
+        qmv_cuda._WIDE.clear()
+        qmv_cuda._WIDE.update(qmv_cuda._wide_builds("8q4:m2a4"))
+        assert qmv_cuda.launch_build("q4_g64_fp16", 34816, 64, 2, 132).rmaj == 2
+        assert qmv_cuda.launch_build("q4_g64_fp16", 34816, 64, 1, 132).rmaj == 0
+        assert qmv_cuda.launch_build("q4_g64_fp16", 34816, 64, 2, 132, tiles=2).rmaj == 0
+        assert qmv_cuda.launch_build("q4_g64_fp16", 34816, 64, 2, 132, rmaj=0).rmaj == 0
+        assert qmv_cuda.launch_build("q5_g64_fp16", 34816, 64, 2, 132).rmaj == 0  # another format's entry
+    finally:
+        qmv_cuda._WIDE.clear()
+        qmv_cuda._WIDE.update(saved)
+
+
 def test_async_ring_shared_bytes():
     """A ring's shared memory: 20 bytes a lane, stage, tile and warp (q5: 24, its high bits); none without one."""
     assert qmv_cuda.async_shared_bytes("q4_g64_fp16", 4, 4, 3) == 4 * 4 * 3 * 32 * 20
