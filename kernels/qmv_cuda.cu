@@ -925,24 +925,37 @@ __device__ __forceinline__ void cp_async16z(u32 dst, const void* src, int bytes)
 #define XROW (FMT == 0 ? 64 : 144)
 #define XRING_OFF (RING_SLOTS * (16 + 4 * (FMT == 1 ? 2 : 1)))  // bytes of the code ring before the x ring
 
+// A thread's 16-byte chunks of a step's x (row j / XCPR, chunk j % XCPR for j = threadIdx.x + RWARPS 32 i): each
+// one's offset in x (elements, from the group's first column) and in an x stage (bytes), made once a launch
+#define XCPR (GROUP * 2 / 16)                                   // chunks a row
+#define XCH ((64 * XCPR + RWARPS * 32 - 1) / (RWARPS * 32))     // chunks a thread
+struct XChunks {
+  long long src[XCH];  // -1: a row past T (zero-filled)
+  u32 dst[XCH];
+};
+__device__ __forceinline__ XChunks x_chunks(int T, long long stride_x) {
+  XChunks C;
+#pragma unroll
+  for (int i = 0; i < XCH; ++i) {
+    const int j = threadIdx.x + i * RWARPS * 32, row = j / XCPR, ch = j % XCPR;
+    C.src[i] = row < T ? row * stride_x + 8 * ch : -1;
+    C.dst[i] = smem_addr(reinterpret_cast<unsigned char*>(qmv_ring) + XRING_OFF + row * XROW + 16 * ch);
+  }
+  return C;
+}
+
 // The block's step q (group g): x's 64 rows of group g into x stage q % ASYNC (rows >= T zero: their columns are
 // not stored), and each warp's code pieces, scale pairs and (q5) high-bit pairs of group g for its R tiles into its
 // ring stage; one commit group a call (empty past the last step)
-__device__ __forceinline__ void rmaj_issue(const Lane* Ls, const u16* __restrict__ x, int T, long long stride_x, int q,
-                                           int nq, int g, int warp, int lane) {
+__device__ __forceinline__ void rmaj_issue(const Lane* Ls, const XChunks& C, const u16* __restrict__ x, int q, int nq,
+                                           int g, int warp, int lane) {
   if (q < nq) {
     const int s = q % ASYNC;
-    unsigned char* xring = reinterpret_cast<unsigned char*>(qmv_ring) + XRING_OFF;
-    constexpr int CPR = GROUP * 2 / 16;  // 16-byte chunks a row
+    const u16* xg = x + (long long)g * GROUP;
 #pragma unroll
-    for (int i = 0; i < (64 * CPR + RWARPS * 32 - 1) / (RWARPS * 32); ++i) {
-      const int j = threadIdx.x + i * RWARPS * 32;
-      if (64 * CPR % (RWARPS * 32) == 0 || j < 64 * CPR) {
-        const int row = j / CPR, ch = j % CPR;
-        const bool ok = row < T;
-        cp_async16z(smem_addr(xring + (s * 64 + row) * XROW + 16 * ch),
-                    ok ? x + row * stride_x + (long long)g * GROUP + 8 * ch : x, ok ? 16 : 0);
-      }
+    for (int i = 0; i < XCH; ++i) {
+      if (64 * XCPR % (RWARPS * 32) == 0 || threadIdx.x + i * RWARPS * 32 < 64 * XCPR)
+        cp_async16z(C.dst[i] + s * 64 * XROW, C.src[i] >= 0 ? xg + C.src[i] : x, C.src[i] >= 0 ? 16 : 0);
     }
 #pragma unroll
     for (int i = 0; i < RMAJ; ++i) {
@@ -978,9 +991,10 @@ __device__ __forceinline__ void rmaj_walk(const u16* __restrict__ x, const u8* _
   u32 magic;
   asm volatile("mov.b32 %0, %1;" : "=r"(magic) : "n"(MAGIC));  // kept in a register (see and_or)
   const int nq = g_hi - g_lo;
+  const XChunks C = x_chunks(T, stride_x);
   int ri = 0, gn = g_lo;  // the next step to issue: class ri, group gn
   auto issue_next = [&](int q) {
-    rmaj_issue(Ls, x, T, stride_x, q, nq, gn, warp, lane);
+    rmaj_issue(Ls, C, x, q, nq, gn, warp, lane);
     gn += NW;
     while (ri < NW && gn >= g_hi) gn = g_lo + ++ri;  // on to the next class that has groups
   };
