@@ -66,9 +66,9 @@
 #            default plan and KBIAS_SPLITS) with the default build and NINFER_BENCH_ATTN_BUILD=KBIAS=1 alternately
 #            KBIAS_ROUNDS (2) times, then the bundled held-out prompts (plain, DFlash2 K=7) with KBIAS=1
 #   rmaj     qmv's class-major walk for 33-64-row launches (RMAJ, off by default; issue 33): its CUDA tests and the
-#            wide launches' bit tests, the 27B projections at 64 rows with RMAJ_KNOBS (m1,m1a4,m2a4) beside the default
+#            wide launches' bit tests, the 27B projections at 64 rows with RMAJ_KNOBS (m1,m2,m1a4,m2a4) beside the default
 #            build (bench_qlinear --qmv-knobs), then the 27B C8 plain, C8 DFlash2 K=7 replayed with the default and
-#            with NINFER_BENCH_QMV_WIDE=RMAJ_WIDE (8q4:m1a4,8q5:m1a4,8q8:m1a4)
+#            with NINFER_BENCH_QMV_WIDE=RMAJ_WIDE (8q4:m1,8q5:m1,8q8:m1)
 #   ipc      the tensor-parallel IPC collectives on one GPU: scripts/bench_ipc_collectives.py (two ranks' regions in one
 #            process), then the 27B synthetic at TP = 2 (two ranks sharing the GPU: memory and tokens, not speed) with
 #            plain / DFlash2 K=7 (IPC_N tokens)
@@ -407,9 +407,9 @@ for stage in "$@"; do
                -k "class_major or async_ring or wide_launch_rows" > "$OUT/rmaj/tests.log" 2>&1
              echo "--- qmv tests: rc $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/rmaj/tests.log" | tail -8
              OUT=$OUT timeout ${QBENCH_S:-300} python3 scripts/bench_qlinear.py --no-baselines --ts 64 --rows 64 \
-               --ops attn.q_gate,gdn.qkv,mlp.gate_up,mlp.down,lm_head --qmv-knobs ${RMAJ_KNOBS:-m1,m1a4,m2a4} 2>&1 \
+               --ops attn.q_gate,gdn.qkv,mlp.gate_up,mlp.down,lm_head --qmv-knobs ${RMAJ_KNOBS:-m1,m2,m1a4,m2a4} 2>&1 \
                | tee "$OUT/rmaj/qbench.log" | grep -v "@graph20" | tail -40
-             for W in default ${RMAJ_WIDE:-8q4:m1a4,8q5:m1a4,8q8:m1a4}; do
+             for W in default ${RMAJ_WIDE:-8q4:m1,8q5:m1,8q8:m1}; do
                for S in $([ $W = default ] && echo "none dflash2" || echo dflash2); do
                  X=""; [ "$S" = dflash2 ] && X="-k 7 --replay-acceptance seed"
                  NINFER_BENCH_QMV_WIDE=$([ $W = default ] || echo $W) nb concurrency $M27 -c 8 -n 128 --rounds 2 \

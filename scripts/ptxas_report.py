@@ -9,6 +9,7 @@ says so when it does. The numbers are ptxas's own. Whether a build is faster is 
 
     pip install -e '.[offline]'
     python scripts/ptxas_report.py --fmts q4,q5 --rows 64 --knobs default,p3s4b1,p2s4b1
+    python scripts/ptxas_report.py --fmts q4 --rows 64 --knobs default,m1 --loops   # + the step loop's SASS counts
 """
 
 from __future__ import annotations
@@ -117,6 +118,20 @@ def assemble(ptxas: Path, ptx: str, arch: str = "sm_90a", cubin: Path | None = N
             "spill_loads": num(r"(\d+) bytes spill loads"), "static_smem": num(r"(\d+) bytes smem")}
 
 
+def step_loop(ptxas: Path, cubin: Path) -> str:
+    """``  instructions / HMMA`` of the qmv kernel's shortest loop with at least 8 MMAs (its step), from nvdisasm."""
+    import sass_loops  # (it imports this module: loaded only when asked for)
+
+    done = subprocess.run([str(ptxas.parent / "nvdisasm"), "-c", str(cubin)], capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"nvdisasm: {done.stderr.strip()[:300]}")
+    found = [lp for lines in sass_loops.functions(done.stdout).values() for lp in sass_loops.loops(lines)]
+    if not found:
+        return "  (no loop with MMAs)"
+    lp = min(found, key=lambda f: f["instructions"])
+    return f"  {lp['instructions']:5d} / {lp['hmma']:<4d}"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--fmts", default="q4,q5", help="comma list of q4, q5, q8")
@@ -125,6 +140,9 @@ def main() -> int:
     ap.add_argument("--knobs", default="default", help="comma list of builds, e.g. default,p3s4b1,p2s4b1")
     ap.add_argument("--sms", type=int, default=132, help="the GPU's SMs (132: H100 / H200 SXM)")
     ap.add_argument("--no-pdl", action="store_true", help="builds without programmatic dependent launch")
+    ap.add_argument("--loops", action="store_true",
+                    help="also each build's step loop in SASS (nvdisasm; scripts/sass_loops.py's counting): the "
+                         "instructions and MMAs of the shortest loop with at least 8 MMAs, one pass of its body")
     ap.add_argument("--pieces", type=int, default=1,
                     help="split-K pieces one block walks (PIECES; > 1 needs --rows <= 8 and the default build; "
                          "the walk's register cap unless a b knob sets it)")
@@ -136,7 +154,7 @@ def main() -> int:
         return 2
     source = (Path(qmv_cuda.__file__).parent / "qmv_cuda.cu").read_bytes()
     print(f"{'fmt':4} {'knobs':10} {'warps':>5} {'tiles':>5} {'stages':>6} {'regs':>4} {'spill st/ld':>11} "
-          f"{'smem dyn+static':>16}")
+          f"{'smem dyn+static':>16}" + ("  loop instr / HMMA" if args.loops else ""))
     bad = 0
     for short in (f.strip() for f in args.fmts.split(",") if f.strip()):
         fmt = quant.QUANT_SHORT[short]
@@ -150,13 +168,16 @@ def main() -> int:
                                                   False, False, not args.no_pdl, 2, False, b.warps, False, b.ncol,
                                                   b.tiles, True, b.stages, pieces=args.pieces, rmaj=b.rmaj,
                                                   rwarps=b.rwarps)
-                r = assemble(ptxas, compile_ptx(nvrtc, source, options))
+                with tempfile.TemporaryDirectory() as tmp:
+                    cubin = Path(tmp) / "k.cubin"
+                    r = assemble(ptxas, compile_ptx(nvrtc, source, options), cubin=cubin)
+                    loop = step_loop(ptxas, cubin) if args.loops else ""
             except (ValueError, RuntimeError) as e:
                 bad += 1
                 print(f"{short:4} {spec:10} FAILED: {str(e).splitlines()[0][:160]}")
                 continue
             print(f"{short:4} {spec:10} {b.warps:5d} {b.tiles:5d} {b.stages:6d} {r['registers']:4d} "
-                  f"{r['spill_stores']:5d}/{r['spill_loads']:<5d} {b.shared:8d}+{r['static_smem']:<7d}")
+                  f"{r['spill_stores']:5d}/{r['spill_loads']:<5d} {b.shared:8d}+{r['static_smem']:<7d}" + loop)
     return 1 if bad else 0
 
 
