@@ -851,6 +851,24 @@ extern __shared__ uint4 qmv_ring[];
 #define RING_SLOTS (NW * ASYNC * TPW * 32)
 #endif
 
+// The fragments of a warp's NT tiles from its ring stage s: each lane's code piece, scale pair and (q5) high-bit pair
+template <int NT>
+__device__ __forceinline__ void ring_frags(Frags (&F)[NT], int warp, int s, int lane, u32 magic) {
+  const u32* ring_s = reinterpret_cast<const u32*>(qmv_ring + RING_SLOTS);
+#pragma unroll
+  for (int i = 0; i < NT; ++i) {
+    const int slot = ((warp * ASYNC + s) * NT + i) * 32 + lane;
+    const uint4 v = qmv_ring[slot];
+    const u32 sc = ring_s[slot];
+#if FMT == 1
+    const u32 h = ring_s[RING_SLOTS + slot];
+#else
+    const u32 h = 0;
+#endif
+    F[i] = make_frags(make_uint2(v.x, v.y), make_uint2(v.z, v.w), h & 0xFFFFu, h >> 16, sc & 0xFFFFu, sc >> 16, magic);
+  }
+}
+
 // Step j of the warp (group gi0 + NW j) of tile i: its pieces into stage j % ASYNC (one commit group a step, empty
 // past the warp's last step, so that a wait for "all but ASYNC - 1 groups" always means step j's)
 __device__ __forceinline__ void ring_issue(const Lane* Ls, int j, int steps, int warp, int lane) {
@@ -885,25 +903,11 @@ __device__ __forceinline__ void ring_sums(TILES_SUMS_PARAMS) {
 #pragma unroll
   for (int j = 0; j < ASYNC - 1; ++j) ring_issue(Ls, j, steps, warp, lane);
   grid_wait();  // the first steps' weights are in flight; x comes from the kernel before
-  const u32* ring_s = reinterpret_cast<const u32*>(qmv_ring + RING_SLOTS);
   for (int j = 0; j < steps; ++j) {
     ring_issue(Ls, j + ASYNC - 1, steps, warp, lane);  // into the stage step j - 1 used (read into registers)
     cp_wait<ASYNC - 1>();                                // this lane's copies of step j have landed
-    const int s = j % ASYNC;
     Frags F[TPW];
-#pragma unroll
-    for (int i = 0; i < TPW; ++i) {
-      const int slot = ((warp * ASYNC + s) * TPW + i) * 32 + lane;
-      const uint4 v = qmv_ring[slot];
-      const u32 sc = ring_s[slot];
-#if FMT == 1
-      const u32 h = ring_s[RING_SLOTS + slot];
-#else
-      const u32 h = 0;
-#endif
-      F[i] = make_frags(make_uint2(v.x, v.y), make_uint2(v.z, v.w), h & 0xFFFFu, h >> 16, sc & 0xFFFFu, sc >> 16,
-                        magic);
-    }
+    ring_frags<TPW>(F, warp, j % ASYNC, lane, magic);
     tiles_cols(Ls[0], xrow, gi0, j, K, c, F, acc);
   }
   cp_wait<0>();  // (only empty groups remain: nothing still writes to the ring when the block moves on)
@@ -1001,7 +1005,6 @@ __device__ __forceinline__ void rmaj_walk(const u16* __restrict__ x, const u8* _
   grid_wait();  // x comes from the kernel before
 #pragma unroll 1
   for (int j = 0; j < ASYNC - 1; ++j) issue_next(j);
-  const u32* ring_s = reinterpret_cast<const u32*>(qmv_ring + RING_SLOTS);
   const unsigned char* xring = reinterpret_cast<const unsigned char*>(qmv_ring) + XRING_OFF;
   float total[4 * NCOL * RMAJ], cur[4 * NCOL * RMAJ];
   int q = 0;
@@ -1016,19 +1019,7 @@ __device__ __forceinline__ void rmaj_walk(const u16* __restrict__ x, const u8* _
       issue_next(q + ASYNC - 1);
       const int s = q % ASYNC;
       Frags F[RMAJ];
-#pragma unroll
-      for (int i = 0; i < RMAJ; ++i) {
-        const int slot = ((warp * ASYNC + s) * RMAJ + i) * 32 + lane;
-        const uint4 v = qmv_ring[slot];
-        const u32 sc = ring_s[slot];
-#if FMT == 1
-        const u32 h = ring_s[RING_SLOTS + slot];
-#else
-        const u32 h = 0;
-#endif
-        F[i] = make_frags(make_uint2(v.x, v.y), make_uint2(v.z, v.w), h & 0xFFFFu, h >> 16, sc & 0xFFFFu, sc >> 16,
-                          magic);
-      }
+      ring_frags<RMAJ>(F, warp, s, lane, magic);
       const unsigned char* xs = xring + s * 64 * XROW + 2 * XPL * c;
 #pragma unroll
       for (int n = 0; n < NCOL; ++n) {
