@@ -948,11 +948,10 @@ __device__ __forceinline__ XChunks x_chunks(int T, long long stride_x) {
   return C;
 }
 
-// The block's step q (group g): x's 64 rows of group g into x stage q % ASYNC (rows >= T zero: their columns are
-// not stored), and each warp's code pieces, scale pairs and (q5) high-bit pairs of group g for its R tiles into its
-// ring stage; one commit group a call (empty past the last step)
-__device__ __forceinline__ void rmaj_issue(const Lane* Ls, const XChunks& C, const u16* __restrict__ x, int q, int nq,
-                                           int g, int warp, int lane) {
+// The block's step q (group g), in two parts that a commit group holds together: x's 64 rows of group g into x
+// stage q % ASYNC (rows >= T zero: their columns are not stored), and each warp's code pieces, scale pairs and (q5)
+// high-bit pairs of group g for its R tiles into its ring stage (nothing past the last step)
+__device__ __forceinline__ void rmaj_x(const XChunks& C, const u16* __restrict__ x, int q, int nq, int g) {
   if (q < nq) {
     const int s = q % ASYNC;
     const u16* xg = x + (long long)g * GROUP;
@@ -961,6 +960,12 @@ __device__ __forceinline__ void rmaj_issue(const Lane* Ls, const XChunks& C, con
       if (64 * XCPR % (RWARPS * 32) == 0 || threadIdx.x + i * RWARPS * 32 < 64 * XCPR)
         cp_async16z(C.dst[i] + s * 64 * XROW, C.src[i] >= 0 ? xg + C.src[i] : x, C.src[i] >= 0 ? 16 : 0);
     }
+  }
+}
+
+__device__ __forceinline__ void rmaj_codes(const Lane* Ls, int q, int nq, int g, int warp, int lane) {
+  if (q < nq) {
+    const int s = q % ASYNC;
 #pragma unroll
     for (int i = 0; i < RMAJ; ++i) {
       const int slot = ((warp * ASYNC + s) * RMAJ + i) * 32 + lane;
@@ -972,7 +977,6 @@ __device__ __forceinline__ void rmaj_issue(const Lane* Ls, const XChunks& C, con
 #endif
     }
   }
-  cp_commit();
 }
 
 // The block's RWARPS x RMAJ tiles from tile0 (warp w: tiles tile0 + R w ..), groups g_lo .. g_hi - 1 in class order
@@ -997,14 +1001,31 @@ __device__ __forceinline__ void rmaj_walk(const u16* __restrict__ x, const u8* _
   const int nq = g_hi - g_lo;
   const XChunks C = x_chunks(T, stride_x);
   int ri = 0, gn = g_lo;  // the next step to issue: class ri, group gn
-  auto issue_next = [&](int q) {
-    rmaj_issue(Ls, C, x, q, nq, gn, warp, lane);
+  auto advance = [&]() {
     gn += NW;
     while (ri < NW && gn >= g_hi) gn = g_lo + ++ri;  // on to the next class that has groups
   };
+  auto issue_next = [&](int q) {  // one commit group a step (empty past the last)
+    rmaj_codes(Ls, q, nq, gn, warp, lane);
+    rmaj_x(C, x, q, nq, gn);
+    cp_commit();
+    advance();
+  };
+  // the first steps' weights go out before the wait (the kernel before may still run), their x after it; the
+  // first commit group holds all those weights and step 0's x, so a step's copies are always in its group or before
+  int gfirst[ASYNC - 1];
+#pragma unroll
+  for (int j = 0; j < ASYNC - 1; ++j) {
+    gfirst[j] = gn;
+    rmaj_codes(Ls, j, nq, gn, warp, lane);
+    advance();
+  }
   grid_wait();  // x comes from the kernel before
-#pragma unroll 1
-  for (int j = 0; j < ASYNC - 1; ++j) issue_next(j);
+#pragma unroll
+  for (int j = 0; j < ASYNC - 1; ++j) {
+    rmaj_x(C, x, j, nq, gfirst[j]);
+    cp_commit();
+  }
   const unsigned char* xring = reinterpret_cast<const unsigned char*>(qmv_ring) + XRING_OFF;
   float total[4 * NCOL * RMAJ], cur[4 * NCOL * RMAJ];
   int q = 0;
