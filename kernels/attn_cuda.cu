@@ -297,10 +297,10 @@ __device__ __forceinline__ void q_words(const u16* qrow, bool ok, int gr, int c,
   }
 }
 
-// KBIAS: -1152 sum(q) over scale group gr's head dims, for K's biased codes (k_frag): each group's MMAs start from it, so
-// an S element is sum(q (1152 + c)) - 1152 sum(q) = sum(q c) up to the fp32 sums' rounding. The MMAs that compute it
-// take 1152 for K's codes, so attn_split (q as B: columns 2c, 2c + 1 -> nq[0], nq[1]) and the verify kernels (q as A:
-// rows g, g + 8 -> nq[0], nq[1]) get each row's the same bits.
+// KBIAS: -1152 sum(q) over scale group gr's head dims, for K's biased codes (k_frag): each group's MMAs start from
+// it, so an S element is sum(q (1152 + c)) - 1152 sum(q) = sum(q c) up to the fp32 sums' rounding. The MMAs that
+// compute it take 1152 for K's codes, so attn_split (q as B: columns 2c, 2c + 1 -> nq[0], nq[1]) and the verify
+// kernels (q as A: rows g, g + 8 -> nq[0], nq[1]) get the same bits for each row.
 __device__ __forceinline__ void qbias_split(const u32 (&qf)[8], float (&nq)[2]) {
   float d[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll

@@ -136,7 +136,7 @@ typedef unsigned char u8;
 #define RWARPS 8  // RMAJ: warps a block (NW stays the warps a tile of the launch whose sums it gives)
 #endif
 #if RMAJ && (NCOL != 8 || TILED != 2 || ASYNC < 2 || !EVEN || TPW != 1 || FMT == 3 || CLUSTER || PIECES > 1)
-#error "RMAJ: 8 column groups of a q weight in the lanes layout, ASYNC >= 2, EVEN x, one tile a warp group (TPW 1), one pass over K"
+#error "RMAJ: 8 column groups of a q weight, lanes layout, ASYNC >= 2, EVEN x, TPW 1, one pass over K"
 #endif
 #ifndef MIN_BLOCKS
 #define MIN_BLOCKS 2  // blocks per SM to fit: lets ptxas keep all of a step batch's loads in flight

@@ -616,10 +616,10 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
     these four over 8 rows: :data:`_WIDE`, else :data:`_WIDE_DEFAULT`). ``pieces`` (default: :func:`pieces_pay`
     with the switch on, :func:`set_pieces`): a split launch of at most 8 rows walks its pieces in one block, the
     same bits (True where it cannot is refused; False spreads them over blocks). ``rmaj`` (a tuning build, off by
-    default; :func:`launch_build`): a 33-64-row launch of the lanes layout walks its groups class by class, ``rmaj`` row
-    tiles a warp and ``rwarps`` warps a block, x staged once a block - the same bits; it takes one pass over K and
-    16-byte aligned x rows, so it is refused where given and those do not hold, and a table's entry (NINFER_BENCH_QMV_WIDE
-    ``m``) is left out there."""
+    default; :func:`launch_build`): a 33-64-row launch of the lanes layout walks its groups class by class, ``rmaj``
+    row tiles a warp and ``rwarps`` warps a block, x staged once a block - the same bits; it takes one pass over K
+    and 16-byte aligned x rows, so it is refused where given and those do not hold, and a table's entry
+    (NINFER_BENCH_QMV_WIDE ``m``) is left out there."""
     lin = getattr(lin, "qmv_weight", None) or lin  # a tiled PackedLinear: its tiles
     if not supports(x, lin):
         raise ValueError(f"qmv: needs CUDA bf16/fp16 x [1..{MAX_ROWS}, K={lin.k}] contiguous and a q8/q5/q4 weight "

@@ -67,8 +67,8 @@
 #            KBIAS_ROUNDS (2) times, then the bundled held-out prompts (plain, DFlash2 K=7) with KBIAS=1
 #   rmaj     qmv's class-major walk for 33-64-row launches (RMAJ, off by default; issue 33), RMAJ_PARTS of
 #            tests,bench,c8 (all by default; a part a call where time is short): its CUDA tests and the
-#            wide launches' bit tests, the 27B projections at 64 rows with RMAJ_KNOBS (m1,m2,m1a4,m2a4) beside the default
-#            build (bench_qlinear --qmv-knobs), then the 27B C8 plain, C8 DFlash2 K=7 replayed with the default and
+#            wide launches' bit tests, the 27B projections at 64 rows with RMAJ_KNOBS (m1,m2,m1a4,m2a4) beside the
+#            default build (bench_qlinear --qmv-knobs), then the 27B C8 plain, C8 DFlash2 K=7 replayed with the default and
 #            with NINFER_BENCH_QMV_WIDE=RMAJ_WIDE (8q4:m1,8q5:m1,8q8:m1)
 #   ipc      the tensor-parallel IPC collectives on one GPU: scripts/bench_ipc_collectives.py (two ranks' regions in one
 #            process), then the 27B synthetic at TP = 2 (two ranks sharing the GPU: memory and tokens, not speed) with
