@@ -23,9 +23,7 @@
 // take the same permutation. K's A fragments hold the exact codes (c XOR 0x80 = c + 128 put in the mantissa of
 // 1024.0 by a byte permute, then one packed subtraction of 1152), the MMA sums them against q in fp32, and each
 // group's sums are multiplied by the key's group scale: no rounding besides fp32 summation and q's conversion to
-// fp16. Under KBIAS = 1 (a tuning build, off by default) K's fragments keep the biased codes 1152 + c (no
-// subtraction) and each group's MMAs start from -1152 sum(q) of its head dims (qbias_split / qbias_verify: the same
-// MMAs with 1152 for every code, once a call): the fp32 sums then run over terms about 1152 / |c| times larger.
+// fp16.
 // For V^T the 16 rows of an m tile are head dims and the 16 "k" values keys; m tile (G, i) row r < 8 is head dim
 // 64 G + 8 r + 2 i and row r + 8 is the next one, so lane (g, c) reads 8 contiguous bytes (64 G + 8 g ..) of each of
 // its four keys 2c, 2c + 1, 2c + 8, 2c + 9, pairs two keys' codes by byte permutes, and multiplies the exact codes by
@@ -76,9 +74,6 @@ typedef unsigned long long u64;
 #endif
 #ifndef VDEPTH
 #define VDEPTH 4  // attn_verify: cp.async stages (steps of K / V in flight)
-#endif
-#ifndef KBIAS
-#define KBIAS 0  // 1: K's biased codes and each group's sums from -1152 sum(q) (see above; every kernel alike)
 #endif
 #ifndef QSMEM
 #define QSMEM 0  // attn_verify: q's A fragments in registers (0) or in shared memory (1: fewer registers)
@@ -184,15 +179,6 @@ __device__ __forceinline__ void mma(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u3
                : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// d = A B + C (c0 .. c3: the accumulator's start, d written)
-__device__ __forceinline__ void mma_c(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1, float c0, float c1,
-                                      float c2, float c3) {
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-               "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%10, %11, %12, %13};"
-               : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "f"(c0), "f"(c1), "f"(c2), "f"(c3));
-}
-
 // codes c (int8) of a word's bytes lo, lo + 1 as the fp16 pair 1152 + c: c ^ 0x80 = c + 128 in the mantissa of 1024.0
 #define FLIP 0x80808080u
 #define MAGIC_BYTES 0x64646464u
@@ -203,9 +189,6 @@ __device__ __forceinline__ void mma_c(float* d, u32 a0, u32 a1, u32 a2, u32 a3, 
 // 16-key step at hd 256: scripts/sass_loops.py)
 __device__ __forceinline__ u32 codes01(u32 flipped, u32 mg) { return hsub2(prmt(flipped, mg, 0x4140u), C1152); }
 __device__ __forceinline__ u32 codes23(u32 flipped, u32 mg) { return hsub2(prmt(flipped, mg, 0x4342u), C1152); }
-// the same pairs before the subtraction: 1152 + c, exact (K's fragments: the sums' bias is taken off by qbias)
-__device__ __forceinline__ u32 biased01(u32 flipped, u32 mg) { return prmt(flipped, mg, 0x4140u); }
-__device__ __forceinline__ u32 biased23(u32 flipped, u32 mg) { return prmt(flipped, mg, 0x4342u); }
 // MAGIC_BYTES from a kernel argument the compiler cannot fold (n < 2^30: a head count)
 __device__ __forceinline__ u32 magic_reg(int n) { return MAGIC_BYTES | ((u32)n >> 30); }
 
@@ -227,22 +210,14 @@ __device__ __forceinline__ void key_range(int pos, int s, int chunk, int min_chu
   hi = min(min(lo + c, kv_len), pos + 1);
 }
 
-// The fragments of one 16-key step. K: chunk j of scale group gr, from word j of keys g and g + 8 (raw codes): the
-// exact codes, or (KBIAS) the exact 1152 + c
-#if KBIAS
-#define KCODES01 biased01
-#define KCODES23 biased23
-#else
-#define KCODES01 codes01
-#define KCODES23 codes23
-#endif
+// The fragments of one 16-key step. K: chunk j of scale group gr, from word j of keys g and g + 8 (raw codes).
 __device__ __forceinline__ void k_frag(u32 w0, u32 w1, u32* a, u32 mg) {
   w0 ^= FLIP;
   w1 ^= FLIP;
-  a[0] = KCODES01(w0, mg);
-  a[1] = KCODES01(w1, mg);
-  a[2] = KCODES23(w0, mg);
-  a[3] = KCODES23(w1, mg);
+  a[0] = codes01(w0, mg);
+  a[1] = codes01(w1, mg);
+  a[2] = codes23(w0, mg);
+  a[3] = codes23(w1, mg);
 }
 
 // V: m tile (gr, i) from the 8 bytes of keys 2c, 2c + 1 (x, y) and 2c + 8, 2c + 9 (xb, yb) at 64 gr + 8 g, times
@@ -297,26 +272,6 @@ __device__ __forceinline__ void q_words(const u16* qrow, bool ok, int gr, int c,
   }
 }
 
-// KBIAS: -1152 sum(q) over scale group gr's head dims, for K's biased codes (k_frag): each group's MMAs start from
-// it, so an S element is sum(q (1152 + c)) - 1152 sum(q) = sum(q c) up to the fp32 sums' rounding. The MMAs that
-// compute it take 1152 for K's codes, so attn_split (q as B: columns 2c, 2c + 1 -> nq[0], nq[1]) and the verify
-// kernels (q as A: rows g, g + 8 -> nq[0], nq[1]) get the same bits for each row.
-__device__ __forceinline__ void qbias_split(const u32 (&qf)[8], float (&nq)[2]) {
-  float d[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-  for (int j = 0; j < 4; ++j) mma(d, C1152, C1152, C1152, C1152, qf[2 * j], qf[2 * j + 1]);
-  nq[0] = -d[0];
-  nq[1] = -d[1];
-}
-
-__device__ __forceinline__ void qbias_verify(const u32 (&qa)[4][4], float (&nq)[2]) {
-  float d[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-  for (int j = 0; j < 4; ++j) mma(d, qa[j][0], qa[j][1], qa[j][2], qa[j][3], C1152, C1152);
-  nq[0] = -d[0];
-  nq[1] = -d[2];
-}
-
 // The online softmax's running max moves only when a step's max passes it by more than RESCALE_LAG (log2 units): then
 // p = 2^(s - max) <= 2^RESCALE_LAG (fp16 holds it exactly as well as any p <= 1), and O and the sums are rescaled on
 // few steps rather than on most
@@ -329,20 +284,17 @@ __device__ __forceinline__ float rescale(float m, float n) { return n == m ? 1.f
 // from the register double buffer; k_done() runs once K's fragments and scales are used (it reloads them there).
 template <class KF, class VF, class KSC, class KD>
 __device__ __forceinline__ void token_step(KF kfrag, VF vfrag, KSC kscale, KD k_done, const u32 (&qf)[NG][8],
-                                           const float (&nq)[NG][2], float (&o)[NG][4][4], float& m0, float& m1,
-                                           float& l0, float& l1, int start, int hi, float qk_scale, int g) {
+                                           float (&o)[NG][4][4], float& m0, float& m1, float& l0, float& l1,
+                                           int start, int hi, float qk_scale, int g) {
   float sv[4] = {0.f, 0.f, 0.f, 0.f};  // (key g, head 2c), (key g, 2c + 1), (key g + 8, 2c), (key g + 8, 2c + 1)
 #pragma unroll
   for (int gr = 0; gr < NG; ++gr) {
-    float acc[4];
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       u32 a[4];
       kfrag(gr, j, a);
-      if (j == 0)  // from zero, or (KBIAS) from the group's bias (qbias_split)
-        mma_c(acc, a[0], a[1], a[2], a[3], qf[gr][0], qf[gr][1], nq[gr][0], nq[gr][1], nq[gr][0], nq[gr][1]);
-      else
-        mma(acc, a[0], a[1], a[2], a[3], qf[gr][2 * j], qf[gr][2 * j + 1]);
+      mma(acc, a[0], a[1], a[2], a[3], qf[gr][2 * j], qf[gr][2 * j + 1]);
     }
     const float s0 = f16_to_f32(kscale(gr, 0)), s1 = f16_to_f32(kscale(gr, 1));
     sv[0] = fmaf(acc[0], s0, sv[0]);
@@ -428,11 +380,6 @@ attn_split(ATTN_ARGS) {
 #pragma unroll
     for (int gr = 0; gr < NG; ++gr) q_words(qrow, g < G, gr, c, qf[gr]);
   }
-  float nq[NG][2] = {};  // heads 2c, 2c + 1: each group's start (KBIAS: its bias for K's biased codes)
-#if KBIAS
-#pragma unroll
-  for (int gr = 0; gr < NG; ++gr) qbias_split(qf[gr], nq[gr]);
-#endif
   float o[NG][4][4];
 #pragma unroll
   for (int gr = 0; gr < NG; ++gr)
@@ -480,7 +427,7 @@ attn_split(ATTN_ARGS) {
       v_frag(vc[0][gr], vc[1][gr], vc[2][gr], vc[3][gr], pair16(vsc[0][gr], vsc[1][gr]),
              pair16(vsc[2][gr], vsc[3][gr]), i, a, mg);
     };
-    token_step(kfrag, vfrag, kscale, k_done, qf, nq, o, m0, m1, l0, l1, start, hi, qk_scale, g);
+    token_step(kfrag, vfrag, kscale, k_done, qf, o, m0, m1, l0, l1, start, hi, qk_scale, g);
     if (next < hi) load_v_step(next);
   }
 #pragma unroll
@@ -764,11 +711,6 @@ attn_verify(ATTN_ARGS) {
   int rlo[2], rhi[2];
   u32 qa[NG][4][4];  // A fragments: [group][mma j][a0 .. a3] = rows g, g + 8's words 2j, 2j + 1
   verify_rows(VERIFY_ROW_ARGS, r0 + 16 * warp, g, c, rlo, rhi, qa);
-  float nq[NG][2] = {};  // rows g, g + 8: each group's start (KBIAS: its bias for K's biased codes)
-#if KBIAS
-#pragma unroll
-  for (int gr = 0; gr < NG; ++gr) qbias_verify(qa[gr], nq[gr]);
-#endif
 #if QSMEM
 #pragma unroll
   for (int gr = 0; gr < NG; ++gr)
@@ -814,24 +756,19 @@ attn_verify(ATTN_ARGS) {
     for (int gr = 0; gr < NG; ++gr) {
       const U4 k0 = *(const U4*)(ks + g * KSTR + 64 * gr + 16 * c);
       const U4 k1 = *(const U4*)(ks + (g + 8) * KSTR + 64 * gr + 16 * c);
-      float acc0[4], acc1[4];
+      float acc0[4] = {0.f, 0.f, 0.f, 0.f}, acc1[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         u32 a[4];
         k_frag(word4(k0, j), word4(k1, j), a, mg);
 #if QSMEM
         const U4 qv = qsm[((warp * NG + gr) * 4 + j) * 32 + lane];
+        mma(acc0, qv.x, qv.y, qv.z, qv.w, a[0], a[2]);
+        mma(acc1, qv.x, qv.y, qv.z, qv.w, a[1], a[3]);
 #else
-        const U4 qv = U4{qa[gr][j][0], qa[gr][j][1], qa[gr][j][2], qa[gr][j][3]};
+        mma(acc0, qa[gr][j][0], qa[gr][j][1], qa[gr][j][2], qa[gr][j][3], a[0], a[2]);
+        mma(acc1, qa[gr][j][0], qa[gr][j][1], qa[gr][j][2], qa[gr][j][3], a[1], a[3]);
 #endif
-        if (j == 0) {  // from zero, or (KBIAS) from the group's bias (qbias_verify)
-          const float b0 = nq[gr][0], b1 = nq[gr][1];
-          mma_c(acc0, qv.x, qv.y, qv.z, qv.w, a[0], a[2], b0, b0, b1, b1);
-          mma_c(acc1, qv.x, qv.y, qv.z, qv.w, a[1], a[3], b0, b0, b1, b1);
-        } else {
-          mma(acc0, qv.x, qv.y, qv.z, qv.w, a[0], a[2]);
-          mma(acc1, qv.x, qv.y, qv.z, qv.w, a[1], a[3]);
-        }
       }
       verify_scale(sv, acc0, acc1, kss, gr, c);
     }
@@ -958,8 +895,8 @@ __device__ __forceinline__ void wgv_convert(const signed char* ks, const signed 
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const u32 w = word4(v, j) ^ FLIP;
-      *(u32*)(row + j * 512) = KCODES01(w, MAGIC_BYTES);
-      *(u32*)(row + j * 512 + 128) = KCODES23(w, MAGIC_BYTES);
+      *(u32*)(row + j * 512) = codes01(w, MAGIC_BYTES);
+      *(u32*)(row + j * 512 + 128) = codes23(w, MAGIC_BYTES);
     }
   }
   // V': item (4-byte word dw of head dims, key half kh) reads the word of its 8 keys and writes 4 rows of 8 keys
@@ -1003,11 +940,6 @@ attn_verify_wg(ATTN_ARGS) {
   int rlo[2], rhi[2];
   u32 qa[NG][4][4];
   verify_rows(VERIFY_ROW_ARGS, r0 + 16 * warp, g, c, rlo, rhi, qa);
-  float nq[NG][2] = {};  // rows g, g + 8: each group's start (attn_verify's)
-#if KBIAS
-#pragma unroll
-  for (int gr = 0; gr < NG; ++gr) qbias_verify(qa[gr], nq[gr]);
-#endif
   int ulo, uhi;
   if (!verify_union(VERIFY_ROW_ARGS, r0 + 64, ulo, uhi)) return;  // uniform over the block
   const signed char *kb, *vb;
@@ -1042,14 +974,12 @@ attn_verify_wg(ATTN_ARGS) {
     float sv[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
     for (int gr = 0; gr < NG; ++gr) {
-      float acc[8];  // from the group's start: rows g (elements 0, 1, 4, 5) and g + 8
-#pragma unroll
-      for (int i = 0; i < 8; ++i) acc[i] = nq[gr][(i >> 1) & 1];
+      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};  // (overwritten: the first MMA does not add)
       asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 #pragma unroll
       for (int j = 0; j < 4; ++j)
         wgv_mma16(acc, qa[gr][j][0], qa[gr][j][1], qa[gr][j][2], qa[gr][j][3],
-                  kdesc + (gr * 4 + j) * (512 >> 4), 1);
+                  kdesc + (gr * 4 + j) * (512 >> 4), j > 0);
       wgv_wait();
       wgv_hold<8>(acc);
       verify_scale(sv, acc, acc + 4, kss, gr, c);

@@ -35,13 +35,6 @@
 // copies and reads back only its own pieces, so no barrier is needed. A wide launch (8 column groups) holds about
 // 100 accumulators and one step of loads in registers; from registers it keeps one step (6 KB an SM) in flight and
 // runs at the bandwidth that latency allows. The arithmetic, its order and so the bits are those of ASYNC 0.
-// RMAJ = R > 0 (8 column groups, the lanes layout, one pass over K; a tuning build, not yet run on a GPU): a block of
-// RWARPS warps takes RWARPS x R tiles, each warp R of them and every group of its tiles, and walks the groups class by
-// class - the groups an NW-warp block's warp w would take (w, w + NW, ...), for w = 0 .. NW - 1 in turn. Each step's
-// x (64 rows x one group) is staged once for the block in shared memory by cp.async, in the ring of the warps' code
-// pieces (ASYNC steps), so x crosses L2 once a block, not once a tile. A class's sums are kept apart and added to the
-// tile's total in class order, as tile_store adds its warps' sums: each element gets the MMAs, scale steps and sums of
-// the NW-warp launch, so every row keeps its one-row bits.
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -128,15 +121,6 @@ typedef unsigned char u8;
 #endif
 #if ASYNC && (XLATE || PIPE || TAIL)
 #error "ASYNC has its own pipeline: XLATE, PIPE and TAIL are for register loads"
-#endif
-#ifndef RMAJ
-#define RMAJ 0    // > 0: tiles a warp of the class-major walk (see the top; NCOL 8, TILED 2, ASYNC >= 2, EVEN)
-#endif
-#ifndef RWARPS
-#define RWARPS 8  // RMAJ: warps a block (NW stays the warps a tile of the launch whose sums it gives)
-#endif
-#if RMAJ && (NCOL != 8 || TILED != 2 || ASYNC < 2 || !EVEN || TPW != 1 || FMT == 3 || CLUSTER || PIECES > 1)
-#error "RMAJ: 8 column groups of a q weight, lanes layout, ASYNC >= 2, EVEN x, TPW 1, one pass over K"
 #endif
 #ifndef MIN_BLOCKS
 #define MIN_BLOCKS 2  // blocks per SM to fit: lets ptxas keep all of a step batch's loads in flight
@@ -845,29 +829,7 @@ __device__ __forceinline__ void cp_wait() {
 // The ring in dynamic shared memory (qmv_cuda.async_shared_bytes): code pieces uint4 [NW][ASYNC][TPW][32], then
 // scale pairs u32 [NW][ASYNC][TPW][32], then (q5) high-bit pairs u32 alike
 extern __shared__ uint4 qmv_ring[];
-#if RMAJ
-#define RING_SLOTS (RWARPS * ASYNC * RMAJ * 32)  // RMAJ: each warp's R tiles
-#else
 #define RING_SLOTS (NW * ASYNC * TPW * 32)
-#endif
-
-// The fragments of a warp's NT tiles from its ring stage s: each lane's code piece, scale pair and (q5) high-bit pair
-template <int NT>
-__device__ __forceinline__ void ring_frags(Frags (&F)[NT], int warp, int s, int lane, u32 magic) {
-  const u32* ring_s = reinterpret_cast<const u32*>(qmv_ring + RING_SLOTS);
-#pragma unroll
-  for (int i = 0; i < NT; ++i) {
-    const int slot = ((warp * ASYNC + s) * NT + i) * 32 + lane;
-    const uint4 v = qmv_ring[slot];
-    const u32 sc = ring_s[slot];
-#if FMT == 1
-    const u32 h = ring_s[RING_SLOTS + slot];
-#else
-    const u32 h = 0;
-#endif
-    F[i] = make_frags(make_uint2(v.x, v.y), make_uint2(v.z, v.w), h & 0xFFFFu, h >> 16, sc & 0xFFFFu, sc >> 16, magic);
-  }
-}
 
 // Step j of the warp (group gi0 + NW j) of tile i: its pieces into stage j % ASYNC (one commit group a step, empty
 // past the warp's last step, so that a wait for "all but ASYNC - 1 groups" always means step j's)
@@ -903,164 +865,28 @@ __device__ __forceinline__ void ring_sums(TILES_SUMS_PARAMS) {
 #pragma unroll
   for (int j = 0; j < ASYNC - 1; ++j) ring_issue(Ls, j, steps, warp, lane);
   grid_wait();  // the first steps' weights are in flight; x comes from the kernel before
+  const u32* ring_s = reinterpret_cast<const u32*>(qmv_ring + RING_SLOTS);
   for (int j = 0; j < steps; ++j) {
     ring_issue(Ls, j + ASYNC - 1, steps, warp, lane);  // into the stage step j - 1 used (read into registers)
     cp_wait<ASYNC - 1>();                                // this lane's copies of step j have landed
+    const int s = j % ASYNC;
     Frags F[TPW];
-    ring_frags<TPW>(F, warp, j % ASYNC, lane, magic);
+#pragma unroll
+    for (int i = 0; i < TPW; ++i) {
+      const int slot = ((warp * ASYNC + s) * TPW + i) * 32 + lane;
+      const uint4 v = qmv_ring[slot];
+      const u32 sc = ring_s[slot];
+#if FMT == 1
+      const u32 h = ring_s[RING_SLOTS + slot];
+#else
+      const u32 h = 0;
+#endif
+      F[i] = make_frags(make_uint2(v.x, v.y), make_uint2(v.z, v.w), h & 0xFFFFu, h >> 16, sc & 0xFFFFu, sc >> 16,
+                        magic);
+    }
     tiles_cols(Ls[0], xrow, gi0, j, K, c, F, acc);
   }
   cp_wait<0>();  // (only empty groups remain: nothing still writes to the ring when the block moves on)
-}
-#endif
-
-#if RMAJ
-__device__ __forceinline__ void tile_out(float* acc, int tile, int piece, int pieces, out_t* __restrict__ out,
-                                         float* __restrict__ ws, int* __restrict__ counters, int T, int N,
-                                         long long stride_o);
-
-// a 16-byte asynchronous copy of which `bytes` (16 or 0) are read, the rest zero-filled
-__device__ __forceinline__ void cp_async16z(u32 dst, const void* src, int bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
-}
-
-// A staged x row in the ring: one group's GROUP values of one of the 64 rows, padded so that the lanes of a quarter
-// warp reading 16 bytes each (rows g, g + 1; k offsets XPL c) meet 8 different 16-byte bank groups
-#define XROW (FMT == 0 ? 64 : 144)
-#define XRING_OFF (RING_SLOTS * (16 + 4 * (FMT == 1 ? 2 : 1)))  // bytes of the code ring before the x ring
-
-// A thread's 16-byte chunks of a step's x (row j / XCPR, chunk j % XCPR for j = threadIdx.x + RWARPS 32 i): each
-// one's offset in x (elements, from the group's first column) and in an x stage (bytes), made once a launch
-#define XCPR (GROUP * 2 / 16)                                   // chunks a row
-#define XCH ((64 * XCPR + RWARPS * 32 - 1) / (RWARPS * 32))     // chunks a thread
-struct XChunks {
-  long long src[XCH];  // -1: a row past T (zero-filled)
-  u32 dst[XCH];
-};
-__device__ __forceinline__ XChunks x_chunks(int T, long long stride_x) {
-  XChunks C;
-#pragma unroll
-  for (int i = 0; i < XCH; ++i) {
-    const int j = threadIdx.x + i * RWARPS * 32, row = j / XCPR, ch = j % XCPR;
-    C.src[i] = row < T ? row * stride_x + 8 * ch : -1;
-    C.dst[i] = smem_addr(reinterpret_cast<unsigned char*>(qmv_ring) + XRING_OFF + row * XROW + 16 * ch);
-  }
-  return C;
-}
-
-// The block's step q (group g), in two parts that a commit group holds together: x's 64 rows of group g into x
-// stage q % ASYNC (rows >= T zero: their columns are not stored), and each warp's code pieces, scale pairs and (q5)
-// high-bit pairs of group g for its R tiles into its ring stage (nothing past the last step)
-__device__ __forceinline__ void rmaj_x(const XChunks& C, const u16* __restrict__ x, int q, int nq, int g) {
-  if (q < nq) {
-    const int s = q % ASYNC;
-    const u16* xg = x + (long long)g * GROUP;
-#pragma unroll
-    for (int i = 0; i < XCH; ++i) {
-      if (64 * XCPR % (RWARPS * 32) == 0 || threadIdx.x + i * RWARPS * 32 < 64 * XCPR)
-        cp_async16z(C.dst[i] + s * 64 * XROW, C.src[i] >= 0 ? xg + C.src[i] : x, C.src[i] >= 0 ? 16 : 0);
-    }
-  }
-}
-
-__device__ __forceinline__ void rmaj_codes(const Lane* Ls, int q, int nq, int g, int warp, int lane) {
-  if (q < nq) {
-    const int s = q % ASYNC;
-#pragma unroll
-    for (int i = 0; i < RMAJ; ++i) {
-      const int slot = ((warp * ASYNC + s) * RMAJ + i) * 32 + lane;
-      cp_async16(smem_addr(qmv_ring + slot), Ls[i].cp0 + (long long)CSTEP * g);
-      cp_async4(smem_addr(reinterpret_cast<u32*>(qmv_ring + RING_SLOTS) + slot), Ls[i].sp0 + (long long)SSTEP * g);
-#if FMT == 1
-      cp_async4(smem_addr(reinterpret_cast<u32*>(qmv_ring + RING_SLOTS) + RING_SLOTS + slot),
-                Ls[i].hp0 + (long long)HSTEP * g);
-#endif
-    }
-  }
-}
-
-// The block's RWARPS x RMAJ tiles from tile0 (warp w: tiles tile0 + R w ..), groups g_lo .. g_hi - 1 in class order
-// (class r: g_lo + r, + NW, ... for r = 0 .. NW - 1), to the output. Per step and tile the fragments, x loads, MMAs and
-// scale steps of tiles_cols; per class the sums cur, added to the tile's total as tile_store adds warp r's share.
-__device__ __forceinline__ void rmaj_walk(const u16* __restrict__ x, const u8* __restrict__ codes,
-                                          const u8* __restrict__ high, const u16* __restrict__ scales,
-                                          out_t* __restrict__ out, float* __restrict__ ws, int* __restrict__ counters,
-                                          int T, int N, int NG, long long stride_x, long long stride_o,
-                                          long long stride_c, long long stride_h, long long stride_s, int g_lo,
-                                          int g_hi) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int g = lane >> 2, c = lane & 3;
-  const int tiles = (N + 15) / 16, tile0 = (blockIdx.x * RWARPS + warp) * RMAJ;
-  Lane Ls[RMAJ];
-#pragma unroll
-  for (int i = 0; i < RMAJ; ++i)  // past the last tile: the last one's bytes, never stored
-    Ls[i] = make_lane(x, codes, high, scales, T, N, NG, stride_x, stride_c, stride_h, stride_s,
-                      min(tile0 + i, tiles - 1), 0, g, c);
-  u32 magic;
-  asm volatile("mov.b32 %0, %1;" : "=r"(magic) : "n"(MAGIC));  // kept in a register (see and_or)
-  const int nq = g_hi - g_lo;
-  const XChunks C = x_chunks(T, stride_x);
-  int ri = 0, gn = g_lo;  // the next step to issue: class ri, group gn
-  auto advance = [&]() {
-    gn += NW;
-    while (ri < NW && gn >= g_hi) gn = g_lo + ++ri;  // on to the next class that has groups
-  };
-  auto issue_next = [&](int q) {  // one commit group a step (empty past the last)
-    rmaj_codes(Ls, q, nq, gn, warp, lane);
-    rmaj_x(C, x, q, nq, gn);
-    cp_commit();
-    advance();
-  };
-  // the first steps' weights go out before the wait (the kernel before may still run), their x after it; the
-  // first commit group holds all those weights and step 0's x, so a step's copies are always in its group or before
-  int gfirst[ASYNC - 1];
-#pragma unroll
-  for (int j = 0; j < ASYNC - 1; ++j) {
-    gfirst[j] = gn;
-    rmaj_codes(Ls, j, nq, gn, warp, lane);
-    advance();
-  }
-  grid_wait();  // x comes from the kernel before
-#pragma unroll
-  for (int j = 0; j < ASYNC - 1; ++j) {
-    rmaj_x(C, x, j, nq, gfirst[j]);
-    cp_commit();
-  }
-  const unsigned char* xring = reinterpret_cast<const unsigned char*>(qmv_ring) + XRING_OFF;
-  float total[4 * NCOL * RMAJ], cur[4 * NCOL * RMAJ];
-  int q = 0;
-#pragma unroll 1
-  for (int r = 0; r < NW; ++r) {
-#pragma unroll
-    for (int e = 0; e < 4 * NCOL * RMAJ; ++e) cur[e] = 0.f;
-#pragma unroll 1
-    for (int gs = g_lo + r; gs < g_hi; gs += NW, ++q) {
-      cp_wait<ASYNC - 2>();  // this thread's copies of step q have landed
-      __syncthreads();       // everyone's have; every warp is done with step q - 1's stage, which the issue refills
-      issue_next(q + ASYNC - 1);
-      const int s = q % ASYNC;
-      Frags F[RMAJ];
-      ring_frags<RMAJ>(F, warp, s, lane, magic);
-      const unsigned char* xs = xring + s * 64 * XROW + 2 * XPL * c;
-#pragma unroll
-      for (int n = 0; n < NCOL; ++n) {
-        u32 xv[XPL / 2];  // x[8 n + g, k0 + XPL c ..] as load_x reads it
-#pragma unroll
-        for (int i = 0; i < XPL / 8; ++i) {
-          const uint4 v = *reinterpret_cast<const uint4*>(xs + (8 * n + g) * XROW + 16 * i);
-          xv[4 * i] = v.x; xv[4 * i + 1] = v.y; xv[4 * i + 2] = v.z; xv[4 * i + 3] = v.w;
-        }
-#pragma unroll
-        for (int i = 0; i < RMAJ; ++i) col_math(F[i], xv, cur + 4 * (NCOL * i + n));
-      }
-    }
-#pragma unroll
-    for (int e = 0; e < 4 * NCOL * RMAJ; ++e) total[e] = r ? total[e] + cur[e] : cur[e];
-  }
-  cp_wait<0>();
-#pragma unroll
-  for (int i = 0; i < RMAJ; ++i)
-    if (tile0 + i < tiles) tile_out(total + 4 * NCOL * i, tile0 + i, 0, 1, out, ws, counters, T, N, stride_o);
 }
 #endif
 
@@ -1241,21 +1067,12 @@ __device__ __forceinline__ void let_next_launch() {
 
 // Block (tile, split): one 16-row tile (TPW > 1: tiles TPW x .. TPW x + TPW - 1), split y's groups (split-K over
 // grid y), for all NCOL column groups.
-#if RMAJ
-#define BLOCK_THREADS (RWARPS * 32)
-#else
-#define BLOCK_THREADS (NW * 32)
-#endif
-extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS)
+extern "C" __global__ void __launch_bounds__(NW * 32, MIN_BLOCKS)
 qmv(const u16* __restrict__ x, const u8* __restrict__ codes, const u8* __restrict__ high,
     const u16* __restrict__ scales, out_t* __restrict__ out, float* __restrict__ ws, int* __restrict__ counters,
     int T, int N, int K, int NG, int groups_per_split, long long stride_x, long long stride_o,
     long long stride_c, long long stride_h, long long stride_s) {
   let_next_launch();
-#if RMAJ
-  rmaj_walk(x, codes, high, scales, out, ws, counters, T, N, NG, stride_x, stride_o, stride_c, stride_h, stride_s, 0,
-            NG);
-#else
   float acc[4 * NCOL * TPW];
 #pragma unroll
   for (int i = 0; i < 4 * NCOL * TPW; ++i) acc[i] = 0.f;
@@ -1289,5 +1106,4 @@ qmv(const u16* __restrict__ x, const u8* __restrict__ codes, const u8* __restric
   tile_store(acc, blockIdx.x, blockIdx.y, gridDim.y, out, ws, counters, T, N, stride_o);
 #endif
 #endif
-#endif  // RMAJ
 }

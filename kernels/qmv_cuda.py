@@ -104,20 +104,17 @@ class DenseWeight:
         reserve(weight.device, self.n, self.ng)  # outside any graph capture
 
 
-def async_shared_bytes(fmt: str, warps: int, stages: int, tiles: int = 1, rmaj: bool = False) -> int:
+def async_shared_bytes(fmt: str, warps: int, stages: int, tiles: int = 1) -> int:
     """Dynamic shared memory of a launch with a ``stages``-step cp.async ring (``ASYNC`` in the source): per warp,
-    stage, row tile and lane a 16-byte code piece and a 4-byte scale pair, and for q5 a 4-byte high-bit pair. With
-    ``rmaj`` (the class-major walk: ``warps`` a block, ``tiles`` a warp) also each stage's x, 64 rows of one group
-    (``XROW`` bytes a row: 64 for q8, 144 for q4 / q5)."""
+    stage, row tile and lane a 16-byte code piece and a 4-byte scale pair, and for q5 a 4-byte high-bit pair."""
     per_lane = 16 + 4 + (4 if fmt == "q5_g64_fp16" else 0)
-    xring = stages * 64 * (64 if fmt == "q8_g32_fp16" else 144) if rmaj else 0
-    return warps * stages * tiles * 32 * per_lane + xring if stages else 0
+    return warps * stages * tiles * 32 * per_lane if stages else 0
 
 
 def kernel_options(fmt_id: int, half: bool, even: bool, unroll: int, min_blocks: int, xlate: bool, pipe: bool,
                    fold: bool, pdl: bool, tiled: int, act: bool, warps: int, tail: bool, ncol: int, tiles: int,
                    xl1: bool = True, stages: int = 0, out_f32: bool = False,
-                   cluster: bool = False, pieces: int = 1, rmaj: int = 0, rwarps: int = 8) -> tuple[str, ...]:
+                   cluster: bool = False, pieces: int = 1) -> tuple[str, ...]:
     """The source's compile options for one build (NVRTC's; a C preprocessor given them evaluates the source's
     static checks, its ``#error`` lines, as NVRTC does: tests/test_kernel_builds.py)."""
     return ("-std=c++17", f"-DFMT={fmt_id}", f"-DHALF={int(half)}", f"-DEVEN={int(even)}",
@@ -126,18 +123,18 @@ def kernel_options(fmt_id: int, half: bool, even: bool, unroll: int, min_blocks:
             f"-DTILED={int(tiled)}", f"-DACT={int(act)}", f"-DNW={warps}",
             f"-DTAIL={int(tail)}", f"-DNCOL={ncol}", f"-DTPW={tiles}",
             f"-DXL1={int(xl1)}", f"-DASYNC={stages}", f"-DOUT_F32={int(out_f32)}", f"-DCLUSTER={int(cluster)}",
-            f"-DPIECES={pieces}", f"-DRMAJ={rmaj}", f"-DRWARPS={rwarps}")
+            f"-DPIECES={pieces}")
 
 
 @functools.cache
 def _kernel(fmt_id: int, half: bool, even: bool, unroll: int, min_blocks: int, xlate: bool, pipe: bool,
             fold: bool, pdl: bool, tiled: int, act: bool, warps: int, tail: bool, ncol: int, tiles: int,
             device_index: int, xl1: bool = True, stages: int = 0, shared: int = 0, out_f32: bool = False,
-            cluster: bool = False, pieces: int = 1, rmaj: int = 0, rwarps: int = 8):
+            cluster: bool = False, pieces: int = 1):
     import cupy
 
     options = kernel_options(fmt_id, half, even, unroll, min_blocks, xlate, pipe, fold, pdl, tiled, act, warps, tail,
-                             ncol, tiles, xl1, stages, out_f32, cluster, pieces, rmaj, rwarps)
+                             ncol, tiles, xl1, stages, out_f32, cluster, pieces)
     with cupy.cuda.Device(device_index):
         func = cupy.RawModule(code=_SOURCE.read_text(), backend="nvrtc", options=options).get_function("qmv")
     if shared:  # the default cap is 48 KB less the kernel's static shared memory (tile_store's sums)
@@ -262,10 +259,8 @@ _WIDE_DEFAULT: dict[tuple[int, str], dict[str, int]] = {
 
 # the letters of a build's knobs (NINFER_BENCH_QMV_WIDE's entries, bench_qlinear's --qmv-knobs, ptxas_report's
 # --knobs), each followed by its number: p row tiles a block, u steps in registers, b blocks an SM, s cp.async ring
-# stages, w warps a tile, m row tiles a warp of the class-major walk (RMAJ), a that walk's warps a block (RWARPS)
-KNOB_LETTERS = {"p": "tiles", "u": "unroll", "b": "min_blocks", "s": "stages", "w": "warps", "m": "rmaj",
-                "a": "rwarps"}
-RMAJ_STAGES = 4  # the class-major walk's ring (code pieces and x) where its build names none
+# stages, w warps a tile
+KNOB_LETTERS = {"p": "tiles", "u": "unroll", "b": "min_blocks", "s": "stages", "w": "warps"}
 
 
 def knob_kwargs(knobs: str) -> dict[str, int]:
@@ -324,12 +319,11 @@ def _wide_builds(text: str) -> dict[tuple[int, str | None], dict[str, int]]:
 
     out = {}
     for item in (v.strip() for v in text.split(",") if v.strip()):
-        m = re.fullmatch(r"(\d+)(q4|q5|q8)?:((?:[pubsma]\d+)+)", item)
+        m = re.fullmatch(r"(\d+)(q4|q5|q8)?:((?:[pubs]\d+)+)", item)
         if not m or int(m.group(1)) not in (1, 2, 4, 8):
             raise ValueError(f"NINFER_BENCH_QMV_WIDE: {item!r}: expected NCOL[FMT]:KNOBS with NCOL 1, 2, 4 or 8, "
                              "FMT q4, q5 or q8 (none: every format) and knobs p<tiles> u<unroll> b<blocks an SM> "
-                             "s<cp.async stages, 0 off> m<tiles a warp of the class-major walk, 0 off> a<its warps "
-                             "a block>, e.g. 8:p2u1b1, 8q4:p3s4b1 or 8q4:m1a8s4b1")
+                             "s<cp.async stages, 0 off>, e.g. 8:p2u1b1 or 8q4:p3s4b1")
         key = (int(m.group(1)), quant.QUANT_SHORT.get(m.group(2)))
         out[key] = knob_kwargs(m.group(3))
     return out
@@ -461,8 +455,7 @@ class QmvBuild:
     """How one qmv launch is built and shaped (:func:`launch_build`): the source's defines it compiles with (its
     column groups ``ncol``, row tiles a block ``tiles`` (TPW), steps in flight ``unroll``, blocks an SM ``min_blocks``,
     warps a tile ``warps`` (NW) and cp.async ring ``stages`` (ASYNC)), its block's ``threads`` and dynamic ``shared``
-    bytes; ``rmaj`` > 0: the class-major walk (RMAJ: a block of ``rwarps`` warps, ``rmaj`` row tiles each, x staged
-    once a block; ``warps`` stays the warps a tile whose sums it gives)."""
+    bytes."""
 
     ncol: int
     tiles: int
@@ -472,25 +465,18 @@ class QmvBuild:
     stages: int
     threads: int
     shared: int
-    rmaj: int = 0  # row tiles a warp of the class-major walk (RMAJ; 0: off), its block of rwarps warps
-    rwarps: int = 8
 
 
 def launch_build(fmt: str, n: int, t: int, layout: int, sms: int, *, unroll: int | None = None,
                  min_blocks: int | None = None, xlate: bool = False, pipe: bool = False, warps: int | None = None,
                  tail: bool = False, tiles: int | None = None, stages: int | None = None,
-                 ng: int | None = None, rmaj: int | None = None, rwarps: int | None = None) -> QmvBuild:
+                 ng: int | None = None) -> QmvBuild:
     """The build a :func:`qmv` launch of ``t`` rows of an ``[n, K]`` ``fmt`` weight in ``layout`` (0 a
     PackedLinear's row-major sections, 1 tiles, 2 the lanes layout) takes on a GPU with ``sms`` SMs, from the
     keywords its caller gave (None: the default) and the process's tables (:func:`wide_build`; with ``ng``, the
     weight's groups, the shape's override of :func:`set_shape_knobs`). A pure function of its arguments and those
-    tables (no GPU): ValueError where :func:`qmv` refuses the keywords. ``rmaj`` (None: the table's, else 0) row
-    tiles a warp of the class-major walk, for 64-row launches (8 column groups) of the lanes layout only; ``rwarps``
-    its warps a block (4 or 8, default 8); its ring takes ``stages`` (default :data:`RMAJ_STAGES`). A table's walk is
-    left out where the layout is not the lanes one, tiles are asked for, or the weight is dense; an explicit one is
-    refused there."""
+    tables (no GPU): ValueError where :func:`qmv` refuses the keywords."""
     ncol = column_groups(t)
-    stages_given, tiles_given = stages is not None, tiles or 1
     if ncol > 1 and (xlate or pipe or tail):
         raise ValueError(f"qmv: xlate, pipe and tail are for launches of at most {MAX_T} rows, got {t}")
     wide = wide_build(ncol, fmt)
@@ -515,23 +501,6 @@ def launch_build(fmt: str, n: int, t: int, layout: int, sms: int, *, unroll: int
         min_blocks = wave_blocks(n, sms, warps)
     min_blocks = min_blocks or (max(1, _WARPS_PER_SM // warps) if ncol == 1 else
                                 _NCOL_MIN_BLOCKS.get((ncol, warps), max(1, 8 // warps)))
-    explicit = rmaj is not None
-    rmaj = wide.get("rmaj", 0) if rmaj is None else rmaj
-    if rmaj and not explicit and (layout != 2 or tiles_given != 1 or fmt == DENSE_FMT):
-        rmaj = 0  # a table's walk where it cannot run: the launch's other build
-    if rmaj:
-        rwarps = rwarps or wide.get("rwarps", 8)
-        if not stages_given and "stages" not in wide and layout == 2:
-            stages = RMAJ_STAGES
-        if not (1 <= rmaj <= 3 and rwarps in (4, 8)) or ncol != MAX_ROWS // MAX_T or layout != 2 or stages < 2 \
-                or tiles_given != 1 or xlate or pipe or tail or fmt == DENSE_FMT:
-            raise ValueError(f"qmv: the class-major walk (rmaj 1-3 tiles a warp, rwarps 4 or 8) is for launches of "
-                             f"{MAX_T * (MAX_ROWS // MAX_T // 2) + 1}-{MAX_ROWS} rows of a q weight in the lanes "
-                             f"layout, with a ring of at least 2 stages and one tile a block; got rmaj {rmaj}, rwarps "
-                             f"{rwarps}, {t} rows, layout {layout}, stages {stages}, tiles {tiles_given}, {fmt}")
-        return QmvBuild(ncol=ncol, tiles=1, unroll=unroll, min_blocks=min_blocks, warps=warps, stages=stages,
-                        threads=rwarps * 32, shared=async_shared_bytes(fmt, rwarps, stages, rmaj, rmaj=True),
-                        rmaj=rmaj, rwarps=rwarps)
     return QmvBuild(ncol=ncol, tiles=tiles, unroll=unroll, min_blocks=min_blocks, warps=warps, stages=stages,
                     threads=warps * 32, shared=async_shared_bytes(fmt, warps, stages, tiles))
 
@@ -590,8 +559,7 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
         unroll: int | None = None, min_blocks: int | None = None, xlate: bool = False, pipe: bool = False,
         fold: bool = False, pdl: bool | None = None, act: bool = False, warps: int | None = None,
         tail: bool = False, tiles: int | None = None, stages: int | None = None,
-        out_f32: bool = False, pieces: bool | None = None, rmaj: int | None = None,
-        rwarps: int | None = None) -> torch.Tensor:
+        out_f32: bool = False, pieces: bool | None = None) -> torch.Tensor:
     """``x [T, K] @ W.T`` -> ``[T, N]`` in x.dtype, for T <= 64 (see :func:`supports`); with ``out_f32``, in fp32:
     each value rounded to x.dtype first and then widened, the values of ``qmv(x, lin).float()`` without the copy
     (not with ``act``). ``out`` (contiguous [T, N], the result's dtype) is written instead of a fresh tensor.
@@ -615,11 +583,7 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
     minus one steps ahead of its arithmetic, instead of ``unroll`` steps into registers - the same sums (defaults for
     these four over 8 rows: :data:`_WIDE`, else :data:`_WIDE_DEFAULT`). ``pieces`` (default: :func:`pieces_pay`
     with the switch on, :func:`set_pieces`): a split launch of at most 8 rows walks its pieces in one block, the
-    same bits (True where it cannot is refused; False spreads them over blocks). ``rmaj`` (a tuning build, off by
-    default; :func:`launch_build`): a 33-64-row launch of the lanes layout walks its groups class by class, ``rmaj``
-    row tiles a warp and ``rwarps`` warps a block, x staged once a block - the same bits; it takes one pass over K
-    and 16-byte aligned x rows, so it is refused where given and those do not hold, and a table's entry
-    (NINFER_BENCH_QMV_WIDE ``m``) is left out there."""
+    same bits (True where it cannot is refused; False spreads them over blocks)."""
     lin = getattr(lin, "qmv_weight", None) or lin  # a tiled PackedLinear: its tiles
     if not supports(x, lin):
         raise ValueError(f"qmv: needs CUDA bf16/fp16 x [1..{MAX_ROWS}, K={lin.k}] contiguous and a q8/q5/q4 weight "
@@ -644,8 +608,7 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
     if t * x.stride(0) >= 2 ** 31:  # the column groups' row offsets are int32
         raise ValueError(f"qmv: x too large for one launch ({t} rows of stride {x.stride(0)})")
     build = launch_build(lin.fmt, n, t, layout, _triton.num_sms(dev), unroll=unroll, min_blocks=min_blocks,
-                         xlate=xlate, pipe=pipe, warps=warps, tail=tail, tiles=tiles, stages=stages, ng=lin.ng,
-                         rmaj=rmaj, rwarps=rwarps)
+                         xlate=xlate, pipe=pipe, warps=warps, tail=tail, tiles=tiles, stages=stages, ng=lin.ng)
     pdl = _triton.pdl_now(x.device) if pdl is None else pdl and _capability(dev) >= (9, 0)
     row_tiles = -(-n // 16)
     whole = act or not _triton.split_k_allowed()  # (the epilogue, or a launch beside others: _triton.single_pass)
@@ -654,13 +617,6 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
         s = min(s, _SWITCHES["split_cap"])
     groups_per_split = -(-lin.ng // s)
     s = -(-lin.ng // groups_per_split)
-    if build.rmaj and (s > 1 or not even):  # the class-major walk takes one pass over K and staged x rows
-        if rmaj:
-            raise ValueError(f"qmv: rmaj walks one pass over K (got splits {s}) of 16-byte aligned x rows "
-                             f"(aligned: {even})")
-        build = launch_build(lin.fmt, n, t, layout, _triton.num_sms(dev), unroll=unroll, min_blocks=min_blocks,
-                             xlate=xlate, pipe=pipe, warps=warps, tail=tail, tiles=tiles, stages=stages, ng=lin.ng,
-                             rmaj=0)
     # a split launch's pieces walked in one block (one column group from registers, a piece a whole number of warp
     # strides): the split's sums without its blocks' reduction
     can_walk = (s > 1 and build.ncol == 1 and build.tiles == 1 and not build.stages and not (xlate or pipe or tail)
@@ -679,11 +635,9 @@ def qmv(x: torch.Tensor, lin, out: torch.Tensor | None = None, *, splits: int | 
                and _capability(dev) >= (9, 0))
     kern = _kernel(_FMT_ID[lin.fmt], x.dtype == torch.float16, even, build.unroll, build.min_blocks, xlate, pipe,
                    fold, pdl, layout, act, build.warps, tail, build.ncol, build.tiles, dev, _SWITCHES["pdl_x_l1"],
-                   build.stages, build.shared, out_f32, cluster, s if walk else 1, build.rmaj, build.rwarps)
+                   build.stages, build.shared, out_f32, cluster, s if walk else 1)
     ws, counters = workspace(x.device, s * t * n, row_tiles) if s > 1 and not (cluster or walk) else (out, out)
     grid = (-(-row_tiles // build.tiles), 1 if walk else s)  # a block takes build.tiles row tiles
-    if build.rmaj:  # a block takes rwarps x rmaj row tiles, all of K
-        grid = (-(-row_tiles // (build.rwarps * build.rmaj)), 1)
     stream = torch.cuda.current_stream(x.device)
     # the kernel's parameters in order: 7 pointers, 5 int32, 5 int64
     ptrs = (x.data_ptr(), lin.codes.data_ptr(), lin.high.data_ptr(), lin.scales.data_ptr(), out.data_ptr(),

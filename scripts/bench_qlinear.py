@@ -257,8 +257,7 @@ def qmv_knobs(spec: str) -> dict:
     rest = re.sub(rf"[r{''.join(qmv_cuda.KNOB_LETTERS)}]\d+", "", spec)
     for flag in rest:
         if flag not in "tx":
-            raise ValueError(f"--qmv-knobs: {spec!r}: unknown letter {flag!r} (u<n> b<n> w<n> r<n> p<n> s<n> m<n> a<n> "
-                             "t x)")
+            raise ValueError(f"--qmv-knobs: {spec!r}: unknown letter {flag!r} (u<n> b<n> w<n> r<n> p<n> s<n> t x)")
     kw.update(tail="t" in rest, xlate="x" in rest)
     return kw
 
@@ -274,9 +273,8 @@ def main() -> int:
     ap.add_argument("--qmv-knobs", default="",
                     help="comma list of qmv launch builds on the lanes layout, each letters + numbers: u<steps in "
                          "flight> b<blocks per SM> w<warps a tile> r<rows a launch> p<row tiles a block, over 8 "
-                         "rows> s<cp.async ring stages, 0 off> m<row tiles a warp of the class-major walk, 64-row "
-                         "launches> a<its warps a block> t (predicated tail batch) x (x one step ahead), "
-                         "e.g. u4b3,u4b3t,u5b2t,w4u4b6t,p3s4b1,m1a4; timed as qmv-lanes-<spec>")
+                         "rows> s<cp.async ring stages, 0 off> t (predicated tail batch) x (x one step ahead), "
+                         "e.g. u4b3,u4b3t,u5b2t,w4u4b6t,p3s4b1; timed as qmv-lanes-<spec>")
     ap.add_argument("--shape-knobs", default="",
                     help="comma list of per-shape overrides timed through the engine's call (ours), each letters + "
                          "numbers: w<warps a tile> k<split-K count> b<blocks an SM, up to 8 rows>, e.g. w4k2,w8b3; "

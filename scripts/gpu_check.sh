@@ -61,15 +61,6 @@
 #            tar -x -C .old`): their token-invariance / reference CUDA tests, then probe_verify_attention.py (mma, the
 #            default plan) with this tree and .old's alternately VATTNAB_ROUNDS (2) times, then the bundled held-out
 #            prompts (plain, DFlash2 K=7; 256 tokens, one repeat) for the token hashes
-#   kbias    the decode attention's KBIAS=1 build (K's biased codes, no subtraction a code pair; off by default): its
-#            CUDA tests (-k biased, plus the default build's invariance tests), probe_verify_attention.py (mma, the
-#            default plan and KBIAS_SPLITS) with the default build and NINFER_BENCH_ATTN_BUILD=KBIAS=1 alternately
-#            KBIAS_ROUNDS (2) times, then the bundled held-out prompts (plain, DFlash2 K=7) with KBIAS=1
-#   rmaj     qmv's class-major walk for 33-64-row launches (RMAJ, off by default; issue 33), RMAJ_PARTS of
-#            tests,bench,c8 (all by default; a part a call where time is short): its CUDA tests and the
-#            wide launches' bit tests, the 27B projections at 64 rows with RMAJ_KNOBS (m1,m2,m1a4,m2a4) beside the
-#            default build (bench_qlinear --qmv-knobs), then the 27B C8 plain, C8 DFlash2 K=7 replayed with the default and
-#            with NINFER_BENCH_QMV_WIDE=RMAJ_WIDE (8q4:m1,8q5:m1,8q8:m1)
 #   ipc      the tensor-parallel IPC collectives on one GPU: scripts/bench_ipc_collectives.py (two ranks' regions in one
 #            process), then the 27B synthetic at TP = 2 (two ranks sharing the GPU: memory and tokens, not speed) with
 #            plain / DFlash2 K=7 (IPC_N tokens)
@@ -392,30 +383,6 @@ for stage in "$@"; do
                  --json "$OUT/vattnab/old$r.json" 2>&1 | tail -4 ); done
              nb decode --spec none,dflash2:7 --prompt-file suites/data/heldout_prompts.jsonl -n 256 --repeats 1 \
                --json "$OUT/vattnab/held" 2>&1 | tail -10 ;;
-    kbias)   mkdir -p "$OUT/kbias"
-             timeout ${TESTS_S:-200} python3 -m pytest -q -p no:cacheprovider --durations=5 tests/test_kernels_attn_cuda.py \
-               -k "biased or tokens_and_rows or matches_reference" > "$OUT/kbias/tests.log" 2>&1
-             echo "--- attention tests: rc $?"; tail -3 "$OUT/kbias/tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/kbias/tests.log" | head
-             for r in $(seq ${KBIAS_ROUNDS:-2}); do
-               for b in default KBIAS=1; do
-                 NINFER_BENCH_ATTN_BUILD=$([ $b = default ] || echo $b) timeout 150 python3 scripts/probe_verify_attention.py \
-                   --kernels mma ${KBIAS_SPLITS:+--splits $KBIAS_SPLITS} --json "$OUT/kbias/${b%%=*}$r.json" 2>&1 | tail -4
-               done; done
-             NINFER_BENCH_ATTN_BUILD=KBIAS=1 nb decode --spec none,dflash2:7 --prompt-file suites/data/heldout_prompts.jsonl \
-               -n 256 --repeats 1 --json "$OUT/kbias/held" 2>&1 | tail -10 ;;
-    rmaj)    mkdir -p "$OUT/rmaj"; parts=",${RMAJ_PARTS:-tests,bench,c8},"
-             if [[ $parts == *,tests,* ]]; then
-               timeout ${TESTS_S:-300} python3 -m pytest -q -p no:cacheprovider -rf --tb=short tests/test_kernels_qmv_cuda.py \
-                 -k "class_major or async_ring or wide_launch_rows" > "$OUT/rmaj/tests.log" 2>&1
-               echo "--- qmv tests: rc $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/rmaj/tests.log" | tail -8; fi
-             [[ $parts == *,bench,* ]] && OUT=$OUT timeout ${QBENCH_S:-300} python3 scripts/bench_qlinear.py --no-baselines \
-               --ts 64 --rows 64 --ops attn.q_gate,gdn.qkv,mlp.gate_up,mlp.down,lm_head \
-               --qmv-knobs ${RMAJ_KNOBS:-m1,m2,m1a4,m2a4} 2>&1 | tee "$OUT/rmaj/qbench.log" | grep -v "@graph20" | tail -40
-             [[ $parts == *,c8,* ]] && for W in default ${RMAJ_WIDE:-8q4:m1,8q5:m1,8q8:m1}; do
-               for S in $([ $W = default ] && echo "none dflash2" || echo dflash2); do
-                 X=""; [ "$S" = dflash2 ] && X="-k 7 --replay-acceptance seed"
-                 NINFER_BENCH_QMV_WIDE=$([ $W = default ] || echo $W) nb concurrency $M27 -c 8 -n 128 --rounds 2 \
-                   --spec $S $X --json "$OUT/rmaj/c8-$S-${W%%:*}.json" 2>&1 | tail -4; done; done ;;
     ipc)     mkdir -p "$OUT/ipc"
              timeout ${STAGE_S:-200} python3 scripts/bench_ipc_collectives.py --json "$OUT/ipc/bench.json" 2>&1 \
                | tee "$OUT/ipc/bench.log" | tail -30

@@ -9,7 +9,7 @@ says so when it does. The numbers are ptxas's own. Whether a build is faster is 
 
     pip install -e '.[offline]'
     python scripts/ptxas_report.py --fmts q4,q5 --rows 64 --knobs default,p3s4b1,p2s4b1
-    python scripts/ptxas_report.py --fmts q4 --rows 64 --knobs default,m1 --loops   # + the step loop's SASS counts
+    python scripts/ptxas_report.py --fmts q4 --rows 64 --knobs default,p1s4 --loops   # + the step loop's SASS counts
 """
 
 from __future__ import annotations
@@ -166,8 +166,7 @@ def main() -> int:
                     b = qmv_cuda.walk_build(b)
                 options = qmv_cuda.kernel_options(qmv_cuda._FMT_ID[fmt], False, True, b.unroll, b.min_blocks, False,
                                                   False, False, not args.no_pdl, 2, False, b.warps, False, b.ncol,
-                                                  b.tiles, True, b.stages, pieces=args.pieces, rmaj=b.rmaj,
-                                                  rwarps=b.rwarps)
+                                                  b.tiles, True, b.stages, pieces=args.pieces)
                 with tempfile.TemporaryDirectory() as tmp:
                     cubin = Path(tmp) / "k.cubin"
                     r = assemble(ptxas, compile_ptx(nvrtc, source, options), cubin=cubin)

@@ -11,7 +11,7 @@ compiler made of a source change, not its time, which only a GPU measures.
     pip install -e '.[offline]'
     python scripts/sass_loops.py --hd 256,64
     python scripts/sass_loops.py --source /path/to/older/attn_cuda.cu   # the same builds of another source
-    python scripts/sass_loops.py --build KBIAS=1     # extra defines over every build (NINFER_BENCH_ATTN_BUILD's form)
+    python scripts/sass_loops.py --build PART16=0    # extra defines over every build (NINFER_BENCH_ATTN_BUILD's form)
 """
 
 from __future__ import annotations

@@ -66,8 +66,7 @@ def _qmv_builds(tables: dict) -> dict[tuple[str, ...], object]:
         out = {}
         keywords = [{}, {"stages": 0}, {"stages": 3}, {"stages": 4}, {"tiles": 2},
                     {"tiles": 3, "stages": 4, "min_blocks": 1}, {"xlate": True}, {"pipe": True}, {"tail": True},
-                    {"fold": True}, {"warps": 4}, {"unroll": 1, "min_blocks": 2}, {"rmaj": 1},
-                    {"rmaj": 2, "rwarps": 4, "stages": 2}]
+                    {"fold": True}, {"warps": 4}, {"unroll": 1, "min_blocks": 2}]
         for fmt, t, layout, even, kw in itertools.product(FMTS, (1, 8, 16, 17, 64), (0, 1, 2), (True, False),
                                                           keywords):
             if fmt == qmv_cuda.DENSE_FMT and layout == 2:  # (TiledWeight's lanes layout is the q formats')
@@ -77,17 +76,13 @@ def _qmv_builds(tables: dict) -> dict[tuple[str, ...], object]:
                 b = qmv_cuda.launch_build(fmt, 17408 * 2, t, layout, SMS, **build_kw)
             except ValueError:
                 continue
-            if b.rmaj and not even:  # qmv refuses an explicit walk of unaligned x (a table's falls back)
-                continue
             for act, pdl, f32, cluster in ((False, False, False, False), (True, True, False, False),
                                            (False, True, True, False), (False, True, False, True),
                                            (False, False, True, True)):
                 options = qmv_cuda.kernel_options(
                     qmv_cuda._FMT_ID[fmt], False, even, b.unroll, b.min_blocks, kw.get("xlate", False),
                     kw.get("pipe", False), kw.get("fold", False), pdl, layout, act, b.warps, kw.get("tail", False),
-                    b.ncol, b.tiles, True, b.stages, f32, cluster, 1, b.rmaj, b.rwarps)
-                if b.rmaj and cluster:  # the walk takes one pass over K: never a split's cluster
-                    continue
+                    b.ncol, b.tiles, True, b.stages, f32, cluster)
                 out.setdefault(options, (fmt, t, layout, even, kw, act, pdl, f32, cluster))
             # a split launch's pieces walked in one block: where qmv lets it (one column group from registers, no
             # xlate, pipe or tail; never with act or a cluster)
@@ -118,7 +113,6 @@ def test_every_qmv_build_passes_the_source_checks(table):
     assert any("-DTPW=3" in o for o in builds) and any("-DNCOL=8" in o for o in builds)
     assert any("-DOUT_F32=1" in o for o in builds) and any("-DCLUSTER=1" in o for o in builds)
     assert any("-DPIECES=8" in o for o in builds)
-    assert any("-DRMAJ=1" in o for o in builds) and any("-DRMAJ=2" in o and "-DRWARPS=4" in o for o in builds)
     assert _refused(KERNELS / "qmv_cuda.cu", builds) == []
 
 

@@ -317,30 +317,3 @@ def test_fp32_partials_build_agrees(shape, monkeypatch):
     assert rel_rms(fp16, fp32) <= 1e-3
     one = {**c, "q": c["q"][:1, -1:].contiguous(), "slots": c["slots"][:1], "q_pos": c["q_pos"][:1, -1:].contiguous()}
     assert torch.equal(at.decode_attention(**one)[0, 0], fp32[0, -1])
-
-
-@gpu
-@pytest.mark.parametrize("shape", ["T8-g6-hd256", "T3-g8-hd128", "T8-g6-hd64-edge"])
-def test_biased_k_build_agrees(shape, monkeypatch):
-    """KBIAS=1 (K's codes as 1152 + c, each group's sums from -1152 sum(q) made by the same MMAs): against the fp32
-    reference within the default build's tolerance and close to the default build, and its tokens and rows give the
-    bits its single steps give (the bias is computed alike in every kernel; attn_verify_wg's too, on an sm_90 GPU)."""
-    for q_dtype in (torch.bfloat16, torch.float16):
-        c = half_case(shape, q_dtype, seed=5)
-        ref = at.decode_attention_ref(**{**c, "q": c["q"].float()})
-        base = at.decode_attention(**c)
-        monkeypatch.setitem(attn_cuda._BUILD, "defines", (("KBIAS", 1),))
-        biased = at.decode_attention(**c)
-        tol = RTOL_BF16 if q_dtype == torch.bfloat16 else RTOL_FP16
-        assert rel_rms(biased, ref) <= tol and rel_rms(biased, base) <= tol
-        b, t = c["q"].shape[:2]
-        for i in range(b):
-            for j in range(t):
-                one = {**c, "q": c["q"][i:i + 1, j:j + 1].contiguous(), "slots": c["slots"][i:i + 1],
-                       "q_pos": c["q_pos"][i:i + 1, j:j + 1].contiguous()}
-                assert torch.equal(at.decode_attention(**one)[0, 0], biased[i, j]), (q_dtype, i, j)
-        if torch.cuda.get_device_capability() == (9, 0):  # attn_verify_wg starts its groups alike
-            monkeypatch.setitem(attn_cuda._VERIFY, "kernel", "wgmma")
-            assert torch.equal(at.decode_attention(**c), biased), q_dtype
-            monkeypatch.setitem(attn_cuda._VERIFY, "kernel", "mma")
-        monkeypatch.setitem(attn_cuda._BUILD, "defines", ())

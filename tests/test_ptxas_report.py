@@ -56,14 +56,14 @@ def test_a_build_compiles_and_reports(monkeypatch, capsys):
 
 
 def test_loops_count_the_step(monkeypatch, capsys):
-    """--loops adds each build's step loop from the SASS: the class-major walk's one tile a warp makes 32 MMAs a step
-    (8 column groups x 4), the default 64-row q4 build's three tiles 96."""
+    """--loops adds each build's step loop from the SASS: a 64-row q4 launch's one tile a block makes 32 MMAs a step
+    (8 column groups x 4), the default's three tiles 96."""
     pr = _load()
     if not _offline_ready(pr):
         pytest.skip("no NVRTC wheel / ptxas (pip install -e '.[offline]')")
-    monkeypatch.setattr(sys, "argv", ["ptxas_report.py", "--fmts", "q4", "--rows", "64", "--knobs", "default,m1",
+    monkeypatch.setattr(sys, "argv", ["ptxas_report.py", "--fmts", "q4", "--rows", "64", "--knobs", "default,p1s4",
                                       "--loops"])
     assert pr.main() == 0
     lines = [ln.split() for ln in capsys.readouterr().out.splitlines()[1:]]
-    assert [(ln[1], ln[-1]) for ln in lines] == [("default", "96"), ("m1", "32")]
+    assert [(ln[1], ln[-1]) for ln in lines] == [("default", "96"), ("p1s4", "32")]
     assert all(int(ln[-3]) > int(ln[-1]) for ln in lines)  # more instructions than MMAs
