@@ -118,14 +118,19 @@ def assemble(ptxas: Path, ptx: str, arch: str = "sm_90a", cubin: Path | None = N
             "spill_loads": num(r"(\d+) bytes spill loads"), "static_smem": num(r"(\d+) bytes smem")}
 
 
+def disassemble(ptxas: Path, cubin: Path) -> str:
+    """nvdisasm's text of an assembled module (the nvdisasm beside ``ptxas``)."""
+    done = subprocess.run([str(ptxas.parent / "nvdisasm"), "-c", str(cubin)], capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"nvdisasm: {done.stderr.strip()[:400]}")
+    return done.stdout
+
+
 def step_loop(ptxas: Path, cubin: Path) -> str:
     """``  instructions / HMMA`` of the qmv kernel's shortest loop with at least 8 MMAs (its step), from nvdisasm."""
     import sass_loops  # (it imports this module: loaded only when asked for)
 
-    done = subprocess.run([str(ptxas.parent / "nvdisasm"), "-c", str(cubin)], capture_output=True, text=True)
-    if done.returncode:
-        raise RuntimeError(f"nvdisasm: {done.stderr.strip()[:300]}")
-    found = [lp for lines in sass_loops.functions(done.stdout).values() for lp in sass_loops.loops(lines)]
+    found = [lp for lines in sass_loops.functions(disassemble(ptxas, cubin)).values() for lp in sass_loops.loops(lines)]
     if not found:
         return "  (no loop with MMAs)"
     lp = min(found, key=lambda f: f["instructions"])

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import collections
 import re
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -82,10 +81,7 @@ def attention_sass(source: bytes, hd: int, half: bool, build: tuple) -> str:
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "k.cubin"
         ptxas_report.assemble(ptxas, ptx, cubin=cubin)
-        done = subprocess.run([str(ptxas.parent / "nvdisasm"), "-c", str(cubin)], capture_output=True, text=True)
-    if done.returncode:
-        raise RuntimeError(f"nvdisasm: {done.stderr.strip()[:400]}")
-    return done.stdout
+        return ptxas_report.disassemble(ptxas, cubin)
 
 
 def main(argv: list[str] | None = None) -> int:
