@@ -127,14 +127,14 @@ def disassemble(ptxas: Path, cubin: Path) -> str:
 
 
 def step_loop(ptxas: Path, cubin: Path) -> str:
-    """``  instructions / HMMA`` of the qmv kernel's shortest loop with at least 8 MMAs (its step), from nvdisasm."""
+    """``  instructions / MMA`` of the qmv kernel's shortest loop with at least 8 MMAs (its step), from nvdisasm."""
     import sass_loops  # (it imports this module: loaded only when asked for)
 
     found = [lp for lines in sass_loops.functions(disassemble(ptxas, cubin)).values() for lp in sass_loops.loops(lines)]
     if not found:
         return "  (no loop with MMAs)"
     lp = min(found, key=lambda f: f["instructions"])
-    return f"  {lp['instructions']:5d} / {lp['hmma']:<4d}"
+    return f"  {lp['instructions']:5d} / {lp['mma']:<4d}"
 
 
 def main() -> int:
@@ -159,7 +159,7 @@ def main() -> int:
         return 2
     source = (Path(qmv_cuda.__file__).parent / "qmv_cuda.cu").read_bytes()
     print(f"{'fmt':4} {'knobs':10} {'warps':>5} {'tiles':>5} {'stages':>6} {'regs':>4} {'spill st/ld':>11} "
-          f"{'smem dyn+static':>16}" + ("  loop instr / HMMA" if args.loops else ""))
+          f"{'smem dyn+static':>16}" + ("  loop instr / MMA" if args.loops else ""))
     bad = 0
     for short in (f.strip() for f in args.fmts.split(",") if f.strip()):
         fmt = quant.QUANT_SHORT[short]

@@ -4,9 +4,9 @@
 Each build that kernels/attn_cuda.py launches (attn_split, and attn_verify's narrow and wide builds) is compiled the
 way scripts/ptxas_report.py compiles qmv's (NVRTC from the ``[offline]`` extra, Triton's ptxas, its nvdisasm), and
 every loop of a kernel with at least ``--min-mma`` tensor-core instructions (a backward branch's body) is counted:
-instructions in all, HMMA, and the most frequent opcodes. The counts are static (one pass of the loop body, every
-branch inside it included) and come from Triton's ptxas, which may be older than the GPU driver's: they show what the
-compiler made of a source change, not its time, which only a GPU measures.
+instructions in all, tensor-core MMAs (HMMA + IMMA), the most frequent opcodes. The counts are static (one pass of
+the loop body, every branch inside it included) and come from Triton's ptxas, which may be older than the GPU
+driver's: they show what the compiler made of a source change, not its time, which only a GPU measures.
 
     pip install -e '.[offline]'
     python scripts/sass_loops.py --hd 256,64
@@ -56,8 +56,8 @@ def functions(sass: str) -> dict[str, list[str]]:
 
 
 def loops(lines: list[str], min_mma: int = 8) -> list[dict]:
-    """The loops of one function (a branch back to a label above it) with at least ``min_mma`` HMMA: their opcode
-    counts and how many general registers they fill from uniform ones."""
+    """The loops of one function (a branch back to a label above it) with at least ``min_mma`` tensor-core MMAs
+    (HMMA, IMMA: ``mma``): their opcode counts and how many general registers they fill from uniform ones."""
     labels = {m.group(1): i for i, line in enumerate(lines) if (m := _LABEL.match(line))}
     found = []
     for i, line in enumerate(lines):
@@ -67,10 +67,10 @@ def loops(lines: list[str], min_mma: int = 8) -> list[dict]:
             continue
         body = lines[top:i + 1]
         ops = collections.Counter(m.group(1) for x in body if (m := _INSTR.match(x)))
-        if ops["HMMA"] >= min_mma:
-            found.append({"label": lines[top].rstrip(":"), "instructions": sum(ops.values()),
-                          "hmma": ops["HMMA"], "from_uniform": sum(bool(_FROM_UNIFORM.search(x)) for x in body),
-                          "ops": ops})
+        mma = ops["HMMA"] + ops["IMMA"]
+        if mma >= min_mma:
+            found.append({"label": lines[top].rstrip(":"), "instructions": sum(ops.values()), "mma": mma,
+                          "from_uniform": sum(bool(_FROM_UNIFORM.search(x)) for x in body), "ops": ops})
     return found
 
 
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--source", default=str(attn_cuda._SOURCE), help="the kernels' source (default: this tree's)")
     ap.add_argument("--hd", default="256", help="head dims, a comma list (multiples of 64 up to 256)")
     ap.add_argument("--fp16", action="store_true", help="fp16 queries (default bf16)")
-    ap.add_argument("--min-mma", type=int, default=8, help="loops with fewer HMMA are not reported")
+    ap.add_argument("--min-mma", type=int, default=8, help="loops with fewer MMAs (HMMA + IMMA) are not reported")
     ap.add_argument("--top", type=int, default=10, help="opcodes listed a loop")
     ap.add_argument("--build", default="", help="extra defines over every build, NAME=VALUE:NAME=VALUE "
                                                 "(as NINFER_BENCH_ATTN_BUILD takes them)")
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sass_loops: {e}", file=sys.stderr)
         return 2
     source = Path(args.source).read_bytes()
-    print(f"{'hd':>3} {'build':6} {'kernel':12} {'loop':10} {'instr':>5} {'HMMA':>4} {'from UR':>7}  top opcodes")
+    print(f"{'hd':>3} {'build':6} {'kernel':12} {'loop':10} {'instr':>5} {'MMA':>4} {'from UR':>7}  top opcodes")
     for hd in (int(x) for x in args.hd.split(",") if x.strip()):
         for name, build in zip(("narrow", "wide"), attn_cuda._builds(extra)):
             sass = attention_sass(source, hd, args.fp16, build)
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
                     continue  # the same attn_split in both modules
                 for lp in loops(lines, args.min_mma):
                     top = ", ".join(f"{op} {n}" for op, n in lp["ops"].most_common(args.top))
-                    print(f"{hd:3d} {name:6} {kernel:12} {lp['label']:10} {lp['instructions']:5d} {lp['hmma']:4d} "
+                    print(f"{hd:3d} {name:6} {kernel:12} {lp['label']:10} {lp['instructions']:5d} {lp['mma']:4d} "
                           f"{lp['from_uniform']:7d}  {top}")
     return 0
 

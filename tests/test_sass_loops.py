@@ -31,7 +31,7 @@ def test_loops_are_backward_branches_with_mma():
     fns = sl.functions(text)
     assert list(fns) == ["k"]
     (lp,) = sl.loops(fns["k"], min_mma=1)
-    assert (lp["label"], lp["instructions"], lp["hmma"], lp["from_uniform"]) == (".L_x_1", 4, 1, 2)
+    assert (lp["label"], lp["instructions"], lp["mma"], lp["from_uniform"]) == (".L_x_1", 4, 1, 2)
     assert sl.loops(fns["k"], min_mma=2) == []  # too few MMAs; the forward branch is no loop
 
 
@@ -49,7 +49,8 @@ def test_the_attention_loops_keep_their_selectors_in_registers():
         for kernel, lines in sl.functions(sl.attention_sass(src, 64, False, build)).items():
             for lp in sl.loops(lines):
                 seen.add(kernel)
-                assert lp["hmma"] == (16 if kernel == "attn_verify" else 8), (kernel, lp)
+                assert lp["mma"] == (16 if kernel == "attn_verify" else 8), (kernel, lp)
+                assert lp["ops"]["IMMA"] == lp["mma"] // 2, (kernel, lp)  # S in integers (q's bytes x the codes)
                 assert lp["from_uniform"] <= 8, (kernel, lp)
     assert seen == {"attn_split", "attn_verify"}
 
