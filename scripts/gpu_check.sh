@@ -375,7 +375,8 @@ for stage in "$@"; do
              fi ;;
     vattnab) mkdir -p "$OUT/vattnab"
              timeout ${TESTS_S:-150} python3 -m pytest -q -p no:cacheprovider --durations=5 tests/test_kernels_attn_cuda.py \
-               -k "${VATTNAB_K:-tokens_and_rows or rows_a_verify or matches_reference or wgmma or triton_kernel}" > "$OUT/vattnab/tests.log" 2>&1
+               -k "${VATTNAB_K:-tokens_and_rows or rows_a_verify or matches_reference or wgmma or triton_kernel}" \
+               > "$OUT/vattnab/tests.log" 2>&1
              echo "--- attention tests: rc $?"; tail -3 "$OUT/vattnab/tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/vattnab/tests.log" | head
              for r in $(seq ${VATTNAB_ROUNDS:-2}); do
                timeout 120 python3 scripts/probe_verify_attention.py --kernels mma --json "$OUT/vattnab/new$r.json" 2>&1 | tail -4
