@@ -379,9 +379,9 @@ for stage in "$@"; do
                > "$OUT/vattnab/tests.log" 2>&1
              echo "--- attention tests: rc $?"; tail -3 "$OUT/vattnab/tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/vattnab/tests.log" | head
              for r in $(seq ${VATTNAB_ROUNDS:-2}); do
-               timeout 120 python3 scripts/probe_verify_attention.py --kernels ${VATTNAB_KERNELS:-mma} --json "$OUT/vattnab/new$r.json" 2>&1 | tail -4
+               timeout 120 python3 scripts/probe_verify_attention.py --kernels ${VATTNAB_KERNELS:-mma} --json "$OUT/vattnab/new$r.json" 2>&1 | tail -${VATTNAB_TAIL:-4}
                [ -d .old ] && ( cd .old && timeout 120 python3 scripts/probe_verify_attention.py --kernels ${VATTNAB_KERNELS:-mma} \
-                 --json "$OUT/vattnab/old$r.json" 2>&1 | tail -4 ); done
+                 --json "$OUT/vattnab/old$r.json" 2>&1 | tail -${VATTNAB_TAIL:-4} ); done
              nb decode --spec none,dflash2:7 --prompt-file suites/data/heldout_prompts.jsonl -n 256 --repeats 1 \
                --json "$OUT/vattnab/held" 2>&1 | tail -10 ;;
     ipc)     mkdir -p "$OUT/ipc"
