@@ -2,7 +2,7 @@
 // (kernels/attention_triton.py's decode_attention for int8 caches and 16-bit queries; its _attn_combine merges
 // the splits). Compiled at run time (CuPy / NVRTC), no headers:
 //   HD     head dim, a multiple of 64 up to 256 (NG = HD / 64 scale groups a key)
-//   HALF   0: q is bf16, 1: fp16 (either put in fixed point as it is loaded: q_fixed)
+//   HALF   0: q is bf16 (converted to fp16 as it is loaded), 1: fp16
 //   POS64 / SLOT64   q_pos / slots are int64 (1) or int32 (0)
 //   VDEPTH attn_verify: steps of K / V in flight (cp.async stages in shared memory, >= 2)
 //   QSMEM  attn_verify: q's A fragments in registers (0) or in shared memory (1), VMAXREG its register cap (unset:
@@ -15,17 +15,15 @@
 //
 // attn_split: 16 keys a step, online softmax in fp32. The MMAs are transposed so that the query heads are the MMA's
 // 8 columns (a decode step has G = 6 rows, not the 16 an m tile wants) and the keys / head dims its 16 rows:
-//   S^T [16 keys x 8 heads] = K [16 keys x HD] . Q^T in exact integers, two int8 m16n8k32 per 32 head dims;
-//   O^T [HD x 8 heads]    += V^T [HD x 16 keys] . P^T, one fp16 m16n8k16 per 16 head dims.
-// S is computed in integers: q is put in fixed point a row (q_fixed: 2^(e - 15) (256 hi + lo), 16 bits against the
-// row's largest |q|), and each scale group's 64 products of the raw int8 codes with q's high bytes and then, onto those
-// sums times 256, with its low bytes are exact int32 sums (no order to keep); each group's sum is made fp32 once,
-// multiplied by the key's group scale and added in group order, and the row's score takes qk_scale * 2^(e - 15). A dot
-// product does not depend on the order of its terms, so each MMA's 32 "k" values are a permutation of the head dims
-// chosen for the loads: lane (g = lane / 4, c = lane % 4) holds keys g and g + 8 and, of scale group G, the 16
-// contiguous head dims 64 G + 16 c .. + 15 (one 16-byte load a key and group; k32 block b takes its words 2b, 2b + 1),
-// and q's fragments take the same permutation. Besides fp32 summation, the only roundings are q's fixed point and
-// each group's sum to fp32.
+//   S^T [16 keys x 8 heads] = K [16 keys x HD] . Q^T, one m16n8k16 per 16 head dims;
+//   O^T [HD x 8 heads]    += V^T [HD x 16 keys] . P^T, one m16n8k16 per 16 head dims.
+// A dot product does not depend on the order of its terms, so each MMA's 16 "k" values are a permutation of the
+// head dims chosen for the loads: lane (g = lane / 4, c = lane % 4) holds keys g and g + 8 and, of scale group G,
+// the 16 contiguous head dims 64 G + 16 c .. + 15 (one 16-byte load a key and group), and the query's B fragments
+// take the same permutation. K's A fragments hold the exact codes (c XOR 0x80 = c + 128 put in the mantissa of
+// 1024.0 by a byte permute, then one packed subtraction of 1152), the MMA sums them against q in fp32, and each
+// group's sums are multiplied by the key's group scale: no rounding besides fp32 summation and q's conversion to
+// fp16.
 // For V^T the 16 rows of an m tile are head dims and the 16 "k" values keys; m tile (G, i) row r < 8 is head dim
 // 64 G + 8 r + 2 i and row r + 8 is the next one, so lane (g, c) reads 8 contiguous bytes (64 G + 8 g ..) of each of
 // its four keys 2c, 2c + 1, 2c + 8, 2c + 9, pairs two keys' codes by byte permutes, and multiplies the exact codes by
@@ -35,23 +33,23 @@
 //
 // attn_verify: the same products in the other orientation, with the T x G query rows (row r = token r / G, head
 // r % G) as the MMA's 16 rows:
-//   S [16 rows x 8 keys] = Q . K^T in exact integers, two n tiles a step (keys 0-7, 8-15), two int8 m16n8k32 per 32
-//                          head dims each;
+//   S [16 rows x 8 keys] = Q . K^T, two n tiles a step (keys 0-7, 8-15), one m16n8k16 per 16 head dims each;
 //   O [16 rows x 8 head dims] += P . V, two n tiles per (scale group G, i): head dims 64 G + 8 n + 2 i (+ 1).
-// S's integer sums are exact, so they are attn_split's whatever the orientation, and each becomes fp32 and meets its
-// scales in attn_split's order. A lane's V^T fragment of attn_split's m tile (G, i) is, register for register, its B
-// fragments of the two O n tiles here, and P's A fragments come straight from S's accumulators: each O element gets the
-// same 16 products at the same k positions, into the same accumulator, in the same order as in attn_split, and the
-// softmax follows it element for element: the same fmas, masks and ex2, and the running sums kept as attn_split's
-// lanes keep them (a lane here holds, per row, the partial sums of key pairs (2c, 2c + 8) and (2c + 1, 2c + 9), which
-// attn_split's lanes g = 2c and 2c + 1 hold) and reduced in its tree. Both move a row's running max only when a
-// step's max passes it by more than 2^8 (RESCALE_LAG), so most steps skip the rescale of O. A row meets the union of
-// the block's rows' key ranges: steps outside its own range leave its running max, sums and output as they are (scale
-// 1, p = 0), so a T = 8 verify gives each row the bits a T = 1 step gives (token invariance). That an fp16 MMA
-// element's bits (O's) do not depend on which operand holds which vector is the tensor cores' behaviour (H100, H200),
-// not a documented guarantee: the GPU tests check it bit for bit. The block streams each step's raw codes and scales
-// into shared memory with cp.async (VDEPTH steps in flight, rows padded against bank conflicts), and every warp makes
-// its fragments from there.
+// A lane's K fragment of attn_split (rows = keys g, g + 8) is, register for register, its B fragments of the two S
+// n tiles here (column = key g, g + 8), and its V^T fragment of m tile (G, i) its B fragments of the two O n tiles;
+// q's fragments are attn_split's B fragments of rows g and g + 8 interleaved, and P's A fragments come straight from
+// S's accumulators. Each S and O element so gets the same 16 products at the same k positions, into the same
+// accumulator, in the same order as in attn_split, and the softmax follows it element for element: the same fmas,
+// masks and ex2, and the running sums kept as attn_split's lanes keep them (a lane here holds, per row, the partial
+// sums of key pairs (2c, 2c + 8) and (2c + 1, 2c + 9), which attn_split's lanes g = 2c and 2c + 1 hold) and reduced
+// in its tree. Both move a row's running max only when a step's max passes it by more than 2^8 (RESCALE_LAG), so
+// most steps skip the rescale of O. A row meets the union of the block's rows' key ranges: steps outside its own
+// range leave its running max, sums and output as they are (scale 1, p = 0), so a T = 8 verify gives each row the
+// bits a T = 1 step gives (token invariance). That an MMA element's bits do not depend on which operand holds which
+// vector is the tensor cores' behaviour (on the H200), not a documented guarantee: the GPU tests check it bit for
+// bit. The block streams each step's raw codes and
+// scales into shared memory with cp.async (VDEPTH steps in flight, rows padded against bank conflicts), and every
+// warp makes its fragments from there.
 // Both write the normalised partial output [B, T, H, splits, HD] (fp16 under PART16, the default: each element
 // its sum times the row's reciprocal sum, rounded once; store_part8) and its log2-sum-exp in fp32 of every row whose
 // key range reaches this split, also for a single split: the combine merges exactly those rows' splits in fp32,
@@ -181,37 +179,6 @@ __device__ __forceinline__ void mma(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u3
                : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// d += A . B over k = 32 bytes (A 16 x 32 row-major, B 32 x 8 column-major) in int32: exact sums, in any order.
-// imma_ss: both operands signed bytes; imma_su: B unsigned (attn_split's q low bytes); imma_us: A unsigned
-// (attn_verify's)
-__device__ __forceinline__ void imma_ss(int* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-  asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-               "{%0, %1, %2, %3};"
-               : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
-               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-__device__ __forceinline__ void imma_su(int* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-  asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.u8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-               "{%0, %1, %2, %3};"
-               : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
-               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-__device__ __forceinline__ void imma_us(int* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-  asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-               "{%0, %1, %2, %3};"
-               : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
-               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-// A scale group's q . k in exact integers: 256 (q's hi bytes . k) + (its lo bytes . k), each over the group's 64 head
-// dims (|hi . k| <= 2^20, |lo . k| < 2^21: the sum fits an int32), made an fp32 score by one rounding. The MMAs add the
-// lo bytes' products onto the hi bytes' sums times 256 (hi_up); s_int is the same value from two sums.
-__device__ __forceinline__ void hi_up(int (&d)[4]) {
-#pragma unroll
-  for (int e = 0; e < 4; ++e) d[e] *= 256;
-}
-__device__ __forceinline__ float s_int(int hi, int lo) { return __int2float_rn(hi * 256 + lo); }
-
 // codes c (int8) of a word's bytes lo, lo + 1 as the fp16 pair 1152 + c: c ^ 0x80 = c + 128 in the mantissa of 1024.0
 #define FLIP 0x80808080u
 #define MAGIC_BYTES 0x64646464u
@@ -241,6 +208,16 @@ __device__ __forceinline__ void key_range(int pos, int s, int chunk, int min_chu
   const int c = row_chunk(pos, chunk, min_chunk, splits);
   lo = s * c;
   hi = min(min(lo + c, kv_len), pos + 1);
+}
+
+// The fragments of one 16-key step. K: chunk j of scale group gr, from word j of keys g and g + 8 (raw codes).
+__device__ __forceinline__ void k_frag(u32 w0, u32 w1, u32* a, u32 mg) {
+  w0 ^= FLIP;
+  w1 ^= FLIP;
+  a[0] = codes01(w0, mg);
+  a[1] = codes01(w1, mg);
+  a[2] = codes23(w0, mg);
+  a[3] = codes23(w1, mg);
 }
 
 // V: m tile (gr, i) from the 8 bytes of keys 2c, 2c + 1 (x, y) and 2c + 8, 2c + 9 (xb, yb) at 64 gr + 8 g, times
@@ -277,57 +254,22 @@ __device__ __forceinline__ u16 load_scale(const u16* sb, int key, int end, int g
   return key < end ? sb[(long long)key * NG + gr] : (u16)0;
 }
 
-// q in fixed point for S = q . k in exact integers: a row is 2^(e - 15) (256 hi + lo), hi a signed and lo an unsigned
-// byte a head dim, e the least exponent with max |q| < 2^e over the row (each element rounded to nearest even: 16
-// bits against the row's largest, where fp16 keeps 11 of each element). Lane c of a row holds, of scale group gr, the
-// head dims 64 gr + 16 c .. + 15 as words w = 0 .. 3 (dims 16 c + 4 w .. + 3, byte i dim + i) of hi and of lo; lanes
-// c ^ 1, c ^ 2 hold the row's other dims (the max is shuffled among them, so all 32 lanes call this; a row's lanes
-// agree on ok, and its words are zero when !ok). Returns the row's qk_scale * 2^(e - 15), which multiplies its scores.
-__device__ __forceinline__ float q_fixed(const u16* qrow, bool ok, int c, float qk_scale, u32 (&hi)[NG][4],
-                                         u32 (&lo)[NG][4]) {
-  float v[NG][16];
-  float mx = 0.f;
-#pragma unroll
-  for (int gr = 0; gr < NG; ++gr) {
-    U4 h0 = {0, 0, 0, 0}, h1 = {0, 0, 0, 0};
-    if (ok) {
-      h0 = *(const U4*)(qrow + 64 * gr + 16 * c);
-      h1 = *(const U4*)(qrow + 64 * gr + 16 * c + 8);
-    }
-    const u32 raw[8] = {h0.x, h0.y, h0.z, h0.w, h1.x, h1.y, h1.z, h1.w};
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      const u16 b = (u16)(raw[i >> 1] >> (16 * (i & 1)));
-#if HALF
-      v[gr][i] = f16_to_f32(b);
-#else
-      v[gr][i] = bf16_to_f32(b);
-#endif
-      mx = fmaxf(mx, fabsf(v[gr][i]));
-    }
+// a q row's head dims 64 gr + 16 c .. + 15 as 8 fp16 pairs (zero when !ok): a lane's B fragments of attn_split
+__device__ __forceinline__ void q_words(const u16* qrow, bool ok, int gr, int c, u32 (&w)[8]) {
+  U4 h0 = {0, 0, 0, 0}, h1 = {0, 0, 0, 0};
+  if (ok) {
+    h0 = *(const U4*)(qrow + 64 * gr + 16 * c);
+    h1 = *(const U4*)(qrow + 64 * gr + 16 * c + 8);
   }
-  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-  // e from mx's biased exponent E (mx = 1.f 2^(E - 127) < 2^(E - 126)); zero or tiny rows and non-finite ones keep
-  // e in [-110, 128], where 2^(15 - e) and 2^(e - 15) are normal floats
-  const int E = (int)(__float_as_uint(mx) >> 23);
-  const int e = E >= 255 ? 0 : max(E - 126, -110);
-  const float up = __uint_as_float((u32)(15 - e + 127) << 23);
+  const u32 raw[8] = {h0.x, h0.y, h0.z, h0.w, h1.x, h1.y, h1.z, h1.w};
 #pragma unroll
-  for (int gr = 0; gr < NG; ++gr)
-#pragma unroll
-    for (int w = 0; w < 4; ++w) {
-      u32 h = 0, l = 0;
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int x = min(max(__float2int_rn(v[gr][4 * w + i] * up), -32768), 32767);
-        h |= (u32)((x >> 8) & 0xff) << (8 * i);
-        l |= (u32)(x & 0xff) << (8 * i);
-      }
-      hi[gr][w] = h;
-      lo[gr][w] = l;
-    }
-  return qk_scale * __uint_as_float((u32)(e - 15 + 127) << 23);
+  for (int i = 0; i < 8; ++i) {
+#if HALF
+    w[i] = raw[i];
+#else
+    w[i] = pack_f16(bf16_to_f32((u16)(raw[i] & 0xffffu)), bf16_to_f32((u16)(raw[i] >> 16)));
+#endif
+  }
 }
 
 // The online softmax's running max moves only when a step's max passes it by more than RESCALE_LAG (log2 units): then
@@ -338,38 +280,34 @@ __device__ __forceinline__ float run_max(float m, float x) { return x > m + RESC
 __device__ __forceinline__ float rescale(float m, float n) { return n == m ? 1.f : ex2(m - n); }
 
 // One token's 16-key step from [start, start + 16), keys from `hi` on masked: S^T, the online softmax, O^T.
-// kwords(gr, b, a) gives K's A fragment of the step's k32 block b of scale group gr (raw codes: words 2b, 2b + 1 of
-// keys g, g + 8), vfrag(gr, i, a) V^T's, kscale(gr, r) key g + 8 r's group scale (fp16 bits) from the register double
-// buffer; k_done() runs once K's words and scales are used (it reloads them there). qh / ql: q's B fragments (hi and
-// lo bytes, q_fixed's words), rs0 / rs1 the scales of heads 2c, 2c + 1's scores.
-template <class KW, class VF, class KSC, class KD>
-__device__ __forceinline__ void token_step(KW kwords, VF vfrag, KSC kscale, KD k_done, const u32 (&qh)[NG][4],
-                                           const u32 (&ql)[NG][4], float (&o)[NG][4][4], float& m0, float& m1,
-                                           float& l0, float& l1, int start, int hi, float rs0, float rs1, int g) {
+// kfrag(gr, j, a) / vfrag(gr, i, a) give the step's A fragments, kscale(gr, r) key g + 8 r's group scale (fp16 bits)
+// from the register double buffer; k_done() runs once K's fragments and scales are used (it reloads them there).
+template <class KF, class VF, class KSC, class KD>
+__device__ __forceinline__ void token_step(KF kfrag, VF vfrag, KSC kscale, KD k_done, const u32 (&qf)[NG][8],
+                                           float (&o)[NG][4][4], float& m0, float& m1, float& l0, float& l1,
+                                           int start, int hi, float qk_scale, int g) {
   float sv[4] = {0.f, 0.f, 0.f, 0.f};  // (key g, head 2c), (key g, 2c + 1), (key g + 8, 2c), (key g + 8, 2c + 1)
 #pragma unroll
   for (int gr = 0; gr < NG; ++gr) {
-    u32 a[2][4];
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-    for (int b = 0; b < 2; ++b) kwords(gr, b, a[b]);
-    int acc[4] = {0, 0, 0, 0};  // the hi bytes' sums, times 256, then the lo bytes' added: exact (s_int)
-#pragma unroll
-    for (int b = 0; b < 2; ++b) imma_ss(acc, a[b][0], a[b][1], a[b][2], a[b][3], qh[gr][2 * b], qh[gr][2 * b + 1]);
-    hi_up(acc);
-#pragma unroll
-    for (int b = 0; b < 2; ++b) imma_su(acc, a[b][0], a[b][1], a[b][2], a[b][3], ql[gr][2 * b], ql[gr][2 * b + 1]);
+    for (int j = 0; j < 4; ++j) {
+      u32 a[4];
+      kfrag(gr, j, a);
+      mma(acc, a[0], a[1], a[2], a[3], qf[gr][2 * j], qf[gr][2 * j + 1]);
+    }
     const float s0 = f16_to_f32(kscale(gr, 0)), s1 = f16_to_f32(kscale(gr, 1));
-    sv[0] = fmaf(__int2float_rn(acc[0]), s0, sv[0]);
-    sv[1] = fmaf(__int2float_rn(acc[1]), s0, sv[1]);
-    sv[2] = fmaf(__int2float_rn(acc[2]), s1, sv[2]);
-    sv[3] = fmaf(__int2float_rn(acc[3]), s1, sv[3]);
+    sv[0] = fmaf(acc[0], s0, sv[0]);
+    sv[1] = fmaf(acc[1], s0, sv[1]);
+    sv[2] = fmaf(acc[2], s1, sv[2]);
+    sv[3] = fmaf(acc[3], s1, sv[3]);
   }
   k_done();
   const bool ok0 = start + g < hi, ok1 = start + g + 8 < hi;
-  sv[0] = ok0 ? sv[0] * rs0 : NEG_INF;
-  sv[1] = ok0 ? sv[1] * rs1 : NEG_INF;
-  sv[2] = ok1 ? sv[2] * rs0 : NEG_INF;
-  sv[3] = ok1 ? sv[3] * rs1 : NEG_INF;
+  sv[0] = ok0 ? sv[0] * qk_scale : NEG_INF;
+  sv[1] = ok0 ? sv[1] * qk_scale : NEG_INF;
+  sv[2] = ok1 ? sv[2] * qk_scale : NEG_INF;
+  sv[3] = ok1 ? sv[3] * qk_scale : NEG_INF;
   float x0 = fmaxf(sv[0], sv[2]), x1 = fmaxf(sv[1], sv[3]);
 #pragma unroll
   for (int d = 4; d < 32; d <<= 1) {
@@ -435,15 +373,12 @@ attn_split(ATTN_ARGS) {
   const u16* ksb = KS + slot * ssks + hkv * sskh;
   const u16* vsb = VS + slot * ssvs + hkv * ssvh;
 
-  // q row g (head hkv * G + g; zero past G) in fixed point, dims 64 G + 16 c .. + 15 of each group: the B fragments;
-  // the scales of heads 2c, 2c + 1 (the columns of the lane's scores) from their rows' lanes
-  u32 qh[NG][4], ql[NG][4];
-  float rs0, rs1;
+  // q row g (head hkv * G + g; zero past G) as fp16, dims 64 G + 16 c .. + 15 of each group: the B fragments
+  u32 qf[NG][8];
   {
     const u16* qrow = Q + b * sqb + (long long)t * sqt + (long long)(hkv * G + min(g, G - 1)) * sqh;
-    const float rs = q_fixed(qrow, g < G, c, qk_scale, qh, ql);
-    rs0 = __shfl_sync(0xffffffffu, rs, 8 * c);
-    rs1 = __shfl_sync(0xffffffffu, rs, 8 * c + 4);
+#pragma unroll
+    for (int gr = 0; gr < NG; ++gr) q_words(qrow, g < G, gr, c, qf[gr]);
   }
   float o[NG][4][4];
 #pragma unroll
@@ -483,12 +418,7 @@ attn_split(ATTN_ARGS) {
   load_v_step(lo);
   for (int start = lo; start < hi; start += STEP) {
     const int next = start + STEP;
-    auto kwords = [&](int gr, int bb, u32* a) {
-      a[0] = word4(kc[0][gr], 2 * bb);
-      a[1] = word4(kc[1][gr], 2 * bb);
-      a[2] = word4(kc[0][gr], 2 * bb + 1);
-      a[3] = word4(kc[1][gr], 2 * bb + 1);
-    };
+    auto kfrag = [&](int gr, int j, u32* a) { k_frag(word4(kc[0][gr], j), word4(kc[1][gr], j), a, mg); };
     auto kscale = [&](int gr, int r) { return ksc[r][gr]; };
     auto k_done = [&]() {
       if (next < hi) load_k_step(next);
@@ -497,7 +427,7 @@ attn_split(ATTN_ARGS) {
       v_frag(vc[0][gr], vc[1][gr], vc[2][gr], vc[3][gr], pair16(vsc[0][gr], vsc[1][gr]),
              pair16(vsc[2][gr], vsc[3][gr]), i, a, mg);
     };
-    token_step(kwords, vfrag, kscale, k_done, qh, ql, o, m0, m1, l0, l1, start, hi, rs0, rs1, g);
+    token_step(kfrag, vfrag, kscale, k_done, qf, o, m0, m1, l0, l1, start, hi, qk_scale, g);
     if (next < hi) load_v_step(next);
   }
 #pragma unroll
@@ -580,11 +510,10 @@ __device__ __forceinline__ void verify_cache(const signed char* K, const signed 
   vsb = VS + slot * ssvs + hkv * ssvh;
 }
 
-// This lane's rows rb + g (h = 0) and rb + g + 8 (h = 1): token, head, key range of split s, their scores' scales
-// rs, and q's A fragments [group][2 b + (0: hi, 1: lo)][a0 .. a3] of k32 block b (rows g, g + 8's q_fixed words 2b,
-// 2b + 1: attn_split's B fragments of the two rows)
-__device__ __forceinline__ void verify_rows(VERIFY_ROW_PARAMS, float qk_scale, int rb, int g, int c, int (&rlo)[2],
-                                            int (&rhi)[2], float (&rs)[2], u32 (&qa)[NG][4][4]) {
+// This lane's rows rb + g (h = 0) and rb + g + 8 (h = 1): token, head, key range of split s, and q's A fragments
+// [group][mma j][a0 .. a3] (rows g, g + 8's words 2j, 2j + 1)
+__device__ __forceinline__ void verify_rows(VERIFY_ROW_PARAMS, int rb, int g, int c, int (&rlo)[2], int (&rhi)[2],
+                                            u32 (&qa)[NG][4][4]) {
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int r = rb + g + 8 * h;
@@ -595,17 +524,16 @@ __device__ __forceinline__ void verify_rows(VERIFY_ROW_PARAMS, float qk_scale, i
       key_range((int)load_index(QPOS, b * spb + t * spt, POS64), s, CHUNK, MIN_CHUNK, NUM_SPLITS, KV_LEN, rlo[h],
                 rhi[h]);
     const u16* qrow = Q + b * sqb + (long long)t * sqt + (long long)(hkv * G + n) * sqh;
-    u32 wh[NG][4], wl[NG][4];
-    rs[h] = q_fixed(qrow, ok, c, qk_scale, wh, wl);
 #pragma unroll
-    for (int gr = 0; gr < NG; ++gr)
+    for (int gr = 0; gr < NG; ++gr) {
+      u32 w[8];
+      q_words(qrow, ok, gr, c, w);
 #pragma unroll
-      for (int bb = 0; bb < 2; ++bb) {
-        qa[gr][2 * bb][h] = wh[gr][2 * bb];
-        qa[gr][2 * bb][2 + h] = wh[gr][2 * bb + 1];
-        qa[gr][2 * bb + 1][h] = wl[gr][2 * bb];
-        qa[gr][2 * bb + 1][2 + h] = wl[gr][2 * bb + 1];
+      for (int j = 0; j < 4; ++j) {
+        qa[gr][j][h] = w[2 * j];
+        qa[gr][j][2 + h] = w[2 * j + 1];
       }
+    }
   }
 }
 
@@ -688,8 +616,8 @@ __device__ __forceinline__ void verify_scale(float (&sv)[2][4], const float* acc
 // 2c + 9 in fp16). True when a row of the warp moved its max: O needs its rescale (x * 1 = x: skipping it changes no
 // bits)
 __device__ __forceinline__ bool verify_softmax(float (&sv)[2][4], int start, const int (&rlo)[2], const int (&rhi)[2],
-                                               const float (&rs)[2], int c, float (&m)[2], float (&lp)[2][2],
-                                               float (&al)[2], u32 (&pa)[4]) {
+                                               float qk_scale, int c, float (&m)[2], float (&lp)[2][2], float (&al)[2],
+                                               u32 (&pa)[4]) {
   float pr[2][4];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -700,7 +628,7 @@ __device__ __forceinline__ bool verify_softmax(float (&sv)[2][4], int start, con
       for (int e = 0; e < 2; ++e) {
         const int key = start + 8 * nt + 2 * c + e;
         float& x = sv[nt][2 * h + e];
-        x = key < rhi[h] ? x * rs[h] : NEG_INF;
+        x = key < rhi[h] ? x * qk_scale : NEG_INF;
       }
     float x = fmaxf(fmaxf(sv[0][2 * h], sv[0][2 * h + 1]), fmaxf(sv[1][2 * h], sv[1][2 * h + 1]));
     x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
@@ -781,9 +709,8 @@ attn_verify(ATTN_ARGS) {
   const int rows = T * G, r0 = blockIdx.z * 16 * nw;
   const u32 mg = magic_reg(HKV);
   int rlo[2], rhi[2];
-  float rs[2];
-  u32 qa[NG][4][4];  // A fragments: [group][2 b + hi / lo][a0 .. a3] of k32 block b (verify_rows)
-  verify_rows(VERIFY_ROW_ARGS, qk_scale, r0 + 16 * warp, g, c, rlo, rhi, rs, qa);
+  u32 qa[NG][4][4];  // A fragments: [group][mma j][a0 .. a3] = rows g, g + 8's words 2j, 2j + 1
+  verify_rows(VERIFY_ROW_ARGS, r0 + 16 * warp, g, c, rlo, rhi, qa);
 #if QSMEM
 #pragma unroll
   for (int gr = 0; gr < NG; ++gr)
@@ -823,46 +750,31 @@ attn_verify(ATTN_ARGS) {
     const signed char* vs = VSM(buf);
     const u16* kss = KSSM(buf);
     const u16* vss = VSSM(buf);
-    // S: n tile 0 = keys 2c, 2c + 1 (rows g, g + 8), n tile 1 = keys 2c + 8, 2c + 9; per group the exact integer
-    // sums of q's hi and lo bytes against the raw codes (B fragments of k32 block b: words 2b, 2b + 1 of keys g, g + 8)
+    // S: n tile 0 = keys 2c, 2c + 1 (rows g, g + 8), n tile 1 = keys 2c + 8, 2c + 9
     float sv[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
     for (int gr = 0; gr < NG; ++gr) {
       const U4 k0 = *(const U4*)(ks + g * KSTR + 64 * gr + 16 * c);
       const U4 k1 = *(const U4*)(ks + (g + 8) * KSTR + 64 * gr + 16 * c);
-      int i0[4] = {0, 0, 0, 0}, i1[4] = {0, 0, 0, 0};  // the hi bytes' sums, times 256, then the lo bytes'
+      float acc0[4] = {0.f, 0.f, 0.f, 0.f}, acc1[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-      for (int hl = 0; hl < 2; ++hl) {
-        if (hl) {
-          hi_up(i0);
-          hi_up(i1);
-        }
-#pragma unroll
-        for (int bb = 0; bb < 2; ++bb) {
+      for (int j = 0; j < 4; ++j) {
+        u32 a[4];
+        k_frag(word4(k0, j), word4(k1, j), a, mg);
 #if QSMEM
-          const U4 qv = qsm[((warp * NG + gr) * 4 + 2 * bb + hl) * 32 + lane];
+        const U4 qv = qsm[((warp * NG + gr) * 4 + j) * 32 + lane];
+        mma(acc0, qv.x, qv.y, qv.z, qv.w, a[0], a[2]);
+        mma(acc1, qv.x, qv.y, qv.z, qv.w, a[1], a[3]);
 #else
-          const u32* qw = qa[gr][2 * bb + hl];
-          const U4 qv = {qw[0], qw[1], qw[2], qw[3]};
+        mma(acc0, qa[gr][j][0], qa[gr][j][1], qa[gr][j][2], qa[gr][j][3], a[0], a[2]);
+        mma(acc1, qa[gr][j][0], qa[gr][j][1], qa[gr][j][2], qa[gr][j][3], a[1], a[3]);
 #endif
-          if (hl) {
-            imma_us(i0, qv.x, qv.y, qv.z, qv.w, word4(k0, 2 * bb), word4(k0, 2 * bb + 1));
-            imma_us(i1, qv.x, qv.y, qv.z, qv.w, word4(k1, 2 * bb), word4(k1, 2 * bb + 1));
-          } else {
-            imma_ss(i0, qv.x, qv.y, qv.z, qv.w, word4(k0, 2 * bb), word4(k0, 2 * bb + 1));
-            imma_ss(i1, qv.x, qv.y, qv.z, qv.w, word4(k1, 2 * bb), word4(k1, 2 * bb + 1));
-          }
-        }
       }
-      const float acc0[4] = {__int2float_rn(i0[0]), __int2float_rn(i0[1]), __int2float_rn(i0[2]),
-                             __int2float_rn(i0[3])};
-      const float acc1[4] = {__int2float_rn(i1[0]), __int2float_rn(i1[1]), __int2float_rn(i1[2]),
-                             __int2float_rn(i1[3])};
       verify_scale(sv, acc0, acc1, kss, gr, c);
     }
     float al[2];
     u32 pa[4];
-    if (verify_softmax(sv, start, rlo, rhi, rs, c, m, lp, al, pa)) {
+    if (verify_softmax(sv, start, rlo, rhi, qk_scale, c, m, lp, al, pa)) {
 #pragma unroll
       for (int gr = 0; gr < NG; ++gr)
 #pragma unroll
@@ -921,38 +833,31 @@ attn_verify(ATTN_ARGS) {
 // ---------------------------------------------------------------------------------------------------------------
 // attn_verify_wg (sm_90a: kernels/attn_cuda.py builds it through NVRTC with WGV=1): attn_verify's products and softmax
 // on Hopper's wgmma. A block is one warpgroup, 64 query rows (warp w: rows 16 w .., attn_verify's m tiles), and each
-// step's K and V are laid out once for the block in shared memory, not once a warp, as wgmma reads its B operand
-// (K-major, no swizzle: core matrices of 8 rows x 16 bytes, the two along k 128 bytes apart, 8-row groups 256):
-//  - K' for S = Q K^T, a k32 block per (scale group gr, block b): key n's core-matrix row q holds the raw codes that
-//    attn_verify's integer MMAs (gr, b) pair with k = 16 q + 4 c' .. + 3 for c' = 0 .. 3, i.e. its words 4 c' + 2 b + q
-//    of the group's 64 bytes (head dims 64 gr + 16 c' + 8 b + 4 q .. + 3).
+// step's K and V are made into fp16 once for the block in shared memory, not once a warp, in the layouts wgmma reads
+// its B operand from (K-major, no swizzle: 8 x 8 core matrices, the two along k 128 bytes apart, 8-column groups 256):
+//  - K' for S = Q K^T, a k16 block per (scale group gr, chunk j): key n's core-matrix row q holds the head dims that
+//    attn_verify's MMA (gr, j) pairs with k = 2c', 2c' + 1 (q = 0) and 2c' + 8, 2c' + 9 (q = 1) for c' = 0 .. 3, i.e.
+//    64 gr + 16 c' + 4 j + 2 q + (0, 1): the exact codes, as k_frag makes them.
 //  - V' for O += P V: head dim d's row q holds keys 8 q .. 8 q + 7, their codes times their scales in fp16 (v_frag's
 //    values).
-// S per (gr, b) is wgmma.m64n16k32 on q's hi and then lo bytes (attn_verify's qa, in registers) into two int32 sums,
-// exact, made one fp32 value each (s_int) that takes its key's scale (verify_scale) in group order. The softmax is
+// S per (gr, j) is wgmma.m64n16k16 with q's A fragments in registers (attn_verify's qa), the four of a group chained
+// from zero; the group's sums then take their keys' scales (verify_scale) in group order. The softmax is
 // verify_softmax; O per 64 head dims is wgmma.m64n64k16 with P's A fragments (attn_verify's pa), onto O. Every element
-// so gets attn_verify's products, sums and order: its bits wherever wgmma gives mma.sync's (O's fp16 MMAs).
-#define WGV_KB (NG * 2 * 512)  // K': (gr, b) blocks of [key half][q][8 keys][16 bytes]
+// so gets attn_verify's products, sums and order: its bits wherever wgmma gives mma.sync's.
+#define WGV_KB (NG * 4 * 512)  // K': (gr, j) blocks of [key half][q][8 keys][16 bytes]
 #define WGV_VB (HD * 32)       // V': [head dim / 8][q][8 dims][8 keys x 2 bytes]
 #define WGV_SMEM (VDEPTH * STAGE_BYTES + WGV_KB + WGV_VB)  // (kernels/attn_cuda.py's wgv_smem mirrors it)
 
 __device__ __forceinline__ unsigned long long wgv_desc(u32 addr) {  // B at addr: LBO 128 (along k), SBO 256 (along n)
   return (unsigned long long)((addr & 0x3FFFF) >> 4) | (8ull << 16) | (16ull << 32);
 }
-// d = A B (acc 0) or A B + d (acc 1) in int32, A from registers: 64 rows x 16 keys (S) over a k32 block of q's bytes
-// (LO: the unsigned low bytes, else the signed high ones) against the raw codes ...
-#define WGV_IMMA16(AT)                                                                                          \
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"                                                    \
-               "wgmma.mma_async.sync.aligned.m64n16k32.s32." AT ".s8 {%0, %1, %2, %3, %4, %5, %6, %7}, "       \
-               "{%8, %9, %10, %11}, %12, p;\n}\n"                                                               \
-               : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]), "+r"(d[7]) \
-               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(acc))
-template <bool LO>
-__device__ __forceinline__ void wgv_imma16(int* d, u32 a0, u32 a1, u32 a2, u32 a3, unsigned long long desc, int acc) {
-  if (LO)
-    WGV_IMMA16("u8");
-  else
-    WGV_IMMA16("s8");
+// d = A B (acc 0) or A B + d (acc 1), A from registers: 64 rows x 16 keys (S) ...
+__device__ __forceinline__ void wgv_mma16(float* d, u32 a0, u32 a1, u32 a2, u32 a3, unsigned long long desc, int acc) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7}, "
+               "{%8, %9, %10, %11}, %12, p, 1, 1, 0;\n}\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(acc));
 }
 // ... and 64 rows x 64 head dims (O), always onto d
 __device__ __forceinline__ void wgv_mma64(float* d, u32 a0, u32 a1, u32 a2, u32 a3, unsigned long long desc) {
@@ -975,27 +880,23 @@ __device__ __forceinline__ void wgv_hold(float* d) {  // d is read only after wg
 #pragma unroll
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
-template <int N>
-__device__ __forceinline__ void wgv_hold_i(int* d) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) asm volatile("" : "+r"(d[i])::"memory");
-}
 
 // The step's K' and V' from the raw stage (ks, vs: codes; vss: V scales) at kp / vp, shared by the block's threads
 __device__ __forceinline__ void wgv_convert(const signed char* ks, const signed char* vs, const u16* vss,
                                             unsigned char* kp, unsigned char* vp) {
-  // K': item (key n, group gr, 16-byte chunk c') reads the chunk once and writes its words to the two (gr, b) blocks
+  // K': item (key n, group gr, 16-byte chunk c') reads the chunk once and writes its pairs of the four (gr, j) blocks
 #pragma unroll
   for (int i = 0; i < (STEP * NG * 4 + 127) / 128; ++i) {
     const int t = threadIdx.x + 128 * i;
     if (STEP * NG * 4 % 128 && t >= STEP * NG * 4) break;
     const int cc = t & 3, gr = (t >> 2) % NG, n = t / (4 * NG);
     const U4 v = *(const U4*)(ks + n * KSTR + 64 * gr + 16 * cc);
-    unsigned char* row = kp + (gr * 2) * 512 + (n >> 3) * 256 + (n & 7) * 16 + 4 * cc;
+    unsigned char* row = kp + (gr * 4) * 512 + (n >> 3) * 256 + (n & 7) * 16 + 4 * cc;
 #pragma unroll
-    for (int bb = 0; bb < 2; ++bb) {
-      *(u32*)(row + bb * 512) = word4(v, 2 * bb);
-      *(u32*)(row + bb * 512 + 128) = word4(v, 2 * bb + 1);
+    for (int j = 0; j < 4; ++j) {
+      const u32 w = word4(v, j) ^ FLIP;
+      *(u32*)(row + j * 512) = codes01(w, MAGIC_BYTES);
+      *(u32*)(row + j * 512 + 128) = codes23(w, MAGIC_BYTES);
     }
   }
   // V': item (4-byte word dw of head dims, key half kh) reads the word of its 8 keys and writes 4 rows of 8 keys
@@ -1037,9 +938,8 @@ attn_verify_wg(ATTN_ARGS) {
   const int b = blockIdx.y / HKV, hkv = blockIdx.y % HKV;
   const int rows = T * G, r0 = blockIdx.z * 64;
   int rlo[2], rhi[2];
-  float rs[2];
   u32 qa[NG][4][4];
-  verify_rows(VERIFY_ROW_ARGS, qk_scale, r0 + 16 * warp, g, c, rlo, rhi, rs, qa);
+  verify_rows(VERIFY_ROW_ARGS, r0 + 16 * warp, g, c, rlo, rhi, qa);
   int ulo, uhi;
   if (!verify_union(VERIFY_ROW_ARGS, r0 + 64, ulo, uhi)) return;  // uniform over the block
   const signed char *kb, *vb;
@@ -1074,26 +974,19 @@ attn_verify_wg(ATTN_ARGS) {
     float sv[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
     for (int gr = 0; gr < NG; ++gr) {
-      int ih[8] = {0, 0, 0, 0, 0, 0, 0, 0}, il[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // (overwritten: the first does not add)
+      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};  // (overwritten: the first MMA does not add)
       asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 #pragma unroll
-      for (int bb = 0; bb < 2; ++bb) {
-        const unsigned long long d = kdesc + (gr * 2 + bb) * (512 >> 4);
-        wgv_imma16<false>(ih, qa[gr][2 * bb][0], qa[gr][2 * bb][1], qa[gr][2 * bb][2], qa[gr][2 * bb][3], d, bb > 0);
-        wgv_imma16<true>(il, qa[gr][2 * bb + 1][0], qa[gr][2 * bb + 1][1], qa[gr][2 * bb + 1][2],
-                         qa[gr][2 * bb + 1][3], d, bb > 0);
-      }
+      for (int j = 0; j < 4; ++j)
+        wgv_mma16(acc, qa[gr][j][0], qa[gr][j][1], qa[gr][j][2], qa[gr][j][3],
+                  kdesc + (gr * 4 + j) * (512 >> 4), j > 0);
       wgv_wait();
-      wgv_hold_i<8>(ih);
-      wgv_hold_i<8>(il);
-      float acc[8];
-#pragma unroll
-      for (int e = 0; e < 8; ++e) acc[e] = s_int(ih[e], il[e]);
+      wgv_hold<8>(acc);
       verify_scale(sv, acc, acc + 4, kss, gr, c);
     }
     float al[2];  // the rows' rescales, P's A fragments; O rescaled when a row of the warp moved its max
     u32 pa[4];
-    if (verify_softmax(sv, start, rlo, rhi, rs, c, m, lp, al, pa)) {
+    if (verify_softmax(sv, start, rlo, rhi, qk_scale, c, m, lp, al, pa)) {
 #pragma unroll
       for (int i = 0; i < 32 * NG; ++i) o[i / 32][i % 32] *= al[(i >> 1) & 1];
     }

@@ -252,8 +252,8 @@ def _options(hd: int, half: bool, pos64: bool, slot64: bool, build: tuple) -> tu
 
 def wgv_smem(hd: int, defines: tuple = ()) -> int:
     """Bytes of dynamic shared memory an attn_verify_wg block takes: the source's WGV_SMEM (VDEPTH stages of raw codes
-    and scales, then K' and V': the step's raw K codes and V's fp16 products in wgmma's layouts)."""
-    return verify_smem(hd, 1, tuple(sorted({**dict(defines), "QSMEM": 0}.items()))) + (hd // 64) * 2 * 512 + hd * 32
+    and scales, then K' and V', the step's fp16 operands)."""
+    return verify_smem(hd, 1, tuple(sorted({**dict(defines), "QSMEM": 0}.items()))) + (hd // 64) * 4 * 512 + hd * 32
 
 
 def _wgv_wanted(device_index: int) -> bool:

@@ -273,7 +273,7 @@ def test_short_min_steps_knob(monkeypatch):
 def test_verify_kernel_knob(monkeypatch):
     """NINFER_BENCH_ATTN_VERIFY picks the T > 1 kernel: mma (the default) or wgmma; anything else is refused by name,
     and a run records it. attn_verify_wg's shared memory: attn_verify's stages, then K' (512 bytes a scale group and
-    32-dim block of raw codes) and V' (32 bytes a head dim)."""
+    16-dim chunk) and V' (32 bytes a head dim)."""
     monkeypatch.delenv("NINFER_BENCH_ATTN_VERIFY", raising=False)
     assert attn_cuda.env_verify_kernel() == "mma"
     monkeypatch.setenv("NINFER_BENCH_ATTN_VERIFY", " WGMMA ")
@@ -283,8 +283,8 @@ def test_verify_kernel_knob(monkeypatch):
         attn_cuda.env_verify_kernel()
     with pytest.raises(ValueError, match="mma or wgmma"):
         attn_cuda.set_verify_kernel("fast")
-    assert attn_cuda.wgv_smem(256) == attn_cuda.verify_smem(256, 1) + 4 * 2 * 512 + 256 * 32
-    assert attn_cuda.wgv_smem(64, (("VDEPTH", 3),)) == attn_cuda.verify_smem(64, 1, (("VDEPTH", 3),)) + 1024 + 2048
+    assert attn_cuda.wgv_smem(256) == attn_cuda.verify_smem(256, 1) + 4 * 4 * 512 + 256 * 32
+    assert attn_cuda.wgv_smem(64, (("VDEPTH", 3),)) == attn_cuda.verify_smem(64, 1, (("VDEPTH", 3),)) + 2048 + 2048
     from ninfer_bench.reports.schema import environment
 
     monkeypatch.setenv("NINFER_BENCH_ATTN_VERIFY", "wgmma")
