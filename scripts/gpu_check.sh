@@ -58,8 +58,9 @@
 #            split pass / combine / whole call for T = 1 and 8 (mma, wgmma) at the default plan and VATTN_SPLITS
 #            (128,64,32) splits, then Nsight Compute (full set) on one launch of each kernel at the default plan
 #   vattnab  a change to the decode attention's kernels against the tree before (.old, carried: `git archive REV |
-#            tar -x -C .old`): their token-invariance / reference CUDA tests, then probe_verify_attention.py (mma, the
-#            default plan) with this tree and .old's alternately VATTNAB_ROUNDS (2) times, then the bundled held-out
+#            tar -x -C .old`): their token-invariance / reference / wgmma-bits / Triton-agreement CUDA tests (VATTNAB_K
+#            selects), then probe_verify_attention.py (VATTNAB_KERNELS, default mma; the default plan; VATTNAB_TAIL
+#            lines shown) with this tree and .old's alternately VATTNAB_ROUNDS (2) times, then the bundled held-out
 #            prompts (plain, DFlash2 K=7; 256 tokens, one repeat) for the token hashes
 #   ipc      the tensor-parallel IPC collectives on one GPU: scripts/bench_ipc_collectives.py (two ranks' regions in one
 #            process), then the 27B synthetic at TP = 2 (two ranks sharing the GPU: memory and tokens, not speed) with
@@ -379,9 +380,10 @@ for stage in "$@"; do
                > "$OUT/vattnab/tests.log" 2>&1
              echo "--- attention tests: rc $?"; tail -3 "$OUT/vattnab/tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/vattnab/tests.log" | head
              for r in $(seq ${VATTNAB_ROUNDS:-2}); do
-               timeout 120 python3 scripts/probe_verify_attention.py --kernels ${VATTNAB_KERNELS:-mma} --json "$OUT/vattnab/new$r.json" 2>&1 | tail -${VATTNAB_TAIL:-4}
-               [ -d .old ] && ( cd .old && timeout 120 python3 scripts/probe_verify_attention.py --kernels ${VATTNAB_KERNELS:-mma} \
-                 --json "$OUT/vattnab/old$r.json" 2>&1 | tail -${VATTNAB_TAIL:-4} ); done
+               timeout 120 python3 scripts/probe_verify_attention.py --kernels ${VATTNAB_KERNELS:-mma} \
+                 --json "$OUT/vattnab/new$r.json" 2>&1 | tail -${VATTNAB_TAIL:-4}
+               [ -d .old ] && ( cd .old && timeout 120 python3 scripts/probe_verify_attention.py \
+                 --kernels ${VATTNAB_KERNELS:-mma} --json "$OUT/vattnab/old$r.json" 2>&1 | tail -${VATTNAB_TAIL:-4} ); done
              nb decode --spec none,dflash2:7 --prompt-file suites/data/heldout_prompts.jsonl -n 256 --repeats 1 \
                --json "$OUT/vattnab/held" 2>&1 | tail -10 ;;
     ipc)     mkdir -p "$OUT/ipc"

@@ -33,6 +33,9 @@ def test_loops_are_backward_branches_with_mma():
     (lp,) = sl.loops(fns["k"], min_mma=1)
     assert (lp["label"], lp["instructions"], lp["mma"], lp["from_uniform"]) == (".L_x_1", 4, 1, 2)
     assert sl.loops(fns["k"], min_mma=2) == []  # too few MMAs; the forward branch is no loop
+    # integer MMAs count as tensor-core MMAs too
+    (lp,) = sl.loops(sl.functions(text.replace("HMMA.16816.F32", "IMMA.16832.S8.S8"))["k"], min_mma=1)
+    assert (lp["mma"], lp["ops"]["IMMA"], lp["ops"]["HMMA"]) == (1, 1, 0)
 
 
 def test_the_attention_loops_keep_their_selectors_in_registers():
